@@ -1,0 +1,253 @@
+// The only pybind11 translation unit: exposes the IR builder, printer, parser,
+// verifier and the runtimes as torch_ext._C.
+#include <torch/extension.h>
+
+#include "ir/graph.h"
+#include "ir/parser.h"
+#include "ir/printer.h"
+#include "ir/verifier.h"
+#include "runtime/executor.h"
+
+#include <memory>
+
+namespace py = pybind11;
+using namespace torch_ext;
+
+namespace {
+
+// A reference to a node by name, used in args crossing the Python boundary.
+struct NodeRef {
+  std::string name;
+};
+// dtype / device / layout / memory_format constants, as their text form.
+struct Special {
+  std::string kind;
+  std::string text;
+};
+
+ir::Type type_from_py(const py::handle& h) {
+  auto t = h.cast<py::tuple>();
+  auto kind = t[0].cast<std::string>();
+  if (kind == "tensor") {
+    ir::TensorMeta m;
+    auto dt = ir::dtype_from_short_name(t[1].cast<std::string>());
+    TORCH_CHECK(dt.has_value(), "unsupported dtype '", t[1].cast<std::string>(), "'");
+    m.dtype = *dt;
+    m.sizes = t[2].cast<std::vector<int64_t>>();
+    m.strides = t[3].cast<std::vector<int64_t>>();
+    m.device = c10::Device(t[4].cast<std::string>());
+    return ir::Type::make_tensor(std::move(m));
+  }
+  if (kind == "tuple") {
+    std::vector<ir::Type> elems;
+    for (auto e : t[1].cast<py::list>()) elems.push_back(type_from_py(e));
+    return ir::Type::make_tuple(std::move(elems));
+  }
+  if (kind == "int") return ir::Type::make_scalar(ir::Type::Kind::Int);
+  if (kind == "float") return ir::Type::make_scalar(ir::Type::Kind::Float);
+  if (kind == "bool") return ir::Type::make_scalar(ir::Type::Kind::Bool);
+  TORCH_CHECK(kind == "none", "unknown type kind '", kind, "'");
+  return ir::Type::make_scalar(ir::Type::Kind::None);
+}
+
+py::object type_to_py(const ir::Type& t) {
+  switch (t.kind) {
+    case ir::Type::Kind::Tensor:
+      return py::make_tuple("tensor", ir::dtype_short_name(t.tensor.dtype), t.tensor.sizes, t.tensor.strides,
+                            t.tensor.device.str());
+    case ir::Type::Kind::Tuple: {
+      py::list elems;
+      for (const auto& e : t.elems) elems.append(type_to_py(e));
+      return py::make_tuple("tuple", elems);
+    }
+    case ir::Type::Kind::Int: return py::make_tuple("int");
+    case ir::Type::Kind::Float: return py::make_tuple("float");
+    case ir::Type::Kind::Bool: return py::make_tuple("bool");
+    case ir::Type::Kind::None: return py::make_tuple("none");
+  }
+  return py::none();
+}
+
+ir::Arg arg_from_py(ir::Graph& g, const py::handle& h) {
+  if (h.is_none()) return ir::Arg::none();
+  if (py::isinstance<NodeRef>(h)) {
+    const auto& name = h.cast<const NodeRef&>().name;
+    ir::Node* n = g.find(name);
+    TORCH_CHECK(n != nullptr, "reference to unknown node %", name);
+    return ir::Arg::of_node(n);
+  }
+  if (py::isinstance<py::bool_>(h)) return ir::Arg::of_bool(h.cast<bool>());
+  if (py::isinstance<py::int_>(h)) return ir::Arg::of_int(h.cast<int64_t>());
+  if (py::isinstance<py::float_>(h)) return ir::Arg::of_float(h.cast<double>());
+  if (py::isinstance<py::str>(h)) return ir::Arg::of_string(h.cast<std::string>());
+  if (py::isinstance<py::list>(h) || py::isinstance<py::tuple>(h)) {
+    std::vector<ir::Arg> items;
+    for (auto e : h) items.push_back(arg_from_py(g, e));
+    return ir::Arg::of_list(std::move(items));
+  }
+  if (py::isinstance<Special>(h)) {
+    const auto& s = h.cast<const Special&>();
+    if (s.kind == "dtype") {
+      auto dt = ir::dtype_from_torch_name(s.text);
+      TORCH_CHECK(dt.has_value(), "unsupported dtype ", s.text);
+      return ir::Arg::of_dtype(*dt);
+    }
+    if (s.kind == "device") return ir::Arg::of_device(c10::Device(s.text));
+    // Layout and memory format share the parser's spelling.
+    auto parsed = ir::parse("graph:\n  return (" + s.text + ")\n");
+    return parsed->output()->args()[0].list.at(0);
+  }
+  TORCH_CHECK(false, "unsupported argument of Python type ", py::str(h.get_type()).cast<std::string>());
+}
+
+py::object arg_to_py(const ir::Arg& a) {
+  switch (a.kind) {
+    case ir::Arg::Kind::None: return py::none();
+    case ir::Arg::Kind::Node: return py::cast(NodeRef{a.node->name()});
+    case ir::Arg::Kind::Int: return py::int_(a.i);
+    case ir::Arg::Kind::Float: return py::float_(a.f);
+    case ir::Arg::Kind::Bool: return py::bool_(a.i != 0);
+    case ir::Arg::Kind::String: return py::str(a.s);
+    case ir::Arg::Kind::List: {
+      py::list out;
+      for (const auto& e : a.list) out.append(arg_to_py(e));
+      return out;
+    }
+    case ir::Arg::Kind::Dtype: return py::cast(Special{"dtype", ir::print_arg(a)});
+    case ir::Arg::Kind::Device: return py::cast(Special{"device", a.s});
+    case ir::Arg::Kind::Layout: return py::cast(Special{"layout", ir::print_arg(a)});
+    case ir::Arg::Kind::MemoryFormat: return py::cast(Special{"memory_format", ir::print_arg(a)});
+  }
+  return py::none();
+}
+
+c10::IValue ivalue_from_py(const py::handle& h) {
+  if (THPVariable_Check(h.ptr())) return c10::IValue(THPVariable_Unpack(h.ptr()));
+  if (h.is_none()) return c10::IValue();
+  if (py::isinstance<py::bool_>(h)) return c10::IValue(h.cast<bool>());
+  if (py::isinstance<py::int_>(h)) return c10::IValue(h.cast<int64_t>());
+  if (py::isinstance<py::float_>(h)) return c10::IValue(h.cast<double>());
+  TORCH_CHECK(false, "unsupported input of Python type ", py::str(h.get_type()).cast<std::string>());
+}
+
+py::object ivalue_to_py(const c10::IValue& v) {
+  if (v.isTensor()) return py::reinterpret_steal<py::object>(THPVariable_Wrap(v.toTensor()));
+  if (v.isNone()) return py::none();
+  if (v.isInt()) return py::int_(v.toInt());
+  if (v.isDouble()) return py::float_(v.toDouble());
+  if (v.isBool()) return py::bool_(v.toBool());
+  if (v.isTuple() || v.isList()) {
+    py::list out;
+    if (v.isTuple()) {
+      for (const auto& e : v.toTupleRef().elements()) out.append(ivalue_to_py(e));
+    } else {
+      for (const auto& e : v.toListRef()) out.append(ivalue_to_py(e));
+    }
+    return py::tuple(out);
+  }
+  TORCH_CHECK(false, "unsupported output value of kind ", v.tagKind());
+}
+
+py::dict node_to_py(const ir::Node& n) {
+  py::dict d;
+  d["kind"] = ir::to_string(n.kind());
+  d["name"] = n.name();
+  d["type"] = type_to_py(n.type());
+  d["module_path"] = n.module_path();
+  if (n.kind() == ir::NodeKind::Placeholder) {
+    d["role"] = ir::to_string(n.role());
+    d["state_name"] = n.state_name();
+  }
+  if (n.kind() == ir::NodeKind::Call) d["target"] = n.target().str();
+  py::list args;
+  for (const auto& a : n.args()) args.append(arg_to_py(a));
+  d["args"] = args;
+  py::list kwargs;
+  for (const auto& kv : n.kwargs()) kwargs.append(py::make_tuple(kv.first, arg_to_py(kv.second)));
+  d["kwargs"] = kwargs;
+  py::list users;
+  for (const ir::Node* u : n.users()) users.append(u->name());
+  d["users"] = users;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "torch_ext C++ core";
+
+  py::class_<NodeRef>(m, "NodeRef")
+      .def(py::init<std::string>())
+      .def_readonly("name", &NodeRef::name)
+      .def("__repr__", [](const NodeRef& r) { return "%" + r.name; })
+      .def("__eq__", [](const NodeRef& a, const NodeRef& b) { return a.name == b.name; });
+  py::class_<Special>(m, "Special")
+      .def(py::init<std::string, std::string>())
+      .def_readonly("kind", &Special::kind)
+      .def_readonly("text", &Special::text)
+      .def("__repr__", [](const Special& s) { return s.text; });
+
+  py::class_<ir::Graph, std::shared_ptr<ir::Graph>>(m, "Graph")
+      .def(py::init<>())
+      .def_static("parse", [](const std::string& text) { return std::shared_ptr<ir::Graph>(ir::parse(text)); })
+      .def("add_placeholder",
+           [](ir::Graph& g, const std::string& name, const std::string& role, py::handle type,
+              const std::string& state_name) {
+             auto r = ir::input_role_from_string(role);
+             TORCH_CHECK(r.has_value(), "unknown input role '", role, "'");
+             g.create_placeholder(name, *r, type_from_py(type), state_name);
+           })
+      .def("add_call",
+           [](ir::Graph& g, const std::string& name, const std::string& target, py::list args, py::list kwargs,
+              py::handle type, const std::string& module_path) {
+             std::vector<ir::Arg> a;
+             for (auto e : args) a.push_back(arg_from_py(g, e));
+             ir::Kwargs kw;
+             for (auto e : kwargs) {
+               auto kv = e.cast<py::tuple>();
+               kw.emplace_back(kv[0].cast<std::string>(), arg_from_py(g, kv[1]));
+             }
+             ir::Node* n = g.create_call(name, ir::Target::parse(target), std::move(a), std::move(kw),
+                                         type_from_py(type));
+             n->set_module_path(module_path);
+           })
+      .def("set_output",
+           [](ir::Graph& g, py::list values) {
+             std::vector<ir::Arg> vals;
+             for (auto e : values) vals.push_back(arg_from_py(g, e));
+             g.create_output(std::move(vals));
+           })
+      .def("__str__", [](const ir::Graph& g) { return ir::print(g); })
+      .def("__len__", [](const ir::Graph& g) { return g.size(); })
+      .def("verify", [](const ir::Graph& g) { ir::verify(g); })
+      .def("verify_errors", [](const ir::Graph& g) { return ir::verify_errors(g); })
+      .def("clone", [](const ir::Graph& g) { return std::shared_ptr<ir::Graph>(g.clone()); })
+      .def("nodes",
+           [](const ir::Graph& g) {
+             py::list out;
+             for (const auto& n : g.nodes()) out.append(node_to_py(*n));
+             return out;
+           })
+      .def("node", [](const ir::Graph& g, const std::string& name) {
+        const ir::Node* n = g.find(name);
+        TORCH_CHECK(n != nullptr, "no node named %", name);
+        return node_to_py(*n);
+      });
+
+  py::class_<runtime::Executor, std::shared_ptr<runtime::Executor>>(m, "Executor")
+      .def(py::init([](const ir::Graph& g) { return std::make_shared<runtime::Executor>(g); }))
+      .def("num_inputs", &runtime::Executor::num_inputs)
+      .def("run", [](const runtime::Executor& ex, py::sequence inputs) {
+        std::vector<c10::IValue> in;
+        in.reserve(py::len(inputs));
+        for (auto h : inputs) in.push_back(ivalue_from_py(h));
+        std::vector<c10::IValue> out;
+        {
+          py::gil_scoped_release no_gil;
+          out = ex.run(std::move(in));
+        }
+        py::list result;
+        for (const auto& v : out) result.append(ivalue_to_py(v));
+        return result;
+      });
+}

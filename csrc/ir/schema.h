@@ -1,0 +1,17 @@
+// Resolution of IR targets to c10 dispatcher operators.
+#pragma once
+
+#include "ir/graph.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <optional>
+
+namespace torch_ext::ir {
+
+// The registered operator for `target`, or nullopt (builtins, unknown ops).
+// Overload "default" is the dispatcher's empty overload name.
+std::optional<c10::OperatorHandle> find_op(const Target& target);
+const c10::FunctionSchema* find_schema(const Target& target);
+
+}  // namespace torch_ext::ir

@@ -1,0 +1,127 @@
+#include "ir/verifier.h"
+
+#include "ir/schema.h"
+
+#include <ATen/core/function_schema.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <unordered_set>
+
+namespace torch_ext::ir {
+namespace {
+
+void check_call_arity(const Node& n, std::vector<std::string>& errors) {
+  const std::string where = "node %" + n.name() + " (" + n.target().str() + "): ";
+  if (n.target().is_getitem()) {
+    if (n.args().size() != 2 || !n.kwargs().empty() || n.args()[0].kind != Arg::Kind::Node ||
+        n.args()[1].kind != Arg::Kind::Int) {
+      errors.push_back(where + "getitem takes exactly (%value, index)");
+      return;
+    }
+    const Type& src = n.args()[0].node->type();
+    if (src.kind != Type::Kind::Tuple) {
+      errors.push_back(where + "getitem source %" + n.args()[0].node->name() + " is not a tuple");
+      return;
+    }
+    int64_t idx = n.args()[1].i;
+    if (idx < 0 || idx >= static_cast<int64_t>(src.elems.size()))
+      errors.push_back(where + "index " + std::to_string(idx) + " out of range for a tuple of " +
+                       std::to_string(src.elems.size()));
+    return;
+  }
+  const c10::FunctionSchema* schema = find_schema(n.target());
+  if (schema == nullptr) {
+    errors.push_back(where + "unknown operator (not registered with the dispatcher)");
+    return;
+  }
+  const auto& formals = schema->arguments();
+  size_t num_positional = 0;
+  for (const auto& f : formals)
+    if (!f.kwarg_only()) ++num_positional;
+  if (n.args().size() > num_positional) {
+    errors.push_back(where + "takes at most " + std::to_string(num_positional) + " positional args, got " +
+                     std::to_string(n.args().size()));
+    return;
+  }
+  std::vector<bool> filled(formals.size(), false);
+  for (size_t i = 0; i < n.args().size(); ++i) filled[i] = true;
+  for (const auto& kv : n.kwargs()) {
+    auto it = std::find_if(formals.begin(), formals.end(), [&](const c10::Argument& a) { return a.name() == kv.first; });
+    if (it == formals.end()) {
+      errors.push_back(where + "unknown keyword argument '" + kv.first + "'");
+      continue;
+    }
+    size_t k = static_cast<size_t>(it - formals.begin());
+    if (filled[k]) errors.push_back(where + "argument '" + kv.first + "' given twice");
+    filled[k] = true;
+  }
+  for (size_t k = 0; k < formals.size(); ++k)
+    if (!filled[k] && !formals[k].default_value().has_value())
+      errors.push_back(where + "missing required argument '" + formals[k].name() + "'");
+}
+
+void verify_into(const Graph& g, const std::string& prefix, std::vector<std::string>& errors) {
+  std::unordered_set<const Node*> seen;
+  bool calls_started = false;
+  size_t outputs = 0;
+  const auto& nodes = g.nodes();
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    const Node& n = *nodes[i];
+    const std::string where = prefix + "node %" + n.name() + ": ";
+    if (n.owner() != &g) errors.push_back(where + "owned by another graph");
+    if (g.find(n.name()) != &n) errors.push_back(where + "name does not resolve to this node");
+    if (n.index() != static_cast<int64_t>(i)) errors.push_back(where + "stale index");
+    if (n.kind() == NodeKind::Placeholder && calls_started)
+      errors.push_back(where + "placeholder after a call node");
+    if (n.kind() != NodeKind::Placeholder) calls_started = true;
+    if (n.kind() == NodeKind::Output) {
+      ++outputs;
+      if (i + 1 != nodes.size()) errors.push_back(where + "output node is not last");
+      if (n.args().size() != 1 || n.args()[0].kind != Arg::Kind::List)
+        errors.push_back(where + "output takes one list of values");
+    }
+    for (Node* in : n.inputs()) {
+      if (in->owner() != &g) {
+        errors.push_back(where + "uses %" + in->name() + " from another graph");
+        continue;
+      }
+      if (!seen.count(in))
+        errors.push_back(where + "uses %" + in->name() + " before it is defined (cycle or bad order)");
+      const auto& users = in->users();
+      if (std::find(users.begin(), users.end(), &n) == users.end())
+        errors.push_back(where + "missing from the use list of %" + in->name());
+      if (in->kind() == NodeKind::Output) errors.push_back(where + "uses the output node");
+    }
+    for (Node* u : n.users()) {
+      auto ins = u->inputs();
+      if (std::find(ins.begin(), ins.end(), &n) == ins.end())
+        errors.push_back(where + "use list names %" + u->name() + ", which does not use it (dangling use)");
+    }
+    if (n.kind() == NodeKind::Call) {
+      check_call_arity(n, errors);
+      for (size_t r = 0; r < n.regions().size(); ++r)
+        verify_into(*n.regions()[r], prefix + "%" + n.name() + ".region" + std::to_string(r) + ": ", errors);
+    }
+    seen.insert(&n);
+  }
+  if (outputs != 1) errors.push_back(prefix + "graph has " + std::to_string(outputs) + " output nodes, expected 1");
+}
+
+}  // namespace
+
+std::vector<std::string> verify_errors(const Graph& graph) {
+  std::vector<std::string> errors;
+  verify_into(graph, "", errors);
+  return errors;
+}
+
+void verify(const Graph& graph) {
+  auto errors = verify_errors(graph);
+  if (errors.empty()) return;
+  std::string msg = "IR verification failed with " + std::to_string(errors.size()) + " error(s):";
+  for (const auto& e : errors) msg += "\n  " + e;
+  TORCH_CHECK(false, msg);
+}
+
+}  // namespace torch_ext::ir

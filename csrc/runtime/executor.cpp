@@ -1,0 +1,97 @@
+#include "runtime/executor.h"
+
+#include "ir/printer.h"
+#include "ir/verifier.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+namespace torch_ext::runtime {
+
+void check_input(const ir::Node& ph, const c10::IValue& v, size_t position) {
+  const ir::Type& t = ph.type();
+  const auto where = [&] { return "input #" + std::to_string(position) + " ('" + ph.name() + "')"; };
+  if (t.kind == ir::Type::Kind::Tensor) {
+    TORCH_CHECK(v.isTensor(), where(), ": expected a tensor ", ir::print_type(t), ", got ", v.tagKind());
+    const at::Tensor& x = v.toTensor();
+    TORCH_CHECK(x.scalar_type() == t.tensor.dtype, where(), ": expected dtype ",
+                ir::dtype_torch_name(t.tensor.dtype), ", got ", x.scalar_type());
+    TORCH_CHECK(x.sizes() == c10::IntArrayRef(t.tensor.sizes), where(), ": expected shape ", t.tensor.sizes,
+                ", got ", x.sizes());
+    TORCH_CHECK(x.device() == t.tensor.device, where(), ": expected device ", t.tensor.device, ", got ",
+                x.device());
+    return;
+  }
+  if (t.kind == ir::Type::Kind::Int) TORCH_CHECK(v.isInt(), where(), ": expected an int, got ", v.tagKind());
+  if (t.kind == ir::Type::Kind::Float)
+    TORCH_CHECK(v.isDouble() || v.isInt(), where(), ": expected a float, got ", v.tagKind());
+  if (t.kind == ir::Type::Kind::Bool) TORCH_CHECK(v.isBool(), where(), ": expected a bool, got ", v.tagKind());
+}
+
+Executor::Executor(const ir::Graph& graph) : graph_(graph.clone()) {
+  ir::verify(*graph_);
+  const auto& nodes = graph_->nodes();
+  const ir::Node* out = graph_->output();
+  std::vector<int64_t> last_use(nodes.size(), -1);  // kernel position of the last read
+  std::vector<bool> is_output(nodes.size(), false);
+  out->args()[0].for_each_node([&](ir::Node* n) { is_output[n->index()] = true; });
+  outputs_ = out->args()[0].list;
+  for (const auto& n : nodes) {
+    if (n->kind() == ir::NodeKind::Placeholder) placeholders_.push_back(n.get());
+    if (n->kind() != ir::NodeKind::Call) continue;
+    kernels_.push_back(BoundKernel::bind(*n));
+    kernel_slot_.push_back(n->index());
+    for (int64_t s : kernels_.back().input_slots()) last_use[s] = static_cast<int64_t>(kernels_.size()) - 1;
+  }
+  release_after_.resize(kernels_.size());
+  for (size_t s = 0; s < nodes.size(); ++s) {
+    if (is_output[s] || nodes[s]->kind() == ir::NodeKind::Output) continue;
+    if (last_use[s] >= 0) {
+      release_after_[last_use[s]].push_back(static_cast<int64_t>(s));
+    } else if (nodes[s]->kind() == ir::NodeKind::Call) {
+      // Produced but never read (e.g. an unused multi-output): free right away.
+      for (size_t k = 0; k < kernels_.size(); ++k)
+        if (kernel_slot_[k] == static_cast<int64_t>(s)) release_after_[k].push_back(static_cast<int64_t>(s));
+    } else {
+      release_inputs_.push_back(static_cast<int64_t>(s));
+    }
+  }
+}
+
+std::vector<c10::IValue> Executor::run(std::vector<c10::IValue> inputs) const {
+  TORCH_CHECK(inputs.size() == placeholders_.size(), "expected ", placeholders_.size(), " inputs, got ",
+              inputs.size());
+  ValueSlots values(graph_->size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_input(*placeholders_[i], inputs[i], i);
+    values[placeholders_[i]->index()] = std::move(inputs[i]);
+  }
+  for (int64_t s : release_inputs_) values[s] = c10::IValue();
+  std::vector<c10::IValue> stack;
+  stack.reserve(16);
+  for (size_t k = 0; k < kernels_.size(); ++k) {
+    try {
+      values[kernel_slot_[k]] = kernels_[k].invoke(values, stack);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "while executing node %", kernels_[k].node_name(), ": ", e.what_without_backtrace());
+    }
+    for (int64_t s : release_after_[k]) values[s] = c10::IValue();
+  }
+  std::vector<c10::IValue> results;
+  results.reserve(outputs_.size());
+  for (const ir::Arg& a : outputs_) {
+    if (a.kind == ir::Arg::Kind::Node) {
+      results.push_back(values[a.node->index()]);
+    } else if (a.kind == ir::Arg::Kind::Int) {
+      results.emplace_back(a.i);
+    } else if (a.kind == ir::Arg::Kind::Float) {
+      results.emplace_back(a.f);
+    } else {
+      TORCH_CHECK(a.kind == ir::Arg::Kind::None, "unsupported output value ", ir::print_arg(a));
+      results.emplace_back();
+    }
+  }
+  return results;
+}
+
+}  // namespace torch_ext::runtime

@@ -1,0 +1,40 @@
+// One-shot dispatcher executor: runs every call node of a graph in order
+// through its BoundKernel and frees each value right after its last use.
+//
+// Inputs are given in placeholder order. Tensor inputs are checked against the
+// placeholder's dtype and shape (a clear error names the placeholder); the
+// graph is verified once at construction.
+#pragma once
+
+#include "ir/graph.h"
+#include "runtime/kernel.h"
+
+#include <memory>
+#include <vector>
+
+namespace torch_ext::runtime {
+
+class Executor {
+ public:
+  // Takes a private copy of `graph`, verifies it and binds every node.
+  explicit Executor(const ir::Graph& graph);
+
+  std::vector<c10::IValue> run(std::vector<c10::IValue> inputs) const;
+
+  const ir::Graph& graph() const { return *graph_; }
+  size_t num_inputs() const { return placeholders_.size(); }
+
+ private:
+  std::unique_ptr<ir::Graph> graph_;
+  std::vector<const ir::Node*> placeholders_;
+  std::vector<BoundKernel> kernels_;          // one per call node, in order
+  std::vector<int64_t> kernel_slot_;          // node index each kernel writes
+  std::vector<std::vector<int64_t>> release_after_;  // per kernel: slots dead after it runs
+  std::vector<int64_t> release_inputs_;       // placeholder slots no call reads
+  std::vector<ir::Arg> outputs_;
+};
+
+// Checks a runtime value against a placeholder's type; throws naming `what`.
+void check_input(const ir::Node& placeholder, const c10::IValue& value, size_t position);
+
+}  // namespace torch_ext::runtime

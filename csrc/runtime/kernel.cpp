@@ -1,0 +1,251 @@
+#include "runtime/kernel.h"
+
+#include "ir/printer.h"
+#include "ir/schema.h"
+
+#include <ATen/ScalarOps.h>
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/jit_type.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+namespace torch_ext::runtime {
+namespace {
+
+using ir::Arg;
+
+bool has_node(const Arg& a) {
+  bool found = false;
+  a.for_each_node([&](ir::Node*) { found = true; });
+  return found;
+}
+
+c10::TypePtr unwrap_optional(const c10::TypePtr& t) {
+  if (auto opt = t->cast<c10::OptionalType>()) return opt->getElementType();
+  return t;
+}
+
+c10::IValue const_to_ivalue(const Arg& a, const c10::TypePtr& formal, const std::string& where) {
+  if (a.kind == Arg::Kind::None) {
+    TORCH_CHECK(formal->kind() == c10::TypeKind::OptionalType || formal->kind() == c10::TypeKind::NoneType, where,
+                "None given for non-optional type ", formal->str());
+    return c10::IValue();
+  }
+  const c10::TypePtr t = unwrap_optional(formal);
+  switch (t->kind()) {
+    case c10::TypeKind::IntType:
+    case c10::TypeKind::SymIntType:
+      TORCH_CHECK(a.kind == Arg::Kind::Int || a.kind == Arg::Kind::Bool, where, "expected an int, got ",
+                  ir::print_arg(a));
+      return c10::IValue(a.i);
+    case c10::TypeKind::FloatType:
+    case c10::TypeKind::SymFloatType:
+      TORCH_CHECK(a.kind == Arg::Kind::Int || a.kind == Arg::Kind::Float, where, "expected a float, got ",
+                  ir::print_arg(a));
+      return c10::IValue(a.kind == Arg::Kind::Int ? static_cast<double>(a.i) : a.f);
+    case c10::TypeKind::BoolType:
+    case c10::TypeKind::SymBoolType:
+      TORCH_CHECK(a.kind == Arg::Kind::Bool || a.kind == Arg::Kind::Int, where, "expected a bool, got ",
+                  ir::print_arg(a));
+      return c10::IValue(a.i != 0);
+    case c10::TypeKind::NumberType:
+      if (a.kind == Arg::Kind::Int) return c10::IValue(a.i);
+      if (a.kind == Arg::Kind::Float) return c10::IValue(a.f);
+      if (a.kind == Arg::Kind::Bool) return c10::IValue(a.i != 0);
+      TORCH_CHECK(false, where, "expected a Scalar, got ", ir::print_arg(a));
+    case c10::TypeKind::StringType:
+      TORCH_CHECK(a.kind == Arg::Kind::String, where, "expected a string, got ", ir::print_arg(a));
+      return c10::IValue(a.s);
+    case c10::TypeKind::DeviceObjType:
+      TORCH_CHECK(a.kind == Arg::Kind::Device, where, "expected a device, got ", ir::print_arg(a));
+      return c10::IValue(c10::Device(a.s));
+    case c10::TypeKind::ScalarTypeType:
+    case c10::TypeKind::LayoutType:
+    case c10::TypeKind::MemoryFormatType:
+      TORCH_CHECK(a.kind == Arg::Kind::Dtype || a.kind == Arg::Kind::Layout || a.kind == Arg::Kind::MemoryFormat ||
+                      a.kind == Arg::Kind::Int,
+                  where, "expected ", t->str(), ", got ", ir::print_arg(a));
+      return c10::IValue(a.i);
+    case c10::TypeKind::TensorType: {
+      // Python scalars passed for Tensor arguments become wrapped-number tensors, as in eager.
+      TORCH_CHECK(a.kind == Arg::Kind::Int || a.kind == Arg::Kind::Float || a.kind == Arg::Kind::Bool, where,
+                  "expected a tensor, got ", ir::print_arg(a));
+      at::Tensor t = a.kind == Arg::Kind::Float ? at::scalar_to_tensor(at::Scalar(a.f))
+                     : a.kind == Arg::Kind::Bool ? at::scalar_to_tensor(at::Scalar(a.i != 0))
+                                                 : at::scalar_to_tensor(at::Scalar(a.i));
+      t.unsafeGetTensorImpl()->set_wrapped_number(true);
+      return c10::IValue(t);
+    }
+    case c10::TypeKind::ListType: {
+      TORCH_CHECK(a.kind == Arg::Kind::List, where, "expected a list for ", t->str(), ", got ", ir::print_arg(a));
+      const c10::TypePtr elem = t->castRaw<c10::ListType>()->getElementType();
+      switch (elem->kind()) {
+        case c10::TypeKind::IntType:
+        case c10::TypeKind::SymIntType: {
+          c10::List<int64_t> out;
+          for (const Arg& e : a.list) out.push_back(const_to_ivalue(e, elem, where).toInt());
+          return c10::IValue(out);
+        }
+        case c10::TypeKind::FloatType: {
+          c10::List<double> out;
+          for (const Arg& e : a.list) out.push_back(const_to_ivalue(e, elem, where).toDouble());
+          return c10::IValue(out);
+        }
+        case c10::TypeKind::BoolType: {
+          c10::List<bool> out;
+          for (const Arg& e : a.list) out.push_back(const_to_ivalue(e, elem, where).toBool());
+          return c10::IValue(out);
+        }
+        case c10::TypeKind::TensorType:
+          TORCH_CHECK(a.list.empty(), where, "tensor list with constant elements");
+          return c10::IValue(c10::List<at::Tensor>());
+        default:
+          break;
+      }
+      TORCH_CHECK(false, where, "constant list of ", elem->str(), " is not supported");
+    }
+    default:
+      break;
+  }
+  TORCH_CHECK(false, where, "constant ", ir::print_arg(a), " for argument type ", formal->str(), " is not supported");
+}
+
+}  // namespace
+
+BoundKernel BoundKernel::bind(const ir::Node& node) {
+  TORCH_INTERNAL_ASSERT(node.kind() == ir::NodeKind::Call);
+  BoundKernel k;
+  k.node_name_ = node.name();
+  const std::string where_node = "node %" + node.name() + " (" + node.target().str() + "): ";
+  if (node.target().is_getitem()) {
+    TORCH_CHECK(node.args().size() == 2 && node.args()[0].kind == Arg::Kind::Node &&
+                    node.args()[1].kind == Arg::Kind::Int,
+                where_node, "getitem takes (%value, index)");
+    k.getitem_source_ = node.args()[0].node->index();
+    k.getitem_index_ = node.args()[1].i;
+    k.input_slots_ = {k.getitem_source_};
+    return k;
+  }
+  TORCH_CHECK(node.regions().empty(), where_node,
+              "operators with nested regions are not supported by the dispatcher executor yet");
+  k.op_ = ir::find_op(node.target());
+  TORCH_CHECK(k.op_.has_value(), where_node, "operator is not registered with the c10 dispatcher");
+  const c10::FunctionSchema& schema = k.op_->schema();
+  const auto& formals = schema.arguments();
+  k.num_returns_ = schema.returns().size();
+
+  // Place positional args and kwargs at their schema positions.
+  std::vector<const Arg*> given(formals.size(), nullptr);
+  TORCH_CHECK(node.args().size() <= formals.size(), where_node, "takes at most ", formals.size(), " args, got ",
+              node.args().size());
+  for (size_t i = 0; i < node.args().size(); ++i) given[i] = &node.args()[i];
+  for (const auto& kv : node.kwargs()) {
+    auto idx = schema.argumentIndexWithName(kv.first);
+    TORCH_CHECK(idx.has_value(), where_node, "unknown keyword argument '", kv.first, "'");
+    TORCH_CHECK(given[*idx] == nullptr, where_node, "argument '", kv.first, "' given twice");
+    given[*idx] = &kv.second;
+  }
+
+  k.stack_template_.resize(formals.size());
+  for (size_t i = 0; i < formals.size(); ++i) {
+    const c10::Argument& formal = formals[i];
+    const std::string where = where_node + "argument '" + formal.name() + "': ";
+    if (given[i] == nullptr) {
+      TORCH_CHECK(formal.default_value().has_value(), where, "required but missing");
+      k.stack_template_[i] = *formal.default_value();
+      continue;
+    }
+    const Arg& a = *given[i];
+    if (!has_node(a)) {
+      k.stack_template_[i] = const_to_ivalue(a, formal.type(), where);
+      continue;
+    }
+    if (a.kind == Arg::Kind::Node) {
+      k.direct_.push_back({static_cast<uint32_t>(i), static_cast<uint32_t>(a.node->index())});
+      continue;
+    }
+    TORCH_CHECK(a.kind == Arg::Kind::List, where, "unsupported argument");
+    const c10::TypePtr t = unwrap_optional(formal.type());
+    TORCH_CHECK(t->kind() == c10::TypeKind::ListType, where, "list given for type ", formal.type()->str());
+    const c10::TypePtr elem = t->castRaw<c10::ListType>()->getElementType();
+    ListFill fill;
+    fill.stack_pos = static_cast<uint32_t>(i);
+    if (elem->kind() == c10::TypeKind::TensorType) {
+      fill.kind = ListKind::Tensor;
+    } else if (elem->kind() == c10::TypeKind::OptionalType) {
+      fill.kind = ListKind::OptionalTensor;
+    } else if (elem->kind() == c10::TypeKind::IntType || elem->kind() == c10::TypeKind::SymIntType) {
+      fill.kind = ListKind::Int;
+    } else if (elem->kind() == c10::TypeKind::FloatType) {
+      fill.kind = ListKind::Float;
+    } else {
+      TORCH_CHECK(false, where, "lists of ", elem->str(), " holding graph values are not supported");
+    }
+    for (const Arg& e : a.list) {
+      if (e.kind == Arg::Kind::Node) {
+        fill.slots.push_back(e.node->index());
+        fill.consts.emplace_back();
+      } else {
+        TORCH_CHECK(e.kind != Arg::Kind::List, where, "nested lists are not supported");
+        fill.slots.push_back(-1);
+        fill.consts.push_back(fill.kind == ListKind::Tensor ? c10::IValue() : const_to_ivalue(e, elem, where));
+      }
+    }
+    k.lists_.push_back(std::move(fill));
+  }
+  for (ir::Node* in : node.inputs()) k.input_slots_.push_back(in->index());
+  return k;
+}
+
+c10::IValue BoundKernel::invoke(const ValueSlots& values, std::vector<c10::IValue>& stack) const {
+  if (getitem_index_ >= 0) {
+    const c10::IValue& src = values[getitem_source_];
+    if (src.isTuple()) return src.toTupleRef().elements().at(getitem_index_);
+    TORCH_CHECK(src.isList(), "getitem %", node_name_, ": source is neither a tuple nor a list");
+    return src.toListRef().at(getitem_index_);
+  }
+  stack.assign(stack_template_.begin(), stack_template_.end());
+  for (const Direct& d : direct_) stack[d.stack_pos] = values[d.slot];
+  for (const ListFill& l : lists_) {
+    switch (l.kind) {
+      case ListKind::Tensor: {
+        c10::List<at::Tensor> out;
+        out.reserve(l.slots.size());
+        for (int64_t s : l.slots) out.push_back(values[s].toTensor());
+        stack[l.stack_pos] = c10::IValue(std::move(out));
+        break;
+      }
+      case ListKind::OptionalTensor: {
+        c10::List<std::optional<at::Tensor>> out;
+        out.reserve(l.slots.size());
+        for (int64_t s : l.slots)
+          out.push_back(s < 0 || values[s].isNone() ? std::optional<at::Tensor>() : values[s].toTensor());
+        stack[l.stack_pos] = c10::IValue(std::move(out));
+        break;
+      }
+      case ListKind::Int: {
+        c10::List<int64_t> out;
+        for (size_t j = 0; j < l.slots.size(); ++j)
+          out.push_back(l.slots[j] < 0 ? l.consts[j].toInt() : values[l.slots[j]].toInt());
+        stack[l.stack_pos] = c10::IValue(std::move(out));
+        break;
+      }
+      case ListKind::Float: {
+        c10::List<double> out;
+        for (size_t j = 0; j < l.slots.size(); ++j)
+          out.push_back(l.slots[j] < 0 ? l.consts[j].toDouble() : values[l.slots[j]].toDouble());
+        stack[l.stack_pos] = c10::IValue(std::move(out));
+        break;
+      }
+    }
+  }
+  op_->callBoxed(stack);
+  if (num_returns_ == 1) return std::move(stack[0]);
+  if (num_returns_ == 0) return c10::IValue();
+  return c10::ivalue::Tuple::create(std::vector<c10::IValue>(std::make_move_iterator(stack.begin()),
+                                                             std::make_move_iterator(stack.end())));
+}
+
+}  // namespace torch_ext::runtime

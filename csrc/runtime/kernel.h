@@ -1,0 +1,65 @@
+// The one kernel abstraction shared by every runtime (Executor, ArenaExecutor,
+// reactive Engine): a call node prepared once into a BoundKernel.
+//
+// Preparation resolves the c10::OperatorHandle, converts constant args to
+// IValues of the schema's types, fills schema defaults, and records which
+// stack positions are fed from which value slots. At run time `invoke` copies
+// the template, drops the slot values in, makes one boxed call and returns the
+// node's value (a Tuple IValue for multi-return ops). Values live in a flat
+// slot array indexed by node position; each runtime decides which slots hold
+// what and for how long.
+#pragma once
+
+#include "ir/graph.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/ivalue.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace torch_ext::runtime {
+
+using ValueSlots = std::vector<c10::IValue>;
+
+class BoundKernel {
+ public:
+  // Throws c10::Error naming the node when the target or an argument is unsupported.
+  static BoundKernel bind(const ir::Node& node);
+
+  // Runs the node on `values` (indexed by ir::Node::index()) and returns its value.
+  c10::IValue invoke(const ValueSlots& values, std::vector<c10::IValue>& scratch) const;
+
+  const std::string& node_name() const { return node_name_; }
+  bool is_getitem() const { return getitem_index_ >= 0; }
+  // Operator handle; empty for builtins.
+  const std::optional<c10::OperatorHandle>& op() const { return op_; }
+  // Value slots read by this kernel, each once.
+  const std::vector<int64_t>& input_slots() const { return input_slots_; }
+
+ private:
+  enum class ListKind { Tensor, OptionalTensor, Int, Float };
+  struct Direct {
+    uint32_t stack_pos;
+    uint32_t slot;
+  };
+  struct ListFill {
+    uint32_t stack_pos;
+    ListKind kind;
+    std::vector<int64_t> slots;    // -1 where the element is a constant
+    std::vector<c10::IValue> consts;
+  };
+
+  std::string node_name_;
+  std::optional<c10::OperatorHandle> op_;
+  std::vector<c10::IValue> stack_template_;
+  std::vector<Direct> direct_;
+  std::vector<ListFill> lists_;
+  std::vector<int64_t> input_slots_;
+  size_t num_returns_ = 1;
+  int64_t getitem_index_ = -1;  // builtin getitem when >= 0
+  int64_t getitem_source_ = -1;
+};
+
+}  // namespace torch_ext::runtime

@@ -1,0 +1,53 @@
+"""torch_ext.Executor: run an ExportedProgram through the IR and the C++ dispatcher executor."""
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+
+from . import _C
+from .ir import Graph
+
+
+class Executor:
+    """Callable with the same user inputs and outputs as ``ep.module()``.
+
+    Parameters, buffers and constants are read from ``ep`` (copied once). Buffers that the
+    program mutates in place (BatchNorm running statistics in train mode) are updated in the
+    executor's own copy, as ``ep.module()`` updates its buffers.
+    """
+
+    def __init__(self, ep: torch.export.ExportedProgram):
+        if not isinstance(ep, torch.export.ExportedProgram):
+            raise TypeError(f"Executor expects a torch.export.ExportedProgram, got {type(ep).__name__}")
+        self.graph = Graph.from_exported(ep)
+        self._ex = _C.Executor(self.graph._g)
+        self._in_spec = ep.call_spec.in_spec
+        self._out_spec = ep.call_spec.out_spec
+        sig = ep.graph_signature
+        state = {**ep.state_dict, **ep.constants}
+        self.state: dict[str, torch.Tensor] = {}
+        self._slots: list = []  # state name, or None for the next user input
+        for spec in sig.input_specs:
+            if spec.kind.name == "USER_INPUT":
+                self._slots.append(None)
+            else:
+                self.state[spec.target] = state[spec.target].detach().clone()
+                self._slots.append(spec.target)
+        self._num_user = self._slots.count(None)
+        self._mutations = [(i, spec.target) for i, spec in enumerate(sig.output_specs)
+                           if spec.kind.name == "BUFFER_MUTATION"]
+        self._user_outputs = [i for i, spec in enumerate(sig.output_specs) if spec.kind.name == "USER_OUTPUT"]
+
+    def __call__(self, *args, **kwargs):
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if self._in_spec is not None and spec != self._in_spec:
+            raise TypeError(f"inputs do not match the exported signature: expected {self._in_spec}, got {spec}")
+        if len(flat) != self._num_user:
+            raise TypeError(f"expected {self._num_user} user inputs, got {len(flat)}")
+        it = iter(flat)
+        inputs = [next(it) if s is None else self.state[s] for s in self._slots]
+        outs = self._ex.run(inputs)
+        for i, name in self._mutations:
+            self.state[name] = outs[i]
+        user = [outs[i] for i in self._user_outputs]
+        return pytree.tree_unflatten(user, self._out_spec)

@@ -1,0 +1,198 @@
+"""Python face of the C++ graph IR: import from torch.export, print, parse, verify, export back to FX.
+
+The importer only translates FX nodes to IR nodes; it performs no graph transformation.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+
+from . import _C, _compat
+
+_DTYPE_SHORT = {
+    torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+    torch.bool: "b8", torch.complex64: "c64", torch.complex128: "c128",
+}
+_SHORT_DTYPE = {v: k for k, v in _DTYPE_SHORT.items()}
+_SPECIALS = {
+    "dtype": {f"torch.{str(d).split('.')[-1]}": d for d in _DTYPE_SHORT},
+    "layout": {"torch.strided": torch.strided, "torch.sparse_coo": torch.sparse_coo, "torch.sparse_csr": torch.sparse_csr},
+    "memory_format": {
+        "torch.contiguous_format": torch.contiguous_format, "torch.preserve_format": torch.preserve_format,
+        "torch.channels_last": torch.channels_last, "torch.channels_last_3d": torch.channels_last_3d,
+    },
+}
+
+
+class UnsupportedNodeError(NotImplementedError):
+    """The importer met an FX node it cannot translate yet."""
+
+
+def _type_of(val: Any, where: str):
+    if isinstance(val, torch.Tensor):
+        if val.dtype not in _DTYPE_SHORT:
+            raise UnsupportedNodeError(f"{where}: dtype {val.dtype} is not supported")
+        if any(not isinstance(s, int) for s in val.shape):
+            raise UnsupportedNodeError(f"{where}: dynamic shape {tuple(val.shape)} is not supported (export with static shapes)")
+        return ("tensor", _DTYPE_SHORT[val.dtype], list(val.shape), list(val.stride()), str(val.device))
+    if isinstance(val, (tuple, list)):
+        return ("tuple", [_type_of(v, where) for v in val])
+    if isinstance(val, bool):
+        return ("bool",)
+    if isinstance(val, int):
+        return ("int",)
+    if isinstance(val, float):
+        return ("float",)
+    if val is None:
+        return ("none",)
+    raise UnsupportedNodeError(f"{where}: value of type {type(val).__name__} is not supported")
+
+
+def _arg_to_ir(a: Any, where: str):
+    if isinstance(a, torch.fx.Node):
+        return _C.NodeRef(a.name)
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return a
+    if isinstance(a, (list, tuple)):
+        return [_arg_to_ir(x, where) for x in a]
+    if isinstance(a, torch.dtype):
+        return _C.Special("dtype", f"torch.{str(a).split('.')[-1]}")
+    if isinstance(a, torch.device):
+        return _C.Special("device", str(a))
+    if isinstance(a, torch.layout):
+        return _C.Special("layout", str(a))
+    if isinstance(a, torch.memory_format):
+        return _C.Special("memory_format", str(a))
+    raise UnsupportedNodeError(f"{where}: argument {a!r} of type {type(a).__name__} is not supported")
+
+
+def _arg_from_ir(a: Any, env: dict):
+    if isinstance(a, _C.NodeRef):
+        return env[a.name]
+    if isinstance(a, list):
+        return [_arg_from_ir(x, env) for x in a]
+    if isinstance(a, _C.Special):
+        if a.kind == "device":
+            return torch.device(a.text)
+        return _SPECIALS[a.kind][a.text]
+    return a
+
+
+def _resolve_target(target: str):
+    if target == "getitem":
+        return operator.getitem
+    ns, rest = target.split("::", 1)
+    name, overload = rest.split(".", 1)
+    packet = getattr(getattr(torch.ops, ns), name)
+    return getattr(packet, overload)
+
+
+def _fake_of(t):
+    """A meta-device tensor standing in for an IR type (for node.meta['val'])."""
+    if t[0] == "tensor":
+        return torch.empty_strided(t[2], t[3], dtype=_SHORT_DTYPE[t[1]], device="meta")
+    if t[0] == "tuple":
+        return tuple(_fake_of(e) for e in t[1])
+    return None
+
+
+class Graph:
+    """A torch_ext IR graph (C++ owned)."""
+
+    def __init__(self, cgraph: "_C.Graph | None" = None):
+        self._g = cgraph if cgraph is not None else _C.Graph()
+
+    # ---- construction
+    @staticmethod
+    def from_exported(ep: torch.export.ExportedProgram) -> "Graph":
+        """Imports an ExportedProgram's graph and signature. Unsupported nodes raise UnsupportedNodeError."""
+        if not isinstance(ep, torch.export.ExportedProgram):
+            raise TypeError(f"from_exported expects a torch.export.ExportedProgram, got {type(ep).__name__}")
+        return Graph.from_fx(ep.graph, ep.graph_signature)
+
+    @staticmethod
+    def from_fx(fx_graph: torch.fx.Graph, signature=None) -> "Graph":
+        g = _C.Graph()
+        roles = {}
+        if signature is not None:
+            for spec in signature.input_specs:
+                role = _compat.INPUT_ROLES.get(spec.kind)
+                if role is None:
+                    raise UnsupportedNodeError(f"input '{spec.arg.name}': input kind {spec.kind.name} is not supported")
+                roles[spec.arg.name] = (role, spec.target or "")
+        for node in fx_graph.nodes:
+            where = f"node '{node.name}'"
+            if node.op == "placeholder":
+                role, state = roles.get(node.name, ("input", ""))
+                g.add_placeholder(node.name, role, _type_of(node.meta.get("val"), where), state)
+            elif node.op == "call_function":
+                target = node.target
+                if target is operator.getitem:
+                    tname = "getitem"
+                else:
+                    qual = _compat.op_name(target)
+                    if qual is None:
+                        raise UnsupportedNodeError(
+                            f"{where}: target {getattr(target, '__name__', target)!r} is not supported "
+                            "(only ATen/custom OpOverloads and getitem are)")
+                    tname = f"{qual[0]}.{qual[1]}"
+                where = f"node '{node.name}' ({tname})"
+                args = [_arg_to_ir(a, where) for a in node.args]
+                kwargs = [(k, _arg_to_ir(v, where)) for k, v in node.kwargs.items()]
+                g.add_call(node.name, tname, args, kwargs, _type_of(node.meta.get("val"), where),
+                           _compat.module_path(node))
+            elif node.op == "output":
+                outs = node.args[0]
+                g.set_output([_arg_to_ir(a, "output") for a in (outs if isinstance(outs, (list, tuple)) else [outs])])
+            else:
+                raise UnsupportedNodeError(f"{where}: FX op '{node.op}' (target {node.target!r}) is not supported")
+        return Graph(g)
+
+    @staticmethod
+    def parse(text: str) -> "Graph":
+        return Graph(_C.Graph.parse(text))
+
+    # ---- inspection
+    def __str__(self) -> str:
+        return str(self._g)
+
+    def __len__(self) -> int:
+        return len(self._g)
+
+    def verify(self) -> None:
+        """Raises RuntimeError listing every structural or schema problem."""
+        self._g.verify()
+
+    def nodes(self) -> list[dict]:
+        return self._g.nodes()
+
+    def node(self, name: str) -> dict:
+        return self._g.node(name)
+
+    def clone(self) -> "Graph":
+        return Graph(self._g.clone())
+
+    # ---- back to the ecosystem
+    def to_graph_module(self) -> torch.fx.GraphModule:
+        """A GraphModule taking every placeholder (lifted state and user inputs) as flat positional inputs."""
+        fx = torch.fx.Graph()
+        env: dict[str, torch.fx.Node] = {}
+        for n in self._g.nodes():
+            if n["kind"] == "placeholder":
+                node = fx.placeholder(n["name"])
+            elif n["kind"] == "call":
+                args = tuple(_arg_from_ir(a, env) for a in n["args"])
+                kwargs = {k: _arg_from_ir(v, env) for k, v in n["kwargs"]}
+                node = fx.call_function(_resolve_target(n["target"]), args, kwargs)
+                node.name = n["name"]
+            else:
+                fx.output(tuple(_arg_from_ir(a, env) for a in n["args"][0]))
+                continue
+            node.meta["val"] = _fake_of(n["type"])
+            env[n["name"]] = node
+        fx.lint()
+        return torch.fx.GraphModule(torch.nn.Module(), fx)
