@@ -36,7 +36,10 @@ class Executor:
         self._num_user = self._slots.count(None)
         self._mutations = [(i, spec.target) for i, spec in enumerate(sig.output_specs)
                            if spec.kind.name == "BUFFER_MUTATION"]
-        self._user_outputs = [i for i, spec in enumerate(sig.output_specs) if spec.kind.name == "USER_OUTPUT"]
+        # The loss of a joint program (export_joint) is an output of the forward, so it belongs to the
+        # out_spec like any user output; gradient outputs do not.
+        self._user_outputs = [i for i, spec in enumerate(sig.output_specs)
+                              if spec.kind.name in ("USER_OUTPUT", "LOSS_OUTPUT")]
 
     def __call__(self, *args, **kwargs):
         flat, spec = pytree.tree_flatten((args, kwargs))

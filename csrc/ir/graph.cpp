@@ -285,6 +285,13 @@ void Graph::add_region(Node* call, std::unique_ptr<Graph> region) {
 
 void Graph::set_args(Node* node, std::vector<Arg> args, Kwargs kwargs) {
   TORCH_INTERNAL_ASSERT(node->owner_ == this);
+  // Validate before touching anything, so a refused edit leaves the graph unchanged.
+  auto check = [&](Node* in) {
+    TORCH_CHECK(in->owner_ == this, "node '%", node->name_, "' cannot use '%", in->name_,
+                "', which belongs to another graph");
+  };
+  for (const Arg& a : args) a.for_each_node(check);
+  for (const auto& kv : kwargs) kv.second.for_each_node(check);
   remove_uses(node);
   node->args_ = std::move(args);
   node->kwargs_ = std::move(kwargs);

@@ -157,6 +157,7 @@ class Node {
 
  private:
   friend class Graph;
+  friend struct GraphTestPeer;  // lets the verifier's negative tests corrupt a graph on purpose
   Node() = default;
 
   NodeKind kind_ = NodeKind::Call;

@@ -16,7 +16,7 @@ void check_input(const ir::Node& ph, const c10::IValue& v, size_t position) {
     const at::Tensor& x = v.toTensor();
     TORCH_CHECK(x.scalar_type() == t.tensor.dtype, where(), ": expected dtype ",
                 ir::dtype_torch_name(t.tensor.dtype), ", got ", x.scalar_type());
-    TORCH_CHECK(x.sizes() == c10::IntArrayRef(t.tensor.sizes), where(), ": expected shape ", t.tensor.sizes,
+    TORCH_CHECK(x.sizes() == c10::IntArrayRef(t.tensor.sizes), where(), ": expected shape ", c10::IntArrayRef(t.tensor.sizes),
                 ", got ", x.sizes());
     TORCH_CHECK(x.device() == t.tensor.device, where(), ": expected device ", t.tensor.device, ", got ",
                 x.device());

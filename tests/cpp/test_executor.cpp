@@ -1,0 +1,82 @@
+// The dispatcher executor on hand-written text IR.
+#include "ir/parser.h"
+#include "runtime/executor.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+using namespace torch_ext;
+
+namespace {
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  ADD_FAILURE() << "expected an error";
+  return "";
+}
+}  // namespace
+
+TEST(Executor, RunsMlpWithDefaultsKwargsAndMultiOutputs) {
+  auto g = ir::parse(R"(graph:
+  %x : f32[8,16] = input()
+  %w : f32[4,16] = param("fc.weight")
+  %b : f32[4] = param("fc.bias")
+  %linear : f32[8,4] = aten::linear.default(%x, %w, %b)
+  %relu : f32[8,4] = aten::relu.default(%linear)
+  %topk : (f32[8,2], i64[8,2]) = aten::topk.default(%relu, 2, dim=-1)
+  %values : f32[8,2] = getitem(%topk, 0)
+  %indices : i64[8,2] = getitem(%topk, 1)
+  %split : (f32[8,2], f32[8,2]) = aten::split.Tensor(%relu, 2, 1)
+  %second : f32[8,2] = getitem(%split, 1)
+  %cat : f32[8,4] = aten::cat.default([%values, %second], 1)
+  %scaled : f32[8,4] = aten::add.Tensor(%cat, 1.5)
+  return (%scaled, %indices)
+)");
+  runtime::Executor ex(*g);
+  at::manual_seed(0);
+  at::Tensor x = at::randn({8, 16}), w = at::randn({4, 16}), b = at::randn({4});
+  auto out = ex.run({x, w, b});
+  ASSERT_EQ(out.size(), 2u);
+  at::Tensor relu = at::relu(at::linear(x, w, b));
+  auto [v, i] = at::topk(relu, 2, -1);
+  at::Tensor expect = at::cat({v, relu.split(2, 1)[1]}, 1) + 1.5;
+  EXPECT_TRUE(at::equal(out[0].toTensor(), expect));
+  EXPECT_TRUE(at::equal(out[1].toTensor(), i));
+}
+
+TEST(Executor, InPlaceOpsMutateTheGivenInput) {
+  auto g = ir::parse(R"(graph:
+  %count : i64[] = buffer("bn.num_batches_tracked")
+  %x : f32[3] = input()
+  %add_ : i64[] = aten::add_.Tensor(%count, 1)
+  %y : f32[3] = aten::mul.Tensor(%x, 2)
+  return (%y)
+)");
+  runtime::Executor ex(*g);
+  at::Tensor count = at::zeros({}, at::kLong);
+  ex.run({count, at::ones({3})});
+  ex.run({count, at::ones({3})});
+  EXPECT_EQ(count.item<int64_t>(), 2);
+}
+
+TEST(Executor, RejectsBadInputsByName) {
+  auto g = ir::parse("graph:\n  %x : f32[2,3] = input()\n  %y : f32[2,3] = aten::neg.default(%x)\n  return (%y)\n");
+  runtime::Executor ex(*g);
+  EXPECT_NE(error_of([&] { ex.run({}); }).find("expected 1 inputs, got 0"), std::string::npos);
+  EXPECT_NE(error_of([&] { ex.run({at::ones({2, 4})}); }).find("input #0 ('x'): expected shape [2, 3], got [2, 4]"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { ex.run({at::ones({2, 3}, at::kDouble)}); }).find("expected dtype torch.float32"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { ex.run({c10::IValue(3)}); }).find("expected a tensor"), std::string::npos);
+}
+
+TEST(Executor, RefusesUnsupportedGraphsAtConstruction) {
+  auto bad = ir::parse("graph:\n  %x : f32[2] = input()\n  %y : f32[2] = aten::nope.default(%x)\n  return (%y)\n");
+  EXPECT_NE(error_of([&] { runtime::Executor ex(*bad); }).find("unknown operator"), std::string::npos);
+  auto wrong = ir::parse("graph:\n  %x : f32[2] = input()\n  %y : f32[2] = aten::mul.Scalar(%x, \"a\")\n  return (%y)\n");
+  EXPECT_NE(error_of([&] { runtime::Executor ex(*wrong); }).find("node %y (aten::mul.Scalar): argument 'other'"),
+            std::string::npos);
+}
