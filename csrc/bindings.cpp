@@ -6,6 +6,7 @@
 #include "ir/parser.h"
 #include "ir/printer.h"
 #include "ir/verifier.h"
+#include "reactive/engine.h"
 #include "runtime/executor.h"
 
 #include <memory>
@@ -250,4 +251,60 @@ PYBIND11_MODULE(_C, m) {
         for (const auto& v : out) result.append(ivalue_to_py(v));
         return result;
       });
+
+  py::class_<reactive::Engine, std::shared_ptr<reactive::Engine>>(m, "Engine")
+      .def(py::init([](const ir::Graph& g) { return std::make_shared<reactive::Engine>(g); }))
+      .def("run",
+           [](reactive::Engine& e, py::sequence inputs) {
+             std::vector<c10::IValue> in;
+             for (auto h : inputs) in.push_back(ivalue_from_py(h));
+             py::gil_scoped_release no_gil;
+             e.run(std::move(in));
+           })
+      .def("demand",
+           [](reactive::Engine& e) {
+             std::vector<c10::IValue> out;
+             {
+               py::gil_scoped_release no_gil;
+               out = e.demand();
+             }
+             py::list result;
+             for (const auto& v : out) result.append(ivalue_to_py(v));
+             return result;
+           })
+      .def("value", [](reactive::Engine& e, const std::string& n) { return ivalue_to_py(e.value(n)); })
+      .def("baseline", [](reactive::Engine& e, const std::string& n) { return ivalue_to_py(e.baseline(n)); })
+      .def("patch", [](reactive::Engine& e, const std::string& n, py::handle v) { e.patch(n, ivalue_from_py(v)); })
+      .def("restore", [](reactive::Engine& e) { e.restore(); })
+      .def("restore_node", [](reactive::Engine& e, const std::string& n) { e.restore(n); })
+      .def("graft",
+           [](reactive::Engine& e, const std::string& src, const std::string& dst, const ir::Graph& block,
+              py::sequence params) {
+             std::vector<c10::IValue> p;
+             for (auto h : params) p.push_back(ivalue_from_py(h));
+             return e.graft(src, dst, block, std::move(p));
+           })
+      .def("begin_batch", &reactive::Engine::begin_batch)
+      .def("end_batch", &reactive::Engine::end_batch)
+      .def("cone", &reactive::Engine::cone)
+      .def("num_countable", &reactive::Engine::num_countable)
+      .def("num_dirty", &reactive::Engine::num_dirty)
+      .def("is_valid", &reactive::Engine::is_valid)
+      .def("pinned", &reactive::Engine::pinned)
+      .def("set_cutoff", &reactive::Engine::set_cutoff)
+      .def("stats",
+           [](const reactive::Engine& e) {
+             const auto& s = e.stats();
+             py::dict d;
+             d["evaluations"] = s.evaluations;
+             d["cost"] = s.cost;
+             d["cutoffs"] = s.cutoffs;
+             d["invalidated"] = s.invalidated;
+             d["restored"] = s.restored;
+             return d;
+           })
+      .def("reset_stats", &reactive::Engine::reset_stats)
+      .def("check_invariants", &reactive::Engine::check_invariants)
+      .def("graph", [](const reactive::Engine& e) { return std::shared_ptr<ir::Graph>(e.graph().clone()); })
+      .def("__str__", [](const reactive::Engine& e) { return ir::print(e.graph()); });
 }

@@ -114,8 +114,9 @@ c10::IValue const_to_ivalue(const Arg& a, const c10::TypePtr& formal, const std:
 
 }  // namespace
 
-BoundKernel BoundKernel::bind(const ir::Node& node) {
+BoundKernel BoundKernel::bind(const ir::Node& node, const SlotOf& slot_of_fn) {
   TORCH_INTERNAL_ASSERT(node.kind() == ir::NodeKind::Call);
+  const auto slot_of = [&](const ir::Node* n) { return slot_of_fn ? slot_of_fn(n) : n->index(); };
   BoundKernel k;
   k.node_name_ = node.name();
   const std::string where_node = "node %" + node.name() + " (" + node.target().str() + "): ";
@@ -123,7 +124,7 @@ BoundKernel BoundKernel::bind(const ir::Node& node) {
     TORCH_CHECK(node.args().size() == 2 && node.args()[0].kind == Arg::Kind::Node &&
                     node.args()[1].kind == Arg::Kind::Int,
                 where_node, "getitem takes (%value, index)");
-    k.getitem_source_ = node.args()[0].node->index();
+    k.getitem_source_ = slot_of(node.args()[0].node);
     k.getitem_index_ = node.args()[1].i;
     k.input_slots_ = {k.getitem_source_};
     return k;
@@ -135,6 +136,7 @@ BoundKernel BoundKernel::bind(const ir::Node& node) {
   const c10::FunctionSchema& schema = k.op_->schema();
   const auto& formals = schema.arguments();
   k.num_returns_ = schema.returns().size();
+  k.mutates_ = schema.is_mutable();
 
   // Place positional args and kwargs at their schema positions.
   std::vector<const Arg*> given(formals.size(), nullptr);
@@ -163,7 +165,7 @@ BoundKernel BoundKernel::bind(const ir::Node& node) {
       continue;
     }
     if (a.kind == Arg::Kind::Node) {
-      k.direct_.push_back({static_cast<uint32_t>(i), static_cast<uint32_t>(a.node->index())});
+      k.direct_.push_back({static_cast<uint32_t>(i), static_cast<uint32_t>(slot_of(a.node))});
       continue;
     }
     TORCH_CHECK(a.kind == Arg::Kind::List, where, "unsupported argument");
@@ -185,7 +187,7 @@ BoundKernel BoundKernel::bind(const ir::Node& node) {
     }
     for (const Arg& e : a.list) {
       if (e.kind == Arg::Kind::Node) {
-        fill.slots.push_back(e.node->index());
+        fill.slots.push_back(slot_of(e.node));
         fill.consts.emplace_back();
       } else {
         TORCH_CHECK(e.kind != Arg::Kind::List, where, "nested lists are not supported");
@@ -195,7 +197,7 @@ BoundKernel BoundKernel::bind(const ir::Node& node) {
     }
     k.lists_.push_back(std::move(fill));
   }
-  for (ir::Node* in : node.inputs()) k.input_slots_.push_back(in->index());
+  for (ir::Node* in : node.inputs()) k.input_slots_.push_back(slot_of(in));
   return k;
 }
 

@@ -15,6 +15,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/ivalue.h>
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -25,8 +26,11 @@ using ValueSlots = std::vector<c10::IValue>;
 
 class BoundKernel {
  public:
+  // Maps a node to the value slot that holds it.
+  using SlotOf = std::function<int64_t(const ir::Node*)>;
   // Throws c10::Error naming the node when the target or an argument is unsupported.
-  static BoundKernel bind(const ir::Node& node);
+  // By default a node's slot is its position in the graph.
+  static BoundKernel bind(const ir::Node& node, const SlotOf& slot_of = nullptr);
 
   // Runs the node on `values` (indexed by ir::Node::index()) and returns its value.
   c10::IValue invoke(const ValueSlots& values, std::vector<c10::IValue>& scratch) const;
@@ -35,6 +39,8 @@ class BoundKernel {
   bool is_getitem() const { return getitem_index_ >= 0; }
   // Operator handle; empty for builtins.
   const std::optional<c10::OperatorHandle>& op() const { return op_; }
+  // True when the schema writes to an argument (Tensor(a!)).
+  bool mutates() const { return mutates_; }
   // Value slots read by this kernel, each once.
   const std::vector<int64_t>& input_slots() const { return input_slots_; }
 
@@ -58,6 +64,7 @@ class BoundKernel {
   std::vector<ListFill> lists_;
   std::vector<int64_t> input_slots_;
   size_t num_returns_ = 1;
+  bool mutates_ = false;
   int64_t getitem_index_ = -1;  // builtin getitem when >= 0
   int64_t getitem_source_ = -1;
 };

@@ -1,0 +1,154 @@
+// Reactive cache over an ir::Graph: every node keeps its value; mutations
+// invalidate exactly their downstream cone; demand recomputes only what is
+// stale, in topological order, from a dirty set. Counting conventions are those
+// of shared/docs/cost-model.md.
+//
+// Terms. A *countable* node is a Call (getitem and grafted nodes included).
+// Placeholders and the output node are never counted. A *pinned* node holds a
+// patched value: its in-edges are ignored until it is restored. V+(s) is the
+// strict downstream cone of s, D(w) = {w} ∪ V+(w).
+//
+// Invariants (checked by check_invariants(), which the tests call after every
+// step; none of them needs a whole-graph scan at run time):
+//   I1 order     node indices are a topological order of the graph.
+//   I2 dirty     a countable node is in the dirty set iff it is invalid; the
+//                set is keyed by the node's current topological index.
+//   I3 closure   if a node is invalid, so is every countable, unpinned strict
+//                descendant reached without passing through a pinned node.
+//                Hence a valid node has only valid ancestors (through unpinned
+//                paths), and demand never needs to look past the dirty set.
+//   I4 revision  for every valid, unpinned countable node v and input u:
+//                verified_at(v) >= changed_at(u). Pinned and placeholder
+//                nodes are always valid.
+//   I5 values    every valid node holds a value.
+//   I6 overlay   while patches are active, overlay[v] holds v's baseline
+//                value for every node whose current value was written since
+//                the baseline (by a patch or a recomputation).
+//   I7 ledger    stats.evaluations equals the sum of per-node evaluation
+//                counts (no drift), and cost the matching weighted sum.
+//
+// Cost. stats.cost sums a per-node estimate from tensor metadata: 2·M·N·K for
+// matrix products (mm, addmm, bmm, linear, matmul), 2·out·(Cin/groups)·k for
+// convolutions, 4·B·H·Lq·Lk·D for scaled-dot-product attention, and the output
+// element count (at least 1) for everything else.
+#pragma once
+
+#include "ir/graph.h"
+#include "runtime/kernel.h"
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace torch_ext::reactive {
+
+struct Stats {
+  int64_t evaluations = 0;  // countable-node executions
+  double cost = 0.0;        // FLOP-weighted evaluations (see header comment)
+  int64_t cutoffs = 0;      // nodes revalidated by early cutoff without executing
+  int64_t invalidated = 0;  // nodes marked invalid by mutations
+  int64_t restored = 0;     // nodes returned to baseline by restore
+};
+
+double node_cost(const ir::Node& node);
+
+class Engine {
+ public:
+  // Takes a private copy of `graph`; rejects graphs with mutating ops.
+  explicit Engine(const ir::Graph& graph);
+
+  // Full evaluation from placeholder values (placeholder order). Sets the
+  // baseline, drops every patch, counts N evaluations.
+  void run(std::vector<c10::IValue> inputs);
+  // Values of the output node, recomputing only stale nodes.
+  std::vector<c10::IValue> demand();
+  // One node's value, recomputing only its stale ancestors.
+  c10::IValue value(const std::string& node);
+  // The node's value with no patch active (zero evaluations when cached).
+  c10::IValue baseline(const std::string& node);
+
+  // Pins `node` to `value` (same type) and invalidates V+(node).
+  void patch(const std::string& node, c10::IValue value);
+  // Drops every patch; returns every node to its baseline with zero evaluations.
+  void restore();
+  // Drops the patch at `node`. With other patches active, D(node) is recomputed.
+  void restore(const std::string& node);
+
+  // Splices `block` (one user input, one output of the same type as `src`)
+  // into the edge src -> dst, or into every consumer of src when dst is empty.
+  // Values for the block's other placeholders (its parameters) are given in
+  // their order. Returns the names of the new countable nodes.
+  std::vector<std::string> graft(const std::string& src, const std::string& dst, const ir::Graph& block,
+                                 std::vector<c10::IValue> block_params);
+
+  // Batches are bookkeeping only: mutations already defer work to demand().
+  void begin_batch() { ++batch_depth_; }
+  void end_batch();
+  bool in_batch() const { return batch_depth_ > 0; }
+
+  std::vector<std::string> cone(const std::string& node) const;  // V+(node), topological order
+  int64_t num_countable() const { return num_countable_; }
+  bool is_valid(const std::string& node) const;
+  int64_t num_dirty() const { return static_cast<int64_t>(dirty_.size()); }
+  std::vector<std::string> pinned() const;
+
+  void set_cutoff(bool enabled) { cutoff_ = enabled; }
+  bool cutoff() const { return cutoff_; }
+  const Stats& stats() const { return stats_; }
+  void reset_stats();
+
+  const ir::Graph& graph() const { return *graph_; }
+  // Throws c10::Error naming the first violated invariant.
+  void check_invariants() const;
+
+ private:
+  struct NodeState {
+    ir::Node* node = nullptr;
+    bool countable = false;
+    std::optional<runtime::BoundKernel> kernel;
+    double cost = 0.0;
+    bool valid = false;
+    bool pinned = false;
+    uint64_t changed_at = 0;
+    uint64_t verified_at = 0;
+    int64_t evaluations = 0;
+  };
+
+  int64_t id_of(const std::string& name) const;  // throws naming the node
+  int64_t id_of(const ir::Node* node) const { return ids_.at(node); }
+  int64_t add_state(ir::Node* node);
+  void bind(int64_t id);
+  void mark_invalid(int64_t id);
+  void invalidate_users(int64_t id);  // strict cone, stops at invalid or pinned nodes
+  std::vector<int64_t> structural_cone(int64_t id) const;  // D(id), ignoring validity and pins
+  void evaluate(int64_t id);
+  void evaluate_set(std::vector<int64_t> ids);  // sorts by topological index
+  void save_baseline(int64_t id);
+  void rekey_dirty();
+  void check_value_type(const ir::Node& node, const c10::IValue& value) const;
+
+  std::unique_ptr<ir::Graph> graph_;
+  std::vector<NodeState> states_;  // by stable id (creation order)
+  runtime::ValueSlots values_;     // by stable id
+  std::unordered_map<const ir::Node*, int64_t> ids_;
+  std::set<std::pair<int64_t, int64_t>> dirty_;  // (topological index, id)
+  std::unordered_map<int64_t, c10::IValue> overlay_;  // baseline values displaced while patched
+  std::set<int64_t> baseline_stale_;     // nodes whose overlay baseline a graft made stale
+  std::set<int64_t> structural_dirty_;   // nodes a graft invalidated, not yet recomputed
+  std::vector<int64_t> pinned_;
+  std::vector<c10::IValue> stack_;
+  Stats stats_;
+  uint64_t revision_ = 0;
+  int64_t num_countable_ = 0;
+  int batch_depth_ = 0;
+  bool cutoff_ = false;
+  bool has_run_ = false;
+  int64_t graft_counter_ = 0;
+};
+
+}  // namespace torch_ext::reactive

@@ -1,0 +1,301 @@
+// Reactive engine: invalidation, demand, overlay restore, graft splicing, cycle rejection,
+// and the exact counts of cost-model.md (E7) on text IR.
+#include "ir/parser.h"
+#include "ir/printer.h"
+#include "reactive/engine.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+
+using namespace torch_ext;
+
+namespace {
+
+// x -> n1 -> ... -> nN, each aten::sin (no fixed points, so every value differs).
+std::string chain_text(int n, const std::string& op = "aten::sin.default") {
+  std::string t = "graph:\n  %x : f32[4] = input()\n";
+  std::string prev = "x";
+  for (int i = 1; i <= n; ++i) {
+    std::string name = "n" + std::to_string(i);
+    t += "  %" + name + " : f32[4] = " + op + "(%" + prev + ")\n";
+    prev = name;
+  }
+  return t + "  return (%" + prev + ")\n";
+}
+
+std::unique_ptr<ir::Graph> block_of(int h) {
+  std::string t = "graph:\n  %a : f32[4] = input()\n";
+  std::string prev = "a";
+  for (int i = 1; i <= h; ++i) {
+    std::string name = "b" + std::to_string(i);
+    t += "  %" + name + " : f32[4] = aten::cos.default(%" + prev + ")\n";
+    prev = name;
+  }
+  return ir::parse(t + "  return (%" + prev + ")\n");
+}
+
+int64_t evals_of_demand(reactive::Engine& e) {
+  const int64_t before = e.stats().evaluations;
+  e.demand();
+  e.check_invariants();
+  return e.stats().evaluations - before;
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& err) {
+    return err.what_without_backtrace();
+  }
+  ADD_FAILURE() << "expected an error";
+  return "";
+}
+
+at::Tensor full_recompute(const ir::Graph& g, const at::Tensor& x) {
+  reactive::Engine fresh(g);
+  fresh.run({x});
+  return fresh.demand()[0].toTensor();
+}
+
+}  // namespace
+
+TEST(Reactive, PatchCostsExactlyTheStrictCone) {
+  auto g = ir::parse(chain_text(50));
+  reactive::Engine e(*g);
+  at::Tensor x = at::randn({4});
+  e.run({x});
+  e.check_invariants();
+  EXPECT_EQ(e.stats().evaluations, 50);
+  const at::Tensor clean = e.demand()[0].toTensor().clone();
+  for (int s : {1, 17, 49, 50}) {
+    const std::string site = "n" + std::to_string(s);
+    EXPECT_EQ(static_cast<int>(e.cone(site).size()), 50 - s);
+    e.patch(site, at::zeros({4}));
+    e.check_invariants();
+    EXPECT_EQ(evals_of_demand(e), 50 - s);
+    const int64_t before = e.stats().evaluations;
+    e.restore();
+    e.check_invariants();
+    EXPECT_EQ(e.stats().evaluations, before) << "restore must not evaluate";
+    EXPECT_TRUE(at::equal(e.demand()[0].toTensor(), clean));
+    EXPECT_EQ(e.stats().evaluations, before);
+  }
+}
+
+TEST(Reactive, PatchedOutputsMatchFullRecomputation) {
+  // A diamond with a multi-output op: the cone follows every path.
+  auto g = ir::parse(R"(graph:
+  %x : f32[6] = input()
+  %a : f32[6] = aten::sin.default(%x)
+  %b : f32[6] = aten::cos.default(%a)
+  %c : f32[6] = aten::exp.default(%a)
+  %d : f32[6] = aten::mul.Tensor(%b, %c)
+  %s : (f32[3], f32[3]) = aten::split.Tensor(%d, 3)
+  %s0 : f32[3] = getitem(%s, 0)
+  %s1 : f32[3] = getitem(%s, 1)
+  %o : f32[3] = aten::add.Tensor(%s0, %s1)
+  return (%o, %c)
+)");
+  reactive::Engine e(*g);
+  at::Tensor x = at::randn({6});
+  e.run({x});
+  EXPECT_EQ(e.cone("b"), (std::vector<std::string>{"d", "s", "s0", "s1", "o"}));
+  at::Tensor pb = at::randn({6});
+  e.patch("b", pb);
+  EXPECT_FALSE(e.is_valid("d"));
+  EXPECT_TRUE(e.is_valid("c"));
+  EXPECT_EQ(evals_of_demand(e), 5);
+  auto out = e.demand();
+  at::Tensor d = pb * x.sin().exp();
+  EXPECT_TRUE(at::equal(out[0].toTensor(), d.split(3)[0] + d.split(3)[1]));
+  EXPECT_TRUE(at::equal(out[1].toTensor(), x.sin().exp()));
+  // Demanding one node evaluates only its stale ancestors.
+  e.restore();
+  e.patch("a", at::randn({6}));
+  const int64_t before = e.stats().evaluations;
+  e.value("c");
+  EXPECT_EQ(e.stats().evaluations - before, 1);
+  e.check_invariants();
+  EXPECT_EQ(evals_of_demand(e), 6);  // b, d, s, s0, s1, o
+}
+
+TEST(Reactive, RejectedMutationsChangeNothing) {
+  auto g = ir::parse(chain_text(10));
+  reactive::Engine e(*g);
+  e.run({at::randn({4})});
+  const std::string before = ir::print(e.graph());
+  EXPECT_NE(error_of([&] { e.patch("nope", at::zeros({4})); }).find("unknown node 'nope'"), std::string::npos);
+  EXPECT_NE(error_of([&] { e.patch("n3", at::zeros({5})); }).find("patch %n3: expected shape [4], got [5]"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { e.patch("n3", at::zeros({4}, at::kDouble)); }).find("expected dtype torch.float32"),
+            std::string::npos);
+  auto block = block_of(3);
+  EXPECT_NE(error_of([&] { e.graft("n5", "n3", *block, {}); }).find("would create a cycle"), std::string::npos);
+  EXPECT_NE(error_of([&] { e.graft("n5", "n5", *block, {}); }).find("would create a cycle"), std::string::npos);
+  EXPECT_NE(error_of([&] { e.graft("n3", "n7", *block, {}); }).find("no edge %n3 -> %n7"), std::string::npos);
+  EXPECT_NE(error_of([&] { e.graft("n3", "zz", *block, {}); }).find("unknown node 'zz'"), std::string::npos);
+  auto wrong = ir::parse("graph:\n  %a : f32[4] = input()\n  %s : f32[] = aten::sum.default(%a)\n  return (%s)\n");
+  EXPECT_NE(error_of([&] { e.graft("n3", "n4", *wrong, {}); }).find("block output type f32[] differs"),
+            std::string::npos);
+  EXPECT_EQ(ir::print(e.graph()), before);
+  EXPECT_EQ(e.num_dirty(), 0);
+  EXPECT_EQ(e.stats().evaluations, 10);
+  EXPECT_TRUE(e.pinned().empty());
+  e.check_invariants();
+}
+
+TEST(Reactive, RefusesMutatingAndDeadCode) {
+  auto mut = ir::parse("graph:\n  %x : f32[4] = input()\n  %y : f32[4] = aten::relu_.default(%x)\n  return (%y)\n");
+  EXPECT_NE(error_of([&] { reactive::Engine e(*mut); }).find("mutates its inputs"), std::string::npos);
+  auto dead = ir::parse("graph:\n  %x : f32[4] = input()\n  %y : f32[4] = aten::sin.default(%x)\n  return (%x)\n");
+  EXPECT_NE(error_of([&] { reactive::Engine e(*dead); }).find("node %y (aten::sin.default) does not reach an output"),
+            std::string::npos);
+}
+
+// E7 of cost-model.md: a 400-node chain, 6 sites, blocks of 20 nodes, exact per-graft counts.
+class E7 : public ::testing::TestWithParam<std::vector<int>> {};
+
+TEST_P(E7, InterleavedGraftCountsAreExact) {
+  const std::vector<int> sites = {57, 114, 171, 229, 286, 343};
+  const std::vector<int> order = GetParam();
+  auto g = ir::parse(chain_text(400));
+  reactive::Engine e(*g);
+  at::Tensor x = at::randn({4});
+  e.run({x});
+  auto block = block_of(20);
+  std::vector<int64_t> measured;
+  std::vector<int> done;
+  for (int k : order) {
+    const int site = sites[k - 1];
+    const std::string u = "n" + std::to_string(site);
+    const std::string w = "n" + std::to_string(site + 1);
+    auto names = e.graft(u, w, *block, {});
+    EXPECT_EQ(names.size(), 20u);
+    e.check_invariants();
+    measured.push_back(evals_of_demand(e));
+    // Closed form: h + |D0(w)| + sum of h over earlier grafts whose site lies in D0(w).
+    int64_t predicted = 20 + (400 - site);
+    for (int j : done)
+      if (sites[j - 1] > site) predicted += 20;
+    EXPECT_EQ(measured.back(), predicted);
+    done.push_back(k);
+  }
+  // Bit-identical to recomputing the grafted graph from scratch.
+  EXPECT_TRUE(at::equal(e.demand()[0].toTensor(), full_recompute(e.graph(), x)));
+  if (order == std::vector<int>{1, 2, 3, 4, 5, 6})
+    EXPECT_EQ(measured, (std::vector<int64_t>{363, 306, 249, 191, 134, 77}));
+  if (order == std::vector<int>{6, 5, 4, 3, 2, 1})
+    EXPECT_EQ(measured, (std::vector<int64_t>{77, 154, 231, 309, 386, 463}));
+  if (order == std::vector<int>{3, 4, 1, 6, 5, 2})
+    EXPECT_EQ(measured, (std::vector<int64_t>{249, 191, 403, 77, 154, 386}));
+}
+
+TEST_P(E7, BatchedGraftsCost463InAnyOrder) {
+  const std::vector<int> sites = {57, 114, 171, 229, 286, 343};
+  auto g = ir::parse(chain_text(400));
+  reactive::Engine e(*g);
+  at::Tensor x = at::randn({4});
+  e.run({x});
+  auto block = block_of(20);
+  e.begin_batch();
+  for (int k : GetParam()) {
+    const int site = sites[k - 1];
+    e.graft("n" + std::to_string(site), "n" + std::to_string(site + 1), *block, {});
+    e.check_invariants();
+  }
+  e.end_batch();
+  EXPECT_EQ(evals_of_demand(e), 463);
+  EXPECT_TRUE(at::equal(e.demand()[0].toTensor(), full_recompute(e.graph(), x)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Orders, E7,
+                         ::testing::Values(std::vector<int>{1, 2, 3, 4, 5, 6}, std::vector<int>{6, 5, 4, 3, 2, 1},
+                                           std::vector<int>{3, 4, 1, 6, 5, 2}));
+
+TEST(Reactive, NodeFormGraftReroutesEveryConsumer) {
+  auto g = ir::parse(R"(graph:
+  %x : f32[4] = input()
+  %a : f32[4] = aten::sin.default(%x)
+  %b : f32[4] = aten::cos.default(%a)
+  %c : f32[4] = aten::exp.default(%a)
+  %d : f32[4] = aten::add.Tensor(%b, %c)
+  return (%d)
+)");
+  reactive::Engine e(*g);
+  at::Tensor x = at::randn({4});
+  e.run({x});
+  auto names = e.graft("a", "", *block_of(2), {});
+  EXPECT_EQ(names, (std::vector<std::string>{"graft0_b1", "graft0_b2"}));
+  EXPECT_EQ(evals_of_demand(e), 2 + 3);  // h + |V+(a)|
+  at::Tensor a2 = x.sin().cos().cos();
+  EXPECT_TRUE(at::equal(e.demand()[0].toTensor(), a2.cos() + a2.exp()));
+}
+
+TEST(Reactive, GraftUnderAPatchRestoresToTheNewBaseline) {
+  auto g = ir::parse(chain_text(6));
+  reactive::Engine e(*g);
+  at::Tensor x = at::randn({4});
+  e.run({x});
+  e.patch("n2", at::ones({4}));
+  e.demand();
+  e.graft("n4", "n5", *block_of(1), {});
+  e.check_invariants();
+  e.demand();
+  e.restore();
+  e.check_invariants();
+  EXPECT_TRUE(at::equal(e.demand()[0].toTensor(), full_recompute(e.graph(), x)));
+  // Graft, then patch inside one batch, then restore: the graft's cone is still recomputed.
+  e.begin_batch();
+  e.graft("n1", "n2", *block_of(1), {});
+  e.patch("n3", at::ones({4}));
+  e.end_batch();
+  e.restore();
+  e.check_invariants();
+  EXPECT_TRUE(at::equal(e.demand()[0].toTensor(), full_recompute(e.graph(), x)));
+}
+
+TEST(Reactive, PartialRestoreAndEarlyCutoff) {
+  auto g = ir::parse(chain_text(8, "aten::relu.default"));
+  reactive::Engine e(*g);
+  at::Tensor x = at::rand({4}) + 1;  // positive, so relu is the identity
+  e.run({x});
+  e.patch("n2", at::ones({4}));
+  e.patch("n6", at::ones({4}) * 2);
+  e.demand();
+  e.restore("n2");  // n6 stays pinned: D(n2) up to n6 is recomputed
+  e.check_invariants();
+  EXPECT_EQ(evals_of_demand(e), 4);  // n2..n5
+  EXPECT_TRUE(at::equal(e.demand()[0].toTensor(), at::ones({4}) * 2));
+  e.restore();
+  EXPECT_TRUE(at::equal(e.demand()[0].toTensor(), x));
+  // With cutoff, a value that does not change stops propagation.
+  e.set_cutoff(true);
+  e.reset_stats();
+  e.patch("n3", x.clone());
+  EXPECT_EQ(evals_of_demand(e), 1);  // n4 recomputes to the same value; n5..n8 are cut off
+  EXPECT_EQ(e.stats().cutoffs, 4);
+}
+
+TEST(Reactive, HundredThousandMutationsWithoutDrift) {
+  auto g = ir::parse(chain_text(20));
+  reactive::Engine e(*g);
+  e.run({at::randn({4})});
+  e.reset_stats();
+  int64_t predicted = 0;
+  uint32_t state = 12345;
+  for (int i = 0; i < 100000; ++i) {
+    state = state * 1664525u + 1013904223u;
+    const int site = 1 + static_cast<int>((state >> 8) % 20);
+    e.patch("n" + std::to_string(site), at::zeros({4}));
+    if (i % 2 == 0) {
+      e.demand();
+      predicted += 20 - site;
+    }
+    e.restore();
+  }
+  EXPECT_EQ(e.stats().evaluations, predicted);
+  e.check_invariants();
+}
