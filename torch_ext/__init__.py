@@ -4,6 +4,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C  # noqa: F401
 from . import ir
 from .executor import Executor
+from .reactive import ReactiveGraph, SweepResult, sweep
 
-__all__ = ["Executor", "ir"]
+__all__ = ["Executor", "ReactiveGraph", "SweepResult", "ir", "sweep"]
 __version__ = "0.1.0"

@@ -37,8 +37,10 @@ c10::IValue const_to_ivalue(const Arg& a, const c10::TypePtr& formal, const std:
   switch (t->kind()) {
     case c10::TypeKind::IntType:
     case c10::TypeKind::SymIntType:
-      TORCH_CHECK(a.kind == Arg::Kind::Int || a.kind == Arg::Kind::Bool, where, "expected an int, got ",
-                  ir::print_arg(a));
+      // Schemas type ScalarType, Layout and MemoryFormat arguments as int.
+      TORCH_CHECK(a.kind == Arg::Kind::Int || a.kind == Arg::Kind::Bool || a.kind == Arg::Kind::Dtype ||
+                      a.kind == Arg::Kind::Layout || a.kind == Arg::Kind::MemoryFormat,
+                  where, "expected an int, got ", ir::print_arg(a));
       return c10::IValue(a.i);
     case c10::TypeKind::FloatType:
     case c10::TypeKind::SymFloatType:
@@ -191,6 +193,10 @@ BoundKernel BoundKernel::bind(const ir::Node& node, const SlotOf& slot_of_fn) {
         fill.consts.emplace_back();
       } else {
         TORCH_CHECK(e.kind != Arg::Kind::List, where, "nested lists are not supported");
+        TORCH_CHECK(fill.kind != ListKind::Tensor, where, "element ", ir::print_arg(e),
+                    " of a tensor list is not a graph value");
+        TORCH_CHECK(fill.kind != ListKind::OptionalTensor || e.kind == Arg::Kind::None, where, "element ",
+                    ir::print_arg(e), " of an optional-tensor list must be a graph value or None");
         fill.slots.push_back(-1);
         fill.consts.push_back(fill.kind == ListKind::Tensor ? c10::IValue() : const_to_ivalue(e, elem, where));
       }

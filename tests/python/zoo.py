@@ -117,6 +117,14 @@ def tied_embedding():
     return TiedLM(), (torch.randint(0, 50, (3, 7)),)
 
 
+def tiny_transformer():
+    """torch_ext.models.TinyTransformer: position-embedding slice, tied unembedding via ``@ weight.t()``."""
+    from torch_ext.models import TinyTransformer
+
+    m = TinyTransformer()
+    return m.eval(), (torch.randint(0, m.vocab, (2, m.seq)),)
+
+
 # ---------------------------------------------------------------- recurrent
 class LSTMModel(nn.Module):
     """nn.LSTM with explicit (h0, c0): exports to aten::lstm.input."""
@@ -231,6 +239,9 @@ class ZooEntry:
     build: Callable[[], tuple]
     joint: bool = False
     mutates_buffers: bool = False
+    # Why the exported (not decomposed) program can't be compared bit-exactly with ep.module();
+    # None means bit-exact. Such entries are compared within atol = rtol = 1e-6.
+    inexact: str | None = None
 
 
 ZOO: dict[str, ZooEntry] = {
@@ -239,10 +250,63 @@ ZOO: dict[str, ZooEntry] = {
     "cnn_bn_train": ZooEntry(cnn_bn_train, mutates_buffers=True),
     "transformer_block": ZooEntry(transformer_block),
     "tied_embedding": ZooEntry(tied_embedding),
+    "tiny_transformer": ZooEntry(tiny_transformer),
     "lstm": ZooEntry(lstm),
-    "gru": ZooEntry(gru),
+    "gru": ZooEntry(gru, inexact=(
+        "aten::gru.input is CompositeImplicitAutograd; inside it, matmul picks its kernel (fold to mm "
+        "or not) from the weights' requires_grad. ep.module() holds nn.Parameters (requires_grad), the "
+        "executor and the flat GraphModule inputs hold detached copies, so different kernels run "
+        "(max diff ~9e-8). The decomposed program is bit-exact.")),
     "multi_output": ZooEntry(multi_output),
     "int_shape": ZooEntry(int_shape),
     "dtype_args": ZooEntry(dtype_args),
     "joint_mlp": ZooEntry(joint_mlp, joint=True),
 }
+
+
+# ---------------------------------------------------------------- helpers shared by the tests
+def make_executor(ep):
+    import torch_ext
+
+    return torch_ext.Executor(ep)
+
+
+def flat_lifted_inputs(graph, state: dict, user_inputs) -> list:
+    """Inputs for every placeholder of ``graph`` in order: state tensors (cloned) and user inputs."""
+    import torch.utils._pytree as pytree
+
+    flat_user = iter(pytree.tree_leaves((tuple(user_inputs), {})))
+    out = []
+    for n in graph.nodes():
+        if n["kind"] != "placeholder":
+            continue
+        if n["role"] == "input":
+            out.append(next(flat_user))
+        else:
+            out.append(state[n["state_name"]].detach().clone())
+    rest = list(flat_user)
+    assert not rest, f"{len(rest)} user inputs left over"
+    return out
+
+
+def assert_bit_exact(actual, expected, what: str = "output", tol: float | None = None) -> None:
+    """Same pytree structure and, leaf by leaf, torch.equal tensors (dtype and shape included).
+
+    With ``tol``, floating-point leaves need only agree within atol = rtol = tol.
+    """
+    import torch.utils._pytree as pytree
+
+    a_leaves, a_spec = pytree.tree_flatten(actual)
+    e_leaves, e_spec = pytree.tree_flatten(expected)
+    assert a_spec == e_spec, f"{what}: structure {a_spec} != {e_spec}"
+    for i, (a, e) in enumerate(zip(a_leaves, e_leaves)):
+        if isinstance(e, torch.Tensor):
+            assert isinstance(a, torch.Tensor), f"{what}[{i}]: expected a tensor, got {type(a).__name__}"
+            assert a.dtype == e.dtype and a.shape == e.shape, \
+                f"{what}[{i}]: {a.dtype}{list(a.shape)} != {e.dtype}{list(e.shape)}"
+            if tol is not None and e.is_floating_point():
+                torch.testing.assert_close(a, e, atol=tol, rtol=tol, msg=lambda m: f"{what}[{i}]: {m}")
+                continue
+            assert torch.equal(a, e), f"{what}[{i}]: max abs diff {(a.double() - e.double()).abs().max().item()}"
+        else:
+            assert a == e, f"{what}[{i}]: {a!r} != {e!r}"
