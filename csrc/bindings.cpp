@@ -6,6 +6,7 @@
 #include "ir/parser.h"
 #include "ir/printer.h"
 #include "ir/verifier.h"
+#include "passes/build_train_step.h"
 #include "reactive/engine.h"
 #include "runtime/executor.h"
 
@@ -172,6 +173,27 @@ py::dict node_to_py(const ir::Node& n) {
   return d;
 }
 
+passes::TrainStepSpec spec_from_py(const py::dict& d) {
+  passes::TrainStepSpec spec;
+  spec.loss_output = d["loss_output"].cast<int64_t>();
+  spec.buffer_mutations = d["buffer_mutations"].cast<std::vector<std::pair<int64_t, std::string>>>();
+  spec.grads = d["grads"].cast<std::vector<std::pair<int64_t, std::string>>>();
+  spec.num_groups = d["num_groups"].cast<int64_t>();
+  if (!d["clip_max_norm"].is_none()) spec.clip_max_norm = d["clip_max_norm"].cast<double>();
+  spec.clip_norm_type = d["clip_norm_type"].cast<double>();
+  for (auto h : d["updates"].cast<py::list>()) {
+    auto u = h.cast<py::dict>();
+    passes::ParamUpdate pu;
+    pu.param = u["param"].cast<std::string>();
+    pu.kind = u["kind"].cast<std::string>();
+    pu.group = u["group"].cast<int64_t>();
+    pu.hyper = u["hyper"].cast<std::map<std::string, double>>();
+    pu.flags = u["flags"].cast<std::map<std::string, bool>>();
+    spec.updates.push_back(std::move(pu));
+  }
+  return spec;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -307,4 +329,12 @@ PYBIND11_MODULE(_C, m) {
       .def("check_invariants", &reactive::Engine::check_invariants)
       .def("graph", [](const reactive::Engine& e) { return std::shared_ptr<ir::Graph>(e.graph().clone()); })
       .def("__str__", [](const reactive::Engine& e) { return ir::print(e.graph()); });
+
+  m.def(
+      "build_train_step",
+      [](const ir::Graph& joint, const py::dict& spec, int64_t unroll_steps) {
+        auto out = passes::build_train_step(joint, spec_from_py(spec), unroll_steps);
+        return py::make_tuple(std::shared_ptr<ir::Graph>(std::move(out.graph)), out.state_names, out.num_user_inputs);
+      },
+      py::arg("joint"), py::arg("spec"), py::arg("unroll") = 1);
 }

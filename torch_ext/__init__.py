@@ -6,6 +6,7 @@ from . import _fake  # noqa: F401  (fake kernels for torch.ops.torch_ext)
 from . import ir
 from .executor import Executor
 from .reactive import ReactiveGraph, SweepResult, sweep
+from .train_step import TrainState, TrainStep, make_train_step
 
-__all__ = ["Executor", "ReactiveGraph", "SweepResult", "ir", "sweep"]
+__all__ = ["Executor", "ReactiveGraph", "SweepResult", "TrainState", "TrainStep", "ir", "make_train_step", "sweep"]
 __version__ = "0.1.0"

@@ -44,10 +44,28 @@ def op_name(target) -> tuple[str, str] | None:
     return None
 
 
-def export_joint(ep: torch.export.ExportedProgram, loss_index: int = 0) -> torch.export.ExportedProgram:
-    """The joint forward/backward program: outputs gain the gradients of output `loss_index`."""
-    from torch.export.experimental import _export_forward_backward
+def export_joint(ep: torch.export.ExportedProgram, loss_index: int = 0, *,
+                 decompose: bool = False) -> torch.export.ExportedProgram:
+    """The joint forward/backward program: outputs gain the gradients of output `loss_index`.
 
-    return _export_forward_backward(ep, joint_loss_index=loss_index)
+    torch.export.experimental._export_forward_backward always applies the core-ATen decomposition
+    table, which swaps eager autograd's backward kernels (nll_loss_backward,
+    _log_softmax_backward_data, native_layer_norm_backward, ...) for decompositions that round
+    differently. With decompose=False we run the same internal entry point with an empty table,
+    so the joint graph calls exactly the kernels eager autograd calls and gradients match bit
+    for bit.
+    """
+    from torch._decomp import core_aten_decompositions
+    from torch.export.exported_program import _decompose_exported_program
+    from torch.export.experimental import _copy_graph_module_and_signature, _remove_detach_pass
 
-
+    joint = _decompose_exported_program(
+        ep,
+        cia_to_decomp={},
+        python_decomp_table=core_aten_decompositions() if decompose else {},
+        joint_loss_index=loss_index,
+        decompose_custom_triton_ops=False,
+    )
+    gm, signature = _copy_graph_module_and_signature(joint)
+    _remove_detach_pass(gm, signature)
+    return joint._update(gm, signature)

@@ -361,6 +361,26 @@ void Graph::reorder_calls(const std::vector<Node*>& order) {
   index();
 }
 
+void Graph::reorder_placeholders(const std::vector<Node*>& order) {
+  const size_t n = placeholders().size();
+  TORCH_INTERNAL_ASSERT(order.size() == n, "reorder_placeholders needs a permutation of the placeholders");
+  std::vector<std::unique_ptr<Node>> head;
+  for (Node* p : order) {
+    TORCH_INTERNAL_ASSERT(p->owner_ == this && p->kind_ == NodeKind::Placeholder && p->index_ >= 0 &&
+                          static_cast<size_t>(p->index_) < n && nodes_[p->index_] != nullptr,
+                          "reorder_placeholders: not a permutation");
+    head.push_back(std::move(nodes_[p->index_]));
+  }
+  for (size_t i = 0; i < n; ++i) nodes_[i] = std::move(head[i]);
+  index();
+}
+
+void Graph::set_output(std::vector<Arg> values) {
+  Node* out = output();
+  TORCH_CHECK(out != nullptr, "graph has no output node");
+  set_args(out, {Arg::of_list(std::move(values))}, {});
+}
+
 std::vector<Node*> Graph::placeholders() const {
   std::vector<Node*> out;
   for (const auto& n : nodes_) {

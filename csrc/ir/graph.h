@@ -206,6 +206,10 @@ class Graph {
   void move_before(Node* node, Node* before);
   // Reorders all call nodes to `order`, which must be a permutation of them.
   void reorder_calls(const std::vector<Node*>& order);
+  // Reorders the placeholders to `order`, which must be a permutation of them.
+  void reorder_placeholders(const std::vector<Node*>& order);
+  // Replaces the output node's value list.
+  void set_output(std::vector<Arg> values);
 
   const std::vector<std::unique_ptr<Node>>& nodes() const { return nodes_; }
   size_t size() const { return nodes_.size(); }

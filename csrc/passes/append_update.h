@@ -1,0 +1,26 @@
+// Pass: append the optimizer's update subgraph.
+//
+// Requires: the placeholders made by lift_optimizer_state (looked up by state name), one
+//           gradient node per updated parameter (`grads`, keyed by parameter state name), and
+//           parameter placeholders for every update in the spec.
+// Guarantees: one functional torch_ext::<kind>_update node per parameter (plus getitems), in
+//             spec order, after every existing call; returns the new value of every updated
+//             state entry keyed by state name (the parameter's own name for the new parameter,
+//             "opt:<param>:<slot>" for its optimizer state). Parameters without a gradient are
+//             skipped, as torch.optim skips params whose .grad is None. The graph verifies.
+#pragma once
+
+#include "ir/graph.h"
+#include "passes/train_step_spec.h"
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace torch_ext::passes {
+
+std::vector<std::pair<std::string, ir::Node*>> append_update(ir::Graph& graph, const TrainStepSpec& spec,
+                                                             const std::map<std::string, ir::Node*>& grads,
+                                                             const std::map<std::string, ir::Node*>& lifted);
+
+}  // namespace torch_ext::passes

@@ -1,0 +1,89 @@
+#include "passes/build_train_step.h"
+
+#include "ir/verifier.h"
+#include "passes/append_update.h"
+#include "passes/check_pure.h"
+#include "passes/clip_grad_norm.h"
+#include "passes/eliminate_dead_code.h"
+#include "passes/lift_optimizer_state.h"
+#include "passes/rewire_outputs.h"
+#include "passes/unroll.h"
+
+#include <c10/util/Exception.h>
+
+namespace torch_ext::passes {
+namespace {
+
+void verify_after(const ir::Graph& g, const char* pass) {
+  try {
+    ir::verify(g);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "graph invalid after pass ", pass, ": ", e.what_without_backtrace());
+  }
+}
+
+ir::Node* output_node(const ir::Graph& g, int64_t index, const char* what) {
+  const auto& outs = g.output()->args()[0].list;
+  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(outs.size()), "build_train_step: ", what, " output index ",
+              index, " out of range (", outs.size(), " outputs)");
+  TORCH_CHECK(outs[index].kind == ir::Arg::Kind::Node, "build_train_step: ", what, " output #", index,
+              " is not a graph value");
+  return outs[index].node;
+}
+
+}  // namespace
+
+TrainStepGraph build_train_step(const ir::Graph& joint, const TrainStepSpec& spec, int64_t unroll_steps) {
+  auto g = joint.clone();
+  ir::verify(*g);
+  ir::Node* loss = output_node(*g, spec.loss_output, "loss");
+  TORCH_CHECK(loss->type().is_tensor() && loss->type().tensor.sizes.empty(),
+              "build_train_step: the loss must be a scalar tensor, got ", loss->type().is_tensor() ? "a tensor of rank " +
+              std::to_string(loss->type().tensor.sizes.size()) : std::string("a non-tensor"));
+  std::vector<std::pair<std::string, ir::Node*>> buffers;
+  for (const auto& [idx, name] : spec.buffer_mutations) buffers.emplace_back(name, output_node(*g, idx, "buffer"));
+  std::vector<std::string> grad_order;
+  std::map<std::string, ir::Node*> grads;
+  for (const auto& [idx, name] : spec.grads) {
+    grads[name] = output_node(*g, idx, "gradient");
+    grad_order.push_back(name);
+  }
+
+  auto lifted = lift_optimizer_state(*g, spec);
+  verify_after(*g, "lift_optimizer_state");
+  if (spec.clip_max_norm.has_value()) {
+    std::vector<ir::Node*> in;
+    for (const std::string& n : grad_order) in.push_back(grads.at(n));
+    auto clipped = clip_grad_norm(*g, in, *spec.clip_max_norm, spec.clip_norm_type);
+    for (size_t i = 0; i < grad_order.size(); ++i) grads[grad_order[i]] = clipped[i];
+    verify_after(*g, "clip_grad_norm");
+  }
+  auto updated = append_update(*g, spec, grads, lifted);
+  verify_after(*g, "append_update");
+
+  // Output order: new parameters, new buffers, new optimizer state.
+  std::vector<std::pair<std::string, ir::Node*>> state;
+  for (const auto& e : updated)
+    if (e.first.rfind("opt:", 0) != 0) state.push_back(e);
+  state.insert(state.end(), buffers.begin(), buffers.end());
+  for (const auto& e : updated)
+    if (e.first.rfind("opt:", 0) == 0) state.push_back(e);
+  const size_t num_state = rewire_outputs(*g, loss, state);
+  verify_after(*g, "rewire_outputs");
+  eliminate_dead_code(*g);
+  verify_after(*g, "eliminate_dead_code");
+  check_pure(*g);
+
+  TrainStepGraph out;
+  for (const auto& e : state) out.state_names.push_back(e.first);
+  for (ir::Node* p : g->placeholders()) out.num_user_inputs += p->role() == ir::InputRole::UserInput;
+  if (unroll_steps > 1) {
+    g = unroll(*g, num_state, unroll_steps);
+    verify_after(*g, "unroll");
+    check_pure(*g);
+  }
+  out.graph = std::move(g);
+  return out;
+}
+
+}  // namespace torch_ext::passes

@@ -1,0 +1,26 @@
+// The pure-training-step pipeline: joint forward/backward graph in, one side-effect-free step out.
+//
+//   lift_optimizer_state -> [clip_grad_norm] -> append_update -> rewire_outputs
+//   -> eliminate_dead_code -> check_pure -> [unroll]
+//
+// The verifier runs after every pass; a failure names the pass. The input graph is not changed.
+#pragma once
+
+#include "ir/graph.h"
+#include "passes/train_step_spec.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace torch_ext::passes {
+
+struct TrainStepGraph {
+  std::unique_ptr<ir::Graph> graph;
+  std::vector<std::string> state_names;  // the first inputs, and outputs 1.., in this order
+  size_t num_user_inputs = 0;            // per step
+};
+
+TrainStepGraph build_train_step(const ir::Graph& joint, const TrainStepSpec& spec, int64_t unroll_steps);
+
+}  // namespace torch_ext::passes

@@ -1,0 +1,15 @@
+// Analysis: is the graph side-effect free?
+//
+// Requires: a verified graph.
+// Guarantees: throws c10::Error naming the node when a call's schema mutates an argument
+//             (Tensor(a!)), or when an output is an input or a view of one (so that no output
+//             aliases an input); returns normally otherwise. Changes nothing.
+#pragma once
+
+#include "ir/graph.h"
+
+namespace torch_ext::passes {
+
+void check_pure(const ir::Graph& graph);
+
+}  // namespace torch_ext::passes

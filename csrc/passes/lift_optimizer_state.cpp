@@ -1,0 +1,59 @@
+#include "passes/lift_optimizer_state.h"
+
+#include <c10/util/Exception.h>
+
+#include <cctype>
+
+namespace torch_ext::passes {
+namespace {
+
+ir::Node* find_param(const ir::Graph& g, const std::string& state) {
+  for (ir::Node* p : g.placeholders())
+    if (p->state_name() == state && p->role() == ir::InputRole::Parameter) return p;
+  return nullptr;
+}
+
+std::string sanitize(const std::string& s) {
+  std::string out;
+  for (char c : s) out += (std::isalnum(static_cast<unsigned char>(c)) || c == '_') ? c : '_';
+  return out;
+}
+
+ir::Type scalar_type(c10::ScalarType dtype) {
+  ir::TensorMeta m;
+  m.dtype = dtype;
+  return ir::Type::make_tensor(m);
+}
+
+}  // namespace
+
+std::map<std::string, ir::Node*> lift_optimizer_state(ir::Graph& g, const TrainStepSpec& spec) {
+  // Validate first so a refused spec leaves the graph unchanged.
+  for (const ParamUpdate& u : spec.updates) {
+    ir::Node* p = find_param(g, u.param);
+    TORCH_CHECK(p != nullptr, "lift_optimizer_state: no parameter placeholder for '", u.param, "'");
+    TORCH_CHECK(p->type().is_tensor(), "lift_optimizer_state: parameter '", u.param, "' is not a tensor");
+    TORCH_CHECK(u.group >= 0 && u.group < spec.num_groups, "lift_optimizer_state: parameter '", u.param,
+                "' has group ", u.group, " but there are ", spec.num_groups, " groups");
+    state_slots(u.kind);
+  }
+  std::map<std::string, ir::Node*> lifted;
+  for (const ParamUpdate& u : spec.updates) {
+    ir::Node* p = find_param(g, u.param);
+    for (const std::string& slot : state_slots(u.kind)) {
+      const std::string name = state_name(u.param, slot);
+      if (lifted.count(name)) continue;
+      ir::Type t = slot == "step" ? scalar_type(c10::ScalarType::Float) : p->type();
+      if (t.is_tensor()) t.tensor.strides = ir::TensorMeta::contiguous_strides(t.tensor.sizes);
+      lifted[name] = g.create_placeholder(g.unique_name("opt_" + sanitize(u.param) + "_" + slot),
+                                          ir::InputRole::OptimizerState, t, name);
+    }
+  }
+  for (int64_t grp = 0; grp < spec.num_groups; ++grp)
+    lifted[lr_name(grp)] = g.create_placeholder(g.unique_name("lr_group" + std::to_string(grp)),
+                                                ir::InputRole::OptimizerState, scalar_type(c10::ScalarType::Double),
+                                                lr_name(grp));
+  return lifted;
+}
+
+}  // namespace torch_ext::passes

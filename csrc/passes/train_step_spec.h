@@ -1,0 +1,40 @@
+// What the pure-training-step passes need to know about the optimizer and the joint graph.
+// Filled by the Python front end from a real torch.optim optimizer and the joint program's
+// output signature; plain data, no torch types.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace torch_ext::passes {
+
+// One parameter's update rule. `kind` is one of: sgd, sgd_momentum, adam, adam_amsgrad, muon.
+struct ParamUpdate {
+  std::string param;  // the parameter's state name, e.g. "fc1.weight"
+  std::string kind;
+  int64_t group = 0;  // index of the lr input shared by the param group
+  std::map<std::string, double> hyper;  // momentum, dampening, weight_decay, beta1, beta2, eps, a, b, c, ns_steps, lr_ratio
+  std::map<std::string, bool> flags;    // nesterov, maximize, decoupled
+};
+
+struct TrainStepSpec {
+  int64_t loss_output = -1;                                       // index into the joint graph's outputs
+  std::vector<std::pair<int64_t, std::string>> buffer_mutations;  // output index -> buffer state name
+  std::vector<std::pair<int64_t, std::string>> grads;             // output index -> parameter state name
+  std::vector<ParamUpdate> updates;
+  int64_t num_groups = 1;
+  std::optional<double> clip_max_norm;
+  double clip_norm_type = 2.0;
+};
+
+// Names of the optimizer-state slots each update kind keeps, in the op's argument order.
+std::vector<std::string> state_slots(const std::string& kind);
+// The state name of a lifted optimizer input: "opt:<param>:<slot>", and "opt:lr:group<g>".
+std::string state_name(const std::string& param, const std::string& slot);
+std::string lr_name(int64_t group);
+
+}  // namespace torch_ext::passes

@@ -1,0 +1,365 @@
+"""make_train_step: one training iteration as one pure graph, (loss, S') = F(batch, S).
+
+The Python side reads the model and the torch.optim optimizer into a plain spec, exports the joint
+forward/backward graph, and hands both to the C++ pipeline (csrc/passes/build_train_step.h). It
+performs no graph transformation itself.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from . import _C, _compat
+from .ir import Graph
+
+_MODEL_PREFIX = "model."
+_ids = itertools.count()
+
+
+@dataclass
+class TrainState:
+    """Everything a step reads and writes: parameters, buffers and optimizer state.
+
+    ``opt`` maps "opt:<param>:<slot>" to a tensor, ``lr`` holds one float64 tensor per param group
+    (a schedule changes them without re-export). A state belongs to the step that made it.
+    """
+
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    opt: dict[str, torch.Tensor]
+    lr: list[torch.Tensor]
+    step_id: int = field(default=-1, repr=False)
+
+    def lookup(self, name: str) -> torch.Tensor:
+        if name.startswith("opt:lr:group"):
+            return self.lr[int(name[len("opt:lr:group"):])]
+        if name.startswith("opt:"):
+            return self.opt[name]
+        if name in self.params:
+            return self.params[name]
+        return self.buffers[name]
+
+    def replace(self, updates: dict[str, torch.Tensor]) -> "TrainState":
+        params, buffers, opt = dict(self.params), dict(self.buffers), dict(self.opt)
+        for k, v in updates.items():
+            if k.startswith("opt:"):
+                opt[k] = v
+            elif k in params:
+                params[k] = v
+            else:
+                buffers[k] = v
+        return TrainState(params, buffers, opt, list(self.lr), self.step_id)
+
+    def set_lr(self, lr: float | Sequence[float]) -> None:
+        """Sets the learning rate of every group (or each group) for the next calls."""
+        values = [lr] * len(self.lr) if isinstance(lr, (int, float)) else list(lr)
+        if len(values) != len(self.lr):
+            raise ValueError(f"set_lr: expected {len(self.lr)} values, got {len(values)}")
+        self.lr = [torch.tensor(float(v), dtype=torch.float64) for v in values]
+
+
+def _flatten_state(s: TrainState):
+    keys = (sorted(s.params), sorted(s.buffers), sorted(s.opt))
+    leaves = [s.params[k] for k in keys[0]] + [s.buffers[k] for k in keys[1]] + [s.opt[k] for k in keys[2]] + list(s.lr)
+    return leaves, (keys, len(s.lr), s.step_id)
+
+
+def _unflatten_state(leaves, ctx):
+    (pk, bk, ok), n_lr, step_id = ctx
+    it = iter(leaves)
+    params = {k: next(it) for k in pk}
+    buffers = {k: next(it) for k in bk}
+    opt = {k: next(it) for k in ok}
+    return TrainState(params, buffers, opt, [next(it) for _ in range(n_lr)], step_id)
+
+
+pytree.register_pytree_node(TrainState, _flatten_state, _unflatten_state)
+
+
+class _LossModule(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable):
+        super().__init__()
+        self.model = model
+        self._loss_fn = loss_fn
+
+    def forward(self, *batch):
+        return self._loss_fn(self.model, *batch)
+
+
+_SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Muon)
+
+
+def _check_options(opt: torch.optim.Optimizer, group: dict, gi: int) -> None:
+    name = type(opt).__name__
+    bad = []
+    for key in ("foreach", "fused"):
+        if group.get(key):
+            bad.append(f"{key}=True")
+    for key in ("capturable", "differentiable"):
+        if group.get(key):
+            bad.append(f"{key}=True")
+    if bad:
+        raise ValueError(f"{name} param group {gi}: option(s) {', '.join(bad)} are not supported by the pure step "
+                         "(it follows torch.optim's single-tensor path); leave them at their defaults")
+    for key in ("lr", "weight_decay", "momentum", "eps"):
+        if isinstance(group.get(key), torch.Tensor) and group[key].requires_grad:
+            raise ValueError(f"{name} param group {gi}: a differentiable tensor '{key}' is not supported")
+    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        betas = group["betas"]
+        if any(isinstance(b, torch.Tensor) for b in betas):
+            raise ValueError(f"{name} param group {gi}: tensor betas are not supported")
+
+
+def _update_for(opt, group: dict, param: torch.Tensor, name: str, gi: int) -> dict:
+    _check_options(opt, group, gi)
+    maximize = bool(group.get("maximize", False))
+    if isinstance(opt, torch.optim.SGD):
+        if group["momentum"] == 0:
+            if group["nesterov"]:
+                raise ValueError(f"SGD param group {gi}: nesterov requires momentum > 0")
+            return dict(kind="sgd", hyper=dict(weight_decay=float(group["weight_decay"])), flags=dict(maximize=maximize))
+        return dict(kind="sgd_momentum",
+                    hyper=dict(momentum=float(group["momentum"]), dampening=float(group["dampening"]),
+                               weight_decay=float(group["weight_decay"])),
+                    flags=dict(nesterov=bool(group["nesterov"]), maximize=maximize))
+    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        beta1, beta2 = group["betas"]
+        decoupled = isinstance(opt, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
+        return dict(kind="adam_amsgrad" if group["amsgrad"] else "adam",
+                    hyper=dict(beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                               weight_decay=float(group["weight_decay"])),
+                    flags=dict(decoupled=decoupled, maximize=maximize))
+    if isinstance(opt, torch.optim.Muon):
+        a_dim, b_dim = param.shape[:2]
+        fn = group["adjust_lr_fn"]
+        if fn is None or fn == "original":
+            ratio = math.sqrt(max(1, a_dim / b_dim))
+        elif fn == "match_rms_adamw":
+            ratio = 0.2 * math.sqrt(max(a_dim, b_dim))
+        else:
+            ratio = 1.0
+        a, b, c = group["ns_coefficients"]
+        return dict(kind="muon",
+                    hyper=dict(weight_decay=float(group["weight_decay"]), momentum=float(group["momentum"]),
+                               a=float(a), b=float(b), c=float(c), ns_steps=float(group["ns_steps"]),
+                               eps=float(group["eps"]), lr_ratio=float(ratio)),
+                    flags=dict(nesterov=bool(group["nesterov"])))
+    raise TypeError(f"optimizer {type(opt).__name__} is not supported (supported: SGD, Adam, AdamW, Muon)")
+
+
+class TrainStep:
+    """A pure training step. ``loss, new_state = step(state, *batch)`` never mutates ``state``."""
+
+    def __init__(self, model, optimizers, loss_fn, example_batch, clip_grad_norm, unroll):
+        self.model = model
+        self.optimizers = optimizers
+        self.loss_fn = loss_fn
+        self.unroll = int(unroll)
+        self.clip_grad_norm = clip_grad_norm
+        self._id = next(_ids)
+        self._example_batch = tuple(example_batch)
+        self.last_nonfinite = False
+
+        names = {id(p): n for n, p in model.named_parameters()}
+        self._param_of: dict[str, torch.Tensor] = {}
+        self._updates: list[dict] = []
+        self._groups: list[tuple[torch.optim.Optimizer, dict]] = []
+        seen: dict[int, str] = {}
+        for opt in optimizers:
+            if not isinstance(opt, _SUPPORTED):
+                raise TypeError(f"optimizer {type(opt).__name__} is not supported (supported: SGD, Adam, AdamW, Muon)")
+            for group in opt.param_groups:
+                gi = len(self._groups)
+                self._groups.append((opt, group))
+                for p in group["params"]:
+                    if id(p) not in names:
+                        raise ValueError(f"{type(opt).__name__} param group {gi} holds a parameter of shape "
+                                         f"{tuple(p.shape)} that is not a parameter of the model")
+                    if id(p) in seen:
+                        raise ValueError(f"parameter '{names[id(p)]}' appears in more than one param group/optimizer")
+                    seen[id(p)] = names[id(p)]
+                    name = names[id(p)]
+                    self._param_of[name] = p
+                    u = _update_for(opt, group, p, name, gi)
+                    u.update(param=_MODEL_PREFIX + name, group=gi)
+                    self._updates.append(u)
+
+        wrapper = _LossModule(model, loss_fn)
+        ep = torch.export.export(wrapper, self._example_batch)
+        loss_val = [n for n in ep.graph.nodes if n.op == "output"][0].args[0][0].meta.get("val")
+        if not isinstance(loss_val, torch.Tensor) or loss_val.dim() != 0:
+            shape = tuple(loss_val.shape) if isinstance(loss_val, torch.Tensor) else type(loss_val).__name__
+            raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
+        self._forward_program = ep
+        joint = _compat.export_joint(ep)
+        out_node = [n for n in joint.graph.nodes if n.op == "output"][0]
+        out_args = out_node.args[0]
+        spec = dict(loss_output=-1, buffer_mutations=[], grads=[], updates=self._updates,
+                    num_groups=len(self._groups), clip_max_norm=None if clip_grad_norm is None else float(clip_grad_norm),
+                    clip_norm_type=2.0)
+        for i, s in enumerate(joint.graph_signature.output_specs):
+            kind = s.kind.name
+            if kind == "LOSS_OUTPUT":
+                spec["loss_output"] = i
+            elif kind == "BUFFER_MUTATION":
+                spec["buffer_mutations"].append((i, s.target))
+            elif kind == "GRADIENT_TO_PARAMETER":
+                if isinstance(out_args[i], torch.fx.Node):
+                    spec["grads"].append((i, s.target))
+            elif kind != "USER_OUTPUT":
+                raise NotImplementedError(f"joint program output kind {kind} is not supported")
+        self.joint_graph = Graph.from_exported(joint)
+        cgraph, self._state_names, self._num_user = _C.build_train_step(self.joint_graph._g, spec, self.unroll)
+        self.graph = Graph(cgraph)
+        self._inputs = [(n["state_name"], n["role"]) for n in self.graph.nodes() if n["kind"] == "placeholder"]
+        self._executor = _C.Executor(cgraph)
+        self._program = None
+        self._buffer_names = [n for n, _ in model.named_buffers()]
+
+    # ---- state
+    @staticmethod
+    def _strip(name: str) -> str:
+        return name[len(_MODEL_PREFIX):] if name.startswith(_MODEL_PREFIX) else name
+
+    def init_state(self) -> TrainState:
+        """Copies parameters, buffers and optimizer state (if any) out of the model and optimizers."""
+        params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
+        opt: dict[str, torch.Tensor] = {}
+        for u in self._updates:
+            pname = self._strip(u["param"])
+            p = self._param_of[pname]
+            owner = self._groups[u["group"]][0]
+            st = owner.state.get(p, {})
+            kind = u["kind"]
+            key = lambda slot: f"opt:{u['param']}:{slot}"  # noqa: E731
+            if kind == "sgd_momentum":
+                buf = st.get("momentum_buffer")
+                opt[key("momentum_buffer")] = buf.detach().clone() if buf is not None else torch.zeros_like(p)
+                opt[key("step")] = torch.tensor(0.0 if buf is None else 1.0)
+            elif kind in ("adam", "adam_amsgrad"):
+                opt[key("exp_avg")] = st["exp_avg"].detach().clone() if "exp_avg" in st else torch.zeros_like(p)
+                opt[key("exp_avg_sq")] = st["exp_avg_sq"].detach().clone() if "exp_avg_sq" in st else torch.zeros_like(p)
+                if kind == "adam_amsgrad":
+                    opt[key("max_exp_avg_sq")] = (st["max_exp_avg_sq"].detach().clone() if "max_exp_avg_sq" in st
+                                                  else torch.zeros_like(p))
+                step = st.get("step")
+                opt[key("step")] = (step.detach().clone().float() if isinstance(step, torch.Tensor)
+                                    else torch.tensor(float(step or 0.0)))
+            elif kind == "muon":
+                buf = st.get("momentum_buffer")
+                opt[key("momentum_buffer")] = buf.detach().clone() if buf is not None else torch.zeros_like(p)
+        lr = [torch.tensor(float(g["lr"]), dtype=torch.float64) for _, g in self._groups]
+        return TrainState({_MODEL_PREFIX + k: v for k, v in params.items()},
+                          {_MODEL_PREFIX + k: v for k, v in buffers.items()}, opt, lr, self._id)
+
+    def _check_state(self, state) -> None:
+        if not isinstance(state, TrainState):
+            raise TypeError(f"expected a TrainState from step.init_state(), got {type(state).__name__}")
+        if state.step_id != self._id:
+            raise ValueError("this TrainState was made by another TrainStep (step_id "
+                             f"{state.step_id}, this step is {self._id}); use this step's init_state()")
+
+    def flat_inputs(self, state: TrainState, *batch) -> list:
+        """The program's flat positional inputs: state entries, then the batch (or batches when unrolled)."""
+        self._check_state(state)
+        flat_batch = pytree.tree_leaves(batch)
+        if len(flat_batch) != self._num_user * self.unroll:
+            raise ValueError(f"expected {self._num_user * self.unroll} batch tensors"
+                             f"{' (' + str(self.unroll) + ' batches)' if self.unroll > 1 else ''}, got {len(flat_batch)}")
+        examples = pytree.tree_leaves(self._example_batch) * self.unroll
+        for i, (t, ex) in enumerate(zip(flat_batch, examples)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"batch[{i}]: expected a tensor, got {type(t).__name__}")
+            if t.shape != ex.shape or t.dtype != ex.dtype:
+                raise ValueError(f"batch[{i}]: expected shape {tuple(ex.shape)} and dtype {ex.dtype} as in the "
+                                 f"example batch, got shape {tuple(t.shape)} and dtype {t.dtype}")
+        it = iter(flat_batch)
+        return [next(it) if role == "input" else state.lookup(name) for name, role in self._inputs]
+
+    def __call__(self, state: TrainState, *batch, skip_nonfinite: bool = False):
+        inputs = self.flat_inputs(state, *batch)
+        outs = self._executor.run(inputs)
+        loss = outs[0]
+        new_state = state.replace(dict(zip(self._state_names, outs[1:])))
+        self.last_nonfinite = not bool(torch.isfinite(loss).all())
+        if self.last_nonfinite:
+            if skip_nonfinite:
+                warnings.warn(f"non-finite loss {loss.tolist()}: step skipped, state kept", RuntimeWarning, stacklevel=2)
+                return loss, state
+            warnings.warn(f"non-finite loss {loss.tolist()}: propagated into the new state "
+                          "(pass skip_nonfinite=True to keep the old state)", RuntimeWarning, stacklevel=2)
+        return loss, new_state
+
+    def write_back(self, state: TrainState) -> None:
+        """Loads ``state`` into the model and the optimizers, so eager training can continue."""
+        self._check_state(state)
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                p.copy_(state.params[_MODEL_PREFIX + n])
+            for n, b in self.model.named_buffers():
+                b.copy_(state.buffers[_MODEL_PREFIX + n])
+        for (opt, group), lr in zip(self._groups, state.lr):
+            group["lr"] = float(lr)
+        for u in self._updates:
+            p = self._param_of[self._strip(u["param"])]
+            opt = self._groups[u["group"]][0]
+            key = lambda slot: state.opt[f"opt:{u['param']}:{slot}"]  # noqa: E731
+            kind = u["kind"]
+            if kind == "sgd_momentum":
+                if float(key("step")) > 0:
+                    opt.state[p]["momentum_buffer"] = key("momentum_buffer").clone()
+            elif kind in ("adam", "adam_amsgrad"):
+                if float(key("step")) > 0:
+                    st = opt.state[p]
+                    st["step"] = key("step").clone()
+                    st["exp_avg"] = key("exp_avg").clone()
+                    st["exp_avg_sq"] = key("exp_avg_sq").clone()
+                    if kind == "adam_amsgrad":
+                        st["max_exp_avg_sq"] = key("max_exp_avg_sq").clone()
+            elif kind == "muon":
+                opt.state[p]["momentum_buffer"] = key("momentum_buffer").clone()
+
+    # ---- deployment
+    @property
+    def state_names(self) -> list[str]:
+        """State entries in the order of the program's first inputs and of outputs 1.."""
+        return list(self._state_names)
+
+    @property
+    def program(self) -> torch.export.ExportedProgram:
+        """The pure step as an ExportedProgram over flat inputs (state entries, then the batch)."""
+        if self._program is None:
+            gm = self.graph.to_graph_module()
+            example = self.flat_inputs(self.init_state(), *(self._example_batch * self.unroll))
+            self._program = torch.export.export(gm, tuple(example), strict=False)
+        return self._program
+
+
+def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, example_batch: Sequence, *,
+                    clip_grad_norm: float | None = None, unroll: int = 1) -> TrainStep:
+    """Builds the pure step ``(loss, new_state) = step(state, *batch)`` for ``model`` and ``optimizer``.
+
+    ``loss_fn(model, *batch)`` returns a scalar. ``optimizer`` is a torch.optim optimizer (SGD,
+    Adam, AdamW, Muon) or a list of them over disjoint parameters; it is read as it stands, param
+    groups and existing state included. ``clip_grad_norm`` clips the global 2-norm as
+    ``torch.nn.utils.clip_grad_norm_``; ``unroll=N`` makes one graph of N steps over N batches.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+        raise TypeError("optimizer must be a torch.optim.Optimizer or a list of them")
+    if not isinstance(example_batch, (list, tuple)):
+        raise TypeError("example_batch must be a tuple of the loss_fn's batch arguments")
+    if unroll < 1:
+        raise ValueError(f"unroll must be >= 1, got {unroll}")
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise ValueError(f"clip_grad_norm must be positive, got {clip_grad_norm}")
+    return TrainStep(model, optimizers, loss_fn, example_batch, clip_grad_norm, unroll)
