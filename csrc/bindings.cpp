@@ -7,6 +7,9 @@
 #include "ir/printer.h"
 #include "ir/verifier.h"
 #include "passes/build_train_step.h"
+#include "passes/plan_memory.h"
+#include "passes/schedule.h"
+#include "runtime/arena_executor.h"
 #include "reactive/engine.h"
 #include "runtime/executor.h"
 
@@ -194,6 +197,30 @@ passes::TrainStepSpec spec_from_py(const py::dict& d) {
   return spec;
 }
 
+py::dict plan_to_py(const passes::MemoryPlan& plan) {
+  py::dict d;
+  d["algorithm"] = plan.arena.algorithm;
+  d["arena_bytes"] = plan.arena.arena_bytes;
+  d["persistent_bytes"] = plan.persistent_bytes;
+  d["escaping_bytes"] = plan.escaping_bytes;
+  d["lower_bound"] = plan.lower_bound;
+  d["lb_sched"] = plan.lb_sched();
+  d["peak_bytes"] = plan.peak_bytes();
+  py::list buffers;
+  for (size_t i = 0; i < plan.buffers.size(); ++i) {
+    const auto& b = plan.buffers[i];
+    buffers.append(py::make_tuple(b.node->name(), b.elem, b.life.size, b.life.first, b.life.last, plan.arena.offsets[i]));
+  }
+  d["buffers"] = buffers;
+  py::list aliases;
+  for (const auto& a : plan.aliases) aliases.append(py::make_tuple(a.update->name(), a.applied, a.reason));
+  d["aliases"] = aliases;
+  py::list order;
+  for (const ir::Node* n : plan.order) order.append(n->name());
+  d["order"] = order;
+  return d;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -337,4 +364,37 @@ PYBIND11_MODULE(_C, m) {
         return py::make_tuple(std::shared_ptr<ir::Graph>(std::move(out.graph)), out.state_names, out.num_user_inputs);
       },
       py::arg("joint"), py::arg("spec"), py::arg("unroll") = 1);
+
+  m.def("schedule", [](ir::Graph& g, bool donate) {
+    auto r = passes::schedule(g, donate);
+    return py::make_tuple(r.chosen, r.candidates);
+  });
+  m.def("plan_buffers", [](const std::string& algorithm, const std::vector<std::tuple<int64_t, int64_t, int64_t>>& lives) {
+    std::vector<runtime::BufferLife> b;
+    for (const auto& [size, first, last] : lives) b.push_back({size, first, last});
+    runtime::ArenaPlan plan = algorithm == "best" ? runtime::plan_best(b) : runtime::plan_buffers(algorithm, b);
+    runtime::verify_plan(b, plan);
+    return py::make_tuple(plan.algorithm, plan.offsets, plan.arena_bytes, runtime::lower_bound_bytes(b));
+  });
+  m.def("plan_memory", [](const ir::Graph& g, bool donate) { return plan_to_py(passes::plan_memory(g, donate)); });
+  py::class_<runtime::ArenaExecutor, std::shared_ptr<runtime::ArenaExecutor>>(m, "ArenaExecutor")
+      .def(py::init([](const ir::Graph& g, size_t num_state, bool donate) {
+        return std::make_shared<runtime::ArenaExecutor>(g, num_state, donate);
+      }))
+      .def("plan", [](const runtime::ArenaExecutor& ex) { return plan_to_py(ex.plan()); })
+      .def("num_out_variant", &runtime::ArenaExecutor::num_out_variant)
+      .def("num_inplace_updates", &runtime::ArenaExecutor::num_inplace_updates)
+      .def("fallbacks", &runtime::ArenaExecutor::fallbacks)
+      .def("run", [](runtime::ArenaExecutor& ex, py::sequence inputs) {
+        std::vector<c10::IValue> in;
+        for (auto h : inputs) in.push_back(ivalue_from_py(h));
+        std::vector<c10::IValue> out;
+        {
+          py::gil_scoped_release no_gil;
+          out = ex.run(std::move(in));
+        }
+        py::list result;
+        for (const auto& v : out) result.append(ivalue_to_py(v));
+        return result;
+      });
 }

@@ -69,3 +69,15 @@ def export_joint(ep: torch.export.ExportedProgram, loss_index: int = 0, *,
     gm, signature = _copy_graph_module_and_signature(joint)
     _remove_detach_pass(gm, signature)
     return joint._update(gm, signature)
+
+
+def profile_memory_deltas(fn) -> list[int]:
+    """Runs fn under torch.profiler and returns its CPU allocation deltas (bytes) in time order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() ==
+              torch.autograd.DeviceType.CPU]
+    events.sort(key=lambda e: e.start_ns())
+    return [e.nbytes() for e in events]

@@ -326,6 +326,12 @@ class TrainStep:
             elif kind == "muon":
                 opt.state[p]["momentum_buffer"] = key("momentum_buffer").clone()
 
+    def compile(self, plan: bool = True, donate: bool = True):
+        """The step scheduled for the lowest peak and run inside one arena (see torch_ext.memory.PlannedStep)."""
+        from .memory import PlannedStep
+
+        return PlannedStep(self, plan=plan, donate=donate)
+
     # ---- deployment
     @property
     def state_names(self) -> list[str]:

@@ -119,13 +119,13 @@ c10::IValue const_to_ivalue(const Arg& a, const c10::TypePtr& formal, const std:
 BoundKernel BoundKernel::bind(const ir::Node& node, const SlotOf& slot_of_fn) {
   TORCH_INTERNAL_ASSERT(node.kind() == ir::NodeKind::Call);
   const auto slot_of = [&](const ir::Node* n) { return slot_of_fn ? slot_of_fn(n) : n->index(); };
-  BoundKernel k;
-  k.node_name_ = node.name();
   const std::string where_node = "node %" + node.name() + " (" + node.target().str() + "): ";
   if (node.target().is_getitem()) {
     TORCH_CHECK(node.args().size() == 2 && node.args()[0].kind == Arg::Kind::Node &&
                     node.args()[1].kind == Arg::Kind::Int,
                 where_node, "getitem takes (%value, index)");
+    BoundKernel k;
+    k.node_name_ = node.name();
     k.getitem_source_ = slot_of(node.args()[0].node);
     k.getitem_index_ = node.args()[1].i;
     k.input_slots_ = {k.getitem_source_};
@@ -133,8 +133,18 @@ BoundKernel BoundKernel::bind(const ir::Node& node, const SlotOf& slot_of_fn) {
   }
   TORCH_CHECK(node.regions().empty(), where_node,
               "operators with nested regions are not supported by the dispatcher executor yet");
-  k.op_ = ir::find_op(node.target());
-  TORCH_CHECK(k.op_.has_value(), where_node, "operator is not registered with the c10 dispatcher");
+  auto op = ir::find_op(node.target());
+  TORCH_CHECK(op.has_value(), where_node, "operator is not registered with the c10 dispatcher");
+  return bind_as(node, *op, slot_of_fn, {});
+}
+
+BoundKernel BoundKernel::bind_as(const ir::Node& node, const c10::OperatorHandle& op, const SlotOf& slot_of_fn,
+                                 const std::vector<std::pair<std::string, c10::IValue>>& extra) {
+  const auto slot_of = [&](const ir::Node* n) { return slot_of_fn ? slot_of_fn(n) : n->index(); };
+  BoundKernel k;
+  k.node_name_ = node.name();
+  const std::string where_node = "node %" + node.name() + " (" + node.target().str() + "): ";
+  k.op_ = op;
   const c10::FunctionSchema& schema = k.op_->schema();
   const auto& formals = schema.arguments();
   k.num_returns_ = schema.returns().size();
@@ -157,6 +167,11 @@ BoundKernel BoundKernel::bind(const ir::Node& node, const SlotOf& slot_of_fn) {
     const c10::Argument& formal = formals[i];
     const std::string where = where_node + "argument '" + formal.name() + "': ";
     if (given[i] == nullptr) {
+      auto ex = std::find_if(extra.begin(), extra.end(), [&](const auto& e) { return e.first == formal.name(); });
+      if (ex != extra.end()) {
+        k.stack_template_[i] = ex->second;
+        continue;
+      }
       TORCH_CHECK(formal.default_value().has_value(), where, "required but missing");
       k.stack_template_[i] = *formal.default_value();
       continue;

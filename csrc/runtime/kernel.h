@@ -31,6 +31,10 @@ class BoundKernel {
   // Throws c10::Error naming the node when the target or an argument is unsupported.
   // By default a node's slot is its position in the graph.
   static BoundKernel bind(const ir::Node& node, const SlotOf& slot_of = nullptr);
+  // Binds `node`'s arguments, by name, to another operator with a compatible schema (its out=
+  // or in-place variant). Formals the node does not give are taken from `extra` by name.
+  static BoundKernel bind_as(const ir::Node& node, const c10::OperatorHandle& op, const SlotOf& slot_of,
+                             const std::vector<std::pair<std::string, c10::IValue>>& extra);
 
   // Runs the node on `values` (indexed by ir::Node::index()) and returns its value.
   c10::IValue invoke(const ValueSlots& values, std::vector<c10::IValue>& scratch) const;

@@ -1,0 +1,220 @@
+#include "passes/plan_memory.h"
+
+#include "ir/schema.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <map>
+#include <unordered_map>
+
+namespace torch_ext::passes {
+namespace {
+
+using ValueKey = std::pair<const ir::Node*, int64_t>;  // (node, tuple element or -1)
+
+bool is_update(const ir::Node& n) {
+  const auto& t = n.target();
+  return t.ns == "torch_ext" && t.name.size() > 7 && t.name.compare(t.name.size() - 7, 7, "_update") == 0;
+}
+
+bool is_view(const ir::Node& n) {
+  if (n.target().is_builtin()) return false;
+  const c10::FunctionSchema* s = ir::find_schema(n.target());
+  if (s == nullptr || s->returns().size() != 1) return false;
+  const c10::AliasInfo* a = s->returns()[0].alias_info();
+  return a != nullptr && !a->isWrite();
+}
+
+std::vector<int64_t> elems_of(const ir::Type& t) {
+  if (t.kind == ir::Type::Kind::Tuple) {
+    std::vector<int64_t> out;
+    for (size_t i = 0; i < t.elems.size(); ++i) out.push_back(static_cast<int64_t>(i));
+    return out;
+  }
+  return {-1};
+}
+
+const ir::Type& elem_type(const ir::Type& t, int64_t elem) { return elem < 0 ? t : t.elems.at(elem); }
+
+int64_t bytes_of(const ir::Type& t) { return t.is_tensor() ? t.tensor.nbytes() : 0; }
+
+// Every node that reads `root`'s storage: readers of the node and, through views and getitems, of
+// everything that shares it.
+std::vector<const ir::Node*> storage_readers(const ir::Node* root) {
+  std::vector<const ir::Node*> out, work{root};
+  while (!work.empty()) {
+    const ir::Node* v = work.back();
+    work.pop_back();
+    for (const ir::Node* u : v->users()) {
+      if (u->kind() != ir::NodeKind::Call) continue;
+      out.push_back(u);
+      if (is_view(*u) || u->target().is_getitem()) work.push_back(u);
+    }
+  }
+  return out;
+}
+
+// State inputs an update op may overwrite, with the output element that replaces each.
+std::vector<std::pair<const ir::Node*, int64_t>> aliasable_inputs(const ir::Node& upd) {
+  std::vector<std::pair<const ir::Node*, int64_t>> out;
+  const bool tuple = upd.type().kind == ir::Type::Kind::Tuple;
+  const size_t n_out = tuple ? upd.type().elems.size() : 1;
+  for (size_t i = 0; i < n_out; ++i) {
+    const size_t arg = i == 0 ? 0 : i + 1;  // outputs: param, then the state slots after grad
+    if (arg >= upd.args().size() || upd.args()[arg].kind != ir::Arg::Kind::Node) continue;
+    const ir::Node* in = upd.args()[arg].node;
+    if (in->kind() != ir::NodeKind::Placeholder || in->role() == ir::InputRole::UserInput) continue;
+    out.emplace_back(in, tuple ? static_cast<int64_t>(i) : -1);
+  }
+  return out;
+}
+
+struct Analysis {
+  std::vector<PlannedBuffer> buffers;  // arena buffers only
+  std::vector<AliasDecision> aliases;
+  int64_t persistent = 0;
+  int64_t escaping = 0;
+  int64_t lower_bound = 0;
+};
+
+Analysis analyze(const ir::Graph& g, const std::vector<const ir::Node*>& order, bool donate) {
+  Analysis a;
+  std::unordered_map<const ir::Node*, int64_t> pos;
+  for (size_t i = 0; i < order.size(); ++i) pos[order[i]] = static_cast<int64_t>(i);
+  for (const ir::Node* p : g.placeholders()) a.persistent += bytes_of(p->type());
+
+  // Alias decisions for update ops.
+  std::map<ValueKey, const ir::Node*> aliased_to;  // update output -> placeholder whose storage it reuses
+  for (const ir::Node* n : order) {
+    if (!is_update(*n)) continue;
+    AliasDecision d;
+    d.update = n;
+    if (!donate) {
+      d.reason = "state is not donated";
+      a.aliases.push_back(d);
+      continue;
+    }
+    const auto inputs = aliasable_inputs(*n);
+    for (const auto& [in, elem] : inputs) {
+      for (const ir::Node* r : storage_readers(in)) {
+        if (r == n || pos.at(r) < pos.at(n)) continue;
+        d.reason = "%" + in->name() + " is read by %" + r->name() + " after the update";
+        break;
+      }
+      if (!d.reason.empty()) break;
+    }
+    d.applied = d.reason.empty() && !inputs.empty();
+    if (inputs.empty()) d.reason = "no state input to overwrite";
+    if (d.applied)
+      for (const auto& [in, elem] : inputs) aliased_to[{n, elem}] = in;
+    a.aliases.push_back(d);
+  }
+
+  // Storage roots: buffer index, or -1 for placeholder storage.
+  std::map<ValueKey, int64_t> root;
+  std::vector<PlannedBuffer> all;
+  for (const ir::Node* p : g.placeholders()) root[{p, -1}] = -1;
+  for (const ir::Node* n : order) {
+    const int64_t at = pos.at(n);
+    if (n->target().is_getitem()) {
+      const ir::Node* src = n->args()[0].node;
+      root[{n, -1}] = root.at({src, n->args()[1].i});
+      continue;
+    }
+    if (is_view(*n)) {
+      // Views (split's Tensor(a)[] included) share their base's storage, element by element.
+      const ir::Arg& base = n->args().at(0);
+      const int64_t r = base.kind == ir::Arg::Kind::Node ? root.at({base.node, -1}) : -1;
+      for (int64_t e : elems_of(n->type())) root[{n, e}] = r;
+      continue;
+    }
+    for (int64_t e : elems_of(n->type())) {
+      if (aliased_to.count({n, e}) || bytes_of(elem_type(n->type(), e)) == 0) {
+        root[{n, e}] = -1;
+        continue;
+      }
+      root[{n, e}] = static_cast<int64_t>(all.size());
+      PlannedBuffer b;
+      b.node = n;
+      b.elem = e;
+      b.life = {bytes_of(elem_type(n->type(), e)), at, at};
+      all.push_back(b);
+    }
+  }
+  // Reads extend lifetimes.
+  for (const ir::Node* n : order) {
+    const int64_t at = pos.at(n);
+    for (const ir::Node* in : n->inputs()) {
+      for (int64_t e : elems_of(in->type())) {
+        auto it = root.find({in, e});
+        if (it != root.end() && it->second >= 0) all[it->second].life.last = std::max(all[it->second].life.last, at);
+      }
+    }
+  }
+  // Escaping values live beyond the step: outside the arena.
+  std::vector<bool> escapes(all.size(), false);
+  g.output()->args()[0].for_each_node([&](ir::Node* n) {
+    for (int64_t e : elems_of(n->type())) {
+      auto it = root.find({n, e});
+      if (it != root.end() && it->second >= 0) escapes[it->second] = true;
+    }
+  });
+  std::vector<runtime::BufferLife> lives;
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (escapes[i]) {
+      a.escaping += all[i].life.size;
+      continue;
+    }
+    a.buffers.push_back(all[i]);
+    lives.push_back(all[i].life);
+  }
+  a.lower_bound = runtime::lower_bound_bytes(lives);
+  return a;
+}
+
+std::vector<const ir::Node*> call_order(const ir::Graph& g) {
+  std::vector<const ir::Node*> order;
+  for (const auto& n : g.nodes())
+    if (n->kind() == ir::NodeKind::Call) order.push_back(n.get());
+  return order;
+}
+
+}  // namespace
+
+int64_t MemoryPlan::aliases_applied() const {
+  return std::count_if(aliases.begin(), aliases.end(), [](const AliasDecision& d) { return d.applied; });
+}
+
+int64_t MemoryPlan::aliases_refused() const {
+  return static_cast<int64_t>(aliases.size()) - aliases_applied();
+}
+
+int64_t simulate_peak(const ir::Graph& g, const std::vector<const ir::Node*>& order, bool donate) {
+  Analysis a = analyze(g, order, donate);
+  return a.persistent + a.escaping + a.lower_bound;
+}
+
+MemoryPlan plan_memory(const ir::Graph& g, bool donate) {
+  for (const auto& n : g.nodes()) {
+    if (n->kind() != ir::NodeKind::Call || n->target().is_builtin()) continue;
+    const c10::FunctionSchema* s = ir::find_schema(n->target());
+    TORCH_CHECK(s != nullptr && !s->is_mutable(), "plan_memory: node %", n->name(), " (", n->target().str(),
+                ") mutates its inputs; plan a pure graph (make_train_step output)");
+  }
+  MemoryPlan plan;
+  plan.order = call_order(g);
+  Analysis a = analyze(g, plan.order, donate);
+  plan.buffers = std::move(a.buffers);
+  plan.aliases = std::move(a.aliases);
+  plan.persistent_bytes = a.persistent;
+  plan.escaping_bytes = a.escaping;
+  plan.lower_bound = a.lower_bound;
+  std::vector<runtime::BufferLife> lives;
+  for (const auto& b : plan.buffers) lives.push_back(b.life);
+  plan.arena = lives.empty() ? runtime::ArenaPlan{"empty", {}, 0} : runtime::plan_best(lives);
+  runtime::verify_plan(lives, plan.arena);
+  return plan;
+}
+
+}  // namespace torch_ext::passes

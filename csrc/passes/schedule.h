@@ -1,0 +1,27 @@
+// Pass: operator-level scheduling for the lowest simulated peak memory.
+//
+// Requires: a verified, side-effect-free graph.
+// Guarantees: the call nodes are reordered into a valid topological order (results cannot change:
+//             every op is functional); the order chosen has the lowest simulate_peak() among the
+//             candidates: the current order, update-asap (each optimizer update right after its
+//             gradient and the last reader of its state, so the gradient dies there and the update
+//             can write in place), a least-peak-first list schedule, BFS and DFS. The verifier
+//             passes afterwards. Returns the candidates' names and simulated peaks.
+#pragma once
+
+#include "ir/graph.h"
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace torch_ext::passes {
+
+struct ScheduleResult {
+  std::string chosen;
+  std::vector<std::pair<std::string, int64_t>> candidates;  // name, simulated peak bytes
+};
+
+ScheduleResult schedule(ir::Graph& graph, bool donate);
+
+}  // namespace torch_ext::passes

@@ -1,0 +1,154 @@
+#include "runtime/arena_executor.h"
+
+#include "ir/schema.h"
+#include "ir/verifier.h"
+#include "runtime/executor.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <map>
+#include <unordered_set>
+
+namespace torch_ext::runtime {
+namespace {
+
+// The out= overload of `node`'s op, when its schema is the functional one plus a trailing `out`.
+std::optional<c10::OperatorHandle> out_variant(const ir::Node& node) {
+  if (node.target().is_builtin()) return std::nullopt;
+  auto functional = ir::find_op(node.target());
+  ir::Target t = node.target();
+  t.overload = "out";
+  auto out = ir::find_op(t);
+  if (!functional || !out) return std::nullopt;
+  const auto& fa = functional->schema().arguments();
+  const auto& oa = out->schema().arguments();
+  if (oa.size() != fa.size() + 1 || oa.back().name() != "out" || out->schema().returns().size() != 1) return std::nullopt;
+  for (size_t i = 0; i < fa.size(); ++i)
+    if (fa[i].name() != oa[i].name()) return std::nullopt;
+  return out;
+}
+
+bool is_update(const ir::Node& n) {
+  const auto& t = n.target();
+  return t.ns == "torch_ext" && t.name.size() > 7 && t.name.compare(t.name.size() - 7, 7, "_update") == 0;
+}
+
+}  // namespace
+
+ArenaExecutor::ArenaExecutor(const ir::Graph& scheduled, size_t num_state, bool donate)
+    : graph_(scheduled.clone()), num_state_(num_state), donate_(donate) {
+  ir::verify(*graph_);
+  plan_ = passes::plan_memory(*graph_, donate);
+  arena_ = at::empty({std::max<int64_t>(plan_.arena.arena_bytes, 1)}, at::TensorOptions().dtype(at::kByte));
+  std::map<const ir::Node*, size_t> planned;  // node -> buffer (single-tensor results only)
+  for (size_t b = 0; b < plan_.buffers.size(); ++b)
+    if (plan_.buffers[b].elem < 0) planned[plan_.buffers[b].node] = b;
+  std::unordered_set<const ir::Node*> aliased;
+  for (const auto& d : plan_.aliases)
+    if (d.applied) aliased.insert(d.update);
+
+  for (const auto& n : graph_->nodes())
+    if (n->kind() == ir::NodeKind::Placeholder) placeholders_.push_back(n.get());
+  TORCH_CHECK(num_state_ <= placeholders_.size(), "ArenaExecutor: ", num_state_, " state entries but only ",
+              placeholders_.size(), " inputs");
+  const auto& nodes = graph_->nodes();
+  std::vector<int64_t> last_use(nodes.size(), -1);
+  for (const ir::Node* n : plan_.order) {
+    Step step;
+    step.slot = n->index();
+    auto it = planned.find(n);
+    if (aliased.count(n)) {
+      ir::Target t = n->target();
+      t.name += "_";
+      auto op = ir::find_op(t);
+      TORCH_CHECK(op.has_value(), "ArenaExecutor: no in-place variant ", t.str(), " for node %", n->name());
+      step.kernel = BoundKernel::bind_as(*n, *op, nullptr, {});
+      step.tuple_result = n->type().kind == ir::Type::Kind::Tuple;
+      const size_t n_out = step.tuple_result ? n->type().elems.size() : 1;
+      for (size_t i = 0; i < n_out; ++i) step.inplace_results.push_back(n->args().at(i == 0 ? 0 : i + 1).node->index());
+      ++num_inplace_;
+    } else if (it != planned.end() && out_variant(*n)) {
+      const ir::TensorMeta& m = n->type().tensor;
+      at::Tensor view = at::from_blob(static_cast<uint8_t*>(arena_.data_ptr()) + plan_.arena.offsets[it->second],
+                                      m.sizes, m.strides, at::TensorOptions().dtype(m.dtype).device(m.device));
+      step.kernel = BoundKernel::bind_as(*n, *out_variant(*n), nullptr, {{"out", c10::IValue(view)}});
+      ++num_out_;
+    } else {
+      step.kernel = BoundKernel::bind(*n);
+      if (it != planned.end() || (!n->target().is_getitem() && !is_update(*n) && n->type().is_tensor() &&
+                                  ir::find_schema(n->target()) &&
+                                  ir::find_schema(n->target())->returns()[0].alias_info() == nullptr))
+        fallbacks_.push_back(n->name());
+    }
+    for (int64_t s : step.kernel.input_slots()) last_use[s] = static_cast<int64_t>(steps_.size());
+    steps_.push_back(std::move(step));
+  }
+  std::vector<bool> is_output(nodes.size(), false);
+  graph_->output()->args()[0].for_each_node([&](ir::Node* n) { is_output[n->index()] = true; });
+  outputs_ = graph_->output()->args()[0].list;
+  release_after_.resize(steps_.size());
+  for (size_t s = 0; s < nodes.size(); ++s)
+    if (!is_output[s] && last_use[s] >= 0 && nodes[s]->kind() == ir::NodeKind::Call)
+      release_after_[last_use[s]].push_back(static_cast<int64_t>(s));
+}
+
+std::vector<c10::IValue> ArenaExecutor::run(std::vector<c10::IValue> inputs) {
+  TORCH_CHECK(inputs.size() == placeholders_.size(), "expected ", placeholders_.size(), " inputs, got ", inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) check_input(*placeholders_[i], inputs[i], i);
+  if (donate_) {
+    std::map<const void*, size_t> storages;
+    for (size_t i = 0; i < num_state_; ++i) {
+      const at::Tensor& t = inputs[i].toTensor();
+      const void* key = t.storage().data();
+      auto [it, fresh] = storages.emplace(key, i);
+      TORCH_CHECK(fresh, "donated state inputs #", it->second, " ('", placeholders_[it->second]->state_name(),
+                  "') and #", i, " ('", placeholders_[i]->state_name(),
+                  "') share storage; donation needs every state tensor to own its memory (clone one of them)");
+    }
+  }
+  ValueSlots values(graph_->size());
+  for (size_t i = 0; i < inputs.size(); ++i) values[placeholders_[i]->index()] = inputs[i];
+  std::vector<c10::IValue> stack;
+  for (size_t k = 0; k < steps_.size(); ++k) {
+    Step& s = steps_[k];
+    try {
+      c10::IValue v = s.kernel.invoke(values, stack);
+      if (!s.inplace_results.empty()) {
+        if (!s.tuple_result) {
+          v = values[s.inplace_results[0]];
+        } else {
+          std::vector<c10::IValue> elems;
+          for (int64_t r : s.inplace_results) elems.push_back(values[r]);
+          v = c10::ivalue::Tuple::create(std::move(elems));
+        }
+      }
+      values[s.slot] = std::move(v);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "while executing node %", s.kernel.node_name(), ": ", e.what_without_backtrace());
+    }
+    for (int64_t r : release_after_[k]) values[r] = c10::IValue();
+  }
+  std::vector<c10::IValue> results;
+  for (const ir::Arg& a : outputs_) results.push_back(a.kind == ir::Arg::Kind::Node ? values[a.node->index()] : c10::IValue());
+  if (donate_) {
+    // State outputs that were not written in place land in the donated storage.
+    for (size_t i = 0; i < num_state_ && i + 1 < results.size(); ++i) {
+      at::Tensor dst = inputs[i].toTensor();
+      const at::Tensor& src = results[i + 1].toTensor();
+      if (!src.is_same(dst)) dst.copy_(src);
+      results[i + 1] = dst;
+    }
+  }
+  // Values in the arena are overwritten by the next call: hand out copies.
+  for (auto& r : results) {
+    if (!r.isTensor()) continue;
+    const at::Tensor& t = r.toTensor();
+    const auto* base = static_cast<const uint8_t*>(arena_.data_ptr());
+    const auto* p = static_cast<const uint8_t*>(t.storage().data());
+    if (p >= base && p < base + arena_.numel()) r = t.clone();
+  }
+  return results;
+}
+
+}  // namespace torch_ext::runtime

@@ -1,0 +1,270 @@
+"""Planned execution of a pure step and the memory report (the planning itself is C++:
+csrc/passes/schedule.h, csrc/passes/plan_memory.h, csrc/runtime/memory_plan.h)."""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from . import _C, _compat
+
+
+class PlannedStep:
+    """A pure step scheduled for the lowest peak and run inside one preallocated arena.
+
+    With ``donate=True`` (JAX ``donate_argnums`` semantics) the state passed in is consumed: its
+    tensors are updated in place and returned in the new state, so the caller must not reuse the
+    old state. Results are bit-exact with the unplanned executor.
+    """
+
+    def __init__(self, step, plan: bool = True, donate: bool = True):
+        self.step = step
+        self.donate = bool(donate)
+        graph = step.graph.clone()
+        if plan:
+            self.schedule, self.candidates = _C.schedule(graph._g, self.donate)
+        else:
+            self.schedule, self.candidates = "export", []
+        self.graph = graph
+        self._ex = _C.ArenaExecutor(graph._g, len(step.state_names), self.donate)
+        self.plan = self._ex.plan()
+
+    @property
+    def out_variant_nodes(self) -> int:
+        return self._ex.num_out_variant()
+
+    @property
+    def inplace_updates(self) -> int:
+        return self._ex.num_inplace_updates()
+
+    @property
+    def fallbacks(self) -> list[str]:
+        """Allocating nodes with no usable out= overload (they allocate outside the arena)."""
+        return self._ex.fallbacks()
+
+    def __call__(self, state, *batch):
+        inputs = self.step.flat_inputs(state, *batch)
+        outs = self._ex.run(inputs)
+        return outs[0], state.replace(dict(zip(self.step.state_names, outs[1:])))
+
+
+@dataclass
+class MemoryReport:
+    """Peak memory of one training step, in bytes, measured and planned side by side."""
+
+    eager_peak: int
+    separate_planned: int
+    separate_parts: dict
+    merged_unplanned: int
+    merged_planned: int
+    arena_bytes: int
+    persistent_bytes: int
+    lb_sched: int
+    lb_graph: int
+    aliases_applied: int
+    aliases_refused: int
+    refused_reasons: list = field(default_factory=list)
+    schedule: str = ""
+    candidates: dict = field(default_factory=dict)
+    fallback_nodes: int = 0
+    eager_timeline: list = field(default_factory=list, repr=False)
+    planned_timeline: list = field(default_factory=list, repr=False)
+
+    def ratios(self) -> dict:
+        return {
+            "planned/eager": self.merged_planned / self.eager_peak,
+            "planned/separate": self.merged_planned / self.separate_planned,
+            "arena/LB_sched(arena part)": self.arena_bytes / max(self.lb_sched - self.persistent_bytes, 1),
+            "planned/LB_graph": self.merged_planned / self.lb_graph,
+        }
+
+    def __str__(self) -> str:
+        mib = lambda b: f"{b / 2**20:10.3f} MiB"  # noqa: E731
+        rows = [
+            ("eager step (measured, torch.profiler)", self.eager_peak),
+            ("forward+backward+update planned separately", self.separate_planned),
+            ("merged graph, unplanned (export order)", self.merged_unplanned),
+            ("merged graph, planned (arena + state)", self.merged_planned),
+            ("  of which arena", self.arena_bytes),
+            ("  of which persistent state and batch", self.persistent_bytes),
+            ("lower bound LB_sched (chosen order)", self.lb_sched),
+            ("lower bound LB_graph", self.lb_graph),
+        ]
+        lines = [f"{'peak memory of one training step':46} {'bytes':>12} {'':>14}"]
+        lines += [f"{name:46} {value:12d} {mib(value)}" for name, value in rows]
+        lines.append(f"schedule: {self.schedule}; in-place aliases applied {self.aliases_applied}, refused "
+                     f"{self.aliases_refused}; {self.fallback_nodes} nodes without an out= variant")
+        lines += [f"  {k}: {v:.3f}" for k, v in self.ratios().items()]
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d.pop("eager_timeline")
+        d.pop("planned_timeline")
+        d["ratios"] = self.ratios()
+        return json.dumps(d, indent=2)
+
+    def plot(self, path: str) -> str:
+        """Live bytes over the step, eager (profiler timeline) and planned (schedule positions)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for series, label in ((self.eager_timeline, "eager torch.optim step"),
+                              (self.planned_timeline, "torch_ext planned step")):
+            if series:
+                n = max(len(series) - 1, 1)
+                ax.plot([i / n for i in range(len(series))], [b / 2**20 for b in series], label=label)
+        ax.axhline(self.lb_graph / 2**20, color="gray", linestyle=":", label="LB_graph")
+        ax.set_xlabel("progress through one training step (fraction of events / schedule positions)")
+        ax.set_ylabel("live memory (MiB)")
+        ax.set_title("peak memory: eager vs planned pure step")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _eager_peak(step, batch):
+    model, opts = copy.deepcopy((step.model, step.optimizers))
+
+    def one():
+        for o in opts:
+            o.zero_grad(set_to_none=True)
+        step.loss_fn(model, *batch).backward()
+        for o in opts:
+            o.step()
+
+    one()  # steady state: optimizer state exists, as in the pure step
+    for o in opts:
+        o.zero_grad(set_to_none=True)
+    persistent = _tensor_bytes(list(model.parameters()) + list(model.buffers()) + list(batch))
+    for o in opts:
+        for st in o.state.values():
+            persistent += _tensor_bytes(st.values())
+    deltas = _compat.profile_memory_deltas(one)
+    timeline, cur, peak = [persistent], 0, 0
+    for d in deltas:
+        cur += d
+        peak = max(peak, cur)
+        timeline.append(persistent + cur)
+    return persistent + peak, timeline
+
+
+def _node_refs(args) -> set:
+    out, stack = set(), list(args)
+    while stack:
+        a = stack.pop()
+        if isinstance(a, list):
+            stack.extend(a)
+        elif isinstance(a, _C.NodeRef):
+            out.add(a.name)
+    return out
+
+
+def _forward_nodes(nodes: list) -> set:
+    """Call nodes the loss (output 0) depends on."""
+    by_name = {n["name"]: n for n in nodes}
+    loss = nodes[-1]["args"][0][0].name
+    forward, work = set(), [loss]
+    while work:
+        n = work.pop()
+        if n in forward or by_name[n]["kind"] != "call":
+            continue
+        forward.add(n)
+        work.extend(_node_refs(list(by_name[n]["args"]) + [v for _, v in by_name[n]["kwargs"]]))
+    return forward
+
+
+def _separate_planning(plan: dict, step_graph_nodes: list, persistent: int) -> tuple[int, dict]:
+    """Forward, backward and update planned each on its own; their peaks added."""
+    order = plan["order"]
+    pos = {n: i for i, n in enumerate(order)}
+    by_name = {n["name"]: n for n in step_graph_nodes}
+    forward = _forward_nodes(step_graph_nodes)
+    part_of = {}
+    for n in order:
+        part_of[n] = ("forward" if n in forward else
+                      "update" if by_name[n]["module_path"] == "optimizer" else "backward")
+    parts = {}
+    total = 0
+    for part in ("forward", "backward", "update"):
+        names = [n for n in order if part_of[n] == part]
+        if not names:
+            parts[part] = 0
+            continue
+        end = max(pos[n] for n in names)
+        lives, carried_in = [], 0
+        for (node, _elem, size, first, last, _off) in plan["buffers"]:
+            if part_of[node] == part:
+                lives.append((size, first, min(max(last, first), end) if last <= end else end))
+            elif pos[node] < pos[names[0]] and last >= pos[names[0]]:
+                carried_in += size  # produced by an earlier graph, read here: an input of this graph
+        arena = _C.plan_buffers("best", lives)[2] if lives else 0
+        parts[part] = persistent + carried_in + arena
+        total += parts[part]
+    return total, parts
+
+
+def memory_report(step, batch) -> MemoryReport:
+    """Measures the eager step's peak and plans the pure step several ways (see MemoryReport)."""
+    batch = tuple(batch)
+    eager_peak, eager_timeline = _eager_peak(step, batch)
+    planned = PlannedStep(step, plan=True, donate=True)
+    plan = planned.plan
+    unplanned = _C.plan_memory(step.graph._g, False)
+    nodes = planned.graph.nodes()
+    persistent = plan["persistent_bytes"]
+    separate, parts = _separate_planning(plan, nodes, persistent)
+
+    # LB_graph = |W| + |M| + max(saved activations, largest single op's inputs plus outputs).
+    state_bytes = sum(_tensor_bytes([step.init_state().lookup(n)]) for n in step.state_names)
+    sizes = {n["name"]: (n["type"][1], n["type"][2]) for n in nodes if n["type"][0] == "tensor"}
+    elem = {"f32": 4, "f64": 8, "f16": 2, "bf16": 2, "i64": 8, "i32": 4, "i16": 2, "i8": 1, "u8": 1, "b8": 1}
+
+    def nbytes(name):
+        if name not in sizes:
+            return 0
+        dt, shape = sizes[name]
+        out = elem.get(dt, 4)
+        for s in shape:
+            out *= s
+        return out
+
+    largest_op = 0
+    for n in nodes:
+        if n["kind"] == "call":
+            largest_op = max(largest_op, sum(nbytes(i) for i in _node_refs(n["args"])) + nbytes(n["name"]))
+    lb_graph = state_bytes + max(_saved_activations(plan, nodes), largest_op)
+
+    live = [0] * len(plan["order"])
+    for (_n, _e, size, first, last, _o) in plan["buffers"]:
+        for t in range(first, last + 1):
+            live[t] += size
+    timeline = [persistent + plan["escaping_bytes"] + b for b in live]
+    return MemoryReport(
+        eager_peak=eager_peak, separate_planned=separate, separate_parts=parts,
+        merged_unplanned=unplanned["lb_sched"], merged_planned=plan["peak_bytes"], arena_bytes=plan["arena_bytes"],
+        persistent_bytes=persistent, lb_sched=plan["lb_sched"], lb_graph=lb_graph,
+        aliases_applied=sum(1 for a in plan["aliases"] if a[1]),
+        aliases_refused=sum(1 for a in plan["aliases"] if not a[1]),
+        refused_reasons=[f"{a[0]}: {a[2]}" for a in plan["aliases"] if not a[1]],
+        schedule=planned.schedule, candidates=dict(planned.candidates), fallback_nodes=len(planned.fallbacks),
+        eager_timeline=eager_timeline, planned_timeline=timeline)
+
+
+def _saved_activations(plan: dict, nodes: list) -> int:
+    """Bytes of forward values that the backward reads (live across the forward/backward boundary)."""
+    forward = _forward_nodes(nodes)
+    pos = {n: i for i, n in enumerate(plan["order"])}
+    fwd_end = max(pos[n] for n in forward) if forward else 0
+    return sum(size for (node, _e, size, first, last, _o) in plan["buffers"] if node in forward and last > fwd_end)
