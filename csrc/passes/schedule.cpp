@@ -86,7 +86,13 @@ Order list_schedule(const Dag& d, const std::function<double(const ir::Node*, co
 
 // Readers (through views/getitems) of each state input an update may overwrite.
 bool update_is_safe(const ir::Node* upd, const std::unordered_set<const ir::Node*>& done) {
-  for (const ir::Arg& a : upd->args()) {
+  // Only the inputs the update overwrites matter (param, then its state slots after the grad);
+  // read-only inputs such as the group's lr are shared by every update.
+  const size_t n_out = upd->type().kind == ir::Type::Kind::Tuple ? upd->type().elems.size() : 1;
+  for (size_t i = 0; i < n_out; ++i) {
+    const size_t idx = i == 0 ? 0 : i + 1;
+    if (idx >= upd->args().size()) break;
+    const ir::Arg& a = upd->args()[idx];
     if (a.kind != ir::Arg::Kind::Node || a.node->kind() != ir::NodeKind::Placeholder) continue;
     std::vector<const ir::Node*> work{a.node};
     while (!work.empty()) {
@@ -123,7 +129,8 @@ ScheduleResult schedule(ir::Graph& g, bool donate) {
   // and no unscheduled node still reads the state it overwrites.
   candidates.emplace_back("update-asap", list_schedule(d, [&](const ir::Node* n, const auto& done) {
                             if (is_update(*n) && update_is_safe(n, done)) return -2.0;
-                            if (n->target().is_getitem() && is_update(*n->args()[0].node)) return -1.0;
+                            // Views and getitems cost nothing and unblock the updates that read them.
+                            if (is_alias(*n)) return -1.0;
                             return static_cast<double>(d.rank.at(n));
                           }));
 
