@@ -5,6 +5,7 @@
 #include "runtime/executor.h"
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -160,6 +161,8 @@ void Engine::save_baseline(int64_t id) {
 }
 
 void Engine::evaluate(int64_t id) {
+  // Graph values are data, never autograd history: skip the autograd kernels.
+  at::AutoDispatchBelowAutograd no_autograd;
   NodeState& st = states_[id];
   TORCH_INTERNAL_ASSERT(st.countable && !st.valid && !st.pinned);
   if (!structural_dirty_.empty()) structural_dirty_.erase(id);

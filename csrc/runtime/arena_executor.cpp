@@ -5,6 +5,7 @@
 #include "runtime/executor.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/util/Exception.h>
 
 #include <map>
@@ -94,6 +95,8 @@ ArenaExecutor::ArenaExecutor(const ir::Graph& scheduled, size_t num_state, bool 
 }
 
 std::vector<c10::IValue> ArenaExecutor::run(std::vector<c10::IValue> inputs) {
+  // Graph values are data, never autograd history: skip the autograd kernels.
+  at::AutoDispatchBelowAutograd no_autograd;
   TORCH_CHECK(inputs.size() == placeholders_.size(), "expected ", placeholders_.size(), " inputs, got ", inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) check_input(*placeholders_[i], inputs[i], i);
   if (donate_) {

@@ -4,6 +4,7 @@
 #include "ir/verifier.h"
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/util/Exception.h>
 
 namespace torch_ext::runtime {
@@ -59,6 +60,8 @@ Executor::Executor(const ir::Graph& graph) : graph_(graph.clone()) {
 }
 
 std::vector<c10::IValue> Executor::run(std::vector<c10::IValue> inputs) const {
+  // Graph values are data, never autograd history: skip the autograd kernels.
+  at::AutoDispatchBelowAutograd no_autograd;
   TORCH_CHECK(inputs.size() == placeholders_.size(), "expected ", placeholders_.size(), " inputs, got ",
               inputs.size());
   ValueSlots values(graph_->size());

@@ -1,0 +1,80 @@
+"""Helpers for users' own tests: pure-step parity with eager torch.optim, and a memory budget."""
+from __future__ import annotations
+
+import copy
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+
+class ParityError(AssertionError):
+    pass
+
+
+def step_parity(model, optimizer, loss_fn: Callable, batches: Sequence, *, unroll: int = 1) -> dict:
+    """Runs the pure step and the eager loop side by side on copies; returns the largest differences.
+
+    The caller's model and optimizer are not touched.
+    """
+    from .train_step import make_train_step
+
+    batches = [tuple(b) for b in batches]
+    if not batches:
+        raise ValueError("step_parity needs at least one batch")
+    opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    pure_model, pure_opts = copy.deepcopy((model, opts))
+    ref_model, ref_opts = copy.deepcopy((model, opts))
+    step = make_train_step(pure_model, pure_opts if len(pure_opts) > 1 else pure_opts[0], loss_fn, batches[0])
+    state = step.init_state()
+    worst = {"loss": 0.0, "state": 0.0, "worst_entry": "", "steps": 0, "nonfinite": False, "losses": []}
+    for i, batch in enumerate(batches):
+        loss, state = step(state, *batch)
+        for o in ref_opts:
+            o.zero_grad()
+        ref_loss = loss_fn(ref_model, *batch)
+        ref_loss.backward()
+        for o in ref_opts:
+            o.step()
+        worst["losses"].append(float(loss))
+        if not torch.isfinite(loss).all() or not torch.isfinite(ref_loss).all():
+            worst["nonfinite"] = True
+            worst["steps"] = i + 1
+            return worst
+        worst["loss"] = max(worst["loss"], _rel(loss, ref_loss.detach()))
+        worst["steps"] = i + 1
+    for n, p in ref_model.named_parameters():
+        d = _rel(state.params["model." + n], p.detach())
+        if d > worst["state"]:
+            worst["state"], worst["worst_entry"] = d, "param " + n
+    for n, b in ref_model.named_buffers():
+        d = _rel(state.buffers["model." + n], b)
+        if d > worst["state"]:
+            worst["state"], worst["worst_entry"] = d, "buffer " + n
+    return worst
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    denom = b.abs().max().clamp_min(1e-12)
+    return float((a - b).abs().max() / denom) if a.numel() else 0.0
+
+
+def assert_step_matches_eager(model, optimizer, loss_fn: Callable, batches: Iterable, rtol: float = 1e-5) -> dict:
+    """Fails unless the pure step tracks the eager loop within ``rtol`` (relative, max-norm)."""
+    result = step_parity(model, optimizer, loss_fn, list(batches))
+    if result["nonfinite"]:
+        raise ParityError(f"non-finite loss at step {result['steps']}: {result['losses'][-1]}")
+    if result["loss"] > rtol or result["state"] > rtol:
+        raise ParityError(f"pure step differs from eager over {result['steps']} steps: loss rel {result['loss']:.3g}, "
+                          f"state rel {result['state']:.3g} ({result['worst_entry']}), rtol {rtol:g}")
+    return result
+
+
+def assert_peak_below(step, batch, max_bytes: int):
+    """Fails unless the planned step's peak (arena + state) stays within ``max_bytes``; returns the report."""
+    from .memory import memory_report
+
+    report = memory_report(step, batch)
+    if report.merged_planned > max_bytes:
+        raise AssertionError(f"planned peak {report.merged_planned} bytes exceeds the budget of {max_bytes} bytes\n{report}")
+    return report
