@@ -73,8 +73,12 @@ def export_joint(ep: torch.export.ExportedProgram, loss_index: int = 0, *,
 
 def profile_memory_deltas(fn) -> list[int]:
     """Runs fn under torch.profiler and returns its CPU allocation deltas (bytes) in time order."""
+    import os
+
     from torch.profiler import ProfilerActivity, profile
 
+    # Kineto probes for GPUs on a CUDA build and logs an error when there is none; keep it quiet.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() ==
