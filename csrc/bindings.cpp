@@ -153,6 +153,22 @@ py::object ivalue_to_py(const c10::IValue& v) {
   TORCH_CHECK(false, "unsupported output value of kind ", v.tagKind());
 }
 
+// Converts inputs, runs `fn` without the GIL, converts the outputs.
+template <typename Fn>
+py::list run_without_gil(py::sequence inputs, Fn&& fn) {
+  std::vector<c10::IValue> in;
+  in.reserve(py::len(inputs));
+  for (auto h : inputs) in.push_back(ivalue_from_py(h));
+  std::vector<c10::IValue> out;
+  {
+    py::gil_scoped_release no_gil;
+    out = fn(std::move(in));
+  }
+  py::list result;
+  for (const auto& v : out) result.append(ivalue_to_py(v));
+  return result;
+}
+
 py::dict node_to_py(const ir::Node& n) {
   py::dict d;
   d["kind"] = ir::to_string(n.kind());
@@ -288,17 +304,7 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const ir::Graph& g) { return std::make_shared<runtime::Executor>(g); }))
       .def("num_inputs", &runtime::Executor::num_inputs)
       .def("run", [](const runtime::Executor& ex, py::sequence inputs) {
-        std::vector<c10::IValue> in;
-        in.reserve(py::len(inputs));
-        for (auto h : inputs) in.push_back(ivalue_from_py(h));
-        std::vector<c10::IValue> out;
-        {
-          py::gil_scoped_release no_gil;
-          out = ex.run(std::move(in));
-        }
-        py::list result;
-        for (const auto& v : out) result.append(ivalue_to_py(v));
-        return result;
+        return run_without_gil(inputs, [&](std::vector<c10::IValue> in) { return ex.run(std::move(in)); });
       });
 
   py::class_<reactive::Engine, std::shared_ptr<reactive::Engine>>(m, "Engine")
@@ -386,15 +392,6 @@ PYBIND11_MODULE(_C, m) {
       .def("num_inplace_updates", &runtime::ArenaExecutor::num_inplace_updates)
       .def("fallbacks", &runtime::ArenaExecutor::fallbacks)
       .def("run", [](runtime::ArenaExecutor& ex, py::sequence inputs) {
-        std::vector<c10::IValue> in;
-        for (auto h : inputs) in.push_back(ivalue_from_py(h));
-        std::vector<c10::IValue> out;
-        {
-          py::gil_scoped_release no_gil;
-          out = ex.run(std::move(in));
-        }
-        py::list result;
-        for (const auto& v : out) result.append(ivalue_to_py(v));
-        return result;
+        return run_without_gil(inputs, [&](std::vector<c10::IValue> in) { return ex.run(std::move(in)); });
       });
 }

@@ -54,11 +54,17 @@ class ReactiveGraph:
         self._num_user = self._slots.count(None)
         self._in_spec = self.program.call_spec.in_spec
         self._out_spec = self.program.call_spec.out_spec
-        self._user_outputs = [i for i, spec in enumerate(sig.output_specs) if spec.kind.name == "USER_OUTPUT"]
+        kinds = [spec.kind.name for spec in sig.output_specs]
+        self._user_outputs = [i for i, k in enumerate(kinds) if k == "USER_OUTPUT"]
+        # A joint program's outputs are the loss and the parameter gradients (no user outputs).
+        self._loss_output = kinds.index("LOSS_OUTPUT") if "LOSS_OUTPUT" in kinds else None
+        self._grad_outputs = [(i, spec.target) for i, spec in enumerate(sig.output_specs)
+                              if spec.kind.name == "GRADIENT_TO_PARAMETER"]
         self._module_paths = {n["name"]: n["module_path"] for n in self.graph.nodes()}
         self._countable = [n["name"] for n in self.graph.nodes() if n["kind"] == "call"]
         self._example_inputs = tuple(example_inputs) if example_inputs is not None else None
-        self._batched: dict[int, ReactiveGraph] = {}
+        self._last_inputs = None
+        self._batched: dict[int, tuple] = {}
         if example_inputs is not None:
             self.run(*example_inputs)
 
@@ -71,11 +77,15 @@ class ReactiveGraph:
         return [next(it) if s is None else s for s in self._slots]
 
     def _user(self, outs):
+        if self._loss_output is not None and not self._user_outputs:
+            # Training mode: (loss, {parameter name: gradient}).
+            return outs[self._loss_output], {name: outs[i] for i, name in self._grad_outputs}
         return pytree.tree_unflatten([outs[i] for i in self._user_outputs], self._out_spec)
 
     def run(self, *args, **kwargs):
         """Full evaluation (N evaluations); becomes the baseline. Returns the outputs."""
         self._engine.run(self._flat_inputs(args, kwargs))
+        self._last_inputs = (args, kwargs)
         return self.demand()
 
     def demand(self):
@@ -180,14 +190,21 @@ class ReactiveGraph:
 
     # ---- batched sites
     def _batched_graph(self, k: int) -> "ReactiveGraph":
-        """The same model exported at k times the batch size (k variants stacked along dim 0)."""
-        if k not in self._batched:
-            if self._example_inputs is None:
-                raise ValueError("batched sites need a ReactiveGraph built with example_inputs")
+        """The same model exported at k times the batch size, holding k copies of the current inputs."""
+        if self._last_inputs is None:
+            raise ValueError("batched sites need a ReactiveGraph that has run (give example_inputs or call run())")
+        args, kwargs = self._last_inputs
+        if kwargs:
+            raise ValueError("batched sites support positional inputs only")
+        stacked = tuple(torch.cat([x] * k) if isinstance(x, torch.Tensor) else x for x in args)
+        cached = self._batched.get(k)
+        if cached is None:
             module = self._module if self._module is not None else self.program.module()
-            stacked = tuple(torch.cat([x] * k) if isinstance(x, torch.Tensor) else x for x in self._example_inputs)
-            self._batched[k] = ReactiveGraph(module, stacked, cutoff=False)
-        return self._batched[k]
+            self._batched[k] = (ReactiveGraph(module, stacked, cutoff=False), args)
+        elif cached[1] is not args:
+            cached[0].run(*stacked)  # the graph moved to other inputs since
+            self._batched[k] = (cached[0], args)
+        return self._batched[k][0]
 
 
 class _FunctionBlock(torch.nn.Module):

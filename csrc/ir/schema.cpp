@@ -15,4 +15,18 @@ const c10::FunctionSchema* find_schema(const Target& target) {
   return op ? &op->schema() : nullptr;
 }
 
+bool is_view_op(const Node& node) {
+  if (node.kind() != NodeKind::Call || node.target().is_builtin()) return false;
+  const c10::FunctionSchema* s = find_schema(node.target());
+  if (s == nullptr || s->returns().size() != 1) return false;
+  const c10::AliasInfo* a = s->returns()[0].alias_info();
+  return a != nullptr && !a->isWrite();
+}
+
+bool is_update_op(const Node& node) {
+  const Target& t = node.target();
+  return node.kind() == NodeKind::Call && t.ns == "torch_ext" && t.name.size() > 7 &&
+         t.name.compare(t.name.size() - 7, 7, "_update") == 0;
+}
+
 }  // namespace torch_ext::ir

@@ -14,4 +14,10 @@ namespace torch_ext::ir {
 std::optional<c10::OperatorHandle> find_op(const Target& target);
 const c10::FunctionSchema* find_schema(const Target& target);
 
+// A call whose single result aliases its first argument without writing it (t, view, permute,
+// split's Tensor(a)[] ...).
+bool is_view_op(const Node& node);
+// One of the functional optimizer updates, torch_ext::*_update.
+bool is_update_op(const Node& node);
+
 }  // namespace torch_ext::ir

@@ -13,19 +13,6 @@ namespace {
 
 using ValueKey = std::pair<const ir::Node*, int64_t>;  // (node, tuple element or -1)
 
-bool is_update(const ir::Node& n) {
-  const auto& t = n.target();
-  return t.ns == "torch_ext" && t.name.size() > 7 && t.name.compare(t.name.size() - 7, 7, "_update") == 0;
-}
-
-bool is_view(const ir::Node& n) {
-  if (n.target().is_builtin()) return false;
-  const c10::FunctionSchema* s = ir::find_schema(n.target());
-  if (s == nullptr || s->returns().size() != 1) return false;
-  const c10::AliasInfo* a = s->returns()[0].alias_info();
-  return a != nullptr && !a->isWrite();
-}
-
 std::vector<int64_t> elems_of(const ir::Type& t) {
   if (t.kind == ir::Type::Kind::Tuple) {
     std::vector<int64_t> out;
@@ -49,7 +36,7 @@ std::vector<const ir::Node*> storage_readers(const ir::Node* root) {
     for (const ir::Node* u : v->users()) {
       if (u->kind() != ir::NodeKind::Call) continue;
       out.push_back(u);
-      if (is_view(*u) || u->target().is_getitem()) work.push_back(u);
+      if (ir::is_view_op(*u) || u->target().is_getitem()) work.push_back(u);
     }
   }
   return out;
@@ -87,7 +74,7 @@ Analysis analyze(const ir::Graph& g, const std::vector<const ir::Node*>& order, 
   // Alias decisions for update ops.
   std::map<ValueKey, const ir::Node*> aliased_to;  // update output -> placeholder whose storage it reuses
   for (const ir::Node* n : order) {
-    if (!is_update(*n)) continue;
+    if (!ir::is_update_op(*n)) continue;
     AliasDecision d;
     d.update = n;
     if (!donate) {
@@ -122,7 +109,7 @@ Analysis analyze(const ir::Graph& g, const std::vector<const ir::Node*>& order, 
       root[{n, -1}] = root.at({src, n->args()[1].i});
       continue;
     }
-    if (is_view(*n)) {
+    if (ir::is_view_op(*n)) {
       // Views (split's Tensor(a)[] included) share their base's storage, element by element.
       const ir::Arg& base = n->args().at(0);
       const int64_t r = base.kind == ir::Arg::Kind::Node ? root.at({base.node, -1}) : -1;

@@ -17,18 +17,7 @@ namespace {
 
 using Order = std::vector<const ir::Node*>;
 
-bool is_update(const ir::Node& n) {
-  const auto& t = n.target();
-  return t.ns == "torch_ext" && t.name.size() > 7 && t.name.compare(t.name.size() - 7, 7, "_update") == 0;
-}
-
-bool is_alias(const ir::Node& n) {
-  if (n.target().is_getitem()) return true;
-  const c10::FunctionSchema* s = ir::find_schema(n.target());
-  if (s == nullptr || s->returns().size() != 1) return false;
-  const c10::AliasInfo* a = s->returns()[0].alias_info();
-  return a != nullptr && !a->isWrite();
-}
+bool is_alias(const ir::Node& n) { return n.target().is_getitem() || ir::is_view_op(n); }
 
 struct Dag {
   Order calls;
@@ -128,7 +117,7 @@ ScheduleResult schedule(ir::Graph& g, bool donate) {
   // update-asap: original order, but an update (and its getitems) runs as soon as it is ready
   // and no unscheduled node still reads the state it overwrites.
   candidates.emplace_back("update-asap", list_schedule(d, [&](const ir::Node* n, const auto& done) {
-                            if (is_update(*n) && update_is_safe(n, done)) return -2.0;
+                            if (ir::is_update_op(*n) && update_is_safe(n, done)) return -2.0;
                             // Views and getitems cost nothing and unblock the updates that read them.
                             if (is_alias(*n)) return -1.0;
                             return static_cast<double>(d.rank.at(n));
@@ -136,7 +125,7 @@ ScheduleResult schedule(ir::Graph& g, bool donate) {
 
   // least-peak-first: the ready node whose run changes live bytes the least (frees the most).
   candidates.emplace_back("least-peak", list_schedule(d, [&](const ir::Node* n, const auto& done) {
-                            double delta = is_update(*n) && update_is_safe(n, done) ? 0.0 : static_cast<double>(out_bytes(n));
+                            double delta = ir::is_update_op(*n) && update_is_safe(n, done) ? 0.0 : static_cast<double>(out_bytes(n));
                             for (const ir::Node* in : n->inputs()) {
                               if (in->kind() != ir::NodeKind::Call || is_alias(*in)) continue;
                               size_t left = 0;

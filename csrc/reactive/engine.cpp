@@ -33,16 +33,20 @@ bool values_equal(const c10::IValue& a, const c10::IValue& b) {
     const at::Tensor& y = b.toTensor();
     return x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type() && x.equal(y);
   }
-  if (a.isTuple() && b.isTuple()) {
-    const auto& xs = a.toTupleRef().elements();
-    const auto& ys = b.toTupleRef().elements();
+  const bool seq_a = a.isTuple() || a.isList();
+  const bool seq_b = b.isTuple() || b.isList();
+  if (seq_a || seq_b) {
+    if (!(seq_a && seq_b)) return false;
+    const auto xs = a.isTuple() ? a.toTupleRef().elements().vec() : a.toListRef().vec();
+    const auto ys = b.isTuple() ? b.toTupleRef().elements().vec() : b.toListRef().vec();
     if (xs.size() != ys.size()) return false;
     for (size_t i = 0; i < xs.size(); ++i)
       if (!values_equal(xs[i], ys[i])) return false;
     return true;
   }
-  if (a.isTensor() || b.isTensor() || a.isTuple() || b.isTuple()) return false;
-  return a == b;
+  if (a.isTensor() || b.isTensor()) return false;
+  if (a.isInt() || a.isDouble() || a.isBool() || a.isNone() || a.isString()) return a == b;
+  return false;  // unknown kinds never count as unchanged
 }
 
 // Every call node must reach the output: demand() evaluates the whole dirty set.
@@ -157,7 +161,7 @@ void Engine::invalidate_users(int64_t seed) {
 
 void Engine::save_baseline(int64_t id) {
   if (pinned_.empty() || overlay_.count(id)) return;
-  overlay_.emplace(id, values_[id]);
+  overlay_.emplace(id, std::make_pair(values_[id], states_[id].changed_at));
 }
 
 void Engine::evaluate(int64_t id) {
@@ -165,7 +169,9 @@ void Engine::evaluate(int64_t id) {
   at::AutoDispatchBelowAutograd no_autograd;
   NodeState& st = states_[id];
   TORCH_INTERNAL_ASSERT(st.countable && !st.valid && !st.pinned);
-  if (!structural_dirty_.empty()) structural_dirty_.erase(id);
+  // A graft changed this node's inputs: its pre-graft value is no baseline; if a patch is active,
+  // restore() must recompute it.
+  if (!structural_dirty_.empty() && structural_dirty_.erase(id) && !pinned_.empty()) baseline_stale_.insert(id);
   if (cutoff_ && !values_[id].isNone()) {
     bool inputs_changed = false;
     for (int64_t in : st.kernel->input_slots())
@@ -180,8 +186,11 @@ void Engine::evaluate(int64_t id) {
   c10::IValue out;
   try {
     out = st.kernel->invoke(values_, stack_);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "while evaluating node %", st.node->name(), ": ", e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    dirty_.insert({st.node->index(), id});  // still invalid: keep I2
+    TORCH_CHECK(false, "while evaluating node %", st.node->name(), ": ",
+                dynamic_cast<const c10::Error*>(&e) ? static_cast<const c10::Error&>(e).what_without_backtrace()
+                                                    : e.what());
   }
   ++st.evaluations;
   ++stats_.evaluations;
@@ -225,7 +234,10 @@ void Engine::run(std::vector<c10::IValue> inputs) {
     values_[ids_.at(placeholders[i])] = std::move(inputs[i]);
     st.changed_at = st.verified_at = revision_;
   }
-  for (size_t id = 0; id < states_.size(); ++id) mark_invalid(static_cast<int64_t>(id));
+  for (size_t id = 0; id < states_.size(); ++id) {
+    mark_invalid(static_cast<int64_t>(id));
+    states_[id].verified_at = 0;  // a full evaluation: early cutoff must not skip anything
+  }
   demand();
   has_run_ = true;
 }
@@ -272,7 +284,7 @@ c10::IValue Engine::value(const std::string& name) {
 c10::IValue Engine::baseline(const std::string& name) {
   const int64_t id = id_of(name);
   auto it = overlay_.find(id);
-  if (it != overlay_.end() && !baseline_stale_.count(id)) return it->second;
+  if (it != overlay_.end() && !baseline_stale_.count(id)) return it->second.first;
   TORCH_CHECK(pinned_.empty() || (!baseline_stale_.count(id) && states_[id].valid),
               "baseline of %", name, " is not cached while patches are active; restore() first");
   return value(name);
@@ -317,10 +329,11 @@ void Engine::restore() {
   for (int64_t id : pinned_) states_[id].pinned = false;
   for (auto& entry : overlay_) {
     NodeState& st = states_[entry.first];
-    values_[entry.first] = std::move(entry.second);
+    values_[entry.first] = std::move(entry.second.first);
     if (!st.valid) dirty_.erase({st.node->index(), entry.first});
     st.valid = true;
-    st.changed_at = st.verified_at = revision_;
+    st.changed_at = entry.second.second;  // the baseline's revision: consumers stay consistent (I4)
+    st.verified_at = revision_;
     ++stats_.restored;
   }
   // Invalid nodes that were never recomputed still hold their baseline value.
@@ -344,6 +357,7 @@ void Engine::restore() {
   stale.insert(structural_dirty_.begin(), structural_dirty_.end());
   for (int64_t id : stale) {
     mark_invalid(id);
+    states_[id].verified_at = 0;  // its cached value was computed under a patch: recompute, no cutoff
     if (!states_[id].valid) structural_dirty_.insert(id);
   }
   for (int64_t id : stale) invalidate_users(id);
@@ -363,8 +377,9 @@ void Engine::restore(const std::string& name) {
   ++revision_;
   if (st.countable) {
     mark_invalid(id);
+    st.verified_at = 0;  // its inputs may differ from when it was pinned: recompute, no cutoff
   } else {
-    values_[id] = overlay_.at(id);
+    values_[id] = overlay_.at(id).first;
     st.changed_at = st.verified_at = revision_;
   }
   invalidate_users(id);
@@ -440,6 +455,7 @@ std::vector<std::string> Engine::graft(const std::string& src_name, const std::s
   }
 
   // ---- splice.
+  ++revision_;
   const std::string prefix = "graft" + std::to_string(graft_counter_++) + "_";
   std::unordered_map<const ir::Node*, ir::Node*> map;
   map[block_in] = src_node;
@@ -492,6 +508,7 @@ std::vector<std::string> Engine::graft(const std::string& src_name, const std::s
     const int64_t w = ids_.at(c);
     bind(w);
     mark_invalid(w);
+    states_[w].verified_at = 0;  // an input was rerouted: recompute, no cutoff
     invalidate_users(w);
     // Every node of D(w), pinned or already invalid included, now has a new baseline.
     for (int64_t d : structural_cone(w)) {

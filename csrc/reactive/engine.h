@@ -137,7 +137,9 @@ class Engine {
   runtime::ValueSlots values_;     // by stable id
   std::unordered_map<const ir::Node*, int64_t> ids_;
   std::set<std::pair<int64_t, int64_t>> dirty_;  // (topological index, id)
-  std::unordered_map<int64_t, c10::IValue> overlay_;  // baseline values displaced while patched
+  // Baseline (value, changed_at) of every node written while patched; restore puts both back, so
+  // revisions after a restore are exactly those of the baseline.
+  std::unordered_map<int64_t, std::pair<c10::IValue, uint64_t>> overlay_;
   std::set<int64_t> baseline_stale_;     // nodes whose overlay baseline a graft made stale
   std::set<int64_t> structural_dirty_;   // nodes a graft invalidated, not yet recomputed
   std::vector<int64_t> pinned_;

@@ -30,11 +30,6 @@ std::optional<c10::OperatorHandle> out_variant(const ir::Node& node) {
   return out;
 }
 
-bool is_update(const ir::Node& n) {
-  const auto& t = n.target();
-  return t.ns == "torch_ext" && t.name.size() > 7 && t.name.compare(t.name.size() - 7, 7, "_update") == 0;
-}
-
 }  // namespace
 
 ArenaExecutor::ArenaExecutor(const ir::Graph& scheduled, size_t num_state, bool donate)
@@ -77,9 +72,8 @@ ArenaExecutor::ArenaExecutor(const ir::Graph& scheduled, size_t num_state, bool 
       ++num_out_;
     } else {
       step.kernel = BoundKernel::bind(*n);
-      if (it != planned.end() || (!n->target().is_getitem() && !is_update(*n) && n->type().is_tensor() &&
-                                  ir::find_schema(n->target()) &&
-                                  ir::find_schema(n->target())->returns()[0].alias_info() == nullptr))
+      if (it != planned.end() ||
+          (!n->target().is_getitem() && !ir::is_update_op(*n) && !ir::is_view_op(*n) && n->type().is_tensor()))
         fallbacks_.push_back(n->name());
     }
     for (int64_t s : step.kernel.input_slots()) last_use[s] = static_cast<int64_t>(steps_.size());

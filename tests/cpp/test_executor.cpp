@@ -5,19 +5,11 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-using namespace torch_ext;
+#include "test_util.h"
 
-namespace {
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  ADD_FAILURE() << "expected an error";
-  return "";
-}
-}  // namespace
+using namespace torch_ext;
+using torch_ext::testing::error_of;
+
 
 TEST(Executor, RunsMlpWithDefaultsKwargsAndMultiOutputs) {
   auto g = ir::parse(R"(graph:

@@ -7,7 +7,10 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
+#include "test_util.h"
+
 using namespace torch_ext::ir;
+using torch_ext::testing::error_of;
 
 namespace {
 
@@ -30,15 +33,6 @@ const char* kMlp = R"(graph:
   return (%sum, %t, None)
 )";
 
-std::string expect_error(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  ADD_FAILURE() << "expected an error";
-  return "";
-}
 
 }  // namespace
 
@@ -60,7 +54,7 @@ TEST(IrBuild, UseListsFollowEdits) {
   EXPECT_EQ(x->users(), (std::vector<Node*>{s}));
   verify(g);
   // A node with users cannot be erased.
-  EXPECT_NE(expect_error([&] { g.erase(s); }).find("still has 1 user"), std::string::npos);
+  EXPECT_NE(error_of([&] { g.erase(s); }).find("still has 1 user"), std::string::npos);
   // New calls land before the output node.
   Node* neg = g.create_call(g.unique_name("add"), Target::parse("aten::neg.default"), {Arg::of_node(add)}, {},
                             f32({2}));
@@ -135,23 +129,23 @@ TEST(IrText, RegionsRoundTrip) {
 }
 
 TEST(IrText, ParseErrorsNameTheLine) {
-  EXPECT_NE(expect_error([] { parse("graph:\n  %y : f32[2] = aten::relu.default(%x)\n  return (%y)\n"); })
+  EXPECT_NE(error_of([] { parse("graph:\n  %y : f32[2] = aten::relu.default(%x)\n  return (%y)\n"); })
                 .find("line 2, column"),
             std::string::npos);
-  EXPECT_NE(expect_error([] { parse("graph:\n  %x : q32[2] = input()\n  return (%x)\n"); }).find("unknown type 'q32'"),
+  EXPECT_NE(error_of([] { parse("graph:\n  %x : q32[2] = input()\n  return (%x)\n"); }).find("unknown type 'q32'"),
             std::string::npos);
-  EXPECT_NE(expect_error([] { parse("graph:\n  %x : f32[2] = input()\n"); }).find("no return"), std::string::npos);
-  EXPECT_NE(expect_error([] { parse("graph:\n  %x : f32[2] = input()\n  %x : f32[2] = input()\n  return (%x)\n"); })
+  EXPECT_NE(error_of([] { parse("graph:\n  %x : f32[2] = input()\n"); }).find("no return"), std::string::npos);
+  EXPECT_NE(error_of([] { parse("graph:\n  %x : f32[2] = input()\n  %x : f32[2] = input()\n  return (%x)\n"); })
                 .find("redefinition of %x"),
             std::string::npos);
-  EXPECT_NE(expect_error([] { parse("graph:\n  %x : f32[2] = input(\"unterminated)\n  return (%x)\n"); })
+  EXPECT_NE(error_of([] { parse("graph:\n  %x : f32[2] = input(\"unterminated)\n  return (%x)\n"); })
                 .find("unterminated string"),
             std::string::npos);
-  EXPECT_NE(expect_error([] { parse("graph:\n  %x : f32[2] = aten_relu(%x)\n  return (%x)\n"); })
+  EXPECT_NE(error_of([] { parse("graph:\n  %x : f32[2] = aten_relu(%x)\n  return (%x)\n"); })
                 .find("malformed op target"),
             std::string::npos);
-  EXPECT_NE(expect_error([] { parse("nonsense"); }).find("expected 'graph:'"), std::string::npos);
-  EXPECT_NE(expect_error([] { parse(std::string(kMlp) + "trailing"); }).find("unexpected text"), std::string::npos);
+  EXPECT_NE(error_of([] { parse("nonsense"); }).find("expected 'graph:'"), std::string::npos);
+  EXPECT_NE(error_of([] { parse(std::string(kMlp) + "trailing"); }).find("unexpected text"), std::string::npos);
 }
 
 TEST(IrVerify, RejectsCycle) {
@@ -160,27 +154,27 @@ TEST(IrVerify, RejectsCycle) {
   Node* a = g->find("a");
   Node* b = g->find("b");
   g->set_args(a, {Arg::of_node(b)}, {});
-  auto msg = expect_error([&] { verify(*g); });
+  auto msg = error_of([&] { verify(*g); });
   EXPECT_NE(msg.find("node %a: uses %b before it is defined"), std::string::npos) << msg;
 }
 
 TEST(IrVerify, RejectsWrongArity) {
   auto g = parse("graph:\n  %x : f32[2] = input()\n  %a : f32[2] = aten::relu.default(%x, %x)\n  return (%a)\n");
-  auto msg = expect_error([&] { verify(*g); });
+  auto msg = error_of([&] { verify(*g); });
   EXPECT_NE(msg.find("node %a (aten::relu.default): takes at most 1 positional args, got 2"), std::string::npos) << msg;
 
   auto missing = parse("graph:\n  %x : f32[2] = input()\n  %a : f32[2] = aten::add.Tensor(%x)\n  return (%a)\n");
-  msg = expect_error([&] { verify(*missing); });
+  msg = error_of([&] { verify(*missing); });
   EXPECT_NE(msg.find("missing required argument 'other'"), std::string::npos) << msg;
 
   auto kw = parse("graph:\n  %x : f32[2] = input()\n  %a : f32[2] = aten::relu.default(%x, bogus=1)\n  return (%a)\n");
-  msg = expect_error([&] { verify(*kw); });
+  msg = error_of([&] { verify(*kw); });
   EXPECT_NE(msg.find("unknown keyword argument 'bogus'"), std::string::npos) << msg;
 }
 
 TEST(IrVerify, RejectsUnknownOp) {
   auto g = parse("graph:\n  %x : f32[2] = input()\n  %a : f32[2] = aten::no_such_op.default(%x)\n  return (%a)\n");
-  auto msg = expect_error([&] { verify(*g); });
+  auto msg = error_of([&] { verify(*g); });
   EXPECT_NE(msg.find("node %a (aten::no_such_op.default): unknown operator"), std::string::npos) << msg;
 }
 
@@ -195,17 +189,17 @@ TEST(IrVerify, RejectsDanglingUse) {
   auto g = parse("graph:\n  %x : f32[2] = input()\n  %a : f32[2] = aten::relu.default(%x)\n"
                  "  %b : f32[2] = aten::neg.default(%x)\n  return (%a, %b)\n");
   GraphTestPeer::add_bogus_user(g->find("a"), g->find("b"));
-  auto msg = expect_error([&] { verify(*g); });
+  auto msg = error_of([&] { verify(*g); });
   EXPECT_NE(msg.find("node %a: use list names %b, which does not use it (dangling use)"), std::string::npos) << msg;
   GraphTestPeer::drop_users(g->find("x"));
-  msg = expect_error([&] { verify(*g); });
+  msg = error_of([&] { verify(*g); });
   EXPECT_NE(msg.find("node %a: missing from the use list of %x"), std::string::npos) << msg;
 }
 
 TEST(IrVerify, RejectsBadGetitemAndCrossGraphEdges) {
   auto g = parse("graph:\n  %x : f32[2] = input()\n  %t : (f32[1], i64[1]) = aten::topk.default(%x, 1)\n"
                  "  %a : f32[1] = getitem(%t, 2)\n  %b : f32[2] = getitem(%x, 0)\n  return (%a, %b)\n");
-  auto msg = expect_error([&] { verify(*g); });
+  auto msg = error_of([&] { verify(*g); });
   EXPECT_NE(msg.find("index 2 out of range for a tuple of 2"), std::string::npos) << msg;
   EXPECT_NE(msg.find("getitem source %x is not a tuple"), std::string::npos) << msg;
 
@@ -217,7 +211,7 @@ TEST(IrVerify, RejectsBadGetitemAndCrossGraphEdges) {
   h.create_output({Arg::of_node(r)});
   // Cross-graph edges are refused at edit time, leaving the graph unchanged.
   const std::string before = print(h);
-  auto cross = expect_error([&] { h.set_args(r, {Arg::of_node(y)}, {}); });
+  auto cross = error_of([&] { h.set_args(r, {Arg::of_node(y)}, {}); });
   EXPECT_NE(cross.find("belongs to another graph"), std::string::npos) << cross;
   EXPECT_EQ(print(h), before);
   verify(h);
@@ -226,9 +220,9 @@ TEST(IrVerify, RejectsBadGetitemAndCrossGraphEdges) {
 TEST(IrVerify, RejectsMissingOutputAndLatePlaceholder) {
   Graph g;
   g.create_placeholder("x", InputRole::UserInput, f32({2}));
-  auto msg = expect_error([&] { verify(g); });
+  auto msg = error_of([&] { verify(g); });
   EXPECT_NE(msg.find("graph has 0 output nodes, expected 1"), std::string::npos) << msg;
-  EXPECT_NE(expect_error([] {
+  EXPECT_NE(error_of([] {
               parse("graph:\n  %x : f32[2] = input()\n  %a : f32[2] = aten::relu.default(%x)\n"
                     "  %y : f32[2] = input()\n  return (%a)\n");
             }).find("must come before every call"),

@@ -7,20 +7,12 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
+#include "test_util.h"
+
 using namespace torch_ext;
+using torch_ext::testing::error_of;
 using runtime::BufferLife;
 
-namespace {
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  ADD_FAILURE() << "expected an error";
-  return "";
-}
-}  // namespace
 
 TEST(MemoryPlanAlgorithms, KnownOptimalCase) {
   // Two big buffers with disjoint lifetimes and a small one overlapping both: optimum = LB = 256.

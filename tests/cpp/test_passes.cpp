@@ -15,7 +15,10 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "test_util.h"
+
 using namespace torch_ext;
+using torch_ext::testing::error_of;
 
 namespace {
 
@@ -45,15 +48,6 @@ passes::TrainStepSpec spec() {
   return s;
 }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  ADD_FAILURE() << "expected an error";
-  return "";
-}
 
 std::map<std::string, ir::Node*> grads_of(const ir::Graph& g) {
   return {{"fc.weight", g.find("gw")}, {"fc.bias", g.find("gb")}};

@@ -7,10 +7,13 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "test_util.h"
+
 #include <algorithm>
 #include <numeric>
 
 using namespace torch_ext;
+using torch_ext::testing::error_of;
 
 namespace {
 
@@ -44,15 +47,6 @@ int64_t evals_of_demand(reactive::Engine& e) {
   return e.stats().evaluations - before;
 }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& err) {
-    return err.what_without_backtrace();
-  }
-  ADD_FAILURE() << "expected an error";
-  return "";
-}
 
 at::Tensor full_recompute(const ir::Graph& g, const at::Tensor& x) {
   reactive::Engine fresh(g);

@@ -1,0 +1,396 @@
+#!/usr/bin/env python
+"""Wall-clock benchmarks of reactive patching sweeps (CPU, one thread).
+
+    python scripts/bench_sweep.py [--repeats 7]
+
+1. Full-recompute sweep vs reactive sweep, same engine, against the exact count ratio rho
+   (a uniform sin chain on f32[64,64] and a 24-layer MLP). Target: wall ratio >= 0.97 rho.
+2. TransformerLens-style activation patching of the residual stream at every layer and position of
+   a randomly initialised TinyTransformer: eager PyTorch with forward pre-hooks (one full forward per
+   site) vs torch_ext.sweep one-at-a-time vs torch_ext.sweep(batch_sites=True). Metrics must agree
+   within 1e-5; targets: >= 2x (one-at-a-time) and >= 5x (batched).
+3. Early cutoff: clean and corrupted prompts share a prefix, so patching a prefix position writes a
+   value identical to the clean one and cutoff stops the propagation at its direct consumers.
+
+Timings are medians over interleaved repeats. Exit status 1 if an exactness check fails (metric
+agreement, evaluation counts); a missed speed target is reported, not failed.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+import torch_ext
+from torch_ext import _C
+from torch_ext.ir import Graph
+
+FAILURES: list[str] = []
+MISSED: list[str] = []
+
+
+def check(ok: bool, what: str) -> None:
+    if not ok:
+        FAILURES.append(what)
+        print(f"  !! FAILED: {what}")
+
+
+def target(ok: bool, what: str) -> str:
+    if not ok:
+        MISSED.append(what)
+    return "met" if ok else "MISSED"
+
+
+def header(title: str) -> None:
+    print()
+    print("=" * 100)
+    print(title)
+    print("=" * 100)
+
+
+def interleaved(fns: dict, repeats: int) -> dict:
+    """Median wall time of each callable, the callables interleaved within every repeat."""
+    for fn in fns.values():
+        fn()  # warm-up
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# 1. full recompute vs reactive, same engine
+# --------------------------------------------------------------------------------------------
+def same_engine_arms(eng, sites, values, cover):
+    """(reactive sweep, full-recompute sweep) closures and their evaluation counters.
+
+    Reactive: patch the site, demand, restore. Full recompute: additionally pin the placeholders in
+    ``cover`` (whose cones cover every countable node) to their own values, so the demand recomputes
+    every countable node except the pinned site: a full recomputation of the patched graph, with the
+    same per-evaluation machinery and no whole-graph scan in either arm.
+    """
+    pin_values = {p: eng.value(p) for p in cover}
+    counts = {"reactive": [], "full": []}
+
+    def reactive():
+        e0 = eng.stats()["evaluations"]
+        for s in sites:
+            eng.patch(s, values[s])
+            eng.demand()
+            eng.restore()
+        counts["reactive"].append(eng.stats()["evaluations"] - e0)
+
+    def full():
+        e0 = eng.stats()["evaluations"]
+        for s in sites:
+            for p in cover:
+                eng.patch(p, pin_values[p])
+            eng.patch(s, values[s])
+            eng.demand()
+            eng.restore()
+        counts["full"].append(eng.stats()["evaluations"] - e0)
+
+    return reactive, full, counts
+
+
+def bench_chain(repeats: int):
+    n = 400
+    lines = ["graph:", "  %x : f32[64,64] = input()"]
+    prev = "x"
+    for i in range(1, n + 1):
+        lines.append(f"  %n{i} : f32[64,64] = aten::sin.default(%{prev})")
+        prev = f"n{i}"
+    lines.append(f"  return (%{prev})")
+    eng = _C.Engine(Graph.parse("\n".join(lines) + "\n")._g)
+    eng.run([torch.randn(64, 64)])
+    sites = [f"n{i}" for i in range(1, n + 1)]
+    values = {s: torch.full((64, 64), 0.5) for s in sites}
+    predicted = sum(n - i for i in range(1, n + 1))
+    return "uniform chain: 400 x sin on f32[64,64], every node a site", eng, sites, values, ["x"], n, predicted
+
+
+def bench_mlp(repeats: int):
+    depth, width, batch = 24, 256, 64
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    model = nn.Sequential(*layers).eval()
+    x = torch.randn(batch, width)
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    sites = rg.nodes("*relu*")  # every layer's output
+    assert len(sites) == depth
+    N = rg.num_nodes
+    values = {s: torch.zeros_like(rg.value(s)) for s in sites}
+    predicted = sum(len(rg.cone(s)) for s in sites)
+    user = [n["name"] for n in rg.graph.nodes() if n["kind"] == "placeholder" and n["role"] == "input"]
+    return (f"MLP: {depth} x (Linear({width},{width}) + ReLU), batch {batch}, every layer output a site",
+            rg._engine, sites, values, user, N, predicted)
+
+
+def part1(repeats: int) -> None:
+    header("1. full-recompute sweep vs reactive sweep (same engine), wall clock vs exact rho")
+    print("rho = n*N / sum|V+(s)| (cost-model.md); the full arm evaluates n*(N-1) nodes (the pinned site is")
+    print("not recomputed), so the exact evaluation ratio of the two arms is rho*(N-1)/N.")
+    for build in (bench_chain, bench_mlp):
+        title, eng, sites, values, cover, N, predicted = build(repeats)
+        reactive, full, counts = same_engine_arms(eng, sites, values, cover)
+        with torch.no_grad():
+            med = interleaved({"reactive": reactive, "full": full}, repeats)
+        eng.check_invariants()
+        n = len(sites)
+        check(set(counts["reactive"]) == {predicted}, f"{title}: reactive evaluations {counts['reactive']}")
+        check(set(counts["full"]) == {n * (N - 1)}, f"{title}: full evaluations {counts['full']}")
+        rho = n * N / predicted
+        exec_ratio = n * (N - 1) / predicted
+        wall = med["full"] / med["reactive"]
+        print()
+        print(f"[{title}]")
+        print(f"  N = {N}, n = {n}: reactive {predicted} evaluations, full {n * (N - 1)} evaluations")
+        print(f"  rho = {rho:.4f} (exact evaluation ratio of the arms {exec_ratio:.4f})")
+        print(f"  wall: full {med['full'] * 1e3:.1f} ms, reactive {med['reactive'] * 1e3:.1f} ms (medians of {repeats}) "
+              f"-> ratio {wall:.4f} = {wall / rho:.4f} x rho, {wall / exec_ratio:.4f} x evaluation ratio "
+              f"[target >= 0.97 rho: {target(wall >= 0.97 * rho, title + ' wall >= 0.97 rho')}]")
+
+
+# --------------------------------------------------------------------------------------------
+# 2. TransformerLens-style residual-stream patching
+# --------------------------------------------------------------------------------------------
+class _QKVAttention(nn.Module):
+    """Attention with separate q, k, v projections (no aten::split in the graph; see part 3)."""
+
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.q, self.k, self.v = (nn.Linear(d_model, d_model) for _ in range(3))
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        shape = (b, t, self.n_heads, d // self.n_heads)
+        q, k, v = (f(x).reshape(shape).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+def tl_setup(shared_prefix: int | None = None, d: int = 64, B: int = 8, split_free: bool = False):
+    from torch_ext.models import TinyTransformer
+
+    L, H, T, V = 4, 4, 16, 128
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=V, d_model=d, n_heads=H, n_layers=L, seq=T).eval()
+    if split_free:
+        for blk in model.blocks:
+            blk.attn = _QKVAttention(d, H)
+    clean = torch.randint(0, V, (B, T))
+    corrupt = clean.clone()
+    changed = range(shared_prefix, T) if shared_prefix is not None else (3, 9, 14)
+    for p in changed:
+        corrupt[:, p] = (corrupt[:, p] + 1 + p) % V
+    return model, clean, corrupt
+
+
+def resid_pre_cache(model, tokens):
+    """The residual stream entering every block (TransformerLens' blocks.{l}.hook_resid_pre)."""
+    cache, handles = {}, []
+    for layer, blk in enumerate(model.blocks):
+        handles.append(blk.register_forward_pre_hook(lambda m, args, layer=layer: cache.__setitem__(layer, args[0].clone())))
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        for h in handles:
+            h.remove()
+    return cache
+
+
+def metric(logits):
+    return (logits[:, -1, 3] - logits[:, -1, 5]).mean()
+
+
+def eager_hook_sweep(model, clean, cache, T):
+    out = {}
+    for layer, blk in enumerate(model.blocks):
+        for pos in range(T):
+            def hook(m, args, layer=layer, pos=pos):
+                x = args[0].clone()
+                x[:, pos] = cache[layer][:, pos]
+                return (x,)
+            h = blk.register_forward_pre_hook(hook)
+            try:
+                out[(layer, pos)] = float(metric(model(clean)))
+            finally:
+                h.remove()
+    return out
+
+
+def part2(repeats: int) -> None:
+    header("2. TransformerLens-style patching: residual stream at every layer and position")
+    print("Two sizes: batching the K positions of a node into one K-times-batched evaluation saves per-op")
+    print("overhead, not FLOPs (the batched sweep does the same arithmetic as the one-at-a-time sweep), so it")
+    print("pays off where ops are overhead-bound (small d_model / batch), and much less where they are not.")
+    for d, B in ((32, 2), (64, 8)):
+        part2_case(repeats, d, B)
+
+
+def part2_case(repeats: int, d: int, B: int) -> None:
+    print()
+    model, clean, corrupt = tl_setup(d=d, B=B)
+    T = clean.shape[1]
+    L = len(model.blocks)
+    cache = resid_pre_cache(model, corrupt)
+    rg = torch_ext.ReactiveGraph(model, (clean,))  # built on `clean` and never re-run (see bug 7)
+    # resid_pre of block 0 is the embedding sum; of block l > 0, block l-1's last add.
+    resid = ["add"] + [rg.nodes(f"blocks.{i}")[-1] for i in range(L - 1)]
+    layer_of = {node: i for i, node in enumerate(resid)}
+    with torch.no_grad():
+        for node, layer in layer_of.items():
+            check(torch.allclose(rg.value(node), resid_pre_cache(model, clean)[layer], atol=1e-6),
+                  f"resid_pre node {node} is block {layer}'s input")
+    sites = [(node, pos) for node in resid for pos in range(T)]
+
+    def patch(value, site):
+        node, pos = site
+        v = value.clone()
+        v[:, pos] = cache[layer_of[node]][:, pos]
+        return v
+
+    results = {}
+
+    def eager():
+        with torch.no_grad():
+            results["eager"] = eager_hook_sweep(model, clean, cache, T)
+
+    def one():
+        with torch.no_grad():
+            results["one"] = torch_ext.sweep(rg, sites, patch, metric, progress=False)
+
+    def batched():
+        with torch.no_grad():
+            results["batched"] = torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=True)
+
+    t0 = time.perf_counter()
+    rg._batched_graph(T)  # one-off: exports the T-times batched model
+    export_s = time.perf_counter() - t0
+    med = interleaved({"eager": eager, "one": one, "batched": batched}, repeats)
+    e, o, b = results["eager"], results["one"], results["batched"]
+    diff_one = max(abs(e[(layer_of[n], p)] - o.metrics[(n, p)]) for n, p in sites)
+    diff_b = max(abs(e[(layer_of[n], p)] - b.metrics[(n, p)]) for n, p in sites)
+    check(diff_one <= 1e-5, f"TL: one-at-a-time vs eager max |diff| {diff_one:.2e}")
+    check(diff_b <= 1e-5, f"TL: batched vs eager max |diff| {diff_b:.2e}")
+    check(o.measured_evaluations == o.predicted_evaluations, "TL: one-at-a-time evaluations == cones")
+    check(b.measured_evaluations == b.predicted_evaluations, "TL: batched evaluations == cones")
+    N = rg.num_nodes
+    print(f"[TinyTransformer L={L} d_model={d} H=4 seq={T} batch={B}] N = {N}; {len(sites)} sites "
+          f"(resid_pre x position); metric = logit diff at the last position")
+    print(f"  metrics agree: max |eager - one-at-a-time| = {diff_one:.2e}, max |eager - batched| = {diff_b:.2e} (<= 1e-5)")
+    print(f"  evaluations: eager {len(sites)} full forwards (= {len(sites) * N} node evaluations); one-at-a-time "
+          f"{o.measured_evaluations} (rho {o.rho:.3f}); batched {b.measured_evaluations} over {b.groups} groups "
+          f"of {T} variants (each evaluation on a {T}x batch)")
+    s1 = med["eager"] / med["one"]
+    s2 = med["eager"] / med["batched"]
+    print(f"  wall (medians of {repeats}): eager hooks {med['eager'] * 1e3:.1f} ms, reactive one-at-a-time "
+          f"{med['one'] * 1e3:.1f} ms, reactive batched {med['batched'] * 1e3:.1f} ms "
+          f"(+ {export_s:.1f} s one-off export of the batched graph, not included)")
+    print(f"  speedup one-at-a-time {s1:.2f}x [target >= 2x: {target(s1 >= 2, f'TL d={d} B={B} one-at-a-time >= 2x')}], "
+          f"batched {s2:.2f}x [target >= 5x: {target(s2 >= 5, f'TL d={d} B={B} batched >= 5x')}]")
+    try:
+        import transformer_lens  # noqa: F401
+        print("  (transformer_lens is installed but not used: the hook baseline above is its mechanism)")
+    except ImportError:
+        print("  (transformer_lens is not installed; the eager forward-hook sweep above is the equivalent baseline)")
+
+
+# --------------------------------------------------------------------------------------------
+# 3. early cutoff
+# --------------------------------------------------------------------------------------------
+def part3(repeats: int) -> None:
+    header("3. early cutoff: clean and corrupted prompts share a 12-token prefix (of 16)")
+    print("Model: the TinyTransformer of part 2 (d_model 64, batch 8) with separate q/k/v projections: with")
+    print("cutoff on, recomputing TinyTransformer's qkv aten::split (a list-valued node) throws (engine bug 8).")
+    prefix = 12
+    model, clean, corrupt = tl_setup(shared_prefix=prefix, split_free=True)
+    T = clean.shape[1]
+    L = len(model.blocks)
+    rg = torch_ext.ReactiveGraph(model, (clean,))
+    resid = ["add"] + [rg.nodes(f"blocks.{i}")[-1] for i in range(L - 1)]
+    # Corrupted activations from the engine itself: run the corrupted prompt, cache, re-run clean.
+    rg.run(corrupt)
+    cache = {n: rg.value(n).clone() for n in resid}
+    rg.run(clean)
+    same = {(n, p): bool(torch.equal(cache[n][:, p], rg.value(n)[:, p])) for n in resid for p in range(T)}
+    identical = sum(same.values())
+    sites = [(n, p) for n in resid for p in range(T)]
+    # Ideal cutoff cost: an identical value costs its direct consumers only; a changed one its cone.
+    consumers = {n: len([u for u in rg.graph.node(n)["users"] if u != "output"]) for n in resid}
+    ideal = sum(consumers[n] if same[(n, p)] else len(rg.cone(n)) for n, p in sites)
+
+    def patch(value, site):
+        node, pos = site
+        v = value.clone()
+        v[:, pos] = cache[node][:, pos]
+        return v
+
+    res = {}
+
+    def run(on: bool):
+        def fn():
+            rg.set_cutoff(on)
+            s0 = rg.stats
+            with torch.no_grad():
+                r = torch_ext.sweep(rg, sites, patch, metric, progress=False)
+            s1 = rg.stats
+            res[on] = (r, s1["evaluations"] - s0["evaluations"], s1["cutoffs"] - s0["cutoffs"])
+        return fn
+
+    med = interleaved({"off": run(False), "on": run(True)}, repeats)
+    rg.set_cutoff(False)
+    (r_off, ev_off, cut_off), (r_on, ev_on, cut_on) = res[False], res[True]
+    same_metrics = all(r_on.metrics[k] == r_off.metrics[k] for k in sites)
+    check(same_metrics, "cutoff on/off: identical metrics")
+    check(ev_off == r_off.predicted_evaluations and cut_off == 0, "cutoff off: evaluations == cones")
+    check(ev_on + cut_on >= r_off.predicted_evaluations and ev_on <= ev_off, "cutoff on: evaluations + cutoffs cover the cones")
+    print(f"{len(sites)} sites (resid_pre x position); {identical} of them patch a value bit-identical to the clean one "
+          f"(positions < {prefix}: causal attention makes the prefix residuals equal)")
+    print(f"  cutoff off: {ev_off} evaluations, {med['off'] * 1e3:.1f} ms")
+    print(f"  cutoff on : {ev_on} evaluations + {cut_on} nodes revalidated without executing, {med['on'] * 1e3:.1f} ms")
+    print(f"  -> {ev_off / max(ev_on, 1):.2f}x fewer evaluations, {med['off'] / med['on']:.2f}x faster; metrics identical: {same_metrics}")
+    print(f"  ideal with cutoff: {ideal} evaluations (identical sites cost their direct consumers only). The first")
+    print("  identical site of each node does cost just its consumers; later ones cost more, because restore() gives")
+    print("  the restored nodes a new changed_at but leaves their cut-off consumers' verified_at older (engine bug 5),")
+    print("  so those consumers re-execute at the next patch.")
+    print("  Patching a position with an identical value lets cutoff stop propagation after the site's direct")
+    print("  consumers (their recomputed values compare equal), so prefix sites cost a handful of evaluations.")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    part1(args.repeats)
+    part2(args.repeats)
+    part3(args.repeats)
+    print()
+    print(f"total {time.perf_counter() - t0:.1f} s")
+    if MISSED:
+        print("speed targets missed: " + "; ".join(MISSED))
+    if FAILURES:
+        print(f"{len(FAILURES)} CHECK(S) FAILED:")
+        for f in FAILURES:
+            print("  -", f)
+        return 1
+    print("all exactness checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
