@@ -23,6 +23,7 @@ import torch
 
 import torch_ext
 from torch_ext import _C
+from torch_ext.synthetic import block_text, chain_text, e4_weights
 from torch_ext._compat import export_joint
 from torch_ext.ir import Graph
 
@@ -46,24 +47,8 @@ def header(title: str) -> None:
 # --------------------------------------------------------------------------------------------
 # graphs and independent cones
 # --------------------------------------------------------------------------------------------
-def chain_text(n: int, op: str = "aten::relu.default", shape: str = "f32[4]") -> str:
-    lines = ["graph:", f"  %x : {shape} = input()"]
-    prev = "x"
-    for i in range(1, n + 1):
-        lines.append(f"  %n{i} : {shape} = {op}(%{prev})")
-        prev = f"n{i}"
-    lines.append(f"  return (%{prev})")
-    return "\n".join(lines) + "\n"
 
 
-def block_text(h: int) -> str:
-    lines = ["graph:", "  %a : f32[4] = input()"]
-    prev = "a"
-    for i in range(1, h + 1):
-        lines.append(f"  %b{i} : f32[4] = aten::cos.default(%{prev})")
-        prev = f"b{i}"
-    lines.append(f"  return (%{prev})")
-    return "\n".join(lines) + "\n"
 
 
 def _refs(arg):
@@ -151,10 +136,6 @@ E4_L = [20, 40, 80, 160, 320]
 QS = [0, 0.5, 1, 2]
 
 
-def e4_weights(L, q, profile, total=4000, floor=1):
-    raw = [float(j) ** q if profile == "output" else float(L - j + 1) ** q for j in range(1, L + 1)]
-    s = sum(raw)
-    return [max(floor, round(r * total / s)) for r in raw]  # round(): half-even, like Julia's round(Int, .)
 
 
 def e4(measure_all: bool) -> None:

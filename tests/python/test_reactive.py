@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 import torch_ext
 from torch_ext import _C
+from torch_ext import synthetic
 from torch_ext._compat import export_joint
 from torch_ext.ir import Graph
 
@@ -39,16 +40,15 @@ from torch_ext.ir import Graph
 SHAPE = "f32[4]"
 
 
-def chain_text(n: int, op: str = "aten::sin.default", shape: str = SHAPE) -> str:
-    """x -> n1 -> ... -> nN (a single path of N countable nodes)."""
-    lines = ["graph:", f"  %x : {shape} = input()"]
-    prev = "x"
-    for i in range(1, n + 1):
-        lines.append(f"  %n{i} : {shape} = {op}(%{prev})")
-        prev = f"n{i}"
-    lines.append(f"  return (%{prev})")
-    return "\n".join(lines) + "\n"
 
+
+
+def chain_text(n: int, op: str = "aten::sin.default", shape: str = SHAPE) -> str:
+    return synthetic.chain_text(n, op, shape)
+
+
+block_text = synthetic.block_text
+e4_weights = synthetic.e4_weights
 
 BLOCKS = {
     # name -> (text, h). Each takes one f32[4] and returns one f32[4]; "fan" reads its input twice.
@@ -61,25 +61,12 @@ BLOCKS = {
 }
 
 
-def block_text(h: int, op: str = "aten::cos.default") -> str:
-    lines = ["graph:", "  %a : f32[4] = input()"]
-    prev = "a"
-    for i in range(1, h + 1):
-        lines.append(f"  %b{i} : f32[4] = {op}(%{prev})")
-        prev = f"b{i}"
-    lines.append(f"  return (%{prev})")
-    return "\n".join(lines) + "\n"
 
 
 def block_graph(h: int) -> Graph:
     return Graph.parse(block_text(h))
 
 
-def e4_weights(L: int, q: float, profile: str, total: int = 4000, floor: int = 1) -> list[int]:
-    """paper-notes 5.1: w_j = max(floor, round(raw_j * total / sum raw)); round() is half-even like Julia."""
-    raw = [float(j) ** q if profile == "output" else float(L - j + 1) ** q for j in range(1, L + 1)]
-    s = sum(raw)
-    return [max(floor, round(r * total / s)) for r in raw]
 
 
 def layered_chain_text(weights: list[int], op: str = "aten::relu.default") -> tuple[str, list[str]]:
