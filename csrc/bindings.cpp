@@ -180,6 +180,9 @@ py::dict node_to_py(const ir::Node& n) {
     d["state_name"] = n.state_name();
   }
   if (n.kind() == ir::NodeKind::Call) d["target"] = n.target().str();
+  py::list regions;
+  for (const auto& r : n.regions()) regions.append(std::shared_ptr<ir::Graph>(r->clone()));
+  d["regions"] = regions;
   py::list args;
   for (const auto& a : n.args()) args.append(arg_to_py(a));
   d["args"] = args;
@@ -265,7 +268,7 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("add_call",
            [](ir::Graph& g, const std::string& name, const std::string& target, py::list args, py::list kwargs,
-              py::handle type, const std::string& module_path) {
+              py::handle type, const std::string& module_path, const std::vector<std::shared_ptr<ir::Graph>>& regions) {
              std::vector<ir::Arg> a;
              for (auto e : args) a.push_back(arg_from_py(g, e));
              ir::Kwargs kw;
@@ -276,7 +279,10 @@ PYBIND11_MODULE(_C, m) {
              ir::Node* n = g.create_call(name, ir::Target::parse(target), std::move(a), std::move(kw),
                                          type_from_py(type));
              n->set_module_path(module_path);
-           })
+             for (const auto& r : regions) g.add_region(n, r->clone());
+           },
+           py::arg("name"), py::arg("target"), py::arg("args"), py::arg("kwargs"), py::arg("type"),
+           py::arg("module_path"), py::arg("regions") = std::vector<std::shared_ptr<ir::Graph>>{})
       .def("set_output",
            [](ir::Graph& g, py::list values) {
              std::vector<ir::Arg> vals;

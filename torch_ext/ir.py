@@ -28,6 +28,28 @@ _SPECIALS = {
 }
 
 
+_HIGHER_ORDER = {torch.ops.higher_order.cond: "higher_order::cond.default",
+                 torch.ops.higher_order.while_loop: "higher_order::while_loop.default"}
+
+
+def _fetch_attr(owner, target: str):
+    obj = owner
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _higher_order_args(node: torch.fx.Node, where: str):
+    """(IR args, region get_attr nodes) of a cond / while_loop call."""
+    if node.target is torch.ops.higher_order.cond:
+        pred, true_fn, false_fn, operands = node.args
+        return [pred, list(operands)], [true_fn, false_fn]
+    cond_fn, body_fn, carried, additional = node.args
+    return [list(carried), list(additional)], [cond_fn, body_fn]
+
+
 class UnsupportedNodeError(NotImplementedError):
     """The importer met an FX node it cannot translate yet."""
 
@@ -112,11 +134,16 @@ class Graph:
         """Imports an ExportedProgram's graph and signature. Unsupported nodes raise UnsupportedNodeError."""
         if not isinstance(ep, torch.export.ExportedProgram):
             raise TypeError(f"from_exported expects a torch.export.ExportedProgram, got {type(ep).__name__}")
-        return Graph.from_fx(ep.graph, ep.graph_signature)
+        return Graph.from_fx(ep.graph, ep.graph_signature, owner=ep.graph_module)
 
     @staticmethod
-    def from_fx(fx_graph: torch.fx.Graph, signature=None) -> "Graph":
+    def from_fx(fx_graph: torch.fx.Graph, signature=None, owner: torch.nn.Module | None = None) -> "Graph":
+        """Imports an FX graph. torch.cond / while_loop become call nodes owning their branches and
+        bodies as regions; the region signatures are verified at import."""
         g = _C.Graph()
+        owner = owner if owner is not None else fx_graph.owning_module
+        subgraphs: dict[str, torch.fx.GraphModule] = {}
+        has_regions = False
         roles = {}
         if signature is not None:
             for spec in signature.input_specs:
@@ -129,12 +156,31 @@ class Graph:
             if node.op == "placeholder":
                 role, state = roles.get(node.name, ("input", ""))
                 g.add_placeholder(node.name, role, _type_of(node.meta.get("val"), where), state)
+            elif node.op == "get_attr" and isinstance(_fetch_attr(owner, node.target), torch.fx.GraphModule):
+                subgraphs[node.name] = _fetch_attr(owner, node.target)
+            elif node.op == "call_function" and node.target in _HIGHER_ORDER:
+                tname = _HIGHER_ORDER[node.target]
+                where = f"node '{node.name}' ({tname})"
+                args, region_nodes = _higher_order_args(node, where)
+                regions = []
+                for rn in region_nodes:
+                    if rn.name not in subgraphs:
+                        raise UnsupportedNodeError(f"{where}: region {rn.name!r} is not a GraphModule attribute")
+                    sub = subgraphs[rn.name]
+                    regions.append(Graph.from_fx(sub.graph, owner=sub)._g)
+                g.add_call(node.name, tname, [_arg_to_ir(a, where) for a in args], [],
+                           _type_of(node.meta.get("val"), where), _compat.module_path(node), regions)
+                has_regions = True
             elif node.op == "call_function":
                 target = node.target
                 if target is operator.getitem:
                     tname = "getitem"
                 else:
                     qual = _compat.op_name(target)
+                    if isinstance(target, torch._ops.HigherOrderOperator):
+                        raise UnsupportedNodeError(
+                            f"{where}: higher-order operator {target.__name__!r} is not supported by torch_ext yet "
+                            f"(torch {torch.__version__}; supported: cond, while_loop)")
                     if qual is None:
                         raise UnsupportedNodeError(
                             f"{where}: target {getattr(target, '__name__', target)!r} is not supported "
@@ -150,6 +196,10 @@ class Graph:
                 g.set_output([_arg_to_ir(a, "output") for a in (outs if isinstance(outs, (list, tuple)) else [outs])])
             else:
                 raise UnsupportedNodeError(f"{where}: FX op '{node.op}' (target {node.target!r}) is not supported")
+        if has_regions:
+            errors = g.verify_errors()
+            if errors:
+                raise ValueError("invalid control flow at import:\n  " + "\n  ".join(errors))
         return Graph(g)
 
     @staticmethod
@@ -179,20 +229,41 @@ class Graph:
     # ---- back to the ecosystem
     def to_graph_module(self) -> torch.fx.GraphModule:
         """A GraphModule taking every placeholder (lifted state and user inputs) as flat positional inputs."""
-        fx = torch.fx.Graph()
-        env: dict[str, torch.fx.Node] = {}
-        for n in self._g.nodes():
-            if n["kind"] == "placeholder":
-                node = fx.placeholder(n["name"])
-            elif n["kind"] == "call":
-                args = tuple(_arg_from_ir(a, env) for a in n["args"])
-                kwargs = {k: _arg_from_ir(v, env) for k, v in n["kwargs"]}
-                node = fx.call_function(_resolve_target(n["target"]), args, kwargs)
-                node.name = n["name"]
+        return _to_graph_module(self._g)
+
+
+def _to_graph_module(cgraph, scalar_output: bool = False) -> torch.fx.GraphModule:
+    root = torch.nn.Module()
+    fx = torch.fx.Graph()
+    env: dict[str, torch.fx.Node] = {}
+    for n in cgraph.nodes():
+        if n["kind"] == "placeholder":
+            node = fx.placeholder(n["name"])
+        elif n["kind"] == "call" and n["regions"]:
+            subs = []
+            is_loop = n["target"] == "higher_order::while_loop.default"
+            for i, region in enumerate(n["regions"]):
+                attr = f"{n['name']}_region{i}"
+                # A while_loop's condition returns the bare boolean, not a tuple.
+                setattr(root, attr, _to_graph_module(region, scalar_output=is_loop and i == 0))
+                subs.append(fx.get_attr(attr))
+            args = [_arg_from_ir(a, env) for a in n["args"]]
+            if n["target"] == "higher_order::cond.default":
+                node = fx.call_function(torch.ops.higher_order.cond, (args[0], subs[0], subs[1], tuple(args[1])))
             else:
-                fx.output(tuple(_arg_from_ir(a, env) for a in n["args"][0]))
-                continue
-            node.meta["val"] = _fake_of(n["type"])
-            env[n["name"]] = node
-        fx.lint()
-        return torch.fx.GraphModule(torch.nn.Module(), fx)
+                node = fx.call_function(torch.ops.higher_order.while_loop,
+                                        (subs[0], subs[1], tuple(args[0]), tuple(args[1])))
+            node.name = n["name"]
+        elif n["kind"] == "call":
+            args = tuple(_arg_from_ir(a, env) for a in n["args"])
+            kwargs = {k: _arg_from_ir(v, env) for k, v in n["kwargs"]}
+            node = fx.call_function(_resolve_target(n["target"]), args, kwargs)
+            node.name = n["name"]
+        else:
+            outs = tuple(_arg_from_ir(a, env) for a in n["args"][0])
+            fx.output(outs[0] if scalar_output and len(outs) == 1 else outs)
+            continue
+        node.meta["val"] = _fake_of(n["type"])
+        env[n["name"]] = node
+    fx.lint()
+    return torch.fx.GraphModule(root, fx)

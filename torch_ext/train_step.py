@@ -197,7 +197,16 @@ class TrainStep:
             shape = tuple(loss_val.shape) if isinstance(loss_val, torch.Tensor) else type(loss_val).__name__
             raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
         self._forward_program = ep
-        joint = _compat.export_joint(ep)
+        try:
+            joint = _compat.export_joint(ep)
+        except Exception as e:  # noqa: BLE001 - re-raised with the op and the torch version named
+            hops = sorted({getattr(n.target, "__name__", str(n.target)) for n in ep.graph.nodes
+                           if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)})
+            if hops:
+                raise NotImplementedError(
+                    f"torch {torch.__version__} cannot build the joint forward/backward graph through "
+                    f"{', '.join(hops)}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+            raise
         out_node = [n for n in joint.graph.nodes if n.op == "output"][0]
         out_args = out_node.args[0]
         spec = dict(loss_output=-1, buffer_mutations=[], grads=[], updates=self._updates,

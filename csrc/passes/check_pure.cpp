@@ -26,6 +26,16 @@ const ir::Node* viewed_input(const ir::Node* n) {
 void check_pure(const ir::Graph& g) {
   for (const auto& n : g.nodes()) {
     if (n->kind() != ir::NodeKind::Call || n->target().is_builtin()) continue;
+    if (n->target().ns == "higher_order") {  // functional iff its regions are
+      for (const auto& r : n->regions())
+        for (const auto& inner : r->nodes()) {
+          if (inner->kind() != ir::NodeKind::Call || inner->target().is_builtin()) continue;
+          const c10::FunctionSchema* s = ir::find_schema(inner->target());
+          TORCH_CHECK(inner->target().ns == "higher_order" || (s != nullptr && !s->is_mutable()), "check_pure: node %",
+                      inner->name(), " (", inner->target().str(), ") inside %", n->name(), " mutates an argument");
+        }
+      continue;
+    }
     const c10::FunctionSchema* schema = ir::find_schema(n->target());
     TORCH_CHECK(schema != nullptr, "check_pure: node %", n->name(), " (", n->target().str(), ") has no schema");
     TORCH_CHECK(!schema->is_mutable(), "check_pure: node %", n->name(), " (", n->target().str(),

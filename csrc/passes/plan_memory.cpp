@@ -139,8 +139,17 @@ Analysis analyze(const ir::Graph& g, const std::vector<const ir::Node*>& order, 
       }
     }
   }
-  // Escaping values live beyond the step: outside the arena.
+  // Escaping values live beyond the step: outside the arena. A control-flow node may hand an operand
+  // straight through (an identity branch), so its operands escape too.
   std::vector<bool> escapes(all.size(), false);
+  for (const ir::Node* n : order) {
+    if (n->target().ns != "higher_order") continue;
+    for (const ir::Node* in : n->inputs())
+      for (int64_t e : elems_of(in->type())) {
+        auto it = root.find({in, e});
+        if (it != root.end() && it->second >= 0) escapes[it->second] = true;
+      }
+  }
   g.output()->args()[0].for_each_node([&](ir::Node* n) {
     for (int64_t e : elems_of(n->type())) {
       auto it = root.find({n, e});
@@ -184,7 +193,7 @@ int64_t simulate_peak(const ir::Graph& g, const std::vector<const ir::Node*>& or
 
 MemoryPlan plan_memory(const ir::Graph& g, bool donate) {
   for (const auto& n : g.nodes()) {
-    if (n->kind() != ir::NodeKind::Call || n->target().is_builtin()) continue;
+    if (n->kind() != ir::NodeKind::Call || n->target().is_builtin() || n->target().ns == "higher_order") continue;
     const c10::FunctionSchema* s = ir::find_schema(n->target());
     TORCH_CHECK(s != nullptr && !s->is_mutable(), "plan_memory: node %", n->name(), " (", n->target().str(),
                 ") mutates its inputs; plan a pure graph (make_train_step output)");

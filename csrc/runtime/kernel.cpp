@@ -2,6 +2,7 @@
 
 #include "ir/printer.h"
 #include "ir/schema.h"
+#include "runtime/executor.h"
 
 #include <ATen/ScalarOps.h>
 #include <ATen/core/List.h>
@@ -131,8 +132,34 @@ BoundKernel BoundKernel::bind(const ir::Node& node, const SlotOf& slot_of_fn) {
     k.input_slots_ = {k.getitem_source_};
     return k;
   }
-  TORCH_CHECK(node.regions().empty(), where_node,
-              "operators with nested regions are not supported by the dispatcher executor yet");
+  if (node.target().ns == "higher_order") {
+    BoundKernel k;
+    k.node_name_ = node.name();
+    const bool is_cond = node.target().name == "cond";
+    TORCH_CHECK(is_cond || node.target().name == "while_loop", where_node, "unsupported higher-order operator");
+    TORCH_CHECK(node.regions().size() == 2 && node.args().size() == 2 && node.args()[1].kind == Arg::Kind::List,
+                where_node, is_cond ? "cond takes (%pred, [operands]) and two regions"
+                                    : "while_loop takes ([carried], [additional]) and two regions");
+    k.control_ = is_cond ? ControlFlow::Cond : ControlFlow::WhileLoop;
+    for (const auto& r : node.regions()) k.regions_.push_back(std::make_shared<const Executor>(*r));
+    auto slots_of = [&](const Arg& list, std::vector<int64_t>& out) {
+      for (const Arg& a : list.list) {
+        TORCH_CHECK(a.kind == Arg::Kind::Node, where_node, "operands must be graph values, got ", ir::print_arg(a));
+        out.push_back(slot_of(a.node));
+      }
+    };
+    if (is_cond) {
+      TORCH_CHECK(node.args()[0].kind == Arg::Kind::Node, where_node, "the predicate must be a graph value");
+      k.pred_slot_ = slot_of(node.args()[0].node);
+    } else {
+      TORCH_CHECK(node.args()[0].kind == Arg::Kind::List, where_node, "carried values must be a list");
+      slots_of(node.args()[0], k.operand_slots_);
+    }
+    slots_of(node.args()[1], is_cond ? k.operand_slots_ : k.additional_slots_);
+    for (ir::Node* in : node.inputs()) k.input_slots_.push_back(slot_of(in));
+    return k;
+  }
+  TORCH_CHECK(node.regions().empty(), where_node, "only higher_order::cond and while_loop own regions");
   auto op = ir::find_op(node.target());
   TORCH_CHECK(op.has_value(), where_node, "operator is not registered with the c10 dispatcher");
   return bind_as(node, *op, slot_of_fn, {});
@@ -222,7 +249,33 @@ BoundKernel BoundKernel::bind_as(const ir::Node& node, const c10::OperatorHandle
   return k;
 }
 
+c10::IValue BoundKernel::invoke_control_flow(const ValueSlots& values) const {
+  auto gather = [&](const std::vector<int64_t>& slots) {
+    std::vector<c10::IValue> out;
+    for (int64_t s : slots) out.push_back(values[s]);
+    return out;
+  };
+  if (control_ == ControlFlow::Cond) {
+    const c10::IValue& p = values[pred_slot_];
+    const bool pred = p.isTensor() ? p.toTensor().item<bool>() : p.toBool();
+    return c10::ivalue::Tuple::create(regions_[pred ? 0 : 1]->run(gather(operand_slots_)));
+  }
+  std::vector<c10::IValue> carried = gather(operand_slots_);
+  const std::vector<c10::IValue> additional = gather(additional_slots_);
+  auto with_additional = [&](std::vector<c10::IValue> v) {
+    v.insert(v.end(), additional.begin(), additional.end());
+    return v;
+  };
+  while (true) {
+    const c10::IValue c = regions_[0]->run(with_additional(carried)).at(0);
+    if (!(c.isTensor() ? c.toTensor().item<bool>() : c.toBool())) break;
+    carried = regions_[1]->run(with_additional(std::move(carried)));
+  }
+  return c10::ivalue::Tuple::create(std::move(carried));
+}
+
 c10::IValue BoundKernel::invoke(const ValueSlots& values, std::vector<c10::IValue>& stack) const {
+  if (control_ != ControlFlow::None) return invoke_control_flow(values);
   if (getitem_index_ >= 0) {
     const c10::IValue& src = values[getitem_source_];
     if (src.isTuple()) return src.toTupleRef().elements().at(getitem_index_);

@@ -16,11 +16,14 @@
 #include <ATen/core/ivalue.h>
 
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 namespace torch_ext::runtime {
+
+class Executor;
 
 using ValueSlots = std::vector<c10::IValue>;
 
@@ -71,6 +74,17 @@ class BoundKernel {
   bool mutates_ = false;
   int64_t getitem_index_ = -1;  // builtin getitem when >= 0
   int64_t getitem_source_ = -1;
+
+  // Control flow (higher_order::cond / higher_order::while_loop): each region runs in its own
+  // executor on the operand values; only the chosen branch runs, a loop runs until its condition
+  // region returns false.
+  enum class ControlFlow { None, Cond, WhileLoop };
+  ControlFlow control_ = ControlFlow::None;
+  std::vector<std::shared_ptr<const Executor>> regions_;
+  int64_t pred_slot_ = -1;
+  std::vector<int64_t> operand_slots_;     // cond operands, or loop-carried values
+  std::vector<int64_t> additional_slots_;  // loop-invariant inputs of while_loop
+  c10::IValue invoke_control_flow(const ValueSlots& values) const;
 };
 
 }  // namespace torch_ext::runtime
