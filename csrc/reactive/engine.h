@@ -27,6 +27,11 @@
 //   I7 ledger    stats.evaluations equals the sum of per-node evaluation
 //                counts (no drift), and cost the matching weighted sum.
 //
+// Control flow. A higher_order::cond or while_loop node is one evaluation unit: its regions run
+// inside it (only the chosen branch, or the loop's iterations) and it counts once, like any call.
+// Patching its predicate invalidates it like any other input, so the other branch runs at the
+// next demand.
+//
 // Cost. stats.cost sums a per-node estimate from tensor metadata: 2·M·N·K for
 // matrix products (mm, addmm, bmm, linear, matmul), 2·out·(Cin/groups)·k for
 // convolutions, 4·B·H·Lq·Lk·D for scaled-dot-product attention, and the output

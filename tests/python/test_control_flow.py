@@ -151,17 +151,24 @@ def test_reactive_patch_that_flips_the_predicate():
     rg.check_invariants()
 
 
-def test_pure_step_through_cond_matches_eager_over_50_steps():
+def _signed_batches(shape, out_shape, n=50):
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for i in range(n):
+        sign = 1.0 if i % 2 == 0 else -1.0  # alternate the sign so both branches are taken
+        batches.append((sign * (torch.rand(*shape, generator=g) + 0.5), torch.randn(*out_shape, generator=g)))
+    return batches
+
+
+@pytest.mark.parametrize("name,shape,out_shape", [("cond_mlp", (4, 8), (4, 4)), ("nested_cond", (3, 6), (3, 6)),
+                                                  ("where_select", (4, 8), (4, 8))])
+def test_pure_step_through_control_flow_matches_eager_over_50_steps(name, shape, out_shape):
     torch.manual_seed(0)
-    model = CondMLP()
+    model = {"cond_mlp": CondMLP, "nested_cond": NestedCond, "where_select": WhereSelect}[name]()
     ref = copy.deepcopy(model)
     opt, ref_opt = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
     loss_fn = lambda m, x, y: F.mse_loss(m(x), y)  # noqa: E731
-    g = torch.Generator().manual_seed(3)
-    batches = []
-    for i in range(50):
-        sign = 1.0 if i % 2 == 0 else -1.0  # both branches, alternately
-        batches.append((sign * (torch.rand(4, 8, generator=g) + 0.5), torch.randn(4, 4, generator=g)))
+    batches = _signed_batches(shape, out_shape)
     step = torch_ext.make_train_step(model, opt, loss_fn, batches[0])
     state = step.init_state()
     for b in batches:
