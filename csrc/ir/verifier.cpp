@@ -175,6 +175,8 @@ void verify_into(const Graph& g, const std::string& prefix, std::vector<std::str
         errors.push_back(where + "use list names %" + u->name() + ", which does not use it (dangling use)");
     }
     if (n.kind() == NodeKind::Call) {
+      if (!n.regions().empty() && n.target().ns != "higher_order")
+        errors.push_back(where + "only higher_order::cond and while_loop own regions, not " + n.target().str());
       check_call_arity(n, errors);
       for (size_t r = 0; r < n.regions().size(); ++r)
         verify_into(*n.regions()[r], prefix + "%" + n.name() + ".region" + std::to_string(r) + ": ", errors);

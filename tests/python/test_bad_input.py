@@ -143,15 +143,6 @@ def test_invalid_graph(text, pattern):
 
 
 UNBINDABLE = {
-    "nested_region": (_g("""
-        %a : f32[2] = input()
-        %b : f32[2] = aten::relu.default(%a) {
-          graph:
-            %x : f32[2] = input()
-            return (%x)
-        }
-        return (%b)
-    """), r"node %b \(aten::relu.default\): operators with nested regions are not supported"),
     "string_for_int_list": (_g("""
         %a : f32[4] = input()
         %b : f32[] = aten::sum.dim_IntList(%a, "x")
@@ -350,3 +341,20 @@ def test_kernel_error_names_the_node():
     with pytest.raises(RuntimeError, match=r"while executing node %index: .*out of bounds"):
         ex(x, bad)
     ex(x, labels)  # still usable afterwards
+
+
+def test_regions_on_an_ordinary_op_are_refused_by_the_verifier():
+    g = Graph.parse(_g("""
+        %a : f32[2] = input()
+        %b : f32[2] = aten::relu.default(%a) {
+          graph:
+            %x : f32[2] = input()
+            return (%x)
+        }
+        return (%b)
+    """))
+    with pytest.raises(RuntimeError, match=r"node %b: only higher_order::cond and while_loop own regions, not "
+                                           r"aten::relu.default"):
+        g.verify()
+    with pytest.raises(RuntimeError, match=r"only higher_order::cond and while_loop own regions"):
+        _C.Executor(g._g)
