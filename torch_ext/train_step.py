@@ -82,6 +82,10 @@ def _unflatten_state(leaves, ctx):
 pytree.register_pytree_node(TrainState, _flatten_state, _unflatten_state)
 
 
+def _placeholder(ep, name: str) -> torch.fx.Node:
+    return next(n for n in ep.graph.nodes if n.op == "placeholder" and n.name == name)
+
+
 class _LossModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, loss_fn: Callable):
         super().__init__()
@@ -196,8 +200,18 @@ class TrainStep:
         if not isinstance(loss_val, torch.Tensor) or loss_val.dim() != 0:
             shape = tuple(loss_val.shape) if isinstance(loss_val, torch.Tensor) else type(loss_val).__name__
             raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
-        self._forward_program = ep
+        # A trainable parameter the loss never reads gets no gradient (torch.optim then skips it), but
+        # the joint export insists on one: re-export with those parameters hidden from autograd.
+        params = dict(wrapper.named_parameters())
+        unused = [params[s.target] for s in ep.graph_signature.input_specs
+                  if s.kind.name == "PARAMETER" and s.target in params and params[s.target].requires_grad
+                  and not _placeholder(ep, s.arg.name).users]
         try:
+            for p in unused:
+                p.requires_grad_(False)
+            if unused:
+                ep = torch.export.export(wrapper, self._example_batch)
+            self._forward_program = ep
             joint = _compat.export_joint(ep)
         except Exception as e:  # noqa: BLE001 - re-raised with the op and the torch version named
             hops = sorted({getattr(n.target, "__name__", str(n.target)) for n in ep.graph.nodes
@@ -207,6 +221,9 @@ class TrainStep:
                     f"torch {torch.__version__} cannot build the joint forward/backward graph through "
                     f"{', '.join(hops)}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
             raise
+        finally:
+            for p in unused:
+                p.requires_grad_(True)
         out_node = [n for n in joint.graph.nodes if n.op == "output"][0]
         out_args = out_node.args[0]
         spec = dict(loss_output=-1, buffer_mutations=[], grads=[], updates=self._updates,

@@ -273,3 +273,24 @@ def test_nan_loss_propagates_by_default_and_can_be_skipped():
     with pytest.warns(RuntimeWarning, match="step skipped"):
         loss, kept = step(state, x_nan, y, skip_nonfinite=True)
     assert kept is state
+
+
+def test_frozen_and_unused_parameters_are_left_alone():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    model[0].weight.requires_grad_(False)            # frozen: no gradient, torch.optim skips it
+    model.register_parameter("unused", nn.Parameter(torch.randn(4)))  # trainable but not in the loss
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(10)]
+    step = torch_ext.make_train_step(model, opt, loss_fn, batches[0])
+    state = step.init_state()
+    for b in batches:
+        loss, state = step(state, *b)
+        eager_step(ref, [ref_opt], loss_fn, b)
+    assert_state_matches(step, state, ref, [ref_opt])
+    assert torch.equal(state.params["model.0.weight"], model[0].weight)
+    assert torch.equal(state.params["model.unused"], model.unused.detach())
