@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from . import _C, _compat
+from .ir import _SHORT_DTYPE
 
 
 class PlannedStep:
@@ -227,15 +228,15 @@ def memory_report(step, batch) -> MemoryReport:
     separate, parts = _separate_planning(plan, nodes, persistent)
 
     # LB_graph = |W| + |M| + max(saved activations, largest single op's inputs plus outputs).
-    state_bytes = sum(_tensor_bytes([step.init_state().lookup(n)]) for n in step.state_names)
+    initial = step.init_state()
+    state_bytes = _tensor_bytes([initial.lookup(n) for n in step.state_names])
     sizes = {n["name"]: (n["type"][1], n["type"][2]) for n in nodes if n["type"][0] == "tensor"}
-    elem = {"f32": 4, "f64": 8, "f16": 2, "bf16": 2, "i64": 8, "i32": 4, "i16": 2, "i8": 1, "u8": 1, "b8": 1}
 
     def nbytes(name):
         if name not in sizes:
             return 0
         dt, shape = sizes[name]
-        out = elem.get(dt, 4)
+        out = _SHORT_DTYPE[dt].itemsize
         for s in shape:
             out *= s
         return out

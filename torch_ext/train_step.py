@@ -168,6 +168,7 @@ class TrainStep:
         self.clip_grad_norm = clip_grad_norm
         self._id = next(_ids)
         self._example_batch = tuple(example_batch)
+        self._example_leaves = pytree.tree_leaves(self._example_batch) * self.unroll  # checked on every call
         self.last_nonfinite = False
 
         names = {id(p): n for n, p in model.named_parameters()}
@@ -299,8 +300,7 @@ class TrainStep:
         if len(flat_batch) != self._num_user * self.unroll:
             raise ValueError(f"expected {self._num_user * self.unroll} batch tensors"
                              f"{' (' + str(self.unroll) + ' batches)' if self.unroll > 1 else ''}, got {len(flat_batch)}")
-        examples = pytree.tree_leaves(self._example_batch) * self.unroll
-        for i, (t, ex) in enumerate(zip(flat_batch, examples)):
+        for i, (t, ex) in enumerate(zip(flat_batch, self._example_leaves)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"batch[{i}]: expected a tensor, got {type(t).__name__}")
             if t.shape != ex.shape or t.dtype != ex.dtype:

@@ -29,4 +29,11 @@ bool is_update_op(const Node& node) {
          t.name.compare(t.name.size() - 7, 7, "_update") == 0;
 }
 
+std::vector<size_t> update_replaced_args(const Node& update) {
+  const size_t n_out = update.type().kind == Type::Kind::Tuple ? update.type().elems.size() : 1;
+  std::vector<size_t> out;
+  for (size_t i = 0; i < n_out; ++i) out.push_back(i == 0 ? 0 : i + 1);
+  return out;
+}
+
 }  // namespace torch_ext::ir

@@ -6,6 +6,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <optional>
+#include <vector>
 
 namespace torch_ext::ir {
 
@@ -19,5 +20,8 @@ const c10::FunctionSchema* find_schema(const Target& target);
 bool is_view_op(const Node& node);
 // One of the functional optimizer updates, torch_ext::*_update.
 bool is_update_op(const Node& node);
+// For each output of an update op, the argument it replaces: the parameter (arg 0), then the
+// state slots, which follow the gradient (arg 1).
+std::vector<size_t> update_replaced_args(const Node& update);
 
 }  // namespace torch_ext::ir

@@ -46,9 +46,9 @@ std::vector<const ir::Node*> storage_readers(const ir::Node* root) {
 std::vector<std::pair<const ir::Node*, int64_t>> aliasable_inputs(const ir::Node& upd) {
   std::vector<std::pair<const ir::Node*, int64_t>> out;
   const bool tuple = upd.type().kind == ir::Type::Kind::Tuple;
-  const size_t n_out = tuple ? upd.type().elems.size() : 1;
-  for (size_t i = 0; i < n_out; ++i) {
-    const size_t arg = i == 0 ? 0 : i + 1;  // outputs: param, then the state slots after grad
+  const auto replaced = ir::update_replaced_args(upd);
+  for (size_t i = 0; i < replaced.size(); ++i) {
+    const size_t arg = replaced[i];
     if (arg >= upd.args().size() || upd.args()[arg].kind != ir::Arg::Kind::Node) continue;
     const ir::Node* in = upd.args()[arg].node;
     if (in->kind() != ir::NodeKind::Placeholder || in->role() == ir::InputRole::UserInput) continue;

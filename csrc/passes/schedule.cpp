@@ -77,9 +77,7 @@ Order list_schedule(const Dag& d, const std::function<double(const ir::Node*, co
 bool update_is_safe(const ir::Node* upd, const std::unordered_set<const ir::Node*>& done) {
   // Only the inputs the update overwrites matter (param, then its state slots after the grad);
   // read-only inputs such as the group's lr are shared by every update.
-  const size_t n_out = upd->type().kind == ir::Type::Kind::Tuple ? upd->type().elems.size() : 1;
-  for (size_t i = 0; i < n_out; ++i) {
-    const size_t idx = i == 0 ? 0 : i + 1;
+  for (size_t idx : ir::update_replaced_args(*upd)) {
     if (idx >= upd->args().size()) break;
     const ir::Arg& a = upd->args()[idx];
     if (a.kind != ir::Arg::Kind::Node || a.node->kind() != ir::NodeKind::Placeholder) continue;

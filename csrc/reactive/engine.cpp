@@ -248,19 +248,8 @@ std::vector<c10::IValue> Engine::demand() {
     dirty_.erase(dirty_.begin());
     evaluate(id);
   }
-  std::vector<c10::IValue> out;
-  for (const ir::Arg& a : graph_->output()->args()[0].list) {
-    if (a.kind == ir::Arg::Kind::Node) {
-      out.push_back(values_[ids_.at(a.node)]);
-    } else if (a.kind == ir::Arg::Kind::Int) {
-      out.emplace_back(a.i);
-    } else if (a.kind == ir::Arg::Kind::Float) {
-      out.emplace_back(a.f);
-    } else {
-      out.emplace_back();
-    }
-  }
-  return out;
+  return runtime::output_values(graph_->output()->args()[0].list,
+                                [&](const ir::Node* n) -> const c10::IValue& { return values_[ids_.at(n)]; });
 }
 
 c10::IValue Engine::value(const std::string& name) {

@@ -54,6 +54,7 @@ ArenaExecutor::ArenaExecutor(const ir::Graph& scheduled, size_t num_state, bool 
     Step step;
     step.slot = n->index();
     auto it = planned.find(n);
+    const auto out_op = it != planned.end() ? out_variant(*n) : std::nullopt;
     if (aliased.count(n)) {
       ir::Target t = n->target();
       t.name += "_";
@@ -61,14 +62,13 @@ ArenaExecutor::ArenaExecutor(const ir::Graph& scheduled, size_t num_state, bool 
       TORCH_CHECK(op.has_value(), "ArenaExecutor: no in-place variant ", t.str(), " for node %", n->name());
       step.kernel = BoundKernel::bind_as(*n, *op, nullptr, {});
       step.tuple_result = n->type().kind == ir::Type::Kind::Tuple;
-      const size_t n_out = step.tuple_result ? n->type().elems.size() : 1;
-      for (size_t i = 0; i < n_out; ++i) step.inplace_results.push_back(n->args().at(i == 0 ? 0 : i + 1).node->index());
+      for (size_t arg : ir::update_replaced_args(*n)) step.inplace_results.push_back(n->args().at(arg).node->index());
       ++num_inplace_;
-    } else if (it != planned.end() && out_variant(*n)) {
+    } else if (out_op) {
       const ir::TensorMeta& m = n->type().tensor;
       at::Tensor view = at::from_blob(static_cast<uint8_t*>(arena_.data_ptr()) + plan_.arena.offsets[it->second],
                                       m.sizes, m.strides, at::TensorOptions().dtype(m.dtype).device(m.device));
-      step.kernel = BoundKernel::bind_as(*n, *out_variant(*n), nullptr, {{"out", c10::IValue(view)}});
+      step.kernel = BoundKernel::bind_as(*n, *out_op, nullptr, {{"out", c10::IValue(view)}});
       ++num_out_;
     } else {
       step.kernel = BoundKernel::bind(*n);
@@ -126,8 +126,8 @@ std::vector<c10::IValue> ArenaExecutor::run(std::vector<c10::IValue> inputs) {
     }
     for (int64_t r : release_after_[k]) values[r] = c10::IValue();
   }
-  std::vector<c10::IValue> results;
-  for (const ir::Arg& a : outputs_) results.push_back(a.kind == ir::Arg::Kind::Node ? values[a.node->index()] : c10::IValue());
+  std::vector<c10::IValue> results =
+      output_values(outputs_, [&](const ir::Node* n) -> const c10::IValue& { return values[n->index()]; });
   if (donate_) {
     // State outputs that were not written in place land in the donated storage.
     for (size_t i = 0; i < num_state_ && i + 1 < results.size(); ++i) {

@@ -29,6 +29,25 @@ void check_input(const ir::Node& ph, const c10::IValue& v, size_t position) {
   if (t.kind == ir::Type::Kind::Bool) TORCH_CHECK(v.isBool(), where(), ": expected a bool, got ", v.tagKind());
 }
 
+std::vector<c10::IValue> output_values(const std::vector<ir::Arg>& outputs,
+                                       const std::function<const c10::IValue&(const ir::Node*)>& value_of) {
+  std::vector<c10::IValue> results;
+  results.reserve(outputs.size());
+  for (const ir::Arg& a : outputs) {
+    if (a.kind == ir::Arg::Kind::Node) {
+      results.push_back(value_of(a.node));
+    } else if (a.kind == ir::Arg::Kind::Int) {
+      results.emplace_back(a.i);
+    } else if (a.kind == ir::Arg::Kind::Float) {
+      results.emplace_back(a.f);
+    } else {
+      TORCH_CHECK(a.kind == ir::Arg::Kind::None, "unsupported output value ", ir::print_arg(a));
+      results.emplace_back();
+    }
+  }
+  return results;
+}
+
 Executor::Executor(const ir::Graph& graph) : graph_(graph.clone()) {
   ir::verify(*graph_);
   const auto& nodes = graph_->nodes();
@@ -80,21 +99,7 @@ std::vector<c10::IValue> Executor::run(std::vector<c10::IValue> inputs) const {
     }
     for (int64_t s : release_after_[k]) values[s] = c10::IValue();
   }
-  std::vector<c10::IValue> results;
-  results.reserve(outputs_.size());
-  for (const ir::Arg& a : outputs_) {
-    if (a.kind == ir::Arg::Kind::Node) {
-      results.push_back(values[a.node->index()]);
-    } else if (a.kind == ir::Arg::Kind::Int) {
-      results.emplace_back(a.i);
-    } else if (a.kind == ir::Arg::Kind::Float) {
-      results.emplace_back(a.f);
-    } else {
-      TORCH_CHECK(a.kind == ir::Arg::Kind::None, "unsupported output value ", ir::print_arg(a));
-      results.emplace_back();
-    }
-  }
-  return results;
+  return output_values(outputs_, [&](const ir::Node* n) -> const c10::IValue& { return values[n->index()]; });
 }
 
 }  // namespace torch_ext::runtime

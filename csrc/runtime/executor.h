@@ -9,6 +9,7 @@
 #include "ir/graph.h"
 #include "runtime/kernel.h"
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -36,5 +37,9 @@ class Executor {
 
 // Checks a runtime value against a placeholder's type; throws naming `what`.
 void check_input(const ir::Node& placeholder, const c10::IValue& value, size_t position);
+
+// The values of an output node's list: graph values through `value_of`, constants as themselves.
+std::vector<c10::IValue> output_values(const std::vector<ir::Arg>& outputs,
+                                       const std::function<const c10::IValue&(const ir::Node*)>& value_of);
 
 }  // namespace torch_ext::runtime
