@@ -345,6 +345,16 @@ PYBIND11_MODULE(_C, m) {
              for (auto h : params) p.push_back(ivalue_from_py(h));
              return e.graft(src, dst, block, std::move(p));
            })
+      .def("begin_transaction", &reactive::Engine::begin_transaction)
+      .def("rollback", &reactive::Engine::rollback)
+      .def("in_transaction", &reactive::Engine::in_transaction)
+      .def("check_intact", [](reactive::Engine& e, const std::string& n) { e.check_intact(n); })
+      .def("node",
+           [](const reactive::Engine& e, const std::string& name) {
+             const ir::Node* n = e.graph().find(name);
+             TORCH_CHECK(n != nullptr, "unknown node '", name, "'");
+             return node_to_py(*n);
+           })
       .def("begin_batch", &reactive::Engine::begin_batch)
       .def("end_batch", &reactive::Engine::end_batch)
       .def("cone", &reactive::Engine::cone)

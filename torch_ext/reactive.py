@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
@@ -22,6 +23,32 @@ from .ir import Graph
 def _functional_program(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     # Cached values must never be aliased by an in-place op: functionalize, keep composite ops.
     return ep.run_decompositions({})
+
+
+def _random_nodes(ep: torch.export.ExportedProgram) -> list[str]:
+    """Nodes that draw from a random generator (dropout in training mode, rand, bernoulli, ...)."""
+    out = []
+    for n in ep.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        if torch.Tag.nondeterministic_seeded in n.target.tags:
+            # dropout(x, p, train=False), p == 0 and attention with dropout_p == 0 draw nothing.
+            bound = {a.name: (n.args[i] if i < len(n.args) else n.kwargs.get(a.name, a.default_value))
+                     for i, a in enumerate(n.target._schema.arguments)}
+            if bound.get("train") is False or bound.get("p") == 0 or bound.get("dropout_p", 1) == 0 \
+                    and "dropout_p" in bound:
+                continue
+            out.append(f"%{n.name} ({n.target.name()})")
+    return out
+
+
+def _empty_like_type(t) -> torch.Tensor:
+    """A zero tensor of an IR type ("tensor", dtype, sizes, strides, device): an example for export."""
+    from .ir import _SHORT_DTYPE
+
+    if t[0] != "tensor":
+        raise TypeError(f"expected a tensor-valued node, got type {t[0]}")
+    return torch.empty_strided(t[2], t[3], dtype=_SHORT_DTYPE[t[1]], device=t[4]).zero_()
 
 
 class ReactiveGraph:
@@ -45,6 +72,14 @@ class ReactiveGraph:
         else:
             raise TypeError(f"ReactiveGraph expects an nn.Module or an ExportedProgram, got {type(ep_or_module).__name__}")
         self.program = _functional_program(ep)
+        random = _random_nodes(self.program)
+        if random:
+            # A cached value of a random op is one draw; a recomputed cone draws again, so a sweep would
+            # mix noise into every metric. TransformerLens refuses training mode for the same reason.
+            raise ValueError(
+                f"ReactiveGraph: the program draws random numbers at {', '.join(random[:4])}"
+                f"{' and %d more' % (len(random) - 4) if len(random) > 4 else ''}; patching sweeps need a "
+                "deterministic model (is it in training mode with dropout? call model.eval() first)")
         self.graph = Graph.from_exported(self.program)
         self._engine = _C.Engine(self.graph._g)
         self._engine.set_cutoff(bool(cutoff))
@@ -64,7 +99,8 @@ class ReactiveGraph:
         self._countable = [n["name"] for n in self.graph.nodes() if n["kind"] == "call"]
         self._example_inputs = tuple(example_inputs) if example_inputs is not None else None
         self._last_inputs = None
-        self._batched: dict[int, tuple] = {}
+        self._batched: dict[int, "_BatchedGraph"] = {}
+        self._grafts: list[tuple] = []  # (src, dst, block, new names): replayed on batched graphs
         if example_inputs is not None:
             self.run(*example_inputs)
 
@@ -89,7 +125,12 @@ class ReactiveGraph:
         return self.demand()
 
     def demand(self):
-        """The outputs, recomputing only stale nodes."""
+        """The outputs, recomputing only stale nodes.
+
+        The returned tensors are the cached values themselves: do not write into them. A write is
+        detected (by the tensor's version counter) at the next read, which raises naming the node
+        and marks it for recomputation.
+        """
         return self._user(self._engine.demand())
 
     def value(self, node: str) -> torch.Tensor:
@@ -102,12 +143,39 @@ class ReactiveGraph:
 
     # ---- mutations
     def patch(self, node: str, value) -> None:
-        """Pins ``node`` to ``value`` (a tensor of the node's shape and dtype, or ``f(clean) -> tensor``)."""
+        """Pins ``node`` to ``value`` (a tensor of the node's shape and dtype, or ``f(clean) -> tensor``).
+
+        ``f`` receives the node's baseline value (no patch active). It must not write into it; a
+        function that does raises a ValueError and the cache is repaired (the node is recomputed).
+        """
         if callable(value):
-            value = value(self._engine.baseline(node))
+            value = self._call_patch_fn(node, value, self._engine.baseline(node), "patch function")
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"patch {node!r}: expected a tensor or a callable returning one, got {type(value).__name__}")
         self._engine.patch(node, value.detach())
+
+    def _call_patch_fn(self, node: str, fn: Callable, clean: torch.Tensor, what: str):
+        """``fn(clean)``, guarding the cache: ``clean`` is the cached tensor, so a write into it is
+        detected by its version counter (free) rather than prevented by a copy per call."""
+        if node not in self._countable_set():
+            clean = clean.clone()  # a graph input is the caller's own tensor: it cannot be recomputed
+        version = clean._version
+        out = fn(clean)
+        if clean._version != version:
+            try:
+                self._engine.check_intact(node)
+            except RuntimeError:
+                pass  # the engine marked the node stale: the next demand recomputes it
+            raise ValueError(
+                f"{what} for node {node!r} wrote in place into the cached activation it was given (an op such "
+                "as `act[...] = ...` or `act.mul_(...)`); the cache is repaired, but the patch was not applied. "
+                "Return a new tensor instead, e.g. `act = act.clone()` first.")
+        return out
+
+    def _countable_set(self) -> set:
+        if getattr(self, "_countable_cache", None) is None or len(self._countable_cache) != len(self._countable):
+            self._countable_cache = set(self._countable)
+        return self._countable_cache
 
     def restore(self, node: str | None = None) -> None:
         """Drops every patch (zero evaluations), or only the patch at ``node``."""
@@ -134,12 +202,15 @@ class ReactiveGraph:
             if not callable(block):
                 raise TypeError(f"graft: block must be an nn.Module or a callable, got {type(block).__name__}")
             block = _FunctionBlock(block)
-        example = self._engine.value(src)
+        # The example comes from src's declared type, never its value: inside `batch()` nothing may be
+        # evaluated before the demand (a value would compute stale ancestors now, and again later).
+        example = _empty_like_type(self._engine.node(src)["type"])
         ep = _functional_program(torch.export.export(block, (example,)))
         bgraph = Graph.from_exported(ep)
         state = {**ep.state_dict, **ep.constants}
         params = [state[spec.target] for spec in ep.graph_signature.input_specs if spec.kind.name != "USER_INPUT"]
         names = self._engine.graft(src, dst, bgraph._g, params)
+        self._grafts.append((src, dst, block, names))
         self._countable.extend(names)
         for n in names:
             self._module_paths[n] = ""
@@ -189,22 +260,208 @@ class ReactiveGraph:
         return str(self._engine)
 
     # ---- batched sites
-    def _batched_graph(self, k: int) -> "ReactiveGraph":
-        """The same model exported at k times the batch size, holding k copies of the current inputs."""
+    def _batched_graph(self, k: int) -> "_BatchedGraph":
+        """The same model at k times the batch, holding k copies of the current inputs, with this
+        graph's grafts replayed and its standing patches applied, its batch axis checked."""
         if self._last_inputs is None:
             raise ValueError("batched sites need a ReactiveGraph that has run (give example_inputs or call run())")
-        args, kwargs = self._last_inputs
+        bg = self._batched.get(k)
+        if bg is None:
+            bg = self._batched[k] = _BatchedGraph(self, k)
+        bg.sync()
+        return bg
+
+
+class _BatchedGraph:
+    """A K-times batched copy of a ReactiveGraph for batched sites.
+
+    Built by exporting the module again at K times the batch (K copies of the current inputs
+    concatenated along dim 0). It mirrors the small graph: grafts are replayed in the same order
+    (same node names), standing patches are applied (repeated K times along the batch), and the
+    batch axis is checked node by node against the small graph's types, so that chunk i of every
+    output depends only on chunk i of the patched node. What cannot be proven is refused.
+    """
+
+    def __init__(self, rg: ReactiveGraph, k: int):
+        args, kwargs = rg._last_inputs
         if kwargs:
-            raise ValueError("batched sites support positional inputs only")
-        stacked = tuple(torch.cat([x] * k) if isinstance(x, torch.Tensor) else x for x in args)
-        cached = self._batched.get(k)
-        if cached is None:
-            module = self._module if self._module is not None else self.program.module()
-            self._batched[k] = (ReactiveGraph(module, stacked, cutoff=False), args)
-        elif cached[1] is not args:
-            cached[0].run(*stacked)  # the graph moved to other inputs since
-            self._batched[k] = (cached[0], args)
-        return self._batched[k][0]
+            raise ValueError("batched sites support positional inputs only (got keyword inputs); use batch_sites=False")
+        self.k = k
+        self.owner = rg
+        self.inputs_of = None
+        module = rg._module if rg._module is not None else rg.program.module()
+        self.rg = ReactiveGraph(module, self._stacked(args), cutoff=False)
+        self.inputs_of = args
+        self.grafts_applied = 0
+        self.standing: list[tuple[str, torch.Tensor]] = []
+        self.problem: str | None = None
+        self.scaled: set[str] = set()
+        self.checked_at = -1
+
+    def _stacked(self, args):
+        for i, x in enumerate(args):
+            if isinstance(x, torch.Tensor) and x.dim() == 0:
+                raise ValueError(f"batched sites: input {i} is a 0-d tensor, which has no batch axis; "
+                                 "use batch_sites=False")
+        return tuple(torch.cat([x] * self.k) if isinstance(x, torch.Tensor) else x for x in args)
+
+    def sync(self) -> None:
+        rg, big = self.owner, self.rg
+        args, _ = rg._last_inputs
+        if self.inputs_of is not args:
+            big.run(*self._stacked(args))  # the graph moved to other inputs since (drops big's patches)
+            self.inputs_of = args
+            self.standing = []
+        for src, dst, block, names in rg._grafts[self.grafts_applied:]:
+            got = big.graft(src, dst, block)
+            if got != names:
+                raise ValueError(f"batched sites: replaying graft {src!r} -> {dst or '*'} on the K-times batched "
+                                 f"graph produced nodes {got}, not {names}; use batch_sites=False")
+            self.grafts_applied += 1
+            big._grafts[-1] = (src, dst, block, names)
+        if self.checked_at != self.grafts_applied:
+            self.problem, self.scaled = _batch_axis_analysis(rg._engine, big._engine, self.k)
+            self.checked_at = self.grafts_applied
+        if self.problem is not None:
+            raise ValueError(f"batched sites cannot be used with this model: {self.problem}. "
+                             "Sites are stacked along dim 0, so every batch-dependent value must keep the batch "
+                             "on dim 0 and never mix it; use batch_sites=False")
+        pinned = rg._engine.pinned()
+        want = [(n, rg._engine.value(n)) for n in pinned]
+        if [n for n, _ in want] != [n for n, _ in self.standing] or any(
+                a is not b for (_, a), (_, b) in zip(want, self.standing)):
+            if big._engine.pinned():
+                big._engine.restore()
+            for n, v in want:
+                big._engine.patch(n, torch.cat([v] * self.k) if n in self.scaled else v)
+            self.standing = want
+            big._engine.demand()
+
+    def require_scaled(self, node: str) -> None:
+        if node not in self.scaled:
+            raise ValueError(f"batched sites: node {node!r} has no batch axis on dim 0 (its shape does not grow "
+                             f"with the batch); use batch_sites=False")
+
+
+def _tensor_sizes(t):
+    """Sizes of every tensor in an IR type, in order (tuples flattened), None for non-tensors."""
+    if t[0] == "tensor":
+        return [list(t[2])]
+    if t[0] == "tuple":
+        out = []
+        for e in t[1]:
+            out.extend(_tensor_sizes(e))
+        return out
+    return [None]
+
+
+def _node_inputs(n) -> list[str]:
+    out = []
+
+    def walk(a):
+        if isinstance(a, _C.NodeRef):
+            out.append(a.name)
+        elif isinstance(a, (list, tuple)):
+            for e in a:
+                walk(e)
+
+    walk(n["args"])
+    walk([v for _, v in n["kwargs"]])
+    return out
+
+
+def _dim_args(n) -> list[tuple[str, Any]]:
+    """(name, value) of the arguments of a call node that name a tensor dimension."""
+    from .ir import _resolve_target
+
+    try:
+        schema = _resolve_target(n["target"])._schema
+    except Exception:  # noqa: BLE001 - getitem, higher-order ops: no dim arguments to check
+        return []
+    kwargs = dict(n["kwargs"])
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        if not arg.name.startswith("dim"):
+            continue
+        value = n["args"][i] if i < len(n["args"]) else kwargs.get(arg.name, arg.default_value if arg.has_default_value() else None)
+        out.append((arg.name, value))
+    return out
+
+
+def _batch_axis_analysis(small_engine, big_engine, k: int) -> tuple[str | None, set]:
+    """Checks, node by node, that the K-times batched graph keeps the batch on dim 0 and never mixes it.
+
+    A value is *batched* when it depends on a user input. Every batched tensor must have dim 0 exactly
+    K times the small graph's and every other dim equal; a batched value whose shape does not grow
+    (a reduction over the batch, a scalar read off it) or whose growth is on another dim (a
+    sequence-first layout) is refused, as is any op that takes a dim argument resolving to dim 0 of a
+    batched input (softmax, cumsum, cat, flip, sort, gather, ... along the batch). Returns (the first
+    problem or None, the names of the values batched on dim 0).
+    """
+    small = small_engine.graph().nodes()
+    big = {n["name"]: n for n in big_engine.graph().nodes()}
+    if set(big) != {n["name"] for n in small}:
+        only_small = sorted({n["name"] for n in small} - set(big))[:3]
+        only_big = sorted(set(big) - {n["name"] for n in small})[:3]
+        return (f"exporting at K={k} times the batch gave a different graph (only in the original: {only_small}, "
+                f"only in the batched one: {only_big})"), set()
+    batched: set[str] = set()
+    scaled: set[str] = set()
+    for n in small:
+        name = n["name"]
+        b = big[name]
+        if n["kind"] == "output":
+            for i in _node_inputs(n):
+                if i not in scaled:
+                    return (f"output %{i} is not batched along dim 0 (a scalar or batch-independent output "
+                            "cannot be split per site)"), scaled
+            continue
+        ins = _node_inputs(n)
+        dep = (n["kind"] == "placeholder" and n.get("role") == "input") or any(i in batched for i in ins)
+        sizes_s, sizes_b = _tensor_sizes(n["type"]), _tensor_sizes(b["type"])
+        grows = []
+        for ss, sb in zip(sizes_s, sizes_b):
+            if ss is None or sb is None:
+                grows.append(None)
+            elif ss == sb:
+                grows.append(False)
+            elif len(ss) == len(sb) and len(ss) > 0 and sb[0] == k * ss[0] and ss[1:] == sb[1:]:
+                grows.append(True)
+            else:
+                return (f"%{name} has shape {tuple(sb)} in the batched graph against {tuple(ss)}: the batch is "
+                        "not on dim 0 there (e.g. a sequence-first layout)"), scaled
+        if len(sizes_s) != len(sizes_b):
+            return f"%{name} has a different type in the batched graph", scaled
+        if not dep:
+            # Batch-independent (weights, constants), possibly expanded to the batch (positions).
+            if any(g for g in grows):
+                scaled.add(name)
+            continue
+        batched.add(name)
+        if n["type"][0] == "none":
+            continue  # assertions
+        if any(g is None for g in grows) or not all(grows):
+            return (f"%{name} ({n.get('target', n['kind'])}) depends on the batch but its shape does not grow "
+                    "with it: it reduces over the batch or reads a scalar off it"), scaled
+        scaled.add(name)
+        if n["kind"] == "call":
+            target = n["target"]
+            in_ranks = [len(_tensor_sizes(big[i]["type"])[0] or []) for i in ins if i in scaled] or [0]
+            rank = in_ranks[0]
+            for arg_name, value in _dim_args(n):
+                values = value if isinstance(value, (list, tuple)) else [value]
+                if target.startswith("aten::permute"):
+                    if values and isinstance(values[0], int) and values[0] % max(rank, 1) != 0:
+                        return f"%{name} permutes the batch axis away from dim 0", scaled
+                    continue
+                for v in values:
+                    if isinstance(v, int) and rank > 0 and v % rank == 0:
+                        first_in = _tensor_sizes(big[ins[0]]["type"])[0] if ins else None
+                        if target.startswith("aten::slice") and first_in and first_in[0] == sizes_b[0][0]:
+                            continue  # a full slice along the batch is the identity
+                        return (f"%{name} ({target}) works along dim 0 ({arg_name}={v}), which mixes the "
+                                "stacked sites"), scaled
+    return None, scaled
 
 
 class _FunctionBlock(torch.nn.Module):
@@ -233,6 +490,7 @@ class SweepResult:
     groups: int = 0
     cost: float = 0.0
     extra: dict = field(default_factory=dict)
+    clean_metric: Any = None  # the metric with no site patched (standing patches included)
 
     @property
     def rho(self) -> float:
@@ -243,12 +501,18 @@ class SweepResult:
         return self.full_evaluations / max(self.measured_evaluations, 1)
 
     def to_pandas(self):
+        """One row per site; a dict metric gives one ``metric.<key>`` column per key."""
         import pandas as pd
 
         rows = []
         for site, value in self.metrics.items():
             node, key = (site if isinstance(site, tuple) else (site, None))
-            rows.append({"site": site, "node": node, "key": key, "metric": value})
+            row = {"site": site, "node": node, "key": key}
+            if isinstance(value, dict):
+                row.update({f"metric.{k}": v for k, v in value.items()})
+            else:
+                row["metric"] = value
+            rows.append(row)
         return pd.DataFrame(rows)
 
     def summary(self) -> str:
@@ -265,6 +529,9 @@ class SweepResult:
         import matplotlib.pyplot as plt
         import numpy as np
 
+        if not all(isinstance(v, float) for v in self.metrics.values()):
+            raise TypeError("plot needs one float metric per site (this sweep's metric returned tensors or dicts); "
+                            "use to_pandas() instead")
         df = self.to_pandas()
         nodes = list(dict.fromkeys(df["node"]))
         keys = list(dict.fromkeys(df["key"]))
@@ -272,13 +539,27 @@ class SweepResult:
         for _, r in df.iterrows():
             grid[nodes.index(r["node"]), keys.index(r["key"])] = r["metric"]
         fig, ax = plt.subplots(figsize=(max(4, 0.45 * len(keys) + 2), max(3, 0.45 * len(nodes) + 1.5)))
-        im = ax.imshow(grid, aspect="auto", cmap="RdBu_r")
+        # Centre the diverging colormap on the unpatched metric, so red and blue mean up and down.
+        norm = None
+        if self.clean_metric is not None and np.isfinite(grid).any():
+            lo, hi = np.nanmin(grid), np.nanmax(grid)
+            span = max(abs(hi - self.clean_metric), abs(self.clean_metric - lo), 1e-12)
+            norm = matplotlib.colors.TwoSlopeNorm(vcenter=self.clean_metric, vmin=self.clean_metric - span,
+                                                  vmax=self.clean_metric + span)
+        im = ax.imshow(grid, aspect="auto", cmap="RdBu_r", norm=norm)
         ax.set_xticks(range(len(keys)), [str(k) for k in keys], fontsize=7)
         ax.set_yticks(range(len(nodes)), [str(n) for n in nodes], fontsize=7)
         ax.set_xlabel("site key (position / head index)")
         ax.set_ylabel("patched node")
-        ax.set_title(f"{title}\nrho = {self.rho:.3f}, {self.measured_evaluations} evaluations vs {self.full_evaluations} full")
-        fig.colorbar(im, ax=ax, label="metric (unitless)")
+        if self.batched:
+            cost_line = (f"{self.measured_evaluations} node evaluations on K-times batched graphs "
+                         f"({self.groups} groups) vs {self.full_evaluations} for one full pass per site")
+        else:
+            cost_line = (f"{self.measured_evaluations} node evaluations vs {self.full_evaluations} for one full "
+                         f"pass per site (rho = {self.rho:.3f})")
+        ax.set_title(f"{title}\n{cost_line}", fontsize=9)
+        label = "metric" if self.clean_metric is None else f"metric (unpatched: {self.clean_metric:.4g})"
+        fig.colorbar(im, ax=ax, label=label)
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
@@ -306,74 +587,158 @@ def _progress(iterable, total, enabled, desc):
     return tqdm(iterable, total=total, desc=desc, leave=False)
 
 
+def _metric_value(m, site):
+    """A metric result as stored: a float, a per-example tensor, or a dict of those."""
+    if isinstance(m, dict):
+        return {k: _metric_value(v, site) for k, v in m.items()}
+    if isinstance(m, torch.Tensor):
+        return float(m.item()) if m.numel() == 1 else m.detach().clone()
+    if isinstance(m, (int, float)) and not isinstance(m, bool):
+        return float(m)
+    raise TypeError(f"metric at site {site!r} returned {type(m).__name__}; expected a float, a tensor "
+                    "(one value or one per example) or a dict of those")
+
+
+def _measure(rg: ReactiveGraph, metric, outs, site):
+    """metric(outs), refusing a metric that writes into the (cached) outputs."""
+    flat = [t for t in pytree.tree_leaves(outs) if isinstance(t, torch.Tensor) and not t.is_inference()]
+    versions = [t._version for t in flat]
+    value = _metric_value(metric(outs), site)
+    if any(t._version != v for t, v in zip(flat, versions)):
+        return value, True
+    return value, False
+
+
+def _raise_metric_wrote(rg: ReactiveGraph, site):
+    try:
+        rg._engine.demand()  # finds the written outputs and marks them for recomputation
+    except RuntimeError:
+        pass
+    raise ValueError(f"the metric wrote into the model outputs in place at site {site!r} (they are the cached "
+                     "values); the cache is repaired. Compute on a copy instead (e.g. out = out.clone()).")
+
+
+def _one_site(rg: ReactiveGraph, site, node: str, patch: Callable, metric: Callable):
+    """One sweep transaction: patch -> demand -> metric -> rollback (standing patches and grafts kept)."""
+    eng = rg._engine
+    eng.begin_transaction()
+    wrote = False
+    try:
+        current = eng.value(node)  # valid already: zero evaluations
+        value = rg._call_patch_fn(node, lambda v: patch(v, site), current, "sweep patch function")
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"patch function at site {site!r} returned {type(value).__name__}, expected a tensor")
+        eng.patch(node, value.detach())
+        result, wrote = _measure(rg, metric, rg._user(eng.demand()), site)
+    finally:
+        eng.rollback()
+    if wrote:
+        _raise_metric_wrote(rg, site)
+    return result
+
+
 def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.Tensor],
-          metric: Callable[[Any], float], *, progress: bool = True, batch_sites: bool = False) -> SweepResult:
-    """Patches each site, demands, measures and restores.
+          metric: Callable[[Any], Any], *, progress: bool = True, batch_sites: bool = False) -> SweepResult:
+    """Patches each site, demands, measures and rolls back.
 
     ``sites`` is a glob over node names / module paths, or a list of node names or ``(node, key)``
-    tuples (e.g. ``("add_3", position)``). ``patch(clean_value, site)`` returns the patched value;
-    ``metric(outputs)`` returns a float. With ``batch_sites=True`` the sites that share a node (so
-    their cones coincide) are evaluated together, K variants stacked along dim 0 of a K-times
-    batched graph, the shared cone evaluated once; outputs must be batch-major.
+    tuples (e.g. ``("add_3", position)``). ``patch(value, site)`` returns the patched value, where
+    ``value`` is the node's current value (standing patches and grafts included); it must return a
+    new tensor, not write into ``value``. ``metric(outputs)`` returns a float, a tensor (one value
+    per example is kept as a tensor) or a dict of those. Each site runs as a transaction: the
+    sweep leaves standing patches and grafts exactly as it found them, also when a callback raises.
+
+    With ``batch_sites=True`` the sites that share a node (so their cones coincide) are evaluated
+    together: K variants stacked along dim 0 of a K-times batched graph (grafts replayed, standing
+    patches applied), the shared cone evaluated once. Whether dim 0 really is the batch is checked
+    node by node; a model where it is not is refused with a ValueError, never answered wrongly.
     """
     site_list = _expand_sites(rg, sites)
     if not site_list:
         raise ValueError("sweep needs at least one site")
+    eng = rg._engine
+    if eng.in_transaction():
+        raise RuntimeError("sweep: a sweep transaction is already open on this graph (sweeps do not nest)")
 
     def node_of(site):
         return site[0] if isinstance(site, tuple) else site
 
+    known = set(rg._countable) | {n["name"] for n in rg.graph.nodes()}
     for s in site_list:
-        if node_of(s) not in rg._countable and node_of(s) not in {n["name"] for n in rg.graph.nodes()}:
+        if node_of(s) not in known:
             raise ValueError(f"sweep: unknown node {node_of(s)!r}")
+    if rg._last_inputs is None:
+        raise ValueError("sweep: the graph has no values yet; give example_inputs or call run() first")
     cones = {}
     for s in site_list:
         n = node_of(s)
         if n not in cones:
             cones[n] = len(rg.cone(n))
-    predicted = sum(cones[node_of(s)] for s in site_list)
     full = len(site_list) * rg.num_nodes
+    # Pending mutations are brought up to date once, outside the measured loop; the unpatched metric
+    # centres the plots.
+    clean_metric, wrote = _measure(rg, metric, rg.demand(), "unpatched")
+    if wrote:
+        _raise_metric_wrote(rg, "unpatched")
     metrics: dict = {}
     if not batch_sites:
+        predicted = sum(cones[node_of(s)] for s in site_list)
         before = rg.stats["evaluations"]
         cost_before = rg.stats["cost"]
         t0 = time.perf_counter()
         for s in _progress(site_list, len(site_list), progress, "sweep"):
-            node = node_of(s)
-            rg.patch(node, patch(rg.baseline(node), s))
-            metrics[s] = float(metric(rg.demand()))
-            rg.restore()
+            metrics[s] = _one_site(rg, s, node_of(s), patch, metric)
         wall = time.perf_counter() - t0
         return SweepResult(metrics, rg.stats["evaluations"] - before, predicted, full, rg.num_nodes, wall,
-                           cost=rg.stats["cost"] - cost_before)
+                           cost=rg.stats["cost"] - cost_before, clean_metric=clean_metric)
 
     groups: dict = {}
     for s in site_list:
         groups.setdefault(node_of(s), []).append(s)
     measured = 0
     cost = 0.0
+    setup = 0
     t0 = time.perf_counter()
     for node, members in _progress(list(groups.items()), len(groups), progress, "sweep (batched)"):
         k = len(members)
-        big = rg._batched_graph(k)
-        clean = rg.baseline(node)
+        if k == 1:  # nothing to batch: the graph itself is the cheapest
+            before, cost_before = rg.stats["evaluations"], rg.stats["cost"]
+            metrics[members[0]] = _one_site(rg, members[0], node, patch, metric)
+            measured += rg.stats["evaluations"] - before
+            cost += rg.stats["cost"] - cost_before
+            continue
+        bg_before = rg._batched[k].rg.stats["evaluations"] if k in rg._batched else 0
+        bg = rg._batched_graph(k)
+        big = bg.rg
+        setup += big.stats["evaluations"] - bg_before
+        bg.require_scaled(node)
+        clean = eng.value(node)
+        values = []
+        for s in members:
+            v = rg._call_patch_fn(node, lambda t, s=s: patch(t, s), clean, "sweep patch function")
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(f"patch function at site {s!r} returned {type(v).__name__}, expected a tensor")
+            values.append(v.detach())
         before = big.stats["evaluations"]
         cost_before = big.stats["cost"]
-        big.patch(node, torch.cat([patch(clean, s) for s in members]))
-        outs = big.demand()
-        flat, spec = pytree.tree_flatten(outs)
-        chunks = [torch.chunk(o, k) if isinstance(o, torch.Tensor) and o.dim() > 0 else None for o in flat]
-        for i, s in enumerate(members):
-            parts = []
-            for o, ch in zip(flat, chunks):
-                if ch is None:
-                    raise ValueError("batched sites need batch-major tensor outputs (a scalar output cannot be split)")
-                parts.append(ch[i])
-            metrics[s] = float(metric(pytree.tree_unflatten(parts, spec)))
-        big.restore()
+        big._engine.begin_transaction()
+        wrote = []
+        try:
+            big._engine.patch(node, torch.cat(values))
+            flat = big._engine.demand()
+            chunks = [torch.chunk(o, k) if isinstance(o, torch.Tensor) and o.dim() > 0 else None for o in flat]
+            for i, s in enumerate(members):
+                parts = [ch[i] if ch is not None else o for o, ch in zip(flat, chunks)]
+                metrics[s], w = _measure(big, metric, big._user(parts), s)
+                if w:
+                    wrote.append(s)
+        finally:
+            big._engine.rollback()
+        if wrote:
+            _raise_metric_wrote(big, wrote[0])
         measured += big.stats["evaluations"] - before
         cost += big.stats["cost"] - cost_before
     wall = time.perf_counter() - t0
     predicted_batched = sum(cones[n] for n in groups)
     return SweepResult(metrics, measured, predicted_batched, full, rg.num_nodes, wall, batched=True,
-                       groups=len(groups), cost=cost)
+                       groups=len(groups), cost=cost, extra={"setup_evaluations": setup}, clean_metric=clean_metric)

@@ -49,6 +49,14 @@ bool values_equal(const c10::IValue& a, const c10::IValue& b) {
   return false;  // unknown kinds never count as unchanged
 }
 
+// The version counter of a tensor value, or -1 when it is not tracked (non-tensors, inference tensors).
+int64_t version_of(const c10::IValue& v) {
+  if (!v.isTensor()) return -1;
+  const at::Tensor& t = v.toTensor();
+  if (!t.defined() || t.is_inference()) return -1;
+  return static_cast<int64_t>(t.unsafeGetTensorImpl()->version_counter().current_version());
+}
+
 // Every call node must reach the output: demand() evaluates the whole dirty set.
 void check_no_dead_code(const ir::Graph& g, const std::string& what) {
   std::vector<bool> live(g.size(), false);
@@ -119,6 +127,7 @@ int64_t Engine::add_state(ir::Node* node) {
   st.valid = node->kind() != ir::NodeKind::Call;
   states_.push_back(std::move(st));
   values_.emplace_back();
+  versions_.push_back(-1);
   const auto id = static_cast<int64_t>(states_.size()) - 1;
   ids_[node] = id;
   if (states_.back().countable) ++num_countable_;
@@ -138,6 +147,7 @@ int64_t Engine::id_of(const std::string& name) const {
 void Engine::mark_invalid(int64_t id) {
   NodeState& st = states_[id];
   if (!st.countable || !st.valid || st.pinned) return;
+  journal(id);
   st.valid = false;
   dirty_.insert({st.node->index(), id});
   ++stats_.invalidated;
@@ -161,7 +171,104 @@ void Engine::invalidate_users(int64_t seed) {
 
 void Engine::save_baseline(int64_t id) {
   if (pinned_.empty() || overlay_.count(id)) return;
-  overlay_.emplace(id, std::make_pair(values_[id], states_[id].changed_at));
+  overlay_.emplace(id, Baseline{values_[id], states_[id].changed_at, versions_[id]});
+  if (txn_) txn_->overlay_added.push_back(id);
+}
+
+void Engine::store(int64_t id, c10::IValue value) {
+  values_[id] = std::move(value);
+  versions_[id] = version_of(values_[id]);
+}
+
+void Engine::journal(int64_t id) {
+  if (!txn_ || txn_->journal.count(id)) return;
+  const NodeState& st = states_[id];
+  txn_->journal.emplace(id, JournalEntry{values_[id], st.changed_at, st.verified_at, versions_[id], st.valid, st.pinned});
+}
+
+void Engine::refuse_in_transaction(const char* what) const {
+  TORCH_CHECK(!txn_, what, " is not allowed inside a sweep transaction; rollback() first");
+}
+
+void Engine::check_intact(int64_t id) {
+  const int64_t recorded = versions_[id];
+  if (recorded < 0) return;
+  const int64_t now = version_of(values_[id]);
+  if (now == recorded) return;
+  NodeState& st = states_[id];
+  const char* next = "";
+  if (st.countable && !st.pinned) {
+    // Recompute it (and, since its consumers may have read the written value, its cone); restore()
+    // must not revive it either, so it is also structurally dirty.
+    mark_invalid(id);
+    st.verified_at = 0;
+    structural_dirty_.insert(id);
+    invalidate_users(id);
+    next = "the engine marked it stale, so the next demand recomputes it";
+  } else if (st.pinned) {
+    next = "patch it again with a fresh tensor, or restore()";
+  } else {
+    next = "it is an input of the graph, so call run() again with fresh inputs";
+  }
+  TORCH_CHECK(false, "cached value of %", st.node->name(), " was modified in place after the engine handed it out ",
+              "(tensor version ", now, ", stored at version ", recorded,
+              "): a patch function, metric or other caller wrote into it. Return a new tensor instead ",
+              "(e.g. x = x.clone() first); ", next);
+}
+
+void Engine::check_intact(const std::string& name) {
+  const int64_t id = id_of(name);
+  auto it = overlay_.find(id);
+  if (it != overlay_.end() && it->second.version >= 0 && version_of(it->second.value) != it->second.version) {
+    baseline_stale_.insert(id);  // restore() recomputes it instead of putting the written tensor back
+    TORCH_CHECK(false, "baseline value of %", name, " was modified in place after the engine handed it out: ",
+                "a patch function, metric or other caller wrote into it. Return a new tensor instead ",
+                "(e.g. x = x.clone() first); restore() recomputes it");
+  }
+  check_intact(id);
+}
+
+void Engine::begin_transaction() {
+  TORCH_CHECK(has_run_, "begin_transaction: call run() first");
+  TORCH_CHECK(!txn_, "begin_transaction: a transaction is already open (transactions do not nest)");
+  Transaction t;
+  t.pinned_before = pinned_;
+  txn_.emplace(std::move(t));
+  txn_structural_ = structural_dirty_;
+  txn_baseline_stale_ = baseline_stale_;
+}
+
+void Engine::rollback() {
+  TORCH_CHECK(txn_, "rollback: no transaction is open");
+  Transaction t = std::move(*txn_);
+  txn_.reset();
+  std::vector<int64_t> written;  // entries whose saved value was written in place meanwhile (I8)
+  for (auto& [id, e] : t.journal) {
+    NodeState& st = states_[id];
+    if (st.countable && !st.valid) dirty_.erase({st.node->index(), id});
+    values_[id] = std::move(e.value);
+    versions_[id] = e.version;
+    st.changed_at = e.changed_at;
+    st.verified_at = e.verified_at;
+    st.valid = e.valid;
+    st.pinned = e.pinned;
+    if (st.countable && !st.valid) dirty_.insert({st.node->index(), id});
+    if (st.valid && st.countable && !st.pinned && e.version >= 0 && version_of(values_[id]) != e.version)
+      written.push_back(id);
+  }
+  pinned_ = std::move(t.pinned_before);
+  for (int64_t id : t.overlay_added) overlay_.erase(id);
+  std::set<int64_t> structural = std::move(txn_structural_);
+  for (int64_t id : structural_dirty_)
+    if (!states_[id].valid) structural.insert(id);  // found written in place during the transaction
+  structural_dirty_ = std::move(structural);
+  baseline_stale_ = std::move(txn_baseline_stale_);
+  for (int64_t id : written) {
+    mark_invalid(id);
+    states_[id].verified_at = 0;
+    structural_dirty_.insert(id);
+    invalidate_users(id);
+  }
 }
 
 void Engine::evaluate(int64_t id) {
@@ -169,6 +276,13 @@ void Engine::evaluate(int64_t id) {
   at::AutoDispatchBelowAutograd no_autograd;
   NodeState& st = states_[id];
   TORCH_INTERNAL_ASSERT(st.countable && !st.valid && !st.pinned);
+  journal(id);
+  try {
+    for (int64_t in : st.kernel->input_slots()) check_intact(in);  // I8: never compute from a written value
+  } catch (...) {
+    dirty_.insert({st.node->index(), id});  // still invalid: keep I2
+    throw;
+  }
   // A graft changed this node's inputs: its pre-graft value is no baseline; if a patch is active,
   // restore() must recompute it.
   if (!structural_dirty_.empty() && structural_dirty_.erase(id) && !pinned_.empty()) baseline_stale_.insert(id);
@@ -197,7 +311,7 @@ void Engine::evaluate(int64_t id) {
   stats_.cost += st.cost;
   save_baseline(id);
   const bool unchanged = cutoff_ && values_equal(out, values_[id]);
-  values_[id] = std::move(out);
+  store(id, std::move(out));
   st.valid = true;
   st.verified_at = revision_;
   if (!unchanged) st.changed_at = revision_;
@@ -220,6 +334,7 @@ void Engine::rekey_dirty() {
 
 void Engine::run(std::vector<c10::IValue> inputs) {
   const auto placeholders = graph_->placeholders();
+  refuse_in_transaction("run");
   TORCH_CHECK(inputs.size() == placeholders.size(), "run: expected ", placeholders.size(), " inputs, got ",
               inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) runtime::check_input(*placeholders[i], inputs[i], i);
@@ -231,29 +346,38 @@ void Engine::run(std::vector<c10::IValue> inputs) {
   ++revision_;
   for (size_t i = 0; i < inputs.size(); ++i) {
     NodeState& st = states_[ids_.at(placeholders[i])];
-    values_[ids_.at(placeholders[i])] = std::move(inputs[i]);
+    store(ids_.at(placeholders[i]), std::move(inputs[i]));
     st.changed_at = st.verified_at = revision_;
   }
   for (size_t id = 0; id < states_.size(); ++id) {
     mark_invalid(static_cast<int64_t>(id));
     states_[id].verified_at = 0;  // a full evaluation: early cutoff must not skip anything
   }
-  demand();
   has_run_ = true;
+  try {
+    demand();
+  } catch (...) {
+    has_run_ = false;
+    throw;
+  }
 }
 
 std::vector<c10::IValue> Engine::demand() {
+  TORCH_CHECK(has_run_, "demand: the engine has no values yet; call run(inputs) first");
   while (!dirty_.empty()) {
     const int64_t id = dirty_.begin()->second;
     dirty_.erase(dirty_.begin());
     evaluate(id);
   }
+  for (const ir::Arg& a : graph_->output()->args()[0].list)
+    if (a.kind == ir::Arg::Kind::Node) check_intact(ids_.at(a.node));
   return runtime::output_values(graph_->output()->args()[0].list,
                                 [&](const ir::Node* n) -> const c10::IValue& { return values_[ids_.at(n)]; });
 }
 
 c10::IValue Engine::value(const std::string& name) {
   const int64_t target = id_of(name);
+  TORCH_CHECK(has_run_, "value %", name, ": the engine has no values yet; call run(inputs) first");
   std::vector<int64_t> needed;
   std::vector<int64_t> work{target};
   std::set<int64_t> seen{target};
@@ -267,13 +391,18 @@ c10::IValue Engine::value(const std::string& name) {
       if (seen.insert(in).second) work.push_back(in);
   }
   evaluate_set(std::move(needed));
+  check_intact(target);
   return values_[target];
 }
 
 c10::IValue Engine::baseline(const std::string& name) {
   const int64_t id = id_of(name);
+  TORCH_CHECK(has_run_, "baseline %", name, ": the engine has no values yet; call run(inputs) first");
   auto it = overlay_.find(id);
-  if (it != overlay_.end() && !baseline_stale_.count(id)) return it->second.first;
+  if (it != overlay_.end() && !baseline_stale_.count(id)) {
+    check_intact(name);
+    return it->second.value;
+  }
   TORCH_CHECK(pinned_.empty() || (!baseline_stale_.count(id) && states_[id].valid),
               "baseline of %", name, " is not cached while patches are active; restore() first");
   return value(name);
@@ -298,6 +427,8 @@ void Engine::patch(const std::string& name, c10::IValue value) {
   NodeState& st = states_[id];
   check_value_type(*st.node, value);
   TORCH_CHECK(has_run_, "patch %", name, ": call run() first, so there is a baseline to patch");
+  if (st.valid) check_intact(id);  // the baseline saved below must be the computed value
+  journal(id);
   if (!st.pinned) {
     pinned_.push_back(id);
     st.pinned = true;
@@ -307,21 +438,26 @@ void Engine::patch(const std::string& name, c10::IValue value) {
     dirty_.erase({st.node->index(), id});
     st.valid = true;
   }
-  values_[id] = std::move(value);
+  store(id, std::move(value));
   st.changed_at = st.verified_at = ++revision_;
   invalidate_users(id);
 }
 
 void Engine::restore() {
+  refuse_in_transaction("restore");
   if (pinned_.empty() && overlay_.empty()) return;
   ++revision_;
   for (int64_t id : pinned_) states_[id].pinned = false;
+  std::vector<int64_t> written;  // baselines written in place since they were saved (I8): recompute
   for (auto& entry : overlay_) {
     NodeState& st = states_[entry.first];
-    values_[entry.first] = std::move(entry.second.first);
+    Baseline& b = entry.second;
+    if (b.version >= 0 && version_of(b.value) != b.version) written.push_back(entry.first);
+    values_[entry.first] = std::move(b.value);
+    versions_[entry.first] = b.version;
     if (!st.valid) dirty_.erase({st.node->index(), entry.first});
     st.valid = true;
-    st.changed_at = entry.second.second;  // the baseline's revision: consumers stay consistent (I4)
+    st.changed_at = b.changed_at;  // the baseline's revision: consumers stay consistent (I4)
     st.verified_at = revision_;
     ++stats_.restored;
   }
@@ -344,6 +480,7 @@ void Engine::restore() {
   std::set<int64_t> stale;
   stale.swap(baseline_stale_);
   stale.insert(structural_dirty_.begin(), structural_dirty_.end());
+  stale.insert(written.begin(), written.end());
   for (int64_t id : stale) {
     mark_invalid(id);
     states_[id].verified_at = 0;  // its cached value was computed under a patch: recompute, no cutoff
@@ -353,6 +490,7 @@ void Engine::restore() {
 }
 
 void Engine::restore(const std::string& name) {
+  refuse_in_transaction("restore");
   const int64_t id = id_of(name);
   NodeState& st = states_[id];
   TORCH_CHECK(st.pinned, "restore %", name, ": node is not patched");
@@ -368,7 +506,8 @@ void Engine::restore(const std::string& name) {
     mark_invalid(id);
     st.verified_at = 0;  // its inputs may differ from when it was pinned: recompute, no cutoff
   } else {
-    values_[id] = overlay_.at(id).first;
+    values_[id] = overlay_.at(id).value;
+    versions_[id] = overlay_.at(id).version;
     st.changed_at = st.verified_at = revision_;
   }
   invalidate_users(id);
@@ -382,6 +521,7 @@ void Engine::end_batch() {
 std::vector<std::string> Engine::graft(const std::string& src_name, const std::string& dst_name,
                                        const ir::Graph& block, std::vector<c10::IValue> block_params) {
   // ---- validate everything first: a refused graft changes nothing.
+  refuse_in_transaction("graft");
   const int64_t src = id_of(src_name);
   ir::Node* src_node = states_[src].node;
   TORCH_CHECK(src_node->type().kind == ir::Type::Kind::Tensor, "graft: source %", src_name,
@@ -453,7 +593,7 @@ std::vector<std::string> Engine::graft(const std::string& src_name, const std::s
     ir::Node* copy = graph_->create_placeholder(graph_->unique_name(prefix + p->name()), ir::InputRole::Constant,
                                                 p->type(), p->state_name());
     const int64_t id = add_state(copy);
-    values_[id] = std::move(block_params[i]);
+    store(id, std::move(block_params[i]));
     states_[id].changed_at = states_[id].verified_at = revision_;
     map[p] = copy;
   }
@@ -582,6 +722,9 @@ void Engine::check_invariants() const {
       }
     } else if (has_run_) {
       TORCH_CHECK(!values_[id].isNone() || n.type().kind == ir::Type::Kind::None, "I5 ", where, "valid without value");
+      TORCH_CHECK(versions_[id] < 0 || version_of(values_[id]) == versions_[id], "I8 ", where,
+                  "cached tensor was modified in place (version ", version_of(values_[id]), ", stored at ",
+                  versions_[id], ")");
       if (st.countable && !st.pinned)
         for (int64_t in : st.kernel->input_slots())
           TORCH_CHECK(st.verified_at >= states_[in].changed_at, "I4 ", where, "verified at ", st.verified_at,
@@ -595,6 +738,9 @@ void Engine::check_invariants() const {
   TORCH_CHECK(dirty_count == dirty_.size(), "I2 dirty set holds stale entries: ", dirty_.size(), " vs ", dirty_count);
   TORCH_CHECK(pinned_count == pinned_.size(), "pinned list out of sync");
   TORCH_CHECK(!pinned_.empty() || overlay_.empty(), "I6 overlay is non-empty with no patch active");
+  for (const auto& [id, b] : overlay_)
+    TORCH_CHECK(baseline_stale_.count(id) || b.version < 0 || version_of(b.value) == b.version,
+                "I8 invariant violated at %", states_[id].node->name(), ": overlay baseline was modified in place");
   TORCH_CHECK(evaluations == stats_.evaluations, "I7 ledger drift: per-node sum ", evaluations, " vs ",
               stats_.evaluations);
 }

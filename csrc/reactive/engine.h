@@ -26,6 +26,20 @@
 //                the baseline (by a patch or a recomputation).
 //   I7 ledger    stats.evaluations equals the sum of per-node evaluation
 //                counts (no drift), and cost the matching weighted sum.
+//   I8 integrity every cached tensor (current value and overlay baseline)
+//                still has the version counter it had when it was stored.
+//                Values handed out (outputs, value(), baseline()) are the
+//                cached tensors themselves, so user code could write into
+//                them; every read checks the version of what it reads, and a
+//                modified value raises, naming the node, after marking it
+//                for recomputation (placeholders cannot be recomputed: run()
+//                again). A wrong answer never passes silently.
+//   I9 journal   inside a transaction, every node whose state differs from
+//                the state at begin_transaction() has a journal entry holding
+//                that state; rollback() restores exactly those entries.
+//   structural_dirty_ holds only invalid (or pinned) nodes; baseline_stale_
+//   holds nodes whose overlay baseline a graft displaced (restore() recomputes
+//   them).
 //
 // Control flow. A higher_order::cond or while_loop node is one evaluation unit: its regions run
 // inside it (only the chosen branch, or the loop's iterations) and it counts once, like any call.
@@ -96,6 +110,18 @@ class Engine {
   void end_batch();
   bool in_batch() const { return batch_depth_ > 0; }
 
+  // A sweep transaction: patch -> demand -> read -> rollback. rollback() puts
+  // back exactly the state at begin_transaction() (values, revisions,
+  // validity, pins and overlay), with zero evaluations, so standing patches
+  // and grafts are left as they were. run, graft and restore are refused
+  // inside a transaction; transactions do not nest.
+  void begin_transaction();
+  void rollback();
+  bool in_transaction() const { return txn_.has_value(); }
+  // Throws (naming the node) if the node's cached value was written in place
+  // since it was stored, after marking it for recomputation (I8).
+  void check_intact(const std::string& node);
+
   std::vector<std::string> cone(const std::string& node) const;  // V+(node), topological order
   int64_t num_countable() const { return num_countable_; }
   bool is_valid(const std::string& node) const;
@@ -112,6 +138,25 @@ class Engine {
   void check_invariants() const;
 
  private:
+  struct Baseline {
+    c10::IValue value;
+    uint64_t changed_at = 0;
+    int64_t version = -1;
+  };
+  struct JournalEntry {
+    c10::IValue value;
+    uint64_t changed_at = 0;
+    uint64_t verified_at = 0;
+    int64_t version = -1;
+    bool valid = false;
+    bool pinned = false;
+  };
+  struct Transaction {
+    std::unordered_map<int64_t, JournalEntry> journal;
+    std::vector<int64_t> pinned_before;
+    std::vector<int64_t> overlay_added;
+  };
+
   struct NodeState {
     ir::Node* node = nullptr;
     bool countable = false;
@@ -136,15 +181,23 @@ class Engine {
   void save_baseline(int64_t id);
   void rekey_dirty();
   void check_value_type(const ir::Node& node, const c10::IValue& value) const;
+  void journal(int64_t id);  // I9: remembers id's state before its first change in a transaction
+  void store(int64_t id, c10::IValue value);  // values_[id] = value, with its version recorded (I8)
+  void check_intact(int64_t id);
+  void refuse_in_transaction(const char* what) const;
 
   std::unique_ptr<ir::Graph> graph_;
   std::vector<NodeState> states_;  // by stable id (creation order)
   runtime::ValueSlots values_;     // by stable id
+  std::vector<int64_t> versions_;  // by stable id: tensor version counter when stored, -1 if untracked
+  std::optional<Transaction> txn_;
+  std::set<int64_t> txn_structural_;      // structural_dirty_ at begin_transaction()
+  std::set<int64_t> txn_baseline_stale_;  // baseline_stale_ at begin_transaction()
   std::unordered_map<const ir::Node*, int64_t> ids_;
   std::set<std::pair<int64_t, int64_t>> dirty_;  // (topological index, id)
   // Baseline (value, changed_at) of every node written while patched; restore puts both back, so
   // revisions after a restore are exactly those of the baseline.
-  std::unordered_map<int64_t, std::pair<c10::IValue, uint64_t>> overlay_;
+  std::unordered_map<int64_t, Baseline> overlay_;
   std::set<int64_t> baseline_stale_;     // nodes whose overlay baseline a graft made stale
   std::set<int64_t> structural_dirty_;   // nodes a graft invalidated, not yet recomputed
   std::vector<int64_t> pinned_;
