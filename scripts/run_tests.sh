@@ -7,6 +7,10 @@ if [ ! -f "$BUILD/build.ninja" ]; then
   echo "no build tree at $BUILD: run scripts/install.sh first" >&2
   exit 2
 fi
+# Test-only dependencies (requirements-test.txt) are installed on first use, keeping the installed torch.
+if ! python3 -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ("pytest", "hypothesis", "transformers", "transformer_lens")))'; then
+  bash scripts/install.sh --only-test-deps || exit 2
+fi
 cmake --build "$BUILD" -- -j"${MAX_JOBS:-2}" || exit 1
 ctest --test-dir "$BUILD" --output-on-failure -j2
 cpp=$?

@@ -1,46 +1,244 @@
 """torch-ext: pure training steps, memory plans and reactive sweeps from the command line.
 
-MODEL is `package.module:factory`; the factory returns (model, optimizer, loss_fn, example_batch) and
-may add a fifth item, a list of batches to train on.
+MODEL is `package.module:factory` (importable from the current folder) or `path/to/file.py:factory`.
+The factory takes no arguments and returns 4 or 5 items:
+  model          an nn.Module
+  optimizer      a torch.optim optimizer (or a list of them)
+  loss_fn        loss_fn(model, *batch) -> scalar tensor
+  example_batch  a tuple of loss_fn's batch arguments, e.g. (x, y)
+  batches        optional: a list of such tuples to train on (cycled)
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import importlib.util
 import json
+import math
+import os
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
+
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERNAL = 3
+
+EXIT_CODES_HELP = """exit status:
+  0  ok
+  1  a check failed (parity with eager, a non-finite loss, a memory budget; `check` and `demo`)
+  2  usage or input error (bad option, MODEL not found, a factory or model that torch_ext refuses)
+  3  internal error (a bug in torch_ext: rerun with --debug and report the traceback)
+"""
+
+FACTORY_SHAPE = "(model, optimizer, loss_fn, example_batch[, batches])"
 
 
 class UserError(Exception):
-    """An error reported as one line, without a traceback (unless --debug)."""
+    """An input error reported as one line (exit 2), without a traceback unless --debug."""
 
 
-def _progress(iterable, total, enabled, desc):
-    if not enabled or not sys.stderr.isatty():
-        return iterable
-    from tqdm import tqdm
+# ---------------------------------------------------------------- output
+_stdout_closed = False
 
-    return tqdm(iterable, total=total, desc=desc, leave=False)
+
+def _out(text: str = "") -> None:
+    """Prints to stdout; a reader that went away (`| head`) silences the rest instead of crashing."""
+    global _stdout_closed
+    if _stdout_closed:
+        return
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        _silence_stdout()
+
+
+def _silence_stdout() -> None:
+    global _stdout_closed
+    _stdout_closed = True
+    # Point fd 1 at /dev/null so the interpreter's final flush cannot raise again.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _json_value(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # strict JSON has no NaN/Infinity
+    if isinstance(v, (list, tuple)):
+        return [_json_value(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _json_value(x) for k, x in v.items()}
+    return v
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}: --json output keeps one level of keys."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _emit_json(d: dict) -> None:
+    _out(json.dumps(_json_value(d), indent=2, allow_nan=False))
+
+
+def _table(rows, header=None, indent: str = "") -> str:
+    """Rows of cells as left-aligned text columns (numbers right-aligned)."""
+    rows = [list(r) for r in rows]
+    ncols = max((len(r) for r in rows), default=0)
+    numeric = [all(isinstance(r[i], (int, float)) for r in rows if i < len(r)) for i in range(ncols)]
+    rows = [[_cell(c) for c in r] for r in rows]
+    if header:
+        rows.insert(0, list(header))
+    if not rows:
+        return ""
+    widths = [max(len(r[i]) for r in rows if i < len(r)) for i in range(max(len(r) for r in rows))]
+    lines = []
+    for r in rows:
+        cells = [c.rjust(widths[i]) if numeric[i] else c.ljust(widths[i]) for i, c in enumerate(r)]
+        lines.append(indent + "  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _cell(c) -> str:
+    if isinstance(c, float):
+        return f"{c:.4g}" if math.isfinite(c) else str(c)
+    return str(c)
+
+
+class _Status:
+    """One line on stderr per slow stage ("torch-ext: exporting ... done in 3.1 s"), TTY or not."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+
+    @contextlib.contextmanager
+    def stage(self, what: str):
+        if self.quiet:
+            yield
+            return
+        t0 = time.perf_counter()
+        print(f"torch-ext: {what} ...", end="", file=sys.stderr, flush=True)
+        # Warnings raised inside the stage are shown after its line, not in the middle of it.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            try:
+                yield
+            except BaseException:
+                print(" failed", file=sys.stderr, flush=True)
+                _replay(caught)
+                raise
+        print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        _replay(caught)
+
+
+def _replay(caught) -> None:
+    for w in caught:
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+
+
+def _loop(iterable, total: int, args, desc: str):
+    """A progress bar on a terminal; otherwise one status line for the whole loop."""
+    if not args.no_progress and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        yield from tqdm(iterable, total=total, desc=desc, leave=False)
+        return
+    with args.status.stage(f"{desc} ({total} iterations)"):
+        yield from iterable
+
+
+# ---------------------------------------------------------------- MODEL
+def _import_model_module(target: str):
+    if target.endswith(".py") or "/" in target or os.sep in target:
+        path = Path(target).expanduser()
+        if not path.is_file():
+            raise UserError(f"MODEL file {str(path)!r} does not exist")
+        path = path.resolve()
+        # Siblings of the file are importable from it, as when running `python path/to/file.py`.
+        if str(path.parent) not in sys.path:
+            sys.path.insert(0, str(path.parent))
+        name = f"_torch_ext_model_{path.stem}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise UserError(f"cannot load {str(path)!r} as a Python module")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:
+            del sys.modules[name]
+            raise UserError(f"running {str(path)!r} failed: {type(e).__name__}: {e}") from e
+        return module
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as e:
+        if e.name == target or target.startswith(f"{e.name}."):
+            raise UserError(f"cannot import {target!r} from {os.getcwd()}: {e}; give a file path instead "
+                            f"(path/to/{target.replace('.', '/')}.py:factory)") from e
+        raise UserError(f"importing {target!r} failed: {e}") from e
+    except Exception as e:
+        raise UserError(f"importing {target!r} failed: {type(e).__name__}: {e}") from e
 
 
 def load_factory(spec: str):
-    if ":" not in spec:
-        raise UserError(f"MODEL must look like package.module:factory, got {spec!r}")
-    mod_name, fn_name = spec.split(":", 1)
+    """Resolves MODEL, calls the factory and checks what it returned."""
+    import torch
+
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        raise UserError(f"MODEL must look like package.module:factory or path/to/file.py:factory, got {spec!r}")
+    obj = _import_model_module(target)
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise UserError(f"{target!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise UserError(f"{spec} is a {type(obj).__name__}, not a factory function")
     try:
-        module = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise UserError(f"cannot import {mod_name!r}: {e}") from e
-    fn = getattr(module, fn_name, None)
-    if fn is None:
-        raise UserError(f"{mod_name!r} has no attribute {fn_name!r}")
-    out = fn()
-    if not isinstance(out, tuple) or len(out) not in (4, 5):
-        raise UserError(f"{spec} must return (model, optimizer, loss_fn, example_batch[, batches]), got {type(out).__name__}")
+        out = obj()
+    except Exception as e:
+        raise UserError(f"the factory {spec} raised {type(e).__name__}: {e}") from e
+    if not isinstance(out, (tuple, list)):
+        raise UserError(f"{spec} must return 4 or 5 items {FACTORY_SHAPE}, got a single {type(out).__name__}")
+    if len(out) not in (4, 5):
+        got = ", ".join(type(x).__name__ for x in out)
+        raise UserError(f"{spec} returned {len(out)} items ({got}); expected 4 or 5: {FACTORY_SHAPE}")
     model, opt, loss_fn, example = out[:4]
-    batches = list(out[4]) if len(out) == 5 else None
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(f"{spec}: item 1 (model) must be an nn.Module, got {type(model).__name__}")
+    opts = opt if isinstance(opt, (list, tuple)) else [opt]
+    if not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts):
+        raise UserError(f"{spec}: item 2 (optimizer) must be a torch.optim.Optimizer or a list of them, "
+                        f"got {type(opt).__name__}")
+    if not callable(loss_fn):
+        raise UserError(f"{spec}: item 3 (loss_fn) must be callable as loss_fn(model, *batch), "
+                        f"got {type(loss_fn).__name__}")
+    if not isinstance(example, (tuple, list)):
+        raise UserError(f"{spec}: item 4 (example_batch) must be a tuple of loss_fn's batch arguments, e.g. (x, y), "
+                        f"got {type(example).__name__}")
+    batches = None
+    if len(out) == 5:
+        try:
+            batches = list(out[4])
+        except TypeError as e:
+            raise UserError(f"{spec}: item 5 (batches) must be a list of batch tuples, "
+                            f"got {type(out[4]).__name__}") from e
+        if not batches:
+            raise UserError(f"{spec}: item 5 (batches) is empty; return 4 items to train on example_batch")
+        for i, b in enumerate(batches):
+            if not isinstance(b, (tuple, list)):
+                raise UserError(f"{spec}: batches[{i}] must be a tuple like example_batch, got {type(b).__name__}")
     return model, opt, loss_fn, tuple(example), batches
 
 
@@ -48,6 +246,109 @@ def _batches(example, batches, n):
     if batches:
         return [tuple(batches[i % len(batches)]) for i in range(n)]
     return [example] * n
+
+
+def _num_ops(step) -> int:
+    return sum(1 for n in step.graph.nodes() if n["kind"] == "call")
+
+
+# ---------------------------------------------------------------- plots
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def memory_figure(report, title: str):
+    """Live bytes over one step, eager vs planned, with the bounds named in the legend (outside the data)."""
+    plt = _pyplot()
+    top = max([report.eager_peak, report.merged_planned, report.lb_graph, report.lb_sched, 1])
+    unit, scale = ("MiB", 2**20) if top >= 2**20 else ("KiB", 2**10)
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    for series, label in ((report.eager_timeline, f"eager step, measured (peak {report.eager_peak / scale:.1f} {unit})"),
+                          (report.planned_timeline,
+                           f"torch_ext planned step (peak {report.merged_planned / scale:.1f} {unit})")):
+        if series:
+            n = max(len(series) - 1, 1)
+            ax.plot([100 * i / n for i in range(len(series))], [b / scale for b in series], label=label,
+                    linewidth=1.4)
+    ax.axhline(report.lb_graph / scale, color="gray", linestyle=":",
+               label="LB_graph: lower bound for any order\n(state + max(saved activations, largest op))")
+    ax.axhline(report.lb_sched / scale, color="black", linestyle="--", linewidth=0.8,
+               label="LB_sched: lower bound for the chosen order")
+    ax.set_xlabel("progress through one training step (% of profiler events / schedule positions)")
+    ax.set_ylabel(f"live memory ({unit})")
+    ax.set_ylim(0, 1.12 * top / scale)
+    ax.set_title(title)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def sweep_figure(result, title: str, row_labels: dict | None = None, key_name: str = "position",
+                 baseline: float | None = None):
+    """Node x key heatmap when sites carry a key (e.g. a position); a bar per node otherwise.
+
+    ``baseline`` is the metric of the unpatched run: the colour scale is centred on it (white = no effect).
+    """
+    import numpy as np
+
+    plt = _pyplot()
+    row_labels = row_labels or {}
+    nodes, keys = [], []
+    for site in result.metrics:
+        node, key = site if isinstance(site, tuple) else (site, None)
+        if node not in nodes:
+            nodes.append(node)
+        if key is not None and key not in keys:
+            keys.append(key)
+    labels = [row_labels.get(n, n) for n in nodes]
+    subtitle = (f"{len(result.metrics)} sites: {result.measured_evaluations} node evaluations vs "
+                f"{result.full_evaluations} for full recomputation (rho = {result.rho:.2f})")
+    if not keys:
+        fig, ax = plt.subplots(figsize=(8, max(2.5, 0.35 * len(nodes) + 1.5)))
+        values = [result.metrics[n] for n in nodes]
+        ax.barh(range(len(nodes)), values, color="tab:blue")
+        ax.set_yticks(range(len(nodes)), labels, fontsize=8)
+        ax.invert_yaxis()  # first node on top, in graph order
+        ax.axvline(0, color="black", linewidth=0.6)
+        if baseline is not None:
+            ax.axvline(baseline, color="tab:red", linestyle="--", label=f"unpatched run: {baseline:.4g}")
+            ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, fontsize=8)
+        ax.set_xlabel("metric after patching the node")
+        ax.set_ylabel("patched node (module path)")
+        ax.set_title(f"{title}\n{subtitle}", fontsize=10)
+        fig.tight_layout()
+        return fig
+    grid = np.full((len(nodes), len(keys)), np.nan)
+    for site, value in result.metrics.items():
+        grid[nodes.index(site[0]), keys.index(site[1])] = value
+    fig, ax = plt.subplots(figsize=(max(6, 0.4 * len(keys) + 3.5), max(3, 0.4 * len(nodes) + 1.8)))
+    centre = 0.0 if baseline is None else baseline
+    bound = float(np.nanmax(np.abs(grid - centre))) or 1.0
+    im = ax.imshow(grid, aspect="auto", cmap="RdBu_r", vmin=centre - bound, vmax=centre + bound,
+                   interpolation="nearest")
+    ax.set_xticks(range(len(keys)), [str(k) for k in keys], fontsize=8)
+    ax.set_yticks(range(len(nodes)), labels, fontsize=8)
+    ax.set_xlabel(f"patched {key_name}")
+    ax.set_ylabel("patched node (layer)")
+    ax.set_title(f"{title}\n{subtitle}", fontsize=10)
+    fig.colorbar(im, ax=ax, label="metric after patching the site" +
+                 ("" if baseline is None else f"\n(white = unpatched run, {baseline:.4g})"))
+    fig.tight_layout()
+    return fig
+
+
+def _save(fig, path: str) -> str:
+    plt = _pyplot()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 # ---------------------------------------------------------------- demo
@@ -63,8 +364,8 @@ def _demo(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     torch.manual_seed(0)
-    vocab, seq, batch = 64, 16, 8
-    model = TinyTransformer(vocab=vocab, d_model=32, n_heads=4, n_layers=2, seq=seq)
+    vocab, seq, batch, d_model = 64, 16, 8, 32
+    model = TinyTransformer(vocab=vocab, d_model=d_model, n_heads=4, n_layers=2, seq=seq)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
 
     def loss_fn(m, idx, tgt):
@@ -79,32 +380,37 @@ def _demo(args) -> int:
         return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
 
     batches = [make_batch() for _ in range(args.steps)]
-    print("torch-ext demo: tiny transformer (2 blocks, d_model 32, 4 heads, seq 16, vocab 64), AdamW, synthetic data")
+    _out("torch-ext demo: tiny transformer (2 blocks, d_model 32, 4 heads, seq 16, vocab 64), AdamW, synthetic data")
 
     # 1. the pure step
     t0 = time.perf_counter()
-    step = torch_ext.make_train_step(model, opt, loss_fn, batches[0])
-    n_calls = sum(1 for n in step.graph.nodes() if n["kind"] == "call")
-    print(f"[1/4] pure step built in {time.perf_counter() - t0:.1f} s: one graph of {n_calls} ops, "
-          f"{len(step.state_names)} state tensors in and out, lr and step count as inputs")
+    with args.status.stage("building the pure step (torch.export of the joint forward/backward graph)"):
+        step = torch_ext.make_train_step(model, opt, loss_fn, batches[0])
+    _out(f"[1/4] pure step built in {time.perf_counter() - t0:.1f} s: one graph of {_num_ops(step)} ops, "
+         f"{len(step.state_names)} state tensors in and out, lr and step count as inputs")
 
     # 2. training
     state = step.init_state()
     losses = []
-    for b in _progress(batches, len(batches), not args.no_progress, "training"):
+    for b in _loop(batches, len(batches), args, "training on the C++ executor"):
         loss, state = step(state, *b)
         losses.append(float(loss))
-    print(f"[2/4] trained {len(batches)} steps on the C++ executor: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
-    parity = step_parity(model, opt, loss_fn, batches[: min(20, len(batches))])
-    print(f"      parity with eager torch.optim over {parity['steps']} steps: max relative difference "
-          f"loss {parity['loss']:.3g}, state {parity['state']:.3g}")
+    _out(f"[2/4] trained {len(batches)} steps on the C++ executor: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    n_parity = min(20, len(batches))
+    with args.status.stage(f"replaying {n_parity} steps with eager torch.optim"):
+        parity = step_parity(model, opt, loss_fn, batches[:n_parity])
+    _out(f"      parity with eager torch.optim over {parity['steps']} steps: max relative difference "
+         f"loss {parity['loss']:.3g}, state {parity['state']:.3g}")
 
     # 3. memory
-    report = torch_ext.memory_report(step, batches[0])
-    print("[3/4] memory report")
-    print("\n".join("      " + line for line in str(report).splitlines()))
-    timeline = report.plot(str(out_dir / "demo_memory_timeline.png"))
-    print(f"      wrote {timeline}")
+    with args.status.stage("measuring the eager peak and planning the pure step"):
+        report = torch_ext.memory_report(step, batches[0])
+    _out("[3/4] memory report")
+    _out("\n".join("      " + line for line in str(report).splitlines()))
+    timeline = _save(memory_figure(report, "Live memory of one AdamW step of the demo transformer: "
+                                           "eager torch.optim vs torch_ext planned"),
+                     str(out_dir / "demo_memory_timeline.png"))
+    _out(f"      wrote {timeline}")
 
     # 4. reactive residual-stream patching sweep
     step.write_back(state)
@@ -112,8 +418,9 @@ def _demo(args) -> int:
     clean = batches[0][0][:1]
     corrupt = clean.clone()
     corrupt[0, 3] = (corrupt[0, 3] + 7) % vocab
-    rg = torch_ext.ReactiveGraph(model, (corrupt,))
-    resid = [n for n in rg.nodes("add*") if tuple(rg.value(n).shape) == (1, seq, 32)]
+    with args.status.stage("exporting the model for the reactive engine"):
+        rg = torch_ext.ReactiveGraph(model, (corrupt,))
+    resid = [n for n in rg.nodes("add*") if tuple(rg.value(n).shape) == (1, seq, d_model)]
     corrupted = {n: rg.value(n).clone() for n in resid}
     rg.run(clean)
     target = int(batches[0][1][0, -1])
@@ -127,65 +434,124 @@ def _demo(args) -> int:
     def metric(logits):
         return float(logits[0, -1, target] - logits[0, -1].mean())
 
-    result = torch_ext.sweep(rg, sites, patch, metric, progress=not args.no_progress)
-    heat = result.plot(str(out_dir / "demo_sweep_heatmap.png"), title="residual-stream activation patching")
-    print(f"[4/4] reactive sweep over {len(resid)} residual nodes x {seq} positions = {len(sites)} sites")
-    print(f"      evaluations: measured {result.measured_evaluations}, predicted from cones "
-          f"{result.predicted_evaluations}, full recomputation {result.full_evaluations}")
-    print(f"      rho = {result.rho:.3f} predicted, {result.rho_measured:.3f} measured; "
-          f"sweep took {result.wall_time * 1e3:.0f} ms")
-    print(f"      wrote {heat}")
-    print(f"done in {time.perf_counter() - t_start:.1f} s")
+    clean_metric = metric(rg.demand())
+    with args.status.stage(f"reactive sweep over {len(sites)} sites"):
+        result = torch_ext.sweep(rg, sites, patch, metric, progress=not args.no_progress)
+    paths = {n["name"]: n["module_path"] for n in rg.graph.nodes()}
+    rows = {n: f"{n} ({paths.get(n) or 'embeddings'})" for n in resid}
+    heat = _save(sweep_figure(result, "Activation patching: logit difference of the target token when one position "
+                                      "of a residual stream\ncomes from the corrupted run (token 3 changed)",
+                              rows, "token position", clean_metric),
+                 str(out_dir / "demo_sweep_heatmap.png"))
+    _out(f"[4/4] reactive sweep over {len(resid)} residual nodes x {seq} positions = {len(sites)} sites")
+    _out(f"      evaluations: measured {result.measured_evaluations}, predicted from cones "
+         f"{result.predicted_evaluations}, full recomputation {result.full_evaluations}")
+    _out(f"      rho = {result.rho:.3f} predicted, {result.rho_measured:.3f} measured; "
+         f"sweep took {result.wall_time * 1e3:.0f} ms")
+    _out(f"      wrote {heat}")
+    _out(f"done in {time.perf_counter() - t_start:.1f} s")
     ok = parity["loss"] <= 1e-5 and parity["state"] <= 1e-5 and result.measured_evaluations == result.predicted_evaluations
-    return 0 if ok else 1
+    return EXIT_OK if ok else EXIT_CHECK_FAILED
 
 
 # ---------------------------------------------------------------- step / plan / sweep / check
+def _build_step(args, model, opt, loss_fn, example, unroll: int = 1):
+    import torch_ext
+
+    with args.status.stage("building the pure step (torch.export of the joint forward/backward graph)"):
+        return torch_ext.make_train_step(model, opt, loss_fn, example, unroll=unroll)
+
+
 def _step(args) -> int:
     import torch
 
-    import torch_ext
-
     model, opt, loss_fn, example, batches = load_factory(args.model)
-    step = torch_ext.make_train_step(model, opt, loss_fn, example, unroll=args.unroll)
-    summary = {"model": args.model, "ops": sum(1 for n in step.graph.nodes() if n["kind"] == "call"),
-               "state_entries": len(step.state_names), "unroll": args.unroll, "losses": []}
+    step = _build_step(args, model, opt, loss_fn, example, args.unroll)
+    summary = {"model": args.model, "ops": _num_ops(step), "state_entries": len(step.state_names),
+               "unroll": args.unroll, "steps": args.steps, "losses": []}
+    state = None
     if args.steps:
         state = step.init_state()
         per = _batches(example, batches, args.steps * args.unroll)
-        for i in _progress(range(args.steps), args.steps, not args.no_progress, "training"):
+        for i in _loop(range(args.steps), args.steps, args, "training on the C++ executor"):
             flat = [t for b in per[i * args.unroll:(i + 1) * args.unroll] for t in b]
             loss, state = step(state, *flat)
-            summary["losses"].append(loss.reshape(-1).tolist())
+            summary["losses"].extend(float(x) for x in loss.reshape(-1))  # unroll N: N losses per call
         step.write_back(state)
-    if args.export:
-        torch.export.save(step.program, args.export)
-        summary["export"] = args.export
+        summary["loss_first"], summary["loss_last"] = summary["losses"][0], summary["losses"][-1]
+    if args.export or args.aoti:
+        with args.status.stage("exporting the pure step" + (f" to {args.export}" if args.export else "")):
+            program = step.program
+            if state is not None:
+                # The program takes the state as inputs: ship the trained state as its example inputs.
+                program.example_inputs = (tuple(step.flat_inputs(state, *(example * args.unroll))), {})
+            if args.export:
+                torch.export.save(program, args.export)
+                summary["export"] = args.export
     if args.aoti:
-        summary["aoti"] = torch._inductor.aoti_compile_and_package(step.program, package_path=args.aoti)
+        with args.status.stage(f"compiling with AOTInductor into {args.aoti} (a minute or more)"):
+            summary["aoti"] = torch._inductor.aoti_compile_and_package(program, package_path=args.aoti)
     if args.json:
-        print(json.dumps(summary, indent=2))
-    else:
-        print(f"pure step for {args.model}: {summary['ops']} ops, {summary['state_entries']} state tensors"
-              + (f", unroll {args.unroll}" if args.unroll > 1 else ""))
-        if summary["losses"]:
-            print(f"trained {args.steps} steps: loss {summary['losses'][0]} -> {summary['losses'][-1]}")
-        for key in ("export", "aoti"):
-            if key in summary:
-                print(f"wrote {summary[key]}")
-    return 0
+        _emit_json(summary)
+        return EXIT_OK
+    rows = [("model", args.model),
+            ("pure step", f"{summary['ops']} ops, {summary['state_entries']} state tensors in and out"
+                          + (f", {args.unroll} steps per call" if args.unroll > 1 else ""))]
+    if summary["losses"]:
+        rows.append(("trained", f"{len(summary['losses'])} steps, loss {summary['loss_first']:.4f} -> "
+                                f"{summary['loss_last']:.4f}"))
+    if "export" in summary:
+        rows.append(("exported", f"{summary['export']} (the trained state is its example_inputs)"
+                                 if state is not None else summary["export"]))
+    if "aoti" in summary:
+        rows.append(("AOTInductor", summary["aoti"]))
+    _out(_table(rows))
+    return EXIT_OK
 
 
 def _plan(args) -> int:
     import torch_ext
 
     model, opt, loss_fn, example, _ = load_factory(args.model)
-    step = torch_ext.make_train_step(model, opt, loss_fn, example)
-    report = torch_ext.memory_report(step, example)
+    step = _build_step(args, model, opt, loss_fn, example)
+    with args.status.stage("measuring the eager peak and planning the pure step"):
+        report = torch_ext.memory_report(step, example)
     if args.plot:
-        report.plot(args.plot)
-    print(report.to_json() if args.json else str(report))
-    return 0
+        _save(memory_figure(report, f"Live memory of one training step of {args.model}: eager vs torch_ext planned"),
+              args.plot)
+    if args.json:
+        d = json.loads(report.to_json())
+        d["model"] = args.model
+        _emit_json(_flatten(d))
+    else:
+        _out(str(report))
+        if args.plot:
+            _out(f"wrote {args.plot}")
+    return EXIT_OK
+
+
+def _select_output(out, key: str | None):
+    """The output tensor the metric reads: the only tensor, or the one named by --output."""
+    import torch
+    import torch.utils._pytree as pytree
+
+    if isinstance(out, torch.Tensor) and key is None:
+        return out, "output"
+    leaves, _ = pytree.tree_flatten_with_path(out)
+    named = {pytree.keystr(p).strip("[]'\"."): v for p, v in leaves if isinstance(v, torch.Tensor)}
+    if key is not None:
+        if key not in named:
+            raise UserError(f"--output {key!r} is not an output of the model; outputs: {_describe(named)}")
+        return named[key], key
+    if len(named) == 1:
+        (k, v), = named.items()
+        return v, k
+    raise UserError(f"the model returns {type(out).__name__} with {len(named)} tensors ({_describe(named)}); "
+                    f"choose the one the metric reads with --output KEY")
+
+
+def _describe(named: dict) -> str:
+    return ", ".join(f"{k} {list(v.shape)}" for k, v in named.items())
 
 
 def _sweep(args) -> int:
@@ -195,39 +561,91 @@ def _sweep(args) -> int:
 
     model, _, _, example, _ = load_factory(args.model)
     model.eval()
-    rg = torch_ext.ReactiveGraph(model, (example[0],))
+    if not example or not isinstance(example[0], torch.Tensor):
+        raise UserError("sweep feeds example_batch[0] to the model: it must be a tensor")
+    with args.status.stage("exporting the model for the reactive engine"):
+        rg = torch_ext.ReactiveGraph(model, (example[0],))
+    info = {n["name"]: n for n in rg.graph.nodes()}
     nodes = [n for n in rg.nodes(args.sites) if isinstance(rg.value(n), torch.Tensor)]
     if not nodes:
-        raise UserError(f"no tensor node matches --sites {args.sites!r}; try `torch-ext sweep MODEL --sites '*' --list`")
+        raise UserError(f"no tensor node matches --sites {args.sites!r}; list them with "
+                        f"`torch-ext sweep {args.model} --list`")
     if args.list:
-        print("\n".join(nodes))
-        return 0
+        rows = [(n, info[n]["module_path"] or "-", info[n]["target"], "x".join(map(str, rg.value(n).shape)) or "scalar",
+                 len(rg.cone(n))) for n in nodes]
+        if args.json:
+            _emit_json({"sites": [dict(zip(("node", "module_path", "op", "shape", "cone"), r)) for r in rows]})
+        else:
+            _out(_table(rows, ("node", "module path", "op", "shape", "cone (nodes recomputed)")))
+        return EXIT_OK
+    _, out_name = _select_output(rg.demand(), args.output)
     kind, _, arg = args.metric.partition(":")
-    if kind == "norm":
-        metric = lambda out: float(out.float().norm())  # noqa: E731
+    if kind == "norm" and not arg:
+        def metric(out):
+            return float(_select_output(out, args.output)[0].float().norm())
     elif kind == "logit":
-        idx = int(arg or 0)
-        metric = lambda out: float(out.reshape(-1, out.shape[-1])[-1, idx])  # noqa: E731
+        try:
+            idx = int(arg)
+        except ValueError:
+            raise UserError(f"--metric logit:IDX needs an integer IDX, got {args.metric!r}") from None
+        t = _select_output(rg.demand(), args.output)[0]
+        if t.dim() == 0 or not -t.shape[-1] <= idx < t.shape[-1]:
+            raise UserError(f"--metric {args.metric}: output {out_name!r} has shape {list(t.shape)}, "
+                            f"no index {idx} in its last dimension")
+
+        def metric(out):
+            o = _select_output(out, args.output)[0]
+            return float(o.reshape(-1, o.shape[-1])[-1, idx])
     else:
         raise UserError(f"--metric must be norm or logit:IDX, got {args.metric!r}")
-    if args.patch == "zero":
-        patch = lambda clean, site: torch.zeros_like(clean)  # noqa: E731
-    elif args.patch == "mean":
-        patch = lambda clean, site: clean.mean().expand_as(clean).clone()  # noqa: E731
+    if args.positions:
+        bad = [n for n in nodes if rg.value(n).dim() < 2]
+        if bad:
+            raise UserError(f"--positions patches dimension 1 ([batch, position, ...]); {', '.join(bad)} has fewer "
+                            f"than 2 dimensions: narrow --sites")
+        sites = [(n, p) for n in nodes for p in range(rg.value(n).shape[1])]
     else:
-        raise UserError(f"--patch must be zero or mean, got {args.patch!r}")
-    result = torch_ext.sweep(rg, nodes, patch, metric, progress=not args.no_progress)
+        sites = nodes
+
+    def patch(clean, site):
+        if not args.positions:
+            return torch.zeros_like(clean) if args.patch == "zero" else clean.mean().expand_as(clean).clone()
+        v = clean.clone()
+        v[:, site[1]] = 0 if args.patch == "zero" else clean.mean(dim=(0, 1))
+        return v
+
+    clean_metric = metric(rg.demand())
+    with args.status.stage(f"reactive sweep over {len(sites)} sites"):
+        result = torch_ext.sweep(rg, sites, patch, metric, progress=not args.no_progress)
+    labels = {n: f"{n} ({info[n]['module_path'] or '-'})" for n in nodes}
     if args.plot:
-        result.plot(args.plot)
+        what = f"{args.patch}-ablation of {'one position of ' if args.positions else ''}each node"
+        _save(sweep_figure(result, f"{args.model}: {args.metric} of {out_name!r} after {what}", labels,
+                           "position (dimension 1)", clean_metric), args.plot)
+    records = [{"node": s[0] if isinstance(s, tuple) else s,
+                "module_path": info[s[0] if isinstance(s, tuple) else s]["module_path"],
+                **({"position": s[1]} if isinstance(s, tuple) else {}), "metric": v}
+               for s, v in result.metrics.items()]
     if args.json:
-        print(json.dumps({"metrics": result.metrics, "measured_evaluations": result.measured_evaluations,
-                          "predicted_evaluations": result.predicted_evaluations,
-                          "full_evaluations": result.full_evaluations, "rho": result.rho,
-                          "wall_time_s": result.wall_time}, indent=2))
+        _emit_json({"model": args.model, "metric": args.metric, "output": out_name, "patch": args.patch,
+                    "unpatched_metric": clean_metric, "sites": len(records), "measured_evaluations": result.measured_evaluations,
+                    "predicted_evaluations": result.predicted_evaluations,
+                    "full_evaluations": result.full_evaluations, "rho": result.rho, "wall_time_s": result.wall_time,
+                    **({"plot": args.plot} if args.plot else {}), "metrics": records})
+        return EXIT_OK
+    if args.positions:
+        positions = sorted({r["position"] for r in records})
+        grid = {(r["node"], r["position"]): r["metric"] for r in records}
+        _out(_table([[labels[n]] + [grid[(n, p)] for p in positions] for n in nodes],
+                    ["node (module path)"] + [str(p) for p in positions]))
     else:
-        print(result.to_pandas()[["node", "metric"]].to_string(index=False))
-        print(result.summary())
-    return 0
+        _out(_table([(r["node"], r["module_path"] or "-", r["metric"]) for r in records],
+                    ("node", "module path", f"{args.metric} of {out_name}")))
+    _out(f"unpatched run: {clean_metric:.4g}")
+    _out(result.summary())
+    if args.plot:
+        _out(f"wrote {args.plot}")
+    return EXIT_OK
 
 
 def _check(args) -> int:
@@ -235,98 +653,170 @@ def _check(args) -> int:
     from torch_ext.testing import step_parity
 
     model, opt, loss_fn, example, batches = load_factory(args.model)
-    report = {"model": args.model, "steps": args.steps, "rtol": args.rtol, "failures": []}
-    parity = step_parity(model, opt, loss_fn, _batches(example, batches, args.steps))
-    report["parity"] = {k: v for k, v in parity.items() if k != "losses"}
+    report = {"model": args.model, "steps": args.steps, "rtol": args.rtol}
+    failures = []
+    with args.status.stage(f"running {args.steps} steps pure and eager side by side"):
+        parity = step_parity(model, opt, loss_fn, _batches(example, batches, args.steps))
+    report.update({"parity_steps": parity["steps"], "loss_rel": parity["loss"], "state_rel": parity["state"],
+                   "worst_entry": parity["worst_entry"], "nonfinite": parity["nonfinite"]})
     if parity["nonfinite"]:
-        report["failures"].append(f"non-finite loss at step {parity['steps']}")
+        failures.append(f"non-finite loss at step {parity['steps']}")
     elif parity["loss"] > args.rtol or parity["state"] > args.rtol:
-        report["failures"].append(f"parity: loss rel {parity['loss']:.3g}, state rel {parity['state']:.3g} "
-                                  f"({parity['worst_entry']}) exceed rtol {args.rtol:g}")
+        failures.append(f"parity: loss rel {parity['loss']:.3g}, state rel {parity['state']:.3g} "
+                        f"({parity['worst_entry']}) exceed rtol {args.rtol:g}")
     if args.max_peak_bytes is not None:
-        step = torch_ext.make_train_step(model, opt, loss_fn, example)
-        mem = torch_ext.memory_report(step, example)
+        step = _build_step(args, model, opt, loss_fn, example)
+        with args.status.stage("planning memory"):
+            mem = torch_ext.memory_report(step, example)
         report["planned_peak_bytes"] = mem.merged_planned
         report["max_peak_bytes"] = args.max_peak_bytes
         if mem.merged_planned > args.max_peak_bytes:
-            report["failures"].append(f"planned peak {mem.merged_planned} bytes exceeds the budget of "
-                                      f"{args.max_peak_bytes} bytes")
-    report["ok"] = not report["failures"]
+            failures.append(f"planned peak {mem.merged_planned} bytes exceeds the budget of "
+                            f"{args.max_peak_bytes} bytes")
+    report["ok"] = not failures
+    report["failures"] = failures
     if args.json:
-        print(json.dumps(report, indent=2))
+        _emit_json(report)
     else:
-        print(f"check {args.model}: {'OK' if report['ok'] else 'FAILED'}")
-        print(f"  parity over {parity['steps']} steps: loss rel {parity['loss']:.3g}, state rel {parity['state']:.3g}")
+        rows = [("parity steps", parity["steps"]),
+                ("loss rel. difference", f"{parity['loss']:.3g}"),
+                ("state rel. difference", f"{parity['state']:.3g}" + (f" ({parity['worst_entry']})"
+                                                                     if parity["worst_entry"] else "")),
+                ("rtol", f"{args.rtol:g}")]
         if "planned_peak_bytes" in report:
-            print(f"  planned peak {report['planned_peak_bytes']} bytes (budget {args.max_peak_bytes})")
-        for f in report["failures"]:
-            print(f"  FAIL: {f}")
-    return 0 if report["ok"] else 1
+            rows.append(("planned peak", f"{report['planned_peak_bytes']} bytes (budget {args.max_peak_bytes})"))
+        _out(f"check {args.model}: {'OK' if report['ok'] else 'FAILED'}")
+        _out(_table(rows, indent="  "))
+        for f in failures:
+            _out(f"  FAIL: {f}")
+    return EXIT_OK if report["ok"] else EXIT_CHECK_FAILED
+
+
+# ---------------------------------------------------------------- arguments
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+
+    parse.__name__ = f"integer >= {lo}"
+    return parse
+
+
+def _nonnegative_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return v
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="torch-ext", description=__doc__,
+    p = argparse.ArgumentParser(prog="torch-ext", description=__doc__, epilog=EXIT_CODES_HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
-    common.add_argument("--no-progress", action="store_true", help="no progress bars (off anyway when not a terminal)")
+    common.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (shown only on a terminal; otherwise one status line per stage)")
+    common.add_argument("--quiet", action="store_true", help="no status lines on stderr")
     sub = p.add_subparsers(dest="command", required=True)
 
-    d = sub.add_parser("demo", parents=[common], help="the main job on a built-in tiny transformer (no files, no network)")
-    d.add_argument("--steps", type=int, default=50)
-    d.add_argument("--out", default="torch_ext_demo", help="folder for the PNG files")
-    d.set_defaults(fn=_demo)
+    def add(name, help_text, fn):
+        sp = sub.add_parser(name, parents=[common], help=help_text, description=help_text, epilog=EXIT_CODES_HELP,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        sp.set_defaults(fn=fn)
+        return sp
 
-    s = sub.add_parser("step", parents=[common], help="build the pure training step for MODEL")
-    s.add_argument("model")
-    s.add_argument("--steps", type=int, default=0, help="train N steps on the factory's batches")
-    s.add_argument("--export", metavar="OUT.pt2", help="torch.export.save the pure step")
-    s.add_argument("--aoti", metavar="OUT.pt2", help="compile with AOTInductor into this package")
-    s.add_argument("--unroll", type=int, default=1)
-    s.add_argument("--json", action="store_true")
-    s.set_defaults(fn=_step)
+    d = add("demo", "the main job on a built-in tiny transformer (no files, no network)", _demo)
+    d.add_argument("--steps", type=_int_at_least(1), default=50, help="training steps (>= 1, default 50)")
+    d.add_argument("--out", default="torch_ext_demo", help="folder for the PNG files (default torch_ext_demo)")
 
-    pl = sub.add_parser("plan", parents=[common], help="memory report for MODEL's pure step")
-    pl.add_argument("model")
-    pl.add_argument("--plot", metavar="TIMELINE.png")
-    pl.add_argument("--json", action="store_true")
-    pl.set_defaults(fn=_plan)
+    s = add("step", "build (and train) the pure training step for MODEL", _step)
+    s.add_argument("model", metavar="MODEL")
+    s.add_argument("--steps", type=_int_at_least(0), default=0, help="train N steps on the factory's batches (default 0)")
+    s.add_argument("--export", metavar="OUT.pt2",
+                   help="torch.export.save the pure step; after --steps its example_inputs hold the trained state")
+    s.add_argument("--aoti", metavar="OUT.pt2", help="compile with AOTInductor into this package (a minute or more)")
+    s.add_argument("--unroll", type=_int_at_least(1), default=1, help="optimizer steps per graph call (default 1)")
+    s.add_argument("--json", action="store_true", help="one flat JSON object on stdout")
 
-    sw = sub.add_parser("sweep", parents=[common], help="reactive patching sweep over MODEL's nodes (input: example_batch[0])")
-    sw.add_argument("model")
-    sw.add_argument("--sites", default="*", help="glob over node names or module paths")
-    sw.add_argument("--metric", default="norm", help="norm | logit:IDX (last row of the output)")
-    sw.add_argument("--patch", default="zero", help="zero | mean ablation")
-    sw.add_argument("--plot", metavar="HEATMAP.png")
-    sw.add_argument("--json", action="store_true")
-    sw.add_argument("--list", action="store_true", help="list the matching sites and exit")
-    sw.set_defaults(fn=_sweep)
+    pl = add("plan", "memory report for MODEL's pure step", _plan)
+    pl.add_argument("model", metavar="MODEL")
+    pl.add_argument("--plot", metavar="TIMELINE.png", help="live memory over the step, eager vs planned")
+    pl.add_argument("--json", action="store_true", help="one flat JSON object on stdout")
 
-    c = sub.add_parser("check", parents=[common], help="CI check: parity with eager over N steps and a peak-memory budget")
-    c.add_argument("model")
-    c.add_argument("--steps", type=int, default=10)
-    c.add_argument("--rtol", type=float, default=1e-5)
-    c.add_argument("--max-peak-bytes", type=int)
-    c.add_argument("--json", action="store_true")
-    c.set_defaults(fn=_check)
+    sw = add("sweep", "reactive ablation sweep over MODEL's nodes (input: example_batch[0])", _sweep)
+    sw.add_argument("model", metavar="MODEL")
+    sw.add_argument("--sites", default="*", help="glob over node names or module paths (default *)")
+    sw.add_argument("--metric", default="norm", help="norm | logit:IDX (last row of the output) (default norm)")
+    sw.add_argument("--output", metavar="KEY", help="which output the metric reads when the model returns a dict "
+                                                    "or tuple (a key or an index)")
+    sw.add_argument("--patch", choices=("zero", "mean"), default="zero", help="ablation (default zero)")
+    sw.add_argument("--positions", action="store_true",
+                    help="one site per (node, position along dimension 1): a layer x position grid")
+    sw.add_argument("--plot", metavar="HEATMAP.png", help="heatmap (with --positions) or bar chart of the metric")
+    sw.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    sw.add_argument("--list", action="store_true", help="list the matching sites with module paths, and exit")
+
+    c = add("check", "CI check: parity with eager over N steps and a peak-memory budget; exits 1 when it fails",
+            _check)
+    c.add_argument("model", metavar="MODEL")
+    c.add_argument("--steps", type=_int_at_least(1), default=10, help="steps to compare (>= 1, default 10)")
+    c.add_argument("--rtol", type=_nonnegative_float, default=1e-5, help="relative tolerance (>= 0, default 1e-5)")
+    c.add_argument("--max-peak-bytes", type=_int_at_least(1), help="fail if the planned peak exceeds this")
+    c.add_argument("--json", action="store_true", help="one flat JSON object on stdout")
     return p
 
 
+def _is_input_error(e: BaseException) -> bool:
+    """Errors torch_ext raises for inputs it refuses (its convention: ValueError/TypeError) or export refuses."""
+    if isinstance(e, (ValueError, TypeError, NotImplementedError)):
+        return True
+    try:
+        import torch._dynamo.exc as dexc
+    except ImportError:
+        return False
+    return isinstance(e, (dexc.UserError, dexc.Unsupported))
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    if str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))  # factories in the current project
+    args = build_parser().parse_args(argv)  # usage errors exit 2 here
+    args.status = _Status(args.quiet)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # factories in the current project
+    prefix = f"torch-ext {args.command}: error:"
     try:
         return args.fn(args)
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_OK
+    except KeyboardInterrupt:
+        print(f"torch-ext {args.command}: interrupted", file=sys.stderr)
+        return 130
     except UserError as e:
-        print(f"torch-ext {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        if args.debug:
+            traceback.print_exc()
+        print(f"{prefix} {e}", file=sys.stderr)
+        return EXIT_USAGE
     except Exception as e:  # noqa: BLE001 - one line unless --debug
         if args.debug:
-            raise
-        print(f"torch-ext {args.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
-        print("(run with --debug for the full traceback)", file=sys.stderr)
-        return 1
+            traceback.print_exc()
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if _is_input_error(e):
+            print(f"{prefix} {type(e).__name__}: {first}", file=sys.stderr)
+            code = EXIT_USAGE
+        else:
+            print(f"{prefix} internal error: {type(e).__name__}: {first}", file=sys.stderr)
+            code = EXIT_INTERNAL
+        if not args.debug:
+            print("(run with --debug for the full traceback)", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

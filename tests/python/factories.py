@@ -20,3 +20,52 @@ def nan_loss():
 
 def not_a_factory():
     return 42
+
+
+class _Seq(nn.Module):
+    """[batch, position] tokens -> [batch, position, vocab] logits, optionally as a dict."""
+
+    def __init__(self, as_dict=False):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.mlp = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        self.head = nn.Linear(8, 16)
+        self.as_dict = as_dict
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        h = h + self.mlp(h)
+        logits = self.head(h)
+        return {"logits": logits, "hidden": h} if self.as_dict else logits
+
+
+def _seq(as_dict):
+    torch.manual_seed(0)
+    model = _Seq(as_dict)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(2)
+    idx = torch.randint(0, 16, (2, 5), generator=g)
+
+    def loss_fn(m, x, y):
+        out = m(x)
+        logits = out["logits"] if as_dict else out
+        return F.cross_entropy(logits.reshape(-1, 16), y.reshape(-1))
+
+    return model, opt, loss_fn, (idx, idx.roll(-1, dims=1))
+
+
+def seq():
+    return _seq(False)
+
+
+def seq_dict():
+    return _seq(True)
+
+
+def three_items():
+    model, opt, loss_fn, batch, _ = mlp()
+    return model, opt, loss_fn
+
+
+def raises():
+    raise RuntimeError("the factory broke")
