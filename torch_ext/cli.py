@@ -147,9 +147,24 @@ def _replay(caught) -> None:
         warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
+def _bars(args) -> bool:
+    """Progress bars only on a terminal; elsewhere they would print one line per update."""
+    return not args.no_progress and sys.stderr.isatty()
+
+
+@contextlib.contextmanager
+def _stage_unless_bar(args, what: str):
+    """A status line for a loop that draws its own bar on a terminal (the two would share one line)."""
+    if _bars(args):
+        yield
+        return
+    with args.status.stage(what):
+        yield
+
+
 def _loop(iterable, total: int, args, desc: str):
     """A progress bar on a terminal; otherwise one status line for the whole loop."""
-    if not args.no_progress and sys.stderr.isatty():
+    if _bars(args):
         from tqdm import tqdm
 
         yield from tqdm(iterable, total=total, desc=desc, leave=False)
@@ -435,8 +450,8 @@ def _demo(args) -> int:
         return float(logits[0, -1, target] - logits[0, -1].mean())
 
     clean_metric = metric(rg.demand())
-    with args.status.stage(f"reactive sweep over {len(sites)} sites"):
-        result = torch_ext.sweep(rg, sites, patch, metric, progress=not args.no_progress)
+    with _stage_unless_bar(args, f"reactive sweep over {len(sites)} sites"):
+        result = torch_ext.sweep(rg, sites, patch, metric, progress=_bars(args))
     paths = {n["name"]: n["module_path"] for n in rg.graph.nodes()}
     rows = {n: f"{n} ({paths.get(n) or 'embeddings'})" for n in resid}
     heat = _save(sweep_figure(result, "Activation patching: logit difference of the target token when one position "
@@ -615,8 +630,11 @@ def _sweep(args) -> int:
         return v
 
     clean_metric = metric(rg.demand())
-    with args.status.stage(f"reactive sweep over {len(sites)} sites"):
-        result = torch_ext.sweep(rg, sites, patch, metric, progress=not args.no_progress)
+    what = f"reactive sweep over {len(sites)} sites"
+    if args.batched:
+        what += " (batched: first exports the model once per site count per node)"
+    with _stage_unless_bar(args, what):
+        result = torch_ext.sweep(rg, sites, patch, metric, progress=_bars(args), batch_sites=args.batched)
     labels = {n: f"{n} ({info[n]['module_path'] or '-'})" for n in nodes}
     if args.plot:
         what = f"{args.patch}-ablation of {'one position of ' if args.positions else ''}each node"
@@ -760,6 +778,9 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--patch", choices=("zero", "mean"), default="zero", help="ablation (default zero)")
     sw.add_argument("--positions", action="store_true",
                     help="one site per (node, position along dimension 1): a layer x position grid")
+    sw.add_argument("--batched", action="store_true",
+                    help="evaluate the sites of one node together in a batched graph (with --positions; "
+                         "the model's outputs must be batch-major)")
     sw.add_argument("--plot", metavar="HEATMAP.png", help="heatmap (with --positions) or bar chart of the metric")
     sw.add_argument("--json", action="store_true", help="one JSON object on stdout")
     sw.add_argument("--list", action="store_true", help="list the matching sites with module paths, and exit")

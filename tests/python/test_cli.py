@@ -452,3 +452,14 @@ def test_requirements_leave_torch_to_the_user_and_pins_to_ci():
     ci = (ROOT / ".ci" / "run").read_text()
     assert 'PIP_CONSTRAINT="$PWD/.ci/constraints.txt"' in ci and "bash scripts/install.sh" in ci
     assert " -q" not in (ROOT / "scripts" / "install.sh").read_text()
+
+
+def test_batched_sweep_matches_one_at_a_time_and_says_it_builds(here, capsys):
+    assert cli.main(["sweep", "factories:seq", "--positions", "--json", "--quiet"]) == 0
+    single = strict_json(capsys.readouterr().out)
+    assert cli.main(["sweep", "factories:seq", "--positions", "--batched", "--json", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    batched = strict_json(captured.out)
+    assert [r["metric"] for r in batched["metrics"]] == pytest.approx([r["metric"] for r in single["metrics"]])
+    assert batched["measured_evaluations"] < single["measured_evaluations"]
+    assert re.search(r"torch-ext: reactive sweep over 25 sites \(batched: .*\) \.\.\. done in", captured.err)
