@@ -121,6 +121,7 @@ class _Status:
 
     def __init__(self, quiet: bool):
         self.quiet = quiet
+        self._open = False  # a stage line is printed but not finished
 
     @contextlib.contextmanager
     def stage(self, what: str):
@@ -129,17 +130,25 @@ class _Status:
             return
         t0 = time.perf_counter()
         print(f"torch-ext: {what} ...", end="", file=sys.stderr, flush=True)
+        self._open = True
         # Warnings raised inside the stage are shown after its line, not in the middle of it.
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("default")
             try:
                 yield
             except BaseException:
-                print(" failed", file=sys.stderr, flush=True)
+                self.abort()
                 _replay(caught)
                 raise
+        self._open = False
         print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         _replay(caught)
+
+    def abort(self) -> None:
+        """Ends an unfinished stage line, so that an error message starts on a line of its own."""
+        if self._open:
+            self._open = False
+            print(" failed", file=sys.stderr, flush=True)
 
 
 def _replay(caught) -> None:
@@ -813,7 +822,12 @@ def main(argv=None) -> int:
         sys.path.insert(0, os.getcwd())  # factories in the current project
     prefix = f"torch-ext {args.command}: error:"
     try:
-        return args.fn(args)
+        try:
+            return args.fn(args)
+        except BaseException:
+            # A loop's stage (a generator) may still have its line open while the error propagates.
+            args.status.abort()
+            raise
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_OK

@@ -463,3 +463,18 @@ def test_batched_sweep_matches_one_at_a_time_and_says_it_builds(here, capsys):
     assert [r["metric"] for r in batched["metrics"]] == pytest.approx([r["metric"] for r in single["metrics"]])
     assert batched["measured_evaluations"] < single["measured_evaluations"]
     assert re.search(r"torch-ext: reactive sweep over 25 sites \(batched: .*\) \.\.\. done in", captured.err)
+
+
+def test_an_error_inside_a_loop_ends_its_status_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "ragged.py").write_text(textwrap.dedent("""
+        import torch
+        def factory():  # the second batch has another shape than the example batch
+            model = torch.nn.Linear(3, 2)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            return model, opt, lambda m, x: m(x).sum(), (torch.randn(4, 3),), [(torch.randn(4, 3),), (torch.randn(5, 3),)]
+    """))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["step", "ragged.py:factory", "--steps", "3", "--no-progress"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(r"torch-ext: training on the C\+\+ executor \(3 iterations\) \.\.\. failed", lines[-3]), lines
+    assert lines[-2].startswith("torch-ext step: error: ValueError: batch[0]: expected shape (4, 3)")
