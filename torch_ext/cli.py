@@ -431,8 +431,8 @@ def _demo(args) -> int:
         report = torch_ext.memory_report(step, batches[0])
     _out("[3/4] memory report")
     _out("\n".join("      " + line for line in str(report).splitlines()))
-    timeline = _save(memory_figure(report, "Live memory of one AdamW step of the demo transformer: "
-                                           "eager torch.optim vs torch_ext planned"),
+    timeline = _save(memory_figure(report, "Live memory during one AdamW step of the demo transformer:\n"
+                                           "eager torch.optim vs the torch_ext planned pure step"),
                      str(out_dir / "demo_memory_timeline.png"))
     _out(f"      wrote {timeline}")
 
@@ -461,8 +461,7 @@ def _demo(args) -> int:
     clean_metric = metric(rg.demand())
     with _stage_unless_bar(args, f"reactive sweep over {len(sites)} sites"):
         result = torch_ext.sweep(rg, sites, patch, metric, progress=_bars(args))
-    paths = {n["name"]: n["module_path"] for n in rg.graph.nodes()}
-    rows = {n: f"{n} ({paths.get(n) or 'embeddings'})" for n in resid}
+    rows = _residual_labels(rg, resid)
     heat = _save(sweep_figure(result, "Activation patching: logit difference of the target token when one position "
                                       "of a residual stream\ncomes from the corrupted run (token 3 changed)",
                               rows, "token position", clean_metric),
@@ -476,6 +475,20 @@ def _demo(args) -> int:
     _out(f"done in {time.perf_counter() - t_start:.1f} s")
     ok = parity["loss"] <= 1e-5 and parity["state"] <= 1e-5 and result.measured_evaluations == result.predicted_evaluations
     return EXIT_OK if ok else EXIT_CHECK_FAILED
+
+
+def _residual_labels(rg, resid: list) -> dict:
+    """'add_1 (after blocks.0.attn.proj)': a residual add named by the module that wrote into it."""
+    info = {n["name"]: n for n in rg.graph.nodes()}
+    labels = {}
+    for n in resid:
+        args = [str(a).lstrip("%") for a in info[n]["args"]]
+        if not any(a in resid for a in args):
+            labels[n] = f"{n} (embeddings)"
+            continue
+        writer = next((info[a]["module_path"] for a in args if a not in resid and a in info), "")
+        labels[n] = f"{n} (after {writer})" if writer else n
+    return labels
 
 
 # ---------------------------------------------------------------- step / plan / sweep / check
@@ -541,7 +554,8 @@ def _plan(args) -> int:
     with args.status.stage("measuring the eager peak and planning the pure step"):
         report = torch_ext.memory_report(step, example)
     if args.plot:
-        _save(memory_figure(report, f"Live memory of one training step of {args.model}: eager vs torch_ext planned"),
+        _save(memory_figure(report, f"Live memory during one training step of {args.model}:\n"
+                                    f"eager torch.optim vs the torch_ext planned pure step"),
               args.plot)
     if args.json:
         d = json.loads(report.to_json())

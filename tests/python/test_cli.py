@@ -478,3 +478,14 @@ def test_an_error_inside_a_loop_ends_its_status_line(tmp_path, monkeypatch, caps
     lines = capsys.readouterr().err.splitlines()
     assert re.fullmatch(r"torch-ext: training on the C\+\+ executor \(3 iterations\) \.\.\. failed", lines[-3]), lines
     assert lines[-2].startswith("torch-ext step: error: ValueError: batch[0]: expected shape (4, 3)")
+
+
+def test_demo_heatmap_rows_name_the_module_that_wrote_each_residual():
+    from torch_ext.models import TinyTransformer
+
+    model = TinyTransformer().eval()
+    rg = torch_ext.ReactiveGraph(model, (torch.randint(0, model.vocab, (1, model.seq)),))
+    labels = cli._residual_labels(rg, rg.nodes("add*"))
+    assert list(labels.values()) == ["add (embeddings)", "add_1 (after blocks.0.attn.proj)",
+                                     "add_2 (after blocks.0.mlp.2)", "add_3 (after blocks.1.attn.proj)",
+                                     "add_4 (after blocks.1.mlp.2)"]
