@@ -36,6 +36,7 @@ EXIT_CODES_HELP = """exit status:
 """
 
 FACTORY_SHAPE = "(model, optimizer, loss_fn, example_batch[, batches])"
+MODEL_HELP = "package.module:factory or path/to/file.py:factory, returning " + FACTORY_SHAPE
 
 
 class UserError(Exception):
@@ -775,25 +776,26 @@ def build_parser() -> argparse.ArgumentParser:
         return sp
 
     d = add("demo", "the main job on a built-in tiny transformer (no files, no network)", _demo)
-    d.add_argument("--steps", type=_int_at_least(1), default=50, help="training steps (>= 1, default 50)")
+    d.add_argument("--steps", metavar="N", type=_int_at_least(1), default=50, help="training steps (>= 1, default 50)")
     d.add_argument("--out", default="torch_ext_demo", help="folder for the PNG files (default torch_ext_demo)")
 
     s = add("step", "build (and train) the pure training step for MODEL", _step)
-    s.add_argument("model", metavar="MODEL")
-    s.add_argument("--steps", type=_int_at_least(0), default=0, help="train N steps on the factory's batches (default 0)")
+    s.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    s.add_argument("--steps", metavar="N", type=_int_at_least(0), default=0, help="train N steps on the factory's batches (default 0)")
     s.add_argument("--export", metavar="OUT.pt2",
                    help="torch.export.save the pure step; after --steps its example_inputs hold the trained state")
-    s.add_argument("--aoti", metavar="OUT.pt2", help="compile with AOTInductor into this package (a minute or more)")
-    s.add_argument("--unroll", type=_int_at_least(1), default=1, help="optimizer steps per graph call (default 1)")
+    s.add_argument("--aoti", metavar="OUT.pt2", help="compile with AOTInductor into this package (a minute or more); "
+                                                     "it holds no state: add --export for the trained state")
+    s.add_argument("--unroll", metavar="N", type=_int_at_least(1), default=1, help="optimizer steps per graph call (default 1)")
     s.add_argument("--json", action="store_true", help="one flat JSON object on stdout")
 
     pl = add("plan", "memory report for MODEL's pure step", _plan)
-    pl.add_argument("model", metavar="MODEL")
+    pl.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     pl.add_argument("--plot", metavar="TIMELINE.png", help="live memory over the step, eager vs planned")
     pl.add_argument("--json", action="store_true", help="one flat JSON object on stdout")
 
     sw = add("sweep", "reactive ablation sweep over MODEL's nodes (input: example_batch[0])", _sweep)
-    sw.add_argument("model", metavar="MODEL")
+    sw.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     sw.add_argument("--sites", default="*", help="glob over node names or module paths (default *)")
     sw.add_argument("--metric", default="norm", help="norm | logit:IDX (last row of the output) (default norm)")
     sw.add_argument("--output", metavar="KEY", help="which output the metric reads when the model returns a dict "
@@ -810,10 +812,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = add("check", "CI check: parity with eager over N steps and a peak-memory budget; exits 1 when it fails",
             _check)
-    c.add_argument("model", metavar="MODEL")
-    c.add_argument("--steps", type=_int_at_least(1), default=10, help="steps to compare (>= 1, default 10)")
-    c.add_argument("--rtol", type=_nonnegative_float, default=1e-5, help="relative tolerance (>= 0, default 1e-5)")
-    c.add_argument("--max-peak-bytes", type=_int_at_least(1), help="fail if the planned peak exceeds this")
+    c.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    c.add_argument("--steps", metavar="N", type=_int_at_least(1), default=10, help="steps to compare (>= 1, default 10)")
+    c.add_argument("--rtol", metavar="R", type=_nonnegative_float, default=1e-5, help="relative tolerance (>= 0, default 1e-5)")
+    c.add_argument("--max-peak-bytes", metavar="B", type=_int_at_least(1), help="fail if the planned peak exceeds this")
     c.add_argument("--json", action="store_true", help="one flat JSON object on stdout")
     return p
 
