@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import operator
 
+import sys
+
 import torch
 from torch.export.graph_signature import InputKind, OutputKind
 
@@ -85,3 +87,148 @@ def profile_memory_deltas(fn) -> list[int]:
               torch.autograd.DeviceType.CPU]
     events.sort(key=lambda e: e.start_ns())
     return [e.nbytes() for e in events]
+
+
+def export_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> torch.export.ExportedProgram:
+    """torch.export for an inference graph (the reactive engine), with the model families' quirks handled.
+
+    - Hugging Face models return a ``DynamicCache`` (no pytree) unless ``config.use_cache`` is off:
+      it is switched off for the export only (the engine never decodes incrementally).
+    - State named after Python keywords (TransformerLens 4's ``in`` projections) breaks the code that
+      ``run_decompositions()`` generates: the program's state names get a trailing ``_`` (``in_``).
+    - TransformerLens hook points leave named markers (see ``strip_hook_points``).
+    """
+    import keyword
+
+    import types
+
+    # TransformerLens 4's TransformerBridge reports the wrapped model's parameter names from
+    # named_parameters()/parameters()/state_dict(), which export cannot find in the module tree:
+    # use nn.Module's own walk on the instance for the export.
+    unshadowed = []
+    if type(module).__module__.startswith("transformer_lens."):
+        for meth in ("named_parameters", "parameters", "named_buffers", "buffers", "state_dict"):
+            if getattr(type(module), meth) is not getattr(torch.nn.Module, meth) and meth not in vars(module):
+                setattr(module, meth, types.MethodType(getattr(torch.nn.Module, meth), module))
+                unshadowed.append(meth)
+    cfg = getattr(module, "config", None)
+    saved_cache = None
+    if cfg is not None and getattr(cfg, "use_cache", None) is True and hasattr(module, "generate"):
+        saved_cache, cfg.use_cache = cfg.use_cache, False
+    hook_cls, saved_forward = _transformer_lens_hook_point(), None
+    if hook_cls is not None and any(isinstance(m, hook_cls) for m in module.modules()):
+        # Each HookPoint (an identity module) leaves a named marker node, so that hook names address
+        # graph nodes; ReactiveGraph turns the markers back into plain edges (strip_hook_points).
+        saved_forward = hook_cls.forward
+
+        def forward(self, x):
+            # A "post-hoc" hook (TransformerLens 4 fires it on values the wrapped module already
+            # consumed, e.g. attention patterns) cannot change the output: it stays unaddressed.
+            frame = sys._getframe(1)
+            for _ in range(24):  # through nn.Module.__call__ and the export tracer's frames
+                if frame is None:
+                    break
+                if frame.f_code.co_name == "_fire_post_hoc_hook":
+                    return x
+                frame = frame.f_back
+            if isinstance(x, torch.Tensor) and getattr(self, "name", None):
+                return torch.ops.torch_ext.hook_point(x, self.name)
+            return x
+
+        hook_cls.forward = forward
+    try:
+        ep = torch.export.export(module, args, kwargs or {})
+    finally:
+        if saved_forward is not None:
+            hook_cls.forward = saved_forward
+        if saved_cache is not None:
+            cfg.use_cache = saved_cache
+        for meth in unshadowed:
+            delattr(module, meth)
+    # State names with a keyword component ("blocks.0.mlp.in.weight") break the code that
+    # run_decompositions() generates: spell them with a trailing "_" in the program.
+    def respell(name):
+        return ".".join(p + "_" if keyword.iskeyword(p) else p for p in name.split("."))
+
+    if any(respell(k) != k for k in list(ep.state_dict) + list(ep.constants)):
+        sig = ep.graph_signature
+        for spec in list(sig.input_specs) + list(sig.output_specs):
+            if getattr(spec, "target", None):
+                spec.target = respell(spec.target)
+        ep._state_dict = {respell(k): v for k, v in ep.state_dict.items()}
+        ep._constants = {respell(k): v for k, v in ep.constants.items()}
+    return ep
+
+
+def _transformer_lens_hook_point():
+    import sys
+
+    mod = sys.modules.get("transformer_lens.hook_points")
+    return getattr(mod, "HookPoint", None) if mod is not None else None
+
+
+@torch.library.custom_op("torch_ext::hook_point", mutates_args=())
+def hook_point(x: torch.Tensor, name: str) -> torch.Tensor:
+    """A named identity marking a TransformerLens hook point during export; never executed by the engine."""
+    return x.clone()
+
+
+@hook_point.register_fake
+def _(x, name):
+    return torch.empty_like(x)
+
+
+def strip_hook_points(ep: torch.export.ExportedProgram) -> dict[str, str]:
+    """Removes the hook-point markers from ``ep`` (in place); returns {hook name: node name}.
+
+    A marker whose input has no other reader is dropped and its name addresses the input node.
+    Otherwise (the value also feeds other consumers, as the residual stream feeds both ``ln1.hook_in``
+    and the residual add) it becomes an ``aten.alias`` node, so that patching the hook changes only
+    what reads through it, as in TransformerLens.
+    """
+    g = ep.graph
+    target = torch.ops.torch_ext.hook_point.default
+    hooks: dict[str, str] = {}
+    renamed: dict[str, str] = {}
+    for n in list(g.nodes):
+        if n.op != "call_function" or n.target is not target:
+            continue
+        src, name = n.args
+        if len(src.users) == 1 and src.op == "call_function":
+            n.replace_all_uses_with(src)
+            renamed[n.name] = src.name
+            hooks[name] = src.name
+        else:
+            with g.inserting_after(n):
+                alias = g.call_function(torch.ops.aten.alias.default, (src,))
+            alias.meta = dict(n.meta)
+            n.replace_all_uses_with(alias)
+            renamed[n.name] = alias.name
+            hooks[name] = alias.name
+        g.erase_node(n)
+    for spec in ep.graph_signature.output_specs:
+        arg = getattr(spec, "arg", None)
+        while arg is not None and getattr(arg, "name", None) in renamed:
+            arg.name = renamed[arg.name]
+    ep.graph_module.recompile()
+    return hooks
+
+
+def hook_aliases(module: torch.nn.Module) -> dict[str, str]:
+    """TransformerLens hook aliases ({"blocks.0.hook_resid_pre": "blocks.0.hook_in", ...})."""
+    hook_cls = _transformer_lens_hook_point()
+    hook_dict = getattr(module, "hook_dict", None) if hook_cls is not None else None
+    if not isinstance(hook_dict, dict):
+        return {}
+    return {k: v.name for k, v in hook_dict.items() if isinstance(v, hook_cls) and getattr(v, "name", None)}
+
+
+def hook_conversions(module: torch.nn.Module) -> dict:
+    """{hook name: conversion} for TransformerLens hook points that present a reshaped view to hooks
+    (``hook_q``/``hook_z`` as [batch, pos, head, d_head]): ``convert`` before a hook, ``revert`` after."""
+    hook_cls = _transformer_lens_hook_point()
+    hook_dict = getattr(module, "hook_dict", None) if hook_cls is not None else None
+    if not isinstance(hook_dict, dict):
+        return {}
+    return {k: v.hook_conversion for k, v in hook_dict.items()
+            if isinstance(v, hook_cls) and getattr(v, "hook_conversion", None) is not None}

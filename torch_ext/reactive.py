@@ -16,7 +16,7 @@ from typing import Any, Callable, Hashable, Iterable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from . import _C
+from . import _C, _compat
 from .ir import Graph
 
 
@@ -65,13 +65,21 @@ class ReactiveGraph:
             if example_inputs is None:
                 raise ValueError("ReactiveGraph(module, example_inputs): example_inputs are required to export a module")
             self._module = ep_or_module
-            ep = torch.export.export(ep_or_module, tuple(example_inputs))
+            ep = _compat.export_for_inference(ep_or_module, tuple(example_inputs))
         elif isinstance(ep_or_module, torch.export.ExportedProgram):
             self._module = None
             ep = ep_or_module
         else:
             raise TypeError(f"ReactiveGraph expects an nn.Module or an ExportedProgram, got {type(ep_or_module).__name__}")
         self.program = _functional_program(ep)
+        # Hook names (TransformerLens hook points) -> node names; aliases such as hook_resid_pre included.
+        self._hooks = _compat.strip_hook_points(self.program)
+        self._conversions: dict = {}
+        if self._module is not None and self._hooks:
+            for alias, canonical in _compat.hook_aliases(self._module).items():
+                if canonical in self._hooks:
+                    self._hooks.setdefault(alias, self._hooks[canonical])
+            self._conversions = {k: c for k, c in _compat.hook_conversions(self._module).items() if k in self._hooks}
         random = _random_nodes(self.program)
         if random:
             # A cached value of a random op is one draw; a recomputed cone draws again, so a sweep would
@@ -80,8 +88,8 @@ class ReactiveGraph:
                 f"ReactiveGraph: the program draws random numbers at {', '.join(random[:4])}"
                 f"{' and %d more' % (len(random) - 4) if len(random) > 4 else ''}; patching sweeps need a "
                 "deterministic model (is it in training mode with dropout? call model.eval() first)")
-        self.graph = Graph.from_exported(self.program)
-        self._engine = _C.Engine(self.graph._g)
+        self._engine = _C.Engine(Graph.from_exported(self.program)._g)
+        self.graph = Graph(self._engine.graph())  # the engine's graph: dead code dropped
         self._engine.set_cutoff(bool(cutoff))
         sig = self.program.graph_signature
         state = {**self.program.state_dict, **self.program.constants}
@@ -134,12 +142,40 @@ class ReactiveGraph:
         return self._user(self._engine.demand())
 
     def value(self, node: str) -> torch.Tensor:
-        """A node's current value, recomputing only its stale ancestors."""
-        return self._engine.value(node)
+        """A node's current value, recomputing only its stale ancestors (a node or hook name)."""
+        return self._engine.value(self.resolve(node))
 
     def baseline(self, node: str) -> torch.Tensor:
         """A node's value with no patch active (from the overlay, no evaluation)."""
-        return self._engine.baseline(node)
+        return self._engine.baseline(self.resolve(node))
+
+    def resolve(self, name: str) -> str:
+        """The node a name addresses: a node name, or a hook name (``blocks.0.hook_resid_pre``)."""
+        return self._hooks.get(name, name)
+
+    @property
+    def hook_names(self) -> dict[str, str]:
+        """{hook name: node name} for the model's hook points (TransformerLens models)."""
+        return dict(self._hooks)
+
+    def run_with_cache(self, *args, **kwargs):
+        """Runs the graph on new inputs; returns (outputs, cache). The cache maps every hook name and
+        node name to its value (the cached tensors: read them, do not write into them)."""
+        out = self.run(*args, **kwargs)
+        cache = {name: self._engine.value(name) for name in self._countable}
+        for hook, node in self._hooks.items():
+            value = cache[node] if node in cache else self._engine.value(node)
+            conv = self._conversions.get(hook)
+            cache[hook] = conv.convert(value) if conv is not None else value
+        return out, cache
+
+    def _hook_view(self, name: str, fn: Callable) -> Callable:
+        """``fn`` as it sees a hook's value: TransformerLens converts it before a hook (e.g. [batch,
+        pos, head, d_head] for hook_z) and reverts the result after."""
+        conv = self._conversions.get(name)
+        if conv is None:
+            return fn
+        return lambda value, *rest: conv.revert(fn(conv.convert(value), *rest))
 
     # ---- mutations
     def patch(self, node: str, value) -> None:
@@ -148,8 +184,10 @@ class ReactiveGraph:
         ``f`` receives the node's baseline value (no patch active). It must not write into it; a
         function that does raises a ValueError and the cache is repaired (the node is recomputed).
         """
+        name, node = node, self.resolve(node)
         if callable(value):
-            value = self._call_patch_fn(node, value, self._engine.baseline(node), "patch function")
+            value = self._call_patch_fn(node, self._hook_view(name, value), self._engine.baseline(node),
+                                        "patch function")
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"patch {node!r}: expected a tensor or a callable returning one, got {type(value).__name__}")
         self._engine.patch(node, value.detach())
@@ -182,7 +220,7 @@ class ReactiveGraph:
         if node is None:
             self._engine.restore()
         else:
-            self._engine.restore_node(node)
+            self._engine.restore_node(self.resolve(node))
 
     def graft(self, src: str, dst_or_block, block=None) -> list[str]:
         """Splices ``block`` into the edge ``src -> dst``, or after ``src`` for every consumer.
@@ -198,6 +236,7 @@ class ReactiveGraph:
             if not isinstance(dst_or_block, str):
                 raise TypeError("graft(src, dst, block): dst must be a node name")
             dst = dst_or_block
+        src, dst = self.resolve(src), self.resolve(dst) if dst else dst
         if not isinstance(block, torch.nn.Module):
             if not callable(block):
                 raise TypeError(f"graft: block must be an nn.Module or a callable, got {type(block).__name__}")
@@ -211,6 +250,7 @@ class ReactiveGraph:
         params = [state[spec.target] for spec in ep.graph_signature.input_specs if spec.kind.name != "USER_INPUT"]
         names = self._engine.graft(src, dst, bgraph._g, params)
         self._grafts.append((src, dst, block, names))
+        self.graph = Graph(self._engine.graph())  # stays the graph the engine runs
         self._countable.extend(names)
         for n in names:
             self._module_paths[n] = ""
@@ -236,12 +276,17 @@ class ReactiveGraph:
 
     def cone(self, node: str) -> set[str]:
         """V+(node): the strict downstream cone, as node names."""
-        return set(self._engine.cone(node))
+        return set(self._engine.cone(self.resolve(node)))
 
     def nodes(self, pattern: str | None = None) -> list[str]:
-        """Countable node names, filtered by a glob on the name or on the module path."""
+        """Countable node names, filtered by a glob on the name, the module path or a hook name
+        (``rg.nodes("blocks.*.hook_resid_pre")``; hooks come in the model's order)."""
         if pattern is None:
             return list(self._countable)
+        by_hook = [node for hook, node in self._hooks.items() if fnmatch.fnmatchcase(hook, pattern)]
+        if by_hook:
+            order = {n: i for i, n in enumerate(self._countable)}
+            return sorted(dict.fromkeys(by_hook), key=lambda n: order.get(n, -1))
         return [n for n in self._countable
                 if fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(self._module_paths.get(n, ""), pattern)]
 
@@ -620,6 +665,7 @@ def _raise_metric_wrote(rg: ReactiveGraph, site):
 
 def _one_site(rg: ReactiveGraph, site, node: str, patch: Callable, metric: Callable):
     """One sweep transaction: patch -> demand -> metric -> rollback (standing patches and grafts kept)."""
+    patch = rg._hook_view(site[0] if isinstance(site, tuple) else site, patch)
     eng = rg._engine
     eng.begin_transaction()
     wrote = False
@@ -661,7 +707,7 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
         raise RuntimeError("sweep: a sweep transaction is already open on this graph (sweeps do not nest)")
 
     def node_of(site):
-        return site[0] if isinstance(site, tuple) else site
+        return rg.resolve(site[0] if isinstance(site, tuple) else site)
 
     known = set(rg._countable) | {n["name"] for n in rg.graph.nodes()}
     for s in site_list:
@@ -715,7 +761,8 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
         clean = eng.value(node)
         values = []
         for s in members:
-            v = rg._call_patch_fn(node, lambda t, s=s: patch(t, s), clean, "sweep patch function")
+            fn = rg._hook_view(s[0] if isinstance(s, tuple) else s, patch)
+            v = rg._call_patch_fn(node, lambda t, s=s, fn=fn: fn(t, s), clean, "sweep patch function")
             if not isinstance(v, torch.Tensor):
                 raise TypeError(f"patch function at site {s!r} returned {type(v).__name__}, expected a tensor")
             values.append(v.detach())

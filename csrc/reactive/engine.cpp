@@ -2,6 +2,7 @@
 
 #include "ir/printer.h"
 #include "ir/verifier.h"
+#include "passes/eliminate_dead_code.h"
 #include "runtime/executor.h"
 
 #include <ATen/core/Tensor.h>
@@ -106,6 +107,9 @@ double node_cost(const ir::Node& n) {
 
 Engine::Engine(const ir::Graph& graph) : graph_(graph.clone()) {
   ir::verify(*graph_);
+  // Side-effect-free nodes that reach no output (export's _assert_tensor_metadata for every .to(),
+  // _assert_scalar, unused views) can never matter to a demand: drop them from the private copy.
+  passes::eliminate_dead_code(*graph_);
   check_no_dead_code(*graph_, "reactive engine");
   for (const auto& n : graph_->nodes()) add_state(n.get());
   for (size_t id = 0; id < states_.size(); ++id) {

@@ -1,0 +1,82 @@
+"""torch_ext.patching against transformer_lens.patching on a TransformerBridge (issue 12).
+
+Skipped when transformer-lens is not installed (CI installs it). Every function must return the
+same tensor as TransformerLens's own, bit for bit, at batch 1 and batch 8.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+tl = pytest.importorskip("transformer_lens", reason="transformer-lens is not installed")
+import transformer_lens.patching as tl_patching  # noqa: E402
+
+import torch_ext  # noqa: E402
+from torch_ext import patching  # noqa: E402
+
+FUNCTIONS = ["get_act_patch_resid_pre", "get_act_patch_resid_mid", "get_act_patch_attn_out", "get_act_patch_mlp_out",
+             "get_act_patch_attn_head_out_all_pos", "get_act_patch_attn_head_out_by_pos", "get_act_patch_block_every"]
+
+
+@pytest.fixture(scope="module")
+def bridge():
+    cfg = tl.TransformerBridgeConfig(n_layers=2, d_model=32, n_heads=4, d_head=8, d_mlp=64, n_ctx=16, d_vocab=50,
+                                     act_fn="gelu", normalization_type="LN", seed=0)
+    return tl.TransformerBridge.boot_native(cfg).eval()
+
+
+def _prompts(batch):
+    g = torch.Generator().manual_seed(batch)
+    clean = torch.randint(0, 50, (batch, 6), generator=g)
+    corrupted = clean.clone()
+    corrupted[:, 2] = (corrupted[:, 2] + 11) % 50
+    return clean, corrupted
+
+
+def _metric(logits):
+    return logits[:, -1, 3].mean() - logits[:, -1, 4].mean()
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_patching_equals_transformer_lens(bridge, batch, name):
+    clean, corrupted = _prompts(batch)
+    _, clean_cache = bridge.run_with_cache(clean)
+    expected = getattr(tl_patching, name)(bridge, corrupted, clean_cache, _metric)
+    got = getattr(patching, name)(bridge, corrupted, clean_cache, _metric)
+    assert got.shape == expected.shape
+    assert torch.equal(got, expected)
+
+
+def test_reactive_graph_on_a_bridge_and_its_hook_names(bridge):
+    clean, _ = _prompts(2)
+    logits, tl_cache = bridge.run_with_cache(clean)
+    rg = torch_ext.ReactiveGraph(bridge, (clean,))
+    assert torch.equal(rg.demand(), logits)
+    out, cache = rg.run_with_cache(clean)
+    # Every hook TransformerLens caches is addressable, except the post-hoc attention scores (TL fires
+    # them after the wrapped attention consumed its input, so they cannot be patched there either).
+    missing = [k for k in tl_cache.keys() if k not in cache]
+    assert all("attn_scores" in k for k in missing), missing
+    for k in tl_cache.keys():
+        if k in cache:
+            assert torch.equal(cache[k], tl_cache[k]), k
+    assert len(rg.nodes("blocks.*.hook_resid_pre")) == 2
+    # Our own cache works as a clean cache too.
+    _, corrupted = _prompts(2)
+    a = patching.get_act_patch_resid_pre(bridge, corrupted, cache, _metric)
+    b = tl_patching.get_act_patch_resid_pre(bridge, corrupted, tl_cache, _metric)
+    assert torch.equal(a, b)
+
+
+def test_patching_refuses_training_mode_and_unsupported_options(bridge):
+    clean, corrupted = _prompts(1)
+    _, clean_cache = bridge.run_with_cache(clean)
+    with pytest.raises(ValueError, match="reduce"):
+        patching.get_act_patch_resid_pre(bridge, corrupted, clean_cache, _metric, reduce="mean")
+    bridge.train()
+    try:
+        with pytest.raises(ValueError, match="eval"):
+            patching.get_act_patch_resid_pre(bridge, corrupted, clean_cache, _metric)
+    finally:
+        bridge.eval()

@@ -1,0 +1,210 @@
+"""TransformerLens-compatible activation patching on the reactive engine.
+
+The functions mirror ``transformer_lens.patching`` (same names, signatures and returned tensors), so
+a user swaps one import::
+
+    from torch_ext import patching          # was: from transformer_lens import patching
+    patching.get_act_patch_resid_pre(model, corrupted_tokens, clean_cache, metric)
+
+Each call runs the corrupted prompt once through a ``ReactiveGraph`` (built once per model and
+input shape, then reused), and each patch recomputes only the patched node's downstream cone.
+``model`` is a TransformerLens ``TransformerBridge`` (hook names come from its hook points) or a
+``ReactiveGraph`` of one. ``clean_cache`` is TransformerLens's ``ActivationCache`` or the cache of
+``ReactiveGraph.run_with_cache``. TransformerLens's setters edit the corrupted activation in place;
+here they are given a copy, never the engine's cached value.
+
+Not supported: ``reduce`` other than ``"scalar"`` and ``baseline=True`` (a ValueError says so), and
+attention-pattern sites of TransformerBridge models (TransformerLens fires those hooks after the
+wrapped attention consumed the pattern, so a patch there has no effect in TransformerLens either).
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Callable, Sequence
+
+import torch
+
+from .reactive import ReactiveGraph, sweep
+
+__all__ = [
+    "generic_activation_patch", "get_act_patch_resid_pre", "get_act_patch_resid_mid", "get_act_patch_attn_out",
+    "get_act_patch_mlp_out", "get_act_patch_attn_head_out_all_pos", "get_act_patch_attn_head_out_by_pos",
+    "get_act_patch_block_every", "layer_pos_patch_setter", "layer_pos_head_vector_patch_setter",
+    "layer_head_vector_patch_setter", "act_name",
+]
+
+_BLOCK_HOOKS = {"resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"}
+_ATTN_HOOKS = {"q", "k", "v", "z", "result", "pattern", "attn_scores"}
+_MLP_HOOKS = {"pre", "post"}
+
+
+def act_name(name: str, layer: int | None = None) -> str:
+    """TransformerLens's hook name for an activation (``utils.get_act_name``): "resid_pre", 0 ->
+    "blocks.0.hook_resid_pre"; "z", 1 -> "blocks.1.attn.hook_z"; full hook names pass through."""
+    if "." in name or layer is None:
+        return name
+    if name in _BLOCK_HOOKS:
+        return f"blocks.{layer}.hook_{name}"
+    if name in _ATTN_HOOKS:
+        return f"blocks.{layer}.attn.hook_{name}"
+    if name in _MLP_HOOKS:
+        return f"blocks.{layer}.mlp.hook_{name}"
+    raise ValueError(f"unknown activation name {name!r} (expected one of "
+                     f"{sorted(_BLOCK_HOOKS | _ATTN_HOOKS | _MLP_HOOKS)} or a full hook name)")
+
+
+# ---- setters: TransformerLens's semantics, applied to a copy
+def layer_pos_patch_setter(corrupted_activation, index, clean_activation):
+    """index = (layer, pos): activations are [batch, pos, ...]."""
+    layer, pos = index
+    corrupted_activation[:, pos, ...] = clean_activation[:, pos, ...]
+    return corrupted_activation
+
+
+def layer_pos_head_vector_patch_setter(corrupted_activation, index, clean_activation):
+    """index = (layer, pos, head): head vectors are [batch, pos, head, d_head]."""
+    layer, pos, head = index
+    corrupted_activation[:, pos, head] = clean_activation[:, pos, head]
+    return corrupted_activation
+
+
+def layer_head_vector_patch_setter(corrupted_activation, index, clean_activation):
+    """index = (layer, head): every position of one head."""
+    layer, head = index
+    corrupted_activation[:, :, head] = clean_activation[:, :, head]
+    return corrupted_activation
+
+
+# ---- graphs, one per model and input shape
+_GRAPHS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def _graph_for(model, tokens: torch.Tensor) -> ReactiveGraph:
+    if isinstance(model, ReactiveGraph):
+        rg = model
+    else:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a TransformerLens model, an nn.Module or a ReactiveGraph, "
+                            f"got {type(model).__name__}")
+        if model.training:
+            raise ValueError("activation patching needs the model in eval mode (dropout would add noise); "
+                             "call model.eval() first")
+        per_shape = _GRAPHS.setdefault(model, {})
+        key = (tuple(tokens.shape), tokens.dtype, tokens.device)
+        rg = per_shape.get(key)
+        if rg is None:
+            rg = per_shape[key] = ReactiveGraph(model, (tokens,))
+            return rg
+    args = rg._last_inputs[0] if rg._last_inputs is not None else None
+    if args is None or len(args) != 1 or args[0] is not tokens:
+        rg.run(tokens)
+    return rg
+
+
+def _layers_and_heads(model, rg: ReactiveGraph) -> tuple[int, int]:
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None and hasattr(cfg, "n_layers"):
+        return int(cfg.n_layers), int(getattr(cfg, "n_heads", 0))
+    layers = {int(h.split(".")[1]) for h in rg.hook_names if h.startswith("blocks.")}
+    return (max(layers) + 1 if layers else 0), 0
+
+
+def _logits(out):
+    return getattr(out, "logits", out)
+
+
+def generic_activation_patch(model, corrupted_tokens: torch.Tensor, clean_cache, patching_metric: Callable,
+                             patch_setter: Callable, activation_name: str,
+                             index_axis_names: Sequence[str] | None = None, index_df=None,
+                             return_index_df: bool = False, *, reduce: str = "scalar", baseline: bool = False,
+                             batch_sites: bool = False):
+    """Patches ``activation_name`` at every index and returns the metric for each, as
+    ``transformer_lens.patching.generic_activation_patch`` does: shaped by ``index_axis_names``
+    (each axis's full range), or one value per row of ``index_df``."""
+    if reduce != "scalar":
+        raise ValueError(f"reduce={reduce!r} is not supported (only 'scalar')")
+    if baseline:
+        raise ValueError("baseline=True is not supported")
+    if (index_axis_names is None) == (index_df is None):
+        raise ValueError("give exactly one of index_axis_names and index_df")
+    rg = _graph_for(model, corrupted_tokens)
+    n_layers, n_heads = _layers_and_heads(model if not isinstance(model, ReactiveGraph) else rg._module, rg)
+    seq = corrupted_tokens.shape[-1]
+    if index_df is not None:
+        columns = list(index_df.columns)
+        rows = [tuple(int(v) for v in r) for r in index_df.itertuples(index=False)]
+    else:
+        sizes = {"layer": n_layers, "pos": seq, "head_index": n_heads, "head": n_heads, "src_pos": seq,
+                 "dest_pos": seq}
+        unknown = [a for a in index_axis_names if a not in sizes]
+        if unknown:
+            raise ValueError(f"unknown index axis {unknown[0]!r} (expected {sorted(sizes)})")
+        columns = list(index_axis_names)
+        rows = list(itertools.product(*[range(sizes[a]) for a in columns]))
+    if "layer" not in columns:
+        raise ValueError(f"the index needs a 'layer' axis to name the hook (got {columns})")
+    layer_at = columns.index("layer")
+    sites = []
+    for row in rows:
+        hook = act_name(activation_name, row[layer_at])
+        if rg.resolve(hook) == hook and hook not in rg.hook_names:
+            raise ValueError(f"hook {hook!r} is not a patchable site of this model "
+                             f"(known: {sorted(rg.hook_names)[:6]}...)")
+        sites.append((hook, row))
+
+    def patch(value, site):
+        return patch_setter(value.clone(), site[1], clean_cache[site[0]])
+
+    result = sweep(rg, sites, patch, lambda out: patching_metric(_logits(out)), progress=False,
+                   batch_sites=batch_sites)
+    values = torch.tensor([result.metrics[s] for s in sites], dtype=torch.float32, device=corrupted_tokens.device)
+    if index_df is None:
+        values = values.reshape([len(range(sizes[a])) for a in columns])
+    if return_index_df:
+        import pandas as pd
+
+        return values, pd.DataFrame(rows, columns=columns)
+    return values
+
+
+def get_act_patch_resid_pre(model, corrupted_tokens, clean_cache, patching_metric, **kwargs):
+    """[n_layers, pos]: the residual stream at the start of each block, one position at a time."""
+    return generic_activation_patch(model, corrupted_tokens, clean_cache, patching_metric, layer_pos_patch_setter,
+                                    "resid_pre", ("layer", "pos"), **kwargs)
+
+
+def get_act_patch_resid_mid(model, corrupted_tokens, clean_cache, patching_metric, **kwargs):
+    """[n_layers, pos]: the residual stream between attention and MLP."""
+    return generic_activation_patch(model, corrupted_tokens, clean_cache, patching_metric, layer_pos_patch_setter,
+                                    "resid_mid", ("layer", "pos"), **kwargs)
+
+
+def get_act_patch_attn_out(model, corrupted_tokens, clean_cache, patching_metric, **kwargs):
+    """[n_layers, pos]: the output of each attention layer."""
+    return generic_activation_patch(model, corrupted_tokens, clean_cache, patching_metric, layer_pos_patch_setter,
+                                    "attn_out", ("layer", "pos"), **kwargs)
+
+
+def get_act_patch_mlp_out(model, corrupted_tokens, clean_cache, patching_metric, **kwargs):
+    """[n_layers, pos]: the output of each MLP layer."""
+    return generic_activation_patch(model, corrupted_tokens, clean_cache, patching_metric, layer_pos_patch_setter,
+                                    "mlp_out", ("layer", "pos"), **kwargs)
+
+
+def get_act_patch_attn_head_out_all_pos(model, corrupted_tokens, clean_cache, patching_metric, **kwargs):
+    """[n_layers, n_heads]: each head's output (z), every position at once."""
+    return generic_activation_patch(model, corrupted_tokens, clean_cache, patching_metric,
+                                    layer_head_vector_patch_setter, "z", ("layer", "head"), **kwargs)
+
+
+def get_act_patch_attn_head_out_by_pos(model, corrupted_tokens, clean_cache, patching_metric, **kwargs):
+    """[n_layers, pos, n_heads]: each head's output (z) at each position."""
+    return generic_activation_patch(model, corrupted_tokens, clean_cache, patching_metric,
+                                    layer_pos_head_vector_patch_setter, "z", ("layer", "pos", "head"), **kwargs)
+
+
+def get_act_patch_block_every(model, corrupted_tokens, clean_cache, metric, **kwargs):
+    """[3, n_layers, pos]: resid_pre, attn_out and mlp_out, stacked."""
+    return torch.stack([f(model, corrupted_tokens, clean_cache, metric, **kwargs)
+                        for f in (get_act_patch_resid_pre, get_act_patch_attn_out, get_act_patch_mlp_out)])
