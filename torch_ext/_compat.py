@@ -89,6 +89,50 @@ def profile_memory_deltas(fn) -> list[int]:
     return [e.nbytes() for e in events]
 
 
+def optimizer_step_hooks(opt: torch.optim.Optimizer) -> list[str]:
+    """Names of the step pre/post hooks that would run around ``opt.step()`` (private torch.optim state)."""
+    from torch.optim import optimizer as optim_mod
+
+    found = [h.strip("_") for h in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks") if getattr(opt, h, None)]
+    if getattr(optim_mod, "_global_optimizer_pre_hooks", None) or getattr(optim_mod, "_global_optimizer_post_hooks", None):
+        found.append("global optimizer step hooks")
+    return found
+
+
+def merge_aliased_inputs(ep: torch.export.ExportedProgram, canonical: dict[str, str]) -> torch.export.ExportedProgram:
+    """Folds placeholders of tied parameters / shared buffers into one per tensor.
+
+    export gives every name of a shared tensor its own placeholder (``head.weight`` and
+    ``emb.weight``), routing the uses through one of them. ``canonical`` maps each name to the
+    name that is kept; the others' uses move to it and their inputs are dropped, so the joint
+    graph sees one input per tensor and sums the gradients of all its uses, as autograd does.
+    """
+    from torch.export.experimental import _copy_graph_module_and_signature
+
+    gm, sig = _copy_graph_module_and_signature(ep)
+    by_arg = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    kinds = (InputKind.PARAMETER, InputKind.BUFFER)
+    kept = {s.target: by_arg[s.arg.name] for s in sig.input_specs
+            if s.kind in kinds and canonical.get(s.target, s.target) == s.target}
+    dropped = []
+    for s in sig.input_specs:
+        if s.kind not in kinds or canonical.get(s.target, s.target) == s.target:
+            continue
+        keep = kept.get(canonical[s.target])
+        if keep is None:
+            raise NotImplementedError(f"shared tensor '{s.target}': its first name '{canonical[s.target]}' has no input "
+                                      "in the exported program")
+        node = by_arg[s.arg.name]
+        node.replace_all_uses_with(keep)
+        gm.graph.erase_node(node)
+        dropped.append(s)
+    if not dropped:
+        return ep
+    sig.input_specs = [s for s in sig.input_specs if s not in dropped]
+    gm.recompile()
+    return ep._update(gm, sig)
+
+
 def export_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> torch.export.ExportedProgram:
     """torch.export for an inference graph (the reactive engine), with the model families' quirks handled.
 

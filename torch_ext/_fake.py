@@ -37,3 +37,9 @@ def _(param, grad, momentum_buffer, lr, weight_decay, momentum, nesterov, a, b, 
 
 for _name in ("sgd_update_", "sgd_momentum_update_", "adam_update_", "adam_amsgrad_update_", "muon_update_"):
     torch.library.register_fake(f"torch_ext::{_name}")(lambda *args, **kwargs: None)
+
+
+@torch.library.register_fake("torch_ext::native_dropout_rng")
+def _(input, p, train, rng_state):
+    # (output, bool mask, advanced generator state), shaped as aten::native_dropout's outputs.
+    return torch.empty_like(input), torch.empty_like(input, dtype=torch.bool), torch.empty_like(rng_state)

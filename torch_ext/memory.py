@@ -46,9 +46,10 @@ class PlannedStep:
         return self._ex.fallbacks()
 
     def __call__(self, state, *batch):
-        inputs = self.step.flat_inputs(state, *batch)
+        inputs = self.step.flat_inputs(state, *batch)  # refuses a state an earlier donating call consumed
         outs = self._ex.run(inputs)
-        return outs[0], state.replace(dict(zip(self.step.state_names, outs[1:])))
+        # With donation the input tensors now hold the new values: mark the old state consumed.
+        return self.step._finish(state, outs, donated_to="step.compile(donate=True)" if self.donate else None)
 
 
 @dataclass

@@ -11,11 +11,18 @@ class ParityError(AssertionError):
     pass
 
 
-def step_parity(model, optimizer, loss_fn: Callable, batches: Sequence, *, unroll: int = 1) -> dict:
+def step_parity(model, optimizer, loss_fn: Callable, batches: Sequence, *, unroll: int = 1, seed: int = 0) -> dict:
     """Runs the pure step and the eager loop side by side on copies; returns the largest differences.
 
-    The caller's model and optimizer are not touched.
+    Both sides start from one RNG state: the step from ``init_state(seed=seed)``, the eager loop
+    after ``torch.manual_seed(seed)``, so dropout draws the same masks. The caller's model,
+    optimizer and global RNG state are not touched.
     """
+    with torch.random.fork_rng(devices=[]):
+        return _step_parity(model, optimizer, loss_fn, batches, seed)
+
+
+def _step_parity(model, optimizer, loss_fn, batches, seed):
     from .train_step import make_train_step
 
     batches = [tuple(b) for b in batches]
@@ -25,13 +32,16 @@ def step_parity(model, optimizer, loss_fn: Callable, batches: Sequence, *, unrol
     pure_model, pure_opts = copy.deepcopy((model, opts))
     ref_model, ref_opts = copy.deepcopy((model, opts))
     step = make_train_step(pure_model, pure_opts if len(pure_opts) > 1 else pure_opts[0], loss_fn, batches[0])
-    state = step.init_state()
+    state = step.init_state(seed=seed)
+    torch.manual_seed(seed)  # the eager loop's generator; the pure step reads only its own state
     worst = {"loss": 0.0, "state": 0.0, "worst_entry": "", "steps": 0, "nonfinite": False, "losses": []}
     for i, batch in enumerate(batches):
-        loss, state = step(state, *batch)
+        loss, state = step(state, *batch)[:2]
         for o in ref_opts:
             o.zero_grad()
         ref_loss = loss_fn(ref_model, *batch)
+        if isinstance(ref_loss, (tuple, list)):  # (loss, aux)
+            ref_loss = ref_loss[0]
         ref_loss.backward()
         for o in ref_opts:
             o.step()
@@ -59,9 +69,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / denom) if a.numel() else 0.0
 
 
-def assert_step_matches_eager(model, optimizer, loss_fn: Callable, batches: Iterable, rtol: float = 1e-5) -> dict:
-    """Fails unless the pure step tracks the eager loop within ``rtol`` (relative, max-norm)."""
-    result = step_parity(model, optimizer, loss_fn, list(batches))
+def assert_step_matches_eager(model, optimizer, loss_fn: Callable, batches: Iterable, rtol: float = 1e-5, *,
+                              seed: int = 0) -> dict:
+    """Fails unless the pure step tracks the eager loop within ``rtol`` (relative, max-norm); both
+    sides draw dropout from one seed."""
+    result = step_parity(model, optimizer, loss_fn, list(batches), seed=seed)
     if result["nonfinite"]:
         raise ParityError(f"non-finite loss at step {result['steps']}: {result['losses'][-1]}")
     if result["loss"] > rtol or result["state"] > rtol:

@@ -6,6 +6,7 @@ performs no graph transformation itself.
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import warnings
@@ -24,10 +25,15 @@ _ids = itertools.count()
 
 @dataclass
 class TrainState:
-    """Everything a step reads and writes: parameters, buffers and optimizer state.
+    """Everything a step reads and writes: parameters, buffers, RNG and optimizer state.
 
-    ``opt`` maps "opt:<param>:<slot>" to a tensor, ``lr`` holds one float64 tensor per param group
-    (a schedule changes them without re-export). A state belongs to the step that made it.
+    ``params`` and ``buffers`` are keyed "model.<name>" (a tied parameter or shared buffer appears
+    once, under its first name; tensor constants lifted from ``forward`` are kept with the
+    buffers). ``opt`` maps "opt:<param>:<slot>" to a tensor, ``lr`` holds one float64 tensor per
+    param group (a schedule changes them without re-export). ``rng`` is the CPU generator state
+    (torch.get_rng_state() layout) when the step draws random numbers (dropout), else None; each
+    step returns it advanced. ``sched_epoch`` counts the scheduler steps taken. A state belongs to
+    the step that made it.
     """
 
     params: dict[str, torch.Tensor]
@@ -35,8 +41,20 @@ class TrainState:
     opt: dict[str, torch.Tensor]
     lr: list[torch.Tensor]
     step_id: int = field(default=-1, repr=False)
+    rng: torch.Tensor | None = field(default=None, repr=False)
+    sched_epoch: int = field(default=0, repr=False)
+    # Set when a donating compiled step consumed this state (its tensors were overwritten in place):
+    # says which call did it, so reuse fails loudly instead of computing on the updated weights.
+    consumed_by: str | None = field(default=None, repr=False, compare=False)
+    # Where this state came from ("init_state() of TrainStep 0", "call 3 of TrainStep 0"), for errors.
+    origin: str = field(default="", repr=False, compare=False)
 
     def lookup(self, name: str) -> torch.Tensor:
+        if name == _RNG:
+            if self.rng is None:
+                raise KeyError(f"{self.describe()} has no RNG state but the step draws random numbers; "
+                               "use step.init_state(seed=...)")
+            return self.rng
         if name.startswith("opt:lr:group"):
             return self.lr[int(name[len("opt:lr:group"):])]
         if name.startswith("opt:"):
@@ -46,15 +64,20 @@ class TrainState:
         return self.buffers[name]
 
     def replace(self, updates: dict[str, torch.Tensor]) -> "TrainState":
-        params, buffers, opt = dict(self.params), dict(self.buffers), dict(self.opt)
+        params, buffers, opt, rng = dict(self.params), dict(self.buffers), dict(self.opt), self.rng
         for k, v in updates.items():
-            if k.startswith("opt:"):
+            if k == _RNG:
+                rng = v
+            elif k.startswith("opt:"):
                 opt[k] = v
             elif k in params:
                 params[k] = v
             else:
                 buffers[k] = v
-        return TrainState(params, buffers, opt, list(self.lr), self.step_id)
+        return TrainState(params, buffers, opt, list(self.lr), self.step_id, rng, self.sched_epoch)
+
+    def describe(self) -> str:
+        return f"TrainState({self.origin or 'made by hand'})"
 
     def set_lr(self, lr: float | Sequence[float]) -> None:
         """Sets the learning rate of every group (or each group) for the next calls."""
@@ -64,19 +87,25 @@ class TrainState:
         self.lr = [torch.tensor(float(v), dtype=torch.float64) for v in values]
 
 
+_RNG = "rng"  # the state name of the generator state (csrc/passes/thread_rng.h)
+
+
 def _flatten_state(s: TrainState):
     keys = (sorted(s.params), sorted(s.buffers), sorted(s.opt))
     leaves = [s.params[k] for k in keys[0]] + [s.buffers[k] for k in keys[1]] + [s.opt[k] for k in keys[2]] + list(s.lr)
-    return leaves, (keys, len(s.lr), s.step_id)
+    if s.rng is not None:
+        leaves.append(s.rng)
+    return leaves, (keys, len(s.lr), s.step_id, s.rng is not None, s.sched_epoch)
 
 
 def _unflatten_state(leaves, ctx):
-    (pk, bk, ok), n_lr, step_id = ctx
+    (pk, bk, ok), n_lr, step_id, has_rng, sched_epoch = ctx
     it = iter(leaves)
     params = {k: next(it) for k in pk}
     buffers = {k: next(it) for k in bk}
     opt = {k: next(it) for k in ok}
-    return TrainState(params, buffers, opt, [next(it) for _ in range(n_lr)], step_id)
+    lr = [next(it) for _ in range(n_lr)]
+    return TrainState(params, buffers, opt, lr, step_id, next(it) if has_rng else None, sched_epoch)
 
 
 pytree.register_pytree_node(TrainState, _flatten_state, _unflatten_state)
@@ -92,11 +121,49 @@ class _LossModule(torch.nn.Module):
         self.model = model
         self._loss_fn = loss_fn
 
+
     def forward(self, *batch):
-        return self._loss_fn(self.model, *batch)
+        out = self._loss_fn(self.model, *batch)
+        if not isinstance(out, (tuple, list)):
+            return out
+        if len(out) != 2:
+            raise ValueError(f"loss_fn must return a scalar loss or a pair (loss, aux), got a {type(out).__name__} "
+                             f"of {len(out)} items")
+        loss, aux = out
+        for path, leaf in pytree.tree_flatten_with_path(aux)[0]:
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(f"loss_fn's aux must be a pytree of tensors; aux{pytree.keystr(path)} is a "
+                                f"{type(leaf).__name__}")
+        # aux is reported, not differentiated: detached, it is a plain output of the joint program.
+        return loss, pytree.tree_map(torch.Tensor.detach, aux)
 
 
 _SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Muon)
+
+
+def _check_subclass(opt: torch.optim.Optimizer) -> None:
+    """Refuses optimizers whose update is not torch.optim's: the pure step replays the base class's math.
+
+    A subclass is accepted when its ``step`` is the supported base class's (it may add attributes,
+    defaults or helper methods); one that overrides ``step`` would silently run the base update,
+    so it is refused. Step hooks run Python code the program cannot contain, so they are refused too.
+    """
+    import inspect
+
+    cls = type(opt)
+    base = next(b for b in cls.__mro__ if b in _SUPPORTED)
+    # torch.optim wraps a class's step in a profiling hook on first construction; compare the
+    # functions underneath the wrappers.
+    if inspect.unwrap(cls.step) is not inspect.unwrap(base.step):
+        owner = next((k for k in cls.__mro__ if "step" in vars(k) and inspect.unwrap(vars(k)["step"])
+                      is not inspect.unwrap(base.step)), cls)
+        raise TypeError(f"optimizer {cls.__qualname__} overrides step() (in {owner.__qualname__}); the pure step only "
+                        f"replays torch.optim.{base.__name__}'s update and would silently ignore the override. "
+                        f"Use {base.__name__} itself or a subclass that keeps its step()")
+    hooks = _compat.optimizer_step_hooks(opt)
+    if hooks:
+        raise TypeError(f"optimizer {cls.__qualname__} has step hooks ({', '.join(hooks)}); the pure step cannot "
+                        "run them. Remove the hooks or train eagerly")
 
 
 def _check_options(opt: torch.optim.Optimizer, group: dict, gi: int) -> None:
@@ -157,10 +224,92 @@ def _update_for(opt, group: dict, param: torch.Tensor, name: str, gi: int) -> di
     raise TypeError(f"optimizer {type(opt).__name__} is not supported (supported: SGD, Adam, AdamW, Muon)")
 
 
+# Group entries a scheduler may change that the program bakes in as constants.
+_BAKED_HYPER = ("momentum", "dampening", "weight_decay", "betas", "eps", "nesterov", "maximize", "amsgrad",
+                "ns_coefficients", "ns_steps", "adjust_lr_fn")
+
+
+class _LrSchedule:
+    """The lr of every param group after k scheduler steps: a pure function of k.
+
+    The user's schedulers are replayed on private copies (sharing no tensors' storage changes:
+    schedulers only write group hyperparameters), k steps deep, and the lrs cached. Eager training
+    reads ``group["lr"]`` (a Python float) in ``opt.step()`` and then calls ``sched.step()``; the
+    step reads the same float from a float64 tensor, so the updates match bit for bit.
+    """
+
+    def __init__(self, schedulers: list, optimizers: list):
+        from torch.optim import lr_scheduler
+
+        for i, sch in enumerate(schedulers):
+            if isinstance(sch, lr_scheduler.ReduceLROnPlateau):
+                raise TypeError(f"scheduler[{i}]: ReduceLROnPlateau steps on a metric, so its lr is not a function of "
+                                "the step count; set state.set_lr(...) from your own metric loop instead")
+            if not isinstance(sch, lr_scheduler.LRScheduler):
+                raise TypeError(f"scheduler[{i}] must be a torch.optim.lr_scheduler.LRScheduler, got "
+                                f"{type(sch).__name__}")
+            if not any(sch.optimizer is o for o in optimizers):
+                raise ValueError(f"scheduler[{i}] ({type(sch).__name__}) drives an optimizer that is not one of the "
+                                 "step's optimizers")
+        owners = [next(j for j, o in enumerate(optimizers) if sch.optimizer is o) for sch in schedulers]
+        if len(set(owners)) != len(owners):
+            raise ValueError("two schedulers drive the same optimizer; chain them with ChainedScheduler or SequentialLR")
+        self._originals = schedulers
+        # Copy schedulers with their optimizers, sharing every tensor (the copies only touch group
+        # hyperparameters), so replaying them never changes the user's objects.
+        memo: dict[int, Any] = {}
+        for o in optimizers:
+            for g in o.param_groups:
+                for p in g["params"]:
+                    memo[id(p)] = p
+            for st in o.state.values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor):
+                        memo[id(v)] = v
+        self._scheds, self._opts = copy.deepcopy((schedulers, optimizers), memo)
+        self._baked = [self._hyper(o) for o in self._opts]
+        self._lrs: list[list[float]] = []
+        self._snapshots: list[list[dict]] = []
+        self._record()
+        self.lrs(1)  # fail now, not mid-training, when the scheduler also changes baked hyperparameters
+
+    @staticmethod
+    def _hyper(opt) -> list[dict]:
+        return [{k: copy.deepcopy(g[k]) for k in _BAKED_HYPER if k in g} for g in opt.param_groups]
+
+    def _record(self) -> None:
+        self._lrs.append([float(g["lr"]) for o in self._opts for g in o.param_groups])
+        self._snapshots.append([copy.deepcopy(s.state_dict()) for s in self._scheds])
+
+    def lrs(self, k: int) -> list[float]:
+        while len(self._lrs) <= k:
+            with warnings.catch_warnings():
+                # The copies never run opt.step(); torch warns about that order on the first step.
+                warnings.filterwarnings("ignore", message=r".*lr_scheduler\.step\(\)", category=UserWarning)
+                for sch in self._scheds:
+                    sch.step()
+            for o, baked in zip(self._opts, self._baked):
+                now = self._hyper(o)
+                for gi, (a, b) in enumerate(zip(baked, now)):
+                    changed = sorted(key for key in a if a[key] != b.get(key))
+                    if changed:
+                        raise ValueError(f"the scheduler changes {', '.join(repr(c) for c in changed)} of "
+                                         f"{type(o).__name__} param group {gi} at step {len(self._lrs)}; the pure step "
+                                         "feeds only the lr per step (for OneCycleLR/CyclicLR pass cycle_momentum=False)")
+            self._record()
+        return self._lrs[k]
+
+    def write_back(self, k: int) -> None:
+        """Puts the user's schedulers where eager training would be after k steps."""
+        self.lrs(k)
+        for sch, sd in zip(self._originals, self._snapshots[k]):
+            sch.load_state_dict(copy.deepcopy(sd))
+
+
 class TrainStep:
     """A pure training step. ``loss, new_state = step(state, *batch)`` never mutates ``state``."""
 
-    def __init__(self, model, optimizers, loss_fn, example_batch, clip_grad_norm, unroll):
+    def __init__(self, model, optimizers, loss_fn, example_batch, clip_grad_norm, unroll, schedulers=()):
         self.model = model
         self.optimizers = optimizers
         self.loss_fn = loss_fn
@@ -179,6 +328,7 @@ class TrainStep:
         for opt in optimizers:
             if not isinstance(opt, _SUPPORTED):
                 raise TypeError(f"optimizer {type(opt).__name__} is not supported (supported: SGD, Adam, AdamW, Muon)")
+            _check_subclass(opt)
             for group in opt.param_groups:
                 gi = len(self._groups)
                 self._groups.append((opt, group))
@@ -195,12 +345,29 @@ class TrainStep:
                     u.update(param=_MODEL_PREFIX + name, group=gi)
                     self._updates.append(u)
 
+        if schedulers and self.unroll > 1:
+            raise ValueError(f"scheduler= needs unroll=1 (the unrolled program uses one lr for its {self.unroll} steps)")
+        self._schedule = _LrSchedule(list(schedulers), optimizers) if schedulers else None
+
         wrapper = _LossModule(model, loss_fn)
-        ep = torch.export.export(wrapper, self._example_batch)
+        # Tied parameters and shared buffers: export gives each name its own placeholder; fold every
+        # alias into the first name's, so the state has one entry that gets the gradients of all uses.
+        first: dict[int, str] = {}
+        canonical = {n: first.setdefault(id(t), n) for n, t in itertools.chain(
+            wrapper.named_parameters(remove_duplicate=False), wrapper.named_buffers(remove_duplicate=False))}
+        self.aliases = {n[len(_MODEL_PREFIX):]: c[len(_MODEL_PREFIX):] for n, c in canonical.items() if n != c}
+
+        def export():
+            ep = torch.export.export(wrapper, self._example_batch)
+            return _compat.merge_aliased_inputs(ep, canonical) if self.aliases else ep
+
+        ep = export()
+        out_spec = ep.call_spec.out_spec  # a leaf (the loss), or (loss, aux)
+        self._aux_spec = out_spec.children_specs[1] if out_spec.num_children == 2 else None
         loss_val = [n for n in ep.graph.nodes if n.op == "output"][0].args[0][0].meta.get("val")
         if not isinstance(loss_val, torch.Tensor) or loss_val.dim() != 0:
             shape = tuple(loss_val.shape) if isinstance(loss_val, torch.Tensor) else type(loss_val).__name__
-            raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
+            raise ValueError(f"loss_fn must return a scalar tensor, got {shape} (or return a pair (loss, aux))")
         # A trainable parameter the loss never reads gets no gradient (torch.optim then skips it), but
         # the joint export insists on one: re-export with those parameters hidden from autograd.
         params = dict(wrapper.named_parameters())
@@ -211,7 +378,7 @@ class TrainStep:
             for p in unused:
                 p.requires_grad_(False)
             if unused:
-                ep = torch.export.export(wrapper, self._example_batch)
+                ep = export()
             self._forward_program = ep
             joint = _compat.export_joint(ep)
         except Exception as e:  # noqa: BLE001 - re-raised with the op and the torch version named
@@ -227,7 +394,7 @@ class TrainStep:
                 p.requires_grad_(True)
         out_node = [n for n in joint.graph.nodes if n.op == "output"][0]
         out_args = out_node.args[0]
-        spec = dict(loss_output=-1, buffer_mutations=[], grads=[], updates=self._updates,
+        spec = dict(loss_output=-1, buffer_mutations=[], grads=[], updates=self._updates, aux_outputs=[],
                     num_groups=len(self._groups), clip_max_norm=None if clip_grad_norm is None else float(clip_grad_norm),
                     clip_norm_type=2.0)
         for i, s in enumerate(joint.graph_signature.output_specs):
@@ -235,18 +402,27 @@ class TrainStep:
             if kind == "LOSS_OUTPUT":
                 spec["loss_output"] = i
             elif kind == "BUFFER_MUTATION":
-                spec["buffer_mutations"].append((i, s.target))
+                spec["buffer_mutations"].append((i, canonical.get(s.target, s.target)))
             elif kind == "GRADIENT_TO_PARAMETER":
                 if isinstance(out_args[i], torch.fx.Node):
                     spec["grads"].append((i, s.target))
-            elif kind != "USER_OUTPUT":
+            elif kind == "USER_OUTPUT":
+                spec["aux_outputs"].append(i)
+            else:
                 raise NotImplementedError(f"joint program output kind {kind} is not supported")
+        if self._aux_spec is not None and self.unroll > 1:
+            raise ValueError(f"loss_fn returns (loss, aux), which needs unroll=1 (got unroll={self.unroll})")
+        # Tensor constants made in forward (torch.tensor(0.5)) are lifted by export; they ride in the state.
+        self._constants = {s.target: joint.constants[s.target].detach().clone()
+                           for s in joint.graph_signature.input_specs if s.kind.name == "CONSTANT_TENSOR"}
         self.joint_graph = Graph.from_exported(joint)
         cgraph, self._state_names, self._num_user = _C.build_train_step(self.joint_graph._g, spec, self.unroll)
         self.graph = Graph(cgraph)
         self._inputs = [(n["state_name"], n["role"]) for n in self.graph.nodes() if n["kind"] == "placeholder"]
+        self._num_aux = len(spec["aux_outputs"])
         self._executor = _C.Executor(cgraph)
         self._program = None
+        self._calls = 0
         self._buffer_names = [n for n, _ in model.named_buffers()]
 
     # ---- state
@@ -254,10 +430,23 @@ class TrainStep:
     def _strip(name: str) -> str:
         return name[len(_MODEL_PREFIX):] if name.startswith(_MODEL_PREFIX) else name
 
-    def init_state(self) -> TrainState:
-        """Copies parameters, buffers and optimizer state (if any) out of the model and optimizers."""
+    @property
+    def draws_random(self) -> bool:
+        """True when the program takes and returns an RNG state (the model uses dropout)."""
+        return _RNG in self._state_names
+
+    def init_state(self, seed: int | None = None) -> TrainState:
+        """Copies parameters, buffers and optimizer state (if any) out of the model and optimizers.
+
+        When the step draws random numbers, its RNG state is that of ``torch.manual_seed(seed)``, or
+        a copy of the global generator's current state when ``seed`` is None: an eager loop started
+        from the same generator state draws the same dropout masks.
+        """
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"init_state: seed must be an int or None, got {type(seed).__name__}")
         params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
         buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
+        buffers.update({self._strip(k): v.clone() for k, v in self._constants.items()})
         opt: dict[str, torch.Tensor] = {}
         for u in self._updates:
             pname = self._strip(u["param"])
@@ -282,13 +471,23 @@ class TrainStep:
             elif kind == "muon":
                 buf = st.get("momentum_buffer")
                 opt[key("momentum_buffer")] = buf.detach().clone() if buf is not None else torch.zeros_like(p)
-        lr = [torch.tensor(float(g["lr"]), dtype=torch.float64) for _, g in self._groups]
-        return TrainState({_MODEL_PREFIX + k: v for k, v in params.items()},
-                          {_MODEL_PREFIX + k: v for k, v in buffers.items()}, opt, lr, self._id)
+        lrs = self._schedule.lrs(0) if self._schedule is not None else [float(g["lr"]) for _, g in self._groups]
+        lr = [torch.tensor(v, dtype=torch.float64) for v in lrs]
+        rng = None
+        if self.draws_random:
+            rng = torch.Generator().manual_seed(seed).get_state() if seed is not None else torch.get_rng_state()
+        state = TrainState({_MODEL_PREFIX + k: v for k, v in params.items()},
+                           {_MODEL_PREFIX + k: v for k, v in buffers.items()}, opt, lr, self._id, rng)
+        state.origin = f"init_state() of TrainStep {self._id}"
+        return state
 
     def _check_state(self, state) -> None:
         if not isinstance(state, TrainState):
             raise TypeError(f"expected a TrainState from step.init_state(), got {type(state).__name__}")
+        if state.consumed_by is not None:
+            # As JAX refuses a deleted (donated) buffer: the tensors now hold the next step's values.
+            raise ValueError(f"{state.describe()} was donated to {state.consumed_by} and its tensors were "
+                             "updated in place; use the state that call returned (or compile(donate=False))")
         if state.step_id != self._id:
             raise ValueError("this TrainState was made by another TrainStep (step_id "
                              f"{state.step_id}, this step is {self._id}); use this step's init_state()")
@@ -310,18 +509,33 @@ class TrainStep:
         return [next(it) if role == "input" else state.lookup(name) for name, role in self._inputs]
 
     def __call__(self, state: TrainState, *batch, skip_nonfinite: bool = False):
+        """``loss, new_state = step(state, *batch)``; ``loss, new_state, aux`` when loss_fn returns (loss, aux)."""
         inputs = self.flat_inputs(state, *batch)
-        outs = self._executor.run(inputs)
+        return self._finish(state, self._executor.run(inputs), skip_nonfinite=skip_nonfinite)
+
+    def _finish(self, state: TrainState, outs: list, *, skip_nonfinite: bool = False, donated_to: str | None = None):
+        """Builds the call's result from the program's flat outputs (shared by every runtime)."""
+        self._calls += 1
+        n = len(self._state_names)
         loss = outs[0]
-        new_state = state.replace(dict(zip(self._state_names, outs[1:])))
+        new_state = state.replace(dict(zip(self._state_names, outs[1:1 + n])))
+        new_state.origin = f"output of call {self._calls} of TrainStep {self._id}"
+        if self._schedule is not None:
+            new_state.sched_epoch = state.sched_epoch + self.unroll
+            new_state.lr = [torch.tensor(v, dtype=torch.float64) for v in self._schedule.lrs(new_state.sched_epoch)]
+        if donated_to is not None:
+            state.consumed_by = f"{donated_to} (call {self._calls} of TrainStep {self._id})"
+        result = (loss, new_state)
+        if self._aux_spec is not None:
+            result = (loss, new_state, pytree.tree_unflatten(list(outs[1 + n:]), self._aux_spec))
         self.last_nonfinite = not bool(torch.isfinite(loss).all())
         if self.last_nonfinite:
-            if skip_nonfinite:
-                warnings.warn(f"non-finite loss {loss.tolist()}: step skipped, state kept", RuntimeWarning, stacklevel=2)
-                return loss, state
+            if skip_nonfinite and donated_to is None:
+                warnings.warn(f"non-finite loss {loss.tolist()}: step skipped, state kept", RuntimeWarning, stacklevel=3)
+                return (loss, state) + result[2:]
             warnings.warn(f"non-finite loss {loss.tolist()}: propagated into the new state "
-                          "(pass skip_nonfinite=True to keep the old state)", RuntimeWarning, stacklevel=2)
-        return loss, new_state
+                          "(pass skip_nonfinite=True to keep the old state)", RuntimeWarning, stacklevel=3)
+        return result
 
     def write_back(self, state: TrainState) -> None:
         """Loads ``state`` into the model and the optimizers, so eager training can continue."""
@@ -333,6 +547,10 @@ class TrainStep:
                 b.copy_(state.buffers[_MODEL_PREFIX + n])
         for (opt, group), lr in zip(self._groups, state.lr):
             group["lr"] = float(lr)
+        if self._schedule is not None:
+            self._schedule.write_back(state.sched_epoch)
+        if state.rng is not None:  # eager continues the same random stream
+            torch.set_rng_state(state.rng)
         for u in self._updates:
             p = self._param_of[self._strip(u["param"])]
             opt = self._groups[u["group"]][0]
@@ -375,13 +593,19 @@ class TrainStep:
 
 
 def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, example_batch: Sequence, *,
-                    clip_grad_norm: float | None = None, unroll: int = 1) -> TrainStep:
+                    clip_grad_norm: float | None = None, unroll: int = 1, scheduler=None) -> TrainStep:
     """Builds the pure step ``(loss, new_state) = step(state, *batch)`` for ``model`` and ``optimizer``.
 
     ``loss_fn(model, *batch)`` returns a scalar. ``optimizer`` is a torch.optim optimizer (SGD,
     Adam, AdamW, Muon) or a list of them over disjoint parameters; it is read as it stands, param
     groups and existing state included. ``clip_grad_norm`` clips the global 2-norm as
     ``torch.nn.utils.clip_grad_norm_``; ``unroll=N`` makes one graph of N steps over N batches.
+
+    ``loss_fn`` may return ``(loss, aux)`` with aux any pytree of tensors (logits, accuracy); the
+    step then returns ``(loss, new_state, aux)``. ``scheduler`` is a torch.optim.lr_scheduler (or a
+    list, one per optimizer) stepped once per call, as ``opt.step(); sched.step()`` would: the state
+    counts the scheduler steps and carries the next lr. Dropout draws from an RNG state carried in
+    the state (``init_state(seed=...)``), so the step stays a pure function.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -394,4 +618,5 @@ def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, exampl
         raise ValueError(f"unroll must be >= 1, got {unroll}")
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise ValueError(f"clip_grad_norm must be positive, got {clip_grad_norm}")
-    return TrainStep(model, optimizers, loss_fn, example_batch, clip_grad_norm, unroll)
+    schedulers = [] if scheduler is None else list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
+    return TrainStep(model, optimizers, loss_fn, example_batch, clip_grad_norm, unroll, schedulers)

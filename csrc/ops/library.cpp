@@ -4,6 +4,7 @@
 // inputs. The in-place variants (trailing underscore) declare every tensor they write with
 // Tensor(x!) and return nothing; they are for eager training scripts.
 #include "ops/optimizers.h"
+#include "ops/random.h"
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -162,6 +163,9 @@ TORCH_LIBRARY(torch_ext, m) {
   m.def(
       "muon_update_(Tensor(a!) param, Tensor grad, Tensor(b!) momentum_buffer, Tensor lr, float weight_decay, "
       "float momentum, bool nesterov, float a, float b, float c, int ns_steps, float eps, float lr_ratio) -> ()");
+  // Random ops with explicit generator state (see ops/random.h); used by passes/thread_rng.h.
+  m.def(
+      "native_dropout_rng(Tensor input, float p, bool? train, Tensor rng_state) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(torch_ext, CPU, m) {
@@ -175,6 +179,7 @@ TORCH_LIBRARY_IMPL(torch_ext, CPU, m) {
   m.impl("adam_amsgrad_update_", &adam_amsgrad_update_);
   m.impl("muon_update", &muon_update);
   m.impl("muon_update_", &muon_update_);
+  m.impl("native_dropout_rng", &native_dropout_rng);
 }
 
 }  // namespace torch_ext::ops

@@ -7,6 +7,7 @@
 #include "passes/eliminate_dead_code.h"
 #include "passes/lift_optimizer_state.h"
 #include "passes/rewire_outputs.h"
+#include "passes/thread_rng.h"
 #include "passes/unroll.h"
 
 #include <c10/util/Exception.h>
@@ -42,6 +43,10 @@ TrainStepGraph build_train_step(const ir::Graph& joint, const TrainStepSpec& spe
               std::to_string(loss->type().tensor.sizes.size()) : std::string("a non-tensor"));
   std::vector<std::pair<std::string, ir::Node*>> buffers;
   for (const auto& [idx, name] : spec.buffer_mutations) buffers.emplace_back(name, output_node(*g, idx, "buffer"));
+  std::vector<ir::Node*> aux;
+  for (int64_t idx : spec.aux_outputs) aux.push_back(output_node(*g, idx, "aux"));
+  TORCH_CHECK(aux.empty() || unroll_steps == 1, "build_train_step: auxiliary outputs need unroll == 1, got unroll ",
+              unroll_steps);
   std::vector<std::string> grad_order;
   std::map<std::string, ir::Node*> grads;
   for (const auto& [idx, name] : spec.grads) {
@@ -60,15 +65,23 @@ TrainStepGraph build_train_step(const ir::Graph& joint, const TrainStepSpec& spe
   }
   auto updated = append_update(*g, spec, grads, lifted);
   verify_after(*g, "append_update");
+  ir::Node* rng = thread_rng(*g);
+  verify_after(*g, "thread_rng");
 
   // Output order: new parameters, new buffers, new optimizer state.
   std::vector<std::pair<std::string, ir::Node*>> state;
   for (const auto& e : updated)
     if (e.first.rfind("opt:", 0) != 0) state.push_back(e);
   state.insert(state.end(), buffers.begin(), buffers.end());
+  if (rng != nullptr) state.emplace_back("rng", rng);
   for (const auto& e : updated)
     if (e.first.rfind("opt:", 0) == 0) state.push_back(e);
   const size_t num_state = rewire_outputs(*g, loss, state);
+  if (!aux.empty()) {
+    std::vector<ir::Arg> outs = g->output()->args()[0].list;
+    for (ir::Node* a : aux) outs.push_back(ir::Arg::of_node(a));
+    g->set_output(std::move(outs));
+  }
   verify_after(*g, "rewire_outputs");
   eliminate_dead_code(*g);
   verify_after(*g, "eliminate_dead_code");

@@ -1,8 +1,10 @@
 // The pure-training-step pipeline: joint forward/backward graph in, one side-effect-free step out.
 //
-//   lift_optimizer_state -> [clip_grad_norm] -> append_update -> rewire_outputs
+//   lift_optimizer_state -> [clip_grad_norm] -> append_update -> thread_rng -> rewire_outputs
 //   -> eliminate_dead_code -> check_pure -> [unroll]
 //
+// Outputs: (loss, new state..., aux...). The state is parameters, buffers, "rng" (only when the
+// step draws random numbers, see thread_rng.h), then optimizer state.
 // The verifier runs after every pass; a failure names the pass. The input graph is not changed.
 #pragma once
 

@@ -26,6 +26,14 @@ const ir::Type& elem_type(const ir::Type& t, int64_t elem) { return elem < 0 ? t
 
 int64_t bytes_of(const ir::Type& t) { return t.is_tensor() ? t.tensor.nbytes() : 0; }
 
+// A view in storage: schema views, and aten::_unsafe_view, which returns a view of its input
+// although its schema declares a fresh tensor (autograd must not see it as a view). Planning it
+// as fresh lets the arena reuse its base while the view is still read, or returned.
+bool shares_input_storage(const ir::Node& n) {
+  return ir::is_view_op(n) || (n.kind() == ir::NodeKind::Call && n.target().ns == "aten" &&
+                               n.target().name == "_unsafe_view");
+}
+
 // Every node that reads `root`'s storage: readers of the node and, through views and getitems, of
 // everything that shares it.
 std::vector<const ir::Node*> storage_readers(const ir::Node* root) {
@@ -36,7 +44,7 @@ std::vector<const ir::Node*> storage_readers(const ir::Node* root) {
     for (const ir::Node* u : v->users()) {
       if (u->kind() != ir::NodeKind::Call) continue;
       out.push_back(u);
-      if (ir::is_view_op(*u) || u->target().is_getitem()) work.push_back(u);
+      if (shares_input_storage(*u) || u->target().is_getitem()) work.push_back(u);
     }
   }
   return out;
@@ -109,7 +117,7 @@ Analysis analyze(const ir::Graph& g, const std::vector<const ir::Node*>& order, 
       root[{n, -1}] = root.at({src, n->args()[1].i});
       continue;
     }
-    if (ir::is_view_op(*n)) {
+    if (shares_input_storage(*n)) {
       // Views (split's Tensor(a)[] included) share their base's storage, element by element.
       const ir::Arg& base = n->args().at(0);
       const int64_t r = base.kind == ir::Arg::Kind::Node ? root.at({base.node, -1}) : -1;

@@ -17,7 +17,10 @@ namespace {
 
 using Order = std::vector<const ir::Node*>;
 
-bool is_alias(const ir::Node& n) { return n.target().is_getitem() || ir::is_view_op(n); }
+// aten::_unsafe_view aliases its input although its schema says otherwise (see plan_memory.cpp).
+bool is_alias(const ir::Node& n) {
+  return n.target().is_getitem() || ir::is_view_op(n) || (n.target().ns == "aten" && n.target().name == "_unsafe_view");
+}
 
 struct Dag {
   Order calls;

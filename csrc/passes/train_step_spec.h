@@ -29,6 +29,7 @@ struct TrainStepSpec {
   int64_t num_groups = 1;
   std::optional<double> clip_max_norm;
   double clip_norm_type = 2.0;
+  std::vector<int64_t> aux_outputs;  // joint output indices returned after the state (loss_fn's aux)
 };
 
 // Names of the optimizer-state slots each update kind keeps, in the op's argument order.

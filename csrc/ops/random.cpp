@@ -1,0 +1,45 @@
+#include "ops/random.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+namespace torch_ext::ops {
+namespace {
+
+at::Generator generator_from(const at::Tensor& rng_state, const char* op) {
+  // The serialized size of CPUGeneratorImpl's state (5056 bytes in torch 2.9), asked once.
+  static const int64_t expected = at::make_generator<at::CPUGeneratorImpl>().get_state().numel();
+  TORCH_CHECK(rng_state.scalar_type() == at::kByte && rng_state.dim() == 1 && rng_state.numel() == expected, op,
+              ": rng_state must be a uint8 tensor of shape [", expected,
+              "] (the format of torch.get_rng_state()), got ", rng_state.scalar_type(), " of shape ",
+              rng_state.sizes());
+  TORCH_CHECK(rng_state.device().is_cpu(), op, ": rng_state must be on the CPU, got ", rng_state.device());
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>();
+  gen.set_state(rng_state);
+  return gen;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> native_dropout_rng(const at::Tensor& input, double p,
+                                                                  std::optional<bool> train,
+                                                                  const at::Tensor& rng_state) {
+  TORCH_CHECK(p >= 0 && p <= 1, "native_dropout_rng: dropout probability has to be between 0 and 1, but got ", p);
+  TORCH_CHECK(input.device().is_cpu(), "native_dropout_rng: input must be on the CPU, got ", input.device());
+  at::Generator gen = generator_from(rng_state, "native_dropout_rng");
+  // The op sequence of at::native_dropout's CPU kernel, with the generator made explicit.
+  if (input.numel() == 0) {
+    return {input.clone(), at::empty_like(input, input.options().dtype(at::kBool)), rng_state.clone()};
+  }
+  if (train.has_value() && !*train) {
+    return {input.clone(), at::ones_like(input, input.options().dtype(at::kBool)), rng_state.clone()};
+  }
+  const double p1m = 1. - p;
+  const double scale = p1m == 0 ? 0. : 1. / p1m;
+  at::Tensor mask = at::empty_like(input, input.options().dtype(at::kBool), at::MemoryFormat::Contiguous);
+  mask.bernoulli_(p1m, gen);
+  at::Tensor output = input.mul(mask).mul_(scale);
+  return {output, mask, gen.get_state()};
+}
+
+}  // namespace torch_ext::ops

@@ -1,0 +1,83 @@
+#include "passes/thread_rng.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Exception.h>
+
+#include <vector>
+
+namespace torch_ext::passes {
+namespace {
+
+const ir::Target kDropout{"aten", "native_dropout", "default"};
+const ir::Target kDropoutRng{"torch_ext", "native_dropout_rng", "default"};
+constexpr int64_t kStateBytes = 5056;  // sizeof the mt19937 CPU generator state, torch.get_rng_state().numel()
+
+// True when the op draws from a generator: tagged nondeterministic_seeded, or takes a Generator.
+bool draws_random(const ir::Node& n) {
+  if (n.kind() != ir::NodeKind::Call || n.target().is_builtin() || n.target().ns == "higher_order") return false;
+  auto op = c10::Dispatcher::singleton().findOp(
+      {n.target().ns + "::" + n.target().name, n.target().overload == "default" ? "" : n.target().overload});
+  if (!op.has_value()) return false;
+  const auto& params = op->schema().arguments();
+  // Attention kernels take a generator but draw nothing when their dropout_p is a constant 0.
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].name() != "dropout_p") continue;
+    const ir::Arg* a = i < n.args().size() ? &n.args()[i] : n.kwarg("dropout_p");
+    if (a == nullptr) return false;  // schema default: 0
+    if ((a->kind == ir::Arg::Kind::Float && a->f == 0.0) || (a->kind == ir::Arg::Kind::Int && a->i == 0)) return false;
+  }
+  if (op->hasTag(at::Tag::nondeterministic_seeded)) return true;
+  for (const auto& a : params)
+    if (a.type()->kind() == c10::TypeKind::OptionalType &&
+        a.type()->expectRef<c10::OptionalType>().getElementType()->kind() == c10::TypeKind::GeneratorType)
+      return true;
+  return false;
+}
+
+void refuse_in_regions(const ir::Node& n) {
+  for (const auto& r : n.regions())
+    for (const auto& inner : r->nodes()) {
+      TORCH_CHECK(!draws_random(*inner), "thread_rng: node %", inner->name(), " (", inner->target().str(),
+                  ") inside %", n.name(), " draws random numbers; random ops inside control flow are not supported");
+      refuse_in_regions(*inner);
+    }
+}
+
+}  // namespace
+
+ir::Node* thread_rng(ir::Graph& g, const std::string& state_name) {
+  // Validate first so a refused graph is left unchanged.
+  std::vector<ir::Node*> drops;
+  for (const auto& n : g.nodes()) {
+    refuse_in_regions(*n);
+    if (!draws_random(*n)) continue;
+    TORCH_CHECK(n->target() == kDropout, "thread_rng: node %", n->name(), " (", n->target().str(),
+                ") draws from the global random generator; the pure step makes only dropout "
+                "(aten::native_dropout) explicit in its RNG state, so this op would make it impure");
+    TORCH_CHECK(n->args().size() == 3 && n->type().kind == ir::Type::Kind::Tuple && n->type().elems.size() == 2,
+                "thread_rng: node %", n->name(), " is not a (input, p, train) native_dropout with two outputs");
+    drops.push_back(n.get());
+  }
+  if (drops.empty()) return nullptr;
+  ir::TensorMeta meta;
+  meta.dtype = c10::ScalarType::Byte;
+  meta.sizes = {kStateBytes};
+  meta.strides = {1};
+  const ir::Type state_type = ir::Type::make_tensor(meta);
+  ir::Node* state = g.create_placeholder(g.unique_name("rng_state"), ir::InputRole::Buffer, state_type, state_name);
+  for (ir::Node* d : drops) {
+    std::vector<ir::Arg> args = d->args();
+    args.push_back(ir::Arg::of_node(state));
+    ir::Type type = ir::Type::make_tuple({d->type().elems[0], d->type().elems[1], state_type});
+    ir::Node* rng = g.create_call(g.unique_name(d->name() + "_rng"), kDropoutRng, std::move(args), {}, type, d);
+    rng->set_module_path(d->module_path());
+    state = g.create_call(g.unique_name(d->name() + "_rng_state"), ir::Target::getitem(),
+                          {ir::Arg::of_node(rng), ir::Arg::of_int(2)}, {}, state_type, d);
+    state->set_module_path(d->module_path());
+    g.replace_all_uses_with(d, rng);
+    g.erase(d);
+  }
+  return state;
+}
+
+}  // namespace torch_ext::passes

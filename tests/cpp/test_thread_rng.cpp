@@ -1,0 +1,107 @@
+// thread_rng: dropout draws from an explicit generator-state input, chained in graph order.
+#include "ir/parser.h"
+#include "ir/printer.h"
+#include "ir/verifier.h"
+#include "passes/thread_rng.h"
+#include "runtime/executor.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+
+#include "test_util.h"
+
+using namespace torch_ext;
+using torch_ext::testing::error_of;
+
+namespace {
+
+const char* kTwoDropouts = R"(graph:
+  %x : f32[64] = input()
+  %d : (f32[64], b8[64]) = aten::native_dropout.default(%x, 0.5, True)
+  %o : f32[64] = getitem(%d, 0)
+  %d2 : (f32[64], b8[64]) = aten::native_dropout.default(%o, 0.25, True)
+  %o2 : f32[64] = getitem(%d2, 0)
+  %m2 : b8[64] = getitem(%d2, 1)
+  return (%o2, %m2)
+)";
+
+at::Tensor seeded_state(uint64_t seed) {
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return g.get_state();
+}
+
+}  // namespace
+
+TEST(ThreadRng, ChainsTheStateThroughEveryDropoutInOrder) {
+  auto g = ir::parse(kTwoDropouts);
+  ir::Node* state = passes::thread_rng(*g);
+  ASSERT_NE(state, nullptr);
+  ir::verify(*g);
+  const std::string text = ir::print(*g);
+  EXPECT_NE(text.find("%rng_state : u8[5056] = buffer(\"rng\")"), std::string::npos) << text;
+  EXPECT_NE(text.find("%d_rng : (f32[64], b8[64], u8[5056]) = torch_ext::native_dropout_rng.default(%x, 0.5, True, "
+                      "%rng_state)"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("%d2_rng : (f32[64], b8[64], u8[5056]) = torch_ext::native_dropout_rng.default(%o, 0.25, True, "
+                      "%d_rng_state)"),
+            std::string::npos)
+      << text;
+  EXPECT_EQ(text.find("aten::native_dropout.default"), std::string::npos) << text;
+  EXPECT_EQ(state->name(), "d2_rng_state");
+}
+
+TEST(ThreadRng, SameStateSameDrawsAndEagerOrder) {
+  auto g = ir::parse(kTwoDropouts);
+  ir::Node* state = passes::thread_rng(*g);
+  std::vector<ir::Arg> outs = g->output()->args()[0].list;
+  outs.push_back(ir::Arg::of_node(state));
+  g->set_output(outs);
+  runtime::Executor ex(*g);
+  const at::Tensor x = at::randn({64});
+  const at::Tensor s0 = seeded_state(11);
+  // Placeholders: %x, then the state.
+  auto a = ex.run({x, s0});
+  auto b = ex.run({x, s0});
+  EXPECT_TRUE(at::equal(a[0].toTensor(), b[0].toTensor()));
+  EXPECT_TRUE(at::equal(a[2].toTensor(), b[2].toTensor()));
+  EXPECT_FALSE(at::equal(a[2].toTensor(), s0));
+  // Eager: the two native_dropout calls on a generator starting from the same state.
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  const at::Tensor saved = gen.get_state();
+  gen.set_state(s0);
+  auto [o1, m1] = at::native_dropout(x, 0.5, true);
+  auto [o2, m2] = at::native_dropout(o1, 0.25, true);
+  const at::Tensor after = gen.get_state();
+  gen.set_state(saved);
+  EXPECT_TRUE(at::equal(a[0].toTensor(), o2));
+  EXPECT_TRUE(at::equal(a[1].toTensor(), m2));
+  EXPECT_TRUE(at::equal(a[2].toTensor(), after));
+}
+
+TEST(ThreadRng, NoRandomOpsLeavesTheGraphAlone) {
+  const char* text = R"(graph:
+  %x : f32[4] = input()
+  %y : f32[4] = aten::relu.default(%x)
+  return (%y)
+)";
+  auto g = ir::parse(text);
+  EXPECT_EQ(passes::thread_rng(*g), nullptr);
+  EXPECT_EQ(ir::print(*g), text);
+}
+
+TEST(ThreadRng, OtherRandomOpsAreRefusedAndTheGraphIsUnchanged) {
+  const char* text = R"(graph:
+  %x : f32[4] = input()
+  %d : (f32[4], b8[4]) = aten::native_dropout.default(%x, 0.5, True)
+  %o : f32[4] = getitem(%d, 0)
+  %n : f32[4] = aten::randn_like.default(%o)
+  return (%n)
+)";
+  auto g = ir::parse(text);
+  EXPECT_NE(error_of([&] { passes::thread_rng(*g); })
+                .find("node %n (aten::randn_like.default) draws from the global random generator"),
+            std::string::npos);
+  EXPECT_EQ(ir::print(*g), text);
+}

@@ -1,0 +1,439 @@
+"""The pure step on everyday habits: donation safety, optimizer subclasses, tied weights, tensor
+constants, shared buffers, dropout (RNG as state), schedulers and auxiliary outputs.
+
+Every parity check here is bit-exact against the eager torch.optim loop.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch_ext
+
+VOCAB = 11
+
+
+def lm_loss(m, x, y):
+    return F.cross_entropy(m(x).reshape(-1, VOCAB), y.reshape(-1))
+
+
+def lm_batches(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        yield torch.randint(0, VOCAB, (3, 5), generator=g), torch.randint(0, VOCAB, (3, 5), generator=g)
+
+
+class TiedLM(nn.Module):
+    """Embedding tied to the output projection, with a layer in between (the KeyError case)."""
+
+    def __init__(self, p=0.0, const=False):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.mid = nn.Linear(8, 8)
+        self.drop = nn.Dropout(p)
+        self.head = nn.Linear(8, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+        self.const = const
+
+    def forward(self, x):
+        h = self.drop(torch.tanh(self.mid(self.emb(x))))
+        if self.const:
+            h = h * torch.tensor(0.5)  # a tensor constant made in forward: export lifts it
+        return self.head(h)
+
+
+def eager_run(model, opt, batches, steps, sched=None, loss_fn=lm_loss):
+    losses = []
+    for _, b in zip(range(steps), batches):
+        opt.zero_grad()
+        loss = loss_fn(model, *b)
+        loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def pure_run(step, state, batches, steps):
+    losses = []
+    for _, b in zip(range(steps), batches):
+        loss, state = step(state, *b)
+        losses.append(loss)
+    return losses, state
+
+
+def assert_bit_exact(losses, ref_losses, state, ref_model):
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert torch.equal(a, b), f"loss differs at step {i}: {a.item()!r} vs {b.item()!r}"
+    for n, p in ref_model.named_parameters():
+        assert torch.equal(state.params["model." + n], p.detach()), n
+    for n, b in ref_model.named_buffers():
+        assert torch.equal(state.buffers["model." + n], b), n
+
+
+def parity(make_model, make_opt, steps=100, make_sched=None, seed=None):
+    torch.manual_seed(0)
+    model = make_model()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = make_opt(model), make_opt(ref)
+    sched = make_sched(opt) if make_sched else None
+    ref_sched = make_sched(ref_opt) if make_sched else None
+    step = torch_ext.make_train_step(model, opt, lm_loss, next(lm_batches(99)), scheduler=sched)
+    state = step.init_state(seed=seed)
+    losses, state = pure_run(step, state, lm_batches(), steps)
+    if seed is not None:
+        torch.manual_seed(seed)
+    ref_losses = eager_run(ref, ref_opt, lm_batches(), steps, ref_sched)
+    assert_bit_exact(losses, ref_losses, state, ref)
+    return step, state, ref, ref_opt
+
+
+def adamw(m):
+    return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+# ---------------------------------------------------------------- 1. donation
+def test_reusing_a_donated_state_raises_naming_it():
+    torch.manual_seed(0)
+    model = TiedLM()
+    step = torch_ext.make_train_step(model, adamw(model), lm_loss, next(lm_batches()))
+    planned = step.compile(plan=True, donate=True)
+    s0 = step.init_state()
+    b1, b2 = next(lm_batches(3)), next(lm_batches(4))
+    _, s1 = planned(s0, *b1)
+    with pytest.raises(ValueError, match=r"TrainState\(init_state\(\) of TrainStep \d+\) was donated to "
+                                         r"step.compile\(donate=True\) \(call 1 of TrainStep \d+\)"):
+        planned(s0, *b2)
+    with pytest.raises(ValueError, match="was donated"):
+        step(s0, *b2)  # the unplanned step refuses it too
+    with pytest.raises(ValueError, match="was donated"):
+        step.write_back(s0)
+    # The returned state is live and chains; it is consumed in turn.
+    _, s2 = planned(s1, *b2)
+    with pytest.raises(ValueError, match=r"TrainState\(output of call 1 of TrainStep \d+\) was donated"):
+        planned(s1, *b2)
+    # Without donation the same state may be reused, with the same result each time.
+    keep = step.compile(plan=True, donate=False)
+    s = step.init_state()
+    l1, _ = keep(s, *b1)
+    l2, _ = keep(s, *b1)
+    assert torch.equal(l1, l2)
+
+
+# ---------------------------------------------------------------- 2. optimizer subclasses
+def test_optimizer_subclass_overriding_step_is_refused():
+    class MySGD(torch.optim.SGD):
+        def step(self, closure=None):  # e.g. a custom update rule
+            with torch.no_grad():
+                for g in self.param_groups:
+                    for p in g["params"]:
+                        p.add_(p.grad, alpha=-2 * g["lr"])
+
+    model = TiedLM()
+    with pytest.raises(TypeError, match=r"MySGD overrides step\(\).*SGD"):
+        torch_ext.make_train_step(model, MySGD(model.parameters(), lr=0.1), lm_loss, next(lm_batches()))
+
+
+def test_optimizer_subclass_keeping_step_is_accepted_and_exact():
+    class NamedAdamW(torch.optim.AdamW):
+        """Adds an attribute only; the update is AdamW's."""
+
+        def __init__(self, params, **kw):
+            super().__init__(params, **kw)
+            self.label = "main"
+
+    parity(TiedLM, lambda m: NamedAdamW(m.parameters(), lr=1e-2), steps=20)
+
+
+def test_optimizer_step_hooks_are_refused():
+    model = TiedLM()
+    opt = adamw(model)
+    opt.register_step_post_hook(lambda o, args, kwargs: None)
+    with pytest.raises(TypeError, match=r"AdamW has step hooks \(optimizer_step_post_hooks\)"):
+        torch_ext.make_train_step(model, opt, lm_loss, next(lm_batches()))
+
+
+# ---------------------------------------------------------------- 3. tied, constants, shared buffers
+def test_tied_weights_one_entry_bit_exact_100_steps():
+    step, state, *_ = parity(TiedLM, adamw)
+    assert "model.emb.weight" in state.params and "model.head.weight" not in state.params
+    assert step.aliases == {"head.weight": "emb.weight"}
+    assert sum(n == "model.emb.weight" for n in step.state_names) == 1
+
+
+def test_tied_weights_with_sgd_momentum_and_write_back():
+    step, state, ref, ref_opt = parity(
+        TiedLM, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, nesterov=True), steps=30)
+    step.write_back(state)
+    assert step.model.head.weight is step.model.emb.weight  # still tied after write-back
+    assert torch.equal(step.model.head.weight, ref.head.weight)
+
+
+def test_lifted_tensor_constant_rides_in_the_state():
+    step, state, *_ = parity(lambda: TiedLM(const=True), adamw, steps=30)
+    const = [n for n in step.state_names + [n for n, r in step._inputs] if "lifted_tensor" in n]
+    assert const, step._inputs
+    assert torch.equal(state.buffers[const[0]], torch.tensor(0.5))
+
+
+class SharedBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, VOCAB)
+        self.a.register_buffer("scale", torch.linspace(0.5, 1.5, 6))
+        self.b.register_buffer("scale", self.a.scale)  # the same tensor under two names
+        self.emb = nn.Embedding(VOCAB, 6)
+
+    def forward(self, x):
+        h = torch.relu(self.a(self.emb(x) * self.a.scale))
+        return self.b(h * self.b.scale)
+
+
+def test_buffer_shared_between_modules():
+    step, state, *_ = parity(SharedBuffer, adamw, steps=30)
+    assert step.aliases == {"b.scale": "a.scale"}
+    assert "model.b.scale" not in state.buffers
+
+
+# ---------------------------------------------------------------- 4. RNG as explicit state
+def test_dropout_step_is_pure_and_seeded():
+    torch.manual_seed(0)
+    model = TiedLM(p=0.3)
+    step = torch_ext.make_train_step(model, adamw(model), lm_loss, next(lm_batches()))
+    assert step.draws_random and "rng" in step.state_names
+    s = step.init_state(seed=5)
+    b = next(lm_batches(7))
+    before = torch.get_rng_state()
+    l1, n1 = step(s, *b)
+    l2, n2 = step(s, *b)
+    assert torch.equal(before, torch.get_rng_state()), "the step read the global generator"
+    assert torch.equal(l1, l2) and torch.equal(n1.rng, n2.rng)
+    assert not torch.equal(n1.rng, s.rng)  # the state advanced
+    l3, _ = step(n1, *b)
+    assert not torch.equal(l1, l3)  # ... and the next step draws new masks
+    l_other, _ = step(step.init_state(seed=6), *b)
+    assert not torch.equal(l1, l_other)
+    # init_state(seed=s) is torch.manual_seed(s)'s generator state.
+    torch.manual_seed(5)
+    assert torch.equal(s.rng, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("seed", [0, 1234])
+def test_dropout_parity_with_eager_after_manual_seed(seed):
+    step, state, *_ = parity(lambda: TiedLM(p=0.25, const=True), adamw, seed=seed)
+    # The advanced state is where eager's global generator ended.
+    assert torch.equal(state.rng, torch.get_rng_state())
+
+
+def test_dropout_parity_through_the_planned_arena():
+    torch.manual_seed(0)
+    model = TiedLM(p=0.25)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = adamw(model), adamw(ref)
+    step = torch_ext.make_train_step(model, opt, lm_loss, next(lm_batches()))
+    planned = step.compile(plan=True, donate=True)
+    losses, state = pure_run(planned, step.init_state(seed=3), lm_batches(), 20)
+    torch.manual_seed(3)
+    assert_bit_exact(losses, eager_run(ref, ref_opt, lm_batches(), 20), state, ref)
+
+
+def test_dropout_program_has_no_global_generator_reads(tmp_path):
+    torch.manual_seed(0)
+    model = TiedLM(p=0.25)
+    step = torch_ext.make_train_step(model, adamw(model), lm_loss, next(lm_batches()))
+    ep = step.program
+    for node in ep.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            assert torch.Tag.nondeterministic_seeded not in node.target.tags, node
+    path = tmp_path / "step.pt2"
+    torch.export.save(ep, str(path))
+    loaded = torch.export.load(str(path)).module()
+    state = step.init_state(seed=9)
+    flat = step.flat_inputs(state, *next(lm_batches(2)))
+    out1, out2 = loaded(*flat), loaded(*flat)
+    loss, new = step(state, *next(lm_batches(2)))
+    assert torch.equal(out1[0], out2[0]) and torch.equal(out1[0], loss)
+    assert torch.equal(out1[1 + step.state_names.index("rng")], new.rng)
+
+
+def test_other_random_ops_are_refused_by_name():
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(VOCAB, VOCAB)
+
+        def forward(self, x):
+            h = self.emb(x)
+            return h + torch.randn_like(h)
+
+    with pytest.raises(RuntimeError, match=r"thread_rng: node %randn_like \(aten::randn_like.default\) draws from the "
+                                           r"global random generator"):
+        m = Noisy()
+        torch_ext.make_train_step(m, adamw(m), lm_loss, next(lm_batches()))
+
+
+def test_seed_must_be_an_int():
+    model = TiedLM(p=0.1)
+    step = torch_ext.make_train_step(model, adamw(model), lm_loss, next(lm_batches()))
+    with pytest.raises(TypeError, match="seed must be an int or None, got str"):
+        step.init_state(seed="1")
+
+
+def test_native_dropout_rng_matches_aten_and_opcheck():
+    x = torch.randn(7, 13)
+    for p in (0.0, 0.2, 0.5, 1.0):
+        state = torch.Generator().manual_seed(4).get_state()
+        out, mask, new = torch.ops.torch_ext.native_dropout_rng(x, p, True, state)
+        torch.manual_seed(4)
+        ref_out, ref_mask = torch.ops.aten.native_dropout(x, p, True)
+        assert torch.equal(out, ref_out) and torch.equal(mask, ref_mask), p
+        assert torch.equal(new, torch.get_rng_state()), p
+    out, mask, new = torch.ops.torch_ext.native_dropout_rng(x, 0.5, False, state)
+    assert torch.equal(out, x) and bool(mask.all()) and torch.equal(new, state)
+    torch.library.opcheck(torch.ops.torch_ext.native_dropout_rng.default, (x, 0.3, True, state))
+    with pytest.raises(RuntimeError, match=r"rng_state must be a uint8 tensor of shape \[5056\].*got Float"):
+        torch.ops.torch_ext.native_dropout_rng(x, 0.3, True, torch.zeros(5056))
+    with pytest.raises(RuntimeError, match="dropout probability has to be between 0 and 1, but got 1.5"):
+        torch.ops.torch_ext.native_dropout_rng(x, 1.5, True, state)
+
+
+def test_assert_step_matches_eager_seeds_both_sides():
+    torch.manual_seed(0)
+    model = TiedLM(p=0.3)
+    batches = [next(lm_batches(i)) for i in range(5)]
+    result = torch_ext.testing.assert_step_matches_eager(model, adamw(model), lm_loss, batches, rtol=0.0)
+    assert result["loss"] == 0.0 and result["state"] == 0.0
+
+
+# ---------------------------------------------------------------- 5. schedulers
+SCHEDULERS = {
+    "lambda": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1.0 / (1 + 0.1 * e)),
+    "step": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=7, gamma=0.5),
+    "cosine": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=25, eta_min=1e-4),
+    "onecycle": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=40, cycle_momentum=False),
+    "warmup_cosine": lambda o: torch.optim.lr_scheduler.SequentialLR(
+        o, [torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=5),
+            torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=30)], milestones=[5]),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_scheduler_parity(name):
+    step, state, ref, ref_opt = parity(TiedLM, adamw, steps=40, make_sched=SCHEDULERS[name])
+    assert state.sched_epoch == 40
+    assert [float(v) for v in state.lr] == [g["lr"] for g in ref_opt.param_groups]
+
+
+def test_scheduler_step_is_pure_and_leaves_the_users_scheduler_alone():
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = adamw(model)
+    sched = SCHEDULERS["warmup_cosine"](opt)
+    step = torch_ext.make_train_step(model, opt, lm_loss, next(lm_batches()), scheduler=sched)
+    s0 = step.init_state()
+    b = next(lm_batches())
+    _, a = step(s0, *b)
+    _, c = step(s0, *b)
+    assert a.lr == c.lr and a.sched_epoch == c.sched_epoch == 1
+    assert sched.last_epoch == 0 and opt.param_groups[0]["lr"] == float(s0.lr[0])
+    # write_back puts the user's scheduler where eager would be.
+    _, s2 = step(a, *b)
+    step.write_back(s2)
+    assert sched.last_epoch == 2 and sched.get_last_lr() == [float(s2.lr[0])]
+
+
+def test_two_optimizers_two_schedulers():
+    torch.manual_seed(0)
+    model = TiedLM()
+    ref = copy.deepcopy(model)
+
+    def opts(m):
+        return [torch.optim.AdamW(m.mid.parameters(), lr=1e-2),
+                torch.optim.SGD([m.emb.weight], lr=0.1, momentum=0.9)]
+
+    def scheds(os):
+        return [torch.optim.lr_scheduler.StepLR(os[0], 3, 0.5), torch.optim.lr_scheduler.CosineAnnealingLR(os[1], 10)]
+
+    o, ro = opts(model), opts(ref)
+    step = torch_ext.make_train_step(model, o, lm_loss, next(lm_batches()), scheduler=scheds(o))
+    losses, state = pure_run(step, step.init_state(), lm_batches(), 15)
+    rs = scheds(ro)
+    ref_losses = []
+    for _, b in zip(range(15), lm_batches()):
+        for x in ro:
+            x.zero_grad()
+        loss = lm_loss(ref, *b)
+        loss.backward()
+        for x in ro:
+            x.step()
+        for x in rs:
+            x.step()
+        ref_losses.append(loss.detach())
+    assert_bit_exact(losses, ref_losses, state, ref)
+
+
+def test_schedulers_the_step_cannot_follow_are_refused():
+    model = TiedLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batch = next(lm_batches())
+    onecycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)  # cycles momentum
+    with pytest.raises(ValueError, match=r"the scheduler changes 'momentum' of SGD param group 0 at step 1.*"
+                                         r"cycle_momentum=False"):
+        torch_ext.make_train_step(model, opt, lm_loss, batch, scheduler=onecycle)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    with pytest.raises(TypeError, match="ReduceLROnPlateau steps on a metric"):
+        torch_ext.make_train_step(model, opt, lm_loss, batch, scheduler=plateau)
+    other = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), 3)
+    with pytest.raises(ValueError, match=r"scheduler\[0\] \(StepLR\) drives an optimizer that is not one of the step's"):
+        torch_ext.make_train_step(model, opt, lm_loss, batch, scheduler=other)
+    with pytest.raises(ValueError, match="scheduler= needs unroll=1"):
+        torch_ext.make_train_step(model, opt, lm_loss, batch, scheduler=torch.optim.lr_scheduler.StepLR(opt, 3),
+                                  unroll=2)
+
+
+# ---------------------------------------------------------------- 6. auxiliary outputs
+def test_loss_fn_returning_loss_and_aux():
+    def loss_aux(m, x, y):
+        logits = m(x)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        acc = (logits.argmax(-1) == y).float().mean()
+        return loss, {"logits": logits, "acc": acc, "pair": (loss * 2, logits.sum())}
+
+    torch.manual_seed(0)
+    model = TiedLM(p=0.2)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = adamw(model), adamw(ref)
+    step = torch_ext.make_train_step(model, opt, loss_aux, next(lm_batches()))
+    state = step.init_state(seed=1)
+    planned = step.compile()
+    torch.manual_seed(1)
+    for i, b in zip(range(10), lm_batches()):
+        runner = step if i % 2 == 0 else planned
+        loss, state, aux = runner(state, *b)
+        ref_opt.zero_grad()
+        ref_loss, ref_aux = loss_aux(ref, *b)
+        ref_loss.backward()
+        ref_opt.step()
+        assert torch.equal(loss, ref_loss.detach())
+        assert set(aux) == {"logits", "acc", "pair"} and isinstance(aux["pair"], tuple)
+        assert torch.equal(aux["logits"], ref_aux["logits"].detach())
+        assert torch.equal(aux["acc"], ref_aux["acc"])
+        assert torch.equal(aux["pair"][1], ref_aux["pair"][1].detach())
+
+
+def test_bad_aux_is_named():
+    model = TiedLM()
+    with pytest.raises(TypeError, match=r"aux must be a pytree of tensors; aux\['n'\] is a int"):
+        torch_ext.make_train_step(model, adamw(model), lambda m, x, y: (lm_loss(m, x, y), {"n": 3}),
+                                  next(lm_batches()))
+    with pytest.raises(ValueError, match="a scalar loss or a pair \\(loss, aux\\), got a tuple of 3 items"):
+        torch_ext.make_train_step(model, adamw(model), lambda m, x, y: (lm_loss(m, x, y), x, y), next(lm_batches()))
+    with pytest.raises(ValueError, match="needs unroll=1"):
+        torch_ext.make_train_step(model, adamw(model), lambda m, x, y: (lm_loss(m, x, y), m(x)), next(lm_batches()),
+                                  unroll=2)
