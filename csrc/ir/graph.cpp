@@ -37,21 +37,45 @@ std::optional<InputRole> input_role_from_string(const std::string& text) {
 
 // ---------------------------------------------------------------- TensorMeta
 
+namespace {
+// Sizes come from user text, so every product is checked: signed overflow is undefined behaviour.
+int64_t checked_mul(int64_t a, int64_t b, const std::vector<int64_t>& sizes, const char* what) {
+  int64_t r = 0;
+  TORCH_CHECK(!__builtin_mul_overflow(a, b, &r), "tensor of sizes ", c10::IntArrayRef(sizes), ": ", what,
+              " overflows int64");
+  return r;
+}
+int64_t checked_add(int64_t a, int64_t b, const std::vector<int64_t>& sizes, const char* what) {
+  int64_t r = 0;
+  TORCH_CHECK(!__builtin_add_overflow(a, b, &r), "tensor of sizes ", c10::IntArrayRef(sizes), ": ", what,
+              " overflows int64");
+  return r;
+}
+}  // namespace
+
 int64_t TensorMeta::numel() const {
   int64_t n = 1;
-  for (int64_t s : sizes) n *= s;
+  for (int64_t s : sizes) {
+    TORCH_CHECK(s >= 0, "tensor of sizes ", c10::IntArrayRef(sizes), " has a negative size");
+    n = checked_mul(n, s, sizes, "the element count");
+  }
   return n;
 }
 
 int64_t TensorMeta::nbytes() const {
   // Storage span actually addressed, which is numel for contiguous tensors.
-  if (sizes.empty()) return c10::elementSize(dtype);
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
+  if (sizes.empty()) return elem;
+  const int64_t n = numel();
+  if (n == 0) return 0;
   int64_t span = 1;
   for (size_t d = 0; d < sizes.size(); ++d) {
-    if (sizes[d] == 0) return 0;
-    span += (sizes[d] - 1) * std::abs(strides.size() == sizes.size() ? strides[d] : 1);
+    const int64_t stride = strides.size() == sizes.size() ? strides[d] : 1;
+    TORCH_CHECK(stride != INT64_MIN, "tensor of sizes ", c10::IntArrayRef(sizes), ": stride out of range");
+    span = checked_add(span, checked_mul(sizes[d] - 1, std::abs(stride), sizes, "the storage span"), sizes,
+                       "the storage span");
   }
-  return std::max(span, numel()) * static_cast<int64_t>(c10::elementSize(dtype));
+  return checked_mul(std::max(span, n), elem, sizes, "the byte size");
 }
 
 std::vector<int64_t> TensorMeta::contiguous_strides(const std::vector<int64_t>& sizes) {
@@ -59,7 +83,8 @@ std::vector<int64_t> TensorMeta::contiguous_strides(const std::vector<int64_t>& 
   int64_t acc = 1;
   for (size_t d = sizes.size(); d-- > 0;) {
     strides[d] = acc;
-    acc *= std::max<int64_t>(sizes[d], 1);
+    // The outermost size never enters a stride, so only inner products are checked.
+    if (d > 0) acc = checked_mul(acc, std::max<int64_t>(sizes[d], 1), sizes, "the contiguous strides");
   }
   return strides;
 }
@@ -199,8 +224,15 @@ const Arg* Node::kwarg(const std::string& key) const {
 
 std::vector<Node*> Node::inputs() const {
   std::vector<Node*> out;
+  // Linear for wide nodes (an output returning 10^5 values): a set once the list grows.
+  std::unordered_set<Node*> seen;
   auto add = [&](Node* n) {
-    if (std::find(out.begin(), out.end(), n) == out.end()) out.push_back(n);
+    if (out.size() < 16) {
+      if (std::find(out.begin(), out.end(), n) == out.end()) out.push_back(n);
+      return;
+    }
+    if (seen.empty()) seen.insert(out.begin(), out.end());
+    if (seen.insert(n).second) out.push_back(n);
   };
   for (const Arg& a : args_) a.for_each_node(add);
   for (const auto& kv : kwargs_) kv.second.for_each_node(add);
@@ -219,7 +251,8 @@ Node* Graph::insert_node(std::unique_ptr<Node> node, size_t pos) {
   by_name_[raw->name_] = raw;
   nodes_.insert(nodes_.begin() + static_cast<std::ptrdiff_t>(pos), std::move(node));
   add_uses(raw);
-  index();
+  // Only the positions from `pos` on moved; appending stays O(1), so building a graph is linear.
+  for (size_t i = pos; i < nodes_.size(); ++i) nodes_[i]->index_ = static_cast<int64_t>(i);
   return raw;
 }
 
@@ -245,8 +278,11 @@ Node* Graph::create_placeholder(const std::string& name, InputRole role, Type ty
   node->role_ = role;
   node->type_ = std::move(type);
   node->state_name_ = std::move(state_name);
-  size_t pos = 0;
-  while (pos < nodes_.size() && nodes_[pos]->kind_ == NodeKind::Placeholder) ++pos;
+  size_t pos = nodes_.size();
+  if (!nodes_.empty() && nodes_.back()->kind_ != NodeKind::Placeholder) {
+    pos = 0;
+    while (pos < nodes_.size() && nodes_[pos]->kind_ == NodeKind::Placeholder) ++pos;
+  }
   return insert_node(std::move(node), pos);
 }
 
@@ -326,8 +362,9 @@ void Graph::erase(Node* node) {
               " user(s), first '%", node->users_.empty() ? "" : node->users_[0]->name_, "'");
   remove_uses(node);
   by_name_.erase(node->name_);
+  const size_t pos = static_cast<size_t>(node->index_);
   nodes_.erase(nodes_.begin() + node->index_);
-  index();
+  for (size_t i = pos; i < nodes_.size(); ++i) nodes_[i]->index_ = static_cast<int64_t>(i);
 }
 
 void Graph::move_before(Node* node, Node* before) {

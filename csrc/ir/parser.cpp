@@ -4,11 +4,48 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstdlib>
 
 namespace torch_ext::ir {
 namespace {
+
+// Recursion limits: the parser (and the printer, verifier and executors after it) recurse once
+// per level, so deep text would overflow the stack. Real graphs nest a few levels at most.
+constexpr int kMaxTypeDepth = 64;    // tuple types: (f32[2], (i64[], ...))
+constexpr int kMaxListDepth = 64;    // argument lists: [[1, 2], [3]]
+constexpr int kMaxRegionDepth = 32;  // regions of cond / while_loop inside each other
+
+// Length of the UTF-8 sequence starting at `s[i]`, or 0 when it is not a valid sequence.
+size_t utf8_sequence_length(const std::string& s, size_t i) {
+  const auto c = static_cast<unsigned char>(s[i]);
+  size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+  if (len == 0 || i + len > s.size()) return 0;
+  for (size_t k = 1; k < len; ++k)
+    if ((static_cast<unsigned char>(s[i + k]) & 0xC0) != 0x80) return 0;
+  return len;
+}
+
+// At most `max_chars` characters of `s` from `begin` up to `end`, never splitting a UTF-8
+// character (Python decodes the message strictly); invalid bytes become '?'.
+std::string utf8_excerpt(const std::string& s, size_t begin, size_t end, size_t max_chars) {
+  std::string out;
+  size_t i = begin;
+  // Never start inside a character.
+  while (i < end && (static_cast<unsigned char>(s[i]) & 0xC0) == 0x80) ++i;
+  for (size_t chars = 0; i < end && chars < max_chars; ++chars) {
+    const size_t len = utf8_sequence_length(s, i);
+    if (len == 0 || i + len > end) {
+      out += '?';
+      ++i;
+      continue;
+    }
+    out.append(s, i, len);
+    i += len;
+  }
+  return out;
+}
 
 class Parser {
  public:
@@ -29,14 +66,32 @@ class Parser {
       if (s_[i] == '\n') {
         ++line;
         col = 1;
-      } else {
-        ++col;
+      } else if ((static_cast<unsigned char>(s_[i]) & 0xC0) != 0x80) {
+        ++col;  // columns count characters, not UTF-8 continuation bytes
       }
     }
-    size_t end = s_.find('\n', pos_);
-    std::string near = s_.substr(pos_, (end == std::string::npos ? s_.size() : end) - pos_).substr(0, 40);
+    const size_t from = std::min(pos_, s_.size());
+    size_t end = s_.find('\n', from);
+    std::string near = utf8_excerpt(s_, from, end == std::string::npos ? s_.size() : end, 40);
     TORCH_CHECK(false, "IR parse error at line ", line, ", column ", col, ": ", what, " (near '", near, "')");
   }
+
+  // Counts one nesting level for the lifetime of the guard; refuses text nested beyond `limit`.
+  class DepthGuard {
+   public:
+    DepthGuard(Parser& p, int& depth, int limit, const char* what) : depth_(depth) {
+      if (++depth_ > limit) {
+        --depth_;
+        p.fail(std::string(what) + " nested deeper than the limit of " + std::to_string(limit));
+      }
+    }
+    ~DepthGuard() { --depth_; }
+    DepthGuard(const DepthGuard&) = delete;
+    DepthGuard& operator=(const DepthGuard&) = delete;
+
+   private:
+    int& depth_;
+  };
 
   char peek() const { return pos_ < s_.size() ? s_[pos_] : '\0'; }
   bool at_end() const { return pos_ >= s_.size(); }
@@ -103,6 +158,7 @@ class Parser {
   Type parse_type() {
     skip_spaces();
     if (peek() == '(') {
+      DepthGuard guard(*this, type_depth_, kMaxTypeDepth, "tuple types");
       ++pos_;
       std::vector<Type> elems;
       skip_spaces();
@@ -134,6 +190,8 @@ class Parser {
       meta.strides = int_list('}');
       if (meta.strides.size() != meta.sizes.size()) fail("strides and sizes differ in rank");
     }
+    for (size_t d = 0; d < meta.sizes.size(); ++d)
+      if (meta.sizes[d] < 0) fail("negative size " + std::to_string(meta.sizes[d]) + " at dim " + std::to_string(d));
     if (peek() == '@') {
       ++pos_;
       size_t start = pos_;
@@ -144,7 +202,12 @@ class Parser {
         fail("bad device '" + s_.substr(start, pos_ - start) + "'");
       }
     }
-    return Type::make_tensor(std::move(meta));
+    try {
+      meta.numel();  // refuses element counts that overflow int64
+      return Type::make_tensor(std::move(meta));
+    } catch (const c10::Error& e) {
+      fail(e.msg());
+    }
   }
 
   std::string string_literal() {
@@ -212,6 +275,7 @@ class Parser {
       return Arg::of_node(n);
     }
     if (c == '[') {
+      DepthGuard guard(*this, list_depth_, kMaxListDepth, "argument lists");
       ++pos_;
       std::vector<Arg> items;
       skip_spaces();
@@ -343,6 +407,7 @@ class Parser {
         parse_call_args(*g, args, kwargs);
         node = g->create_call(name, std::move(target), std::move(args), std::move(kwargs), std::move(type));
         while (try_consume("{")) {
+          DepthGuard guard(*this, region_depth_, kMaxRegionDepth, "regions");
           expect_line_end();
           skip_blank();
           g->add_region(node, parse_graph());
@@ -366,6 +431,9 @@ class Parser {
 
   const std::string& s_;
   size_t pos_ = 0;
+  int type_depth_ = 0;
+  int list_depth_ = 0;
+  int region_depth_ = 0;
 };
 
 }  // namespace

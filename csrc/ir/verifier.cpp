@@ -2,15 +2,25 @@
 
 #include "ir/printer.h"
 #include "ir/schema.h"
+#include "ir/type_check.h"
 
 #include <ATen/core/function_schema.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace torch_ext::ir {
 namespace {
+
+std::string print_type_safe(const Type& t) {
+  try {
+    return print_type(t);
+  } catch (const c10::Error&) {
+    return "<type without a text form>";
+  }
+}
 
 std::vector<Type> region_inputs(const Graph& r) {
   std::vector<Type> out;
@@ -83,8 +93,8 @@ void check_regions(const Node& n, const std::string& where, std::vector<std::str
                      types_str(region_outputs(r1)) + " (shapes and dtypes must stay fixed)");
 }
 
-void check_call_arity(const Node& n, std::vector<std::string>& errors) {
-  const std::string where = "node %" + n.name() + " (" + n.target().str() + "): ";
+void check_call(const Node& n, const std::string& prefix, std::vector<std::string>& errors) {
+  const std::string where = prefix + "node %" + n.name() + " (" + n.target().str() + "): ";
   if (n.target().is_getitem()) {
     if (n.args().size() != 2 || !n.kwargs().empty() || n.args()[0].kind != Arg::Kind::Node ||
         n.args()[1].kind != Arg::Kind::Int) {
@@ -97,20 +107,28 @@ void check_call_arity(const Node& n, std::vector<std::string>& errors) {
       return;
     }
     int64_t idx = n.args()[1].i;
-    if (idx < 0 || idx >= static_cast<int64_t>(src.elems.size()))
+    if (idx < 0 || idx >= static_cast<int64_t>(src.elems.size())) {
       errors.push_back(where + "index " + std::to_string(idx) + " out of range for a tuple of " +
                        std::to_string(src.elems.size()));
+      return;
+    }
+    if (src.elems[idx] != n.type())
+      errors.push_back(where + "declared type " + print_type(n.type()) + " differs from element " +
+                       std::to_string(idx) + " of %" + n.args()[0].node->name() + ", " +
+                       print_type(src.elems[idx]));
     return;
   }
   if (n.target().ns == "higher_order") {
     check_regions(n, where, errors);
     return;
   }
-  const c10::FunctionSchema* schema = find_schema(n.target());
-  if (schema == nullptr) {
+  const auto op = find_op(n.target());
+  if (!op) {
     errors.push_back(where + "unknown operator (not registered with the dispatcher)");
     return;
   }
+  const c10::FunctionSchema* schema = &op->schema();
+  const size_t errors_before = errors.size();
   const auto& formals = schema->arguments();
   size_t num_positional = 0;
   for (const auto& f : formals)
@@ -135,10 +153,20 @@ void check_call_arity(const Node& n, std::vector<std::string>& errors) {
   for (size_t k = 0; k < formals.size(); ++k)
     if (!filled[k] && !formals[k].default_value().has_value())
       errors.push_back(where + "missing required argument '" + formals[k].name() + "'");
+  if (errors.size() != errors_before) return;
+  try {
+    check_call_types(n, *op, where, errors);
+  } catch (const c10::Error& e) {
+    errors.push_back(where + "type check failed: " + e.msg());
+  }
 }
 
 void verify_into(const Graph& g, const std::string& prefix, std::vector<std::string>& errors) {
   std::unordered_set<const Node*> seen;
+  // Use lists are checked against the inputs through one map of (user, input) pairs, so a
+  // value with many users costs linear time, not quadratic.
+  std::unordered_map<const Node*, std::unordered_set<const Node*>> inputs_of;
+  std::unordered_set<const Node*> invalid;  // nodes whose declared type is not a valid type
   bool calls_started = false;
   size_t outputs = 0;
   const auto& nodes = g.nodes();
@@ -157,31 +185,56 @@ void verify_into(const Graph& g, const std::string& prefix, std::vector<std::str
       if (n.args().size() != 1 || n.args()[0].kind != Arg::Kind::List)
         errors.push_back(where + "output takes one list of values");
     }
-    for (Node* in : n.inputs()) {
+    if (std::string bad = invalid_type_reason(n.type()); !bad.empty()) {
+      errors.push_back(where + "invalid type " + print_type_safe(n.type()) + ": " + bad);
+      invalid.insert(&n);
+    }
+    std::vector<Node*> ins = n.inputs();
+    auto& my_inputs = inputs_of[&n];
+    my_inputs.insert(ins.begin(), ins.end());
+    for (Node* in : ins) {
       if (in->owner() != &g) {
         errors.push_back(where + "uses %" + in->name() + " from another graph");
         continue;
       }
       if (!seen.count(in))
         errors.push_back(where + "uses %" + in->name() + " before it is defined (cycle or bad order)");
-      const auto& users = in->users();
-      if (std::find(users.begin(), users.end(), &n) == users.end())
-        errors.push_back(where + "missing from the use list of %" + in->name());
       if (in->kind() == NodeKind::Output) errors.push_back(where + "uses the output node");
     }
-    for (Node* u : n.users()) {
-      auto ins = u->inputs();
-      if (std::find(ins.begin(), ins.end(), &n) == ins.end())
+    seen.insert(&n);
+  }
+  // Every (user, input) pair is in the input's use list and vice versa.
+  std::unordered_map<const Node*, std::unordered_set<const Node*>> users_of;
+  for (const auto& up : nodes) users_of[up.get()].insert(up->users().begin(), up->users().end());
+  for (const auto& up : nodes) {
+    const Node& n = *up;
+    const std::string where = prefix + "node %" + n.name() + ": ";
+    for (const Node* in : n.inputs()) {
+      auto it = users_of.find(in);
+      if (in->owner() == &g && (it == users_of.end() || !it->second.count(&n)))
+        errors.push_back(where + "missing from the use list of %" + in->name());
+    }
+    for (const Node* u : n.users()) {
+      auto it = inputs_of.find(u);
+      if (it == inputs_of.end() || !it->second.count(&n))
         errors.push_back(where + "use list names %" + u->name() + ", which does not use it (dangling use)");
     }
+  }
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    const Node& n = *nodes[i];
+    const std::string where = prefix + "node %" + n.name() + ": ";
     if (n.kind() == NodeKind::Call) {
       if (!n.regions().empty() && n.target().ns != "higher_order")
         errors.push_back(where + "only higher_order::cond and while_loop own regions, not " + n.target().str());
-      check_call_arity(n, errors);
+      // A node fed by an invalid type is not type-checked: the input's own error says why.
+      const auto ins = n.inputs();
+      const bool inputs_valid = std::none_of(ins.begin(), ins.end(), [&](const Node* in) {
+        return invalid.count(in) || in->owner() != &g;
+      });
+      if (inputs_valid && !invalid.count(&n)) check_call(n, prefix, errors);
       for (size_t r = 0; r < n.regions().size(); ++r)
         verify_into(*n.regions()[r], prefix + "%" + n.name() + ".region" + std::to_string(r) + ": ", errors);
     }
-    seen.insert(&n);
   }
   if (outputs != 1) errors.push_back(prefix + "graph has " + std::to_string(outputs) + " output nodes, expected 1");
 }

@@ -7,6 +7,8 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/util/Exception.h>
 
+#include <exception>
+
 namespace torch_ext::runtime {
 
 void check_input(const ir::Node& ph, const c10::IValue& v, size_t position) {
@@ -96,6 +98,10 @@ std::vector<c10::IValue> Executor::run(std::vector<c10::IValue> inputs) const {
       values[kernel_slot_[k]] = kernels_[k].invoke(values, stack);
     } catch (const c10::Error& e) {
       TORCH_CHECK(false, "while executing node %", kernels_[k].node_name(), ": ", e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      // Kernels also throw std::length_error, std::bad_alloc, ... (e.g. from SmallVector):
+      // name the node for those too.
+      TORCH_CHECK(false, "while executing node %", kernels_[k].node_name(), ": ", e.what());
     }
     for (int64_t s : release_after_[k]) values[s] = c10::IValue();
   }

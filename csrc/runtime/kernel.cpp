@@ -2,6 +2,7 @@
 
 #include "ir/printer.h"
 #include "ir/schema.h"
+#include "ir/type_check.h"
 #include "runtime/executor.h"
 
 #include <ATen/ScalarOps.h>
@@ -11,6 +12,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 namespace torch_ext::runtime {
 namespace {
@@ -28,94 +30,20 @@ c10::TypePtr unwrap_optional(const c10::TypePtr& t) {
   return t;
 }
 
-c10::IValue const_to_ivalue(const Arg& a, const c10::TypePtr& formal, const std::string& where) {
-  if (a.kind == Arg::Kind::None) {
-    TORCH_CHECK(formal->kind() == c10::TypeKind::OptionalType || formal->kind() == c10::TypeKind::NoneType, where,
-                "None given for non-optional type ", formal->str());
-    return c10::IValue();
-  }
-  const c10::TypePtr t = unwrap_optional(formal);
-  switch (t->kind()) {
-    case c10::TypeKind::IntType:
-    case c10::TypeKind::SymIntType:
-      // Schemas type ScalarType, Layout and MemoryFormat arguments as int.
-      TORCH_CHECK(a.kind == Arg::Kind::Int || a.kind == Arg::Kind::Bool || a.kind == Arg::Kind::Dtype ||
-                      a.kind == Arg::Kind::Layout || a.kind == Arg::Kind::MemoryFormat,
-                  where, "expected an int, got ", ir::print_arg(a));
-      return c10::IValue(a.i);
-    case c10::TypeKind::FloatType:
-    case c10::TypeKind::SymFloatType:
-      TORCH_CHECK(a.kind == Arg::Kind::Int || a.kind == Arg::Kind::Float, where, "expected a float, got ",
-                  ir::print_arg(a));
-      return c10::IValue(a.kind == Arg::Kind::Int ? static_cast<double>(a.i) : a.f);
-    case c10::TypeKind::BoolType:
-    case c10::TypeKind::SymBoolType:
-      TORCH_CHECK(a.kind == Arg::Kind::Bool || a.kind == Arg::Kind::Int, where, "expected a bool, got ",
-                  ir::print_arg(a));
-      return c10::IValue(a.i != 0);
-    case c10::TypeKind::NumberType:
-      if (a.kind == Arg::Kind::Int) return c10::IValue(a.i);
-      if (a.kind == Arg::Kind::Float) return c10::IValue(a.f);
-      if (a.kind == Arg::Kind::Bool) return c10::IValue(a.i != 0);
-      TORCH_CHECK(false, where, "expected a Scalar, got ", ir::print_arg(a));
-    case c10::TypeKind::StringType:
-      TORCH_CHECK(a.kind == Arg::Kind::String, where, "expected a string, got ", ir::print_arg(a));
-      return c10::IValue(a.s);
-    case c10::TypeKind::DeviceObjType:
-      TORCH_CHECK(a.kind == Arg::Kind::Device, where, "expected a device, got ", ir::print_arg(a));
-      return c10::IValue(c10::Device(a.s));
-    case c10::TypeKind::ScalarTypeType:
-    case c10::TypeKind::LayoutType:
-    case c10::TypeKind::MemoryFormatType:
-      TORCH_CHECK(a.kind == Arg::Kind::Dtype || a.kind == Arg::Kind::Layout || a.kind == Arg::Kind::MemoryFormat ||
-                      a.kind == Arg::Kind::Int,
-                  where, "expected ", t->str(), ", got ", ir::print_arg(a));
-      return c10::IValue(a.i);
-    case c10::TypeKind::TensorType: {
-      // Python scalars passed for Tensor arguments become wrapped-number tensors, as in eager.
-      TORCH_CHECK(a.kind == Arg::Kind::Int || a.kind == Arg::Kind::Float || a.kind == Arg::Kind::Bool, where,
-                  "expected a tensor, got ", ir::print_arg(a));
-      at::Tensor t = a.kind == Arg::Kind::Float ? at::scalar_to_tensor(at::Scalar(a.f))
-                     : a.kind == Arg::Kind::Bool ? at::scalar_to_tensor(at::Scalar(a.i != 0))
-                                                 : at::scalar_to_tensor(at::Scalar(a.i));
-      t.unsafeGetTensorImpl()->set_wrapped_number(true);
-      return c10::IValue(t);
-    }
-    case c10::TypeKind::ListType: {
-      TORCH_CHECK(a.kind == Arg::Kind::List, where, "expected a list for ", t->str(), ", got ", ir::print_arg(a));
-      const c10::TypePtr elem = t->castRaw<c10::ListType>()->getElementType();
-      switch (elem->kind()) {
-        case c10::TypeKind::IntType:
-        case c10::TypeKind::SymIntType: {
-          c10::List<int64_t> out;
-          for (const Arg& e : a.list) out.push_back(const_to_ivalue(e, elem, where).toInt());
-          return c10::IValue(out);
-        }
-        case c10::TypeKind::FloatType: {
-          c10::List<double> out;
-          for (const Arg& e : a.list) out.push_back(const_to_ivalue(e, elem, where).toDouble());
-          return c10::IValue(out);
-        }
-        case c10::TypeKind::BoolType: {
-          c10::List<bool> out;
-          for (const Arg& e : a.list) out.push_back(const_to_ivalue(e, elem, where).toBool());
-          return c10::IValue(out);
-        }
-        case c10::TypeKind::TensorType:
-          TORCH_CHECK(a.list.empty(), where, "tensor list with constant elements");
-          return c10::IValue(c10::List<at::Tensor>());
-        default:
-          break;
-      }
-      TORCH_CHECK(false, where, "constant list of ", elem->str(), " is not supported");
-    }
-    default:
-      break;
-  }
-  TORCH_CHECK(false, where, "constant ", ir::print_arg(a), " for argument type ", formal->str(), " is not supported");
-}
-
 }  // namespace
+
+int64_t max_loop_iterations() {
+  // Read once: the limit is a process-wide safety net against loops that never end.
+  static const int64_t limit = [] {
+    const char* env = std::getenv("TORCH_EXT_MAX_LOOP_ITERATIONS");
+    if (env == nullptr || *env == '\0') return kDefaultMaxLoopIterations;
+    char* end = nullptr;
+    const long long v = std::strtoll(env, &end, 10);
+    TORCH_CHECK(*end == '\0' && v > 0, "TORCH_EXT_MAX_LOOP_ITERATIONS must be a positive integer, got '", env, "'");
+    return static_cast<int64_t>(v);
+  }();
+  return limit;
+}
 
 BoundKernel BoundKernel::bind(const ir::Node& node, const SlotOf& slot_of_fn) {
   TORCH_INTERNAL_ASSERT(node.kind() == ir::NodeKind::Call);
@@ -205,7 +133,7 @@ BoundKernel BoundKernel::bind_as(const ir::Node& node, const c10::OperatorHandle
     }
     const Arg& a = *given[i];
     if (!has_node(a)) {
-      k.stack_template_[i] = const_to_ivalue(a, formal.type(), where);
+      k.stack_template_[i] = ir::constant_to_ivalue(a, formal.type(), where);
       continue;
     }
     if (a.kind == Arg::Kind::Node) {
@@ -240,7 +168,7 @@ BoundKernel BoundKernel::bind_as(const ir::Node& node, const c10::OperatorHandle
         TORCH_CHECK(fill.kind != ListKind::OptionalTensor || e.kind == Arg::Kind::None, where, "element ",
                     ir::print_arg(e), " of an optional-tensor list must be a graph value or None");
         fill.slots.push_back(-1);
-        fill.consts.push_back(fill.kind == ListKind::Tensor ? c10::IValue() : const_to_ivalue(e, elem, where));
+        fill.consts.push_back(fill.kind == ListKind::Tensor ? c10::IValue() : ir::constant_to_ivalue(e, elem, where));
       }
     }
     k.lists_.push_back(std::move(fill));
@@ -266,9 +194,12 @@ c10::IValue BoundKernel::invoke_control_flow(const ValueSlots& values) const {
     v.insert(v.end(), additional.begin(), additional.end());
     return v;
   };
-  while (true) {
+  const int64_t limit = max_loop_iterations();
+  for (int64_t iteration = 0;; ++iteration) {
     const c10::IValue c = regions_[0]->run(with_additional(carried)).at(0);
     if (!(c.isTensor() ? c.toTensor().item<bool>() : c.toBool())) break;
+    TORCH_CHECK(iteration < limit, "while_loop %", node_name_, ": still running after ", limit,
+                " iterations, the limit (set TORCH_EXT_MAX_LOOP_ITERATIONS to raise it)");
     carried = regions_[1]->run(with_additional(std::move(carried)));
   }
   return c10::ivalue::Tuple::create(std::move(carried));

@@ -27,6 +27,12 @@ class Executor;
 
 using ValueSlots = std::vector<c10::IValue>;
 
+// A while_loop that runs more iterations than this fails with an error naming the node, so no
+// graph can hang a runtime. The default can be changed with the environment variable
+// TORCH_EXT_MAX_LOOP_ITERATIONS (read once per process).
+constexpr int64_t kDefaultMaxLoopIterations = 1000000;
+int64_t max_loop_iterations();
+
 class BoundKernel {
  public:
   // Maps a node to the value slot that holds it.

@@ -28,7 +28,7 @@ const char* kMlp = R"(graph:
   %relu : f32[8,4] = aten::relu.default(%linear)
   %topk : (f32[8,2], i64[8,2]) = aten::topk.default(%relu, 2, dim=-1, largest=True)
   %getitem : f32[8,2] = getitem(%topk, 0)
-  %sum : f32[] = aten::sum.dim_IntList(%getitem, [1], False, dtype=torch.float32)
+  %sum : f32[8] = aten::sum.dim_IntList(%getitem, [1], False, dtype=torch.float32)
   %t : f32[4,8]{1,4} = aten::t.default(%relu)
   return (%sum, %t, None)
 )";

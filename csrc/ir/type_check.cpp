@@ -1,0 +1,491 @@
+#include "ir/type_check.h"
+
+#include "ir/printer.h"
+
+#include <ATen/ScalarOps.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/enum_tag.h>
+#include <ATen/core/jit_type.h>
+#include <ATen/ops/empty_strided.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
+
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+
+namespace torch_ext::ir {
+namespace {
+
+c10::TypePtr unwrap_optional(const c10::TypePtr& t) {
+  if (auto opt = t->cast<c10::OptionalType>()) return opt->getElementType();
+  return t;
+}
+
+bool is_int_kind(c10::TypeKind k) { return k == c10::TypeKind::IntType || k == c10::TypeKind::SymIntType; }
+bool is_float_kind(c10::TypeKind k) { return k == c10::TypeKind::FloatType || k == c10::TypeKind::SymFloatType; }
+bool is_bool_kind(c10::TypeKind k) { return k == c10::TypeKind::BoolType || k == c10::TypeKind::SymBoolType; }
+
+// Whether a graph value of declared type `t` may be passed for a formal of (non-list) type `formal`.
+bool value_fits(const Type& t, const c10::TypePtr& formal) {
+  if (t.kind == Type::Kind::None) return formal->kind() == c10::TypeKind::OptionalType;
+  const c10::TypeKind k = unwrap_optional(formal)->kind();
+  switch (t.kind) {
+    case Type::Kind::Tensor: return k == c10::TypeKind::TensorType;
+    // The runtimes pass the value as it is (no int -> float conversion), so kinds match exactly.
+    case Type::Kind::Int: return is_int_kind(k) || k == c10::TypeKind::NumberType;
+    case Type::Kind::Float: return is_float_kind(k) || k == c10::TypeKind::NumberType;
+    case Type::Kind::Bool: return is_bool_kind(k) || k == c10::TypeKind::NumberType;
+    default: return false;  // tuples are read through getitem, never passed whole
+  }
+}
+
+std::string misfit(const std::string& where, const c10::Argument& formal, const Node& value) {
+  return where + "argument '" + formal.name() + "' expects " + formal.type()->str() + ", got %" + value.name() +
+         " of type " + print_type(value.type());
+}
+
+// Known disagreements between the meta kernels and the types torch.export records for the
+// same results (from its fake kernels), on results that eager computes differently from meta.
+// Each is accepted only in the exact form export writes it:
+//   * the RNN ops' hidden-state results (index >= 1), which export records with extra size-1
+//     dims ([L*D, 1, B, H] where meta and eager give [L*D, B, H]);
+//   * the saved statistics of _native_batch_norm_legit_no_training (index >= 1), which eager
+//     returns empty ([0]) where meta returns [C].
+bool known_disagreement(const std::string& op, size_t index, const TensorMeta& declared, const TensorMeta& inferred) {
+  if (index == 0 || declared.dtype != inferred.dtype) return false;
+  if (op == "_native_batch_norm_legit_no_training") return declared.sizes == std::vector<int64_t>{0};
+  if (op != "lstm" && op != "gru" && op != "rnn_tanh" && op != "rnn_relu") return false;
+  const auto squeeze = [](const std::vector<int64_t>& v) {
+    std::vector<int64_t> out;
+    for (int64_t s : v)
+      if (s != 1) out.push_back(s);
+    return out;
+  };
+  return squeeze(declared.sizes) == squeeze(inferred.sizes);
+}
+
+// Dtypes and sizes must agree. Strides are not compared: meta and eager kernels legitimately
+// choose different layouts (scaled_dot_product_attention on CPU), and no runtime relies on them.
+bool agrees(const Type& declared, const Type& inferred, const std::string& op, size_t index = 0) {
+  if (declared.kind != inferred.kind) return false;
+  if (declared.kind == Type::Kind::Tensor)
+    return (declared.tensor.dtype == inferred.tensor.dtype && declared.tensor.sizes == inferred.tensor.sizes) ||
+           known_disagreement(op, index, declared.tensor, inferred.tensor);
+  if (declared.kind != Type::Kind::Tuple) return true;
+  if (declared.elems.size() != inferred.elems.size()) return false;
+  for (size_t i = 0; i < declared.elems.size(); ++i)
+    if (!agrees(declared.elems[i], inferred.elems[i], op, i)) return false;
+  return true;
+}
+
+// The IR type of a meta result, on `device` (devices are not inferred). Nullopt for values
+// the IR has no type for.
+std::optional<Type> type_of_result(const c10::IValue& v, const c10::Device& device) {
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    if (!t.defined()) return Type::make_scalar(Type::Kind::None);
+    TensorMeta m;
+    m.dtype = t.scalar_type();
+    m.sizes = t.sizes().vec();
+    m.strides = t.strides().vec();
+    m.device = device;
+    return Type::make_tensor(std::move(m));
+  }
+  if (v.isTensorList() || v.isTuple() || v.isList()) {
+    std::vector<Type> elems;
+    const auto add = [&](const c10::IValue& e) {
+      auto t = type_of_result(e, device);
+      if (!t) return false;
+      elems.push_back(std::move(*t));
+      return true;
+    };
+    if (v.isTuple()) {
+      for (const auto& e : v.toTupleRef().elements())
+        if (!add(e)) return std::nullopt;
+    } else {
+      for (const c10::IValue& e : v.toListRef())
+        if (!add(e)) return std::nullopt;
+    }
+    return Type::make_tuple(std::move(elems));
+  }
+  if (v.isInt()) return Type::make_scalar(Type::Kind::Int);
+  if (v.isDouble()) return Type::make_scalar(Type::Kind::Float);
+  if (v.isBool()) return Type::make_scalar(Type::Kind::Bool);
+  if (v.isNone()) return Type::make_scalar(Type::Kind::None);
+  return std::nullopt;
+}
+
+// First device among the node's tensor inputs (what the result lives on), else the node's own.
+c10::Device result_device(const Node& node) {
+  for (const Node* in : node.inputs())
+    if (in->type().is_tensor()) return in->type().tensor.device;
+  if (node.type().is_tensor()) return node.type().tensor.device;
+  if (node.type().kind == Type::Kind::Tuple)
+    for (const Type& e : node.type().elems)
+      if (e.is_tensor()) return e.tensor.device;
+  return c10::Device(c10::kCPU);
+}
+
+// Only the printed form of an inferred type is shown, so its devices follow the declared ones.
+void copy_devices(const Type& from, Type& to) {
+  if (from.is_tensor() && to.is_tensor()) to.tensor.device = from.tensor.device;
+  if (from.kind == Type::Kind::Tuple && to.kind == Type::Kind::Tuple)
+    for (size_t i = 0; i < from.elems.size() && i < to.elems.size(); ++i) copy_devices(from.elems[i], to.elems[i]);
+}
+
+// The message without backtraces: c10's, or the Python traceback ("\n\nAt:\n...") that errors
+// raised by Python meta kernels carry.
+std::string error_text(const std::exception& e) {
+  if (const auto* c10e = dynamic_cast<const c10::Error*>(&e)) return c10e->msg();
+  std::string msg = e.what();
+  const auto at = msg.find("\n\nAt:\n");
+  if (at != std::string::npos) msg.resize(at);
+  return msg;
+}
+
+at::Tensor meta_tensor(const TensorMeta& m) {
+  return at::empty_strided(m.sizes, m.strides, at::TensorOptions().dtype(m.dtype).device(c10::kMeta));
+}
+
+// Tensor inputs by stack position, materialised as meta tensors only on a cache miss.
+struct TensorInput {
+  size_t pos;
+  std::vector<const Node*> nodes;  // one for a Tensor formal; null marks None in a Tensor?[]
+  bool list = false;
+  bool optional_elems = false;
+};
+
+// Meta results by everything they depend on (operator, constants, input and declared types),
+// process-wide: big graphs repeat the same layers, and every runtime verifies its graph again.
+// The value is the problem found, empty when the declared type agrees.
+class MetaCache {
+ public:
+  std::optional<std::string> find(const std::string& key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = map_.find(key);
+    if (it == map_.end()) return std::nullopt;
+    return it->second;
+  }
+  void insert(const std::string& key, const std::string& problem) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (map_.size() >= kMaxEntries) map_.clear();  // bounded memory; a refill costs one meta run per entry
+    map_.emplace(key, problem);
+  }
+
+ private:
+  static constexpr size_t kMaxEntries = 1 << 16;
+  std::mutex mu_;
+  std::unordered_map<std::string, std::string> map_;
+};
+
+MetaCache& meta_cache() {
+  static MetaCache* cache = new MetaCache();  // never destroyed: verify may run during exit
+  return *cache;
+}
+
+std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, std::vector<c10::IValue>& stack,
+                              const std::vector<TensorInput>& tensor_inputs) {
+  std::unordered_map<const Node*, at::Tensor> metas;
+  const auto meta_of = [&](const Node* n) -> const at::Tensor& {
+    auto it = metas.find(n);
+    if (it == metas.end()) it = metas.emplace(n, meta_tensor(n->type().tensor)).first;
+    return it->second;
+  };
+  for (const TensorInput& t : tensor_inputs) {
+    if (!t.list) {
+      stack[t.pos] = meta_of(t.nodes[0]);
+    } else if (t.optional_elems) {
+      c10::List<std::optional<at::Tensor>> l;
+      for (const Node* n : t.nodes) l.push_back(n ? std::optional<at::Tensor>(meta_of(n)) : std::nullopt);
+      stack[t.pos] = c10::IValue(l);
+    } else {
+      c10::List<at::Tensor> l;
+      for (const Node* n : t.nodes) l.push_back(meta_of(n));
+      stack[t.pos] = c10::IValue(l);
+    }
+  }
+  {
+    // Graph values carry no autograd history, and a Python mode active in the caller must not
+    // see these tensors.
+    at::AutoDispatchBelowAutograd no_autograd;
+    c10::impl::ExcludeDispatchKeyGuard no_python(
+        c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
+    try {
+      op.callBoxed(stack);
+    } catch (const c10::NotImplementedError&) {
+      // The Meta fallback: no meta kernel or fake impl is registered in this process.
+      return "";
+    } catch (const std::exception& e) {
+      return "the operator refuses the declared argument types: " + error_text(e);
+    }
+  }
+  std::optional<Type> inferred;
+  const c10::Device device = result_device(node);
+  const size_t num_returns = op.schema().returns().size();
+  if (num_returns == 0) {
+    inferred = Type::make_scalar(Type::Kind::None);
+  } else if (num_returns == 1) {
+    inferred = type_of_result(stack.at(0), device);
+  } else {
+    std::vector<Type> elems;
+    for (size_t r = 0; r < num_returns && r < stack.size(); ++r) {
+      auto t = type_of_result(stack[r], device);
+      if (!t) return "";
+      elems.push_back(std::move(*t));
+    }
+    inferred = Type::make_tuple(std::move(elems));
+  }
+  if (!inferred || agrees(node.type(), *inferred, node.target().name)) return "";
+  copy_devices(node.type(), *inferred);
+  return "declared type " + print_type(node.type()) + " differs from " + print_type(*inferred) +
+         ", which the operator produces for the declared inputs";
+}
+
+}  // namespace
+
+c10::IValue constant_to_ivalue(const Arg& a, const c10::TypePtr& formal, const std::string& where) {
+  if (a.kind == Arg::Kind::None) {
+    TORCH_CHECK(formal->kind() == c10::TypeKind::OptionalType || formal->kind() == c10::TypeKind::NoneType, where,
+                "None given for non-optional type ", formal->str());
+    return c10::IValue();
+  }
+  TORCH_CHECK(a.kind != Arg::Kind::Node, where, "expected a constant, got graph value ", print_arg(a));
+  const c10::TypePtr t = unwrap_optional(formal);
+  switch (t->kind()) {
+    case c10::TypeKind::IntType:
+    case c10::TypeKind::SymIntType:
+      // Schemas type ScalarType, Layout and MemoryFormat arguments as int.
+      TORCH_CHECK(a.kind == Arg::Kind::Int || a.kind == Arg::Kind::Bool || a.kind == Arg::Kind::Dtype ||
+                      a.kind == Arg::Kind::Layout || a.kind == Arg::Kind::MemoryFormat,
+                  where, "expected an int, got ", print_arg(a));
+      return c10::IValue(a.i);
+    case c10::TypeKind::FloatType:
+    case c10::TypeKind::SymFloatType:
+      TORCH_CHECK(a.kind == Arg::Kind::Int || a.kind == Arg::Kind::Float, where, "expected a float, got ",
+                  print_arg(a));
+      return c10::IValue(a.kind == Arg::Kind::Int ? static_cast<double>(a.i) : a.f);
+    case c10::TypeKind::BoolType:
+    case c10::TypeKind::SymBoolType:
+      TORCH_CHECK(a.kind == Arg::Kind::Bool || a.kind == Arg::Kind::Int, where, "expected a bool, got ",
+                  print_arg(a));
+      return c10::IValue(a.i != 0);
+    case c10::TypeKind::NumberType:
+      if (a.kind == Arg::Kind::Int) return c10::IValue(a.i);
+      if (a.kind == Arg::Kind::Float) return c10::IValue(a.f);
+      if (a.kind == Arg::Kind::Bool) return c10::IValue(a.i != 0);
+      TORCH_CHECK(false, where, "expected a Scalar, got ", print_arg(a));
+    case c10::TypeKind::StringType:
+      TORCH_CHECK(a.kind == Arg::Kind::String, where, "expected a string, got ", print_arg(a));
+      return c10::IValue(a.s);
+    case c10::TypeKind::DeviceObjType:
+      TORCH_CHECK(a.kind == Arg::Kind::Device, where, "expected a device, got ", print_arg(a));
+      return c10::IValue(c10::Device(a.s));
+    case c10::TypeKind::ScalarTypeType:
+    case c10::TypeKind::LayoutType:
+    case c10::TypeKind::MemoryFormatType:
+      TORCH_CHECK(a.kind == Arg::Kind::Dtype || a.kind == Arg::Kind::Layout || a.kind == Arg::Kind::MemoryFormat ||
+                      a.kind == Arg::Kind::Int,
+                  where, "expected ", t->str(), ", got ", print_arg(a));
+      return c10::IValue(a.i);
+    case c10::TypeKind::TensorType: {
+      // Python scalars passed for Tensor arguments become wrapped-number tensors, as in eager.
+      TORCH_CHECK(a.kind == Arg::Kind::Int || a.kind == Arg::Kind::Float || a.kind == Arg::Kind::Bool, where,
+                  "expected a tensor, got ", print_arg(a));
+      at::Tensor s = a.kind == Arg::Kind::Float ? at::scalar_to_tensor(at::Scalar(a.f))
+                     : a.kind == Arg::Kind::Bool ? at::scalar_to_tensor(at::Scalar(a.i != 0))
+                                                 : at::scalar_to_tensor(at::Scalar(a.i));
+      s.unsafeGetTensorImpl()->set_wrapped_number(true);
+      return c10::IValue(s);
+    }
+    case c10::TypeKind::ListType: {
+      TORCH_CHECK(a.kind == Arg::Kind::List, where, "expected a list for ", t->str(), ", got ", print_arg(a));
+      const c10::TypePtr elem = t->castRaw<c10::ListType>()->getElementType();
+      switch (elem->kind()) {
+        case c10::TypeKind::IntType:
+        case c10::TypeKind::SymIntType: {
+          c10::List<int64_t> out;
+          for (const Arg& e : a.list) out.push_back(constant_to_ivalue(e, elem, where).toInt());
+          return c10::IValue(out);
+        }
+        case c10::TypeKind::FloatType: {
+          c10::List<double> out;
+          for (const Arg& e : a.list) out.push_back(constant_to_ivalue(e, elem, where).toDouble());
+          return c10::IValue(out);
+        }
+        case c10::TypeKind::BoolType: {
+          c10::List<bool> out;
+          for (const Arg& e : a.list) out.push_back(constant_to_ivalue(e, elem, where).toBool());
+          return c10::IValue(out);
+        }
+        case c10::TypeKind::TensorType:
+          TORCH_CHECK(a.list.empty(), where, "tensor list with constant elements");
+          return c10::IValue(c10::List<at::Tensor>());
+        default:
+          break;
+      }
+      TORCH_CHECK(false, where, "constant list of ", elem->str(), " is not supported");
+    }
+    default:
+      break;
+  }
+  TORCH_CHECK(false, where, "constant ", print_arg(a), " for argument type ", formal->str(), " is not supported");
+}
+
+std::string invalid_type_reason(const Type& type) {
+  if (type.kind == Type::Kind::Tuple) {
+    for (size_t i = 0; i < type.elems.size(); ++i) {
+      std::string r = invalid_type_reason(type.elems[i]);
+      if (!r.empty()) return "element " + std::to_string(i) + ": " + r;
+    }
+    return "";
+  }
+  if (type.kind != Type::Kind::Tensor) return "";
+  const TensorMeta& m = type.tensor;
+  for (size_t d = 0; d < m.sizes.size(); ++d)
+    if (m.sizes[d] < 0) return "negative size " + std::to_string(m.sizes[d]) + " at dim " + std::to_string(d);
+  if (m.strides.size() != m.sizes.size())
+    return "strides have rank " + std::to_string(m.strides.size()) + " but sizes have rank " +
+           std::to_string(m.sizes.size());
+  for (size_t d = 0; d < m.strides.size(); ++d)
+    if (m.strides[d] < 0) return "negative stride " + std::to_string(m.strides[d]) + " at dim " + std::to_string(d);
+  try {
+    m.nbytes();  // checks the element count and the addressed span for int64 overflow
+  } catch (const c10::Error& e) {
+    return e.msg();
+  }
+  return "";
+}
+
+void check_call_types(const Node& node, const c10::OperatorHandle& op, const std::string& where,
+                      std::vector<std::string>& errors) {
+  const c10::FunctionSchema& schema = op.schema();
+  const auto& formals = schema.arguments();
+  std::vector<const Arg*> given(formals.size(), nullptr);
+  for (size_t i = 0; i < node.args().size() && i < formals.size(); ++i) given[i] = &node.args()[i];
+  for (const auto& kv : node.kwargs())
+    if (auto idx = schema.argumentIndexWithName(kv.first)) given[*idx] = &kv.second;
+
+  // Level 1: arguments against the schema, building the meta stack on the way.
+  const size_t errors_before = errors.size();
+  bool inferable = true;  // false once an input's value is unknown before run time
+  std::vector<TensorInput> tensor_inputs;
+  std::string key = node.target().str();  // everything the meta result depends on
+  std::vector<c10::IValue> stack(formals.size());
+  for (size_t i = 0; i < formals.size(); ++i) {
+    const c10::Argument& formal = formals[i];
+    const c10::TypePtr ft = unwrap_optional(formal.type());
+    const std::string at_arg = where + "argument '" + formal.name() + "': ";
+    if (ft->kind() == c10::TypeKind::DeviceObjType && (given[i] == nullptr || given[i]->kind != Arg::Kind::Node)) {
+      if (given[i] != nullptr && given[i]->kind != Arg::Kind::None && given[i]->kind != Arg::Kind::Device)
+        errors.push_back(at_arg + "expected a device, got " + print_arg(*given[i]));
+      stack[i] = c10::IValue(c10::Device(c10::kMeta));  // never allocate real memory at verify time
+      continue;
+    }
+    if (given[i] == nullptr) {
+      if (formal.default_value()) stack[i] = *formal.default_value();
+      continue;
+    }
+    const Arg& a = *given[i];
+    if (a.kind == Arg::Kind::Node) {
+      const Node& v = *a.node;
+      if (!value_fits(v.type(), formal.type())) {
+        errors.push_back(misfit(where, formal, v));
+        continue;
+      }
+      if (v.type().is_tensor()) {
+        tensor_inputs.push_back({i, {&v}});
+      } else {
+        inferable = inferable && v.type().kind == Type::Kind::None;
+      }
+      continue;
+    }
+    bool has_node = false;
+    a.for_each_node([&](Node*) { has_node = true; });
+    if (!has_node) {
+      try {
+        stack[i] = constant_to_ivalue(a, formal.type(), at_arg);
+      } catch (const c10::Error& e) {
+        errors.push_back(e.msg());
+      }
+      continue;
+    }
+    // A list holding graph values.
+    if (a.kind != Arg::Kind::List || ft->kind() != c10::TypeKind::ListType) {
+      errors.push_back(at_arg + "expects " + formal.type()->str() + ", got the list " + print_arg(a));
+      continue;
+    }
+    const c10::TypePtr elem = ft->castRaw<c10::ListType>()->getElementType();
+    const c10::TypeKind ek = unwrap_optional(elem)->kind();
+    const bool tensors = ek == c10::TypeKind::TensorType;
+    const bool optional_tensors = tensors && elem->kind() == c10::TypeKind::OptionalType;
+    if (!tensors && !is_int_kind(ek) && !is_float_kind(ek)) {
+      errors.push_back(at_arg + "lists of " + elem->str() + " holding graph values are not supported");
+      continue;
+    }
+    TensorInput list_input{i, {}, true, optional_tensors};
+    bool ok = true;
+    for (size_t j = 0; j < a.list.size() && ok; ++j) {
+      const Arg& e = a.list[j];
+      const std::string at_elem = at_arg + "element " + std::to_string(j) + " ";
+      if (e.kind == Arg::Kind::Node) {
+        if (!value_fits(e.node->type(), elem) || e.node->type().kind == Type::Kind::None) {
+          errors.push_back(at_elem + "expects " + elem->str() + ", got %" + e.node->name() + " of type " +
+                           print_type(e.node->type()));
+          ok = false;
+        } else if (tensors) {
+          list_input.nodes.push_back(e.node);
+        } else {
+          inferable = false;  // an int or float computed at run time
+        }
+        continue;
+      }
+      if (tensors) {
+        if (!optional_tensors || e.kind != Arg::Kind::None) {
+          errors.push_back(at_elem + print_arg(e) + " must be a graph value" + (optional_tensors ? " or None" : ""));
+          ok = false;
+        } else {
+          list_input.nodes.push_back(nullptr);
+        }
+        continue;
+      }
+      try {
+        constant_to_ivalue(e, elem, at_elem);
+      } catch (const c10::Error& err) {
+        errors.push_back(err.msg());
+        ok = false;
+      }
+    }
+    if (tensors) tensor_inputs.push_back(std::move(list_input));
+  }
+  if (errors.size() != errors_before || !inferable) return;
+
+  // Level 2: run the operator on meta tensors and compare with the declared type.
+  if (!op.hasComputedKernelForDispatchKey(c10::DispatchKey::Meta) || op.hasTag(at::Tag::dynamic_output_shape) ||
+      op.hasTag(at::Tag::data_dependent_output))
+    return;
+  for (size_t i = 0; i < formals.size(); ++i) {
+    key += '|';
+    if (given[i] == nullptr) continue;  // the schema default
+    if (given[i]->kind == Arg::Kind::Node) {
+      key += print_type(given[i]->node->type());
+      continue;
+    }
+    given[i]->kind == Arg::Kind::List ? key += '[' : key += std::to_string(static_cast<int>(given[i]->kind));
+    for (const Arg& e : given[i]->kind == Arg::Kind::List ? given[i]->list : std::vector<Arg>{*given[i]})
+      key += (e.kind == Arg::Kind::Node ? print_type(e.node->type()) : print_arg(e)) + ",";
+  }
+  key += "->" + print_type(node.type());
+  if (auto hit = meta_cache().find(key)) {
+    if (!hit->empty()) errors.push_back(where + *hit);
+    return;
+  }
+  std::string problem = infer_and_compare(node, op, stack, tensor_inputs);
+  meta_cache().insert(key, problem);
+  if (!problem.empty()) errors.push_back(where + problem);
+}
+
+}  // namespace torch_ext::ir

@@ -1,0 +1,51 @@
+// Type checks of call nodes against their operator schemas, used by the verifier.
+//
+// Two levels, both per node and independent of other nodes (each input is taken at its
+// declared type, and every node's declared type is itself checked, so the whole graph is
+// consistent once every node passes):
+//
+//  1. Arguments. Every given argument fits its formal's schema type: a graph value of type
+//     Tensor for Tensor, int for int/SymInt, a list (of fitting elements) for T[], and so
+//     on; constants convert exactly as the runtimes will convert them (constant_to_ivalue).
+//  2. Results. The operator runs once on meta tensors built from the inputs' declared types
+//     (shape and dtype inference through its Meta kernel; torch_ext ops get theirs from the
+//     fake kernels registered in torch_ext/_fake.py), and the node's declared type must equal
+//     what it produces: dtype, sizes and, where they matter (dims of size > 1 in a non-empty
+//     tensor), strides. An operator that refuses the meta inputs is reported, so a verified
+//     graph never hands a kernel arguments its declared types rule out.
+//
+// Inference is skipped, documented by this rule, when it cannot be done soundly:
+//   * the operator has no Meta kernel in this process, so the dispatcher's Meta fallback raises
+//     NotImplementedError (aten ops whose meta kernels are Python registrations, and torch_ext ops, in a C++-only
+//     process, where the Python fake kernels are not registered);
+//   * its output shape or value depends on data (tags dynamic_output_shape,
+//     data_dependent_output: nonzero, item, ...);
+//   * an input is a scalar graph value (int, float, bool), whose value is unknown before run.
+// Devices are not inferred: every Device argument is replaced by meta (so no real memory is
+// ever allocated at verify time); devices are checked against the inputs at run time.
+#pragma once
+
+#include "ir/graph.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/ivalue.h>
+
+#include <string>
+#include <vector>
+
+namespace torch_ext::ir {
+
+// Converts a constant (node-free) argument to the IValue of schema type `formal`, as every
+// runtime binds it. Throws c10::Error prefixed with `where` when the constant does not fit.
+c10::IValue constant_to_ivalue(const Arg& a, const c10::TypePtr& formal, const std::string& where);
+
+// Checks `node` (a call of `op` whose arity already fits the schema) as described above;
+// appends one message per problem, each starting with `where`.
+void check_call_types(const Node& node, const c10::OperatorHandle& op, const std::string& where,
+                      std::vector<std::string>& errors);
+
+// A reason why `type` cannot be the type of a value (negative size, rank mismatch between
+// sizes and strides, element count or byte size overflowing int64), or empty when it can.
+std::string invalid_type_reason(const Type& type);
+
+}  // namespace torch_ext::ir
