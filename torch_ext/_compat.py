@@ -149,6 +149,22 @@ def export_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | No
     # TransformerLens 4's TransformerBridge reports the wrapped model's parameter names from
     # named_parameters()/parameters()/state_dict(), which export cannot find in the module tree:
     # use nn.Module's own walk on the instance for the export.
+    hook_cls = _transformer_lens_hook_point()
+    has_hooks = hook_cls is not None and any(isinstance(m, hook_cls) for m in module.modules())
+    if has_hooks:
+        # TransformerLens 4 re-wires its blocks when a hook returns a new tensor (as the markers
+        # below do), leaving the model unusable afterwards: export a copy, never the user's model.
+        import copy
+
+        # Activations a previous run left on the modules (non-leaf tensors) cannot be deep-copied.
+        memo = {}
+        for m in module.modules():
+            for v in vars(m).values():
+                items = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else [v]
+                for t in items:
+                    if isinstance(t, torch.Tensor) and not t.is_leaf:
+                        memo[id(t)] = t.detach()
+        module = copy.deepcopy(module, memo)
     unshadowed = []
     if type(module).__module__.startswith("transformer_lens."):
         for meth in ("named_parameters", "parameters", "named_buffers", "buffers", "state_dict"):
@@ -159,8 +175,8 @@ def export_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | No
     saved_cache = None
     if cfg is not None and getattr(cfg, "use_cache", None) is True and hasattr(module, "generate"):
         saved_cache, cfg.use_cache = cfg.use_cache, False
-    hook_cls, saved_forward = _transformer_lens_hook_point(), None
-    if hook_cls is not None and any(isinstance(m, hook_cls) for m in module.modules()):
+    saved_forward = None
+    if has_hooks:
         # Each HookPoint (an identity module) leaves a named marker node, so that hook names address
         # graph nodes; ReactiveGraph turns the markers back into plain edges (strip_hook_points).
         saved_forward = hook_cls.forward

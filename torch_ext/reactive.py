@@ -21,8 +21,15 @@ from .ir import Graph
 
 
 def _functional_program(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    # Cached values must never be aliased by an in-place op: functionalize, keep composite ops.
-    return ep.run_decompositions({})
+    """Cached values must never be aliased by an in-place op: functionalize, keep composite ops.
+
+    A program with no mutating op and no mutated input is functional already; it is used as it is,
+    since run_decompositions re-traces the whole model (most of the build time of a graph).
+    """
+    mutated = any(spec.kind.name.endswith("MUTATION") for spec in ep.graph_signature.output_specs)
+    mutating = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                   and n.target._schema.is_mutable for n in ep.graph.nodes)
+    return ep.run_decompositions({}) if mutated or mutating else ep
 
 
 def _random_nodes(ep: torch.export.ExportedProgram) -> list[str]:
