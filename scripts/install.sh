@@ -8,7 +8,8 @@
 #
 # An installed torch >= 2.9 is kept as it is (this script never up- or downgrades it). CI pins its exact torch
 # through pip's own constraint mechanism: .ci/run exports PIP_CONSTRAINT=.ci/constraints.txt.
-# Environment: PYTHON (default python3), MAX_JOBS (parallel compile jobs, default 2).
+# Environment: PYTHON (default python3), MAX_JOBS (parallel compile jobs, default 2); pip's own variables apply,
+# e.g. PIP_INDEX_URL=https://download.pytorch.org/whl/cpu for a CPU-only torch when none is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,7 +23,7 @@ for arg in "$@"; do
     --dry-run) DRY_RUN=1 ;;
     --test-deps) TEST_DEPS=1 ;;
     --only-test-deps) TEST_DEPS=1; ONLY_TEST_DEPS=1 ;;
-    -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "install.sh: unknown option $arg (try --help)" >&2; exit 2 ;;
   esac
 done
