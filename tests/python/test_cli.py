@@ -118,16 +118,25 @@ def test_check_tells_a_broken_tool_from_a_failed_check(here, monkeypatch, capsys
 
 
 def test_unsupported_optimizer_is_an_input_error(tmp_path):
-    (tmp_path / "rms.py").write_text(textwrap.dedent("""
+    (tmp_path / "own_opt.py").write_text(textwrap.dedent("""
         import torch
+
+        class HomeMadeOptimizer(torch.optim.Optimizer):
+            def __init__(self, params):
+                super().__init__(params, {"lr": 0.1})
+
+            def step(self, closure=None):
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        p.data.add_(p.grad, alpha=-group["lr"])
+
         def factory():
             model = torch.nn.Linear(3, 2)
-            opt = torch.optim.RMSprop(model.parameters())
-            return model, opt, lambda m, x: m(x).sum(), (torch.randn(4, 3),)
+            return model, HomeMadeOptimizer(model.parameters()), lambda m, x: m(x).sum(), (torch.randn(4, 3),)
     """))
-    r = run_cli("check", f"{tmp_path / 'rms.py'}:factory", "--steps", "2")
+    r = run_cli("check", f"{tmp_path / 'own_opt.py'}:factory", "--steps", "2")
     assert r.returncode == 2, r.stderr
-    assert "RMSprop is not supported" in r.stderr and "Traceback" not in r.stderr
+    assert "HomeMadeOptimizer is not supported" in r.stderr and "Traceback" not in r.stderr
 
 
 # ---------------------------------------------------------------- MODEL
