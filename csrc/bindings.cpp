@@ -346,6 +346,19 @@ PYBIND11_MODULE(_C, m) {
              for (auto h : params) p.push_back(ivalue_from_py(h));
              return e.graft(src, dst, block, std::move(p));
            })
+      .def("evaluate_patched",
+           [](reactive::Engine& e, const std::string& n, py::handle v) {
+             c10::IValue value = ivalue_from_py(v);
+             std::vector<c10::IValue> out;
+             {
+               py::gil_scoped_release no_gil;
+               out = e.evaluate_patched(n, std::move(value));
+             }
+             py::list result;
+             for (const auto& x : out) result.append(ivalue_to_py(x));
+             return result;
+           })
+      .def("can_evaluate_patched", &reactive::Engine::can_evaluate_patched)
       .def("begin_transaction", &reactive::Engine::begin_transaction)
       .def("rollback", &reactive::Engine::rollback)
       .def("in_transaction", &reactive::Engine::in_transaction)

@@ -1,7 +1,11 @@
 #!/usr/bin/env python
 """Wall-clock benchmarks of reactive patching sweeps (CPU, one thread).
 
-    python scripts/bench_sweep.py [--repeats 7]
+    python scripts/bench_sweep.py [--repeats 7] [--only-grid --grid-sizes 64 384 1024 --linear-max 384]
+
+0. The grid (issue 10): ops {relu, sin, linear+gelu} x tensors {64^2, 384^2, 1024^2}, a 160-node chain
+   with every 4th node a site; torch_ext.sweep against a full recompute by torch_ext.Executor, one
+   run per site. Target: wall ratio >= 0.97 rho in every cell.
 
 1. Full-recompute sweep vs reactive sweep, same engine, against the exact count ratio rho
    (a uniform sin chain on f32[64,64] and a 24-layer MLP). Target: wall ratio >= 0.97 rho.
@@ -158,6 +162,96 @@ def part1(repeats: int) -> None:
         print(f"  wall: full {med['full'] * 1e3:.1f} ms, reactive {med['reactive'] * 1e3:.1f} ms (medians of {repeats}) "
               f"-> ratio {wall:.4f} = {wall / rho:.4f} x rho, {wall / exec_ratio:.4f} x evaluation ratio "
               f"[target >= 0.97 rho: {target(wall >= 0.97 * rho, title + ' wall >= 0.97 rho')}]")
+
+
+# --------------------------------------------------------------------------------------------
+# 0. the grid: torch_ext.sweep against a full recompute by torch_ext.Executor, per op and size
+# --------------------------------------------------------------------------------------------
+class _GridChain(nn.Module):
+    """160 nodes: `op` applied 160 times, or 80 x (linear with one shared weight, gelu)."""
+
+    def __init__(self, op: str, d: int, n: int):
+        super().__init__()
+        self.op, self.n = op, n
+        if op == "linear+gelu":
+            self.lin = nn.Linear(d, d)
+            with torch.no_grad():
+                self.lin.weight.mul_(0.5)
+
+    def forward(self, x):
+        for i in range(self.n if self.op != "linear+gelu" else self.n // 2):
+            if self.op == "relu":
+                x = torch.relu(x)
+            elif self.op == "sin":
+                x = torch.sin(x)
+            else:
+                x = torch.nn.functional.gelu(self.lin(x))
+        return x
+
+
+def _grid_full_graph(op: str, d: int, n: int, site: int) -> str:
+    """The same chain as text IR with node `site` (1-based) overwritten by input %p after it is
+    computed, as a forward hook would: a full recompute of all n nodes."""
+    t = f"f32[{d},{d}]"
+    lines = ["graph:", f"  %x : {t} = input()", f"  %p : {t} = input()"]
+    if op == "linear+gelu":
+        lines += [f"  %w : f32[{d},{d}] = input()", f"  %b : f32[{d}] = input()"]
+    prev = "x"
+    for i in range(1, n + 1):
+        src = "p" if i - 1 == site else prev
+        if op == "linear+gelu":
+            call = (f"aten::linear.default(%{src}, %w, %b)" if i % 2 == 1 else f"aten::gelu.default(%{src})")
+        else:
+            call = f"aten::{op}.default(%{src})"
+        lines.append(f"  %n{i} : {t} = {call}")
+        prev = f"n{i}"
+    lines.append(f"  return (%{'p' if site == n else f'n{n}'}, %n{site})")  # the last node patched: p is the output
+    return "\n".join(lines) + "\n"
+
+
+def part0(repeats: int, sizes: list[int], linear_max: int, n: int = 160, every: int = 4) -> None:
+    header("0. grid: torch_ext.sweep vs a full recompute (torch_ext.Executor per site), wall ratio / rho")
+    print(f"chain of {n} nodes, every {every}th node a site; full arm: one Executor run of all {n} nodes per site")
+    print(f"with the site's value replaced after it is computed (as a forward hook would); metric out.sum();")
+    print(f"medians of {repeats} interleaved repeats; metrics of the two arms must be equal.")
+    print(f"{'op':12s} {'tensor':>10s} {'full ms':>9s} {'reactive ms':>11s} {'wall x':>7s} {'rho':>6s} "
+          f"{'/ rho':>6s}  target >= 0.97")
+    for op in ("relu", "sin", "linear+gelu"):
+        for d in sizes:
+            if op == "linear+gelu" and d > linear_max:
+                print(f"{op:12s} {d:>4d}x{d:<5d} (skipped: over --linear-max {linear_max})")
+                continue
+            torch.manual_seed(0)
+            model = _GridChain(op, d, n).eval()
+            x = torch.randn(d, d)
+            rg = torch_ext.ReactiveGraph(model, (x,))
+            nodes = rg.nodes()
+            assert len(nodes) == n, (op, len(nodes))
+            site_idx = list(range(every, n + 1, every))  # 1-based positions
+            sites = [nodes[i - 1] for i in site_idx]
+            pre = {s: rg.value(s) * 0.5 for s in sites}
+            extra = [model.lin.weight.detach(), model.lin.bias.detach()] if op == "linear+gelu" else []
+            executors = {s: _C.Executor(Graph.parse(_grid_full_graph(op, d, n, i))._g) for s, i in zip(sites, site_idx)}
+            results = {}
+
+            def reactive():
+                results["reactive"] = torch_ext.sweep(rg, sites, lambda v, s: pre[s], lambda o: o.sum(),
+                                                      progress=False)
+
+            def full():
+                results["full"] = {s: float(executors[s].run([x, pre[s], *extra])[0].sum()) for s in sites}
+
+            with torch.no_grad():
+                med = interleaved({"full": full, "reactive": reactive}, repeats)
+            r = results["reactive"]
+            same = all(r.metrics[s] == results["full"][s] for s in sites)
+            check(same, f"grid {op} {d}: reactive and full metrics differ")
+            check(r.measured_evaluations == r.predicted_evaluations, f"grid {op} {d}: evaluations")
+            wall = med["full"] / med["reactive"]
+            rho = r.rho
+            ok = wall >= 0.97 * rho
+            print(f"{op:12s} {d:>4d}x{d:<5d} {med['full'] * 1e3:9.1f} {med['reactive'] * 1e3:11.1f} {wall:7.2f} "
+                  f"{rho:6.3f} {wall / rho:6.3f}  {target(ok, f'grid {op} {d}x{d} wall >= 0.97 rho')}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,9 +464,18 @@ def part3(repeats: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--grid-sizes", type=int, nargs="+", default=[64, 384, 1024])
+    ap.add_argument("--grid-repeats", type=int, default=3)
+    ap.add_argument("--linear-max", type=int, default=384,
+                    help="largest size for the linear+gelu rows (1024 takes minutes per repeat on 2 cores)")
+    ap.add_argument("--only-grid", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
+    part0(args.grid_repeats, args.grid_sizes, args.linear_max)
+    if args.only_grid:
+        print(f"total {time.perf_counter() - t0:.1f} s")
+        return 1 if FAILURES else 0
     part1(args.repeats)
     part2(args.repeats)
     part3(args.repeats)

@@ -670,10 +670,19 @@ def _raise_metric_wrote(rg: ReactiveGraph, site):
                      "values); the cache is repaired. Compute on a copy instead (e.g. out = out.clone()).")
 
 
-def _one_site(rg: ReactiveGraph, site, node: str, patch: Callable, metric: Callable):
+def _one_site(rg: ReactiveGraph, site, node: str, patch: Callable, metric: Callable, pinned=()):
     """One sweep transaction: patch -> demand -> metric -> rollback (standing patches and grafts kept)."""
     patch = rg._hook_view(site[0] if isinstance(site, tuple) else site, patch)
     eng = rg._engine
+    if node not in pinned and eng.can_evaluate_patched():
+        # The fast path: the cone's prepared order, values freed at last use, everything put back.
+        value = rg._call_patch_fn(node, lambda v: patch(v, site), eng.value(node), "sweep patch function")
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"patch function at site {site!r} returned {type(value).__name__}, expected a tensor")
+        result, wrote = _measure(rg, metric, rg._user(eng.evaluate_patched(node, value.detach())), site)
+        if wrote:
+            _raise_metric_wrote(rg, site)
+        return result
     eng.begin_transaction()
     wrote = False
     try:
@@ -739,8 +748,9 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
         before = rg.stats["evaluations"]
         cost_before = rg.stats["cost"]
         t0 = time.perf_counter()
+        pinned = set(eng.pinned())
         for s in _progress(site_list, len(site_list), progress, "sweep"):
-            metrics[s] = _one_site(rg, s, node_of(s), patch, metric)
+            metrics[s] = _one_site(rg, s, node_of(s), patch, metric, pinned)
         wall = time.perf_counter() - t0
         return SweepResult(metrics, rg.stats["evaluations"] - before, predicted, full, rg.num_nodes, wall,
                            cost=rg.stats["cost"] - cost_before, clean_metric=clean_metric)
@@ -756,7 +766,7 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
         k = len(members)
         if k == 1:  # nothing to batch: the graph itself is the cheapest
             before, cost_before = rg.stats["evaluations"], rg.stats["cost"]
-            metrics[members[0]] = _one_site(rg, members[0], node, patch, metric)
+            metrics[members[0]] = _one_site(rg, members[0], node, patch, metric, set(eng.pinned()))
             measured += rg.stats["evaluations"] - before
             cost += rg.stats["cost"] - cost_before
             continue
@@ -775,11 +785,16 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
             values.append(v.detach())
         before = big.stats["evaluations"]
         cost_before = big.stats["cost"]
-        big._engine.begin_transaction()
+        fast = big._engine.can_evaluate_patched() and node not in set(big._engine.pinned())
+        if not fast:
+            big._engine.begin_transaction()
         wrote = []
         try:
-            big._engine.patch(node, torch.cat(values))
-            flat = big._engine.demand()
+            if fast:
+                flat = big._engine.evaluate_patched(node, torch.cat(values))
+            else:
+                big._engine.patch(node, torch.cat(values))
+                flat = big._engine.demand()
             chunks = [torch.chunk(o, k) if isinstance(o, torch.Tensor) and o.dim() > 0 else None for o in flat]
             for i, s in enumerate(members):
                 parts = [ch[i] if ch is not None else o for o, ch in zip(flat, chunks)]
@@ -787,7 +802,8 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
                 if w:
                     wrote.append(s)
         finally:
-            big._engine.rollback()
+            if not fast:
+                big._engine.rollback()
         if wrote:
             _raise_metric_wrote(big, wrote[0])
         measured += big.stats["evaluations"] - before

@@ -232,6 +232,97 @@ void Engine::check_intact(const std::string& name) {
   check_intact(id);
 }
 
+const Engine::PatchPlan& Engine::plan_for(int64_t id) {
+  auto it = plans_.find(id);
+  if (it != plans_.end() && it->second.pins_version == pins_version_) return it->second;
+  PatchPlan plan;
+  plan.pins_version = pins_version_;
+  // The cone that invalidate_users would mark: users reached without passing a pinned node.
+  std::vector<int64_t> work{id};
+  std::set<int64_t> seen;
+  while (!work.empty()) {
+    const int64_t v = work.back();
+    work.pop_back();
+    for (const ir::Node* user : states_[v].node->users()) {
+      if (user->kind() == ir::NodeKind::Output) continue;
+      const int64_t u = ids_.at(user);
+      if (states_[u].pinned || !states_[u].countable || !seen.insert(u).second) continue;
+      work.push_back(u);
+    }
+  }
+  plan.order.assign(seen.begin(), seen.end());
+  std::sort(plan.order.begin(), plan.order.end(),
+            [this](int64_t a, int64_t b) { return states_[a].node->index() < states_[b].node->index(); });
+  std::unordered_map<int64_t, size_t> last_read;  // cone value -> position of its last reader
+  std::set<int64_t> external;
+  for (size_t i = 0; i < plan.order.size(); ++i)
+    for (int64_t in : states_[plan.order[i]].kernel->input_slots()) {
+      if (seen.count(in))
+        last_read[in] = i;
+      else if (in != id)
+        external.insert(in);
+    }
+  std::set<int64_t> outputs;
+  for (const ir::Arg& a : graph_->output()->args()[0].list)
+    if (a.kind == ir::Arg::Kind::Node) outputs.insert(ids_.at(a.node));
+  plan.release.resize(plan.order.size());
+  for (const auto& [v, i] : last_read)
+    if (!outputs.count(v)) plan.release[i].push_back(v);
+  for (size_t i = 0; i < plan.order.size(); ++i)  // computed but never read: dead within the plan
+    if (!last_read.count(plan.order[i]) && !outputs.count(plan.order[i])) plan.release[i].push_back(plan.order[i]);
+  plan.external.assign(external.begin(), external.end());
+  return plans_[id] = std::move(plan);
+}
+
+std::vector<c10::IValue> Engine::evaluate_patched(const std::string& name, c10::IValue value) {
+  const int64_t id = id_of(name);
+  TORCH_CHECK(has_run_, "evaluate_patched %", name, ": call run() first");
+  TORCH_CHECK(dirty_.empty(), "evaluate_patched %", name, ": ", dirty_.size(),
+              " nodes are stale; demand() first, so that only the patch's cone is evaluated");
+  TORCH_CHECK(!txn_, "evaluate_patched %", name, ": a transaction is open");
+  TORCH_CHECK(!cutoff_, "evaluate_patched %", name, ": not available with early cutoff on");
+  TORCH_CHECK(!states_[id].pinned, "evaluate_patched %", name, ": the node is pinned by a standing patch; ",
+              "use patch()/demand() with a transaction instead");
+  check_value_type(*states_[id].node, value);
+  const PatchPlan& plan = plan_for(id);
+  for (int64_t in : plan.external) check_intact(in);  // I8: never compute from a written value
+  at::AutoDispatchBelowAutograd no_autograd;
+  // The cone's current (valid) values, put back at the end: the state afterwards is exactly the state before.
+  std::vector<c10::IValue> saved;
+  saved.reserve(plan.order.size());
+  for (int64_t n : plan.order) saved.push_back(values_[n]);
+  c10::IValue saved_site = std::move(values_[id]);
+  values_[id] = std::move(value);
+  auto put_back = [&]() {
+    for (size_t i = 0; i < plan.order.size(); ++i) values_[plan.order[i]] = std::move(saved[i]);
+    values_[id] = std::move(saved_site);
+  };
+  try {
+    for (size_t i = 0; i < plan.order.size(); ++i) {
+      const int64_t n = plan.order[i];
+      NodeState& st = states_[n];
+      try {
+        values_[n] = st.kernel->invoke(values_, stack_);
+      } catch (const std::exception& e) {
+        TORCH_CHECK(false, "while evaluating node %", st.node->name(), ": ",
+                    dynamic_cast<const c10::Error*>(&e) ? static_cast<const c10::Error&>(e).what_without_backtrace()
+                                                        : e.what());
+      }
+      ++st.evaluations;
+      ++stats_.evaluations;
+      stats_.cost += st.cost;
+      for (int64_t r : plan.release[i]) values_[r] = c10::IValue();  // last use: free, as the executor does
+    }
+  } catch (...) {
+    put_back();
+    throw;
+  }
+  auto outs = runtime::output_values(graph_->output()->args()[0].list,
+                                     [&](const ir::Node* n) -> const c10::IValue& { return values_[ids_.at(n)]; });
+  put_back();
+  return outs;
+}
+
 void Engine::begin_transaction() {
   TORCH_CHECK(has_run_, "begin_transaction: call run() first");
   TORCH_CHECK(!txn_, "begin_transaction: a transaction is already open (transactions do not nest)");
@@ -260,6 +351,7 @@ void Engine::rollback() {
     if (st.valid && st.countable && !st.pinned && e.version >= 0 && version_of(values_[id]) != e.version)
       written.push_back(id);
   }
+  if (pinned_ != t.pinned_before) ++pins_version_;
   pinned_ = std::move(t.pinned_before);
   for (int64_t id : t.overlay_added) overlay_.erase(id);
   std::set<int64_t> structural = std::move(txn_structural_);
@@ -344,6 +436,7 @@ void Engine::run(std::vector<c10::IValue> inputs) {
   for (size_t i = 0; i < inputs.size(); ++i) runtime::check_input(*placeholders[i], inputs[i], i);
   for (int64_t id : pinned_) states_[id].pinned = false;
   pinned_.clear();
+  ++pins_version_;
   overlay_.clear();
   baseline_stale_.clear();
   structural_dirty_.clear();
@@ -436,6 +529,7 @@ void Engine::patch(const std::string& name, c10::IValue value) {
   if (!st.pinned) {
     pinned_.push_back(id);
     st.pinned = true;
+    ++pins_version_;
   }
   save_baseline(id);
   if (!st.valid) {
@@ -450,6 +544,7 @@ void Engine::patch(const std::string& name, c10::IValue value) {
 void Engine::restore() {
   refuse_in_transaction("restore");
   if (pinned_.empty() && overlay_.empty()) return;
+  ++pins_version_;
   ++revision_;
   for (int64_t id : pinned_) states_[id].pinned = false;
   std::vector<int64_t> written;  // baselines written in place since they were saved (I8): recompute
@@ -504,6 +599,7 @@ void Engine::restore(const std::string& name) {
   }
   // Other patches stay active: this node's inputs may differ from baseline, so recompute D(node).
   st.pinned = false;
+  ++pins_version_;
   pinned_.erase(std::find(pinned_.begin(), pinned_.end(), id));
   ++revision_;
   if (st.countable) {
@@ -589,6 +685,7 @@ std::vector<std::string> Engine::graft(const std::string& src_name, const std::s
 
   // ---- splice.
   ++revision_;
+  plans_.clear();  // cones change
   const std::string prefix = "graft" + std::to_string(graft_counter_++) + "_";
   std::unordered_map<const ir::Node*, ir::Node*> map;
   map[block_in] = src_node;

@@ -118,6 +118,17 @@ class Engine {
   void begin_transaction();
   void rollback();
   bool in_transaction() const { return txn_.has_value(); }
+  // The sweep fast path: pins `node` to `value`, evaluates its cone (the nodes
+  // reachable from it without passing a pinned node) in topological order,
+  // returns the outputs, and puts every value back, as patch -> demand ->
+  // rollback would, with the same evaluation counts. The cone's order and the
+  // last reader of each value are prepared once per node (and pin set) and
+  // reused; intermediate values are released at their last use, as the
+  // executor does, so the recomputation reuses hot memory. Needs a graph with
+  // nothing stale, no open transaction and early cutoff off.
+  std::vector<c10::IValue> evaluate_patched(const std::string& node, c10::IValue value);
+  bool can_evaluate_patched() const { return has_run_ && dirty_.empty() && !txn_ && !cutoff_; }
+
   // Throws (naming the node) if the node's cached value was written in place
   // since it was stored, after marking it for recomputation (I8).
   void check_intact(const std::string& node);
@@ -191,6 +202,15 @@ class Engine {
   runtime::ValueSlots values_;     // by stable id
   std::vector<int64_t> versions_;  // by stable id: tensor version counter when stored, -1 if untracked
   std::optional<Transaction> txn_;
+  struct PatchPlan {
+    std::vector<int64_t> order;                 // the cone's countable nodes, topological order
+    std::vector<std::vector<int64_t>> release;  // after order[i]: values read for the last time
+    std::vector<int64_t> external;              // values read from outside the cone (version-checked)
+    uint64_t pins_version = 0;
+  };
+  std::unordered_map<int64_t, PatchPlan> plans_;  // by patched node; dropped by grafts
+  uint64_t pins_version_ = 0;                     // bumped whenever the pin set changes
+  const PatchPlan& plan_for(int64_t id);
   std::set<int64_t> txn_structural_;      // structural_dirty_ at begin_transaction()
   std::set<int64_t> txn_baseline_stale_;  // baseline_stale_ at begin_transaction()
   std::unordered_map<const ir::Node*, int64_t> ids_;
