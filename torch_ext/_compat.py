@@ -196,9 +196,19 @@ def export_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | No
             return x
 
         hook_cls.forward = forward
+    # Hugging Face decoders get TransformerLens hook names (blocks.<l>.hook_resid_pre, ...) from
+    # temporary hooks that leave the same named markers.
+    handles = []
+    for name, sub, kind in hf_hook_points(module):
+        if kind == "pre":
+            handles.append(sub.register_forward_pre_hook(_marker_pre(name), with_kwargs=True))
+        else:
+            handles.append(sub.register_forward_hook(_marker_out(name)))
     try:
         ep = torch.export.export(module, args, kwargs or {})
     finally:
+        for h in handles:
+            h.remove()
         if saved_forward is not None:
             hook_cls.forward = saved_forward
         if saved_cache is not None:
@@ -283,9 +293,91 @@ def hook_aliases(module: torch.nn.Module) -> dict[str, str]:
     return {k: v.name for k, v in hook_dict.items() if isinstance(v, hook_cls) and getattr(v, "name", None)}
 
 
+def _marker_pre(name: str):
+    def hook(mod, args, kwargs):
+        if args and isinstance(args[0], torch.Tensor):
+            return (torch.ops.torch_ext.hook_point(args[0], name),) + tuple(args[1:]), kwargs
+        if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            kwargs = dict(kwargs)
+            kwargs["hidden_states"] = torch.ops.torch_ext.hook_point(kwargs["hidden_states"], name)
+            return args, kwargs
+        return None
+
+    return hook
+
+
+def _marker_out(name: str):
+    def hook(mod, args, out):
+        if isinstance(out, torch.Tensor):
+            return torch.ops.torch_ext.hook_point(out, name)
+        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+            return (torch.ops.torch_ext.hook_point(out[0], name),) + out[1:]
+        return None
+
+    return hook
+
+
+def _hf_decoder(module: torch.nn.Module):
+    """(layers, n_heads) of a Hugging Face decoder-only LM (GPT-2 or Llama-style), else None."""
+    cfg = getattr(module, "config", None)
+    if cfg is None or not hasattr(module, "generate"):
+        return None
+    for path in ("transformer.h", "model.layers"):
+        obj = module
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if isinstance(obj, torch.nn.ModuleList):
+            heads = getattr(cfg, "n_head", None) or getattr(cfg, "num_attention_heads", None)
+            return obj, int(heads)
+    return None
+
+
+def hf_hook_points(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
+    """TransformerLens hook names on a Hugging Face decoder: (name, submodule, "pre" | "out").
+
+    resid_pre / resid_post: a layer's input / output; attn_out, mlp_out: the attention's and the
+    MLP's outputs; resid_mid: the second norm's input (as TransformerLens 4's bridge aliases it, so a
+    patch there reaches the MLP branch only); attn.hook_z: the attention output projection's input,
+    seen as [batch, pos, head, d_head].
+    """
+    found = _hf_decoder(module)
+    if found is None:
+        return []
+    layers, _ = found
+    points = []
+    for l, layer in enumerate(layers):
+        attn = getattr(layer, "attn", None) or getattr(layer, "self_attn", None)
+        mlp = getattr(layer, "mlp", None)
+        ln2 = getattr(layer, "ln_2", None) or getattr(layer, "post_attention_layernorm", None)
+        proj = (getattr(attn, "c_proj", None) or getattr(attn, "o_proj", None)) if attn is not None else None
+        points.append((f"blocks.{l}.hook_resid_pre", layer, "pre"))
+        for name, sub, kind in ((f"blocks.{l}.hook_attn_out", attn, "out"), (f"blocks.{l}.hook_resid_mid", ln2, "pre"),
+                                (f"blocks.{l}.hook_mlp_out", mlp, "out"), (f"blocks.{l}.attn.hook_z", proj, "pre")):
+            if sub is not None:
+                points.append((name, sub, kind))
+        points.append((f"blocks.{l}.hook_resid_post", layer, "out"))
+    return points
+
+
+class _SplitHeads:
+    """[..., n_heads * d_head] seen as [..., n_heads, d_head], as TransformerLens shows hook_z."""
+
+    def __init__(self, n_heads: int):
+        self.n_heads = n_heads
+
+    def convert(self, x):
+        return x.reshape(*x.shape[:-1], self.n_heads, x.shape[-1] // self.n_heads)
+
+    def revert(self, x):
+        return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+
+
 def hook_conversions(module: torch.nn.Module) -> dict:
     """{hook name: conversion} for TransformerLens hook points that present a reshaped view to hooks
     (``hook_q``/``hook_z`` as [batch, pos, head, d_head]): ``convert`` before a hook, ``revert`` after."""
+    found = _hf_decoder(module)
+    if found is not None:
+        return {f"blocks.{l}.attn.hook_z": _SplitHeads(found[1]) for l in range(len(found[0]))}
     hook_cls = _transformer_lens_hook_point()
     hook_dict = getattr(module, "hook_dict", None) if hook_cls is not None else None
     if not isinstance(hook_dict, dict):

@@ -8,9 +8,10 @@ a user swaps one import::
 
 Each call runs the corrupted prompt once through a ``ReactiveGraph`` (built once per model and
 input shape, then reused), and each patch recomputes only the patched node's downstream cone.
-``model`` is a TransformerLens ``TransformerBridge`` (hook names come from its hook points) or a
-``ReactiveGraph`` of one. ``clean_cache`` is TransformerLens's ``ActivationCache`` or the cache of
-``ReactiveGraph.run_with_cache``. TransformerLens's setters edit the corrupted activation in place;
+``model`` is a TransformerLens ``TransformerBridge`` (hook names come from its hook points), a
+Hugging Face decoder (GPT-2 or Llama-style: hook names from ``_compat.hf_hook_points``), or a
+``ReactiveGraph`` of either. ``clean_cache`` is TransformerLens's ``ActivationCache`` or the cache
+of ``patching.run_with_cache`` / ``ReactiveGraph.run_with_cache``. TransformerLens's setters edit the corrupted activation in place;
 here they are given a copy, never the engine's cached value.
 
 Not supported: ``reduce`` other than ``"scalar"`` and ``baseline=True`` (a ValueError says so), and
@@ -25,13 +26,14 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import _compat
 from .reactive import ReactiveGraph, sweep
 
 __all__ = [
     "generic_activation_patch", "get_act_patch_resid_pre", "get_act_patch_resid_mid", "get_act_patch_attn_out",
     "get_act_patch_mlp_out", "get_act_patch_attn_head_out_all_pos", "get_act_patch_attn_head_out_by_pos",
     "get_act_patch_block_every", "layer_pos_patch_setter", "layer_pos_head_vector_patch_setter",
-    "layer_head_vector_patch_setter", "act_name",
+    "layer_head_vector_patch_setter", "act_name", "run_with_cache",
 ]
 
 _BLOCK_HOOKS = {"resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"}
@@ -106,8 +108,17 @@ def _layers_and_heads(model, rg: ReactiveGraph) -> tuple[int, int]:
     cfg = getattr(model, "cfg", None)
     if cfg is not None and hasattr(cfg, "n_layers"):
         return int(cfg.n_layers), int(getattr(cfg, "n_heads", 0))
+    found = _compat._hf_decoder(model) if model is not None else None
+    if found is not None:
+        return len(found[0]), found[1]
     layers = {int(h.split(".")[1]) for h in rg.hook_names if h.startswith("blocks.")}
     return (max(layers) + 1 if layers else 0), 0
+
+
+def run_with_cache(model, tokens: torch.Tensor):
+    """(outputs, cache) of ``model`` on ``tokens``, the cache keyed by hook name (and node name):
+    a clean cache for the functions here, for any model they accept (Hugging Face decoders too)."""
+    return _graph_for(model, tokens).run_with_cache(tokens)
 
 
 def _logits(out):

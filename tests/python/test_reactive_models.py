@@ -63,3 +63,84 @@ def test_hugging_face_gpt2_sweep_equals_forward_hooks():
         finally:
             h.remove()
         assert result.metrics[(node, i)] == pytest.approx(ref, rel=1e-5, abs=1e-5)
+
+
+def _hf_model(kind):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16)
+        model = transformers.GPT2LMHeadModel(cfg)
+        layers = model.transformer.h
+        proj = [l.attn.c_proj for l in layers]
+    else:
+        cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                       intermediate_size=64, vocab_size=64, max_position_embeddings=16)
+        model = transformers.LlamaForCausalLM(cfg)
+        layers = model.model.layers
+        proj = [l.self_attn.o_proj for l in layers]
+    return model.eval(), layers, proj
+
+
+def _pre_hook(replace):
+    """A forward pre-hook replacing the first (hidden_states) input, positional or keyword."""
+    def hook(mod, args, kwargs):
+        if args:
+            return (replace(args[0]),) + tuple(args[1:]), kwargs
+        kwargs = dict(kwargs)
+        kwargs["hidden_states"] = replace(kwargs["hidden_states"])
+        return args, kwargs
+    return hook
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_patching_on_hugging_face_equals_eager_hooks(kind, batch):
+    from torch_ext import patching
+
+    model, layers, proj = _hf_model(kind)
+    g = torch.Generator().manual_seed(batch)
+    clean = torch.randint(0, 64, (batch, 6), generator=g)
+    corrupted = clean.clone()
+    corrupted[:, 2] = (corrupted[:, 2] + 5) % 64
+    metric = lambda logits: logits[:, -1, 3].mean() - logits[:, -1, 4].mean()  # noqa: E731
+    _, cache = patching.run_with_cache(model, clean)
+    # The cache holds what eager forward hooks see.
+    seen = {}
+    hs = [layers[l].register_forward_pre_hook(_pre_hook(lambda x, l=l: seen.setdefault(("pre", l), x)),
+                                                  with_kwargs=True) for l in range(2)]
+    hs += [proj[l].register_forward_pre_hook(lambda m, a, l=l: seen.setdefault(("z", l), a[0])) for l in range(2)]
+    with torch.no_grad():
+        model(clean, use_cache=False)
+    for h in hs:
+        h.remove()
+    for l in range(2):
+        assert torch.equal(cache[f"blocks.{l}.hook_resid_pre"], seen[("pre", l)])
+        assert torch.equal(cache[f"blocks.{l}.attn.hook_z"], seen[("z", l)].reshape(batch, 6, 4, 8))
+
+    resid = patching.get_act_patch_resid_pre(model, corrupted, cache, metric)
+    heads = patching.get_act_patch_attn_head_out_by_pos(model, corrupted, cache, metric)
+    assert resid.shape == (2, 6) and heads.shape == (2, 6, 4)
+    for l in range(2):
+        for p in range(6):
+            def put(x, l=l, p=p):
+                x = x.clone()
+                x[:, p] = seen[("pre", l)][:, p]
+                return x
+
+            h = layers[l].register_forward_pre_hook(_pre_hook(put), with_kwargs=True)
+            with torch.no_grad():
+                ref = float(metric(model(corrupted, use_cache=False).logits))
+            h.remove()
+            assert resid[l, p].item() == pytest.approx(ref, rel=1e-5, abs=1e-6)
+            for head in (0, 3):
+                def put_z(m, a, l=l, p=p, head=head):
+                    x = a[0].clone()
+                    x[:, p, head * 8:(head + 1) * 8] = seen[("z", l)][:, p, head * 8:(head + 1) * 8]
+                    return (x,) + tuple(a[1:])
+
+                h = proj[l].register_forward_pre_hook(put_z)
+                with torch.no_grad():
+                    ref = float(metric(model(corrupted, use_cache=False).logits))
+                h.remove()
+                assert heads[l, p, head].item() == pytest.approx(ref, rel=1e-5, abs=1e-6)
