@@ -204,6 +204,7 @@ passes::TrainStepSpec spec_from_py(const py::dict& d) {
   if (!d["clip_max_norm"].is_none()) spec.clip_max_norm = d["clip_max_norm"].cast<double>();
   spec.clip_norm_type = d["clip_norm_type"].cast<double>();
   if (d.contains("aux_outputs")) spec.aux_outputs = d["aux_outputs"].cast<std::vector<int64_t>>();
+  if (d.contains("accumulate")) spec.accumulate = d["accumulate"].cast<int64_t>();
   for (auto h : d["updates"].cast<py::list>()) {
     auto u = h.cast<py::dict>();
     passes::ParamUpdate pu;

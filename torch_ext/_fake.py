@@ -35,7 +35,19 @@ def _(param, grad, momentum_buffer, lr, weight_decay, momentum, nesterov, a, b, 
     return _like(param, momentum_buffer)
 
 
-for _name in ("sgd_update_", "sgd_momentum_update_", "adam_update_", "adam_amsgrad_update_", "muon_update_"):
+@torch.library.register_fake("torch_ext::rmsprop_update")
+def _(param, grad, square_avg, grad_avg, momentum_buffer, step, lr, alpha, eps, weight_decay, momentum, centered,
+      maximize):
+    return _like(param, square_avg, grad_avg, momentum_buffer, step)
+
+
+@torch.library.register_fake("torch_ext::adagrad_update")
+def _(param, grad, sum, step, lr, lr_decay, weight_decay, eps, maximize):
+    return _like(param, sum, step)
+
+
+for _name in ("sgd_update_", "sgd_momentum_update_", "adam_update_", "adam_amsgrad_update_", "muon_update_",
+              "rmsprop_update_", "adagrad_update_"):
     torch.library.register_fake(f"torch_ext::{_name}")(lambda *args, **kwargs: None)
 
 

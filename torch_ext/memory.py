@@ -142,7 +142,8 @@ def _eager_peak(step, batch):
     def one():
         for o in opts:
             o.zero_grad(set_to_none=True)
-        step.loss_fn(model, *batch).backward()
+        loss = step.loss_fn(model, *batch)
+        (loss[0] if isinstance(loss, (tuple, list)) else loss).backward()  # (loss, aux) too
         for o in opts:
             o.step()
 

@@ -48,6 +48,15 @@ class TrainState:
     consumed_by: str | None = field(default=None, repr=False, compare=False)
     # Where this state came from ("init_state() of TrainStep 0", "call 3 of TrainStep 0"), for errors.
     origin: str = field(default="", repr=False, compare=False)
+    # TrainStep.fingerprint of the program that made it; checked by load_state_dict, in any process.
+    fingerprint: str = field(default="", repr=False)
+
+    def state_dict(self) -> dict:
+        """Plain tensors, lists and strings: saves with torch.save, loads with torch.load(weights_only=True);
+        ``step.load_state_dict(d)`` turns it back into a state of a step with the same program."""
+        return {"params": dict(self.params), "buffers": dict(self.buffers), "opt": dict(self.opt),
+                "lr": list(self.lr), "rng": self.rng, "sched_epoch": int(self.sched_epoch),
+                "fingerprint": self.fingerprint}
 
     def lookup(self, name: str) -> torch.Tensor:
         if name == _RNG:
@@ -74,7 +83,8 @@ class TrainState:
                 params[k] = v
             else:
                 buffers[k] = v
-        return TrainState(params, buffers, opt, list(self.lr), self.step_id, rng, self.sched_epoch)
+        return TrainState(params, buffers, opt, list(self.lr), self.step_id, rng, self.sched_epoch,
+                          fingerprint=self.fingerprint)
 
     def describe(self) -> str:
         return f"TrainState({self.origin or 'made by hand'})"
@@ -95,20 +105,24 @@ def _flatten_state(s: TrainState):
     leaves = [s.params[k] for k in keys[0]] + [s.buffers[k] for k in keys[1]] + [s.opt[k] for k in keys[2]] + list(s.lr)
     if s.rng is not None:
         leaves.append(s.rng)
-    return leaves, (keys, len(s.lr), s.step_id, s.rng is not None, s.sched_epoch)
+    return leaves, (keys, len(s.lr), s.step_id, s.rng is not None, s.sched_epoch, s.fingerprint)
 
 
 def _unflatten_state(leaves, ctx):
-    (pk, bk, ok), n_lr, step_id, has_rng, sched_epoch = ctx
+    (pk, bk, ok), n_lr, step_id, has_rng, sched_epoch, fingerprint = ctx
     it = iter(leaves)
     params = {k: next(it) for k in pk}
     buffers = {k: next(it) for k in bk}
     opt = {k: next(it) for k in ok}
     lr = [next(it) for _ in range(n_lr)]
-    return TrainState(params, buffers, opt, lr, step_id, next(it) if has_rng else None, sched_epoch)
+    return TrainState(params, buffers, opt, lr, step_id, next(it) if has_rng else None, sched_epoch,
+                      fingerprint=fingerprint)
 
 
 pytree.register_pytree_node(TrainState, _flatten_state, _unflatten_state)
+# torch.load(weights_only=True) may rebuild a pickled TrainState (its fields are tensors, dicts,
+# lists, ints and strings).
+torch.serialization.add_safe_globals([TrainState])
 
 
 def _placeholder(ep, name: str) -> torch.fx.Node:
@@ -138,7 +152,10 @@ class _LossModule(torch.nn.Module):
         return loss, pytree.tree_map(torch.Tensor.detach, aux)
 
 
-_SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Muon)
+_SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Muon, torch.optim.RMSprop,
+              torch.optim.Adagrad)
+_SUPPORTED_NAMES = "SGD, Adam, AdamW, Muon, RMSprop, Adagrad"
+_FOREACH_EXACT = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad)
 
 
 def _check_subclass(opt: torch.optim.Optimizer) -> None:
@@ -169,9 +186,13 @@ def _check_subclass(opt: torch.optim.Optimizer) -> None:
 def _check_options(opt: torch.optim.Optimizer, group: dict, gi: int) -> None:
     name = type(opt).__name__
     bad = []
-    for key in ("foreach", "fused"):
-        if group.get(key):
-            bad.append(f"{key}=True")
+    # torch.optim's foreach (multi-tensor) path computes the same numbers as the single-tensor path
+    # the update ops replay, for these optimizers (bit for bit over 100 steps on CPU, see
+    # tests/python/test_train_step_optimizers.py); fused kernels do not.
+    if group.get("foreach") and not isinstance(opt, _FOREACH_EXACT):
+        bad.append("foreach=True")
+    if group.get("fused"):
+        bad.append("fused=True")
     for key in ("capturable", "differentiable"):
         if group.get(key):
             bad.append(f"{key}=True")
@@ -221,7 +242,27 @@ def _update_for(opt, group: dict, param: torch.Tensor, name: str, gi: int) -> di
                                a=float(a), b=float(b), c=float(c), ns_steps=float(group["ns_steps"]),
                                eps=float(group["eps"]), lr_ratio=float(ratio)),
                     flags=dict(nesterov=bool(group["nesterov"])))
-    raise TypeError(f"optimizer {type(opt).__name__} is not supported (supported: SGD, Adam, AdamW, Muon)")
+    if isinstance(opt, torch.optim.RMSprop):
+        return dict(kind="rmsprop",
+                    hyper=dict(alpha=float(group["alpha"]), eps=float(group["eps"]),
+                               weight_decay=float(group["weight_decay"]), momentum=float(group["momentum"])),
+                    flags=dict(centered=bool(group["centered"]), maximize=maximize))
+    if isinstance(opt, torch.optim.Adagrad):
+        return dict(kind="adagrad",
+                    hyper=dict(lr_decay=float(group["lr_decay"]), weight_decay=float(group["weight_decay"]),
+                               eps=float(group["eps"])),
+                    flags=dict(maximize=maximize))
+    if isinstance(opt, torch.optim.RMSprop):
+        return dict(kind="rmsprop",
+                    hyper=dict(alpha=float(group["alpha"]), eps=float(group["eps"]),
+                               weight_decay=float(group["weight_decay"]), momentum=float(group["momentum"])),
+                    flags=dict(centered=bool(group["centered"]), maximize=maximize))
+    if isinstance(opt, torch.optim.Adagrad):
+        return dict(kind="adagrad",
+                    hyper=dict(lr_decay=float(group["lr_decay"]), weight_decay=float(group["weight_decay"]),
+                               eps=float(group["eps"])),
+                    flags=dict(maximize=maximize))
+    raise TypeError(f"optimizer {type(opt).__name__} is not supported (supported: {_SUPPORTED_NAMES})")
 
 
 # Group entries a scheduler may change that the program bakes in as constants.
@@ -309,15 +350,17 @@ class _LrSchedule:
 class TrainStep:
     """A pure training step. ``loss, new_state = step(state, *batch)`` never mutates ``state``."""
 
-    def __init__(self, model, optimizers, loss_fn, example_batch, clip_grad_norm, unroll, schedulers=()):
+    def __init__(self, model, optimizers, loss_fn, example_batch, clip_grad_norm, unroll, schedulers=(), accumulate=1):
         self.model = model
         self.optimizers = optimizers
         self.loss_fn = loss_fn
         self.unroll = int(unroll)
+        self.accumulate = int(accumulate)
         self.clip_grad_norm = clip_grad_norm
         self._id = next(_ids)
         self._example_batch = tuple(example_batch)
-        self._example_leaves = pytree.tree_leaves(self._example_batch) * self.unroll  # checked on every call
+        # checked on every call: one batch per unrolled step or micro-batch
+        self._example_leaves = pytree.tree_leaves(self._example_batch) * self.unroll * self.accumulate
         self.last_nonfinite = False
 
         names = {id(p): n for n, p in model.named_parameters()}
@@ -327,7 +370,7 @@ class TrainStep:
         seen: dict[int, str] = {}
         for opt in optimizers:
             if not isinstance(opt, _SUPPORTED):
-                raise TypeError(f"optimizer {type(opt).__name__} is not supported (supported: SGD, Adam, AdamW, Muon)")
+                raise TypeError(f"optimizer {type(opt).__name__} is not supported (supported: {_SUPPORTED_NAMES})")
             _check_subclass(opt)
             for group in opt.param_groups:
                 gi = len(self._groups)
@@ -410,8 +453,10 @@ class TrainStep:
                 spec["aux_outputs"].append(i)
             else:
                 raise NotImplementedError(f"joint program output kind {kind} is not supported")
-        if self._aux_spec is not None and self.unroll > 1:
-            raise ValueError(f"loss_fn returns (loss, aux), which needs unroll=1 (got unroll={self.unroll})")
+        if self._aux_spec is not None and (self.unroll > 1 or self.accumulate > 1):
+            raise ValueError(f"loss_fn returns (loss, aux), which needs unroll=1 and accumulate=1 (got unroll="
+                             f"{self.unroll}, accumulate={self.accumulate})")
+        spec["accumulate"] = self.accumulate
         # Tensor constants made in forward (torch.tensor(0.5)) are lifted by export; they ride in the state.
         self._constants = {s.target: joint.constants[s.target].detach().clone()
                            for s in joint.graph_signature.input_specs if s.kind.name == "CONSTANT_TENSOR"}
@@ -422,6 +467,7 @@ class TrainStep:
         self._num_aux = len(spec["aux_outputs"])
         self._executor = _C.Executor(cgraph)
         self._program = None
+        self._fingerprint = None
         self._calls = 0
         self._buffer_names = [n for n, _ in model.named_buffers()]
 
@@ -471,6 +517,17 @@ class TrainStep:
             elif kind == "muon":
                 buf = st.get("momentum_buffer")
                 opt[key("momentum_buffer")] = buf.detach().clone() if buf is not None else torch.zeros_like(p)
+            elif kind in ("rmsprop", "adagrad"):
+                # Slots torch.optim has not created yet (or never will: grad_avg unless centered,
+                # momentum_buffer unless momentum > 0) start as its _init_group would create them.
+                init = float(self._groups[u["group"]][1].get("initial_accumulator_value", 0.0))
+                for slot in ("square_avg", "grad_avg", "momentum_buffer") if kind == "rmsprop" else ("sum",):
+                    v = st.get(slot)
+                    opt[key(slot)] = v.detach().clone() if v is not None else torch.full_like(
+                        p, init if slot == "sum" else 0.0, memory_format=torch.preserve_format)
+                step = st.get("step")
+                opt[key("step")] = (step.detach().clone().float() if isinstance(step, torch.Tensor)
+                                    else torch.tensor(float(step or 0.0)))
         lrs = self._schedule.lrs(0) if self._schedule is not None else [float(g["lr"]) for _, g in self._groups]
         lr = [torch.tensor(v, dtype=torch.float64) for v in lrs]
         rng = None
@@ -479,7 +536,56 @@ class TrainStep:
         state = TrainState({_MODEL_PREFIX + k: v for k, v in params.items()},
                            {_MODEL_PREFIX + k: v for k, v in buffers.items()}, opt, lr, self._id, rng)
         state.origin = f"init_state() of TrainStep {self._id}"
+        state.fingerprint = self.fingerprint
         return state
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of the program (its IR text and flat input/output layout): equal for steps built
+        the same way, in any process, and different when the model, optimizer options, batch
+        shapes or passes differ."""
+        if self._fingerprint is None:
+            import hashlib
+
+            text = "\n".join([str(self.graph), repr(self._inputs), repr(self._state_names), repr(self._aux_spec)])
+            self._fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
+        return self._fingerprint
+
+    def load_state_dict(self, d) -> TrainState:
+        """A TrainState of this step from ``state.state_dict()`` (or a TrainState, e.g. one
+        ``torch.load`` returned), after checking the fingerprint and every entry's shape and dtype."""
+        if isinstance(d, TrainState):
+            d = d.state_dict()
+        if not isinstance(d, dict):
+            raise TypeError(f"load_state_dict expects a dict from state.state_dict(), got {type(d).__name__}")
+        missing = [k for k in ("params", "buffers", "opt", "lr", "rng", "sched_epoch", "fingerprint") if k not in d]
+        if missing:
+            raise ValueError(f"load_state_dict: missing key(s) {missing}")
+        if d["fingerprint"] != self.fingerprint:
+            raise ValueError(f"load_state_dict: the state was made by a different program (fingerprint "
+                             f"{d['fingerprint']!r}, this step's is {self.fingerprint!r}); the model, optimizer "
+                             "options, batch shapes or torch_ext version differ")
+        ref = self.init_state()
+        loaded = TrainState(dict(d["params"]), dict(d["buffers"]), dict(d["opt"]), list(d["lr"]), self._id, d["rng"],
+                            int(d["sched_epoch"]), fingerprint=self.fingerprint)
+        for part in ("params", "buffers", "opt"):
+            want, got = getattr(ref, part), getattr(loaded, part)
+            if set(want) != set(got):
+                raise ValueError(f"load_state_dict: {part} entries differ: missing {sorted(set(want) - set(got))}, "
+                                 f"unexpected {sorted(set(got) - set(want))}")
+            for k, v in want.items():
+                t = got[k]
+                if not isinstance(t, torch.Tensor) or t.shape != v.shape or t.dtype != v.dtype:
+                    what = f"shape {tuple(t.shape)} and dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t)
+                    raise ValueError(f"load_state_dict: {part}[{k!r}] should have shape {tuple(v.shape)} and dtype "
+                                     f"{v.dtype}, got {what}")
+        if len(loaded.lr) != len(ref.lr):
+            raise ValueError(f"load_state_dict: expected {len(ref.lr)} lr values, got {len(loaded.lr)}")
+        loaded.lr = [torch.as_tensor(v, dtype=torch.float64).clone() for v in loaded.lr]
+        if (ref.rng is None) != (loaded.rng is None):
+            raise ValueError("load_state_dict: rng state " + ("missing" if loaded.rng is None else "unexpected"))
+        loaded.origin = f"load_state_dict() of TrainStep {self._id}"
+        return loaded
 
     def _check_state(self, state) -> None:
         if not isinstance(state, TrainState):
@@ -490,15 +596,19 @@ class TrainStep:
                              "updated in place; use the state that call returned (or compile(donate=False))")
         if state.step_id != self._id:
             raise ValueError("this TrainState was made by another TrainStep (step_id "
-                             f"{state.step_id}, this step is {self._id}); use this step's init_state()")
+                             f"{state.step_id}, this step is {self._id}); use this step's init_state(), or "
+                             "step.load_state_dict(state) for a saved one")
 
     def flat_inputs(self, state: TrainState, *batch) -> list:
-        """The program's flat positional inputs: state entries, then the batch (or batches when unrolled)."""
+        """The program's flat positional inputs: state entries, then the batch (or the batches when
+        unrolled, or the micro-batches when accumulating, one after the other)."""
         self._check_state(state)
         flat_batch = pytree.tree_leaves(batch)
+        n = self.unroll * self.accumulate
         if len(flat_batch) != self._num_user * self.unroll:
+            what = "micro-batches" if self.accumulate > 1 else "batches"
             raise ValueError(f"expected {self._num_user * self.unroll} batch tensors"
-                             f"{' (' + str(self.unroll) + ' batches)' if self.unroll > 1 else ''}, got {len(flat_batch)}")
+                             f"{f' ({n} {what})' if n > 1 else ''}, got {len(flat_batch)}")
         for i, (t, ex) in enumerate(zip(flat_batch, self._example_leaves)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"batch[{i}]: expected a tensor, got {type(t).__name__}")
@@ -569,6 +679,19 @@ class TrainStep:
                         st["max_exp_avg_sq"] = key("max_exp_avg_sq").clone()
             elif kind == "muon":
                 opt.state[p]["momentum_buffer"] = key("momentum_buffer").clone()
+            elif kind in ("rmsprop", "adagrad"):
+                if float(key("step")) > 0 or kind == "adagrad":  # Adagrad creates its state eagerly
+                    group = self._groups[u["group"]][1]
+                    st = opt.state[p]
+                    st["step"] = key("step").clone()
+                    if kind == "adagrad":
+                        st["sum"] = key("sum").clone()
+                        continue
+                    st["square_avg"] = key("square_avg").clone()
+                    if group["momentum"] > 0:
+                        st["momentum_buffer"] = key("momentum_buffer").clone()
+                    if group["centered"]:
+                        st["grad_avg"] = key("grad_avg").clone()
 
     def compile(self, plan: bool = True, donate: bool = True):
         """The step scheduled for the lowest peak and run inside one arena (see torch_ext.memory.PlannedStep)."""
@@ -587,17 +710,19 @@ class TrainStep:
         """The pure step as an ExportedProgram over flat inputs (state entries, then the batch)."""
         if self._program is None:
             gm = self.graph.to_graph_module()
-            example = self.flat_inputs(self.init_state(), *(self._example_batch * self.unroll))
+            example = self.flat_inputs(self.init_state(), *(self._example_batch * self.unroll * self.accumulate))
             self._program = torch.export.export(gm, tuple(example), strict=False)
         return self._program
 
 
 def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, example_batch: Sequence, *,
-                    clip_grad_norm: float | None = None, unroll: int = 1, scheduler=None) -> TrainStep:
+                    clip_grad_norm: float | None = None, unroll: int = 1, scheduler=None,
+                    accumulate: int = 1) -> TrainStep:
     """Builds the pure step ``(loss, new_state) = step(state, *batch)`` for ``model`` and ``optimizer``.
 
     ``loss_fn(model, *batch)`` returns a scalar. ``optimizer`` is a torch.optim optimizer (SGD,
-    Adam, AdamW, Muon) or a list of them over disjoint parameters; it is read as it stands, param
+    Adam, AdamW, Muon, RMSprop, Adagrad; foreach=True accepted except for Muon, whose update has no
+    foreach path) or a list of them over disjoint parameters; it is read as it stands, param
     groups and existing state included. ``clip_grad_norm`` clips the global 2-norm as
     ``torch.nn.utils.clip_grad_norm_``; ``unroll=N`` makes one graph of N steps over N batches.
 
@@ -606,6 +731,11 @@ def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, exampl
     list, one per optimizer) stepped once per call, as ``opt.step(); sched.step()`` would: the state
     counts the scheduler steps and carries the next lr. Dropout draws from an RNG state carried in
     the state (``init_state(seed=...)``), so the step stays a pure function.
+
+    ``accumulate=N`` takes N micro-batches per call (``step(state, *mb1, *mb2, ...)``) and does one
+    update with their summed gradients, as the eager loop ``(loss_fn(model, *mb) / N).backward()``
+    over the micro-batches followed by one ``opt.step()``; the loss returned is the N micro-batch
+    losses. Clipping applies to the summed gradients.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -614,9 +744,17 @@ def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, exampl
         raise TypeError("optimizer must be a torch.optim.Optimizer or a list of them")
     if not isinstance(example_batch, (list, tuple)):
         raise TypeError("example_batch must be a tuple of the loss_fn's batch arguments")
-    if unroll < 1:
-        raise ValueError(f"unroll must be >= 1, got {unroll}")
+    for name, value in (("unroll", unroll), ("accumulate", accumulate)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if unroll > 1 and accumulate > 1:
+        raise ValueError(f"unroll ({unroll}) and accumulate ({accumulate}) cannot be combined")
+    if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float))):
+        raise TypeError(f"clip_grad_norm must be a number or None, got {type(clip_grad_norm).__name__} "
+                        f"{clip_grad_norm!r}")
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise ValueError(f"clip_grad_norm must be positive, got {clip_grad_norm}")
     schedulers = [] if scheduler is None else list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
-    return TrainStep(model, optimizers, loss_fn, example_batch, clip_grad_norm, unroll, schedulers)
+    return TrainStep(model, optimizers, loss_fn, example_batch, clip_grad_norm, unroll, schedulers, accumulate)

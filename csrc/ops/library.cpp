@@ -132,6 +132,54 @@ void muon_update_(at::Tensor param, const at::Tensor& grad, at::Tensor momentum_
                eps, lr_ratio);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rmsprop_update(
+    const at::Tensor& param, const at::Tensor& grad, const at::Tensor& square_avg, const at::Tensor& grad_avg,
+    const at::Tensor& momentum_buffer, const at::Tensor& step, const at::Tensor& lr, double alpha, double eps,
+    double weight_decay, double momentum, bool centered, bool maximize) {
+  check_like(param, grad, "grad");
+  check_like(param, square_avg, "square_avg");
+  check_like(param, grad_avg, "grad_avg");
+  check_like(param, momentum_buffer, "momentum_buffer");
+  check_step(step);
+  at::Tensor p = param.clone(), sq = square_avg.clone(), ga = grad_avg.clone(), buf = momentum_buffer.clone(),
+             s = step.clone();
+  rmsprop_inplace(p, grad, sq, ga, buf, s, scalar_of(lr, "lr"), alpha, eps, weight_decay, momentum, centered,
+                  maximize);
+  return {p, sq, ga, buf, s};
+}
+
+void rmsprop_update_(at::Tensor param, const at::Tensor& grad, at::Tensor square_avg, at::Tensor grad_avg,
+                     at::Tensor momentum_buffer, at::Tensor step, const at::Tensor& lr, double alpha, double eps,
+                     double weight_decay, double momentum, bool centered, bool maximize) {
+  check_like(param, grad, "grad");
+  check_like(param, square_avg, "square_avg");
+  check_like(param, grad_avg, "grad_avg");
+  check_like(param, momentum_buffer, "momentum_buffer");
+  check_step(step);
+  rmsprop_inplace(param, grad, square_avg, grad_avg, momentum_buffer, step, scalar_of(lr, "lr"), alpha, eps,
+                  weight_decay, momentum, centered, maximize);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> adagrad_update(const at::Tensor& param, const at::Tensor& grad,
+                                                              const at::Tensor& state_sum, const at::Tensor& step,
+                                                              const at::Tensor& lr, double lr_decay,
+                                                              double weight_decay, double eps, bool maximize) {
+  check_like(param, grad, "grad");
+  check_like(param, state_sum, "sum");
+  check_step(step);
+  at::Tensor p = param.clone(), sum = state_sum.clone(), s = step.clone();
+  adagrad_inplace(p, grad, sum, s, scalar_of(lr, "lr"), lr_decay, weight_decay, eps, maximize);
+  return {p, sum, s};
+}
+
+void adagrad_update_(at::Tensor param, const at::Tensor& grad, at::Tensor state_sum, at::Tensor step,
+                     const at::Tensor& lr, double lr_decay, double weight_decay, double eps, bool maximize) {
+  check_like(param, grad, "grad");
+  check_like(param, state_sum, "sum");
+  check_step(step);
+  adagrad_inplace(param, grad, state_sum, step, scalar_of(lr, "lr"), lr_decay, weight_decay, eps, maximize);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(torch_ext, m) {
@@ -163,6 +211,20 @@ TORCH_LIBRARY(torch_ext, m) {
   m.def(
       "muon_update_(Tensor(a!) param, Tensor grad, Tensor(b!) momentum_buffer, Tensor lr, float weight_decay, "
       "float momentum, bool nesterov, float a, float b, float c, int ns_steps, float eps, float lr_ratio) -> ()");
+  m.def(
+      "rmsprop_update(Tensor param, Tensor grad, Tensor square_avg, Tensor grad_avg, Tensor momentum_buffer, "
+      "Tensor step, Tensor lr, float alpha, float eps, float weight_decay, float momentum, bool centered, "
+      "bool maximize) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "rmsprop_update_(Tensor(a!) param, Tensor grad, Tensor(b!) square_avg, Tensor(c!) grad_avg, "
+      "Tensor(d!) momentum_buffer, Tensor(e!) step, Tensor lr, float alpha, float eps, float weight_decay, "
+      "float momentum, bool centered, bool maximize) -> ()");
+  m.def(
+      "adagrad_update(Tensor param, Tensor grad, Tensor sum, Tensor step, Tensor lr, float lr_decay, "
+      "float weight_decay, float eps, bool maximize) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "adagrad_update_(Tensor(a!) param, Tensor grad, Tensor(b!) sum, Tensor(c!) step, Tensor lr, float lr_decay, "
+      "float weight_decay, float eps, bool maximize) -> ()");
   // Random ops with explicit generator state (see ops/random.h); used by passes/thread_rng.h.
   m.def(
       "native_dropout_rng(Tensor input, float p, bool? train, Tensor rng_state) -> (Tensor, Tensor, Tensor)");
@@ -179,6 +241,10 @@ TORCH_LIBRARY_IMPL(torch_ext, CPU, m) {
   m.impl("adam_amsgrad_update_", &adam_amsgrad_update_);
   m.impl("muon_update", &muon_update);
   m.impl("muon_update_", &muon_update_);
+  m.impl("rmsprop_update", &rmsprop_update);
+  m.impl("rmsprop_update_", &rmsprop_update_);
+  m.impl("adagrad_update", &adagrad_update);
+  m.impl("adagrad_update_", &adagrad_update_);
   m.impl("native_dropout_rng", &native_dropout_rng);
 }
 

@@ -90,4 +90,39 @@ void muon_inplace(at::Tensor& param, const at::Tensor& grad, at::Tensor& buf, do
   param.add_(update, -adjusted_lr);
 }
 
+void rmsprop_inplace(at::Tensor& param, const at::Tensor& grad_in, at::Tensor& square_avg, at::Tensor& grad_avg,
+                     at::Tensor& momentum_buffer, at::Tensor& step, double lr, double alpha, double eps,
+                     double weight_decay, double momentum, bool centered, bool maximize) {
+  at::Tensor grad = maximize ? at::neg(grad_in) : grad_in;
+  step.add_(1);
+  if (weight_decay != 0) grad = grad.add(param, weight_decay);
+  square_avg.mul_(alpha).addcmul_(grad, grad, 1 - alpha);
+  at::Tensor avg;
+  if (centered) {
+    grad_avg.lerp_(grad, 1 - alpha);
+    avg = square_avg.addcmul(grad_avg, grad_avg, -1).sqrt_();
+  } else {
+    avg = square_avg.sqrt();
+  }
+  avg.add_(eps);
+  if (momentum > 0) {
+    momentum_buffer.mul_(momentum).addcdiv_(grad, avg);
+    param.add_(momentum_buffer, -lr);
+  } else {
+    param.addcdiv_(grad, avg, -lr);
+  }
+}
+
+void adagrad_inplace(at::Tensor& param, const at::Tensor& grad_in, at::Tensor& state_sum, at::Tensor& step_t,
+                     double lr, double lr_decay, double weight_decay, double eps, bool maximize) {
+  step_t.add_(1);
+  const double step = step_t.item<double>();
+  at::Tensor grad = maximize ? at::neg(grad_in) : grad_in;
+  if (weight_decay != 0) grad = grad.add(param, weight_decay);
+  const double clr = lr / (1 + (step - 1) * lr_decay);
+  state_sum.addcmul_(grad, grad, 1);
+  at::Tensor std = state_sum.sqrt().add_(eps);
+  param.addcdiv_(grad, std, -clr);
+}
+
 }  // namespace torch_ext::ops

@@ -30,4 +30,14 @@ void muon_inplace(at::Tensor& param, const at::Tensor& grad, at::Tensor& momentu
                   double weight_decay, double momentum, bool nesterov, double a, double b, double c, int64_t ns_steps,
                   double eps, double lr_ratio);
 
+// RMSprop (torch 2.9 _single_tensor_rmsprop). `grad_avg` is used only when centered and
+// `momentum_buffer` only when momentum > 0; both are still carried so the op has one signature.
+void rmsprop_inplace(at::Tensor& param, const at::Tensor& grad, at::Tensor& square_avg, at::Tensor& grad_avg,
+                     at::Tensor& momentum_buffer, at::Tensor& step, double lr, double alpha, double eps,
+                     double weight_decay, double momentum, bool centered, bool maximize);
+
+// Adagrad, dense gradients (torch 2.9 _single_tensor_adagrad).
+void adagrad_inplace(at::Tensor& param, const at::Tensor& grad, at::Tensor& state_sum, at::Tensor& step, double lr,
+                     double lr_decay, double weight_decay, double eps, bool maximize);
+
 }  // namespace torch_ext::ops

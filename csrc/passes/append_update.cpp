@@ -39,6 +39,12 @@ std::vector<ir::Arg> scalar_args(const ParamUpdate& u) {
             A::of_float(hyper(u, "a")), A::of_float(hyper(u, "b")), A::of_float(hyper(u, "c")),
             A::of_int(static_cast<int64_t>(hyper(u, "ns_steps"))), A::of_float(hyper(u, "eps")),
             A::of_float(hyper(u, "lr_ratio"))};
+  if (u.kind == "rmsprop")
+    return {A::of_float(hyper(u, "alpha")), A::of_float(hyper(u, "eps")), A::of_float(hyper(u, "weight_decay")),
+            A::of_float(hyper(u, "momentum")), A::of_bool(flag(u, "centered")), A::of_bool(flag(u, "maximize"))};
+  if (u.kind == "adagrad")
+    return {A::of_float(hyper(u, "lr_decay")), A::of_float(hyper(u, "weight_decay")), A::of_float(hyper(u, "eps")),
+            A::of_bool(flag(u, "maximize"))};
   TORCH_CHECK(false, "append_update: unknown update kind '", u.kind, "'");
 }
 

@@ -1,6 +1,7 @@
 #include "passes/build_train_step.h"
 
 #include "ir/verifier.h"
+#include "passes/accumulate.h"
 #include "passes/append_update.h"
 #include "passes/check_pure.h"
 #include "passes/clip_grad_norm.h"
@@ -41,6 +42,14 @@ TrainStepGraph build_train_step(const ir::Graph& joint, const TrainStepSpec& spe
   TORCH_CHECK(loss->type().is_tensor() && loss->type().tensor.sizes.empty(),
               "build_train_step: the loss must be a scalar tensor, got ", loss->type().is_tensor() ? "a tensor of rank " +
               std::to_string(loss->type().tensor.sizes.size()) : std::string("a non-tensor"));
+  TORCH_CHECK(spec.accumulate >= 1, "build_train_step: accumulate must be >= 1, got ", spec.accumulate);
+  TORCH_CHECK(spec.accumulate == 1 || unroll_steps == 1, "build_train_step: accumulate (", spec.accumulate,
+              ") and unroll (", unroll_steps, ") cannot be combined");
+  if (spec.accumulate > 1) {
+    g = accumulate(*g, spec, spec.accumulate);
+    verify_after(*g, "accumulate");
+    loss = output_node(*g, spec.loss_output, "loss");
+  }
   std::vector<std::pair<std::string, ir::Node*>> buffers;
   for (const auto& [idx, name] : spec.buffer_mutations) buffers.emplace_back(name, output_node(*g, idx, "buffer"));
   std::vector<ir::Node*> aux;

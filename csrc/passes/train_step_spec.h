@@ -12,7 +12,8 @@
 
 namespace torch_ext::passes {
 
-// One parameter's update rule. `kind` is one of: sgd, sgd_momentum, adam, adam_amsgrad, muon.
+// One parameter's update rule. `kind` is one of: sgd, sgd_momentum, adam, adam_amsgrad, muon,
+// rmsprop, adagrad.
 struct ParamUpdate {
   std::string param;  // the parameter's state name, e.g. "fc1.weight"
   std::string kind;
@@ -30,6 +31,7 @@ struct TrainStepSpec {
   std::optional<double> clip_max_norm;
   double clip_norm_type = 2.0;
   std::vector<int64_t> aux_outputs;  // joint output indices returned after the state (loss_fn's aux)
+  int64_t accumulate = 1;            // micro-batches per update (see accumulate.h)
 };
 
 // Names of the optimizer-state slots each update kind keeps, in the op's argument order.

@@ -238,11 +238,11 @@ def test_optimizer_params_not_the_models():
 
 def test_unsupported_option_is_named():
     model, loss_fn, make_batch = mlp()
-    with pytest.raises(ValueError, match=r"foreach=True"):
-        torch_ext.make_train_step(model, torch.optim.Adam(model.parameters(), foreach=True), loss_fn,
+    with pytest.raises(ValueError, match=r"fused=True"):
+        torch_ext.make_train_step(model, torch.optim.Adam(model.parameters(), fused=True), loss_fn,
                                   make_batch(torch.Generator()))
-    with pytest.raises(TypeError, match=r"RMSprop is not supported"):
-        torch_ext.make_train_step(model, torch.optim.RMSprop(model.parameters()), loss_fn, make_batch(torch.Generator()))
+    with pytest.raises(TypeError, match=r"NAdam is not supported"):
+        torch_ext.make_train_step(model, torch.optim.NAdam(model.parameters()), loss_fn, make_batch(torch.Generator()))
 
 
 def test_batch_shape_or_dtype_differs_and_foreign_state():
