@@ -32,6 +32,12 @@ def _functional_program(ep: torch.export.ExportedProgram) -> torch.export.Export
     return ep.run_decompositions({}) if mutated or mutating else ep
 
 
+def _shape_key(args, kwargs) -> tuple:
+    """The shapes and dtypes of the tensor inputs: what a static export is specialised to."""
+    return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None
+                 for x in pytree.tree_leaves((args, kwargs)))
+
+
 def _random_nodes(ep: torch.export.ExportedProgram) -> list[str]:
     """Nodes that draw from a random generator (dropout in training mode, rand, bernoulli, ...)."""
     out = []
@@ -116,8 +122,46 @@ class ReactiveGraph:
         self._last_inputs = None
         self._batched: dict[int, "_BatchedGraph"] = {}
         self._grafts: list[tuple] = []  # (src, dst, block, new names): replayed on batched graphs
+        self._grafts_applied = 0
+        self._cutoff = bool(cutoff)
+        # One graph per input shape (static export): other shapes build, or reuse, their own.
+        self._shape = _shape_key(tuple(example_inputs), {}) if example_inputs is not None else None
+        self._variants: dict = {}
+        self._shape_stats = {"graph_builds": 1, "graph_reuses": 0}
         if example_inputs is not None:
             self.run(*example_inputs)
+
+    _PER_SHAPE = ("program", "_hooks", "_conversions", "_engine", "graph", "_slots", "_num_user", "_in_spec",
+                  "_out_spec", "_user_outputs", "_loss_output", "_grad_outputs", "_module_paths", "_countable",
+                  "_countable_cache", "_batched", "_last_inputs", "_example_inputs", "_grafts_applied")
+
+    def _switch_shape(self, key, args, kwargs) -> None:
+        """Moves to the graph for another input shape: reused if built before, else exported now;
+        grafts made so far are replayed on it. Refused while patches are active."""
+        if self._engine.pinned():
+            raise ValueError(f"run: these inputs have other shapes than the graph's ({key} vs {self._shape}) while "
+                             f"patches are active at {self._engine.pinned()}; restore() first")
+        if kwargs:
+            raise ValueError("run: a new input shape with keyword inputs is not supported; build a new ReactiveGraph")
+        self._variants[self._shape] = {a: getattr(self, a, None) for a in self._PER_SHAPE}
+        saved = self._variants.get(key)
+        if saved is not None:
+            for a, v in saved.items():
+                setattr(self, a, v)
+            self._shape_stats["graph_reuses"] += 1
+        else:
+            fresh = ReactiveGraph(self._module, args, cutoff=self._cutoff)
+            for a in self._PER_SHAPE:
+                setattr(self, a, getattr(fresh, a, None))
+            self._grafts_applied = 0
+            self._shape_stats["graph_builds"] += 1
+        self._shape = key
+        for src, dst, block, names in self._grafts[self._grafts_applied:]:
+            got = self._apply_graft(src, dst, block)
+            if got != names:
+                raise RuntimeError(f"replaying graft {src!r} -> {dst or '*'} on the graph for shape {key} produced "
+                                   f"nodes {got}, not {names}")
+            self._grafts_applied += 1
 
     # ---- evaluation
     def _flat_inputs(self, args, kwargs):
@@ -134,7 +178,15 @@ class ReactiveGraph:
         return pytree.tree_unflatten([outs[i] for i in self._user_outputs], self._out_spec)
 
     def run(self, *args, **kwargs):
-        """Full evaluation (N evaluations); becomes the baseline. Returns the outputs."""
+        """Full evaluation (N evaluations); becomes the baseline. Returns the outputs.
+
+        Inputs of another shape (a longer prompt) move to that shape's graph, exported on first use
+        and reused after (``stats["graph_builds"]``, ``stats["graph_reuses"]``); grafts are replayed.
+        """
+        if self._module is not None and self._shape is not None:
+            key = _shape_key(args, kwargs)
+            if key != self._shape:
+                self._switch_shape(key, args, kwargs)
         self._engine.run(self._flat_inputs(args, kwargs))
         self._last_inputs = (args, kwargs)
         return self.demand()
@@ -248,6 +300,12 @@ class ReactiveGraph:
             if not callable(block):
                 raise TypeError(f"graft: block must be an nn.Module or a callable, got {type(block).__name__}")
             block = _FunctionBlock(block)
+        names = self._apply_graft(src, dst, block)
+        self._grafts.append((src, dst, block, names))
+        self._grafts_applied += 1
+        return names
+
+    def _apply_graft(self, src: str, dst: str, block: torch.nn.Module) -> list[str]:
         # The example comes from src's declared type, never its value: inside `batch()` nothing may be
         # evaluated before the demand (a value would compute stale ancestors now, and again later).
         example = _empty_like_type(self._engine.node(src)["type"])
@@ -256,7 +314,6 @@ class ReactiveGraph:
         state = {**ep.state_dict, **ep.constants}
         params = [state[spec.target] for spec in ep.graph_signature.input_specs if spec.kind.name != "USER_INPUT"]
         names = self._engine.graft(src, dst, bgraph._g, params)
-        self._grafts.append((src, dst, block, names))
         self.graph = Graph(self._engine.graph())  # stays the graph the engine runs
         self._countable.extend(names)
         for n in names:
@@ -275,8 +332,9 @@ class ReactiveGraph:
     # ---- inspection
     @property
     def stats(self) -> dict:
-        """``evaluations``, ``cost`` (FLOP-weighted), ``cutoffs``, ``invalidated``, ``restored``."""
-        return self._engine.stats()
+        """``evaluations``, ``cost`` (FLOP-weighted), ``cutoffs``, ``invalidated``, ``restored`` of the
+        current shape's graph; ``graph_builds`` and ``graph_reuses`` count per-shape graphs."""
+        return {**self._engine.stats(), **self._shape_stats}
 
     def reset_stats(self) -> None:
         self._engine.reset_stats()

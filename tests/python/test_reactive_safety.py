@@ -351,3 +351,24 @@ def test_evaluate_patched_equals_patch_demand_rollback():
         eng.evaluate_patched("c", torch.zeros(8))
     with pytest.raises(RuntimeError, match="shape"):
         eng.evaluate_patched("a", torch.zeros(3))
+
+
+def test_one_graph_serves_several_prompt_lengths(resid):
+    model, x = resid
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    t0 = _tanh_nodes(rg)[0]
+    rg.graft(t0, lambda t: 2 * t)
+    longer = torch.randn(2, 9, 8)
+    out = rg.run(longer)
+    assert out.shape == (2, 9, 8)
+    assert torch.allclose(out, _eager(model, longer, {0: lambda o: 2 * o}), rtol=1e-6, atol=1e-6)
+    assert rg.stats["graph_builds"] == 2 and rg.stats["graph_reuses"] == 0
+    assert torch.equal(rg.run(x), rg.demand())  # back to the first shape: reused, graft still there
+    assert torch.allclose(rg.demand(), _eager(model, x, {0: lambda o: 2 * o}), rtol=1e-6, atol=1e-6)
+    assert rg.stats["graph_reuses"] == 1
+    r = torch_ext.sweep(rg, [(_tanh_nodes(rg)[2], 1)], _site_patch, _metric, progress=False)
+    assert len(r.metrics) == 1
+    rg.patch(_tanh_nodes(rg)[1], torch.zeros_like(rg.value(_tanh_nodes(rg)[1])))
+    with pytest.raises(ValueError, match="restore"):
+        rg.run(longer)
+    rg.check_invariants()
