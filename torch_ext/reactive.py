@@ -601,6 +601,7 @@ class SweepResult:
     cost: float = 0.0
     extra: dict = field(default_factory=dict)
     clean_metric: Any = None  # the metric with no site patched (standing patches included)
+    node_labels: dict = field(default_factory=dict)  # node -> module path (or hook name), for plots
 
     @property
     def rho(self) -> float:
@@ -645,31 +646,44 @@ class SweepResult:
         df = self.to_pandas()
         nodes = list(dict.fromkeys(df["node"]))
         keys = list(dict.fromkeys(df["key"]))
-        grid = np.full((len(nodes), len(keys)), np.nan)
-        for _, r in df.iterrows():
-            grid[nodes.index(r["node"]), keys.index(r["key"])] = r["metric"]
-        fig, ax = plt.subplots(figsize=(max(4, 0.45 * len(keys) + 2), max(3, 0.45 * len(nodes) + 1.5)))
-        # Centre the diverging colormap on the unpatched metric, so red and blue mean up and down.
-        norm = None
-        if self.clean_metric is not None and np.isfinite(grid).any():
-            lo, hi = np.nanmin(grid), np.nanmax(grid)
-            span = max(abs(hi - self.clean_metric), abs(self.clean_metric - lo), 1e-12)
-            norm = matplotlib.colors.TwoSlopeNorm(vcenter=self.clean_metric, vmin=self.clean_metric - span,
-                                                  vmax=self.clean_metric + span)
-        im = ax.imshow(grid, aspect="auto", cmap="RdBu_r", norm=norm)
-        ax.set_xticks(range(len(keys)), [str(k) for k in keys], fontsize=7)
-        ax.set_yticks(range(len(nodes)), [str(n) for n in nodes], fontsize=7)
-        ax.set_xlabel("site key (position / head index)")
-        ax.set_ylabel("patched node")
+        labels = [f"{n} ({self.node_labels[n]})" if self.node_labels.get(n) else str(n) for n in nodes]
+        if keys == [None]:
+            # Sites without a key: one bar per node against the unpatched metric.
+            fig, ax = plt.subplots(figsize=(max(7, 0.4 * len(nodes) + 3), 4.5))
+            values = [self.metrics[n] for n in nodes]
+            ax.bar(range(len(nodes)), values, color="tab:blue", label="patched")
+            if self.clean_metric is not None:
+                ax.axhline(self.clean_metric, color="black", linestyle="--", linewidth=1, label="unpatched run")
+            ax.set_xticks(range(len(nodes)), labels, rotation=60, ha="right", fontsize=7)
+            ax.set_xlabel("patched node (module path)")
+            ax.set_ylabel("metric")
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+        else:
+            grid = np.full((len(nodes), len(keys)), np.nan)
+            for _, r in df.iterrows():
+                grid[nodes.index(r["node"]), keys.index(r["key"])] = r["metric"]
+            fig, ax = plt.subplots(figsize=(max(4, 0.45 * len(keys) + 2), max(3, 0.45 * len(nodes) + 1.5)))
+            # Centre the diverging colormap on the unpatched metric, so red and blue mean up and down.
+            norm = None
+            if self.clean_metric is not None and np.isfinite(grid).any():
+                lo, hi = np.nanmin(grid), np.nanmax(grid)
+                span = max(abs(hi - self.clean_metric), abs(self.clean_metric - lo), 1e-12)
+                norm = matplotlib.colors.TwoSlopeNorm(vcenter=self.clean_metric, vmin=self.clean_metric - span,
+                                                      vmax=self.clean_metric + span)
+            im = ax.imshow(grid, aspect="auto", cmap="RdBu_r", norm=norm)
+            ax.set_xticks(range(len(keys)), [str(k) for k in keys], fontsize=7)
+            ax.set_yticks(range(len(nodes)), labels, fontsize=7)
+            ax.set_xlabel("site key (position / head index)")
+            ax.set_ylabel("patched node (module path)")
+            label = "metric" if self.clean_metric is None else f"metric (white: unpatched, {self.clean_metric:.4g})"
+            fig.colorbar(im, ax=ax, label=label)
         if self.batched:
             cost_line = (f"{self.measured_evaluations} node evaluations on K-times batched graphs "
                          f"({self.groups} groups) vs {self.full_evaluations} for one full pass per site")
         else:
             cost_line = (f"{self.measured_evaluations} node evaluations vs {self.full_evaluations} for one full "
                          f"pass per site (rho = {self.rho:.3f})")
-        ax.set_title(f"{title}\n{cost_line}", fontsize=9)
-        label = "metric" if self.clean_metric is None else f"metric (unpatched: {self.clean_metric:.4g})"
-        fig.colorbar(im, ax=ax, label=label)
+        ax.set_title(f"{title}: metric with each site patched\n{cost_line}", fontsize=9)
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
@@ -794,6 +808,10 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
         n = node_of(s)
         if n not in cones:
             cones[n] = len(rg.cone(n))
+    labels = {}
+    for s in site_list:
+        name = s[0] if isinstance(s, tuple) else s
+        labels[name] = rg._module_paths.get(rg.resolve(name), "") if name == rg.resolve(name) else rg.resolve(name)
     full = len(site_list) * rg.num_nodes
     # Pending mutations are brought up to date once, outside the measured loop; the unpatched metric
     # centres the plots.
@@ -811,7 +829,7 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
             metrics[s] = _one_site(rg, s, node_of(s), patch, metric, pinned)
         wall = time.perf_counter() - t0
         return SweepResult(metrics, rg.stats["evaluations"] - before, predicted, full, rg.num_nodes, wall,
-                           cost=rg.stats["cost"] - cost_before, clean_metric=clean_metric)
+                           cost=rg.stats["cost"] - cost_before, clean_metric=clean_metric, node_labels=labels)
 
     groups: dict = {}
     for s in site_list:
@@ -869,4 +887,5 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     wall = time.perf_counter() - t0
     predicted_batched = sum(cones[n] for n in groups)
     return SweepResult(metrics, measured, predicted_batched, full, rg.num_nodes, wall, batched=True,
-                       groups=len(groups), cost=cost, extra={"setup_evaluations": setup}, clean_metric=clean_metric)
+                       groups=len(groups), cost=cost, extra={"setup_evaluations": setup}, clean_metric=clean_metric,
+                       node_labels=labels)
