@@ -437,3 +437,21 @@ def test_bad_aux_is_named():
     with pytest.raises(ValueError, match="needs unroll=1"):
         torch_ext.make_train_step(model, adamw(model), lambda m, x, y: (lm_loss(m, x, y), m(x)), next(lm_batches()),
                                   unroll=2)
+
+
+def test_dropout_aotinductor_package_is_pure_and_matches_the_executor(tmp_path):
+    """AOTInductor runs the explicit-state dropout op as an extern kernel: same draws, no global reads."""
+    torch.manual_seed(0)
+    model = TiedLM(p=0.25)
+    step = torch_ext.make_train_step(model, adamw(model), lm_loss, next(lm_batches()))
+    pkg = torch._inductor.aoti_compile_and_package(step.program, package_path=str(tmp_path / "step.pt2"))
+    runner = torch._inductor.aoti_load_package(pkg)
+    state = step.init_state(seed=4)
+    b = next(lm_batches(2))
+    flat = step.flat_inputs(state, *b)
+    before = torch.get_rng_state()
+    o1, o2 = runner(*flat), runner(*flat)
+    assert torch.equal(before, torch.get_rng_state()), "the package read the global generator"
+    loss, new = step(state, *b)
+    assert torch.equal(o1[0], o2[0]) and torch.equal(o1[0], loss)
+    assert torch.equal(o1[1 + step.state_names.index("rng")], new.rng)
