@@ -469,10 +469,12 @@ def main() -> int:
     ap.add_argument("--linear-max", type=int, default=384,
                     help="largest size for the linear+gelu rows (1024 takes minutes per repeat on 2 cores)")
     ap.add_argument("--only-grid", action="store_true")
+    ap.add_argument("--skip-grid", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    part0(args.grid_repeats, args.grid_sizes, args.linear_max)
+    if not args.skip_grid:
+        part0(args.grid_repeats, args.grid_sizes, args.linear_max)
     if args.only_grid:
         print(f"total {time.perf_counter() - t0:.1f} s")
         return 1 if FAILURES else 0

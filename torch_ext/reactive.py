@@ -116,6 +116,9 @@ class ReactiveGraph:
         self._loss_output = kinds.index("LOSS_OUTPUT") if "LOSS_OUTPUT" in kinds else None
         self._grad_outputs = [(i, spec.target) for i, spec in enumerate(sig.output_specs)
                               if spec.kind.name == "GRADIENT_TO_PARAMETER"]
+        single = (self._loss_output is None and len(self._user_outputs) == 1 and self._out_spec is not None
+                  and self._out_spec.is_leaf())
+        self._single_output = self._user_outputs[0] if single else None
         self._module_paths = {n["name"]: n["module_path"] for n in self.graph.nodes()}
         self._countable = [n["name"] for n in self.graph.nodes() if n["kind"] == "call"]
         self._example_inputs = tuple(example_inputs) if example_inputs is not None else None
@@ -132,6 +135,7 @@ class ReactiveGraph:
             self.run(*example_inputs)
 
     _PER_SHAPE = ("program", "_hooks", "_conversions", "_engine", "graph", "_slots", "_num_user", "_in_spec",
+                  "_single_output", "_cone_sizes", "_all_names",
                   "_out_spec", "_user_outputs", "_loss_output", "_grad_outputs", "_module_paths", "_countable",
                   "_countable_cache", "_batched", "_last_inputs", "_example_inputs", "_grafts_applied")
 
@@ -172,6 +176,8 @@ class ReactiveGraph:
         return [next(it) if s is None else s for s in self._slots]
 
     def _user(self, outs):
+        if self._single_output is not None:
+            return outs[self._single_output]  # the common case, without a pytree round trip per site
         if self._loss_output is not None and not self._user_outputs:
             # Training mode: (loss, {parameter name: gradient}).
             return outs[self._loss_output], {name: outs[i] for i, name in self._grad_outputs}
@@ -315,6 +321,7 @@ class ReactiveGraph:
         params = [state[spec.target] for spec in ep.graph_signature.input_specs if spec.kind.name != "USER_INPUT"]
         names = self._engine.graft(src, dst, bgraph._g, params)
         self.graph = Graph(self._engine.graph())  # stays the graph the engine runs
+        self._cone_sizes, self._all_names = {}, None
         self._countable.extend(names)
         for n in names:
             self._module_paths[n] = ""
@@ -342,6 +349,22 @@ class ReactiveGraph:
     def cone(self, node: str) -> set[str]:
         """V+(node): the strict downstream cone, as node names."""
         return set(self._engine.cone(self.resolve(node)))
+
+    def _cone_size(self, node: str) -> int:
+        """|V+(node)|, cached until the graph changes (a graft, another input shape)."""
+        cache = self.__dict__.get("_cone_sizes")
+        if cache is None:
+            cache = self._cone_sizes = {}
+        if node not in cache:
+            cache[node] = len(self._engine.cone(node))
+        return cache[node]
+
+    def _node_names(self) -> set:
+        """Every node name (placeholders included), cached until the graph changes."""
+        names = self.__dict__.get("_all_names")
+        if names is None:
+            names = self._all_names = {n["name"] for n in self.graph.nodes()} | set(self._countable)
+        return names
 
     def nodes(self, pattern: str | None = None) -> list[str]:
         """Countable node names, filtered by a glob on the name, the module path or a hook name
@@ -725,7 +748,8 @@ def _metric_value(m, site):
 
 def _measure(rg: ReactiveGraph, metric, outs, site):
     """metric(outs), refusing a metric that writes into the (cached) outputs."""
-    flat = [t for t in pytree.tree_leaves(outs) if isinstance(t, torch.Tensor) and not t.is_inference()]
+    leaves = [outs] if isinstance(outs, torch.Tensor) else pytree.tree_leaves(outs)
+    flat = [t for t in leaves if isinstance(t, torch.Tensor) and not t.is_inference()]
     versions = [t._version for t in flat]
     value = _metric_value(metric(outs), site)
     if any(t._version != v for t, v in zip(flat, versions)):
@@ -797,7 +821,7 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     def node_of(site):
         return rg.resolve(site[0] if isinstance(site, tuple) else site)
 
-    known = set(rg._countable) | {n["name"] for n in rg.graph.nodes()}
+    known = rg._node_names()
     for s in site_list:
         if node_of(s) not in known:
             raise ValueError(f"sweep: unknown node {node_of(s)!r}")
@@ -807,7 +831,7 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     for s in site_list:
         n = node_of(s)
         if n not in cones:
-            cones[n] = len(rg.cone(n))
+            cones[n] = rg._cone_size(n)
     labels = {}
     for s in site_list:
         name = s[0] if isinstance(s, tuple) else s
