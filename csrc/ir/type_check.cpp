@@ -12,6 +12,8 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <exception>
 #include <mutex>
 #include <optional>
@@ -150,6 +152,9 @@ std::string error_text(const std::exception& e) {
 at::Tensor meta_tensor(const TensorMeta& m) {
   return at::empty_strided(m.sizes, m.strides, at::TensorOptions().dtype(m.dtype).device(c10::kMeta));
 }
+
+// Longest list result inferred beyond the declared one (see check_call_types).
+constexpr int64_t kMaxListInference = 1 << 16;
 
 // Tensor inputs by stack position, materialised as meta tensors only on a cache miss.
 struct TensorInput {
@@ -467,6 +472,29 @@ void check_call_types(const Node& node, const c10::OperatorHandle& op, const std
   if (!op.hasComputedKernelForDispatchKey(c10::DispatchKey::Meta) || op.hasTag(at::Tag::dynamic_output_shape) ||
       op.hasTag(at::Tag::data_dependent_output))
     return;
+  // A list result can be as long as the largest input dim or int argument (split, unbind,
+  // tensor_split.sections), and meta kernels build every element: bound that work.
+  bool returns_list = false;
+  for (const auto& r : schema.returns()) returns_list = returns_list || r.type()->kind() == c10::TypeKind::ListType;
+  if (returns_list) {
+    int64_t bound = 0;
+    for (const TensorInput& t : tensor_inputs)
+      for (const Node* n : t.nodes)
+        if (n != nullptr)
+          for (int64_t s : n->type().tensor.sizes) bound = std::max(bound, s);
+    for (const c10::IValue& v : stack) {
+      if (v.isInt()) bound = std::max(bound, std::abs(v.toInt() == INT64_MIN ? INT64_MAX : v.toInt()));
+      if (v.isIntList())
+        for (int64_t e : v.toIntList()) bound = std::max(bound, e == INT64_MIN ? INT64_MAX : std::abs(e));
+    }
+    const int64_t declared = node.type().kind == Type::Kind::Tuple ? static_cast<int64_t>(node.type().elems.size()) : 1;
+    if (bound > std::max(declared, kMaxListInference)) {
+      errors.push_back(where + "cannot infer the result: it may be a list of up to " + std::to_string(bound) +
+                       " tensors, beyond the inference limit of " + std::to_string(kMaxListInference) +
+                       " (and the " + std::to_string(declared) + " declared)");
+      return;
+    }
+  }
   for (size_t i = 0; i < formals.size(); ++i) {
     key += '|';
     if (given[i] == nullptr) continue;  // the schema default

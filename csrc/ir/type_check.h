@@ -21,6 +21,10 @@
 //   * its output shape or value depends on data (tags dynamic_output_shape,
 //     data_dependent_output: nonzero, item, ...);
 //   * an input is a scalar graph value (int, float, bool), whose value is unknown before run.
+// One limit keeps inference cheap: an operator returning a list (split, unbind, ...) whose
+// inputs allow more than max(65536, declared length) results is refused, naming the limit.
+// Results are cached process-wide by operator, constants and types, so graphs that repeat
+// layers, and graphs verified again by each runtime, pay once per distinct node signature.
 // Devices are not inferred: every Device argument is replaced by meta (so no real memory is
 // ever allocated at verify time); devices are checked against the inputs at run time.
 #pragma once

@@ -166,7 +166,10 @@ void verify_into(const Graph& g, const std::string& prefix, std::vector<std::str
   // Use lists are checked against the inputs through one map of (user, input) pairs, so a
   // value with many users costs linear time, not quadratic.
   std::unordered_map<const Node*, std::unordered_set<const Node*>> inputs_of;
-  std::unordered_set<const Node*> invalid;  // nodes whose declared type is not a valid type
+  // Nodes whose declared type is invalid or wrong. Their users are not type-checked: the first
+  // error says what is wrong, and inference on a wrong type can be arbitrarily expensive
+  // (split of a dim declared 2^31 long).
+  std::unordered_set<const Node*> invalid;
   bool calls_started = false;
   size_t outputs = 0;
   const auto& nodes = g.nodes();
@@ -226,12 +229,17 @@ void verify_into(const Graph& g, const std::string& prefix, std::vector<std::str
     if (n.kind() == NodeKind::Call) {
       if (!n.regions().empty() && n.target().ns != "higher_order")
         errors.push_back(where + "only higher_order::cond and while_loop own regions, not " + n.target().str());
-      // A node fed by an invalid type is not type-checked: the input's own error says why.
       const auto ins = n.inputs();
       const bool inputs_valid = std::none_of(ins.begin(), ins.end(), [&](const Node* in) {
         return invalid.count(in) || in->owner() != &g;
       });
-      if (inputs_valid && !invalid.count(&n)) check_call(n, prefix, errors);
+      if (inputs_valid && !invalid.count(&n)) {
+        const size_t before = errors.size();
+        check_call(n, prefix, errors);
+        if (errors.size() != before) invalid.insert(&n);
+      } else {
+        invalid.insert(&n);
+      }
       for (size_t r = 0; r < n.regions().size(); ++r)
         verify_into(*n.regions()[r], prefix + "%" + n.name() + ".region" + std::to_string(r) + ": ", errors);
     }

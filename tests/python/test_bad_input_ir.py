@@ -257,6 +257,17 @@ VERIFY = {
         %b : f32[2,4] = aten::expand.default(%a, [2, 4])
         return (%b)
     """), r"node %b \(aten::expand.default\): the operator refuses"),
+    "split_into_huge_list": (_g("""
+        %x : f32[2147483648] = input()
+        %s : (f32[1], f32[1]) = aten::split.Tensor(%x, 1)
+        return (%s)
+    """), r"node %s \(aten::split.Tensor\): cannot infer the result: it may be a list of up to 2147483648 tensors, "
+          r"beyond the inference limit of 65536"),
+    "tensor_split_huge_sections": (_g("""
+        %x : f32[4] = input()
+        %s : (f32[2], f32[2]) = aten::tensor_split.sections(%x, 4611686018427387904)
+        return (%s)
+    """), r"node %s \(aten::tensor_split.sections\): cannot infer the result: .* beyond the inference limit"),
     "cond_branch_types_differ": (_g("""
         %p : b8[] = input()
         %x : f32[2] = input()
