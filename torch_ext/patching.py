@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 
 from . import _compat
-from .reactive import ReactiveGraph, sweep
+from .reactive import ReactiveGraph, _weights_fingerprint, sweep
 
 __all__ = [
     "generic_activation_patch", "get_act_patch_resid_pre", "get_act_patch_resid_mid", "get_act_patch_attn_out",
@@ -94,9 +94,13 @@ def _graph_for(model, tokens: torch.Tensor) -> ReactiveGraph:
                              "call model.eval() first")
         per_shape = _GRAPHS.setdefault(model, {})
         key = (tuple(tokens.shape), tokens.dtype, tokens.device)
-        rg = per_shape.get(key)
-        if rg is None:
-            rg = per_shape[key] = ReactiveGraph(model, (tokens,))
+        # A graph is a snapshot of the weights (TransformerLens models are even exported from a copy):
+        # any weight replaced or written in place since (load_state_dict, fine-tuning) rebuilds it.
+        fingerprint = _weights_fingerprint(model)
+        rg, built_for = per_shape.get(key, (None, None))
+        if rg is None or built_for != fingerprint:
+            rg = ReactiveGraph(model, (tokens,))
+            per_shape[key] = (rg, fingerprint)
             return rg
     args = rg._last_inputs[0] if rg._last_inputs is not None else None
     if args is None or len(args) != 1 or args[0] is not tokens:

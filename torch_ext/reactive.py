@@ -32,6 +32,17 @@ def _functional_program(ep: torch.export.ExportedProgram) -> torch.export.Export
     return ep.run_decompositions({}) if mutated or mutating else ep
 
 
+def nn_params(module: torch.nn.Module) -> list:
+    """Parameters and buffers by nn.Module's own walk (TransformerLens 4 overrides parameters())."""
+    return list(torch.nn.Module.parameters(module)) + list(torch.nn.Module.buffers(module))
+
+
+def _weights_fingerprint(module: torch.nn.Module) -> tuple:
+    """Identity and version counter of every parameter and buffer: changes when any is replaced or
+    written in place."""
+    return tuple((t.data_ptr(), t._version) for t in nn_params(module))
+
+
 def _shape_key(args, kwargs) -> tuple:
     """The shapes and dtypes of the tensor inputs: what a static export is specialised to."""
     return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None
@@ -131,6 +142,13 @@ class ReactiveGraph:
         self._shape = _shape_key(tuple(example_inputs), {}) if example_inputs is not None else None
         self._variants: dict = {}
         self._shape_stats = {"graph_builds": 1, "graph_reuses": 0}
+        # Programs exported from a copy (TransformerLens models) do not see later weight changes: run()
+        # refuses to compute on stale weights instead of answering with them.
+        self._weights_fp = None
+        if self._module is not None:
+            own = {id(t) for t in list(nn_params(self._module))}
+            if any(id(v) not in own for v in self.program.state_dict.values()):
+                self._weights_fp = _weights_fingerprint(self._module)
         if example_inputs is not None:
             self.run(*example_inputs)
 
@@ -189,6 +207,10 @@ class ReactiveGraph:
         Inputs of another shape (a longer prompt) move to that shape's graph, exported on first use
         and reused after (``stats["graph_builds"]``, ``stats["graph_reuses"]``); grafts are replayed.
         """
+        if self._weights_fp is not None and _weights_fingerprint(self._module) != self._weights_fp:
+            raise ValueError("run: the model's weights changed since this ReactiveGraph was built, and it computes "
+                             "with a copy of them (TransformerLens models are exported from a copy); build a new "
+                             "ReactiveGraph (torch_ext.patching does so by itself)")
         if self._module is not None and self._shape is not None:
             key = _shape_key(args, kwargs)
             if key != self._shape:

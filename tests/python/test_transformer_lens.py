@@ -80,3 +80,38 @@ def test_patching_refuses_training_mode_and_unsupported_options(bridge):
             patching.get_act_patch_resid_pre(bridge, corrupted, clean_cache, _metric)
     finally:
         bridge.eval()
+
+
+def test_patching_sees_weights_changed_after_the_first_call(bridge):
+    """The graph is exported from a copy of the bridge: a weight written afterwards must rebuild it."""
+    clean, corrupted = _prompts(1)
+    _, clean_cache = bridge.run_with_cache(clean)
+    first = patching.get_act_patch_resid_pre(bridge, corrupted, clean_cache, _metric)
+    w = next(p for n, p in torch.nn.Module.named_parameters(bridge) if n.endswith("weight") and p.dim() == 2)
+    saved = w.detach().clone()
+    try:
+        with torch.no_grad():
+            w.mul_(1.5)
+        _, clean_cache = bridge.run_with_cache(clean)
+        expected = tl_patching.get_act_patch_resid_pre(bridge, corrupted, clean_cache, _metric)
+        got = patching.get_act_patch_resid_pre(bridge, corrupted, clean_cache, _metric)
+        assert torch.equal(got, expected)
+        assert not torch.equal(got, first)
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+
+
+def test_reactive_graph_of_a_bridge_refuses_stale_weights(bridge):
+    clean, _ = _prompts(1)
+    rg = torch_ext.ReactiveGraph(bridge, (clean,))
+    w = next(p for n, p in torch.nn.Module.named_parameters(bridge) if n.endswith("weight") and p.dim() == 2)
+    saved = w.detach().clone()
+    try:
+        with torch.no_grad():
+            w.mul_(2.0)
+        with pytest.raises(ValueError, match="weights changed"):
+            rg.run(clean)
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
