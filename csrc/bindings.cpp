@@ -226,6 +226,7 @@ py::dict plan_to_py(const passes::MemoryPlan& plan) {
   d["escaping_bytes"] = plan.escaping_bytes;
   d["lower_bound"] = plan.lower_bound;
   d["lb_sched"] = plan.lb_sched();
+  d["lb_graph"] = plan.lb_graph;
   d["peak_bytes"] = plan.peak_bytes();
   py::list buffers;
   for (size_t i = 0; i < plan.buffers.size(); ++i) {

@@ -301,7 +301,7 @@ def memory_figure(report, title: str):
             ax.plot([100 * i / n for i in range(len(series))], [b / scale for b in series], label=label,
                     linewidth=1.4)
     ax.axhline(report.lb_graph / scale, color="gray", linestyle=":",
-               label="LB_graph: lower bound for any order\n(state + max(saved activations, largest op))")
+               label="LB_graph: lower bound for any order\n(state, batch, and what every order holds at once)")
     ax.axhline(report.lb_sched / scale, color="black", linestyle="--", linewidth=0.8,
                label="LB_sched: lower bound for the chosen order")
     ax.set_xlabel("progress through one training step (% of profiler events / schedule positions)")

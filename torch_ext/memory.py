@@ -9,7 +9,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from . import _C, _compat
-from .ir import _SHORT_DTYPE
 
 
 class PlannedStep:
@@ -54,7 +53,12 @@ class PlannedStep:
 
 @dataclass
 class MemoryReport:
-    """Peak memory of one training step, in bytes, measured and planned side by side."""
+    """Peak memory of one training step, in bytes, measured and planned side by side.
+
+    ``lb_sched`` bounds any arena placement of the chosen order; ``lb_graph`` bounds every order
+    and placement (both proven at ``graph_lower_bound`` in csrc/passes/plan_memory.cpp), so
+    ``merged_planned >= lb_sched >= lb_graph``.
+    """
 
     eager_peak: int
     separate_planned: int
@@ -229,26 +233,6 @@ def memory_report(step, batch) -> MemoryReport:
     persistent = plan["persistent_bytes"]
     separate, parts = _separate_planning(plan, nodes, persistent)
 
-    # LB_graph = |W| + |M| + max(saved activations, largest single op's inputs plus outputs).
-    initial = step.init_state()
-    state_bytes = _tensor_bytes([initial.lookup(n) for n in step.state_names])
-    sizes = {n["name"]: (n["type"][1], n["type"][2]) for n in nodes if n["type"][0] == "tensor"}
-
-    def nbytes(name):
-        if name not in sizes:
-            return 0
-        dt, shape = sizes[name]
-        out = _SHORT_DTYPE[dt].itemsize
-        for s in shape:
-            out *= s
-        return out
-
-    largest_op = 0
-    for n in nodes:
-        if n["kind"] == "call":
-            largest_op = max(largest_op, sum(nbytes(i) for i in _node_refs(n["args"])) + nbytes(n["name"]))
-    lb_graph = state_bytes + max(_saved_activations(plan, nodes), largest_op)
-
     live = [0] * len(plan["order"])
     for (_n, _e, size, first, last, _o) in plan["buffers"]:
         for t in range(first, last + 1):
@@ -257,17 +241,10 @@ def memory_report(step, batch) -> MemoryReport:
     return MemoryReport(
         eager_peak=eager_peak, separate_planned=separate, separate_parts=parts,
         merged_unplanned=unplanned["lb_sched"], merged_planned=plan["peak_bytes"], arena_bytes=plan["arena_bytes"],
-        persistent_bytes=persistent, lb_sched=plan["lb_sched"], lb_graph=lb_graph,
+        persistent_bytes=persistent, lb_sched=plan["lb_sched"], lb_graph=plan["lb_graph"],
         aliases_applied=sum(1 for a in plan["aliases"] if a[1]),
         aliases_refused=sum(1 for a in plan["aliases"] if not a[1]),
         refused_reasons=[f"{a[0]}: {a[2]}" for a in plan["aliases"] if not a[1]],
         schedule=planned.schedule, candidates=dict(planned.candidates), fallback_nodes=len(planned.fallbacks),
         eager_timeline=eager_timeline, planned_timeline=timeline)
 
-
-def _saved_activations(plan: dict, nodes: list) -> int:
-    """Bytes of forward values that the backward reads (live across the forward/backward boundary)."""
-    forward = _forward_nodes(nodes)
-    pos = {n: i for i, n in enumerate(plan["order"])}
-    fwd_end = max(pos[n] for n in forward) if forward else 0
-    return sum(size for (node, _e, size, first, last, _o) in plan["buffers"] if node in forward and last > fwd_end)

@@ -67,13 +67,17 @@ std::vector<std::pair<const ir::Node*, int64_t>> aliasable_inputs(const ir::Node
 
 struct Analysis {
   std::vector<PlannedBuffer> buffers;  // arena buffers only
+  std::vector<std::vector<const ir::Node*>> readers;  // per arena buffer: every call node reading its storage
   std::vector<AliasDecision> aliases;
   int64_t persistent = 0;
   int64_t escaping = 0;
   int64_t lower_bound = 0;
 };
 
-Analysis analyze(const ir::Graph& g, const std::vector<const ir::Node*>& order, bool donate) {
+// With `assume_all_aliases`, every update with a state input to overwrite is taken as aliased,
+// whatever the order: the fewest buffers any order can have (used by graph_lower_bound).
+Analysis analyze(const ir::Graph& g, const std::vector<const ir::Node*>& order, bool donate,
+                 bool assume_all_aliases = false) {
   Analysis a;
   std::unordered_map<const ir::Node*, int64_t> pos;
   for (size_t i = 0; i < order.size(); ++i) pos[order[i]] = static_cast<int64_t>(i);
@@ -92,6 +96,7 @@ Analysis analyze(const ir::Graph& g, const std::vector<const ir::Node*>& order, 
     }
     const auto inputs = aliasable_inputs(*n);
     for (const auto& [in, elem] : inputs) {
+      if (assume_all_aliases) break;
       for (const ir::Node* r : storage_readers(in)) {
         if (r == n || pos.at(r) < pos.at(n)) continue;
         d.reason = "%" + in->name() + " is read by %" + r->name() + " after the update";
@@ -138,12 +143,16 @@ Analysis analyze(const ir::Graph& g, const std::vector<const ir::Node*>& order, 
     }
   }
   // Reads extend lifetimes.
+  std::vector<std::vector<const ir::Node*>> readers(all.size());
   for (const ir::Node* n : order) {
     const int64_t at = pos.at(n);
     for (const ir::Node* in : n->inputs()) {
       for (int64_t e : elems_of(in->type())) {
         auto it = root.find({in, e});
-        if (it != root.end() && it->second >= 0) all[it->second].life.last = std::max(all[it->second].life.last, at);
+        if (it == root.end() || it->second < 0) continue;
+        all[it->second].life.last = std::max(all[it->second].life.last, at);
+        auto& r = readers[it->second];
+        if (r.empty() || r.back() != n) r.push_back(n);
       }
     }
   }
@@ -171,6 +180,7 @@ Analysis analyze(const ir::Graph& g, const std::vector<const ir::Node*>& order, 
       continue;
     }
     a.buffers.push_back(all[i]);
+    a.readers.push_back(std::move(readers[i]));
     lives.push_back(all[i].life);
   }
   a.lower_bound = runtime::lower_bound_bytes(lives);
@@ -199,6 +209,74 @@ int64_t simulate_peak(const ir::Graph& g, const std::vector<const ir::Node*>& or
   return a.persistent + a.escaping + a.lower_bound;
 }
 
+// LB_graph: a lower bound on peak_bytes() over every topological order and every arena placement.
+//
+// Cost model (the one peak_bytes() uses): persistent + escaping + arena_bytes, where the arena
+// holds every non-escaping buffer over its inclusive lifetime [producer, last storage reader] and
+// arena_bytes = max(offset + align_up(size)) with 64-aligned offsets.
+//
+// Definition. Take every update with a state input as aliased (A*). For a call node n, let
+// S(n) be the arena buffers b (under A*) whose producer p_b is n or an ancestor of n and which
+// some reader r of b's storage is n or a descendant of (if b has no reader: n == p_b). Then
+//   LB_graph = persistent + escaping(A*) + max_n sum_{b in S(n)} align_up(size_b).
+//
+// Proof that LB_graph <= peak_bytes() of any order O and any placement:
+//  1. Buffers only grow when an alias is refused: a refused alias turns an update output into a
+//     new buffer (arena or escaping) and changes no other buffer's lifetime. So buffers(O) is a
+//     superset of buffers(A*) with the same lifetimes, and escaping(O) >= escaping(A*).
+//  2. In O, p_b comes no later than n (ancestor) and r no earlier (descendant), so every
+//     b in S(n) has first <= pos(n) <= last: all of S(n) is live at pos(n).
+//  3. Buffers live at one position have overlapping lifetimes, so a verified placement gives
+//     them disjoint byte ranges. Their offsets are multiples of 64, so the ranges stay disjoint
+//     when each size is rounded up to 64, and all end within arena_bytes (itself the largest
+//     offset + align_up(size)). Hence arena_bytes >= sum_{b in S(n)} align_up(size_b) for every n.
+//  4. persistent depends on the graph only. Adding 1-3 gives the bound.
+// The same argument with S(n) replaced by every buffer live at pos(n) in the chosen order proves
+// LB_sched = persistent + escaping + lower_bound_bytes(lives) <= peak_bytes() for that order.
+// Every order's live set at pos(n) contains S(n), so LB_graph <= LB_sched of any order.
+int64_t graph_lower_bound(const ir::Graph& g, bool donate) {
+  const std::vector<const ir::Node*> order = call_order(g);  // a topological order
+  const Analysis a = analyze(g, order, donate, /*assume_all_aliases=*/true);
+  const size_t n = order.size(), words = (n + 63) / 64;
+  std::unordered_map<const ir::Node*, size_t> idx;
+  for (size_t i = 0; i < n; ++i) idx[order[i]] = i;
+  // anc[i]: i and its ancestors; desc[i]: i and its descendants (call nodes only), as bitsets.
+  std::vector<std::vector<uint64_t>> anc(n, std::vector<uint64_t>(words, 0)), desc = anc;
+  auto set = [](std::vector<uint64_t>& b, size_t i) { b[i / 64] |= uint64_t{1} << (i % 64); };
+  auto merge = [](std::vector<uint64_t>& into, const std::vector<uint64_t>& from) {
+    for (size_t w = 0; w < into.size(); ++w) into[w] |= from[w];
+  };
+  for (size_t i = 0; i < n; ++i) {
+    set(anc[i], i);
+    for (const ir::Node* in : order[i]->inputs())
+      if (in->kind() == ir::NodeKind::Call) merge(anc[i], anc[idx.at(in)]);
+  }
+  for (size_t i = n; i-- > 0;) {
+    set(desc[i], i);
+    for (const ir::Node* u : order[i]->users())
+      if (u->kind() == ir::NodeKind::Call) merge(desc[i], desc[idx.at(u)]);
+  }
+  std::vector<int64_t> must_live(n, 0);
+  std::vector<uint64_t> reach(words);
+  for (size_t b = 0; b < a.buffers.size(); ++b) {
+    const size_t p = idx.at(a.buffers[b].node);
+    std::fill(reach.begin(), reach.end(), 0);
+    set(reach, p);
+    for (const ir::Node* r : a.readers[b]) merge(reach, anc[idx.at(r)]);
+    const int64_t bytes = runtime::align_up(a.buffers[b].life.size);
+    for (size_t w = 0; w < words; ++w) {
+      uint64_t bits = reach[w] & desc[p][w];
+      while (bits) {
+        const int bit = __builtin_ctzll(bits);
+        bits &= bits - 1;
+        must_live[w * 64 + bit] += bytes;
+      }
+    }
+  }
+  const int64_t arena = n ? *std::max_element(must_live.begin(), must_live.end()) : 0;
+  return a.persistent + a.escaping + arena;
+}
+
 MemoryPlan plan_memory(const ir::Graph& g, bool donate) {
   for (const auto& n : g.nodes()) {
     if (n->kind() != ir::NodeKind::Call || n->target().is_builtin() || n->target().ns == "higher_order") continue;
@@ -214,6 +292,7 @@ MemoryPlan plan_memory(const ir::Graph& g, bool donate) {
   plan.persistent_bytes = a.persistent;
   plan.escaping_bytes = a.escaping;
   plan.lower_bound = a.lower_bound;
+  plan.lb_graph = graph_lower_bound(g, donate);
   std::vector<runtime::BufferLife> lives;
   for (const auto& b : plan.buffers) lives.push_back(b.life);
   plan.arena = lives.empty() ? runtime::ArenaPlan{"empty", {}, 0} : runtime::plan_best(lives);

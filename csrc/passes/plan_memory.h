@@ -11,7 +11,8 @@
 //     alias that would be unsafe is refused with the reason, and the output then needs its own
 //     storage;
 //   * an arena plan (the smaller of greedy-by-size and greedy-by-breadth) checked by
-//     runtime::verify_plan, and the lower bound of the order.
+//     runtime::verify_plan, the lower bound of the order (LB_sched) and the lower bound over every
+//     order (LB_graph).
 // Values that reach the graph output (directly or through views) escape: they are allocated
 // outside the arena and counted in `escaping_bytes`.
 #pragma once
@@ -44,6 +45,7 @@ struct MemoryPlan {
   int64_t persistent_bytes = 0;  // placeholders: state and batch
   int64_t escaping_bytes = 0;    // outputs not written in place into donated state
   int64_t lower_bound = 0;       // largest live arena bytes at any position (LB_sched minus persistent)
+  int64_t lb_graph = 0;          // graph_lower_bound(): no order or placement has a smaller peak_bytes()
 
   int64_t aliases_applied() const;
   int64_t aliases_refused() const;
@@ -52,6 +54,10 @@ struct MemoryPlan {
 };
 
 MemoryPlan plan_memory(const ir::Graph& graph, bool donate);
+
+// LB_graph: a lower bound on peak_bytes() over every topological order of the call nodes and every
+// arena placement (definition and proof in plan_memory.cpp). LB_graph <= lb_sched() of any order.
+int64_t graph_lower_bound(const ir::Graph& graph, bool donate);
 
 // The simulated peak (persistent + escaping + largest live bytes) of running `order`.
 int64_t simulate_peak(const ir::Graph& graph, const std::vector<const ir::Node*>& order, bool donate);

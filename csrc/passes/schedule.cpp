@@ -108,6 +108,181 @@ int64_t out_bytes(const ir::Node* n) {
   return b;
 }
 
+// Beam search over the ready set, on a storage-level model of live bytes: each non-alias call
+// node owns one storage (its outputs together); views and getitems share their base's; a storage
+// dies after its last reader unless it reaches the graph output. An update whose overwritten
+// state nobody else still reads writes in place (allocates nothing). Alias nodes and such updates
+// never raise live bytes, so they run as soon as they are ready; otherwise each of the
+// kBeamWidth partial orders (ranked by peak so far, then live bytes, then closeness to the export
+// order) tries its kBeamBranch cheapest ready nodes. Exact peaks come from simulate_peak().
+constexpr size_t kBeamWidth = 8;
+constexpr size_t kBeamMaxNodes = 4000;  // beyond this the search costs more than it tends to gain
+constexpr size_t kBeamBranch = 4;
+
+std::vector<Order> beam_schedule(const ir::Graph& g, const Dag& d) {
+  const size_t n = d.calls.size();
+  std::unordered_map<const ir::Node*, size_t> idx;
+  for (size_t i = 0; i < n; ++i) idx[d.calls[i]] = i;
+  std::vector<int64_t> root(n), bytes(n, 0);
+  for (size_t i = 0; i < n; ++i) {
+    const ir::Node* c = d.calls[i];
+    root[i] = static_cast<int64_t>(i);
+    if (is_alias(*c)) {
+      const ir::Arg& base = c->args().at(0);
+      root[i] = base.kind == ir::Arg::Kind::Node && base.node->kind() == ir::NodeKind::Call ? root[idx.at(base.node)] : -1;
+    } else {
+      bytes[i] = out_bytes(c);
+    }
+  }
+  // Distinct storages each node reads, and how many nodes read each storage.
+  std::vector<std::vector<size_t>> reads(n);
+  std::vector<int32_t> readers(n, 0);
+  for (size_t i = 0; i < n; ++i) {
+    for (const ir::Node* in : d.calls[i]->inputs()) {
+      if (in->kind() != ir::NodeKind::Call || root[idx.at(in)] < 0) continue;
+      const size_t r = static_cast<size_t>(root[idx.at(in)]);
+      if (std::find(reads[i].begin(), reads[i].end(), r) == reads[i].end()) reads[i].push_back(r);
+    }
+    for (size_t r : reads[i]) ++readers[r];
+  }
+  std::vector<bool> keep(n, false);  // reaches the output or a control-flow node: never freed here
+  auto mark = [&](const ir::Node* v) {
+    if (v->kind() == ir::NodeKind::Call && root[idx.at(v)] >= 0) keep[root[idx.at(v)]] = true;
+  };
+  g.output()->args()[0].for_each_node([&](ir::Node* v) { mark(v); });
+  for (const ir::Node* c : d.calls)
+    if (c->target().ns == "higher_order")
+      for (const ir::Node* in : c->inputs()) mark(in);
+  // For each update: the other nodes that read the state it overwrites (through aliases).
+  std::vector<std::vector<size_t>> blockers(n);
+  std::vector<bool> is_update(n, false);
+  for (size_t i = 0; i < n; ++i) {
+    const ir::Node* u = d.calls[i];
+    if (!ir::is_update_op(*u)) continue;
+    is_update[i] = true;
+    for (size_t a : ir::update_replaced_args(*u)) {
+      if (a >= u->args().size()) break;
+      const ir::Arg& arg = u->args()[a];
+      if (arg.kind != ir::Arg::Kind::Node || arg.node->kind() != ir::NodeKind::Placeholder) continue;
+      std::vector<const ir::Node*> work{arg.node};
+      while (!work.empty()) {
+        const ir::Node* v = work.back();
+        work.pop_back();
+        for (const ir::Node* r : v->users()) {
+          if (r == u || r->kind() != ir::NodeKind::Call) continue;
+          blockers[i].push_back(idx.at(r));
+          if (is_alias(*r)) work.push_back(r);
+        }
+      }
+    }
+  }
+  std::vector<std::vector<size_t>> succ(n);
+  std::vector<int32_t> npred(n, 0);
+  for (size_t i = 0; i < n; ++i)
+    if (d.preds.count(d.calls[i]))
+      for (const ir::Node* p : d.preds.at(d.calls[i])) {
+        succ[idx.at(p)].push_back(i);
+        ++npred[i];
+      }
+
+  struct State {
+    std::vector<bool> done;
+    std::vector<int32_t> missing, left;  // unscheduled preds per node; unscheduled readers per storage
+    std::vector<size_t> ready;
+    Order order;
+    int64_t live = 0, peak = 0, rank_sum = 0;
+  };
+  auto alloc_of = [&](const State& s, size_t i) -> int64_t {
+    if (is_update[i] && std::all_of(blockers[i].begin(), blockers[i].end(), [&](size_t b) { return s.done[b]; }))
+      return 0;
+    return bytes[i];
+  };
+  // Live bytes after running i, and the high-water mark while it runs.
+  auto effect = [&](const State& s, size_t i, int64_t& during, int64_t& after) {
+    const int64_t a = alloc_of(s, i);
+    during = s.live + a;
+    after = during;
+    if (a > 0 && readers[i] == 0 && !keep[i]) after -= a;
+    for (size_t r : reads[i])
+      if (s.left[r] == 1 && !keep[r]) after -= bytes[r];
+  };
+  auto run = [&](State& s, size_t i) {
+    int64_t during = 0, after = 0;
+    effect(s, i, during, after);
+    s.peak = std::max(s.peak, during);
+    s.live = after;
+    for (size_t r : reads[i]) --s.left[r];
+    s.done[i] = true;
+    s.order.push_back(d.calls[i]);
+    s.rank_sum += static_cast<int64_t>(i) * static_cast<int64_t>(s.order.size());
+    s.ready.erase(std::find(s.ready.begin(), s.ready.end(), i));
+    for (size_t v : succ[i])
+      if (--s.missing[v] == 0) s.ready.push_back(v);
+  };
+  auto run_free = [&](State& s) {  // alias nodes and in-place updates first
+    for (bool again = true; again;) {
+      again = false;
+      for (size_t i : s.ready)
+        if (root[i] != static_cast<int64_t>(i) || (is_update[i] && alloc_of(s, i) == 0)) {
+          run(s, i);
+          again = true;
+          break;
+        }
+    }
+  };
+  auto better = [](const State& a, const State& b) {
+    if (a.peak != b.peak) return a.peak < b.peak;
+    if (a.live != b.live) return a.live < b.live;
+    return a.rank_sum < b.rank_sum;
+  };
+
+  State start;
+  start.done.assign(n, false);
+  start.missing = npred;
+  start.left = readers;
+  for (size_t i = 0; i < n; ++i)
+    if (npred[i] == 0) start.ready.push_back(i);
+  run_free(start);
+  std::vector<State> beam{std::move(start)};
+  auto unfinished = [](const State& s) { return !s.ready.empty(); };
+  while (std::any_of(beam.begin(), beam.end(), unfinished)) {
+    std::vector<State> next;
+    for (State& s : beam) {
+      if (!unfinished(s)) {
+        next.push_back(std::move(s));
+        continue;
+      }
+      std::vector<std::tuple<int64_t, int64_t, size_t>> options;  // (during, after, node)
+      for (size_t i : s.ready) {
+        int64_t during = 0, after = 0;
+        effect(s, i, during, after);
+        options.emplace_back(std::max(s.peak, during), after, i);
+      }
+      std::sort(options.begin(), options.end());
+      for (size_t k = 0; k < options.size() && k < kBeamBranch; ++k) {
+        State c = s;
+        run(c, std::get<2>(options[k]));
+        run_free(c);
+        next.push_back(std::move(c));
+      }
+    }
+    std::sort(next.begin(), next.end(), better);
+    beam.clear();
+    for (State& s : next) {
+      if (beam.size() == kBeamWidth) break;
+      // Two partial orders of the same node set differ only in their peak so far: keep the better.
+      if (std::any_of(beam.begin(), beam.end(), [&](const State& b) { return b.done == s.done; })) continue;
+      beam.push_back(std::move(s));
+    }
+  }
+  std::vector<Order> out;
+  for (State& s : beam) {
+    TORCH_INTERNAL_ASSERT(s.order.size() == n, "schedule: the graph has a cycle");
+    out.push_back(std::move(s.order));
+  }
+  return out;
+}
+
 }  // namespace
 
 ScheduleResult schedule(ir::Graph& g, bool donate) {
@@ -124,8 +299,9 @@ ScheduleResult schedule(ir::Graph& g, bool donate) {
                             return static_cast<double>(d.rank.at(n));
                           }));
 
-  // least-peak-first: the ready node whose run changes live bytes the least (frees the most).
-  candidates.emplace_back("least-peak", list_schedule(d, [&](const ir::Node* n, const auto& done) {
+  // frees-most: the ready node whose run changes live bytes the least (frees the most). A greedy
+  // rule; it can lose to update-asap (issue 17), hence the beam search and the minimum below.
+  candidates.emplace_back("frees-most", list_schedule(d, [&](const ir::Node* n, const auto& done) {
                             double delta = ir::is_update_op(*n) && update_is_safe(n, done) ? 0.0 : static_cast<double>(out_bytes(n));
                             for (const ir::Node* in : n->inputs()) {
                               if (in->kind() != ir::NodeKind::Call || is_alias(*in)) continue;
@@ -136,6 +312,20 @@ ScheduleResult schedule(ir::Graph& g, bool donate) {
                             }
                             return delta + 1e-9 * static_cast<double>(d.rank.at(n));
                           }));
+
+  if (d.calls.size() <= kBeamMaxNodes) {
+    std::vector<Order> finals = beam_schedule(g, d);
+    const Order* best = nullptr;
+    int64_t best_peak = std::numeric_limits<int64_t>::max();
+    for (const Order& o : finals) {
+      const int64_t p = simulate_peak(g, o, donate);
+      if (p < best_peak) {
+        best_peak = p;
+        best = &o;
+      }
+    }
+    if (best) candidates.emplace_back("beam", *best);
+  }
 
   // BFS and DFS topological orders (Kahn with a queue, with a stack).
   for (const bool depth_first : {false, true}) {
@@ -160,6 +350,8 @@ ScheduleResult schedule(ir::Graph& g, bool donate) {
     candidates.emplace_back(depth_first ? "dfs" : "bfs", order);
   }
 
+  // least-peak: the smallest simulated peak of all candidates (the first on ties), so it is never
+  // worse than any of them.
   ScheduleResult result;
   int64_t best_peak = std::numeric_limits<int64_t>::max();
   const Order* best = nullptr;
@@ -172,6 +364,7 @@ ScheduleResult schedule(ir::Graph& g, bool donate) {
       result.chosen = name;
     }
   }
+  result.candidates.emplace_back("least-peak", best_peak);
   std::vector<ir::Node*> chosen;
   for (const ir::Node* n : *best) chosen.push_back(g.find(n->name()));
   g.reorder_calls(chosen);

@@ -5,8 +5,10 @@
 //             every op is functional); the order chosen has the lowest simulate_peak() among the
 //             candidates: the current order, update-asap (each optimizer update right after its
 //             gradient and the last reader of its state, so the gradient dies there and the update
-//             can write in place), a least-peak-first list schedule, BFS and DFS. The verifier
-//             passes afterwards. Returns the candidates' names and simulated peaks.
+//             can write in place), frees-most (a greedy list schedule), BFS, DFS and, up to
+//             4000 call nodes, a beam search over the ready set. The verifier passes afterwards.
+//             Returns the candidates' names and simulated peaks, the last one "least-peak": the
+//             minimum of all of them, which is the chosen order's peak.
 #pragma once
 
 #include "ir/graph.h"

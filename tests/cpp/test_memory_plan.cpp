@@ -7,6 +7,10 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
+#include <functional>
+#include <limits>
+#include <set>
+
 #include "test_util.h"
 
 using namespace torch_ext;
@@ -128,4 +132,165 @@ TEST(PlanMemory, RefusesMutatingGraphs) {
                      "  %o : i64[] = aten::mul.Tensor(%i, 2)\n  return (%o)\n");
   EXPECT_NE(error_of([&] { passes::plan_memory(*g, true); }).find("node %i (aten::add_.Tensor) mutates its inputs"),
             std::string::npos);
+}
+
+namespace {
+// A random pure step in text IR: parameters updated by sgd_update from "gradients" computed by
+// elementwise ops, views and concatenations of the inputs; a loss; sometimes an extra output.
+std::string random_step(uint32_t seed, int calls) {
+  uint32_t s = seed * 2654435761u + 1;
+  auto rnd = [&](uint32_t m) {
+    s = s * 1103515245u + 12345u;
+    return (s >> 8) % m;
+  };
+  const int sizes[] = {16, 48, 100, 256};
+  std::vector<std::pair<std::string, int>> vals;  // name, numel
+  std::string text = "graph:\n  %lr : f64[] = optstate(\"opt:lr:group0\")\n";
+  const int params = 1 + static_cast<int>(rnd(3));
+  for (int i = 0; i < params; ++i) {
+    const int k = sizes[rnd(4)];
+    text += "  %w" + std::to_string(i) + " : f32[" + std::to_string(k) + "] = param(\"w" + std::to_string(i) + "\")\n";
+    vals.emplace_back("w" + std::to_string(i), k);
+  }
+  text += "  %x : f32[48] = input()\n";
+  vals.emplace_back("x", 48);
+  auto ty = [](int k) { return "f32[" + std::to_string(k) + "]"; };
+  for (int i = 0; i < calls; ++i) {
+    const auto a = vals[rnd(vals.size())];
+    const std::string v = "v" + std::to_string(i);
+    std::string line;
+    int k = a.second;
+    switch (rnd(5)) {
+      case 0: line = "aten::neg.default(%" + a.first + ")"; break;
+      case 1: line = "aten::view.default(%" + a.first + ", [" + std::to_string(k) + "])"; break;
+      case 2: {
+        const auto b = vals[rnd(vals.size())];
+        line = "aten::cat.default([%" + a.first + ", %" + b.first + "])";
+        k = a.second + b.second;
+        break;
+      }
+      default: {
+        std::string other = "%" + a.first;
+        for (int tries = 0; tries < 4; ++tries) {
+          const auto b = vals[rnd(vals.size())];
+          if (b.second == k) other = "%" + b.first;
+        }
+        line = std::string(rnd(2) ? "aten::mul.Tensor(" : "aten::add.Tensor(") + "%" + a.first + ", " + other + ")";
+      }
+    }
+    text += "  %" + v + " : " + ty(k) + " = " + line + "\n";
+    vals.emplace_back(v, k);
+  }
+  std::string outs = "%loss";
+  text += "  %loss : f32[] = aten::sum.default(%" + vals[rnd(vals.size())].first + ")\n";
+  for (int i = 0; i < params; ++i) {
+    const std::string w = "w" + std::to_string(i);
+    const int k = vals[i].second;
+    std::string grad = "%" + w;
+    for (size_t j = vals.size(); j-- > static_cast<size_t>(params) + 1;)
+      if (vals[j].second == k && rnd(2)) {
+        grad = "%" + vals[j].first;
+        break;
+      }
+    text += "  %g" + std::to_string(i) + " : " + ty(k) + " = aten::mul.Tensor(" + grad + ", %" + w + ")\n";
+    text += "  %u" + std::to_string(i) + " : " + ty(k) + " = torch_ext::sgd_update.default(%" + w + ", %g" +
+            std::to_string(i) + ", %lr, 0.0, False)\n";
+    outs += ", %u" + std::to_string(i);
+  }
+  if (rnd(3) == 0) outs += ", %" + vals[vals.size() - 1].first;
+  return text + "  return (" + outs + ")\n";
+}
+
+// A uniformly random ready call node at each step.
+std::vector<ir::Node*> random_order(ir::Graph& g, uint32_t& s) {
+  std::vector<ir::Node*> calls, order;
+  for (const auto& n : g.nodes())
+    if (n->kind() == ir::NodeKind::Call) calls.push_back(n.get());
+  std::set<const ir::Node*> done;
+  while (order.size() < calls.size()) {
+    std::vector<ir::Node*> ready;
+    for (ir::Node* c : calls) {
+      if (done.count(c)) continue;
+      bool ok = true;
+      for (const ir::Node* in : c->inputs()) ok = ok && (in->kind() != ir::NodeKind::Call || done.count(in));
+      if (ok) ready.push_back(c);
+    }
+    s = s * 1103515245u + 12345u;
+    ir::Node* pick = ready[(s >> 8) % ready.size()];
+    order.push_back(pick);
+    done.insert(pick);
+  }
+  return order;
+}
+
+std::vector<const ir::Node*> as_const(const std::vector<ir::Node*>& v) { return {v.begin(), v.end()}; }
+}  // namespace
+
+// LB_graph and LB_sched are lower bounds: no order, no plan of any order goes below them
+// (definition and proof at graph_lower_bound in plan_memory.cpp).
+TEST(MemoryBounds, NoPlanBeatsEitherBoundOnRandomGraphs) {
+  int checked_orders = 0;
+  for (uint32_t seed = 0; seed < 150; ++seed) {
+    auto g = ir::parse(random_step(seed, 3 + static_cast<int>(seed % 14)));
+    for (const bool donate : {true, false}) {
+      const int64_t lb = passes::graph_lower_bound(*g, donate);
+      uint32_t s = seed + 17;
+      for (int trial = 0; trial < 12; ++trial) {
+        const auto order = random_order(*g, s);
+        g->reorder_calls(order);
+        const auto plan = passes::plan_memory(*g, donate);
+        ASSERT_EQ(plan.lb_graph, lb) << "LB_graph must not depend on the order; seed " << seed;
+        ASSERT_GE(plan.lb_sched(), plan.lb_graph) << "seed " << seed;
+        ASSERT_GE(plan.peak_bytes(), plan.lb_sched()) << "seed " << seed;
+        ASSERT_EQ(passes::simulate_peak(*g, as_const(order), donate), plan.lb_sched());
+        ++checked_orders;
+      }
+      // The chosen schedule: least-peak is the minimum of the candidates, and it is what is run.
+      const auto r = passes::schedule(*g, donate);
+      ASSERT_EQ(r.candidates.back().first, "least-peak");
+      for (const auto& [name, peak] : r.candidates) ASSERT_GE(peak, r.candidates.back().second) << name;
+      const auto plan = passes::plan_memory(*g, donate);
+      ASSERT_EQ(plan.lb_sched(), r.candidates.back().second) << "seed " << seed;
+      ASSERT_GE(plan.lb_sched(), lb);
+      ASSERT_GE(plan.peak_bytes(), plan.lb_sched());
+    }
+  }
+  EXPECT_EQ(checked_orders, 150 * 2 * 12);
+}
+
+// On graphs small enough to enumerate every topological order: LB_graph is at most the best
+// order's LB_sched, and least-peak, a real order's peak, is at least it.
+TEST(MemoryBounds, ExhaustiveOrdersOnSmallGraphs) {
+  for (uint32_t seed = 1000; seed < 1040; ++seed) {
+    auto g = ir::parse(random_step(seed, 3 + static_cast<int>(seed % 4)));
+    std::vector<ir::Node*> calls;
+    for (const auto& n : g->nodes())
+      if (n->kind() == ir::NodeKind::Call) calls.push_back(n.get());
+    if (calls.size() > 9) continue;
+    const int64_t lb = passes::graph_lower_bound(*g, true);
+    int64_t best = std::numeric_limits<int64_t>::max();
+    std::vector<const ir::Node*> order;
+    std::set<const ir::Node*> done;
+    std::function<void()> rec = [&] {
+      if (order.size() == calls.size()) {
+        best = std::min(best, passes::simulate_peak(*g, order, true));
+        return;
+      }
+      for (ir::Node* c : calls) {
+        if (done.count(c)) continue;
+        bool ok = true;
+        for (const ir::Node* in : c->inputs()) ok = ok && (in->kind() != ir::NodeKind::Call || done.count(in));
+        if (!ok) continue;
+        order.push_back(c);
+        done.insert(c);
+        rec();
+        done.erase(c);
+        order.pop_back();
+      }
+    };
+    rec();
+    EXPECT_LE(lb, best) << "seed " << seed;
+    const auto r = passes::schedule(*g, true);
+    EXPECT_GE(r.candidates.back().second, best) << "seed " << seed;
+  }
 }
