@@ -619,7 +619,12 @@ void Engine::end_batch() {
 }
 
 std::vector<std::string> Engine::graft(const std::string& src_name, const std::string& dst_name,
-                                       const ir::Graph& block, std::vector<c10::IValue> block_params) {
+                                       const ir::Graph& given_block, std::vector<c10::IValue> block_params) {
+  // Export leaves side-effect-free dead nodes (_assert_tensor_metadata for a .to()) in a block: drop them
+  // first, so that a block of the wrong type is refused for its type, not for dead code.
+  const std::unique_ptr<ir::Graph> block_copy = given_block.clone();
+  passes::eliminate_dead_code(*block_copy);
+  const ir::Graph& block = *block_copy;
   // ---- validate everything first: a refused graft changes nothing.
   refuse_in_transaction("graft");
   const int64_t src = id_of(src_name);

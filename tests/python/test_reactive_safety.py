@@ -372,3 +372,15 @@ def test_one_graph_serves_several_prompt_lengths(resid):
     with pytest.raises(ValueError, match="restore"):
         rg.run(longer)
     rg.check_invariants()
+
+
+def test_graft_of_the_wrong_dtype_is_refused_for_its_type(resid):
+    model, x = resid
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    t0 = _tanh_nodes(rg)[0]
+    before = str(rg)
+    with pytest.raises(RuntimeError, match="type") as err:
+        rg.graft(t0, lambda t: t.double())
+    assert "dead code" not in str(err.value)
+    assert str(rg) == before  # a refused graft changes nothing
+    rg.check_invariants()
