@@ -307,10 +307,11 @@ class _LrSchedule:
                 for v in st.values():
                     if isinstance(v, torch.Tensor):
                         memo[id(v)] = v
-        self._scheds, self._opts = copy.deepcopy((schedulers, optimizers), memo)
+        self._memo = memo
+        self._pristine = copy.deepcopy((schedulers, optimizers), dict(memo))  # replayed again by write_back
+        self._scheds, self._opts = copy.deepcopy(self._pristine, dict(memo))
         self._baked = [self._hyper(o) for o in self._opts]
         self._lrs: list[list[float]] = []
-        self._snapshots: list[list[dict]] = []
         self._record()
         self.lrs(1)  # fail now, not mid-training, when the scheduler also changes baked hyperparameters
 
@@ -320,15 +321,18 @@ class _LrSchedule:
 
     def _record(self) -> None:
         self._lrs.append([float(g["lr"]) for o in self._opts for g in o.param_groups])
-        self._snapshots.append([copy.deepcopy(s.state_dict()) for s in self._scheds])
+
+    @staticmethod
+    def _step_all(scheds) -> None:
+        with warnings.catch_warnings():
+            # The copies never run opt.step(); torch warns about that order on the first step.
+            warnings.filterwarnings("ignore", message=r".*lr_scheduler\.step\(\)", category=UserWarning)
+            for sch in scheds:
+                sch.step()
 
     def lrs(self, k: int) -> list[float]:
         while len(self._lrs) <= k:
-            with warnings.catch_warnings():
-                # The copies never run opt.step(); torch warns about that order on the first step.
-                warnings.filterwarnings("ignore", message=r".*lr_scheduler\.step\(\)", category=UserWarning)
-                for sch in self._scheds:
-                    sch.step()
+            self._step_all(self._scheds)
             for o, baked in zip(self._opts, self._baked):
                 now = self._hyper(o)
                 for gi, (a, b) in enumerate(zip(baked, now)):
@@ -341,16 +345,21 @@ class _LrSchedule:
         return self._lrs[k]
 
     def write_back(self, k: int) -> None:
-        """Puts the user's schedulers where eager training would be after k steps."""
+        """Puts the user's schedulers where eager training would be after k steps (replayed afresh,
+        so no per-step snapshot is kept)."""
         self.lrs(k)
-        for sch, sd in zip(self._originals, self._snapshots[k]):
-            sch.load_state_dict(copy.deepcopy(sd))
+        scheds, _ = copy.deepcopy(self._pristine, dict(self._memo))
+        for _ in range(k):
+            self._step_all(scheds)
+        for sch, replay in zip(self._originals, scheds):
+            sch.load_state_dict(replay.state_dict())
 
 
 class TrainStep:
     """A pure training step. ``loss, new_state = step(state, *batch)`` never mutates ``state``."""
 
-    def __init__(self, model, optimizers, loss_fn, example_batch, clip_grad_norm, unroll, schedulers=(), accumulate=1):
+    def __init__(self, model, optimizers, loss_fn, example_batch, clip_grad_norm, unroll, schedulers=(), accumulate=1,
+                 batch_shapes="fixed"):
         self.model = model
         self.optimizers = optimizers
         self.loss_fn = loss_fn
@@ -359,6 +368,9 @@ class TrainStep:
         self.clip_grad_norm = clip_grad_norm
         self._id = next(_ids)
         self._example_batch = tuple(example_batch)
+        self._batch_spec = pytree.tree_structure(self._example_batch)
+        self.batch_shapes = batch_shapes
+        self._variants: dict[tuple, TrainStep] = {}  # batch shapes -> step built for them (batch_shapes="cache")
         # checked on every call: one batch per unrolled step or micro-batch
         self._example_leaves = pytree.tree_leaves(self._example_batch) * self.unroll * self.accumulate
         self.last_nonfinite = False
@@ -603,25 +615,69 @@ class TrainStep:
         """The program's flat positional inputs: state entries, then the batch (or the batches when
         unrolled, or the micro-batches when accumulating, one after the other)."""
         self._check_state(state)
+        flat_batch = self._check_batch(batch)
+        for i, (t, ex) in enumerate(zip(flat_batch, self._example_leaves)):
+            if t.shape != ex.shape or t.dtype != ex.dtype:
+                hint = "" if self.batch_shapes == "cache" else "; build the step with batch_shapes='cache' to accept it"
+                raise ValueError(f"batch[{i}]: expected shape {tuple(ex.shape)} and dtype {ex.dtype} as in the "
+                                 f"example batch, got shape {tuple(t.shape)} and dtype {t.dtype}{hint}")
+        return self._gather(state, flat_batch)
+
+    def _check_batch(self, batch) -> list:
         flat_batch = pytree.tree_leaves(batch)
         n = self.unroll * self.accumulate
         if len(flat_batch) != self._num_user * self.unroll:
             what = "micro-batches" if self.accumulate > 1 else "batches"
             raise ValueError(f"expected {self._num_user * self.unroll} batch tensors"
                              f"{f' ({n} {what})' if n > 1 else ''}, got {len(flat_batch)}")
-        for i, (t, ex) in enumerate(zip(flat_batch, self._example_leaves)):
+        for i, t in enumerate(flat_batch):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"batch[{i}]: expected a tensor, got {type(t).__name__}")
-            if t.shape != ex.shape or t.dtype != ex.dtype:
-                raise ValueError(f"batch[{i}]: expected shape {tuple(ex.shape)} and dtype {ex.dtype} as in the "
-                                 f"example batch, got shape {tuple(t.shape)} and dtype {t.dtype}")
+        return flat_batch
+
+    def _gather(self, state: TrainState, flat_batch: list) -> list:
         it = iter(flat_batch)
         return [next(it) if role == "input" else state.lookup(name) for name, role in self._inputs]
 
+    def _program_for(self, flat_batch: list) -> "TrainStep":
+        """This step, or (batch_shapes='cache') the step built for these batch shapes."""
+        if self.batch_shapes != "cache" or all(t.shape == ex.shape for t, ex in zip(flat_batch, self._example_leaves)):
+            return self
+        for i, (t, ex) in enumerate(zip(flat_batch, self._example_leaves)):
+            if t.dtype != ex.dtype or t.dim() != ex.dim():
+                raise ValueError(f"batch[{i}]: expected dtype {ex.dtype} and rank {ex.dim()} as in the example batch, "
+                                 f"got dtype {t.dtype} and rank {t.dim()}")
+        per_step = len(flat_batch) // (self.unroll * self.accumulate)
+        shapes = [tuple(t.shape) for t in flat_batch]
+        if any(shapes[i] != shapes[i % per_step] for i in range(len(shapes))):
+            raise ValueError(f"batch shapes {shapes}: the batches of one unrolled/accumulated call must share shapes")
+        key = tuple(shapes[:per_step])
+        variant = self._variants.get(key)
+        if variant is None:
+            example = pytree.tree_unflatten(list(flat_batch[:per_step]), self._batch_spec)
+            variant = TrainStep(self.model, self.optimizers, self.loss_fn, example, self.clip_grad_norm, self.unroll,
+                                (), self.accumulate)
+            if variant._state_names != self._state_names or variant._aux_spec != self._aux_spec:
+                raise RuntimeError(f"the program for batch shapes {key} has a different state layout")  # invariant
+            self._variants[key] = variant
+        return variant
+
+    def cache_info(self) -> dict:
+        """Which batch shapes have a program: the example's, and with batch_shapes='cache' one per new shape."""
+        per_step = len(self._example_leaves) // (self.unroll * self.accumulate)
+        shapes = [tuple(tuple(t.shape) for t in self._example_leaves[:per_step])] + list(self._variants)
+        return {"batch_shapes": self.batch_shapes, "programs": len(shapes), "shapes": shapes}
+
     def __call__(self, state: TrainState, *batch, skip_nonfinite: bool = False):
         """``loss, new_state = step(state, *batch)``; ``loss, new_state, aux`` when loss_fn returns (loss, aux)."""
-        inputs = self.flat_inputs(state, *batch)
-        return self._finish(state, self._executor.run(inputs), skip_nonfinite=skip_nonfinite)
+        self._check_state(state)
+        flat_batch = self._check_batch(batch)
+        program = self._program_for(flat_batch)
+        if program is self:
+            inputs = self.flat_inputs(state, *batch)
+        else:  # same state layout, its own program and input order
+            inputs = program._gather(state, flat_batch)
+        return self._finish(state, program._executor.run(inputs), skip_nonfinite=skip_nonfinite)
 
     def _finish(self, state: TrainState, outs: list, *, skip_nonfinite: bool = False, donated_to: str | None = None):
         """Builds the call's result from the program's flat outputs (shared by every runtime)."""
@@ -717,7 +773,7 @@ class TrainStep:
 
 def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, example_batch: Sequence, *,
                     clip_grad_norm: float | None = None, unroll: int = 1, scheduler=None,
-                    accumulate: int = 1) -> TrainStep:
+                    accumulate: int = 1, batch_shapes: str = "fixed") -> TrainStep:
     """Builds the pure step ``(loss, new_state) = step(state, *batch)`` for ``model`` and ``optimizer``.
 
     ``loss_fn(model, *batch)`` returns a scalar. ``optimizer`` is a torch.optim optimizer (SGD,
@@ -736,6 +792,11 @@ def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, exampl
     update with their summed gradients, as the eager loop ``(loss_fn(model, *mb) / N).backward()``
     over the micro-batches followed by one ``opt.step()``; the loss returned is the N micro-batch
     losses. Clipping applies to the summed gradients.
+
+    ``batch_shapes="cache"`` lets ``step(...)`` take batches whose shapes differ from the example's
+    (a last partial batch): the first call with new shapes builds and caches a program for them,
+    over the same state (``step.cache_info()`` lists them). With "fixed" (the default) another shape
+    is refused. The planned arena (``compile``) and ``program`` serve the example's shapes.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -749,6 +810,8 @@ def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, exampl
             raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    if batch_shapes not in ("fixed", "cache"):
+        raise ValueError(f"batch_shapes must be 'fixed' or 'cache', got {batch_shapes!r}")
     if unroll > 1 and accumulate > 1:
         raise ValueError(f"unroll ({unroll}) and accumulate ({accumulate}) cannot be combined")
     if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float))):
@@ -757,4 +820,5 @@ def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, exampl
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise ValueError(f"clip_grad_norm must be positive, got {clip_grad_norm}")
     schedulers = [] if scheduler is None else list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
-    return TrainStep(model, optimizers, loss_fn, example_batch, clip_grad_norm, unroll, schedulers, accumulate)
+    return TrainStep(model, optimizers, loss_fn, example_batch, clip_grad_norm, unroll, schedulers, accumulate,
+                     batch_shapes)

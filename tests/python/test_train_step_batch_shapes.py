@@ -1,0 +1,67 @@
+"""Variable batch size: batch_shapes='cache' builds one program per batch shape over one state."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch_ext
+
+
+def model_opt():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.2), nn.GELU(), nn.Linear(32, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def loss_fn(m, x, y):
+    return F.cross_entropy(m(x), y)
+
+
+def epoch(seed=1, n=10, sizes=(8, 8, 8, 5)):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(sizes[i % len(sizes)], 16, generator=g), torch.randint(0, 4, (sizes[i % len(sizes)],),
+                                                                                 generator=g)) for i in range(n)]
+
+
+def test_partial_last_batch_bit_exact_with_eager():
+    model, opt = model_opt()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    batches = epoch()
+    step = torch_ext.make_train_step(model, opt, loss_fn, batches[0], batch_shapes="cache")
+    state = step.init_state(seed=2)
+    torch.manual_seed(2)
+    for i, b in enumerate(batches):
+        loss, state = step(state, *b)
+        ref_opt.zero_grad()
+        ref_loss = loss_fn(ref, *b)
+        ref_loss.backward()
+        ref_opt.step()
+        assert torch.equal(loss, ref_loss.detach()), i
+    for n, p in ref.named_parameters():
+        assert torch.equal(state.params["model." + n], p.detach()), n
+    info = step.cache_info()
+    assert info["programs"] == 2 and info["shapes"] == [((8, 16), (8,)), ((5, 16), (5,))]
+
+
+def test_fixed_shapes_refuse_with_a_hint_and_cache_refuses_other_dtypes():
+    model, opt = model_opt()
+    batches = epoch()
+    fixed = torch_ext.make_train_step(model, opt, loss_fn, batches[0])
+    with pytest.raises(ValueError, match=r"got shape \(5, 16\).*batch_shapes='cache'"):
+        fixed(fixed.init_state(), *batches[3])
+    cached = torch_ext.make_train_step(model, opt, loss_fn, batches[0], batch_shapes="cache")
+    x, y = batches[3]
+    with pytest.raises(ValueError, match=r"batch\[1\]: expected dtype torch.int64 and rank 1.*got dtype torch.int32"):
+        cached(cached.init_state(), x, y.int())
+    assert cached.cache_info()["programs"] == 1  # nothing was built for the refused call
+    with pytest.raises(ValueError, match="batch_shapes must be 'fixed' or 'cache', got 'dynamic'"):
+        torch_ext.make_train_step(model, opt, loss_fn, batches[0], batch_shapes="dynamic")
+    # The planned arena serves the example's shapes only.
+    planned = cached.compile()
+    with pytest.raises(ValueError, match=r"got shape \(5, 16\)"):
+        planned(cached.init_state(), *batches[3])
