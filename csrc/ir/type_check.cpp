@@ -250,6 +250,80 @@ std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, s
          ", which the operator produces for the declared inputs";
 }
 
+// The CPU RNN kernels (aten::lstm/gru/rnn_tanh/rnn_relu .input) trust the hidden-state shapes
+// and the parameter count, and their meta kernels do not check all of them; a wrong one reads
+// out of bounds. Checked here, as the kernels' own preconditions: every hidden state has shape
+// [num_layers * directions, batch, *] (no batch dim for unbatched input), and there are
+// 2 or 4 (3 or 5 with projections) non-empty parameters per layer and direction.
+std::string rnn_precondition(const Node& node, const std::vector<const Arg*>& given,
+                             const std::vector<c10::IValue>& stack) {
+  const std::string& op = node.target().name;
+  if (node.target().ns != "aten" || node.target().overload != "input" ||
+      (op != "lstm" && op != "gru" && op != "rnn_tanh" && op != "rnn_relu"))
+    return "";
+  if (given.size() < 9 || !given[0] || given[0]->kind != Arg::Kind::Node || !given[1] || !given[2]) return "";
+  if (!stack[3].isBool() || !stack[4].isInt() || !stack[7].isBool() || !stack[8].isBool()) return "";
+  const TensorMeta& input = given[0]->node->type().tensor;
+  const bool batched = input.sizes.size() == 3;
+  if (!batched && input.sizes.size() != 2)
+    return "input must have 2 or 3 dims, got " + std::to_string(input.sizes.size());
+  const int64_t layers = stack[4].toInt();
+  const int64_t directions = stack[7].toBool() ? 2 : 1;
+  if (layers < 1) return "num_layers must be positive, got " + std::to_string(layers);
+  const int64_t batch = batched ? input.sizes[stack[8].toBool() ? 0 : 1] : -1;
+  std::vector<const Node*> hx;
+  if (given[1]->kind == Arg::Kind::Node) hx.push_back(given[1]->node);
+  for (const Arg& a : given[1]->list)
+    if (a.kind == Arg::Kind::Node) hx.push_back(a.node);
+  if (hx.size() != (op == "lstm" ? 2u : 1u))
+    return "expects " + std::string(op == "lstm" ? "2 hidden states (h0, c0)" : "1 hidden state") + ", got " +
+           std::to_string(hx.size());
+  for (const Node* h : hx) {
+    const auto& sz = h->type().tensor.sizes;
+    const std::string shape = "hidden state %" + h->name() + " of shape " + print_type(h->type());
+    if (sz.size() != input.sizes.size()) return shape + " must have as many dims as the input";
+    if (sz[0] != layers * directions)
+      return shape + " must have " + std::to_string(layers * directions) + " = num_layers * directions rows";
+    if (batched && sz[1] != batch) return shape + " must have batch " + std::to_string(batch) + " as the input";
+    if (sz.back() == 0) return shape + " has no features";
+  }
+  const size_t per = (stack[3].toBool() ? 4 : 2);
+  const size_t groups = static_cast<size_t>(layers * directions);
+  const size_t n = given[2]->list.size();
+  if (n != groups * per && n != groups * (per + 1))
+    return "expects " + std::to_string(groups * per) + " parameters (" + std::to_string(per) +
+           " per layer and direction), got " + std::to_string(n);
+  for (const Arg& a : given[2]->list)
+    if (a.kind == Arg::Kind::Node && a.node->type().is_tensor() && a.node->type().tensor.numel() == 0)
+      return "parameter %" + a.node->name() + " is empty";
+  return "";
+}
+
+// The CPU batch-norm kernels index weight, bias and the running statistics by channel without
+// checking their lengths, and not every meta kernel checks them either. Each one given must be
+// one-dimensional with the input's channel count (dim 1).
+std::string batch_norm_precondition(const Node& node, const c10::FunctionSchema& schema,
+                                    const std::vector<const Arg*>& given) {
+  const std::string& op = node.target().name;
+  if (node.target().ns != "aten" || op.find("batch_norm") == std::string::npos ||
+      op.find("backward") != std::string::npos)
+    return "";
+  const auto input = schema.argumentIndexWithName("input");
+  if (!input || !given[*input] || given[*input]->kind != Arg::Kind::Node) return "";
+  const auto& in_sizes = given[*input]->node->type().tensor.sizes;
+  if (in_sizes.size() < 2) return "input must have at least 2 dims (batch, channels), got " + std::to_string(in_sizes.size());
+  const int64_t channels = in_sizes[1];
+  for (const char* name : {"weight", "bias", "running_mean", "running_var"}) {
+    const auto idx = schema.argumentIndexWithName(name);
+    if (!idx || !given[*idx] || given[*idx]->kind != Arg::Kind::Node) continue;
+    const Node& v = *given[*idx]->node;
+    if (v.type().is_tensor() && v.type().tensor.sizes != std::vector<int64_t>{channels})
+      return std::string(name) + " %" + v.name() + " of type " + print_type(v.type()) + " must have shape [" +
+             std::to_string(channels) + "], the input's channel count";
+  }
+  return "";
+}
+
 }  // namespace
 
 c10::IValue constant_to_ivalue(const Arg& a, const c10::TypePtr& formal, const std::string& where) {
@@ -472,6 +546,14 @@ void check_call_types(const Node& node, const c10::OperatorHandle& op, const std
   if (!op.hasComputedKernelForDispatchKey(c10::DispatchKey::Meta) || op.hasTag(at::Tag::dynamic_output_shape) ||
       op.hasTag(at::Tag::data_dependent_output))
     return;
+  if (std::string bad = batch_norm_precondition(node, schema, given); !bad.empty()) {
+    errors.push_back(where + bad);
+    return;
+  }
+  if (std::string bad = rnn_precondition(node, given, stack); !bad.empty()) {
+    errors.push_back(where + bad);
+    return;
+  }
   // A list result can be as long as the largest input dim or int argument (split, unbind,
   // tensor_split.sections), and meta kernels build every element: bound that work.
   bool returns_list = false;

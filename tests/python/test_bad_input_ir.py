@@ -209,9 +209,30 @@ VERIFY = {
     """), r"node %b \(aten::cat.default\): argument 'tensors' expects Tensor\[\], got %s"),
     # inconsistent shapes that used to reach (and crash) kernels
     "lstm_batch_differs_from_h0": (_lstm(batch_h0=5, weight_rows=32),
-                                   r"node %l \(aten::lstm.input\): the operator refuses the declared argument types"),
+                                   r"node %l \(aten::lstm.input\): hidden state %h0 of shape f32\[1,5,8\] must have "
+                                   r"batch 2 as the input"),
     "lstm_zero_size_weights": (_lstm(batch_h0=2, weight_rows=0),
-                               r"node %l \(aten::lstm.input\): the operator refuses the declared argument types"),
+                               r"node %l \(aten::lstm.input\): parameter %wi is empty"),
+    "lstm_c0_with_no_layers": (_g("""
+        %x : f32[3,5,8] = input()
+        %h0 : f32[1,3,12] = input()
+        %c0 : f32[0,3,12] = input()
+        %wi : f32[48,8] = param("wi")
+        %wh : f32[48,12] = param("wh")
+        %bi : f32[48] = param("bi")
+        %bh : f32[48] = param("bh")
+        %l : (f32[3,5,12], f32[1,3,12], f32[1,3,12]) = aten::lstm.input(%x, [%h0, %c0], [%wi, %wh, %bi, %bh], True, 1, 0.0, False, False, True)
+        %y : f32[3,5,12] = getitem(%l, 0)
+        return (%y)
+    """), r"node %l \(aten::lstm.input\): hidden state %c0 of shape f32\[0,3,12\] must have 1 = num_layers \* directions rows"),
+    "gru_missing_parameters": (_g("""
+        %x : f32[3,5,8] = input()
+        %h0 : f32[1,3,12] = input()
+        %wi : f32[36,8] = param("wi")
+        %g : (f32[3,5,12], f32[1,3,12]) = aten::gru.input(%x, %h0, [%wi], True, 1, 0.0, False, False, True)
+        %y : f32[3,5,12] = getitem(%g, 0)
+        return (%y)
+    """), r"node %g \(aten::gru.input\): expects 4 parameters \(4 per layer and direction\), got 1"),
     "batch_norm_empty_running_mean": (_g("""
         %x : f32[2,3,4,4] = input()
         %w : f32[3] = input()
@@ -219,7 +240,18 @@ VERIFY = {
         %bn : (f32[2,3,4,4], f32[0], f32[0]) = aten::_native_batch_norm_legit_no_training.default(%x, %w, %w, %m, %w, 0.1, 1e-05)
         %y : f32[2,3,4,4] = getitem(%bn, 0)
         return (%y)
-    """), r"node %bn \(aten::_native_batch_norm_legit_no_training.default\): the operator refuses"),
+    """), r"node %bn \(aten::_native_batch_norm_legit_no_training.default\): running_mean %m of type f32\[0\] must "
+          r"have shape \[3\]"),
+    "batch_norm_short_running_var": (_g("""
+        %x : f32[4,16,4,4] = input()
+        %w : f32[16] = param("w")
+        %m : f32[16] = buffer("m")
+        %v : f32[1] = buffer("v")
+        %bn : (f32[4,16,4,4], f32[16], f32[16], f32[16], f32[16]) = aten::_native_batch_norm_legit_functional.default(%x, %w, %w, %m, %v, True, 0.1, 1e-05)
+        %y : f32[4,16,4,4] = getitem(%bn, 0)
+        return (%y)
+    """), r"node %bn \(aten::_native_batch_norm_legit_functional.default\): running_var %v of type f32\[1\] must "
+          r"have shape \[16\], the input's channel count"),
     "mm_inner_mismatch": (_g("""
         %a : f32[2,3] = input()
         %b : f32[4,5] = input()
