@@ -374,6 +374,7 @@ PYBIND11_MODULE(_C, m) {
       .def("begin_batch", &reactive::Engine::begin_batch)
       .def("end_batch", &reactive::Engine::end_batch)
       .def("cone", &reactive::Engine::cone)
+      .def("cone_cost", &reactive::Engine::cone_cost)
       .def("num_countable", &reactive::Engine::num_countable)
       .def("num_dirty", &reactive::Engine::num_dirty)
       .def("is_valid", &reactive::Engine::is_valid)

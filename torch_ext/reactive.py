@@ -817,8 +817,69 @@ def _one_site(rg: ReactiveGraph, site, node: str, patch: Callable, metric: Calla
     return result
 
 
+def _balanced_shares(units: list, costs: list[float], world: int) -> list[list]:
+    """Longest-processing-time-first: units sorted by cost, each to the least-loaded rank. The same
+    on every rank (ties broken by position), so no communication is needed to agree on it."""
+    loads = [0.0] * world
+    shares: list[list] = [[] for _ in range(world)]
+    for i in sorted(range(len(units)), key=lambda i: (-costs[i], i)):
+        r = min(range(world), key=lambda r: (loads[r], r))
+        loads[r] += costs[i]
+        shares[r].append(units[i])
+    return shares
+
+
+def _distributed_sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool,
+                       batch_sites: bool) -> SweepResult:
+    """Splits the sites across the ranks of the default process group by predicted cone cost (whole
+    nodes when batching, so a node's sites stay one batch), sweeps the local share and gathers one
+    result on every rank. Every rank must hold the same graph, inputs and standing mutations."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("sweep(distributed=True) needs torch.distributed initialised on every rank "
+                           "(under torchrun: torch.distributed.init_process_group('gloo'))")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def node_of(site):
+        return rg.resolve(site[0] if isinstance(site, tuple) else site)
+
+    if batch_sites:
+        groups: dict = {}
+        for s in site_list:
+            groups.setdefault(node_of(s), []).append(s)
+        units = list(groups.values())
+        costs = [rg._engine.cone_cost(n) for n in groups]  # a batch costs about one cone (K-times wider)
+    else:
+        units = [[s] for s in site_list]
+        cost_of: dict = {}
+        costs = [cost_of.setdefault(node_of(s), rg._engine.cone_cost(node_of(s))) for s in site_list]
+    mine = [s for unit in _balanced_shares(units, costs, world)[rank] for s in unit]
+    t0 = time.perf_counter()
+    local = sweep(rg, mine, patch, metric, progress=progress, batch_sites=batch_sites) if mine else None
+    wall = time.perf_counter() - t0
+    payload = (local.metrics if local else {}, local.measured_evaluations if local else 0,
+               local.predicted_evaluations if local else 0, local.cost if local else 0.0, wall,
+               local.clean_metric if local else None, local.groups if local else 0)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, payload)
+    merged = {}
+    for part in gathered:
+        merged.update(part[0])
+    metrics = {s: merged[s] for s in site_list}  # the caller's order, whatever rank measured it
+    clean = next((p[5] for p in gathered if p[5] is not None), None)
+    full = len(site_list) * rg.num_nodes
+    return SweepResult(metrics, sum(p[1] for p in gathered), sum(p[2] for p in gathered), full, rg.num_nodes,
+                       max(p[4] for p in gathered), batched=batch_sites, groups=sum(p[6] for p in gathered),
+                       cost=sum(p[3] for p in gathered), clean_metric=clean,
+                       node_labels=local.node_labels if local else {},
+                       extra={"ranks": world, "rank_wall_times": [p[4] for p in gathered],
+                              "rank_sites": [len(p[0]) for p in gathered]})
+
+
 def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.Tensor],
-          metric: Callable[[Any], Any], *, progress: bool = True, batch_sites: bool = False) -> SweepResult:
+          metric: Callable[[Any], Any], *, progress: bool = True, batch_sites: bool = False,
+          distributed: bool = False) -> SweepResult:
     """Patches each site, demands, measures and rolls back.
 
     ``sites`` is a glob over node names / module paths, or a list of node names or ``(node, key)``
@@ -832,10 +893,17 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     together: K variants stacked along dim 0 of a K-times batched graph (grafts replayed, standing
     patches applied), the shared cone evaluated once. Whether dim 0 really is the batch is checked
     node by node; a model where it is not is refused with a ValueError, never answered wrongly.
+
+    With ``distributed=True`` (every rank of an initialised ``torch.distributed`` default group calls
+    it with the same graph and sites, e.g. under ``torchrun``) the sites are split across the ranks,
+    balanced by predicted cone cost, and every rank returns the whole table, equal to a
+    single-process sweep's.
     """
     site_list = _expand_sites(rg, sites)
     if not site_list:
         raise ValueError("sweep needs at least one site")
+    if distributed:
+        return _distributed_sweep(rg, site_list, patch, metric, progress, batch_sites)
     eng = rg._engine
     if eng.in_transaction():
         raise RuntimeError("sweep: a sweep transaction is already open on this graph (sweeps do not nest)")

@@ -788,6 +788,12 @@ std::vector<std::string> Engine::cone(const std::string& name) const {
   return out;
 }
 
+double Engine::cone_cost(const std::string& name) const {
+  double total = 0.0;
+  for (const std::string& n : cone(name)) total += states_[id_of(n)].cost;
+  return total;
+}
+
 bool Engine::is_valid(const std::string& name) const { return states_[id_of(name)].valid; }
 
 std::vector<std::string> Engine::pinned() const {

@@ -134,6 +134,7 @@ class Engine {
   void check_intact(const std::string& node);
 
   std::vector<std::string> cone(const std::string& node) const;  // V+(node), topological order
+  double cone_cost(const std::string& node) const;               // sum of the cost estimates over V+(node)
   int64_t num_countable() const { return num_countable_; }
   bool is_valid(const std::string& node) const;
   int64_t num_dirty() const { return static_cast<int64_t>(dirty_.size()); }
