@@ -113,9 +113,11 @@ int64_t out_bytes(const ir::Node* n) {
 // dies after its last reader unless it reaches the graph output. An update whose overwritten
 // state nobody else still reads writes in place (allocates nothing). Alias nodes and such updates
 // never raise live bytes, so they run as soon as they are ready; otherwise each of the
-// kBeamWidth partial orders (ranked by peak so far, then live bytes, then closeness to the export
-// order) tries its kBeamBranch cheapest ready nodes. Exact peaks come from simulate_peak().
-constexpr size_t kBeamWidth = 8;
+// kBeamWidth partial orders (ranked by their outlook, see below, then peak so far, live bytes and
+// closeness to the export order) tries its kBeamBranch best ready nodes and its earliest one in
+// the export order.
+// Exact peaks come from simulate_peak().
+constexpr size_t kBeamWidth = 16;
 constexpr size_t kBeamMaxNodes = 4000;  // beyond this the search costs more than it tends to gain
 constexpr size_t kBeamBranch = 4;
 
@@ -191,7 +193,23 @@ std::vector<Order> beam_schedule(const ir::Graph& g, const Dag& d) {
     std::vector<size_t> ready;
     Order order;
     int64_t live = 0, peak = 0, rank_sum = 0;
+    size_t big = 0;  // first unscheduled node in by_size
   };
+  // Nodes that allocate, largest first (updates excluded: they mostly write in place).
+  std::vector<size_t> by_size;
+  for (size_t i = 0; i < n; ++i)
+    if (bytes[i] > 0 && root[i] == static_cast<int64_t>(i) && !is_update[i]) by_size.push_back(i);
+  std::stable_sort(by_size.begin(), by_size.end(), [&](size_t a, size_t b) { return bytes[a] > bytes[b]; });
+  // The largest allocation still to come, `skip` counted as done.
+  auto next_big = [&](const State& s, size_t skip) -> int64_t {
+    for (size_t k = s.big; k < by_size.size(); ++k)
+      if (!s.done[by_size[k]] && by_size[k] != skip) return bytes[by_size[k]];
+    return 0;
+  };
+  // What a partial order is headed for: a greedy order that defers a big allocation looks cheap
+  // until it must make it on top of everything it kept alive meanwhile, so rank by the peak so
+  // far and by the live bytes plus the largest allocation still to come.
+  auto outlook = [&](const State& s) { return std::max(s.peak, s.live + next_big(s, n)); };
   auto alloc_of = [&](const State& s, size_t i) -> int64_t {
     if (is_update[i] && std::all_of(blockers[i].begin(), blockers[i].end(), [&](size_t b) { return s.done[b]; }))
       return 0;
@@ -213,6 +231,7 @@ std::vector<Order> beam_schedule(const ir::Graph& g, const Dag& d) {
     s.live = after;
     for (size_t r : reads[i]) --s.left[r];
     s.done[i] = true;
+    while (s.big < by_size.size() && s.done[by_size[s.big]]) ++s.big;
     s.order.push_back(d.calls[i]);
     s.rank_sum += static_cast<int64_t>(i) * static_cast<int64_t>(s.order.size());
     s.ready.erase(std::find(s.ready.begin(), s.ready.end(), i));
@@ -230,7 +249,9 @@ std::vector<Order> beam_schedule(const ir::Graph& g, const Dag& d) {
         }
     }
   };
-  auto better = [](const State& a, const State& b) {
+  auto better = [&](const State& a, const State& b) {
+    const int64_t oa = outlook(a), ob = outlook(b);
+    if (oa != ob) return oa < ob;
     if (a.peak != b.peak) return a.peak < b.peak;
     if (a.live != b.live) return a.live < b.live;
     return a.rank_sum < b.rank_sum;
@@ -252,16 +273,22 @@ std::vector<Order> beam_schedule(const ir::Graph& g, const Dag& d) {
         next.push_back(std::move(s));
         continue;
       }
-      std::vector<std::tuple<int64_t, int64_t, size_t>> options;  // (during, after, node)
+      std::vector<std::tuple<int64_t, int64_t, size_t>> options;  // (child's outlook, after, node)
       for (size_t i : s.ready) {
         int64_t during = 0, after = 0;
         effect(s, i, during, after);
-        options.emplace_back(std::max(s.peak, during), after, i);
+        options.emplace_back(std::max({s.peak, during, after + next_big(s, i)}), after, i);
       }
       std::sort(options.begin(), options.end());
-      for (size_t k = 0; k < options.size() && k < kBeamBranch; ++k) {
+      // The kBeamBranch cheapest nodes, and the earliest in the export order (which keeps the
+      // export and update-asap orders reachable).
+      std::vector<size_t> picks;
+      for (size_t k = 0; k < options.size() && k < kBeamBranch; ++k) picks.push_back(std::get<2>(options[k]));
+      const size_t first = *std::min_element(s.ready.begin(), s.ready.end());
+      if (std::find(picks.begin(), picks.end(), first) == picks.end()) picks.push_back(first);
+      for (size_t i : picks) {
         State c = s;
-        run(c, std::get<2>(options[k]));
+        run(c, i);
         run_free(c);
         next.push_back(std::move(c));
       }
