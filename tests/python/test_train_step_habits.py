@@ -455,3 +455,20 @@ def test_dropout_aotinductor_package_is_pure_and_matches_the_executor(tmp_path):
     loss, new = step(state, *b)
     assert torch.equal(o1[0], o2[0]) and torch.equal(o1[0], loss)
     assert torch.equal(o1[1 + step.state_names.index("rng")], new.rng)
+
+
+def test_dropout_state_threads_through_unrolled_steps():
+    torch.manual_seed(0)
+    model = TiedLM(p=0.3)
+    ref = copy.deepcopy(model)
+    step = torch_ext.make_train_step(model, adamw(model), lm_loss, next(lm_batches()), unroll=4)
+    state = step.init_state(seed=8)
+    it = lm_batches()
+    batches = [next(it) for _ in range(20)]
+    losses = []
+    for i in range(5):
+        loss, state = step(state, *[t for b in batches[4 * i:4 * i + 4] for t in b])
+        losses += list(loss)
+    torch.manual_seed(8)
+    assert_bit_exact(losses, eager_run(ref, adamw(ref), iter(batches), 20), state, ref)
+    assert torch.equal(state.rng, torch.get_rng_state())
