@@ -30,7 +30,12 @@ struct Special {
   std::string text;
 };
 
-ir::Type type_from_py(const py::handle& h) {
+// Nested Python lists and tuple types are converted recursively; like the parser, refuse depths
+// that would overflow the C stack.
+constexpr int kMaxPyNesting = 64;
+
+ir::Type type_from_py(const py::handle& h, int depth = 0) {
+  TORCH_CHECK(depth <= kMaxPyNesting, "tuple types nested deeper than the limit of ", kMaxPyNesting);
   auto t = h.cast<py::tuple>();
   auto kind = t[0].cast<std::string>();
   if (kind == "tensor") {
@@ -45,7 +50,7 @@ ir::Type type_from_py(const py::handle& h) {
   }
   if (kind == "tuple") {
     std::vector<ir::Type> elems;
-    for (auto e : t[1].cast<py::list>()) elems.push_back(type_from_py(e));
+    for (auto e : t[1].cast<py::list>()) elems.push_back(type_from_py(e, depth + 1));
     return ir::Type::make_tuple(std::move(elems));
   }
   if (kind == "int") return ir::Type::make_scalar(ir::Type::Kind::Int);
@@ -73,7 +78,8 @@ py::object type_to_py(const ir::Type& t) {
   return py::none();
 }
 
-ir::Arg arg_from_py(ir::Graph& g, const py::handle& h) {
+ir::Arg arg_from_py(ir::Graph& g, const py::handle& h, int depth = 0) {
+  TORCH_CHECK(depth <= kMaxPyNesting, "argument lists nested deeper than the limit of ", kMaxPyNesting);
   if (h.is_none()) return ir::Arg::none();
   if (py::isinstance<NodeRef>(h)) {
     const auto& name = h.cast<const NodeRef&>().name;
@@ -87,7 +93,7 @@ ir::Arg arg_from_py(ir::Graph& g, const py::handle& h) {
   if (py::isinstance<py::str>(h)) return ir::Arg::of_string(h.cast<std::string>());
   if (py::isinstance<py::list>(h) || py::isinstance<py::tuple>(h)) {
     std::vector<ir::Arg> items;
-    for (auto e : h) items.push_back(arg_from_py(g, e));
+    for (auto e : h) items.push_back(arg_from_py(g, e, depth + 1));
     return ir::Arg::of_list(std::move(items));
   }
   if (py::isinstance<Special>(h)) {

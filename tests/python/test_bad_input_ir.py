@@ -544,6 +544,14 @@ def test_builder_refusals_leave_the_graph_unchanged():
         (lambda: g.add_call("r", "aten::relu", [_C.NodeRef("x")], [], ("tensor", "f32", [2], [1], "cpu"), ""),
          r"malformed op target 'aten::relu'"),
     ]
+    deep_list, deep_type = [], ("tensor", "f32", [2], [1], "cpu")
+    for _ in range(100000):
+        deep_list, deep_type = [deep_list], ("tuple", [deep_type])
+    cases += [
+        (lambda: g.add_call("r", "aten::cat.default", [deep_list], [], ("tensor", "f32", [2], [1], "cpu"), ""),
+         r"argument lists nested deeper than the limit of 64"),
+        (lambda: g.add_placeholder("y", "input", deep_type, ""), r"tuple types nested deeper than the limit of 64"),
+    ]
     for fn, pattern in cases:
         with pytest.raises(RuntimeError, match=pattern):
             fn()
