@@ -299,6 +299,40 @@ std::string rnn_precondition(const Node& node, const std::vector<const Arg*>& gi
   return "";
 }
 
+// The RNN ops' result types, computed directly: their meta kernels are decompositions that loop
+// over the sequence, so inference would cost time linear in a declared length (2^31 steps for
+// a mutated text). Called after rnn_precondition accepted the arguments.
+std::optional<Type> rnn_result(const Node& node, const std::vector<const Arg*>& given,
+                               const std::vector<c10::IValue>& stack) {
+  const std::string& op = node.target().name;
+  if (node.target().ns != "aten" || node.target().overload != "input" ||
+      (op != "lstm" && op != "gru" && op != "rnn_tanh" && op != "rnn_relu"))
+    return std::nullopt;
+  if (given.size() < 9 || !given[0] || given[0]->kind != Arg::Kind::Node || !given[1] || !stack[7].isBool() ||
+      given[0]->node->type().tensor.sizes.size() < 2)
+    return std::nullopt;
+  const TensorMeta& input = given[0]->node->type().tensor;
+  std::vector<const Node*> hx;
+  if (given[1]->kind == Arg::Kind::Node) hx.push_back(given[1]->node);
+  for (const Arg& a : given[1]->list)
+    if (a.kind == Arg::Kind::Node) hx.push_back(a.node);
+  if (hx.empty() || hx[0]->type().tensor.sizes.empty()) return std::nullopt;
+  const int64_t directions = stack[7].toBool() ? 2 : 1;
+  TensorMeta out;
+  out.dtype = input.dtype;
+  out.device = input.device;
+  out.sizes = input.sizes;
+  out.sizes.back() = directions * hx[0]->type().tensor.sizes.back();
+  std::vector<Type> elems{Type::make_tensor(out)};
+  for (const Node* h : hx) {
+    TensorMeta m = h->type().tensor;
+    m.dtype = input.dtype;
+    m.strides.clear();
+    elems.push_back(Type::make_tensor(m));
+  }
+  return Type::make_tuple(std::move(elems));
+}
+
 // The CPU batch-norm kernels index weight, bias and the running statistics by channel without
 // checking their lengths, and not every meta kernel checks them either. Each one given must be
 // one-dimensional with the input's channel count (dim 1).
@@ -552,6 +586,12 @@ void check_call_types(const Node& node, const c10::OperatorHandle& op, const std
   }
   if (std::string bad = rnn_precondition(node, given, stack); !bad.empty()) {
     errors.push_back(where + bad);
+    return;
+  }
+  if (auto rnn = rnn_result(node, given, stack)) {
+    if (!agrees(node.type(), *rnn, node.target().name))
+      errors.push_back(where + "declared type " + print_type(node.type()) + " differs from " + print_type(*rnn) +
+                       ", which the operator produces for the declared inputs");
     return;
   }
   // A list result can be as long as the largest input dim or int argument (split, unbind,

@@ -225,6 +225,10 @@ VERIFY = {
         %y : f32[3,5,12] = getitem(%l, 0)
         return (%y)
     """), r"node %l \(aten::lstm.input\): hidden state %c0 of shape f32\[0,3,12\] must have 1 = num_layers \* directions rows"),
+    "lstm_declared_output_wrong": (_lstm(batch_h0=2, weight_rows=32, hidden=8).replace(
+        "(f32[3,2,8], f32[1,2,8], f32[1,2,8]) = aten::lstm", "(f32[3,2,9], f32[1,2,8], f32[1,2,8]) = aten::lstm"),
+        r"node %l \(aten::lstm.input\): declared type \(f32\[3,2,9\], f32\[1,2,8\], f32\[1,2,8\]\) differs from "
+        r"\(f32\[3,2,8\], f32\[1,2,8\], f32\[1,2,8\]\)"),
     "gru_missing_parameters": (_g("""
         %x : f32[3,5,8] = input()
         %h0 : f32[1,3,12] = input()
