@@ -234,12 +234,27 @@ int64_t simulate_peak(const ir::Graph& g, const std::vector<const ir::Node*>& or
 // The same argument with S(n) replaced by every buffer live at pos(n) in the chosen order proves
 // LB_sched = persistent + escaping + lower_bound_bytes(lives) <= peak_bytes() for that order.
 // Every order's live set at pos(n) contains S(n), so LB_graph <= LB_sched of any order.
-int64_t graph_lower_bound(const ir::Graph& g, bool donate) {
+//
+// The ancestor/descendant bitsets take n^2/4 bytes. Beyond `max_exact_nodes` call nodes, S(n)
+// shrinks to the buffers n produces or reads (a subset, so still a bound, and weaker).
+int64_t graph_lower_bound(const ir::Graph& g, bool donate, size_t max_exact_nodes) {
   const std::vector<const ir::Node*> order = call_order(g);  // a topological order
   const Analysis a = analyze(g, order, donate, /*assume_all_aliases=*/true);
   const size_t n = order.size(), words = (n + 63) / 64;
   std::unordered_map<const ir::Node*, size_t> idx;
   for (size_t i = 0; i < n; ++i) idx[order[i]] = i;
+  if (n > max_exact_nodes) {
+    std::vector<int64_t> local(n, 0);
+    for (size_t b = 0; b < a.buffers.size(); ++b) {
+      const int64_t bytes = runtime::align_up(a.buffers[b].life.size);
+      std::vector<size_t> at{idx.at(a.buffers[b].node)};
+      for (const ir::Node* r : a.readers[b]) at.push_back(idx.at(r));
+      std::sort(at.begin(), at.end());
+      at.erase(std::unique(at.begin(), at.end()), at.end());
+      for (size_t i : at) local[i] += bytes;
+    }
+    return a.persistent + a.escaping + (n ? *std::max_element(local.begin(), local.end()) : 0);
+  }
   // anc[i]: i and its ancestors; desc[i]: i and its descendants (call nodes only), as bitsets.
   std::vector<std::vector<uint64_t>> anc(n, std::vector<uint64_t>(words, 0)), desc = anc;
   auto set = [](std::vector<uint64_t>& b, size_t i) { b[i / 64] |= uint64_t{1} << (i % 64); };

@@ -57,7 +57,9 @@ MemoryPlan plan_memory(const ir::Graph& graph, bool donate);
 
 // LB_graph: a lower bound on peak_bytes() over every topological order of the call nodes and every
 // arena placement (definition and proof in plan_memory.cpp). LB_graph <= lb_sched() of any order.
-int64_t graph_lower_bound(const ir::Graph& graph, bool donate);
+// Up to `max_exact_nodes` call nodes it is exact to its definition; beyond, a weaker bound that
+// needs no n^2 bitsets.
+int64_t graph_lower_bound(const ir::Graph& graph, bool donate, size_t max_exact_nodes = 8192);
 
 // The simulated peak (persistent + escaping + largest live bytes) of running `order`.
 int64_t simulate_peak(const ir::Graph& graph, const std::vector<const ir::Node*>& order, bool donate);
