@@ -1,0 +1,228 @@
+"""The pure step in ONNX: ``to_onnx(step, path)`` and ``load_onnx_step(path, step)``.
+
+The step program (forward, backward and the update, ``(loss, S') = F(S, batch)``) goes through
+``torch.onnx.export(..., dynamo=True)``; the ``torch_ext`` update ops are translated by the
+functions below (onnxscript, traced with the op's scalar arguments as Python values), which
+follow ``csrc/ops/optimizers.cpp``: scalars computed in double, applied in the parameter's dtype.
+A plain ``onnxruntime.InferenceSession`` then trains by feeding the state outputs back as inputs.
+Supported: SGD (momentum, nesterov, weight decay, maximize), Adam, AdamW and amsgrad, RMSprop,
+Adagrad. Muon (a Newton-Schulz iteration in bfloat16) and dropout's RNG op are refused by name.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["to_onnx", "OnnxStep", "load_onnx_step"]
+
+
+def _translations() -> dict:
+    import numpy as np
+    import onnx
+    from onnxscript import opset18 as op
+
+    f64 = onnx.TensorProto.DOUBLE
+
+    def dconst(x):
+        """A float64 constant (Constant has no double attribute): scalars stay as exact as the C++ doubles."""
+        return op.Constant(value=onnx.numpy_helper.from_array(np.array(x, dtype=np.float64)))
+
+    def scalar(x, like):
+        """A double-precision scalar (Python float or f64 tensor) in ``like``'s dtype, as a kernel would apply it."""
+        return op.CastLike(x, like)
+
+    def grad_of(param, grad, weight_decay, maximize):
+        g = op.Neg(grad) if maximize else grad
+        if weight_decay != 0:
+            g = op.Add(g, op.Mul(param, scalar(op.Constant(value_float=weight_decay), param)))
+        return g
+
+    def sgd_update(param, grad, lr, weight_decay, maximize):
+        g = grad_of(param, grad, weight_decay, maximize)
+        return op.Sub(param, op.Mul(g, scalar(lr, param)))
+
+    def sgd_momentum_update(param, grad, momentum_buffer, step, lr, momentum, dampening, weight_decay, nesterov,
+                            maximize):
+        g = grad_of(param, grad, weight_decay, maximize)
+        first = op.Equal(step, op.CastLike(op.Constant(value_float=0.0), step))
+        mixed = op.Add(op.Mul(momentum_buffer, scalar(op.Constant(value_float=momentum), param)),
+                       op.Mul(g, scalar(op.Constant(value_float=1.0 - dampening), param)))
+        buf = op.Where(first, g, mixed)
+        update = op.Add(g, op.Mul(buf, scalar(op.Constant(value_float=momentum), param))) if nesterov else buf
+        new_param = op.Sub(param, op.Mul(update, scalar(lr, param)))
+        return new_param, buf, op.Add(step, op.CastLike(op.Constant(value_float=1.0), step))
+
+    def _adam(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
+              decoupled, maximize):
+        g = op.Neg(grad) if maximize else grad
+        new_step = op.Add(step, op.CastLike(op.Constant(value_float=1.0), step))
+        lr64 = op.Cast(lr, to=f64)
+        p = param
+        if weight_decay != 0:
+            if decoupled:
+                p = op.Mul(p, op.CastLike(op.Sub(dconst(1.0),
+                                                 op.Mul(lr64, dconst(weight_decay))), param))
+            else:
+                g = op.Add(g, op.Mul(param, scalar(op.Constant(value_float=weight_decay), param)))
+        m = op.Add(exp_avg, op.Mul(op.Sub(g, exp_avg), scalar(op.Constant(value_float=1.0 - beta1), param)))
+        v = op.Add(op.Mul(exp_avg_sq, scalar(op.Constant(value_float=beta2), param)),
+                   op.Mul(op.Mul(g, g), scalar(op.Constant(value_float=1.0 - beta2), param)))
+        s64 = op.Cast(new_step, to=f64)
+        bc1 = op.Sub(dconst(1.0), op.Pow(dconst(beta1), s64))
+        bc2 = op.Sub(dconst(1.0), op.Pow(dconst(beta2), s64))
+        step_size = op.Div(lr64, bc1)
+        bc2_sqrt = op.Sqrt(bc2)
+        new_max = op.Max(max_exp_avg_sq, v) if max_exp_avg_sq is not None else None
+        second = new_max if new_max is not None else v
+        denom = op.Add(op.Div(op.Sqrt(second), op.CastLike(bc2_sqrt, param)),
+                       scalar(op.Constant(value_float=eps), param))
+        new_param = op.Sub(p, op.Mul(op.Div(m, denom), op.CastLike(step_size, param)))
+        return new_param, m, v, new_max, new_step
+
+    def adam_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, decoupled,
+                    maximize):
+        p, m, v, _, s = _adam(param, grad, exp_avg, exp_avg_sq, None, step, lr, beta1, beta2, eps, weight_decay,
+                              decoupled, maximize)
+        return p, m, v, s
+
+    def adam_amsgrad_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, beta2, eps,
+                            weight_decay, decoupled, maximize):
+        return _adam(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
+                     decoupled, maximize)
+
+    def rmsprop_update(param, grad, square_avg, grad_avg, momentum_buffer, step, lr, alpha, eps, weight_decay,
+                       momentum, centered, maximize):
+        g = grad_of(param, grad, weight_decay, maximize)
+        new_step = op.Add(step, op.CastLike(op.Constant(value_float=1.0), step))
+        sq = op.Add(op.Mul(square_avg, scalar(op.Constant(value_float=alpha), param)),
+                    op.Mul(op.Mul(g, g), scalar(op.Constant(value_float=1.0 - alpha), param)))
+        ga = grad_avg
+        if centered:
+            ga = op.Add(grad_avg, op.Mul(op.Sub(g, grad_avg), scalar(op.Constant(value_float=1.0 - alpha), param)))
+            avg = op.Sqrt(op.Sub(sq, op.Mul(ga, ga)))
+        else:
+            avg = op.Sqrt(sq)
+        avg = op.Add(avg, scalar(op.Constant(value_float=eps), param))
+        buf = momentum_buffer
+        if momentum > 0:
+            buf = op.Add(op.Mul(momentum_buffer, scalar(op.Constant(value_float=momentum), param)), op.Div(g, avg))
+            new_param = op.Sub(param, op.Mul(buf, scalar(lr, param)))
+        else:
+            new_param = op.Sub(param, op.Mul(op.Div(g, avg), scalar(lr, param)))
+        return new_param, sq, ga, buf, new_step
+
+    def adagrad_update(param, grad, sum, step, lr, lr_decay, weight_decay, eps, maximize):  # noqa: A002
+        new_step = op.Add(step, op.CastLike(op.Constant(value_float=1.0), step))
+        g = grad_of(param, grad, weight_decay, maximize)
+        s64 = op.Cast(new_step, to=f64)
+        clr = op.Div(op.Cast(lr, to=f64), op.Add(dconst(1.0),
+                                               op.Mul(op.Sub(s64, dconst(1.0)),
+                                                      dconst(lr_decay))))
+        new_sum = op.Add(sum, op.Mul(g, g))
+        std = op.Add(op.Sqrt(new_sum), scalar(op.Constant(value_float=eps), param))
+        return op.Sub(param, op.Mul(op.Div(g, std), op.CastLike(clr, param))), new_sum, new_step
+
+    ops = torch.ops.torch_ext
+    return {ops.sgd_update.default: sgd_update, ops.sgd_momentum_update.default: sgd_momentum_update,
+            ops.adam_update.default: adam_update, ops.adam_amsgrad_update.default: adam_amsgrad_update,
+            ops.rmsprop_update.default: rmsprop_update, ops.adagrad_update.default: adagrad_update}
+
+
+def to_onnx(step, path: str) -> str:
+    """Exports ``step``'s pure program to ``path`` (ONNX). Inputs: the state entries in
+    ``step.state_names`` order, then the batch leaves; outputs: the loss, then the new state in the
+    same order. The layout is written into the model's metadata (``torch_ext.layout``, JSON)."""
+    import json
+
+    import onnx
+
+    table = _translations()
+    program = step.program
+    unsupported = sorted({str(n.target) for n in program.graph.nodes
+                          if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                          and n.target.namespace == "torch_ext" and n.target not in table})
+    if unsupported:
+        raise NotImplementedError(f"to_onnx: no ONNX translation for {', '.join(unsupported)} (supported: SGD, "
+                                  "Adam/AdamW/amsgrad, RMSprop, Adagrad; dropout's explicit RNG state is not)")
+    attention_backward = sorted({str(n.target) for n in program.graph.nodes if n.op == "call_function"
+                                 and "attention" in str(n.target) and "backward" in str(n.target)})
+    if attention_backward:
+        raise NotImplementedError(
+            f"to_onnx: torch {torch.__version__}'s ONNX exporter has no translation for {', '.join(attention_backward)} "
+            "(the backward of scaled_dot_product_attention): write attention as matmul + softmax to train in ONNX")
+    # torch's own core-ATen decompositions first: the exporter's translation of some backward ops
+    # (nll_loss_backward's mean reduction) is wrong, while their ATen decompositions are what Inductor runs.
+    program = program.run_decompositions()
+    import logging
+
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # the exporter logs a line per unannotated translation argument
+    try:
+        # optimize=False: the exporter's graph optimizer drops `x + 1e-8` (Adam's eps), turning 0/0 into NaN.
+        onnx_program = torch.onnx.export(program, (), dynamo=True, custom_translation_table=table, verbose=False,
+                                         optimize=False)
+    except Exception as e:  # noqa: BLE001 - re-raised naming the op torch.onnx cannot translate
+        import re
+
+        found = re.search(r"No ONNX function found for <OpOverload\(op='([^']+)', overload='([^']+)'\)>", str(e))
+        if found:
+            raise NotImplementedError(
+                f"to_onnx: torch {torch.__version__}'s ONNX exporter has no translation for {found[1]}.{found[2]} "
+                "(e.g. the backward of scaled_dot_product_attention: write attention as matmul + softmax to "
+                "train it in ONNX)") from e
+        raise
+    finally:
+        logging.disable(previous)
+    onnx_program.save(path)
+    model = onnx.load(path)
+    inputs = [name for name, role in step._inputs if role != "input"]  # state entries read, lr included
+    layout = {"state_names": list(step.state_names), "input_state_names": inputs,
+              "num_inputs": len(model.graph.input)}
+    entry = model.metadata_props.add()
+    entry.key, entry.value = "torch_ext.layout", json.dumps(layout)
+    onnx.save(model, path)
+    return path
+
+
+class OnnxStep:
+    """``loss, state = onnx_step(state, *batch)`` on a plain onnxruntime session (``.session``).
+
+    ``state`` is a ``TrainState`` (the result is one too) or a dict {state name: tensor} (the result
+    is a new dict), so a deployment needs neither the model nor the step that made the file."""
+
+    def __init__(self, path: str):
+        import json
+
+        import onnx
+        import onnxruntime as ort
+
+        meta = {p.key: p.value for p in onnx.load(path, load_external_data=False).metadata_props}
+        if "torch_ext.layout" not in meta:
+            raise ValueError(f"{path}: no torch_ext.layout metadata (not written by torch_ext.onnx.to_onnx)")
+        self.layout = json.loads(meta["torch_ext.layout"])
+        self.state_names = list(self.layout["state_names"])
+        self.session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        self._input_names = [i.name for i in self.session.get_inputs()]
+
+    def __call__(self, state, *batch):
+        is_dict = isinstance(state, dict)
+        lookup = state.__getitem__ if is_dict else state.lookup
+        try:
+            entries = [lookup(n) for n in self.layout["input_state_names"]]
+        except KeyError as e:
+            raise KeyError(f"the state has no entry {e} that this ONNX step needs") from None
+        leaves = [t for t in torch.utils._pytree.tree_leaves(batch)]
+        flat = entries + leaves
+        if len(flat) != len(self._input_names):
+            raise ValueError(f"the ONNX step takes {len(self._input_names) - len(entries)} batch tensors, got "
+                             f"{len(leaves)}")
+        feeds = {name: t.detach().cpu().numpy() for name, t in zip(self._input_names, flat)}
+        outs = [torch.from_numpy(o) for o in self.session.run(None, feeds)]
+        new = dict(zip(self.state_names, outs[1:1 + len(self.state_names)]))
+        return outs[0], ({**state, **new} if is_dict else state.replace(new))
+
+
+def load_onnx_step(path: str) -> OnnxStep:
+    """The ONNX step written by ``to_onnx`` as a state-in, state-out callable."""
+    return OnnxStep(path)
