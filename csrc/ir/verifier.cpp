@@ -62,6 +62,16 @@ void check_regions(const Node& n, const std::string& where, std::vector<std::str
   const Graph& r0 = *n.regions()[0];
   const Graph& r1 = *n.regions()[1];
   if (op == "cond") {
+    // The runtimes read the predicate as a bool scalar or a one-element tensor.
+    const Arg& pred = n.args()[0];
+    if (pred.kind == Arg::Kind::Node) {
+      const Type& t = pred.node->type();
+      const bool ok = t.kind == Type::Kind::Bool || (t.is_tensor() && invalid_type_reason(t).empty() &&
+                                                     t.tensor.numel() == 1);
+      if (!ok)
+        errors.push_back(where + "predicate %" + pred.node->name() + " of type " + print_type_safe(t) +
+                         " must be a bool or a one-element tensor");
+    }
     const auto operands = list_types(n.args()[1]);
     for (int b = 0; b < 2; ++b)
       if (region_inputs(*n.regions()[b]) != operands)

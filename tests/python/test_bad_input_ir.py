@@ -319,6 +319,22 @@ VERIFY = {
         %y : f32[2] = getitem(%c, 0)
         return (%y)
     """), r"node %c \(higher_order::cond.default\): false branch takes \(f32\[3\]\) but the operands are \(f32\[2\]\)"),
+    "cond_predicate_is_a_tuple": (_g("""
+        %p : ((b8[])) = input()
+        %x : f32[2] = input()
+        %c : (f32[2]) = higher_order::cond.default(%p, [%x]) {
+          graph:
+            %a : f32[2] = input()
+            return (%a)
+        } {
+          graph:
+            %a : f32[2] = input()
+            return (%a)
+        }
+        %y : f32[2] = getitem(%c, 0)
+        return (%y)
+    """), r"node %c \(higher_order::cond.default\): predicate %p of type \(\(b8\[\]\)\) must be a bool or a "
+          r"one-element tensor"),
     "error_inside_region": (_g("""
         %p : b8[] = input()
         %x : f32[2] = input()
