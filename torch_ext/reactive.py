@@ -157,6 +157,11 @@ class ReactiveGraph:
                   "_out_spec", "_user_outputs", "_loss_output", "_grad_outputs", "_module_paths", "_countable",
                   "_countable_cache", "_batched", "_last_inputs", "_example_inputs", "_grafts_applied")
 
+    def _refuse_during_sweep(self, what: str) -> None:
+        if getattr(self, "_sweeping", False):
+            raise RuntimeError(f"{what} is not allowed while a sweep runs on this graph (from a patch function or "
+                               "metric); a sweep leaves the graph as it found it")
+
     def _switch_shape(self, key, args, kwargs) -> None:
         """Moves to the graph for another input shape: reused if built before, else exported now;
         grafts made so far are replayed on it. Refused while patches are active."""
@@ -207,6 +212,7 @@ class ReactiveGraph:
         Inputs of another shape (a longer prompt) move to that shape's graph, exported on first use
         and reused after (``stats["graph_builds"]``, ``stats["graph_reuses"]``); grafts are replayed.
         """
+        self._refuse_during_sweep("run()")
         if self._weights_fp is not None and _weights_fingerprint(self._module) != self._weights_fp:
             raise ValueError("run: the model's weights changed since this ReactiveGraph was built, and it computes "
                              "with a copy of them (TransformerLens models are exported from a copy); build a new "
@@ -271,6 +277,7 @@ class ReactiveGraph:
         ``f`` receives the node's baseline value (no patch active). It must not write into it; a
         function that does raises a ValueError and the cache is repaired (the node is recomputed).
         """
+        self._refuse_during_sweep("patch()")
         name, node = node, self.resolve(node)
         if callable(value):
             value = self._call_patch_fn(node, self._hook_view(name, value), self._engine.baseline(node),
@@ -304,6 +311,7 @@ class ReactiveGraph:
 
     def restore(self, node: str | None = None) -> None:
         """Drops every patch (zero evaluations), or only the patch at ``node``."""
+        self._refuse_during_sweep("restore()")
         if node is None:
             self._engine.restore()
         else:
@@ -316,6 +324,7 @@ class ReactiveGraph:
         shape and dtype. It is exported with ``torch.export`` and spliced in; the new node names
         are returned.
         """
+        self._refuse_during_sweep("graft()")
         dst = ""
         if block is None:
             block = dst_or_block
@@ -338,6 +347,10 @@ class ReactiveGraph:
         # evaluated before the demand (a value would compute stale ancestors now, and again later).
         example = _empty_like_type(self._engine.node(src)["type"])
         ep = _functional_program(torch.export.export(block, (example,)))
+        random = _random_nodes(ep)
+        if random:
+            raise ValueError(f"graft: the block draws random numbers at {', '.join(random[:4])}; a cached random draw "
+                             "is redrawn by every recomputation (is it a Dropout in training mode? call .eval())")
         bgraph = Graph.from_exported(ep)
         state = {**ep.state_dict, **ep.constants}
         params = [state[spec.target] for spec in ep.graph_signature.input_specs if spec.kind.name != "USER_INPUT"]
@@ -856,7 +869,7 @@ def _distributed_sweep(rg: ReactiveGraph, site_list: list, patch, metric, progre
         costs = [cost_of.setdefault(node_of(s), rg._engine.cone_cost(node_of(s))) for s in site_list]
     mine = [s for unit in _balanced_shares(units, costs, world)[rank] for s in unit]
     t0 = time.perf_counter()
-    local = sweep(rg, mine, patch, metric, progress=progress, batch_sites=batch_sites) if mine else None
+    local = _sweep(rg, mine, patch, metric, progress, batch_sites, False) if mine else None
     wall = time.perf_counter() - t0
     payload = (local.metrics if local else {}, local.measured_evaluations if local else 0,
                local.predicted_evaluations if local else 0, local.cost if local else 0.0, wall,
@@ -902,6 +915,16 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     site_list = _expand_sites(rg, sites)
     if not site_list:
         raise ValueError("sweep needs at least one site")
+    rg._refuse_during_sweep("sweep()")
+    rg._sweeping = True
+    try:
+        return _sweep(rg, site_list, patch, metric, progress, batch_sites, distributed)
+    finally:
+        rg._sweeping = False
+
+
+def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, batch_sites: bool,
+           distributed: bool) -> SweepResult:
     if distributed:
         return _distributed_sweep(rg, site_list, patch, metric, progress, batch_sites)
     eng = rg._engine

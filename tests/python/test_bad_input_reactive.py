@@ -1,0 +1,175 @@
+"""Bad input to ReactiveGraph mutations and to sweep (issue 16): every case raises a clear error that
+names the culprit, and leaves the graph exactly as a fresh one (same text, same outputs bit for bit,
+no patch pinned, invariants holding, the next sweep answering as on a fresh graph)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torch_ext
+
+
+class Resid(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for fc in self.fc:
+            x = x + torch.tanh(fc(x))
+        return x
+
+
+X = torch.randn(2, 5, 8)
+
+
+@pytest.fixture
+def rg():
+    return torch_ext.ReactiveGraph(Resid().eval(), (X,))
+
+
+def _tanh(rg, i=0):
+    return [n for n in rg.nodes() if n.startswith("tanh")][i]
+
+
+def _good_patch(v, site):
+    out = v.clone()
+    out[:, site[1]] = 0
+    return out
+
+
+def _good_metric(out):
+    return out.sum()
+
+
+def _assert_fresh(rg):
+    fresh = torch_ext.ReactiveGraph(Resid().eval(), (X,))
+    assert str(rg) == str(fresh)
+    assert rg._engine.pinned() == []
+    assert torch.equal(rg.demand(), fresh.demand())
+    rg.check_invariants()
+    sites = [(_tanh(rg, 1), p) for p in range(2)]
+    a = torch_ext.sweep(rg, sites, _good_patch, _good_metric, progress=False)
+    b = torch_ext.sweep(fresh, sites, _good_patch, _good_metric, progress=False)
+    assert a.metrics == b.metrics and a.measured_evaluations == b.measured_evaluations
+
+
+# (callable taking rg, expected exception type, regex the message must match)
+MUTATIONS = {
+    "patch_unknown_node": (lambda rg: rg.patch("no_such_node", torch.zeros(1)), RuntimeError, "no_such_node"),
+    "patch_wrong_shape": (lambda rg: rg.patch(_tanh(rg), torch.zeros(3)), RuntimeError, r"expected shape"),
+    "patch_wrong_dtype": (lambda rg: rg.patch(_tanh(rg), torch.zeros(2, 5, 8, dtype=torch.float64)), RuntimeError,
+                          "dtype"),
+    "patch_int_tensor": (lambda rg: rg.patch(_tanh(rg), torch.zeros(2, 5, 8, dtype=torch.int64)), RuntimeError,
+                         "dtype"),
+    "patch_not_a_tensor": (lambda rg: rg.patch(_tanh(rg), 3.0), TypeError, "expected a tensor"),
+    "patch_none": (lambda rg: rg.patch(_tanh(rg), None), TypeError, "expected a tensor"),
+    "patch_string": (lambda rg: rg.patch(_tanh(rg), "zeros"), TypeError, "expected a tensor"),
+    "patch_list": (lambda rg: rg.patch(_tanh(rg), [0.0] * 80), TypeError, "expected a tensor"),
+    "patch_fn_returns_none": (lambda rg: rg.patch(_tanh(rg), lambda v: None), TypeError, "expected a tensor"),
+    "patch_fn_returns_float": (lambda rg: rg.patch(_tanh(rg), lambda v: 1.0), TypeError, "expected a tensor"),
+    "patch_fn_wrong_shape": (lambda rg: rg.patch(_tanh(rg), lambda v: v[0]), RuntimeError, "expected shape"),
+    "patch_fn_in_place": (lambda rg: rg.patch(_tanh(rg), lambda v: v.zero_()), ValueError, "in place"),
+    "patch_fn_raises": (lambda rg: rg.patch(_tanh(rg), lambda v: 1 / 0), ZeroDivisionError, "division"),
+    "patch_scalar_tensor": (lambda rg: rg.patch(_tanh(rg), torch.tensor(0.0)), RuntimeError, "expected shape"),
+    "restore_unpatched_node": (lambda rg: rg.restore(_tanh(rg)), RuntimeError, "not patched"),
+    "restore_unknown_node": (lambda rg: rg.restore("ghost"), RuntimeError, "ghost"),
+    "graft_unknown_src": (lambda rg: rg.graft("ghost", lambda t: t), RuntimeError, "ghost"),
+    "graft_unknown_dst": (lambda rg: rg.graft(_tanh(rg), "ghost", lambda t: t), RuntimeError, "ghost"),
+    "graft_dst_not_a_name": (lambda rg: rg.graft(_tanh(rg), 3, lambda t: t), TypeError, "dst must be a node name"),
+    "graft_block_not_callable": (lambda rg: rg.graft(_tanh(rg), 42), TypeError, "nn.Module or a callable"),
+    "graft_no_edge": (lambda rg: rg.graft(_tanh(rg, 0), _tanh(rg, 2), lambda t: t), RuntimeError, "no edge"),
+    "graft_cycle": (lambda rg: rg.graft(_tanh(rg, 2), _tanh(rg, 0), lambda t: t), RuntimeError, "cycle"),
+    "graft_changes_shape": (lambda rg: rg.graft(_tanh(rg), lambda t: t.sum(-1)), RuntimeError, "type"),
+    "graft_changes_dtype": (lambda rg: rg.graft(_tanh(rg), lambda t: t.double()), RuntimeError, "type"),
+    "graft_returns_tuple": (lambda rg: rg.graft(_tanh(rg), lambda t: (t, t)), RuntimeError, "one computed value"),
+    "graft_identity_block": (lambda rg: rg.graft(_tanh(rg), lambda t: t), RuntimeError, "computed value"),
+    "graft_block_raises": (lambda rg: rg.graft(_tanh(rg), lambda t: t.view(7, 7)), RuntimeError, "view|shape"),
+    "graft_dropout_block": (lambda rg: rg.graft(_tanh(rg), nn.Dropout(0.5).train()), ValueError, "random numbers"),
+    "run_wrong_dtype": (lambda rg: rg.run(X.double()), RuntimeError, "dtype"),
+    "run_wrong_arity": (lambda rg: rg.run(X, X), TypeError, "signature|positional"),
+    "run_not_a_tensor": (lambda rg: rg.run("x"), (TypeError, RuntimeError, ValueError), "tensor|str|signature"),
+    "value_unknown_node": (lambda rg: rg.value("ghost"), RuntimeError, "ghost"),
+    "baseline_unknown_node": (lambda rg: rg.baseline("ghost"), RuntimeError, "ghost"),
+    "cone_unknown_node": (lambda rg: rg.cone("ghost"), RuntimeError, "ghost"),
+}
+
+
+@pytest.mark.parametrize("case", MUTATIONS.values(), ids=MUTATIONS.keys())
+def test_bad_mutation(rg, case):
+    fn, exc, pattern = case
+    with pytest.raises(exc, match=pattern):
+        fn(rg)
+    _assert_fresh(rg)
+
+
+def _sweep(rg, sites=None, patch=_good_patch, metric=_good_metric, **kw):
+    sites = [(_tanh(rg, 1), p) for p in range(3)] if sites is None else sites
+    return torch_ext.sweep(rg, sites, patch, metric, progress=False, **kw)
+
+
+def _unbatchable_patch(v, site):
+    return v[:1].clone()
+
+
+SWEEPS = {
+    "no_sites": (lambda rg: _sweep(rg, sites=[]), ValueError, "at least one site"),
+    "glob_matches_nothing": (lambda rg: _sweep(rg, sites="zzz*"), ValueError, "no node matches 'zzz\\*'"),
+    "unknown_site_node": (lambda rg: _sweep(rg, sites=[("ghost", 0)]), ValueError, "unknown node 'ghost'"),
+    "unknown_plain_site": (lambda rg: _sweep(rg, sites=["ghost"]), ValueError, "unknown node 'ghost'"),
+    "patch_returns_none": (lambda rg: _sweep(rg, patch=lambda v, s: None), TypeError, "returned NoneType"),
+    "patch_returns_int": (lambda rg: _sweep(rg, patch=lambda v, s: 0), TypeError, "returned int"),
+    "patch_wrong_shape": (lambda rg: _sweep(rg, patch=lambda v, s: v[0]), RuntimeError, "expected shape"),
+    "patch_wrong_dtype": (lambda rg: _sweep(rg, patch=lambda v, s: v.double()), RuntimeError, "dtype"),
+    "patch_in_place": (lambda rg: _sweep(rg, patch=lambda v, s: v.mul_(0)), ValueError, "in place"),
+    "patch_index_in_place": (lambda rg: _sweep(rg, patch=lambda v, s: v.__setitem__(0, 1.0) or v), ValueError,
+                             "in place"),
+    "patch_raises": (lambda rg: _sweep(rg, patch=lambda v, s: {}["k"]), KeyError, "k"),
+    "metric_raises": (lambda rg: _sweep(rg, metric=lambda o: [][1]), IndexError, "index"),
+    "metric_returns_string": (lambda rg: _sweep(rg, metric=lambda o: "high"), TypeError, "returned str"),
+    "metric_returns_none": (lambda rg: _sweep(rg, metric=lambda o: None), TypeError, "returned NoneType"),
+    "metric_returns_list": (lambda rg: _sweep(rg, metric=lambda o: [1.0]), TypeError, "returned list"),
+    "metric_returns_bool": (lambda rg: _sweep(rg, metric=lambda o: True), TypeError, "returned bool"),
+    "metric_in_place": (lambda rg: _sweep(rg, metric=lambda o: o.add_(1).sum()), ValueError, "metric wrote"),
+    "metric_in_place_slice": (lambda rg: _sweep(rg, metric=lambda o: o[0].zero_().sum()), ValueError, "metric wrote"),
+    "metric_dict_of_strings": (lambda rg: _sweep(rg, metric=lambda o: {"a": "b"}), TypeError, "returned str"),
+    "batched_patch_raises": (lambda rg: _sweep(rg, patch=lambda v, s: 1 / 0, batch_sites=True), ZeroDivisionError,
+                             "division"),
+    "batched_metric_raises": (lambda rg: _sweep(rg, metric=lambda o: 1 / 0, batch_sites=True), ZeroDivisionError,
+                              "division"),
+    "batched_patch_in_place": (lambda rg: _sweep(rg, patch=lambda v, s: v.mul_(0), batch_sites=True), ValueError,
+                               "in place"),
+    "batched_patch_wrong_shape": (lambda rg: _sweep(rg, patch=_unbatchable_patch, batch_sites=True), RuntimeError,
+                                  "shape"),
+    "batched_metric_in_place": (lambda rg: _sweep(rg, metric=lambda o: o.mul_(2).sum(), batch_sites=True),
+                                ValueError, "metric wrote"),
+    "batched_patch_returns_none": (lambda rg: _sweep(rg, patch=lambda v, s: None, batch_sites=True), TypeError,
+                                   "returned NoneType"),
+    "batched_metric_returns_string": (lambda rg: _sweep(rg, metric=lambda o: "x", batch_sites=True), TypeError,
+                                      "returned str"),
+    "distributed_without_group": (lambda rg: _sweep(rg, distributed=True), RuntimeError, "init_process_group"),
+    "nested_sweep": (lambda rg: _sweep(rg, metric=lambda o: _sweep(rg).rho), RuntimeError,
+                     r"sweep\(\) is not allowed while a sweep runs"),
+    "restore_inside_metric": (lambda rg: _sweep(rg, metric=lambda o: (rg.restore(), 1.0)[1]), RuntimeError,
+                              r"restore\(\) is not allowed while a sweep runs"),
+    "graft_inside_patch": (lambda rg: _sweep(rg, patch=lambda v, s: (rg.graft(_tanh(rg, 2), lambda t: 2 * t), v)[1]),
+                           RuntimeError, r"graft\(\) is not allowed while a sweep runs"),
+    "run_inside_metric": (lambda rg: _sweep(rg, metric=lambda o: (rg.run(X), 1.0)[1]), RuntimeError,
+                          r"run\(\) is not allowed while a sweep runs"),
+    "patch_inside_metric": (lambda rg: _sweep(rg, metric=lambda o: (rg.patch(_tanh(rg), torch.zeros(2, 5, 8)), 1.0)[1]),
+                            RuntimeError, r"patch\(\) is not allowed while a sweep runs"),
+}
+
+
+@pytest.mark.parametrize("case", SWEEPS.values(), ids=SWEEPS.keys())
+def test_bad_sweep(rg, case):
+    fn, exc, pattern = case
+    with pytest.raises(exc, match=pattern):
+        fn(rg)
+    _assert_fresh(rg)
+
+
+def test_corpus_sizes():
+    assert len(MUTATIONS) >= 30 and len(SWEEPS) >= 30
