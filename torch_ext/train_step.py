@@ -749,6 +749,13 @@ class TrainStep:
                     if group["centered"]:
                         st["grad_avg"] = key("grad_avg").clone()
 
+    def to_onnx(self, path: str) -> str:
+        """Exports this pure step, the update included, to ONNX (see torch_ext.onnx); a plain
+        onnxruntime session then trains with ``torch_ext.onnx.load_onnx_step(path)``."""
+        from .onnx import to_onnx
+
+        return to_onnx(self, path)
+
     def compile(self, plan: bool = True, donate: bool = True):
         """The step scheduled for the lowest peak and run inside one arena (see torch_ext.memory.PlannedStep)."""
         from .memory import PlannedStep

@@ -69,7 +69,7 @@ def test_onnx_runtime_trains_like_eager(tmp_path, kind, opt_name):
     make = {"sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-3),
             "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1)}[opt_name]
     step = torch_ext.make_train_step(model, make(model.parameters()), loss_fn, batch)
-    path = tox.to_onnx(step, str(tmp_path / "step.onnx"))
+    path = step.to_onnx(str(tmp_path / "step.onnx"))
     onnx_step = tox.load_onnx_step(path)  # needs only the file
     eager_opt = make(eager.parameters())
     state = step.init_state()
