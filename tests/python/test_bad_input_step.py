@@ -1,0 +1,156 @@
+"""Bad input to make_train_step, to a step call and to compile (issue 16): each raises a clear error
+naming the culprit, and leaves the model, the optimizer and the step as they were (the step then
+gives the same result as a fresh one)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch_ext
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+X, Y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+
+
+def _loss(m, x, y):
+    return F.cross_entropy(m(x), y)
+
+
+class MySGD(torch.optim.SGD):
+    def step(self, closure=None):  # a home-made update the pure step cannot see
+        return super().step(closure)
+
+
+def _assert_untouched(model, opt, before):
+    for (n, p), q in zip(model.named_parameters(), before):
+        assert torch.equal(p, q), n
+    assert not opt.state  # no optimizer state was created
+
+
+BUILD = {
+    "model_not_a_module": (lambda m, o: torch_ext.make_train_step("model", o, _loss, (X, Y)), TypeError, "nn.Module"),
+    "optimizer_not_an_optimizer": (lambda m, o: torch_ext.make_train_step(m, "adam", _loss, (X, Y)), TypeError,
+                                   "torch.optim.Optimizer"),
+    "optimizer_empty_list": (lambda m, o: torch_ext.make_train_step(m, [], _loss, (X, Y)), TypeError, "Optimizer"),
+    "batch_not_a_tuple": (lambda m, o: torch_ext.make_train_step(m, o, _loss, X), TypeError, "example_batch"),
+    "unroll_zero": (lambda m, o: torch_ext.make_train_step(m, o, _loss, (X, Y), unroll=0), ValueError, "unroll"),
+    "unroll_negative": (lambda m, o: torch_ext.make_train_step(m, o, _loss, (X, Y), unroll=-2), ValueError, "unroll"),
+    "unroll_float": (lambda m, o: torch_ext.make_train_step(m, o, _loss, (X, Y), unroll=2.5), TypeError, "unroll"),
+    "unroll_string": (lambda m, o: torch_ext.make_train_step(m, o, _loss, (X, Y), unroll="2"), TypeError, "unroll"),
+    "accumulate_zero": (lambda m, o: torch_ext.make_train_step(m, o, _loss, (X, Y), accumulate=0), ValueError,
+                        "accumulate"),
+    "clip_zero": (lambda m, o: torch_ext.make_train_step(m, o, _loss, (X, Y), clip_grad_norm=0), ValueError,
+                  "clip_grad_norm"),
+    "clip_negative": (lambda m, o: torch_ext.make_train_step(m, o, _loss, (X, Y), clip_grad_norm=-1.0), ValueError,
+                      "clip_grad_norm"),
+    "clip_string": (lambda m, o: torch_ext.make_train_step(m, o, _loss, (X, Y), clip_grad_norm="1.0"), TypeError,
+                    "clip_grad_norm"),
+    "loss_not_scalar": (lambda m, o: torch_ext.make_train_step(m, o, lambda m, x, y: m(x), (X, Y)), ValueError,
+                        "scalar"),
+    "loss_raises": (lambda m, o: torch_ext.make_train_step(m, o, lambda m, x, y: 1 / 0, (X, Y)), ZeroDivisionError,
+                    "division"),
+    "foreign_parameter": (lambda m, o: torch_ext.make_train_step(
+        m, torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1), _loss, (X, Y)), ValueError, "not a parameter"),
+    "parameter_in_two_groups": (lambda m, o: torch_ext.make_train_step(
+        m, [torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(m.parameters(), lr=0.1)], _loss, (X, Y)),
+        ValueError, "more than one"),
+    "unsupported_optimizer": (lambda m, o: torch_ext.make_train_step(
+        m, torch.optim.LBFGS(m.parameters()), _loss, (X, Y)), TypeError, "LBFGS"),
+    "subclass_overriding_step": (lambda m, o: torch_ext.make_train_step(
+        m, MySGD(m.parameters(), lr=0.1), _loss, (X, Y)), TypeError, "MySGD"),
+    "fused_option": (lambda m, o: torch_ext.make_train_step(
+        m, torch.optim.Adam(m.parameters(), fused=True), _loss, (X, Y)), ValueError, "fused"),
+    "capturable_option": (lambda m, o: torch_ext.make_train_step(
+        m, torch.optim.Adam(m.parameters(), capturable=True), _loss, (X, Y)), ValueError, "capturable"),
+    "nesterov_without_momentum": (lambda m, o: torch_ext.make_train_step(
+        m, torch.optim.SGD(m.parameters(), lr=0.1, nesterov=True, momentum=0.0) if False else
+        _nesterov_zero(m), _loss, (X, Y)), ValueError, "nesterov"),
+}
+
+
+def _nesterov_zero(m):
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    opt.param_groups[0]["momentum"] = 0.0  # torch refuses this at construction; a script may set it later
+    return opt
+
+
+@pytest.mark.parametrize("case", BUILD.values(), ids=BUILD.keys())
+def test_bad_build(case):
+    fn, exc, pattern = case
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(exc, match=pattern):
+        fn(model, opt)
+    _assert_untouched(model, opt, before)
+    # The model still builds a step that matches a fresh model's.
+    fresh = _model()
+    a = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _loss, (X, Y))
+    b = torch_ext.make_train_step(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2), _loss, (X, Y))
+    assert torch.equal(a(a.init_state(), X, Y)[0], b(b.init_state(), X, Y)[0])
+
+
+@pytest.fixture
+def built():
+    model = _model()
+    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _loss, (X, Y))
+    return step
+
+
+CALLS = {
+    "state_not_a_trainstate": (lambda st, s: st({}, X, Y), TypeError, "TrainState"),
+    "state_none": (lambda st, s: st(None, X, Y), TypeError, "TrainState"),
+    "missing_batch": (lambda st, s: st(s, X), ValueError, "batch tensors"),
+    "extra_batch": (lambda st, s: st(s, X, Y, Y), ValueError, "batch tensors"),
+    "batch_wrong_shape": (lambda st, s: st(s, torch.randn(5, 7), Y), ValueError, r"batch\[0\]"),
+    "batch_wrong_dtype": (lambda st, s: st(s, X.double(), Y), ValueError, r"batch\[0\]"),
+    "batch_label_dtype": (lambda st, s: st(s, X, Y.float()), ValueError, r"batch\[1\]"),
+    "batch_not_a_tensor": (lambda st, s: st(s, X, [0, 1, 2, 0, 1]), (TypeError, ValueError), r"batch|tensor"),
+    "foreign_state": (lambda st, s: st(_other_state(), X, Y), ValueError, "another|TrainStep|fingerprint"),
+    "set_lr_wrong_count": (lambda st, s: s.set_lr([0.1, 0.2, 0.3]), ValueError, "set_lr"),
+    "write_back_foreign_state": (lambda st, s: st.write_back(_other_state()), ValueError, "another|TrainStep"),
+}
+
+
+def _other_state():
+    m = nn.Sequential(nn.Linear(4, 3))
+    return torch_ext.make_train_step(m, torch.optim.SGD(m.parameters(), lr=0.1), _loss, (X, Y)).init_state()
+
+
+@pytest.mark.parametrize("case", CALLS.values(), ids=CALLS.keys())
+def test_bad_call(built, case):
+    fn, exc, pattern = case
+    state = built.init_state()
+    snapshot = {k: v.clone() for k, v in state.params.items()}
+    with pytest.raises(exc, match=pattern):
+        fn(built, state)
+    assert all(torch.equal(state.params[k], v) for k, v in snapshot.items())  # the state is untouched
+    loss, _ = built(state, X, Y)[:2]
+    fresh = built.init_state()
+    assert torch.equal(loss, built(fresh, X, Y)[0])
+
+
+def test_donated_state_is_refused_on_reuse(built):
+    planned = built.compile(plan=True, donate=True)
+    state = built.init_state()
+    planned(state, X, Y)
+    with pytest.raises(ValueError, match="donated"):
+        planned(state, X, Y)
+    with pytest.raises(ValueError, match="donated"):
+        built(state, X, Y)
+    fresh = built.init_state()
+    loss, _ = planned(fresh, X, Y)[:2]
+    assert torch.isfinite(loss)
+
+
+def test_corpus_size():
+    assert len(BUILD) + len(CALLS) + 1 >= 30
