@@ -384,3 +384,44 @@ def test_graft_of_the_wrong_dtype_is_refused_for_its_type(resid):
     assert "dead code" not in str(err.value)
     assert str(rg) == before  # a refused graft changes nothing
     rg.check_invariants()
+
+
+class _Chain(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.n = n
+
+    def forward(self, x):
+        for _ in range(self.n):
+            x = torch.relu(x) + 0.5
+        return x
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.integers(2, 59), min_size=1, max_size=4, unique=True), st.randoms(use_true_random=False))
+def test_batch_grafts_in_any_order_cost_the_batch_formula(sites, rnd):
+    """Edge grafts at random positions, in a random order, inside one rg.batch(): nothing runs before
+    the demand, and the demand costs |U D0(w_k)| + sum h_k (cost-model.md), through the Python API."""
+    rg = torch_ext.ReactiveGraph(_Chain(30), (torch.randn(4),))
+    names = rg.nodes()  # relu_i, add_i alternating: 60 nodes
+    order = list(sites)
+    rnd.shuffle(order)
+    rg.reset_stats()
+    with rg.batch():
+        for i in order:
+            rg.graft(names[i - 1], names[i], lambda t: torch.cos(torch.sin(t)))
+    assert rg.stats["evaluations"] == 0
+    out = rg.demand()
+    assert rg.stats["evaluations"] == (len(names) - min(sites)) + 2 * len(sites)
+    x = rg._last_inputs[0][0]
+    ref = x
+    for k, name in enumerate(names):
+        ref = torch.relu(ref) if name.startswith("relu") else ref + 0.5
+        if k + 1 in sites:
+            ref = torch.cos(torch.sin(ref))
+    assert torch.equal(out, ref)
+    rg.check_invariants()
