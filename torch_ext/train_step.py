@@ -758,6 +758,9 @@ class TrainStep:
 
     def compile(self, plan: bool = True, donate: bool = True):
         """The step scheduled for the lowest peak and run inside one arena (see torch_ext.memory.PlannedStep)."""
+        for name, value in (("plan", plan), ("donate", donate)):
+            if not isinstance(value, bool):  # donate="no" is truthy: it would consume the caller's state
+                raise TypeError(f"compile: {name} must be True or False, got {value!r}")
         from .memory import PlannedStep
 
         return PlannedStep(self, plan=plan, donate=donate)

@@ -139,6 +139,30 @@ def test_bad_call(built, case):
     assert torch.equal(loss, built(fresh, X, Y)[0])
 
 
+COMPILE = {
+    "plan_string": (lambda st: st.compile(plan="yes"), TypeError, "plan must be True or False"),
+    "plan_none": (lambda st: st.compile(plan=None), TypeError, "plan must be True or False"),
+    "donate_string": (lambda st: st.compile(donate="no"), TypeError, "donate must be True or False"),
+    "donate_int": (lambda st: st.compile(donate=2), TypeError, "donate must be True or False"),
+    "call_dict_state": (lambda st: st.compile()({}, X, Y), TypeError, "TrainState"),
+    "call_none_state": (lambda st: st.compile()(None, X, Y), TypeError, "TrainState"),
+    "call_missing_batch": (lambda st: st.compile()(st.init_state(), X), ValueError, "batch tensors"),
+    "call_wrong_shape": (lambda st: st.compile()(st.init_state(), torch.randn(5, 7), Y), ValueError, r"batch\[0\]"),
+    "call_wrong_dtype": (lambda st: st.compile()(st.init_state(), X.double(), Y), ValueError, r"batch\[0\]"),
+    "call_foreign_state": (lambda st: st.compile()(_other_state(), X, Y), ValueError, "another|TrainStep|fingerprint"),
+}
+
+
+@pytest.mark.parametrize("case", COMPILE.values(), ids=COMPILE.keys())
+def test_bad_compile(built, case):
+    fn, exc, pattern = case
+    with pytest.raises(exc, match=pattern):
+        fn(built)
+    planned = built.compile(plan=True, donate=False)
+    state = built.init_state()
+    assert torch.equal(planned(state, X, Y)[0], built(state, X, Y)[0])
+
+
 def test_donated_state_is_refused_on_reuse(built):
     planned = built.compile(plan=True, donate=True)
     state = built.init_state()
@@ -153,4 +177,4 @@ def test_donated_state_is_refused_on_reuse(built):
 
 
 def test_corpus_size():
-    assert len(BUILD) + len(CALLS) + 1 >= 30
+    assert len(BUILD) + len(CALLS) + 1 >= 30 and len(COMPILE) + 1 >= 10
