@@ -178,3 +178,18 @@ def test_donated_state_is_refused_on_reuse(built):
 
 def test_corpus_size():
     assert len(BUILD) + len(CALLS) + 1 >= 30 and len(COMPILE) + 1 >= 10
+
+
+CALL_ONLY = {k: v for k, v in CALLS.items() if not k.startswith(("set_lr", "write_back"))}
+
+
+@pytest.mark.parametrize("case", CALL_ONLY.values(), ids=CALL_ONLY.keys())
+def test_bad_call_of_a_compiled_step(built, case):
+    """The same bad calls through the planned arena (donation on): refused before anything is donated."""
+    fn, exc, pattern = case
+    planned = built.compile(plan=True, donate=True)
+    state = built.init_state()
+    with pytest.raises(exc, match=pattern):
+        fn(planned, state)
+    loss = planned(state, X, Y)[0]  # the refused call consumed nothing
+    assert torch.equal(loss, built(built.init_state(), X, Y)[0])
