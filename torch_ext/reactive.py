@@ -183,12 +183,8 @@ class ReactiveGraph:
             self._grafts_applied = 0
             self._shape_stats["graph_builds"] += 1
         self._shape = key
-        for src, dst, block, names in self._grafts[self._grafts_applied:]:
-            got = self._apply_graft(src, dst, block)
-            if got != names:
-                raise RuntimeError(f"replaying graft {src!r} -> {dst or '*'} on the graph for shape {key} produced "
-                                   f"nodes {got}, not {names}")
-            self._grafts_applied += 1
+        self._grafts_applied = _replay_grafts(self, self._grafts, self._grafts_applied, f"the graph for shape {key}",
+                                              RuntimeError)
 
     # ---- evaluation
     def _flat_inputs(self, args, kwargs):
@@ -480,13 +476,8 @@ class _BatchedGraph:
             big.run(*self._stacked(args))  # the graph moved to other inputs since (drops big's patches)
             self.inputs_of = args
             self.standing = []
-        for src, dst, block, names in rg._grafts[self.grafts_applied:]:
-            got = big.graft(src, dst, block)
-            if got != names:
-                raise ValueError(f"batched sites: replaying graft {src!r} -> {dst or '*'} on the K-times batched "
-                                 f"graph produced nodes {got}, not {names}; use batch_sites=False")
-            self.grafts_applied += 1
-            big._grafts[-1] = (src, dst, block, names)
+        self.grafts_applied = _replay_grafts(big, rg._grafts, self.grafts_applied,
+                                             "the K-times batched graph (use batch_sites=False)", ValueError)
         if self.checked_at != self.grafts_applied:
             self.problem, self.scaled = _batch_axis_analysis(rg._engine, big._engine, self.k)
             self.checked_at = self.grafts_applied
@@ -509,6 +500,16 @@ class _BatchedGraph:
         if node not in self.scaled:
             raise ValueError(f"batched sites: node {node!r} has no batch axis on dim 0 (its shape does not grow "
                              f"with the batch); use batch_sites=False")
+
+
+def _replay_grafts(target: ReactiveGraph, grafts: list, start: int, where: str, error) -> int:
+    """Applies ``grafts[start:]`` to ``target`` (same node names required); returns how many are applied."""
+    for src, dst, block, names in grafts[start:]:
+        got = target._apply_graft(src, dst, block)
+        if got != names:
+            raise error(f"replaying graft {src!r} -> {dst or '*'} on {where} produced nodes {got}, not {names}")
+        start += 1
+    return start
 
 
 def _tensor_sizes(t):

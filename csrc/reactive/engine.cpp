@@ -238,18 +238,7 @@ const Engine::PatchPlan& Engine::plan_for(int64_t id) {
   PatchPlan plan;
   plan.pins_version = pins_version_;
   // The cone that invalidate_users would mark: users reached without passing a pinned node.
-  std::vector<int64_t> work{id};
-  std::set<int64_t> seen;
-  while (!work.empty()) {
-    const int64_t v = work.back();
-    work.pop_back();
-    for (const ir::Node* user : states_[v].node->users()) {
-      if (user->kind() == ir::NodeKind::Output) continue;
-      const int64_t u = ids_.at(user);
-      if (states_[u].pinned || !states_[u].countable || !seen.insert(u).second) continue;
-      work.push_back(u);
-    }
-  }
+  const std::set<int64_t> seen = downstream(id, /*stop_at_pins=*/true);
   plan.order.assign(seen.begin(), seen.end());
   std::sort(plan.order.begin(), plan.order.end(),
             [this](int64_t a, int64_t b) { return states_[a].node->index() < states_[b].node->index(); });
@@ -767,8 +756,7 @@ std::vector<int64_t> Engine::structural_cone(int64_t seed) const {
   return out;
 }
 
-std::vector<std::string> Engine::cone(const std::string& name) const {
-  const int64_t seed = id_of(name);
+std::set<int64_t> Engine::downstream(int64_t seed, bool stop_at_pins) const {
   std::vector<int64_t> work{seed};
   std::set<int64_t> seen;
   while (!work.empty()) {
@@ -777,9 +765,15 @@ std::vector<std::string> Engine::cone(const std::string& name) const {
     for (const ir::Node* user : states_[v].node->users()) {
       if (user->kind() == ir::NodeKind::Output) continue;
       const int64_t u = ids_.at(user);
+      if (stop_at_pins && (states_[u].pinned || !states_[u].countable)) continue;
       if (seen.insert(u).second) work.push_back(u);
     }
   }
+  return seen;
+}
+
+std::vector<std::string> Engine::cone(const std::string& name) const {
+  const std::set<int64_t> seen = downstream(id_of(name), /*stop_at_pins=*/false);
   std::vector<const ir::Node*> nodes;
   for (int64_t id : seen) nodes.push_back(states_[id].node);
   std::sort(nodes.begin(), nodes.end(), [](const ir::Node* a, const ir::Node* b) { return a->index() < b->index(); });
@@ -790,7 +784,7 @@ std::vector<std::string> Engine::cone(const std::string& name) const {
 
 double Engine::cone_cost(const std::string& name) const {
   double total = 0.0;
-  for (const std::string& n : cone(name)) total += states_[id_of(n)].cost;
+  for (int64_t id : downstream(id_of(name), /*stop_at_pins=*/false)) total += states_[id].cost;
   return total;
 }
 

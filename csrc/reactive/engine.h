@@ -188,6 +188,8 @@ class Engine {
   void mark_invalid(int64_t id);
   void invalidate_users(int64_t id);  // strict cone, stops at invalid or pinned nodes
   std::vector<int64_t> structural_cone(int64_t id) const;  // D(id), ignoring validity and pins
+  // V+(seed) by stable id; with stop_at_pins, only through unpinned countable nodes (what a patch invalidates).
+  std::set<int64_t> downstream(int64_t seed, bool stop_at_pins) const;
   void evaluate(int64_t id);
   void evaluate_set(std::vector<int64_t> ids);  // sorts by topological index
   void save_baseline(int64_t id);
