@@ -8,6 +8,7 @@ from .executor import Executor
 from .reactive import ReactiveGraph, SweepResult, sweep
 from .train_step import TrainState, TrainStep, make_train_step
 from .memory import MemoryReport, PlannedStep, memory_report
+from .deploy import load_step
 
-__all__ = ["Executor", "MemoryReport", "PlannedStep", "ReactiveGraph", "SweepResult", "TrainState", "TrainStep", "ir", "make_train_step", "memory_report", "sweep"]
+__all__ = ["Executor", "MemoryReport", "PlannedStep", "ReactiveGraph", "SweepResult", "TrainState", "TrainStep", "ir", "load_step", "make_train_step", "memory_report", "sweep"]
 __version__ = "0.1.0"

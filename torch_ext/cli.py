@@ -528,7 +528,7 @@ def _step(args) -> int:
                 summary["export"] = args.export
     if args.aoti:
         with args.status.stage(f"compiling with AOTInductor into {args.aoti} (a minute or more)"):
-            summary["aoti"] = torch._inductor.aoti_compile_and_package(program, package_path=args.aoti)
+            summary["aoti"] = step.to_aoti(args.aoti)  # the flat layout in its metadata (torch_ext.load_step)
     if args.json:
         _emit_json(summary)
         return EXIT_OK

@@ -178,7 +178,7 @@ def to_onnx(step, path: str) -> str:
     model = onnx.load(path)
     inputs = [name for name, role in step._inputs if role != "input"]  # state entries read, lr included
     layout = {"state_names": list(step.state_names), "input_state_names": inputs,
-              "num_inputs": len(model.graph.input)}
+              "num_inputs": len(model.graph.input), "fingerprint": step.fingerprint}
     entry = model.metadata_props.add()
     entry.key, entry.value = "torch_ext.layout", json.dumps(layout)
     onnx.save(model, path)
@@ -207,6 +207,15 @@ class OnnxStep:
 
     def __call__(self, state, *batch):
         is_dict = isinstance(state, dict)
+        if not is_dict:
+            from .train_step import TrainState
+
+            if not isinstance(state, TrainState):
+                raise TypeError(f"the ONNX step takes a TrainState or a dict of state tensors, got {type(state).__name__}")
+            made_by = self.layout.get("fingerprint")
+            if made_by is not None and state.fingerprint != made_by:
+                raise ValueError(f"{state.describe()} was made by a different program (fingerprint "
+                                 f"{state.fingerprint!r}) than this ONNX step (fingerprint {made_by!r})")
         lookup = state.__getitem__ if is_dict else state.lookup
         try:
             entries = [lookup(n) for n in self.layout["input_state_names"]]

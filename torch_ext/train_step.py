@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -778,7 +779,20 @@ class TrainStep:
             gm = self.graph.to_graph_module()
             example = self.flat_inputs(self.init_state(), *(self._example_batch * self.unroll * self.accumulate))
             self._program = torch.export.export(gm, tuple(example), strict=False)
+            # The flat layout rides in the artifact: torch.export.save serializes meta["custom"].
+            from .deploy import LAYOUT_KEY, layout_of
+
+            self._program.graph_module.meta.setdefault("custom", {})[LAYOUT_KEY] = json.dumps(layout_of(self))
         return self._program
+
+    def to_aoti(self, path: str) -> str:
+        """Compiles ``program`` with AOTInductor into the package ``path`` (a minute or more), with the
+        flat layout in its metadata; ``torch_ext.load_step(path)`` runs it on TrainStates."""
+        from .deploy import LAYOUT_KEY
+
+        layout = self.program.graph_module.meta["custom"][LAYOUT_KEY]
+        return torch._inductor.aoti_compile_and_package(
+            self.program, package_path=path, inductor_configs={"aot_inductor.metadata": {LAYOUT_KEY: layout}})
 
 
 def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, example_batch: Sequence, *,

@@ -244,7 +244,8 @@ def test_status_lines_without_a_tty(tmp_path):
 def test_aoti_has_a_status_line_and_quiet_silences_it(here, tmp_path, monkeypatch, capsys):
     seen = []
 
-    def fake_aoti(program, package_path):  # the real compile takes minutes; test_deploy.py runs it
+    def fake_aoti(program, package_path, inductor_configs=None):  # the real compile takes minutes; test_deploy.py runs it
+        assert "torch_ext.layout" in inductor_configs["aot_inductor.metadata"]
         seen.append(program)
         Path(package_path).write_bytes(b"package")
         return package_path

@@ -34,7 +34,7 @@ BLOCKS = readme_blocks()
 
 def test_readme_has_the_blocks_it_promises():
     headings = [h for h, _, _ in BLOCKS]
-    for h in ("Pure training step", "Running a saved step: `.pt2` and AOTInductor", "Memory planning",
+    for h in ("Pure training step", "Running a saved step: `torch_ext.load_step`", "Memory planning",
               "Reactive sweeps", "IR and executor"):
         assert h in headings, headings
     assert any(expected for _, _, expected in BLOCKS), "the IR example's printed form is checked"

@@ -1,0 +1,210 @@
+"""torch_ext.load_step: a saved pure step (.pt2 ExportedProgram, AOTInductor package, .onnx) back as a
+callable over TrainStates, driven by the layout written into the artifact's metadata."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch_ext
+from torch_ext.deploy import LAYOUT_KEY
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self, p=0.2):
+        super().__init__()
+        self.l1, self.drop, self.l2 = nn.Linear(8, 16), nn.Dropout(p), nn.Linear(16, 3)
+        self.register_buffer("scale", torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.l2(self.drop(torch.tanh(self.l1(x)))) * self.scale
+
+
+def ce(m, x, y):
+    return F.cross_entropy(m(x), y)
+
+
+def batches(n=20, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(n)]
+
+
+def make(p=0.2, **kw):
+    torch.manual_seed(0)
+    model = DropoutMLP(p)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    return torch_ext.make_train_step(model, opt, ce, batches(1)[0], **kw)
+
+
+def run(fn, state, bs):
+    losses = []
+    for b in bs:
+        loss, state = fn(state, *b)[:2]
+        losses.append(loss)
+    return torch.stack(losses), state
+
+
+def assert_states_equal(a, b, atol=0.0):
+    for part in ("params", "buffers", "opt"):
+        da, db = getattr(a, part), getattr(b, part)
+        assert set(da) == set(db), part
+        for k in da:
+            if atol == 0.0:
+                assert torch.equal(da[k], db[k]), k
+            else:
+                torch.testing.assert_close(da[k], db[k], rtol=atol, atol=atol, msg=k)
+
+
+def test_layout_is_in_the_exported_program_and_names_every_input():
+    step = make()
+    layout = json.loads(step.program.graph_module.meta["custom"][LAYOUT_KEY])
+    placeholders = [n for n in step.program.graph.nodes if n.op == "placeholder"]
+    assert len(layout["inputs"]) == len(placeholders)
+    assert layout["inputs"][-2:] == ["batch:0", "batch:1"]
+    assert "rng" in layout["inputs"] and "opt:lr:group0" in layout["inputs"]
+    assert layout["outputs"] == ["loss", *step.state_names]
+    assert layout["fingerprint"] == step.fingerprint
+    assert layout["state"]["model.l1.weight"] == {"shape": [16, 8], "dtype": "torch.float32"}
+
+
+def test_pt2_save_load_10_more_steps_bit_exact(tmp_path):
+    step = make()
+    bs = batches(20)
+    _, state = run(step, step.init_state(seed=5), bs[:10])  # trained a while, then saved
+    path = tmp_path / "step.pt2"
+    torch.export.save(step.program, str(path))
+    loaded = torch_ext.load_step(path)
+    assert loaded.kind == "exported_program" and isinstance(loaded.runner, torch_ext.Executor)
+    want_losses, want = run(step, state, bs[10:])
+    got_losses, got = run(loaded, state, bs[10:])
+    assert torch.equal(got_losses, want_losses)
+    assert_states_equal(got, want)
+    assert torch.equal(got.rng, want.rng)  # the random stream is state, not the global generator
+    # The loaded step's states stay states of the same program: the live step takes them back.
+    assert torch.equal(step(got, *bs[0])[0], loaded(got, *bs[0])[0])
+
+
+def test_pt2_load_in_a_fresh_process_with_a_saved_state(tmp_path):
+    step = make()
+    bs = batches(10)
+    state = step.init_state(seed=7)
+    torch.export.save(step.program, str(tmp_path / "step.pt2"))
+    torch.save(state, tmp_path / "state.pt")
+    torch.save(bs, tmp_path / "batches.pt")
+    want_losses, want = run(step, state, bs)
+    script = textwrap.dedent(f"""
+        import torch, torch_ext
+        loaded = torch_ext.load_step({str(tmp_path / 'step.pt2')!r})
+        state = torch.load({str(tmp_path / 'state.pt')!r}, weights_only=True)
+        losses = []
+        for b in torch.load({str(tmp_path / 'batches.pt')!r}, weights_only=True):
+            loss, state = loaded(state, *b)
+            losses.append(loss)
+        torch.save((torch.stack(losses), state.state_dict()), {str(tmp_path / 'out.pt')!r})
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got_losses, got = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert torch.equal(got_losses, want_losses)
+    for part in ("params", "buffers", "opt"):
+        for k, v in getattr(want, part).items():
+            assert torch.equal(got[part][k], v), k
+    assert torch.equal(got["rng"], want.rng)
+
+
+def test_aoti_package_loads_and_trains(tmp_path):
+    # AOTInductor draws its own random stream (the issue only asks it to stay pure) and fuses
+    # kernels, so: bit-exact with its own package driven by hand, within float32 rounding of the
+    # executor without dropout, and pure with dropout.
+    step = make(p=0.0)
+    bs = batches(10)
+    pkg = step.to_aoti(str(tmp_path / "step_aoti.pt2"))
+    loaded = torch_ext.load_step(pkg)
+    assert loaded.kind == "aoti"
+    assert json.loads(loaded.runner.get_metadata()[LAYOUT_KEY])["fingerprint"] == step.fingerprint
+    state = step.init_state()
+    got_losses, got = run(loaded, state, bs)
+    # by hand, with the flat layout of the live step
+    raw = torch._inductor.aoti_load_package(pkg)
+    flat = step.flat_inputs(state, *bs[0])
+    n = len(step.state_names)
+    hand = []
+    for b in bs:
+        flat = step.flat_inputs(state, *b)
+        outs = raw(*flat)
+        hand.append(outs[0])
+        state = state.replace(dict(zip(step.state_names, outs[1:1 + n])))
+    assert torch.equal(got_losses, torch.stack(hand))
+    assert_states_equal(got, state)
+    want_losses, want = run(step, step.init_state(), bs)
+    torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)
+    assert_states_equal(got, want, atol=1e-5)
+
+
+def test_onnx_loads_through_load_step_within_1e5(tmp_path):
+    pytest.importorskip("onnxruntime", reason="needs onnxruntime")
+    pytest.importorskip("onnxscript", reason="needs onnxscript")
+    step = make(p=0.0)  # ONNX has no counterpart of the explicit RNG state (to_onnx refuses dropout)
+    bs = batches(10)
+    path = step.to_onnx(str(tmp_path / "step.onnx"))
+    loaded = torch_ext.load_step(path)
+    assert loaded.session.get_inputs()
+    state = step.init_state()
+    got_losses, got = run(loaded, state, bs)
+    want_losses, want = run(step, state, bs)
+    torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)
+    assert_states_equal(got, want, atol=1e-5)
+    other = make(p=0.0, clip_grad_norm=1.0)
+    with pytest.raises(ValueError, match="made by a different program .* than this ONNX step"):
+        loaded(other.init_state(), *bs[0])
+
+
+def test_errors_name_the_path_the_extension_and_the_state(tmp_path):
+    with pytest.raises(ValueError, match=r"step\.pt' has extension '\.pt'; expected \.pt2"):
+        torch_ext.load_step(tmp_path / "step.pt")
+    with pytest.raises(FileNotFoundError, match="no such file .*missing.pt2"):
+        torch_ext.load_step(tmp_path / "missing.pt2")
+    with pytest.raises(TypeError, match="expects a path, got int"):
+        torch_ext.load_step(3)
+    (tmp_path / "junk.pt2").write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match="junk.pt2 is not a .pt2 archive"):
+        torch_ext.load_step(tmp_path / "junk.pt2")
+    plain = torch.export.export(nn.Linear(2, 2), (torch.randn(1, 2),))
+    torch.export.save(plain, str(tmp_path / "plain.pt2"))
+    with pytest.raises(ValueError, match=r"plain.pt2 has no torch_ext.layout metadata.*torch.export.save\(step.program"):
+        torch_ext.load_step(tmp_path / "plain.pt2")
+
+    step = make()
+    torch.export.save(step.program, str(tmp_path / "step.pt2"))
+    loaded = torch_ext.load_step(tmp_path / "step.pt2")
+    b = batches(1)[0]
+    foreign = make(clip_grad_norm=1.0)  # same shapes, another program
+    state = foreign.init_state(seed=0)
+    with pytest.raises(ValueError, match=r"made by a different program \(fingerprint '[0-9a-f]+'\) than .*step.pt2"):
+        loaded(state, *b)
+    with pytest.raises(TypeError, match="takes a TrainState, got dict"):
+        loaded(step.init_state(seed=0).state_dict(), *b)
+    with pytest.raises(ValueError, match=r"batch\[0\]: .*expects shape \(4, 8\) and dtype torch.float32, got shape "
+                                         r"\(5, 8\)"):
+        loaded(step.init_state(seed=0), torch.randn(5, 8), b[1])
+    with pytest.raises(ValueError, match="takes 2 batch tensors, got 1"):
+        loaded(step.init_state(seed=0), b[0])
+    bad = step.init_state(seed=0)
+    bad.params["model.l1.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match=r"entry 'model.l1.weight' has shape \(3, 3\)"):
+        loaded(bad, *b)
+    donated = step.init_state(seed=0)
+    step.compile(plan=True, donate=True)(donated, *b)
+    with pytest.raises(ValueError, match="was donated to"):
+        loaded(donated, *b)

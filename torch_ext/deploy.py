@@ -1,0 +1,203 @@
+"""torch_ext.load_step: a saved pure step back as a callable that takes and returns a TrainState.
+
+Three artifacts, one flat layout, written into each artifact's metadata under ``torch_ext.layout``
+(JSON, see ``layout_of``):
+
+- ``torch.export.save(step.program, "step.pt2")``: the ExportedProgram (the layout rides in
+  ``graph_module.meta["custom"]``, which torch.export serializes); ``load_step`` runs it on the
+  C++ executor, bit-exact with the in-memory step.
+- ``step.to_aoti("step_aoti.pt2")``: the AOTInductor package (the layout is package metadata,
+  ``AOTIModelPackageLoader::get_metadata()`` in C++).
+- ``step.to_onnx("step.onnx")``: ONNX (``torch_ext.onnx``; the layout is a model metadata prop).
+
+The loader reads only the artifact: the state entries it feeds, in order, and the outputs it
+gets back come from the layout, never from a live ``TrainStep``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+
+import torch
+import torch.utils._pytree as pytree
+
+LAYOUT_KEY = "torch_ext.layout"
+FORMAT = "torch_ext.train_step/1"
+_BATCH = "batch:"  # input entries "batch:<i>" are the i-th flat batch leaf; every other entry is a state name
+
+__all__ = ["load_step", "LoadedStep", "layout_of", "LAYOUT_KEY"]
+
+
+def layout_of(step) -> dict:
+    """The flat I/O layout of ``step.program`` (JSON-serializable).
+
+    ``inputs``: one entry per program input, a state name (``state.lookup(name)``: "model.<p>",
+    "opt:<param>:<slot>", "opt:lr:group<k>", "rng") or "batch:<i>" (the i-th leaf of the flat
+    batch; unrolled/accumulated calls concatenate their batches). ``outputs``: "loss", then the new
+    state entries ``state_names``, then "aux:<i>" leaves of ``aux_spec``.
+    """
+    init = step.init_state()
+    inputs, i = [], 0
+    for name, role in step._inputs:
+        if role == "input":
+            inputs.append(f"{_BATCH}{i}")
+            i += 1
+        else:
+            inputs.append(name)
+    entries = {name: init.lookup(name) for name in inputs if not name.startswith(_BATCH)}
+    num_aux = 0 if step._aux_spec is None else step._aux_spec.num_leaves
+    return {
+        "format": FORMAT,
+        "fingerprint": step.fingerprint,
+        "inputs": inputs,
+        "state_names": list(step.state_names),
+        "outputs": ["loss", *step.state_names, *(f"aux:{k}" for k in range(num_aux))],
+        "aux_spec": None if step._aux_spec is None else pytree.treespec_dumps(step._aux_spec),
+        "params": sorted(init.params),
+        "num_lr": len(init.lr),
+        "state": {n: {"shape": list(t.shape), "dtype": str(t.dtype)} for n, t in entries.items()},
+        "batch": [{"shape": list(t.shape), "dtype": str(t.dtype)} for t in step._example_leaves],
+        "unroll": step.unroll,
+        "accumulate": step.accumulate,
+        # The lr is an input the program does not advance: with a scheduler, set it per call
+        # (state.set_lr) when running a loaded artifact.
+        "scheduler": step._schedule is not None,
+    }
+
+
+def _check_layout(layout, path: str) -> dict:
+    if not isinstance(layout, dict) or layout.get("format") != FORMAT:
+        got = layout.get("format") if isinstance(layout, dict) else type(layout).__name__
+        raise ValueError(f"{path}: {LAYOUT_KEY} metadata has format {got!r}, this torch_ext reads {FORMAT!r}")
+    return layout
+
+
+class LoadedStep:
+    """``loss, new_state = loaded(state, *batch)`` (plus aux when the step returns it) from an artifact.
+
+    ``kind`` is "exported_program" or "aoti"; ``layout`` is the artifact's flat I/O layout; ``runner``
+    the object that runs the flat program (a ``torch_ext.Executor`` or an AOTInductor model).
+    A state is accepted when its fingerprint is the artifact's (``step.init_state()``, a state
+    returned by a call, or one loaded with ``torch.load``), so a state of another program is refused
+    in any process.
+    """
+
+    def __init__(self, path: str, kind: str, layout: dict, runner):
+        self.path, self.kind, self.layout, self.runner = path, kind, _check_layout(layout, path), runner
+        self.state_names = list(layout["state_names"])
+        self._aux_spec = None if layout["aux_spec"] is None else pytree.treespec_loads(layout["aux_spec"])
+        self._calls = 0
+
+    @property
+    def fingerprint(self) -> str:
+        return self.layout["fingerprint"]
+
+    def flat_inputs(self, state, *batch) -> list:
+        """The program's positional inputs for ``state`` and ``batch``, in the artifact's order."""
+        from .train_step import TrainState
+
+        if not isinstance(state, TrainState):
+            raise TypeError(f"load_step({self.path!r}) takes a TrainState, got {type(state).__name__}")
+        if state.consumed_by is not None:
+            raise ValueError(f"{state.describe()} was donated to {state.consumed_by}; use the state that call returned")
+        if state.fingerprint != self.fingerprint:
+            raise ValueError(f"{state.describe()} was made by a different program (fingerprint {state.fingerprint!r}) "
+                             f"than {self.path} (fingerprint {self.fingerprint!r}); use a state of the step that "
+                             "saved this artifact")
+        leaves = pytree.tree_leaves(batch)
+        want = self.layout["batch"]
+        if len(leaves) != len(want):
+            raise ValueError(f"{self.path} takes {len(want)} batch tensors, got {len(leaves)}")
+        for i, (t, w) in enumerate(zip(leaves, want)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"batch[{i}]: expected a tensor, got {type(t).__name__}")
+            if list(t.shape) != w["shape"] or str(t.dtype) != w["dtype"]:
+                raise ValueError(f"batch[{i}]: {self.path} expects shape {tuple(w['shape'])} and dtype {w['dtype']}, "
+                                 f"got shape {tuple(t.shape)} and dtype {t.dtype}")
+        flat = []
+        for name in self.layout["inputs"]:
+            if name.startswith(_BATCH):
+                flat.append(leaves[int(name[len(_BATCH):])])
+                continue
+            try:
+                t = state.lookup(name)
+            except (KeyError, IndexError):
+                raise ValueError(f"{state.describe()} has no entry {name!r} that {self.path} reads") from None
+            w = self.layout["state"][name]
+            if list(t.shape) != w["shape"] or str(t.dtype) != w["dtype"]:
+                raise ValueError(f"{state.describe()}: entry {name!r} has shape {tuple(t.shape)} and dtype {t.dtype}, "
+                                 f"{self.path} expects {tuple(w['shape'])} and {w['dtype']}")
+            flat.append(t)
+        return flat
+
+    def __call__(self, state, *batch):
+        outs = list(self._run(self.flat_inputs(state, *batch)))
+        n = len(self.state_names)
+        if len(outs) != len(self.layout["outputs"]):
+            raise RuntimeError(f"{self.path}: the program returned {len(outs)} outputs, its layout lists "
+                               f"{len(self.layout['outputs'])}")
+        self._calls += 1
+        new_state = state.replace(dict(zip(self.state_names, outs[1:1 + n])))
+        new_state.origin = f"output of call {self._calls} of load_step({self.path!r})"
+        if self._aux_spec is not None:
+            return outs[0], new_state, pytree.tree_unflatten(outs[1 + n:], self._aux_spec)
+        return outs[0], new_state
+
+    def _run(self, flat: list):
+        return self.runner(*flat)
+
+
+def _pt2_kind(path: str) -> str:
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+    except zipfile.BadZipFile:
+        raise ValueError(f"{path} is not a .pt2 archive (not a zip file)") from None
+    if any("/data/aotinductor/" in n for n in names):
+        return "aoti"
+    if any(n.endswith("/models/model.json") for n in names):
+        return "exported_program"
+    raise ValueError(f"{path} is neither a torch.export ExportedProgram nor an AOTInductor package")
+
+
+def _no_layout(path: str, how: str) -> ValueError:
+    return ValueError(f"{path} has no {LAYOUT_KEY} metadata, so it is not a torch_ext pure step (or was written "
+                      f"before the layout was recorded); {how}")
+
+
+def load_step(path):
+    """A saved pure step as a callable ``loss, new_state = loaded(state, *batch)`` over TrainStates.
+
+    ``path`` ends in ``.pt2`` (``torch.export.save(step.program, path)``, run on the C++ executor,
+    or ``step.to_aoti(path)``, run by AOTInductor) or ``.onnx`` (``step.to_onnx(path)``, run by an
+    onnxruntime ``InferenceSession``, ``.session``). The flat inputs and outputs are read from the
+    artifact's ``torch_ext.layout`` metadata.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"load_step expects a path, got {type(path).__name__}")
+    path = os.fspath(path)
+    ext = os.path.splitext(path)[1]
+    if ext not in (".pt2", ".onnx"):
+        raise ValueError(f"load_step: {path!r} has extension {ext or '(none)'!r}; expected .pt2 (torch.export or "
+                         "AOTInductor package) or .onnx")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"load_step: no such file {path!r}")
+    if ext == ".onnx":
+        from .onnx import OnnxStep
+
+        return OnnxStep(path)
+    kind = _pt2_kind(path)
+    if kind == "aoti":
+        runner = torch._inductor.aoti_load_package(path)
+        meta = runner.get_metadata()
+        if LAYOUT_KEY not in meta:
+            raise _no_layout(path, "compile it with step.to_aoti(path)")
+        return LoadedStep(path, kind, json.loads(meta[LAYOUT_KEY]), runner)
+    from .executor import Executor
+
+    ep = torch.export.load(path)
+    layout = (ep.graph_module.meta.get("custom") or {}).get(LAYOUT_KEY)
+    if layout is None:
+        raise _no_layout(path, "save it with torch.export.save(step.program, path)")
+    return LoadedStep(path, kind, json.loads(layout), Executor(ep))
