@@ -240,6 +240,10 @@ py::dict plan_to_py(const passes::MemoryPlan& plan) {
     buffers.append(py::make_tuple(b.node->name(), b.elem, b.life.size, b.life.first, b.life.last, plan.arena.offsets[i]));
   }
   d["buffers"] = buffers;
+  py::list dynamic;  // allocated by their kernels: (node, elem, size, first, last)
+  for (const auto& b : plan.dynamic) dynamic.append(py::make_tuple(b.node->name(), b.elem, b.life.size, b.life.first, b.life.last));
+  d["dynamic"] = dynamic;
+  d["dynamic_bytes"] = plan.dynamic_bytes;
   py::list aliases;
   for (const auto& a : plan.aliases) aliases.append(py::make_tuple(a.update->name(), a.applied, a.reason));
   d["aliases"] = aliases;

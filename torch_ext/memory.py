@@ -67,6 +67,7 @@ class MemoryReport:
     merged_planned: int
     arena_bytes: int
     persistent_bytes: int
+    dynamic_bytes: int
     lb_sched: int
     lb_graph: int
     aliases_applied: int
@@ -82,7 +83,7 @@ class MemoryReport:
         return {
             "planned/eager": self.merged_planned / self.eager_peak,
             "planned/separate": self.merged_planned / self.separate_planned,
-            "arena/LB_sched(arena part)": self.arena_bytes / max(self.lb_sched - self.persistent_bytes, 1),
+            "arena/LB_sched(arena part)": (self.arena_bytes + self.dynamic_bytes) / max(self.lb_sched - self.persistent_bytes, 1),
             "planned/LB_graph": self.merged_planned / self.lb_graph,
         }
 
@@ -94,6 +95,7 @@ class MemoryReport:
             ("merged graph, unplanned (export order)", self.merged_unplanned),
             ("merged graph, planned (arena + state)", self.merged_planned),
             ("  of which arena", self.arena_bytes),
+            ("  of which allocated by kernels (no out=)", self.dynamic_bytes),
             ("  of which persistent state and batch", self.persistent_bytes),
             ("lower bound LB_sched (chosen order)", self.lb_sched),
             ("lower bound LB_graph", self.lb_graph),
@@ -134,6 +136,20 @@ class MemoryReport:
         fig.savefig(path, dpi=120)
         plt.close(fig)
         return path
+
+
+def measured_peak(planned: PlannedStep, state, batch) -> tuple[int, object]:
+    """The peak bytes of one call of ``planned``, measured with the profiler as _eager_peak measures
+    eager: the state and batch, the arena (allocated at compile), and the largest sum of the
+    allocations the call makes (kernels without out=, escaping outputs). Returns (peak, new state)."""
+    held = _tensor_bytes(planned.step.flat_inputs(state, *batch)) + planned.plan["arena_bytes"]
+    out = []
+    deltas = _compat.profile_memory_deltas(lambda: out.append(planned(state, *batch)))
+    cur = peak = 0
+    for d in deltas:
+        cur += d
+        peak = max(peak, cur)
+    return held + peak, out[0][1]
 
 
 def _tensor_bytes(tensors) -> int:
@@ -211,7 +227,7 @@ def _separate_planning(plan: dict, step_graph_nodes: list, persistent: int) -> t
             continue
         end = max(pos[n] for n in names)
         lives, carried_in = [], 0
-        for (node, _elem, size, first, last, _off) in plan["buffers"]:
+        for (node, _elem, size, first, last) in [b[:5] for b in plan["buffers"]] + plan["dynamic"]:
             if part_of[node] == part:
                 lives.append((size, first, min(max(last, first), end) if last <= end else end))
             elif pos[node] < pos[names[0]] and last >= pos[names[0]]:
@@ -234,14 +250,14 @@ def memory_report(step, batch) -> MemoryReport:
     separate, parts = _separate_planning(plan, nodes, persistent)
 
     live = [0] * len(plan["order"])
-    for (_n, _e, size, first, last, _o) in plan["buffers"]:
+    for (_n, _e, size, first, last) in [b[:5] for b in plan["buffers"]] + plan["dynamic"]:
         for t in range(first, last + 1):
             live[t] += size
     timeline = [persistent + plan["escaping_bytes"] + b for b in live]
     return MemoryReport(
         eager_peak=eager_peak, separate_planned=separate, separate_parts=parts,
         merged_unplanned=unplanned["lb_sched"], merged_planned=plan["peak_bytes"], arena_bytes=plan["arena_bytes"],
-        persistent_bytes=persistent, lb_sched=plan["lb_sched"], lb_graph=plan["lb_graph"],
+        persistent_bytes=persistent, dynamic_bytes=plan["dynamic_bytes"], lb_sched=plan["lb_sched"], lb_graph=plan["lb_graph"],
         aliases_applied=sum(1 for a in plan["aliases"] if a[1]),
         aliases_refused=sum(1 for a in plan["aliases"] if not a[1]),
         refused_reasons=[f"{a[0]}: {a[2]}" for a in plan["aliases"] if not a[1]],

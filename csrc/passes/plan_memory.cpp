@@ -1,5 +1,6 @@
 #include "passes/plan_memory.h"
 
+#include "ir/out_variant.h"
 #include "ir/schema.h"
 
 #include <c10/util/Exception.h>
@@ -211,9 +212,11 @@ int64_t simulate_peak(const ir::Graph& g, const std::vector<const ir::Node*>& or
 
 // LB_graph: a lower bound on peak_bytes() over every topological order and every arena placement.
 //
-// Cost model (the one peak_bytes() uses): persistent + escaping + arena_bytes, where the arena
-// holds every non-escaping buffer over its inclusive lifetime [producer, last storage reader] and
-// arena_bytes = max(offset + align_up(size)) with 64-aligned offsets.
+// Cost model (the one peak_bytes() uses): persistent + escaping + arena_bytes + dynamic_bytes,
+// where every non-escaping buffer lives over its inclusive lifetime [producer, last storage
+// reader], either in the arena (arena_bytes = max(offset + align_up(size)) with 64-aligned
+// offsets) or, when its kernel allocates it (no out= kernel), among the dynamic buffers, whose
+// dynamic_bytes is the largest sum of align_up(size) live at one position.
 //
 // Definition. Take every update with a state input as aliased (A*). For a call node n, let
 // S(n) be the arena buffers b (under A*) whose producer p_b is n or an ancestor of n and which
@@ -229,7 +232,9 @@ int64_t simulate_peak(const ir::Graph& g, const std::vector<const ir::Node*>& or
 //  3. Buffers live at one position have overlapping lifetimes, so a verified placement gives
 //     them disjoint byte ranges. Their offsets are multiples of 64, so the ranges stay disjoint
 //     when each size is rounded up to 64, and all end within arena_bytes (itself the largest
-//     offset + align_up(size)). Hence arena_bytes >= sum_{b in S(n)} align_up(size_b) for every n.
+//     offset + align_up(size)). Hence arena_bytes >= sum_{b in S(n), b in the arena}
+//     align_up(size_b), and dynamic_bytes >= the same sum over the dynamic b in S(n) (all live at
+//     pos(n)), so arena_bytes + dynamic_bytes >= sum_{b in S(n)} align_up(size_b) for every n.
 //  4. persistent depends on the graph only. Adding 1-3 gives the bound.
 // The same argument with S(n) replaced by every buffer live at pos(n) in the chosen order proves
 // LB_sched = persistent + escaping + lower_bound_bytes(lives) <= peak_bytes() for that order.
@@ -302,14 +307,31 @@ MemoryPlan plan_memory(const ir::Graph& g, bool donate) {
   MemoryPlan plan;
   plan.order = call_order(g);
   Analysis a = analyze(g, plan.order, donate);
-  plan.buffers = std::move(a.buffers);
   plan.aliases = std::move(a.aliases);
   plan.persistent_bytes = a.persistent;
   plan.escaping_bytes = a.escaping;
   plan.lower_bound = a.lower_bound;
   plan.lb_graph = graph_lower_bound(g, donate);
-  std::vector<runtime::BufferLife> lives;
-  for (const auto& b : plan.buffers) lives.push_back(b.life);
+  // A node writes into the arena when it has an out= overload with a kernel of its own and every
+  // one of its results is an arena buffer; the other buffers are allocated by their kernels.
+  std::unordered_map<const ir::Node*, size_t> arena_elems;
+  for (const auto& b : a.buffers) ++arena_elems[b.node];
+  std::unordered_map<const ir::Node*, bool> writes_arena;
+  for (const auto& [node, count] : arena_elems) {
+    const size_t results = node->type().kind == ir::Type::Kind::Tuple ? node->type().elems.size() : 1;
+    writes_arena[node] = count == results && ir::find_out_variant(*node).has_value();
+  }
+  std::vector<runtime::BufferLife> lives, dynamic_lives;
+  for (auto& b : a.buffers) {
+    if (writes_arena.at(b.node)) {
+      lives.push_back(b.life);
+      plan.buffers.push_back(std::move(b));
+    } else {
+      dynamic_lives.push_back(b.life);
+      plan.dynamic.push_back(std::move(b));
+    }
+  }
+  plan.dynamic_bytes = runtime::lower_bound_bytes(dynamic_lives);
   plan.arena = lives.empty() ? runtime::ArenaPlan{"empty", {}, 0} : runtime::plan_best(lives);
   runtime::verify_plan(lives, plan.arena);
   return plan;

@@ -10,6 +10,8 @@
 //     torch_ext::*_update node whose state inputs are read by nothing scheduled after it; an
 //     alias that would be unsafe is refused with the reason, and the output then needs its own
 //     storage;
+//   * the buffers a node writes through its out= overload (ir::find_out_variant) placed in an
+//     arena; the others, which their kernels allocate, counted at their largest live sum;
 //   * an arena plan (the smaller of greedy-by-size and greedy-by-breadth) checked by
 //     runtime::verify_plan, the lower bound of the order (LB_sched) and the lower bound over every
 //     order (LB_graph).
@@ -39,7 +41,11 @@ struct AliasDecision {
 
 struct MemoryPlan {
   std::vector<const ir::Node*> order;  // call nodes in schedule order
-  std::vector<PlannedBuffer> buffers;
+  std::vector<PlannedBuffer> buffers;  // in the arena (arena.offsets[i] is buffers[i]'s)
+  // Buffers their kernels allocate (no out= overload with a kernel of its own, or a tuple result
+  // with an element outside the arena), and the largest sum of them live at one position.
+  std::vector<PlannedBuffer> dynamic;
+  int64_t dynamic_bytes = 0;
   runtime::ArenaPlan arena;
   std::vector<AliasDecision> aliases;
   int64_t persistent_bytes = 0;  // placeholders: state and batch
@@ -49,7 +55,7 @@ struct MemoryPlan {
 
   int64_t aliases_applied() const;
   int64_t aliases_refused() const;
-  int64_t peak_bytes() const { return persistent_bytes + escaping_bytes + arena.arena_bytes; }
+  int64_t peak_bytes() const { return persistent_bytes + escaping_bytes + arena.arena_bytes + dynamic_bytes; }
   int64_t lb_sched() const { return persistent_bytes + escaping_bytes + lower_bound; }
 };
 

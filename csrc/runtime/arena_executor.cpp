@@ -1,5 +1,6 @@
 #include "runtime/arena_executor.h"
 
+#include "ir/out_variant.h"
 #include "ir/schema.h"
 #include "ir/verifier.h"
 #include "runtime/executor.h"
@@ -8,38 +9,29 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <map>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace torch_ext::runtime {
-namespace {
-
-// The out= overload of `node`'s op, when its schema is the functional one plus a trailing `out`.
-std::optional<c10::OperatorHandle> out_variant(const ir::Node& node) {
-  if (node.target().is_builtin()) return std::nullopt;
-  auto functional = ir::find_op(node.target());
-  ir::Target t = node.target();
-  t.overload = "out";
-  auto out = ir::find_op(t);
-  if (!functional || !out) return std::nullopt;
-  const auto& fa = functional->schema().arguments();
-  const auto& oa = out->schema().arguments();
-  if (oa.size() != fa.size() + 1 || oa.back().name() != "out" || out->schema().returns().size() != 1) return std::nullopt;
-  for (size_t i = 0; i < fa.size(); ++i)
-    if (fa[i].name() != oa[i].name()) return std::nullopt;
-  return out;
-}
-
-}  // namespace
 
 ArenaExecutor::ArenaExecutor(const ir::Graph& scheduled, size_t num_state, bool donate)
     : graph_(scheduled.clone()), num_state_(num_state), donate_(donate) {
   ir::verify(*graph_);
   plan_ = passes::plan_memory(*graph_, donate);
-  arena_ = at::empty({std::max<int64_t>(plan_.arena.arena_bytes, 1)}, at::TensorOptions().dtype(at::kByte));
-  std::map<const ir::Node*, size_t> planned;  // node -> buffer (single-tensor results only)
-  for (size_t b = 0; b < plan_.buffers.size(); ++b)
-    if (plan_.buffers[b].elem < 0) planned[plan_.buffers[b].node] = b;
+  // The arena lives on the device of the values it holds.
+  c10::Device device(c10::kCPU);
+  if (!plan_.buffers.empty()) {
+    const passes::PlannedBuffer& b0 = plan_.buffers[0];
+    const ir::Type& t = b0.elem < 0 ? b0.node->type() : b0.node->type().elems.at(b0.elem);
+    device = t.tensor.device;
+  }
+  arena_ = at::empty({std::max<int64_t>(plan_.arena.arena_bytes, 1)}, at::TensorOptions().dtype(at::kByte).device(device));
+  std::map<const ir::Node*, std::vector<size_t>> planned;  // node -> its arena buffers, in result order
+  for (size_t b = 0; b < plan_.buffers.size(); ++b) planned[plan_.buffers[b].node].push_back(b);
+  std::unordered_set<const ir::Node*> dynamic;
+  for (const auto& b : plan_.dynamic) dynamic.insert(b.node);
   std::unordered_set<const ir::Node*> aliased;
   for (const auto& d : plan_.aliases)
     if (d.applied) aliased.insert(d.update);
@@ -54,7 +46,7 @@ ArenaExecutor::ArenaExecutor(const ir::Graph& scheduled, size_t num_state, bool 
     Step step;
     step.slot = n->index();
     auto it = planned.find(n);
-    const auto out_op = it != planned.end() ? out_variant(*n) : std::nullopt;
+    const auto out_op = it != planned.end() ? ir::find_out_variant(*n) : std::nullopt;
     if (aliased.count(n)) {
       ir::Target t = n->target();
       t.name += "_";
@@ -65,14 +57,21 @@ ArenaExecutor::ArenaExecutor(const ir::Graph& scheduled, size_t num_state, bool 
       for (size_t arg : ir::update_replaced_args(*n)) step.inplace_results.push_back(n->args().at(arg).node->index());
       ++num_inplace_;
     } else if (out_op) {
-      const ir::TensorMeta& m = n->type().tensor;
-      at::Tensor view = at::from_blob(static_cast<uint8_t*>(arena_.data_ptr()) + plan_.arena.offsets[it->second],
-                                      m.sizes, m.strides, at::TensorOptions().dtype(m.dtype).device(m.device));
-      step.kernel = BoundKernel::bind_as(*n, *out_op, nullptr, {{"out", c10::IValue(view)}});
+      // plan_memory put every result of this node in the arena (it asked find_out_variant too).
+      TORCH_INTERNAL_ASSERT(it->second.size() == out_op->out_args.size(), "ArenaExecutor: node %", n->name());
+      std::vector<std::pair<std::string, c10::IValue>> outs;
+      for (size_t k = 0; k < it->second.size(); ++k) {
+        const passes::PlannedBuffer& b = plan_.buffers[it->second[k]];
+        const ir::TensorMeta& m = b.elem < 0 ? n->type().tensor : n->type().elems.at(b.elem).tensor;
+        at::Tensor view = at::from_blob(static_cast<uint8_t*>(arena_.data_ptr()) + plan_.arena.offsets[it->second[k]],
+                                        m.sizes, m.strides, at::TensorOptions().dtype(m.dtype).device(m.device));
+        outs.emplace_back(out_op->out_args[k], c10::IValue(view));
+      }
+      step.kernel = BoundKernel::bind_as(*n, out_op->op, nullptr, outs);
       ++num_out_;
     } else {
       step.kernel = BoundKernel::bind(*n);
-      if (it != planned.end() ||
+      if (dynamic.count(n) ||
           (!n->target().is_getitem() && !ir::is_update_op(*n) && !ir::is_view_op(*n) && n->type().is_tensor()))
         fallbacks_.push_back(n->name());
     }

@@ -2,11 +2,12 @@
 //
 // Construction plans memory (passes::plan_memory) for the graph's current order, allocates the
 // arena once and binds every call node:
-//   * a planned single-tensor result whose op has an out= overload writes into its fixed arena
-//     view through that overload;
+//   * a node whose results plan_memory put in the arena writes them into their fixed arena views
+//     through its out= overload (ir::find_out_variant: one with a kernel of its own, so no copy);
 //   * a torch_ext::*_update node whose alias was applied (donate=True) runs its in-place variant
 //     on the donated state tensors, so W_t and W_{t+1} (and M_t, M_{t+1}) share storage;
-//   * everything else runs as in the plain Executor ("fallback": it allocates its result).
+//   * everything else runs as in the plain Executor ("fallback": it allocates its result; the plan
+//     counts such buffers in dynamic_bytes).
 // Results are bit-exact with runtime::Executor: the same kernels run on the same values.
 //
 // Donation (JAX donate_argnums semantics): with donate=True the first `num_state` inputs are
