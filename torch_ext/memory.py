@@ -46,7 +46,29 @@ class PlannedStep:
 
     def __call__(self, state, *batch):
         inputs = self.step.flat_inputs(state, *batch)  # refuses a state an earlier donating call consumed
-        outs = self._ex.run(inputs)
+        if not self.donate:
+            outs = self._ex.run(inputs)
+        else:
+            # A call that fails part-way (say in the second step of an unrolled program) may already
+            # have updated donated tensors in place. Version counters tell exactly whether it did: if
+            # so the state is consumed, as by a call that succeeded, so that no retry trains on it.
+            versions = [getattr(t, "_version", None) for t in inputs]
+            try:
+                outs = self._ex.run(inputs)
+            except Exception as e:
+                written = [name for (name, _), t, v in zip(self.step._inputs, inputs, versions)
+                           if getattr(t, "_version", None) != v]
+                if written:
+                    state.consumed_by = (f"a failed call of step.compile(donate=True), which had already updated "
+                                         f"{written[:3]}{' ...' if len(written) > 3 else ''} in place")
+                    note = (f"{e}\n(the donated {state.describe()} was partly updated in place before the error "
+                            "and is now marked consumed: start again from a saved or returned state)")
+                    try:
+                        wrapped = type(e)(note)
+                    except Exception:  # an exception type with another constructor
+                        wrapped = RuntimeError(note)
+                    raise wrapped from e
+                raise
         # With donation the input tensors now hold the new values: mark the old state consumed.
         return self.step._finish(state, outs, donated_to="step.compile(donate=True)" if self.donate else None)
 

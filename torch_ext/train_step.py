@@ -55,9 +55,15 @@ class TrainState:
     def state_dict(self) -> dict:
         """Plain tensors, lists and strings: saves with torch.save, loads with torch.load(weights_only=True);
         ``step.load_state_dict(d)`` turns it back into a state of a step with the same program."""
+        self._refuse_if_consumed("state_dict()")
         return {"params": dict(self.params), "buffers": dict(self.buffers), "opt": dict(self.opt),
                 "lr": list(self.lr), "rng": self.rng, "sched_epoch": int(self.sched_epoch),
                 "fingerprint": self.fingerprint}
+
+    def _refuse_if_consumed(self, what: str) -> None:
+        if self.consumed_by is not None:  # the tensors hold the next step's values now
+            raise ValueError(f"{what}: {self.describe()} was donated to {self.consumed_by} and its tensors were "
+                             "updated in place; use the state that call returned (or compile(donate=False))")
 
     def lookup(self, name: str) -> torch.Tensor:
         if name == _RNG:
@@ -541,6 +547,15 @@ class TrainStep:
                 step = st.get("step")
                 opt[key("step")] = (step.detach().clone().float() if isinstance(step, torch.Tensor)
                                     else torch.tensor(float(step or 0.0)))
+        if self.shard_optimizer_state:  # ZeRO-1: this rank's shard of each slot shaped like its parameter
+            from .distributed import _SHARDED_STEPS, shard_tensor
+
+            _SHARDED_STEPS[self._id] = self.process_group
+            for u in self._updates:
+                p = self._param_of[self._strip(u["param"])]
+                for k in [k for k in opt if k.startswith(f"opt:{u['param']}:")]:
+                    if opt[k].shape == p.shape and opt[k].dim() > 0:
+                        opt[k] = shard_tensor(opt[k], self._dp["world_size"], self._dp["rank"])
         lrs = self._schedule.lrs(0) if self._schedule is not None else [float(g["lr"]) for _, g in self._groups]
         lr = [torch.tensor(v, dtype=torch.float64) for v in lrs]
         rng = None

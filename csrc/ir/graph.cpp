@@ -367,15 +367,46 @@ void Graph::erase(Node* node) {
   for (size_t i = pos; i < nodes_.size(); ++i) nodes_[i]->index_ = static_cast<int64_t>(i);
 }
 
+void Graph::erase_all(const std::vector<Node*>& dead) {
+  std::unordered_set<const Node*> doomed(dead.begin(), dead.end());
+  // Validate before touching anything, so a refused edit leaves the graph unchanged.
+  for (Node* n : dead) {
+    TORCH_INTERNAL_ASSERT(n->owner_ == this);
+    for (Node* u : n->users_)
+      TORCH_CHECK(doomed.count(u) != 0, "cannot erase '%", n->name_, "': its user '%", u->name_,
+                  "' is not erased with it");
+  }
+  // Each surviving input loses its dead users in one filtering pass.
+  std::unordered_set<Node*> touched;
+  for (Node* n : dead)
+    for (Node* in : n->inputs())
+      if (doomed.count(in) == 0) touched.insert(in);
+  for (Node* in : touched) {
+    auto& u = in->users_;
+    u.erase(std::remove_if(u.begin(), u.end(), [&](Node* x) { return doomed.count(x) != 0; }), u.end());
+  }
+  for (Node* n : dead) by_name_.erase(n->name_);
+  nodes_.erase(std::remove_if(nodes_.begin(), nodes_.end(),
+                              [&](const std::unique_ptr<Node>& n) { return doomed.count(n.get()) != 0; }),
+               nodes_.end());
+  index();
+}
+
 void Graph::move_before(Node* node, Node* before) {
   TORCH_INTERNAL_ASSERT(node->owner_ == this && before->owner_ == this);
   if (node == before) return;
-  auto from = nodes_.begin() + node->index_;
-  std::unique_ptr<Node> holder = std::move(*from);
-  nodes_.erase(from);
-  index();
-  nodes_.insert(nodes_.begin() + before->index_, std::move(holder));
-  index();
+  const size_t from = static_cast<size_t>(node->index_);
+  const size_t to = static_cast<size_t>(before->index_);
+  // A rotation of the range between the two positions; only that range is re-indexed.
+  size_t lo, hi;
+  if (from < to) {
+    std::rotate(nodes_.begin() + from, nodes_.begin() + from + 1, nodes_.begin() + to);
+    lo = from, hi = to;
+  } else {
+    std::rotate(nodes_.begin() + to, nodes_.begin() + from, nodes_.begin() + from + 1);
+    lo = to, hi = from + 1;
+  }
+  for (size_t i = lo; i < hi; ++i) nodes_[i]->index_ = static_cast<int64_t>(i);
 }
 
 void Graph::reorder_calls(const std::vector<Node*>& order) {

@@ -202,7 +202,12 @@ class Graph {
   void replace_input_of(Node* user, Node* old_node, Node* new_node);
   // Removes a node that has no users.
   void erase(Node* node);
-  // Moves `node` to just before `before` (same graph). The caller keeps topological order.
+  // Removes every node of `dead` in one O(graph) compaction (erase() per node is O(graph) each, so
+  // a pass removing many nodes one by one is quadratic). Every user of a dead node must itself be
+  // in `dead`; otherwise nothing is removed and the error names the first live user.
+  void erase_all(const std::vector<Node*>& dead);
+  // Moves `node` to just before `before` (same graph) in O(distance between them). The caller
+  // keeps topological order.
   void move_before(Node* node, Node* before);
   // Reorders all call nodes to `order`, which must be a permutation of them.
   void reorder_calls(const std::vector<Node*>& order);

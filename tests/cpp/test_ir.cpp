@@ -65,6 +65,35 @@ TEST(IrBuild, UseListsFollowEdits) {
   verify(g);
 }
 
+TEST(IrBuild, EraseAllIsAtomicAndMoveBeforeKeepsIndices) {
+  auto g = parse(kMlp);
+  Node* relu = g->find("relu");
+  Node* t = g->find("t");
+  Node* topk = g->find("topk");
+  // Refused: topk's user getitem is not erased with it; nothing changes.
+  const std::string before = print(*g);
+  EXPECT_NE(error_of([&] { g->erase_all({topk}); }).find("its user '%getitem' is not erased with it"),
+            std::string::npos);
+  EXPECT_EQ(print(*g), before);
+  // Moving t back (before topk) and forward again (before the output), which stays topological,
+  // keeps every index equal to its position.
+  g->move_before(t, topk);
+  for (size_t i = 0; i < g->nodes().size(); ++i) EXPECT_EQ(g->nodes()[i]->index(), static_cast<int64_t>(i));
+  EXPECT_EQ(g->nodes()[5]->name(), "t");
+  EXPECT_EQ(g->nodes()[6]->name(), "topk");
+  verify(*g);
+  g->move_before(t, g->output());
+  for (size_t i = 0; i < g->nodes().size(); ++i) EXPECT_EQ(g->nodes()[i]->index(), static_cast<int64_t>(i));
+  EXPECT_EQ(print(*g), before);
+  // A whole dead chain goes in one call; survivors lose exactly those users.
+  g->set_output({Arg::of_node(t)});
+  g->erase_all({g->find("sum"), g->find("getitem"), topk});
+  EXPECT_EQ(relu->users(), (std::vector<Node*>{t}));
+  EXPECT_EQ(g->find("topk"), nullptr);
+  for (size_t i = 0; i < g->nodes().size(); ++i) EXPECT_EQ(g->nodes()[i]->index(), static_cast<int64_t>(i));
+  verify(*g);
+}
+
 TEST(IrBuild, CloneIsDeepAndPrintsTheSame) {
   auto g = parse(kMlp);
   auto c = g->clone();

@@ -177,7 +177,8 @@ def test_donated_state_is_refused_on_reuse(built):
 
 
 def test_corpus_size():
-    assert len(BUILD) + len(CALLS) + 1 >= 30 and len(COMPILE) + 1 >= 10
+    assert len(BUILD) + len(CALLS) + 1 >= 30
+    assert len(COMPILE) + len(CALL_ONLY) + len(COMPILED_STATE) + 2 >= 30  # compile and compiled calls
 
 
 CALL_ONLY = {k: v for k, v in CALLS.items() if not k.startswith(("set_lr", "write_back"))}
@@ -193,3 +194,95 @@ def test_bad_call_of_a_compiled_step(built, case):
         fn(planned, state)
     loss = planned(state, X, Y)[0]  # the refused call consumed nothing
     assert torch.equal(loss, built(built.init_state(), X, Y)[0])
+
+
+def _edit(fn):
+    """A state from init_state() with one entry broken by ``fn(state)``."""
+    def make(step):
+        state = step.init_state()
+        fn(state)
+        return state
+    return make
+
+
+def _first(d):
+    return next(iter(d))
+
+
+# A broken state, batch or call of the compiled (donating) step: refused with the culprit named,
+# before anything is donated.
+COMPILED_STATE = {
+    "param_missing": (_edit(lambda s: s.params.pop(_first(s.params))), ValueError, r"missing \['model.0.weight'\]"),
+    "param_unknown": (_edit(lambda s: s.params.__setitem__("model.bogus", torch.zeros(1))), ValueError,
+                      r"unknown \['model.bogus'\]"),
+    "param_renamed": (_edit(lambda s: s.params.__setitem__("model.0.wieght", s.params.pop("model.0.weight"))),
+                      ValueError, r"missing \['model.0.weight'\], unknown \['model.0.wieght'\]"),
+    "opt_missing": (_edit(lambda s: s.opt.pop(_first(s.opt))), ValueError, "missing.*opt:model.0.weight"),
+    "param_wrong_shape": (_edit(lambda s: s.params.__setitem__("model.0.weight", torch.zeros(3))), RuntimeError,
+                          r"p_model_0_weight.*expected shape \[8, 4\], got \[3\]"),
+    "param_wrong_dtype": (_edit(lambda s: s.params.__setitem__("model.0.weight", s.params["model.0.weight"].double())),
+                          RuntimeError, "p_model_0_weight.*dtype"),
+    "param_meta": (_edit(lambda s: s.params.__setitem__("model.0.weight", s.params["model.0.weight"].to("meta"))),
+                   RuntimeError, "p_model_0_weight.*device"),
+    "opt_wrong_shape": (_edit(lambda s: s.opt.__setitem__("opt:model.0.weight:exp_avg", torch.zeros(2))),
+                        RuntimeError, r"exp_avg.*expected shape \[8, 4\]"),
+    "lr_not_a_tensor": (_edit(lambda s: s.lr.__setitem__(0, 0.1)), RuntimeError, "lr_group0"),
+    "donated_entries_share_storage": (_edit(lambda s: s.opt.__setitem__(
+        "opt:model.0.weight:exp_avg_sq", s.opt["opt:model.0.weight:exp_avg"])), RuntimeError, "share storage"),
+}
+
+COMPILED_BATCH = {
+    "batch_meta": (lambda st, s: st(s, X.to("meta"), Y), RuntimeError, "batch_0.*device"),
+    "batch_numpy": (lambda st, s: st(s, X.numpy(), Y), TypeError, r"batch\[0\].*ndarray"),
+    "batch_missing_dim": (lambda st, s: st(s, X[0], Y), ValueError, r"batch\[0\].*got shape \(4,\)"),
+    "target_out_of_range": (lambda st, s: st(s, X, torch.full((5,), 7)), RuntimeError, "nll_loss.*out of bounds"),
+    "compile_unknown_option": (lambda st, s: st.step.compile(plan=True, budget=3), TypeError, "budget"),
+    "compile_plan_int": (lambda st, s: st.step.compile(plan=1), TypeError, "plan must be True or False"),
+}
+COMPILED_STATE.update({k: v for k, v in COMPILED_BATCH.items()})
+
+
+@pytest.mark.parametrize("case", COMPILED_STATE.values(), ids=COMPILED_STATE.keys())
+def test_bad_state_or_batch_of_a_compiled_step(built, case):
+    fn, exc, pattern = case
+    planned = built.compile(plan=True, donate=True)
+    if callable(fn) and fn.__code__.co_argcount == 1:  # a broken state
+        with pytest.raises(exc, match=pattern):
+            planned(fn(built), X, Y)
+    else:
+        state = built.init_state()
+        snapshot = {k: v.clone() for k, v in {**state.params, **state.opt}.items()}
+        with pytest.raises(exc, match=pattern):
+            fn(planned, state)
+        assert state.consumed_by is None  # refused before anything was donated
+        assert all(torch.equal(t, snapshot[k]) for k, t in {**state.params, **state.opt}.items())
+    fresh = built.init_state()
+    assert torch.equal(planned(fresh, X, Y)[0], built(built.init_state(), X, Y)[0])
+
+
+def test_state_dict_of_a_donated_state_is_refused(built):
+    planned = built.compile(plan=True, donate=True)
+    state = built.init_state()
+    planned(state, X, Y)
+    with pytest.raises(ValueError, match=r"state_dict\(\).*donated"):
+        state.state_dict()
+
+
+def test_failed_donating_call_that_wrote_in_place_consumes_the_state():
+    """unroll=2: the first step's update lands in place before the second step's forward fails. The
+    state must not look intact afterwards (it used to, silently holding half-updated weights)."""
+    model = _model()
+    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _loss, (X, Y), unroll=2)
+    planned = step.compile(plan=True, donate=True)
+    state = step.init_state()
+    with pytest.raises(RuntimeError, match=r"out of bounds(.|\n)*partly updated in place"):
+        planned(state, X, Y, X, torch.full((5,), 9))
+    assert state.consumed_by is not None and "failed call" in state.consumed_by
+    with pytest.raises(ValueError, match="donated"):
+        planned(state, X, Y, X, Y)
+    # Without donation the same failure leaves the state as it was.
+    state = step.init_state()
+    snapshot = {k: v.clone() for k, v in state.params.items()}
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        step.compile(plan=True, donate=False)(state, X, Y, X, torch.full((5,), 9))
+    assert state.consumed_by is None and all(torch.equal(state.params[k], v) for k, v in snapshot.items())
