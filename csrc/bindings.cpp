@@ -8,6 +8,7 @@
 #include "ir/verifier.h"
 #include "passes/build_train_step.h"
 #include "passes/plan_memory.h"
+#include "passes/rematerialize.h"
 #include "passes/schedule.h"
 #include "runtime/arena_executor.h"
 #include "reactive/engine.h"
@@ -424,6 +425,24 @@ PYBIND11_MODULE(_C, m) {
     runtime::ArenaPlan plan = algorithm == "best" ? runtime::plan_best(b) : runtime::plan_buffers(algorithm, b);
     runtime::verify_plan(b, plan);
     return py::make_tuple(plan.algorithm, plan.offsets, plan.arena_bytes, runtime::lower_bound_bytes(b));
+  });
+  m.def("rematerialize", [](ir::Graph& g, const std::vector<std::string>& names) {
+    auto r = passes::rematerialize(g, names);
+    return py::make_tuple(r.recomputed, r.clones);
+  });
+  m.def("rematerialize_for_budget", [](ir::Graph& g, int64_t budget, bool donate) {
+    auto r = passes::rematerialize_for_budget(g, budget, donate);
+    py::dict d;
+    d["feasible"] = r.feasible;
+    d["budget"] = r.budget;
+    d["peak_before"] = r.peak_before;
+    d["peak"] = r.peak;
+    d["min_peak"] = r.min_peak;
+    d["forward_flops"] = r.forward_flops;
+    d["added_flops"] = r.added_flops;
+    d["recomputed"] = r.recomputed;
+    d["evaluations"] = r.evaluations;
+    return d;
   });
   m.def("plan_memory", [](const ir::Graph& g, bool donate) { return plan_to_py(passes::plan_memory(g, donate)); });
   py::class_<runtime::ArenaExecutor, std::shared_ptr<runtime::ArenaExecutor>>(m, "ArenaExecutor")

@@ -19,17 +19,33 @@ class PlannedStep:
     old state. Results are bit-exact with the unplanned executor.
     """
 
-    def __init__(self, step, plan: bool = True, donate: bool = True):
+    def __init__(self, step, plan: bool = True, donate: bool = True, memory_budget=None):
         self.step = step
         self.donate = bool(donate)
+        budget = _budget_bytes(step, memory_budget, plan)  # checked before any work
         graph = step.graph.clone()
         if plan:
             self.schedule, self.candidates = _C.schedule(graph._g, self.donate)
         else:
             self.schedule, self.candidates = "export", []
+        self.remat = None  # with memory_budget: what rematerialize_for_budget chose (csrc/passes/rematerialize.h)
+        if budget is not None:
+            self.remat = _C.rematerialize_for_budget(graph._g, budget, self.donate)
+            if not self.remat["feasible"]:
+                r = self.remat
+                raise ValueError(
+                    f"memory_budget={memory_budget!r} ({budget} bytes) cannot be met: the smallest planned peak found is "
+                    f"{r['min_peak']} bytes ({r['min_peak'] / 2**20:.2f} MiB; {r['peak_before']} bytes without "
+                    f"recomputation, {len(r['recomputed'])} activations recomputed); pass a budget of at least "
+                    f"{r['min_peak']} bytes")
         self.graph = graph
         self._ex = _C.ArenaExecutor(graph._g, len(step.state_names), self.donate)
         self.plan = self._ex.plan()
+
+    @property
+    def peak_bytes(self) -> int:
+        """The planned peak: arena, kernel-allocated buffers, escaping outputs, state and batch."""
+        return self.plan["peak_bytes"]
 
     @property
     def out_variant_nodes(self) -> int:
@@ -71,6 +87,26 @@ class PlannedStep:
                 raise
         # With donation the input tensors now hold the new values: mark the old state consumed.
         return self.step._finish(state, outs, donated_to="step.compile(donate=True)" if self.donate else None)
+
+
+def _budget_bytes(step, memory_budget, plan):
+    """memory_budget in bytes: an int is bytes, a float in (0, 1] a fraction of the measured eager peak."""
+    if memory_budget is None:
+        return None
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
+        raise TypeError(f"compile: memory_budget must be an int (bytes) or a float in (0, 1] (a fraction of the eager "
+                        f"peak), got {memory_budget!r}")
+    if not plan:
+        raise ValueError("compile: memory_budget needs plan=True (recomputation is scheduled with the plan)")
+    if isinstance(memory_budget, float):
+        if not 0.0 < memory_budget <= 1.0:
+            raise ValueError(f"compile: a float memory_budget is a fraction of the eager peak in (0, 1], got "
+                             f"{memory_budget!r} (pass an int for bytes)")
+        eager, _ = _eager_peak(step, step._example_batch)
+        return max(int(memory_budget * eager), 1)
+    if memory_budget <= 0:
+        raise ValueError(f"compile: memory_budget must be positive, got {memory_budget} bytes")
+    return int(memory_budget)
 
 
 @dataclass

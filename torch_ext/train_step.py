@@ -772,14 +772,16 @@ class TrainStep:
 
         return to_onnx(self, path)
 
-    def compile(self, plan: bool = True, donate: bool = True):
-        """The step scheduled for the lowest peak and run inside one arena (see torch_ext.memory.PlannedStep)."""
+    def compile(self, plan: bool = True, donate: bool = True, memory_budget: int | float | None = None):
+        """The step scheduled for the lowest peak and run inside one arena (see torch_ext.memory.PlannedStep).
+        ``memory_budget`` (bytes, or a float fraction of the measured eager peak) recomputes forward
+        activations in the backward until the planned peak (``.peak_bytes``) fits, else ValueError."""
         for name, value in (("plan", plan), ("donate", donate)):
             if not isinstance(value, bool):  # donate="no" is truthy: it would consume the caller's state
                 raise TypeError(f"compile: {name} must be True or False, got {value!r}")
         from .memory import PlannedStep
 
-        return PlannedStep(self, plan=plan, donate=donate)
+        return PlannedStep(self, plan=plan, donate=donate, memory_budget=memory_budget)
 
     # ---- deployment
     @property

@@ -297,7 +297,7 @@ int64_t graph_lower_bound(const ir::Graph& g, bool donate, size_t max_exact_node
   return a.persistent + a.escaping + arena;
 }
 
-MemoryPlan plan_memory(const ir::Graph& g, bool donate) {
+MemoryPlan plan_memory(const ir::Graph& g, bool donate, bool with_lb_graph) {
   for (const auto& n : g.nodes()) {
     if (n->kind() != ir::NodeKind::Call || n->target().is_builtin() || n->target().ns == "higher_order") continue;
     const c10::FunctionSchema* s = ir::find_schema(n->target());
@@ -311,7 +311,7 @@ MemoryPlan plan_memory(const ir::Graph& g, bool donate) {
   plan.persistent_bytes = a.persistent;
   plan.escaping_bytes = a.escaping;
   plan.lower_bound = a.lower_bound;
-  plan.lb_graph = graph_lower_bound(g, donate);
+  plan.lb_graph = with_lb_graph ? graph_lower_bound(g, donate) : 0;
   // A node writes into the arena when it has an out= overload with a kernel of its own and every
   // one of its results is an arena buffer; the other buffers are allocated by their kernels.
   std::unordered_map<const ir::Node*, size_t> arena_elems;

@@ -59,7 +59,9 @@ struct MemoryPlan {
   int64_t lb_sched() const { return persistent_bytes + escaping_bytes + lower_bound; }
 };
 
-MemoryPlan plan_memory(const ir::Graph& graph, bool donate);
+// Without `with_lb_graph`, lb_graph is left 0 (it costs n^2/4 bytes; searches that only compare
+// peaks skip it).
+MemoryPlan plan_memory(const ir::Graph& graph, bool donate, bool with_lb_graph = true);
 
 // LB_graph: a lower bound on peak_bytes() over every topological order of the call nodes and every
 // arena placement (definition and proof in plan_memory.cpp). LB_graph <= lb_sched() of any order.

@@ -6,6 +6,9 @@ functional-then-copy wrapper); nodes without one allocate their results, which t
 """
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -55,3 +58,53 @@ def test_measured_peak_is_below_the_unplanned_executor_and_results_are_bit_exact
     assert planned.plan["persistent_bytes"] + planned.plan["arena_bytes"] <= peak <= plain_peak, (peak, plain_peak)
     for name in step.state_names:
         assert torch.equal(s_ref.lookup(name), s_arena.lookup(name)), name
+
+
+def test_budget_recomputes_activations_bit_exact_with_the_unplanned_step():
+    step, batch = _cnn()
+    base = step.compile(plan=True, donate=True)
+    remat = step.compile(plan=True, donate=True, memory_budget=base.peak_bytes - 1)
+    assert remat.peak_bytes < base.peak_bytes == base.plan["peak_bytes"]
+    assert remat.peak_bytes == remat.plan["peak_bytes"] >= remat.plan["lb_sched"] >= remat.plan["lb_graph"]
+    assert remat.remat["recomputed"] and remat.remat["added_flops"] > 0
+    clones = [n["name"] for n in remat.graph.nodes() if n["name"].endswith("_recomp")]
+    assert clones, "the recomputation is ordinary nodes of the step"
+    s_ref, s_remat = step.init_state(), step.init_state()
+    for _ in range(3):
+        loss_ref, s_ref = step(s_ref, *batch)
+        loss, s_remat = remat(s_remat, *batch)
+        assert torch.equal(loss, loss_ref)
+    for name in step.state_names:
+        assert torch.equal(s_ref.lookup(name), s_remat.lookup(name)), name
+    # The same graph as an FX GraphModule (what .pt2 / AOTInductor export) computes the same step.
+    gm = remat.graph.to_graph_module()
+    assert sum(1 for n in gm.graph.nodes if n.name.endswith("_recomp")) == len(clones)
+    inputs = step.flat_inputs(step.init_state(), *batch)
+    want = step.compile(plan=False, donate=False)._ex.run(step.flat_inputs(step.init_state(), *batch))
+    got = gm(*inputs)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_infeasible_budget_names_the_smallest_feasible_one_found():
+    step, batch = _cnn()
+    with pytest.raises(ValueError, match=r"memory_budget=1000 \(1000 bytes\) cannot be met: the smallest planned peak "
+                                         r"found is (\d+) bytes") as e:
+        step.compile(plan=True, donate=True, memory_budget=1000)
+    smallest = int(re.search(r"found is (\d+) bytes", str(e.value)).group(1))
+    ok = step.compile(plan=True, donate=True, memory_budget=smallest)
+    assert ok.peak_bytes <= smallest
+
+
+@pytest.mark.parametrize("budget, err, match", [
+    (True, TypeError, "memory_budget must be an int"), ("1GB", TypeError, "memory_budget must be an int"),
+    (1.5, ValueError, r"fraction of the eager peak in \(0, 1\], got 1.5"), (0, ValueError, "must be positive, got 0"),
+    (-0.2, ValueError, "got -0.2")])
+def test_bad_budgets_are_refused(budget, err, match):
+    step, batch = _cnn()
+    with pytest.raises(err, match=match):
+        step.compile(plan=True, donate=True, memory_budget=budget)
+    with pytest.raises(ValueError, match="memory_budget needs plan=True"):
+        step.compile(plan=False, donate=True, memory_budget=10**9)
+    state = step.init_state()
+    step(state, *batch)  # the step and its state are untouched
