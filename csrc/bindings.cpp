@@ -212,6 +212,15 @@ passes::TrainStepSpec spec_from_py(const py::dict& d) {
   spec.clip_norm_type = d["clip_norm_type"].cast<double>();
   if (d.contains("aux_outputs")) spec.aux_outputs = d["aux_outputs"].cast<std::vector<int64_t>>();
   if (d.contains("accumulate")) spec.accumulate = d["accumulate"].cast<int64_t>();
+  if (d.contains("data_parallel") && !d["data_parallel"].is_none()) {
+    auto dp = d["data_parallel"].cast<py::dict>();
+    passes::DataParallel v;
+    v.group_name = dp["group_name"].cast<std::string>();
+    v.world_size = dp["world_size"].cast<int64_t>();
+    v.rank = dp["rank"].cast<int64_t>();
+    v.shard_optimizer_state = dp["shard_optimizer_state"].cast<bool>();
+    spec.data_parallel = v;
+  }
   for (auto h : d["updates"].cast<py::list>()) {
     auto u = h.cast<py::dict>();
     passes::ParamUpdate pu;

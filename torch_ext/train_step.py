@@ -366,8 +366,13 @@ class TrainStep:
     """A pure training step. ``loss, new_state = step(state, *batch)`` never mutates ``state``."""
 
     def __init__(self, model, optimizers, loss_fn, example_batch, clip_grad_norm, unroll, schedulers=(), accumulate=1,
-                 batch_shapes="fixed"):
+                 batch_shapes="fixed", process_group=None, shard_optimizer_state=False):
+        from . import distributed
+
         self.model = model
+        self.process_group = process_group
+        self.shard_optimizer_state = shard_optimizer_state
+        self._dp = distributed.data_parallel_spec(process_group, shard_optimizer_state)
         self.optimizers = optimizers
         self.loss_fn = loss_fn
         self.unroll = int(unroll)
@@ -404,6 +409,9 @@ class TrainStep:
                     name = names[id(p)]
                     self._param_of[name] = p
                     u = _update_for(opt, group, p, name, gi)
+                    if shard_optimizer_state and u["kind"] == "muon":
+                        raise ValueError(f"shard_optimizer_state: parameter '{name}' uses Muon, whose update needs the "
+                                         "whole matrix; ZeRO-1 supports the element-wise optimizers only")
                     u.update(param=_MODEL_PREFIX + name, group=gi)
                     self._updates.append(u)
 
@@ -476,6 +484,7 @@ class TrainStep:
             raise ValueError(f"loss_fn returns (loss, aux), which needs unroll=1 and accumulate=1 (got unroll="
                              f"{self.unroll}, accumulate={self.accumulate})")
         spec["accumulate"] = self.accumulate
+        spec["data_parallel"] = self._dp
         # Tensor constants made in forward (torch.tensor(0.5)) are lifted by export; they ride in the state.
         self._constants = {s.target: joint.constants[s.target].detach().clone()
                            for s in joint.graph_signature.input_specs if s.kind.name == "CONSTANT_TENSOR"}
@@ -672,7 +681,8 @@ class TrainStep:
         if variant is None:
             example = pytree.tree_unflatten(list(flat_batch[:per_step]), self._batch_spec)
             variant = TrainStep(self.model, self.optimizers, self.loss_fn, example, self.clip_grad_norm, self.unroll,
-                                (), self.accumulate)
+                                (), self.accumulate, process_group=self.process_group,
+                                shard_optimizer_state=self.shard_optimizer_state)
             if variant._state_names != self._state_names or variant._aux_spec != self._aux_spec:
                 raise RuntimeError(f"the program for batch shapes {key} has a different state layout")  # invariant
             self._variants[key] = variant
@@ -722,6 +732,17 @@ class TrainStep:
     def write_back(self, state: TrainState) -> None:
         """Loads ``state`` into the model and the optimizers, so eager training can continue."""
         self._check_state(state)
+        if self.shard_optimizer_state:  # gather every rank's shard first (a collective)
+            from .distributed import unshard_tensor
+
+            opt = dict(state.opt)
+            for u in self._updates:
+                p = self._param_of[self._strip(u["param"])]
+                for k in [k for k in opt if k.startswith(f"opt:{u['param']}:")]:
+                    if opt[k].dim() > 0:  # every non-scalar slot is a shard (step counts are scalars)
+                        opt[k] = unshard_tensor(opt[k], p, self.process_group)
+            state = TrainState(state.params, state.buffers, opt, state.lr, state.step_id, state.rng, state.sched_epoch,
+                               fingerprint=state.fingerprint)
         with torch.no_grad():
             for n, p in self.model.named_parameters():
                 p.copy_(state.params[_MODEL_PREFIX + n])
@@ -814,7 +835,8 @@ class TrainStep:
 
 def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, example_batch: Sequence, *,
                     clip_grad_norm: float | None = None, unroll: int = 1, scheduler=None,
-                    accumulate: int = 1, batch_shapes: str = "fixed") -> TrainStep:
+                    accumulate: int = 1, batch_shapes: str = "fixed", process_group=None,
+                    shard_optimizer_state: bool = False) -> TrainStep:
     """Builds the pure step ``(loss, new_state) = step(state, *batch)`` for ``model`` and ``optimizer``.
 
     ``loss_fn(model, *batch)`` returns a scalar. ``optimizer`` is a torch.optim optimizer (SGD,
@@ -838,6 +860,14 @@ def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, exampl
     (a last partial batch): the first call with new shapes builds and caches a program for them,
     over the same state (``step.cache_info()`` lists them). With "fixed" (the default) another shape
     is refused. The planned arena (``compile``) and ``program`` serve the example's shapes.
+
+    ``process_group=pg`` (a torch.distributed group, e.g. ``torch.distributed.group.WORLD``) makes
+    a data-parallel step: each rank calls it on its own batch, and the program averages the
+    gradients across the group inside the graph (functional all_reduce, as DistributedDataParallel)
+    and keeps rank 0's buffers, so the states stay identical on every rank
+    (``torch_ext.distributed.assert_states_in_sync``). ``shard_optimizer_state=True`` adds ZeRO-1:
+    each rank keeps and updates only its shard of the optimizer state (see torch_ext.distributed)
+    and the new parameters are all-gathered inside the same graph.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -862,4 +892,4 @@ def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, exampl
         raise ValueError(f"clip_grad_norm must be positive, got {clip_grad_norm}")
     schedulers = [] if scheduler is None else list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
     return TrainStep(model, optimizers, loss_fn, example_batch, clip_grad_norm, unroll, schedulers, accumulate,
-                     batch_shapes)
+                     batch_shapes, process_group=process_group, shard_optimizer_state=shard_optimizer_state)

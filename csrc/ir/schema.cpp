@@ -23,6 +23,12 @@ bool is_view_op(const Node& node) {
   return a != nullptr && !a->isWrite();
 }
 
+bool returns_input_storage(const Node& node) {
+  if (node.kind() != NodeKind::Call) return false;
+  const Target& t = node.target();
+  return (t.ns == "aten" && t.name == "_unsafe_view") || (t.ns == "_c10d_functional" && t.name == "wait_tensor");
+}
+
 bool is_update_op(const Node& node) {
   const Target& t = node.target();
   return node.kind() == NodeKind::Call && t.ns == "torch_ext" && t.name.size() > 7 &&

@@ -18,6 +18,11 @@ const c10::FunctionSchema* find_schema(const Target& target);
 // A call whose single result aliases its first argument without writing it (t, view, permute,
 // split's Tensor(a)[] ...).
 bool is_view_op(const Node& node);
+// A call whose result is its first argument's storage although its schema declares a fresh
+// tensor: aten::_unsafe_view (a view autograd must not see), and _c10d_functional::wait_tensor,
+// which hands back the collective's output once the collective is done (until then the
+// collective still writes it, so its lifetime runs from the collective to the wait's last reader).
+bool returns_input_storage(const Node& node);
 // One of the functional optimizer updates, torch_ext::*_update.
 bool is_update_op(const Node& node);
 // For each output of an update op, the argument it replaces: the parameter (arg 0), then the

@@ -52,7 +52,8 @@ std::vector<ir::Arg> scalar_args(const ParamUpdate& u) {
 
 std::vector<std::pair<std::string, ir::Node*>> append_update(ir::Graph& g, const TrainStepSpec& spec,
                                                              const std::map<std::string, ir::Node*>& grads,
-                                                             const std::map<std::string, ir::Node*>& lifted) {
+                                                             const std::map<std::string, ir::Node*>& lifted,
+                                                             const std::map<std::string, ir::Node*>& values) {
   // Validate every entry before adding a node.
   for (const ParamUpdate& u : spec.updates) {
     param_node(g, u.param);
@@ -66,7 +67,8 @@ std::vector<std::pair<std::string, ir::Node*>> append_update(ir::Graph& g, const
   for (const ParamUpdate& u : spec.updates) {
     auto gi = grads.find(u.param);
     if (gi == grads.end()) continue;  // no gradient: torch.optim leaves the parameter and its state alone
-    ir::Node* p = param_node(g, u.param);
+    auto vi = values.find(u.param);
+    ir::Node* p = vi != values.end() ? vi->second : param_node(g, u.param);
     const std::vector<std::string> slots = state_slots(u.kind);
     std::vector<ir::Arg> args{ir::Arg::of_node(p), ir::Arg::of_node(gi->second)};
     std::vector<ir::Type> out_types{p->type()};

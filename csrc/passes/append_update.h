@@ -8,6 +8,9 @@
 //             state entry keyed by state name (the parameter's own name for the new parameter,
 //             "opt:<param>:<slot>" for its optimizer state). Parameters without a gradient are
 //             skipped, as torch.optim skips params whose .grad is None. The graph verifies.
+//             `values`, when it names a parameter, is the tensor updated in place of the
+//             parameter's placeholder (a shard, see shard_optimizer_state.h); the new value then
+//             has that tensor's type.
 #pragma once
 
 #include "ir/graph.h"
@@ -21,6 +24,7 @@ namespace torch_ext::passes {
 
 std::vector<std::pair<std::string, ir::Node*>> append_update(ir::Graph& graph, const TrainStepSpec& spec,
                                                              const std::map<std::string, ir::Node*>& grads,
-                                                             const std::map<std::string, ir::Node*>& lifted);
+                                                             const std::map<std::string, ir::Node*>& lifted,
+                                                             const std::map<std::string, ir::Node*>& values = {});
 
 }  // namespace torch_ext::passes

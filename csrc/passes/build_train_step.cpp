@@ -2,12 +2,14 @@
 
 #include "ir/verifier.h"
 #include "passes/accumulate.h"
+#include "passes/all_reduce_grads.h"
 #include "passes/append_update.h"
 #include "passes/check_pure.h"
 #include "passes/clip_grad_norm.h"
 #include "passes/eliminate_dead_code.h"
 #include "passes/lift_optimizer_state.h"
 #include "passes/rewire_outputs.h"
+#include "passes/shard_optimizer_state.h"
 #include "passes/thread_rng.h"
 #include "passes/unroll.h"
 
@@ -65,6 +67,15 @@ TrainStepGraph build_train_step(const ir::Graph& joint, const TrainStepSpec& spe
 
   auto lifted = lift_optimizer_state(*g, spec);
   verify_after(*g, "lift_optimizer_state");
+  if (spec.data_parallel.has_value()) {
+    std::vector<ir::Node*> in, bufs;
+    for (const std::string& n : grad_order) in.push_back(grads.at(n));
+    for (const auto& b : buffers) bufs.push_back(b.second);
+    auto synced = all_reduce_grads(*g, *spec.data_parallel, in, bufs);
+    for (size_t i = 0; i < grad_order.size(); ++i) grads[grad_order[i]] = synced.grads[i];
+    for (size_t i = 0; i < buffers.size(); ++i) buffers[i].second = synced.buffers[i];
+    verify_after(*g, "all_reduce_grads");
+  }
   if (spec.clip_max_norm.has_value()) {
     std::vector<ir::Node*> in;
     for (const std::string& n : grad_order) in.push_back(grads.at(n));
@@ -72,8 +83,10 @@ TrainStepGraph build_train_step(const ir::Graph& joint, const TrainStepSpec& spe
     for (size_t i = 0; i < grad_order.size(); ++i) grads[grad_order[i]] = clipped[i];
     verify_after(*g, "clip_grad_norm");
   }
-  auto updated = append_update(*g, spec, grads, lifted);
-  verify_after(*g, "append_update");
+  const bool sharded = spec.data_parallel.has_value() && spec.data_parallel->shard_optimizer_state;
+  auto updated = sharded ? shard_optimizer_state(*g, spec, *spec.data_parallel, grads, lifted)
+                         : append_update(*g, spec, grads, lifted);
+  verify_after(*g, sharded ? "shard_optimizer_state" : "append_update");
   ir::Node* rng = thread_rng(*g);
   verify_after(*g, "thread_rng");
 

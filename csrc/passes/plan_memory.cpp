@@ -27,13 +27,11 @@ const ir::Type& elem_type(const ir::Type& t, int64_t elem) { return elem < 0 ? t
 
 int64_t bytes_of(const ir::Type& t) { return t.is_tensor() ? t.tensor.nbytes() : 0; }
 
-// A view in storage: schema views, and aten::_unsafe_view, which returns a view of its input
-// although its schema declares a fresh tensor (autograd must not see it as a view). Planning it
-// as fresh lets the arena reuse its base while the view is still read, or returned.
-bool shares_input_storage(const ir::Node& n) {
-  return ir::is_view_op(n) || (n.kind() == ir::NodeKind::Call && n.target().ns == "aten" &&
-                               n.target().name == "_unsafe_view");
-}
+// A view in storage: schema views, and the calls ir::returns_input_storage names (aten::_unsafe_view,
+// which returns a view of its input although its schema declares a fresh tensor; wait_tensor,
+// which returns the collective's output). Planning one as fresh lets the arena reuse its base
+// while the view is still read, or returned, or while a collective still writes it.
+bool shares_input_storage(const ir::Node& n) { return ir::is_view_op(n) || ir::returns_input_storage(n); }
 
 // Every node that reads `root`'s storage: readers of the node and, through views and getitems, of
 // everything that shares it.

@@ -17,9 +17,9 @@ namespace {
 
 using Order = std::vector<const ir::Node*>;
 
-// aten::_unsafe_view aliases its input although its schema says otherwise (see plan_memory.cpp).
+// aten::_unsafe_view and wait_tensor alias their input although their schemas say otherwise.
 bool is_alias(const ir::Node& n) {
-  return n.target().is_getitem() || ir::is_view_op(n) || (n.target().ns == "aten" && n.target().name == "_unsafe_view");
+  return n.target().is_getitem() || ir::is_view_op(n) || ir::returns_input_storage(n);
 }
 
 struct Dag {
@@ -310,6 +310,45 @@ std::vector<Order> beam_schedule(const ir::Graph& g, const Dag& d) {
   return out;
 }
 
+// Collectives (_c10d_functional ops other than wait_tensor) are asynchronous: issued, they run
+// while the order goes on, until their wait_tensor. In `order`, each collective moves to right
+// after its latest input (its producers that feed nothing else move up first, e.g. the 1/world
+// scale before an all_reduce), and each wait_tensor to right before its first reader, so the
+// communication overlaps everything between. Returns `order` unchanged without collectives.
+bool is_collective(const ir::Node& n) {
+  return n.kind() == ir::NodeKind::Call && n.target().ns == "_c10d_functional" && n.target().name != "wait_tensor";
+}
+
+Order overlap_collectives(const Order& order) {
+  if (std::none_of(order.begin(), order.end(), [](const ir::Node* n) { return is_collective(*n); })) return order;
+  std::vector<const ir::Node*> seq(order.begin(), order.end());
+  auto position = [&](const ir::Node* n) { return std::find(seq.begin(), seq.end(), n) - seq.begin(); };
+  std::function<void(const ir::Node*)> hoist = [&](const ir::Node* n) {
+    for (const ir::Node* in : n->inputs())
+      if (in->kind() == ir::NodeKind::Call && in->users().size() == 1 && !is_collective(*in)) hoist(in);
+    std::ptrdiff_t at = 0;  // first position after every input
+    for (const ir::Node* in : n->inputs())
+      if (in->kind() == ir::NodeKind::Call) at = std::max(at, position(in) + 1);
+    const std::ptrdiff_t from = position(n);
+    if (at >= from) return;
+    seq.erase(seq.begin() + from);
+    seq.insert(seq.begin() + at, n);
+  };
+  for (const ir::Node* n : order)
+    if (is_collective(*n)) hoist(n);
+  for (const ir::Node* n : order) {
+    if (n->target().ns != "_c10d_functional" || n->target().name != "wait_tensor") continue;
+    const std::ptrdiff_t from = position(n);
+    std::ptrdiff_t to = static_cast<std::ptrdiff_t>(seq.size());  // before the first reader
+    for (const ir::Node* u : n->users())
+      if (u->kind() == ir::NodeKind::Call) to = std::min(to, position(u));
+    if (to <= from + 1) continue;
+    seq.erase(seq.begin() + from);
+    seq.insert(seq.begin() + (to - 1), n);
+  }
+  return seq;
+}
+
 }  // namespace
 
 ScheduleResult schedule(ir::Graph& g, bool donate) {
@@ -382,7 +421,8 @@ ScheduleResult schedule(ir::Graph& g, bool donate) {
   ScheduleResult result;
   int64_t best_peak = std::numeric_limits<int64_t>::max();
   const Order* best = nullptr;
-  for (const auto& [name, order] : candidates) {
+  for (auto& [name, order] : candidates) {
+    order = overlap_collectives(order);
     const int64_t peak = simulate_peak(g, order, donate);
     result.candidates.emplace_back(name, peak);
     if (peak < best_peak) {

@@ -6,7 +6,10 @@
 //             candidates: the current order, update-asap (each optimizer update right after its
 //             gradient and the last reader of its state, so the gradient dies there and the update
 //             can write in place), frees-most (a greedy list schedule), BFS, DFS and, up to
-//             4000 call nodes, a beam search over the ready set. The verifier passes afterwards.
+//             4000 call nodes, a beam search over the ready set. In every candidate, collectives
+//             (_c10d_functional) are issued as soon as their inputs exist and each wait_tensor
+//             sits right before its first reader, so communication overlaps the compute between
+//             (each update can run as soon as its wait is done). The verifier passes afterwards.
 //             Returns the candidates' names and simulated peaks, the last one "least-peak": the
 //             minimum of all of them, which is the chosen order's peak.
 #pragma once

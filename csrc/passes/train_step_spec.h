@@ -22,6 +22,15 @@ struct ParamUpdate {
   std::map<std::string, bool> flags;    // nesterov, maximize, decoupled
 };
 
+// Data parallelism over a torch.distributed process group (see all_reduce_grads.h and
+// shard_optimizer_state.h). Each rank builds its own program; they differ only in `rank`.
+struct DataParallel {
+  std::string group_name;  // the group's registered name, as _c10d_functional ops take it
+  int64_t world_size = 1;
+  int64_t rank = 0;
+  bool shard_optimizer_state = false;  // ZeRO-1: each rank keeps and updates 1/world_size of the state
+};
+
 struct TrainStepSpec {
   int64_t loss_output = -1;                                       // index into the joint graph's outputs
   std::vector<std::pair<int64_t, std::string>> buffer_mutations;  // output index -> buffer state name
@@ -32,6 +41,7 @@ struct TrainStepSpec {
   double clip_norm_type = 2.0;
   std::vector<int64_t> aux_outputs;  // joint output indices returned after the state (loss_fn's aux)
   int64_t accumulate = 1;            // micro-batches per update (see accumulate.h)
+  std::optional<DataParallel> data_parallel;  // unset: one process
 };
 
 // Names of the optimizer-state slots each update kind keeps, in the op's argument order.

@@ -1,0 +1,204 @@
+"""Data-parallel pure steps (issue 14) on 2 gloo ranks (CPU, one machine, torch.multiprocessing
+spawn, each run bounded by a timeout).
+
+Over 50 steps of AdamW on the zoo's transformer block and BatchNorm CNN, each rank feeding its own
+batches:
+  * the pure DDP step (make_train_step(..., process_group=WORLD)) equals eager
+    DistributedDataParallel within 1e-6 (losses, parameters, optimizer state), through the
+    executor and the planned arena executor (compile(), donating);
+  * ZeRO-1 (shard_optimizer_state=True) equals it too, and its per-rank optimizer-state tensors
+    hold half the bytes (the step counts, scalars, stay whole);
+  * assert_states_in_sync passes on every state and catches a rank that drifted.
+BatchNorm: DDP (broadcast_buffers=True, its default) broadcasts rank 0's buffers at the start of
+every forward; the pure step broadcasts them at the end of the step, inside the graph, so every
+rank's state holds rank 0's buffers, which are what DDP feeds the next forward on every rank: the
+test compares each rank's buffers with DDP rank 0's.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import torch_ext
+from torch_ext.distributed import assert_states_in_sync, shard_tensor
+
+sys.path.insert(0, os.path.dirname(__file__))
+import zoo  # noqa: E402
+
+WORLD = 2
+STEPS = 50
+TIMEOUT_S = 600
+
+
+def _setup(kind: str, rank: int, steps: int):
+    torch.manual_seed(0)
+    if kind == "transformer":
+        model = zoo.TransformerBlock()
+        make = lambda g: (torch.randn(2, 10, 32, generator=g), torch.randn(2, 10, 32, generator=g))  # noqa: E731
+        loss_fn = lambda m, x, y: F.mse_loss(m(x), y)  # noqa: E731
+    else:
+        model = zoo.ConvBN().train()
+        make = lambda g: (torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 5, (4,), generator=g))  # noqa: E731
+        loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    g = torch.Generator().manual_seed(100 + rank)  # every rank its own data
+    return model, loss_fn, [make(g) for _ in range(steps)]
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _eager_ddp(model, loss_fn, batches):
+    ref = copy.deepcopy(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(ref)
+    opt = _adamw(ref.parameters())
+    losses = []
+    for b in batches:
+        opt.zero_grad()
+        loss = loss_fn(ddp, *b)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    # What DDP's next forward would see on every rank: rank 0's buffers.
+    for buf in ref.buffers():
+        dist.broadcast(buf, 0)
+    return ref, opt, losses
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def _compare(state, losses, ref, ref_opt, ref_losses, shard: bool, world: int, rank: int) -> dict:
+    out = {"loss": max(_max_diff(a, b) for a, b in zip(losses, ref_losses))}
+    out["params"] = max(_max_diff(state.params["model." + n], p.detach()) for n, p in ref.named_parameters())
+    out["buffers"] = max(_max_diff(state.buffers["model." + n], b) for n, b in ref.named_buffers()) \
+        if list(ref.buffers()) else 0.0
+    worst = 0.0
+    for n, p in ref.named_parameters():
+        st = ref_opt.state[p]
+        for slot in ("exp_avg", "exp_avg_sq"):
+            want = shard_tensor(st[slot], world, rank) if shard else st[slot]
+            worst = max(worst, _max_diff(state.opt[f"opt:model.{n}:{slot}"], want))
+        worst = max(worst, _max_diff(state.opt[f"opt:model.{n}:step"], st["step"].float()))
+    out["opt"] = worst
+    return out
+
+
+def _opt_bytes(state) -> dict:
+    tensors = [v for v in state.opt.values() if v.dim() > 0]
+    return {"slots": sum(v.numel() * v.element_size() for v in tensors),
+            "all": sum(v.numel() * v.element_size() for v in state.opt.values())}
+
+
+def _worker(rank, world, init_file, out_dir, kind, steps):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        model, loss_fn, batches = _setup(kind, rank, steps)
+        ref, ref_opt, ref_losses = _eager_ddp(model, loss_fn, batches)
+        results = {}
+        for name, shard, runtime in (("ddp", False, "executor"), ("ddp-arena", False, "arena"),
+                                     ("zero1", True, "executor"), ("zero1-arena", True, "arena")):
+            m = copy.deepcopy(model)
+            opt = _adamw(m.parameters())
+            step = torch_ext.make_train_step(m, opt, loss_fn, batches[0], process_group=dist.group.WORLD,
+                                             shard_optimizer_state=shard)
+            run = step if runtime == "executor" else step.compile(donate=True)
+            state = step.init_state()
+            results[name + ":bytes"] = _opt_bytes(state)
+            losses = []
+            for b in batches:
+                loss, state = run(state, *b)
+                losses.append(loss)
+            assert_states_in_sync(state)
+            results[name] = _compare(state, losses, ref, ref_opt, ref_losses, shard, world, rank)
+            if name == "zero1":  # write_back gathers every rank's shard: the optimizer then holds DDP's state
+                step.write_back(state)
+                results["zero1:write_back"] = max(
+                    _max_diff(opt.state[p][slot], ref_opt.state[q][slot])
+                    for p, q in zip(m.parameters(), ref.parameters()) for slot in ("exp_avg", "exp_avg_sq", "step"))
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _launch(worker, args, tmp_path, timeout_s=TIMEOUT_S):
+    """Runs ``worker(rank, WORLD, init_file, out_dir, *args)`` on WORLD spawned ranks, bounded in time."""
+    ctx = mp.start_processes(worker, args=(WORLD, str(tmp_path / "init"), str(tmp_path), *args), nprocs=WORLD,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"the {WORLD}-rank run did not finish within {timeout_s} s")
+    results = []
+    for rank in range(WORLD):
+        with open(tmp_path / f"rank{rank}.pkl", "rb") as f:
+            results.append(pickle.load(f))
+    return results
+
+
+@pytest.mark.parametrize("kind", ["transformer", "cnn_bn"])
+def test_pure_ddp_and_zero1_equal_eager_ddp(tmp_path, kind):
+    results = _launch(_worker, (kind, STEPS), tmp_path)
+    for rank, res in enumerate(results):
+        for name in ("ddp", "ddp-arena", "zero1", "zero1-arena"):
+            for what, diff in res[name].items():
+                assert diff <= 1e-6, f"rank {rank} {name}: {what} differs from eager DDP by {diff}"
+        assert res["zero1:write_back"] <= 1e-6
+        full, sharded = res["ddp:bytes"], res["zero1:bytes"]
+        # Per rank, ZeRO-1 keeps half of every optimizer-state tensor (padding to an even length adds
+        # at most one element per tensor); only the scalar step counts stay whole.
+        assert 0.5 <= sharded["slots"] / full["slots"] <= 0.51, (sharded, full)
+        assert sharded["all"] < 0.52 * full["all"]
+
+
+def _drift_worker(rank, world, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model, loss_fn, batches = _setup("transformer", rank, 1)
+        step = torch_ext.make_train_step(model, _adamw(model.parameters()), loss_fn, batches[0],
+                                         process_group=dist.group.WORLD)
+        loss, state = step(step.init_state(), *batches[0])
+        assert_states_in_sync(state)
+        if rank == 1:
+            state.params["model.proj.bias"] = state.params["model.proj.bias"] + 1e-7
+        try:
+            assert_states_in_sync(state)
+            message = None
+        except AssertionError as e:
+            message = str(e)
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(message, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_assert_states_in_sync_names_the_entry_that_drifted(tmp_path):
+    for message in _launch(_drift_worker, (), tmp_path):
+        assert message is not None and "params['model.proj.bias']" in message and "2 ranks" in message
+
+
+def test_data_parallel_arguments_are_checked():
+    model, loss_fn, batches = _setup("transformer", 0, 1)
+    opt = _adamw(model.parameters())
+    with pytest.raises(ValueError, match="needs process_group="):
+        torch_ext.make_train_step(model, opt, loss_fn, batches[0], shard_optimizer_state=True)
+    with pytest.raises(TypeError, match="shard_optimizer_state must be True or False, got 'yes'"):
+        torch_ext.make_train_step(model, opt, loss_fn, batches[0], shard_optimizer_state="yes")
+    with pytest.raises(ValueError, match="torch.distributed is not initialized"):
+        torch_ext.make_train_step(model, opt, loss_fn, batches[0], process_group=object())

@@ -1,0 +1,100 @@
+"""Data-parallel pure steps over torch.distributed (issue 14).
+
+``make_train_step(..., process_group=pg)`` builds, on each rank, a program whose gradients are
+averaged inside the graph with functional collectives (csrc/passes/all_reduce_grads.h), as
+DistributedDataParallel averages them; ``shard_optimizer_state=True`` adds ZeRO-1
+(csrc/passes/shard_optimizer_state.h): each rank keeps and updates one shard of the optimizer state
+and the parameters are all-gathered inside the same graph.
+
+Shard layout (flatten-and-slice per parameter): a parameter of N elements is flattened and
+zero-padded to S * world elements, S = ceil(N / world); rank r owns elements [r*S, (r+1)*S). Each
+optimizer-state slot of the parameter's shape is stored as that 1-D shard; scalar slots (the step
+count) stay whole on every rank.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+_SHARDED_STEPS: dict[int, object] = {}  # TrainStep id -> process group, for steps with ZeRO-1 state
+
+
+def data_parallel_spec(process_group, shard_optimizer_state) -> dict | None:
+    """The C++ spec's data_parallel entry, after checking the arguments (None: one process)."""
+    if not isinstance(shard_optimizer_state, bool):
+        raise TypeError(f"shard_optimizer_state must be True or False, got {shard_optimizer_state!r}")
+    if process_group is None:
+        if shard_optimizer_state:
+            raise ValueError("shard_optimizer_state=True needs process_group= (the ranks that share the state)")
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("process_group given but torch.distributed is not initialized; call "
+                         "torch.distributed.init_process_group(...) first (e.g. under torchrun)")
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup (e.g. torch.distributed.group.WORLD), "
+                        f"got {type(process_group).__name__}")
+    rank = dist.get_rank(process_group)
+    if rank < 0:
+        raise ValueError("this process is not a member of process_group")
+    return dict(group_name=process_group.group_name, world_size=dist.get_world_size(process_group), rank=rank,
+                shard_optimizer_state=shard_optimizer_state)
+
+
+def shard_size(numel: int, world: int) -> int:
+    return -(-numel // world)
+
+
+def shard_tensor(t: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """This rank's 1-D shard of ``t`` (flattened, zero-padded to a multiple of world)."""
+    s = shard_size(t.numel(), world)
+    flat = torch.nn.functional.pad(t.detach().reshape(-1), (0, s * world - t.numel()))
+    return flat[rank * s:(rank + 1) * s].clone()
+
+
+def unshard_tensor(shard: torch.Tensor, like: torch.Tensor, process_group) -> torch.Tensor:
+    """All ranks' shards gathered back into a tensor shaped like ``like`` (a collective)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(process_group)
+    full = shard.new_empty(shard.numel() * world)
+    dist.all_gather_into_tensor(full, shard.contiguous(), group=process_group)
+    return full[:like.numel()].view(like.shape).clone()
+
+
+def _digest(t: torch.Tensor) -> str:
+    t = t.detach().contiguous().cpu()
+    return f"{t.dtype}{tuple(t.shape)}:" + hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()
+                                                           if t.numel() else b"").hexdigest()
+
+
+def assert_states_in_sync(state, process_group=None) -> None:
+    """Raises AssertionError naming every state entry that differs between the ranks of
+    ``process_group`` (default: the world), bit for bit: parameters, buffers, lr, RNG state and
+    optimizer state. With ZeRO-1 (``shard_optimizer_state=True``) each rank holds its own shard,
+    so only the optimizer state's scalar slots (step counts) are compared. A collective: every rank
+    calls it."""
+    import torch.distributed as dist
+
+    from .train_step import TrainState
+
+    if not isinstance(state, TrainState):
+        raise TypeError(f"assert_states_in_sync expects a TrainState, got {type(state).__name__}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("assert_states_in_sync: torch.distributed is not initialized")
+    group = process_group if process_group is not None else dist.group.WORLD
+    sharded = state.step_id in _SHARDED_STEPS
+    digests = {f"params[{k!r}]": _digest(v) for k, v in state.params.items()}
+    digests.update({f"buffers[{k!r}]": _digest(v) for k, v in state.buffers.items()})
+    digests.update({f"opt[{k!r}]": _digest(v) for k, v in state.opt.items() if not sharded or v.dim() == 0})
+    digests.update({f"lr[{i}]": _digest(v) for i, v in enumerate(state.lr)})
+    if state.rng is not None:
+        digests["rng"] = _digest(state.rng)
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, digests, group=group)
+    bad = sorted(k for k in set().union(*everyone) if len({d.get(k) for d in everyone}) > 1)
+    if bad:
+        raise AssertionError(f"state entries differ across the {len(everyone)} ranks: {', '.join(bad[:10])}"
+                             f"{f' (and {len(bad) - 10} more)' if len(bad) > 10 else ''}")
