@@ -1,0 +1,97 @@
+"""Everyday models at test size: Hugging Face GPT-2 and Llama from configs, torchvision ResNet-18 and a
+ViT encoder. Used by test_real_models.py, and as CLI factories
+(``torch-ext step tests/python/real_models.py:resnet18``), each returning
+(model, optimizer, loss_fn, example_batch, batches).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+VOCAB, SEQ, BATCH = 64, 16, 2
+CLASSES = 10
+
+
+def tiny_gpt2(**kw):
+    import transformers
+
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
+                                  resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0,
+                                  **kw)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg).train()
+
+
+def tiny_llama():
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def tiny_resnet18():
+    """torchvision's ResNet-18 as is (BatchNorm in training mode), 10 classes."""
+    import torchvision
+
+    torch.manual_seed(0)
+    return torchvision.models.resnet18(num_classes=CLASSES).train()
+
+
+def tiny_vit():
+    """torchvision's VisionTransformer (the vit_b_16 architecture) shrunk: 32x32 images, 8x8 patches."""
+    import torchvision
+
+    torch.manual_seed(0)
+    return torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=64,
+                                                mlp_dim=128, num_classes=CLASSES).train()
+
+
+def causal_lm_loss(m, ids):
+    return m(input_ids=ids, labels=ids).loss
+
+
+def classify_loss(m, x, y):
+    return F.cross_entropy(m(x), y)
+
+
+def token_batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),) for _ in range(n)]
+
+
+def image_batches(n, batch=4, size=32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 3, size, size, generator=g), torch.randint(0, CLASSES, (batch,), generator=g))
+            for _ in range(n)]
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+
+
+# ---- CLI factories: (model, optimizer, loss_fn, example_batch, batches)
+def gpt2():
+    model = tiny_gpt2()
+    batches = token_batches(4)
+    return model, adamw(model), causal_lm_loss, batches[0], batches
+
+
+def llama():
+    model = tiny_llama()
+    batches = token_batches(4)
+    return model, adamw(model), causal_lm_loss, batches[0], batches
+
+
+def resnet18():
+    model = tiny_resnet18()
+    batches = image_batches(4)
+    return model, adamw(model), classify_loss, batches[0], batches
+
+
+def vit():
+    model = tiny_vit()
+    batches = image_batches(4)
+    return model, adamw(model), classify_loss, batches[0], batches
