@@ -164,6 +164,12 @@ def export_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | No
                 for t in items:
                     if isinstance(t, torch.Tensor) and not t.is_leaf:
                         memo[id(t)] = t.detach()
+        # The copy still reaches some of the user's modules through closures its hooks keep (deepcopy
+        # does not copy functions): TransformerLens 4 attention stores `_captured_pre_ln_residual`
+        # that way, which left export-time tensors on the user's model (it could no longer be
+        # deep-copied, and kept the traced graph alive). Snapshot the attributes and put them back.
+        # A deep copy of a bridge shares those closures too, so follow them to the modules they reach.
+        originals = [(m, dict(vars(m))) for m in _modules_reached(module)]
         module = copy.deepcopy(module, memo)
     unshadowed = []
     if type(module).__module__.startswith("transformer_lens."):
@@ -215,6 +221,8 @@ def export_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | No
             cfg.use_cache = saved_cache
         for meth in unshadowed:
             delattr(module, meth)
+        if has_hooks:
+            _restore_attributes(originals)
     # State names with a keyword component ("blocks.0.mlp.in.weight") break the code that
     # run_decompositions() generates: spell them with a trailing "_" in the program.
     def respell(name):
@@ -228,6 +236,54 @@ def export_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | No
         ep._state_dict = {respell(k): v for k, v in ep.state_dict.items()}
         ep._constants = {respell(k): v for k, v in ep.constants.items()}
     return ep
+
+
+def _modules_reached(module: torch.nn.Module) -> list:
+    """The module tree, plus the modules that its hooks' closures, partials and bound methods reach."""
+    import functools
+
+    seen: dict[int, torch.nn.Module] = {}
+    todo = [module]
+    while todo:
+        root = todo.pop()
+        for m in torch.nn.Module.modules(root):
+            if id(m) in seen:
+                continue
+            seen[id(m)] = m
+            hooks = [h for k, v in vars(m).items() if k.endswith("_hooks") and isinstance(v, dict) for h in v.values()]
+            for fn in hooks:
+                refs = []
+                if isinstance(fn, functools.partial):
+                    refs += [fn.func, *fn.args, *fn.keywords.values()]
+                for f in [fn, *refs]:
+                    refs.append(getattr(f, "__self__", None))
+                    refs += [c.cell_contents for c in (getattr(f, "__closure__", None) or ())
+                             if c.cell_contents is not None] if _cells_filled(f) else []
+                todo += [r for r in refs if isinstance(r, torch.nn.Module) and id(r) not in seen]
+    return list(seen.values())
+
+
+def _cells_filled(f) -> bool:
+    try:
+        for c in getattr(f, "__closure__", None) or ():
+            c.cell_contents  # noqa: B018  (an empty cell raises)
+        return True
+    except ValueError:
+        return False
+
+
+def _restore_attributes(snapshots) -> None:
+    """Undoes attribute writes on modules: each module's top-level __dict__ entries as snapshotted."""
+    for m, before in snapshots:
+        now = vars(m)
+        for k in [k for k in now if k not in before]:
+            del now[k]
+        for k, v in before.items():
+            if now.get(k, _MISSING) is not v:
+                now[k] = v
+
+
+_MISSING = object()
 
 
 def _transformer_lens_hook_point():

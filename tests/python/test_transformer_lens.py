@@ -115,3 +115,25 @@ def test_reactive_graph_of_a_bridge_refuses_stale_weights(bridge):
     finally:
         with torch.no_grad():
             w.copy_(saved)
+
+
+def test_patching_leaves_no_trace_on_the_model_or_on_the_model_it_was_copied_from():
+    """Export runs the bridge under fake tensors. TransformerLens 4's blocks store the pre-LN residual on
+    an attention module through hook closures, which a deep copy shares with its original: patching a
+    copy used to leave export-time FakeTensors on the ORIGINAL model (it could no longer be deep-copied,
+    and it kept the traced graph alive)."""
+    import copy
+
+    cfg = tl.TransformerBridgeConfig(n_layers=1, d_model=32, n_heads=4, d_head=8, d_mlp=64, n_ctx=16, d_vocab=50,
+                                     act_fn="gelu", normalization_type="LN", seed=0)
+    original = tl.TransformerBridge.boot_native(cfg).eval()
+    clean, corrupted = _prompts(1)
+    _, clean_cache = original.run_with_cache(clean)
+    copied = copy.deepcopy(original)
+    before = {id(m): dict(vars(m)) for m in torch.nn.Module.modules(original)}
+    patching.get_act_patch_resid_pre(copied, corrupted, clean_cache, _metric)
+    for m in torch.nn.Module.modules(original):
+        for k, v in vars(m).items():
+            assert before[id(m)].get(k) is v, f"{type(m).__name__}.{k} was written by the sweep"
+    copy.deepcopy(original)
+    copy.deepcopy(copied)
