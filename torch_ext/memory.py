@@ -136,6 +136,9 @@ class MemoryReport:
     fallback_nodes: int = 0
     eager_timeline: list = field(default_factory=list, repr=False)
     planned_timeline: list = field(default_factory=list, repr=False)
+    # memory_report(budgets=...): one dict per point (label, budget, planned_peak, measured_peak,
+    # step_time_s, feasible, note): eager, checkpoint-per-block, the plan without a budget, each budget.
+    pareto: list = field(default_factory=list)
 
     def ratios(self) -> dict:
         return {
@@ -172,6 +175,13 @@ class MemoryReport:
         d["ratios"] = self.ratios()
         return json.dumps(d, indent=2)
 
+    def plot_pareto(self, path: str) -> str:
+        """PNG of measured peak against measured step time (memory_report(budgets=...)): the eager
+        point, torch.utils.checkpoint per block, the plan and each budget, and the bounds."""
+        if not self.pareto:
+            raise ValueError("plot_pareto: this report has no Pareto points; call memory_report(step, batch, budgets=[...])")
+        return _plot_pareto(self, path)
+
     def plot(self, path: str) -> str:
         """Live bytes over the step, eager (profiler timeline) and planned (schedule positions)."""
         import matplotlib
@@ -194,6 +204,106 @@ class MemoryReport:
         fig.savefig(path, dpi=120)
         plt.close(fig)
         return path
+
+
+def _plot_pareto(report, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    mib = 2 ** 20
+    pts = [p for p in report.pareto if p["feasible"]]
+    plans = [p for p in pts if p["label"].startswith(("planned", "budget"))]
+    if plans:
+        ax.plot([p["step_time_s"] * 1e3 for p in plans], [p["measured_peak"] / mib for p in plans], "o-",
+                label="torch_ext planned (measured)")
+        ax.plot([p["step_time_s"] * 1e3 for p in plans], [p["planned_peak"] / mib for p in plans], "x--",
+                label="torch_ext planned (planned peak)")
+        for p in plans:
+            ax.annotate(p["label"], (p["step_time_s"] * 1e3, p["measured_peak"] / mib), fontsize=7)
+    for p, marker in ((next((q for q in pts if q["label"] == "eager"), None), "s"),
+                      (next((q for q in pts if q["label"] == "checkpoint per block"), None), "^")):
+        if p:
+            ax.plot([p["step_time_s"] * 1e3], [p["measured_peak"] / mib], marker, markersize=9, label=p["label"])
+    ax.axhline(report.lb_graph / mib, color="gray", linestyle=":", label="LB_graph (no recomputation)")
+    ax.axhline(report.persistent_bytes / mib, color="black", linestyle="-.", label="state + batch (any plan)")
+    ax.set_xlabel("step time (ms, measured)")
+    ax.set_ylabel("peak memory (MiB)")
+    ax.set_title("memory / time Pareto front of one training step")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _checkpointed_loss(model, loss_fn):
+    """loss_fn with torch.utils.checkpoint around every element of the model's first ModuleList or
+    Sequential (its blocks), on a copy of the model."""
+    from torch.utils.checkpoint import checkpoint
+
+    blocks = next((m for m in model.modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential))), None)
+    if blocks is None:
+        return None
+    for blk in blocks:
+        orig = blk.forward
+        blk.forward = (lambda f: (lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k)))(orig)
+    return loss_fn
+
+
+def _time_step(fn, n=2, rounds=3) -> float:
+    import statistics
+    import time
+
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out.append((time.perf_counter() - t0) / n)
+    return statistics.median(out)
+
+
+def _pareto(step, batch, budgets, eager_peak) -> list:
+    import types
+
+    points = []
+    model, opts = copy.deepcopy((step.model, step.optimizers))
+
+    def eager_one(m=model, o=opts, loss_fn=step.loss_fn):
+        for x in o:
+            x.zero_grad(set_to_none=True)
+        loss = loss_fn(m, *batch)
+        (loss[0] if isinstance(loss, (tuple, list)) else loss).backward()
+        for x in o:
+            x.step()
+
+    points.append(dict(label="eager", budget=None, planned_peak=None, measured_peak=eager_peak,
+                       step_time_s=_time_step(eager_one), feasible=True, note=""))
+    cm, copts = copy.deepcopy((step.model, step.optimizers))
+    if _checkpointed_loss(cm, step.loss_fn) is not None:
+        peak, _ = _eager_peak(types.SimpleNamespace(model=cm, optimizers=copts, loss_fn=step.loss_fn), batch)
+        points.append(dict(label="checkpoint per block", budget=None, planned_peak=None, measured_peak=peak,
+                           step_time_s=_time_step(lambda: eager_one(cm, copts)), feasible=True, note=""))
+    for b in [None] + list(budgets):
+        label = "planned" if b is None else f"budget {b}"
+        try:
+            planned = step.compile(plan=True, donate=True, memory_budget=b)
+        except ValueError as e:
+            points.append(dict(label=label, budget=b, planned_peak=None, measured_peak=None, step_time_s=None,
+                               feasible=False, note=str(e)))
+            continue
+        peak, state = measured_peak(planned, step.init_state(), batch)
+        box = [state]
+
+        def one():
+            _, box[0] = planned(box[0], *batch)
+        points.append(dict(label=label, budget=b, planned_peak=planned.peak_bytes, measured_peak=peak,
+                           step_time_s=_time_step(one), feasible=True,
+                           note=f"{len(planned.remat['recomputed'])} recomputed" if planned.remat else ""))
+    return points
 
 
 def measured_peak(planned: PlannedStep, state, batch) -> tuple[int, object]:
@@ -296,9 +406,21 @@ def _separate_planning(plan: dict, step_graph_nodes: list, persistent: int) -> t
     return total, parts
 
 
-def memory_report(step, batch) -> MemoryReport:
-    """Measures the eager step's peak and plans the pure step several ways (see MemoryReport)."""
+def memory_report(step, batch, budgets=None) -> MemoryReport:
+    """Measures the eager step's peak and plans the pure step several ways (see MemoryReport).
+
+    With ``budgets`` (each an int in bytes or a float fraction of the eager peak, as
+    ``step.compile(memory_budget=)``), also the Pareto front in ``report.pareto``: planned and
+    measured peak against measured step time for the eager step, torch.utils.checkpoint on every
+    block, the plan and each budget (an infeasible one is kept with its error); plot it with
+    ``report.plot_pareto(path)``."""
     batch = tuple(batch)
+    if budgets is not None and (isinstance(budgets, (str, bytes)) or not hasattr(budgets, "__iter__")):
+        raise TypeError(f"memory_report: budgets must be a list of ints (bytes) or floats (fractions), got {budgets!r}")
+    budgets = list(budgets) if budgets is not None else []
+    for b in budgets:
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not (0 < b <= 1 if isinstance(b, float) else b > 0):
+            raise ValueError(f"memory_report: each budget must be bytes (int > 0) or a fraction in (0, 1], got {b!r}")
     eager_peak, eager_timeline = _eager_peak(step, batch)
     planned = PlannedStep(step, plan=True, donate=True)
     plan = planned.plan
@@ -320,5 +442,6 @@ def memory_report(step, batch) -> MemoryReport:
         aliases_refused=sum(1 for a in plan["aliases"] if not a[1]),
         refused_reasons=[f"{a[0]}: {a[2]}" for a in plan["aliases"] if not a[1]],
         schedule=planned.schedule, candidates=dict(planned.candidates), fallback_nodes=len(planned.fallbacks),
-        eager_timeline=eager_timeline, planned_timeline=timeline)
+        eager_timeline=eager_timeline, planned_timeline=timeline,
+        pareto=_pareto(step, batch, budgets, eager_peak) if budgets else [])
 

@@ -108,3 +108,24 @@ def test_bad_budgets_are_refused(budget, err, match):
         step.compile(plan=False, donate=True, memory_budget=10**9)
     state = step.init_state()
     step(state, *batch)  # the step and its state are untouched
+
+
+def test_memory_report_pareto_front_and_plot(tmp_path):
+    step, batch = _cnn()
+    report = torch_ext.memory_report(step, batch, budgets=[0.8, 1000])
+    points = {p["label"]: p for p in report.pareto}
+    assert set(points) == {"eager", "checkpoint per block", "planned", "budget 0.8", "budget 1000"}
+    assert points["eager"]["measured_peak"] == report.eager_peak
+    assert points["planned"]["planned_peak"] == report.merged_planned
+    assert not points["budget 1000"]["feasible"] and "smallest planned peak found" in points["budget 1000"]["note"]
+    for p in report.pareto:
+        if p["feasible"]:
+            assert p["measured_peak"] > report.persistent_bytes and p["step_time_s"] > 0
+    if points["budget 0.8"]["feasible"]:
+        assert points["budget 0.8"]["planned_peak"] <= int(0.8 * report.eager_peak)
+    path = report.plot_pareto(str(tmp_path / "pareto.png"))
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match=r"each budget must be bytes \(int > 0\) or a fraction in \(0, 1\], got 2.0"):
+        torch_ext.memory_report(step, batch, budgets=[2.0])
+    with pytest.raises(ValueError, match="no Pareto points"):
+        torch_ext.memory_report(step, batch).plot_pareto(str(tmp_path / "x.png"))
