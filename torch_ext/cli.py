@@ -500,10 +500,113 @@ def _build_step(args, model, opt, loss_fn, example, unroll: int = 1):
         return torch_ext.make_train_step(model, opt, loss_fn, example, unroll=unroll)
 
 
+def _check_step_args(args) -> None:
+    """Refuses option combinations of `step` before anything is built or launched."""
+    if args.shard_optimizer_state and args.nproc < 2:
+        raise UserError(f"--shard-optimizer-state shards the optimizer state across ranks: it needs --nproc 2 or "
+                        f"more, got --nproc {args.nproc}")
+    exports = [f"--{o}" for o in ("export", "aoti", "onnx") if getattr(args, o)]
+    if args.nproc > 1 and exports:
+        raise UserError(f"--nproc {args.nproc} trains data-parallel; {', '.join(exports)} exports the one-process step: "
+                        "run them without --nproc")
+    if args.onnx:
+        path = Path(args.onnx).expanduser()
+        if path.suffix != ".onnx":
+            raise UserError(f"--onnx {args.onnx!r}: the file name must end in .onnx")
+        if not path.resolve().parent.is_dir():
+            raise UserError(f"--onnx {args.onnx!r}: folder {str(path.resolve().parent)!r} does not exist")
+
+
+def _launch_ranks(args) -> int:
+    """`step --nproc N` outside torchrun: runs the same command on N local ranks through torchrun."""
+    import subprocess
+
+    # torchrun would take --nproc (a prefix of its --nproc-per-node) as its own option: the ranks get
+    # the same command line with the alias --world-size.
+    argv, it = [], iter(args.argv)
+    for a in it:
+        if a == "--nproc":
+            next(it, None)
+        elif not a.startswith("--nproc="):
+            argv.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+           "-m", "torch_ext", *argv, f"--world-size={args.nproc}"]
+    if not args.quiet:
+        print(f"torch-ext: launching {args.nproc} ranks through torchrun (gloo, this machine)", file=sys.stderr,
+              flush=True)
+    # The ranks run the same command line (torch-ext step ... --nproc N) and see torchrun's WORLD_SIZE.
+    return subprocess.run(cmd).returncode
+
+
+def _step_rank(args, model, opt, loss_fn, example, batches) -> int:
+    """One rank of `step --nproc N` under torchrun: the data-parallel pure step on this rank's batches."""
+    import torch
+    import torch.distributed as dist
+
+    import torch_ext
+    from torch_ext.distributed import assert_states_in_sync
+
+    world = int(os.environ["WORLD_SIZE"])
+    if world != args.nproc:
+        raise UserError(f"--nproc {args.nproc} but torchrun started {world} ranks (WORLD_SIZE); make them agree")
+    dist.init_process_group("gloo")
+    try:
+        rank = dist.get_rank()
+        if rank != 0:  # rank 0 reports for everyone
+            args.status = _Status(True)
+        with args.status.stage(f"building the data-parallel pure step on {world} ranks"):
+            step = torch_ext.make_train_step(model, opt, loss_fn, example, unroll=args.unroll,
+                                             process_group=dist.group.WORLD,
+                                             shard_optimizer_state=args.shard_optimizer_state)
+        state = step.init_state()
+        per = _batches(example, batches, args.steps * args.unroll * world)
+        losses = []
+        for i in _loop(range(args.steps), args.steps, args, f"training on {world} ranks (C++ executor, gloo)"):
+            mine = per[(i * world + rank) * args.unroll:(i * world + rank + 1) * args.unroll]
+            loss, state = step(state, *[t for b in mine for t in b])
+            losses.append(loss.detach().reshape(-1).double())
+        assert_states_in_sync(state)
+        mean = [0.0]
+        if losses:  # the loss averaged over the ranks, as DDP's gradients are
+            total = torch.cat(losses)
+            dist.all_reduce(total)
+            mean = (total / world).tolist()
+        step.write_back(state)  # a collective with sharded optimizer state
+        opt_bytes = sum(v.numel() * v.element_size() for v in state.opt.values())
+        if rank != 0:
+            return EXIT_OK
+        summary = {"model": args.model, "ranks": world, "ops": _num_ops(step), "state_entries": len(step.state_names),
+                   "unroll": args.unroll, "steps": args.steps, "shard_optimizer_state": args.shard_optimizer_state,
+                   "optimizer_state_bytes_per_rank": opt_bytes, "states_in_sync": True,
+                   "losses": mean if losses else []}
+        if losses:
+            summary["loss_first"], summary["loss_last"] = mean[0], mean[-1]
+        if args.json:
+            _emit_json(summary)
+            return EXIT_OK
+        rows = [("model", args.model),
+                ("pure step", f"{summary['ops']} ops, gradients all-reduced inside the graph on {world} ranks (gloo)"
+                              + (", optimizer state sharded (ZeRO-1)" if args.shard_optimizer_state else "")),
+                ("optimizer state", f"{opt_bytes} bytes per rank")]
+        if losses:
+            rows.append(("trained", f"{args.steps} steps, mean loss over ranks {mean[0]:.4f} -> {mean[-1]:.4f}"))
+        rows.append(("states", f"identical on all {world} ranks"))
+        _out(_table(rows))
+        return EXIT_OK
+    finally:
+        dist.destroy_process_group()
+
+
 def _step(args) -> int:
     import torch
 
+    _check_step_args(args)
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        load_factory(args.model)  # a bad MODEL is reported here (exit 2), not by every rank
+        return _launch_ranks(args)
     model, opt, loss_fn, example, batches = load_factory(args.model)
+    if args.nproc > 1:
+        return _step_rank(args, model, opt, loss_fn, example, batches)
     step = _build_step(args, model, opt, loss_fn, example, args.unroll)
     summary = {"model": args.model, "ops": _num_ops(step), "state_entries": len(step.state_names),
                "unroll": args.unroll, "steps": args.steps, "losses": []}
@@ -529,6 +632,9 @@ def _step(args) -> int:
     if args.aoti:
         with args.status.stage(f"compiling with AOTInductor into {args.aoti} (a minute or more)"):
             summary["aoti"] = step.to_aoti(args.aoti)  # the flat layout in its metadata (torch_ext.load_step)
+    if args.onnx:
+        with args.status.stage(f"exporting the pure step to ONNX into {args.onnx}"):
+            summary["onnx"] = step.to_onnx(args.onnx)
     if args.json:
         _emit_json(summary)
         return EXIT_OK
@@ -543,6 +649,8 @@ def _step(args) -> int:
                                  if state is not None else summary["export"]))
     if "aoti" in summary:
         rows.append(("AOTInductor", summary["aoti"]))
+    if "onnx" in summary:
+        rows.append(("ONNX", f"{summary['onnx']} (trains in onnxruntime: torch_ext.load_step)"))
     _out(_table(rows))
     return EXIT_OK
 
@@ -787,6 +895,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--aoti", metavar="OUT.pt2", help="compile with AOTInductor into this package (a minute or more); "
                                                      "it holds no state: add --export for the trained state")
     s.add_argument("--unroll", metavar="N", type=_int_at_least(1), default=1, help="optimizer steps per graph call (default 1)")
+    s.add_argument("--onnx", metavar="OUT.onnx", help="export the pure step (update included) to ONNX")
+    s.add_argument("--nproc", "--world-size", metavar="N", dest="nproc", type=_int_at_least(1), default=1,
+                   help="data-parallel on N local ranks through torchrun (gloo): gradients all-reduced inside the "
+                        "graph, each rank on its own batches (default 1); under your own torchrun, pass "
+                        "--world-size N")
+    s.add_argument("--shard-optimizer-state", action="store_true",
+                   help="with --nproc: each rank keeps 1/N of the optimizer state (ZeRO-1)")
     s.add_argument("--json", action="store_true", help="one flat JSON object on stdout")
 
     pl = add("plan", "memory report for MODEL's pure step", _plan)
@@ -833,6 +948,7 @@ def _is_input_error(e: BaseException) -> bool:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)  # usage errors exit 2 here
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `step --nproc N` reruns it on each rank
     args.status = _Status(args.quiet)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # factories in the current project

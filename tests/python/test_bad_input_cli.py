@@ -73,6 +73,14 @@ CASES = {
     "step_negative_steps": (["step", "{m}:good", "--steps", "-1"], "--steps"),
     "step_unroll_zero": (["step", "{m}:good", "--unroll", "0"], "--unroll"),
     "step_unroll_word": (["step", "{m}:good", "--unroll", "x"], "integer"),
+    "step_nproc_zero": (["step", "{m}:good", "--nproc", "0"], "--nproc"),
+    "step_nproc_word": (["step", "{m}:good", "--nproc", "two"], "integer"),
+    "step_shard_without_nproc": (["step", "{m}:good", "--shard-optimizer-state"], "needs --nproc 2 or more"),
+    "step_nproc_with_onnx": (["step", "{m}:good", "--nproc", "2", "--onnx", "x.onnx"], "--onnx exports"),
+    "step_nproc_with_export": (["step", "{m}:good", "--nproc", "2", "--export", "x.pt2"], "--export exports"),
+    "step_nproc_bad_model": (["step", "{m}:nope", "--nproc", "2"], "nope"),
+    "step_onnx_bad_suffix": (["step", "{m}:good", "--onnx", "step.pt2"], "must end in .onnx"),
+    "step_onnx_missing_folder": (["step", "{m}:good", "--onnx", "/nonexistent_dir_xyz/s.onnx"], "does not exist"),
     "plan_missing_model": (["plan"], "MODEL"),
     "plan_bad_factory": (["plan", "{m}:three_items"], "expected 4 or 5"),
     "sweep_bad_factory": (["sweep", "{m}:single"], "4 or 5 items"),
@@ -102,3 +110,11 @@ def test_bad_cli_input_exits_2_naming_the_culprit(mod, argv, needle, capsys):
 
 def test_corpus_size():
     assert len(CASES) >= 30
+
+
+def test_world_size_disagreeing_with_torchrun_exits_2(mod, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "3")  # as if torchrun had started 3 ranks
+    code = cli.main(["step", f"{mod}:good", "--world-size", "2", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "--nproc 2 but torchrun started 3 ranks" in err and "Traceback" not in err

@@ -231,6 +231,41 @@ def test_step_export_holds_the_trained_state(here, tmp_path, capsys):
     assert abs(exported_loss - losses[0]) > 1e-3  # losses[0] is the untrained loss on the same batch
 
 
+def test_step_onnx_exports_a_step_that_trains_in_onnxruntime(here, tmp_path, capsys):
+    pytest.importorskip("onnxruntime")
+    out = tmp_path / "step.onnx"
+    assert cli.main(["step", "factories:mlp", "--onnx", str(out), "--quiet"]) == 0
+    assert re.search(r"ONNX\s+.*step\.onnx", capsys.readouterr().out)
+    from torch_ext.onnx import load_onnx_step
+
+    onnx_step = load_onnx_step(str(out))
+    model, opt, loss_fn, example, batches = factories.mlp()
+    step = torch_ext.make_train_step(model, opt, loss_fn, example)
+    state = step.init_state()
+    ref_loss, ref_state = step(state, *batches[0])
+    loss, new = onnx_step(state, *batches[0])
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for name, t in ref_state.params.items():
+        torch.testing.assert_close(new.params[name], t, rtol=1e-5, atol=1e-6)
+
+
+def test_step_nproc_2_trains_data_parallel_through_torchrun(tmp_path):
+    # The first loss is computed before any update: the mean over the ranks of the loss of each rank's
+    # first batch (rank r takes batches r, r + 2, ...) at the initial parameters.
+    r = run_cli("step", "factories:mlp", "--nproc", "2", "--steps", "2", "--shard-optimizer-state", "--json",
+                "--quiet", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = strict_json(r.stdout[r.stdout.index("{"):])
+    assert d["ranks"] == 2 and d["states_in_sync"] is True and d["shard_optimizer_state"] is True
+    model, opt, loss_fn, example, batches = factories.mlp()
+    with torch.no_grad():
+        first = (loss_fn(model, *batches[0]) + loss_fn(model, *batches[1])).double() / 2
+    assert d["loss_first"] == pytest.approx(float(first), rel=1e-6)
+    # SGD momentum keeps one buffer per parameter: sharded, each rank holds half of it (+ padding).
+    full = sum(p.numel() * 4 for p in model.parameters())
+    assert d["optimizer_state_bytes_per_rank"] < 0.6 * full + 4 * 4 * len(list(model.parameters()))
+
+
 def test_status_lines_without_a_tty(tmp_path):
     r = run_cli("step", "factories:mlp", "--steps", "2", "--export", str(tmp_path / "s.pt2"))
     assert r.returncode == 0, r.stderr[-2000:]
