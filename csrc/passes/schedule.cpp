@@ -311,12 +311,63 @@ std::vector<Order> beam_schedule(const ir::Graph& g, const Dag& d) {
 }
 
 // Collectives (_c10d_functional ops other than wait_tensor) are asynchronous: issued, they run
-// while the order goes on, until their wait_tensor. In `order`, each collective moves to right
-// after its latest input (its producers that feed nothing else move up first, e.g. the 1/world
-// scale before an all_reduce), and each wait_tensor to right before its first reader, so the
-// communication overlaps everything between. Returns `order` unchanged without collectives.
+// while the order goes on, until their wait_tensor. In `order`:
+//   1. each collective moves to right after its latest input (its producers that feed nothing
+//      else move up first, e.g. the 1/world scale before an all_reduce);
+//   2. a wait is held back until the next collective has been issued (a list schedule in `order`'s
+//      priority where a wait whose collective is the latest issued yields to any other ready
+//      node), so each all-reduce runs under the backward that makes the next gradient, and what
+//      reads the wait (the update) follows it; a memory-minded order that updates right after each
+//      gradient would otherwise wait on every all-reduce at once;
+//   3. each wait moves to right before its first reader.
+// Returns `order` unchanged without collectives.
 bool is_collective(const ir::Node& n) {
   return n.kind() == ir::NodeKind::Call && n.target().ns == "_c10d_functional" && n.target().name != "wait_tensor";
+}
+
+bool is_wait(const ir::Node& n) {
+  return n.kind() == ir::NodeKind::Call && n.target().ns == "_c10d_functional" && n.target().name == "wait_tensor";
+}
+
+// Step 2 of overlap_collectives: `order` rescheduled in its own priority, a wait yielding to every
+// other ready node until a collective issued after its own one has run.
+Order hold_waits(const Order& order) {
+  std::unordered_map<const ir::Node*, size_t> rank, missing, issued_at;
+  std::unordered_map<const ir::Node*, std::vector<const ir::Node*>> succ;
+  for (size_t i = 0; i < order.size(); ++i) rank[order[i]] = i;
+  std::vector<const ir::Node*> ready;
+  for (const ir::Node* n : order) {
+    size_t m = 0;
+    for (const ir::Node* in : n->inputs())
+      if (rank.count(in)) {
+        ++m;
+        succ[in].push_back(n);
+      }
+    missing[n] = m;
+    if (m == 0) ready.push_back(n);
+  }
+  size_t issued = 0;  // collectives issued so far
+  Order out;
+  while (!ready.empty()) {
+    auto held = [&](const ir::Node* n) {
+      if (!is_wait(*n)) return false;
+      const ir::Node* c = n->args().at(0).node;
+      return issued_at.count(c) && issued_at.at(c) == issued;  // its collective is the latest issued
+    };
+    size_t best = ready.size();
+    for (size_t pass = 0; pass < 2 && best == ready.size(); ++pass)
+      for (size_t i = 0; i < ready.size(); ++i)
+        if ((pass == 1 || !held(ready[i])) && (best == ready.size() || rank.at(ready[i]) < rank.at(ready[best])))
+          best = i;
+    const ir::Node* n = ready[best];
+    ready.erase(ready.begin() + static_cast<std::ptrdiff_t>(best));
+    out.push_back(n);
+    if (is_collective(*n)) issued_at[n] = ++issued;
+    for (const ir::Node* s : succ[n])
+      if (--missing[s] == 0) ready.push_back(s);
+  }
+  TORCH_INTERNAL_ASSERT(out.size() == order.size(), "hold_waits: the order is not a DAG");
+  return out;
 }
 
 Order overlap_collectives(const Order& order) {
@@ -335,6 +386,9 @@ Order overlap_collectives(const Order& order) {
     seq.insert(seq.begin() + at, n);
   };
   for (const ir::Node* n : order)
+    if (is_collective(*n)) hoist(n);
+  seq = hold_waits(seq);
+  for (const ir::Node* n : order)  // the rescheduling may have put ready nodes of lower priority in between
     if (is_collective(*n)) hoist(n);
   for (const ir::Node* n : order) {
     if (n->target().ns != "_c10d_functional" || n->target().name != "wait_tensor") continue;
