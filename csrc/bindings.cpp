@@ -10,6 +10,7 @@
 #include "passes/plan_memory.h"
 #include "passes/rematerialize.h"
 #include "passes/schedule.h"
+#include "passes/sequence_axis.h"
 #include "runtime/arena_executor.h"
 #include "reactive/engine.h"
 #include "runtime/executor.h"
@@ -424,6 +425,23 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("joint"), py::arg("spec"), py::arg("unroll") = 1);
 
+  m.def(
+      "sequence_axis",
+      [](const ir::Graph& g, int64_t seq_dim) {
+        return passes::print_sequence_axis(g, passes::analyze_sequence_axis(g, seq_dim));
+      },
+      py::arg("graph"), py::arg("seq_dim") = 1);
+  m.def(
+      "sequence_cone",
+      [](const ir::Graph& g, const std::string& source, int64_t seq_dim) {
+        const ir::Node* s = g.find(source);
+        TORCH_CHECK(s != nullptr && s->kind() != ir::NodeKind::Output, "sequence_cone: unknown node '", source, "'");
+        const auto a = passes::analyze_sequence_axis(g, seq_dim);
+        py::dict out;
+        for (const auto& [n, c] : passes::seq_cone(g, a, s)) out[py::str(n->name())] = passes::to_string(c);
+        return out;
+      },
+      py::arg("graph"), py::arg("source"), py::arg("seq_dim") = 1);
   m.def("schedule", [](ir::Graph& g, bool donate) {
     auto r = passes::schedule(g, donate);
     return py::make_tuple(r.chosen, r.candidates);
