@@ -229,5 +229,7 @@ TEST(ScheduleCollectives, IssueEarlyWaitLate) {
       }
     }
     EXPECT_EQ(collectives, 6);  // 2 all_reduce + 1 broadcast, 3 waits
+    // gb's all-reduce stays in flight until gw's is issued (the wait is held for the next collective).
+    EXPECT_GT(g->find("gb_reduced")->index(), g->find("gw_all_reduce")->index()) << ir::print(*g);
   }
 }

@@ -8,7 +8,8 @@ batches:
     executor and the planned arena executor (compile(), donating);
   * ZeRO-1 (shard_optimizer_state=True) equals it too, and its per-rank optimizer-state tensors
     hold half the bytes (the step counts, scalars, stay whole);
-  * assert_states_in_sync passes on every state and catches a rank that drifted.
+  * assert_states_in_sync passes on every state and catches a rank that drifted;
+  * accumulate=2 equals eager DDP with no_sync on the first micro-batch, and unroll=2 equals two calls.
 BatchNorm: DDP (broadcast_buffers=True, its default) broadcasts rank 0's buffers at the start of
 every forward; the pure step broadcasts them at the end of the step, inside the graph, so every
 rank's state holds rank 0's buffers, which are what DDP feeds the next forward on every rank: the
@@ -168,6 +169,54 @@ def test_pure_ddp_and_zero1_equal_eager_ddp(tmp_path, kind):
         # at most one element per tensor); only the scalar step counts stay whole.
         assert 0.5 <= sharded["slots"] / full["slots"] <= 0.51, (sharded, full)
         assert sharded["all"] < 0.52 * full["all"]
+
+
+def _accumulate_unroll_worker(rank, world, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        model, loss_fn, batches = _setup("cnn_bn", rank, 4)
+        ref = copy.deepcopy(model)
+        ddp = torch.nn.parallel.DistributedDataParallel(ref)
+        ref_opt = _adamw(ref.parameters())
+        # Eager: 2 updates, each over 2 micro-batches (no_sync on the first: one all-reduce per update).
+        for i in (0, 2):
+            ref_opt.zero_grad()
+            with ddp.no_sync():
+                (loss_fn(ddp, *batches[i]) / 2).backward()
+            (loss_fn(ddp, *batches[i + 1]) / 2).backward()
+            ref_opt.step()
+        for buf in ref.buffers():
+            dist.broadcast(buf, 0)
+        diffs = {}
+        m = copy.deepcopy(model)
+        acc = torch_ext.make_train_step(m, _adamw(m.parameters()), loss_fn, batches[0], accumulate=2,
+                                        process_group=dist.group.WORLD)
+        state = acc.init_state()
+        for i in (0, 2):
+            _, state = acc(state, *batches[i], *batches[i + 1])
+        assert_states_in_sync(state)
+        diffs["accumulate"] = max(_max_diff(state.params["model." + n], p.detach()) for n, p in ref.named_parameters())
+        # unroll=2: one graph of 2 steps equals 2 calls of the one-step program (collectives of both inside).
+        m1, m2 = copy.deepcopy(model), copy.deepcopy(model)
+        one = torch_ext.make_train_step(m1, _adamw(m1.parameters()), loss_fn, batches[0], process_group=dist.group.WORLD)
+        two = torch_ext.make_train_step(m2, _adamw(m2.parameters()), loss_fn, batches[0], unroll=2,
+                                        process_group=dist.group.WORLD)
+        s1, s2 = one.init_state(), two.init_state()
+        for b in batches[:2]:
+            _, s1 = one(s1, *b)
+        _, s2 = two(s2, *batches[0], *batches[1])
+        assert_states_in_sync(s2)
+        diffs["unroll"] = max(_max_diff(s2.lookup(k), s1.lookup(k)) for k in one.state_names)
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(diffs, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_accumulate_and_unroll_with_data_parallelism(tmp_path):
+    for diffs in _launch(_accumulate_unroll_worker, (), tmp_path):
+        assert diffs["accumulate"] <= 1e-6 and diffs["unroll"] <= 1e-6, diffs
 
 
 def _drift_worker(rank, world, init_file, out_dir):
