@@ -301,3 +301,42 @@ def test_data_parallel_arguments_are_checked():
         torch_ext.make_train_step(model, opt, loss_fn, batches[0], shard_optimizer_state="yes")
     with pytest.raises(ValueError, match="torch.distributed is not initialized"):
         torch_ext.make_train_step(model, opt, loss_fn, batches[0], process_group=object())
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A 1-rank gloo group in this process, destroyed afterwards (other tests expect none)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init1'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_equals_the_plain_step_and_bad_groups_are_refused(world_of_one):
+    model, loss_fn, batches = _setup("cnn_bn", 0, 3)
+    plain = torch_ext.make_train_step(model, _adamw(model.parameters()), loss_fn, batches[0])
+    for shard in (False, True):
+        dp = torch_ext.make_train_step(model, _adamw(model.parameters()), loss_fn, batches[0],
+                                       process_group=world_of_one, shard_optimizer_state=shard)
+        s0, s1 = plain.init_state(), dp.init_state()
+        for b in batches:
+            l0, s0 = plain(s0, *b)
+            l1, s1 = dp(s1, *b)
+            assert torch.equal(l0, l1)
+        for k in plain.state_names:  # one rank: the shard is the whole (flattened) tensor
+            assert torch.equal(s0.lookup(k).reshape(-1), s1.lookup(k).reshape(-1)), k
+        assert_states_in_sync(s1, world_of_one)
+    muon_model = torch.nn.Linear(4, 4, bias=False)
+    cases = [
+        (dict(process_group="WORLD"), TypeError, "must be a torch.distributed.ProcessGroup"),
+        (dict(process_group=world_of_one, shard_optimizer_state=1), TypeError, "must be True or False, got 1"),
+    ]
+    for kwargs, exc, needle in cases:
+        with pytest.raises(exc, match=needle):
+            torch_ext.make_train_step(model, _adamw(model.parameters()), loss_fn, batches[0], **kwargs)
+    with pytest.raises(ValueError, match="parameter 'weight' uses Muon"):
+        torch_ext.make_train_step(muon_model, torch.optim.Muon(muon_model.parameters()), lambda m, x: m(x).sum(),
+                                  (torch.randn(2, 4),), process_group=world_of_one, shard_optimizer_state=True)
+    with pytest.raises(TypeError, match="expects a TrainState, got dict"):
+        assert_states_in_sync({}, world_of_one)
