@@ -14,15 +14,15 @@ Hugging Face decoder (GPT-2 or Llama-style: hook names from ``_compat.hf_hook_po
 of ``patching.run_with_cache`` / ``ReactiveGraph.run_with_cache``. TransformerLens's setters edit the corrupted activation in place;
 here they are given a copy, never the engine's cached value.
 
-Not supported: ``reduce`` other than ``"scalar"`` and ``baseline=True`` (a ValueError says so), and
-attention-pattern sites of TransformerBridge models (TransformerLens fires those hooks after the
-wrapped attention consumed the pattern, so a patch there has no effect in TransformerLens either).
+``reduce`` ("scalar", "mean", "none"), a mapping of metrics and ``baseline=True`` behave as in
+TransformerLens 4.3: the last three return TransformerLens's ``PatchingResult`` when it is installed
+(else a record with the same fields).
 """
 from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -34,6 +34,11 @@ __all__ = [
     "get_act_patch_mlp_out", "get_act_patch_attn_head_out_all_pos", "get_act_patch_attn_head_out_by_pos",
     "get_act_patch_block_every", "layer_pos_patch_setter", "layer_pos_head_vector_patch_setter",
     "layer_head_vector_patch_setter", "act_name", "run_with_cache",
+    "get_act_patch_attn_head_q_all_pos", "get_act_patch_attn_head_k_all_pos", "get_act_patch_attn_head_v_all_pos",
+    "get_act_patch_attn_head_pattern_all_pos", "get_act_patch_attn_head_q_by_pos", "get_act_patch_attn_head_k_by_pos",
+    "get_act_patch_attn_head_v_by_pos", "get_act_patch_attn_head_pattern_by_pos",
+    "get_act_patch_attn_head_all_pos_every", "get_act_patch_attn_head_by_pos_every",
+    "layer_head_pattern_patch_setter", "layer_head_pos_pattern_patch_setter",
 ]
 
 _BLOCK_HOOKS = {"resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"}
@@ -75,6 +80,20 @@ def layer_head_vector_patch_setter(corrupted_activation, index, clean_activation
     """index = (layer, head): every position of one head."""
     layer, head = index
     corrupted_activation[:, :, head] = clean_activation[:, :, head]
+    return corrupted_activation
+
+
+def layer_head_pattern_patch_setter(corrupted_activation, index, clean_activation):
+    """index = (layer, head): patterns are [batch, head, dest_pos, src_pos]."""
+    layer, head = index
+    corrupted_activation[:, head, :, :] = clean_activation[:, head, :, :]
+    return corrupted_activation
+
+
+def layer_head_pos_pattern_patch_setter(corrupted_activation, index, clean_activation):
+    """index = (layer, head, dest_pos)."""
+    layer, head, dest_pos = index
+    corrupted_activation[:, head, dest_pos, :] = clean_activation[:, head, dest_pos, :]
     return corrupted_activation
 
 
@@ -137,10 +156,18 @@ def generic_activation_patch(model, corrupted_tokens: torch.Tensor, clean_cache,
     """Patches ``activation_name`` at every index and returns the metric for each, as
     ``transformer_lens.patching.generic_activation_patch`` does: shaped by ``index_axis_names``
     (each axis's full range), or one value per row of ``index_df``."""
-    if reduce != "scalar":
-        raise ValueError(f"reduce={reduce!r} is not supported (only 'scalar')")
-    if baseline:
-        raise ValueError("baseline=True is not supported")
+    if reduce not in _REDUCE_MODES:
+        raise ValueError(f"reduce must be one of {_REDUCE_MODES}, got {reduce!r}")
+    if isinstance(patching_metric, Mapping):
+        metrics = dict(patching_metric)
+        if not metrics:
+            raise ValueError("patching_metric mapping must contain at least one metric")
+    else:
+        metrics = {"metric": patching_metric}
+    has_metric_axis = isinstance(patching_metric, Mapping)
+    want_result = has_metric_axis or reduce == "none" or baseline
+    if want_result and return_index_df:
+        raise ValueError("return_index_df only applies to the tensor return; a PatchingResult carries index_df")
     if (index_axis_names is None) == (index_df is None):
         raise ValueError("give exactly one of index_axis_names and index_df")
     rg = _graph_for(model, corrupted_tokens)
@@ -150,6 +177,9 @@ def generic_activation_patch(model, corrupted_tokens: torch.Tensor, clean_cache,
         columns = list(index_df.columns)
         rows = [tuple(int(v) for v in r) for r in index_df.itertuples(index=False)]
     else:
+        kv_heads = getattr(getattr(model, "cfg", None), "n_key_value_heads", None)
+        if activation_name in ("k", "v") and kv_heads:  # grouped-query attention: fewer key/value heads
+            n_heads = int(kv_heads)
         sizes = {"layer": n_layers, "pos": seq, "head_index": n_heads, "head": n_heads, "src_pos": seq,
                  "dest_pos": seq}
         unknown = [a for a in index_axis_names if a not in sizes]
@@ -171,18 +201,65 @@ def generic_activation_patch(model, corrupted_tokens: torch.Tensor, clean_cache,
     def patch(value, site):
         return patch_setter(value.clone(), site[1], clean_cache[site[0]])
 
+    batch_size = int(corrupted_tokens.shape[0])
+    per_example = reduce != "scalar"
+
+    def evaluate(out) -> torch.Tensor:
+        """Every metric on one output, as [metric] or [metric, batch] (TransformerLens's checks)."""
+        rows = []
+        for name, fn in metrics.items():
+            value = torch.as_tensor(fn(_logits(out)))
+            if per_example and (value.ndim != 1 or value.shape[0] != batch_size):
+                raise ValueError(f"patching_metric {name!r} must return a [batch] tensor of length {batch_size} "
+                                 f"under reduce={reduce!r}, got shape {tuple(value.shape)}")
+            if not per_example and value.ndim != 0:
+                raise ValueError(f"patching_metric {name!r} must return a scalar under reduce='scalar', got shape "
+                                 f"{tuple(value.shape)}; return a [batch] tensor and pass reduce='mean' or "
+                                 "reduce='none' to keep per-example values")
+            rows.append(value.detach().to(torch.float32))
+        return torch.stack(rows)
+
     # positions=False: TransformerLens parity is bit for bit, and a linear run on rows [p, T) alone
     # rounds differently from one run on all T rows (token-granular cones agree within 1e-6 relative).
-    result = sweep(rg, sites, patch, lambda out: patching_metric(_logits(out)), progress=False,
-                   batch_sites=batch_sites, positions=False)
-    values = torch.tensor([result.metrics[s] for s in sites], dtype=torch.float32, device=corrupted_tokens.device)
+    result = sweep(rg, sites, patch, evaluate, progress=False, batch_sites=batch_sites, positions=False)
+    cell = (len(metrics),) + ((batch_size,) if per_example else ())  # a 1-element metric comes back a float
+    store = torch.stack([torch.as_tensor(result.metrics[s], dtype=torch.float32).reshape(cell) for s in sites],
+                        dim=1)  # [metric, site, batch?]
     if index_df is None:
-        values = values.reshape([len(range(sizes[a])) for a in columns])
-    if return_index_df:
-        import pandas as pd
+        store = store.reshape([len(metrics)] + [sizes[a] for a in columns] + list(store.shape[2:]))
+    baseline_values = evaluate(rg.demand()) if baseline else None  # the unpatched corrupted run
+    if reduce == "mean":
+        store = store.mean(dim=-1)
+        baseline_values = baseline_values.mean(dim=-1) if baseline_values is not None else None
+    store = store.to(corrupted_tokens.device)
+    if not want_result:
+        if return_index_df:
+            import pandas as pd
 
-        return values, pd.DataFrame(rows, columns=columns)
-    return values
+            return store[0], pd.DataFrame(rows, columns=columns)
+        return store[0]
+    import pandas as pd
+
+    return _patching_result(
+        values=store if has_metric_axis else store[0], axis_names=[] if index_df is not None else columns,
+        index_df=index_df if index_df is not None else pd.DataFrame(rows, columns=columns),
+        metric_names=list(metrics), reduced=reduce != "none",
+        baseline=None if baseline_values is None else (baseline_values if has_metric_axis else baseline_values[0]),
+        has_metric_axis=has_metric_axis)
+
+
+_REDUCE_MODES = ("scalar", "mean", "none")
+
+
+def _patching_result(**fields):
+    """TransformerLens's PatchingResult (statistics included) when it is installed, else a plain record."""
+    try:
+        from transformer_lens.patching import PatchingResult
+    except ImportError:
+        import types
+
+        return types.SimpleNamespace(**fields)
+    return PatchingResult(**fields)
 
 
 def get_act_patch_resid_pre(model, corrupted_tokens, clean_cache, patching_metric, **kwargs):
@@ -223,5 +300,92 @@ def get_act_patch_attn_head_out_by_pos(model, corrupted_tokens, clean_cache, pat
 
 def get_act_patch_block_every(model, corrupted_tokens, clean_cache, metric, **kwargs):
     """[3, n_layers, pos]: resid_pre, attn_out and mlp_out, stacked."""
-    return torch.stack([f(model, corrupted_tokens, clean_cache, metric, **kwargs)
-                        for f in (get_act_patch_resid_pre, get_act_patch_attn_out, get_act_patch_mlp_out)])
+    return _every((get_act_patch_resid_pre, get_act_patch_attn_out, get_act_patch_mlp_out), (("layer", "pos"),) * 3,
+                  model, corrupted_tokens, clean_cache, metric, kwargs, axis_order=("layer", "pos"), n_heads=0,
+                  type_names=("resid_pre", "attn_out", "mlp_out"), block=True)
+
+
+def _head_vector(name, by_pos):
+    setter = layer_pos_head_vector_patch_setter if by_pos else layer_head_vector_patch_setter
+    axes = ("layer", "pos", "head") if by_pos else ("layer", "head")
+
+    def f(model, corrupted_tokens, clean_cache, patching_metric, **kwargs):
+        return generic_activation_patch(model, corrupted_tokens, clean_cache, patching_metric, setter, name, axes,
+                                        **kwargs)
+
+    f.__name__ = f"get_act_patch_attn_head_{name}_{'by_pos' if by_pos else 'all_pos'}"
+    f.__doc__ = (f"[n_layers, {'pos, ' if by_pos else ''}n_heads]: each head's {name} "
+                 f"({'at each position' if by_pos else 'every position at once'}).")
+    return f
+
+
+get_act_patch_attn_head_q_all_pos = _head_vector("q", by_pos=False)
+get_act_patch_attn_head_k_all_pos = _head_vector("k", by_pos=False)
+get_act_patch_attn_head_v_all_pos = _head_vector("v", by_pos=False)
+get_act_patch_attn_head_q_by_pos = _head_vector("q", by_pos=True)
+get_act_patch_attn_head_k_by_pos = _head_vector("k", by_pos=True)
+get_act_patch_attn_head_v_by_pos = _head_vector("v", by_pos=True)
+
+
+def get_act_patch_attn_head_pattern_all_pos(model, corrupted_tokens, clean_cache, patching_metric, **kwargs):
+    """[n_layers, n_heads]: each head's attention pattern, every destination position at once."""
+    return generic_activation_patch(model, corrupted_tokens, clean_cache, patching_metric,
+                                    layer_head_pattern_patch_setter, "pattern", ("layer", "head_index"), **kwargs)
+
+
+def get_act_patch_attn_head_pattern_by_pos(model, corrupted_tokens, clean_cache, patching_metric, **kwargs):
+    """[n_layers, n_heads, dest_pos]: each head's attention pattern at each destination position."""
+    return generic_activation_patch(model, corrupted_tokens, clean_cache, patching_metric,
+                                    layer_head_pos_pattern_patch_setter, "pattern",
+                                    ("layer", "head_index", "dest_pos"), **kwargs)
+
+
+def _every(fns, axes, model, corrupted_tokens, clean_cache, metric, kwargs, *, axis_order, n_heads, type_names,
+           pattern_to_pos_head=False, block=False):
+    """Several sweeps stacked on a leading patch-type axis, as TransformerLens's *_every helpers do
+    (a baseline is computed once, by the first sweep; PatchingResults are stacked by TransformerLens)."""
+    kwargs = dict(kwargs)
+    baseline = bool(kwargs.pop("baseline", False))
+    results = [f(model, corrupted_tokens, clean_cache, metric, baseline=baseline and i == 0, **kwargs)
+               for i, f in enumerate(fns)]
+    if all(isinstance(r, torch.Tensor) for r in results) and not baseline:
+        if block:
+            return torch.stack(results, dim=0)
+        heads = results[0].size(-1)
+        for i in (2, 3):  # k and v have n_key_value_heads heads: padded as TransformerLens does
+            results[i] = torch.nn.functional.pad(results[i], (0, heads - results[i].size(-1)))
+        if pattern_to_pos_head:
+            results[4] = results[4].permute(0, 2, 1)  # [layer, head, dest_pos] -> [layer, pos, head]
+        return torch.stack(results, dim=0)
+    try:
+        from transformer_lens import patching as tl_patching
+    except ImportError:
+        raise ValueError("stacking PatchingResults (reduce='none', baseline=True or a mapping of metrics) in a "
+                         "*_every helper needs transformer_lens installed; call the single sweeps instead") from None
+    results = [tl_patching._wrap_tensor_result(r, a) if isinstance(r, torch.Tensor) else r
+               for r, a in zip(results, axes)]
+    return tl_patching._stack_patch_types(results, axis_order=axis_order, n_heads=n_heads, type_names=type_names)
+
+
+def _n_heads(model) -> int:
+    cfg = getattr(model, "cfg", None)
+    return int(getattr(cfg, "n_heads", 0) or 0) if cfg is not None else 0
+
+
+def get_act_patch_attn_head_all_pos_every(model, corrupted_tokens, clean_cache, metric, **kwargs):
+    """[5, n_layers, n_heads]: head output (z), q, k, v and pattern, every position at once."""
+    return _every((get_act_patch_attn_head_out_all_pos, get_act_patch_attn_head_q_all_pos,
+                   get_act_patch_attn_head_k_all_pos, get_act_patch_attn_head_v_all_pos,
+                   get_act_patch_attn_head_pattern_all_pos), (("layer", "head"),) * 4 + (("layer", "head_index"),),
+                  model, corrupted_tokens, clean_cache, metric, kwargs, axis_order=("layer", "head"),
+                  n_heads=_n_heads(model), type_names=("out", "q", "k", "v", "pattern"))
+
+
+def get_act_patch_attn_head_by_pos_every(model, corrupted_tokens, clean_cache, metric, **kwargs):
+    """[5, n_layers, pos, n_heads]: head output (z), q, k, v and pattern at each position."""
+    return _every((get_act_patch_attn_head_out_by_pos, get_act_patch_attn_head_q_by_pos,
+                   get_act_patch_attn_head_k_by_pos, get_act_patch_attn_head_v_by_pos,
+                   get_act_patch_attn_head_pattern_by_pos),
+                  (("layer", "pos", "head"),) * 4 + (("layer", "head_index", "dest_pos"),),
+                  model, corrupted_tokens, clean_cache, metric, kwargs, axis_order=("layer", "pos", "head"),
+                  n_heads=_n_heads(model), type_names=("out", "q", "k", "v", "pattern"), pattern_to_pos_head=True)

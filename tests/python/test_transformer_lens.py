@@ -15,7 +15,10 @@ import torch_ext  # noqa: E402
 from torch_ext import patching  # noqa: E402
 
 FUNCTIONS = ["get_act_patch_resid_pre", "get_act_patch_resid_mid", "get_act_patch_attn_out", "get_act_patch_mlp_out",
-             "get_act_patch_attn_head_out_all_pos", "get_act_patch_attn_head_out_by_pos", "get_act_patch_block_every"]
+             "get_act_patch_attn_head_out_all_pos", "get_act_patch_attn_head_out_by_pos", "get_act_patch_block_every",
+             "get_act_patch_attn_head_q_all_pos", "get_act_patch_attn_head_k_by_pos", "get_act_patch_attn_head_v_all_pos",
+             "get_act_patch_attn_head_pattern_all_pos", "get_act_patch_attn_head_pattern_by_pos",
+             "get_act_patch_attn_head_all_pos_every", "get_act_patch_attn_head_by_pos_every"]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +76,11 @@ def test_patching_refuses_training_mode_and_unsupported_options(bridge):
     clean, corrupted = _prompts(1)
     _, clean_cache = bridge.run_with_cache(clean)
     with pytest.raises(ValueError, match="reduce"):
+        patching.get_act_patch_resid_pre(bridge, corrupted, clean_cache, _metric, reduce="median")
+    with pytest.raises(ValueError, match=r"\[batch\] tensor"):  # per-example reduce needs a per-example metric
         patching.get_act_patch_resid_pre(bridge, corrupted, clean_cache, _metric, reduce="mean")
+    with pytest.raises(ValueError, match="scalar"):
+        patching.get_act_patch_resid_pre(bridge, corrupted, clean_cache, lambda l: l[:, -1, 3], reduce="scalar")
     bridge.train()
     try:
         with pytest.raises(ValueError, match="eval"):
@@ -137,3 +144,31 @@ def test_patching_leaves_no_trace_on_the_model_or_on_the_model_it_was_copied_fro
             assert before[id(m)].get(k) is v, f"{type(m).__name__}.{k} was written by the sweep"
     copy.deepcopy(original)
     copy.deepcopy(copied)
+
+
+def _per_example(logits):
+    return logits[:, -1, 3] - logits[:, -1, 4]
+
+
+@pytest.mark.parametrize("kwargs,metric", [
+    ({"reduce": "mean"}, _per_example), ({"reduce": "none"}, _per_example), ({"baseline": True}, _metric),
+    ({}, {"diff": _metric, "logit7": lambda l: l[:, -1, 7].mean()}),
+    ({"reduce": "none", "baseline": True}, {"diff": _per_example})],
+    ids=["mean", "none", "baseline", "metric_mapping", "none_baseline_mapping"])
+@pytest.mark.parametrize("name", ["get_act_patch_attn_head_out_by_pos", "get_act_patch_attn_head_all_pos_every",
+                                  "get_act_patch_block_every"])
+def test_reduce_baseline_and_metric_mappings_equal_transformer_lens(bridge, kwargs, metric, name):
+    clean, corrupted = _prompts(3)
+    _, clean_cache = bridge.run_with_cache(clean)
+    expected = getattr(tl_patching, name)(bridge, corrupted, clean_cache, metric, **kwargs)
+    got = getattr(patching, name)(bridge, corrupted, clean_cache, metric, **kwargs)
+    if isinstance(expected, torch.Tensor):
+        assert torch.equal(got, expected)
+        return
+    assert type(got) is type(expected)
+    assert torch.equal(got.values, expected.values)
+    assert (got.baseline is None) == (expected.baseline is None)
+    if expected.baseline is not None:
+        assert torch.equal(got.baseline, expected.baseline)
+    assert got.axis_names == expected.axis_names and got.metric_names == expected.metric_names
+    assert got.index_df.equals(expected.index_df) and got.reduced == expected.reduced
