@@ -7,6 +7,7 @@
 #include "passes/all_reduce_grads.h"
 #include "passes/build_train_step.h"
 #include "passes/lift_optimizer_state.h"
+#include "passes/plan_memory.h"
 #include "passes/schedule.h"
 #include "passes/shard_optimizer_state.h"
 
@@ -232,4 +233,32 @@ TEST(ScheduleCollectives, IssueEarlyWaitLate) {
     // gb's all-reduce stays in flight until gw's is issued (the wait is held for the next collective).
     EXPECT_GT(g->find("gb_reduced")->index(), g->find("gw_all_reduce")->index()) << ir::print(*g);
   }
+}
+
+// all_reduce's result is written by the collective until its wait, and wait_tensor returns that
+// very storage: the planner must keep the buffer alive through the last reader of the wait.
+TEST(PlanMemoryCollectives, AllReduceBufferLivesUntilTheWaitsLastReader) {
+  auto joint = ir::parse(kJoint);
+  auto s = spec();
+  s.data_parallel = dp(0);
+  auto step = passes::build_train_step(*joint, s, 1);
+  passes::schedule(*step.graph, true);
+  const passes::MemoryPlan plan = passes::plan_memory(*step.graph, true);
+  std::map<const ir::Node*, int64_t> pos;
+  for (size_t i = 0; i < plan.order.size(); ++i) pos[plan.order[i]] = static_cast<int64_t>(i);
+  // all_reduce has no out= kernel: its buffer is a dynamic one (allocated by the op), planned all the same.
+  std::vector<passes::PlannedBuffer> all = plan.buffers;
+  all.insert(all.end(), plan.dynamic.begin(), plan.dynamic.end());
+  int64_t checked = 0;
+  for (const auto& b : all) {
+    if (b.node->target().name != "all_reduce") continue;
+    const ir::Node* wait = b.node->users().at(0);
+    ASSERT_EQ(wait->target().name, "wait_tensor");
+    for (const ir::Node* reader : wait->users())
+      if (reader->kind() == ir::NodeKind::Call) EXPECT_GE(b.life.last, pos.at(reader)) << reader->name();
+    EXPECT_LT(b.life.first, pos.at(wait));
+    ++checked;
+  }
+  EXPECT_EQ(checked, 2);
+  for (const auto& b : all) EXPECT_NE(b.node->target().name, "wait_tensor") << "a wait owns no storage";
 }
