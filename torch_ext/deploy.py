@@ -66,6 +66,15 @@ def layout_of(step) -> dict:
     }
 
 
+def aoti_metadata(layout_json: str) -> dict[str, str]:
+    """The AOTInductor package metadata for a step: the JSON layout, and for C++ readers (which have
+    no JSON parser at hand, tests/cpp/aoti/aoti_train.cpp) its input names, state names (newline
+    separated) and fingerprint as plain text."""
+    layout = json.loads(layout_json)
+    return {LAYOUT_KEY: layout_json, "torch_ext.inputs": "\n".join(layout["inputs"]),
+            "torch_ext.state_names": "\n".join(layout["state_names"]), "torch_ext.fingerprint": layout["fingerprint"]}
+
+
 def _check_layout(layout, path: str) -> dict:
     if not isinstance(layout, dict) or layout.get("format") != FORMAT:
         got = layout.get("format") if isinstance(layout, dict) else type(layout).__name__

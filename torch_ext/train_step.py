@@ -826,11 +826,11 @@ class TrainStep:
     def to_aoti(self, path: str) -> str:
         """Compiles ``program`` with AOTInductor into the package ``path`` (a minute or more), with the
         flat layout in its metadata; ``torch_ext.load_step(path)`` runs it on TrainStates."""
-        from .deploy import LAYOUT_KEY
+        from .deploy import LAYOUT_KEY, aoti_metadata
 
-        layout = self.program.graph_module.meta["custom"][LAYOUT_KEY]
-        return torch._inductor.aoti_compile_and_package(
-            self.program, package_path=path, inductor_configs={"aot_inductor.metadata": {LAYOUT_KEY: layout}})
+        meta = aoti_metadata(self.program.graph_module.meta["custom"][LAYOUT_KEY])
+        return torch._inductor.aoti_compile_and_package(self.program, package_path=path,
+                                                        inductor_configs={"aot_inductor.metadata": meta})
 
 
 def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, example_batch: Sequence, *,

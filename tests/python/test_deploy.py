@@ -23,24 +23,38 @@ def test_aoti_package_runs_10_steps_from_cpp(tmp_path):
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(10)]
     step = torch_ext.make_train_step(model, opt, loss_fn, batches[0])
-    package = torch._inductor.aoti_compile_and_package(step.program, package_path=str(tmp_path / "step.pt2"))
+    package = step.to_aoti(str(tmp_path / "step.pt2"))  # the flat layout rides in the package's metadata
 
     state = step.init_state()
-    flat = step.flat_inputs(state, *batches[0])
-    k = len(step.state_names)
-    n_batch = len(batches[0])
-    others = flat[k:len(flat) - n_batch]
-    torch.save((flat[:k], others, [list(b) for b in batches]), tmp_path / "inputs.pt")
+    torch.save(state.state_dict(), tmp_path / "state.pt")  # the checkpoint format, nothing else
+    torch.save([list(b) for b in batches], tmp_path / "batches.pt")
 
     py_losses = []
     for b in batches:
         loss, state = step(state, *b)
         py_losses.append(loss.item())
-    run = subprocess.run([str(RUNNER), package, str(tmp_path / "inputs.pt")], capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run([str(RUNNER), package, str(tmp_path / "state.pt"), str(tmp_path / "batches.pt")],
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     cpp_losses = [float(line) for line in run.stdout.split()]
     assert len(cpp_losses) == 10
     # Inductor fuses the forward/backward kernels, so agreement is to float32 rounding, not bitwise.
     torch.testing.assert_close(torch.tensor(cpp_losses), torch.tensor(py_losses), rtol=1e-5, atol=1e-6)
     assert cpp_losses[-1] < cpp_losses[0]
+
+
+@pytest.mark.skipif(not RUNNER.exists(), reason=f"C++ runner not built at {RUNNER}")
+def test_cpp_runner_refuses_a_state_of_another_program(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    batch = (torch.randn(3, 4), torch.randint(0, 2, (3,)))
+    step = torch_ext.make_train_step(model, opt, loss_fn, batch)
+    package = step.to_aoti(str(tmp_path / "step.pt2"))
+    other = torch_ext.make_train_step(model, opt, loss_fn, batch, clip_grad_norm=1.0)
+    torch.save(other.init_state().state_dict(), tmp_path / "other.pt")
+    torch.save([list(batch)], tmp_path / "batches.pt")
+    run = subprocess.run([str(RUNNER), package, str(tmp_path / "other.pt"), str(tmp_path / "batches.pt")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "was made by a different program" in run.stderr, run.stderr

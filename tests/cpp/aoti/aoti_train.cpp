@@ -1,53 +1,124 @@
 // Runs an AOTInductor-compiled torch_ext pure training step with no Python.
 //
-//   aoti_train <step.pt2> <inputs.pt>
+//   aoti_train <step.pt2> <state.pt> <batches.pt>
 //
-// inputs.pt is torch.save((state: list[Tensor], others: list[Tensor], batches: list[list[Tensor]])):
-// the program takes [state..., others..., batch...] and returns [loss, new state...]. Each step's
-// new state feeds the next call. Prints one loss per line.
+// step.pt2 is a package from step.to_aoti(path): its metadata holds the flat layout, read here
+// (not taken from Python): "torch_ext.inputs" names each program input in order (a state entry,
+// or "batch:<i>", the i-th tensor of a call's batch), "torch_ext.state_names" the new state
+// entries the program returns after the loss, and "torch_ext.fingerprint" the program's hash.
+// state.pt is torch.save(state.state_dict()) (the checkpoint format: params/buffers/opt dicts,
+// the lr list, rng, fingerprint); batches.pt is torch.save([[tensor, ...], ...]), one list of
+// batch tensors per call. Each call's new state feeds the next. Prints one loss per line.
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <map>
+#include <sstream>
+#include <string>
 #include <vector>
 
 namespace {
-std::vector<at::Tensor> tensors_of(const c10::IValue& v) {
-  std::vector<at::Tensor> out;
-  for (const auto& e : v.toListRef()) out.push_back(e.toTensor());
+c10::IValue load(const char* path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error(std::string("cannot read ") + path);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return torch::jit::pickle_load(bytes);
+}
+
+std::vector<std::string> lines(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream is(text);
+  for (std::string line; std::getline(is, line);) out.push_back(line);
   return out;
+}
+
+std::string meta_at(const std::unordered_map<std::string, std::string>& meta, const std::string& key,
+                    const char* package) {
+  auto it = meta.find(key);
+  if (it == meta.end()) {
+    throw std::runtime_error(std::string(package) + " has no " + key +
+                             " metadata: compile it with step.to_aoti(path)");
+  }
+  return it->second;
+}
+
+// The state's entries by the names the layout uses (TrainState.lookup): "model.*" parameters and
+// buffers, "opt:<param>:<slot>", "opt:lr:group<k>" and "rng".
+std::map<std::string, at::Tensor> entries_of(const c10::IValue& state) {
+  const auto dict = state.toGenericDict();
+  std::map<std::string, at::Tensor> out;
+  for (const char* part : {"params", "buffers", "opt"}) {
+    for (const auto& kv : dict.at(part).toGenericDict()) out[kv.key().toStringRef()] = kv.value().toTensor();
+  }
+  const auto lr = dict.at("lr").toListRef();
+  for (size_t k = 0; k < lr.size(); ++k) out["opt:lr:group" + std::to_string(k)] = lr[k].toTensor();
+  if (!dict.at("rng").isNone()) out["rng"] = dict.at("rng").toTensor();
+  return out;
+}
+
+int run(int argc, char** argv) {
+  if (argc != 4) {
+    std::fprintf(stderr, "usage: %s <step.pt2> <state.pt> <batches.pt>\n", argv[0]);
+    return 2;
+  }
+  torch::inductor::AOTIModelPackageLoader loader(argv[1]);
+  const auto meta = loader.get_metadata();
+  const std::vector<std::string> inputs = lines(meta_at(meta, "torch_ext.inputs", argv[1]));
+  const std::vector<std::string> state_names = lines(meta_at(meta, "torch_ext.state_names", argv[1]));
+  const std::string fingerprint = meta_at(meta, "torch_ext.fingerprint", argv[1]);
+
+  const c10::IValue state = load(argv[2]);
+  const std::string made_by = state.toGenericDict().at("fingerprint").toStringRef();
+  if (made_by != fingerprint) {
+    std::fprintf(stderr, "%s was made by a different program (fingerprint '%s') than %s (fingerprint '%s')\n",
+                 argv[2], made_by.c_str(), argv[1], fingerprint.c_str());
+    return 2;
+  }
+  std::map<std::string, at::Tensor> entries = entries_of(state);
+  const std::string batch_prefix = "batch:";
+  const c10::IValue batches = load(argv[3]);  // kept alive: toListRef() views it
+  for (const auto& batch_value : batches.toListRef()) {
+    std::vector<at::Tensor> batch;
+    for (const auto& t : batch_value.toListRef()) batch.push_back(t.toTensor());
+    std::vector<at::Tensor> flat;
+    flat.reserve(inputs.size());
+    for (const std::string& name : inputs) {
+      if (name.rfind(batch_prefix, 0) == 0) {
+        const size_t i = std::stoul(name.substr(batch_prefix.size()));
+        if (i >= batch.size()) {
+          std::fprintf(stderr, "the program reads %s but a call's batch has %zu tensors\n", name.c_str(), batch.size());
+          return 2;
+        }
+        flat.push_back(batch[i]);
+        continue;
+      }
+      auto it = entries.find(name);
+      if (it == entries.end()) {
+        std::fprintf(stderr, "%s has no entry '%s' that the program reads\n", argv[2], name.c_str());
+        return 2;
+      }
+      flat.push_back(it->second);
+    }
+    std::vector<at::Tensor> outs = loader.run(flat);
+    if (outs.size() < state_names.size() + 1) {
+      std::fprintf(stderr, "expected at least %zu outputs, got %zu\n", state_names.size() + 1, outs.size());
+      return 1;
+    }
+    std::printf("%.9g\n", outs[0].item<double>());
+    for (size_t i = 0; i < state_names.size(); ++i) entries[state_names[i]] = outs[1 + i];
+  }
+  return 0;
 }
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 3) {
-    std::fprintf(stderr, "usage: %s <step.pt2> <inputs.pt>\n", argv[0]);
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "aoti_train: %s\n", e.what());
     return 2;
   }
-  std::ifstream in(argv[2], std::ios::binary);
-  if (!in) {
-    std::fprintf(stderr, "cannot read %s\n", argv[2]);
-    return 2;
-  }
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const c10::IValue data = torch::jit::pickle_load(bytes);
-  const auto& parts = data.toTupleRef().elements();
-  std::vector<at::Tensor> state = tensors_of(parts.at(0));
-  const std::vector<at::Tensor> others = tensors_of(parts.at(1));
-  torch::inductor::AOTIModelPackageLoader loader(argv[1]);
-  for (const auto& batch_value : parts.at(2).toListRef()) {
-    std::vector<at::Tensor> inputs = state;
-    inputs.insert(inputs.end(), others.begin(), others.end());
-    for (const at::Tensor& t : tensors_of(batch_value)) inputs.push_back(t);
-    std::vector<at::Tensor> outs = loader.run(inputs);
-    if (outs.size() != state.size() + 1) {
-      std::fprintf(stderr, "expected %zu outputs, got %zu\n", state.size() + 1, outs.size());
-      return 1;
-    }
-    std::printf("%.9g\n", outs[0].item<double>());
-    state.assign(outs.begin() + 1, outs.end());
-  }
-  return 0;
 }
