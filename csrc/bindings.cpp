@@ -11,6 +11,7 @@
 #include "passes/rematerialize.h"
 #include "passes/schedule.h"
 #include "passes/sequence_axis.h"
+#include "passes/split_heads.h"
 #include "runtime/arena_executor.h"
 #include "reactive/engine.h"
 #include "runtime/executor.h"
@@ -381,6 +382,25 @@ PYBIND11_MODULE(_C, m) {
              for (const auto& x : out) result.append(ivalue_to_py(x));
              return result;
            })
+      .def("evaluate_patched_rows",
+           [](reactive::Engine& e, const std::string& n, py::handle v, std::vector<int64_t> read_rows) {
+             c10::IValue value = ivalue_from_py(v);
+             std::vector<c10::IValue> out;
+             {
+               py::gil_scoped_release no_gil;
+               out = e.evaluate_patched_rows(n, std::move(value), read_rows);
+             }
+             py::list result;
+             for (const auto& x : out) result.append(ivalue_to_py(x));
+             return result;
+           },
+           py::arg("node"), py::arg("value"), py::arg("read_rows") = std::vector<int64_t>{})
+      .def("can_evaluate_patched_rows", &reactive::Engine::can_evaluate_patched_rows)
+      .def("set_positions", &reactive::Engine::set_positions, py::arg("enabled"), py::arg("seq_dim") = 1)
+      .def("positions", &reactive::Engine::positions)
+      .def("seq_axis", &reactive::Engine::seq_axis)
+      .def("first_changed_row",
+           [](reactive::Engine& e, const std::string& n, py::handle v) { return e.first_changed_row(n, ivalue_from_py(v)); })
       .def("can_evaluate_patched", &reactive::Engine::can_evaluate_patched)
       .def("begin_transaction", &reactive::Engine::begin_transaction)
       .def("rollback", &reactive::Engine::rollback)
@@ -410,6 +430,7 @@ PYBIND11_MODULE(_C, m) {
              d["cutoffs"] = s.cutoffs;
              d["invalidated"] = s.invalidated;
              d["restored"] = s.restored;
+             d["row_evaluations"] = s.row_evaluations;
              return d;
            })
       .def("reset_stats", &reactive::Engine::reset_stats)
@@ -453,6 +474,15 @@ PYBIND11_MODULE(_C, m) {
     runtime::verify_plan(b, plan);
     return py::make_tuple(plan.algorithm, plan.offsets, plan.arena_bytes, runtime::lower_bound_bytes(b));
   });
+  m.def(
+      "split_heads",
+      [](ir::Graph& g, const std::vector<std::pair<std::string, int64_t>>& sites) {
+        std::vector<passes::SplitHeadsSite> s;
+        for (const auto& p : sites) s.push_back({p.first, p.second});
+        return passes::split_heads(g, s);
+      },
+      "Splits each (z node, heads) attention output projection into per-head results plus a sum; returns "
+      "the result node names (csrc/passes/split_heads.h).");
   m.def("rematerialize", [](ir::Graph& g, const std::vector<std::string>& names) {
     auto r = passes::rematerialize(g, names);
     return py::make_tuple(r.recomputed, r.clones);

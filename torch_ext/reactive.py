@@ -84,7 +84,8 @@ class ReactiveGraph:
     cone, and :meth:`demand` recomputes only that.
     """
 
-    def __init__(self, ep_or_module, example_inputs: Sequence | None = None, *, cutoff: bool = False):
+    def __init__(self, ep_or_module, example_inputs: Sequence | None = None, *, cutoff: bool = False,
+                 positions: bool = True, seq_dim: int = 1):
         if isinstance(ep_or_module, torch.nn.Module):
             if example_inputs is None:
                 raise ValueError("ReactiveGraph(module, example_inputs): example_inputs are required to export a module")
@@ -115,6 +116,12 @@ class ReactiveGraph:
         self._engine = _C.Engine(Graph.from_exported(self.program)._g)
         self.graph = Graph(self._engine.graph())  # the engine's graph: dead code dropped
         self._engine.set_cutoff(bool(cutoff))
+        if not isinstance(seq_dim, int) or isinstance(seq_dim, bool) or seq_dim < 0:
+            raise ValueError(f"ReactiveGraph: seq_dim must be a non-negative int, got {seq_dim!r}")
+        # Token-granular cones (csrc/passes/sequence_axis.h): a patch that changes rows [p, T) of a
+        # node's sequence axis recomputes only those rows wherever the analysis allows.
+        self._positions, self._seq_dim = bool(positions), seq_dim
+        self._engine.set_positions(self._positions, seq_dim)
         sig = self.program.graph_signature
         state = {**self.program.state_dict, **self.program.constants}
         self._slots = [None if spec.kind.name == "USER_INPUT" else state[spec.target] for spec in sig.input_specs]
@@ -177,7 +184,8 @@ class ReactiveGraph:
                 setattr(self, a, v)
             self._shape_stats["graph_reuses"] += 1
         else:
-            fresh = ReactiveGraph(self._module, args, cutoff=self._cutoff)
+            fresh = ReactiveGraph(self._module, args, cutoff=self._cutoff, positions=self._positions,
+                                  seq_dim=self._seq_dim)
             for a in self._PER_SHAPE:
                 setattr(self, a, getattr(fresh, a, None))
             self._grafts_applied = 0
@@ -370,7 +378,8 @@ class ReactiveGraph:
     # ---- inspection
     @property
     def stats(self) -> dict:
-        """``evaluations``, ``cost`` (FLOP-weighted), ``cutoffs``, ``invalidated``, ``restored`` of the
+        """``evaluations``, ``cost`` (FLOPs of what ran), ``row_evaluations`` (a node run on k of its T
+        rows counts k/T), ``cutoffs``, ``invalidated``, ``restored`` of the
         current shape's graph; ``graph_builds`` and ``graph_reuses`` count per-shape graphs."""
         return {**self._engine.stats(), **self._shape_stats}
 
@@ -417,6 +426,84 @@ class ReactiveGraph:
     def set_cutoff(self, enabled: bool) -> None:
         self._engine.set_cutoff(bool(enabled))
 
+    @property
+    def positions(self) -> bool:
+        """Whether token-granular cones are on (see ``ReactiveGraph(positions=...)``)."""
+        return self._positions
+
+    def set_positions(self, enabled: bool) -> None:
+        """Turns token-granular cones on or off (for this graph and its batched copies)."""
+        self._positions = bool(enabled)
+        self._engine.set_positions(self._positions, self._seq_dim)
+        for bg in self._batched.values():
+            bg.rg.set_positions(enabled)
+
+    def seq_axis(self, node: str) -> int:
+        """The node's sequence axis by the analysis, or -1 (no axis, or positions off)."""
+        return self._engine.seq_axis(self.resolve(node))
+
+    def _output_nodes(self) -> list:
+        """The node name of every flat output (None for a constant)."""
+        cache = self.__dict__.get("_out_nodes")
+        if cache is None or cache[0] is not self.graph:
+            outs = [a.name if isinstance(a, _C.NodeRef) else None for a in self.graph.nodes()[-1]["args"][0]]
+            cache = self._out_nodes = (self.graph, outs)
+        return cache[1]
+
+    def _read_rows(self, reads) -> list[int]:
+        """``reads`` ({output: index}) as the first row read along each flat output's sequence axis
+        (-1: read whole). An output is named by its node name, a hook name, its flat index, or, when
+        the graph has one user output, by any name (``"logits"``). The index is what the metric reads
+        (``(slice(None), -1, [tok_a, tok_b])``); only its entry at the sequence axis is used: an int
+        reads that row, a slice from its start, a list from its smallest row."""
+        if reads is None:
+            return []
+        if not isinstance(reads, dict):
+            raise TypeError(f"reads must be a dict {{output: index}}, got {type(reads).__name__}")
+        outs = self._output_nodes()
+        rows = [-1] * len(outs)
+        for key, index in reads.items():
+            if isinstance(key, int) and not isinstance(key, bool):
+                if not 0 <= key < len(outs):
+                    raise ValueError(f"reads: output index {key} out of range (the graph has {len(outs)} outputs)")
+                k = key
+            elif isinstance(key, str) and self.resolve(key) in outs:
+                k = outs.index(self.resolve(key))
+            elif isinstance(key, str) and self._single_output is not None:
+                k = self._single_output
+            else:
+                raise ValueError(f"reads: {key!r} names no output (outputs: {[o for o in outs if o]})")
+            node = outs[k]
+            if node is None:
+                continue
+            axis = self._engine.seq_axis(node)
+            if not isinstance(index, tuple):
+                index = (index,)
+            if axis < 0 or axis >= len(index):
+                continue
+            t = self._engine.node(node)["type"][2][axis]
+            sel = index[axis]
+            if isinstance(sel, bool) or sel is Ellipsis or any(e is Ellipsis for e in index[:axis]):
+                raise ValueError(f"reads[{key!r}]: {index!r}: Ellipsis and bool indices are not supported")
+            if isinstance(sel, int):
+                first = sel + t if sel < 0 else sel
+            elif isinstance(sel, slice):
+                if sel.step not in (None, 1):
+                    raise ValueError(f"reads[{key!r}]: slice {sel} along the sequence axis must have step 1")
+                start = sel.start or 0
+                first = max(start + t if start < 0 else start, 0)
+            elif isinstance(sel, (list, tuple, range)) and sel and all(isinstance(i, int) for i in sel):
+                first = min(i + t if i < 0 else i for i in sel)
+            elif isinstance(sel, torch.Tensor) and sel.dtype in (torch.int64, torch.int32) and sel.numel():
+                first = int(torch.where(sel < 0, sel + t, sel).min())
+            else:
+                raise ValueError(f"reads[{key!r}]: cannot read {sel!r} along the sequence axis (dim {axis}); give an "
+                                 "int, a slice, or a list of ints")
+            if not 0 <= first < t:
+                raise ValueError(f"reads[{key!r}]: row {first} is outside the sequence axis of length {t}")
+            rows[k] = first
+        return rows
+
     def check_invariants(self) -> None:
         self._engine.check_invariants()
 
@@ -454,7 +541,8 @@ class _BatchedGraph:
         self.owner = rg
         self.inputs_of = None
         module = rg._module if rg._module is not None else rg.program.module()
-        self.rg = ReactiveGraph(module, self._stacked(args), cutoff=False)
+        self.rg = ReactiveGraph(module, self._stacked(args), cutoff=False, positions=rg._positions,
+                                seq_dim=rg._seq_dim)
         self.inputs_of = args
         self.grafts_applied = 0
         self.standing: list[tuple[str, torch.Tensor]] = []
@@ -802,10 +890,21 @@ def _raise_metric_wrote(rg: ReactiveGraph, site):
                      "values); the cache is repaired. Compute on a copy instead (e.g. out = out.clone()).")
 
 
-def _one_site(rg: ReactiveGraph, site, node: str, patch: Callable, metric: Callable, pinned=()):
-    """One sweep transaction: patch -> demand -> metric -> rollback (standing patches and grafts kept)."""
+def _one_site(rg: ReactiveGraph, site, node: str, patch: Callable, metric: Callable, pinned=(), read_rows=None):
+    """One sweep transaction: patch -> demand -> metric -> rollback (standing patches and grafts kept).
+
+    With ``read_rows`` (a list, possibly empty) and token-granular cones available, only the rows the
+    patch changed (and the metric reads) are recomputed."""
     patch = rg._hook_view(site[0] if isinstance(site, tuple) else site, patch)
     eng = rg._engine
+    if read_rows is not None and not pinned and eng.can_evaluate_patched_rows() and eng.seq_axis(node) >= 0:
+        value = rg._call_patch_fn(node, lambda v: patch(v, site), eng.value(node), "sweep patch function")
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"patch function at site {site!r} returned {type(value).__name__}, expected a tensor")
+        result, wrote = _measure(rg, metric, rg._user(eng.evaluate_patched_rows(node, value.detach(), read_rows)), site)
+        if wrote:
+            _raise_metric_wrote(rg, site)
+        return result
     if node not in pinned and eng.can_evaluate_patched():
         # The fast path: the cone's prepared order, values freed at last use, everything put back.
         value = rg._call_patch_fn(node, lambda v: patch(v, site), eng.value(node), "sweep patch function")
@@ -844,7 +943,7 @@ def _balanced_shares(units: list, costs: list[float], world: int) -> list[list]:
 
 
 def _distributed_sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool,
-                       batch_sites: bool) -> SweepResult:
+                       batch_sites: bool, rows=None) -> SweepResult:
     """Splits the sites across the ranks of the default process group by predicted cone cost (whole
     nodes when batching, so a node's sites stay one batch), sweeps the local share and gathers one
     result on every rank. Every rank must hold the same graph, inputs and standing mutations."""
@@ -870,7 +969,7 @@ def _distributed_sweep(rg: ReactiveGraph, site_list: list, patch, metric, progre
         costs = [cost_of.setdefault(node_of(s), rg._engine.cone_cost(node_of(s))) for s in site_list]
     mine = [s for unit in _balanced_shares(units, costs, world)[rank] for s in unit]
     t0 = time.perf_counter()
-    local = _sweep(rg, mine, patch, metric, progress, batch_sites, False) if mine else None
+    local = _sweep(rg, mine, patch, metric, progress, batch_sites, False, rows) if mine else None
     wall = time.perf_counter() - t0
     payload = (local.metrics if local else {}, local.measured_evaluations if local else 0,
                local.predicted_evaluations if local else 0, local.cost if local else 0.0, wall,
@@ -893,7 +992,7 @@ def _distributed_sweep(rg: ReactiveGraph, site_list: list, patch, metric, progre
 
 def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.Tensor],
           metric: Callable[[Any], Any], *, progress: bool = True, batch_sites: bool = False,
-          distributed: bool = False) -> SweepResult:
+          distributed: bool = False, positions: bool | None = None, reads=None) -> SweepResult:
     """Patches each site, demands, measures and rolls back.
 
     ``sites`` is a glob over node names / module paths, or a list of node names or ``(node, key)``
@@ -912,22 +1011,37 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     it with the same graph and sites, e.g. under ``torchrun``) the sites are split across the ranks,
     balanced by predicted cone cost, and every rank returns the whole table, equal to a
     single-process sweep's.
+
+    Token-granular cones are on by default (``positions=None`` follows the graph's setting,
+    ``positions=False`` turns them off for this sweep): a patched value that differs from the clean
+    one only from row p on along the node's sequence axis recomputes only rows [p, T) of the nodes
+    the sequence-axis analysis bounds, the whole node elsewhere. ``reads={output: index}`` declares
+    what the metric reads (``{"logits": (slice(None), -1, [tok_a, tok_b])}``): rows that reach no
+    read row are not computed, and those rows of the outputs the metric receives are NaN. Standing
+    patches and early cutoff fall back to node-granular cones; batched sites use them too.
     """
     site_list = _expand_sites(rg, sites)
     if not site_list:
         raise ValueError("sweep needs at least one site")
     rg._refuse_during_sweep("sweep()")
+    if positions is not None and not isinstance(positions, bool):
+        raise TypeError(f"sweep(positions=...) must be a bool or None, got {type(positions).__name__}")
+    use_rows = rg.positions if positions is None else positions
+    rows = (rg._read_rows(reads), reads) if use_rows else None
+    if reads is not None and not use_rows:
+        rg._read_rows(reads)  # still checked: a bad reads argument is refused either way
     rg._sweeping = True
     try:
-        return _sweep(rg, site_list, patch, metric, progress, batch_sites, distributed)
+        return _sweep(rg, site_list, patch, metric, progress, batch_sites, distributed, rows)
     finally:
         rg._sweeping = False
 
 
 def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, batch_sites: bool,
-           distributed: bool) -> SweepResult:
+           distributed: bool, rows=None) -> SweepResult:
     if distributed:
-        return _distributed_sweep(rg, site_list, patch, metric, progress, batch_sites)
+        return _distributed_sweep(rg, site_list, patch, metric, progress, batch_sites, rows)
+    read_rows = rows[0] if rows is not None else None
     eng = rg._engine
     if eng.in_transaction():
         raise RuntimeError("sweep: a sweep transaction is already open on this graph (sweeps do not nest)")
@@ -961,28 +1075,34 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         predicted = sum(cones[node_of(s)] for s in site_list)
         before = rg.stats["evaluations"]
         cost_before = rg.stats["cost"]
+        rows_before = rg.stats["row_evaluations"]
         t0 = time.perf_counter()
         pinned = set(eng.pinned())
         for s in _progress(site_list, len(site_list), progress, "sweep"):
-            metrics[s] = _one_site(rg, s, node_of(s), patch, metric, pinned)
+            metrics[s] = _one_site(rg, s, node_of(s), patch, metric, pinned, read_rows)
         wall = time.perf_counter() - t0
         return SweepResult(metrics, rg.stats["evaluations"] - before, predicted, full, rg.num_nodes, wall,
-                           cost=rg.stats["cost"] - cost_before, clean_metric=clean_metric, node_labels=labels)
+                           cost=rg.stats["cost"] - cost_before, clean_metric=clean_metric, node_labels=labels,
+                           extra={"row_evaluations": rg.stats["row_evaluations"] - rows_before,
+                                  "positions": read_rows is not None and not pinned})
 
     groups: dict = {}
     for s in site_list:
         groups.setdefault(node_of(s), []).append(s)
     measured = 0
     cost = 0.0
+    row_evals = 0.0
     setup = 0
     t0 = time.perf_counter()
     for node, members in _progress(list(groups.items()), len(groups), progress, "sweep (batched)"):
         k = len(members)
         if k == 1:  # nothing to batch: the graph itself is the cheapest
             before, cost_before = rg.stats["evaluations"], rg.stats["cost"]
-            metrics[members[0]] = _one_site(rg, members[0], node, patch, metric, set(eng.pinned()))
+            rows_before = rg.stats["row_evaluations"]
+            metrics[members[0]] = _one_site(rg, members[0], node, patch, metric, set(eng.pinned()), read_rows)
             measured += rg.stats["evaluations"] - before
             cost += rg.stats["cost"] - cost_before
+            row_evals += rg.stats["row_evaluations"] - rows_before
             continue
         bg_before = rg._batched[k].rg.stats["evaluations"] if k in rg._batched else 0
         bg = rg._batched_graph(k)
@@ -999,12 +1119,17 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
             values.append(v.detach())
         before = big.stats["evaluations"]
         cost_before = big.stats["cost"]
+        rows_before = big.stats["row_evaluations"]
         fast = big._engine.can_evaluate_patched() and node not in set(big._engine.pinned())
+        by_rows = (read_rows is not None and big._engine.can_evaluate_patched_rows()
+                   and big._engine.seq_axis(node) >= 0)
         if not fast:
             big._engine.begin_transaction()
         wrote = []
         try:
-            if fast:
+            if by_rows:
+                flat = big._engine.evaluate_patched_rows(node, torch.cat(values), big._read_rows(rows[1]))
+            elif fast:
                 flat = big._engine.evaluate_patched(node, torch.cat(values))
             else:
                 big._engine.patch(node, torch.cat(values))
@@ -1022,8 +1147,10 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
             _raise_metric_wrote(big, wrote[0])
         measured += big.stats["evaluations"] - before
         cost += big.stats["cost"] - cost_before
+        row_evals += big.stats["row_evaluations"] - rows_before
     wall = time.perf_counter() - t0
     predicted_batched = sum(cones[n] for n in groups)
     return SweepResult(metrics, measured, predicted_batched, full, rg.num_nodes, wall, batched=True,
-                       groups=len(groups), cost=cost, extra={"setup_evaluations": setup}, clean_metric=clean_metric,
+                       groups=len(groups), cost=cost, extra={"setup_evaluations": setup, "row_evaluations": row_evals},
+                       clean_metric=clean_metric,
                        node_labels=labels)

@@ -300,6 +300,7 @@ std::vector<c10::IValue> Engine::evaluate_patched(const std::string& name, c10::
       ++st.evaluations;
       ++stats_.evaluations;
       stats_.cost += st.cost;
+      stats_.row_evaluations += 1.0;
       for (int64_t r : plan.release[i]) values_[r] = c10::IValue();  // last use: free, as the executor does
     }
   } catch (...) {
@@ -394,6 +395,7 @@ void Engine::evaluate(int64_t id) {
   ++st.evaluations;
   ++stats_.evaluations;
   stats_.cost += st.cost;
+  stats_.row_evaluations += 1.0;
   save_baseline(id);
   const bool unchanged = cutoff_ && values_equal(out, values_[id]);
   store(id, std::move(out));
@@ -680,6 +682,8 @@ std::vector<std::string> Engine::graft(const std::string& src_name, const std::s
   // ---- splice.
   ++revision_;
   plans_.clear();  // cones change
+  row_plans_.clear();
+  seq_.reset();
   const std::string prefix = "graft" + std::to_string(graft_counter_++) + "_";
   std::unordered_map<const ir::Node*, ir::Node*> map;
   map[block_in] = src_node;

@@ -53,10 +53,12 @@
 #pragma once
 
 #include "ir/graph.h"
+#include "passes/sequence_axis.h"
 #include "runtime/kernel.h"
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -72,6 +74,9 @@ struct Stats {
   int64_t cutoffs = 0;      // nodes revalidated by early cutoff without executing
   int64_t invalidated = 0;  // nodes marked invalid by mutations
   int64_t restored = 0;     // nodes returned to baseline by restore
+  // Row-weighted evaluations: a node evaluated on k of its T rows counts k/T (a whole evaluation
+  // counts 1). stats.cost is weighted the same way: the FLOPs of what actually ran.
+  double row_evaluations = 0.0;
 };
 
 double node_cost(const ir::Node& node);
@@ -128,6 +133,28 @@ class Engine {
   // nothing stale, no open transaction and early cutoff off.
   std::vector<c10::IValue> evaluate_patched(const std::string& node, c10::IValue value);
   bool can_evaluate_patched() const { return has_run_ && dirty_.empty() && !txn_ && !cutoff_; }
+
+  // Token-granular cones (rows.cpp). With positions on, the sequence-axis analysis
+  // (passes/sequence_axis.h) is run on the graph (again after a graft). evaluate_patched_rows is
+  // evaluate_patched for a value that differs from the cached one only in rows [p, T) of the node's
+  // sequence axis (p is found by comparing the two): every node of the cone whose change the
+  // analysis bounds to rows [p, T) is computed on those rows alone, its inputs sliced (causal
+  // attention: query rows [p, T) against all keys and values, with an explicit offset mask), the
+  // rest whole; nothing is written into a cached tensor, and everything is put back afterwards as
+  // evaluate_patched does (restore stays free). `read_rows[k]` >= 0 declares that the caller reads
+  // only rows [read_rows[k], T) of output k (-1: all of it): rows that reach no read row are not
+  // computed, and such an output's rows [p, read_rows[k]) come back as NaN. Every node of the cone
+  // runs exactly once (a value equal to the cached one runs it whole), so counts are those of
+  // evaluate_patched: |V+(node)|. Needs positions on, no standing patch, and what evaluate_patched needs.
+  void set_positions(bool enabled, int64_t seq_dim = 1);
+  bool positions() const { return positions_; }
+  // The node's sequence axis by the analysis (-1: none, or positions off).
+  int64_t seq_axis(const std::string& node);
+  bool can_evaluate_patched_rows() const { return positions_ && pinned_.empty() && can_evaluate_patched(); }
+  std::vector<c10::IValue> evaluate_patched_rows(const std::string& node, c10::IValue value,
+                                                 const std::vector<int64_t>& read_rows = {});
+  // The first row along the node's sequence axis where `value` differs from its cached value (T if none).
+  int64_t first_changed_row(const std::string& node, const c10::IValue& value);
 
   // Throws (naming the node) if the node's cached value was written in place
   // since it was stored, after marking it for recomputation (I8).
@@ -214,6 +241,34 @@ class Engine {
   std::unordered_map<int64_t, PatchPlan> plans_;  // by patched node; dropped by grafts
   uint64_t pins_version_ = 0;                     // bumped whenever the pin set changes
   const PatchPlan& plan_for(int64_t id);
+  // Token-granular plan for one patched node and one set of read rows (rows.cpp).
+  struct RowInput {
+    int64_t slot = -1;
+    passes::SeqRel rel = passes::SeqRel::None;
+    int64_t dim = -1;
+    int64_t pos = -1;  // position in the plan when the input is a cone node, else -1
+  };
+  struct RowStep {
+    bool suffix = false;  // computed on rows [start, T) of its row axis, stored as those rows alone
+    int64_t row_axis = -1;
+    int64_t length = 0;
+    int64_t need = 0;  // first row any reader needs (0 when read whole)
+    int special = 0;   // 0 kernel, 1 causal SDPA, 2 view, 3 _unsafe_view, 4 reshape, 5 expand
+    std::vector<RowInput> inputs;
+  };
+  struct RowPlan {
+    std::vector<RowStep> steps;  // parallel to PatchPlan::order
+    std::unordered_map<int64_t, size_t> pos;
+    int64_t source_axis = -1;
+    int64_t source_length = 0;
+    uint64_t pins_version = 0;
+  };
+  const RowPlan& row_plan_for(int64_t id, const std::vector<int64_t>& read_rows);
+  const passes::SeqAxisAnalysis& seq_analysis();
+  std::map<std::pair<int64_t, std::vector<int64_t>>, RowPlan> row_plans_;
+  std::optional<passes::SeqAxisAnalysis> seq_;
+  bool positions_ = false;
+  int64_t seq_dim_ = 1;
   std::set<int64_t> txn_structural_;      // structural_dirty_ at begin_transaction()
   std::set<int64_t> txn_baseline_stale_;  // baseline_stale_ at begin_transaction()
   std::unordered_map<const ir::Node*, int64_t> ids_;

@@ -1094,7 +1094,9 @@ def test_sweep_one_at_a_time_vs_batched(tiny, tmp_path):
     assert r2.measured_evaluations == r2.predicted_evaluations == sum(len(rg.cone(n)) for n in resid)
     assert set(r1.metrics) == set(r2.metrics) == set(sites)
     for k in sites:
-        assert abs(r1.metrics[k] - r2.metrics[k]) <= 1e-6, (k, r1.metrics[k], r2.metrics[k])
+        # Token-granular cones run the linears on rows [p, T): BLAS rounds a row differently with another
+        # row count, so the two sweeps agree within 1e-6 relative, not bit for bit.
+        assert abs(r1.metrics[k] - r2.metrics[k]) <= 1e-6 * max(1.0, abs(r2.metrics[k])), (k, r1.metrics[k], r2.metrics[k])
     # Manual check of one site against eager PyTorch with a forward pre-hook.
     node, pos = "add_2", 11
     def hook(mod, args):

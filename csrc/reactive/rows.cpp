@@ -1,0 +1,305 @@
+// Token-granular cones: the row-range fast path of the reactive engine (see engine.h,
+// evaluate_patched_rows, and passes/sequence_axis.h for the analysis it relies on).
+//
+// Representation. During one evaluate_patched_rows call, a cone node the analysis bounds to rows
+// [p, T) (change Rows or Upper) holds only its recomputed rows [start, T) along its row axis, where
+// start = max(p, the first row any reader needs). A reader that needs the whole value gets the
+// cached rows [0, p) joined with the recomputed ones (its need is 0, so start = p there). No cached
+// tensor is written: the cone's cached values are kept aside and put back at the end, so restore
+// stays free, exactly as in evaluate_patched.
+#include "reactive/engine.h"
+
+#include "runtime/executor.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <limits>
+
+namespace torch_ext::reactive {
+namespace {
+
+c10::IValue narrow_value(const c10::IValue& v, int64_t dim, int64_t from, int64_t len) {
+  if (v.isTensor()) return v.toTensor().narrow(dim, from, len);
+  if (v.isTensorList()) {
+    c10::List<at::Tensor> out;
+    for (const at::Tensor& t : v.toTensorVector()) out.push_back(t.narrow(dim, from, len));
+    return out;
+  }
+  if (v.isTuple()) {
+    std::vector<c10::IValue> out;
+    for (const auto& e : v.toTupleRef().elements()) out.push_back(narrow_value(e, dim, from, len));
+    return c10::ivalue::Tuple::create(std::move(out));
+  }
+  TORCH_CHECK(false, "token-granular cone: cannot take rows of a ", v.tagKind(), " value");
+}
+
+// Rows [0, p) of `cached`, NaN for rows [p, start), then `suffix` (rows [start, T)).
+at::Tensor join_rows(const at::Tensor& cached, const c10::IValue& suffix, int64_t dim, int64_t p, int64_t start) {
+  const int64_t T = cached.size(dim);
+  std::vector<at::Tensor> parts;
+  if (p > 0) parts.push_back(cached.narrow(dim, 0, p));
+  if (start > p) {
+    std::vector<int64_t> sizes = cached.sizes().vec();
+    sizes[dim] = std::min(start, T) - p;
+    parts.push_back(at::full(sizes, std::numeric_limits<double>::quiet_NaN(), cached.options()));
+  }
+  if (start < T) parts.push_back(suffix.toTensor());
+  return parts.size() == 1 ? parts[0].contiguous() : at::cat(parts, dim);
+}
+
+c10::IValue join_value(const c10::IValue& cached, const c10::IValue& suffix, int64_t dim, int64_t p, int64_t start) {
+  if (cached.isTensor()) return join_rows(cached.toTensor(), suffix, dim, p, start);
+  if (cached.isTensorList()) {
+    const auto cs = cached.toTensorVector();
+    const auto ss = suffix.toTensorVector();
+    c10::List<at::Tensor> out;
+    for (size_t i = 0; i < cs.size(); ++i) out.push_back(join_rows(cs[i], ss[i], dim, p, start));
+    return out;
+  }
+  if (cached.isTuple()) {
+    const auto& cs = cached.toTupleRef().elements();
+    const auto& ss = suffix.toTupleRef().elements();
+    std::vector<c10::IValue> out;
+    for (size_t i = 0; i < cs.size(); ++i) out.push_back(join_value(cs[i], ss[i], dim, p, start));
+    return c10::ivalue::Tuple::create(std::move(out));
+  }
+  TORCH_CHECK(false, "token-granular cone: cannot join rows of a ", cached.tagKind(), " value");
+}
+
+bool is_floating(const ir::Type& t) {
+  return t.kind == ir::Type::Kind::Tensor && c10::isFloatingType(t.tensor.dtype);
+}
+
+}  // namespace
+
+void Engine::set_positions(bool enabled, int64_t seq_dim) {
+  TORCH_CHECK(seq_dim >= 0, "positions: seq_dim must be >= 0, got ", seq_dim);
+  if (seq_dim != seq_dim_) {
+    seq_.reset();
+    row_plans_.clear();
+  }
+  positions_ = enabled;
+  seq_dim_ = seq_dim;
+}
+
+const passes::SeqAxisAnalysis& Engine::seq_analysis() {
+  if (!seq_) seq_ = passes::analyze_sequence_axis(*graph_, seq_dim_);
+  return *seq_;
+}
+
+int64_t Engine::seq_axis(const std::string& name) {
+  const int64_t id = id_of(name);
+  if (!positions_ || states_[id].node->type().kind != ir::Type::Kind::Tensor) return -1;
+  return seq_analysis().at(states_[id].node).row_axis;
+}
+
+int64_t Engine::first_changed_row(const std::string& name, const c10::IValue& value) {
+  const int64_t id = id_of(name);
+  const passes::SeqNode& info = seq_analysis().at(states_[id].node);
+  TORCH_CHECK(info.row_axis >= 0, "first_changed_row %", name, ": the node has no sequence axis");
+  check_value_type(*states_[id].node, value);
+  const at::Tensor& cached = values_[id].toTensor();
+  const at::Tensor& now = value.toTensor();
+  const int64_t T = info.length;
+  if (now.numel() == 0) return T;
+  // NaN != NaN: a NaN row counts as changed (conservative).
+  const at::Tensor changed = now.ne(cached).movedim(info.row_axis, 0).reshape({T, -1}).any(1);
+  const at::Tensor rows = changed.nonzero();
+  return rows.size(0) == 0 ? T : rows[0][0].item<int64_t>();
+}
+
+const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_t>& read_rows) {
+  const auto key = std::make_pair(id, read_rows);
+  auto it = row_plans_.find(key);
+  if (it != row_plans_.end() && it->second.pins_version == pins_version_) return it->second;
+  const PatchPlan& plan = plan_for(id);
+  const passes::SeqAxisAnalysis& a = seq_analysis();
+  const ir::Node* src = states_[id].node;
+  const auto changes = passes::seq_cone(*graph_, a, src);
+  RowPlan rp;
+  rp.pins_version = pins_version_;
+  rp.source_axis = a.at(src).row_axis;
+  rp.source_length = a.at(src).length;
+  rp.steps.resize(plan.order.size());
+  for (size_t i = 0; i < plan.order.size(); ++i) rp.pos[plan.order[i]] = i;
+  for (size_t i = 0; i < plan.order.size(); ++i) {
+    const NodeState& st = states_[plan.order[i]];
+    const passes::SeqNode& info = a.at(st.node);
+    auto c = changes.find(st.node);
+    const passes::SeqChange change = c == changes.end() ? passes::SeqChange::All : c->second;
+    RowStep& step = rp.steps[i];
+    step.suffix = info.row_axis >= 0 && (change == passes::SeqChange::Rows || change == passes::SeqChange::Upper);
+    step.row_axis = info.row_axis;
+    step.length = info.length;
+    const std::string& op = st.node->target().name;
+    if (info.causal_attention) step.special = 1;
+    else if (op == "view") step.special = 2;
+    else if (op == "_unsafe_view") step.special = 3;
+    else if (op == "reshape") step.special = 4;
+    else if (op == "expand") step.special = 5;
+    for (int64_t slot : st.kernel->input_slots()) {
+      RowInput ri;
+      ri.slot = slot;
+      for (const auto& in : info.inputs)
+        if (in.node == states_[slot].node) {
+          ri.rel = in.rel;
+          ri.dim = in.dim;
+        }
+      auto p = rp.pos.find(slot);
+      ri.pos = p == rp.pos.end() ? -1 : static_cast<int64_t>(p->second);
+      step.inputs.push_back(ri);
+    }
+  }
+  // Needs, readers first: an output declared read from row r needs rows [r, T); a row-wise reader
+  // passes its own need on; any other reader needs the whole value.
+  constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
+  std::vector<int64_t> need(plan.order.size(), kNone);
+  const auto& outs = graph_->output()->args()[0].list;
+  for (size_t k = 0; k < outs.size(); ++k) {
+    if (outs[k].kind != ir::Arg::Kind::Node) continue;
+    auto p = rp.pos.find(ids_.at(outs[k].node));
+    if (p == rp.pos.end()) continue;
+    const RowStep& step = rp.steps[p->second];
+    const bool partial = k < read_rows.size() && read_rows[k] >= 0 && step.suffix && is_floating(outs[k].node->type());
+    need[p->second] = std::min(need[p->second], partial ? std::min(read_rows[k], step.length) : int64_t{0});
+  }
+  for (size_t i = plan.order.size(); i-- > 0;) {
+    RowStep& step = rp.steps[i];
+    step.need = need[i] == kNone ? 0 : need[i];
+    for (const RowInput& ri : step.inputs) {
+      if (ri.pos < 0) continue;
+      const bool pass_on = step.suffix && ri.rel == passes::SeqRel::Row && rp.steps[ri.pos].suffix;
+      need[ri.pos] = std::min(need[ri.pos], pass_on ? step.need : int64_t{0});
+    }
+  }
+  return row_plans_[key] = std::move(rp);
+}
+
+std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, c10::IValue value,
+                                                       const std::vector<int64_t>& read_rows) {
+  const int64_t id = id_of(name);
+  TORCH_CHECK(positions_, "evaluate_patched_rows %", name, ": positions are off (set_positions(true) first)");
+  TORCH_CHECK(pinned_.empty(), "evaluate_patched_rows %", name, ": standing patches are active at ", pinned_.size(),
+              " nodes; use evaluate_patched or patch()/demand()");
+  TORCH_CHECK(has_run_ && dirty_.empty() && !txn_ && !cutoff_, "evaluate_patched_rows %", name,
+              ": needs a graph that has run, with nothing stale, no open transaction and early cutoff off");
+  check_value_type(*states_[id].node, value);
+  const RowPlan& rp = row_plan_for(id, read_rows);
+  if (rp.source_axis < 0) return evaluate_patched(name, std::move(value));
+  check_intact(id);
+  // A value equal to the cached one changes no row: its cone runs whole, as in evaluate_patched, so
+  // the outputs are the cached ones bit for bit and the patch still costs |V+(s)| evaluations.
+  const int64_t p = first_changed_row(name, value);
+  if (p >= rp.source_length) return evaluate_patched(name, std::move(value));
+  const PatchPlan& plan = plan_for(id);
+  const auto& out_args = graph_->output()->args()[0].list;
+  for (int64_t in : plan.external) check_intact(in);  // I8: never compute from a written value
+  at::AutoDispatchBelowAutograd no_autograd;
+  std::vector<c10::IValue> saved;
+  saved.reserve(plan.order.size());
+  for (int64_t n : plan.order) saved.push_back(values_[n]);
+  c10::IValue saved_site = std::move(values_[id]);
+  values_[id] = std::move(value);
+  std::vector<int64_t> start(plan.order.size(), 0);
+  std::vector<std::pair<int64_t, c10::IValue>> swapped;
+  auto put_inputs_back = [&]() {
+    for (auto it = swapped.rbegin(); it != swapped.rend(); ++it) values_[it->first] = std::move(it->second);
+    swapped.clear();
+  };
+  auto put_back = [&]() {
+    put_inputs_back();
+    for (size_t i = 0; i < plan.order.size(); ++i) values_[plan.order[i]] = std::move(saved[i]);
+    values_[id] = std::move(saved_site);
+  };
+  std::vector<c10::IValue> outs;
+  try {
+    for (size_t i = 0; i < plan.order.size(); ++i) {
+      const RowStep& step = rp.steps[i];
+      const int64_t n = plan.order[i];
+      NodeState& st = states_[n];
+      const int64_t T = step.length;
+      const int64_t s = step.suffix ? std::max(p, step.need) : 0;
+      start[i] = s;
+      if (step.suffix && s >= T) {  // no reader needs any of its rows
+        values_[n] = c10::IValue();
+        continue;
+      }
+      for (const RowInput& ri : step.inputs) {
+        const bool in_suffix = ri.pos >= 0 && rp.steps[ri.pos].suffix;
+        c10::IValue repl;
+        if (step.suffix && ri.rel == passes::SeqRel::Row) {
+          const int64_t from = in_suffix ? s - start[ri.pos] : s;
+          if (from == 0 && in_suffix) continue;
+          repl = narrow_value(values_[ri.slot], ri.dim, from, T - s);
+        } else if (in_suffix) {
+          TORCH_INTERNAL_ASSERT(start[ri.pos] == p, "token-granular cone: %", states_[ri.slot].node->name(),
+                                " is read whole but was computed from row ", start[ri.pos]);
+          repl = join_value(saved[ri.pos], values_[ri.slot], rp.steps[ri.pos].row_axis, p, p);
+        } else {
+          continue;
+        }
+        swapped.emplace_back(ri.slot, std::move(values_[ri.slot]));
+        values_[ri.slot] = std::move(repl);
+      }
+      c10::IValue out;
+      try {
+        const ir::Node& node = *st.node;
+        auto arg_value = [&](size_t k) -> const c10::IValue& { return values_[ids_.at(node.args().at(k).node)]; };
+        if (step.suffix && step.special == 1) {
+          // Query rows [s, T) against every key and value: row i may read keys j <= s + i. SDPA's own
+          // is_causal aligns top-left when Lq != Lk, so the offset goes into an explicit mask.
+          const at::Tensor& q = arg_value(0).toTensor();
+          const at::Tensor& k = arg_value(1).toTensor();
+          const at::Tensor& v = arg_value(2).toTensor();
+          const auto lk = k.size(-2);
+          auto idx = at::TensorOptions().dtype(at::kLong).device(q.device());
+          const at::Tensor mask = at::arange(lk, idx).unsqueeze(0) <= at::arange(s, T, idx).unsqueeze(1);
+          std::optional<double> scale;
+          const ir::Arg* sc = node.args().size() > 6 ? &node.args()[6] : node.kwarg("scale");
+          if (sc != nullptr && sc->kind == ir::Arg::Kind::Float) scale = sc->f;
+          out = at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, scale);
+        } else if (step.suffix && step.special >= 2) {
+          std::vector<int64_t> sizes = node.type().tensor.sizes;
+          sizes[step.row_axis] = T - s;
+          const at::Tensor& x = arg_value(0).toTensor();
+          out = step.special == 5 ? x.expand(sizes) : x.reshape(sizes);
+        } else {
+          out = st.kernel->invoke(values_, stack_);
+        }
+      } catch (const std::exception& e) {
+        TORCH_CHECK(false, "while evaluating node %", st.node->name(), " on rows [", s, ", ", T, "): ",
+                    dynamic_cast<const c10::Error*>(&e) ? static_cast<const c10::Error&>(e).what_without_backtrace()
+                                                        : e.what());
+      }
+      put_inputs_back();
+      values_[n] = std::move(out);
+      const double frac = step.suffix ? static_cast<double>(T - s) / static_cast<double>(T) : 1.0;
+      ++st.evaluations;
+      ++stats_.evaluations;
+      stats_.cost += st.cost * frac;
+      stats_.row_evaluations += frac;
+      for (int64_t r : plan.release[i]) values_[r] = c10::IValue();  // last use: free, as the executor does
+    }
+    // Outputs computed on a suffix: cached rows [0, p), NaN for rows no declared read reaches, new rows.
+    for (const ir::Arg& a : out_args) {
+      if (a.kind != ir::Arg::Kind::Node) continue;
+      const int64_t o = ids_.at(a.node);
+      auto pos = rp.pos.find(o);
+      if (pos == rp.pos.end() || !rp.steps[pos->second].suffix) continue;
+      const size_t i = pos->second;
+      if (std::any_of(swapped.begin(), swapped.end(), [&](const auto& e) { return e.first == o; })) continue;
+      swapped.emplace_back(o, std::move(values_[o]));
+      values_[o] = join_value(saved[i], swapped.back().second, rp.steps[i].row_axis, p, start[i]);
+    }
+    outs = runtime::output_values(out_args, [&](const ir::Node* n) -> const c10::IValue& { return values_[ids_.at(n)]; });
+  } catch (...) {
+    put_back();
+    throw;
+  }
+  put_back();
+  return outs;
+}
+
+}  // namespace torch_ext::reactive
