@@ -319,6 +319,34 @@ MemoryPlan plan_memory(const ir::Graph& g, bool donate, bool with_lb_graph) {
     const size_t results = node->type().kind == ir::Type::Kind::Tuple ? node->type().elems.size() : 1;
     writes_arena[node] = count == results && ir::find_out_variant(*node).has_value();
   }
+  // The arena is held for the whole step, the kernel-allocated buffers only while live, so a
+  // buffer the allocator can hold under the kernel-allocated peak costs nothing outside the
+  // arena. Largest first, move such nodes (all their results together) out of the arena: the
+  // dynamic peak stays, and the arena can only shrink.
+  const size_t positions = plan.order.size() + 1;
+  std::vector<int64_t> dyn_live(positions, 0);
+  auto add_life = [&](const runtime::BufferLife& l, int64_t sign) {
+    for (int64_t t = l.first; t <= l.last; ++t) dyn_live[t] += sign * runtime::align_up(l.size);
+  };
+  for (const auto& b : a.buffers)
+    if (!writes_arena.at(b.node)) add_life(b.life, 1);
+  const int64_t dyn_peak = *std::max_element(dyn_live.begin(), dyn_live.end());
+  std::vector<const ir::Node*> by_size;
+  std::unordered_map<const ir::Node*, int64_t> node_bytes;
+  for (const auto& b : a.buffers)
+    if (writes_arena.at(b.node) && (node_bytes[b.node] += b.life.size) == b.life.size) by_size.push_back(b.node);
+  std::stable_sort(by_size.begin(), by_size.end(),
+                   [&](const ir::Node* x, const ir::Node* y) { return node_bytes.at(x) > node_bytes.at(y); });
+  for (const ir::Node* n : by_size) {
+    for (const auto& b : a.buffers)
+      if (b.node == n) add_life(b.life, 1);
+    if (*std::max_element(dyn_live.begin(), dyn_live.end()) <= dyn_peak) {
+      writes_arena[n] = false;
+      continue;
+    }
+    for (const auto& b : a.buffers)
+      if (b.node == n) add_life(b.life, -1);
+  }
   std::vector<runtime::BufferLife> lives, dynamic_lives;
   for (auto& b : a.buffers) {
     if (writes_arena.at(b.node)) {

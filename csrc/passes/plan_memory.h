@@ -43,7 +43,8 @@ struct MemoryPlan {
   std::vector<const ir::Node*> order;  // call nodes in schedule order
   std::vector<PlannedBuffer> buffers;  // in the arena (arena.offsets[i] is buffers[i]'s)
   // Buffers their kernels allocate (no out= overload with a kernel of its own, or a tuple result
-  // with an element outside the arena), and the largest sum of them live at one position.
+  // with an element outside the arena, or moved out of the arena because they fit under the peak
+  // of those), and the largest sum of them live at one position.
   std::vector<PlannedBuffer> dynamic;
   int64_t dynamic_bytes = 0;
   runtime::ArenaPlan arena;

@@ -1,4 +1,5 @@
 // Rematerialization pass: text IR in, checked text out; refusals leave the graph untouched.
+#include "ir/out_variant.h"
 #include "ir/parser.h"
 #include "ir/printer.h"
 #include "ir/verifier.h"
@@ -120,4 +121,27 @@ TEST(Rematerialize, BudgetSearchFitsOrReportsTheSmallestPeakFound) {
   EXPECT_FALSE(no.feasible);
   EXPECT_EQ(no.min_peak, passes::plan_memory(*h, true).peak_bytes());
   EXPECT_EQ(no.min_peak, res.min_peak);  // the same greedy path, run to its end
+}
+
+TEST(OutVariant, FoundBySchemaAndOnlyWithAKernelOfItsOwn) {
+  auto g = ir::parse(R"(graph:
+  %x : f32[4,8] = input()
+  %t : i64[4] = input()
+  %go : f32[4,8] = aten::mul.Tensor(%x, 2)
+  %tb : f32[4,8] = aten::threshold_backward.default(%go, %x, 0)
+  %r : f32[4,8] = aten::relu.default(%x)
+  %s : f32[4] = aten::sum.dim_IntList(%x, [1])
+  %nll : (f32[], f32[]) = aten::nll_loss_forward.default(%x, %t, None, 1, -100)
+  return (%tb, %r, %s, %nll)
+)");
+  auto out_of = [&](const char* name) { return ir::find_out_variant(*g->find(name)); };
+  ASSERT_TRUE(out_of("go").has_value());
+  EXPECT_EQ(out_of("go")->out_args, std::vector<std::string>{"out"});
+  ASSERT_TRUE(out_of("tb").has_value());  // named grad_input, not out
+  EXPECT_EQ(out_of("tb")->out_args, std::vector<std::string>{"grad_input"});
+  ASSERT_TRUE(out_of("s").has_value());  // the IntList_out overload
+  ASSERT_TRUE(out_of("nll").has_value());  // two outs
+  EXPECT_EQ(out_of("nll")->out_args, (std::vector<std::string>{"output", "total_weight"}));
+  // relu.out on CPU is the generated functional-then-copy wrapper: refused.
+  EXPECT_FALSE(out_of("r").has_value());
 }
