@@ -156,6 +156,26 @@ class LoadedStep:
     def _run(self, flat: list):
         return self.runner(*flat)
 
+    def example_state(self):
+        """The state stored as the ExportedProgram's example inputs (``step.init_state()``, or the
+        trained state ``torch-ext step --steps N --export`` ships), as a TrainState of this artifact."""
+        from .train_step import TrainState
+
+        example = getattr(self, "_example_inputs", None)
+        if example is None:
+            raise ValueError(f"{self.path}: only a torch.export .pt2 carries example inputs (this is {self.kind}); "
+                             "load a saved state with torch.load(path, weights_only=True)")
+        values = dict(zip(self.layout["inputs"], example))
+        params = set(self.layout["params"])
+        state = TrainState(
+            params={n: values[n] for n in self.layout["params"]},
+            buffers={n: v for n, v in values.items() if n.startswith("model.") and n not in params},
+            opt={n: v for n, v in values.items() if n.startswith("opt:") and not n.startswith("opt:lr:group")},
+            lr=[values[f"opt:lr:group{k}"] for k in range(self.layout["num_lr"])],
+            rng=values.get("rng"), fingerprint=self.fingerprint)
+        state.origin = f"example_state() of load_step({self.path!r})"
+        return state
+
 
 def _pt2_kind(path: str) -> str:
     try:
@@ -209,4 +229,7 @@ def load_step(path):
     layout = (ep.graph_module.meta.get("custom") or {}).get(LAYOUT_KEY)
     if layout is None:
         raise _no_layout(path, "save it with torch.export.save(step.program, path)")
-    return LoadedStep(path, kind, json.loads(layout), Executor(ep))
+    loaded = LoadedStep(path, kind, json.loads(layout), Executor(ep))
+    if ep.example_inputs is not None:
+        loaded._example_inputs = list(ep.example_inputs[0])
+    return loaded

@@ -208,3 +208,21 @@ def test_errors_name_the_path_the_extension_and_the_state(tmp_path):
     step.compile(plan=True, donate=True)(donated, *b)
     with pytest.raises(ValueError, match="was donated to"):
         loaded(donated, *b)
+
+
+def test_example_state_is_the_state_the_program_was_saved_with(tmp_path):
+    # As `torch-ext step MODEL --steps N --export step.pt2` does: the trained state rides as the
+    # program's example inputs, so a deployment needs neither the model nor a state file.
+    step = make()
+    bs = batches(6)
+    _, trained = run(step, step.init_state(seed=2), bs[:3])
+    program = step.program
+    program.example_inputs = (tuple(step.flat_inputs(trained, *bs[0])), {})
+    torch.export.save(program, str(tmp_path / "trained.pt2"))
+    loaded = torch_ext.load_step(tmp_path / "trained.pt2")
+    state = loaded.example_state()
+    assert_states_equal(state, trained)
+    assert [float(v) for v in state.lr] == [float(v) for v in trained.lr] and torch.equal(state.rng, trained.rng)
+    got_losses, _ = run(loaded, state, bs[3:])
+    want_losses, _ = run(step, trained, bs[3:])
+    assert torch.equal(got_losses, want_losses)
