@@ -789,6 +789,9 @@ class TrainStep:
     def to_onnx(self, path: str) -> str:
         """Exports this pure step, the update included, to ONNX (see torch_ext.onnx); a plain
         onnxruntime session then trains with ``torch_ext.onnx.load_onnx_step(path)``."""
+        if self.process_group is not None:
+            raise ValueError("to_onnx: this step is data-parallel (process_group=): ONNX has no collectives to "
+                             "all-reduce its gradients; export a step built without process_group")
         from .onnx import to_onnx
 
         return to_onnx(self, path)

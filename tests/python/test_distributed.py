@@ -340,3 +340,6 @@ def test_one_rank_equals_the_plain_step_and_bad_groups_are_refused(world_of_one)
                                   (torch.randn(2, 4),), process_group=world_of_one, shard_optimizer_state=True)
     with pytest.raises(TypeError, match="expects a TrainState, got dict"):
         assert_states_in_sync({}, world_of_one)
+    dp = torch_ext.make_train_step(model, _adamw(model.parameters()), loss_fn, batches[0], process_group=world_of_one)
+    with pytest.raises(ValueError, match="to_onnx: this step is data-parallel"):
+        dp.to_onnx("never_written.onnx")
