@@ -395,6 +395,12 @@ PYBIND11_MODULE(_C, m) {
              return result;
            },
            py::arg("node"), py::arg("value"), py::arg("read_rows") = std::vector<int64_t>{})
+      .def("node_cost",
+           [](const reactive::Engine& e, const std::string& name) {
+             const ir::Node* n = e.graph().find(name);
+             TORCH_CHECK(n != nullptr, "unknown node '", name, "'");
+             return reactive::node_cost(*n);
+           })
       .def("can_evaluate_patched_rows", &reactive::Engine::can_evaluate_patched_rows)
       .def("set_positions", &reactive::Engine::set_positions, py::arg("enabled"), py::arg("seq_dim") = 1)
       .def("positions", &reactive::Engine::positions)

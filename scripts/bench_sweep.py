@@ -15,6 +15,12 @@
    within 1e-5; targets: >= 2x (one-at-a-time) and >= 5x (batched).
 3. Early cutoff: clean and corrupted prompts share a prefix, so patching a prefix position writes a
    value identical to the clean one and cutoff stops the propagation at its direct consumers.
+4. Token-granular cones (issue 11; --positions runs only this part): the residual stream at every
+   layer x position of a 4-layer d_model 128 TinyTransformer (vocab 500 and 4096, batch 1 and 8),
+   metric = last-position logit difference (declared with reads=), against the eager forward-hook
+   sweep (TransformerLens's mechanism) and this project's node-granular sweep (positions=False).
+   Prints the FLOP-weighted rho (full forward per site against what ran; target >= 3.5) and wall
+   ratios (targets >= 10x eager hooks, >= 4x node-granular); then an attention head x position sweep.
 
 Timings are medians over interleaved repeats. Exit status 1 if an exactness check fails (metric
 agreement, evaluation counts); a missed speed target is reported, not failed.
@@ -461,6 +467,162 @@ def part3(repeats: int) -> None:
     print("  consumers (their recomputed values compare equal), so prefix sites cost a handful of evaluations.")
 
 
+# --------------------------------------------------------------------------------------------
+# 4. token-granular cones
+# --------------------------------------------------------------------------------------------
+def positions_setup(V: int, B: int, d: int = 128, L: int = 4, H: int = 4, T: int = 16):
+    from torch_ext.models import TinyTransformer
+
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=V, d_model=d, n_heads=H, n_layers=L, seq=T).eval()
+    clean = torch.randint(0, V, (B, T))
+    corrupt = torch.randint(0, V, (B, T))  # every position differs: every site changes rows [p, T)
+    return model, clean, corrupt
+
+
+def full_forward_cost(rg) -> float:
+    """FLOPs of one full forward by the engine's cost model (what a full recompute per site runs)."""
+    before = rg.stats["cost"]
+    rg.run(*rg._last_inputs[0])
+    return rg.stats["cost"] - before
+
+
+def part4(repeats: int) -> None:
+    header("4. token-granular cones: residual stream at every layer x position, metric reads the last row")
+    print("Sites: resid_pre of each of the 4 blocks x 16 positions (64 sites), each patched with the corrupted run's")
+    print("row. eager = forward pre-hooks, one full forward per site (TransformerLens's mechanism); node = this")
+    print("project's node-granular sweep (positions=False); token = token-granular cones with")
+    print("reads={'logits': (slice(None), -1, [3, 5])} (rows that cannot reach the last row are not computed).")
+    print("rho_flops = sites x (FLOPs of a full forward) / FLOPs that ran (engine cost model; 4BHLqLkD for SDPA).")
+    for V in (500, 4096):
+        for B in (1, 8):
+            part4_case(repeats, V, B)
+    part4_heads(repeats)
+
+
+def part4_case(repeats: int, V: int, B: int) -> None:
+    model, clean, corrupt = positions_setup(V, B)
+    T, L = clean.shape[1], len(model.blocks)
+    cache = resid_pre_cache(model, corrupt)
+    rg = torch_ext.ReactiveGraph(model, (clean,))
+    resid = ["add"] + [rg.nodes(f"blocks.{i}")[-1] for i in range(L - 1)]
+    layer_of = {node: i for i, node in enumerate(resid)}
+    sites = [(node, pos) for node in resid for pos in range(T)]
+    reads = {"logits": (slice(None), -1, [3, 5])}
+
+    def patch(value, site):
+        node, pos = site
+        v = value.clone()
+        v[:, pos] = cache[layer_of[node]][:, pos]
+        return v
+
+    res = {}
+
+    def eager():
+        with torch.no_grad():
+            res["eager"] = eager_hook_sweep(model, clean, cache, T)
+
+    def node():
+        res["node"] = torch_ext.sweep(rg, sites, patch, metric, progress=False, positions=False)
+
+    def token():
+        res["token"] = torch_ext.sweep(rg, sites, patch, metric, progress=False, reads=reads)
+
+    med = interleaved({"eager": eager, "node": node, "token": token}, repeats)
+    full = full_forward_cost(rg)
+    e, n, t = res["eager"], res["node"], res["token"]
+    diff = max(abs(e[(layer_of[s[0]], s[1])] - t.metrics[s]) for s in sites)
+    rel = diff / max(abs(v) for v in e.values())
+    check(rel <= 1e-5, f"positions V={V} B={B}: token-granular vs eager max rel diff {rel:.2e}")
+    check(t.measured_evaluations == n.measured_evaluations == t.predicted_evaluations,
+          f"positions V={V} B={B}: evaluations == cones")
+    rho_f = len(sites) * full / t.cost
+    rho_node = len(sites) * full / n.cost
+    we, wn = med["eager"] / med["token"], med["node"] / med["token"]
+    print()
+    print(f"[L={L} d_model=128 H=4 seq={T} vocab={V} batch={B}] N = {rg.num_nodes}; {len(sites)} sites")
+    print(f"  metric agreement: max |eager - token| = {diff:.2e} ({rel:.1e} of the largest |metric|)")
+    print(f"  evaluations: node-granular {n.measured_evaluations} = token-granular {t.measured_evaluations}; "
+          f"row-weighted {t.extra['row_evaluations']:.2f} (node-granular {n.extra['row_evaluations']:.0f})")
+    print(f"  FLOPs: full forward {full:.4g}; node-granular sweep {n.cost:.4g} (rho {rho_node:.2f}), token-granular "
+          f"{t.cost:.4g}: rho_flops = {rho_f:.2f} [target >= 3.5: {target(rho_f >= 3.5, f'rho_flops V={V} B={B}')}]")
+    print(f"  wall (medians of {repeats}): eager hooks {med['eager'] * 1e3:.1f} ms, node-granular "
+          f"{med['node'] * 1e3:.1f} ms, token-granular {med['token'] * 1e3:.1f} ms")
+    print(f"  token vs eager {we:.2f}x [target >= 10x: {target(we >= 10, f'wall vs eager V={V} B={B}')}], "
+          f"token vs node-granular {wn:.2f}x [target >= 4x: {target(wn >= 4, f'wall vs node V={V} B={B}')}]")
+
+
+def part4_heads(repeats: int, V: int = 500, B: int = 8) -> None:
+    model, clean, corrupt = positions_setup(V, B)
+    T, L = clean.shape[1], len(model.blocks)
+    H = model.blocks[0].attn.n_heads
+    dh = 128 // H
+    z_cache = {}
+    handles = []
+    for layer, blk in enumerate(model.blocks):
+        handles.append(blk.attn.proj.register_forward_pre_hook(
+            lambda m, args, layer=layer: z_cache.__setitem__(layer, args[0].clone())))
+    with torch.no_grad():
+        model(corrupt)
+    for h in handles:
+        h.remove()
+    rg = torch_ext.ReactiveGraph(model, (clean,))
+    z_nodes = [n for n in rg.nodes() if n.startswith("scaled_dot_product_attention")]
+    check(len(z_nodes) == L, "one attention node per layer")
+    sites = [(z, (head, pos)) for z in z_nodes for head in range(H) for pos in range(T)]
+    layer_of = {z: i for i, z in enumerate(z_nodes)}
+    reads = {"logits": (slice(None), -1, [3, 5])}
+
+    def patch(value, site):  # value: [B, H, T, dh]
+        z, (head, pos) = site
+        v = value.clone()
+        v[:, head, pos] = z_cache[layer_of[z]][:, pos, head * dh:(head + 1) * dh]
+        return v
+
+    def eager_heads():
+        out = {}
+        for layer, blk in enumerate(model.blocks):
+            for head in range(H):
+                for pos in range(T):
+                    def hook(m, args, layer=layer, head=head, pos=pos):
+                        x = args[0].clone()
+                        x[:, pos, head * dh:(head + 1) * dh] = z_cache[layer][:, pos, head * dh:(head + 1) * dh]
+                        return (x,)
+                    hd = blk.attn.proj.register_forward_pre_hook(hook)
+                    try:
+                        out[(z_nodes[layer], (head, pos))] = float(metric(model(clean)))
+                    finally:
+                        hd.remove()
+        return out
+
+    res = {}
+
+    def eager():
+        with torch.no_grad():
+            res["eager"] = eager_heads()
+
+    def node():
+        res["node"] = torch_ext.sweep(rg, sites, patch, metric, progress=False, positions=False)
+
+    def token():
+        res["token"] = torch_ext.sweep(rg, sites, patch, metric, progress=False, reads=reads)
+
+    med = interleaved({"eager": eager, "node": node, "token": token}, max(1, repeats // 2))
+    full = full_forward_cost(rg)
+    e, n, t = res["eager"], res["node"], res["token"]
+    diff = max(abs(e[s] - t.metrics[s]) for s in sites)
+    check(diff <= 1e-5 * max(1.0, max(abs(v) for v in e.values())), f"heads: token vs eager max |diff| {diff:.2e}")
+    rho_f = len(sites) * full / t.cost
+    print()
+    print(f"[attention head x position: {L} layers x {H} heads x {T} positions = {len(sites)} sites, vocab={V} "
+          f"batch={B}] site = the SDPA output [B, H, T, d_head] with one head's row replaced")
+    print(f"  metric agreement: max |eager - token| = {diff:.2e}")
+    print(f"  FLOPs: rho_flops token-granular {rho_f:.2f}, node-granular {len(sites) * full / n.cost:.2f}")
+    print(f"  wall (medians of {max(1, repeats // 2)}): eager hooks {med['eager'] * 1e3:.1f} ms, node-granular "
+          f"{med['node'] * 1e3:.1f} ms, token-granular {med['token'] * 1e3:.1f} ms: token vs eager "
+          f"{med['eager'] / med['token']:.2f}x, vs node-granular {med['node'] / med['token']:.2f}x")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=7)
@@ -470,9 +632,18 @@ def main() -> int:
                     help="largest size for the linear+gelu rows (1024 takes minutes per repeat on 2 cores)")
     ap.add_argument("--only-grid", action="store_true")
     ap.add_argument("--skip-grid", action="store_true")
+    ap.add_argument("--positions", action="store_true", help="run only part 4 (token-granular cones)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
+    if args.positions:
+        part4(args.repeats)
+        print(f"total {time.perf_counter() - t0:.1f} s")
+        if MISSED:
+            print("speed targets missed: " + "; ".join(MISSED))
+        for f in FAILURES:
+            print("  - FAILED:", f)
+        return 1 if FAILURES else 0
     if not args.skip_grid:
         part0(args.grid_repeats, args.grid_sizes, args.linear_max)
     if args.only_grid:
@@ -481,6 +652,7 @@ def main() -> int:
     part1(args.repeats)
     part2(args.repeats)
     part3(args.repeats)
+    part4(args.repeats)
     print()
     print(f"total {time.perf_counter() - t0:.1f} s")
     if MISSED:

@@ -766,7 +766,8 @@ def _sweep(args) -> int:
     if args.batched:
         what += " (batched: first exports the model once per site count per node)"
     with _stage_unless_bar(args, what):
-        result = torch_ext.sweep(rg, sites, patch, metric, progress=_bars(args), batch_sites=args.batched)
+        result = torch_ext.sweep(rg, sites, patch, metric, progress=_bars(args), batch_sites=args.batched,
+                                 positions=not args.no_positions)
     labels = {n: f"{n} ({info[n]['module_path'] or '-'})" for n in nodes}
     if args.plot:
         what = f"{args.patch}-ablation of {'one position of ' if args.positions else ''}each node"
@@ -781,6 +782,7 @@ def _sweep(args) -> int:
                     "unpatched_metric": clean_metric, "sites": len(records), "measured_evaluations": result.measured_evaluations,
                     "predicted_evaluations": result.predicted_evaluations,
                     "full_evaluations": result.full_evaluations, "rho": result.rho, "wall_time_s": result.wall_time,
+                    "row_evaluations": result.extra.get("row_evaluations"), "flops": result.cost,
                     **({"plot": args.plot} if args.plot else {}), "metrics": records})
         return EXIT_OK
     if args.positions:
@@ -921,6 +923,8 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--batched", action="store_true",
                     help="evaluate the sites of one node together in a batched graph (with --positions; "
                          "the model's outputs must be batch-major)")
+    sw.add_argument("--no-positions", action="store_true",
+                    help="turn token-granular cones off: recompute whole nodes, not only the rows a patch changes")
     sw.add_argument("--plot", metavar="HEATMAP.png", help="heatmap (with --positions) or bar chart of the metric")
     sw.add_argument("--json", action="store_true", help="one JSON object on stdout")
     sw.add_argument("--list", action="store_true", help="list the matching sites with module paths, and exit")

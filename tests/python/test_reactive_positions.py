@@ -94,6 +94,32 @@ def test_closed_forms_resid_pre_by_position():
     assert _full_cost(rg) * len(sites) / r.cost > _full_cost(rg) * len(sites) / whole.cost
 
 
+def test_closed_forms_with_the_last_row_read():
+    """docs/cost-model-positions.md, reads = the last row: a cone node that reaches the read row only
+    through row-wise paths (the last layer's query path, everything after its attention, the final
+    norm and unembedding: D(q of the last layer)) runs on row T-1 alone; the rest (what feeds keys
+    and values) on rows [p, T). Per site s: R = (T+1)/2 |k_s| + |q_s|, F = (T+1)/2 K_s + Q_s."""
+    rg, resid, patch, sites = _zoo_sweep_setup("sdpa")
+    reads = {"logits": (slice(None), -1, [3, 4])}
+    rg.reset_stats()
+    r = torch_ext.sweep(rg, sites, patch, lambda out: float((out[:, -1, 3] - out[:, -1, 4]).sum()), progress=False,
+                        reads=reads)
+    q_last = [n for n in rg.nodes("blocks.1*") if n.startswith("getitem")][0]  # q of the last layer
+    q_part_all = rg.cone(q_last) | {q_last}
+    rows = flops = 0.0
+    for s in resid:
+        cone = rg.cone(s)
+        q = cone & q_part_all
+        k = cone - q
+        cost = {n: rg._engine.node_cost(n) for n in cone}
+        rows += T * ((T + 1) / 2 * len(k) + len(q)) / T
+        flops += (T + 1) / 2 * sum(cost[n] for n in k) + sum(cost[n] for n in q)
+    assert len(q_part_all) == 15  # q view, transpose; sdpa .. second add; final norm; head (and q itself)
+    assert r.measured_evaluations == T * sum(len(rg.cone(s)) for s in resid)
+    assert r.extra["row_evaluations"] == rows
+    assert r.cost == flops
+
+
 def _full_cost(rg) -> float:
     rg.reset_stats()
     rg.run(*rg._last_inputs[0])
@@ -277,3 +303,23 @@ def test_rows_called_unchanged_are_bit_identical(ops, seed, p, pick):
             assert torch.equal(rg.value(n), base[n])
     rg.restore()
     rg.check_invariants()
+
+
+def test_cli_sweep_no_positions(monkeypatch, capsys):
+    import json
+    from pathlib import Path
+
+    from torch_ext import cli
+
+    monkeypatch.chdir(Path(__file__).parent)
+    runs = {}
+    for flag in ([], ["--no-positions"]):
+        assert cli.main(["sweep", "factories:seq", "--positions", "--metric", "logit:3", "--json", "--quiet",
+                         *flag]) == 0
+        runs[bool(flag)] = json.loads(capsys.readouterr().out)
+    token, whole = runs[False], runs[True]
+    assert token["measured_evaluations"] == whole["measured_evaluations"] == whole["row_evaluations"]
+    assert token["row_evaluations"] < whole["row_evaluations"] and token["flops"] < whole["flops"]
+    for a, b in zip(token["metrics"], whole["metrics"]):
+        assert (a["node"], a["position"]) == (b["node"], b["position"])
+        assert a["metric"] == pytest.approx(b["metric"], rel=1e-6, abs=1e-6)
