@@ -485,10 +485,12 @@ PYBIND11_MODULE(_C, m) {
       [](ir::Graph& g, const std::vector<std::pair<std::string, int64_t>>& sites) {
         std::vector<passes::SplitHeadsSite> s;
         for (const auto& p : sites) s.push_back({p.first, p.second});
-        return passes::split_heads(g, s);
+        std::vector<std::tuple<std::string, std::string, std::string>> out;
+        for (const auto& r : passes::split_heads(g, s)) out.emplace_back(r.result, r.output, r.replaced);
+        return out;
       },
       "Splits each (z node, heads) attention output projection into per-head results plus a sum; returns "
-      "the result node names (csrc/passes/split_heads.h).");
+      "(result, output, replaced projection) node names per site (csrc/passes/split_heads.h).");
   m.def("rematerialize", [](ir::Graph& g, const std::vector<std::string>& names) {
     auto r = passes::rematerialize(g, names);
     return py::make_tuple(r.recomputed, r.clones);

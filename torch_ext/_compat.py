@@ -440,3 +440,14 @@ def hook_conversions(module: torch.nn.Module) -> dict:
         return {}
     return {k: v.hook_conversion for k, v in hook_dict.items()
             if isinstance(v, hook_cls) and getattr(v, "hook_conversion", None) is not None}
+
+
+def attention_heads(module) -> int | None:
+    """Heads per attention layer: TransformerLens ``cfg.n_heads`` or a Hugging Face decoder's config."""
+    if module is None:
+        return None
+    cfg = getattr(module, "cfg", None)
+    if cfg is not None and getattr(cfg, "n_heads", None):
+        return int(cfg.n_heads)
+    found = _hf_decoder(module)
+    return int(found[1]) if found is not None and found[1] else None

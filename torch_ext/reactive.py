@@ -85,7 +85,7 @@ class ReactiveGraph:
     """
 
     def __init__(self, ep_or_module, example_inputs: Sequence | None = None, *, cutoff: bool = False,
-                 positions: bool = True, seq_dim: int = 1):
+                 positions: bool = True, seq_dim: int = 1, split_heads: bool | int = False):
         if isinstance(ep_or_module, torch.nn.Module):
             if example_inputs is None:
                 raise ValueError("ReactiveGraph(module, example_inputs): example_inputs are required to export a module")
@@ -113,7 +113,11 @@ class ReactiveGraph:
                 f"ReactiveGraph: the program draws random numbers at {', '.join(random[:4])}"
                 f"{' and %d more' % (len(random) - 4) if len(random) > 4 else ''}; patching sweeps need a "
                 "deterministic model (is it in training mode with dropout? call model.eval() first)")
-        self._engine = _C.Engine(Graph.from_exported(self.program)._g)
+        built = Graph.from_exported(self.program)
+        self._split_heads = split_heads
+        if split_heads is not False:
+            self._split_attention_heads(built, split_heads)
+        self._engine = _C.Engine(built._g)
         self.graph = Graph(self._engine.graph())  # the engine's graph: dead code dropped
         self._engine.set_cutoff(bool(cutoff))
         if not isinstance(seq_dim, int) or isinstance(seq_dim, bool) or seq_dim < 0:
@@ -164,6 +168,34 @@ class ReactiveGraph:
                   "_out_spec", "_user_outputs", "_loss_output", "_grad_outputs", "_module_paths", "_countable",
                   "_countable_cache", "_batched", "_last_inputs", "_example_inputs", "_grafts_applied")
 
+    def _split_attention_heads(self, built: Graph, split_heads) -> None:
+        """split_heads=True (heads from the model's config) or an int: each block's attention output
+        projection becomes per-head results plus a sum (csrc/passes/split_heads.h), addressed as
+        ``blocks.<l>.attn.hook_result`` ([batch, pos, head, d_model], TransformerLens's layout)."""
+        if isinstance(split_heads, bool):
+            heads = _compat.attention_heads(self._module) if split_heads else None
+            if heads is None:
+                raise ValueError("ReactiveGraph(split_heads=True): the number of heads is not known for this model "
+                                 "(no TransformerLens cfg.n_heads or Hugging Face num_attention_heads); pass "
+                                 "split_heads=<heads>")
+        elif isinstance(split_heads, int) and split_heads > 0:
+            heads = split_heads
+        else:
+            raise ValueError(f"ReactiveGraph: split_heads must be True, False or a positive int, got {split_heads!r}")
+        z_hooks = sorted((h for h in self._hooks if h.startswith("blocks.") and h.endswith(".attn.hook_z")),
+                         key=lambda h: int(h.split(".")[1]))
+        if not z_hooks:
+            raise ValueError("ReactiveGraph(split_heads=...): the model has no blocks.<l>.attn.hook_z sites to split "
+                             "(TransformerLens bridges and Hugging Face GPT-2/Llama decoders have them)")
+        sites = [(self._hooks[h], heads) for h in z_hooks]
+        renamed = {}
+        for h, (result, output, replaced) in zip(z_hooks, _C.split_heads(built._g, sites)):
+            self._hooks[h[: -len("hook_z")] + "hook_result"] = result
+            renamed[replaced] = output
+        for h, node in list(self._hooks.items()):  # hooks on a replaced projection now name its new output
+            if node in renamed:
+                self._hooks[h] = renamed[node]
+
     def _refuse_during_sweep(self, what: str) -> None:
         if getattr(self, "_sweeping", False):
             raise RuntimeError(f"{what} is not allowed while a sweep runs on this graph (from a patch function or "
@@ -185,7 +217,7 @@ class ReactiveGraph:
             self._shape_stats["graph_reuses"] += 1
         else:
             fresh = ReactiveGraph(self._module, args, cutoff=self._cutoff, positions=self._positions,
-                                  seq_dim=self._seq_dim)
+                                  seq_dim=self._seq_dim, split_heads=self._split_heads)
             for a in self._PER_SHAPE:
                 setattr(self, a, getattr(fresh, a, None))
             self._grafts_applied = 0
@@ -542,7 +574,7 @@ class _BatchedGraph:
         self.inputs_of = None
         module = rg._module if rg._module is not None else rg.program.module()
         self.rg = ReactiveGraph(module, self._stacked(args), cutoff=False, positions=rg._positions,
-                                seq_dim=rg._seq_dim)
+                                seq_dim=rg._seq_dim, split_heads=rg._split_heads)
         self.inputs_of = args
         self.grafts_applied = 0
         self.standing: list[tuple[str, torch.Tensor]] = []

@@ -172,3 +172,41 @@ def test_reduce_baseline_and_metric_mappings_equal_transformer_lens(bridge, kwar
         assert torch.equal(got.baseline, expected.baseline)
     assert got.axis_names == expected.axis_names and got.metric_names == expected.metric_names
     assert got.index_df.equals(expected.index_df) and got.reduced == expected.reduced
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_split_heads_gives_hook_result_sites_equal_to_head_output_patching(bridge, batch):
+    """ReactiveGraph(split_heads=True) splits each attention output projection into per-head results
+    (TransformerLens hook_result, [batch, pos, head, d_model]) plus a sum. Patching a head's result
+    is patching its z through W_O: the sweep equals TransformerLens's z patching within 1e-6 (the
+    sum over heads adds in another order than one linear). TransformerLens 4's own bridge cannot give
+    hook_result for this model (set_use_attn_result refuses AttentionBridge)."""
+    clean, corrupted = _prompts(batch)
+    _, tl_cache = bridge.run_with_cache(clean)
+    rg = torch_ext.ReactiveGraph(bridge, (clean,), split_heads=True)
+    out, cache = rg.run_with_cache(clean)
+    assert torch.allclose(out, bridge(clean).detach(), rtol=1e-5, atol=1e-5)
+    result = cache["blocks.0.attn.hook_result"]
+    assert result.shape == (batch, 6, 4, 32)
+    w_o = bridge.blocks[0].attn.o.weight.detach()  # [d_model, n_heads * d_head]
+    z = tl_cache["blocks.0.attn.hook_z"]  # [batch, pos, head, d_head]
+    expected = torch.einsum("bphd,Dhd->bphD", z, w_o.view(32, 4, 8))
+    assert torch.allclose(result, expected, rtol=1e-5, atol=1e-6)
+    rg.run(corrupted)
+    for setter, axes, tl_fn in [
+            (patching.layer_head_vector_patch_setter, ("layer", "head"), tl_patching.get_act_patch_attn_head_out_all_pos),
+            (patching.layer_pos_head_vector_patch_setter, ("layer", "pos", "head"),
+             tl_patching.get_act_patch_attn_head_out_by_pos)]:
+        ours = patching.generic_activation_patch(rg, corrupted, cache, _metric, setter, "result", axes)
+        ref = tl_fn(bridge, corrupted, tl_cache, _metric)
+        assert torch.allclose(ours, ref, rtol=1e-6, atol=1e-6), float((ours - ref).abs().max())
+
+
+def test_split_heads_refusals(bridge):
+    clean, _ = _prompts(1)
+    with pytest.raises(ValueError, match="split_heads must be True, False or a positive int"):
+        torch_ext.ReactiveGraph(bridge, (clean,), split_heads=0)
+    with pytest.raises(RuntimeError, match=r"is not divisible by heads=5"):
+        torch_ext.ReactiveGraph(bridge, (clean,), split_heads=5)
+    with pytest.raises(ValueError, match="no blocks.<l>.attn.hook_z sites"):
+        torch_ext.ReactiveGraph(torch.nn.Linear(3, 3), (torch.randn(2, 3),), split_heads=2)
