@@ -3,7 +3,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401
 from . import _fake  # noqa: F401  (fake kernels for torch.ops.torch_ext)
-from . import ir, testing  # noqa: F401
+from . import distributed, ir, testing  # noqa: F401
 from .executor import Executor
 from .reactive import ReactiveGraph, SweepResult, sweep
 from .train_step import TrainState, TrainStep, make_train_step
