@@ -7,7 +7,7 @@ Configs (issue 17):
   * GPT-style: 4 layers, d_model 256, seq 256, batch 8, AdamW (--gpt-seq/--gpt-batch to shrink).
 Every peak is measured the same way: torch.profiler's allocation events over one step, plus the
 state and batch held (and the arena, for the planned steps). Times are medians in one run, the
-unplanned executor interleaved with the arena executor (column t arena/exec).
+unplanned executor interleaved with the arena executor, best of 4 each (column t arena/exec).
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def gpt(seq=256, batch=8):
     return model, loss, ckpt_loss, (torch.randint(0, 256, (batch, seq)), torch.randint(0, 256, (batch, seq)))
 
 
-def median_time(fn, n=2, rounds=3):
+def median_time(fn, n=1, rounds=3):
     out = []
     for _ in range(rounds):
         t0 = time.perf_counter()
@@ -78,6 +78,17 @@ def median_time(fn, n=2, rounds=3):
             fn()
         out.append((time.perf_counter() - t0) / n)
     return statistics.median(out)
+
+
+def paired_min_times(fa, fb, rounds=4):
+    """Best-of-rounds times of fa and fb, alternating, so both see the same machine load."""
+    ta, tb = [], []
+    for _ in range(rounds):
+        for f, out in ((fa, ta), (fb, tb)):
+            t0 = time.perf_counter()
+            f()
+            out.append(time.perf_counter() - t0)
+    return min(ta), min(tb)
 
 
 def eager_runner(model, opt, loss_fn, batch):
@@ -101,7 +112,6 @@ def main():
     ap.add_argument("--gpt-seq", type=int, default=256)
     ap.add_argument("--gpt-batch", type=int, default=8)
     ap.add_argument("--only", default="", help="comma-separated config names")
-    ap.add_argument("--plot", default="", help="directory for one Pareto PNG per activation-heavy config")
     args = ap.parse_args()
     configs = [
         ("param-heavy adam", mlp, lambda m: torch.optim.Adam(m.parameters(), lr=1e-4)),
@@ -143,9 +153,8 @@ def main():
                                                       f"= {found / eager_peak:.3f} of eager"))
                 continue
             peak, _ = measured_peak(planned, step.init_state(), batch)
-            t_plan = median_time(step_runner(planned, step.init_state(), batch))
-            t_exec = median_time(step_runner(unplanned, step.init_state(), batch))
-            t_plan = min(t_plan, median_time(step_runner(planned, step.init_state(), batch)))
+            t_plan, t_exec = paired_min_times(step_runner(planned, step.init_state(), batch),
+                                              step_runner(unplanned, step.init_state(), batch))
             ratios.append(t_plan / t_exec)
             lb = (planned.plan["lb_graph"], planned.plan["lb_sched"]) if b is None else lb
             extra = (f"lb_graph {planned.plan['lb_graph'] / eager_peak:.3f}, t arena/exec {t_plan / t_exec:.3f}"

@@ -194,7 +194,8 @@ BudgetResult rematerialize_for_budget(ir::Graph& g, int64_t budget, bool donate)
     res.feasible = true;
     return res;
   }
-  // Groups: a saved activation and the forward producers its clone alone would keep alive.
+  // Groups: a saved activation and the forward producers its clone alone would keep alive; and
+  // the activation alone.
   const Forward f = find_forward(g);
   struct Group {
     std::set<std::string> names;
@@ -220,26 +221,60 @@ BudgetResult rematerialize_for_budget(ir::Graph& g, int64_t budget, bool donate)
           work.push_back(o);
       }
     }
+    if (grp.names.size() > 1) {  // the activation alone too: its input may be saved anyway
+      Group alone;
+      alone.rank = groups.size() + 1;
+      alone.bytes = grp.bytes;
+      alone.names = {n->name()};
+      alone.flops = estimated_flops(*n);
+      groups.push_back(std::move(grp));
+      groups.push_back(std::move(alone));
+      continue;
+    }
     groups.push_back(std::move(grp));
   }
-  // Most bytes per FLOP first; ties in graph order.
+  // Most bytes per FLOP first (cheap pointwise recomputation before matmuls); ties in graph order.
   std::stable_sort(groups.begin(), groups.end(), [](const Group& a, const Group& b) {
     return static_cast<double>(a.bytes) / static_cast<double>(std::max<int64_t>(a.flops, 1)) >
            static_cast<double>(b.bytes) / static_cast<double>(std::max<int64_t>(b.flops, 1));
   });
+  // Each round tries groups in that order, up to kLookahead that lower the peak, and keeps the one
+  // that lowers it most per added FLOP (a first-improvement rule let an expensive group win by a
+  // few bytes of alignment). A group that lowered nothing twice is dropped.
+  constexpr size_t kLookahead = 4;
   std::set<std::string> chosen;
-  // Two passes: a group that did not help alone may help once others are in.
-  for (int pass = 0; pass < 2 && res.peak > budget; ++pass) {
-    for (const Group& grp : groups) {
-      if (std::includes(chosen.begin(), chosen.end(), grp.names.begin(), grp.names.end())) continue;
+  std::vector<int> fails(groups.size(), 0);
+  while (res.peak > budget) {
+    size_t best = groups.size(), helped = 0;
+    int64_t best_peak = res.peak;
+    double best_ratio = -1.0;
+    std::set<std::string> best_set;
+    for (size_t i = 0; i < groups.size() && helped < kLookahead; ++i) {
+      const Group& grp = groups[i];
+      if (fails[i] >= 2 || std::includes(chosen.begin(), chosen.end(), grp.names.begin(), grp.names.end())) continue;
       std::set<std::string> trial = chosen;
       trial.insert(grp.names.begin(), grp.names.end());
       const int64_t p = peak_of(trial);
-      if (p >= res.peak) continue;
-      chosen = std::move(trial);
-      res.peak = p;
-      if (p <= budget) break;
+      if (p >= res.peak) {
+        ++fails[i];
+        continue;
+      }
+      ++helped;
+      const double ratio = static_cast<double>(res.peak - p) / static_cast<double>(std::max<int64_t>(grp.flops, 1));
+      // A group that meets the budget beats any that does not (the search stops there); among
+      // those that do, the fewest FLOPs.
+      const bool fits = p <= budget, best_fits = best_peak <= budget;
+      const bool better = fits ? (!best_fits || grp.flops < groups[best].flops) : (!best_fits && ratio > best_ratio);
+      if (best == groups.size() || better) {
+        best = i;
+        best_ratio = ratio;
+        best_peak = p;
+        best_set = std::move(trial);
+      }
     }
+    if (best == groups.size()) break;
+    chosen = std::move(best_set);
+    res.peak = best_peak;
   }
   res.min_peak = res.peak;
   res.feasible = res.peak <= budget;

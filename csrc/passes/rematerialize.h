@@ -21,10 +21,12 @@
 // rematerialize_for_budget(graph, budget, donate):
 //   Chooses the set greedily and applies it. Each candidate comes as a group: itself and the
 //   forward producers it would otherwise keep alive for its clone alone (relu with the
-//   convolution it reads). Groups are tried by bytes saved per estimated FLOP of recomputation,
-//   cheapest first (pointwise ops before matmuls, AOTAutograd's min-cut rule of thumb), each kept
-//   only when the planner's exact peak (plan_memory's peak_bytes in the current order) drops, until
-//   the peak fits. The result says whether it fit, and the smallest peak found.
+//   convolution it reads), and itself alone. Groups are tried by bytes saved per estimated FLOP of recomputation,
+//   cheapest first (pointwise ops before matmuls, AOTAutograd's min-cut rule of thumb). Each round
+//   evaluates the planner's exact peak (plan_memory's peak_bytes in the current order) for the
+//   next few groups that lower it and keeps the one with the most bytes saved per added FLOP (or
+//   the first that fits), until the peak fits or nothing lowers it. The result says whether it
+//   fit, and the smallest peak found.
 #pragma once
 
 #include "ir/graph.h"
