@@ -259,16 +259,6 @@ def _update_for(opt, group: dict, param: torch.Tensor, name: str, gi: int) -> di
                     hyper=dict(lr_decay=float(group["lr_decay"]), weight_decay=float(group["weight_decay"]),
                                eps=float(group["eps"])),
                     flags=dict(maximize=maximize))
-    if isinstance(opt, torch.optim.RMSprop):
-        return dict(kind="rmsprop",
-                    hyper=dict(alpha=float(group["alpha"]), eps=float(group["eps"]),
-                               weight_decay=float(group["weight_decay"]), momentum=float(group["momentum"])),
-                    flags=dict(centered=bool(group["centered"]), maximize=maximize))
-    if isinstance(opt, torch.optim.Adagrad):
-        return dict(kind="adagrad",
-                    hyper=dict(lr_decay=float(group["lr_decay"]), weight_decay=float(group["weight_decay"]),
-                               eps=float(group["eps"])),
-                    flags=dict(maximize=maximize))
     raise TypeError(f"optimizer {type(opt).__name__} is not supported (supported: {_SUPPORTED_NAMES})")
 
 
