@@ -308,30 +308,24 @@ def e5() -> None:
         model = TanhMLP(depth)
         x, y = torch.randn(4, 8), torch.randn(4, 8)
         rg = torch_ext.ReactiveGraph(export_joint(torch.export.export(model, (x, y))))
-        state = {**rg.program.state_dict, **rg.program.constants}
-        user = iter([x, y])
-        flat = [next(user) if n["role"] == "input" else state[n["state_name"]]
-                for n in rg.graph.nodes() if n["kind"] == "placeholder"]
-        # ReactiveGraph.run()/demand() reject joint programs (their outputs are LOSS_OUTPUT and
-        # GRADIENT_TO_PARAMETER, not USER_OUTPUT), so drive its engine directly.
-        eng = rg._engine
-        eng.run(flat)
-        eng.reset_stats()
+        # A joint program runs like any other (its outputs are the loss and the parameter gradients).
+        rg.run(x, y)
+        rg.reset_stats()
         s = Structure(rg.graph.nodes())
         sig = rg.program.graph_signature
         loss = next(sp.arg.name for sp in sig.output_specs if sp.kind.name == "LOSS_OUTPUT")
         grads = {sp.arg.name for sp in sig.output_specs if sp.kind.name == "GRADIENT_TO_PARAMETER"}
         sites = [v for v in s.countable if rg.graph.node(v)["target"] == "aten::tanh.default"]
-        N = eng.num_countable()
+        N = rg.num_nodes
         per = []
         for v in sites:
-            value = torch.full_like(eng.value(v), 0.25)
-            before = eng.stats()["evaluations"]
-            eng.patch(v, value)
-            eng.demand()
-            per.append(eng.stats()["evaluations"] - before)
-            eng.restore()
-        eng.check_invariants()
+            value = torch.full_like(rg.value(v), 0.25)
+            before = rg.stats["evaluations"]
+            rg.patch(v, value)
+            rg.demand()
+            per.append(rg.stats["evaluations"] - before)
+            rg.restore()
+        rg.check_invariants()
         cones = [s.cone(v) for v in sites]
         check(per == [len(c) for c in cones], f"E5 joint depth {depth}: evaluations == |V+|")
         all_grads = all(grads <= c for c in cones)

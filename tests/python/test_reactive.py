@@ -12,8 +12,8 @@ Cones are computed independently here, by BFS over the parsed graph (``Structure
 a full recomputation: an FX interpreter over the engine's current graph with the patched values
 substituted (``reference``) and, where no patch is active, a fresh ``_C.Engine`` on that graph.
 
-Known engine bugs are pinned by ``xfail(strict=True)`` tests (section "known engine bugs"); the
-random-mutation property tests steer clear of exactly those patterns and say so where they do.
+Section 6 keeps the minimal repros of engine bugs fixed since (regression tests; the random-mutation
+property tests cover the same patterns).
 """
 from __future__ import annotations
 
@@ -1168,8 +1168,7 @@ def joint_reactive_graph(depth: int):
     user = iter([x, y])
     flat = [next(user) if n["role"] == "input" else state[n["state_name"]]
             for n in rg.graph.nodes() if n["kind"] == "placeholder"]
-    # rg.run(x, y) cannot be used: ReactiveGraph.demand() fails on joint programs (known bug 4).
-    rg._engine.run(flat)
+    rg.run(x, y)  # a joint program runs like any other; flat is the engine's view of the same inputs
     return rg, model, (x, y), flat
 
 
@@ -1214,7 +1213,7 @@ def test_training_mode_patch_invalidates_backward():
 
 
 # ---------------------------------------------------------------------------------------------
-# 6. known engine bugs (each a minimal repro; strict xfail flips to a failure once fixed)
+# 6. regressions: minimal repros of engine bugs fixed since
 # ---------------------------------------------------------------------------------------------
 def test_bug_graft_then_patch_then_restore():
     x = [torch.randn(4)]
