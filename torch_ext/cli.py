@@ -316,56 +316,10 @@ def memory_figure(report, title: str):
 
 def sweep_figure(result, title: str, row_labels: dict | None = None, key_name: str = "position",
                  baseline: float | None = None):
-    """Node x key heatmap when sites carry a key (e.g. a position); a bar per node otherwise.
-
-    ``baseline`` is the metric of the unpatched run: the colour scale is centred on it (white = no effect).
-    """
-    import numpy as np
-
-    plt = _pyplot()
-    row_labels = row_labels or {}
-    nodes, keys = [], []
-    for site in result.metrics:
-        node, key = site if isinstance(site, tuple) else (site, None)
-        if node not in nodes:
-            nodes.append(node)
-        if key is not None and key not in keys:
-            keys.append(key)
-    labels = [row_labels.get(n, n) for n in nodes]
-    subtitle = (f"{len(result.metrics)} sites: {result.measured_evaluations} node evaluations vs "
-                f"{result.full_evaluations} for full recomputation (rho = {result.rho:.2f})")
-    if not keys:
-        fig, ax = plt.subplots(figsize=(8, max(2.5, 0.35 * len(nodes) + 1.5)))
-        values = [result.metrics[n] for n in nodes]
-        ax.barh(range(len(nodes)), values, color="tab:blue")
-        ax.set_yticks(range(len(nodes)), labels, fontsize=8)
-        ax.invert_yaxis()  # first node on top, in graph order
-        ax.axvline(0, color="black", linewidth=0.6)
-        if baseline is not None:
-            ax.axvline(baseline, color="tab:red", linestyle="--", label=f"unpatched run: {baseline:.4g}")
-            ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, fontsize=8)
-        ax.set_xlabel("metric after patching the node")
-        ax.set_ylabel("patched node (module path)")
-        ax.set_title(f"{title}\n{subtitle}", fontsize=10)
-        fig.tight_layout()
-        return fig
-    grid = np.full((len(nodes), len(keys)), np.nan)
-    for site, value in result.metrics.items():
-        grid[nodes.index(site[0]), keys.index(site[1])] = value
-    fig, ax = plt.subplots(figsize=(max(6, 0.4 * len(keys) + 3.5), max(3, 0.4 * len(nodes) + 1.8)))
-    centre = 0.0 if baseline is None else baseline
-    bound = float(np.nanmax(np.abs(grid - centre))) or 1.0
-    im = ax.imshow(grid, aspect="auto", cmap="RdBu_r", vmin=centre - bound, vmax=centre + bound,
-                   interpolation="nearest")
-    ax.set_xticks(range(len(keys)), [str(k) for k in keys], fontsize=8)
-    ax.set_yticks(range(len(nodes)), labels, fontsize=8)
-    ax.set_xlabel(f"patched {key_name}")
-    ax.set_ylabel("patched node (layer)")
-    ax.set_title(f"{title}\n{subtitle}", fontsize=10)
-    fig.colorbar(im, ax=ax, label="metric after patching the site" +
-                 ("" if baseline is None else f"\n(white = unpatched run, {baseline:.4g})"))
-    fig.tight_layout()
-    return fig
+    """Node x key heatmap when sites carry a key (e.g. a position); a bar per node otherwise: the
+    figure of ``SweepResult.figure``, with the colour scale centred on ``baseline`` (the unpatched run)."""
+    _pyplot()
+    return result.figure(title, row_labels or {}, key_name, baseline)
 
 
 def _save(fig, path: str) -> str:

@@ -813,6 +813,19 @@ class SweepResult:
 
     def plot(self, path: str, title: str = "patching sweep") -> str:
         """A heatmap PNG: rows are nodes (e.g. layers), columns are keys (positions or heads)."""
+        import matplotlib.pyplot as plt
+
+        fig = self.figure(title)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+    def figure(self, title: str = "patching sweep", row_labels: dict | None = None,
+               key_name: str = "site key (position / head index)", baseline: float | None = None):
+        """The matplotlib figure behind :meth:`plot` (and ``torch-ext sweep --plot``): a node x key
+        heatmap whose diverging colormap is centred on the unpatched metric (``baseline``, by default
+        the sweep's ``clean_metric``), or one bar per node when sites carry no key. ``row_labels``
+        maps node names to row labels (default: "node (module path)")."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -822,51 +835,57 @@ class SweepResult:
         if not all(isinstance(v, float) for v in self.metrics.values()):
             raise TypeError("plot needs one float metric per site (this sweep's metric returned tensors or dicts); "
                             "use to_pandas() instead")
-        df = self.to_pandas()
-        nodes = list(dict.fromkeys(df["node"]))
-        keys = list(dict.fromkeys(df["key"]))
-        labels = [f"{n} ({self.node_labels[n]})" if self.node_labels.get(n) else str(n) for n in nodes]
-        if keys == [None]:
+        baseline = self.clean_metric if baseline is None else baseline
+        nodes, keys = [], []
+        for site in self.metrics:
+            node, key = site if isinstance(site, tuple) else (site, None)
+            if node not in nodes:
+                nodes.append(node)
+            if key is not None and key not in keys:
+                keys.append(key)
+        if row_labels is not None:
+            labels = [row_labels.get(n, n) for n in nodes]
+        else:
+            labels = [f"{n} ({self.node_labels[n]})" if self.node_labels.get(n) else str(n) for n in nodes]
+        row_axis = "patched node (layer)" if row_labels is not None else "patched node (module path)"
+        if not keys:
             # Sites without a key: one bar per node against the unpatched metric.
-            fig, ax = plt.subplots(figsize=(max(7, 0.4 * len(nodes) + 3), 4.5))
-            values = [self.metrics[n] for n in nodes]
-            ax.bar(range(len(nodes)), values, color="tab:blue", label="patched")
-            if self.clean_metric is not None:
-                ax.axhline(self.clean_metric, color="black", linestyle="--", linewidth=1, label="unpatched run")
-            ax.set_xticks(range(len(nodes)), labels, rotation=60, ha="right", fontsize=7)
-            ax.set_xlabel("patched node (module path)")
-            ax.set_ylabel("metric")
-            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+            fig, ax = plt.subplots(figsize=(8, max(2.5, 0.35 * len(nodes) + 1.5)))
+            ax.barh(range(len(nodes)), [self.metrics[n] for n in nodes], color="tab:blue", label="patched")
+            ax.set_yticks(range(len(nodes)), labels, fontsize=8)
+            ax.invert_yaxis()  # first node on top, in graph order
+            if baseline is not None:
+                ax.axvline(baseline, color="tab:red", linestyle="--", label=f"unpatched run: {baseline:.4g}")
+            ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, fontsize=8)
+            ax.set_xlabel("metric after patching the node")
+            ax.set_ylabel(row_axis)
         else:
             grid = np.full((len(nodes), len(keys)), np.nan)
-            for _, r in df.iterrows():
-                grid[nodes.index(r["node"]), keys.index(r["key"])] = r["metric"]
-            fig, ax = plt.subplots(figsize=(max(4, 0.45 * len(keys) + 2), max(3, 0.45 * len(nodes) + 1.5)))
+            for site, value in self.metrics.items():
+                grid[nodes.index(site[0]), keys.index(site[1])] = value
+            fig, ax = plt.subplots(figsize=(max(6, 0.4 * len(keys) + 3.5), max(3, 0.4 * len(nodes) + 1.8)))
             # Centre the diverging colormap on the unpatched metric, so red and blue mean up and down.
-            norm = None
-            if self.clean_metric is not None and np.isfinite(grid).any():
-                lo, hi = np.nanmin(grid), np.nanmax(grid)
-                span = max(abs(hi - self.clean_metric), abs(self.clean_metric - lo), 1e-12)
-                norm = matplotlib.colors.TwoSlopeNorm(vcenter=self.clean_metric, vmin=self.clean_metric - span,
-                                                      vmax=self.clean_metric + span)
-            im = ax.imshow(grid, aspect="auto", cmap="RdBu_r", norm=norm)
-            ax.set_xticks(range(len(keys)), [str(k) for k in keys], fontsize=7)
-            ax.set_yticks(range(len(nodes)), labels, fontsize=7)
-            ax.set_xlabel("site key (position / head index)")
-            ax.set_ylabel("patched node (module path)")
-            label = "metric" if self.clean_metric is None else f"metric (white: unpatched, {self.clean_metric:.4g})"
-            fig.colorbar(im, ax=ax, label=label)
+            centre = 0.0 if baseline is None else baseline
+            finite = grid[np.isfinite(grid)]
+            bound = float(np.max(np.abs(finite - centre))) if finite.size else 0.0
+            bound = bound or 1.0
+            im = ax.imshow(grid, aspect="auto", cmap="RdBu_r", vmin=centre - bound, vmax=centre + bound,
+                           interpolation="nearest")
+            ax.set_xticks(range(len(keys)), [str(k) for k in keys], fontsize=8)
+            ax.set_yticks(range(len(nodes)), labels, fontsize=8)
+            ax.set_xlabel(f"patched {key_name}")
+            ax.set_ylabel(row_axis)
+            fig.colorbar(im, ax=ax, label="metric after patching the site" +
+                         ("" if baseline is None else f"\n(white = unpatched run, {baseline:.4g})"))
         if self.batched:
             cost_line = (f"{self.measured_evaluations} node evaluations on K-times batched graphs "
                          f"({self.groups} groups) vs {self.full_evaluations} for one full pass per site")
         else:
-            cost_line = (f"{self.measured_evaluations} node evaluations vs {self.full_evaluations} for one full "
-                         f"pass per site (rho = {self.rho:.3f})")
-        ax.set_title(f"{title}: metric with each site patched\n{cost_line}", fontsize=9)
+            cost_line = (f"{len(self.metrics)} sites: {self.measured_evaluations} node evaluations vs "
+                         f"{self.full_evaluations} for one full pass per site (rho = {self.rho:.2f})")
+        ax.set_title(f"{title}\n{cost_line}", fontsize=10)
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        return path
+        return fig
 
 
 def _expand_sites(rg: ReactiveGraph, sites) -> list:
