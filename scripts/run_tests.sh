@@ -8,7 +8,7 @@ if [ ! -f "$BUILD/build.ninja" ]; then
   exit 2
 fi
 # Test-only dependencies (requirements-test.txt) are installed on first use, keeping the installed torch.
-if ! python3 -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ("pytest", "hypothesis", "transformers", "transformer_lens", "onnxruntime", "onnxscript")))'; then
+if ! python3 -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ("pytest", "hypothesis", "transformers", "transformer_lens", "onnxruntime", "onnxscript", "torchvision")))'; then
   bash scripts/install.sh --only-test-deps || exit 2
 fi
 cmake --build "$BUILD" -- -j"${MAX_JOBS:-2}" || exit 1
