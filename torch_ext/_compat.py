@@ -133,6 +133,29 @@ def merge_aliased_inputs(ep: torch.export.ExportedProgram, canonical: dict[str, 
     return ep._update(gm, sig)
 
 
+def for_aot_inductor(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """A copy of the pure step's program that torch 2.9's AOTInductor lowers.
+
+    Inductor decomposes ``cat([empty, x])`` (Hugging Face's KV-cache concatenation when there is no
+    past) into ``x.clone()``, which keeps x's strides where ATen's cat returns a contiguous tensor,
+    so a ``view`` that export recorded after it fails to lower ("Cannot view a tensor with shape
+    [8, 4, 64, 128] and strides (32768, 64, 1, 256)"). The step program mutates nothing, so each
+    ``aten.view`` becomes ``aten.reshape``: a view wherever Inductor's strides allow, a copy elsewhere.
+    """
+    from torch.export.experimental import _copy_graph_module_and_signature
+
+    gm, sig = _copy_graph_module_and_signature(ep)
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+            changed = True
+    if not changed:
+        return ep
+    gm.recompile()
+    return ep._update(gm, sig)
+
+
 def export_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> torch.export.ExportedProgram:
     """torch.export for an inference graph (the reactive engine), with the model families' quirks handled.
 

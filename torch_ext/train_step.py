@@ -822,7 +822,7 @@ class TrainStep:
         from .deploy import LAYOUT_KEY, aoti_metadata
 
         meta = aoti_metadata(self.program.graph_module.meta["custom"][LAYOUT_KEY])
-        return torch._inductor.aoti_compile_and_package(self.program, package_path=path,
+        return torch._inductor.aoti_compile_and_package(_compat.for_aot_inductor(self.program), package_path=path,
                                                         inductor_configs={"aot_inductor.metadata": meta})
 
 

@@ -152,6 +152,37 @@ def test_aoti_package_loads_and_trains(tmp_path):
     assert_states_equal(got, want, atol=1e-5)
 
 
+class EmptyCacheAttention(nn.Module):
+    """Hugging Face's attention without a past: cat([empty cache, k]) before q @ k^T."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, 2, 8).transpose(1, 2) for t in self.qkv(x).split(16, dim=-1))
+        k = torch.cat([k.new_zeros(b, 2, 0, 8), k], dim=-2)
+        att = (q @ k.transpose(-1, -2) * 0.35).softmax(-1)
+        return (att @ v).transpose(1, 2).reshape(b, s, 16)
+
+
+def test_aoti_lowers_a_view_after_an_empty_cache_cat(tmp_path):
+    # torch 2.9's Inductor turns cat([empty, k]) into k.clone() with k's strides, and the view export
+    # recorded after it failed to lower (the HF GPT-2 benchmark step did); to_aoti hands it reshapes.
+    torch.manual_seed(0)
+    model = EmptyCacheAttention()
+    g = torch.Generator().manual_seed(1)
+    xs = [(torch.randn(2, 8, 16, generator=g),) for _ in range(3)]
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, x: m(x).pow(2).mean(),
+                                     xs[0])
+    loaded = torch_ext.load_step(step.to_aoti(str(tmp_path / "attn.pt2")))
+    got_losses, got = run(loaded, step.init_state(), xs)
+    want_losses, want = run(step, step.init_state(), xs)
+    torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)
+    assert_states_equal(got, want, atol=1e-5)
+
+
 def test_onnx_loads_through_load_step_within_1e5(tmp_path):
     pytest.importorskip("onnxruntime", reason="needs onnxruntime")
     pytest.importorskip("onnxscript", reason="needs onnxscript")
