@@ -359,6 +359,18 @@ MemoryPlan plan_memory(const ir::Graph& g, bool donate, bool with_lb_graph) {
   }
   plan.dynamic_bytes = runtime::lower_bound_bytes(dynamic_lives);
   plan.arena = lives.empty() ? runtime::ArenaPlan{"empty", {}, 0} : runtime::plan_best(lives);
+  // Two pools peak apart: when that costs more than leaving every buffer to the allocator (whose
+  // peak is then the largest live sum, a.lower_bound), do that instead (no arena).
+  if (!lives.empty() && plan.arena.arena_bytes + plan.dynamic_bytes > a.lower_bound) {
+    for (auto& b : plan.buffers) plan.dynamic.push_back(std::move(b));
+    plan.buffers.clear();
+    std::stable_sort(plan.dynamic.begin(), plan.dynamic.end(), [](const PlannedBuffer& x, const PlannedBuffer& y) {
+      return x.life.first < y.life.first;
+    });
+    plan.dynamic_bytes = a.lower_bound;
+    lives.clear();
+    plan.arena = runtime::ArenaPlan{"none (allocator)", {}, 0};
+  }
   runtime::verify_plan(lives, plan.arena);
   return plan;
 }
