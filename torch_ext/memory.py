@@ -57,7 +57,8 @@ class PlannedStep:
 
     @property
     def fallbacks(self) -> list[str]:
-        """Allocating nodes with no usable out= overload (they allocate outside the arena)."""
+        """Nodes whose kernels allocate their results outside the arena: no out= overload with a kernel
+        of its own, or left to the allocator by the plan (``plan["dynamic"]``, counted in ``dynamic_bytes``)."""
         return self._ex.fallbacks()
 
     def __call__(self, state, *batch):
