@@ -625,6 +625,16 @@ class TrainStep:
             raise ValueError("this TrainState was made by another TrainStep (step_id "
                              f"{state.step_id}, this step is {self._id}); use this step's init_state(), or "
                              "step.load_state_dict(state) for a saved one")
+        # Entries are looked up by name: a missing one would surface as a bare KeyError, and an extra
+        # one (a renamed or misspelt key) would be silently ignored while the real entry is missing.
+        expected = {name for name, role in self._inputs if role != "input" and name != _RNG
+                    and not name.startswith("opt:lr:group")}
+        present = set(state.params) | set(state.buffers) | set(state.opt)
+        if present != expected:
+            missing, extra = sorted(expected - present), sorted(present - expected)
+            raise ValueError(f"{state.describe()} does not match this step's state entries: "
+                             f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
+                             f"unknown {extra[:5]}{' ...' if len(extra) > 5 else ''}")
 
     def flat_inputs(self, state: TrainState, *batch) -> list:
         """The program's flat positional inputs: state entries, then the batch (or the batches when
