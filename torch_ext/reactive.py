@@ -981,6 +981,19 @@ def _one_site(rg: ReactiveGraph, site, node: str, patch: Callable, metric: Calla
     return result
 
 
+def _patched_values(rg: ReactiveGraph, node: str, members: list, patch: Callable) -> list:
+    """The patch function's value for each site of one node (its current value given to each)."""
+    clean = rg._engine.value(node)
+    values = []
+    for s in members:
+        fn = rg._hook_view(s[0] if isinstance(s, tuple) else s, patch)
+        v = rg._call_patch_fn(node, lambda t, s=s, fn=fn: fn(t, s), clean, "sweep patch function")
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"patch function at site {s!r} returned {type(v).__name__}, expected a tensor")
+        values.append(v.detach())
+    return values
+
+
 def _balanced_shares(units: list, costs: list[float], world: int) -> list[list]:
     """Longest-processing-time-first: units sorted by cost, each to the least-loaded rank. The same
     on every rank (ties broken by position), so no communication is needed to agree on it."""
@@ -1054,7 +1067,8 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     sweep leaves standing patches and grafts exactly as it found them, also when a callback raises.
 
     With ``batch_sites=True`` the sites that share a node (so their cones coincide) are evaluated
-    together: K variants stacked along dim 0 of a K-times batched graph (grafts replayed, standing
+    together (``batch_sites=K``: at most K at a time, sorted by the first row each patch changes, so
+    that token-granular cones keep most of their savings): K variants stacked along dim 0 of a K-times batched graph (grafts replayed, standing
     patches applied), the shared cone evaluated once. Whether dim 0 really is the batch is checked
     node by node; a model where it is not is refused with a ValueError, never answered wrongly.
 
@@ -1077,6 +1091,8 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     rg._refuse_during_sweep("sweep()")
     if positions is not None and not isinstance(positions, bool):
         raise TypeError(f"sweep(positions=...) must be a bool or None, got {type(positions).__name__}")
+    if not isinstance(batch_sites, bool) and (not isinstance(batch_sites, int) or batch_sites < 2):
+        raise ValueError(f"sweep(batch_sites=...) must be a bool or an int >= 2 (sites per batch), got {batch_sites!r}")
     use_rows = rg.positions if positions is None else positions
     rows = (rg._read_rows(reads), reads) if use_rows else None
     if reads is not None and not use_rows:
@@ -1145,7 +1161,24 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
     row_evals = 0.0
     setup = 0
     t0 = time.perf_counter()
-    for node, members in _progress(list(groups.items()), len(groups), progress, "sweep (batched)"):
+    # batch_sites=K (an int): a node's sites sorted by the first row their patch changes, in batches of
+    # at most K, so that each batch shares a row range close to its members' own (token-granular).
+    chunk = batch_sites if not isinstance(batch_sites, bool) else None
+    units = []
+    for node, members in groups.items():
+        if (chunk is not None and len(members) > chunk and read_rows is not None and not eng.pinned()
+                and eng.can_evaluate_patched_rows() and eng.seq_axis(node) >= 0):
+            vals = _patched_values(rg, node, members, patch)
+            first = [eng.first_changed_row(node, v) for v in vals]
+            order = sorted(range(len(members)), key=lambda i: (first[i], i))
+            for j in range(0, len(order), chunk):
+                units.append((node, [members[i] for i in order[j:j + chunk]], [vals[i] for i in order[j:j + chunk]]))
+        elif chunk is not None and len(members) > chunk:
+            for j in range(0, len(members), chunk):
+                units.append((node, members[j:j + chunk], None))
+        else:
+            units.append((node, members, None))
+    for node, members, given in _progress(units, len(units), progress, "sweep (batched)"):
         k = len(members)
         if k == 1:  # nothing to batch: the graph itself is the cheapest
             before, cost_before = rg.stats["evaluations"], rg.stats["cost"]
@@ -1160,14 +1193,7 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         big = bg.rg
         setup += big.stats["evaluations"] - bg_before
         bg.require_scaled(node)
-        clean = eng.value(node)
-        values = []
-        for s in members:
-            fn = rg._hook_view(s[0] if isinstance(s, tuple) else s, patch)
-            v = rg._call_patch_fn(node, lambda t, s=s, fn=fn: fn(t, s), clean, "sweep patch function")
-            if not isinstance(v, torch.Tensor):
-                raise TypeError(f"patch function at site {s!r} returned {type(v).__name__}, expected a tensor")
-            values.append(v.detach())
+        values = given if given is not None else _patched_values(rg, node, members, patch)
         before = big.stats["evaluations"]
         cost_before = big.stats["cost"]
         rows_before = big.stats["row_evaluations"]
@@ -1200,8 +1226,8 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         cost += big.stats["cost"] - cost_before
         row_evals += big.stats["row_evaluations"] - rows_before
     wall = time.perf_counter() - t0
-    predicted_batched = sum(cones[n] for n in groups)
+    predicted_batched = sum(cones[n] for n, _, _ in units)
     return SweepResult(metrics, measured, predicted_batched, full, rg.num_nodes, wall, batched=True,
-                       groups=len(groups), cost=cost, extra={"setup_evaluations": setup, "row_evaluations": row_evals},
+                       groups=len(units), cost=cost, extra={"setup_evaluations": setup, "row_evaluations": row_evals},
                        clean_metric=clean_metric,
                        node_labels=labels)

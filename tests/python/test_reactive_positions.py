@@ -168,9 +168,18 @@ def test_batched_sites_use_rows_too():
     whole = torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=True, positions=False)
     assert batched.measured_evaluations == whole.measured_evaluations
     assert batched.extra["row_evaluations"] == (T - 3) / T * whole.extra["row_evaluations"]
+    # batch_sites=K: each node's sites sorted by their patched row, K per batch, each batch from its
+    # own smallest row: positions 3-4, 5-6, 7 recompute rows [3, T), [5, T), [7, T).
+    paired = torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=2)
+    assert paired.groups == 3 * len(resid)
+    assert paired.measured_evaluations == 3 * sum(len(rg.cone(n)) for n in resid)
+    assert paired.extra["row_evaluations"] == sum(len(rg.cone(n)) * (T - p) / T for n in resid for p in (3, 5, 7))
     for s in sites:
         assert abs(batched.metrics[s] - one.metrics[s]) <= 1e-6 * max(1.0, abs(one.metrics[s])), s
         assert abs(whole.metrics[s] - one.metrics[s]) <= 1e-6 * max(1.0, abs(one.metrics[s])), s
+        assert abs(paired.metrics[s] - one.metrics[s]) <= 1e-6 * max(1.0, abs(one.metrics[s])), s
+    with pytest.raises(ValueError, match="batch_sites"):
+        torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=1)
 
 
 def test_cutoff_and_standing_patches_fall_back_to_whole_nodes():
