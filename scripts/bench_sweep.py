@@ -470,7 +470,7 @@ def part3(repeats: int) -> None:
 # --------------------------------------------------------------------------------------------
 # 4. token-granular cones
 # --------------------------------------------------------------------------------------------
-GROUP = 4  # sites per batched evaluation in part 4
+GROUP = 8  # sites per batched evaluation in part 4
 
 
 def positions_setup(V: int, B: int, d: int = 128, L: int = 4, H: int = 4, T: int = 16):

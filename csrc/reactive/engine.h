@@ -254,6 +254,7 @@ class Engine {
     int64_t length = 0;
     int64_t need = 0;  // first row any reader needs (0 when read whole)
     int special = 0;   // 0 kernel, 1 causal SDPA, 2 view, 3 _unsafe_view, 4 reshape, 5 expand
+    bool dense_inputs = false;  // sliced inputs are made contiguous first (GEMMs, norms, attention)
     std::vector<RowInput> inputs;
   };
   struct RowPlan {

@@ -134,6 +134,8 @@ const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_
     step.row_axis = info.row_axis;
     step.length = info.length;
     const std::string& op = st.node->target().name;
+    step.dense_inputs = op == "linear" || op == "matmul" || op == "mm" || op == "bmm" || op == "addmm" ||
+                        op == "layer_norm" || op == "rms_norm" || op == "scaled_dot_product_attention";
     if (info.causal_attention) step.special = 1;
     else if (op == "view") step.special = 2;
     else if (op == "_unsafe_view") step.special = 3;
@@ -233,6 +235,9 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
           const int64_t from = in_suffix ? s - start[ri.pos] : s;
           if (from == 0 && in_suffix) continue;
           repl = narrow_value(values_[ri.slot], ri.dim, from, T - s);
+          // A strided slice makes BLAS and the norm kernels take slow paths: give them dense rows.
+          if (step.dense_inputs && repl.isTensor() && !repl.toTensor().is_contiguous())
+            repl = repl.toTensor().contiguous();
         } else if (in_suffix) {
           TORCH_INTERNAL_ASSERT(start[ri.pos] == p, "token-granular cone: %", states_[ri.slot].node->name(),
                                 " is read whole but was computed from row ", start[ri.pos]);
