@@ -200,13 +200,11 @@ BudgetResult rematerialize_for_budget(ir::Graph& g, int64_t budget, bool donate)
   struct Group {
     std::set<std::string> names;
     int64_t bytes = 0, flops = 0;
-    size_t rank = 0;
   };
   std::vector<Group> groups;
   for (const auto& n : g.nodes()) {
     if (!is_candidate(f, *n)) continue;
     Group grp;
-    grp.rank = groups.size();
     grp.bytes = bytes_of(n->type());
     std::vector<const Node*> work{n.get()};
     while (!work.empty()) {
@@ -223,7 +221,6 @@ BudgetResult rematerialize_for_budget(ir::Graph& g, int64_t budget, bool donate)
     }
     if (grp.names.size() > 1) {  // the activation alone too: its input may be saved anyway
       Group alone;
-      alone.rank = groups.size() + 1;
       alone.bytes = grp.bytes;
       alone.names = {n->name()};
       alone.flops = estimated_flops(*n);
