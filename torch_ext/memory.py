@@ -241,16 +241,35 @@ def _plot_pareto(report, path: str) -> str:
 
 
 def _checkpointed_loss(model, loss_fn):
-    """loss_fn with torch.utils.checkpoint around every element of the model's first ModuleList or
-    Sequential (its blocks), on a copy of the model."""
+    """loss_fn with torch.utils.checkpoint on every block of ``model`` (changed in place: pass a
+    copy): the elements of its first ModuleList, or of its first Sequential each module with
+    parameters together with the parameter-free ones after it (conv + relu)."""
     from torch.utils.checkpoint import checkpoint
 
     blocks = next((m for m in model.modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential))), None)
     if blocks is None:
         return None
-    for blk in blocks:
-        orig = blk.forward
-        blk.forward = (lambda f: (lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k)))(orig)
+    if isinstance(blocks, torch.nn.ModuleList):
+        for blk in blocks:
+            blk.forward = (lambda f: (lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k)))(blk.forward)
+        return loss_fn
+    segments = []
+    for m in blocks:
+        if not segments or next(m.parameters(), None) is not None:
+            segments.append([])
+        segments[-1].append(m)
+
+    def run(x, seg):
+        for m in seg:
+            x = m(x)
+        return x
+
+    def forward(x):
+        for seg in segments:
+            x = checkpoint(run, x, seg, use_reentrant=False)
+        return x
+
+    blocks.forward = forward
     return loss_fn
 
 
