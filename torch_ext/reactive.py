@@ -482,16 +482,59 @@ class ReactiveGraph:
             cache = self._out_nodes = (self.graph, outs)
         return cache[1]
 
+    def _read_rows_of_callable(self, reads: Callable) -> list[int]:
+        """``reads(outputs)`` returns what the metric reads (``lambda logits: logits[:, -1, [a, b]]``). It
+        is run once on stand-ins of the outputs whose every element holds its own row along the
+        sequence axis; the smallest row it returns per output is the first row read."""
+        outs = self._output_nodes()
+        flat = []
+        tagged = {}
+        for k, node in enumerate(outs):
+            axis = self._engine.seq_axis(node) if node is not None else -1
+            t = self._engine.node(node)["type"] if node is not None else None
+            if axis < 0 or t is None or t[0] != "tensor":
+                flat.append(self._engine.value(node) if node is not None else None)
+                continue
+            sizes = list(t[2])
+            shape = [1] * len(sizes)
+            shape[axis] = sizes[axis]
+            rows = torch.arange(sizes[axis], dtype=torch.float64).reshape(shape) + 1e6 * (k + 1)
+            flat.append(rows.expand(sizes).clone())
+            tagged[k] = sizes[axis]
+        try:
+            picked = reads(self._user(flat))
+        except Exception as e:  # noqa: BLE001 - the user's callable: say where it failed
+            raise ValueError(f"reads callable failed on the outputs' row stand-ins: {type(e).__name__}: {e}") from e
+        first = [-1] * len(outs)
+        seen = {k: None for k in tagged}
+        for leaf in pytree.tree_leaves(picked):
+            if not isinstance(leaf, torch.Tensor) or leaf.dtype != torch.float64 or leaf.numel() == 0:
+                raise TypeError("reads callable must return the indexed outputs (tensors taken from its argument), got "
+                                f"{type(leaf).__name__}")
+            tags = (leaf / 1e6).round().long() - 1
+            for k in tags.unique().tolist():
+                if k not in seen:
+                    raise ValueError("reads callable returned values that are not elements of an output with a "
+                                     "sequence axis; index the outputs, do not compute on them")
+                r = int((leaf[tags == k] - 1e6 * (k + 1)).min().round())
+                seen[k] = r if seen[k] is None else min(seen[k], r)
+        for k, r in seen.items():
+            if r is not None:
+                first[k] = r
+        return first
+
     def _read_rows(self, reads) -> list[int]:
-        """``reads`` ({output: index}) as the first row read along each flat output's sequence axis
+        """``reads`` ({output: index}, or a callable: see _read_rows_of_callable) as the first row read along each flat output's sequence axis
         (-1: read whole). An output is named by its node name, a hook name, its flat index, or, when
         the graph has one user output, by any name (``"logits"``). The index is what the metric reads
         (``(slice(None), -1, [tok_a, tok_b])``); only its entry at the sequence axis is used: an int
         reads that row, a slice from its start, a list from its smallest row."""
         if reads is None:
             return []
+        if callable(reads) and not isinstance(reads, dict):
+            return self._read_rows_of_callable(reads)
         if not isinstance(reads, dict):
-            raise TypeError(f"reads must be a dict {{output: index}}, got {type(reads).__name__}")
+            raise TypeError(f"reads must be a dict {{output: index}} or a callable, got {type(reads).__name__}")
         outs = self._output_nodes()
         rows = [-1] * len(outs)
         for key, index in reads.items():
@@ -1082,7 +1125,8 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     one only from row p on along the node's sequence axis recomputes only rows [p, T) of the nodes
     the sequence-axis analysis bounds, the whole node elsewhere. ``reads={output: index}`` declares
     what the metric reads (``{"logits": (slice(None), -1, [tok_a, tok_b])}``): rows that reach no
-    read row are not computed, and those rows of the outputs the metric receives are NaN. Standing
+    read row are not computed, and those rows of the outputs the metric receives are NaN; a callable
+    ``reads=lambda logits: logits[:, -1, [tok_a, tok_b]]`` says the same by indexing. Standing
     patches and early cutoff fall back to node-granular cones; batched sites use them too.
     """
     site_list = _expand_sites(rg, sites)

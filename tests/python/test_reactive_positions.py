@@ -155,6 +155,18 @@ def test_reads_last_row_computes_only_what_reaches_it():
     assert rg._read_rows({0: (slice(None), -1)}) == rg._read_rows({out_node: (slice(None), T - 1)}) == [T - 1]
     assert rg._read_rows({"logits": (slice(None), slice(3, None))}) == [3]
     assert rg._read_rows({"logits": (slice(None), [5, -2])}) == [5]
+    # A callable says the same by indexing the outputs.
+    assert rg._read_rows(lambda logits: logits[:, -1, [3, 4]]) == [T - 1]
+    assert rg._read_rows(lambda logits: (logits[:, 5], logits[0, 2:4, 1])) == [2]
+    with pytest.raises(ValueError, match="not elements of an output"):
+        rg._read_rows(lambda logits: logits.sum())
+    with pytest.raises(TypeError, match="must return the indexed outputs"):
+        rg._read_rows(lambda logits: 3.0)
+    by_callable = torch_ext.sweep(rg, sites[-T:], patch, metric, progress=False,
+                                  reads=lambda logits: logits[:, -1, [3, 4]])
+    for s in sites[-T:]:
+        assert abs(by_callable.metrics[s] - wide.metrics[s]) <= 1e-6 * max(1.0, abs(wide.metrics[s])), s
+    assert by_callable.cost < torch_ext.sweep(rg, sites[-T:], patch, metric, progress=False).cost
 
 
 def test_batched_sites_use_rows_too():
