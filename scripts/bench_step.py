@@ -9,16 +9,28 @@
 
 Rounds are interleaved (each round times every runner back to back) and the median per runner is
 reported, so the ratios are comparable on a noisy machine. Compile times: AOTInductor's package
-build, and torch.compile's first call (which compiles forward, backward and the optimizer step).
+build, and torch.compile's first two calls (forward, backward and the optimizer step), both with a
+fresh Inductor cache directory unless --warm-cache.
 Targets: aoti >= 1.0x compile and >= 1.3x eager; executor >= 1.0x eager.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
+import sys
 import tempfile
 import time
+
+if "--warm-cache" not in sys.argv:
+    # Cold compile times: Inductor's on-disk caches (FX graphs, kernels) would otherwise make a
+    # second run's torch.compile and AOTInductor look 10x faster. Set before torch reads its config.
+    import atexit
+    import shutil
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_step_inductor_")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 import torch
 import torch.nn as nn
@@ -181,6 +193,8 @@ def main():
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
     ap.add_argument("--no-aoti", action="store_true", help="skip the AOTInductor column (minutes on 2 cores)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column (minutes on 2 cores)")
+    ap.add_argument("--warm-cache", action="store_true",
+                    help="reuse Inductor's on-disk cache (compile times then measure cache hits, not compiles)")
     args = ap.parse_args()
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in cases if c not in CASES]
@@ -188,7 +202,8 @@ def main():
         ap.error(f"unknown case(s) {unknown}; choose from {list(CASES)}")
     columns = [c for c in COLUMNS if not (c == "aoti" and args.no_aoti) and not (c == "compile" and args.no_compile)]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; AdamW; steps/s, median of {args.rounds} "
-          f"interleaved rounds x {args.iters} steps")
+          f"interleaved rounds x {args.iters} steps; Inductor cache "
+          + ("warm" if args.warm_cache else "cold (fresh dir)"))
     rows = []
     for key in cases:
         case = CASES[key]()
@@ -207,8 +222,9 @@ def main():
               + f"{ratio('aoti', 'eager'):10.2f}x{ratio('aoti', 'compile'):12.2f}x")
     print()
     print(f"{'compile / build seconds':46}" + "".join(f"{c:>10}" for c in ("executor", "arena", "aoti", "compile")))
+    built = ("executor", "arena", "aoti", "compile")
     for name, _, compile_s, _ in rows:
-        print(f"{name:46}" + "".join(f"{compile_s.get(c, nan):10.1f}" for c in ("executor", "arena", "aoti", "compile")))
+        print(f"{name:46}" + "".join(f"{compile_s.get(c, nan):10.1f}" for c in built))
     for name, _, _, errors in rows:
         for col, err in errors.items():
             print(f"FAILED {name} / {col}: {err}")

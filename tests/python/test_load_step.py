@@ -174,8 +174,8 @@ def test_aoti_lowers_a_view_after_an_empty_cache_cat(tmp_path):
     model = EmptyCacheAttention()
     g = torch.Generator().manual_seed(1)
     xs = [(torch.randn(2, 8, 16, generator=g),) for _ in range(3)]
-    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, x: m(x).pow(2).mean(),
-                                     xs[0])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = torch_ext.make_train_step(model, opt, lambda m, x: m(x).pow(2).mean(), xs[0])
     loaded = torch_ext.load_step(step.to_aoti(str(tmp_path / "attn.pt2")))
     got_losses, got = run(loaded, step.init_state(), xs)
     want_losses, want = run(step, step.init_state(), xs)
@@ -213,7 +213,7 @@ def test_errors_name_the_path_the_extension_and_the_state(tmp_path):
         torch_ext.load_step(tmp_path / "junk.pt2")
     plain = torch.export.export(nn.Linear(2, 2), (torch.randn(1, 2),))
     torch.export.save(plain, str(tmp_path / "plain.pt2"))
-    with pytest.raises(ValueError, match=r"plain.pt2 has no torch_ext.layout metadata.*torch.export.save\(step.program"):
+    with pytest.raises(ValueError, match=r"plain.pt2 has no torch_ext.layout metadata.*torch.export.save\(step.prog"):
         torch_ext.load_step(tmp_path / "plain.pt2")
 
     step = make()
