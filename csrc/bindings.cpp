@@ -383,18 +383,20 @@ PYBIND11_MODULE(_C, m) {
              return result;
            })
       .def("evaluate_patched_rows",
-           [](reactive::Engine& e, const std::string& n, py::handle v, std::vector<int64_t> read_rows) {
+           [](reactive::Engine& e, const std::string& n, py::handle v, std::vector<int64_t> read_rows,
+              std::vector<std::vector<int64_t>> read_cols) {
              c10::IValue value = ivalue_from_py(v);
              std::vector<c10::IValue> out;
              {
                py::gil_scoped_release no_gil;
-               out = e.evaluate_patched_rows(n, std::move(value), read_rows);
+               out = e.evaluate_patched_rows(n, std::move(value), read_rows, read_cols);
              }
              py::list result;
              for (const auto& x : out) result.append(ivalue_to_py(x));
              return result;
            },
-           py::arg("node"), py::arg("value"), py::arg("read_rows") = std::vector<int64_t>{})
+           py::arg("node"), py::arg("value"), py::arg("read_rows") = std::vector<int64_t>{},
+           py::arg("read_cols") = std::vector<std::vector<int64_t>>{})
       .def("node_cost",
            [](const reactive::Engine& e, const std::string& name) {
              const ir::Node* n = e.graph().find(name);

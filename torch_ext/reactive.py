@@ -482,6 +482,46 @@ class ReactiveGraph:
             cache = self._out_nodes = (self.graph, outs)
         return cache[1]
 
+    def _read_spec(self, reads) -> tuple[list[int], list[list[int]]]:
+        """(first row read, columns read) per flat output, as evaluate_patched_rows takes them."""
+        return self._read_rows(reads), self._read_cols(reads)
+
+    def _read_cols(self, reads) -> list[list[int]]:
+        """The columns (last dim) a dict ``reads`` names per flat output: its index's last entry when the
+        index has one entry per dim and that entry is an int or a list of ints; [] (all) otherwise."""
+        if not isinstance(reads, dict):
+            return []
+        outs = self._output_nodes()
+        cols: list[list[int]] = [[] for _ in outs]
+        rows = self._read_rows(reads)  # validates the keys
+        del rows
+        for key, index in reads.items():
+            if isinstance(key, int) and not isinstance(key, bool):
+                k = key
+            elif isinstance(key, str) and self.resolve(key) in outs:
+                k = outs.index(self.resolve(key))
+            else:
+                k = self._single_output
+            node = outs[k]
+            if node is None or not isinstance(index, tuple):
+                continue
+            t = self._engine.node(node)["type"]
+            if t[0] != "tensor" or len(index) != len(t[2]) or len(t[2]) < 2:
+                continue
+            last = index[-1]
+            if isinstance(last, int) and not isinstance(last, bool):
+                last = [last]
+            if isinstance(last, torch.Tensor) and last.dtype in (torch.int64, torch.int32) and last.dim() <= 1:
+                last = last.reshape(-1).tolist()
+            if isinstance(last, (list, tuple)) and last and all(isinstance(i, int) and not isinstance(i, bool)
+                                                                for i in last):
+                width = t[2][-1]
+                bad = [i for i in last if not -width <= i < width]
+                if bad:
+                    raise ValueError(f"reads[{key!r}]: columns {bad} are outside the last dim of length {width}")
+                cols[k] = sorted({i % width for i in last})
+        return cols
+
     def _read_rows_of_callable(self, reads: Callable) -> list[int]:
         """``reads(outputs)`` returns what the metric reads (``lambda logits: logits[:, -1, [a, b]]``). It
         is run once on stand-ins of the outputs whose every element holds its own row along the
@@ -524,7 +564,8 @@ class ReactiveGraph:
         return first
 
     def _read_rows(self, reads) -> list[int]:
-        """``reads`` ({output: index}, or a callable: see _read_rows_of_callable) as the first row read along each flat output's sequence axis
+        """``reads`` ({output: index}, or a callable: see _read_rows_of_callable) as the first row read
+        along each flat output's sequence axis
         (-1: read whole). An output is named by its node name, a hook name, its flat index, or, when
         the graph has one user output, by any name (``"logits"``). The index is what the metric reads
         (``(slice(None), -1, [tok_a, tok_b])``); only its entry at the sequence axis is used: an int
@@ -987,15 +1028,16 @@ def _raise_metric_wrote(rg: ReactiveGraph, site):
 def _one_site(rg: ReactiveGraph, site, node: str, patch: Callable, metric: Callable, pinned=(), read_rows=None):
     """One sweep transaction: patch -> demand -> metric -> rollback (standing patches and grafts kept).
 
-    With ``read_rows`` (a list, possibly empty) and token-granular cones available, only the rows the
-    patch changed (and the metric reads) are recomputed."""
+    With ``read_rows`` ((rows, columns) read per output, possibly empty) and token-granular cones
+    available, only the rows the patch changed (and the metric reads) are recomputed."""
     patch = rg._hook_view(site[0] if isinstance(site, tuple) else site, patch)
     eng = rg._engine
     if read_rows is not None and not pinned and eng.can_evaluate_patched_rows() and eng.seq_axis(node) >= 0:
         value = rg._call_patch_fn(node, lambda v: patch(v, site), eng.value(node), "sweep patch function")
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"patch function at site {site!r} returned {type(value).__name__}, expected a tensor")
-        result, wrote = _measure(rg, metric, rg._user(eng.evaluate_patched_rows(node, value.detach(), read_rows)), site)
+        result, wrote = _measure(rg, metric, rg._user(eng.evaluate_patched_rows(node, value.detach(), *read_rows)),
+                                 site)
         if wrote:
             _raise_metric_wrote(rg, site)
         return result
@@ -1125,7 +1167,8 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     one only from row p on along the node's sequence axis recomputes only rows [p, T) of the nodes
     the sequence-axis analysis bounds, the whole node elsewhere. ``reads={output: index}`` declares
     what the metric reads (``{"logits": (slice(None), -1, [tok_a, tok_b])}``): rows that reach no
-    read row are not computed, and those rows of the outputs the metric receives are NaN; a callable
+    read row are not computed, nor, for a final linear or matmul, the columns not read; those rows
+    and columns of the outputs the metric receives are NaN; a callable
     ``reads=lambda logits: logits[:, -1, [tok_a, tok_b]]`` says the same by indexing. Standing
     patches and early cutoff fall back to node-granular cones; batched sites use them too.
     """
@@ -1138,7 +1181,7 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     if not isinstance(batch_sites, bool) and (not isinstance(batch_sites, int) or batch_sites < 2):
         raise ValueError(f"sweep(batch_sites=...) must be a bool or an int >= 2 (sites per batch), got {batch_sites!r}")
     use_rows = rg.positions if positions is None else positions
-    rows = (rg._read_rows(reads), reads) if use_rows else None
+    rows = (rg._read_spec(reads), reads) if use_rows else None
     if reads is not None and not use_rows:
         rg._read_rows(reads)  # still checked: a bad reads argument is refused either way
     rg._sweeping = True
@@ -1249,7 +1292,7 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         wrote = []
         try:
             if by_rows:
-                flat = big._engine.evaluate_patched_rows(node, torch.cat(values), big._read_rows(rows[1]))
+                flat = big._engine.evaluate_patched_rows(node, torch.cat(values), *big._read_spec(rows[1]))
             elif fast:
                 flat = big._engine.evaluate_patched(node, torch.cat(values))
             else:

@@ -63,6 +63,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -143,7 +144,9 @@ class Engine {
   // rest whole; nothing is written into a cached tensor, and everything is put back afterwards as
   // evaluate_patched does (restore stays free). `read_rows[k]` >= 0 declares that the caller reads
   // only rows [read_rows[k], T) of output k (-1: all of it): rows that reach no read row are not
-  // computed, and such an output's rows [p, read_rows[k]) come back as NaN. Every node of the cone
+  // computed, and such an output's rows [p, read_rows[k]) come back as NaN. `read_cols[k]`, when not
+  // empty, lists the only columns (last dim) read of output k: an output computed by a linear or a
+  // matmul with a constant weight, read by nothing else, computes those columns alone (others NaN). Every node of the cone
   // runs exactly once (a value equal to the cached one runs it whole), so counts are those of
   // evaluate_patched: |V+(node)|. Needs positions on, no standing patch, and what evaluate_patched needs.
   void set_positions(bool enabled, int64_t seq_dim = 1);
@@ -152,7 +155,8 @@ class Engine {
   int64_t seq_axis(const std::string& node);
   bool can_evaluate_patched_rows() const { return positions_ && pinned_.empty() && can_evaluate_patched(); }
   std::vector<c10::IValue> evaluate_patched_rows(const std::string& node, c10::IValue value,
-                                                 const std::vector<int64_t>& read_rows = {});
+                                                 const std::vector<int64_t>& read_rows = {},
+                                                 const std::vector<std::vector<int64_t>>& read_cols = {});
   // The first row along the node's sequence axis where `value` differs from its cached value (T if none).
   int64_t first_changed_row(const std::string& node, const c10::IValue& value);
 
@@ -255,6 +259,8 @@ class Engine {
     int64_t need = 0;  // first row any reader needs (0 when read whole)
     int special = 0;   // 0 kernel, 1 causal SDPA, 2 view, 3 _unsafe_view, 4 reshape, 5 expand
     bool dense_inputs = false;  // sliced inputs are made contiguous first (GEMMs, norms, attention)
+    std::vector<int64_t> cols;  // special 6 (linear) / 7 (matmul): the only output columns computed
+    int64_t width = 0;          // the output's last dim when cols is set
     std::vector<RowInput> inputs;
   };
   struct RowPlan {
@@ -264,9 +270,10 @@ class Engine {
     int64_t source_length = 0;
     uint64_t pins_version = 0;
   };
-  const RowPlan& row_plan_for(int64_t id, const std::vector<int64_t>& read_rows);
+  const RowPlan& row_plan_for(int64_t id, const std::vector<int64_t>& read_rows,
+                              const std::vector<std::vector<int64_t>>& read_cols);
   const passes::SeqAxisAnalysis& seq_analysis();
-  std::map<std::pair<int64_t, std::vector<int64_t>>, RowPlan> row_plans_;
+  std::map<std::tuple<int64_t, std::vector<int64_t>, std::vector<std::vector<int64_t>>>, RowPlan> row_plans_;
   std::optional<passes::SeqAxisAnalysis> seq_;
   bool positions_ = false;
   int64_t seq_dim_ = 1;

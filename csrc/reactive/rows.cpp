@@ -110,8 +110,9 @@ int64_t Engine::first_changed_row(const std::string& name, const c10::IValue& va
   return rows.size(0) == 0 ? T : rows[0][0].item<int64_t>();
 }
 
-const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_t>& read_rows) {
-  const auto key = std::make_pair(id, read_rows);
+const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_t>& read_rows,
+                                            const std::vector<std::vector<int64_t>>& read_cols) {
+  const auto key = std::make_tuple(id, read_rows, read_cols);
   auto it = row_plans_.find(key);
   if (it != row_plans_.end() && it->second.pins_version == pins_version_) return it->second;
   const PatchPlan& plan = plan_for(id);
@@ -176,11 +177,39 @@ const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_
       need[ri.pos] = std::min(need[ri.pos], pass_on ? step.need : int64_t{0});
     }
   }
+  // Read columns of an output computed by linear(x, W[, b]) or matmul(x, W) with a constant 2-D
+  // weight and read by nothing but the output: only those columns are computed.
+  for (size_t k = 0; k < outs.size() && k < read_cols.size(); ++k) {
+    if (read_cols[k].empty() || outs[k].kind != ir::Arg::Kind::Node) continue;
+    const ir::Node* o = outs[k].node;
+    auto p = rp.pos.find(ids_.at(o));
+    if (p == rp.pos.end()) continue;
+    RowStep& step = rp.steps[p->second];
+    const std::string& op = o->target().name;
+    if (!step.suffix || step.special != 0 || !(op == "linear" || op == "matmul") || o->args().size() < 2 ||
+        o->args()[1].kind != ir::Arg::Kind::Node || !is_floating(o->type()))
+      continue;
+    const ir::Node* w = o->args()[1].node;
+    if (rp.pos.count(ids_.at(w)) || w->type().kind != ir::Type::Kind::Tensor || w->type().tensor.sizes.size() != 2 ||
+        (o->args().size() > 2 && o->args()[2].kind == ir::Arg::Kind::Node && rp.pos.count(ids_.at(o->args()[2].node))))
+      continue;
+    bool only_output = true;
+    for (const ir::Node* u : o->users()) only_output = only_output && u->kind() == ir::NodeKind::Output;
+    if (!only_output) continue;
+    step.width = o->type().tensor.sizes.back();
+    for (int64_t c : read_cols[k]) {
+      TORCH_CHECK(c >= -step.width && c < step.width, "reads: column ", c, " of output %", o->name(), " is out of range ",
+                  "(its last dim has ", step.width, ")");
+      step.cols.push_back(c < 0 ? c + step.width : c);
+    }
+    step.special = op == "linear" ? 6 : 7;
+  }
   return row_plans_[key] = std::move(rp);
 }
 
 std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, c10::IValue value,
-                                                       const std::vector<int64_t>& read_rows) {
+                                                       const std::vector<int64_t>& read_rows,
+                                                       const std::vector<std::vector<int64_t>>& read_cols) {
   const int64_t id = id_of(name);
   TORCH_CHECK(positions_, "evaluate_patched_rows %", name, ": positions are off (set_positions(true) first)");
   TORCH_CHECK(pinned_.empty(), "evaluate_patched_rows %", name, ": standing patches are active at ", pinned_.size(),
@@ -188,7 +217,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
   TORCH_CHECK(has_run_ && dirty_.empty() && !txn_ && !cutoff_, "evaluate_patched_rows %", name,
               ": needs a graph that has run, with nothing stale, no open transaction and early cutoff off");
   check_value_type(*states_[id].node, value);
-  const RowPlan& rp = row_plan_for(id, read_rows);
+  const RowPlan& rp = row_plan_for(id, read_rows, read_cols);
   if (rp.source_axis < 0) return evaluate_patched(name, std::move(value));
   check_intact(id);
   // A value equal to the cached one changes no row: its cone runs whole, as in evaluate_patched, so
@@ -265,6 +294,25 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
           const ir::Arg* sc = node.args().size() > 6 ? &node.args()[6] : node.kwarg("scale");
           if (sc != nullptr && sc->kind == ir::Arg::Kind::Float) scale = sc->f;
           out = at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, scale);
+        } else if (step.suffix && step.special >= 6) {
+          // Only the read columns of the output: the weight's rows (linear) or columns (matmul) picked.
+          const at::Tensor& x = arg_value(0).toTensor();
+          const at::Tensor& w = arg_value(1).toTensor();
+          const at::Tensor idx = at::tensor(step.cols, at::TensorOptions().dtype(at::kLong)).to(w.device());
+          at::Tensor small;
+          if (step.special == 6) {
+            std::optional<at::Tensor> b;
+            if (node.args().size() > 2 && node.args()[2].kind == ir::Arg::Kind::Node)
+              b = arg_value(2).toTensor().index_select(0, idx);
+            small = at::linear(x, w.index_select(0, idx), b);
+          } else {
+            small = at::matmul(x, w.index_select(1, idx));
+          }
+          std::vector<int64_t> sizes = small.sizes().vec();
+          sizes.back() = step.width;
+          at::Tensor full = at::full(sizes, std::numeric_limits<double>::quiet_NaN(), small.options());
+          full.index_copy_(full.dim() - 1, idx, small);
+          out = full;
         } else if (step.suffix && step.special >= 2) {
           std::vector<int64_t> sizes = node.type().tensor.sizes;
           sizes[step.row_axis] = T - s;
@@ -281,9 +329,10 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
       put_inputs_back();
       values_[n] = std::move(out);
       const double frac = step.suffix ? static_cast<double>(T - s) / static_cast<double>(T) : 1.0;
+      const double col_frac = step.cols.empty() ? 1.0 : static_cast<double>(step.cols.size()) / static_cast<double>(step.width);
       ++st.evaluations;
       ++stats_.evaluations;
-      stats_.cost += st.cost * frac;
+      stats_.cost += st.cost * frac * col_frac;
       stats_.row_evaluations += frac;
       for (int64_t r : plan.release[i]) values_[r] = c10::IValue();  // last use: free, as the executor does
     }

@@ -98,7 +98,8 @@ def test_closed_forms_with_the_last_row_read():
     """docs/cost-model-positions.md, reads = the last row: a cone node that reaches the read row only
     through row-wise paths (the last layer's query path, everything after its attention, the final
     norm and unembedding: D(q of the last layer)) runs on row T-1 alone; the rest (what feeds keys
-    and values) on rows [p, T). Per site s: R = (T+1)/2 |k_s| + |q_s|, F = (T+1)/2 K_s + Q_s."""
+    and values) on rows [p, T); the head computes the 2 read columns alone. Per site s:
+    R = (T+1)/2 |k_s| + |q_s|, F = (T+1)/2 K_s + Q_s (the head's cost in Q_s times 2/V)."""
     rg, resid, patch, sites = _zoo_sweep_setup("sdpa")
     reads = {"logits": (slice(None), -1, [3, 4])}
     rg.reset_stats()
@@ -106,6 +107,7 @@ def test_closed_forms_with_the_last_row_read():
                         reads=reads)
     q_last = [n for n in rg.nodes("blocks.1*") if n.startswith("getitem")][0]  # q of the last layer
     q_part_all = rg.cone(q_last) | {q_last}
+    head = rg._output_nodes()[0]
     rows = flops = 0.0
     for s in resid:
         cone = rg.cone(s)
@@ -113,7 +115,8 @@ def test_closed_forms_with_the_last_row_read():
         k = cone - q
         cost = {n: rg._engine.node_cost(n) for n in cone}
         rows += T * ((T + 1) / 2 * len(k) + len(q)) / T
-        flops += (T + 1) / 2 * sum(cost[n] for n in k) + sum(cost[n] for n in q)
+        # The head (a linear read at 2 of its 50 columns) computes those columns alone.
+        flops += (T + 1) / 2 * sum(cost[n] for n in k) + sum(cost[n] * (2 / 50 if n == head else 1) for n in q)
     assert len(q_part_all) == 15  # q view, transpose; sdpa .. second add; final norm; head (and q itself)
     assert r.measured_evaluations == T * sum(len(rg.cone(s)) for s in resid)
     assert r.extra["row_evaluations"] == rows
@@ -155,6 +158,14 @@ def test_reads_last_row_computes_only_what_reaches_it():
     assert rg._read_rows({0: (slice(None), -1)}) == rg._read_rows({out_node: (slice(None), T - 1)}) == [T - 1]
     assert rg._read_rows({"logits": (slice(None), slice(3, None))}) == [3]
     assert rg._read_rows({"logits": (slice(None), [5, -2])}) == [5]
+    assert rg._read_cols({"logits": (slice(None), -1, [4, 3, -1])}) == [[3, 4, 49]]
+    assert rg._read_cols({"logits": (slice(None), -1)}) == [[]]  # no column entry: every column
+    with pytest.raises(ValueError, match="columns \\[50\\]"):
+        rg._read_cols({"logits": (slice(None), -1, [50])})
+    # Only the two read columns of the last row are computed; the rest of the row is NaN.
+    torch_ext.sweep(rg, [(resid[1], 3)], patch, metric, progress=False, reads=reads)
+    last = seen["out"][:, -1]
+    assert not torch.isnan(last[:, [3, 4]]).any() and torch.isnan(last[:, :3]).all()
     # A callable says the same by indexing the outputs.
     assert rg._read_rows(lambda logits: logits[:, -1, [3, 4]]) == [T - 1]
     assert rg._read_rows(lambda logits: (logits[:, 5], logits[0, 2:4, 1])) == [2]
