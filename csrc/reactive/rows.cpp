@@ -306,7 +306,9 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
               b = arg_value(2).toTensor().index_select(0, idx);
             small = at::linear(x, w.index_select(0, idx), b);
           } else {
-            small = at::matmul(x, w.index_select(1, idx));
+            // A transposed weight (x @ W.t()): pick rows of W itself, index_select along a strided dim is slow.
+            const at::Tensor picked = w.stride(0) < w.stride(1) ? w.t().index_select(0, idx).t() : w.index_select(1, idx);
+            small = at::matmul(x, picked);
           }
           std::vector<int64_t> sizes = small.sizes().vec();
           sizes.back() = step.width;
