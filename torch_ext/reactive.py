@@ -261,14 +261,33 @@ class ReactiveGraph:
         self._last_inputs = (args, kwargs)
         return self.demand()
 
-    def demand(self):
+    def demand(self, reads=None):
         """The outputs, recomputing only stale nodes.
 
         The returned tensors are the cached values themselves: do not write into them. A write is
         detected (by the tensor's version counter) at the next read, which raises naming the node
         and marks it for recomputation.
+
+        ``reads`` (as in :func:`sweep`) declares what the caller reads. With token-granular cones on,
+        one standing patch (of a node with a sequence axis) and nothing else stale, only the rows
+        (and columns) that reach the reads are computed, into fresh tensors (the rest NaN), and
+        nothing is cached: the patch's cone stays stale, so a later plain ``demand()`` recomputes
+        it. Otherwise this is a plain demand.
         """
-        return self._user(self._engine.demand())
+        eng = self._engine
+        if reads is not None and self._positions and not getattr(self, "_sweeping", False) \
+                and not eng.in_transaction() and len(eng.pinned()) == 1:
+            node = eng.pinned()[0]
+            spec = self._read_spec(reads)
+            if eng.seq_axis(node) >= 0:
+                value = eng.value(node)
+                eng.restore()  # zero evaluations: back to the baseline, then the patch as rows
+                try:
+                    if eng.can_evaluate_patched_rows():
+                        return self._user(eng.evaluate_patched_rows(node, value, *spec))
+                finally:
+                    eng.patch(node, value)
+        return self._user(eng.demand())
 
     def value(self, node: str) -> torch.Tensor:
         """A node's current value, recomputing only its stale ancestors (a node or hook name)."""
@@ -1091,6 +1110,37 @@ def _balanced_shares(units: list, costs: list[float], world: int) -> list[list]:
     return shares
 
 
+_DISTRIBUTED_SWEEPS = 0  # sweeps started on this rank; every rank counts the same (sweeps are collective)
+
+
+def _claimed_chunks(units: list, costs: list[float], rank: int, world: int):
+    """Chunks of units (sites, or a node's sites when batching) for this rank, largest predicted
+    cost first. Rank r starts with chunk r; later chunks go to whichever rank asks first, through an
+    atomic counter in the process group's store. Predicted costs alone balance badly once cones are
+    token-granular (a patch at a late position recomputes few rows): a rank that finishes early
+    takes more. Every site is swept exactly once, so the table is the same as with a fixed split."""
+    import torch.distributed as dist
+
+    global _DISTRIBUTED_SWEEPS
+    _DISTRIBUTED_SWEEPS += 1
+    order = [units[i] for i in sorted(range(len(units)), key=lambda i: (-costs[i], i))]
+    size = max(1, -(-len(order) // (8 * world)))
+    chunks = [[s for unit in order[i:i + size] for s in unit] for i in range(0, len(order), size)]
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # no store: the fixed longest-processing-time-first split
+        yield [s for unit in _balanced_shares(units, costs, world)[rank] for s in unit]
+        return
+    if rank < len(chunks):
+        yield chunks[rank]
+    key = f"torch_ext/sweep/{_DISTRIBUTED_SWEEPS}"
+    while True:
+        i = world + store.add(key, 1) - 1
+        if i >= len(chunks):
+            return
+        yield chunks[i]
+
+
 def _distributed_sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool,
                        batch_sites: bool, rows=None) -> SweepResult:
     """Splits the sites across the ranks of the default process group by predicted cone cost (whole
@@ -1116,13 +1166,14 @@ def _distributed_sweep(rg: ReactiveGraph, site_list: list, patch, metric, progre
         units = [[s] for s in site_list]
         cost_of: dict = {}
         costs = [cost_of.setdefault(node_of(s), rg._engine.cone_cost(node_of(s))) for s in site_list]
-    mine = [s for unit in _balanced_shares(units, costs, world)[rank] for s in unit]
     t0 = time.perf_counter()
-    local = _sweep(rg, mine, patch, metric, progress, batch_sites, False, rows) if mine else None
+    parts = [_sweep(rg, chunk, patch, metric, progress, batch_sites, False, rows)
+             for chunk in _claimed_chunks(units, costs, rank, world)]
     wall = time.perf_counter() - t0
-    payload = (local.metrics if local else {}, local.measured_evaluations if local else 0,
-               local.predicted_evaluations if local else 0, local.cost if local else 0.0, wall,
-               local.clean_metric if local else None, local.groups if local else 0)
+    payload = ({k: v for part in parts for k, v in part.metrics.items()},
+               sum(part.measured_evaluations for part in parts), sum(part.predicted_evaluations for part in parts),
+               sum(part.cost for part in parts), wall, parts[0].clean_metric if parts else None,
+               sum(part.groups for part in parts))
     gathered: list = [None] * world
     dist.all_gather_object(gathered, payload)
     merged = {}
@@ -1134,7 +1185,7 @@ def _distributed_sweep(rg: ReactiveGraph, site_list: list, patch, metric, progre
     return SweepResult(metrics, sum(p[1] for p in gathered), sum(p[2] for p in gathered), full, rg.num_nodes,
                        max(p[4] for p in gathered), batched=batch_sites, groups=sum(p[6] for p in gathered),
                        cost=sum(p[3] for p in gathered), clean_metric=clean,
-                       node_labels=local.node_labels if local else {},
+                       node_labels={k: v for part in parts for k, v in part.node_labels.items()},
                        extra={"ranks": world, "rank_wall_times": [p[4] for p in gathered],
                               "rank_sites": [len(p[0]) for p in gathered]})
 

@@ -358,3 +358,24 @@ def test_cli_sweep_no_positions(monkeypatch, capsys):
     for a, b in zip(token["metrics"], whole["metrics"]):
         assert (a["node"], a["position"]) == (b["node"], b["position"])
         assert a["metric"] == pytest.approx(b["metric"], rel=1e-6, abs=1e-6)
+
+
+def test_demand_with_reads_on_a_standing_patch():
+    rg, resid, patch, sites = _zoo_sweep_setup("sdpa")
+    node, p = resid[1], 5
+    value = patch(rg.value(node), (node, p))
+    rg.patch(node, value)
+    rg.reset_stats()
+    narrow = rg.demand(reads={"logits": (slice(None), -1, [3, 4])})
+    assert rg.stats["evaluations"] == len(rg.cone(node))
+    assert rg.stats["row_evaluations"] < len(rg.cone(node))
+    assert rg._engine.pinned() == [node] and rg._engine.num_dirty() == len(rg.cone(node))  # nothing cached
+    full = rg.demand()
+    assert _rel(narrow[:, -1, [3, 4]], full[:, -1, [3, 4]]) <= 1e-6
+    assert torch.isnan(narrow[:, p:T - 1]).all() and torch.equal(narrow[:, :p], full[:, :p])
+    rg.check_invariants()
+    # With two standing patches it is a plain demand.
+    rg.patch(resid[0], lambda v: v + 0.0)
+    assert torch.equal(rg.demand(reads={"logits": (slice(None), -1)}), rg.demand())
+    rg.restore()
+    rg.check_invariants()
