@@ -93,6 +93,29 @@ run "$PYTHON" -m pip install --progress-bar on -c "$keep_torch" "${reqs[@]}"
 
 # 4. the extension: CMake configure + build (compiler lines are shown), editable install
 step 4 "build torch_ext (CMake + Ninja, MAX_JOBS=${MAX_JOBS:-2}; the first build compiles the C++ core)"
+# An earlier editable install whose source folder was deleted leaves a dangling torch-ext.egg-link
+# that pip cannot uninstall ("No such file or directory" in samefile): drop it, saying so.
+stale_link_fix='
+import os, site, sys
+for d in site.getsitepackages() + [site.getusersitepackages()]:
+    link = os.path.join(d, "torch-ext.egg-link")
+    if not os.path.isfile(link):
+        continue
+    target = open(link).readline().strip()
+    if os.path.isdir(target):
+        continue
+    dry = "--dry-run" in sys.argv
+    print(f"{'would remove' if dry else 'removing'} a stale editable install of torch_ext: {link} -> {target} "
+          "(that folder no longer exists)")
+    if dry:
+        continue
+    os.remove(link)
+    pth = os.path.join(d, "easy-install.pth")
+    if os.path.isfile(pth):
+        lines = open(pth).read().splitlines()
+        open(pth, "w").write("".join(l + "\n" for l in lines if l.strip() != target))
+'
+"$PYTHON" -c "$stale_link_fix" $([ "${DRY_RUN:-0}" = 1 ] && echo --dry-run)
 run env MAX_JOBS="${MAX_JOBS:-2}" "$PYTHON" -m pip install -v --no-build-isolation --no-deps -c "$keep_torch" -e .
 
 echo
