@@ -105,7 +105,8 @@ for d in site.getsitepackages() + [site.getusersitepackages()]:
     if os.path.isdir(target):
         continue
     dry = "--dry-run" in sys.argv
-    print(f"{'would remove' if dry else 'removing'} a stale editable install of torch_ext: {link} -> {target} "
+    verb = "would remove" if dry else "removing"
+    print(f"{verb} a stale editable install of torch_ext: {link} -> {target} "
           "(that folder no longer exists)")
     if dry:
         continue
