@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import time
 import types
 
@@ -25,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 import torch_ext
 from torch_ext.memory import _eager_peak, measured_peak
+from torch_ext.memory import _time_step as median_time  # the timing memory_report uses
 from torch_ext.models import TinyTransformer
 
 TARGETS = {"param-heavy adam": 0.80, "param-heavy sgd-momentum": 0.73, "activation-heavy cnn": 0.85, "gpt-style": 0.85}
@@ -69,16 +69,6 @@ def gpt(seq=256, batch=8):
         return F.cross_entropy((m.ln_f(x) @ m.tok.weight.t()).reshape(-1, 256), t.reshape(-1))
 
     return model, loss, ckpt_loss, (torch.randint(0, 256, (batch, seq)), torch.randint(0, 256, (batch, seq)))
-
-
-def median_time(fn, n=1, rounds=3):
-    out = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        out.append((time.perf_counter() - t0) / n)
-    return statistics.median(out)
 
 
 def paired_min_times(fa, fb, rounds=6):
@@ -131,7 +121,7 @@ def main():
         eager_peak, _ = _eager_peak(step, batch)
         em, eo = __import__("copy").deepcopy((model, make_opt(model)))
         eo = make_opt(em)
-        t_eager = median_time(eager_runner(em, eo, loss_fn, batch))
+        t_eager = median_time(eager_runner(em, eo, loss_fn, batch), n=1)
         rows = [("eager", eager_peak, None, t_eager, None)]
         lb = None
         if ckpt_loss is not None:
@@ -139,7 +129,7 @@ def main():
             co = make_opt(cm)
             shim = types.SimpleNamespace(model=cm, optimizers=[co], loss_fn=ckpt_loss)
             ck_peak, _ = _eager_peak(shim, batch)
-            rows.append(("checkpoint/block", ck_peak, None, median_time(eager_runner(cm, co, ckpt_loss, batch)), None))
+            rows.append(("checkpoint/block", ck_peak, None, median_time(eager_runner(cm, co, ckpt_loss, batch), n=1), None))
         unplanned = step.compile(plan=False, donate=False)
         budgets = [None] + ([0.7, 0.5, 0.35] if ckpt_loss is not None else [])
         if ckpt_loss is not None:
@@ -163,7 +153,7 @@ def main():
                      + (f", recomputed {len(planned.remat['recomputed'])}, +{planned.remat['added_flops'] / max(planned.remat['forward_flops'], 1):.1%} FLOPs"
                         if planned.remat else ""))
             below_lb += planned.peak_bytes < planned.plan["lb_graph"] or planned.peak_bytes < planned.plan["lb_sched"]
-            rows.append((label, peak, planned.peak_bytes, median_time(step_runner(planned, step.init_state(), batch)),
+            rows.append((label, peak, planned.peak_bytes, median_time(step_runner(planned, step.init_state(), batch), n=1),
                          extra))
         print(f"\n== {name}: eager peak {eager_peak / mib:.2f} MiB, eager step {t_eager * 1e3:.1f} ms "
               f"(target planned/eager <= {TARGETS[name]})")

@@ -367,18 +367,13 @@ def _every(fns, axes, model, corrupted_tokens, clean_cache, metric, kwargs, *, a
     return tl_patching._stack_patch_types(results, axis_order=axis_order, n_heads=n_heads, type_names=type_names)
 
 
-def _n_heads(model) -> int:
-    cfg = getattr(model, "cfg", None)
-    return int(getattr(cfg, "n_heads", 0) or 0) if cfg is not None else 0
-
-
 def get_act_patch_attn_head_all_pos_every(model, corrupted_tokens, clean_cache, metric, **kwargs):
     """[5, n_layers, n_heads]: head output (z), q, k, v and pattern, every position at once."""
     return _every((get_act_patch_attn_head_out_all_pos, get_act_patch_attn_head_q_all_pos,
                    get_act_patch_attn_head_k_all_pos, get_act_patch_attn_head_v_all_pos,
                    get_act_patch_attn_head_pattern_all_pos), (("layer", "head"),) * 4 + (("layer", "head_index"),),
                   model, corrupted_tokens, clean_cache, metric, kwargs, axis_order=("layer", "head"),
-                  n_heads=_n_heads(model), type_names=("out", "q", "k", "v", "pattern"))
+                  n_heads=_compat.attention_heads(model) or 0, type_names=("out", "q", "k", "v", "pattern"))
 
 
 def get_act_patch_attn_head_by_pos_every(model, corrupted_tokens, clean_cache, metric, **kwargs):
@@ -388,4 +383,4 @@ def get_act_patch_attn_head_by_pos_every(model, corrupted_tokens, clean_cache, m
                    get_act_patch_attn_head_pattern_by_pos),
                   (("layer", "pos", "head"),) * 4 + (("layer", "head_index", "dest_pos"),),
                   model, corrupted_tokens, clean_cache, metric, kwargs, axis_order=("layer", "pos", "head"),
-                  n_heads=_n_heads(model), type_names=("out", "q", "k", "v", "pattern"), pattern_to_pos_head=True)
+                  n_heads=_compat.attention_heads(model) or 0, type_names=("out", "q", "k", "v", "pattern"), pattern_to_pos_head=True)

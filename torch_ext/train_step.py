@@ -627,8 +627,10 @@ class TrainStep:
                              "step.load_state_dict(state) for a saved one")
         # Entries are looked up by name: a missing one would surface as a bare KeyError, and an extra
         # one (a renamed or misspelt key) would be silently ignored while the real entry is missing.
-        expected = {name for name, role in self._inputs if role != "input" and name != _RNG
-                    and not name.startswith("opt:lr:group")}
+        expected = self.__dict__.get("_entry_names")  # fixed by the program: computed once, not per call
+        if expected is None:
+            expected = self._entry_names = {name for name, role in self._inputs if role != "input" and name != _RNG
+                                            and not name.startswith("opt:lr:group")}
         present = set(state.params) | set(state.buffers) | set(state.opt)
         if present != expected:
             missing, extra = sorted(expected - present), sorted(present - expected)
