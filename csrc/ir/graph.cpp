@@ -3,7 +3,6 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <functional>
 #include <unordered_set>
 
 namespace torch_ext::ir {
@@ -480,29 +479,45 @@ void Graph::index() {
   for (size_t i = 0; i < nodes_.size(); ++i) nodes_[i]->index_ = static_cast<int64_t>(i);
 }
 
+Arg remap_arg(const Arg& a, const ValueMap& map) {
+  Arg b = a;
+  if (a.kind == Arg::Kind::Node) {
+    auto it = map.find(a.node);
+    TORCH_CHECK(it != map.end(), "copy: input %", a.node->name(), " has no counterpart in the destination graph");
+    b.node = it->second;
+  }
+  for (Arg& e : b.list) e = remap_arg(e, map);
+  return b;
+}
+
+Node* Graph::copy_call(const Node& src, ValueMap& map, const std::string& name, Node* before) {
+  TORCH_CHECK(src.kind_ == NodeKind::Call, "copy_call: %", src.name_, " is not a call node");
+  std::vector<Arg> args;
+  args.reserve(src.args_.size());
+  for (const Arg& a : src.args_) args.push_back(remap_arg(a, map));
+  Kwargs kwargs;
+  for (const auto& kv : src.kwargs_) kwargs.emplace_back(kv.first, remap_arg(kv.second, map));
+  Node* copy = create_call(name, src.target_, std::move(args), std::move(kwargs), src.type_, before);
+  for (const auto& r : src.regions_) add_region(copy, r->clone());
+  copy->module_path_ = src.module_path_;
+  map[&src] = copy;
+  return copy;
+}
+
 std::unique_ptr<Graph> Graph::clone() const {
   auto g = std::make_unique<Graph>();
-  std::unordered_map<const Node*, Node*> map;
-  std::function<Arg(const Arg&)> remap = [&](const Arg& a) {
-    Arg b = a;
-    if (a.kind == Arg::Kind::Node) b.node = map.at(a.node);
-    for (Arg& e : b.list) e = remap(e);
-    return b;
-  };
+  ValueMap map;
   for (const auto& n : nodes_) {
+    if (n->kind_ == NodeKind::Call) {
+      g->copy_call(*n, map, n->name_);
+      continue;
+    }
     Node* copy = nullptr;
     if (n->kind_ == NodeKind::Placeholder) {
       copy = g->create_placeholder(n->name_, n->role_, n->type_, n->state_name_);
-    } else if (n->kind_ == NodeKind::Call) {
-      std::vector<Arg> args;
-      for (const Arg& a : n->args_) args.push_back(remap(a));
-      Kwargs kw;
-      for (const auto& kv : n->kwargs_) kw.emplace_back(kv.first, remap(kv.second));
-      copy = g->create_call(n->name_, n->target_, std::move(args), std::move(kw), n->type_);
-      for (const auto& r : n->regions_) g->add_region(copy, r->clone());
     } else {
       std::vector<Arg> vals;
-      for (const Arg& a : n->args_.at(0).list) vals.push_back(remap(a));
+      for (const Arg& a : n->args_.at(0).list) vals.push_back(remap_arg(a, map));
       copy = g->create_output(std::move(vals));
     }
     copy->module_path_ = n->module_path_;

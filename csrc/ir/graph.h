@@ -175,6 +175,13 @@ class Node {
   int64_t index_ = -1;
 };
 
+// Where a copied node finds its inputs: each node reference of the source is looked up here.
+using ValueMap = std::unordered_map<const Node*, Node*>;
+
+// `a` with every node reference (lists included) replaced through `map`; an unmapped reference is
+// refused, naming the node, because it means the copy would read a value from the wrong graph.
+Arg remap_arg(const Arg& a, const ValueMap& map);
+
 class Graph {
  public:
   Graph() = default;
@@ -191,6 +198,10 @@ class Graph {
   Node* create_call(const std::string& name, Target target, std::vector<Arg> args, Kwargs kwargs, Type type,
                     Node* before = nullptr);
   Node* create_output(std::vector<Arg> values);
+  // torch.fx's Graph.node_copy: a copy of call node `src` (from any graph) named `name`, with its
+  // inputs looked up in `map`, and its target, type, module path and regions; inserted as
+  // create_call inserts. Records src -> copy in `map`. The one way passes and the engine copy nodes.
+  Node* copy_call(const Node& src, ValueMap& map, const std::string& name, Node* before = nullptr);
   // Gives a Call ownership of a nested graph.
   void add_region(Node* call, std::unique_ptr<Graph> region);
 

@@ -2,7 +2,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <functional>
 #include <unordered_map>
 
 namespace torch_ext::passes {
@@ -44,7 +43,7 @@ std::unique_ptr<ir::Graph> accumulate(const ir::Graph& joint, const TrainStepSpe
     }
     shared[p] = g->create_placeholder(p->name(), p->role(), p->type(), p->state_name());
   }
-  std::vector<std::unordered_map<const ir::Node*, ir::Node*>> maps(n);
+  std::vector<ir::ValueMap> maps(n);
   for (int64_t k = 0; k < n; ++k) {
     const std::string suffix = "_mb" + std::to_string(k);
     auto& map = maps[k];
@@ -55,24 +54,11 @@ std::unique_ptr<ir::Graph> accumulate(const ir::Graph& joint, const TrainStepSpe
         if (from->role() == ir::InputRole::Buffer && it != buffer_out.end()) map[from] = maps[k - 1].at(it->second);
       }
     for (const ir::Node* u : user_inputs) map[u] = g->create_placeholder(u->name() + suffix, u->role(), u->type());
-    std::function<ir::Arg(const ir::Arg&)> remap = [&](const ir::Arg& a) {
-      ir::Arg b = a;
-      if (a.kind == ir::Arg::Kind::Node) b.node = map.at(a.node);
-      for (ir::Arg& e : b.list) e = remap(e);
-      return b;
-    };
     for (const auto& node : joint.nodes()) {
       if (node->kind() != ir::NodeKind::Call) continue;
       TORCH_CHECK(node->regions().empty(), "accumulate: node %", node->name(),
                   " owns regions (control flow); accumulation does not support it");
-      std::vector<ir::Arg> args;
-      for (const ir::Arg& a : node->args()) args.push_back(remap(a));
-      ir::Kwargs kwargs;
-      for (const auto& kv : node->kwargs()) kwargs.emplace_back(kv.first, remap(kv.second));
-      ir::Node* copy = g->create_call(g->unique_name(node->name() + suffix), node->target(), std::move(args),
-                                      std::move(kwargs), node->type());
-      copy->set_module_path(node->module_path());
-      map[node.get()] = copy;
+      ir::Node* copy = g->copy_call(*node, map, g->unique_name(node->name() + suffix));
       if (node.get() == seed && n > 1) {
         // (loss / N).backward(): DivBackward hands ones / N to the loss's backward.
         ir::Node* scaled = g->create_call(g->unique_name(seed->name() + "_div" + suffix),

@@ -2,7 +2,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <functional>
 #include <unordered_map>
 
 namespace torch_ext::passes {
@@ -29,31 +28,16 @@ std::unique_ptr<ir::Graph> unroll(const ir::Graph& step, size_t num_state, int64
   std::vector<ir::Arg> losses;
   for (int64_t s = 0; s < steps; ++s) {
     const std::string suffix = "_s" + std::to_string(s);
-    std::unordered_map<const ir::Node*, ir::Node*> map;
+    ir::ValueMap map;
     for (size_t k = 0; k < num_state; ++k) map[placeholders[k]] = state[k];
     for (const auto& [from, to] : shared)
       if (!map.count(from)) map[from] = to;
     for (const ir::Node* u : user_inputs)
       map[u] = g->create_placeholder(u->name() + suffix, u->role(), u->type(), u->state_name());
-    std::function<ir::Arg(const ir::Arg&)> remap = [&](const ir::Arg& a) {
-      ir::Arg b = a;
-      if (a.kind == ir::Arg::Kind::Node) b.node = map.at(a.node);
-      for (ir::Arg& e : b.list) e = remap(e);
-      return b;
-    };
-    for (const auto& n : step.nodes()) {
-      if (n->kind() != ir::NodeKind::Call) continue;
-      std::vector<ir::Arg> args;
-      for (const ir::Arg& a : n->args()) args.push_back(remap(a));
-      ir::Kwargs kwargs;
-      for (const auto& kv : n->kwargs()) kwargs.emplace_back(kv.first, remap(kv.second));
-      ir::Node* copy = g->create_call(g->unique_name(n->name() + suffix), n->target(), std::move(args),
-                                      std::move(kwargs), n->type());
-      copy->set_module_path(n->module_path());
-      map[n.get()] = copy;
-    }
-    losses.push_back(remap(outs[0]));
-    for (size_t k = 0; k < num_state; ++k) state[k] = remap(outs[k + 1]).node;
+    for (const auto& n : step.nodes())
+      if (n->kind() == ir::NodeKind::Call) g->copy_call(*n, map, g->unique_name(n->name() + suffix));
+    losses.push_back(ir::remap_arg(outs[0], map));
+    for (size_t k = 0; k < num_state; ++k) state[k] = ir::remap_arg(outs[k + 1], map).node;
   }
   const ir::Type& loss_type = outs[0].node->type();
   TORCH_CHECK(loss_type.is_tensor() && loss_type.tensor.sizes.empty(), "unroll: the loss must be a scalar tensor");

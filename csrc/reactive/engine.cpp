@@ -10,7 +10,6 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <functional>
 
 namespace torch_ext::reactive {
 namespace {
@@ -685,7 +684,7 @@ std::vector<std::string> Engine::graft(const std::string& src_name, const std::s
   row_plans_.clear();
   seq_.reset();
   const std::string prefix = "graft" + std::to_string(graft_counter_++) + "_";
-  std::unordered_map<const ir::Node*, ir::Node*> map;
+  ir::ValueMap map;
   map[block_in] = src_node;
   for (size_t i = 0; i < block_param_nodes.size(); ++i) {
     const ir::Node* p = block_param_nodes[i];
@@ -699,24 +698,11 @@ std::vector<std::string> Engine::graft(const std::string& src_name, const std::s
   ir::Node* insert_before = consumers.front();
   for (ir::Node* c : consumers)
     if (c->index() < insert_before->index()) insert_before = c;
-  std::function<ir::Arg(const ir::Arg&)> remap = [&](const ir::Arg& a) {
-    ir::Arg b = a;
-    if (a.kind == ir::Arg::Kind::Node) b.node = map.at(a.node);
-    for (ir::Arg& e : b.list) e = remap(e);
-    return b;
-  };
   std::vector<std::string> names;
   std::vector<int64_t> fresh;
   for (const auto& n : block.nodes()) {
     if (n->kind() != ir::NodeKind::Call) continue;
-    std::vector<ir::Arg> args;
-    for (const ir::Arg& a : n->args()) args.push_back(remap(a));
-    ir::Kwargs kwargs;
-    for (const auto& kv : n->kwargs()) kwargs.emplace_back(kv.first, remap(kv.second));
-    ir::Node* copy = graph_->create_call(graph_->unique_name(prefix + n->name()), n->target(), std::move(args),
-                                         std::move(kwargs), n->type(), insert_before);
-    copy->set_module_path(n->module_path());
-    map[n.get()] = copy;
+    ir::Node* copy = graph_->copy_call(*n, map, graph_->unique_name(prefix + n->name()), insert_before);
     fresh.push_back(add_state(copy));
     names.push_back(copy->name());
   }
