@@ -745,8 +745,9 @@ def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, exampl
     """Builds the pure step ``(loss, new_state) = step(state, *batch)`` for ``model`` and ``optimizer``.
 
     ``loss_fn(model, *batch)`` returns a scalar. ``optimizer`` is a torch.optim optimizer (SGD,
-    Adam, AdamW, Muon, RMSprop, Adagrad; foreach=True accepted except for Muon, whose update has no
-    foreach path) or a list of them over disjoint parameters; it is read as it stands, param
+    Adam, AdamW, Muon, RMSprop, Adagrad, torch_ext.optim.Lion: every class registered in
+    torch_ext.optim; foreach=True accepted except for Muon, whose update has no foreach path) or a
+    list of them over disjoint parameters; it is read as it stands, param
     groups and existing state included. ``clip_grad_norm`` clips the global 2-norm as
     ``torch.nn.utils.clip_grad_norm_``; ``unroll=N`` makes one graph of N steps over N batches.
 
