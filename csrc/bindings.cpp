@@ -6,6 +6,7 @@
 #include "ir/parser.h"
 #include "ir/printer.h"
 #include "ir/verifier.h"
+#include "optim/descriptor.h"
 #include "passes/build_train_step.h"
 #include "passes/plan_memory.h"
 #include "passes/rematerialize.h"
@@ -453,6 +454,41 @@ PYBIND11_MODULE(_C, m) {
         return py::make_tuple(std::shared_ptr<ir::Graph>(std::move(out.graph)), out.state_names, out.num_user_inputs);
       },
       py::arg("joint"), py::arg("spec"), py::arg("unroll") = 1);
+
+  // The optimizer registry (optim/descriptor.h): torch_ext.optim generates the fake kernels and
+  // reads the state slots from it; state names are built and parsed only here.
+  m.def("optimizer_descriptors", [] {
+    py::list out;
+    for (const optim::Descriptor* d : optim::all()) {
+      py::list slots, scalars;
+      for (const optim::Slot& s : d->slots) slots.append(py::make_tuple(s.name, s.is_step() ? "step" : "zeros"));
+      for (const optim::Scalar& x : d->scalars)
+        scalars.append(py::make_tuple(x.name, x.type == optim::ScalarType::Bool  ? "bool"
+                                              : x.type == optim::ScalarType::Int ? "int"
+                                                                                 : "float"));
+      py::dict e;
+      e["kind"] = d->kind;
+      e["title"] = d->title;
+      e["op"] = d->op_name();
+      e["inplace_op"] = d->inplace_op_name();
+      e["slots"] = slots;
+      e["scalars"] = scalars;
+      e["elementwise"] = d->elementwise;
+      out.append(e);
+    }
+    return out;
+  });
+  m.def("optimizer_state_name", &optim::state_name, py::arg("param"), py::arg("slot"));
+  m.def("optimizer_lr_name", &optim::lr_name, py::arg("group"));
+  m.def(
+      "parse_optimizer_state_name",
+      [](const std::string& name) -> py::object {
+        auto parsed = optim::parse_state_name(name);
+        if (!parsed) return py::none();
+        if (parsed->lr_group) return py::make_tuple("lr", *parsed->lr_group);
+        return py::make_tuple("slot", parsed->param, parsed->slot);
+      },
+      py::arg("name"));
 
   m.def(
       "sequence_axis",

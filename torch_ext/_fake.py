@@ -1,54 +1,30 @@
 """Fake (meta) kernels for torch.ops.torch_ext.*, so the ops trace through torch.export and AOTInductor.
 
-The schemas and the CPU kernels live in csrc/ops/library.cpp.
+The schemas and the CPU kernels live in csrc/ops/library.cpp and, for the optimizer updates,
+csrc/optim/ (one descriptor per optimizer); the optimizers' fake kernels are generated here from
+those descriptors.
 """
 import torch
 
-
-def _like(*ts):
-    return tuple(torch.empty_like(t) for t in ts)
+from . import _C
 
 
-@torch.library.register_fake("torch_ext::sgd_update")
-def _(param, grad, lr, weight_decay, maximize):
-    return torch.empty_like(param)
+def _update_fake(slots: list[str]):
+    # The functional update returns fresh tensors shaped like the parameter and each state slot.
+    names = ["param", "grad", *slots]
+
+    def fake(*args, **kwargs):
+        tensors = [args[i] if i < len(args) else kwargs[n] for i, n in enumerate(names)]
+        if not slots:
+            return torch.empty_like(tensors[0])
+        return tuple(torch.empty_like(t) for t in [tensors[0], *tensors[2:]])
+
+    return fake
 
 
-@torch.library.register_fake("torch_ext::sgd_momentum_update")
-def _(param, grad, momentum_buffer, step, lr, momentum, dampening, weight_decay, nesterov, maximize):
-    return _like(param, momentum_buffer, step)
-
-
-@torch.library.register_fake("torch_ext::adam_update")
-def _(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, decoupled, maximize):
-    return _like(param, exp_avg, exp_avg_sq, step)
-
-
-@torch.library.register_fake("torch_ext::adam_amsgrad_update")
-def _(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, decoupled,
-      maximize):
-    return _like(param, exp_avg, exp_avg_sq, max_exp_avg_sq, step)
-
-
-@torch.library.register_fake("torch_ext::muon_update")
-def _(param, grad, momentum_buffer, lr, weight_decay, momentum, nesterov, a, b, c, ns_steps, eps, lr_ratio):
-    return _like(param, momentum_buffer)
-
-
-@torch.library.register_fake("torch_ext::rmsprop_update")
-def _(param, grad, square_avg, grad_avg, momentum_buffer, step, lr, alpha, eps, weight_decay, momentum, centered,
-      maximize):
-    return _like(param, square_avg, grad_avg, momentum_buffer, step)
-
-
-@torch.library.register_fake("torch_ext::adagrad_update")
-def _(param, grad, sum, step, lr, lr_decay, weight_decay, eps, maximize):
-    return _like(param, sum, step)
-
-
-for _name in ("sgd_update_", "sgd_momentum_update_", "adam_update_", "adam_amsgrad_update_", "muon_update_",
-              "rmsprop_update_", "adagrad_update_"):
-    torch.library.register_fake(f"torch_ext::{_name}")(lambda *args, **kwargs: None)
+for _d in _C.optimizer_descriptors():
+    torch.library.register_fake(f"torch_ext::{_d['op']}")(_update_fake([s for s, _ in _d["slots"]]))
+    torch.library.register_fake(f"torch_ext::{_d['inplace_op']}")(lambda *args, **kwargs: None)
 
 
 @torch.library.register_fake("torch_ext::native_dropout_rng")

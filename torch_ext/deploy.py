@@ -159,6 +159,7 @@ class LoadedStep:
     def example_state(self):
         """The state stored as the ExportedProgram's example inputs (``step.init_state()``, or the
         trained state ``torch-ext step --steps N --export`` ships), as a TrainState of this artifact."""
+        from . import optim
         from .train_step import TrainState
 
         example = getattr(self, "_example_inputs", None)
@@ -170,8 +171,8 @@ class LoadedStep:
         state = TrainState(
             params={n: values[n] for n in self.layout["params"]},
             buffers={n: v for n, v in values.items() if n.startswith("model.") and n not in params},
-            opt={n: v for n, v in values.items() if n.startswith("opt:") and not n.startswith("opt:lr:group")},
-            lr=[values[f"opt:lr:group{k}"] for k in range(self.layout["num_lr"])],
+            opt={n: v for n, v in values.items() if (optim.parse_state_name(n) or ("",))[0] == "slot"},
+            lr=[values[optim.lr_name(k)] for k in range(self.layout["num_lr"])],
             rng=values.get("rng"), fingerprint=self.fingerprint)
         state.origin = f"example_state() of load_step({self.path!r})"
         return state

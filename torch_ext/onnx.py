@@ -3,7 +3,7 @@
 The step program (forward, backward and the update, ``(loss, S') = F(S, batch)``) goes through
 ``torch.onnx.export(..., dynamo=True)``; the ``torch_ext`` update ops are translated by the
 functions below (onnxscript, traced with the op's scalar arguments as Python values), which
-follow ``csrc/ops/optimizers.cpp``: scalars computed in double, applied in the parameter's dtype.
+follow the kernels in ``csrc/optim/``: scalars computed in double, applied in the parameter's dtype.
 A plain ``onnxruntime.InferenceSession`` then trains by feeding the state outputs back as inputs.
 Supported: SGD (momentum, nesterov, weight decay, maximize), Adam, AdamW and amsgrad, RMSprop,
 Adagrad. Muon (a Newton-Schulz iteration in bfloat16) and dropout's RNG op are refused by name.

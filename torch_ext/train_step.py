@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from . import _C, _compat
+from . import _C, _compat, optim
 from .ir import Graph
 
 _MODEL_PREFIX = "model."
@@ -71,10 +71,9 @@ class TrainState:
                 raise KeyError(f"{self.describe()} has no RNG state but the step draws random numbers; "
                                "use step.init_state(seed=...)")
             return self.rng
-        if name.startswith("opt:lr:group"):
-            return self.lr[int(name[len("opt:lr:group"):])]
-        if name.startswith("opt:"):
-            return self.opt[name]
+        parsed = optim.parse_state_name(name)
+        if parsed is not None:
+            return self.lr[parsed[1]] if parsed[0] == "lr" else self.opt[name]
         if name in self.params:
             return self.params[name]
         return self.buffers[name]
@@ -84,7 +83,7 @@ class TrainState:
         for k, v in updates.items():
             if k == _RNG:
                 rng = v
-            elif k.startswith("opt:"):
+            elif optim.parse_state_name(k) is not None:
                 opt[k] = v
             elif k in params:
                 params[k] = v
@@ -159,12 +158,6 @@ class _LossModule(torch.nn.Module):
         return loss, pytree.tree_map(torch.Tensor.detach, aux)
 
 
-_SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Muon, torch.optim.RMSprop,
-              torch.optim.Adagrad)
-_SUPPORTED_NAMES = "SGD, Adam, AdamW, Muon, RMSprop, Adagrad"
-_FOREACH_EXACT = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad)
-
-
 def _check_subclass(opt: torch.optim.Optimizer) -> None:
     """Refuses optimizers whose update is not torch.optim's: the pure step replays the base class's math.
 
@@ -175,7 +168,7 @@ def _check_subclass(opt: torch.optim.Optimizer) -> None:
     import inspect
 
     cls = type(opt)
-    base = next(b for b in cls.__mro__ if b in _SUPPORTED)
+    base = optim.registration_for(opt).optimizer
     # torch.optim wraps a class's step in a profiling hook on first construction; compare the
     # functions underneath the wrappers.
     if inspect.unwrap(cls.step) is not inspect.unwrap(base.step):
@@ -196,7 +189,7 @@ def _check_options(opt: torch.optim.Optimizer, group: dict, gi: int) -> None:
     # torch.optim's foreach (multi-tensor) path computes the same numbers as the single-tensor path
     # the update ops replay, for these optimizers (bit for bit over 100 steps on CPU, see
     # tests/python/test_train_step_optimizers.py); fused kernels do not.
-    if group.get("foreach") and not isinstance(opt, _FOREACH_EXACT):
+    if group.get("foreach") and not optim.registration_for(opt).foreach_exact:
         bad.append("foreach=True")
     if group.get("fused"):
         bad.append("fused=True")
@@ -209,57 +202,11 @@ def _check_options(opt: torch.optim.Optimizer, group: dict, gi: int) -> None:
     for key in ("lr", "weight_decay", "momentum", "eps"):
         if isinstance(group.get(key), torch.Tensor) and group[key].requires_grad:
             raise ValueError(f"{name} param group {gi}: a differentiable tensor '{key}' is not supported")
-    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
-        betas = group["betas"]
-        if any(isinstance(b, torch.Tensor) for b in betas):
-            raise ValueError(f"{name} param group {gi}: tensor betas are not supported")
 
 
-def _update_for(opt, group: dict, param: torch.Tensor, name: str, gi: int) -> dict:
+def _update_for(opt, group: dict, param: torch.Tensor, gi: int) -> dict:
     _check_options(opt, group, gi)
-    maximize = bool(group.get("maximize", False))
-    if isinstance(opt, torch.optim.SGD):
-        if group["momentum"] == 0:
-            if group["nesterov"]:
-                raise ValueError(f"SGD param group {gi}: nesterov requires momentum > 0")
-            return dict(kind="sgd", hyper=dict(weight_decay=float(group["weight_decay"])), flags=dict(maximize=maximize))
-        return dict(kind="sgd_momentum",
-                    hyper=dict(momentum=float(group["momentum"]), dampening=float(group["dampening"]),
-                               weight_decay=float(group["weight_decay"])),
-                    flags=dict(nesterov=bool(group["nesterov"]), maximize=maximize))
-    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
-        beta1, beta2 = group["betas"]
-        decoupled = isinstance(opt, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
-        return dict(kind="adam_amsgrad" if group["amsgrad"] else "adam",
-                    hyper=dict(beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                               weight_decay=float(group["weight_decay"])),
-                    flags=dict(decoupled=decoupled, maximize=maximize))
-    if isinstance(opt, torch.optim.Muon):
-        a_dim, b_dim = param.shape[:2]
-        fn = group["adjust_lr_fn"]
-        if fn is None or fn == "original":
-            ratio = math.sqrt(max(1, a_dim / b_dim))
-        elif fn == "match_rms_adamw":
-            ratio = 0.2 * math.sqrt(max(a_dim, b_dim))
-        else:
-            ratio = 1.0
-        a, b, c = group["ns_coefficients"]
-        return dict(kind="muon",
-                    hyper=dict(weight_decay=float(group["weight_decay"]), momentum=float(group["momentum"]),
-                               a=float(a), b=float(b), c=float(c), ns_steps=float(group["ns_steps"]),
-                               eps=float(group["eps"]), lr_ratio=float(ratio)),
-                    flags=dict(nesterov=bool(group["nesterov"])))
-    if isinstance(opt, torch.optim.RMSprop):
-        return dict(kind="rmsprop",
-                    hyper=dict(alpha=float(group["alpha"]), eps=float(group["eps"]),
-                               weight_decay=float(group["weight_decay"]), momentum=float(group["momentum"])),
-                    flags=dict(centered=bool(group["centered"]), maximize=maximize))
-    if isinstance(opt, torch.optim.Adagrad):
-        return dict(kind="adagrad",
-                    hyper=dict(lr_decay=float(group["lr_decay"]), weight_decay=float(group["weight_decay"]),
-                               eps=float(group["eps"])),
-                    flags=dict(maximize=maximize))
-    raise TypeError(f"optimizer {type(opt).__name__} is not supported (supported: {_SUPPORTED_NAMES})")
+    return optim.registration_for(opt).read(opt, group, param, gi)
 
 
 # Group entries a scheduler may change that the program bakes in as constants.
@@ -383,8 +330,7 @@ class TrainStep:
         self._groups: list[tuple[torch.optim.Optimizer, dict]] = []
         seen: dict[int, str] = {}
         for opt in optimizers:
-            if not isinstance(opt, _SUPPORTED):
-                raise TypeError(f"optimizer {type(opt).__name__} is not supported (supported: {_SUPPORTED_NAMES})")
+            optim.registration_for(opt)  # TypeError when unsupported
             _check_subclass(opt)
             for group in opt.param_groups:
                 gi = len(self._groups)
@@ -398,10 +344,11 @@ class TrainStep:
                     seen[id(p)] = names[id(p)]
                     name = names[id(p)]
                     self._param_of[name] = p
-                    u = _update_for(opt, group, p, name, gi)
-                    if shard_optimizer_state and u["kind"] == "muon":
-                        raise ValueError(f"shard_optimizer_state: parameter '{name}' uses Muon, whose update needs the "
-                                         "whole matrix; ZeRO-1 supports the element-wise optimizers only")
+                    u = _update_for(opt, group, p, gi)
+                    if shard_optimizer_state and not optim.descriptor(u["kind"])["elementwise"]:
+                        title = optim.descriptor(u["kind"])["title"]
+                        raise ValueError(f"shard_optimizer_state: parameter '{name}' uses {title}, whose update needs "
+                                         "the whole matrix; ZeRO-1 supports the element-wise optimizers only")
                     u.update(param=_MODEL_PREFIX + name, group=gi)
                     self._updates.append(u)
 
@@ -491,6 +438,11 @@ class TrainStep:
 
     # ---- state
     @staticmethod
+    def _slot_names(u: dict) -> list[str]:
+        """The state entries of update ``u``'s optimizer slots, in the descriptor's order."""
+        return [optim.state_name(u["param"], slot) for slot, _ in optim.descriptor(u["kind"])["slots"]]
+
+    @staticmethod
     def _strip(name: str) -> str:
         return name[len(_MODEL_PREFIX):] if name.startswith(_MODEL_PREFIX) else name
 
@@ -513,46 +465,17 @@ class TrainStep:
         buffers.update({self._strip(k): v.clone() for k, v in self._constants.items()})
         opt: dict[str, torch.Tensor] = {}
         for u in self._updates:
-            pname = self._strip(u["param"])
-            p = self._param_of[pname]
-            owner = self._groups[u["group"]][0]
-            st = owner.state.get(p, {})
-            kind = u["kind"]
-            key = lambda slot: f"opt:{u['param']}:{slot}"  # noqa: E731
-            if kind == "sgd_momentum":
-                buf = st.get("momentum_buffer")
-                opt[key("momentum_buffer")] = buf.detach().clone() if buf is not None else torch.zeros_like(p)
-                opt[key("step")] = torch.tensor(0.0 if buf is None else 1.0)
-            elif kind in ("adam", "adam_amsgrad"):
-                opt[key("exp_avg")] = st["exp_avg"].detach().clone() if "exp_avg" in st else torch.zeros_like(p)
-                opt[key("exp_avg_sq")] = st["exp_avg_sq"].detach().clone() if "exp_avg_sq" in st else torch.zeros_like(p)
-                if kind == "adam_amsgrad":
-                    opt[key("max_exp_avg_sq")] = (st["max_exp_avg_sq"].detach().clone() if "max_exp_avg_sq" in st
-                                                  else torch.zeros_like(p))
-                step = st.get("step")
-                opt[key("step")] = (step.detach().clone().float() if isinstance(step, torch.Tensor)
-                                    else torch.tensor(float(step or 0.0)))
-            elif kind == "muon":
-                buf = st.get("momentum_buffer")
-                opt[key("momentum_buffer")] = buf.detach().clone() if buf is not None else torch.zeros_like(p)
-            elif kind in ("rmsprop", "adagrad"):
-                # Slots torch.optim has not created yet (or never will: grad_avg unless centered,
-                # momentum_buffer unless momentum > 0) start as its _init_group would create them.
-                init = float(self._groups[u["group"]][1].get("initial_accumulator_value", 0.0))
-                for slot in ("square_avg", "grad_avg", "momentum_buffer") if kind == "rmsprop" else ("sum",):
-                    v = st.get(slot)
-                    opt[key(slot)] = v.detach().clone() if v is not None else torch.full_like(
-                        p, init if slot == "sum" else 0.0, memory_format=torch.preserve_format)
-                step = st.get("step")
-                opt[key("step")] = (step.detach().clone().float() if isinstance(step, torch.Tensor)
-                                    else torch.tensor(float(step or 0.0)))
+            p = self._param_of[self._strip(u["param"])]
+            owner, group = self._groups[u["group"]]
+            initial = optim.registration_for(owner).initial_state(u["kind"], owner.state.get(p, {}), p, group)
+            opt.update({optim.state_name(u["param"], slot): v for slot, v in initial.items()})
         if self.shard_optimizer_state:  # ZeRO-1: this rank's shard of each slot shaped like its parameter
             from .distributed import _SHARDED_STEPS, shard_tensor
 
             _SHARDED_STEPS[self._id] = self.process_group
             for u in self._updates:
                 p = self._param_of[self._strip(u["param"])]
-                for k in [k for k in opt if k.startswith(f"opt:{u['param']}:")]:
+                for k in self._slot_names(u):
                     if opt[k].shape == p.shape and opt[k].dim() > 0:
                         opt[k] = shard_tensor(opt[k], self._dp["world_size"], self._dp["rank"])
         lrs = self._schedule.lrs(0) if self._schedule is not None else [float(g["lr"]) for _, g in self._groups]
@@ -630,7 +553,7 @@ class TrainStep:
         expected = self.__dict__.get("_entry_names")  # fixed by the program: computed once, not per call
         if expected is None:
             expected = self._entry_names = {name for name, role in self._inputs if role != "input" and name != _RNG
-                                            and not name.startswith("opt:lr:group")}
+                                            and (optim.parse_state_name(name) or ("",))[0] != "lr"}
         present = set(state.params) | set(state.buffers) | set(state.opt)
         if present != expected:
             missing, extra = sorted(expected - present), sorted(present - expected)
@@ -740,7 +663,7 @@ class TrainStep:
             opt = dict(state.opt)
             for u in self._updates:
                 p = self._param_of[self._strip(u["param"])]
-                for k in [k for k in opt if k.startswith(f"opt:{u['param']}:")]:
+                for k in self._slot_names(u):
                     if opt[k].dim() > 0:  # every non-scalar slot is a shard (step counts are scalars)
                         opt[k] = unshard_tensor(opt[k], p, self.process_group)
             state = TrainState(state.params, state.buffers, opt, state.lr, state.step_id, state.rng, state.sched_epoch,
@@ -758,35 +681,12 @@ class TrainStep:
             torch.set_rng_state(state.rng)
         for u in self._updates:
             p = self._param_of[self._strip(u["param"])]
-            opt = self._groups[u["group"]][0]
-            key = lambda slot: state.opt[f"opt:{u['param']}:{slot}"]  # noqa: E731
-            kind = u["kind"]
-            if kind == "sgd_momentum":
-                if float(key("step")) > 0:
-                    opt.state[p]["momentum_buffer"] = key("momentum_buffer").clone()
-            elif kind in ("adam", "adam_amsgrad"):
-                if float(key("step")) > 0:
-                    st = opt.state[p]
-                    st["step"] = key("step").clone()
-                    st["exp_avg"] = key("exp_avg").clone()
-                    st["exp_avg_sq"] = key("exp_avg_sq").clone()
-                    if kind == "adam_amsgrad":
-                        st["max_exp_avg_sq"] = key("max_exp_avg_sq").clone()
-            elif kind == "muon":
-                opt.state[p]["momentum_buffer"] = key("momentum_buffer").clone()
-            elif kind in ("rmsprop", "adagrad"):
-                if float(key("step")) > 0 or kind == "adagrad":  # Adagrad creates its state eagerly
-                    group = self._groups[u["group"]][1]
-                    st = opt.state[p]
-                    st["step"] = key("step").clone()
-                    if kind == "adagrad":
-                        st["sum"] = key("sum").clone()
-                        continue
-                    st["square_avg"] = key("square_avg").clone()
-                    if group["momentum"] > 0:
-                        st["momentum_buffer"] = key("momentum_buffer").clone()
-                    if group["centered"]:
-                        st["grad_avg"] = key("grad_avg").clone()
+            opt, group = self._groups[u["group"]]
+            slots = [slot for slot, _ in optim.descriptor(u["kind"])["slots"]]
+            values = {slot: state.opt[optim.state_name(u["param"], slot)] for slot in slots}
+            entries = optim.registration_for(opt).torch_state(u["kind"], values, group)
+            if entries:  # opt.state is a defaultdict: touch it only to store something
+                opt.state[p].update(entries)
 
     def to_onnx(self, path: str) -> str:
         """Exports this pure step, the update included, to ONNX (see torch_ext.onnx); a plain
@@ -845,8 +745,9 @@ def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, exampl
     """Builds the pure step ``(loss, new_state) = step(state, *batch)`` for ``model`` and ``optimizer``.
 
     ``loss_fn(model, *batch)`` returns a scalar. ``optimizer`` is a torch.optim optimizer (SGD,
-    Adam, AdamW, Muon, RMSprop, Adagrad; foreach=True accepted except for Muon, whose update has no
-    foreach path) or a list of them over disjoint parameters; it is read as it stands, param
+    Adam, AdamW, Muon, RMSprop, Adagrad, torch_ext.optim.Lion: every class registered in
+    torch_ext.optim; foreach=True accepted except for Muon, whose update has no foreach path) or a
+    list of them over disjoint parameters; it is read as it stands, param
     groups and existing state included. ``clip_grad_norm`` clips the global 2-norm as
     ``torch.nn.utils.clip_grad_norm_``; ``unroll=N`` makes one graph of N steps over N batches.
 

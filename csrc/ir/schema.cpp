@@ -1,5 +1,7 @@
 #include "ir/schema.h"
 
+#include "optim/descriptor.h"
+
 namespace torch_ext::ir {
 
 std::optional<c10::OperatorHandle> find_op(const Target& target) {
@@ -30,15 +32,16 @@ bool returns_input_storage(const Node& node) {
 }
 
 bool is_update_op(const Node& node) {
+  if (node.kind() != NodeKind::Call) return false;
   const Target& t = node.target();
-  return node.kind() == NodeKind::Call && t.ns == "torch_ext" && t.name.size() > 7 &&
-         t.name.compare(t.name.size() - 7, 7, "_update") == 0;
+  return t.ns == "torch_ext" && optim::find_by_op(t.name) != nullptr;
 }
 
 std::vector<size_t> update_replaced_args(const Node& update) {
-  const size_t n_out = update.type().kind == Type::Kind::Tuple ? update.type().elems.size() : 1;
-  std::vector<size_t> out;
-  for (size_t i = 0; i < n_out; ++i) out.push_back(i == 0 ? 0 : i + 1);
+  TORCH_INTERNAL_ASSERT(is_update_op(update), "update_replaced_args: %", update.name(), " is not an optimizer update");
+  const optim::Descriptor& d = *optim::find_by_op(update.target().name);
+  std::vector<size_t> out{0};  // the parameter; the slots follow the gradient (argument 1)
+  for (size_t k = 0; k < d.slots.size(); ++k) out.push_back(2 + k);
   return out;
 }
 

@@ -23,7 +23,7 @@ bool is_view_op(const Node& node);
 // which hands back the collective's output once the collective is done (until then the
 // collective still writes it, so its lifetime runs from the collective to the wait's last reader).
 bool returns_input_storage(const Node& node);
-// One of the functional optimizer updates, torch_ext::*_update.
+// A registered optimizer's functional update op (optim/descriptor.h), found in the registry.
 bool is_update_op(const Node& node);
 // For each output of an update op, the argument it replaces: the parameter (arg 0), then the
 // state slots, which follow the gradient (arg 1).

@@ -1,18 +1,20 @@
 #include "passes/append_update.h"
 
+#include "optim/descriptor.h"
+
 #include <c10/util/Exception.h>
 
 namespace torch_ext::passes {
 namespace {
 
-double hyper(const ParamUpdate& u, const char* key) {
+double hyper(const ParamUpdate& u, const std::string& key) {
   auto it = u.hyper.find(key);
   TORCH_CHECK(it != u.hyper.end(), "append_update: parameter '", u.param, "' (", u.kind, ") is missing hyperparameter '",
               key, "'");
   return it->second;
 }
 
-bool flag(const ParamUpdate& u, const char* key) {
+bool flag(const ParamUpdate& u, const std::string& key) {
   auto it = u.flags.find(key);
   TORCH_CHECK(it != u.flags.end(), "append_update: parameter '", u.param, "' (", u.kind, ") is missing flag '", key, "'");
   return it->second;
@@ -24,28 +26,23 @@ ir::Node* param_node(const ir::Graph& g, const std::string& name) {
   TORCH_CHECK(false, "append_update: no parameter placeholder for '", name, "'");
 }
 
-// Arguments after (param, grad, <state...>, lr) for each kind, in schema order.
+// Arguments after (param, grad, <state...>, lr), in the descriptor's (= the schema's) order.
 std::vector<ir::Arg> scalar_args(const ParamUpdate& u) {
-  using A = ir::Arg;
-  if (u.kind == "sgd") return {A::of_float(hyper(u, "weight_decay")), A::of_bool(flag(u, "maximize"))};
-  if (u.kind == "sgd_momentum")
-    return {A::of_float(hyper(u, "momentum")), A::of_float(hyper(u, "dampening")), A::of_float(hyper(u, "weight_decay")),
-            A::of_bool(flag(u, "nesterov")), A::of_bool(flag(u, "maximize"))};
-  if (u.kind == "adam" || u.kind == "adam_amsgrad")
-    return {A::of_float(hyper(u, "beta1")), A::of_float(hyper(u, "beta2")), A::of_float(hyper(u, "eps")),
-            A::of_float(hyper(u, "weight_decay")), A::of_bool(flag(u, "decoupled")), A::of_bool(flag(u, "maximize"))};
-  if (u.kind == "muon")
-    return {A::of_float(hyper(u, "weight_decay")), A::of_float(hyper(u, "momentum")), A::of_bool(flag(u, "nesterov")),
-            A::of_float(hyper(u, "a")), A::of_float(hyper(u, "b")), A::of_float(hyper(u, "c")),
-            A::of_int(static_cast<int64_t>(hyper(u, "ns_steps"))), A::of_float(hyper(u, "eps")),
-            A::of_float(hyper(u, "lr_ratio"))};
-  if (u.kind == "rmsprop")
-    return {A::of_float(hyper(u, "alpha")), A::of_float(hyper(u, "eps")), A::of_float(hyper(u, "weight_decay")),
-            A::of_float(hyper(u, "momentum")), A::of_bool(flag(u, "centered")), A::of_bool(flag(u, "maximize"))};
-  if (u.kind == "adagrad")
-    return {A::of_float(hyper(u, "lr_decay")), A::of_float(hyper(u, "weight_decay")), A::of_float(hyper(u, "eps")),
-            A::of_bool(flag(u, "maximize"))};
-  TORCH_CHECK(false, "append_update: unknown update kind '", u.kind, "'");
+  std::vector<ir::Arg> out;
+  for (const optim::Scalar& s : optim::get(u.kind).scalars) {
+    switch (s.type) {
+      case optim::ScalarType::Float:
+        out.push_back(ir::Arg::of_float(hyper(u, s.name)));
+        break;
+      case optim::ScalarType::Int:
+        out.push_back(ir::Arg::of_int(static_cast<int64_t>(hyper(u, s.name))));
+        break;
+      case optim::ScalarType::Bool:
+        out.push_back(ir::Arg::of_bool(flag(u, s.name)));
+        break;
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -58,10 +55,10 @@ std::vector<std::pair<std::string, ir::Node*>> append_update(ir::Graph& g, const
   for (const ParamUpdate& u : spec.updates) {
     param_node(g, u.param);
     scalar_args(u);
-    for (const std::string& slot : state_slots(u.kind))
-      TORCH_CHECK(lifted.count(state_name(u.param, slot)), "append_update: state '", state_name(u.param, slot),
-                  "' was not lifted");
-    TORCH_CHECK(lifted.count(lr_name(u.group)), "append_update: no lr input for group ", u.group);
+    for (const optim::Slot& slot : optim::get(u.kind).slots)
+      TORCH_CHECK(lifted.count(optim::state_name(u.param, slot.name)), "append_update: state '",
+                  optim::state_name(u.param, slot.name), "' was not lifted");
+    TORCH_CHECK(lifted.count(optim::lr_name(u.group)), "append_update: no lr input for group ", u.group);
   }
   std::vector<std::pair<std::string, ir::Node*>> updated;
   for (const ParamUpdate& u : spec.updates) {
@@ -69,17 +66,17 @@ std::vector<std::pair<std::string, ir::Node*>> append_update(ir::Graph& g, const
     if (gi == grads.end()) continue;  // no gradient: torch.optim leaves the parameter and its state alone
     auto vi = values.find(u.param);
     ir::Node* p = vi != values.end() ? vi->second : param_node(g, u.param);
-    const std::vector<std::string> slots = state_slots(u.kind);
+    const optim::Descriptor& d = optim::get(u.kind);
     std::vector<ir::Arg> args{ir::Arg::of_node(p), ir::Arg::of_node(gi->second)};
     std::vector<ir::Type> out_types{p->type()};
-    for (const std::string& slot : slots) {
-      ir::Node* s = lifted.at(state_name(u.param, slot));
+    for (const optim::Slot& slot : d.slots) {
+      ir::Node* s = lifted.at(optim::state_name(u.param, slot.name));
       args.push_back(ir::Arg::of_node(s));
       out_types.push_back(s->type());
     }
-    args.push_back(ir::Arg::of_node(lifted.at(lr_name(u.group))));
+    args.push_back(ir::Arg::of_node(lifted.at(optim::lr_name(u.group))));
     for (ir::Arg& a : scalar_args(u)) args.push_back(std::move(a));
-    const std::string target = "torch_ext::" + u.kind + "_update.default";
+    const std::string target = "torch_ext::" + d.op_name() + ".default";
     ir::Type type = out_types.size() == 1 ? out_types[0] : ir::Type::make_tuple(out_types);
     ir::Node* upd = g.create_call(g.unique_name(p->name() + "_" + u.kind), ir::Target::parse(target), std::move(args),
                                   {}, type);
@@ -89,11 +86,12 @@ std::vector<std::pair<std::string, ir::Node*>> append_update(ir::Graph& g, const
       continue;
     }
     for (size_t i = 0; i < out_types.size(); ++i) {
-      ir::Node* item = g.create_call(g.unique_name(upd->name() + "_" + (i == 0 ? std::string("param") : slots[i - 1])),
+      const std::string part = i == 0 ? std::string("param") : d.slots[i - 1].name;
+      ir::Node* item = g.create_call(g.unique_name(upd->name() + "_" + part),
                                      ir::Target::getitem(), {ir::Arg::of_node(upd), ir::Arg::of_int(static_cast<int64_t>(i))},
                                      {}, out_types[i]);
       item->set_module_path("optimizer");
-      updated.emplace_back(i == 0 ? u.param : state_name(u.param, slots[i - 1]), item);
+      updated.emplace_back(i == 0 ? u.param : optim::state_name(u.param, d.slots[i - 1].name), item);
     }
   }
   return updated;

@@ -3,7 +3,8 @@
 // Requires: the placeholders made by lift_optimizer_state (looked up by state name), one
 //           gradient node per updated parameter (`grads`, keyed by parameter state name), and
 //           parameter placeholders for every update in the spec.
-// Guarantees: one functional torch_ext::<kind>_update node per parameter (plus getitems), in
+// Guarantees: one call of the kind's functional op (optim/descriptor.h) per parameter, with its
+//             state slots and scalars in the descriptor's order (plus getitems), in
 //             spec order, after every existing call; returns the new value of every updated
 //             state entry keyed by state name (the parameter's own name for the new parameter,
 //             "opt:<param>:<slot>" for its optimizer state). Parameters without a gradient are

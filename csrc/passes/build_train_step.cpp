@@ -1,6 +1,7 @@
 #include "passes/build_train_step.h"
 
 #include "ir/verifier.h"
+#include "optim/descriptor.h"
 #include "passes/accumulate.h"
 #include "passes/all_reduce_grads.h"
 #include "passes/append_update.h"
@@ -93,11 +94,11 @@ TrainStepGraph build_train_step(const ir::Graph& joint, const TrainStepSpec& spe
   // Output order: new parameters, new buffers, new optimizer state.
   std::vector<std::pair<std::string, ir::Node*>> state;
   for (const auto& e : updated)
-    if (e.first.rfind("opt:", 0) != 0) state.push_back(e);
+    if (!optim::parse_state_name(e.first)) state.push_back(e);
   state.insert(state.end(), buffers.begin(), buffers.end());
   if (rng != nullptr) state.emplace_back("rng", rng);
   for (const auto& e : updated)
-    if (e.first.rfind("opt:", 0) == 0) state.push_back(e);
+    if (optim::parse_state_name(e.first)) state.push_back(e);
   const size_t num_state = rewire_outputs(*g, loss, state);
   if (!aux.empty()) {
     std::vector<ir::Arg> outs = g->output()->args()[0].list;

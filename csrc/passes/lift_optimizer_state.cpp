@@ -1,5 +1,7 @@
 #include "passes/lift_optimizer_state.h"
 
+#include "optim/descriptor.h"
+
 #include <c10/util/Exception.h>
 
 #include <cctype>
@@ -35,24 +37,24 @@ std::map<std::string, ir::Node*> lift_optimizer_state(ir::Graph& g, const TrainS
     TORCH_CHECK(p->type().is_tensor(), "lift_optimizer_state: parameter '", u.param, "' is not a tensor");
     TORCH_CHECK(u.group >= 0 && u.group < spec.num_groups, "lift_optimizer_state: parameter '", u.param,
                 "' has group ", u.group, " but there are ", spec.num_groups, " groups");
-    state_slots(u.kind);
+    optim::get(u.kind);
   }
   std::map<std::string, ir::Node*> lifted;
   for (const ParamUpdate& u : spec.updates) {
     ir::Node* p = find_param(g, u.param);
-    for (const std::string& slot : state_slots(u.kind)) {
-      const std::string name = state_name(u.param, slot);
+    for (const optim::Slot& slot : optim::get(u.kind).slots) {
+      const std::string name = optim::state_name(u.param, slot.name);
       if (lifted.count(name)) continue;
-      ir::Type t = slot == "step" ? scalar_type(c10::ScalarType::Float) : p->type();
+      ir::Type t = slot.is_step() ? scalar_type(c10::ScalarType::Float) : p->type();
       if (t.is_tensor()) t.tensor.strides = ir::TensorMeta::contiguous_strides(t.tensor.sizes);
-      lifted[name] = g.create_placeholder(g.unique_name("opt_" + sanitize(u.param) + "_" + slot),
+      lifted[name] = g.create_placeholder(g.unique_name("opt_" + sanitize(u.param) + "_" + slot.name),
                                           ir::InputRole::OptimizerState, t, name);
     }
   }
   for (int64_t grp = 0; grp < spec.num_groups; ++grp)
-    lifted[lr_name(grp)] = g.create_placeholder(g.unique_name("lr_group" + std::to_string(grp)),
+    lifted[optim::lr_name(grp)] = g.create_placeholder(g.unique_name("lr_group" + std::to_string(grp)),
                                                 ir::InputRole::OptimizerState, scalar_type(c10::ScalarType::Double),
-                                                lr_name(grp));
+                                                optim::lr_name(grp));
   return lifted;
 }
 

@@ -1,5 +1,6 @@
 #include "passes/shard_optimizer_state.h"
 
+#include "optim/descriptor.h"
 #include "passes/append_update.h"
 
 #include <c10/util/Exception.h>
@@ -55,9 +56,9 @@ std::vector<std::pair<std::string, ir::Node*>> shard_optimizer_state(ir::Graph& 
   // Validate every parameter before changing anything.
   std::map<std::string, ir::Node*> params;
   for (const ParamUpdate& u : spec.updates) {
-    TORCH_CHECK(u.kind != "muon", "shard_optimizer_state: parameter '", u.param,
-                "' uses Muon, whose update needs the whole matrix; shard_optimizer_state supports element-wise "
-                "optimizers only");
+    const optim::Descriptor& d = optim::get(u.kind);
+    TORCH_CHECK(d.elementwise, "shard_optimizer_state: parameter '", u.param, "' uses ", d.title,
+                ", whose update needs the whole matrix; shard_optimizer_state supports element-wise optimizers only");
     ir::Node* p = nullptr;
     for (ir::Node* ph : g.placeholders())
       if (ph->state_name() == u.param && ph->role() == ir::InputRole::Parameter) p = ph;
@@ -66,9 +67,9 @@ std::vector<std::pair<std::string, ir::Node*>> shard_optimizer_state(ir::Graph& 
     const ir::TensorMeta& m = p->type().tensor;
     TORCH_CHECK(m.strides == ir::TensorMeta::contiguous_strides(m.sizes), "shard_optimizer_state: parameter '",
                 u.param, "' is not contiguous");
-    for (const std::string& slot : state_slots(u.kind))
-      TORCH_CHECK(lifted.count(state_name(u.param, slot)), "shard_optimizer_state: state '",
-                  state_name(u.param, slot), "' was not lifted");
+    for (const optim::Slot& slot : d.slots)
+      TORCH_CHECK(lifted.count(optim::state_name(u.param, slot.name)), "shard_optimizer_state: state '",
+                  optim::state_name(u.param, slot.name), "' was not lifted");
     params[u.param] = p;
   }
 
@@ -80,8 +81,8 @@ std::vector<std::pair<std::string, ir::Node*>> shard_optimizer_state(ir::Graph& 
     const int64_t shard = (numel + dp.world_size - 1) / dp.world_size;
     numels[u.param] = numel;
     shards[u.param] = shard;
-    for (const std::string& slot : state_slots(u.kind)) {
-      ir::Node* s = lifted.at(state_name(u.param, slot));
+    for (const optim::Slot& slot : optim::get(u.kind).slots) {
+      ir::Node* s = lifted.at(optim::state_name(u.param, slot.name));
       if (s->type().is_tensor() && s->type().tensor.sizes == p->type().tensor.sizes) s->set_type(flat_type(s->type(), shard));
     }
     auto gi = grads.find(u.param);

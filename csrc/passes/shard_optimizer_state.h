@@ -9,7 +9,7 @@
 //
 // Requires: the placeholders made by lift_optimizer_state, the (already averaged) gradients
 //           keyed by parameter state name, contiguous parameters, element-wise update kinds
-//           (every kind but muon, whose Newton-Schulz step needs the whole matrix), and a valid
+//           (a descriptor with `elementwise`; not Muon, whose Newton-Schulz step needs the whole matrix), and a valid
 //           DataParallel spec.
 // Guarantees: the state slots above are retyped to their shard; per parameter:
 //             shard = clone(slice(pad(view(p, [-1])))), the same slice of the gradient,

@@ -12,14 +12,14 @@
 
 namespace torch_ext::passes {
 
-// One parameter's update rule. `kind` is one of: sgd, sgd_momentum, adam, adam_amsgrad, muon,
-// rmsprop, adagrad.
+// One parameter's update rule. `kind` names a registered optimizer (optim/descriptor.h), whose
+// descriptor says which `hyper` and `flags` entries its update reads.
 struct ParamUpdate {
   std::string param;  // the parameter's state name, e.g. "fc1.weight"
   std::string kind;
   int64_t group = 0;  // index of the lr input shared by the param group
-  std::map<std::string, double> hyper;  // momentum, dampening, weight_decay, beta1, beta2, eps, a, b, c, ns_steps, lr_ratio
-  std::map<std::string, bool> flags;    // nesterov, maximize, decoupled
+  std::map<std::string, double> hyper;  // the descriptor's float and int scalars, by name
+  std::map<std::string, bool> flags;    // its bool scalars, by name
 };
 
 // Data parallelism over a torch.distributed process group (see all_reduce_grads.h and
@@ -43,11 +43,5 @@ struct TrainStepSpec {
   int64_t accumulate = 1;            // micro-batches per update (see accumulate.h)
   std::optional<DataParallel> data_parallel;  // unset: one process
 };
-
-// Names of the optimizer-state slots each update kind keeps, in the op's argument order.
-std::vector<std::string> state_slots(const std::string& kind);
-// The state name of a lifted optimizer input: "opt:<param>:<slot>", and "opt:lr:group<g>".
-std::string state_name(const std::string& param, const std::string& slot);
-std::string lr_name(int64_t group);
 
 }  // namespace torch_ext::passes

@@ -79,8 +79,8 @@ TEST(LiftOptimizerState, RejectsUnknownParameterAndLeavesGraph) {
   EXPECT_NE(error_of([&] { passes::lift_optimizer_state(*g, s); }).find("no parameter placeholder for 'fc.nope'"),
             std::string::npos);
   s = spec();
-  s.updates[0].kind = "lion";
-  EXPECT_NE(error_of([&] { passes::lift_optimizer_state(*g, s); }).find("unknown update kind 'lion'"),
+  s.updates[0].kind = "lamb";
+  EXPECT_NE(error_of([&] { passes::lift_optimizer_state(*g, s); }).find("unknown update kind 'lamb'"),
             std::string::npos);
   EXPECT_EQ(ir::print(*g), kJoint);
 }

@@ -1,0 +1,34 @@
+// Adagrad with dense gradients, as torch.optim.Adagrad's _single_tensor_adagrad (torch 2.9).
+// torch.optim fills `sum` with initial_accumulator_value; the Python registration does the same.
+#include "optim/descriptor.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+namespace torch_ext::optim {
+namespace {
+
+void adagrad(Update& u) {
+  at::Tensor& step_t = u.slot("step");
+  at::Tensor& state_sum = u.slot("sum");
+  step_t.add_(1);
+  const double step = step_t.item<double>();
+  at::Tensor grad = u.b("maximize") ? at::neg(u.grad) : u.grad;
+  const double weight_decay = u.f("weight_decay");
+  if (weight_decay != 0) grad = grad.add(u.param, weight_decay);
+  const double clr = u.lr / (1 + (step - 1) * u.f("lr_decay"));
+  state_sum.addcmul_(grad, grad, 1);
+  at::Tensor std = state_sum.sqrt().add_(u.f("eps"));
+  u.param.addcdiv_(grad, std, -clr);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
+  using T = ScalarType;
+  const std::vector<Scalar> scalars{
+      {"lr_decay", T::Float}, {"weight_decay", T::Float}, {"eps", T::Float}, {"maximize", T::Bool}};
+  define(m, Descriptor{"adagrad", "Adagrad", {{"sum"}, {"step", SlotInit::StepCounter}}, scalars, &adagrad});
+}
+
+}  // namespace torch_ext::optim

@@ -1,0 +1,65 @@
+// Adam and AdamW (decoupled weight decay), as torch.optim.Adam's _single_tensor_adam (torch 2.9):
+// "adam", and "adam_amsgrad", which also keeps the running maximum of exp_avg_sq. Scalars that
+// torch.optim keeps as Python floats (bias corrections, step size) are computed in double here.
+#include "optim/descriptor.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+namespace torch_ext::optim {
+namespace {
+
+void adam_with(Update& u, at::Tensor* max_exp_avg_sq) {
+  at::Tensor& param = u.param;
+  at::Tensor& exp_avg = u.slot("exp_avg");
+  at::Tensor& exp_avg_sq = u.slot("exp_avg_sq");
+  at::Tensor& step_t = u.slot("step");
+  const double lr = u.lr, beta1 = u.f("beta1"), beta2 = u.f("beta2"), eps = u.f("eps");
+  const double weight_decay = u.f("weight_decay");
+  at::Tensor grad = u.b("maximize") ? at::neg(u.grad) : u.grad;
+  step_t.add_(1);
+  if (weight_decay != 0) {
+    if (u.b("decoupled")) {
+      param.mul_(1 - lr * weight_decay);
+    } else {
+      grad = grad.add(param, weight_decay);
+    }
+  }
+  exp_avg.lerp_(grad, 1 - beta1);
+  exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2);
+  const double step = step_t.item<double>();
+  const double bias_correction1 = 1 - std::pow(beta1, step);
+  const double bias_correction2 = 1 - std::pow(beta2, step);
+  const double step_size = lr / bias_correction1;
+  const double bias_correction2_sqrt = std::pow(bias_correction2, 0.5);
+  at::Tensor denom;
+  if (max_exp_avg_sq != nullptr) {
+    at::maximum_out(*max_exp_avg_sq, *max_exp_avg_sq, exp_avg_sq);
+    denom = (max_exp_avg_sq->sqrt() / bias_correction2_sqrt).add_(eps);
+  } else {
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps);
+  }
+  param.addcdiv_(exp_avg, denom, -step_size);
+}
+
+void adam(Update& u) { adam_with(u, nullptr); }
+void adam_amsgrad(Update& u) { adam_with(u, &u.slot("max_exp_avg_sq")); }
+
+std::vector<Scalar> adam_scalars() {
+  using T = ScalarType;
+  return {{"beta1", T::Float},        {"beta2", T::Float},     {"eps", T::Float},
+          {"weight_decay", T::Float}, {"decoupled", T::Bool}, {"maximize", T::Bool}};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
+  const Slot step{"step", SlotInit::StepCounter};
+  define(m, Descriptor{"adam", "Adam", {{"exp_avg"}, {"exp_avg_sq"}, step}, adam_scalars(), &adam});
+  define(m, Descriptor{"adam_amsgrad", "Adam", {{"exp_avg"}, {"exp_avg_sq"}, {"max_exp_avg_sq"}, step},
+                       adam_scalars(), &adam_amsgrad});
+}
+
+}  // namespace torch_ext::optim

@@ -1,0 +1,130 @@
+// Schemas and CPU kernels of every optimizer, generated from its Descriptor: one boxed kernel
+// checks the arguments, clones for the functional op, and calls the descriptor's kernel.
+#include "optim/descriptor.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/stack.h>
+#include <torch/library.h>
+
+namespace torch_ext::optim {
+namespace {
+
+const char* type_name(ScalarType t) {
+  switch (t) {
+    case ScalarType::Float:
+      return "float";
+    case ScalarType::Int:
+      return "int";
+    case ScalarType::Bool:
+      return "bool";
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown ScalarType");
+}
+
+// "(Tensor param, Tensor grad, Tensor <slot>..., Tensor lr, <type> <scalar>...)"; `inplace`
+// marks param and every slot as written (Tensor(a!), Tensor(b!), ...).
+std::string arguments(const Descriptor& d, bool inplace) {
+  char alias = 'a';
+  auto tensor = [&](const std::string& name, bool written) {
+    return std::string("Tensor") + (inplace && written ? std::string("(") + alias++ + "!)" : "") + " " + name;
+  };
+  std::string s = "(" + tensor("param", true) + ", " + tensor("grad", false);
+  for (const Slot& slot : d.slots) s += ", " + tensor(slot.name, true);
+  s += ", " + tensor("lr", false);
+  for (const Scalar& x : d.scalars) s += std::string(", ") + type_name(x.type) + " " + x.name;
+  return s + ")";
+}
+
+double scalar_of(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.numel() == 1, what, " must be a 1-element tensor, got shape ", t.sizes());
+  return t.item<double>();
+}
+
+void check_like(const at::Tensor& param, const at::Tensor& other, const std::string& what) {
+  TORCH_CHECK(other.sizes() == param.sizes(), what, " has shape ", other.sizes(), " but the parameter has shape ",
+              param.sizes());
+  TORCH_CHECK(at::isFloatingType(param.scalar_type()), "parameter must be floating point, got ", param.scalar_type());
+}
+
+void check_step(const at::Tensor& step, const std::string& what) {
+  TORCH_CHECK(step.numel() == 1, what, " must be a 1-element tensor, got shape ", step.sizes());
+}
+
+size_t index_of(const Descriptor& d, const std::string& name, ScalarType type) {
+  for (size_t k = 0; k < d.scalars.size(); ++k)
+    if (d.scalars[k].name == name) {
+      TORCH_INTERNAL_ASSERT(d.scalars[k].type == type, d.kind, ": scalar '", name, "' read with the wrong type");
+      return k;
+    }
+  TORCH_INTERNAL_ASSERT(false, d.kind, ": no scalar '", name, "'");
+}
+
+// The one CPU kernel of every K_update and K_update_.
+void run_update(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const std::string& full = op.schema().name();  // "torch_ext::K_update" or "torch_ext::K_update_"
+  const std::string name = full.substr(full.find("::") + 2);
+  const bool inplace = !name.empty() && name.back() == '_';
+  const Descriptor* d = find_by_op(inplace ? name.substr(0, name.size() - 1) : name);
+  TORCH_INTERNAL_ASSERT(d != nullptr, "no optimizer descriptor for ", full);
+  const size_t num_args = 3 + d->slots.size() + d->scalars.size();
+  auto args = torch::jit::last(*stack, num_args);
+  Update u;
+  u.desc = d;
+  u.param = args[0].toTensor();
+  u.grad = args[1].toTensor();
+  check_like(u.param, u.grad, "grad");
+  for (size_t k = 0; k < d->slots.size(); ++k) {
+    u.state.push_back(args[2 + k].toTensor());
+    if (d->slots[k].is_step()) {
+      check_step(u.state.back(), d->slots[k].name);
+    } else {
+      check_like(u.param, u.state.back(), d->slots[k].name);
+    }
+  }
+  u.lr = scalar_of(args[2 + d->slots.size()].toTensor(), "lr");
+  for (size_t k = 0; k < d->scalars.size(); ++k) u.scalars.push_back(args[3 + d->slots.size() + k]);
+  if (!inplace) {  // the functional op never writes (nor aliases) its inputs
+    u.param = u.param.clone();
+    for (at::Tensor& s : u.state) s = s.clone();
+  }
+  d->kernel(u);
+  torch::jit::drop(*stack, num_args);
+  if (inplace) return;
+  torch::jit::push(*stack, std::move(u.param));
+  for (at::Tensor& s : u.state) torch::jit::push(*stack, std::move(s));
+}
+
+}  // namespace
+
+at::Tensor& Update::slot(const std::string& name) {
+  for (size_t k = 0; k < desc->slots.size(); ++k)
+    if (desc->slots[k].name == name) return state[k];
+  TORCH_INTERNAL_ASSERT(false, desc->kind, ": no slot '", name, "'");
+}
+
+double Update::f(const std::string& name) const { return scalars[index_of(*desc, name, ScalarType::Float)].toDouble(); }
+int64_t Update::i(const std::string& name) const { return scalars[index_of(*desc, name, ScalarType::Int)].toInt(); }
+bool Update::b(const std::string& name) const { return scalars[index_of(*desc, name, ScalarType::Bool)].toBool(); }
+
+std::string Descriptor::schema() const {
+  std::string returns = "Tensor";
+  if (!slots.empty()) {
+    returns = "(Tensor";
+    for (size_t k = 0; k < slots.size(); ++k) returns += ", Tensor";
+    returns += ")";
+  }
+  return op_name() + arguments(*this, false) + " -> " + returns;
+}
+
+std::string Descriptor::inplace_schema() const { return inplace_op_name() + arguments(*this, true) + " -> ()"; }
+
+void define(torch::Library& m, Descriptor d) {
+  const Descriptor& stored = detail::add(std::move(d));
+  m.def(stored.schema().c_str());
+  m.def(stored.inplace_schema().c_str());
+  for (const std::string& name : {stored.op_name(), stored.inplace_op_name()})
+    m.impl(name.c_str(),
+           torch::dispatch(c10::DispatchKey::CPU, torch::CppFunction::makeFromBoxedFunction<&run_update>()));
+}
+
+}  // namespace torch_ext::optim

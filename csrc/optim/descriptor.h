@@ -1,0 +1,119 @@
+// An optimizer is one Descriptor: its state slots, its scalar hyperparameters, its two ops and
+// its CPU kernel. Everything that depends on the optimizer kind reads the registry below: the
+// torch_ext op schemas and kernels (define), the passes that lift state and append the update
+// (lift_optimizer_state, append_update, shard_optimizer_state), ir::is_update_op, and, through
+// torch_ext._C.optimizer_descriptors(), the fake kernels and the torch.optim mapping in Python.
+//
+// Adding an optimizer is one file here, <name>.cpp, holding its kernel and
+//   TORCH_LIBRARY_FRAGMENT(torch_ext, m) { optim::define(m, Descriptor{...}); }
+// (the only static registration is the torch library's own), plus one Python file in
+// torch_ext/optim/ that maps a torch.optim class to the kind.
+//
+// The ops of kind K:
+//   K_update (Tensor param, Tensor grad, Tensor <slot>..., Tensor lr, <scalar>...) -> (param', <slot>'...)
+//     functional: fresh outputs, never aliasing an input (a lone Tensor when there are no slots);
+//   K_update_(Tensor(a!) param, Tensor grad, Tensor(b!) <slot>..., Tensor lr, <scalar>...) -> ()
+//     the same update in place, for eager scripts and the planned arena (donate=True).
+// `lr` is a 1-element tensor so a schedule changes it without rebuilding the program.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace torch {
+class Library;
+}
+
+namespace torch_ext::optim {
+
+struct Descriptor;
+
+// How a state slot starts when torch.optim has not created it yet.
+enum class SlotInit {
+  Zeros,        // zeros shaped like the parameter
+  StepCounter,  // an f32[] count of applied steps, starting at 0; kept whole when state is sharded
+};
+
+struct Slot {
+  std::string name;  // the schema argument name and the last part of the state name
+  SlotInit init = SlotInit::Zeros;
+  bool is_step() const { return init == SlotInit::StepCounter; }
+};
+
+enum class ScalarType { Float, Int, Bool };
+
+// A hyperparameter passed as a constant argument. Its value is ParamUpdate::flags[name] for Bool,
+// else ParamUpdate::hyper[name] (Int: the double converted to int64).
+struct Scalar {
+  std::string name;  // the schema argument name and the ParamUpdate key
+  ScalarType type = ScalarType::Float;
+};
+
+// One update call's values, checked against the schema. The kernel updates `param` and `state`
+// in place (the functional op hands it clones).
+struct Update {
+  const Descriptor* desc = nullptr;
+  at::Tensor param;
+  at::Tensor grad;
+  std::vector<at::Tensor> state;  // in Descriptor::slots order
+  double lr = 0;
+  std::vector<c10::IValue> scalars;  // in Descriptor::scalars order
+
+  at::Tensor& slot(const std::string& name);
+  double f(const std::string& name) const;
+  int64_t i(const std::string& name) const;
+  bool b(const std::string& name) const;
+};
+
+using Kernel = void (*)(Update& update);
+
+struct Descriptor {
+  std::string kind;   // ParamUpdate::kind, e.g. "adam_amsgrad"
+  std::string title;  // the optimizer's name in messages, e.g. "Adam"
+  std::vector<Slot> slots;      // in op-argument order
+  std::vector<Scalar> scalars;  // in op-argument order, after lr
+  Kernel kernel = nullptr;      // the CPU kernel
+  // Each element's update reads only that element of param, grad and state (so ZeRO-1 may
+  // update a flat shard). False for Muon, whose Newton-Schulz step needs the whole matrix.
+  bool elementwise = true;
+
+  std::string op_name() const { return kind + "_update"; }
+  std::string inplace_op_name() const { return kind + "_update_"; }
+  std::string schema() const;
+  std::string inplace_schema() const;
+};
+
+// Registers `d` and defines its two ops with their CPU kernels in `m` (a torch_ext library
+// fragment). TORCH_CHECKs that the kind is new.
+void define(torch::Library& m, Descriptor d);
+
+namespace detail {
+// Adds `d` to the registry (define's first step); TORCH_CHECKs that the kind is new.
+const Descriptor& add(Descriptor d);
+}  // namespace detail
+
+// Every registered descriptor, sorted by kind.
+std::vector<const Descriptor*> all();
+const Descriptor* find(const std::string& kind);
+// TORCH_CHECKs that `kind` is registered, naming the known kinds.
+const Descriptor& get(const std::string& kind);
+// The descriptor whose functional op is torch_ext::`op_name` (in-place variants are not matched).
+const Descriptor* find_by_op(const std::string& op_name);
+
+// State names of the lifted optimizer inputs: "opt:<param>:<slot>" and "opt:lr:group<g>".
+std::string state_name(const std::string& param, const std::string& slot);
+std::string lr_name(int64_t group);
+// The inverse of state_name / lr_name; nullopt for any other name (parameters, buffers, "rng").
+struct StateName {
+  std::optional<int64_t> lr_group;  // set for an lr input; param and slot are then empty
+  std::string param;
+  std::string slot;
+};
+std::optional<StateName> parse_state_name(const std::string& name);
+
+}  // namespace torch_ext::optim

@@ -1,0 +1,47 @@
+// RMSprop, as torch.optim.RMSprop's _single_tensor_rmsprop (torch 2.9). `grad_avg` is used only
+// when centered and `momentum_buffer` only when momentum > 0; both are still carried so the op
+// has one signature.
+#include "optim/descriptor.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+namespace torch_ext::optim {
+namespace {
+
+void rmsprop(Update& u) {
+  at::Tensor& square_avg = u.slot("square_avg");
+  at::Tensor& grad_avg = u.slot("grad_avg");
+  at::Tensor& momentum_buffer = u.slot("momentum_buffer");
+  const double alpha = u.f("alpha"), weight_decay = u.f("weight_decay"), momentum = u.f("momentum");
+  at::Tensor grad = u.b("maximize") ? at::neg(u.grad) : u.grad;
+  u.slot("step").add_(1);
+  if (weight_decay != 0) grad = grad.add(u.param, weight_decay);
+  square_avg.mul_(alpha).addcmul_(grad, grad, 1 - alpha);
+  at::Tensor avg;
+  if (u.b("centered")) {
+    grad_avg.lerp_(grad, 1 - alpha);
+    avg = square_avg.addcmul(grad_avg, grad_avg, -1).sqrt_();
+  } else {
+    avg = square_avg.sqrt();
+  }
+  avg.add_(u.f("eps"));
+  if (momentum > 0) {
+    momentum_buffer.mul_(momentum).addcdiv_(grad, avg);
+    u.param.add_(momentum_buffer, -u.lr);
+  } else {
+    u.param.addcdiv_(grad, avg, -u.lr);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
+  using T = ScalarType;
+  const std::vector<Slot> slots{{"square_avg"}, {"grad_avg"}, {"momentum_buffer"}, {"step", SlotInit::StepCounter}};
+  const std::vector<Scalar> scalars{{"alpha", T::Float},    {"eps", T::Float},     {"weight_decay", T::Float},
+                                    {"momentum", T::Float}, {"centered", T::Bool}, {"maximize", T::Bool}};
+  define(m, Descriptor{"rmsprop", "RMSprop", slots, scalars, &rmsprop});
+}
+
+}  // namespace torch_ext::optim

@@ -1,0 +1,46 @@
+// SGD, as torch.optim.SGD's _single_tensor_sgd (torch 2.9): "sgd" without momentum, and
+// "sgd_momentum", whose step counter says whether the momentum buffer exists yet (0: torch.optim
+// has no buffer, and the first update copies the gradient into it).
+#include "optim/descriptor.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+namespace torch_ext::optim {
+namespace {
+
+at::Tensor decayed_grad(const Update& u) {
+  at::Tensor grad = u.b("maximize") ? at::neg(u.grad) : u.grad;
+  const double weight_decay = u.f("weight_decay");
+  return weight_decay != 0 ? grad.add(u.param, weight_decay) : grad;
+}
+
+void sgd(Update& u) { u.param.add_(decayed_grad(u), -u.lr); }
+
+void sgd_momentum(Update& u) {
+  at::Tensor grad = decayed_grad(u);
+  at::Tensor& buf = u.slot("momentum_buffer");
+  at::Tensor& step = u.slot("step");
+  const double momentum = u.f("momentum");
+  if (step.item<double>() == 0) {
+    buf.copy_(grad);  // torch.optim: buf = grad.detach().clone()
+  } else {
+    buf.mul_(momentum).add_(grad, 1 - u.f("dampening"));
+  }
+  step.add_(1);
+  grad = u.b("nesterov") ? grad.add(buf, momentum) : buf;
+  u.param.add_(grad, -u.lr);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
+  using T = ScalarType;
+  define(m, Descriptor{"sgd", "SGD", {}, {{"weight_decay", T::Float}, {"maximize", T::Bool}}, &sgd});
+  const std::vector<Scalar> scalars{{"momentum", T::Float}, {"dampening", T::Float}, {"weight_decay", T::Float},
+                                    {"nesterov", T::Bool}, {"maximize", T::Bool}};
+  define(m, Descriptor{"sgd_momentum", "SGD", {{"momentum_buffer"}, {"step", SlotInit::StepCounter}}, scalars,
+                       &sgd_momentum});
+}
+
+}  // namespace torch_ext::optim

@@ -1,0 +1,137 @@
+// The optimizer registry (optim/descriptor.h): generated schemas, lookups, state names, and the
+// checks of the one generated kernel; then append_update driven by the descriptor, golden text.
+#include "ir/parser.h"
+#include "ir/printer.h"
+#include "ir/schema.h"
+#include "ir/verifier.h"
+#include "optim/descriptor.h"
+#include "passes/append_update.h"
+#include "passes/lift_optimizer_state.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <gtest/gtest.h>
+
+#include "test_util.h"
+
+using namespace torch_ext;
+using torch_ext::testing::error_of;
+
+namespace {
+
+std::vector<std::string> kinds() {
+  std::vector<std::string> out;
+  for (const optim::Descriptor* d : optim::all()) out.push_back(d->kind);
+  return out;
+}
+
+// The registered schema of torch_ext::`name`, as the dispatcher prints it.
+std::string registered_schema(const std::string& name) {
+  auto op = c10::Dispatcher::singleton().findSchema({"torch_ext::" + name, ""});
+  if (!op.has_value()) return "<none>";
+  std::stringstream s;
+  s << op->schema();
+  return s.str();
+}
+
+}  // namespace
+
+TEST(OptimRegistry, EveryBuiltInKindIsRegisteredSorted) {
+  const auto k = kinds();
+  for (const char* kind : {"adagrad", "adam", "adam_amsgrad", "muon", "rmsprop", "sgd", "sgd_momentum"})
+    EXPECT_NE(std::find(k.begin(), k.end(), kind), k.end()) << kind;
+  EXPECT_TRUE(std::is_sorted(k.begin(), k.end()));
+}
+
+TEST(OptimRegistry, SchemasAreGeneratedFromTheDescriptor) {
+  EXPECT_EQ(optim::get("adam").schema(),
+            "adam_update(Tensor param, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, Tensor step, Tensor lr, "
+            "float beta1, float beta2, float eps, float weight_decay, bool decoupled, bool maximize) "
+            "-> (Tensor, Tensor, Tensor, Tensor)");
+  EXPECT_EQ(optim::get("adam").inplace_schema(),
+            "adam_update_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor(d!) step, "
+            "Tensor lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled, bool maximize) -> ()");
+  EXPECT_EQ(optim::get("sgd").schema(),
+            "sgd_update(Tensor param, Tensor grad, Tensor lr, float weight_decay, bool maximize) -> Tensor");
+  EXPECT_NE(optim::get("muon").schema().find("int ns_steps"), std::string::npos);
+  // ... and they are what the dispatcher holds, for every kind.
+  for (const optim::Descriptor* d : optim::all()) {
+    EXPECT_EQ(registered_schema(d->op_name()), "torch_ext::" + d->schema());
+    EXPECT_EQ(registered_schema(d->inplace_op_name()), "torch_ext::" + d->inplace_schema());
+  }
+}
+
+TEST(OptimRegistry, StepCountersAndElementwise) {
+  const auto& sgd_m = optim::get("sgd_momentum");
+  ASSERT_EQ(sgd_m.slots.size(), 2u);
+  EXPECT_FALSE(sgd_m.slots[0].is_step());
+  EXPECT_TRUE(sgd_m.slots[1].is_step());
+  EXPECT_FALSE(optim::get("muon").elementwise);
+  EXPECT_TRUE(optim::get("adam").elementwise);
+}
+
+TEST(OptimRegistry, UnknownKindIsNamedWithTheKnownOnes) {
+  const std::string e = error_of([] { optim::get("nadam"); });
+  EXPECT_NE(e.find("unknown update kind 'nadam' (expected one of: adagrad, adam, adam_amsgrad, "), std::string::npos)
+      << e;
+  EXPECT_EQ(optim::find("nadam"), nullptr);
+  EXPECT_EQ(optim::find_by_op("adam_update_"), nullptr);  // the in-place variant is not the functional op
+  EXPECT_EQ(optim::find_by_op("adam_update"), &optim::get("adam"));
+}
+
+TEST(OptimRegistry, StateNamesRoundTrip) {
+  EXPECT_EQ(optim::state_name("model.fc.weight", "exp_avg"), "opt:model.fc.weight:exp_avg");
+  EXPECT_EQ(optim::lr_name(3), "opt:lr:group3");
+  auto s = optim::parse_state_name("opt:model.a:b.weight:exp_avg_sq");
+  ASSERT_TRUE(s.has_value());
+  EXPECT_FALSE(s->lr_group.has_value());
+  EXPECT_EQ(s->param, "model.a:b.weight");
+  EXPECT_EQ(s->slot, "exp_avg_sq");
+  auto lr = optim::parse_state_name(optim::lr_name(12));
+  ASSERT_TRUE(lr.has_value() && lr->lr_group.has_value());
+  EXPECT_EQ(*lr->lr_group, 12);
+  for (const char* other : {"model.fc.weight", "rng", "opt:", "opt:x", "opt:x:", "batch:0"})
+    EXPECT_FALSE(optim::parse_state_name(other).has_value()) << other;
+}
+
+TEST(OptimKernel, ChecksNameTheArgumentAndValues) {
+  auto op = c10::Dispatcher::singleton().findSchemaOrThrow("torch_ext::adam_update", "");
+  const at::Tensor p = at::zeros({4, 3}), lr = at::full({}, 0.1, at::kDouble);
+  auto call = [&](at::Tensor m, at::Tensor step, at::Tensor l) {
+    std::vector<c10::IValue> stack{p, at::ones({4, 3}), m, at::zeros({4, 3}), step, l, 0.9, 0.999, 1e-8, 0.0,
+                                   false, false};
+    op.callBoxed(stack);
+    return stack;
+  };
+  EXPECT_NE(error_of([&] { call(at::zeros({3}), at::zeros({}), lr); })
+                .find("exp_avg has shape [3] but the parameter has shape [4, 3]"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { call(at::zeros({4, 3}), at::zeros({2}), lr); })
+                .find("step must be a 1-element tensor, got shape [2]"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { call(at::zeros({4, 3}), at::zeros({}), at::zeros({2})); })
+                .find("lr must be a 1-element tensor, got shape [2]"),
+            std::string::npos);
+  // The functional op returns fresh tensors and leaves its inputs alone.
+  const at::Tensor m = at::zeros({4, 3});
+  auto out = call(m, at::zeros({}), lr);
+  ASSERT_EQ(out.size(), 4u);
+  EXPECT_TRUE(at::equal(m, at::zeros({4, 3})));
+  EXPECT_EQ(out[3].toTensor().item<float>(), 1.0f);
+}
+
+TEST(OptimIr, UpdateOpsAreFoundInTheRegistry) {
+  auto g = ir::parse(R"(graph:
+  %w : f32[3] = param("w")
+  %m : f32[3] = optstate("opt:w:momentum_buffer")
+  %s : f32[] = optstate("opt:w:step")
+  %lr : f64[] = optstate("opt:lr:group0")
+  %g : f32[3] = aten::ones_like.default(%w)
+  %u : (f32[3], f32[3], f32[]) = torch_ext::sgd_momentum_update.default(%w, %g, %m, %s, %lr, 0.9, 0.0, 0.0, False, False)
+  %u0 : f32[3] = getitem(%u, 0)
+  return (%u0)
+)");
+  EXPECT_TRUE(ir::is_update_op(*g->find("u")));
+  EXPECT_FALSE(ir::is_update_op(*g->find("g")));
+  EXPECT_EQ(ir::update_replaced_args(*g->find("u")), (std::vector<size_t>{0, 2, 3}));
+}

@@ -1,0 +1,117 @@
+"""The Python half of an optimizer: which torch.optim class maps to which C++ descriptor.
+
+A descriptor (csrc/optim/descriptor.h, read here through ``_C.optimizer_descriptors()``) states a
+kind's state slots, scalar hyperparameters and ops. A :class:`Registration` adds what only Python
+knows: the torch.optim class, how to read a param group into the kind and its hyperparameters, and
+how to move state between ``optimizer.state`` and the step's state entries. The defaults below
+follow the slot descriptions, so most registrations only supply ``read``.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .. import _C
+
+__all__ = ["Registration", "register", "registration_for", "registrations", "descriptor", "state_name", "lr_name",
+           "parse_state_name"]
+
+
+@functools.lru_cache(maxsize=None)
+def _descriptors() -> dict[str, dict]:
+    return {d["kind"]: d for d in _C.optimizer_descriptors()}
+
+
+def descriptor(kind: str) -> dict:
+    """The C++ descriptor of ``kind``: kind, title, op, inplace_op, slots [(name, "zeros"|"step")],
+    scalars [(name, "float"|"int"|"bool")], elementwise."""
+    try:
+        return _descriptors()[kind]
+    except KeyError:
+        raise ValueError(f"unknown update kind {kind!r} (registered: {', '.join(sorted(_descriptors()))})") from None
+
+
+def state_name(param: str, slot: str) -> str:
+    """The state entry of ``param``'s optimizer slot (built in C++, as the passes name it)."""
+    return _C.optimizer_state_name(param, slot)
+
+
+def lr_name(group: int) -> str:
+    return _C.optimizer_lr_name(group)
+
+
+# Called for every state entry of every step call: cached, as the names are fixed per program.
+parse_state_name: Callable[[str], tuple | None] = functools.lru_cache(maxsize=None)(_C.parse_optimizer_state_name)
+parse_state_name.__doc__ = """("lr", group) for an lr input, ("slot", param, slot) for an optimizer slot, else None."""
+
+
+def default_initial_state(kind: str, st: dict, param: torch.Tensor, group: dict) -> dict[str, torch.Tensor]:
+    """Each slot from torch.optim's per-parameter state ``st``, or as the descriptor starts it
+    (zeros like the parameter; a step counter at 0) when torch.optim has not created it yet."""
+    out = {}
+    for slot, init in descriptor(kind)["slots"]:
+        v = st.get(slot)
+        if init == "step":
+            out[slot] = v.detach().clone().float() if isinstance(v, torch.Tensor) else torch.tensor(float(v or 0.0))
+        else:
+            out[slot] = v.detach().clone() if v is not None else torch.zeros_like(param)
+    return out
+
+
+def default_torch_state(kind: str, values: dict[str, torch.Tensor], group: dict) -> dict[str, torch.Tensor]:
+    """The entries ``optimizer.state[p]`` gets back from the step's ``values`` (slot -> tensor):
+    every slot, the step counter first, once the parameter has been updated (step > 0); nothing
+    before, as torch.optim creates its state on the first step."""
+    slots = descriptor(kind)["slots"]
+    steps = [s for s, init in slots if init == "step"]
+    if any(float(values[s]) == 0 for s in steps):
+        return {}
+    return {s: values[s].clone() for s in steps + [s for s, init in slots if init != "step"]}
+
+
+@dataclass(frozen=True)
+class Registration:
+    """How the pure step reads one torch.optim class.
+
+    ``read(opt, group, param, gi)`` returns ``dict(kind=..., hyper={...}, flags={...})`` for one
+    parameter of param group ``gi``: the kind names a C++ descriptor, ``hyper`` holds its float and
+    int scalars and ``flags`` its bool scalars, by name. It raises ValueError for options the kind
+    cannot replay. ``initial_state`` and ``torch_state`` convert state (see the defaults above).
+    ``foreach_exact``: torch.optim's foreach path computes the same numbers as the single-tensor
+    path the kernel replays, so foreach=True is accepted.
+    """
+
+    optimizer: type
+    read: Callable[..., dict]
+    initial_state: Callable[..., dict] = default_initial_state
+    torch_state: Callable[..., dict] = default_torch_state
+    foreach_exact: bool = True
+
+
+_REGISTRY: dict[type, Registration] = {}
+
+
+def register(registration: Registration) -> Registration:
+    cls = registration.optimizer
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(f"register: optimizer must be a torch.optim.Optimizer subclass, got {cls!r}")
+    if cls in _REGISTRY:
+        raise ValueError(f"register: {cls.__qualname__} is registered twice")
+    _REGISTRY[cls] = registration
+    return registration
+
+
+def registrations() -> list[Registration]:
+    return list(_REGISTRY.values())
+
+
+def registration_for(opt: torch.optim.Optimizer) -> Registration:
+    """The registration of ``opt``'s class or of its nearest registered base class."""
+    for cls in type(opt).__mro__:
+        if cls in _REGISTRY:
+            return _REGISTRY[cls]
+    names = ", ".join(r.optimizer.__name__ for r in _REGISTRY.values())
+    raise TypeError(f"optimizer {type(opt).__name__} is not supported (supported: {names})")

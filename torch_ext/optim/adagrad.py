@@ -1,0 +1,27 @@
+"""torch.optim.Adagrad: kind "adagrad" (csrc/optim/adagrad.cpp). Unlike the others, torch.optim
+creates its state in the constructor: ``sum`` filled with initial_accumulator_value, step 0."""
+import torch
+
+from ._registry import Registration, default_initial_state, register
+
+
+def _read(opt, group, param, gi):
+    return dict(kind="adagrad",
+                hyper=dict(lr_decay=float(group["lr_decay"]), weight_decay=float(group["weight_decay"]),
+                           eps=float(group["eps"])),
+                flags=dict(maximize=bool(group.get("maximize", False))))
+
+
+def _initial_state(kind, st, param, group):
+    out = default_initial_state(kind, st, param, group)
+    if st.get("sum") is None:
+        out["sum"] = torch.full_like(param, float(group.get("initial_accumulator_value", 0.0)),
+                                     memory_format=torch.preserve_format)
+    return out
+
+
+def _torch_state(kind, values, group):
+    return {"step": values["step"].clone(), "sum": values["sum"].clone()}
+
+
+register(Registration(torch.optim.Adagrad, _read, _initial_state, _torch_state))

@@ -1,0 +1,34 @@
+"""torch.optim.SGD: kind "sgd" (momentum == 0) or "sgd_momentum" (csrc/optim/sgd.cpp)."""
+import torch
+
+from ._registry import Registration, register
+
+
+def _read(opt, group, param, gi):
+    maximize = bool(group.get("maximize", False))
+    if group["momentum"] == 0:
+        if group["nesterov"]:
+            raise ValueError(f"SGD param group {gi}: nesterov requires momentum > 0")
+        return dict(kind="sgd", hyper=dict(weight_decay=float(group["weight_decay"])), flags=dict(maximize=maximize))
+    return dict(kind="sgd_momentum",
+                hyper=dict(momentum=float(group["momentum"]), dampening=float(group["dampening"]),
+                           weight_decay=float(group["weight_decay"])),
+                flags=dict(nesterov=bool(group["nesterov"]), maximize=maximize))
+
+
+def _initial_state(kind, st, param, group):
+    if kind == "sgd":
+        return {}
+    # torch.optim keeps no step for SGD: the counter only says whether the buffer exists yet.
+    buf = st.get("momentum_buffer")
+    return {"momentum_buffer": buf.detach().clone() if buf is not None else torch.zeros_like(param),
+            "step": torch.tensor(0.0 if buf is None else 1.0)}
+
+
+def _torch_state(kind, values, group):
+    if kind == "sgd" or float(values["step"]) == 0:
+        return {}
+    return {"momentum_buffer": values["momentum_buffer"].clone()}
+
+
+register(Registration(torch.optim.SGD, _read, _initial_state, _torch_state))
