@@ -1,5 +1,6 @@
 #include "passes/schedule.h"
 
+#include "ir/higher_order.h"
 #include "ir/schema.h"
 #include "passes/plan_memory.h"
 
@@ -153,7 +154,7 @@ std::vector<Order> beam_schedule(const ir::Graph& g, const Dag& d) {
   };
   g.output()->args()[0].for_each_node([&](ir::Node* v) { mark(v); });
   for (const ir::Node* c : d.calls)
-    if (c->target().ns == "higher_order")
+    if (const ir::HigherOrderOp* hop = ir::find_higher_order(c->target()); hop && hop->outputs_may_alias_operands)
       for (const ir::Node* in : c->inputs()) mark(in);
   // For each update: the other nodes that read the state it overwrites (through aliases).
   std::vector<std::vector<size_t>> blockers(n);
