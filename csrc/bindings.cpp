@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "ir/graph.h"
+#include "ir/higher_order.h"
 #include "ir/parser.h"
 #include "ir/printer.h"
 #include "ir/verifier.h"
@@ -454,6 +455,26 @@ PYBIND11_MODULE(_C, m) {
         return py::make_tuple(std::shared_ptr<ir::Graph>(std::move(out.graph)), out.state_names, out.num_user_inputs);
       },
       py::arg("joint"), py::arg("spec"), py::arg("unroll") = 1);
+  // The higher-order op table (csrc/ir/higher_order.h), for torch_ext/ir.py's importer and exporter.
+  m.def("higher_order_ops", [] {
+    py::list out;
+    for (const ir::HigherOrderOp& op : ir::higher_order_ops()) {
+      py::list args, fx_args;
+      for (const ir::HopArg& a : op.args)
+        args.append(py::make_tuple(a.name, a.kind == ir::HopArg::Kind::List ? "list" : "value"));
+      for (const ir::FxArg& a : op.fx_args)
+        fx_args.append(py::make_tuple(a.kind == ir::FxArg::Kind::Region ? "region" : "arg", a.index));
+      py::dict d;
+      d["name"] = op.name;
+      d["target"] = std::string(ir::kHigherOrderNamespace) + "::" + op.name + ".default";
+      d["args"] = args;
+      d["num_regions"] = op.num_regions;
+      d["fx_args"] = fx_args;
+      d["bare_output_regions"] = op.bare_output_regions;
+      out.append(d);
+    }
+    return out;
+  });
 
   // The optimizer registry (optim/descriptor.h): torch_ext.optim generates the fake kernels and
   // reads the state slots from it; state names are built and parsed only here.

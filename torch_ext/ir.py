@@ -28,8 +28,18 @@ _SPECIALS = {
 }
 
 
-_HIGHER_ORDER = {torch.ops.higher_order.cond: "higher_order::cond.default",
-                 torch.ops.higher_order.while_loop: "higher_order::while_loop.default"}
+def _higher_order_table() -> dict:
+    """FX target -> entry of the C++ higher-order op table (csrc/ir/higher_order.h)."""
+    table = {}
+    for hop in _C.higher_order_ops():
+        op = getattr(torch.ops.higher_order, hop["name"], None)  # absent from this torch: not importable
+        if op is not None:
+            table[op] = dict(hop, op=op)
+    return table
+
+
+_HIGHER_ORDER = _higher_order_table()
+_HIGHER_ORDER_BY_TARGET = {hop["target"]: hop for hop in _HIGHER_ORDER.values()}
 
 
 def _fetch_attr(owner, target: str):
@@ -41,13 +51,15 @@ def _fetch_attr(owner, target: str):
     return obj
 
 
-def _higher_order_args(node: torch.fx.Node, where: str):
-    """(IR args, region get_attr nodes) of a cond / while_loop call."""
-    if node.target is torch.ops.higher_order.cond:
-        pred, true_fn, false_fn, operands = node.args
-        return [pred, list(operands)], [true_fn, false_fn]
-    cond_fn, body_fn, carried, additional = node.args
-    return [list(carried), list(additional)], [cond_fn, body_fn]
+def _higher_order_args(node: torch.fx.Node, hop: dict):
+    """(IR args, region get_attr nodes) of a higher-order call, in its table entry's FX layout."""
+    args, regions = [None] * len(hop["args"]), [None] * hop["num_regions"]
+    for value, (kind, i) in zip(node.args, hop["fx_args"]):
+        if kind == "region":
+            regions[i] = value
+        else:
+            args[i] = list(value) if hop["args"][i][1] == "list" else value
+    return args, regions
 
 
 class UnsupportedNodeError(NotImplementedError):
@@ -159,9 +171,10 @@ class Graph:
             elif node.op == "get_attr" and isinstance(_fetch_attr(owner, node.target), torch.fx.GraphModule):
                 subgraphs[node.name] = _fetch_attr(owner, node.target)
             elif node.op == "call_function" and node.target in _HIGHER_ORDER:
-                tname = _HIGHER_ORDER[node.target]
+                hop = _HIGHER_ORDER[node.target]
+                tname = hop["target"]
                 where = f"node '{node.name}' ({tname})"
-                args, region_nodes = _higher_order_args(node, where)
+                args, region_nodes = _higher_order_args(node, hop)
                 regions = []
                 for rn in region_nodes:
                     if rn.name not in subgraphs:
@@ -180,7 +193,7 @@ class Graph:
                     if isinstance(target, torch._ops.HigherOrderOperator):
                         raise UnsupportedNodeError(
                             f"{where}: higher-order operator {target.__name__!r} is not supported by torch_ext yet "
-                            f"(torch {torch.__version__}; supported: cond, while_loop)")
+                            f"(torch {torch.__version__}; supported: {', '.join(h['name'] for h in _HIGHER_ORDER.values())})")
                     if qual is None:
                         raise UnsupportedNodeError(
                             f"{where}: target {getattr(target, '__name__', target)!r} is not supported "
@@ -241,18 +254,16 @@ def _to_graph_module(cgraph, scalar_output: bool = False) -> torch.fx.GraphModul
             node = fx.placeholder(n["name"])
         elif n["kind"] == "call" and n["regions"]:
             subs = []
-            is_loop = n["target"] == "higher_order::while_loop.default"
+            hop = _HIGHER_ORDER_BY_TARGET[n["target"]]
             for i, region in enumerate(n["regions"]):
                 attr = f"{n['name']}_region{i}"
-                # A while_loop's condition returns the bare boolean, not a tuple.
-                setattr(root, attr, _to_graph_module(region, scalar_output=is_loop and i == 0))
+                # Some regions return a bare value in FX, not a tuple (a while_loop's condition).
+                setattr(root, attr, _to_graph_module(region, scalar_output=i in hop["bare_output_regions"]))
                 subs.append(fx.get_attr(attr))
             args = [_arg_from_ir(a, env) for a in n["args"]]
-            if n["target"] == "higher_order::cond.default":
-                node = fx.call_function(torch.ops.higher_order.cond, (args[0], subs[0], subs[1], tuple(args[1])))
-            else:
-                node = fx.call_function(torch.ops.higher_order.while_loop,
-                                        (subs[0], subs[1], tuple(args[0]), tuple(args[1])))
+            args = [tuple(a) if kind == "list" else a for a, (_, kind) in zip(args, hop["args"])]
+            node = fx.call_function(hop["op"], tuple(subs[i] if kind == "region" else args[i]
+                                                     for kind, i in hop["fx_args"]))
             node.name = n["name"]
         elif n["kind"] == "call":
             args = tuple(_arg_from_ir(a, env) for a in n["args"])

@@ -473,6 +473,14 @@ std::string invalid_type_reason(const Type& type) {
   return "";
 }
 
+std::string print_type_safe(const Type& type) {
+  try {
+    return print_type(type);
+  } catch (const c10::Error&) {
+    return "<type without a text form>";
+  }
+}
+
 void check_call_types(const Node& node, const c10::OperatorHandle& op, const std::string& where,
                       std::vector<std::string>& errors) {
   const c10::FunctionSchema& schema = op.schema();

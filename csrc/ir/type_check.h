@@ -51,5 +51,7 @@ void check_call_types(const Node& node, const c10::OperatorHandle& op, const std
 // A reason why `type` cannot be the type of a value (negative size, rank mismatch between
 // sizes and strides, element count or byte size overflowing int64), or empty when it can.
 std::string invalid_type_reason(const Type& type);
+// print_type(type), or a placeholder for a type without a text form (errors must not throw).
+std::string print_type_safe(const Type& type);
 
 }  // namespace torch_ext::ir

@@ -1,5 +1,6 @@
 #include "ir/verifier.h"
 
+#include "ir/higher_order.h"
 #include "ir/printer.h"
 #include "ir/schema.h"
 #include "ir/type_check.h"
@@ -13,95 +14,6 @@
 
 namespace torch_ext::ir {
 namespace {
-
-std::string print_type_safe(const Type& t) {
-  try {
-    return print_type(t);
-  } catch (const c10::Error&) {
-    return "<type without a text form>";
-  }
-}
-
-std::vector<Type> region_inputs(const Graph& r) {
-  std::vector<Type> out;
-  for (const Node* p : r.placeholders()) out.push_back(p->type());
-  return out;
-}
-
-std::vector<Type> region_outputs(const Graph& r) {
-  std::vector<Type> out;
-  if (r.output() == nullptr) return out;
-  for (const Arg& a : r.output()->args()[0].list) out.push_back(a.kind == Arg::Kind::Node ? a.node->type() : Type());
-  return out;
-}
-
-std::vector<Type> list_types(const Arg& list) {
-  std::vector<Type> out;
-  for (const Arg& a : list.list) out.push_back(a.kind == Arg::Kind::Node ? a.node->type() : Type());
-  return out;
-}
-
-std::string types_str(const std::vector<Type>& ts) {
-  std::string s = "(";
-  for (size_t i = 0; i < ts.size(); ++i) s += (i ? ", " : "") + print_type(ts[i]);
-  return s + ")";
-}
-
-// Signatures of cond branches and while_loop regions.
-void check_regions(const Node& n, const std::string& where, std::vector<std::string>& errors) {
-  const std::string& op = n.target().name;
-  if (op != "cond" && op != "while_loop") {
-    errors.push_back(where + "unknown higher-order operator");
-    return;
-  }
-  if (n.regions().size() != 2 || n.args().size() != 2 || n.args()[1].kind != Arg::Kind::List) {
-    errors.push_back(where + (op == "cond" ? "cond takes (%pred, [operands]) and two regions"
-                                            : "while_loop takes ([carried], [additional]) and two regions"));
-    return;
-  }
-  const Graph& r0 = *n.regions()[0];
-  const Graph& r1 = *n.regions()[1];
-  if (op == "cond") {
-    // The runtimes read the predicate as a bool scalar or a one-element tensor.
-    const Arg& pred = n.args()[0];
-    if (pred.kind == Arg::Kind::Node) {
-      const Type& t = pred.node->type();
-      const bool ok = t.kind == Type::Kind::Bool || (t.is_tensor() && invalid_type_reason(t).empty() &&
-                                                     t.tensor.numel() == 1);
-      if (!ok)
-        errors.push_back(where + "predicate %" + pred.node->name() + " of type " + print_type_safe(t) +
-                         " must be a bool or a one-element tensor");
-    }
-    const auto operands = list_types(n.args()[1]);
-    for (int b = 0; b < 2; ++b)
-      if (region_inputs(*n.regions()[b]) != operands)
-        errors.push_back(where + (b == 0 ? "true" : "false") + " branch takes " + types_str(region_inputs(*n.regions()[b])) +
-                         " but the operands are " + types_str(operands));
-    if (region_outputs(r0) != region_outputs(r1))
-      errors.push_back(where + "branches return different types: true " + types_str(region_outputs(r0)) + ", false " +
-                       types_str(region_outputs(r1)));
-    if (n.type().kind != Type::Kind::Tuple || n.type().elems != region_outputs(r0))
-      errors.push_back(where + "node type " + print_type(n.type()) + " differs from the branches' outputs " +
-                       types_str(region_outputs(r0)));
-    return;
-  }
-  if (n.args()[0].kind != Arg::Kind::List) {
-    errors.push_back(where + "while_loop carried values must be a list");
-    return;
-  }
-  auto carried = list_types(n.args()[0]);
-  auto inputs = carried;
-  for (const Type& t : list_types(n.args()[1])) inputs.push_back(t);
-  if (region_inputs(r0) != inputs || region_inputs(r1) != inputs)
-    errors.push_back(where + "loop regions must take the carried and additional values " + types_str(inputs));
-  const auto c_out = region_outputs(r0);
-  if (c_out.size() != 1 || !c_out[0].is_tensor() || c_out[0].tensor.dtype != c10::ScalarType::Bool ||
-      !c_out[0].tensor.sizes.empty())
-    errors.push_back(where + "loop condition must return one b8[] scalar, got " + types_str(c_out));
-  if (region_outputs(r1) != carried)
-    errors.push_back(where + "loop body changes the carried values from " + types_str(carried) + " to " +
-                     types_str(region_outputs(r1)) + " (shapes and dtypes must stay fixed)");
-}
 
 void check_call(const Node& n, const std::string& prefix, std::vector<std::string>& errors) {
   const std::string where = prefix + "node %" + n.name() + " (" + n.target().str() + "): ";
@@ -128,8 +40,18 @@ void check_call(const Node& n, const std::string& prefix, std::vector<std::strin
                        print_type(src.elems[idx]));
     return;
   }
-  if (n.target().ns == "higher_order") {
-    check_regions(n, where, errors);
+  if (is_higher_order(n.target())) {
+    // Ops with regions verify their own (MLIR's verifyRegions), from the table.
+    const HigherOrderOp* hop = find_higher_order(n.target());
+    if (hop == nullptr) {
+      errors.push_back(where + "unknown higher-order operator");
+      return;
+    }
+    if (std::string bad = check_layout(*hop, n); !bad.empty()) {
+      errors.push_back(where + bad);
+      return;
+    }
+    hop->verify(n, where, errors);
     return;
   }
   const auto op = find_op(n.target());
@@ -237,8 +159,9 @@ void verify_into(const Graph& g, const std::string& prefix, std::vector<std::str
     const Node& n = *nodes[i];
     const std::string where = prefix + "node %" + n.name() + ": ";
     if (n.kind() == NodeKind::Call) {
-      if (!n.regions().empty() && n.target().ns != "higher_order")
-        errors.push_back(where + "only higher_order::cond and while_loop own regions, not " + n.target().str());
+      if (!n.regions().empty() && !is_higher_order(n.target()))
+        errors.push_back(where + "only higher_order::" + higher_order_names() + " own regions, not " +
+                         n.target().str());
       const auto ins = n.inputs();
       const bool inputs_valid = std::none_of(ins.begin(), ins.end(), [&](const Node* in) {
         return invalid.count(in) || in->owner() != &g;

@@ -7,7 +7,8 @@
 // dispatcher and its positional and keyword args fit the schema (no surplus, no
 // unknown or duplicated keyword, every argument without a default supplied);
 // getitem reads a tuple-typed node at an in-range index. Regions are verified
-// recursively.
+// recursively; a higher-order op's arguments and region signatures are checked by
+// its entry in the table (ir/higher_order.h).
 #pragma once
 
 #include "ir/graph.h"

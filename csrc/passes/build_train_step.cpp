@@ -9,6 +9,7 @@
 #include "passes/clip_grad_norm.h"
 #include "passes/eliminate_dead_code.h"
 #include "passes/lift_optimizer_state.h"
+#include "passes/pass_manager.h"
 #include "passes/rewire_outputs.h"
 #include "passes/shard_optimizer_state.h"
 #include "passes/thread_rng.h"
@@ -16,16 +17,17 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <iterator>
+
 namespace torch_ext::passes {
 namespace {
 
-void verify_after(const ir::Graph& g, const char* pass) {
-  try {
-    ir::verify(g);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "graph invalid after pass ", pass, ": ", e.what_without_backtrace());
-  }
-}
+// Each pass keeps its own file and function, which its tests call; the adapters below bind those
+// functions to the context. They live here, beside the list, because they are the one place that
+// knows which context fields each existing pass reads and writes, and so the pass files (some of
+// them rewritten for the optimizer descriptors) keep their signatures. A new pass is written
+// against PassContext directly and needs no adapter (see pass.h).
 
 ir::Node* output_node(const ir::Graph& g, int64_t index, const char* what) {
   const auto& outs = g.output()->args()[0].list;
@@ -36,89 +38,147 @@ ir::Node* output_node(const ir::Graph& g, int64_t index, const char* what) {
   return outs[index].node;
 }
 
+std::vector<ir::Node*> nodes_of(const NamedValues& values) {
+  std::vector<ir::Node*> out;
+  for (const auto& v : values) out.push_back(v.second);
+  return out;
+}
+
+void set_nodes(NamedValues& values, const std::vector<ir::Node*>& nodes) {
+  TORCH_INTERNAL_ASSERT(values.size() == nodes.size());
+  for (size_t i = 0; i < nodes.size(); ++i) values[i].second = nodes[i];
+}
+
+bool sharded(const PassContext& ctx) {
+  return ctx.spec.data_parallel.has_value() && ctx.spec.data_parallel->shard_optimizer_state;
+}
+
+PassResult run_accumulate(ir::Graph& g, PassContext& ctx) {
+  return PassResult::replaced(accumulate(g, ctx.spec, ctx.spec.accumulate));
+}
+
+// The loss, gradients, buffer updates and aux outputs, from the joint's outputs by spec index.
+PassResult run_read_outputs(ir::Graph& g, PassContext& ctx) {
+  ctx.loss = output_node(g, ctx.spec.loss_output, "loss");
+  for (const auto& [idx, name] : ctx.spec.buffer_mutations) ctx.buffers.emplace_back(name, output_node(g, idx, "buffer"));
+  for (int64_t idx : ctx.spec.aux_outputs) ctx.aux.push_back(output_node(g, idx, "aux"));
+  TORCH_CHECK(ctx.aux.empty() || ctx.unroll_steps == 1,
+              "build_train_step: auxiliary outputs need unroll == 1, got unroll ", ctx.unroll_steps);
+  for (const auto& [idx, name] : ctx.spec.grads) {
+    ir::Node* grad = output_node(g, idx, "gradient");
+    // A parameter named twice keeps its first position and its last gradient.
+    auto it = std::find_if(ctx.grads.begin(), ctx.grads.end(), [&](const auto& e) { return e.first == name; });
+    if (it != ctx.grads.end()) it->second = grad;
+    else ctx.grads.emplace_back(name, grad);
+  }
+  return PassResult::unchanged();
+}
+
+PassResult run_lift_optimizer_state(ir::Graph& g, PassContext& ctx) {
+  ctx.lifted = lift_optimizer_state(g, ctx.spec);
+  return PassResult::changed();
+}
+
+PassResult run_all_reduce_grads(ir::Graph& g, PassContext& ctx) {
+  auto synced = all_reduce_grads(g, *ctx.spec.data_parallel, nodes_of(ctx.grads), nodes_of(ctx.buffers));
+  set_nodes(ctx.grads, synced.grads);
+  set_nodes(ctx.buffers, synced.buffers);
+  return PassResult::changed();
+}
+
+PassResult run_clip_grad_norm(ir::Graph& g, PassContext& ctx) {
+  set_nodes(ctx.grads, clip_grad_norm(g, nodes_of(ctx.grads), *ctx.spec.clip_max_norm, ctx.spec.clip_norm_type));
+  return PassResult::changed();
+}
+
+PassResult run_shard_optimizer_state(ir::Graph& g, PassContext& ctx) {
+  ctx.updated = shard_optimizer_state(g, ctx.spec, *ctx.spec.data_parallel, ctx.grad_map(), ctx.lifted);
+  return PassResult::changed();
+}
+
+PassResult run_append_update(ir::Graph& g, PassContext& ctx) {
+  ctx.updated = append_update(g, ctx.spec, ctx.grad_map(), ctx.lifted);
+  return PassResult::changed();
+}
+
+PassResult run_thread_rng(ir::Graph& g, PassContext& ctx) {
+  ctx.rng = thread_rng(g);
+  return ctx.rng != nullptr ? PassResult::changed() : PassResult::unchanged();
+}
+
+// Output order: new parameters, new buffers, "rng", new optimizer state; then the aux outputs.
+PassResult run_rewire_outputs(ir::Graph& g, PassContext& ctx) {
+  const auto is_opt = [](const std::string& name) { return optim::parse_state_name(name).has_value(); };
+  NamedValues state;
+  for (const auto& e : ctx.updated)
+    if (!is_opt(e.first)) state.push_back(e);
+  state.insert(state.end(), ctx.buffers.begin(), ctx.buffers.end());
+  if (ctx.rng != nullptr) state.emplace_back("rng", ctx.rng);
+  for (const auto& e : ctx.updated)
+    if (is_opt(e.first)) state.push_back(e);
+  rewire_outputs(g, ctx.loss, state);
+  if (!ctx.aux.empty()) {
+    std::vector<ir::Arg> outs = g.output()->args()[0].list;
+    for (ir::Node* a : ctx.aux) outs.push_back(ir::Arg::of_node(a));
+    g.set_output(std::move(outs));
+  }
+  ctx.state = std::move(state);
+  // Later passes keep the placeholders (unroll repeats the user inputs), so count one step's here.
+  ctx.num_user_inputs = 0;
+  for (ir::Node* p : g.placeholders()) ctx.num_user_inputs += p->role() == ir::InputRole::UserInput;
+  return PassResult::changed();
+}
+
+PassResult run_eliminate_dead_code(ir::Graph& g, PassContext&) {
+  eliminate_dead_code(g);
+  return PassResult::changed();
+}
+
+PassResult run_check_pure(ir::Graph& g, PassContext&) {
+  check_pure(g);
+  return PassResult::unchanged();
+}
+
+PassResult run_unroll(ir::Graph& g, PassContext& ctx) {
+  return PassResult::replaced(unroll(g, ctx.state.size(), ctx.unroll_steps));
+}
+
+// The pipeline (see build_train_step.h). Constant data: no static constructor runs.
+constexpr Pass kTrainStepPasses[] = {
+    {"accumulate", [](const PassContext& c) { return c.spec.accumulate > 1; }, run_accumulate},
+    {"read_outputs", nullptr, run_read_outputs},
+    {"lift_optimizer_state", nullptr, run_lift_optimizer_state},
+    {"all_reduce_grads", [](const PassContext& c) { return c.spec.data_parallel.has_value(); }, run_all_reduce_grads},
+    {"clip_grad_norm", [](const PassContext& c) { return c.spec.clip_max_norm.has_value(); }, run_clip_grad_norm},
+    {"shard_optimizer_state", sharded, run_shard_optimizer_state},
+    {"append_update", [](const PassContext& c) { return !sharded(c); }, run_append_update},
+    {"thread_rng", nullptr, run_thread_rng},
+    {"rewire_outputs", nullptr, run_rewire_outputs},
+    {"eliminate_dead_code", nullptr, run_eliminate_dead_code},
+    {"check_pure", nullptr, run_check_pure},
+    {"unroll", [](const PassContext& c) { return c.unroll_steps > 1; }, run_unroll},
+    {"check_pure", [](const PassContext& c) { return c.unroll_steps > 1; }, run_check_pure},
+};
+
 }  // namespace
+
+std::vector<Pass> train_step_passes() { return std::vector<Pass>(std::begin(kTrainStepPasses), std::end(kTrainStepPasses)); }
 
 TrainStepGraph build_train_step(const ir::Graph& joint, const TrainStepSpec& spec, int64_t unroll_steps) {
   auto g = joint.clone();
   ir::verify(*g);
-  ir::Node* loss = output_node(*g, spec.loss_output, "loss");
+  const ir::Node* loss = output_node(*g, spec.loss_output, "loss");
   TORCH_CHECK(loss->type().is_tensor() && loss->type().tensor.sizes.empty(),
               "build_train_step: the loss must be a scalar tensor, got ", loss->type().is_tensor() ? "a tensor of rank " +
               std::to_string(loss->type().tensor.sizes.size()) : std::string("a non-tensor"));
   TORCH_CHECK(spec.accumulate >= 1, "build_train_step: accumulate must be >= 1, got ", spec.accumulate);
   TORCH_CHECK(spec.accumulate == 1 || unroll_steps == 1, "build_train_step: accumulate (", spec.accumulate,
               ") and unroll (", unroll_steps, ") cannot be combined");
-  if (spec.accumulate > 1) {
-    g = accumulate(*g, spec, spec.accumulate);
-    verify_after(*g, "accumulate");
-    loss = output_node(*g, spec.loss_output, "loss");
-  }
-  std::vector<std::pair<std::string, ir::Node*>> buffers;
-  for (const auto& [idx, name] : spec.buffer_mutations) buffers.emplace_back(name, output_node(*g, idx, "buffer"));
-  std::vector<ir::Node*> aux;
-  for (int64_t idx : spec.aux_outputs) aux.push_back(output_node(*g, idx, "aux"));
-  TORCH_CHECK(aux.empty() || unroll_steps == 1, "build_train_step: auxiliary outputs need unroll == 1, got unroll ",
-              unroll_steps);
-  std::vector<std::string> grad_order;
-  std::map<std::string, ir::Node*> grads;
-  for (const auto& [idx, name] : spec.grads) {
-    grads[name] = output_node(*g, idx, "gradient");
-    grad_order.push_back(name);
-  }
-
-  auto lifted = lift_optimizer_state(*g, spec);
-  verify_after(*g, "lift_optimizer_state");
-  if (spec.data_parallel.has_value()) {
-    std::vector<ir::Node*> in, bufs;
-    for (const std::string& n : grad_order) in.push_back(grads.at(n));
-    for (const auto& b : buffers) bufs.push_back(b.second);
-    auto synced = all_reduce_grads(*g, *spec.data_parallel, in, bufs);
-    for (size_t i = 0; i < grad_order.size(); ++i) grads[grad_order[i]] = synced.grads[i];
-    for (size_t i = 0; i < buffers.size(); ++i) buffers[i].second = synced.buffers[i];
-    verify_after(*g, "all_reduce_grads");
-  }
-  if (spec.clip_max_norm.has_value()) {
-    std::vector<ir::Node*> in;
-    for (const std::string& n : grad_order) in.push_back(grads.at(n));
-    auto clipped = clip_grad_norm(*g, in, *spec.clip_max_norm, spec.clip_norm_type);
-    for (size_t i = 0; i < grad_order.size(); ++i) grads[grad_order[i]] = clipped[i];
-    verify_after(*g, "clip_grad_norm");
-  }
-  const bool sharded = spec.data_parallel.has_value() && spec.data_parallel->shard_optimizer_state;
-  auto updated = sharded ? shard_optimizer_state(*g, spec, *spec.data_parallel, grads, lifted)
-                         : append_update(*g, spec, grads, lifted);
-  verify_after(*g, sharded ? "shard_optimizer_state" : "append_update");
-  ir::Node* rng = thread_rng(*g);
-  verify_after(*g, "thread_rng");
-
-  // Output order: new parameters, new buffers, new optimizer state.
-  std::vector<std::pair<std::string, ir::Node*>> state;
-  for (const auto& e : updated)
-    if (!optim::parse_state_name(e.first)) state.push_back(e);
-  state.insert(state.end(), buffers.begin(), buffers.end());
-  if (rng != nullptr) state.emplace_back("rng", rng);
-  for (const auto& e : updated)
-    if (optim::parse_state_name(e.first)) state.push_back(e);
-  const size_t num_state = rewire_outputs(*g, loss, state);
-  if (!aux.empty()) {
-    std::vector<ir::Arg> outs = g->output()->args()[0].list;
-    for (ir::Node* a : aux) outs.push_back(ir::Arg::of_node(a));
-    g->set_output(std::move(outs));
-  }
-  verify_after(*g, "rewire_outputs");
-  eliminate_dead_code(*g);
-  verify_after(*g, "eliminate_dead_code");
-  check_pure(*g);
-
+  PassContext ctx(spec, unroll_steps);
   TrainStepGraph out;
-  for (const auto& e : state) out.state_names.push_back(e.first);
-  for (ir::Node* p : g->placeholders()) out.num_user_inputs += p->role() == ir::InputRole::UserInput;
-  if (unroll_steps > 1) {
-    g = unroll(*g, num_state, unroll_steps);
-    verify_after(*g, "unroll");
-    check_pure(*g);
-  }
-  out.graph = std::move(g);
+  out.graph = PassManager(train_step_passes()).run(std::move(g), ctx);
+  for (const auto& e : ctx.state) out.state_names.push_back(e.first);
+  out.num_user_inputs = ctx.num_user_inputs;
   return out;
 }
 

@@ -1,5 +1,6 @@
 #include "passes/check_pure.h"
 
+#include "ir/higher_order.h"
 #include "ir/schema.h"
 
 #include <c10/util/Exception.h>
@@ -26,12 +27,15 @@ const ir::Node* viewed_input(const ir::Node* n) {
 void check_pure(const ir::Graph& g) {
   for (const auto& n : g.nodes()) {
     if (n->kind() != ir::NodeKind::Call || n->target().is_builtin()) continue;
-    if (n->target().ns == "higher_order") {  // functional iff its regions are
+    if (ir::is_higher_order(n->target())) {
+      const ir::HigherOrderOp* hop = ir::find_higher_order(n->target());
+      TORCH_CHECK(hop != nullptr && hop->pure_if_regions_are, "check_pure: node %", n->name(), " (",
+                  n->target().str(), ") is a higher-order op with effects of its own");
       for (const auto& r : n->regions())
         for (const auto& inner : r->nodes()) {
           if (inner->kind() != ir::NodeKind::Call || inner->target().is_builtin()) continue;
           const c10::FunctionSchema* s = ir::find_schema(inner->target());
-          TORCH_CHECK(inner->target().ns == "higher_order" || (s != nullptr && !s->is_mutable()), "check_pure: node %",
+          TORCH_CHECK(ir::is_higher_order(inner->target()) || (s != nullptr && !s->is_mutable()), "check_pure: node %",
                       inner->name(), " (", inner->target().str(), ") inside %", n->name(), " mutates an argument");
         }
       continue;

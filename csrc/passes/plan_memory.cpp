@@ -1,5 +1,6 @@
 #include "passes/plan_memory.h"
 
+#include "ir/higher_order.h"
 #include "ir/out_variant.h"
 #include "ir/schema.h"
 
@@ -159,7 +160,8 @@ Analysis analyze(const ir::Graph& g, const std::vector<const ir::Node*>& order, 
   // straight through (an identity branch), so its operands escape too.
   std::vector<bool> escapes(all.size(), false);
   for (const ir::Node* n : order) {
-    if (n->target().ns != "higher_order") continue;
+    const ir::HigherOrderOp* hop = ir::find_higher_order(n->target());
+    if (hop == nullptr || !hop->outputs_may_alias_operands) continue;
     for (const ir::Node* in : n->inputs())
       for (int64_t e : elems_of(in->type())) {
         auto it = root.find({in, e});
@@ -297,7 +299,7 @@ int64_t graph_lower_bound(const ir::Graph& g, bool donate, size_t max_exact_node
 
 MemoryPlan plan_memory(const ir::Graph& g, bool donate, bool with_lb_graph) {
   for (const auto& n : g.nodes()) {
-    if (n->kind() != ir::NodeKind::Call || n->target().is_builtin() || n->target().ns == "higher_order") continue;
+    if (n->kind() != ir::NodeKind::Call || n->target().is_builtin() || ir::is_higher_order(n->target())) continue;
     const c10::FunctionSchema* s = ir::find_schema(n->target());
     TORCH_CHECK(s != nullptr && !s->is_mutable(), "plan_memory: node %", n->name(), " (", n->target().str(),
                 ") mutates its inputs; plan a pure graph (make_train_step output)");

@@ -1,6 +1,8 @@
 #include "passes/schedule.h"
 
+#include "ir/higher_order.h"
 #include "ir/schema.h"
+#include "ir/users.h"
 #include "passes/plan_memory.h"
 
 #include <c10/util/Exception.h>
@@ -84,16 +86,8 @@ bool update_is_safe(const ir::Node* upd, const std::unordered_set<const ir::Node
     if (idx >= upd->args().size()) break;
     const ir::Arg& a = upd->args()[idx];
     if (a.kind != ir::Arg::Kind::Node || a.node->kind() != ir::NodeKind::Placeholder) continue;
-    std::vector<const ir::Node*> work{a.node};
-    while (!work.empty()) {
-      const ir::Node* v = work.back();
-      work.pop_back();
-      for (const ir::Node* u : v->users()) {
-        if (u == upd || u->kind() != ir::NodeKind::Call) continue;
-        if (!done.count(u)) return false;
-        if (is_alias(*u)) work.push_back(u);
-      }
-    }
+    for (const ir::Node* u : ir::transitive_users(a.node, is_alias))
+      if (u != upd && !done.count(u)) return false;
   }
   return true;
 }
@@ -153,7 +147,7 @@ std::vector<Order> beam_schedule(const ir::Graph& g, const Dag& d) {
   };
   g.output()->args()[0].for_each_node([&](ir::Node* v) { mark(v); });
   for (const ir::Node* c : d.calls)
-    if (c->target().ns == "higher_order")
+    if (const ir::HigherOrderOp* hop = ir::find_higher_order(c->target()); hop && hop->outputs_may_alias_operands)
       for (const ir::Node* in : c->inputs()) mark(in);
   // For each update: the other nodes that read the state it overwrites (through aliases).
   std::vector<std::vector<size_t>> blockers(n);
@@ -166,16 +160,8 @@ std::vector<Order> beam_schedule(const ir::Graph& g, const Dag& d) {
       if (a >= u->args().size()) break;
       const ir::Arg& arg = u->args()[a];
       if (arg.kind != ir::Arg::Kind::Node || arg.node->kind() != ir::NodeKind::Placeholder) continue;
-      std::vector<const ir::Node*> work{arg.node};
-      while (!work.empty()) {
-        const ir::Node* v = work.back();
-        work.pop_back();
-        for (const ir::Node* r : v->users()) {
-          if (r == u || r->kind() != ir::NodeKind::Call) continue;
-          blockers[i].push_back(idx.at(r));
-          if (is_alias(*r)) work.push_back(r);
-        }
-      }
+      for (const ir::Node* r : ir::transitive_users(arg.node, is_alias))
+        if (r != u) blockers[i].push_back(idx.at(r));
     }
   }
   std::vector<std::vector<size_t>> succ(n);

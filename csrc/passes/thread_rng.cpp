@@ -1,5 +1,7 @@
 #include "passes/thread_rng.h"
 
+#include "ir/higher_order.h"
+
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 
@@ -14,7 +16,7 @@ constexpr int64_t kStateBytes = 5056;  // sizeof the mt19937 CPU generator state
 
 // True when the op draws from a generator: tagged nondeterministic_seeded, or takes a Generator.
 bool draws_random(const ir::Node& n) {
-  if (n.kind() != ir::NodeKind::Call || n.target().is_builtin() || n.target().ns == "higher_order") return false;
+  if (n.kind() != ir::NodeKind::Call || n.target().is_builtin() || ir::is_higher_order(n.target())) return false;
   auto op = c10::Dispatcher::singleton().findOp(
       {n.target().ns + "::" + n.target().name, n.target().overload == "default" ? "" : n.target().overload});
   if (!op.has_value()) return false;

@@ -60,34 +60,33 @@ BoundKernel BoundKernel::bind(const ir::Node& node, const SlotOf& slot_of_fn) {
     k.input_slots_ = {k.getitem_source_};
     return k;
   }
-  if (node.target().ns == "higher_order") {
+  if (ir::is_higher_order(node.target())) {
+    const ir::HigherOrderOp* hop = ir::find_higher_order(node.target());
+    TORCH_CHECK(hop != nullptr, where_node, "unsupported higher-order operator");
+    const std::string bad = ir::check_layout(*hop, node);
+    TORCH_CHECK(bad.empty(), where_node, bad);
     BoundKernel k;
     k.node_name_ = node.name();
-    const bool is_cond = node.target().name == "cond";
-    TORCH_CHECK(is_cond || node.target().name == "while_loop", where_node, "unsupported higher-order operator");
-    TORCH_CHECK(node.regions().size() == 2 && node.args().size() == 2 && node.args()[1].kind == Arg::Kind::List,
-                where_node, is_cond ? "cond takes (%pred, [operands]) and two regions"
-                                    : "while_loop takes ([carried], [additional]) and two regions");
-    k.control_ = is_cond ? ControlFlow::Cond : ControlFlow::WhileLoop;
+    k.hop_ = hop;
     for (const auto& r : node.regions()) k.regions_.push_back(std::make_shared<const Executor>(*r));
-    auto slots_of = [&](const Arg& list, std::vector<int64_t>& out) {
-      for (const Arg& a : list.list) {
-        TORCH_CHECK(a.kind == Arg::Kind::Node, where_node, "operands must be graph values, got ", ir::print_arg(a));
-        out.push_back(slot_of(a.node));
+    for (size_t i = 0; i < hop->args.size(); ++i) {
+      const Arg& a = node.args()[i];
+      const ir::HopArg& formal = hop->args[i];
+      std::vector<int64_t>& slots = k.hop_arg_slots_.emplace_back();
+      if (formal.kind == ir::HopArg::Kind::Value) {
+        TORCH_CHECK(a.kind == Arg::Kind::Node, where_node, "the ", formal.name, " must be a graph value");
+        slots.push_back(slot_of(a.node));
+        continue;
       }
-    };
-    if (is_cond) {
-      TORCH_CHECK(node.args()[0].kind == Arg::Kind::Node, where_node, "the predicate must be a graph value");
-      k.pred_slot_ = slot_of(node.args()[0].node);
-    } else {
-      TORCH_CHECK(node.args()[0].kind == Arg::Kind::List, where_node, "carried values must be a list");
-      slots_of(node.args()[0], k.operand_slots_);
+      for (const Arg& e : a.list) {
+        TORCH_CHECK(e.kind == Arg::Kind::Node, where_node, formal.name, " must be graph values, got ", ir::print_arg(e));
+        slots.push_back(slot_of(e.node));
+      }
     }
-    slots_of(node.args()[1], is_cond ? k.operand_slots_ : k.additional_slots_);
     for (ir::Node* in : node.inputs()) k.input_slots_.push_back(slot_of(in));
     return k;
   }
-  TORCH_CHECK(node.regions().empty(), where_node, "only higher_order::cond and while_loop own regions");
+  TORCH_CHECK(node.regions().empty(), where_node, "only higher_order::", ir::higher_order_names(), " own regions");
   auto op = ir::find_op(node.target());
   TORCH_CHECK(op.has_value(), where_node, "operator is not registered with the c10 dispatcher");
   return bind_as(node, *op, slot_of_fn, {});
@@ -177,36 +176,19 @@ BoundKernel BoundKernel::bind_as(const ir::Node& node, const c10::OperatorHandle
   return k;
 }
 
-c10::IValue BoundKernel::invoke_control_flow(const ValueSlots& values) const {
-  auto gather = [&](const std::vector<int64_t>& slots) {
-    std::vector<c10::IValue> out;
-    for (int64_t s : slots) out.push_back(values[s]);
-    return out;
-  };
-  if (control_ == ControlFlow::Cond) {
-    const c10::IValue& p = values[pred_slot_];
-    const bool pred = p.isTensor() ? p.toTensor().item<bool>() : p.toBool();
-    return c10::ivalue::Tuple::create(regions_[pred ? 0 : 1]->run(gather(operand_slots_)));
+c10::IValue BoundKernel::invoke_higher_order(const ValueSlots& values) const {
+  std::vector<std::vector<c10::IValue>> args;
+  for (const auto& slots : hop_arg_slots_) {
+    std::vector<c10::IValue>& arg = args.emplace_back();
+    for (int64_t s : slots) arg.push_back(values[s]);
   }
-  std::vector<c10::IValue> carried = gather(operand_slots_);
-  const std::vector<c10::IValue> additional = gather(additional_slots_);
-  auto with_additional = [&](std::vector<c10::IValue> v) {
-    v.insert(v.end(), additional.begin(), additional.end());
-    return v;
-  };
-  const int64_t limit = max_loop_iterations();
-  for (int64_t iteration = 0;; ++iteration) {
-    const c10::IValue c = regions_[0]->run(with_additional(carried)).at(0);
-    if (!(c.isTensor() ? c.toTensor().item<bool>() : c.toBool())) break;
-    TORCH_CHECK(iteration < limit, "while_loop %", node_name_, ": still running after ", limit,
-                " iterations, the limit (set TORCH_EXT_MAX_LOOP_ITERATIONS to raise it)");
-    carried = regions_[1]->run(with_additional(std::move(carried)));
-  }
-  return c10::ivalue::Tuple::create(std::move(carried));
+  const ir::HopRunContext ctx{[&](size_t r, std::vector<c10::IValue> inputs) { return regions_[r]->run(std::move(inputs)); },
+                              max_loop_iterations(), node_name_};
+  return hop_->run(args, ctx);
 }
 
 c10::IValue BoundKernel::invoke(const ValueSlots& values, std::vector<c10::IValue>& stack) const {
-  if (control_ != ControlFlow::None) return invoke_control_flow(values);
+  if (hop_ != nullptr) return invoke_higher_order(values);
   if (getitem_index_ >= 0) {
     const c10::IValue& src = values[getitem_source_];
     if (src.isTuple()) return src.toTupleRef().elements().at(getitem_index_);

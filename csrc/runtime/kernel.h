@@ -11,6 +11,7 @@
 #pragma once
 
 #include "ir/graph.h"
+#include "ir/higher_order.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/ivalue.h>
@@ -81,16 +82,12 @@ class BoundKernel {
   int64_t getitem_index_ = -1;  // builtin getitem when >= 0
   int64_t getitem_source_ = -1;
 
-  // Control flow (higher_order::cond / higher_order::while_loop): each region runs in its own
-  // executor on the operand values; only the chosen branch runs, a loop runs until its condition
-  // region returns false.
-  enum class ControlFlow { None, Cond, WhileLoop };
-  ControlFlow control_ = ControlFlow::None;
+  // A higher-order op (ir/higher_order.h): its table entry runs it, each region in its own
+  // executor on the gathered argument values.
+  const ir::HigherOrderOp* hop_ = nullptr;
   std::vector<std::shared_ptr<const Executor>> regions_;
-  int64_t pred_slot_ = -1;
-  std::vector<int64_t> operand_slots_;     // cond operands, or loop-carried values
-  std::vector<int64_t> additional_slots_;  // loop-invariant inputs of while_loop
-  c10::IValue invoke_control_flow(const ValueSlots& values) const;
+  std::vector<std::vector<int64_t>> hop_arg_slots_;  // per argument: the slots of its values
+  c10::IValue invoke_higher_order(const ValueSlots& values) const;
 };
 
 }  // namespace torch_ext::runtime

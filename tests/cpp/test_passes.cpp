@@ -15,6 +15,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+
 #include "test_util.h"
 
 using namespace torch_ext;
@@ -270,4 +272,21 @@ TEST(BuildTrainStep, RejectsNonScalarLossAndBadIndices) {
   EXPECT_NE(error_of([&] { passes::build_train_step(*joint, s, 1); }).find("gradient output index 9 out of range"),
             std::string::npos);
   EXPECT_EQ(ir::print(*joint), kJoint);
+}
+
+TEST(BuildTrainStep, PrintAfterAllShowsEachPassThatRan) {
+  auto joint = ir::parse(kJoint);
+  ASSERT_EQ(setenv("TORCH_EXT_PRINT_AFTER_ALL", "1", 1), 0);
+  ::testing::internal::CaptureStderr();
+  auto out = passes::build_train_step(*joint, spec(), 1);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  ASSERT_EQ(unsetenv("TORCH_EXT_PRINT_AFTER_ALL"), 0);
+  std::vector<std::string> headers;
+  for (size_t at = err.find("// ----- IR after "); at != std::string::npos; at = err.find("// ----- IR after ", at + 1))
+    headers.push_back(err.substr(at + 18, err.find(' ', at + 18) - (at + 18)));
+  EXPECT_EQ(headers, (std::vector<std::string>{"read_outputs", "lift_optimizer_state", "append_update", "thread_rng",
+                                               "rewire_outputs", "eliminate_dead_code", "check_pure"}));
+  const std::string last = ir::print(*out.graph);
+  ASSERT_GE(err.size(), last.size());
+  EXPECT_EQ(err.substr(err.size() - last.size()), last);
 }

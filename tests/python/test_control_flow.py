@@ -248,3 +248,16 @@ def test_training_through_a_loop_names_the_op_and_torch_version():
         state = step.init_state()
         loss, _ = step(state, torch.zeros(5))
         assert torch.isfinite(loss)
+
+
+def test_importer_and_exporter_read_the_cpp_higher_order_table():
+    """torch_ext/ir.py's cond/while_loop handling comes from csrc/ir/higher_order.h, not from names of its own."""
+    from torch_ext import ir
+
+    table = {h["name"]: h for h in _C.higher_order_ops()}
+    assert set(table) == {"cond", "while_loop"}
+    assert table["cond"]["target"] == "higher_order::cond.default"
+    assert table["cond"]["fx_args"] == [("arg", 0), ("region", 0), ("region", 1), ("arg", 1)]
+    assert table["while_loop"]["bare_output_regions"] == [0]
+    assert set(ir._HIGHER_ORDER) == {torch.ops.higher_order.cond, torch.ops.higher_order.while_loop}
+    assert {h["target"] for h in ir._HIGHER_ORDER.values()} == {h["target"] for h in table.values()}
