@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence

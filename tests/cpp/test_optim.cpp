@@ -79,6 +79,16 @@ TEST(OptimRegistry, UnknownKindIsNamedWithTheKnownOnes) {
   EXPECT_EQ(optim::find_by_op("adam_update"), &optim::get("adam"));
 }
 
+TEST(OptimRegistry, RefusesADuplicateKindOrAMissingKernel) {
+  EXPECT_NE(error_of([] { optim::detail::add(optim::Descriptor{"adam", "Adam", {}, {}, optim::get("sgd").kernel}); })
+                .find("optimizer kind 'adam' is registered twice"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { optim::detail::add(optim::Descriptor{"nokernel", "X", {}, {}, nullptr}); })
+                .find("optimizer kind 'nokernel' has no kernel"),
+            std::string::npos);
+  EXPECT_EQ(optim::find("nokernel"), nullptr);
+}
+
 TEST(OptimRegistry, StateNamesRoundTrip) {
   EXPECT_EQ(optim::state_name("model.fc.weight", "exp_avg"), "opt:model.fc.weight:exp_avg");
   EXPECT_EQ(optim::lr_name(3), "opt:lr:group3");

@@ -1,0 +1,58 @@
+"""The optimizer registry seen from Python: descriptors agree with the registered schemas, the
+generated fake kernels, state names built and parsed in C++, and registration errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import torch_ext
+from torch_ext import optim
+
+
+def _example_args(d, shape=(3, 2)):
+    args = [torch.randn(shape), torch.randn(shape)]
+    args += [torch.tensor(1.0) if init == "step" else torch.zeros(shape) for _, init in d["slots"]]
+    args.append(torch.tensor(0.1, dtype=torch.float64))
+    args += [{"float": 0.5, "int": 2, "bool": False}[t] for _, t in d["scalars"]]
+    return args
+
+
+@pytest.mark.parametrize("kind", [d["kind"] for d in torch_ext._C.optimizer_descriptors()])
+def test_descriptor_matches_schema_and_fake_kernel(kind):
+    d = optim.descriptor(kind)
+    for op_name, n_out in ((d["op"], 1 + len(d["slots"])), (d["inplace_op"], 0)):
+        schema = getattr(torch.ops.torch_ext, op_name).default._schema
+        names = [a.name for a in schema.arguments]
+        assert names == ["param", "grad", *(s for s, _ in d["slots"]), "lr", *(s for s, _ in d["scalars"])]
+        assert len(schema.returns) == n_out
+    args = _example_args(d)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        out = getattr(torch.ops.torch_ext, d["op"])(*fake)
+    out = out if isinstance(out, tuple) else (out,)
+    want = [args[0], *args[2:2 + len(d["slots"])]]
+    assert [(o.shape, o.dtype) for o in out] == [(w.shape, w.dtype) for w in want]
+
+
+def test_state_names_round_trip():
+    name = optim.state_name("model.fc.weight", "exp_avg")
+    assert name == "opt:model.fc.weight:exp_avg"
+    assert optim.parse_state_name(name) == ("slot", "model.fc.weight", "exp_avg")
+    assert optim.parse_state_name(optim.lr_name(2)) == ("lr", 2)
+    for other in ("model.fc.weight", "rng", "batch:0", "opt:"):
+        assert optim.parse_state_name(other) is None
+
+
+def test_unknown_kind_and_unsupported_optimizer_are_named():
+    with pytest.raises(ValueError, match=r"unknown update kind 'lamb' \(registered: .*lion"):
+        optim.descriptor("lamb")
+    with pytest.raises(TypeError, match=r"optimizer NAdam is not supported \(supported: .*Lion"):
+        optim.registration_for(torch.optim.NAdam([torch.nn.Parameter(torch.zeros(2))]))
+
+
+def test_register_refuses_bad_registrations():
+    with pytest.raises(TypeError, match="must be a torch.optim.Optimizer subclass, got <class 'int'>"):
+        optim.register(optim.Registration(int, lambda *a: {}))
+    with pytest.raises(ValueError, match="SGD is registered twice"):
+        optim.register(optim.Registration(torch.optim.SGD, lambda *a: {}))
