@@ -68,8 +68,8 @@ struct Pass {
   const char* name;
   // Whether the pass runs in this pipeline (a predicate on the spec); nullptr: always.
   bool (*enabled)(const PassContext& ctx);
-  // Transforms `graph` in place, or returns a replacement. Throws c10::Error, naming the node,
-  // on input it refuses; it then leaves the graph and the context unchanged.
+  // Transforms `graph` in place, or returns a replacement, and records what later passes need in
+  // the context. Throws c10::Error, naming the node, on input it refuses; the pipeline stops.
   PassResult (*run)(ir::Graph& graph, PassContext& ctx);
 };
 
