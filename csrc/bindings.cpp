@@ -9,6 +9,7 @@
 #include "passes/build_train_step.h"
 #include "passes/lower_out_variants.h"
 #include "passes/memory_algorithms.h"
+#include "passes/memory_analysis.h"
 #include "passes/plan_memory.h"
 #include "passes/rematerialize.h"
 #include "passes/schedule.h"
@@ -530,6 +531,18 @@ PYBIND11_MODULE(_C, m) {
         return std::make_shared<runtime::ArenaExecutor>(std::move(lowered), std::move(plan), num_state, donate);
       }))
       .def("plan", [](const runtime::ArenaExecutor& ex) { return plan_to_py(ex.plan()); })
+      .def("memory_analysis",
+           [](const runtime::ArenaExecutor& ex) {
+             const auto sep = passes::plan_phases_separately(ex.plan());
+             py::dict parts;
+             for (const auto& [phase, bytes] : sep.parts) parts[ir::to_string(phase)] = bytes;
+             py::dict d;
+             d["separate_planned"] = sep.total;
+             d["separate_parts"] = parts;
+             d["timeline"] = passes::live_timeline(ex.plan());
+             return d;
+           },
+           "The memory report's analyses of this plan (csrc/passes/memory_analysis.h).")
       .def("num_out_variant", &runtime::ArenaExecutor::num_out_variant)
       .def("num_inplace_updates", &runtime::ArenaExecutor::num_inplace_updates)
       .def("fallbacks", &runtime::ArenaExecutor::fallbacks)

@@ -4,6 +4,7 @@
 #include "passes/schedule.h"
 #include "ir/memory_plan.h"
 #include "passes/memory_algorithms.h"
+#include "passes/memory_analysis.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
@@ -241,6 +242,28 @@ TEST(PlanMemory, PhasesFollowTheGraphNotModulePaths) {
   // %g (the "gradient") is not needed by the loss; %u is the update; %late and %loss the forward.
   EXPECT_EQ(phases, (std::vector<std::string>{"backward", "update", "forward", "forward"}));
   ir::verify_memory_plan(plan);
+}
+
+// The memory report's analyses (memory_analysis.h), on kStep in export order: persistent
+// 4096 (%w) + 8 (%lr) + 4096 (%x), escaping 4096 (%u, the alias is refused) + 4 (%loss).
+TEST(MemoryAnalysis, PhasesPlannedSeparatelyAndTheTimeline) {
+  auto g = ir::parse(kStep);
+  const auto plan = passes::plan_memory(*g, true);
+  ASSERT_EQ(plan.persistent_bytes, 8200);
+  const auto sep = passes::plan_phases_separately(plan);
+  ASSERT_EQ(sep.parts.size(), 3u);
+  // forward (%late, %loss at 2..3) plans %late; backward (%g at 0) plans %g cut at its own end;
+  // update (%u at 1) plans nothing but holds %g, produced earlier and read by it.
+  EXPECT_EQ(sep.parts[0], std::make_pair(ir::StepPhase::Forward, int64_t{8200 + 4096}));
+  EXPECT_EQ(sep.parts[1], std::make_pair(ir::StepPhase::Backward, int64_t{8200 + 4096}));
+  EXPECT_EQ(sep.parts[2], std::make_pair(ir::StepPhase::Update, int64_t{8200 + 4096}));
+  EXPECT_EQ(sep.total, 3 * (8200 + 4096));
+  EXPECT_EQ(passes::live_timeline(plan), (std::vector<int64_t>(4, 8200 + 4100 + 4096)));
+  // Scheduled (the forward moves first), the phases follow the new order.
+  passes::schedule(*g, true);
+  const auto after = passes::plan_memory(*g, true);
+  EXPECT_EQ(after.phases.front(), ir::StepPhase::Forward);
+  EXPECT_EQ(passes::live_timeline(after).size(), after.order.size());
 }
 
 TEST(PlanMemory, RefusesMutatingGraphs) {
