@@ -9,6 +9,9 @@
 #include "ir/verifier.h"
 #include "optim/descriptor.h"
 #include "passes/build_train_step.h"
+#include "passes/lower_out_variants.h"
+#include "passes/memory_algorithms.h"
+#include "passes/memory_analysis.h"
 #include "passes/plan_memory.h"
 #include "passes/rematerialize.h"
 #include "passes/schedule.h"
@@ -238,7 +241,7 @@ passes::TrainStepSpec spec_from_py(const py::dict& d) {
   return spec;
 }
 
-py::dict plan_to_py(const passes::MemoryPlan& plan) {
+py::dict plan_to_py(const ir::MemoryPlan& plan) {
   py::dict d;
   d["algorithm"] = plan.arena.algorithm;
   d["arena_bytes"] = plan.arena.arena_bytes;
@@ -264,6 +267,12 @@ py::dict plan_to_py(const passes::MemoryPlan& plan) {
   py::list order;
   for (const ir::Node* n : plan.order) order.append(n->name());
   d["order"] = order;
+  py::list phases;  // per position of order: "forward", "backward" or "update"
+  for (ir::StepPhase p : plan.phases) phases.append(ir::to_string(p));
+  d["phases"] = phases;
+  py::list views;  // aliases of arena buffers: (node, elem, index into buffers, first, last)
+  for (const auto& v : plan.views) views.append(py::make_tuple(v.node->name(), v.elem, v.buffer, v.first, v.last));
+  d["views"] = views;
   return d;
 }
 
@@ -533,11 +542,11 @@ PYBIND11_MODULE(_C, m) {
     return py::make_tuple(r.chosen, r.candidates);
   });
   m.def("plan_buffers", [](const std::string& algorithm, const std::vector<std::tuple<int64_t, int64_t, int64_t>>& lives) {
-    std::vector<runtime::BufferLife> b;
+    std::vector<ir::BufferLife> b;
     for (const auto& [size, first, last] : lives) b.push_back({size, first, last});
-    runtime::ArenaPlan plan = algorithm == "best" ? runtime::plan_best(b) : runtime::plan_buffers(algorithm, b);
-    runtime::verify_plan(b, plan);
-    return py::make_tuple(plan.algorithm, plan.offsets, plan.arena_bytes, runtime::lower_bound_bytes(b));
+    ir::ArenaPlan plan = algorithm == "best" ? passes::plan_best(b) : passes::plan_buffers(algorithm, b);
+    ir::verify_plan(b, plan);
+    return py::make_tuple(plan.algorithm, plan.offsets, plan.arena_bytes, ir::lower_bound_bytes(b));
   });
   m.def(
       "split_heads",
@@ -571,9 +580,26 @@ PYBIND11_MODULE(_C, m) {
   m.def("plan_memory", [](const ir::Graph& g, bool donate) { return plan_to_py(passes::plan_memory(g, donate)); });
   py::class_<runtime::ArenaExecutor, std::shared_ptr<runtime::ArenaExecutor>>(m, "ArenaExecutor")
       .def(py::init([](const ir::Graph& g, size_t num_state, bool donate) {
-        return std::make_shared<runtime::ArenaExecutor>(g, num_state, donate);
+        // verify, plan, lower, run: the executor only consumes the plan and the lowered graph.
+        auto lowered = g.clone();
+        ir::verify(*lowered);
+        ir::MemoryPlan plan = passes::plan_memory(*lowered, donate);
+        passes::lower_out_variants(*lowered, plan);
+        return std::make_shared<runtime::ArenaExecutor>(std::move(lowered), std::move(plan), num_state, donate);
       }))
       .def("plan", [](const runtime::ArenaExecutor& ex) { return plan_to_py(ex.plan()); })
+      .def("memory_analysis",
+           [](const runtime::ArenaExecutor& ex) {
+             const auto sep = passes::plan_phases_separately(ex.plan());
+             py::dict parts;
+             for (const auto& [phase, bytes] : sep.parts) parts[ir::to_string(phase)] = bytes;
+             py::dict d;
+             d["separate_planned"] = sep.total;
+             d["separate_parts"] = parts;
+             d["timeline"] = passes::live_timeline(ex.plan());
+             return d;
+           },
+           "The memory report's analyses of this plan (csrc/passes/memory_analysis.h).")
       .def("num_out_variant", &runtime::ArenaExecutor::num_out_variant)
       .def("num_inplace_updates", &runtime::ArenaExecutor::num_inplace_updates)
       .def("fallbacks", &runtime::ArenaExecutor::fallbacks)

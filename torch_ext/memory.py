@@ -1,5 +1,6 @@
-"""Planned execution of a pure step and the memory report (the planning itself is C++:
-csrc/passes/schedule.h, csrc/passes/plan_memory.h, csrc/runtime/memory_plan.h)."""
+"""Planned execution of a pure step and the memory report. Planning and every analysis are C++
+(csrc/passes/schedule.h, plan_memory.h, memory_algorithms.h, lower_out_variants.h,
+memory_analysis.h); this module runs them and formats or plots the results."""
 from __future__ import annotations
 
 import copy
@@ -371,61 +372,6 @@ def _eager_peak(step, batch):
     return persistent + peak, timeline
 
 
-def _node_refs(args) -> set:
-    out, stack = set(), list(args)
-    while stack:
-        a = stack.pop()
-        if isinstance(a, list):
-            stack.extend(a)
-        elif isinstance(a, _C.NodeRef):
-            out.add(a.name)
-    return out
-
-
-def _forward_nodes(nodes: list) -> set:
-    """Call nodes the loss (output 0) depends on."""
-    by_name = {n["name"]: n for n in nodes}
-    loss = nodes[-1]["args"][0][0].name
-    forward, work = set(), [loss]
-    while work:
-        n = work.pop()
-        if n in forward or by_name[n]["kind"] != "call":
-            continue
-        forward.add(n)
-        work.extend(_node_refs(list(by_name[n]["args"]) + [v for _, v in by_name[n]["kwargs"]]))
-    return forward
-
-
-def _separate_planning(plan: dict, step_graph_nodes: list, persistent: int) -> tuple[int, dict]:
-    """Forward, backward and update planned each on its own; their peaks added."""
-    order = plan["order"]
-    pos = {n: i for i, n in enumerate(order)}
-    by_name = {n["name"]: n for n in step_graph_nodes}
-    forward = _forward_nodes(step_graph_nodes)
-    part_of = {}
-    for n in order:
-        part_of[n] = ("forward" if n in forward else
-                      "update" if by_name[n]["module_path"] == "optimizer" else "backward")
-    parts = {}
-    total = 0
-    for part in ("forward", "backward", "update"):
-        names = [n for n in order if part_of[n] == part]
-        if not names:
-            parts[part] = 0
-            continue
-        end = max(pos[n] for n in names)
-        lives, carried_in = [], 0
-        for (node, _elem, size, first, last) in [b[:5] for b in plan["buffers"]] + plan["dynamic"]:
-            if part_of[node] == part:
-                lives.append((size, first, min(max(last, first), end) if last <= end else end))
-            elif pos[node] < pos[names[0]] and last >= pos[names[0]]:
-                carried_in += size  # produced by an earlier graph, read here: an input of this graph
-        arena = _C.plan_buffers("best", lives)[2] if lives else 0
-        parts[part] = persistent + carried_in + arena
-        total += parts[part]
-    return total, parts
-
-
 def memory_report(step, batch, budgets=None) -> MemoryReport:
     """Measures the eager step's peak and plans the pure step several ways (see MemoryReport).
 
@@ -445,23 +391,15 @@ def memory_report(step, batch, budgets=None) -> MemoryReport:
     planned = PlannedStep(step, plan=True, donate=True)
     plan = planned.plan
     unplanned = _C.plan_memory(step.graph._g, False)
-    nodes = planned.graph.nodes()
-    persistent = plan["persistent_bytes"]
-    separate, parts = _separate_planning(plan, nodes, persistent)
-
-    live = [0] * len(plan["order"])
-    for (_n, _e, size, first, last) in [b[:5] for b in plan["buffers"]] + plan["dynamic"]:
-        for t in range(first, last + 1):
-            live[t] += size
-    timeline = [persistent + plan["escaping_bytes"] + b for b in live]
+    analysis = planned._ex.memory_analysis()  # phases, separate plans and timeline: C++ (memory_analysis.h)
     return MemoryReport(
-        eager_peak=eager_peak, separate_planned=separate, separate_parts=parts,
+        eager_peak=eager_peak, separate_planned=analysis["separate_planned"], separate_parts=analysis["separate_parts"],
         merged_unplanned=unplanned["lb_sched"], merged_planned=plan["peak_bytes"], arena_bytes=plan["arena_bytes"],
-        persistent_bytes=persistent, dynamic_bytes=plan["dynamic_bytes"], lb_sched=plan["lb_sched"], lb_graph=plan["lb_graph"],
+        persistent_bytes=plan["persistent_bytes"], dynamic_bytes=plan["dynamic_bytes"], lb_sched=plan["lb_sched"], lb_graph=plan["lb_graph"],
         aliases_applied=sum(1 for a in plan["aliases"] if a[1]),
         aliases_refused=sum(1 for a in plan["aliases"] if not a[1]),
         refused_reasons=[f"{a[0]}: {a[2]}" for a in plan["aliases"] if not a[1]],
         schedule=planned.schedule, candidates=dict(planned.candidates), fallback_nodes=len(planned.fallbacks),
-        eager_timeline=eager_timeline, planned_timeline=timeline,
+        eager_timeline=eager_timeline, planned_timeline=analysis["timeline"],
         pareto=_pareto(step, batch, budgets, eager_peak) if budgets else [])
 

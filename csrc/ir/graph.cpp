@@ -333,6 +333,11 @@ void Graph::set_args(Node* node, std::vector<Arg> args, Kwargs kwargs) {
   add_uses(node);
 }
 
+void Graph::set_target(Node* node, Target target) {
+  TORCH_INTERNAL_ASSERT(node->owner_ == this && node->kind_ == NodeKind::Call);
+  node->target_ = std::move(target);
+}
+
 namespace {
 void reroute(Arg& a, Node* from, Node* to) {
   if (a.kind == Arg::Kind::Node && a.node == from) a.node = to;

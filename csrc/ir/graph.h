@@ -207,6 +207,9 @@ class Graph {
 
   // Replace the args and kwargs of `node`, keeping use lists exact.
   void set_args(Node* node, std::vector<Arg> args, Kwargs kwargs);
+  // Replace the operator `node` calls (a lowering to its out= or in-place variant); args, type and
+  // uses are unchanged.
+  void set_target(Node* node, Target target);
   // Every use of `old_node` (except by `except`, if given) now refers to `new_node`.
   void replace_all_uses_with(Node* old_node, Node* new_node, const Node* except = nullptr);
   // Only `user`'s uses of `old_node` are rerouted to `new_node`.

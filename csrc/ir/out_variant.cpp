@@ -21,7 +21,58 @@ std::vector<std::string> overloads_of(const std::string& qualified_name) {
   return out;
 }
 
+// `c` has `f`'s arguments (names and types, in order), with write annotations only on those it
+// returns in place; the indices of its written arguments.
+std::optional<std::vector<size_t>> written_args_if_inplace_of(const c10::FunctionSchema& f,
+                                                              const c10::FunctionSchema& c) {
+  const auto& fa = f.arguments();
+  const auto& ca = c.arguments();
+  if (fa.size() != ca.size()) return std::nullopt;
+  std::vector<size_t> written;
+  for (size_t i = 0; i < fa.size(); ++i) {
+    if (fa[i].name() != ca[i].name() || fa[i].kwarg_only() != ca[i].kwarg_only() || *fa[i].type() != *ca[i].type())
+      return std::nullopt;
+    if (fa[i].alias_info() && fa[i].alias_info()->isWrite()) return std::nullopt;  // `f` is not functional
+    if (ca[i].alias_info() && ca[i].alias_info()->isWrite()) written.push_back(i);
+  }
+  const auto& rets = c.returns();
+  if (!rets.empty() && rets.size() != written.size()) return std::nullopt;
+  for (const auto& r : rets)
+    if (!r.alias_info() || !r.alias_info()->isWrite()) return std::nullopt;
+  return written;
+}
+
 }  // namespace
+
+std::optional<InplaceVariant> find_inplace_variant(const Node& node) {
+  if (node.kind() != NodeKind::Call || node.target().is_builtin()) return std::nullopt;
+  const auto functional = find_op(node.target());
+  if (!functional) return std::nullopt;
+  const size_t results = node.type().kind == Type::Kind::Tuple ? node.type().elems.size() : 1;
+  const std::string prefix = node.target().ns + "::";
+  std::vector<std::pair<c10::OperatorName, std::vector<size_t>>> found;
+  for (const c10::OperatorName& name : c10::Dispatcher::singleton().getAllOpNames()) {
+    if (name.name.compare(0, prefix.size(), prefix) != 0) continue;
+    const auto op = c10::Dispatcher::singleton().findOp(name);
+    if (!op || !op->hasSchema() || op->operator_name() == functional->operator_name()) continue;
+    auto written = written_args_if_inplace_of(functional->schema(), op->schema());
+    if (written && written->size() == results)
+      found.emplace_back(name, std::move(*written));
+  }
+  if (found.size() > 1) {
+    // Same arguments, several ops (aten::neg_, aten::abs_ ... for aten::neg): keep those whose name
+    // extends this one's, and of those the shortest (aten::neg_ over aten::negative_).
+    const std::string base = prefix + node.target().name;
+    found.erase(std::remove_if(found.begin(), found.end(),
+                               [&](const auto& f) { return f.first.name.compare(0, base.size(), base) != 0; }),
+                found.end());
+    std::sort(found.begin(), found.end(),
+              [](const auto& x, const auto& y) { return x.first.name.size() < y.first.name.size(); });
+    if (found.size() > 1 && found[0].first.name.size() == found[1].first.name.size()) return std::nullopt;
+  }
+  if (found.empty()) return std::nullopt;
+  return InplaceVariant{*c10::Dispatcher::singleton().findOp(found[0].first), std::move(found[0].second)};
+}
 
 std::optional<OutVariant> find_out_variant(const Node& node) {
   if (node.kind() != NodeKind::Call || node.target().is_builtin()) return std::nullopt;

@@ -1,4 +1,5 @@
-// The out= overload a call node can write its result into, found by schema.
+// The out= overload a call node can write its result into, and the in-place variant that
+// overwrites its inputs instead, both found by schema (alias annotations), never by name.
 #pragma once
 
 #include "ir/graph.h"
@@ -25,5 +26,18 @@ struct OutVariant {
 // runs the functional kernel into a fresh tensor and copies it over (aten::convolution.out,
 // aten::relu.out), a full extra pass over the result that the planned arena must not pay.
 std::optional<OutVariant> find_out_variant(const Node& node);
+
+struct InplaceVariant {
+  c10::OperatorHandle op;
+  std::vector<size_t> written_args;  // one per result, in result order: the argument it overwrites
+};
+
+// The operator, in `node`'s namespace, that takes exactly `node`'s arguments (same names and types,
+// same order), annotates as written (Tensor(a!)) one argument per result of `node`, and returns
+// nothing or exactly those: `node` computed in place (torch_ext::sgd_update ->
+// torch_ext::sgd_update_). Among several (aten::add -> aten::add_, but aten::sub_ has the same
+// arguments), the shortest name that extends the node's is taken; nullopt when there is none or it
+// stays ambiguous.
+std::optional<InplaceVariant> find_inplace_variant(const Node& node);
 
 }  // namespace torch_ext::ir

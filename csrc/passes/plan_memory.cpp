@@ -3,6 +3,7 @@
 #include "ir/higher_order.h"
 #include "ir/out_variant.h"
 #include "ir/schema.h"
+#include "passes/memory_algorithms.h"
 
 #include <c10/util/Exception.h>
 
@@ -66,18 +67,20 @@ std::vector<std::pair<const ir::Node*, int64_t>> aliasable_inputs(const ir::Node
 }
 
 struct Analysis {
-  std::vector<PlannedBuffer> buffers;  // arena buffers only
+  std::vector<ir::PlannedBuffer> buffers;  // arena buffers only
+  std::vector<ir::PlannedView> views;      // with record_views: aliases of `buffers` (index into it)
   std::vector<std::vector<const ir::Node*>> readers;  // per arena buffer: every call node reading its storage
-  std::vector<AliasDecision> aliases;
+  std::vector<ir::AliasDecision> aliases;
   int64_t persistent = 0;
   int64_t escaping = 0;
   int64_t lower_bound = 0;
 };
 
 // With `assume_all_aliases`, every update with a state input to overwrite is taken as aliased,
-// whatever the order: the fewest buffers any order can have (used by graph_lower_bound).
+// whatever the order: the fewest buffers any order can have (used by graph_lower_bound). With
+// `record_views`, the values sharing an arena buffer's storage are listed too (plan_memory).
 Analysis analyze(const ir::Graph& g, const std::vector<const ir::Node*>& order, bool donate,
-                 bool assume_all_aliases = false) {
+                 bool assume_all_aliases = false, bool record_views = false) {
   Analysis a;
   std::unordered_map<const ir::Node*, int64_t> pos;
   for (size_t i = 0; i < order.size(); ++i) pos[order[i]] = static_cast<int64_t>(i);
@@ -87,7 +90,7 @@ Analysis analyze(const ir::Graph& g, const std::vector<const ir::Node*>& order, 
   std::map<ValueKey, const ir::Node*> aliased_to;  // update output -> placeholder whose storage it reuses
   for (const ir::Node* n : order) {
     if (!ir::is_update_op(*n)) continue;
-    AliasDecision d;
+    ir::AliasDecision d;
     d.update = n;
     if (!donate) {
       d.reason = "state is not donated";
@@ -113,20 +116,28 @@ Analysis analyze(const ir::Graph& g, const std::vector<const ir::Node*>& order, 
 
   // Storage roots: buffer index, or -1 for placeholder storage.
   std::map<ValueKey, int64_t> root;
-  std::vector<PlannedBuffer> all;
+  std::vector<ir::PlannedBuffer> all;
+  std::map<ValueKey, ir::PlannedView> views;  // with record_views; `buffer` indexes `all` here
+  auto add_view = [&](const ir::Node* n, int64_t e, int64_t r, int64_t at) {
+    if (record_views && r >= 0) views[{n, e}] = ir::PlannedView{n, e, static_cast<size_t>(r), at, at};
+  };
   for (const ir::Node* p : g.placeholders()) root[{p, -1}] = -1;
   for (const ir::Node* n : order) {
     const int64_t at = pos.at(n);
     if (n->target().is_getitem()) {
       const ir::Node* src = n->args()[0].node;
       root[{n, -1}] = root.at({src, n->args()[1].i});
+      add_view(n, -1, root[{n, -1}], at);
       continue;
     }
     if (shares_input_storage(*n)) {
       // Views (split's Tensor(a)[] included) share their base's storage, element by element.
       const ir::Arg& base = n->args().at(0);
       const int64_t r = base.kind == ir::Arg::Kind::Node ? root.at({base.node, -1}) : -1;
-      for (int64_t e : elems_of(n->type())) root[{n, e}] = r;
+      for (int64_t e : elems_of(n->type())) {
+        root[{n, e}] = r;
+        add_view(n, e, r, at);
+      }
       continue;
     }
     for (int64_t e : elems_of(n->type())) {
@@ -135,7 +146,7 @@ Analysis analyze(const ir::Graph& g, const std::vector<const ir::Node*>& order, 
         continue;
       }
       root[{n, e}] = static_cast<int64_t>(all.size());
-      PlannedBuffer b;
+      ir::PlannedBuffer b;
       b.node = n;
       b.elem = e;
       b.life = {bytes_of(elem_type(n->type(), e)), at, at};
@@ -153,6 +164,8 @@ Analysis analyze(const ir::Graph& g, const std::vector<const ir::Node*>& order, 
         all[it->second].life.last = std::max(all[it->second].life.last, at);
         auto& r = readers[it->second];
         if (r.empty() || r.back() != n) r.push_back(n);
+        if (!views.empty())
+          if (auto v = views.find({in, e}); v != views.end()) v->second.last = std::max(v->second.last, at);
       }
     }
   }
@@ -174,17 +187,28 @@ Analysis analyze(const ir::Graph& g, const std::vector<const ir::Node*>& order, 
       if (it != root.end() && it->second >= 0) escapes[it->second] = true;
     }
   });
-  std::vector<runtime::BufferLife> lives;
+  std::vector<ir::BufferLife> lives;
+  std::vector<int64_t> kept(all.size(), -1);  // index in a.buffers
   for (size_t i = 0; i < all.size(); ++i) {
     if (escapes[i]) {
       a.escaping += all[i].life.size;
       continue;
     }
+    kept[i] = static_cast<int64_t>(a.buffers.size());
     a.buffers.push_back(all[i]);
     a.readers.push_back(std::move(readers[i]));
     lives.push_back(all[i].life);
   }
-  a.lower_bound = runtime::lower_bound_bytes(lives);
+  a.lower_bound = ir::lower_bound_bytes(lives);
+  for (auto& [key, v] : views) {
+    if (kept[v.buffer] < 0) continue;
+    v.buffer = static_cast<size_t>(kept[v.buffer]);
+    a.views.push_back(v);
+  }
+  // Deterministic: by definition position, then element.
+  std::stable_sort(a.views.begin(), a.views.end(), [](const ir::PlannedView& x, const ir::PlannedView& y) {
+    return x.first != y.first ? x.first < y.first : x.elem < y.elem;
+  });
   return a;
 }
 
@@ -196,14 +220,6 @@ std::vector<const ir::Node*> call_order(const ir::Graph& g) {
 }
 
 }  // namespace
-
-int64_t MemoryPlan::aliases_applied() const {
-  return std::count_if(aliases.begin(), aliases.end(), [](const AliasDecision& d) { return d.applied; });
-}
-
-int64_t MemoryPlan::aliases_refused() const {
-  return static_cast<int64_t>(aliases.size()) - aliases_applied();
-}
 
 int64_t simulate_peak(const ir::Graph& g, const std::vector<const ir::Node*>& order, bool donate) {
   Analysis a = analyze(g, order, donate);
@@ -251,7 +267,7 @@ int64_t graph_lower_bound(const ir::Graph& g, bool donate, size_t max_exact_node
   if (n > max_exact_nodes) {
     std::vector<int64_t> local(n, 0);
     for (size_t b = 0; b < a.buffers.size(); ++b) {
-      const int64_t bytes = runtime::align_up(a.buffers[b].life.size);
+      const int64_t bytes = ir::align_up(a.buffers[b].life.size);
       std::vector<size_t> at{idx.at(a.buffers[b].node)};
       for (const ir::Node* r : a.readers[b]) at.push_back(idx.at(r));
       std::sort(at.begin(), at.end());
@@ -283,7 +299,7 @@ int64_t graph_lower_bound(const ir::Graph& g, bool donate, size_t max_exact_node
     std::fill(reach.begin(), reach.end(), 0);
     set(reach, p);
     for (const ir::Node* r : a.readers[b]) merge(reach, anc[idx.at(r)]);
-    const int64_t bytes = runtime::align_up(a.buffers[b].life.size);
+    const int64_t bytes = ir::align_up(a.buffers[b].life.size);
     for (size_t w = 0; w < words; ++w) {
       uint64_t bits = reach[w] & desc[p][w];
       while (bits) {
@@ -297,16 +313,17 @@ int64_t graph_lower_bound(const ir::Graph& g, bool donate, size_t max_exact_node
   return a.persistent + a.escaping + arena;
 }
 
-MemoryPlan plan_memory(const ir::Graph& g, bool donate, bool with_lb_graph) {
+ir::MemoryPlan plan_memory(const ir::Graph& g, bool donate, bool with_lb_graph) {
   for (const auto& n : g.nodes()) {
     if (n->kind() != ir::NodeKind::Call || n->target().is_builtin() || ir::is_higher_order(n->target())) continue;
     const c10::FunctionSchema* s = ir::find_schema(n->target());
     TORCH_CHECK(s != nullptr && !s->is_mutable(), "plan_memory: node %", n->name(), " (", n->target().str(),
                 ") mutates its inputs; plan a pure graph (make_train_step output)");
   }
-  MemoryPlan plan;
+  ir::MemoryPlan plan;
   plan.order = call_order(g);
-  Analysis a = analyze(g, plan.order, donate);
+  plan.phases = step_phases(g, plan.order);
+  Analysis a = analyze(g, plan.order, donate, /*assume_all_aliases=*/false, /*record_views=*/true);
   plan.aliases = std::move(a.aliases);
   plan.persistent_bytes = a.persistent;
   plan.escaping_bytes = a.escaping;
@@ -327,8 +344,8 @@ MemoryPlan plan_memory(const ir::Graph& g, bool donate, bool with_lb_graph) {
   // dynamic peak stays, and the arena can only shrink.
   const size_t positions = plan.order.size() + 1;
   std::vector<int64_t> dyn_live(positions, 0);
-  auto add_life = [&](const runtime::BufferLife& l, int64_t sign) {
-    for (int64_t t = l.first; t <= l.last; ++t) dyn_live[t] += sign * runtime::align_up(l.size);
+  auto add_life = [&](const ir::BufferLife& l, int64_t sign) {
+    for (int64_t t = l.first; t <= l.last; ++t) dyn_live[t] += sign * ir::align_up(l.size);
   };
   for (const auto& b : a.buffers)
     if (!writes_arena.at(b.node)) add_life(b.life, 1);
@@ -349,9 +366,12 @@ MemoryPlan plan_memory(const ir::Graph& g, bool donate, bool with_lb_graph) {
     for (const auto& b : a.buffers)
       if (b.node == n) add_life(b.life, -1);
   }
-  std::vector<runtime::BufferLife> lives, dynamic_lives;
-  for (auto& b : a.buffers) {
+  std::vector<ir::BufferLife> lives, dynamic_lives;
+  std::vector<int64_t> arena_index(a.buffers.size(), -1);
+  for (size_t i = 0; i < a.buffers.size(); ++i) {
+    ir::PlannedBuffer& b = a.buffers[i];
     if (writes_arena.at(b.node)) {
+      arena_index[i] = static_cast<int64_t>(plan.buffers.size());
       lives.push_back(b.life);
       plan.buffers.push_back(std::move(b));
     } else {
@@ -359,22 +379,53 @@ MemoryPlan plan_memory(const ir::Graph& g, bool donate, bool with_lb_graph) {
       plan.dynamic.push_back(std::move(b));
     }
   }
-  plan.dynamic_bytes = runtime::lower_bound_bytes(dynamic_lives);
-  plan.arena = lives.empty() ? runtime::ArenaPlan{"empty", {}, 0} : runtime::plan_best(lives);
+  plan.dynamic_bytes = ir::lower_bound_bytes(dynamic_lives);
+  plan.arena = lives.empty() ? ir::ArenaPlan{"empty", {}, 0} : plan_best(lives);
   // Two pools peak apart: when that costs more than leaving every buffer to the allocator (whose
   // peak is then the largest live sum, a.lower_bound), do that instead (no arena).
   if (!lives.empty() && plan.arena.arena_bytes + plan.dynamic_bytes > a.lower_bound) {
     for (auto& b : plan.buffers) plan.dynamic.push_back(std::move(b));
     plan.buffers.clear();
-    std::stable_sort(plan.dynamic.begin(), plan.dynamic.end(), [](const PlannedBuffer& x, const PlannedBuffer& y) {
+    std::stable_sort(plan.dynamic.begin(), plan.dynamic.end(), [](const ir::PlannedBuffer& x, const ir::PlannedBuffer& y) {
       return x.life.first < y.life.first;
     });
     plan.dynamic_bytes = a.lower_bound;
     lives.clear();
-    plan.arena = runtime::ArenaPlan{"none (allocator)", {}, 0};
+    plan.arena = ir::ArenaPlan{"none (allocator)", {}, 0};
   }
-  runtime::verify_plan(lives, plan.arena);
+  // Views of buffers left to the allocator need no checking: only arena bytes are reused.
+  for (ir::PlannedView& v : a.views) {
+    if (plan.buffers.empty() || arena_index[v.buffer] < 0) continue;
+    v.buffer = static_cast<size_t>(arena_index[v.buffer]);
+    plan.views.push_back(v);
+  }
+  ir::verify_plan(lives, plan.arena);
   return plan;
+}
+
+std::vector<ir::StepPhase> step_phases(const ir::Graph& g, const std::vector<const ir::Node*>& order) {
+  std::unordered_map<const ir::Node*, ir::StepPhase> phase;
+  const ir::Node* out = g.output();
+  std::vector<const ir::Node*> work;
+  if (out && !out->args().empty() && !out->args()[0].list.empty() && out->args()[0].list[0].kind == ir::Arg::Kind::Node)
+    work.push_back(out->args()[0].list[0].node);
+  while (!work.empty()) {
+    const ir::Node* n = work.back();
+    work.pop_back();
+    if (n->kind() != ir::NodeKind::Call || !phase.emplace(n, ir::StepPhase::Forward).second) continue;
+    for (const ir::Node* in : n->inputs()) work.push_back(in);
+  }
+  std::vector<ir::StepPhase> out_phases;
+  for (const ir::Node* n : order) {
+    auto it = phase.find(n);
+    if (it == phase.end()) {
+      const bool update = ir::is_update_op(*n) || (n->target().is_getitem() && n->args()[0].kind == ir::Arg::Kind::Node &&
+                                                   ir::is_update_op(*n->args()[0].node));
+      it = phase.emplace(n, update ? ir::StepPhase::Update : ir::StepPhase::Backward).first;
+    }
+    out_phases.push_back(it->second);
+  }
+  return out_phases;
 }
 
 }  // namespace torch_ext::passes

@@ -1,8 +1,6 @@
 #include "runtime/arena_executor.h"
 
-#include "ir/out_variant.h"
 #include "ir/schema.h"
-#include "ir/verifier.h"
 #include "runtime/executor.h"
 
 #include <ATen/ATen.h>
@@ -16,14 +14,44 @@
 
 namespace torch_ext::runtime {
 
-ArenaExecutor::ArenaExecutor(const ir::Graph& scheduled, size_t num_state, bool donate)
-    : graph_(scheduled.clone()), num_state_(num_state), donate_(donate) {
-  ir::verify(*graph_);
-  plan_ = passes::plan_memory(*graph_, donate);
+namespace {
+
+// Arguments `node` writes through its target's schema: kwarg-only Tensor(a!) arguments the node
+// leaves out (an out= overload: the runtime supplies them), or, when the operator returns
+// nothing, the written arguments the node passes (an in-place variant).
+struct Writes {
+  std::vector<std::string> out_args;
+  std::vector<size_t> inplace_args;
+};
+
+Writes writes_of(const ir::Node& node, const c10::FunctionSchema& schema) {
+  Writes w;
+  const auto& formals = schema.arguments();
+  for (size_t i = 0; i < formals.size(); ++i) {
+    const c10::Argument& f = formals[i];
+    if (!f.alias_info() || !f.alias_info()->isWrite()) continue;
+    if (f.kwarg_only() && !node.kwarg(f.name()))
+      w.out_args.push_back(f.name());
+    else if (schema.returns().empty())
+      w.inplace_args.push_back(i);
+  }
+  return w;
+}
+
+}  // namespace
+
+ArenaExecutor::ArenaExecutor(std::unique_ptr<ir::Graph> lowered, ir::MemoryPlan plan, size_t num_state, bool donate)
+    : graph_(std::move(lowered)), plan_(std::move(plan)), num_state_(num_state), donate_(donate) {
+  TORCH_CHECK(graph_ != nullptr, "ArenaExecutor: no graph");
+  graph_->index();
+  for (const ir::Node* n : plan_.order)
+    TORCH_CHECK(graph_->find(n->name()) == n, "ArenaExecutor: the plan's node %", n->name(),
+                " is not in the graph it was given (plan the graph, lower it, and pass both)");
+  ir::verify_memory_plan(plan_);
   // The arena lives on the device of the values it holds.
   c10::Device device(c10::kCPU);
   if (!plan_.buffers.empty()) {
-    const passes::PlannedBuffer& b0 = plan_.buffers[0];
+    const ir::PlannedBuffer& b0 = plan_.buffers[0];
     const ir::Type& t = b0.elem < 0 ? b0.node->type() : b0.node->type().elems.at(b0.elem);
     device = t.tensor.device;
   }
@@ -45,31 +73,33 @@ ArenaExecutor::ArenaExecutor(const ir::Graph& scheduled, size_t num_state, bool 
   for (const ir::Node* n : plan_.order) {
     Step step;
     step.slot = n->index();
+    const auto op = n->target().is_builtin() ? std::nullopt : ir::find_op(n->target());
+    const Writes w = op ? writes_of(*n, op->schema()) : Writes{};
     auto it = planned.find(n);
-    const auto out_op = it != planned.end() ? ir::find_out_variant(*n) : std::nullopt;
-    if (aliased.count(n)) {
-      ir::Target t = n->target();
-      t.name += "_";
-      auto op = ir::find_op(t);
-      TORCH_CHECK(op.has_value(), "ArenaExecutor: no in-place variant ", t.str(), " for node %", n->name());
+    if (!w.inplace_args.empty()) {
+      TORCH_CHECK(aliased.count(n), "ArenaExecutor: node %", n->name(), " (", n->target().str(),
+                  ") writes its inputs, but the plan applied no in-place alias to it");
       step.kernel = BoundKernel::bind_as(*n, *op, nullptr, {});
       step.tuple_result = n->type().kind == ir::Type::Kind::Tuple;
-      for (size_t arg : ir::update_replaced_args(*n)) step.inplace_results.push_back(n->args().at(arg).node->index());
+      for (size_t arg : w.inplace_args) step.inplace_results.push_back(n->args().at(arg).node->index());
       ++num_inplace_;
-    } else if (out_op) {
-      // plan_memory put every result of this node in the arena (it asked find_out_variant too).
-      TORCH_INTERNAL_ASSERT(it->second.size() == out_op->out_args.size(), "ArenaExecutor: node %", n->name());
+    } else if (!w.out_args.empty()) {
+      TORCH_CHECK(it != planned.end() && it->second.size() == w.out_args.size(), "ArenaExecutor: node %", n->name(),
+                  " (", n->target().str(), ") writes ", w.out_args.size(), " out= results but the plan gives it ",
+                  it == planned.end() ? 0 : it->second.size(), " arena buffers");
       std::vector<std::pair<std::string, c10::IValue>> outs;
       for (size_t k = 0; k < it->second.size(); ++k) {
-        const passes::PlannedBuffer& b = plan_.buffers[it->second[k]];
+        const ir::PlannedBuffer& b = plan_.buffers[it->second[k]];
         const ir::TensorMeta& m = b.elem < 0 ? n->type().tensor : n->type().elems.at(b.elem).tensor;
         at::Tensor view = at::from_blob(static_cast<uint8_t*>(arena_.data_ptr()) + plan_.arena.offsets[it->second[k]],
                                         m.sizes, m.strides, at::TensorOptions().dtype(m.dtype).device(m.device));
-        outs.emplace_back(out_op->out_args[k], c10::IValue(view));
+        outs.emplace_back(w.out_args[k], c10::IValue(view));
       }
-      step.kernel = BoundKernel::bind_as(*n, out_op->op, nullptr, outs);
+      step.kernel = BoundKernel::bind_as(*n, *op, nullptr, outs);
       ++num_out_;
     } else {
+      TORCH_CHECK(it == planned.end() && !aliased.count(n), "ArenaExecutor: the plan puts node %", n->name(), " (",
+                  n->target().str(), ") in the arena or in place, but the graph is not lowered (passes::lower_out_variants)");
       step.kernel = BoundKernel::bind(*n);
       if (dynamic.count(n) ||
           (!n->target().is_getitem() && !ir::is_update_op(*n) && !ir::is_view_op(*n) && n->type().is_tensor()))

@@ -1,11 +1,13 @@
-// Runs a scheduled pure step inside one preallocated arena.
+// Runs a scheduled pure step inside one preallocated arena, following a memory plan it is given.
 //
-// Construction plans memory (passes::plan_memory) for the graph's current order, allocates the
-// arena once and binds every call node:
-//   * a node whose results plan_memory put in the arena writes them into their fixed arena views
-//     through its out= overload (ir::find_out_variant: one with a kernel of its own, so no copy);
-//   * a torch_ext::*_update node whose alias was applied (donate=True) runs its in-place variant
-//     on the donated state tensors, so W_t and W_{t+1} (and M_t, M_{t+1}) share storage;
+// It never plans. It takes the plan (ir::MemoryPlan, from passes::plan_memory) and the graph that
+// plan was made for, lowered by passes::lower_out_variants, checks the plan
+// (ir::verify_memory_plan), allocates the arena once and binds every call node by its target's
+// schema:
+//   * an out= node (kwarg-only Tensor(a!) arguments the node leaves out) writes its results into
+//     their arena views, which the plan's buffers give, in result order;
+//   * an in-place node (Tensor(a!) arguments, no returns) overwrites its donated state inputs, so
+//     W_t and W_{t+1} (and M_t, M_{t+1}) share storage; its value is those inputs;
 //   * everything else runs as in the plain Executor ("fallback": it allocates its result; the plan
 //     counts such buffers in dynamic_bytes).
 // Results are bit-exact with runtime::Executor: the same kernels run on the same values.
@@ -16,7 +18,7 @@
 #pragma once
 
 #include "ir/graph.h"
-#include "passes/plan_memory.h"
+#include "ir/memory_plan.h"
 #include "runtime/kernel.h"
 
 #include <ATen/core/Tensor.h>
@@ -28,11 +30,13 @@ namespace torch_ext::runtime {
 
 class ArenaExecutor {
  public:
-  ArenaExecutor(const ir::Graph& scheduled, size_t num_state, bool donate);
+  // `plan`'s nodes must be `lowered`'s own.
+  ArenaExecutor(std::unique_ptr<ir::Graph> lowered, ir::MemoryPlan plan, size_t num_state, bool donate);
 
   std::vector<c10::IValue> run(std::vector<c10::IValue> inputs);
 
-  const passes::MemoryPlan& plan() const { return plan_; }
+  const ir::MemoryPlan& plan() const { return plan_; }
+  const ir::Graph& graph() const { return *graph_; }
   int64_t num_out_variant() const { return num_out_; }
   int64_t num_inplace_updates() const { return num_inplace_; }
   // Allocating nodes that had no usable out= overload (their names).
@@ -47,7 +51,7 @@ class ArenaExecutor {
   };
 
   std::unique_ptr<ir::Graph> graph_;
-  passes::MemoryPlan plan_;
+  ir::MemoryPlan plan_;
   size_t num_state_;
   bool donate_;
   at::Tensor arena_;

@@ -243,11 +243,11 @@ TEST(PlanMemoryCollectives, AllReduceBufferLivesUntilTheWaitsLastReader) {
   s.data_parallel = dp(0);
   auto step = passes::build_train_step(*joint, s, 1);
   passes::schedule(*step.graph, true);
-  const passes::MemoryPlan plan = passes::plan_memory(*step.graph, true);
+  const ir::MemoryPlan plan = passes::plan_memory(*step.graph, true);
   std::map<const ir::Node*, int64_t> pos;
   for (size_t i = 0; i < plan.order.size(); ++i) pos[plan.order[i]] = static_cast<int64_t>(i);
   // all_reduce has no out= kernel: its buffer is a dynamic one (allocated by the op), planned all the same.
-  std::vector<passes::PlannedBuffer> all = plan.buffers;
+  std::vector<ir::PlannedBuffer> all = plan.buffers;
   all.insert(all.end(), plan.dynamic.begin(), plan.dynamic.end());
   int64_t checked = 0;
   for (const auto& b : all) {

@@ -2,7 +2,9 @@
 #include "ir/parser.h"
 #include "passes/plan_memory.h"
 #include "passes/schedule.h"
-#include "runtime/memory_plan.h"
+#include "ir/memory_plan.h"
+#include "passes/memory_algorithms.h"
+#include "passes/memory_analysis.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
@@ -15,20 +17,20 @@
 
 using namespace torch_ext;
 using torch_ext::testing::error_of;
-using runtime::BufferLife;
+using ir::BufferLife;
 
 
 TEST(MemoryPlanAlgorithms, KnownOptimalCase) {
   // Two big buffers with disjoint lifetimes and a small one overlapping both: optimum = LB = 256.
   std::vector<BufferLife> b = {{192, 0, 1}, {64, 1, 2}, {192, 2, 3}};
-  EXPECT_EQ(runtime::lower_bound_bytes(b), 256);
+  EXPECT_EQ(ir::lower_bound_bytes(b), 256);
   for (const char* algo : {"greedy_by_size", "greedy_by_breadth"}) {
-    auto plan = runtime::plan_buffers(algo, b);
-    runtime::verify_plan(b, plan);
+    auto plan = passes::plan_buffers(algo, b);
+    ir::verify_plan(b, plan);
     EXPECT_EQ(plan.arena_bytes, 256) << algo;
   }
-  auto naive = runtime::plan_naive(b);
-  runtime::verify_plan(b, naive);
+  auto naive = passes::plan_buffers("naive", b);
+  ir::verify_plan(b, naive);
   EXPECT_EQ(naive.arena_bytes, 448);  // no reuse at all
 }
 
@@ -36,33 +38,33 @@ TEST(MemoryPlanAlgorithms, HeuristicGapIsBoundedByTheVerifier) {
   // The optimum here is 256 (found by hand, checked by the verifier); the greedy heuristics
   // reach 320. Record the gap rather than pretend it away.
   std::vector<BufferLife> b = {{128, 0, 1}, {128, 1, 2}, {64, 2, 3}, {192, 3, 4}, {64, 0, 0}};
-  EXPECT_EQ(runtime::lower_bound_bytes(b), 256);
-  runtime::ArenaPlan optimal{"by hand", {128, 0, 192, 0, 0}, 256};
-  runtime::verify_plan(b, optimal);
-  auto best = runtime::plan_best(b);
-  runtime::verify_plan(b, best);
+  EXPECT_EQ(ir::lower_bound_bytes(b), 256);
+  ir::ArenaPlan optimal{"by hand", {128, 0, 192, 0, 0}, 256};
+  ir::verify_plan(b, optimal);
+  auto best = passes::plan_best(b);
+  ir::verify_plan(b, best);
   EXPECT_GE(best.arena_bytes, 256);
   EXPECT_LE(best.arena_bytes, 320);
 }
 
 TEST(MemoryPlanAlgorithms, AlignmentAndDisjointLifetimesShareBytes) {
   std::vector<BufferLife> b = {{10, 0, 0}, {10, 1, 1}, {100, 2, 2}};
-  auto plan = runtime::plan_greedy_by_size(b);
-  runtime::verify_plan(b, plan);
+  auto plan = passes::plan_buffers("greedy_by_size", b);
+  ir::verify_plan(b, plan);
   EXPECT_EQ(plan.arena_bytes, 128);  // all three reuse offset 0; 100 bytes round up to 128
-  for (int64_t off : plan.offsets) EXPECT_EQ(off % runtime::kArenaAlignment, 0);
+  for (int64_t off : plan.offsets) EXPECT_EQ(off % ir::kArenaAlignment, 0);
 }
 
 TEST(MemoryPlanVerifier, RejectsOverlapAndOutOfArena) {
   std::vector<BufferLife> b = {{64, 0, 2}, {64, 2, 3}};
-  runtime::ArenaPlan bad{"handmade", {0, 0}, 64};
-  auto msg = error_of([&] { runtime::verify_plan(b, bad); });
+  ir::ArenaPlan bad{"handmade", {0, 0}, 64};
+  auto msg = error_of([&] { ir::verify_plan(b, bad); });
   EXPECT_NE(msg.find("buffers 0 [0, 64) live [0, 2] and 1 [0, 64) live [2, 3] overlap"), std::string::npos) << msg;
-  runtime::ArenaPlan outside{"handmade", {0, 64}, 100};
-  EXPECT_NE(error_of([&] { runtime::verify_plan(b, outside); }).find("leaves the arena"), std::string::npos);
-  runtime::ArenaPlan misaligned{"handmade", {0, 70}, 200};
-  EXPECT_NE(error_of([&] { runtime::verify_plan(b, misaligned); }).find("64-byte aligned"), std::string::npos);
-  EXPECT_NE(error_of([&] { runtime::plan_buffers("magic", b); }).find("unknown memory planning algorithm 'magic'"),
+  ir::ArenaPlan outside{"handmade", {0, 64}, 100};
+  EXPECT_NE(error_of([&] { ir::verify_plan(b, outside); }).find("leaves the arena"), std::string::npos);
+  ir::ArenaPlan misaligned{"handmade", {0, 70}, 200};
+  EXPECT_NE(error_of([&] { ir::verify_plan(b, misaligned); }).find("64-byte aligned"), std::string::npos);
+  EXPECT_NE(error_of([&] { passes::plan_buffers("magic", b); }).find("unknown memory planning algorithm 'magic'"),
             std::string::npos);
 }
 
@@ -79,11 +81,116 @@ TEST(MemoryPlanAlgorithms, RandomPlansAlwaysVerify) {
       b.push_back({1 + static_cast<int64_t>(rnd(5000)), first, first + static_cast<int64_t>(rnd(10))});
     }
     for (const char* algo : {"greedy_by_size", "greedy_by_breadth", "naive"}) {
-      auto plan = runtime::plan_buffers(algo, b);
-      runtime::verify_plan(b, plan);
-      EXPECT_GE(plan.arena_bytes, runtime::lower_bound_bytes(b));
+      auto plan = passes::plan_buffers(algo, b);
+      ir::verify_plan(b, plan);
+      EXPECT_GE(plan.arena_bytes, ir::lower_bound_bytes(b));
     }
   }
+}
+
+namespace {
+// A test-only algorithm: every buffer at its own offset, the last one first.
+ir::ArenaPlan plan_reverse_naive(const std::vector<BufferLife>& buffers) {
+  std::vector<int64_t> offsets(buffers.size());
+  int64_t cursor = 0;
+  for (size_t i = buffers.size(); i-- > 0;) {
+    offsets[i] = cursor;
+    cursor += ir::align_up(buffers[i].size);
+  }
+  return passes::arena_plan_of("reverse_naive", buffers, std::move(offsets));
+}
+}  // namespace
+
+TEST(MemoryPlanAlgorithms, RegistryAddsAnAlgorithmByName) {
+  std::vector<std::string> names;
+  for (const auto& a : passes::memory_algorithms()) names.push_back(a.name);
+  ASSERT_GE(names.size(), 3u);
+  EXPECT_EQ(std::vector<std::string>(names.begin(), names.begin() + 3),
+            (std::vector<std::string>{"greedy_by_size", "greedy_by_breadth", "naive"}));
+  passes::register_memory_algorithm({"reverse_naive", &plan_reverse_naive, /*tried_by_best=*/false});
+  std::vector<BufferLife> b = {{192, 0, 1}, {64, 1, 2}, {192, 2, 3}};
+  const auto plan = passes::plan_buffers("reverse_naive", b);
+  ir::verify_plan(b, plan);
+  EXPECT_EQ(plan.offsets, (std::vector<int64_t>{256, 192, 0}));
+  EXPECT_EQ(plan.arena_bytes, 448);
+  EXPECT_EQ(passes::plan_best(b).arena_bytes, 256);  // not tried by plan_best
+  EXPECT_NE(error_of([&] { passes::register_memory_algorithm({"naive", &plan_reverse_naive, false}); })
+                .find("'naive' is already registered"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { passes::plan_buffers("magic", b); }).find("reverse_naive"), std::string::npos);
+  EXPECT_NE(error_of([&] { passes::plan_buffers("naive", {{0, 0, 1}}); }).find("needs size > 0"), std::string::npos);
+}
+
+namespace {
+// Views of arena buffers: %v aliases %a.
+const char* kViews = R"(graph:
+  %x : f32[256] = input()
+  %a : f32[256] = aten::mul.Tensor(%x, 2)
+  %v : f32[16,16] = aten::view.default(%a, [16, 16])
+  %b : f32[256] = aten::mul.Tensor(%x, 3)
+  %c : f32[16,16] = aten::mul.Tensor(%v, 2)
+  %d : f32[256] = aten::add.Tensor(%b, %x)
+  %loss : f32[] = aten::sum.default(%d)
+  %l2 : f32[] = aten::sum.default(%c)
+  return (%loss, %l2)
+)";
+
+size_t buffer_of(const ir::MemoryPlan& plan, const char* name) {
+  for (size_t i = 0; i < plan.buffers.size(); ++i)
+    if (plan.buffers[i].node->name() == name) return i;
+  ADD_FAILURE() << "no arena buffer %" << name;
+  return 0;
+}
+}  // namespace
+
+TEST(MemoryPlanVerifier, AcceptsThePassesPlansWithViewsAsDeclaredAliases) {
+  auto g = ir::parse(kViews);
+  const ir::MemoryPlan plan = passes::plan_memory(*g, true);
+  ASSERT_EQ(plan.buffers.size(), 4u);  // a, b, c, d; the sums escape
+  ASSERT_EQ(plan.views.size(), 1u);
+  EXPECT_EQ(plan.views[0].node->name(), "v");
+  EXPECT_EQ(plan.views[0].buffer, buffer_of(plan, "a"));
+  EXPECT_EQ(plan.views[0].first, 1);
+  EXPECT_EQ(plan.views[0].last, 3);  // read by %c
+  EXPECT_EQ(plan.buffers[buffer_of(plan, "a")].life.last, 3);  // the view keeps its storage alive
+  ir::verify_memory_plan(plan);
+}
+
+// Hand-made bad plans: each starts from the pass's plan of kViews and breaks one thing.
+void expect_refused(const ir::MemoryPlan& bad, const std::string& want) {
+  const std::string msg = error_of([&] { ir::verify_memory_plan(bad); });
+  EXPECT_NE(msg.find(want), std::string::npos) << msg;
+}
+
+TEST(MemoryPlanVerifier, NamesBuffersSharingBytesWhileBothLive) {
+  auto g = ir::parse(kViews);
+  ir::MemoryPlan plan = passes::plan_memory(*g, true);
+  plan.arena.offsets[buffer_of(plan, "c")] = plan.arena.offsets[buffer_of(plan, "a")];
+  expect_refused(plan, "%a [0, 1024) live [0, 3] and %c [0, 1024) live [3, 6] overlap in both lifetime and storage, "
+                       "and neither is an alias of the other");
+}
+
+TEST(MemoryPlanVerifier, NamesAViewThatOutlivesItsStorage) {
+  auto g = ir::parse(kViews);
+  ir::MemoryPlan plan = passes::plan_memory(*g, true);
+  ASSERT_EQ(plan.arena.offsets[buffer_of(plan, "d")], plan.arena.offsets[buffer_of(plan, "a")]);  // reuse
+  plan.views[0].last = 5;
+  expect_refused(plan, "view %v live [1, 5] aliases buffer %a [0, 1024) live [0, 3] and outlives it; %d [0, 1024) "
+                       "live [4, 5] reuses its bytes meanwhile");
+}
+
+TEST(MemoryPlanVerifier, NamesALifetimeThatDisagreesWithTheOrder) {
+  auto g = ir::parse(kViews);
+  const ir::MemoryPlan good = passes::plan_memory(*g, true);
+  ir::MemoryPlan plan = good;
+  plan.buffers[buffer_of(plan, "b")].life.first = 1;
+  expect_refused(plan, "buffer %b of 1024 bytes live [1, 4] must start at its producer's position 2 and end before 7");
+  plan = good;
+  plan.phases.pop_back();
+  expect_refused(plan, "6 phases for 7 scheduled nodes");
+  plan = good;
+  plan.arena.offsets[0] = 32;
+  expect_refused(plan, "buffer %a has offset 32");
 }
 
 namespace {
@@ -125,6 +232,38 @@ TEST(PlanMemory, LivenessIsInclusiveAndAliasIsProvenSafe) {
   EXPECT_LT(after.peak_bytes(), plan.peak_bytes());
   // Without donation there is nothing to alias.
   EXPECT_EQ(passes::plan_memory(*g, false).aliases[0].reason, "state is not donated");
+}
+
+TEST(PlanMemory, PhasesFollowTheGraphNotModulePaths) {
+  auto g = ir::parse(kStep);
+  const auto plan = passes::plan_memory(*g, true);
+  std::vector<std::string> phases;
+  for (ir::StepPhase p : plan.phases) phases.push_back(ir::to_string(p));
+  // %g (the "gradient") is not needed by the loss; %u is the update; %late and %loss the forward.
+  EXPECT_EQ(phases, (std::vector<std::string>{"backward", "update", "forward", "forward"}));
+  ir::verify_memory_plan(plan);
+}
+
+// The memory report's analyses (memory_analysis.h), on kStep in export order: persistent
+// 4096 (%w) + 8 (%lr) + 4096 (%x), escaping 4096 (%u, the alias is refused) + 4 (%loss).
+TEST(MemoryAnalysis, PhasesPlannedSeparatelyAndTheTimeline) {
+  auto g = ir::parse(kStep);
+  const auto plan = passes::plan_memory(*g, true);
+  ASSERT_EQ(plan.persistent_bytes, 8200);
+  const auto sep = passes::plan_phases_separately(plan);
+  ASSERT_EQ(sep.parts.size(), 3u);
+  // forward (%late, %loss at 2..3) plans %late; backward (%g at 0) plans %g cut at its own end;
+  // update (%u at 1) plans nothing but holds %g, produced earlier and read by it.
+  EXPECT_EQ(sep.parts[0], std::make_pair(ir::StepPhase::Forward, int64_t{8200 + 4096}));
+  EXPECT_EQ(sep.parts[1], std::make_pair(ir::StepPhase::Backward, int64_t{8200 + 4096}));
+  EXPECT_EQ(sep.parts[2], std::make_pair(ir::StepPhase::Update, int64_t{8200 + 4096}));
+  EXPECT_EQ(sep.total, 3 * (8200 + 4096));
+  EXPECT_EQ(passes::live_timeline(plan), (std::vector<int64_t>(4, 8200 + 4100 + 4096)));
+  // Scheduled (the forward moves first), the phases follow the new order.
+  passes::schedule(*g, true);
+  const auto after = passes::plan_memory(*g, true);
+  EXPECT_EQ(after.phases.front(), ir::StepPhase::Forward);
+  EXPECT_EQ(passes::live_timeline(after).size(), after.order.size());
 }
 
 TEST(PlanMemory, RefusesMutatingGraphs) {
