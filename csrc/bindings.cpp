@@ -433,6 +433,8 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("begin_batch", &reactive::Engine::begin_batch)
       .def("end_batch", &reactive::Engine::end_batch)
+      .def("num_pending", &reactive::Engine::num_pending)
+      .def("graph_revision", &reactive::Engine::graph_revision)
       .def("cone", &reactive::Engine::cone)
       .def("cone_cost", &reactive::Engine::cone_cost)
       .def("num_countable", &reactive::Engine::num_countable)
@@ -441,7 +443,7 @@ PYBIND11_MODULE(_C, m) {
       .def("pinned", &reactive::Engine::pinned)
       .def("set_cutoff", &reactive::Engine::set_cutoff)
       .def("stats",
-           [](const reactive::Engine& e) {
+           [](reactive::Engine& e) {
              const auto& s = e.stats();
              py::dict d;
              d["evaluations"] = s.evaluations;

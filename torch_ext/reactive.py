@@ -118,7 +118,6 @@ class ReactiveGraph:
         if split_heads is not False:
             self._split_attention_heads(built, split_heads)
         self._engine = _C.Engine(built._g)
-        self.graph = Graph(self._engine.graph())  # the engine's graph: dead code dropped
         self._engine.set_cutoff(bool(cutoff))
         if not isinstance(seq_dim, int) or isinstance(seq_dim, bool) or seq_dim < 0:
             raise ValueError(f"ReactiveGraph: seq_dim must be a non-negative int, got {seq_dim!r}")
@@ -163,7 +162,7 @@ class ReactiveGraph:
         if example_inputs is not None:
             self.run(*example_inputs)
 
-    _PER_SHAPE = ("program", "_hooks", "_conversions", "_engine", "graph", "_slots", "_num_user", "_in_spec",
+    _PER_SHAPE = ("program", "_hooks", "_conversions", "_engine", "_slots", "_num_user", "_in_spec",
                   "_single_output", "_cone_sizes", "_all_names",
                   "_out_spec", "_user_outputs", "_loss_output", "_grad_outputs", "_module_paths", "_countable",
                   "_countable_cache", "_batched", "_last_inputs", "_example_inputs", "_grafts_applied")
@@ -410,7 +409,6 @@ class ReactiveGraph:
         state = {**ep.state_dict, **ep.constants}
         params = [state[spec.target] for spec in ep.graph_signature.input_specs if spec.kind.name != "USER_INPUT"]
         names = self._engine.graft(src, dst, bgraph._g, params)
-        self.graph = Graph(self._engine.graph())  # stays the graph the engine runs
         self._cone_sizes, self._all_names = {}, None
         self._countable.extend(names)
         for n in names:
@@ -419,7 +417,9 @@ class ReactiveGraph:
 
     @contextlib.contextmanager
     def batch(self):
-        """Applies many mutations with one invalidation wave at the next demand."""
+        """Records the mutations made inside it and invalidates once, when the block ends (or at the
+        first read inside it): nothing is evaluated before the next demand, which costs
+        |U D0(w_k)| + sum h_k for a batch of grafts (cost-model.md), in any order."""
         self._engine.begin_batch()
         try:
             yield self
@@ -427,6 +427,16 @@ class ReactiveGraph:
             self._engine.end_batch()
 
     # ---- inspection
+    @property
+    def graph(self) -> Graph:
+        """The graph the engine runs now: dead code dropped, every graft spliced in. A copy is taken
+        at the first read after a structural change (so a batch of grafts copies it once)."""
+        key = (self._engine, self._engine.graph_revision())
+        cached = getattr(self, "_graph_cache", None)
+        if cached is None or cached[0] != key:
+            cached = self._graph_cache = (key, Graph(self._engine.graph()))
+        return cached[1]
+
     @property
     def stats(self) -> dict:
         """``evaluations``, ``cost`` (FLOPs of what ran), ``row_evaluations`` (a node run on k of its T

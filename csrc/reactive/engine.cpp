@@ -49,6 +49,8 @@ bool values_equal(const c10::IValue& a, const c10::IValue& b) {
   return false;  // unknown kinds never count as unchanged
 }
 
+}  // namespace
+
 // The version counter of a tensor value, or -1 when it is not tracked (non-tensors, inference tensors).
 int64_t version_of(const c10::IValue& v) {
   if (!v.isTensor()) return -1;
@@ -57,7 +59,6 @@ int64_t version_of(const c10::IValue& v) {
   return static_cast<int64_t>(t.unsafeGetTensorImpl()->version_counter().current_version());
 }
 
-// Every call node must reach the output: demand() evaluates the whole dirty set.
 void check_no_dead_code(const ir::Graph& g, const std::string& what) {
   std::vector<bool> live(g.size(), false);
   const auto& nodes = g.nodes();
@@ -72,8 +73,6 @@ void check_no_dead_code(const ir::Graph& g, const std::string& what) {
     for (ir::Node* in : n.inputs()) live[in->index()] = true;
   }
 }
-
-}  // namespace
 
 double node_cost(const ir::Node& n) {
   const double out = static_cast<double>(std::max<int64_t>(numel_of(n.type()), 1));
@@ -156,7 +155,8 @@ void Engine::mark_invalid(int64_t id) {
   ++stats_.invalidated;
 }
 
-void Engine::invalidate_users(int64_t seed) {
+template <class Enter>
+void Engine::walk_users(int64_t seed, Enter&& enter) const {
   std::vector<int64_t> work{seed};
   while (!work.empty()) {
     const int64_t v = work.back();
@@ -164,12 +164,18 @@ void Engine::invalidate_users(int64_t seed) {
     for (const ir::Node* user : states_[v].node->users()) {
       if (user->kind() == ir::NodeKind::Output) continue;
       const int64_t u = ids_.at(user);
-      const NodeState& st = states_[u];
-      if (!st.valid || st.pinned) continue;  // I3: an invalid node's cone is already invalid
-      mark_invalid(u);
-      work.push_back(u);
+      if (enter(u)) work.push_back(u);
     }
   }
+}
+
+void Engine::invalidate_users(int64_t seed) {
+  walk_users(seed, [this](int64_t u) {
+    const NodeState& st = states_[u];
+    if (!st.valid || st.pinned) return false;  // I3: an invalid node's cone is already invalid
+    mark_invalid(u);
+    return true;
+  });
 }
 
 void Engine::save_baseline(int64_t id) {
@@ -201,12 +207,7 @@ void Engine::check_intact(int64_t id) {
   NodeState& st = states_[id];
   const char* next = "";
   if (st.countable && !st.pinned) {
-    // Recompute it (and, since its consumers may have read the written value, its cone); restore()
-    // must not revive it either, so it is also structurally dirty.
-    mark_invalid(id);
-    st.verified_at = 0;
-    structural_dirty_.insert(id);
-    invalidate_users(id);
+    retire_written(id);
     next = "the engine marked it stale, so the next demand recomputes it";
   } else if (st.pinned) {
     next = "patch it again with a fresh tensor, or restore()";
@@ -221,6 +222,7 @@ void Engine::check_intact(int64_t id) {
 
 void Engine::check_intact(const std::string& name) {
   const int64_t id = id_of(name);
+  settle();
   auto it = overlay_.find(id);
   if (it != overlay_.end() && it->second.version >= 0 && version_of(it->second.value) != it->second.version) {
     baseline_stale_.insert(id);  // restore() recomputes it instead of putting the written tensor back
@@ -264,6 +266,7 @@ const Engine::PatchPlan& Engine::plan_for(int64_t id) {
 
 std::vector<c10::IValue> Engine::evaluate_patched(const std::string& name, c10::IValue value) {
   const int64_t id = id_of(name);
+  settle();
   TORCH_CHECK(has_run_, "evaluate_patched %", name, ": call run() first");
   TORCH_CHECK(dirty_.empty(), "evaluate_patched %", name, ": ", dirty_.size(),
               " nodes are stale; demand() first, so that only the patch's cone is evaluated");
@@ -273,57 +276,63 @@ std::vector<c10::IValue> Engine::evaluate_patched(const std::string& name, c10::
               "use patch()/demand() with a transaction instead");
   check_value_type(*states_[id].node, value);
   const PatchPlan& plan = plan_for(id);
-  for (int64_t in : plan.external) check_intact(in);  // I8: never compute from a written value
-  at::AutoDispatchBelowAutograd no_autograd;
-  // The cone's current (valid) values, put back at the end: the state afterwards is exactly the state before.
-  std::vector<c10::IValue> saved;
-  saved.reserve(plan.order.size());
-  for (int64_t n : plan.order) saved.push_back(values_[n]);
-  c10::IValue saved_site = std::move(values_[id]);
-  values_[id] = std::move(value);
-  auto put_back = [&]() {
-    for (size_t i = 0; i < plan.order.size(); ++i) values_[plan.order[i]] = std::move(saved[i]);
-    values_[id] = std::move(saved_site);
-  };
-  try {
-    for (size_t i = 0; i < plan.order.size(); ++i) {
-      const int64_t n = plan.order[i];
-      NodeState& st = states_[n];
-      try {
-        values_[n] = st.kernel->invoke(values_, stack_);
-      } catch (const std::exception& e) {
-        TORCH_CHECK(false, "while evaluating node %", st.node->name(), ": ",
-                    dynamic_cast<const c10::Error*>(&e) ? static_cast<const c10::Error&>(e).what_without_backtrace()
-                                                        : e.what());
-      }
-      ++st.evaluations;
-      ++stats_.evaluations;
-      stats_.cost += st.cost;
-      stats_.row_evaluations += 1.0;
-      for (int64_t r : plan.release[i]) values_[r] = c10::IValue();  // last use: free, as the executor does
+  HeldCone held(*this, id, plan, std::move(value));  // the state afterwards is exactly the state before
+  for (size_t i = 0; i < plan.order.size(); ++i) {
+    const int64_t n = plan.order[i];
+    NodeState& st = states_[n];
+    try {
+      values_[n] = st.kernel->invoke(values_, stack_);
+    } catch (const std::exception& e) {
+      rethrow_evaluating(st, e);
     }
-  } catch (...) {
-    put_back();
-    throw;
+    count_evaluation(st);
+    for (int64_t r : plan.release[i]) values_[r] = c10::IValue();  // last use: free, as the executor does
   }
-  auto outs = runtime::output_values(graph_->output()->args()[0].list,
-                                     [&](const ir::Node* n) -> const c10::IValue& { return values_[ids_.at(n)]; });
-  put_back();
-  return outs;
+  return runtime::output_values(graph_->output()->args()[0].list,
+                                [&](const ir::Node* n) -> const c10::IValue& { return values_[ids_.at(n)]; });
+}
+
+Engine::HeldCone::HeldCone(Engine& engine, int64_t site, const PatchPlan& plan, c10::IValue value)
+    : engine_(engine), site_(site), plan_(plan) {
+  for (int64_t in : plan.external) engine.check_intact(in);  // I8: never compute from a written value
+  saved_.reserve(plan.order.size());
+  for (int64_t n : plan.order) saved_.push_back(engine.values_[n]);
+  saved_site_ = std::move(engine.values_[site]);
+  engine.values_[site] = std::move(value);
+}
+
+Engine::HeldCone::~HeldCone() {
+  for (size_t i = 0; i < plan_.order.size(); ++i) engine_.values_[plan_.order[i]] = std::move(saved_[i]);
+  engine_.values_[site_] = std::move(saved_site_);
+}
+
+void Engine::count_evaluation(NodeState& st, double rows, double cost_fraction) {
+  ++st.evaluations;
+  ++stats_.evaluations;
+  stats_.cost += st.cost * rows * cost_fraction;
+  stats_.row_evaluations += rows;
+}
+
+void Engine::rethrow_evaluating(const NodeState& st, const std::exception& e, const std::string& where) {
+  TORCH_CHECK(false, "while evaluating node %", st.node->name(), where, ": ",
+              dynamic_cast<const c10::Error*>(&e) ? static_cast<const c10::Error&>(e).what_without_backtrace()
+                                                  : e.what());
 }
 
 void Engine::begin_transaction() {
+  settle();
   TORCH_CHECK(has_run_, "begin_transaction: call run() first");
   TORCH_CHECK(!txn_, "begin_transaction: a transaction is already open (transactions do not nest)");
   Transaction t;
   t.pinned_before = pinned_;
+  t.structural_before = structural_dirty_;
+  t.baseline_stale_before = baseline_stale_;
   txn_.emplace(std::move(t));
-  txn_structural_ = structural_dirty_;
-  txn_baseline_stale_ = baseline_stale_;
 }
 
 void Engine::rollback() {
   TORCH_CHECK(txn_, "rollback: no transaction is open");
+  settle();  // a batch inside the transaction: its marks are journaled, then undone
   Transaction t = std::move(*txn_);
   txn_.reset();
   std::vector<int64_t> written;  // entries whose saved value was written in place meanwhile (I8)
@@ -343,17 +352,12 @@ void Engine::rollback() {
   if (pinned_ != t.pinned_before) ++pins_version_;
   pinned_ = std::move(t.pinned_before);
   for (int64_t id : t.overlay_added) overlay_.erase(id);
-  std::set<int64_t> structural = std::move(txn_structural_);
+  std::set<int64_t> structural = std::move(t.structural_before);
   for (int64_t id : structural_dirty_)
     if (!states_[id].valid) structural.insert(id);  // found written in place during the transaction
   structural_dirty_ = std::move(structural);
-  baseline_stale_ = std::move(txn_baseline_stale_);
-  for (int64_t id : written) {
-    mark_invalid(id);
-    states_[id].verified_at = 0;
-    structural_dirty_.insert(id);
-    invalidate_users(id);
-  }
+  baseline_stale_ = std::move(t.baseline_stale_before);
+  for (int64_t id : written) retire_written(id);
 }
 
 void Engine::evaluate(int64_t id) {
@@ -387,14 +391,9 @@ void Engine::evaluate(int64_t id) {
     out = st.kernel->invoke(values_, stack_);
   } catch (const std::exception& e) {
     dirty_.insert({st.node->index(), id});  // still invalid: keep I2
-    TORCH_CHECK(false, "while evaluating node %", st.node->name(), ": ",
-                dynamic_cast<const c10::Error*>(&e) ? static_cast<const c10::Error&>(e).what_without_backtrace()
-                                                    : e.what());
+    rethrow_evaluating(st, e);
   }
-  ++st.evaluations;
-  ++stats_.evaluations;
-  stats_.cost += st.cost;
-  stats_.row_evaluations += 1.0;
+  count_evaluation(st);
   save_baseline(id);
   const bool unchanged = cutoff_ && values_equal(out, values_[id]);
   store(id, std::move(out));
@@ -421,6 +420,7 @@ void Engine::rekey_dirty() {
 void Engine::run(std::vector<c10::IValue> inputs) {
   const auto placeholders = graph_->placeholders();
   refuse_in_transaction("run");
+  settle();  // run() marks every node invalid: grafted blocks must be in the dirty set first
   TORCH_CHECK(inputs.size() == placeholders.size(), "run: expected ", placeholders.size(), " inputs, got ",
               inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) runtime::check_input(*placeholders[i], inputs[i], i);
@@ -451,6 +451,7 @@ void Engine::run(std::vector<c10::IValue> inputs) {
 
 std::vector<c10::IValue> Engine::demand() {
   TORCH_CHECK(has_run_, "demand: the engine has no values yet; call run(inputs) first");
+  settle();
   while (!dirty_.empty()) {
     const int64_t id = dirty_.begin()->second;
     dirty_.erase(dirty_.begin());
@@ -465,6 +466,7 @@ std::vector<c10::IValue> Engine::demand() {
 c10::IValue Engine::value(const std::string& name) {
   const int64_t target = id_of(name);
   TORCH_CHECK(has_run_, "value %", name, ": the engine has no values yet; call run(inputs) first");
+  settle();
   std::vector<int64_t> needed;
   std::vector<int64_t> work{target};
   std::set<int64_t> seen{target};
@@ -485,6 +487,7 @@ c10::IValue Engine::value(const std::string& name) {
 c10::IValue Engine::baseline(const std::string& name) {
   const int64_t id = id_of(name);
   TORCH_CHECK(has_run_, "baseline %", name, ": the engine has no values yet; call run(inputs) first");
+  settle();
   auto it = overlay_.find(id);
   if (it != overlay_.end() && !baseline_stale_.count(id)) {
     check_intact(name);
@@ -509,256 +512,12 @@ void Engine::check_value_type(const ir::Node& node, const c10::IValue& v) const 
               ", got ", x.device());
 }
 
-void Engine::patch(const std::string& name, c10::IValue value) {
-  const int64_t id = id_of(name);
-  NodeState& st = states_[id];
-  check_value_type(*st.node, value);
-  TORCH_CHECK(has_run_, "patch %", name, ": call run() first, so there is a baseline to patch");
-  if (st.valid) check_intact(id);  // the baseline saved below must be the computed value
-  journal(id);
-  if (!st.pinned) {
-    pinned_.push_back(id);
-    st.pinned = true;
-    ++pins_version_;
-  }
-  save_baseline(id);
-  if (!st.valid) {
-    dirty_.erase({st.node->index(), id});
-    st.valid = true;
-  }
-  store(id, std::move(value));
-  st.changed_at = st.verified_at = ++revision_;
-  invalidate_users(id);
-}
-
-void Engine::restore() {
-  refuse_in_transaction("restore");
-  if (pinned_.empty() && overlay_.empty()) return;
-  ++pins_version_;
-  ++revision_;
-  for (int64_t id : pinned_) states_[id].pinned = false;
-  std::vector<int64_t> written;  // baselines written in place since they were saved (I8): recompute
-  for (auto& entry : overlay_) {
-    NodeState& st = states_[entry.first];
-    Baseline& b = entry.second;
-    if (b.version >= 0 && version_of(b.value) != b.version) written.push_back(entry.first);
-    values_[entry.first] = std::move(b.value);
-    versions_[entry.first] = b.version;
-    if (!st.valid) dirty_.erase({st.node->index(), entry.first});
-    st.valid = true;
-    st.changed_at = b.changed_at;  // the baseline's revision: consumers stay consistent (I4)
-    st.verified_at = revision_;
-    ++stats_.restored;
-  }
-  // Invalid nodes that were never recomputed still hold their baseline value.
-  for (auto it = dirty_.begin(); it != dirty_.end();) {
-    const int64_t id = it->second;
-    if (structural_dirty_.count(id)) {
-      ++it;
-      continue;
-    }
-    NodeState& st = states_[id];
-    st.valid = true;
-    st.verified_at = revision_;
-    ++stats_.restored;
-    it = dirty_.erase(it);
-  }
-  overlay_.clear();
-  pinned_.clear();
-  // Baselines a graft displaced (or never computed) must be recomputed.
-  std::set<int64_t> stale;
-  stale.swap(baseline_stale_);
-  stale.insert(structural_dirty_.begin(), structural_dirty_.end());
-  stale.insert(written.begin(), written.end());
-  for (int64_t id : stale) {
-    mark_invalid(id);
-    states_[id].verified_at = 0;  // its cached value was computed under a patch: recompute, no cutoff
-    if (!states_[id].valid) structural_dirty_.insert(id);
-  }
-  for (int64_t id : stale) invalidate_users(id);
-}
-
-void Engine::restore(const std::string& name) {
-  refuse_in_transaction("restore");
-  const int64_t id = id_of(name);
-  NodeState& st = states_[id];
-  TORCH_CHECK(st.pinned, "restore %", name, ": node is not patched");
-  if (pinned_.size() == 1) {
-    restore();
-    return;
-  }
-  // Other patches stay active: this node's inputs may differ from baseline, so recompute D(node).
-  st.pinned = false;
-  ++pins_version_;
-  pinned_.erase(std::find(pinned_.begin(), pinned_.end(), id));
-  ++revision_;
-  if (st.countable) {
-    mark_invalid(id);
-    st.verified_at = 0;  // its inputs may differ from when it was pinned: recompute, no cutoff
-  } else {
-    values_[id] = overlay_.at(id).value;
-    versions_[id] = overlay_.at(id).version;
-    st.changed_at = st.verified_at = revision_;
-  }
-  invalidate_users(id);
-}
-
-void Engine::end_batch() {
-  TORCH_CHECK(batch_depth_ > 0, "end_batch without begin_batch");
-  --batch_depth_;
-}
-
-std::vector<std::string> Engine::graft(const std::string& src_name, const std::string& dst_name,
-                                       const ir::Graph& given_block, std::vector<c10::IValue> block_params) {
-  // Export leaves side-effect-free dead nodes (_assert_tensor_metadata for a .to()) in a block: drop them
-  // first, so that a block of the wrong type is refused for its type, not for dead code.
-  const std::unique_ptr<ir::Graph> block_copy = given_block.clone();
-  passes::eliminate_dead_code(*block_copy);
-  const ir::Graph& block = *block_copy;
-  // ---- validate everything first: a refused graft changes nothing.
-  refuse_in_transaction("graft");
-  const int64_t src = id_of(src_name);
-  ir::Node* src_node = states_[src].node;
-  TORCH_CHECK(src_node->type().kind == ir::Type::Kind::Tensor, "graft: source %", src_name,
-              " must be tensor-valued, got ", ir::print_type(src_node->type()));
-  std::vector<ir::Node*> consumers;
-  if (!dst_name.empty()) {
-    ir::Node* dst_node = graph_->find(dst_name);
-    TORCH_CHECK(dst_node != nullptr && dst_node->kind() == ir::NodeKind::Call, "graft: unknown node '", dst_name,
-                "'");
-    // dst upstream of src (or src itself) would close a cycle through the block.
-    std::vector<const ir::Node*> work{src_node};
-    std::set<const ir::Node*> seen{src_node};
-    while (!work.empty()) {
-      const ir::Node* v = work.back();
-      work.pop_back();
-      TORCH_CHECK(v != dst_node, "graft %", src_name, " -> %", dst_name, ": would create a cycle (%", dst_name,
-                  " is upstream of %", src_name, ")");
-      for (const ir::Node* in : v->inputs())
-        if (seen.insert(in).second) work.push_back(in);
-    }
-    const auto& users = src_node->users();
-    TORCH_CHECK(std::find(users.begin(), users.end(), dst_node) != users.end(), "graft: no edge %", src_name,
-                " -> %", dst_name, " (%", dst_name, " does not read %", src_name, ")");
-    consumers.push_back(dst_node);
-  } else {
-    consumers = src_node->users();
-    TORCH_CHECK(!consumers.empty(), "graft: %", src_name, " has no consumers to reroute");
-  }
-  ir::verify(block);
-  check_no_dead_code(block, "graft block");
-  const auto block_inputs = block.placeholders();
-  const ir::Node* block_in = nullptr;
-  std::vector<const ir::Node*> block_param_nodes;
-  for (const ir::Node* p : block_inputs) {
-    if (p->role() == ir::InputRole::UserInput) {
-      TORCH_CHECK(block_in == nullptr, "graft: the block must have exactly one user input, found %",
-                  block_in->name(), " and %", p->name());
-      block_in = p;
-    } else {
-      block_param_nodes.push_back(p);
-    }
-  }
-  TORCH_CHECK(block_in != nullptr, "graft: the block has no user input");
-  TORCH_CHECK(block_in->type() == src_node->type(), "graft: block input type ", ir::print_type(block_in->type()),
-              " differs from %", src_name, " : ", ir::print_type(src_node->type()));
-  const auto& block_outs = block.output()->args()[0].list;
-  TORCH_CHECK(block_outs.size() == 1 && block_outs[0].kind == ir::Arg::Kind::Node &&
-                  block_outs[0].node->kind() == ir::NodeKind::Call,
-              "graft: the block must return exactly one computed value");
-  TORCH_CHECK(block_outs[0].node->type() == src_node->type(), "graft: block output type ",
-              ir::print_type(block_outs[0].node->type()), " differs from %", src_name, " : ",
-              ir::print_type(src_node->type()));
-  TORCH_CHECK(block_params.size() == block_param_nodes.size(), "graft: the block has ", block_param_nodes.size(),
-              " parameter inputs, got ", block_params.size(), " values");
-  for (size_t i = 0; i < block_params.size(); ++i) runtime::check_input(*block_param_nodes[i], block_params[i], i);
-  for (const auto& n : block.nodes()) {
-    if (n->kind() != ir::NodeKind::Call) continue;
-    auto k = runtime::BoundKernel::bind(*n);
-    TORCH_CHECK(!k.mutates(), "graft: block node %", n->name(), " (", n->target().str(), ") mutates its inputs");
-  }
-
-  // ---- splice.
-  ++revision_;
-  plans_.clear();  // cones change
-  row_plans_.clear();
-  seq_.reset();
-  const std::string prefix = "graft" + std::to_string(graft_counter_++) + "_";
-  ir::ValueMap map;
-  map[block_in] = src_node;
-  for (size_t i = 0; i < block_param_nodes.size(); ++i) {
-    const ir::Node* p = block_param_nodes[i];
-    ir::Node* copy = graph_->create_placeholder(graph_->unique_name(prefix + p->name()), ir::InputRole::Constant,
-                                                p->type(), p->state_name());
-    const int64_t id = add_state(copy);
-    store(id, std::move(block_params[i]));
-    states_[id].changed_at = states_[id].verified_at = revision_;
-    map[p] = copy;
-  }
-  ir::Node* insert_before = consumers.front();
-  for (ir::Node* c : consumers)
-    if (c->index() < insert_before->index()) insert_before = c;
-  std::vector<std::string> names;
-  std::vector<int64_t> fresh;
-  for (const auto& n : block.nodes()) {
-    if (n->kind() != ir::NodeKind::Call) continue;
-    ir::Node* copy = graph_->copy_call(*n, map, graph_->unique_name(prefix + n->name()), insert_before);
-    fresh.push_back(add_state(copy));
-    names.push_back(copy->name());
-  }
-  ir::Node* block_out = map.at(block_outs[0].node);
-  for (ir::Node* c : consumers) graph_->replace_input_of(c, src_node, block_out);
-  rekey_dirty();  // insertions shifted topological indices
-
-  for (int64_t id : fresh) {
-    bind(id);
-    dirty_.insert({states_[id].node->index(), id});
-    ++stats_.invalidated;
-    structural_dirty_.insert(id);
-    if (!pinned_.empty()) baseline_stale_.insert(id);  // its first value is computed under the patch
-  }
-  for (ir::Node* c : consumers) {
-    if (c->kind() != ir::NodeKind::Call) continue;
-    const int64_t w = ids_.at(c);
-    bind(w);
-    mark_invalid(w);
-    states_[w].verified_at = 0;  // an input was rerouted: recompute, no cutoff
-    invalidate_users(w);
-    // Every node of D(w), pinned or already invalid included, now has a new baseline.
-    for (int64_t d : structural_cone(w)) {
-      if (!states_[d].valid) structural_dirty_.insert(d);
-      if (!pinned_.empty()) baseline_stale_.insert(d);
-    }
-  }
-  return names;
-}
-
-std::vector<int64_t> Engine::structural_cone(int64_t seed) const {
-  std::vector<int64_t> out{seed};
-  std::set<int64_t> seen{seed};
-  for (size_t i = 0; i < out.size(); ++i) {
-    for (const ir::Node* user : states_[out[i]].node->users()) {
-      if (user->kind() == ir::NodeKind::Output) continue;
-      const int64_t u = ids_.at(user);
-      if (seen.insert(u).second) out.push_back(u);
-    }
-  }
-  return out;
-}
-
 std::set<int64_t> Engine::downstream(int64_t seed, bool stop_at_pins) const {
-  std::vector<int64_t> work{seed};
   std::set<int64_t> seen;
-  while (!work.empty()) {
-    const int64_t v = work.back();
-    work.pop_back();
-    for (const ir::Node* user : states_[v].node->users()) {
-      if (user->kind() == ir::NodeKind::Output) continue;
-      const int64_t u = ids_.at(user);
-      if (stop_at_pins && (states_[u].pinned || !states_[u].countable)) continue;
-      if (seen.insert(u).second) work.push_back(u);
-    }
-  }
+  walk_users(seed, [&](int64_t u) {
+    if (stop_at_pins && (states_[u].pinned || !states_[u].countable)) return false;
+    return seen.insert(u).second;
+  });
   return seen;
 }
 
@@ -778,7 +537,11 @@ double Engine::cone_cost(const std::string& name) const {
   return total;
 }
 
-bool Engine::is_valid(const std::string& name) const { return states_[id_of(name)].valid; }
+bool Engine::is_valid(const std::string& name) {
+  const int64_t id = id_of(name);
+  settle();
+  return states_[id].valid;
+}
 
 std::vector<std::string> Engine::pinned() const {
   std::vector<std::string> out;
@@ -787,12 +550,20 @@ std::vector<std::string> Engine::pinned() const {
 }
 
 void Engine::reset_stats() {
+  settle();  // the counts reset are those of every mutation made so far
   stats_ = Stats{};
   for (auto& st : states_) st.evaluations = 0;
 }
 
-void Engine::check_invariants() const {
+void Engine::check_invariants() {
+  settle();  // I14: what is checked is the settled state
+  TORCH_CHECK(pending_.empty() && batch_depth_ >= 0, "I14 pending: ", pending_.size(),
+              " mutations not settled, batch depth ", batch_depth_);
+  TORCH_CHECK(!rekey_pending_, "I2 dirty: keys not rebuilt after a graft");
+  TORCH_CHECK(ids_.size() == states_.size() && values_.size() == states_.size() && versions_.size() == states_.size(),
+              "id map out of sync: ", ids_.size(), " ids, ", states_.size(), " states, ", values_.size(), " values");
   int64_t evaluations = 0;
+  int64_t countable = 0;
   size_t dirty_count = 0;
   size_t pinned_count = 0;
   for (size_t id = 0; id < states_.size(); ++id) {
@@ -803,12 +574,17 @@ void Engine::check_invariants() const {
     for (const ir::Node* in : n.inputs())
       TORCH_CHECK(in->index() < n.index(), "I1 ", where, "input %", in->name(), " comes later");
     const bool in_dirty = dirty_.count({n.index(), static_cast<int64_t>(id)}) > 0;
-    TORCH_CHECK(in_dirty == (st.countable && !st.valid), "I2 ", where, "valid=", st.valid, " but in_dirty=", in_dirty);
+    TORCH_CHECK(in_dirty == (st.countable && !st.valid), "I2 dirty ", where, "valid=", st.valid,
+                " but in_dirty=", in_dirty);
     dirty_count += in_dirty;
+    countable += st.countable;
     if (!st.countable) TORCH_CHECK(st.valid, "I4 ", where, "placeholders are always valid");
+    TORCH_CHECK(st.changed_at <= revision_ && st.verified_at <= revision_, "I13 revision ", where, "changed at ",
+                st.changed_at, ", verified at ", st.verified_at, ", but the revision is ", revision_);
     if (st.pinned) {
       ++pinned_count;
       TORCH_CHECK(st.valid, "I4 ", where, "pinned nodes are valid");
+      TORCH_CHECK(overlay_.count(static_cast<int64_t>(id)), "I10 pinned ", where, "no overlay entry for its baseline");
     }
     if (!st.valid) {
       for (const ir::Node* user : n.users()) {
@@ -828,15 +604,33 @@ void Engine::check_invariants() const {
     }
     evaluations += st.evaluations;
   }
-  for (int64_t id : structural_dirty_)
-    TORCH_CHECK(!states_[id].valid || states_[id].pinned, "structural-dirty node %", states_[id].node->name(),
-                " is valid");
+  TORCH_CHECK(countable == num_countable_, "countable count out of sync: ", num_countable_, " vs ", countable);
   TORCH_CHECK(dirty_count == dirty_.size(), "I2 dirty set holds stale entries: ", dirty_.size(), " vs ", dirty_count);
-  TORCH_CHECK(pinned_count == pinned_.size(), "pinned list out of sync");
+  const auto known = [this](int64_t id) { return id >= 0 && id < static_cast<int64_t>(states_.size()); };
+  for (int64_t id : structural_dirty_)
+    TORCH_CHECK(known(id) && (!states_[id].valid || states_[id].pinned), "I11 structural_dirty node ",
+                known(id) ? "%" + states_[id].node->name() : std::to_string(id),
+                " is valid (or unknown), so restore() would keep a value of its old function");
+  TORCH_CHECK(!pinned_.empty() || baseline_stale_.empty(), "I12 baseline_stale holds ", baseline_stale_.size(),
+              " nodes with no patch active");
+  for (int64_t id : baseline_stale_)
+    TORCH_CHECK(known(id), "I12 baseline_stale holds ", id, ", which is no node of the engine");
+  for (const auto& entry : overlay_)
+    TORCH_CHECK(known(entry.first), "I6 overlay holds ", entry.first, ", which is no node of the engine");
+  TORCH_CHECK(pinned_count == pinned_.size() && std::set<int64_t>(pinned_.begin(), pinned_.end()).size() == pinned_.size(),
+              "I10 pinned list out of sync: ", pinned_.size(), " entries for ", pinned_count, " pinned nodes");
   TORCH_CHECK(!pinned_.empty() || overlay_.empty(), "I6 overlay is non-empty with no patch active");
   for (const auto& [id, b] : overlay_)
     TORCH_CHECK(baseline_stale_.count(id) || b.version < 0 || version_of(b.value) == b.version,
                 "I8 invariant violated at %", states_[id].node->name(), ": overlay baseline was modified in place");
+  for (size_t k = 0; k < grafts_.size(); ++k) {
+    TORCH_CHECK(grafts_[k].revision <= revision_ && (k == 0 || grafts_[k - 1].revision < grafts_[k].revision),
+                "I13 revision: graft ", k, " recorded at revision ", grafts_[k].revision, " (now ", revision_, ")");
+    for (int64_t id : grafts_[k].nodes)
+      TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(states_.size()) && states_[id].countable &&
+                      graph_->find(states_[id].node->name()) == states_[id].node,
+                  "I13 grafts: graft ", k, " lists node ", id, ", which is not a countable node of the graph");
+  }
   TORCH_CHECK(evaluations == stats_.evaluations, "I7 ledger drift: per-node sum ", evaluations, " vs ",
               stats_.evaluations);
 }

@@ -37,9 +37,37 @@
 //   I9 journal   inside a transaction, every node whose state differs from
 //                the state at begin_transaction() has a journal entry holding
 //                that state; rollback() restores exactly those entries.
-//   structural_dirty_ holds only invalid (or pinned) nodes; baseline_stale_
-//   holds nodes whose overlay baseline a graft displaced (restore() recomputes
-//   them).
+//   I10 pins     pinned_ lists each pinned node once, in patch order; each has
+//                an overlay entry (its displaced baseline), and the overlay is
+//                empty while no patch is active (I6).
+//   I11 structural  structural_dirty_ holds nodes whose cached value predates
+//                their current function (a graft rewired them, or the value
+//                was written in place), not recomputed since: each is invalid
+//                or pinned, so restore() never revives its old value.
+//   I12 baseline baseline_stale_ holds nodes whose baseline the overlay cannot
+//                give back (a graft under a patch changed their function, or a
+//                saved baseline was written in place; restore() recomputes
+//                them instead): it is empty while no patch is active. (Its
+//                members may be valid: early cutoff revalidates a node
+//                without writing it, so without an overlay entry.)
+//   I13 revisions every changed_at and verified_at is at most revision_;
+//                every recorded graft's nodes are in the graph (grafts_), and
+//                batch_depth_ >= 0.
+//   I14 pending  mutations awaiting invalidation (pending_) exist only inside
+//                a batch; every read settles them first, so every check above
+//                is of the settled state.
+//
+// Mutations (mutations.cpp). Every mutation is an input edit in a new
+// revision (Salsa): patch, restore, restore(node) and graft validate, apply
+// their own change to the inputs (a pinned value, a baseline put back, a
+// spliced block), and describe the rest as a Mutation: what must be
+// recomputed, whose strict cone is invalidated, whose cached value no longer
+// belongs to its function. apply() runs that one invalidation rule. Inside a
+// batch it is deferred: mutations are recorded, and the rule runs once at
+// end_batch() or at the first read (demand, value, stats, ...), whichever
+// comes first, so a batch costs one wave and nothing is evaluated before the
+// demand. Reads inside a batch see exactly the state that applying the
+// mutations one by one would give.
 //
 // Control flow. A higher_order::cond or while_loop node is one evaluation unit: its regions run
 // inside it (only the chosen branch, or the loop's iterations) and it counts once, like any call.
@@ -55,6 +83,8 @@
 #include "ir/graph.h"
 #include "passes/sequence_axis.h"
 #include "runtime/kernel.h"
+
+#include <ATen/core/LegacyTypeDispatch.h>
 
 #include <cstdint>
 #include <functional>
@@ -81,6 +111,11 @@ struct Stats {
 };
 
 double node_cost(const ir::Node& node);
+// Refuses a graph with a call that reaches no output (`what` names the graph): demand() evaluates
+// the whole dirty set, so every call must matter to some output.
+void check_no_dead_code(const ir::Graph& g, const std::string& what);
+// The version counter of a tensor value, or -1 when it is not tracked (non-tensors, inference tensors).
+int64_t version_of(const c10::IValue& v);
 
 class Engine {
  public:
@@ -111,10 +146,12 @@ class Engine {
   std::vector<std::string> graft(const std::string& src, const std::string& dst, const ir::Graph& block,
                                  std::vector<c10::IValue> block_params);
 
-  // Batches are bookkeeping only: mutations already defer work to demand().
+  // Inside a batch, mutations are recorded and their invalidation runs once, at the outermost
+  // end_batch() or at the first read before it (see "Mutations" above). Batches nest.
   void begin_batch() { ++batch_depth_; }
   void end_batch();
   bool in_batch() const { return batch_depth_ > 0; }
+  int64_t num_pending() const { return static_cast<int64_t>(pending_.size()); }  // mutations not yet settled
 
   // A sweep transaction: patch -> demand -> read -> rollback. rollback() puts
   // back exactly the state at begin_transaction() (values, revisions,
@@ -133,7 +170,7 @@ class Engine {
   // executor does, so the recomputation reuses hot memory. Needs a graph with
   // nothing stale, no open transaction and early cutoff off.
   std::vector<c10::IValue> evaluate_patched(const std::string& node, c10::IValue value);
-  bool can_evaluate_patched() const { return has_run_ && dirty_.empty() && !txn_ && !cutoff_; }
+  bool can_evaluate_patched() const { return has_run_ && pending_.empty() && dirty_.empty() && !txn_ && !cutoff_; }
 
   // Token-granular cones (rows.cpp). With positions on, the sequence-axis analysis
   // (passes/sequence_axis.h) is run on the graph (again after a graft). evaluate_patched_rows is
@@ -167,20 +204,51 @@ class Engine {
   std::vector<std::string> cone(const std::string& node) const;  // V+(node), topological order
   double cone_cost(const std::string& node) const;               // sum of the cost estimates over V+(node)
   int64_t num_countable() const { return num_countable_; }
-  bool is_valid(const std::string& node) const;
-  int64_t num_dirty() const { return static_cast<int64_t>(dirty_.size()); }
+  // Reads settle a batch's pending mutations first (I14), so they are not const.
+  bool is_valid(const std::string& node);
+  int64_t num_dirty() {
+    settle();
+    return static_cast<int64_t>(dirty_.size());
+  }
   std::vector<std::string> pinned() const;
 
   void set_cutoff(bool enabled) { cutoff_ = enabled; }
   bool cutoff() const { return cutoff_; }
-  const Stats& stats() const { return stats_; }
+  const Stats& stats() {
+    settle();
+    return stats_;
+  }
   void reset_stats();
 
   const ir::Graph& graph() const { return *graph_; }
-  // Throws c10::Error naming the first violated invariant.
-  void check_invariants() const;
+  // Bumped by every change of the graph's structure (a graft): a copy of graph() taken at the same
+  // revision is current.
+  uint64_t graph_revision() const { return grafts_.size(); }
+  // Settles pending mutations, then throws c10::Error naming the first violated invariant (and the
+  // set it concerns: dirty, structural_dirty, baseline_stale, overlay, pinned, revision, ...).
+  void check_invariants();
 
  private:
+  friend struct EngineTestPeer;  // tests/cpp: corrupts one set at a time to see check_invariants name it
+
+  // What a mutation leaves to the one invalidation rule (see "Mutations" above), recorded with
+  // the state it depends on at the time it was applied.
+  struct Mutation {
+    bool under_patch = false;       // patches were active: new values are not baselines
+    std::vector<int64_t> fresh;     // new nodes (a grafted block): invalid, never computed
+    std::vector<int64_t> recompute; // invalid themselves, recomputed without cutoff, cones too
+    std::vector<int64_t> changed;   // valid, changed values: their strict cones are invalid
+    std::vector<int64_t> retired;   // cached values that are no function of the current graph
+    std::vector<int64_t> rewired;   // graft consumers w: every node of D(w) is retired too
+  };
+  // Records `m`; outside a batch, settles it at once.
+  void apply(Mutation m);
+  // Runs every pending mutation's invalidation, in order (also rekeys the dirty set after grafts).
+  void settle();
+  void invalidate(const Mutation& m);
+  // A cached value found written in place: recomputed, never revived by restore() (I8, I11).
+  void retire_written(int64_t id);
+
   struct Baseline {
     c10::IValue value;
     uint64_t changed_at = 0;
@@ -198,6 +266,8 @@ class Engine {
     std::unordered_map<int64_t, JournalEntry> journal;
     std::vector<int64_t> pinned_before;
     std::vector<int64_t> overlay_added;
+    std::set<int64_t> structural_before;      // structural_dirty_ at begin_transaction()
+    std::set<int64_t> baseline_stale_before;  // baseline_stale_ at begin_transaction()
   };
 
   struct NodeState {
@@ -218,7 +288,10 @@ class Engine {
   void bind(int64_t id);
   void mark_invalid(int64_t id);
   void invalidate_users(int64_t id);  // strict cone, stops at invalid or pinned nodes
-  std::vector<int64_t> structural_cone(int64_t id) const;  // D(id), ignoring validity and pins
+  // Walks the users reachable from `seed` (never the output node): enter(u) says whether to go on
+  // through u. Every cone the engine takes is one of these walks.
+  template <class Enter>
+  void walk_users(int64_t seed, Enter&& enter) const;
   // V+(seed) by stable id; with stop_at_pins, only through unpinned countable nodes (what a patch invalidates).
   std::set<int64_t> downstream(int64_t seed, bool stop_at_pins) const;
   void evaluate(int64_t id);
@@ -236,6 +309,14 @@ class Engine {
   runtime::ValueSlots values_;     // by stable id
   std::vector<int64_t> versions_;  // by stable id: tensor version counter when stored, -1 if untracked
   std::optional<Transaction> txn_;
+  std::vector<Mutation> pending_;  // I14: only inside a batch
+  bool rekey_pending_ = false;     // a graft shifted topological indices: rekey dirty_ when settling
+  // Grafts applied so far (their countable nodes), in order; their count names the next block.
+  struct Graft {
+    std::vector<int64_t> nodes;
+    uint64_t revision = 0;
+  };
+  std::vector<Graft> grafts_;
   struct PatchPlan {
     std::vector<int64_t> order;                 // the cone's countable nodes, topological order
     std::vector<std::vector<int64_t>> release;  // after order[i]: values read for the last time
@@ -245,6 +326,31 @@ class Engine {
   std::unordered_map<int64_t, PatchPlan> plans_;  // by patched node; dropped by grafts
   uint64_t pins_version_ = 0;                     // bumped whenever the pin set changes
   const PatchPlan& plan_for(int64_t id);
+  // Evaluating a patched cone in place (evaluate_patched, evaluate_patched_rows): checks the values
+  // the cone reads from outside it (I8), holds the cone's cached values and the site's aside, puts
+  // `value` at the site, and puts everything back when it goes out of scope, on success or error.
+  class HeldCone {
+   public:
+    HeldCone(Engine& engine, int64_t site, const PatchPlan& plan, c10::IValue value);
+    ~HeldCone();
+    HeldCone(const HeldCone&) = delete;
+    HeldCone& operator=(const HeldCone&) = delete;
+    const c10::IValue& cached(size_t i) const { return saved_[i]; }  // plan.order[i]'s cached value
+
+   private:
+    Engine& engine_;
+    const int64_t site_;
+    const PatchPlan& plan_;
+    std::vector<c10::IValue> saved_;
+    c10::IValue saved_site_;
+    at::AutoDispatchBelowAutograd no_autograd_;  // graph values are data, never autograd history
+  };
+  // One execution of node st's kernel (or `compute`, for the row paths) for the ledger (I7): a
+  // fraction `rows` of its rows, costing `cost_fraction` of its estimate.
+  void count_evaluation(NodeState& st, double rows = 1.0, double cost_fraction = 1.0);
+  // Rethrows an error from evaluating `st`, naming the node (and `where`, e.g. its rows).
+  [[noreturn]] static void rethrow_evaluating(const NodeState& st, const std::exception& e,
+                                              const std::string& where = "");
   // Token-granular plan for one patched node and one set of read rows (rows.cpp).
   struct RowInput {
     int64_t slot = -1;
@@ -277,8 +383,6 @@ class Engine {
   std::optional<passes::SeqAxisAnalysis> seq_;
   bool positions_ = false;
   int64_t seq_dim_ = 1;
-  std::set<int64_t> txn_structural_;      // structural_dirty_ at begin_transaction()
-  std::set<int64_t> txn_baseline_stale_;  // baseline_stale_ at begin_transaction()
   std::unordered_map<const ir::Node*, int64_t> ids_;
   std::set<std::pair<int64_t, int64_t>> dirty_;  // (topological index, id)
   // Baseline (value, changed_at) of every node written while patched; restore puts both back, so
@@ -294,7 +398,6 @@ class Engine {
   int batch_depth_ = 0;
   bool cutoff_ = false;
   bool has_run_ = false;
-  int64_t graft_counter_ = 0;
 };
 
 }  // namespace torch_ext::reactive

@@ -211,6 +211,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
                                                        const std::vector<int64_t>& read_rows,
                                                        const std::vector<std::vector<int64_t>>& read_cols) {
   const int64_t id = id_of(name);
+  settle();
   TORCH_CHECK(positions_, "evaluate_patched_rows %", name, ": positions are off (set_positions(true) first)");
   TORCH_CHECK(pinned_.empty(), "evaluate_patched_rows %", name, ": standing patches are active at ", pinned_.size(),
               " nodes; use evaluate_patched or patch()/demand()");
@@ -226,23 +227,13 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
   if (p >= rp.source_length) return evaluate_patched(name, std::move(value));
   const PatchPlan& plan = plan_for(id);
   const auto& out_args = graph_->output()->args()[0].list;
-  for (int64_t in : plan.external) check_intact(in);  // I8: never compute from a written value
-  at::AutoDispatchBelowAutograd no_autograd;
-  std::vector<c10::IValue> saved;
-  saved.reserve(plan.order.size());
-  for (int64_t n : plan.order) saved.push_back(values_[n]);
-  c10::IValue saved_site = std::move(values_[id]);
-  values_[id] = std::move(value);
+  HeldCone held(*this, id, plan, std::move(value));  // the cone's cached values, put back at the end
   std::vector<int64_t> start(plan.order.size(), 0);
+  // Inputs replaced by their rows for one node, put back before `held` puts the cone back.
   std::vector<std::pair<int64_t, c10::IValue>> swapped;
   auto put_inputs_back = [&]() {
     for (auto it = swapped.rbegin(); it != swapped.rend(); ++it) values_[it->first] = std::move(it->second);
     swapped.clear();
-  };
-  auto put_back = [&]() {
-    put_inputs_back();
-    for (size_t i = 0; i < plan.order.size(); ++i) values_[plan.order[i]] = std::move(saved[i]);
-    values_[id] = std::move(saved_site);
   };
   std::vector<c10::IValue> outs;
   try {
@@ -270,7 +261,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
         } else if (in_suffix) {
           TORCH_INTERNAL_ASSERT(start[ri.pos] == p, "token-granular cone: %", states_[ri.slot].node->name(),
                                 " is read whole but was computed from row ", start[ri.pos]);
-          repl = join_value(saved[ri.pos], values_[ri.slot], rp.steps[ri.pos].row_axis, p, p);
+          repl = join_value(held.cached(ri.pos), values_[ri.slot], rp.steps[ri.pos].row_axis, p, p);
         } else {
           continue;
         }
@@ -324,18 +315,13 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
           out = st.kernel->invoke(values_, stack_);
         }
       } catch (const std::exception& e) {
-        TORCH_CHECK(false, "while evaluating node %", st.node->name(), " on rows [", s, ", ", T, "): ",
-                    dynamic_cast<const c10::Error*>(&e) ? static_cast<const c10::Error&>(e).what_without_backtrace()
-                                                        : e.what());
+        rethrow_evaluating(st, e, " on rows [" + std::to_string(s) + ", " + std::to_string(T) + ")");
       }
       put_inputs_back();
       values_[n] = std::move(out);
       const double frac = step.suffix ? static_cast<double>(T - s) / static_cast<double>(T) : 1.0;
       const double col_frac = step.cols.empty() ? 1.0 : static_cast<double>(step.cols.size()) / static_cast<double>(step.width);
-      ++st.evaluations;
-      ++stats_.evaluations;
-      stats_.cost += st.cost * frac * col_frac;
-      stats_.row_evaluations += frac;
+      count_evaluation(st, frac, col_frac);
       for (int64_t r : plan.release[i]) values_[r] = c10::IValue();  // last use: free, as the executor does
     }
     // Outputs computed on a suffix: cached rows [0, p), NaN for rows no declared read reaches, new rows.
@@ -347,14 +333,14 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
       const size_t i = pos->second;
       if (std::any_of(swapped.begin(), swapped.end(), [&](const auto& e) { return e.first == o; })) continue;
       swapped.emplace_back(o, std::move(values_[o]));
-      values_[o] = join_value(saved[i], swapped.back().second, rp.steps[i].row_axis, p, start[i]);
+      values_[o] = join_value(held.cached(i), swapped.back().second, rp.steps[i].row_axis, p, start[i]);
     }
     outs = runtime::output_values(out_args, [&](const ir::Node* n) -> const c10::IValue& { return values_[ids_.at(n)]; });
   } catch (...) {
-    put_back();
+    put_inputs_back();
     throw;
   }
-  put_back();
+  put_inputs_back();
   return outs;
 }
 

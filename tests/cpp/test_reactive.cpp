@@ -10,6 +10,7 @@
 #include "test_util.h"
 
 #include <algorithm>
+#include <functional>
 #include <numeric>
 
 using namespace torch_ext;
@@ -298,4 +299,120 @@ TEST(Reactive, HundredThousandMutationsWithoutDrift) {
   }
   EXPECT_EQ(e.stats().evaluations, predicted);
   e.check_invariants();
+}
+
+// Reaches the engine's private sets, so that each invariant of engine.h can be broken on purpose.
+namespace torch_ext::reactive {
+struct EngineTestPeer {
+  static auto& dirty(Engine& e) { return e.dirty_; }
+  static auto& structural_dirty(Engine& e) { return e.structural_dirty_; }
+  static auto& baseline_stale(Engine& e) { return e.baseline_stale_; }
+  static auto& overlay(Engine& e) { return e.overlay_; }
+  static auto& pinned(Engine& e) { return e.pinned_; }
+  static auto& revision(Engine& e) { return e.revision_; }
+  static auto& grafts(Engine& e) { return e.grafts_; }
+  static auto& stats(Engine& e) { return e.stats_; }
+  static auto& batch_depth(Engine& e) { return e.batch_depth_; }
+  static int64_t id(const Engine& e, const std::string& name) { return e.id_of(name); }
+};
+}  // namespace torch_ext::reactive
+
+namespace {
+
+using Peer = reactive::EngineTestPeer;
+
+// A 6-node chain that has run, with n2 patched and demanded when `patched`; `corrupt` breaks one set,
+// and check_invariants must then name it.
+std::string violation(bool patched, const std::function<void(reactive::Engine&)>& corrupt) {
+  auto g = ir::parse(chain_text(6));
+  reactive::Engine e(*g);
+  e.run({at::randn({4})});
+  if (patched) {
+    e.patch("n2", at::zeros({4}));
+    e.demand();
+  }
+  e.check_invariants();
+  corrupt(e);
+  return error_of([&] { e.check_invariants(); });
+}
+
+}  // namespace
+
+TEST(ReactiveInvariants, EverySetIsChecked) {
+  auto has = [](const std::string& msg, const std::string& what) {
+    return msg.find(what) != std::string::npos ? ::testing::AssertionSuccess()
+                                               : ::testing::AssertionFailure() << "'" << msg << "' lacks " << what;
+  };
+  // I2: a valid node's entry in the dirty set, or an invalid node missing from it.
+  EXPECT_TRUE(has(violation(false, [](auto& e) { Peer::dirty(e).insert({3, Peer::id(e, "n2")}); }), "I2 dirty"));
+  EXPECT_TRUE(has(violation(false,
+                            [](auto& e) {
+                              e.patch("n1", at::ones({4}));
+                              Peer::dirty(e).clear();
+                            }),
+                  "I2 dirty"));
+  // I11: a valid node in structural_dirty_ would be revived by restore() with its old function's value.
+  EXPECT_TRUE(has(violation(false, [](auto& e) { Peer::structural_dirty(e).insert(Peer::id(e, "n4")); }),
+                  "I11 structural_dirty node %n4 is valid"));
+  // I12: baseline_stale_ with no patch active, or holding no node.
+  EXPECT_TRUE(has(violation(false, [](auto& e) { Peer::baseline_stale(e).insert(Peer::id(e, "n4")); }),
+                  "I12 baseline_stale holds 1 nodes with no patch active"));
+  EXPECT_TRUE(has(violation(true, [](auto& e) { Peer::baseline_stale(e).insert(99); }),
+                  "I12 baseline_stale holds 99, which is no node"));
+  // I6 / I10: the overlay and the pin list.
+  EXPECT_TRUE(has(violation(false, [](auto& e) { Peer::overlay(e)[Peer::id(e, "n3")]; }), "I6 overlay"));
+  EXPECT_TRUE(has(violation(true, [](auto& e) { Peer::overlay(e).erase(Peer::id(e, "n2")); }),
+                  "I10 pinned invariant violated at %n2"));
+  EXPECT_TRUE(has(violation(true, [](auto& e) { Peer::pinned(e).push_back(Peer::id(e, "n2")); }),
+                  "I10 pinned list out of sync"));
+  // I13: revisions and the graft record.
+  EXPECT_TRUE(has(violation(true, [](auto& e) { Peer::revision(e) = 0; }), "I13 revision"));
+  EXPECT_TRUE(has(violation(false, [](auto& e) { Peer::grafts(e).push_back({{Peer::id(e, "x")}, 1}); }),
+                  "I13 grafts"));
+  // I7 and I14: the ledger and the batch depth.
+  EXPECT_TRUE(has(violation(false, [](auto& e) { ++Peer::stats(e).evaluations; }), "I7 ledger"));
+  EXPECT_TRUE(has(violation(false, [](auto& e) { Peer::batch_depth(e) = -1; }), "I14 pending"));
+}
+
+// cost-model.md, batch mode (issue #10's case): five 3-node blocks grafted after nodes 220, 95, 260, 40
+// and 150 of a 300-node chain, in that order, inside one batch. Nothing is invalidated before the batch
+// ends; then one demand costs |U D0(w_k)| + sum h_k = |D0(n41)| + 15 = 260 + 15.
+TEST(Reactive, BatchDefersInvalidationAndCostsTheBatchFormula) {
+  const at::Tensor x = at::randn({4});
+  const auto block = block_of(3);
+  auto g = ir::parse(chain_text(300));
+  reactive::Engine e(*g);
+  e.run({x});
+  e.begin_batch();
+  for (int site : {220, 95, 260, 40, 150})
+    e.graft("n" + std::to_string(site), "n" + std::to_string(site + 1), *block, {});
+  EXPECT_EQ(e.num_pending(), 5);
+  EXPECT_TRUE(Peer::dirty(e).empty()) << "invalidation waits for the end of the batch";
+  e.end_batch();
+  EXPECT_EQ(e.num_pending(), 0);
+  EXPECT_EQ(e.num_dirty(), 260 + 15);
+  EXPECT_EQ(evals_of_demand(e), 260 + 5 * 3);
+  EXPECT_TRUE(at::equal(e.demand()[0].toTensor(), full_recompute(e.graph(), x)));
+}
+
+TEST(Reactive, AReadInsideABatchSettlesIt) {
+  auto g = ir::parse(chain_text(10));
+  reactive::Engine e(*g);
+  e.run({at::randn({4})});
+  e.begin_batch();
+  e.begin_batch();  // batches nest: only the outermost end settles
+  e.patch("n7", at::zeros({4}));
+  e.graft("n2", "n3", *block_of(1), {});
+  EXPECT_EQ(e.num_pending(), 2);
+  EXPECT_FALSE(e.is_valid("n9"));  // a read sees the state of the mutations applied one by one
+  EXPECT_EQ(e.num_pending(), 0);
+  EXPECT_EQ(e.num_dirty(), 1 + 4 + 3);  // the block, n3..n6, n8..n10 (n7 is pinned)
+  e.patch("n1", at::ones({4}));
+  e.end_batch();
+  EXPECT_EQ(e.num_pending(), 1);
+  e.end_batch();
+  EXPECT_EQ(e.num_pending(), 0);
+  EXPECT_NE(error_of([&] { e.end_batch(); }).find("end_batch without begin_batch"), std::string::npos);
+  e.check_invariants();
+  EXPECT_EQ(evals_of_demand(e), 1 + 1 + 4 + 3);  // n2 too, below n1's patch
 }
