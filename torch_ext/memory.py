@@ -384,15 +384,15 @@ def _node_refs(args) -> set:
 
 def _forward_nodes(nodes: list) -> set:
     """Call nodes the loss (output 0) depends on."""
-    by_name = {n["name"]: n for n in nodes}
-    loss = nodes[-1]["args"][0][0].name
+    by_name = {n.name: n for n in nodes}
+    loss = nodes[-1].args[0][0].name
     forward, work = set(), [loss]
     while work:
         n = work.pop()
-        if n in forward or by_name[n]["kind"] != "call":
+        if n in forward or by_name[n].kind != "call":
             continue
         forward.add(n)
-        work.extend(_node_refs(list(by_name[n]["args"]) + [v for _, v in by_name[n]["kwargs"]]))
+        work.extend(_node_refs(list(by_name[n].args) + [v for _, v in by_name[n].kwargs]))
     return forward
 
 
@@ -400,12 +400,12 @@ def _separate_planning(plan: dict, step_graph_nodes: list, persistent: int) -> t
     """Forward, backward and update planned each on its own; their peaks added."""
     order = plan["order"]
     pos = {n: i for i, n in enumerate(order)}
-    by_name = {n["name"]: n for n in step_graph_nodes}
+    by_name = {n.name: n for n in step_graph_nodes}
     forward = _forward_nodes(step_graph_nodes)
     part_of = {}
     for n in order:
         part_of[n] = ("forward" if n in forward else
-                      "update" if by_name[n]["module_path"] == "optimizer" else "backward")
+                      "update" if by_name[n].module_path == "optimizer" else "backward")
     parts = {}
     total = 0
     for part in ("forward", "backward", "update"):

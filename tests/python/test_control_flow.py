@@ -112,8 +112,8 @@ def test_text_round_trip_and_graph_module(name):
     state = {**ep.state_dict, **ep.constants}
     for inp in inputs:
         it = iter(inp)
-        flat = [next(it) if n["role"] == "input" else state[n["state_name"]]
-                for n in g.nodes() if n["kind"] == "placeholder"]
+        flat = [next(it) if n.role == "input" else state[n.state_name]
+                for n in g.nodes() if n.kind == "placeholder"]
         got = gm(*flat)
         ref = ep.module()(*inp)
         for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(ref)):
@@ -134,7 +134,7 @@ def test_reactive_patch_that_flips_the_predicate():
     model, inputs = CASES["cond_mlp"]
     rg = torch_ext.ReactiveGraph(model, inputs[0])
     cond = [n for n in rg.nodes() if n.startswith("cond")][0]
-    pred = Graph.parse(str(rg.graph)).node(cond)["args"][0].name
+    pred = Graph.parse(str(rg.graph)).node(cond).args[0].name
     clean = rg.demand()
     flip = ~rg.value(pred)
     rg.reset_stats()

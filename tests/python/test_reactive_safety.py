@@ -202,8 +202,8 @@ def test_writing_into_a_returned_value_is_detected_and_repaired(resid):
     rg.value(t0).zero_()
     with pytest.raises(RuntimeError, match=t0):
         rg.check_invariants()
-    add0 = rg._engine.node(t0)["users"][0]
-    other = [a.name for a in rg._engine.node(add0)["args"] if isinstance(a, torch_ext._C.NodeRef) and a.name != t0][0]
+    add0 = rg.graph.node(t0).users[0]
+    other = [a.name for a in rg.graph.node(add0).args if isinstance(a, torch_ext._C.NodeRef) and a.name != t0][0]
     rg.graft(other, add0, lambda t: t * 1.0)
     with pytest.raises(RuntimeError, match=t0):
         rg.demand()
