@@ -237,7 +237,7 @@ def part0(repeats: int, sizes: list[int], linear_max: int, n: int = 160, every: 
             sites = [nodes[i - 1] for i in site_idx]
             pre = {s: rg.value(s) * 0.5 for s in sites}
             extra = [model.lin.weight.detach(), model.lin.bias.detach()] if op == "linear+gelu" else []
-            executors = {s: _C.Executor(Graph.parse(_grid_full_graph(op, d, n, i))._g) for s, i in zip(sites, site_idx)}
+            executors = {s: torch_ext.Executor(Graph.parse(_grid_full_graph(op, d, n, i))) for s, i in zip(sites, site_idx)}
             results = {}
 
             def reactive():
@@ -245,7 +245,7 @@ def part0(repeats: int, sizes: list[int], linear_max: int, n: int = 160, every: 
                                                       progress=False)
 
             def full():
-                results["full"] = {s: float(executors[s].run([x, pre[s], *extra])[0].sum()) for s in sites}
+                results["full"] = {s: float(executors[s](x, pre[s], *extra)[0].sum()) for s in sites}
 
             with torch.no_grad():
                 med = interleaved({"full": full, "reactive": reactive}, repeats)

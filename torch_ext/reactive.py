@@ -441,6 +441,18 @@ class ReactiveGraph:
         """V+(node): the strict downstream cone, as node names."""
         return set(self._engine.cone(self.resolve(node)))
 
+    def patched(self) -> list[str]:
+        """The nodes holding a patch now (what ``restore()`` undoes); ``[]`` when none does."""
+        return list(self._engine.pinned())
+
+    def node_cost(self, node: str) -> float:
+        """Estimated FLOPs of evaluating ``node`` once (the unit of ``stats["cost"]``)."""
+        return self._engine.node_cost(self.resolve(node))
+
+    def cone_cost(self, node: str) -> float:
+        """C(V+(node)): estimated FLOPs of recomputing the strict cone once (docs/cost-model-positions.md)."""
+        return self._engine.cone_cost(self.resolve(node))
+
     def _cone_size(self, node: str) -> int:
         """|V+(node)|, cached until the graph changes (a graft, another input shape)."""
         cache = self.__dict__.get("_cone_sizes")

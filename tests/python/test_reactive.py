@@ -14,6 +14,9 @@ substituted (``reference``) and, where no patch is active, a fresh ``_C.Engine``
 
 Section 6 keeps the minimal repros of engine bugs fixed since (regression tests; the random-mutation
 property tests cover the same patterns).
+
+A test of internals (marked ``internals``): most tests drive ``_C.Engine`` on parsed IR directly, and
+the ReactiveGraph ones compare against the engine behind it (``rg._engine``).
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ from torch_ext import _C
 from torch_ext import synthetic
 from torch_ext._compat import export_joint
 from torch_ext.ir import Graph
+
+pytestmark = pytest.mark.internals
 
 # ---------------------------------------------------------------------------------------------
 # text IR builders

@@ -23,7 +23,6 @@ import torch
 import torch.utils._pytree as pytree
 
 import torch_ext
-from torch_ext import _C
 from torch_ext._compat import export_joint
 from torch_ext.ir import Graph
 
@@ -257,4 +256,4 @@ def test_joint_executor(export_cache, name):
     ref, flat = _run_graph_module(g, ep, inputs)
     n_fwd = len(_user_output_indices(ep))
     assert_bit_exact(ex(*inputs), tuple(ref[:n_fwd]))
-    assert_bit_exact(_C.Executor(g._g).run(flat), ref, "flat joint outputs")
+    assert_bit_exact(torch_ext.Executor(g)(*flat), ref, "flat joint outputs")
