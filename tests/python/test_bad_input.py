@@ -167,7 +167,7 @@ def test_unbindable_graph(text, pattern):
 
 
 def test_constant_in_tensor_list_is_rejected_at_bind_time():
-    # In a subprocess: the current behaviour is an out-of-bounds read, which may crash.
+    # In a subprocess: without the bind-time check this was an out-of-bounds read, which may crash.
     code = textwrap.dedent(f"""
         import torch, torch_ext
         from torch_ext.ir import Graph

@@ -701,7 +701,7 @@ class Runner:
 
     def rerun(self):
         """run() with the same inputs, no patch active: re-baselines, N evaluations (or cutoffs)."""
-        assert not self.model.pins, "run() under a patch with cutoff keeps the patched value (known bug 6)"
+        assert not self.model.pins, "rerun() models run() with no patch active (run() under a patch: test_bug_cutoff_run_keeps_patch)"
         before = self.counts()
         g = Graph(self.eng.graph())
         self.eng.run(self.model.ref_inputs(g))
