@@ -194,9 +194,8 @@ py::dict node_to_py(const ir::Node& n) {
     d["state_name"] = n.state_name();
   }
   if (n.kind() == ir::NodeKind::Call) d["target"] = n.target().str();
-  py::list regions;
-  for (const auto& r : n.regions()) regions.append(std::shared_ptr<ir::Graph>(r->clone()));
-  d["regions"] = regions;
+  // Only the count: a region is cloned when torch_ext.ir.Node.regions is first read (Graph.regions).
+  d["num_regions"] = n.regions().size();
   py::list args;
   for (const auto& a : n.args()) args.append(arg_to_py(a));
   d["args"] = args;
@@ -336,10 +335,19 @@ PYBIND11_MODULE(_C, m) {
              for (const auto& n : g.nodes()) out.append(node_to_py(*n));
              return out;
            })
-      .def("node", [](const ir::Graph& g, const std::string& name) {
+      .def("node",
+           [](const ir::Graph& g, const std::string& name) {
+             const ir::Node* n = g.find(name);
+             TORCH_CHECK(n != nullptr, "no node named %", name);
+             return node_to_py(*n);
+           })
+      // Copies, so that a view of a region outlives any later edit of this graph.
+      .def("regions", [](const ir::Graph& g, const std::string& name) {
         const ir::Node* n = g.find(name);
         TORCH_CHECK(n != nullptr, "no node named %", name);
-        return node_to_py(*n);
+        std::vector<std::shared_ptr<ir::Graph>> out;
+        for (const auto& r : n->regions()) out.push_back(std::shared_ptr<ir::Graph>(r->clone()));
+        return out;
       });
 
   py::class_<runtime::Executor, std::shared_ptr<runtime::Executor>>(m, "Executor")

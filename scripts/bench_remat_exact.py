@@ -32,11 +32,11 @@ def peak_of(g) -> int:
 def candidates(g) -> list[str]:
     out = []
     for n in g.nodes():
-        if n["kind"] != "call" or n["target"] in ("getitem",):
+        if n.kind != "call" or n.target in ("getitem",):
             continue
         try:
-            _C.rematerialize(g.clone()._g, [n["name"]])
-            out.append(n["name"])
+            _C.rematerialize(g.clone()._g, [n.name])
+            out.append(n.name)
         except RuntimeError:
             pass
     return out

@@ -140,7 +140,7 @@ def bench_mlp(repeats: int):
     N = rg.num_nodes
     values = {s: torch.zeros_like(rg.value(s)) for s in sites}
     predicted = sum(len(rg.cone(s)) for s in sites)
-    user = [n["name"] for n in rg.graph.nodes() if n["kind"] == "placeholder" and n["role"] == "input"]
+    user = [n.name for n in rg.graph.nodes() if n.kind == "placeholder" and n.role == "input"]
     return (f"MLP: {depth} x (Linear({width},{width}) + ReLU), batch {batch}, every layer output a site",
             rg._engine, sites, values, user, N, predicted)
 
@@ -237,7 +237,7 @@ def part0(repeats: int, sizes: list[int], linear_max: int, n: int = 160, every: 
             sites = [nodes[i - 1] for i in site_idx]
             pre = {s: rg.value(s) * 0.5 for s in sites}
             extra = [model.lin.weight.detach(), model.lin.bias.detach()] if op == "linear+gelu" else []
-            executors = {s: _C.Executor(Graph.parse(_grid_full_graph(op, d, n, i))._g) for s, i in zip(sites, site_idx)}
+            executors = {s: torch_ext.Executor(Graph.parse(_grid_full_graph(op, d, n, i))) for s, i in zip(sites, site_idx)}
             results = {}
 
             def reactive():
@@ -245,7 +245,7 @@ def part0(repeats: int, sizes: list[int], linear_max: int, n: int = 160, every: 
                                                       progress=False)
 
             def full():
-                results["full"] = {s: float(executors[s].run([x, pre[s], *extra])[0].sum()) for s in sites}
+                results["full"] = {s: float(executors[s](x, pre[s], *extra)[0].sum()) for s in sites}
 
             with torch.no_grad():
                 med = interleaved({"full": full, "reactive": reactive}, repeats)
@@ -428,7 +428,7 @@ def part3(repeats: int) -> None:
     identical = sum(same.values())
     sites = [(n, p) for n in resid for p in range(T)]
     # Ideal cutoff cost: an identical value costs its direct consumers only; a changed one its cone.
-    consumers = {n: len([u for u in rg.graph.node(n)["users"] if u != "output"]) for n in resid}
+    consumers = {n: len([u for u in rg.graph.node(n).users if u != "output"]) for n in resid}
     ideal = sum(consumers[n] if same[(n, p)] else len(rg.cone(n)) for n, p in sites)
 
     def patch(value, site):

@@ -93,8 +93,8 @@ def run(text):
     g = _C.Graph.parse(text)
     g.verify()
     ex = _C.Executor(g)
-    nodes = g.nodes()
-    types = [n["type"] for n in nodes if n["kind"] == "placeholder"]
+    nodes = torch_ext.ir.Graph(g).nodes()
+    types = [n.type for n in nodes if n.kind == "placeholder"]
     if sum(input_bytes(t) for t in types) > MAX_INPUT_BYTES:
         return "verified (inputs too big to run)"
     # Verified types are exact, so they bound what running costs: skip graphs whose values
@@ -102,7 +102,7 @@ def run(text):
     def total(t):
         return sum(total(e) for e in t[1]) if t[0] == "tuple" else input_bytes(t)
     def graph_bytes(nodes):
-        return sum(total(n["type"]) + sum(graph_bytes(r.nodes()) for r in n["regions"]) for n in nodes)
+        return sum(total(n.type) + sum(graph_bytes(r.nodes()) for r in n.regions) for n in nodes)
     if graph_bytes(nodes) > 8 * MAX_INPUT_BYTES:
         return "verified (values too big to run)"
     if any(t[0] == "tensor" and t[4] != "cpu" for t in types):

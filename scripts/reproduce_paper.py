@@ -66,14 +66,14 @@ class Structure:
         self.order, self.kind, self.parents = [], {}, {}
         self.children = defaultdict(list)
         for n in nodes:
-            if n["kind"] == "output":
+            if n.kind == "output":
                 continue
-            refs = list(dict.fromkeys(r for a in list(n["args"]) + [v for _, v in n["kwargs"]] for r in _refs(a)))
-            self.order.append(n["name"])
-            self.kind[n["name"]] = n["kind"]
-            self.parents[n["name"]] = refs
+            refs = list(dict.fromkeys(r for a in list(n.args) + [v for _, v in n.kwargs] for r in _refs(a)))
+            self.order.append(n.name)
+            self.kind[n.name] = n.kind
+            self.parents[n.name] = refs
             for p in refs:
-                self.children[p].append(n["name"])
+                self.children[p].append(n.name)
         self.countable = [v for v in self.order if self.kind[v] == "call"]
 
     def _bfs(self, s, edges):
@@ -315,7 +315,7 @@ def e5() -> None:
         sig = rg.program.graph_signature
         loss = next(sp.arg.name for sp in sig.output_specs if sp.kind.name == "LOSS_OUTPUT")
         grads = {sp.arg.name for sp in sig.output_specs if sp.kind.name == "GRADIENT_TO_PARAMETER"}
-        sites = [v for v in s.countable if rg.graph.node(v)["target"] == "aten::tanh.default"]
+        sites = [v for v in s.countable if rg.graph.node(v).target == "aten::tanh.default"]
         N = rg.num_nodes
         per = []
         for v in sites:
@@ -444,7 +444,7 @@ def e9(repeats: int) -> None:
     N = rg.num_nodes
     attn = [rg.nodes(f"blocks.{i}.attn.proj")[0] for i in range(L)]
     mlp = [rg.nodes(f"blocks.{i}.mlp.2")[0] for i in range(L)]
-    sdpa = [v for v in rg.nodes() if rg.graph.node(v)["target"] == "aten::scaled_dot_product_attention.default"]
+    sdpa = [v for v in rg.nodes() if rg.graph.node(v).target == "aten::scaled_dot_product_attention.default"]
     check(len(sdpa) == L, "E9 one attention node per layer")
     print(f"L={L} H={H} d_model={d} seq={T} batch={B}; N = {N} countable nodes. Sites picked with rg.nodes(glob on")
     print("the module path): 'blocks.i.attn.proj' (attention output), 'blocks.i.mlp.2' (MLP output); the per-head")

@@ -274,7 +274,7 @@ def _batches(example, batches, n):
 
 
 def _num_ops(step) -> int:
-    return sum(1 for n in step.graph.nodes() if n["kind"] == "call")
+    return sum(1 for n in step.graph.nodes() if n.kind == "call")
 
 
 # ---------------------------------------------------------------- plots
@@ -434,14 +434,14 @@ def _demo(args) -> int:
 
 def _residual_labels(rg, resid: list) -> dict:
     """'add_1 (after blocks.0.attn.proj)': a residual add named by the module that wrote into it."""
-    info = {n["name"]: n for n in rg.graph.nodes()}
+    info = {n.name: n for n in rg.graph.nodes()}
     labels = {}
     for n in resid:
-        args = [str(a).lstrip("%") for a in info[n]["args"]]
+        args = [str(a).lstrip("%") for a in info[n].args]
         if not any(a in resid for a in args):
             labels[n] = f"{n} (embeddings)"
             continue
-        writer = next((info[a]["module_path"] for a in args if a not in resid and a in info), "")
+        writer = next((info[a].module_path for a in args if a not in resid and a in info), "")
         labels[n] = f"{n} (after {writer})" if writer else n
     return labels
 
@@ -666,13 +666,13 @@ def _sweep(args) -> int:
         raise UserError("sweep feeds example_batch[0] to the model: it must be a tensor")
     with args.status.stage("exporting the model for the reactive engine"):
         rg = torch_ext.ReactiveGraph(model, (example[0],))
-    info = {n["name"]: n for n in rg.graph.nodes()}
+    info = {n.name: n for n in rg.graph.nodes()}
     nodes = [n for n in rg.nodes(args.sites) if isinstance(rg.value(n), torch.Tensor)]
     if not nodes:
         raise UserError(f"no tensor node matches --sites {args.sites!r}; list them with "
                         f"`torch-ext sweep {args.model} --list`")
     if args.list:
-        rows = [(n, info[n]["module_path"] or "-", info[n]["target"], "x".join(map(str, rg.value(n).shape)) or "scalar",
+        rows = [(n, info[n].module_path or "-", info[n].target, "x".join(map(str, rg.value(n).shape)) or "scalar",
                  len(rg.cone(n))) for n in nodes]
         if args.json:
             _emit_json({"sites": [dict(zip(("node", "module_path", "op", "shape", "cone"), r)) for r in rows]})
@@ -722,13 +722,13 @@ def _sweep(args) -> int:
     with _stage_unless_bar(args, what):
         result = torch_ext.sweep(rg, sites, patch, metric, progress=_bars(args), batch_sites=args.batched,
                                  positions=not args.no_positions)
-    labels = {n: f"{n} ({info[n]['module_path'] or '-'})" for n in nodes}
+    labels = {n: f"{n} ({info[n].module_path or '-'})" for n in nodes}
     if args.plot:
         what = f"{args.patch}-ablation of {'one position of ' if args.positions else ''}each node"
         _save(sweep_figure(result, f"{args.model}: {args.metric} of {out_name!r} after {what}", labels,
                            "position (dimension 1)", clean_metric), args.plot)
     records = [{"node": s[0] if isinstance(s, tuple) else s,
-                "module_path": info[s[0] if isinstance(s, tuple) else s]["module_path"],
+                "module_path": info[s[0] if isinstance(s, tuple) else s].module_path,
                 **({"position": s[1]} if isinstance(s, tuple) else {}), "metric": v}
                for s, v in result.metrics.items()]
     if args.json:

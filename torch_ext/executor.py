@@ -14,11 +14,21 @@ class Executor:
     Parameters, buffers and constants are read from ``ep`` (copied once). Buffers that the
     program mutates in place (BatchNorm running statistics in train mode) are updated in the
     executor's own copy, as ``ep.module()`` updates its buffers.
+
+    ``Executor(graph)`` with a ``torch_ext.ir.Graph`` (parsed IR text, say) takes every placeholder
+    as a flat positional input, in graph order, and returns the flat list of outputs; binding
+    problems raise here, input problems when called, each naming the node.
     """
 
-    def __init__(self, ep: torch.export.ExportedProgram):
+    def __init__(self, ep: "torch.export.ExportedProgram | Graph"):
+        if isinstance(ep, Graph):
+            self.graph = ep
+            self._ex = _C.Executor(ep._g)
+            self._slots = None  # flat: no signature, no state
+            return
         if not isinstance(ep, torch.export.ExportedProgram):
-            raise TypeError(f"Executor expects a torch.export.ExportedProgram, got {type(ep).__name__}")
+            raise TypeError(f"Executor expects a torch.export.ExportedProgram, got {type(ep).__name__} "
+                            "(or a torch_ext.ir.Graph)")
         self.graph = Graph.from_exported(ep)
         self._ex = _C.Executor(self.graph._g)
         self._in_spec = ep.call_spec.in_spec
@@ -42,6 +52,10 @@ class Executor:
                               if spec.kind.name in ("USER_OUTPUT", "LOSS_OUTPUT")]
 
     def __call__(self, *args, **kwargs):
+        if self._slots is None:
+            if kwargs:
+                raise TypeError(f"an Executor over an ir.Graph takes positional inputs only, got keywords {sorted(kwargs)}")
+            return self._ex.run(list(args))
         flat, spec = pytree.tree_flatten((args, kwargs))
         if self._in_spec is not None and spec != self._in_spec:
             raise TypeError(f"inputs do not match the exported signature: expected {self._in_spec}, got {spec}")

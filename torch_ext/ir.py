@@ -5,6 +5,8 @@ The importer only translates FX nodes to IR nodes; it performs no graph transfor
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -134,6 +136,42 @@ def _fake_of(t):
     return None
 
 
+@dataclass(frozen=True, eq=False)
+class Node:
+    """A read-only view of one IR node, as it was when ``Graph.nodes()`` / ``Graph.node()`` read it.
+
+    ``args`` hold ``_C.NodeRef`` (a reference by name), Python scalars and strings, lists, and
+    ``_C.Special`` constants (dtype, device, layout, memory format); ``type`` is the IR type as a tuple
+    (``("tensor", dtype, sizes, strides, device)``, ``("tuple", [...])``, ``("int",)`` ...).
+    """
+
+    kind: str  # "placeholder", "call" or "output"
+    name: str
+    type: tuple
+    module_path: str
+    target: str | None  # call nodes: "ns::op.overload" or "getitem"
+    role: str | None  # placeholders: "parameter", "buffer", "optimizer_state", "constant" or "input"
+    state_name: str | None  # placeholders: the state_dict key ("" for user inputs)
+    args: tuple
+    kwargs: tuple  # (name, arg) pairs, in call order
+    users: tuple  # names of the nodes that read this one, in graph order
+    num_regions: int
+    _source: Any = field(repr=False)  # the _C.Graph read, for the regions
+
+    @staticmethod
+    def _of(d: dict, source) -> "Node":
+        return Node(d["kind"], d["name"], d["type"], d["module_path"], d.get("target"), d.get("role"),
+                    d.get("state_name"), tuple(d["args"]), tuple(d["kwargs"]), tuple(d["users"]),
+                    d["num_regions"], source)
+
+    @cached_property
+    def regions(self) -> tuple["Graph", ...]:
+        """The branches / bodies a cond or while_loop owns; copied once, on first read, not per view."""
+        if not self.num_regions:
+            return ()
+        return tuple(Graph(r) for r in self._source.regions(self.name))
+
+
 class Graph:
     """A torch_ext IR graph (C++ owned)."""
 
@@ -230,11 +268,13 @@ class Graph:
         """Raises RuntimeError listing every structural or schema problem."""
         self._g.verify()
 
-    def nodes(self) -> list[dict]:
-        return self._g.nodes()
+    def nodes(self) -> list[Node]:
+        """Read-only views of every node, in graph order (the output node last)."""
+        return [Node._of(d, self._g) for d in self._g.nodes()]
 
-    def node(self, name: str) -> dict:
-        return self._g.node(name)
+    def node(self, name: str) -> Node:
+        """A read-only view of the node called ``name``; RuntimeError names it when there is none."""
+        return Node._of(self._g.node(name), self._g)
 
     def clone(self) -> "Graph":
         return Graph(self._g.clone())
@@ -242,39 +282,39 @@ class Graph:
     # ---- back to the ecosystem
     def to_graph_module(self) -> torch.fx.GraphModule:
         """A GraphModule taking every placeholder (lifted state and user inputs) as flat positional inputs."""
-        return _to_graph_module(self._g)
+        return _to_graph_module(self)
 
 
-def _to_graph_module(cgraph, scalar_output: bool = False) -> torch.fx.GraphModule:
+def _to_graph_module(graph: Graph, scalar_output: bool = False) -> torch.fx.GraphModule:
     root = torch.nn.Module()
     fx = torch.fx.Graph()
     env: dict[str, torch.fx.Node] = {}
-    for n in cgraph.nodes():
-        if n["kind"] == "placeholder":
-            node = fx.placeholder(n["name"])
-        elif n["kind"] == "call" and n["regions"]:
+    for n in graph.nodes():
+        if n.kind == "placeholder":
+            node = fx.placeholder(n.name)
+        elif n.kind == "call" and n.num_regions:
             subs = []
-            hop = _HIGHER_ORDER_BY_TARGET[n["target"]]
-            for i, region in enumerate(n["regions"]):
-                attr = f"{n['name']}_region{i}"
+            hop = _HIGHER_ORDER_BY_TARGET[n.target]
+            for i, region in enumerate(n.regions):
+                attr = f"{n.name}_region{i}"
                 # Some regions return a bare value in FX, not a tuple (a while_loop's condition).
                 setattr(root, attr, _to_graph_module(region, scalar_output=i in hop["bare_output_regions"]))
                 subs.append(fx.get_attr(attr))
-            args = [_arg_from_ir(a, env) for a in n["args"]]
+            args = [_arg_from_ir(a, env) for a in n.args]
             args = [tuple(a) if kind == "list" else a for a, (_, kind) in zip(args, hop["args"])]
             node = fx.call_function(hop["op"], tuple(subs[i] if kind == "region" else args[i]
                                                      for kind, i in hop["fx_args"]))
-            node.name = n["name"]
-        elif n["kind"] == "call":
-            args = tuple(_arg_from_ir(a, env) for a in n["args"])
-            kwargs = {k: _arg_from_ir(v, env) for k, v in n["kwargs"]}
-            node = fx.call_function(_resolve_target(n["target"]), args, kwargs)
-            node.name = n["name"]
+            node.name = n.name
+        elif n.kind == "call":
+            args = tuple(_arg_from_ir(a, env) for a in n.args)
+            kwargs = {k: _arg_from_ir(v, env) for k, v in n.kwargs}
+            node = fx.call_function(_resolve_target(n.target), args, kwargs)
+            node.name = n.name
         else:
-            outs = tuple(_arg_from_ir(a, env) for a in n["args"][0])
+            outs = tuple(_arg_from_ir(a, env) for a in n.args[0])
             fx.output(outs[0] if scalar_output and len(outs) == 1 else outs)
             continue
-        node.meta["val"] = _fake_of(n["type"])
-        env[n["name"]] = node
+        node.meta["val"] = _fake_of(n.type)
+        env[n.name] = node
     fx.lint()
     return torch.fx.GraphModule(root, fx)

@@ -140,8 +140,8 @@ class ReactiveGraph:
         single = (self._loss_output is None and len(self._user_outputs) == 1 and self._out_spec is not None
                   and self._out_spec.is_leaf())
         self._single_output = self._user_outputs[0] if single else None
-        self._module_paths = {n["name"]: n["module_path"] for n in self.graph.nodes()}
-        self._countable = [n["name"] for n in self.graph.nodes() if n["kind"] == "call"]
+        self._module_paths = {n.name: n.module_path for n in self.graph.nodes()}
+        self._countable = [n.name for n in self.graph.nodes() if n.kind == "call"]
         self._example_inputs = tuple(example_inputs) if example_inputs is not None else None
         self._last_inputs = None
         self._batched: dict[int, "_BatchedGraph"] = {}
@@ -399,7 +399,7 @@ class ReactiveGraph:
     def _apply_graft(self, src: str, dst: str, block: torch.nn.Module) -> list[str]:
         # The example comes from src's declared type, never its value: inside `batch()` nothing may be
         # evaluated before the demand (a value would compute stale ancestors now, and again later).
-        example = _empty_like_type(self._engine.node(src)["type"])
+        example = _empty_like_type(self._type_of(src))
         ep = _functional_program(torch.export.export(block, (example,)))
         random = _random_nodes(ep)
         if random:
@@ -451,6 +451,18 @@ class ReactiveGraph:
         """V+(node): the strict downstream cone, as node names."""
         return set(self._engine.cone(self.resolve(node)))
 
+    def patched(self) -> list[str]:
+        """The nodes holding a patch now (what ``restore()`` undoes); ``[]`` when none does."""
+        return list(self._engine.pinned())
+
+    def node_cost(self, node: str) -> float:
+        """Estimated FLOPs of evaluating ``node`` once (the unit of ``stats["cost"]``)."""
+        return self._engine.node_cost(self.resolve(node))
+
+    def cone_cost(self, node: str) -> float:
+        """C(V+(node)): estimated FLOPs of recomputing the strict cone once (docs/cost-model-positions.md)."""
+        return self._engine.cone_cost(self.resolve(node))
+
     def _cone_size(self, node: str) -> int:
         """|V+(node)|, cached until the graph changes (a graft, another input shape)."""
         cache = self.__dict__.get("_cone_sizes")
@@ -464,7 +476,7 @@ class ReactiveGraph:
         """Every node name (placeholders included), cached until the graph changes."""
         names = self.__dict__.get("_all_names")
         if names is None:
-            names = self._all_names = {n["name"] for n in self.graph.nodes()} | set(self._countable)
+            names = self._all_names = {n.name for n in self.graph.nodes()} | set(self._countable)
         return names
 
     def nodes(self, pattern: str | None = None) -> list[str]:
@@ -503,11 +515,15 @@ class ReactiveGraph:
         """The node's sequence axis by the analysis, or -1 (no axis, or positions off)."""
         return self._engine.seq_axis(self.resolve(node))
 
+    def _type_of(self, node: str) -> tuple:
+        """The IR type of one of the engine's nodes (its "unknown node" error names any other name)."""
+        return self._engine.node(node)["type"]
+
     def _output_nodes(self) -> list:
         """The node name of every flat output (None for a constant)."""
         cache = self.__dict__.get("_out_nodes")
         if cache is None or cache[0] is not self.graph:
-            outs = [a.name if isinstance(a, _C.NodeRef) else None for a in self.graph.nodes()[-1]["args"][0]]
+            outs = [a.name if isinstance(a, _C.NodeRef) else None for a in self.graph.nodes()[-1].args[0]]
             cache = self._out_nodes = (self.graph, outs)
         return cache[1]
 
@@ -534,7 +550,7 @@ class ReactiveGraph:
             node = outs[k]
             if node is None or not isinstance(index, tuple):
                 continue
-            t = self._engine.node(node)["type"]
+            t = self._type_of(node)
             if t[0] != "tensor" or len(index) != len(t[2]) or len(t[2]) < 2:
                 continue
             last = index[-1]
@@ -560,7 +576,7 @@ class ReactiveGraph:
         tagged = {}
         for k, node in enumerate(outs):
             axis = self._engine.seq_axis(node) if node is not None else -1
-            t = self._engine.node(node)["type"] if node is not None else None
+            t = self._type_of(node) if node is not None else None
             if axis < 0 or t is None or t[0] != "tensor":
                 flat.append(self._engine.value(node) if node is not None else None)
                 continue
@@ -626,7 +642,7 @@ class ReactiveGraph:
                 index = (index,)
             if axis < 0 or axis >= len(index):
                 continue
-            t = self._engine.node(node)["type"][2][axis]
+            t = self._type_of(node)[2][axis]
             sel = index[axis]
             if isinstance(sel, bool) or sel is Ellipsis or any(e is Ellipsis for e in index[:axis]):
                 raise ValueError(f"reads[{key!r}]: {index!r}: Ellipsis and bool indices are not supported")
@@ -767,8 +783,8 @@ def _node_inputs(n) -> list[str]:
             for e in a:
                 walk(e)
 
-    walk(n["args"])
-    walk([v for _, v in n["kwargs"]])
+    walk(n.args)
+    walk([v for _, v in n.kwargs])
     return out
 
 
@@ -777,15 +793,15 @@ def _dim_args(n) -> list[tuple[str, Any]]:
     from .ir import _resolve_target
 
     try:
-        schema = _resolve_target(n["target"])._schema
+        schema = _resolve_target(n.target)._schema
     except Exception:  # noqa: BLE001 - getitem, higher-order ops: no dim arguments to check
         return []
-    kwargs = dict(n["kwargs"])
+    kwargs = dict(n.kwargs)
     out = []
     for i, arg in enumerate(schema.arguments):
         if not arg.name.startswith("dim"):
             continue
-        value = n["args"][i] if i < len(n["args"]) else kwargs.get(arg.name, arg.default_value if arg.has_default_value() else None)
+        value = n.args[i] if i < len(n.args) else kwargs.get(arg.name, arg.default_value if arg.has_default_value() else None)
         out.append((arg.name, value))
     return out
 
@@ -800,27 +816,27 @@ def _batch_axis_analysis(small_engine, big_engine, k: int) -> tuple[str | None, 
     batched input (softmax, cumsum, cat, flip, sort, gather, ... along the batch). Returns (the first
     problem or None, the names of the values batched on dim 0).
     """
-    small = small_engine.graph().nodes()
-    big = {n["name"]: n for n in big_engine.graph().nodes()}
-    if set(big) != {n["name"] for n in small}:
-        only_small = sorted({n["name"] for n in small} - set(big))[:3]
-        only_big = sorted(set(big) - {n["name"] for n in small})[:3]
+    small = Graph(small_engine.graph()).nodes()
+    big = {n.name: n for n in Graph(big_engine.graph()).nodes()}
+    if set(big) != {n.name for n in small}:
+        only_small = sorted({n.name for n in small} - set(big))[:3]
+        only_big = sorted(set(big) - {n.name for n in small})[:3]
         return (f"exporting at K={k} times the batch gave a different graph (only in the original: {only_small}, "
                 f"only in the batched one: {only_big})"), set()
     batched: set[str] = set()
     scaled: set[str] = set()
     for n in small:
-        name = n["name"]
+        name = n.name
         b = big[name]
-        if n["kind"] == "output":
+        if n.kind == "output":
             for i in _node_inputs(n):
                 if i not in scaled:
                     return (f"output %{i} is not batched along dim 0 (a scalar or batch-independent output "
                             "cannot be split per site)"), scaled
             continue
         ins = _node_inputs(n)
-        dep = (n["kind"] == "placeholder" and n.get("role") == "input") or any(i in batched for i in ins)
-        sizes_s, sizes_b = _tensor_sizes(n["type"]), _tensor_sizes(b["type"])
+        dep = (n.kind == "placeholder" and n.role == "input") or any(i in batched for i in ins)
+        sizes_s, sizes_b = _tensor_sizes(n.type), _tensor_sizes(b.type)
         grows = []
         for ss, sb in zip(sizes_s, sizes_b):
             if ss is None or sb is None:
@@ -840,15 +856,15 @@ def _batch_axis_analysis(small_engine, big_engine, k: int) -> tuple[str | None, 
                 scaled.add(name)
             continue
         batched.add(name)
-        if n["type"][0] == "none":
+        if n.type[0] == "none":
             continue  # assertions
         if any(g is None for g in grows) or not all(grows):
             return (f"%{name} ({n.get('target', n['kind'])}) depends on the batch but its shape does not grow "
                     "with it: it reduces over the batch or reads a scalar off it"), scaled
         scaled.add(name)
-        if n["kind"] == "call":
-            target = n["target"]
-            in_ranks = [len(_tensor_sizes(big[i]["type"])[0] or []) for i in ins if i in scaled] or [0]
+        if n.kind == "call":
+            target = n.target
+            in_ranks = [len(_tensor_sizes(big[i].type)[0] or []) for i in ins if i in scaled] or [0]
             rank = in_ranks[0]
             for arg_name, value in _dim_args(n):
                 values = value if isinstance(value, (list, tuple)) else [value]
@@ -858,7 +874,7 @@ def _batch_axis_analysis(small_engine, big_engine, k: int) -> tuple[str | None, 
                     continue
                 for v in values:
                     if isinstance(v, int) and rank > 0 and v % rank == 0:
-                        first_in = _tensor_sizes(big[ins[0]]["type"])[0] if ins else None
+                        first_in = _tensor_sizes(big[ins[0]].type)[0] if ins else None
                         if target.startswith("aten::slice") and first_in and first_in[0] == sizes_b[0][0]:
                             continue  # a full slice along the batch is the identity
                         return (f"%{name} ({target}) works along dim 0 ({arg_name}={v}), which mixes the "

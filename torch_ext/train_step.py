@@ -427,7 +427,7 @@ class TrainStep:
         self.joint_graph = Graph.from_exported(joint)
         cgraph, self._state_names, self._num_user = _C.build_train_step(self.joint_graph._g, spec, self.unroll)
         self.graph = Graph(cgraph)
-        self._inputs = [(n["state_name"], n["role"]) for n in self.graph.nodes() if n["kind"] == "placeholder"]
+        self._inputs = [(n.state_name, n.role) for n in self.graph.nodes() if n.kind == "placeholder"]
         self._num_aux = len(spec["aux_outputs"])
         self._executor = _C.Executor(cgraph)
         self._program = None

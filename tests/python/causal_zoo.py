@@ -86,4 +86,4 @@ def resid_sites(rg, layers: int = 2) -> list[str]:
     from torch_ext.reactive import _node_inputs
 
     first_ln = rg.nodes("blocks.0.ln1")[0]
-    return [_node_inputs(rg._engine.node(first_ln))[0]] + [rg.nodes(f"blocks.{i}")[-1] for i in range(layers)]
+    return [_node_inputs(rg.graph.node(first_ln))[0]] + [rg.nodes(f"blocks.{i}")[-1] for i in range(layers)]

@@ -13,6 +13,12 @@ from zoo import ZOO
 SEED = 0
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "internals: drives torch_ext._C or a private attribute (._g, ._engine) directly: a test of the "
+        "C++ internals rather than of the public API (`-m 'not internals'` leaves them out)")
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     """Every test starts from the same RNG state (models, inputs, dropout-free but seeded anyway)."""

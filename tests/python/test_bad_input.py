@@ -12,7 +12,6 @@ import torch.fx
 import torch.nn as nn
 
 import torch_ext
-from torch_ext import _C
 from torch_ext.ir import Graph, UnsupportedNodeError
 
 from zoo import ZOO
@@ -139,7 +138,7 @@ def test_invalid_graph(text, pattern):
     with pytest.raises(RuntimeError, match=r"IR verification failed(.|\n)*" + pattern):
         g.verify()
     with pytest.raises(RuntimeError, match=pattern):
-        _C.Executor(g._g)
+        torch_ext.Executor(g)
 
 
 UNBINDABLE = {
@@ -164,14 +163,13 @@ def test_unbindable_graph(text, pattern):
     with pytest.raises(RuntimeError, match=r"IR verification failed(.|\n)*" + pattern):
         g.verify()
     with pytest.raises(RuntimeError, match=pattern):
-        _C.Executor(g._g)
+        torch_ext.Executor(g)
 
 
 def test_constant_in_tensor_list_is_rejected_at_bind_time():
-    # In a subprocess: the current behaviour is an out-of-bounds read, which may crash.
+    # In a subprocess: without the bind-time check this was an out-of-bounds read, which may crash.
     code = textwrap.dedent(f"""
         import torch, torch_ext
-        from torch_ext import _C
         from torch_ext.ir import Graph
         g = Graph.parse({_g('''
             %a : f32[2] = input()
@@ -179,7 +177,7 @@ def test_constant_in_tensor_list_is_rejected_at_bind_time():
             return (%b)
         ''')!r})
         try:
-            _C.Executor(g._g)
+            torch_ext.Executor(g)
         except RuntimeError as e:
             print("BIND ERROR:", e)
         else:
@@ -201,7 +199,7 @@ def test_runtime_type_mismatch_names_the_node():
     """))
     with pytest.raises(RuntimeError, match=r"node %b \(aten::relu.default\): declared type \(f32\[2\], f32\[2\]\) "
                                            r"differs from f32\[2\]"):
-        _C.Executor(g._g)
+        torch_ext.Executor(g)
 
 
 # ------------------------------------------------------------------ unsupported FX nodes
@@ -326,12 +324,12 @@ def test_core_executor_wrong_count():
         %b : f32[2] = aten::mul.Scalar(%a, %n)
         return (%b)
     """))
-    ex = _C.Executor(g._g)
+    ex = torch_ext.Executor(g)
     with pytest.raises(RuntimeError, match=r"expected 2 inputs, got 1"):
-        ex.run([torch.randn(2)])
+        ex(torch.randn(2))
     with pytest.raises(RuntimeError, match=r"input #1 \('n'\): expected an int, got Tensor"):
-        ex.run([torch.randn(2), torch.randn(1)])
-    assert torch.equal(ex.run([torch.ones(2), 3])[0], torch.full((2,), 3.0))
+        ex(torch.randn(2), torch.randn(1))
+    assert torch.equal(ex(torch.ones(2), 3)[0], torch.full((2,), 3.0))
 
 
 def test_kernel_error_names_the_node():
@@ -360,4 +358,4 @@ def test_regions_on_an_ordinary_op_are_refused_by_the_verifier():
                                            r"aten::relu.default"):
         g.verify()
     with pytest.raises(RuntimeError, match=r"only higher_order::cond and while_loop own regions"):
-        _C.Executor(g._g)
+        torch_ext.Executor(g)

@@ -361,7 +361,7 @@ def test_verify_refuses(text, pattern):
         g.verify()
     # Every runtime verifies first, so none of them is built on the graph.
     with pytest.raises(RuntimeError, match=pattern):
-        _C.Executor(g._g)
+        torch_ext.Executor(g)
     # verify() changed nothing.
     assert str(g) == str(Graph.parse(text))
 
@@ -434,18 +434,18 @@ EXECUTOR_INPUTS = {
 
 @pytest.fixture(scope="module")
 def ex_and_reference():
-    ex = _C.Executor(Graph.parse(_EX_TEXT)._g)
-    return ex, ex.run(list(_GOOD))
+    ex = torch_ext.Executor(Graph.parse(_EX_TEXT))
+    return ex, ex(*_GOOD)
 
 
 @pytest.mark.parametrize("inputs,pattern", EXECUTOR_INPUTS.values(), ids=EXECUTOR_INPUTS.keys())
 def test_executor_refuses_input(ex_and_reference, inputs, pattern):
     ex, reference = ex_and_reference
     with pytest.raises((RuntimeError, TypeError), match=pattern):
-        ex.run(inputs)
+        ex(*inputs)
     # The executor is unchanged: same answer as before and as a fresh executor.
-    again = ex.run(list(_GOOD))
-    fresh = _C.Executor(Graph.parse(_EX_TEXT)._g).run(list(_GOOD))
+    again = ex(*_GOOD)
+    fresh = torch_ext.Executor(Graph.parse(_EX_TEXT))(*_GOOD)
     assert torch.equal(again[0], reference[0]) and torch.equal(fresh[0], reference[0])
 
 
@@ -496,11 +496,11 @@ RUN_FAILURES = {
 def test_executor_run_failure_names_the_node(text, bad, good, pattern):
     g = Graph.parse(text)
     g.verify()
-    ex = _C.Executor(g._g)
+    ex = torch_ext.Executor(g)
     with pytest.raises(RuntimeError, match=pattern):
-        ex.run(bad)
-    out = ex.run(good)
-    fresh = _C.Executor(Graph.parse(text)._g).run(good)
+        ex(*bad)
+    out = ex(*good)
+    fresh = torch_ext.Executor(Graph.parse(text))(*good)
     assert len(out) == len(fresh)
     for a, b in zip(torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(fresh)):
         assert torch.equal(a, b)
@@ -528,14 +528,14 @@ def test_endless_while_loop_hits_the_iteration_limit():
     # In a subprocess: the limit is read once per process from TORCH_EXT_MAX_LOOP_ITERATIONS.
     code = textwrap.dedent(f"""
         import torch, torch_ext
-        from torch_ext import _C
-        ex = _C.Executor(_C.Graph.parse({_ENDLESS_LOOP!r}))
+        from torch_ext.ir import Graph
+        ex = torch_ext.Executor(Graph.parse({_ENDLESS_LOOP!r}))
         try:
-            ex.run([torch.tensor(0.0)])
+            ex(torch.tensor(0.0))
         except RuntimeError as e:
             print("ERROR", e)
         # Still usable: a loop that ends runs.
-        print("OK", ex.run([torch.tensor(-3.0)])[0].item())
+        print("OK", ex(torch.tensor(-3.0))[0].item())
     """)
     env = {**os.environ, "TORCH_EXT_MAX_LOOP_ITERATIONS": "50"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)

@@ -47,7 +47,7 @@ def _good_metric(out):
 def _assert_fresh(rg):
     fresh = torch_ext.ReactiveGraph(Resid().eval(), (X,))
     assert str(rg) == str(fresh)
-    assert rg._engine.pinned() == []
+    assert rg.patched() == []
     assert torch.equal(rg.demand(), fresh.demand())
     rg.check_invariants()
     sites = [(_tanh(rg, 1), p) for p in range(2)]

@@ -10,7 +10,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch_ext
-from torch_ext import _C
 from torch_ext.ir import Graph
 
 
@@ -112,8 +111,8 @@ def test_text_round_trip_and_graph_module(name):
     state = {**ep.state_dict, **ep.constants}
     for inp in inputs:
         it = iter(inp)
-        flat = [next(it) if n["role"] == "input" else state[n["state_name"]]
-                for n in g.nodes() if n["kind"] == "placeholder"]
+        flat = [next(it) if n.role == "input" else state[n.state_name]
+                for n in g.nodes() if n.kind == "placeholder"]
         got = gm(*flat)
         ref = ep.module()(*inp)
         for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(ref)):
@@ -134,7 +133,7 @@ def test_reactive_patch_that_flips_the_predicate():
     model, inputs = CASES["cond_mlp"]
     rg = torch_ext.ReactiveGraph(model, inputs[0])
     cond = [n for n in rg.nodes() if n.startswith("cond")][0]
-    pred = Graph.parse(str(rg.graph)).node(cond)["args"][0].name
+    pred = Graph.parse(str(rg.graph)).node(cond).args[0].name
     clean = rg.demand()
     flip = ~rg.value(pred)
     rg.reset_stats()
@@ -143,7 +142,7 @@ def test_reactive_patch_that_flips_the_predicate():
     assert rg.stats["evaluations"] == len(rg.cone(pred))  # the cond node counts once
     # Full recompute with the flip: run the same graph on a fresh engine with the predicate forced.
     ref = torch_ext.ReactiveGraph(model, inputs[0])
-    ref._engine.patch(pred, flip)
+    ref.patch(pred, flip)
     ref_out = ref.demand()
     assert torch.equal(flipped, ref_out) and not torch.equal(flipped, clean)
     rg.restore()
@@ -225,7 +224,7 @@ def test_mismatched_branches_and_shape_changing_loops_are_refused():
     with pytest.raises(RuntimeError, match=r"loop body changes the carried values from \(f32\[2\]\) to \(f32\[4\]\)"):
         Graph.parse(BAD_LOOP).verify()
     with pytest.raises(RuntimeError, match=r"branches return different types"):
-        _C.Executor(Graph.parse(BAD_COND)._g)
+        torch_ext.Executor(Graph.parse(BAD_COND))
 
 
 def test_training_through_a_loop_names_the_op_and_torch_version():

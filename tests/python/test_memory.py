@@ -66,6 +66,7 @@ def test_no_donation_leaves_the_input_state_alone():
         assert torch.equal(new.params[k], ref.params[k])
 
 
+@pytest.mark.internals
 def test_alias_refused_when_old_weight_is_read_after_the_write():
     g = torch_ext.ir.Graph.parse("""graph:
   %w : f32[1024] = param("w")
@@ -100,6 +101,7 @@ def test_donating_aliased_state_is_refused():
         planned(state, *make_batch(torch.Generator()))
 
 
+@pytest.mark.internals
 def test_planning_a_mutating_graph_is_refused():
     g = torch_ext.ir.Graph.parse('graph:\n  %c : i64[] = buffer("n")\n  %i : i64[] = aten::add_.Tensor(%c, 1)\n'
                                  '  %o : i64[] = aten::mul.Tensor(%i, 2)\n  return (%o)\n')

@@ -7,6 +7,7 @@ random step graphs through the Python surface.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -114,6 +115,7 @@ def random_steps(draw):
     return "graph:\n" + "\n".join(lines) + f"\n  return ({', '.join(outs)})\n"
 
 
+@pytest.mark.internals
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(text=random_steps(), donate=st.booleans())
 def test_no_plan_beats_either_bound_on_random_steps(text, donate):

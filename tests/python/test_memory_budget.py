@@ -32,7 +32,7 @@ def test_arena_holds_only_nodes_with_their_own_out_kernels_and_the_plan_counts_t
     # relu.out or convolution.out (generated functional-then-copy wrappers on CPU).
     step, batch = _cnn()
     planned = step.compile(plan=True, donate=True)
-    targets = {n["name"]: n.get("target") for n in planned.graph.nodes()}
+    targets = {n.name: n.target for n in planned.graph.nodes()}
     arena_nodes = {b[0] for b in planned.plan["buffers"]}
     dynamic_nodes = {d[0] for d in planned.plan["dynamic"]}
     assert arena_nodes and not arena_nodes & dynamic_nodes
@@ -72,7 +72,7 @@ def test_budget_recomputes_activations_bit_exact_with_the_unplanned_step():
     assert remat.peak_bytes < base.peak_bytes == base.plan["peak_bytes"]
     assert remat.peak_bytes == remat.plan["peak_bytes"] >= remat.plan["lb_sched"] >= remat.plan["lb_graph"]
     assert remat.remat["recomputed"] and remat.remat["added_flops"] > 0
-    clones = [n["name"] for n in remat.graph.nodes() if n["name"].endswith("_recomp")]
+    clones = [n.name for n in remat.graph.nodes() if n.name.endswith("_recomp")]
     assert clones, "the recomputation is ordinary nodes of the step"
     s_ref, s_remat = step.init_state(), step.init_state()
     for _ in range(3):
@@ -147,7 +147,7 @@ def test_transformer_remat_recomputes_layer_norm_and_gelu_bit_exact():
     base = step.compile(plan=True, donate=True)
     remat = step.compile(plan=True, donate=True, memory_budget=int(0.8 * base.peak_bytes))
     assert remat.peak_bytes <= int(0.8 * base.peak_bytes)
-    targets = {n["name"]: n.get("target") for n in remat.graph.nodes()}
+    targets = {n.name: n.target for n in remat.graph.nodes()}
     recomputed = {targets[n] for n in remat.remat["recomputed"]}
     assert "aten::native_layer_norm.default" in recomputed, recomputed
     s_ref, s_remat = step.init_state(), step.init_state()

@@ -14,6 +14,9 @@ substituted (``reference``) and, where no patch is active, a fresh ``_C.Engine``
 
 Section 6 keeps the minimal repros of engine bugs fixed since (regression tests; the random-mutation
 property tests cover the same patterns).
+
+A test of internals (marked ``internals``): most tests drive ``_C.Engine`` on parsed IR directly, and
+the ReactiveGraph ones compare against the engine behind it (``rg._engine``).
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ from torch_ext import _C
 from torch_ext import synthetic
 from torch_ext._compat import export_joint
 from torch_ext.ir import Graph
+
+pytestmark = pytest.mark.internals
 
 # ---------------------------------------------------------------------------------------------
 # text IR builders
@@ -99,13 +104,13 @@ class Structure:
         self.parents: dict[str, list[str]] = {}
         self.outputs: list[str] = []
         for n in nodes:
-            refs = list(dict.fromkeys(r for a in list(n["args"]) + [v for _, v in n["kwargs"]] for r in _refs(a)))
-            if n["kind"] == "output":
+            refs = list(dict.fromkeys(r for a in list(n.args) + [v for _, v in n.kwargs] for r in _refs(a)))
+            if n.kind == "output":
                 self.outputs = refs
                 continue
-            self.order.append(n["name"])
-            self.kind[n["name"]] = n["kind"]
-            self.parents[n["name"]] = refs
+            self.order.append(n.name)
+            self.kind[n.name] = n.kind
+            self.parents[n.name] = refs
         self._rebuild_children()
 
     def _rebuild_children(self):
@@ -195,7 +200,7 @@ class _PinnedInterpreter(torch.fx.Interpreter):
 
 def placeholder_values(eng) -> list:
     g = Graph(eng.graph())
-    return [eng.value(n["name"]) for n in g.nodes() if n["kind"] == "placeholder"]
+    return [eng.value(n.name) for n in g.nodes() if n.kind == "placeholder"]
 
 
 def reference(graph: Graph, inputs: list, pins: dict | None = None, nodes: list[str] | None = None):
@@ -234,7 +239,7 @@ def new_engine(text: str, inputs: list | None = None, cutoff: bool = False):
     eng = _C.Engine(g._g)
     eng.set_cutoff(cutoff)
     if inputs is None:
-        inputs = [torch.randn(4) for n in g.nodes() if n["kind"] == "placeholder"]
+        inputs = [torch.randn(4) for n in g.nodes() if n.kind == "placeholder"]
     eng.run(inputs)
     eng.check_invariants()
     eng.reset_stats()
@@ -612,7 +617,7 @@ class Model:
         return todo
 
     def ref_inputs(self, graph: Graph) -> list:
-        return [self.inputs[n["name"]] for n in graph.nodes() if n["kind"] == "placeholder"]
+        return [self.inputs[n.name] for n in graph.nodes() if n.kind == "placeholder"]
 
 
 class Runner:
@@ -621,11 +626,11 @@ class Runner:
     def __init__(self, text: str, cutoff: bool, seed: int):
         gen = torch.Generator().manual_seed(seed)
         g = Graph.parse(text)
-        self.inputs = {n["name"]: torch.rand(4, generator=gen) * 2 - 1 for n in g.nodes() if n["kind"] == "placeholder"}
+        self.inputs = {n.name: torch.rand(4, generator=gen) * 2 - 1 for n in g.nodes() if n.kind == "placeholder"}
         self.eng = _C.Engine(g._g)
         self.eng.set_cutoff(cutoff)
         self.cutoff = cutoff
-        self.eng.run([self.inputs[n["name"]] for n in g.nodes() if n["kind"] == "placeholder"])
+        self.eng.run([self.inputs[n.name] for n in g.nodes() if n.kind == "placeholder"])
         self.eng.reset_stats()
         self.model = Model(Structure(g.nodes()), self.inputs)
         self.gen = gen
@@ -696,7 +701,7 @@ class Runner:
 
     def rerun(self):
         """run() with the same inputs, no patch active: re-baselines, N evaluations (or cutoffs)."""
-        assert not self.model.pins, "run() under a patch with cutoff keeps the patched value (known bug 6)"
+        assert not self.model.pins, "rerun() models run() with no patch active (run() under a patch: test_bug_cutoff_run_keeps_patch)"
         before = self.counts()
         g = Graph(self.eng.graph())
         self.eng.run(self.model.ref_inputs(g))
@@ -977,8 +982,8 @@ def test_reactive_graph_nodes_glob(tiny):
     ep, _, clean, _ = tiny
     rg = torch_ext.ReactiveGraph(ep)
     rg.run(clean)
-    paths = {n["name"]: n["module_path"] for n in rg.graph.nodes() if n["kind"] == "call"}
-    assert rg.nodes() == [n["name"] for n in rg.graph.nodes() if n["kind"] == "call"]
+    paths = {n.name: n.module_path for n in rg.graph.nodes() if n.kind == "call"}
+    assert rg.nodes() == [n.name for n in rg.graph.nodes() if n.kind == "call"]
     assert rg.nodes("linear_*") == [n for n in paths if n.startswith("linear_")]
     assert rg.nodes("layer_norm") == ["layer_norm"]
     assert rg.nodes("blocks.1.mlp*") == [n for n, p in paths.items() if p.startswith("blocks.1.mlp")] != []
@@ -1058,7 +1063,7 @@ def test_reactive_graph_bad_inputs_change_nothing(tiny):
             assert after[:4] == state[:4], msg
             assert bits_equal(after[4], state[4]), msg
             rg.check_invariants()
-        assert rg.nodes() == [n["name"] for n in Graph(rg._engine.graph()).nodes() if n["kind"] == "call"]
+        assert rg.nodes() == [n.name for n in Graph(rg._engine.graph()).nodes() if n.kind == "call"]
 
 
 def _resid_sites(rg, n_layers: int) -> list[str]:
@@ -1166,8 +1171,8 @@ def joint_reactive_graph(depth: int):
     rg = torch_ext.ReactiveGraph(joint)
     state = {**rg.program.state_dict, **rg.program.constants}
     user = iter([x, y])
-    flat = [next(user) if n["role"] == "input" else state[n["state_name"]]
-            for n in rg.graph.nodes() if n["kind"] == "placeholder"]
+    flat = [next(user) if n.role == "input" else state[n.state_name]
+            for n in rg.graph.nodes() if n.kind == "placeholder"]
     rg.run(x, y)  # a joint program runs like any other; flat is the engine's view of the same inputs
     return rg, model, (x, y), flat
 
@@ -1187,7 +1192,7 @@ def test_training_mode_patch_invalidates_backward():
         idx = [spec.target for spec in sig.output_specs].index(name)
         torch.testing.assert_close(out0[idx], g, atol=1e-6, rtol=1e-6)
     s = Structure(rg.graph.nodes())
-    sites = [n for n in s.countable if rg.graph.node(n)["target"] == "aten::tanh.default"]
+    sites = [n for n in s.countable if rg.graph.node(n).target == "aten::tanh.default"]
     assert len(sites) == 3
     N = rg.num_nodes
     rg.reset_stats()

@@ -44,6 +44,7 @@ def _zoo_sweep_setup(kind, batch=2, seed=0):
     return rg, resid, patch, [(n, p) for n in resid for p in range(T)]
 
 
+@pytest.mark.internals
 @pytest.mark.parametrize("kind", KINDS)
 def test_zoo_sweep_equals_full_recompute(kind):
     rg, resid, patch, sites = _zoo_sweep_setup(kind)
@@ -83,7 +84,7 @@ def test_closed_forms_resid_pre_by_position():
     rg.reset_stats()
     r = torch_ext.sweep(rg, sites, patch, lambda out: float(out[:, -1, 3].sum()), progress=False)
     cones = sum(len(rg.cone(n)) for n in resid)
-    costs = sum(rg._engine.cone_cost(n) for n in resid)
+    costs = sum(rg.cone_cost(n) for n in resid)
     assert r.measured_evaluations == T * cones
     assert r.extra["row_evaluations"] == (T + 1) / 2 * cones  # exact: T is a power of two
     assert r.cost == (T + 1) / 2 * costs
@@ -113,7 +114,7 @@ def test_closed_forms_with_the_last_row_read():
         cone = rg.cone(s)
         q = cone & q_part_all
         k = cone - q
-        cost = {n: rg._engine.node_cost(n) for n in cone}
+        cost = {n: rg.node_cost(n) for n in cone}
         rows += T * ((T + 1) / 2 * len(k) + len(q)) / T
         # The head (a linear read at 2 of its 50 columns) computes those columns alone.
         flops += (T + 1) / 2 * sum(cost[n] for n in k) + sum(cost[n] * (2 / 50 if n == head else 1) for n in q)
@@ -223,6 +224,7 @@ def test_cutoff_and_standing_patches_fall_back_to_whole_nodes():
     rg.check_invariants()
 
 
+@pytest.mark.internals
 def test_positions_off_and_bad_arguments():
     torch.manual_seed(0)
     model = LM("sdpa", seq=T).eval()
@@ -304,6 +306,7 @@ class RandomNet(nn.Module):
         return x
 
 
+@pytest.mark.internals
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(st.sampled_from(OPS), min_size=1, max_size=5), seed=st.integers(0, 2**16),
        p=st.integers(0, T - 1), pick=st.integers(0, 10**6))
@@ -360,6 +363,7 @@ def test_cli_sweep_no_positions(monkeypatch, capsys):
         assert a["metric"] == pytest.approx(b["metric"], rel=1e-6, abs=1e-6)
 
 
+@pytest.mark.internals
 def test_demand_with_reads_on_a_standing_patch():
     rg, resid, patch, sites = _zoo_sweep_setup("sdpa")
     node, p = resid[1], 5

@@ -82,7 +82,7 @@ def test_unbatched_sweep_keeps_a_standing_patch(resid):
         ref = _eager(model, x, {0: lambda o: torch.full_like(o, 0.5), 2: lambda o, p=p: _site_patch(o, (None, p))})
         assert result.metrics[(t2, p)] == float(ref.sum())
     # The standing patch is still there, and the graph is consistent.
-    assert rg._engine.pinned() == [t0]
+    assert rg.patched() == [t0]
     assert torch.equal(rg.value(t0), standing)
     assert torch.equal(rg.demand(), _eager(model, x, {0: lambda o: torch.full_like(o, 0.5)}))
     rg.check_invariants()
@@ -112,7 +112,7 @@ def test_batched_sweep_keeps_and_uses_a_standing_patch(resid):
     for (_, p) in sites:
         ref = _eager(model, x, {0: torch.zeros_like, 2: lambda o, p=p: _site_patch(o, (None, p))})
         assert result.metrics[(t2, p)] == pytest.approx(float(ref.sum()), rel=1e-6, abs=1e-5)
-    assert rg._engine.pinned() == [t0]
+    assert rg.patched() == [t0]
     rg.check_invariants()
 
 
@@ -140,7 +140,7 @@ def test_batched_sweep_refuses_a_sequence_first_model():
     # One at a time stays right.
     r = torch_ext.sweep(rg, sites, lambda v, s: _zero_row(v, s[1]), lambda o: o.sum(), progress=False)
     assert len(set(r.metrics.values())) > 1
-    assert rg._engine.pinned() == []
+    assert rg.patched() == []
 
 
 def _zero_row(v, p):
@@ -175,7 +175,7 @@ def test_in_place_patch_function_cannot_corrupt_the_cache(resid):
 
     with pytest.raises(ValueError, match="in place"):
         torch_ext.sweep(rg, [(t1, 0)], setter, _metric, progress=False)
-    assert rg._engine.pinned() == []
+    assert rg.patched() == []
     assert torch.equal(rg.demand(), clean)
     rg.check_invariants()
     with pytest.raises(ValueError, match="in place"):
@@ -202,8 +202,8 @@ def test_writing_into_a_returned_value_is_detected_and_repaired(resid):
     rg.value(t0).zero_()
     with pytest.raises(RuntimeError, match=t0):
         rg.check_invariants()
-    add0 = rg._engine.node(t0)["users"][0]
-    other = [a.name for a in rg._engine.node(add0)["args"] if isinstance(a, torch_ext._C.NodeRef) and a.name != t0][0]
+    add0 = rg.graph.node(t0).users[0]
+    other = [a.name for a in rg.graph.node(add0).args if isinstance(a, torch_ext._C.NodeRef) and a.name != t0][0]
     rg.graft(other, add0, lambda t: t * 1.0)
     with pytest.raises(RuntimeError, match=t0):
         rg.demand()
@@ -238,7 +238,7 @@ def test_metric_exception_leaves_no_patch_pinned(resid, batched):
 
     with pytest.raises(KeyError):
         torch_ext.sweep(rg, [(t1, 0), (t1, 1)], _site_patch, bad_metric, progress=False, batch_sites=batched)
-    assert rg._engine.pinned() == []
+    assert rg.patched() == []
     assert torch.equal(rg.demand(), clean)
     rg.check_invariants()
     # A later batched sweep answers as a fresh graph does.
@@ -273,6 +273,7 @@ def test_batch_of_mixed_order_grafts_costs_the_batch_formula():
     rg.check_invariants()
 
 
+@pytest.mark.internals
 def test_demand_before_run_says_so():
     g = Graph.parse(synthetic.chain_text(3, "aten::sin.default", "f32[4]"))
     eng = torch_ext._C.Engine(g._g)
@@ -304,6 +305,7 @@ def test_per_example_and_dict_metrics(resid):
     assert "metric.sum" in rb.to_pandas().columns
 
 
+@pytest.mark.internals
 def test_evaluate_patched_equals_patch_demand_rollback():
     """The sweep fast path gives the same outputs and counts as a transaction, and leaves the
     engine exactly as it was, on a DAG with fan-out, under a standing patch too."""

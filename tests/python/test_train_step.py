@@ -139,7 +139,7 @@ def test_parity_clip_grad_norm(model_name):
 @pytest.mark.parametrize("model_name", ["mlp", "cnn_bn"])
 def test_parity_unroll_4(model_name):
     step, *_ = run_parity(model_name, "sgd_nesterov_wd", steps=40, unroll=4)
-    assert step.graph.nodes()[-2]["target"] == "aten::stack.default"
+    assert step.graph.nodes()[-2].target == "aten::stack.default"
 
 
 @pytest.mark.parametrize("opt_name", ["sgd_nesterov_wd", "adam", "muon+adamw"])
@@ -150,11 +150,11 @@ def test_parity_resume_from_existing_state(opt_name):
 def torch_ext_program_is_pure(step):
     g = step.graph
     for n in g.nodes():
-        if n["kind"] != "call" or n["target"] == "getitem":
+        if n.kind != "call" or n.target == "getitem":
             continue
-        ns, rest = n["target"].split("::")
+        ns, rest = n.target.split("::")
         op = getattr(getattr(torch.ops, ns), rest.split(".")[0])._schemas[rest.split(".")[1] if rest.split(".")[1] != "default" else ""]
-        assert not op.is_mutable, f"{n['name']} mutates"
+        assert not op.is_mutable, f"{n.name} mutates"
     assert len(g.nodes()) > 0
 
 

@@ -75,7 +75,7 @@ def test_accumulate_one_update_per_call_and_planned():
     model = mlp_bn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     step = torch_ext.make_train_step(model, opt, loss_fn, micro_batches(0, 1)[0], accumulate=N)
-    updates = [n for n in step.graph.nodes() if n.get("target", "").startswith("torch_ext::sgd_momentum_update")]
+    updates = [n for n in step.graph.nodes() if (n.target or "").startswith("torch_ext::sgd_momentum_update")]
     assert len(updates) == len(list(model.parameters()))  # one update per parameter, not per micro-batch
     flat = [t for mb in micro_batches(1) for t in mb]
     s = step.init_state(seed=1)

@@ -23,7 +23,6 @@ import torch
 import torch.utils._pytree as pytree
 
 import torch_ext
-from torch_ext import _C
 from torch_ext._compat import export_joint
 from torch_ext.ir import Graph
 
@@ -100,8 +99,8 @@ def test_tied_weight_feeds_both_uses(export_cache):
     g = Graph.from_exported(ep)
     users = {}
     for n in g.nodes():
-        if n["kind"] == "placeholder" and n["role"] == "param":
-            users[n["state_name"]] = {g.node(u)["target"] for u in n["users"]}
+        if n.kind == "placeholder" and n.role == "param":
+            users[n.state_name] = {g.node(u).target for u in n.users}
     shared = [k for k, u in users.items() if {"aten::embedding.default", "aten::linear.default"} <= u]
     assert shared, f"no parameter feeds both embedding and the projection: {users}"
     ex = torch_ext.Executor(ep)
@@ -121,8 +120,8 @@ def test_text_round_trip(export_cache, name, decomposed):
     parsed = Graph.parse(text)
     assert str(parsed) == text
     assert len(parsed) == len(g)
-    assert [(n["kind"], n["name"], n["type"]) for n in parsed.nodes()] == \
-           [(n["kind"], n["name"], n["type"]) for n in g.nodes()]
+    assert [(n.kind, n.name, n.type) for n in parsed.nodes()] == \
+           [(n.kind, n.name, n.type) for n in g.nodes()]
     parsed.verify()
 
 
@@ -131,15 +130,15 @@ def test_verify_and_placeholders(export_cache, name, decomposed):
     ep, _, _ = export_cache.get(name, decomposed)
     g = Graph.from_exported(ep)
     g.verify()
-    phs = [n for n in g.nodes() if n["kind"] == "placeholder"]
+    phs = [n for n in g.nodes() if n.kind == "placeholder"]
     roles = {"PARAMETER": "param", "BUFFER": "buffer", "CONSTANT_TENSOR": "const", "USER_INPUT": "input"}
     expected = [(s.arg.name, roles[s.kind.name], s.target or "") for s in ep.graph_signature.input_specs]
-    assert [(n["name"], n["role"], n["state_name"]) for n in phs] == expected
+    assert [(n.name, n.role, n.state_name) for n in phs] == expected
     order = ["param", "buffer", "const", "input"]
-    ranks = [order.index(n["role"]) for n in phs]
-    assert ranks == sorted(ranks), f"placeholder roles out of order: {[n['role'] for n in phs]}"
-    assert g.nodes()[-1]["kind"] == "output"
-    n_out = len(g.nodes()[-1]["args"][0])
+    ranks = [order.index(n.role) for n in phs]
+    assert ranks == sorted(ranks), f"placeholder roles out of order: {[n.role for n in phs]}"
+    assert g.nodes()[-1].kind == "output"
+    n_out = len(g.nodes()[-1].args[0])
     assert n_out == len(ep.graph_signature.output_specs)
 
 
@@ -160,7 +159,7 @@ def test_graph_module_matches_module(export_cache, name, decomposed):
     assert_bit_exact(pytree.tree_unflatten(user, ep.call_spec.out_spec), ref, tol=_tol(name, decomposed))
     # Buffer updates: returned (decomposed) or applied in place to the flat inputs (training IR).
     ref_state = mod.state_dict()
-    by_name = {n["state_name"]: x for n, x in zip([n for n in g.nodes() if n["kind"] == "placeholder"], flat)}
+    by_name = {n.state_name: x for n, x in zip([n for n in g.nodes() if n.kind == "placeholder"], flat)}
     for i, s in enumerate(ep.graph_signature.output_specs):
         if s.kind.name == "BUFFER_MUTATION":
             by_name[s.target] = outs[i]
@@ -257,4 +256,4 @@ def test_joint_executor(export_cache, name):
     ref, flat = _run_graph_module(g, ep, inputs)
     n_fwd = len(_user_output_indices(ep))
     assert_bit_exact(ex(*inputs), tuple(ref[:n_fwd]))
-    assert_bit_exact(_C.Executor(g._g).run(flat), ref, "flat joint outputs")
+    assert_bit_exact(torch_ext.Executor(g)(*flat), ref, "flat joint outputs")

@@ -278,12 +278,12 @@ def flat_lifted_inputs(graph, state: dict, user_inputs) -> list:
     flat_user = iter(pytree.tree_leaves((tuple(user_inputs), {})))
     out = []
     for n in graph.nodes():
-        if n["kind"] != "placeholder":
+        if n.kind != "placeholder":
             continue
-        if n["role"] == "input":
+        if n.role == "input":
             out.append(next(flat_user))
         else:
-            out.append(state[n["state_name"]].detach().clone())
+            out.append(state[n.state_name].detach().clone())
     rest = list(flat_user)
     assert not rest, f"{len(rest)} user inputs left over"
     return out
