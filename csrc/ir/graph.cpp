@@ -127,66 +127,31 @@ bool Type::operator==(const Type& o) const {
 
 // ---------------------------------------------------------------- Arg
 
+namespace {
+// An Arg of `kind` with one payload field set by `fill`.
+template <typename Fill>
+Arg make_arg(Arg::Kind kind, Fill fill) {
+  Arg a;
+  a.kind = kind;
+  fill(a);
+  return a;
+}
+}  // namespace
+
 Arg Arg::of_node(Node* n) {
   TORCH_INTERNAL_ASSERT(n != nullptr);
-  Arg a;
-  a.kind = Kind::Node;
-  a.node = n;
-  return a;
+  return make_arg(Kind::Node, [&](Arg& a) { a.node = n; });
 }
-Arg Arg::of_int(int64_t v) {
-  Arg a;
-  a.kind = Kind::Int;
-  a.i = v;
-  return a;
-}
-Arg Arg::of_float(double v) {
-  Arg a;
-  a.kind = Kind::Float;
-  a.f = v;
-  return a;
-}
-Arg Arg::of_bool(bool v) {
-  Arg a;
-  a.kind = Kind::Bool;
-  a.i = v ? 1 : 0;
-  return a;
-}
-Arg Arg::of_string(std::string v) {
-  Arg a;
-  a.kind = Kind::String;
-  a.s = std::move(v);
-  return a;
-}
-Arg Arg::of_list(std::vector<Arg> v) {
-  Arg a;
-  a.kind = Kind::List;
-  a.list = std::move(v);
-  return a;
-}
-Arg Arg::of_dtype(c10::ScalarType v) {
-  Arg a;
-  a.kind = Kind::Dtype;
-  a.i = static_cast<int64_t>(v);
-  return a;
-}
-Arg Arg::of_device(const c10::Device& v) {
-  Arg a;
-  a.kind = Kind::Device;
-  a.s = v.str();
-  return a;
-}
-Arg Arg::of_layout(c10::Layout v) {
-  Arg a;
-  a.kind = Kind::Layout;
-  a.i = static_cast<int64_t>(v);
-  return a;
-}
+Arg Arg::of_int(int64_t v) { return make_arg(Kind::Int, [&](Arg& a) { a.i = v; }); }
+Arg Arg::of_float(double v) { return make_arg(Kind::Float, [&](Arg& a) { a.f = v; }); }
+Arg Arg::of_bool(bool v) { return make_arg(Kind::Bool, [&](Arg& a) { a.i = v ? 1 : 0; }); }
+Arg Arg::of_string(std::string v) { return make_arg(Kind::String, [&](Arg& a) { a.s = std::move(v); }); }
+Arg Arg::of_list(std::vector<Arg> v) { return make_arg(Kind::List, [&](Arg& a) { a.list = std::move(v); }); }
+Arg Arg::of_dtype(c10::ScalarType v) { return make_arg(Kind::Dtype, [&](Arg& a) { a.i = static_cast<int64_t>(v); }); }
+Arg Arg::of_device(const c10::Device& v) { return make_arg(Kind::Device, [&](Arg& a) { a.s = v.str(); }); }
+Arg Arg::of_layout(c10::Layout v) { return make_arg(Kind::Layout, [&](Arg& a) { a.i = static_cast<int64_t>(v); }); }
 Arg Arg::of_memory_format(c10::MemoryFormat v) {
-  Arg a;
-  a.kind = Kind::MemoryFormat;
-  a.i = static_cast<int64_t>(v);
-  return a;
+  return make_arg(Kind::MemoryFormat, [&](Arg& a) { a.i = static_cast<int64_t>(v); });
 }
 
 // ---------------------------------------------------------------- Target

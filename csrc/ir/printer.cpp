@@ -109,28 +109,29 @@ void print_graph(const Graph& g, const std::string& indent, std::ostringstream& 
 
 }  // namespace
 
-std::string dtype_short_name(c10::ScalarType t) {
+namespace {
+
+const DtypeName& dtype_entry(c10::ScalarType t) {
   for (const auto& d : kDtypes)
-    if (d.type == t) return d.short_name;
+    if (d.type == t) return d;
   TORCH_CHECK(false, "dtype ", c10::toString(t), " has no text form");
 }
 
+std::optional<c10::ScalarType> dtype_named(const std::string& s, const char* DtypeName::*field) {
+  for (const auto& d : kDtypes)
+    if (s == d.*field) return d.type;
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::string dtype_short_name(c10::ScalarType t) { return dtype_entry(t).short_name; }
+std::string dtype_torch_name(c10::ScalarType t) { return dtype_entry(t).torch_name; }
 std::optional<c10::ScalarType> dtype_from_short_name(const std::string& s) {
-  for (const auto& d : kDtypes)
-    if (s == d.short_name) return d.type;
-  return std::nullopt;
+  return dtype_named(s, &DtypeName::short_name);
 }
-
-std::string dtype_torch_name(c10::ScalarType t) {
-  for (const auto& d : kDtypes)
-    if (d.type == t) return d.torch_name;
-  TORCH_CHECK(false, "dtype ", c10::toString(t), " has no text form");
-}
-
 std::optional<c10::ScalarType> dtype_from_torch_name(const std::string& s) {
-  for (const auto& d : kDtypes)
-    if (s == d.torch_name) return d.type;
-  return std::nullopt;
+  return dtype_named(s, &DtypeName::torch_name);
 }
 
 std::string format_double(double v) {

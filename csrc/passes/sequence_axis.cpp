@@ -440,6 +440,15 @@ class Analyzer {
     return s;
   }
 
+  // follow() for an op that reorders axes (`moved` maps an input axis to its output axis): once the
+  // key axis comes before the row axis, the values are no longer causal in the row.
+  template <typename Moved>
+  SeqNode follow_reordered(const Node& n, const Node* x, Moved moved) const {
+    SeqNode s = follow(n, x, moved(of(x).row_axis), moved(of(x).key_axis));
+    if (s.key_axis >= 0 && s.key_axis < s.row_axis) s.causal_values = false;
+    return s;
+  }
+
   // Where dim `d` of `in` lands in `out` when a reshape keeps it whole, or -1.
   static int64_t reshape_dim(const std::vector<int64_t>& in, const std::vector<int64_t>& out, int64_t d) {
     if (d < 0) return -1;
@@ -488,10 +497,7 @@ class Analyzer {
       a = norm_dim(*d0, r);
       b = norm_dim(*d1, r);
     }
-    auto swap = [&](int64_t d) { return d < 0 ? d : d == a ? b : d == b ? a : d; };
-    SeqNode s = follow(n, x, swap(of(x).row_axis), swap(of(x).key_axis));
-    if (s.key_axis >= 0 && s.key_axis < s.row_axis) s.causal_values = false;
-    return s;
+    return follow_reordered(n, x, [&](int64_t d) { return d < 0 ? d : d == a ? b : d == b ? a : d; });
   }
 
   std::optional<SeqNode> permute(const Node& n) {
@@ -505,9 +511,7 @@ class Analyzer {
         if (norm_dim((*dims)[j], r) == d) return static_cast<int64_t>(j);
       return -1;
     };
-    SeqNode s = follow(n, x, where(of(x).row_axis), where(of(x).key_axis));
-    if (s.key_axis >= 0 && s.key_axis < s.row_axis) s.causal_values = false;
-    return s;
+    return follow_reordered(n, x, where);
   }
 
   std::optional<SeqNode> unsqueeze(const Node& n) {
