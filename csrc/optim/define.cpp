@@ -59,13 +59,9 @@ size_t index_of(const Descriptor& d, const std::string& name, ScalarType type) {
   TORCH_INTERNAL_ASSERT(false, d.kind, ": no scalar '", name, "'");
 }
 
-// The one CPU kernel of every K_update and K_update_.
-void run_update(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  const std::string& full = op.schema().name();  // "torch_ext::K_update" or "torch_ext::K_update_"
-  const std::string name = full.substr(full.find("::") + 2);
-  const bool inplace = !name.empty() && name.back() == '_';
-  const Descriptor* d = find_by_op(inplace ? name.substr(0, name.size() - 1) : name);
-  TORCH_INTERNAL_ASSERT(d != nullptr, "no optimizer descriptor for ", full);
+// The CPU kernel of K_update (or K_update_ when `inplace`) for every descriptor. The registry
+// owns the descriptor for the life of the process.
+void run_update(const Descriptor* d, bool inplace, torch::jit::Stack* stack) {
   const size_t num_args = 3 + d->slots.size() + d->scalars.size();
   auto args = torch::jit::last(*stack, num_args);
   Update u;
@@ -93,6 +89,15 @@ void run_update(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   torch::jit::push(*stack, std::move(u.param));
   for (at::Tensor& s : u.state) torch::jit::push(*stack, std::move(s));
 }
+
+struct UpdateKernel final : c10::OperatorKernel {
+  UpdateKernel(const Descriptor* d, bool inplace) : d(d), inplace(inplace) {}
+  void operator()(const c10::OperatorHandle&, c10::DispatchKeySet, torch::jit::Stack* stack) const {
+    run_update(d, inplace, stack);
+  }
+  const Descriptor* d;
+  bool inplace;
+};
 
 }  // namespace
 
@@ -122,9 +127,11 @@ void define(torch::Library& m, Descriptor d) {
   const Descriptor& stored = detail::add(std::move(d));
   m.def(stored.schema().c_str());
   m.def(stored.inplace_schema().c_str());
-  for (const std::string& name : {stored.op_name(), stored.inplace_op_name()})
-    m.impl(name.c_str(),
-           torch::dispatch(c10::DispatchKey::CPU, torch::CppFunction::makeFromBoxedFunction<&run_update>()));
+  for (const bool inplace : {false, true}) {
+    const std::string name = inplace ? stored.inplace_op_name() : stored.op_name();
+    m.impl(name.c_str(), torch::dispatch(c10::DispatchKey::CPU, torch::CppFunction::makeFromBoxedFunctor(
+                                                                     std::make_unique<UpdateKernel>(&stored, inplace))));
+  }
 }
 
 }  // namespace torch_ext::optim
