@@ -25,17 +25,13 @@ from torch.utils.checkpoint import checkpoint
 import torch_ext
 from torch_ext.memory import _eager_peak, measured_peak
 from torch_ext.memory import _time_step as median_time  # the timing memory_report uses
-from torch_ext.models import TinyTransformer
+from torch_ext.models import TinyTransformer, relu_mlp
 
 TARGETS = {"param-heavy adam": 0.80, "param-heavy sgd-momentum": 0.73, "activation-heavy cnn": 0.85, "gpt-style": 0.85}
 
 
 def mlp():
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(8):
-        layers += [nn.Linear(1024, 1024), nn.ReLU()]
-    model = nn.Sequential(*layers[:-1])
+    model = relu_mlp()
     loss = lambda m, x, y: F.mse_loss(m(x), y)  # noqa: E731
     return model, loss, None, (torch.randn(16, 1024), torch.randn(16, 1024))
 

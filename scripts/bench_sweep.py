@@ -39,28 +39,7 @@ import torch_ext
 from torch_ext import _C
 from torch_ext.ir import Graph
 
-FAILURES: list[str] = []
-MISSED: list[str] = []
-
-
-def check(ok: bool, what: str) -> None:
-    if not ok:
-        FAILURES.append(what)
-        print(f"  !! FAILED: {what}")
-
-
-def target(ok: bool, what: str) -> str:
-    if not ok:
-        MISSED.append(what)
-    return "met" if ok else "MISSED"
-
-
-def header(title: str) -> None:
-    print()
-    print("=" * 100)
-    print(title)
-    print("=" * 100)
-
+from _bench_util import FAILURES, MISSED, check, header, summary, target
 
 def interleaved(fns: dict, repeats: int) -> dict:
     """Median wall time of each callable, the callables interleaved within every repeat."""
@@ -331,6 +310,20 @@ def eager_hook_sweep(model, clean, cache, T):
     return out
 
 
+def resid_pos_sites(cache, resid: list, T: int):
+    """(sites, patch): every (resid_pre node, position), and patch(value, site) taking the node's row ``pos``
+    from ``cache`` (the corrupted run)."""
+    layer_of = {node: i for i, node in enumerate(resid)}
+
+    def patch(value, site):
+        node, pos = site
+        v = value.clone()
+        v[:, pos] = cache[layer_of[node]][:, pos]
+        return v
+
+    return [(node, pos) for node in resid for pos in range(T)], patch
+
+
 def part2(repeats: int) -> None:
     header("2. TransformerLens-style patching: residual stream at every layer and position")
     print("Two sizes: batching the K positions of a node into one K-times-batched evaluation saves per-op")
@@ -354,14 +347,7 @@ def part2_case(repeats: int, d: int, B: int) -> None:
         for node, layer in layer_of.items():
             check(torch.allclose(rg.value(node), resid_pre_cache(model, clean)[layer], atol=1e-6),
                   f"resid_pre node {node} is block {layer}'s input")
-    sites = [(node, pos) for node in resid for pos in range(T)]
-
-    def patch(value, site):
-        node, pos = site
-        v = value.clone()
-        v[:, pos] = cache[layer_of[node]][:, pos]
-        return v
-
+    sites, patch = resid_pos_sites(cache, resid, T)
     results = {}
 
     def eager():
@@ -510,15 +496,8 @@ def part4_case(repeats: int, V: int, B: int) -> None:
     rg = torch_ext.ReactiveGraph(model, (clean,))
     resid = ["add"] + [rg.nodes(f"blocks.{i}")[-1] for i in range(L - 1)]
     layer_of = {node: i for i, node in enumerate(resid)}
-    sites = [(node, pos) for node in resid for pos in range(T)]
+    sites, patch = resid_pos_sites(cache, resid, T)
     reads = {"logits": (slice(None), -1, [3, 5])}
-
-    def patch(value, site):
-        node, pos = site
-        v = value.clone()
-        v[:, pos] = cache[layer_of[node]][:, pos]
-        return v
-
     res = {}
 
     def eager():
@@ -672,17 +651,7 @@ def main() -> int:
     part2(args.repeats)
     part3(args.repeats)
     part4(args.repeats)
-    print()
-    print(f"total {time.perf_counter() - t0:.1f} s")
-    if MISSED:
-        print("speed targets missed: " + "; ".join(MISSED))
-    if FAILURES:
-        print(f"{len(FAILURES)} CHECK(S) FAILED:")
-        for f in FAILURES:
-            print("  -", f)
-        return 1
-    print("all exactness checks passed")
-    return 0
+    return summary(t0)
 
 
 if __name__ == "__main__":

@@ -16,82 +16,21 @@ import argparse
 import statistics
 import sys
 import time
-from collections import defaultdict
 from fractions import Fraction
 
 import torch
 
 import torch_ext
 from torch_ext import _C
-from torch_ext.synthetic import block_text, chain_text, e4_weights
+from torch_ext.synthetic import Structure, block_text, chain_text, e4_weights, layered_text
 from torch_ext._compat import export_joint
 from torch_ext.ir import Graph
 
-FAILURES: list[str] = []
-
-
-def check(ok: bool, what: str) -> bool:
-    if not ok:
-        FAILURES.append(what)
-        print(f"  !! FAILED: {what}")
-    return ok
-
-
-def header(title: str) -> None:
-    print()
-    print("=" * 100)
-    print(title)
-    print("=" * 100)
-
+from _bench_util import check, header, summary
 
 # --------------------------------------------------------------------------------------------
-# graphs and independent cones
+# sweeps on the engine, independent cones from torch_ext.synthetic.Structure
 # --------------------------------------------------------------------------------------------
-
-
-
-
-def _refs(arg):
-    if isinstance(arg, _C.NodeRef):
-        yield arg.name
-    elif isinstance(arg, (list, tuple)):
-        for a in arg:
-            yield from _refs(a)
-
-
-class Structure:
-    """Parents / children of an IR graph by name (from its node list, not from the engine)."""
-
-    def __init__(self, nodes):
-        self.order, self.kind, self.parents = [], {}, {}
-        self.children = defaultdict(list)
-        for n in nodes:
-            if n.kind == "output":
-                continue
-            refs = list(dict.fromkeys(r for a in list(n.args) + [v for _, v in n.kwargs] for r in _refs(a)))
-            self.order.append(n.name)
-            self.kind[n.name] = n.kind
-            self.parents[n.name] = refs
-            for p in refs:
-                self.children[p].append(n.name)
-        self.countable = [v for v in self.order if self.kind[v] == "call"]
-
-    def _bfs(self, s, edges):
-        seen, work = set(), [s]
-        while work:
-            for c in edges[work.pop()]:
-                if c not in seen:
-                    seen.add(c)
-                    work.append(c)
-        return seen
-
-    def cone(self, s):  # V+(s), strict
-        return self._bfs(s, self.children)
-
-    def ancestors(self, s):  # V-(s), strict (placeholders included)
-        return self._bfs(s, self.parents)
-
-
 def sweep_evaluations(eng, sites, value) -> list[int]:
     """Patch, demand, restore each site; the evaluations each demand cost."""
     out = []
@@ -234,23 +173,6 @@ E5_PAPER = [1.0526, 1.0256, 1.0126, 1.0062, 1.0031]
 E5_L = [10, 20, 40, 80, 160]
 
 
-def e5_text(weights):
-    lines = ["graph:", "  %x : f32[4] = input()"]
-    cur, firsts = "x", []
-    for j, w in enumerate(weights, start=1):
-        br = [f"l{j}b{i}" for i in range(1, w + 1)]
-        for b in br:
-            lines.append(f"  %{b} : f32[4] = aten::relu.default(%{cur})")
-        acc = br[0]
-        for i, b in enumerate(br[1:], start=1):
-            lines.append(f"  %l{j}a{i} : f32[4] = aten::add.Tensor(%{acc}, %{b})")
-            acc = f"l{j}a{i}"
-        firsts.append(br[0])
-        cur = acc
-    lines.append(f"  return (%{cur})")
-    return "\n".join(lines) + "\n", firsts
-
-
 class TanhMLP(torch.nn.Module):
     def __init__(self, depth, d=8):
         super().__init__()
@@ -280,7 +202,7 @@ def e5() -> None:
                 N = sum(2 * wj - 1 for wj in w) + 1  # + :input
                 closed = L * N / (L * N - W + L)
                 if L <= 40:
-                    text, firsts = e5_text(w)
+                    text, firsts, _ = layered_text(w)
                     s = Structure(Graph.parse(text).nodes())
                     check(len(s.order) == N, "E5 N")
                     touched = sum(len(s.ancestors(v) | {v} | s.cone(v)) for v in firsts)
@@ -527,15 +449,7 @@ def main() -> int:
     e5()
     e7()
     e9(args.repeats)
-    print()
-    print(f"total {time.perf_counter() - t0:.1f} s")
-    if FAILURES:
-        print(f"{len(FAILURES)} EXACTNESS CHECK(S) FAILED:")
-        for f in FAILURES:
-            print("  -", f)
-        return 1
-    print("all exactness checks passed")
-    return 0
+    return summary(t0, "EXACTNESS CHECK(S) FAILED")
 
 
 if __name__ == "__main__":

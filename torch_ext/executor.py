@@ -54,7 +54,8 @@ class Executor:
     def __call__(self, *args, **kwargs):
         if self._slots is None:
             if kwargs:
-                raise TypeError(f"an Executor over an ir.Graph takes positional inputs only, got keywords {sorted(kwargs)}")
+                raise TypeError(f"an Executor over an ir.Graph takes positional inputs only, got keywords "
+                                f"{sorted(kwargs)}")
             return self._ex.run(list(args))
         flat, spec = pytree.tree_flatten((args, kwargs))
         if self._in_spec is not None and spec != self._in_spec:

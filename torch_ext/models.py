@@ -62,3 +62,13 @@ def tiny_transformer_example(batch: int = 4, seed: int = 0):
     model = TinyTransformer()
     idx = torch.randint(0, model.vocab, (batch, model.seq))
     return model, (idx,)
+
+
+def relu_mlp(width: int = 1024, depth: int = 8, seed: int = 0) -> nn.Sequential:
+    """``depth`` Linear(width, width) layers with a ReLU between each two (the parameter-heavy memory
+    benchmark's model), initialised from ``seed``."""
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])

@@ -262,40 +262,51 @@ def _patching_result(**fields):
     return PatchingResult(**fields)
 
 
-def get_act_patch_resid_pre(model, corrupted_tokens, clean_cache, patching_metric, **kwargs):
-    """[n_layers, pos]: the residual stream at the start of each block, one position at a time."""
-    return generic_activation_patch(model, corrupted_tokens, clean_cache, patching_metric, layer_pos_patch_setter,
-                                    "resid_pre", ("layer", "pos"), **kwargs)
+# TransformerLens's one-activation sweeps: suffix -> (patch setter, activation, index axes, docstring).
+_ACT_PATCHES = {
+    "resid_pre": (layer_pos_patch_setter, "resid_pre", ("layer", "pos"),
+                  "[n_layers, pos]: the residual stream at the start of each block, one position at a time."),
+    "resid_mid": (layer_pos_patch_setter, "resid_mid", ("layer", "pos"),
+                  "[n_layers, pos]: the residual stream between attention and MLP."),
+    "attn_out": (layer_pos_patch_setter, "attn_out", ("layer", "pos"),
+                 "[n_layers, pos]: the output of each attention layer."),
+    "mlp_out": (layer_pos_patch_setter, "mlp_out", ("layer", "pos"), "[n_layers, pos]: the output of each MLP layer."),
+    "attn_head_out_all_pos": (layer_head_vector_patch_setter, "z", ("layer", "head"),
+                              "[n_layers, n_heads]: each head's output (z), every position at once."),
+    "attn_head_out_by_pos": (layer_pos_head_vector_patch_setter, "z", ("layer", "pos", "head"),
+                             "[n_layers, pos, n_heads]: each head's output (z) at each position."),
+    "attn_head_pattern_all_pos": (layer_head_pattern_patch_setter, "pattern", ("layer", "head_index"),
+                                  "[n_layers, n_heads]: each head's attention pattern, every destination position "
+                                  "at once."),
+    "attn_head_pattern_by_pos": (layer_head_pos_pattern_patch_setter, "pattern", ("layer", "head_index", "dest_pos"),
+                                 "[n_layers, n_heads, dest_pos]: each head's attention pattern at each destination "
+                                 "position."),
+}
 
 
-def get_act_patch_resid_mid(model, corrupted_tokens, clean_cache, patching_metric, **kwargs):
-    """[n_layers, pos]: the residual stream between attention and MLP."""
-    return generic_activation_patch(model, corrupted_tokens, clean_cache, patching_metric, layer_pos_patch_setter,
-                                    "resid_mid", ("layer", "pos"), **kwargs)
+def _act_patch(suffix: str, setter=None, act: str = "", axes: tuple = (), doc: str = ""):
+    """``get_act_patch_<suffix>``: generic_activation_patch with one setter, activation and index axes
+    (from ``_ACT_PATCHES`` unless given)."""
+    if setter is None:
+        setter, act, axes, doc = _ACT_PATCHES[suffix]
+
+    def f(model, corrupted_tokens, clean_cache, patching_metric, **kwargs):
+        return generic_activation_patch(model, corrupted_tokens, clean_cache, patching_metric, setter, act, axes,
+                                        **kwargs)
+
+    f.__name__ = f.__qualname__ = f"get_act_patch_{suffix}"
+    f.__doc__ = doc
+    return f
 
 
-def get_act_patch_attn_out(model, corrupted_tokens, clean_cache, patching_metric, **kwargs):
-    """[n_layers, pos]: the output of each attention layer."""
-    return generic_activation_patch(model, corrupted_tokens, clean_cache, patching_metric, layer_pos_patch_setter,
-                                    "attn_out", ("layer", "pos"), **kwargs)
-
-
-def get_act_patch_mlp_out(model, corrupted_tokens, clean_cache, patching_metric, **kwargs):
-    """[n_layers, pos]: the output of each MLP layer."""
-    return generic_activation_patch(model, corrupted_tokens, clean_cache, patching_metric, layer_pos_patch_setter,
-                                    "mlp_out", ("layer", "pos"), **kwargs)
-
-
-def get_act_patch_attn_head_out_all_pos(model, corrupted_tokens, clean_cache, patching_metric, **kwargs):
-    """[n_layers, n_heads]: each head's output (z), every position at once."""
-    return generic_activation_patch(model, corrupted_tokens, clean_cache, patching_metric,
-                                    layer_head_vector_patch_setter, "z", ("layer", "head"), **kwargs)
-
-
-def get_act_patch_attn_head_out_by_pos(model, corrupted_tokens, clean_cache, patching_metric, **kwargs):
-    """[n_layers, pos, n_heads]: each head's output (z) at each position."""
-    return generic_activation_patch(model, corrupted_tokens, clean_cache, patching_metric,
-                                    layer_pos_head_vector_patch_setter, "z", ("layer", "pos", "head"), **kwargs)
+get_act_patch_resid_pre = _act_patch("resid_pre")
+get_act_patch_resid_mid = _act_patch("resid_mid")
+get_act_patch_attn_out = _act_patch("attn_out")
+get_act_patch_mlp_out = _act_patch("mlp_out")
+get_act_patch_attn_head_out_all_pos = _act_patch("attn_head_out_all_pos")
+get_act_patch_attn_head_out_by_pos = _act_patch("attn_head_out_by_pos")
+get_act_patch_attn_head_pattern_all_pos = _act_patch("attn_head_pattern_all_pos")
+get_act_patch_attn_head_pattern_by_pos = _act_patch("attn_head_pattern_by_pos")
 
 
 def get_act_patch_block_every(model, corrupted_tokens, clean_cache, metric, **kwargs):
@@ -308,15 +319,9 @@ def get_act_patch_block_every(model, corrupted_tokens, clean_cache, metric, **kw
 def _head_vector(name, by_pos):
     setter = layer_pos_head_vector_patch_setter if by_pos else layer_head_vector_patch_setter
     axes = ("layer", "pos", "head") if by_pos else ("layer", "head")
-
-    def f(model, corrupted_tokens, clean_cache, patching_metric, **kwargs):
-        return generic_activation_patch(model, corrupted_tokens, clean_cache, patching_metric, setter, name, axes,
-                                        **kwargs)
-
-    f.__name__ = f"get_act_patch_attn_head_{name}_{'by_pos' if by_pos else 'all_pos'}"
-    f.__doc__ = (f"[n_layers, {'pos, ' if by_pos else ''}n_heads]: each head's {name} "
-                 f"({'at each position' if by_pos else 'every position at once'}).")
-    return f
+    return _act_patch(f"attn_head_{name}_{'by_pos' if by_pos else 'all_pos'}", setter, name, axes,
+                      f"[n_layers, {'pos, ' if by_pos else ''}n_heads]: each head's {name} "
+                      f"({'at each position' if by_pos else 'every position at once'}).")
 
 
 get_act_patch_attn_head_q_all_pos = _head_vector("q", by_pos=False)
@@ -325,19 +330,6 @@ get_act_patch_attn_head_v_all_pos = _head_vector("v", by_pos=False)
 get_act_patch_attn_head_q_by_pos = _head_vector("q", by_pos=True)
 get_act_patch_attn_head_k_by_pos = _head_vector("k", by_pos=True)
 get_act_patch_attn_head_v_by_pos = _head_vector("v", by_pos=True)
-
-
-def get_act_patch_attn_head_pattern_all_pos(model, corrupted_tokens, clean_cache, patching_metric, **kwargs):
-    """[n_layers, n_heads]: each head's attention pattern, every destination position at once."""
-    return generic_activation_patch(model, corrupted_tokens, clean_cache, patching_metric,
-                                    layer_head_pattern_patch_setter, "pattern", ("layer", "head_index"), **kwargs)
-
-
-def get_act_patch_attn_head_pattern_by_pos(model, corrupted_tokens, clean_cache, patching_metric, **kwargs):
-    """[n_layers, n_heads, dest_pos]: each head's attention pattern at each destination position."""
-    return generic_activation_patch(model, corrupted_tokens, clean_cache, patching_metric,
-                                    layer_head_pos_pattern_patch_setter, "pattern",
-                                    ("layer", "head_index", "dest_pos"), **kwargs)
 
 
 def _every(fns, axes, model, corrupted_tokens, clean_cache, metric, kwargs, *, axis_order, n_heads, type_names,

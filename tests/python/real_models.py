@@ -73,25 +73,23 @@ def adamw(model):
 
 
 # ---- CLI factories: (model, optimizer, loss_fn, example_batch, batches)
+def _cli_factory(build, make_batches, loss_fn):
+    model = build()
+    batches = make_batches(4)
+    return model, adamw(model), loss_fn, batches[0], batches
+
+
 def gpt2():
-    model = tiny_gpt2()
-    batches = token_batches(4)
-    return model, adamw(model), causal_lm_loss, batches[0], batches
+    return _cli_factory(tiny_gpt2, token_batches, causal_lm_loss)
 
 
 def llama():
-    model = tiny_llama()
-    batches = token_batches(4)
-    return model, adamw(model), causal_lm_loss, batches[0], batches
+    return _cli_factory(tiny_llama, token_batches, causal_lm_loss)
 
 
 def resnet18():
-    model = tiny_resnet18()
-    batches = image_batches(4)
-    return model, adamw(model), classify_loss, batches[0], batches
+    return _cli_factory(tiny_resnet18, image_batches, classify_loss)
 
 
 def vit():
-    model = tiny_vit()
-    batches = image_batches(4)
-    return model, adamw(model), classify_loss, batches[0], batches
+    return _cli_factory(tiny_vit, image_batches, classify_loss)

@@ -9,17 +9,7 @@ import torch.nn as nn
 
 import torch_ext
 
-
-class Resid(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
-
-    def forward(self, x):
-        for fc in self.fc:
-            x = x + torch.tanh(fc(x))
-        return x
+from helpers import ResidTanh, position_patch, sum_metric
 
 
 X = torch.randn(2, 5, 8)
@@ -27,25 +17,19 @@ X = torch.randn(2, 5, 8)
 
 @pytest.fixture
 def rg():
-    return torch_ext.ReactiveGraph(Resid().eval(), (X,))
+    return torch_ext.ReactiveGraph(ResidTanh(3).eval(), (X,))
 
 
 def _tanh(rg, i=0):
     return [n for n in rg.nodes() if n.startswith("tanh")][i]
 
 
-def _good_patch(v, site):
-    out = v.clone()
-    out[:, site[1]] = 0
-    return out
-
-
-def _good_metric(out):
-    return out.sum()
+_good_patch = position_patch(0)
+_good_metric = sum_metric
 
 
 def _assert_fresh(rg):
-    fresh = torch_ext.ReactiveGraph(Resid().eval(), (X,))
+    fresh = torch_ext.ReactiveGraph(ResidTanh(3).eval(), (X,))
     assert str(rg) == str(fresh)
     assert rg.patched() == []
     assert torch.equal(rg.demand(), fresh.demand())
@@ -54,6 +38,13 @@ def _assert_fresh(rg):
     a = torch_ext.sweep(rg, sites, _good_patch, _good_metric, progress=False)
     b = torch_ext.sweep(fresh, sites, _good_patch, _good_metric, progress=False)
     assert a.metrics == b.metrics and a.measured_evaluations == b.measured_evaluations
+
+
+def _assert_refused_and_fresh(rg, case):
+    fn, exc, pattern = case
+    with pytest.raises(exc, match=pattern):
+        fn(rg)
+    _assert_fresh(rg)
 
 
 # (callable taking rg, expected exception type, regex the message must match)
@@ -99,10 +90,7 @@ MUTATIONS = {
 
 @pytest.mark.parametrize("case", MUTATIONS.values(), ids=MUTATIONS.keys())
 def test_bad_mutation(rg, case):
-    fn, exc, pattern = case
-    with pytest.raises(exc, match=pattern):
-        fn(rg)
-    _assert_fresh(rg)
+    _assert_refused_and_fresh(rg, case)
 
 
 def _sweep(rg, sites=None, patch=_good_patch, metric=_good_metric, **kw):
@@ -165,10 +153,7 @@ SWEEPS = {
 
 @pytest.mark.parametrize("case", SWEEPS.values(), ids=SWEEPS.keys())
 def test_bad_sweep(rg, case):
-    fn, exc, pattern = case
-    with pytest.raises(exc, match=pattern):
-        fn(rg)
-    _assert_fresh(rg)
+    _assert_refused_and_fresh(rg, case)
 
 
 def test_corpus_sizes():

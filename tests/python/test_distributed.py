@@ -106,43 +106,50 @@ def _opt_bytes(state) -> dict:
             "all": sum(v.numel() * v.element_size() for v in state.opt.values())}
 
 
-def _worker(rank, world, init_file, out_dir, kind, steps):
+def _worker(rank, world, out_dir, kind, steps):
+    torch.set_num_threads(1)
+    model, loss_fn, batches = _setup(kind, rank, steps)
+    ref, ref_opt, ref_losses = _eager_ddp(model, loss_fn, batches)
+    results = {}
+    for name, shard, runtime in (("ddp", False, "executor"), ("ddp-arena", False, "arena"),
+                                 ("zero1", True, "executor"), ("zero1-arena", True, "arena")):
+        m = copy.deepcopy(model)
+        opt = _adamw(m.parameters())
+        step = torch_ext.make_train_step(m, opt, loss_fn, batches[0], process_group=dist.group.WORLD,
+                                         shard_optimizer_state=shard)
+        run = step if runtime == "executor" else step.compile(donate=True)
+        state = step.init_state()
+        results[name + ":bytes"] = _opt_bytes(state)
+        losses = []
+        for b in batches:
+            loss, state = run(state, *b)
+            losses.append(loss)
+        assert_states_in_sync(state)
+        results[name] = _compare(state, losses, ref, ref_opt, ref_losses, shard, world, rank)
+        if name == "zero1":  # write_back gathers every rank's shard: the optimizer then holds DDP's state
+            step.write_back(state)
+            results["zero1:write_back"] = max(
+                _max_diff(opt.state[p][slot], ref_opt.state[q][slot])
+                for p, q in zip(m.parameters(), ref.parameters()) for slot in ("exp_avg", "exp_avg_sq", "step"))
+    return results
+
+
+def _on_rank(rank, world, init_file, out_dir, worker, *args):
+    """One spawned rank: joins the gloo group, pickles ``worker(rank, world, out_dir, *args)`` for the parent."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        torch.set_num_threads(1)
-        model, loss_fn, batches = _setup(kind, rank, steps)
-        ref, ref_opt, ref_losses = _eager_ddp(model, loss_fn, batches)
-        results = {}
-        for name, shard, runtime in (("ddp", False, "executor"), ("ddp-arena", False, "arena"),
-                                     ("zero1", True, "executor"), ("zero1-arena", True, "arena")):
-            m = copy.deepcopy(model)
-            opt = _adamw(m.parameters())
-            step = torch_ext.make_train_step(m, opt, loss_fn, batches[0], process_group=dist.group.WORLD,
-                                             shard_optimizer_state=shard)
-            run = step if runtime == "executor" else step.compile(donate=True)
-            state = step.init_state()
-            results[name + ":bytes"] = _opt_bytes(state)
-            losses = []
-            for b in batches:
-                loss, state = run(state, *b)
-                losses.append(loss)
-            assert_states_in_sync(state)
-            results[name] = _compare(state, losses, ref, ref_opt, ref_losses, shard, world, rank)
-            if name == "zero1":  # write_back gathers every rank's shard: the optimizer then holds DDP's state
-                step.write_back(state)
-                results["zero1:write_back"] = max(
-                    _max_diff(opt.state[p][slot], ref_opt.state[q][slot])
-                    for p, q in zip(m.parameters(), ref.parameters()) for slot in ("exp_avg", "exp_avg_sq", "step"))
+        result = worker(rank, world, out_dir, *args)
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(results, f)
+            pickle.dump(result, f)
     finally:
         dist.destroy_process_group()
 
 
 def _launch(worker, args, tmp_path, timeout_s=TIMEOUT_S):
-    """Runs ``worker(rank, WORLD, init_file, out_dir, *args)`` on WORLD spawned ranks, bounded in time."""
-    ctx = mp.start_processes(worker, args=(WORLD, str(tmp_path / "init"), str(tmp_path), *args), nprocs=WORLD,
-                             join=False, start_method="spawn")
+    """Runs ``worker(rank, WORLD, out_dir, *args)`` on WORLD spawned ranks of one gloo group, bounded in
+    time; the list of what each rank returned."""
+    ctx = mp.start_processes(_on_rank, args=(WORLD, str(tmp_path / "init"), str(tmp_path), worker, *args),
+                             nprocs=WORLD, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
         if time.monotonic() > deadline:
@@ -172,62 +179,57 @@ def test_pure_ddp_and_zero1_equal_eager_ddp(tmp_path, kind):
         assert sharded["all"] < 0.52 * full["all"]
 
 
-def _accumulate_unroll_worker(rank, world, init_file, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        torch.set_num_threads(1)
-        model, loss_fn, batches = _setup("cnn_bn", rank, 4)
-        ref = copy.deepcopy(model)
-        ddp = torch.nn.parallel.DistributedDataParallel(ref)
-        ref_opt = _adamw(ref.parameters())
-        # Eager: 2 updates, each over 2 micro-batches (no_sync on the first: one all-reduce per update).
-        for i in (0, 2):
-            ref_opt.zero_grad()
-            with ddp.no_sync():
-                (loss_fn(ddp, *batches[i]) / 2).backward()
-            (loss_fn(ddp, *batches[i + 1]) / 2).backward()
-            ref_opt.step()
-        for buf in ref.buffers():
-            dist.broadcast(buf, 0)
-        diffs = {}
-        m = copy.deepcopy(model)
-        acc = torch_ext.make_train_step(m, _adamw(m.parameters()), loss_fn, batches[0], accumulate=2,
-                                        process_group=dist.group.WORLD)
-        state = acc.init_state()
-        for i in (0, 2):
-            _, state = acc(state, *batches[i], *batches[i + 1])
-        assert_states_in_sync(state)
-        diffs["accumulate"] = max(_max_diff(state.params["model." + n], p.detach()) for n, p in ref.named_parameters())
-        # unroll=2: one graph of 2 steps equals 2 calls of the one-step program (collectives of both inside).
-        m1, m2 = copy.deepcopy(model), copy.deepcopy(model)
-        one = torch_ext.make_train_step(m1, _adamw(m1.parameters()), loss_fn, batches[0], process_group=dist.group.WORLD)
-        two = torch_ext.make_train_step(m2, _adamw(m2.parameters()), loss_fn, batches[0], unroll=2,
-                                        process_group=dist.group.WORLD)
-        s1, s2 = one.init_state(), two.init_state()
-        for b in batches[:2]:
-            _, s1 = one(s1, *b)
-        _, s2 = two(s2, *batches[0], *batches[1])
-        assert_states_in_sync(s2)
-        diffs["unroll"] = max(_max_diff(s2.lookup(k), s1.lookup(k)) for k in one.state_names)
-        # clip_grad_norm clips the averaged gradients, as clip_grad_norm_ after DDP's backward does.
-        ref = copy.deepcopy(model)
-        ddp = torch.nn.parallel.DistributedDataParallel(ref)
-        ref_opt = _adamw(ref.parameters())
-        m3 = copy.deepcopy(model)
-        clip = torch_ext.make_train_step(m3, _adamw(m3.parameters()), loss_fn, batches[0], clip_grad_norm=0.05,
-                                         process_group=dist.group.WORLD)
-        s3 = clip.init_state()
-        for b in batches:
-            ref_opt.zero_grad()
-            loss_fn(ddp, *b).backward()
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
-            ref_opt.step()
-            _, s3 = clip(s3, *b)
-        diffs["clip"] = max(_max_diff(s3.params["model." + n], p.detach()) for n, p in ref.named_parameters())
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(diffs, f)
-    finally:
-        dist.destroy_process_group()
+def _accumulate_unroll_worker(rank, world, out_dir):
+    torch.set_num_threads(1)
+    model, loss_fn, batches = _setup("cnn_bn", rank, 4)
+    ref = copy.deepcopy(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(ref)
+    ref_opt = _adamw(ref.parameters())
+    # Eager: 2 updates, each over 2 micro-batches (no_sync on the first: one all-reduce per update).
+    for i in (0, 2):
+        ref_opt.zero_grad()
+        with ddp.no_sync():
+            (loss_fn(ddp, *batches[i]) / 2).backward()
+        (loss_fn(ddp, *batches[i + 1]) / 2).backward()
+        ref_opt.step()
+    for buf in ref.buffers():
+        dist.broadcast(buf, 0)
+    diffs = {}
+    m = copy.deepcopy(model)
+    acc = torch_ext.make_train_step(m, _adamw(m.parameters()), loss_fn, batches[0], accumulate=2,
+                                    process_group=dist.group.WORLD)
+    state = acc.init_state()
+    for i in (0, 2):
+        _, state = acc(state, *batches[i], *batches[i + 1])
+    assert_states_in_sync(state)
+    diffs["accumulate"] = max(_max_diff(state.params["model." + n], p.detach()) for n, p in ref.named_parameters())
+    # unroll=2: one graph of 2 steps equals 2 calls of the one-step program (collectives of both inside).
+    m1, m2 = copy.deepcopy(model), copy.deepcopy(model)
+    one = torch_ext.make_train_step(m1, _adamw(m1.parameters()), loss_fn, batches[0], process_group=dist.group.WORLD)
+    two = torch_ext.make_train_step(m2, _adamw(m2.parameters()), loss_fn, batches[0], unroll=2,
+                                    process_group=dist.group.WORLD)
+    s1, s2 = one.init_state(), two.init_state()
+    for b in batches[:2]:
+        _, s1 = one(s1, *b)
+    _, s2 = two(s2, *batches[0], *batches[1])
+    assert_states_in_sync(s2)
+    diffs["unroll"] = max(_max_diff(s2.lookup(k), s1.lookup(k)) for k in one.state_names)
+    # clip_grad_norm clips the averaged gradients, as clip_grad_norm_ after DDP's backward does.
+    ref = copy.deepcopy(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(ref)
+    ref_opt = _adamw(ref.parameters())
+    m3 = copy.deepcopy(model)
+    clip = torch_ext.make_train_step(m3, _adamw(m3.parameters()), loss_fn, batches[0], clip_grad_norm=0.05,
+                                     process_group=dist.group.WORLD)
+    s3 = clip.init_state()
+    for b in batches:
+        ref_opt.zero_grad()
+        loss_fn(ddp, *b).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+        _, s3 = clip(s3, *b)
+    diffs["clip"] = max(_max_diff(s3.params["model." + n], p.detach()) for n, p in ref.named_parameters())
+    return diffs
 
 
 def test_accumulate_and_unroll_with_data_parallelism(tmp_path):
@@ -235,25 +237,20 @@ def test_accumulate_and_unroll_with_data_parallelism(tmp_path):
         assert max(diffs.values()) <= 1e-6, diffs
 
 
-def _drift_worker(rank, world, init_file, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _drift_worker(rank, world, out_dir):
+    model, loss_fn, batches = _setup("transformer", rank, 1)
+    step = torch_ext.make_train_step(model, _adamw(model.parameters()), loss_fn, batches[0],
+                                     process_group=dist.group.WORLD)
+    loss, state = step(step.init_state(), *batches[0])
+    assert_states_in_sync(state)
+    if rank == 1:
+        state.params["model.proj.bias"] = state.params["model.proj.bias"] + 1e-7
     try:
-        model, loss_fn, batches = _setup("transformer", rank, 1)
-        step = torch_ext.make_train_step(model, _adamw(model.parameters()), loss_fn, batches[0],
-                                         process_group=dist.group.WORLD)
-        loss, state = step(step.init_state(), *batches[0])
         assert_states_in_sync(state)
-        if rank == 1:
-            state.params["model.proj.bias"] = state.params["model.proj.bias"] + 1e-7
-        try:
-            assert_states_in_sync(state)
-            message = None
-        except AssertionError as e:
-            message = str(e)
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(message, f)
-    finally:
-        dist.destroy_process_group()
+        message = None
+    except AssertionError as e:
+        message = str(e)
+    return message
 
 
 def test_assert_states_in_sync_names_the_entry_that_drifted(tmp_path):
@@ -261,34 +258,29 @@ def test_assert_states_in_sync_names_the_entry_that_drifted(tmp_path):
         assert message is not None and "params['model.proj.bias']" in message and "2 ranks" in message
 
 
-def _aoti_worker(rank, world, init_file, out_dir, steps):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        torch.set_num_threads(1)
-        model, loss_fn, batches = _setup("transformer", rank, steps)
-        ref, ref_opt, ref_losses = _eager_ddp(model, loss_fn, batches)
-        step = torch_ext.make_train_step(model, _adamw(model.parameters()), loss_fn, batches[0],
-                                         process_group=dist.group.WORLD)
-        # The DDP program is the same on every rank (the group is named, the rank is not baked in):
-        # rank 0 compiles the one package all ranks load (two concurrent compiles of one graph would
-        # also race on Inductor's cache).
-        package = os.path.join(out_dir, "step.pt2")
-        if rank == 0:
-            torch._inductor.aoti_compile_and_package(step.program, package_path=package)
-        dist.barrier()
-        runner = torch._inductor.aoti_load_package(package)
-        state, n, losses = step.init_state(), len(step.state_names), []
-        for b in batches:
-            outs = runner(*step.flat_inputs(state, *b))
-            losses.append(outs[0])
-            state = state.replace(dict(zip(step.state_names, outs[1:1 + n])))
-        assert_states_in_sync(state)
-        params = {n: (state.params["model." + n], p.detach(), ref_opt.state[p]["exp_avg"])
-                  for n, p in ref.named_parameters()}
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump((losses, ref_losses, params), f)
-    finally:
-        dist.destroy_process_group()
+def _aoti_worker(rank, world, out_dir, steps):
+    torch.set_num_threads(1)
+    model, loss_fn, batches = _setup("transformer", rank, steps)
+    ref, ref_opt, ref_losses = _eager_ddp(model, loss_fn, batches)
+    step = torch_ext.make_train_step(model, _adamw(model.parameters()), loss_fn, batches[0],
+                                     process_group=dist.group.WORLD)
+    # The DDP program is the same on every rank (the group is named, the rank is not baked in):
+    # rank 0 compiles the one package all ranks load (two concurrent compiles of one graph would
+    # also race on Inductor's cache).
+    package = os.path.join(out_dir, "step.pt2")
+    if rank == 0:
+        torch._inductor.aoti_compile_and_package(step.program, package_path=package)
+    dist.barrier()
+    runner = torch._inductor.aoti_load_package(package)
+    state, n, losses = step.init_state(), len(step.state_names), []
+    for b in batches:
+        outs = runner(*step.flat_inputs(state, *b))
+        losses.append(outs[0])
+        state = state.replace(dict(zip(step.state_names, outs[1:1 + n])))
+    assert_states_in_sync(state)
+    params = {n: (state.params["model." + n], p.detach(), ref_opt.state[p]["exp_avg"])
+              for n, p in ref.named_parameters()}
+    return (losses, ref_losses, params)
 
 
 def test_pure_ddp_step_through_aotinductor_equals_eager_ddp(tmp_path):

@@ -9,31 +9,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn as nn
 
 import torch_ext
 
-
-class _Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
-
-    def forward(self, x):
-        for fc in self.fc:
-            x = x + torch.tanh(fc(x))
-        return x
+from helpers import ResidTanh, position_patch
 
 
 def _sites(rg):
     return [(n, p) for n in rg.nodes("tanh*") for p in range(5)]
 
 
-def _patch(v, site):
-    out = v.clone()
-    out[:, site[1]] = 0.25
-    return out
+_patch = position_patch(0.25)
 
 
 def _metric(out):
@@ -46,7 +32,7 @@ def _worker(rank, world, init_file, out_dir, batch_sites):
         torch.set_num_threads(1)
         torch.manual_seed(1)
         x = torch.randn(2, 5, 8)
-        rg = torch_ext.ReactiveGraph(_Model().eval(), (x,))
+        rg = torch_ext.ReactiveGraph(ResidTanh(4).eval(), (x,))
         result = torch_ext.sweep(rg, _sites(rg), _patch, _metric, progress=False, batch_sites=batch_sites,
                                  distributed=True)
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
@@ -62,7 +48,7 @@ def test_sharded_sweep_equals_single_process(tmp_path, batch_sites):
                        join=True, start_method="spawn")
     torch.manual_seed(1)
     x = torch.randn(2, 5, 8)
-    rg = torch_ext.ReactiveGraph(_Model().eval(), (x,))
+    rg = torch_ext.ReactiveGraph(ResidTanh(4).eval(), (x,))
     single = torch_ext.sweep(rg, _sites(rg), _patch, _metric, progress=False, batch_sites=batch_sites)
     for rank in range(world):
         with open(tmp_path / f"rank{rank}.pkl", "rb") as f:
@@ -76,6 +62,6 @@ def test_sharded_sweep_equals_single_process(tmp_path, batch_sites):
 
 
 def test_distributed_sweep_needs_a_process_group():
-    rg = torch_ext.ReactiveGraph(_Model().eval(), (torch.randn(2, 5, 8),))
+    rg = torch_ext.ReactiveGraph(ResidTanh(4).eval(), (torch.randn(2, 5, 8),))
     with pytest.raises(RuntimeError, match="init_process_group"):
         torch_ext.sweep(rg, _sites(rg), _patch, _metric, progress=False, distributed=True)

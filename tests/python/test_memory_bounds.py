@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -17,8 +16,9 @@ from hypothesis import strategies as st
 import torch_ext
 from torch_ext import _C
 from torch_ext.ir import Graph
-from torch_ext.models import TinyTransformer
+from torch_ext.models import relu_mlp
 
+from helpers import tiny_gpt_step
 from test_train_step import MODELS
 
 
@@ -43,11 +43,7 @@ def test_mlp_adamw_clip_plan_is_not_below_lb_graph():
 def test_bench_adam_mlp_plan_is_not_below_lb_graph():
     # scripts/bench_memory.py's parameter-heavy Adam config. Was: planned 100.78 MiB against
     # LB_graph 112.09 MiB.
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(8):
-        layers += [nn.Linear(1024, 1024), nn.ReLU()]
-    model = nn.Sequential(*layers[:-1])
+    model = relu_mlp()
     batch = (torch.randn(16, 1024), torch.randn(16, 1024))
     step = torch_ext.make_train_step(model, torch.optim.Adam(model.parameters(), lr=1e-4),
                                      lambda m, x, y: F.mse_loss(m(x), y), batch)
@@ -61,11 +57,7 @@ def test_bench_adam_mlp_plan_is_not_below_lb_graph():
 def test_least_peak_is_never_worse_than_update_asap_on_a_gpt_step():
     # A one-layer char-GPT with AdamW: the greedy rule once called least-peak gave 3,071,316 B
     # while update-asap gave 2,825,548 B.
-    torch.manual_seed(0)
-    model = TinyTransformer(vocab=256, d_model=64, n_heads=2, n_layers=1, seq=64)
-    batch = (torch.randint(0, 256, (4, 64)), torch.randint(0, 256, (4, 64)))
-    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                     lambda m, i, t: F.cross_entropy(m(i).reshape(-1, 256), t.reshape(-1)), batch)
+    step, _ = tiny_gpt_step(vocab=256, d_model=64, n_heads=2, n_layers=1, seq=64, batch=4)
     planned = step.compile(plan=True, donate=True)
     cands = dict(planned.candidates)
     assert cands["least-peak"] <= cands["update-asap"], cands

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 import torch_ext
 from torch_ext.memory import measured_peak
 
+from helpers import assert_same_training, tiny_gpt_step
+
 
 def _cnn(batch=8):
     torch.manual_seed(0)
@@ -74,13 +76,7 @@ def test_budget_recomputes_activations_bit_exact_with_the_unplanned_step():
     assert remat.remat["recomputed"] and remat.remat["added_flops"] > 0
     clones = [n.name for n in remat.graph.nodes() if n.name.endswith("_recomp")]
     assert clones, "the recomputation is ordinary nodes of the step"
-    s_ref, s_remat = step.init_state(), step.init_state()
-    for _ in range(3):
-        loss_ref, s_ref = step(s_ref, *batch)
-        loss, s_remat = remat(s_remat, *batch)
-        assert torch.equal(loss, loss_ref)
-    for name in step.state_names:
-        assert torch.equal(s_ref.lookup(name), s_remat.lookup(name)), name
+    assert_same_training(step, remat, batch, 3)
     # The same graph as an FX GraphModule (what .pt2 / AOTInductor export) computes the same step.
     gm = remat.graph.to_graph_module()
     assert sum(1 for n in gm.graph.nodes if n.name.endswith("_recomp")) == len(clones)
@@ -137,23 +133,11 @@ def test_memory_report_pareto_front_and_plot(tmp_path):
 
 
 def test_transformer_remat_recomputes_layer_norm_and_gelu_bit_exact():
-    from torch_ext.models import TinyTransformer
-
-    torch.manual_seed(0)
-    model = TinyTransformer(vocab=64, d_model=32, n_heads=4, n_layers=2, seq=32)
-    batch = (torch.randint(0, 64, (8, 32)), torch.randint(0, 64, (8, 32)))
-    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                     lambda m, i, t: F.cross_entropy(m(i).reshape(-1, 64), t.reshape(-1)), batch)
+    step, batch = tiny_gpt_step(vocab=64, d_model=32, n_heads=4, n_layers=2, seq=32, batch=8)
     base = step.compile(plan=True, donate=True)
     remat = step.compile(plan=True, donate=True, memory_budget=int(0.8 * base.peak_bytes))
     assert remat.peak_bytes <= int(0.8 * base.peak_bytes)
     targets = {n.name: n.target for n in remat.graph.nodes()}
     recomputed = {targets[n] for n in remat.remat["recomputed"]}
     assert "aten::native_layer_norm.default" in recomputed, recomputed
-    s_ref, s_remat = step.init_state(), step.init_state()
-    for _ in range(2):
-        loss_ref, s_ref = step(s_ref, *batch)
-        loss, s_remat = remat(s_remat, *batch)
-        assert torch.equal(loss, loss_ref)
-    for name in step.state_names:
-        assert torch.equal(s_ref.lookup(name), s_remat.lookup(name)), name
+    assert_same_training(step, remat, batch, 2)

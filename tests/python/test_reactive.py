@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections import defaultdict
 from fractions import Fraction
 
 import pytest
@@ -87,66 +86,8 @@ def layered_chain_text(weights: list[int], op: str = "aten::relu.default") -> tu
 # ---------------------------------------------------------------------------------------------
 # independent structure, cones and references
 # ---------------------------------------------------------------------------------------------
-def _refs(arg):
-    if isinstance(arg, _C.NodeRef):
-        yield arg.name
-    elif isinstance(arg, (list, tuple)):
-        for a in arg:
-            yield from _refs(a)
-
-
-class Structure:
-    """Parents / children by name, read from a graph's node list (not from the engine)."""
-
-    def __init__(self, nodes: list[dict]):
-        self.order: list[str] = []
-        self.kind: dict[str, str] = {}
-        self.parents: dict[str, list[str]] = {}
-        self.outputs: list[str] = []
-        for n in nodes:
-            refs = list(dict.fromkeys(r for a in list(n.args) + [v for _, v in n.kwargs] for r in _refs(a)))
-            if n.kind == "output":
-                self.outputs = refs
-                continue
-            self.order.append(n.name)
-            self.kind[n.name] = n.kind
-            self.parents[n.name] = refs
-        self._rebuild_children()
-
-    def _rebuild_children(self):
-        self.children = defaultdict(list)
-        for v, ps in self.parents.items():
-            for p in ps:
-                self.children[p].append(v)
-
-    @property
-    def countable(self) -> list[str]:
-        return [v for v in self.order if self.kind[v] == "call"]
-
-    def cone(self, s: str) -> set[str]:
-        """V+(s): strict descendants (all are countable: only call nodes have parents)."""
-        seen, work = set(), [s]
-        while work:
-            for c in self.children[work.pop()]:
-                if c not in seen:
-                    seen.add(c)
-                    work.append(c)
-        return seen
-
-    def D(self, w: str) -> set[str]:
-        return {w} | self.cone(w)
-
-    def ancestors(self, s: str) -> set[str]:
-        seen, work = set(), [s]
-        while work:
-            for p in self.parents[work.pop()]:
-                if p not in seen:
-                    seen.add(p)
-                    work.append(p)
-        return seen
-
-    def edges(self) -> set[tuple[str, str]]:
-        return {(p, v) for v, ps in self.parents.items() for p in ps}
+class Structure(synthetic.Structure):
+    """torch_ext.synthetic.Structure, plus our own copy of a graft for the model to follow."""
 
     def splice(self, src: str, consumers: list[str], block: Graph, names: list[str]) -> None:
         """Our own copy of a graft: block input -> src, block output -> each consumer (or output)."""
@@ -300,29 +241,10 @@ def test_layered_sweep_closed_form(profile, q):
     assert round(L * (N + 1) / (measured + L), 4) == paper[(profile, q)]
 
 
-def wide_layered_text(weights: list[int]) -> tuple[str, list[str], list[str]]:
-    """E5's parallel-branch layers: w_j sin branches read the previous aggregate, folded by w_j - 1 adds."""
-    lines = ["graph:", "  %x : f32[4] = input()"]
-    cur, firsts, aggs = "x", [], []
-    for j, w in enumerate(weights, start=1):
-        branches = [f"l{j}b{i}" for i in range(1, w + 1)]
-        for b in branches:
-            lines.append(f"  %{b} : f32[4] = aten::sin.default(%{cur})")
-        acc = branches[0]
-        for i, b in enumerate(branches[1:], start=1):
-            lines.append(f"  %l{j}a{i} : f32[4] = aten::add.Tensor(%{acc}, %{b})")
-            acc = f"l{j}a{i}"
-        firsts.append(branches[0])
-        aggs.append(acc)
-        cur = acc
-    lines.append(f"  return (%{cur})")
-    return "\n".join(lines) + "\n", firsts, aggs
-
-
 def test_wide_layered_dag_sweep():
     """On a branching layered DAG the cones are not a chain's suffixes; counts follow the closed form."""
     w = [3, 1, 4, 2, 5, 2, 3]
-    text, firsts, aggs = wide_layered_text(w)
+    text, firsts, aggs = synthetic.layered_text(w, "aten::sin.default")
     eng, s, x = new_engine(text)
     N = eng.num_countable()
     assert N == sum(2 * wj - 1 for wj in w)

@@ -16,6 +16,8 @@ import torch_ext
 from torch_ext import synthetic
 from torch_ext.ir import Graph
 
+from helpers import position_patch, sum_metric
+
 
 class Resid(nn.Module):
     """Batch-major residual MLP: (B, T, D) -> (B, T, D)."""
@@ -60,14 +62,8 @@ def _eager(model, x, replace: dict):
         torch.tanh = orig
 
 
-def _site_patch(value, site):
-    out = value.clone()
-    out[:, site[1]] = 0.0
-    return out
-
-
-def _metric(out):
-    return out.sum()
+_site_patch = position_patch(0.0)
+_metric = sum_metric
 
 
 def test_unbatched_sweep_keeps_a_standing_patch(resid):

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 import torch_ext
 
+from helpers import train_like_eager
+
 
 def model_opt():
     torch.manual_seed(0)
@@ -35,15 +37,7 @@ def test_partial_last_batch_bit_exact_with_eager():
     step = torch_ext.make_train_step(model, opt, loss_fn, batches[0], batch_shapes="cache")
     state = step.init_state(seed=2)
     torch.manual_seed(2)
-    for i, b in enumerate(batches):
-        loss, state = step(state, *b)
-        ref_opt.zero_grad()
-        ref_loss = loss_fn(ref, *b)
-        ref_loss.backward()
-        ref_opt.step()
-        assert torch.equal(loss, ref_loss.detach()), i
-    for n, p in ref.named_parameters():
-        assert torch.equal(state.params["model." + n], p.detach()), n
+    train_like_eager(step, state, ref, ref_opt, loss_fn, batches)
     info = step.cache_info()
     assert info["programs"] == 2 and info["shapes"] == [((8, 16), (8,)), ((5, 16), (5,))]
 

@@ -10,6 +10,9 @@ import torch.nn.functional as F
 
 import torch_ext
 
+from helpers import train_like_eager
+
+
 OPTIMIZERS = {
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2),
     "rmsprop_centered_momentum_wd": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, alpha=0.9, momentum=0.8,
@@ -45,17 +48,8 @@ def test_bit_exact_100_steps(name, warm):
             loss_fn(m, *b).backward()
             o.step()
     step = torch_ext.make_train_step(model, opt, loss_fn, batches[0])
-    state = step.init_state()
-    for i, b in enumerate(batches[warm:]):
-        loss, state = step(state, *b)
-        ref_opt.zero_grad()
-        ref_loss = loss_fn(ref, *b)
-        ref_loss.backward()
-        ref_opt.step()
-        assert torch.equal(loss, ref_loss.detach()), i
+    state = train_like_eager(step, step.init_state(), ref, ref_opt, loss_fn, batches[warm:])
     names = {id(p): n for n, p in ref.named_parameters()}
-    for n, p in ref.named_parameters():
-        assert torch.equal(state.params["model." + n], p.detach()), n
     for p, st in ref_opt.state.items():
         for slot, v in st.items():
             assert torch.equal(state.opt[f"opt:model.{names[id(p)]}:{slot}"].to(v.dtype), v), slot
@@ -112,13 +106,4 @@ def test_foreach_is_accepted_where_it_computes_the_same_numbers(name):
     ref = copy.deepcopy(model)
     ref_opt = FOREACH[name](ref.parameters())
     step = torch_ext.make_train_step(model, FOREACH[name](model.parameters()), loss_fn, batches[0])
-    state = step.init_state()
-    for i, b in enumerate(batches[:50]):
-        loss, state = step(state, *b)
-        ref_opt.zero_grad()
-        ref_loss = loss_fn(ref, *b)
-        ref_loss.backward()
-        ref_opt.step()
-        assert torch.equal(loss, ref_loss.detach()), i
-    for n, p in ref.named_parameters():
-        assert torch.equal(state.params["model." + n], p.detach()), n
+    train_like_eager(step, step.init_state(), ref, ref_opt, loss_fn, batches[:50])

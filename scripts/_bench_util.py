@@ -1,0 +1,45 @@
+"""What the benchmark and reproduction scripts share: exactness checks, speed targets, headers
+and the closing summary. Scripts run as ``python scripts/<name>.py``, so this imports as a sibling."""
+from __future__ import annotations
+
+import time
+
+FAILURES: list[str] = []
+MISSED: list[str] = []
+
+
+def check(ok: bool, what: str) -> bool:
+    """An exactness check: a failure is printed now and counted in the summary (exit status 1)."""
+    if not ok:
+        FAILURES.append(what)
+        print(f"  !! FAILED: {what}")
+    return ok
+
+
+def target(ok: bool, what: str) -> str:
+    """A speed target: missed ones are listed in the summary, without failing the run."""
+    if not ok:
+        MISSED.append(what)
+    return "met" if ok else "MISSED"
+
+
+def header(title: str) -> None:
+    print()
+    print("=" * 100)
+    print(title)
+    print("=" * 100)
+
+
+def summary(t0: float, failed: str = "CHECK(S) FAILED") -> int:
+    """Prints the run time, the missed targets and the failed checks; the exit status."""
+    print()
+    print(f"total {time.perf_counter() - t0:.1f} s")
+    if MISSED:
+        print("speed targets missed: " + "; ".join(MISSED))
+    if FAILURES:
+        print(f"{len(FAILURES)} {failed}:")
+        for f in FAILURES:
+            print("  -", f)
+        return 1
+    print("all exactness checks passed")
+    return 0

@@ -1,0 +1,86 @@
+"""Small models, patch functions and checks that several test files share."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch_ext
+
+
+class ResidTanh(nn.Module):
+    """x + tanh(fc(x)), ``layers`` times on width 8 (seeded): a residual stream with one site per layer."""
+
+    def __init__(self, layers: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.ModuleList(nn.Linear(8, 8) for _ in range(layers))
+
+    def forward(self, x):
+        for fc in self.fc:
+            x = x + torch.tanh(fc(x))
+        return x
+
+
+def position_patch(fill: float):
+    """patch(value, (node, pos)): the value with row ``pos`` of dim 1 set to ``fill``."""
+
+    def patch(value, site):
+        out = value.clone()
+        out[:, site[1]] = fill
+        return out
+
+    return patch
+
+
+def sum_metric(out):
+    return out.sum()
+
+
+def assert_verifier_and_executor_refuse(text: str, pattern: str):
+    """verify() lists the problem; the Executor verifies first, so it is not built either."""
+    g = torch_ext.ir.Graph.parse(text)
+    with pytest.raises(RuntimeError, match=r"IR verification failed(.|\n)*" + pattern):
+        g.verify()
+    with pytest.raises(RuntimeError, match=pattern):
+        torch_ext.Executor(g)
+    return g
+
+
+def train_like_eager(step, state, ref, ref_opt, loss_fn, batches):
+    """Runs the step and eager PyTorch (``ref`` with ``ref_opt``) on every batch: each loss and, at the
+    end, every parameter bit for bit. Returns the step's last state."""
+    for i, b in enumerate(batches):
+        loss, state = step(state, *b)
+        ref_opt.zero_grad()
+        ref_loss = loss_fn(ref, *b)
+        ref_loss.backward()
+        ref_opt.step()
+        assert torch.equal(loss, ref_loss.detach()), i
+    for n, p in ref.named_parameters():
+        assert torch.equal(state.params["model." + n], p.detach()), n
+    return state
+
+
+def tiny_gpt_step(vocab: int, d_model: int, n_heads: int, n_layers: int, seq: int, batch: int):
+    """(step, batch): a seeded TinyTransformer with AdamW (lr 1e-3) and a next-token loss."""
+    from torch_ext.models import TinyTransformer
+
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=vocab, d_model=d_model, n_heads=n_heads, n_layers=n_layers, seq=seq)
+    data = (torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq)))
+    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                     lambda m, i, t: F.cross_entropy(m(i).reshape(-1, vocab), t.reshape(-1)), data)
+    return step, data
+
+
+def assert_same_training(step, other, batch, steps: int) -> None:
+    """``other`` (a compiled variant of ``step``) gives the same losses and final state, bit for bit."""
+    s_ref, s_other = step.init_state(), step.init_state()
+    for _ in range(steps):
+        loss_ref, s_ref = step(s_ref, *batch)
+        loss, s_other = other(s_other, *batch)
+        assert torch.equal(loss, loss_ref)
+    for name in step.state_names:
+        assert torch.equal(s_ref.lookup(name), s_other.lookup(name)), name
