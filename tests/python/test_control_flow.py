@@ -249,9 +249,10 @@ def test_training_through_a_loop_names_the_op_and_torch_version():
         assert torch.isfinite(loss)
 
 
+@pytest.mark.internals
 def test_importer_and_exporter_read_the_cpp_higher_order_table():
     """torch_ext/ir.py's cond/while_loop handling comes from csrc/ir/higher_order.h, not from names of its own."""
-    from torch_ext import ir
+    from torch_ext import _C, ir
 
     table = {h["name"]: h for h in _C.higher_order_ops()}
     assert set(table) == {"cond", "while_loop"}
