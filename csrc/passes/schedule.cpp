@@ -43,17 +43,30 @@ Dag build(const ir::Graph& g) {
   return d;
 }
 
-// Generic list scheduler: repeatedly picks the ready node with the smallest key.
-Order list_schedule(const Dag& d, const std::function<double(const ir::Node*, const std::unordered_set<const ir::Node*>&)>& key) {
+// Kahn's algorithm's starting state, shared by every topological scheduler here: each call's
+// count of unscheduled predecessors, its successors, and the calls ready at once (in graph order).
+struct Kahn {
   std::unordered_map<const ir::Node*, size_t> missing;
   std::unordered_map<const ir::Node*, std::vector<const ir::Node*>> succ;
   std::vector<const ir::Node*> ready;
+};
+
+Kahn kahn_start(const Dag& d) {
+  Kahn k;
   for (const ir::Node* n : d.calls) {
-    missing[n] = d.preds.count(n) ? d.preds.at(n).size() : 0;
-    if (d.preds.count(n))
-      for (const ir::Node* p : d.preds.at(n)) succ[p].push_back(n);
-    if (missing[n] == 0) ready.push_back(n);
+    auto it = d.preds.find(n);
+    k.missing[n] = it != d.preds.end() ? it->second.size() : 0;
+    if (it != d.preds.end())
+      for (const ir::Node* p : it->second) k.succ[p].push_back(n);
+    if (k.missing[n] == 0) k.ready.push_back(n);
   }
+  return k;
+}
+
+// Generic list scheduler: repeatedly picks the ready node with the smallest key.
+Order list_schedule(const Dag& d, const std::function<double(const ir::Node*, const std::unordered_set<const ir::Node*>&)>& key) {
+  Kahn k = kahn_start(d);
+  auto& [missing, succ, ready] = k;
   Order order;
   std::unordered_set<const ir::Node*> done;
   while (!ready.empty()) {
@@ -435,15 +448,9 @@ ScheduleResult schedule(ir::Graph& g, bool donate) {
 
   // BFS and DFS topological orders (Kahn with a queue, with a stack).
   for (const bool depth_first : {false, true}) {
-    std::unordered_map<const ir::Node*, size_t> missing;
-    std::unordered_map<const ir::Node*, std::vector<const ir::Node*>> succ;
-    std::deque<const ir::Node*> work;
-    for (const ir::Node* n : d.calls) {
-      missing[n] = d.preds.count(n) ? d.preds.at(n).size() : 0;
-      if (d.preds.count(n))
-        for (const ir::Node* p : d.preds.at(n)) succ[p].push_back(n);
-      if (missing[n] == 0) work.push_back(n);
-    }
+    Kahn k = kahn_start(d);
+    auto& [missing, succ, ready] = k;
+    std::deque<const ir::Node*> work(ready.begin(), ready.end());
     Order order;
     while (!work.empty()) {
       const ir::Node* n = depth_first ? work.back() : work.front();

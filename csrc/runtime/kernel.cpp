@@ -30,6 +30,17 @@ c10::TypePtr unwrap_optional(const c10::TypePtr& t) {
   return t;
 }
 
+// An int[] or float[] argument: each element a constant (slot < 0) or a graph value.
+template <typename T, typename Fill>
+c10::IValue scalar_list(const Fill& l, const ValueSlots& values, T (c10::IValue::*get)() const) {
+  c10::List<T> out;
+  for (size_t j = 0; j < l.slots.size(); ++j) {
+    const c10::IValue& v = l.slots[j] < 0 ? l.consts[j] : values[l.slots[j]];
+    out.push_back((v.*get)());
+  }
+  return c10::IValue(std::move(out));
+}
+
 }  // namespace
 
 int64_t max_loop_iterations() {
@@ -214,20 +225,12 @@ c10::IValue BoundKernel::invoke(const ValueSlots& values, std::vector<c10::IValu
         stack[l.stack_pos] = c10::IValue(std::move(out));
         break;
       }
-      case ListKind::Int: {
-        c10::List<int64_t> out;
-        for (size_t j = 0; j < l.slots.size(); ++j)
-          out.push_back(l.slots[j] < 0 ? l.consts[j].toInt() : values[l.slots[j]].toInt());
-        stack[l.stack_pos] = c10::IValue(std::move(out));
+      case ListKind::Int:
+        stack[l.stack_pos] = scalar_list<int64_t>(l, values, &c10::IValue::toInt);
         break;
-      }
-      case ListKind::Float: {
-        c10::List<double> out;
-        for (size_t j = 0; j < l.slots.size(); ++j)
-          out.push_back(l.slots[j] < 0 ? l.consts[j].toDouble() : values[l.slots[j]].toDouble());
-        stack[l.stack_pos] = c10::IValue(std::move(out));
+      case ListKind::Float:
+        stack[l.stack_pos] = scalar_list<double>(l, values, &c10::IValue::toDouble);
         break;
-      }
     }
   }
   op_->callBoxed(stack);
