@@ -3,6 +3,7 @@
 #include "ir/higher_order.h"
 #include "ir/out_variant.h"
 #include "ir/schema.h"
+#include "ir/users.h"
 #include "passes/memory_algorithms.h"
 
 #include <c10/util/Exception.h>
@@ -38,17 +39,7 @@ bool shares_input_storage(const ir::Node& n) { return ir::is_view_op(n) || ir::r
 // Every node that reads `root`'s storage: readers of the node and, through views and getitems, of
 // everything that shares it.
 std::vector<const ir::Node*> storage_readers(const ir::Node* root) {
-  std::vector<const ir::Node*> out, work{root};
-  while (!work.empty()) {
-    const ir::Node* v = work.back();
-    work.pop_back();
-    for (const ir::Node* u : v->users()) {
-      if (u->kind() != ir::NodeKind::Call) continue;
-      out.push_back(u);
-      if (shares_input_storage(*u) || u->target().is_getitem()) work.push_back(u);
-    }
-  }
-  return out;
+  return ir::transitive_users(root, [](const ir::Node& u) { return shares_input_storage(u) || u.target().is_getitem(); });
 }
 
 // State inputs an update op may overwrite, with the output element that replaces each.
