@@ -16,17 +16,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch_ext
-from torch_ext import _C
 
 
 def flops_of(g) -> int:
     # rematerialize_for_budget with a budget it already meets changes nothing and reports the
     # graph's estimated FLOPs (csrc/passes/rematerialize.cpp, estimated_flops).
-    return _C.rematerialize_for_budget(g.clone()._g, 2 ** 62, True)["forward_flops"]
+    return g.clone().rematerialize_for_budget(2 ** 62)["forward_flops"]
 
 
 def peak_of(g) -> int:
-    return _C.plan_memory(g._g, True)["peak_bytes"]
+    return g.plan_memory()["peak_bytes"]
 
 
 def candidates(g) -> list[str]:
@@ -35,7 +34,7 @@ def candidates(g) -> list[str]:
         if n.kind != "call" or n.target in ("getitem",):
             continue
         try:
-            _C.rematerialize(g.clone()._g, [n.name])
+            g.clone().rematerialize([n.name])
             out.append(n.name)
         except RuntimeError:
             pass
@@ -57,7 +56,7 @@ def main():
         step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9), loss_fn,
                                          batch)
         base = step.graph.clone()
-        _C.schedule(base._g, True)
+        base.schedule()
         cands = candidates(base)
         if len(cands) > 14:
             cands = cands[:14]
@@ -67,7 +66,7 @@ def main():
             for sub in itertools.combinations(cands, k):
                 g = base.clone()
                 if sub:
-                    _C.rematerialize(g._g, list(sub))
+                    g.rematerialize(sub)
                 table.append((peak_of(g), flops_of(g) - f0))
         lo = min(p for p, _ in table)
         print(f"\n== {name}: {len(cands)} recomputable forward nodes, {len(table)} subsets; peak without "
@@ -77,7 +76,7 @@ def main():
             budget = int(lo + frac * (p0 - 1 - lo))
             exact = min((f for p, f in table if p <= budget), default=math.inf)
             g = base.clone()
-            r = _C.rematerialize_for_budget(g._g, budget, True)
+            r = g.rematerialize_for_budget(budget)
             greedy = r["added_flops"] if r["feasible"] else math.inf
             ratio = greedy / exact if exact not in (0, math.inf) and greedy != math.inf else float("nan")
             print(f"{budget:10d} {exact:13} {greedy:14} {r['peak'] if r['feasible'] else r['min_peak']:12}  {ratio:.2f}")

@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 import torch_ext
-from torch_ext import _C
+from torch_ext.reactive import Engine
 from torch_ext.ir import Graph
 
 from _bench_util import FAILURES, MISSED, check, header, summary, target
@@ -97,7 +97,7 @@ def bench_chain(repeats: int):
         lines.append(f"  %n{i} : f32[64,64] = aten::sin.default(%{prev})")
         prev = f"n{i}"
     lines.append(f"  return (%{prev})")
-    eng = _C.Engine(Graph.parse("\n".join(lines) + "\n")._g)
+    eng = Engine(Graph.parse("\n".join(lines) + "\n"))
     eng.run([torch.randn(64, 64)])
     sites = [f"n{i}" for i in range(1, n + 1)]
     values = {s: torch.full((64, 64), 0.5) for s in sites}
@@ -121,7 +121,7 @@ def bench_mlp(repeats: int):
     predicted = sum(len(rg.cone(s)) for s in sites)
     user = [n.name for n in rg.graph.nodes() if n.kind == "placeholder" and n.role == "input"]
     return (f"MLP: {depth} x (Linear({width},{width}) + ReLU), batch {batch}, every layer output a site",
-            rg._engine, sites, values, user, N, predicted)
+            rg.engine, sites, values, user, N, predicted)
 
 
 def part1(repeats: int) -> None:

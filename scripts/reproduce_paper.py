@@ -21,7 +21,7 @@ from fractions import Fraction
 import torch
 
 import torch_ext
-from torch_ext import _C
+from torch_ext.reactive import Engine
 from torch_ext.synthetic import Structure, block_text, chain_text, e4_weights, layered_text
 from torch_ext._compat import export_joint
 from torch_ext.ir import Graph
@@ -99,7 +99,7 @@ def e4(measure_all: bool) -> None:
                 g = Graph.parse(chain_text(N))
                 use_engine = measure_all or L in (20, 320)
                 if use_engine:
-                    eng = _C.Engine(g._g)
+                    eng = Engine(g)
                     eng.run([torch.rand(4) + 0.5])
                     eng.reset_stats()
                     per = sweep_evaluations(eng, sites, torch.zeros(4))
@@ -315,13 +315,13 @@ def e7() -> None:
     x = torch.rand(4) + 0.5
     block = Graph.parse(block_text(20))
     for name, (order, paper, delta_paper) in E7_ORDERS.items():
-        eng = _C.Engine(Graph.parse(chain_text(400))._g)
+        eng = Engine(Graph.parse(chain_text(400)))
         eng.run([x])
         measured, predicted, done = [], [], []
         for k in order:
             u = E7_SITES[k - 1]
             before = eng.stats()["evaluations"]
-            eng.graft(f"n{u}", f"n{u + 1}", block._g, [])
+            eng.graft(f"n{u}", f"n{u + 1}", block, [])
             eng.demand()
             eng.check_invariants()
             measured.append(eng.stats()["evaluations"] - before)
@@ -332,13 +332,13 @@ def e7() -> None:
         check(measured == predicted == paper, f"E7 {name}: {measured}")
         check(delta == delta_paper, f"E7 {name} delta")
         # Batched: every graft, then one demand.
-        eng = _C.Engine(Graph.parse(chain_text(400))._g)
+        eng = Engine(Graph.parse(chain_text(400)))
         eng.run([x])
         before = eng.stats()["evaluations"]
         eng.begin_batch()
         for k in order:
             u = E7_SITES[k - 1]
-            eng.graft(f"n{u}", f"n{u + 1}", block._g, [])
+            eng.graft(f"n{u}", f"n{u + 1}", block, [])
         eng.end_batch()
         eng.demand()
         eng.check_invariants()
@@ -361,7 +361,7 @@ def e9(repeats: int) -> None:
     model = TinyTransformer(vocab=256, d_model=d, n_heads=H, n_layers=L, seq=T).eval()
     idx = torch.randint(0, 256, (B, T))
     rg = torch_ext.ReactiveGraph(model, (idx,))
-    eng = rg._engine
+    eng = rg.engine
     s = Structure(rg.graph.nodes())
     N = rg.num_nodes
     attn = [rg.nodes(f"blocks.{i}.attn.proj")[0] for i in range(L)]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.fx
@@ -278,6 +278,27 @@ class Graph:
 
     def clone(self) -> "Graph":
         return Graph(self._g.clone())
+
+    # ---- IR-level passes (csrc/passes), for work on hand-written or imported graphs
+    def schedule(self, donate: bool = True) -> tuple[str, list[tuple[str, int]]]:
+        """Reorders the calls in place for the smallest simulated peak (csrc/passes/schedule.h); returns
+        the chosen candidate order's name and every candidate's (name, peak bytes)."""
+        return _C.schedule(self._g, donate)
+
+    def plan_memory(self, donate: bool = True) -> dict:
+        """The memory plan of the graph in its current order (csrc/passes/plan_memory.h): peak_bytes,
+        arena_bytes, buffers, lower bounds, ... (the graph is not changed)."""
+        return _C.plan_memory(self._g, donate)
+
+    def rematerialize(self, nodes: Sequence[str]) -> tuple[int, int]:
+        """Recomputes each named forward node at its backward uses, in place (csrc/passes/rematerialize.h);
+        returns (nodes recomputed, clones added). RuntimeError names a node that cannot be recomputed."""
+        return _C.rematerialize(self._g, list(nodes))
+
+    def rematerialize_for_budget(self, budget: int, donate: bool = True) -> dict:
+        """Recomputes forward nodes, in place, until the planned peak fits ``budget`` bytes: feasible,
+        peak, min_peak, forward_flops, added_flops, recomputed, ..."""
+        return _C.rematerialize_for_budget(self._g, budget, donate)
 
     # ---- back to the ecosystem
     def to_graph_module(self) -> torch.fx.GraphModule:

@@ -75,6 +75,43 @@ def _empty_like_type(t) -> torch.Tensor:
     return torch.empty_strided(t[2], t[3], dtype=_SHORT_DTYPE[t[1]], device=t[4]).zero_()
 
 
+class Engine:
+    """The reactive engine itself (csrc/reactive/engine.h) over an IR graph: what ReactiveGraph wraps for a
+    module, for IR-level work and exact cost measurements (scripts/reproduce_paper.py, scripts/bench_sweep.py).
+
+    ``Engine(graph)`` binds every node of an :class:`torch_ext.ir.Graph`. Nodes are named as in the graph:
+    ``run(inputs)``, ``patch(node, value)``, ``restore()``, ``graft(src, dst, block, params)`` with an
+    ``ir.Graph`` block, ``demand()``, ``value(node)``, ``begin_batch()``/``end_batch()``, ``stats()``,
+    ``reset_stats()``, ``check_invariants()``; every other method of the C++ engine is reached as it is.
+    """
+
+    def __init__(self, graph: Graph):
+        if not isinstance(graph, Graph):
+            raise TypeError(f"Engine expects a torch_ext.ir.Graph, got {type(graph).__name__}")
+        self._e = _C.Engine(graph._g)
+
+    @classmethod
+    def _wrap(cls, engine: "_C.Engine") -> "Engine":
+        out = cls.__new__(cls)
+        out._e = engine
+        return out
+
+    def graft(self, src: str, dst: str, block: Graph, params: Sequence = ()) -> list[str]:
+        """Splices ``block`` (one user input, one output) on the edge src -> dst; returns the new node names."""
+        return self._e.graft(src, dst, block._g, list(params))
+
+    @property
+    def graph(self) -> Graph:
+        """A copy of the engine's current graph (grafts included)."""
+        return Graph(self._e.graph())
+
+    def __getattr__(self, name: str):
+        return getattr(self._e, name)
+
+    def __str__(self) -> str:
+        return str(self._e)
+
+
 class ReactiveGraph:
     """A reactive cache over an exported graph.
 
@@ -427,6 +464,12 @@ class ReactiveGraph:
             self._engine.end_batch()
 
     # ---- inspection
+    @property
+    def engine(self) -> Engine:
+        """The :class:`Engine` under this graph (the same one, not a copy), for exact cost measurements
+        that drive it by node name; a patch made there is a patch of this ReactiveGraph."""
+        return Engine._wrap(self._engine)
+
     @property
     def graph(self) -> Graph:
         """The graph the engine runs now: dead code dropped, every graft spliced in. A copy is taken
