@@ -26,12 +26,12 @@ class PlannedStep:
         budget = _budget_bytes(step, memory_budget, plan)  # checked before any work
         graph = step.graph.clone()
         if plan:
-            self.schedule, self.candidates = _C.schedule(graph._g, self.donate)
+            self.schedule, self.candidates = graph.schedule(self.donate)
         else:
             self.schedule, self.candidates = "export", []
         self.remat = None  # with memory_budget: what rematerialize_for_budget chose (csrc/passes/rematerialize.h)
         if budget is not None:
-            self.remat = _C.rematerialize_for_budget(graph._g, budget, self.donate)
+            self.remat = graph.rematerialize_for_budget(budget, self.donate)
             if not self.remat["feasible"]:
                 r = self.remat
                 raise ValueError(
@@ -390,7 +390,7 @@ def memory_report(step, batch, budgets=None) -> MemoryReport:
     eager_peak, eager_timeline = _eager_peak(step, batch)
     planned = PlannedStep(step, plan=True, donate=True)
     plan = planned.plan
-    unplanned = _C.plan_memory(step.graph._g, False)
+    unplanned = step.graph.plan_memory(donate=False)
     analysis = planned._ex.memory_analysis()  # phases, separate plans and timeline: C++ (memory_analysis.h)
     return MemoryReport(
         eager_peak=eager_peak, separate_planned=analysis["separate_planned"], separate_parts=analysis["separate_parts"],

@@ -177,8 +177,9 @@ class ReactiveGraph:
         single = (self._loss_output is None and len(self._user_outputs) == 1 and self._out_spec is not None
                   and self._out_spec.is_leaf())
         self._single_output = self._user_outputs[0] if single else None
-        self._module_paths = {n.name: n.module_path for n in self.graph.nodes()}
-        self._countable = [n.name for n in self.graph.nodes() if n.kind == "call"]
+        nodes = self.graph.nodes()
+        self._module_paths = {n.name: n.module_path for n in nodes}
+        self._countable = [n.name for n in nodes if n.kind == "call"]
         self._example_inputs = tuple(example_inputs) if example_inputs is not None else None
         self._last_inputs = None
         self._batched: dict[int, "_BatchedGraph"] = {}
