@@ -5,6 +5,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <string>
+
 namespace torch_ext::passes {
 namespace {
 
@@ -22,29 +24,31 @@ const ir::Node* viewed_input(const ir::Node* n) {
   return n->kind() == ir::NodeKind::Placeholder ? n : nullptr;
 }
 
-}  // namespace
-
-void check_pure(const ir::Graph& g) {
+// Every call of `g`, and of every region at any depth, must be functional. `owner` names the
+// outermost higher-order node a region belongs to, for the message.
+void check_calls(const ir::Graph& g, const ir::Node* owner) {
   for (const auto& n : g.nodes()) {
     if (n->kind() != ir::NodeKind::Call || n->target().is_builtin()) continue;
+    const std::string where = owner ? " inside %" + owner->name() : std::string();
     if (ir::is_higher_order(n->target())) {
       const ir::HigherOrderOp* hop = ir::find_higher_order(n->target());
       TORCH_CHECK(hop != nullptr && hop->pure_if_regions_are, "check_pure: node %", n->name(), " (",
-                  n->target().str(), ") is a higher-order op with effects of its own");
-      for (const auto& r : n->regions())
-        for (const auto& inner : r->nodes()) {
-          if (inner->kind() != ir::NodeKind::Call || inner->target().is_builtin()) continue;
-          const c10::FunctionSchema* s = ir::find_schema(inner->target());
-          TORCH_CHECK(ir::is_higher_order(inner->target()) || (s != nullptr && !s->is_mutable()), "check_pure: node %",
-                      inner->name(), " (", inner->target().str(), ") inside %", n->name(), " mutates an argument");
-        }
+                  n->target().str(), ")", where, " is a higher-order op with effects of its own");
+      for (const auto& r : n->regions()) check_calls(*r, owner ? owner : n.get());
       continue;
     }
     const c10::FunctionSchema* schema = ir::find_schema(n->target());
-    TORCH_CHECK(schema != nullptr, "check_pure: node %", n->name(), " (", n->target().str(), ") has no schema");
-    TORCH_CHECK(!schema->is_mutable(), "check_pure: node %", n->name(), " (", n->target().str(),
-                ") mutates an argument; the step must be side-effect free");
+    TORCH_CHECK(schema != nullptr, "check_pure: node %", n->name(), " (", n->target().str(), ")", where,
+                " has no schema");
+    TORCH_CHECK(!schema->is_mutable(), "check_pure: node %", n->name(), " (", n->target().str(), ")", where,
+                " mutates an argument; the step must be side-effect free");
   }
+}
+
+}  // namespace
+
+void check_pure(const ir::Graph& g) {
+  check_calls(g, nullptr);
   const auto& outs = g.output()->args()[0].list;
   for (size_t i = 0; i < outs.size(); ++i) {
     if (outs[i].kind != ir::Arg::Kind::Node) continue;

@@ -210,6 +210,46 @@ TEST(CheckPure, RejectsMutationAndAliasedOutputs) {
   passes::check_pure(*ok);
 }
 
+// A mutation two regions deep (a cond inside a cond's branch) is found and named with the outer node.
+TEST(CheckPure, LooksIntoNestedRegions) {
+  auto nested = [&](const std::string& op) {
+    return ir::parse(R"(graph:
+  %x : f32[3] = input()
+  %p : b8[] = input()
+  %c : (f32[3]) = higher_order::cond.default(%p, [%x, %p]) {
+    graph:
+      %a : f32[3] = input()
+      %q : b8[] = input()
+      %d : (f32[3]) = higher_order::cond.default(%q, [%a]) {
+        graph:
+          %u : f32[3] = input()
+          %m : f32[3] = aten::)" + op + R"((%u, 1)
+          return (%m)
+      } {
+        graph:
+          %u : f32[3] = input()
+          %n : f32[3] = aten::neg.default(%u)
+          return (%n)
+      }
+      %e : f32[3] = getitem(%d, 0)
+      return (%e)
+  } {
+    graph:
+      %a : f32[3] = input()
+      %q : b8[] = input()
+      %n : f32[3] = aten::neg.default(%a)
+      return (%n)
+  }
+  %g : f32[3] = getitem(%c, 0)
+  return (%g)
+)");
+  };
+  EXPECT_NE(error_of([&] { passes::check_pure(*nested("add_.Tensor")); })
+                .find("node %m (aten::add_.Tensor) inside %c mutates an argument"),
+            std::string::npos);
+  passes::check_pure(*nested("add.Tensor"));
+}
+
 TEST(Unroll, ChainsStateThroughSteps) {
   auto g = ir::parse(R"(graph:
   %w : f32[2] = param("w")
