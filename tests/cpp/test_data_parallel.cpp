@@ -181,6 +181,29 @@ TEST(ShardOptimizerState, UpdatesThisRanksShardThenAllGathers) {
 )"));
 }
 
+// A 0-d parameter has the shape of Adam's step counter: its moments become 1-element shards, the
+// step counter stays 0-d (it was reshaped with them).
+TEST(ShardOptimizerState, KeepsTheStepCounterOfAScalarParameterWhole) {
+  auto g = ir::parse(R"(graph:
+  %s : f32[] = param("scale")
+  %x : f32[4] = input()
+  %loss : f32[] = aten::sum.default(%x)
+  %gs : f32[] = aten::ones_like.default(%s)
+  return (%loss, %gs)
+)");
+  passes::TrainStepSpec s;
+  s.loss_output = 0;
+  s.grads = {{1, "scale"}};
+  s.num_groups = 1;
+  s.updates = {{"scale", "adam", 0, {{"beta1", 0.9}, {"beta2", 0.999}, {"eps", 1e-8}, {"weight_decay", 0.0}},
+                {{"decoupled", true}, {"maximize", false}}}};
+  auto lifted = passes::lift_optimizer_state(*g, s);
+  passes::shard_optimizer_state(*g, s, dp(0, true), {{"scale", g->find("gs")}}, lifted);
+  ir::verify(*g);
+  EXPECT_EQ(lifted.at("opt:scale:step")->type().tensor.sizes, std::vector<int64_t>{});
+  EXPECT_EQ(lifted.at("opt:scale:exp_avg")->type().tensor.sizes, std::vector<int64_t>{1});
+}
+
 TEST(ShardOptimizerState, RefusesMuonAndLeavesTheGraph) {
   auto g = ir::parse(kJoint);
   const auto s = spec("muon");
