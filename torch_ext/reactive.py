@@ -122,17 +122,30 @@ class ReactiveGraph:
     """
 
     def __init__(self, ep_or_module, example_inputs: Sequence | None = None, *, cutoff: bool = False,
-                 positions: bool = True, seq_dim: int = 1, split_heads: bool | int = False):
+                 positions: bool = True, seq_dim: int = 1, split_heads: bool | int = False, front_end: str = "auto"):
+        """``front_end`` picks the tracer of a module: "auto" (``make_fx``, falling back to
+        ``torch.export`` wherever make_fx cannot vouch for its trace), "make_fx" (refuse instead of
+        falling back) or "export". ``build_stats`` says which one built the graph, why make_fx was
+        not used, and where the build time went."""
+        if front_end not in _compat.FRONT_ENDS:
+            raise ValueError(f"ReactiveGraph: front_end must be one of {_compat.FRONT_ENDS}, got {front_end!r}")
+        self._front_end = front_end
+        t0 = time.perf_counter()
         if isinstance(ep_or_module, torch.nn.Module):
             if example_inputs is None:
                 raise ValueError("ReactiveGraph(module, example_inputs): example_inputs are required to export a module")
             self._module = ep_or_module
-            ep = _compat.export_for_inference(ep_or_module, tuple(example_inputs))
+            try:
+                ep, used, why = _compat.trace_for_inference(ep_or_module, tuple(example_inputs), front_end=front_end)
+            except _compat.UnsoundTrace as e:
+                raise ValueError(f"ReactiveGraph(front_end='make_fx'): make_fx cannot trace this model soundly: {e}; "
+                                 "use front_end='auto' or 'export'") from None
         elif isinstance(ep_or_module, torch.export.ExportedProgram):
             self._module = None
-            ep = ep_or_module
+            ep, used, why = ep_or_module, "program", None
         else:
             raise TypeError(f"ReactiveGraph expects an nn.Module or an ExportedProgram, got {type(ep_or_module).__name__}")
+        t1 = time.perf_counter()
         self.program = _functional_program(ep)
         # Hook names (TransformerLens hook points) -> node names; aliases such as hook_resid_pre included.
         self._hooks = _compat.strip_hook_points(self.program)
@@ -154,7 +167,9 @@ class ReactiveGraph:
         self._split_heads = split_heads
         if split_heads is not False:
             self._split_attention_heads(built, split_heads)
+        t2 = time.perf_counter()
         self._engine = _C.Engine(built._g)
+        t3 = time.perf_counter()
         self._engine.set_cutoff(bool(cutoff))
         if not isinstance(seq_dim, int) or isinstance(seq_dim, bool) or seq_dim < 0:
             raise ValueError(f"ReactiveGraph: seq_dim must be a non-negative int, got {seq_dim!r}")
@@ -197,10 +212,15 @@ class ReactiveGraph:
             own = {id(t) for t in list(nn_params(self._module))}
             if any(id(v) not in own for v in self.program.state_dict.values()):
                 self._weights_fp = _weights_fingerprint(self._module)
+        t4 = time.perf_counter()
         if example_inputs is not None:
             self.run(*example_inputs)
+        # Seconds: trace (make_fx or export), import (functionalize, hook names, IR), bind (kernels),
+        # first run; "other" is the rest of the constructor.
+        self.build_stats = {"front_end": used, "fallback_reason": why, "trace_s": t1 - t0, "import_s": t2 - t1,
+                            "bind_s": t3 - t2, "other_s": t4 - t3, "first_run_s": time.perf_counter() - t4}
 
-    _PER_SHAPE = ("program", "_hooks", "_conversions", "_engine", "_slots", "_num_user", "_in_spec",
+    _PER_SHAPE = ("program", "build_stats", "_hooks", "_conversions", "_engine", "_slots", "_num_user", "_in_spec",
                   "_single_output", "_cone_sizes", "_all_names",
                   "_out_spec", "_user_outputs", "_loss_output", "_grad_outputs", "_module_paths", "_countable",
                   "_countable_cache", "_batched", "_last_inputs", "_example_inputs", "_grafts_applied")
@@ -254,7 +274,7 @@ class ReactiveGraph:
             self._shape_stats["graph_reuses"] += 1
         else:
             fresh = ReactiveGraph(self._module, args, cutoff=self._cutoff, positions=self._positions,
-                                  seq_dim=self._seq_dim, split_heads=self._split_heads)
+                                  seq_dim=self._seq_dim, split_heads=self._split_heads, front_end=self._front_end)
             for a in self._PER_SHAPE:
                 setattr(self, a, getattr(fresh, a, None))
             self._grafts_applied = 0
@@ -485,8 +505,10 @@ class ReactiveGraph:
     def stats(self) -> dict:
         """``evaluations``, ``cost`` (FLOPs of what ran), ``row_evaluations`` (a node run on k of its T
         rows counts k/T), ``cutoffs``, ``invalidated``, ``restored`` of the
-        current shape's graph; ``graph_builds`` and ``graph_reuses`` count per-shape graphs."""
-        return {**self._engine.stats(), **self._shape_stats}
+        current shape's graph; ``graph_builds`` and ``graph_reuses`` count per-shape graphs; ``front_end``
+        names the tracer that built the current shape's graph ("make_fx", "export", or "program" for an
+        ExportedProgram given as it is; ``build_stats`` has the details)."""
+        return {**self._engine.stats(), **self._shape_stats, "front_end": self.build_stats["front_end"]}
 
     def reset_stats(self) -> None:
         self._engine.reset_stats()
