@@ -250,6 +250,9 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
     if front_end not in FRONT_ENDS:
         raise ValueError(f"front_end must be one of {FRONT_ENDS}, got {front_end!r}")
     used, reason = "export", None
+    # Tracing reparametrizes the module with fake tensors; some modules cache views of their
+    # parameters (nn.LSTM's _flat_weights) and kept the fakes afterwards: put every attribute back.
+    traced_vars = [(m, dict(vars(m))) for m in torch.nn.Module.modules(module)]
     try:
         if front_end != "export":
             try:
@@ -267,14 +270,14 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
             hook_cls.forward = saved_forward
         if saved_cache is not None:
             cfg.use_cache = saved_cache
+        _restore_attributes(traced_vars)
         for meth in unshadowed:
             delattr(module, meth)
         if has_hooks:
             _restore_attributes(originals)
     # State names with a keyword component ("blocks.0.mlp.in.weight") break the code that
     # run_decompositions() generates: spell them with a trailing "_" in the program.
-    def respell(name):
-        return ".".join(p + "_" if keyword.iskeyword(p) else p for p in name.split("."))
+    respell = respell_state_name
 
     if any(respell(k) != k for k in list(ep.state_dict) + list(ep.constants)):
         sig = ep.graph_signature
@@ -284,6 +287,13 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
         ep._state_dict = {respell(k): v for k, v in ep.state_dict.items()}
         ep._constants = {respell(k): v for k, v in ep.constants.items()}
     return ep, used, reason
+
+
+def respell_state_name(name: str) -> str:
+    """A state name as programs spell it: components that are Python keywords get a trailing "_"."""
+    import keyword
+
+    return ".".join(p + "_" if keyword.iskeyword(p) else p for p in name.split("."))
 
 
 class UnsoundTrace(Exception):

@@ -213,3 +213,111 @@ def test_make_fx_leaves_the_model_untouched():
     with torch.no_grad():
         model.head.weight.mul_(2) if hasattr(model, "head") else next(model.parameters()).mul_(2)
         assert torch.equal(rg.run(tokens), model(tokens))
+
+
+# ---- the per-process build cache (torch_ext._build_cache): a sound key, weights rebound
+class _Scaled(nn.Module):
+    def __init__(self, factor: float = 2.0):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.factor = factor
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) * self.factor
+
+
+def _build(model, x, **kw):
+    rg = torch_ext.ReactiveGraph(model, (x,), **kw)
+    with torch.no_grad():
+        assert torch.equal(rg.demand(), model(x))
+    return rg
+
+
+def test_build_cache_rebinds_weights_and_misses_on_what_the_trace_depends_on():
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    first = _build(_Scaled().eval(), x)
+    assert first.build_stats["cache"] in ("miss", "hit")
+    other = _Scaled().eval()  # same architecture, other weights
+    rg = _build(other, x)
+    assert rg.build_stats["cache"] == "hit"
+    assert not torch.equal(rg.demand(), first.demand())
+    # A weight written in place needs no rebuild, and changes the results.
+    with torch.no_grad():
+        other.lin.weight.mul_(-3)
+    rg2 = _build(other, x)
+    assert rg2.build_stats["cache"] == "hit" and not torch.equal(rg2.demand(), rg.demand())
+    # Shape, dtype, Python state, training mode and code all miss.
+    assert _build(other, torch.randn(5, 4)).build_stats["cache"] == "miss"
+    assert _build(other.double(), x.double()).build_stats["cache"] == "miss"
+    other.float()
+    assert _build(_Scaled(3.0).eval(), x).build_stats["cache"] == "miss"
+    trained = _Scaled().train()
+    assert _build(trained, x).build_stats["cache"] == "miss"
+
+    class Shifted(_Scaled):
+        def forward(self, x):
+            return torch.relu(self.lin(x)) * self.factor + 1
+
+    assert _build(Shifted().eval(), x).build_stats["cache"] == "miss"
+    patched = _Scaled().eval()
+    patched.forward = lambda x: torch.sigmoid(patched.lin(x))  # an instance-level forward
+    assert _build(patched, x).build_stats["cache"] == "miss"
+    hooked = _Scaled().eval()
+    hooked.lin.register_forward_hook(lambda m, a, out: out * 0)
+    assert _build(hooked, x).build_stats["cache"] == "miss"
+    # Turned off.
+    assert _build(_Scaled().eval(), x, cache=False).build_stats["cache"] == "off"
+
+
+def test_build_cache_off_by_environment(monkeypatch):
+    monkeypatch.setenv("TORCH_EXT_BUILD_CACHE", "0")
+    assert _build(_Scaled().eval(), torch.randn(3, 4)).build_stats["cache"] == "off"
+
+
+def test_build_cache_refuses_what_it_cannot_describe():
+    torch.manual_seed(0)
+    model = _TensorAttribute().eval()
+    x = torch.randn(3, 4)
+    rg = _build(model, x)
+    # The tensor attribute is in the key by content, but export lifts it as a constant of the program,
+    # which the cache does not keep.
+    assert rg.build_stats["cache"].startswith("uncacheable")
+    model.scale = model.scale * 2
+    assert _build(model, x).build_stats["cache"].startswith("uncacheable")
+
+
+def test_build_cache_on_a_transformer_bridge():
+    tl = pytest.importorskip("transformer_lens", reason="transformer-lens is not installed")
+    import copy
+
+    cfg = tl.TransformerBridgeConfig(n_layers=2, d_model=32, n_heads=4, d_head=8, d_mlp=64, n_ctx=16, d_vocab=50,
+                                     act_fn="gelu", normalization_type="LN", seed=0)
+    bridge = tl.TransformerBridge.boot_native(cfg).eval()
+    tokens = torch.randint(0, 50, (2, 6))
+    torch_ext.ReactiveGraph(bridge, (tokens,), cache=False)
+    first = torch_ext.ReactiveGraph(bridge, (tokens,))
+    twin = copy.deepcopy(bridge)
+    with torch.no_grad():
+        for p in torch.nn.Module.parameters(twin):
+            p.add_(0.01)
+    rg = torch_ext.ReactiveGraph(twin, (tokens,))
+    assert rg.build_stats["cache"] == "hit", rg.build_stats
+    assert rg.hook_names == first.hook_names
+    with torch.no_grad():
+        assert torch.equal(rg.demand(), twin(tokens))
+        assert not torch.equal(rg.demand(), first.demand())
+
+
+@pytest.mark.parametrize("front_end", ["make_fx", "export"])
+def test_tracing_leaves_no_fake_tensor_on_the_module(front_end):
+    """nn.LSTM caches its parameters in _flat_weights; tracing used to leave FakeTensors there."""
+    model, inputs = ZOO["lstm"].build()
+    model.eval()
+    torch_ext.ReactiveGraph(model, inputs, front_end=front_end)
+    for m in model.modules():
+        for v in vars(m).values():
+            for t in (v if isinstance(v, list) else [v]):
+                assert not isinstance(t, torch._subclasses.FakeTensor)
+    with torch.no_grad():
+        model(*inputs)

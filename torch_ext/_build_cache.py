@@ -1,0 +1,195 @@
+"""A per-process cache of the graphs ReactiveGraph builds, keyed by what the trace depends on.
+
+Tracing a module (make_fx or torch.export) is most of the cost of a ReactiveGraph. The trace runs on
+fake tensors, so it depends on the module's code and Python state, the shapes (not the values) of its
+parameters, buffers and inputs, and a few global flags, never on tensor data: a second module of the
+same architecture (a fresh instance, a fine-tuned copy, the same model after load_state_dict) reuses
+the imported graph and only binds its own weights.
+
+The key (``fingerprint``) covers:
+- torch's and torch_ext's versions, the front end and the graph options that change the graph;
+- every input leaf: a tensor's shape, strides, dtype, device and requires_grad; other values as they are;
+- every module of the tree, by path: its class (the class object itself, so a redefined class
+  misses), training flag, and its whole Python state, walked recursively: numbers, strings, configs
+  and other objects by value, functions and bound methods (forward wrappers, hooks) by code object,
+  defaults and closure contents; parameters and buffers by name, shape, strides, dtype, device and
+  requires_grad; a tensor held as a plain attribute by its contents; modules of the tree by path;
+- nn.Module's global hooks, grad mode, inference mode, autocast and the default dtype.
+
+An object it cannot describe (a C extension object, a generator, a tensor over 64 Ki elements held as an
+attribute) makes the module uncacheable: it is built, not cached. Module-level globals that a forward
+reads are not in the key: a program that reassigns them between builds should turn the cache off
+(``TORCH_EXT_BUILD_CACHE=0`` or ``ReactiveGraph(..., cache=False)``).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import functools
+import hashlib
+import os
+import types
+import weakref
+
+import torch
+import torch.utils._pytree as pytree
+
+MAX_ENTRIES = 16
+_TENSOR_ATTR_LIMIT = 1 << 16
+_entries: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
+_counters = {"hits": 0, "misses": 0, "uncacheable": 0}
+
+
+class Uncacheable(Exception):
+    """The key cannot describe something the trace may depend on."""
+
+
+def enabled() -> bool:
+    return os.environ.get("TORCH_EXT_BUILD_CACHE", "1") not in ("0", "false", "off", "")
+
+
+def clear() -> None:
+    _entries.clear()
+    for k in _counters:
+        _counters[k] = 0
+
+
+def info() -> dict:
+    return {"entries": len(_entries), **_counters}
+
+
+def get(key):
+    entry = _entries.get(key)
+    if entry is not None:
+        _entries.move_to_end(key)
+        _counters["hits"] += 1
+    else:
+        _counters["misses"] += 1
+    return entry
+
+
+def put(key, entry) -> None:
+    _entries[key] = entry
+    _entries.move_to_end(key)
+    while len(_entries) > MAX_ENTRIES:
+        _entries.popitem(last=False)
+
+
+def _tensor_meta(t: torch.Tensor) -> tuple:
+    return (type(t), tuple(t.shape), tuple(t.stride()) if t.layout == torch.strided else None, t.dtype,
+            str(t.device), t.requires_grad, t.layout)
+
+
+class _Walker:
+    """Describes Python objects as hashable tuples (see the module docstring)."""
+
+    def __init__(self, state_names: dict, module_paths: dict):
+        self.state_names = state_names  # id(tensor) -> name of a parameter/buffer of the tree
+        self.module_paths = module_paths  # id(module) -> path in the tree
+        self.memo: dict[int, object] = {}
+        self.keep: list = []  # objects whose ids are memo keys stay alive during the walk
+
+    def __call__(self, obj, depth: int = 0):
+        if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
+            return (type(obj), obj)
+        if isinstance(obj, (torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size)):
+            return (type(obj), str(obj))
+        if isinstance(obj, enum.Enum):
+            return (type(obj), obj.name)
+        if isinstance(obj, type):
+            return ("type", obj)
+        oid = id(obj)
+        if oid in self.memo:
+            return ("ref", self.memo[oid])
+        if depth > 64:
+            raise Uncacheable(f"an object graph deeper than 64 ({type(obj).__name__})")
+        self.memo[oid] = len(self.memo)
+        self.keep.append(obj)
+        if isinstance(obj, torch.Tensor):
+            name = self.state_names.get(oid)
+            if name is not None:
+                return ("state", name, _tensor_meta(obj))
+            if obj.numel() > _TENSOR_ATTR_LIMIT or obj.layout != torch.strided or obj.is_meta:
+                raise Uncacheable(f"a tensor attribute of {obj.numel()} elements")
+            data = obj.detach().cpu().contiguous()
+            return ("tensor", _tensor_meta(obj), hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest())
+        if isinstance(obj, torch.nn.Module) and oid in self.module_paths:
+            return ("module", self.module_paths[oid])
+        if isinstance(obj, (list, tuple)):
+            return (type(obj), tuple(self(x, depth + 1) for x in obj))
+        if isinstance(obj, dict):
+            return (type(obj), tuple((self(k, depth + 1), self(v, depth + 1)) for k, v in obj.items()))
+        if isinstance(obj, (set, frozenset)):
+            items = [self(x, depth + 1) for x in obj]
+            return (type(obj), tuple(sorted(items, key=repr)))
+        if isinstance(obj, types.FunctionType):
+            cells = tuple(self(c.cell_contents, depth + 1) if _filled(c) else ("empty",) for c in obj.__closure__ or ())
+            return ("function", obj.__code__, self(obj.__defaults__, depth + 1), self(obj.__kwdefaults__, depth + 1),
+                    cells, self(getattr(obj, "__dict__", None), depth + 1))
+        if isinstance(obj, types.MethodType):
+            return ("method", self(obj.__func__, depth + 1), self(obj.__self__, depth + 1))
+        if isinstance(obj, functools.partial):
+            return ("partial", self(obj.func, depth + 1), self(obj.args, depth + 1), self(obj.keywords, depth + 1))
+        if isinstance(obj, weakref.ReferenceType):
+            return ("weakref", self(obj(), depth + 1))
+        if isinstance(obj, (types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType,
+                            types.MethodDescriptorType, torch._ops.OpOverload, torch._ops.OpOverloadPacket,
+                            types.ModuleType)):
+            self.keep.append(obj)
+            return ("builtin", obj)
+        # A module outside the tree (TransformerLens 4 keeps the wrapped model as a plain attribute) is
+        # described like any object: its submodules and parameters mostly are the tree's own.
+        state = getattr(obj, "__dict__", None)
+        slots = [s for c in type(obj).__mro__ for s in getattr(c, "__slots__", ()) if s not in ("__dict__", "__weakref__")]
+        if state is None and not slots:
+            raise Uncacheable(f"an object of type {type(obj).__module__}.{type(obj).__qualname__}")
+        if dataclasses.is_dataclass(obj) or state is not None or slots:
+            return ("object", type(obj), self(dict(state) if state is not None else None, depth + 1),
+                    tuple((s, self(getattr(obj, s, None), depth + 1)) for s in slots))
+        raise Uncacheable(type(obj).__qualname__)
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+        return True
+    except ValueError:
+        return False
+
+
+_SKIP = {"_parameters", "_buffers", "_modules"}
+
+
+def fingerprint(module: torch.nn.Module, args: tuple, kwargs: dict, options: tuple):
+    """The cache key of a build, or raises ``Uncacheable``."""
+    from . import __version__
+
+    named = list(torch.nn.Module.named_modules(module, remove_duplicate=False))
+    module_paths: dict[int, str] = {}
+    for path, m in named:
+        module_paths.setdefault(id(m), path)
+    state_names: dict[int, str] = {}
+    for path, m in named:
+        for kind in ("_parameters", "_buffers"):
+            for k, t in vars(m)[kind].items():
+                if t is not None:
+                    state_names.setdefault(id(t), f"{path}.{k}" if path else k)
+    walk = _Walker(state_names, module_paths)
+    modules = []
+    for path, m in named:
+        own = vars(m)
+        params = tuple((k, None if t is None else walk(t)) for k, t in own["_parameters"].items())
+        buffers = tuple((k, None if t is None else walk(t)) for k, t in own["_buffers"].items())
+        children = tuple((k, None if c is None else module_paths[id(c)]) for k, c in own["_modules"].items())
+        rest = walk({k: v for k, v in own.items() if k not in _SKIP})
+        modules.append((path, type(m), params, buffers, children, rest))
+    flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
+    inputs = tuple(_tensor_meta(x) if isinstance(x, torch.Tensor) else walk(x) for x in flat)
+    from torch.nn.modules import module as nn_module
+
+    global_hooks = walk([getattr(nn_module, h, None) for h in sorted(dir(nn_module)) if h.startswith("_global_")
+                         and h.endswith("hooks")])
+    flags = (torch.__version__, __version__, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+             torch.is_autocast_enabled(), torch.get_default_dtype())
+    return (flags, options, str(spec), inputs, tuple(modules), global_hooks)
