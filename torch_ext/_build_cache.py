@@ -27,6 +27,7 @@ import collections
 import dataclasses
 import enum
 import functools
+import gc
 import hashlib
 import os
 import types
@@ -76,6 +77,9 @@ def put(key, entry) -> None:
         _entries.popitem(last=False)
 
 
+_PRIMITIVE = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
 def _tensor_meta(t: torch.Tensor) -> tuple:
     return (type(t), tuple(t.shape), tuple(t.stride()) if t.layout == torch.strided else None, t.dtype,
             str(t.device), t.requires_grad, t.layout)
@@ -91,8 +95,17 @@ class _Walker:
         self.keep: list = []  # objects whose ids are memo keys stay alive during the walk
 
     def __call__(self, obj, depth: int = 0):
-        if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
-            return (type(obj), obj)
+        t = type(obj)
+        if t in _PRIMITIVE:
+            # Typed, so that 1, 1.0 and True differ; floats by repr, so that -0.0 and 0.0 differ.
+            return (t, repr(obj) if t is float or t is complex else obj)
+        if t is dict and all(type(k) is str for k in obj) and all(type(v) in _PRIMITIVE for v in obj.values()):
+            # A dict of plain values (hook alias tables, configs): described without a call per entry.
+            return (dict, tuple((k, type(v), repr(v) if type(v) in (float, complex) else v) for k, v in obj.items()))
+        if isinstance(obj, (bool, int, float, complex, str, bytes)):  # subclasses (enum.IntEnum handled below)
+            if isinstance(obj, enum.Enum):
+                return (type(obj), obj.name)
+            return (type(obj), repr(obj))
         if isinstance(obj, (torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size)):
             return (type(obj), str(obj))
         if isinstance(obj, enum.Enum):
@@ -163,8 +176,6 @@ _SKIP = {"_parameters", "_buffers", "_modules"}
 
 def fingerprint(module: torch.nn.Module, args: tuple, kwargs: dict, options: tuple):
     """The cache key of a build, or raises ``Uncacheable``."""
-    from . import __version__
-
     named = list(torch.nn.Module.named_modules(module, remove_duplicate=False))
     module_paths: dict[int, str] = {}
     for path, m in named:
@@ -176,6 +187,19 @@ def fingerprint(module: torch.nn.Module, args: tuple, kwargs: dict, options: tup
                 if t is not None:
                     state_names.setdefault(id(t), f"{path}.{k}" if path else k)
     walk = _Walker(state_names, module_paths)
+    # The walk builds tens of thousands of small tuples: the cyclic GC would scan them again and again.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _fingerprint(walk, module, named, module_paths, args, kwargs, options)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _fingerprint(walk, module, named, module_paths, args, kwargs, options):
+    from . import __version__
+
     modules = []
     for path, m in named:
         own = vars(m)

@@ -321,3 +321,18 @@ def test_tracing_leaves_no_fake_tensor_on_the_module(front_end):
                 assert not isinstance(t, torch._subclasses.FakeTensor)
     with torch.no_grad():
         model(*inputs)
+
+
+def test_build_cache_key_tells_apart_equal_comparing_values():
+    """1, 1.0 and True compare equal in Python, as do 0.0 and -0.0; a trace may depend on the difference."""
+    from torch_ext import _build_cache
+
+    x = torch.randn(3, 4)
+    keys = []
+    for factor in (1, 1.0, True, 0.0, -0.0):
+        m = _Scaled(factor).eval()
+        m.cfg = {"flag": factor}
+        keys.append(_build_cache.fingerprint(m, (x,), {}, ()))
+    assert len(set(keys)) == len(keys)
+    assert _build_cache.fingerprint(_Scaled(2.0).eval(), (x,), {}, ()) == _build_cache.fingerprint(
+        _Scaled(2.0).eval(), (x,), {}, ())
