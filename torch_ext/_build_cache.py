@@ -16,10 +16,17 @@ The key (``fingerprint``) covers:
   requires_grad; a tensor held as a plain attribute by its contents; modules of the tree by path;
 - nn.Module's global hooks, grad mode, inference mode, autocast and the default dtype.
 
-An object it cannot describe (a C extension object, a generator, a tensor over 64 Ki elements held as an
+An object it cannot describe (an unhashable C extension object, a tensor over 64 Ki elements held as an
 attribute) makes the module uncacheable: it is built, not cached. Module-level globals that a forward
-reads are not in the key: a program that reassigns them between builds should turn the cache off
-(``TORCH_EXT_BUILD_CACHE=0`` or ``ReactiveGraph(..., cache=False)``).
+is built, not cached.
+
+Code is in the key with what it reads: a class of the tree by its bases and the functions, static and
+class methods and properties of its own namespace (so a method replaced on the class misses); a function
+by its code object, defaults, closure and every global its code names (so a module-level helper or
+constant reassigned between builds misses). Classes and functions of installed packages (the standard
+library, torch, transformers, transformer_lens: anything under site-packages) are taken by identity:
+patching a library between builds is not detected (turn the cache off with ``TORCH_EXT_BUILD_CACHE=0``
+or ``ReactiveGraph(..., cache=False)``). torch_ext installed in development mode counts as user code.
 """
 from __future__ import annotations
 
@@ -29,7 +36,10 @@ import enum
 import functools
 import gc
 import hashlib
+import logging
 import os
+import sys
+import sysconfig
 import types
 import weakref
 
@@ -78,6 +88,37 @@ def put(key, entry) -> None:
 
 
 _PRIMITIVE = frozenset({type(None), bool, int, float, complex, str, bytes})
+_CONTAINER_LIMIT = 1 << 16
+_INSTALLED = tuple(sorted({p for p in (sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib"))
+                           if p}))
+
+
+@functools.lru_cache(maxsize=None)
+def _is_installed_module(name: str) -> bool:
+    """The module comes with Python or from an installed package (site-packages), not the user's code."""
+    root = name.partition(".")[0]
+    if root in sys.stdlib_module_names or root in sys.builtin_module_names:
+        return True
+    module = sys.modules.get(name) or sys.modules.get(root)
+    path = getattr(module, "__file__", None)
+    return path is not None and os.path.abspath(path).startswith(_INSTALLED)
+
+
+def _is_library(obj) -> bool:
+    """Code of Python and of installed packages (torch, transformers, transformer_lens, ...): taken by
+    identity, not walked; the user's own code (scripts, their package) is walked with what it reads."""
+    module = getattr(obj, "__module__", None)
+    return isinstance(module, str) and _is_installed_module(module)
+
+
+@functools.lru_cache(maxsize=None)
+def _global_names(code: types.CodeType) -> tuple:
+    """Names a code object (and the code nested in it: lambdas, comprehensions) may read as globals."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.update(_global_names(const))
+    return tuple(sorted(names))
 
 
 def _tensor_meta(t: torch.Tensor) -> tuple:
@@ -110,7 +151,7 @@ class _Walker:
             return (type(obj), str(obj))
         if isinstance(obj, enum.Enum):
             return (type(obj), obj.name)
-        if isinstance(obj, type):
+        if isinstance(obj, type) and _is_library(obj):
             return ("type", obj)
         oid = id(obj)
         if oid in self.memo:
@@ -129,17 +170,34 @@ class _Walker:
             return ("tensor", _tensor_meta(obj), hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest())
         if isinstance(obj, torch.nn.Module) and oid in self.module_paths:
             return ("module", self.module_paths[oid])
-        if isinstance(obj, (list, tuple)):
+        if isinstance(obj, type):
+            # A method replaced on the class (Block.forward = f) keeps the class object: describe its namespace.
+            own = tuple((k, self(v, depth + 1)) for k, v in vars(obj).items()
+                        if isinstance(v, (types.FunctionType, staticmethod, classmethod, property)))
+            return ("type", obj, tuple(self(b, depth + 1) for b in obj.__bases__), own)
+        if isinstance(obj, (staticmethod, classmethod)):
+            return (type(obj), self(obj.__func__, depth + 1))
+        if isinstance(obj, property):
+            return ("property", self(obj.fget, depth + 1), self(obj.fset, depth + 1), self(obj.fdel, depth + 1))
+        if isinstance(obj, (list, tuple, collections.deque, dict, set, frozenset)) and len(obj) > _CONTAINER_LIMIT:
+            raise Uncacheable(f"a {type(obj).__name__} of {len(obj)} entries")
+        if isinstance(obj, (list, tuple, collections.deque)):
             return (type(obj), tuple(self(x, depth + 1) for x in obj))
+        if isinstance(obj, types.MappingProxyType):
+            return ("mappingproxy", self(dict(obj), depth + 1))
         if isinstance(obj, dict):
             return (type(obj), tuple((self(k, depth + 1), self(v, depth + 1)) for k, v in obj.items()))
         if isinstance(obj, (set, frozenset)):
             items = [self(x, depth + 1) for x in obj]
             return (type(obj), tuple(sorted(items, key=repr)))
         if isinstance(obj, types.FunctionType):
+            if _is_library(obj):
+                return ("builtin", obj)
             cells = tuple(self(c.cell_contents, depth + 1) if _filled(c) else ("empty",) for c in obj.__closure__ or ())
+            env = obj.__globals__
+            reads = tuple((n, self(env[n], depth + 1)) for n in _global_names(obj.__code__) if n in env)
             return ("function", obj.__code__, self(obj.__defaults__, depth + 1), self(obj.__kwdefaults__, depth + 1),
-                    cells, self(getattr(obj, "__dict__", None), depth + 1))
+                    cells, self(getattr(obj, "__dict__", None), depth + 1), reads)
         if isinstance(obj, types.MethodType):
             return ("method", self(obj.__func__, depth + 1), self(obj.__self__, depth + 1))
         if isinstance(obj, functools.partial):
@@ -153,8 +211,14 @@ class _Walker:
             return ("builtin", obj)
         # A module outside the tree (TransformerLens 4 keeps the wrapped model as a plain attribute) is
         # described like any object: its submodules and parameters mostly are the tree's own.
+        if isinstance(obj, (logging.Logger, logging.LoggerAdapter)):
+            return ("logger", obj.name if isinstance(obj, logging.Logger) else id(obj))
         state = getattr(obj, "__dict__", None)
         slots = [s for c in type(obj).__mro__ for s in getattr(c, "__slots__", ()) if s not in ("__dict__", "__weakref__")]
+        if state is None and not slots and type(obj).__hash__ is not None:
+            # An object with no Python state (a C object: a compiled regex, a lock): by value where it
+            # compares by value (re.Pattern), else by identity; the key holds it.
+            return ("library", type(obj), obj)
         if state is None and not slots:
             raise Uncacheable(f"an object of type {type(obj).__module__}.{type(obj).__qualname__}")
         if dataclasses.is_dataclass(obj) or state is not None or slots:
@@ -207,7 +271,7 @@ def _fingerprint(walk, module, named, module_paths, args, kwargs, options):
         buffers = tuple((k, None if t is None else walk(t)) for k, t in own["_buffers"].items())
         children = tuple((k, None if c is None else module_paths[id(c)]) for k, c in own["_modules"].items())
         rest = walk({k: v for k, v in own.items() if k not in _SKIP})
-        modules.append((path, type(m), params, buffers, children, rest))
+        modules.append((path, walk(type(m)), params, buffers, children, rest))
     flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
     inputs = tuple(_tensor_meta(x) if isinstance(x, torch.Tensor) else walk(x) for x in flat)
     from torch.nn.modules import module as nn_module

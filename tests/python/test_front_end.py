@@ -270,6 +270,40 @@ def test_build_cache_rebinds_weights_and_misses_on_what_the_trace_depends_on():
     assert _build(_Scaled().eval(), x, cache=False).build_stats["cache"] == "off"
 
 
+_OFFSET = 0.0
+
+
+def _activation(x):
+    return torch.relu(x)
+
+
+class _ReadsGlobals(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _activation(self.lin(x)) + _OFFSET
+
+
+def test_build_cache_misses_when_code_or_the_globals_it_reads_change(monkeypatch):
+    """A forward's module-level constant or helper reassigned, or a method replaced on the class, between
+    two builds: the second build must not reuse the first graph (it would compute the old code)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    model = _ReadsGlobals().eval()
+    _build(model, x)
+    assert _build(model, x).build_stats["cache"] == "hit"
+    monkeypatch.setitem(globals(), "_OFFSET", 1.5)
+    assert _build(model, x).build_stats["cache"] == "miss"  # _build checks the graph against model(x)
+    monkeypatch.setitem(globals(), "_activation", torch.sigmoid)
+    assert _build(model, x).build_stats["cache"] == "miss"
+    monkeypatch.setattr(_ReadsGlobals, "forward", lambda self, x: self.lin(x) * 2)
+    assert _build(model, x).build_stats["cache"] == "miss"
+    monkeypatch.setattr(_Scaled, "forward", lambda self, x: self.lin(x) - self.factor)
+    assert _build(_Scaled().eval(), x).build_stats["cache"] == "miss"
+
+
 def test_build_cache_off_by_environment(monkeypatch):
     monkeypatch.setenv("TORCH_EXT_BUILD_CACHE", "0")
     assert _build(_Scaled().eval(), torch.randn(3, 4)).build_stats["cache"] == "off"
