@@ -16,7 +16,7 @@ from typing import Any, Callable, Hashable, Iterable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from . import _C, _compat
+from . import _C, _build_cache, _compat
 from .ir import Graph
 
 
@@ -47,6 +47,29 @@ def _shape_key(args, kwargs) -> tuple:
     """The shapes and dtypes of the tensor inputs: what a static export is specialised to."""
     return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None
                  for x in pytree.tree_leaves((args, kwargs)))
+
+
+def _rebind(ep: torch.export.ExportedProgram, module: torch.nn.Module, keep_state: bool = True):
+    """A shallow copy of ``ep`` whose parameters and buffers are ``module``'s own (found by name), or
+    None if some state of ``ep`` is not one of them. ``keep_state=False``: with no state at all (what
+    the build cache keeps, so that it holds no model's weights)."""
+    import copy
+
+    own = {}
+    for name, t in list(torch.nn.Module.named_parameters(module, remove_duplicate=False)) + \
+            list(torch.nn.Module.named_buffers(module, remove_duplicate=False)):
+        own.setdefault(_compat.respell_state_name(name), t)
+    state, constants = {}, {}
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind.name == "USER_INPUT":
+            continue
+        if spec.target not in own or spec.kind.name not in ("PARAMETER", "BUFFER"):
+            return None
+        (state if spec.target in ep.state_dict else constants)[spec.target] = own[spec.target]
+    out = copy.copy(ep)
+    out._state_dict = state if keep_state else {}
+    out._constants = constants if keep_state else {}
+    return out
 
 
 def _random_nodes(ep: torch.export.ExportedProgram) -> list[str]:
@@ -122,39 +145,74 @@ class ReactiveGraph:
     """
 
     def __init__(self, ep_or_module, example_inputs: Sequence | None = None, *, cutoff: bool = False,
-                 positions: bool = True, seq_dim: int = 1, split_heads: bool | int = False):
+                 positions: bool = True, seq_dim: int = 1, split_heads: bool | int = False, front_end: str = "auto",
+                 cache: bool = True):
+        """``front_end`` picks the tracer of a module: "auto" (``make_fx``, falling back to
+        ``torch.export`` wherever make_fx cannot vouch for its trace), "make_fx" (refuse instead of
+        falling back) or "export". ``build_stats`` says which one built the graph, why make_fx was
+        not used, and where the build time went.
+
+        ``cache``: a module whose architecture, Python state and input shapes were built before in
+        this process reuses that graph and binds its own weights (``torch_ext._build_cache``; off with
+        ``cache=False`` or ``TORCH_EXT_BUILD_CACHE=0``). ``build_stats["cache"]`` is "hit", "miss",
+        "off", or "uncacheable: <why>"."""
+        if front_end not in _compat.FRONT_ENDS:
+            raise ValueError(f"ReactiveGraph: front_end must be one of {_compat.FRONT_ENDS}, got {front_end!r}")
+        self._front_end = front_end
+        self._cache = bool(cache)
+        self._split_heads = split_heads
+        t0 = time.perf_counter()
+        key, entry, cache_state = None, None, "off"
         if isinstance(ep_or_module, torch.nn.Module):
             if example_inputs is None:
                 raise ValueError("ReactiveGraph(module, example_inputs): example_inputs are required to export a module")
             self._module = ep_or_module
-            ep = _compat.export_for_inference(ep_or_module, tuple(example_inputs))
+            if cache and _build_cache.enabled():
+                try:
+                    key = _build_cache.fingerprint(ep_or_module, tuple(example_inputs), {},
+                                                   (front_end, repr(split_heads)))
+                    entry = _build_cache.get(key)
+                    cache_state = "miss" if entry is None else "hit"
+                except _build_cache.Uncacheable as e:
+                    cache_state = f"uncacheable: {e}"
+            if entry is not None:
+                ep = _rebind(entry["program"], ep_or_module)
+                if ep is None:  # cannot happen for an equal key; rebuild rather than guess
+                    entry, cache_state = None, "miss"
+                else:
+                    used, why = entry["front_end"], entry["fallback_reason"]
+            if entry is None:
+                try:
+                    ep, used, why = _compat.trace_for_inference(ep_or_module, tuple(example_inputs),
+                                                                front_end=front_end)
+                except _compat.UnsoundTrace as e:
+                    raise ValueError(f"ReactiveGraph(front_end='make_fx'): make_fx cannot trace this model soundly: "
+                                     f"{e}; use front_end='auto' or 'export'") from None
         elif isinstance(ep_or_module, torch.export.ExportedProgram):
             self._module = None
-            ep = ep_or_module
+            ep, used, why = ep_or_module, "program", None
         else:
             raise TypeError(f"ReactiveGraph expects an nn.Module or an ExportedProgram, got {type(ep_or_module).__name__}")
-        self.program = _functional_program(ep)
-        # Hook names (TransformerLens hook points) -> node names; aliases such as hook_resid_pre included.
-        self._hooks = _compat.strip_hook_points(self.program)
-        self._conversions: dict = {}
-        if self._module is not None and self._hooks:
-            for alias, canonical in _compat.hook_aliases(self._module).items():
-                if canonical in self._hooks:
-                    self._hooks.setdefault(alias, self._hooks[canonical])
+        t1 = time.perf_counter()
+        if entry is not None:
+            self.program, self._hooks, built = ep, dict(entry["hooks"]), entry["graph"]
             self._conversions = {k: c for k, c in _compat.hook_conversions(self._module).items() if k in self._hooks}
-        random = _random_nodes(self.program)
-        if random:
-            # A cached value of a random op is one draw; a recomputed cone draws again, so a sweep would
-            # mix noise into every metric. TransformerLens refuses training mode for the same reason.
-            raise ValueError(
-                f"ReactiveGraph: the program draws random numbers at {', '.join(random[:4])}"
-                f"{' and %d more' % (len(random) - 4) if len(random) > 4 else ''}; patching sweeps need a "
-                "deterministic model (is it in training mode with dropout? call model.eval() first)")
-        built = Graph.from_exported(self.program)
-        self._split_heads = split_heads
-        if split_heads is not False:
-            self._split_attention_heads(built, split_heads)
+        else:
+            built = self._import(ep)
+            if self._module is not None:
+                # A program traced from a copy (TransformerLens models) computes with the module's own
+                # tensors, as one traced from the module itself does: never with a stale copy.
+                self.program = _rebind(self.program, self._module) or self.program
+            if key is not None:
+                program = _rebind(self.program, self._module, keep_state=False)
+                if program is not None:
+                    _build_cache.put(key, {"program": program, "hooks": dict(self._hooks), "graph": built,
+                                           "front_end": used, "fallback_reason": why})
+                else:
+                    cache_state = "uncacheable: the program holds tensors that are not the module's parameters or buffers"
+        t2 = time.perf_counter()
         self._engine = _C.Engine(built._g)
+        t3 = time.perf_counter()
         self._engine.set_cutoff(bool(cutoff))
         if not isinstance(seq_dim, int) or isinstance(seq_dim, bool) or seq_dim < 0:
             raise ValueError(f"ReactiveGraph: seq_dim must be a non-negative int, got {seq_dim!r}")
@@ -197,10 +255,41 @@ class ReactiveGraph:
             own = {id(t) for t in list(nn_params(self._module))}
             if any(id(v) not in own for v in self.program.state_dict.values()):
                 self._weights_fp = _weights_fingerprint(self._module)
+        t4 = time.perf_counter()
         if example_inputs is not None:
             self.run(*example_inputs)
+        # Seconds: trace (make_fx or export), import (functionalize, hook names, IR), bind (kernels),
+        # first run; "other" is the rest of the constructor.
+        self.build_stats = {"front_end": used, "fallback_reason": why, "cache": cache_state,
+                            "trace_s": t1 - t0, "import_s": t2 - t1,
+                            "bind_s": t3 - t2, "other_s": t4 - t3, "first_run_s": time.perf_counter() - t4}
 
-    _PER_SHAPE = ("program", "_hooks", "_conversions", "_engine", "_slots", "_num_user", "_in_spec",
+    def _import(self, ep) -> Graph:
+        """Functionalizes ``ep``, reads its hook names, refuses random ops, imports it to the IR (and
+        splits attention heads on request); sets program, _hooks, _conversions."""
+        self.program = _functional_program(ep)
+        # Hook names (TransformerLens hook points) -> node names; aliases such as hook_resid_pre included.
+        self._hooks = _compat.strip_hook_points(self.program)
+        self._conversions: dict = {}
+        if self._module is not None and self._hooks:
+            for alias, canonical in _compat.hook_aliases(self._module).items():
+                if canonical in self._hooks:
+                    self._hooks.setdefault(alias, self._hooks[canonical])
+            self._conversions = {k: c for k, c in _compat.hook_conversions(self._module).items() if k in self._hooks}
+        random = _random_nodes(self.program)
+        if random:
+            # A cached value of a random op is one draw; a recomputed cone draws again, so a sweep would
+            # mix noise into every metric. TransformerLens refuses training mode for the same reason.
+            raise ValueError(
+                f"ReactiveGraph: the program draws random numbers at {', '.join(random[:4])}"
+                f"{' and %d more' % (len(random) - 4) if len(random) > 4 else ''}; patching sweeps need a "
+                "deterministic model (is it in training mode with dropout? call model.eval() first)")
+        built = Graph.from_exported(self.program)
+        if self._split_heads is not False:
+            self._split_attention_heads(built, self._split_heads)
+        return built
+
+    _PER_SHAPE = ("program", "build_stats", "_hooks", "_conversions", "_engine", "_slots", "_num_user", "_in_spec",
                   "_single_output", "_cone_sizes", "_all_names",
                   "_out_spec", "_user_outputs", "_loss_output", "_grad_outputs", "_module_paths", "_countable",
                   "_countable_cache", "_batched", "_last_inputs", "_example_inputs", "_grafts_applied")
@@ -254,7 +343,8 @@ class ReactiveGraph:
             self._shape_stats["graph_reuses"] += 1
         else:
             fresh = ReactiveGraph(self._module, args, cutoff=self._cutoff, positions=self._positions,
-                                  seq_dim=self._seq_dim, split_heads=self._split_heads)
+                                  seq_dim=self._seq_dim, split_heads=self._split_heads, front_end=self._front_end,
+                                  cache=self._cache)
             for a in self._PER_SHAPE:
                 setattr(self, a, getattr(fresh, a, None))
             self._grafts_applied = 0
@@ -485,8 +575,10 @@ class ReactiveGraph:
     def stats(self) -> dict:
         """``evaluations``, ``cost`` (FLOPs of what ran), ``row_evaluations`` (a node run on k of its T
         rows counts k/T), ``cutoffs``, ``invalidated``, ``restored`` of the
-        current shape's graph; ``graph_builds`` and ``graph_reuses`` count per-shape graphs."""
-        return {**self._engine.stats(), **self._shape_stats}
+        current shape's graph; ``graph_builds`` and ``graph_reuses`` count per-shape graphs; ``front_end``
+        names the tracer that built the current shape's graph ("make_fx", "export", or "program" for an
+        ExportedProgram given as it is; ``build_stats`` has the details)."""
+        return {**self._engine.stats(), **self._shape_stats, "front_end": self.build_stats["front_end"]}
 
     def reset_stats(self) -> None:
         self._engine.reset_stats()

@@ -1,0 +1,333 @@
+#!/usr/bin/env python
+"""The build cost of a ReactiveGraph, end to end (issue 10 item 5, issue 12's end-to-end targets). CPU, one thread.
+
+    python scripts/bench_build.py [--repeats 3] [--cold-repeats 2] [--parts split sweep patching]
+
+1. split: where ``ReactiveGraph(model, inputs)`` spends its time, per front end (torch.export against
+   make_fx), cache off: trace, import (functionalize, hook names, IR), bind (kernels), first run. A
+   4-layer d_model 128 TinyTransformer and the issue-12 TransformerBridge, seq 20, batch 1 and 8.
+2. sweep (issue 10): one 80-site residual sweep (4 layers x 20 positions) of the TinyTransformer, building
+   included, against the eager forward-hook sweep. Target >= 2x.
+3. patching (issue 12): torch_ext.patching against transformer_lens.patching on the TransformerBridge,
+   get_act_patch_resid_pre (target >= 3x) and get_act_patch_attn_head_out_by_pos (target >= 5x), building
+   included, seq 20, batch 1 and 8.
+
+Each end-to-end comparison is reported three ways, and says which include a cache hit:
+- cold: the first call in a fresh Python process (imports excluded, tracer and kernels cold), each
+  side in its own process, medians over --cold-repeats interleaved pairs; no build cache can hit;
+- build, no cache: in a warm process, the graph traced again (build cache off);
+- cache hit: a fresh model object of the same architecture (other weights): the per-process build
+  cache supplies the graph, only weights are bound;
+- warm (patching only): the same model again, its built graph reused.
+Results are checked against the reference (eager hooks / TransformerLens) every time.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench_util import FAILURES, check, header, summary, target  # noqa: E402
+
+L, D, H, T, V = 4, 128, 4, 20, 500
+
+
+# ---------------------------------------------------------------------------- models
+def tiny(seed: int = 0):
+    from torch_ext.models import TinyTransformer
+
+    torch.manual_seed(seed)
+    return TinyTransformer(vocab=V, d_model=D, n_heads=H, n_layers=L, seq=T).eval()
+
+
+def bridge(seed: int = 0):
+    import transformer_lens as tl
+
+    cfg = tl.TransformerBridgeConfig(n_layers=L, d_model=D, n_heads=H, d_head=D // H, d_mlp=4 * D, n_ctx=32,
+                                     d_vocab=V, act_fn="gelu", normalization_type="LN", seed=seed)
+    return tl.TransformerBridge.boot_native(cfg).eval()
+
+
+def prompts(batch: int):
+    g = torch.Generator().manual_seed(batch)
+    clean = torch.randint(0, V, (batch, T), generator=g)
+    corrupted = clean.clone()
+    corrupted[:, T // 4] = (corrupted[:, T // 4] + 7) % V
+    return clean, corrupted
+
+
+def metric(logits):
+    return logits[:, -1, 3].mean() - logits[:, -1, 4].mean()
+
+
+# ---------------------------------------------------------------------------- 2. the residual sweep
+def resid_cache(model, tokens):
+    cache, handles = {}, []
+    for layer, blk in enumerate(model.blocks):
+        handles.append(blk.register_forward_pre_hook(lambda m, a, layer=layer: cache.__setitem__(layer, a[0].clone())))
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        for h in handles:
+            h.remove()
+    return cache
+
+
+def eager_sweep(model, clean, cache):
+    """TransformerLens's mechanism: one hooked forward per (layer, position)."""
+    out = {}
+    with torch.no_grad():
+        for layer, blk in enumerate(model.blocks):
+            for pos in range(T):
+                def hook(m, args, layer=layer, pos=pos):
+                    x = args[0].clone()
+                    x[:, pos] = cache[layer][:, pos]
+                    return (x,)
+                h = blk.register_forward_pre_hook(hook)
+                try:
+                    out[(layer, pos)] = float(metric(model(clean)))
+                finally:
+                    h.remove()
+    return out
+
+
+def reactive_sweep(model, clean, corrupt_cache, **kw):
+    """Build the graph on the clean prompt, then sweep every (resid_pre node, position)."""
+    import torch_ext
+
+    with torch.no_grad():
+        rg = torch_ext.ReactiveGraph(model, (clean,), **kw)
+        resid = ["add"] + [rg.nodes(f"blocks.{i}")[-1] for i in range(L - 1)]
+        layer_of = {n: i for i, n in enumerate(resid)}
+
+        def patch(v, site):
+            v = v.clone()
+            v[:, site[1]] = corrupt_cache[layer_of[site[0]]][:, site[1]]
+            return v
+
+        r = torch_ext.sweep(rg, [(n, p) for n in resid for p in range(T)], patch, metric, progress=False)
+    return {(layer_of[n], p): v for (n, p), v in r.metrics.items()}, rg
+
+
+# ---------------------------------------------------------------------------- cold: one call per fresh process
+def child(spec: dict) -> dict:
+    """Runs in a fresh process: sets up, then times the first call of one side."""
+    torch.set_num_threads(1)
+    batch = spec["batch"]
+    clean, corrupted = prompts(batch)
+    if spec["part"] == "sweep":
+        model = tiny()
+        cache = resid_cache(model, corrupted)
+        t0 = time.perf_counter()
+        if spec["side"] == "eager":
+            res = eager_sweep(model, clean, cache)
+            stats = {}
+        else:
+            res, rg = reactive_sweep(model, clean, cache)
+            stats = {k: v for k, v in rg.build_stats.items() if k != "fallback_reason"}
+        wall = time.perf_counter() - t0
+        return {"wall": wall, "result": [res[k] for k in sorted(res)], "stats": stats}
+    import transformer_lens.patching as tl_patching
+
+    from torch_ext import patching
+
+    model = bridge()
+    _, cache = model.run_with_cache(clean)
+    fn = getattr(tl_patching if spec["side"] == "tl" else patching, spec["fn"])
+    t0 = time.perf_counter()
+    out = fn(model, corrupted, cache, metric)
+    wall = time.perf_counter() - t0
+    stats = {}
+    if spec["side"] == "ours":
+        from torch_ext.patching import _GRAPHS
+
+        rg = next(iter(_GRAPHS[model].values()))[0]
+        stats = {k: v for k, v in rg.build_stats.items() if k != "fallback_reason"}
+    return {"wall": wall, "result": out.flatten().tolist(), "stats": stats}
+
+
+def cold(spec: dict) -> dict:
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)], capture_output=True,
+                       text=True, env=env, check=False)
+    if p.returncode != 0:
+        raise RuntimeError(f"child {spec} failed:\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def cold_pair(base: dict, sides: tuple, repeats: int):
+    """Interleaved fresh-process runs of both sides; medians of the walls, the last results and stats."""
+    walls = {s: [] for s in sides}
+    last = {}
+    for _ in range(repeats):
+        for s in sides:
+            r = cold({**base, "side": s})
+            walls[s].append(r["wall"])
+            last[s] = r
+    return {s: statistics.median(w) for s, w in walls.items() if w}, last
+
+
+def fmt_split(st: dict) -> str:
+    return (f"trace {st['trace_s'] * 1e3:7.1f}  import {st['import_s'] * 1e3:6.1f}  bind {st['bind_s'] * 1e3:5.1f}  "
+            f"other {st['other_s'] * 1e3:5.1f}  first run {st['first_run_s'] * 1e3:5.1f} ms")
+
+
+# ---------------------------------------------------------------------------- parts
+def part_split(repeats: int) -> None:
+    import torch_ext
+
+    header("1. Build time split per front end (cache off), medians of interleaved repeats")
+    for name, make in (("TinyTransformer", tiny), ("TransformerBridge", bridge)):
+        model = make()
+        for batch in (1, 8):
+            clean, _ = prompts(batch)
+            runs = {"export": [], "make_fx": []}
+            for _ in range(repeats + 1):  # the first round warms the tracers
+                for fe in runs:
+                    t0 = time.perf_counter()
+                    rg = torch_ext.ReactiveGraph(model, (clean,), front_end=fe, cache=False)
+                    runs[fe].append((time.perf_counter() - t0, rg.build_stats))
+            with torch.no_grad():
+                check(torch.equal(rg.demand(), model(clean)), f"{name} b{batch}: graph output equals the model's")
+            for fe, rs in runs.items():
+                rs = sorted(rs[1:], key=lambda r: r[0])
+                total, st = rs[len(rs) // 2]
+                print(f"  {name:17s} batch {batch}  {fe:8s} total {total * 1e3:7.1f} ms: {fmt_split(st)}")
+
+
+def part_sweep(repeats: int, cold_repeats: int) -> None:
+    header(f"2. Issue 10: one {L * T}-site residual sweep of a {L}-layer d_model {D} TinyTransformer, building included")
+    for batch in (1, 8):
+        base = {"part": "sweep", "batch": batch}
+        walls, last = cold_pair(base, ("eager", "ours"), cold_repeats)
+        if cold_repeats:
+            diff = max(abs(a - b) for a, b in zip(last["eager"]["result"], last["ours"]["result"]))
+            check(diff <= 1e-4, f"sweep b{batch} cold: reactive vs eager max |diff| {diff:.2e}")
+            r = walls["eager"] / walls["ours"]
+            print(f"  batch {batch} cold (fresh process each, no cache possible): eager {walls['eager']:.3f} s, ours "
+                  f"{walls['ours']:.3f} s ({fmt_split(last['ours']['stats'])}, front end "
+                  f"{last['ours']['stats']['front_end']}) -> {r:.2f}x [target >= 2x: {target(r >= 2, f'sweep b{batch} cold >= 2x')}]")
+
+        clean, corrupted = prompts(batch)
+        model = tiny()
+        cache = resid_cache(model, corrupted)
+        others = [tiny(seed=s + 1) for s in range(repeats + 1)]
+        res, times = {}, {"eager": [], "nocache": [], "hit": []}
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            res["eager"] = eager_sweep(model, clean, cache)
+            times["eager"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            res["nocache"], rg = reactive_sweep(model, clean, cache, cache=False)
+            times["nocache"].append(time.perf_counter() - t0)
+            check(rg.build_stats["cache"] == "off", "no-cache arm did not use the cache")
+            other = others[i]
+            other_cache = resid_cache(other, corrupted)
+            t0 = time.perf_counter()
+            res["hit"], rg = reactive_sweep(other, clean, other_cache)
+            times["hit"].append(time.perf_counter() - t0)
+            if i > 0:
+                check(rg.build_stats["cache"] == "hit", f"cache-hit arm: {rg.build_stats['cache']}")
+        ref_other = eager_sweep(others[-1], clean, resid_cache(others[-1], corrupted))
+        for k, ref in (("nocache", res["eager"]), ("hit", ref_other)):
+            diff = max(abs(ref[s] - res[k][s]) for s in ref)
+            check(diff <= 1e-4, f"sweep b{batch} {k}: reactive vs eager max |diff| {diff:.2e}")
+        med = {k: statistics.median(v[1:]) for k, v in times.items()}
+        r1, r2 = med["eager"] / med["nocache"], med["eager"] / med["hit"]
+        print(f"  batch {batch} in-process: eager {med['eager']:.3f} s; ours, built again (cache off) {med['nocache']:.3f} s "
+              f"-> {r1:.2f}x [{target(r1 >= 2, f'sweep b{batch} rebuilt >= 2x')}]; ours, fresh model object (cache HIT) "
+              f"{med['hit']:.3f} s -> {r2:.2f}x [{target(r2 >= 2, f'sweep b{batch} cache hit >= 2x')}]")
+
+
+def part_patching(repeats: int, cold_repeats: int) -> None:
+    import transformer_lens.patching as tl_patching
+
+    from torch_ext import patching
+
+    header(f"3. Issue 12: torch_ext.patching vs transformer_lens.patching on a TransformerBridge "
+           f"(L={L}, d_model={D}, seq {T}), building included")
+    goals = {"get_act_patch_resid_pre": 3, "get_act_patch_attn_head_out_by_pos": 5}
+    model = bridge()
+    for batch in (1, 8):
+        clean, corrupted = prompts(batch)
+        _, cache = model.run_with_cache(clean)
+        for fn, goal in goals.items():
+            base = {"part": "patching", "batch": batch, "fn": fn}
+            walls, last = cold_pair(base, ("tl", "ours"), cold_repeats)
+            print(f"  {fn} batch {batch}")
+            if cold_repeats:
+                diff = max(abs(a - b) for a, b in zip(last["tl"]["result"], last["ours"]["result"]))
+                check(diff == 0, f"{fn} b{batch} cold: max |ours - TL| {diff:.2e}")
+                r = walls["tl"] / walls["ours"]
+                print(f"    cold (fresh process each, no cache possible): TL {walls['tl']:.3f} s, ours {walls['ours']:.3f} s "
+                      f"({fmt_split(last['ours']['stats'])}) -> {r:.2f}x "
+                      f"[target >= {goal}x: {target(r >= goal, f'{fn} b{batch} cold >= {goal}x')}]")
+            times = {"tl": [], "nocache": [], "hit": [], "warm": []}
+            for i in range(repeats + 1):
+                t0 = time.perf_counter()
+                ref = getattr(tl_patching, fn)(model, corrupted, cache, metric)
+                times["tl"].append(time.perf_counter() - t0)
+                fresh = copy.deepcopy(model)
+                os.environ["TORCH_EXT_BUILD_CACHE"] = "0"
+                try:
+                    t0 = time.perf_counter()
+                    a = getattr(patching, fn)(fresh, corrupted, cache, metric)
+                    times["nocache"].append(time.perf_counter() - t0)
+                finally:
+                    del os.environ["TORCH_EXT_BUILD_CACHE"]
+                fresh = copy.deepcopy(model)
+                t0 = time.perf_counter()
+                b = getattr(patching, fn)(fresh, corrupted, cache, metric)
+                times["hit"].append(time.perf_counter() - t0)
+                hit = next(iter(patching._GRAPHS[fresh].values()))[0].build_stats["cache"]
+                if i > 0:
+                    check(hit == "hit", f"{fn} b{batch} cache-hit arm: {hit}")
+                t0 = time.perf_counter()
+                c = getattr(patching, fn)(fresh, corrupted, cache, metric)
+                times["warm"].append(time.perf_counter() - t0)
+                for what, x in (("no cache", a), ("cache hit", b), ("warm", c)):
+                    check(torch.equal(x, ref), f"{fn} b{batch} {what}: equals TransformerLens")
+            med = {k: statistics.median(v[1:]) for k, v in times.items()}
+            ratios = {k: med["tl"] / med[k] for k in ("nocache", "hit", "warm")}
+            print(f"    in-process: TL {med['tl']:.3f} s; ours built again (cache off) {med['nocache']:.3f} s -> "
+                  f"{ratios['nocache']:.2f}x [{target(ratios['nocache'] >= goal, f'{fn} b{batch} rebuilt >= {goal}x')}]; "
+                  f"fresh model object (cache HIT) {med['hit']:.3f} s -> {ratios['hit']:.2f}x "
+                  f"[{target(ratios['hit'] >= goal, f'{fn} b{batch} cache hit >= {goal}x')}]; warm (graph reused) "
+                  f"{med['warm']:.3f} s -> {ratios['warm']:.2f}x")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cold-repeats", type=int, default=2)
+    ap.add_argument("--parts", nargs="+", default=["split", "sweep", "patching"])
+    ap.add_argument("--no-cold", action="store_true", help="skip the fresh-process (cold) measurements")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return 0
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    print(f"load: {os.getloadavg()}")
+    if "split" in args.parts:
+        part_split(args.repeats)
+    if "sweep" in args.parts:
+        part_sweep(args.repeats, 0 if args.no_cold else args.cold_repeats)
+    if "patching" in args.parts:
+        part_patching(args.repeats, 0 if args.no_cold else args.cold_repeats)
+    print(f"load: {os.getloadavg()}")
+    return summary(t0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
