@@ -77,6 +77,7 @@ def _cnn_of(channels, batch=8):
     return step, data
 
 
+@pytest.mark.internals  # forces the private choice of calls to split
 def test_split_convolution_backward_trains_bit_exact_with_the_fused_call(monkeypatch):
     # Forced on every splittable call (csrc/passes/split_convolution_backward.h): the second conv's
     # input and weight gradients run as two calls; the first conv computes no input gradient.
@@ -91,6 +92,7 @@ def test_split_convolution_backward_trains_bit_exact_with_the_fused_call(monkeyp
     assert step.compile(plan=False).split_convolutions == []
 
 
+@pytest.mark.internals  # swaps the private choice of calls to split for each alternative
 @pytest.mark.parametrize("channels", [8, 32])
 def test_convolution_backward_is_split_only_where_that_lowers_the_measured_peak(monkeypatch, channels):
     # Whether the split pays depends on the kernels' scratch (on oneDNN: it does at 32 channels, at
