@@ -14,6 +14,7 @@
 #include "passes/memory_analysis.h"
 #include "passes/plan_memory.h"
 #include "passes/rematerialize.h"
+#include "passes/split_convolution_backward.h"
 #include "passes/schedule.h"
 #include "passes/sequence_axis.h"
 #include "passes/split_heads.h"
@@ -569,6 +570,11 @@ PYBIND11_MODULE(_C, m) {
       },
       "Splits each (z node, heads) attention output projection into per-head results plus a sum; returns "
       "(result, output, replaced projection) node names per site (csrc/passes/split_heads.h).");
+  m.def("split_convolution_backward", &passes::split_convolution_backward,
+        "Splits each named convolution_backward computing input and weight gradients into one call per part "
+        "(csrc/passes/split_convolution_backward.h).");
+  m.def("splittable_convolution_backwards", &passes::splittable_convolution_backwards,
+        "The convolution_backward calls split_convolution_backward can split, in graph order.");
   m.def("rematerialize", [](ir::Graph& g, const std::vector<std::string>& names) {
     auto r = passes::rematerialize(g, names);
     return py::make_tuple(r.recomputed, r.clones);

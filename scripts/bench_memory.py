@@ -4,7 +4,9 @@ block, the planned pure step, and the planned step under memory budgets (remater
 Configs (issue 17):
   * parameter-heavy: an MLP of 8 layers of 1024x1024, batch 16, Adam and SGD-momentum;
   * activation-heavy: a CNN at batch 64, SGD-momentum;
-  * GPT-style: 4 layers, d_model 256, seq 256, batch 8, AdamW (--gpt-seq/--gpt-batch to shrink).
+  * GPT-style: 4 layers, d_model 256, seq 256, batch 8, AdamW (--gpt-seq/--gpt-batch to shrink);
+  * Hugging Face GPT-2 (transformers.GPT2LMHeadModel, its dropouts on) at the same sizes, vocabulary 256,
+    AdamW; torch.utils.checkpoint on every block through its own gradient_checkpointing_enable().
 Every peak is measured the same way: torch.profiler's allocation events over one step, plus the
 state and batch held (and the arena, for the planned steps). Times are medians in one run, the
 unplanned executor interleaved with the arena executor, best of 6 each in process CPU time (column
@@ -13,7 +15,9 @@ t arena/exec; the step ms column is wall time).
 from __future__ import annotations
 
 import argparse
+import pathlib
 import re
+import sys
 import time
 import types
 
@@ -27,7 +31,8 @@ from torch_ext.memory import _eager_peak, measured_peak
 from torch_ext.memory import _time_step as median_time  # the timing memory_report uses
 from torch_ext.models import TinyTransformer, relu_mlp
 
-TARGETS = {"param-heavy adam": 0.80, "param-heavy sgd-momentum": 0.73, "activation-heavy cnn": 0.85, "gpt-style": 0.85}
+TARGETS = {"param-heavy adam": 0.80, "param-heavy sgd-momentum": 0.73, "activation-heavy cnn": 0.85, "gpt-style": 0.85,
+           "hf gpt-2": 0.85}
 
 
 def mlp():
@@ -65,6 +70,25 @@ def gpt(seq=256, batch=8):
         return F.cross_entropy((m.ln_f(x) @ m.tok.weight.t()).reshape(-1, 256), t.reshape(-1))
 
     return model, loss, ckpt_loss, (torch.randint(0, 256, (batch, seq)), torch.randint(0, 256, (batch, seq)))
+
+
+def hf_gpt2(seq=256, batch=8):
+    import transformers
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "python"))
+    from real_models import causal_lm_loss  # the loss the real-model tests train with
+
+    cfg = transformers.GPT2Config(vocab_size=256, n_positions=seq, n_embd=256, n_layer=4, n_head=4, bos_token_id=0,
+                                  eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).train()
+
+    def ckpt_loss(m, ids):  # every GPT2Block under torch.utils.checkpoint (non-reentrant)
+        if not m.is_gradient_checkpointing:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return causal_lm_loss(m, ids)
+
+    return model, causal_lm_loss, ckpt_loss, (torch.randint(0, 256, (batch, seq)),)
 
 
 def paired_min_times(fa, fb, rounds=6):
@@ -106,6 +130,7 @@ def main():
         ("param-heavy sgd-momentum", mlp, lambda m: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)),
         ("activation-heavy cnn", cnn, lambda m: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)),
         ("gpt-style", lambda: gpt(args.gpt_seq, args.gpt_batch), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)),
+        ("hf gpt-2", lambda: hf_gpt2(args.gpt_seq, args.gpt_batch), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)),
     ]
     if args.only:
         configs = [c for c in configs if c[0] in args.only.split(",")]

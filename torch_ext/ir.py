@@ -290,6 +290,17 @@ class Graph:
         arena_bytes, buffers, lower bounds, ... (the graph is not changed)."""
         return _C.plan_memory(self._g, donate)
 
+    def split_convolution_backward(self, nodes: Sequence[str] | None = None) -> list[str]:
+        """Splits each named convolution_backward (default: every splittable one) that computes the input and
+        the weight gradient into one call per part, in place (csrc/passes/split_convolution_backward.h);
+        returns the names split. RuntimeError names a node that cannot be split, the graph untouched."""
+        names = self.splittable_convolution_backwards() if nodes is None else list(nodes)
+        return _C.split_convolution_backward(self._g, names)
+
+    def splittable_convolution_backwards(self) -> list[str]:
+        """The convolution_backward calls ``split_convolution_backward`` can split, in graph order."""
+        return _C.splittable_convolution_backwards(self._g)
+
     def rematerialize(self, nodes: Sequence[str]) -> tuple[int, int]:
         """Recomputes each named forward node at its backward uses, in place (csrc/passes/rematerialize.h);
         returns (nodes recomputed, clones added). RuntimeError names a node that cannot be recomputed."""

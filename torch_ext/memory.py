@@ -26,9 +26,12 @@ class PlannedStep:
         budget = _budget_bytes(step, memory_budget, plan)  # checked before any work
         graph = step.graph.clone()
         if plan:
+            # Before scheduling, so that the order can free a conv's saved input after its weight
+            # gradient, and the weight gradient's scratch is gone before the input gradient exists.
+            self.split_convolutions = graph.split_convolution_backward(_splits_that_lower_the_peak(graph))
             self.schedule, self.candidates = graph.schedule(self.donate)
         else:
-            self.schedule, self.candidates = "export", []
+            self.schedule, self.candidates, self.split_convolutions = "export", [], []
         self.remat = None  # with memory_budget: what rematerialize_for_budget chose (csrc/passes/rematerialize.h)
         if budget is not None:
             self.remat = graph.rematerialize_for_budget(budget, self.donate)
@@ -89,6 +92,70 @@ class PlannedStep:
                 raise
         # With donation the input tensors now hold the new values: mark the old state consumed.
         return self.step._finish(state, outs, donated_to="step.compile(donate=True)" if self.donate else None)
+
+
+_SPLIT_PEAKS: dict = {}  # call signature -> (fused peak, split peak), measured once per process
+
+
+def _splits_that_lower_the_peak(graph) -> list[str]:
+    """The splittable convolution_backward calls whose split (csrc/passes/split_convolution_backward.h)
+    lowers the call's own peak, measured on its device: the kernels' scratch decides, and the IR does
+    not see it. The weight part runs first, so its outputs are held while the input part runs."""
+    names = []
+    for name in graph.splittable_convolution_backwards():
+        node = graph.node(name)
+        types = [graph.node(a.name).type for a in node.args[:3]]
+        key = (repr(types), repr(node.args[3:]))
+        if key not in _SPLIT_PEAKS:
+            _SPLIT_PEAKS[key] = _measure_split(types, list(node.args[3:10]), node.args[10], node.type)
+        fused, split = _SPLIT_PEAKS[key]
+        if fused is not None and split < fused:
+            names.append(name)
+    return names
+
+
+def _measure_split(types, params, mask, out_type):
+    """(peak of the fused call, peak of the split pair) above their inputs, in bytes; (None, None) on a
+    device without a way to measure here."""
+    from .ir import _SHORT_DTYPE
+
+    device = torch.device(types[0][4])
+    go, x, w = (torch.empty_strided(t[2], t[3], dtype=_SHORT_DTYPE[t[1]], device=device).zero_() for t in types)
+    op = torch.ops.aten.convolution_backward.default
+    call = lambda m: lambda: op(go, x, w, *params, m)  # noqa: E731
+    weight_out = sum(_numel(e) * _SHORT_DTYPE[e[1]].itemsize for e in out_type[1][1:] if e[0] == "tensor")
+    fused = _call_peak(call(list(mask)), device)
+    if fused is None:
+        return None, None
+    split = max(_call_peak(call([False, mask[1], mask[2]]), device),
+                weight_out + _call_peak(call([True, False, False]), device))
+    return fused, split
+
+
+def _numel(t) -> int:
+    n = 1
+    for d in t[2]:
+        n *= d
+    return n
+
+
+def _call_peak(fn, device):
+    """The most bytes fn has allocated at once (its result included), after one warm-up call."""
+    fn()
+    if device.type == "cpu":
+        cur = peak = 0
+        for d in _compat.profile_memory_deltas(fn):
+            cur += d
+            peak = max(peak, cur)
+        return peak
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    return None
 
 
 def _budget_bytes(step, memory_budget, plan):

@@ -67,6 +67,48 @@ def test_measured_peak_is_below_the_unplanned_executor_and_results_are_bit_exact
         assert torch.equal(s_ref.lookup(name), s_arena.lookup(name)), name
 
 
+def _cnn_of(channels, batch=8):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.ReLU(), nn.Conv2d(channels, channels, 3, padding=1),
+                          nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10))
+    data = (torch.randn(batch, 3, 16, 16), torch.randint(0, 10, (batch,)))
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9),
+                                     lambda m, x, y: F.cross_entropy(m(x), y), data)
+    return step, data
+
+
+@pytest.mark.internals  # forces the private choice of calls to split
+def test_split_convolution_backward_trains_bit_exact_with_the_fused_call(monkeypatch):
+    # Forced on every splittable call (csrc/passes/split_convolution_backward.h): the second conv's
+    # input and weight gradients run as two calls; the first conv computes no input gradient.
+    step, batch = _cnn()
+    monkeypatch.setattr(torch_ext.memory, "_splits_that_lower_the_peak", lambda g: g.splittable_convolution_backwards())
+    for budget in (None, step.compile(plan=True).peak_bytes - 1):
+        planned = step.compile(plan=True, donate=True, memory_budget=budget)
+        assert len(planned.split_convolutions) == 1, planned.split_convolutions
+        masks = [str(n.args[-1]) for n in planned.graph.nodes() if n.target == "aten::convolution_backward.default"]
+        assert sorted(masks) == ["[False, True, True]", "[False, True, True]", "[True, False, False]"], masks
+        assert_same_training(step, planned, batch, 3)
+    assert step.compile(plan=False).split_convolutions == []
+
+
+@pytest.mark.internals  # swaps the private choice of calls to split for each alternative
+@pytest.mark.parametrize("channels", [8, 32])
+def test_convolution_backward_is_split_only_where_that_lowers_the_measured_peak(monkeypatch, channels):
+    # Whether the split pays depends on the kernels' scratch (on oneDNN: it does at 32 channels, at
+    # 8 the fused call peaks in its input part); the choice is measured, so it is never the worse one.
+    step, batch = _cnn_of(channels)
+    chosen = step.compile(plan=True, donate=True)
+    peaks = {}
+    for label, pick in (("split", lambda g: g.splittable_convolution_backwards()), ("fused", lambda g: [])):
+        monkeypatch.setattr(torch_ext.memory, "_splits_that_lower_the_peak", pick)
+        other = step.compile(plan=True, donate=True)
+        peaks[label], _ = measured_peak(other, step.init_state(), batch)
+    monkeypatch.undo()
+    mine, _ = measured_peak(chosen, step.init_state(), batch)
+    assert mine == min(peaks.values()), (mine, peaks, chosen.split_convolutions)
+
+
 def test_budget_recomputes_activations_bit_exact_with_the_unplanned_step():
     step, batch = _cnn()
     base = step.compile(plan=True, donate=True)
