@@ -185,12 +185,17 @@ class Engine {
   // empty, lists the only columns (last dim) read of output k: an output computed by a linear or a
   // matmul with a constant weight, read by nothing else, computes those columns alone (others NaN). Every node of the cone
   // runs exactly once (a value equal to the cached one runs it whole), so counts are those of
-  // evaluate_patched: |V+(node)|. Needs positions on, no standing patch, and what evaluate_patched needs.
+  // evaluate_patched: |V+(node)|. Needs positions on, no standing patch, and what evaluate_patched needs
+  // except that early cutoff may be on (see can_evaluate_patched_rows).
   void set_positions(bool enabled, int64_t seq_dim = 1);
   bool positions() const { return positions_; }
   // The node's sequence axis by the analysis (-1: none, or positions off).
   int64_t seq_axis(const std::string& node);
-  bool can_evaluate_patched_rows() const { return positions_ && pinned_.empty() && can_evaluate_patched(); }
+  // Early cutoff may be on: a value equal to the cached one is cut off at the site (zero
+  // evaluations, |V+(node)| cutoffs, the cached outputs), any other takes the row path, as with cutoff off.
+  bool can_evaluate_patched_rows() const {
+    return positions_ && pinned_.empty() && has_run_ && pending_.empty() && dirty_.empty() && !txn_;
+  }
   std::vector<c10::IValue> evaluate_patched_rows(const std::string& node, c10::IValue value,
                                                  const std::vector<int64_t>& read_rows = {},
                                                  const std::vector<std::vector<int64_t>>& read_cols = {});

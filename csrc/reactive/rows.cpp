@@ -215,16 +215,29 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
   TORCH_CHECK(positions_, "evaluate_patched_rows %", name, ": positions are off (set_positions(true) first)");
   TORCH_CHECK(pinned_.empty(), "evaluate_patched_rows %", name, ": standing patches are active at ", pinned_.size(),
               " nodes; use evaluate_patched or patch()/demand()");
-  TORCH_CHECK(has_run_ && dirty_.empty() && !txn_ && !cutoff_, "evaluate_patched_rows %", name,
-              ": needs a graph that has run, with nothing stale, no open transaction and early cutoff off");
+  TORCH_CHECK(has_run_ && dirty_.empty() && !txn_, "evaluate_patched_rows %", name,
+              ": needs a graph that has run, with nothing stale and no open transaction");
   check_value_type(*states_[id].node, value);
   const RowPlan& rp = row_plan_for(id, read_rows, read_cols);
+  TORCH_CHECK(rp.source_axis >= 0 || !cutoff_, "evaluate_patched_rows %", name,
+              ": the node has no sequence axis and early cutoff is on; use patch()/demand()");
   if (rp.source_axis < 0) return evaluate_patched(name, std::move(value));
   check_intact(id);
+  const int64_t p = first_changed_row(name, value);
+  if (p >= rp.source_length && cutoff_) {
+    // Early cutoff at the site: the value equals the cached one, so nothing downstream changes and
+    // the outputs are the cached ones; every cone node is cut off without running.
+    stats_.cutoffs += static_cast<int64_t>(plan_for(id).order.size());
+    std::vector<c10::IValue> outs = runtime::output_values(
+        graph_->output()->args()[0].list, [&](const ir::Node* n) -> const c10::IValue& { return values_[ids_.at(n)]; });
+    return outs;
+  }
   // A value equal to the cached one changes no row: its cone runs whole, as in evaluate_patched, so
   // the outputs are the cached ones bit for bit and the patch still costs |V+(s)| evaluations.
-  const int64_t p = first_changed_row(name, value);
   if (p >= rp.source_length) return evaluate_patched(name, std::move(value));
+  // Early cutoff does not act inside a row-range cone (a recomputed row range rarely equals the
+  // cached one): with cutoff on or off, a changed value takes this same path, so the two give the
+  // same bits.
   const PatchPlan& plan = plan_for(id);
   const auto& out_args = graph_->output()->args()[0].list;
   HeldCone held(*this, id, plan, std::move(value));  // the cone's cached values, put back at the end

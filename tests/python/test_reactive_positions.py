@@ -206,15 +206,26 @@ def test_batched_sites_use_rows_too():
         torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=1)
 
 
-def test_cutoff_and_standing_patches_fall_back_to_whole_nodes():
+def test_cutoff_gives_the_same_bits_and_standing_patches_fall_back_to_whole_nodes():
     rg, resid, patch, sites = _zoo_sweep_setup("sdpa")
+    # Half the sites patch a value equal to the clean one (cutoff stops them at the site).
+    same = lambda v, s: v.clone() if s[1] % 2 else patch(v, s)  # noqa: E731
     metric = lambda out: out.clone()  # noqa: E731
-    whole = torch_ext.sweep(rg, sites, patch, metric, progress=False, positions=False)
+    whole = torch_ext.sweep(rg, sites, same, metric, progress=False, positions=False)
+    rows = torch_ext.sweep(rg, sites, same, metric, progress=False)
     rg.set_cutoff(True)
-    cut = torch_ext.sweep(rg, sites, patch, metric, progress=False)
-    assert cut.extra["row_evaluations"] == cut.measured_evaluations  # nothing ran on a slice
+    before = rg.stats["cutoffs"]
+    cut = torch_ext.sweep(rg, sites, same, metric, progress=False)
+    cut_whole = torch_ext.sweep(rg, sites, same, metric, progress=False, positions=False)
+    changed = [s for s in sites if s[1] % 2 == 0]
+    # Row-range recompute with cutoff on runs the same kernels on the same rows as with it off.
     for s in sites:
-        assert torch.equal(cut.metrics[s], whole.metrics[s])
+        assert torch.equal(cut.metrics[s], rows.metrics[s]), s
+        assert torch.equal(cut_whole.metrics[s], whole.metrics[s]), s
+    # A value equal to the clean one is cut off at the site; a changed one costs its cone, on rows.
+    assert cut.measured_evaluations == sum(len(rg.cone(n)) for n, _ in changed)
+    assert cut.extra["row_evaluations"] == sum(len(rg.cone(n)) * (T - p) / T for n, p in changed)
+    assert rg.stats["cutoffs"] - before >= sum(len(rg.cone(n)) for n, p in sites if p % 2)
     rg.set_cutoff(False)
     rg.patch(resid[-1], lambda v: v * 1.5)
     standing = torch_ext.sweep(rg, sites[:T], patch, metric, progress=False)
@@ -382,4 +393,38 @@ def test_demand_with_reads_on_a_standing_patch():
     rg.patch(resid[0], lambda v: v + 0.0)
     assert torch.equal(rg.demand(reads={"logits": (slice(None), -1)}), rg.demand())
     rg.restore()
+    rg.check_invariants()
+
+
+def test_cutoff_on_off_same_bits_where_rows_round_differently():
+    # Regression (bench_sweep part 3): at d_model 64, batch 8, T 16 a GEMM on rows [p, T) rounds
+    # differently from one on all rows for some p, so cutoff must not switch a changed site to
+    # whole-node recompute: cutoff on and off give the same bits with positions on.
+    from torch_ext.models import TinyTransformer
+
+    torch.manual_seed(0)
+    seq = 16
+    model = TinyTransformer(vocab=128, d_model=64, n_heads=4, n_layers=2, seq=seq).eval()
+    clean, corrupt = torch.randint(0, 128, (8, seq)), torch.randint(0, 128, (8, seq))
+    rg = torch_ext.ReactiveGraph(model, (corrupt,))
+    resid = ["add", rg.nodes("blocks.0")[-1]]
+    cache = {n: rg.value(n).clone() for n in resid}
+    rg.run(clean)
+
+    def patch(v, site):
+        node, p = site
+        if p < 4:  # the clean row: an identical value, cut off at the site
+            return v.clone()
+        v = v.clone()
+        v[:, p] = cache[node][:, p]
+        return v
+
+    sites = [(n, p) for n in resid for p in range(seq)]
+    metric = lambda out: out[:, -1].clone()  # noqa: E731
+    off = torch_ext.sweep(rg, sites, patch, metric, progress=False)
+    rg.set_cutoff(True)
+    on = torch_ext.sweep(rg, sites, patch, metric, progress=False)
+    rg.set_cutoff(False)
+    for s in sites:
+        assert torch.equal(on.metrics[s], off.metrics[s]), s
     rg.check_invariants()
