@@ -371,6 +371,7 @@ class Engine {
     int special = 0;   // 0 kernel, 1 causal SDPA, 2 view, 3 _unsafe_view, 4 reshape, 5 expand
     bool dense_inputs = false;  // sliced inputs are made contiguous first (GEMMs, norms, attention)
     std::vector<int64_t> cols;  // special 6 (linear) / 7 (matmul): the only output columns computed
+    at::Tensor cols_index;      // cols as a long tensor on the weight's device
     int64_t width = 0;          // the output's last dim when cols is set
     std::vector<RowInput> inputs;
   };
@@ -381,6 +382,25 @@ class Engine {
     int64_t source_length = 0;
     uint64_t pins_version = 0;
   };
+  // A node value assembled from cached rows and recomputed ones (an output, or a value read whole),
+  // kept across sweep sites so that each site writes only the rows that differ from the last one.
+  // It is reused only while the engine holds the sole reference to it (a caller that kept an output,
+  // or a view of it, gets a fresh buffer next time), it is unwritten since, and it was assembled from
+  // the same cached tensor (same version); `state` says what each row holds.
+  struct RowScratch {
+    at::Tensor buf;
+    std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> source;
+    int64_t source_version = -1;
+    int64_t version = -1;
+    std::vector<uint8_t> state;  // per row: 0 unknown, 1 cached, 2 NaN, 3 NaN but `cols`, 4 other
+    std::vector<int64_t> cols;
+  };
+  std::unordered_map<int64_t, RowScratch> row_scratch_;  // by node id
+  // Rows [0, p) of `cached`, NaN for rows [p, start), then `suffix` (rows [start, T)); with `cols`,
+  // suffix holds only those columns of the last dim (the others NaN).
+  at::Tensor assemble_rows(int64_t id, const at::Tensor& cached, const at::Tensor& suffix, int64_t dim, int64_t p,
+                           int64_t start, const std::vector<int64_t>& cols, const at::Tensor& cols_index);
+  std::map<std::tuple<int64_t, int64_t, int64_t, int, int>, at::Tensor> sdpa_masks_;  // (s, T, Lk, dtype, device)
   const RowPlan& row_plan_for(int64_t id, const std::vector<int64_t>& read_rows,
                               const std::vector<std::vector<int64_t>>& read_cols);
   const passes::SeqAxisAnalysis& seq_analysis();

@@ -203,8 +203,61 @@ const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_
       step.cols.push_back(c < 0 ? c + step.width : c);
     }
     step.special = op == "linear" ? 6 : 7;
+    step.cols_index = at::tensor(step.cols, at::TensorOptions().dtype(at::kLong)).to(w->type().tensor.device);
   }
   return row_plans_[key] = std::move(rp);
+}
+
+at::Tensor Engine::assemble_rows(int64_t id, const at::Tensor& cached, const at::Tensor& suffix, int64_t dim, int64_t p,
+                                 int64_t start, const std::vector<int64_t>& cols, const at::Tensor& cols_index) {
+  const int64_t T = cached.size(dim);
+  RowScratch& sc = row_scratch_[id];
+  // Inference tensors have no version counter, so a write into them could not be seen: never reuse.
+  const bool reuse = sc.buf.defined() && !sc.buf.is_inference() && !cached.is_inference() &&
+                     sc.buf.use_count() == 1 && sc.buf.storage().use_count() == 1 && version_of(sc.buf) == sc.version &&
+                     sc.source && sc.source->lock().get() == cached.unsafeGetTensorImpl() &&
+                     version_of(cached) == sc.source_version;
+  if (!reuse) {
+    sc.buf = at::empty_like(cached, at::MemoryFormat::Contiguous);
+    sc.state.assign(T, 0);
+    sc.source.emplace(cached.getIntrusivePtr());
+    sc.source_version = version_of(cached);
+    sc.cols.clear();
+  }
+  // Brings rows [a, b) to state `want`, filling only the runs of rows not already in it.
+  auto ensure = [&](int64_t a, int64_t b, uint8_t want, auto&& fill) {
+    for (int64_t r = a; r < b;) {
+      if (sc.state[r] == want) {
+        ++r;
+        continue;
+      }
+      int64_t e = r;
+      while (e < b && sc.state[e] != want) ++e;
+      fill(sc.buf.narrow(dim, r, e - r), r, e);
+      std::fill(sc.state.begin() + r, sc.state.begin() + e, want);
+      r = e;
+    }
+  };
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  ensure(0, std::min(p, T), 1, [&](at::Tensor dst, int64_t a, int64_t b) { dst.copy_(cached.narrow(dim, a, b - a)); });
+  ensure(p, std::min(start, T), 2, [&](at::Tensor dst, int64_t, int64_t) { dst.fill_(nan); });
+  if (start < T) {
+    at::Tensor dst = sc.buf.narrow(dim, start, T - start);
+    if (!cols.empty()) {
+      if (sc.cols != cols) {  // rows NaN but for other columns
+        for (auto& st : sc.state)
+          if (st == 3) st = 0;
+        sc.cols = cols;
+      }
+      ensure(start, T, 3, [&](at::Tensor d, int64_t, int64_t) { d.fill_(nan); });
+      dst.index_copy_(dst.dim() - 1, cols_index, suffix);
+    } else {
+      dst.copy_(suffix);
+      std::fill(sc.state.begin() + start, sc.state.end(), 4);
+    }
+  }
+  sc.version = version_of(sc.buf);
+  return sc.buf;
 }
 
 std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, c10::IValue value,
@@ -242,6 +295,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
   const auto& out_args = graph_->output()->args()[0].list;
   HeldCone held(*this, id, plan, std::move(value));  // the cone's cached values, put back at the end
   std::vector<int64_t> start(plan.order.size(), 0);
+  std::vector<c10::IValue> joined(plan.order.size());  // a cone node's whole value, assembled once
   // Inputs replaced by their rows for one node, put back before `held` puts the cone back.
   std::vector<std::pair<int64_t, c10::IValue>> swapped;
   auto put_inputs_back = [&]() {
@@ -274,7 +328,13 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
         } else if (in_suffix) {
           TORCH_INTERNAL_ASSERT(start[ri.pos] == p, "token-granular cone: %", states_[ri.slot].node->name(),
                                 " is read whole but was computed from row ", start[ri.pos]);
-          repl = join_value(held.cached(ri.pos), values_[ri.slot], rp.steps[ri.pos].row_axis, p, p);
+          if (joined[ri.pos].isNone()) {
+            const c10::IValue& cached = held.cached(ri.pos);
+            joined[ri.pos] = cached.isTensor() ? c10::IValue(assemble_rows(ri.slot, cached.toTensor(), values_[ri.slot].toTensor(),
+                                                                          rp.steps[ri.pos].row_axis, p, p, {}, {}))
+                                               : join_value(cached, values_[ri.slot], rp.steps[ri.pos].row_axis, p, p);
+          }
+          repl = joined[ri.pos];
         } else {
           continue;
         }
@@ -292,8 +352,16 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
           const at::Tensor& k = arg_value(1).toTensor();
           const at::Tensor& v = arg_value(2).toTensor();
           const auto lk = k.size(-2);
-          auto idx = at::TensorOptions().dtype(at::kLong).device(q.device());
-          const at::Tensor mask = at::arange(lk, idx).unsqueeze(0) <= at::arange(s, T, idx).unsqueeze(1);
+          // Additive, as SDPA turns a boolean mask into (0 where allowed, -inf elsewhere) itself.
+          const auto key = std::make_tuple(s, T, lk, static_cast<int>(q.scalar_type()),
+                                           static_cast<int>(q.device().type()) * 1024 + q.device().index());
+          at::Tensor& mask = sdpa_masks_[key];
+          if (!mask.defined()) {
+            auto idx = at::TensorOptions().dtype(at::kLong).device(q.device());
+            const at::Tensor allowed = at::arange(lk, idx).unsqueeze(0) <= at::arange(s, T, idx).unsqueeze(1);
+            mask = at::zeros(allowed.sizes(), q.options()).masked_fill_(allowed.logical_not(),
+                                                                          -std::numeric_limits<double>::infinity());
+          }
           std::optional<double> scale;
           const ir::Arg* sc = node.args().size() > 6 ? &node.args()[6] : node.kwarg("scale");
           if (sc != nullptr && sc->kind == ir::Arg::Kind::Float) scale = sc->f;
@@ -302,7 +370,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
           // Only the read columns of the output: the weight's rows (linear) or columns (matmul) picked.
           const at::Tensor& x = arg_value(0).toTensor();
           const at::Tensor& w = arg_value(1).toTensor();
-          const at::Tensor idx = at::tensor(step.cols, at::TensorOptions().dtype(at::kLong)).to(w.device());
+          const at::Tensor& idx = step.cols_index;
           at::Tensor small;
           if (step.special == 6) {
             std::optional<at::Tensor> b;
@@ -314,11 +382,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
             const at::Tensor picked = w.stride(0) < w.stride(1) ? w.t().index_select(0, idx).t() : w.index_select(1, idx);
             small = at::matmul(x, picked);
           }
-          std::vector<int64_t> sizes = small.sizes().vec();
-          sizes.back() = step.width;
-          at::Tensor full = at::full(sizes, std::numeric_limits<double>::quiet_NaN(), small.options());
-          full.index_copy_(full.dim() - 1, idx, small);
-          out = full;
+          out = small;  // only the read columns: the output is assembled below (read by nothing else)
         } else if (step.suffix && step.special >= 2) {
           std::vector<int64_t> sizes = node.type().tensor.sizes;
           sizes[step.row_axis] = T - s;
@@ -346,7 +410,16 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
       const size_t i = pos->second;
       if (std::any_of(swapped.begin(), swapped.end(), [&](const auto& e) { return e.first == o; })) continue;
       swapped.emplace_back(o, std::move(values_[o]));
-      values_[o] = join_value(held.cached(i), swapped.back().second, rp.steps[i].row_axis, p, start[i]);
+      const c10::IValue& cached = held.cached(i);
+      const c10::IValue& suffix = swapped.back().second;
+      if (!joined[i].isNone()) {
+        values_[o] = joined[i];
+      } else if (cached.isTensor()) {
+        values_[o] = assemble_rows(o, cached.toTensor(), suffix.isTensor() ? suffix.toTensor() : at::Tensor(),
+                                   rp.steps[i].row_axis, p, start[i], rp.steps[i].cols, rp.steps[i].cols_index);
+      } else {
+        values_[o] = join_value(cached, suffix, rp.steps[i].row_axis, p, start[i]);
+      }
     }
     outs = runtime::output_values(out_args, [&](const ir::Node* n) -> const c10::IValue& { return values_[ids_.at(n)]; });
   } catch (...) {

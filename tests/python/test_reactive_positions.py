@@ -428,3 +428,33 @@ def test_cutoff_on_off_same_bits_where_rows_round_differently():
     for s in sites:
         assert torch.equal(on.metrics[s], off.metrics[s]), s
     rg.check_invariants()
+
+
+@pytest.mark.parametrize("reads", [None, {0: (slice(None), -1, [3, 4])}])
+def test_outputs_a_caller_keeps_are_never_written_again(reads):
+    # Assembled outputs are buffers reused across sites while the engine holds the only reference:
+    # a metric that keeps an output, or a view of one, must find it unchanged after later sites.
+    rg, resid, patch, sites = _zoo_sweep_setup("sdpa")
+    kept, views = [], []
+
+    def keep(out):
+        kept.append(out)
+        views.append(out[:, -1])
+        return 0.0
+
+    torch_ext.sweep(rg, sites, patch, keep, progress=False, reads=reads)
+    ref = torch_ext.sweep(rg, sites, patch, lambda out: out.clone(), progress=False, reads=reads)
+    assert len(kept) == len(sites) + 1  # the unpatched run first
+    for s, k, v in zip(sites, kept[1:], views[1:]):
+        torch.testing.assert_close(k, ref.metrics[s], rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(v, ref.metrics[s][:, -1], rtol=0, atol=0, equal_nan=True)
+    # An output dropped by the caller is reused: the next site writes only the rows that differ.
+    node, p = sites[-1]
+    value = patch(rg.value(node), (node, p))
+    first = rg._engine.evaluate_patched_rows(node, value, [])[0]
+    ptr = first.data_ptr()
+    del first
+    again = rg._engine.evaluate_patched_rows(node, patch(rg.value(node), (node, p - 1)), [])[0]
+    assert again.data_ptr() == ptr
+    assert torch.equal(again, ref.metrics[(node, p - 1)]) if reads is None else True
+    rg.check_invariants()
