@@ -365,6 +365,9 @@ class Engine {
   };
   struct RowStep {
     bool suffix = false;  // computed on rows [start, T) of its row axis, stored as those rows alone
+    // Row-wise in every changed input (the patched node's or cone nodes'): its change stays within
+    // the rows its inputs changed, so it computes rows [start, hi) alone, the cached rows after.
+    bool local = false;
     int64_t row_axis = -1;
     int64_t length = 0;
     int64_t need = 0;  // first row any reader needs (0 when read whole)
@@ -404,6 +407,8 @@ class Engine {
   const RowPlan& row_plan_for(int64_t id, const std::vector<int64_t>& read_rows,
                               const std::vector<std::vector<int64_t>>& read_cols);
   const passes::SeqAxisAnalysis& seq_analysis();
+  // [first, last + 1) of the rows along the node's sequence axis where `value` differs from the cached value ({T, T} if none).
+  std::pair<int64_t, int64_t> changed_rows(int64_t id, const c10::IValue& value);
   std::map<std::tuple<int64_t, std::vector<int64_t>, std::vector<std::vector<int64_t>>>, RowPlan> row_plans_;
   std::optional<passes::SeqAxisAnalysis> seq_;
   bool positions_ = false;

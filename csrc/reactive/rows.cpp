@@ -68,6 +68,26 @@ c10::IValue join_value(const c10::IValue& cached, const c10::IValue& suffix, int
   TORCH_CHECK(false, "token-granular cone: cannot join rows of a ", cached.tagKind(), " value");
 }
 
+// a's rows followed by b's, along `dim` (tensors, or lists/tuples of them element by element).
+c10::IValue concat_rows(const c10::IValue& a, const c10::IValue& b, int64_t dim) {
+  if (a.isTensor()) return at::cat({a.toTensor(), b.toTensor()}, dim);
+  if (a.isTensorList()) {
+    const auto as = a.toTensorVector();
+    const auto bs = b.toTensorVector();
+    c10::List<at::Tensor> out;
+    for (size_t i = 0; i < as.size(); ++i) out.push_back(at::cat({as[i], bs[i]}, dim));
+    return out;
+  }
+  if (a.isTuple()) {
+    const auto& as = a.toTupleRef().elements();
+    const auto& bs = b.toTupleRef().elements();
+    std::vector<c10::IValue> out;
+    for (size_t i = 0; i < as.size(); ++i) out.push_back(concat_rows(as[i], bs[i], dim));
+    return c10::ivalue::Tuple::create(std::move(out));
+  }
+  TORCH_CHECK(false, "token-granular cone: cannot join rows of a ", a.tagKind(), " value");
+}
+
 bool is_floating(const ir::Type& t) {
   return t.kind == ir::Type::Kind::Tensor && c10::isFloatingType(t.tensor.dtype);
 }
@@ -95,19 +115,25 @@ int64_t Engine::seq_axis(const std::string& name) {
   return seq_analysis().at(states_[id].node).row_axis;
 }
 
-int64_t Engine::first_changed_row(const std::string& name, const c10::IValue& value) {
-  const int64_t id = id_of(name);
+std::pair<int64_t, int64_t> Engine::changed_rows(int64_t id, const c10::IValue& value) {
   const passes::SeqNode& info = seq_analysis().at(states_[id].node);
-  TORCH_CHECK(info.row_axis >= 0, "first_changed_row %", name, ": the node has no sequence axis");
+  TORCH_CHECK(info.row_axis >= 0, "first_changed_row %", states_[id].node->name(), ": the node has no sequence axis");
   check_value_type(*states_[id].node, value);
   const at::Tensor& cached = values_[id].toTensor();
   const at::Tensor& now = value.toTensor();
   const int64_t T = info.length;
-  if (now.numel() == 0) return T;
+  if (now.numel() == 0) return {T, T};
   // NaN != NaN: a NaN row counts as changed (conservative).
   const at::Tensor changed = now.ne(cached).movedim(info.row_axis, 0).reshape({T, -1}).any(1);
   const at::Tensor rows = changed.nonzero();
-  return rows.size(0) == 0 ? T : rows[0][0].item<int64_t>();
+  if (rows.size(0) == 0) return {T, T};
+  const at::Tensor ends = rows.select(1, 0).index_select(0, at::tensor({int64_t{0}, rows.size(0) - 1}).to(rows.device()))
+                              .cpu();
+  return {ends[0].item<int64_t>(), ends[1].item<int64_t>() + 1};
+}
+
+int64_t Engine::first_changed_row(const std::string& name, const c10::IValue& value) {
+  return changed_rows(id_of(name), value).first;
 }
 
 const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_t>& read_rows,
@@ -154,6 +180,9 @@ const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_
       ri.pos = p == rp.pos.end() ? -1 : static_cast<int64_t>(p->second);
       step.inputs.push_back(ri);
     }
+    step.local = step.suffix && change == passes::SeqChange::Rows && !info.causal_attention;
+    for (const RowInput& ri : step.inputs)
+      if ((ri.pos >= 0 || ri.slot == id) && ri.rel != passes::SeqRel::Row) step.local = false;
   }
   // Needs, readers first: an output declared read from row r needs rows [r, T); a row-wise reader
   // passes its own need on; any other reader needs the whole value.
@@ -276,7 +305,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
               ": the node has no sequence axis and early cutoff is on; use patch()/demand()");
   if (rp.source_axis < 0) return evaluate_patched(name, std::move(value));
   check_intact(id);
-  const int64_t p = first_changed_row(name, value);
+  const auto [p, src_hi] = changed_rows(id, value);
   if (p >= rp.source_length && cutoff_) {
     // Early cutoff at the site: the value equals the cached one, so nothing downstream changes and
     // the outputs are the cached ones; every cone node is cut off without running.
@@ -296,6 +325,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
   HeldCone held(*this, id, plan, std::move(value));  // the cone's cached values, put back at the end
   std::vector<int64_t> start(plan.order.size(), 0);
   std::vector<c10::IValue> joined(plan.order.size());  // a cone node's whole value, assembled once
+  std::vector<int64_t> hi(plan.order.size(), 0);        // rows [p, hi[i]) of a cone node can differ
   // Inputs replaced by their rows for one node, put back before `held` puts the cone back.
   std::vector<std::pair<int64_t, c10::IValue>> swapped;
   auto put_inputs_back = [&]() {
@@ -311,8 +341,30 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
       const int64_t T = step.length;
       const int64_t s = step.suffix ? std::max(p, step.need) : 0;
       start[i] = s;
+      int64_t e = T;  // rows [s, e) are computed; rows [e, T) are the cached ones
+      if (step.local) {
+        e = 0;
+        for (const RowInput& ri : step.inputs) {
+          if (ri.pos >= 0) e = std::max(e, hi[ri.pos]);
+          else if (ri.slot == id) e = std::max(e, src_hi);
+        }
+        e = std::min(e, T);
+      }
+      hi[i] = e;
       if (step.suffix && s >= T) {  // no reader needs any of its rows
         values_[n] = c10::IValue();
+        continue;
+      }
+      // The cached rows [from, T) of this node (the read columns alone for a columns-only output).
+      auto cached_tail = [&](int64_t from) {
+        c10::IValue tail = narrow_value(held.cached(i), step.row_axis, from, T - from);
+        if (!step.cols.empty()) tail = tail.toTensor().index_select(tail.toTensor().dim() - 1, step.cols_index);
+        return tail;
+      };
+      if (step.suffix && s >= e) {  // none of the rows read differ from the cached ones
+        values_[n] = cached_tail(s);
+        count_evaluation(st, 0.0);
+        for (int64_t r : plan.release[i]) values_[r] = c10::IValue();
         continue;
       }
       for (const RowInput& ri : step.inputs) {
@@ -320,8 +372,8 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
         c10::IValue repl;
         if (step.suffix && ri.rel == passes::SeqRel::Row) {
           const int64_t from = in_suffix ? s - start[ri.pos] : s;
-          if (from == 0 && in_suffix) continue;
-          repl = narrow_value(values_[ri.slot], ri.dim, from, T - s);
+          if (from == 0 && in_suffix && e == T) continue;
+          repl = narrow_value(values_[ri.slot], ri.dim, from, e - s);
           // A strided slice makes BLAS and the norm kernels take slow paths: give them dense rows.
           if (step.dense_inputs && repl.isTensor() && !repl.toTensor().is_contiguous())
             repl = repl.toTensor().contiguous();
@@ -385,7 +437,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
           out = small;  // only the read columns: the output is assembled below (read by nothing else)
         } else if (step.suffix && step.special >= 2) {
           std::vector<int64_t> sizes = node.type().tensor.sizes;
-          sizes[step.row_axis] = T - s;
+          sizes[step.row_axis] = e - s;
           const at::Tensor& x = arg_value(0).toTensor();
           out = step.special == 5 ? x.expand(sizes) : x.reshape(sizes);
         } else {
@@ -395,8 +447,9 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
         rethrow_evaluating(st, e, " on rows [" + std::to_string(s) + ", " + std::to_string(T) + ")");
       }
       put_inputs_back();
+      if (e < T) out = concat_rows(out, cached_tail(e), step.row_axis);
       values_[n] = std::move(out);
-      const double frac = step.suffix ? static_cast<double>(T - s) / static_cast<double>(T) : 1.0;
+      const double frac = step.suffix ? static_cast<double>(e - s) / static_cast<double>(T) : 1.0;
       const double col_frac = step.cols.empty() ? 1.0 : static_cast<double>(step.cols.size()) / static_cast<double>(step.width);
       count_evaluation(st, frac, col_frac);
       for (int64_t r : plan.release[i]) values_[r] = c10::IValue();  // last use: free, as the executor does
