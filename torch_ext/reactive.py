@@ -1427,6 +1427,8 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
                 metrics[s], w = _measure(big, metric, big._user(parts), s)
                 if w:
                     wrote.append(s)
+            # Drop the outputs now: the engine reuses their buffers only while it holds the sole reference.
+            del flat, chunks, parts
         finally:
             if not fast:
                 big._engine.rollback()
