@@ -91,7 +91,7 @@ def _local(rg, resid) -> dict:
 def test_closed_forms_resid_pre_by_position():
     """docs/cost-model-positions.md: a sweep over every (layer, position) site of a causal L-layer
     transformer, patching position p (row p alone), costs sum_l |V+(s_l)| evaluations,
-    sum_l [(T+1)/2 |V+(s_l) \ a_l| + |a_l|] row-weighted evaluations and the same sum of FLOPs
+    sum_l [(T+1)/2 (|V+(s_l)| - |a_l|) + |a_l|] row-weighted evaluations and the same sum of FLOPs
     (a_l: the nodes before layer l's attention, which change row p alone; the rest change rows [p, T))."""
     rg, resid, patch, sites = _zoo_sweep_setup("sdpa")
     rg.reset_stats()
