@@ -1383,7 +1383,9 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     read row are not computed, nor, for a final linear or matmul, the columns not read; those rows
     and columns of the outputs the metric receives are NaN; a callable
     ``reads=lambda logits: logits[:, -1, [tok_a, tok_b]]`` says the same by indexing. Standing
-    patches and early cutoff fall back to node-granular cones; batched sites use them too.
+    patches fall back to node-granular cones; batched sites use them too. With early cutoff on, a
+    patched value equal to the clean one is cut off at the site and a changed one takes the same
+    row-range path as with cutoff off (same bits).
     """
     site_list = _expand_sites(rg, sites)
     if not site_list:
@@ -1517,6 +1519,8 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
                 metrics[s], w = _measure(big, metric, big._user(parts), s)
                 if w:
                     wrote.append(s)
+            # Drop the outputs now: the engine reuses their buffers only while it holds the sole reference.
+            del flat, chunks, parts
         finally:
             if not fast:
                 big._engine.rollback()

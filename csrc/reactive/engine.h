@@ -185,12 +185,17 @@ class Engine {
   // empty, lists the only columns (last dim) read of output k: an output computed by a linear or a
   // matmul with a constant weight, read by nothing else, computes those columns alone (others NaN). Every node of the cone
   // runs exactly once (a value equal to the cached one runs it whole), so counts are those of
-  // evaluate_patched: |V+(node)|. Needs positions on, no standing patch, and what evaluate_patched needs.
+  // evaluate_patched: |V+(node)|. Needs positions on, no standing patch, and what evaluate_patched needs
+  // except that early cutoff may be on (see can_evaluate_patched_rows).
   void set_positions(bool enabled, int64_t seq_dim = 1);
   bool positions() const { return positions_; }
   // The node's sequence axis by the analysis (-1: none, or positions off).
   int64_t seq_axis(const std::string& node);
-  bool can_evaluate_patched_rows() const { return positions_ && pinned_.empty() && can_evaluate_patched(); }
+  // Early cutoff may be on: a value equal to the cached one is cut off at the site (zero
+  // evaluations, |V+(node)| cutoffs, the cached outputs), any other takes the row path, as with cutoff off.
+  bool can_evaluate_patched_rows() const {
+    return positions_ && pinned_.empty() && has_run_ && pending_.empty() && dirty_.empty() && !txn_;
+  }
   std::vector<c10::IValue> evaluate_patched_rows(const std::string& node, c10::IValue value,
                                                  const std::vector<int64_t>& read_rows = {},
                                                  const std::vector<std::vector<int64_t>>& read_cols = {});
@@ -360,12 +365,16 @@ class Engine {
   };
   struct RowStep {
     bool suffix = false;  // computed on rows [start, T) of its row axis, stored as those rows alone
+    // Row-wise in every changed input (the patched node's or cone nodes'): its change stays within
+    // the rows its inputs changed, so it computes rows [start, hi) alone, the cached rows after.
+    bool local = false;
     int64_t row_axis = -1;
     int64_t length = 0;
     int64_t need = 0;  // first row any reader needs (0 when read whole)
     int special = 0;   // 0 kernel, 1 causal SDPA, 2 view, 3 _unsafe_view, 4 reshape, 5 expand
     bool dense_inputs = false;  // sliced inputs are made contiguous first (GEMMs, norms, attention)
     std::vector<int64_t> cols;  // special 6 (linear) / 7 (matmul): the only output columns computed
+    at::Tensor cols_index;      // cols as a long tensor on the weight's device
     int64_t width = 0;          // the output's last dim when cols is set
     std::vector<RowInput> inputs;
   };
@@ -376,9 +385,30 @@ class Engine {
     int64_t source_length = 0;
     uint64_t pins_version = 0;
   };
+  // A node value assembled from cached rows and recomputed ones (an output, or a value read whole),
+  // kept across sweep sites so that each site writes only the rows that differ from the last one.
+  // It is reused only while the engine holds the sole reference to it (a caller that kept an output,
+  // or a view of it, gets a fresh buffer next time), it is unwritten since, and it was assembled from
+  // the same cached tensor (same version); `state` says what each row holds.
+  struct RowScratch {
+    at::Tensor buf;
+    std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> source;
+    int64_t source_version = -1;
+    int64_t version = -1;
+    std::vector<uint8_t> state;  // per row: 0 unknown, 1 cached, 2 NaN, 3 NaN but `cols`, 4 other
+    std::vector<int64_t> cols;
+  };
+  std::unordered_map<int64_t, RowScratch> row_scratch_;  // by node id
+  // Rows [0, p) of `cached`, NaN for rows [p, start), then `suffix` (rows [start, T)); with `cols`,
+  // suffix holds only those columns of the last dim (the others NaN).
+  at::Tensor assemble_rows(int64_t id, const at::Tensor& cached, const at::Tensor& suffix, int64_t dim, int64_t p,
+                           int64_t start, const std::vector<int64_t>& cols, const at::Tensor& cols_index);
+  std::map<std::tuple<int64_t, int64_t, int64_t, int, int>, at::Tensor> sdpa_masks_;  // (s, T, Lk, dtype, device)
   const RowPlan& row_plan_for(int64_t id, const std::vector<int64_t>& read_rows,
                               const std::vector<std::vector<int64_t>>& read_cols);
   const passes::SeqAxisAnalysis& seq_analysis();
+  // [first, last + 1) of the rows along the node's sequence axis where `value` differs from the cached value ({T, T} if none).
+  std::pair<int64_t, int64_t> changed_rows(int64_t id, const c10::IValue& value);
   std::map<std::tuple<int64_t, std::vector<int64_t>, std::vector<std::vector<int64_t>>>, RowPlan> row_plans_;
   std::optional<passes::SeqAxisAnalysis> seq_;
   bool positions_ = false;

@@ -68,6 +68,26 @@ c10::IValue join_value(const c10::IValue& cached, const c10::IValue& suffix, int
   TORCH_CHECK(false, "token-granular cone: cannot join rows of a ", cached.tagKind(), " value");
 }
 
+// a's rows followed by b's, along `dim` (tensors, or lists/tuples of them element by element).
+c10::IValue concat_rows(const c10::IValue& a, const c10::IValue& b, int64_t dim) {
+  if (a.isTensor()) return at::cat({a.toTensor(), b.toTensor()}, dim);
+  if (a.isTensorList()) {
+    const auto as = a.toTensorVector();
+    const auto bs = b.toTensorVector();
+    c10::List<at::Tensor> out;
+    for (size_t i = 0; i < as.size(); ++i) out.push_back(at::cat({as[i], bs[i]}, dim));
+    return out;
+  }
+  if (a.isTuple()) {
+    const auto& as = a.toTupleRef().elements();
+    const auto& bs = b.toTupleRef().elements();
+    std::vector<c10::IValue> out;
+    for (size_t i = 0; i < as.size(); ++i) out.push_back(concat_rows(as[i], bs[i], dim));
+    return c10::ivalue::Tuple::create(std::move(out));
+  }
+  TORCH_CHECK(false, "token-granular cone: cannot join rows of a ", a.tagKind(), " value");
+}
+
 bool is_floating(const ir::Type& t) {
   return t.kind == ir::Type::Kind::Tensor && c10::isFloatingType(t.tensor.dtype);
 }
@@ -95,19 +115,25 @@ int64_t Engine::seq_axis(const std::string& name) {
   return seq_analysis().at(states_[id].node).row_axis;
 }
 
-int64_t Engine::first_changed_row(const std::string& name, const c10::IValue& value) {
-  const int64_t id = id_of(name);
+std::pair<int64_t, int64_t> Engine::changed_rows(int64_t id, const c10::IValue& value) {
   const passes::SeqNode& info = seq_analysis().at(states_[id].node);
-  TORCH_CHECK(info.row_axis >= 0, "first_changed_row %", name, ": the node has no sequence axis");
+  TORCH_CHECK(info.row_axis >= 0, "first_changed_row %", states_[id].node->name(), ": the node has no sequence axis");
   check_value_type(*states_[id].node, value);
   const at::Tensor& cached = values_[id].toTensor();
   const at::Tensor& now = value.toTensor();
   const int64_t T = info.length;
-  if (now.numel() == 0) return T;
+  if (now.numel() == 0) return {T, T};
   // NaN != NaN: a NaN row counts as changed (conservative).
   const at::Tensor changed = now.ne(cached).movedim(info.row_axis, 0).reshape({T, -1}).any(1);
   const at::Tensor rows = changed.nonzero();
-  return rows.size(0) == 0 ? T : rows[0][0].item<int64_t>();
+  if (rows.size(0) == 0) return {T, T};
+  const at::Tensor ends = rows.select(1, 0).index_select(0, at::tensor({int64_t{0}, rows.size(0) - 1}).to(rows.device()))
+                              .cpu();
+  return {ends[0].item<int64_t>(), ends[1].item<int64_t>() + 1};
+}
+
+int64_t Engine::first_changed_row(const std::string& name, const c10::IValue& value) {
+  return changed_rows(id_of(name), value).first;
 }
 
 const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_t>& read_rows,
@@ -154,6 +180,9 @@ const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_
       ri.pos = p == rp.pos.end() ? -1 : static_cast<int64_t>(p->second);
       step.inputs.push_back(ri);
     }
+    step.local = step.suffix && change == passes::SeqChange::Rows && !info.causal_attention;
+    for (const RowInput& ri : step.inputs)
+      if ((ri.pos >= 0 || ri.slot == id) && ri.rel != passes::SeqRel::Row) step.local = false;
   }
   // Needs, readers first: an output declared read from row r needs rows [r, T); a row-wise reader
   // passes its own need on; any other reader needs the whole value.
@@ -203,8 +232,61 @@ const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_
       step.cols.push_back(c < 0 ? c + step.width : c);
     }
     step.special = op == "linear" ? 6 : 7;
+    step.cols_index = at::tensor(step.cols, at::TensorOptions().dtype(at::kLong)).to(w->type().tensor.device);
   }
   return row_plans_[key] = std::move(rp);
+}
+
+at::Tensor Engine::assemble_rows(int64_t id, const at::Tensor& cached, const at::Tensor& suffix, int64_t dim, int64_t p,
+                                 int64_t start, const std::vector<int64_t>& cols, const at::Tensor& cols_index) {
+  const int64_t T = cached.size(dim);
+  RowScratch& sc = row_scratch_[id];
+  // Inference tensors have no version counter, so a write into them could not be seen: never reuse.
+  const bool reuse = sc.buf.defined() && !sc.buf.is_inference() && !cached.is_inference() &&
+                     sc.buf.use_count() == 1 && sc.buf.storage().use_count() == 1 && version_of(sc.buf) == sc.version &&
+                     sc.source && sc.source->lock().get() == cached.unsafeGetTensorImpl() &&
+                     version_of(cached) == sc.source_version;
+  if (!reuse) {
+    sc.buf = at::empty_like(cached, at::MemoryFormat::Contiguous);
+    sc.state.assign(T, 0);
+    sc.source.emplace(cached.getIntrusivePtr());
+    sc.source_version = version_of(cached);
+    sc.cols.clear();
+  }
+  // Brings rows [a, b) to state `want`, filling only the runs of rows not already in it.
+  auto ensure = [&](int64_t a, int64_t b, uint8_t want, auto&& fill) {
+    for (int64_t r = a; r < b;) {
+      if (sc.state[r] == want) {
+        ++r;
+        continue;
+      }
+      int64_t e = r;
+      while (e < b && sc.state[e] != want) ++e;
+      fill(sc.buf.narrow(dim, r, e - r), r, e);
+      std::fill(sc.state.begin() + r, sc.state.begin() + e, want);
+      r = e;
+    }
+  };
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  ensure(0, std::min(p, T), 1, [&](at::Tensor dst, int64_t a, int64_t b) { dst.copy_(cached.narrow(dim, a, b - a)); });
+  ensure(p, std::min(start, T), 2, [&](at::Tensor dst, int64_t, int64_t) { dst.fill_(nan); });
+  if (start < T) {
+    at::Tensor dst = sc.buf.narrow(dim, start, T - start);
+    if (!cols.empty()) {
+      if (sc.cols != cols) {  // rows NaN but for other columns
+        for (auto& st : sc.state)
+          if (st == 3) st = 0;
+        sc.cols = cols;
+      }
+      ensure(start, T, 3, [&](at::Tensor d, int64_t, int64_t) { d.fill_(nan); });
+      dst.index_copy_(dst.dim() - 1, cols_index, suffix);
+    } else {
+      dst.copy_(suffix);
+      std::fill(sc.state.begin() + start, sc.state.end(), 4);
+    }
+  }
+  sc.version = version_of(sc.buf);
+  return sc.buf;
 }
 
 std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, c10::IValue value,
@@ -215,20 +297,35 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
   TORCH_CHECK(positions_, "evaluate_patched_rows %", name, ": positions are off (set_positions(true) first)");
   TORCH_CHECK(pinned_.empty(), "evaluate_patched_rows %", name, ": standing patches are active at ", pinned_.size(),
               " nodes; use evaluate_patched or patch()/demand()");
-  TORCH_CHECK(has_run_ && dirty_.empty() && !txn_ && !cutoff_, "evaluate_patched_rows %", name,
-              ": needs a graph that has run, with nothing stale, no open transaction and early cutoff off");
+  TORCH_CHECK(has_run_ && dirty_.empty() && !txn_, "evaluate_patched_rows %", name,
+              ": needs a graph that has run, with nothing stale and no open transaction");
   check_value_type(*states_[id].node, value);
   const RowPlan& rp = row_plan_for(id, read_rows, read_cols);
+  TORCH_CHECK(rp.source_axis >= 0 || !cutoff_, "evaluate_patched_rows %", name,
+              ": the node has no sequence axis and early cutoff is on; use patch()/demand()");
   if (rp.source_axis < 0) return evaluate_patched(name, std::move(value));
   check_intact(id);
+  const auto [p, src_hi] = changed_rows(id, value);
+  if (p >= rp.source_length && cutoff_) {
+    // Early cutoff at the site: the value equals the cached one, so nothing downstream changes and
+    // the outputs are the cached ones; every cone node is cut off without running.
+    stats_.cutoffs += static_cast<int64_t>(plan_for(id).order.size());
+    std::vector<c10::IValue> outs = runtime::output_values(
+        graph_->output()->args()[0].list, [&](const ir::Node* n) -> const c10::IValue& { return values_[ids_.at(n)]; });
+    return outs;
+  }
   // A value equal to the cached one changes no row: its cone runs whole, as in evaluate_patched, so
   // the outputs are the cached ones bit for bit and the patch still costs |V+(s)| evaluations.
-  const int64_t p = first_changed_row(name, value);
   if (p >= rp.source_length) return evaluate_patched(name, std::move(value));
+  // Early cutoff does not act inside a row-range cone (a recomputed row range rarely equals the
+  // cached one): with cutoff on or off, a changed value takes this same path, so the two give the
+  // same bits.
   const PatchPlan& plan = plan_for(id);
   const auto& out_args = graph_->output()->args()[0].list;
   HeldCone held(*this, id, plan, std::move(value));  // the cone's cached values, put back at the end
   std::vector<int64_t> start(plan.order.size(), 0);
+  std::vector<c10::IValue> joined(plan.order.size());  // a cone node's whole value, assembled once
+  std::vector<int64_t> hi(plan.order.size(), 0);        // rows [p, hi[i]) of a cone node can differ
   // Inputs replaced by their rows for one node, put back before `held` puts the cone back.
   std::vector<std::pair<int64_t, c10::IValue>> swapped;
   auto put_inputs_back = [&]() {
@@ -244,8 +341,30 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
       const int64_t T = step.length;
       const int64_t s = step.suffix ? std::max(p, step.need) : 0;
       start[i] = s;
+      int64_t e = T;  // rows [s, e) are computed; rows [e, T) are the cached ones
+      if (step.local) {
+        e = 0;
+        for (const RowInput& ri : step.inputs) {
+          if (ri.pos >= 0) e = std::max(e, hi[ri.pos]);
+          else if (ri.slot == id) e = std::max(e, src_hi);
+        }
+        e = std::min(e, T);
+      }
+      hi[i] = e;
       if (step.suffix && s >= T) {  // no reader needs any of its rows
         values_[n] = c10::IValue();
+        continue;
+      }
+      // The cached rows [from, T) of this node (the read columns alone for a columns-only output).
+      auto cached_tail = [&](int64_t from) {
+        c10::IValue tail = narrow_value(held.cached(i), step.row_axis, from, T - from);
+        if (!step.cols.empty()) tail = tail.toTensor().index_select(tail.toTensor().dim() - 1, step.cols_index);
+        return tail;
+      };
+      if (step.suffix && s >= e) {  // none of the rows read differ from the cached ones
+        values_[n] = cached_tail(s);
+        count_evaluation(st, 0.0);
+        for (int64_t r : plan.release[i]) values_[r] = c10::IValue();
         continue;
       }
       for (const RowInput& ri : step.inputs) {
@@ -253,15 +372,21 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
         c10::IValue repl;
         if (step.suffix && ri.rel == passes::SeqRel::Row) {
           const int64_t from = in_suffix ? s - start[ri.pos] : s;
-          if (from == 0 && in_suffix) continue;
-          repl = narrow_value(values_[ri.slot], ri.dim, from, T - s);
+          if (from == 0 && in_suffix && e == T) continue;
+          repl = narrow_value(values_[ri.slot], ri.dim, from, e - s);
           // A strided slice makes BLAS and the norm kernels take slow paths: give them dense rows.
           if (step.dense_inputs && repl.isTensor() && !repl.toTensor().is_contiguous())
             repl = repl.toTensor().contiguous();
         } else if (in_suffix) {
           TORCH_INTERNAL_ASSERT(start[ri.pos] == p, "token-granular cone: %", states_[ri.slot].node->name(),
                                 " is read whole but was computed from row ", start[ri.pos]);
-          repl = join_value(held.cached(ri.pos), values_[ri.slot], rp.steps[ri.pos].row_axis, p, p);
+          if (joined[ri.pos].isNone()) {
+            const c10::IValue& cached = held.cached(ri.pos);
+            joined[ri.pos] = cached.isTensor() ? c10::IValue(assemble_rows(ri.slot, cached.toTensor(), values_[ri.slot].toTensor(),
+                                                                          rp.steps[ri.pos].row_axis, p, p, {}, {}))
+                                               : join_value(cached, values_[ri.slot], rp.steps[ri.pos].row_axis, p, p);
+          }
+          repl = joined[ri.pos];
         } else {
           continue;
         }
@@ -279,8 +404,16 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
           const at::Tensor& k = arg_value(1).toTensor();
           const at::Tensor& v = arg_value(2).toTensor();
           const auto lk = k.size(-2);
-          auto idx = at::TensorOptions().dtype(at::kLong).device(q.device());
-          const at::Tensor mask = at::arange(lk, idx).unsqueeze(0) <= at::arange(s, T, idx).unsqueeze(1);
+          // Additive, as SDPA turns a boolean mask into (0 where allowed, -inf elsewhere) itself.
+          const auto key = std::make_tuple(s, T, lk, static_cast<int>(q.scalar_type()),
+                                           static_cast<int>(q.device().type()) * 1024 + q.device().index());
+          at::Tensor& mask = sdpa_masks_[key];
+          if (!mask.defined()) {
+            auto idx = at::TensorOptions().dtype(at::kLong).device(q.device());
+            const at::Tensor allowed = at::arange(lk, idx).unsqueeze(0) <= at::arange(s, T, idx).unsqueeze(1);
+            mask = at::zeros(allowed.sizes(), q.options()).masked_fill_(allowed.logical_not(),
+                                                                          -std::numeric_limits<double>::infinity());
+          }
           std::optional<double> scale;
           const ir::Arg* sc = node.args().size() > 6 ? &node.args()[6] : node.kwarg("scale");
           if (sc != nullptr && sc->kind == ir::Arg::Kind::Float) scale = sc->f;
@@ -289,7 +422,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
           // Only the read columns of the output: the weight's rows (linear) or columns (matmul) picked.
           const at::Tensor& x = arg_value(0).toTensor();
           const at::Tensor& w = arg_value(1).toTensor();
-          const at::Tensor idx = at::tensor(step.cols, at::TensorOptions().dtype(at::kLong)).to(w.device());
+          const at::Tensor& idx = step.cols_index;
           at::Tensor small;
           if (step.special == 6) {
             std::optional<at::Tensor> b;
@@ -301,14 +434,10 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
             const at::Tensor picked = w.stride(0) < w.stride(1) ? w.t().index_select(0, idx).t() : w.index_select(1, idx);
             small = at::matmul(x, picked);
           }
-          std::vector<int64_t> sizes = small.sizes().vec();
-          sizes.back() = step.width;
-          at::Tensor full = at::full(sizes, std::numeric_limits<double>::quiet_NaN(), small.options());
-          full.index_copy_(full.dim() - 1, idx, small);
-          out = full;
+          out = small;  // only the read columns: the output is assembled below (read by nothing else)
         } else if (step.suffix && step.special >= 2) {
           std::vector<int64_t> sizes = node.type().tensor.sizes;
-          sizes[step.row_axis] = T - s;
+          sizes[step.row_axis] = e - s;
           const at::Tensor& x = arg_value(0).toTensor();
           out = step.special == 5 ? x.expand(sizes) : x.reshape(sizes);
         } else {
@@ -318,8 +447,9 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
         rethrow_evaluating(st, e, " on rows [" + std::to_string(s) + ", " + std::to_string(T) + ")");
       }
       put_inputs_back();
+      if (e < T) out = concat_rows(out, cached_tail(e), step.row_axis);
       values_[n] = std::move(out);
-      const double frac = step.suffix ? static_cast<double>(T - s) / static_cast<double>(T) : 1.0;
+      const double frac = step.suffix ? static_cast<double>(e - s) / static_cast<double>(T) : 1.0;
       const double col_frac = step.cols.empty() ? 1.0 : static_cast<double>(step.cols.size()) / static_cast<double>(step.width);
       count_evaluation(st, frac, col_frac);
       for (int64_t r : plan.release[i]) values_[r] = c10::IValue();  // last use: free, as the executor does
@@ -333,7 +463,16 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
       const size_t i = pos->second;
       if (std::any_of(swapped.begin(), swapped.end(), [&](const auto& e) { return e.first == o; })) continue;
       swapped.emplace_back(o, std::move(values_[o]));
-      values_[o] = join_value(held.cached(i), swapped.back().second, rp.steps[i].row_axis, p, start[i]);
+      const c10::IValue& cached = held.cached(i);
+      const c10::IValue& suffix = swapped.back().second;
+      if (!joined[i].isNone()) {
+        values_[o] = joined[i];
+      } else if (cached.isTensor()) {
+        values_[o] = assemble_rows(o, cached.toTensor(), suffix.isTensor() ? suffix.toTensor() : at::Tensor(),
+                                   rp.steps[i].row_axis, p, start[i], rp.steps[i].cols, rp.steps[i].cols_index);
+      } else {
+        values_[o] = join_value(cached, suffix, rp.steps[i].row_axis, p, start[i]);
+      }
     }
     outs = runtime::output_values(out_args, [&](const ir::Node* n) -> const c10::IValue& { return values_[ids_.at(n)]; });
   } catch (...) {

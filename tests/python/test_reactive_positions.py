@@ -76,18 +76,37 @@ def test_zoo_sweep_equals_full_recompute(kind):
         assert ": all" not in text, text
 
 
+def _local(rg, resid) -> dict:
+    """a_s per site: the cone nodes of s that no path through an attention reaches (the norm, qkv
+    projection, split and q/k/v reshapes of s's layer; after the last layer, the final norm and
+    head): they change only the patched rows."""
+    sdpa = [n for n in rg.nodes() if n.startswith("scaled_dot_product_attention")]
+    local = {}
+    for s in resid:
+        cone = rg.cone(s)
+        local[s] = cone - set().union(*({a} | rg.cone(a) for a in sdpa if a in cone))
+    return local
+
+
 def test_closed_forms_resid_pre_by_position():
     """docs/cost-model-positions.md: a sweep over every (layer, position) site of a causal L-layer
-    transformer, patching position p, costs sum_l |V+(s_l)| evaluations, (T+1)/2 * sum_l |V+(s_l)|
-    row-weighted evaluations and (T+1)/2 * sum_l C(V+(s_l)) FLOPs (every cone node is row-bounded)."""
+    transformer, patching position p (row p alone), costs sum_l |V+(s_l)| evaluations,
+    sum_l [(T+1)/2 (|V+(s_l)| - |a_l|) + |a_l|] row-weighted evaluations and the same sum of FLOPs
+    (a_l: the nodes before layer l's attention, which change row p alone; the rest change rows [p, T))."""
     rg, resid, patch, sites = _zoo_sweep_setup("sdpa")
     rg.reset_stats()
     r = torch_ext.sweep(rg, sites, patch, lambda out: float(out[:, -1, 3].sum()), progress=False)
+    local = _local(rg, resid)
+    # ln1, qkv, split, 3 x (getitem, view, transpose) for the sites entering a layer; ln_f and head
+    assert [len(local[s]) for s in resid] == [12] * (len(resid) - 1) + [2]
     cones = sum(len(rg.cone(n)) for n in resid)
     costs = sum(rg.cone_cost(n) for n in resid)
     assert r.measured_evaluations == T * cones
-    assert r.extra["row_evaluations"] == (T + 1) / 2 * cones  # exact: T is a power of two
-    assert r.cost == (T + 1) / 2 * costs
+    rows = sum((T + 1) / 2 * (len(rg.cone(s)) - len(local[s])) + len(local[s]) for s in resid)
+    flops = sum((T + 1) / 2 * (rg.cone_cost(s) - sum(rg.node_cost(n) for n in local[s]))
+                + sum(rg.node_cost(n) for n in local[s]) for s in resid)
+    assert r.extra["row_evaluations"] == rows  # exact: T is a power of two
+    assert r.cost == flops
     assert rg.stats["evaluations"] == r.measured_evaluations
     # Node-granular, the same sweep costs T * sum_l C(V+(s_l)): token-granular saves (T-1)/(2T) of it.
     whole = torch_ext.sweep(rg, sites, patch, lambda out: float(out[:, -1, 3].sum()), progress=False, positions=False)
@@ -109,15 +128,20 @@ def test_closed_forms_with_the_last_row_read():
     q_last = [n for n in rg.nodes("blocks.1*") if n.startswith("getitem")][0]  # q of the last layer
     q_part_all = rg.cone(q_last) | {q_last}
     head = rg._output_nodes()[0]
+    local = _local(rg, resid)
     rows = flops = 0.0
     for s in resid:
         cone = rg.cone(s)
         q = cone & q_part_all
         k = cone - q
-        cost = {n: rg.node_cost(n) for n in cone}
-        rows += T * ((T + 1) / 2 * len(k) + len(q)) / T
+        cost = {n: rg.node_cost(n) * (2 / 50 if n == head else 1) for n in cone}
+        # Summed over the T positions: k nodes run rows [p, T) ((T+1)/2), or row p alone when local
+        # (1); q nodes row T-1 (1), or, when local, row p only where p = T-1 (1/T).
+        weight = {n: ((1 if n in local[s] else (T + 1) / 2) if n in k else (1 / T if n in local[s] else 1))
+                  for n in cone}
+        rows += sum(weight.values())
         # The head (a linear read at 2 of its 50 columns) computes those columns alone.
-        flops += (T + 1) / 2 * sum(cost[n] for n in k) + sum(cost[n] * (2 / 50 if n == head else 1) for n in q)
+        flops += sum(weight[n] * cost[n] for n in cone)
     assert len(q_part_all) == 15  # q view, transpose; sdpa .. second add; final norm; head (and q itself)
     assert r.measured_evaluations == T * sum(len(rg.cone(s)) for s in resid)
     assert r.extra["row_evaluations"] == rows
@@ -197,7 +221,11 @@ def test_batched_sites_use_rows_too():
     paired = torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=2)
     assert paired.groups == 3 * len(resid)
     assert paired.measured_evaluations == 3 * sum(len(rg.cone(n)) for n in resid)
-    assert paired.extra["row_evaluations"] == sum(len(rg.cone(n)) * (T - p) / T for n in resid for p in (3, 5, 7))
+    # The nodes before the site's layer's attention (local) run only the group's patched rows.
+    local = _local(rg, resid)
+    assert paired.extra["row_evaluations"] == sum((len(rg.cone(n)) - len(local[n])) * (T - p) / T
+                                                  + len(local[n]) * (h - p) / T
+                                                  for n in resid for p, h in ((3, 5), (5, 7), (7, 8)))
     for s in sites:
         assert abs(batched.metrics[s] - one.metrics[s]) <= 1e-6 * max(1.0, abs(one.metrics[s])), s
         assert abs(whole.metrics[s] - one.metrics[s]) <= 1e-6 * max(1.0, abs(one.metrics[s])), s
@@ -206,15 +234,28 @@ def test_batched_sites_use_rows_too():
         torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=1)
 
 
-def test_cutoff_and_standing_patches_fall_back_to_whole_nodes():
+def test_cutoff_gives_the_same_bits_and_standing_patches_fall_back_to_whole_nodes():
     rg, resid, patch, sites = _zoo_sweep_setup("sdpa")
+    # Half the sites patch a value equal to the clean one (cutoff stops them at the site).
+    same = lambda v, s: v.clone() if s[1] % 2 else patch(v, s)  # noqa: E731
     metric = lambda out: out.clone()  # noqa: E731
-    whole = torch_ext.sweep(rg, sites, patch, metric, progress=False, positions=False)
+    whole = torch_ext.sweep(rg, sites, same, metric, progress=False, positions=False)
+    rows = torch_ext.sweep(rg, sites, same, metric, progress=False)
     rg.set_cutoff(True)
-    cut = torch_ext.sweep(rg, sites, patch, metric, progress=False)
-    assert cut.extra["row_evaluations"] == cut.measured_evaluations  # nothing ran on a slice
+    before = rg.stats["cutoffs"]
+    cut = torch_ext.sweep(rg, sites, same, metric, progress=False)
+    cut_whole = torch_ext.sweep(rg, sites, same, metric, progress=False, positions=False)
+    changed = [s for s in sites if s[1] % 2 == 0]
+    # Row-range recompute with cutoff on runs the same kernels on the same rows as with it off.
     for s in sites:
-        assert torch.equal(cut.metrics[s], whole.metrics[s])
+        assert torch.equal(cut.metrics[s], rows.metrics[s]), s
+        assert torch.equal(cut_whole.metrics[s], whole.metrics[s]), s
+    # A value equal to the clean one is cut off at the site; a changed one costs its cone, on rows.
+    assert cut.measured_evaluations == sum(len(rg.cone(n)) for n, _ in changed)
+    local = _local(rg, resid)
+    assert cut.extra["row_evaluations"] == sum((len(rg.cone(n)) - len(local[n])) * (T - p) / T + len(local[n]) / T
+                                               for n, p in changed)
+    assert rg.stats["cutoffs"] - before >= sum(len(rg.cone(n)) for n, p in sites if p % 2)
     rg.set_cutoff(False)
     rg.patch(resid[-1], lambda v: v * 1.5)
     standing = torch_ext.sweep(rg, sites[:T], patch, metric, progress=False)
@@ -382,4 +423,68 @@ def test_demand_with_reads_on_a_standing_patch():
     rg.patch(resid[0], lambda v: v + 0.0)
     assert torch.equal(rg.demand(reads={"logits": (slice(None), -1)}), rg.demand())
     rg.restore()
+    rg.check_invariants()
+
+
+def test_cutoff_on_off_same_bits_where_rows_round_differently():
+    # Regression (bench_sweep part 3): at d_model 64, batch 8, T 16 a GEMM on rows [p, T) rounds
+    # differently from one on all rows for some p, so cutoff must not switch a changed site to
+    # whole-node recompute: cutoff on and off give the same bits with positions on.
+    from torch_ext.models import TinyTransformer
+
+    torch.manual_seed(0)
+    seq = 16
+    model = TinyTransformer(vocab=128, d_model=64, n_heads=4, n_layers=2, seq=seq).eval()
+    clean, corrupt = torch.randint(0, 128, (8, seq)), torch.randint(0, 128, (8, seq))
+    rg = torch_ext.ReactiveGraph(model, (corrupt,))
+    resid = ["add", rg.nodes("blocks.0")[-1]]
+    cache = {n: rg.value(n).clone() for n in resid}
+    rg.run(clean)
+
+    def patch(v, site):
+        node, p = site
+        if p < 4:  # the clean row: an identical value, cut off at the site
+            return v.clone()
+        v = v.clone()
+        v[:, p] = cache[node][:, p]
+        return v
+
+    sites = [(n, p) for n in resid for p in range(seq)]
+    metric = lambda out: out[:, -1].clone()  # noqa: E731
+    off = torch_ext.sweep(rg, sites, patch, metric, progress=False)
+    rg.set_cutoff(True)
+    on = torch_ext.sweep(rg, sites, patch, metric, progress=False)
+    rg.set_cutoff(False)
+    for s in sites:
+        assert torch.equal(on.metrics[s], off.metrics[s]), s
+    rg.check_invariants()
+
+
+@pytest.mark.parametrize("reads", [None, {0: (slice(None), -1, [3, 4])}])
+def test_outputs_a_caller_keeps_are_never_written_again(reads):
+    # Assembled outputs are buffers reused across sites while the engine holds the only reference:
+    # a metric that keeps an output, or a view of one, must find it unchanged after later sites.
+    rg, resid, patch, sites = _zoo_sweep_setup("sdpa")
+    kept, views = [], []
+
+    def keep(out):
+        kept.append(out)
+        views.append(out[:, -1])
+        return 0.0
+
+    torch_ext.sweep(rg, sites, patch, keep, progress=False, reads=reads)
+    ref = torch_ext.sweep(rg, sites, patch, lambda out: out.clone(), progress=False, reads=reads)
+    assert len(kept) == len(sites) + 1  # the unpatched run first
+    for s, k, v in zip(sites, kept[1:], views[1:]):
+        torch.testing.assert_close(k, ref.metrics[s], rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(v, ref.metrics[s][:, -1], rtol=0, atol=0, equal_nan=True)
+    # An output dropped by the caller is reused: the next site writes only the rows that differ.
+    node, p = sites[-1]
+    value = patch(rg.value(node), (node, p))
+    first = rg._engine.evaluate_patched_rows(node, value, [])[0]
+    ptr = first.data_ptr()
+    del first
+    again = rg._engine.evaluate_patched_rows(node, patch(rg.value(node), (node, p - 1)), [])[0]
+    assert again.data_ptr() == ptr
+    assert torch.equal(again, ref.metrics[(node, p - 1)]) if reads is None else True
     rg.check_invariants()
