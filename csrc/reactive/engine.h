@@ -83,6 +83,7 @@
 #include "ir/graph.h"
 #include "passes/sequence_axis.h"
 #include "runtime/kernel.h"
+#include "runtime/run_loop.h"
 
 #include <ATen/core/LegacyTypeDispatch.h>
 
@@ -318,9 +319,9 @@ class Engine {
   };
   std::vector<Graft> grafts_;
   struct PatchPlan {
-    std::vector<int64_t> order;                 // the cone's countable nodes, topological order
-    std::vector<std::vector<int64_t>> release;  // after order[i]: values read for the last time
-    std::vector<int64_t> external;              // values read from outside the cone (version-checked)
+    std::vector<int64_t> order;         // the cone's countable nodes, topological order
+    std::vector<runtime::Step> steps;   // per order[i]: its kernel, and the values read for the last time
+    std::vector<int64_t> external;      // values read from outside the cone (version-checked)
     uint64_t pins_version = 0;
   };
   std::unordered_map<int64_t, PatchPlan> plans_;  // by patched node; dropped by grafts
@@ -348,6 +349,9 @@ class Engine {
   // One execution of node st's kernel (or `compute`, for the row paths) for the ledger (I7): a
   // fraction `rows` of its rows, costing `cost_fraction` of its estimate.
   void count_evaluation(NodeState& st, double rows = 1.0, double cost_fraction = 1.0);
+  // The ledger (I7) for the first `done` nodes of a plan that ran whole: what count_evaluation
+  // would record node by node, added once per run.
+  void count_plan(const PatchPlan& plan, size_t done);
   // Rethrows an error from evaluating `st`, naming the node (and `where`, e.g. its rows).
   [[noreturn]] static void rethrow_evaluating(const NodeState& st, const std::exception& e,
                                               const std::string& where = "");

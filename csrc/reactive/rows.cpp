@@ -322,7 +322,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
       const double frac = step.suffix ? static_cast<double>(T - s) / static_cast<double>(T) : 1.0;
       const double col_frac = step.cols.empty() ? 1.0 : static_cast<double>(step.cols.size()) / static_cast<double>(step.width);
       count_evaluation(st, frac, col_frac);
-      for (int64_t r : plan.release[i]) values_[r] = c10::IValue();  // last use: free, as the executor does
+      for (int64_t r : plan.steps[i].release) values_[r] = c10::IValue();  // last use: free, as the executor does
     }
     // Outputs computed on a suffix: cached rows [0, p), NaN for rows no declared read reaches, new rows.
     for (const ir::Arg& a : out_args) {
