@@ -104,6 +104,8 @@ int64_t Engine::first_changed_row(const std::string& name, const c10::IValue& va
   const at::Tensor& now = value.toTensor();
   const int64_t T = info.length;
   if (now.numel() == 0) return T;
+  // Most patches change row 0: one row compared answers them, not the whole value.
+  if (now.select(info.row_axis, 0).ne(cached.select(info.row_axis, 0)).any().item<bool>()) return 0;
   // NaN != NaN: a NaN row counts as changed (conservative).
   const at::Tensor changed = now.ne(cached).movedim(info.row_axis, 0).reshape({T, -1}).any(1);
   const at::Tensor rows = changed.nonzero();
@@ -225,6 +227,11 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
   // the outputs are the cached ones bit for bit and the patch still costs |V+(s)| evaluations.
   const int64_t p = first_changed_row(name, value);
   if (p >= rp.source_length) return evaluate_patched(name, std::move(value));
+  // From row 0 with no read rows or columns declared, every node runs whole: that is evaluate_patched,
+  // whose kernels (and loop) are exactly those of a full recompute.
+  const bool narrows = std::any_of(rp.steps.begin(), rp.steps.end(),
+                                   [](const RowStep& st) { return st.need > 0 || !st.cols.empty(); });
+  if (p == 0 && !narrows) return evaluate_patched(name, std::move(value));
   const PatchPlan& plan = plan_for(id);
   const auto& out_args = graph_->output()->args()[0].list;
   HeldCone held(*this, id, plan, std::move(value));  // the cone's cached values, put back at the end
