@@ -233,7 +233,7 @@ void Engine::check_intact(const std::string& name) {
   check_intact(id);
 }
 
-const Engine::PatchPlan& Engine::plan_for(int64_t id) {
+Engine::PatchPlan& Engine::plan_for(int64_t id) {
   auto it = plans_.find(id);
   if (it != plans_.end() && it->second.pins_version == pins_version_) return it->second;
   PatchPlan plan;
@@ -266,6 +266,8 @@ const Engine::PatchPlan& Engine::plan_for(int64_t id) {
   for (size_t i = 0; i < plan.order.size(); ++i)  // computed but never read: dead within the plan
     if (!last_read.count(plan.order[i]) && !outputs.count(plan.order[i])) plan.steps[i].release.push_back(plan.order[i]);
   plan.external.assign(external.begin(), external.end());
+  plan_scratch(plan);
+  ++plans_built_;
   return plans_[id] = std::move(plan);
 }
 
@@ -280,7 +282,8 @@ std::vector<c10::IValue> Engine::evaluate_patched(const std::string& name, c10::
   TORCH_CHECK(!states_[id].pinned, "evaluate_patched %", name, ": the node is pinned by a standing patch; ",
               "use patch()/demand() with a transaction instead");
   check_value_type(*states_[id].node, value);
-  const PatchPlan& plan = plan_for(id);
+  PatchPlan& plan = plan_for(id);
+  bind_scratch(plan);
   HeldCone held(*this, id, plan, std::move(value));  // the state afterwards is exactly the state before
   // The executor's loop: values are released at their last use, and nothing else happens per node.
   runtime::run_steps(plan.steps, values_, stack_, [&](size_t i, const std::exception& e) {
