@@ -168,9 +168,11 @@ class Engine {
   // returns the outputs, and puts every value back, as patch -> demand ->
   // rollback would, with the same evaluation counts. The cone's order and the
   // last reader of each value are prepared once per node (and pin set) and
-  // reused; intermediate values are released at their last use, as the
-  // executor does, so the recomputation reuses hot memory. Needs a graph with
-  // nothing stale, no open transaction and early cutoff off.
+  // reused; the cone runs through the executor's loop (runtime/run_loop.h),
+  // intermediate values released at their last use, and those with an out=
+  // overload written into planned scratch memory (scratch.cpp), so every site
+  // reuses the same hot memory. Needs a graph with nothing stale, no open
+  // transaction and early cutoff off.
   std::vector<c10::IValue> evaluate_patched(const std::string& node, c10::IValue value);
   // How many cone plans evaluate_patched has prepared: one per patched node (and pin set), reused
   // by every later call on that node until a graft or a change of the pins drops it.
