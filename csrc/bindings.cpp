@@ -430,6 +430,10 @@ PYBIND11_MODULE(_C, m) {
       .def("first_changed_row",
            [](reactive::Engine& e, const std::string& n, py::handle v) { return e.first_changed_row(n, ivalue_from_py(v)); })
       .def("can_evaluate_patched", &reactive::Engine::can_evaluate_patched)
+      .def("plans_built", &reactive::Engine::plans_built)
+      .def("scratch_bytes", &reactive::Engine::scratch_bytes)
+      .def("set_scratch", &reactive::Engine::set_scratch)
+      .def("scratch", &reactive::Engine::scratch)
       .def("begin_transaction", &reactive::Engine::begin_transaction)
       .def("rollback", &reactive::Engine::rollback)
       .def("in_transaction", &reactive::Engine::in_transaction)

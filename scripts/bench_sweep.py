@@ -5,7 +5,9 @@
 
 0. The grid (issue 10): ops {relu, sin, linear+gelu} x tensors {64^2, 384^2, 1024^2}, a 160-node chain
    with every 4th node a site; torch_ext.sweep against a full recompute by torch_ext.Executor, one
-   run per site. Target: wall ratio >= 0.97 rho in every cell.
+   run per site. Target: wall ratio >= 0.97 rho in every cell. Before it (0b), the per-node cost of
+   the engine's sweep loop against the executor's on the overhead-bound chain (64 x Linear(16,16) +
+   ReLU, batch 4): target within 10%.
 
 1. Full-recompute sweep vs reactive sweep, same engine, against the exact count ratio rho
    (a uniform sin chain on f32[64,64] and a 24-layer MLP). Target: wall ratio >= 0.97 rho.
@@ -237,6 +239,51 @@ def part0(repeats: int, sizes: list[int], linear_max: int, n: int = 160, every: 
             ok = wall >= 0.97 * rho
             print(f"{op:12s} {d:>4d}x{d:<5d} {med['full'] * 1e3:9.1f} {med['reactive'] * 1e3:11.1f} {wall:7.2f} "
                   f"{rho:6.3f} {wall / rho:6.3f}  {target(ok, f'grid {op} {d}x{d} wall >= 0.97 rho')}")
+
+
+def part0_overhead(repeats: int, depth: int = 64, width: int = 16, batch: int = 4) -> None:
+    """Per-node cost of the engine's sweep loop against the executor's, where dispatch dominates."""
+    header(f"0b. per-node overhead: the engine's sweep loop vs torch_ext.Executor ({depth} x Linear({width},{width}) "
+           f"+ ReLU, batch {batch})")
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    model = nn.Sequential(*layers).eval()
+    x = torch.randn(batch, width)
+    rg = torch_ext.ReactiveGraph(model, (x,), positions=False)
+    g = rg.graph
+    placeholders = [n.name for n in g.nodes() if n.kind == "placeholder"]
+    user = [n.name for n in g.nodes() if n.kind == "placeholder" and n.role == "input"]
+    assert len(user) == 1, user
+    inputs = [rg.value(p) for p in placeholders]
+    x2 = torch.randn(batch, width)
+    inputs2 = [x2 if p == user[0] else v for p, v in zip(placeholders, inputs)]
+    ex = torch_ext.Executor(g)
+    eng = rg._engine
+    N = rg.num_nodes
+    calls = 200
+    results = {}
+
+    def executor():
+        for _ in range(calls):
+            results["executor"] = ex(*inputs2)
+
+    def engine():  # patching the graph input: its cone is every node, run by the sweep fast path
+        for _ in range(calls):
+            results["engine"] = eng.evaluate_patched(user[0], x2)
+
+    e0 = rg.stats["evaluations"]
+    with torch.no_grad():
+        med = interleaved({"executor": executor, "engine": engine}, repeats)
+    runs = (repeats + 1) * calls
+    check(rg.stats["evaluations"] - e0 == runs * N, f"overhead chain: evaluations {rg.stats['evaluations'] - e0}")
+    check(torch.equal(results["engine"][0], results["executor"][0]), "overhead chain: engine and executor outputs differ")
+    per = {k: v / calls / N * 1e6 for k, v in med.items()}
+    ratio = per["engine"] / per["executor"]
+    print(f"N = {N} nodes, {calls} runs per timing, medians of {repeats} interleaved repeats:")
+    print(f"  executor {per['executor']:.3f} us/node, engine evaluate_patched {per['engine']:.3f} us/node: "
+          f"engine / executor {ratio:.3f} [target <= 1.10: {target(ratio <= 1.10, 'engine per-node overhead <= 1.10 executor')}]")
 
 
 # --------------------------------------------------------------------------------------------
@@ -658,6 +705,7 @@ def main() -> int:
             print("  - FAILED:", f)
         return 1 if FAILURES else 0
     if not args.skip_grid:
+        part0_overhead(args.repeats)
         part0(args.grid_repeats, args.grid_sizes, args.linear_max)
     if args.only_grid:
         print(f"total {time.perf_counter() - t0:.1f} s")

@@ -99,7 +99,8 @@ std::optional<OutVariant> find_out_variant(const Node& node) {
     const auto& oa = out->schema().arguments();
     if (oa.size() != fa.size() + k || out->schema().returns().size() != k) continue;
     bool ok = true;
-    for (size_t i = 0; i < fa.size() && ok; ++i) ok = fa[i].name() == oa[i].name();
+    // Names and types: pow.Tensor_Scalar's arguments are named like pow.Scalar_out's, typed otherwise.
+    for (size_t i = 0; i < fa.size() && ok; ++i) ok = fa[i].name() == oa[i].name() && *fa[i].type() == *oa[i].type();
     OutVariant v{*out, {}};
     for (size_t i = fa.size(); i < oa.size() && ok; ++i) {
       const c10::Argument& o = oa[i];

@@ -233,7 +233,7 @@ void Engine::check_intact(const std::string& name) {
   check_intact(id);
 }
 
-const Engine::PatchPlan& Engine::plan_for(int64_t id) {
+Engine::PatchPlan& Engine::plan_for(int64_t id) {
   auto it = plans_.find(id);
   if (it != plans_.end() && it->second.pins_version == pins_version_) return it->second;
   PatchPlan plan;
@@ -255,12 +255,19 @@ const Engine::PatchPlan& Engine::plan_for(int64_t id) {
   std::set<int64_t> outputs;
   for (const ir::Arg& a : graph_->output()->args()[0].list)
     if (a.kind == ir::Arg::Kind::Node) outputs.insert(ids_.at(a.node));
-  plan.release.resize(plan.order.size());
+  plan.steps.resize(plan.order.size());
+  for (size_t i = 0; i < plan.order.size(); ++i) {
+    // Plans are dropped before a graft adds states, so the kernel stays where it is.
+    plan.steps[i].kernel = &*states_[plan.order[i]].kernel;
+    plan.steps[i].out = plan.order[i];
+  }
   for (const auto& [v, i] : last_read)
-    if (!outputs.count(v)) plan.release[i].push_back(v);
+    if (!outputs.count(v)) plan.steps[i].release.push_back(v);
   for (size_t i = 0; i < plan.order.size(); ++i)  // computed but never read: dead within the plan
-    if (!last_read.count(plan.order[i]) && !outputs.count(plan.order[i])) plan.release[i].push_back(plan.order[i]);
+    if (!last_read.count(plan.order[i]) && !outputs.count(plan.order[i])) plan.steps[i].release.push_back(plan.order[i]);
   plan.external.assign(external.begin(), external.end());
+  plan_scratch(plan);
+  ++plans_built_;
   return plans_[id] = std::move(plan);
 }
 
@@ -275,19 +282,19 @@ std::vector<c10::IValue> Engine::evaluate_patched(const std::string& name, c10::
   TORCH_CHECK(!states_[id].pinned, "evaluate_patched %", name, ": the node is pinned by a standing patch; ",
               "use patch()/demand() with a transaction instead");
   check_value_type(*states_[id].node, value);
-  const PatchPlan& plan = plan_for(id);
+  return evaluate_cone_whole(id, std::move(value));
+}
+
+std::vector<c10::IValue> Engine::evaluate_cone_whole(int64_t id, c10::IValue value) {
+  PatchPlan& plan = plan_for(id);
+  bind_scratch(plan);
   HeldCone held(*this, id, plan, std::move(value));  // the state afterwards is exactly the state before
-  for (size_t i = 0; i < plan.order.size(); ++i) {
-    const int64_t n = plan.order[i];
-    NodeState& st = states_[n];
-    try {
-      values_[n] = st.kernel->invoke(values_, stack_);
-    } catch (const std::exception& e) {
-      rethrow_evaluating(st, e);
-    }
-    count_evaluation(st);
-    for (int64_t r : plan.release[i]) values_[r] = c10::IValue();  // last use: free, as the executor does
-  }
+  // The executor's loop: values are released at their last use, and nothing else happens per node.
+  runtime::run_steps(plan.steps, values_, stack_, [&](size_t i, const std::exception& e) {
+    count_plan(plan, i);  // the nodes before it did run
+    rethrow_evaluating(states_[plan.order[i]], e);
+  });
+  count_plan(plan, plan.order.size());
   return runtime::output_values(graph_->output()->args()[0].list,
                                 [&](const ir::Node* n) -> const c10::IValue& { return values_[ids_.at(n)]; });
 }
@@ -311,6 +318,17 @@ void Engine::count_evaluation(NodeState& st, double rows, double cost_fraction) 
   ++stats_.evaluations;
   stats_.cost += st.cost * rows * cost_fraction;
   stats_.row_evaluations += rows;
+}
+
+void Engine::count_plan(const PatchPlan& plan, size_t done) {
+  // Node by node, in order, as count_evaluation adds them: the same sums bit for bit.
+  for (size_t i = 0; i < done; ++i) {
+    NodeState& st = states_[plan.order[i]];
+    ++st.evaluations;
+    stats_.cost += st.cost;
+    stats_.row_evaluations += 1.0;  // added one by one: a fractional sum before rounds the same way
+  }
+  stats_.evaluations += static_cast<int64_t>(done);
 }
 
 void Engine::rethrow_evaluating(const NodeState& st, const std::exception& e, const std::string& where) {

@@ -81,8 +81,10 @@
 #pragma once
 
 #include "ir/graph.h"
+#include "ir/out_variant.h"
 #include "passes/sequence_axis.h"
 #include "runtime/kernel.h"
+#include "runtime/run_loop.h"
 
 #include <ATen/core/LegacyTypeDispatch.h>
 
@@ -166,10 +168,20 @@ class Engine {
   // returns the outputs, and puts every value back, as patch -> demand ->
   // rollback would, with the same evaluation counts. The cone's order and the
   // last reader of each value are prepared once per node (and pin set) and
-  // reused; intermediate values are released at their last use, as the
-  // executor does, so the recomputation reuses hot memory. Needs a graph with
-  // nothing stale, no open transaction and early cutoff off.
+  // reused; the cone runs through the executor's loop (runtime/run_loop.h),
+  // intermediate values released at their last use, and those with an out=
+  // overload written into planned scratch memory (scratch.cpp), so every site
+  // reuses the same hot memory. Needs a graph with nothing stale, no open
+  // transaction and early cutoff off.
   std::vector<c10::IValue> evaluate_patched(const std::string& node, c10::IValue value);
+  // How many cone plans evaluate_patched has prepared: one per patched node (and pin set), reused
+  // by every later call on that node until a graft or a change of the pins drops it.
+  int64_t plans_built() const { return plans_built_; }
+  // Bytes of scratch memory the fast path holds for cone intermediates (scratch.cpp). Off, every
+  // intermediate is allocated by its kernel and freed at its last use, and the memory is given back.
+  int64_t scratch_bytes() const { return scratch_.defined() ? scratch_.numel() : 0; }
+  void set_scratch(bool enabled);
+  bool scratch() const { return scratch_enabled_; }
   bool can_evaluate_patched() const { return has_run_ && pending_.empty() && dirty_.empty() && !txn_ && !cutoff_; }
 
   // Token-granular cones (rows.cpp). With positions on, the sequence-axis analysis
@@ -322,15 +334,41 @@ class Engine {
     uint64_t revision = 0;
   };
   std::vector<Graft> grafts_;
+  // A cone value written by its out= overload into the scratch tensor (scratch.cpp).
+  struct ScratchOut {
+    size_t step = 0;         // position in PatchPlan::order
+    c10::OperatorHandle op;  // the out= overload
+    std::string arg;         // its out argument
+    int64_t offset = 0;      // bytes into the scratch tensor
+  };
   struct PatchPlan {
-    std::vector<int64_t> order;                 // the cone's countable nodes, topological order
-    std::vector<std::vector<int64_t>> release;  // after order[i]: values read for the last time
-    std::vector<int64_t> external;              // values read from outside the cone (version-checked)
+    std::vector<int64_t> order;         // the cone's countable nodes, topological order
+    std::vector<runtime::Step> steps;   // per order[i]: its kernel, and the values read for the last time
+    std::vector<int64_t> external;      // values read from outside the cone (version-checked)
     uint64_t pins_version = 0;
+    // Intermediates that never leave one evaluate_patched call, planned once (scratch.cpp).
+    std::vector<ScratchOut> scratch;
+    std::vector<runtime::BoundKernel> scratch_kernels;  // parallel to scratch, bound to scratch_
+    int64_t scratch_bytes = 0;
+    uint64_t scratch_generation = 0;  // scratch_generation_ the kernels are bound to (0: unbound)
   };
   std::unordered_map<int64_t, PatchPlan> plans_;  // by patched node; dropped by grafts
   uint64_t pins_version_ = 0;                     // bumped whenever the pin set changes
-  const PatchPlan& plan_for(int64_t id);
+  int64_t plans_built_ = 0;                       // plans prepared so far (each is reused until dropped)
+  PatchPlan& plan_for(int64_t id);
+  // Scratch memory of the sweep fast path (scratch.cpp): one tensor for every plan, grown to the
+  // largest plan's need; plans bind their out= kernels to it at first use after it grows.
+  void plan_scratch(PatchPlan& plan);
+  void bind_scratch(PatchPlan& plan);
+  // evaluate_patched's work once its checks passed: pins `id` to `value`, runs its whole cone with the
+  // shared loop, returns the outputs and puts every value back. No early cutoff inside the cone (the
+  // row path calls it with cutoff on, where cutoff does not act inside a cone either).
+  std::vector<c10::IValue> evaluate_cone_whole(int64_t id, c10::IValue value);
+  at::Tensor scratch_;
+  bool scratch_enabled_ = true;
+  uint64_t scratch_generation_ = 0;
+  // Out= overloads by target and result type: the dispatcher scan runs once per kind of node.
+  std::unordered_map<std::string, std::optional<ir::OutVariant>> out_variants_;
   // Evaluating a patched cone in place (evaluate_patched, evaluate_patched_rows): checks the values
   // the cone reads from outside it (I8), holds the cone's cached values and the site's aside, puts
   // `value` at the site, and puts everything back when it goes out of scope, on success or error.
@@ -353,6 +391,9 @@ class Engine {
   // One execution of node st's kernel (or `compute`, for the row paths) for the ledger (I7): a
   // fraction `rows` of its rows, costing `cost_fraction` of its estimate.
   void count_evaluation(NodeState& st, double rows = 1.0, double cost_fraction = 1.0);
+  // The ledger (I7) for the first `done` nodes of a plan that ran whole: what count_evaluation
+  // would record node by node, added once per run.
+  void count_plan(const PatchPlan& plan, size_t done);
   // Rethrows an error from evaluating `st`, naming the node (and `where`, e.g. its rows).
   [[noreturn]] static void rethrow_evaluating(const NodeState& st, const std::exception& e,
                                               const std::string& where = "");

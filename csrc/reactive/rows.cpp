@@ -15,6 +15,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 
 namespace torch_ext::reactive {
@@ -86,6 +87,25 @@ c10::IValue concat_rows(const c10::IValue& a, const c10::IValue& b, int64_t dim)
     return c10::ivalue::Tuple::create(std::move(out));
   }
   TORCH_CHECK(false, "token-granular cone: cannot join rows of a ", a.tagKind(), " value");
+}
+
+// Whether the first elements (which lie in row 0 along any axis) of two CPU tensors differ, by their
+// bytes: most patches change them, and no kernel runs to say so. Equal bytes, or another device,
+// answer false (ask first_changed_row); a -0.0 against 0.0 answers true, which only costs row savings.
+bool first_element_differs(const c10::IValue& cached, const c10::IValue& now) {
+  if (!cached.isTensor() || !now.isTensor()) return false;
+  const at::Tensor& a = cached.toTensor();
+  const at::Tensor& b = now.toTensor();
+  if (!a.is_cpu() || !b.is_cpu() || a.scalar_type() != b.scalar_type() || a.numel() == 0 || b.numel() == 0)
+    return false;
+  return std::memcmp(a.data_ptr(), b.data_ptr(), a.element_size()) != 0;
+}
+
+// Whether row T-1 along `axis` of a tensor value differs from the cached one: with row 0 changed, the
+// changed rows are then all of [0, T).
+bool last_row_differs_from(const at::Tensor& cached, const at::Tensor& now, int64_t axis) {
+  const int64_t last = now.size(axis) - 1;
+  return now.select(axis, last).ne(cached.select(axis, last)).any().item<bool>();
 }
 
 bool is_floating(const ir::Type& t) {
@@ -305,6 +325,14 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
               ": the node has no sequence axis and early cutoff is on; use patch()/demand()");
   if (rp.source_axis < 0) return evaluate_patched(name, std::move(value));
   check_intact(id);
+  // Rows [0, T) changed (row 0 by its first element, row T-1 compared) with no read rows or columns
+  // declared: every node runs whole, local ones included, and that is a whole-cone
+  // evaluation, whose kernels (and loop) are exactly those of a full recompute. Taken with cutoff on or
+  // off alike (cutoff does not act inside a cone on either path), so the two give the same bits.
+  const bool narrows = std::any_of(rp.steps.begin(), rp.steps.end(),
+                                   [](const RowStep& st) { return st.need > 0 || !st.cols.empty(); });
+  if (!narrows && first_element_differs(values_[id], value) && last_row_differs_from(values_[id].toTensor(), value.toTensor(), rp.source_axis))
+    return evaluate_cone_whole(id, std::move(value));
   const auto [p, src_hi] = changed_rows(id, value);
   if (p >= rp.source_length && cutoff_) {
     // Early cutoff at the site: the value equals the cached one, so nothing downstream changes and
@@ -316,7 +344,8 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
   }
   // A value equal to the cached one changes no row: its cone runs whole, as in evaluate_patched, so
   // the outputs are the cached ones bit for bit and the patch still costs |V+(s)| evaluations.
-  if (p >= rp.source_length) return evaluate_patched(name, std::move(value));
+  if (p >= rp.source_length || (p == 0 && src_hi >= rp.source_length && !narrows))
+    return evaluate_cone_whole(id, std::move(value));
   // Early cutoff does not act inside a row-range cone (a recomputed row range rarely equals the
   // cached one): with cutoff on or off, a changed value takes this same path, so the two give the
   // same bits.
@@ -364,7 +393,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
       if (step.suffix && s >= e) {  // none of the rows read differ from the cached ones
         values_[n] = cached_tail(s);
         count_evaluation(st, 0.0);
-        for (int64_t r : plan.release[i]) values_[r] = c10::IValue();
+        for (int64_t r : plan.steps[i].release) values_[r] = c10::IValue();
         continue;
       }
       for (const RowInput& ri : step.inputs) {
@@ -452,7 +481,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
       const double frac = step.suffix ? static_cast<double>(e - s) / static_cast<double>(T) : 1.0;
       const double col_frac = step.cols.empty() ? 1.0 : static_cast<double>(step.cols.size()) / static_cast<double>(step.width);
       count_evaluation(st, frac, col_frac);
-      for (int64_t r : plan.release[i]) values_[r] = c10::IValue();  // last use: free, as the executor does
+      for (int64_t r : plan.steps[i].release) values_[r] = c10::IValue();  // last use: free, as the executor does
     }
     // Outputs computed on a suffix: cached rows [0, p), NaN for rows no declared read reaches, new rows.
     for (const ir::Arg& a : out_args) {

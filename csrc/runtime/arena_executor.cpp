@@ -71,8 +71,7 @@ ArenaExecutor::ArenaExecutor(std::unique_ptr<ir::Graph> lowered, ir::MemoryPlan 
   const auto& nodes = graph_->nodes();
   std::vector<int64_t> last_use(nodes.size(), -1);
   for (const ir::Node* n : plan_.order) {
-    Step step;
-    step.slot = n->index();
+    Bound step;
     const auto op = n->target().is_builtin() ? std::nullopt : ir::find_op(n->target());
     const Writes w = op ? writes_of(*n, op->schema()) : Writes{};
     auto it = planned.find(n);
@@ -105,16 +104,20 @@ ArenaExecutor::ArenaExecutor(std::unique_ptr<ir::Graph> lowered, ir::MemoryPlan 
           (!n->target().is_getitem() && !ir::is_update_op(*n) && !ir::is_view_op(*n) && n->type().is_tensor()))
         fallbacks_.push_back(n->name());
     }
-    for (int64_t s : step.kernel.input_slots()) last_use[s] = static_cast<int64_t>(steps_.size());
-    steps_.push_back(std::move(step));
+    for (int64_t s : step.kernel.input_slots()) last_use[s] = static_cast<int64_t>(bound_.size());
+    bound_.push_back(std::move(step));
+  }
+  steps_.resize(bound_.size());
+  for (size_t k = 0; k < bound_.size(); ++k) {
+    steps_[k].kernel = &bound_[k].kernel;  // bound_ is complete: the pointers stay valid
+    steps_[k].out = plan_.order[k]->index();
   }
   std::vector<bool> is_output(nodes.size(), false);
   graph_->output()->args()[0].for_each_node([&](ir::Node* n) { is_output[n->index()] = true; });
   outputs_ = graph_->output()->args()[0].list;
-  release_after_.resize(steps_.size());
   for (size_t s = 0; s < nodes.size(); ++s)
     if (!is_output[s] && last_use[s] >= 0 && nodes[s]->kind() == ir::NodeKind::Call)
-      release_after_[last_use[s]].push_back(static_cast<int64_t>(s));
+      steps_[last_use[s]].release.push_back(static_cast<int64_t>(s));
 }
 
 std::vector<c10::IValue> ArenaExecutor::run(std::vector<c10::IValue> inputs) {
@@ -136,25 +139,22 @@ std::vector<c10::IValue> ArenaExecutor::run(std::vector<c10::IValue> inputs) {
   ValueSlots values(graph_->size());
   for (size_t i = 0; i < inputs.size(); ++i) values[placeholders_[i]->index()] = inputs[i];
   std::vector<c10::IValue> stack;
-  for (size_t k = 0; k < steps_.size(); ++k) {
-    Step& s = steps_[k];
-    try {
-      c10::IValue v = s.kernel.invoke(values, stack);
-      if (!s.inplace_results.empty()) {
-        if (!s.tuple_result) {
-          v = values[s.inplace_results[0]];
-        } else {
-          std::vector<c10::IValue> elems;
-          for (int64_t r : s.inplace_results) elems.push_back(values[r]);
-          v = c10::ivalue::Tuple::create(std::move(elems));
-        }
-      }
-      values[s.slot] = std::move(v);
-    } catch (const c10::Error& e) {
-      TORCH_CHECK(false, "while executing node %", s.kernel.node_name(), ": ", e.what_without_backtrace());
+  // An in-place update returns nothing: its value is the inputs it overwrote.
+  const auto inplace_value = [&](size_t k) {
+    const Bound& b = bound_[k];
+    if (b.inplace_results.empty()) return;
+    c10::IValue& v = values[steps_[k].out];
+    if (!b.tuple_result) {
+      v = values[b.inplace_results[0]];
+      return;
     }
-    for (int64_t r : release_after_[k]) values[r] = c10::IValue();
-  }
+    std::vector<c10::IValue> elems;
+    for (int64_t r : b.inplace_results) elems.push_back(values[r]);
+    v = c10::ivalue::Tuple::create(std::move(elems));
+  };
+  run_steps(
+      steps_, values, stack, [this](size_t k, const std::exception& e) { rethrow_executing(bound_[k].kernel, e); },
+      inplace_value);
   std::vector<c10::IValue> results =
       output_values(outputs_, [&](const ir::Node* n) -> const c10::IValue& { return values[n->index()]; });
   if (donate_) {

@@ -20,6 +20,7 @@
 #include "ir/graph.h"
 #include "ir/memory_plan.h"
 #include "runtime/kernel.h"
+#include "runtime/run_loop.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -43,9 +44,8 @@ class ArenaExecutor {
   const std::vector<std::string>& fallbacks() const { return fallbacks_; }
 
  private:
-  struct Step {
+  struct Bound {
     BoundKernel kernel;
-    int64_t slot = 0;
     std::vector<int64_t> inplace_results;  // for in-place updates: slots forming the result
     bool tuple_result = false;
   };
@@ -56,8 +56,8 @@ class ArenaExecutor {
   bool donate_;
   at::Tensor arena_;
   std::vector<const ir::Node*> placeholders_;
-  std::vector<Step> steps_;
-  std::vector<std::vector<int64_t>> release_after_;
+  std::vector<Bound> bound_;  // per step of the plan's order
+  std::vector<Step> steps_;   // the shared run loop's steps (run_loop.h) over bound_
   std::vector<ir::Arg> outputs_;
   int64_t num_out_ = 0;
   int64_t num_inplace_ = 0;

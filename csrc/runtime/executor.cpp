@@ -62,18 +62,23 @@ Executor::Executor(const ir::Graph& graph) : graph_(graph.clone()) {
     if (n->kind() == ir::NodeKind::Placeholder) placeholders_.push_back(n.get());
     if (n->kind() != ir::NodeKind::Call) continue;
     kernels_.push_back(BoundKernel::bind(*n));
-    kernel_slot_.push_back(n->index());
     for (int64_t s : kernels_.back().input_slots()) last_use[s] = static_cast<int64_t>(kernels_.size()) - 1;
   }
-  release_after_.resize(kernels_.size());
+  steps_.resize(kernels_.size());
+  std::vector<int64_t> step_of(nodes.size(), -1);  // the step that writes each slot
+  for (size_t k = 0, i = 0; i < nodes.size(); ++i) {
+    if (nodes[i]->kind() != ir::NodeKind::Call) continue;
+    steps_[k].kernel = &kernels_[k];  // kernels_ is complete: the pointers stay valid
+    steps_[k].out = static_cast<int64_t>(i);
+    step_of[i] = static_cast<int64_t>(k++);
+  }
   for (size_t s = 0; s < nodes.size(); ++s) {
     if (is_output[s] || nodes[s]->kind() == ir::NodeKind::Output) continue;
     if (last_use[s] >= 0) {
-      release_after_[last_use[s]].push_back(static_cast<int64_t>(s));
+      steps_[last_use[s]].release.push_back(static_cast<int64_t>(s));
     } else if (nodes[s]->kind() == ir::NodeKind::Call) {
       // Produced but never read (e.g. an unused multi-output): free right away.
-      for (size_t k = 0; k < kernels_.size(); ++k)
-        if (kernel_slot_[k] == static_cast<int64_t>(s)) release_after_[k].push_back(static_cast<int64_t>(s));
+      steps_[step_of[s]].release.push_back(static_cast<int64_t>(s));
     } else {
       release_inputs_.push_back(static_cast<int64_t>(s));
     }
@@ -93,18 +98,7 @@ std::vector<c10::IValue> Executor::run(std::vector<c10::IValue> inputs) const {
   for (int64_t s : release_inputs_) values[s] = c10::IValue();
   std::vector<c10::IValue> stack;
   stack.reserve(16);
-  for (size_t k = 0; k < kernels_.size(); ++k) {
-    try {
-      values[kernel_slot_[k]] = kernels_[k].invoke(values, stack);
-    } catch (const c10::Error& e) {
-      TORCH_CHECK(false, "while executing node %", kernels_[k].node_name(), ": ", e.what_without_backtrace());
-    } catch (const std::exception& e) {
-      // Kernels also throw std::length_error, std::bad_alloc, ... (e.g. from SmallVector):
-      // name the node for those too.
-      TORCH_CHECK(false, "while executing node %", kernels_[k].node_name(), ": ", e.what());
-    }
-    for (int64_t s : release_after_[k]) values[s] = c10::IValue();
-  }
+  run_steps(steps_, values, stack, [this](size_t k, const std::exception& e) { rethrow_executing(kernels_[k], e); });
   return output_values(outputs_, [&](const ir::Node* n) -> const c10::IValue& { return values[n->index()]; });
 }
 

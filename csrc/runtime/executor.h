@@ -8,6 +8,7 @@
 
 #include "ir/graph.h"
 #include "runtime/kernel.h"
+#include "runtime/run_loop.h"
 
 #include <functional>
 #include <memory>
@@ -29,8 +30,7 @@ class Executor {
   std::unique_ptr<ir::Graph> graph_;
   std::vector<const ir::Node*> placeholders_;
   std::vector<BoundKernel> kernels_;          // one per call node, in order
-  std::vector<int64_t> kernel_slot_;          // node index each kernel writes
-  std::vector<std::vector<int64_t>> release_after_;  // per kernel: slots dead after it runs
+  std::vector<Step> steps_;                   // one per kernel: its slot and the slots dead after it
   std::vector<int64_t> release_inputs_;       // placeholder slots no call reads
   std::vector<ir::Arg> outputs_;
 };

@@ -3,6 +3,7 @@
 #include "ir/parser.h"
 #include "ir/printer.h"
 #include "reactive/engine.h"
+#include "runtime/executor.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -415,4 +416,82 @@ TEST(Reactive, AReadInsideABatchSettlesIt) {
   EXPECT_NE(error_of([&] { e.end_batch(); }).find("end_batch without begin_batch"), std::string::npos);
   e.check_invariants();
   EXPECT_EQ(evals_of_demand(e), 1 + 1 + 4 + 3);  // n2 too, below n1's patch
+}
+
+// The sweep fast path writes cone intermediates into planned scratch memory (scratch.cpp): its
+// outputs equal those of the functional kernels bit for bit, with the scratch on or off and
+// against a full Executor run; a view that reaches an output keeps its own storage, so outputs
+// handed out survive the next call; and each patched node's plan is built once and reused.
+TEST(Reactive, ScratchFastPathIsExactAndPlannedOnce) {
+  auto g = ir::parse(R"(graph:
+  %x : f32[8,8] = input()
+  %w : f32[8,8] = input()
+  %b : f32[8] = input()
+  %a : f32[8,8] = aten::sin.default(%x)
+  %l : f32[8,8] = aten::linear.default(%a, %w, %b)
+  %g : f32[8,8] = aten::gelu.default(%l)
+  %s : f32[8,8] = aten::sin.default(%g)
+  %m : f32[8,8] = aten::mul.Tensor(%s, %g)
+  %v : f32[64] = aten::view.default(%m, [64])
+  %c : f32[64] = aten::cos.default(%v)
+  %e : f32[8,8] = aten::exp.default(%s)
+  %t : f32[8,8] = aten::t.default(%e)
+  return (%c, %t)
+)");
+  const at::Tensor x = at::randn({8, 8});
+  const at::Tensor w = at::randn({8, 8});
+  const at::Tensor bias = at::randn({8});
+  reactive::Engine e(*g);
+  e.run({x, w, bias});
+  // The same graph with %a read from an input: a full recompute of the patched graph.
+  auto full_g = ir::parse(R"(graph:
+  %a : f32[8,8] = input()
+  %w : f32[8,8] = input()
+  %b : f32[8] = input()
+  %l : f32[8,8] = aten::linear.default(%a, %w, %b)
+  %g : f32[8,8] = aten::gelu.default(%l)
+  %s : f32[8,8] = aten::sin.default(%g)
+  %m : f32[8,8] = aten::mul.Tensor(%s, %g)
+  %v : f32[64] = aten::view.default(%m, [64])
+  %c : f32[64] = aten::cos.default(%v)
+  %e : f32[8,8] = aten::exp.default(%s)
+  %t : f32[8,8] = aten::t.default(%e)
+  return (%c, %t)
+)");
+  runtime::Executor full(*full_g);
+  const at::Tensor p1 = at::randn({8, 8});
+  const at::Tensor p2 = at::randn({8, 8});
+  const auto ref1 = full.run({p1, w, bias});
+  const auto ref2 = full.run({p2, w, bias});
+  const auto out1 = e.evaluate_patched("a", p1);
+  EXPECT_EQ(e.plans_built(), 1);
+  EXPECT_GT(e.scratch_bytes(), 0);  // l, g, s, m (through the view, freed after %c), e
+  const at::Tensor keep_c = out1[0].toTensor().clone();
+  const at::Tensor keep_t = out1[1].toTensor().clone();
+  const auto out2 = e.evaluate_patched("a", p2);
+  EXPECT_EQ(e.plans_built(), 1);  // reused
+  for (size_t k = 0; k < 2; ++k) {
+    EXPECT_TRUE(at::equal(out1[k].toTensor(), ref1[k].toTensor())) << k;
+    EXPECT_TRUE(at::equal(out2[k].toTensor(), ref2[k].toTensor())) << k;
+  }
+  // %t is a view of %e: %e must not live in the scratch, or the second call would have overwritten it.
+  EXPECT_TRUE(at::equal(out1[0].toTensor(), keep_c));
+  EXPECT_TRUE(at::equal(out1[1].toTensor(), keep_t));
+  e.set_scratch(false);
+  EXPECT_EQ(e.scratch_bytes(), 0);
+  const auto out3 = e.evaluate_patched("a", p2);
+  for (size_t k = 0; k < 2; ++k) EXPECT_TRUE(at::equal(out3[k].toTensor(), ref2[k].toTensor())) << k;
+  e.set_scratch(true);
+  const auto out4 = e.evaluate_patched("a", p1);
+  for (size_t k = 0; k < 2; ++k) EXPECT_TRUE(at::equal(out4[k].toTensor(), ref1[k].toTensor())) << k;
+  EXPECT_EQ(e.plans_built(), 1);
+  // A larger cone grows the shared scratch; the first plan rebinds and stays exact.
+  e.evaluate_patched("x", at::randn({8, 8}));
+  EXPECT_EQ(e.plans_built(), 2);
+  const auto out5 = e.evaluate_patched("a", p2);
+  for (size_t k = 0; k < 2; ++k) EXPECT_TRUE(at::equal(out5[k].toTensor(), ref2[k].toTensor())) << k;
+  // Everything was put back: the cached values are the unpatched ones, and the ledger is exact.
+  EXPECT_TRUE(at::equal(e.demand()[1].toTensor(), at::gelu(at::linear(x.sin(), w, bias)).sin().exp().t()));
+  EXPECT_EQ(e.stats().evaluations, 9 + 5 * 8 + 9);
+  e.check_invariants();
 }

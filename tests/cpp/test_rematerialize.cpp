@@ -145,3 +145,15 @@ TEST(OutVariant, FoundBySchemaAndOnlyWithAKernelOfItsOwn) {
   // relu.out on CPU is the generated functional-then-copy wrapper: refused.
   EXPECT_FALSE(out_of("r").has_value());
 }
+
+TEST(OutVariant, MatchesArgumentTypesNotOnlyNames) {
+  // pow.Scalar_out(Scalar self, Tensor exponent) names its arguments as pow.Tensor_Scalar does.
+  auto g = ir::parse(R"(graph:
+  %x : f32[4] = input()
+  %p : f32[4] = aten::pow.Tensor_Scalar(%x, 2)
+  return (%p)
+)");
+  const auto out = ir::find_out_variant(*g->find("p"));
+  ASSERT_TRUE(out.has_value());
+  EXPECT_EQ(out->op.operator_name().overload_name, "Tensor_Scalar_out");
+}

@@ -1,0 +1,139 @@
+// Scratch memory of the sweep fast path (Engine::evaluate_patched).
+//
+// A cone's intermediate values never leave one evaluate_patched call: the cached values are put
+// back afterwards, and only the graph's outputs are handed out. So each intermediate that has an
+// out= overload (ir::find_out_variant) is written by that overload into one engine-wide scratch
+// tensor, at an offset planned once per patched node by the memory planner's algorithms
+// (passes/memory_algorithms.h) over the values' lifetimes within the cone order, and checked by
+// ir::verify_plan. A sweep then reuses the same hot memory at every site instead of allocating
+// each value afresh (for large tensors the allocator returns freed blocks to the system, and every
+// recomputed node faulted in cold pages). The same kernels run on the same inputs, so the values
+// are bit for bit those of the functional kernels.
+//
+// A value stays allocated by its kernel (as before) when it is an output, when a value that may
+// alias it (a schema view, a getitem, _unsafe_view, a higher-order op's result) reaches an output,
+// when it is not a single strided tensor with non-negative strides, or when it lives on another
+// device than the first scratch value. A buffer lives from its producer to the last read of it or
+// of any value that may alias it.
+#include "reactive/engine.h"
+
+#include "ir/memory_plan.h"
+#include "ir/printer.h"
+#include "ir/schema.h"
+#include "passes/memory_algorithms.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <unordered_map>
+
+namespace torch_ext::reactive {
+namespace {
+
+// Whether `reader`'s value may share storage with one of its inputs.
+bool may_alias_input(const ir::Node& reader) {
+  if (reader.target().is_builtin() || ir::is_higher_order(reader.target())) return true;
+  if (ir::is_view_op(reader) || ir::returns_input_storage(reader)) return true;
+  const c10::FunctionSchema* s = ir::find_schema(reader.target());
+  if (s == nullptr) return true;
+  for (const auto& r : s->returns())
+    if (r.alias_info() != nullptr) return true;
+  return false;
+}
+
+}  // namespace
+
+void Engine::plan_scratch(PatchPlan& plan) {
+  const size_t n = plan.order.size();
+  std::unordered_map<int64_t, size_t> pos;
+  for (size_t i = 0; i < n; ++i) pos[plan.order[i]] = i;
+  // Readers first: end[i] is the last position that may read order[i]'s storage; escapes[i] says
+  // whether that storage may reach an output.
+  std::vector<int64_t> end(n, 0);
+  std::vector<bool> escapes(n, false);
+  for (size_t i = n; i-- > 0;) {
+    int64_t e = static_cast<int64_t>(i);
+    bool esc = false;
+    for (const ir::Node* user : states_[plan.order[i]].node->users()) {
+      if (user->kind() == ir::NodeKind::Output) {
+        esc = true;
+        continue;
+      }
+      auto p = pos.find(ids_.at(user));
+      if (p == pos.end()) continue;  // a pinned user: it keeps its pinned value and reads nothing
+      const size_t j = p->second;
+      e = std::max(e, static_cast<int64_t>(j));
+      if (may_alias_input(*user)) {
+        e = std::max(e, end[j]);
+        esc = esc || escapes[j];
+      }
+    }
+    end[i] = e;
+    escapes[i] = esc;
+  }
+  std::vector<ir::BufferLife> lives;
+  std::optional<c10::Device> device;
+  for (size_t i = 0; i < n; ++i) {
+    const ir::Node& node = *states_[plan.order[i]].node;
+    if (escapes[i] || node.type().kind != ir::Type::Kind::Tensor || node.target().is_builtin() ||
+        ir::is_higher_order(node.target()))
+      continue;
+    const ir::TensorMeta& m = node.type().tensor;
+    if (m.numel() == 0 || m.strides.size() != m.sizes.size() ||
+        std::any_of(m.strides.begin(), m.strides.end(), [](int64_t s) { return s < 0; }))
+      continue;
+    if (device.has_value() && *device != m.device) continue;
+    const std::string key = node.target().str() + "|" + c10::toString(m.dtype) + "|" + m.device.str();
+    auto it = out_variants_.find(key);
+    if (it == out_variants_.end()) it = out_variants_.emplace(key, ir::find_out_variant(node)).first;
+    if (!it->second.has_value() || it->second->out_args.size() != 1) continue;
+    device = m.device;
+    plan.scratch.push_back({i, it->second->op, it->second->out_args[0], 0});
+    lives.push_back({ir::align_up(m.nbytes()), static_cast<int64_t>(i), end[i]});
+  }
+  if (lives.empty()) return;
+  const ir::ArenaPlan arena = passes::plan_best(lives);
+  ir::verify_plan(lives, arena);  // no two buffers live at once share a byte
+  for (size_t b = 0; b < lives.size(); ++b) plan.scratch[b].offset = arena.offsets[b];
+  plan.scratch_bytes = std::max<int64_t>(arena.arena_bytes, 1);
+}
+
+void Engine::set_scratch(bool enabled) {
+  scratch_enabled_ = enabled;
+  if (!enabled) scratch_ = at::Tensor();  // plans go back to their own kernels at their next use
+}
+
+void Engine::bind_scratch(PatchPlan& plan) {
+  if (plan.scratch.empty()) return;
+  if (!scratch_enabled_) {
+    if (plan.scratch_generation == 0) return;
+    for (const ScratchOut& s : plan.scratch) plan.steps[s.step].kernel = &*states_[plan.order[s.step]].kernel;
+    plan.scratch_kernels.clear();
+    plan.scratch_generation = 0;
+    return;
+  }
+  if (!scratch_.defined() || scratch_.numel() < plan.scratch_bytes) {
+    // Grown to this plan's need (never shrunk): plans bound to the old tensor rebind at their next use.
+    const c10::Device device = states_[plan.order[plan.scratch[0].step]].node->type().tensor.device;
+    scratch_ = at::empty({plan.scratch_bytes}, at::TensorOptions().dtype(at::kByte).device(device));
+    ++scratch_generation_;
+  }
+  if (plan.scratch_generation == scratch_generation_) return;
+  std::vector<runtime::BoundKernel> kernels;
+  kernels.reserve(plan.scratch.size());
+  auto* base = static_cast<uint8_t*>(scratch_.data_ptr());
+  for (const ScratchOut& s : plan.scratch) {
+    const ir::Node& node = *states_[plan.order[s.step]].node;
+    const ir::TensorMeta& m = node.type().tensor;
+    const at::Tensor view = at::from_blob(base + s.offset, m.sizes, m.strides,
+                                          at::TensorOptions().dtype(m.dtype).device(m.device));
+    kernels.push_back(runtime::BoundKernel::bind_as(node, s.op, [this](const ir::Node* x) { return ids_.at(x); },
+                                                    {{s.arg, c10::IValue(view)}}));
+  }
+  plan.scratch_kernels = std::move(kernels);  // the new buffer: the old kernels' addresses are gone
+  for (size_t k = 0; k < plan.scratch.size(); ++k) plan.steps[plan.scratch[k].step].kernel = &plan.scratch_kernels[k];
+  plan.scratch_generation = scratch_generation_;
+}
+
+}  // namespace torch_ext::reactive
