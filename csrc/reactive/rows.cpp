@@ -89,23 +89,19 @@ c10::IValue concat_rows(const c10::IValue& a, const c10::IValue& b, int64_t dim)
   TORCH_CHECK(false, "token-granular cone: cannot join rows of a ", a.tagKind(), " value");
 }
 
-// Whether the first elements (which lie in row 0 along any axis) of two CPU tensors differ, by their
-// bytes: most patches change them, and no kernel runs to say so. Equal bytes, or another device,
-// answer false (ask first_changed_row); a -0.0 against 0.0 answers true, which only costs row savings.
-bool first_element_differs(const c10::IValue& cached, const c10::IValue& now) {
+// Whether the first elements of row `row` along `axis` (index 0 on every other axis) of two CPU tensor
+// values differ, by their bytes: no kernel runs to say so. Equal bytes, another device or a non-tensor
+// answer false (ask changed_rows); a -0.0 against 0.0 answers true, which only costs row savings.
+bool element_differs_in_row(const c10::IValue& cached, const c10::IValue& now, int64_t axis, int64_t row) {
   if (!cached.isTensor() || !now.isTensor()) return false;
   const at::Tensor& a = cached.toTensor();
   const at::Tensor& b = now.toTensor();
-  if (!a.is_cpu() || !b.is_cpu() || a.scalar_type() != b.scalar_type() || a.numel() == 0 || b.numel() == 0)
+  if (!a.is_cpu() || !b.is_cpu() || a.scalar_type() != b.scalar_type() || a.numel() == 0 || b.numel() == 0 ||
+      a.dim() != b.dim() || axis >= a.dim() || row >= a.size(axis) || row >= b.size(axis))
     return false;
-  return std::memcmp(a.data_ptr(), b.data_ptr(), a.element_size()) != 0;
-}
-
-// Whether row T-1 along `axis` of a tensor value differs from the cached one: with row 0 changed, the
-// changed rows are then all of [0, T).
-bool last_row_differs_from(const at::Tensor& cached, const at::Tensor& now, int64_t axis) {
-  const int64_t last = now.size(axis) - 1;
-  return now.select(axis, last).ne(cached.select(axis, last)).any().item<bool>();
+  const auto* pa = static_cast<const char*>(a.data_ptr()) + row * a.stride(axis) * a.element_size();
+  const auto* pb = static_cast<const char*>(b.data_ptr()) + row * b.stride(axis) * b.element_size();
+  return std::memcmp(pa, pb, a.element_size()) != 0;
 }
 
 bool is_floating(const ir::Type& t) {
@@ -325,13 +321,14 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
               ": the node has no sequence axis and early cutoff is on; use patch()/demand()");
   if (rp.source_axis < 0) return evaluate_patched(name, std::move(value));
   check_intact(id);
-  // Rows [0, T) changed (row 0 by its first element, row T-1 compared) with no read rows or columns
+  // Rows 0 and T-1 changed (by their first elements' bytes), so rows [0, T), with no read rows or columns
   // declared: every node runs whole, local ones included, and that is a whole-cone
   // evaluation, whose kernels (and loop) are exactly those of a full recompute. Taken with cutoff on or
   // off alike (cutoff does not act inside a cone on either path), so the two give the same bits.
   const bool narrows = std::any_of(rp.steps.begin(), rp.steps.end(),
                                    [](const RowStep& st) { return st.need > 0 || !st.cols.empty(); });
-  if (!narrows && first_element_differs(values_[id], value) && last_row_differs_from(values_[id].toTensor(), value.toTensor(), rp.source_axis))
+  if (!narrows && element_differs_in_row(values_[id], value, rp.source_axis, 0) &&
+      element_differs_in_row(values_[id], value, rp.source_axis, rp.source_length - 1))
     return evaluate_cone_whole(id, std::move(value));
   const auto [p, src_hi] = changed_rows(id, value);
   if (p >= rp.source_length && cutoff_) {
