@@ -727,14 +727,31 @@ class TrainStep:
             self._program.graph_module.meta.setdefault("custom", {})[LAYOUT_KEY] = json.dumps(layout_of(self))
         return self._program
 
-    def to_aoti(self, path: str) -> str:
+    def to_aoti(self, path: str, donate: bool = False) -> str:
         """Compiles ``program`` with AOTInductor into the package ``path`` (a minute or more), with the
-        flat layout in its metadata; ``torch_ext.load_step(path)`` runs it on TrainStates."""
+        flat layout in its metadata; ``torch_ext.load_step(path)`` runs it on TrainStates.
+
+        ``donate=True`` compiles a package that writes the new state into the input state's tensors
+        (AOTInductor stores each updated entry in place, after its last read), as
+        ``compile(donate=True)`` does: no state-sized output is allocated per call, and the state
+        passed in is consumed (reusing it raises). Its layout lists those entries under ``donated``
+        and only the loss and aux under ``outputs``."""
         from .deploy import LAYOUT_KEY, aoti_metadata
 
-        meta = aoti_metadata(self.program.graph_module.meta["custom"][LAYOUT_KEY])
-        return torch._inductor.aoti_compile_and_package(_compat.for_aot_inductor(self.program), package_path=path,
-                                                        inductor_configs={"aot_inductor.metadata": meta})
+        if not isinstance(donate, bool):
+            raise TypeError(f"to_aoti: donate must be a bool, got {type(donate).__name__} {donate!r}")
+        layout_json = self.program.graph_module.meta["custom"][LAYOUT_KEY]
+        program = _compat.for_aot_inductor(self.program)
+        if donate:
+            layout = json.loads(layout_json)
+            position = {name: i for i, name in enumerate(layout["inputs"])}
+            donated = {1 + j: position[name] for j, name in enumerate(layout["state_names"]) if name in position}
+            program = _compat.donating_program(program, donated)
+            layout["donated"] = [layout["state_names"][k - 1] for k in sorted(donated)]
+            layout["outputs"] = [o for k, o in enumerate(layout["outputs"]) if k not in donated]
+            layout_json = json.dumps(layout)
+        return torch._inductor.aoti_compile_and_package(program, package_path=path,
+                                                        inductor_configs={"aot_inductor.metadata": aoti_metadata(layout_json)})
 
 
 def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, example_batch: Sequence, *,
