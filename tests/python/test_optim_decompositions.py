@@ -66,3 +66,16 @@ def test_sgd(wd, maximize):
 def test_sgd_momentum(nesterov, dampening):
     p, buf = tensors(2)
     run(ops.sgd_momentum_update.default, [p, buf, torch.tensor(0.0)], [0.9, dampening, 0.01, nesterov, False])
+
+
+@pytest.mark.parametrize("centered,momentum", [(False, 0.0), (True, 0.0), (True, 0.9), (False, 0.5)])
+def test_rmsprop(centered, momentum):
+    p, ga, buf = tensors(3)
+    run(ops.rmsprop_update.default, [p, torch.rand(5, 7), ga * 0.01, buf * 0.1, torch.tensor(0.0)],
+        [0.99, 1e-8, 0.01, momentum, centered, False])
+
+
+@pytest.mark.parametrize("lr_decay,wd", [(0.0, 0.0), (0.01, 0.1)])
+def test_adagrad(lr_decay, wd):
+    p, = tensors(1)
+    run(ops.adagrad_update.default, [p, torch.rand(5, 7), torch.tensor(2.0)], [lr_decay, wd, 1e-10, False])
