@@ -55,8 +55,8 @@ from _bench_util import check, summary
 COLUMNS = ("eager", "executor", "arena", "aoti", "aoti_plain", "compile")
 EXACT = ("executor", "arena")  # bit-exact with eager; the others within the case's tolerance
 CHECK_STEPS = 3
-# Relative loss tolerance of the Inductor-compiled columns: float32 rounding of fused kernels, or
-# (with dropout) another random stream over the same data.
+# Loss tolerance of the Inductor-compiled columns, relative to the largest eager loss: float32
+# rounding of fused kernels, or (with dropout) another random stream over the same data.
 TOL, TOL_DROPOUT = 1e-4, 3e-2
 
 
@@ -197,7 +197,10 @@ def check_losses(case, losses):
         if col == "eager" or len(got) < CHECK_STEPS:
             continue
         got = torch.stack(got)
-        rel = float(((got.double() - want.double()).abs() / want.double().abs()).max())
+        # Relative to the largest eager loss: on the one repeated batch the loss falls 200x in three
+        # steps (ResNet-18: 2.57, 0.146, 0.0124), so a per-step ratio would measure rounding against
+        # a nearly-zero loss (torch.compile itself is 3e-3 off eager there).
+        rel = float((got.double() - want.double()).abs().max() / want.double().abs().max())
         if col in EXACT:
             check(torch.equal(got, want), f"{name} / {col}: losses {got.tolist()} are not eager's {want.tolist()}")
         else:
