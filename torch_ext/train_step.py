@@ -756,8 +756,11 @@ class TrainStep:
             layout["donated"] = [layout["state_names"][k - 1] for k in sorted(donated)]
             layout["outputs"] = [o for k, o in enumerate(layout["outputs"]) if k not in donated]
             layout_json = json.dumps(layout)
-        return torch._inductor.aoti_compile_and_package(program, package_path=path,
-                                                        inductor_configs={"aot_inductor.metadata": aoti_metadata(layout_json)})
+        # No channels-last layout optimisation: the step's convolution weights enter and leave as
+        # contiguous state, so Inductor would convert every weight and gradient each call (ResNet-18,
+        # one thread: 3.61 steps/s with it, 4.32 without).
+        configs = {"aot_inductor.metadata": aoti_metadata(layout_json), "layout_optimization": False}
+        return torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=configs)
 
 
 def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, example_batch: Sequence, *,
