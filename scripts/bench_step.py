@@ -3,7 +3,9 @@
 - eager: ``opt.zero_grad(); loss_fn(model, *batch).backward(); opt.step()``;
 - executor: the pure step on the C++ executor (``step(state, *batch)``);
 - arena: the planned step, one preallocated arena, donated state (``step.compile(plan=True, donate=True)``);
-- aoti: the pure step compiled by AOTInductor, run through ``torch_ext.load_step(step.to_aoti(path))``;
+- aoti: the pure step compiled by AOTInductor as a donating package, run through
+  ``torch_ext.load_step(step.to_aoti(path, donate=True))`` (the new state is stored into the state
+  passed in, as the arena does); ``--aoti-plain`` adds aoti_plain, the package without donation;
 - compile: what a user would pick instead, ``torch.compile`` of the whole eager step (the model
   compiled, and ``opt.step`` wrapped in ``torch.compile``).
 
@@ -12,11 +14,20 @@ reported, so the ratios are comparable on a noisy machine. Compile times: AOTInd
 build, and torch.compile's first two calls (forward, backward and the optimizer step), both with a
 fresh Inductor cache directory unless --warm-cache.
 Targets: aoti >= 1.0x compile and >= 1.3x eager; executor >= 1.0x eager.
+
+Every column must train as eager does: the first CHECK_STEPS losses of each (all on the same batch,
+from the same initial state) are compared with eager's, bit for bit for the executor and the arena
+(eager starts from torch.manual_seed(0), the pure step from init_state(seed=0)), and within the
+case's tolerance for the Inductor-compiled columns (fused kernels; with dropout, AOTInductor and
+torch.compile draw their own random streams); each column's loss must also fall over those steps.
+A failed check makes the exit status 1.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import fcntl
 import os
 import statistics
 import sys
@@ -39,14 +50,21 @@ import torch.nn.functional as F
 import torch_ext
 from torch_ext.models import TinyTransformer
 
-COLUMNS = ("eager", "executor", "arena", "aoti", "compile")
+from _bench_util import check, summary
+
+COLUMNS = ("eager", "executor", "arena", "aoti", "aoti_plain", "compile")
+EXACT = ("executor", "arena")  # bit-exact with eager; the others within the case's tolerance
+CHECK_STEPS = 3
+# Loss tolerance of the Inductor-compiled columns, relative to the largest eager loss: float32
+# rounding of fused kernels, or (with dropout) another random stream over the same data.
+TOL, TOL_DROPOUT = 1e-4, 3e-2
 
 
 def mlp_case():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
     batch = (torch.randn(32, 64), torch.randint(0, 10, (32,)))
-    return "mlp 64-128-128-10, batch 32", model, lambda m, x, y: F.cross_entropy(m(x), y), batch
+    return "mlp 64-128-128-10, batch 32", model, lambda m, x, y: F.cross_entropy(m(x), y), batch, TOL
 
 
 def transformer_case():
@@ -54,7 +72,7 @@ def transformer_case():
     model = TinyTransformer(vocab=64, d_model=32, n_heads=4, n_layers=2, seq=16)
     batch = (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
     return ("transformer 2x32, seq 16, batch 4", model,
-            lambda m, i, t: F.cross_entropy(m(i).reshape(-1, 64), t.reshape(-1)), batch)
+            lambda m, i, t: F.cross_entropy(m(i).reshape(-1, 64), t.reshape(-1)), batch, TOL)
 
 
 def gpt2_case():
@@ -67,7 +85,7 @@ def gpt2_case():
     model = transformers.GPT2LMHeadModel(cfg).train()  # tied embeddings, dropout 0.1
     ids = torch.randint(0, vocab, (8, 128))
     return (f"HF GPT-2 2x256, vocab {vocab}, seq 128, batch 8", model,
-            lambda m, ids: m(input_ids=ids, labels=ids).loss, (ids,))
+            lambda m, ids: m(input_ids=ids, labels=ids).loss, (ids,), TOL_DROPOUT)
 
 
 def resnet18_case():
@@ -76,7 +94,8 @@ def resnet18_case():
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10).train()
     batch = (torch.randn(16, 3, 64, 64), torch.randint(0, 10, (16,)))
-    return "torchvision ResNet-18, 64x64, batch 16", model, lambda m, x, y: F.cross_entropy(m(x), y), batch
+    return ("torchvision ResNet-18, 64x64, batch 16", model, lambda m, x, y: F.cross_entropy(m(x), y), batch,
+            TOL)
 
 
 CASES = {"mlp": mlp_case, "transformer": transformer_case, "gpt2": gpt2_case, "resnet18": resnet18_case}
@@ -89,50 +108,51 @@ def time_loop(fn, iters):
     return (time.perf_counter() - t0) / iters
 
 
-def runners_for(case, columns, tmpdir, errors):
-    """{column: one-step callable}, {column: compile seconds}; columns that fail to build go to errors."""
-    name, model, loss_fn, batch = case
+def runners_for(case, columns, tmpdir, errors, losses):
+    """{column: one-step callable}, {column: compile seconds}; columns that fail to build go to errors.
+    Each runner appends its first CHECK_STEPS losses to losses[column]."""
+    name, model, loss_fn, batch, _ = case
     runners, compile_s = {}, {}
+
+    def recorded(col, loss):
+        got = losses.setdefault(col, [])
+        if len(got) < CHECK_STEPS:
+            got.append(loss.detach().clone())
 
     eager_model = copy.deepcopy(model)
     eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
 
     def eager():
+        if "eager" not in losses:  # the stream init_state(seed=0) gives the pure step
+            torch.manual_seed(0)
         eager_opt.zero_grad()
-        loss_fn(eager_model, *batch).backward()
+        loss = loss_fn(eager_model, *batch)
+        loss.backward()
         eager_opt.step()
+        recorded("eager", loss)
 
     runners["eager"] = eager
     pure_model = copy.deepcopy(model)
     t0 = time.perf_counter()
     step = torch_ext.make_train_step(pure_model, torch.optim.AdamW(pure_model.parameters(), lr=1e-3), loss_fn, batch)
     compile_s["executor"] = time.perf_counter() - t0
-    if "executor" in columns:
+
+    def state_runner(col, fn):
         box = {"s": step.init_state(seed=0)}
 
-        def executor():
-            box["s"] = step(box["s"], *batch)[1]
+        def run():
+            loss, box["s"] = fn(box["s"], *batch)[:2]
+            recorded(col, loss)
 
-        runners["executor"] = executor
-    def arena_runner():
-        planned = step.compile(plan=True, donate=True)
-        abox = {"s": step.init_state(seed=0)}
+        return run
 
-        def arena():
-            abox["s"] = planned(abox["s"], *batch)[1]
-
-        return arena
-
-    def aoti_runner():
-        loaded = torch_ext.load_step(step.to_aoti(f"{tmpdir}/step_aoti.pt2"))
-        obox = {"s": step.init_state(seed=0)}
-
-        def aoti():
-            obox["s"] = loaded(obox["s"], *batch)[1]
-
-        return aoti
-
-    for col, build in (("arena", arena_runner), ("aoti", aoti_runner)):
+    builders = {
+        "executor": lambda: state_runner("executor", step),
+        "arena": lambda: state_runner("arena", step.compile(plan=True, donate=True)),
+        "aoti": lambda: state_runner("aoti", torch_ext.load_step(step.to_aoti(f"{tmpdir}/aoti.pt2", donate=True))),
+        "aoti_plain": lambda: state_runner("aoti_plain", torch_ext.load_step(step.to_aoti(f"{tmpdir}/plain.pt2"))),
+    }
+    for col, build in builders.items():
         if col not in columns:
             continue
         t0 = time.perf_counter()
@@ -141,7 +161,8 @@ def runners_for(case, columns, tmpdir, errors):
         except Exception as e:  # noqa: BLE001 - reported in the table's notes
             errors[col] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             continue
-        compile_s[col] = time.perf_counter() - t0
+        if col != "executor":
+            compile_s[col] = time.perf_counter() - t0
     if "compile" in columns:
         c_model = torch.compile(copy.deepcopy(model))
         c_opt = torch.optim.AdamW(c_model.parameters(), lr=1e-3)
@@ -152,8 +173,10 @@ def runners_for(case, columns, tmpdir, errors):
 
         def compiled():
             c_opt.zero_grad()
-            loss_fn(c_model, *batch).backward()
+            loss = loss_fn(c_model, *batch)
+            loss.backward()
             opt_step()
+            recorded("compile", loss)
 
         t0 = time.perf_counter()
         try:
@@ -166,18 +189,57 @@ def runners_for(case, columns, tmpdir, errors):
     return {k: runners[k] for k in COLUMNS if k in runners}, compile_s
 
 
-def bench(case, iters, rounds, columns, warmup):
+def check_losses(case, losses):
+    """Every column's first CHECK_STEPS losses against eager's (see the module docstring)."""
+    name, tol = case[0], case[4]
+    want = torch.stack(losses["eager"])
+    for col, got in losses.items():
+        if col == "eager" or len(got) < CHECK_STEPS:
+            continue
+        got = torch.stack(got)
+        # Relative to the largest eager loss: on the one repeated batch the loss falls 200x in three
+        # steps (ResNet-18: 2.57, 0.146, 0.0124), so a per-step ratio would measure rounding against
+        # a nearly-zero loss (torch.compile itself is 3e-3 off eager there).
+        rel = float((got.double() - want.double()).abs().max() / want.double().abs().max())
+        if col in EXACT:
+            check(torch.equal(got, want), f"{name} / {col}: losses {got.tolist()} are not eager's {want.tolist()}")
+        else:
+            check(rel <= tol, f"{name} / {col}: losses {got.tolist()} differ from eager's {want.tolist()} by "
+                              f"{rel:.2e} relative (tolerance {tol:.0e})")
+        check(bool(got[-1] < got[0]), f"{name} / {col}: the loss did not fall over {CHECK_STEPS} steps: {got.tolist()}")
+        print(f"    {col}: losses within {rel:.1e} of eager's")
+
+
+@contextlib.contextmanager
+def held(lock_path):
+    """An exclusive flock on lock_path (none when it is None): the timed part of a case only, so a
+    shared machine runs one measurement at a time without holding the lock through the compiles."""
+    if lock_path is None:
+        yield
+        return
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def bench(case, iters, rounds, columns, warmup, lock_path=None):
     """({column: steps/s}, {column: compile s}, {column: error}); a runner that fails to build or run
     is reported with its error instead of stopping the other columns."""
-    errors = {}
-    with tempfile.TemporaryDirectory() as d:
-        runners, compile_s = runners_for(case, columns, d, errors)
+    errors, losses = {}, {}
+    with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as stack:
+        runners, compile_s = runners_for(case, columns, d, errors, losses)
+        stack.enter_context(held(lock_path))
+        print(f"  timing {case[0]} (load {os.getloadavg()[0]:.2f})", flush=True)
         for k, fn in list(runners.items()):
             try:
-                time_loop(fn, warmup)
+                time_loop(fn, max(warmup, CHECK_STEPS))
             except Exception as e:  # noqa: BLE001 - reported in the table's notes
                 errors[k] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 del runners[k]
+        check_losses(case, losses)
         samples = {k: [] for k in runners}
         for _ in range(rounds):
             for k, fn in runners.items():
@@ -192,7 +254,11 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
     ap.add_argument("--no-aoti", action="store_true", help="skip the AOTInductor column (minutes on 2 cores)")
+    ap.add_argument("--aoti-plain", action="store_true",
+                    help="add aoti_plain: the AOTInductor package without donation (another compile)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column (minutes on 2 cores)")
+    ap.add_argument("--threads", type=int, help="torch.set_num_threads for every column (default: torch's)")
+    ap.add_argument("--lock", help="flock this file around each case's timed rounds (not its compiles)")
     ap.add_argument("--warm-cache", action="store_true",
                     help="reuse Inductor's on-disk cache (compile times then measure cache hits, not compiles)")
     args = ap.parse_args()
@@ -200,38 +266,43 @@ def main():
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         ap.error(f"unknown case(s) {unknown}; choose from {list(CASES)}")
-    columns = [c for c in COLUMNS if not (c == "aoti" and args.no_aoti) and not (c == "compile" and args.no_compile)]
+    skip = {"aoti": args.no_aoti, "aoti_plain": args.no_aoti or not args.aoti_plain, "compile": args.no_compile}
+    columns = [c for c in COLUMNS if not skip.get(c)]
+    t_start = time.perf_counter()
+    if args.threads is not None:  # before any compile: Inductor's C++ kernels take the count at compile time
+        torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; AdamW; steps/s, median of {args.rounds} "
           f"interleaved rounds x {args.iters} steps; Inductor cache "
           + ("warm" if args.warm_cache else "cold (fresh dir)"))
     rows = []
     for key in cases:
         case = CASES[key]()
-        sps, compile_s, errors = bench(case, args.iters, args.rounds, columns, args.warmup)
+        sps, compile_s, errors = bench(case, args.iters, args.rounds, columns, args.warmup, args.lock)
         rows.append((case[0], sps, compile_s, errors))
         print(f"  {case[0]}: " + ", ".join(f"{k} {v:.2f}" for k, v in sps.items())
               + "; build/compile s: " + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items()), flush=True)
     nan = float("nan")
     print()
-    print(f"{'case':46}" + "".join(f"{c:>10}" for c in columns)
-          + f"{'exec/eager':>11}{'arena/eager':>12}{'aoti/eager':>11}{'aoti/compile':>13}")
+    print(f"{'case':46}" + "".join(f"{c:>11}" for c in columns)
+          + f"{'exec/eager':>11}{'arena/eager':>12}{'aoti/eager':>11}{'aoti/compile':>13}{'aoti/plain':>11}")
     for name, sps, _, _ in rows:
         ratio = lambda a, b: sps.get(a, nan) / sps.get(b, nan)  # noqa: E731
-        print(f"{name:46}" + "".join(f"{sps.get(c, nan):10.2f}" for c in columns)
+        print(f"{name:46}" + "".join(f"{sps.get(c, nan):11.2f}" for c in columns)
               + f"{ratio('executor', 'eager'):10.2f}x{ratio('arena', 'eager'):11.2f}x"
-              + f"{ratio('aoti', 'eager'):10.2f}x{ratio('aoti', 'compile'):12.2f}x")
+              + f"{ratio('aoti', 'eager'):10.2f}x{ratio('aoti', 'compile'):12.2f}x{ratio('aoti', 'aoti_plain'):10.2f}x")
     print()
-    print(f"{'compile / build seconds':46}" + "".join(f"{c:>10}" for c in ("executor", "arena", "aoti", "compile")))
-    built = ("executor", "arena", "aoti", "compile")
+    built = [c for c in columns if c != "eager"]
+    print(f"{'compile / build seconds':46}" + "".join(f"{c:>11}" for c in built))
     for name, _, compile_s, _ in rows:
-        print(f"{name:46}" + "".join(f"{compile_s.get(c, nan):10.1f}" for c in built))
+        print(f"{name:46}" + "".join(f"{compile_s.get(c, nan):11.1f}" for c in built))
     for name, _, _, errors in rows:
         for col, err in errors.items():
             print(f"FAILED {name} / {col}: {err}")
     print("(executor: make_train_step (export + passes); arena: planning; aoti: step.to_aoti; compile: torch.compile's "
           "first two steps)")
     print("targets: executor >= 1.00x eager; aoti >= 1.30x eager and >= 1.00x compile")
+    return summary(t_start)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

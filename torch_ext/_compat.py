@@ -156,6 +156,54 @@ def for_aot_inductor(ep: torch.export.ExportedProgram) -> torch.export.ExportedP
     return ep._update(gm, sig)
 
 
+def donating_program(ep: torch.export.ExportedProgram, donated: dict[int, int]) -> torch.export.ExportedProgram:
+    """A copy of ``ep`` that writes outputs into its inputs: ``donated`` maps an output index to the
+    index of the user input it overwrites (same shape and dtype).
+
+    Those outputs become torch.export input mutations (``USER_INPUT_MUTATION``, listed first, as the
+    signature requires); AOTInductor then stores each value straight into the input's memory, after
+    the input's last read, instead of allocating a fresh output every call. The remaining outputs
+    keep their order. An output that is the input itself (a state entry the step leaves unchanged)
+    is dropped: the input already holds it.
+    """
+    from torch.export.experimental import _copy_graph_module_and_signature
+    from torch.export.graph_signature import OutputSpec, TensorArgument
+
+    gm, sig = _copy_graph_module_and_signature(ep)
+    out_node = gm.graph.output_node()
+    outs = list(out_node.args[0])
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    user_inputs = [s for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
+    if len(user_inputs) != len(sig.input_specs) or len(outs) != len(sig.output_specs):
+        raise NotImplementedError("donating_program: expects a program whose inputs are all user inputs")
+    mutations, mutation_specs, kept, kept_specs = [], [], [], []
+    for k, (node, spec) in enumerate(zip(outs, sig.output_specs)):
+        i = donated.get(k)
+        if i is None:
+            kept.append(node)
+            kept_specs.append(spec)
+            continue
+        target = placeholders[i]
+        want, got = target.meta["val"], node.meta["val"]
+        if want.shape != got.shape or want.dtype != got.dtype:
+            raise ValueError(f"donating_program: output {k} ({tuple(got.shape)}, {got.dtype}) cannot overwrite input "
+                             f"{target.name} ({tuple(want.shape)}, {want.dtype})")
+        if node is target:
+            continue
+        mutations.append(node)
+        mutation_specs.append(OutputSpec(OutputKind.USER_INPUT_MUTATION, TensorArgument(name=node.name),
+                                         target=target.name))
+    out_node.args = (tuple(mutations + kept),)
+    sig.output_specs = mutation_specs + kept_specs
+    gm.recompile()
+    out = ep._update(gm, sig)
+    # The calling convention returns the kept outputs only (the mutations land in the inputs).
+    root = out.module_call_graph[0]
+    assert root.fqn == "" and root.signature is not None
+    root.signature.out_spec = torch.utils._pytree.tree_structure(tuple(kept))
+    return out
+
+
 def export_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> torch.export.ExportedProgram:
     """torch.export for an inference graph (see ``trace_for_inference``)."""
     return trace_for_inference(module, args, kwargs, front_end="export")[0]

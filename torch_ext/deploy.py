@@ -138,20 +138,39 @@ class LoadedStep:
                 raise ValueError(f"{state.describe()}: entry {name!r} has shape {tuple(t.shape)} and dtype {t.dtype}, "
                                  f"{self.path} expects {tuple(w['shape'])} and {w['dtype']}")
             flat.append(t)
+        donated = self.layout.get("donated")
+        if donated:
+            # The package writes each donated entry into its tensor: two entries sharing memory would
+            # overwrite each other's new values.
+            seen = {}
+            for name in donated:
+                key = state.lookup(name).untyped_storage().data_ptr()
+                if key in seen:
+                    raise ValueError(f"{state.describe()}: entries {seen[key]!r} and {name!r} share memory, and "
+                                     f"{self.path} updates both in place (a donating package); pass a state whose "
+                                     "entries are separate tensors (e.g. cloned)")
+                seen[key] = name
         return flat
 
     def __call__(self, state, *batch):
         outs = list(self._run(self.flat_inputs(state, *batch)))
-        n = len(self.state_names)
         if len(outs) != len(self.layout["outputs"]):
             raise RuntimeError(f"{self.path}: the program returned {len(outs)} outputs, its layout lists "
                                f"{len(self.layout['outputs'])}")
         self._calls += 1
-        new_state = state.replace(dict(zip(self.state_names, outs[1:1 + n])))
+        by_name = dict(zip(self.layout["outputs"], outs))
+        # A donating package (step.to_aoti(path, donate=True)) wrote these entries into the state's
+        # own tensors: the new state holds them, and the old one is consumed.
+        donated = self.layout.get("donated", [])
+        by_name.update((name, state.lookup(name)) for name in donated)
+        new_state = state.replace({name: by_name[name] for name in self.state_names})
         new_state.origin = f"output of call {self._calls} of load_step({self.path!r})"
+        if donated:
+            state.consumed_by = f"load_step({self.path!r}) (call {self._calls})"
         if self._aux_spec is not None:
-            return outs[0], new_state, pytree.tree_unflatten(outs[1 + n:], self._aux_spec)
-        return outs[0], new_state
+            aux = [by_name[f"aux:{k}"] for k in range(self._aux_spec.num_leaves)]
+            return by_name["loss"], new_state, pytree.tree_unflatten(aux, self._aux_spec)
+        return by_name["loss"], new_state
 
     def _run(self, flat: list):
         return self.runner(*flat)

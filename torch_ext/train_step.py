@@ -727,14 +727,40 @@ class TrainStep:
             self._program.graph_module.meta.setdefault("custom", {})[LAYOUT_KEY] = json.dumps(layout_of(self))
         return self._program
 
-    def to_aoti(self, path: str) -> str:
+    def to_aoti(self, path: str, donate: bool = False) -> str:
         """Compiles ``program`` with AOTInductor into the package ``path`` (a minute or more), with the
-        flat layout in its metadata; ``torch_ext.load_step(path)`` runs it on TrainStates."""
+        flat layout in its metadata; ``torch_ext.load_step(path)`` runs it on TrainStates. The
+        optimizer updates are compiled from their ATen form (torch_ext.optim.decompositions), fused
+        with the rest, so the package agrees with the executor to float32 rounding, not bitwise.
+
+        ``donate=True`` compiles a package that writes the new state into the input state's tensors
+        (AOTInductor stores each updated entry in place, after its last read), as
+        ``compile(donate=True)`` does: no state-sized output is allocated per call, and the state
+        passed in is consumed (reusing it raises). Its layout lists those entries under ``donated``
+        and only the loss and aux under ``outputs``."""
         from .deploy import LAYOUT_KEY, aoti_metadata
 
-        meta = aoti_metadata(self.program.graph_module.meta["custom"][LAYOUT_KEY])
-        return torch._inductor.aoti_compile_and_package(_compat.for_aot_inductor(self.program), package_path=path,
-                                                        inductor_configs={"aot_inductor.metadata": meta})
+        if not isinstance(donate, bool):
+            raise TypeError(f"to_aoti: donate must be a bool, got {type(donate).__name__} {donate!r}")
+        from .optim.decompositions import decompositions
+
+        layout_json = self.program.graph_module.meta["custom"][LAYOUT_KEY]
+        # The update ops as ATen math, which Inductor fuses (opaque C++ kernels otherwise).
+        # (for_aot_inductor last: the retrace of run_decompositions turns its reshapes back into views.)
+        program = _compat.for_aot_inductor(self.program.run_decompositions(decompositions()))
+        if donate:
+            layout = json.loads(layout_json)
+            position = {name: i for i, name in enumerate(layout["inputs"])}
+            donated = {1 + j: position[name] for j, name in enumerate(layout["state_names"]) if name in position}
+            program = _compat.donating_program(program, donated)
+            layout["donated"] = [layout["state_names"][k - 1] for k in sorted(donated)]
+            layout["outputs"] = [o for k, o in enumerate(layout["outputs"]) if k not in donated]
+            layout_json = json.dumps(layout)
+        # No channels-last layout optimisation: the step's convolution weights enter and leave as
+        # contiguous state, so Inductor would convert every weight and gradient each call (ResNet-18,
+        # one thread: 3.61 steps/s with it, 4.32 without).
+        configs = {"aot_inductor.metadata": aoti_metadata(layout_json), "layout_optimization": False}
+        return torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=configs)
 
 
 def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, example_batch: Sequence, *,

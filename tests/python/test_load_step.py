@@ -152,6 +152,40 @@ def test_aoti_package_loads_and_trains(tmp_path):
     assert_states_equal(got, want, atol=1e-5)
 
 
+def test_aoti_donating_package_updates_the_state_in_place(tmp_path):
+    # to_aoti(donate=True): the package stores the new state into the state passed in (no state-sized
+    # outputs per call), the same training as the plain package, and the old state is consumed.
+    step = make(p=0.0)
+    bs = batches(6)
+    plain = torch_ext.load_step(step.to_aoti(str(tmp_path / "plain.pt2")))
+    donating = torch_ext.load_step(step.to_aoti(str(tmp_path / "donating.pt2"), donate=True))
+    layout = donating.layout
+    assert sorted(layout["donated"]) == sorted(step.state_names) and layout["outputs"] == ["loss"]
+    want_losses, want = run(plain, step.init_state(), bs)
+    state = step.init_state()
+    ptrs = {n: state.lookup(n).data_ptr() for n in step.state_names}
+    before = state.lookup("model.l1.weight").clone()
+    loss, new = donating(state, *bs[0])
+    assert {n: new.lookup(n).data_ptr() for n in step.state_names} == ptrs  # written in place
+    assert not torch.equal(new.lookup("model.l1.weight"), before)
+    with pytest.raises(ValueError, match=r"was donated to load_step\(.*donating\.pt2'\) \(call 1\)"):
+        donating(state, *bs[1])
+    got_losses, got = run(donating, new, bs[1:])
+    assert torch.equal(torch.cat([loss.reshape(1), got_losses]), want_losses)
+    assert_states_equal(got, want)
+    shared = step.init_state()
+    shared.opt = dict(shared.opt)
+    a, b = sorted(n for n in shared.opt if n.endswith(":exp_avg"))[:2]
+    if shared.opt[a].shape == shared.opt[b].shape:
+        shared.opt[b] = shared.opt[a]
+    else:  # the same storage, another view: still refused
+        shared.opt[b] = shared.opt[a].new_zeros(0).set_(shared.opt[a].untyped_storage(), 0, shared.opt[b].shape)
+    with pytest.raises(ValueError, match="share memory") as refused:
+        donating(shared, *bs[0])
+    assert f"'{a}'" in str(refused.value) and f"'{b}'" in str(refused.value)
+    assert shared.consumed_by is None
+
+
 class EmptyCacheAttention(nn.Module):
     """Hugging Face's attention without a past: cat([empty cache, k]) before q @ k^T."""
 

@@ -6,10 +6,14 @@ cosine schedule (models in real_models.py):
   torch_ext.load_step, 10 more steps bit-exact.
 - a Llama-style Hugging Face model: 100 steps within 1e-6 (see the test for why not bit-exact).
 - torchvision ResNet-18 (BatchNorm in training mode, running statistics compared too), with
-  clipping: 20 steps bit-exact. Not 100: ResNet-18's 11.7M parameters make a step pair (pure +
-  eager) cost ~0.5-1.5 s on the 2-core CI machine, so 100 steps would take minutes.
-- a ViT encoder (torchvision VisionTransformer, shrunk) with accumulate=4: 25 updates over 100
-  micro-batches, bit-exact (100 updates, 400 micro-batches per side, cost ~100 s of CPU).
+  clipping: 100 steps bit-exact.
+- a ViT encoder (torchvision VisionTransformer, shrunk) with accumulate=4: 100 updates over 400
+  micro-batches, bit-exact.
+
+The file runs on one intra-op thread (restored afterwards): on a 2-core machine shared with other
+work, two OpenMP threads spin at every barrier, which made a ResNet-18 step pair 5-10x slower
+(1.5-6 s instead of 0.4 s) and 100 steps a matter of minutes. Both sides of every comparison run
+on the same thread count.
 
 `torch-ext step` and `torch-ext check` run on each model. Needs transformers / torchvision
 (skipped with the reason otherwise).
@@ -29,6 +33,15 @@ import real_models as rm
 
 HERE = Path(__file__).resolve().parent
 STEPS = 100
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread for this file (see the module docstring)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def needs(module: str):
@@ -134,8 +147,8 @@ def test_llama_style_model_within_1e6():
 
 
 # ---------------------------------------------------------------- torchvision
-RESNET_STEPS = 20  # see the module docstring
-VIT_MICRO_BATCHES = 100  # 25 updates of 4
+RESNET_STEPS = STEPS
+VIT_MICRO_BATCHES = 4 * STEPS  # 100 updates of 4 micro-batches
 
 
 def test_resnet18_batchnorm_with_clipping_bit_exact():

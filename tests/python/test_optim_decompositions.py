@@ -1,0 +1,81 @@
+"""torch_ext.optim.decompositions: the ATen form of each update op (what AOTInductor fuses) against the
+C++ kernel the executor runs, over several steps and every flag, to float32 rounding."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import torch_ext  # noqa: F401 - registers the torch_ext ops
+from torch_ext.optim.decompositions import decompositions
+
+ops = torch.ops.torch_ext
+
+
+def tensors(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(5, 7, generator=g) for _ in range(n)]
+
+
+def close(got, want):
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+
+
+def run(op, state, extra, steps=4):
+    """Runs the op and its decomposition side by side for ``steps`` steps; ``state`` are the slot
+    tensors the op returns updated (param first), ``extra`` the scalars after the lr."""
+    fn = decompositions()[op]
+    g = torch.Generator().manual_seed(1)
+    mine, ref = list(state), list(state)
+    lr = torch.tensor(1e-2, dtype=torch.float64)
+    for _ in range(steps):
+        grad = torch.randn(mine[0].shape, generator=g)
+        want = op(ref[0], grad, *ref[1:], lr, *extra)
+        got = fn(mine[0], grad, *mine[1:], lr, *extra)
+        want, got = (list(want) if isinstance(want, (tuple, list)) else [want]), \
+            (list(got) if isinstance(got, (tuple, list)) else [got])
+        got = [t for t in got if t is not None]
+        close(got, want)
+        ref, mine = want, got
+    assert not torch.equal(mine[0], state[0])
+
+
+@pytest.mark.parametrize("wd,decoupled,maximize", list(itertools.product([0.0, 0.1], [False, True], [False, True])))
+def test_adam(wd, decoupled, maximize):
+    p, m, v = tensors(3)
+    m, v = m * 0.1, v.abs() * 0.1
+    run(ops.adam_update.default, [p, m, v, torch.tensor(0.0)], [0.9, 0.999, 1e-8, wd, decoupled, maximize])
+
+
+def test_adam_amsgrad():
+    p, m, v = tensors(3)
+    m, v = m * 0.1, v.abs() * 0.1
+    run(ops.adam_amsgrad_update.default, [p, m, v, v.clone() * 2, torch.tensor(3.0)],
+        [0.9, 0.99, 1e-8, 0.01, True, False])
+
+
+@pytest.mark.parametrize("wd,maximize", [(0.0, False), (0.1, True)])
+def test_sgd(wd, maximize):
+    run(ops.sgd_update.default, tensors(1), [wd, maximize])
+
+
+@pytest.mark.parametrize("nesterov,dampening", [(False, 0.0), (True, 0.0), (False, 0.3)])
+def test_sgd_momentum(nesterov, dampening):
+    p, buf = tensors(2)
+    run(ops.sgd_momentum_update.default, [p, buf, torch.tensor(0.0)], [0.9, dampening, 0.01, nesterov, False])
+
+
+@pytest.mark.parametrize("centered,momentum", [(False, 0.0), (True, 0.0), (True, 0.9), (False, 0.5)])
+def test_rmsprop(centered, momentum):
+    p, ga, buf = tensors(3)
+    run(ops.rmsprop_update.default, [p, torch.rand(5, 7), ga * 0.01, buf * 0.1, torch.tensor(0.0)],
+        [0.99, 1e-8, 0.01, momentum, centered, False])
+
+
+@pytest.mark.parametrize("lr_decay,wd", [(0.0, 0.0), (0.01, 0.1)])
+def test_adagrad(lr_decay, wd):
+    p, = tensors(1)
+    run(ops.adagrad_update.default, [p, torch.rand(5, 7), torch.tensor(2.0)], [lr_decay, wd, 1e-10, False])
