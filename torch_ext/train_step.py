@@ -730,7 +730,7 @@ class TrainStep:
     def to_aoti(self, path: str, donate: bool = False) -> str:
         """Compiles ``program`` with AOTInductor into the package ``path`` (a minute or more), with the
         flat layout in its metadata; ``torch_ext.load_step(path)`` runs it on TrainStates. The
-        optimizer updates are compiled from their ATen form (torch_ext.optim.decompositions), fused
+        optimizer updates are compiled from their ATen form (torch_ext.optim.aten_updates), fused
         with the rest, so the package agrees with the executor to float32 rounding, not bitwise.
 
         ``donate=True`` compiles a package that writes the new state into the input state's tensors
@@ -742,12 +742,12 @@ class TrainStep:
 
         if not isinstance(donate, bool):
             raise TypeError(f"to_aoti: donate must be a bool, got {type(donate).__name__} {donate!r}")
-        from .optim.decompositions import decompositions
+        from .optim import aten_updates
 
         layout_json = self.program.graph_module.meta["custom"][LAYOUT_KEY]
         # The update ops as ATen math, which Inductor fuses (opaque C++ kernels otherwise).
         # (for_aot_inductor last: the retrace of run_decompositions turns its reshapes back into views.)
-        program = _compat.for_aot_inductor(self.program.run_decompositions(decompositions()))
+        program = _compat.for_aot_inductor(self.program.run_decompositions(aten_updates()))
         if donate:
             layout = json.loads(layout_json)
             position = {name: i for i, name in enumerate(layout["inputs"])}

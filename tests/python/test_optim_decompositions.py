@@ -1,4 +1,4 @@
-"""torch_ext.optim.decompositions: the ATen form of each update op (what AOTInductor fuses) against the
+"""torch_ext.optim.aten_updates (each Registration's ``aten``): the ATen form of each update op (what AOTInductor fuses) against the
 C++ kernel the executor runs, over several steps and every flag, to float32 rounding."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torch_ext  # noqa: F401 - registers the torch_ext ops
-from torch_ext.optim.decompositions import decompositions
+from torch_ext.optim import aten_updates as decompositions
 
 ops = torch.ops.torch_ext
 
@@ -79,3 +79,30 @@ def test_rmsprop(centered, momentum):
 def test_adagrad(lr_decay, wd):
     p, = tensors(1)
     run(ops.adagrad_update.default, [p, torch.rand(5, 7), torch.tensor(2.0)], [lr_decay, wd, 1e-10, False])
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_lion(wd):
+    p, m = tensors(2)
+    run(ops.lion_update.default, [p, m * 0.1], [0.9, 0.99, wd])
+
+
+def test_each_registration_carries_its_aten_forms():
+    """The ATen forms live in the optimizer's own registration (one Python module per optimizer);
+    every kind but Muon's has one, so AOTInductor fuses it."""
+    from torch_ext.optim import descriptor, registrations
+
+    table = decompositions()
+    kinds = {kind for reg in registrations() for kind in reg.aten}
+    assert {getattr(ops, descriptor(k)["op"]).default for k in kinds} == set(table)
+    assert kinds == {"adam", "adam_amsgrad", "sgd", "sgd_momentum", "rmsprop", "adagrad", "lion"}
+
+
+def test_an_aten_form_for_an_unknown_kind_is_refused():
+    from torch_ext.optim import Registration, register
+
+    class Mine(torch.optim.SGD):
+        pass
+
+    with pytest.raises(ValueError, match="unknown update kind 'sgdd'"):
+        register(Registration(Mine, lambda *a: {}, aten={"sgdd": lambda *a: None}))

@@ -1,14 +1,14 @@
 """Optimizers of the pure training step.
 
 Each module here registers one optimizer family (see ``_registry.Registration``): a torch.optim
-class mapped to a C++ descriptor in csrc/optim/. Adding an optimizer is one C++ file there and one
-module here; every module of this package is imported, and the names in its ``__all__`` (an eager
+class mapped to a C++ descriptor in csrc/optim/, with its update written in ATen for compilers that
+fuse (``Registration.aten``, optional). Adding an optimizer is one C++ file there and one module here; every module of this package is imported, and the names in its ``__all__`` (an eager
 optimizer class such as :class:`Lion`) are exported from ``torch_ext.optim``.
 """
 import importlib as _importlib
 import pkgutil as _pkgutil
 
-from ._registry import (Registration, descriptor, lr_name, parse_state_name, register,  # noqa: F401
+from ._registry import (Registration, aten_updates, descriptor, lr_name, parse_state_name, register,  # noqa: F401
                         registration_for, registrations, state_name)
 
 # Sorted, so the registration order (and the "supported:" list in errors) does not depend on the file system.

@@ -1,7 +1,7 @@
 """torch.optim.Adam and AdamW: kind "adam", or "adam_amsgrad" with amsgrad=True (csrc/optim/adam.cpp)."""
 import torch
 
-from ._registry import Registration, register
+from ._registry import F64, Registration, register
 
 
 def _read(opt, group, param, gi):
@@ -15,5 +15,41 @@ def _read(opt, group, param, gi):
                 flags=dict(decoupled=decoupled, maximize=bool(group.get("maximize", False))))
 
 
-register(Registration(torch.optim.Adam, _read))
-register(Registration(torch.optim.AdamW, _read))
+def _adam(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, decoupled,
+          maximize):
+    g = grad.neg() if maximize else grad
+    new_step = step + 1
+    lr64 = lr.to(F64)
+    if weight_decay != 0:
+        if decoupled:
+            param = param * (1 - lr64 * weight_decay).to(param.dtype)
+        else:
+            g = g.add(param, alpha=weight_decay)
+    m = torch.lerp(exp_avg, g, 1 - beta1)
+    v = torch.addcmul(exp_avg_sq * beta2, g, g, value=1 - beta2)
+    s = new_step.to(F64)
+    bias_correction1 = 1 - torch.pow(beta1, s)
+    bias_correction2_sqrt = torch.pow(1 - torch.pow(beta2, s), 0.5)
+    step_size = lr64 / bias_correction1
+    new_max = torch.maximum(max_exp_avg_sq, v) if max_exp_avg_sq is not None else None
+    denom = (v if new_max is None else new_max).sqrt() / bias_correction2_sqrt.to(param.dtype) + eps
+    new_param = param + (-step_size).to(param.dtype) * m / denom
+    return new_param, m, v, new_max, new_step
+
+
+def _aten_adam_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, decoupled,
+                      maximize):
+    p, m, v, _, s = _adam(param, grad, exp_avg, exp_avg_sq, None, step, lr, beta1, beta2, eps, weight_decay,
+                          decoupled, maximize)
+    return p, m, v, s
+
+
+def _aten_adam_amsgrad_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, beta2, eps,
+                              weight_decay, decoupled, maximize):
+    return _adam(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
+                 decoupled, maximize)
+
+
+_ATEN = {"adam": _aten_adam_update, "adam_amsgrad": _aten_adam_amsgrad_update}
+register(Registration(torch.optim.Adam, _read, aten=_ATEN))
+register(Registration(torch.optim.AdamW, _read, aten=_ATEN))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import Registration, register
+from ._registry import F64, Registration, register
 
 __all__ = ["Lion"]
 
@@ -57,4 +57,12 @@ def _read(opt, group, param, gi):
                                         weight_decay=float(group["weight_decay"])), flags={})
 
 
-register(Registration(Lion, _read))
+def _aten_lion_update(param, grad, exp_avg, lr, beta1, beta2, weight_decay):
+    """csrc/optim/lion.cpp line by line, functional (for Inductor to fuse)."""
+    param = param * (1 - lr.to(F64) * weight_decay).to(param.dtype)
+    update = torch.add(exp_avg * beta1, grad, alpha=1 - beta1).sign()
+    new_param = param + update * (-lr.to(F64)).to(param.dtype)
+    return new_param, torch.add(exp_avg * beta2, grad, alpha=1 - beta2)
+
+
+register(Registration(Lion, _read, aten={"lion": _aten_lion_update}))

@@ -1,7 +1,7 @@
 """torch.optim.RMSprop: kind "rmsprop" (csrc/optim/rmsprop.cpp)."""
 import torch
 
-from ._registry import Registration, register
+from ._registry import F64, Registration, aten_grad, register
 
 
 def _read(opt, group, param, gi):
@@ -23,4 +23,24 @@ def _torch_state(kind, values, group):
     return st
 
 
-register(Registration(torch.optim.RMSprop, _read, torch_state=_torch_state))
+def _aten_rmsprop_update(param, grad, square_avg, grad_avg, momentum_buffer, step, lr, alpha, eps, weight_decay, momentum,
+                   centered, maximize):
+    g = aten_grad(param, grad, weight_decay, maximize)
+    sq = torch.addcmul(square_avg * alpha, g, g, value=1 - alpha)
+    ga = grad_avg
+    if centered:
+        ga = torch.lerp(grad_avg, g, 1 - alpha)
+        avg = torch.addcmul(sq, ga, ga, value=-1).sqrt()
+    else:
+        avg = sq.sqrt()
+    avg = avg + eps
+    neg_lr = (-lr.to(F64)).to(param.dtype)
+    buf = momentum_buffer
+    if momentum > 0:
+        buf = momentum_buffer * momentum + g / avg
+        new_param = param + neg_lr * buf
+    else:
+        new_param = param + neg_lr * g / avg
+    return new_param, sq, ga, buf, step + 1
+
+register(Registration(torch.optim.RMSprop, _read, torch_state=_torch_state, aten={"rmsprop": _aten_rmsprop_update}))

@@ -1,7 +1,7 @@
 """torch.optim.SGD: kind "sgd" (momentum == 0) or "sgd_momentum" (csrc/optim/sgd.cpp)."""
 import torch
 
-from ._registry import Registration, register
+from ._registry import F64, Registration, aten_grad, register
 
 
 def _read(opt, group, param, gi):
@@ -31,4 +31,17 @@ def _torch_state(kind, values, group):
     return {"momentum_buffer": values["momentum_buffer"].clone()}
 
 
-register(Registration(torch.optim.SGD, _read, _initial_state, _torch_state))
+def _aten_sgd_update(param, grad, lr, weight_decay, maximize):
+    return param + aten_grad(param, grad, weight_decay, maximize) * (-lr.to(F64)).to(param.dtype)
+
+
+def _aten_sgd_momentum_update(param, grad, momentum_buffer, step, lr, momentum, dampening, weight_decay, nesterov,
+                              maximize):
+    g = aten_grad(param, grad, weight_decay, maximize)
+    # torch.optim starts the buffer as a copy of the first gradient.
+    buf = torch.where(step == 0, g, torch.add(momentum_buffer * momentum, g, alpha=1 - dampening))
+    d = g.add(buf, alpha=momentum) if nesterov else buf
+    return param + d * (-lr.to(F64)).to(param.dtype), buf, step + 1
+
+register(Registration(torch.optim.SGD, _read, _initial_state, _torch_state,
+                      aten={"sgd": _aten_sgd_update, "sgd_momentum": _aten_sgd_momentum_update}))
