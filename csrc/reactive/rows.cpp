@@ -89,19 +89,35 @@ c10::IValue concat_rows(const c10::IValue& a, const c10::IValue& b, int64_t dim)
   TORCH_CHECK(false, "token-granular cone: cannot join rows of a ", a.tagKind(), " value");
 }
 
-// Whether the first elements of row `row` along `axis` (index 0 on every other axis) of two CPU tensor
-// values differ, by their bytes: no kernel runs to say so. Equal bytes, another device or a non-tensor
-// answer false (ask changed_rows); a -0.0 against 0.0 answers true, which only costs row savings.
-bool element_differs_in_row(const c10::IValue& cached, const c10::IValue& now, int64_t axis, int64_t row) {
+// Whether row `row` along `axis` of two CPU tensor values differs anywhere, by the bytes of its
+// elements (walked by strides: no kernel runs, no tensor is made). Equal bytes, another device, or a
+// non-tensor answer false (ask changed_rows); a -0.0 against 0.0 answers true, which only costs row
+// savings (the row is recomputed, to its right value).
+bool row_bytes_differ(const c10::IValue& cached, const c10::IValue& now, int64_t axis, int64_t row) {
   if (!cached.isTensor() || !now.isTensor()) return false;
   const at::Tensor& a = cached.toTensor();
   const at::Tensor& b = now.toTensor();
-  if (!a.is_cpu() || !b.is_cpu() || a.scalar_type() != b.scalar_type() || a.numel() == 0 || b.numel() == 0 ||
-      a.dim() != b.dim() || axis >= a.dim() || row >= a.size(axis) || row >= b.size(axis))
+  if (!a.is_cpu() || !b.is_cpu() || a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes() || a.numel() == 0 ||
+      axis >= a.dim() || row >= a.size(axis))
     return false;
-  const auto* pa = static_cast<const char*>(a.data_ptr()) + row * a.stride(axis) * a.element_size();
-  const auto* pb = static_cast<const char*>(b.data_ptr()) + row * b.stride(axis) * b.element_size();
-  return std::memcmp(pa, pb, a.element_size()) != 0;
+  const int64_t item = a.element_size();
+  const auto* pa = static_cast<const char*>(a.data_ptr()) + row * a.stride(axis) * item;
+  const auto* pb = static_cast<const char*>(b.data_ptr()) + row * b.stride(axis) * item;
+  std::vector<int64_t> sizes, sa, sb;  // the row's other dims
+  for (int64_t d = 0; d < a.dim(); ++d)
+    if (d != axis) sizes.push_back(a.size(d)), sa.push_back(a.stride(d) * item), sb.push_back(b.stride(d) * item);
+  std::vector<int64_t> index(sizes.size(), 0);
+  while (true) {
+    if (std::memcmp(pa, pb, item) != 0) return true;
+    int64_t d = static_cast<int64_t>(sizes.size()) - 1;  // odometer over the row's elements
+    for (; d >= 0; --d) {
+      pa += sa[d], pb += sb[d];
+      if (++index[d] < sizes[d]) break;
+      pa -= sa[d] * sizes[d], pb -= sb[d] * sizes[d];
+      index[d] = 0;
+    }
+    if (d < 0) return false;
+  }
 }
 
 bool is_floating(const ir::Type& t) {
@@ -321,14 +337,14 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
               ": the node has no sequence axis and early cutoff is on; use patch()/demand()");
   if (rp.source_axis < 0) return evaluate_patched(name, std::move(value));
   check_intact(id);
-  // Rows 0 and T-1 changed (by their first elements' bytes), so rows [0, T), with no read rows or columns
+  // Rows 0 and T-1 changed (by their bytes), so rows [0, T), with no read rows or columns
   // declared: every node runs whole, local ones included, and that is a whole-cone
   // evaluation, whose kernels (and loop) are exactly those of a full recompute. Taken with cutoff on or
   // off alike (cutoff does not act inside a cone on either path), so the two give the same bits.
   const bool narrows = std::any_of(rp.steps.begin(), rp.steps.end(),
                                    [](const RowStep& st) { return st.need > 0 || !st.cols.empty(); });
-  if (!narrows && element_differs_in_row(values_[id], value, rp.source_axis, 0) &&
-      element_differs_in_row(values_[id], value, rp.source_axis, rp.source_length - 1))
+  if (!narrows && row_bytes_differ(values_[id], value, rp.source_axis, 0) &&
+      row_bytes_differ(values_[id], value, rp.source_axis, rp.source_length - 1))
     return evaluate_cone_whole(id, std::move(value));
   const auto [p, src_hi] = changed_rows(id, value);
   if (p >= rp.source_length && cutoff_) {
