@@ -1206,14 +1206,30 @@ def _raise_metric_wrote(rg: ReactiveGraph, site):
                      "values); the cache is repaired. Compute on a copy instead (e.g. out = out.clone()).")
 
 
-def _one_site(rg: ReactiveGraph, site, node: str, patch: Callable, metric: Callable, pinned=(), read_rows=None):
+def _site_path(rg: ReactiveGraph, node: str, pinned, read_rows) -> str:
+    """How a site on ``node`` is evaluated: "rows" (token-granular cone), "fast" (the prepared cone) or
+    "transaction" (patch -> demand -> rollback). It depends only on the engine's state, which every site
+    of a sweep leaves as it found it, so a sweep asks once per node."""
+    eng = rg._engine
+    if read_rows is not None and not pinned and eng.can_evaluate_patched_rows() and eng.seq_axis(node) >= 0:
+        return "rows"
+    if node not in pinned and eng.can_evaluate_patched():
+        return "fast"
+    return "transaction"
+
+
+def _one_site(rg: ReactiveGraph, site, node: str, patch: Callable, metric: Callable, pinned=(), read_rows=None,
+              path: str | None = None):
     """One sweep transaction: patch -> demand -> metric -> rollback (standing patches and grafts kept).
 
     With ``read_rows`` ((rows, columns) read per output, possibly empty) and token-granular cones
-    available, only the rows the patch changed (and the metric reads) are recomputed."""
+    available, only the rows the patch changed (and the metric reads) are recomputed. ``path`` is
+    ``_site_path``'s answer for ``node``, when the caller already has it."""
     patch = rg._hook_view(site[0] if isinstance(site, tuple) else site, patch)
     eng = rg._engine
-    if read_rows is not None and not pinned and eng.can_evaluate_patched_rows() and eng.seq_axis(node) >= 0:
+    if path is None:
+        path = _site_path(rg, node, pinned, read_rows)
+    if path == "rows":
         value = rg._call_patch_fn(node, lambda v: patch(v, site), eng.value(node), "sweep patch function")
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"patch function at site {site!r} returned {type(value).__name__}, expected a tensor")
@@ -1222,7 +1238,7 @@ def _one_site(rg: ReactiveGraph, site, node: str, patch: Callable, metric: Calla
         if wrote:
             _raise_metric_wrote(rg, site)
         return result
-    if node not in pinned and eng.can_evaluate_patched():
+    if path == "fast":
         # The fast path: the cone's prepared order, values freed at last use, everything put back.
         value = rg._call_patch_fn(node, lambda v: patch(v, site), eng.value(node), "sweep patch function")
         if not isinstance(value, torch.Tensor):
@@ -1447,8 +1463,13 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         rows_before = rg.stats["row_evaluations"]
         t0 = time.perf_counter()
         pinned = set(eng.pinned())
+        paths: dict = {}
         for s in _progress(site_list, len(site_list), progress, "sweep"):
-            metrics[s] = _one_site(rg, s, node_of(s), patch, metric, pinned, read_rows)
+            node = node_of(s)
+            path = paths.get(node)
+            if path is None:
+                path = paths[node] = _site_path(rg, node, pinned, read_rows)
+            metrics[s] = _one_site(rg, s, node, patch, metric, pinned, read_rows, path)
         wall = time.perf_counter() - t0
         return SweepResult(metrics, rg.stats["evaluations"] - before, predicted, full, rg.num_nodes, wall,
                            cost=rg.stats["cost"] - cost_before, clean_metric=clean_metric, node_labels=labels,
