@@ -1,5 +1,5 @@
-"""What the benchmark and reproduction scripts share: exactness checks, speed targets, headers
-and the closing summary. Scripts run as ``python scripts/<name>.py``, so this imports as a sibling."""
+"""What the benchmark and reproduction scripts share: exactness checks, speed targets, headers,
+the closing summary and the eager forward-hook sweep (TransformerLens's mechanism). Scripts run as ``python scripts/<name>.py``, so this imports as a sibling."""
 from __future__ import annotations
 
 import time
@@ -43,3 +43,24 @@ def summary(t0: float, failed: str = "CHECK(S) FAILED") -> int:
         return 1
     print("all exactness checks passed")
     return 0
+
+
+def eager_hook_sweep(model, clean, cache, T: int, metric) -> dict:
+    """TransformerLens's mechanism: one hooked forward per (layer, position), the position's residual
+    stream entering block ``layer`` replaced by ``cache[layer]``'s; ``{(layer, pos): metric}``."""
+    import torch
+
+    out = {}
+    with torch.no_grad():
+        for layer, blk in enumerate(model.blocks):
+            for pos in range(T):
+                def hook(m, args, layer=layer, pos=pos):
+                    x = args[0].clone()
+                    x[:, pos] = cache[layer][:, pos]
+                    return (x,)
+                h = blk.register_forward_pre_hook(hook)
+                try:
+                    out[(layer, pos)] = float(metric(model(clean)))
+                finally:
+                    h.remove()
+    return out

@@ -35,7 +35,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_util import FAILURES, check, header, summary, target  # noqa: E402
+from _bench_util import FAILURES, check, eager_hook_sweep, header, summary, target  # noqa: E402
 
 L, D, H, T, V = 4, 128, 4, 20, 500
 
@@ -83,21 +83,7 @@ def resid_cache(model, tokens):
 
 
 def eager_sweep(model, clean, cache):
-    """TransformerLens's mechanism: one hooked forward per (layer, position)."""
-    out = {}
-    with torch.no_grad():
-        for layer, blk in enumerate(model.blocks):
-            for pos in range(T):
-                def hook(m, args, layer=layer, pos=pos):
-                    x = args[0].clone()
-                    x[:, pos] = cache[layer][:, pos]
-                    return (x,)
-                h = blk.register_forward_pre_hook(hook)
-                try:
-                    out[(layer, pos)] = float(metric(model(clean)))
-                finally:
-                    h.remove()
-    return out
+    return eager_hook_sweep(model, clean, cache, T, metric)
 
 
 def reactive_sweep(model, clean, corrupt_cache, **kw):

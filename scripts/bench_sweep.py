@@ -41,7 +41,7 @@ import torch_ext
 from torch_ext.reactive import Engine
 from torch_ext.ir import Graph
 
-from _bench_util import FAILURES, MISSED, check, header, summary, target
+from _bench_util import FAILURES, MISSED, check, eager_hook_sweep, header, summary, target
 
 def interleaved(fns: dict, repeats: int) -> dict:
     """Median wall time of each callable, the callables interleaved within every repeat."""
@@ -341,22 +341,6 @@ def metric(logits):
     return (logits[:, -1, 3] - logits[:, -1, 5]).mean()
 
 
-def eager_hook_sweep(model, clean, cache, T):
-    out = {}
-    for layer, blk in enumerate(model.blocks):
-        for pos in range(T):
-            def hook(m, args, layer=layer, pos=pos):
-                x = args[0].clone()
-                x[:, pos] = cache[layer][:, pos]
-                return (x,)
-            h = blk.register_forward_pre_hook(hook)
-            try:
-                out[(layer, pos)] = float(metric(model(clean)))
-            finally:
-                h.remove()
-    return out
-
-
 def resid_pos_sites(cache, resid: list, T: int):
     """(sites, patch): every (resid_pre node, position), and patch(value, site) taking the node's row ``pos``
     from ``cache`` (the corrupted run)."""
@@ -401,7 +385,7 @@ def part2_case(repeats: int, d: int, B: int) -> None:
 
     def eager():
         with torch.no_grad():
-            results["eager"] = eager_hook_sweep(model, clean, cache, T)
+            results["eager"] = eager_hook_sweep(model, clean, cache, T, metric)
 
     def one():
         with torch.no_grad():
@@ -564,7 +548,7 @@ def part4_case(repeats: int, V: int, B: int) -> None:
 
     def eager():
         with torch.no_grad():
-            res["eager"] = eager_hook_sweep(model, clean, cache, T)
+            res["eager"] = eager_hook_sweep(model, clean, cache, T, metric)
 
     def node():
         res["node"] = torch_ext.sweep(rg, sites, patch, metric, progress=False, positions=False)
