@@ -113,9 +113,10 @@ void Engine::bind_scratch(PatchPlan& plan) {
     plan.scratch_generation = 0;
     return;
   }
-  if (!scratch_.defined() || scratch_.numel() < plan.scratch_bytes) {
-    // Grown to this plan's need (never shrunk): plans bound to the old tensor rebind at their next use.
-    const c10::Device device = states_[plan.order[plan.scratch[0].step]].node->type().tensor.device;
+  const c10::Device device = states_[plan.order[plan.scratch[0].step]].node->type().tensor.device;
+  if (!scratch_.defined() || scratch_.device() != device || scratch_.numel() < plan.scratch_bytes) {
+    // Grown to this plan's need (never shrunk on its device), or moved to this plan's device (a graph
+    // with values on two devices): plans bound to the old tensor rebind at their next use.
     scratch_ = at::empty({plan.scratch_bytes}, at::TensorOptions().dtype(at::kByte).device(device));
     ++scratch_generation_;
   }
