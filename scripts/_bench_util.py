@@ -64,3 +64,19 @@ def eager_hook_sweep(model, clean, cache, T: int, metric) -> dict:
                 finally:
                     h.remove()
     return out
+
+
+def resid_pre_cache(model, tokens) -> dict:
+    """The residual stream entering every block (TransformerLens's blocks.{l}.hook_resid_pre), {layer: tensor}."""
+    import torch
+
+    cache, handles = {}, []
+    for layer, blk in enumerate(model.blocks):
+        handles.append(blk.register_forward_pre_hook(lambda m, args, layer=layer: cache.__setitem__(layer, args[0].clone())))
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        for h in handles:
+            h.remove()
+    return cache

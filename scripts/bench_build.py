@@ -35,7 +35,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_util import FAILURES, check, eager_hook_sweep, header, summary, target  # noqa: E402
+from _bench_util import FAILURES, check, eager_hook_sweep, header, resid_pre_cache, summary, target  # noqa: E402
 
 L, D, H, T, V = 4, 128, 4, 20, 500
 
@@ -69,19 +69,6 @@ def metric(logits):
 
 
 # ---------------------------------------------------------------------------- 2. the residual sweep
-def resid_cache(model, tokens):
-    cache, handles = {}, []
-    for layer, blk in enumerate(model.blocks):
-        handles.append(blk.register_forward_pre_hook(lambda m, a, layer=layer: cache.__setitem__(layer, a[0].clone())))
-    try:
-        with torch.no_grad():
-            model(tokens)
-    finally:
-        for h in handles:
-            h.remove()
-    return cache
-
-
 def eager_sweep(model, clean, cache):
     return eager_hook_sweep(model, clean, cache, T, metric)
 
@@ -112,7 +99,7 @@ def child(spec: dict) -> dict:
     clean, corrupted = prompts(batch)
     if spec["part"] == "sweep":
         model = tiny()
-        cache = resid_cache(model, corrupted)
+        cache = resid_pre_cache(model, corrupted)
         t0 = time.perf_counter()
         if spec["side"] == "eager":
             res = eager_sweep(model, clean, cache)
@@ -205,7 +192,7 @@ def part_sweep(repeats: int, cold_repeats: int) -> None:
 
         clean, corrupted = prompts(batch)
         model = tiny()
-        cache = resid_cache(model, corrupted)
+        cache = resid_pre_cache(model, corrupted)
         others = [tiny(seed=s + 1) for s in range(repeats + 1)]
         res, times = {}, {"eager": [], "nocache": [], "hit": []}
         for i in range(repeats + 1):
@@ -217,13 +204,13 @@ def part_sweep(repeats: int, cold_repeats: int) -> None:
             times["nocache"].append(time.perf_counter() - t0)
             check(rg.build_stats["cache"] == "off", "no-cache arm did not use the cache")
             other = others[i]
-            other_cache = resid_cache(other, corrupted)
+            other_cache = resid_pre_cache(other, corrupted)
             t0 = time.perf_counter()
             res["hit"], rg = reactive_sweep(other, clean, other_cache)
             times["hit"].append(time.perf_counter() - t0)
             if i > 0:
                 check(rg.build_stats["cache"] == "hit", f"cache-hit arm: {rg.build_stats['cache']}")
-        ref_other = eager_sweep(others[-1], clean, resid_cache(others[-1], corrupted))
+        ref_other = eager_sweep(others[-1], clean, resid_pre_cache(others[-1], corrupted))
         for k, ref in (("nocache", res["eager"]), ("hit", ref_other)):
             diff = max(abs(ref[s] - res[k][s]) for s in ref)
             check(diff <= 1e-4, f"sweep b{batch} {k}: reactive vs eager max |diff| {diff:.2e}")

@@ -41,7 +41,7 @@ import torch_ext
 from torch_ext.reactive import Engine
 from torch_ext.ir import Graph
 
-from _bench_util import FAILURES, MISSED, check, eager_hook_sweep, header, summary, target
+from _bench_util import FAILURES, MISSED, check, eager_hook_sweep, header, resid_pre_cache, summary, target
 
 def interleaved(fns: dict, repeats: int) -> dict:
     """Median wall time of each callable, the callables interleaved within every repeat."""
@@ -107,14 +107,18 @@ def bench_chain(repeats: int):
     return "uniform chain: 400 x sin on f32[64,64], every node a site", eng, sites, values, ["x"], n, predicted
 
 
-def bench_mlp(repeats: int):
-    depth, width, batch = 24, 256, 64
+def _relu_mlp(depth: int, width: int, batch: int):
+    """depth x (Linear(width, width) + ReLU), seeded, in eval mode, and an input of `batch` rows."""
     torch.manual_seed(0)
     layers = []
     for _ in range(depth):
         layers += [nn.Linear(width, width), nn.ReLU()]
-    model = nn.Sequential(*layers).eval()
-    x = torch.randn(batch, width)
+    return nn.Sequential(*layers).eval(), torch.randn(batch, width)
+
+
+def bench_mlp(repeats: int):
+    depth, width, batch = 24, 256, 64
+    model, x = _relu_mlp(depth, width, batch)
     rg = torch_ext.ReactiveGraph(model, (x,))
     sites = rg.nodes("*relu*")  # every layer's output
     assert len(sites) == depth
@@ -245,12 +249,7 @@ def part0_overhead(repeats: int, depth: int = 64, width: int = 16, batch: int = 
     """Per-node cost of the engine's sweep loop against the executor's, where dispatch dominates."""
     header(f"0b. per-node overhead: the engine's sweep loop vs torch_ext.Executor ({depth} x Linear({width},{width}) "
            f"+ ReLU, batch {batch})")
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    model = nn.Sequential(*layers).eval()
-    x = torch.randn(batch, width)
+    model, x = _relu_mlp(depth, width, batch)
     rg = torch_ext.ReactiveGraph(model, (x,), positions=False)
     g = rg.graph
     placeholders = [n.name for n in g.nodes() if n.kind == "placeholder"]
@@ -321,20 +320,6 @@ def tl_setup(shared_prefix: int | None = None, d: int = 64, B: int = 8, split_fr
     for p in changed:
         corrupt[:, p] = (corrupt[:, p] + 1 + p) % V
     return model, clean, corrupt
-
-
-def resid_pre_cache(model, tokens):
-    """The residual stream entering every block (TransformerLens' blocks.{l}.hook_resid_pre)."""
-    cache, handles = {}, []
-    for layer, blk in enumerate(model.blocks):
-        handles.append(blk.register_forward_pre_hook(lambda m, args, layer=layer: cache.__setitem__(layer, args[0].clone())))
-    try:
-        with torch.no_grad():
-            model(tokens)
-    finally:
-        for h in handles:
-            h.remove()
-    return cache
 
 
 def metric(logits):
