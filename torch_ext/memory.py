@@ -143,11 +143,7 @@ def _call_peak(fn, device):
     """The most bytes fn has allocated at once (its result included), after one warm-up call."""
     fn()
     if device.type == "cpu":
-        cur = peak = 0
-        for d in _compat.profile_memory_deltas(fn):
-            cur += d
-            peak = max(peak, cur)
-        return peak
+        return _running_peak(_compat.profile_memory_deltas(fn))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -400,12 +396,17 @@ def measured_peak(planned: PlannedStep, state, batch) -> tuple[int, object]:
     allocations the call makes (kernels without out=, escaping outputs). Returns (peak, new state)."""
     held = _tensor_bytes(planned.step.flat_inputs(state, *batch)) + planned.plan["arena_bytes"]
     out = []
-    deltas = _compat.profile_memory_deltas(lambda: out.append(planned(state, *batch)))
+    peak = _running_peak(_compat.profile_memory_deltas(lambda: out.append(planned(state, *batch))))
+    return held + peak, out[0][1]
+
+
+def _running_peak(deltas) -> int:
+    """The largest running sum of allocation deltas (bytes), never below 0."""
     cur = peak = 0
     for d in deltas:
         cur += d
         peak = max(peak, cur)
-    return held + peak, out[0][1]
+    return peak
 
 
 def _tensor_bytes(tensors) -> int:
