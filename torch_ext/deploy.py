@@ -68,11 +68,15 @@ def layout_of(step) -> dict:
 
 def aoti_metadata(layout_json: str) -> dict[str, str]:
     """The AOTInductor package metadata for a step: the JSON layout, and for C++ readers (which have
-    no JSON parser at hand, tests/cpp/aoti/aoti_train.cpp) its input names, state names (newline
-    separated) and fingerprint as plain text."""
+    no JSON parser at hand, tests/cpp/aoti/aoti_train.cpp) as plain text (names newline separated):
+    its input names, state names, output names (the loss, the state entries it returns, aux), the
+    donated state entries (written into the input tensors, not returned) and the fingerprint."""
     layout = json.loads(layout_json)
     return {LAYOUT_KEY: layout_json, "torch_ext.inputs": "\n".join(layout["inputs"]),
-            "torch_ext.state_names": "\n".join(layout["state_names"]), "torch_ext.fingerprint": layout["fingerprint"]}
+            "torch_ext.state_names": "\n".join(layout["state_names"]),
+            "torch_ext.outputs": "\n".join(layout["outputs"]),
+            "torch_ext.donated": "\n".join(layout.get("donated", [])),
+            "torch_ext.fingerprint": layout["fingerprint"]}
 
 
 def _check_layout(layout, path: str) -> dict:

@@ -15,7 +15,8 @@ RUNNER = Path(os.environ.get("TORCH_EXT_BUILD_DIR", ROOT / "build")) / "aoti_tra
 
 
 @pytest.mark.skipif(not RUNNER.exists(), reason=f"C++ runner not built at {RUNNER}")
-def test_aoti_package_runs_10_steps_from_cpp(tmp_path):
+@pytest.mark.parametrize("donate", [False, True], ids=["returning", "donating"])
+def test_aoti_package_runs_10_steps_from_cpp(tmp_path, donate):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -23,7 +24,9 @@ def test_aoti_package_runs_10_steps_from_cpp(tmp_path):
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(10)]
     step = torch_ext.make_train_step(model, opt, loss_fn, batches[0])
-    package = step.to_aoti(str(tmp_path / "step.pt2"))  # the flat layout rides in the package's metadata
+    # The flat layout rides in the package's metadata; a donating package returns only the loss and
+    # writes the new state into the state's tensors, which the runner must carry to the next call.
+    package = step.to_aoti(str(tmp_path / "step.pt2"), donate=donate)
 
     state = step.init_state()
     torch.save(state.state_dict(), tmp_path / "state.pt")  # the checkpoint format, nothing else
@@ -41,6 +44,14 @@ def test_aoti_package_runs_10_steps_from_cpp(tmp_path):
     # Inductor fuses the forward/backward kernels, so agreement is to float32 rounding, not bitwise.
     torch.testing.assert_close(torch.tensor(cpp_losses), torch.tensor(py_losses), rtol=1e-5, atol=1e-6)
     assert cpp_losses[-1] < cpp_losses[0]
+    if donate:
+        # Two donated entries sharing memory would overwrite each other's new values: refused.
+        shared = step.init_state().state_dict()
+        shared["opt"]["opt:model.0.weight:exp_avg_sq"] = shared["opt"]["opt:model.0.weight:exp_avg"]
+        torch.save(shared, tmp_path / "shared.pt")
+        run = subprocess.run([str(RUNNER), package, str(tmp_path / "shared.pt"), str(tmp_path / "batches.pt")],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 2 and "share memory" in run.stderr, run.stderr
 
 
 @pytest.mark.skipif(not RUNNER.exists(), reason=f"C++ runner not built at {RUNNER}")

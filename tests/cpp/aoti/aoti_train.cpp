@@ -4,14 +4,19 @@
 //
 // step.pt2 is a package from step.to_aoti(path): its metadata holds the flat layout, read here
 // (not taken from Python): "torch_ext.inputs" names each program input in order (a state entry,
-// or "batch:<i>", the i-th tensor of a call's batch), "torch_ext.state_names" the new state
-// entries the program returns after the loss, and "torch_ext.fingerprint" the program's hash.
+// or "batch:<i>", the i-th tensor of a call's batch), "torch_ext.state_names" the entries of the
+// new state, "torch_ext.outputs" the program's outputs in order ("loss", returned state entries,
+// "aux:<k>"), "torch_ext.donated" the state entries a donating package (step.to_aoti(path,
+// donate=True)) writes into its input tensors instead of returning them, and
+// "torch_ext.fingerprint" the program's hash. Packages older than "torch_ext.outputs" return the
+// loss and then every state entry.
 // state.pt is torch.save(state.state_dict()) (the checkpoint format: params/buffers/opt dicts,
 // the lr list, rng, fingerprint); batches.pt is torch.save([[tensor, ...], ...]), one list of
 // batch tensors per call. Each call's new state feeds the next. Prints one loss per line.
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <iterator>
@@ -33,6 +38,13 @@ std::vector<std::string> lines(const std::string& text) {
   std::istringstream is(text);
   for (std::string line; std::getline(is, line);) out.push_back(line);
   return out;
+}
+
+// The lines of an optional metadata entry (none when absent).
+std::vector<std::string> meta_lines_or(const std::unordered_map<std::string, std::string>& meta, const std::string& key,
+                                       std::vector<std::string> otherwise) {
+  auto it = meta.find(key);
+  return it == meta.end() ? otherwise : lines(it->second);
 }
 
 std::string meta_at(const std::unordered_map<std::string, std::string>& meta, const std::string& key,
@@ -69,6 +81,25 @@ int run(int argc, char** argv) {
   const std::vector<std::string> inputs = lines(meta_at(meta, "torch_ext.inputs", argv[1]));
   const std::vector<std::string> state_names = lines(meta_at(meta, "torch_ext.state_names", argv[1]));
   const std::string fingerprint = meta_at(meta, "torch_ext.fingerprint", argv[1]);
+  std::vector<std::string> loss_then_state{"loss"};
+  loss_then_state.insert(loss_then_state.end(), state_names.begin(), state_names.end());
+  const std::vector<std::string> outputs = meta_lines_or(meta, "torch_ext.outputs", loss_then_state);
+  const std::vector<std::string> donated = meta_lines_or(meta, "torch_ext.donated", {});
+  std::map<std::string, size_t> output_index;
+  for (size_t i = 0; i < outputs.size(); ++i) output_index[outputs[i]] = i;
+  if (outputs.empty() || outputs[0] != "loss") {
+    std::fprintf(stderr, "%s: the program's first output is '%s', not the loss\n", argv[1],
+                 outputs.empty() ? "" : outputs[0].c_str());
+    return 2;
+  }
+  // Every new state entry is either returned or written in place into its (donated) input.
+  for (const std::string& name : state_names) {
+    const bool is_donated = std::find(donated.begin(), donated.end(), name) != donated.end();
+    if (!output_index.count(name) && !is_donated) {
+      std::fprintf(stderr, "%s: state entry '%s' is neither an output nor donated\n", argv[1], name.c_str());
+      return 2;
+    }
+  }
 
   const c10::IValue state = load(argv[2]);
   const std::string made_by = state.toGenericDict().at("fingerprint").toStringRef();
@@ -78,6 +109,22 @@ int run(int argc, char** argv) {
     return 2;
   }
   std::map<std::string, at::Tensor> entries = entries_of(state);
+  // A donating package overwrites each donated entry's tensor: entries sharing memory (torch.save
+  // keeps sharing) would overwrite each other's new values.
+  std::map<const void*, std::string> donated_storage;
+  for (const std::string& name : donated) {
+    auto it = entries.find(name);
+    if (it == entries.end()) {
+      std::fprintf(stderr, "%s has no entry '%s' that %s updates in place\n", argv[2], name.c_str(), argv[1]);
+      return 2;
+    }
+    auto [seen, fresh] = donated_storage.emplace(it->second.storage().data(), name);
+    if (!fresh) {
+      std::fprintf(stderr, "%s: entries '%s' and '%s' share memory, and %s updates both in place (a donating package)\n",
+                   argv[2], seen->second.c_str(), name.c_str(), argv[1]);
+      return 2;
+    }
+  }
   const std::string batch_prefix = "batch:";
   const c10::IValue batches = load(argv[3]);  // kept alive: toListRef() views it
   for (const auto& batch_value : batches.toListRef()) {
@@ -103,12 +150,16 @@ int run(int argc, char** argv) {
       flat.push_back(it->second);
     }
     std::vector<at::Tensor> outs = loader.run(flat);
-    if (outs.size() < state_names.size() + 1) {
-      std::fprintf(stderr, "expected at least %zu outputs, got %zu\n", state_names.size() + 1, outs.size());
+    if (outs.size() != outputs.size()) {
+      std::fprintf(stderr, "%s returned %zu outputs, its layout lists %zu\n", argv[1], outs.size(), outputs.size());
       return 1;
     }
     std::printf("%.9g\n", outs[0].item<double>());
-    for (size_t i = 0; i < state_names.size(); ++i) entries[state_names[i]] = outs[1 + i];
+    // Donated entries already hold their new values (written into entries[name] by the call).
+    for (const std::string& name : state_names) {
+      auto it = output_index.find(name);
+      if (it != output_index.end()) entries[name] = outs[it->second];
+    }
   }
   return 0;
 }
