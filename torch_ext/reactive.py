@@ -853,7 +853,7 @@ class _BatchedCone:
         self.calls = calls
         self.engine = None
         self.setup = 0
-        if calls == 0:  # standing patches cut every path to an output: each site gives the clean outputs
+        if calls == 0:  # nothing to batch: the node is an output, or standing patches cut its cone off
             return
         self.engine = _C.Engine(graph)
         self.engine.set_positions(rg._positions, rg._seq_dim)
@@ -1394,13 +1394,14 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         bc = rg._batched_cone(node, k)
         if bc is not old:
             setup += bc.setup
-        values = given if given is not None else _patched_values(rg, node, members, patch)
-        if bc.engine is None:  # nothing downstream reaches an output: every site sees the clean outputs
+        if bc.engine is None:  # an empty cone (the node is an output, or pins cut it off): one at a time
             for s in members:
-                metrics[s], w = _measure(rg, metric, rg.demand(), s)
-                if w:
-                    _raise_metric_wrote(rg, s)
+                before, cost_before = rg.stats["evaluations"], rg.stats["cost"]
+                metrics[s] = _one_site(rg, s, node, patch, metric, set(eng.pinned()), read_rows)
+                measured += rg.stats["evaluations"] - before
+                cost += rg.stats["cost"] - cost_before
             continue
+        values = given if given is not None else _patched_values(rg, node, members, patch)
         big = bc.engine
         before = big.stats()["evaluations"]
         cost_before = big.stats()["cost"]

@@ -38,7 +38,7 @@ const std::set<std::string>& elementwise_ops() {
       "sign",       "floor",       "ceil",       "round",       "trunc",      "frac",       "nan_to_num",
       "atan",       "asin",        "acos",       "sinh",        "cosh",       "asinh",      "atanh",
       "logit",      "fmod",        "remainder",  "floor_divide", "atan2",     "hypot",      "copysign",
-      "xlogy",      "sgn",         "isnan",      "isinf",       "isfinite",   "dropout",    "lift_fresh_copy"};
+      "xlogy",      "to",          "sgn",         "isnan",      "isinf",       "isfinite",   "dropout",    "lift_fresh_copy"};
   return ops;
 }
 
