@@ -824,6 +824,11 @@ class ReactiveGraph:
             bc = self._batched[(node, k)] = _BatchedCone(self, node, k, state)
         return bc
 
+    def _check_batchable(self, node: str) -> None:
+        """Refuses (ValueError) a node whose cone the batch_cone pass cannot stack, whatever the patches:
+        batched sites answer or refuse the same way for any patch values."""
+        _BatchedCone.build_graph(self._engine, node, 2)
+
 
 class _BatchedCone:
     """K sites of one node evaluated together: the node's strict cone, stacked K times along dim 0.
@@ -840,13 +845,7 @@ class _BatchedCone:
 
     def __init__(self, rg: "ReactiveGraph", node: str, k: int, state: tuple):
         eng = rg._engine
-        try:
-            graph, externals, stacked, calls = _C.batch_cone(eng.graph(), node, k, list(eng.pinned()))
-        except RuntimeError as e:
-            msg = str(e).split("\n")[0].removeprefix("batch_cone: ")
-            raise ValueError(f"batched sites cannot be used with this model: {msg}. Sites are stacked along dim 0, "
-                             "so every batch-dependent value must keep the batch on dim 0 and never mix it; use "
-                             "batch_sites=False") from None
+        graph, externals, stacked, calls = self.build_graph(eng, node, k)
         self.state = state
         self.k = k
         self.stacked = list(stacked)
@@ -865,6 +864,17 @@ class _BatchedCone:
         inputs.append(tiled(eng.value(node)))
         self.engine.run(inputs)
         self.setup = self.engine.stats()["evaluations"]
+
+    @staticmethod
+    def build_graph(eng, node: str, k: int):
+        """The batch_cone pass on the engine's graph (its pinned nodes stop the cone); a refusal is a ValueError."""
+        try:
+            return _C.batch_cone(eng.graph(), node, k, list(eng.pinned()))
+        except RuntimeError as e:
+            msg = str(e).split("\n")[0].removeprefix("batch_cone: ")
+            raise ValueError(f"batched sites cannot be used with this model: {msg}. Sites are stacked along dim 0, "
+                             "so every batch-dependent value must keep the batch on dim 0 and never mix it; use "
+                             "batch_sites=False") from None
 
     def split(self, flat: list) -> list[list]:
         """Per site, the outputs: chunk i of each stacked output, the clean value of the others."""
@@ -1247,6 +1257,43 @@ def _distributed_sweep(rg: ReactiveGraph, site_list: list, patch, metric, progre
                               "rank_sites": [len(p[0]) for p in gathered]})
 
 
+# One engine evaluation's fixed cost (dispatch, bookkeeping) in FLOPs of arithmetic: about 10 us at
+# ~30 GFLOP/s on one CPU core. Only the split of batched sites into row batches (_row_batches) reads it.
+_NODE_OVERHEAD_FLOPS = 3e5
+
+
+def _row_batches(first: list[int], length: int, overhead: float) -> list[tuple[int, int]]:
+    """Splits sites sorted by first changed row into contiguous batches [lo, hi) minimising
+    sum(overhead + (hi - lo) * (length - first[lo])): each batch computes rows [first[lo], length) of
+    every member, and costs ``overhead`` (in rows of one site) once. Exact dynamic programme, O(n^2)."""
+    n = len(first)
+    best = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for hi in range(1, n + 1):
+        for lo in range(hi):
+            c = best[lo] + overhead + (hi - lo) * (length - first[lo])
+            if c < best[hi]:
+                best[hi], cut[hi] = c, lo
+    bounds = []
+    hi = n
+    while hi > 0:
+        bounds.append((cut[hi], hi))
+        hi = cut[hi]
+    return bounds[::-1]
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical tensors (so -0.0 and 0.0 differ, and equal NaNs agree)."""
+    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return False
+    if a.dtype.is_complex or a.dtype.is_floating_point:
+        width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+        if width is None:
+            return False
+        return torch.equal(a.contiguous().view(width), b.contiguous().view(width))
+    return torch.equal(a, b)
+
+
 def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.Tensor],
           metric: Callable[[Any], Any], *, progress: bool = True, batch_sites: bool = False,
           distributed: bool = False, positions: bool | None = None, reads=None) -> SweepResult:
@@ -1363,23 +1410,49 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
     row_evals = 0.0
     setup = 0
     t0 = time.perf_counter()
-    # batch_sites=K (an int): a node's sites sorted by the first row their patch changes, in batches of
-    # at most K, so that each batch shares a row range close to its members' own (token-granular).
+    # A site whose patched value is bit-identical to the node's current one changes nothing: its metric is
+    # the unpatched one (what one-at-a-time recomputation gives), and it is not stacked. With token-granular
+    # cones, a node's other sites are sorted by the first row their patch changes and split into batches
+    # that each start at their own first row: batch_sites=K, batches of at most K; batch_sites=True, the
+    # split that minimises the predicted cost (_row_batches).
     chunk = batch_sites if not isinstance(batch_sites, bool) else None
     units = []
+    identical = 0
     for node, members in groups.items():
-        if (chunk is not None and len(members) > chunk and read_rows is not None and not eng.pinned()
-                and eng.can_evaluate_patched_rows() and eng.seq_axis(node) >= 0):
-            vals = _patched_values(rg, node, members, patch)
+        if len(members) > 1:
+            rg._check_batchable(node)
+        vals = _patched_values(rg, node, members, patch)
+        current = eng.value(node)
+        kept = []
+        for s, v in zip(members, vals):
+            if _same_bits(v, current):
+                metrics[s], w = _measure(rg, metric, rg.demand(), s)
+                if w:
+                    _raise_metric_wrote(rg, s)
+                identical += 1
+            else:
+                kept.append((s, v))
+        members, vals = [s for s, _ in kept], [v for _, v in kept]
+        if not members:
+            continue
+        if (len(members) > 1 and read_rows is not None and not eng.pinned() and eng.can_evaluate_patched_rows()
+                and eng.seq_axis(node) >= 0):
             first = [eng.first_changed_row(node, v) for v in vals]
             order = sorted(range(len(members)), key=lambda i: (first[i], i))
-            for j in range(0, len(order), chunk):
-                units.append((node, [members[i] for i in order[j:j + chunk]], [vals[i] for i in order[j:j + chunk]]))
+            if chunk is not None:
+                bounds = [(j, min(j + chunk, len(order))) for j in range(0, len(order), chunk)]
+            else:
+                length = current.shape[eng.seq_axis(node)]
+                per_row = max(eng.cone_cost(node), 1.0) / max(length, 1)
+                overhead = _NODE_OVERHEAD_FLOPS * max(rg._cone_size(node), 1) / per_row
+                bounds = _row_batches([first[i] for i in order], length, overhead)
+            for lo, hi in bounds:
+                units.append((node, [members[i] for i in order[lo:hi]], [vals[i] for i in order[lo:hi]]))
         elif chunk is not None and len(members) > chunk:
             for j in range(0, len(members), chunk):
-                units.append((node, members[j:j + chunk], None))
+                units.append((node, members[j:j + chunk], vals[j:j + chunk]))
         else:
-            units.append((node, members, None))
+            units.append((node, members, vals))
     for node, members, given in _progress(units, len(units), progress, "sweep (batched)"):
         k = len(members)
         if k == 1:  # nothing to batch: the graph itself is the cheapest
@@ -1401,7 +1474,7 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
                 measured += rg.stats["evaluations"] - before
                 cost += rg.stats["cost"] - cost_before
             continue
-        values = given if given is not None else _patched_values(rg, node, members, patch)
+        values = given
         big = bc.engine
         before = big.stats()["evaluations"]
         cost_before = big.stats()["cost"]
@@ -1427,6 +1500,7 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
     wall = time.perf_counter() - t0
     predicted_batched = sum(cones[n] for n, _, _ in units)
     return SweepResult(metrics, measured, predicted_batched, full, rg.num_nodes, wall, batched=True,
-                       groups=len(units), cost=cost, extra={"setup_evaluations": setup, "row_evaluations": row_evals},
+                       groups=len(units), cost=cost, extra={"setup_evaluations": setup, "row_evaluations": row_evals,
+                                                            "identical_sites": identical},
                        clean_metric=clean_metric,
                        node_labels=labels)
