@@ -827,7 +827,12 @@ class ReactiveGraph:
     def _check_batchable(self, node: str) -> None:
         """Refuses (ValueError) a node whose cone the batch_cone pass cannot stack, whatever the patches:
         batched sites answer or refuse the same way for any patch values."""
-        _BatchedCone.build_graph(self._engine, node, 2)
+        eng = self._engine
+        state = (id(eng), eng.graph_revision(), tuple(eng.pinned()))
+        checked = self.__dict__.setdefault("_batch_checked", {})
+        if checked.get(node) != state:
+            _BatchedCone.build_graph(eng, node, 2)
+            checked[node] = state
 
 
 class _BatchedCone:
