@@ -1312,10 +1312,14 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     sweep leaves standing patches and grafts exactly as it found them, also when a callback raises.
 
     With ``batch_sites=True`` the sites that share a node (so their cones coincide) are evaluated
-    together (``batch_sites=K``: at most K at a time, sorted by the first row each patch changes, so
-    that token-granular cones keep most of their savings): K variants stacked along dim 0 of a K-times batched graph (grafts replayed, standing
-    patches applied), the shared cone evaluated once. Whether dim 0 really is the batch is checked
-    node by node; a model where it is not is refused with a ValueError, never answered wrongly.
+    together: K variants stacked along dim 0 of the node's cone, built by the C++ pass batch_cone over
+    this graph (grafts included; standing patches stop the cone; values outside it are the cached ones),
+    the shared cone evaluated once. A site whose patched value is bit-identical to the node's value
+    takes the unpatched metric. With token-granular cones the sites are sorted by the first row their
+    patch changes and split into row batches (``batch_sites=K``: at most K each; ``True``: the split
+    with the least predicted cost). Every cone op must be proven to keep dim 0 apart, and its shape
+    must be the original with dim 0 times K; a model where that fails is refused with a ValueError,
+    never answered wrongly.
 
     With ``distributed=True`` (every rank of an initialised ``torch.distributed`` default group calls
     it with the same graph and sites, e.g. under ``torchrun``) the sites are split across the ranks,
