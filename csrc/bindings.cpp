@@ -8,6 +8,7 @@
 #include "ir/printer.h"
 #include "ir/verifier.h"
 #include "optim/descriptor.h"
+#include "passes/batch_cone.h"
 #include "passes/build_train_step.h"
 #include "passes/lower_out_variants.h"
 #include "passes/memory_algorithms.h"
@@ -563,6 +564,17 @@ PYBIND11_MODULE(_C, m) {
     ir::verify_plan(b, plan);
     return py::make_tuple(plan.algorithm, plan.offsets, plan.arena_bytes, ir::lower_bound_bytes(b));
   });
+  m.def(
+      "batch_cone",
+      [](const ir::Graph& g, const std::string& site, int64_t k, const std::vector<std::string>& stop) {
+        passes::BatchCone r = passes::batch_cone(g, site, k, stop);
+        std::vector<std::tuple<std::string, std::string, bool>> ext;
+        for (const auto& e : r.externals) ext.emplace_back(e.placeholder, e.source, e.tiled);
+        return py::make_tuple(std::shared_ptr<ir::Graph>(std::move(r.graph)), ext, r.output_batched, r.num_calls);
+      },
+      py::arg("graph"), py::arg("site"), py::arg("k"), py::arg("stop") = std::vector<std::string>{},
+      "The cone of `site` K times over along dim 0 (csrc/passes/batch_cone.h): (graph, [(placeholder, source, "
+      "tiled)], per-output stacked flags, number of calls).");
   m.def(
       "split_heads",
       [](ir::Graph& g, const std::vector<std::pair<std::string, int64_t>>& sites) {

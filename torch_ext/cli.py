@@ -718,7 +718,7 @@ def _sweep(args) -> int:
     clean_metric = metric(rg.demand())
     what = f"reactive sweep over {len(sites)} sites"
     if args.batched:
-        what += " (batched: first exports the model once per site count per node)"
+        what += " (batched: first builds each node's cone once per site count)"
     with _stage_unless_bar(args, what):
         result = torch_ext.sweep(rg, sites, patch, metric, progress=_bars(args), batch_sites=args.batched,
                                  positions=not args.no_positions)

@@ -240,8 +240,8 @@ class ReactiveGraph:
         self._countable = [n.name for n in nodes if n.kind == "call"]
         self._example_inputs = tuple(example_inputs) if example_inputs is not None else None
         self._last_inputs = None
-        self._batched: dict[int, "_BatchedGraph"] = {}
-        self._grafts: list[tuple] = []  # (src, dst, block, new names): replayed on batched graphs
+        self._batched: dict[tuple, "_BatchedCone"] = {}  # (node, k) -> the node's cone K times over
+        self._grafts: list[tuple] = []  # (src, dst, block, new names): replayed on other shapes' graphs
         self._grafts_applied = 0
         self._cutoff = bool(cutoff)
         # One graph per input shape (static export): other shapes build, or reuse, their own.
@@ -644,8 +644,9 @@ class ReactiveGraph:
         """Turns token-granular cones on or off (for this graph and its batched copies)."""
         self._positions = bool(enabled)
         self._engine.set_positions(self._positions, self._seq_dim)
-        for bg in self._batched.values():
-            bg.rg.set_positions(enabled)
+        for bc in self._batched.values():
+            if bc.engine is not None:
+                bc.engine.set_positions(self._positions, self._seq_dim)
 
     def seq_axis(self, node: str) -> int:
         """The node's sequence axis by the analysis, or -1 (no axis, or positions off)."""
@@ -808,83 +809,82 @@ class ReactiveGraph:
         return str(self._engine)
 
     # ---- batched sites
-    def _batched_graph(self, k: int) -> "_BatchedGraph":
-        """The same model at k times the batch, holding k copies of the current inputs, with this
-        graph's grafts replayed and its standing patches applied, its batch axis checked."""
+    def _batched_cone(self, node: str, k: int) -> "_BatchedCone":
+        """The cone of ``node`` K times over along dim 0 (csrc/passes/batch_cone.h), its values outside
+        the cone the current clean ones (grafts and standing patches included); built again when the
+        graph, its inputs or its standing patches change."""
         if self._last_inputs is None:
             raise ValueError("batched sites need a ReactiveGraph that has run (give example_inputs or call run())")
-        bg = self._batched.get(k)
-        if bg is None:
-            bg = self._batched[k] = _BatchedGraph(self, k)
-        bg.sync()
-        return bg
+        eng = self._engine
+        pinned = tuple(eng.pinned())
+        state = (id(eng), eng.graph_revision(), id(self._last_inputs), pinned,
+                 tuple(id(eng.value(p)) for p in pinned))
+        bc = self._batched.get((node, k))
+        if bc is None or bc.state != state:
+            bc = self._batched[(node, k)] = _BatchedCone(self, node, k, state)
+        return bc
+
+    def _check_batchable(self, node: str) -> None:
+        """Refuses (ValueError) a node whose cone the batch_cone pass cannot stack, whatever the patches:
+        batched sites answer or refuse the same way for any patch values."""
+        eng = self._engine
+        state = (id(eng), eng.graph_revision(), tuple(eng.pinned()))
+        checked = self.__dict__.setdefault("_batch_checked", {})
+        if checked.get(node) != state:
+            _BatchedCone.build_graph(eng, node, 2)
+            checked[node] = state
 
 
-class _BatchedGraph:
-    """A K-times batched copy of a ReactiveGraph for batched sites.
+class _BatchedCone:
+    """K sites of one node evaluated together: the node's strict cone, stacked K times along dim 0.
 
-    Built by exporting the module again at K times the batch (K copies of the current inputs
-    concatenated along dim 0). It mirrors the small graph: grafts are replayed in the same order
-    (same node names), standing patches are applied (repeated K times along the batch), and the
-    batch axis is checked node by node against the small graph's types, so that chunk i of every
-    output depends only on chunk i of the patched node. What cannot be proven is refused.
+    Built by the C++ pass ``batch_cone`` over the engine's graph (no second trace): only the cone
+    carries the K-times batch; values it reads from outside are the small graph's cached ones
+    (repeated K times where a cone op lines them up with its dim 0), so grafts and standing patches
+    (pinned nodes stop the cone) are honoured as they are. Every cone op must be one the pass proves
+    keeps the K variants apart along dim 0, with its type exactly the original one with dim 0 times
+    K; anything else is refused (ValueError), never answered wrongly. The batched engine is set up
+    once with the clean value stacked K times (``setup`` evaluations), so that token-granular cones
+    find their cached rows.
     """
 
-    def __init__(self, rg: ReactiveGraph, k: int):
-        args, kwargs = rg._last_inputs
-        if kwargs:
-            raise ValueError("batched sites support positional inputs only (got keyword inputs); use batch_sites=False")
+    def __init__(self, rg: "ReactiveGraph", node: str, k: int, state: tuple):
+        eng = rg._engine
+        graph, externals, stacked, calls = self.build_graph(eng, node, k)
+        self.state = state
         self.k = k
-        self.owner = rg
-        self.inputs_of = None
-        module = rg._module if rg._module is not None else rg.program.module()
-        self.rg = ReactiveGraph(module, self._stacked(args), cutoff=False, positions=rg._positions,
-                                seq_dim=rg._seq_dim, split_heads=rg._split_heads)
-        self.inputs_of = args
-        self.grafts_applied = 0
-        self.standing: list[tuple[str, torch.Tensor]] = []
-        self.problem: str | None = None
-        self.scaled: set[str] = set()
-        self.checked_at = -1
+        self.stacked = list(stacked)
+        self.calls = calls
+        self.engine = None
+        self.setup = 0
+        if calls == 0:  # nothing to batch: the node is an output, or standing patches cut its cone off
+            return
+        self.engine = _C.Engine(graph)
+        self.engine.set_positions(rg._positions, rg._seq_dim)
 
-    def _stacked(self, args):
-        for i, x in enumerate(args):
-            if isinstance(x, torch.Tensor) and x.dim() == 0:
-                raise ValueError(f"batched sites: input {i} is a 0-d tensor, which has no batch axis; "
-                                 "use batch_sites=False")
-        return tuple(torch.cat([x] * self.k) if isinstance(x, torch.Tensor) else x for x in args)
+        def tiled(v):
+            return v.repeat(k, *([1] * (v.dim() - 1)))
 
-    def sync(self) -> None:
-        rg, big = self.owner, self.rg
-        args, _ = rg._last_inputs
-        if self.inputs_of is not args:
-            big.run(*self._stacked(args))  # the graph moved to other inputs since (drops big's patches)
-            self.inputs_of = args
-            self.standing = []
-        self.grafts_applied = _replay_grafts(big, rg._grafts, self.grafts_applied,
-                                             "the K-times batched graph (use batch_sites=False)", ValueError)
-        if self.checked_at != self.grafts_applied:
-            self.problem, self.scaled = _batch_axis_analysis(rg._engine, big._engine, self.k)
-            self.checked_at = self.grafts_applied
-        if self.problem is not None:
-            raise ValueError(f"batched sites cannot be used with this model: {self.problem}. "
-                             "Sites are stacked along dim 0, so every batch-dependent value must keep the batch "
-                             "on dim 0 and never mix it; use batch_sites=False")
-        pinned = rg._engine.pinned()
-        want = [(n, rg._engine.value(n)) for n in pinned]
-        if [n for n, _ in want] != [n for n, _ in self.standing] or any(
-                a is not b for (_, a), (_, b) in zip(want, self.standing)):
-            if big._engine.pinned():
-                big._engine.restore()
-            for n, v in want:
-                big._engine.patch(n, torch.cat([v] * self.k) if n in self.scaled else v)
-            self.standing = want
-            big._engine.demand()
+        inputs = [tiled(eng.value(src)) if tile else eng.value(src) for _, src, tile in externals]
+        inputs.append(tiled(eng.value(node)))
+        self.engine.run(inputs)
+        self.setup = self.engine.stats()["evaluations"]
 
-    def require_scaled(self, node: str) -> None:
-        if node not in self.scaled:
-            raise ValueError(f"batched sites: node {node!r} has no batch axis on dim 0 (its shape does not grow "
-                             f"with the batch); use batch_sites=False")
+    @staticmethod
+    def build_graph(eng, node: str, k: int):
+        """The batch_cone pass on the engine's graph (its pinned nodes stop the cone); a refusal is a ValueError."""
+        try:
+            return _C.batch_cone(eng.graph(), node, k, list(eng.pinned()))
+        except RuntimeError as e:
+            msg = str(e).split("\n")[0].removeprefix("batch_cone: ")
+            raise ValueError(f"batched sites cannot be used with this model: {msg}. Sites are stacked along dim 0, "
+                             "so every batch-dependent value must keep the batch on dim 0 and never mix it; use "
+                             "batch_sites=False") from None
+
+    def split(self, flat: list) -> list[list]:
+        """Per site, the outputs: chunk i of each stacked output, the clean value of the others."""
+        chunks = [torch.chunk(o, self.k) if st else None for o, st in zip(flat, self.stacked)]
+        return [[ch[i] if ch is not None else o for o, ch in zip(flat, chunks)] for i in range(self.k)]
 
 
 def _replay_grafts(target: ReactiveGraph, grafts: list, start: int, where: str, error) -> int:
@@ -895,18 +895,6 @@ def _replay_grafts(target: ReactiveGraph, grafts: list, start: int, where: str, 
             raise error(f"replaying graft {src!r} -> {dst or '*'} on {where} produced nodes {got}, not {names}")
         start += 1
     return start
-
-
-def _tensor_sizes(t):
-    """Sizes of every tensor in an IR type, in order (tuples flattened), None for non-tensors."""
-    if t[0] == "tensor":
-        return [list(t[2])]
-    if t[0] == "tuple":
-        out = []
-        for e in t[1]:
-            out.extend(_tensor_sizes(e))
-        return out
-    return [None]
 
 
 def _node_inputs(n) -> list[str]:
@@ -922,100 +910,6 @@ def _node_inputs(n) -> list[str]:
     walk(n.args)
     walk([v for _, v in n.kwargs])
     return out
-
-
-def _dim_args(n) -> list[tuple[str, Any]]:
-    """(name, value) of the arguments of a call node that name a tensor dimension."""
-    from .ir import _resolve_target
-
-    try:
-        schema = _resolve_target(n.target)._schema
-    except Exception:  # noqa: BLE001 - getitem, higher-order ops: no dim arguments to check
-        return []
-    kwargs = dict(n.kwargs)
-    out = []
-    for i, arg in enumerate(schema.arguments):
-        if not arg.name.startswith("dim"):
-            continue
-        value = n.args[i] if i < len(n.args) else kwargs.get(arg.name, arg.default_value if arg.has_default_value() else None)
-        out.append((arg.name, value))
-    return out
-
-
-def _batch_axis_analysis(small_engine, big_engine, k: int) -> tuple[str | None, set]:
-    """Checks, node by node, that the K-times batched graph keeps the batch on dim 0 and never mixes it.
-
-    A value is *batched* when it depends on a user input. Every batched tensor must have dim 0 exactly
-    K times the small graph's and every other dim equal; a batched value whose shape does not grow
-    (a reduction over the batch, a scalar read off it) or whose growth is on another dim (a
-    sequence-first layout) is refused, as is any op that takes a dim argument resolving to dim 0 of a
-    batched input (softmax, cumsum, cat, flip, sort, gather, ... along the batch). Returns (the first
-    problem or None, the names of the values batched on dim 0).
-    """
-    small = Graph(small_engine.graph()).nodes()
-    big = {n.name: n for n in Graph(big_engine.graph()).nodes()}
-    if set(big) != {n.name for n in small}:
-        only_small = sorted({n.name for n in small} - set(big))[:3]
-        only_big = sorted(set(big) - {n.name for n in small})[:3]
-        return (f"exporting at K={k} times the batch gave a different graph (only in the original: {only_small}, "
-                f"only in the batched one: {only_big})"), set()
-    batched: set[str] = set()
-    scaled: set[str] = set()
-    for n in small:
-        name = n.name
-        b = big[name]
-        if n.kind == "output":
-            for i in _node_inputs(n):
-                if i not in scaled:
-                    return (f"output %{i} is not batched along dim 0 (a scalar or batch-independent output "
-                            "cannot be split per site)"), scaled
-            continue
-        ins = _node_inputs(n)
-        dep = (n.kind == "placeholder" and n.role == "input") or any(i in batched for i in ins)
-        sizes_s, sizes_b = _tensor_sizes(n.type), _tensor_sizes(b.type)
-        grows = []
-        for ss, sb in zip(sizes_s, sizes_b):
-            if ss is None or sb is None:
-                grows.append(None)
-            elif ss == sb:
-                grows.append(False)
-            elif len(ss) == len(sb) and len(ss) > 0 and sb[0] == k * ss[0] and ss[1:] == sb[1:]:
-                grows.append(True)
-            else:
-                return (f"%{name} has shape {tuple(sb)} in the batched graph against {tuple(ss)}: the batch is "
-                        "not on dim 0 there (e.g. a sequence-first layout)"), scaled
-        if len(sizes_s) != len(sizes_b):
-            return f"%{name} has a different type in the batched graph", scaled
-        if not dep:
-            # Batch-independent (weights, constants), possibly expanded to the batch (positions).
-            if any(g for g in grows):
-                scaled.add(name)
-            continue
-        batched.add(name)
-        if n.type[0] == "none":
-            continue  # assertions
-        if any(g is None for g in grows) or not all(grows):
-            return (f"%{name} ({n.get('target', n['kind'])}) depends on the batch but its shape does not grow "
-                    "with it: it reduces over the batch or reads a scalar off it"), scaled
-        scaled.add(name)
-        if n.kind == "call":
-            target = n.target
-            in_ranks = [len(_tensor_sizes(big[i].type)[0] or []) for i in ins if i in scaled] or [0]
-            rank = in_ranks[0]
-            for arg_name, value in _dim_args(n):
-                values = value if isinstance(value, (list, tuple)) else [value]
-                if target.startswith("aten::permute"):
-                    if values and isinstance(values[0], int) and values[0] % max(rank, 1) != 0:
-                        return f"%{name} permutes the batch axis away from dim 0", scaled
-                    continue
-                for v in values:
-                    if isinstance(v, int) and rank > 0 and v % rank == 0:
-                        first_in = _tensor_sizes(big[ins[0]].type)[0] if ins else None
-                        if target.startswith("aten::slice") and first_in and first_in[0] == sizes_b[0][0]:
-                            continue  # a full slice along the batch is the identity
-                        return (f"%{name} ({target}) works along dim 0 ({arg_name}={v}), which mixes the "
-                                "stacked sites"), scaled
-    return None, scaled
 
 
 class _FunctionBlock(torch.nn.Module):
@@ -1368,6 +1262,43 @@ def _distributed_sweep(rg: ReactiveGraph, site_list: list, patch, metric, progre
                               "rank_sites": [len(p[0]) for p in gathered]})
 
 
+# One engine evaluation's fixed cost (dispatch, bookkeeping) in FLOPs of arithmetic: about 10 us at
+# ~30 GFLOP/s on one CPU core. Only the split of batched sites into row batches (_row_batches) reads it.
+_NODE_OVERHEAD_FLOPS = 3e5
+
+
+def _row_batches(first: list[int], length: int, overhead: float) -> list[tuple[int, int]]:
+    """Splits sites sorted by first changed row into contiguous batches [lo, hi) minimising
+    sum(overhead + (hi - lo) * (length - first[lo])): each batch computes rows [first[lo], length) of
+    every member, and costs ``overhead`` (in rows of one site) once. Exact dynamic programme, O(n^2)."""
+    n = len(first)
+    best = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for hi in range(1, n + 1):
+        for lo in range(hi):
+            c = best[lo] + overhead + (hi - lo) * (length - first[lo])
+            if c < best[hi]:
+                best[hi], cut[hi] = c, lo
+    bounds = []
+    hi = n
+    while hi > 0:
+        bounds.append((cut[hi], hi))
+        hi = cut[hi]
+    return bounds[::-1]
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical tensors (so -0.0 and 0.0 differ, and equal NaNs agree)."""
+    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return False
+    if a.dtype.is_complex or a.dtype.is_floating_point:
+        width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+        if width is None:
+            return False
+        return torch.equal(a.contiguous().view(width), b.contiguous().view(width))
+    return torch.equal(a, b)
+
+
 def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.Tensor],
           metric: Callable[[Any], Any], *, progress: bool = True, batch_sites: bool = False,
           distributed: bool = False, positions: bool | None = None, reads=None) -> SweepResult:
@@ -1381,10 +1312,14 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     sweep leaves standing patches and grafts exactly as it found them, also when a callback raises.
 
     With ``batch_sites=True`` the sites that share a node (so their cones coincide) are evaluated
-    together (``batch_sites=K``: at most K at a time, sorted by the first row each patch changes, so
-    that token-granular cones keep most of their savings): K variants stacked along dim 0 of a K-times batched graph (grafts replayed, standing
-    patches applied), the shared cone evaluated once. Whether dim 0 really is the batch is checked
-    node by node; a model where it is not is refused with a ValueError, never answered wrongly.
+    together: K variants stacked along dim 0 of the node's cone, built by the C++ pass batch_cone over
+    this graph (grafts included; standing patches stop the cone; values outside it are the cached ones),
+    the shared cone evaluated once. A site whose patched value is bit-identical to the node's value
+    takes the unpatched metric. With token-granular cones the sites are sorted by the first row their
+    patch changes and split into row batches (``batch_sites=K``: at most K each; ``True``: the split
+    with the least predicted cost). Every cone op must be proven to keep dim 0 apart, and its shape
+    must be the original with dim 0 times K; a model where that fails is refused with a ValueError,
+    never answered wrongly.
 
     With ``distributed=True`` (every rank of an initialised ``torch.distributed`` default group calls
     it with the same graph and sites, e.g. under ``torchrun``) the sites are split across the ranks,
@@ -1484,23 +1419,49 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
     row_evals = 0.0
     setup = 0
     t0 = time.perf_counter()
-    # batch_sites=K (an int): a node's sites sorted by the first row their patch changes, in batches of
-    # at most K, so that each batch shares a row range close to its members' own (token-granular).
+    # A site whose patched value is bit-identical to the node's current one changes nothing: its metric is
+    # the unpatched one (what one-at-a-time recomputation gives), and it is not stacked. With token-granular
+    # cones, a node's other sites are sorted by the first row their patch changes and split into batches
+    # that each start at their own first row: batch_sites=K, batches of at most K; batch_sites=True, the
+    # split that minimises the predicted cost (_row_batches).
     chunk = batch_sites if not isinstance(batch_sites, bool) else None
     units = []
+    identical = 0
     for node, members in groups.items():
-        if (chunk is not None and len(members) > chunk and read_rows is not None and not eng.pinned()
-                and eng.can_evaluate_patched_rows() and eng.seq_axis(node) >= 0):
-            vals = _patched_values(rg, node, members, patch)
+        if len(members) > 1:
+            rg._check_batchable(node)
+        vals = _patched_values(rg, node, members, patch)
+        current = eng.value(node)
+        kept = []
+        for s, v in zip(members, vals):
+            if _same_bits(v, current):
+                metrics[s], w = _measure(rg, metric, rg.demand(), s)
+                if w:
+                    _raise_metric_wrote(rg, s)
+                identical += 1
+            else:
+                kept.append((s, v))
+        members, vals = [s for s, _ in kept], [v for _, v in kept]
+        if not members:
+            continue
+        if (len(members) > 1 and read_rows is not None and not eng.pinned() and eng.can_evaluate_patched_rows()
+                and eng.seq_axis(node) >= 0):
             first = [eng.first_changed_row(node, v) for v in vals]
             order = sorted(range(len(members)), key=lambda i: (first[i], i))
-            for j in range(0, len(order), chunk):
-                units.append((node, [members[i] for i in order[j:j + chunk]], [vals[i] for i in order[j:j + chunk]]))
+            if chunk is not None:
+                bounds = [(j, min(j + chunk, len(order))) for j in range(0, len(order), chunk)]
+            else:
+                length = current.shape[eng.seq_axis(node)]
+                per_row = max(eng.cone_cost(node), 1.0) / max(length, 1)
+                overhead = _NODE_OVERHEAD_FLOPS * max(rg._cone_size(node), 1) / per_row
+                bounds = _row_batches([first[i] for i in order], length, overhead)
+            for lo, hi in bounds:
+                units.append((node, [members[i] for i in order[lo:hi]], [vals[i] for i in order[lo:hi]]))
         elif chunk is not None and len(members) > chunk:
             for j in range(0, len(members), chunk):
-                units.append((node, members[j:j + chunk], None))
+                units.append((node, members[j:j + chunk], vals[j:j + chunk]))
         else:
-            units.append((node, members, None))
+            units.append((node, members, vals))
     for node, members, given in _progress(units, len(units), progress, "sweep (batched)"):
         k = len(members)
         if k == 1:  # nothing to batch: the graph itself is the cheapest
@@ -1511,48 +1472,44 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
             cost += rg.stats["cost"] - cost_before
             row_evals += rg.stats["row_evaluations"] - rows_before
             continue
-        bg_before = rg._batched[k].rg.stats["evaluations"] if k in rg._batched else 0
-        bg = rg._batched_graph(k)
-        big = bg.rg
-        setup += big.stats["evaluations"] - bg_before
-        bg.require_scaled(node)
-        values = given if given is not None else _patched_values(rg, node, members, patch)
-        before = big.stats["evaluations"]
-        cost_before = big.stats["cost"]
-        rows_before = big.stats["row_evaluations"]
-        fast = big._engine.can_evaluate_patched() and node not in set(big._engine.pinned())
-        by_rows = (read_rows is not None and big._engine.can_evaluate_patched_rows()
-                   and big._engine.seq_axis(node) >= 0)
-        if not fast:
-            big._engine.begin_transaction()
+        old = rg._batched.get((node, k))
+        bc = rg._batched_cone(node, k)
+        if bc is not old:
+            setup += bc.setup
+        if bc.engine is None:  # an empty cone (the node is an output, or pins cut it off): one at a time
+            for s in members:
+                before, cost_before = rg.stats["evaluations"], rg.stats["cost"]
+                metrics[s] = _one_site(rg, s, node, patch, metric, set(eng.pinned()), read_rows)
+                measured += rg.stats["evaluations"] - before
+                cost += rg.stats["cost"] - cost_before
+            continue
+        values = given
+        big = bc.engine
+        before = big.stats()["evaluations"]
+        cost_before = big.stats()["cost"]
+        rows_before = big.stats()["row_evaluations"]
+        by_rows = read_rows is not None and big.can_evaluate_patched_rows() and big.seq_axis(node) >= 0
         wrote = []
-        try:
-            if by_rows:
-                flat = big._engine.evaluate_patched_rows(node, torch.cat(values), *big._read_spec(rows[1]))
-            elif fast:
-                flat = big._engine.evaluate_patched(node, torch.cat(values))
-            else:
-                big._engine.patch(node, torch.cat(values))
-                flat = big._engine.demand()
-            chunks = [torch.chunk(o, k) if isinstance(o, torch.Tensor) and o.dim() > 0 else None for o in flat]
-            for i, s in enumerate(members):
-                parts = [ch[i] if ch is not None else o for o, ch in zip(flat, chunks)]
-                metrics[s], w = _measure(big, metric, big._user(parts), s)
-                if w:
-                    wrote.append(s)
-            # Drop the outputs now: the engine reuses their buffers only while it holds the sole reference.
-            del flat, chunks, parts
-        finally:
-            if not fast:
-                big._engine.rollback()
+        if by_rows:
+            flat = big.evaluate_patched_rows(node, torch.cat(values), *rows[0])
+        else:
+            flat = big.evaluate_patched(node, torch.cat(values))
+        for s, parts in zip(members, bc.split(flat)):
+            metrics[s], w = _measure(rg, metric, rg._user(parts), s)
+            if w:
+                wrote.append(s)
+        # Drop the outputs now: the engine reuses their buffers only while it holds the sole reference.
+        del flat, parts
         if wrote:
-            _raise_metric_wrote(big, wrote[0])
-        measured += big.stats["evaluations"] - before
-        cost += big.stats["cost"] - cost_before
-        row_evals += big.stats["row_evaluations"] - rows_before
+            rg._batched.pop((node, k), None)  # its clean outputs may be the written ones: built again
+            _raise_metric_wrote(rg, wrote[0])
+        measured += big.stats()["evaluations"] - before
+        cost += big.stats()["cost"] - cost_before
+        row_evals += big.stats()["row_evaluations"] - rows_before
     wall = time.perf_counter() - t0
     predicted_batched = sum(cones[n] for n, _, _ in units)
     return SweepResult(metrics, measured, predicted_batched, full, rg.num_nodes, wall, batched=True,
-                       groups=len(units), cost=cost, extra={"setup_evaluations": setup, "row_evaluations": row_evals},
+                       groups=len(units), cost=cost, extra={"setup_evaluations": setup, "row_evaluations": row_evals,
+                                                            "identical_sites": identical},
                        clean_metric=clean_metric,
                        node_labels=labels)

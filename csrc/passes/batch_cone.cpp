@@ -1,0 +1,625 @@
+// batch_cone: see batch_cone.h. Refusals throw before anything is returned; the input graph is
+// only read.
+#include "passes/batch_cone.h"
+
+#include "ir/schema.h"
+#include "ir/type_check.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <limits>
+#include <set>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace torch_ext::passes {
+namespace {
+
+using ir::Arg;
+using ir::Node;
+
+// Ops applied element by element with broadcasting: every tensor argument may be stacked, and an
+// external one lined up with the output's dim 0 is tiled.
+const std::set<std::string>& elementwise_ops() {
+  static const std::set<std::string> ops = {
+      "abs",        "add",         "sub",        "mul",         "div",        "rsub",       "neg",
+      "pow",        "exp",         "exp2",       "log",         "log1p",      "log2",       "expm1",
+      "sqrt",       "rsqrt",       "reciprocal", "sin",         "cos",        "tan",        "tanh",
+      "sigmoid",    "relu",        "relu6",      "gelu",        "silu",       "mish",       "elu",
+      "selu",       "leaky_relu",  "hardtanh",   "hardswish",   "hardsigmoid", "softplus",  "erf",
+      "erfc",       "where",       "maximum",    "minimum",     "clamp",      "clamp_min",  "clamp_max",
+      "masked_fill", "eq",         "ne",         "lt",          "le",         "gt",         "ge",
+      "logical_not", "logical_and", "logical_or", "logical_xor", "bitwise_not", "bitwise_and",
+      "bitwise_or", "square",      "lerp",       "addcmul",     "addcdiv",    "_to_copy",   "clone",
+      "contiguous", "alias",       "detach",     "type_as",     "zeros_like", "ones_like",  "full_like",
+      "sign",       "floor",       "ceil",       "round",       "trunc",      "frac",       "nan_to_num",
+      "atan",       "asin",        "acos",       "sinh",        "cosh",       "asinh",      "atanh",
+      "logit",      "fmod",        "remainder",  "floor_divide", "atan2",     "hypot",      "copysign",
+      "xlogy",      "to",          "sgn",         "isnan",      "isinf",       "isfinite",   "dropout",    "lift_fresh_copy"};
+  return ops;
+}
+
+// Ops that read dim 0 of argument `row` as independent rows (a batch) and every other tensor
+// argument whole (weights, biases, tables); `min_rank` keeps dim 0 a batch dim (a rank-1 input of
+// linear is a feature vector, whose dim 0 is contracted).
+struct RowOp {
+  size_t row;
+  int64_t min_rank;
+};
+const std::unordered_map<std::string, RowOp>& row_ops() {
+  static const std::unordered_map<std::string, RowOp> ops = {
+      {"linear", {0, 2}},
+      {"mm", {0, 2}},
+      {"addmm", {1, 2}},
+      {"embedding", {1, 1}},
+      {"layer_norm", {0, 1}},
+      {"native_layer_norm", {0, 1}},
+      {"rms_norm", {0, 1}},
+      {"_native_batch_norm_legit_no_training", {0, 2}},
+      {"conv1d", {0, 3}},
+      {"conv2d", {0, 4}},
+      {"conv3d", {0, 5}},
+      {"convolution", {0, 3}},
+      {"max_pool1d", {0, 3}},
+      {"max_pool2d", {0, 4}},
+      {"avg_pool1d", {0, 3}},
+      {"avg_pool2d", {0, 4}},
+      {"adaptive_avg_pool1d", {0, 3}},
+      {"adaptive_avg_pool2d", {0, 4}},
+      {"_adaptive_avg_pool2d", {0, 4}},
+      {"constant_pad_nd", {0, 1}},
+      {"softmax", {0, 1}},
+      {"_softmax", {0, 1}},
+      {"log_softmax", {0, 1}},
+      {"_log_softmax", {0, 1}},
+      {"transpose", {0, 1}},
+      {"permute", {0, 1}},
+      {"select", {0, 1}},
+      {"unsqueeze", {0, 1}},
+      {"squeeze", {0, 1}},
+      {"split", {0, 1}},
+      {"split_with_sizes", {0, 1}},
+      {"unsafe_split", {0, 1}},
+      {"chunk", {0, 1}},
+      {"unbind", {0, 1}},
+      {"sum", {0, 1}},
+      {"mean", {0, 1}},
+      {"amax", {0, 1}},
+      {"amin", {0, 1}},
+      {"prod", {0, 1}},
+      {"var", {0, 1}},
+      {"std", {0, 1}},
+      {"logsumexp", {0, 1}},
+      {"argmax", {0, 1}},
+      {"argmin", {0, 1}},
+      {"cumsum", {0, 1}},
+      {"cumprod", {0, 1}},
+      {"flip", {0, 1}},
+      {"roll", {0, 1}},
+      {"narrow", {0, 1}},
+      {"index_select", {0, 1}},
+      {"slice", {0, 1}},
+      {"view", {0, 1}},
+      {"reshape", {0, 1}},
+      {"_unsafe_view", {0, 1}},
+      {"expand", {0, 1}},
+      {"t", {0, 1}},
+      {"tril", {0, 3}},
+      {"triu", {0, 3}},
+  };
+  return ops;
+}
+
+// Ops whose every tensor argument may be stacked (batched products, attention, concatenation);
+// stacked arguments need `min_rank` so that dim 0 is a batch dim, not a contracted one.
+const std::unordered_map<std::string, int64_t>& batched_ops() {
+  static const std::unordered_map<std::string, int64_t> ops = {
+      {"bmm", 3},
+      {"matmul", 3},
+      {"scaled_dot_product_attention", 3},
+      {"_scaled_dot_product_flash_attention_for_cpu", 3},
+      {"cat", 1},
+      {"stack", 1},
+  };
+  return ops;
+}
+
+const Arg* arg_at(const Node& n, size_t pos, const char* name) {
+  if (pos < n.args().size()) return &n.args()[pos];
+  return n.kwarg(name);
+}
+
+int64_t rank_of(const ir::Type& t) {
+  if (t.is_tensor()) return static_cast<int64_t>(t.tensor.sizes.size());
+  if (t.kind == ir::Type::Kind::Tuple && !t.elems.empty() && t.elems[0].is_tensor())
+    return static_cast<int64_t>(t.elems[0].tensor.sizes.size());
+  return -1;
+}
+
+const ir::TensorMeta* first_tensor(const ir::Type& t) {
+  if (t.is_tensor()) return &t.tensor;
+  if (t.kind == ir::Type::Kind::Tuple)
+    for (const ir::Type& e : t.elems)
+      if (e.is_tensor()) return &e.tensor;
+  return nullptr;
+}
+
+int64_t norm_dim(int64_t d, int64_t rank) { return d < 0 ? d + rank : d; }
+
+// The given ints of argument `pos`/`name` (one int or a list); `dflt` when absent or None.
+std::optional<std::vector<int64_t>> ints_at(const Node& n, size_t pos, const char* name,
+                                            std::optional<std::vector<int64_t>> dflt) {
+  const Arg* a = arg_at(n, pos, name);
+  if (a == nullptr || a->kind == Arg::Kind::None) return dflt;
+  if (a->kind == Arg::Kind::Int) return std::vector<int64_t>{a->i};
+  if (a->kind != Arg::Kind::List) return std::nullopt;
+  std::vector<int64_t> out;
+  for (const Arg& e : a->list) {
+    if (e.kind != Arg::Kind::Int) return std::nullopt;
+    out.push_back(e.i);
+  }
+  return out;
+}
+
+std::string where_of(const Node& n) { return "%" + n.name() + " (" + n.target().str() + ")"; }
+
+// The dims an op works along, which must not include dim 0 of its stacked input (rank `rank`,
+// output rank `out_rank`); empty when the op names no dim. Throws for ops that reduce everything
+// or whose dims cannot be read.
+std::vector<int64_t> worked_dims(const Node& n, const std::string& op, int64_t rank, int64_t out_rank) {
+  const std::string w = where_of(n);
+  const auto need = [&](std::optional<std::vector<int64_t>> v, const char* what) {
+    TORCH_CHECK(v.has_value() && !v->empty(), "batch_cone: ", w, " ", what,
+                ", which mixes dim 0 (the stacked sites)");
+    std::vector<int64_t> out;
+    for (int64_t d : *v) out.push_back(norm_dim(d, rank));
+    return out;
+  };
+  if (op == "softmax" || op == "_softmax" || op == "log_softmax" || op == "_log_softmax" || op == "select" ||
+      op == "squeeze" || op == "cumsum" || op == "cumprod" || op == "narrow" || op == "index_select") {
+    if (op == "squeeze" && n.target().overload == "default")
+      return need(std::nullopt, "squeezes every size-1 dim (dim 0 among them when the batch is 1)");
+    return need(ints_at(n, 1, "dim", std::nullopt), "works along no explicit dim");
+  }
+  if (op == "sum" || op == "mean" || op == "amax" || op == "amin" || op == "prod" || op == "var" || op == "std" ||
+      op == "logsumexp" || op == "argmax" || op == "argmin") {
+    const Arg* a = arg_at(n, 1, "dim");
+    if (a != nullptr && a->kind == Arg::Kind::List && a->list.empty()) a = nullptr;
+    return need(a == nullptr ? std::nullopt : ints_at(n, 1, "dim", std::nullopt), "reduces over every dim");
+  }
+  if (op == "transpose") {
+    auto a = need(ints_at(n, 1, "dim0", std::nullopt), "has no dims");
+    auto b = need(ints_at(n, 2, "dim1", std::nullopt), "has no dims");
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  }
+  if (op == "t") return rank >= 2 ? std::vector<int64_t>{0, 1} : std::vector<int64_t>{};
+  if (op == "permute") {
+    auto p = need(ints_at(n, 1, "dims", std::nullopt), "has no permutation");
+    TORCH_CHECK(p[0] == 0, "batch_cone: ", w, " moves dim ", p[0], " to dim 0, which mixes dim 0 (the stacked sites)");
+    return {};
+  }
+  if (op == "unsqueeze") {
+    auto d = ints_at(n, 1, "dim", std::nullopt);
+    TORCH_CHECK(d && d->size() == 1, "batch_cone: ", w, " has no dim");
+    return {norm_dim((*d)[0], out_rank)};
+  }
+  if (op == "split" || op == "split_with_sizes" || op == "unsafe_split" || op == "chunk")
+    return need(ints_at(n, 2, "dim", std::vector<int64_t>{0}), "splits no dim");
+  if (op == "unbind") return need(ints_at(n, 1, "dim", std::vector<int64_t>{0}), "unbinds no dim");
+  if (op == "flip") return need(ints_at(n, 1, "dims", std::nullopt), "flips no dim");
+  if (op == "roll") return need(ints_at(n, 2, "dims", std::nullopt), "rolls the flattened tensor");
+  if (op == "cat") return need(ints_at(n, 1, "dim", std::vector<int64_t>{0}), "has no dim");
+  if (op == "stack") {
+    auto d = need(ints_at(n, 1, "dim", std::vector<int64_t>{0}), "has no dim");
+    return {norm_dim(d[0] < 0 ? d[0] - rank + out_rank : d[0], out_rank)};
+  }
+  if (op == "layer_norm" || op == "native_layer_norm" || op == "rms_norm") {
+    auto s = ints_at(n, 1, "normalized_shape", std::nullopt);
+    TORCH_CHECK(s.has_value(), "batch_cone: ", w, " has no normalized_shape");
+    std::vector<int64_t> out;
+    for (int64_t d = rank - static_cast<int64_t>(s->size()); d < rank; ++d) out.push_back(d);
+    return out;
+  }
+  if (op == "constant_pad_nd") {
+    auto p = ints_at(n, 1, "pad", std::nullopt);
+    TORCH_CHECK(p.has_value(), "batch_cone: ", w, " has no pad");
+    std::vector<int64_t> out;
+    for (int64_t d = rank - static_cast<int64_t>(p->size() / 2); d < rank; ++d) out.push_back(d);
+    return out;
+  }
+  return {};
+}
+
+// Copies `a` with dim 0 of a size list times k (an explicit -1 is left to be inferred).
+Arg scaled_sizes(const Arg& a, int64_t k, const std::string& w) {
+  TORCH_CHECK(a.kind == Arg::Kind::List && !a.list.empty() && a.list[0].kind == Arg::Kind::Int,
+              "batch_cone: ", w, " has no constant size list whose dim 0 can be scaled");
+  Arg out = a;
+  if (out.list[0].i != -1) out.list[0].i *= k;
+  return out;
+}
+
+at::Tensor meta_tensor(const ir::TensorMeta& m) {
+  return at::empty_strided(m.sizes, m.strides, at::TensorOptions().dtype(m.dtype).device(c10::kMeta));
+}
+
+const Arg* kwarg_of(const ir::Kwargs& kwargs, const std::string& name) {
+  for (const auto& [key, a] : kwargs)
+    if (key == name) return &a;
+  return nullptr;
+}
+
+// The type a call of `target` on these (new graph) arguments produces, run on meta tensors.
+ir::Type infer_type(const ir::Target& target, const std::vector<Arg>& args, const ir::Kwargs& kwargs,
+                    const std::string& w) {
+  auto op = ir::find_op(target);
+  TORCH_CHECK(op.has_value(), "batch_cone: ", w, " is not a registered operator");
+  const c10::FunctionSchema& schema = op->schema();
+  std::vector<c10::IValue> stack;
+  for (size_t i = 0; i < schema.arguments().size(); ++i) {
+    const c10::Argument& formal = schema.arguments()[i];
+    const Arg* a = i < args.size() ? &args[i] : kwarg_of(kwargs, formal.name());
+    if (a == nullptr) {
+      TORCH_CHECK(formal.default_value().has_value(), "batch_cone: ", w, " misses argument ", formal.name());
+      stack.push_back(*formal.default_value());
+      continue;
+    }
+    if (a->kind == Arg::Kind::Node) {
+      TORCH_CHECK(a->node->type().is_tensor(), "batch_cone: ", w, " reads a non-tensor value %", a->node->name());
+      stack.emplace_back(meta_tensor(a->node->type().tensor));
+      continue;
+    }
+    bool has_node = false;
+    a->for_each_node([&](Node*) { has_node = true; });
+    if (!has_node) {
+      stack.push_back(ir::constant_to_ivalue(*a, formal.type(), "batch_cone: " + w + ": "));
+      continue;
+    }
+    // A list holding tensors (cat, stack): optional elements are not expected here.
+    c10::List<at::Tensor> l;
+    for (const Arg& e : a->list) {
+      TORCH_CHECK(e.kind == Arg::Kind::Node && e.node->type().is_tensor(), "batch_cone: ", w,
+                  " has a tensor list with a non-tensor element");
+      l.push_back(meta_tensor(e.node->type().tensor));
+    }
+    stack.emplace_back(l);
+  }
+  {
+    at::AutoDispatchBelowAutograd no_autograd;
+    c10::impl::ExcludeDispatchKeyGuard no_python(
+        c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
+    try {
+      op->callBoxed(stack);
+    } catch (const std::exception& e) {
+      const auto* c10e = dynamic_cast<const c10::Error*>(&e);
+      TORCH_CHECK(false, "batch_cone: ", w, " refuses its inputs stacked along dim 0: ",
+                  c10e ? c10e->msg() : std::string(e.what()));
+    }
+  }
+  const auto to_type = [&](const c10::IValue& v) {
+    TORCH_CHECK(v.isTensor() && v.toTensor().defined(), "batch_cone: ", w, " returns a non-tensor value");
+    const at::Tensor& t = v.toTensor();
+    ir::TensorMeta m;
+    m.dtype = t.scalar_type();
+    m.sizes = t.sizes().vec();
+    m.strides = t.strides().vec();
+    return ir::Type::make_tensor(std::move(m));
+  };
+  const size_t returns = schema.returns().size();
+  TORCH_CHECK(returns >= 1, "batch_cone: ", w, " returns nothing");
+  if (returns == 1 && !stack.at(0).isTensorList()) return to_type(stack.at(0));
+  std::vector<ir::Type> elems;
+  if (returns == 1) {
+    for (const c10::IValue& e : stack.at(0).toListRef()) elems.push_back(to_type(e));
+  } else {
+    for (size_t r = 0; r < returns; ++r) elems.push_back(to_type(stack.at(r)));
+  }
+  return ir::Type::make_tuple(std::move(elems));
+}
+
+// `t` with dim 0 of every tensor times k (sizes only: strides are compared separately).
+bool scaled_equal(const ir::Type& small, const ir::Type& got, int64_t k) {
+  if (small.kind != got.kind) return false;
+  if (small.is_tensor()) {
+    const auto& s = small.tensor.sizes;
+    const auto& g = got.tensor.sizes;
+    if (s.empty() || s.size() != g.size() || small.tensor.dtype != got.tensor.dtype) return false;
+    if (g[0] != s[0] * k) return false;
+    return std::equal(s.begin() + 1, s.end(), g.begin() + 1);
+  }
+  if (small.kind != ir::Type::Kind::Tuple || small.elems.size() != got.elems.size()) return false;
+  for (size_t i = 0; i < small.elems.size(); ++i)
+    if (!scaled_equal(small.elems[i], got.elems[i], k)) return false;
+  return true;
+}
+
+void set_devices(ir::Type& t, const ir::Type& from) {
+  if (t.is_tensor() && from.is_tensor()) t.tensor.device = from.tensor.device;
+  if (t.kind == ir::Type::Kind::Tuple && from.kind == ir::Type::Kind::Tuple)
+    for (size_t i = 0; i < t.elems.size() && i < from.elems.size(); ++i) set_devices(t.elems[i], from.elems[i]);
+}
+
+std::string sizes_text(const ir::Type& t) {
+  if (t.is_tensor()) {
+    std::string s = "[";
+    for (size_t i = 0; i < t.tensor.sizes.size(); ++i) s += (i ? "," : "") + std::to_string(t.tensor.sizes[i]);
+    return s + "]";
+  }
+  std::string s = "(";
+  for (size_t i = 0; i < t.elems.size(); ++i) s += (i ? ", " : "") + sizes_text(t.elems[i]);
+  return s + ")";
+}
+
+ir::Type stacked_type(const ir::Type& t, int64_t k) {
+  ir::Type out = t;
+  out.tensor.sizes[0] *= k;
+  out.tensor.strides = ir::TensorMeta::contiguous_strides(out.tensor.sizes);
+  return out;
+}
+
+class Builder {
+ public:
+  Builder(const ir::Graph& g, int64_t k) : g_(g), k_(k), out_(std::make_unique<ir::Graph>()) {}
+
+  BatchCone run(const Node* site, const std::vector<const Node*>& cone) {
+    // Externals first (their placeholders precede the site), then the calls.
+    for (const Node* n : cone) plan_node(*n);
+    site_ = out_->create_placeholder(site->name(), ir::InputRole::UserInput, stacked_type(site->type(), k_));
+    map_[site] = site_;
+    for (const Node* n : cone) emit(*n);
+    std::vector<Arg> outs;
+    BatchCone result;
+    for (const Arg& a : g_.output()->args().at(0).list) {
+      if (a.kind != Arg::Kind::Node) {
+        outs.push_back(a);
+        result.output_batched.push_back(false);
+        continue;
+      }
+      const bool inside = map_.count(a.node) > 0;
+      outs.push_back(Arg::of_node(inside ? map_.at(a.node) : external(a.node, false)));
+      result.output_batched.push_back(inside);
+    }
+    out_->create_output(std::move(outs));
+    // Placeholders were created in first-read order; the site goes last.
+    std::vector<Node*> order;
+    for (Node* p : out_->placeholders())
+      if (p != site_) order.push_back(p);
+    order.push_back(site_);
+    out_->reorder_placeholders(order);
+    for (Node* p : order) {
+      if (p == site_) continue;
+      const auto& [src, tiled] = sources_.at(p);
+      result.externals.push_back({p->name(), src->name(), tiled});
+    }
+    result.num_calls = static_cast<int64_t>(cone.size());
+    out_->index();
+    result.graph = std::move(out_);
+    return result;
+  }
+
+ private:
+  bool stacked(const Node* n) const { return map_.count(n) > 0; }
+
+  // Decides, before any call is emitted, which externals each cone call reads tiled, and
+  // creates their placeholders (first-read order keeps the graph deterministic).
+  void plan_node(const Node& n) {
+    const std::string w = where_of(n);
+    TORCH_CHECK(n.regions().empty(), "batch_cone: ", w, " has regions (control flow), which the pass does not batch");
+    if (n.target().is_getitem()) return;
+    const std::string& op = n.target().name;
+    TORCH_CHECK(n.target().ns == "aten", "batch_cone: ", w, " is not an aten op the pass knows keeps dim 0 apart");
+    const bool elementwise = elementwise_ops().count(op) > 0;
+    const auto row = row_ops().find(op);
+    const auto batched = batched_ops().find(op);
+    TORCH_CHECK(elementwise || row != row_ops().end() || batched != batched_ops().end(), "batch_cone: ", w,
+                " is not an op the pass can prove keeps the stacked sites apart along dim 0");
+    if (op == "dropout") {
+      const Arg* train = arg_at(n, 2, "train");
+      TORCH_CHECK(train != nullptr && train->kind == Arg::Kind::Bool && train->i == 0, "batch_cone: ", w,
+                  " draws random numbers (training-mode dropout)");
+    }
+    const int64_t out_rank = rank_of(n.type());
+    for (size_t i = 0; i < n.args().size() + n.kwargs().size(); ++i) {
+      const Arg& a = i < n.args().size() ? n.args()[i] : n.kwargs()[i - n.args().size()].second;
+      a.for_each_node([&](Node* in) {
+        if (!in_cone_.count(in)) {
+          if (!in->type().is_tensor()) {
+            external(in, false);
+            return;
+          }
+          const bool lined_up = (elementwise || batched != batched_ops().end()) &&
+                                rank_of(in->type()) == out_rank && out_rank >= 1 &&
+                                in->type().tensor.sizes[0] > 1;
+          external(in, lined_up);
+          planned_[{&n, in}] = lined_up;
+          return;
+        }
+        const int64_t r = rank_of(in->type());
+        if (row != row_ops().end()) {
+          TORCH_CHECK(i == row->second.row, "batch_cone: ", w, " reads %", in->name(), " (of the patched cone) as argument ",
+                      i, ", which it does not treat as a batch of rows: it mixes dim 0 (the stacked sites)");
+          TORCH_CHECK(r >= row->second.min_rank, "batch_cone: ", w, " reads %", in->name(), " of rank ", r,
+                      " (needs rank >= ", row->second.min_rank, " for dim 0 to be a batch dim)");
+        } else if (batched != batched_ops().end()) {
+          // x @ W with a constant matrix W: a row-wise product, dim 0 of a rank-2 x is a batch too.
+          const Arg* w1 = arg_at(n, 1, "other");
+          const bool by_matrix = op == "matmul" && i == 0 && w1 != nullptr && w1->kind == Arg::Kind::Node &&
+                                 !in_cone_.count(w1->node) && rank_of(w1->node->type()) <= 2;
+          TORCH_CHECK(r >= (by_matrix ? 2 : batched->second), "batch_cone: ", w, " reads %", in->name(), " of rank ", r,
+                      " (needs rank >= ", (by_matrix ? 2 : batched->second), " for dim 0 to be a batch dim)");
+          if (op == "matmul" || op == "bmm" || op == "cat")
+            TORCH_CHECK(r == out_rank, "batch_cone: ", w, " broadcasts %", in->name(),
+                        " so that its dim 0 is not the output's dim 0");
+        } else {
+          TORCH_CHECK(r == out_rank, "batch_cone: ", w, " broadcasts %", in->name(), " (rank ", r,
+                      ") against rank ", out_rank, ", so its dim 0 is not the output's dim 0");
+        }
+      });
+    }
+    const auto* in0 = n.args().empty() ? nullptr : &n.args()[0];
+    int64_t rank = out_rank;
+    if (in0 != nullptr && in0->kind == Arg::Kind::Node) rank = rank_of(in0->node->type());
+    if (in0 != nullptr && in0->kind == Arg::Kind::List && !in0->list.empty() && in0->list[0].kind == Arg::Kind::Node)
+      rank = rank_of(in0->list[0].node->type());
+    TORCH_CHECK(op != "expand" || rank == out_rank, "batch_cone: ", w, " adds leading dims, so dim 0 of its input is not dim 0 of its output");
+    for (int64_t d : worked_dims(n, op, rank, out_rank))
+      TORCH_CHECK(d != 0, "batch_cone: ", w, " works along dim 0, which mixes the stacked sites");
+  }
+
+ public:
+  void mark_cone(const std::vector<const Node*>& cone, const Node* site) {
+    in_cone_.insert(site);
+    for (const Node* n : cone) in_cone_.insert(n);
+  }
+
+ private:
+  Node* external(const Node* src, bool tiled) {
+    auto key = std::make_pair(src, tiled);
+    auto it = externals_.find(key);
+    if (it != externals_.end()) return it->second;
+    const std::string base = tiled ? src->name() + "_tiled" : src->name();
+    ir::InputRole role = ir::InputRole::Constant;
+    std::string state;
+    if (src->kind() == ir::NodeKind::Placeholder && !tiled) {
+      role = src->role() == ir::InputRole::UserInput ? ir::InputRole::Constant : src->role();
+      state = src->state_name();
+    }
+    ir::Type t = tiled ? stacked_type(src->type(), k_) : src->type();
+    // Cone calls keep their names, so a new name must be free in the original graph too.
+    std::string name = base;
+    for (int i = 1; g_.find(name) != nullptr && name != src->name(); ++i) name = base + "_" + std::to_string(i);
+    Node* p = out_->create_placeholder(out_->unique_name(name), role, std::move(t), state);
+    externals_[key] = p;
+    sources_[p] = {src, tiled};
+    return p;
+  }
+
+  void emit(const Node& n) {
+    const std::string w = where_of(n);
+    std::vector<Arg> args;
+    ir::Kwargs kwargs;
+    const auto remap = [&](const Arg& a, auto&& self) -> Arg {
+      if (a.kind == Arg::Kind::Node) {
+        if (stacked(a.node)) return Arg::of_node(map_.at(a.node));
+        auto p = planned_.find({&n, a.node});
+        return Arg::of_node(external(a.node, p != planned_.end() && p->second));
+      }
+      if (a.kind != Arg::Kind::List) return a;
+      Arg out = a;
+      for (Arg& e : out.list) e = self(e, self);
+      return out;
+    };
+    for (const Arg& a : n.args()) args.push_back(remap(a, remap));
+    for (const auto& [key, a] : n.kwargs()) kwargs.emplace_back(key, remap(a, remap));
+    const std::string& op = n.target().name;
+    if (op == "view" || op == "reshape" || op == "_unsafe_view" || op == "expand") {
+      TORCH_CHECK(args.size() >= 2, "batch_cone: ", w, " has no size list");
+      args[1] = scaled_sizes(args[1], k_, w);
+    }
+    if (op == "slice") {
+      const auto dim = ints_at(n, 1, "dim", std::vector<int64_t>{0});
+      const int64_t rank = rank_of(n.args().at(0).node->type());
+      if (dim && dim->size() == 1 && norm_dim((*dim)[0], rank) == 0) {
+        // Only the identity slice of dim 0 keeps the sites: its end is rewritten to "all of it".
+        const auto start = ints_at(n, 2, "start", std::vector<int64_t>{0});
+        const auto end = ints_at(n, 3, "end", std::vector<int64_t>{std::numeric_limits<int64_t>::max()});
+        const auto step = ints_at(n, 4, "step", std::vector<int64_t>{1});
+        const int64_t size0 = n.args().at(0).node->type().tensor.sizes.at(0);
+        TORCH_CHECK(start && end && step && (*start)[0] == 0 && (*step)[0] == 1 && (*end)[0] >= size0,
+                    "batch_cone: ", w, " slices dim 0, which mixes the stacked sites");
+        while (args.size() < 4) args.push_back(args.size() == 2 ? Arg::of_int(0) : Arg::none());
+        args[3] = Arg::of_int(std::numeric_limits<int64_t>::max());
+        kwargs.erase(std::remove_if(kwargs.begin(), kwargs.end(), [](const auto& kv) { return kv.first == "end" || kv.first == "start"; }),
+                     kwargs.end());
+      }
+    }
+    ir::Type type;
+    if (n.target().is_getitem()) {
+      const Node* tuple = n.args().at(0).node;
+      const ir::Type& tt = map_.at(tuple)->type();
+      const int64_t i = n.args().at(1).i;
+      TORCH_CHECK(tt.kind == ir::Type::Kind::Tuple && i >= 0 && i < static_cast<int64_t>(tt.elems.size()),
+                  "batch_cone: ", w, " reads element ", i, " of a value with no such element");
+      type = tt.elems[i];
+    } else {
+      type = infer_type(n.target(), args, kwargs, w);
+    }
+    TORCH_CHECK(scaled_equal(n.type(), type, k_), "batch_cone: ", w, " produces ", sizes_text(type),
+                " from the stacked inputs against ", sizes_text(n.type()),
+                " alone: the batch is not on dim 0 there (e.g. a sequence-first layout), or the op mixes it");
+    set_devices(type, n.type());
+    Node* copy = out_->create_call(n.name(), n.target(), std::move(args), std::move(kwargs), std::move(type));
+    copy->set_module_path(n.module_path());
+    map_[&n] = copy;
+  }
+
+  struct PairHash {
+    size_t operator()(const std::pair<const Node*, bool>& p) const {
+      return std::hash<const void*>()(p.first) * 2 + p.second;
+    }
+    size_t operator()(const std::pair<const Node*, const Node*>& p) const {
+      return std::hash<const void*>()(p.first) ^ (std::hash<const void*>()(p.second) << 1);
+    }
+  };
+
+  const ir::Graph& g_;
+  const int64_t k_;
+  std::unique_ptr<ir::Graph> out_;
+  Node* site_ = nullptr;
+  std::unordered_set<const Node*> in_cone_;
+  std::unordered_map<const Node*, Node*> map_;
+  std::unordered_map<std::pair<const Node*, bool>, Node*, PairHash> externals_;
+  std::unordered_map<const Node*, std::pair<const Node*, bool>> sources_;
+  std::unordered_map<std::pair<const Node*, const Node*>, bool, PairHash> planned_;
+};
+
+}  // namespace
+
+BatchCone batch_cone(const ir::Graph& g, const std::string& site, int64_t k, const std::vector<std::string>& stop) {
+  TORCH_CHECK(k >= 1, "batch_cone: k must be >= 1, got ", k);
+  const Node* s = g.find(site);
+  TORCH_CHECK(s != nullptr && s->kind() != ir::NodeKind::Output, "batch_cone: no node named '%", site, "'");
+  TORCH_CHECK(s->type().is_tensor() && !s->type().tensor.sizes.empty(), "batch_cone: %", site,
+              " is not a tensor with a dim 0 to stack the sites along");
+  TORCH_CHECK(g.output() != nullptr, "batch_cone: the graph has no output");
+  std::unordered_set<const Node*> stops;
+  for (const std::string& name : stop) {
+    const Node* n = g.find(name);
+    TORCH_CHECK(n != nullptr, "batch_cone: no node named '%", name, "' (in stop)");
+    if (n != s) stops.insert(n);
+  }
+  // V+(s) without passing a stop node, then only the part that reaches an output inside it.
+  std::unordered_set<const Node*> reach{s};
+  for (const auto& up : g.nodes()) {
+    const Node* n = up.get();
+    if (n->kind() != ir::NodeKind::Call || n == s || stops.count(n)) continue;
+    for (const Node* in : n->inputs())
+      if (reach.count(in)) {
+        reach.insert(n);
+        break;
+      }
+  }
+  std::unordered_set<const Node*> live;
+  for (const Arg& a : g.output()->args().at(0).list)
+    a.for_each_node([&](Node* n) {
+      if (reach.count(n)) live.insert(n);
+    });
+  for (auto it = g.nodes().rbegin(); it != g.nodes().rend(); ++it) {
+    const Node* n = it->get();
+    if (!live.count(n) || n == s) continue;
+    for (const Node* in : n->inputs())
+      if (reach.count(in)) live.insert(in);
+  }
+  std::vector<const Node*> cone;
+  for (const auto& up : g.nodes())
+    if (up->kind() == ir::NodeKind::Call && up.get() != s && live.count(up.get())) cone.push_back(up.get());
+  Builder b(g, k);
+  b.mark_cone(cone, s);
+  return b.run(s, cone);
+}
+
+}  // namespace torch_ext::passes

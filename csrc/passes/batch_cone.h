@@ -1,0 +1,53 @@
+// batch_cone: the downstream cone of one node, K times over, for batched sweep sites.
+//
+// Given a graph, a site node s and K, builds a new graph that evaluates K variants of s's value at
+// once: the variants are stacked along dim 0 (variant i is chunk i of K along dim 0), and only the
+// strict cone V+(s) is computed, at K times its size along dim 0. Values the cone reads from
+// outside it are placeholders (their clean, cached values are bound by the caller): read as they
+// are where they broadcast, or "tiled" (bound as the clean value repeated K times along dim 0)
+// where a cone node lines them up with its stacked dim 0. The new graph:
+//   * placeholders: every external value read by the cone (same name, or "<name>_tiled" when
+//     tiled; parameters and buffers keep their role, computed values become constants), then the
+//     site itself (same name, a user input, dim 0 times K, contiguous);
+//   * the cone's calls, same names, same topological order, with size arguments rewritten where
+//     an op spells out dim 0 (view / reshape / _unsafe_view / expand sizes, a full slice of dim 0);
+//   * the same outputs: a cone node's stacked value, or the external clean value otherwise.
+// Nodes in `stop` (pinned nodes of a reactive graph) are not part of the cone: they are external
+// values read as they are. Cone nodes that reach no output (only through a stop node) are dropped.
+//
+// Requires: the site is a node of `g` with a tensor value of rank >= 1; k >= 1.
+// Guarantees: every cone call is an op the pass proves keeps the K variants apart along dim 0 (a
+// documented whitelist with per-op dim checks: elementwise and broadcasting ops, row-wise ops such
+// as linear / addmm / layer_norm / embedding, attention and batched matmuls, views and reshapes,
+// transposes / permutes / softmaxes / reductions / splits / cats / slices that do not touch dim 0),
+// and its type, inferred on meta tensors, is exactly the original type with dim 0 times K. Anything
+// else is refused with a c10::Error naming the node, its op and the reason ("... mixes dim 0 ...");
+// `g` is never modified.
+#pragma once
+
+#include "ir/graph.h"
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace torch_ext::passes {
+
+struct BatchConeExternal {
+  std::string placeholder;  // its name in the batched graph
+  std::string source;       // the node of the original graph whose value it takes
+  bool tiled = false;       // bind the source value repeated k times along dim 0
+};
+
+struct BatchCone {
+  std::unique_ptr<ir::Graph> graph;
+  std::vector<BatchConeExternal> externals;  // in placeholder order (the site placeholder comes last)
+  std::vector<bool> output_batched;          // per output: stacked along dim 0 (else the clean value)
+  int64_t num_calls = 0;                     // cone calls kept (countable nodes of the batched graph)
+};
+
+BatchCone batch_cone(const ir::Graph& g, const std::string& site, int64_t k,
+                     const std::vector<std::string>& stop = {});
+
+}  // namespace torch_ext::passes

@@ -1,0 +1,147 @@
+// batch_cone pass: text IR in, golden text out; each stacked chunk equals the small graph patched
+// with that variant; ops that would mix dim 0 are refused, naming the node.
+#include "ir/parser.h"
+#include "ir/printer.h"
+#include "ir/verifier.h"
+#include "passes/batch_cone.h"
+#include "reactive/engine.h"
+#include "runtime/executor.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "test_util.h"
+
+using namespace torch_ext;
+using torch_ext::testing::error_of;
+
+namespace {
+// %s is the site. %e is outside its cone and read by %m elementwise (lined up with dim 0: tiled),
+// %w / %b are read whole by the linear, %pos broadcasts, %v spells out dim 0, %c stays outside.
+const char* kSmall = R"(graph:
+  %w : f32[6,4] = param("fc.weight")
+  %b : f32[6] = param("fc.bias")
+  %pos : f32[3,4] = param("pos")
+  %x : f32[2,3,4] = input()
+  %e : f32[2,3,4] = aten::add.Tensor(%x, %pos)
+  %s : f32[2,3,4] = aten::sin.default(%e)
+  %m : f32[2,3,4] = aten::mul.Tensor(%s, %e)
+  %a : f32[2,3,4] = aten::add.Tensor(%m, %pos)
+  %l : f32[2,3,6] = aten::linear.default(%a, %w, %b)
+  %t : f32[2,6,3]{18,1,6} = aten::transpose.int(%l, 1, 2)
+  %sm : f32[2,6,3]{18,3,1} = aten::_softmax.default(%t, -1, False)
+  %v : f32[2,18] = aten::view.default(%sm, [2, 18])
+  %c : f32[2,3,4] = aten::cos.default(%e)
+  return (%v, %c)
+)";
+
+std::string with_op(const std::string& line) {
+  return "graph:\n  %x : f32[2,3,4] = input()\n  %s : f32[2,3,4] = aten::sin.default(%x)\n" + line +
+         "  return (%r)\n";
+}
+}  // namespace
+
+TEST(BatchCone, OnlyTheConeIsStackedAndExternalsAreReadOrTiled) {
+  auto g = ir::parse(kSmall);
+  const std::string before = ir::print(*g);
+  auto r = passes::batch_cone(*g, "s", 3);
+  ir::verify(*r.graph);
+  EXPECT_EQ(ir::print(*g), before);  // the input graph is only read
+  EXPECT_EQ(ir::print(*r.graph), R"(graph:
+  %e_tiled : f32[6,3,4] = const()
+  %pos : f32[3,4] = param("pos")
+  %w : f32[6,4] = param("fc.weight")
+  %b : f32[6] = param("fc.bias")
+  %c : f32[2,3,4] = const()
+  %s : f32[6,3,4] = input()
+  %m : f32[6,3,4] = aten::mul.Tensor(%s, %e_tiled)
+  %a : f32[6,3,4] = aten::add.Tensor(%m, %pos)
+  %l : f32[6,3,6] = aten::linear.default(%a, %w, %b)
+  %t : f32[6,6,3]{18,1,6} = aten::transpose.int(%l, 1, 2)
+  %sm : f32[6,6,3] = aten::_softmax.default(%t, -1, False)
+  %v : f32[6,18] = aten::view.default(%sm, [6, 18])
+  return (%v, %c)
+)");
+  EXPECT_EQ(r.num_calls, 6);
+  EXPECT_EQ(r.output_batched, (std::vector<bool>{true, false}));
+  ASSERT_EQ(r.externals.size(), 5u);
+  EXPECT_EQ(r.externals[0].source, "e");
+  EXPECT_TRUE(r.externals[0].tiled);
+  EXPECT_EQ(r.externals[4].placeholder, "c");
+  EXPECT_FALSE(r.externals[4].tiled);
+}
+
+TEST(BatchCone, EachChunkIsTheSmallGraphPatchedWithThatVariant) {
+  auto g = ir::parse(kSmall);
+  auto r = passes::batch_cone(*g, "s", 3);
+  at::manual_seed(0);
+  const at::Tensor w = at::randn({6, 4}), b = at::randn({6}), pos = at::randn({3, 4}), x = at::randn({2, 3, 4});
+  reactive::Engine small(*g);
+  small.run({w, b, pos, x});
+  const at::Tensor e = small.value("e").toTensor();
+  std::vector<at::Tensor> variants;
+  for (int i = 0; i < 3; ++i) variants.push_back(at::randn({2, 3, 4}));
+  runtime::Executor big(*r.graph);
+  const auto outs = big.run({e.repeat({3, 1, 1}), pos, w, b, small.value("c").toTensor(), at::cat(variants)});
+  const auto chunks = outs.at(0).toTensor().chunk(3);
+  for (int i = 0; i < 3; ++i) {
+    small.patch("s", variants[i]);
+    const auto want = small.demand();
+    EXPECT_TRUE(at::equal(chunks[i], want.at(0).toTensor())) << "variant " << i;
+    small.restore();
+  }
+  EXPECT_TRUE(outs.at(1).toTensor().is_same(small.value("c").toTensor()));
+}
+
+TEST(BatchCone, StopNodesCutTheConeAndDeadCallsAreDropped) {
+  auto g = ir::parse(kSmall);
+  auto r = passes::batch_cone(*g, "s", 2, {"m"});
+  EXPECT_EQ(r.num_calls, 0);
+  EXPECT_EQ(r.output_batched, (std::vector<bool>{false, false}));
+  ir::verify(*r.graph);
+  // A stop below the linear: %l is read as the pinned value, the rest of the cone is gone.
+  auto r2 = passes::batch_cone(*g, "s", 2, {"l"});
+  EXPECT_EQ(r2.num_calls, 0);
+  auto r3 = passes::batch_cone(*g, "s", 2, {"t"});
+  EXPECT_EQ(r3.num_calls, 0);
+  auto r4 = passes::batch_cone(*g, "m", 2, {"t", "m"});  // the site itself is never a stop
+  EXPECT_EQ(r4.num_calls, 0);
+}
+
+TEST(BatchCone, OpsThatMixDimZeroAreRefusedByName) {
+  const auto refused = [](const std::string& line) {
+    auto g = ir::parse(with_op(line));
+    return error_of([&] { passes::batch_cone(*g, "s", 2); });
+  };
+  EXPECT_NE(refused("  %r : f32[2,3,4] = aten::_softmax.default(%s, 0, False)\n").find("%r (aten::_softmax.default) works along dim 0"),
+            std::string::npos);
+  // A sequence-first layout: the transpose moves the stacked dim away.
+  EXPECT_NE(refused("  %r : f32[3,2,4]{4,12,1} = aten::transpose.int(%s, 0, 1)\n").find("works along dim 0"),
+            std::string::npos);
+  EXPECT_NE(refused("  %r : f32[] = aten::sum.default(%s)\n").find("reduces over every dim"), std::string::npos);
+  EXPECT_NE(refused("  %r : f32[3,4] = aten::sum.dim_IntList(%s, [0])\n").find("works along dim 0"),
+            std::string::npos);
+  EXPECT_NE(refused("  %r : f32[1,3,4] = aten::slice.Tensor(%s, 0, 0, 1)\n").find("slices dim 0"),
+            std::string::npos);
+  EXPECT_NE(refused("  %r : f32[4,3,2]{1,4,12} = aten::permute.default(%s, [2, 1, 0])\n").find("moves dim 2 to dim 0"),
+            std::string::npos);
+  EXPECT_NE(refused("  %r : f32[2,3,4] = aten::cumsum.default(%s, -3)\n").find("works along dim 0"),
+            std::string::npos);
+  EXPECT_NE(refused("  %r : f32[1,2,3,4] = aten::unsqueeze.default(%s, 0)\n").find("works along dim 0"),
+            std::string::npos);
+  EXPECT_NE(refused("  %r : i64[2,3,4] = aten::argsort.default(%s, 0, False)\n").find("is not an op the pass can prove"),
+            std::string::npos);
+  // A linear whose *weight* comes from the cone mixes its rows.
+  EXPECT_NE(refused("  %r : f32[2,3,2] = aten::linear.default(%x, %s)\n").find("reads %s (of the patched cone) as argument 1"),
+            std::string::npos);
+}
+
+TEST(BatchCone, FullSliceOfDimZeroAndKeptOpsPass) {
+  auto g = ir::parse(with_op("  %q : f32[2,3,4] = aten::slice.Tensor(%s, 0, 0, 9223372036854775807)\n"
+                             "  %r : f32[2,3,4] = aten::_softmax.default(%q, 1, False)\n"));
+  auto r = passes::batch_cone(*g, "s", 4);
+  ir::verify(*r.graph);
+  EXPECT_NE(ir::print(*r.graph).find("%r : f32[8,3,4] = aten::_softmax.default(%q, 1, False)"), std::string::npos);
+  EXPECT_NE(error_of([&] { passes::batch_cone(*g, "nope", 2); }).find("no node named '%nope'"), std::string::npos);
+  EXPECT_NE(error_of([&] { passes::batch_cone(*g, "s", 0); }).find("k must be >= 1"), std::string::npos);
+}
