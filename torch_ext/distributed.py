@@ -64,6 +64,43 @@ def unshard_tensor(shard: torch.Tensor, like: torch.Tensor, process_group) -> to
     return full[:like.numel()].view(like.shape).clone()
 
 
+def collective_sequence(graph, order=None) -> list[str]:
+    """The collectives one run of ``graph`` (a torch_ext.ir.Graph) issues, in the order it issues them:
+    ``order`` (node names, e.g. a memory plan's order) or else graph order. One entry per
+    _c10d_functional call other than wait_tensor: its op and the type it produces."""
+    nodes = {n.name: n for n in graph.nodes()}
+    names = order if order is not None else [n.name for n in graph.nodes()]
+    out = []
+    for name in names:
+        n = nodes[name]
+        if n.kind == "call" and n.target.startswith("_c10d_functional::") and "wait_tensor" not in n.target:
+            out.append(f"{n.target} -> {n.type}")
+    return out
+
+
+def check_collective_order(graph, order, process_group, where: str) -> None:
+    """Raises RuntimeError unless every rank of ``process_group`` issues the same collectives in the
+    same order (a collective: every rank calls it). Ranks that issue collectives in different
+    orders pair up unrelated tensors: gloo and NCCL then hang, or write a buffer with another
+    tensor's bytes. Scheduling and memory planning run on each rank on its own, so this is checked
+    before a plan runs, not assumed."""
+    import torch.distributed as dist
+
+    mine = collective_sequence(graph, order)
+    everyone: list = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(everyone, mine, group=process_group)
+    if all(seq == everyone[0] for seq in everyone):
+        return
+    for rank, seq in enumerate(everyone):
+        if seq != everyone[0]:
+            at = next((i for i, (a, b) in enumerate(zip(everyone[0], seq)) if a != b), min(len(seq), len(everyone[0])))
+            first = lambda s: s[at] if at < len(s) else "nothing (it issues fewer)"  # noqa: E731
+            raise RuntimeError(
+                f"{where}: the ranks would issue different collectives: collective #{at} is {first(everyone[0])} on "
+                f"rank 0 but {first(seq)} on rank {rank} ({len(everyone[0])} and {len(seq)} collectives in all). "
+                "Every rank must build the same program: same model, optimizer, batch shapes and options")
+
+
 def _digest(t: torch.Tensor) -> str:
     t = t.detach().contiguous().cpu()
     return f"{t.dtype}{tuple(t.shape)}:" + hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -28,7 +28,16 @@ class PlannedStep:
         if plan:
             # Before scheduling, so that the order can free a conv's saved input after its weight
             # gradient, and the weight gradient's scratch is gone before the input gradient exists.
-            self.split_convolutions = graph.split_convolution_backward(_splits_that_lower_the_peak(graph))
+            splits = _splits_that_lower_the_peak(graph)
+            if step.process_group is not None:
+                # Measured per process: the ranks take rank 0's choice, so that they schedule one program.
+                import torch.distributed as dist
+
+                chosen = [splits]
+                dist.broadcast_object_list(chosen, src=dist.get_global_rank(step.process_group, 0),
+                                           group=step.process_group)
+                splits = chosen[0]
+            self.split_convolutions = graph.split_convolution_backward(splits)
             self.schedule, self.candidates = graph.schedule(self.donate)
         else:
             self.schedule, self.candidates, self.split_convolutions = "export", [], []
@@ -45,6 +54,10 @@ class PlannedStep:
         self.graph = graph
         self._ex = _C.ArenaExecutor(graph._g, len(step.state_names), self.donate)
         self.plan = self._ex.plan()
+        if step.process_group is not None:  # each rank scheduled on its own
+            from .distributed import check_collective_order
+
+            check_collective_order(graph, self.plan["order"], step.process_group, "compile")
 
     @property
     def peak_bytes(self) -> int:

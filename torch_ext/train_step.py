@@ -430,6 +430,8 @@ class TrainStep:
         self._inputs = [(n.state_name, n.role) for n in self.graph.nodes() if n.kind == "placeholder"]
         self._num_aux = len(spec["aux_outputs"])
         self._executor = _C.Executor(cgraph)
+        if self._dp is not None:  # the executor issues the collectives in graph order
+            distributed.check_collective_order(self.graph, None, process_group, "make_train_step")
         self._program = None
         self._fingerprint = None
         self._calls = 0

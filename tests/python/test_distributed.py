@@ -22,6 +22,7 @@ rounding noise (see the test).
 from __future__ import annotations
 
 import copy
+import faulthandler
 import os
 import pickle
 import sys
@@ -34,7 +35,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import torch_ext
-from torch_ext.distributed import assert_states_in_sync, shard_tensor
+from torch_ext.distributed import assert_states_in_sync, check_collective_order, shard_tensor
 
 sys.path.insert(0, os.path.dirname(__file__))
 import zoo  # noqa: E402
@@ -136,6 +137,7 @@ def _worker(rank, world, out_dir, kind, steps):
 
 def _on_rank(rank, world, init_file, out_dir, worker, *args):
     """One spawned rank: joins the gloo group, pickles ``worker(rank, world, out_dir, *args)`` for the parent."""
+    faulthandler.enable()  # a crashing rank prints its Python stack (the parent only sees the signal)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         result = worker(rank, world, out_dir, *args)
@@ -351,3 +353,27 @@ def test_one_rank_equals_the_plain_step_and_bad_groups_are_refused(world_of_one)
     dp = torch_ext.make_train_step(model, _adamw(model.parameters()), loss_fn, batches[0], process_group=world_of_one)
     with pytest.raises(ValueError, match="to_onnx: this step is data-parallel"):
         dp.to_onnx("never_written.onnx")
+
+
+def _order_worker(rank, world, out_dir):
+    model, loss_fn, batches = _setup("transformer", rank, 1)
+    # Building and planning check that every rank issues the same collectives (they agree here).
+    step = torch_ext.make_train_step(model, _adamw(model.parameters()), loss_fn, batches[0],
+                                     process_group=dist.group.WORLD)
+    step.compile()
+    order = [n.name for n in step.graph.nodes() if n.kind == "call"]
+    reduces = [i for i, name in enumerate(order) if step.graph.node(name).target.endswith("all_reduce.default")]
+    assert len(reduces) >= 2
+    if rank == 1:  # a plan that issues two all-reduces of different sizes the other way round
+        a = next(i for i in reduces if step.graph.node(order[i]).type != step.graph.node(order[reduces[0]]).type)
+        order[reduces[0]], order[a] = order[a], order[reduces[0]]
+    try:
+        check_collective_order(step.graph, order, dist.group.WORLD, "test")
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_that_would_issue_collectives_in_different_orders_are_refused(tmp_path):
+    for message in _launch(_order_worker, (), tmp_path):
+        assert message is not None and "collective #0" in message and "rank 1" in message, message
