@@ -103,8 +103,13 @@ _PRIMITIVE = frozenset({type(None), bool, int, float, complex, str, bytes})
 _PRIMITIVE_NAMES = {t: t.__name__ for t in (type(None), bool, int, float, complex, str, bytes, tuple, list, dict, set,
                                             frozenset)}
 _CONTAINER_LIMIT = 1 << 16
-_INSTALLED = tuple(sorted({p for p in (sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib"))
-                           if p}))
+
+
+@functools.lru_cache(maxsize=None)
+def _installed() -> tuple:
+    """The folders of Python's standard library and installed packages (read on first use: sysconfig is slow)."""
+    return tuple(sorted({p for p in (sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib"))
+                         if p}))
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,7 +120,7 @@ def _is_installed_module(name: str) -> bool:
         return True
     module = sys.modules.get(name) or sys.modules.get(root)
     path = getattr(module, "__file__", None)
-    return path is not None and os.path.abspath(path).startswith(_INSTALLED)
+    return path is not None and os.path.abspath(path).startswith(_installed())
 
 
 def _is_library(obj) -> bool:
@@ -177,9 +182,16 @@ def _origin(name: str) -> tuple:
     file = getattr(module, "__file__", None)
     version = getattr(top, "__version__", None)
     top_file = getattr(top, "__file__", None)
-    return (_stat(os.path.abspath(file)) if isinstance(file, str) else None,
-            str(version) if isinstance(version, str) else None,
-            _stat(os.path.dirname(os.path.abspath(top_file))) if isinstance(top_file, str) else None)
+    origin = (_stat(os.path.abspath(file)) if isinstance(file, str) else None,
+              str(version) if isinstance(version, str) else None,
+              _stat(os.path.dirname(os.path.abspath(top_file))) if isinstance(top_file, str) else None)
+    return ("origin", hashlib.sha256(repr(origin).encode()).hexdigest()[:32])
+
+
+@functools.lru_cache(maxsize=None)
+def _portable_type(t: type) -> tuple | str:
+    name = _PRIMITIVE_NAMES.get(t)
+    return name if name is not None else ("cls", t.__module__, t.__qualname__, _origin(t.__module__))
 
 
 def _const(c):
@@ -247,12 +259,7 @@ class _Walker:
 
     def ty(self, t: type):
         """A type as the key holds it: itself, or (portable) its module, name and origin."""
-        if not self.portable:
-            return t
-        name = _PRIMITIVE_NAMES.get(t)
-        if name is not None:
-            return name
-        return ("cls", t.__module__, t.__qualname__, _origin(t.__module__))
+        return t if not self.portable else _portable_type(t)
 
     def meta(self, t: torch.Tensor) -> tuple:
         m = _tensor_meta(t)
@@ -391,6 +398,17 @@ _SKIP = {"_parameters", "_buffers", "_modules"}
 def fingerprint(module: torch.nn.Module, args: tuple, kwargs: dict, options: tuple, portable: bool = False):
     """The cache key of a build, or raises ``Uncacheable``. ``portable``: a hex digest that means the
     same in any process (see the module docstring)."""
+    key = describe(module, args, kwargs, options, portable)
+    if not portable:
+        return key
+    text = repr(key)
+    if " at 0x" in text:  # an object's default repr: the walker let one through (tests run _check_portable)
+        raise Uncacheable("an object without a portable description")
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def describe(module: torch.nn.Module, args: tuple, kwargs: dict, options: tuple, portable: bool = False) -> tuple:
+    """The key as a tuple (``fingerprint`` digests the portable one)."""
     named = list(torch.nn.Module.named_modules(module, remove_duplicate=False))
     module_paths: dict[int, str] = {}
     for path, m in named:
@@ -406,12 +424,7 @@ def fingerprint(module: torch.nn.Module, args: tuple, kwargs: dict, options: tup
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        key = _fingerprint(walk, module, named, module_paths, args, kwargs, options)
-        if not portable:
-            return key
-        text = repr(key)
-        _check_portable(key)
-        return hashlib.sha256(text.encode()).hexdigest()
+        return _fingerprint(walk, module, named, module_paths, args, kwargs, options)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -446,7 +459,7 @@ _PORTABLE_LEAVES = frozenset({type(None), bool, int, float, complex, str, bytes}
 
 def _check_portable(key) -> None:
     """A portable key holds values only: anything else would print its address (never hitting) or
-    print ambiguously. An internal check (an object the walker let through)."""
+    print ambiguously. A check of the walker, run by the tests on real models (too slow for every key)."""
     stack = [key]
     while stack:
         x = stack.pop()

@@ -318,3 +318,30 @@ def test_fresh_process_hit_is_bit_identical_and_never_traces(tmp_path):
     (code / "usermodel.py").write_text(textwrap.dedent(_MODEL.format(offset=0.25, extra="")))
     shifted = _child(code, cache)
     assert (shifted["disk"], shifted["equal_eager"]) == ("stored", True) and shifted["out"] != cold["out"]
+
+
+def _real_models():
+    from torch_ext.models import TinyTransformer
+
+    torch.manual_seed(0)
+    yield "tiny", TinyTransformer(vocab=50, d_model=32, n_heads=4, n_layers=2, seq=6).eval()
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    yield "gpt2", transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=50,
+                                                                       n_positions=16)).eval()
+    tl = pytest.importorskip("transformer_lens", reason="transformer-lens is not installed")
+    cfg = tl.TransformerBridgeConfig(n_layers=2, d_model=32, n_heads=4, d_head=8, d_mlp=64, n_ctx=16, d_vocab=50,
+                                     act_fn="gelu", normalization_type="LN", seed=0)
+    yield "bridge", tl.TransformerBridge.boot_native(cfg).eval()
+
+
+def test_portable_keys_of_real_models_hold_values_only():
+    """The walker's portable form names or digests every object: no type, function or code object (whose
+    repr would differ per process, or say nothing about its contents) is left in the key."""
+    tokens = torch.randint(0, 50, (2, 6))
+    for name, model in _real_models():
+        key = _build_cache.describe(model, (tokens,), {}, ("auto", "False"), portable=True)
+        _build_cache._check_portable(key)
+        assert _build_cache.fingerprint(model, (tokens,), {}, ("auto", "False"), portable=True) == \
+            _build_cache.fingerprint(model, (tokens,), {}, ("auto", "False"), portable=True), name
+        with pytest.raises(_build_cache.Uncacheable):
+            _build_cache._check_portable(_build_cache.describe(model, (tokens,), {}, ("auto", "False")))
