@@ -258,6 +258,8 @@ def part_patching(repeats: int, cold_repeats: int) -> None:
             walls, last = cold_pair(base, ("tl", "ours", "ours_disk"), cold_repeats)
             print(f"  {fn} batch {batch}")
             if cold_repeats:
+                check(last["ours_disk"]["stats"]["disk_cache"] == "hit",
+                      f"{fn} b{batch}: disk-cache arm did not hit: {last['ours_disk']['stats']}")
                 for side, what in (("ours", "disk cache off"), ("ours_disk", "disk cache HIT")):
                     diff = max(abs(a - b) for a, b in zip(last["tl"]["result"], last[side]["result"]))
                     check(diff == 0, f"{fn} b{batch} cold {side}: max |ours - TL| {diff:.2e}")

@@ -315,6 +315,8 @@ class _Walker:
             return ("property", self(obj.fget, depth + 1), self(obj.fset, depth + 1), self(obj.fdel, depth + 1))
         if isinstance(obj, (list, tuple, collections.deque, dict, set, frozenset)) and len(obj) > _CONTAINER_LIMIT:
             raise Uncacheable(f"a {type(obj).__name__} of {len(obj)} entries")
+        if isinstance(obj, _IdKeyed):
+            return ("id-keyed", tuple(sorted((self(v, depth + 1) for v in obj.values), key=repr)))
         if isinstance(obj, (list, tuple, collections.deque)):
             return (self.ty(type(obj)), tuple(self(x, depth + 1) for x in obj))
         if isinstance(obj, types.MappingProxyType):
@@ -366,6 +368,8 @@ class _Walker:
                               "its identity means nothing in another process)")
         if state is None and not slots:
             raise Uncacheable(f"an object of type {type(obj).__module__}.{type(obj).__qualname__}")
+        if self.portable and state is not None:
+            state = _without_ids(type(obj), state)
         return ("object", self(type(obj), depth + 1), self(dict(state) if state is not None else None, depth + 1),
                 tuple((s, self(getattr(obj, s, None), depth + 1)) for s in slots))
 
@@ -382,6 +386,29 @@ class _Walker:
             module = getattr(obj, "__module__", None) or getattr(receiver, "__name__", None)
             return ("cfunction", module, obj.__qualname__, _origin(module) if module else None)
         return ("bound", type(obj).__name__, obj.__name__, self(receiver, depth + 1))
+
+
+class _IdKeyed:
+    """The values of a dict keyed by id() of objects of earlier runs (see _compat.ID_KEYED_STATE)."""
+
+    def __init__(self, values: list):
+        self.values = values
+
+
+def _without_ids(cls: type, state: dict) -> dict:
+    """``state`` with the id-keyed dicts of ``cls`` (_compat.ID_KEYED_STATE) reduced to their values: ids of
+    tensors from earlier runs differ per process, and a trace can only read them through an id collision,
+    which no key could predict."""
+    from ._compat import ID_KEYED_STATE
+
+    names = ID_KEYED_STATE.get((cls.__module__, cls.__qualname__))
+    if not names:
+        return state
+    out = dict(state)
+    for name in names:
+        if isinstance(out.get(name), dict):
+            out[name] = _IdKeyed(list(out[name].values()))
+    return out
 
 
 def _filled(cell) -> bool:

@@ -345,3 +345,26 @@ def test_portable_keys_of_real_models_hold_values_only():
             _build_cache.fingerprint(model, (tokens,), {}, ("auto", "False"), portable=True), name
         with pytest.raises(_build_cache.Uncacheable):
             _build_cache._check_portable(_build_cache.describe(model, (tokens,), {}, ("auto", "False")))
+
+
+_BRIDGE_KEY = """
+import sys, torch, transformer_lens as tl
+from torch_ext import _build_cache
+cfg = tl.TransformerBridgeConfig(n_layers=2, d_model=32, n_heads=4, d_head=8, d_mlp=64, n_ctx=16, d_vocab=50,
+                                 act_fn="gelu", normalization_type="LN", seed=0)
+bridge = tl.TransformerBridge.boot_native(cfg).eval()
+tokens = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(0))
+bridge.run_with_cache(tokens)  # leaves per-tensor state keyed by id() on the attention conversions
+print(_build_cache.fingerprint(bridge, (tokens,), {}, ("auto", "False"), portable=True))
+"""
+
+
+def test_portable_key_of_a_bridge_after_run_with_cache_is_the_same_in_every_process():
+    pytest.importorskip("transformer_lens", reason="transformer-lens is not installed")
+    keys = set()
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-c", _BRIDGE_KEY], capture_output=True, text=True, check=False, cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": ROOT})
+        assert p.returncode == 0, p.stderr[-3000:]
+        keys.add(p.stdout.strip().splitlines()[-1])
+    assert len(keys) == 1
