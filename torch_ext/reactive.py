@@ -275,7 +275,10 @@ class ReactiveGraph:
             if entry is not None:
                 binding = _bind_entry(entry, ep_or_module)
                 if binding is None:  # cannot happen for an equal key; rebuild rather than guess
+                    if disk_state == "hit":
+                        _disk_cache.corrupt(disk_key)
                     entry, cache_state = None, "miss"
+                    disk_state = "miss" if disk_key is not None else disk_state
                 else:
                     used, why = entry["front_end"], entry["fallback_reason"]
             if entry is None:

@@ -146,7 +146,7 @@ def test_programs_reading_tensors_other_than_the_module_state_are_not_stored(cac
     assert _entries(cache_dir) == []
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "checksum", "bad graph", "empty"])
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "checksum", "bad graph", "unbindable", "empty"])
 def test_a_corrupt_entry_is_rebuilt_never_fatal(cache_dir, damage):
     torch.manual_seed(0)
     x = torch.randn(4, 6)
@@ -162,6 +162,11 @@ def test_a_corrupt_entry_is_rebuilt_never_fatal(cache_dir, damage):
     elif damage == "bad graph":  # a consistent entry whose graph does not parse
         doc = json.loads(text)
         doc["body"]["graph"] = "graph:\n  %x : f32[4 = oops\n"
+        doc["checksum"] = _disk_cache._checksum(doc["body"])
+        text = json.dumps(doc)
+    elif damage == "unbindable":  # consistent, but names a parameter the module does not have
+        doc = json.loads(text)
+        doc["body"]["inputs"][0][1] = "no.such.weight"
         doc["checksum"] = _disk_cache._checksum(doc["body"])
         text = json.dumps(doc)
     else:
