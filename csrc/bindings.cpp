@@ -360,7 +360,10 @@ PYBIND11_MODULE(_C, m) {
       });
 
   py::class_<reactive::Engine, std::shared_ptr<reactive::Engine>>(m, "Engine")
-      .def(py::init([](const ir::Graph& g) { return std::make_shared<reactive::Engine>(g); }))
+      .def(py::init([](const ir::Graph& g, bool infer_results) {
+             return std::make_shared<reactive::Engine>(g, infer_results);
+           }),
+           py::arg("graph"), py::arg("infer_results") = true)
       .def("run",
            [](reactive::Engine& e, py::sequence inputs) {
              std::vector<c10::IValue> in;

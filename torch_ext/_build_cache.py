@@ -27,6 +27,16 @@ constant reassigned between builds misses). Classes and functions of installed p
 library, torch, transformers, transformer_lens: anything under site-packages) are taken by identity:
 patching a library between builds is not detected (turn the cache off with ``TORCH_EXT_BUILD_CACHE=0``
 or ``ReactiveGraph(..., cache=False)``). torch_ext installed in development mode counts as user code.
+
+``fingerprint(..., portable=True)`` is the same walk made process-independent, for the on-disk cache
+(``torch_ext._disk_cache``): a hex digest over values only. Classes, functions and modules of installed
+packages are named (module and qualified name) and their package identified by its version and the size
+and modification time of the files that define them (``_origin``); one not reachable by its name (made
+in a function) is described as user code is. Code objects are described by their fields (bytecode,
+constants, names, line table). C objects with no Python state are refused, except regular expressions
+(by pattern) and locks (by type), since their identity means nothing in another process. The digest
+also covers Python's, torch's and torch_ext's identity (torch_ext by the contents of its Python sources
+and its compiled libraries' size and modification time).
 """
 from __future__ import annotations
 
@@ -37,9 +47,11 @@ import functools
 import gc
 import hashlib
 import logging
+import re
 import os
 import sys
 import sysconfig
+import threading
 import types
 import weakref
 
@@ -88,9 +100,16 @@ def put(key, entry) -> None:
 
 
 _PRIMITIVE = frozenset({type(None), bool, int, float, complex, str, bytes})
+_PRIMITIVE_NAMES = {t: t.__name__ for t in (type(None), bool, int, float, complex, str, bytes, tuple, list, dict, set,
+                                            frozenset)}
 _CONTAINER_LIMIT = 1 << 16
-_INSTALLED = tuple(sorted({p for p in (sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib"))
-                           if p}))
+
+
+@functools.lru_cache(maxsize=None)
+def _installed() -> tuple:
+    """The folders of Python's standard library and installed packages (read on first use: sysconfig is slow)."""
+    return tuple(sorted({p for p in (sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib"))
+                         if p}))
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,7 +120,7 @@ def _is_installed_module(name: str) -> bool:
         return True
     module = sys.modules.get(name) or sys.modules.get(root)
     path = getattr(module, "__file__", None)
-    return path is not None and os.path.abspath(path).startswith(_INSTALLED)
+    return path is not None and os.path.abspath(path).startswith(_installed())
 
 
 def _is_library(obj) -> bool:
@@ -126,33 +145,148 @@ def _tensor_meta(t: torch.Tensor) -> tuple:
             str(t.device), t.requires_grad, t.layout)
 
 
-class _Walker:
-    """Describes Python objects as hashable tuples (see the module docstring)."""
+def _importable(obj) -> bool:
+    """``obj`` is what its module and qualified name lead to (so a name designates it in any process)."""
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    qualname = getattr(obj, "__qualname__", None)
+    if module is None or not isinstance(qualname, str) or "<" in qualname:
+        return False
+    target = module
+    for part in qualname.split("."):
+        target = getattr(target, part, _MISSING)
+        if target is _MISSING:
+            return False
+    return target is obj
 
-    def __init__(self, state_names: dict, module_paths: dict):
+
+_MISSING = object()
+
+
+@functools.lru_cache(maxsize=None)
+def _stat(path: str) -> tuple:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (path, None)
+    return (path, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=None)
+def _origin(name: str) -> tuple:
+    """What identifies the code of module ``name`` across processes: the file defining it (size and
+    modification time) and its top-level package's version and folder (a reinstall rewrites both)."""
+    root = name.partition(".")[0]
+    if root in sys.builtin_module_names:
+        return ("builtin",)
+    module, top = sys.modules.get(name), sys.modules.get(root)
+    file = getattr(module, "__file__", None)
+    version = getattr(top, "__version__", None)
+    top_file = getattr(top, "__file__", None)
+    origin = (_stat(os.path.abspath(file)) if isinstance(file, str) else None,
+              str(version) if isinstance(version, str) else None,
+              _stat(os.path.dirname(os.path.abspath(top_file))) if isinstance(top_file, str) else None)
+    return ("origin", hashlib.sha256(repr(origin).encode()).hexdigest()[:32])
+
+
+@functools.lru_cache(maxsize=None)
+def _portable_type(t: type) -> tuple | str:
+    name = _PRIMITIVE_NAMES.get(t)
+    return name if name is not None else ("cls", t.__module__, t.__qualname__, _origin(t.__module__))
+
+
+def _const(c):
+    """A code object's constant, portably (frozensets sorted: their order depends on the hash seed)."""
+    if isinstance(c, types.CodeType):
+        return _code_digest(c)
+    if isinstance(c, tuple):
+        return ("tuple", tuple(_const(x) for x in c))
+    if isinstance(c, frozenset):
+        return ("frozenset", tuple(sorted((_const(x) for x in c), key=repr)))
+    return (type(c).__name__, repr(c))
+
+
+@functools.lru_cache(maxsize=None)
+def _code_digest(co: types.CodeType) -> str:
+    """A code object by the fields code equality compares (bytecode, constants, names, line table)."""
+    parts = (co.co_name, getattr(co, "co_qualname", co.co_name), co.co_argcount, co.co_posonlyargcount,
+             co.co_kwonlyargcount, co.co_flags, co.co_firstlineno, co.co_code, co.co_linetable if
+             hasattr(co, "co_linetable") else co.co_lnotab, getattr(co, "co_exceptiontable", b""), co.co_names,
+             co.co_varnames, co.co_freevars, co.co_cellvars, tuple(_const(c) for c in co.co_consts))
+    return "code:" + hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def _sources_digest(folder: str) -> str:
+    h = hashlib.sha256()
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for f in sorted(files):
+            path = os.path.join(root, f)
+            if f.endswith(".py"):
+                with open(path, "rb") as fh:
+                    h.update(path.encode() + b"\0" + fh.read() + b"\0")
+            elif f.endswith(".so"):
+                h.update(repr(_stat(path)).encode())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def environment() -> tuple:
+    """Python, torch and torch_ext, as a portable key sees them (computed once per process)."""
+    from . import __version__
+
+    torch_c = getattr(torch._C, "__file__", None)
+    return (sys.version, sys.implementation.cache_tag, sys.platform, str(torch.__version__),
+            getattr(torch.version, "git_version", None), _stat(os.path.abspath(torch.__file__)),
+            _stat(torch_c) if torch_c else None, __version__, _sources_digest(os.path.dirname(os.path.abspath(__file__))))
+
+
+_CLASS_SKIP = frozenset({"__dict__", "__weakref__", "__doc__", "__module__", "__qualname__", "__firstlineno__",
+                         "__static_attributes__", "_abc_impl", "__annotations__", "__annotate__", "__orig_bases__",
+                         "__parameters__"})
+_LOCK_TYPES = tuple({type(threading.Lock()), type(threading.RLock())})
+
+
+class _Walker:
+    """Describes Python objects as hashable tuples (see the module docstring). ``portable``: as values
+    only (names, digests), for a key that means the same in another process."""
+
+    def __init__(self, state_names: dict, module_paths: dict, portable: bool = False):
         self.state_names = state_names  # id(tensor) -> name of a parameter/buffer of the tree
         self.module_paths = module_paths  # id(module) -> path in the tree
+        self.portable = portable
         self.memo: dict[int, object] = {}
         self.keep: list = []  # objects whose ids are memo keys stay alive during the walk
+
+    def ty(self, t: type):
+        """A type as the key holds it: itself, or (portable) its module, name and origin."""
+        return t if not self.portable else _portable_type(t)
+
+    def meta(self, t: torch.Tensor) -> tuple:
+        m = _tensor_meta(t)
+        return m if not self.portable else (self.ty(m[0]), m[1], m[2], str(m[3]), m[4], m[5], str(m[6]))
+
+    def code(self, co: types.CodeType):
+        return co if not self.portable else _code_digest(co)
 
     def __call__(self, obj, depth: int = 0):
         t = type(obj)
         if t in _PRIMITIVE:
             # Typed, so that 1, 1.0 and True differ; floats by repr, so that -0.0 and 0.0 differ.
-            return (t, repr(obj) if t is float or t is complex else obj)
+            return (self.ty(t), repr(obj) if t is float or t is complex else obj)
         if t is dict and all(type(k) is str for k in obj) and all(type(v) in _PRIMITIVE for v in obj.values()):
             # A dict of plain values (hook alias tables, configs): described without a call per entry.
-            return (dict, tuple((k, type(v), repr(v) if type(v) in (float, complex) else v) for k, v in obj.items()))
+            return (self.ty(dict), tuple((k, self.ty(type(v)), repr(v) if type(v) in (float, complex) else v)
+                                         for k, v in obj.items()))
         if isinstance(obj, (bool, int, float, complex, str, bytes)):  # subclasses (enum.IntEnum handled below)
             if isinstance(obj, enum.Enum):
-                return (type(obj), obj.name)
-            return (type(obj), repr(obj))
+                return (self.ty(type(obj)), obj.name)
+            return (self.ty(type(obj)), repr(obj))
         if isinstance(obj, (torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size)):
-            return (type(obj), str(obj))
+            return (self.ty(type(obj)), str(obj))
         if isinstance(obj, enum.Enum):
-            return (type(obj), obj.name)
-        if isinstance(obj, type) and _is_library(obj):
-            return ("type", obj)
+            return (self.ty(type(obj)), obj.name)
+        if isinstance(obj, type) and _is_library(obj) and (not self.portable or _importable(obj)):
+            return ("type", self.ty(obj))
         oid = id(obj)
         if oid in self.memo:
             return ("ref", self.memo[oid])
@@ -163,41 +297,47 @@ class _Walker:
         if isinstance(obj, torch.Tensor):
             name = self.state_names.get(oid)
             if name is not None:
-                return ("state", name, _tensor_meta(obj))
+                return ("state", name, self.meta(obj))
             if obj.numel() > _TENSOR_ATTR_LIMIT or obj.layout != torch.strided or obj.is_meta:
                 raise Uncacheable(f"a tensor attribute of {obj.numel()} elements")
             data = obj.detach().cpu().contiguous()
-            return ("tensor", _tensor_meta(obj), hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest())
+            return ("tensor", self.meta(obj), hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest())
         if isinstance(obj, torch.nn.Module) and oid in self.module_paths:
             return ("module", self.module_paths[oid])
         if isinstance(obj, type):
-            # A method replaced on the class (Block.forward = f) keeps the class object: describe its namespace.
-            own = tuple((k, self(v, depth + 1)) for k, v in vars(obj).items()
-                        if isinstance(v, (types.FunctionType, staticmethod, classmethod, property)))
-            return ("type", obj, tuple(self(b, depth + 1) for b in obj.__bases__), own)
+            # A method replaced on the class (Block.forward = f) keeps the class object: describe its
+            # namespace, class-level data (Block.scale = 2.0) included.
+            own = tuple((k, self(v, depth + 1)) for k, v in vars(obj).items() if k not in _CLASS_SKIP)
+            return ("type", self.ty(obj), tuple(self(b, depth + 1) for b in obj.__bases__), own)
         if isinstance(obj, (staticmethod, classmethod)):
-            return (type(obj), self(obj.__func__, depth + 1))
+            return (self.ty(type(obj)), self(obj.__func__, depth + 1))
         if isinstance(obj, property):
             return ("property", self(obj.fget, depth + 1), self(obj.fset, depth + 1), self(obj.fdel, depth + 1))
         if isinstance(obj, (list, tuple, collections.deque, dict, set, frozenset)) and len(obj) > _CONTAINER_LIMIT:
             raise Uncacheable(f"a {type(obj).__name__} of {len(obj)} entries")
+        if isinstance(obj, _IdKeyed):
+            return ("id-keyed", tuple(sorted((self(v, depth + 1) for v in obj.values), key=repr)))
         if isinstance(obj, (list, tuple, collections.deque)):
-            return (type(obj), tuple(self(x, depth + 1) for x in obj))
+            return (self.ty(type(obj)), tuple(self(x, depth + 1) for x in obj))
         if isinstance(obj, types.MappingProxyType):
             return ("mappingproxy", self(dict(obj), depth + 1))
         if isinstance(obj, dict):
-            return (type(obj), tuple((self(k, depth + 1), self(v, depth + 1)) for k, v in obj.items()))
+            return (self.ty(type(obj)), tuple((self(k, depth + 1), self(v, depth + 1)) for k, v in obj.items()))
         if isinstance(obj, (set, frozenset)):
             items = [self(x, depth + 1) for x in obj]
-            return (type(obj), tuple(sorted(items, key=repr)))
+            return (self.ty(type(obj)), tuple(sorted(items, key=repr)))
         if isinstance(obj, types.FunctionType):
             if _is_library(obj):
-                return ("builtin", obj)
+                if not self.portable:
+                    return ("builtin", obj)
+                if _importable(obj):
+                    return ("function", obj.__module__, obj.__qualname__, _origin(obj.__module__))
+                # A library function made in a function (a closure): described as user code is.
             cells = tuple(self(c.cell_contents, depth + 1) if _filled(c) else ("empty",) for c in obj.__closure__ or ())
             env = obj.__globals__
             reads = tuple((n, self(env[n], depth + 1)) for n in _global_names(obj.__code__) if n in env)
-            return ("function", obj.__code__, self(obj.__defaults__, depth + 1), self(obj.__kwdefaults__, depth + 1),
-                    cells, self(getattr(obj, "__dict__", None), depth + 1), reads)
+            return ("function", self.code(obj.__code__), self(obj.__defaults__, depth + 1),
+                    self(obj.__kwdefaults__, depth + 1), cells, self(getattr(obj, "__dict__", None), depth + 1), reads)
         if isinstance(obj, types.MethodType):
             return ("method", self(obj.__func__, depth + 1), self(obj.__self__, depth + 1))
         if isinstance(obj, functools.partial):
@@ -208,7 +348,7 @@ class _Walker:
                             types.MethodDescriptorType, torch._ops.OpOverload, torch._ops.OpOverloadPacket,
                             types.ModuleType)):
             self.keep.append(obj)
-            return ("builtin", obj)
+            return ("builtin", obj) if not self.portable else self._portable_builtin(obj, depth)
         # A module outside the tree (TransformerLens 4 keeps the wrapped model as a plain attribute) is
         # described like any object: its submodules and parameters mostly are the tree's own.
         if isinstance(obj, (logging.Logger, logging.LoggerAdapter)):
@@ -218,13 +358,57 @@ class _Walker:
         if state is None and not slots and type(obj).__hash__ is not None:
             # An object with no Python state (a C object: a compiled regex, a lock): by value where it
             # compares by value (re.Pattern), else by identity; the key holds it.
-            return ("library", type(obj), obj)
+            if not self.portable:
+                return ("library", type(obj), obj)
+            if isinstance(obj, re.Pattern):
+                return ("regex", self.ty(type(obj.pattern)), obj.pattern, obj.flags)
+            if isinstance(obj, _LOCK_TYPES):
+                return ("lock", self.ty(type(obj)))
+            raise Uncacheable(f"an object of type {type(obj).__module__}.{type(obj).__qualname__} (no Python state; "
+                              "its identity means nothing in another process)")
         if state is None and not slots:
             raise Uncacheable(f"an object of type {type(obj).__module__}.{type(obj).__qualname__}")
-        if dataclasses.is_dataclass(obj) or state is not None or slots:
-            return ("object", type(obj), self(dict(state) if state is not None else None, depth + 1),
-                    tuple((s, self(getattr(obj, s, None), depth + 1)) for s in slots))
-        raise Uncacheable(type(obj).__qualname__)
+        if self.portable and state is not None:
+            state = _without_ids(type(obj), state)
+        return ("object", self(type(obj), depth + 1), self(dict(state) if state is not None else None, depth + 1),
+                tuple((s, self(getattr(obj, s, None), depth + 1)) for s in slots))
+
+    def _portable_builtin(self, obj, depth: int):
+        """A C function, slot wrapper, operator or Python module by name (a bound one with its receiver)."""
+        if isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            return ("op", type(obj).__name__, str(obj))
+        if isinstance(obj, types.ModuleType):
+            return ("pymodule", obj.__name__, _origin(obj.__name__))
+        if isinstance(obj, (types.WrapperDescriptorType, types.MethodDescriptorType)):
+            return ("descriptor", self(obj.__objclass__, depth + 1), obj.__name__)
+        receiver = getattr(obj, "__self__", None)
+        if receiver is None or isinstance(receiver, types.ModuleType):
+            module = getattr(obj, "__module__", None) or getattr(receiver, "__name__", None)
+            return ("cfunction", module, obj.__qualname__, _origin(module) if module else None)
+        return ("bound", type(obj).__name__, obj.__name__, self(receiver, depth + 1))
+
+
+class _IdKeyed:
+    """The values of a dict keyed by id() of objects of earlier runs (see _compat.ID_KEYED_STATE)."""
+
+    def __init__(self, values: list):
+        self.values = values
+
+
+def _without_ids(cls: type, state: dict) -> dict:
+    """``state`` with the id-keyed dicts of ``cls`` (_compat.ID_KEYED_STATE) reduced to their values: ids of
+    tensors from earlier runs differ per process, and a trace can only read them through an id collision,
+    which no key could predict."""
+    from ._compat import ID_KEYED_STATE
+
+    names = ID_KEYED_STATE.get((cls.__module__, cls.__qualname__))
+    if not names:
+        return state
+    out = dict(state)
+    for name in names:
+        if isinstance(out.get(name), dict):
+            out[name] = _IdKeyed(list(out[name].values()))
+    return out
 
 
 def _filled(cell) -> bool:
@@ -238,8 +422,20 @@ def _filled(cell) -> bool:
 _SKIP = {"_parameters", "_buffers", "_modules"}
 
 
-def fingerprint(module: torch.nn.Module, args: tuple, kwargs: dict, options: tuple):
-    """The cache key of a build, or raises ``Uncacheable``."""
+def fingerprint(module: torch.nn.Module, args: tuple, kwargs: dict, options: tuple, portable: bool = False):
+    """The cache key of a build, or raises ``Uncacheable``. ``portable``: a hex digest that means the
+    same in any process (see the module docstring)."""
+    key = describe(module, args, kwargs, options, portable)
+    if not portable:
+        return key
+    text = repr(key)
+    if " at 0x" in text:  # an object's default repr: the walker let one through (tests run _check_portable)
+        raise Uncacheable("an object without a portable description")
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def describe(module: torch.nn.Module, args: tuple, kwargs: dict, options: tuple, portable: bool = False) -> tuple:
+    """The key as a tuple (``fingerprint`` digests the portable one)."""
     named = list(torch.nn.Module.named_modules(module, remove_duplicate=False))
     module_paths: dict[int, str] = {}
     for path, m in named:
@@ -250,7 +446,7 @@ def fingerprint(module: torch.nn.Module, args: tuple, kwargs: dict, options: tup
             for k, t in vars(m)[kind].items():
                 if t is not None:
                     state_names.setdefault(id(t), f"{path}.{k}" if path else k)
-    walk = _Walker(state_names, module_paths)
+    walk = _Walker(state_names, module_paths, portable)
     # The walk builds tens of thousands of small tuples: the cyclic GC would scan them again and again.
     gc_was_enabled = gc.isenabled()
     gc.disable()
@@ -273,11 +469,28 @@ def _fingerprint(walk, module, named, module_paths, args, kwargs, options):
         rest = walk({k: v for k, v in own.items() if k not in _SKIP})
         modules.append((path, walk(type(m)), params, buffers, children, rest))
     flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
-    inputs = tuple(_tensor_meta(x) if isinstance(x, torch.Tensor) else walk(x) for x in flat)
+    inputs = tuple(walk.meta(x) if isinstance(x, torch.Tensor) else walk(x) for x in flat)
     from torch.nn.modules import module as nn_module
 
     global_hooks = walk([getattr(nn_module, h, None) for h in sorted(dir(nn_module)) if h.startswith("_global_")
                          and h.endswith("hooks")])
-    flags = (torch.__version__, __version__, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-             torch.is_autocast_enabled(), torch.get_default_dtype())
+    flags = (str(torch.__version__), __version__, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+             torch.is_autocast_enabled(), walk(torch.get_default_dtype()))
+    if walk.portable:
+        flags += (environment(),)
     return (flags, options, str(spec), inputs, tuple(modules), global_hooks)
+
+
+_PORTABLE_LEAVES = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
+def _check_portable(key) -> None:
+    """A portable key holds values only: anything else would print its address (never hitting) or
+    print ambiguously. A check of the walker, run by the tests on real models (too slow for every key)."""
+    stack = [key]
+    while stack:
+        x = stack.pop()
+        if type(x) is tuple:
+            stack.extend(x)
+        elif type(x) not in _PORTABLE_LEAVES:
+            raise Uncacheable(f"an object of type {type(x).__qualname__} in a portable key")

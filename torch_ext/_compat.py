@@ -337,6 +337,15 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
     return ep, used, reason
 
 
+# Attributes of library objects that hold dicts keyed by id() of tensors from earlier runs (numbers that
+# differ per process): the on-disk build cache describes them by their values only (_build_cache).
+# TransformerLens 4's attention conversion keeps per-tensor shapes there after every run.
+ID_KEYED_STATE = {
+    ("transformer_lens.conversion_utils.conversion_steps.attention_auto_conversion", "AttentionAutoConversion"):
+        ("_conversion_state",),
+}
+
+
 def respell_state_name(name: str) -> str:
     """A state name as programs spell it: components that are Python keywords get a trailing "_"."""
     import keyword

@@ -16,7 +16,7 @@ from typing import Any, Callable, Hashable, Iterable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from . import _C, _build_cache, _compat
+from . import _C, _build_cache, _compat, _disk_cache
 from .ir import Graph
 
 
@@ -98,6 +98,93 @@ def _empty_like_type(t) -> torch.Tensor:
     return torch.empty_strided(t[2], t[3], dtype=_SHORT_DTYPE[t[1]], device=t[4]).zero_()
 
 
+def _cache_keys(module, example_inputs: tuple, options: tuple):
+    """(in-process key, on-disk key, build_stats["cache"], build_stats["disk_cache"]) of a build. With the disk
+    cache on, the portable key serves both caches (one walk); where it cannot be made, the in-process
+    key alone."""
+    disk_key, disk_state = None, "off"
+    if _disk_cache.enabled():
+        try:
+            disk_key = _build_cache.fingerprint(module, example_inputs, {}, options, portable=True)
+            return disk_key, disk_key, "miss", "miss"
+        except _build_cache.Uncacheable as e:
+            disk_state = f"uncacheable: {e}"
+    try:
+        return _build_cache.fingerprint(module, example_inputs, {}, options), None, "miss", disk_state
+    except _build_cache.Uncacheable as e:
+        return None, None, f"uncacheable: {e}", disk_state
+
+
+_INPUT_KINDS = ("USER_INPUT", "PARAMETER", "BUFFER")
+
+
+def _entry_of(program, built: Graph, hooks: dict, front_end: str, why) -> dict:
+    """What a built graph needs besides its program: the input and output kinds with their state
+    names, the pytree specs, hook names and the front end (the build caches' entry)."""
+    sig = program.graph_signature
+    return {"graph": built, "hooks": dict(hooks), "front_end": front_end, "fallback_reason": why,
+            "inputs": [(spec.kind.name, spec.target) for spec in sig.input_specs],
+            "outputs": [(spec.kind.name, spec.target) for spec in sig.output_specs],
+            "in_spec": program.call_spec.in_spec, "out_spec": program.call_spec.out_spec, "program": None}
+
+
+def _bind_entry(entry: dict, module: torch.nn.Module) -> list | None:
+    """The graph's input slots for ``module``: None for a user input, else the module's own parameter or
+    buffer by name (read at every run, never stored). None if some input is not one of them."""
+    own = {}
+    for name, t in list(torch.nn.Module.named_parameters(module, remove_duplicate=False)) + \
+            list(torch.nn.Module.named_buffers(module, remove_duplicate=False)):
+        own.setdefault(_compat.respell_state_name(name), t)
+    slots = []
+    for kind, target in entry["inputs"]:
+        if kind == "USER_INPUT":
+            slots.append(None)
+        elif kind in ("PARAMETER", "BUFFER") and target in own:
+            slots.append(own[target])
+        else:
+            return None
+    return slots
+
+
+def _store_on_disk(key: str, entry: dict) -> str:
+    """Writes ``entry`` to the disk cache; build_stats["disk_cache"]: "stored" or why not."""
+    if any(kind not in _INPUT_KINDS for kind, _ in entry["inputs"]):
+        return "not stored: the program has inputs that are not user inputs, parameters or buffers"
+    text = str(entry["graph"])
+    try:
+        if str(Graph.parse(text)) != text:
+            return "not stored: the graph's text form does not round-trip"
+        specs = [pytree.treespec_dumps(entry[k]) if entry[k] is not None else None for k in ("in_spec", "out_spec")]
+    except Exception as e:  # noqa: BLE001 (any failure only means: not stored)
+        return f"not stored: {type(e).__name__}: {e}"
+    body = {"graph": text, "hooks": entry["hooks"], "front_end": entry["front_end"],
+            "fallback_reason": entry["fallback_reason"], "inputs": [list(x) for x in entry["inputs"]],
+            "outputs": [list(x) for x in entry["outputs"]], "in_spec": specs[0], "out_spec": specs[1]}
+    return "stored" if _disk_cache.store(key, body) else "not stored: the cache folder could not be written"
+
+
+def _cached_entry_from_disk(key: str) -> dict | None:
+    """The disk entry of ``key`` as an in-process entry (graph parsed), or None (absent or corrupt)."""
+    body = _disk_cache.load(key)
+    if body is None:
+        return None
+    try:
+        entry = {"graph": Graph.parse(body["graph"]), "hooks": dict(body["hooks"]), "front_end": body["front_end"],
+                 "fallback_reason": body["fallback_reason"],
+                 "inputs": [(str(k), None if t is None else str(t)) for k, t in body["inputs"]],
+                 "outputs": [(str(k), None if t is None else str(t)) for k, t in body["outputs"]],
+                 "in_spec": None if body["in_spec"] is None else pytree.treespec_loads(body["in_spec"]),
+                 "out_spec": None if body["out_spec"] is None else pytree.treespec_loads(body["out_spec"]),
+                 "program": None}
+        placeholders = [n for n in entry["graph"].nodes() if n.kind == "placeholder"]
+        if len(placeholders) != len(entry["inputs"]) or any(k not in _INPUT_KINDS for k, _ in entry["inputs"]):
+            raise ValueError("the inputs do not match the graph's placeholders")
+    except Exception:  # noqa: BLE001 (a corrupt entry is rebuilt, never fatal)
+        _disk_cache.corrupt(key)
+        return None
+    return entry
+
+
 class Engine:
     """The reactive engine itself (csrc/reactive/engine.h) over an IR graph: what ReactiveGraph wraps for a
     module, for IR-level work and exact cost measurements (scripts/reproduce_paper.py, scripts/bench_sweep.py).
@@ -155,30 +242,43 @@ class ReactiveGraph:
         ``cache``: a module whose architecture, Python state and input shapes were built before in
         this process reuses that graph and binds its own weights (``torch_ext._build_cache``; off with
         ``cache=False`` or ``TORCH_EXT_BUILD_CACHE=0``). ``build_stats["cache"]`` is "hit", "miss",
-        "off", or "uncacheable: <why>"."""
+        "off", or "uncacheable: <why>". A graph not in this process's cache is looked up in the on-disk
+        cache (``torch_ext._disk_cache``: a fresh process then neither traces nor imports the tracers;
+        off with ``TORCH_EXT_CACHE=0``, folder ``TORCH_EXT_CACHE_DIR``); ``build_stats["disk_cache"]`` is
+        "hit", "stored", "miss", "unused" (found in this process), "off", "not stored: <why>" or
+        "uncacheable: <why>". Parameters and buffers are never cached: each graph reads the module's own."""
         if front_end not in _compat.FRONT_ENDS:
             raise ValueError(f"ReactiveGraph: front_end must be one of {_compat.FRONT_ENDS}, got {front_end!r}")
         self._front_end = front_end
         self._cache = bool(cache)
         self._split_heads = split_heads
         t0 = time.perf_counter()
-        key, entry, cache_state = None, None, "off"
+        key, entry, cache_state, disk_key, disk_state = None, None, "off", None, "off"
+        self._program = None
         if isinstance(ep_or_module, torch.nn.Module):
             if example_inputs is None:
                 raise ValueError("ReactiveGraph(module, example_inputs): example_inputs are required to export a module")
             self._module = ep_or_module
             if cache and _build_cache.enabled():
-                try:
-                    key = _build_cache.fingerprint(ep_or_module, tuple(example_inputs), {},
-                                                   (front_end, repr(split_heads)))
-                    entry = _build_cache.get(key)
-                    cache_state = "miss" if entry is None else "hit"
-                except _build_cache.Uncacheable as e:
-                    cache_state = f"uncacheable: {e}"
+                key, disk_key, cache_state, disk_state = _cache_keys(ep_or_module, tuple(example_inputs),
+                                                                     (front_end, repr(split_heads)))
+            if key is not None:
+                entry = _build_cache.get(key)
+                if entry is not None:
+                    cache_state = "hit"
+                    disk_state = "unused" if disk_key is not None else disk_state
+                elif disk_key is not None:
+                    entry = _cached_entry_from_disk(disk_key)
+                    if entry is not None:
+                        cache_state = disk_state = "hit"
+                        _build_cache.put(key, entry)
             if entry is not None:
-                ep = _rebind(entry["program"], ep_or_module)
-                if ep is None:  # cannot happen for an equal key; rebuild rather than guess
+                binding = _bind_entry(entry, ep_or_module)
+                if binding is None:  # cannot happen for an equal key; rebuild rather than guess
+                    if disk_state == "hit":
+                        _disk_cache.corrupt(disk_key)
                     entry, cache_state = None, "miss"
+                    disk_state = "miss" if disk_key is not None else disk_state
                 else:
                     used, why = entry["front_end"], entry["fallback_reason"]
             if entry is None:
@@ -195,7 +295,10 @@ class ReactiveGraph:
             raise TypeError(f"ReactiveGraph expects an nn.Module or an ExportedProgram, got {type(ep_or_module).__name__}")
         t1 = time.perf_counter()
         if entry is not None:
-            self.program, self._hooks, built = ep, dict(entry["hooks"]), entry["graph"]
+            self._hooks, built = dict(entry["hooks"]), entry["graph"]
+            self._slots = binding
+            # A disk entry has no program: traced on first read of .program (never needed to run).
+            self._program = _rebind(entry["program"], self._module) if entry.get("program") is not None else None
             self._conversions = {k: c for k, c in _compat.hook_conversions(self._module).items() if k in self._hooks}
         else:
             built = self._import(ep)
@@ -203,15 +306,23 @@ class ReactiveGraph:
                 # A program traced from a copy (TransformerLens models) computes with the module's own
                 # tensors, as one traced from the module itself does: never with a stale copy.
                 self.program = _rebind(self.program, self._module) or self.program
-            if key is not None:
-                program = _rebind(self.program, self._module, keep_state=False)
-                if program is not None:
-                    _build_cache.put(key, {"program": program, "hooks": dict(self._hooks), "graph": built,
-                                           "front_end": used, "fallback_reason": why})
-                else:
-                    cache_state = "uncacheable: the program holds tensors that are not the module's parameters or buffers"
+            entry = _entry_of(self.program, built, self._hooks, used, why)
+            state = {**self.program.state_dict, **self.program.constants}
+            self._slots = [None if kind == "USER_INPUT" else state[target] for kind, target in entry["inputs"]]
         t2 = time.perf_counter()
-        self._engine = _C.Engine(built._g)
+        # A cached graph passed the verifier's meta-kernel inference when it was built (same torch and
+        # torch_ext: both in the key); skipping it spares a fresh process loading Python meta kernels.
+        self._engine = _C.Engine(built._g, infer_results=cache_state != "hit")
+        if key is not None and cache_state == "miss":  # cached once the engine accepted it
+            program = _rebind(self.program, self._module, keep_state=False)
+            if program is not None:
+                entry["program"] = program
+                _build_cache.put(key, entry)
+                if disk_key is not None:
+                    disk_state = _store_on_disk(disk_key, entry)
+            else:
+                cache_state = disk_state = ("uncacheable: the program holds tensors that are not the module's "
+                                            "parameters or buffers")
         t3 = time.perf_counter()
         self._engine.set_cutoff(bool(cutoff))
         if not isinstance(seq_dim, int) or isinstance(seq_dim, bool) or seq_dim < 0:
@@ -220,18 +331,14 @@ class ReactiveGraph:
         # node's sequence axis recomputes only those rows wherever the analysis allows.
         self._positions, self._seq_dim = bool(positions), seq_dim
         self._engine.set_positions(self._positions, seq_dim)
-        sig = self.program.graph_signature
-        state = {**self.program.state_dict, **self.program.constants}
-        self._slots = [None if spec.kind.name == "USER_INPUT" else state[spec.target] for spec in sig.input_specs]
         self._num_user = self._slots.count(None)
-        self._in_spec = self.program.call_spec.in_spec
-        self._out_spec = self.program.call_spec.out_spec
-        kinds = [spec.kind.name for spec in sig.output_specs]
+        self._in_spec, self._out_spec = entry["in_spec"], entry["out_spec"]
+        kinds = [kind for kind, _ in entry["outputs"]]
         self._user_outputs = [i for i, k in enumerate(kinds) if k == "USER_OUTPUT"]
         # A joint program's outputs are the loss and the parameter gradients (no user outputs).
         self._loss_output = kinds.index("LOSS_OUTPUT") if "LOSS_OUTPUT" in kinds else None
-        self._grad_outputs = [(i, spec.target) for i, spec in enumerate(sig.output_specs)
-                              if spec.kind.name == "GRADIENT_TO_PARAMETER"]
+        self._grad_outputs = [(i, target) for i, (kind, target) in enumerate(entry["outputs"])
+                              if kind == "GRADIENT_TO_PARAMETER"]
         single = (self._loss_output is None and len(self._user_outputs) == 1 and self._out_spec is not None
                   and self._out_spec.is_leaf())
         self._single_output = self._user_outputs[0] if single else None
@@ -251,18 +358,33 @@ class ReactiveGraph:
         # Programs exported from a copy (TransformerLens models) do not see later weight changes: run()
         # refuses to compute on stale weights instead of answering with them.
         self._weights_fp = None
-        if self._module is not None:
+        if self._module is not None and self._program is not None:
             own = {id(t) for t in list(nn_params(self._module))}
-            if any(id(v) not in own for v in self.program.state_dict.values()):
+            if any(id(v) not in own for v in self._program.state_dict.values()):
                 self._weights_fp = _weights_fingerprint(self._module)
         t4 = time.perf_counter()
         if example_inputs is not None:
             self.run(*example_inputs)
         # Seconds: trace (make_fx or export), import (functionalize, hook names, IR), bind (kernels),
         # first run; "other" is the rest of the constructor.
-        self.build_stats = {"front_end": used, "fallback_reason": why, "cache": cache_state,
+        self.build_stats = {"front_end": used, "fallback_reason": why, "cache": cache_state, "disk_cache": disk_state,
                             "trace_s": t1 - t0, "import_s": t2 - t1,
                             "bind_s": t3 - t2, "other_s": t4 - t3, "first_run_s": time.perf_counter() - t4}
+
+    @property
+    def program(self) -> torch.export.ExportedProgram:
+        """The program the graph was imported from. A graph from the on-disk cache has none until this is
+        first read: it is traced then (the graph itself is the stored one; running never needs this)."""
+        if self._program is None and self._module is not None:
+            ep, _, _ = _compat.trace_for_inference(self._module, tuple(self._example_inputs), front_end=self._front_end)
+            ep = _functional_program(ep)
+            _compat.strip_hook_points(ep)
+            self._program = _rebind(ep, self._module) or ep
+        return self._program
+
+    @program.setter
+    def program(self, ep) -> None:
+        self._program = ep
 
     def _import(self, ep) -> Graph:
         """Functionalizes ``ep``, reads its hook names, refuses random ops, imports it to the IR (and
@@ -289,7 +411,7 @@ class ReactiveGraph:
             self._split_attention_heads(built, self._split_heads)
         return built
 
-    _PER_SHAPE = ("program", "build_stats", "_hooks", "_conversions", "_engine", "_slots", "_num_user", "_in_spec",
+    _PER_SHAPE = ("_program", "build_stats", "_hooks", "_conversions", "_engine", "_slots", "_num_user", "_in_spec",
                   "_single_output", "_cone_sizes", "_all_names",
                   "_out_spec", "_user_outputs", "_loss_output", "_grad_outputs", "_module_paths", "_countable",
                   "_countable_cache", "_batched", "_last_inputs", "_example_inputs", "_grafts_applied")

@@ -482,7 +482,7 @@ std::string print_type_safe(const Type& type) {
 }
 
 void check_call_types(const Node& node, const c10::OperatorHandle& op, const std::string& where,
-                      std::vector<std::string>& errors) {
+                      std::vector<std::string>& errors, bool infer_results) {
   const c10::FunctionSchema& schema = op.schema();
   const auto& formals = schema.arguments();
   std::vector<const Arg*> given(formals.size(), nullptr);
@@ -582,7 +582,7 @@ void check_call_types(const Node& node, const c10::OperatorHandle& op, const std
     }
     if (tensors) tensor_inputs.push_back(std::move(list_input));
   }
-  if (errors.size() != errors_before || !inferable) return;
+  if (errors.size() != errors_before || !inferable || !infer_results) return;
 
   // Level 2: run the operator on meta tensors and compare with the declared type.
   if (!op.hasComputedKernelForDispatchKey(c10::DispatchKey::Meta) || op.hasTag(at::Tag::dynamic_output_shape) ||

@@ -44,9 +44,9 @@ namespace torch_ext::ir {
 c10::IValue constant_to_ivalue(const Arg& a, const c10::TypePtr& formal, const std::string& where);
 
 // Checks `node` (a call of `op` whose arity already fits the schema) as described above;
-// appends one message per problem, each starting with `where`.
+// appends one message per problem, each starting with `where`. `infer_results` false: level 1 only.
 void check_call_types(const Node& node, const c10::OperatorHandle& op, const std::string& where,
-                      std::vector<std::string>& errors);
+                      std::vector<std::string>& errors, bool infer_results = true);
 
 // A reason why `type` cannot be the type of a value (negative size, rank mismatch between
 // sizes and strides, element count or byte size overflowing int64), or empty when it can.

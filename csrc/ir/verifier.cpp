@@ -15,7 +15,7 @@
 namespace torch_ext::ir {
 namespace {
 
-void check_call(const Node& n, const std::string& prefix, std::vector<std::string>& errors) {
+void check_call(const Node& n, const std::string& prefix, std::vector<std::string>& errors, bool infer_results) {
   const std::string where = prefix + "node %" + n.name() + " (" + n.target().str() + "): ";
   if (n.target().is_getitem()) {
     if (n.args().size() != 2 || !n.kwargs().empty() || n.args()[0].kind != Arg::Kind::Node ||
@@ -87,13 +87,13 @@ void check_call(const Node& n, const std::string& prefix, std::vector<std::strin
       errors.push_back(where + "missing required argument '" + formals[k].name() + "'");
   if (errors.size() != errors_before) return;
   try {
-    check_call_types(n, *op, where, errors);
+    check_call_types(n, *op, where, errors, infer_results);
   } catch (const c10::Error& e) {
     errors.push_back(where + "type check failed: " + e.msg());
   }
 }
 
-void verify_into(const Graph& g, const std::string& prefix, std::vector<std::string>& errors) {
+void verify_into(const Graph& g, const std::string& prefix, std::vector<std::string>& errors, bool infer_results) {
   std::unordered_set<const Node*> seen;
   // Use lists are checked against the inputs through one map of (user, input) pairs, so a
   // value with many users costs linear time, not quadratic.
@@ -168,13 +168,14 @@ void verify_into(const Graph& g, const std::string& prefix, std::vector<std::str
       });
       if (inputs_valid && !invalid.count(&n)) {
         const size_t before = errors.size();
-        check_call(n, prefix, errors);
+        check_call(n, prefix, errors, infer_results);
         if (errors.size() != before) invalid.insert(&n);
       } else {
         invalid.insert(&n);
       }
       for (size_t r = 0; r < n.regions().size(); ++r)
-        verify_into(*n.regions()[r], prefix + "%" + n.name() + ".region" + std::to_string(r) + ": ", errors);
+        verify_into(*n.regions()[r], prefix + "%" + n.name() + ".region" + std::to_string(r) + ": ", errors,
+                    infer_results);
     }
   }
   if (outputs != 1) errors.push_back(prefix + "graph has " + std::to_string(outputs) + " output nodes, expected 1");
@@ -182,14 +183,14 @@ void verify_into(const Graph& g, const std::string& prefix, std::vector<std::str
 
 }  // namespace
 
-std::vector<std::string> verify_errors(const Graph& graph) {
+std::vector<std::string> verify_errors(const Graph& graph, bool infer_results) {
   std::vector<std::string> errors;
-  verify_into(graph, "", errors);
+  verify_into(graph, "", errors, infer_results);
   return errors;
 }
 
-void verify(const Graph& graph) {
-  auto errors = verify_errors(graph);
+void verify(const Graph& graph, bool infer_results) {
+  auto errors = verify_errors(graph, infer_results);
   if (errors.empty()) return;
   std::string msg = "IR verification failed with " + std::to_string(errors.size()) + " error(s):";
   for (const auto& e : errors) msg += "\n  " + e;

@@ -18,9 +18,12 @@
 
 namespace torch_ext::ir {
 
-// All problems found, each naming its node; empty when the graph is valid.
-std::vector<std::string> verify_errors(const Graph& graph);
+// All problems found, each naming its node; empty when the graph is valid. `infer_results`
+// false skips level 2 of the call type checks (running each operator on meta tensors, see
+// ir/type_check.h): only for a graph that passed the full check under the same torch and
+// torch_ext (the on-disk build cache's entries), since Python meta kernels are costly to load.
+std::vector<std::string> verify_errors(const Graph& graph, bool infer_results = true);
 // Throws c10::Error listing every problem.
-void verify(const Graph& graph);
+void verify(const Graph& graph, bool infer_results = true);
 
 }  // namespace torch_ext::ir

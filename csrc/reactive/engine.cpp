@@ -103,8 +103,8 @@ double node_cost(const ir::Node& n) {
   return out;
 }
 
-Engine::Engine(const ir::Graph& graph) : graph_(graph.clone()) {
-  ir::verify(*graph_);
+Engine::Engine(const ir::Graph& graph, bool infer_results) : graph_(graph.clone()) {
+  ir::verify(*graph_, infer_results);
   // Side-effect-free nodes that reach no output (export's _assert_tensor_metadata for every .to(),
   // _assert_scalar, unused views) can never matter to a demand: drop them from the private copy.
   passes::eliminate_dead_code(*graph_);

@@ -121,8 +121,9 @@ int64_t version_of(const c10::IValue& v);
 
 class Engine {
  public:
-  // Takes a private copy of `graph`; rejects graphs with mutating ops.
-  explicit Engine(const ir::Graph& graph);
+  // Takes a private copy of `graph`; rejects graphs with mutating ops. `infer_results` false skips the
+  // verifier's meta-kernel inference (ir/verifier.h): for graphs that passed it before (build caches).
+  explicit Engine(const ir::Graph& graph, bool infer_results = true);
 
   // Full evaluation from placeholder values (placeholder order). Sets the
   // baseline, drops every patch, counts N evaluations.

@@ -81,6 +81,18 @@ TEST(IrTypes, DeclaredResultMustMatchTheOperator) {
       << msg;
 }
 
+TEST(IrTypes, InferenceCanBeSkippedForGraphsCheckedBefore) {
+  // verify(g, /*infer_results=*/false) (the build caches' graphs, checked in full when built) skips only
+  // level 2: a wrong declared result passes, a structural or argument error is still refused.
+  auto wrong_result = parse("graph:\n  %a : f32[2] = input()\n  %b : i64[7] = aten::add.Tensor(%a, %a)\n  return (%b)\n");
+  EXPECT_TRUE(verify_errors(*wrong_result, /*infer_results=*/false).empty());
+  EXPECT_FALSE(verify_errors(*wrong_result).empty());
+  auto wrong_arg = parse("graph:\n  %a : f32[2] = input()\n  %b : f32[2] = aten::add.Tensor(%a, \"x\")\n  return (%b)\n");
+  const auto errors = verify_errors(*wrong_arg, /*infer_results=*/false);
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_NE(errors[0].find("argument 'other'"), std::string::npos) << errors[0];
+}
+
 TEST(IrTypes, InconsistentShapesNeverReachAKernel) {
   auto msg = verify_message(
       "graph:\n  %a : f32[2,3] = input()\n  %b : f32[4,5] = input()\n  %c : f32[2,5] = aten::mm.default(%a, %b)\n"

@@ -1,7 +1,10 @@
 """Shared fixtures for the torch_ext Python tests."""
 from __future__ import annotations
 
+import os
 import random
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -14,9 +17,22 @@ SEED = 0
 
 
 def pytest_configure(config):
+    # The on-disk build cache (torch_ext._disk_cache) of this run goes to a temporary folder, never the
+    # user's ~/.cache/torch_ext; subprocesses that tests start (CLI, README blocks) inherit it.
+    global _CACHE_DIR
+    _CACHE_DIR = tempfile.mkdtemp(prefix="torch_ext_test_cache_")
+    os.environ["TORCH_EXT_CACHE_DIR"] = _CACHE_DIR
     config.addinivalue_line(
         "markers", "internals: drives torch_ext._C or a private attribute (._g, ._engine) directly: a test of the "
         "C++ internals rather than of the public API (`-m 'not internals'` leaves them out)")
+
+
+_CACHE_DIR: str | None = None
+
+
+def pytest_unconfigure(config):
+    if _CACHE_DIR is not None:
+        shutil.rmtree(_CACHE_DIR, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
