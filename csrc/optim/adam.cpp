@@ -35,13 +35,12 @@ void adam_with(Update& u, at::Tensor* max_exp_avg_sq) {
   const double bias_correction2 = 1 - std::pow(beta2, step);
   const double step_size = lr / bias_correction1;
   const double bias_correction2_sqrt = std::pow(bias_correction2, 0.5);
-  at::Tensor denom;
-  if (max_exp_avg_sq != nullptr) {
+  // torch.optim: denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps); the division in
+  // place on the fresh sqrt is the same kernel on the same values, one temporary less.
+  if (max_exp_avg_sq != nullptr)
     u.write(*max_exp_avg_sq, [&](at::Tensor& out, const at::Tensor& in) { at::maximum_out(out, in, exp_avg_sq); });
-    denom = (max_exp_avg_sq->sqrt() / bias_correction2_sqrt).add_(eps);
-  } else {
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps);
-  }
+  at::Tensor denom = (max_exp_avg_sq != nullptr ? *max_exp_avg_sq : exp_avg_sq).sqrt();
+  denom.div_(bias_correction2_sqrt).add_(eps);
   u.write(param, [&](at::Tensor& out, const at::Tensor& in) { at::addcdiv_out(out, in, exp_avg, denom, -step_size); });
 }
 
