@@ -97,9 +97,9 @@ void run_update(const Descriptor* d, bool inplace, torch::jit::Stack* stack) {
     TORCH_INTERNAL_ASSERT(u.inputs[k].is_inference() || u.inputs[k]._version() == versions[k], d->kind,
                           "_update wrote its input #", k, " in place: its kernel must write through Update::write");
   // Results the kernel did not write (a buffer this configuration leaves alone) are still inputs.
-  if (u.param.is_same(u.inputs[0])) u.param = u.param.clone();
+  if (u.param.is_same(u.inputs[0])) u.param = fresh_like(u.param).copy_(u.param);
   for (size_t k = 0; k < u.state.size(); ++k)
-    if (u.state[k].is_same(u.inputs[k + 1])) u.state[k] = u.state[k].clone();
+    if (u.state[k].is_same(u.inputs[k + 1])) u.state[k] = fresh_like(u.state[k]).copy_(u.state[k]);
   torch::jit::push(*stack, std::move(u.param));
   for (at::Tensor& s : u.state) torch::jit::push(*stack, std::move(s));
 }
@@ -114,6 +114,20 @@ struct UpdateKernel final : c10::OperatorKernel {
 };
 
 }  // namespace
+
+namespace {
+thread_local ResultAllocator* current_result_allocator = nullptr;
+}  // namespace
+
+ResultAllocatorGuard::ResultAllocatorGuard(ResultAllocator* a) : previous_(current_result_allocator) {
+  current_result_allocator = a;
+}
+
+ResultAllocatorGuard::~ResultAllocatorGuard() { current_result_allocator = previous_; }
+
+at::Tensor fresh_like(const at::Tensor& t) {
+  return current_result_allocator != nullptr ? current_result_allocator->empty_like(t) : at::empty_like(t);
+}
 
 bool Update::fresh(const at::Tensor& t) const {
   return std::none_of(inputs.begin(), inputs.end(), [&](const at::Tensor& in) { return in.is_same(t); });

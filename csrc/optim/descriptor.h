@@ -18,7 +18,6 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty_like.h>
 #include <ATen/core/ivalue.h>
 
 #include <cstdint>
@@ -55,6 +54,31 @@ struct Scalar {
   ScalarType type = ScalarType::Float;
 };
 
+// Where the functional op's fresh results come from: at::empty_like, unless a runtime installs a
+// ResultAllocator on the calling thread for the duration of a run (runtime::Executor does, to
+// recycle the memory of the state it returned once the caller drops it; csrc/runtime/result_pool.h).
+class ResultAllocator {
+ public:
+  virtual ~ResultAllocator() = default;
+  // A tensor shaped, strided and typed like `t`, on its device; contents undefined.
+  virtual at::Tensor empty_like(const at::Tensor& t) = 0;
+};
+
+// Installs `a` (nullptr: none) on this thread while alive, then puts back the one before.
+class ResultAllocatorGuard {
+ public:
+  explicit ResultAllocatorGuard(ResultAllocator* a);
+  ~ResultAllocatorGuard();
+  ResultAllocatorGuard(const ResultAllocatorGuard&) = delete;
+  ResultAllocatorGuard& operator=(const ResultAllocatorGuard&) = delete;
+
+ private:
+  ResultAllocator* previous_;
+};
+
+// A fresh result like `t`: from this thread's ResultAllocator, else at::empty_like(t).
+at::Tensor fresh_like(const at::Tensor& t);
+
 // One update call's values, checked against the schema. The kernel computes the new `param` and
 // `state` and leaves them there.
 //
@@ -80,14 +104,14 @@ struct Update {
   // Writes `t` (param or one of state) by op(out, in): an out= call that reads `in` and writes
   // `out` (e.g. at::lerp_out(out, in, grad, w)); afterwards t names the result. In the in-place
   // op, and once t has been written, out and in are both t (op(t, t) is the in-place op); in the
-  // functional op's first write, out is a fresh tensor like t (its strides) and in the input.
+  // functional op's first write, out is a fresh tensor like t (fresh_like) and in the input.
   template <class Op>
   at::Tensor& write(at::Tensor& t, Op&& op) {
     if (inplace || fresh(t)) {
       op(t, t);
       return t;
     }
-    at::Tensor out = at::empty_like(t);
+    at::Tensor out = fresh_like(t);
     op(out, static_cast<const at::Tensor&>(t));
     t = std::move(out);
     return t;
