@@ -355,6 +355,13 @@ PYBIND11_MODULE(_C, m) {
   py::class_<runtime::Executor, std::shared_ptr<runtime::Executor>>(m, "Executor")
       .def(py::init([](const ir::Graph& g) { return std::make_shared<runtime::Executor>(g); }))
       .def("num_inputs", &runtime::Executor::num_inputs)
+      .def("result_pool_stats",
+           [](const runtime::Executor& ex) {
+             py::dict d;
+             d["cached_bytes"] = ex.result_pool().cached_bytes();
+             d["reused_blocks"] = ex.result_pool().reused_blocks();
+             return d;
+           })
       .def("run", [](const runtime::Executor& ex, py::sequence inputs) {
         return run_without_gil(inputs, [&](std::vector<c10::IValue> in) { return ex.run(std::move(in)); });
       });

@@ -8,15 +8,20 @@ Configs (issue 17):
   * Hugging Face GPT-2 (transformers.GPT2LMHeadModel, its dropouts on) at the same sizes, vocabulary 256,
     AdamW; torch.utils.checkpoint on every block through its own gradient_checkpointing_enable().
 Every peak is measured the same way: torch.profiler's allocation events over one step, plus the
-state and batch held (and the arena, for the planned steps). Times are medians in one run, the
-unplanned executor interleaved with the arena executor, best of 6 each in process CPU time (column
-t arena/exec; the step ms column is wall time).
+state and batch held (and the arena, for the planned steps). Times are measured side by side in one
+run: every round times one step of each runner (eager, checkpoint/block, the unplanned executor and
+every plan) back to back, and each column is the median over --rounds rounds of wall time (step ms),
+so the ratios compare runners under the same machine load (t arena/exec: a plan's median over the
+unplanned executor's; the summary line also gives the executor over eager).
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import pathlib
 import re
+import resource
+import statistics
 import sys
 import time
 import types
@@ -28,7 +33,6 @@ from torch.utils.checkpoint import checkpoint
 
 import torch_ext
 from torch_ext.memory import _eager_peak, measured_peak
-from torch_ext.memory import _time_step as median_time  # the timing memory_report uses
 from torch_ext.models import TinyTransformer, relu_mlp
 
 TARGETS = {"param-heavy adam": 0.80, "param-heavy sgd-momentum": 0.73, "activation-heavy cnn": 0.85, "gpt-style": 0.85,
@@ -91,16 +95,23 @@ def hf_gpt2(seq=256, batch=8):
     return model, causal_lm_loss, ckpt_loss, (torch.randint(0, 256, (batch, seq)),)
 
 
-def paired_min_times(fa, fb, rounds=6):
-    """Best-of-rounds times of fa and fb, alternating, so both see the same machine load. Process
-    CPU time (both threads), which another job on the same cores disturbs less than wall time."""
-    ta, tb = [], []
+def interleaved_medians(runners, rounds, warmup=2):
+    """({name: median seconds per step}, {name: minor page faults per step}): each round runs every
+    runner once, back to back, so all see the same machine load; a noisy round shifts every column
+    alike and the median drops it. Page faults (fresh memory from the OS, first touched) are a large
+    part of a CPU step's time and depend on what the allocator kept, so they are reported too."""
+    for fn in runners.values():
+        for _ in range(warmup):
+            fn()
+    times, faults = {k: [] for k in runners}, {k: 0 for k in runners}
     for _ in range(rounds):
-        for f, out in ((fa, ta), (fb, tb)):
-            t0 = time.process_time()
-            f()
-            out.append(time.process_time() - t0)
-    return min(ta), min(tb)
+        for k, fn in runners.items():
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+            faults[k] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+    return {k: statistics.median(v) for k, v in times.items()}, {k: v / rounds for k, v in faults.items()}
 
 
 def eager_runner(model, opt, loss_fn, batch):
@@ -124,7 +135,11 @@ def main():
     ap.add_argument("--gpt-seq", type=int, default=256)
     ap.add_argument("--gpt-batch", type=int, default=8)
     ap.add_argument("--only", default="", help="comma-separated config names")
+    ap.add_argument("--rounds", type=int, default=9, help="interleaved timing rounds (one step of every runner each)")
+    ap.add_argument("--threads", type=int, help="torch.set_num_threads for every runner (default: torch's)")
     args = ap.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     configs = [
         ("param-heavy adam", mlp, lambda m: torch.optim.Adam(m.parameters(), lr=1e-4)),
         ("param-heavy sgd-momentum", mlp, lambda m: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)),
@@ -140,59 +155,64 @@ def main():
         model, loss_fn, ckpt_loss, batch = make()
         step = torch_ext.make_train_step(model, make_opt(model), loss_fn, batch)
         eager_peak, _ = _eager_peak(step, batch)
-        em, eo = __import__("copy").deepcopy((model, make_opt(model)))
-        eo = make_opt(em)
-        t_eager = median_time(eager_runner(em, eo, loss_fn, batch), n=1)
-        rows = [("eager", eager_peak, None, t_eager, None)]
-        lb = None
+        em = copy.deepcopy(model)
+        runners = {"eager": eager_runner(em, make_opt(em), loss_fn, batch)}
+        rows = [["eager", eager_peak, None, None]]
         if ckpt_loss is not None:
-            cm = __import__("copy").deepcopy(model)
+            cm = copy.deepcopy(model)
             co = make_opt(cm)
             shim = types.SimpleNamespace(model=cm, optimizers=[co], loss_fn=ckpt_loss)
             ck_peak, _ = _eager_peak(shim, batch)
-            rows.append(("checkpoint/block", ck_peak, None, median_time(eager_runner(cm, co, ckpt_loss, batch), n=1), None))
-        unplanned = step.compile(plan=False, donate=False)
+            runners["checkpoint/block"] = eager_runner(cm, co, ckpt_loss, batch)
+            rows.append(["checkpoint/block", ck_peak, None, None])
+        runners["executor"] = step_runner(step.compile(plan=False, donate=False), step.init_state(), batch)
         budgets = [None] + ([0.7, 0.5, 0.35] if ckpt_loss is not None else [])
         if ckpt_loss is not None:
             budgets.append(("at checkpoint peak", rows[1][1]))
-        ratios, below_lb = [], 0
+        below_lb, plans = 0, {}
         for b in budgets:
             label, budget = (b if isinstance(b, tuple) else (("planned" if b is None else f"budget {b}"), b))
             try:
                 planned = step.compile(plan=True, donate=True, memory_budget=budget)
             except ValueError as e:
                 found = int(re.search(r"smallest planned peak found is (\d+) bytes", str(e)).group(1))
-                rows.append((label, None, None, None, f"infeasible: smallest planned peak found {found / mib:.2f} MiB "
-                                                      f"= {found / eager_peak:.3f} of eager"))
+                rows.append([label, None, None, f"infeasible: smallest planned peak found {found / mib:.2f} MiB "
+                                                f"= {found / eager_peak:.3f} of eager"])
                 continue
             peak, _ = measured_peak(planned, step.init_state(), batch)
-            t_plan, t_exec = paired_min_times(step_runner(planned, step.init_state(), batch),
-                                              step_runner(unplanned, step.init_state(), batch))
-            ratios.append(t_plan / t_exec)
-            lb = (planned.plan["lb_graph"], planned.plan["lb_sched"]) if b is None else lb
-            extra = (f"lb_graph {planned.plan['lb_graph'] / eager_peak:.3f}, t arena/exec {t_plan / t_exec:.3f}"
-                     + (f", recomputed {len(planned.remat['recomputed'])}, +{planned.remat['added_flops'] / max(planned.remat['forward_flops'], 1):.1%} FLOPs"
-                        if planned.remat else ""))
+            plans[label] = planned
+            runners[label] = step_runner(planned, step.init_state(), batch)
             below_lb += planned.peak_bytes < planned.plan["lb_graph"] or planned.peak_bytes < planned.plan["lb_sched"]
-            rows.append((label, peak, planned.peak_bytes, median_time(step_runner(planned, step.init_state(), batch), n=1),
-                         extra))
+            rows.append([label, peak, planned.peak_bytes, None])
+        t, faults = interleaved_medians(runners, args.rounds)
+        t_eager, t_exec = t["eager"], t["executor"]
+        ratios = {}
+        for row in rows:
+            label, planned = row[0], plans.get(row[0])
+            if planned is None:
+                continue
+            ratios[label] = t[label] / t_exec
+            row[3] = (f"lb_graph {planned.plan['lb_graph'] / eager_peak:.3f}, t arena/exec {ratios[label]:.3f}"
+                      + (f", recomputed {len(planned.remat['recomputed'])}, +{planned.remat['added_flops'] / max(planned.remat['forward_flops'], 1):.1%} FLOPs"
+                         if planned.remat else ""))
         print(f"\n== {name}: eager peak {eager_peak / mib:.2f} MiB, eager step {t_eager * 1e3:.1f} ms "
               f"(target planned/eager <= {TARGETS[name]})")
         print(f"{'':22} {'measured':>9} {'/eager':>7} {'planned':>9} {'/eager':>7} {'step ms':>8} {'/eager':>7}  notes")
-        for label, peak, plan_peak, t, extra in rows:
+        for label, peak, plan_peak, extra in rows:
             if peak is None:
                 print(f"{label:22} {'':>9} {'':>7} {'':>9} {'':>7} {'':>8} {'':>7}  {extra}")
                 continue
             pp = f"{plan_peak / mib:9.2f} {plan_peak / eager_peak:7.3f}" if plan_peak else f"{'':>9} {'':>7}"
-            print(f"{label:22} {peak / mib:9.2f} {peak / eager_peak:7.3f} {pp} {t * 1e3:8.1f} {t / t_eager:7.3f}  {extra or ''}")
-        if ckpt_loss is not None:
-            ck = rows[1]
-            at = [r for r in rows if r[0] == "at checkpoint peak" and r[1] is not None]
-            if at:
-                print(f"at the checkpoint-per-block peak: {ck[3] / at[0][3]:.3f}x the steps/s of torch.utils.checkpoint "
-                      f"(target >= 1.15)")
+            print(f"{label:22} {peak / mib:9.2f} {peak / eager_peak:7.3f} {pp} {t[label] * 1e3:8.1f} "
+                  f"{t[label] / t_eager:7.3f}  {extra + ', ' if extra else ''}{faults[label]:.0f} page faults/step")
+        print(f"{'executor (unplanned)':22} {'':>9} {'':>7} {'':>9} {'':>7} {t_exec * 1e3:8.1f} {t_exec / t_eager:7.3f}  "
+              f"{faults['executor']:.0f} page faults/step")
+        if ckpt_loss is not None and "at checkpoint peak" in t:
+            print(f"at the checkpoint-per-block peak: {t['checkpoint/block'] / t['at checkpoint peak']:.3f}x the steps/s "
+                  f"of torch.utils.checkpoint (target >= 1.15)")
         print(f"plans below their own LB_graph or LB_sched: {below_lb}")
-        print(f"arena time / unplanned executor: max {max(ratios):.3f} over {len(ratios)} plans (target <= 1.0)")
+        print(f"arena time / unplanned executor: max {max(ratios.values()):.3f} over {len(ratios)} plans (target <= 1.0); "
+              f"executor / eager {t_exec / t_eager:.3f} (medians of {args.rounds} interleaved rounds)")
 
 
 if __name__ == "__main__":

@@ -11,15 +11,15 @@ namespace {
 void adagrad(Update& u) {
   at::Tensor& step_t = u.slot("step");
   at::Tensor& state_sum = u.slot("sum");
-  step_t.add_(1);
+  u.write(step_t, [](at::Tensor& out, const at::Tensor& in) { at::add_out(out, in, number(1)); });
   const double step = step_t.item<double>();
   at::Tensor grad = u.b("maximize") ? at::neg(u.grad) : u.grad;
   const double weight_decay = u.f("weight_decay");
   if (weight_decay != 0) grad = grad.add(u.param, weight_decay);
   const double clr = u.lr / (1 + (step - 1) * u.f("lr_decay"));
-  state_sum.addcmul_(grad, grad, 1);
+  u.write(state_sum, [&](at::Tensor& out, const at::Tensor& in) { at::addcmul_out(out, in, grad, grad, 1); });
   at::Tensor std = state_sum.sqrt().add_(u.f("eps"));
-  u.param.addcdiv_(grad, std, -clr);
+  u.write(u.param, [&](at::Tensor& out, const at::Tensor& in) { at::addcdiv_out(out, in, grad, std, -clr); });
 }
 
 }  // namespace

@@ -19,29 +19,29 @@ void adam_with(Update& u, at::Tensor* max_exp_avg_sq) {
   const double lr = u.lr, beta1 = u.f("beta1"), beta2 = u.f("beta2"), eps = u.f("eps");
   const double weight_decay = u.f("weight_decay");
   at::Tensor grad = u.b("maximize") ? at::neg(u.grad) : u.grad;
-  step_t.add_(1);
+  u.write(step_t, [](at::Tensor& out, const at::Tensor& in) { at::add_out(out, in, number(1)); });
   if (weight_decay != 0) {
     if (u.b("decoupled")) {
-      param.mul_(1 - lr * weight_decay);
+      u.write(param, [&](at::Tensor& out, const at::Tensor& in) { at::mul_out(out, in, number(1 - lr * weight_decay)); });
     } else {
       grad = grad.add(param, weight_decay);
     }
   }
-  exp_avg.lerp_(grad, 1 - beta1);
-  exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2);
+  u.write(exp_avg, [&](at::Tensor& out, const at::Tensor& in) { at::lerp_out(out, in, grad, 1 - beta1); });
+  u.write(exp_avg_sq, [&](at::Tensor& out, const at::Tensor& in) { at::mul_out(out, in, number(beta2)); })
+      .addcmul_(grad, grad, 1 - beta2);
   const double step = step_t.item<double>();
   const double bias_correction1 = 1 - std::pow(beta1, step);
   const double bias_correction2 = 1 - std::pow(beta2, step);
   const double step_size = lr / bias_correction1;
   const double bias_correction2_sqrt = std::pow(bias_correction2, 0.5);
-  at::Tensor denom;
-  if (max_exp_avg_sq != nullptr) {
-    at::maximum_out(*max_exp_avg_sq, *max_exp_avg_sq, exp_avg_sq);
-    denom = (max_exp_avg_sq->sqrt() / bias_correction2_sqrt).add_(eps);
-  } else {
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps);
-  }
-  param.addcdiv_(exp_avg, denom, -step_size);
+  // torch.optim: denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps); the division in
+  // place on the fresh sqrt is the same kernel on the same values, one temporary less.
+  if (max_exp_avg_sq != nullptr)
+    u.write(*max_exp_avg_sq, [&](at::Tensor& out, const at::Tensor& in) { at::maximum_out(out, in, exp_avg_sq); });
+  at::Tensor denom = (max_exp_avg_sq != nullptr ? *max_exp_avg_sq : exp_avg_sq).sqrt();
+  denom.div_(bias_correction2_sqrt).add_(eps);
+  u.write(param, [&](at::Tensor& out, const at::Tensor& in) { at::addcdiv_out(out, in, exp_avg, denom, -step_size); });
 }
 
 void adam(Update& u) { adam_with(u, nullptr); }

@@ -1,10 +1,14 @@
 // Schemas and CPU kernels of every optimizer, generated from its Descriptor: one boxed kernel
-// checks the arguments, clones for the functional op, and calls the descriptor's kernel.
+// checks the arguments and calls the descriptor's kernel (in place, or writing fresh results
+// through Update::write for the functional op).
 #include "optim/descriptor.h"
 
 #include <ATen/ATen.h>
+#include <ATen/ScalarOps.h>
 #include <ATen/core/stack.h>
 #include <torch/library.h>
+
+#include <algorithm>
 
 namespace torch_ext::optim {
 namespace {
@@ -79,13 +83,23 @@ void run_update(const Descriptor* d, bool inplace, torch::jit::Stack* stack) {
   }
   u.lr = scalar_of(args[2 + d->slots.size()].toTensor(), "lr");
   for (size_t k = 0; k < d->scalars.size(); ++k) u.scalars.push_back(args[3 + d->slots.size() + k]);
-  if (!inplace) {  // the functional op never writes (nor aliases) its inputs
-    u.param = u.param.clone();
-    for (at::Tensor& s : u.state) s = s.clone();
+  u.inplace = inplace;
+  std::vector<int64_t> versions;  // the functional op never writes (nor aliases) its inputs
+  if (!inplace) {
+    u.inputs.push_back(u.param);
+    u.inputs.insert(u.inputs.end(), u.state.begin(), u.state.end());
+    for (const at::Tensor& t : u.inputs) versions.push_back(t.is_inference() ? 0 : t._version());
   }
   d->kernel(u);
   torch::jit::drop(*stack, num_args);
   if (inplace) return;
+  for (size_t k = 0; k < u.inputs.size(); ++k)
+    TORCH_INTERNAL_ASSERT(u.inputs[k].is_inference() || u.inputs[k]._version() == versions[k], d->kind,
+                          "_update wrote its input #", k, " in place: its kernel must write through Update::write");
+  // Results the kernel did not write (a buffer this configuration leaves alone) are still inputs.
+  if (u.param.is_same(u.inputs[0])) u.param = fresh_like(u.param).copy_(u.param);
+  for (size_t k = 0; k < u.state.size(); ++k)
+    if (u.state[k].is_same(u.inputs[k + 1])) u.state[k] = fresh_like(u.state[k]).copy_(u.state[k]);
   torch::jit::push(*stack, std::move(u.param));
   for (at::Tensor& s : u.state) torch::jit::push(*stack, std::move(s));
 }
@@ -100,6 +114,26 @@ struct UpdateKernel final : c10::OperatorKernel {
 };
 
 }  // namespace
+
+namespace {
+thread_local ResultAllocator* current_result_allocator = nullptr;
+}  // namespace
+
+ResultAllocatorGuard::ResultAllocatorGuard(ResultAllocator* a) : previous_(current_result_allocator) {
+  current_result_allocator = a;
+}
+
+ResultAllocatorGuard::~ResultAllocatorGuard() { current_result_allocator = previous_; }
+
+at::Tensor fresh_like(const at::Tensor& t) {
+  return current_result_allocator != nullptr ? current_result_allocator->empty_like(t) : at::empty_like(t);
+}
+
+bool Update::fresh(const at::Tensor& t) const {
+  return std::none_of(inputs.begin(), inputs.end(), [&](const at::Tensor& in) { return in.is_same(t); });
+}
+
+at::Tensor number(double v) { return at::native::wrapped_scalar_tensor(v); }
 
 at::Tensor& Update::slot(const std::string& name) {
   for (size_t k = 0; k < desc->slots.size(); ++k)

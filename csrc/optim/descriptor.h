@@ -54,10 +54,42 @@ struct Scalar {
   ScalarType type = ScalarType::Float;
 };
 
-// One update call's values, checked against the schema. The kernel updates `param` and `state`
-// in place (the functional op hands it clones).
+// Where the functional op's fresh results come from: at::empty_like, unless a runtime installs a
+// ResultAllocator on the calling thread for the duration of a run (runtime::Executor does, to
+// recycle the memory of the state it returned once the caller drops it; csrc/runtime/result_pool.h).
+class ResultAllocator {
+ public:
+  virtual ~ResultAllocator() = default;
+  // A tensor shaped, strided and typed like `t`, on its device; contents undefined.
+  virtual at::Tensor empty_like(const at::Tensor& t) = 0;
+};
+
+// Installs `a` (nullptr: none) on this thread while alive, then puts back the one before.
+class ResultAllocatorGuard {
+ public:
+  explicit ResultAllocatorGuard(ResultAllocator* a);
+  ~ResultAllocatorGuard();
+  ResultAllocatorGuard(const ResultAllocatorGuard&) = delete;
+  ResultAllocatorGuard& operator=(const ResultAllocatorGuard&) = delete;
+
+ private:
+  ResultAllocator* previous_;
+};
+
+// A fresh result like `t`: from this thread's ResultAllocator, else at::empty_like(t).
+at::Tensor fresh_like(const at::Tensor& t);
+
+// One update call's values, checked against the schema. The kernel computes the new `param` and
+// `state` and leaves them there.
+//
+// Writes: a kernel's first write into param or a slot goes through write(t, op), every later one
+// may be an in-place op on t. In the in-place op (K_update_) t is the caller's tensor and is
+// updated in place; in the functional op (K_update) the first write goes to a fresh tensor, so the
+// inputs are never written and never copied (one pass over each state tensor less than clone()
+// followed by the in-place update, with the same kernels on the same values: bit-identical).
 struct Update {
   const Descriptor* desc = nullptr;
+  bool inplace = true;  // false in the functional op
   at::Tensor param;
   at::Tensor grad;
   std::vector<at::Tensor> state;  // in Descriptor::slots order
@@ -68,7 +100,33 @@ struct Update {
   double f(const std::string& name) const;
   int64_t i(const std::string& name) const;
   bool b(const std::string& name) const;
+
+  // Writes `t` (param or one of state) by op(out, in): an out= call that reads `in` and writes
+  // `out` (e.g. at::lerp_out(out, in, grad, w)); afterwards t names the result. In the in-place
+  // op, and once t has been written, out and in are both t (op(t, t) is the in-place op); in the
+  // functional op's first write, out is a fresh tensor like t (fresh_like) and in the input.
+  template <class Op>
+  at::Tensor& write(at::Tensor& t, Op&& op) {
+    if (inplace || fresh(t)) {
+      op(t, t);
+      return t;
+    }
+    at::Tensor out = fresh_like(t);
+    op(out, static_cast<const at::Tensor&>(t));
+    t = std::move(out);
+    return t;
+  }
+
+  // The functional op's inputs (param, then state), to tell them from results. Set by the caller.
+  std::vector<at::Tensor> inputs;
+
+ private:
+  bool fresh(const at::Tensor& t) const;
 };
+
+// A Python-number operand for out= calls (at::mul_out(out, in, number(beta2))): a wrapped 0-dim
+// CPU tensor, as the Scalar overloads (mul_.Scalar, add_.Scalar) make, so types promote alike.
+at::Tensor number(double v);
 
 using Kernel = void (*)(Update& update);
 

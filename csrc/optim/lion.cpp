@@ -13,10 +13,12 @@ namespace {
 void lion(Update& u) {
   at::Tensor& exp_avg = u.slot("exp_avg");
   const double beta1 = u.f("beta1"), beta2 = u.f("beta2");
-  u.param.mul_(1 - u.lr * u.f("weight_decay"));
+  const double decay = 1 - u.lr * u.f("weight_decay");
+  u.write(u.param, [&](at::Tensor& out, const at::Tensor& in) { at::mul_out(out, in, number(decay)); });
   at::Tensor update = exp_avg.mul(beta1).add_(u.grad, 1 - beta1).sign_();
   u.param.add_(update, -u.lr);
-  exp_avg.mul_(beta2).add_(u.grad, 1 - beta2);
+  u.write(exp_avg, [&](at::Tensor& out, const at::Tensor& in) { at::mul_out(out, in, number(beta2)); })
+      .add_(u.grad, 1 - beta2);
 }
 
 }  // namespace

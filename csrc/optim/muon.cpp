@@ -30,12 +30,13 @@ void muon(Update& u) {
   TORCH_CHECK(u.grad.dim() == 2, "muon: parameter gradient must be a 2D matrix, got shape ", u.grad.sizes());
   at::Tensor& buf = u.slot("momentum_buffer");
   const double momentum = u.f("momentum");
-  buf.lerp_(u.grad, 1 - momentum);
+  u.write(buf, [&](at::Tensor& out, const at::Tensor& in) { at::lerp_out(out, in, u.grad, 1 - momentum); });
   at::Tensor update = u.b("nesterov") ? u.grad.lerp(buf, momentum) : buf;
   update = zeropower_via_newtonschulz(update, u.f("a"), u.f("b"), u.f("c"), u.i("ns_steps"), u.f("eps"));
   const double adjusted_lr = u.lr * u.f("lr_ratio");
-  u.param.mul_(1 - u.lr * u.f("weight_decay"));
-  u.param.add_(update, -adjusted_lr);
+  const double decay = 1 - u.lr * u.f("weight_decay");
+  u.write(u.param, [&](at::Tensor& out, const at::Tensor& in) { at::mul_out(out, in, number(decay)); })
+      .add_(update, -adjusted_lr);
 }
 
 }  // namespace

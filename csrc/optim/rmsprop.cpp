@@ -15,22 +15,24 @@ void rmsprop(Update& u) {
   at::Tensor& momentum_buffer = u.slot("momentum_buffer");
   const double alpha = u.f("alpha"), weight_decay = u.f("weight_decay"), momentum = u.f("momentum");
   at::Tensor grad = u.b("maximize") ? at::neg(u.grad) : u.grad;
-  u.slot("step").add_(1);
+  u.write(u.slot("step"), [](at::Tensor& out, const at::Tensor& in) { at::add_out(out, in, number(1)); });
   if (weight_decay != 0) grad = grad.add(u.param, weight_decay);
-  square_avg.mul_(alpha).addcmul_(grad, grad, 1 - alpha);
+  u.write(square_avg, [&](at::Tensor& out, const at::Tensor& in) { at::mul_out(out, in, number(alpha)); })
+      .addcmul_(grad, grad, 1 - alpha);
   at::Tensor avg;
   if (u.b("centered")) {
-    grad_avg.lerp_(grad, 1 - alpha);
+    u.write(grad_avg, [&](at::Tensor& out, const at::Tensor& in) { at::lerp_out(out, in, grad, 1 - alpha); });
     avg = square_avg.addcmul(grad_avg, grad_avg, -1).sqrt_();
   } else {
     avg = square_avg.sqrt();
   }
   avg.add_(u.f("eps"));
   if (momentum > 0) {
-    momentum_buffer.mul_(momentum).addcdiv_(grad, avg);
-    u.param.add_(momentum_buffer, -u.lr);
+    u.write(momentum_buffer, [&](at::Tensor& out, const at::Tensor& in) { at::mul_out(out, in, number(momentum)); })
+        .addcdiv_(grad, avg);
+    u.write(u.param, [&](at::Tensor& out, const at::Tensor& in) { at::add_out(out, in, momentum_buffer, -u.lr); });
   } else {
-    u.param.addcdiv_(grad, avg, -u.lr);
+    u.write(u.param, [&](at::Tensor& out, const at::Tensor& in) { at::addcdiv_out(out, in, grad, avg, -u.lr); });
   }
 }
 

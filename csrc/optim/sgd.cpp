@@ -15,7 +15,10 @@ at::Tensor decayed_grad(const Update& u) {
   return weight_decay != 0 ? grad.add(u.param, weight_decay) : grad;
 }
 
-void sgd(Update& u) { u.param.add_(decayed_grad(u), -u.lr); }
+void sgd(Update& u) {
+  const at::Tensor grad = decayed_grad(u);
+  u.write(u.param, [&](at::Tensor& out, const at::Tensor& in) { at::add_out(out, in, grad, -u.lr); });
+}
 
 void sgd_momentum(Update& u) {
   at::Tensor grad = decayed_grad(u);
@@ -23,13 +26,14 @@ void sgd_momentum(Update& u) {
   at::Tensor& step = u.slot("step");
   const double momentum = u.f("momentum");
   if (step.item<double>() == 0) {
-    buf.copy_(grad);  // torch.optim: buf = grad.detach().clone()
+    u.write(buf, [&](at::Tensor& out, const at::Tensor&) { out.copy_(grad); });  // torch.optim: buf = grad.clone()
   } else {
-    buf.mul_(momentum).add_(grad, 1 - u.f("dampening"));
+    u.write(buf, [&](at::Tensor& out, const at::Tensor& in) { at::mul_out(out, in, number(momentum)); })
+        .add_(grad, 1 - u.f("dampening"));
   }
-  step.add_(1);
+  u.write(step, [](at::Tensor& out, const at::Tensor& in) { at::add_out(out, in, number(1)); });
   grad = u.b("nesterov") ? grad.add(buf, momentum) : buf;
-  u.param.add_(grad, -u.lr);
+  u.write(u.param, [&](at::Tensor& out, const at::Tensor& in) { at::add_out(out, in, grad, -u.lr); });
 }
 
 }  // namespace

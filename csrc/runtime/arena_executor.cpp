@@ -152,6 +152,8 @@ std::vector<c10::IValue> ArenaExecutor::run(std::vector<c10::IValue> inputs) {
     for (int64_t r : b.inplace_results) elems.push_back(values[r]);
     v = c10::ivalue::Tuple::create(std::move(elems));
   };
+  ResultPool::Run pooled(*pool_);
+  optim::ResultAllocatorGuard recycle(&pooled);
   run_steps(
       steps_, values, stack, [this](size_t k, const std::exception& e) { rethrow_executing(bound_[k].kernel, e); },
       inplace_value);

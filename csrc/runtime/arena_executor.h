@@ -20,6 +20,7 @@
 #include "ir/graph.h"
 #include "ir/memory_plan.h"
 #include "runtime/kernel.h"
+#include "runtime/result_pool.h"
 #include "runtime/run_loop.h"
 
 #include <ATen/core/Tensor.h>
@@ -62,6 +63,8 @@ class ArenaExecutor {
   int64_t num_out_ = 0;
   int64_t num_inplace_ = 0;
   std::vector<std::string> fallbacks_;
+  // Fresh results of functional updates the plan did not put in place (no donation), as in Executor.
+  std::unique_ptr<ResultPool> pool_ = std::make_unique<ResultPool>();
 };
 
 }  // namespace torch_ext::runtime

@@ -98,6 +98,8 @@ std::vector<c10::IValue> Executor::run(std::vector<c10::IValue> inputs) const {
   for (int64_t s : release_inputs_) values[s] = c10::IValue();
   std::vector<c10::IValue> stack;
   stack.reserve(16);
+  ResultPool::Run results(*pool_);
+  optim::ResultAllocatorGuard recycle(&results);
   run_steps(steps_, values, stack, [this](size_t k, const std::exception& e) { rethrow_executing(kernels_[k], e); });
   return output_values(outputs_, [&](const ir::Node* n) -> const c10::IValue& { return values[n->index()]; });
 }

@@ -1,5 +1,7 @@
 // One-shot dispatcher executor: runs every call node of a graph in order
-// through its BoundKernel and frees each value right after its last use.
+// through its BoundKernel and frees each value right after its last use. The
+// optimizer updates' fresh results come from a ResultPool, so the state a run
+// returns is recycled by a later run once the caller drops it.
 //
 // Inputs are given in placeholder order. Tensor inputs are checked against the
 // placeholder's dtype and shape (a clear error names the placeholder); the
@@ -8,6 +10,7 @@
 
 #include "ir/graph.h"
 #include "runtime/kernel.h"
+#include "runtime/result_pool.h"
 #include "runtime/run_loop.h"
 
 #include <functional>
@@ -25,6 +28,8 @@ class Executor {
 
   const ir::Graph& graph() const { return *graph_; }
   size_t num_inputs() const { return placeholders_.size(); }
+  // The memory the optimizer updates' results are recycled through (result_pool.h).
+  const ResultPool& result_pool() const { return *pool_; }
 
  private:
   std::unique_ptr<ir::Graph> graph_;
@@ -33,6 +38,7 @@ class Executor {
   std::vector<Step> steps_;                   // one per kernel: its slot and the slots dead after it
   std::vector<int64_t> release_inputs_;       // placeholder slots no call reads
   std::vector<ir::Arg> outputs_;
+  std::unique_ptr<ResultPool> pool_ = std::make_unique<ResultPool>();
 };
 
 // Checks a runtime value against a placeholder's type; throws naming `what`.

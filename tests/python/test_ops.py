@@ -24,7 +24,34 @@ OPCHECK_CASES = [
     ("adam_update", lambda p, g: (p, g, torch.randn_like(p), torch.rand_like(p), torch.tensor(2.0), _lr(1e-3), 0.9, 0.999, 1e-8, 0.01, True, False)),
     ("adam_amsgrad_update", lambda p, g: (p, g, torch.randn_like(p), torch.rand_like(p), torch.rand_like(p), torch.tensor(2.0), _lr(1e-3), 0.9, 0.999, 1e-8, 0.0, False, True)),
     ("muon_update", lambda p, g: (p, g, torch.randn_like(p), _lr(0.02), 0.1, 0.95, True, 3.4445, -4.7750, 2.0315, 5, 1e-7, 1.0)),
+    ("rmsprop_update", lambda p, g: (p, g, torch.rand_like(p) + 1, torch.rand_like(p) * 0.1, torch.randn_like(p), torch.tensor(2.0), _lr(1e-2), 0.99, 1e-8, 0.01, 0.9, True, False)),
+    # uncentered, no momentum: grad_avg and momentum_buffer are left alone (the functional op copies them)
+    ("rmsprop_update", lambda p, g: (p, g, torch.rand_like(p), torch.randn_like(p), torch.randn_like(p), torch.tensor(2.0), _lr(1e-2), 0.99, 1e-8, 0.0, 0.0, False, True)),
+    ("adagrad_update", lambda p, g: (p, g, torch.rand_like(p), torch.tensor(2.0), _lr(1e-2), 0.01, 0.01, 1e-10, False)),
+    ("lion_update", lambda p, g: (p, g, torch.randn_like(p), _lr(1e-3), 0.9, 0.99, 0.1)),
 ]
+
+
+@pytest.mark.parametrize("name,make", OPCHECK_CASES, ids=[c[0] for c in OPCHECK_CASES])
+def test_functional_is_inplace_on_fresh_results(name, make):
+    """The functional op writes fresh results (no input written, none aliased) that equal, bit for bit,
+    the in-place op run on copies of the inputs."""
+    p, g = _fresh()
+    args = make(p, g)
+    before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    out = getattr(ops, name)(*args)
+    out = out if isinstance(out, tuple) else (out,)
+    for a, b in zip(args, before):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
+    written = [a for a in args if isinstance(a, torch.Tensor)]
+    for o in out:
+        assert all(o.untyped_storage().data_ptr() != a.untyped_storage().data_ptr() for a in written)
+    getattr(ops, name + "_")(*before)
+    n_written = len(out)  # param, then the slots: the first tensors of args except grad
+    targets = [before[0]] + [a for a in before[2:] if isinstance(a, torch.Tensor)][: n_written - 1]
+    for o, t in zip(out, targets):
+        assert torch.equal(o, t)
 
 
 @pytest.mark.parametrize("name,make", OPCHECK_CASES, ids=[c[0] for c in OPCHECK_CASES])
