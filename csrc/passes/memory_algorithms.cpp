@@ -40,7 +40,10 @@ std::mutex& registry_mutex() {
 
 }  // namespace
 
-const std::vector<MemoryAlgorithm>& memory_algorithms() { return registry(); }
+std::vector<MemoryAlgorithm> memory_algorithms() {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  return registry();
+}
 
 void register_memory_algorithm(MemoryAlgorithm algorithm) {
   TORCH_CHECK(algorithm.plan != nullptr, "register_memory_algorithm: '", algorithm.name, "' has no plan function");

@@ -23,8 +23,9 @@ struct MemoryAlgorithm {
   bool tried_by_best = false;
 };
 
-// Every registered algorithm, built-ins first, in registration order.
-const std::vector<MemoryAlgorithm>& memory_algorithms();
+// Every registered algorithm, built-ins first, in registration order: a snapshot, taken under the
+// registry's lock, so a registration on another thread never moves the vector a planner walks.
+std::vector<MemoryAlgorithm> memory_algorithms();
 // Adds an algorithm; refuses a name already taken.
 void register_memory_algorithm(MemoryAlgorithm algorithm);
 
