@@ -125,6 +125,9 @@ void Engine::invalidate(const Mutation& m) {
     const NodeState& st = states_[id];
     // A pinned node counts too: in a batch it may have been patched after the graft that retired it.
     if (st.countable && (!st.valid || st.pinned)) structural_dirty_.insert(id);
+    // A valid node of D(w) is one a pin shields (a patch in this batch, after the graft): its value
+    // is current, but the baseline restore() would put back was computed by the old function.
+    else if (st.countable && !pinned_.empty()) baseline_stale_.insert(id);
     if (m.under_patch) baseline_stale_.insert(id);  // its next value is computed under a patch
   }
 }

@@ -151,3 +151,40 @@ def test_cutoff_may_revalidate_a_node_whose_baseline_a_graft_retired():
     fresh = _C.Engine(eng.graph())
     fresh.run([x, y])
     assert bits_equal(eng.demand(), fresh.demand())
+
+
+def test_restore_after_a_batch_that_grafts_then_patches_below_the_graft_recomputes_the_shielded_cone():
+    """Regression: in one batch, a graft at y -> v1 and then a patch at v3 (below the graft); demand,
+    restore, demand. Settling the batch invalidated the graft's cone only down to the pinned v3, so
+    v3's users stayed valid and were not marked structural: restore() put back their pre-graft
+    baselines and early cutoff kept them. The output was the pre-graft value: a silent wrong answer,
+    and a different cost from the same mutations applied one by one."""
+    text = ("graph:\n  %x : f32[4] = input()\n  %y : f32[4] = input()\n  %v1 : f32[4] = aten::sin.default(%y)\n"
+            "  %v2 : f32[4] = aten::sin.default(%v1)\n  %v3 : f32[4] = aten::sin.default(%v2)\n"
+            "  %v0 : f32[4] = aten::sin.default(%x)\n  %s0 : f32[4] = aten::add.Tensor(%v0, %v3)\n"
+            "  %s1 : f32[4] = aten::sin.default(%s0)\n  return (%s1)\n")
+    block = "graph:\n  %a : f32[4] = input()\n  %b1 : f32[4] = aten::cos.default(%a)\n  return (%b1)\n"
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.rand(4, generator=gen) * 2 - 1 for _ in range(2)]
+    patch = torch.rand(4, generator=gen)
+    truth = _C.Engine(Graph.parse(text)._g)
+    truth.run(inputs)
+    truth.graft("y", "v1", Graph.parse(block)._g, [])
+    want = truth.demand()
+    for cutoff in (False, True):
+        batched, single = _C.Engine(Graph.parse(text)._g), _C.Engine(Graph.parse(text)._g)
+        for eng in (batched, single):
+            eng.set_cutoff(cutoff)
+            eng.run(inputs)
+        batched.begin_batch()
+        for eng in (batched, single):
+            eng.graft("y", "v1", Graph.parse(block)._g, [])
+            eng.patch("v3", patch)
+        batched.end_batch()
+        for eng in (batched, single):
+            eng.demand()
+            eng.restore()
+        cost_b, out_b = _demand(batched)
+        cost_s, out_s = _demand(single)
+        assert bits_equal(out_b, want) and bits_equal(out_s, want), cutoff
+        assert cost_b == cost_s, (cutoff, cost_b, cost_s)
