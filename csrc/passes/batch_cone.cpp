@@ -2,6 +2,8 @@
 // only read.
 #include "passes/batch_cone.h"
 
+#include "ir/args.h"
+
 #include "ir/schema.h"
 #include "ir/type_check.h"
 
@@ -127,10 +129,7 @@ const std::unordered_map<std::string, int64_t>& batched_ops() {
   return ops;
 }
 
-const Arg* arg_at(const Node& n, size_t pos, const char* name) {
-  if (pos < n.args().size()) return &n.args()[pos];
-  return n.kwarg(name);
-}
+using ir::arg_at;
 
 int64_t rank_of(const ir::Type& t) {
   if (t.is_tensor()) return static_cast<int64_t>(t.tensor.sizes.size());
@@ -154,14 +153,7 @@ std::optional<std::vector<int64_t>> ints_at(const Node& n, size_t pos, const cha
                                             std::optional<std::vector<int64_t>> dflt) {
   const Arg* a = arg_at(n, pos, name);
   if (a == nullptr || a->kind == Arg::Kind::None) return dflt;
-  if (a->kind == Arg::Kind::Int) return std::vector<int64_t>{a->i};
-  if (a->kind != Arg::Kind::List) return std::nullopt;
-  std::vector<int64_t> out;
-  for (const Arg& e : a->list) {
-    if (e.kind != Arg::Kind::Int) return std::nullopt;
-    out.push_back(e.i);
-  }
-  return out;
+  return ir::ints_arg(n, pos, name);
 }
 
 std::string where_of(const Node& n) { return "%" + n.name() + " (" + n.target().str() + ")"; }

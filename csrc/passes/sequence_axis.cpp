@@ -1,5 +1,7 @@
 #include "passes/sequence_axis.h"
 
+#include "ir/args.h"
+
 #include <algorithm>
 #include <cmath>
 #include <set>
@@ -24,29 +26,13 @@ int64_t rank_of(const Node* n) {
   return s ? static_cast<int64_t>(s->size()) : -1;
 }
 
-// The argument at `pos`, or the keyword `name`; null when absent.
-const Arg* arg_at(const Node& n, size_t pos, const char* name) {
-  if (pos < n.args().size()) return &n.args()[pos];
-  return n.kwarg(name);
-}
+using ir::arg_at;
+using ir::ints_arg;
 
 std::optional<int64_t> int_arg(const Node& n, size_t pos, const char* name) {
   const Arg* a = arg_at(n, pos, name);
   if (a == nullptr || a->kind != Arg::Kind::Int) return std::nullopt;
   return a->i;
-}
-
-std::optional<std::vector<int64_t>> ints_arg(const Node& n, size_t pos, const char* name) {
-  const Arg* a = arg_at(n, pos, name);
-  if (a == nullptr) return std::nullopt;
-  if (a->kind == Arg::Kind::Int) return std::vector<int64_t>{a->i};
-  if (a->kind != Arg::Kind::List) return std::nullopt;
-  std::vector<int64_t> out;
-  for (const Arg& e : a->list) {
-    if (e.kind != Arg::Kind::Int) return std::nullopt;
-    out.push_back(e.i);
-  }
-  return out;
 }
 
 const Node* node_arg(const Node& n, size_t pos, const char* name) {
