@@ -17,6 +17,7 @@
 #include "passes/rematerialize.h"
 #include "passes/split_convolution_backward.h"
 #include "passes/schedule.h"
+#include "passes/serialize_collectives.h"
 #include "passes/sequence_axis.h"
 #include "passes/split_heads.h"
 #include "runtime/arena_executor.h"
@@ -567,6 +568,23 @@ PYBIND11_MODULE(_C, m) {
     auto r = passes::schedule(g, donate);
     return py::make_tuple(r.chosen, r.candidates);
   });
+  m.def(
+      "collective_overlap",
+      [](const ir::Graph& g, const std::optional<std::vector<std::string>>& order) {
+        std::vector<const ir::Node*> nodes;
+        if (order) {
+          for (const std::string& name : *order) {
+            const ir::Node* n = g.find(name);
+            TORCH_CHECK(n != nullptr, "collective_overlap: no node %", name, " in the graph");
+            nodes.push_back(n);
+          }
+        } else {
+          for (const auto& n : g.nodes())
+            if (n->kind() == ir::NodeKind::Call) nodes.push_back(n.get());
+        }
+        return passes::collective_overlap(nodes);
+      },
+      py::arg("graph"), py::arg("order") = py::none());
   m.def("plan_buffers", [](const std::string& algorithm, const std::vector<std::tuple<int64_t, int64_t, int64_t>>& lives) {
     std::vector<ir::BufferLife> b;
     for (const auto& [size, first, last] : lives) b.push_back({size, first, last});

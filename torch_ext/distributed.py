@@ -83,9 +83,17 @@ def check_collective_order(graph, order, process_group, where: str) -> None:
     same order (a collective: every rank calls it). Ranks that issue collectives in different
     orders pair up unrelated tensors: gloo and NCCL then hang, or write a buffer with another
     tensor's bytes. Scheduling and memory planning run on each rank on its own, so this is checked
-    before a plan runs, not assumed."""
+    before a plan runs, not assumed.
+
+    Also raises if an all-gather would run while another collective is in flight: gloo corrupts
+    the heap then (csrc/passes/serialize_collectives.h), so the passes never emit such an order."""
     import torch.distributed as dist
 
+    from . import _C
+
+    overlap = _C.collective_overlap(graph._g, order)
+    if overlap:
+        raise RuntimeError(f"{where}: {overlap}; an all-gather must run alone (see serialize_collectives.h)")
     mine = collective_sequence(graph, order)
     everyone: list = [None] * dist.get_world_size(process_group)
     dist.all_gather_object(everyone, mine, group=process_group)

@@ -11,6 +11,7 @@
 #include "passes/lift_optimizer_state.h"
 #include "passes/pass_manager.h"
 #include "passes/rewire_outputs.h"
+#include "passes/serialize_collectives.h"
 #include "passes/shard_optimizer_state.h"
 #include "passes/thread_rng.h"
 #include "passes/unroll.h"
@@ -139,6 +140,10 @@ PassResult run_check_pure(ir::Graph& g, PassContext&) {
   return PassResult::unchanged();
 }
 
+PassResult run_serialize_collectives(ir::Graph& g, PassContext&) {
+  return serialize_collectives(g) ? PassResult::changed() : PassResult::unchanged();
+}
+
 PassResult run_unroll(ir::Graph& g, PassContext& ctx) {
   return PassResult::replaced(unroll(g, ctx.state.size(), ctx.unroll_steps));
 }
@@ -158,6 +163,9 @@ constexpr Pass kTrainStepPasses[] = {
     {"check_pure", nullptr, run_check_pure},
     {"unroll", [](const PassContext& c) { return c.unroll_steps > 1; }, run_unroll},
     {"check_pure", [](const PassContext& c) { return c.unroll_steps > 1; }, run_check_pure},
+    // Last: the executors run collectives in graph order (and .pt2 keeps it).
+    {"serialize_collectives", [](const PassContext& c) { return c.spec.data_parallel.has_value(); },
+     run_serialize_collectives},
 };
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include "ir/schema.h"
 #include "ir/users.h"
 #include "passes/plan_memory.h"
+#include "passes/serialize_collectives.h"
 
 #include <c10/util/Exception.h>
 
@@ -399,7 +400,7 @@ Order overlap_collectives(const Order& order) {
     seq.erase(seq.begin() + from);
     seq.insert(seq.begin() + (to - 1), n);
   }
-  return seq;
+  return serialize_collectives(seq);  // all-gathers run alone (serialize_collectives.h)
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include "passes/lift_optimizer_state.h"
 #include "passes/plan_memory.h"
 #include "passes/schedule.h"
+#include "passes/serialize_collectives.h"
 #include "passes/shard_optimizer_state.h"
 
 #include <ATen/ATen.h>
@@ -284,4 +285,74 @@ TEST(PlanMemoryCollectives, AllReduceBufferLivesUntilTheWaitsLastReader) {
   }
   EXPECT_EQ(checked, 2);
   for (const auto& b : all) EXPECT_NE(b.node->target().name, "wait_tensor") << "a wait owns no storage";
+}
+
+// gloo corrupts the heap when an all-gather overlaps another collective (serialize_collectives.h):
+// the all-reduce in flight is waited first, then each all-gather runs alone, its wait right after.
+TEST(SerializeCollectives, AllGathersRunAloneAndTheirWaitsFollow) {
+  register_fake_group();
+  auto g = ir::parse(R"(graph:
+  %a : f32[2] = input()
+  %b : f32[2] = input()
+  %ar : f32[2] = _c10d_functional::all_reduce.default(%a, "sum", "test_dp")
+  %ag1 : f32[4] = _c10d_functional::all_gather_into_tensor.default(%a, 2, "test_dp")
+  %ag2 : f32[4] = _c10d_functional::all_gather_into_tensor.default(%b, 2, "test_dp")
+  %bc : f32[2] = _c10d_functional::broadcast.default(%b, 0, "test_dp")
+  %w1 : f32[4] = _c10d_functional::wait_tensor.default(%ag1)
+  %w2 : f32[4] = _c10d_functional::wait_tensor.default(%ag2)
+  %war : f32[2] = _c10d_functional::wait_tensor.default(%ar)
+  %wbc : f32[2] = _c10d_functional::wait_tensor.default(%bc)
+  %s : f32[2] = aten::add.Tensor(%a, %b)
+  return (%w1, %w2, %war, %wbc, %s)
+)");
+  ir::verify(*g);
+  std::vector<const ir::Node*> before;
+  for (const auto& n : g->nodes())
+    if (n->kind() == ir::NodeKind::Call) before.push_back(n.get());
+  EXPECT_EQ(passes::collective_overlap(before),
+            "%ag1 (_c10d_functional::all_gather_into_tensor.default) is issued while %ar "
+            "(_c10d_functional::all_reduce.default) is in flight");
+  EXPECT_TRUE(passes::serialize_collectives(*g));
+  ir::verify(*g);
+  // The broadcast may overlap the all-reduce; it is issued after the gathers only because it
+  // comes after them in the given order.
+  EXPECT_EQ(ir::print(*g), std::string(R"(graph:
+  %a : f32[2] = input()
+  %b : f32[2] = input()
+  %ar : f32[2] = _c10d_functional::all_reduce.default(%a, "sum", "test_dp")
+  %war : f32[2] = _c10d_functional::wait_tensor.default(%ar)
+  %ag1 : f32[4] = _c10d_functional::all_gather_into_tensor.default(%a, 2, "test_dp")
+  %w1 : f32[4] = _c10d_functional::wait_tensor.default(%ag1)
+  %ag2 : f32[4] = _c10d_functional::all_gather_into_tensor.default(%b, 2, "test_dp")
+  %w2 : f32[4] = _c10d_functional::wait_tensor.default(%ag2)
+  %bc : f32[2] = _c10d_functional::broadcast.default(%b, 0, "test_dp")
+  %wbc : f32[2] = _c10d_functional::wait_tensor.default(%bc)
+  %s : f32[2] = aten::add.Tensor(%a, %b)
+  return (%w1, %w2, %war, %wbc, %s)
+)"));
+  EXPECT_FALSE(passes::serialize_collectives(*g));  // idempotent
+}
+
+// The whole ZeRO-1 pipeline: its graph order (what the executor runs) and every schedule of it
+// (what the arena executor runs) keep all-gathers alone; all-reduces still overlap each other.
+TEST(SerializeCollectives, TheZeroStepAndItsSchedulesNeverOverlapAnAllGather) {
+  auto joint = ir::parse(kJoint);
+  auto s = spec();
+  s.data_parallel = dp(1, true);
+  auto step = passes::build_train_step(*joint, s, 1);
+  const auto calls = [](const ir::Graph& g) {
+    std::vector<const ir::Node*> out;
+    for (const auto& n : g.nodes())
+      if (n->kind() == ir::NodeKind::Call) out.push_back(n.get());
+    return out;
+  };
+  EXPECT_EQ(passes::collective_overlap(calls(*step.graph)), "") << ir::print(*step.graph);
+  for (const bool donate : {false, true}) {
+    auto g = step.graph->clone();
+    passes::schedule(*g, donate);
+    ir::verify(*g);
+    EXPECT_EQ(passes::collective_overlap(calls(*g)), "") << ir::print(*g);
+    const ir::MemoryPlan plan = passes::plan_memory(*g, donate);
+    EXPECT_EQ(passes::collective_overlap(plan.order), "");
+  }
 }

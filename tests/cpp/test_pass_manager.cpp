@@ -144,7 +144,7 @@ TEST(TrainStepPipeline, IsTheDeclaredListAndEachSpecEnablesItsEntries) {
   EXPECT_EQ(names, (std::vector<std::string>{"accumulate", "read_outputs", "lift_optimizer_state", "all_reduce_grads",
                                              "clip_grad_norm", "shard_optimizer_state", "append_update", "thread_rng",
                                              "rewire_outputs", "eliminate_dead_code", "check_pure", "unroll",
-                                             "check_pure"}));
+                                             "check_pure", "serialize_collectives"}));
   auto enabled = [](const passes::TrainStepSpec& spec, int64_t unroll) {
     passes::PassContext ctx(spec, unroll);
     std::vector<std::string> out;
@@ -163,7 +163,7 @@ TEST(TrainStepPipeline, IsTheDeclaredListAndEachSpecEnablesItsEntries) {
   EXPECT_EQ(enabled(all, 3), (std::vector<std::string>{"accumulate", "read_outputs", "lift_optimizer_state",
                                                        "all_reduce_grads", "clip_grad_norm", "shard_optimizer_state",
                                                        "thread_rng", "rewire_outputs", "eliminate_dead_code",
-                                                       "check_pure", "unroll", "check_pure"}));
+                                                       "check_pure", "unroll", "check_pure", "serialize_collectives"}));
   all.data_parallel->shard_optimizer_state = false;
   const auto unsharded = enabled(all, 1);
   EXPECT_NE(std::find(unsharded.begin(), unsharded.end(), "append_update"), unsharded.end());

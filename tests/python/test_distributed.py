@@ -377,3 +377,28 @@ def _order_worker(rank, world, out_dir):
 def test_ranks_that_would_issue_collectives_in_different_orders_are_refused(tmp_path):
     for message in _launch(_order_worker, (), tmp_path):
         assert message is not None and "collective #0" in message and "rank 1" in message, message
+
+
+def test_an_all_gather_never_overlaps_another_collective(world_of_one):
+    """gloo corrupts the heap when an all-gather runs while another collective is in flight (this
+    was the intermittent abort of the ZeRO-1 test above): the step's graph order and its compiled
+    plan keep every all-gather alone, and an order that overlaps one is refused before it runs."""
+    model, loss_fn, batches = _setup("transformer", 0, 1)
+    step = torch_ext.make_train_step(model, _adamw(model.parameters()), loss_fn, batches[0],
+                                     process_group=world_of_one, shard_optimizer_state=True)
+    planned = step.compile(donate=True)
+    for order in (None, planned.plan["order"]):
+        names = order or [n.name for n in step.graph.nodes() if n.kind == "call"]
+        gathers = [i for i, name in enumerate(names) if "all_gather" in step.graph.node(name).target]
+        assert len(gathers) >= 2
+        for i in gathers:  # the gather's wait comes next
+            assert step.graph.node(names[i + 1]).target.endswith("wait_tensor.default"), names[i:i + 2]
+        check_collective_order(step.graph, order, world_of_one, "test")
+    order = [n.name for n in step.graph.nodes() if n.kind == "call"]
+    first, second = [i for i, name in enumerate(order) if "all_gather" in step.graph.node(name).target][:2]
+    wait = order.pop(first + 1)  # the first gather's wait after the second gather: both in flight
+    order.insert(second, wait)
+    with pytest.raises(RuntimeError, match=r"test: %\w+ \(_c10d_functional::all_gather_into_tensor.default\) is issued "
+                                           r"while %\w+ \(_c10d_functional::all_gather_into_tensor.default\) is in "
+                                           r"flight; an all-gather must run alone"):
+        check_collective_order(step.graph, order, world_of_one, "test")
