@@ -3,9 +3,10 @@
 // Why: on gloo (torch 2.9), an all_gather_into_tensor that runs while another collective is in
 // flight corrupts the heap: a pure-torch loop of _c10d_functional all-gathers, issued together or
 // next to in-flight all-reduces and waited later, aborts with "malloc(): unaligned tcache chunk"
-// or SIGSEGV in 2 to 3 of 8 two-rank runs; waited one at a time, 0 of 8. All-reduces and
+// or SIGSEGV in 1 to 4 of 8 two-rank runs; waited one at a time, 0 of 8. All-reduces and
 // broadcasts in flight together showed no fault (0 of 12 runs with 24 in flight). This was the
 // intermittent crash of the ZeRO-1 data-parallel step (tests/python/test_distributed.py).
+// Reproduction without torch_ext: scripts/repro_gloo_all_gather.py.
 //
 // Requires: a verified graph; every collective's result is read by exactly one wait_tensor.
 // Guarantees: the call nodes are reordered into a topological order in which every collective

@@ -105,7 +105,12 @@ struct Stats {
   int64_t evaluations = 0;  // countable-node executions
   double cost = 0.0;        // FLOP-weighted evaluations (see header comment)
   int64_t cutoffs = 0;      // nodes revalidated by early cutoff without executing
-  int64_t invalidated = 0;  // nodes marked invalid by mutations
+  // Nodes marked invalid by mutations (each marking counts; a node re-marked after a demand counts
+  // again). A batch marks once, when it settles: a node that a later mutation of the same batch
+  // pins (patches) is never marked, whereas applied one by one it is marked and then pinned. So
+  // a batch can count fewer than the same mutations one by one, while evaluations and values
+  // agree (tests/python/test_reactive_batch.py).
+  int64_t invalidated = 0;
   int64_t restored = 0;     // nodes returned to baseline by restore
   // Row-weighted evaluations: a node evaluated on k of its T rows counts k/T (a whole evaluation
   // counts 1). stats.cost is weighted the same way: the FLOPs of what actually ran.

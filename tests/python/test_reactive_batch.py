@@ -181,6 +181,10 @@ def test_restore_after_a_batch_that_grafts_then_patches_below_the_graft_recomput
             eng.graft("y", "v1", Graph.parse(block)._g, [])
             eng.patch("v3", patch)
         batched.end_batch()
+        # stats.invalidated (csrc/reactive/engine.h): one by one, the graft marks its block %b1 and
+        # D(v1) = {v1, v2, v3, s0, s1}, and the patch finds s0, s1 already invalid: 6. The batch
+        # settles with %v3 pinned: b1, v1, v2, then the patch's s0, s1: 5 (v3 never invalid).
+        assert (batched.stats()["invalidated"], single.stats()["invalidated"]) == (5, 6)
         for eng in (batched, single):
             eng.demand()
             eng.restore()
