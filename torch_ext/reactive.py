@@ -939,10 +939,12 @@ class ReactiveGraph:
             raise ValueError("batched sites need a ReactiveGraph that has run (give example_inputs or call run())")
         eng = self._engine
         pinned = tuple(eng.pinned())
-        state = (id(eng), eng.graph_revision(), id(self._last_inputs), pinned,
-                 tuple(id(eng.value(p)) for p in pinned))
+        # The objects themselves, held by the cone and compared by identity: an id() alone comes back
+        # once its object is freed (a restored patch's value, the inputs of an earlier run), and a new
+        # object at the same address would pass for the one the cone was built from.
+        state = (eng, eng.graph_revision(), self._last_inputs, pinned, tuple(eng.value(p) for p in pinned))
         bc = self._batched.get((node, k))
-        if bc is None or bc.state != state:
+        if bc is None or not _same_state(bc.state, state):
             bc = self._batched[(node, k)] = _BatchedCone(self, node, k, state)
         return bc
 
@@ -950,11 +952,22 @@ class ReactiveGraph:
         """Refuses (ValueError) a node whose cone the batch_cone pass cannot stack, whatever the patches:
         batched sites answer or refuse the same way for any patch values."""
         eng = self._engine
-        state = (id(eng), eng.graph_revision(), tuple(eng.pinned()))
+        state = (eng, eng.graph_revision(), tuple(eng.pinned()))
         checked = self.__dict__.setdefault("_batch_checked", {})
-        if checked.get(node) != state:
+        if not _same_state(checked.get(node), state):
             _BatchedCone.build_graph(eng, node, 2)
             checked[node] = state
+
+
+def _same_state(a, b) -> bool:
+    """Equal cache keys: objects (engines, inputs, tensors) compared by identity, the rest by value."""
+    if a is b:
+        return True
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    if isinstance(a, (str, int, float, bool, type(None))) and type(a) is type(b):
+        return a == b
+    return False
 
 
 class _BatchedCone:

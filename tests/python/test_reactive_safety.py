@@ -112,6 +112,47 @@ def test_batched_sweep_keeps_and_uses_a_standing_patch(resid):
     rg.check_invariants()
 
 
+def test_batched_sweep_sees_a_standing_patch_replaced_by_another(resid):
+    # The batched cone was cached under id() of the pinned value: restore() freed it and the next
+    # patch's tensor took the same address, so the second sweep reused the first standing patch.
+    model, x = resid
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    t0, t1, t2 = _tanh_nodes(rg)
+    sites = [(t0, p) for p in range(5)]
+    fills = (0.5, -0.25, 0.75)
+    values = [torch.full_like(x, f) for f in fills]
+    for fill, value in zip(fills, values):
+        rg.restore()
+        rg.patch(t2, value)
+        result = torch_ext.sweep(rg, sites, _site_patch, _metric, progress=False, batch_sites=True)
+        for (_, p) in sites:
+            ref = _eager(model, x, {0: lambda o, p=p: _site_patch(o, (None, p)),
+                                    2: lambda o, fill=fill: torch.full_like(o, fill)})
+            assert result.metrics[(t0, p)] == pytest.approx(float(ref.sum()), rel=1e-6, abs=1e-5), (fill, p)
+    rg.check_invariants()
+
+
+def test_batched_sweep_sees_new_inputs_after_several_runs(resid):
+    # Same cache key, id() of the last inputs: a run whose inputs object took the address of the
+    # one the batched cone was built for reused that cone's values computed from the old inputs.
+    model, x = resid
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    t0, t1, t2 = _tanh_nodes(rg)
+    sites = [(t1, p) for p in range(5)]
+    torch_ext.sweep(rg, sites, _site_patch, _metric, progress=False, batch_sites=True)
+    first = id(rg._last_inputs)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(400):  # enough runs for the address to come back (it did after ~160)
+        x2 = torch.randn(2, 5, 8, generator=gen)
+        rg.run(x2)
+        if id(rg._last_inputs) == first:
+            break
+    result = torch_ext.sweep(rg, sites, _site_patch, _metric, progress=False, batch_sites=True)
+    for (_, p) in sites:
+        ref = _eager(model, x2, {1: lambda o, p=p: _site_patch(o, (None, p))})
+        assert result.metrics[(t1, p)] == pytest.approx(float(ref.sum()), rel=1e-6, abs=1e-5), p
+
+
 def test_batched_sweep_refuses_a_sequence_first_model():
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(8, 2).eval()  # default layout (seq, batch, d): dim 0 is not the batch
