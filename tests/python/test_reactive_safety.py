@@ -464,3 +464,18 @@ def test_batch_grafts_in_any_order_cost_the_batch_formula(sites, rnd):
             ref = torch.cos(torch.sin(ref))
     assert torch.equal(out, ref)
     rg.check_invariants()
+
+
+def test_early_cutoff_tells_a_negative_zero_from_a_positive_one():
+    # Cutoff compared recomputed values with ==, for which -0.0 equals 0.0: the sweep below cut off
+    # at `mul` and answered 1/+0 = +inf where the patched graph gives 1/-0 = -inf.
+    class M(nn.Module):
+        def forward(self, x):
+            return torch.reciprocal(torch.relu(x) * 1.0)
+
+    x = torch.tensor([[-1.0, 2.0, -3.0, 4.0]])
+    rg = torch_ext.ReactiveGraph(M(), (x,), cutoff=True, positions=False)
+    flip = lambda clean, site: torch.where(clean == 0, torch.tensor(-0.0), clean)  # noqa: E731
+    result = torch_ext.sweep(rg, ["relu"], flip, lambda out: float(out.sum()), progress=False)
+    assert result.metrics["relu"] == float("-inf")
+    rg.check_invariants()
