@@ -591,21 +591,19 @@ class ReactiveGraph:
         self._engine.patch(node, value.detach())
 
     def _call_patch_fn(self, node: str, fn: Callable, clean: torch.Tensor, what: str):
-        """``fn(clean)``, guarding the cache: ``clean`` is the cached tensor, so a write into it is
-        detected by its version counter (free) rather than prevented by a copy per call."""
-        if node not in self._countable_set():
-            clean = clean.clone()  # a graph input is the caller's own tensor: it cannot be recomputed
-        version = clean._version
-        out = fn(clean)
-        if clean._version != version:
-            try:
-                self._engine.check_intact(node)
-            except RuntimeError:
-                pass  # the engine marked the node stale: the next demand recomputes it
+        """``fn(copy of clean)``. ``clean`` is the cached tensor; the function gets a copy, because
+        not every write into it can be seen: ``.data`` and ``.numpy()`` give tensors that share its
+        memory but not its version counter, and a write through them went unnoticed into the cache
+        (every later evaluation reading the node computed from it). An in-place edit of the copy (its
+        version changes) is still refused, as documented: the function must return a new tensor."""
+        given = clean.clone()
+        version = given._version
+        out = fn(given)
+        if given._version != version:
             raise ValueError(
-                f"{what} for node {node!r} wrote in place into the cached activation it was given (an op such "
-                "as `act[...] = ...` or `act.mul_(...)`); the cache is repaired, but the patch was not applied. "
-                "Return a new tensor instead, e.g. `act = act.clone()` first.")
+                f"{what} for node {node!r} wrote in place into the activation it was given (an op such as "
+                "`act[...] = ...` or `act.mul_(...)`); it was handed a copy, so the cache is intact, but the patch "
+                "was not applied. Return a new tensor instead, e.g. `act = act.clone()` first.")
         return out
 
     def _countable_set(self) -> set:

@@ -479,3 +479,35 @@ def test_early_cutoff_tells_a_negative_zero_from_a_positive_one():
     result = torch_ext.sweep(rg, ["relu"], flip, lambda out: float(out.sum()), progress=False)
     assert result.metrics["relu"] == float("-inf")
     rg.check_invariants()
+
+
+@pytest.mark.parametrize("how", ["data", "numpy"])
+@pytest.mark.parametrize("entry", ["sweep", "patch"])
+def test_patch_function_writing_through_data_or_numpy_cannot_corrupt_the_cache(resid, how, entry):
+    # .data and .numpy() share the cached tensor's memory but not its version counter: the write was
+    # invisible, stayed in the cache, and every later sweep reading the node answered from it.
+    model, x = resid
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    t0, t1, t2 = _tanh_nodes(rg)
+
+    def sneaky(act, site=None):
+        if how == "data":
+            act.data.mul_(3.0)
+        else:
+            act.numpy()[...] *= 3.0
+        return torch.zeros_like(act)
+
+    resid0 = [n for n in rg.nodes() if n.startswith("add")][0]  # x + tanh(fc0(x)): add_1 reads it
+    if entry == "sweep":
+        torch_ext.sweep(rg, [(resid0, 0)], sneaky, _metric, progress=False)
+    else:
+        rg.patch(resid0, sneaky)
+        rg.demand()
+        rg.restore()
+    sites = [(t1, p) for p in range(5)]
+    result = torch_ext.sweep(rg, sites, _site_patch, _metric, progress=False)
+    for (_, p) in sites:
+        ref = _eager(model, x, {1: lambda o, p=p: _site_patch(o, (None, p))})
+        assert result.metrics[(t1, p)] == pytest.approx(float(ref.sum()), rel=1e-6, abs=1e-5), p
+    assert torch.equal(rg.demand(), model(x))
+    rg.check_invariants()
