@@ -940,7 +940,7 @@ class ReactiveGraph:
         # The objects themselves, held by the cone and compared by identity: an id() alone comes back
         # once its object is freed (a restored patch's value, the inputs of an earlier run), and a new
         # object at the same address would pass for the one the cone was built from.
-        state = (eng, eng.graph_revision(), self._last_inputs, pinned, tuple(eng.value(p) for p in pinned))
+        state = (eng, eng.graph_revision(), _Held(self._last_inputs), pinned, tuple(eng.value(p) for p in pinned))
         bc = self._batched.get((node, k))
         if bc is None or not _same_state(bc.state, state):
             bc = self._batched[(node, k)] = _BatchedCone(self, node, k, state)
@@ -957,10 +957,24 @@ class ReactiveGraph:
             checked[node] = state
 
 
+class _Held:
+    """A cache-key entry compared by the identity of the object it holds (and keeping it alive, so that
+    its address cannot be taken by another object): the inputs of a run, which are a new tuple per
+    run even when they hold the same (possibly since edited) tensors."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+
 def _same_state(a, b) -> bool:
-    """Equal cache keys: objects (engines, inputs, tensors) compared by identity, the rest by value."""
+    """Equal cache keys: objects (engines, tensors, _Held) compared by identity, tuples element by
+    element, strings and numbers by value."""
     if a is b:
         return True
+    if isinstance(a, _Held) and isinstance(b, _Held):
+        return a.obj is b.obj
     if isinstance(a, tuple) and isinstance(b, tuple):
         return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
     if isinstance(a, (str, int, float, bool, type(None))) and type(a) is type(b):

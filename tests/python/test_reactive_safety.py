@@ -153,6 +153,22 @@ def test_batched_sweep_sees_new_inputs_after_several_runs(resid):
         assert result.metrics[(t1, p)] == pytest.approx(float(ref.sum()), rel=1e-6, abs=1e-5), p
 
 
+def test_batched_sweep_sees_inputs_edited_in_place_and_run_again(resid):
+    model, x = resid
+    x = x.clone()
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    t0, t1, t2 = _tanh_nodes(rg)
+    sites = [(t1, p) for p in range(5)]
+    torch_ext.sweep(rg, sites, _site_patch, _metric, progress=False, batch_sites=True)
+    with torch.no_grad():
+        x.mul_(-2.0)  # the same tensor object, other values
+    rg.run(x)
+    result = torch_ext.sweep(rg, sites, _site_patch, _metric, progress=False, batch_sites=True)
+    for (_, p) in sites:
+        ref = _eager(model, x, {1: lambda o, p=p: _site_patch(o, (None, p))})
+        assert result.metrics[(t1, p)] == pytest.approx(float(ref.sum()), rel=1e-6, abs=1e-5), p
+
+
 def test_batched_sweep_refuses_a_sequence_first_model():
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(8, 2).eval()  # default layout (seq, batch, d): dim 0 is not the batch
