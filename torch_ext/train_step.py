@@ -106,6 +106,9 @@ _RNG = "rng"  # the state name of the generator state (csrc/passes/thread_rng.h)
 
 
 def _flatten_state(s: TrainState):
+    # A pytree round trip (tree_map, tree_flatten) drops consumed_by: a copy of a donated state would
+    # pair its updated tensors with its old lr, scheduler epoch and RNG, and train on silently.
+    s._refuse_if_consumed("flattening it as a pytree (tree_map, tree_flatten)")
     keys = (sorted(s.params), sorted(s.buffers), sorted(s.opt))
     leaves = [s.params[k] for k in keys[0]] + [s.buffers[k] for k in keys[1]] + [s.opt[k] for k in keys[2]] + list(s.lr)
     if s.rng is not None:
