@@ -591,21 +591,19 @@ class ReactiveGraph:
         self._engine.patch(node, value.detach())
 
     def _call_patch_fn(self, node: str, fn: Callable, clean: torch.Tensor, what: str):
-        """``fn(clean)``, guarding the cache: ``clean`` is the cached tensor, so a write into it is
-        detected by its version counter (free) rather than prevented by a copy per call."""
-        if node not in self._countable_set():
-            clean = clean.clone()  # a graph input is the caller's own tensor: it cannot be recomputed
-        version = clean._version
-        out = fn(clean)
-        if clean._version != version:
-            try:
-                self._engine.check_intact(node)
-            except RuntimeError:
-                pass  # the engine marked the node stale: the next demand recomputes it
+        """``fn(copy of clean)``. ``clean`` is the cached tensor; the function gets a copy, because
+        not every write into it can be seen: ``.data`` and ``.numpy()`` give tensors that share its
+        memory but not its version counter, and a write through them went unnoticed into the cache
+        (every later evaluation reading the node computed from it). An in-place edit of the copy (its
+        version changes) is still refused, as documented: the function must return a new tensor."""
+        given = clean.clone()
+        version = given._version
+        out = fn(given)
+        if given._version != version:
             raise ValueError(
-                f"{what} for node {node!r} wrote in place into the cached activation it was given (an op such "
-                "as `act[...] = ...` or `act.mul_(...)`); the cache is repaired, but the patch was not applied. "
-                "Return a new tensor instead, e.g. `act = act.clone()` first.")
+                f"{what} for node {node!r} wrote in place into the activation it was given (an op such as "
+                "`act[...] = ...` or `act.mul_(...)`); it was handed a copy, so the cache is intact, but the patch "
+                "was not applied. Return a new tensor instead, e.g. `act = act.clone()` first.")
         return out
 
     def _countable_set(self) -> set:
@@ -939,10 +937,12 @@ class ReactiveGraph:
             raise ValueError("batched sites need a ReactiveGraph that has run (give example_inputs or call run())")
         eng = self._engine
         pinned = tuple(eng.pinned())
-        state = (id(eng), eng.graph_revision(), id(self._last_inputs), pinned,
-                 tuple(id(eng.value(p)) for p in pinned))
+        # The objects themselves, held by the cone and compared by identity: an id() alone comes back
+        # once its object is freed (a restored patch's value, the inputs of an earlier run), and a new
+        # object at the same address would pass for the one the cone was built from.
+        state = (eng, eng.graph_revision(), _Held(self._last_inputs), pinned, tuple(eng.value(p) for p in pinned))
         bc = self._batched.get((node, k))
-        if bc is None or bc.state != state:
+        if bc is None or not _same_state(bc.state, state):
             bc = self._batched[(node, k)] = _BatchedCone(self, node, k, state)
         return bc
 
@@ -950,11 +950,36 @@ class ReactiveGraph:
         """Refuses (ValueError) a node whose cone the batch_cone pass cannot stack, whatever the patches:
         batched sites answer or refuse the same way for any patch values."""
         eng = self._engine
-        state = (id(eng), eng.graph_revision(), tuple(eng.pinned()))
+        state = (eng, eng.graph_revision(), tuple(eng.pinned()))
         checked = self.__dict__.setdefault("_batch_checked", {})
-        if checked.get(node) != state:
+        if not _same_state(checked.get(node), state):
             _BatchedCone.build_graph(eng, node, 2)
             checked[node] = state
+
+
+class _Held:
+    """A cache-key entry compared by the identity of the object it holds (and keeping it alive, so that
+    its address cannot be taken by another object): the inputs of a run, which are a new tuple per
+    run even when they hold the same (possibly since edited) tensors."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+
+def _same_state(a, b) -> bool:
+    """Equal cache keys: objects (engines, tensors, _Held) compared by identity, tuples element by
+    element, strings and numbers by value."""
+    if a is b:
+        return True
+    if isinstance(a, _Held) and isinstance(b, _Held):
+        return a.obj is b.obj
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    if isinstance(a, (str, int, float, bool, type(None))) and type(a) is type(b):
+        return a == b
+    return False
 
 
 class _BatchedCone:

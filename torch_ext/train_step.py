@@ -106,6 +106,9 @@ _RNG = "rng"  # the state name of the generator state (csrc/passes/thread_rng.h)
 
 
 def _flatten_state(s: TrainState):
+    # A pytree round trip (tree_map, tree_flatten) drops consumed_by: a copy of a donated state would
+    # pair its updated tensors with its old lr, scheduler epoch and RNG, and train on silently.
+    s._refuse_if_consumed("flattening it as a pytree (tree_map, tree_flatten)")
     keys = (sorted(s.params), sorted(s.buffers), sorted(s.opt))
     leaves = [s.params[k] for k in keys[0]] + [s.buffers[k] for k in keys[1]] + [s.opt[k] for k in keys[2]] + list(s.lr)
     if s.rng is not None:
@@ -298,6 +301,24 @@ class _LrSchedule:
             sch.load_state_dict(replay.state_dict())
 
 
+# Param group entries that are not baked into the program: the parameters (checked by identity) and
+# the lr (state: init_state reads it, schedulers and set_lr change it).
+_LR_KEYS = ("params", "lr", "initial_lr")
+_MISSING = object()
+
+
+def _same_option(a, b) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(
+            torch.equal(a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an option without equality: only the same object is the same
+        return False
+
+
 class TrainStep:
     """A pure training step. ``loss, new_state = step(state, *batch)`` never mutates ``state``."""
 
@@ -354,6 +375,7 @@ class TrainStep:
         if schedulers and self.unroll > 1:
             raise ValueError(f"scheduler= needs unroll=1 (the unrolled program uses one lr for its {self.unroll} steps)")
         self._schedule = _LrSchedule(list(schedulers), optimizers) if schedulers else None
+        self._built_config = self._config()
 
         wrapper = _LossModule(model, loss_fn)
         # Tied parameters and shared buffers: export gives each name its own placeholder; fold every
@@ -538,6 +560,41 @@ class TrainStep:
         loaded.origin = f"load_state_dict() of TrainStep {self._id}"
         return loaded
 
+    def _config(self) -> list:
+        """What the program bakes in from the model and optimizers, as they stand: per optimizer, per
+        param group, its parameters with their requires_grad flags and its options (lr aside: it is
+        state, read by init_state and set by set_lr)."""
+        return [[(tuple(group["params"]), tuple(p.requires_grad for p in group["params"]),
+                  {k: v for k, v in group.items() if k not in _LR_KEYS})
+                 for group in opt.param_groups] for opt in self.optimizers]
+
+    def _check_config(self) -> None:
+        """Refuses to run after a change eager training would follow but the program cannot: a
+        parameter frozen or unfrozen, a param group added or removed, a baked-in option changed."""
+        now = self._config()
+        names = {id(p): n for n, p in self._param_of.items()}
+        for opt, built, current in zip(self.optimizers, self._built_config, now):
+            title = type(opt).__name__
+            if len(built) != len(current):
+                raise ValueError(f"{title} has {len(current)} param groups now, {len(built)} when the step was built; "
+                                 "the program updates the parameters it was built with: build a new step "
+                                 "(make_train_step)")
+            for gi, ((params, grads, options), (params_now, grads_now, options_now)) in enumerate(zip(built, current)):
+                if len(params) != len(params_now) or any(a is not b for a, b in zip(params, params_now)):
+                    raise ValueError(f"{title} param group {gi} holds other parameters than when the step was built; "
+                                     "build a new step (make_train_step)")
+                for p, was, is_now in zip(params, grads, grads_now):
+                    if was != is_now:
+                        how = "trainable now but was frozen" if is_now else "frozen now but was trainable"
+                        raise ValueError(f"parameter '{names.get(id(p), '?')}' is {how} (requires_grad={was}) when the "
+                                         "step was built, and the program bakes that in; build a new step "
+                                         "(make_train_step) after freezing or unfreezing")
+                for key, value in options.items():
+                    if not _same_option(value, options_now.get(key, _MISSING)):
+                        raise ValueError(f"{title} param group {gi}: {key!r} is {options_now.get(key, 'gone')!r} now, "
+                                         f"{value!r} when the step was built, and the program bakes it in; build a "
+                                         "new step (make_train_step)")
+
     def _check_state(self, state) -> None:
         if not isinstance(state, TrainState):
             raise TypeError(f"expected a TrainState from step.init_state(), got {type(state).__name__}")
@@ -566,6 +623,7 @@ class TrainStep:
         """The program's flat positional inputs: state entries, then the batch (or the batches when
         unrolled, or the micro-batches when accumulating, one after the other)."""
         self._check_state(state)
+        self._check_config()
         flat_batch = self._check_batch(batch)
         for i, (t, ex) in enumerate(zip(flat_batch, self._example_leaves)):
             if t.shape != ex.shape or t.dtype != ex.dtype:
@@ -623,6 +681,7 @@ class TrainStep:
     def __call__(self, state: TrainState, *batch, skip_nonfinite: bool = False):
         """``loss, new_state = step(state, *batch)``; ``loss, new_state, aux`` when loss_fn returns (loss, aux)."""
         self._check_state(state)
+        self._check_config()
         flat_batch = self._check_batch(batch)
         program = self._program_for(flat_batch)
         if program is self:

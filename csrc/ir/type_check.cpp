@@ -70,18 +70,45 @@ bool known_disagreement(const std::string& op, size_t index, const TensorMeta& d
   return squeeze(declared.sizes) == squeeze(inferred.sizes);
 }
 
-// Dtypes and sizes must agree. Strides are not compared: meta and eager kernels legitimately
-// choose different layouts (scaled_dot_product_attention on CPU), and no runtime relies on them.
-bool agrees(const Type& declared, const Type& inferred, const std::string& op, size_t index = 0) {
+// Strides where they matter: every dim of size > 1 of a non-empty tensor (a size-1 dim's stride
+// never addresses anything). The arena executor and the reactive engine's scratch memory hand out=
+// kernels buffers laid out by the declared strides, so a declared layout the operator does not
+// produce is read back by layout-dependent consumers (as_strided, views) as other elements.
+bool same_layout(const TensorMeta& declared, const TensorMeta& inferred) {
+  if (declared.strides.size() != declared.sizes.size() || inferred.strides.size() != inferred.sizes.size())
+    return false;
+  for (int64_t s : declared.sizes)
+    if (s == 0) return true;
+  for (size_t d = 0; d < declared.sizes.size(); ++d)
+    if (declared.sizes[d] > 1 && declared.strides[d] != inferred.strides[d]) return false;
+  return true;
+}
+
+// Dtypes and sizes must agree with what the operator's meta kernel produces for the declared
+// inputs, and so must strides (same_layout) when `strides` is set: for operators whose Meta result is
+// the one every backend gives (a Meta kernel of their own, or one composite kernel for all backends;
+// see layout_is_inferred). A CompositeImplicitAutograd operator decomposes differently per device
+// (scaled_dot_product_attention picks the math path on meta, a fused CPU kernel with another layout
+// on CPU, which export records), so only its dtype and sizes are checked.
+bool agrees(const Type& declared, const Type& inferred, const std::string& op, bool strides, size_t index = 0) {
   if (declared.kind != inferred.kind) return false;
   if (declared.kind == Type::Kind::Tensor)
-    return (declared.tensor.dtype == inferred.tensor.dtype && declared.tensor.sizes == inferred.tensor.sizes) ||
+    return (declared.tensor.dtype == inferred.tensor.dtype && declared.tensor.sizes == inferred.tensor.sizes &&
+            (!strides || same_layout(declared.tensor, inferred.tensor))) ||
            known_disagreement(op, index, declared.tensor, inferred.tensor);
   if (declared.kind != Type::Kind::Tuple) return true;
   if (declared.elems.size() != inferred.elems.size()) return false;
   for (size_t i = 0; i < declared.elems.size(); ++i)
-    if (!agrees(declared.elems[i], inferred.elems[i], op, i)) return false;
+    if (!agrees(declared.elems[i], inferred.elems[i], op, strides, i)) return false;
   return true;
+}
+
+// Whether the Meta result's layout is the one the op's real kernels produce: it has a Meta kernel,
+// or a CompositeExplicitAutograd / CompositeExplicitAutogradNonFunctional kernel (the same code on
+// every device), rather than only a CompositeImplicitAutograd decomposition.
+bool layout_is_inferred(const c10::OperatorHandle& op) {
+  return op.hasKernelForDispatchKey(c10::DispatchKey::Meta) ||
+         !op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
 }
 
 // The IR type of a meta result, on `device` (devices are not inferred). Nullopt for values
@@ -244,7 +271,7 @@ std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, s
     }
     inferred = Type::make_tuple(std::move(elems));
   }
-  if (!inferred || agrees(node.type(), *inferred, node.target().name)) return "";
+  if (!inferred || agrees(node.type(), *inferred, node.target().name, layout_is_inferred(op))) return "";
   copy_devices(node.type(), *inferred);
   return "declared type " + print_type(node.type()) + " differs from " + print_type(*inferred) +
          ", which the operator produces for the declared inputs";
@@ -597,7 +624,7 @@ void check_call_types(const Node& node, const c10::OperatorHandle& op, const std
     return;
   }
   if (auto rnn = rnn_result(node, given, stack)) {
-    if (!agrees(node.type(), *rnn, node.target().name))
+    if (!agrees(node.type(), *rnn, node.target().name, false))
       errors.push_back(where + "declared type " + print_type(node.type()) + " differs from " + print_type(*rnn) +
                        ", which the operator produces for the declared inputs");
     return;

@@ -11,8 +11,11 @@
 //     (shape and dtype inference through its Meta kernel; torch_ext ops get theirs from the
 //     fake kernels registered in torch_ext/_fake.py), and the node's declared type must equal
 //     what it produces: dtype, sizes and, where they matter (dims of size > 1 in a non-empty
-//     tensor), strides. An operator that refuses the meta inputs is reported, so a verified
-//     graph never hands a kernel arguments its declared types rule out.
+//     tensor), strides (the arena executor and the reactive scratch path lay out= buffers out by
+//     them). Strides are not compared for an operator that only has a CompositeImplicitAutograd
+//     kernel: its decomposition depends on the device (scaled_dot_product_attention takes the math
+//     path on meta, a fused kernel with another layout on CPU). An operator that refuses the meta
+//     inputs is reported, so a verified graph never hands a kernel arguments its declared types rule out.
 //
 // Inference is skipped, documented by this rule, when it cannot be done soundly:
 //   * the operator has no Meta kernel in this process, so the dispatcher's Meta fallback raises

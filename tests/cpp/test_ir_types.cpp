@@ -103,7 +103,30 @@ TEST(IrTypes, InconsistentShapesNeverReachAKernel) {
   EXPECT_NE(msg.find("cannot be multiplied"), std::string::npos) << msg;
 }
 
-TEST(IrTypes, ValidGraphsStillVerifyAndStridesAreNotCompared) {
+TEST(IrTypes, DeclaredStridesMustBeTheOperatorsWhereTheyAddressMemory) {
+  // The arena executor and the reactive engine's scratch path give out= kernels buffers laid out by
+  // the declared strides: a sin declared transposed was stored transposed there, and as_strided read
+  // other elements than the executor's (a silent disagreement between runtimes). Refused now.
+  const std::string msg = verify_message(
+      "graph:\n  %x : f32[8,4] = input()\n  %y : f32[8,4] = aten::mul.Tensor(%x, %x)\n"
+      "  %r : f32[8,4]{1,8} = aten::sin.default(%y)\n"
+      "  %a : f32[4,4] = aten::as_strided.default(%r, [4, 4], [4, 1])\n  return (%a)\n");
+  EXPECT_NE(msg.find("node %r (aten::sin.default): declared type f32[8,4]{1,8} differs from f32[8,4]"),
+            std::string::npos)
+      << msg;
+  // A view declared contiguous when the operator returns it transposed, likewise.
+  const std::string view_msg = verify_message(
+      "graph:\n  %a : f32[2,3] = input()\n  %t : f32[3,2] = aten::t.default(%a)\n  return (%t)\n");
+  EXPECT_NE(view_msg.find("node %t (aten::t.default): declared type f32[3,2] differs from f32[3,2]{1,3}"),
+            std::string::npos)
+      << view_msg;
+  // The stride of a size-1 dim addresses nothing, so any value is accepted there; so are the strides of
+  // an empty tensor.
+  verify(*parse("graph:\n  %x : f32[1,4] = input()\n  %e : f32[0,4] = input()\n"
+                "  %s : f32[1,4]{1,1} = aten::sin.default(%x)\n  %c : f32[0,4]{1,0} = aten::cos.default(%e)\n  return (%s, %c)\n"));
+}
+
+TEST(IrTypes, ValidGraphsStillVerify) {
   // t() of a contiguous matrix is declared with its transposed strides, and verifies.
   auto g = parse(
       "graph:\n  %a : f32[2,3] = input()\n  %t : f32[3,2]{1,3} = aten::t.default(%a)\n"

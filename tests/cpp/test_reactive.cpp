@@ -281,6 +281,37 @@ TEST(Reactive, PartialRestoreAndEarlyCutoff) {
   EXPECT_EQ(e.stats().cutoffs, 4);
 }
 
+TEST(Reactive, CutoffComparesBitsSoASignedZeroPropagates) {
+  // -0.0 == 0.0 numerically, so cutoff used to stop at %a (recomputed as -0.0 where it held 0.0) and
+  // %b kept +inf where 1/-0.0 is -inf. Cutoff now needs the same bits; equal bits still cut off
+  // (NaNs included, which `==` never finds equal).
+  auto g = ir::parse(R"(graph:
+  %x : f32[4] = input()
+  %s : f32[4] = aten::relu.default(%x)
+  %a : f32[4] = aten::mul.Tensor(%s, 1.0)
+  %b : f32[4] = aten::reciprocal.default(%a)
+  return (%b)
+)");
+  reactive::Engine e(*g);
+  e.set_cutoff(true);
+  e.run({at::tensor({-1.0f, 2.0f, -3.0f, 4.0f})});
+  const at::Tensor patched = at::tensor({-0.0f, 2.0f, -0.0f, 4.0f});
+  e.patch("s", patched);
+  const at::Tensor out = e.demand()[0].toTensor();
+  EXPECT_TRUE(at::equal(at::signbit(out), at::signbit(at::reciprocal(patched)))) << out;
+  EXPECT_EQ(e.stats().cutoffs, 0);
+  e.check_invariants();
+  e.restore();
+  const at::Tensor nan = at::tensor({NAN, 1.0f, NAN, 2.0f});
+  e.run({nan});
+  e.reset_stats();
+  e.patch("s", at::relu(nan));  // the same bits as the cached value: %a and %b are cut off
+  e.demand();
+  EXPECT_EQ(e.stats().evaluations, 1);
+  EXPECT_EQ(e.stats().cutoffs, 1);
+  e.check_invariants();
+}
+
 TEST(Reactive, HundredThousandMutationsWithoutDrift) {
   auto g = ir::parse(chain_text(20));
   reactive::Engine e(*g);
@@ -435,7 +466,7 @@ TEST(Reactive, ScratchFastPathIsExactAndPlannedOnce) {
   %v : f32[64] = aten::view.default(%m, [64])
   %c : f32[64] = aten::cos.default(%v)
   %e : f32[8,8] = aten::exp.default(%s)
-  %t : f32[8,8] = aten::t.default(%e)
+  %t : f32[8,8]{1,8} = aten::t.default(%e)
   return (%c, %t)
 )");
   const at::Tensor x = at::randn({8, 8});
@@ -455,7 +486,7 @@ TEST(Reactive, ScratchFastPathIsExactAndPlannedOnce) {
   %v : f32[64] = aten::view.default(%m, [64])
   %c : f32[64] = aten::cos.default(%v)
   %e : f32[8,8] = aten::exp.default(%s)
-  %t : f32[8,8] = aten::t.default(%e)
+  %t : f32[8,8]{1,8} = aten::t.default(%e)
   return (%c, %t)
 )");
   runtime::Executor full(*full_g);

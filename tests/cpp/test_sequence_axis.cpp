@@ -69,11 +69,11 @@ const char* kPositionWise = R"(graph:
   %getitem_1 : f32[2,3,4]{24,8,1} = getitem(%split, 1)
   %view : f32[2,3,2,2]{24,8,2,1} = aten::view.default(%getitem, [2, 3, 2, 2])
   %transpose : f32[2,2,3,2]{24,2,8,1} = aten::transpose.int(%view, 1, 2)
-  %gelu : f32[2,2,3,2]{24,2,8,1} = aten::gelu.default(%transpose)
-  %transpose_1 : f32[2,3,2,2]{24,8,2,1} = aten::transpose.int(%gelu, 1, 2)
+  %gelu : f32[2,2,3,2]{12,2,4,1} = aten::gelu.default(%transpose)
+  %transpose_1 : f32[2,3,2,2] = aten::transpose.int(%gelu, 1, 2)
   %reshape : f32[2,3,4] = aten::reshape.default(%transpose_1, [2, 3, 4])
   %cat : f32[2,3,8] = aten::cat.default([%reshape, %getitem_1], -1)
-  %select : f32[2,8] = aten::select.int(%cat, 1, -1)
+  %select : f32[2,8]{24,1} = aten::select.int(%cat, 1, -1)
   return (%cat, %select)
 )";
 

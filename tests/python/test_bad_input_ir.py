@@ -484,7 +484,7 @@ RUN_FAILURES = {
     """), [torch.ones(4), 5], [torch.ones(4), 4], r"while executing node %v: .*invalid for input of size 4"),
     "cholesky_not_positive_definite": (_g("""
         %x : f32[2,2] = input()
-        %c : f32[2,2] = aten::linalg_cholesky.default(%x)
+        %c : f32[2,2]{1,2} = aten::linalg_cholesky.default(%x)
         return (%c)
     """), [-torch.eye(2)], [torch.eye(2)], r"while executing node %c: .*not positive-definite"),
 }

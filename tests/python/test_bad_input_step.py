@@ -268,6 +268,19 @@ def test_state_dict_of_a_donated_state_is_refused(built):
         state.state_dict()
 
 
+def test_a_pytree_copy_of_a_donated_state_is_refused(built):
+    # tree_map dropped consumed_by: the copy held the updated tensors with the old lr, epoch and RNG,
+    # and a donating step accepted it as a fresh state.
+    from torch.utils import _pytree as pytree
+
+    planned = built.compile(plan=True, donate=True)
+    state = built.init_state()
+    pytree.tree_map(lambda t: t.clone(), state)  # before donation: fine
+    planned(state, X, Y)
+    with pytest.raises(ValueError, match=r"pytree.*donated"):
+        pytree.tree_map(lambda t: t.clone(), state)
+
+
 def test_failed_donating_call_that_wrote_in_place_consumes_the_state():
     """unroll=2: the first step's update lands in place before the second step's forward fails. The
     state must not look intact afterwards (it used to, silently holding half-updated weights)."""

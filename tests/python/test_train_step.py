@@ -275,6 +275,64 @@ def test_nan_loss_propagates_by_default_and_can_be_skipped():
     assert kept is state
 
 
+def _frozen_first_layer():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    model[0].weight.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    step = torch_ext.make_train_step(model, opt, lambda m, x, y: F.cross_entropy(m(x), y), (x, y),
+                                     batch_shapes="cache")
+    return model, opt, step, x, y
+
+
+@pytest.mark.parametrize("change", ["unfreeze", "freeze", "momentum", "weight_decay", "add_param_group"])
+def test_a_step_refuses_to_run_after_the_model_or_optimizer_it_baked_in_changed(change):
+    # The program bakes in which parameters train and every group option but lr; eager training
+    # follows such a change, and the step used to ignore it silently (a layer unfrozen after building
+    # stayed frozen; a last partial batch, built later, followed it while the other batches did not).
+    model, opt, step, x, y = _frozen_first_layer()
+    state = step.init_state()
+    loss, state = step(state, x, y)
+    if change == "unfreeze":
+        model[0].weight.requires_grad_(True)
+        culprit = "0.weight"
+    elif change == "freeze":
+        model[2].bias.requires_grad_(False)
+        culprit = "2.bias"
+    elif change in ("momentum", "weight_decay"):
+        opt.param_groups[0][change] = 0.5
+        culprit = change
+    else:
+        extra = nn.Parameter(torch.zeros(3))
+        model.register_parameter("extra", extra)
+        opt.add_param_group({"params": [extra]})
+        culprit = "param group"
+    for call in (lambda: step(state, x, y), lambda: step(state, x[:3], y[:3]),
+                 lambda: step.compile(plan=False, donate=False)(state, x, y)):
+        with pytest.raises(ValueError, match=culprit):
+            call()
+    # Put back, the step runs again.
+    if change == "unfreeze":
+        model[0].weight.requires_grad_(False)
+    elif change == "freeze":
+        model[2].bias.requires_grad_(True)
+    elif change in ("momentum", "weight_decay"):
+        opt.param_groups[0][change] = 0.9 if change == "momentum" else 0
+    else:
+        opt.param_groups.pop()
+        del model.extra
+    step(state, x, y)
+
+
+def test_lr_set_on_the_optimizer_is_read_by_init_state_not_refused():
+    model, opt, step, x, y = _frozen_first_layer()
+    opt.param_groups[0]["lr"] = 0.25          # lr is state: init_state reads it, set_lr changes it
+    state = step.init_state()
+    assert float(state.lr[0]) == 0.25
+    step(state, x, y)
+
+
 def test_frozen_and_unused_parameters_are_left_alone():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
