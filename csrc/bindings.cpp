@@ -193,7 +193,8 @@ py::list run_without_gil(py::sequence inputs, Fn&& fn) {
 // kept. Python runs only the user's callbacks; everything between them stays here. `user` maps the
 // flat outputs to what the metric receives: an int (that output alone) or a callable. `convert` turns
 // a metric result other than a float or a one-element floating tensor into what is stored, and
-// `fail(kind, i)` raises the Python error for site i ("patch_wrote", "not_tensor", "metric_wrote").
+// `fail(kind, i)` raises the Python error for site i ("patch_wrote", "not_tensor", "metric_wrote"); a
+// `fail` that returns instead still stops the loop, with a generic error.
 int64_t tensor_version(const at::Tensor& t) {
   return t.defined() && !t.is_inference() ? static_cast<int64_t>(t._version()) : -1;
 }
@@ -216,16 +217,24 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
     if (clone[i]) clean = clean.clone();
     const int64_t clean_version = tensor_version(clean);
     py::object patched = patches[i](py::reinterpret_steal<py::object>(THPVariable_Wrap(clean)), site);
-    if (tensor_version(clean) != clean_version) fail("patch_wrote", i);
-    if (!THPVariable_Check(patched.ptr())) fail("not_tensor", i, patched);
+    if (tensor_version(clean) != clean_version) {
+      fail("patch_wrote", i);
+      TORCH_CHECK(false, "sweep_sites: the patch function wrote into the cached value of %", nodes[i]);
+    }
+    if (!THPVariable_Check(patched.ptr())) {
+      fail("not_tensor", i, patched);
+      TORCH_CHECK(false, "sweep_sites: the patch function for %", nodes[i], " returned no tensor");
+    }
     at::Tensor value = THPVariable_Unpack(patched.ptr());
     if (value.requires_grad()) value = value.detach();
     patched = py::object();
     std::vector<c10::IValue> flat;
     {
       py::gil_scoped_release no_gil;
-      flat = rows && e.seq_axis(nodes[i]) >= 0 ? e.evaluate_patched_rows(nodes[i], std::move(value), read_rows, read_cols)
-                     : e.evaluate_patched(nodes[i], std::move(value));
+      if (rows && e.seq_axis(nodes[i]) >= 0)
+        flat = e.evaluate_patched_rows(nodes[i], std::move(value), read_rows, read_cols);
+      else
+        flat = e.evaluate_patched(nodes[i], std::move(value));
     }
     std::vector<std::pair<at::Tensor, int64_t>> guarded;  // outputs the metric could write into
     py::object result;
@@ -240,8 +249,10 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
         for (const auto& v : flat) l.append(ivalue_to_py(v));
         outs = user(l);
       }
-      for (const auto& v : flat)
-        if (v.isTensor() && tensor_version(v.toTensor()) >= 0) guarded.emplace_back(v.toTensor(), tensor_version(v.toTensor()));
+      for (const auto& v : flat) {
+        const int64_t version = v.isTensor() ? tensor_version(v.toTensor()) : -1;
+        if (version >= 0) guarded.emplace_back(v.toTensor(), version);
+      }
       flat.clear();  // the engine reuses an output's buffer only while it holds the sole reference
       result = metric(outs);
     }
@@ -258,6 +269,7 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
       if (tensor_version(t) != version) {
         guarded.clear();
         fail("metric_wrote", i);
+        TORCH_CHECK(false, "sweep_sites: the metric wrote into the outputs at a site of %", nodes[i]);
       }
     results.append(result);
   }

@@ -195,3 +195,23 @@ def test_first_changed_row_treats_signed_zero_as_equal():
     assert eng.first_changed_row(n, v) == 4  # equal under `ne`
     v[1, 3, 2] = float("nan")
     assert eng.first_changed_row(n, v) == 3
+
+
+def test_sweep_sites_stops_even_when_fail_returns():
+    """`fail` is expected to raise; one that returns still stops the loop before it uses a bad value."""
+    _, _, rg = _graph()
+    eng = rg._engine
+    t = [n for n in rg.nodes() if n.startswith("tanh")][0]
+    calls = []
+    with pytest.raises(RuntimeError, match="returned no tensor"):
+        eng.sweep_sites([t], [t], [lambda v, s: 1.0], [False], False, [], [], lambda o: o.sum(), 0,
+                        reactive._metric_value, lambda *a: calls.append(a[:2]))
+    assert calls == [("not_tensor", 0)]
+    with pytest.raises(RuntimeError, match="wrote into the cached value"):
+        eng.sweep_sites([t], [t], [lambda v, s: v.mul_(1.0)], [False], False, [], [], lambda o: o.sum(), 0,
+                        reactive._metric_value, lambda *a: calls.append(a[:2]))
+    assert calls[-1] == ("patch_wrote", 0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        eng.check_intact(t)  # what sweep's own `fail` does: the node is marked for recomputation
+    rg.demand()
+    rg.check_invariants()
