@@ -186,6 +186,96 @@ py::list run_without_gil(py::sequence inputs, Fn&& fn) {
   return result;
 }
 
+// The sweep's hot loop (torch_ext.reactive._sweep): for every site, in order, `patch(clean, site)` on the
+// node's cached value (a write into it is refused by its version counter), the node's prepared cone
+// evaluated with the result (Engine::evaluate_patched, or, with `rows`, evaluate_patched_rows for a node
+// with a sequence axis), `metric(outputs)` (a write into the cached outputs refused the same way), its value
+// kept. Python runs only the user's callbacks; everything between them stays here. `user` maps the
+// flat outputs to what the metric receives: an int (that output alone) or a callable. `convert` turns
+// a metric result other than a float or a one-element floating tensor into what is stored, and
+// `fail(kind, i)` raises the Python error for site i ("patch_wrote", "not_tensor", "metric_wrote"); a
+// `fail` that returns instead still stops the loop, with a generic error.
+int64_t tensor_version(const at::Tensor& t) {
+  return t.defined() && !t.is_inference() ? static_cast<int64_t>(t._version()) : -1;
+}
+
+py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes, py::sequence sites,
+                     py::sequence patches, const std::vector<bool>& clone, bool rows,
+                     const std::vector<int64_t>& read_rows, const std::vector<std::vector<int64_t>>& read_cols,
+                     py::function metric, py::object user, py::function convert, py::function fail) {
+  const size_t n = nodes.size();
+  TORCH_CHECK(py::len(sites) == n && py::len(patches) == n && clone.size() == n,
+              "sweep_sites: nodes, sites, patches and clone must have one entry per site");
+  const bool single = py::isinstance<py::int_>(user);
+  const int64_t single_index = single ? user.cast<int64_t>() : -1;
+  py::list results;
+  for (size_t i = 0; i < n; ++i) {
+    py::object site = sites[i];
+    // The clean value is the cached tensor itself (zero evaluations): guarded by its version, not copied.
+    // A graph input is the caller's own tensor, which cannot be recomputed: that one is copied.
+    at::Tensor clean = e.value(nodes[i]).toTensor();
+    if (clone[i]) clean = clean.clone();
+    const int64_t clean_version = tensor_version(clean);
+    py::object patched = patches[i](py::reinterpret_steal<py::object>(THPVariable_Wrap(clean)), site);
+    if (tensor_version(clean) != clean_version) {
+      fail("patch_wrote", i);
+      TORCH_CHECK(false, "sweep_sites: the patch function wrote into the cached value of %", nodes[i]);
+    }
+    if (!THPVariable_Check(patched.ptr())) {
+      fail("not_tensor", i, patched);
+      TORCH_CHECK(false, "sweep_sites: the patch function for %", nodes[i], " returned no tensor");
+    }
+    at::Tensor value = THPVariable_Unpack(patched.ptr());
+    if (value.requires_grad()) value = value.detach();
+    patched = py::object();
+    std::vector<c10::IValue> flat;
+    {
+      py::gil_scoped_release no_gil;
+      if (rows && e.seq_axis(nodes[i]) >= 0)
+        flat = e.evaluate_patched_rows(nodes[i], std::move(value), read_rows, read_cols);
+      else
+        flat = e.evaluate_patched(nodes[i], std::move(value));
+    }
+    std::vector<std::pair<at::Tensor, int64_t>> guarded;  // outputs the metric could write into
+    py::object result;
+    {
+      py::object outs;
+      if (single) {
+        TORCH_CHECK(single_index >= 0 && single_index < static_cast<int64_t>(flat.size()),
+                    "sweep_sites: output index ", single_index, " out of range");
+        outs = ivalue_to_py(flat[single_index]);
+      } else {
+        py::list l;
+        for (const auto& v : flat) l.append(ivalue_to_py(v));
+        outs = user(l);
+      }
+      for (const auto& v : flat) {
+        const int64_t version = v.isTensor() ? tensor_version(v.toTensor()) : -1;
+        if (version >= 0) guarded.emplace_back(v.toTensor(), version);
+      }
+      flat.clear();  // the engine reuses an output's buffer only while it holds the sole reference
+      result = metric(outs);
+    }
+    if (THPVariable_Check(result.ptr())) {
+      const at::Tensor& t = THPVariable_Unpack(result.ptr());
+      if (t.numel() == 1 && at::isFloatingType(t.scalar_type()))
+        result = py::float_(t.item<double>());
+      else
+        result = convert(result, site);
+    } else if (!PyFloat_CheckExact(result.ptr())) {
+      result = convert(result, site);
+    }
+    for (const auto& [t, version] : guarded)
+      if (tensor_version(t) != version) {
+        guarded.clear();
+        fail("metric_wrote", i);
+        TORCH_CHECK(false, "sweep_sites: the metric wrote into the outputs at a site of %", nodes[i]);
+      }
+    results.append(result);
+  }
+  return results;
+}
+
 py::dict node_to_py(const ir::Node& n) {
   py::dict d;
   d["kind"] = ir::to_string(n.kind());
@@ -414,6 +504,9 @@ PYBIND11_MODULE(_C, m) {
              for (const auto& x : out) result.append(ivalue_to_py(x));
              return result;
            })
+      .def("sweep_sites", &sweep_sites, py::arg("nodes"), py::arg("sites"), py::arg("patches"), py::arg("clone"),
+           py::arg("rows"), py::arg("read_rows"), py::arg("read_cols"), py::arg("metric"), py::arg("user"),
+           py::arg("convert"), py::arg("fail"))
       .def("evaluate_patched_rows",
            [](reactive::Engine& e, const std::string& n, py::handle v, std::vector<int64_t> read_rows,
               std::vector<std::vector<int64_t>> read_cols) {

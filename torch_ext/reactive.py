@@ -1304,6 +1304,63 @@ def _one_site(rg: ReactiveGraph, site, node: str, patch: Callable, metric: Calla
     return result
 
 
+def _sweep_in_cpp(rg: ReactiveGraph, site_list: list, nodes: list, names: list, patch, metric, pinned, rows,
+                  metrics: dict) -> None:
+    """The one-at-a-time sweep loop with the per-site work in C++ (``_C.Engine.sweep_sites``): each run of
+    consecutive sites that take the prepared cone ("fast" or "rows", see ``_site_path``) is one call, in
+    which Python runs only ``patch`` and ``metric``; a site on a node pinned by a standing patch takes
+    the transaction path (``_one_site``). Same values, counts and checks as ``_one_site``. ``nodes`` and
+    ``names`` are each site's node and the name it was given (a node or hook name)."""
+    eng = rg._engine
+    read_rows = rows[0] if rows is not None else None
+    # The engine's state is the same at every site (each leaves it as it found it): asked once.
+    can_rows = read_rows is not None and not pinned and eng.can_evaluate_patched_rows()
+    can_fast = eng.can_evaluate_patched()
+    in_cpp: dict = {}
+    views: dict = {}
+    for name, node in zip(names, nodes):
+        if node not in in_cpp:
+            # sweep_sites takes the row path for a node with a sequence axis when can_rows, else the whole cone.
+            in_cpp[node] = node not in pinned and (can_fast or (can_rows and eng.seq_axis(node) >= 0))
+        if name not in views:
+            views[name] = rg._hook_view(name, patch)
+    countable = rg._countable_set()
+    user = rg._single_output if rg._single_output is not None else rg._user
+    spec = read_rows if read_rows is not None else ([], [])
+    i = 0
+    while i < len(site_list):
+        if not in_cpp[nodes[i]]:
+            metrics[site_list[i]] = _one_site(rg, site_list[i], nodes[i], patch, metric, pinned, read_rows,
+                                              "transaction")
+            i += 1
+            continue
+        j = i
+        while j < len(site_list) and in_cpp[nodes[j]]:
+            j += 1
+        part, part_nodes = site_list[i:j], nodes[i:j]
+
+        def fail(kind, k, value=None, part=part, part_nodes=part_nodes):
+            site, node = part[k], part_nodes[k]
+            if kind == "patch_wrote":
+                try:
+                    eng.check_intact(node)
+                except RuntimeError:
+                    pass  # the engine marked the node stale: the next demand recomputes it
+                raise ValueError(
+                    f"sweep patch function for node {node!r} wrote in place into the cached activation it was given "
+                    "(an op such as `act[...] = ...` or `act.mul_(...)`); the cache is repaired, but the patch was "
+                    "not applied. Return a new tensor instead, e.g. `act = act.clone()` first.")
+            if kind == "not_tensor":
+                raise TypeError(f"patch function at site {site!r} returned {type(value).__name__}, expected a tensor")
+            _raise_metric_wrote(rg, site)
+
+        values = eng.sweep_sites(part_nodes, part, [views[n] for n in names[i:j]],
+                                 [n not in countable for n in part_nodes], can_rows, spec[0], spec[1],
+                                 metric, user, _metric_value, fail)
+        metrics.update(zip(part, values))
+        i = j
+
+
 def _patched_values(rg: ReactiveGraph, node: str, members: list, patch: Callable) -> list:
     """The patch function's value for each site of one node (its current value given to each)."""
     clean = rg._engine.value(node)
@@ -1517,20 +1574,20 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         return rg.resolve(site[0] if isinstance(site, tuple) else site)
 
     known = rg._node_names()
-    for s in site_list:
-        if node_of(s) not in known:
-            raise ValueError(f"sweep: unknown node {node_of(s)!r}")
+    resolve = rg._hooks.get
+    names = [s[0] if isinstance(s, tuple) else s for s in site_list]
+    site_nodes = [resolve(n, n) for n in names]  # node_of, once per site
+    cones = {}
+    labels = {}
+    for name, n in zip(names, site_nodes):
+        if n not in cones:
+            if n not in known:
+                raise ValueError(f"sweep: unknown node {n!r}")
+            cones[n] = rg._cone_size(n)
+        if name not in labels:
+            labels[name] = rg._module_paths.get(n, "") if name == n else n
     if rg._last_inputs is None:
         raise ValueError("sweep: the graph has no values yet; give example_inputs or call run() first")
-    cones = {}
-    for s in site_list:
-        n = node_of(s)
-        if n not in cones:
-            cones[n] = rg._cone_size(n)
-    labels = {}
-    for s in site_list:
-        name = s[0] if isinstance(s, tuple) else s
-        labels[name] = rg._module_paths.get(rg.resolve(name), "") if name == rg.resolve(name) else rg.resolve(name)
     full = len(site_list) * rg.num_nodes
     # Pending mutations are brought up to date once, outside the measured loop; the unpatched metric
     # centres the plots.
@@ -1539,23 +1596,26 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         _raise_metric_wrote(rg, "unpatched")
     metrics: dict = {}
     if not batch_sites:
-        predicted = sum(cones[node_of(s)] for s in site_list)
-        before = rg.stats["evaluations"]
-        cost_before = rg.stats["cost"]
-        rows_before = rg.stats["row_evaluations"]
+        predicted = sum(cones[n] for n in site_nodes)
+        st0 = eng.stats()  # the engine's counters (rg.stats adds only per-shape fields)
         t0 = time.perf_counter()
         pinned = set(eng.pinned())
         paths: dict = {}
-        for s in _progress(site_list, len(site_list), progress, "sweep"):
-            node = node_of(s)
-            path = paths.get(node)
-            if path is None:
-                path = paths[node] = _site_path(rg, node, pinned, read_rows)
-            metrics[s] = _one_site(rg, s, node, patch, metric, pinned, read_rows, path)
+        shown = _progress(site_list, len(site_list), progress, "sweep")
+        if shown is site_list:  # no progress bar to update per site: the loop runs in C++
+            _sweep_in_cpp(rg, site_list, site_nodes, names, patch, metric, pinned, rows, metrics)
+        else:
+            for s in shown:
+                node = node_of(s)
+                path = paths.get(node)
+                if path is None:
+                    path = paths[node] = _site_path(rg, node, pinned, read_rows)
+                metrics[s] = _one_site(rg, s, node, patch, metric, pinned, read_rows, path)
         wall = time.perf_counter() - t0
-        return SweepResult(metrics, rg.stats["evaluations"] - before, predicted, full, rg.num_nodes, wall,
-                           cost=rg.stats["cost"] - cost_before, clean_metric=clean_metric, node_labels=labels,
-                           extra={"row_evaluations": rg.stats["row_evaluations"] - rows_before,
+        st1 = eng.stats()
+        return SweepResult(metrics, st1["evaluations"] - st0["evaluations"], predicted, full, rg.num_nodes, wall,
+                           cost=st1["cost"] - st0["cost"], clean_metric=clean_metric, node_labels=labels,
+                           extra={"row_evaluations": st1["row_evaluations"] - st0["row_evaluations"],
                                   "positions": read_rows is not None and not pinned})
 
     groups: dict = {}

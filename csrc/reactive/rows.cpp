@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <limits>
 
 namespace torch_ext::reactive {
@@ -147,6 +148,43 @@ int64_t Engine::seq_axis(const std::string& name) {
   return seq_analysis().at(states_[id].node).row_axis;
 }
 
+// changed_rows for dense CPU tensors of one real dtype, read in place (no temporaries, one pass at most):
+// the rows are scanned from the first up to the first changed one, and from the last down to the last
+// changed one, with the general path's `ne` semantics (a NaN counts as changed, -0.0 equals 0.0).
+// nullopt where it does not apply (another device or layout, a complex dtype): the general path runs.
+static std::optional<std::pair<int64_t, int64_t>> changed_rows_dense(const at::Tensor& cached, const at::Tensor& now,
+                                                                     int64_t axis, int64_t T) {
+  if (!cached.is_cpu() || !now.is_cpu() || cached.scalar_type() != now.scalar_type() ||
+      cached.sizes() != now.sizes() || axis < 0 || axis >= now.dim() || now.size(axis) != T ||
+      !cached.is_contiguous() || !now.is_contiguous() || cached.is_complex() || cached.is_conj() || now.is_conj() ||
+      cached.is_neg() || now.is_neg())
+    return std::nullopt;
+  int64_t outer = 1;
+  for (int64_t d = 0; d < axis; ++d) outer *= now.size(d);
+  const int64_t inner = now.numel() / (outer * T);
+  std::pair<int64_t, int64_t> out{T, T};
+  AT_DISPATCH_ALL_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, now.scalar_type(), "changed_rows", [&] {
+    const scalar_t* a = cached.const_data_ptr<scalar_t>();
+    const scalar_t* b = now.const_data_ptr<scalar_t>();
+    auto differs = [&](int64_t r) {
+      for (int64_t o = 0; o < outer; ++o) {
+        const scalar_t* x = a + (o * T + r) * inner;
+        const scalar_t* y = b + (o * T + r) * inner;
+        for (int64_t i = 0; i < inner; ++i)
+          if (x[i] != y[i]) return true;
+      }
+      return false;
+    };
+    int64_t first = 0;
+    while (first < T && !differs(first)) ++first;
+    if (first == T) return;
+    int64_t last = T - 1;
+    while (last > first && !differs(last)) --last;
+    out = {first, last + 1};
+  });
+  return out;
+}
+
 std::pair<int64_t, int64_t> Engine::changed_rows(int64_t id, const c10::IValue& value) {
   const passes::SeqNode& info = seq_analysis().at(states_[id].node);
   TORCH_CHECK(info.row_axis >= 0, "first_changed_row %", states_[id].node->name(), ": the node has no sequence axis");
@@ -155,6 +193,7 @@ std::pair<int64_t, int64_t> Engine::changed_rows(int64_t id, const c10::IValue& 
   const at::Tensor& now = value.toTensor();
   const int64_t T = info.length;
   if (now.numel() == 0) return {T, T};
+  if (auto dense = changed_rows_dense(cached, now, info.row_axis, T)) return *dense;
   // NaN != NaN: a NaN row counts as changed (conservative).
   const at::Tensor changed = now.ne(cached).movedim(info.row_axis, 0).reshape({T, -1}).any(1);
   const at::Tensor rows = changed.nonzero();

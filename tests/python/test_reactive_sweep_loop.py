@@ -1,0 +1,217 @@
+"""The sweep's per-site loop in C++ (`_C.Engine.sweep_sites`, issue 10) against the per-site Python
+loop it replaced (`_one_site`, still taken when a progress bar is shown): bit-identical metrics,
+identical counts, the same errors, and the engine left as it was found. The Python loop is forced by
+making `_progress` return a wrapper instead of the site list itself.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torch_ext
+from torch_ext import reactive
+
+from helpers import position_patch
+
+
+class Resid(nn.Module):
+    """Batch-major residual MLP: (B, T, D) -> (B, T, D); its tanh nodes have a sequence axis."""
+
+    def __init__(self, d=8, layers=3):
+        super().__init__()
+        self.fc = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+
+    def forward(self, x):
+        for fc in self.fc:
+            x = x + torch.tanh(fc(x))
+        return x
+
+
+def _graph():
+    torch.manual_seed(0)
+    model = Resid().eval()
+    x = torch.randn(2, 5, 8)
+    return model, x, torch_ext.ReactiveGraph(model, (x,))
+
+
+def _python_loop(monkeypatch):
+    monkeypatch.setattr(reactive, "_progress", lambda it, total, enabled, desc: iter(list(it)))
+
+
+def _bits(v):
+    if isinstance(v, torch.Tensor):
+        return v.view(torch.int32).tolist()
+    if isinstance(v, dict):
+        return {k: _bits(x) for k, x in v.items()}
+    return v
+
+
+def _run(rg, sites, patch, metric, **kw):
+    before = dict(rg.stats)
+    r = torch_ext.sweep(rg, sites, patch, metric, progress=False, **kw)
+    after = rg.stats
+    counts = {k: after[k] - before[k] for k in ("evaluations", "cost", "row_evaluations", "cutoffs")}
+    return {s: _bits(v) for s, v in r.metrics.items()}, counts, (r.measured_evaluations, r.predicted_evaluations)
+
+
+def _metrics():
+    return {
+        "scalar": lambda o: o[:, -1].sum(),
+        "float": lambda o: float(o.mean()),
+        "per_example": lambda o: o.sum(dim=(1, 2)),
+        "dict": lambda o: {"a": o[:, 0].sum(), "b": o.sum(dim=(1, 2))},
+    }
+
+
+@pytest.mark.parametrize("positions", [True, False])
+@pytest.mark.parametrize("metric", sorted(_metrics()))
+def test_cpp_loop_equals_python_loop(monkeypatch, positions, metric):
+    fn = _metrics()[metric]
+    _, _, rg = _graph()
+    tanh = [n for n in rg.nodes() if n.startswith("tanh")]
+    # Sites on several nodes, in an interleaved order, on the graph input too (copied before patching).
+    x_node = [n.name for n in rg.graph.nodes() if n.kind == "placeholder" and n.role == "input"][0]
+    sites = [(tanh[1], 3), (tanh[0], 0), (tanh[1], 1), (x_node, 2), (tanh[2], 4), (tanh[0], 4)]
+    patch = position_patch(0.5)
+    fast = _run(rg, sites, patch, fn, positions=positions)
+    rg.check_invariants()
+    _python_loop(monkeypatch)
+    slow = _run(rg, sites, patch, fn, positions=positions)
+    assert fast == slow
+    assert fast[2][0] == fast[2][1]  # measured = predicted evaluations
+
+
+def test_standing_patch_mixes_transaction_and_cpp_runs(monkeypatch):
+    _, _, rg = _graph()
+    tanh = [n for n in rg.nodes() if n.startswith("tanh")]
+    rg.patch(tanh[1], rg.value(tanh[1]) * 2)
+    rg.demand()  # the standing patch's own cone, evaluated before either sweep is counted
+    pinned_value = rg.value(tanh[1]).clone()
+    # tanh[1] is pinned: its sites take the transaction path, between C++ runs of the others.
+    sites = [(tanh[0], 1), (tanh[0], 2), (tanh[1], 0), (tanh[2], 3), (tanh[1], 4), (tanh[2], 0)]
+    patch = position_patch(-1.0)
+    fast = _run(rg, sites, patch, lambda o: o.sum())
+    assert rg.patched() == [tanh[1]]
+    assert torch.equal(rg.value(tanh[1]), pinned_value)
+    rg.check_invariants()
+    _python_loop(monkeypatch)
+    slow = _run(rg, sites, patch, lambda o: o.sum())
+    assert fast == slow
+    assert rg.patched() == [tanh[1]]
+    rg.check_invariants()
+
+
+def test_outputs_kept_by_the_metric_stay_correct():
+    """The engine reuses an output buffer only while it holds the sole reference: outputs a metric
+    keeps must not be overwritten by later sites."""
+    model, x, rg = _graph()
+    tanh = [n for n in rg.nodes() if n.startswith("tanh")]
+    kept = []
+
+    def metric(o):
+        kept.append(o)
+        return o.sum()
+
+    sites = [(tanh[1], p) for p in range(5)]
+    patch = position_patch(0.0)
+    torch_ext.sweep(rg, sites, patch, metric, progress=False)
+    kept = kept[1:]  # the first call measures the unpatched graph
+    fresh = torch_ext.ReactiveGraph(model, (x,), cache=False)
+    for s, out in zip(sites, kept):
+        fresh.patch(s[0], patch(fresh.value(s[0]), s))
+        assert torch.equal(out, fresh.demand())
+        fresh.restore()
+
+
+def test_patch_returning_a_non_tensor_names_the_site():
+    _, _, rg = _graph()
+    t = [n for n in rg.nodes() if n.startswith("tanh")][0]
+    clean = rg.demand().clone()
+    with pytest.raises(TypeError, match=r"patch function at site .*returned list"):
+        torch_ext.sweep(rg, [(t, 0), (t, 1)], lambda v, s: [1.0], lambda o: o.sum(), progress=False)
+    assert torch.equal(rg.demand(), clean)
+    rg.check_invariants()
+
+
+def test_patch_writing_into_the_clean_value_is_refused_mid_sweep():
+    _, _, rg = _graph()
+    tanh = [n for n in rg.nodes() if n.startswith("tanh")]
+    clean = rg.demand().clone()
+
+    def patch(v, site):
+        if site[1] == 2:
+            v.add_(1.0)  # writes into the cached activation
+            return v
+        return v * 0.5
+
+    with pytest.raises(ValueError, match="wrote in place"):
+        torch_ext.sweep(rg, [(tanh[0], p) for p in range(4)], patch, lambda o: o.sum(), progress=False)
+    assert torch.equal(rg.demand(), clean)  # repaired: the written node was recomputed
+    rg.check_invariants()
+
+
+def _first_changed_reference(cached, now, axis):
+    changed = (now != cached).movedim(axis, 0).reshape(cached.shape[axis], -1).any(1).nonzero()
+    return int(changed[0, 0]) if len(changed) else cached.shape[axis]
+
+
+def test_first_changed_row_dense_scan_matches_ne():
+    """The in-place row scan of dense CPU tensors gives the general path's answers."""
+    _, _, rg = _graph()
+    eng = rg._engine
+    t = [n for n in rg.nodes() if n.startswith("tanh")][1]
+    axis = eng.seq_axis(t)
+    assert axis == 1
+    cached = rg.value(t)
+    T = cached.shape[axis]
+    cases = []
+    for p in range(T):
+        v = cached.clone()
+        v[1, p, 3] += 1.0  # one element of one example
+        cases.append(v)
+    nan = cached.clone()
+    nan[0, 3, 0] = float("nan")
+    cases += [cached.clone(), nan]
+    for v in cases:
+        assert eng.first_changed_row(t, v) == _first_changed_reference(cached, v, axis)
+    # Non-contiguous values take the general path, with the same answers.
+    for v in cases[:3]:
+        nc = v.transpose(0, 1).contiguous().transpose(0, 1)
+        assert not nc.is_contiguous()
+        assert eng.first_changed_row(t, nc) == _first_changed_reference(cached, v, axis)
+
+
+def test_first_changed_row_treats_signed_zero_as_equal():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ReLU(), nn.ReLU()).eval()
+    x = torch.zeros(2, 4, 3)
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    eng = rg._engine
+    n = rg.nodes()[0]
+    assert eng.seq_axis(n) == 1
+    v = rg.value(n).clone()
+    v[:, 2] = -0.0
+    assert eng.first_changed_row(n, v) == 4  # equal under `ne`
+    v[1, 3, 2] = float("nan")
+    assert eng.first_changed_row(n, v) == 3
+
+
+def test_sweep_sites_stops_even_when_fail_returns():
+    """`fail` is expected to raise; one that returns still stops the loop before it uses a bad value."""
+    _, _, rg = _graph()
+    eng = rg._engine
+    t = [n for n in rg.nodes() if n.startswith("tanh")][0]
+    calls = []
+    with pytest.raises(RuntimeError, match="returned no tensor"):
+        eng.sweep_sites([t], [t], [lambda v, s: 1.0], [False], False, [], [], lambda o: o.sum(), 0,
+                        reactive._metric_value, lambda *a: calls.append(a[:2]))
+    assert calls == [("not_tensor", 0)]
+    with pytest.raises(RuntimeError, match="wrote into the cached value"):
+        eng.sweep_sites([t], [t], [lambda v, s: v.mul_(1.0)], [False], False, [], [], lambda o: o.sum(), 0,
+                        reactive._metric_value, lambda *a: calls.append(a[:2]))
+    assert calls[-1] == ("patch_wrote", 0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        eng.check_intact(t)  # what sweep's own `fail` does: the node is marked for recomputation
+    rg.demand()
+    rg.check_invariants()
