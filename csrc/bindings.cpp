@@ -200,26 +200,27 @@ int64_t tensor_version(const at::Tensor& t) {
 }
 
 py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes, py::sequence sites,
-                     py::sequence patches, const std::vector<bool>& clone, bool rows,
+                     py::sequence patches, bool rows,
                      const std::vector<int64_t>& read_rows, const std::vector<std::vector<int64_t>>& read_cols,
                      py::function metric, py::object user, py::function convert, py::function fail) {
   const size_t n = nodes.size();
-  TORCH_CHECK(py::len(sites) == n && py::len(patches) == n && clone.size() == n,
-              "sweep_sites: nodes, sites, patches and clone must have one entry per site");
+  TORCH_CHECK(py::len(sites) == n && py::len(patches) == n,
+              "sweep_sites: nodes, sites and patches must have one entry per site");
   const bool single = py::isinstance<py::int_>(user);
   const int64_t single_index = single ? user.cast<int64_t>() : -1;
   py::list results;
   for (size_t i = 0; i < n; ++i) {
     py::object site = sites[i];
-    // The clean value is the cached tensor itself (zero evaluations): guarded by its version, not copied.
-    // A graph input is the caller's own tensor, which cannot be recomputed: that one is copied.
-    at::Tensor clean = e.value(nodes[i]).toTensor();
-    if (clone[i]) clean = clean.clone();
+    // The patch function gets a copy of the cached value: a write through .data or .numpy() shares the
+    // memory but not the version counter, so a guard on the cached tensor itself would miss it
+    // (ReactiveGraph._call_patch_fn, the per-site path, does the same). An in-place edit of the
+    // copy is still refused: the function must return a new tensor.
+    at::Tensor clean = e.value(nodes[i]).toTensor().clone();
     const int64_t clean_version = tensor_version(clean);
     py::object patched = patches[i](py::reinterpret_steal<py::object>(THPVariable_Wrap(clean)), site);
     if (tensor_version(clean) != clean_version) {
       fail("patch_wrote", i);
-      TORCH_CHECK(false, "sweep_sites: the patch function wrote into the cached value of %", nodes[i]);
+      TORCH_CHECK(false, "sweep_sites: the patch function wrote into the copy of %", nodes[i], " it was given");
     }
     if (!THPVariable_Check(patched.ptr())) {
       fail("not_tensor", i, patched);
@@ -504,8 +505,7 @@ PYBIND11_MODULE(_C, m) {
              for (const auto& x : out) result.append(ivalue_to_py(x));
              return result;
            })
-      .def("sweep_sites", &sweep_sites, py::arg("nodes"), py::arg("sites"), py::arg("patches"), py::arg("clone"),
-           py::arg("rows"), py::arg("read_rows"), py::arg("read_cols"), py::arg("metric"), py::arg("user"),
+      .def("sweep_sites", &sweep_sites, py::arg("nodes"), py::arg("sites"), py::arg("patches"), py::arg("rows"), py::arg("read_rows"), py::arg("read_cols"), py::arg("metric"), py::arg("user"),
            py::arg("convert"), py::arg("fail"))
       .def("evaluate_patched_rows",
            [](reactive::Engine& e, const std::string& n, py::handle v, std::vector<int64_t> read_rows,

@@ -1324,7 +1324,6 @@ def _sweep_in_cpp(rg: ReactiveGraph, site_list: list, nodes: list, names: list, 
             in_cpp[node] = node not in pinned and (can_fast or (can_rows and eng.seq_axis(node) >= 0))
         if name not in views:
             views[name] = rg._hook_view(name, patch)
-    countable = rg._countable_set()
     user = rg._single_output if rg._single_output is not None else rg._user
     spec = read_rows if read_rows is not None else ([], [])
     i = 0
@@ -1342,20 +1341,15 @@ def _sweep_in_cpp(rg: ReactiveGraph, site_list: list, nodes: list, names: list, 
         def fail(kind, k, value=None, part=part, part_nodes=part_nodes):
             site, node = part[k], part_nodes[k]
             if kind == "patch_wrote":
-                try:
-                    eng.check_intact(node)
-                except RuntimeError:
-                    pass  # the engine marked the node stale: the next demand recomputes it
                 raise ValueError(
-                    f"sweep patch function for node {node!r} wrote in place into the cached activation it was given "
-                    "(an op such as `act[...] = ...` or `act.mul_(...)`); the cache is repaired, but the patch was "
-                    "not applied. Return a new tensor instead, e.g. `act = act.clone()` first.")
+                    f"sweep patch function for node {node!r} wrote in place into the activation it was given (an op "
+                    "such as `act[...] = ...` or `act.mul_(...)`); it was handed a copy, so the cache is intact, but "
+                    "the patch was not applied. Return a new tensor instead, e.g. `act = act.clone()` first.")
             if kind == "not_tensor":
                 raise TypeError(f"patch function at site {site!r} returned {type(value).__name__}, expected a tensor")
             _raise_metric_wrote(rg, site)
 
-        values = eng.sweep_sites(part_nodes, part, [views[n] for n in names[i:j]],
-                                 [n not in countable for n in part_nodes], can_rows, spec[0], spec[1],
+        values = eng.sweep_sites(part_nodes, part, [views[n] for n in names[i:j]], can_rows, spec[0], spec[1],
                                  metric, user, _metric_value, fail)
         metrics.update(zip(part, values))
         i = j
