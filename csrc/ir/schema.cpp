@@ -28,7 +28,15 @@ bool is_view_op(const Node& node) {
 bool returns_input_storage(const Node& node) {
   if (node.kind() != NodeKind::Call) return false;
   const Target& t = node.target();
-  return (t.ns == "aten" && t.name == "_unsafe_view") || (t.ns == "_c10d_functional" && t.name == "wait_tensor");
+  return (t.ns == "aten" && t.name == "_unsafe_view") || is_collective_wait(node);
+}
+
+bool is_collective(const Node& node) {
+  return node.kind() == NodeKind::Call && node.target().ns == "_c10d_functional" && node.target().name != "wait_tensor";
+}
+
+bool is_collective_wait(const Node& node) {
+  return node.kind() == NodeKind::Call && node.target().ns == "_c10d_functional" && node.target().name == "wait_tensor";
 }
 
 bool is_update_op(const Node& node) {

@@ -23,6 +23,11 @@ bool is_view_op(const Node& node);
 // which hands back the collective's output once the collective is done (until then the
 // collective still writes it, so its lifetime runs from the collective to the wait's last reader).
 bool returns_input_storage(const Node& node);
+// An asynchronous collective (a _c10d_functional call other than wait_tensor): issued, it runs
+// until its wait_tensor.
+bool is_collective(const Node& node);
+// _c10d_functional::wait_tensor: the end of the collective that is its argument.
+bool is_collective_wait(const Node& node);
 // A registered optimizer's functional update op (optim/descriptor.h), found in the registry.
 bool is_update_op(const Node& node);
 // For each output of an update op, the argument it replaces: the parameter (arg 0), then the

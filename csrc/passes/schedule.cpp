@@ -321,13 +321,7 @@ std::vector<Order> beam_schedule(const ir::Graph& g, const Dag& d) {
 //      gradient would otherwise wait on every all-reduce at once;
 //   3. each wait moves to right before its first reader.
 // Returns `order` unchanged without collectives.
-bool is_collective(const ir::Node& n) {
-  return n.kind() == ir::NodeKind::Call && n.target().ns == "_c10d_functional" && n.target().name != "wait_tensor";
-}
-
-bool is_wait(const ir::Node& n) {
-  return n.kind() == ir::NodeKind::Call && n.target().ns == "_c10d_functional" && n.target().name == "wait_tensor";
-}
+using ir::is_collective;
 
 // Step 2 of overlap_collectives: `order` rescheduled in its own priority, a wait yielding to every
 // other ready node until a collective issued after its own one has run.
@@ -350,7 +344,7 @@ Order hold_waits(const Order& order) {
   Order out;
   while (!ready.empty()) {
     auto held = [&](const ir::Node* n) {
-      if (!is_wait(*n)) return false;
+      if (!ir::is_collective_wait(*n)) return false;
       const ir::Node* c = n->args().at(0).node;
       return issued_at.count(c) && issued_at.at(c) == issued;  // its collective is the latest issued
     };
@@ -391,7 +385,7 @@ Order overlap_collectives(const Order& order) {
   for (const ir::Node* n : order)  // the rescheduling may have put ready nodes of lower priority in between
     if (is_collective(*n)) hoist(n);
   for (const ir::Node* n : order) {
-    if (n->target().ns != "_c10d_functional" || n->target().name != "wait_tensor") continue;
+    if (!ir::is_collective_wait(*n)) continue;
     const std::ptrdiff_t from = position(n);
     std::ptrdiff_t to = static_cast<std::ptrdiff_t>(seq.size());  // before the first reader
     for (const ir::Node* u : n->users())

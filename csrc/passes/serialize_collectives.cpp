@@ -1,5 +1,7 @@
 #include "passes/serialize_collectives.h"
 
+#include "ir/schema.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -10,9 +12,8 @@ namespace torch_ext::passes {
 
 namespace {
 
-bool is_c10d(const ir::Node& n) { return n.kind() == ir::NodeKind::Call && n.target().ns == "_c10d_functional"; }
-bool is_wait(const ir::Node& n) { return is_c10d(n) && n.target().name == "wait_tensor"; }
-bool is_collective(const ir::Node& n) { return is_c10d(n) && n.target().name != "wait_tensor"; }
+using ir::is_collective;
+const auto& is_wait = ir::is_collective_wait;
 
 // The collective a wait waits for (its argument), or null.
 const ir::Node* waited(const ir::Node& wait) {
