@@ -4,6 +4,7 @@
 #include "ir/schema.h"
 #include "ir/users.h"
 #include "passes/plan_memory.h"
+#include "passes/ready_set.h"
 #include "passes/serialize_collectives.h"
 
 #include <c10/util/Exception.h>
@@ -326,23 +327,12 @@ using ir::is_collective;
 // Step 2 of overlap_collectives: `order` rescheduled in its own priority, a wait yielding to every
 // other ready node until a collective issued after its own one has run.
 Order hold_waits(const Order& order) {
-  std::unordered_map<const ir::Node*, size_t> rank, missing, issued_at;
-  std::unordered_map<const ir::Node*, std::vector<const ir::Node*>> succ;
-  for (size_t i = 0; i < order.size(); ++i) rank[order[i]] = i;
-  std::vector<const ir::Node*> ready;
-  for (const ir::Node* n : order) {
-    size_t m = 0;
-    for (const ir::Node* in : n->inputs())
-      if (rank.count(in)) {
-        ++m;
-        succ[in].push_back(n);
-      }
-    missing[n] = m;
-    if (m == 0) ready.push_back(n);
-  }
+  ReadySet rs(order);
+  std::unordered_map<const ir::Node*, size_t> issued_at;
   size_t issued = 0;  // collectives issued so far
   Order out;
-  while (!ready.empty()) {
+  while (!rs.ready().empty()) {
+    const auto& ready = rs.ready();
     auto held = [&](const ir::Node* n) {
       if (!ir::is_collective_wait(*n)) return false;
       const ir::Node* c = n->args().at(0).node;
@@ -351,14 +341,11 @@ Order hold_waits(const Order& order) {
     size_t best = ready.size();
     for (size_t pass = 0; pass < 2 && best == ready.size(); ++pass)
       for (size_t i = 0; i < ready.size(); ++i)
-        if ((pass == 1 || !held(ready[i])) && (best == ready.size() || rank.at(ready[i]) < rank.at(ready[best])))
+        if ((pass == 1 || !held(ready[i])) && (best == ready.size() || rs.rank(ready[i]) < rs.rank(ready[best])))
           best = i;
-    const ir::Node* n = ready[best];
-    ready.erase(ready.begin() + static_cast<std::ptrdiff_t>(best));
+    const ir::Node* n = rs.take(best);
     out.push_back(n);
     if (is_collective(*n)) issued_at[n] = ++issued;
-    for (const ir::Node* s : succ[n])
-      if (--missing[s] == 0) ready.push_back(s);
   }
   TORCH_INTERNAL_ASSERT(out.size() == order.size(), "hold_waits: the order is not a DAG");
   return out;

@@ -1,12 +1,12 @@
 #include "passes/serialize_collectives.h"
 
 #include "ir/schema.h"
+#include "passes/ready_set.h"
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <string>
-#include <unordered_map>
 
 namespace torch_ext::passes {
 
@@ -29,20 +29,7 @@ bool runs_alone(const ir::Node& n) {
 
 std::vector<const ir::Node*> serialize_collectives(const std::vector<const ir::Node*>& order) {
   if (std::none_of(order.begin(), order.end(), [](const ir::Node* n) { return runs_alone(*n); })) return order;
-  std::unordered_map<const ir::Node*, size_t> rank, missing;
-  std::unordered_map<const ir::Node*, std::vector<const ir::Node*>> succ;
-  for (size_t i = 0; i < order.size(); ++i) rank[order[i]] = i;
-  std::vector<const ir::Node*> ready;
-  for (const ir::Node* n : order) {
-    size_t m = 0;
-    for (const ir::Node* in : n->inputs())
-      if (rank.count(in)) {
-        ++m;
-        succ[in].push_back(n);
-      }
-    missing[n] = m;
-    if (m == 0) ready.push_back(n);
-  }
+  ReadySet rs(order);
   std::vector<const ir::Node*> in_flight;  // issued collectives whose wait has not run, oldest first
   const ir::Node* alone = nullptr;         // the runs_alone collective in flight
   const auto allowed = [&](const ir::Node* n) {
@@ -52,12 +39,13 @@ std::vector<const ir::Node*> serialize_collectives(const std::vector<const ir::N
   };
   std::vector<const ir::Node*> out;
   out.reserve(order.size());
-  while (!ready.empty()) {
+  while (!rs.ready().empty()) {
+    const auto& ready = rs.ready();
+    const auto by_rank = [&](const ir::Node* a, const ir::Node* b) { return rs.rank(a) < rs.rank(b); };
     // The best-ranked allowed node. A runs_alone collective that is the best-ranked ready node but
     // must wait for the collectives in flight first drains them, oldest first, rather than let
     // later nodes (and more collectives) pass it.
-    auto best_ready = std::min_element(ready.begin(), ready.end(),
-                                       [&](const ir::Node* a, const ir::Node* b) { return rank.at(a) < rank.at(b); });
+    const auto best_ready = std::min_element(ready.begin(), ready.end(), by_rank);
     auto pick = ready.end();
     if (alone == nullptr && runs_alone(**best_ready) && !in_flight.empty())
       for (const ir::Node* c : in_flight) {
@@ -66,12 +54,11 @@ std::vector<const ir::Node*> serialize_collectives(const std::vector<const ir::N
       }
     if (pick == ready.end())
       for (auto it = ready.begin(); it != ready.end(); ++it)
-        if (allowed(*it) && (pick == ready.end() || rank.at(*it) < rank.at(*pick))) pick = it;
+        if (allowed(*it) && (pick == ready.end() || by_rank(*it, *pick))) pick = it;
     // Nothing allowed: a collective without its wait. Keep the given order; collective_overlap()
     // names the violation to whoever checks.
     if (pick == ready.end()) pick = best_ready;
-    const ir::Node* n = *pick;
-    ready.erase(pick);
+    const ir::Node* n = rs.take(static_cast<size_t>(pick - ready.begin()));
     out.push_back(n);
     if (is_collective(*n)) {
       in_flight.push_back(n);
@@ -81,8 +68,6 @@ std::vector<const ir::Node*> serialize_collectives(const std::vector<const ir::N
       if (it != in_flight.end()) in_flight.erase(it);
       if (waited(*n) == alone) alone = nullptr;
     }
-    for (const ir::Node* s : succ[n])
-      if (--missing[s] == 0) ready.push_back(s);
   }
   TORCH_INTERNAL_ASSERT(out.size() == order.size(), "serialize_collectives: the order is not a DAG");
   return out;
