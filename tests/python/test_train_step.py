@@ -325,6 +325,24 @@ def test_a_step_refuses_to_run_after_the_model_or_optimizer_it_baked_in_changed(
     step(state, x, y)
 
 
+def test_an_option_mutated_in_place_after_build_is_refused_and_an_added_key_is_not():
+    # betas given as a list and edited in place is still the same object: a snapshot that kept a
+    # reference compared it equal to itself, and the step ran with the betas it was built with.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, betas=[0.9, 0.999])
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    step = torch_ext.make_train_step(model, opt, lambda m, x, y: F.cross_entropy(m(x), y), (x, y))
+    state = step.init_state()
+    opt.param_groups[0]["note"] = "added by a scheduler or a user; Adam never reads it"
+    loss, state = step(state, x, y)
+    opt.param_groups[0]["betas"][0] = 0.5
+    with pytest.raises(ValueError, match=r"'betas' is \[0.5, 0.999\] now, \[0.9, 0.999\] when the step was built"):
+        step(state, x, y)
+    opt.param_groups[0]["betas"][0] = 0.9
+    step(state, x, y)
+
+
 def test_lr_set_on_the_optimizer_is_read_by_init_state_not_refused():
     model, opt, step, x, y = _frozen_first_layer()
     opt.param_groups[0]["lr"] = 0.25          # lr is state: init_state reads it, set_lr changes it
