@@ -6,6 +6,7 @@ nodes included) counts one evaluation; placeholders and the output are never cou
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import fnmatch
 import time
@@ -231,6 +232,10 @@ class ReactiveGraph:
     cone, and :meth:`demand` recomputes only that.
     """
 
+    #: How many batched cones (``sweep(..., batch_sites=True)``: one per site node and K, each holding
+    #: K times its cone's values) are kept for reuse; the least recently used go first.
+    max_batched_cones: int = 8
+
     def __init__(self, ep_or_module, example_inputs: Sequence | None = None, *, cutoff: bool = False,
                  positions: bool = True, seq_dim: int = 1, split_heads: bool | int = False, front_end: str = "auto",
                  cache: bool = True):
@@ -347,7 +352,9 @@ class ReactiveGraph:
         self._countable = [n.name for n in nodes if n.kind == "call"]
         self._example_inputs = tuple(example_inputs) if example_inputs is not None else None
         self._last_inputs = None
-        self._batched: dict[tuple, "_BatchedCone"] = {}  # (node, k) -> the node's cone K times over
+        # (node, k) -> the node's cone K times over, least recently used first; bounded (each holds K
+        # times its cone's values) by max_batched_cones.
+        self._batched: collections.OrderedDict[tuple, "_BatchedCone"] = collections.OrderedDict()
         self._grafts: list[tuple] = []  # (src, dst, block, new names): replayed on other shapes' graphs
         self._grafts_applied = 0
         self._cutoff = bool(cutoff)
@@ -942,8 +949,16 @@ class ReactiveGraph:
         # object at the same address would pass for the one the cone was built from.
         state = (eng, eng.graph_revision(), _Held(self._last_inputs), pinned, tuple(eng.value(p) for p in pinned))
         bc = self._batched.get((node, k))
-        if bc is None or not _same_state(bc.state, state):
-            bc = self._batched[(node, k)] = _BatchedCone(self, node, k, state)
+        if bc is not None and _same_state(bc.state, state):
+            self._batched.move_to_end((node, k))
+            return bc
+        # Entries built for another state would be rebuilt before any use: drop them now, with the
+        # least recently used beyond the bound, before building (their memory is freed first).
+        for key in [key for key, old in self._batched.items() if not _same_state(old.state, state)]:
+            del self._batched[key]
+        while len(self._batched) >= max(1, int(self.max_batched_cones)):
+            self._batched.popitem(last=False)
+        bc = self._batched[(node, k)] = _BatchedCone(self, node, k, state)
         return bc
 
     def _check_batchable(self, node: str) -> None:

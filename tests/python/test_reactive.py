@@ -1244,3 +1244,28 @@ def test_bug_batched_sweep_ignores_current_inputs(tiny):
     r2 = torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=True)
     for k in sites:
         assert abs(r1.metrics[k] - r2.metrics[k]) <= 1e-6
+
+
+def test_batched_cones_are_bounded_and_evicted_least_recently_used_first(tiny):
+    # Each batched cone holds K times its cone's values: a sweep over many site nodes used to keep
+    # every one of them for the graph's lifetime.
+    ep, model, clean, corrupt = tiny
+    rg = torch_ext.ReactiveGraph(model, (clean,))
+    rg.max_batched_cones = 3
+    nodes = [n for n in rg.nodes() if n.startswith("linear")][:5]
+    assert len(nodes) == 5
+    patch = lambda c, site: c.index_fill(1, torch.tensor([site[1]]), 0.0)  # noqa: E731
+    metric = lambda out: out[:, -1, 0].mean()  # noqa: E731
+    sites = [(n, p) for n in nodes for p in (0, 7)]
+    one_by_one = torch_ext.sweep(rg, sites, patch, metric, progress=False)
+    batched = torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=True)
+    assert [key[0] for key in rg._batched] == nodes[2:]  # the last three, oldest first
+    for k in sites:
+        assert abs(one_by_one.metrics[k] - batched.metrics[k]) <= 1e-6, k
+    # Reused, it becomes the most recent; a standing patch changes the state: every entry goes.
+    torch_ext.sweep(rg, sites[4:6], patch, metric, progress=False, batch_sites=True)
+    assert [key[0] for key in rg._batched] == [nodes[3], nodes[4], nodes[2]]
+    rg.patch(nodes[0], lambda v: v * 0.5)
+    torch_ext.sweep(rg, sites[8:], patch, metric, progress=False, batch_sites=True)
+    assert [key[0] for key in rg._batched] == [nodes[4]]
+    rg.restore()
