@@ -99,19 +99,19 @@ def _empty_like_type(t) -> torch.Tensor:
     return torch.empty_strided(t[2], t[3], dtype=_SHORT_DTYPE[t[1]], device=t[4]).zero_()
 
 
-def _cache_keys(module, example_inputs: tuple, options: tuple):
+def _cache_keys(module, example_inputs: tuple, example_kwargs: dict, options: tuple):
     """(in-process key, on-disk key, build_stats["cache"], build_stats["disk_cache"]) of a build. With the disk
     cache on, the portable key serves both caches (one walk); where it cannot be made, the in-process
     key alone."""
     disk_key, disk_state = None, "off"
     if _disk_cache.enabled():
         try:
-            disk_key = _build_cache.fingerprint(module, example_inputs, {}, options, portable=True)
+            disk_key = _build_cache.fingerprint(module, example_inputs, example_kwargs, options, portable=True)
             return disk_key, disk_key, "miss", "miss"
         except _build_cache.Uncacheable as e:
             disk_state = f"uncacheable: {e}"
     try:
-        return _build_cache.fingerprint(module, example_inputs, {}, options), None, "miss", disk_state
+        return _build_cache.fingerprint(module, example_inputs, example_kwargs, options), None, "miss", disk_state
     except _build_cache.Uncacheable as e:
         return None, None, f"uncacheable: {e}", disk_state
 
@@ -238,8 +238,12 @@ class ReactiveGraph:
 
     def __init__(self, ep_or_module, example_inputs: Sequence | None = None, *, cutoff: bool = False,
                  positions: bool = True, seq_dim: int = 1, split_heads: bool | int = False, front_end: str = "auto",
-                 cache: bool = True):
-        """``front_end`` picks the tracer of a module: "auto" (``make_fx``, falling back to
+                 cache: bool = True, example_kwargs: dict | None = None):
+        """``example_kwargs``: keyword inputs of the module's forward (a Hugging Face model's
+        ``attention_mask``), traced with ``example_inputs``; later runs pass the same keywords
+        (``rg.run(ids, attention_mask=mask)``).
+
+        ``front_end`` picks the tracer of a module: "auto" (``make_fx``, falling back to
         ``torch.export`` wherever make_fx cannot vouch for its trace), "make_fx" (refuse instead of
         falling back) or "export". ``build_stats`` says which one built the graph, why make_fx was
         not used, and where the build time went.
@@ -254,6 +258,12 @@ class ReactiveGraph:
         "uncacheable: <why>". Parameters and buffers are never cached: each graph reads the module's own."""
         if front_end not in _compat.FRONT_ENDS:
             raise ValueError(f"ReactiveGraph: front_end must be one of {_compat.FRONT_ENDS}, got {front_end!r}")
+        if example_kwargs is not None and not isinstance(example_kwargs, dict):
+            raise TypeError(f"ReactiveGraph: example_kwargs must be a dict of keyword inputs, got "
+                            f"{type(example_kwargs).__name__}")
+        if example_kwargs and example_inputs is None:
+            raise ValueError("ReactiveGraph: example_kwargs need example_inputs (give () for keyword inputs only)")
+        example_kwargs = dict(example_kwargs or {})
         self._front_end = front_end
         self._cache = bool(cache)
         self._split_heads = split_heads
@@ -266,7 +276,7 @@ class ReactiveGraph:
             self._module = ep_or_module
             if cache and _build_cache.enabled():
                 key, disk_key, cache_state, disk_state = _cache_keys(ep_or_module, tuple(example_inputs),
-                                                                     (front_end, repr(split_heads)))
+                                                                     example_kwargs, (front_end, repr(split_heads)))
             if key is not None:
                 entry = _build_cache.get(key)
                 if entry is not None:
@@ -289,11 +299,14 @@ class ReactiveGraph:
             if entry is None:
                 try:
                     ep, used, why = _compat.trace_for_inference(ep_or_module, tuple(example_inputs),
-                                                                front_end=front_end)
+                                                                example_kwargs, front_end=front_end)
                 except _compat.UnsoundTrace as e:
                     raise ValueError(f"ReactiveGraph(front_end='make_fx'): make_fx cannot trace this model soundly: "
                                      f"{e}; use front_end='auto' or 'export'") from None
         elif isinstance(ep_or_module, torch.export.ExportedProgram):
+            if example_kwargs:
+                raise ValueError("ReactiveGraph: example_kwargs are for a module; an ExportedProgram runs on "
+                                 "rg.run(*args, **kwargs) as it was exported")
             self._module = None
             ep, used, why = ep_or_module, "program", None
         else:
@@ -351,6 +364,7 @@ class ReactiveGraph:
         self._module_paths = {n.name: n.module_path for n in nodes}
         self._countable = [n.name for n in nodes if n.kind == "call"]
         self._example_inputs = tuple(example_inputs) if example_inputs is not None else None
+        self._example_kwargs = example_kwargs
         self._last_inputs = None
         # (node, k) -> the node's cone K times over, least recently used first; bounded (each holds K
         # times its cone's values) by max_batched_cones.
@@ -359,7 +373,7 @@ class ReactiveGraph:
         self._grafts_applied = 0
         self._cutoff = bool(cutoff)
         # One graph per input shape (static export): other shapes build, or reuse, their own.
-        self._shape = _shape_key(tuple(example_inputs), {}) if example_inputs is not None else None
+        self._shape = _shape_key(tuple(example_inputs), example_kwargs) if example_inputs is not None else None
         self._variants: dict = {}
         self._shape_stats = {"graph_builds": 1, "graph_reuses": 0}
         # Programs exported from a copy (TransformerLens models) do not see later weight changes: run()
@@ -371,7 +385,7 @@ class ReactiveGraph:
                 self._weights_fp = _weights_fingerprint(self._module)
         t4 = time.perf_counter()
         if example_inputs is not None:
-            self.run(*example_inputs)
+            self.run(*example_inputs, **example_kwargs)
         # Seconds: trace (make_fx or export), import (functionalize, hook names, IR), bind (kernels),
         # first run; "other" is the rest of the constructor.
         self.build_stats = {"front_end": used, "fallback_reason": why, "cache": cache_state, "disk_cache": disk_state,
@@ -383,7 +397,8 @@ class ReactiveGraph:
         """The program the graph was imported from. A graph from the on-disk cache has none until this is
         first read: it is traced then (the graph itself is the stored one; running never needs this)."""
         if self._program is None and self._module is not None:
-            ep, _, _ = _compat.trace_for_inference(self._module, tuple(self._example_inputs), front_end=self._front_end)
+            ep, _, _ = _compat.trace_for_inference(self._module, tuple(self._example_inputs), self._example_kwargs,
+                                                   front_end=self._front_end)
             ep = _functional_program(ep)
             _compat.strip_hook_points(ep)
             self._program = _rebind(ep, self._module) or ep
@@ -421,7 +436,8 @@ class ReactiveGraph:
     _PER_SHAPE = ("_program", "build_stats", "_hooks", "_conversions", "_engine", "_slots", "_num_user", "_in_spec",
                   "_single_output", "_cone_sizes", "_all_names",
                   "_out_spec", "_user_outputs", "_loss_output", "_grad_outputs", "_module_paths", "_countable",
-                  "_countable_cache", "_batched", "_last_inputs", "_example_inputs", "_grafts_applied")
+                  "_countable_cache", "_batched", "_last_inputs", "_example_inputs", "_example_kwargs",
+                  "_grafts_applied")
 
     def _split_attention_heads(self, built: Graph, split_heads) -> None:
         """split_heads=True (heads from the model's config) or an int: each block's attention output
@@ -462,8 +478,6 @@ class ReactiveGraph:
         if self._engine.pinned():
             raise ValueError(f"run: these inputs have other shapes than the graph's ({key} vs {self._shape}) while "
                              f"patches are active at {self._engine.pinned()}; restore() first")
-        if kwargs:
-            raise ValueError("run: a new input shape with keyword inputs is not supported; build a new ReactiveGraph")
         self._variants[self._shape] = {a: getattr(self, a, None) for a in self._PER_SHAPE}
         saved = self._variants.get(key)
         if saved is not None:
@@ -473,7 +487,7 @@ class ReactiveGraph:
         else:
             fresh = ReactiveGraph(self._module, args, cutoff=self._cutoff, positions=self._positions,
                                   seq_dim=self._seq_dim, split_heads=self._split_heads, front_end=self._front_end,
-                                  cache=self._cache)
+                                  cache=self._cache, example_kwargs=kwargs)
             for a in self._PER_SHAPE:
                 setattr(self, a, getattr(fresh, a, None))
             self._grafts_applied = 0

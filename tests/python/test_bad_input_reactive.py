@@ -158,3 +158,20 @@ def test_bad_sweep(rg, case):
 
 def test_corpus_sizes():
     assert len(MUTATIONS) >= 30 and len(SWEEPS) >= 30
+
+
+@pytest.mark.parametrize("kwargs, exc, pattern", [
+    ({"example_kwargs": [("attention_mask", X)]}, TypeError, "example_kwargs must be a dict of keyword inputs, got list"),
+    ({"example_kwargs": {"bogus": X}}, (TypeError, RuntimeError, ValueError), "bogus"),
+])
+def test_bad_example_kwargs(kwargs, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        torch_ext.ReactiveGraph(ResidTanh(3).eval(), (X,), **kwargs)
+
+
+def test_example_kwargs_without_example_inputs_or_for_a_program():
+    with pytest.raises(ValueError, match="example_kwargs need example_inputs"):
+        torch_ext.ReactiveGraph(ResidTanh(3).eval(), None, example_kwargs={"x": X})
+    ep = torch.export.export(ResidTanh(3).eval(), (X,))
+    with pytest.raises(ValueError, match="example_kwargs are for a module"):
+        torch_ext.ReactiveGraph(ep, (X,), example_kwargs={"x": X})

@@ -144,3 +144,66 @@ def test_patching_on_hugging_face_equals_eager_hooks(kind, batch):
                     ref = float(metric(model(corrupted, use_cache=False).logits))
                 h.remove()
                 assert heads[l, p, head].item() == pytest.approx(ref, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_keyword_attention_mask_with_left_padding_equals_eager_hooks(kind):
+    # Hugging Face models take attention_mask as a keyword (GPT-2's positional order puts the KV
+    # cache before it). Left padding makes the mask more than causal: every (layer, position) site,
+    # with token-granular cones on, must equal the eager forward with the same keyword.
+    model, layers, _ = _hf_model(kind)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(1, 64, (3, 8), generator=g)
+    mask = torch.ones(3, 8, dtype=torch.long)
+    mask[1, :3] = 0
+    mask[2, :1] = 0
+    corrupted = tokens.clone()
+    corrupted[:, 4] = (corrupted[:, 4] + 7) % 64
+    rg = torch_ext.ReactiveGraph(model, (corrupted,), example_kwargs={"attention_mask": mask})
+    assert rg.positions
+    assert torch.equal(rg.demand().logits, model(corrupted, attention_mask=mask, use_cache=False).logits)
+    clean_rg = torch_ext.ReactiveGraph(model, (tokens,), example_kwargs={"attention_mask": mask})
+    n = len(layers)
+    names = [rg.resolve(f"blocks.{layer}.hook_resid_pre") for layer in range(n)]
+    clean = {name: clean_rg.value(name).clone() for name in names}
+    sites = [(name, p) for name in names for p in range(8)]
+
+    def patch(v, site):
+        v = v.clone()
+        v[:, site[1]] = clean[site[0]][:, site[1]]
+        return v
+
+    metric = lambda out: (out.logits[:, -1, 3] - out.logits[:, -1, 4]).sum()  # noqa: E731
+    result = torch_ext.sweep(rg, sites, patch, metric, progress=False)
+    batched = torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=True)
+    clean_in = {}
+    grab = [layers[i].register_forward_pre_hook(
+        _pre_hook(lambda h, i=i: clean_in.setdefault(i, h.detach().clone())), with_kwargs=True) for i in range(n)]
+    with torch.no_grad():
+        model(tokens, attention_mask=mask, use_cache=False)
+    for h in grab:
+        h.remove()
+    for layer, name in enumerate(names):
+        for p in range(8):
+            def put(h, layer=layer, p=p):
+                h = h.clone()
+                h[:, p] = clean_in[layer][:, p]
+                return h
+            hook = layers[layer].register_forward_pre_hook(_pre_hook(put), with_kwargs=True)
+            try:
+                with torch.no_grad():
+                    ref = float(metric(model(corrupted, attention_mask=mask, use_cache=False)))
+            finally:
+                hook.remove()
+            assert result.metrics[(name, p)] == pytest.approx(ref, rel=1e-5, abs=1e-5), (layer, p)
+            assert batched.metrics[(name, p)] == pytest.approx(ref, rel=1e-5, abs=1e-5), (layer, p)
+    # Another prompt length with the same keyword moves to that shape's graph.
+    longer = torch.randint(1, 64, (3, 10), generator=g)
+    mask10 = torch.ones(3, 10, dtype=torch.long)
+    mask10[0, :2] = 0
+    out = rg.run(longer, attention_mask=mask10)
+    assert torch.allclose(out.logits, model(longer, attention_mask=mask10, use_cache=False).logits, atol=1e-6)
+    assert rg.stats["graph_builds"] == 2
+    # Without the keyword it is another signature, with its own graph (as model(longer) has no mask).
+    assert torch.equal(rg.run(longer).logits, model(longer, use_cache=False).logits)
+    assert rg.stats["graph_builds"] == 3
