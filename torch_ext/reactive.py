@@ -1451,6 +1451,17 @@ def _distributed_sweep(rg: ReactiveGraph, site_list: list, patch, metric, progre
         raise RuntimeError("sweep(distributed=True) needs torch.distributed initialised on every rank "
                            "(under torchrun: torch.distributed.init_process_group('gloo'))")
     rank, world = dist.get_rank(), dist.get_world_size()
+    # Ranks that differ (a model initialised without a common seed, other inputs, a patch applied on
+    # one rank only) would each answer for their own model, and the merged table would mix them.
+    mine = _sweep_fingerprint(rg, site_list, batch_sites)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    for part, what in enumerate(_FINGERPRINT_PARTS):
+        differ = [r for r, fp in enumerate(everyone) if fp[part] != everyone[0][part]]
+        if differ:
+            raise RuntimeError(f"sweep(distributed=True): rank(s) {differ} hold other {what} than rank 0; every "
+                               "rank must build the same model (seed it), run the same inputs, apply the same "
+                               "patches and grafts, and sweep the same sites")
 
     def node_of(site):
         return rg.resolve(site[0] if isinstance(site, tuple) else site)
@@ -1487,6 +1498,31 @@ def _distributed_sweep(rg: ReactiveGraph, site_list: list, patch, metric, progre
                        node_labels={k: v for part in parts for k, v in part.node_labels.items()},
                        extra={"ranks": world, "rank_wall_times": [p[4] for p in gathered],
                               "rank_sites": [len(p[0]) for p in gathered]})
+
+
+_FINGERPRINT_PARTS = ("sites (or batch_sites)", "graphs (grafts included)", "standing patches",
+                      "clean outputs (weights, inputs or patch values differ)")
+
+
+def _sweep_fingerprint(rg: ReactiveGraph, site_list: list, batch_sites: bool) -> tuple:
+    """What every rank of a distributed sweep must share, as digests: the sites, the graph, the
+    pinned nodes and the bytes of the current outputs (which the weights, inputs, grafts and
+    standing patch values all reach)."""
+    import hashlib
+
+    def digest(data) -> str:
+        return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+    outputs = hashlib.blake2b(digest_size=16)
+    for leaf in pytree.tree_leaves(rg.demand()):
+        if isinstance(leaf, torch.Tensor):
+            t = leaf.detach().contiguous().cpu()
+            outputs.update(repr((t.dtype, tuple(t.shape))).encode())
+            outputs.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            outputs.update(repr(leaf).encode())
+    return (digest(repr((list(site_list), bool(batch_sites))).encode()), digest(str(rg._engine).encode()),
+            tuple(rg._engine.pinned()), outputs.hexdigest())
 
 
 # One engine evaluation's fixed cost (dispatch, bookkeeping) in FLOPs of arithmetic: about 10 us at

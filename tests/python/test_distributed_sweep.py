@@ -65,3 +65,45 @@ def test_distributed_sweep_needs_a_process_group():
     rg = torch_ext.ReactiveGraph(ResidTanh(4).eval(), (torch.randn(2, 5, 8),))
     with pytest.raises(RuntimeError, match="init_process_group"):
         torch_ext.sweep(rg, _sites(rg), _patch, _metric, progress=False, distributed=True)
+
+
+def _mismatched_worker(rank, world, init_file, out_dir, how):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        model = ResidTanh(4).eval()
+        if how == "other weights" and rank == 1:  # as a model initialised without a common seed
+            with torch.no_grad():
+                model.fc[2].weight[0, 0] += 1e-3
+        torch.manual_seed(1)
+        x = torch.randn(2, 5, 8)
+        if how == "other inputs" and rank == 1:
+            x = x + 1
+        rg = torch_ext.ReactiveGraph(model, (x,))
+        sites = _sites(rg)
+        if how == "patch on one rank" and rank == 1:
+            rg.patch(rg.nodes("tanh*")[0], lambda v: v * 0.5)
+        if how == "other sites" and rank == 1:
+            sites = sites[:-1]
+        try:
+            torch_ext.sweep(rg, sites, _patch, _metric, progress=False, distributed=True)
+            outcome = "answered"
+        except RuntimeError as e:
+            outcome = str(e)
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(outcome)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("how, what", [("other weights", "clean outputs"), ("other inputs", "clean outputs"),
+                                       ("patch on one rank", "standing patches"), ("other sites", "sites")])
+def test_ranks_that_differ_are_refused_not_merged(tmp_path, how, what):
+    # Under torchrun every rank builds its own model: without a common seed each answered for its
+    # own weights, and the merged table mixed two models without a word.
+    world = 2
+    mp.start_processes(_mismatched_worker, args=(world, str(tmp_path / "init"), str(tmp_path), how), nprocs=world,
+                       join=True, start_method="spawn")
+    for rank in range(world):
+        outcome = (tmp_path / f"rank{rank}.txt").read_text()
+        assert outcome.startswith(f"sweep(distributed=True): rank(s) [1] hold other {what}"), outcome
