@@ -37,7 +37,7 @@ def layout_of(step) -> dict:
     batch; unrolled/accumulated calls concatenate their batches). ``outputs``: "loss", then the new
     state entries ``state_names``, then "aux:<i>" leaves of ``aux_spec``.
     """
-    init = step.init_state()
+    init = step._fresh_state()  # shapes and dtypes only: no broadcast (one rank may export)
     inputs, i = [], 0
     for name, role in step._inputs:
         if role == "input":

@@ -115,6 +115,26 @@ def _digest(t: torch.Tensor) -> str:
                                                            if t.numel() else b"").hexdigest()
 
 
+def broadcast_state_(state, process_group, sharded: bool) -> None:
+    """Overwrites this rank's state with rank 0's, as DistributedDataParallel's constructor does
+    with the module's parameters and buffers: parameters, buffers, the RNG state and the optimizer
+    state (except ZeRO-1 shards, which are each rank's own). A collective: every rank calls it."""
+    import torch.distributed as dist
+
+    group = process_group if process_group is not None else dist.group.WORLD
+    src = dist.get_global_rank(group, 0)
+    for part in (state.params, state.buffers, state.opt):
+        for name in sorted(part):  # the same order on every rank
+            t = part[name]
+            if part is state.opt and sharded and t.dim() > 0:
+                continue
+            dist.broadcast(t, src=src, group=group)
+    if state.rng is not None:
+        box = [state.rng]
+        dist.broadcast_object_list(box, src=src, group=group)
+        state.rng = box[0]
+
+
 def assert_states_in_sync(state, process_group=None) -> None:
     """Raises AssertionError naming every state entry that differs between the ranks of
     ``process_group`` (default: the world), bit for bit: parameters, buffers, lr, RNG state and

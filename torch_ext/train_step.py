@@ -482,9 +482,23 @@ class TrainStep:
         When the step draws random numbers, its RNG state is that of ``torch.manual_seed(seed)``, or
         a copy of the global generator's current state when ``seed`` is None: an eager loop started
         from the same generator state draws the same dropout masks.
+
+        A data-parallel step (``process_group=``) starts every rank from rank 0's state, as
+        DistributedDataParallel's constructor broadcasts rank 0's parameters and buffers: the
+        program keeps the states identical only if they start so. It is then a collective: every
+        rank calls it.
         """
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"init_state: seed must be an int or None, got {type(seed).__name__}")
+        state = self._fresh_state(seed)
+        if self.process_group is not None:
+            from .distributed import broadcast_state_
+
+            broadcast_state_(state, self.process_group, self.shard_optimizer_state)
+        return state
+
+    def _fresh_state(self, seed: int | None = None) -> TrainState:
+        """init_state on this rank alone (no broadcast): for shapes and layouts."""
         params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
         buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
         buffers.update({self._strip(k): v.clone() for k, v in self._constants.items()})
@@ -540,7 +554,7 @@ class TrainStep:
             raise ValueError(f"load_state_dict: the state was made by a different program (fingerprint "
                              f"{d['fingerprint']!r}, this step's is {self.fingerprint!r}); the model, optimizer "
                              "options, batch shapes or torch_ext version differ")
-        ref = self.init_state()
+        ref = self._fresh_state()
         loaded = TrainState(dict(d["params"]), dict(d["buffers"]), dict(d["opt"]), list(d["lr"]), self._id, d["rng"],
                             int(d["sched_epoch"]), fingerprint=self.fingerprint)
         for part in ("params", "buffers", "opt"):
@@ -807,7 +821,7 @@ class TrainStep:
         """The pure step as an ExportedProgram over flat inputs (state entries, then the batch)."""
         if self._program is None:
             gm = self.graph.to_graph_module()
-            example = self.flat_inputs(self.init_state(), *(self._example_batch * self.unroll * self.accumulate))
+            example = self.flat_inputs(self._fresh_state(), *(self._example_batch * self.unroll * self.accumulate))
             self._program = torch.export.export(gm, tuple(example), strict=False)
             # The flat layout rides in the artifact: torch.export.save serializes meta["custom"].
             from .deploy import LAYOUT_KEY, layout_of

@@ -181,6 +181,34 @@ def test_pure_ddp_and_zero1_equal_eager_ddp(tmp_path, kind):
         assert sharded["all"] < 0.52 * full["all"]
 
 
+def _unseeded_worker(rank, world, out_dir, kind):
+    torch.set_num_threads(1)
+    model, loss_fn, batches = _setup(kind, rank, 5)
+    with torch.no_grad():  # as a model initialised without a common seed: every rank's weights differ
+        for p in model.parameters():
+            p.add_(0.01 * (rank + 1))
+        for b in model.buffers():
+            if b.is_floating_point():
+                b.add_(0.01 * (rank + 1))
+    ref, ref_opt, ref_losses = _eager_ddp(model, loss_fn, batches)  # DDP broadcasts rank 0's at construction
+    m = copy.deepcopy(model)
+    step = torch_ext.make_train_step(m, _adamw(m.parameters()), loss_fn, batches[0], process_group=dist.group.WORLD)
+    state, losses = step.init_state(), []
+    for b in batches:
+        loss, state = step(state, *b)
+        losses.append(loss)
+    assert_states_in_sync(state)
+    return _compare(state, losses, ref, ref_opt, ref_losses, False, world, rank)
+
+
+def test_ranks_initialised_differently_start_from_rank_0_as_ddp_does(tmp_path):
+    # init_state copied each rank's own model: the program keeps states identical only if they
+    # start so, and each rank trained its own weights with averaged gradients, unlike DDP.
+    for rank, res in enumerate(_launch(_unseeded_worker, ("cnn_bn",), tmp_path)):
+        for what, diff in res.items():
+            assert diff <= 1e-6, f"rank {rank}: {what} differs from eager DDP by {diff}"
+
+
 def _accumulate_unroll_worker(rank, world, out_dir):
     torch.set_num_threads(1)
     model, loss_fn, batches = _setup("cnn_bn", rank, 4)
