@@ -397,6 +397,30 @@ def test_schedulers_the_step_cannot_follow_are_refused():
                                   unroll=2)
 
 
+def test_a_hand_set_lr_under_a_scheduler_is_refused():
+    # The step used a hand-set lr for one call, then went back to the scheduler's replay (0.1), whereas eager
+    # StepLR continues from the lr in the group: 0.05, then 0.025 at its milestone. Silent divergence.
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = torch_ext.make_train_step(model, opt, lm_loss, next(lm_batches()),
+                                     scheduler=torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5))
+    batch = next(lm_batches())
+    _, state = step(step.init_state(), *batch)
+    state.set_lr(0.05)
+    before = state.state_dict()
+    planned = step.compile(plan=False)
+    for run in (step, planned):
+        with pytest.raises(ValueError, match=r"has lr \[0\.05\], but this step's scheduler \(StepLR\) gives \[0\.1\] "
+                                             r"after 1 steps.*state\.set_lr"):
+            run(state, *batch)
+    after = state.state_dict()
+    assert all(torch.equal(before["params"][k], after["params"][k]) for k in before["params"])
+    state.set_lr(0.1)  # the scheduler's own lr: accepted
+    _, s2 = step(state, *batch)
+    assert s2.sched_epoch == 2
+
+
 # ---------------------------------------------------------------- 6. auxiliary outputs
 def test_loss_fn_returning_loss_and_aux():
     def loss_aux(m, x, y):
