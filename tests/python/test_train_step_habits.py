@@ -311,6 +311,33 @@ def test_assert_step_matches_eager_seeds_both_sides():
     assert result["loss"] == 0.0 and result["state"] == 0.0
 
 
+@pytest.mark.parametrize("corrupt", ["nan", "inf", "plus_one"])
+def test_assert_step_matches_eager_catches_a_nonfinite_state(monkeypatch, corrupt):
+    # A NaN in the final state gave a NaN relative difference, and `NaN > rtol` is False: the helper (and
+    # `torch-ext check`) reported parity. The losses are those before each update, so they stay finite.
+    from torch_ext import train_step
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    batches = [(torch.randn(8, 4), torch.randint(0, 3, (8,))) for _ in range(3)]
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    call, calls = train_step.TrainStep.__call__, []
+
+    def corrupted(self, state, *batch, **kw):
+        loss, new = call(self, state, *batch, **kw)
+        calls.append(1)
+        if len(calls) == len(batches):
+            w = new.params["model.weight"].clone()
+            w[0, 0] = {"nan": float("nan"), "inf": float("inf"), "plus_one": w[0, 0] + 1}[corrupt]
+            new.params["model.weight"] = w
+        return loss, new
+
+    monkeypatch.setattr(train_step.TrainStep, "__call__", corrupted)
+    rel = "inf" if corrupt != "plus_one" else r"[0-9.]+"
+    with pytest.raises(torch_ext.testing.ParityError, match=rf"state rel {rel} \(param weight\)"):
+        torch_ext.testing.assert_step_matches_eager(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, batches)
+
+
 # ---------------------------------------------------------------- 5. schedulers
 SCHEDULERS = {
     "lambda": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1.0 / (1 + 0.1 * e)),
