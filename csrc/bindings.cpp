@@ -553,7 +553,7 @@ PYBIND11_MODULE(_C, m) {
       .def("end_batch", &reactive::Engine::end_batch)
       .def("num_pending", &reactive::Engine::num_pending)
       .def("graph_revision", &reactive::Engine::graph_revision)
-      .def("cone", &reactive::Engine::cone)
+      .def("cone", &reactive::Engine::cone, py::arg("node"), py::arg("stop_at_pins") = false)
       .def("cone_cost", &reactive::Engine::cone_cost)
       .def("num_countable", &reactive::Engine::num_countable)
       .def("num_dirty", &reactive::Engine::num_dirty)

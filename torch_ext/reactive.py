@@ -1654,8 +1654,11 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
     if wrote:
         _raise_metric_wrote(rg, "unpatched")
     metrics: dict = {}
+    # What patching a node costs now: its strict cone up to the standing patches (a pinned node keeps its
+    # value, so the cone stops there), the same for every site of the node.
+    live = {n: (len(eng.cone(n, True)) if eng.pinned() else cones[n]) for n in cones}
     if not batch_sites:
-        predicted = sum(cones[n] for n in site_nodes)
+        predicted = sum(live[n] for n in site_nodes)
         st0 = eng.stats()  # the engine's counters (rg.stats adds only per-shape fields)
         t0 = time.perf_counter()
         pinned = set(eng.pinned())
@@ -1728,9 +1731,11 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
                 units.append((node, members[j:j + chunk], vals[j:j + chunk]))
         else:
             units.append((node, members, vals))
+    predicted_batched = 0
     for node, members, given in _progress(units, len(units), progress, "sweep (batched)"):
         k = len(members)
         if k == 1:  # nothing to batch: the graph itself is the cheapest
+            predicted_batched += live[node]
             before, cost_before = rg.stats["evaluations"], rg.stats["cost"]
             rows_before = rg.stats["row_evaluations"]
             metrics[members[0]] = _one_site(rg, members[0], node, patch, metric, set(eng.pinned()), read_rows)
@@ -1743,12 +1748,15 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         if bc is not old:
             setup += bc.setup
         if bc.engine is None:  # an empty cone (the node is an output, or pins cut it off): one at a time
+            predicted_batched += k * live[node]
             for s in members:
                 before, cost_before = rg.stats["evaluations"], rg.stats["cost"]
                 metrics[s] = _one_site(rg, s, node, patch, metric, set(eng.pinned()), read_rows)
                 measured += rg.stats["evaluations"] - before
                 cost += rg.stats["cost"] - cost_before
             continue
+        # The batched cone: the live cone less the nodes that reach no output (only through a pinned node).
+        predicted_batched += bc.calls
         values = given
         big = bc.engine
         before = big.stats()["evaluations"]
@@ -1773,7 +1781,6 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         cost += big.stats()["cost"] - cost_before
         row_evals += big.stats()["row_evaluations"] - rows_before
     wall = time.perf_counter() - t0
-    predicted_batched = sum(cones[n] for n, _, _ in units)
     return SweepResult(metrics, measured, predicted_batched, full, rg.num_nodes, wall, batched=True,
                        groups=len(units), cost=cost, extra={"setup_evaluations": setup, "row_evaluations": row_evals,
                                                             "identical_sites": identical},

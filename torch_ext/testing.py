@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -64,9 +65,21 @@ def _step_parity(model, optimizer, loss_fn, batches, seed):
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    denom = b.abs().max().clamp_min(1e-12)
-    return float((a - b).abs().max() / denom) if a.numel() else 0.0
+    """max |a - b| over max |b| (b's finite elements). Elements equal on both sides (equal infinities
+    included) or NaN on both count as equal; a NaN or an infinity on one side only gives inf, never a
+    NaN that every ``> rtol`` comparison would let pass."""
+    a, b = a.detach().double(), b.detach().double()
+    if a.shape != b.shape:
+        return math.inf
+    if not a.numel():
+        return 0.0
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    diff = torch.where(same, torch.zeros_like(a), (a - b).abs())
+    if not bool(torch.isfinite(diff).all()):
+        return math.inf
+    finite = b[torch.isfinite(b)]
+    denom = float(finite.abs().max()) if finite.numel() else 0.0
+    return float(diff.max()) / max(denom, 1e-12)
 
 
 def assert_step_matches_eager(model, optimizer, loss_fn: Callable, batches: Iterable, rtol: float = 1e-5, *,

@@ -658,10 +658,27 @@ class TrainStep:
                              f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
                              f"unknown {extra[:5]}{' ...' if len(extra) > 5 else ''}")
 
+    def _check_schedule(self, state: TrainState) -> None:
+        """With scheduler=, the lr a call trains with must be the scheduler's at the state's epoch. A state
+        whose lr was set by hand (set_lr) is refused: the next lr would be the scheduler's replay, whereas
+        an eager scheduler may continue from the hand-set lr (StepLR, ExponentialLR: chainable) or
+        override it (LambdaLR), so no one answer matches eager training."""
+        if self._schedule is None:
+            return
+        want = self._schedule.lrs(state.sched_epoch)
+        have = [float(t) for t in state.lr]
+        if have != want:
+            names = ", ".join(type(s).__name__ for s in self._schedule._originals)
+            raise ValueError(f"{state.describe()} has lr {have}, but this step's scheduler ({names}) gives {want} "
+                             f"after {state.sched_epoch} steps: the lr of a step built with scheduler= follows the "
+                             "scheduler, so a hand-set lr (state.set_lr) is refused; build the step without "
+                             "scheduler= to set the lr per call, or change the scheduler")
+
     def flat_inputs(self, state: TrainState, *batch) -> list:
         """The program's flat positional inputs: state entries, then the batch (or the batches when
         unrolled, or the micro-batches when accumulating, one after the other)."""
         self._check_state(state)
+        self._check_schedule(state)
         self._check_config()
         return self._checked_inputs(state, self._check_batch(batch))
 
@@ -722,6 +739,7 @@ class TrainStep:
     def __call__(self, state: TrainState, *batch, skip_nonfinite: bool = False):
         """``loss, new_state = step(state, *batch)``; ``loss, new_state, aux`` when loss_fn returns (loss, aux)."""
         self._check_state(state)
+        self._check_schedule(state)
         self._check_config()
         flat_batch = self._check_batch(batch)
         program = self._program_for(flat_batch)
@@ -881,7 +899,8 @@ def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, exampl
     ``loss_fn`` may return ``(loss, aux)`` with aux any pytree of tensors (logits, accuracy); the
     step then returns ``(loss, new_state, aux)``. ``scheduler`` is a torch.optim.lr_scheduler (or a
     list, one per optimizer) stepped once per call, as ``opt.step(); sched.step()`` would: the state
-    counts the scheduler steps and carries the next lr. Dropout draws from an RNG state carried in
+    counts the scheduler steps and carries the next lr (a state whose lr was set by hand with
+    ``set_lr`` is refused: eager schedulers disagree on what follows a hand-set lr). Dropout draws from an RNG state carried in
     the state (``init_state(seed=...)``), so the step stays a pure function.
 
     ``accumulate=N`` takes N micro-batches per call (``step(state, *mb1, *mb2, ...)``) and does one

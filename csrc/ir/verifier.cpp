@@ -93,6 +93,30 @@ void check_call(const Node& n, const std::string& prefix, std::vector<std::strin
   }
 }
 
+bool is_lifted_state(InputRole role) {
+  return role == InputRole::Parameter || role == InputRole::Buffer || role == InputRole::OptimizerState;
+}
+
+void check_state_placeholder(const Node& n, const std::string& where,
+                             std::unordered_map<std::string, const Node*>& holder, std::vector<std::string>& errors) {
+  if (!is_lifted_state(n.role())) return;
+  const std::string role = to_string(n.role());
+  if (n.state_name().empty()) {
+    errors.push_back(where + role + " placeholder has an empty state name (give it one: " + role + "(\"name\"))");
+    return;
+  }
+  auto [it, fresh] = holder.emplace(n.state_name(), &n);
+  if (!fresh)
+    errors.push_back(where + role + " state name '" + n.state_name() + "' is already held by %" + it->second->name() +
+                     " (" + to_string(it->second->role()) + "): one placeholder per state entry");
+  if (n.role() == InputRole::Parameter && n.type().is_tensor()) {
+    const c10::ScalarType dt = n.type().tensor.dtype;
+    if (!c10::isFloatingType(dt) && !c10::isComplexType(dt))
+      errors.push_back(where + "param '" + n.state_name() + "' has dtype " + c10::toString(dt) +
+                       ": a parameter must be floating point or complex (an integer tensor is a buffer)");
+  }
+}
+
 void verify_into(const Graph& g, const std::string& prefix, std::vector<std::string>& errors, bool infer_results) {
   std::unordered_set<const Node*> seen;
   // Use lists are checked against the inputs through one map of (user, input) pairs, so a
@@ -104,6 +128,10 @@ void verify_into(const Graph& g, const std::string& prefix, std::vector<std::str
   std::unordered_set<const Node*> invalid;
   bool calls_started = false;
   size_t outputs = 0;
+  // Lifted state (parameters, buffers, optimizer state): a state name names one entry of the step's
+  // state, so it must be given and held by one placeholder. Constants may repeat a name (a graft
+  // copies its block's parameter names as constants, once per graft) and inputs need none.
+  std::unordered_map<std::string, const Node*> state_holder;
   const auto& nodes = g.nodes();
   for (size_t i = 0; i < nodes.size(); ++i) {
     const Node& n = *nodes[i];
@@ -114,6 +142,7 @@ void verify_into(const Graph& g, const std::string& prefix, std::vector<std::str
     if (n.kind() == NodeKind::Placeholder && calls_started)
       errors.push_back(where + "placeholder after a call node");
     if (n.kind() != NodeKind::Placeholder) calls_started = true;
+    if (n.kind() == NodeKind::Placeholder) check_state_placeholder(n, where, state_holder, errors);
     if (n.kind() == NodeKind::Output) {
       ++outputs;
       if (i + 1 != nodes.size()) errors.push_back(where + "output node is not last");

@@ -555,8 +555,8 @@ std::set<int64_t> Engine::downstream(int64_t seed, bool stop_at_pins) const {
   return seen;
 }
 
-std::vector<std::string> Engine::cone(const std::string& name) const {
-  const std::set<int64_t> seen = downstream(id_of(name), /*stop_at_pins=*/false);
+std::vector<std::string> Engine::cone(const std::string& name, bool stop_at_pins) const {
+  const std::set<int64_t> seen = downstream(id_of(name), stop_at_pins);
   std::vector<const ir::Node*> nodes;
   for (int64_t id : seen) nodes.push_back(states_[id].node);
   std::sort(nodes.begin(), nodes.end(), [](const ir::Node* a, const ir::Node* b) { return a->index() < b->index(); });

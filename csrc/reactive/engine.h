@@ -224,7 +224,9 @@ class Engine {
   // since it was stored, after marking it for recomputation (I8).
   void check_intact(const std::string& node);
 
-  std::vector<std::string> cone(const std::string& node) const;  // V+(node), topological order
+  // V+(node), topological order. With stop_at_pins, only the nodes reached without passing a pinned
+  // (patched) node: what patching `node` now invalidates, and what the next demand evaluates.
+  std::vector<std::string> cone(const std::string& node, bool stop_at_pins = false) const;
   double cone_cost(const std::string& node) const;               // sum of the cost estimates over V+(node)
   int64_t num_countable() const { return num_countable_; }
   // Reads settle a batch's pending mutations first (I14), so they are not const.

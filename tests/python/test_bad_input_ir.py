@@ -112,6 +112,30 @@ def test_parse_invalid_utf8_bytes_give_a_parse_error():
 # ------------------------------------------------------------------ verify: refused graphs
 VERIFY = {
     # declared result types against what the operator produces
+    # lifted state: a state name names one entry of the step's state (parameters, buffers, optimizer state)
+    "duplicate_param_state_name": (_g("""
+        %a : f32[2] = param("w")
+        %b : f32[2] = param("w")
+        %c : f32[2] = aten::add.Tensor(%a, %b)
+        return (%c)
+    """), r"node %b: param state name 'w' is already held by %a \(param\)"),
+    "buffer_reuses_a_param_state_name": (_g("""
+        %a : f32[2] = param("w")
+        %b : f32[2] = buffer("w")
+        %c : f32[2] = aten::add.Tensor(%a, %b)
+        return (%c)
+    """), r"node %b: buffer state name 'w' is already held by %a \(param\)"),
+    "empty_optstate_name": (_g("""
+        %a : f32[2] = param("w")
+        %m : f32[2] = optstate()
+        %c : f32[2] = aten::add.Tensor(%a, %m)
+        return (%c)
+    """), r"node %m: optstate placeholder has an empty state name"),
+    "integer_param": (_g("""
+        %a : i64[2] = param("w")
+        %c : i64[2] = aten::neg.default(%a)
+        return (%c)
+    """), r"node %a: param 'w' has dtype Long: a parameter must be floating point or complex"),
     "relu_declared_i64_7": (_g("""
         %a : f32[2] = input()
         %b : i64[7] = aten::relu.default(%a)
@@ -362,6 +386,35 @@ def test_verify_refuses(text, pattern):
     g = assert_verifier_and_executor_refuse(text, pattern)
     # verify() changed nothing.
     assert str(g) == str(Graph.parse(text))
+
+
+def test_verify_accepts_repeated_constant_names_and_integer_buffers():
+    # A graft copies its block's parameters as constants under their names, once per graft; buffers may be
+    # integers (num_batches_tracked, the RNG state); inputs carry no state name.
+    Graph.parse(_g("""
+        %p : f32[2] = param("weight")
+        %a : f32[2] = const("weight")
+        %b : f32[2] = const("weight")
+        %n : i64[] = buffer("num_batches_tracked")
+        %x : f32[2] = input()
+        %c : f32[2] = aten::add.Tensor(%a, %b)
+        %d : f32[2] = aten::add.Tensor(%c, %p)
+        %e : f32[2] = aten::add.Tensor(%d, %x)
+        return (%e)
+    """)).verify()
+
+
+def test_graph_with_two_grafts_of_one_block_verifies():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4)).eval()
+    rg = torch_ext.ReactiveGraph(model, (torch.randn(2, 4),))
+    block = torch.nn.Linear(4, 4)  # its parameters "weight" and "bias" become constants of each graft
+    rg.graft("relu", block)
+    rg.graft("relu", block)
+    g = Graph(rg._engine.graph())
+    g.verify()
+    consts = sorted(n.state_name for n in g.nodes() if n.role == "const")
+    assert consts == ["bias", "bias", "weight", "weight"]
 
 
 def test_corpus_sizes():

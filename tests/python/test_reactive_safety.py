@@ -537,3 +537,39 @@ def test_metric_writing_through_data_cannot_corrupt_the_cache(resid):
         ref = _eager(model, x, {1: lambda o, p=p: _site_patch(o, (None, p))})
         assert result.metrics[(t1, p)] == pytest.approx(float(ref.sum()), rel=1e-6, abs=1e-5), p
     assert torch.equal(rg.demand(), model(x))
+
+
+class _ReluChain(nn.Module):
+    """relu(linear(x)) four times: nodes linear, relu, linear_1, relu_1, ..., relu_3 (the output)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        for fc in self.fc:
+            x = torch.relu(fc(x))
+        return x
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_sweep_predicts_the_cones_a_standing_patch_cuts_off(batched):
+    # predicted_evaluations summed the cones as if nothing were pinned (36 and 12 here, measured 21 and 9):
+    # a pinned node keeps its value, so a site's cone stops there.
+    x = torch.randn(2, 3, 8)
+    rg = torch_ext.ReactiveGraph(_ReluChain().eval(), (x,))
+    relus = ["relu", "relu_1", "relu_2", "relu_3"]
+    assert [len(rg.cone(n)) for n in relus] == [6, 4, 2, 0]
+    rg.patch("relu_1", lambda v: v * 0.5)
+    rg.demand()
+    sites = [(n, p) for n in relus for p in range(3)]
+    r = torch_ext.sweep(rg, sites, position_patch(0.0), lambda o: float(o.sum()), progress=False,
+                        batch_sites=batched)
+    # Per site, one at a time: relu -> {linear_1} (relu_1 is pinned), relu_1 -> 4 (a pinned site is patched
+    # over its standing patch), relu_2 -> 2, relu_3 -> 0. Batched, relu's cone keeps no node that reaches an
+    # output (linear_1 feeds only the pinned relu_1): its three sites run one at a time, 1 each.
+    expected = 3 * (1 + 4 + 2 + 0) if not batched else 3 * 1 + 4 + 2 + 0
+    assert r.measured_evaluations == r.predicted_evaluations == expected
+    assert rg.patched() == ["relu_1"]
+    rg.check_invariants()

@@ -311,6 +311,33 @@ def test_assert_step_matches_eager_seeds_both_sides():
     assert result["loss"] == 0.0 and result["state"] == 0.0
 
 
+@pytest.mark.parametrize("corrupt", ["nan", "inf", "plus_one"])
+def test_assert_step_matches_eager_catches_a_nonfinite_state(monkeypatch, corrupt):
+    # A NaN in the final state gave a NaN relative difference, and `NaN > rtol` is False: the helper (and
+    # `torch-ext check`) reported parity. The losses are those before each update, so they stay finite.
+    from torch_ext import train_step
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    batches = [(torch.randn(8, 4), torch.randint(0, 3, (8,))) for _ in range(3)]
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    call, calls = train_step.TrainStep.__call__, []
+
+    def corrupted(self, state, *batch, **kw):
+        loss, new = call(self, state, *batch, **kw)
+        calls.append(1)
+        if len(calls) == len(batches):
+            w = new.params["model.weight"].clone()
+            w[0, 0] = {"nan": float("nan"), "inf": float("inf"), "plus_one": w[0, 0] + 1}[corrupt]
+            new.params["model.weight"] = w
+        return loss, new
+
+    monkeypatch.setattr(train_step.TrainStep, "__call__", corrupted)
+    rel = "inf" if corrupt != "plus_one" else r"[0-9.]+"
+    with pytest.raises(torch_ext.testing.ParityError, match=rf"state rel {rel} \(param weight\)"):
+        torch_ext.testing.assert_step_matches_eager(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, batches)
+
+
 # ---------------------------------------------------------------- 5. schedulers
 SCHEDULERS = {
     "lambda": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1.0 / (1 + 0.1 * e)),
@@ -395,6 +422,30 @@ def test_schedulers_the_step_cannot_follow_are_refused():
     with pytest.raises(ValueError, match="scheduler= needs unroll=1"):
         torch_ext.make_train_step(model, opt, lm_loss, batch, scheduler=torch.optim.lr_scheduler.StepLR(opt, 3),
                                   unroll=2)
+
+
+def test_a_hand_set_lr_under_a_scheduler_is_refused():
+    # The step used a hand-set lr for one call, then went back to the scheduler's replay (0.1), whereas eager
+    # StepLR continues from the lr in the group: 0.05, then 0.025 at its milestone. Silent divergence.
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = torch_ext.make_train_step(model, opt, lm_loss, next(lm_batches()),
+                                     scheduler=torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5))
+    batch = next(lm_batches())
+    _, state = step(step.init_state(), *batch)
+    state.set_lr(0.05)
+    before = state.state_dict()
+    planned = step.compile(plan=False)
+    for run in (step, planned):
+        with pytest.raises(ValueError, match=r"has lr \[0\.05\], but this step's scheduler \(StepLR\) gives \[0\.1\] "
+                                             r"after 1 steps.*state\.set_lr"):
+            run(state, *batch)
+    after = state.state_dict()
+    assert all(torch.equal(before["params"][k], after["params"][k]) for k in before["params"])
+    state.set_lr(0.1)  # the scheduler's own lr: accepted
+    _, s2 = step(state, *batch)
+    assert s2.sched_epoch == 2
 
 
 # ---------------------------------------------------------------- 6. auxiliary outputs
