@@ -1510,19 +1510,15 @@ def _sweep_fingerprint(rg: ReactiveGraph, site_list: list, batch_sites: bool) ->
     standing patch values all reach)."""
     import hashlib
 
-    def digest(data) -> str:
-        return hashlib.blake2b(data, digest_size=16).hexdigest()
+    from .distributed import _digest
 
-    outputs = hashlib.blake2b(digest_size=16)
-    for leaf in pytree.tree_leaves(rg.demand()):
-        if isinstance(leaf, torch.Tensor):
-            t = leaf.detach().contiguous().cpu()
-            outputs.update(repr((t.dtype, tuple(t.shape))).encode())
-            outputs.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        else:
-            outputs.update(repr(leaf).encode())
-    return (digest(repr((list(site_list), bool(batch_sites))).encode()), digest(str(rg._engine).encode()),
-            tuple(rg._engine.pinned()), outputs.hexdigest())
+    def digest(text: str) -> str:
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    outputs = [_digest(leaf) if isinstance(leaf, torch.Tensor) else repr(leaf)
+               for leaf in pytree.tree_leaves(rg.demand())]
+    return (digest(repr((list(site_list), bool(batch_sites)))), digest(str(rg._engine)), tuple(rg._engine.pinned()),
+            digest(repr(outputs)))
 
 
 # One engine evaluation's fixed cost (dispatch, bookkeeping) in FLOPs of arithmetic: about 10 us at
