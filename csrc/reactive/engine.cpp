@@ -501,6 +501,10 @@ c10::IValue Engine::value(const std::string& name) {
   const int64_t target = id_of(name);
   TORCH_CHECK(has_run_, "value %", name, ": the engine has no values yet; call run(inputs) first");
   settle();
+  if (states_[target].valid) {  // I3: nothing upstream is stale (the common case: no walk, no allocation)
+    check_intact(target);
+    return values_[target];
+  }
   std::vector<int64_t> needed;
   std::vector<int64_t> work{target};
   std::set<int64_t> seen{target};

@@ -431,6 +431,9 @@ class Engine {
     int64_t source_axis = -1;
     int64_t source_length = 0;
     uint64_t pins_version = 0;
+    // Some step computes fewer rows than a changed input gives it, or only some columns (read rows or
+    // columns were declared): without it, a value changed in its first and last rows runs the cone whole.
+    bool narrows = false;
   };
   // A node value assembled from cached rows and recomputed ones (an output, or a value read whole),
   // kept across sweep sites so that each site writes only the rows that differ from the last one.
@@ -457,6 +460,19 @@ class Engine {
   // [first, last + 1) of the rows along the node's sequence axis where `value` differs from the cached value ({T, T} if none).
   std::pair<int64_t, int64_t> changed_rows(int64_t id, const c10::IValue& value);
   std::map<std::tuple<int64_t, std::vector<int64_t>, std::vector<std::vector<int64_t>>>, RowPlan> row_plans_;
+  // The plan row_plan_for returned last, found again without building row_plans_'s key (a sweep asks for
+  // one node's plan at each of its sites); cleared with row_plans_.
+  struct RowPlanMemo {
+    int64_t id = -1;
+    const RowPlan* plan = nullptr;
+    std::vector<int64_t> read_rows;
+    std::vector<std::vector<int64_t>> read_cols;
+  };
+  RowPlanMemo row_plan_memo_;
+  void clear_row_plans() {
+    row_plans_.clear();
+    row_plan_memo_ = RowPlanMemo();
+  }
   std::optional<passes::SeqAxisAnalysis> seq_;
   bool positions_ = false;
   int64_t seq_dim_ = 1;

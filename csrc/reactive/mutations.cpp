@@ -265,7 +265,7 @@ std::vector<std::string> Engine::graft(const std::string& src_name, const std::s
   // Splice: the block's constants become placeholders, its calls are copied before the first consumer.
   ++revision_;
   plans_.clear();  // cones change
-  row_plans_.clear();
+  clear_row_plans();
   seq_.reset();
   const std::string prefix = "graft" + std::to_string(grafts_.size()) + "_";
   ir::ValueMap map;
