@@ -24,6 +24,7 @@
 #include "reactive/engine.h"
 #include "runtime/executor.h"
 
+#include <algorithm>
 #include <memory>
 
 namespace py = pybind11;
@@ -208,14 +209,47 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
               "sweep_sites: nodes, sites and patches must have one entry per site");
   const bool single = py::isinstance<py::int_>(user);
   const int64_t single_index = single ? user.cast<int64_t>() : -1;
+  // Whether a node's sites take the row path, found once per node.
+  std::unordered_map<std::string, bool> row_path;
+  bool rows_here = false;
+  // Copies handed to patch functions, kept for the next site of the same shape, dtype and device.
+  std::vector<at::Tensor> spares;
   py::list results;
   for (size_t i = 0; i < n; ++i) {
     py::object site = sites[i];
+    if (i == 0 || nodes[i] != nodes[i - 1]) {
+      auto [it, fresh] = row_path.try_emplace(nodes[i], false);
+      if (fresh) it->second = rows && e.seq_axis(nodes[i]) >= 0;
+      rows_here = it->second;
+    }
     // The patch function gets a copy of the cached value: a write through .data or .numpy() shares the
     // memory but not the version counter, so a guard on the cached tensor itself would miss it
     // (ReactiveGraph._call_patch_fn, the per-site path, does the same). An in-place edit of the
-    // copy is still refused: the function must return a new tensor.
-    at::Tensor clean = e.value(nodes[i]).toTensor().clone();
+    // copy is still refused: the function must return a new tensor. The copy is written into an
+    // earlier site's copy of the same shape, dtype and device when nothing but this loop holds that
+    // tensor or its memory (the patch function kept no reference to it or to a view of it, and the
+    // metric kept none of an output it became); else it is a fresh tensor. A tensor the user holds
+    // is never overwritten.
+    const at::Tensor cached = e.value(nodes[i]).toTensor();
+    at::Tensor* reused = nullptr;
+    if (!cached.requires_grad())
+      for (at::Tensor& t : spares)
+        if (t.use_count() == 1 && t.storage().use_count() == 1 && !t.is_inference() && t.sizes() == cached.sizes() &&
+            t.strides() == cached.strides() && t.dtype() == cached.dtype() && t.device() == cached.device()) {
+          reused = &t;
+          break;
+        }
+    if (reused != nullptr) {
+      reused->copy_(cached);
+    } else {
+      spares.erase(std::remove_if(spares.begin(), spares.end(),
+                                  [](const at::Tensor& t) { return t.use_count() > 1 || t.storage().use_count() > 1; }),
+                   spares.end());  // held by the user: never written again
+      if (spares.size() >= 8) spares.erase(spares.begin());  // a few shapes at a time
+      spares.push_back(cached.clone());
+      reused = &spares.back();
+    }
+    const at::Tensor clean = *reused;
     const int64_t clean_version = tensor_version(clean);
     py::object patched = patches[i](py::reinterpret_steal<py::object>(THPVariable_Wrap(clean)), site);
     if (tensor_version(clean) != clean_version) {
@@ -232,30 +266,37 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
     std::vector<c10::IValue> flat;
     {
       py::gil_scoped_release no_gil;
-      if (rows && e.seq_axis(nodes[i]) >= 0)
+      if (rows_here)
         flat = e.evaluate_patched_rows(nodes[i], std::move(value), read_rows, read_cols);
       else
         flat = e.evaluate_patched(nodes[i], std::move(value));
     }
     std::vector<std::pair<at::Tensor, int64_t>> guarded;  // outputs the metric could write into
-    py::object result;
-    {
-      py::object outs;
-      if (single) {
-        TORCH_CHECK(single_index >= 0 && single_index < static_cast<int64_t>(flat.size()),
-                    "sweep_sites: output index ", single_index, " out of range");
-        outs = ivalue_to_py(flat[single_index]);
-      } else {
-        py::list l;
-        for (const auto& v : flat) l.append(ivalue_to_py(v));
-        outs = user(l);
-      }
-      for (const auto& v : flat) {
-        const int64_t version = v.isTensor() ? tensor_version(v.toTensor()) : -1;
-        if (version >= 0) guarded.emplace_back(v.toTensor(), version);
-      }
-      flat.clear();  // the engine reuses an output's buffer only while it holds the sole reference
-      result = metric(outs);
+    py::object outs;
+    if (single) {
+      TORCH_CHECK(single_index >= 0 && single_index < static_cast<int64_t>(flat.size()),
+                  "sweep_sites: output index ", single_index, " out of range");
+      outs = ivalue_to_py(flat[single_index]);
+    } else {
+      py::list l;
+      for (const auto& v : flat) l.append(ivalue_to_py(v));
+      outs = user(l);
+    }
+    for (const auto& v : flat) {
+      const int64_t version = v.isTensor() ? tensor_version(v.toTensor()) : -1;
+      if (version >= 0) guarded.emplace_back(v.toTensor(), version);
+    }
+    flat.clear();  // the engine reuses an output's buffer only while it holds the sole reference
+    py::object result = metric(outs);
+    bool wrote = false;
+    for (const auto& [t, version] : guarded) wrote = wrote || tensor_version(t) != version;
+    // Released before the Python outputs: a tensor whose Python object dies while C++ still holds it
+    // has that object kept alive with it (resurrected), work that is wasted here.
+    guarded.clear();
+    outs = py::object();
+    if (wrote) {
+      fail("metric_wrote", i);
+      TORCH_CHECK(false, "sweep_sites: the metric wrote into the outputs at a site of %", nodes[i]);
     }
     if (THPVariable_Check(result.ptr())) {
       const at::Tensor& t = THPVariable_Unpack(result.ptr());
@@ -266,12 +307,6 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
     } else if (!PyFloat_CheckExact(result.ptr())) {
       result = convert(result, site);
     }
-    for (const auto& [t, version] : guarded)
-      if (tensor_version(t) != version) {
-        guarded.clear();
-        fail("metric_wrote", i);
-        TORCH_CHECK(false, "sweep_sites: the metric wrote into the outputs at a site of %", nodes[i]);
-      }
     results.append(result);
   }
   return results;
@@ -537,6 +572,7 @@ PYBIND11_MODULE(_C, m) {
       .def("can_evaluate_patched", &reactive::Engine::can_evaluate_patched)
       .def("plans_built", &reactive::Engine::plans_built)
       .def("scratch_bytes", &reactive::Engine::scratch_bytes)
+      .def("inplace_steps", &reactive::Engine::inplace_steps, py::arg("node"))
       .def("set_scratch", &reactive::Engine::set_scratch)
       .def("scratch", &reactive::Engine::scratch)
       .def("begin_transaction", &reactive::Engine::begin_transaction)

@@ -1345,24 +1345,29 @@ def _sweep_in_cpp(rg: ReactiveGraph, site_list: list, nodes: list, names: list, 
     # The engine's state is the same at every site (each leaves it as it found it): asked once.
     can_rows = read_rows is not None and not pinned and eng.can_evaluate_patched_rows()
     can_fast = eng.can_evaluate_patched()
+    every = not pinned and can_fast  # every site takes the prepared cone: nothing to ask per node
     in_cpp: dict = {}
-    views: dict = {}
-    for name, node in zip(names, nodes):
-        if node not in in_cpp:
-            # sweep_sites takes the row path for a node with a sequence axis when can_rows, else the whole cone.
-            in_cpp[node] = node not in pinned and (can_fast or (can_rows and eng.seq_axis(node) >= 0))
-        if name not in views:
-            views[name] = rg._hook_view(name, patch)
+    if not every:
+        for node in nodes:
+            if node not in in_cpp:
+                # sweep_sites takes the row path for a node with a sequence axis when can_rows, else the whole cone.
+                in_cpp[node] = node not in pinned and (can_fast or (can_rows and eng.seq_axis(node) >= 0))
+    views: dict | None = None  # None: no hook converts its value, so every site gets the function itself
+    if rg._conversions:
+        views = {}
+        for name in names:
+            if name not in views:
+                views[name] = rg._hook_view(name, patch)
     user = rg._single_output if rg._single_output is not None else rg._user
     spec = read_rows if read_rows is not None else ([], [])
     i = 0
     while i < len(site_list):
-        if not in_cpp[nodes[i]]:
+        if not every and not in_cpp[nodes[i]]:
             metrics[site_list[i]] = _one_site(rg, site_list[i], nodes[i], patch, metric, pinned, read_rows,
                                               "transaction")
             i += 1
             continue
-        j = i
+        j = len(site_list) if every else i
         while j < len(site_list) and in_cpp[nodes[j]]:
             j += 1
         part, part_nodes = site_list[i:j], nodes[i:j]
@@ -1378,7 +1383,8 @@ def _sweep_in_cpp(rg: ReactiveGraph, site_list: list, nodes: list, names: list, 
                 raise TypeError(f"patch function at site {site!r} returned {type(value).__name__}, expected a tensor")
             _raise_metric_wrote(rg, site)
 
-        values = eng.sweep_sites(part_nodes, part, [views[n] for n in names[i:j]], can_rows, spec[0], spec[1],
+        fns = [patch] * (j - i) if views is None else [views[n] for n in names[i:j]]
+        values = eng.sweep_sites(part_nodes, part, fns, can_rows, spec[0], spec[1],
                                  metric, user, _metric_value, fail)
         metrics.update(zip(part, values))
         i = j

@@ -45,9 +45,12 @@
 //                was written in place), not recomputed since: each is invalid
 //                or pinned, so restore() never revives its old value.
 //   I12 baseline baseline_stale_ holds nodes whose baseline the overlay cannot
-//                give back (a graft under a patch changed their function, or a
-//                saved baseline was written in place; restore() recomputes
-//                them instead): it is empty while no patch is active. (Its
+//                give back (a graft under a patch changed their function and
+//                they depend on a pin, or a saved baseline was written in place;
+//                restore() recomputes them instead): it is empty while no patch
+//                is active. A node upstream of every pin computes its baseline
+//                even under a patch, so it has no overlay entry and restore()
+//                keeps its value (under_pins). (Its
 //                members may be valid: early cutoff revalidates a node
 //                without writing it, so without an overlay entry.)
 //   I13 revisions every changed_at and verified_at is at most revision_;
@@ -185,6 +188,9 @@ class Engine {
   int64_t plans_built() const { return plans_built_; }
   // Bytes of scratch memory the fast path holds for cone intermediates (scratch.cpp). Off, every
   // intermediate is allocated by its kernel and freed at its last use, and the memory is given back.
+  // On, a cone node with no out= kernel whose one input is a cone intermediate that dies there (and
+  // that nothing else can alias) runs its in-place variant on that input instead of allocating.
+  int64_t inplace_steps(const std::string& node);  // how many steps of node's plan run in place
   int64_t scratch_bytes() const { return scratch_.defined() ? scratch_.numel() : 0; }
   void set_scratch(bool enabled);
   bool scratch() const { return scratch_enabled_; }
@@ -322,6 +328,15 @@ class Engine {
   void evaluate(int64_t id);
   void evaluate_set(std::vector<int64_t> ids);  // sorts by topological index
   void save_baseline(int64_t id);
+  // Whether `id` is pinned or strictly downstream of a pinned node: its value may depend on a patch.
+  // A node that is not computes the same value with or without the patches, so a value it gets
+  // while patches are active (after a graft upstream of every pin) is its baseline: no overlay entry,
+  // and restore() keeps it instead of recomputing it. The set is built once per pin set and graph.
+  bool under_pins(int64_t id);
+  std::set<int64_t> pin_cone_;
+  uint64_t pin_cone_pins_version_ = 0;
+  uint64_t pin_cone_graph_revision_ = 0;
+  bool pin_cone_valid_ = false;
   void rekey_dirty();
   void check_value_type(const ir::Node& node, const c10::IValue& value) const;
   void journal(int64_t id);  // I9: remembers id's state before its first change in a transaction
@@ -359,6 +374,11 @@ class Engine {
     std::vector<runtime::BoundKernel> scratch_kernels;  // parallel to scratch, bound to scratch_
     int64_t scratch_bytes = 0;
     uint64_t scratch_generation = 0;  // scratch_generation_ the kernels are bound to (0: unbound)
+    // Steps run by their in-place variant on their one input, a cone intermediate that dies there
+    // and owns its memory (scratch.cpp): parallel lists, the kernels bound once.
+    std::vector<size_t> inplace_steps;
+    std::vector<runtime::BoundKernel> inplace_kernels;
+    bool inplace_bound = false;  // steps point at inplace_kernels (scratch on), else at the functional ones
   };
   std::unordered_map<int64_t, PatchPlan> plans_;  // by patched node; dropped by grafts
   uint64_t pins_version_ = 0;                     // bumped whenever the pin set changes
@@ -367,6 +387,9 @@ class Engine {
   // Scratch memory of the sweep fast path (scratch.cpp): one tensor for every plan, grown to the
   // largest plan's need; plans bind their out= kernels to it at first use after it grows.
   void plan_scratch(PatchPlan& plan);
+  // The steps with no out= kernel in the scratch that can overwrite their dying input instead of
+  // allocating (scratch.cpp); `end`/`escapes` per position as plan_scratch computes them.
+  void plan_inplace(PatchPlan& plan, const std::vector<int64_t>& end, const std::vector<bool>& escapes);
   void bind_scratch(PatchPlan& plan);
   // evaluate_patched's work once its checks passed: pins `id` to `value`, runs its whole cone with the
   // shared loop, returns the outputs and puts every value back. No early cutoff inside the cone (the
@@ -377,6 +400,7 @@ class Engine {
   uint64_t scratch_generation_ = 0;
   // Out= overloads by target and result type: the dispatcher scan runs once per kind of node.
   std::unordered_map<std::string, std::optional<ir::OutVariant>> out_variants_;
+  std::unordered_map<std::string, std::optional<ir::InplaceVariant>> inplace_variants_;  // by target
   // Evaluating a patched cone in place (evaluate_patched, evaluate_patched_rows): checks the values
   // the cone reads from outside it (I8), holds the cone's cached values and the site's aside, puts
   // `value` at the site, and puts everything back when it goes out of scope, on success or error.
@@ -433,6 +457,9 @@ class Engine {
     int64_t source_axis = -1;
     int64_t source_length = 0;
     uint64_t pins_version = 0;
+    // Some step computes fewer rows than a changed input gives it, or only some columns (read rows or
+    // columns were declared): without it, a value changed in its first and last rows runs the cone whole.
+    bool narrows = false;
   };
   // A node value assembled from cached rows and recomputed ones (an output, or a value read whole),
   // kept across sweep sites so that each site writes only the rows that differ from the last one.
@@ -459,6 +486,19 @@ class Engine {
   // [first, last + 1) of the rows along the node's sequence axis where `value` differs from the cached value ({T, T} if none).
   std::pair<int64_t, int64_t> changed_rows(int64_t id, const c10::IValue& value);
   std::map<std::tuple<int64_t, std::vector<int64_t>, std::vector<std::vector<int64_t>>>, RowPlan> row_plans_;
+  // The plan row_plan_for returned last, found again without building row_plans_'s key (a sweep asks for
+  // one node's plan at each of its sites); cleared with row_plans_.
+  struct RowPlanMemo {
+    int64_t id = -1;
+    const RowPlan* plan = nullptr;
+    std::vector<int64_t> read_rows;
+    std::vector<std::vector<int64_t>> read_cols;
+  };
+  RowPlanMemo row_plan_memo_;
+  void clear_row_plans() {
+    row_plans_.clear();
+    row_plan_memo_ = RowPlanMemo();
+  }
   std::optional<passes::SeqAxisAnalysis> seq_;
   bool positions_ = false;
   int64_t seq_dim_ = 1;

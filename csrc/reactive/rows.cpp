@@ -13,6 +13,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/SmallVector.h>
 
 #include <algorithm>
 #include <cstring>
@@ -104,10 +105,10 @@ bool row_bytes_differ(const c10::IValue& cached, const c10::IValue& now, int64_t
   const int64_t item = a.element_size();
   const auto* pa = static_cast<const char*>(a.data_ptr()) + row * a.stride(axis) * item;
   const auto* pb = static_cast<const char*>(b.data_ptr()) + row * b.stride(axis) * item;
-  std::vector<int64_t> sizes, sa, sb;  // the row's other dims
+  c10::SmallVector<int64_t, 8> sizes, sa, sb;  // the row's other dims (no heap allocation: asked at every site)
   for (int64_t d = 0; d < a.dim(); ++d)
     if (d != axis) sizes.push_back(a.size(d)), sa.push_back(a.stride(d) * item), sb.push_back(b.stride(d) * item);
-  std::vector<int64_t> index(sizes.size(), 0);
+  c10::SmallVector<int64_t, 8> index(sizes.size(), 0);
   while (true) {
     if (std::memcmp(pa, pb, item) != 0) return true;
     int64_t d = static_cast<int64_t>(sizes.size()) - 1;  // odometer over the row's elements
@@ -131,7 +132,7 @@ void Engine::set_positions(bool enabled, int64_t seq_dim) {
   TORCH_CHECK(seq_dim >= 0, "positions: seq_dim must be >= 0, got ", seq_dim);
   if (seq_dim != seq_dim_) {
     seq_.reset();
-    row_plans_.clear();
+    clear_row_plans();
   }
   positions_ = enabled;
   seq_dim_ = seq_dim;
@@ -209,9 +210,16 @@ int64_t Engine::first_changed_row(const std::string& name, const c10::IValue& va
 
 const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_t>& read_rows,
                                             const std::vector<std::vector<int64_t>>& read_cols) {
+  const RowPlanMemo& memo = row_plan_memo_;
+  if (memo.id == id && memo.plan->pins_version == pins_version_ && memo.read_rows == read_rows &&
+      memo.read_cols == read_cols)
+    return *memo.plan;
   const auto key = std::make_tuple(id, read_rows, read_cols);
   auto it = row_plans_.find(key);
-  if (it != row_plans_.end() && it->second.pins_version == pins_version_) return it->second;
+  if (it != row_plans_.end() && it->second.pins_version == pins_version_) {
+    row_plan_memo_ = {id, &it->second, read_rows, read_cols};
+    return it->second;
+  }
   const PatchPlan& plan = plan_for(id);
   const passes::SeqAxisAnalysis& a = seq_analysis();
   const ir::Node* src = states_[id].node;
@@ -305,7 +313,11 @@ const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_
     step.special = op == "linear" ? 6 : 7;
     step.cols_index = at::tensor(step.cols, at::TensorOptions().dtype(at::kLong)).to(w->type().tensor.device);
   }
-  return row_plans_[key] = std::move(rp);
+  rp.narrows = std::any_of(rp.steps.begin(), rp.steps.end(),
+                           [](const RowStep& st) { return st.need > 0 || !st.cols.empty(); });
+  RowPlan& stored = row_plans_[key] = std::move(rp);
+  row_plan_memo_ = {id, &stored, read_rows, read_cols};
+  return stored;
 }
 
 at::Tensor Engine::assemble_rows(int64_t id, const at::Tensor& cached, const at::Tensor& suffix, int64_t dim, int64_t p,
@@ -380,8 +392,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
   // declared: every node runs whole, local ones included, and that is a whole-cone
   // evaluation, whose kernels (and loop) are exactly those of a full recompute. Taken with cutoff on or
   // off alike (cutoff does not act inside a cone on either path), so the two give the same bits.
-  const bool narrows = std::any_of(rp.steps.begin(), rp.steps.end(),
-                                   [](const RowStep& st) { return st.need > 0 || !st.cols.empty(); });
+  const bool narrows = rp.narrows;
   if (!narrows && row_bytes_differ(values_[id], value, rp.source_axis, 0) &&
       row_bytes_differ(values_[id], value, rp.source_axis, rp.source_length - 1))
     return evaluate_cone_whole(id, std::move(value));

@@ -203,3 +203,46 @@ def test_sweep_sites_stops_even_when_fail_returns():
     assert torch.equal(eng.value(t), before)
     rg.demand()
     rg.check_invariants()
+
+
+def test_copies_given_to_patch_functions_are_reused_only_while_nobody_holds_them():
+    """sweep_sites writes each site's copy of the activation into an earlier site's copy of the same
+    shape when nothing else holds it: a copy (or a view of it) the patch function kept, or returned
+    as the patched value into an output the metric kept, is never written again."""
+    _, _, rg = _graph()
+    tanh = [n for n in rg.nodes() if n.startswith("tanh")]
+    sites = [(tanh[k % 3], p) for k in range(3) for p in range(5)]
+    seen = []
+
+    def keeps_nothing(v, site):
+        seen.append(v.data_ptr())
+        return v * 0.5
+
+    torch_ext.sweep(rg, sites, keeps_nothing, lambda o: o.sum(), progress=False)
+    assert len(set(seen)) == 1  # one buffer, written again at every site
+
+    kept = []  # (what the function kept, the clean value it was given)
+
+    def keeps(v, site):
+        node, p = site
+        clean = rg.engine.value(node).clone()
+        if p % 3 == 0:
+            kept.append((v, clean))                      # the copy itself
+        elif p % 3 == 1:
+            kept.append((v[:, 1:], clean[:, 1:]))        # a view of it
+        else:
+            kept.append((torch.from_numpy(v.numpy()), clean))  # memory shared through numpy
+        return v if p == 4 else v * 0.5                  # the copy itself as the patched value, once
+
+    outs = []
+
+    def metric(o):
+        outs.append(o)
+        return o.sum()
+
+    r = torch_ext.sweep(rg, sites, keeps, metric, progress=False)
+    for held, clean in kept:
+        assert torch.equal(held, clean)
+    for site, out in zip(sites, outs[1:]):
+        assert float(out.sum()) == r.metrics[site]
+    rg.check_invariants()
