@@ -291,3 +291,23 @@ def test_example_state_is_the_state_the_program_was_saved_with(tmp_path):
     got_losses, _ = run(loaded, state, bs[3:])
     want_losses, _ = run(step, trained, bs[3:])
     assert torch.equal(got_losses, want_losses)
+
+
+@pytest.mark.parametrize("kw", [{"accumulate": 2}, {"unroll": 2}], ids=["accumulate", "unroll"])
+def test_pt2_of_an_unrolled_or_accumulating_step_reads_every_batch(tmp_path, kw):
+    # step.program is exported from example inputs that repeat the example batch n times: export
+    # reads one tensor passed twice as one input, and every micro-batch would read the last one.
+    step = make(**kw)
+    bs = batches(6)
+    calls = [tuple(x for b in bs[k:k + 2] for x in b) for k in (0, 2, 4)]
+    placeholders = [n for n in step.program.graph.nodes if n.op == "placeholder"]
+    assert all(n.users for n in placeholders[-4:]), [(n.name, len(n.users)) for n in placeholders[-4:]]
+    path = tmp_path / "step.pt2"
+    torch.export.save(step.program, str(path))
+    loaded = torch_ext.load_step(path)
+    want_losses, want = run(step, step.init_state(seed=3), calls)
+    got_losses, got = run(loaded, step.init_state(seed=3), calls)
+    assert torch.equal(got_losses, want_losses)
+    assert_states_equal(got, want)
+    flat = step.flat_inputs(step.init_state(seed=3), *calls[0])
+    assert torch.equal(step.program.module()(*flat)[0], step(step.init_state(seed=3), *calls[0])[0])
