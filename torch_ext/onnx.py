@@ -247,7 +247,9 @@ def forward_to_onnx(model: torch.nn.Module, example_inputs: tuple, path: str) ->
     if model.training:
         raise ValueError("forward_to_onnx exports inference: call model.eval() first (dropout and batch "
                          "statistics would otherwise be baked in)")
-    program = torch.export.export(model, example_inputs)
+    from . import _compat
+
+    program = torch.export.export(model, _compat.distinct_inputs(example_inputs))  # (x, x): two inputs
     # optimize=False for the same reason as to_onnx: the graph optimizer drops small additive constants.
     onnx_program = torch.onnx.export(program, (), dynamo=True, verbose=False, optimize=False)
     onnx_program.save(path)

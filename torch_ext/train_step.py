@@ -388,7 +388,7 @@ class TrainStep:
         self.aliases = {n[len(_MODEL_PREFIX):]: c[len(_MODEL_PREFIX):] for n, c in canonical.items() if n != c}
 
         def export():
-            ep = torch.export.export(wrapper, self._example_batch)
+            ep = torch.export.export(wrapper, _compat.distinct_inputs(self._example_batch))  # (x, x): two inputs
             return _compat.merge_aliased_inputs(ep, canonical) if self.aliases else ep
 
         ep = export()
@@ -840,17 +840,9 @@ class TrainStep:
         if self._program is None:
             gm = self.graph.to_graph_module()
             example = self.flat_inputs(self._fresh_state(), *(self._example_batch * self.unroll * self.accumulate))
-            # torch.export reads inputs that share memory as one input (the first loads' users move to
-            # the last): the example batch repeated per micro-batch or unrolled call would leave every
-            # copy but one unread. Each input gets storage of its own.
-            seen = set()
-            for i, t in enumerate(example):
-                key = t.untyped_storage().data_ptr() if t.untyped_storage().nbytes() else ("empty", id(t))
-                if key in seen:
-                    example[i] = t.clone()
-                else:
-                    seen.add(key)
-            self._program = torch.export.export(gm, tuple(example), strict=False)
+            # The example batch repeated per micro-batch or unrolled call: distinct_inputs keeps export
+            # from reading the copies as one input (every micro-batch would read the last one).
+            self._program = torch.export.export(gm, _compat.distinct_inputs(tuple(example)), strict=False)
             # The flat layout rides in the artifact: torch.export.save serializes meta["custom"].
             from .deploy import LAYOUT_KEY, layout_of
 

@@ -523,3 +523,28 @@ def test_dropout_state_threads_through_unrolled_steps():
     torch.manual_seed(8)
     assert_bit_exact(losses, eager_run(ref, adamw(ref), iter(batches), 20), state, ref)
     assert torch.equal(state.rng, torch.get_rng_state())
+
+
+def test_an_example_batch_passing_one_tensor_twice_keeps_two_inputs():
+    # An autoencoder's example batch (x, x): export reads one tensor passed twice as one input, and
+    # the step then computed mse(model(y), y) for every later (x, y).
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    eager = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn = lambda m, x, y: F.mse_loss(m(x), y)  # noqa: E731
+    step = torch_ext.make_train_step(model, opt, loss_fn, (x, x))
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    state = step.init_state()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        xb, yb = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
+        loss, state = step(state, xb, yb)
+        eager_opt.zero_grad()
+        ref = loss_fn(eager, xb, yb)
+        ref.backward()
+        eager_opt.step()
+        assert torch.equal(loss, ref.detach())
+    for name, p in eager.named_parameters():
+        assert torch.equal(state.params["model." + name], p.detach()), name
