@@ -130,9 +130,10 @@ def _translations() -> dict:
 
 
 def to_onnx(step, path: str) -> str:
-    """Exports ``step``'s pure program to ``path`` (ONNX). Inputs: the state entries in
-    ``step.state_names`` order, then the batch leaves; outputs: the loss, then the new state in the
-    same order. The layout is written into the model's metadata (``torch_ext.layout``, JSON)."""
+    """Exports ``step``'s pure program to ``path`` (ONNX), with the program's inputs and outputs:
+    the flat layout of every artifact (``torch_ext.deploy.layout_of``: ``inputs`` in order, state
+    entries and ``batch:<i>`` leaves; ``outputs``: the loss, the new state in ``state_names`` order,
+    then the aux leaves), written into the model's metadata (``torch_ext.layout``, JSON)."""
     import json
 
     import onnx
@@ -176,9 +177,16 @@ def to_onnx(step, path: str) -> str:
         logging.disable(previous)
     onnx_program.save(path)
     model = onnx.load(path)
-    inputs = [name for name, role in step._inputs if role != "input"]  # state entries read, lr included
-    layout = {"state_names": list(step.state_names), "input_state_names": inputs,
-              "num_inputs": len(model.graph.input), "fingerprint": step.fingerprint}
+    from .deploy import layout_of
+
+    # The flat layout every artifact carries (README, torch_ext.deploy.layout_of): inputs in order,
+    # outputs (loss, new state, aux leaves), shapes, fingerprint, scheduler.
+    layout = layout_of(step)
+    if len(layout["inputs"]) != len(model.graph.input) or len(layout["outputs"]) != len(model.graph.output):
+        raise RuntimeError(f"to_onnx: the ONNX model has {len(model.graph.input)} inputs and {len(model.graph.output)} "
+                           f"outputs, the step's layout {len(layout['inputs'])} and {len(layout['outputs'])}")
+    layout["input_state_names"] = [n for n in layout["inputs"] if not n.startswith("batch:")]
+    layout["num_inputs"] = len(model.graph.input)
     entry = model.metadata_props.add()
     entry.key, entry.value = "torch_ext.layout", json.dumps(layout)
     onnx.save(model, path)
@@ -222,14 +230,23 @@ class OnnxStep:
         except KeyError as e:
             raise KeyError(f"the state has no entry {e} that this ONNX step needs") from None
         leaves = [t for t in torch.utils._pytree.tree_leaves(batch)]
-        flat = entries + leaves
-        if len(flat) != len(self._input_names):
+        if len(entries) + len(leaves) != len(self._input_names):
             raise ValueError(f"the ONNX step takes {len(self._input_names) - len(entries)} batch tensors, got "
                              f"{len(leaves)}")
+        if "inputs" in self.layout:  # the program's own input order (state and batch entries may interleave)
+            by_state = dict(zip(self.layout["input_state_names"], entries))
+            flat = [leaves[int(n[len("batch:"):])] if n.startswith("batch:") else by_state[n]
+                    for n in self.layout["inputs"]]
+        else:  # written before the layout named every input: state entries, then the batch
+            flat = entries + leaves
         feeds = {name: t.detach().cpu().numpy() for name, t in zip(self._input_names, flat)}
         outs = [torch.from_numpy(o) for o in self.session.run(None, feeds)]
         new = dict(zip(self.state_names, outs[1:1 + len(self.state_names)]))
-        return outs[0], ({**state, **new} if is_dict else state.replace(new))
+        new_state = {**state, **new} if is_dict else state.replace(new)
+        if self.layout.get("aux_spec") is not None:  # (loss, state, aux), as the step itself returns
+            spec = torch.utils._pytree.treespec_loads(self.layout["aux_spec"])
+            return outs[0], new_state, torch.utils._pytree.tree_unflatten(outs[1 + len(self.state_names):], spec)
+        return outs[0], new_state
 
 
 def load_onnx_step(path: str) -> OnnxStep:

@@ -139,3 +139,30 @@ def test_forward_inference_in_onnx_runtime(tmp_path, kind):
         run(batch[0], batch[0])
     with pytest.raises(ValueError, match="model.eval"):
         tox.forward_to_onnx(model.train(), (batch[0],), str(tmp_path / "f2.onnx"))
+
+
+def test_onnx_layout_is_the_documented_one_and_aux_comes_back(tmp_path):
+    # The metadata holds the flat layout every artifact carries (inputs, outputs with the aux
+    # leaves, shapes, scheduler), and the loaded step returns (loss, state, aux) as the step does.
+    model, batch, _ = _case("mlp")
+
+    def loss_fn(m, x, y):
+        out = m(x)
+        return F.cross_entropy(out, y), {"acc": (out.argmax(-1) == y).float().mean(), "norm": out.norm()}
+
+    step = torch_ext.make_train_step(model, torch.optim.Adam(model.parameters(), lr=1e-2), loss_fn, batch)
+    loaded = torch_ext.load_step(step.to_onnx(str(tmp_path / "s.onnx")))
+    layout = loaded.layout
+    from torch_ext.deploy import layout_of
+
+    for key, value in layout_of(step).items():
+        assert layout[key] == value, key
+    assert layout["outputs"][-2:] == ["aux:0", "aux:1"] and layout["inputs"][-2:] == ["batch:0", "batch:1"]
+    state = want_state = step.init_state()
+    for _ in range(3):
+        loss, state, aux = loaded(state, *batch)
+        want_loss, want_state, want_aux = step(want_state, *batch)
+        assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
+        assert set(aux) == {"acc", "norm"}
+        assert float(aux["acc"]) == float(want_aux["acc"])
+        assert float(aux["norm"]) == pytest.approx(float(want_aux["norm"]), rel=1e-5)
