@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import os
+
 import torch
 
 __all__ = ["to_onnx", "OnnxStep", "load_onnx_step"]
@@ -154,7 +156,15 @@ def to_onnx(step, path: str) -> str:
             "(the backward of scaled_dot_product_attention): write attention as matmul + softmax to train in ONNX")
     # torch's own core-ATen decompositions first: the exporter's translation of some backward ops
     # (nll_loss_backward's mean reduction) is wrong, while their ATen decompositions are what Inductor runs.
-    program = program.run_decompositions()
+    # Training-mode batch norm too: the exporter translates _native_batch_norm_legit_functional as
+    # inference (normalising by the running statistics, returning them unchanged).
+    from torch._decomp import get_decompositions
+
+    aten = torch.ops.aten
+    decompositions = torch.export.default_decompositions()
+    decompositions.update(get_decompositions([aten._native_batch_norm_legit_functional,
+                                              aten.native_batch_norm_backward]))
+    program = program.run_decompositions(decompositions)
     import logging
 
     previous = logging.root.manager.disable
@@ -190,7 +200,44 @@ def to_onnx(step, path: str) -> str:
     entry = model.metadata_props.add()
     entry.key, entry.value = "torch_ext.layout", json.dumps(layout)
     onnx.save(model, path)
+    try:
+        _check_against_the_program(step, path, layout)
+    except Exception:
+        os.remove(path)  # a file that trains differently is not left behind
+        raise
     return path
+
+
+def _check_against_the_program(step, path: str, layout: dict) -> None:
+    """Runs the exported file once in onnxruntime (when installed) on the step's example inputs and
+    compares every output with the program's: the exporter has translated ops as something else
+    before (training-mode batch norm as inference, nll_loss_backward's mean reduction)."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return
+    batch = step._example_batch * (step.unroll * step.accumulate)
+    flat = step.flat_inputs(step._fresh_state(), *batch)
+    want = step.program.module()(*flat)
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    feeds = {i.name: t.detach().cpu().numpy() for i, t in zip(session.get_inputs(), flat)}
+    got = session.run(None, feeds)
+    for name, w, g in zip(layout["outputs"], want, got):
+        g = torch.from_numpy(g)
+        w = w.detach()
+        if g.shape != w.shape or g.dtype != w.dtype:
+            raise RuntimeError(f"to_onnx: output {name!r} of the ONNX model has shape {tuple(g.shape)} and dtype "
+                               f"{g.dtype}, the program's {tuple(w.shape)} and {w.dtype}")
+        if not w.is_floating_point():
+            ok = torch.equal(g, w)
+        else:
+            scale = max(1.0, float(w.double().abs().max())) if w.numel() else 1.0
+            ok = torch.allclose(g.double(), w.double(), rtol=1e-4, atol=1e-4 * scale, equal_nan=True)
+        if not ok:
+            diff = float((g.double() - w.double()).abs().max()) if w.numel() else 0.0
+            raise RuntimeError(f"to_onnx: the ONNX model computes output {name!r} differently from the program on the "
+                               f"step's example inputs (max |difference| {diff:.3g}): torch {torch.__version__}'s ONNX "
+                               "exporter mistranslates an op of this step; file not written")
 
 
 class OnnxStep:
