@@ -501,7 +501,6 @@ class TrainStep:
         """init_state on this rank alone (no broadcast): for shapes and layouts."""
         params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
         buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
-        buffers.update({self._strip(k): v.clone() for k, v in self._constants.items()})
         opt: dict[str, torch.Tensor] = {}
         for u in self._updates:
             p = self._param_of[self._strip(u["param"])]
@@ -522,8 +521,11 @@ class TrainStep:
         rng = None
         if self.draws_random:
             rng = torch.Generator().manual_seed(seed).get_state() if seed is not None else torch.get_rng_state()
-        state = TrainState({_MODEL_PREFIX + k: v for k, v in params.items()},
-                           {_MODEL_PREFIX + k: v for k, v in buffers.items()}, opt, lr, self._id, rng)
+        buffers = {_MODEL_PREFIX + k: v for k, v in buffers.items()}
+        # Lifted tensor constants under the program's own names: "model.<...>" when made in forward,
+        # unprefixed when the loss function made or captured them (cross_entropy(..., weight=w)).
+        buffers.update({k: v.clone() for k, v in self._constants.items()})
+        state = TrainState({_MODEL_PREFIX + k: v for k, v in params.items()}, buffers, opt, lr, self._id, rng)
         state.origin = f"init_state() of TrainStep {self._id}"
         state.fingerprint = self.fingerprint
         return state

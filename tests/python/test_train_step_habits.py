@@ -548,3 +548,30 @@ def test_an_example_batch_passing_one_tensor_twice_keeps_two_inputs():
         assert torch.equal(loss, ref.detach())
     for name, p in eager.named_parameters():
         assert torch.equal(state.params["model." + name], p.detach()), name
+
+
+def test_a_tensor_captured_by_the_loss_function_rides_in_the_state(tmp_path):
+    # cross_entropy(..., weight=class_weights): the constant is lifted outside the model; init_state
+    # named it "model.lifted_tensor_0" and the program "lifted_tensor_0", so every call was refused.
+    class_weights = torch.tensor([0.2, 1.0, 3.0])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    eager = copy.deepcopy(model)
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y, weight=class_weights)  # noqa: E731
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(3)]
+    step = torch_ext.make_train_step(model, torch.optim.Adam(model.parameters(), lr=1e-2), loss_fn, batches[0])
+    eager_opt = torch.optim.Adam(eager.parameters(), lr=1e-2)
+    state = step.init_state()
+    for b in batches:
+        loss, state = step(state, *b)
+        eager_opt.zero_grad()
+        ref = loss_fn(eager, *b)
+        ref.backward()
+        eager_opt.step()
+        assert torch.equal(loss, ref.detach())
+    for name, p in eager.named_parameters():
+        assert torch.equal(state.params["model." + name], p.detach()), name
+    torch.export.save(step.program, str(tmp_path / "step.pt2"))
+    loaded = torch_ext.load_step(str(tmp_path / "step.pt2"))
+    assert torch.equal(loaded(state, *batches[0])[0], step(state, *batches[0])[0])
