@@ -448,6 +448,10 @@ class TrainStep:
         # Tensor constants made in forward (torch.tensor(0.5)) are lifted by export; they ride in the state.
         self._constants = {s.target: joint.constants[s.target].detach().clone()
                            for s in joint.graph_signature.input_specs if s.kind.name == "CONSTANT_TENSOR"}
+        # A tensor the loss function or forward captured (class weights) is the caller's own object:
+        # eager follows an in-place change to it, the program reads the value it was built with.
+        self._constant_sources = [(name, joint.constants[name], joint.constants[name]._version)
+                                  for name in self._constants if not joint.constants[name].is_inference()]
         self.joint_graph = Graph.from_exported(joint)
         cgraph, self._state_names, self._num_user = _C.build_train_step(self.joint_graph._g, spec, self.unroll)
         self.graph = Graph(cgraph)
@@ -610,6 +614,12 @@ class TrainStep:
     def _check_config(self) -> None:
         """Refuses to run after a change eager training would follow but the program cannot: a
         parameter frozen or unfrozen, a param group added or removed, a baked-in option changed."""
+        for name, tensor, version in self._constant_sources:
+            if tensor._version != version:
+                raise ValueError(f"the tensor captured as constant {name!r} (shape {tuple(tensor.shape)}) was changed in "
+                                 "place after make_train_step; eager training would use its new value, the program "
+                                 "bakes in the value it was built with: build a new step (make_train_step) after "
+                                 "changing it")
         if self._config_unchanged():
             return
         now = self._config()
