@@ -592,3 +592,25 @@ def test_a_captured_tensor_changed_in_place_after_the_build_is_refused():
     for call in (lambda: step(state, *batch), lambda: step.compile(plan=False)(state, *batch)):
         with pytest.raises(ValueError, match=r"constant 'lifted_tensor_0' \(shape \(3,\)\) was changed in place"):
             call()
+
+
+def test_step_parity_with_unroll_runs_the_unrolled_step(monkeypatch):
+    # unroll= was accepted and ignored: the parity of an unrolled step was never checked.
+    from torch_ext import testing
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(4)]
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    built = []
+    import torch_ext.train_step as ts
+
+    real = ts.make_train_step
+    monkeypatch.setattr(ts, "make_train_step", lambda *a, **kw: built.append(kw.get("unroll", 1)) or real(*a, **kw))
+    result = testing.step_parity(model, opt, loss_fn, batches, unroll=2)
+    assert built == [2]
+    assert result["steps"] == 4 and len(result["losses"]) == 4 and result["loss"] <= 1e-6 and result["state"] <= 1e-6
+    with pytest.raises(ValueError, match="unroll=2 takes the batches 2 per call, got 3"):
+        testing.step_parity(model, opt, loss_fn, batches[:3], unroll=2)
