@@ -193,7 +193,9 @@ class LoadedStep:
         params = set(self.layout["params"])
         state = TrainState(
             params={n: values[n] for n in self.layout["params"]},
-            buffers={n: v for n, v in values.items() if n.startswith("model.") and n not in params},
+            # buffers, and tensor constants ("model.<...>" from forward, unprefixed from the loss function)
+            buffers={n: v for n, v in values.items() if n not in params and n != "rng" and not n.startswith(_BATCH)
+                     and optim.parse_state_name(n) is None},
             opt={n: v for n, v in values.items() if (optim.parse_state_name(n) or ("",))[0] == "slot"},
             lr=[values[optim.lr_name(k)] for k in range(self.layout["num_lr"])],
             rng=values.get("rng"), fingerprint=self.fingerprint)

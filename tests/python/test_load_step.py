@@ -311,3 +311,21 @@ def test_pt2_of_an_unrolled_or_accumulating_step_reads_every_batch(tmp_path, kw)
     assert_states_equal(got, want)
     flat = step.flat_inputs(step.init_state(seed=3), *calls[0])
     assert torch.equal(step.program.module()(*flat)[0], step(step.init_state(seed=3), *calls[0])[0])
+
+
+def test_example_state_keeps_a_constant_the_loss_function_captured(tmp_path):
+    # Class weights captured by the loss function are lifted as "lifted_tensor_0" (no "model."
+    # prefix): example_state() kept only "model." entries as buffers and lost it.
+    class_weights = torch.tensor([0.5, 1.0, 2.0])
+    torch.manual_seed(0)
+    model = DropoutMLP(0.0)
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     lambda m, x, y: F.cross_entropy(m(x), y, weight=class_weights), batches(1)[0])
+    torch.export.save(step.program, str(tmp_path / "step.pt2"))
+    loaded = torch_ext.load_step(tmp_path / "step.pt2")
+    state = loaded.example_state()
+    assert torch.equal(state.lookup("lifted_tensor_0"), class_weights)
+    bs = batches(3)
+    got_losses, _ = run(loaded, state, bs)
+    want_losses, _ = run(step, step.init_state(), bs)
+    assert torch.equal(got_losses, want_losses)
