@@ -150,6 +150,16 @@ def test_aoti_package_loads_and_trains(tmp_path):
     want_losses, want = run(step, step.init_state(), bs)
     torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)
     assert_states_equal(got, want, atol=1e-5)
+    # AOTInductor indexes inputs with the contiguous strides it was compiled for, unchecked: a
+    # transposed entry or batch (same values) trained something else (loss 1.088 for 1.103).
+    state = step.init_state()
+    w = state.lookup("model.l1.weight")
+    transposed = state.replace({"model.l1.weight": w.t().contiguous().t()})
+    x, y = bs[0]
+    loss, new = loaded(transposed, x.t().contiguous().t(), y)
+    want_loss, want_new = loaded(state, x, y)
+    assert torch.equal(loss, want_loss)
+    assert_states_equal(new, want_new)
 
 
 def test_aoti_donating_package_updates_the_state_in_place(tmp_path):
@@ -184,6 +194,13 @@ def test_aoti_donating_package_updates_the_state_in_place(tmp_path):
         donating(shared, *bs[0])
     assert f"'{a}'" in str(refused.value) and f"'{b}'" in str(refused.value)
     assert shared.consumed_by is None
+    # The package writes into the entry with contiguous strides: a transposed one is refused.
+    transposed = step.init_state()
+    w = transposed.lookup("model.l1.weight")
+    transposed = transposed.replace({"model.l1.weight": w.t().contiguous().t()})
+    with pytest.raises(ValueError, match=r"entry 'model\.l1\.weight' is not contiguous \(strides \(1, 16\)\)"):
+        donating(transposed, *bs[0])
+    assert transposed.consumed_by is None
 
 
 class EmptyCacheAttention(nn.Module):
