@@ -204,6 +204,26 @@ def donating_program(ep: torch.export.ExportedProgram, donated: dict[int, int]) 
     return out
 
 
+def distinct_inputs(tree):
+    """``tree`` with every tensor leaf that shares memory with an earlier leaf replaced by a clone.
+
+    torch.export and make_fx read one tensor passed twice (``(x, x)``, an example batch repeated per
+    micro-batch) as one input: every use moves to one placeholder, and the graph then computes with
+    that input wherever the others were passed. Example inputs of their own keep the inputs apart."""
+    leaves, spec = torch.utils._pytree.tree_flatten(tree)
+    seen = set()
+    for i, t in enumerate(leaves):
+        if not isinstance(t, torch.Tensor):
+            continue
+        storage = t.untyped_storage()
+        key = storage.data_ptr() if storage.nbytes() else ("empty", id(t))
+        if key in seen:
+            leaves[i] = t.clone()
+        else:
+            seen.add(key)
+    return torch.utils._pytree.tree_unflatten(leaves, spec)
+
+
 def export_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> torch.export.ExportedProgram:
     """torch.export for an inference graph (see ``trace_for_inference``)."""
     return trace_for_inference(module, args, kwargs, front_end="export")[0]
@@ -230,6 +250,8 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
     import keyword
 
     import types
+
+    args, kwargs = distinct_inputs((tuple(args), kwargs))
 
     # TransformerLens 4's TransformerBridge reports the wrapped model's parameter names from
     # named_parameters()/parameters()/state_dict(), which export cannot find in the module tree:

@@ -143,6 +143,17 @@ class LoadedStep:
                                  f"{self.path} expects {tuple(w['shape'])} and {w['dtype']}")
             flat.append(t)
         donated = self.layout.get("donated")
+        if self.kind == "aoti":
+            # AOTInductor's kernels index their inputs with the strides the program was compiled for
+            # (contiguous), without checking: a transposed entry or batch would be read as garbage.
+            for i, (name, t) in enumerate(zip(self.layout["inputs"], flat)):
+                if t.is_contiguous():
+                    continue
+                if donated and name in donated:
+                    raise ValueError(f"{state.describe()}: entry {name!r} is not contiguous (strides {t.stride()}), and "
+                                     f"{self.path} writes its new value into it in place (a donating package); pass "
+                                     "a state with contiguous tensors (state.replace({name: t.contiguous()}))")
+                flat[i] = t.contiguous()
         if donated:
             # The package writes each donated entry into its tensor: two entries sharing memory would
             # overwrite each other's new values.
@@ -193,7 +204,9 @@ class LoadedStep:
         params = set(self.layout["params"])
         state = TrainState(
             params={n: values[n] for n in self.layout["params"]},
-            buffers={n: v for n, v in values.items() if n.startswith("model.") and n not in params},
+            # buffers, and tensor constants ("model.<...>" from forward, unprefixed from the loss function)
+            buffers={n: v for n, v in values.items() if n not in params and n != "rng" and not n.startswith(_BATCH)
+                     and optim.parse_state_name(n) is None},
             opt={n: v for n, v in values.items() if (optim.parse_state_name(n) or ("",))[0] == "slot"},
             lr=[values[optim.lr_name(k)] for k in range(self.layout["num_lr"])],
             rng=values.get("rng"), fingerprint=self.fingerprint)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import os
+
 import torch
 
 __all__ = ["to_onnx", "OnnxStep", "load_onnx_step"]
@@ -130,9 +132,10 @@ def _translations() -> dict:
 
 
 def to_onnx(step, path: str) -> str:
-    """Exports ``step``'s pure program to ``path`` (ONNX). Inputs: the state entries in
-    ``step.state_names`` order, then the batch leaves; outputs: the loss, then the new state in the
-    same order. The layout is written into the model's metadata (``torch_ext.layout``, JSON)."""
+    """Exports ``step``'s pure program to ``path`` (ONNX), with the program's inputs and outputs:
+    the flat layout of every artifact (``torch_ext.deploy.layout_of``: ``inputs`` in order, state
+    entries and ``batch:<i>`` leaves; ``outputs``: the loss, the new state in ``state_names`` order,
+    then the aux leaves), written into the model's metadata (``torch_ext.layout``, JSON)."""
     import json
 
     import onnx
@@ -153,7 +156,15 @@ def to_onnx(step, path: str) -> str:
             "(the backward of scaled_dot_product_attention): write attention as matmul + softmax to train in ONNX")
     # torch's own core-ATen decompositions first: the exporter's translation of some backward ops
     # (nll_loss_backward's mean reduction) is wrong, while their ATen decompositions are what Inductor runs.
-    program = program.run_decompositions()
+    # Training-mode batch norm too: the exporter translates _native_batch_norm_legit_functional as
+    # inference (normalising by the running statistics, returning them unchanged).
+    from torch._decomp import get_decompositions
+
+    aten = torch.ops.aten
+    decompositions = torch.export.default_decompositions()
+    decompositions.update(get_decompositions([aten._native_batch_norm_legit_functional,
+                                              aten.native_batch_norm_backward]))
+    program = program.run_decompositions(decompositions)
     import logging
 
     previous = logging.root.manager.disable
@@ -176,13 +187,57 @@ def to_onnx(step, path: str) -> str:
         logging.disable(previous)
     onnx_program.save(path)
     model = onnx.load(path)
-    inputs = [name for name, role in step._inputs if role != "input"]  # state entries read, lr included
-    layout = {"state_names": list(step.state_names), "input_state_names": inputs,
-              "num_inputs": len(model.graph.input), "fingerprint": step.fingerprint}
+    from .deploy import layout_of
+
+    # The flat layout every artifact carries (README, torch_ext.deploy.layout_of): inputs in order,
+    # outputs (loss, new state, aux leaves), shapes, fingerprint, scheduler.
+    layout = layout_of(step)
+    if len(layout["inputs"]) != len(model.graph.input) or len(layout["outputs"]) != len(model.graph.output):
+        raise RuntimeError(f"to_onnx: the ONNX model has {len(model.graph.input)} inputs and {len(model.graph.output)} "
+                           f"outputs, the step's layout {len(layout['inputs'])} and {len(layout['outputs'])}")
+    layout["input_state_names"] = [n for n in layout["inputs"] if not n.startswith("batch:")]
+    layout["num_inputs"] = len(model.graph.input)
     entry = model.metadata_props.add()
     entry.key, entry.value = "torch_ext.layout", json.dumps(layout)
     onnx.save(model, path)
+    try:
+        _check_against_the_program(step, path, layout)
+    except Exception:
+        os.remove(path)  # a file that trains differently is not left behind
+        raise
     return path
+
+
+def _check_against_the_program(step, path: str, layout: dict) -> None:
+    """Runs the exported file once in onnxruntime (when installed) on the step's example inputs and
+    compares every output with the program's: the exporter has translated ops as something else
+    before (training-mode batch norm as inference, nll_loss_backward's mean reduction)."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return
+    batch = step._example_batch * (step.unroll * step.accumulate)
+    flat = step.flat_inputs(step._fresh_state(), *batch)
+    want = step.program.module()(*flat)
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    feeds = {i.name: t.detach().cpu().numpy() for i, t in zip(session.get_inputs(), flat)}
+    got = session.run(None, feeds)
+    for name, w, g in zip(layout["outputs"], want, got):
+        g = torch.from_numpy(g)
+        w = w.detach()
+        if g.shape != w.shape or g.dtype != w.dtype:
+            raise RuntimeError(f"to_onnx: output {name!r} of the ONNX model has shape {tuple(g.shape)} and dtype "
+                               f"{g.dtype}, the program's {tuple(w.shape)} and {w.dtype}")
+        if not w.is_floating_point():
+            ok = torch.equal(g, w)
+        else:
+            scale = max(1.0, float(w.double().abs().max())) if w.numel() else 1.0
+            ok = torch.allclose(g.double(), w.double(), rtol=1e-4, atol=1e-4 * scale, equal_nan=True)
+        if not ok:
+            diff = float((g.double() - w.double()).abs().max()) if w.numel() else 0.0
+            raise RuntimeError(f"to_onnx: the ONNX model computes output {name!r} differently from the program on the "
+                               f"step's example inputs (max |difference| {diff:.3g}): torch {torch.__version__}'s ONNX "
+                               "exporter mistranslates an op of this step; file not written")
 
 
 class OnnxStep:
@@ -222,14 +277,23 @@ class OnnxStep:
         except KeyError as e:
             raise KeyError(f"the state has no entry {e} that this ONNX step needs") from None
         leaves = [t for t in torch.utils._pytree.tree_leaves(batch)]
-        flat = entries + leaves
-        if len(flat) != len(self._input_names):
+        if len(entries) + len(leaves) != len(self._input_names):
             raise ValueError(f"the ONNX step takes {len(self._input_names) - len(entries)} batch tensors, got "
                              f"{len(leaves)}")
+        if "inputs" in self.layout:  # the program's own input order (state and batch entries may interleave)
+            by_state = dict(zip(self.layout["input_state_names"], entries))
+            flat = [leaves[int(n[len("batch:"):])] if n.startswith("batch:") else by_state[n]
+                    for n in self.layout["inputs"]]
+        else:  # written before the layout named every input: state entries, then the batch
+            flat = entries + leaves
         feeds = {name: t.detach().cpu().numpy() for name, t in zip(self._input_names, flat)}
         outs = [torch.from_numpy(o) for o in self.session.run(None, feeds)]
         new = dict(zip(self.state_names, outs[1:1 + len(self.state_names)]))
-        return outs[0], ({**state, **new} if is_dict else state.replace(new))
+        new_state = {**state, **new} if is_dict else state.replace(new)
+        if self.layout.get("aux_spec") is not None:  # (loss, state, aux), as the step itself returns
+            spec = torch.utils._pytree.treespec_loads(self.layout["aux_spec"])
+            return outs[0], new_state, torch.utils._pytree.tree_unflatten(outs[1 + len(self.state_names):], spec)
+        return outs[0], new_state
 
 
 def load_onnx_step(path: str) -> OnnxStep:
@@ -247,7 +311,9 @@ def forward_to_onnx(model: torch.nn.Module, example_inputs: tuple, path: str) ->
     if model.training:
         raise ValueError("forward_to_onnx exports inference: call model.eval() first (dropout and batch "
                          "statistics would otherwise be baked in)")
-    program = torch.export.export(model, example_inputs)
+    from . import _compat
+
+    program = torch.export.export(model, _compat.distinct_inputs(example_inputs))  # (x, x): two inputs
     # optimize=False for the same reason as to_onnx: the graph optimizer drops small additive constants.
     onnx_program = torch.onnx.export(program, (), dynamo=True, verbose=False, optimize=False)
     onnx_program.save(path)

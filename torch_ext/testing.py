@@ -16,14 +16,20 @@ def step_parity(model, optimizer, loss_fn: Callable, batches: Sequence, *, unrol
     """Runs the pure step and the eager loop side by side on copies; returns the largest differences.
 
     Both sides start from one RNG state: the step from ``init_state(seed=seed)``, the eager loop
-    after ``torch.manual_seed(seed)``, so dropout draws the same masks. The caller's model,
-    optimizer and global RNG state are not touched.
+    after ``torch.manual_seed(seed)``, so dropout draws the same masks. ``unroll=N`` builds the
+    step with ``unroll=N`` and feeds it N batches per call (``len(batches)`` a multiple of N). The
+    caller's model, optimizer and global RNG state are not touched.
     """
+    if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
+        raise ValueError(f"step_parity: unroll must be an int >= 1, got {unroll!r}")
+    if len(batches) % unroll:
+        raise ValueError(f"step_parity: unroll={unroll} takes the batches {unroll} per call, got {len(batches)} "
+                         "batches (not a multiple)")
     with torch.random.fork_rng(devices=[]):
-        return _step_parity(model, optimizer, loss_fn, batches, seed)
+        return _step_parity(model, optimizer, loss_fn, batches, seed, unroll)
 
 
-def _step_parity(model, optimizer, loss_fn, batches, seed):
+def _step_parity(model, optimizer, loss_fn, batches, seed, unroll=1):
     from .train_step import make_train_step
 
     batches = [tuple(b) for b in batches]
@@ -32,12 +38,18 @@ def _step_parity(model, optimizer, loss_fn, batches, seed):
     opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     pure_model, pure_opts = copy.deepcopy((model, opts))
     ref_model, ref_opts = copy.deepcopy((model, opts))
-    step = make_train_step(pure_model, pure_opts if len(pure_opts) > 1 else pure_opts[0], loss_fn, batches[0])
+    step = make_train_step(pure_model, pure_opts if len(pure_opts) > 1 else pure_opts[0], loss_fn, batches[0],
+                           unroll=unroll)
     state = step.init_state(seed=seed)
     torch.manual_seed(seed)  # the eager loop's generator; the pure step reads only its own state
     worst = {"loss": 0.0, "state": 0.0, "worst_entry": "", "steps": 0, "nonfinite": False, "losses": []}
+    pending = []  # this call's losses, one per unrolled step
     for i, batch in enumerate(batches):
-        loss, state = step(state, *batch)[:2]
+        if i % unroll == 0:
+            group = [x for b in batches[i:i + unroll] for x in b]
+            losses, state = step(state, *group)[:2]
+            pending = list(losses.reshape(-1)) if unroll > 1 else [losses]
+        loss = pending[i % unroll]
         for o in ref_opts:
             o.zero_grad()
         ref_loss = loss_fn(ref_model, *batch)

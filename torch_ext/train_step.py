@@ -388,7 +388,7 @@ class TrainStep:
         self.aliases = {n[len(_MODEL_PREFIX):]: c[len(_MODEL_PREFIX):] for n, c in canonical.items() if n != c}
 
         def export():
-            ep = torch.export.export(wrapper, self._example_batch)
+            ep = torch.export.export(wrapper, _compat.distinct_inputs(self._example_batch))  # (x, x): two inputs
             return _compat.merge_aliased_inputs(ep, canonical) if self.aliases else ep
 
         ep = export()
@@ -448,6 +448,10 @@ class TrainStep:
         # Tensor constants made in forward (torch.tensor(0.5)) are lifted by export; they ride in the state.
         self._constants = {s.target: joint.constants[s.target].detach().clone()
                            for s in joint.graph_signature.input_specs if s.kind.name == "CONSTANT_TENSOR"}
+        # A tensor the loss function or forward captured (class weights) is the caller's own object:
+        # eager follows an in-place change to it, the program reads the value it was built with.
+        self._constant_sources = [(name, joint.constants[name], joint.constants[name]._version)
+                                  for name in self._constants if not joint.constants[name].is_inference()]
         self.joint_graph = Graph.from_exported(joint)
         cgraph, self._state_names, self._num_user = _C.build_train_step(self.joint_graph._g, spec, self.unroll)
         self.graph = Graph(cgraph)
@@ -501,7 +505,6 @@ class TrainStep:
         """init_state on this rank alone (no broadcast): for shapes and layouts."""
         params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
         buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
-        buffers.update({self._strip(k): v.clone() for k, v in self._constants.items()})
         opt: dict[str, torch.Tensor] = {}
         for u in self._updates:
             p = self._param_of[self._strip(u["param"])]
@@ -522,8 +525,11 @@ class TrainStep:
         rng = None
         if self.draws_random:
             rng = torch.Generator().manual_seed(seed).get_state() if seed is not None else torch.get_rng_state()
-        state = TrainState({_MODEL_PREFIX + k: v for k, v in params.items()},
-                           {_MODEL_PREFIX + k: v for k, v in buffers.items()}, opt, lr, self._id, rng)
+        buffers = {_MODEL_PREFIX + k: v for k, v in buffers.items()}
+        # Lifted tensor constants under the program's own names: "model.<...>" when made in forward,
+        # unprefixed when the loss function made or captured them (cross_entropy(..., weight=w)).
+        buffers.update({k: v.clone() for k, v in self._constants.items()})
+        state = TrainState({_MODEL_PREFIX + k: v for k, v in params.items()}, buffers, opt, lr, self._id, rng)
         state.origin = f"init_state() of TrainStep {self._id}"
         state.fingerprint = self.fingerprint
         return state
@@ -608,6 +614,12 @@ class TrainStep:
     def _check_config(self) -> None:
         """Refuses to run after a change eager training would follow but the program cannot: a
         parameter frozen or unfrozen, a param group added or removed, a baked-in option changed."""
+        for name, tensor, version in self._constant_sources:
+            if tensor._version != version:
+                raise ValueError(f"the tensor captured as constant {name!r} (shape {tuple(tensor.shape)}) was changed in "
+                                 "place after make_train_step; eager training would use its new value, the program "
+                                 "bakes in the value it was built with: build a new step (make_train_step) after "
+                                 "changing it")
         if self._config_unchanged():
             return
         now = self._config()
@@ -840,7 +852,9 @@ class TrainStep:
         if self._program is None:
             gm = self.graph.to_graph_module()
             example = self.flat_inputs(self._fresh_state(), *(self._example_batch * self.unroll * self.accumulate))
-            self._program = torch.export.export(gm, tuple(example), strict=False)
+            # The example batch repeated per micro-batch or unrolled call: distinct_inputs keeps export
+            # from reading the copies as one input (every micro-batch would read the last one).
+            self._program = torch.export.export(gm, _compat.distinct_inputs(tuple(example)), strict=False)
             # The flat layout rides in the artifact: torch.export.save serializes meta["custom"].
             from .deploy import LAYOUT_KEY, layout_of
 

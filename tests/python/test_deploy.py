@@ -44,6 +44,16 @@ def test_aoti_package_runs_10_steps_from_cpp(tmp_path, donate):
     # Inductor fuses the forward/backward kernels, so agreement is to float32 rounding, not bitwise.
     torch.testing.assert_close(torch.tensor(cpp_losses), torch.tensor(py_losses), rtol=1e-5, atol=1e-6)
     assert cpp_losses[-1] < cpp_losses[0]
+    # torch.save keeps a transposed tensor transposed; the package's kernels assume contiguous inputs.
+    transposed = step.init_state().state_dict()
+    w = transposed["params"]["model.0.weight"]
+    transposed["params"]["model.0.weight"] = w.t().contiguous().t()
+    torch.save(transposed, tmp_path / "transposed.pt")
+    torch.save([[b[0].t().contiguous().t(), b[1]] for b in batches], tmp_path / "transposed_batches.pt")
+    run = subprocess.run([str(RUNNER), package, str(tmp_path / "transposed.pt"), str(tmp_path / "transposed_batches.pt")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [float(line) for line in run.stdout.split()] == cpp_losses
     if donate:
         # Two donated entries sharing memory would overwrite each other's new values: refused.
         shared = step.init_state().state_dict()

@@ -150,6 +150,16 @@ def test_aoti_package_loads_and_trains(tmp_path):
     want_losses, want = run(step, step.init_state(), bs)
     torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)
     assert_states_equal(got, want, atol=1e-5)
+    # AOTInductor indexes inputs with the contiguous strides it was compiled for, unchecked: a
+    # transposed entry or batch (same values) trained something else (loss 1.088 for 1.103).
+    state = step.init_state()
+    w = state.lookup("model.l1.weight")
+    transposed = state.replace({"model.l1.weight": w.t().contiguous().t()})
+    x, y = bs[0]
+    loss, new = loaded(transposed, x.t().contiguous().t(), y)
+    want_loss, want_new = loaded(state, x, y)
+    assert torch.equal(loss, want_loss)
+    assert_states_equal(new, want_new)
 
 
 def test_aoti_donating_package_updates_the_state_in_place(tmp_path):
@@ -184,6 +194,13 @@ def test_aoti_donating_package_updates_the_state_in_place(tmp_path):
         donating(shared, *bs[0])
     assert f"'{a}'" in str(refused.value) and f"'{b}'" in str(refused.value)
     assert shared.consumed_by is None
+    # The package writes into the entry with contiguous strides: a transposed one is refused.
+    transposed = step.init_state()
+    w = transposed.lookup("model.l1.weight")
+    transposed = transposed.replace({"model.l1.weight": w.t().contiguous().t()})
+    with pytest.raises(ValueError, match=r"entry 'model\.l1\.weight' is not contiguous \(strides \(1, 16\)\)"):
+        donating(transposed, *bs[0])
+    assert transposed.consumed_by is None
 
 
 class EmptyCacheAttention(nn.Module):
@@ -290,4 +307,42 @@ def test_example_state_is_the_state_the_program_was_saved_with(tmp_path):
     assert [float(v) for v in state.lr] == [float(v) for v in trained.lr] and torch.equal(state.rng, trained.rng)
     got_losses, _ = run(loaded, state, bs[3:])
     want_losses, _ = run(step, trained, bs[3:])
+    assert torch.equal(got_losses, want_losses)
+
+
+@pytest.mark.parametrize("kw", [{"accumulate": 2}, {"unroll": 2}], ids=["accumulate", "unroll"])
+def test_pt2_of_an_unrolled_or_accumulating_step_reads_every_batch(tmp_path, kw):
+    # step.program is exported from example inputs that repeat the example batch n times: export
+    # reads one tensor passed twice as one input, and every micro-batch would read the last one.
+    step = make(**kw)
+    bs = batches(6)
+    calls = [tuple(x for b in bs[k:k + 2] for x in b) for k in (0, 2, 4)]
+    placeholders = [n for n in step.program.graph.nodes if n.op == "placeholder"]
+    assert all(n.users for n in placeholders[-4:]), [(n.name, len(n.users)) for n in placeholders[-4:]]
+    path = tmp_path / "step.pt2"
+    torch.export.save(step.program, str(path))
+    loaded = torch_ext.load_step(path)
+    want_losses, want = run(step, step.init_state(seed=3), calls)
+    got_losses, got = run(loaded, step.init_state(seed=3), calls)
+    assert torch.equal(got_losses, want_losses)
+    assert_states_equal(got, want)
+    flat = step.flat_inputs(step.init_state(seed=3), *calls[0])
+    assert torch.equal(step.program.module()(*flat)[0], step(step.init_state(seed=3), *calls[0])[0])
+
+
+def test_example_state_keeps_a_constant_the_loss_function_captured(tmp_path):
+    # Class weights captured by the loss function are lifted as "lifted_tensor_0" (no "model."
+    # prefix): example_state() kept only "model." entries as buffers and lost it.
+    class_weights = torch.tensor([0.5, 1.0, 2.0])
+    torch.manual_seed(0)
+    model = DropoutMLP(0.0)
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     lambda m, x, y: F.cross_entropy(m(x), y, weight=class_weights), batches(1)[0])
+    torch.export.save(step.program, str(tmp_path / "step.pt2"))
+    loaded = torch_ext.load_step(tmp_path / "step.pt2")
+    state = loaded.example_state()
+    assert torch.equal(state.lookup("lifted_tensor_0"), class_weights)
+    bs = batches(3)
+    got_losses, _ = run(loaded, state, bs)
+    want_losses, _ = run(step, step.init_state(), bs)
     assert torch.equal(got_losses, want_losses)

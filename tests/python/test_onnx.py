@@ -139,3 +139,70 @@ def test_forward_inference_in_onnx_runtime(tmp_path, kind):
         run(batch[0], batch[0])
     with pytest.raises(ValueError, match="model.eval"):
         tox.forward_to_onnx(model.train(), (batch[0],), str(tmp_path / "f2.onnx"))
+
+
+def test_onnx_layout_is_the_documented_one_and_aux_comes_back(tmp_path):
+    # The metadata holds the flat layout every artifact carries (inputs, outputs with the aux
+    # leaves, shapes, scheduler), and the loaded step returns (loss, state, aux) as the step does.
+    model, batch, _ = _case("mlp")
+
+    def loss_fn(m, x, y):
+        out = m(x)
+        return F.cross_entropy(out, y), {"acc": (out.argmax(-1) == y).float().mean(), "norm": out.norm()}
+
+    step = torch_ext.make_train_step(model, torch.optim.Adam(model.parameters(), lr=1e-2), loss_fn, batch)
+    loaded = torch_ext.load_step(step.to_onnx(str(tmp_path / "s.onnx")))
+    layout = loaded.layout
+    from torch_ext.deploy import layout_of
+
+    for key, value in layout_of(step).items():
+        assert layout[key] == value, key
+    assert layout["outputs"][-2:] == ["aux:0", "aux:1"] and layout["inputs"][-2:] == ["batch:0", "batch:1"]
+    state = want_state = step.init_state()
+    for _ in range(3):
+        loss, state, aux = loaded(state, *batch)
+        want_loss, want_state, want_aux = step(want_state, *batch)
+        assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
+        assert set(aux) == {"acc", "norm"}
+        assert float(aux["acc"]) == float(want_aux["acc"])
+        assert float(aux["norm"]) == pytest.approx(float(want_aux["norm"]), rel=1e-5)
+
+
+def test_onnx_trains_batch_norm_like_the_executor(tmp_path):
+    # torch 2.9's exporter translates training-mode batch norm as inference (normalising by the
+    # running statistics and returning them unchanged): to_onnx decomposes it first.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    batch = (torch.randn(6, 8) * 3 + 1, torch.randint(0, 3, (6,)))
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                     lambda m, x, y: F.cross_entropy(m(x), y), batch)
+    loaded = torch_ext.load_step(step.to_onnx(str(tmp_path / "bn.onnx")))
+    state = want = step.init_state()
+    g = torch.Generator().manual_seed(2)
+    for _ in range(5):
+        b = (torch.randn(6, 8, generator=g) * 3 + 1, batch[1])
+        loss, state = loaded(state, *b)
+        want_loss, want = step(want, *b)
+        assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
+    for name in ("model.1.running_mean", "model.1.running_var", "model.1.weight", "model.3.weight"):
+        torch.testing.assert_close(state.lookup(name), want.lookup(name), rtol=1e-5, atol=1e-6, msg=name)
+    assert torch.equal(state.lookup("model.1.num_batches_tracked"), want.lookup("model.1.num_batches_tracked"))
+
+
+def test_onnx_export_that_computes_differently_is_refused(tmp_path, monkeypatch):
+    # to_onnx runs the file once against the program: a mistranslated op is an error, not a file.
+    model, batch, loss_fn = _case("mlp")
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, batch)
+    table = tox._translations()
+    right = table[torch.ops.torch_ext.sgd_update.default]
+    from onnxscript import opset18 as op
+
+    def wrong(param, grad, lr, weight_decay, maximize):  # ascends instead of descending
+        return op.Add(param, op.Sub(param, right(param, grad, lr, weight_decay, maximize)))
+
+    table[torch.ops.torch_ext.sgd_update.default] = wrong
+    monkeypatch.setattr(tox, "_translations", lambda: table)
+    path = tmp_path / "wrong.onnx"
+    with pytest.raises(RuntimeError, match=r"computes output 'model\.0\.weight' differently"):
+        tox.to_onnx(step, str(path))
+    assert not path.exists()

@@ -1280,3 +1280,23 @@ def test_batched_cones_are_bounded_and_evicted_least_recently_used_first(tiny):
     torch_ext.sweep(rg, sites[8:], patch, metric, progress=False, batch_sites=True)
     assert [key[0] for key in rg._batched] == [nodes[4]]
     rg.restore()
+
+
+def test_example_inputs_passing_one_tensor_twice_stay_two_inputs():
+    # The trace reads one tensor passed twice as one input; run(a, b) then computed with b for a.
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, a, b):
+            return self.fc(a) - b
+
+    torch.manual_seed(0)
+    model = Two().eval()
+    x = torch.randn(3, 4)
+    for front_end in ("make_fx", "export"):
+        rg = torch_ext.ReactiveGraph(model, (x, x), front_end=front_end, cache=False)
+        assert torch.equal(rg.demand(), model(x, x))
+        a, b = torch.randn(3, 4), torch.randn(3, 4)
+        assert torch.equal(rg.run(a, b), model(a, b)), front_end

@@ -523,3 +523,94 @@ def test_dropout_state_threads_through_unrolled_steps():
     torch.manual_seed(8)
     assert_bit_exact(losses, eager_run(ref, adamw(ref), iter(batches), 20), state, ref)
     assert torch.equal(state.rng, torch.get_rng_state())
+
+
+def test_an_example_batch_passing_one_tensor_twice_keeps_two_inputs():
+    # An autoencoder's example batch (x, x): export reads one tensor passed twice as one input, and
+    # the step then computed mse(model(y), y) for every later (x, y).
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    eager = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn = lambda m, x, y: F.mse_loss(m(x), y)  # noqa: E731
+    step = torch_ext.make_train_step(model, opt, loss_fn, (x, x))
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    state = step.init_state()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        xb, yb = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
+        loss, state = step(state, xb, yb)
+        eager_opt.zero_grad()
+        ref = loss_fn(eager, xb, yb)
+        ref.backward()
+        eager_opt.step()
+        assert torch.equal(loss, ref.detach())
+    for name, p in eager.named_parameters():
+        assert torch.equal(state.params["model." + name], p.detach()), name
+
+
+def test_a_tensor_captured_by_the_loss_function_rides_in_the_state(tmp_path):
+    # cross_entropy(..., weight=class_weights): the constant is lifted outside the model; init_state
+    # named it "model.lifted_tensor_0" and the program "lifted_tensor_0", so every call was refused.
+    class_weights = torch.tensor([0.2, 1.0, 3.0])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    eager = copy.deepcopy(model)
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y, weight=class_weights)  # noqa: E731
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(3)]
+    step = torch_ext.make_train_step(model, torch.optim.Adam(model.parameters(), lr=1e-2), loss_fn, batches[0])
+    eager_opt = torch.optim.Adam(eager.parameters(), lr=1e-2)
+    state = step.init_state()
+    for b in batches:
+        loss, state = step(state, *b)
+        eager_opt.zero_grad()
+        ref = loss_fn(eager, *b)
+        ref.backward()
+        eager_opt.step()
+        assert torch.equal(loss, ref.detach())
+    for name, p in eager.named_parameters():
+        assert torch.equal(state.params["model." + name], p.detach()), name
+    torch.export.save(step.program, str(tmp_path / "step.pt2"))
+    loaded = torch_ext.load_step(str(tmp_path / "step.pt2"))
+    assert torch.equal(loaded(state, *batches[0])[0], step(state, *batches[0])[0])
+
+
+def test_a_captured_tensor_changed_in_place_after_the_build_is_refused():
+    # Eager follows class_weights.mul_(2); the program read the value it was built with (loss 0.957
+    # where eager gave 1.027).
+    class_weights = torch.tensor([0.2, 1.0, 3.0])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 3))
+    batch = (torch.randn(6, 8), torch.randint(0, 3, (6,)))
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     lambda m, x, y: F.cross_entropy(m(x), y, weight=class_weights), batch)
+    state = step.init_state()
+    step(state, *batch)
+    class_weights.mul_(2)
+    for call in (lambda: step(state, *batch), lambda: step.compile(plan=False)(state, *batch)):
+        with pytest.raises(ValueError, match=r"constant 'lifted_tensor_0' \(shape \(3,\)\) was changed in place"):
+            call()
+
+
+def test_step_parity_with_unroll_runs_the_unrolled_step(monkeypatch):
+    # unroll= was accepted and ignored: the parity of an unrolled step was never checked.
+    from torch_ext import testing
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(4)]
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    built = []
+    import torch_ext.train_step as ts
+
+    real = ts.make_train_step
+    monkeypatch.setattr(ts, "make_train_step", lambda *a, **kw: built.append(kw.get("unroll", 1)) or real(*a, **kw))
+    result = testing.step_parity(model, opt, loss_fn, batches, unroll=2)
+    assert built == [2]
+    assert result["steps"] == 4 and len(result["losses"]) == 4 and result["loss"] <= 1e-6 and result["state"] <= 1e-6
+    with pytest.raises(ValueError, match="unroll=2 takes the batches 2 per call, got 3"):
+        testing.step_parity(model, opt, loss_fn, batches[:3], unroll=2)

@@ -109,6 +109,9 @@ int run(int argc, char** argv) {
     return 2;
   }
   std::map<std::string, at::Tensor> entries = entries_of(state);
+  // The package's kernels index every input with the contiguous strides it was compiled for, without
+  // checking (torch.save keeps a transposed tensor transposed): the runner owns contiguous copies.
+  for (auto& entry : entries) entry.second = entry.second.contiguous();
   // A donating package overwrites each donated entry's tensor: entries sharing memory (torch.save
   // keeps sharing) would overwrite each other's new values.
   std::map<const void*, std::string> donated_storage;
@@ -129,7 +132,7 @@ int run(int argc, char** argv) {
   const c10::IValue batches = load(argv[3]);  // kept alive: toListRef() views it
   for (const auto& batch_value : batches.toListRef()) {
     std::vector<at::Tensor> batch;
-    for (const auto& t : batch_value.toListRef()) batch.push_back(t.toTensor());
+    for (const auto& t : batch_value.toListRef()) batch.push_back(t.toTensor().contiguous());
     std::vector<at::Tensor> flat;
     flat.reserve(inputs.size());
     for (const std::string& name : inputs) {
