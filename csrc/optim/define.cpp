@@ -48,6 +48,11 @@ void check_like(const at::Tensor& param, const at::Tensor& other, const std::str
   TORCH_CHECK(other.sizes() == param.sizes(), what, " has shape ", other.sizes(), " but the parameter has shape ",
               param.sizes());
   TORCH_CHECK(at::isFloatingType(param.scalar_type()), "parameter must be floating point, got ", param.scalar_type());
+  // Mixed dtypes or devices would fail deep inside a kernel with a message naming none of the arguments.
+  TORCH_CHECK(other.scalar_type() == param.scalar_type(), what, " has dtype ", other.scalar_type(),
+              " but the parameter has dtype ", param.scalar_type());
+  TORCH_CHECK(other.device() == param.device(), what, " is on ", other.device(), " but the parameter is on ",
+              param.device());
 }
 
 void check_step(const at::Tensor& step, const std::string& what) {

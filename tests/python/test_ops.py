@@ -149,5 +149,12 @@ def test_bad_arguments_name_the_argument():
     p, g = _fresh()
     with pytest.raises(RuntimeError, match=r"exp_avg has shape \[2\] but the parameter has shape \[5, 3\]"):
         ops.adam_update(p, g, torch.zeros(2), torch.zeros_like(p), torch.tensor(0.0), _lr(0.1), 0.9, 0.99, 1e-8, 0.0, False, False)
+    # A mixed dtype failed inside lerp ("expected dtype float for `end`"), naming no argument.
+    with pytest.raises(RuntimeError, match=r"grad has dtype Double but the parameter has dtype Float"):
+        ops.adam_update(p, g.double(), torch.zeros_like(p), torch.zeros_like(p), torch.tensor(0.0), _lr(0.1), 0.9, 0.99,
+                        1e-8, 0.0, False, False)
+    with pytest.raises(RuntimeError, match=r"exp_avg_sq has dtype Half but the parameter has dtype Float"):
+        ops.adam_update(p, g, torch.zeros_like(p), torch.zeros_like(p).half(), torch.tensor(0.0), _lr(0.1), 0.9, 0.99,
+                        1e-8, 0.0, False, False)
     with pytest.raises(RuntimeError, match=r"lr must be a 1-element tensor, got shape \[2\]"):
         ops.sgd_update(p, g, torch.zeros(2), 0.0, False)
