@@ -387,6 +387,15 @@ class TrainStep:
             wrapper.named_parameters(remove_duplicate=False), wrapper.named_buffers(remove_duplicate=False))}
         self.aliases = {n[len(_MODEL_PREFIX):]: c[len(_MODEL_PREFIX):] for n, c in canonical.items() if n != c}
 
+        for name, mod in model.named_modules():
+            # momentum=None averages with 1 / num_batches_tracked, a Python float read from a buffer:
+            # torch.export cannot trace that (a data-dependent guard error that names nothing of ours).
+            if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm) and mod.training and mod.momentum is None \
+                    and mod.track_running_stats:
+                raise ValueError(f"{name or 'model'}: {type(mod).__name__}(momentum=None) (a cumulative moving "
+                                 "average, 1 / num_batches_tracked read as a Python number each step) cannot be "
+                                 "traced into the pure step; give it a momentum (e.g. momentum=0.1)")
+
         def export():
             ep = torch.export.export(wrapper, _compat.distinct_inputs(self._example_batch))  # (x, x): two inputs
             return _compat.merge_aliased_inputs(ep, canonical) if self.aliases else ep

@@ -299,3 +299,16 @@ def test_failed_donating_call_that_wrote_in_place_consumes_the_state():
     with pytest.raises(RuntimeError, match="out of bounds"):
         step.compile(plan=True, donate=False)(state, X, Y, X, torch.full((5,), 9))
     assert state.consumed_by is None and all(torch.equal(state.params[k], v) for k, v in snapshot.items())
+
+
+def test_batchnorm_with_a_cumulative_average_is_refused_by_name():
+    # BatchNorm(momentum=None) reads 1 / num_batches_tracked as a Python number: torch.export failed
+    # with a data-dependent guard error that named neither the module nor the option.
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None), nn.Linear(4, 2))
+    batch = (torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    with pytest.raises(ValueError, match=r"1: BatchNorm1d\(momentum=None\).*give it a momentum"):
+        torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  lambda m, x, y: F.cross_entropy(m(x), y), batch)
+    model[1].momentum = 0.1
+    torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              lambda m, x, y: F.cross_entropy(m(x), y), batch)
