@@ -73,6 +73,23 @@ def _step_parity(model, optimizer, loss_fn, batches, seed, unroll=1):
         d = _rel(state.buffers["model." + n], b)
         if d > worst["state"]:
             worst["state"], worst["worst_entry"] = d, "buffer " + n
+    # The optimizer state too (momentum, Adam moments, step counts): a wrong moment can leave this
+    # call's parameters right and the next ones wrong. Slots are matched by torch.optim's own names.
+    from . import optim
+
+    name_of = {id(p): n for n, p in ref_model.named_parameters()}
+    for o in ref_opts:
+        for p, slots in o.state.items():
+            if id(p) not in name_of:
+                continue
+            for slot, value in slots.items():
+                key = optim.state_name("model." + name_of[id(p)], slot)
+                if not isinstance(value, torch.Tensor) or key not in state.opt:
+                    continue
+                ours = state.opt[key]
+                d = _rel(ours.to(value.dtype) if ours.shape == value.shape else ours, value)
+                if d > worst["state"]:
+                    worst["state"], worst["worst_entry"] = d, f"optimizer {slot} of {name_of[id(p)]}"
     return worst
 
 

@@ -338,6 +338,36 @@ def test_assert_step_matches_eager_catches_a_nonfinite_state(monkeypatch, corrup
         torch_ext.testing.assert_step_matches_eager(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, batches)
 
 
+@pytest.mark.parametrize("make_opt, slot", [
+    (lambda p: torch.optim.Adam(p, lr=0.1), "exp_avg_sq"),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "momentum_buffer"),
+    (lambda p: torch.optim.Adagrad(p, lr=0.1), "sum"),
+])
+def test_step_parity_compares_the_optimizer_state(monkeypatch, make_opt, slot):
+    # Only parameters and buffers were compared: a final state with a wrong moment passed, and the
+    # next call would have trained with it.
+    from torch_ext import optim, train_step
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    batches = [(torch.randn(8, 4), torch.randint(0, 3, (8,))) for _ in range(3)]
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    assert torch_ext.testing.step_parity(model, make_opt(model.parameters()), loss_fn, batches)["state"] == 0.0
+    call, calls = train_step.TrainStep.__call__, []
+
+    def corrupted(self, state, *batch, **kw):
+        loss, new = call(self, state, *batch, **kw)
+        calls.append(1)
+        if len(calls) == len(batches):
+            key = optim.state_name("model.bias", slot)
+            new.opt[key] = new.opt[key] * 1.5
+        return loss, new
+
+    monkeypatch.setattr(train_step.TrainStep, "__call__", corrupted)
+    with pytest.raises(torch_ext.testing.ParityError, match=rf"optimizer {slot} of bias"):
+        torch_ext.testing.assert_step_matches_eager(model, make_opt(model.parameters()), loss_fn, batches)
+
+
 # ---------------------------------------------------------------- 5. schedulers
 SCHEDULERS = {
     "lambda": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1.0 / (1 + 0.1 * e)),
