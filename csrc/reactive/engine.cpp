@@ -194,27 +194,8 @@ void Engine::invalidate_users(int64_t seed) {
   });
 }
 
-bool Engine::under_pins(int64_t id) {
-  if (pinned_.empty()) return false;
-  if (!pin_cone_valid_ || pin_cone_pins_version_ != pins_version_ || pin_cone_graph_revision_ != graph_revision()) {
-    pin_cone_.clear();
-    for (int64_t p : pinned_) {
-      pin_cone_.insert(p);
-      const std::set<int64_t> below = downstream(p, /*stop_at_pins=*/false);
-      pin_cone_.insert(below.begin(), below.end());
-    }
-    pin_cone_pins_version_ = pins_version_;
-    pin_cone_graph_revision_ = graph_revision();
-    pin_cone_valid_ = true;
-  }
-  return pin_cone_.count(id) > 0;
-}
-
 void Engine::save_baseline(int64_t id) {
   if (pinned_.empty() || overlay_.count(id)) return;
-  // Upstream of every pin, the value computed now is the baseline itself (a graft changed the node):
-  // nothing to put back.
-  if (!under_pins(id)) return;
   overlay_.emplace(id, Baseline{values_[id], states_[id].changed_at, versions_[id]});
   if (txn_) txn_->overlay_added.push_back(id);
 }
@@ -427,7 +408,7 @@ void Engine::evaluate(int64_t id) {
   }
   // A graft changed this node's inputs: its pre-graft value is no baseline; if a patch is active,
   // restore() must recompute it.
-  if (!structural_dirty_.empty() && structural_dirty_.erase(id) && under_pins(id)) baseline_stale_.insert(id);
+  if (!structural_dirty_.empty() && structural_dirty_.erase(id) && !pinned_.empty()) baseline_stale_.insert(id);
   if (cutoff_ && !values_[id].isNone()) {
     bool inputs_changed = false;
     for (int64_t in : st.kernel->input_slots())

@@ -45,12 +45,9 @@
 //                was written in place), not recomputed since: each is invalid
 //                or pinned, so restore() never revives its old value.
 //   I12 baseline baseline_stale_ holds nodes whose baseline the overlay cannot
-//                give back (a graft under a patch changed their function and
-//                they depend on a pin, or a saved baseline was written in place;
-//                restore() recomputes them instead): it is empty while no patch
-//                is active. A node upstream of every pin computes its baseline
-//                even under a patch, so it has no overlay entry and restore()
-//                keeps its value (under_pins). (Its
+//                give back (a graft under a patch changed their function, or a
+//                saved baseline was written in place; restore() recomputes
+//                them instead): it is empty while no patch is active. (Its
 //                members may be valid: early cutoff revalidates a node
 //                without writing it, so without an overlay entry.)
 //   I13 revisions every changed_at and verified_at is at most revision_;
@@ -328,15 +325,6 @@ class Engine {
   void evaluate(int64_t id);
   void evaluate_set(std::vector<int64_t> ids);  // sorts by topological index
   void save_baseline(int64_t id);
-  // Whether `id` is pinned or strictly downstream of a pinned node: its value may depend on a patch.
-  // A node that is not computes the same value with or without the patches, so a value it gets
-  // while patches are active (after a graft upstream of every pin) is its baseline: no overlay entry,
-  // and restore() keeps it instead of recomputing it. The set is built once per pin set and graph.
-  bool under_pins(int64_t id);
-  std::set<int64_t> pin_cone_;
-  uint64_t pin_cone_pins_version_ = 0;
-  uint64_t pin_cone_graph_revision_ = 0;
-  bool pin_cone_valid_ = false;
   void rekey_dirty();
   void check_value_type(const ir::Node& node, const c10::IValue& value) const;
   void journal(int64_t id);  // I9: remembers id's state before its first change in a transaction

@@ -128,9 +128,7 @@ void Engine::invalidate(const Mutation& m) {
     // A valid node of D(w) is one a pin shields (a patch in this batch, after the graft): its value
     // is current, but the baseline restore() would put back was computed by the old function.
     else if (st.countable && !pinned_.empty()) baseline_stale_.insert(id);
-    // Its next value is computed under a patch, and depends on one (upstream of every pin, that value
-    // is the baseline itself: save_baseline keeps no overlay entry for it, and restore() keeps it).
-    if (m.under_patch && under_pins(id)) baseline_stale_.insert(id);
+    if (m.under_patch) baseline_stale_.insert(id);  // its next value is computed under a patch
   }
 }
 

@@ -259,50 +259,6 @@ TEST(Reactive, GraftUnderAPatchRestoresToTheNewBaseline) {
   EXPECT_TRUE(at::equal(e.demand()[0].toTensor(), full_recompute(e.graph(), x)));
 }
 
-// restore() is free and leaves current what is current: a graft upstream of every pin, demanded
-// under the patch, gives the block and the nodes between it and the pin values that do not depend
-// on the patch, so they are baselines already; only the pin and its cone are recomputed after the
-// restore (before: the block and those nodes were recomputed again).
-TEST(Reactive, RestoreKeepsValuesAGraftUpstreamOfThePinsComputed) {
-  auto g = ir::parse(chain_text(6));
-  const at::Tensor x = at::randn({4});
-  reactive::Engine e(*g);
-  e.run({x});
-  e.patch("n4", at::ones({4}));
-  EXPECT_EQ(evals_of_demand(e), 2);           // n5, n6
-  e.graft("n1", "n2", *block_of(2), {});
-  EXPECT_EQ(evals_of_demand(e), 2 + 2);       // b1, b2, n2, n3 (n4 is pinned)
-  const int64_t before = e.stats().evaluations;
-  e.restore();
-  EXPECT_EQ(e.stats().evaluations, before);  // restore evaluates nothing
-  e.check_invariants();
-  EXPECT_EQ(evals_of_demand(e), 3);           // n4 (its baseline predates the graft), n5, n6
-  EXPECT_TRUE(at::equal(e.demand()[0].toTensor(), full_recompute(e.graph(), x)));
-  EXPECT_TRUE(at::equal(e.value("n3").toTensor(), at::sin(at::sin(at::cos(at::cos(at::sin(x)))))));
-  // The graft still pending at the restore: everything it changed is computed once.
-  reactive::Engine p(*g);
-  p.run({x});
-  p.patch("n4", at::ones({4}));
-  p.demand();
-  p.graft("n1", "n2", *block_of(2), {});
-  p.restore();
-  p.check_invariants();
-  EXPECT_EQ(evals_of_demand(p), 2 + 5);       // b1, b2, n2 .. n6
-  EXPECT_TRUE(at::equal(p.demand()[0].toTensor(), full_recompute(p.graph(), x)));
-  // Two pins, the graft between them: nodes below the first pin stay patch-dependent.
-  reactive::Engine q(*g);
-  q.run({x});
-  q.patch("n2", at::ones({4}));
-  q.patch("n5", at::ones({4}));
-  q.demand();
-  q.graft("n3", "n4", *block_of(1), {});
-  EXPECT_EQ(evals_of_demand(q), 1 + 1);       // b1, n4 (n5 is pinned)
-  q.restore();
-  q.check_invariants();
-  EXPECT_EQ(evals_of_demand(q), 1 + 3);       // b1, n4, n5, n6: below n2's pin, computed under its patch
-  EXPECT_TRUE(at::equal(q.demand()[0].toTensor(), full_recompute(q.graph(), x)));
-}
-
 TEST(Reactive, PartialRestoreAndEarlyCutoff) {
   auto g = ir::parse(chain_text(8, "aten::relu.default"));
   reactive::Engine e(*g);

@@ -453,10 +453,8 @@ class Model:
     """What the engine must do, computed from Structure alone (engine.h contract + cost-model.md).
 
     ``invalid``: nodes the next demand evaluates. ``sd``: nodes a graft invalidated that have not
-    been recomputed since; ``bs``: nodes whose baseline a graft made while a patch was active and
-    that depend on a patch (pinned, or downstream of a pin). At restore() both must be recomputed,
-    with their descendants (the baselines a graft displaced). A node upstream of every pin computes
-    its baseline under the patch too: restore() keeps it.
+    been recomputed since; ``bs``: nodes whose baseline a graft made while a patch was active. At
+    restore() both must be recomputed, with their descendants (the baselines a graft displaced).
     """
 
     def __init__(self, structure: Structure, inputs: dict):
@@ -473,16 +471,6 @@ class Model:
         while work:
             for c in self.s.children[work.pop()]:
                 if c not in self.pins and c not in out:
-                    out.add(c)
-                    work.append(c)
-        return out
-
-    def under_pins(self) -> set[str]:
-        """Pinned nodes and every descendant of one (through pins too): the values a patch can reach."""
-        out, work = set(self.pins), list(self.pins)
-        while work:
-            for c in self.s.children[work.pop()]:
-                if c not in out:
                     out.add(c)
                     work.append(c)
         return out
@@ -512,8 +500,8 @@ class Model:
         self.s.splice(src, consumers, block, names)
         self.invalid |= set(names)
         self.sd |= set(names)
-        under = self.under_pins()
-        self.bs |= set(names) & under
+        if self.pins:
+            self.bs |= set(names)
         for c in consumers:
             if c == "output":
                 continue
@@ -522,12 +510,13 @@ class Model:
             self.invalid |= self.closure([c])
             d = self.s.D(c)
             self.sd |= d & self.invalid
-            self.bs |= d & under
+            if self.pins:
+                self.bs |= d
 
     def evaluated(self, nodes: set[str]):
         self.invalid -= nodes
         if self.pins:
-            self.bs |= nodes & self.sd & self.under_pins()  # recomputed under a patch it depends on: no baseline
+            self.bs |= nodes & self.sd  # recomputed under a patch: still not a baseline
         self.sd -= nodes
 
     def demand(self) -> set[str]:
