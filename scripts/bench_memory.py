@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import pathlib
 import re
 import resource
@@ -96,22 +97,27 @@ def hf_gpt2(seq=256, batch=8):
 
 
 def interleaved_medians(runners, rounds, warmup=2):
-    """({name: median seconds per step}, {name: minor page faults per step}): each round runs every
+    """({name: median wall seconds per step}, {name: median process CPU seconds per step}, {name: minor page
+    faults per step}): each round runs every
     runner once, back to back, so all see the same machine load; a noisy round shifts every column
     alike and the median drops it. Page faults (fresh memory from the OS, first touched) are a large
-    part of a CPU step's time and depend on what the allocator kept, so they are reported too."""
+    part of a CPU step's time and depend on what the allocator kept, so they are reported too. CPU time
+    (time.process_time, every thread of this process) is the second measurement: other processes on a
+    loaded machine stretch wall time but not, to first order, the CPU time a step consumes."""
     for fn in runners.values():
         for _ in range(warmup):
             fn()
-    times, faults = {k: [] for k in runners}, {k: 0 for k in runners}
+    times, cpu, faults = {k: [] for k in runners}, {k: [] for k in runners}, {k: 0 for k in runners}
     for _ in range(rounds):
         for k, fn in runners.items():
             f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             times[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.process_time() - c0)
             faults[k] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
-    return {k: statistics.median(v) for k, v in times.items()}, {k: v / rounds for k, v in faults.items()}
+    med = lambda d: {k: statistics.median(v) for k, v in d.items()}  # noqa: E731
+    return med(times), med(cpu), {k: v / rounds for k, v in faults.items()}
 
 
 def eager_runner(model, opt, loss_fn, batch):
@@ -184,15 +190,17 @@ def main():
             runners[label] = step_runner(planned, step.init_state(), batch)
             below_lb += planned.peak_bytes < planned.plan["lb_graph"] or planned.peak_bytes < planned.plan["lb_sched"]
             rows.append([label, peak, planned.peak_bytes, None])
-        t, faults = interleaved_medians(runners, args.rounds)
+        t, cpu, faults = interleaved_medians(runners, args.rounds)
         t_eager, t_exec = t["eager"], t["executor"]
-        ratios = {}
+        ratios, cpu_ratios = {}, {}
         for row in rows:
             label, planned = row[0], plans.get(row[0])
             if planned is None:
                 continue
             ratios[label] = t[label] / t_exec
-            row[3] = (f"lb_graph {planned.plan['lb_graph'] / eager_peak:.3f}, t arena/exec {ratios[label]:.3f}"
+            cpu_ratios[label] = cpu[label] / cpu["executor"]
+            row[3] = (f"lb_graph {planned.plan['lb_graph'] / eager_peak:.3f}, t arena/exec {ratios[label]:.3f} "
+                      f"(cpu {cpu_ratios[label]:.3f})"
                       + (f", recomputed {len(planned.remat['recomputed'])}, +{planned.remat['added_flops'] / max(planned.remat['forward_flops'], 1):.1%} FLOPs"
                          if planned.remat else ""))
         print(f"\n== {name}: eager peak {eager_peak / mib:.2f} MiB, eager step {t_eager * 1e3:.1f} ms "
@@ -211,8 +219,10 @@ def main():
             print(f"at the checkpoint-per-block peak: {t['checkpoint/block'] / t['at checkpoint peak']:.3f}x the steps/s "
                   f"of torch.utils.checkpoint (target >= 1.15)")
         print(f"plans below their own LB_graph or LB_sched: {below_lb}")
-        print(f"arena time / unplanned executor: max {max(ratios.values()):.3f} over {len(ratios)} plans (target <= 1.0); "
-              f"executor / eager {t_exec / t_eager:.3f} (medians of {args.rounds} interleaved rounds)")
+        print(f"arena time / unplanned executor: max {max(ratios.values()):.3f} wall, {max(cpu_ratios.values()):.3f} "
+              f"process CPU, over {len(ratios)} plans (target <= 1.0); executor / eager {t_exec / t_eager:.3f} wall, "
+              f"{cpu['executor'] / cpu['eager']:.3f} CPU (medians of {args.rounds} interleaved rounds; load average "
+              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())})")
 
 
 if __name__ == "__main__":
