@@ -31,6 +31,21 @@ const Node* owner(const Node* v) {
   return v;
 }
 
+// Dropout with its generator state as an argument (thread_rng): the same input and state give the
+// same mask and output, so a clone draws exactly what the original drew. Its third result, the
+// advanced state, is left unread in the clone. Other torch_ext ops (updates, collectives) are not
+// forward activations or must not run twice.
+bool is_seeded_dropout(const Node& n) {
+  return n.target().ns == "torch_ext" && n.target().name == "native_dropout_rng";
+}
+
+// getitem(<seeded dropout>, 2): the advanced generator state, which no backward node reads.
+bool is_state_of_seeded_dropout(const Node& n) {
+  return n.kind() == ir::NodeKind::Call && n.target().is_getitem() && n.args().size() == 2 &&
+         n.args()[0].kind == ir::Arg::Kind::Node && is_seeded_dropout(*n.args()[0].node) &&
+         n.args()[1].kind == ir::Arg::Kind::Int && n.args()[1].i == 2;
+}
+
 struct Forward {
   std::unordered_set<const Node*> nodes;  // call nodes the loss depends on
   std::unordered_set<const Node*> saved;  // forward owners whose storage a backward node reads
@@ -54,14 +69,18 @@ Forward find_forward(const ir::Graph& g) {
     for (const Node* in : n->inputs())
       if (in->kind() == ir::NodeKind::Call && f.nodes.count(in)) f.saved.insert(owner(in));
   }
-  outs.for_each_node([&](Node* n) { f.outputs.insert(owner(n)); });
+  // The advanced generator state a seeded dropout returns is a graph output (the step's new rng state), but
+  // its output and mask are not: the clone's draw is the same, and the original keeps returning the state.
+  outs.for_each_node([&](Node* n) {
+    if (!is_state_of_seeded_dropout(*n)) f.outputs.insert(owner(n));
+  });
   return f;
 }
 
 // A functional, deterministic aten/prims op with tensor results: rerunning it gives the same bits.
 bool recomputable(const Node& n) {
   if (n.kind() != ir::NodeKind::Call || is_alias(n) || !n.regions().empty()) return false;
-  if (n.target().ns != "aten" && n.target().ns != "prims") return false;
+  if (n.target().ns != "aten" && n.target().ns != "prims" && !is_seeded_dropout(n)) return false;
   auto op = ir::find_op(n.target());
   if (!op || op->schema().is_mutable() || op->hasTag(at::Tag::nondeterministic_seeded)) return false;
   if (n.type().is_tensor()) return true;
@@ -136,7 +155,8 @@ RematResult rematerialize(ir::Graph& g, const std::vector<std::string>& names) {
     TORCH_CHECK(n != nullptr, "rematerialize: no node %", name);
     TORCH_CHECK(f.nodes.count(n), "rematerialize: %", name, " is not in the forward (the loss does not depend on it)");
     TORCH_CHECK(recomputable(*n), "rematerialize: %", name, " (", n->target().str(),
-                ") cannot be recomputed (a view, mutating, random or not an aten/prims op)");
+                ") cannot be recomputed (a view, mutating, random without an explicit generator state, or not an "
+                "aten/prims op)");
     TORCH_CHECK(!f.outputs.count(n), "rematerialize: %", name, " is a graph output");
     if (chosen.insert(n).second) r.recomputed.push_back(name);
   }

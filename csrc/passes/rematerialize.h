@@ -4,7 +4,8 @@
 //
 // Terms. The forward is the call nodes the loss (output 0) depends on; the backward, every other
 // call node. A candidate is a forward call that owns its storage (not a view or getitem), is
-// recomputable (a functional aten/prims op, not tagged nondeterministic_seeded) and whose storage
+// recomputable (a functional aten/prims op, not tagged nondeterministic_seeded, or dropout reading
+// its generator state as an argument, torch_ext::native_dropout_rng) and whose storage
 // a backward node reads (a saved activation).
 //
 // rematerialize(graph, names):

@@ -183,3 +183,37 @@ def test_transformer_remat_recomputes_layer_norm_and_gelu_bit_exact():
     recomputed = {targets[n] for n in remat.remat["recomputed"]}
     assert "aten::native_layer_norm.default" in recomputed, recomputed
     assert_same_training(step, remat, batch, 2)
+
+
+def _dropout_mlp_step(depth=3, batch=1024):
+    # Activation-heavy: three Linear-Softmax-Dropout blocks, so an early block's dropout output and mask
+    # are held through the later blocks' backward unless they are recomputed.
+    torch.manual_seed(0)
+    blocks = [m for _ in range(depth) for m in (nn.Linear(64, 64), nn.Softmax(-1), nn.Dropout(0.3))]
+    model = nn.Sequential(*blocks, nn.Linear(64, 8)).train()
+    data = (torch.randn(batch, 64), torch.randn(batch, 8))
+    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                     lambda m, x, y: F.mse_loss(m(x), y), data)
+    return step, data
+
+
+def test_dropout_is_recomputed_from_its_generator_state_bit_exact():
+    # Dropout reads its generator state as an argument (thread_rng), so a clone draws the same mask:
+    # its output and mask need not be saved for the backward. torch.utils.checkpoint gets the same
+    # effect by stashing and restoring the global RNG state.
+    step, batch = _dropout_mlp_step()
+    dropouts = [n.name for n in step.graph.nodes() if n.target == "torch_ext::native_dropout_rng.default"]
+    assert len(dropouts) == 3, [n.target for n in step.graph.nodes()]
+    with pytest.raises(ValueError, match=r"smallest planned peak found is (\d+) bytes") as e:
+        step.compile(plan=True, donate=True, memory_budget=1)
+    smallest = int(re.search(r"smallest planned peak found is (\d+) bytes", str(e.value)).group(1))
+    remat = step.compile(plan=True, donate=True, memory_budget=smallest)
+    assert set(dropouts) & set(remat.remat["recomputed"]), remat.remat["recomputed"]
+    assert remat.peak_bytes == smallest < step.compile(plan=True, donate=True).peak_bytes
+    assert "rng" in step.state_names
+    assert_same_training(step, remat, batch, 3)  # losses, weights, moments and the advanced rng state
+    # Asked for by name, too; the clone leaves the original's draw (and the state it advances) alone.
+    g = step.graph.clone()
+    g.rematerialize(dropouts[:1])
+    clones = [n for n in g.nodes() if n.name.endswith("_recomp")]
+    assert [n.target for n in clones if n.target != "getitem"] == ["torch_ext::native_dropout_rng.default"]
