@@ -119,6 +119,70 @@ int64_t bytes_of(const ir::Type& t) {
   return b;
 }
 
+// Checkpoint-style sets, tried when adding groups one at a time stalls above the budget (recomputing
+// one value of a block lowers nothing while its neighbours stay saved). A cut is a forward value that
+// is the only large value (>= 1/16 of the largest activation) crossing its position in the forward:
+// every later forward node reads, among large values, only it and what comes after it (the residual
+// stream between blocks, every link of a chain). Keeping every k-th cut and recomputing every other
+// large recomputable forward value replays each segment from its cut inside the backward, as
+// torch.utils.checkpoint does per block. Small values (layer-norm statistics) are kept.
+std::vector<std::set<std::string>> segment_sets(const ir::Graph& g, const Forward& f) {
+  std::vector<const Node*> fwd;
+  std::unordered_map<const Node*, size_t> pos;
+  for (const auto& n : g.nodes())
+    if (n->kind() == ir::NodeKind::Call && f.nodes.count(n.get())) {
+      pos[n.get()] = fwd.size();
+      fwd.push_back(n.get());
+    }
+  int64_t largest = 0;
+  std::unordered_map<const Node*, size_t> last;  // an owner's last forward reader
+  for (const Node* n : fwd) {
+    if (!is_alias(*n)) largest = std::max(largest, bytes_of(n->type()));
+    for (const Node* in : n->inputs()) {
+      if (is_state_of_seeded_dropout(*in)) continue;  // the next dropout reads only the small state
+      const Node* o = owner(in);
+      if (pos.count(o)) last[o] = std::max(last[o], pos.at(n));
+    }
+  }
+  // Values that no parameter reaches (an attention mask built from the input, position ids) are read by
+  // every block and kept: they neither break a cut nor get recomputed.
+  std::unordered_set<const Node*> from_params;
+  for (const Node* n : fwd)
+    for (const Node* in : n->inputs())
+      if ((in->kind() == ir::NodeKind::Placeholder && in->role() == ir::InputRole::Parameter) || from_params.count(in)) {
+        from_params.insert(n);
+        break;
+      }
+  const int64_t small = largest / 16;
+  auto large = [&](const Node* n) {
+    return !is_alias(*n) && bytes_of(n->type()) >= small && small > 0 && from_params.count(n);
+  };
+  // crossing[i]: large owners produced at or before i and read by a forward node after i.
+  std::vector<int64_t> delta(fwd.size() + 1, 0);
+  for (const auto& [o, l] : last)
+    if (large(o) && l > pos.at(o)) {
+      ++delta[pos.at(o)];
+      --delta[l];
+    }
+  std::vector<const Node*> cuts;
+  int64_t crossing = 0;
+  for (size_t i = 0; i < fwd.size(); ++i) {
+    crossing += delta[i];
+    const auto l = last.find(fwd[i]);
+    if (large(fwd[i]) && crossing == 1 && l != last.end() && l->second > i) cuts.push_back(fwd[i]);
+  }
+  std::vector<std::set<std::string>> sets;
+  for (size_t k = 1; k <= 4 && k <= std::max<size_t>(cuts.size(), 1); ++k) {
+    std::unordered_set<const Node*> kept;
+    for (size_t c = k - 1; c < cuts.size(); c += k) kept.insert(cuts[c]);
+    std::set<std::string> names;
+    for (const Node* n : fwd)
+      if (large(n) && !kept.count(n) && !f.outputs.count(n) && recomputable(*n)) names.insert(n->name());
+    if (!names.empty() && (sets.empty() || sets.back() != names)) sets.push_back(std::move(names));
+  }
+  return sets;
+}
+
 }  // namespace
 
 int64_t estimated_flops(const Node& n) {
@@ -160,8 +224,44 @@ RematResult rematerialize(ir::Graph& g, const std::vector<std::string>& names) {
     TORCH_CHECK(!f.outputs.count(n), "rematerialize: %", name, " is a graph output");
     if (chosen.insert(n).second) r.recomputed.push_back(name);
   }
-  // Every check passed: now edit. Backward nodes in their current order (a snapshot: clones are
-  // inserted as we go).
+  // Every check passed: now edit. First, backward nodes that read a chosen value and otherwise only
+  // forward values (the 3x^2 of gelu's backward, a detach) may sit in the forward part of the order,
+  // where a scheduler put them because their inputs were live anyway. A clone goes just before its
+  // first backward reader, so such a reader, and the backward nodes between it and the gradient that
+  // read only it, sink to just before their first user; otherwise the clone would run in the forward
+  // and free nothing. Sinking keeps topological order (each moves before its first user, users first).
+  {
+    // The gradient: backward nodes that depend on the loss (the seed reads it).
+    const Node* loss = g.output()->args()[0].list[0].node;
+    std::unordered_set<const Node*> gradient, sink;
+    std::vector<Node*> sink_order;
+    for (const auto& n : g.nodes()) {
+      if (n->kind() != ir::NodeKind::Call || f.nodes.count(n.get())) continue;
+      bool on_gradient = false, reads_chosen = false;
+      for (const Node* in : n->inputs()) {
+        if (in == loss || gradient.count(in)) on_gradient = true;
+        if (in->kind() == ir::NodeKind::Call &&
+            (sink.count(in) || (chosen.count(owner(in)) && f.nodes.count(owner(in)))))
+          reads_chosen = true;
+      }
+      if (on_gradient) {
+        gradient.insert(n.get());
+        continue;
+      }
+      if (reads_chosen) {
+        sink.insert(n.get());
+        sink_order.push_back(n.get());
+      }
+    }
+    for (auto it = sink_order.rbegin(); it != sink_order.rend(); ++it) {
+      Node* u = *it;
+      Node* first = nullptr;
+      for (Node* user : u->users())
+        if (user->kind() == ir::NodeKind::Call && (!first || user->index() < first->index())) first = user;
+      if (first && first->index() > u->index() + 1) g.move_before(u, first);
+    }
+  }
+  // Backward nodes in their current order (a snapshot: clones are inserted as we go).
   std::vector<Node*> backward;
   for (const auto& n : g.nodes())
     if (n->kind() == ir::NodeKind::Call && !f.nodes.count(n.get())) backward.push_back(n.get());
@@ -170,6 +270,10 @@ RematResult rematerialize(ir::Graph& g, const std::vector<std::string>& names) {
     // Forward values owned by a chosen node, and backward views of them (a detach the backward
     // takes of an activation): cloned at the first real reader, not where the view happened to run.
     if (v->kind() != ir::NodeKind::Call || !chosen.count(owner(v)) || !(f.nodes.count(v) || is_alias(*v))) return v;
+    // A clone of a seeded dropout reads the generator state the forward handed the original (small, and
+    // the original stays for its other readers): cloning the dropout that produced it would replay the
+    // forward back to the first dropout.
+    if (is_state_of_seeded_dropout(*v)) return v;
     auto it = clone.find(v);
     if (it != clone.end()) return it->second;
     const auto sub = [&](Node* in) { return get(in, before); };
@@ -292,6 +396,17 @@ BudgetResult rematerialize_for_budget(ir::Graph& g, int64_t budget, bool donate)
     if (best == groups.size()) break;
     chosen = std::move(best_set);
     res.peak = best_peak;
+  }
+  if (res.peak > budget) {
+    // Stalled above the budget: segment recomputation, fewest recomputed segments first.
+    for (std::set<std::string>& names : segment_sets(g, f)) {
+      const int64_t p = peak_of(names);
+      if (p < res.peak) {
+        res.peak = p;
+        chosen = std::move(names);
+        if (p <= budget) break;
+      }
+    }
   }
   res.min_peak = res.peak;
   res.feasible = res.peak <= budget;

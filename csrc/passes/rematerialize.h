@@ -26,8 +26,10 @@
 //   cheapest first (pointwise ops before matmuls, AOTAutograd's min-cut rule of thumb). Each round
 //   evaluates the planner's exact peak (plan_memory's peak_bytes in the current order) for the
 //   next few groups that lower it and keeps the one with the most bytes saved per added FLOP (or
-//   the first that fits), until the peak fits or nothing lowers it. The result says whether it
-//   fit, and the smallest peak found.
+//   the first that fits), until the peak fits or nothing lowers it. If that stalls above the budget,
+//   checkpoint-style sets are tried: keep every k-th cut of the forward (a value that is the only large
+//   one crossing its position, such as the residual stream between blocks) and recompute every other
+//   large forward value, k = 1..4. The result says whether it fit, and the smallest peak found.
 #pragma once
 
 #include "ir/graph.h"

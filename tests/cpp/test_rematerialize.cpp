@@ -14,7 +14,7 @@ using namespace torch_ext;
 using torch_ext::testing::error_of;
 
 namespace {
-// Forward: h = x @ w, r = relu(h), loss = sum(r). Backward: threshold_backward reads r (saved),
+// Forward: h = x @ w, r = relu(h), loss = sum(r). Backward (its seed go reads the loss): threshold_backward reads r (saved),
 // the weight gradient reads x.
 const char* kStep = R"(graph:
   %w : f32[64,64] = param("w")
@@ -23,7 +23,7 @@ const char* kStep = R"(graph:
   %h : f32[32,64] = aten::mm.default(%x, %w)
   %r : f32[32,64] = aten::relu.default(%h)
   %loss : f32[] = aten::sum.default(%r)
-  %go : f32[32,64] = aten::mul.Tensor(%x, 2)
+  %go : f32[32,64] = aten::mul.Tensor(%x, %loss)
   %gr : f32[32,64] = aten::threshold_backward.default(%go, %r, 0)
   %xt : f32[64,32]{1,64} = aten::t.default(%x)
   %gw : f32[64,64] = aten::mm.default(%xt, %gr)
@@ -44,7 +44,7 @@ TEST(Rematerialize, CloneOfAChainGoesBeforeItsFirstBackwardReader) {
   %h : f32[32,64] = aten::mm.default(%x, %w)
   %r : f32[32,64] = aten::relu.default(%h)
   %loss : f32[] = aten::sum.default(%r)
-  %go : f32[32,64] = aten::mul.Tensor(%x, 2)
+  %go : f32[32,64] = aten::mul.Tensor(%x, %loss)
   %h_recomp : f32[32,64] = aten::mm.default(%x, %w)
   %r_recomp : f32[32,64] = aten::relu.default(%h_recomp)
   %gr : f32[32,64] = aten::threshold_backward.default(%go, %r_recomp, 0)
@@ -90,7 +90,7 @@ const char* kWide = R"(graph:
   %s : f32[32,64] = aten::mul.Tensor(%r, 3)
   %e : f32[32,1024] = aten::repeat.default(%s, [1, 16])
   %loss : f32[] = aten::sum.default(%e)
-  %go : f32[32,64] = aten::mul.Tensor(%x, 2)
+  %go : f32[32,64] = aten::mul.Tensor(%x, %loss)
   %gr : f32[32,64] = aten::threshold_backward.default(%go, %r, 0)
   %xt : f32[64,32]{1,64} = aten::t.default(%x)
   %gw : f32[64,64] = aten::mm.default(%xt, %gr)
@@ -127,7 +127,7 @@ TEST(OutVariant, FoundBySchemaAndOnlyWithAKernelOfItsOwn) {
   auto g = ir::parse(R"(graph:
   %x : f32[4,8] = input()
   %t : i64[4] = input()
-  %go : f32[4,8] = aten::mul.Tensor(%x, 2)
+  %go : f32[4,8] = aten::mul.Tensor(%x, %loss)
   %tb : f32[4,8] = aten::threshold_backward.default(%go, %x, 0)
   %r : f32[4,8] = aten::relu.default(%x)
   %s : f32[4] = aten::sum.dim_IntList(%x, [1])

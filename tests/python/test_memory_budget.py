@@ -217,3 +217,42 @@ def test_dropout_is_recomputed_from_its_generator_state_bit_exact():
     g.rematerialize(dropouts[:1])
     clones = [n for n in g.nodes() if n.name.endswith("_recomp")]
     assert [n.target for n in clones if n.target != "getitem"] == ["torch_ext::native_dropout_rng.default"]
+
+
+def test_hugging_face_gpt2_recomputes_in_the_backward_bit_exact():
+    # Every clone runs after the forward (a clone placed before a backward term the schedule left in the
+    # forward, such as the 3x^2 of gelu_new's derivative, would free nothing), and the step stays bit-exact.
+    transformers = pytest.importorskip("transformers")
+    from real_models import causal_lm_loss
+
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=3, n_head=2, bos_token_id=0,
+                                  eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    batch = (torch.randint(0, 64, (8, 32)),)
+    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), causal_lm_loss, batch)
+    base = step.compile(plan=True, donate=True)
+    with pytest.raises(ValueError, match=r"smallest planned peak found is (\d+) bytes") as e:
+        step.compile(plan=True, donate=True, memory_budget=1)
+    smallest = int(re.search(r"smallest planned peak found is (\d+) bytes", str(e.value)).group(1))
+    remat = step.compile(plan=True, donate=True, memory_budget=smallest)
+    order = remat.plan["order"]
+    seed = next(i for i, name in enumerate(order) if name.startswith("ones_like"))  # the backward's first node
+    clones = [i for i, name in enumerate(order) if name.endswith("_recomp")]
+    assert clones and min(clones) > seed, [order[i] for i in clones if i < seed]
+    assert smallest < 0.75 * base.peak_bytes, (smallest, base.peak_bytes)
+    assert_same_training(step, remat, batch, 3)
+
+
+def test_a_dropout_clone_reads_the_generator_state_the_original_read():
+    # Dropouts chain their generator state. A clone of the second must read the state the first one
+    # returned in the forward, not clone the first (which would replay the forward back to the first dropout).
+    step, batch = _dropout_mlp_step()
+    dropouts = [n.name for n in step.graph.nodes() if n.target == "torch_ext::native_dropout_rng.default"]
+    g = step.graph.clone()
+    g.rematerialize(dropouts)
+    clones = [n for n in g.nodes() if n.target == "torch_ext::native_dropout_rng.default" and n.name.endswith("_recomp")]
+    assert len(clones) == len(dropouts) == 3
+    for c in clones:
+        state = c.args[3].name
+        assert not state.endswith("_recomp"), (c.name, state)
