@@ -127,7 +127,7 @@ TEST(OutVariant, FoundBySchemaAndOnlyWithAKernelOfItsOwn) {
   auto g = ir::parse(R"(graph:
   %x : f32[4,8] = input()
   %t : i64[4] = input()
-  %go : f32[4,8] = aten::mul.Tensor(%x, %loss)
+  %go : f32[4,8] = aten::mul.Tensor(%x, 2)
   %tb : f32[4,8] = aten::threshold_backward.default(%go, %x, 0)
   %r : f32[4,8] = aten::relu.default(%x)
   %s : f32[4] = aten::sum.dim_IntList(%x, [1])
