@@ -4,6 +4,7 @@ Checked against torch 2.9.1 (the CI pin). torch >= 2.9 is required.
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import sys
@@ -97,6 +98,65 @@ def optimizer_step_hooks(opt: torch.optim.Optimizer) -> list[str]:
     if getattr(optim_mod, "_global_optimizer_pre_hooks", None) or getattr(optim_mod, "_global_optimizer_post_hooks", None):
         found.append("global optimizer step hooks")
     return found
+
+
+def gradient_hooks(model: torch.nn.Module) -> list[str]:
+    """The hooks on ``model`` that change gradients in eager training, each as "where (how it was
+    registered)": tensor hooks and post-accumulate-grad hooks on parameters, full backward (pre-)hooks
+    on modules, and the global module backward hooks. A pure step computes its gradients inside its
+    program, where none of them runs."""
+    from torch.nn.modules import module as module_mod
+
+    found = []
+    for name, p in model.named_parameters():
+        if p._backward_hooks:
+            found.append(f"parameter '{name}' (Tensor.register_hook)")
+        if p._post_accumulate_grad_hooks:
+            found.append(f"parameter '{name}' (Tensor.register_post_accumulate_grad_hook)")
+    for name, m in model.named_modules():
+        where = f"module '{name}' ({type(m).__name__})" if name else f"the model ({type(m).__name__})"
+        if m._backward_hooks:
+            found.append(f"{where} (register_full_backward_hook)")
+        if m._backward_pre_hooks:
+            found.append(f"{where} (register_full_backward_pre_hook)")
+    if getattr(module_mod, "_global_backward_hooks", None) or getattr(module_mod, "_global_backward_pre_hooks", None):
+        found.append("every module (register_module_full_backward_hook / register_module_full_backward_pre_hook)")
+    return found
+
+
+@contextlib.contextmanager
+def custom_autograd_functions():
+    """Records the ``torch.autograd.Function`` subclasses applied inside the block that are defined
+    outside torch (a user's gradient reversal, straight-through estimator, custom kernel). Tracing
+    (torch.export, make_fx) runs their ``forward`` only: a graph differentiated afterwards gets the
+    derivative of that forward, never the class's own ``backward``. Applications to tensors that
+    require no gradient (a batch, a target) are not recorded: no backward would run there.
+
+    ``Function.apply`` (torch 2.9) calls the module function ``_is_setup_context_defined`` first thing,
+    with the class in its local ``cls``; that call is wrapped rather than ``apply`` itself, because a
+    user's ``grad_reverse = GradReverse.apply``, bound at import, would bypass a patched ``apply``."""
+    from torch.autograd import function as function_mod
+
+    seen: list[type] = []
+    original = function_mod._is_setup_context_defined
+
+    def is_setup_context_defined(fn):
+        caller = sys._getframe(1).f_locals
+        cls = caller.get("cls")
+        # Only where the backward would run: some tensor argument requires a gradient.
+        if isinstance(cls, type) and issubclass(cls, function_mod.Function) and any(
+                isinstance(a, torch.Tensor) and a.requires_grad
+                for a in (*caller.get("args", ()), *caller.get("kwargs", {}).values())):
+            module = getattr(cls, "__module__", "") or ""
+            if not (module == "torch" or module.startswith("torch.")) and cls not in seen:
+                seen.append(cls)
+        return original(fn)
+
+    function_mod._is_setup_context_defined = is_setup_context_defined
+    try:
+        yield seen
+    finally:
+        function_mod._is_setup_context_defined = original
 
 
 def merge_aliased_inputs(ep: torch.export.ExportedProgram, canonical: dict[str, str]) -> torch.export.ExportedProgram:

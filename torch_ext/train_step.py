@@ -396,8 +396,23 @@ class TrainStep:
                                  "average, 1 / num_batches_tracked read as a Python number each step) cannot be "
                                  "traced into the pure step; give it a momentum (e.g. momentum=0.1)")
 
+        hooks = _compat.gradient_hooks(model)
+        if hooks:
+            raise TypeError(f"the model has gradient hooks the pure step cannot run: {'; '.join(hooks[:4])}"
+                            f"{f' and {len(hooks) - 4} more' if len(hooks) > 4 else ''}. The step computes the "
+                            "gradients inside its program, so eager training and the step would differ; remove the "
+                            "hooks (clip with clip_grad_norm=) or train eagerly")
+
         def export():
-            ep = torch.export.export(wrapper, _compat.distinct_inputs(self._example_batch))  # (x, x): two inputs
+            with _compat.custom_autograd_functions() as functions:
+                ep = torch.export.export(wrapper, _compat.distinct_inputs(self._example_batch))  # (x, x): two inputs
+            if functions:
+                names = ", ".join(f"{f.__module__}.{f.__qualname__}" for f in functions)
+                raise TypeError(f"the model or loss_fn applies the custom torch.autograd.Function {names}: tracing "
+                                "records its forward only, and the step would differentiate that forward instead of "
+                                "calling its backward (a gradient reversal or a straight-through estimator would "
+                                "silently train differently from eager). Write it as a custom op with "
+                                "torch.library.register_autograd, or train eagerly")
             return _compat.merge_aliased_inputs(ep, canonical) if self.aliases else ep
 
         ep = export()
