@@ -125,38 +125,51 @@ def gradient_hooks(model: torch.nn.Module) -> list[str]:
 
 
 @contextlib.contextmanager
-def custom_autograd_functions():
-    """Records the ``torch.autograd.Function`` subclasses applied inside the block that are defined
-    outside torch (a user's gradient reversal, straight-through estimator, custom kernel). Tracing
-    (torch.export, make_fx) runs their ``forward`` only: a graph differentiated afterwards gets the
-    derivative of that forward, never the class's own ``backward``. Applications to tensors that
-    require no gradient (a batch, a target) are not recorded: no backward would run there.
+def backward_only_code():
+    """Records, inside the block, the code that would change gradients in eager training but that
+    tracing (torch.export, make_fx) cannot record, as descriptions: custom ``torch.autograd.Function``
+    subclasses defined outside torch (a gradient reversal, a straight-through estimator: tracing runs
+    their ``forward`` only, so a graph differentiated afterwards gets the derivative of that forward,
+    never the class's ``backward``) and ``Tensor.register_hook`` on an activation. Applications and
+    hooks on tensors that require no gradient (a batch, a target) are not recorded.
 
     ``Function.apply`` (torch 2.9) calls the module function ``_is_setup_context_defined`` first thing,
     with the class in its local ``cls``; that call is wrapped rather than ``apply`` itself, because a
     user's ``grad_reverse = GradReverse.apply``, bound at import, would bypass a patched ``apply``."""
     from torch.autograd import function as function_mod
 
-    seen: list[type] = []
+    found: list[str] = []
     original = function_mod._is_setup_context_defined
+    original_hook = torch.Tensor.register_hook
 
     def is_setup_context_defined(fn):
         caller = sys._getframe(1).f_locals
         cls = caller.get("cls")
-        # Only where the backward would run: some tensor argument requires a gradient.
         if isinstance(cls, type) and issubclass(cls, function_mod.Function) and any(
                 isinstance(a, torch.Tensor) and a.requires_grad
                 for a in (*caller.get("args", ()), *caller.get("kwargs", {}).values())):
             module = getattr(cls, "__module__", "") or ""
-            if not (module == "torch" or module.startswith("torch.")) and cls not in seen:
-                seen.append(cls)
+            what = f"custom torch.autograd.Function {module}.{cls.__qualname__}"
+            if not (module == "torch" or module.startswith("torch.")) and what not in found:
+                found.append(what)
         return original(fn)
 
+    def register_hook(self, hook):
+        frame = sys._getframe(1)
+        module = frame.f_globals.get("__name__", "") or ""
+        if self.requires_grad and not (module == "torch" or module.startswith("torch.")):  # torch forwards hooks too
+            what = f"Tensor.register_hook on an activation ({frame.f_code.co_filename}:{frame.f_lineno})"
+            if what not in found:
+                found.append(what)
+        return original_hook(self, hook)
+
     function_mod._is_setup_context_defined = is_setup_context_defined
+    torch.Tensor.register_hook = register_hook
     try:
-        yield seen
+        yield found
     finally:
         function_mod._is_setup_context_defined = original
+        torch.Tensor.register_hook = original_hook
 
 
 def merge_aliased_inputs(ep: torch.export.ExportedProgram, canonical: dict[str, str]) -> torch.export.ExportedProgram:

@@ -404,14 +404,13 @@ class TrainStep:
                             "hooks (clip with clip_grad_norm=) or train eagerly")
 
         def export():
-            with _compat.custom_autograd_functions() as functions:
+            with _compat.backward_only_code() as found:
                 ep = torch.export.export(wrapper, _compat.distinct_inputs(self._example_batch))  # (x, x): two inputs
-            if functions:
-                names = ", ".join(f"{f.__module__}.{f.__qualname__}" for f in functions)
-                raise TypeError(f"the model or loss_fn applies the custom torch.autograd.Function {names}: tracing "
-                                "records its forward only, and the step would differentiate that forward instead of "
-                                "calling its backward (a gradient reversal or a straight-through estimator would "
-                                "silently train differently from eager). Write it as a custom op with "
+            if found:
+                raise TypeError(f"the model or loss_fn uses {'; '.join(found)}: tracing records the forward only, "
+                                "and the step would differentiate that forward, never running this backward code "
+                                "(a gradient reversal, a straight-through estimator or a gradient hook would silently "
+                                "train differently from eager). Write it as a custom op with "
                                 "torch.library.register_autograd, or train eagerly")
             return _compat.merge_aliased_inputs(ep, canonical) if self.aliases else ep
 

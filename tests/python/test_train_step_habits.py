@@ -288,6 +288,35 @@ def test_gradient_hooks_are_refused_not_ignored(kind):
     assert not opt.state
 
 
+class _ClippedActivationGrad(nn.Module):
+    """Clips the gradient of an activation with a hook registered in forward (a common habit)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        if h.requires_grad:
+            h.register_hook(lambda g: g.clamp(-1e-3, 1e-3))
+        return self.head(h)
+
+
+def test_activation_gradient_hook_in_forward_is_refused_not_ignored():
+    # The hook ran on the traced activation and was dropped: the step trained unclipped.
+    hooked, plain = _ClippedActivationGrad(), _Adversarial(lambda h: h)
+    for m in (hooked, plain):
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        _mse(m, *_XY).backward()
+        opt.step()
+    assert not torch.equal(hooked.body.weight, plain.body.weight)  # the hook changes eager training
+    model = _ClippedActivationGrad()
+    with pytest.raises(TypeError, match=r"Tensor.register_hook on an activation \(.*test_train_step_habits.py:\d+\)"):
+        torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), _mse, _XY)
+    assert torch.Tensor.register_hook.__module__ == "torch._tensor"  # put back
+
+
 def test_forward_hooks_are_traced_and_exact():
     # Forward hooks run while tracing, so they are part of the program (no refusal needed).
     def make():
