@@ -332,6 +332,73 @@ def test_forward_hooks_are_traced_and_exact():
     assert_bit_exact(losses, ref_losses, state, ref)
 
 
+class _Tempered(nn.Module):
+    """Python-valued knobs the trace bakes in: a softmax temperature, a Dropout p, a BatchNorm."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.bn, self.drop, self.head = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.0), nn.Linear(8, 4)
+        self.tau = 1.0
+
+    def forward(self, x):
+        return self.head(self.drop(torch.softmax(self.bn(self.body(x)) / self.tau, -1)))
+
+
+_CHANGES = {
+    "temperature": (lambda m: setattr(m, "tau", 0.25), r"model.tau is 0.25 now, 1.0 when the step was built"),
+    "dropout_p": (lambda m: setattr(m.drop, "p", 0.5), r"model.drop.p is 0.5 now, 0.0 when the step was built"),
+    "bn_eval": (lambda m: m.bn.eval(), r"model.bn.training is False \(eval mode\) now, True when the step was built"),
+    "model_eval": (lambda m: m.eval(), r"model.training is False \(eval mode\) now, True .*and 4 more"),
+}
+
+
+@pytest.mark.parametrize("change", list(_CHANGES))
+def test_module_attribute_changed_after_build_is_refused_not_ignored(change):
+    # The program bakes in what the trace read; eager follows the change. Before, the step kept training
+    # with the old temperature / dropout / train-mode BatchNorm (loss 0.948 vs eager 0.941 for tau).
+    mutate, message = _CHANGES[change]
+    batches = [_XY, (_XY[0] + 1, _XY[1])]
+    ref = _Tempered()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    eager_run(ref, ref_opt, iter(batches[:1]), 1, loss_fn=_mse)
+    mutate(ref)
+    ref_loss = eager_run(ref, ref_opt, iter(batches[1:]), 1, loss_fn=_mse)[0]
+
+    model = _Tempered()
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), _mse, _XY)
+    loss, state = step(step.init_state(), *batches[0])
+    unchanged, _ = step(state, *batches[1])
+    assert not torch.equal(unchanged, ref_loss)  # the baked-in value would have given another loss
+    mutate(model)
+    with pytest.raises(ValueError, match=message):
+        step(state, *batches[1])
+    with pytest.raises(ValueError, match=message):
+        step.compile(plan=False)(state, *batches[1])
+    model.train()  # changed back: accepted again, same answer as before
+    model.tau, model.drop.p = 1.0, 0.0
+    again, _ = step(state, *batches[1])
+    assert torch.equal(again, unchanged)
+
+
+class _Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.calls = nn.Linear(8, 4), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.body(x) / self.calls
+
+
+def test_forward_changing_python_state_is_refused_and_left_as_it_was():
+    model = _Counting()
+    with pytest.raises(TypeError, match=r"forward changes module attributes .*model.calls 0 -> 1"):
+        torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _mse, _XY)
+    assert model.calls == 0
+
+
 # ---------------------------------------------------------------- 3. tied, constants, shared buffers
 def test_tied_weights_one_entry_bit_exact_100_steps():
     step, state, *_ = parity(TiedLM, adamw)
