@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from . import _C, _compat, optim
+from . import _C, _compat, _module_state, optim
 from .ir import Graph
 
 _MODEL_PREFIX = "model."
@@ -319,39 +319,6 @@ def _same_option(a, b) -> bool:
         return False
 
 
-# Module attributes the trace reads as Python values and bakes into the program: the training flag,
-# and every public scalar attribute (a temperature, Dropout.p, BatchNorm.momentum, eps, a counter).
-_SCALARS = (bool, int, float, complex, str, type(None))
-
-
-def _module_attributes(model: torch.nn.Module) -> list:
-    """[(module path, module.__dict__, keys, values)] of every module's scalar attributes, as they stand."""
-    out = []
-    for path, mod in model.named_modules():
-        d = mod.__dict__
-        keys = tuple(k for k, v in d.items() if (k == "training" or not k.startswith("_")) and isinstance(v, _SCALARS))
-        if keys:
-            out.append((path, d, keys, tuple(d[k] for k in keys)))
-    return out
-
-
-def _changed_attributes(snapshot: list) -> list[tuple[str, str, object, object]]:
-    """(module path, attribute, value in the snapshot, value now) for every attribute that changed."""
-    changed = []
-    for path, d, keys, values in snapshot:
-        if tuple(map(d.get, keys)) == values:  # the common case, at C speed
-            continue
-        for k, was in zip(keys, values):
-            now = d.get(k, _MISSING)
-            if now is not was and not (type(now) is type(was) and now == was):
-                changed.append((path, k, was, now))
-    return changed
-
-
-def _describe_attribute(path: str, key: str) -> str:
-    return f"{'model.' + path if path else 'model'}.{key}"
-
-
 class TrainStep:
     """A pure training step. ``loss, new_state = step(state, *batch)`` never mutates ``state``."""
 
@@ -447,14 +414,14 @@ class TrainStep:
                                 "torch.library.register_autograd, or train eagerly")
             return _compat.merge_aliased_inputs(ep, canonical) if self.aliases else ep
 
-        self._module_snapshot = _module_attributes(model)
+        self._module_snapshot = _module_state.attributes(model)
         ep = export()
-        changed = _changed_attributes(self._module_snapshot)
+        changed = _module_state.changed(self._module_snapshot)
         if changed:  # forward changed Python state: eager sees it change every call, the program never
             for path, key, was, _ in changed:  # leave the model as it was
                 setattr(model.get_submodule(path), key, was)
             raise TypeError("forward changes module attributes the program would bake in once: "
-                            + ", ".join(f"{_describe_attribute(p, k)} {a!r} -> {b!r}" for p, k, a, b in changed[:4])
+                            + ", ".join(f"{_module_state.describe(p, k)} {a!r} -> {b!r}" for p, k, a, b in changed[:4])
                             + ". Eager training sees a new value every call, the pure step would not; keep such "
                             "state in a buffer (register_buffer) or outside the model")
         out_spec = ep.call_spec.out_spec  # a leaf (the loss), or (loss, aux)
@@ -685,13 +652,9 @@ class TrainStep:
                                  "place after make_train_step; eager training would use its new value, the program "
                                  "bakes in the value it was built with: build a new step (make_train_step) after "
                                  "changing it")
-        changed = _changed_attributes(self._module_snapshot)
+        changed = _module_state.changed(self._module_snapshot)
         if changed:
-            path, key, was, now = changed[0]
-            mode = " (eval mode)" if key == "training" and now is False else " (train mode)" if key == "training" else ""
-            raise ValueError(f"{_describe_attribute(path, key)} is {now!r}{mode} now, {was!r} when the step was built"
-                             f"{f' (and {len(changed) - 1} more changed attributes)' if len(changed) > 1 else ''}; "
-                             "eager training would follow the change, the program bakes in the value it was traced "
+            raise ValueError(f"{_module_state.change_message(changed, 'the step was built')}; eager training would follow the change, the program bakes in the value it was traced "
                              "with: build a new step (make_train_step) after changing it, or change it back")
         if self._config_unchanged():
             return
