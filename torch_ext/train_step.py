@@ -378,6 +378,7 @@ class TrainStep:
         # Options are copied: one mutated in place (a list) must not compare equal to itself.
         self._built_config = [[(params, grads, copy.deepcopy(options)) for params, grads, options in groups]
                               for groups in self._config()]
+        self._seen_lrs = self._group_lrs()  # the optimizer's lrs as this step last read or wrote them
 
         wrapper = _LossModule(model, loss_fn)
         # Tied parameters and shared buffers: export gives each name its own placeholder; fold every
@@ -553,6 +554,7 @@ class TrainStep:
                     if opt[k].shape == p.shape and opt[k].dim() > 0:
                         opt[k] = shard_tensor(opt[k], self._dp["world_size"], self._dp["rank"])
         lrs = self._schedule.lrs(0) if self._schedule is not None else [float(g["lr"]) for _, g in self._groups]
+        self._seen_lrs = self._group_lrs()
         lr = [torch.tensor(v, dtype=torch.float64) for v in lrs]
         rng = None
         if self.draws_random:
@@ -621,6 +623,26 @@ class TrainStep:
         return [[(tuple(group["params"]), tuple(p.requires_grad for p in group["params"]),
                   {k: v for k, v in group.items() if k not in _LR_KEYS})
                  for group in opt.param_groups] for opt in self.optimizers]
+
+    def _group_lrs(self) -> list[float]:
+        return [float(g["lr"]) for _, g in self._groups]
+
+    def _check_lr(self, state: TrainState) -> None:
+        """Refuses an lr set on the optimizer (``group["lr"] = ...``, or a scheduler stepped outside the
+        step) after this step last read it: the step takes the lr from the state, so eager training would
+        follow the change and the step would silently not. An lr equal to the state's is accepted."""
+        if self._schedule is not None:  # the lr follows the scheduler replay (_check_schedule)
+            return
+        now = self._group_lrs()
+        if now == self._seen_lrs:
+            return
+        for gi, ((opt, _), lr, seen, have) in enumerate(zip(self._groups, now, self._seen_lrs, state.lr)):
+            if lr != seen and lr != float(have):
+                raise ValueError(f"{type(opt).__name__} param group {gi}: lr is {lr!r} on the optimizer now, {seen!r} "
+                                 f"when this step last read it, and {float(have)!r} in {state.describe()}: the step "
+                                 "trains with the state's lr, so the optimizer's would be silently ignored. Set it "
+                                 "with state.set_lr(...), pass the scheduler as make_train_step(..., scheduler=), or "
+                                 "start from a new init_state()")
 
     def _config_unchanged(self) -> bool:
         """The common case of _check_config, compared in place without building a snapshot (it runs on
@@ -728,6 +750,7 @@ class TrainStep:
         self._check_state(state)
         self._check_schedule(state)
         self._check_config()
+        self._check_lr(state)
         return self._checked_inputs(state, self._check_batch(batch))
 
     def _checked_inputs(self, state: TrainState, flat_batch: list) -> list:
@@ -789,6 +812,7 @@ class TrainStep:
         self._check_state(state)
         self._check_schedule(state)
         self._check_config()
+        self._check_lr(state)
         flat_batch = self._check_batch(batch)
         program = self._program_for(flat_batch)
         if program is self:
@@ -842,6 +866,7 @@ class TrainStep:
                 b.copy_(state.buffers[_MODEL_PREFIX + n])
         for (opt, group), lr in zip(self._groups, state.lr):
             group["lr"] = float(lr)
+        self._seen_lrs = self._group_lrs()
         if self._schedule is not None:
             self._schedule.write_back(state.sched_epoch)
         if state.rng is not None:  # eager continues the same random stream

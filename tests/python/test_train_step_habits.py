@@ -399,6 +399,33 @@ def test_forward_changing_python_state_is_refused_and_left_as_it_was():
     assert model.calls == 0
 
 
+@pytest.mark.parametrize("how", ["param_group", "outside_scheduler"])
+def test_lr_changed_on_the_optimizer_after_build_is_refused_not_ignored(how):
+    # The step trains with the state's lr: a hand-made warmup (group["lr"] = ...) or a scheduler stepped
+    # outside the step changed eager training from the second step on and the step never saw it
+    # (losses [0.851, 1.037, 1.269, 2.014] against eager [0.851, 1.037, 1.256, 1.987]).
+    model = _Adversarial(lambda h: h)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    step = torch_ext.make_train_step(model, opt, _mse, _XY)
+    loss, state = step(step.init_state(), *_XY)
+    if how == "param_group":
+        for g in opt.param_groups:
+            g["lr"] = 0.2
+        message = r"SGD param group 0: lr is 0.2 on the optimizer now, 0.1 when this step last read it"
+    else:
+        sched.step()
+        message = r"SGD param group 0: lr is 0.05 on the optimizer now, 0.1 when this step last read it"
+    with pytest.raises(ValueError, match=message):
+        step(state, *_XY)
+    with pytest.raises(ValueError, match=message):
+        step.compile(plan=False)(state, *_XY)
+    # The documented ways are accepted: the state's lr set to the optimizer's, or a fresh state.
+    state.set_lr(opt.param_groups[0]["lr"])
+    step(state, *_XY)
+    step(step.init_state(), *_XY)
+
+
 # ---------------------------------------------------------------- 3. tied, constants, shared buffers
 def test_tied_weights_one_entry_bit_exact_100_steps():
     step, state, *_ = parity(TiedLM, adamw)
