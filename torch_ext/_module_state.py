@@ -8,6 +8,8 @@ values the model no longer has.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 # The training flag and every public attribute holding one of these.
@@ -15,27 +17,36 @@ _SCALARS = (bool, int, float, complex, str, type(None))
 _MISSING = object()
 
 
-def attributes(model: torch.nn.Module) -> list:
-    """[(module path, module.__dict__, keys, values)] of every module's scalar attributes, as they stand."""
-    out = []
+def attributes(model: torch.nn.Module) -> tuple:
+    """A snapshot of every module's scalar attributes, as they stand: ``(paths, dicts, keys, values)``,
+    one entry per attribute (module path, the module's ``__dict__``, the name, the value)."""
+    paths, dicts, keys, values = [], [], [], []
     for path, mod in model.named_modules():
         d = mod.__dict__
-        keys = tuple(k for k, v in d.items() if (k == "training" or not k.startswith("_")) and isinstance(v, _SCALARS))
-        if keys:
-            out.append((path, d, keys, tuple(d[k] for k in keys)))
-    return out
+        for k, v in d.items():
+            if (k == "training" or not k.startswith("_")) and isinstance(v, _SCALARS):
+                paths.append(path)
+                dicts.append(d)
+                keys.append(k)
+                values.append(v)
+    return paths, dicts, keys, values
 
 
-def changed(snapshot: list) -> list[tuple[str, str, object, object]]:
+def changed(snapshot: tuple) -> list[tuple[str, str, object, object]]:
     """(module path, attribute, value in the snapshot, value now) for every attribute that changed."""
+    if not snapshot:
+        return []
+    paths, dicts, keys, values = snapshot
+    try:
+        if list(map(operator.getitem, dicts, keys)) == values:  # the common case: one loop in C
+            return []
+    except KeyError:  # an attribute was deleted: the slow path names it
+        pass
     out = []
-    for path, d, keys, values in snapshot:
-        if tuple(map(d.get, keys)) == values:  # the common case, one C-speed compare per module
-            continue
-        for k, was in zip(keys, values):
-            now = d.get(k, _MISSING)
-            if now is not was and not (type(now) is type(was) and now == was):
-                out.append((path, k, was, now))
+    for path, d, k, was in zip(paths, dicts, keys, values):
+        now = d.get(k, _MISSING)
+        if now is not was and not (type(now) is type(was) and now == was):
+            out.append((path, k, was, now))
     return out
 
 

@@ -384,7 +384,7 @@ class ReactiveGraph:
             own = {id(t) for t in list(nn_params(self._module))}
             if any(id(v) not in own for v in self._program.state_dict.values()):
                 self._weights_fp = _weights_fingerprint(self._module)
-        changed = _module_state.changed(getattr(self, "_attributes", []))
+        changed = _module_state.changed(getattr(self, "_attributes", ()))
         if changed:  # forward changed Python state while being traced: the graph holds one value of it
             for path, key, was, _ in changed:  # leave the model as it was
                 setattr(self._module.get_submodule(path), key, was)
@@ -531,7 +531,7 @@ class ReactiveGraph:
             raise ValueError("run: the model's weights changed since this ReactiveGraph was built, and it computes "
                              "with a copy of them (TransformerLens models are exported from a copy); build a new "
                              "ReactiveGraph (torch_ext.patching does so by itself)")
-        changed = _module_state.changed(getattr(self, "_attributes", []))
+        changed = _module_state.changed(getattr(self, "_attributes", ()))
         if changed:
             raise ValueError(f"run: {_module_state.change_message(changed, 'this ReactiveGraph was built')}; the graph "
                              "holds the value it was traced with, eager calls would use the new one: build a new "
