@@ -384,10 +384,10 @@ class ReactiveGraph:
             own = {id(t) for t in list(nn_params(self._module))}
             if any(id(v) not in own for v in self._program.state_dict.values()):
                 self._weights_fp = _weights_fingerprint(self._module)
-        changed = _module_state.changed(getattr(self, "_attributes", ()))
+        changed = _module_state.traced_changes(self._module, self._attributes) if self._module is not None else []
+        if self._module is not None:
+            self._attributes = _module_state.attributes(self._module)  # what the graph was traced with
         if changed:  # forward changed Python state while being traced: the graph holds one value of it
-            for path, key, was, _ in changed:  # leave the model as it was
-                setattr(self._module.get_submodule(path), key, was)
             raise TypeError("ReactiveGraph: forward changes module attributes the graph would hold fixed: "
                             + ", ".join(f"{_module_state.describe(p, k)} {a!r} -> {b!r}" for p, k, a, b in changed[:4])
                             + "; keep such state in a buffer (register_buffer) or outside the model")

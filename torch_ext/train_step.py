@@ -415,12 +415,11 @@ class TrainStep:
                                 "torch.library.register_autograd, or train eagerly")
             return _compat.merge_aliased_inputs(ep, canonical) if self.aliases else ep
 
-        self._module_snapshot = _module_state.attributes(model)
+        before = _module_state.attributes(model)
         ep = export()
-        changed = _module_state.changed(self._module_snapshot)
+        changed = _module_state.traced_changes(model, before)  # put back as they were
+        self._module_snapshot = _module_state.attributes(model)  # what the program was traced with
         if changed:  # forward changed Python state: eager sees it change every call, the program never
-            for path, key, was, _ in changed:  # leave the model as it was
-                setattr(model.get_submodule(path), key, was)
             raise TypeError("forward changes module attributes the program would bake in once: "
                             + ", ".join(f"{_module_state.describe(p, k)} {a!r} -> {b!r}" for p, k, a, b in changed[:4])
                             + ". Eager training sees a new value every call, the pure step would not; keep such "

@@ -339,10 +339,11 @@ class _Tempered(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.body, self.bn, self.drop, self.head = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.0), nn.Linear(8, 4)
-        self.tau = 1.0
+        self.tau, self.shift, self.weights = 1.0, torch.tensor(0.0), [1.0]
 
     def forward(self, x):
-        return self.head(self.drop(torch.softmax(self.bn(self.body(x)) / self.tau, -1)))
+        h = torch.softmax(self.bn(self.body(x)) / self.tau, -1) * self.weights[0] + self.shift
+        return self.head(self.drop(h))
 
 
 _CHANGES = {
@@ -350,6 +351,10 @@ _CHANGES = {
     "dropout_p": (lambda m: setattr(m.drop, "p", 0.5), r"model.drop.p is 0.5 now, 0.0 when the step was built"),
     "bn_eval": (lambda m: m.bn.eval(), r"model.bn.training is False \(eval mode\) now, True when the step was built"),
     "model_eval": (lambda m: m.eval(), r"model.training is False \(eval mode\) now, True .*and 4 more"),
+    "tensor_replaced": (lambda m: setattr(m, "shift", torch.tensor(0.5)),
+                        r"model.shift was replaced by a tensor of shape \(\) \(0.5\) \(when the step was built: a "
+                        r"tensor of shape \(\) \(0\)\)"),
+    "list_edited": (lambda m: m.weights.__setitem__(0, 2.0), r"model.weights is \[2.0\] now, \[1.0\] when"),
 }
 
 
@@ -367,6 +372,7 @@ def test_module_attribute_changed_after_build_is_refused_not_ignored(change):
 
     model = _Tempered()
     step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), _mse, _XY)
+    traced_shift = model.shift
     loss, state = step(step.init_state(), *batches[0])
     unchanged, _ = step(state, *batches[1])
     assert not torch.equal(unchanged, ref_loss)  # the baked-in value would have given another loss
@@ -376,7 +382,7 @@ def test_module_attribute_changed_after_build_is_refused_not_ignored(change):
     with pytest.raises(ValueError, match=message):
         step.compile(plan=False)(state, *batches[1])
     model.train()  # changed back: accepted again, same answer as before
-    model.tau, model.drop.p = 1.0, 0.0
+    model.tau, model.drop.p, model.weights[0], model.shift = 1.0, 0.0, 1.0, traced_shift
     again, _ = step(state, *batches[1])
     assert torch.equal(again, unchanged)
 
