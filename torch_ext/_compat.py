@@ -4,6 +4,7 @@ Checked against torch 2.9.1 (the CI pin). torch >= 2.9 is required.
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import sys
@@ -97,6 +98,78 @@ def optimizer_step_hooks(opt: torch.optim.Optimizer) -> list[str]:
     if getattr(optim_mod, "_global_optimizer_pre_hooks", None) or getattr(optim_mod, "_global_optimizer_post_hooks", None):
         found.append("global optimizer step hooks")
     return found
+
+
+def gradient_hooks(model: torch.nn.Module) -> list[str]:
+    """The hooks on ``model`` that change gradients in eager training, each as "where (how it was
+    registered)": tensor hooks and post-accumulate-grad hooks on parameters, full backward (pre-)hooks
+    on modules, and the global module backward hooks. A pure step computes its gradients inside its
+    program, where none of them runs."""
+    from torch.nn.modules import module as module_mod
+
+    found = []
+    for name, p in model.named_parameters():
+        if p._backward_hooks:
+            found.append(f"parameter '{name}' (Tensor.register_hook)")
+        if p._post_accumulate_grad_hooks:
+            found.append(f"parameter '{name}' (Tensor.register_post_accumulate_grad_hook)")
+    for name, m in model.named_modules():
+        where = f"module '{name}' ({type(m).__name__})" if name else f"the model ({type(m).__name__})"
+        if m._backward_hooks:
+            found.append(f"{where} (register_full_backward_hook)")
+        if m._backward_pre_hooks:
+            found.append(f"{where} (register_full_backward_pre_hook)")
+    if getattr(module_mod, "_global_backward_hooks", None) or getattr(module_mod, "_global_backward_pre_hooks", None):
+        found.append("every module (register_module_full_backward_hook / register_module_full_backward_pre_hook)")
+    return found
+
+
+@contextlib.contextmanager
+def backward_only_code():
+    """Records, inside the block, the code that would change gradients in eager training but that
+    tracing (torch.export, make_fx) cannot record, as descriptions: custom ``torch.autograd.Function``
+    subclasses defined outside torch (a gradient reversal, a straight-through estimator: tracing runs
+    their ``forward`` only, so a graph differentiated afterwards gets the derivative of that forward,
+    never the class's ``backward``) and ``Tensor.register_hook`` on an activation. Applications and
+    hooks on tensors that require no gradient (a batch, a target) are not recorded.
+
+    ``Function.apply`` (torch 2.9) calls the module function ``_is_setup_context_defined`` first thing,
+    with the class in its local ``cls``; that call is wrapped rather than ``apply`` itself, because a
+    user's ``grad_reverse = GradReverse.apply``, bound at import, would bypass a patched ``apply``."""
+    from torch.autograd import function as function_mod
+
+    found: list[str] = []
+    original = function_mod._is_setup_context_defined
+    original_hook = torch.Tensor.register_hook
+
+    def is_setup_context_defined(fn):
+        caller = sys._getframe(1).f_locals
+        cls = caller.get("cls")
+        if isinstance(cls, type) and issubclass(cls, function_mod.Function) and any(
+                isinstance(a, torch.Tensor) and a.requires_grad
+                for a in (*caller.get("args", ()), *caller.get("kwargs", {}).values())):
+            module = getattr(cls, "__module__", "") or ""
+            what = f"custom torch.autograd.Function {module}.{cls.__qualname__}"
+            if not (module == "torch" or module.startswith("torch.")) and what not in found:
+                found.append(what)
+        return original(fn)
+
+    def register_hook(self, hook):
+        frame = sys._getframe(1)
+        module = frame.f_globals.get("__name__", "") or ""
+        if self.requires_grad and not (module == "torch" or module.startswith("torch.")):  # torch forwards hooks too
+            what = f"Tensor.register_hook on an activation ({frame.f_code.co_filename}:{frame.f_lineno})"
+            if what not in found:
+                found.append(what)
+        return original_hook(self, hook)
+
+    function_mod._is_setup_context_defined = is_setup_context_defined
+    torch.Tensor.register_hook = register_hook
+    try:
+        yield found
+    finally:
+        function_mod._is_setup_context_defined = original
+        torch.Tensor.register_hook = original_hook
 
 
 def merge_aliased_inputs(ep: torch.export.ExportedProgram, canonical: dict[str, str]) -> torch.export.ExportedProgram:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Hashable, Iterable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from . import _C, _build_cache, _compat, _disk_cache
+from . import _C, _build_cache, _compat, _disk_cache, _module_state
 from .ir import Graph
 
 
@@ -274,6 +274,7 @@ class ReactiveGraph:
             if example_inputs is None:
                 raise ValueError("ReactiveGraph(module, example_inputs): example_inputs are required to export a module")
             self._module = ep_or_module
+            self._attributes = _module_state.attributes(ep_or_module)  # what the trace reads (run() checks)
             if cache and _build_cache.enabled():
                 key, disk_key, cache_state, disk_state = _cache_keys(ep_or_module, tuple(example_inputs),
                                                                      example_kwargs, (front_end, repr(split_heads)))
@@ -383,6 +384,13 @@ class ReactiveGraph:
             own = {id(t) for t in list(nn_params(self._module))}
             if any(id(v) not in own for v in self._program.state_dict.values()):
                 self._weights_fp = _weights_fingerprint(self._module)
+        changed = _module_state.traced_changes(self._module, self._attributes) if self._module is not None else []
+        if self._module is not None:
+            self._attributes = _module_state.attributes(self._module)  # what the graph was traced with
+        if changed:  # forward changed Python state while being traced: the graph holds one value of it
+            raise TypeError("ReactiveGraph: forward changes module attributes the graph would hold fixed: "
+                            + ", ".join(f"{_module_state.describe(p, k)} {a!r} -> {b!r}" for p, k, a, b in changed[:4])
+                            + "; keep such state in a buffer (register_buffer) or outside the model")
         t4 = time.perf_counter()
         if example_inputs is not None:
             self.run(*example_inputs, **example_kwargs)
@@ -523,6 +531,11 @@ class ReactiveGraph:
             raise ValueError("run: the model's weights changed since this ReactiveGraph was built, and it computes "
                              "with a copy of them (TransformerLens models are exported from a copy); build a new "
                              "ReactiveGraph (torch_ext.patching does so by itself)")
+        changed = _module_state.changed(getattr(self, "_attributes", ()))
+        if changed:
+            raise ValueError(f"run: {_module_state.change_message(changed, 'this ReactiveGraph was built')}; the graph "
+                             "holds the value it was traced with, eager calls would use the new one: build a new "
+                             "ReactiveGraph after changing it, or change it back")
         if self._module is not None and self._shape is not None:
             key = _shape_key(args, kwargs)
             if key != self._shape:

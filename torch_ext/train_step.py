@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from . import _C, _compat, optim
+from . import _C, _compat, _module_state, optim
 from .ir import Graph
 
 _MODEL_PREFIX = "model."
@@ -378,6 +378,7 @@ class TrainStep:
         # Options are copied: one mutated in place (a list) must not compare equal to itself.
         self._built_config = [[(params, grads, copy.deepcopy(options)) for params, grads, options in groups]
                               for groups in self._config()]
+        self._seen_lrs = self._group_lrs()  # the optimizer's lrs as this step last read or wrote them
 
         wrapper = _LossModule(model, loss_fn)
         # Tied parameters and shared buffers: export gives each name its own placeholder; fold every
@@ -396,11 +397,33 @@ class TrainStep:
                                  "average, 1 / num_batches_tracked read as a Python number each step) cannot be "
                                  "traced into the pure step; give it a momentum (e.g. momentum=0.1)")
 
+        hooks = _compat.gradient_hooks(model)
+        if hooks:
+            raise TypeError(f"the model has gradient hooks the pure step cannot run: {'; '.join(hooks[:4])}"
+                            f"{f' and {len(hooks) - 4} more' if len(hooks) > 4 else ''}. The step computes the "
+                            "gradients inside its program, so eager training and the step would differ; remove the "
+                            "hooks (clip with clip_grad_norm=) or train eagerly")
+
         def export():
-            ep = torch.export.export(wrapper, _compat.distinct_inputs(self._example_batch))  # (x, x): two inputs
+            with _compat.backward_only_code() as found:
+                ep = torch.export.export(wrapper, _compat.distinct_inputs(self._example_batch))  # (x, x): two inputs
+            if found:
+                raise TypeError(f"the model or loss_fn uses {'; '.join(found)}: tracing records the forward only, "
+                                "and the step would differentiate that forward, never running this backward code "
+                                "(a gradient reversal, a straight-through estimator or a gradient hook would silently "
+                                "train differently from eager). Write it as a custom op with "
+                                "torch.library.register_autograd, or train eagerly")
             return _compat.merge_aliased_inputs(ep, canonical) if self.aliases else ep
 
+        before = _module_state.attributes(model)
         ep = export()
+        changed = _module_state.traced_changes(model, before)  # put back as they were
+        self._module_snapshot = _module_state.attributes(model)  # what the program was traced with
+        if changed:  # forward changed Python state: eager sees it change every call, the program never
+            raise TypeError("forward changes module attributes the program would bake in once: "
+                            + ", ".join(f"{_module_state.describe(p, k)} {a!r} -> {b!r}" for p, k, a, b in changed[:4])
+                            + ". Eager training sees a new value every call, the pure step would not; keep such "
+                            "state in a buffer (register_buffer) or outside the model")
         out_spec = ep.call_spec.out_spec  # a leaf (the loss), or (loss, aux)
         self._aux_spec = out_spec.children_specs[1] if out_spec.num_children == 2 else None
         loss_val = [n for n in ep.graph.nodes if n.op == "output"][0].args[0][0].meta.get("val")
@@ -530,6 +553,7 @@ class TrainStep:
                     if opt[k].shape == p.shape and opt[k].dim() > 0:
                         opt[k] = shard_tensor(opt[k], self._dp["world_size"], self._dp["rank"])
         lrs = self._schedule.lrs(0) if self._schedule is not None else [float(g["lr"]) for _, g in self._groups]
+        self._seen_lrs = self._group_lrs()
         lr = [torch.tensor(v, dtype=torch.float64) for v in lrs]
         rng = None
         if self.draws_random:
@@ -599,6 +623,26 @@ class TrainStep:
                   {k: v for k, v in group.items() if k not in _LR_KEYS})
                  for group in opt.param_groups] for opt in self.optimizers]
 
+    def _group_lrs(self) -> list[float]:
+        return [float(g["lr"]) for _, g in self._groups]
+
+    def _check_lr(self, state: TrainState) -> None:
+        """Refuses an lr set on the optimizer (``group["lr"] = ...``, or a scheduler stepped outside the
+        step) after this step last read it: the step takes the lr from the state, so eager training would
+        follow the change and the step would silently not. An lr equal to the state's is accepted."""
+        if self._schedule is not None:  # the lr follows the scheduler replay (_check_schedule)
+            return
+        now = self._group_lrs()
+        if now == self._seen_lrs:
+            return
+        for gi, ((opt, _), lr, seen, have) in enumerate(zip(self._groups, now, self._seen_lrs, state.lr)):
+            if lr != seen and lr != float(have):
+                raise ValueError(f"{type(opt).__name__} param group {gi}: lr is {lr!r} on the optimizer now, {seen!r} "
+                                 f"when this step last read it, and {float(have)!r} in {state.describe()}: the step "
+                                 "trains with the state's lr, so the optimizer's would be silently ignored. Set it "
+                                 "with state.set_lr(...), pass the scheduler as make_train_step(..., scheduler=), or "
+                                 "start from a new init_state()")
+
     def _config_unchanged(self) -> bool:
         """The common case of _check_config, compared in place without building a snapshot (it runs on
         every call: rebuilding the snapshot cost 59 us per call at 150 parameters). A key added to a
@@ -629,6 +673,10 @@ class TrainStep:
                                  "place after make_train_step; eager training would use its new value, the program "
                                  "bakes in the value it was built with: build a new step (make_train_step) after "
                                  "changing it")
+        changed = _module_state.changed(self._module_snapshot)
+        if changed:
+            raise ValueError(f"{_module_state.change_message(changed, 'the step was built')}; eager training would follow the change, the program bakes in the value it was traced "
+                             "with: build a new step (make_train_step) after changing it, or change it back")
         if self._config_unchanged():
             return
         now = self._config()
@@ -701,6 +749,7 @@ class TrainStep:
         self._check_state(state)
         self._check_schedule(state)
         self._check_config()
+        self._check_lr(state)
         return self._checked_inputs(state, self._check_batch(batch))
 
     def _checked_inputs(self, state: TrainState, flat_batch: list) -> list:
@@ -762,6 +811,7 @@ class TrainStep:
         self._check_state(state)
         self._check_schedule(state)
         self._check_config()
+        self._check_lr(state)
         flat_batch = self._check_batch(batch)
         program = self._program_for(flat_batch)
         if program is self:
@@ -815,6 +865,7 @@ class TrainStep:
                 b.copy_(state.buffers[_MODEL_PREFIX + n])
         for (opt, group), lr in zip(self._groups, state.lr):
             group["lr"] = float(lr)
+        self._seen_lrs = self._group_lrs()
         if self._schedule is not None:
             self._schedule.write_back(state.sched_epoch)
         if state.rng is not None:  # eager continues the same random stream

@@ -573,3 +573,38 @@ def test_sweep_predicts_the_cones_a_standing_patch_cuts_off(batched):
     assert r.measured_evaluations == r.predicted_evaluations == expected
     assert rg.patched() == ["relu_1"]
     rg.check_invariants()
+
+
+class _Tempered(nn.Module):
+    """A softmax temperature and a Dropout: Python values the trace holds fixed."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.drop, self.tau = nn.Linear(8, 8), nn.Dropout(0.5), 1.0
+
+    def forward(self, x):
+        return torch.softmax(self.drop(self.fc(x)) / self.tau, -1)
+
+
+@pytest.mark.parametrize("change", ["temperature", "train_mode"])
+def test_run_refuses_module_attributes_changed_after_build(change):
+    # Before: run() computed with the traced temperature (max |difference| 0.53 against the eager
+    # forward) or without the dropout eager now applies, silently.
+    model = _Tempered().eval()
+    x = torch.randn(2, 3, 8)
+    rg = torch_ext.ReactiveGraph(model, (x,), cache=False)
+    if change == "temperature":
+        model.tau = 0.25
+        message = r"model.tau is 0.25 now, 1.0 when this ReactiveGraph was built"
+    else:
+        model.train()
+        message = r"model.training is True \(train mode\) now, False .*and 2 more"
+    with torch.no_grad():
+        assert not torch.equal(model(x), rg.demand())  # eager follows the change
+    with pytest.raises(ValueError, match=message):
+        rg.run(x)
+    model.eval()
+    model.tau = 1.0  # changed back: the graph is right again
+    assert torch.equal(rg.run(x), model(x))
+

@@ -158,6 +158,280 @@ def test_optimizer_step_hooks_are_refused():
         torch_ext.make_train_step(model, opt, lm_loss, next(lm_batches()))
 
 
+class _GradReverse(torch.autograd.Function):
+    """A gradient reversal layer: identity forward, negated (scaled) gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -0.5 * g
+
+
+class _RoundSTE(torch.autograd.Function):
+    """A straight-through estimator: rounds forward, passes the gradient through unchanged."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+grad_reverse = _GradReverse.apply  # bound at import, as such layers usually are
+
+
+class _Adversarial(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head, self.fn = nn.Linear(8, 8), nn.Linear(8, 4), fn
+
+    def forward(self, x):
+        return self.head(self.fn(torch.relu(self.body(x))))
+
+
+def _mse(m, x, y):
+    return F.mse_loss(m(x), y)
+
+
+_XY = (torch.randn(6, 8, generator=torch.Generator().manual_seed(3)),
+       torch.randn(6, 4, generator=torch.Generator().manual_seed(4)))
+
+
+def _trains_differently_from_the_traced_forward(fn) -> bool:
+    """One eager SGD step with ``fn`` and with its forward alone give other weights: the backward matters."""
+    def one_step(f):
+        m = _Adversarial(f)
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        _mse(m, *_XY).backward()
+        opt.step()
+        return m.body.weight.detach()
+
+    forward_only = {grad_reverse: lambda h: h, _RoundSTE.apply: lambda h: torch.round(h * 4) / 4}[fn]
+    return not torch.equal(one_step(fn), one_step(forward_only))
+
+
+@pytest.mark.parametrize("fn", [grad_reverse, _RoundSTE.apply], ids=["gradient_reversal", "straight_through"])
+def test_custom_autograd_function_backward_is_refused_not_ignored(fn):
+    # Tracing records only a Function's forward: the step differentiated that forward and trained
+    # silently differently from eager (loss 0.948 against 0.961 after one step for gradient reversal).
+    assert _trains_differently_from_the_traced_forward(fn)
+    model = _Adversarial(fn)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match=r"custom torch.autograd.Function .*" + fn.__self__.__qualname__):
+        torch_ext.make_train_step(model, opt, _mse, _XY)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)) and not opt.state
+    # Also when the loss applies it, and the global torch.autograd.Function is left as it was.
+    plain = _Adversarial(lambda h: h)
+    with pytest.raises(TypeError, match=fn.__self__.__qualname__):
+        torch_ext.make_train_step(plain, torch.optim.SGD(plain.parameters(), lr=0.5),
+                                  lambda m, x, y: F.mse_loss(fn(m(x)), y), _XY)
+    from torch.autograd import function as function_mod
+    assert function_mod._is_setup_context_defined.__module__ == "torch.autograd.function"
+
+
+def test_custom_autograd_function_on_tensors_without_gradient_is_accepted_and_exact():
+    # A Function applied to the batch or the target runs no backward: nothing to refuse.
+    def loss(m, x, y):
+        return F.mse_loss(m(_RoundSTE.apply(x)), _RoundSTE.apply(y))
+
+    model = _Adversarial(lambda h: h)
+    ref = copy.deepcopy(model)
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss, _XY)
+    losses, state = pure_run(step, step.init_state(), iter([_XY] * 3), 3)
+    ref_losses = eager_run(ref, torch.optim.SGD(ref.parameters(), lr=0.1), iter([_XY] * 3), 3, loss_fn=loss)
+    assert_bit_exact(losses, ref_losses, state, ref)
+
+
+def _hooked(kind):
+    model = _Adversarial(lambda h: h)
+    if kind == "tensor_hook":
+        model.body.weight.register_hook(lambda g: g * 10)
+    elif kind == "post_accumulate_grad_hook":
+        def scale(p):
+            p.grad.mul_(10)
+
+        model.body.weight.register_post_accumulate_grad_hook(scale)
+    elif kind == "module_backward_hook":
+        model.head.register_full_backward_hook(lambda mod, gin, gout: (gin[0] * 3,))
+    else:
+        model.head.register_full_backward_pre_hook(lambda mod, gout: (gout[0] * 3,))
+    return model
+
+
+HOOKS = {"tensor_hook": r"parameter 'body.weight' \(Tensor.register_hook\)",
+         "post_accumulate_grad_hook": r"parameter 'body.weight' \(Tensor.register_post_accumulate_grad_hook\)",
+         "module_backward_hook": r"module 'head' \(Linear\) \(register_full_backward_hook\)",
+         "module_backward_pre_hook": r"module 'head' \(Linear\) \(register_full_backward_pre_hook\)"}
+
+
+@pytest.mark.parametrize("kind", list(HOOKS))
+def test_gradient_hooks_are_refused_not_ignored(kind):
+    # The step computes gradients inside its program, where no hook runs: it trained as if the hook
+    # were absent (state difference 0.16 after 3 SGD steps with a x10 tensor hook).
+    hooked, plain = _hooked(kind), _Adversarial(lambda h: h)
+    for m in (hooked, plain):
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        _mse(m, *_XY).backward()
+        opt.step()
+    assert not torch.equal(hooked.body.weight, plain.body.weight)  # the hook changes eager training
+    model = _hooked(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with pytest.raises(TypeError, match=r"gradient hooks the pure step cannot run: " + HOOKS[kind]):
+        torch_ext.make_train_step(model, opt, _mse, _XY)
+    assert not opt.state
+
+
+class _ClippedActivationGrad(nn.Module):
+    """Clips the gradient of an activation with a hook registered in forward (a common habit)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        if h.requires_grad:
+            h.register_hook(lambda g: g.clamp(-1e-3, 1e-3))
+        return self.head(h)
+
+
+def test_activation_gradient_hook_in_forward_is_refused_not_ignored():
+    # The hook ran on the traced activation and was dropped: the step trained unclipped.
+    hooked, plain = _ClippedActivationGrad(), _Adversarial(lambda h: h)
+    for m in (hooked, plain):
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        _mse(m, *_XY).backward()
+        opt.step()
+    assert not torch.equal(hooked.body.weight, plain.body.weight)  # the hook changes eager training
+    model = _ClippedActivationGrad()
+    with pytest.raises(TypeError, match=r"Tensor.register_hook on an activation \(.*test_train_step_habits.py:\d+\)"):
+        torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), _mse, _XY)
+    assert torch.Tensor.register_hook.__module__ == "torch._tensor"  # put back
+
+
+def test_forward_hooks_are_traced_and_exact():
+    # Forward hooks run while tracing, so they are part of the program (no refusal needed).
+    def make():
+        m = _Adversarial(lambda h: h)
+        m.body.register_forward_hook(lambda mod, args, out: out * 2)
+        m.head.register_forward_pre_hook(lambda mod, args: (args[0] - 0.1,))
+        return m
+
+    model, ref = make(), make()
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _mse, _XY)
+    losses, state = pure_run(step, step.init_state(), iter([_XY] * 3), 3)
+    ref_losses = eager_run(ref, torch.optim.SGD(ref.parameters(), lr=0.1), iter([_XY] * 3), 3, loss_fn=_mse)
+    assert_bit_exact(losses, ref_losses, state, ref)
+
+
+class _Tempered(nn.Module):
+    """Python-valued knobs the trace bakes in: a softmax temperature, a Dropout p, a BatchNorm."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.bn, self.drop, self.head = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.0), nn.Linear(8, 4)
+        self.tau, self.shift, self.weights = 1.0, torch.tensor(0.0), [1.0]
+
+    def forward(self, x):
+        h = torch.softmax(self.bn(self.body(x)) / self.tau, -1) * self.weights[0] + self.shift
+        return self.head(self.drop(h))
+
+
+_CHANGES = {
+    "temperature": (lambda m: setattr(m, "tau", 0.25), r"model.tau is 0.25 now, 1.0 when the step was built"),
+    "dropout_p": (lambda m: setattr(m.drop, "p", 0.5), r"model.drop.p is 0.5 now, 0.0 when the step was built"),
+    "bn_eval": (lambda m: m.bn.eval(), r"model.bn.training is False \(eval mode\) now, True when the step was built"),
+    "model_eval": (lambda m: m.eval(), r"model.training is False \(eval mode\) now, True .*and 4 more"),
+    "tensor_replaced": (lambda m: setattr(m, "shift", torch.tensor(0.5)),
+                        r"model.shift was replaced by a tensor of shape \(\) \(0.5\) \(when the step was built: a "
+                        r"tensor of shape \(\) \(0\)\)"),
+    "list_edited": (lambda m: m.weights.__setitem__(0, 2.0), r"model.weights is \[2.0\] now, \[1.0\] when"),
+}
+
+
+@pytest.mark.parametrize("change", list(_CHANGES))
+def test_module_attribute_changed_after_build_is_refused_not_ignored(change):
+    # The program bakes in what the trace read; eager follows the change. Before, the step kept training
+    # with the old temperature / dropout / train-mode BatchNorm (loss 0.948 vs eager 0.941 for tau).
+    mutate, message = _CHANGES[change]
+    batches = [_XY, (_XY[0] + 1, _XY[1])]
+    ref = _Tempered()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    eager_run(ref, ref_opt, iter(batches[:1]), 1, loss_fn=_mse)
+    mutate(ref)
+    ref_loss = eager_run(ref, ref_opt, iter(batches[1:]), 1, loss_fn=_mse)[0]
+
+    model = _Tempered()
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), _mse, _XY)
+    traced_shift = model.shift
+    loss, state = step(step.init_state(), *batches[0])
+    unchanged, _ = step(state, *batches[1])
+    assert not torch.equal(unchanged, ref_loss)  # the baked-in value would have given another loss
+    mutate(model)
+    with pytest.raises(ValueError, match=message):
+        step(state, *batches[1])
+    with pytest.raises(ValueError, match=message):
+        step.compile(plan=False)(state, *batches[1])
+    model.train()  # changed back: accepted again, same answer as before
+    model.tau, model.drop.p, model.weights[0], model.shift = 1.0, 0.0, 1.0, traced_shift
+    again, _ = step(state, *batches[1])
+    assert torch.equal(again, unchanged)
+
+
+class _Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.calls = nn.Linear(8, 4), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.body(x) / self.calls
+
+
+def test_forward_changing_python_state_is_refused_and_left_as_it_was():
+    model = _Counting()
+    with pytest.raises(TypeError, match=r"forward changes module attributes .*model.calls 0 -> 1"):
+        torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _mse, _XY)
+    assert model.calls == 0
+
+
+@pytest.mark.parametrize("how", ["param_group", "outside_scheduler"])
+def test_lr_changed_on_the_optimizer_after_build_is_refused_not_ignored(how):
+    # The step trains with the state's lr: a hand-made warmup (group["lr"] = ...) or a scheduler stepped
+    # outside the step changed eager training from the second step on and the step never saw it
+    # (losses [0.851, 1.037, 1.269, 2.014] against eager [0.851, 1.037, 1.256, 1.987]).
+    model = _Adversarial(lambda h: h)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    step = torch_ext.make_train_step(model, opt, _mse, _XY)
+    loss, state = step(step.init_state(), *_XY)
+    if how == "param_group":
+        for g in opt.param_groups:
+            g["lr"] = 0.2
+        message = r"SGD param group 0: lr is 0.2 on the optimizer now, 0.1 when this step last read it"
+    else:
+        sched.step()
+        message = r"SGD param group 0: lr is 0.05 on the optimizer now, 0.1 when this step last read it"
+    with pytest.raises(ValueError, match=message):
+        step(state, *_XY)
+    with pytest.raises(ValueError, match=message):
+        step.compile(plan=False)(state, *_XY)
+    # The documented ways are accepted: the state's lr set to the optimizer's, or a fresh state.
+    state.set_lr(opt.param_groups[0]["lr"])
+    step(state, *_XY)
+    step(step.init_state(), *_XY)
+
+
 # ---------------------------------------------------------------- 3. tied, constants, shared buffers
 def test_tied_weights_one_entry_bit_exact_100_steps():
     step, state, *_ = parity(TiedLM, adamw)
