@@ -31,3 +31,9 @@ for _d in _C.optimizer_descriptors():
 def _(input, p, train, rng_state):
     # (output, bool mask, advanced generator state), shaped as aten::native_dropout's outputs.
     return torch.empty_like(input), torch.empty_like(input, dtype=torch.bool), torch.empty_like(rng_state)
+
+
+@torch.library.register_fake("torch_ext::rng_seed")
+def _(rng_state):
+    # (int64 0-dim seed, advanced generator state)
+    return rng_state.new_empty((), dtype=torch.int64), torch.empty_like(rng_state)

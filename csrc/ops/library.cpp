@@ -12,10 +12,12 @@ TORCH_LIBRARY(torch_ext, m) {
   // Random ops with explicit generator state (see ops/random.h); used by passes/thread_rng.h.
   m.def(
       "native_dropout_rng(Tensor input, float p, bool? train, Tensor rng_state) -> (Tensor, Tensor, Tensor)");
+  m.def("rng_seed(Tensor rng_state) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(torch_ext, CPU, m) {
   m.impl("native_dropout_rng", &native_dropout_rng);
+  m.impl("rng_seed", &rng_seed);
 }
 
 }  // namespace torch_ext::ops

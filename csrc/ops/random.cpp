@@ -42,4 +42,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> native_dropout_rng(const at::Tens
   return {output, mask, gen.get_state()};
 }
 
+std::tuple<at::Tensor, at::Tensor> rng_seed(const at::Tensor& rng_state) {
+  at::Generator gen = generator_from(rng_state, "rng_seed");
+  const uint64_t draw = gen.get<at::CPUGeneratorImpl>()->random64();
+  at::Tensor seed = at::scalar_tensor(static_cast<int64_t>(draw), rng_state.options().dtype(at::kLong));
+  return {seed, gen.get_state()};
+}
+
 }  // namespace torch_ext::ops

@@ -16,4 +16,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> native_dropout_rng(const at::Tens
                                                                   std::optional<bool> train,
                                                                   const at::Tensor& rng_state);
 
+// One 64-bit draw from `rng_state` (gen.random64()), returned as an int64 0-dim tensor, and the
+// state advanced past it; `rng_state` itself is not modified. The seed of a compiler's own
+// counter-based random stream (Inductor's Philox) made pure: to_aoti decomposes each
+// native_dropout_rng into this draw and a fused mask (torch_ext/_aoti.py).
+std::tuple<at::Tensor, at::Tensor> rng_seed(const at::Tensor& rng_state);
+
 }  // namespace torch_ext::ops

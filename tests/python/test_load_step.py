@@ -203,6 +203,57 @@ def test_aoti_donating_package_updates_the_state_in_place(tmp_path):
     assert transposed.consumed_by is None
 
 
+class DropoutProbe(nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        self.l1, self.drop = nn.Linear(16, 256), nn.Dropout(p)
+
+    def forward(self, x):
+        return self.drop(self.l1(x))
+
+
+def test_aoti_dropout_is_fused_pure_and_draws_from_the_state(tmp_path, monkeypatch):
+    # to_aoti hands Inductor each dropout as a seed drawn from the explicit state (torch_ext::rng_seed)
+    # and Inductor's own Philox stream, fused with the mask and the scale (torch_ext/_aoti.py). The C++
+    # native_dropout_rng was an opaque kernel there (about 10% of the GPT-2 benchmark step).
+    torch.manual_seed(0)
+    p = 0.25
+    model = DropoutProbe(p)
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(m, x):
+        out = m(x)
+        return out.square().mean(), out.detach()
+
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, (x,))
+    programs = []
+    real = torch._inductor.aoti_compile_and_package
+
+    def spy(program, **kw):
+        programs.append(program)
+        return real(program, **kw)
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", spy)
+    loaded = torch_ext.load_step(step.to_aoti(str(tmp_path / "drop.pt2")))
+    targets = {str(n.target) for n in programs[0].graph.nodes if n.op == "call_function"}
+    assert "torch_ext.native_dropout_rng.default" not in targets, sorted(targets)
+    assert "torch_ext.rng_seed.default" in targets, sorted(targets)
+    state = step.init_state(seed=5)
+    before = torch.get_rng_state()
+    loss1, new1, out1 = loaded(state, x)
+    loss2, new2, out2 = loaded(state, x)
+    assert torch.equal(torch.get_rng_state(), before), "the package read the global generator"
+    assert torch.equal(loss1, loss2) and torch.equal(out1, out2) and torch.equal(new1.rng, new2.rng)
+    assert not torch.equal(new1.rng, state.rng), "the RNG state did not advance"
+    kept = out1 != 0
+    assert abs(float(1 - kept.float().mean()) - p) < 0.02  # 16384 draws: sd 0.0034
+    w, b = state.lookup("model.l1.weight"), state.lookup("model.l1.bias")
+    torch.testing.assert_close(out1[kept], (F.linear(x, w, b) / (1 - p))[kept], rtol=1e-5, atol=1e-6)
+    _, _, out3 = loaded(step.init_state(seed=6), x)  # another state, another mask
+    _, _, out4 = loaded(new1, x)  # the next step's mask differs from this one's
+    assert not torch.equal(out3 != 0, kept) and not torch.equal(out4 != 0, kept)
+
+
 class EmptyCacheAttention(nn.Module):
     """Hugging Face's attention without a past: cat([empty cache, k]) before q @ k^T."""
 

@@ -577,6 +577,42 @@ def test_native_dropout_rng_matches_aten_and_opcheck():
         torch.ops.torch_ext.native_dropout_rng(x, 1.5, True, state)
 
 
+def test_rng_seed_is_one_random64_draw_and_advances_a_copy_of_the_state():
+    # The seed of to_aoti's fused dropout (torch_ext/_aoti.py): a function of the explicit state only.
+    g = torch.Generator().manual_seed(4)
+    state = g.get_state()
+    kept = state.clone()
+    seed, new = torch.ops.torch_ext.rng_seed(state)
+    assert seed.dtype == torch.int64 and seed.dim() == 0
+    want = torch.empty(1, dtype=torch.int64).random_(generator=g)  # int64 random_(): random64() mod 2**63
+    assert int(seed) & (2**63 - 1) == int(want) and torch.equal(new, g.get_state())
+    assert torch.equal(state, kept), "rng_seed modified its input state"
+    seed2, _ = torch.ops.torch_ext.rng_seed(state)
+    assert torch.equal(seed, seed2)
+    torch.library.opcheck(torch.ops.torch_ext.rng_seed.default, (state,))
+    with pytest.raises(RuntimeError, match=r"rng_seed: rng_state must be a uint8 tensor of shape \[5056\].*got Float"):
+        torch.ops.torch_ext.rng_seed(torch.zeros(5056))
+
+
+def test_aoti_dropout_form_keeps_native_dropout_semantics():
+    # The form to_aoti hands Inductor in place of native_dropout_rng, run eagerly (inductor_random then
+    # draws from the global generator): P(drop) = p, kept values scaled by 1 / (1 - p), p = 1 drops
+    # everything without a 0 * inf NaN, eval mode and empty inputs draw nothing.
+    from torch_ext._aoti import _native_dropout_rng
+
+    state = torch.Generator().manual_seed(3).get_state()
+    x = torch.randn(200, 100)
+    for p in (0.0, 0.3, 1.0):
+        out, mask, new = _native_dropout_rng(x, p, True, state)
+        assert mask.dtype == torch.bool and not torch.equal(new, state), p
+        assert abs(float(1 - mask.float().mean()) - p) < 0.01, p
+        want = torch.where(mask, x * (1 / (1 - p) if p < 1 else 0.0), torch.zeros(()))
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=0), p
+    for args in ((x, 0.3, False, state), (x[:0], 0.3, True, state)):
+        out, mask, new = _native_dropout_rng(*args)
+        assert torch.equal(out, args[0]) and bool(mask.all()) and torch.equal(new, state)
+
+
 def test_assert_step_matches_eager_seeds_both_sides():
     torch.manual_seed(0)
     model = TiedLM(p=0.3)
