@@ -9,6 +9,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import fnmatch
+import math
+import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -233,8 +235,13 @@ class ReactiveGraph:
     """
 
     #: How many batched cones (``sweep(..., batch_sites=True)``: one per site node and K, each holding
-    #: K times its cone's values) are kept for reuse; the least recently used go first.
-    max_batched_cones: int = 8
+    #: K times its cone's values) are kept for reuse, and how many bytes of values they may hold in
+    #: all (each counted by its graph's value types); the least recently used go first. A sweep whose
+    #: (node, K) pairs do not all fit rebuilds its cones at every call (a C++ pass and a clean run
+    #: each): with the count bound at 8, a batch_sites=True sweep and a batch_sites=4 sweep of the
+    #: same 4-layer graph (14 pairs) evicted each other's cones, and each sweep cost 3-5x its warm time.
+    max_batched_cones: int = 64
+    max_batched_bytes: int = 1 << 30
 
     def __init__(self, ep_or_module, example_inputs: Sequence | None = None, *, cutoff: bool = False,
                  positions: bool = True, seq_dim: int = 1, split_heads: bool | int = False, front_end: str = "auto",
@@ -972,7 +979,11 @@ class ReactiveGraph:
             del self._batched[key]
         while len(self._batched) >= max(1, int(self.max_batched_cones)):
             self._batched.popitem(last=False)
-        bc = self._batched[(node, k)] = _BatchedCone(self, node, k, state)
+        graph = _BatchedCone.build_graph(eng, node, k)
+        need = _graph_bytes(graph[0])
+        while self._batched and sum(b.nbytes for b in self._batched.values()) + need > int(self.max_batched_bytes):
+            self._batched.popitem(last=False)  # freed before the new cone's values are allocated
+        bc = self._batched[(node, k)] = _BatchedCone(self, node, k, state, graph)
         return bc
 
     def _check_batchable(self, node: str) -> None:
@@ -1024,9 +1035,10 @@ class _BatchedCone:
     find their cached rows.
     """
 
-    def __init__(self, rg: "ReactiveGraph", node: str, k: int, state: tuple):
+    def __init__(self, rg: "ReactiveGraph", node: str, k: int, state: tuple, built=None):
         eng = rg._engine
-        graph, externals, stacked, calls = self.build_graph(eng, node, k)
+        graph, externals, stacked, calls = built if built is not None else self.build_graph(eng, node, k)
+        self.nbytes = _graph_bytes(graph)
         self.state = state
         self.k = k
         self.stacked = list(stacked)
@@ -1061,6 +1073,25 @@ class _BatchedCone:
         """Per site, the outputs: chunk i of each stacked output, the clean value of the others."""
         chunks = [torch.chunk(o, self.k) if st else None for o, st in zip(flat, self.stacked)]
         return [[ch[i] if ch is not None else o for o, ch in zip(flat, chunks)] for i in range(self.k)]
+
+
+def _type_bytes(t) -> int:
+    """Bytes of a value of IR type ``t`` (``("tensor", "f32", shape, strides, device)``, or a tuple or
+    list type holding such): what an engine caches for it."""
+    if isinstance(t, list):
+        return sum(_type_bytes(x) for x in t)
+    if not isinstance(t, tuple) or not t:
+        return 0
+    if t[0] == "tensor":
+        bits = re.search(r"\d+", str(t[1]))
+        width = max(1, int(bits.group()) // 8) if bits else 8
+        return width * math.prod(t[2])
+    return sum(_type_bytes(e) for e in t[1:])
+
+
+def _graph_bytes(graph) -> int:
+    """Bytes of every value of ``graph`` (a _C.Graph): a batched cone's footprint, for its cache's budget."""
+    return sum(_type_bytes(n["type"]) for n in graph.nodes())
 
 
 def _replay_grafts(target: ReactiveGraph, grafts: list, start: int, where: str, error) -> int:
