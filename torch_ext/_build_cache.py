@@ -258,10 +258,18 @@ class _Walker:
         self.portable = portable
         self.memo: dict[int, object] = {}
         self.keep: list = []  # objects whose ids are memo keys stay alive during the walk
+        # Per walk (tens of thousands of visits, a few dozen types): each type's description, and
+        # whether a class is a library one described by name.
+        self._tys: dict[type, object] = {}
+        self._library: dict[type, bool] = {}
+        self._prim = {t: self.ty(t) for t in _PRIMITIVE}
 
     def ty(self, t: type):
         """A type as the key holds it: itself, or (portable) its module, name and origin."""
-        return t if not self.portable else _portable_type(t)
+        r = self._tys.get(t)
+        if r is None:
+            r = self._tys[t] = t if not self.portable else _portable_type(t)
+        return r
 
     def meta(self, t: torch.Tensor) -> tuple:
         m = _tensor_meta(t)
@@ -272,12 +280,13 @@ class _Walker:
 
     def __call__(self, obj, depth: int = 0):
         t = type(obj)
-        if t in _PRIMITIVE:
+        prim = self._prim.get(t)
+        if prim is not None:
             # Typed, so that 1, 1.0 and True differ; floats by repr, so that -0.0 and 0.0 differ.
-            return (self.ty(t), repr(obj) if t is float or t is complex else obj)
+            return (prim, repr(obj) if t is float or t is complex else obj)
         if t is dict and all(type(k) is str for k in obj) and all(type(v) in _PRIMITIVE for v in obj.values()):
             # A dict of plain values (hook alias tables, configs): described without a call per entry.
-            return (self.ty(dict), tuple((k, self.ty(type(v)), repr(v) if type(v) in (float, complex) else v)
+            return (self.ty(dict), tuple((k, self._prim[type(v)], repr(v) if type(v) in (float, complex) else v)
                                          for k, v in obj.items()))
         if isinstance(obj, (bool, int, float, complex, str, bytes)):  # subclasses (enum.IntEnum handled below)
             if isinstance(obj, enum.Enum):
@@ -287,8 +296,12 @@ class _Walker:
             return (self.ty(type(obj)), str(obj))
         if isinstance(obj, enum.Enum):
             return (self.ty(type(obj)), obj.name)
-        if isinstance(obj, type) and _is_library(obj) and (not self.portable or _importable(obj)):
-            return ("type", self.ty(obj))
+        if isinstance(obj, type):
+            library = self._library.get(obj)
+            if library is None:
+                library = self._library[obj] = _is_library(obj) and (not self.portable or _importable(obj))
+            if library:
+                return ("type", self.ty(obj))
         oid = id(obj)
         if oid in self.memo:
             return ("ref", self.memo[oid])
@@ -296,6 +309,10 @@ class _Walker:
             raise Uncacheable(f"an object graph deeper than 64 ({type(obj).__name__})")
         self.memo[oid] = len(self.memo)
         self.keep.append(obj)
+        if t is dict or t is collections.OrderedDict:  # the common case (a module's hook tables), first
+            if len(obj) > _CONTAINER_LIMIT:
+                raise Uncacheable(f"a {t.__name__} of {len(obj)} entries")
+            return (self.ty(t), tuple((self(k, depth + 1), self(v, depth + 1)) for k, v in obj.items()))
         if isinstance(obj, torch.Tensor):
             name = self.state_names.get(oid)
             if name is not None:
