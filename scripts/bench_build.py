@@ -75,7 +75,7 @@ def eager_sweep(model, clean, cache):
     return eager_hook_sweep(model, clean, cache, T, metric)
 
 
-def reactive_sweep(model, clean, corrupt_cache, **kw):
+def reactive_sweep(model, clean, corrupt_cache, skip_identical: bool = False, **kw):
     """Build the graph on the clean prompt, then sweep every (resid_pre node, position)."""
     import torch_ext
 
@@ -89,7 +89,8 @@ def reactive_sweep(model, clean, corrupt_cache, **kw):
             v[:, site[1]] = corrupt_cache[layer_of[site[0]]][:, site[1]]
             return v
 
-        r = torch_ext.sweep(rg, [(n, p) for n in resid for p in range(T)], patch, metric, progress=False)
+        r = torch_ext.sweep(rg, [(n, p) for n in resid for p in range(T)], patch, metric, progress=False,
+                            skip_identical=skip_identical)
     return {(layer_of[n], p): v for (n, p), v in r.metrics.items()}, rg
 
 
@@ -107,7 +108,7 @@ def child(spec: dict) -> dict:
             res = eager_sweep(model, clean, cache)
             stats = {}
         else:
-            res, rg = reactive_sweep(model, clean, cache)
+            res, rg = reactive_sweep(model, clean, cache, skip_identical=spec["side"] == "ours_skip")
             stats = {k: v for k, v in rg.build_stats.items() if k != "fallback_reason"}
         wall = time.perf_counter() - t0
         return {"wall": wall, "result": [res[k] for k in sorted(res)], "stats": stats}
@@ -137,7 +138,7 @@ def cold(spec: dict) -> dict:
     env = dict(os.environ, PYTHONWARNINGS="ignore", TORCH_EXT_CACHE_DIR=_CACHE_DIR)
     if spec["side"] == "ours":
         env["TORCH_EXT_CACHE"] = "0"
-    elif spec["side"] == "ours_disk":
+    elif spec["side"] in ("ours_disk", "ours_skip"):
         env["TORCH_EXT_CACHE"] = "1"
     p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)], capture_output=True,
                        text=True, env=env, check=False)
@@ -194,9 +195,9 @@ def part_sweep(repeats: int, cold_repeats: int) -> None:
     header(f"2. Issue 10: one {L * T}-site residual sweep of a {L}-layer d_model {D} TinyTransformer, building included")
     for batch in (1, 8):
         base = {"part": "sweep", "batch": batch}
-        walls, last = cold_pair(base, ("eager", "ours", "ours_disk"), cold_repeats)
+        walls, last = cold_pair(base, ("eager", "ours", "ours_disk", "ours_skip"), cold_repeats)
         if cold_repeats:
-            for side in ("ours", "ours_disk"):
+            for side in ("ours", "ours_disk", "ours_skip"):
                 diff = max(abs(a - b) for a, b in zip(last["eager"]["result"], last[side]["result"]))
                 check(diff <= 1e-4, f"sweep b{batch} cold {side}: reactive vs eager max |diff| {diff:.2e}")
             check(last["ours"]["result"] == last["ours_disk"]["result"], f"sweep b{batch}: disk hit equals a cold build")
@@ -209,6 +210,11 @@ def part_sweep(repeats: int, cold_repeats: int) -> None:
             print(f"  batch {batch} cold (fresh process each), disk cache HIT: eager {walls['eager']:.3f} s, ours "
                   f"{walls['ours_disk']:.3f} s ({fmt_split(last['ours_disk']['stats'])}) -> {r:.2f}x "
                   f"[target >= 2x: {target(r >= 2, f'sweep b{batch} cold disk hit >= 2x')}]")
+            check(last["ours_skip"]["result"] == last["ours_disk"]["result"], f"sweep b{batch}: skip_identical equals")
+            r = walls["eager"] / walls["ours_skip"]
+            print(f"  batch {batch} cold, disk cache HIT, sweep(skip_identical=True) (sites whose patch is bit-identical to "
+                  f"the clean value take the clean outputs, as torch_ext.patching does): {walls['ours_skip']:.3f} s -> "
+                  f"{r:.2f}x [target >= 2x: {target(r >= 2, f'sweep b{batch} cold disk hit skip_identical >= 2x')}]")
 
         clean, corrupted = prompts(batch)
         model = tiny()

@@ -221,7 +221,11 @@ def generic_activation_patch(model, corrupted_tokens: torch.Tensor, clean_cache,
 
     # positions=False: TransformerLens parity is bit for bit, and a linear run on rows [p, T) alone
     # rounds differently from one run on all T rows (token-granular cones agree within 1e-6 relative).
-    result = sweep(rg, sites, patch, evaluate, progress=False, batch_sites=batch_sites, positions=False)
+    # skip_identical: a site whose patched value is bit-identical to the corrupted run's (positions
+    # before the first corrupted token, where the prompts share their prefix) takes the corrupted
+    # outputs unevaluated; TransformerLens's forward with that value computes them, the same bits.
+    result = sweep(rg, sites, patch, evaluate, progress=False, batch_sites=batch_sites, positions=False,
+                   skip_identical=True)
     cell = (len(metrics),) + ((batch_size,) if per_example else ())  # a 1-element metric comes back a float
     store = torch.stack([torch.as_tensor(result.metrics[s], dtype=torch.float32).reshape(cell) for s in sites],
                         dim=1)  # [metric, site, batch?]

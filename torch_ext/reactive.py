@@ -9,6 +9,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import fnmatch
+import math
+import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -233,8 +235,13 @@ class ReactiveGraph:
     """
 
     #: How many batched cones (``sweep(..., batch_sites=True)``: one per site node and K, each holding
-    #: K times its cone's values) are kept for reuse; the least recently used go first.
-    max_batched_cones: int = 8
+    #: K times its cone's values) are kept for reuse, and how many bytes of values they may hold in
+    #: all (each counted by its graph's value types); the least recently used go first. A sweep whose
+    #: (node, K) pairs do not all fit rebuilds its cones at every call (a C++ pass and a clean run
+    #: each): with the count bound at 8, a batch_sites=True sweep and a batch_sites=4 sweep of the
+    #: same 4-layer graph (14 pairs) evicted each other's cones, and each sweep cost 3-5x its warm time.
+    max_batched_cones: int = 64
+    max_batched_bytes: int = 1 << 30
 
     def __init__(self, ep_or_module, example_inputs: Sequence | None = None, *, cutoff: bool = False,
                  positions: bool = True, seq_dim: int = 1, split_heads: bool | int = False, front_end: str = "auto",
@@ -985,7 +992,11 @@ class ReactiveGraph:
             del self._batched[key]
         while len(self._batched) >= max(1, int(self.max_batched_cones)):
             self._batched.popitem(last=False)
-        bc = self._batched[(node, k)] = _BatchedCone(self, node, k, state)
+        graph = _BatchedCone.build_graph(eng, node, k)
+        need = _graph_bytes(graph[0])
+        while self._batched and sum(b.nbytes for b in self._batched.values()) + need > int(self.max_batched_bytes):
+            self._batched.popitem(last=False)  # freed before the new cone's values are allocated
+        bc = self._batched[(node, k)] = _BatchedCone(self, node, k, state, graph)
         return bc
 
     def _check_batchable(self, node: str) -> None:
@@ -1037,9 +1048,10 @@ class _BatchedCone:
     find their cached rows.
     """
 
-    def __init__(self, rg: "ReactiveGraph", node: str, k: int, state: tuple):
+    def __init__(self, rg: "ReactiveGraph", node: str, k: int, state: tuple, built=None):
         eng = rg._engine
-        graph, externals, stacked, calls = self.build_graph(eng, node, k)
+        graph, externals, stacked, calls = built if built is not None else self.build_graph(eng, node, k)
+        self.nbytes = _graph_bytes(graph)
         self.state = state
         self.k = k
         self.stacked = list(stacked)
@@ -1074,6 +1086,25 @@ class _BatchedCone:
         """Per site, the outputs: chunk i of each stacked output, the clean value of the others."""
         chunks = [torch.chunk(o, self.k) if st else None for o, st in zip(flat, self.stacked)]
         return [[ch[i] if ch is not None else o for o, ch in zip(flat, chunks)] for i in range(self.k)]
+
+
+def _type_bytes(t) -> int:
+    """Bytes of a value of IR type ``t`` (``("tensor", "f32", shape, strides, device)``, or a tuple or
+    list type holding such): what an engine caches for it."""
+    if isinstance(t, list):
+        return sum(_type_bytes(x) for x in t)
+    if not isinstance(t, tuple) or not t:
+        return 0
+    if t[0] == "tensor":
+        bits = re.search(r"\d+", str(t[1]))
+        width = max(1, int(bits.group()) // 8) if bits else 8
+        return width * math.prod(t[2])
+    return sum(_type_bytes(e) for e in t[1:])
+
+
+def _graph_bytes(graph) -> int:
+    """Bytes of every value of ``graph`` (a _C.Graph): a batched cone's footprint, for its cache's budget."""
+    return sum(_type_bytes(n["type"]) for n in graph.nodes())
 
 
 def _replay_grafts(target: ReactiveGraph, grafts: list, start: int, where: str, error) -> int:
@@ -1302,16 +1333,30 @@ def _site_path(rg: ReactiveGraph, node: str, pinned, read_rows) -> str:
 
 
 def _one_site(rg: ReactiveGraph, site, node: str, patch: Callable, metric: Callable, pinned=(), read_rows=None,
-              path: str | None = None):
+              path: str | None = None, identical: list | None = None):
     """One sweep transaction: patch -> demand -> metric -> rollback (standing patches and grafts kept).
 
     With ``read_rows`` ((rows, columns) read per output, possibly empty) and token-granular cones
     available, only the rows the patch changed (and the metric reads) are recomputed. ``path`` is
-    ``_site_path``'s answer for ``node``, when the caller already has it."""
+    ``_site_path``'s answer for ``node``, when the caller already has it. With ``identical`` (a list),
+    a patched value bit-identical to the node's current one is not evaluated: the site takes the
+    current outputs (zero evaluations) and is appended to the list (``sweep(skip_identical=True)``)."""
     patch = rg._hook_view(site[0] if isinstance(site, tuple) else site, patch)
     eng = rg._engine
     if path is None:
         path = _site_path(rg, node, pinned, read_rows)
+    if identical is not None:
+        current = eng.value(node)  # valid already: zero evaluations
+        value = rg._call_patch_fn(node, lambda v: patch(v, site), current, "sweep patch function")
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"patch function at site {site!r} returned {type(value).__name__}, expected a tensor")
+        if _same_bits(value, current):
+            identical.append(site)
+            result, wrote = _measure(rg, metric, rg._user(eng.demand()), site)
+            if wrote:
+                _raise_metric_wrote(rg, site)
+            return result
+        patch = lambda v, s, value=value: value  # noqa: E731  (computed above: the patch function runs once)
     if path == "rows":
         value = rg._call_patch_fn(node, lambda v: patch(v, site), eng.value(node), "sweep patch function")
         if not isinstance(value, torch.Tensor):
@@ -1347,12 +1392,14 @@ def _one_site(rg: ReactiveGraph, site, node: str, patch: Callable, metric: Calla
 
 
 def _sweep_in_cpp(rg: ReactiveGraph, site_list: list, nodes: list, names: list, patch, metric, pinned, rows,
-                  metrics: dict) -> None:
+                  metrics: dict, identical: list | None = None) -> None:
     """The one-at-a-time sweep loop with the per-site work in C++ (``_C.Engine.sweep_sites``): each run of
     consecutive sites that take the prepared cone ("fast" or "rows", see ``_site_path``) is one call, in
     which Python runs only ``patch`` and ``metric``; a site on a node pinned by a standing patch takes
     the transaction path (``_one_site``). Same values, counts and checks as ``_one_site``. ``nodes`` and
-    ``names`` are each site's node and the name it was given (a node or hook name)."""
+    ``names`` are each site's node and the name it was given (a node or hook name). With ``identical`` (a
+    list), sites whose patched value is bit-identical to the node's current one take the current outputs
+    unevaluated and are appended to it (``sweep(skip_identical=True)``)."""
     eng = rg._engine
     read_rows = rows[0] if rows is not None else None
     # The engine's state is the same at every site (each leaves it as it found it): asked once.
@@ -1377,7 +1424,7 @@ def _sweep_in_cpp(rg: ReactiveGraph, site_list: list, nodes: list, names: list, 
     while i < len(site_list):
         if not every and not in_cpp[nodes[i]]:
             metrics[site_list[i]] = _one_site(rg, site_list[i], nodes[i], patch, metric, pinned, read_rows,
-                                              "transaction")
+                                              "transaction", identical)
             i += 1
             continue
         j = len(site_list) if every else i
@@ -1397,9 +1444,12 @@ def _sweep_in_cpp(rg: ReactiveGraph, site_list: list, nodes: list, names: list, 
             _raise_metric_wrote(rg, site)
 
         fns = [patch] * (j - i) if views is None else [views[n] for n in names[i:j]]
+        same: list = []
         values = eng.sweep_sites(part_nodes, part, fns, can_rows, spec[0], spec[1],
-                                 metric, user, _metric_value, fail)
+                                 metric, user, _metric_value, fail, identical is not None, same)
         metrics.update(zip(part, values))
+        if identical is not None:
+            identical.extend(part[k] for k in same)
         i = j
 
 
@@ -1460,7 +1510,7 @@ def _claimed_chunks(units: list, costs: list[float], rank: int, world: int):
 
 
 def _distributed_sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool,
-                       batch_sites: bool, rows=None) -> SweepResult:
+                       batch_sites: bool, rows=None, skip_identical: bool = False) -> SweepResult:
     """Splits the sites across the ranks of the default process group by predicted cone cost (whole
     nodes when batching, so a node's sites stay one batch), sweeps the local share and gathers one
     result on every rank. Every rank must hold the same graph, inputs and standing mutations."""
@@ -1496,13 +1546,13 @@ def _distributed_sweep(rg: ReactiveGraph, site_list: list, patch, metric, progre
         cost_of: dict = {}
         costs = [cost_of.setdefault(node_of(s), rg._engine.cone_cost(node_of(s))) for s in site_list]
     t0 = time.perf_counter()
-    parts = [_sweep(rg, chunk, patch, metric, progress, batch_sites, False, rows)
+    parts = [_sweep(rg, chunk, patch, metric, progress, batch_sites, False, rows, skip_identical)
              for chunk in _claimed_chunks(units, costs, rank, world)]
     wall = time.perf_counter() - t0
     payload = ({k: v for part in parts for k, v in part.metrics.items()},
                sum(part.measured_evaluations for part in parts), sum(part.predicted_evaluations for part in parts),
                sum(part.cost for part in parts), wall, parts[0].clean_metric if parts else None,
-               sum(part.groups for part in parts))
+               sum(part.groups for part in parts), sum(part.extra.get("identical_sites", 0) for part in parts))
     gathered: list = [None] * world
     dist.all_gather_object(gathered, payload)
     merged = {}
@@ -1516,7 +1566,8 @@ def _distributed_sweep(rg: ReactiveGraph, site_list: list, patch, metric, progre
                        cost=sum(p[3] for p in gathered), clean_metric=clean,
                        node_labels={k: v for part in parts for k, v in part.node_labels.items()},
                        extra={"ranks": world, "rank_wall_times": [p[4] for p in gathered],
-                              "rank_sites": [len(p[0]) for p in gathered]})
+                              "rank_sites": [len(p[0]) for p in gathered],
+                              "identical_sites": sum(p[7] for p in gathered)})
 
 
 _FINGERPRINT_PARTS = ("sites (or batch_sites)", "graphs (grafts included)", "standing patches",
@@ -1579,7 +1630,8 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.Tensor],
           metric: Callable[[Any], Any], *, progress: bool = True, batch_sites: bool = False,
-          distributed: bool = False, positions: bool | None = None, reads=None) -> SweepResult:
+          distributed: bool = False, positions: bool | None = None, reads=None,
+          skip_identical: bool = False) -> SweepResult:
     """Patches each site, demands, measures and rolls back.
 
     ``sites`` is a glob over node names / module paths, or a list of node names or ``(node, key)``
@@ -1615,6 +1667,14 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     patches fall back to node-granular cones; batched sites use them too. With early cutoff on, a
     patched value equal to the clean one is cut off at the site and a changed one takes the same
     row-range path as with cutoff off (same bits).
+
+    With ``skip_identical=True`` a one-at-a-time site whose patched value is bit-identical to the
+    node's current value (same shape, dtype and bits: -0.0 is not 0.0) is not evaluated: its cone
+    would recompute the cached values, so it takes the current outputs (the unpatched metric, as
+    batched sites always do). It costs zero evaluations and leaves the ledger: ``predicted_evaluations``
+    sums ``|V+(s)|`` over the other sites only, ``extra["identical_sites"]`` counts the skipped ones and
+    ``extra["skipped_evaluations"]`` what their cones would have cost (docs/cost-model-positions.md,
+    "Identical sites"). Off (the default), every site costs its cone, as the cost model states.
     """
     site_list = _expand_sites(rg, sites)
     if not site_list:
@@ -1628,17 +1688,19 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     rows = (rg._read_spec(reads), reads) if use_rows else None
     if reads is not None and not use_rows:
         rg._read_rows(reads)  # still checked: a bad reads argument is refused either way
+    if not isinstance(skip_identical, bool):
+        raise TypeError(f"sweep(skip_identical=...) must be a bool, got {type(skip_identical).__name__}")
     rg._sweeping = True
     try:
-        return _sweep(rg, site_list, patch, metric, progress, batch_sites, distributed, rows)
+        return _sweep(rg, site_list, patch, metric, progress, batch_sites, distributed, rows, skip_identical)
     finally:
         rg._sweeping = False
 
 
 def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, batch_sites: bool,
-           distributed: bool, rows=None) -> SweepResult:
+           distributed: bool, rows=None, skip_identical: bool = False) -> SweepResult:
     if distributed:
-        return _distributed_sweep(rg, site_list, patch, metric, progress, batch_sites, rows)
+        return _distributed_sweep(rg, site_list, patch, metric, progress, batch_sites, rows, skip_identical)
     read_rows = rows[0] if rows is not None else None
     eng = rg._engine
     if eng.in_transaction():
@@ -1678,22 +1740,29 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         t0 = time.perf_counter()
         pinned = set(eng.pinned())
         paths: dict = {}
+        identical: list | None = [] if skip_identical else None
         shown = _progress(site_list, len(site_list), progress, "sweep")
         if shown is site_list:  # no progress bar to update per site: the loop runs in C++
-            _sweep_in_cpp(rg, site_list, site_nodes, names, patch, metric, pinned, rows, metrics)
+            _sweep_in_cpp(rg, site_list, site_nodes, names, patch, metric, pinned, rows, metrics, identical)
         else:
             for s in shown:
                 node = node_of(s)
                 path = paths.get(node)
                 if path is None:
                     path = paths[node] = _site_path(rg, node, pinned, read_rows)
-                metrics[s] = _one_site(rg, s, node, patch, metric, pinned, read_rows, path)
+                metrics[s] = _one_site(rg, s, node, patch, metric, pinned, read_rows, path, identical)
         wall = time.perf_counter() - t0
         st1 = eng.stats()
+        extra = {"row_evaluations": st1["row_evaluations"] - st0["row_evaluations"],
+                 "positions": read_rows is not None and not pinned}
+        if identical is not None:
+            # Skipped sites leave the ledger (docs/cost-model-positions.md, "Identical sites").
+            skipped = sum(live[node_of(s)] for s in identical)
+            predicted -= skipped
+            extra.update(identical_sites=len(identical), skipped_evaluations=skipped)
         return SweepResult(metrics, st1["evaluations"] - st0["evaluations"], predicted, full, rg.num_nodes, wall,
                            cost=st1["cost"] - st0["cost"], clean_metric=clean_metric, node_labels=labels,
-                           extra={"row_evaluations": st1["row_evaluations"] - st0["row_evaluations"],
-                                  "positions": read_rows is not None and not pinned})
+                           extra=extra)
 
     groups: dict = {}
     for s in site_list:

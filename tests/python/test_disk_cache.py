@@ -373,3 +373,25 @@ def test_portable_key_of_a_bridge_after_run_with_cache_is_the_same_in_every_proc
         assert p.returncode == 0, p.stderr[-3000:]
         keys.add(p.stdout.strip().splitlines()[-1])
     assert len(keys) == 1
+
+
+def test_portable_key_bytes_refuse_any_object_and_ignore_sharing():
+    """A portable key is digested from its values alone: an object the walker let through is refused
+    even when its repr looks like a value (the old check only caught default reprs, " at 0x"), and
+    whether equal strings are one object or two does not change the bytes (no pickle memo)."""
+
+    class Leaked:
+        def __repr__(self):
+            return "'looks like a string'"
+
+    with pytest.raises(_build_cache.Uncacheable, match="Leaked"):
+        _build_cache._portable_bytes(("a", (1, Leaked())))
+    with pytest.raises(_build_cache.Uncacheable):
+        _build_cache._portable_bytes(("a", [torch.float32]))
+    shared = "x" * 40
+    one = (shared, shared)
+    two = ("x" * 40, "".join(["x"] * 40))
+    assert one[0] is one[1] and two[0] is not two[1]
+    assert _build_cache._portable_bytes(one) == _build_cache._portable_bytes(two)
+    assert _build_cache._portable_bytes((1, "1")) != _build_cache._portable_bytes(("1", 1))
+    assert _build_cache._portable_bytes((-0.0,)) != _build_cache._portable_bytes((0.0,))

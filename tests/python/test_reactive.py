@@ -1271,6 +1271,38 @@ def test_batched_cones_are_bounded_and_evicted_least_recently_used_first(tiny):
     rg.restore()
 
 
+def test_alternating_batch_sizes_reuse_their_batched_cones(tiny):
+    """Two batched sweeps of one graph with different batch_sites (10 (node, K) pairs) used to evict each
+    other's cones (at most 8 were kept), so every sweep rebuilt every cone: a C++ pass and a clean run
+    each, 3-5x the warm time. Both now stay cached within the byte budget; a small budget still evicts."""
+    ep, model, clean, corrupt = tiny
+    rg = torch_ext.ReactiveGraph(model, (clean,))
+    nodes = [n for n in rg.nodes() if n.startswith("linear")][:5]
+    patch = lambda c, site: c.index_fill(1, torch.tensor([site[1]]), 0.0)  # noqa: E731
+    metric = lambda out: out[:, -1, 0].mean()  # noqa: E731
+    sites = [(n, p) for n in nodes for p in (0, 3, 6, 7)]
+    ref = torch_ext.sweep(rg, sites, patch, metric, progress=False, positions=False)
+    first = {k: torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=k, positions=False)
+             for k in (2, 3)}
+    assert len(rg._batched) == 10
+    for k in (2, 3):
+        again = torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=k, positions=False)
+        assert again.extra["setup_evaluations"] == 0, k  # nothing rebuilt
+        assert again.metrics == first[k].metrics
+        for s in sites:
+            assert abs(again.metrics[s] - ref.metrics[s]) <= 1e-6, s
+    # A budget below two cones' values: each new cone evicts the older ones first, results unchanged.
+    sizes = sorted(bc.nbytes for bc in rg._batched.values())
+    assert all(size > 0 for size in sizes)
+    rg.max_batched_bytes = sizes[-1] + sizes[0] - 1
+    small = torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=4, positions=False)
+    assert small.extra["setup_evaluations"] > 0  # K = 4: built now, evicting as it goes
+    assert sum(bc.nbytes for bc in rg._batched.values()) <= rg.max_batched_bytes
+    assert len(rg._batched) < 5
+    for s in sites:
+        assert abs(small.metrics[s] - ref.metrics[s]) <= 1e-6, s
+
+
 def test_example_inputs_passing_one_tensor_twice_stay_two_inputs():
     # The trace reads one tensor passed twice as one input; run(a, b) then computed with b for a.
     class Two(nn.Module):

@@ -251,3 +251,85 @@ def test_copies_given_to_patch_functions_are_reused_only_while_nobody_holds_them
     for site, out in zip(sites, outs[1:]):
         assert float(out.sum()) == r.metrics[site]
     rg.check_invariants()
+
+
+# ---- sweep(skip_identical=True): a site whose patched value is bit-identical to the node's is not evaluated
+def _identical_or_filled(fill: float, identical_at: set):
+    """position_patch(fill), except that positions in ``identical_at`` return an unchanged copy."""
+    filled = position_patch(fill)
+
+    def patch(value, site):
+        return value.clone() if site[1] in identical_at else filled(value, site)
+
+    return patch
+
+
+@pytest.mark.parametrize("loop", ["cpp", "python"])
+@pytest.mark.parametrize("positions", [True, False])
+def test_skip_identical_takes_the_current_outputs_and_leaves_the_ledger(monkeypatch, loop, positions):
+    _, _, rg = _graph()
+    tanh = [n for n in rg.nodes() if n.startswith("tanh")]
+    sites = [(n, p) for n in tanh for p in range(5)]
+    same = {0, 3}
+    patch = _identical_or_filled(0.25, same)
+    metric = lambda o: o[:, -1].clone()  # noqa: E731  (per example: compared bit for bit)
+    full = torch_ext.sweep(rg, sites, patch, metric, progress=False, positions=positions)
+    if loop == "python":
+        _python_loop(monkeypatch)
+    before = rg.stats["evaluations"]
+    r = torch_ext.sweep(rg, sites, patch, metric, progress=False, positions=positions, skip_identical=True)
+    # The same bits at every site: an identical value's cone would recompute the cached outputs.
+    assert {s: _bits(v) for s, v in r.metrics.items()} == {s: _bits(v) for s, v in full.metrics.items()}
+    skipped = [s for s in sites if s[1] in same]
+    cones = {n: len(rg.cone(n)) for n in tanh}
+    assert r.extra["identical_sites"] == len(skipped)
+    assert r.extra["skipped_evaluations"] == sum(cones[n] for n, _ in skipped)
+    # The ledger: the other sites cost their cones, the skipped ones nothing, and the two agree.
+    assert r.measured_evaluations == r.predicted_evaluations == sum(cones[n] for n, p in sites if p not in same)
+    assert rg.stats["evaluations"] - before == r.measured_evaluations
+    assert r.predicted_evaluations + r.extra["skipped_evaluations"] == full.predicted_evaluations
+    rg.check_invariants()
+
+
+def test_skip_identical_on_a_pinned_node_and_signed_zero(monkeypatch):
+    """The transaction path (a standing patch pins the node) skips too; and -0.0 for 0.0 is a change,
+    never skipped (a consumer such as 1/x tells the zeros apart)."""
+
+    class Recip(nn.Module):
+        def forward(self, x):
+            y = torch.relu(x)  # zeros where x < 0
+            return 1.0 / (y + 0.0 * x)  # 0.0 * x keeps -0.0 where x < 0: +inf or -inf
+
+    x = torch.tensor([[-1.0, 2.0, -3.0, 4.0]])
+    rg = torch_ext.ReactiveGraph(Recip().eval(), (x,))
+    relu = [n for n in rg.nodes() if n.startswith("relu")][0]
+
+    def flip(value, site):
+        return value.clone() if site[1] == "same" else torch.where(value == 0, -0.0, value)
+
+    r = torch_ext.sweep(rg, [(relu, "same"), (relu, "flip")], flip, lambda o: o.clone(), progress=False,
+                        skip_identical=True)
+    assert r.extra["identical_sites"] == 1 and r.measured_evaluations == r.predicted_evaluations == len(rg.cone(relu))
+    assert torch.equal(r.metrics[(relu, "same")], rg.demand())
+    assert not torch.equal(r.metrics[(relu, "flip")], rg.demand())  # evaluated: the signs of 1/±0 differ
+    # A standing patch on the node: its sites take the transaction path, which skips the same way.
+    tanh_rg = _graph()[2]
+    tanh = [n for n in tanh_rg.nodes() if n.startswith("tanh")]
+    tanh_rg.patch(tanh[1], tanh_rg.value(tanh[1]) * 2)
+    tanh_rg.demand()
+    sites = [(tanh[1], p) for p in range(5)] + [(tanh[0], p) for p in range(5)]
+    patch = _identical_or_filled(-1.0, {1, 2})
+    ref = torch_ext.sweep(tanh_rg, sites, patch, lambda o: o.sum(), progress=False)
+    got = torch_ext.sweep(tanh_rg, sites, patch, lambda o: o.sum(), progress=False, skip_identical=True)
+    assert got.metrics == ref.metrics and got.extra["identical_sites"] == 4
+    assert got.measured_evaluations == got.predicted_evaluations
+    assert tanh_rg.patched() == [tanh[1]]
+    tanh_rg.check_invariants()
+
+
+def test_skip_identical_refuses_a_non_bool():
+    _, _, rg = _graph()
+    tanh = [n for n in rg.nodes() if n.startswith("tanh")]
+    with pytest.raises(TypeError, match="skip_identical"):
+        torch_ext.sweep(rg, [(tanh[0], 0)], position_patch(1.0), lambda o: o.sum(), progress=False,
+                        skip_identical="yes")

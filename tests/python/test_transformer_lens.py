@@ -226,3 +226,33 @@ def test_split_heads_carries_to_batched_sites(bridge):
     one = patching.generic_activation_patch(*args)
     batched = patching.generic_activation_patch(*args, batch_sites=True)
     assert torch.allclose(one, batched, rtol=1e-6, atol=1e-6), float((one - batched).abs().max())
+
+
+@pytest.mark.parametrize("name,hook", [("get_act_patch_resid_pre", "hook_resid_pre"),
+                                       ("get_act_patch_attn_head_out_by_pos", "attn.hook_z")])
+def test_patching_skips_sites_whose_patch_changes_nothing(bridge, name, hook):
+    """A site whose clean activation is bit-identical to the corrupted run's (every position before the
+    first corrupted token, by causal attention; for resid_pre of layer 0, every uncorrupted token)
+    costs no evaluations, the others their cones (sweep(skip_identical=True)), and the result still
+    equals TransformerLens's bit for bit. Which sites are identical comes from TransformerLens's caches."""
+    clean, corrupted = _prompts(8)
+    _, clean_cache = bridge.run_with_cache(clean)
+    _, corrupted_cache = bridge.run_with_cache(corrupted)
+    expected = getattr(tl_patching, name)(bridge, corrupted, clean_cache, _metric)
+    getattr(patching, name)(bridge, corrupted, clean_cache, _metric)  # builds (and caches) the graph
+    rg = patching._graph_for(bridge, corrupted)
+    before = rg.stats["evaluations"]
+    got = getattr(patching, name)(bridge, corrupted, clean_cache, _metric)
+    assert torch.equal(got, expected)
+    want, skipped = 0, 0
+    for layer in range(2):
+        a, b = clean_cache[f"blocks.{layer}.{hook}"], corrupted_cache[f"blocks.{layer}.{hook}"]
+        cone = len(rg.cone(rg.resolve(f"blocks.{layer}.{hook}")))
+        for pos in range(6):
+            for head in (range(4) if "head" in name else [None]):
+                idx = (slice(None), pos) if head is None else (slice(None), pos, head)
+                same = torch.equal(a[idx].view(torch.int32), b[idx].view(torch.int32))
+                skipped += same
+                want += 0 if same else cone
+    assert skipped >= 2 * (4 if "head" in name else 1) * 2  # at least positions 0 and 1 of both layers
+    assert rg.stats["evaluations"] - before == want
