@@ -449,6 +449,67 @@ TEST(Reactive, AReadInsideABatchSettlesIt) {
   EXPECT_EQ(evals_of_demand(e), 1 + 1 + 4 + 3);  // n2 too, below n1's patch
 }
 
+// A cone node with no out= kernel (relu) overwrites its one input in place when that input is a cone
+// intermediate its own kernel allocated, dying there, no output and aliased by nothing: the bits
+// equal a full Executor run, the site's value and every cached value are left as they were, and an
+// input read again later, an output, the site's value or a view is never overwritten.
+TEST(Reactive, InplaceStepsOverwriteOnlyDyingConeIntermediates) {
+  const char* text = R"(graph:
+  %x : f32[6,5] = input()
+  %a : f32[6,5] = aten::relu.default(%x)
+  %b : f32[6,5] = aten::relu.default(%a)
+  %c : f32[6,5] = aten::relu.default(%b)
+  %d : f32[6,5] = aten::relu.default(%c)
+  %e : f32[6,5] = aten::add.Tensor(%d, %c)
+  %f : f32[6,5] = aten::relu.default(%e)
+  %v : f32[30] = aten::view.default(%f, [30])
+  %g : f32[30] = aten::relu.default(%v)
+  %h : f32[6,5] = aten::relu.default(%f)
+  %k : f32[6,5] = aten::relu.default(%h)
+  return (%g, %h, %k)
+)";
+  auto g = ir::parse(text);
+  const at::Tensor x = at::randn({6, 5});
+  reactive::Engine e(*g);
+  e.run({x});
+  const std::vector<at::Tensor> cached = {e.value("a").toTensor().clone(), e.value("c").toTensor().clone(),
+                                          e.value("f").toTensor().clone(), e.value("h").toTensor().clone()};
+  // Patching %a: %b reads the site (never written); %c overwrites %b; %d reads %c, which %e reads
+  // later; %e has two inputs (and add.out writes it into the scratch), so %f allocates; %g reads a
+  // view; %h overwrites %f (its view %v is dead by then: %g read it); %k reads %h, an output.
+  EXPECT_EQ(e.inplace_steps("a"), 2);
+  // The same graph with %a read from an input: a full recompute.
+  std::string full_text = text;
+  full_text.replace(full_text.find("  %a : f32[6,5] = aten::relu.default(%x)\n"),
+                    std::string("  %a : f32[6,5] = aten::relu.default(%x)\n").size(), "  %a : f32[6,5] = input()\n");
+  runtime::Executor full(*ir::parse(full_text));
+  for (int round = 0; round < 3; ++round) {
+    const at::Tensor p = at::randn({6, 5});
+    const at::Tensor p_copy = p.clone();
+    const auto ref = full.run({x, p});
+    const auto out = e.evaluate_patched("a", p);
+    for (size_t k = 0; k < 3; ++k) EXPECT_TRUE(at::equal(out[k].toTensor(), ref[k].toTensor())) << round << " " << k;
+    EXPECT_TRUE(at::equal(p, p_copy));  // the site's value is the caller's: never written
+  }
+  EXPECT_TRUE(at::equal(e.value("a").toTensor(), cached[0]));
+  EXPECT_TRUE(at::equal(e.value("c").toTensor(), cached[1]));
+  EXPECT_TRUE(at::equal(e.value("f").toTensor(), cached[2]));
+  EXPECT_TRUE(at::equal(e.value("h").toTensor(), cached[3]));
+  e.set_scratch(false);  // off: every step allocates, same bits
+  const at::Tensor p = at::randn({6, 5});
+  const auto ref = full.run({x, p});
+  const auto out = e.evaluate_patched("a", p);
+  for (size_t k = 0; k < 3; ++k) EXPECT_TRUE(at::equal(out[k].toTensor(), ref[k].toTensor())) << k;
+  e.set_scratch(true);
+  // Patching the graph input: %a's input is the site; %b overwrites %a.
+  EXPECT_EQ(e.inplace_steps("x"), 3);
+  const auto out_x = e.evaluate_patched("x", p);
+  const auto ref_x = runtime::Executor(*g).run({p});
+  for (size_t k = 0; k < 3; ++k) EXPECT_TRUE(at::equal(out_x[k].toTensor(), ref_x[k].toTensor())) << k;
+  EXPECT_TRUE(at::equal(e.demand()[1].toTensor(), runtime::Executor(*g).run({x})[1].toTensor()));
+  e.check_invariants();
+}
+
 // The sweep fast path writes cone intermediates into planned scratch memory (scratch.cpp): its
 // outputs equal those of the functional kernels bit for bit, with the scratch on or off and
 // against a full Executor run; a view that reaches an output keeps its own storage, so outputs
