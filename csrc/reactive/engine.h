@@ -186,7 +186,8 @@ class Engine {
   // Bytes of scratch memory the fast path holds for cone intermediates (scratch.cpp). Off, every
   // intermediate is allocated by its kernel and freed at its last use, and the memory is given back.
   // On, a cone node with no out= kernel whose one input is a cone intermediate that dies there (and
-  // that nothing else can alias) runs its in-place variant on that input instead of allocating.
+  // that nothing else can alias) runs its in-place variant on that input instead of allocating, when
+  // at run time nothing else references that input's tensor or storage.
   int64_t inplace_steps(const std::string& node);  // how many steps of node's plan run in place
   int64_t scratch_bytes() const { return scratch_.defined() ? scratch_.numel() : 0; }
   void set_scratch(bool enabled);
@@ -365,6 +366,7 @@ class Engine {
     // Steps run by their in-place variant on their one input, a cone intermediate that dies there
     // and owns its memory (scratch.cpp): parallel lists, the kernels bound once.
     std::vector<size_t> inplace_steps;
+    std::vector<int64_t> inplace_inputs;  // the slot each overwrites, when it alone holds the tensor
     std::vector<runtime::BoundKernel> inplace_kernels;
     bool inplace_bound = false;  // steps point at inplace_kernels (scratch on), else at the functional ones
   };

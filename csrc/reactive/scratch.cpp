@@ -17,12 +17,17 @@
 // of any value that may alias it.
 //
 // A node left out of the scratch (no out= kernel of its own: aten::relu) whose one tensor input is a
-// cone intermediate that its own kernel allocated, that no value may alias, that is no output and
-// that nothing reads after this node, runs its in-place variant (ir::find_inplace_variant) on that
-// input instead of allocating: the input dies there, so its memory is the node's. Only values this
-// call computed are overwritten, never the site's value, a value from outside the cone or a cached
-// one (those are held aside). The in-place variant applies the same function to the same elements,
-// so the bits are those of the functional kernel (tests/cpp/test_reactive.cpp).
+// cone intermediate that its own kernel allocated, that no value may alias, that is no output, that
+// nothing reads after this node and that the node reads through one argument only, may run its
+// in-place variant (ir::find_inplace_variant) on that input instead of allocating: the input dies
+// there, so its memory is the node's. The plan is not enough on its own: an op whose schema
+// declares a fresh result may hand back its input's tensor (aten::dropout with train=False,
+// aten::type_as with the dtype it has), which can be the site's value (the caller's tensor) or a
+// cached value from outside the cone. So the step runs in place only when, at that moment, its
+// input slot holds the one reference to a dense tensor and to its storage (runtime::sole_owner):
+// nobody else can read what it overwrites. Otherwise the functional kernel runs. The in-place
+// variant applies the same function to the same elements, so the bits are those of the functional
+// kernel (tests/cpp/test_reactive.cpp).
 #include "reactive/engine.h"
 
 #include "ir/memory_plan.h"
@@ -141,10 +146,15 @@ void Engine::plan_inplace(PatchPlan& plan, const std::vector<int64_t>& end, cons
     if (it == inplace_variants_.end()) it = inplace_variants_.emplace(key, ir::find_inplace_variant(node)).first;
     if (!it->second.has_value() || it->second->written_args.size() != 1 || it->second->op.schema().returns().size() != 1)
       continue;
-    // The written argument must be the node's tensor input.
+    // The written argument must be the node's tensor input, given in no other argument: a variant
+    // reading what it already wrote gives other values, or refuses (index_put_(b, [b], b)).
     const size_t w = it->second->written_args[0];
     if (w >= node.args().size() || node.args()[w].kind != ir::Arg::Kind::Node || node.args()[w].node != &input) continue;
+    int64_t uses = 0;
+    for (const ir::Arg& a : node.args()) a.for_each_node([&](const ir::Node* x) { uses += x == &input; });
+    if (uses != 1) continue;
     plan.inplace_steps.push_back(i);
+    plan.inplace_inputs.push_back(inputs[0]);
     plan.inplace_kernels.push_back(runtime::BoundKernel::bind_as(
         node, it->second->op, [this](const ir::Node* x) { return ids_.at(x); }, {}));
   }
@@ -163,7 +173,10 @@ void Engine::bind_scratch(PatchPlan& plan) {
   if (plan.inplace_bound != scratch_enabled_) {
     for (size_t k = 0; k < plan.inplace_steps.size(); ++k) {
       const size_t step = plan.inplace_steps[k];
-      plan.steps[step].kernel = scratch_enabled_ ? &plan.inplace_kernels[k] : &*states_[plan.order[step]].kernel;
+      const runtime::BoundKernel* functional = &*states_[plan.order[step]].kernel;
+      plan.steps[step].kernel = scratch_enabled_ ? &plan.inplace_kernels[k] : functional;
+      plan.steps[step].overwrites = scratch_enabled_ ? plan.inplace_inputs[k] : -1;
+      plan.steps[step].fallback = functional;
     }
     plan.inplace_bound = scratch_enabled_;
   }

@@ -510,6 +510,84 @@ TEST(Reactive, InplaceStepsOverwriteOnlyDyingConeIntermediates) {
   e.check_invariants();
 }
 
+// An op whose schema declares a fresh result may still hand back its input's tensor:
+// aten::dropout with train=False returns its input, aten::type_as its self when the dtype already
+// matches (torch.export's default IR keeps both). Such a "cone intermediate" is the caller's patch
+// value, or a cached value from outside the cone, so overwriting it in place changes the caller's
+// tensor, the cache, and every later reader of them. The in-place step runs only on a tensor that
+// nothing else references; these graphs give the Executor's bits, leave the patch value and the
+// cache as they were, and still run in place where the input is owned by the cone alone.
+TEST(Reactive, InplaceStepNeverWritesATensorAnOpPassedThrough) {
+  const char* text = R"(graph:
+  %x : f32[6,5] = input()
+  %a : f32[6,5] = aten::sin.default(%x)
+  %c : f32[6,5] = aten::cos.default(%x)
+  %t : f32[6,5] = aten::type_as.default(%c, %a)
+  %r : f32[6,5] = aten::relu.default(%t)
+  %o : f32[6,5] = aten::add.Tensor(%r, %c)
+  %d : f32[6,5] = aten::dropout.default(%a, 0.5, False)
+  %s : f32[6,5] = aten::relu.default(%d)
+  %q : f32[6,5] = aten::add.Tensor(%s, %a)
+  %e : f32[6,5] = aten::relu.default(%q)
+  %f : f32[6,5] = aten::dropout.default(%e, 0.5, False)
+  %g : f32[6,5] = aten::relu.default(%f)
+  %h : f32[6,5] = aten::neg.default(%g)
+  return (%o, %q, %h)
+)";
+  auto g = ir::parse(text);
+  const at::Tensor x = at::randn({6, 5});
+  reactive::Engine e(*g);
+  e.run({x});
+  const at::Tensor cached_c = e.value("c").toTensor().clone();
+  std::string full_text = text;
+  const std::string a_line = "  %a : f32[6,5] = aten::sin.default(%x)\n";
+  full_text.replace(full_text.find(a_line), a_line.size(), "  %a : f32[6,5] = input()\n");
+  runtime::Executor full(*ir::parse(full_text));
+  for (int round = 0; round < 3; ++round) {
+    const at::Tensor p = at::randn({6, 5});
+    const at::Tensor p_copy = p.clone();
+    const auto ref = full.run({x, p});
+    const auto out = e.evaluate_patched("a", p);
+    for (size_t k = 0; k < 3; ++k) EXPECT_TRUE(at::equal(out[k].toTensor(), ref[k].toTensor())) << round << " " << k;
+    EXPECT_TRUE(at::equal(p, p_copy)) << round;  // the caller's patch value: never written
+    EXPECT_TRUE(at::equal(e.value("c").toTensor(), cached_c)) << round;  // a cached value: never written
+    // %f is %e's tensor, which only the cone holds: %g overwrites it and %h overwrites %g, so the
+    // output %h is that tensor, written twice in place (%r and %s allocated instead).
+    EXPECT_EQ(out[2].toTensor()._version(), 2) << round;
+  }
+  EXPECT_EQ(e.inplace_steps("a"), 4);  // planned: %r, %s, %g, %h
+  const auto again = e.evaluate_patched("a", e.value("a"));
+  const auto clean = runtime::Executor(*g).run({x});
+  for (size_t k = 0; k < 3; ++k) EXPECT_TRUE(at::equal(again[k].toTensor(), clean[k].toTensor())) << k;
+  e.check_invariants();
+}
+
+// A node that reads its dying input through two arguments cannot overwrite it: the in-place
+// variant would read what it has already written (aten::index_put_ refuses the overlap, where the
+// functional index_put computes the value). Such a node allocates, and gives the Executor's bits.
+TEST(Reactive, InplaceStepNeedsItsInputInOneArgument) {
+  const char* text = R"(graph:
+  %x : i64[5] = input()
+  %a : i64[5] = aten::neg.default(%x)
+  %b : i64[5] = aten::relu.default(%a)
+  %c : i64[5] = aten::index_put.default(%b, [%b], %b)
+  %d : i64[5] = aten::relu.default(%c)
+  return (%d)
+)";
+  auto g = ir::parse(text);
+  reactive::Engine e(*g);
+  e.run({at::tensor({-1, 0, -2, -4, -3}, at::kLong)});
+  const at::Tensor p = at::tensor({2, 0, 1, 4, 3}, at::kLong);  // a permutation: %b is p
+  std::string full_text = text;
+  const std::string a_line = "  %a : i64[5] = aten::neg.default(%x)\n";
+  full_text.replace(full_text.find(a_line), a_line.size(), "  %a : i64[5] = input()\n");
+  const auto ref = runtime::Executor(*ir::parse(full_text)).run({at::zeros({5}, at::kLong), p});
+  EXPECT_EQ(e.inplace_steps("a"), 1);  // %d overwrites %c; %c allocates
+  const auto out = e.evaluate_patched("a", p);
+  EXPECT_TRUE(at::equal(out[0].toTensor(), ref[0].toTensor()));
+  e.check_invariants();
+}
+
 // The sweep fast path writes cone intermediates into planned scratch memory (scratch.cpp): its
 // outputs equal those of the functional kernels bit for bit, with the scratch on or off and
 // against a full Executor run; a view that reaches an output keeps its own storage, so outputs
