@@ -11,7 +11,8 @@
 // are bit for bit those of the functional kernels.
 //
 // A value stays allocated by its kernel (as before) when it is an output, when a value that may
-// alias it (a schema view, a getitem, _unsafe_view, a higher-order op's result) reaches an output,
+// alias it (a schema view, a getitem, _unsafe_view, a higher-order op's result, a composite op's
+// result: aten::dropout(train=False) returns its input) reaches an output,
 // when it is not a single strided tensor with non-negative strides, or when it lives on another
 // device than the first scratch value. A buffer lives from its producer to the last read of it or
 // of any value that may alias it.
@@ -48,11 +49,14 @@ namespace {
 bool may_alias_input(const ir::Node& reader) {
   if (reader.target().is_builtin() || ir::is_higher_order(reader.target())) return true;
   if (ir::is_view_op(reader) || ir::returns_input_storage(reader)) return true;
-  const c10::FunctionSchema* s = ir::find_schema(reader.target());
-  if (s == nullptr) return true;
-  for (const auto& r : s->returns())
+  const std::optional<c10::OperatorHandle> op = ir::find_op(reader.target());
+  if (!op.has_value()) return true;
+  for (const auto& r : op->schema().returns())
     if (r.alias_info() != nullptr) return true;
-  return false;
+  // A composite op (no kernel of its own: it runs other ops) may hand back an input although its
+  // schema declares a fresh result: aten::dropout with train=False, aten::type_as with the dtype it
+  // has, aten::einsum("ij->ji") a view. torch.export's default IR keeps them (dropout in eval mode).
+  return op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
 }
 
 }  // namespace

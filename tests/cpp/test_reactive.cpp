@@ -6,6 +6,7 @@
 #include "runtime/executor.h"
 
 #include <ATen/ATen.h>
+#include <torch/library.h>
 #include <gtest/gtest.h>
 
 #include "test_util.h"
@@ -514,9 +515,18 @@ TEST(Reactive, InplaceStepsOverwriteOnlyDyingConeIntermediates) {
 // aten::dropout with train=False returns its input, aten::type_as its self when the dtype already
 // matches (torch.export's default IR keeps both). Such a "cone intermediate" is the caller's patch
 // value, or a cached value from outside the cone, so overwriting it in place changes the caller's
-// tensor, the cache, and every later reader of them. The in-place step runs only on a tensor that
-// nothing else references; these graphs give the Executor's bits, leave the patch value and the
-// cache as they were, and still run in place where the input is owned by the cone alone.
+// tensor, the cache, and every later reader of them. Composite ops like these are taken as aliasing
+// (scratch.cpp); an op with a kernel of its own that does the same (torch_ext_test::pass_through
+// below, registered here) is caught at run time: the step runs in place only on a tensor nothing
+// else references. These graphs give the Executor's bits, leave the patch value and the cache as
+// they were, and still run in place where the input is owned by the cone alone.
+TORCH_LIBRARY_FRAGMENT(torch_ext_test, m) {
+  m.def("pass_through(Tensor x, Tensor other) -> Tensor");  // returns x itself
+  m.impl("pass_through", c10::DispatchKey::CPU, [](const at::Tensor& x, const at::Tensor&) { return x; });
+  m.impl("pass_through", c10::DispatchKey::Meta,
+         [](const at::Tensor& x, const at::Tensor&) { return at::empty_like(x); });
+}
+
 TEST(Reactive, InplaceStepNeverWritesATensorAnOpPassedThrough) {
   const char* text = R"(graph:
   %x : f32[6,5] = input()
@@ -528,37 +538,48 @@ TEST(Reactive, InplaceStepNeverWritesATensorAnOpPassedThrough) {
   %d : f32[6,5] = aten::dropout.default(%a, 0.5, False)
   %s : f32[6,5] = aten::relu.default(%d)
   %q : f32[6,5] = aten::add.Tensor(%s, %a)
+  %k : f32[6,5] = torch_ext_test::pass_through.default(%a, %x)
+  %m : f32[6,5] = aten::relu.default(%k)
+  %n : f32[6,5] = aten::add.Tensor(%m, %a)
+  %l : f32[6,5] = aten::pow.Tensor_Scalar(%x, 2)
+  %j : f32[6,5] = torch_ext_test::pass_through.default(%l, %a)
+  %z : f32[6,5] = aten::relu.default(%j)
+  %zz : f32[6,5] = aten::add.Tensor(%z, %l)
   %e : f32[6,5] = aten::relu.default(%q)
-  %f : f32[6,5] = aten::dropout.default(%e, 0.5, False)
+  %f : f32[6,5] = torch_ext_test::pass_through.default(%e, %x)
   %g : f32[6,5] = aten::relu.default(%f)
   %h : f32[6,5] = aten::neg.default(%g)
-  return (%o, %q, %h)
+  return (%o, %q, %n, %zz, %h)
 )";
   auto g = ir::parse(text);
   const at::Tensor x = at::randn({6, 5});
   reactive::Engine e(*g);
   e.run({x});
   const at::Tensor cached_c = e.value("c").toTensor().clone();
+  const at::Tensor cached_l = e.value("l").toTensor().clone();
   std::string full_text = text;
   const std::string a_line = "  %a : f32[6,5] = aten::sin.default(%x)\n";
   full_text.replace(full_text.find(a_line), a_line.size(), "  %a : f32[6,5] = input()\n");
   runtime::Executor full(*ir::parse(full_text));
+  // Planned in place: %m, %z and %g (after pass_through, so checked at run time: %k is the patch
+  // value, %j the cached %l, %f is %e's tensor, which only the cone holds) and %h; not %r, %s (their
+  // inputs come from composite ops).
+  EXPECT_EQ(e.inplace_steps("a"), 4);
   for (int round = 0; round < 3; ++round) {
     const at::Tensor p = at::randn({6, 5});
     const at::Tensor p_copy = p.clone();
     const auto ref = full.run({x, p});
     const auto out = e.evaluate_patched("a", p);
-    for (size_t k = 0; k < 3; ++k) EXPECT_TRUE(at::equal(out[k].toTensor(), ref[k].toTensor())) << round << " " << k;
+    for (size_t k = 0; k < 5; ++k) EXPECT_TRUE(at::equal(out[k].toTensor(), ref[k].toTensor())) << round << " " << k;
     EXPECT_TRUE(at::equal(p, p_copy)) << round;  // the caller's patch value: never written
-    EXPECT_TRUE(at::equal(e.value("c").toTensor(), cached_c)) << round;  // a cached value: never written
-    // %f is %e's tensor, which only the cone holds: %g overwrites it and %h overwrites %g, so the
-    // output %h is that tensor, written twice in place (%r and %s allocated instead).
-    EXPECT_EQ(out[2].toTensor()._version(), 2) << round;
+    EXPECT_TRUE(at::equal(e.value("c").toTensor(), cached_c)) << round;  // cached values: never written
+    EXPECT_TRUE(at::equal(e.value("l").toTensor(), cached_l)) << round;
+    // %g overwrote %e's tensor and %h overwrote %g: the output %h is that tensor, written twice.
+    EXPECT_EQ(out[4].toTensor()._version(), 2) << round;
   }
-  EXPECT_EQ(e.inplace_steps("a"), 4);  // planned: %r, %s, %g, %h
   const auto again = e.evaluate_patched("a", e.value("a"));
   const auto clean = runtime::Executor(*g).run({x});
-  for (size_t k = 0; k < 3; ++k) EXPECT_TRUE(at::equal(again[k].toTensor(), clean[k].toTensor())) << k;
+  for (size_t k = 0; k < 5; ++k) EXPECT_TRUE(at::equal(again[k].toTensor(), clean[k].toTensor())) << k;
   e.check_invariants();
 }
 
@@ -585,6 +606,50 @@ TEST(Reactive, InplaceStepNeedsItsInputInOneArgument) {
   EXPECT_EQ(e.inplace_steps("a"), 1);  // %d overwrites %c; %c allocates
   const auto out = e.evaluate_patched("a", p);
   EXPECT_TRUE(at::equal(out[0].toTensor(), ref[0].toTensor()));
+  e.check_invariants();
+}
+
+// A composite op may hand back its input although its schema declares a fresh result
+// (aten::dropout with train=False, kept by torch.export in eval mode). Its input's scratch buffer
+// must then live as long as the op's result: here %b's bytes were planned free after %d, %e was
+// written over them, and %f read exp(a) + exp(a) for cos(a) + exp(a), silently.
+TEST(Reactive, ScratchKeepsAPassedThroughBufferAliveWhileItsReaderIs) {
+  const char* text = R"(graph:
+  %x : f32[8] = input()
+  %a : f32[8] = aten::sin.default(%x)
+  %b : f32[8] = aten::cos.default(%a)
+  %d : f32[8] = aten::dropout.default(%b, 0.5, False)
+  %e : f32[8] = aten::exp.default(%a)
+  %f : f32[8] = aten::add.Tensor(%d, %e)
+  %t : f32[8] = aten::tanh.default(%a)
+  %u : f32[8] = aten::type_as.default(%t, %a)
+  %v : f32[8] = aten::sigmoid.default(%a)
+  %w : f32[8] = aten::mul.Tensor(%u, %v)
+  return (%f, %w, %d)
+)";
+  auto g = ir::parse(text);
+  reactive::Engine e(*g);
+  e.run({at::randn({8})});
+  std::string full_text = text;
+  const std::string a_line = "  %a : f32[8] = aten::sin.default(%x)\n";
+  full_text.replace(full_text.find(a_line), a_line.size(), "  %a : f32[8] = input()\n");
+  runtime::Executor full(*ir::parse(full_text));
+  std::vector<c10::IValue> first;
+  std::vector<at::Tensor> first_copy;
+  for (int round = 0; round < 3; ++round) {
+    const at::Tensor p = at::randn({8});
+    const auto ref = full.run({at::zeros({8}), p});
+    const auto out = e.evaluate_patched("a", p);
+    for (size_t k = 0; k < 3; ++k) EXPECT_TRUE(at::equal(out[k].toTensor(), ref[k].toTensor())) << round << " " << k;
+    if (round == 0)
+      for (const auto& v : out) {
+        first.push_back(v);
+        first_copy.push_back(v.toTensor().clone());
+      }
+  }
+  // %t's buffer lives until %w read %u; %b reaches an output through %d, so it is never scratch:
+  // the outputs a caller keeps are not overwritten by the next sites.
+  for (size_t k = 0; k < 3; ++k) EXPECT_TRUE(at::equal(first[k].toTensor(), first_copy[k])) << k;
   e.check_invariants();
 }
 
