@@ -596,6 +596,7 @@ PYBIND11_MODULE(_C, m) {
       .def("can_evaluate_patched", &reactive::Engine::can_evaluate_patched)
       .def("plans_built", &reactive::Engine::plans_built)
       .def("scratch_bytes", &reactive::Engine::scratch_bytes)
+      .def("inplace_steps", &reactive::Engine::inplace_steps, py::arg("node"))
       .def("set_scratch", &reactive::Engine::set_scratch)
       .def("scratch", &reactive::Engine::scratch)
       .def("begin_transaction", &reactive::Engine::begin_transaction)

@@ -185,6 +185,10 @@ class Engine {
   int64_t plans_built() const { return plans_built_; }
   // Bytes of scratch memory the fast path holds for cone intermediates (scratch.cpp). Off, every
   // intermediate is allocated by its kernel and freed at its last use, and the memory is given back.
+  // On, a cone node with no out= kernel whose one input is a cone intermediate that dies there (and
+  // that nothing else can alias) runs its in-place variant on that input instead of allocating, when
+  // at run time nothing else references that input's tensor or storage.
+  int64_t inplace_steps(const std::string& node);  // how many steps of node's plan run in place
   int64_t scratch_bytes() const { return scratch_.defined() ? scratch_.numel() : 0; }
   void set_scratch(bool enabled);
   bool scratch() const { return scratch_enabled_; }
@@ -359,6 +363,12 @@ class Engine {
     std::vector<runtime::BoundKernel> scratch_kernels;  // parallel to scratch, bound to scratch_
     int64_t scratch_bytes = 0;
     uint64_t scratch_generation = 0;  // scratch_generation_ the kernels are bound to (0: unbound)
+    // Steps run by their in-place variant on their one input, a cone intermediate that dies there
+    // and owns its memory (scratch.cpp): parallel lists, the kernels bound once.
+    std::vector<size_t> inplace_steps;
+    std::vector<int64_t> inplace_inputs;  // the slot each overwrites, when it alone holds the tensor
+    std::vector<runtime::BoundKernel> inplace_kernels;
+    bool inplace_bound = false;  // steps point at inplace_kernels (scratch on), else at the functional ones
   };
   std::unordered_map<int64_t, PatchPlan> plans_;  // by patched node; dropped by grafts
   uint64_t pins_version_ = 0;                     // bumped whenever the pin set changes
@@ -367,6 +377,9 @@ class Engine {
   // Scratch memory of the sweep fast path (scratch.cpp): one tensor for every plan, grown to the
   // largest plan's need; plans bind their out= kernels to it at first use after it grows.
   void plan_scratch(PatchPlan& plan);
+  // The steps with no out= kernel in the scratch that can overwrite their dying input instead of
+  // allocating (scratch.cpp); `end`/`escapes` per position as plan_scratch computes them.
+  void plan_inplace(PatchPlan& plan, const std::vector<int64_t>& end, const std::vector<bool>& escapes);
   void bind_scratch(PatchPlan& plan);
   // evaluate_patched's work once its checks passed: pins `id` to `value`, runs its whole cone with the
   // shared loop, returns the outputs and puts every value back. No early cutoff inside the cone (the
@@ -377,6 +390,7 @@ class Engine {
   uint64_t scratch_generation_ = 0;
   // Out= overloads by target and result type: the dispatcher scan runs once per kind of node.
   std::unordered_map<std::string, std::optional<ir::OutVariant>> out_variants_;
+  std::unordered_map<std::string, std::optional<ir::InplaceVariant>> inplace_variants_;  // by target
   // Evaluating a patched cone in place (evaluate_patched, evaluate_patched_rows): checks the values
   // the cone reads from outside it (I8), holds the cone's cached values and the site's aside, puts
   // `value` at the site, and puts everything back when it goes out of scope, on success or error.

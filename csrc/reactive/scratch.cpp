@@ -11,10 +11,24 @@
 // are bit for bit those of the functional kernels.
 //
 // A value stays allocated by its kernel (as before) when it is an output, when a value that may
-// alias it (a schema view, a getitem, _unsafe_view, a higher-order op's result) reaches an output,
+// alias it (a schema view, a getitem, _unsafe_view, a higher-order op's result, a composite op's
+// result: aten::dropout(train=False) returns its input) reaches an output,
 // when it is not a single strided tensor with non-negative strides, or when it lives on another
 // device than the first scratch value. A buffer lives from its producer to the last read of it or
 // of any value that may alias it.
+//
+// A node left out of the scratch (no out= kernel of its own: aten::relu) whose one tensor input is a
+// cone intermediate that its own kernel allocated, that no value may alias, that is no output, that
+// nothing reads after this node and that the node reads through one argument only, may run its
+// in-place variant (ir::find_inplace_variant) on that input instead of allocating: the input dies
+// there, so its memory is the node's. The plan is not enough on its own: an op whose schema
+// declares a fresh result may hand back its input's tensor (aten::dropout with train=False,
+// aten::type_as with the dtype it has), which can be the site's value (the caller's tensor) or a
+// cached value from outside the cone. So the step runs in place only when, at that moment, its
+// input slot holds the one reference to a dense tensor and to its storage (runtime::sole_owner):
+// nobody else can read what it overwrites. Otherwise the functional kernel runs. The in-place
+// variant applies the same function to the same elements, so the bits are those of the functional
+// kernel (tests/cpp/test_reactive.cpp).
 #include "reactive/engine.h"
 
 #include "ir/memory_plan.h"
@@ -35,11 +49,14 @@ namespace {
 bool may_alias_input(const ir::Node& reader) {
   if (reader.target().is_builtin() || ir::is_higher_order(reader.target())) return true;
   if (ir::is_view_op(reader) || ir::returns_input_storage(reader)) return true;
-  const c10::FunctionSchema* s = ir::find_schema(reader.target());
-  if (s == nullptr) return true;
-  for (const auto& r : s->returns())
+  const std::optional<c10::OperatorHandle> op = ir::find_op(reader.target());
+  if (!op.has_value()) return true;
+  for (const auto& r : op->schema().returns())
     if (r.alias_info() != nullptr) return true;
-  return false;
+  // A composite op (no kernel of its own: it runs other ops) may hand back an input although its
+  // schema declares a fresh result: aten::dropout with train=False, aten::type_as with the dtype it
+  // has, aten::einsum("ij->ji") a view. torch.export's default IR keeps them (dropout in eval mode).
+  return op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
 }
 
 }  // namespace
@@ -92,11 +109,63 @@ void Engine::plan_scratch(PatchPlan& plan) {
     plan.scratch.push_back({i, it->second->op, it->second->out_args[0], 0});
     lives.push_back({ir::align_up(m.nbytes()), static_cast<int64_t>(i), end[i]});
   }
+  plan_inplace(plan, end, escapes);
   if (lives.empty()) return;
   const ir::ArenaPlan arena = passes::plan_best(lives);
   ir::verify_plan(lives, arena);  // no two buffers live at once share a byte
   for (size_t b = 0; b < lives.size(); ++b) plan.scratch[b].offset = arena.offsets[b];
   plan.scratch_bytes = std::max<int64_t>(arena.arena_bytes, 1);
+}
+
+void Engine::plan_inplace(PatchPlan& plan, const std::vector<int64_t>& end, const std::vector<bool>& escapes) {
+  const size_t n = plan.order.size();
+  std::unordered_map<int64_t, size_t> pos;
+  for (size_t i = 0; i < n; ++i) pos[plan.order[i]] = i;
+  std::vector<bool> in_scratch(n, false);
+  for (const ScratchOut& s : plan.scratch) in_scratch[s.step] = true;
+  for (size_t i = 0; i < n; ++i) {
+    if (in_scratch[i]) continue;  // written into the scratch already
+    const ir::Node& node = *states_[plan.order[i]].node;
+    if (node.type().kind != ir::Type::Kind::Tensor || node.target().is_builtin() || ir::is_higher_order(node.target()) ||
+        may_alias_input(node))
+      continue;
+    const auto& inputs = states_[plan.order[i]].kernel->input_slots();
+    if (inputs.size() != 1) continue;  // one tensor input: nothing else the kernel reads can overlap it
+    auto p = pos.find(inputs[0]);
+    if (p == pos.end()) continue;  // the site's value (the caller's tensor) or a value outside the cone: never written
+    const size_t j = p->second;
+    const ir::Node& input = *states_[plan.order[j]].node;
+    // The input: computed in this cone by a kernel that allocates it (not in the scratch, no alias of
+    // another value), read by nothing after this step (through any alias), and not an output.
+    if (in_scratch[j] || escapes[j] || end[j] != static_cast<int64_t>(i) || input.target().is_builtin() ||
+        ir::is_higher_order(input.target()) || may_alias_input(input) || input.type().kind != ir::Type::Kind::Tensor)
+      continue;
+    const ir::TensorMeta& in = input.type().tensor;
+    const ir::TensorMeta& out = node.type().tensor;
+    if (in.sizes != out.sizes || in.strides != out.strides || in.dtype != out.dtype || in.device != out.device ||
+        out.numel() == 0)
+      continue;
+    const auto key = "inplace|" + node.target().str();
+    auto it = inplace_variants_.find(key);
+    if (it == inplace_variants_.end()) it = inplace_variants_.emplace(key, ir::find_inplace_variant(node)).first;
+    if (!it->second.has_value() || it->second->written_args.size() != 1 || it->second->op.schema().returns().size() != 1)
+      continue;
+    // The written argument must be the node's tensor input, given in no other argument: a variant
+    // reading what it already wrote gives other values, or refuses (index_put_(b, [b], b)).
+    const size_t w = it->second->written_args[0];
+    if (w >= node.args().size() || node.args()[w].kind != ir::Arg::Kind::Node || node.args()[w].node != &input) continue;
+    int64_t uses = 0;
+    for (const ir::Arg& a : node.args()) a.for_each_node([&](const ir::Node* x) { uses += x == &input; });
+    if (uses != 1) continue;
+    plan.inplace_steps.push_back(i);
+    plan.inplace_inputs.push_back(inputs[0]);
+    plan.inplace_kernels.push_back(runtime::BoundKernel::bind_as(
+        node, it->second->op, [this](const ir::Node* x) { return ids_.at(x); }, {}));
+  }
+}
+
+int64_t Engine::inplace_steps(const std::string& node) {
+  return static_cast<int64_t>(plan_for(id_of(node)).inplace_steps.size());
 }
 
 void Engine::set_scratch(bool enabled) {
@@ -105,6 +174,16 @@ void Engine::set_scratch(bool enabled) {
 }
 
 void Engine::bind_scratch(PatchPlan& plan) {
+  if (plan.inplace_bound != scratch_enabled_) {
+    for (size_t k = 0; k < plan.inplace_steps.size(); ++k) {
+      const size_t step = plan.inplace_steps[k];
+      const runtime::BoundKernel* functional = &*states_[plan.order[step]].kernel;
+      plan.steps[step].kernel = scratch_enabled_ ? &plan.inplace_kernels[k] : functional;
+      plan.steps[step].overwrites = scratch_enabled_ ? plan.inplace_inputs[k] : -1;
+      plan.steps[step].fallback = functional;
+    }
+    plan.inplace_bound = scratch_enabled_;
+  }
   if (plan.scratch.empty()) return;
   if (!scratch_enabled_) {
     if (plan.scratch_generation == 0) return;

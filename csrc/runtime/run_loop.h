@@ -20,7 +20,22 @@ struct Step {
   const BoundKernel* kernel = nullptr;  // owned by the runtime, alive as long as the steps
   int64_t out = 0;                      // slot written with the kernel's value
   std::vector<int64_t> release;         // slots read for the last time by this step (or never read)
+  // An in-place step (the reactive sweep path, reactive/scratch.cpp): `kernel` overwrites the tensor
+  // in slot `overwrites`. It runs only when that slot holds the one reference to a dense tensor and
+  // to its storage, so that nothing else can see the write; otherwise `fallback` (the functional
+  // kernel) runs. -1: a plain step.
+  int64_t overwrites = -1;
+  const BoundKernel* fallback = nullptr;
 };
+
+// Whether `v` is a dense tensor that nothing but this IValue references (no other handle, no view
+// of its storage): writing it in place changes no value anyone else can read.
+inline bool sole_owner(const c10::IValue& v) {
+  if (!v.isTensor()) return false;
+  const at::Tensor& t = v.toTensor();
+  return t.use_count() == 1 && t.has_storage() && t.storage().use_count() == 1 && !t.is_inference() &&
+         t.is_non_overlapping_and_dense();
+}
 
 // Per step i, after its value is stored and before its dead slots are released.
 struct NoAfter {
@@ -34,8 +49,10 @@ void run_steps(const std::vector<Step>& steps, ValueSlots& values, std::vector<c
                OnError&& on_error, After&& after = After{}) {
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& s = steps[i];
+    const BoundKernel* kernel = s.kernel;
+    if (s.overwrites >= 0 && !sole_owner(values[s.overwrites])) kernel = s.fallback;
     try {
-      values[s.out] = s.kernel->invoke(values, stack);
+      values[s.out] = kernel->invoke(values, stack);
     } catch (const std::exception& e) {
       on_error(i, e);
       throw;  // on_error must throw; never continue past a failed node

@@ -1,0 +1,151 @@
+"""The sweep fast path's in-place cone steps (csrc/reactive/scratch.cpp, plan_inplace).
+
+A cone node with no out= kernel of its own (aten::relu) may overwrite its dying input instead of
+allocating. That is only sound when nothing else can read the overwritten tensor: not the caller's
+patch value, not a cached value, not the baseline, not a later reader. Ops whose schema declares a
+fresh result may still hand back their input (aten::dropout with train=False, aten::type_as with the
+dtype it has: torch.export's default IR keeps both), so these tests draw random graphs full of
+them and check, after every evaluate_patched, the outputs bit for bit against an eager FX run, the
+caller's value, and every cached value.
+"""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import torch_ext
+from torch_ext import _C
+from torch_ext.ir import Graph
+
+from test_reactive import bits_equal, reference
+
+# Unary ops: relu, sigmoid, selu have no out= kernel of their own (they run in place when they may);
+# dropout(train=False), type_as, alias, view and reshape hand back their input's tensor or storage.
+UNARY = [
+    "aten::relu.default(%{a})",
+    "aten::relu.default(%{a})",
+    "aten::sigmoid.default(%{a})",
+    "aten::selu.default(%{a})",
+    "aten::sin.default(%{a})",
+    "aten::neg.default(%{a})",
+    "aten::dropout.default(%{a}, 0.5, False)",
+    "aten::dropout.default(%{a}, 0.5, False)",
+    "aten::clone.default(%{a})",
+    "aten::alias.default(%{a})",
+    "aten::view.default(%{a}, [4])",
+    "aten::reshape.default(%{a}, [4])",
+    "aten::mul.Tensor(%{a}, %{a})",
+]
+BINARY = [
+    "aten::type_as.default(%{a}, %{b})",
+    "aten::type_as.default(%{a}, %{b})",
+    "aten::add.Tensor(%{a}, %{b})",
+    "aten::mul.Tensor(%{a}, %{b})",
+    "aten::maximum.default(%{a}, %{b})",
+]
+
+
+@st.composite
+def passthrough_dags(draw, max_nodes: int = 18):
+    """Random DAG text over f32[4]: 2 inputs, unary and binary nodes, every sink in the output tuple
+    (some also read by later nodes, so outputs escape through aliases too)."""
+    n = draw(st.integers(3, max_nodes))
+    names = ["x", "y"]
+    lines = ["graph:", "  %x : f32[4] = input()", "  %y : f32[4] = input()"]
+    used = set()
+    for i in range(n):
+        pick = lambda: draw(st.sampled_from(names[-3:]) if draw(st.booleans()) else st.sampled_from(names))  # noqa: E731
+        if draw(st.integers(0, 2)) < 2:
+            a = pick()
+            op = draw(st.sampled_from(UNARY)).format(a=a)
+            used.add(a)
+        else:
+            a, b = pick(), pick()
+            op = draw(st.sampled_from(BINARY)).format(a=a, b=b)
+            used.update((a, b))
+        name = f"v{i}"
+        lines.append(f"  %{name} : f32[4] = {op}")
+        names.append(name)
+    outs = [v for v in names[2:] if v not in used or draw(st.integers(0, 4)) == 0]
+    lines.append(f"  return ({', '.join('%' + v for v in outs)})")
+    return "\n".join(lines) + "\n"
+
+
+def _snapshot(eng, nodes):
+    """Every node's cached value, copied (and the tensors themselves, to see that they are kept)."""
+    return {n: eng.value(n).clone() for n in nodes}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=passthrough_dags(), data=st.data(), seed=st.integers(0, 2**31 - 1))
+def test_in_place_cone_steps_never_write_what_others_read(text, data, seed):
+    gen = torch.Generator().manual_seed(seed)
+    g = Graph.parse(text)
+    nodes = [n.name for n in g.nodes() if n.kind != "output"]
+    calls = [n.name for n in g.nodes() if n.kind == "call"]
+    inputs = [torch.rand(4, generator=gen) * 2 - 1 for n in g.nodes() if n.kind == "placeholder"]
+    eng = _C.Engine(g._g)
+    eng.run(inputs)
+    pins = {}
+    for _ in range(data.draw(st.integers(1, 12), label="steps")):
+        action = data.draw(st.sampled_from(["site", "site", "site", "standing", "restore", "scratch"]), label="action")
+        if action == "standing" and not pins:
+            node = data.draw(st.sampled_from(calls), label="standing node")
+            pins[node] = torch.rand(4, generator=gen) - 0.5
+            eng.patch(node, pins[node])
+            eng.demand()
+            continue
+        if action == "restore":
+            pins.clear()
+            eng.restore()
+            eng.demand()
+            continue
+        if action == "scratch":
+            eng.set_scratch(not eng.scratch())
+            continue
+        site = data.draw(st.sampled_from([n for n in nodes if n not in pins]), label="site")
+        # The patch value: a fresh tensor, one the caller keeps, or another node's cached value itself.
+        source = data.draw(st.sampled_from(["fresh", "cached", "own"]), label="value")
+        if source == "cached":
+            value = eng.value(data.draw(st.sampled_from(nodes), label="cached from"))
+        elif source == "own":
+            value = eng.value(site)
+        else:
+            value = torch.rand(4, generator=gen) * 2 - 1
+        value_before = value.clone()
+        cached = _snapshot(eng, nodes)
+        expected = reference(Graph(eng.graph()), inputs, {**pins, site: value.clone()})
+        out = eng.evaluate_patched(site, value)
+        assert bits_equal(list(out), expected), (text, site, source)
+        assert bits_equal(value, value_before), ("the caller's patch value was written", text, site, source)
+        for n in nodes:
+            assert bits_equal(eng.value(n), cached[n]), (f"cached value of %{n} was written", text, site, source)
+        eng.check_invariants()
+    eng.restore()
+    fresh = _C.Engine(eng.graph())
+    fresh.run(inputs)
+    assert bits_equal(list(eng.demand()), list(fresh.demand()))
+
+
+@pytest.mark.parametrize("positions", [None, False])
+def test_sweep_patching_a_dropout_input_keeps_the_patch_values(positions):
+    """Through the public API: an eval-mode MLP exports aten::dropout(train=False), which hands back
+    its input, and the relu after it ran in place on that tensor, the patch value itself: a sweep
+    patching in a tensor the user holds (another prompt's activation) changed it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.1), torch.nn.ReLU(),
+                                torch.nn.Linear(8, 8), torch.nn.Dropout(0.1), torch.nn.ReLU(),
+                                torch.nn.Linear(8, 3)).eval()
+    x = torch.randn(4, 8)
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    assert "dropout_1" in rg.nodes() and "linear_1" in rg.nodes()
+    donor = torch.randn(4, 8) * 3
+    donor_copy = donor.clone()
+    h = model[3].register_forward_hook(lambda _m, _i, _o: donor_copy.clone())
+    with torch.no_grad():
+        ref = model(x)
+    h.remove()
+    res = torch_ext.sweep(rg, ["linear_1"], lambda v, s: donor, lambda out: out.sum(dim=1), progress=False,
+                          positions=positions)
+    assert torch.equal(donor, donor_copy), "the patch value was written in place"
+    assert torch.equal(res.metrics["linear_1"], ref.sum(dim=1))
