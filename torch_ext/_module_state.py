@@ -102,4 +102,8 @@ def change_message(changes: list, built: str) -> str:
     if isinstance(was, _Short):
         return f"{describe(path, key)} was replaced by {now!r} (when {built}: {was!r}){more}"
     mode = " (eval mode)" if key == "training" and now is False else " (train mode)" if key == "training" else ""
-    return f"{describe(path, key)} is {now!r}{mode} now, {was!r} when {built}{more}"
+    # Which attributes the forward reads is not known here: every public one is checked. Bookkeeping
+    # the forward never reads (a step counter kept on the model) can opt out by its name.
+    hint = ("" if key == "training" else
+            f" (if forward never reads {key!r}, keep it under a name starting with '_', which is not checked)")
+    return f"{describe(path, key)} is {now!r}{mode} now, {was!r} when {built}{more}{hint}"

@@ -387,6 +387,22 @@ def test_module_attribute_changed_after_build_is_refused_not_ignored(change):
     assert torch.equal(again, unchanged)
 
 
+def test_bookkeeping_the_forward_never_reads_opts_out_by_a_private_name():
+    # Every public attribute is checked (which ones the trace read is not known), so a public step
+    # counter kept on the model is refused with a hint; under a '_' name it is not checked.
+    model = _Tempered()
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), _mse, _XY)
+    _, state = step(step.init_state(), *_XY)
+    model._global_step = 1  # new private attribute: fine
+    _, state = step(state, *_XY)
+    model.global_step = 1  # new public attribute after the build: not traced, so nothing to compare
+    _, state = step(state, *_XY)
+    model.tau = 0.5
+    with pytest.raises(ValueError, match=r"model.tau is 0.5 now, 1.0 when the step was built \(if forward never "
+                                         r"reads 'tau', keep it under a name starting with '_'"):
+        step(state, *_XY)
+
+
 class _Counting(nn.Module):
     def __init__(self):
         super().__init__()
