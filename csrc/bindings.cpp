@@ -200,23 +200,6 @@ int64_t tensor_version(const at::Tensor& t) {
   return t.defined() && !t.is_inference() ? static_cast<int64_t>(t._version()) : -1;
 }
 
-// The same bits (shape, dtype and device too): -0.0 and 0.0 differ, equal NaNs agree. Floating and
-// complex tensors are compared as integers of their width; an unknown width never counts as the same.
-bool same_bits(const at::Tensor& x, const at::Tensor& y) {
-  if (x.sizes() != y.sizes() || x.scalar_type() != y.scalar_type() || x.device() != y.device()) return false;
-  if (!(x.is_floating_point() || x.is_complex())) return x.equal(y);
-  at::ScalarType as;
-  switch (x.element_size()) {
-    case 1: as = at::kByte; break;
-    case 2: as = at::kShort; break;
-    case 4: as = at::kInt; break;
-    case 8: as = at::kLong; break;
-    case 16: return same_bits(at::view_as_real(x), at::view_as_real(y));
-    default: return false;
-  }
-  return x.contiguous().view(as).equal(y.contiguous().view(as));
-}
-
 py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes, py::sequence sites,
                      py::sequence patches, bool rows,
                      const std::vector<int64_t>& read_rows, const std::vector<std::vector<int64_t>>& read_cols,
@@ -282,7 +265,7 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
     if (value.requires_grad()) value = value.detach();
     patched = py::object();
     std::vector<c10::IValue> flat;
-    if (skip_identical && same_bits(value, cached)) {
+    if (skip_identical && reactive::same_bits(value, cached)) {
       // A value bit-identical to the cached one changes nothing: the cone would recompute its cached
       // values, so the site takes the current outputs (nothing stale: can_evaluate_patched holds), with
       // zero evaluations; the caller is told which sites these were (they leave the ledger's sum).

@@ -28,25 +28,6 @@ const ir::TensorMeta* arg_meta(const ir::Node& n, size_t i) {
   return t.kind == ir::Type::Kind::Tensor ? &t.tensor : nullptr;
 }
 
-// Early cutoff's equality: the same bits, not the same numbers. Under `==`, -0.0 equals 0.0 (and NaN
-// differs from itself), but a consumer can tell the zeros apart (1/x, atan2, copysign, signbit): a
-// node whose recomputed value flipped a zero's sign must not be cut off, or its cone keeps values
-// computed from the other zero. Floating and complex tensors are compared as integers of their width.
-bool same_bits(const at::Tensor& x, const at::Tensor& y) {
-  if (x.sizes() != y.sizes() || x.scalar_type() != y.scalar_type() || x.device() != y.device()) return false;
-  if (!(x.is_floating_point() || x.is_complex())) return x.equal(y);
-  at::ScalarType as;
-  switch (x.element_size()) {
-    case 1: as = at::kByte; break;
-    case 2: as = at::kShort; break;
-    case 4: as = at::kInt; break;
-    case 8: as = at::kLong; break;
-    case 16: return same_bits(at::view_as_real(x), at::view_as_real(y));  // complex128: two float64 each
-    default: return false;  // an unknown width never counts as unchanged
-  }
-  return x.view(as).equal(y.view(as));
-}
-
 bool values_equal(const c10::IValue& a, const c10::IValue& b) {
   if (a.isTensor() && b.isTensor()) return same_bits(a.toTensor(), b.toTensor());
   const bool seq_a = a.isTuple() || a.isList();
@@ -66,6 +47,25 @@ bool values_equal(const c10::IValue& a, const c10::IValue& b) {
 }
 
 }  // namespace
+
+// Early cutoff's equality: the same bits, not the same numbers. Under `==`, -0.0 equals 0.0 (and NaN
+// differs from itself), but a consumer can tell the zeros apart (1/x, atan2, copysign, signbit): a
+// node whose recomputed value flipped a zero's sign must not be cut off, or its cone keeps values
+// computed from the other zero. Floating and complex tensors are compared as integers of their width.
+bool same_bits(const at::Tensor& x, const at::Tensor& y) {
+  if (x.sizes() != y.sizes() || x.scalar_type() != y.scalar_type() || x.device() != y.device()) return false;
+  if (!(x.is_floating_point() || x.is_complex())) return x.equal(y);
+  at::ScalarType as;
+  switch (x.element_size()) {
+    case 1: as = at::kByte; break;
+    case 2: as = at::kShort; break;
+    case 4: as = at::kInt; break;
+    case 8: as = at::kLong; break;
+    case 16: return same_bits(at::view_as_real(x), at::view_as_real(y));  // complex128: two float64 each
+    default: return false;  // an unknown width never counts as unchanged
+  }
+  return x.view(as).equal(y.view(as));
+}
 
 // The version counter of a tensor value, or -1 when it is not tracked (non-tensors, inference tensors).
 int64_t version_of(const c10::IValue& v) {

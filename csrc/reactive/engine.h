@@ -101,6 +101,10 @@
 
 namespace torch_ext::reactive {
 
+// The same bits (shape, dtype and device too): -0.0 and 0.0 differ, equal NaNs agree; floating and
+// complex tensors compare as integers of their width. Early cutoff's and skip_identical's equality.
+bool same_bits(const at::Tensor& x, const at::Tensor& y);
+
 struct Stats {
   int64_t evaluations = 0;  // countable-node executions
   double cost = 0.0;        // FLOP-weighted evaluations (see header comment)
