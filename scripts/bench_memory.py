@@ -188,6 +188,10 @@ def main():
             peak, _ = measured_peak(planned, step.init_state(), batch)
             plans[label] = planned
             runners[label] = step_runner(planned, step.init_state(), batch)
+            if planned.remat:  # the same recomputing graph on the unplanned executor: what the arena itself costs
+                same = torch_ext._C.Executor(planned.graph._g)
+                flat = step.flat_inputs(step.init_state(), *batch)
+                runners[label + " (executor)"] = lambda same=same, flat=flat: same.run(flat)
             below_lb += planned.peak_bytes < planned.plan["lb_graph"] or planned.peak_bytes < planned.plan["lb_sched"]
             rows.append([label, peak, planned.peak_bytes, None])
         t, cpu, faults = interleaved_medians(runners, args.rounds)
@@ -199,8 +203,11 @@ def main():
                 continue
             ratios[label] = t[label] / t_exec
             cpu_ratios[label] = cpu[label] / cpu["executor"]
+            same = label + " (executor)"
             row[3] = (f"lb_graph {planned.plan['lb_graph'] / eager_peak:.3f}, t arena/exec {ratios[label]:.3f} "
                       f"(cpu {cpu_ratios[label]:.3f})"
+                      + (f", arena / executor on the same recomputing graph {t[label] / t[same]:.3f} "
+                         f"(cpu {cpu[label] / cpu[same]:.3f})" if same in t else "")
                       + (f", recomputed {len(planned.remat['recomputed'])}, +{planned.remat['added_flops'] / max(planned.remat['forward_flops'], 1):.1%} FLOPs"
                          if planned.remat else ""))
         print(f"\n== {name}: eager peak {eager_peak / mib:.2f} MiB, eager step {t_eager * 1e3:.1f} ms "
