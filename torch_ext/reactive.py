@@ -10,7 +10,6 @@ import collections
 import contextlib
 import fnmatch
 import math
-import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import _C, _build_cache, _compat, _disk_cache, _module_state
-from .ir import Graph
+from .ir import _SHORT_DTYPE, Graph
 
 
 def _functional_program(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -391,8 +390,9 @@ class ReactiveGraph:
             own = {id(t) for t in list(nn_params(self._module))}
             if any(id(v) not in own for v in self._program.state_dict.values()):
                 self._weights_fp = _weights_fingerprint(self._module)
-        changed = _module_state.traced_changes(self._module, self._attributes) if self._module is not None else []
+        changed = []
         if self._module is not None:
+            changed = _module_state.traced_changes(self._module, self._attributes)
             self._attributes = _module_state.attributes(self._module)  # what the graph was traced with
         if changed:  # forward changed Python state while being traced: the graph holds one value of it
             raise TypeError("ReactiveGraph: forward changes module attributes the graph would hold fixed: "
@@ -1096,9 +1096,7 @@ def _type_bytes(t) -> int:
     if not isinstance(t, tuple) or not t:
         return 0
     if t[0] == "tensor":
-        bits = re.search(r"\d+", str(t[1]))
-        width = max(1, int(bits.group()) // 8) if bits else 8
-        return width * math.prod(t[2])
+        return _SHORT_DTYPE[t[1]].itemsize * math.prod(t[2])
     return sum(_type_bytes(e) for e in t[1:])
 
 

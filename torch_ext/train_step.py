@@ -746,11 +746,15 @@ class TrainStep:
     def flat_inputs(self, state: TrainState, *batch) -> list:
         """The program's flat positional inputs: state entries, then the batch (or the batches when
         unrolled, or the micro-batches when accumulating, one after the other)."""
+        self._check_call(state)
+        return self._checked_inputs(state, self._check_batch(batch))
+
+    def _check_call(self, state: TrainState) -> None:
+        """What every call checks before its batch: the state, its schedule, the optimizers' options and lr."""
         self._check_state(state)
         self._check_schedule(state)
         self._check_config()
         self._check_lr(state)
-        return self._checked_inputs(state, self._check_batch(batch))
 
     def _checked_inputs(self, state: TrainState, flat_batch: list) -> list:
         for i, (t, ex) in enumerate(zip(flat_batch, self._example_leaves)):
@@ -808,10 +812,7 @@ class TrainStep:
 
     def __call__(self, state: TrainState, *batch, skip_nonfinite: bool = False):
         """``loss, new_state = step(state, *batch)``; ``loss, new_state, aux`` when loss_fn returns (loss, aux)."""
-        self._check_state(state)
-        self._check_schedule(state)
-        self._check_config()
-        self._check_lr(state)
+        self._check_call(state)
         flat_batch = self._check_batch(batch)
         program = self._program_for(flat_batch)
         if program is self:
