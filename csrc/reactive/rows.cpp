@@ -122,6 +122,20 @@ bool row_bytes_differ(const c10::IValue& cached, const c10::IValue& now, int64_t
   }
 }
 
+// The length along `dim` of a tensor value, or of the first element of a list or tuple of them (-1 otherwise).
+int64_t rows_along(const c10::IValue& v, int64_t dim) {
+  if (v.isTensor()) return dim < v.toTensor().dim() ? v.toTensor().size(dim) : -1;
+  if (v.isTensorList()) {
+    const auto l = v.toTensorList();
+    return l.size() > 0 && dim < l.get(0).dim() ? l.get(0).size(dim) : -1;
+  }
+  if (v.isTuple()) {
+    const auto& e = v.toTupleRef().elements();
+    return e.empty() ? -1 : rows_along(e[0], dim);
+  }
+  return -1;
+}
+
 bool is_floating(const ir::Type& t) {
   return t.kind == ir::Type::Kind::Tensor && c10::isFloatingType(t.tensor.dtype);
 }
@@ -418,6 +432,24 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
   std::vector<int64_t> start(plan.order.size(), 0);
   std::vector<c10::IValue> joined(plan.order.size());  // a cone node's whole value, assembled once
   std::vector<int64_t> hi(plan.order.size(), 0);        // rows [p, hi[i]) of a cone node can differ
+  // A suffix node's value holds its rows [start[i], end[i]). A local node keeps only the rows it computed
+  // (end = hi < T): its cached rows [hi, T) are joined on once, when a reader first needs them, so a chain
+  // of local nodes (norm, qkv projection, split, q/k/v reshapes) concatenates once instead of at every node.
+  std::vector<int64_t> end(plan.order.size(), 0);
+  // The cached rows [from, T) of cone node k (the read columns alone for a columns-only output).
+  auto cached_tail = [&](size_t k, int64_t from) {
+    const RowStep& sk = rp.steps[k];
+    c10::IValue tail = narrow_value(held.cached(k), sk.row_axis, from, sk.length - from);
+    if (!sk.cols.empty()) tail = tail.toTensor().index_select(tail.toTensor().dim() - 1, sk.cols_index);
+    return tail;
+  };
+  auto complete = [&](size_t k) {
+    const RowStep& sk = rp.steps[k];
+    if (!sk.suffix || end[k] >= sk.length) return;
+    const int64_t slot = plan.order[k];
+    values_[slot] = concat_rows(values_[slot], cached_tail(k, end[k]), sk.row_axis);
+    end[k] = sk.length;
+  };
   // Inputs replaced by their rows for one node, put back before `held` puts the cone back.
   std::vector<std::pair<int64_t, c10::IValue>> swapped;
   auto put_inputs_back = [&]() {
@@ -433,6 +465,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
       const int64_t T = step.length;
       const int64_t s = step.suffix ? std::max(p, step.need) : 0;
       start[i] = s;
+      end[i] = T;
       int64_t e = T;  // rows [s, e) are computed; rows [e, T) are the cached ones
       if (step.local) {
         e = 0;
@@ -447,14 +480,8 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
         values_[n] = c10::IValue();
         continue;
       }
-      // The cached rows [from, T) of this node (the read columns alone for a columns-only output).
-      auto cached_tail = [&](int64_t from) {
-        c10::IValue tail = narrow_value(held.cached(i), step.row_axis, from, T - from);
-        if (!step.cols.empty()) tail = tail.toTensor().index_select(tail.toTensor().dim() - 1, step.cols_index);
-        return tail;
-      };
       if (step.suffix && s >= e) {  // none of the rows read differ from the cached ones
-        values_[n] = cached_tail(s);
+        values_[n] = cached_tail(i, s);
         count_evaluation(st, 0.0);
         for (int64_t r : plan.steps[i].release) values_[r] = c10::IValue();
         continue;
@@ -464,7 +491,8 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
         c10::IValue repl;
         if (step.suffix && ri.rel == passes::SeqRel::Row) {
           const int64_t from = in_suffix ? s - start[ri.pos] : s;
-          if (from == 0 && in_suffix && e == T) continue;
+          if (in_suffix && end[ri.pos] < e) complete(ri.pos);  // rows past the ones it computed are read
+          if (from == 0 && in_suffix && rows_along(values_[ri.slot], ri.dim) == e - s) continue;
           repl = narrow_value(values_[ri.slot], ri.dim, from, e - s);
           // A strided slice makes BLAS and the norm kernels take slow paths: give them dense rows.
           if (step.dense_inputs && repl.isTensor() && !repl.toTensor().is_contiguous())
@@ -473,6 +501,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
           TORCH_INTERNAL_ASSERT(start[ri.pos] == p, "token-granular cone: %", states_[ri.slot].node->name(),
                                 " is read whole but was computed from row ", start[ri.pos]);
           if (joined[ri.pos].isNone()) {
+            complete(ri.pos);
             const c10::IValue& cached = held.cached(ri.pos);
             joined[ri.pos] = cached.isTensor() ? c10::IValue(assemble_rows(ri.slot, cached.toTensor(), values_[ri.slot].toTensor(),
                                                                           rp.steps[ri.pos].row_axis, p, p, {}, {}))
@@ -539,8 +568,8 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
         rethrow_evaluating(st, e, " on rows [" + std::to_string(s) + ", " + std::to_string(T) + ")");
       }
       put_inputs_back();
-      if (e < T) out = concat_rows(out, cached_tail(e), step.row_axis);
       values_[n] = std::move(out);
+      end[i] = e;  // e < T: a local node, its cached rows [e, T) joined on when read (complete)
       const double frac = step.suffix ? static_cast<double>(e - s) / static_cast<double>(T) : 1.0;
       const double col_frac = step.cols.empty() ? 1.0 : static_cast<double>(step.cols.size()) / static_cast<double>(step.width);
       count_evaluation(st, frac, col_frac);
@@ -554,6 +583,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
       if (pos == rp.pos.end() || !rp.steps[pos->second].suffix) continue;
       const size_t i = pos->second;
       if (std::any_of(swapped.begin(), swapped.end(), [&](const auto& e) { return e.first == o; })) continue;
+      complete(i);
       swapped.emplace_back(o, std::move(values_[o]));
       const c10::IValue& cached = held.cached(i);
       const c10::IValue& suffix = swapped.back().second;
