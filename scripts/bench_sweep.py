@@ -514,6 +514,20 @@ def positions_setup(V: int, B: int, d: int = 128, L: int = 4, H: int = 4, T: int
     return model, clean, corrupt
 
 
+def exact_row_fraction(L: int, T: int) -> float:
+    """The fraction of one forward's block rows (norms, projections, attention, MLP) an exact sweep over the
+    L x T resid_pre sites must compute per site, the last row read (docs/cost-model-positions.md, "Bound").
+    Site (l, p), n = T - p: layer l runs its norm and qkv on row p and the rest on n rows; layers l+1 .. L-2
+    all on n rows; layer L-1 (l < L-1) its norm and qkv on n rows (keys, values) and the rest on the read
+    row. The qkv side and the rest come to the same sum, so the weights of a layer's ops do not matter."""
+    half_rows = 0
+    for l in range(L):
+        for p in range(T):
+            n = T - p
+            half_rows += 2 if l == L - 1 else (1 + n) + 2 * n * (L - 2 - l) + (n + 1)
+    return half_rows / (2 * L * T * L * T)
+
+
 def full_forward_cost(rg) -> float:
     """FLOPs of one full forward by the engine's cost model (what a full recompute per site runs)."""
     before = rg.stats["cost"]
@@ -561,11 +575,21 @@ def part4_case(repeats: int, V: int, B: int) -> None:
     def token_split():
         res["token_s"] = torch_ext.sweep(rg, sites, patch, metric, progress=False, reads=reads, batch_sites=True)
 
+    with torch.no_grad():
+        x0 = model.tok(clean) + model.pos[:T]
+
+    def eager_blocks():  # the eager blocks alone, once per site: what a block row costs eager
+        with torch.no_grad():
+            for _ in sites:
+                x = x0
+                for blk in model.blocks:
+                    x = blk(x)
+
     t0 = time.perf_counter()
     token_batched()  # the first one builds the batched cones (C++ pass + one clean evaluation each)
     export_s = time.perf_counter() - t0
     med = interleaved({"eager": eager, "node": node, "token": token, "token_b": token_batched,
-                       "token_s": token_split}, repeats)
+                       "token_s": token_split, "blocks": eager_blocks}, repeats)
     full = full_forward_cost(rg)
     e, n, t, tb, ts = res["eager"], res["node"], res["token"], res["token_b"], res["token_s"]
     diff_b = max(abs(e[(layer_of[s[0]], s[1])] - tb.metrics[s]) for s in sites)
@@ -601,6 +625,12 @@ def part4_case(repeats: int, V: int, B: int) -> None:
           f"over {len(resid)} nodes): {med['token_s'] * 1e3:.1f} ms, {ts.cost:.4g} FLOPs (rho_flops "
           f"{len(sites) * full / ts.cost:.2f}), max |eager - batched| {diff_s:.2e}: {wse:.2f}x eager, {wsn:.2f}x "
           f"node-granular")
+    f = exact_row_fraction(L, T)
+    bound_e, bound_n = med["eager"] / (f * med["blocks"]), med["node"] / (f * med["blocks"])
+    print(f"  bound: an exact sweep runs f = {f:.4f} of the block rows of a forward per site; the eager blocks alone "
+          f"take {med['blocks'] * 1e3:.1f} ms over the sites ({med['blocks'] / med['eager']:.0%} of the eager sweep); at "
+          f"no less than eager's cost per block row, wall vs eager <= {bound_e:.2f}x, vs node-granular <= "
+          f"{bound_n:.2f}x{'' if B > 1 else ' (batch 1: not a bound, batched GEMMs run more rows per call than eager)'}")
     print(f"  load {open('/proc/loadavg').read().split()[0]}")
     best_e, best_n = max(we, wbe, wse), max(wn, wbn, wsn)
     print(f"  best token-granular vs eager {best_e:.2f}x [target >= 10x: "

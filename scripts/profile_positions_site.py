@@ -88,6 +88,49 @@ def replay(shapes, repeats: int = 20) -> float:
     return sum(per)
 
 
+def row_fraction(L: int, T: int) -> float:
+    """Rows an exact token-granular sweep must compute of each block op (norms, projections, MLP, attention),
+    summed over the L x T resid_pre sites with the last row read, over the rows one full forward per site
+    computes (L x T x L x T). Site (l, p), n = T - p: the norm and qkv of layer l run row p; its attention
+    and everything after it n rows; layers l+1 .. L-2 n rows; layer L-1 (l < L-1) its norm and qkv n rows
+    (keys and values) and the rest the read row alone. The qkv side and the rest come to the same fraction,
+    so how the ops of a layer weigh against each other does not change it."""
+    rows = 0
+    for l in range(L):
+        for p in range(T):
+            n = T - p
+            if l == L - 1:
+                rows += 2 * 1  # qkv side (row p) and the rest (row T-1), in units of half a layer
+                continue
+            rows += 1 + n                # layer l: qkv side row p, the rest n rows
+            rows += 2 * n * (L - 2 - l)  # layers l+1 .. L-2
+            rows += n + 1                # layer L-1: keys/values n rows, the rest the read row
+    return rows / (2 * L * T * L * T)
+
+
+def eager_parts(model, clean, repeats: int = 40) -> tuple[float, float]:
+    """(seconds of one eager forward, seconds of its blocks alone), medians: what the blocks cost in eager."""
+    x0 = model.tok(clean) + model.pos[: clean.shape[1]]
+
+    def blocks():
+        x = x0
+        for blk in model.blocks:
+            x = blk(x)
+        return x
+
+    fns = (lambda: model(clean), blocks)
+    ts = [[], []]
+    with torch.no_grad():
+        for fn in fns:
+            fn()
+        for _ in range(repeats):  # interleaved, so both see the same load
+            for i, fn in enumerate(fns):
+                t0 = time.perf_counter()
+                fn()
+                ts[i].append(time.perf_counter() - t0)
+    return statistics.median(ts[0]), statistics.median(ts[1])
+
+
 def case(V: int, B: int, repeats: int) -> None:
     model, clean, corrupt = positions_setup(V, B)
     T, L = clean.shape[1], len(model.blocks)
@@ -146,6 +189,13 @@ def case(V: int, B: int, repeats: int) -> None:
         print(f"  {k}: rho_flops {rho:.2f} x rate ratio {r_ratio:.2f} = wall ratio {wall['eager'] / wall[k]:.2f}x "
               f"(vs node-granular {wall['node'] / wall[k]:.2f}x); GEMM-only bound: eager wall / {k}'s replayed "
               f"GEMM time = {wall['eager'] / gemm_time[k]:.1f}x; needs rate ratio {10 / rho:.2f} for 10x")
+    t_fwd, t_blocks = eager_parts(model, clean)
+    f = row_fraction(L, T)
+    bound = t_fwd / (f * t_blocks)
+    print(f"  row bound: an exact sweep computes a fraction f = {f:.4f} of the block rows of one forward per site; "
+          f"eager forward {t_fwd * 1e3:.3f} ms, its blocks {t_blocks * 1e3:.3f} ms ({t_blocks / t_fwd:.1%}); at no "
+          f"less than eager's cost per block row: wall vs eager <= {bound:.2f}x, vs node-granular <= "
+          f"{wall['node'] / (S * f * t_blocks):.2f}x")
     print(f"  eager GEMMs replayed alone: {gemm_time['eager'] * 1e3:.1f} ms of its {wall['eager'] * 1e3:.1f} ms wall")
     for k in ("token", "token_dp", "eager"):
         calls, self_us, _, _ = prof[k]
