@@ -384,6 +384,56 @@ def test_rows_called_unchanged_are_bit_identical(ops, seed, p, pick):
     rg.check_invariants()
 
 
+@pytest.mark.internals
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.sampled_from(OPS), min_size=1, max_size=5), seed=st.integers(0, 2**16),
+       p=st.integers(0, T - 1), width=st.integers(1, 3), pick=st.integers(0, 10**6))
+def test_patches_of_a_few_rows_match_a_full_recompute(ops, seed, p, width, pick):
+    # A patch of rows [p, p + width) alone: the local nodes (no attention between the patch and them) keep
+    # only those rows and join their cached rows on when a reader needs them (a local reader that also
+    # reads an attention's rows [p, T), attention reading keys and values whole, an output).
+    torch.manual_seed(seed)
+    net = RandomNet(ops).eval()
+    x = torch.randn(2, T, 8)
+    rg = torch_ext.ReactiveGraph(net, (x,))
+    sources = [n for n in rg.nodes() if rg.seq_axis(n) >= 0 and rg.value(n).is_floating_point()]
+    src = sources[pick % len(sources)]
+    axis = rg.seq_axis(src)
+    value = rg.value(src).clone()
+    rows = value.narrow(axis, p, min(width, T - p))
+    rows.add_(torch.randn_like(rows))
+    fast = rg._engine.evaluate_patched_rows(src, value, [])
+    rg.patch(src, value)
+    full = rg.demand()
+    nan = torch.isnan(full)
+    assert torch.equal(torch.isnan(fast[0]), nan), (ops, src, p, width)
+    assert _rel(fast[0][~nan], full[~nan]) <= 1e-5 if (~nan).any() else True, (ops, src, p, width)
+    # Rows before p are the cached ones, bit for bit.
+    assert torch.equal(fast[0].narrow(1, 0, p), full.narrow(1, 0, p)), (ops, src, p, width)
+    rg.restore()
+    rg.check_invariants()
+
+
+def test_one_row_patch_through_local_and_attention_readers():
+    # The patched row p reaches x + y (a local add) both directly and through causal attention (rows
+    # [p, T)): the add must read the local branch's rows [p, T), its recomputed row p joined with cached ones.
+    torch.manual_seed(1)
+    net = RandomNet(["linear", "causal_sdpa", "gelu"]).eval()
+    x = torch.randn(2, T, 8)
+    rg = torch_ext.ReactiveGraph(net, (x,))
+    src = rg.nodes()[[rg.seq_axis(n) >= 0 for n in rg.nodes()].index(True)]
+    for p in range(T):
+        value = rg.value(src).clone()
+        value[:, p] += 1.0
+        fast = rg._engine.evaluate_patched_rows(src, value, [])[0].clone()
+        rg.patch(src, value)
+        full = rg.demand()
+        assert _rel(fast, full) <= 1e-6, p
+        assert torch.equal(fast[:, :p], full[:, :p]), p
+        rg.restore()
+    rg.check_invariants()
+
+
 def test_cli_sweep_no_positions(monkeypatch, capsys):
     import json
     from pathlib import Path
