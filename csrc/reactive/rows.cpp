@@ -428,6 +428,11 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
   // same bits.
   const PatchPlan& plan = plan_for(id);
   const auto& out_args = graph_->output()->args()[0].list;
+  // Kept for the whole-cone fallback below (one more reference, no copy).
+  const c10::IValue patched = value;
+  bool spreads_non_finite = false;
+  std::vector<c10::IValue> result;
+  {
   HeldCone held(*this, id, plan, std::move(value));  // the cone's cached values, put back at the end
   std::vector<int64_t> start(plan.order.size(), 0);
   std::vector<c10::IValue> joined(plan.order.size());  // a cone node's whole value, assembled once
@@ -502,6 +507,17 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
                                 " is read whole but was computed from row ", start[ri.pos]);
           if (joined[ri.pos].isNone()) {
             complete(ri.pos);
+            // Row i of a prefix reader (causal attention, a causal-weights matmul) multiplies the rows
+            // after i by zero weights. A full kernel turns 0 * NaN or 0 * inf into NaN in the rows before
+            // p, which the row path keeps cached: with a non-finite value in the changed rows, the cone runs
+            // whole instead, so the sweep gives what a full recompute gives.
+            if (ri.rel == passes::SeqRel::Prefix && values_[ri.slot].isTensor()) {
+              const at::Tensor& changed = values_[ri.slot].toTensor();
+              if (at::isFloatingType(changed.scalar_type()) && !changed.isfinite().all().item<bool>()) {
+                spreads_non_finite = true;
+                break;
+              }
+            }
             const c10::IValue& cached = held.cached(ri.pos);
             joined[ri.pos] = cached.isTensor() ? c10::IValue(assemble_rows(ri.slot, cached.toTensor(), values_[ri.slot].toTensor(),
                                                                           rp.steps[ri.pos].row_axis, p, p, {}, {}))
@@ -513,6 +529,10 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
         }
         swapped.emplace_back(ri.slot, std::move(values_[ri.slot]));
         values_[ri.slot] = std::move(repl);
+      }
+      if (spreads_non_finite) {
+        put_inputs_back();
+        break;
       }
       c10::IValue out;
       try {
@@ -577,6 +597,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
     }
     // Outputs computed on a suffix: cached rows [0, p), NaN for rows no declared read reaches, new rows.
     for (const ir::Arg& a : out_args) {
+      if (spreads_non_finite) break;
       if (a.kind != ir::Arg::Kind::Node) continue;
       const int64_t o = ids_.at(a.node);
       auto pos = rp.pos.find(o);
@@ -596,13 +617,18 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
         values_[o] = join_value(cached, suffix, rp.steps[i].row_axis, p, start[i]);
       }
     }
-    outs = runtime::output_values(out_args, [&](const ir::Node* n) -> const c10::IValue& { return values_[ids_.at(n)]; });
+    if (!spreads_non_finite)
+      outs = runtime::output_values(out_args, [&](const ir::Node* n) -> const c10::IValue& { return values_[ids_.at(n)]; });
   } catch (...) {
     put_inputs_back();
     throw;
   }
   put_inputs_back();
-  return outs;
+  result = std::move(outs);
+  }  // `held` puts the cone's cached values back
+  // The row path's evaluations so far stay in the ledger: they ran.
+  if (spreads_non_finite) return evaluate_cone_whole(id, patched);
+  return result;
 }
 
 }  // namespace torch_ext::reactive
