@@ -107,3 +107,108 @@ def change_message(changes: list, built: str) -> str:
     hint = ("" if key == "training" else
             f" (if forward never reads {key!r}, keep it under a name starting with '_', which is not checked)")
     return f"{describe(path, key)} is {now!r}{mode} now, {was!r} when {built}{more}{hint}"
+
+
+# ---- hooks
+
+_MODULE_HOOKS = (("_forward_pre_hooks", "register_forward_pre_hook"), ("_forward_hooks", "register_forward_hook"),
+                 ("_backward_pre_hooks", "register_full_backward_pre_hook"),
+                 ("_backward_hooks", "register_full_backward_hook"))
+_GLOBAL_HOOKS = (("_global_forward_pre_hooks", "register_module_forward_pre_hook"),
+                 ("_global_forward_hooks", "register_module_forward_hook"),
+                 ("_global_backward_pre_hooks", "register_module_full_backward_pre_hook"),
+                 ("_global_backward_hooks", "register_module_full_backward_hook"))
+_PARAM_HOOKS = (("_backward_hooks", "Tensor.register_hook"),
+                ("_post_accumulate_grad_hooks", "Tensor.register_post_accumulate_grad_hook"))
+_OPTIMIZER_HOOKS = (("_optimizer_step_pre_hooks", "register_step_pre_hook"),
+                    ("_optimizer_step_post_hooks", "register_step_post_hook"))
+_GLOBAL_OPTIMIZER_HOOKS = (("_global_optimizer_pre_hooks", "register_optimizer_step_pre_hook"),
+                           ("_global_optimizer_post_hooks", "register_optimizer_step_post_hook"))
+
+
+def _hook_dicts(model: torch.nn.Module, gradients: bool, optimizers) -> list:
+    """(where, how it is registered, the hook dict) for every hook dict that changes what ``model``
+    computes: its modules' and torch's global forward (pre-)hooks; with ``gradients`` also the backward
+    ones and its parameters' gradient hooks; the ``optimizers``' step hooks and torch's global ones."""
+    from torch.nn.modules import module as module_mod
+    from torch.optim import optimizer as optim_mod
+
+    out = []
+    for name, m in model.named_modules():
+        where = f"module '{name}' ({type(m).__name__})" if name else f"the model ({type(m).__name__})"
+        for attr, how in _MODULE_HOOKS[:4 if gradients else 2]:
+            d = m.__dict__.get(attr)
+            if d is not None:
+                out.append((where, how, d))
+    for attr, how in _GLOBAL_HOOKS[:4 if gradients else 2]:
+        d = getattr(module_mod, attr, None)
+        if d is not None:
+            out.append(("every module", how, d))
+    if gradients:
+        for name, p in model.named_parameters():
+            for attr, how in _PARAM_HOOKS:
+                d = getattr(p, attr, None)
+                if d is not None:
+                    out.append((f"parameter '{name}'", how, d))
+    for opt in optimizers:
+        for attr, how in _OPTIMIZER_HOOKS:
+            d = getattr(opt, attr, None)
+            if d is not None:
+                out.append((f"optimizer {type(opt).__name__}", how, d))
+    if optimizers:
+        for attr, how in _GLOBAL_OPTIMIZER_HOOKS:
+            d = getattr(optim_mod, attr, None)
+            if d is not None:
+                out.append(("every optimizer", how, d))
+    return out
+
+
+def _hook_set(dicts: list) -> set:
+    return {(where, how, key) for where, how, d in dicts for key in list(d)}
+
+
+def _next_hook_id() -> int:
+    return torch.utils.hooks.RemovableHandle.next_id
+
+
+class Hooks:
+    """The hooks on a model (and its optimizers) when a program was traced from it, checked on every call.
+
+    A program does not run hooks: forward hooks present at the trace are in it, and gradient and step
+    hooks are refused at build. A hook registered after the build would run in eager code and not in
+    the program, and one removed after it would still act in the program. Every hook torch registers
+    takes its key from the global counter ``RemovableHandle.next_id``, so the common case costs one
+    comparison: no hook was registered anywhere since the last check, and the (rare) dicts that held
+    hooks at build still hold as many. Otherwise the hook dicts are listed again and compared."""
+
+    def __init__(self, model: torch.nn.Module, *, gradients: bool = False, optimizers=()):
+        self.model, self.gradients, self.optimizers = model, gradients, tuple(optimizers)
+        dicts = _hook_dicts(model, gradients, self.optimizers)
+        self.built = _hook_set(dicts)
+        self.nonempty = [(d, len(d)) for _, _, d in dicts if d]
+        self.seen = _next_hook_id()
+
+    def changed(self) -> tuple[list, list]:
+        """(added, removed): (where, how) of the hooks registered or removed since the build."""
+        if _next_hook_id() == self.seen and all(len(d) == n for d, n in self.nonempty):
+            return [], []
+        now = _hook_set(_hook_dicts(self.model, self.gradients, self.optimizers))
+        added, removed = sorted(now - self.built), sorted(self.built - now)
+        if not added and not removed:
+            self.seen = _next_hook_id()  # hooks registered elsewhere (another model): fast path again
+        return [(w, h) for w, h, _ in added], [(w, h) for w, h, _ in removed]
+
+    def message(self, built: str) -> str | None:
+        """A sentence naming the first added or removed hook, or None when the hooks are as at the build."""
+        added, removed = self.changed()
+        if not added and not removed:
+            return None
+        n = len(added) + len(removed)
+        more = f" (and {n - 1} more hook changes)" if n > 1 else ""
+        if added:
+            where, how = added[0]
+            return (f"{where} has a hook registered ({how}) after {built}{more}; eager code would run it, the "
+                    "program (traced before it existed) never does")
+        where, how = removed[0]
+        return (f"a hook on {where} ({how}) was removed after {built}{more}; the program traced it and still "
+                "applies it, eager code no longer does")

@@ -394,6 +394,7 @@ class ReactiveGraph:
         if self._module is not None:
             changed = _module_state.traced_changes(self._module, self._attributes)
             self._attributes = _module_state.attributes(self._module)  # what the graph was traced with
+            self._hook_snapshot = _module_state.Hooks(self._module)  # forward hooks the graph holds
         if changed:  # forward changed Python state while being traced: the graph holds one value of it
             raise TypeError("ReactiveGraph: forward changes module attributes the graph would hold fixed: "
                             + ", ".join(f"{_module_state.describe(p, k)} {a!r} -> {b!r}" for p, k, a, b in changed[:4])
@@ -538,6 +539,7 @@ class ReactiveGraph:
             raise ValueError("run: the model's weights changed since this ReactiveGraph was built, and it computes "
                              "with a copy of them (TransformerLens models are exported from a copy); build a new "
                              "ReactiveGraph (torch_ext.patching does so by itself)")
+        self._refuse_changed_hooks("run")
         changed = _module_state.changed(getattr(self, "_attributes", ()))
         if changed:
             raise ValueError(f"run: {_module_state.change_message(changed, 'this ReactiveGraph was built')}; the graph "
@@ -550,6 +552,14 @@ class ReactiveGraph:
         self._engine.run(self._flat_inputs(args, kwargs))
         self._last_inputs = (args, kwargs)
         return self.demand()
+
+    def _refuse_changed_hooks(self, where: str) -> None:
+        """A forward hook registered on the module after the build would run in eager calls, never in the
+        graph (and one removed would still act in it): refused, as a changed attribute is."""
+        snapshot = getattr(self, "_hook_snapshot", None)
+        change = snapshot.message("this ReactiveGraph was built") if snapshot is not None else None
+        if change:
+            raise ValueError(f"{where}: {change}; build a new ReactiveGraph after changing hooks, or change them back")
 
     def demand(self, reads=None):
         """The outputs, recomputing only stale nodes.
@@ -564,6 +574,7 @@ class ReactiveGraph:
         nothing is cached: the patch's cone stays stale, so a later plain ``demand()`` recomputes
         it. Otherwise this is a plain demand.
         """
+        self._refuse_changed_hooks("demand")
         eng = self._engine
         if reads is not None and self._positions and not getattr(self, "_sweeping", False) \
                 and not eng.in_transaction() and len(eng.pinned()) == 1:

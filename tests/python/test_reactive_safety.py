@@ -608,3 +608,50 @@ def test_run_refuses_module_attributes_changed_after_build(change):
     model.tau = 1.0  # changed back: the graph is right again
     assert torch.equal(rg.run(x), model(x))
 
+
+
+@pytest.mark.parametrize("kind", ["forward_hook", "forward_pre_hook", "global_forward_hook", "removed"])
+def test_run_and_demand_refuse_forward_hooks_changed_after_build(kind):
+    # Before: a forward hook registered after the build was silently ignored by run() (and a traced one
+    # removed later still acted in the graph), while eager calls followed the change.
+    from torch.nn.modules import module as module_mod
+
+    model = _Tempered().eval()
+    x = torch.randn(2, 3, 8)
+    traced = model.fc.register_forward_hook(lambda m, a, out: out * 3) if kind == "removed" else None
+    rg = torch_ext.ReactiveGraph(model, (x,), cache=False)
+    clean = rg.run(x).clone()
+    if kind == "forward_hook":
+        handle = model.fc.register_forward_hook(lambda m, a, out: out * 2)
+        message = r"module 'fc' \(Linear\) has a hook registered \(register_forward_hook\) after this ReactiveGraph"
+    elif kind == "forward_pre_hook":
+        handle = model.fc.register_forward_pre_hook(lambda m, a: (a[0] + 1,))
+        message = r"module 'fc' \(Linear\) has a hook registered \(register_forward_pre_hook\)"
+    elif kind == "global_forward_hook":
+        handle = module_mod.register_module_forward_hook(
+            lambda m, a, out: out * 2 if isinstance(m, nn.Linear) else None)
+        message = r"every module has a hook registered \(register_module_forward_hook\)"
+    else:
+        traced.remove()
+        handle = None
+        message = r"a hook on module 'fc' \(Linear\) \(register_forward_hook\) was removed after this ReactiveGraph"
+    try:
+        with torch.no_grad():
+            assert not torch.equal(model(x), clean)  # eager follows the change
+        with pytest.raises(ValueError, match="run: " + message):
+            rg.run(x)
+        with pytest.raises(ValueError, match="demand: " + message):
+            rg.demand()
+    finally:
+        if handle is not None:
+            handle.remove()
+    if kind == "removed":
+        model.fc.register_forward_hook(lambda m, a, out: out * 3)  # an equal hook again: still refused (a new one)
+        with pytest.raises(ValueError, match=r"has a hook registered"):
+            rg.run(x)
+        return
+    assert torch.equal(rg.run(x), clean)  # changed back: the graph is right again
+    other = nn.Linear(2, 2)
+    other.register_forward_hook(lambda m, a, out: out)  # hooks on another module are not this graph's
+    assert torch.equal(rg.run(x), clean)
+
