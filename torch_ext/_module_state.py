@@ -8,6 +8,7 @@ values the model no longer has.
 """
 from __future__ import annotations
 
+import copy
 import operator
 
 import torch
@@ -17,13 +18,24 @@ _SCALARS = (bool, int, float, complex, str, type(None))
 _MISSING = object()
 
 
-def _scalars_only(v) -> bool:
-    return isinstance(v, (list, tuple)) and all(isinstance(e, _SCALARS) for e in v)
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+
+
+def _plain(v, depth: int = 0) -> bool:
+    """Scalars, and lists, tuples, dicts and sets of plain values (nested up to 8 deep): what is
+    compared by value. A dict of options (``{"scale": 0.5}``) is read by forward like a scalar."""
+    if isinstance(v, _SCALARS):
+        return True
+    if not isinstance(v, _CONTAINERS) or depth >= 8:
+        return False
+    if isinstance(v, dict):
+        return all(_plain(k, depth + 1) and _plain(e, depth + 1) for k, e in v.items())
+    return all(_plain(e, depth + 1) for e in v)
 
 
 def attributes(model: torch.nn.Module) -> tuple:
-    """A snapshot of what every module holds as plain attributes, as it stands: scalars and lists or
-    tuples of scalars by value, tensors (neither parameters nor buffers: the trace bakes them in as
+    """A snapshot of what every module holds as plain attributes, as it stands: scalars and (nested)
+    lists, tuples, dicts and sets of them by value, tensors (neither parameters nor buffers: the trace bakes them in as
     constants) by identity. ``(paths, dicts, keys, values, tensor paths, dicts, keys, tensors)``."""
     paths, dicts, keys, values = [], [], [], []
     tpaths, tdicts, tkeys, tensors = [], [], [], []
@@ -32,11 +44,11 @@ def attributes(model: torch.nn.Module) -> tuple:
         for k, v in d.items():
             if k != "training" and k.startswith("_"):
                 continue
-            if isinstance(v, _SCALARS) or _scalars_only(v):
+            if isinstance(v, _SCALARS) or _plain(v):
                 paths.append(path)
                 dicts.append(d)
                 keys.append(k)
-                values.append(list(v) if isinstance(v, list) else v)  # a copy: the list may be edited
+                values.append(v if isinstance(v, _SCALARS) else copy.deepcopy(v))  # a copy: it may be edited
             elif isinstance(v, torch.Tensor):
                 tpaths.append(path)
                 tdicts.append(d)

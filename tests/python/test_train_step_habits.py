@@ -339,10 +339,10 @@ class _Tempered(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.body, self.bn, self.drop, self.head = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.0), nn.Linear(8, 4)
-        self.tau, self.shift, self.weights = 1.0, torch.tensor(0.0), [1.0]
+        self.tau, self.shift, self.weights, self.opts = 1.0, torch.tensor(0.0), [1.0], {"scale": 1.0}
 
     def forward(self, x):
-        h = torch.softmax(self.bn(self.body(x)) / self.tau, -1) * self.weights[0] + self.shift
+        h = torch.softmax(self.bn(self.body(x)) / self.tau, -1) * self.weights[0] * self.opts["scale"] + self.shift
         return self.head(self.drop(h))
 
 
@@ -355,6 +355,8 @@ _CHANGES = {
                         r"model.shift was replaced by a tensor of shape \(\) \(0.5\) \(when the step was built: a "
                         r"tensor of shape \(\) \(0\)\)"),
     "list_edited": (lambda m: m.weights.__setitem__(0, 2.0), r"model.weights is \[2.0\] now, \[1.0\] when"),
+    "dict_edited": (lambda m: m.opts.__setitem__("scale", 2.0),
+                    r"model.opts is \{'scale': 2.0\} now, \{'scale': 1.0\} when"),
 }
 
 
@@ -383,6 +385,7 @@ def test_module_attribute_changed_after_build_is_refused_not_ignored(change):
         step.compile(plan=False)(state, *batches[1])
     model.train()  # changed back: accepted again, same answer as before
     model.tau, model.drop.p, model.weights[0], model.shift = 1.0, 0.0, 1.0, traced_shift
+    model.opts["scale"] = 1.0
     again, _ = step(state, *batches[1])
     assert torch.equal(again, unchanged)
 
