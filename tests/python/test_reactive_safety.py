@@ -655,3 +655,38 @@ def test_run_and_demand_refuse_forward_hooks_changed_after_build(kind):
     other.register_forward_hook(lambda m, a, out: out)  # hooks on another module are not this graph's
     assert torch.equal(rg.run(x), clean)
 
+
+@pytest.mark.parametrize("demanded", [False, True])
+def test_patch_function_below_a_standing_patch_gets_the_baseline_in_either_order(demanded):
+    # "f receives the node's baseline value (no patch active)". Before: with a patch upstream not yet
+    # demanded, patch(node, f) raised "baseline of %relu_2 is not cached while patches are active",
+    # though the node still held its baseline; the other order (or a demand in between) worked.
+    x = torch.randn(2, 3, 8)
+    model = _ReluChain().eval()
+    rg = torch_ext.ReactiveGraph(model, (x,), cache=False)
+    clean = rg.value("relu_2").clone()
+    seen = []
+
+    def half(v):
+        seen.append(v.clone())
+        return v * 0.5
+
+    rg.patch("relu", lambda v: v * 0)
+    if demanded:
+        rg.demand()
+    rg.patch("relu_2", half)
+    assert torch.equal(seen[-1], clean)
+    assert torch.equal(rg.baseline("relu_2"), clean)
+    upstream_first = rg.demand().clone()
+    rg.restore()
+    rg.patch("relu_2", half)
+    rg.patch("relu", lambda v: v * 0)
+    assert torch.equal(seen[-1], clean)
+    assert torch.equal(rg.demand(), upstream_first)
+    rg.check_invariants()
+    # Eager reference: relu_2 (the third block's output) pinned to half its clean value.
+    with torch.no_grad():
+        ref = torch.relu(model.fc[3](clean * 0.5))
+    assert torch.equal(upstream_first, ref)
+    rg.restore()
+    assert torch.equal(rg.value("relu_2"), clean)
