@@ -35,8 +35,9 @@ def _plain(v, depth: int = 0) -> bool:
 
 def attributes(model: torch.nn.Module) -> tuple:
     """A snapshot of what every module holds as plain attributes, as it stands: scalars and (nested)
-    lists, tuples, dicts and sets of them by value, tensors (neither parameters nor buffers: the trace bakes them in as
-    constants) by identity. ``(paths, dicts, keys, values, tensor paths, dicts, keys, tensors)``."""
+    lists, tuples, dicts and sets of them by value; by identity, tensors (neither parameters nor buffers:
+    the trace bakes them in as constants), functions and other callables held by the instance (a
+    ``forward`` replaced on it, an activation function) and submodules. ``(paths, dicts, keys, values, tensor paths, dicts, keys, tensors)``."""
     paths, dicts, keys, values = [], [], [], []
     tpaths, tdicts, tkeys, tensors = [], [], [], []
     for path, mod in model.named_modules():
@@ -49,9 +50,23 @@ def attributes(model: torch.nn.Module) -> tuple:
                 dicts.append(d)
                 keys.append(k)
                 values.append(v if isinstance(v, _SCALARS) else copy.deepcopy(v))  # a copy: it may be edited
-            elif isinstance(v, torch.Tensor):
+            elif isinstance(v, torch.Tensor) or (callable(v) and not isinstance(v, type)):
                 tpaths.append(path)
                 tdicts.append(d)
+                tkeys.append(k)
+                tensors.append(v)
+        if "forward" not in d:  # a forward set on the instance after the build shadows the one traced
+            tpaths.append(path)
+            tdicts.append(d)
+            tkeys.append("forward")
+            tensors.append(None)
+        # Submodules by identity: one replaced after the build (model.act = nn.Tanh()) is code the
+        # program never ran; parameters and buffers are not here (they ride in the state).
+        sub = d.get("_modules")
+        if sub:
+            for k, v in sub.items():
+                tpaths.append(path)
+                tdicts.append(sub)
                 tkeys.append(k)
                 tensors.append(v)
     return paths, dicts, keys, values, tpaths, tdicts, tkeys, tensors
@@ -64,7 +79,7 @@ def changed(snapshot: tuple) -> list[tuple[str, str, object, object]]:
     paths, dicts, keys, values, tpaths, tdicts, tkeys, tensors = snapshot
     try:  # the common case: two loops in C
         if list(map(operator.getitem, dicts, keys)) == values and all(
-                map(operator.is_, map(operator.getitem, tdicts, tkeys), tensors)):
+                map(operator.is_, map(dict.get, tdicts, tkeys), tensors)):
             return []
     except KeyError:  # an attribute was deleted: the slow path names it
         pass
@@ -74,7 +89,7 @@ def changed(snapshot: tuple) -> list[tuple[str, str, object, object]]:
         if now is not was and not (type(now) is type(was) and now == was):
             out.append((path, k, was, now))
     for path, d, k, was in zip(tpaths, tdicts, tkeys, tensors):
-        now = d.get(k, _MISSING)
+        now = d.get(k)  # None: deleted (or, for an instance forward, still absent)
         if now is not was:
             out.append((path, k, _Short(was), _Short(now)))
     return out
@@ -87,8 +102,13 @@ class _Short:
         self.t = t
 
     def __repr__(self) -> str:
+        if isinstance(self.t, torch.nn.Module):
+            return f"a {type(self.t).__name__} module"
         if not isinstance(self.t, torch.Tensor):
-            return "(deleted)" if self.t is _MISSING else repr(self.t)
+            if self.t is None or self.t is _MISSING:
+                return "(none)"
+            text = repr(self.t)
+            return text if len(text) <= 80 else text[:77] + "..."
         flat = self.t.detach().reshape(-1)[:4].tolist()
         return f"a tensor of shape {tuple(self.t.shape)} ({', '.join(f'{v:.4g}' for v in flat)}{', ...' if self.t.numel() > 4 else ''})"
 

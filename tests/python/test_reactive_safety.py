@@ -690,3 +690,26 @@ def test_patch_function_below_a_standing_patch_gets_the_baseline_in_either_order
     assert torch.equal(upstream_first, ref)
     rg.restore()
     assert torch.equal(rg.value("relu_2"), clean)
+
+
+@pytest.mark.parametrize("change", ["submodule", "forward"])
+def test_run_refuses_a_submodule_or_forward_replaced_after_build(change):
+    # Before: run() kept computing with the traced submodule / forward while eager used the new one.
+    model = _Tempered().eval()
+    x = torch.randn(2, 3, 8)
+    rg = torch_ext.ReactiveGraph(model, (x,), cache=False)
+    clean = rg.run(x).clone()
+    traced = model.fc
+    if change == "submodule":
+        model.fc = nn.Linear(8, 8)
+        message = r"run: model.fc was replaced by a Linear module \(when this ReactiveGraph was built: a Linear module\)"
+    else:
+        model.forward = lambda x: torch.softmax(model.fc(x) * 2, -1)
+        message = r"run: model.forward was replaced by <function"
+    with torch.no_grad():
+        assert not torch.equal(model(x), clean)  # eager follows the change
+    with pytest.raises(ValueError, match=message):
+        rg.run(x)
+    model.fc = traced
+    model.__dict__.pop("forward", None)
+    assert torch.equal(rg.run(x), clean)

@@ -355,6 +355,10 @@ _CHANGES = {
                         r"model.shift was replaced by a tensor of shape \(\) \(0.5\) \(when the step was built: a "
                         r"tensor of shape \(\) \(0\)\)"),
     "list_edited": (lambda m: m.weights.__setitem__(0, 2.0), r"model.weights is \[2.0\] now, \[1.0\] when"),
+    "submodule_replaced": (lambda m: setattr(m, "drop", nn.Tanh()),
+                           r"model.drop was replaced by a Tanh module \(when the step was built: a Dropout module\)"),
+    "forward_replaced": (lambda m: setattr(m.head, "forward", lambda h: F.linear(h, m.head.weight)),
+                         r"model.head.forward was replaced by <function"),
     "dict_edited": (lambda m: m.opts.__setitem__("scale", 2.0),
                     r"model.opts is \{'scale': 2.0\} now, \{'scale': 1.0\} when"),
 }
@@ -374,7 +378,7 @@ def test_module_attribute_changed_after_build_is_refused_not_ignored(change):
 
     model = _Tempered()
     step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), _mse, _XY)
-    traced_shift = model.shift
+    traced_shift, traced_drop = model.shift, model.drop
     loss, state = step(step.init_state(), *batches[0])
     unchanged, _ = step(state, *batches[1])
     assert not torch.equal(unchanged, ref_loss)  # the baked-in value would have given another loss
@@ -386,6 +390,8 @@ def test_module_attribute_changed_after_build_is_refused_not_ignored(change):
     model.train()  # changed back: accepted again, same answer as before
     model.tau, model.drop.p, model.weights[0], model.shift = 1.0, 0.0, 1.0, traced_shift
     model.opts["scale"] = 1.0
+    model.drop = traced_drop
+    model.head.__dict__.pop("forward", None)
     again, _ = step(state, *batches[1])
     assert torch.equal(again, unchanged)
 
