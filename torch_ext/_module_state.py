@@ -171,32 +171,43 @@ def _hook_dicts(model: torch.nn.Module, gradients: bool, optimizers) -> list:
         for attr, how in _MODULE_HOOKS[:4 if gradients else 2]:
             d = m.__dict__.get(attr)
             if d is not None:
-                out.append((where, how, d))
+                out.append((where, how, d, m))
     for attr, how in _GLOBAL_HOOKS[:4 if gradients else 2]:
         d = getattr(module_mod, attr, None)
         if d is not None:
-            out.append(("every module", how, d))
+            out.append(("every module", how, d, None))
     if gradients:
         for name, p in model.named_parameters():
             for attr, how in _PARAM_HOOKS:
                 d = getattr(p, attr, None)
                 if d is not None:
-                    out.append((f"parameter '{name}'", how, d))
+                    out.append((f"parameter '{name}'", how, d, None))
     for opt in optimizers:
         for attr, how in _OPTIMIZER_HOOKS:
             d = getattr(opt, attr, None)
             if d is not None:
-                out.append((f"optimizer {type(opt).__name__}", how, d))
+                out.append((f"optimizer {type(opt).__name__}", how, d, None))
     if optimizers:
         for attr, how in _GLOBAL_OPTIMIZER_HOOKS:
             d = getattr(optim_mod, attr, None)
             if d is not None:
-                out.append(("every optimizer", how, d))
+                out.append(("every optimizer", how, d, None))
     return out
 
 
+def _library_wiring(fn, owner) -> bool:
+    """A hook TransformerLens's TransformerBridge installs on its own submodules at its first eager call
+    (BlockBridge._maybe_wire_capture_hooks: it captures the pre-LN residual for the attention and routes
+    the MLP input through hook_mlp_in, a HookPoint whose own hooks are checked). Hooks on HookPoints,
+    where TransformerLens registers the user's hooks (through its own wrapper), are never this."""
+    module = getattr(fn, "__module__", None) or ""
+    return (module.startswith("transformer_lens.") and owner is not None
+            and not any(c.__name__ == "HookPoint" for c in type(owner).__mro__))
+
+
 def _hook_set(dicts: list) -> set:
-    return {(where, how, key) for where, how, d in dicts for key in list(d)}
+    return {(where, how, key) for where, how, d, owner in dicts for key, fn in list(d.items())
+            if not _library_wiring(fn, owner)}
 
 
 def _next_hook_id() -> int:
@@ -217,7 +228,7 @@ class Hooks:
         self.model, self.gradients, self.optimizers = model, gradients, tuple(optimizers)
         dicts = _hook_dicts(model, gradients, self.optimizers)
         self.built = _hook_set(dicts)
-        self.nonempty = [(d, len(d)) for _, _, d in dicts if d]
+        self.nonempty = [(d, len(d)) for _, _, d, _ in dicts if d]
         self.seen = _next_hook_id()
 
     def changed(self) -> tuple[list, list]:
@@ -226,8 +237,9 @@ class Hooks:
             return [], []
         now = _hook_set(_hook_dicts(self.model, self.gradients, self.optimizers))
         added, removed = sorted(now - self.built), sorted(self.built - now)
-        if not added and not removed:
-            self.seen = _next_hook_id()  # hooks registered elsewhere (another model): fast path again
+        if not added and not removed:  # hooks registered elsewhere (another model, library wiring): fast path again
+            self.seen = _next_hook_id()
+            self.nonempty = [(d, len(d)) for d, _ in self.nonempty]
         return [(w, h) for w, h, _ in added], [(w, h) for w, h, _ in removed]
 
     def message(self, built: str) -> str | None:
