@@ -37,7 +37,8 @@ def attributes(model: torch.nn.Module) -> tuple:
     """A snapshot of what every module holds as plain attributes, as it stands: scalars and (nested)
     lists, tuples, dicts and sets of them by value; by identity, tensors (neither parameters nor buffers:
     the trace bakes them in as constants), functions and other callables held by the instance (a
-    ``forward`` replaced on it, an activation function) and submodules. ``(paths, dicts, keys, values, tensor paths, dicts, keys, tensors)``."""
+    ``forward`` replaced on it, an activation function), submodules, and the parameter and buffer
+    objects (not their values). ``(paths, dicts, keys, values, tensor paths, dicts, keys, tensors)``."""
     paths, dicts, keys, values = [], [], [], []
     tpaths, tdicts, tkeys, tensors = [], [], [], []
     for path, mod in model.named_modules():
@@ -60,15 +61,18 @@ def attributes(model: torch.nn.Module) -> tuple:
             tdicts.append(d)
             tkeys.append("forward")
             tensors.append(None)
-        # Submodules by identity: one replaced after the build (model.act = nn.Tanh()) is code the
-        # program never ran; parameters and buffers are not here (they ride in the state).
-        sub = d.get("_modules")
-        if sub:
-            for k, v in sub.items():
-                tpaths.append(path)
-                tdicts.append(sub)
-                tkeys.append(k)
-                tensors.append(v)
+        # Submodules, parameters and buffers by identity: a submodule replaced after the build
+        # (model.act = nn.Tanh()) is code the program never ran; a parameter or buffer replaced by a
+        # new tensor (m.weight = nn.Parameter(w)) is not the one a ReactiveGraph reads or a step's
+        # write_back writes (values changed in place are read as they are).
+        for table in ("_modules", "_parameters", "_buffers"):
+            sub = d.get(table)
+            if sub:
+                for k, v in sub.items():
+                    tpaths.append(path)
+                    tdicts.append(sub)
+                    tkeys.append(k)
+                    tensors.append(v)
     return paths, dicts, keys, values, tpaths, tdicts, tkeys, tensors
 
 

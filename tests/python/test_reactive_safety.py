@@ -692,9 +692,10 @@ def test_patch_function_below_a_standing_patch_gets_the_baseline_in_either_order
     assert torch.equal(rg.value("relu_2"), clean)
 
 
-@pytest.mark.parametrize("change", ["submodule", "forward"])
+@pytest.mark.parametrize("change", ["submodule", "forward", "parameter"])
 def test_run_refuses_a_submodule_or_forward_replaced_after_build(change):
-    # Before: run() kept computing with the traced submodule / forward while eager used the new one.
+    # Before: run() kept computing with the traced submodule / forward / the parameter object it was
+    # built with, while eager used the new one.
     model = _Tempered().eval()
     x = torch.randn(2, 3, 8)
     rg = torch_ext.ReactiveGraph(model, (x,), cache=False)
@@ -703,13 +704,19 @@ def test_run_refuses_a_submodule_or_forward_replaced_after_build(change):
     if change == "submodule":
         model.fc = nn.Linear(8, 8)
         message = r"run: model.fc was replaced by a Linear module \(when this ReactiveGraph was built: a Linear module\)"
-    else:
+    elif change == "forward":
         model.forward = lambda x: torch.softmax(model.fc(x) * 2, -1)
         message = r"run: model.forward was replaced by <function"
+    else:
+        traced_weight = model.fc.weight
+        model.fc.weight = nn.Parameter(traced_weight.detach() * 2)
+        message = r"run: model.fc.weight was replaced by a tensor of shape \(8, 8\)"
     with torch.no_grad():
         assert not torch.equal(model(x), clean)  # eager follows the change
     with pytest.raises(ValueError, match=message):
         rg.run(x)
     model.fc = traced
     model.__dict__.pop("forward", None)
+    if change == "parameter":
+        model.fc.weight = traced_weight
     assert torch.equal(rg.run(x), clean)
