@@ -9,6 +9,7 @@ values the model no longer has.
 from __future__ import annotations
 
 import copy
+import itertools
 import operator
 
 import torch
@@ -38,9 +39,11 @@ def attributes(model: torch.nn.Module) -> tuple:
     lists, tuples, dicts and sets of them by value; by identity, tensors (neither parameters nor buffers:
     the trace bakes them in as constants), functions and other callables held by the instance (a
     ``forward`` replaced on it, an activation function), submodules, and the parameter and buffer
-    objects (not their values). ``(paths, dicts, keys, values, tensor paths, dicts, keys, tensors)``."""
+    objects (not their values). ``(paths, dicts, keys, values, identity paths, dicts, keys, objects,
+    paths and dicts of the modules without an instance forward)``."""
     paths, dicts, keys, values = [], [], [], []
     tpaths, tdicts, tkeys, tensors = [], [], [], []
+    fpaths, fdicts = [], []
     for path, mod in model.named_modules():
         d = mod.__dict__
         for k, v in d.items():
@@ -57,10 +60,8 @@ def attributes(model: torch.nn.Module) -> tuple:
                 tkeys.append(k)
                 tensors.append(v)
         if "forward" not in d:  # a forward set on the instance after the build shadows the one traced
-            tpaths.append(path)
-            tdicts.append(d)
-            tkeys.append("forward")
-            tensors.append(None)
+            fpaths.append(path)
+            fdicts.append(d)
         # Submodules, parameters and buffers by identity: a submodule replaced after the build
         # (model.act = nn.Tanh()) is code the program never ran; a parameter or buffer replaced by a
         # new tensor (m.weight = nn.Parameter(w)) is not the one a ReactiveGraph reads or a step's
@@ -73,17 +74,18 @@ def attributes(model: torch.nn.Module) -> tuple:
                     tdicts.append(sub)
                     tkeys.append(k)
                     tensors.append(v)
-    return paths, dicts, keys, values, tpaths, tdicts, tkeys, tensors
+    return paths, dicts, keys, values, tpaths, tdicts, tkeys, tensors, fpaths, fdicts
 
 
 def changed(snapshot: tuple) -> list[tuple[str, str, object, object]]:
     """(module path, attribute, value in the snapshot, value now) for every attribute that changed."""
     if not snapshot:
         return []
-    paths, dicts, keys, values, tpaths, tdicts, tkeys, tensors = snapshot
+    paths, dicts, keys, values, tpaths, tdicts, tkeys, tensors, fpaths, fdicts = snapshot
     try:  # the common case: two loops in C
         if list(map(operator.getitem, dicts, keys)) == values and all(
-                map(operator.is_, map(dict.get, tdicts, tkeys), tensors)):
+                map(operator.is_, map(operator.getitem, tdicts, tkeys), tensors)) and not any(
+                map(operator.contains, fdicts, itertools.repeat("forward", len(fdicts)))):
             return []
     except KeyError:  # an attribute was deleted: the slow path names it
         pass
@@ -93,9 +95,12 @@ def changed(snapshot: tuple) -> list[tuple[str, str, object, object]]:
         if now is not was and not (type(now) is type(was) and now == was):
             out.append((path, k, was, now))
     for path, d, k, was in zip(tpaths, tdicts, tkeys, tensors):
-        now = d.get(k)  # None: deleted (or, for an instance forward, still absent)
+        now = d.get(k)  # None: deleted
         if now is not was:
             out.append((path, k, _Short(was), _Short(now)))
+    for path, d in zip(fpaths, fdicts):
+        if "forward" in d:
+            out.append((path, "forward", _Short(None), _Short(d["forward"])))
     return out
 
 
