@@ -8,6 +8,8 @@ values the model no longer has.
 """
 from __future__ import annotations
 
+import copy
+import itertools
 import operator
 
 import torch
@@ -17,42 +19,73 @@ _SCALARS = (bool, int, float, complex, str, type(None))
 _MISSING = object()
 
 
-def _scalars_only(v) -> bool:
-    return isinstance(v, (list, tuple)) and all(isinstance(e, _SCALARS) for e in v)
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+
+
+def _plain(v, depth: int = 0) -> bool:
+    """Scalars, and lists, tuples, dicts and sets of plain values (nested up to 8 deep): what is
+    compared by value. A dict of options (``{"scale": 0.5}``) is read by forward like a scalar."""
+    if isinstance(v, _SCALARS):
+        return True
+    if not isinstance(v, _CONTAINERS) or depth >= 8:
+        return False
+    if isinstance(v, dict):
+        return all(_plain(k, depth + 1) and _plain(e, depth + 1) for k, e in v.items())
+    return all(_plain(e, depth + 1) for e in v)
 
 
 def attributes(model: torch.nn.Module) -> tuple:
-    """A snapshot of what every module holds as plain attributes, as it stands: scalars and lists or
-    tuples of scalars by value, tensors (neither parameters nor buffers: the trace bakes them in as
-    constants) by identity. ``(paths, dicts, keys, values, tensor paths, dicts, keys, tensors)``."""
+    """A snapshot of what every module holds as plain attributes, as it stands: scalars and (nested)
+    lists, tuples, dicts and sets of them by value; by identity, tensors (neither parameters nor buffers:
+    the trace bakes them in as constants), functions and other callables held by the instance (a
+    ``forward`` replaced on it, an activation function), submodules, and the parameter and buffer
+    objects (not their values). ``(paths, dicts, keys, values, identity paths, dicts, keys, objects,
+    paths and dicts of the modules without an instance forward)``."""
     paths, dicts, keys, values = [], [], [], []
     tpaths, tdicts, tkeys, tensors = [], [], [], []
+    fpaths, fdicts = [], []
     for path, mod in model.named_modules():
         d = mod.__dict__
         for k, v in d.items():
             if k != "training" and k.startswith("_"):
                 continue
-            if isinstance(v, _SCALARS) or _scalars_only(v):
+            if isinstance(v, _SCALARS) or _plain(v):
                 paths.append(path)
                 dicts.append(d)
                 keys.append(k)
-                values.append(list(v) if isinstance(v, list) else v)  # a copy: the list may be edited
-            elif isinstance(v, torch.Tensor):
+                values.append(v if isinstance(v, _SCALARS) else copy.deepcopy(v))  # a copy: it may be edited
+            elif isinstance(v, torch.Tensor) or (callable(v) and not isinstance(v, type)):
                 tpaths.append(path)
                 tdicts.append(d)
                 tkeys.append(k)
                 tensors.append(v)
-    return paths, dicts, keys, values, tpaths, tdicts, tkeys, tensors
+        if "forward" not in d:  # a forward set on the instance after the build shadows the one traced
+            fpaths.append(path)
+            fdicts.append(d)
+        # Submodules, parameters and buffers by identity: a submodule replaced after the build
+        # (model.act = nn.Tanh()) is code the program never ran; a parameter or buffer replaced by a
+        # new tensor (m.weight = nn.Parameter(w)) is not the one a ReactiveGraph reads or a step's
+        # write_back writes (values changed in place are read as they are).
+        for table in ("_modules", "_parameters", "_buffers"):
+            sub = d.get(table)
+            if sub:
+                for k, v in sub.items():
+                    tpaths.append(path)
+                    tdicts.append(sub)
+                    tkeys.append(k)
+                    tensors.append(v)
+    return paths, dicts, keys, values, tpaths, tdicts, tkeys, tensors, fpaths, fdicts
 
 
 def changed(snapshot: tuple) -> list[tuple[str, str, object, object]]:
     """(module path, attribute, value in the snapshot, value now) for every attribute that changed."""
     if not snapshot:
         return []
-    paths, dicts, keys, values, tpaths, tdicts, tkeys, tensors = snapshot
+    paths, dicts, keys, values, tpaths, tdicts, tkeys, tensors, fpaths, fdicts = snapshot
     try:  # the common case: two loops in C
         if list(map(operator.getitem, dicts, keys)) == values and all(
-                map(operator.is_, map(operator.getitem, tdicts, tkeys), tensors)):
+                map(operator.is_, map(operator.getitem, tdicts, tkeys), tensors)) and not any(
+                map(operator.contains, fdicts, itertools.repeat("forward", len(fdicts)))):
             return []
     except KeyError:  # an attribute was deleted: the slow path names it
         pass
@@ -62,9 +95,12 @@ def changed(snapshot: tuple) -> list[tuple[str, str, object, object]]:
         if now is not was and not (type(now) is type(was) and now == was):
             out.append((path, k, was, now))
     for path, d, k, was in zip(tpaths, tdicts, tkeys, tensors):
-        now = d.get(k, _MISSING)
+        now = d.get(k)  # None: deleted
         if now is not was:
             out.append((path, k, _Short(was), _Short(now)))
+    for path, d in zip(fpaths, fdicts):
+        if "forward" in d:
+            out.append((path, "forward", _Short(None), _Short(d["forward"])))
     return out
 
 
@@ -75,8 +111,13 @@ class _Short:
         self.t = t
 
     def __repr__(self) -> str:
+        if isinstance(self.t, torch.nn.Module):
+            return f"a {type(self.t).__name__} module"
         if not isinstance(self.t, torch.Tensor):
-            return "(deleted)" if self.t is _MISSING else repr(self.t)
+            if self.t is None or self.t is _MISSING:
+                return "(none)"
+            text = repr(self.t)
+            return text if len(text) <= 80 else text[:77] + "..."
         flat = self.t.detach().reshape(-1)[:4].tolist()
         return f"a tensor of shape {tuple(self.t.shape)} ({', '.join(f'{v:.4g}' for v in flat)}{', ...' if self.t.numel() > 4 else ''})"
 
@@ -107,3 +148,120 @@ def change_message(changes: list, built: str) -> str:
     hint = ("" if key == "training" else
             f" (if forward never reads {key!r}, keep it under a name starting with '_', which is not checked)")
     return f"{describe(path, key)} is {now!r}{mode} now, {was!r} when {built}{more}{hint}"
+
+
+# ---- hooks
+
+_MODULE_HOOKS = (("_forward_pre_hooks", "register_forward_pre_hook"), ("_forward_hooks", "register_forward_hook"),
+                 ("_backward_pre_hooks", "register_full_backward_pre_hook"),
+                 ("_backward_hooks", "register_full_backward_hook"))
+_GLOBAL_HOOKS = (("_global_forward_pre_hooks", "register_module_forward_pre_hook"),
+                 ("_global_forward_hooks", "register_module_forward_hook"),
+                 ("_global_backward_pre_hooks", "register_module_full_backward_pre_hook"),
+                 ("_global_backward_hooks", "register_module_full_backward_hook"))
+_PARAM_HOOKS = (("_backward_hooks", "Tensor.register_hook"),
+                ("_post_accumulate_grad_hooks", "Tensor.register_post_accumulate_grad_hook"))
+_OPTIMIZER_HOOKS = (("_optimizer_step_pre_hooks", "register_step_pre_hook"),
+                    ("_optimizer_step_post_hooks", "register_step_post_hook"))
+_GLOBAL_OPTIMIZER_HOOKS = (("_global_optimizer_pre_hooks", "register_optimizer_step_pre_hook"),
+                           ("_global_optimizer_post_hooks", "register_optimizer_step_post_hook"))
+
+
+def _hook_dicts(model: torch.nn.Module, gradients: bool, optimizers) -> list:
+    """(where, how it is registered, the hook dict) for every hook dict that changes what ``model``
+    computes: its modules' and torch's global forward (pre-)hooks; with ``gradients`` also the backward
+    ones and its parameters' gradient hooks; the ``optimizers``' step hooks and torch's global ones."""
+    from torch.nn.modules import module as module_mod
+    from torch.optim import optimizer as optim_mod
+
+    out = []
+    for name, m in model.named_modules():
+        where = f"module '{name}' ({type(m).__name__})" if name else f"the model ({type(m).__name__})"
+        for attr, how in _MODULE_HOOKS[:4 if gradients else 2]:
+            d = m.__dict__.get(attr)
+            if d is not None:
+                out.append((where, how, d, m))
+    for attr, how in _GLOBAL_HOOKS[:4 if gradients else 2]:
+        d = getattr(module_mod, attr, None)
+        if d is not None:
+            out.append(("every module", how, d, None))
+    if gradients:
+        for name, p in model.named_parameters():
+            for attr, how in _PARAM_HOOKS:
+                d = getattr(p, attr, None)
+                if d is not None:
+                    out.append((f"parameter '{name}'", how, d, None))
+    for opt in optimizers:
+        for attr, how in _OPTIMIZER_HOOKS:
+            d = getattr(opt, attr, None)
+            if d is not None:
+                out.append((f"optimizer {type(opt).__name__}", how, d, None))
+    if optimizers:
+        for attr, how in _GLOBAL_OPTIMIZER_HOOKS:
+            d = getattr(optim_mod, attr, None)
+            if d is not None:
+                out.append(("every optimizer", how, d, None))
+    return out
+
+
+def _library_wiring(fn, owner) -> bool:
+    """A hook TransformerLens's TransformerBridge installs on its own submodules at its first eager call
+    (BlockBridge._maybe_wire_capture_hooks: it captures the pre-LN residual for the attention and routes
+    the MLP input through hook_mlp_in, a HookPoint whose own hooks are checked). Hooks on HookPoints,
+    where TransformerLens registers the user's hooks (through its own wrapper), are never this."""
+    module = getattr(fn, "__module__", None) or ""
+    return (module.startswith("transformer_lens.") and owner is not None
+            and not any(c.__name__ == "HookPoint" for c in type(owner).__mro__))
+
+
+def _hook_set(dicts: list) -> set:
+    return {(where, how, key) for where, how, d, owner in dicts for key, fn in list(d.items())
+            if not _library_wiring(fn, owner)}
+
+
+def _next_hook_id() -> int:
+    return torch.utils.hooks.RemovableHandle.next_id
+
+
+class Hooks:
+    """The hooks on a model (and its optimizers) when a program was traced from it, checked on every call.
+
+    A program does not run hooks: forward hooks present at the trace are in it, and gradient and step
+    hooks are refused at build. A hook registered after the build would run in eager code and not in
+    the program, and one removed after it would still act in the program. Every hook torch registers
+    takes its key from the global counter ``RemovableHandle.next_id``, so the common case costs one
+    comparison: no hook was registered anywhere since the last check, and the (rare) dicts that held
+    hooks at build still hold as many. Otherwise the hook dicts are listed again and compared."""
+
+    def __init__(self, model: torch.nn.Module, *, gradients: bool = False, optimizers=()):
+        self.model, self.gradients, self.optimizers = model, gradients, tuple(optimizers)
+        dicts = _hook_dicts(model, gradients, self.optimizers)
+        self.built = _hook_set(dicts)
+        self.nonempty = [(d, len(d)) for _, _, d, _ in dicts if d]
+        self.seen = _next_hook_id()
+
+    def changed(self) -> tuple[list, list]:
+        """(added, removed): (where, how) of the hooks registered or removed since the build."""
+        if _next_hook_id() == self.seen and all(len(d) == n for d, n in self.nonempty):
+            return [], []
+        now = _hook_set(_hook_dicts(self.model, self.gradients, self.optimizers))
+        added, removed = sorted(now - self.built), sorted(self.built - now)
+        if not added and not removed:  # hooks registered elsewhere (another model, library wiring): fast path again
+            self.seen = _next_hook_id()
+            self.nonempty = [(d, len(d)) for d, _ in self.nonempty]
+        return [(w, h) for w, h, _ in added], [(w, h) for w, h, _ in removed]
+
+    def message(self, built: str) -> str | None:
+        """A sentence naming the first added or removed hook, or None when the hooks are as at the build."""
+        added, removed = self.changed()
+        if not added and not removed:
+            return None
+        n = len(added) + len(removed)
+        more = f" (and {n - 1} more hook changes)" if n > 1 else ""
+        if added:
+            where, how = added[0]
+            return (f"{where} has a hook registered ({how}) after {built}{more}; eager code would run it, the "
+                    "program (traced before it existed) never does")
+        where, how = removed[0]
+        return (f"a hook on {where} ({how}) was removed after {built}{more}; the program traced it and still "
+                "applies it, eager code no longer does")

@@ -10,6 +10,7 @@ import collections
 import contextlib
 import fnmatch
 import math
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -394,6 +395,7 @@ class ReactiveGraph:
         if self._module is not None:
             changed = _module_state.traced_changes(self._module, self._attributes)
             self._attributes = _module_state.attributes(self._module)  # what the graph was traced with
+            self._hook_snapshot = _module_state.Hooks(self._module)  # forward hooks the graph holds
         if changed:  # forward changed Python state while being traced: the graph holds one value of it
             raise TypeError("ReactiveGraph: forward changes module attributes the graph would hold fixed: "
                             + ", ".join(f"{_module_state.describe(p, k)} {a!r} -> {b!r}" for p, k, a, b in changed[:4])
@@ -538,6 +540,7 @@ class ReactiveGraph:
             raise ValueError("run: the model's weights changed since this ReactiveGraph was built, and it computes "
                              "with a copy of them (TransformerLens models are exported from a copy); build a new "
                              "ReactiveGraph (torch_ext.patching does so by itself)")
+        self._refuse_changed_hooks("run")
         changed = _module_state.changed(getattr(self, "_attributes", ()))
         if changed:
             raise ValueError(f"run: {_module_state.change_message(changed, 'this ReactiveGraph was built')}; the graph "
@@ -550,6 +553,14 @@ class ReactiveGraph:
         self._engine.run(self._flat_inputs(args, kwargs))
         self._last_inputs = (args, kwargs)
         return self.demand()
+
+    def _refuse_changed_hooks(self, where: str) -> None:
+        """A forward hook registered on the module after the build would run in eager calls, never in the
+        graph (and one removed would still act in it): refused, as a changed attribute is."""
+        snapshot = getattr(self, "_hook_snapshot", None)
+        change = snapshot.message("this ReactiveGraph was built") if snapshot is not None else None
+        if change:
+            raise ValueError(f"{where}: {change}; build a new ReactiveGraph after changing hooks, or change them back")
 
     def demand(self, reads=None):
         """The outputs, recomputing only stale nodes.
@@ -564,6 +575,7 @@ class ReactiveGraph:
         nothing is cached: the patch's cone stays stale, so a later plain ``demand()`` recomputes
         it. Otherwise this is a plain demand.
         """
+        self._refuse_changed_hooks("demand")
         eng = self._engine
         if reads is not None and self._positions and not getattr(self, "_sweeping", False) \
                 and not eng.in_transaction() and len(eng.pinned()) == 1:
@@ -1309,6 +1321,143 @@ def _measure(rg: ReactiveGraph, metric, outs, site):
     return value, False
 
 
+class _ReadCheck:
+    """The metric of a sweep given ``reads=``, made loud about reading outside the declaration.
+
+    With ``reads=``, elements outside what it declares are not computed (NaN) on some paths (token-granular
+    rows, batched or not, the final linear's columns) and computed on others (the whole cone): a metric
+    reading them got NaN batched and the true value one at a time, and NaN can vanish in the metric
+    (``nan_to_num``, a comparison, ``argmax``). So the metric never sees the engine's outputs: it gets
+    copies holding the declared elements, everything else poisoned, the same on every path. It is called
+    with the undeclared elements NaN, +inf and -inf; a result that differs between the three (bit for
+    bit) depends on undeclared elements and is refused, naming the output and the declaration. Which
+    elements a metric reads cannot be seen from outside it; its result's dependence on them can, and
+    three poisons catch the usual ways of absorbing one (NaN -> 0, inf -> finite, max / argmax /
+    comparisons pick a poison or avoid it). The metric runs three times per site: it must be a function
+    of the outputs (as it must be for batched sites anyway)."""
+
+    _POISONS = (float("nan"), float("inf"), float("-inf"))
+
+    def __init__(self, rg: "ReactiveGraph", metric: Callable, reads):
+        self.metric, self.reads = metric, reads
+        outs = rg._output_nodes()
+        if rg._single_output is not None:
+            self.leaf_outputs = [rg._single_output]
+        elif rg._loss_output is None:
+            self.leaf_outputs = list(rg._user_outputs)
+        else:
+            self.leaf_outputs = []  # a training-mode graph: its (loss, gradients) are not checked
+        self.names = outs
+        # Element ids (float64: exact below 2**53), disjoint across outputs, put through the declaration.
+        ids, offsets, offset = [], {}, 0
+        for k, node in enumerate(outs):
+            t = rg._type_of(node) if node is not None else None
+            if t is None or t[0] != "tensor" or not _SHORT_DTYPE[t[1]].is_floating_point:
+                ids.append(rg._engine.value(node) if node is not None else None)
+                continue
+            n = math.prod(t[2])
+            ids.append(torch.arange(offset, offset + n, dtype=torch.float64).reshape(t[2]))
+            offsets[k] = (offset, n)
+            offset += n
+        picked = []
+        if isinstance(reads, dict):
+            for key, index in reads.items():
+                k = _read_key(rg, key)
+                if k in offsets:
+                    picked.append(ids[k][index])
+        else:
+            picked = [leaf for leaf in pytree.tree_leaves(reads(rg._user(ids))) if isinstance(leaf, torch.Tensor)]
+        # Per flat output indexed by the declaration: the flat positions of its declared elements.
+        self.declared: dict[int, torch.Tensor] = {}
+        for leaf in picked:
+            flat = leaf.reshape(-1).to(torch.int64)
+            for k, (lo, n) in offsets.items():
+                mine = flat[(flat >= lo) & (flat < lo + n)] - lo
+                if mine.numel():
+                    self.declared[k] = torch.cat([self.declared[k], mine]) if k in self.declared else mine
+        self.declared = {k: v.unique() for k, v in self.declared.items()}
+        # (flat output, poison index) -> (the poisoned copy, its version after our last write), reused
+        # across sites: only the declared elements are copied per site. One the metric wrote is made again.
+        self.canvases: dict = {None: (torch.empty(0), 0)}
+        self._sole = self._owners(None)  # what _owners reads for a tensor no one else holds
+
+    def _owners(self, key) -> tuple[int, int]:
+        """(Python references, storage users) of a kept canvas: a metric may have kept it, or a view of it."""
+        c = self.canvases[key][0]
+        return sys.getrefcount(c), torch._C._storage_Use_Count(c.untyped_storage()._cdata)
+
+    def _canvas(self, k: int, i: int, out: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Output ``k`` for the metric: its declared elements (``values``), the rest ``_POISONS[i]``. The
+        copy made for the last site is reused while no one else holds it (nor a view of it), unwritten."""
+        key = (k, i)
+        reuse = key in self.canvases and self._owners(key) == self._sole
+        c, version = self.canvases.get(key, (None, None))
+        if not reuse or c.shape != out.shape or c.dtype != out.dtype or c.device != out.device or c._version != version:
+            c = torch.full(out.shape, self._POISONS[i], dtype=out.dtype, device=out.device)
+        c.view(-1).index_copy_(0, self._index(k, out), values)
+        self.canvases[key] = (c, c._version)
+        return c
+
+    def _index(self, k: int, out: torch.Tensor) -> torch.Tensor:
+        idx = self.declared[k]
+        return idx if idx.device == out.device else idx.to(out.device)
+
+    def _call(self, outs, i: int, only: int | None = None):
+        single = len(self.leaf_outputs) == 1 and isinstance(outs, torch.Tensor)
+        leaves, spec = ([outs], None) if single else pytree.tree_flatten(outs)
+        if len(leaves) != len(self.leaf_outputs):
+            return self.metric(outs)
+        given = [self._canvas(k, i, leaf, leaf.reshape(-1).index_select(0, self._index(k, leaf)))
+                 if k in self.declared and isinstance(leaf, torch.Tensor) and (only is None or k == only) else leaf
+                 for k, leaf in zip(self.leaf_outputs, leaves)]
+        return self.metric(given[0] if single else pytree.tree_unflatten(given, spec))
+
+    def __call__(self, outs):
+        if not self.declared:
+            return self.metric(outs)
+        first = self._call(outs, 0)
+        result = _metric_value(first, "checked")
+        for i in range(1, len(self._POISONS)):
+            if not _same_result(result, _metric_value(self._call(outs, i), "checked")):
+                self._refuse(outs)
+        return first
+
+    def _refuse(self, outs):
+        culprit = None
+        for k in self.declared:  # which output: poisoned alone, does the result still move?
+            alone = [_metric_value(self._call(outs, i, only=k), "checked") for i in range(len(self._POISONS))]
+            if not all(_same_result(alone[0], r) for r in alone[1:]):
+                culprit = k
+                break
+        what = (f"output {culprit} ({self.names[culprit]!r})" if culprit is not None else "the outputs")
+        declared = (f"reads={self.reads!r}" if isinstance(self.reads, dict)
+                    else "what the reads callable indexes")
+        raise ValueError(f"sweep: the metric reads elements of {what} outside {declared}: its result changes when "
+                         "those elements change (it was run with them NaN, +inf and -inf). With reads=, undeclared "
+                         "elements are not computed on every path (they would be NaN batched and the true values "
+                         "one at a time); declare everything the metric reads in reads=, or leave reads= out")
+
+
+def _same_result(a, b) -> bool:
+    """Bit-identical metric results (NaN equals NaN): floats, tensors or dicts of those."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        return (isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys()
+                and all(_same_result(a[k], b[k]) for k in a))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _same_bits(a, b)
+    return a == b or (a != a and b != b)
+
+
+def _read_key(rg: "ReactiveGraph", key) -> int:
+    """The flat output a ``reads`` key names (already validated by _read_rows)."""
+    outs = rg._output_nodes()
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str) and rg.resolve(key) in outs:
+        return outs.index(rg.resolve(key))
+    return rg._single_output
+
+
 def _raise_metric_wrote(rg: ReactiveGraph, site):
     try:
         rg._engine.demand()  # finds the written outputs and marks them for recomputation
@@ -1659,9 +1808,13 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     one only from row p on along the node's sequence axis recomputes only rows [p, T) of the nodes
     the sequence-axis analysis bounds, the whole node elsewhere. ``reads={output: index}`` declares
     what the metric reads (``{"logits": (slice(None), -1, [tok_a, tok_b])}``): rows that reach no
-    read row are not computed, nor, for a final linear or matmul, the columns not read; those rows
-    and columns of the outputs the metric receives are NaN; a callable
-    ``reads=lambda logits: logits[:, -1, [tok_a, tok_b]]`` says the same by indexing. Standing
+    read row are not computed, nor, for a final linear or matmul, the columns not read; a callable
+    ``reads=lambda logits: logits[:, -1, [tok_a, tok_b]]`` says the same by indexing. The metric then
+    receives copies of the outputs holding the declared elements, everything else poisoned, on every
+    path (batched or not, rows or whole cones): it is run with the undeclared elements NaN, +inf and
+    -inf, and a result that differs between the three (it read outside ``reads``) raises a ValueError
+    naming the output, rather than a NaN batched and the true value one at a time. So the metric runs
+    three times per site and must be a function of the outputs. Standing
     patches fall back to node-granular cones; batched sites use them too. With early cutoff on, a
     patched value equal to the clean one is cut off at the site and a changed one takes the same
     row-range path as with cutoff off (same bits).
@@ -1688,6 +1841,8 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
         rg._read_rows(reads)  # still checked: a bad reads argument is refused either way
     if not isinstance(skip_identical, bool):
         raise TypeError(f"sweep(skip_identical=...) must be a bool, got {type(skip_identical).__name__}")
+    if reads is not None and rg._last_inputs is not None:
+        metric = _ReadCheck(rg, metric, reads)  # the same inputs on every path; reading outside them is refused
     rg._sweeping = True
     try:
         return _sweep(rg, site_list, patch, metric, progress, batch_sites, distributed, rows, skip_identical)

@@ -419,6 +419,7 @@ class TrainStep:
         ep = export()
         changed = _module_state.traced_changes(model, before)  # put back as they were
         self._module_snapshot = _module_state.attributes(model)  # what the program was traced with
+        self._hook_snapshot = _module_state.Hooks(model, gradients=True, optimizers=optimizers)
         if changed:  # forward changed Python state: eager sees it change every call, the program never
             raise TypeError("forward changes module attributes the program would bake in once: "
                             + ", ".join(f"{_module_state.describe(p, k)} {a!r} -> {b!r}" for p, k, a, b in changed[:4])
@@ -673,6 +674,10 @@ class TrainStep:
                                  "place after make_train_step; eager training would use its new value, the program "
                                  "bakes in the value it was built with: build a new step (make_train_step) after "
                                  "changing it")
+        hook_change = self._hook_snapshot.message("the step was built")
+        if hook_change:
+            raise ValueError(f"{hook_change}: build a new step (make_train_step) after changing hooks, or change "
+                             "them back")
         changed = _module_state.changed(self._module_snapshot)
         if changed:
             raise ValueError(f"{_module_state.change_message(changed, 'the step was built')}; eager training would follow the change, the program bakes in the value it was traced "

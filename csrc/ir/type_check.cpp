@@ -18,6 +18,7 @@
 #include <mutex>
 #include <optional>
 #include <unordered_map>
+#include <utility>
 
 namespace torch_ext::ir {
 namespace {
@@ -157,6 +158,65 @@ c10::Device result_device(const Node& node) {
     for (const Type& e : node.type().elems)
       if (e.is_tensor()) return e.tensor.device;
   return c10::Device(c10::kCPU);
+}
+
+// The device a call's tensor results live on, and where that comes from: its Device argument when the
+// schema has one (given, else the factory default, CPU: the runtimes pass the argument as it is),
+// else its first tensor input that is not a 0-d CPU tensor (those mix with any device), else the
+// first tensor input. Nullopt when nothing tells: no tensor input and no Device formal.
+// aten::to.other takes the device of `other`, aten::_to_cpu gives CPU tensors.
+std::optional<std::pair<c10::Device, std::string>> result_device_of_call(const Node& node,
+                                                                          const c10::FunctionSchema& schema,
+                                                                          const std::vector<const Arg*>& given) {
+  const auto& formals = schema.arguments();
+  for (size_t i = 0; i < formals.size(); ++i) {
+    if (unwrap_optional(formals[i].type())->kind() != c10::TypeKind::DeviceObjType) continue;
+    if (given[i] != nullptr && given[i]->kind == Arg::Kind::Device)
+      return std::make_pair(c10::Device(given[i]->s), "its argument '" + formals[i].name() + "'");
+    // No device given: a factory op makes CPU tensors, a conversion (_to_copy) keeps its input's.
+    bool has_tensor_input = false;
+    for (const Arg* a : given)
+      if (a != nullptr && a->kind == Arg::Kind::Node && a->node->type().is_tensor()) has_tensor_input = true;
+    if (!has_tensor_input) return std::make_pair(c10::Device(c10::kCPU), "its argument '" + formals[i].name() +
+                                                                              "' (None: the default, cpu)");
+  }
+  if (node.target().ns == "aten" && node.target().name == "_to_cpu")
+    return std::make_pair(c10::Device(c10::kCPU), "the operator (_to_cpu)");
+  const bool to_other = node.target().ns == "aten" && node.target().name == "to" && node.target().overload == "other";
+  const Node* first = nullptr;
+  for (size_t i = to_other ? 1 : 0; i < given.size(); ++i) {
+    if (given[i] == nullptr) continue;
+    std::vector<const Node*> tensors;
+    if (given[i]->kind == Arg::Kind::Node) tensors.push_back(given[i]->node);
+    if (given[i]->kind == Arg::Kind::List)
+      for (const Arg& e : given[i]->list)
+        if (e.kind == Arg::Kind::Node) tensors.push_back(e.node);
+    for (const Node* t : tensors) {
+      if (!t->type().is_tensor()) continue;
+      const TensorMeta& m = t->type().tensor;
+      if (!(m.device.is_cpu() && m.sizes.empty()))
+        return std::make_pair(m.device, "the device of its input %" + t->name());
+      if (first == nullptr) first = t;
+    }
+    if (to_other) break;
+  }
+  if (first != nullptr) return std::make_pair(first->type().tensor.device, "the device of its input %" + first->name());
+  return std::nullopt;
+}
+
+// A declared result device other than the one the call produces: the executors allocate and hand
+// out buffers by declared types, so the disagreement would only surface, if at all, as a kernel
+// running on memory of another device. A tuple's first element is checked (the main result;
+// auxiliary results such as generator states may live elsewhere).
+std::string device_problem(const Node& node, const c10::FunctionSchema& schema, const std::vector<const Arg*>& given) {
+  const Type* declared = &node.type();
+  if (declared->kind == Type::Kind::Tuple && !declared->elems.empty()) declared = &declared->elems[0];
+  if (!declared->is_tensor()) return "";
+  const auto expected = result_device_of_call(node, schema, given);
+  if (!expected || expected->first == declared->tensor.device) return "";
+  return std::string("declared device ") + declared->tensor.device.str() +
+         (declared == &node.type() ? "" : " (of result 0)") + " differs from " + expected->first.str() +
+         ", where the operator puts its result (" + expected->second + ")";
 }
 
 // Only the printed form of an inferred type is shown, so its devices follow the declared ones.
@@ -609,7 +669,12 @@ void check_call_types(const Node& node, const c10::OperatorHandle& op, const std
     }
     if (tensors) tensor_inputs.push_back(std::move(list_input));
   }
-  if (errors.size() != errors_before || !inferable || !infer_results) return;
+  if (errors.size() != errors_before) return;
+  if (std::string bad = device_problem(node, schema, given); !bad.empty()) {
+    errors.push_back(where + bad);
+    return;
+  }
+  if (!inferable || !infer_results) return;
 
   // Level 2: run the operator on meta tensors and compare with the declared type.
   if (!op.hasComputedKernelForDispatchKey(c10::DispatchKey::Meta) || op.hasTag(at::Tag::dynamic_output_shape) ||

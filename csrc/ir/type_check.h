@@ -28,8 +28,11 @@
 // inputs allow more than max(65536, declared length) results is refused, naming the limit.
 // Results are cached process-wide by operator, constants and types, so graphs that repeat
 // layers, and graphs verified again by each runtime, pay once per distinct node signature.
-// Devices are not inferred: every Device argument is replaced by meta (so no real memory is
-// ever allocated at verify time); devices are checked against the inputs at run time.
+// Devices are not inferred by the meta run: every Device argument is replaced by meta (so no real
+// memory is ever allocated at verify time). Instead the declared device of the result (a tuple's
+// first element) must be the one the call puts it on: its Device argument when the schema has one
+// (a factory with none given makes CPU tensors), else its first tensor input that is not a 0-d CPU
+// tensor (those mix with any device), else its first tensor input. This check runs at level 1.
 #pragma once
 
 #include "ir/graph.h"

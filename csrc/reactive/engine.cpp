@@ -531,9 +531,16 @@ c10::IValue Engine::baseline(const std::string& name) {
     check_intact(name);
     return it->second.value;
   }
-  TORCH_CHECK(pinned_.empty() || (!baseline_stale_.count(id) && states_[id].valid),
-              "baseline of %", name, " is not cached while patches are active; restore() first");
-  return value(name);
+  if (pinned_.empty() || (!baseline_stale_.count(id) && states_[id].valid)) return value(name);
+  // Invalidated by a patch upstream but not recomputed since: it still holds its baseline (I6: a
+  // recomputation would have saved it in the overlay), which restore() revives as it is.
+  const bool kept = !states_[id].valid && !baseline_stale_.count(id) && !structural_dirty_.count(id) &&
+                    values_[id].isTensor();
+  TORCH_CHECK(kept, "baseline of %", name, " is not cached while patches are active (a graft or an in-place write "
+              "displaced it, or it was recomputed under a patch without a saved copy); restore() first, then patch "
+              "it (a patch function receives the baseline, never the patched upstream value)");
+  check_intact(id);
+  return values_[id];
 }
 
 void Engine::check_value_type(const ir::Node& node, const c10::IValue& v) const {

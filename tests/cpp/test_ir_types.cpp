@@ -126,6 +126,52 @@ TEST(IrTypes, DeclaredStridesMustBeTheOperatorsWhereTheyAddressMemory) {
                 "  %s : f32[1,4]{1,1} = aten::sin.default(%x)\n  %c : f32[0,4]{1,0} = aten::cos.default(%e)\n  return (%s, %c)\n"));
 }
 
+TEST(IrTypes, DeclaredDeviceMustBeWhereTheOperatorPutsTheResult) {
+  // Before: any declared device verified (devices were not inferred), so a graph could claim a result
+  // on cuda:0 that its kernel computes on the CPU, and the runtimes would lay out buffers by the claim.
+  auto msg = verify_message(
+      "graph:\n  %a : f32[2] = input()\n  %b : f32[2]@cuda:0 = aten::add.Tensor(%a, %a)\n  return (%b)\n");
+  EXPECT_NE(msg.find("node %b (aten::add.Tensor): declared device cuda:0 differs from cpu, where the operator puts "
+                     "its result (the device of its input %a)"),
+            std::string::npos)
+      << msg;
+  msg = verify_message(
+      "graph:\n  %a : f32[2]@cuda:0 = input()\n  %b : f32[2] = aten::mul.Tensor(%a, %a)\n  return (%b)\n");
+  EXPECT_NE(msg.find("node %b (aten::mul.Tensor): declared device cpu differs from cuda:0, where the operator puts "
+                     "its result (the device of its input %a)"),
+            std::string::npos)
+      << msg;
+  // A device argument decides: a conversion to cuda:1 declared on cuda:0, a factory given none (CPU).
+  msg = verify_message(
+      "graph:\n  %a : f32[3] = input()\n  %e : f32[3]@cuda:0 = aten::to.device(%a, device(\"cuda:1\"), "
+      "torch.float32)\n  return (%e)\n");
+  EXPECT_NE(msg.find("node %e (aten::to.device): declared device cuda:0 differs from cuda:1, where the operator "
+                     "puts its result (its argument 'device')"),
+            std::string::npos)
+      << msg;
+  msg = verify_message("graph:\n  %z : f32[4]@cuda:0 = aten::zeros.default([4])\n  return (%z)\n");
+  EXPECT_NE(msg.find("node %z (aten::zeros.default): declared device cuda:0 differs from cpu, where the operator "
+                     "puts its result (its argument 'device' (None: the default, cpu))"),
+            std::string::npos)
+      << msg;
+  // A multi-result op: its first result.
+  msg = verify_message(
+      "graph:\n  %a : f32[4,3]@cuda:0 = input()\n  %t : (f32[4,2], i64[4,2]) = aten::topk.default(%a, 2)\n"
+      "  return (%t)\n");
+  EXPECT_NE(msg.find("node %t (aten::topk.default): declared device cpu (of result 0) differs from cuda:0"),
+            std::string::npos)
+      << msg;
+  // Refused also when inference is skipped (a graph from the build caches).
+  auto wrong = parse("graph:\n  %a : f32[2] = input()\n  %b : f32[2]@cuda:0 = aten::add.Tensor(%a, %a)\n  return (%b)\n");
+  EXPECT_FALSE(verify_errors(*wrong, /*infer_results=*/false).empty());
+  // Valid: a 0-d CPU tensor mixes with a cuda one (either order); a conversion keeps its input's device
+  // when none is given; to.device moves it.
+  verify(*parse("graph:\n  %s : f32[] = input()\n  %a : f32[2]@cuda:0 = input()\n"
+                "  %b : f32[2]@cuda:0 = aten::mul.Tensor(%s, %a)\n  %c : f32[2]@cuda:0 = aten::add.Tensor(%a, %s)\n"
+                "  %d : f64[2]@cuda:0 = aten::_to_copy.default(%c, dtype=torch.float64)\n"
+                "  %e : f64[2] = aten::to.device(%d, device(\"cpu\"), torch.float64)\n  return (%b, %e)\n"));
+}
+
 TEST(IrTypes, ValidGraphsStillVerify) {
   // t() of a contiguous matrix is declared with its transposed strides, and verifies.
   auto g = parse(

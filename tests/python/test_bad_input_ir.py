@@ -222,6 +222,19 @@ VERIFY = {
         %b : f32[2] = aten::zeros.default([2], device=3)
         return (%b)
     """), r"node %b \(aten::zeros.default\): argument 'device': expected a device, got 3"),
+    # declared devices the operator does not produce (before: accepted, devices were not inferred)
+    "declared_device_differs_from_inputs": (_g("""
+        %a : f32[2] = input()
+        %b : f32[2]@cuda:0 = aten::relu.default(%a)
+        return (%b)
+    """), r"node %b \(aten::relu.default\): declared device cuda:0 differs from cpu, where the operator puts its "
+          r"result \(the device of its input %a\)"),
+    "declared_device_differs_from_device_argument": (_g("""
+        %a : f32[2] = input()
+        %b : f32[2] = aten::_to_copy.default(%a, device=device("cuda:0"))
+        return (%b)
+    """), r"node %b \(aten::_to_copy.default\): declared device cpu differs from cuda:0, where the operator puts its "
+          r"result \(its argument 'device'\)"),
     "constant_in_tensor_list": (_g("""
         %a : f32[2] = input()
         %b : f32[4] = aten::cat.default([%a, 1])

@@ -199,12 +199,15 @@ def test_reads_last_row_computes_only_what_reaches_it():
     assert narrow.cost < wide.cost and narrow.extra["row_evaluations"] < wide.extra["row_evaluations"]
     for s in sites:
         assert abs(narrow.metrics[s] - wide.metrics[s]) <= 1e-6 * max(1.0, abs(wide.metrics[s])), s
-    # The last site patched position T-1; its output rows [p, T-1) were never computed.
-    out = seen["out"]
-    assert not torch.isnan(out[:, -1]).any()
+    # The engine: a patch at position 2 leaves output rows [2, T-1) uncomputed (NaN), rows [0, 2) clean.
+    rows = rg._engine.evaluate_patched_rows(resid[0], patch(rg.value(resid[0]), (resid[0], 2)), *rg._read_spec(reads))
+    assert torch.isnan(rows[0][:, 2:T - 1]).all() and not torch.isnan(rows[0][:, :2]).any()
+    del rows
     narrow_one = torch_ext.sweep(rg, [(resid[0], 2)], patch, metric, progress=False, reads=reads)
-    assert torch.isnan(seen["out"][:, 2:T - 1]).all() and not torch.isnan(seen["out"][:, :2]).any()
     assert narrow_one.metrics[(resid[0], 2)] == pytest.approx(wide.metrics[(resid[0], 2)], rel=1e-6)
+    # The metric sees the declared elements only (the rest poisoned: its last call, -inf).
+    out = seen["out"]
+    assert not torch.isinf(out[:, -1, [3, 4]]).any() and torch.isinf(out[:, :-1]).all()
     # The same declaration by output index and by node name.
     out_node = rg._output_nodes()[0]
     assert rg._read_rows({0: (slice(None), -1)}) == rg._read_rows({out_node: (slice(None), T - 1)}) == [T - 1]
@@ -215,9 +218,10 @@ def test_reads_last_row_computes_only_what_reaches_it():
     with pytest.raises(ValueError, match="columns \\[50\\]"):
         rg._read_cols({"logits": (slice(None), -1, [50])})
     # Only the two read columns of the last row are computed; the rest of the row is NaN.
-    torch_ext.sweep(rg, [(resid[1], 3)], patch, metric, progress=False, reads=reads)
-    last = seen["out"][:, -1]
+    rows = rg._engine.evaluate_patched_rows(resid[1], patch(rg.value(resid[1]), (resid[1], 3)), *rg._read_spec(reads))
+    last = rows[0][:, -1]
     assert not torch.isnan(last[:, [3, 4]]).any() and torch.isnan(last[:, :3]).all()
+    del rows, last
     # A callable says the same by indexing the outputs.
     assert rg._read_rows(lambda logits: logits[:, -1, [3, 4]]) == [T - 1]
     assert rg._read_rows(lambda logits: (logits[:, 5], logits[0, 2:4, 1])) == [2]
@@ -559,11 +563,25 @@ def test_outputs_a_caller_keeps_are_never_written_again(reads):
         return 0.0
 
     torch_ext.sweep(rg, sites, patch, keep, progress=False, reads=reads)
-    ref = torch_ext.sweep(rg, sites, patch, lambda out: out.clone(), progress=False, reads=reads)
-    assert len(kept) == len(sites) + 1  # the unpatched run first
-    for s, k, v in zip(sites, kept[1:], views[1:]):
-        torch.testing.assert_close(k, ref.metrics[s], rtol=0, atol=0, equal_nan=True)
-        torch.testing.assert_close(v, ref.metrics[s][:, -1], rtol=0, atol=0, equal_nan=True)
+    if reads is None:
+        ref = torch_ext.sweep(rg, sites, patch, lambda out: out.clone(), progress=False)
+        assert len(kept) == len(sites) + 1  # the unpatched run first
+        for s, k, v in zip(sites, kept[1:], views[1:]):
+            torch.testing.assert_close(k, ref.metrics[s], rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(v, ref.metrics[s][:, -1], rtol=0, atol=0, equal_nan=True)
+    else:
+        # The metric gets copies (declared elements, the rest NaN, +inf, -inf: three calls per site), and a
+        # copy it keeps is not reused for a later site either.
+        ref = torch_ext.sweep(rg, sites, patch, lambda out: out[:, -1, [3, 4]].clone(), progress=False, reads=reads)
+        assert len(kept) == 3 * (len(sites) + 1)
+        for i, s in enumerate(sites):
+            for j, poison in enumerate((float("nan"), float("inf"), float("-inf"))):
+                k, v = kept[3 * (i + 1) + j], views[3 * (i + 1) + j]
+                torch.testing.assert_close(k[:, -1, [3, 4]], ref.metrics[s], rtol=0, atol=0)
+                torch.testing.assert_close(v[:, [3, 4]], ref.metrics[s], rtol=0, atol=0)
+                rest = k.clone()
+                rest[:, -1, [3, 4]] = poison
+                assert torch.equal(rest, torch.full_like(k, poison)) or (poison != poison and rest.isnan().all())
     # An output dropped by the caller is reused: the next site writes only the rows that differ.
     node, p = sites[-1]
     value = patch(rg.value(node), (node, p))
@@ -574,3 +592,49 @@ def test_outputs_a_caller_keeps_are_never_written_again(reads):
     assert again.data_ptr() == ptr
     assert torch.equal(again, ref.metrics[(node, p - 1)]) if reads is None else True
     rg.check_invariants()
+
+
+_OUTSIDE = {
+    # reads column 5 too, NaN turned into 0: batched gave 0 there, one at a time the true value
+    "nan_to_num": lambda out: float(torch.nan_to_num(out[:, -1, [3, 4, 5]]).sum()),
+    # the whole last row: NaN is the max, argmax picked it batched
+    "argmax": lambda out: float(out[0, -1].argmax()),
+    # a comparison absorbs NaN (False)
+    "comparison": lambda out: float((out[:, -1] > 0).sum()),
+    # an undeclared row
+    "other_row": lambda out: float(out[:, -2, 3].sum()),
+}
+
+
+@pytest.mark.parametrize("how", list(_OUTSIDE))
+def test_a_metric_reading_outside_reads_is_refused_on_every_path(how):
+    # Before: undeclared elements were NaN on the row paths (batched sites) and true values on whole
+    # cones (one at a time, positions off), so the same metric gave different numbers, silently.
+    rg, resid, patch, sites = _zoo_sweep_setup("sdpa")
+    sites = [(n, p) for n, p in sites if p >= 3][:6]
+    metric = _OUTSIDE[how]
+    reads = {"logits": (slice(None), -1, [3, 4])}
+    match = r"the metric reads elements of output 0 \('\w+'\) outside reads=\{'logits'"
+    for kw in ({}, {"batch_sites": True}, {"positions": False}, {"batch_sites": 2}):
+        with pytest.raises(ValueError, match=match):
+            torch_ext.sweep(rg, sites, patch, metric, progress=False, reads=reads, **kw)
+    with pytest.raises(ValueError, match=r"outside what the reads callable indexes"):
+        torch_ext.sweep(rg, sites, patch, metric, progress=False, reads=lambda logits: logits[:, -1, [3, 4]],
+                        batch_sites=True)
+    assert rg.patched() == []
+    rg.check_invariants()
+
+
+def test_a_metric_reading_inside_reads_gets_the_same_bits_on_every_path():
+    rg, resid, patch, sites = _zoo_sweep_setup("sdpa")
+    sites = [(n, p) for n, p in sites if p >= 3][:6]
+    metric = lambda out: out[:, -1, [4, 3]] * 2  # noqa: E731  (per-example tensors, columns reordered)
+    reads = {"logits": (slice(None), -1, [3, 4])}
+    ref = torch_ext.sweep(rg, sites, patch, metric, progress=False, reads=reads)
+    for kw in ({"batch_sites": True}, {"positions": False}, {"batch_sites": 2}):
+        other = torch_ext.sweep(rg, sites, patch, metric, progress=False, reads=reads, **kw)
+        for s in sites:
+            torch.testing.assert_close(other.metrics[s], ref.metrics[s], rtol=1e-6, atol=1e-6)
+    plain = torch_ext.sweep(rg, sites, patch, metric, progress=False)
+    for s in sites:
+        torch.testing.assert_close(plain.metrics[s], ref.metrics[s], rtol=1e-6, atol=1e-6)

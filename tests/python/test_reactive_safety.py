@@ -608,3 +608,115 @@ def test_run_refuses_module_attributes_changed_after_build(change):
     model.tau = 1.0  # changed back: the graph is right again
     assert torch.equal(rg.run(x), model(x))
 
+
+
+@pytest.mark.parametrize("kind", ["forward_hook", "forward_pre_hook", "global_forward_hook", "removed"])
+def test_run_and_demand_refuse_forward_hooks_changed_after_build(kind):
+    # Before: a forward hook registered after the build was silently ignored by run() (and a traced one
+    # removed later still acted in the graph), while eager calls followed the change.
+    from torch.nn.modules import module as module_mod
+
+    model = _Tempered().eval()
+    x = torch.randn(2, 3, 8)
+    traced = model.fc.register_forward_hook(lambda m, a, out: out * 3) if kind == "removed" else None
+    rg = torch_ext.ReactiveGraph(model, (x,), cache=False)
+    clean = rg.run(x).clone()
+    if kind == "forward_hook":
+        handle = model.fc.register_forward_hook(lambda m, a, out: out * 2)
+        message = r"module 'fc' \(Linear\) has a hook registered \(register_forward_hook\) after this ReactiveGraph"
+    elif kind == "forward_pre_hook":
+        handle = model.fc.register_forward_pre_hook(lambda m, a: (a[0] + 1,))
+        message = r"module 'fc' \(Linear\) has a hook registered \(register_forward_pre_hook\)"
+    elif kind == "global_forward_hook":
+        handle = module_mod.register_module_forward_hook(
+            lambda m, a, out: out * 2 if isinstance(m, nn.Linear) else None)
+        message = r"every module has a hook registered \(register_module_forward_hook\)"
+    else:
+        traced.remove()
+        handle = None
+        message = r"a hook on module 'fc' \(Linear\) \(register_forward_hook\) was removed after this ReactiveGraph"
+    try:
+        with torch.no_grad():
+            assert not torch.equal(model(x), clean)  # eager follows the change
+        with pytest.raises(ValueError, match="run: " + message):
+            rg.run(x)
+        with pytest.raises(ValueError, match="demand: " + message):
+            rg.demand()
+    finally:
+        if handle is not None:
+            handle.remove()
+    if kind == "removed":
+        model.fc.register_forward_hook(lambda m, a, out: out * 3)  # an equal hook again: still refused (a new one)
+        with pytest.raises(ValueError, match=r"has a hook registered"):
+            rg.run(x)
+        return
+    assert torch.equal(rg.run(x), clean)  # changed back: the graph is right again
+    other = nn.Linear(2, 2)
+    other.register_forward_hook(lambda m, a, out: out)  # hooks on another module are not this graph's
+    assert torch.equal(rg.run(x), clean)
+
+
+@pytest.mark.parametrize("demanded", [False, True])
+def test_patch_function_below_a_standing_patch_gets_the_baseline_in_either_order(demanded):
+    # "f receives the node's baseline value (no patch active)". Before: with a patch upstream not yet
+    # demanded, patch(node, f) raised "baseline of %relu_2 is not cached while patches are active",
+    # though the node still held its baseline; the other order (or a demand in between) worked.
+    x = torch.randn(2, 3, 8)
+    model = _ReluChain().eval()
+    rg = torch_ext.ReactiveGraph(model, (x,), cache=False)
+    clean = rg.value("relu_2").clone()
+    seen = []
+
+    def half(v):
+        seen.append(v.clone())
+        return v * 0.5
+
+    rg.patch("relu", lambda v: v * 0)
+    if demanded:
+        rg.demand()
+    rg.patch("relu_2", half)
+    assert torch.equal(seen[-1], clean)
+    assert torch.equal(rg.baseline("relu_2"), clean)
+    upstream_first = rg.demand().clone()
+    rg.restore()
+    rg.patch("relu_2", half)
+    rg.patch("relu", lambda v: v * 0)
+    assert torch.equal(seen[-1], clean)
+    assert torch.equal(rg.demand(), upstream_first)
+    rg.check_invariants()
+    # Eager reference: relu_2 (the third block's output) pinned to half its clean value.
+    with torch.no_grad():
+        ref = torch.relu(model.fc[3](clean * 0.5))
+    assert torch.equal(upstream_first, ref)
+    rg.restore()
+    assert torch.equal(rg.value("relu_2"), clean)
+
+
+@pytest.mark.parametrize("change", ["submodule", "forward", "parameter"])
+def test_run_refuses_a_submodule_or_forward_replaced_after_build(change):
+    # Before: run() kept computing with the traced submodule / forward / the parameter object it was
+    # built with, while eager used the new one.
+    model = _Tempered().eval()
+    x = torch.randn(2, 3, 8)
+    rg = torch_ext.ReactiveGraph(model, (x,), cache=False)
+    clean = rg.run(x).clone()
+    traced = model.fc
+    if change == "submodule":
+        model.fc = nn.Linear(8, 8)
+        message = r"run: model.fc was replaced by a Linear module \(when this ReactiveGraph was built: a Linear module\)"
+    elif change == "forward":
+        model.forward = lambda x: torch.softmax(model.fc(x) * 2, -1)
+        message = r"run: model.forward was replaced by <function"
+    else:
+        traced_weight = model.fc.weight
+        model.fc.weight = nn.Parameter(traced_weight.detach() * 2)
+        message = r"run: model.fc.weight was replaced by a tensor of shape \(8, 8\)"
+    with torch.no_grad():
+        assert not torch.equal(model(x), clean)  # eager follows the change
+    with pytest.raises(ValueError, match=message):
+        rg.run(x)
+    model.fc = traced
+    model.__dict__.pop("forward", None)
+    if change == "parameter":
+        model.fc.weight = traced_weight
+    assert torch.equal(rg.run(x), clean)

@@ -339,10 +339,10 @@ class _Tempered(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.body, self.bn, self.drop, self.head = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.0), nn.Linear(8, 4)
-        self.tau, self.shift, self.weights = 1.0, torch.tensor(0.0), [1.0]
+        self.tau, self.shift, self.weights, self.opts = 1.0, torch.tensor(0.0), [1.0], {"scale": 1.0}
 
     def forward(self, x):
-        h = torch.softmax(self.bn(self.body(x)) / self.tau, -1) * self.weights[0] + self.shift
+        h = torch.softmax(self.bn(self.body(x)) / self.tau, -1) * self.weights[0] * self.opts["scale"] + self.shift
         return self.head(self.drop(h))
 
 
@@ -355,6 +355,12 @@ _CHANGES = {
                         r"model.shift was replaced by a tensor of shape \(\) \(0.5\) \(when the step was built: a "
                         r"tensor of shape \(\) \(0\)\)"),
     "list_edited": (lambda m: m.weights.__setitem__(0, 2.0), r"model.weights is \[2.0\] now, \[1.0\] when"),
+    "submodule_replaced": (lambda m: setattr(m, "drop", nn.Tanh()),
+                           r"model.drop was replaced by a Tanh module \(when the step was built: a Dropout module\)"),
+    "forward_replaced": (lambda m: setattr(m.head, "forward", lambda h: F.linear(h, m.head.weight)),
+                         r"model.head.forward was replaced by <function"),
+    "dict_edited": (lambda m: m.opts.__setitem__("scale", 2.0),
+                    r"model.opts is \{'scale': 2.0\} now, \{'scale': 1.0\} when"),
 }
 
 
@@ -372,7 +378,7 @@ def test_module_attribute_changed_after_build_is_refused_not_ignored(change):
 
     model = _Tempered()
     step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), _mse, _XY)
-    traced_shift = model.shift
+    traced_shift, traced_drop = model.shift, model.drop
     loss, state = step(step.init_state(), *batches[0])
     unchanged, _ = step(state, *batches[1])
     assert not torch.equal(unchanged, ref_loss)  # the baked-in value would have given another loss
@@ -383,6 +389,9 @@ def test_module_attribute_changed_after_build_is_refused_not_ignored(change):
         step.compile(plan=False)(state, *batches[1])
     model.train()  # changed back: accepted again, same answer as before
     model.tau, model.drop.p, model.weights[0], model.shift = 1.0, 0.0, 1.0, traced_shift
+    model.opts["scale"] = 1.0
+    model.drop = traced_drop
+    model.head.__dict__.pop("forward", None)
     again, _ = step(state, *batches[1])
     assert torch.equal(again, unchanged)
 
@@ -970,3 +979,106 @@ def test_step_parity_with_unroll_runs_the_unrolled_step(monkeypatch):
     assert result["steps"] == 4 and len(result["losses"]) == 4 and result["loss"] <= 1e-6 and result["state"] <= 1e-6
     with pytest.raises(ValueError, match="unroll=2 takes the batches 2 per call, got 3"):
         testing.step_parity(model, opt, loss_fn, batches[:3], unroll=2)
+
+
+def _add_hook(model, opt, kind):
+    """Registers one hook of ``kind`` after the build; returns its handle and the message naming it."""
+    from torch.nn.modules import module as module_mod
+
+    if kind == "forward_hook":
+        return model.body.register_forward_hook(lambda m, a, out: out * 2), \
+            r"module 'body' \(Linear\) has a hook registered \(register_forward_hook\) after the step was built"
+    if kind == "forward_pre_hook":
+        return model.head.register_forward_pre_hook(lambda m, a: (a[0] - 0.1,)), \
+            r"module 'head' \(Linear\) has a hook registered \(register_forward_pre_hook\)"
+    if kind == "global_forward_hook":
+        return module_mod.register_module_forward_hook(lambda m, a, out: out * 2 if m is model.body else None), \
+            r"every module has a hook registered \(register_module_forward_hook\)"
+    if kind == "tensor_hook":
+        return model.body.weight.register_hook(lambda g: g * 10), \
+            r"parameter 'body.weight' has a hook registered \(Tensor.register_hook\)"
+    if kind == "post_accumulate_grad_hook":
+        def scale(p):
+            p.grad.mul_(10)
+
+        return model.body.weight.register_post_accumulate_grad_hook(scale), \
+            r"parameter 'body.weight' has a hook registered \(Tensor.register_post_accumulate_grad_hook\)"
+    if kind == "module_backward_hook":
+        return model.head.register_full_backward_hook(lambda m, gin, gout: (gin[0] * 3,)), \
+            r"module 'head' \(Linear\) has a hook registered \(register_full_backward_hook\)"
+    if kind == "global_backward_hook":
+        return module_mod.register_module_full_backward_hook(
+            lambda m, gin, gout: (gin[0] * 3,) if m is model.head else None), \
+            r"every module has a hook registered \(register_module_full_backward_hook\)"
+    if kind == "optimizer_step_hook":
+        def halve(o, args, kwargs):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5)
+        return opt.register_step_post_hook(halve), \
+            r"optimizer SGD has a hook registered \(register_step_post_hook\)"
+    raise AssertionError(kind)
+
+
+_LATE_HOOKS = ["forward_hook", "forward_pre_hook", "global_forward_hook", "tensor_hook", "post_accumulate_grad_hook",
+               "module_backward_hook", "global_backward_hook", "optimizer_step_hook"]
+
+
+@pytest.mark.parametrize("kind", _LATE_HOOKS)
+def test_hooks_registered_after_build_are_refused_not_ignored(kind):
+    # Build-time hooks are traced (forward) or refused (gradient, step); one registered after the build
+    # ran in eager training and was silently ignored by the step (it trained as if the hook were absent).
+    ref = _Adversarial(lambda h: h)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    plain = copy.deepcopy(ref)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.5)
+    handle, _ = _add_hook(ref, ref_opt, kind)
+    for m, o in ((ref, ref_opt), (plain, plain_opt)):
+        _mse(m, *_XY).backward()
+        o.step()
+    handle.remove()
+    assert not torch.equal(ref.body.weight, plain.body.weight)  # the hook changes eager training
+
+    model = _Adversarial(lambda h: h)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    step = torch_ext.make_train_step(model, opt, _mse, _XY)
+    loss, state = step(step.init_state(), *_XY)
+    before, _ = step(state, *_XY)
+    handle, message = _add_hook(model, opt, kind)
+    try:
+        with pytest.raises(ValueError, match=message):
+            step(state, *_XY)
+        with pytest.raises(ValueError, match=message):
+            step.compile(plan=False)(state, *_XY)
+    finally:
+        handle.remove()
+    again, _ = step(state, *_XY)  # removed again: the program is right again
+    assert torch.equal(again, before)
+
+
+def test_traced_forward_hook_removed_after_build_is_refused_not_applied():
+    # The program holds the forward hook it traced; removing it changes eager training, not the program.
+    model = _Adversarial(lambda h: h)
+    handle = model.body.register_forward_hook(lambda m, a, out: out * 2)
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), _mse, _XY)
+    _, state = step(step.init_state(), *_XY)
+    handle.remove()
+    with pytest.raises(ValueError, match=r"a hook on module 'body' \(Linear\) \(register_forward_hook\) was removed "
+                                         r"after the step was built"):
+        step(state, *_XY)
+    other = nn.Linear(2, 2)
+    model.body.register_forward_hook(lambda m, a, out: out * 2)  # a new hook is not the traced one
+    other.register_forward_hook(lambda m, a, out: out)
+    with pytest.raises(ValueError, match=r"has a hook registered \(register_forward_hook\)"):
+        step(state, *_XY)
+
+
+def test_hooks_on_other_models_do_not_refuse_the_step():
+    model = _Adversarial(lambda h: h)
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), _mse, _XY)
+    loss, state = step(step.init_state(), *_XY)
+    other = _Adversarial(lambda h: h)
+    other.body.register_forward_hook(lambda m, a, out: out * 2)
+    other.body.weight.register_hook(lambda g: g)
+    loss2, _ = step(step.init_state(), *_XY)
+    assert torch.equal(loss, loss2)
