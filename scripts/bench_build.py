@@ -203,17 +203,17 @@ def part_sweep(repeats: int, cold_repeats: int) -> None:
             check(last["ours"]["result"] == last["ours_disk"]["result"], f"sweep b{batch}: disk hit equals a cold build")
             check(last["ours_disk"]["stats"]["disk_cache"] == "hit", f"sweep b{batch}: {last['ours_disk']['stats']}")
             r = walls["eager"] / walls["ours"]
-            print(f"  batch {batch} cold (fresh process each), disk cache off: eager {walls['eager']:.3f} s, ours "
+            print(f"  batch {batch} cold (fresh process each), disk cache off, skip_identical=False: eager {walls['eager']:.3f} s, ours "
                   f"{walls['ours']:.3f} s ({fmt_split(last['ours']['stats'])}, front end "
                   f"{last['ours']['stats']['front_end']}) -> {r:.2f}x [target >= 2x: {target(r >= 2, f'sweep b{batch} cold >= 2x')}]")
             r = walls["eager"] / walls["ours_disk"]
-            print(f"  batch {batch} cold (fresh process each), disk cache HIT: eager {walls['eager']:.3f} s, ours "
+            print(f"  batch {batch} cold (fresh process each), disk cache HIT, skip_identical=False: eager {walls['eager']:.3f} s, ours "
                   f"{walls['ours_disk']:.3f} s ({fmt_split(last['ours_disk']['stats'])}) -> {r:.2f}x "
                   f"[target >= 2x: {target(r >= 2, f'sweep b{batch} cold disk hit >= 2x')}]")
             check(last["ours_skip"]["result"] == last["ours_disk"]["result"], f"sweep b{batch}: skip_identical equals")
             r = walls["eager"] / walls["ours_skip"]
-            print(f"  batch {batch} cold, disk cache HIT, sweep(skip_identical=True) (sites whose patch is bit-identical to "
-                  f"the clean value take the clean outputs, as torch_ext.patching does): {walls['ours_skip']:.3f} s -> "
+            print(f"  batch {batch} cold, disk cache HIT, sweep's default skip_identical=True (sites whose patch is "
+                  f"bit-identical to the clean value take the clean outputs): {walls['ours_skip']:.3f} s -> "
                   f"{r:.2f}x [target >= 2x: {target(r >= 2, f'sweep b{batch} cold disk hit skip_identical >= 2x')}]")
 
         clean, corrupted = prompts(batch)

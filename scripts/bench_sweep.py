@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Wall-clock benchmarks of reactive patching sweeps (CPU, one thread).
 
-    python scripts/bench_sweep.py [--repeats 7] [--only-grid --grid-sizes 64 384 1024 --linear-max 384]
+    python scripts/bench_sweep.py [--repeats 7] [--only-grid --grid-sizes 64 384 1024 --linear-max 384
+                                   --grid-ops relu sin linear+gelu] [--only-tl 64x8 128x8]
 
 0. The grid (issue 10): ops {relu, sin, linear+gelu} x tensors {64^2, 384^2, 1024^2}, a 160-node chain
    with every 4th node a site; torch_ext.sweep against a full recompute by torch_ext.Executor, one
@@ -200,14 +201,15 @@ def _grid_full_graph(op: str, d: int, n: int, site: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def part0(repeats: int, sizes: list[int], linear_max: int, n: int = 160, every: int = 4) -> None:
+def part0(repeats: int, sizes: list[int], linear_max: int, n: int = 160, every: int = 4,
+          ops: tuple = ("relu", "sin", "linear+gelu")) -> None:
     header("0. grid: torch_ext.sweep vs a full recompute (torch_ext.Executor per site), wall ratio / rho")
     print(f"chain of {n} nodes, every {every}th node a site; full arm: one Executor run of all {n} nodes per site")
     print(f"with the site's value replaced after it is computed (as a forward hook would); metric out.sum();")
     print(f"medians of {repeats} interleaved repeats; metrics of the two arms must be equal.")
     print(f"{'op':12s} {'tensor':>10s} {'full ms':>9s} {'reactive ms':>11s} {'wall x':>7s} {'rho':>6s} "
           f"{'/ rho':>6s}  target >= 0.97")
-    for op in ("relu", "sin", "linear+gelu"):
+    for op in ops:
         for d in sizes:
             if op == "linear+gelu" and d > linear_max:
                 print(f"{op:12s} {d:>4d}x{d:<5d} (skipped: over --linear-max {linear_max})")
@@ -340,14 +342,14 @@ def resid_pos_sites(cache, resid: list, T: int):
     return [(node, pos) for node in resid for pos in range(T)], patch
 
 
-def part2(repeats: int) -> None:
+def part2(repeats: int, cases: tuple = ((32, 2), (64, 8), (128, 8))) -> None:
     header("2. TransformerLens-style patching: residual stream at every layer and position")
     print("Two sizes: batching the K positions of a node into one K-times-batched evaluation saves per-op")
     print("overhead, not FLOPs (the batched sweep does the same arithmetic as the one-at-a-time sweep), so it")
     print("pays off where ops are overhead-bound (small d_model / batch), and much less where they are not.")
     print("batched-4: each node's sites sorted by the row their patch changes, 4 per batch, so each batch keeps")
     print("its own row range (token-granular); batch_sites=True stacks all 16 positions of a node, from row 0.")
-    for d, B in ((32, 2), (64, 8), (128, 8)):
+    for d, B in cases:
         part2_case(repeats, d, B)
 
 
@@ -374,7 +376,7 @@ def part2_case(repeats: int, d: int, B: int) -> None:
 
     def one():
         with torch.no_grad():
-            results["one"] = torch_ext.sweep(rg, sites, patch, metric, progress=False)
+            results["one"] = torch_ext.sweep(rg, sites, patch, metric, progress=False, skip_identical=False)
 
     def batched():
         with torch.no_grad():
@@ -386,7 +388,7 @@ def part2_case(repeats: int, d: int, B: int) -> None:
 
     def skip():
         with torch.no_grad():
-            results["skip"] = torch_ext.sweep(rg, sites, patch, metric, progress=False, skip_identical=True)
+            results["skip"] = torch_ext.sweep(rg, sites, patch, metric, progress=False, skip_identical=True)  # the default
 
     t0 = time.perf_counter()
     batched()  # the first batched sweep builds each node's batched cone (C++ pass + one clean evaluation)
@@ -419,10 +421,10 @@ def part2_case(repeats: int, d: int, B: int) -> None:
     s2 = med["eager"] / min(med["batched"], med["batched4"])
     print(f"  batched-4: {med['batched4'] * 1e3:.1f} ms ({med['eager'] / med['batched4']:.2f}x eager), "
           f"max |eager - batched-4| {diff_b4:.2e}")
-    print(f"  one-at-a-time with skip_identical=True (what torch_ext.patching runs): {sk.extra['identical_sites']} sites "
+    print(f"  one-at-a-time, default (skip_identical=True): {sk.extra['identical_sites']} sites "
           f"patch a value bit-identical to the clean one and take the clean outputs unevaluated: "
           f"{sk.measured_evaluations} evaluations, {med['skip'] * 1e3:.1f} ms ({med['eager'] / med['skip']:.2f}x eager; "
-          f"every site its cone: {med['eager'] / med['one']:.2f}x)")
+          f"skip_identical=False, every site its cone: {med['eager'] / med['one']:.2f}x)")
     print(f"  wall (medians of {repeats}): eager hooks {med['eager'] * 1e3:.1f} ms, reactive one-at-a-time "
           f"{med['one'] * 1e3:.1f} ms, reactive batched {med['batched'] * 1e3:.1f} ms "
           f"(first batched sweep, building the batched cones: {export_s * 1e3:.0f} ms)")
@@ -716,7 +718,11 @@ def main() -> int:
     ap.add_argument("--grid-repeats", type=int, default=3)
     ap.add_argument("--linear-max", type=int, default=384,
                     help="largest size for the linear+gelu rows (1024 takes minutes per repeat on 2 cores)")
+    ap.add_argument("--grid-ops", nargs="+", default=["relu", "sin", "linear+gelu"],
+                    choices=["relu", "sin", "linear+gelu"])
     ap.add_argument("--only-grid", action="store_true")
+    ap.add_argument("--only-tl", nargs="*", metavar="DxB",
+                    help="run only part 2, for these d_model x batch cases (default 32x2 64x8 128x8)")
     ap.add_argument("--skip-grid", action="store_true")
     ap.add_argument("--positions", action="store_true", help="run only part 4 (token-granular cones)")
     args = ap.parse_args()
@@ -730,9 +736,14 @@ def main() -> int:
         for f in FAILURES:
             print("  - FAILED:", f)
         return 1 if FAILURES else 0
+    if args.only_tl is not None:
+        cases = [tuple(int(v) for v in c.split("x")) for c in args.only_tl] or [(32, 2), (64, 8), (128, 8)]
+        part2(args.repeats, tuple(cases))
+        print(f"total {time.perf_counter() - t0:.1f} s")
+        return 1 if FAILURES else 0
     if not args.skip_grid:
         part0_overhead(args.repeats)
-        part0(args.grid_repeats, args.grid_sizes, args.linear_max)
+        part0(args.grid_repeats, args.grid_sizes, args.linear_max, ops=tuple(args.grid_ops))
     if args.only_grid:
         print(f"total {time.perf_counter() - t0:.1f} s")
         return 1 if FAILURES else 0

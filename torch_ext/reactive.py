@@ -1778,7 +1778,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.Tensor],
           metric: Callable[[Any], Any], *, progress: bool = True, batch_sites: bool = False,
           distributed: bool = False, positions: bool | None = None, reads=None,
-          skip_identical: bool = False) -> SweepResult:
+          skip_identical: bool = True) -> SweepResult:
     """Patches each site, demands, measures and rolls back.
 
     ``sites`` is a glob over node names / module paths, or a list of node names or ``(node, key)``
@@ -1819,13 +1819,14 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     patched value equal to the clean one is cut off at the site and a changed one takes the same
     row-range path as with cutoff off (same bits).
 
-    With ``skip_identical=True`` a one-at-a-time site whose patched value is bit-identical to the
-    node's current value (same shape, dtype and bits: -0.0 is not 0.0) is not evaluated: its cone
-    would recompute the cached values, so it takes the current outputs (the unpatched metric, as
-    batched sites always do). It costs zero evaluations and leaves the ledger: ``predicted_evaluations``
-    sums ``|V+(s)|`` over the other sites only, ``extra["identical_sites"]`` counts the skipped ones and
-    ``extra["skipped_evaluations"]`` what their cones would have cost (docs/cost-model-positions.md,
-    "Identical sites"). Off (the default), every site costs its cone, as the cost model states.
+    With ``skip_identical=True`` (the default) a one-at-a-time site whose patched value is
+    bit-identical to the node's current value (same shape, dtype and bits: -0.0 is not 0.0) is not
+    evaluated: its cone would recompute the cached values, so it takes the current outputs (the
+    unpatched metric, as batched sites always do), the same bits. It costs zero evaluations and
+    leaves the ledger: ``predicted_evaluations`` sums ``|V+(s)|`` over the other sites only,
+    ``extra["identical_sites"]`` counts the skipped ones and ``extra["skipped_evaluations"]`` what
+    their cones would have cost (docs/cost-model-positions.md, "Identical sites"). With
+    ``skip_identical=False`` every site costs its cone, as the plain cost model states.
     """
     site_list = _expand_sites(rg, sites)
     if not site_list:

@@ -305,11 +305,19 @@ std::vector<c10::IValue> Engine::evaluate_cone_whole(int64_t id, c10::IValue val
   PatchPlan& plan = plan_for(id);
   bind_scratch(plan);
   HeldCone held(*this, id, plan, std::move(value));  // the state afterwards is exactly the state before
-  // The executor's loop: values are released at their last use, and nothing else happens per node.
-  runtime::run_steps(plan.steps, values_, stack_, [&](size_t i, const std::exception& e) {
+  // The executor's loop: values are released at their last use, and nothing else happens per node
+  // (but for the composite steps scratch.cpp checks).
+  const auto on_error = [&](size_t i, const std::exception& e) {
     count_plan(plan, i);  // the nodes before it did run
     rethrow_evaluating(states_[plan.order[i]], e);
-  });
+  };
+  if (plan.alias_checks.empty() || !scratch_.defined()) {
+    runtime::run_steps(plan.steps, values_, stack_, on_error);
+  } else {
+    runtime::run_steps(plan.steps, values_, stack_, on_error, [&](size_t i) {
+      if (plan.alias_checks[i]) unalias_scratch(values_[plan.order[i]]);
+    });
+  }
   count_plan(plan, plan.order.size());
   return runtime::output_values(graph_->output()->args()[0].list,
                                 [&](const ir::Node* n) -> const c10::IValue& { return values_[ids_.at(n)]; });

@@ -373,6 +373,9 @@ class Engine {
     std::vector<int64_t> inplace_inputs;  // the slot each overwrites, when it alone holds the tensor
     std::vector<runtime::BoundKernel> inplace_kernels;
     bool inplace_bound = false;  // steps point at inplace_kernels (scratch on), else at the functional ones
+    // Per step (empty: none): a composite op planned as a fresh result, whose value is copied out if it
+    // points into the scratch (unalias_scratch).
+    std::vector<uint8_t> alias_checks;
   };
   std::unordered_map<int64_t, PatchPlan> plans_;  // by patched node; dropped by grafts
   uint64_t pins_version_ = 0;                     // bumped whenever the pin set changes
@@ -385,6 +388,9 @@ class Engine {
   // allocating (scratch.cpp); `end`/`escapes` per position as plan_scratch computes them.
   void plan_inplace(PatchPlan& plan, const std::vector<int64_t>& end, const std::vector<bool>& escapes);
   void bind_scratch(PatchPlan& plan);
+  // A value that points into the scratch memory (a composite op handed back its input's buffer) is
+  // replaced by a copy, so that no value outside the plan's lifetimes lives in the scratch.
+  void unalias_scratch(c10::IValue& v) const;
   // evaluate_patched's work once its checks passed: pins `id` to `value`, runs its whole cone with the
   // shared loop, returns the outputs and puts every value back. No early cutoff inside the cone (the
   // row path calls it with cutoff on, where cutoff does not act inside a cone either).

@@ -11,11 +11,20 @@
 // are bit for bit those of the functional kernels.
 //
 // A value stays allocated by its kernel (as before) when it is an output, when a value that may
-// alias it (a schema view, a getitem, _unsafe_view, a higher-order op's result, a composite op's
-// result: aten::dropout(train=False) returns its input) reaches an output,
+// alias it (a schema view, a getitem, _unsafe_view, a higher-order op's result) reaches an output,
 // when it is not a single strided tensor with non-negative strides, or when it lives on another
 // device than the first scratch value. A buffer lives from its producer to the last read of it or
 // of any value that may alias it.
+//
+// A composite op (no kernel of its own, it runs other ops) may hand back an input although its schema
+// declares a fresh result (aten::dropout with train=False, aten::type_as with the dtype it has), but
+// most never do (aten::linear, aten::matmul, aten::layer_norm): planning every one of them as an
+// alias keeps its input's buffer alive as long as its own value. So a composite op with a tensor
+// result is planned as the fresh result its schema declares, and checked where it runs: a value it
+// returns inside the scratch memory (an input's buffer, or a view of it) is copied out at once
+// (Engine::unalias_scratch), before any later step can reuse that buffer, so no value outside the plan
+// ever points into the scratch. The copy has the same bits. A composite op with another result type
+// (a tuple of tensors) is still planned as an alias of its inputs.
 //
 // A node left out of the scratch (no out= kernel of its own: aten::relu) whose one tensor input is a
 // cone intermediate that its own kernel allocated, that no value may alias, that is no output, that
@@ -45,19 +54,30 @@
 namespace torch_ext::reactive {
 namespace {
 
-// Whether `reader`'s value may share storage with one of its inputs.
-bool may_alias_input(const ir::Node& reader) {
-  if (reader.target().is_builtin() || ir::is_higher_order(reader.target())) return true;
-  if (ir::is_view_op(reader) || ir::returns_input_storage(reader)) return true;
+// How `reader`'s value may share storage with one of its inputs.
+enum class Alias {
+  Never,      // a fresh result by its schema, computed by the op's own kernel
+  Checked,    // a composite op with a tensor result: fresh by its schema, checked where it runs
+  Possible,   // a view, a getitem, an unknown op ...: planned as an alias of its inputs
+};
+
+Alias alias_of_input(const ir::Node& reader) {
+  if (reader.target().is_builtin() || ir::is_higher_order(reader.target())) return Alias::Possible;
+  if (ir::is_view_op(reader) || ir::returns_input_storage(reader)) return Alias::Possible;
   const std::optional<c10::OperatorHandle> op = ir::find_op(reader.target());
-  if (!op.has_value()) return true;
+  if (!op.has_value()) return Alias::Possible;
   for (const auto& r : op->schema().returns())
-    if (r.alias_info() != nullptr) return true;
+    if (r.alias_info() != nullptr) return Alias::Possible;
   // A composite op (no kernel of its own: it runs other ops) may hand back an input although its
   // schema declares a fresh result: aten::dropout with train=False, aten::type_as with the dtype it
   // has, aten::einsum("ij->ji") a view. torch.export's default IR keeps them (dropout in eval mode).
-  return op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
+  if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) return Alias::Never;
+  return reader.type().kind == ir::Type::Kind::Tensor ? Alias::Checked : Alias::Possible;
 }
+
+// The in-place steps' conservative rule: any composite op may alias (the run-time sole_owner check
+// guards them as well).
+bool may_alias_input(const ir::Node& reader) { return alias_of_input(reader) != Alias::Never; }
 
 }  // namespace
 
@@ -81,7 +101,7 @@ void Engine::plan_scratch(PatchPlan& plan) {
       if (p == pos.end()) continue;  // a pinned user: it keeps its pinned value and reads nothing
       const size_t j = p->second;
       e = std::max(e, static_cast<int64_t>(j));
-      if (may_alias_input(*user)) {
+      if (alias_of_input(*user) == Alias::Possible) {  // Checked: copied out if it aliases the scratch
         e = std::max(e, end[j]);
         esc = esc || escapes[j];
       }
@@ -111,6 +131,15 @@ void Engine::plan_scratch(PatchPlan& plan) {
   }
   plan_inplace(plan, end, escapes);
   if (lives.empty()) return;
+  // The composite steps planned as fresh results that do not write into the scratch themselves: their
+  // value is checked after they run (unalias_scratch).
+  std::vector<bool> in_scratch(n, false);
+  for (const ScratchOut& s : plan.scratch) in_scratch[s.step] = true;
+  for (size_t i = 0; i < n; ++i)
+    if (!in_scratch[i] && alias_of_input(*states_[plan.order[i]].node) == Alias::Checked) {
+      if (plan.alias_checks.empty()) plan.alias_checks.assign(n, 0);
+      plan.alias_checks[i] = 1;
+    }
   const ir::ArenaPlan arena = passes::plan_best(lives);
   ir::verify_plan(lives, arena);  // no two buffers live at once share a byte
   for (size_t b = 0; b < lives.size(); ++b) plan.scratch[b].offset = arena.offsets[b];
@@ -162,6 +191,16 @@ void Engine::plan_inplace(PatchPlan& plan, const std::vector<int64_t>& end, cons
     plan.inplace_kernels.push_back(runtime::BoundKernel::bind_as(
         node, it->second->op, [this](const ir::Node* x) { return ids_.at(x); }, {}));
   }
+}
+
+void Engine::unalias_scratch(c10::IValue& v) const {
+  if (!scratch_.defined() || !v.isTensor()) return;
+  const at::Tensor& t = v.toTensor();
+  if (!t.defined() || !t.has_storage()) return;
+  const auto* data = static_cast<const uint8_t*>(t.storage().data());
+  const auto* base = static_cast<const uint8_t*>(scratch_.const_data_ptr());
+  if (data == nullptr || data < base || data >= base + scratch_.numel()) return;
+  v = t.clone();  // an input's scratch buffer handed back: later steps may reuse that buffer
 }
 
 int64_t Engine::inplace_steps(const std::string& node) {

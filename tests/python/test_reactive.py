@@ -1011,11 +1011,22 @@ def test_sweep_one_at_a_time_vs_batched(tiny, tmp_path):
 
     sites = [(n, p) for n in resid for p in range(model.seq)]
     rg.reset_stats()
-    r1 = torch_ext.sweep(rg, sites, patch, metric, progress=False)
+    r1 = torch_ext.sweep(rg, sites, patch, metric, progress=False, skip_identical=False)
     assert r1.measured_evaluations == r1.predicted_evaluations == sum(len(rg.cone(n)) for n, _ in sites)
     assert r1.full_evaluations == len(sites) * rg.num_nodes
     assert rg.stats["evaluations"] == r1.measured_evaluations
     assert bits_equal(rg.demand(), clean_out)  # the sweep restores
+    # The default skips the sites whose patch leaves the value bit-identical (positions the corrupted
+    # prompt does not change, in the embeddings' sum): they cost nothing, the others their cones.
+    identical = [(n, p) for n, p in sites if torch.equal(cache[n][:, p], rg.value(n)[:, p])]
+    assert identical, "the corrupted prompt changes every position: no identical site to skip"
+    rg.reset_stats()
+    r0 = torch_ext.sweep(rg, sites, patch, metric, progress=False)
+    assert r0.extra["identical_sites"] == len(identical)
+    assert r0.measured_evaluations == r0.predicted_evaluations == rg.stats["evaluations"] == sum(
+        len(rg.cone(n)) for n, p in sites if (n, p) not in identical)
+    assert r0.extra["skipped_evaluations"] == sum(len(rg.cone(n)) for n, _ in identical)
+    assert r0.metrics == r1.metrics  # the same bits
     r2 = torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=True)
     assert r2.batched and r2.groups == len(resid)
     assert r2.measured_evaluations == r2.predicted_evaluations == sum(len(rg.cone(n)) for n in resid)

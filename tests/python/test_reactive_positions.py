@@ -270,12 +270,13 @@ def test_cutoff_gives_the_same_bits_and_standing_patches_fall_back_to_whole_node
     # Half the sites patch a value equal to the clean one (cutoff stops them at the site).
     same = lambda v, s: v.clone() if s[1] % 2 else patch(v, s)  # noqa: E731
     metric = lambda out: out.clone()  # noqa: E731
-    whole = torch_ext.sweep(rg, sites, same, metric, progress=False, positions=False)
-    rows = torch_ext.sweep(rg, sites, same, metric, progress=False)
+    # skip_identical=False: the identical sites reach the engine, where cutoff stops them.
+    whole = torch_ext.sweep(rg, sites, same, metric, progress=False, positions=False, skip_identical=False)
+    rows = torch_ext.sweep(rg, sites, same, metric, progress=False, skip_identical=False)
     rg.set_cutoff(True)
     before = rg.stats["cutoffs"]
-    cut = torch_ext.sweep(rg, sites, same, metric, progress=False)
-    cut_whole = torch_ext.sweep(rg, sites, same, metric, progress=False, positions=False)
+    cut = torch_ext.sweep(rg, sites, same, metric, progress=False, skip_identical=False)
+    cut_whole = torch_ext.sweep(rg, sites, same, metric, progress=False, positions=False, skip_identical=False)
     changed = [s for s in sites if s[1] % 2 == 0]
     # Row-range recompute with cutoff on runs the same kernels on the same rows as with it off.
     for s in sites:

@@ -253,7 +253,8 @@ def test_copies_given_to_patch_functions_are_reused_only_while_nobody_holds_them
     rg.check_invariants()
 
 
-# ---- sweep(skip_identical=True): a site whose patched value is bit-identical to the node's is not evaluated
+# ---- sweep(skip_identical=True), the default: a site whose patched value is bit-identical to the node's is
+# not evaluated; skip_identical=False evaluates every site's cone
 def _identical_or_filled(fill: float, identical_at: set):
     """position_patch(fill), except that positions in ``identical_at`` return an unchanged copy."""
     filled = position_patch(fill)
@@ -273,20 +274,28 @@ def test_skip_identical_takes_the_current_outputs_and_leaves_the_ledger(monkeypa
     same = {0, 3}
     patch = _identical_or_filled(0.25, same)
     metric = lambda o: o[:, -1].clone()  # noqa: E731  (per example: compared bit for bit)
-    full = torch_ext.sweep(rg, sites, patch, metric, progress=False, positions=positions)
     if loop == "python":
         _python_loop(monkeypatch)
+    cones = {n: len(rg.cone(n)) for n in tanh}
+    # skip_identical=False: every site costs its cone, the identical ones included (the plain sum).
     before = rg.stats["evaluations"]
-    r = torch_ext.sweep(rg, sites, patch, metric, progress=False, positions=positions, skip_identical=True)
+    full = torch_ext.sweep(rg, sites, patch, metric, progress=False, positions=positions, skip_identical=False)
+    assert full.measured_evaluations == full.predicted_evaluations == sum(cones[n] for n, _ in sites)
+    assert rg.stats["evaluations"] - before == full.measured_evaluations
+    assert "identical_sites" not in full.extra
+    before = rg.stats["evaluations"]
+    r = torch_ext.sweep(rg, sites, patch, metric, progress=False, positions=positions)  # the default skips
     # The same bits at every site: an identical value's cone would recompute the cached outputs.
     assert {s: _bits(v) for s, v in r.metrics.items()} == {s: _bits(v) for s, v in full.metrics.items()}
+    explicit = torch_ext.sweep(rg, sites, patch, metric, progress=False, positions=positions, skip_identical=True)
+    assert {s: _bits(v) for s, v in explicit.metrics.items()} == {s: _bits(v) for s, v in r.metrics.items()}
+    assert explicit.measured_evaluations == r.measured_evaluations
     skipped = [s for s in sites if s[1] in same]
-    cones = {n: len(rg.cone(n)) for n in tanh}
     assert r.extra["identical_sites"] == len(skipped)
     assert r.extra["skipped_evaluations"] == sum(cones[n] for n, _ in skipped)
     # The ledger: the other sites cost their cones, the skipped ones nothing, and the two agree.
     assert r.measured_evaluations == r.predicted_evaluations == sum(cones[n] for n, p in sites if p not in same)
-    assert rg.stats["evaluations"] - before == r.measured_evaluations
+    assert rg.stats["evaluations"] - before == r.measured_evaluations + explicit.measured_evaluations
     assert r.predicted_evaluations + r.extra["skipped_evaluations"] == full.predicted_evaluations
     rg.check_invariants()
 
@@ -307,8 +316,7 @@ def test_skip_identical_on_a_pinned_node_and_signed_zero(monkeypatch):
     def flip(value, site):
         return value.clone() if site[1] == "same" else torch.where(value == 0, -0.0, value)
 
-    r = torch_ext.sweep(rg, [(relu, "same"), (relu, "flip")], flip, lambda o: o.clone(), progress=False,
-                        skip_identical=True)
+    r = torch_ext.sweep(rg, [(relu, "same"), (relu, "flip")], flip, lambda o: o.clone(), progress=False)
     assert r.extra["identical_sites"] == 1 and r.measured_evaluations == r.predicted_evaluations == len(rg.cone(relu))
     assert torch.equal(r.metrics[(relu, "same")], rg.demand())
     assert not torch.equal(r.metrics[(relu, "flip")], rg.demand())  # evaluated: the signs of 1/±0 differ
@@ -319,8 +327,8 @@ def test_skip_identical_on_a_pinned_node_and_signed_zero(monkeypatch):
     tanh_rg.demand()
     sites = [(tanh[1], p) for p in range(5)] + [(tanh[0], p) for p in range(5)]
     patch = _identical_or_filled(-1.0, {1, 2})
-    ref = torch_ext.sweep(tanh_rg, sites, patch, lambda o: o.sum(), progress=False)
-    got = torch_ext.sweep(tanh_rg, sites, patch, lambda o: o.sum(), progress=False, skip_identical=True)
+    ref = torch_ext.sweep(tanh_rg, sites, patch, lambda o: o.sum(), progress=False, skip_identical=False)
+    got = torch_ext.sweep(tanh_rg, sites, patch, lambda o: o.sum(), progress=False)  # skip_identical: the default
     assert got.metrics == ref.metrics and got.extra["identical_sites"] == 4
     assert got.measured_evaluations == got.predicted_evaluations
     assert tanh_rg.patched() == [tanh[1]]
