@@ -15,9 +15,10 @@ allocations and eager arithmetic inside. Two kinds sit in every step program:
 
 Cross-entropy is rewritten too (fuse_cross_entropy below): the joint graph's
 ``_log_softmax -> nll_loss_forward`` and ``nll_loss_backward -> _log_softmax_backward_data`` become
-pointwise ATen math over the logits and their row logsumexp, which Inductor fuses into one forward
-reduction and one backward pass, instead of a stored log-softmax, a zeroed gradient with a scatter
-into it and a row sum of that gradient (on the GPT-2 benchmark, 1024 x 8192 logits).
+pointwise ATen math over the logits and their row logsumexp, which Inductor lowers to one forward
+reduction and one backward pass. From the ATen ops Inductor also avoided storing the log-softmax and
+the scatter, but added a pass computing the row sum of the scattered gradient (on the GPT-2
+benchmark, 1024 x 8192, vectorised across rows: about 1% of the AOTInductor step).
 """
 from __future__ import annotations
 
