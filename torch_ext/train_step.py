@@ -944,13 +944,15 @@ class TrainStep:
 
         if not isinstance(donate, bool):
             raise TypeError(f"to_aoti: donate must be a bool, got {type(donate).__name__} {donate!r}")
-        from ._aoti import aoti_decompositions
+        from ._aoti import aoti_decompositions, fuse_cross_entropy_program
 
         layout_json = self.program.graph_module.meta["custom"][LAYOUT_KEY]
         # The update ops as ATen math and dropout as Inductor's own Philox stream seeded from the
         # state, which Inductor fuses (opaque C++ kernels otherwise; see torch_ext/_aoti.py).
         # (for_aot_inductor last: the retrace of run_decompositions turns its reshapes back into views.)
         program = _compat.for_aot_inductor(self.program.run_decompositions(aoti_decompositions()))
+        # Cross-entropy as pointwise math over the logits and their logsumexp (torch_ext/_aoti.py).
+        program = fuse_cross_entropy_program(program)
         if donate:
             layout = json.loads(layout_json)
             position = {name: i for i, name in enumerate(layout["inputs"])}
