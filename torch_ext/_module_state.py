@@ -74,6 +74,26 @@ def attributes(model: torch.nn.Module) -> tuple:
                     tdicts.append(sub)
                     tkeys.append(k)
                     tensors.append(v)
+    # A forward replaced on a class after the build (Block.forward = f) is code the program never ran:
+    # per module class, the class that defines the forward it runs holds that function by identity, and
+    # every class before it in the MRO must still not define one (else it shadows the traced one).
+    seen = set()
+    for mod in model.modules():
+        cls = type(mod)
+        if cls in seen:
+            continue
+        seen.add(cls)
+        label = f"class {cls.__module__}.{cls.__qualname__}"
+        for c in cls.__mro__:
+            d = c.__dict__
+            if "forward" in d:
+                tpaths.append(label)
+                tdicts.append(d)
+                tkeys.append("forward")
+                tensors.append(d["forward"])
+                break
+            fpaths.append(label)
+            fdicts.append(d)
     return paths, dicts, keys, values, tpaths, tdicts, tkeys, tensors, fpaths, fdicts
 
 
@@ -132,7 +152,9 @@ def traced_changes(model: torch.nn.Module, snapshot: tuple) -> list:
 
 
 def describe(path: str, key: str) -> str:
-    """``model.<path>.<key>``, the attribute as the user reaches it."""
+    """``model.<path>.<key>``, the attribute as the user reaches it (``<class>.forward`` for a class's)."""
+    if path.startswith("class "):
+        return f"{path[len('class '):]}.{key} (on the class)"
     return f"{'model.' + path if path else 'model'}.{key}"
 
 

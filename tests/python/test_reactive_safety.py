@@ -587,6 +587,9 @@ class _Tempered(nn.Module):
         return torch.softmax(self.drop(self.fc(x)) / self.tau, -1)
 
 
+_TEMPERED_FORWARD = _Tempered.forward
+
+
 @pytest.mark.parametrize("change", ["temperature", "train_mode"])
 def test_run_refuses_module_attributes_changed_after_build(change):
     # Before: run() computed with the traced temperature (max |difference| 0.53 against the eager
@@ -692,7 +695,7 @@ def test_patch_function_below_a_standing_patch_gets_the_baseline_in_either_order
     assert torch.equal(rg.value("relu_2"), clean)
 
 
-@pytest.mark.parametrize("change", ["submodule", "forward", "parameter"])
+@pytest.mark.parametrize("change", ["submodule", "forward", "class_forward", "parameter"])
 def test_run_refuses_a_submodule_or_forward_replaced_after_build(change):
     # Before: run() kept computing with the traced submodule / forward / the parameter object it was
     # built with, while eager used the new one.
@@ -707,14 +710,20 @@ def test_run_refuses_a_submodule_or_forward_replaced_after_build(change):
     elif change == "forward":
         model.forward = lambda x: torch.softmax(model.fc(x) * 2, -1)
         message = r"run: model.forward was replaced by <function"
+    elif change == "class_forward":  # reaches every instance of the class
+        _Tempered.forward = lambda self, x: torch.softmax(self.fc(x) * 2, -1)
+        message = r"run: test_reactive_safety._Tempered.forward \(on the class\) was replaced by <function"
     else:
         traced_weight = model.fc.weight
         model.fc.weight = nn.Parameter(traced_weight.detach() * 2)
         message = r"run: model.fc.weight was replaced by a tensor of shape \(8, 8\)"
-    with torch.no_grad():
-        assert not torch.equal(model(x), clean)  # eager follows the change
-    with pytest.raises(ValueError, match=message):
-        rg.run(x)
+    try:
+        with torch.no_grad():
+            assert not torch.equal(model(x), clean)  # eager follows the change
+        with pytest.raises(ValueError, match=message):
+            rg.run(x)
+    finally:
+        _Tempered.forward = _TEMPERED_FORWARD
     model.fc = traced
     model.__dict__.pop("forward", None)
     if change == "parameter":

@@ -346,6 +346,13 @@ class _Tempered(nn.Module):
         return self.head(self.drop(h))
 
 
+_TEMPERED_FORWARD = _Tempered.forward
+
+
+def _tempered_forward_doubled(self, x):
+    return _TEMPERED_FORWARD(self, x) * 2
+
+
 _CHANGES = {
     "temperature": (lambda m: setattr(m, "tau", 0.25), r"model.tau is 0.25 now, 1.0 when the step was built"),
     "dropout_p": (lambda m: setattr(m.drop, "p", 0.5), r"model.drop.p is 0.5 now, 0.0 when the step was built"),
@@ -359,6 +366,8 @@ _CHANGES = {
                            r"model.drop was replaced by a Tanh module \(when the step was built: a Dropout module\)"),
     "forward_replaced": (lambda m: setattr(m.head, "forward", lambda h: F.linear(h, m.head.weight)),
                          r"model.head.forward was replaced by <function"),
+    "class_forward_replaced": (lambda m: setattr(_Tempered, "forward", _tempered_forward_doubled),
+                               r"test_train_step_habits._Tempered.forward \(on the class\) was replaced by <function"),
     "dict_edited": (lambda m: m.opts.__setitem__("scale", 2.0),
                     r"model.opts is \{'scale': 2.0\} now, \{'scale': 1.0\} when"),
 }
@@ -375,7 +384,14 @@ def test_module_attribute_changed_after_build_is_refused_not_ignored(change):
     eager_run(ref, ref_opt, iter(batches[:1]), 1, loss_fn=_mse)
     mutate(ref)
     ref_loss = eager_run(ref, ref_opt, iter(batches[1:]), 1, loss_fn=_mse)[0]
+    _Tempered.forward = _TEMPERED_FORWARD  # a class change reaches every instance: build on the original
+    try:
+        _refused_then_accepted_again(mutate, message, batches, ref_loss)
+    finally:
+        _Tempered.forward = _TEMPERED_FORWARD
 
+
+def _refused_then_accepted_again(mutate, message, batches, ref_loss):
     model = _Tempered()
     step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), _mse, _XY)
     traced_shift, traced_drop = model.shift, model.drop
@@ -392,6 +408,7 @@ def test_module_attribute_changed_after_build_is_refused_not_ignored(change):
     model.opts["scale"] = 1.0
     model.drop = traced_drop
     model.head.__dict__.pop("forward", None)
+    _Tempered.forward = _TEMPERED_FORWARD
     again, _ = step(state, *batches[1])
     assert torch.equal(again, unchanged)
 
