@@ -125,8 +125,7 @@ def fuse_cross_entropy(gm: torch.fx.GraphModule) -> int:
                                               {"dtype": torch.int64, "device": val.device})
                 onehot = graph.call_function(_aten.eq.Tensor, (
                     classes, graph.call_function(_aten.unsqueeze.default, (target, 1))))
-                probs = graph.call_function(_aten.exp.default, (
-                    graph.call_function(_aten.sub.Tensor, (x, lse)),))
+                probs = graph.call_function(_aten.exp.default, (shifted,))
                 diff = graph.call_function(_aten.where.self, (
                     onehot, graph.call_function(_aten.sub.Tensor, (probs, 1.0)), probs))
                 c = g if reduction == 2 else graph.call_function(_aten.div.Tensor, (g, b_tw))
