@@ -446,6 +446,7 @@ class Engine {
     int64_t need = 0;  // first row any reader needs (0 when read whole)
     int special = 0;   // 0 kernel, 1 causal SDPA, 2 view, 3 _unsafe_view, 4 reshape, 5 expand
     bool dense_inputs = false;  // sliced inputs are made contiguous first (GEMMs, norms, attention)
+    bool causal_sdpa = false;   // scaled_dot_product_attention reading its keys and values causally
     std::vector<int64_t> cols;  // special 6 (linear) / 7 (matmul): the only output columns computed
     at::Tensor cols_index;      // cols as a long tensor on the weight's device
     int64_t width = 0;          // the output's last dim when cols is set
@@ -475,6 +476,18 @@ class Engine {
     std::vector<int64_t> cols;
   };
   std::unordered_map<int64_t, RowScratch> row_scratch_;  // by node id
+  // The largest magnitude in a node's cached value, for the attention overflow check of the row path
+  // (rows.cpp): computed once per cached tensor and version, as the cached values outlive many sites.
+  struct CleanMax {
+    std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> source;
+    int64_t version = -1;
+    double max_abs = 0.0;
+  };
+  std::unordered_map<int64_t, CleanMax> clean_max_;  // by node id
+  double cached_max_abs(int64_t slot, const at::Tensor& cached);
+  // Whether a causal SDPA step of the row path could see a score overflow to inf, or a non-finite
+  // input: then a full kernel and the row path disagree (see rows.cpp), and the cone runs whole.
+  bool attention_may_overflow(const RowStep& step, const NodeState& st, const HeldCone& held);
   // Rows [0, p) of `cached`, NaN for rows [p, start), then `suffix` (rows [start, T)); with `cols`,
   // suffix holds only those columns of the last dim (the others NaN).
   at::Tensor assemble_rows(int64_t id, const at::Tensor& cached, const at::Tensor& suffix, int64_t dim, int64_t p,

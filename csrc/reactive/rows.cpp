@@ -16,6 +16,7 @@
 #include <c10/util/SmallVector.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <optional>
 #include <limits>
@@ -36,6 +37,26 @@ c10::IValue narrow_value(const c10::IValue& v, int64_t dim, int64_t from, int64_
     return c10::ivalue::Tuple::create(std::move(out));
   }
   TORCH_CHECK(false, "token-granular cone: cannot take rows of a ", v.tagKind(), " value");
+}
+
+// The largest |x| of a tensor: NaN when it holds a NaN (amax propagates it), 0 when it is empty.
+double max_abs(const at::Tensor& t) {
+  if (t.numel() == 0 || !at::isFloatingType(t.scalar_type())) return 0.0;
+  return t.abs().amax().item<double>();
+}
+
+// max that keeps a NaN from either side (std::max drops a NaN in its second argument).
+double max_keep_nan(double a, double b) {
+  return std::isnan(a) || std::isnan(b) ? std::numeric_limits<double>::quiet_NaN() : std::max(a, b);
+}
+
+double largest_finite(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble: return std::numeric_limits<double>::max();
+    case at::kHalf: return 65504.0;
+    case at::kBFloat16: return 3.3895313892515355e38;
+    default: return std::numeric_limits<float>::max();
+  }
 }
 
 // Rows [0, p) of `cached`, NaN for rows [p, start), then `suffix` (rows [start, T)).
@@ -274,8 +295,10 @@ const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_
       step.inputs.push_back(ri);
     }
     step.local = step.suffix && change == passes::SeqChange::Rows && !info.causal_attention;
-    for (const RowInput& ri : step.inputs)
+    for (const RowInput& ri : step.inputs) {
       if ((ri.pos >= 0 || ri.slot == id) && ri.rel != passes::SeqRel::Row) step.local = false;
+      if (op == "scaled_dot_product_attention" && ri.rel == passes::SeqRel::Prefix) step.causal_sdpa = true;
+    }
   }
   // Needs, readers first: an output declared read from row r needs rows [r, T); a row-wise reader
   // passes its own need on; any other reader needs the whole value.
@@ -491,6 +514,10 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
         for (int64_t r : plan.steps[i].release) values_[r] = c10::IValue();
         continue;
       }
+      if (step.suffix && step.causal_sdpa && attention_may_overflow(step, st, held)) {
+        spreads_non_finite = true;
+        break;
+      }
       for (const RowInput& ri : step.inputs) {
         const bool in_suffix = ri.pos >= 0 && rp.steps[ri.pos].suffix;
         c10::IValue repl;
@@ -510,8 +537,9 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
             // Row i of a prefix reader (causal attention, a causal-weights matmul) multiplies the rows
             // after i by zero weights. A full kernel turns 0 * NaN or 0 * inf into NaN in the rows before
             // p, which the row path keeps cached: with a non-finite value in the changed rows, the cone runs
-            // whole instead, so the sweep gives what a full recompute gives.
-            if (ri.rel == passes::SeqRel::Prefix && values_[ri.slot].isTensor()) {
+            // whole instead, so the sweep gives what a full recompute gives. (Causal SDPA was checked before
+            // its inputs were taken: attention_may_overflow also sees a NaN or inf.)
+            if (ri.rel == passes::SeqRel::Prefix && !step.causal_sdpa && values_[ri.slot].isTensor()) {
               const at::Tensor& changed = values_[ri.slot].toTensor();
               if (at::isFloatingType(changed.scalar_type()) && !changed.isfinite().all().item<bool>()) {
                 spreads_non_finite = true;
@@ -629,6 +657,50 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
   // The row path's evaluations so far stay in the ledger: they ran.
   if (spreads_non_finite) return evaluate_cone_whole(id, patched);
   return result;
+}
+
+double Engine::cached_max_abs(int64_t slot, const at::Tensor& cached) {
+  CleanMax& c = clean_max_[slot];
+  if (c.source && c.source->lock().get() == cached.unsafeGetTensorImpl() && c.version == version_of(cached))
+    return c.max_abs;
+  c.max_abs = max_abs(cached);
+  c.source.emplace(cached.getIntrusivePtr());
+  c.version = version_of(cached);
+  return c.max_abs;
+}
+
+// A full causal kernel and the row path mask differently: SDPA's is_causal never computes (or overwrites)
+// the scores above the diagonal, the row path adds -inf to them, and a boolean mask is added as -inf by
+// SDPA itself. A score that overflows to +inf then gives inf - inf = NaN on one side and not on the other
+// (rows >= p on the row path, rows < p of a full kernel under a boolean mask). So the row path runs only
+// when no score can overflow: |q . k| * max(1, scale) <= D * max|q| * max|k| * max(1, scale) stays below
+// half the dtype's largest finite value (in any summation order), and so does every value of v (the
+// output is a convex combination of v's rows). Each maximum covers every row either side reads: the
+// rows this site recomputed and the cached ones. A NaN or inf anywhere also runs the cone whole.
+bool Engine::attention_may_overflow(const RowStep& step, const NodeState& st, const HeldCone& held) {
+  const ir::Node& node = *st.node;
+  auto largest = [&](size_t arg) -> double {
+    const int64_t slot = ids_.at(node.args().at(arg).node);
+    const c10::IValue& now = values_[slot];
+    const RowInput* in = nullptr;
+    for (const RowInput& ri : step.inputs)
+      if (ri.slot == slot) in = &ri;
+    if (in != nullptr && in->pos >= 0) {  // a cone node: the rows it recomputed, and its cached value
+      const double fresh = now.isTensor() ? max_abs(now.toTensor()) : 0.0;
+      const c10::IValue& cached = held.cached(static_cast<size_t>(in->pos));
+      return max_keep_nan(fresh, cached.isTensor() ? cached_max_abs(slot, cached.toTensor()) : 0.0);
+    }
+    return now.isTensor() ? cached_max_abs(slot, now.toTensor()) : 0.0;  // whole: clean, or the patched value
+  };
+  const at::Tensor& q = values_[ids_.at(node.args().at(0).node)].toTensor();
+  const double head_dim = static_cast<double>(q.size(-1));
+  double scale = 1.0 / std::sqrt(head_dim);
+  const ir::Arg* sc = node.args().size() > 6 ? &node.args()[6] : node.kwarg("scale");
+  if (sc != nullptr && sc->kind == ir::Arg::Kind::Float) scale = sc->f;
+  const double limit = 0.5 * largest_finite(q.scalar_type());
+  const double scores = head_dim * largest(0) * largest(1) * std::max(1.0, std::abs(scale));
+  const double values = largest(2);
+  return !(scores < limit) || !(values < limit);  // false for NaN too
 }
 
 }  // namespace torch_ext::reactive

@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
+import torch.nn.functional as F
 
 import torch_ext
 from torch_ext import _C
@@ -101,6 +102,63 @@ def test_a_non_finite_patch_gives_what_a_full_recompute_gives(kind, poison):
         if finite.any():
             assert _rel(got[finite], want[finite]) <= 1e-6, (kind, site)
     rg.check_invariants()
+
+
+class _MaskedAttention(nn.Module):
+    """One causal attention layer over given q/k/v projections; causal by is_causal or by a boolean tril mask
+    (SDPA adds a boolean mask as 0/-inf itself)."""
+
+    def __init__(self, how: str, d: int = 16, heads: int = 2):
+        super().__init__()
+        self.how, self.heads = how, heads
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in self.qkv(x).split(d, dim=-1))
+        if self.how == "is_causal":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # per head: no output mixes NaN in
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.internals
+@pytest.mark.parametrize("how", ["is_causal", "bool_mask"])
+@pytest.mark.parametrize("big", [3e38, 1e30])
+def test_finite_keys_whose_scores_overflow_give_what_a_full_recompute_gives(how, big):
+    # Finite keys can make q . k overflow to +inf. A full kernel masks those scores by not computing them or
+    # overwriting them with -inf (is_causal), or adds -inf to them (a boolean mask: inf - inf = NaN in the rows
+    # before p); the row path adds -inf to its rows [p, T). Seen failing before the fix, at 3e38 for both: NaN
+    # rows on one side, finite on the other. At 1e30 nothing overflows and the row path runs.
+    torch.manual_seed(0)
+    model = _MaskedAttention(how).eval()
+    x = torch.randn(2, T, 16)
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    clean = rg.demand().clone()
+    sdpa = [n for n in rg.nodes() if n.startswith("scaled_dot_product_attention")]
+    assert len(sdpa) == 1
+    from torch_ext.reactive import _node_inputs
+
+    key = _node_inputs(rg.graph.node(sdpa[0]))[1]
+    p = 3
+
+    def patch(value, site):
+        # Keys [p, T-1) at -big and the last at +big: a query row i in [p, T-1) whose entries sum to > 0 meets
+        # +inf only above its diagonal (the last key), and -inf below it.
+        v = value.clone()
+        v[:, :, site[1]:] = -big
+        v[:, :, -1] = big
+        return v
+
+    sites = [(key, p)]
+    rows = torch_ext.sweep(rg, sites, patch, lambda out: out.clone(), progress=False)
+    whole = torch_ext.sweep(rg, sites, patch, lambda out: out.clone(), progress=False, positions=False)
+    got, want = rows.metrics[sites[0]], whole.metrics[sites[0]]
+    assert torch.equal(torch.isnan(got), torch.isnan(want)), (how, big, torch.isnan(got).sum(), torch.isnan(want).sum())
+    finite = ~torch.isnan(want)
+    assert _rel(got[finite], want[finite]) <= 1e-6
+    rg.check_invariants()
+    assert torch.equal(rg.demand(), clean)
 
 
 def _local(rg, resid) -> dict:
