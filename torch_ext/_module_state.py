@@ -9,6 +9,7 @@ values the model no longer has.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import operator
 
@@ -34,6 +35,37 @@ def _plain(v, depth: int = 0) -> bool:
     return all(_plain(e, depth + 1) for e in v)
 
 
+def _options_object(v) -> bool:
+    """A configuration object a forward reads its options from (``self.config.xxx``): a Hugging Face
+    ``PretrainedConfig`` or a dataclass instance (TransformerLens's configs)."""
+    if isinstance(v, type) or isinstance(v, (torch.Tensor, torch.nn.Module)):
+        return False
+    return dataclasses.is_dataclass(v) or any(c.__name__ in ("PretrainedConfig", "PreTrainedConfig")
+                                              for c in type(v).__mro__)
+
+
+# Private options a Hugging Face forward reads from its config (the attention function is looked up by it).
+_CONFIG_PRIVATE = ("_attn_implementation_internal", "_experts_implementation_internal")
+
+
+def _config_entries(label: str, obj, seen: set, out: list, depth: int = 0) -> None:
+    """(label, dict, key, value copy) for every plain option of a configuration object, and of the
+    configuration objects it holds (a text_config), each object once."""
+    if id(obj) in seen or depth > 2:
+        return
+    seen.add(id(obj))
+    d = getattr(obj, "__dict__", None)
+    if not isinstance(d, dict):
+        return
+    for k, v in list(d.items()):
+        if k.startswith("_") and k not in _CONFIG_PRIVATE:
+            continue
+        if isinstance(v, _SCALARS) or _plain(v):
+            out.append((label, d, k, v if isinstance(v, _SCALARS) else copy.deepcopy(v)))
+        elif _options_object(v):
+            _config_entries(f"{label}.{k}", v, seen, out, depth + 1)
+
+
 def attributes(model: torch.nn.Module) -> tuple:
     """A snapshot of what every module holds as plain attributes, as it stands: scalars and (nested)
     lists, tuples, dicts and sets of them by value; by identity, tensors (neither parameters nor buffers:
@@ -44,12 +76,17 @@ def attributes(model: torch.nn.Module) -> tuple:
     paths, dicts, keys, values = [], [], [], []
     tpaths, tdicts, tkeys, tensors = [], [], [], []
     fpaths, fdicts = [], []
+    configs, seen_configs = [], set()
     for path, mod in model.named_modules():
         d = mod.__dict__
         for k, v in d.items():
             if k != "training" and k.startswith("_"):
                 continue
-            if isinstance(v, _SCALARS) or _plain(v):
+            if _options_object(v):
+                # A config edited in place after the build (model.config._attn_implementation = "eager")
+                # changes what an eager forward computes: its plain options are compared by value too.
+                _config_entries(f"{path}.{k}" if path else k, v, seen_configs, configs)
+            elif isinstance(v, _SCALARS) or _plain(v):
                 paths.append(path)
                 dicts.append(d)
                 keys.append(k)
@@ -74,6 +111,11 @@ def attributes(model: torch.nn.Module) -> tuple:
                     tdicts.append(sub)
                     tkeys.append(k)
                     tensors.append(v)
+    for label, d, k, v in configs:
+        paths.append(label)
+        dicts.append(d)
+        keys.append(k)
+        values.append(v)
     # A forward replaced on a class after the build (Block.forward = f) is code the program never ran:
     # per module class, the class that defines the forward it runs holds that function by identity, and
     # every class before it in the MRO must still not define one (else it shadows the traced one).
@@ -146,8 +188,10 @@ def traced_changes(model: torch.nn.Module, snapshot: tuple) -> list:
     """The scalar attributes a trace of ``model`` changed (a forward counting its calls), put back as
     they were; a tensor attribute a forward replaces (a cache) is not one of them."""
     out = [c for c in changed(snapshot) if not isinstance(c[2], _Short)]
+    paths, dicts, keys = snapshot[:3]
+    where = {(path, key): d for path, d, key in zip(paths, dicts, keys)}
     for path, key, was, _ in out:
-        setattr(model.get_submodule(path), key, was)
+        where[(path, key)][key] = was  # the module's (or its config's) own __dict__, as setattr writes it
     return out
 
 

@@ -139,6 +139,24 @@ def test_gpt2_untied_with_clipping_through_the_planned_arena():
     run_parity(model, rm.causal_lm_loss, rm.token_batches(40), clip=0.5, compiled=True)
 
 
+def test_gpt2_config_edited_after_the_build_is_refused():
+    needs("transformers")
+    # A Hugging Face forward reads its config at every call (the attention function by
+    # config._attn_implementation, TransformerLens-style options by cfg); before, a step built with SDPA
+    # attention kept it after model.config._attn_implementation = "eager", silently.
+    model = rm.tiny_gpt2().eval()
+    step = torch_ext.make_train_step(model, rm.adamw(model), rm.causal_lm_loss, rm.token_batches(1)[0])
+    state = step.init_state()
+    batch = rm.token_batches(2)[1]
+    _, state = step(state, *batch)
+    assert model.config._attn_implementation == "sdpa"
+    model.config._attn_implementation = "eager"
+    with pytest.raises(ValueError, match=r"model.config._attn_implementation_internal is 'eager' now, 'sdpa' when"):
+        step(state, *batch)
+    model.config._attn_implementation = "sdpa"
+    step(state, *batch)
+
+
 def test_llama_style_model_within_1e6():
     needs("transformers")
     # Not bit-exact: a few layer-1 weight gradients differ from eager autograd's in the last bits

@@ -6,6 +6,7 @@ Every parity check here is bit-exact against the eager torch.optim loop.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -411,6 +412,53 @@ def _refused_then_accepted_again(mutate, message, batches, ref_loss):
     _Tempered.forward = _TEMPERED_FORWARD
     again, _ = step(state, *batches[1])
     assert torch.equal(again, unchanged)
+
+
+@dataclasses.dataclass
+class _Options:
+    scale: float = 1.0
+    act: str = "gelu"
+
+
+class _Configured(nn.Module):
+    """Reads its options from a config object shared by its submodules, as Hugging Face (``self.config``)
+    and TransformerLens (``self.cfg``, a dataclass) models do."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        torch.manual_seed(0)
+        self.config = cfg
+        self.fc, self.head = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.head.config = cfg
+
+    def forward(self, x):
+        h = self.fc(x) * self.config.scale
+        return self.head(F.gelu(h) if self.config.act == "gelu" else torch.tanh(h))
+
+
+@pytest.mark.parametrize("edit", ["scale", "act"])
+def test_a_config_edited_in_place_after_the_build_is_refused_not_ignored(edit):
+    # Before: the step and run() computed with the options traced at the build, silently.
+    cfg, cfg_rg = _Options(), _Options()
+    model = _Configured(cfg)
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), _mse, _XY)
+    rg = torch_ext.ReactiveGraph(_Configured(cfg_rg), (_XY[0],), cache=False)
+    loss, state = step(step.init_state(), *_XY)
+    before = model(_XY[0]).detach()
+    clean = rg.run(_XY[0]).clone()
+    value = 2.0 if edit == "scale" else "tanh"
+    for c in (cfg, cfg_rg):
+        setattr(c, edit, value)
+    message = {"scale": r"model.config.scale is 2.0 now, 1.0 when", "act": r"model.config.act is 'tanh' now, 'gelu' when"}
+    assert not torch.equal(model(_XY[0]).detach(), before)  # eager follows the edit
+    with pytest.raises(ValueError, match=message[edit]):
+        step(state, *_XY)
+    with pytest.raises(ValueError, match=message[edit]):
+        rg.run(_XY[0])
+    for c in (cfg, cfg_rg):  # edited back: accepted again
+        c.scale, c.act = 1.0, "gelu"
+    step(state, *_XY)
+    assert torch.equal(rg.run(_XY[0]), clean)
 
 
 def test_bookkeeping_the_forward_never_reads_opts_out_by_a_private_name():
