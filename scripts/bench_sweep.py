@@ -428,6 +428,12 @@ def part2_case(repeats: int, d: int, B: int) -> None:
     print(f"  wall (medians of {repeats}): eager hooks {med['eager'] * 1e3:.1f} ms, reactive one-at-a-time "
           f"{med['one'] * 1e3:.1f} ms, reactive batched {med['batched'] * 1e3:.1f} ms "
           f"(first batched sweep, building the batched cones: {export_s * 1e3:.0f} ms)")
+    # FLOP-weighted rho (the engine's cost model): what each arm computes against 64 full forwards. At eager's
+    # per-FLOP rate a wall ratio cannot exceed it; row-batched cones run GEMMs on fewer rows than eager's.
+    full = full_forward_cost(rg) * len(sites)
+    print(f"  FLOP-weighted rho (full forwards' cost / the sweep's): one-at-a-time {full / o.cost:.2f}, "
+          f"default (skip_identical) {full / sk.cost:.2f}, batched {full / b.cost:.2f}, "
+          f"batched-4 {full / results['batched4'].cost:.2f}")
     # Issue 10: d_model 64, batch 8: batched >= 5x; d_model 128, batch 8: one-at-a-time >= 3x, batched >= 6x.
     t1, t2 = (3, 6) if d >= 128 else (2, 5)
     print(f"  speedup best one-at-a-time {s1:.2f}x [target >= {t1}x: {target(s1 >= t1, f'TL d={d} B={B} one-at-a-time >= {t1}x')}], "

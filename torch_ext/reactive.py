@@ -357,7 +357,7 @@ class ReactiveGraph:
         # node's sequence axis recomputes only those rows wherever the analysis allows.
         self._positions, self._seq_dim = bool(positions), seq_dim
         self._engine.set_positions(self._positions, seq_dim)
-        self._num_user = self._slots.count(None)
+        self._num_user = sum(s is None for s in self._slots)  # not list.count: Tensor == None costs ~20 us each
         self._in_spec, self._out_spec = entry["in_spec"], entry["out_spec"]
         kinds = [kind for kind, _ in entry["outputs"]]
         self._user_outputs = [i for i, k in enumerate(kinds) if k == "USER_OUTPUT"]
@@ -371,6 +371,7 @@ class ReactiveGraph:
         nodes = self.graph.nodes()
         self._module_paths = {n.name: n.module_path for n in nodes}
         self._countable = [n.name for n in nodes if n.kind == "call"]
+        self._all_names = {n.name for n in nodes}  # _node_names(), from this walk (graph.nodes() costs ms)
         self._example_inputs = tuple(example_inputs) if example_inputs is not None else None
         self._example_kwargs = example_kwargs
         self._last_inputs = None
