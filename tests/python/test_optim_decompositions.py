@@ -129,3 +129,11 @@ def test_adam_bias_corrections_are_computed_once_per_call_not_per_vector(decoupl
         loop = kernel.find(f"<static_cast<int64_t>({n}L)")
         assert loop > 0, kernel
         assert "std::pow" not in kernel[loop:], kernel[loop:]
+
+
+def test_once_refuses_a_tensor_that_is_not_0d():
+    from torch_ext.optim import once
+
+    assert torch.equal(once(torch.tensor(2.5, dtype=torch.float64)), torch.tensor(2.5, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"0-d tensor, got shape \(2,\)"):
+        once(torch.ones(2))

@@ -134,6 +134,8 @@ def once(t: torch.Tensor) -> torch.Tensor:
     compiler cannot hoist them past the loop's stores (13% of the AdamW update at ResNet-18 size).
     ``as_strided`` needs a realized input in Inductor, so ``t`` gets a buffer of its own, computed
     before the loop. The same value, bit for bit."""
+    if t.dim() != 0:  # as_strided to () would silently keep only the first element
+        raise ValueError(f"once: expected a 0-d tensor, got shape {tuple(t.shape)}")
     return torch.as_strided(t, (), ())
 
 
