@@ -963,7 +963,11 @@ class TrainStep:
             layout_json = json.dumps(layout)
         # No channels-last layout optimisation: the step's convolution weights enter and leave as
         # contiguous state, so Inductor would convert every weight and gradient each call (ResNet-18,
-        # one thread: 3.61 steps/s with it, 4.32 without).
+        # one thread: 3.61 steps/s with it, 4.32 without; again 1.73 against 2.23 in one interleaved
+        # run at load 5). Per convolution forward + backward in eager (scripts/bench_conv_layout.py),
+        # channels-last activations with contiguous weights are slower than all contiguous (ATen
+        # converts the weight on every call), and channels-last weights, which the state does not
+        # have, gained nothing reproducible (load 1.5: 73.9 against 73.3 ms over the 6 shapes).
         configs = {"aot_inductor.metadata": aoti_metadata(layout_json), "layout_optimization": False}
         return torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=configs)
 

@@ -8,7 +8,7 @@ optimizer class such as :class:`Lion`) are exported from ``torch_ext.optim``.
 import importlib as _importlib
 import pkgutil as _pkgutil
 
-from ._registry import (Registration, aten_updates, descriptor, lr_name, parse_state_name, register,  # noqa: F401
+from ._registry import (Registration, aten_updates, descriptor, lr_name, once, parse_state_name, register,  # noqa: F401
                         registration_for, registrations, state_name)
 
 # Sorted, so the registration order (and the "supported:" list in errors) does not depend on the file system.

@@ -17,7 +17,7 @@ import torch
 from .. import _C
 
 __all__ = ["Registration", "register", "registration_for", "registrations", "descriptor", "state_name", "lr_name",
-           "parse_state_name", "aten_updates", "aten_grad", "F64"]
+           "parse_state_name", "aten_updates", "aten_grad", "F64", "once"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,6 +124,19 @@ def registration_for(opt: torch.optim.Optimizer) -> Registration:
 
 
 F64 = torch.float64
+
+
+def once(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a 0-d value of the step count or lr, in an ATen form) computed once per call.
+
+    Inductor inlines 0-d arithmetic into the loop of the elementwise update that reads it, so
+    Adam's bias corrections (two double ``pow``) ran once per vector of every parameter, and the C
+    compiler cannot hoist them past the loop's stores (13% of the AdamW update at ResNet-18 size).
+    ``as_strided`` needs a realized input in Inductor, so ``t`` gets a buffer of its own, computed
+    before the loop. The same value, bit for bit."""
+    if t.dim() != 0:  # as_strided to () would silently keep only the first element
+        raise ValueError(f"once: expected a 0-d tensor, got shape {tuple(t.shape)}")
+    return torch.as_strided(t, (), ())
 
 
 def aten_grad(param, grad, weight_decay, maximize):

@@ -2,7 +2,7 @@
 creates its state in the constructor: ``sum`` filled with initial_accumulator_value, step 0."""
 import torch
 
-from ._registry import F64, Registration, aten_grad, default_initial_state, register
+from ._registry import F64, Registration, aten_grad, default_initial_state, once, register
 
 
 def _read(opt, group, param, gi):
@@ -30,6 +30,6 @@ def _aten_adagrad_update(param, grad, sum, step, lr, lr_decay, weight_decay, eps
     clr = lr.to(F64) / (1 + (new_step.to(F64) - 1) * lr_decay)
     new_sum = torch.addcmul(sum, g, g)
     std = new_sum.sqrt() + eps
-    return param + (-clr).to(param.dtype) * g / std, new_sum, new_step
+    return param + once((-clr).to(param.dtype)) * g / std, new_sum, new_step
 
 register(Registration(torch.optim.Adagrad, _read, _initial_state, _torch_state, aten={"adagrad": _aten_adagrad_update}))

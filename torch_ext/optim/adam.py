@@ -1,7 +1,7 @@
 """torch.optim.Adam and AdamW: kind "adam", or "adam_amsgrad" with amsgrad=True (csrc/optim/adam.cpp)."""
 import torch
 
-from ._registry import F64, Registration, register
+from ._registry import F64, Registration, once, register
 
 
 def _read(opt, group, param, gi):
@@ -22,7 +22,7 @@ def _adam(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, bet
     lr64 = lr.to(F64)
     if weight_decay != 0:
         if decoupled:
-            param = param * (1 - lr64 * weight_decay).to(param.dtype)
+            param = param * once((1 - lr64 * weight_decay).to(param.dtype))
         else:
             g = g.add(param, alpha=weight_decay)
     m = torch.lerp(exp_avg, g, 1 - beta1)
@@ -32,8 +32,8 @@ def _adam(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, bet
     bias_correction2_sqrt = torch.pow(1 - torch.pow(beta2, s), 0.5)
     step_size = lr64 / bias_correction1
     new_max = torch.maximum(max_exp_avg_sq, v) if max_exp_avg_sq is not None else None
-    denom = (v if new_max is None else new_max).sqrt() / bias_correction2_sqrt.to(param.dtype) + eps
-    new_param = param + (-step_size).to(param.dtype) * m / denom
+    denom = (v if new_max is None else new_max).sqrt() / once(bias_correction2_sqrt.to(param.dtype)) + eps
+    new_param = param + once((-step_size).to(param.dtype)) * m / denom
     return new_param, m, v, new_max, new_step
 
 
