@@ -543,17 +543,17 @@ def full_forward_cost(rg) -> float:
     return rg.stats["cost"] - before
 
 
-def part4(repeats: int) -> None:
+def part4(repeats: int, cases: tuple = ((500, 1), (500, 8), (4096, 1), (4096, 8)), heads: bool = True) -> None:
     header("4. token-granular cones: residual stream at every layer x position, metric reads the last row")
     print("Sites: resid_pre of each of the 4 blocks x 16 positions (64 sites), each patched with the corrupted run's")
     print("row. eager = forward pre-hooks, one full forward per site (TransformerLens's mechanism); node = this")
     print("project's node-granular sweep (positions=False); token = token-granular cones with")
     print("reads={'logits': (slice(None), -1, [3, 5])} (rows that cannot reach the last row are not computed).")
     print("rho_flops = sites x (FLOPs of a full forward) / FLOPs that ran (engine cost model; 4BHLqLkD for SDPA).")
-    for V in (500, 4096):
-        for B in (1, 8):
-            part4_case(repeats, V, B)
-    part4_heads(repeats)
+    for V, B in cases:
+        part4_case(repeats, V, B)
+    if heads:
+        part4_heads(repeats)
 
 
 def part4_case(repeats: int, V: int, B: int) -> None:
@@ -731,11 +731,16 @@ def main() -> int:
                     help="run only part 2, for these d_model x batch cases (default 32x2 64x8 128x8)")
     ap.add_argument("--skip-grid", action="store_true")
     ap.add_argument("--positions", action="store_true", help="run only part 4 (token-granular cones)")
+    ap.add_argument("--positions-cases", nargs="+", metavar="VxB",
+                    help="with --positions: only these vocab x batch cases (e.g. 500x1 4096x1), and no head sweep")
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     if args.positions:
-        part4(args.repeats)
+        if args.positions_cases:
+            part4(args.repeats, tuple(tuple(int(v) for v in c.split("x")) for c in args.positions_cases), heads=False)
+        else:
+            part4(args.repeats)
         print(f"total {time.perf_counter() - t0:.1f} s")
         if MISSED:
             print("speed targets missed: " + "; ".join(MISSED))

@@ -697,3 +697,29 @@ def test_a_metric_reading_inside_reads_gets_the_same_bits_on_every_path():
     plain = torch_ext.sweep(rg, sites, patch, metric, progress=False)
     for s in sites:
         torch.testing.assert_close(plain.metrics[s], ref.metrics[s], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw", [{}, {"batch_sites": 2}, {"positions": False}])
+def test_a_metric_writing_into_its_copy_gets_freshly_poisoned_copies(kw):
+    # The read check's copies of the output are kept across sites (one buffer for the three poisons): a
+    # copy the metric wrote into must not be handed out again, or its undeclared elements would no longer
+    # hold the poison (and a metric reading them could pass the check).
+    rg, resid, patch, sites = _zoo_sweep_setup("sdpa")
+    sites = [(n, p) for n, p in sites if p >= 3][:6]
+    reads = {"logits": (slice(None), -1, [3, 4])}
+    poisoned = []
+
+    def metric(out):
+        rest = torch.ones(out.shape, dtype=torch.bool)
+        rest[:, -1, [3, 4]] = False
+        poisoned.append(bool((~out[rest].isfinite()).all()))
+        value = float(out[:, -1, [3, 4]].sum())
+        out.fill_(0.0)  # the metric's own copy: allowed, but that copy is spoiled
+        return value
+
+    ref = torch_ext.sweep(rg, sites, patch, lambda out: float(out[:, -1, [3, 4]].sum()), progress=False,
+                          reads=reads, **kw)
+    got = torch_ext.sweep(rg, sites, patch, metric, progress=False, reads=reads, **kw)
+    assert len(poisoned) == 3 * (len(sites) + 1) and all(poisoned)
+    assert got.metrics == ref.metrics
+    rg.check_invariants()
