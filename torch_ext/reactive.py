@@ -1446,7 +1446,7 @@ class _ReadCheck:
 
     def _take_put(self, out: torch.Tensor, stride: int) -> tuple:
         """(indices into the output, repeated per canvas; the same elements' flat indices in the buffer)."""
-        key = (stride, out.device)
+        key = (stride, tuple(out.shape), out.device)  # the declared indices follow the output's shape
         if getattr(self, "_tp_key", None) != key:
             idx = self._index(self._single, out)
             rows = torch.arange(len(self._POISONS), device=out.device).unsqueeze(1)
