@@ -314,9 +314,9 @@ std::vector<c10::IValue> Engine::evaluate_cone_whole(int64_t id, c10::IValue val
   if (plan.alias_checks.empty() || !scratch_.defined()) {
     runtime::run_steps(plan.steps, values_, stack_, on_error);
   } else {
-    runtime::run_steps(plan.steps, values_, stack_, on_error, [&](size_t i) {
-      if (plan.alias_checks[i]) unalias_scratch(values_[plan.order[i]]);
-    });
+    runtime::run_steps(plan.steps, values_, stack_, on_error, runtime::after_each([&](size_t i) {
+                         if (plan.alias_checks[i]) unalias_scratch(values_[plan.order[i]]);
+                       }));
   }
   count_plan(plan, plan.order.size());
   return runtime::output_values(graph_->output()->args()[0].list,
@@ -402,55 +402,60 @@ void Engine::rollback() {
   for (int64_t id : written) retire_written(id);
 }
 
-void Engine::evaluate(int64_t id) {
+// Demand's loop is the executor's (runtime/run_loop.h) with two hooks: before a node runs, its
+// inputs are checked (I8) and early cutoff may skip it; its value then replaces the cached one with
+// the ledger, the overlay and the revisions kept. A node leaves the dirty set only once it is valid,
+// so an error (a written input, a failing kernel) leaves it and every later node stale (I2).
+void Engine::evaluate_nodes(const std::vector<int64_t>& ids) {
   // Graph values are data, never autograd history: skip the autograd kernels.
   at::AutoDispatchBelowAutograd no_autograd;
+  demand_steps_.resize(ids.size());  // kept across demands: no allocation per demand
+  for (size_t i = 0; i < ids.size(); ++i) {
+    demand_steps_[i].kernel = &*states_[ids[i]].kernel;
+    demand_steps_[i].out = ids[i];
+  }
+  struct Hooks : runtime::NoHooks {
+    Engine& e;
+    explicit Hooks(Engine& engine) : e(engine) {}
+    bool before(size_t i, const c10::IValue& current) { return e.begin_evaluation(e.demand_steps_[i].out, current); }
+    void store(size_t i, c10::IValue& slot, c10::IValue&& v) {
+      e.finish_evaluation(e.demand_steps_[i].out, slot, std::move(v));
+    }
+  };
+  runtime::run_steps(
+      demand_steps_, values_, stack_,
+      [this](size_t i, const std::exception& e) { rethrow_evaluating(states_[demand_steps_[i].out], e); }, Hooks(*this));
+}
+
+bool Engine::begin_evaluation(int64_t id, const c10::IValue& current) {
   NodeState& st = states_[id];
   TORCH_INTERNAL_ASSERT(st.countable && !st.valid && !st.pinned);
   journal(id);
-  try {
-    for (int64_t in : st.kernel->input_slots()) check_intact(in);  // I8: never compute from a written value
-  } catch (...) {
-    dirty_.insert({st.node->index(), id});  // still invalid: keep I2
-    throw;
-  }
+  for (int64_t in : st.kernel->input_slots()) check_intact(in);  // I8: never compute from a written value
   // A graft changed this node's inputs: its pre-graft value is no baseline; if a patch is active,
   // restore() must recompute it.
   if (!structural_dirty_.empty() && structural_dirty_.erase(id) && !pinned_.empty()) baseline_stale_.insert(id);
-  if (cutoff_ && !values_[id].isNone()) {
-    bool inputs_changed = false;
-    for (int64_t in : st.kernel->input_slots())
-      if (states_[in].changed_at > st.verified_at) inputs_changed = true;
-    if (!inputs_changed) {
-      st.valid = true;
-      st.verified_at = revision_;
-      ++stats_.cutoffs;
-      return;
-    }
-  }
-  c10::IValue out;
-  try {
-    out = st.kernel->invoke(values_, stack_);
-  } catch (const std::exception& e) {
-    dirty_.insert({st.node->index(), id});  // still invalid: keep I2
-    rethrow_evaluating(st, e);
-  }
+  if (!cutoff_ || current.isNone()) return true;
+  for (int64_t in : st.kernel->input_slots())
+    if (states_[in].changed_at > st.verified_at) return true;
+  // Early cutoff: no input changed since the node was last verified, so its value stands.
+  dirty_.erase({st.node->index(), id});
+  st.valid = true;
+  st.verified_at = revision_;
+  ++stats_.cutoffs;
+  return false;
+}
+
+void Engine::finish_evaluation(int64_t id, c10::IValue& slot, c10::IValue&& out) {
+  NodeState& st = states_[id];
   count_evaluation(st);
-  save_baseline(id);
-  const bool unchanged = cutoff_ && values_equal(out, values_[id]);
-  store(id, std::move(out));
+  save_baseline(id);  // `slot` still holds the value `out` replaces
+  const bool unchanged = cutoff_ && values_equal(out, slot);
+  store(id, std::move(out));  // `slot` is values_[id]
+  dirty_.erase({st.node->index(), id});
   st.valid = true;
   st.verified_at = revision_;
   if (!unchanged) st.changed_at = revision_;
-}
-
-void Engine::evaluate_set(std::vector<int64_t> ids) {
-  std::sort(ids.begin(), ids.end(),
-            [this](int64_t a, int64_t b) { return states_[a].node->index() < states_[b].node->index(); });
-  for (int64_t id : ids) {
-    dirty_.erase({states_[id].node->index(), id});
-    evaluate(id);
-  }
 }
 
 void Engine::rekey_dirty() {
@@ -494,10 +499,11 @@ void Engine::run(std::vector<c10::IValue> inputs) {
 std::vector<c10::IValue> Engine::demand() {
   TORCH_CHECK(has_run_, "demand: the engine has no values yet; call run(inputs) first");
   settle();
-  while (!dirty_.empty()) {
-    const int64_t id = dirty_.begin()->second;
-    dirty_.erase(dirty_.begin());
-    evaluate(id);
+  if (!dirty_.empty()) {
+    std::vector<int64_t> ids;  // topological order: dirty_ is keyed by index
+    ids.reserve(dirty_.size());
+    for (const auto& entry : dirty_) ids.push_back(entry.second);
+    evaluate_nodes(ids);
   }
   for (const ir::Arg& a : graph_->output()->args()[0].list)
     if (a.kind == ir::Arg::Kind::Node) check_intact(ids_.at(a.node));
@@ -525,7 +531,9 @@ c10::IValue Engine::value(const std::string& name) {
     for (int64_t in : st.kernel->input_slots())
       if (seen.insert(in).second) work.push_back(in);
   }
-  evaluate_set(std::move(needed));
+  std::sort(needed.begin(), needed.end(),
+            [this](int64_t a, int64_t b) { return states_[a].node->index() < states_[b].node->index(); });
+  evaluate_nodes(needed);
   check_intact(target);
   return values_[target];
 }

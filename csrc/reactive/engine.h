@@ -327,8 +327,13 @@ class Engine {
   void walk_users(int64_t seed, Enter&& enter) const;
   // V+(seed) by stable id; with stop_at_pins, only through unpinned countable nodes (what a patch invalidates).
   std::set<int64_t> downstream(int64_t seed, bool stop_at_pins) const;
-  void evaluate(int64_t id);
-  void evaluate_set(std::vector<int64_t> ids);  // sorts by topological index
+  // Evaluates the invalid nodes `ids` (in the dirty set, topological order) through the shared run
+  // loop, with early cutoff, the integrity check (I8), the ledger (I7) and the revisions.
+  void evaluate_nodes(const std::vector<int64_t>& ids);
+  // evaluate_nodes' hooks: before node `id` runs (false: cut off, it stays as it is), and its
+  // value `out` replacing `slot`, the cached one.
+  bool begin_evaluation(int64_t id, const c10::IValue& current);
+  void finish_evaluation(int64_t id, c10::IValue& slot, c10::IValue&& out);
   void save_baseline(int64_t id);
   void rekey_dirty();
   void check_value_type(const ir::Node& node, const c10::IValue& value) const;
@@ -524,6 +529,7 @@ class Engine {
   std::set<int64_t> structural_dirty_;   // nodes a graft invalidated, not yet recomputed
   std::vector<int64_t> pinned_;
   std::vector<c10::IValue> stack_;
+  std::vector<runtime::Step> demand_steps_;  // evaluate_nodes' steps, reused (no release lists)
   Stats stats_;
   uint64_t revision_ = 0;
   int64_t num_countable_ = 0;

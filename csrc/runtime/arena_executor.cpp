@@ -156,7 +156,7 @@ std::vector<c10::IValue> ArenaExecutor::run(std::vector<c10::IValue> inputs) {
   optim::ResultAllocatorGuard recycle(&pooled);
   run_steps(
       steps_, values, stack, [this](size_t k, const std::exception& e) { rethrow_executing(bound_[k].kernel, e); },
-      inplace_value);
+      after_each(inplace_value));
   std::vector<c10::IValue> results =
       output_values(outputs_, [&](const ir::Node* n) -> const c10::IValue& { return values[n->index()]; });
   if (donate_) {

@@ -1,17 +1,26 @@
-// The one run loop of every runtime (torch.fx Interpreter.run): a list of steps prepared once,
+// The one run loop of every runtime (torch.fx Interpreter.run with run_node): a list of steps,
 // each a bound kernel with the slot it writes and the slots it reads for the last time.
 //
-// Executor, ArenaExecutor and the reactive Engine's sweep path (evaluate_patched) differ only in
-// which steps they prepare and where values live; how a node runs is written once, here:
-// invoke the kernel on the slots, store its value, release the dead slots. Runtimes that must
-// do something per step (an in-place update's value) pass `after`; the loop itself keeps no
-// bookkeeping, so a caller that counts does it once per run, not per node.
+// Executor, ArenaExecutor and the reactive Engine (its demand path, evaluate_nodes, and its sweep
+// path, evaluate_patched) differ only in which steps they prepare, where values live and what they
+// do around a node; how a node runs is written once, here: invoke the kernel on the slots, store
+// its value, release the dead slots. What a runtime does around a node goes into a Hooks object
+// (NoHooks's members, hidden in a derived struct): the loop is a template, so a hook a runtime does
+// not define compiles to nothing, and the executor's loop is the plain one.
+//
+// Not folded in: the token-granular row loop (Engine::evaluate_patched_rows, reactive/rows.cpp).
+// Per node it narrows inputs to row ranges and swaps them into their slots (joining a cached tail
+// on first read), replaces the kernel by row kernels (offset-masked SDPA, column-picked
+// linear/matmul, row-sized reshape/expand), counts fractional evaluations, and may stop half way
+// for the whole-cone fallback. Through hooks, every line of that would move into them and the loop
+// would keep only the `for`: no clearer, so it keeps its own loop.
 #pragma once
 
 #include "runtime/kernel.h"
 
 #include <cstdint>
 #include <exception>
+#include <utility>
 #include <vector>
 
 namespace torch_ext::runtime {
@@ -37,27 +46,52 @@ inline bool sole_owner(const c10::IValue& v) {
          t.is_non_overlapping_and_dense();
 }
 
-// Per step i, after its value is stored and before its dead slots are released.
-struct NoAfter {
-  void operator()(size_t) const {}
+// What a runtime does around each step, beyond running it. A runtime derives from NoHooks and
+// hides the members it needs; the defaults inline to nothing.
+struct NoHooks {
+  // Before step i runs; `current` is the value in its slot, the one the step would replace. false
+  // skips the step: no kernel runs and nothing is stored (its dead slots are still released). May
+  // throw; the node has then not run and the error is the hook's own.
+  bool before(size_t /*i*/, const c10::IValue& /*current*/) { return true; }
+  // Stores step i's value `v` into `slot`, which still holds the value `v` replaces.
+  void store(size_t /*i*/, c10::IValue& slot, c10::IValue&& v) { slot = std::move(v); }
+  // Per step i that ran, after its value is stored and before its dead slots are released.
+  void after(size_t /*i*/) {}
 };
 
-// Runs `steps` in order on `values`. When step i throws, `on_error(i, e)` is called (steps [0, i)
-// have completed; it must throw, naming the node), so the loop never swallows an error.
-template <class OnError, class After = NoAfter>
+// NoHooks with `f(i)` as `after`.
+template <class F>
+struct AfterEach : NoHooks {
+  F f;
+  explicit AfterEach(F fn) : f(std::move(fn)) {}
+  void after(size_t i) { f(i); }
+};
+template <class F>
+AfterEach<F> after_each(F f) {
+  return AfterEach<F>(std::move(f));
+}
+
+// Runs `steps` in order on `values`. When step i's kernel throws, `on_error(i, e)` is called (steps
+// [0, i) have completed; it must throw, naming the node), so the loop never swallows an error.
+template <class OnError, class Hooks = NoHooks>
 void run_steps(const std::vector<Step>& steps, ValueSlots& values, std::vector<c10::IValue>& stack,
-               OnError&& on_error, After&& after = After{}) {
+               OnError&& on_error, Hooks&& hooks = Hooks{}) {
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& s = steps[i];
-    const BoundKernel* kernel = s.kernel;
-    if (s.overwrites >= 0 && !sole_owner(values[s.overwrites])) kernel = s.fallback;
-    try {
-      values[s.out] = kernel->invoke(values, stack);
-    } catch (const std::exception& e) {
-      on_error(i, e);
-      throw;  // on_error must throw; never continue past a failed node
+    c10::IValue& slot = values[s.out];  // `values` is never resized while the loop runs
+    if (hooks.before(i, slot)) {
+      const BoundKernel* kernel = s.kernel;
+      if (s.overwrites >= 0 && !sole_owner(values[s.overwrites])) kernel = s.fallback;
+      c10::IValue v;
+      try {
+        v = kernel->invoke(values, stack);
+      } catch (const std::exception& e) {
+        on_error(i, e);
+        throw;  // on_error must throw; never continue past a failed node
+      }
+      hooks.store(i, slot, std::move(v));
+      hooks.after(i);
     }
-    after(i);
     for (int64_t r : s.release) values[r] = c10::IValue();
   }
 }

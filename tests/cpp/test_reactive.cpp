@@ -730,3 +730,81 @@ TEST(Reactive, ScratchFastPathIsExactAndPlannedOnce) {
   EXPECT_EQ(e.stats().evaluations, 9 + 5 * 8 + 9);
   e.check_invariants();
 }
+
+// Demand runs through the shared loop (runtime/run_loop.h): a kernel failing in the middle names the
+// node, counts what ran before it, leaves it and every later node stale (I2), and a corrected patch
+// then evaluates exactly those, with the values of a full recompute. Inside a transaction, rollback
+// undoes the nodes that did run.
+TEST(Reactive, AFailingNodeInDemandIsNamedAndLeavesTheRestStale) {
+  const std::string text = R"(graph:
+  %w : f32[10,4] = input()
+  %i : i64[3] = input()
+  %j : i64[3] = aten::clone.default(%i)
+  %k : i64[3] = aten::add.Scalar(%j, 0)
+  %e : f32[3,4] = aten::embedding.default(%w, %k)
+  %o : f32[3,4] = aten::relu.default(%e)
+  return (%o)
+)";
+  auto g = ir::parse(text);
+  const at::Tensor w = at::randn({10, 4});
+  const auto idx = [](std::vector<int64_t> v) { return at::tensor(v, at::kLong); };
+  for (bool txn : {false, true}) {
+    reactive::Engine e(*g);
+    e.run({w, idx({1, 2, 3})});
+    const at::Tensor clean = e.demand()[0].toTensor();
+    e.reset_stats();
+    if (txn) e.begin_transaction();
+    e.patch("j", idx({1, 2, 99}));
+    const std::string msg = error_of([&] { e.demand(); });
+    EXPECT_NE(msg.find("while evaluating node %e: "), std::string::npos) << msg;
+    EXPECT_NE(msg.find("out of range"), std::string::npos) << msg;
+    e.check_invariants();
+    EXPECT_EQ(e.stats().evaluations, 1);  // %k ran
+    EXPECT_TRUE(e.is_valid("k"));
+    EXPECT_FALSE(e.is_valid("e"));
+    EXPECT_FALSE(e.is_valid("o"));
+    if (txn) {
+      e.rollback();
+      e.check_invariants();
+      EXPECT_TRUE(e.is_valid("k") && e.is_valid("e") && e.is_valid("o"));
+      EXPECT_TRUE(at::equal(e.demand()[0].toTensor(), clean));
+      EXPECT_EQ(e.stats().evaluations, 1);
+      continue;
+    }
+    e.patch("j", idx({4, 0, 9}));  // k, e and o again
+    EXPECT_EQ(evals_of_demand(e), 3);
+    reactive::Engine fresh(*g);
+    fresh.run({w, idx({4, 0, 9})});
+    EXPECT_TRUE(at::equal(e.demand()[0].toTensor(), fresh.demand()[0].toTensor()));
+    e.restore();
+    EXPECT_TRUE(at::equal(e.demand()[0].toTensor(), clean));
+    EXPECT_EQ(e.stats().evaluations, 4);
+    e.check_invariants();
+  }
+}
+
+// Early cutoff through the shared loop's skip hook, and a cached input written in place: the demand
+// refuses it naming the written node, leaves the reader stale, and recomputes the written one next.
+TEST(Reactive, DemandChecksInputsBeforeCutoffSkipsANode) {
+  auto g = ir::parse(chain_text(6, "aten::relu.default"));
+  reactive::Engine e(*g);
+  e.set_cutoff(true);
+  const at::Tensor x = at::rand({4}) + 1;
+  e.run({x});
+  e.reset_stats();
+  e.patch("n2", e.value("n2").toTensor().clone());  // same bits: n3 runs, n4..n6 are cut off
+  EXPECT_EQ(evals_of_demand(e), 1);
+  EXPECT_EQ(e.stats().cutoffs, 3);
+  e.restore();
+  e.patch("n2", at::ones({4}));
+  e.value("n3").toTensor().add_(1);  // written in place under its reader n4
+  const std::string msg = error_of([&] { e.demand(); });
+  EXPECT_NE(msg.find("cached value of %n3 was modified in place"), std::string::npos) << msg;
+  e.check_invariants();
+  EXPECT_FALSE(e.is_valid("n3"));
+  EXPECT_FALSE(e.is_valid("n4"));
+  const int64_t before = e.stats().evaluations;
+  EXPECT_TRUE(at::equal(e.demand()[0].toTensor(), at::ones({4})));
+  EXPECT_EQ(e.stats().evaluations - before, 4);  // n3..n6
+  e.check_invariants();
+}
