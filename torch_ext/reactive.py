@@ -1463,22 +1463,20 @@ class _ReadCheck:
     def __call__(self, outs):
         if not self.declared:
             return self.metric(outs)
-        if self._single is not None and isinstance(outs, torch.Tensor):
-            # The same calls and comparisons as below, on canvases made by _three.
+        kept = self._single is not None and isinstance(outs, torch.Tensor)
+        if kept:  # the three canvases are rows of one kept buffer (_three)
             canvases = self._three(outs)
-            first = self.metric(canvases[0])
-            result = _metric_value(first, "checked")
-            for c in canvases[1:]:
-                if not _same_result(result, _metric_value(self.metric(c), "checked")):
-                    self._stack = None
-                    self._refuse(outs)
-            return result if isinstance(result, float) else first
-        first = self._call(outs, 0)
+            run = lambda i: self.metric(canvases[i])  # noqa: E731
+        else:
+            run = lambda i: self._call(outs, i)  # noqa: E731
+        first = run(0)
         result = _metric_value(first, "checked")
         for i in range(1, len(self._POISONS)):
-            if not _same_result(result, _metric_value(self._call(outs, i), "checked")):
+            if not _same_result(result, _metric_value(run(i), "checked")):
+                self._stack = None
                 self._refuse(outs)
-        return first
+        # A float holds no view of the kept buffer, which can then be reused at the next site.
+        return result if kept and isinstance(result, float) else first
 
     def _refuse(self, outs):
         culprit = None

@@ -127,6 +127,20 @@ double node_cost(const ir::Node& node);
 void check_no_dead_code(const ir::Graph& g, const std::string& what);
 // The version counter of a tensor value, or -1 when it is not tracked (non-tensors, inference tensors).
 int64_t version_of(const c10::IValue& v);
+// A tensor seen before, by identity and version: a weak reference, so it neither keeps the tensor alive
+// nor matches a new tensor at the old address. Inference tensors have no version counter, so an in-place
+// write to them could not be seen: they never match.
+struct SeenTensor {
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> impl;
+  int64_t version = -1;
+  bool is(const at::Tensor& t) const {
+    return impl && !t.is_inference() && impl->lock().get() == t.unsafeGetTensorImpl() && version_of(t) == version;
+  }
+  void set(const at::Tensor& t) {
+    impl.emplace(t.getIntrusivePtr());
+    version = version_of(t);
+  }
+};
 
 class Engine {
  public:
@@ -474,8 +488,7 @@ class Engine {
   // the same cached tensor (same version); `state` says what each row holds.
   struct RowScratch {
     at::Tensor buf;
-    std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> source;
-    int64_t source_version = -1;
+    SeenTensor source;  // the cached tensor it was assembled from
     int64_t version = -1;
     std::vector<uint8_t> state;  // per row: 0 unknown, 1 cached, 2 NaN, 3 NaN but `cols`, 4 other
     std::vector<int64_t> cols;
@@ -484,8 +497,7 @@ class Engine {
   // The largest magnitude in a node's cached value, for the attention overflow check of the row path
   // (rows.cpp): computed once per cached tensor and version, as the cached values outlive many sites.
   struct CleanMax {
-    std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> source;
-    int64_t version = -1;
+    SeenTensor source;
     double max_abs = 0.0;
   };
   std::unordered_map<int64_t, CleanMax> clean_max_;  // by node id

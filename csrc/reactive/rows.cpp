@@ -362,15 +362,13 @@ at::Tensor Engine::assemble_rows(int64_t id, const at::Tensor& cached, const at:
   const int64_t T = cached.size(dim);
   RowScratch& sc = row_scratch_[id];
   // Inference tensors have no version counter, so a write into them could not be seen: never reuse.
-  const bool reuse = sc.buf.defined() && !sc.buf.is_inference() && !cached.is_inference() &&
+  const bool reuse = sc.buf.defined() && !sc.buf.is_inference() &&
                      sc.buf.use_count() == 1 && sc.buf.storage().use_count() == 1 && version_of(sc.buf) == sc.version &&
-                     sc.source && sc.source->lock().get() == cached.unsafeGetTensorImpl() &&
-                     version_of(cached) == sc.source_version;
+                     sc.source.is(cached);
   if (!reuse) {
     sc.buf = at::empty_like(cached, at::MemoryFormat::Contiguous);
     sc.state.assign(T, 0);
-    sc.source.emplace(cached.getIntrusivePtr());
-    sc.source_version = version_of(cached);
+    sc.source.set(cached);
     sc.cols.clear();
   }
   // Brings rows [a, b) to state `want`, filling only the runs of rows not already in it.
@@ -661,11 +659,9 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
 
 double Engine::cached_max_abs(int64_t slot, const at::Tensor& cached) {
   CleanMax& c = clean_max_[slot];
-  if (c.source && c.source->lock().get() == cached.unsafeGetTensorImpl() && c.version == version_of(cached))
-    return c.max_abs;
+  if (c.source.is(cached)) return c.max_abs;
   c.max_abs = max_abs(cached);
-  c.source.emplace(cached.getIntrusivePtr());
-  c.version = version_of(cached);
+  c.source.set(cached);
   return c.max_abs;
 }
 
