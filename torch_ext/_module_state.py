@@ -8,10 +8,12 @@ values the model no longer has.
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import itertools
 import operator
+import types
 
 import torch
 
@@ -37,11 +39,12 @@ def _plain(v, depth: int = 0) -> bool:
 
 def _options_object(v) -> bool:
     """A configuration object a forward reads its options from (``self.config.xxx``): a Hugging Face
-    ``PretrainedConfig`` or a dataclass instance (TransformerLens's configs)."""
+    ``PretrainedConfig``, a dataclass instance (TransformerLens's configs), or a namespace of options
+    (``types.SimpleNamespace``, ``argparse.Namespace``: research code's ``self.args``)."""
     if isinstance(v, type) or isinstance(v, (torch.Tensor, torch.nn.Module)):
         return False
-    return dataclasses.is_dataclass(v) or any(c.__name__ in ("PretrainedConfig", "PreTrainedConfig")
-                                              for c in type(v).__mro__)
+    return (dataclasses.is_dataclass(v) or isinstance(v, (types.SimpleNamespace, argparse.Namespace))
+            or any(c.__name__ in ("PretrainedConfig", "PreTrainedConfig") for c in type(v).__mro__))
 
 
 # Private options a Hugging Face forward reads from its config (the attention function is looked up by it).

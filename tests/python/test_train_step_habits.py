@@ -5,8 +5,10 @@ Every parity check here is bit-exact against the eager torch.optim loop.
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -436,10 +438,19 @@ class _Configured(nn.Module):
         return self.head(F.gelu(h) if self.config.act == "gelu" else torch.tanh(h))
 
 
+_CONFIG_KINDS = {
+    "dataclass": _Options,
+    "SimpleNamespace": lambda: types.SimpleNamespace(scale=1.0, act="gelu"),
+    "argparse.Namespace": lambda: argparse.Namespace(scale=1.0, act="gelu"),
+}
+
+
+@pytest.mark.parametrize("kind", list(_CONFIG_KINDS))
 @pytest.mark.parametrize("edit", ["scale", "act"])
-def test_a_config_edited_in_place_after_the_build_is_refused_not_ignored(edit):
-    # Before: the step and run() computed with the options traced at the build, silently.
-    cfg, cfg_rg = _Options(), _Options()
+def test_a_config_edited_in_place_after_the_build_is_refused_not_ignored(edit, kind):
+    # Before: the step and run() computed with the options traced at the build, silently (a namespace
+    # config, research code's self.args, until this stop).
+    cfg, cfg_rg = _CONFIG_KINDS[kind](), _CONFIG_KINDS[kind]()
     model = _Configured(cfg)
     step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), _mse, _XY)
     rg = torch_ext.ReactiveGraph(_Configured(cfg_rg), (_XY[0],), cache=False)
