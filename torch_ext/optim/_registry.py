@@ -17,7 +17,7 @@ import torch
 from .. import _C
 
 __all__ = ["Registration", "register", "registration_for", "registrations", "descriptor", "state_name", "lr_name",
-           "parse_state_name", "aten_updates", "aten_grad", "F64", "once"]
+           "parse_state_name", "aten_updates", "aten_grad", "F64", "once", "refuse_rounded_tensor_lr"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,6 +124,19 @@ def registration_for(opt: torch.optim.Optimizer) -> Registration:
 
 
 F64 = torch.float64
+
+
+def refuse_rounded_tensor_lr(opt: torch.optim.Optimizer, group: dict, gi: int, computes: str) -> None:
+    """Refuses a group whose lr is a tensor of a dtype other than float64, for a kind whose eager step
+    computes ``computes`` from lr in the tensor's own arithmetic: with ``lr=torch.tensor(0.01)`` (float32)
+    torch.optim rounds that scalar to float32 (Adam's step size: 1e-7 off after 5 steps), while the
+    step computes it in double, as eager does for a Python float or a float64 tensor."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor) and lr.dtype != F64:
+        raise ValueError(
+            f"{type(opt).__name__} param group {gi}: lr is a {lr.dtype} tensor ({float(lr)!r}); eager "
+            f"{type(opt).__name__} then computes {computes} in {lr.dtype} arithmetic, which the pure step does "
+            f"not reproduce bit for bit. Pass lr as a Python float or a torch.float64 tensor.")
 
 
 def once(t: torch.Tensor) -> torch.Tensor:

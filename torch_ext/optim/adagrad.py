@@ -2,10 +2,12 @@
 creates its state in the constructor: ``sum`` filled with initial_accumulator_value, step 0."""
 import torch
 
-from ._registry import F64, Registration, aten_grad, default_initial_state, once, register
+from ._registry import F64, Registration, aten_grad, default_initial_state, once, refuse_rounded_tensor_lr, register
 
 
 def _read(opt, group, param, gi):
+    if float(group["lr_decay"]) != 0:  # with lr_decay 0, clr = lr / 1 keeps lr's value exactly
+        refuse_rounded_tensor_lr(opt, group, gi, "its decayed rate lr / (1 + (t - 1) * lr_decay)")
     return dict(kind="adagrad",
                 hyper=dict(lr_decay=float(group["lr_decay"]), weight_decay=float(group["weight_decay"]),
                            eps=float(group["eps"])),

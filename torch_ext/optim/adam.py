@@ -1,12 +1,13 @@
 """torch.optim.Adam and AdamW: kind "adam", or "adam_amsgrad" with amsgrad=True (csrc/optim/adam.cpp)."""
 import torch
 
-from ._registry import F64, Registration, once, register
+from ._registry import F64, Registration, once, refuse_rounded_tensor_lr, register
 
 
 def _read(opt, group, param, gi):
     if any(isinstance(b, torch.Tensor) for b in group["betas"]):
         raise ValueError(f"{type(opt).__name__} param group {gi}: tensor betas are not supported")
+    refuse_rounded_tensor_lr(opt, group, gi, "its step size lr / (1 - beta1^t) and decay factor 1 - lr * weight_decay")
     beta1, beta2 = group["betas"]
     decoupled = isinstance(opt, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
     return dict(kind="adam_amsgrad" if group["amsgrad"] else "adam",
