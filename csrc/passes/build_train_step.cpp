@@ -120,7 +120,20 @@ PassResult run_rewire_outputs(ir::Graph& g, PassContext& ctx) {
   rewire_outputs(g, ctx.loss, state);
   if (!ctx.aux.empty()) {
     std::vector<ir::Arg> outs = g.output()->args()[0].list;
-    for (ir::Node* a : ctx.aux) outs.push_back(ir::Arg::of_node(a));
+    for (ir::Node*& a : ctx.aux) {
+      // An aux that is a batch input, a parameter or a view of one (loss_fn returning x, or
+      // model.weight to log it) would alias an input of the pure program: it is returned as a
+      // copy, the value loss_fn saw.
+      if (a->type().kind == ir::Type::Kind::Tensor && aliased_input(a) != nullptr) {
+        ir::TensorMeta m = a->type().tensor;
+        m.strides = ir::TensorMeta::contiguous_strides(m.sizes);
+        a = g.create_call(g.unique_name(a->name() + "_copy"), ir::Target::parse("aten::clone.default"),
+                          {ir::Arg::of_node(a)},
+                          {{"memory_format", ir::Arg::of_memory_format(c10::MemoryFormat::Contiguous)}},
+                          ir::Type::make_tensor(m));
+      }
+      outs.push_back(ir::Arg::of_node(a));
+    }
     g.set_output(std::move(outs));
   }
   ctx.state = std::move(state);

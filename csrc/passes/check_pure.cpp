@@ -10,20 +10,6 @@
 namespace torch_ext::passes {
 namespace {
 
-// The placeholder `n` is a view of, following view ops (returns with a non-writing alias set).
-const ir::Node* viewed_input(const ir::Node* n) {
-  while (n->kind() == ir::NodeKind::Call) {
-    if (n->target().is_getitem()) return nullptr;
-    const c10::FunctionSchema* schema = ir::find_schema(n->target());
-    if (schema == nullptr || schema->returns().empty()) return nullptr;
-    const c10::AliasInfo* alias = schema->returns()[0].alias_info();
-    if (alias == nullptr || alias->isWrite() || n->args().empty() || n->args()[0].kind != ir::Arg::Kind::Node)
-      return nullptr;
-    n = n->args()[0].node;
-  }
-  return n->kind() == ir::NodeKind::Placeholder ? n : nullptr;
-}
-
 // Every call of `g`, and of every region at any depth, must be functional. `owner` names the
 // outermost higher-order node a region belongs to, for the message.
 void check_calls(const ir::Graph& g, const ir::Node* owner) {
@@ -47,12 +33,26 @@ void check_calls(const ir::Graph& g, const ir::Node* owner) {
 
 }  // namespace
 
+const ir::Node* aliased_input(const ir::Node* n) {
+  // Follow view ops (returns with a non-writing alias set) back to their first argument.
+  while (n->kind() == ir::NodeKind::Call) {
+    if (n->target().is_getitem()) return nullptr;
+    const c10::FunctionSchema* schema = ir::find_schema(n->target());
+    if (schema == nullptr || schema->returns().empty()) return nullptr;
+    const c10::AliasInfo* alias = schema->returns()[0].alias_info();
+    if (alias == nullptr || alias->isWrite() || n->args().empty() || n->args()[0].kind != ir::Arg::Kind::Node)
+      return nullptr;
+    n = n->args()[0].node;
+  }
+  return n->kind() == ir::NodeKind::Placeholder ? n : nullptr;
+}
+
 void check_pure(const ir::Graph& g) {
   check_calls(g, nullptr);
   const auto& outs = g.output()->args()[0].list;
   for (size_t i = 0; i < outs.size(); ++i) {
     if (outs[i].kind != ir::Arg::Kind::Node) continue;
-    const ir::Node* in = viewed_input(outs[i].node);
+    const ir::Node* in = aliased_input(outs[i].node);
     TORCH_CHECK(in == nullptr, "check_pure: output #", i, " (%", outs[i].node->name(), ") aliases input %",
                 in ? in->name() : "");
   }

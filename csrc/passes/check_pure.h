@@ -12,4 +12,8 @@ namespace torch_ext::passes {
 
 void check_pure(const ir::Graph& graph);
 
+// The placeholder `n` is, or is a view of through schema-declared aliasing returns; null otherwise.
+// An output for which this is non-null would alias an input.
+const ir::Node* aliased_input(const ir::Node* n);
+
 }  // namespace torch_ext::passes

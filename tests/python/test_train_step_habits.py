@@ -919,6 +919,34 @@ def test_loss_fn_returning_loss_and_aux():
         assert torch.equal(aux["pair"][1], ref_aux["pair"][1].detach())
 
 
+def test_aux_that_is_an_input_or_a_parameter_is_returned_as_a_copy():
+    # Before: loss_fn returning its batch input (or a view of it, or a parameter) in aux made the program's
+    # output alias its input, and the build failed with check_pure's "output #19 ... aliases input".
+    def loss_aux(m, x, y):
+        return lm_loss(m, x, y), {"x": x, "x_row": x[0], "xt": x.t(), "w": m.head.weight, "w_view": m.head.weight[:2]}
+
+    torch.manual_seed(0)
+    model = TiedLM()
+    ref = copy.deepcopy(model)
+    step = torch_ext.make_train_step(model, adamw(model), loss_aux, next(lm_batches()))
+    ref_opt = adamw(ref)
+    state = step.init_state(seed=0)
+    for i, b in zip(range(3), lm_batches()):
+        runner = step if i % 2 == 0 else step.compile(plan=True, donate=True)
+        weight_before = ref.head.weight.detach().clone()  # loss_fn saw these, before the update
+        ref_opt.zero_grad()
+        ref_loss, _ = loss_aux(ref, *b)
+        ref_loss.backward()
+        ref_opt.step()
+        loss, state, aux = runner(state, *b)
+        assert torch.equal(loss, ref_loss.detach())
+        assert torch.equal(aux["x"], b[0]) and aux["x"].data_ptr() != b[0].data_ptr()
+        assert torch.equal(aux["x_row"], b[0][0]) and torch.equal(aux["xt"], b[0].t())
+        assert torch.equal(aux["w"], weight_before) and torch.equal(aux["w_view"], weight_before[:2])
+        b[0].add_(1)  # the caller's batch written afterwards: aux keeps what loss_fn saw
+        assert not torch.equal(aux["x"], b[0])
+
+
 def test_bad_aux_is_named():
     model = TiedLM()
     with pytest.raises(TypeError, match=r"aux must be a pytree of tensors; aux\['n'\] is a int"):
