@@ -121,9 +121,13 @@ def _graph_for(model, tokens: torch.Tensor) -> ReactiveGraph:
             rg = ReactiveGraph(model, (tokens,))
             per_shape[key] = (rg, fingerprint)
             return rg
-    args = rg._last_inputs[0] if rg._last_inputs is not None else None
-    if args is None or len(args) != 1 or args[0] is not tokens:
-        rg.run(tokens)
+    # The same tensor object is not enough: tokens edited in place since the last run (a new corruption
+    # written into the same buffer) must be run again, or every site patches the old corrupted run. Keyword
+    # inputs the graph was run with (a padding attention_mask in example_kwargs) stay: run without them,
+    # it exported a graph without the mask.
+    kwargs = rg._last_inputs[1] if rg._last_inputs is not None else {}
+    if not rg._ran_on(tokens, **kwargs):
+        rg.run(tokens, **kwargs)
     return rg
 
 

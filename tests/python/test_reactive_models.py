@@ -146,6 +146,49 @@ def test_patching_on_hugging_face_equals_eager_hooks(kind, batch):
                 assert heads[l, p, head].item() == pytest.approx(ref, rel=1e-5, abs=1e-6)
 
 
+def test_patching_a_reactive_graph_keeps_its_attention_mask():
+    """torch_ext.patching on a ReactiveGraph built with example_kwargs (a padding mask): running it on the
+    corrupted tokens dropped the keyword (rg.run(tokens) exported a mask-free graph), silently 0.013 off the
+    eager forward with the mask; and tokens edited in place were not run again at all."""
+    from torch_ext import patching
+
+    model, layers, _ = _hf_model("gpt2")
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(1, 64, (2, 8), generator=g)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0
+    corrupted = tokens.clone()
+    corrupted[:, 5] = (corrupted[:, 5] + 7) % 64
+    metric = lambda logits: (logits[:, -1, 3] - logits[:, -1, 4]).sum()  # noqa: E731
+    _, cache = torch_ext.ReactiveGraph(model, (tokens,), example_kwargs={"attention_mask": mask}).run_with_cache(
+        tokens, attention_mask=mask)
+    rg = torch_ext.ReactiveGraph(model, (corrupted,), example_kwargs={"attention_mask": mask})
+
+    def eager(corr):
+        out = torch.zeros(2, 8)
+        for layer in range(2):
+            for p in range(8):
+                def put(h, layer=layer, p=p):
+                    h = h.clone()
+                    h[:, p] = cache[f"blocks.{layer}.hook_resid_pre"][:, p]
+                    return h
+                hook = layers[layer].register_forward_pre_hook(_pre_hook(put), with_kwargs=True)
+                try:
+                    with torch.no_grad():
+                        out[layer, p] = float(metric(model(corr, attention_mask=mask, use_cache=False).logits))
+                finally:
+                    hook.remove()
+        return out
+
+    ref = eager(corrupted)
+    for corr in (corrupted, corrupted.clone()):
+        got = patching.get_act_patch_resid_pre(rg, corr, cache, metric)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    corrupted[:, 6] = (corrupted[:, 6] + 3) % 64  # the same object, edited in place
+    got = patching.get_act_patch_resid_pre(rg, corrupted, cache, metric)
+    torch.testing.assert_close(got, eager(corrupted), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_keyword_attention_mask_with_left_padding_equals_eager_hooks(kind):
     # Hugging Face models take attention_mask as a keyword (GPT-2's positional order puts the KV
