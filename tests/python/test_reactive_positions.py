@@ -731,3 +731,38 @@ def test_a_metric_writing_into_its_copy_gets_freshly_poisoned_copies(kw):
     assert len(poisoned) == 4 * (len(sites) + 1) and all(poisoned)
     assert got.metrics == ref.metrics
     rg.check_invariants()
+
+
+class _SignOfZero(nn.Module):
+    """relu then atan(1 / h): the sign of a zero decides the value (1/+0 = +inf, 1/-0 = -inf)."""
+
+    def forward(self, x):
+        return torch.atan(1.0 / torch.relu(x))
+
+
+@pytest.mark.parametrize("cutoff", [False, True])
+@pytest.mark.parametrize("kw", [{}, {"reads": {0: (slice(None), 2)}}, {"batch_sites": True}])
+def test_a_patch_that_only_flips_the_sign_of_a_zero_is_recomputed(cutoff, kw):
+    # Before: the changed rows were found with `ne` (-0.0 == 0.0), so a patch writing -0.0 over row p's
+    # zeros and changing row 3 recomputed rows [3, T) only (cutoff on: a patch writing only -0.0 was cut
+    # off at the site), and row p kept its clean +pi/2 where eager gives -pi/2.
+    x = torch.tensor([[[-1.0, 2.0], [0.5, -3.0], [-2.0, -1.0], [1.0, 1.0]]])
+    model = _SignOfZero().eval()
+    rg = torch_ext.ReactiveGraph(model, (x,), cutoff=cutoff)
+    node = next(n for n in rg.nodes() if n.startswith("relu"))
+
+    def patch(v, site):
+        out = v.clone()
+        row = out[:, site[1]]
+        out[:, site[1]] = torch.where(row == 0, torch.full_like(row, -0.0), row)
+        if site[2]:
+            out[:, 3] += 1.0
+        return out
+
+    metric = (lambda out: float(out[:, 2].sum())) if "reads" in kw else (lambda out: float(out.sum()))
+    sites = [(node, p, also) for p in range(4) for also in (False, True)]
+    got = torch_ext.sweep(rg, sites, patch, metric, progress=False, **kw)
+    for s in sites:
+        ref = metric(torch.atan(1.0 / patch(torch.relu(x), s)))
+        assert got.metrics[s] == ref, s
+    rg.check_invariants()
