@@ -26,7 +26,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from . import _compat
+from . import _compat, _module_state
 from .reactive import ReactiveGraph, _weights_fingerprint, sweep
 
 __all__ = [
@@ -117,7 +117,8 @@ def _graph_for(model, tokens: torch.Tensor) -> ReactiveGraph:
         # any weight replaced or written in place since (load_state_dict, fine-tuning) rebuilds it.
         fingerprint = _weights_fingerprint(model)
         rg, built_for = per_shape.get(key, (None, None))
-        if rg is None or built_for != fingerprint:
+        # An attribute the trace read (a LayerNorm eps) changed since: the graph holds the old value, built again.
+        if rg is None or built_for != fingerprint or _module_state.changed(getattr(rg, "_attributes", ())):
             rg = ReactiveGraph(model, (tokens,))
             per_shape[key] = (rg, fingerprint)
             return rg

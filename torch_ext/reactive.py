@@ -548,11 +548,7 @@ class ReactiveGraph:
                              "with a copy of them (TransformerLens models are exported from a copy); build a new "
                              "ReactiveGraph (torch_ext.patching does so by itself)")
         self._refuse_changed_hooks("run")
-        changed = _module_state.changed(getattr(self, "_attributes", ()))
-        if changed:
-            raise ValueError(f"run: {_module_state.change_message(changed, 'this ReactiveGraph was built')}; the graph "
-                             "holds the value it was traced with, eager calls would use the new one: build a new "
-                             "ReactiveGraph after changing it, or change it back")
+        self._refuse_changed_attributes("run")
         if self._module is not None and self._shape is not None:
             key = _shape_key(args, kwargs)
             if key != self._shape:
@@ -572,6 +568,16 @@ class ReactiveGraph:
                 and last_kwargs.keys() == kwargs.keys() and all(last_kwargs[k] is kwargs[k] for k in kwargs))
         versions = _input_versions(args, kwargs)
         return same and None not in versions and versions == getattr(self, "_last_input_versions", None)
+
+    def _refuse_changed_attributes(self, where: str) -> None:
+        """A module attribute the trace read (a LayerNorm eps, a config flag) changed since the build: eager
+        calls use the new value, the graph holds the old one. Refused at run() and demand() alike (a sweep
+        demands first), not only at run(): a graph demanded or swept without a new run was silently stale."""
+        changed = _module_state.changed(getattr(self, "_attributes", ()))
+        if changed:
+            raise ValueError(f"{where}: {_module_state.change_message(changed, 'this ReactiveGraph was built')}; the "
+                             "graph holds the value it was traced with, eager calls would use the new one: build a "
+                             "new ReactiveGraph after changing it, or change it back")
 
     def _refuse_changed_hooks(self, where: str) -> None:
         """A forward hook registered on the module after the build would run in eager calls, never in the
@@ -595,6 +601,7 @@ class ReactiveGraph:
         it. Otherwise this is a plain demand.
         """
         self._refuse_changed_hooks("demand")
+        self._refuse_changed_attributes("demand")
         eng = self._engine
         if reads is not None and self._positions and not getattr(self, "_sweeping", False) \
                 and not eng.in_transaction() and len(eng.pinned()) == 1:
