@@ -11,7 +11,7 @@ the hook check on its fast path (no hook registered anywhere since the last call
 executor for scale. Medians of interleaved rounds, in microseconds.
 
 --sweep adds the cost of sweep(..., reads=)'s read check (the metric run on copies of the outputs whose
-undeclared elements are NaN, +inf and -inf, torch_ext.reactive._ReadCheck) on bench_sweep.py's part 4
+undeclared elements are NaN, +inf, -inf and 0.75, torch_ext.reactive._ReadCheck) on bench_sweep.py's part 4
 models (64 residual-stream sites, metric = last-row logit difference): the sweep with the check and with
 the metric passed through unchecked, interleaved, and whether their metrics are bit-identical.
 """

@@ -400,7 +400,7 @@ def part2_case(repeats: int, d: int, B: int) -> None:
             results["skip"] = torch_ext.sweep(rg, sites, patch, metric, progress=False, skip_identical=True)  # the default
 
     # The metric reads two logits of the last position; a user who says so (reads=, docs/cost-model-positions.md)
-    # lets the last block and the unembedding run on that row only. The read check still runs the metric three
+    # lets the last block and the unembedding run on that row only. The read check still runs the metric four
     # times per site, so an undeclared read raises instead of giving a wrong metric.
     reads = {"logits": (slice(None), -1, [3, 5])}
 

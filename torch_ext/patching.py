@@ -26,7 +26,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from . import _compat
+from . import _compat, _module_state
 from .reactive import ReactiveGraph, _weights_fingerprint, sweep
 
 __all__ = [
@@ -117,13 +117,18 @@ def _graph_for(model, tokens: torch.Tensor) -> ReactiveGraph:
         # any weight replaced or written in place since (load_state_dict, fine-tuning) rebuilds it.
         fingerprint = _weights_fingerprint(model)
         rg, built_for = per_shape.get(key, (None, None))
-        if rg is None or built_for != fingerprint:
+        # An attribute the trace read (a LayerNorm eps) changed since: the graph holds the old value, built again.
+        if rg is None or built_for != fingerprint or _module_state.changed(getattr(rg, "_attributes", ())):
             rg = ReactiveGraph(model, (tokens,))
             per_shape[key] = (rg, fingerprint)
             return rg
-    args = rg._last_inputs[0] if rg._last_inputs is not None else None
-    if args is None or len(args) != 1 or args[0] is not tokens:
-        rg.run(tokens)
+    # The same tensor object is not enough: tokens edited in place since the last run (a new corruption
+    # written into the same buffer) must be run again, or every site patches the old corrupted run. Keyword
+    # inputs the graph was run with (a padding attention_mask in example_kwargs) stay: run without them,
+    # it exported a graph without the mask.
+    kwargs = rg._last_inputs[1] if rg._last_inputs is not None else {}
+    if not rg._ran_on(tokens, **kwargs):
+        rg.run(tokens, **kwargs)
     return rg
 
 

@@ -46,6 +46,12 @@ def _weights_fingerprint(module: torch.nn.Module) -> tuple:
     return tuple((t.data_ptr(), t._version) for t in nn_params(module))
 
 
+def _input_versions(args, kwargs) -> tuple:
+    """The version counters of the tensor inputs (None for an inference tensor, which has none)."""
+    return tuple((None if t.is_inference() else t._version) for t in pytree.tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor))
+
+
 def _shape_key(args, kwargs) -> tuple:
     """The shapes and dtypes of the tensor inputs: what a static export is specialised to."""
     return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None
@@ -542,18 +548,36 @@ class ReactiveGraph:
                              "with a copy of them (TransformerLens models are exported from a copy); build a new "
                              "ReactiveGraph (torch_ext.patching does so by itself)")
         self._refuse_changed_hooks("run")
-        changed = _module_state.changed(getattr(self, "_attributes", ()))
-        if changed:
-            raise ValueError(f"run: {_module_state.change_message(changed, 'this ReactiveGraph was built')}; the graph "
-                             "holds the value it was traced with, eager calls would use the new one: build a new "
-                             "ReactiveGraph after changing it, or change it back")
+        self._refuse_changed_attributes("run")
         if self._module is not None and self._shape is not None:
             key = _shape_key(args, kwargs)
             if key != self._shape:
                 self._switch_shape(key, args, kwargs)
         self._engine.run(self._flat_inputs(args, kwargs))
         self._last_inputs = (args, kwargs)
+        self._last_input_versions = _input_versions(args, kwargs)
         return self.demand()
+
+    def _ran_on(self, *args, **kwargs) -> bool:
+        """Whether the cached values are those of these very inputs: the same objects, not written since the
+        last run (an input edited in place keeps its identity; its version counter moves)."""
+        if self._last_inputs is None:
+            return False
+        last_args, last_kwargs = self._last_inputs
+        same = (len(last_args) == len(args) and all(x is y for x, y in zip(last_args, args))
+                and last_kwargs.keys() == kwargs.keys() and all(last_kwargs[k] is kwargs[k] for k in kwargs))
+        versions = _input_versions(args, kwargs)
+        return same and None not in versions and versions == getattr(self, "_last_input_versions", None)
+
+    def _refuse_changed_attributes(self, where: str) -> None:
+        """A module attribute the trace read (a LayerNorm eps, a config flag) changed since the build: eager
+        calls use the new value, the graph holds the old one. Refused at run() and demand() alike (a sweep
+        demands first), not only at run(): a graph demanded or swept without a new run was silently stale."""
+        changed = _module_state.changed(getattr(self, "_attributes", ()))
+        if changed:
+            raise ValueError(f"{where}: {_module_state.change_message(changed, 'this ReactiveGraph was built')}; the "
+                             "graph holds the value it was traced with, eager calls would use the new one: build a "
+                             "new ReactiveGraph after changing it, or change it back")
 
     def _refuse_changed_hooks(self, where: str) -> None:
         """A forward hook registered on the module after the build would run in eager calls, never in the
@@ -577,6 +601,7 @@ class ReactiveGraph:
         it. Otherwise this is a plain demand.
         """
         self._refuse_changed_hooks("demand")
+        self._refuse_changed_attributes("demand")
         eng = self._engine
         if reads is not None and self._positions and not getattr(self, "_sweeping", False) \
                 and not eng.in_transaction() and len(eng.pinned()) == 1:
@@ -1330,14 +1355,18 @@ class _ReadCheck:
     reading them got NaN batched and the true value one at a time, and NaN can vanish in the metric
     (``nan_to_num``, a comparison, ``argmax``). So the metric never sees the engine's outputs: it gets
     copies holding the declared elements, everything else poisoned, the same on every path. It is called
-    with the undeclared elements NaN, +inf and -inf; a result that differs between the three (bit for
-    bit) depends on undeclared elements and is refused, naming the output and the declaration. Which
-    elements a metric reads cannot be seen from outside it; its result's dependence on them can, and
-    three poisons catch the usual ways of absorbing one (NaN -> 0, inf -> finite, max / argmax /
-    comparisons pick a poison or avoid it). The metric runs three times per site: it must be a function
-    of the outputs (as it must be for batched sites anyway)."""
+    with the undeclared elements NaN, +inf, -inf and a finite value; a result that differs between the four
+    (bit for bit) depends on undeclared elements and is refused, naming the output and the declaration.
+    Which elements a metric reads cannot be seen from outside it; its result's dependence on them can, and
+    four poisons catch the usual ways of absorbing one (NaN -> 0, inf -> finite, max / argmax /
+    comparisons pick a poison or avoid it). The finite one is needed because the three non-finite ones
+    can all give the same result: ``nan_to_num(x, nan=0, posinf=0, neginf=0)`` turns each into 0 and
+    ``0 * x`` each into NaN, which passed the check and returned 0 or NaN where eager reads true values.
+    The metric runs four times per site: it must be a function of the outputs (as it must be for batched
+    sites anyway)."""
 
-    _POISONS = (float("nan"), float("inf"), float("-inf"))
+    # NaN first: the result handed back comes from the NaN copy. 0.75 is exact in every float dtype.
+    _POISONS = (float("nan"), float("inf"), float("-inf"), 0.75)
 
     def __init__(self, rg: "ReactiveGraph", metric: Callable, reads):
         self.metric, self.reads = metric, reads
@@ -1381,12 +1410,12 @@ class _ReadCheck:
         # across sites: only the declared elements are copied per site. One the metric wrote is made again.
         self.canvases: dict = {None: (torch.empty(0), 0)}
         self._sole = self._owners(None)  # what _owners reads for a tensor no one else holds
-        # The common case (one output, handed to the metric as a tensor, declared elements on it): the three
-        # poisoned copies are rows of one buffer, so a site writes its declared elements into all three with
+        # The common case (one output, handed to the metric as a tensor, declared elements on it): the four
+        # poisoned copies are rows of one buffer, so a site writes its declared elements into all four with
         # one put_ (see _three).
         self._single = (self.leaf_outputs[0] if len(self.leaf_outputs) == 1 and list(self.declared) ==
                         [self.leaf_outputs[0]] else None)
-        self._stack = None  # (buffer [3, stride], the three canvases, buffer version, owners) of _three
+        self._stack = None  # (buffer [4, stride], the four canvases, buffer version, owners) of _three
 
     def _owners(self, key) -> tuple[int, int]:
         """(Python references, storage users) of a kept canvas: a metric may have kept it, or a view of it."""
@@ -1420,11 +1449,11 @@ class _ReadCheck:
         return self.metric(given[0] if single else pytree.tree_unflatten(given, spec))
 
     def _three(self, out: torch.Tensor) -> tuple:
-        """The single output's three canvases (its declared elements, the rest NaN, +inf, -inf): rows
+        """The single output's four canvases (its declared elements, the rest NaN, +inf, -inf, 0.75): rows
         of one buffer whose row stride is rounded up to 64 bytes, so each canvas is 64-byte aligned like a
         fresh CPU allocation (vectorised kernels take the same paths as on a separate tensor). Kept for
         the next site while nothing but this holds the buffer, a canvas or a view of one, unwritten; the
-        declared elements of all three are then written by one put_."""
+        declared elements of all four are then written by one put_."""
         st = self._stack
         if (st is None or st[1][0].dtype != out.dtype or st[1][0].device != out.device or st[0]._version != st[2]
                 or any(c.shape != out.shape or not c.is_contiguous() for c in st[1]) or self._stack_owners(st) != st[3]):
@@ -1438,7 +1467,7 @@ class _ReadCheck:
             st = (buf, canvases, None, None)
             st = self._stack = (buf, canvases, None, self._stack_owners(st))
         buf, canvases = st[0], st[1]
-        # take/put_: two calls, reading the output in place and writing all three canvases' declared elements.
+        # take/put_: two calls, reading the output in place and writing all four canvases' declared elements.
         src, dst = self._take_put(out, buf.shape[1])
         buf.view(-1).put_(dst, torch.take(out, src))
         self._stack = (buf, canvases, buf._version, st[3])
@@ -1464,7 +1493,7 @@ class _ReadCheck:
         if not self.declared:
             return self.metric(outs)
         kept = self._single is not None and isinstance(outs, torch.Tensor)
-        if kept:  # the three canvases are rows of one kept buffer (_three)
+        if kept:  # the four canvases are rows of one kept buffer (_three)
             canvases = self._three(outs)
             run = lambda i: self.metric(canvases[i])  # noqa: E731
         else:
@@ -1489,7 +1518,7 @@ class _ReadCheck:
         declared = (f"reads={self.reads!r}" if isinstance(self.reads, dict)
                     else "what the reads callable indexes")
         raise ValueError(f"sweep: the metric reads elements of {what} outside {declared}: its result changes when "
-                         "those elements change (it was run with them NaN, +inf and -inf). With reads=, undeclared "
+                         "those elements change (it was run with them NaN, +inf, -inf and 0.75). With reads=, undeclared "
                          "elements are not computed on every path (they would be NaN batched and the true values "
                          "one at a time); declare everything the metric reads in reads=, or leave reads= out")
 
@@ -1867,10 +1896,10 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     read row are not computed, nor, for a final linear or matmul, the columns not read; a callable
     ``reads=lambda logits: logits[:, -1, [tok_a, tok_b]]`` says the same by indexing. The metric then
     receives copies of the outputs holding the declared elements, everything else poisoned, on every
-    path (batched or not, rows or whole cones): it is run with the undeclared elements NaN, +inf and
-    -inf, and a result that differs between the three (it read outside ``reads``) raises a ValueError
+    path (batched or not, rows or whole cones): it is run with the undeclared elements NaN, +inf, -inf
+    and 0.75, and a result that differs between the four (it read outside ``reads``) raises a ValueError
     naming the output, rather than a NaN batched and the true value one at a time. So the metric runs
-    three times per site and must be a function of the outputs. Standing
+    four times per site and must be a function of the outputs. Standing
     patches fall back to node-granular cones; batched sites use them too. With early cutoff on, a
     patched value equal to the clean one is cut off at the site and a changed one takes the same
     row-range path as with cutoff off (same bits).

@@ -186,7 +186,8 @@ int64_t Engine::seq_axis(const std::string& name) {
 
 // changed_rows for dense CPU tensors of one real dtype, read in place (no temporaries, one pass at most):
 // the rows are scanned from the first up to the first changed one, and from the last down to the last
-// changed one, with the general path's `ne` semantics (a NaN counts as changed, -0.0 equals 0.0).
+// changed one, by the elements' bits as on the general path: -0.0 differs from 0.0 (1 / x, atan2, copysign
+// tell them apart downstream, so such a row must be recomputed), a NaN with the same bits is unchanged.
 // nullopt where it does not apply (another device or layout, a complex dtype): the general path runs.
 static std::optional<std::pair<int64_t, int64_t>> changed_rows_dense(const at::Tensor& cached, const at::Tensor& now,
                                                                      int64_t axis, int64_t T) {
@@ -206,8 +207,7 @@ static std::optional<std::pair<int64_t, int64_t>> changed_rows_dense(const at::T
       for (int64_t o = 0; o < outer; ++o) {
         const scalar_t* x = a + (o * T + r) * inner;
         const scalar_t* y = b + (o * T + r) * inner;
-        for (int64_t i = 0; i < inner; ++i)
-          if (x[i] != y[i]) return true;
+        if (std::memcmp(x, y, static_cast<size_t>(inner) * sizeof(scalar_t)) != 0) return true;
       }
       return false;
     };
@@ -221,6 +221,19 @@ static std::optional<std::pair<int64_t, int64_t>> changed_rows_dense(const at::T
   return out;
 }
 
+// A tensor's elements as integers of the same width (floating and complex dtypes), so that `ne` compares bits.
+static at::Tensor bits_of(const at::Tensor& t) {
+  const at::Tensor plain = t.resolve_conj().resolve_neg();  // a lazy conj / neg view has no plain bits
+  at::Tensor real = plain.is_complex() ? at::view_as_real(plain) : plain;
+  if (!c10::isFloatingType(real.scalar_type())) return real;
+  switch (real.element_size()) {
+    case 2: return real.view(at::kShort);
+    case 4: return real.view(at::kInt);
+    case 8: return real.view(at::kLong);
+    default: return real.view(at::kByte);
+  }
+}
+
 std::pair<int64_t, int64_t> Engine::changed_rows(int64_t id, const c10::IValue& value) {
   const passes::SeqNode& info = seq_analysis().at(states_[id].node);
   TORCH_CHECK(info.row_axis >= 0, "first_changed_row %", states_[id].node->name(), ": the node has no sequence axis");
@@ -230,8 +243,9 @@ std::pair<int64_t, int64_t> Engine::changed_rows(int64_t id, const c10::IValue& 
   const int64_t T = info.length;
   if (now.numel() == 0) return {T, T};
   if (auto dense = changed_rows_dense(cached, now, info.row_axis, T)) return *dense;
-  // NaN != NaN: a NaN row counts as changed (conservative).
-  const at::Tensor changed = now.ne(cached).movedim(info.row_axis, 0).reshape({T, -1}).any(1);
+  // By bits, as the dense path: `ne` would call -0.0 equal to 0.0 and skip a row whose downstream values
+  // differ (1 / -0.0 = -inf).
+  const at::Tensor changed = bits_of(now).ne(bits_of(cached)).movedim(info.row_axis, 0).reshape({T, -1}).any(1);
   const at::Tensor rows = changed.nonzero();
   if (rows.size(0) == 0) return {T, T};
   const at::Tensor ends = rows.select(1, 0).index_select(0, at::tensor({int64_t{0}, rows.size(0) - 1}).to(rows.device()))

@@ -146,6 +146,87 @@ def test_patching_on_hugging_face_equals_eager_hooks(kind, batch):
                 assert heads[l, p, head].item() == pytest.approx(ref, rel=1e-5, abs=1e-6)
 
 
+def test_patching_and_sweeps_see_an_attribute_changed_after_the_first_call():
+    """A LayerNorm eps changed after the first patching call: the graph traced with the old eps was reused
+    (the same corrupted tokens object: no run, so run()'s attribute check never ran) and every site came
+    back 0.015 off the model as it now is. torch_ext.patching builds again; a sweep on the old graph refuses."""
+    from torch_ext import patching
+
+    model, layers, _ = _hf_model("gpt2")
+    g = torch.Generator().manual_seed(3)
+    clean = torch.randint(0, 64, (1, 6), generator=g)
+    corrupted = clean.clone()
+    corrupted[:, 2] = (corrupted[:, 2] + 5) % 64
+    metric = lambda logits: logits[:, -1, 3].mean() - logits[:, -1, 4].mean()  # noqa: E731
+    _, cache = patching.run_with_cache(model, clean)
+    patching.get_act_patch_resid_pre(model, corrupted, cache, metric)
+    rg = torch_ext.ReactiveGraph(model, (corrupted,))
+    for block in layers:
+        block.ln_1.eps = 10.0
+    got = patching.get_act_patch_resid_pre(model, corrupted, cache, metric)
+    for layer in range(2):
+        for p in (0, 2, 5):
+            def put(h, layer=layer, p=p):
+                h = h.clone()
+                h[:, p] = cache[f"blocks.{layer}.hook_resid_pre"][:, p]
+                return h
+            hook = layers[layer].register_forward_pre_hook(_pre_hook(put), with_kwargs=True)
+            try:
+                with torch.no_grad():
+                    ref = float(metric(model(corrupted, use_cache=False).logits))
+            finally:
+                hook.remove()
+            assert got[layer, p].item() == pytest.approx(ref, rel=1e-5, abs=1e-6), (layer, p)
+    with pytest.raises(ValueError, match=r"ln_1.eps is 10.0 now"):
+        torch_ext.sweep(rg, [(rg.resolve("blocks.0.hook_resid_pre"), 0)], lambda v, s: v * 0, lambda o: 0.0,
+                        progress=False)
+    with pytest.raises(ValueError, match=r"ln_1.eps is 10.0 now"):
+        rg.demand()
+
+
+def test_patching_a_reactive_graph_keeps_its_attention_mask():
+    """torch_ext.patching on a ReactiveGraph built with example_kwargs (a padding mask): running it on the
+    corrupted tokens dropped the keyword (rg.run(tokens) exported a mask-free graph), silently 0.013 off the
+    eager forward with the mask; and tokens edited in place were not run again at all."""
+    from torch_ext import patching
+
+    model, layers, _ = _hf_model("gpt2")
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(1, 64, (2, 8), generator=g)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0
+    corrupted = tokens.clone()
+    corrupted[:, 5] = (corrupted[:, 5] + 7) % 64
+    metric = lambda logits: (logits[:, -1, 3] - logits[:, -1, 4]).sum()  # noqa: E731
+    _, cache = torch_ext.ReactiveGraph(model, (tokens,), example_kwargs={"attention_mask": mask}).run_with_cache(
+        tokens, attention_mask=mask)
+    rg = torch_ext.ReactiveGraph(model, (corrupted,), example_kwargs={"attention_mask": mask})
+
+    def eager(corr):
+        out = torch.zeros(2, 8)
+        for layer in range(2):
+            for p in range(8):
+                def put(h, layer=layer, p=p):
+                    h = h.clone()
+                    h[:, p] = cache[f"blocks.{layer}.hook_resid_pre"][:, p]
+                    return h
+                hook = layers[layer].register_forward_pre_hook(_pre_hook(put), with_kwargs=True)
+                try:
+                    with torch.no_grad():
+                        out[layer, p] = float(metric(model(corr, attention_mask=mask, use_cache=False).logits))
+                finally:
+                    hook.remove()
+        return out
+
+    ref = eager(corrupted)
+    for corr in (corrupted, corrupted.clone()):
+        got = patching.get_act_patch_resid_pre(rg, corr, cache, metric)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    corrupted[:, 6] = (corrupted[:, 6] + 3) % 64  # the same object, edited in place
+    got = patching.get_act_patch_resid_pre(rg, corrupted, cache, metric)
+    torch.testing.assert_close(got, eager(corrupted), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_keyword_attention_mask_with_left_padding_equals_eager_hooks(kind):
     # Hugging Face models take attention_mask as a keyword (GPT-2's positional order puts the KV

@@ -263,9 +263,9 @@ def test_reads_last_row_computes_only_what_reaches_it():
     del rows
     narrow_one = torch_ext.sweep(rg, [(resid[0], 2)], patch, metric, progress=False, reads=reads)
     assert narrow_one.metrics[(resid[0], 2)] == pytest.approx(wide.metrics[(resid[0], 2)], rel=1e-6)
-    # The metric sees the declared elements only (the rest poisoned: its last call, -inf).
+    # The metric sees the declared elements only (the rest poisoned: its last call, the finite poison 0.75).
     out = seen["out"]
-    assert not torch.isinf(out[:, -1, [3, 4]]).any() and torch.isinf(out[:, :-1]).all()
+    assert not torch.isinf(out[:, -1, [3, 4]]).any() and (out[:, :-1] == 0.75).all()
     # The same declaration by output index and by node name.
     out_node = rg._output_nodes()[0]
     assert rg._read_rows({0: (slice(None), -1)}) == rg._read_rows({out_node: (slice(None), T - 1)}) == [T - 1]
@@ -629,13 +629,13 @@ def test_outputs_a_caller_keeps_are_never_written_again(reads):
             torch.testing.assert_close(k, ref.metrics[s], rtol=0, atol=0, equal_nan=True)
             torch.testing.assert_close(v, ref.metrics[s][:, -1], rtol=0, atol=0, equal_nan=True)
     else:
-        # The metric gets copies (declared elements, the rest NaN, +inf, -inf: three calls per site), and a
-        # copy it keeps is not reused for a later site either.
+        # The metric gets copies (declared elements, the rest NaN, +inf, -inf, 0.75: four calls per site),
+        # and a copy it keeps is not reused for a later site either.
         ref = torch_ext.sweep(rg, sites, patch, lambda out: out[:, -1, [3, 4]].clone(), progress=False, reads=reads)
-        assert len(kept) == 3 * (len(sites) + 1)
+        assert len(kept) == 4 * (len(sites) + 1)
         for i, s in enumerate(sites):
-            for j, poison in enumerate((float("nan"), float("inf"), float("-inf"))):
-                k, v = kept[3 * (i + 1) + j], views[3 * (i + 1) + j]
+            for j, poison in enumerate((float("nan"), float("inf"), float("-inf"), 0.75)):
+                k, v = kept[4 * (i + 1) + j], views[4 * (i + 1) + j]
                 torch.testing.assert_close(k[:, -1, [3, 4]], ref.metrics[s], rtol=0, atol=0)
                 torch.testing.assert_close(v[:, [3, 4]], ref.metrics[s], rtol=0, atol=0)
                 rest = k.clone()
@@ -662,6 +662,13 @@ _OUTSIDE = {
     "comparison": lambda out: float((out[:, -1] > 0).sum()),
     # an undeclared row
     "other_row": lambda out: float(out[:, -2, 3].sum()),
+    # every non-finite value mapped to one number: NaN, +inf and -inf all gave 0 there, the check passed and
+    # the sweep returned the declared elements' sum where eager adds column 5's true values
+    "nan_to_num_all_zero": lambda out: float(torch.nan_to_num(out[:, -1, [3, 4, 5]], nan=0.0, posinf=0.0,
+                                                              neginf=0.0).sum()),
+    # an undeclared element times zero: NaN under all three poisons, so the sweep returned NaN where eager
+    # gives the declared elements' sum
+    "times_zero": lambda out: float(out[:, -1, [3, 4]].sum() + 0.0 * out[:, -2, 3].sum()),
 }
 
 
@@ -701,7 +708,7 @@ def test_a_metric_reading_inside_reads_gets_the_same_bits_on_every_path():
 
 @pytest.mark.parametrize("kw", [{}, {"batch_sites": 2}, {"positions": False}])
 def test_a_metric_writing_into_its_copy_gets_freshly_poisoned_copies(kw):
-    # The read check's copies of the output are kept across sites (one buffer for the three poisons): a
+    # The read check's copies of the output are kept across sites (one buffer for the four poisons): a
     # copy the metric wrote into must not be handed out again, or its undeclared elements would no longer
     # hold the poison (and a metric reading them could pass the check).
     rg, resid, patch, sites = _zoo_sweep_setup("sdpa")
@@ -712,7 +719,8 @@ def test_a_metric_writing_into_its_copy_gets_freshly_poisoned_copies(kw):
     def metric(out):
         rest = torch.ones(out.shape, dtype=torch.bool)
         rest[:, -1, [3, 4]] = False
-        poisoned.append(bool((~out[rest].isfinite()).all()))
+        undeclared = out[rest]  # one poison throughout: NaN, +inf, -inf or 0.75
+        poisoned.append(bool(undeclared.isnan().all() or (undeclared == undeclared[0]).all()))
         value = float(out[:, -1, [3, 4]].sum())
         out.fill_(0.0)  # the metric's own copy: allowed, but that copy is spoiled
         return value
@@ -720,6 +728,41 @@ def test_a_metric_writing_into_its_copy_gets_freshly_poisoned_copies(kw):
     ref = torch_ext.sweep(rg, sites, patch, lambda out: float(out[:, -1, [3, 4]].sum()), progress=False,
                           reads=reads, **kw)
     got = torch_ext.sweep(rg, sites, patch, metric, progress=False, reads=reads, **kw)
-    assert len(poisoned) == 3 * (len(sites) + 1) and all(poisoned)
+    assert len(poisoned) == 4 * (len(sites) + 1) and all(poisoned)
     assert got.metrics == ref.metrics
+    rg.check_invariants()
+
+
+class _SignOfZero(nn.Module):
+    """relu then atan(1 / h): the sign of a zero decides the value (1/+0 = +inf, 1/-0 = -inf)."""
+
+    def forward(self, x):
+        return torch.atan(1.0 / torch.relu(x))
+
+
+@pytest.mark.parametrize("cutoff", [False, True])
+@pytest.mark.parametrize("kw", [{}, {"reads": {0: (slice(None), 2)}}, {"batch_sites": True}])
+def test_a_patch_that_only_flips_the_sign_of_a_zero_is_recomputed(cutoff, kw):
+    # Before: the changed rows were found with `ne` (-0.0 == 0.0), so a patch writing -0.0 over row p's
+    # zeros and changing row 3 recomputed rows [3, T) only (cutoff on: a patch writing only -0.0 was cut
+    # off at the site), and row p kept its clean +pi/2 where eager gives -pi/2.
+    x = torch.tensor([[[-1.0, 2.0], [0.5, -3.0], [-2.0, -1.0], [1.0, 1.0]]])
+    model = _SignOfZero().eval()
+    rg = torch_ext.ReactiveGraph(model, (x,), cutoff=cutoff)
+    node = next(n for n in rg.nodes() if n.startswith("relu"))
+
+    def patch(v, site):
+        out = v.clone()
+        row = out[:, site[1]]
+        out[:, site[1]] = torch.where(row == 0, torch.full_like(row, -0.0), row)
+        if site[2]:
+            out[:, 3] += 1.0
+        return out
+
+    metric = (lambda out: float(out[:, 2].sum())) if "reads" in kw else (lambda out: float(out.sum()))
+    sites = [(node, p, also) for p in range(4) for also in (False, True)]
+    got = torch_ext.sweep(rg, sites, patch, metric, progress=False, **kw)
+    for s in sites:
+        ref = metric(torch.atan(1.0 / patch(torch.relu(x), s)))
+        assert got.metrics[s] == ref, s
     rg.check_invariants()

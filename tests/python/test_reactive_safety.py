@@ -604,9 +604,12 @@ def test_run_refuses_module_attributes_changed_after_build(change):
         model.train()
         message = r"model.training is True \(train mode\) now, False .*and 2 more"
     with torch.no_grad():
-        assert not torch.equal(model(x), rg.demand())  # eager follows the change
+        assert not torch.equal(model(x), rg._engine.demand()[0])  # eager follows the change; the graph does not
     with pytest.raises(ValueError, match=message):
         rg.run(x)
+    # demand() (and so a sweep) refuses too: it handed out the stale graph's outputs, unlike eager.
+    with pytest.raises(ValueError, match="demand: " + message):
+        rg.demand()
     model.eval()
     model.tau = 1.0  # changed back: the graph is right again
     assert torch.equal(rg.run(x), model(x))

@@ -144,11 +144,13 @@ def test_patch_writing_into_the_clean_value_is_refused_mid_sweep():
 
 
 def _first_changed_reference(cached, now, axis):
-    changed = (now != cached).movedim(axis, 0).reshape(cached.shape[axis], -1).any(1).nonzero()
+    # By bits: -0.0 differs from 0.0 (test_reactive_positions.py, sign of a zero), equal NaN bits do not.
+    changed = (now.view(torch.int32) != cached.view(torch.int32)).movedim(axis, 0).reshape(cached.shape[axis], -1)
+    changed = changed.any(1).nonzero()
     return int(changed[0, 0]) if len(changed) else cached.shape[axis]
 
 
-def test_first_changed_row_dense_scan_matches_ne():
+def test_first_changed_row_dense_scan_matches_the_general_path():
     """The in-place row scan of dense CPU tensors gives the general path's answers."""
     _, _, rg = _graph()
     eng = rg._engine
@@ -164,7 +166,12 @@ def test_first_changed_row_dense_scan_matches_ne():
         cases.append(v)
     nan = cached.clone()
     nan[0, 3, 0] = float("nan")
-    cases += [cached.clone(), nan]
+    zero = cached.clone()
+    zero[1, 2, 5] = 0.0
+    cases += [cached.clone(), nan, zero]
+    signed = zero.clone()
+    signed[1, 2, 5] = -0.0
+    cases.append(signed)
     for v in cases:
         assert eng.first_changed_row(t, v) == _first_changed_reference(cached, v, axis)
     # Non-contiguous values take the general path, with the same answers.
@@ -174,7 +181,7 @@ def test_first_changed_row_dense_scan_matches_ne():
         assert eng.first_changed_row(t, nc) == _first_changed_reference(cached, v, axis)
 
 
-def test_first_changed_row_treats_signed_zero_as_equal():
+def test_first_changed_row_compares_bits_so_a_signed_zero_is_a_change():
     torch.manual_seed(0)
     model = nn.Sequential(nn.ReLU(), nn.ReLU()).eval()
     x = torch.zeros(2, 4, 3)
@@ -184,9 +191,15 @@ def test_first_changed_row_treats_signed_zero_as_equal():
     assert eng.seq_axis(n) == 1
     v = rg.value(n).clone()
     v[:, 2] = -0.0
-    assert eng.first_changed_row(n, v) == 4  # equal under `ne`
+    assert eng.first_changed_row(n, v) == 2  # -0.0 against 0.0: 1 / x tells them apart downstream
+    v[:, 2] = 0.0
     v[1, 3, 2] = float("nan")
     assert eng.first_changed_row(n, v) == 3
+    cached_nan = v.clone()
+    rg.patch(n, cached_nan)
+    rg.demand()
+    assert eng.first_changed_row(n, cached_nan.clone()) == 4  # the same NaN bits: unchanged
+    rg.restore()
 
 
 def test_sweep_sites_stops_even_when_fail_returns():

@@ -109,6 +109,24 @@ def test_patching_sees_weights_changed_after_the_first_call(bridge):
             w.copy_(saved)
 
 
+def test_patching_sees_corrupted_tokens_edited_in_place(bridge):
+    """The graph kept the corrupted run of the same tensor object: tokens edited in place since (a new
+    corruption written into the same buffer) were ignored, every site patched onto the old corrupted run
+    (0.17 off TransformerLens here). The second call must run the edited tokens."""
+    clean, corrupted = _prompts(1)
+    _, clean_cache = bridge.run_with_cache(clean)
+    patching.get_act_patch_resid_pre(bridge, corrupted, clean_cache, _metric)
+    corrupted[:, 4] = (corrupted[:, 4] + 7) % 50  # the same tensor object, new values
+    expected = tl_patching.get_act_patch_resid_pre(bridge, corrupted, clean_cache, _metric)
+    got = patching.get_act_patch_resid_pre(bridge, corrupted, clean_cache, _metric)
+    assert torch.equal(got, expected)
+    # A ReactiveGraph handed in is run again too, so its run_with_cache / demand agree with the tokens.
+    rg = torch_ext.ReactiveGraph(bridge, (corrupted,))
+    corrupted[:, 1] = (corrupted[:, 1] + 3) % 50
+    expected = tl_patching.get_act_patch_attn_out(bridge, corrupted, clean_cache, _metric)
+    assert torch.equal(patching.get_act_patch_attn_out(rg, corrupted, clean_cache, _metric), expected)
+
+
 def test_reactive_graph_of_a_bridge_computes_with_its_live_weights(bridge):
     """The graph is traced from a copy of the bridge, but binds the bridge's own parameters: a weight
     written afterwards shows at the next run (never a stale copy)."""
