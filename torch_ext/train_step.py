@@ -290,6 +290,24 @@ class _LrSchedule:
             self._record()
         return self._lrs[k]
 
+    def position(self) -> int:
+        """How many steps the user's schedulers stand past the build's copy of them: init_state starts
+        the schedule there, as eager training would continue from a scheduler stepped eagerly after the
+        build, or placed by write_back. A scheduler the replay does not reach that way is refused."""
+        counts = [_sched_epoch(now) - _sched_epoch(built) for now, built in zip(self._originals, self._pristine[0])]
+        k = max(counts)
+        scheds, _ = copy.deepcopy(self._pristine, dict(self._memo))
+        for _ in range(max(k, 0)):
+            self._step_all(scheds)
+        for i, (now, replay) in enumerate(zip(self._originals, scheds)):
+            if counts[i] != k or not _same_tree(now.state_dict(), replay.state_dict()):
+                raise ValueError(f"init_state: scheduler[{i}] ({type(now).__name__}) is not where the step's copy of "
+                                 f"it is after {k} steps (its epoch moved by {counts[i]} since the build): it was "
+                                 "changed or loaded other than by stepping it, so the step cannot continue its "
+                                 "schedule; build a new step with it")
+        self.lrs(k)
+        return k
+
     def write_back(self, k: int) -> None:
         """Puts the user's schedulers where eager training would be after k steps (replayed afresh,
         so no per-step snapshot is kept)."""
@@ -299,6 +317,22 @@ class _LrSchedule:
             self._step_all(scheds)
         for sch, replay in zip(self._originals, scheds):
             sch.load_state_dict(replay.state_dict())
+
+
+def _sched_epoch(sch) -> int:
+    # ChainedScheduler keeps no count of its own: its members do.
+    while not hasattr(sch, "last_epoch") and getattr(sch, "_schedulers", None):
+        sch = sch._schedulers[0]
+    return int(sch.last_epoch)
+
+
+def _same_tree(a, b) -> bool:
+    """Equality of two scheduler state_dicts (nested dicts, lists, floats, maybe tensors)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_tree(x, y) for x, y in zip(a, b))
+    return _same_option(a, b)
 
 
 # Param group entries that are not baked into the program: the parameters (checked by identity) and
@@ -527,14 +561,14 @@ class TrainStep:
         """
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"init_state: seed must be an int or None, got {type(seed).__name__}")
-        state = self._fresh_state(seed)
+        state = self._fresh_state(seed, place_schedule=True)
         if self.process_group is not None:
             from .distributed import broadcast_state_
 
             broadcast_state_(state, self.process_group, self.shard_optimizer_state)
         return state
 
-    def _fresh_state(self, seed: int | None = None) -> TrainState:
+    def _fresh_state(self, seed: int | None = None, place_schedule: bool = False) -> TrainState:
         """init_state on this rank alone (no broadcast): for shapes and layouts."""
         params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
         buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
@@ -553,7 +587,9 @@ class TrainStep:
                 for k in self._slot_names(u):
                     if opt[k].shape == p.shape and opt[k].dim() > 0:
                         opt[k] = shard_tensor(opt[k], self._dp["world_size"], self._dp["rank"])
-        lrs = self._schedule.lrs(0) if self._schedule is not None else [float(g["lr"]) for _, g in self._groups]
+        # The schedule continues from where the user's schedulers stand now (eager steps, write_back).
+        sched_epoch = self._schedule.position() if self._schedule is not None and place_schedule else 0
+        lrs = self._schedule.lrs(sched_epoch) if self._schedule is not None else [float(g["lr"]) for _, g in self._groups]
         self._seen_lrs = self._group_lrs()
         lr = [torch.tensor(v, dtype=torch.float64) for v in lrs]
         rng = None
@@ -563,7 +599,8 @@ class TrainStep:
         # Lifted tensor constants under the program's own names: "model.<...>" when made in forward,
         # unprefixed when the loss function made or captured them (cross_entropy(..., weight=w)).
         buffers.update({k: v.clone() for k, v in self._constants.items()})
-        state = TrainState({_MODEL_PREFIX + k: v for k, v in params.items()}, buffers, opt, lr, self._id, rng)
+        state = TrainState({_MODEL_PREFIX + k: v for k, v in params.items()}, buffers, opt, lr, self._id, rng,
+                           sched_epoch)
         state.origin = f"init_state() of TrainStep {self._id}"
         state.fingerprint = self.fingerprint
         return state
