@@ -255,6 +255,7 @@ class _LrSchedule:
                         memo[id(v)] = v
         self._memo = memo
         self._pristine = copy.deepcopy((schedulers, optimizers), dict(memo))  # replayed again by write_back
+        self._seen = copy.deepcopy([sch.state_dict() for sch in schedulers])  # check_unchanged's last look
         self._scheds, self._opts = copy.deepcopy(self._pristine, dict(memo))
         self._baked = [self._hyper(o) for o in self._opts]
         self._lrs: list[list[float]] = []
@@ -290,7 +291,17 @@ class _LrSchedule:
             self._record()
         return self._lrs[k]
 
-    def position(self) -> int:
+    def check_unchanged(self) -> None:
+        """Refuses a user's scheduler edited after the build (``sched.gamma = ...``): eager training would
+        follow the edit, the replay would not. Stepping it (eagerly, or by write_back) is no edit. The
+        common case, nothing changed since the last look, is one state_dict comparison per scheduler."""
+        now = [sch.state_dict() for sch in self._originals]
+        if all(_same_tree(a, b) for a, b in zip(now, self._seen)):
+            return
+        self.position("this step")
+        self._seen = copy.deepcopy(now)
+
+    def position(self, who: str = "init_state") -> int:
         """How many steps the user's schedulers stand past the build's copy of them: init_state starts
         the schedule there, as eager training would continue from a scheduler stepped eagerly after the
         build, or placed by write_back. A scheduler the replay does not reach that way is refused."""
@@ -301,10 +312,10 @@ class _LrSchedule:
             self._step_all(scheds)
         for i, (now, replay) in enumerate(zip(self._originals, scheds)):
             if counts[i] != k or not _same_tree(now.state_dict(), replay.state_dict()):
-                raise ValueError(f"init_state: scheduler[{i}] ({type(now).__name__}) is not where the step's copy of "
+                raise ValueError(f"{who}: scheduler[{i}] ({type(now).__name__}) is not where the step's copy of "
                                  f"it is after {k} steps (its epoch moved by {counts[i]} since the build): it was "
-                                 "changed or loaded other than by stepping it, so the step cannot continue its "
-                                 "schedule; build a new step with it")
+                                 "changed or loaded other than by stepping it (eager training would follow that, "
+                                 "the step's replay would not); undo the change or build a new step with it")
         self.lrs(k)
         return k
 
@@ -776,6 +787,7 @@ class TrainStep:
         override it (LambdaLR), so no one answer matches eager training."""
         if self._schedule is None:
             return
+        self._schedule.check_unchanged()
         want = self._schedule.lrs(state.sched_epoch)
         have = [float(t) for t in state.lr]
         if have != want:

@@ -931,6 +931,29 @@ def test_init_state_refuses_a_scheduler_it_cannot_place():
         step.init_state()
 
 
+def test_a_scheduler_edited_after_build_is_refused_not_ignored():
+    # The step replays its copy of the scheduler made at the build: with gamma edited to 0.1 it went
+    # on halving (lr 0.0125 after 3 steps) where eager followed the edit (1e-4). Silent divergence.
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    step = torch_ext.make_train_step(model, opt, lm_loss, next(lm_batches()), scheduler=sched)
+    batch = next(lm_batches())
+    _, state = step(step.init_state(), *batch)
+    sched.gamma = 0.1
+    for run in (step, step.compile(plan=False, donate=False)):
+        with pytest.raises(ValueError, match=r"this step: scheduler\[0\] \(StepLR\) is not where the step's copy of "
+                                             r"it is after 0 steps.*undo the change"):
+            run(state, *batch)
+    sched.gamma = 0.5  # undone: accepted, and eager steps of the scheduler are no edit
+    _, state = step(state, *batch)
+    opt.step()
+    sched.step()
+    _, state = step(state, *batch)
+    assert state.sched_epoch == 3
+
+
 # ---------------------------------------------------------------- 6. auxiliary outputs
 def test_loss_fn_returning_loss_and_aux():
     def loss_aux(m, x, y):
