@@ -417,6 +417,15 @@ class TrainStep:
                     u.update(param=_MODEL_PREFIX + name, group=gi)
                     self._updates.append(u)
 
+        if clip_grad_norm is not None:
+            # Eager clip_grad_norm_(model.parameters(), c) counts this parameter's gradient; the program
+            # clips over the optimizers' parameters only, so the two norms would differ.
+            outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
+            if outside:
+                raise ValueError(f"clip_grad_norm={clip_grad_norm}: parameter '{outside[0]}' requires grad but is in "
+                                 f"no optimizer ({len(outside)} such): eager clip_grad_norm_(model.parameters()) "
+                                 "would count its gradient in the norm, the step clips over the optimizers' "
+                                 "parameters; freeze it with requires_grad_(False) or give it to an optimizer")
         if schedulers and self.unroll > 1:
             raise ValueError(f"scheduler= needs unroll=1 (the unrolled program uses one lr for its {self.unroll} steps)")
         self._schedule = _LrSchedule(list(schedulers), optimizers) if schedulers else None
