@@ -328,6 +328,7 @@ class _LrSchedule:
             self._step_all(scheds)
         for sch, replay in zip(self._originals, scheds):
             sch.load_state_dict(replay.state_dict())
+        self._seen = copy.deepcopy([sch.state_dict() for sch in self._originals])  # placed by us: no edit
 
 
 def _sched_epoch(sch) -> int:
