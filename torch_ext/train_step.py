@@ -255,7 +255,9 @@ class _LrSchedule:
                         memo[id(v)] = v
         self._memo = memo
         self._pristine = copy.deepcopy((schedulers, optimizers), dict(memo))  # replayed again by write_back
+        self._user_opts = optimizers
         self._seen = copy.deepcopy([sch.state_dict() for sch in schedulers])  # check_unchanged's last look
+        self._seen_lrs = self._user_lrs()
         self._scheds, self._opts = copy.deepcopy(self._pristine, dict(memo))
         self._baked = [self._hyper(o) for o in self._opts]
         self._lrs: list[list[float]] = []
@@ -296,10 +298,14 @@ class _LrSchedule:
         follow the edit, the replay would not. Stepping it (eagerly, or by write_back) is no edit. The
         common case, nothing changed since the last look, is one state_dict comparison per scheduler."""
         now = [sch.state_dict() for sch in self._originals]
-        if all(_same_tree(a, b) for a, b in zip(now, self._seen)):
+        lrs = self._user_lrs()
+        if lrs == self._seen_lrs and all(_same_tree(a, b) for a, b in zip(now, self._seen)):
             return
         self.position("this step")
-        self._seen = copy.deepcopy(now)
+        self._seen, self._seen_lrs = copy.deepcopy(now), lrs
+
+    def _user_lrs(self) -> list[float]:
+        return [float(g["lr"]) for o in self._user_opts for g in o.param_groups]
 
     def position(self, who: str = "init_state") -> int:
         """How many steps the user's schedulers stand past the build's copy of them: init_state starts
@@ -316,7 +322,13 @@ class _LrSchedule:
                                  f"it is after {k} steps (its epoch moved by {counts[i]} since the build): it was "
                                  "changed or loaded other than by stepping it (eager training would follow that, "
                                  "the step's replay would not); undo the change or build a new step with it")
-        self.lrs(k)
+        # An lr set on the optimizer by hand (a manual drop): eager trains with it, and a chainable
+        # scheduler (StepLR, ExponentialLR) continues from it; the replay would not.
+        if self._user_lrs() != self.lrs(k):
+            raise ValueError(f"{who}: the optimizers' lr is {self._user_lrs()}, but the scheduler gives {self.lrs(k)} "
+                             f"after {k} steps: an lr set on the optimizer by hand is not followed by a step built "
+                             "with scheduler= (eager training would use it); undo it, or build the step without "
+                             "scheduler= and set the lr per call with state.set_lr")
         return k
 
     def write_back(self, k: int) -> None:
@@ -329,6 +341,7 @@ class _LrSchedule:
         for sch, replay in zip(self._originals, scheds):
             sch.load_state_dict(replay.state_dict())
         self._seen = copy.deepcopy([sch.state_dict() for sch in self._originals])  # placed by us: no edit
+        self._seen_lrs = list(self.lrs(k))  # what the groups hold unless the written state's lr was set by hand
 
 
 def _sched_epoch(sch) -> int:

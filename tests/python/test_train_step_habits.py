@@ -954,6 +954,28 @@ def test_a_scheduler_edited_after_build_is_refused_not_ignored():
     assert state.sched_epoch == 3
 
 
+def test_an_lr_set_on_the_optimizer_under_a_scheduler_is_refused_not_ignored():
+    # A manual lr drop (group["lr"] = 0.01) mid-training: eager trains with it and StepLR continues
+    # from it (0.005 after 3 more steps); the step went on with its replay (0.025), silently.
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = torch_ext.make_train_step(model, opt, lm_loss, next(lm_batches()),
+                                     scheduler=torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5))
+    batch = next(lm_batches())
+    _, state = step(step.init_state(), *batch)
+    opt.param_groups[0]["lr"] = 0.01
+    for run in (step, step.compile(plan=False, donate=False), lambda s, *b: step.init_state()):
+        with pytest.raises(ValueError, match=r"the optimizers' lr is \[0\.01\], but the scheduler gives \[0\.1\] after 0 "
+                                             r"steps.*set on the optimizer by hand"):
+            run(state, *batch)
+    opt.param_groups[0]["lr"] = 0.1  # undone: accepted
+    _, state = step(state, *batch)
+    step.write_back(state)  # puts the scheduler's lr (0.05 after 2 steps) into the group: no hand-set lr
+    _, state = step(step.init_state(), *batch)
+    assert state.sched_epoch == 3
+
+
 # ---------------------------------------------------------------- 6. auxiliary outputs
 def test_loss_fn_returning_loss_and_aux():
     def loss_aux(m, x, y):
