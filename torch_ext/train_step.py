@@ -876,8 +876,18 @@ class TrainStep:
             variant = TrainStep(self.model, self.optimizers, self.loss_fn, example, self.clip_grad_norm, self.unroll,
                                 (), self.accumulate, process_group=self.process_group,
                                 shard_optimizer_state=self.shard_optimizer_state)
-            if variant._state_names != self._state_names or variant._aux_spec != self._aux_spec:
-                raise RuntimeError(f"the program for batch shapes {key} has a different state layout")  # invariant
+            if variant._state_names != self._state_names:
+                # A Python branch on the batch size (a parameter used by full batches only): its
+                # optimizer state would be in one program and not the other.
+                a, b = set(self._state_names), set(variant._state_names)
+                raise ValueError(f"batch shapes {key}: the program built for them has other state entries than the "
+                                 f"example's (state entries differ: only in the example's {sorted(a - b)[:4]}, only "
+                                 f"in this one's {sorted(b - a)[:4]}); the forward or loss_fn uses other parameters "
+                                 "at this batch size (a branch on x.shape?); keep the parameters used at every size, "
+                                 "or pad the batch to the example's shape")
+            if variant._aux_spec != self._aux_spec:
+                raise ValueError(f"batch shapes {key}: loss_fn returns other aux outputs at this batch size "
+                                 f"({variant._aux_spec} vs {self._aux_spec})")
             self._variants[key] = variant
         return variant
 
