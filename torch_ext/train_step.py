@@ -32,7 +32,7 @@ class TrainState:
     buffers). ``opt`` maps "opt:<param>:<slot>" to a tensor, ``lr`` holds one float64 tensor per
     param group (a schedule changes them without re-export). ``rng`` is the CPU generator state
     (torch.get_rng_state() layout) when the step draws random numbers (dropout), else None; each
-    step returns it advanced. ``sched_epoch`` counts the scheduler steps taken. A state belongs to
+    step returns it advanced. ``sched_epoch`` is the scheduler's epoch (its steps taken). A state belongs to
     the step that made it.
     """
 
@@ -242,6 +242,10 @@ class _LrSchedule:
         if len(set(owners)) != len(owners):
             raise ValueError("two schedulers drive the same optimizer; chain them with ChainedScheduler or SequentialLR")
         self._originals = schedulers
+        # A state's sched_epoch is the scheduler's own epoch (last_epoch), so a step built with a
+        # scheduler restored from a checkpoint reads a saved state's epoch the same way as one built
+        # with a fresh scheduler; the replay starts at the build's epoch.
+        self.base = _sched_epoch(schedulers[0])
         # Copy schedulers with their optimizers, sharing every tensor (the copies only touch group
         # hyperparameters), so replaying them never changes the user's objects.
         memo: dict[int, Any] = {}
@@ -331,10 +335,19 @@ class _LrSchedule:
                              "scheduler= and set the lr per call with state.set_lr")
         return k
 
-    def write_back(self, k: int) -> None:
-        """Puts the user's schedulers where eager training would be after k steps (replayed afresh,
+    def at(self, epoch: int) -> list[float]:
+        """The lrs at scheduler epoch ``epoch`` (a state's sched_epoch)."""
+        if epoch < self.base:
+            raise ValueError(f"the state is at scheduler epoch {epoch}, but this step's scheduler was at epoch "
+                             f"{self.base} when the step was built: the replay cannot go back; build the step with "
+                             "a fresh scheduler (or one restored at or before the state's epoch)")
+        return self.lrs(epoch - self.base)
+
+    def write_back(self, epoch: int) -> None:
+        """Puts the user's schedulers where eager training would be at ``epoch`` (replayed afresh,
         so no per-step snapshot is kept)."""
-        self.lrs(k)
+        self.at(epoch)
+        k = epoch - self.base
         scheds, _ = copy.deepcopy(self._pristine, dict(self._memo))
         for _ in range(k):
             self._step_all(scheds)
@@ -622,8 +635,10 @@ class TrainStep:
                     if opt[k].shape == p.shape and opt[k].dim() > 0:
                         opt[k] = shard_tensor(opt[k], self._dp["world_size"], self._dp["rank"])
         # The schedule continues from where the user's schedulers stand now (eager steps, write_back).
-        sched_epoch = self._schedule.position() if self._schedule is not None and place_schedule else 0
-        lrs = self._schedule.lrs(sched_epoch) if self._schedule is not None else [float(g["lr"]) for _, g in self._groups]
+        sched_epoch = 0
+        if self._schedule is not None:
+            sched_epoch = self._schedule.base + (self._schedule.position() if place_schedule else 0)
+        lrs = self._schedule.at(sched_epoch) if self._schedule is not None else [float(g["lr"]) for _, g in self._groups]
         self._seen_lrs = self._group_lrs()
         lr = [torch.tensor(v, dtype=torch.float64) for v in lrs]
         rng = None
@@ -811,7 +826,7 @@ class TrainStep:
         if self._schedule is None:
             return
         self._schedule.check_unchanged()
-        want = self._schedule.lrs(state.sched_epoch)
+        want = self._schedule.at(state.sched_epoch)
         have = [float(t) for t in state.lr]
         if have != want:
             names = ", ".join(type(s).__name__ for s in self._schedule._originals)
@@ -917,7 +932,7 @@ class TrainStep:
         new_state.origin = f"output of call {self._calls} of TrainStep {self._id}"
         if self._schedule is not None:
             new_state.sched_epoch = state.sched_epoch + self.unroll
-            new_state.lr = [torch.tensor(v, dtype=torch.float64) for v in self._schedule.lrs(new_state.sched_epoch)]
+            new_state.lr = [torch.tensor(v, dtype=torch.float64) for v in self._schedule.at(new_state.sched_epoch)]
         if donated_to is not None:
             state.consumed_by = f"{donated_to} (call {self._calls} of TrainStep {self._id})"
         result = (loss, new_state)
