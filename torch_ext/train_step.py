@@ -32,7 +32,7 @@ class TrainState:
     buffers). ``opt`` maps "opt:<param>:<slot>" to a tensor, ``lr`` holds one float64 tensor per
     param group (a schedule changes them without re-export). ``rng`` is the CPU generator state
     (torch.get_rng_state() layout) when the step draws random numbers (dropout), else None; each
-    step returns it advanced. ``sched_epoch`` counts the scheduler steps taken. A state belongs to
+    step returns it advanced. ``sched_epoch`` is the scheduler's epoch (its steps taken). A state belongs to
     the step that made it.
     """
 
@@ -242,6 +242,10 @@ class _LrSchedule:
         if len(set(owners)) != len(owners):
             raise ValueError("two schedulers drive the same optimizer; chain them with ChainedScheduler or SequentialLR")
         self._originals = schedulers
+        # A state's sched_epoch is the scheduler's own epoch (last_epoch), so a step built with a
+        # scheduler restored from a checkpoint reads a saved state's epoch the same way as one built
+        # with a fresh scheduler; the replay starts at the build's epoch.
+        self.base = _sched_epoch(schedulers[0])
         # Copy schedulers with their optimizers, sharing every tensor (the copies only touch group
         # hyperparameters), so replaying them never changes the user's objects.
         memo: dict[int, Any] = {}
@@ -255,6 +259,9 @@ class _LrSchedule:
                         memo[id(v)] = v
         self._memo = memo
         self._pristine = copy.deepcopy((schedulers, optimizers), dict(memo))  # replayed again by write_back
+        self._user_opts = optimizers
+        self._seen = copy.deepcopy([sch.state_dict() for sch in schedulers])  # check_unchanged's last look
+        self._seen_lrs = self._user_lrs()
         self._scheds, self._opts = copy.deepcopy(self._pristine, dict(memo))
         self._baked = [self._hyper(o) for o in self._opts]
         self._lrs: list[list[float]] = []
@@ -290,15 +297,80 @@ class _LrSchedule:
             self._record()
         return self._lrs[k]
 
-    def write_back(self, k: int) -> None:
-        """Puts the user's schedulers where eager training would be after k steps (replayed afresh,
+    def check_unchanged(self) -> None:
+        """Refuses a user's scheduler edited after the build (``sched.gamma = ...``): eager training would
+        follow the edit, the replay would not. Stepping it (eagerly, or by write_back) is no edit. The
+        common case, nothing changed since the last look, is one state_dict comparison per scheduler."""
+        now = [sch.state_dict() for sch in self._originals]
+        lrs = self._user_lrs()
+        if lrs == self._seen_lrs and all(_same_tree(a, b) for a, b in zip(now, self._seen)):
+            return
+        self.position("this step")
+        self._seen, self._seen_lrs = copy.deepcopy(now), lrs
+
+    def _user_lrs(self) -> list[float]:
+        return [float(g["lr"]) for o in self._user_opts for g in o.param_groups]
+
+    def position(self, who: str = "init_state") -> int:
+        """How many steps the user's schedulers stand past the build's copy of them: init_state starts
+        the schedule there, as eager training would continue from a scheduler stepped eagerly after the
+        build, or placed by write_back. A scheduler the replay does not reach that way is refused."""
+        counts = [_sched_epoch(now) - _sched_epoch(built) for now, built in zip(self._originals, self._pristine[0])]
+        k = max(counts)
+        scheds, _ = copy.deepcopy(self._pristine, dict(self._memo))
+        for _ in range(max(k, 0)):
+            self._step_all(scheds)
+        for i, (now, replay) in enumerate(zip(self._originals, scheds)):
+            if counts[i] != k or not _same_tree(now.state_dict(), replay.state_dict()):
+                raise ValueError(f"{who}: scheduler[{i}] ({type(now).__name__}) is not where the step's copy of "
+                                 f"it is after {k} steps (its epoch moved by {counts[i]} since the build): it was "
+                                 "changed or loaded other than by stepping it (eager training would follow that, "
+                                 "the step's replay would not); undo the change or build a new step with it")
+        # An lr set on the optimizer by hand (a manual drop): eager trains with it, and a chainable
+        # scheduler (StepLR, ExponentialLR) continues from it; the replay would not.
+        if self._user_lrs() != self.lrs(k):
+            raise ValueError(f"{who}: the optimizers' lr is {self._user_lrs()}, but the scheduler gives {self.lrs(k)} "
+                             f"after {k} steps: an lr set on the optimizer by hand is not followed by a step built "
+                             "with scheduler= (eager training would use it); undo it, or build the step without "
+                             "scheduler= and set the lr per call with state.set_lr")
+        return k
+
+    def at(self, epoch: int) -> list[float]:
+        """The lrs at scheduler epoch ``epoch`` (a state's sched_epoch)."""
+        if epoch < self.base:
+            raise ValueError(f"the state is at scheduler epoch {epoch}, but this step's scheduler was at epoch "
+                             f"{self.base} when the step was built: the replay cannot go back; build the step with "
+                             "a fresh scheduler (or one restored at or before the state's epoch)")
+        return self.lrs(epoch - self.base)
+
+    def write_back(self, epoch: int) -> None:
+        """Puts the user's schedulers where eager training would be at ``epoch`` (replayed afresh,
         so no per-step snapshot is kept)."""
-        self.lrs(k)
+        self.at(epoch)
+        k = epoch - self.base
         scheds, _ = copy.deepcopy(self._pristine, dict(self._memo))
         for _ in range(k):
             self._step_all(scheds)
         for sch, replay in zip(self._originals, scheds):
             sch.load_state_dict(replay.state_dict())
+        self._seen = copy.deepcopy([sch.state_dict() for sch in self._originals])  # placed by us: no edit
+        self._seen_lrs = list(self.lrs(k))  # what the groups hold unless the written state's lr was set by hand
+
+
+def _sched_epoch(sch) -> int:
+    # ChainedScheduler keeps no count of its own: its members do.
+    while not hasattr(sch, "last_epoch") and getattr(sch, "_schedulers", None):
+        sch = sch._schedulers[0]
+    return int(sch.last_epoch)
+
+
+def _same_tree(a, b) -> bool:
+    """Equality of two scheduler state_dicts (nested dicts, lists, floats, maybe tensors)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_tree(x, y) for x, y in zip(a, b))
+    return _same_option(a, b)
 
 
 # Param group entries that are not baked into the program: the parameters (checked by identity) and
@@ -372,6 +444,15 @@ class TrainStep:
                     u.update(param=_MODEL_PREFIX + name, group=gi)
                     self._updates.append(u)
 
+        if clip_grad_norm is not None:
+            # Eager clip_grad_norm_(model.parameters(), c) counts this parameter's gradient; the program
+            # clips over the optimizers' parameters only, so the two norms would differ.
+            outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
+            if outside:
+                raise ValueError(f"clip_grad_norm={clip_grad_norm}: parameter '{outside[0]}' requires grad but is in "
+                                 f"no optimizer ({len(outside)} such): eager clip_grad_norm_(model.parameters()) "
+                                 "would count its gradient in the norm, the step clips over the optimizers' "
+                                 "parameters; freeze it with requires_grad_(False) or give it to an optimizer")
         if schedulers and self.unroll > 1:
             raise ValueError(f"scheduler= needs unroll=1 (the unrolled program uses one lr for its {self.unroll} steps)")
         self._schedule = _LrSchedule(list(schedulers), optimizers) if schedulers else None
@@ -527,14 +608,14 @@ class TrainStep:
         """
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"init_state: seed must be an int or None, got {type(seed).__name__}")
-        state = self._fresh_state(seed)
+        state = self._fresh_state(seed, place_schedule=True)
         if self.process_group is not None:
             from .distributed import broadcast_state_
 
             broadcast_state_(state, self.process_group, self.shard_optimizer_state)
         return state
 
-    def _fresh_state(self, seed: int | None = None) -> TrainState:
+    def _fresh_state(self, seed: int | None = None, place_schedule: bool = False) -> TrainState:
         """init_state on this rank alone (no broadcast): for shapes and layouts."""
         params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
         buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
@@ -553,7 +634,11 @@ class TrainStep:
                 for k in self._slot_names(u):
                     if opt[k].shape == p.shape and opt[k].dim() > 0:
                         opt[k] = shard_tensor(opt[k], self._dp["world_size"], self._dp["rank"])
-        lrs = self._schedule.lrs(0) if self._schedule is not None else [float(g["lr"]) for _, g in self._groups]
+        # The schedule continues from where the user's schedulers stand now (eager steps, write_back).
+        sched_epoch = 0
+        if self._schedule is not None:
+            sched_epoch = self._schedule.base + (self._schedule.position() if place_schedule else 0)
+        lrs = self._schedule.at(sched_epoch) if self._schedule is not None else [float(g["lr"]) for _, g in self._groups]
         self._seen_lrs = self._group_lrs()
         lr = [torch.tensor(v, dtype=torch.float64) for v in lrs]
         rng = None
@@ -563,7 +648,8 @@ class TrainStep:
         # Lifted tensor constants under the program's own names: "model.<...>" when made in forward,
         # unprefixed when the loss function made or captured them (cross_entropy(..., weight=w)).
         buffers.update({k: v.clone() for k, v in self._constants.items()})
-        state = TrainState({_MODEL_PREFIX + k: v for k, v in params.items()}, buffers, opt, lr, self._id, rng)
+        state = TrainState({_MODEL_PREFIX + k: v for k, v in params.items()}, buffers, opt, lr, self._id, rng,
+                           sched_epoch)
         state.origin = f"init_state() of TrainStep {self._id}"
         state.fingerprint = self.fingerprint
         return state
@@ -739,7 +825,8 @@ class TrainStep:
         override it (LambdaLR), so no one answer matches eager training."""
         if self._schedule is None:
             return
-        want = self._schedule.lrs(state.sched_epoch)
+        self._schedule.check_unchanged()
+        want = self._schedule.at(state.sched_epoch)
         have = [float(t) for t in state.lr]
         if have != want:
             names = ", ".join(type(s).__name__ for s in self._schedule._originals)
@@ -804,8 +891,18 @@ class TrainStep:
             variant = TrainStep(self.model, self.optimizers, self.loss_fn, example, self.clip_grad_norm, self.unroll,
                                 (), self.accumulate, process_group=self.process_group,
                                 shard_optimizer_state=self.shard_optimizer_state)
-            if variant._state_names != self._state_names or variant._aux_spec != self._aux_spec:
-                raise RuntimeError(f"the program for batch shapes {key} has a different state layout")  # invariant
+            if variant._state_names != self._state_names:
+                # A Python branch on the batch size (a parameter used by full batches only): its
+                # optimizer state would be in one program and not the other.
+                a, b = set(self._state_names), set(variant._state_names)
+                raise ValueError(f"batch shapes {key}: the program built for them has other state entries than the "
+                                 f"example's (state entries differ: only in the example's {sorted(a - b)[:4]}, only "
+                                 f"in this one's {sorted(b - a)[:4]}); the forward or loss_fn uses other parameters "
+                                 "at this batch size (a branch on x.shape?); keep the parameters used at every size, "
+                                 "or pad the batch to the example's shape")
+            if variant._aux_spec != self._aux_spec:
+                raise ValueError(f"batch shapes {key}: loss_fn returns other aux outputs at this batch size "
+                                 f"({variant._aux_spec} vs {self._aux_spec})")
             self._variants[key] = variant
         return variant
 
@@ -835,7 +932,7 @@ class TrainStep:
         new_state.origin = f"output of call {self._calls} of TrainStep {self._id}"
         if self._schedule is not None:
             new_state.sched_epoch = state.sched_epoch + self.unroll
-            new_state.lr = [torch.tensor(v, dtype=torch.float64) for v in self._schedule.lrs(new_state.sched_epoch)]
+            new_state.lr = [torch.tensor(v, dtype=torch.float64) for v in self._schedule.at(new_state.sched_epoch)]
         if donated_to is not None:
             state.consumed_by = f"{donated_to} (call {self._calls} of TrainStep {self._id})"
         result = (loss, new_state)

@@ -370,3 +370,20 @@ def test_frozen_and_unused_parameters_are_left_alone():
     assert_state_matches(step, state, ref, [ref_opt])
     assert torch.equal(state.params["model.0.weight"], model[0].weight)
     assert torch.equal(state.params["model.unused"], model.unused.detach())
+
+
+def test_clip_grad_norm_with_a_trainable_parameter_outside_every_optimizer_is_refused():
+    # Eager clip_grad_norm_(model.parameters(), c) counts the gradient of a parameter that requires grad
+    # but no optimizer holds; the step clipped over the optimizers' parameters only, so its norm was
+    # smaller and the head trained differently (loss 0.97610 vs eager 0.97624 at step 3), silently.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.5)
+    batch = (torch.randn(6, 5), torch.randint(0, 3, (6,)))
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    with pytest.raises(ValueError, match=r"clip_grad_norm=0\.05: parameter '0\.weight' requires grad but is in no "
+                                         r"optimizer.*requires_grad_\(False\)"):
+        torch_ext.make_train_step(model, opt, loss_fn, batch, clip_grad_norm=0.05)
+    torch_ext.make_train_step(model, opt, loss_fn, batch)  # without clipping the set of gradients does not matter
+    model[0].requires_grad_(False)  # frozen: eager has no gradient for it either
+    torch_ext.make_train_step(model, opt, loss_fn, batch, clip_grad_norm=0.05)

@@ -59,3 +59,30 @@ def test_fixed_shapes_refuse_with_a_hint_and_cache_refuses_other_dtypes():
     planned = cached.compile()
     with pytest.raises(ValueError, match=r"got shape \(5, 16\)"):
         planned(cached.init_state(), *batches[3])
+
+
+class _BranchOnBatchSize(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(16, 4)
+        self.extra = nn.Linear(16, 4)
+
+    def forward(self, x):
+        out = self.l(x)
+        if x.shape[0] > 5:  # only full batches use `extra`
+            out = out + self.extra(x)
+        return out
+
+
+def test_a_parameter_used_at_one_batch_shape_only_is_refused_naming_it():
+    # Was a RuntimeError worded as an internal invariant ("has a different state layout").
+    torch.manual_seed(0)
+    model = _BranchOnBatchSize()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batches = epoch()
+    step = torch_ext.make_train_step(model, opt, loss_fn, batches[0], batch_shapes="cache")
+    state = step.init_state()
+    with pytest.raises(ValueError, match=r"batch shapes \(\(5, 16\), \(5,\)\).*state entries differ.*"
+                                         r"model\.extra\.weight"):
+        step(state, *batches[3])
+    assert step.cache_info()["programs"] == 1  # nothing kept for the refused call

@@ -91,3 +91,49 @@ def test_load_state_dict_refuses_bad_input_naming_the_entry():
     with pytest.raises(ValueError, match=r"made by another TrainStep.*step.load_state_dict\(state\)"):
         other(step.init_state(), *batch)
     other(other.load_state_dict(step.init_state()), *batch)
+
+
+def test_resume_with_a_restored_scheduler_keeps_the_schedule_in_place():
+    # Resuming the PyTorch way (sched.load_state_dict(checkpoint) before building the step) counted
+    # the state's 3 scheduler steps on top of the restored scheduler's 3: MultiStepLR decayed at step 7
+    # instead of 10, silently. The state's sched_epoch is the scheduler's own epoch now.
+    x, y = torch.randn(6, 5, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 0, 1, 2])
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Linear(5, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return model, opt, torch.optim.lr_scheduler.MultiStepLR(opt, [10, 20], 0.1)
+
+    def loss_fn(m, a, b):
+        return F.cross_entropy(m(a), b)
+
+    model, opt, sched = make()
+    step = torch_ext.make_train_step(model, opt, loss_fn, (x, y), scheduler=sched)
+    state = step.init_state()
+    for _ in range(3):
+        _, state = step(state, x, y)
+    step.write_back(state)
+    checkpoint = {"state": state.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}
+    # Either way of resuming: with the scheduler restored, or a fresh one (the state carries the epoch).
+    for restore in (True, False):
+        model, opt, sched = make()
+        if restore:
+            opt.load_state_dict(checkpoint["opt"])
+            sched.load_state_dict(checkpoint["sched"])
+        resumed = torch_ext.make_train_step(model, opt, loss_fn, (x, y), scheduler=sched)
+        s = resumed.load_state_dict(checkpoint["state"])
+        lrs = []
+        for _ in range(10):
+            _, s = resumed(s, x, y)
+            lrs.append(float(s.lr[0]))
+        assert s.sched_epoch == 13
+        assert lrs == [0.1] * 6 + [0.1 * 0.1] * 4, (restore, lrs)  # eager: the decay after step 10
+    # A scheduler restored past the state cannot be replayed back to it: refused.
+    model, opt, sched = make()
+    for _ in range(5):
+        opt.step()
+        sched.step()
+    late = torch_ext.make_train_step(model, opt, loss_fn, (x, y), scheduler=sched)
+    with pytest.raises(ValueError, match=r"at scheduler epoch 3, but this step's scheduler was at epoch 5"):
+        late(late.load_state_dict(checkpoint["state"]), x, y)

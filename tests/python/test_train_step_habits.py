@@ -889,6 +889,93 @@ def test_a_hand_set_lr_under_a_scheduler_is_refused():
     assert s2.sched_epoch == 2
 
 
+@pytest.mark.parametrize("how", ["write_back", "eager_steps"])
+@pytest.mark.parametrize("name", ["step", "exponential", "chained"])
+def test_init_state_starts_where_the_users_scheduler_stands(name, how):
+    # init_state() after write_back (or after eager steps on the scheduler once the step was built)
+    # restarted the schedule at the build's epoch 0: warmup again, lr 0.1 where eager continued at 0.025.
+    make = {"step": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
+            "exponential": lambda o: torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.7),
+            "chained": lambda o: torch.optim.lr_scheduler.ChainedScheduler(
+                [torch.optim.lr_scheduler.ExponentialLR(o, 0.9), torch.optim.lr_scheduler.StepLR(o, 2, 0.5)])}[name]
+    torch.manual_seed(0)
+    model = TiedLM()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), torch.optim.SGD(ref.parameters(), lr=0.1,
+                                                                                              momentum=0.9)
+    sched = make(opt)
+    step = torch_ext.make_train_step(model, opt, lm_loss, next(lm_batches()), scheduler=sched)
+    batches = lm_batches()
+    if how == "write_back":
+        losses, state = pure_run(step, step.init_state(), batches, 3)
+        step.write_back(state)
+    else:
+        losses = eager_run(model, opt, batches, 3, sched)
+    state = step.init_state()
+    assert state.sched_epoch == 3
+    more, state = pure_run(step, state, batches, 3)
+    ref_losses = eager_run(ref, ref_opt, lm_batches(), 6, make(ref_opt))
+    assert_bit_exact(losses + more, ref_losses, state, ref)
+    assert [float(v) for v in state.lr] == [g["lr"] for g in ref_opt.param_groups]
+
+
+def test_init_state_refuses_a_scheduler_it_cannot_place():
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    step = torch_ext.make_train_step(model, opt, lm_loss, next(lm_batches()), scheduler=sched)
+    sched.gamma = 0.25  # not a state the build's scheduler reaches by stepping
+    with pytest.raises(ValueError, match=r"scheduler\[0\] \(StepLR\) is not where the step's copy of it is after 0 "
+                                         r"steps"):
+        step.init_state()
+
+
+def test_a_scheduler_edited_after_build_is_refused_not_ignored():
+    # The step replays its copy of the scheduler made at the build: with gamma edited to 0.1 it went
+    # on halving (lr 0.0125 after 3 steps) where eager followed the edit (1e-4). Silent divergence.
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    step = torch_ext.make_train_step(model, opt, lm_loss, next(lm_batches()), scheduler=sched)
+    batch = next(lm_batches())
+    _, state = step(step.init_state(), *batch)
+    sched.gamma = 0.1
+    for run in (step, step.compile(plan=False, donate=False)):
+        with pytest.raises(ValueError, match=r"this step: scheduler\[0\] \(StepLR\) is not where the step's copy of "
+                                             r"it is after 0 steps.*undo the change"):
+            run(state, *batch)
+    sched.gamma = 0.5  # undone: accepted, and eager steps of the scheduler are no edit
+    _, state = step(state, *batch)
+    opt.step()
+    sched.step()
+    _, state = step(state, *batch)
+    assert state.sched_epoch == 3
+
+
+def test_an_lr_set_on_the_optimizer_under_a_scheduler_is_refused_not_ignored():
+    # A manual lr drop (group["lr"] = 0.01) mid-training: eager trains with it and StepLR continues
+    # from it (0.005 after 3 more steps); the step went on with its replay (0.025), silently.
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = torch_ext.make_train_step(model, opt, lm_loss, next(lm_batches()),
+                                     scheduler=torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5))
+    batch = next(lm_batches())
+    _, state = step(step.init_state(), *batch)
+    opt.param_groups[0]["lr"] = 0.01
+    for run in (step, step.compile(plan=False, donate=False), lambda s, *b: step.init_state()):
+        with pytest.raises(ValueError, match=r"the optimizers' lr is \[0\.01\], but the scheduler gives \[0\.1\] after 0 "
+                                             r"steps.*set on the optimizer by hand"):
+            run(state, *batch)
+    opt.param_groups[0]["lr"] = 0.1  # undone: accepted
+    _, state = step(state, *batch)
+    step.write_back(state)  # puts the scheduler's lr (0.05 after 2 steps) into the group: no hand-set lr
+    _, state = step(step.init_state(), *batch)
+    assert state.sched_epoch == 3
+
+
 # ---------------------------------------------------------------- 6. auxiliary outputs
 def test_loss_fn_returning_loss_and_aux():
     def loss_aux(m, x, y):
