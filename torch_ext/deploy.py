@@ -60,8 +60,8 @@ def layout_of(step) -> dict:
         "batch": [{"shape": list(t.shape), "dtype": str(t.dtype)} for t in step._example_leaves],
         "unroll": step.unroll,
         "accumulate": step.accumulate,
-        # The lr is an input the program does not advance: with a scheduler, set it per call
-        # (state.set_lr) when running a loaded artifact.
+        # The lr is an input the program does not advance: a scheduler is Python, so load_step needs
+        # it back (scheduler=) to follow it, or manual_lr=True to train at the lr the caller sets.
         "scheduler": step._schedule is not None,
     }
 
@@ -96,8 +96,9 @@ class LoadedStep:
     in any process.
     """
 
-    def __init__(self, path: str, kind: str, layout: dict, runner):
+    def __init__(self, path: str, kind: str, layout: dict, runner, schedule=None):
         self.path, self.kind, self.layout, self.runner = path, kind, _check_layout(layout, path), runner
+        self.schedule = schedule
         self.state_names = list(layout["state_names"])
         self._aux_spec = None if layout["aux_spec"] is None else pytree.treespec_loads(layout["aux_spec"])
         self._calls = 0
@@ -118,6 +119,8 @@ class LoadedStep:
             raise ValueError(f"{state.describe()} was made by a different program (fingerprint {state.fingerprint!r}) "
                              f"than {self.path} (fingerprint {self.fingerprint!r}); use a state of the step that "
                              "saved this artifact")
+        if self.schedule is not None:
+            self.schedule.check_state(state, f"load_step({self.path!r})")
         leaves = pytree.tree_leaves(batch)
         want = self.layout["batch"]
         if len(leaves) != len(want):
@@ -180,6 +183,8 @@ class LoadedStep:
         by_name.update((name, state.lookup(name)) for name in donated)
         new_state = state.replace({name: by_name[name] for name in self.state_names})
         new_state.origin = f"output of call {self._calls} of load_step({self.path!r})"
+        if self.schedule is not None:
+            self.schedule.advance(new_state, state.sched_epoch + int(self.layout.get("unroll", 1)))
         if donated:
             state.consumed_by = f"load_step({self.path!r}) (call {self._calls})"
         if self._aux_spec is not None:
@@ -232,13 +237,57 @@ def _no_layout(path: str, how: str) -> ValueError:
                       f"before the layout was recorded); {how}")
 
 
-def load_step(path):
+def loaded_schedule(layout: dict, path: str, scheduler, manual_lr: bool):
+    """What a loaded artifact does with its lr input: follow ``scheduler`` (an LRScheduler, or a list in
+    the order of the step's optimizers) as the in-memory step did, or nothing (``None``).
+
+    A step built with ``scheduler=`` saves a program whose lr is an input it does not advance (a
+    scheduler is Python, not graph). Run without its scheduler it would train every call at the
+    lr it was given, where the step it came from followed the schedule: so one of ``scheduler=`` or
+    ``manual_lr=True`` (the caller sets ``state.lr`` before each call) is required there.
+    """
+    from .train_step import _LrSchedule
+
+    built_with = bool(layout.get("scheduler", False))
+    if scheduler is None:
+        if built_with and not manual_lr:
+            raise ValueError(f"load_step: {path} was saved from a step built with scheduler=, and the program does "
+                             "not advance its lr input (a scheduler is Python, not part of the artifact): pass "
+                             "load_step(path, scheduler=sched) to follow the schedule as the step did (the "
+                             "scheduler fresh, or restored at or before the state's epoch), or manual_lr=True to "
+                             "set state.lr yourself before each call")
+        return None
+    if manual_lr:
+        raise ValueError("load_step: pass scheduler= or manual_lr=True, not both")
+    if not built_with:
+        raise ValueError(f"load_step: scheduler= given, but {path} was saved from a step built without one, whose "
+                         "states do not count scheduler epochs; build the step with make_train_step(..., "
+                         "scheduler=) and save it again")
+    schedulers = list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
+    optimizers = []
+    for sch in schedulers:
+        opt = getattr(sch, "optimizer", None)
+        if opt is not None and not any(opt is o for o in optimizers):
+            optimizers.append(opt)
+    schedule = _LrSchedule(schedulers, optimizers)
+    count = len(schedule.at(schedule.base))
+    if count != layout["num_lr"]:
+        raise ValueError(f"load_step: the scheduler's optimizers have {count} param groups, {path} takes "
+                         f"{layout['num_lr']} lr values; pass the schedulers of the step's optimizers, in its order")
+    return schedule
+
+
+def load_step(path, *, scheduler=None, manual_lr: bool = False):
     """A saved pure step as a callable ``loss, new_state = loaded(state, *batch)`` over TrainStates.
 
     ``path`` ends in ``.pt2`` (``torch.export.save(step.program, path)``, run on the C++ executor,
     or ``step.to_aoti(path)``, run by AOTInductor) or ``.onnx`` (``step.to_onnx(path)``, run by an
     onnxruntime ``InferenceSession``, ``.session``). The flat inputs and outputs are read from the
     artifact's ``torch_ext.layout`` metadata.
+
+    A step built with ``scheduler=`` needs ``scheduler=`` here too (its lr follows the scheduler
+    from the state's ``sched_epoch``, as the in-memory step's does), or ``manual_lr=True`` (the
+    state's lr as the caller sets it); see ``loaded_schedule``.
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"load_step expects a path, got {type(path).__name__}")
@@ -252,21 +301,23 @@ def load_step(path):
     if ext == ".onnx":
         from .onnx import OnnxStep
 
-        return OnnxStep(path)
+        return OnnxStep(path, scheduler=scheduler, manual_lr=manual_lr)
     kind = _pt2_kind(path)
     if kind == "aoti":
         runner = torch._inductor.aoti_load_package(path)
         meta = runner.get_metadata()
         if LAYOUT_KEY not in meta:
             raise _no_layout(path, "compile it with step.to_aoti(path)")
-        return LoadedStep(path, kind, json.loads(meta[LAYOUT_KEY]), runner)
+        layout = json.loads(meta[LAYOUT_KEY])
+        return LoadedStep(path, kind, layout, runner, loaded_schedule(layout, path, scheduler, manual_lr))
     from .executor import Executor
 
     ep = torch.export.load(path)
     layout = (ep.graph_module.meta.get("custom") or {}).get(LAYOUT_KEY)
     if layout is None:
         raise _no_layout(path, "save it with torch.export.save(step.program, path)")
-    loaded = LoadedStep(path, kind, json.loads(layout), Executor(ep))
+    layout = json.loads(layout)
+    loaded = LoadedStep(path, kind, layout, Executor(ep), loaded_schedule(layout, path, scheduler, manual_lr))
     if ep.example_inputs is not None:
         loaded._example_inputs = list(ep.example_inputs[0])
     return loaded

@@ -246,16 +246,21 @@ class OnnxStep:
     ``state`` is a ``TrainState`` (the result is one too) or a dict {state name: tensor} (the result
     is a new dict), so a deployment needs neither the model nor the step that made the file."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, *, scheduler=None, manual_lr: bool = False):
         import json
 
         import onnx
         import onnxruntime as ort
 
+        from .deploy import loaded_schedule
+
         meta = {p.key: p.value for p in onnx.load(path, load_external_data=False).metadata_props}
         if "torch_ext.layout" not in meta:
             raise ValueError(f"{path}: no torch_ext.layout metadata (not written by torch_ext.onnx.to_onnx)")
         self.layout = json.loads(meta["torch_ext.layout"])
+        # A dict state carries no scheduler epoch: following a scheduler takes a TrainState.
+        self.schedule = loaded_schedule(self.layout, path, scheduler, manual_lr)
+        self.path = path
         self.state_names = list(self.layout["state_names"])
         self.session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
         self._input_names = [i.name for i in self.session.get_inputs()]
@@ -271,6 +276,11 @@ class OnnxStep:
             if made_by is not None and state.fingerprint != made_by:
                 raise ValueError(f"{state.describe()} was made by a different program (fingerprint "
                                  f"{state.fingerprint!r}) than this ONNX step (fingerprint {made_by!r})")
+            if self.schedule is not None:
+                self.schedule.check_state(state, f"load_step({self.path!r})")
+        elif self.schedule is not None:
+            raise TypeError(f"load_step({self.path!r}) follows a scheduler, which counts epochs in a TrainState: "
+                            "pass a TrainState, not a dict")
         lookup = state.__getitem__ if is_dict else state.lookup
         try:
             entries = [lookup(n) for n in self.layout["input_state_names"]]
@@ -290,15 +300,18 @@ class OnnxStep:
         outs = [torch.from_numpy(o) for o in self.session.run(None, feeds)]
         new = dict(zip(self.state_names, outs[1:1 + len(self.state_names)]))
         new_state = {**state, **new} if is_dict else state.replace(new)
+        if self.schedule is not None:
+            self.schedule.advance(new_state, state.sched_epoch + int(self.layout.get("unroll", 1)))
         if self.layout.get("aux_spec") is not None:  # (loss, state, aux), as the step itself returns
             spec = torch.utils._pytree.treespec_loads(self.layout["aux_spec"])
             return outs[0], new_state, torch.utils._pytree.tree_unflatten(outs[1 + len(self.state_names):], spec)
         return outs[0], new_state
 
 
-def load_onnx_step(path: str) -> OnnxStep:
-    """The ONNX step written by ``to_onnx`` as a state-in, state-out callable."""
-    return OnnxStep(path)
+def load_onnx_step(path: str, *, scheduler=None, manual_lr: bool = False) -> OnnxStep:
+    """The ONNX step written by ``to_onnx`` as a state-in, state-out callable (``scheduler=`` and
+    ``manual_lr=`` as for ``torch_ext.load_step``)."""
+    return OnnxStep(path, scheduler=scheduler, manual_lr=manual_lr)
 
 
 def forward_to_onnx(model: torch.nn.Module, example_inputs: tuple, path: str) -> str:

@@ -211,9 +211,6 @@ def _update_for(opt, group: dict, param: torch.Tensor, gi: int) -> dict:
     return optim.registration_for(opt).read(opt, group, param, gi)
 
 
-# Group entries a scheduler may change that the program bakes in as constants.
-_BAKED_HYPER = ("momentum", "dampening", "weight_decay", "betas", "eps", "nesterov", "maximize", "amsgrad",
-                "ns_coefficients", "ns_steps", "adjust_lr_fn")
 
 
 class _LrSchedule:
@@ -270,7 +267,9 @@ class _LrSchedule:
 
     @staticmethod
     def _hyper(opt) -> list[dict]:
-        return [{k: copy.deepcopy(g[k]) for k in _BAKED_HYPER if k in g} for g in opt.param_groups]
+        # Every group option but the lr: the program bakes them all in (a fixed list of names missed
+        # RMSprop's alpha and Adagrad's lr_decay). Keys a scheduler adds later are not options.
+        return [{k: copy.deepcopy(v) for k, v in g.items() if k not in _LR_KEYS} for g in opt.param_groups]
 
     def _record(self) -> None:
         self._lrs.append([float(g["lr"]) for o in self._opts for g in o.param_groups])
@@ -289,7 +288,7 @@ class _LrSchedule:
             for o, baked in zip(self._opts, self._baked):
                 now = self._hyper(o)
                 for gi, (a, b) in enumerate(zip(baked, now)):
-                    changed = sorted(key for key in a if a[key] != b.get(key))
+                    changed = sorted(key for key in a if not _same_option(a[key], b.get(key, _MISSING)))
                     if changed:
                         raise ValueError(f"the scheduler changes {', '.join(repr(c) for c in changed)} of "
                                          f"{type(o).__name__} param group {gi} at step {len(self._lrs)}; the pure step "
@@ -342,6 +341,25 @@ class _LrSchedule:
                              f"{self.base} when the step was built: the replay cannot go back; build the step with "
                              "a fresh scheduler (or one restored at or before the state's epoch)")
         return self.lrs(epoch - self.base)
+
+    def check_state(self, state, who: str) -> None:
+        """Refuses a state whose lr is not the scheduler's at its epoch (a hand-set lr: state.set_lr),
+        or a scheduler edited since the last look. An eager scheduler may continue from a hand-set lr
+        (StepLR, ExponentialLR: chainable) or override it (LambdaLR), so no one answer matches eager."""
+        self.check_unchanged()
+        want = self.at(state.sched_epoch)
+        have = [float(t) for t in state.lr]
+        if have != want:
+            names = ", ".join(type(s).__name__ for s in self._originals)
+            raise ValueError(f"{state.describe()} has lr {have}, but {who}'s scheduler ({names}) gives {want} "
+                             f"after {state.sched_epoch} steps: the lr of a step run with a scheduler follows the "
+                             "scheduler, so a hand-set lr (state.set_lr) is refused; run it without the scheduler "
+                             "to set the lr per call, or change the scheduler")
+
+    def advance(self, new_state, epoch: int) -> None:
+        """The scheduler's epoch and lr in a call's result: what eager sched.step() leaves."""
+        new_state.sched_epoch = epoch
+        new_state.lr = [torch.tensor(v, dtype=torch.float64) for v in self.at(epoch)]
 
     def write_back(self, epoch: int) -> None:
         """Puts the user's schedulers where eager training would be at ``epoch`` (replayed afresh,
@@ -823,17 +841,8 @@ class TrainStep:
         whose lr was set by hand (set_lr) is refused: the next lr would be the scheduler's replay, whereas
         an eager scheduler may continue from the hand-set lr (StepLR, ExponentialLR: chainable) or
         override it (LambdaLR), so no one answer matches eager training."""
-        if self._schedule is None:
-            return
-        self._schedule.check_unchanged()
-        want = self._schedule.at(state.sched_epoch)
-        have = [float(t) for t in state.lr]
-        if have != want:
-            names = ", ".join(type(s).__name__ for s in self._schedule._originals)
-            raise ValueError(f"{state.describe()} has lr {have}, but this step's scheduler ({names}) gives {want} "
-                             f"after {state.sched_epoch} steps: the lr of a step built with scheduler= follows the "
-                             "scheduler, so a hand-set lr (state.set_lr) is refused; build the step without "
-                             "scheduler= to set the lr per call, or change the scheduler")
+        if self._schedule is not None:
+            self._schedule.check_state(state, "this step")
 
     def flat_inputs(self, state: TrainState, *batch) -> list:
         """The program's flat positional inputs: state entries, then the batch (or the batches when
@@ -931,8 +940,7 @@ class TrainStep:
         new_state = state.replace(dict(zip(self._state_names, outs[1:1 + n])))
         new_state.origin = f"output of call {self._calls} of TrainStep {self._id}"
         if self._schedule is not None:
-            new_state.sched_epoch = state.sched_epoch + self.unroll
-            new_state.lr = [torch.tensor(v, dtype=torch.float64) for v in self._schedule.at(new_state.sched_epoch)]
+            self._schedule.advance(new_state, state.sched_epoch + self.unroll)
         if donated_to is not None:
             state.consumed_by = f"{donated_to} (call {self._calls} of TrainStep {self._id})"
         result = (loss, new_state)
@@ -967,7 +975,10 @@ class TrainStep:
             for n, b in self.model.named_buffers():
                 b.copy_(state.buffers[_MODEL_PREFIX + n])
         for (opt, group), lr in zip(self._groups, state.lr):
-            group["lr"] = float(lr)
+            if isinstance(group["lr"], torch.Tensor):  # a tensor lr stays the user's tensor, as schedulers keep it
+                group["lr"].fill_(float(lr))
+            else:
+                group["lr"] = float(lr)
         self._seen_lrs = self._group_lrs()
         if self._schedule is not None:
             self._schedule.write_back(state.sched_epoch)

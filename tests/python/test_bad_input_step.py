@@ -350,6 +350,11 @@ def test_a_tensor_lr_the_step_accepts_matches_eager_bit_for_bit(make):
         opt.step()
         got, state = step(state, X, Y)
         assert torch.equal(got, want.detach())
+    lr_before = step.optimizers[0].param_groups[0]["lr"]
     step.write_back(state)
     for (name, a), b in zip(model.named_parameters(), eager.parameters()):
         assert torch.equal(a, b), name
+    # The user's lr stays their tensor (before, write_back replaced it with a Python float), as a
+    # scheduler keeps it (LRScheduler fills a tensor lr in place).
+    assert step.optimizers[0].param_groups[0]["lr"] is lr_before
+    assert float(lr_before) == float(opt.param_groups[0]["lr"])

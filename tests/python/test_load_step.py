@@ -397,3 +397,76 @@ def test_example_state_keeps_a_constant_the_loss_function_captured(tmp_path):
     got_losses, _ = run(loaded, state, bs)
     want_losses, _ = run(step, step.init_state(), bs)
     assert torch.equal(got_losses, want_losses)
+
+
+# ---------------------------------------------------------------- a step built with scheduler=
+def _scheduled(p=0.2):
+    torch.manual_seed(0)
+    model = DropoutMLP(p)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return model, torch_ext.make_train_step(model, opt, ce, batches(1)[0], scheduler=sched)
+
+
+def _fresh_scheduler(model):
+    # What a deployment script rebuilds: the same optimizer and scheduler, fresh.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
+def test_a_scheduled_step_loaded_without_its_scheduler_is_refused(tmp_path):
+    # The program takes the lr as an input and does not advance it. Before, the loaded step trained
+    # every call at the lr of the state it was given (1e-2), where the step it came from halved it
+    # every 2 steps: after 6 calls the parameters differed, silently.
+    model, step = _scheduled()
+    path = str(tmp_path / "sched.pt2")
+    torch.export.save(step.program, path)
+    with pytest.raises(ValueError, match=r"built with scheduler=.*load_step\(path, scheduler=sched\).*manual_lr=True"):
+        torch_ext.load_step(path)
+    plain = make()
+    torch.export.save(plain.program, str(tmp_path / "plain.pt2"))
+    with pytest.raises(ValueError, match="built without one"):
+        torch_ext.load_step(str(tmp_path / "plain.pt2"), scheduler=_fresh_scheduler(model))
+    with pytest.raises(ValueError, match="not both"):
+        torch_ext.load_step(path, scheduler=_fresh_scheduler(model), manual_lr=True)
+    other = nn.Sequential(nn.Linear(8, 3), nn.Linear(3, 3))
+    opt2 = torch.optim.SGD([{"params": other[0].parameters()}, {"params": other[1].parameters()}], lr=0.1)
+    with pytest.raises(ValueError, match="2 param groups.*takes 1 lr"):
+        torch_ext.load_step(path, scheduler=torch.optim.lr_scheduler.StepLR(opt2, step_size=2))
+
+
+def test_a_scheduled_step_loaded_with_its_scheduler_follows_it_as_the_step_does(tmp_path):
+    # The AOTInductor package and the .onnx file go through the same schedule (deploy.loaded_schedule).
+    model, step = _scheduled()
+    path = str(tmp_path / "sched.pt2")
+    torch.export.save(step.program, path)
+    loaded = torch_ext.load_step(path, scheduler=_fresh_scheduler(copy_model(model)))
+    bs = batches(6)
+    state = step.init_state(seed=2)
+    live, saved = state, state
+    for b in bs:
+        live_loss, live = step(live, *b)
+        saved_loss, saved = loaded(saved, *b)
+        assert saved.sched_epoch == live.sched_epoch
+        assert [float(v) for v in saved.lr] == [float(v) for v in live.lr]
+        assert torch.equal(saved_loss, live_loss)
+    assert [float(v) for v in saved.lr] == [1e-2 * 0.5 ** 3]
+    assert_states_equal(saved, live)
+    # A hand-set lr is refused as the live step refuses it; manual_lr=True trains at it.
+    with pytest.raises(ValueError, match=r"has lr \[0\.5\].*scheduler \(StepLR\) gives"):
+        loaded(_with_lr(saved, 0.5), *bs[0])
+    manual = torch_ext.load_step(path, manual_lr=True)
+    _, after = manual(_with_lr(saved, 0.5), *bs[0])
+    assert [float(v) for v in after.lr] == [0.5]
+
+
+def copy_model(model):
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def _with_lr(state, lr):
+    out = state.replace({})
+    out.set_lr(lr)
+    return out

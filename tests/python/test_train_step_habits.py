@@ -846,6 +846,34 @@ def test_two_optimizers_two_schedulers():
     assert_bit_exact(losses, ref_losses, state, ref)
 
 
+class _DecayingOption(torch.optim.lr_scheduler.LambdaLR):
+    """A scheduler that also anneals one optimizer option each step (here RMSprop's alpha, or
+    Adagrad's lr_decay): eager training follows it, the program bakes the option in."""
+
+    def __init__(self, opt, key):
+        self.key = key
+        super().__init__(opt, lambda i: 1.0)
+
+    def step(self, epoch=None):
+        super().step(epoch)
+        for g in self.optimizer.param_groups:
+            g[self.key] = g[self.key] * 0.9
+
+
+@pytest.mark.parametrize("make_opt,key", [
+    (lambda ps: torch.optim.RMSprop(ps, lr=0.01, alpha=0.9), "alpha"),
+    (lambda ps: torch.optim.Adagrad(ps, lr=0.01, lr_decay=0.1), "lr_decay"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.5), "momentum"),
+], ids=["rmsprop_alpha", "adagrad_lr_decay", "sgd_momentum"])
+def test_a_scheduler_changing_any_baked_option_is_refused(make_opt, key):
+    # Before, only a fixed list of option names was compared: a scheduler annealing RMSprop's alpha
+    # or Adagrad's lr_decay trained silently with the built value while eager followed the schedule.
+    model = TiedLM()
+    opt = make_opt(model.parameters())
+    with pytest.raises(ValueError, match=rf"the scheduler changes '{key}' of {type(opt).__name__} param group 0 at step 1"):
+        torch_ext.make_train_step(model, opt, lm_loss, next(lm_batches()), scheduler=_DecayingOption(opt, key))
+
+
 def test_schedulers_the_step_cannot_follow_are_refused():
     model = TiedLM()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
