@@ -61,6 +61,7 @@ const std::unordered_map<std::string, RowOp>& row_ops() {
       {"native_layer_norm", {0, 1}},
       {"rms_norm", {0, 1}},
       {"_native_batch_norm_legit_no_training", {0, 2}},
+      {"batch_norm", {0, 2}},  // eval mode only (checked in plan_node): running statistics, per element
       {"conv1d", {0, 3}},
       {"conv2d", {0, 4}},
       {"conv3d", {0, 5}},
@@ -104,6 +105,7 @@ const std::unordered_map<std::string, RowOp>& row_ops() {
       {"narrow", {0, 1}},
       {"index_select", {0, 1}},
       {"slice", {0, 1}},
+      {"flatten", {0, 1}},
       {"view", {0, 1}},
       {"reshape", {0, 1}},
       {"_unsafe_view", {0, 1}},
@@ -203,6 +205,14 @@ std::vector<int64_t> worked_dims(const Node& n, const std::string& op, int64_t r
     return need(ints_at(n, 2, "dim", std::vector<int64_t>{0}), "splits no dim");
   if (op == "unbind") return need(ints_at(n, 1, "dim", std::vector<int64_t>{0}), "unbinds no dim");
   if (op == "flip") return need(ints_at(n, 1, "dims", std::nullopt), "flips no dim");
+  if (op == "flatten") {  // dims start..end merge: dim 0 must not be among them
+    if (rank == 0) return {};
+    const int64_t start = norm_dim(ints_at(n, 1, "start_dim", std::vector<int64_t>{0})->at(0), rank);
+    const int64_t end = norm_dim(ints_at(n, 2, "end_dim", std::vector<int64_t>{-1})->at(0), rank);
+    std::vector<int64_t> out;
+    for (int64_t d = start; d <= end; ++d) out.push_back(d);
+    return out;
+  }
   if (op == "roll") return need(ints_at(n, 2, "dims", std::nullopt), "rolls the flattened tensor");
   if (op == "cat") return need(ints_at(n, 1, "dim", std::vector<int64_t>{0}), "has no dim");
   if (op == "stack") {
@@ -404,6 +414,10 @@ class Builder {
     if (n.target().is_getitem()) return;
     const std::string& op = n.target().name;
     TORCH_CHECK(n.target().ns == "aten", "batch_cone: ", w, " is not an aten op the pass knows keeps dim 0 apart");
+    TORCH_CHECK(op != "_native_batch_norm_legit_functional" && op != "_native_batch_norm_legit" &&
+                    op != "native_batch_norm",
+                "batch_cone: ", w, " normalises with batch statistics (training mode), which mixes dim 0 (the "
+                "stacked sites); call model.eval() on a model with running statistics");
     const bool elementwise = elementwise_ops().count(op) > 0;
     const auto row = row_ops().find(op);
     const auto batched = batched_ops().find(op);
@@ -413,6 +427,13 @@ class Builder {
       const Arg* train = arg_at(n, 2, "train");
       TORCH_CHECK(train != nullptr && train->kind == Arg::Kind::Bool && train->i == 0, "batch_cone: ", w,
                   " draws random numbers (training-mode dropout)");
+    }
+    if (op == "batch_norm") {
+      // Training mode normalises with statistics over dim 0: the stacked sites would mix.
+      const Arg* training = arg_at(n, 5, "training");
+      TORCH_CHECK(training != nullptr && training->kind == Arg::Kind::Bool && training->i == 0, "batch_cone: ", w,
+                  " normalises with batch statistics (training mode, or track_running_stats=False), which mixes "
+                  "dim 0 (the stacked sites); call model.eval() on a model with running statistics");
     }
     const int64_t out_rank = rank_of(n.type());
     for (size_t i = 0; i < n.args().size() + n.kwargs().size(); ++i) {
@@ -537,6 +558,10 @@ class Builder {
       TORCH_CHECK(tt.kind == ir::Type::Kind::Tuple && i >= 0 && i < static_cast<int64_t>(tt.elems.size()),
                   "batch_cone: ", w, " reads element ", i, " of a value with no such element");
       type = tt.elems[i];
+    } else if (n.target().name == "batch_norm" && args.at(0).kind == Arg::Kind::Node) {
+      // Its input's shape and layout; native_batch_norm has no C++ meta kernel (torch registers one
+      // from Python), so a meta run would fail outside a Python process.
+      type = args.at(0).node->type();
     } else {
       type = infer_type(n.target(), args, kwargs, w);
     }

@@ -39,6 +39,14 @@ std::string with_op(const std::string& line) {
   return "graph:\n  %x : f32[2,3,4] = input()\n  %s : f32[2,3,4] = aten::sin.default(%x)\n" + line +
          "  return (%r)\n";
 }
+
+// Batch normalisation of the site over channels (dim 1), `training` True or False.
+std::string with_batch_norm(const std::string& training) {
+  return "graph:\n  %m : f32[3] = param(\"bn.running_mean\")\n  %x : f32[2,3,4] = input()\n"
+         "  %s : f32[2,3,4] = aten::sin.default(%x)\n"
+         "  %r : f32[2,3,4] = aten::batch_norm.default(%s, %m, %m, %m, %m, " +
+         training + ", 0.1, 1e-05, False)\n  return (%r)\n";
+}
 }  // namespace
 
 TEST(BatchCone, OnlyTheConeIsStackedAndExternalsAreReadOrTiled) {
@@ -131,6 +139,13 @@ TEST(BatchCone, OpsThatMixDimZeroAreRefusedByName) {
             std::string::npos);
   EXPECT_NE(refused("  %r : i64[2,3,4] = aten::argsort.default(%s, 0, False)\n").find("is not an op the pass can prove"),
             std::string::npos);
+  // Batch normalisation with batch statistics (training mode) mixes dim 0; eval mode is kept (below).
+  EXPECT_NE(error_of([&] {
+              auto g = ir::parse(with_batch_norm("True"));
+              passes::batch_cone(*g, "s", 2);
+            }).find("%r (aten::batch_norm.default) normalises with batch statistics"),
+            std::string::npos);
+  EXPECT_NE(refused("  %r : f32[24] = aten::flatten.using_ints(%s)\n").find("works along dim 0"), std::string::npos);
   // A linear whose *weight* comes from the cone mixes its rows.
   EXPECT_NE(refused("  %r : f32[2,3,2] = aten::linear.default(%x, %s)\n").find("reads %s (of the patched cone) as argument 1"),
             std::string::npos);
@@ -143,5 +158,13 @@ TEST(BatchCone, FullSliceOfDimZeroAndKeptOpsPass) {
   ir::verify(*r.graph);
   EXPECT_NE(ir::print(*r.graph).find("%r : f32[8,3,4] = aten::_softmax.default(%q, 1, False)"), std::string::npos);
   EXPECT_NE(error_of([&] { passes::batch_cone(*g, "nope", 2); }).find("no node named '%nope'"), std::string::npos);
+  // Eval-mode batch normalisation reads running statistics, element by element along dim 1.
+  auto flat = ir::parse(with_op("  %r : f32[2,12] = aten::flatten.using_ints(%s, 1)\n"));
+  EXPECT_NE(ir::print(*passes::batch_cone(*flat, "s", 3).graph).find("%r : f32[6,12] = aten::flatten.using_ints(%s, 1)"),
+            std::string::npos);
+  auto bn = ir::parse(with_batch_norm("False"));
+  auto rb = passes::batch_cone(*bn, "s", 4);
+  ir::verify(*rb.graph);
+  EXPECT_NE(ir::print(*rb.graph).find("%r : f32[8,3,4] = aten::batch_norm.default("), std::string::npos);
   EXPECT_NE(error_of([&] { passes::batch_cone(*g, "s", 0); }).find("k must be >= 1"), std::string::npos);
 }

@@ -288,3 +288,43 @@ def test_keyword_attention_mask_with_left_padding_equals_eager_hooks(kind):
     # Without the keyword it is another signature, with its own graph (as model(longer) has no mask).
     assert torch.equal(rg.run(longer).logits, model(longer, use_cache=False).logits)
     assert rg.stats["graph_builds"] == 3
+
+
+def _small_resnet_block():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4))
+
+
+def test_batched_sites_through_eval_mode_batch_norm_equal_one_at_a_time():
+    # Eval-mode BatchNorm normalises with running statistics, element by element: the stacked sites
+    # stay apart. Before, every batch_norm was refused, so a batched sweep of a ResNet could not run.
+    model = _small_resnet_block()
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):  # non-trivial running statistics
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+    model.eval()
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(2))
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    sites = [("conv2d", k) for k in range(4)]  # the first convolution: both BatchNorms are in its cone
+    patch = lambda v, s: v * (0.5 + s[1]) - 0.25  # noqa: E731
+    metric = lambda out: out[:, 1] - out[:, 2]  # noqa: E731
+    one = torch_ext.sweep(rg, sites, patch, metric, progress=False, positions=False)
+    batched = torch_ext.sweep(rg, sites, patch, metric, progress=False, positions=False, batch_sites=True)
+    assert batched.batched and batched.groups == 1
+    for s in sites:
+        with torch.no_grad():
+            h = model[0].register_forward_hook(lambda mod, i, o, k=s[1]: o * (0.5 + k) - 0.25)
+            ref = metric(model(x))
+            h.remove()
+        torch.testing.assert_close(one.metrics[s], ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(batched.metrics[s], ref, rtol=1e-5, atol=1e-6)
+    # Training mode normalises over dim 0, which would mix the stacked sites: refused, naming the node.
+    model.train()
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    with pytest.raises(ValueError, match=r"batch statistics.*model\.eval\(\)"):
+        torch_ext.sweep(rg, [("conv2d", k) for k in range(2)], patch, lambda out: out.sum(), progress=False,
+                        positions=False, batch_sites=True)
