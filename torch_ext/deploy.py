@@ -70,13 +70,15 @@ def aoti_metadata(layout_json: str) -> dict[str, str]:
     """The AOTInductor package metadata for a step: the JSON layout, and for C++ readers (which have
     no JSON parser at hand, tests/cpp/aoti/aoti_train.cpp) as plain text (names newline separated):
     its input names, state names, output names (the loss, the state entries it returns, aux), the
-    donated state entries (written into the input tensors, not returned) and the fingerprint."""
+    donated state entries (written into the input tensors, not returned), the fingerprint, and
+    whether the step was built with scheduler= ("1": its lr input follows a Python scheduler)."""
     layout = json.loads(layout_json)
     return {LAYOUT_KEY: layout_json, "torch_ext.inputs": "\n".join(layout["inputs"]),
             "torch_ext.state_names": "\n".join(layout["state_names"]),
             "torch_ext.outputs": "\n".join(layout["outputs"]),
             "torch_ext.donated": "\n".join(layout.get("donated", [])),
-            "torch_ext.fingerprint": layout["fingerprint"]}
+            "torch_ext.fingerprint": layout["fingerprint"],
+            "torch_ext.scheduler": "1" if layout.get("scheduler") else "0"}
 
 
 def _check_layout(layout, path: str) -> dict:

@@ -79,3 +79,24 @@ def test_cpp_runner_refuses_a_state_of_another_program(tmp_path):
     run = subprocess.run([str(RUNNER), package, str(tmp_path / "other.pt"), str(tmp_path / "batches.pt")],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "was made by a different program" in run.stderr, run.stderr
+
+
+@pytest.mark.skipif(not RUNNER.exists(), reason=f"C++ runner not built at {RUNNER}")
+def test_cpp_runner_refuses_a_scheduled_package_unless_told_the_lr_stays_constant(tmp_path):
+    # The package takes the lr as an input and does not advance it (the scheduler is Python). Before,
+    # the runner trained every call at the state's lr where the step followed the schedule, silently.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    batch = (torch.randn(3, 4), torch.randint(0, 2, (3,)))
+    step = torch_ext.make_train_step(model, opt, lambda m, x, y: F.cross_entropy(m(x), y), batch, scheduler=sched)
+    package = step.to_aoti(str(tmp_path / "step.pt2"))
+    torch.save(step.init_state().state_dict(), tmp_path / "state.pt")
+    torch.save([list(batch)] * 2, tmp_path / "batches.pt")
+    args = [str(RUNNER), package, str(tmp_path / "state.pt"), str(tmp_path / "batches.pt")]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "built with scheduler=" in run.stderr and "--constant-lr" in run.stderr, run.stderr
+    run = subprocess.run(args + ["--constant-lr"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(run.stdout.split()) == 2

@@ -1,6 +1,6 @@
 // Runs an AOTInductor-compiled torch_ext pure training step with no Python.
 //
-//   aoti_train <step.pt2> <state.pt> <batches.pt>
+//   aoti_train <step.pt2> <state.pt> <batches.pt> [--constant-lr]
 //
 // step.pt2 is a package from step.to_aoti(path): its metadata holds the flat layout, read here
 // (not taken from Python): "torch_ext.inputs" names each program input in order (a state entry,
@@ -12,7 +12,9 @@
 // loss and then every state entry.
 // state.pt is torch.save(state.state_dict()) (the checkpoint format: params/buffers/opt dicts,
 // the lr list, rng, fingerprint); batches.pt is torch.save([[tensor, ...], ...]), one list of
-// batch tensors per call. Each call's new state feeds the next. Prints one loss per line.
+// batch tensors per call. Each call's new state feeds the next. Prints one loss per line. A package
+// of a step built with scheduler= ("torch_ext.scheduler" is 1) is refused unless --constant-lr says
+// to train every call at the state's lr (the schedule itself is Python, not in the package).
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
@@ -72,8 +74,9 @@ std::map<std::string, at::Tensor> entries_of(const c10::IValue& state) {
 }
 
 int run(int argc, char** argv) {
-  if (argc != 4) {
-    std::fprintf(stderr, "usage: %s <step.pt2> <state.pt> <batches.pt>\n", argv[0]);
+  const bool constant_lr = argc == 5 && std::string(argv[4]) == "--constant-lr";
+  if (argc != 4 && !constant_lr) {
+    std::fprintf(stderr, "usage: %s <step.pt2> <state.pt> <batches.pt> [--constant-lr]\n", argv[0]);
     return 2;
   }
   torch::inductor::AOTIModelPackageLoader loader(argv[1]);
@@ -81,6 +84,15 @@ int run(int argc, char** argv) {
   const std::vector<std::string> inputs = lines(meta_at(meta, "torch_ext.inputs", argv[1]));
   const std::vector<std::string> state_names = lines(meta_at(meta, "torch_ext.state_names", argv[1]));
   const std::string fingerprint = meta_at(meta, "torch_ext.fingerprint", argv[1]);
+  // A step built with scheduler= takes its lr as an input it does not advance (the scheduler is
+  // Python): this runner would train every call at the state's lr, which the step did not do.
+  if (meta_lines_or(meta, "torch_ext.scheduler", {"0"}) != std::vector<std::string>{"0"} && !constant_lr) {
+    std::fprintf(stderr,
+                 "%s was compiled from a step built with scheduler=, whose lr follows the scheduler; this runner "
+                 "keeps the state's lr for every call: pass --constant-lr to accept that\n",
+                 argv[1]);
+    return 2;
+  }
   std::vector<std::string> loss_then_state{"loss"};
   loss_then_state.insert(loss_then_state.end(), state_names.begin(), state_names.end());
   const std::vector<std::string> outputs = meta_lines_or(meta, "torch_ext.outputs", loss_then_state);
