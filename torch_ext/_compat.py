@@ -47,6 +47,37 @@ def op_name(target) -> tuple[str, str] | None:
     return None
 
 
+def parameters_without_gradient(ep: torch.export.ExportedProgram, loss_index: int = 0) -> list[str]:
+    """The trainable parameters (signature targets) that user output ``loss_index`` has no gradient
+    for: read only through ``.detach()`` or under ``torch.no_grad()``. Found by running the forward
+    graph on fake tensors and asking autograd, so nothing real is computed, drawn or mutated."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    specs = ep.graph_signature.input_specs
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    mode = FakeTensorMode()
+    args, trainable = [], []
+    with mode:
+        for spec, node in zip(specs, placeholders):
+            val = node.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                args.append(val)
+                continue
+            t = torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype, device=val.device)
+            if spec.kind.name == "PARAMETER" and t.is_floating_point():
+                t.requires_grad_(True)
+                trainable.append((spec.target, t))
+            args.append(t)
+        with torch.enable_grad():
+            outs = ep.graph_module(*args)
+            users = [i for i, s in enumerate(ep.graph_signature.output_specs) if s.kind.name == "USER_OUTPUT"]
+            loss = outs[users[loss_index]]
+            if not loss.requires_grad:
+                return [name for name, _ in trainable]
+            grads = torch.autograd.grad(loss, [t for _, t in trainable], allow_unused=True)
+    return [name for (name, _), g in zip(trainable, grads) if g is None]
+
+
 def export_joint(ep: torch.export.ExportedProgram, loss_index: int = 0, *,
                  decompose: bool = False) -> torch.export.ExportedProgram:
     """The joint forward/backward program: outputs gain the gradients of output `loss_index`.

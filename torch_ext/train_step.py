@@ -541,8 +541,22 @@ class TrainStep:
                 p.requires_grad_(False)
             if unused:
                 ep = export()
+            try:
+                joint = _compat.export_joint(ep)
+            except AssertionError as e:
+                # A parameter the forward reads only through .detach() or under torch.no_grad() gets no
+                # gradient either (torch.optim skips it): found on the forward program, hidden the same way.
+                if "did not receive a gradient" not in str(e):
+                    raise
+                no_grad = [params[t] for t in _compat.parameters_without_gradient(ep) if t in params]
+                if not no_grad:
+                    raise
+                unused += no_grad
+                for p in no_grad:
+                    p.requires_grad_(False)
+                ep = export()
+                joint = _compat.export_joint(ep)
             self._forward_program = ep
-            joint = _compat.export_joint(ep)
         except Exception as e:  # noqa: BLE001 - re-raised with the op and the torch version named
             hops = sorted({getattr(n.target, "__name__", str(n.target)) for n in ep.graph.nodes
                            if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)})

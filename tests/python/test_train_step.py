@@ -372,6 +372,48 @@ def test_frozen_and_unused_parameters_are_left_alone():
     assert torch.equal(state.params["model.unused"], model.unused.detach())
 
 
+class _ReadWithoutGradient(nn.Module):
+    """Two trainable parameters the loss reads but has no gradient for: one through .detach(), one
+    under torch.no_grad()."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 8), nn.Linear(8, 3)
+        self.gain = nn.Parameter(torch.rand(8) + 0.5)
+        self.shift = nn.Parameter(torch.randn(3) * 0.1)
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x)) * self.gain.detach()
+        with torch.no_grad():
+            offset = self.shift * 2
+        return self.l2(h) + offset
+
+
+def test_parameters_read_without_a_gradient_are_skipped_as_eager_skips_them():
+    # Before, the joint export raised a raw "AssertionError: Found a parameter that did not receive a
+    # gradient" from torch internals. Eager gives them grad None, and torch.optim skips them (no
+    # update, no weight decay, no state): the step now does the same, bit for bit.
+    torch.manual_seed(0)
+    model = _ReadWithoutGradient()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(5)]
+    step = torch_ext.make_train_step(model, opt, loss_fn, batches[0])
+    assert model.gain.requires_grad and model.shift.requires_grad  # left as the user had them
+    state = step.init_state()
+    for b in batches:
+        loss, state = step(state, *b)
+        assert torch.equal(loss, loss_fn(ref, *b).detach())
+        eager_step(ref, [ref_opt], loss_fn, b)
+    assert ref.gain.grad is None and ref.shift.grad is None
+    assert_state_matches(step, state, ref, [ref_opt])
+    assert torch.equal(state.params["model.gain"], model.gain.detach())
+    assert torch.equal(state.params["model.shift"], model.shift.detach())
+
+
 def test_clip_grad_norm_with_a_trainable_parameter_outside_every_optimizer_is_refused():
     # Eager clip_grad_norm_(model.parameters(), c) counts the gradient of a parameter that requires grad
     # but no optimizer holds; the step clipped over the optimizers' parameters only, so its norm was
