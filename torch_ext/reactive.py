@@ -541,8 +541,15 @@ class ReactiveGraph:
 
         Inputs of another shape (a longer prompt) move to that shape's graph, exported on first use
         and reused after (``stats["graph_builds"]``, ``stats["graph_reuses"]``); grafts are replayed.
+        Refused while patches are active: a new baseline would drop them (the outputs would be the
+        unpatched ones, where a forward hook would still act), so restore() first and patch again.
         """
         self._refuse_during_sweep("run()")
+        pinned = self._engine.pinned()
+        if pinned:
+            raise ValueError(f"run: patches are active at {pinned}; run() computes a new clean baseline, which would "
+                             "drop them (the outputs would be unpatched, where a forward hook would still act): "
+                             "restore() first, then patch again on the new inputs")
         if self._weights_fp is not None and _weights_fingerprint(self._module) != self._weights_fp:
             raise ValueError("run: the model's weights changed since this ReactiveGraph was built, and it computes "
                              "with a copy of them (TransformerLens models are exported from a copy); build a new "

@@ -732,3 +732,22 @@ def test_run_refuses_a_submodule_or_forward_replaced_after_build(change):
     if change == "parameter":
         model.fc.weight = traced_weight
     assert torch.equal(rg.run(x), clean)
+
+
+def test_run_on_new_inputs_while_patched_is_refused_not_silently_unpatched():
+    # Before, run(x2) with a standing patch made a clean baseline and dropped the patch: the outputs
+    # were the unpatched model's, where a forward hook (what a user holding a patch expects) still acts.
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    x1, x2 = torch.randn(3, 4), torch.randn(3, 4)
+    rg = torch_ext.ReactiveGraph(m, (x1,))
+    rg.patch("linear", lambda v: v * 2)
+    patched = rg.demand().clone()
+    with pytest.raises(ValueError, match=r"run: patches are active at \['linear'\].*restore\(\) first"):
+        rg.run(x2)
+    with pytest.raises(ValueError, match=r"patches are active"):
+        rg.run_with_cache(x2)
+    assert torch.equal(rg.demand(), patched)  # refused before anything changed
+    rg.restore()
+    with torch.no_grad():
+        assert torch.equal(rg.run(x2), m(x2))
