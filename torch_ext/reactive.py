@@ -1855,6 +1855,11 @@ def _row_batches(first: list[int], length: int, overhead: float) -> list[tuple[i
     return bounds[::-1]
 
 
+def _same_type(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape, device and layout: what _same_bits checks before comparing bits."""
+    return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and a.layout == b.layout
+
+
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-identical tensors (so -0.0 and 0.0 differ, and equal NaNs agree)."""
     if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
@@ -2026,31 +2031,45 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
     chunk = batch_sites if not isinstance(batch_sites, bool) else None
     units = []
     identical = 0
+    # The sweep demanded above and refuses mutations while it runs: the current outputs are the cached ones,
+    # read from the engine (rg.demand() would repeat the per-call hook and attribute checks per site).
+    user_outputs = rg._single_output if rg._single_output is not None else None
     for node, members in groups.items():
         if len(members) > 1:
             rg._check_batchable(node)
         vals = _patched_values(rg, node, members, patch)
         current = eng.value(node)
+        by_rows = (read_rows is not None and not eng.pinned() and eng.can_evaluate_patched_rows()
+                   and eng.seq_axis(node) >= 0)
+        if by_rows:
+            # One byte scan per site gives both answers: the first changed row, and (== the length, for a
+            # value of the node's shape and dtype) bit-identity, as _same_bits would say.
+            length = current.shape[eng.seq_axis(node)]
+            first_of = [eng.first_changed_row(node, v) if _same_type(v, current) else -1 for v in vals]
+            same = [f >= length for f in first_of]
+        else:
+            first_of = None
+            same = [_same_bits(v, current) for v in vals]
         kept = []
-        for s, v in zip(members, vals):
-            if _same_bits(v, current):
-                metrics[s], w = _measure(rg, metric, rg.demand(), s)
+        for i, (s, v) in enumerate(zip(members, vals)):
+            if same[i]:
+                outs = eng.demand()
+                metrics[s], w = _measure(rg, metric, outs[user_outputs] if user_outputs is not None else rg._user(outs),
+                                         s)
                 if w:
                     _raise_metric_wrote(rg, s)
                 identical += 1
             else:
-                kept.append((s, v))
-        members, vals = [s for s, _ in kept], [v for _, v in kept]
+                kept.append((s, v, first_of[i] if first_of is not None else None))
+        members, vals = [s for s, _, _ in kept], [v for _, v, _ in kept]
         if not members:
             continue
-        if (len(members) > 1 and read_rows is not None and not eng.pinned() and eng.can_evaluate_patched_rows()
-                and eng.seq_axis(node) >= 0):
-            first = [eng.first_changed_row(node, v) for v in vals]
+        if len(members) > 1 and by_rows:
+            first = [f for _, _, f in kept]
             order = sorted(range(len(members)), key=lambda i: (first[i], i))
             if chunk is not None:
                 bounds = [(j, min(j + chunk, len(order))) for j in range(0, len(order), chunk)]
             else:
-                length = current.shape[eng.seq_axis(node)]
                 per_row = max(eng.cone_cost(node), 1.0) / max(length, 1)
                 overhead = _NODE_OVERHEAD_FLOPS * max(rg._cone_size(node), 1) / per_row
                 bounds = _row_batches([first[i] for i in order], length, overhead)
@@ -2089,9 +2108,7 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         predicted_batched += bc.calls
         values = given
         big = bc.engine
-        before = big.stats()["evaluations"]
-        cost_before = big.stats()["cost"]
-        rows_before = big.stats()["row_evaluations"]
+        st_before = big.stats()  # one call: it builds a dict
         by_rows = read_rows is not None and big.can_evaluate_patched_rows() and big.seq_axis(node) >= 0
         wrote = []
         if by_rows:
@@ -2107,9 +2124,10 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         if wrote:
             rg._batched.pop((node, k), None)  # its clean outputs may be the written ones: built again
             _raise_metric_wrote(rg, wrote[0])
-        measured += big.stats()["evaluations"] - before
-        cost += big.stats()["cost"] - cost_before
-        row_evals += big.stats()["row_evaluations"] - rows_before
+        st_after = big.stats()
+        measured += st_after["evaluations"] - st_before["evaluations"]
+        cost += st_after["cost"] - st_before["cost"]
+        row_evals += st_after["row_evaluations"] - st_before["row_evaluations"]
     wall = time.perf_counter() - t0
     return SweepResult(metrics, measured, predicted_batched, full, rg.num_nodes, wall, batched=True,
                        groups=len(units), cost=cost, extra={"setup_evaluations": setup, "row_evaluations": row_evals,

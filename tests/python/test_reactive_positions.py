@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import torch_ext
 from torch_ext import _C
 from causal_zoo import KINDS, LM, resid_sites
+from test_reactive import bits_equal
 
 T = 8
 
@@ -738,6 +739,30 @@ class _SignOfZero(nn.Module):
 
     def forward(self, x):
         return torch.atan(1.0 / torch.relu(x))
+
+
+@pytest.mark.parametrize("batch_sites", [True, 2])
+def test_batched_row_sites_are_identical_by_bits(batch_sites):
+    # Batched sites on the row path learn identity from the same byte scan that finds the first changed
+    # row (an identical value changes no row). -0.0 over a +0.0 is a change there (1 / x tells them apart):
+    # only the unchanged copies and the flip of row 3 (which holds no zero) are identical.
+    x = torch.tensor([[[-1.0, 2.0], [0.5, -3.0], [-2.0, -1.0], [1.0, 1.0]]])
+    rg = torch_ext.ReactiveGraph(_SignOfZero().eval(), (x,))
+    node = next(n for n in rg.nodes() if n.startswith("relu"))
+
+    def patch(v, site):
+        out = v.clone()
+        if site[2] == "flip":
+            row = out[:, site[1]]
+            out[:, site[1]] = torch.where(row == 0, torch.full_like(row, -0.0), row)
+        return out
+
+    sites = [(node, p, kind) for p in range(4) for kind in ("same", "flip")]
+    got = torch_ext.sweep(rg, sites, patch, lambda out: out.clone(), progress=False, batch_sites=batch_sites)
+    assert got.extra["identical_sites"] == 5
+    for s in sites:
+        assert bits_equal(got.metrics[s], torch.atan(1.0 / patch(torch.relu(x), s))), s
+    rg.check_invariants()
 
 
 @pytest.mark.parametrize("cutoff", [False, True])
