@@ -203,6 +203,48 @@ def test_aoti_donating_package_updates_the_state_in_place(tmp_path):
     assert transposed.consumed_by is None
 
 
+def test_aoti_calls_reuse_the_memory_of_the_last_call(tmp_path):
+    # LoadedStep runs a package in a CallPool (csrc/runtime/call_pool.h): from the second call on,
+    # its allocations come from the blocks the last call freed, while every output the caller still
+    # holds keeps its values; the result is the package's own, driven without the pool.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 10))
+    x, y = torch.randn(256, 64), torch.randint(0, 10, (256,))
+    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), ce, (x, y))
+    pkg = step.to_aoti(str(tmp_path / "pooled.pt2"))
+    loaded = torch_ext.load_step(pkg)
+    state = step.init_state()
+    for k in range(5):  # training: the caller drops each old state
+        loss, state = loaded(state, x, y)
+        if k == 1:  # the first state returned is alive during the second call
+            fresh = loaded.memory_stats()["fresh_blocks"]
+    stats = loaded.memory_stats()
+    assert stats["fresh_blocks"] == fresh  # nothing newly allocated from the third call on
+    assert stats["reused_blocks"] > 0 and stats["cached_bytes"] > 0
+    state = step.init_state()
+    kept = []  # every loss and state, alive across later calls: fresh blocks for them
+    for _ in range(4):
+        loss, state = loaded(state, x, y)
+        kept.append((loss, state))
+    assert loaded.memory_stats()["fresh_blocks"] > fresh
+    fresh = loaded.memory_stats()["fresh_blocks"]
+    raw = torch._inductor.aoti_load_package(pkg)  # no pool
+    state = step.init_state()
+    n = len(step.state_names)
+    for loss, got in kept:
+        outs = raw(*step.flat_inputs(state, x, y))
+        state = state.replace(dict(zip(step.state_names, outs[1:1 + n])))
+        assert torch.equal(loss, outs[0])
+        assert_states_equal(got, state)
+    torch.empty(1 << 20)  # outside a call: not the pool's
+    assert loaded.memory_stats()["fresh_blocks"] == fresh
+    loaded.release_memory()
+    assert loaded.memory_stats()["cached_bytes"] == 0
+    loss, _ = loaded(kept[-1][1], x, y)
+    assert torch.equal(loss, raw(*step.flat_inputs(kept[-1][1], x, y))[0])
+    assert torch_ext.load_step(str(tmp_path / "pooled.pt2")).memory_stats()["cached_bytes"] == 0
+
+
 class DropoutProbe(nn.Module):
     def __init__(self, p):
         super().__init__()
