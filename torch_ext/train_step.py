@@ -1029,8 +1029,8 @@ class TrainStep:
         flat layout in its metadata; ``torch_ext.load_step(path)`` runs it on TrainStates. The
         optimizer updates are compiled from their ATen form (torch_ext.optim.aten_updates), fused
         with the rest, so the package agrees with the executor to float32 rounding, not bitwise.
-        Dropout draws Inductor's own Philox stream, fused with the mask, seeded by one draw from the
-        state's ``rng`` (torch_ext/_aoti.py): pure, but another stream than the executor's.
+        Dropout draws a counter-based hash stream (vectorised, fused with the mask), keyed by one
+        draw from the state's ``rng`` (torch_ext/_aoti.py): pure, but another stream than the executor's.
 
         ``donate=True`` compiles a package that writes the new state into the input state's tensors
         (AOTInductor stores each updated entry in place, after its last read), as
@@ -1044,8 +1044,8 @@ class TrainStep:
         from ._aoti import aoti_decompositions, fuse_cross_entropy_program
 
         layout_json = self.program.graph_module.meta["custom"][LAYOUT_KEY]
-        # The update ops as ATen math and dropout as Inductor's own Philox stream seeded from the
-        # state, which Inductor fuses (opaque C++ kernels otherwise; see torch_ext/_aoti.py).
+        # The update ops as ATen math and dropout as a counter-based hash keyed from the state,
+        # which Inductor fuses (opaque C++ kernels otherwise; see torch_ext/_aoti.py).
         # (for_aot_inductor last: the retrace of run_decompositions turns its reshapes back into views.)
         program = _compat.for_aot_inductor(self.program.run_decompositions(aoti_decompositions()))
         # Cross-entropy as pointwise math over the logits and their logsumexp (torch_ext/_aoti.py).

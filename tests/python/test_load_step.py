@@ -256,7 +256,7 @@ class DropoutProbe(nn.Module):
 
 def test_aoti_dropout_is_fused_pure_and_draws_from_the_state(tmp_path, monkeypatch):
     # to_aoti hands Inductor each dropout as a seed drawn from the explicit state (torch_ext::rng_seed)
-    # and Inductor's own Philox stream, fused with the mask and the scale (torch_ext/_aoti.py). The C++
+    # and a counter-based hash stream, fused with the mask and the scale (torch_ext/_aoti.py). The C++
     # native_dropout_rng was an opaque kernel there (about 10% of the GPT-2 benchmark step).
     torch.manual_seed(0)
     p = 0.25
