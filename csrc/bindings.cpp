@@ -21,6 +21,7 @@
 #include "passes/sequence_axis.h"
 #include "passes/split_heads.h"
 #include "runtime/arena_executor.h"
+#include "runtime/call_pool.h"
 #include "reactive/engine.h"
 #include "runtime/executor.h"
 
@@ -498,6 +499,24 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("run", [](const runtime::Executor& ex, py::sequence inputs) {
         return run_without_gil(inputs, [&](std::vector<c10::IValue> in) { return ex.run(std::move(in)); });
+      });
+
+  // A CPU block cache across calls of an opaque callable (runtime/call_pool.h); torch_ext.deploy runs
+  // AOTInductor packages through call().
+  py::class_<runtime::CallPool, std::shared_ptr<runtime::CallPool>>(m, "CallPool")
+      .def(py::init([] { return std::make_shared<runtime::CallPool>(); }))
+      .def("call",
+           [](runtime::CallPool& pool, const py::function& fn, const py::args& args) {
+             runtime::CallPool::Scope scope(pool);
+             return fn(*args);
+           })
+      .def("release", &runtime::CallPool::release)
+      .def("stats", [](const runtime::CallPool& pool) {
+        py::dict d;
+        d["cached_bytes"] = pool.cached_bytes();
+        d["reused_blocks"] = pool.reused_blocks();
+        d["fresh_blocks"] = pool.fresh_blocks();
+        return d;
       });
 
   py::class_<reactive::Engine, std::shared_ptr<reactive::Engine>>(m, "Engine")

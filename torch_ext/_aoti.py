@@ -8,10 +8,11 @@ allocations and eager arithmetic inside. Two kinds sit in every step program:
   Bernoulli mask into a bool tensor (scalar generator, then a bool copy), multiplies the input by it
   (a float * bool promotion) and by the scale: on the GPT-2 benchmark step 7 calls, about 10% of the
   AOTInductor step. Here it becomes one 64-bit draw from the explicit state
-  (``torch_ext::rng_seed``: the seed, and the state advanced past it) and Inductor's own
-  counter-based stream (``prims.inductor_random``, Philox), which Inductor fuses with the mask and
-  the scale. The package draws another stream than the executor (the issue asks AOTInductor only to
-  stay pure), and still reads no global generator: the seed is a function of the state passed in.
+  (``torch_ext::rng_seed``: the seed, and the state advanced past it) and a counter-based hash of
+  each element's index keyed by that seed (counter_bits below: integer ATen ops), which Inductor
+  vectorises and fuses with the mask and the scale. The package draws another stream than the
+  executor (the issue asks AOTInductor only to stay pure), and still reads no global generator: the
+  seed is a function of the state passed in.
 
 Cross-entropy is rewritten too (fuse_cross_entropy below): the joint graph's
 ``_log_softmax -> nll_loss_forward`` and ``nll_loss_backward -> _log_softmax_backward_data`` become
@@ -23,7 +24,44 @@ benchmark, 1024 x 8192, vectorised across rows: about 1% of the AOTInductor step
 from __future__ import annotations
 
 import torch
-import torch._inductor.inductor_prims  # noqa: F401  (defines torch.ops.prims.inductor_random)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x, c: int):
+    # (x * c) mod 2**32 for 32-bit values held in int64, with every product below 2**63: Inductor's
+    # vector loop would wrap anyway, but its scalar tail is C++ signed arithmetic (overflow is UB).
+    if c < 2**31:
+        return (x * c) & _M32
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _lowbias32(x):
+    # Chris Wellons' lowbias32 (hash-prospector: [16 7feb352d 15 846ca68b 16]), a bijection on 32 bits.
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def counter_bits(shape, seed, device=None):
+    """32 random bits per element (int64 in [0, 2**32)), a pure function of ``seed`` (an int64 scalar
+    tensor) and the element's flat index: two lowbias32 rounds over the index, keyed with the mixed
+    halves of the seed. Integer ATen ops only, which Inductor vectorises and fuses with their consumer; its own
+    ``prims.inductor_random`` calls a scalar Philox (10 rounds) per element, ~12 ns each on this VM,
+    ~28 ms of the GPT-2 benchmark step's 2.4M dropout draws."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    idx = torch.arange(numel, dtype=torch.int64, device=device).reshape(shape)
+    k0, k1 = seed & _M32, (seed >> 32) & _M32
+    # Every seed bit reaches both keys (a bijection of the seed): with raw halves, seeds that differ
+    # in k0 only would draw permutations of one stream (idx ^ k0).
+    k1 = _lowbias32(k1 ^ _lowbias32(k0))
+    k0 = _lowbias32(k0 ^ k1)
+    return _lowbias32(_lowbias32((idx & _M32) ^ k0) ^ (idx >> 32) ^ k1)
 
 
 def _native_dropout_rng(input, p, train, rng_state):
@@ -32,8 +70,8 @@ def _native_dropout_rng(input, p, train, rng_state):
     if (train is not None and not train) or input.numel() == 0:
         return input.clone(), torch.ones_like(input, dtype=torch.bool), rng_state.clone()
     seed, new_state = torch.ops.torch_ext.rng_seed(rng_state)
-    uniform = torch.ops.prims.inductor_random.default(list(input.shape), seed, "rand")  # [0, 1)
-    mask = uniform >= p  # P(keep) = 1 - p, as Bernoulli(1 - p)
+    # P(keep) = P(bits >= p * 2**32) = 1 - p, to 2**-32; p = 1 keeps nothing
+    mask = counter_bits(list(input.shape), seed, input.device) >= round(p * 2**32)
     p1m = 1.0 - p
     scale = 0.0 if p1m == 0 else 1.0 / p1m
     return input * mask * scale, mask, new_state

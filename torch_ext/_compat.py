@@ -260,6 +260,23 @@ def for_aot_inductor(ep: torch.export.ExportedProgram) -> torch.export.ExportedP
     return ep._update(gm, sig)
 
 
+@contextlib.contextmanager
+def aten_kernels_in_inductor(ops):
+    """Within the block, Inductor calls the ATen kernel of each OpOverload in ``ops`` (an extern call:
+    AOTInductor's C shim ``aoti_torch_cpu_<op>``) instead of lowering it to its own loops; the
+    previous lowerings are put back on exit. torch 2.9 keeps them in the private dict
+    ``torch._inductor.lowering.lowerings``; an op without a lowering there is left alone."""
+    from torch._inductor import lowering
+
+    saved = {op: lowering.lowerings[op] for op in ops if op in lowering.lowerings}
+    try:
+        for op in saved:
+            lowering.lowerings[op] = lowering.fallback_handler(op, add_to_fallback_set=False)
+        yield
+    finally:
+        lowering.lowerings.update(saved)
+
+
 def donating_program(ep: torch.export.ExportedProgram, donated: dict[int, int]) -> torch.export.ExportedProgram:
     """A copy of ``ep`` that writes outputs into its inputs: ``donated`` maps an output index to the
     index of the user input it overwrites (same shape and dtype).

@@ -1054,8 +1054,8 @@ class TrainStep:
         flat layout in its metadata; ``torch_ext.load_step(path)`` runs it on TrainStates. The
         optimizer updates are compiled from their ATen form (torch_ext.optim.aten_updates), fused
         with the rest, so the package agrees with the executor to float32 rounding, not bitwise.
-        Dropout draws Inductor's own Philox stream, fused with the mask, seeded by one draw from the
-        state's ``rng`` (torch_ext/_aoti.py): pure, but another stream than the executor's.
+        Dropout draws a counter-based hash stream (vectorised, fused with the mask), keyed by one
+        draw from the state's ``rng`` (torch_ext/_aoti.py): pure, but another stream than the executor's.
 
         ``donate=True`` compiles a package that writes the new state into the input state's tensors
         (AOTInductor stores each updated entry in place, after its last read), as
@@ -1069,8 +1069,8 @@ class TrainStep:
         from ._aoti import aoti_decompositions, fuse_cross_entropy_program
 
         layout_json = self.program.graph_module.meta["custom"][LAYOUT_KEY]
-        # The update ops as ATen math and dropout as Inductor's own Philox stream seeded from the
-        # state, which Inductor fuses (opaque C++ kernels otherwise; see torch_ext/_aoti.py).
+        # The update ops as ATen math and dropout as a counter-based hash keyed from the state,
+        # which Inductor fuses (opaque C++ kernels otherwise; see torch_ext/_aoti.py).
         # (for_aot_inductor last: the retrace of run_decompositions turns its reshapes back into views.)
         program = _compat.for_aot_inductor(self.program.run_decompositions(aoti_decompositions()))
         # Cross-entropy as pointwise math over the logits and their logsumexp (torch_ext/_aoti.py).
@@ -1091,7 +1091,11 @@ class TrainStep:
         # converts the weight on every call), and channels-last weights, which the state does not
         # have, gained nothing reproducible (load 1.5: 73.9 against 73.3 ms over the 6 shapes).
         configs = {"aot_inductor.metadata": aoti_metadata(layout_json), "layout_optimization": False}
-        return torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=configs)
+        # Inductor's max-pool backward is a scalar gather over every input position, ATen's a
+        # scatter over the outputs: ResNet-18's (16x64x32x32, 3x3 stride 2) takes 5.2 ms there
+        # against 0.24-0.39 ms in ATen (one thread), so the package calls ATen's.
+        with _compat.aten_kernels_in_inductor([torch.ops.aten.max_pool2d_with_indices_backward.default]):
+            return torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=configs)
 
 
 def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, example_batch: Sequence, *,

@@ -203,6 +203,96 @@ def test_aoti_donating_package_updates_the_state_in_place(tmp_path):
     assert transposed.consumed_by is None
 
 
+def test_aoti_calls_reuse_the_memory_of_the_last_call(tmp_path):
+    # LoadedStep runs a package in a CallPool (csrc/runtime/call_pool.h): from the second call on,
+    # its allocations come from the blocks the last call freed, while every output the caller still
+    # holds keeps its values; the result is the package's own, driven without the pool.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 10))
+    x, y = torch.randn(256, 64), torch.randint(0, 10, (256,))
+    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), ce, (x, y))
+    pkg = step.to_aoti(str(tmp_path / "pooled.pt2"))
+    loaded = torch_ext.load_step(pkg)
+    state = step.init_state()
+    for k in range(5):  # training: the caller drops each old state
+        loss, state = loaded(state, x, y)
+        if k == 1:  # the first state returned is alive during the second call
+            fresh = loaded.memory_stats()["fresh_blocks"]
+    stats = loaded.memory_stats()
+    assert stats["fresh_blocks"] == fresh  # nothing newly allocated from the third call on
+    assert stats["reused_blocks"] > 0 and stats["cached_bytes"] > 0
+    state = step.init_state()
+    kept = []  # every loss and state, alive across later calls: fresh blocks for them
+    for _ in range(4):
+        loss, state = loaded(state, x, y)
+        kept.append((loss, state))
+    assert loaded.memory_stats()["fresh_blocks"] > fresh
+    fresh = loaded.memory_stats()["fresh_blocks"]
+    raw = torch._inductor.aoti_load_package(pkg)  # no pool
+    state = step.init_state()
+    n = len(step.state_names)
+    for loss, got in kept:
+        outs = raw(*step.flat_inputs(state, x, y))
+        state = state.replace(dict(zip(step.state_names, outs[1:1 + n])))
+        assert torch.equal(loss, outs[0])
+        assert_states_equal(got, state)
+    torch.empty(1 << 20)  # outside a call: not the pool's
+    assert loaded.memory_stats()["fresh_blocks"] == fresh
+    loaded.release_memory()
+    assert loaded.memory_stats()["cached_bytes"] == 0
+    loss, _ = loaded(kept[-1][1], x, y)
+    assert torch.equal(loss, raw(*step.flat_inputs(kept[-1][1], x, y))[0])
+    assert torch_ext.load_step(str(tmp_path / "pooled.pt2")).memory_stats()["cached_bytes"] == 0
+
+
+def test_aoti_max_pool_backward_is_atens_and_the_lowering_is_put_back(tmp_path):
+    # to_aoti compiles max_pool2d's backward as a call of ATen's kernel (Inductor's own lowering is a
+    # scalar gather, 13-22x slower on ResNet-18's first pool), and only inside to_aoti.
+    from torch._inductor import lowering
+
+    op = torch.ops.aten.max_pool2d_with_indices_backward.default
+    before = lowering.lowerings[op]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 2, 1), nn.Flatten(),
+                          nn.Linear(8 * 8 * 8, 5))
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 5, (4,))
+    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), ce, (x, y))
+    seen = []
+    real = torch._inductor.aoti_compile_and_package
+
+    def spy(program, **kw):
+        seen.append(lowering.lowerings[op])
+        return real(program, **kw)
+
+    torch._inductor.aoti_compile_and_package = spy
+    try:
+        loaded = torch_ext.load_step(step.to_aoti(str(tmp_path / "pool.pt2")))
+    finally:
+        torch._inductor.aoti_compile_and_package = real
+    assert len(seen) == 1 and seen[0] is not before
+    assert lowering.lowerings[op] is before
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "pool.pt2") as z:
+        code = "".join(z.read(n).decode() for n in z.namelist() if n.endswith(".cpp"))
+    assert "aoti_torch_cpu_max_pool2d_with_indices_backward(" in code
+    got_losses, got = run(loaded, step.init_state(), [(x, y)] * 4)
+    want_losses, want = run(step, step.init_state(), [(x, y)] * 4)
+    torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)
+    assert_states_equal(got, want, atol=1e-5)
+
+    def failing(program, **kw):
+        raise RuntimeError("compile failed")
+
+    torch._inductor.aoti_compile_and_package = failing
+    try:
+        with pytest.raises(RuntimeError, match="compile failed"):
+            step.to_aoti(str(tmp_path / "never.pt2"))
+    finally:
+        torch._inductor.aoti_compile_and_package = real
+    assert lowering.lowerings[op] is before
+
+
 class DropoutProbe(nn.Module):
     def __init__(self, p):
         super().__init__()
@@ -214,7 +304,7 @@ class DropoutProbe(nn.Module):
 
 def test_aoti_dropout_is_fused_pure_and_draws_from_the_state(tmp_path, monkeypatch):
     # to_aoti hands Inductor each dropout as a seed drawn from the explicit state (torch_ext::rng_seed)
-    # and Inductor's own Philox stream, fused with the mask and the scale (torch_ext/_aoti.py). The C++
+    # and a counter-based hash stream, fused with the mask and the scale (torch_ext/_aoti.py). The C++
     # native_dropout_rng was an opaque kernel there (about 10% of the GPT-2 benchmark step).
     torch.manual_seed(0)
     p = 0.25

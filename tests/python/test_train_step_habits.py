@@ -696,13 +696,17 @@ def test_rng_seed_is_one_random64_draw_and_advances_a_copy_of_the_state():
 
 
 def test_aoti_dropout_form_keeps_native_dropout_semantics():
-    # The form to_aoti hands Inductor in place of native_dropout_rng, run eagerly (inductor_random then
-    # draws from the global generator): P(drop) = p, kept values scaled by 1 / (1 - p), p = 1 drops
-    # everything without a 0 * inf NaN, eval mode and empty inputs draw nothing.
+    # The form to_aoti hands Inductor in place of native_dropout_rng, run eagerly: P(drop) = p, kept
+    # values scaled by 1 / (1 - p), p = 1 drops everything without a 0 * inf NaN, eval mode and empty
+    # inputs draw nothing; the mask is a function of the state alone (no global generator read).
     from torch_ext._aoti import _native_dropout_rng
 
     state = torch.Generator().manual_seed(3).get_state()
     x = torch.randn(200, 100)
+    before = torch.get_rng_state()
+    first = _native_dropout_rng(x, 0.3, True, state)[1]
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(_native_dropout_rng(x, 0.3, True, state)[1], first)
     for p in (0.0, 0.3, 1.0):
         out, mask, new = _native_dropout_rng(x, p, True, state)
         assert mask.dtype == torch.bool and not torch.equal(new, state), p
@@ -712,6 +716,47 @@ def test_aoti_dropout_form_keeps_native_dropout_semantics():
     for args in ((x, 0.3, False, state), (x[:0], 0.3, True, state)):
         out, mask, new = _native_dropout_rng(*args)
         assert torch.equal(out, args[0]) and bool(mask.all()) and torch.equal(new, state)
+
+
+def test_aoti_dropout_bits_are_lowbias32_of_the_index_keyed_by_the_whole_seed():
+    # counter_bits (torch_ext/_aoti.py): integer ATen ops Inductor vectorises, in place of its scalar
+    # Philox call per element. Checked against a plain-Python reference, for uniform bits, and for
+    # seeds one bit apart drawing unrelated streams: with the seed's low half XORed into the index
+    # unmixed, seed ^ 1 drew the same stream with neighbours swapped.
+    from torch_ext._aoti import counter_bits
+
+    m32 = 0xFFFFFFFF
+
+    def lowbias32(v):
+        v ^= v >> 16
+        v = (v * 0x7FEB352D) & m32
+        v ^= v >> 15
+        v = (v * 0x846CA68B) & m32
+        return v ^ (v >> 16)
+
+    def reference(i, seed):
+        k0, k1 = seed & m32, (seed >> 32) & m32
+        k1 = lowbias32(k1 ^ lowbias32(k0))
+        k0 = lowbias32(k0 ^ k1)
+        return lowbias32(lowbias32((i & m32) ^ k0) ^ (i >> 32) ^ k1)
+
+    for seed in (0, 12345, -(2**63), 2**63 - 1, -7):
+        got = counter_bits([3, 5], torch.tensor(seed, dtype=torch.int64))
+        assert got.dtype == torch.int64 and got.shape == (3, 5)
+        assert got.flatten().tolist() == [reference(i, seed) for i in range(15)], seed
+    n = 1 << 16
+    a = counter_bits([n], torch.tensor(2**40 + 6, dtype=torch.int64))
+    assert int(a.min()) >= 0 and int(a.max()) < 2**32
+    ones = torch.stack([(a >> k) & 1 for k in range(32)]).double().mean(1)
+    assert float((ones - 0.5).abs().max()) < 0.01  # 65536 draws: sd 0.002 per bit
+    for flipped in (2**40 + 7, 2**41 + 6):  # the low half, the high half
+        b = counter_bits([n], torch.tensor(flipped, dtype=torch.int64))
+        swapped = a.reshape(-1, 2).flip(1).reshape(-1)
+        for other in (a, swapped):
+            same = float((b == other).double().mean())
+            assert same < 1e-3, (flipped, same)
+            agree = float(((b < 2**31) == (other < 2**31)).double().mean())
+            assert abs(agree - 0.5) < 0.02, (flipped, agree)  # sd 0.002
 
 
 def test_assert_step_matches_eager_seeds_both_sides():

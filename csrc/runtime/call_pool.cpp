@@ -1,0 +1,190 @@
+#include "runtime/call_pool.h"
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace torch_ext::runtime {
+
+struct CallPool::State {
+  mutable std::mutex mutex;
+  std::map<size_t, std::vector<void*>> free;  // block size -> cached blocks
+  int64_t cached = 0;                          // bytes in `free`
+  int64_t cap = 0;                             // most bytes one scope took
+  int64_t reused = 0;
+  int64_t fresh = 0;
+};
+
+struct CallPool::Scope::Frame {
+  std::shared_ptr<CallPool::State> state;
+  int64_t taken = 0;  // bytes handed out in this scope
+  Frame* outer = nullptr;
+};
+
+namespace {
+
+thread_local CallPool::Scope::Frame* current_frame = nullptr;
+
+// Pooled blocks in use, by address: their DataPtrs are simple (context == data), as c10's raw
+// allocation interface (raw_allocate / raw_deallocate, used by oneDNN among others) requires, so
+// the deleter finds a block's pool here. Any other pointer is the replaced allocator's.
+struct InUse {
+  std::shared_ptr<CallPool::State> pool;
+  size_t nbytes;
+};
+std::mutex in_use_mutex;
+std::unordered_map<void*, InUse>& in_use() {
+  static auto* m = new std::unordered_map<void*, InUse>();  // never destroyed: blocks may die at exit
+  return *m;
+}
+std::atomic<c10::DeleterFnPtr> previous_raw_deleter{nullptr};
+
+void give_back(void* ptr) {
+  InUse b;
+  {
+    std::lock_guard<std::mutex> lock(in_use_mutex);
+    auto it = in_use().find(ptr);
+    if (it == in_use().end()) {
+      // Raw-allocated by the replaced allocator and freed through ours.
+      c10::DeleterFnPtr d = previous_raw_deleter.load();
+      TORCH_INTERNAL_ASSERT(d != nullptr, "CallPool: freeing a block the replaced CPU allocator cannot free raw");
+      d(ptr);
+      return;
+    }
+    b = std::move(it->second);
+    in_use().erase(it);
+  }
+  c10::reportMemoryUsageToProfiler(ptr, -static_cast<int64_t>(b.nbytes), 0, 0, c10::Device(c10::kCPU));
+  {
+    std::lock_guard<std::mutex> lock(b.pool->mutex);
+    CallPool::State& s = *b.pool;
+    if (s.cached + static_cast<int64_t>(b.nbytes) <= s.cap) {
+      s.free[b.nbytes].push_back(ptr);
+      s.cached += static_cast<int64_t>(b.nbytes);
+      return;
+    }
+  }
+  c10::free_cpu(ptr);
+}
+
+c10::DataPtr pooled(CallPool::Scope::Frame& f, size_t nbytes) {
+  CallPool::State& s = *f.state;
+  void* ptr = nullptr;
+  f.taken += static_cast<int64_t>(nbytes);
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    // The cap grows during the first call, so that call's freed intermediates are kept already.
+    s.cap = std::max(s.cap, f.taken);
+    auto it = s.free.find(nbytes);
+    if (it != s.free.end() && !it->second.empty()) {
+      ptr = it->second.back();
+      it->second.pop_back();
+      s.cached -= static_cast<int64_t>(nbytes);
+      ++s.reused;
+    } else {
+      ++s.fresh;
+    }
+  }
+  if (ptr == nullptr) ptr = c10::alloc_cpu(nbytes);
+  {
+    std::lock_guard<std::mutex> lock(in_use_mutex);
+    in_use()[ptr] = InUse{f.state, nbytes};
+  }
+  c10::reportMemoryUsageToProfiler(ptr, static_cast<int64_t>(nbytes), 0, 0, c10::Device(c10::kCPU));
+  return {ptr, ptr, &give_back, c10::Device(c10::kCPU)};
+}
+
+// c10's CPU allocator while any Scope is alive: a thread inside a Scope allocates from its pool,
+// every other thread (and every empty request) from the allocator it replaced.
+class Forwarding final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    CallPool::Scope::Frame* f = current_frame;
+    if (f == nullptr || nbytes == 0) return previous.load()->allocate(nbytes);
+    return pooled(*f, nbytes);
+  }
+  // Frees pooled blocks and, forwarded, the replaced allocator's raw allocations.
+  c10::DeleterFnPtr raw_deleter() const override { return &give_back; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+  // Set before the first install and never cleared: storages made here may resize after the scope.
+  std::atomic<c10::Allocator*> previous{nullptr};
+};
+
+Forwarding& forwarding() {
+  static Forwarding* f = new Forwarding();  // never destroyed: storages keep a pointer to it
+  return *f;
+}
+
+std::mutex install_mutex;
+int live_scopes = 0;
+
+}  // namespace
+
+CallPool::CallPool() : state_(std::make_shared<State>()) {}
+
+CallPool::~CallPool() { release(); }
+
+void CallPool::release() {
+  std::vector<void*> blocks;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    for (auto& [size, ptrs] : state_->free) blocks.insert(blocks.end(), ptrs.begin(), ptrs.end());
+    state_->free.clear();
+    state_->cached = 0;
+    state_->cap = 0;  // blocks in use now are freed when they die, not cached
+  }
+  for (void* p : blocks) c10::free_cpu(p);
+}
+
+int64_t CallPool::cached_bytes() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->cached;
+}
+
+int64_t CallPool::reused_blocks() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->reused;
+}
+
+int64_t CallPool::fresh_blocks() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->fresh;
+}
+
+CallPool::Scope::Scope(CallPool& pool) : frame_(std::make_unique<Frame>()) {
+  Forwarding& fwd = forwarding();
+  {
+    std::lock_guard<std::mutex> lock(install_mutex);
+    if (live_scopes++ == 0) {
+      c10::Allocator* current = c10::GetCPUAllocator();
+      if (current != &fwd) {
+        fwd.previous.store(current);
+        previous_raw_deleter.store(current->raw_deleter());
+        c10::SetCPUAllocator(&fwd, /*priority=*/0);  // no effect under a higher-priority allocator
+      }
+    }
+    installed_ = c10::GetCPUAllocator() == &fwd;
+  }
+  frame_->state = pool.state_;
+  frame_->outer = current_frame;
+  current_frame = frame_.get();
+}
+
+CallPool::Scope::~Scope() {
+  current_frame = frame_->outer;
+  std::lock_guard<std::mutex> lock(install_mutex);
+  Forwarding& fwd = forwarding();
+  if (--live_scopes == 0 && c10::GetCPUAllocator() == &fwd) c10::SetCPUAllocator(fwd.previous.load(), 0);
+}
+
+}  // namespace torch_ext::runtime
