@@ -2033,7 +2033,6 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
     identical = 0
     # The sweep demanded above and refuses mutations while it runs: the current outputs are the cached ones,
     # read from the engine (rg.demand() would repeat the per-call hook and attribute checks per site).
-    user_outputs = rg._single_output if rg._single_output is not None else None
     for node, members in groups.items():
         if len(members) > 1:
             rg._check_batchable(node)
@@ -2053,9 +2052,7 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         kept = []
         for i, (s, v) in enumerate(zip(members, vals)):
             if same[i]:
-                outs = eng.demand()
-                metrics[s], w = _measure(rg, metric, outs[user_outputs] if user_outputs is not None else rg._user(outs),
-                                         s)
+                metrics[s], w = _measure(rg, metric, rg._user(eng.demand()), s)  # _user: single-output fast path
                 if w:
                     _raise_metric_wrote(rg, s)
                 identical += 1

@@ -1,5 +1,7 @@
 #include "runtime/call_pool.h"
 
+#include "runtime/block_cache.h"
+
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
@@ -14,14 +16,7 @@
 
 namespace torch_ext::runtime {
 
-struct CallPool::State {
-  mutable std::mutex mutex;
-  std::map<size_t, std::vector<void*>> free;  // block size -> cached blocks
-  int64_t cached = 0;                          // bytes in `free`
-  int64_t cap = 0;                             // most bytes one scope took
-  int64_t reused = 0;
-  int64_t fresh = 0;
-};
+struct CallPool::State : BlockCache {};
 
 struct CallPool::Scope::Frame {
   std::shared_ptr<CallPool::State> state;
@@ -63,36 +58,14 @@ void give_back(void* ptr) {
     in_use().erase(it);
   }
   c10::reportMemoryUsageToProfiler(ptr, -static_cast<int64_t>(b.nbytes), 0, 0, c10::Device(c10::kCPU));
-  {
-    std::lock_guard<std::mutex> lock(b.pool->mutex);
-    CallPool::State& s = *b.pool;
-    if (s.cached + static_cast<int64_t>(b.nbytes) <= s.cap) {
-      s.free[b.nbytes].push_back(ptr);
-      s.cached += static_cast<int64_t>(b.nbytes);
-      return;
-    }
-  }
-  c10::free_cpu(ptr);
+  b.pool->give_back(ptr, b.nbytes);
 }
 
 c10::DataPtr pooled(CallPool::Scope::Frame& f, size_t nbytes) {
-  CallPool::State& s = *f.state;
-  void* ptr = nullptr;
   f.taken += static_cast<int64_t>(nbytes);
-  {
-    std::lock_guard<std::mutex> lock(s.mutex);
-    // The cap grows during the first call, so that call's freed intermediates are kept already.
-    s.cap = std::max(s.cap, f.taken);
-    auto it = s.free.find(nbytes);
-    if (it != s.free.end() && !it->second.empty()) {
-      ptr = it->second.back();
-      it->second.pop_back();
-      s.cached -= static_cast<int64_t>(nbytes);
-      ++s.reused;
-    } else {
-      ++s.fresh;
-    }
-  }
+  // The cap grows during the first call, so that call's freed intermediates are kept already.
+  f.state->raise_cap(f.taken);
+  void* ptr = f.state->take(nbytes);
   if (ptr == nullptr) ptr = c10::alloc_cpu(nbytes);
   {
     std::lock_guard<std::mutex> lock(in_use_mutex);
@@ -134,32 +107,13 @@ CallPool::CallPool() : state_(std::make_shared<State>()) {}
 
 CallPool::~CallPool() { release(); }
 
-void CallPool::release() {
-  std::vector<void*> blocks;
-  {
-    std::lock_guard<std::mutex> lock(state_->mutex);
-    for (auto& [size, ptrs] : state_->free) blocks.insert(blocks.end(), ptrs.begin(), ptrs.end());
-    state_->free.clear();
-    state_->cached = 0;
-    state_->cap = 0;  // blocks in use now are freed when they die, not cached
-  }
-  for (void* p : blocks) c10::free_cpu(p);
-}
+void CallPool::release() { state_->release(); }
 
-int64_t CallPool::cached_bytes() const {
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  return state_->cached;
-}
+int64_t CallPool::cached_bytes() const { return state_->cached_bytes(); }
 
-int64_t CallPool::reused_blocks() const {
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  return state_->reused;
-}
+int64_t CallPool::reused_blocks() const { return state_->reused_blocks(); }
 
-int64_t CallPool::fresh_blocks() const {
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  return state_->fresh;
-}
+int64_t CallPool::fresh_blocks() const { return state_->fresh_blocks(); }
 
 CallPool::Scope::Scope(CallPool& pool) : frame_(std::make_unique<Frame>()) {
   Forwarding& fwd = forwarding();
