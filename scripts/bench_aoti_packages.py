@@ -6,7 +6,7 @@ load_step's call pool. Run it under the heavy lock:
 
     flock /tmp/torch_ext_heavy.lock python3 scripts/bench_aoti_packages.py --case resnet18 a.pt2 b.pt2
 """
-import argparse, copy, os, resource, sys, time, statistics
+import argparse, os, resource, sys, time, statistics
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 ap = argparse.ArgumentParser(); ap.add_argument("--case", default="gpt2"); ap.add_argument("pkgs", nargs="+")
 ap.add_argument("--iters", type=int, default=5); ap.add_argument("--rounds", type=int, default=5)
@@ -14,14 +14,9 @@ ap.add_argument("--nopool", action="store_true", help="also run each package wit
 ap.add_argument("--only-nopool", action="store_true")
 args = ap.parse_args()
 import torch, torch_ext
-from bench_step import CASES
+from bench_step import eager_and_pure_step
 torch.set_num_threads(1)
-name, model, loss_fn, batch, _ = CASES[args.case]()
-em = copy.deepcopy(model); opt = torch.optim.AdamW(em.parameters(), lr=1e-3)
-def eager():
-    opt.zero_grad(); l = loss_fn(em, *batch); l.backward(); opt.step()
-pm = copy.deepcopy(model)
-step = torch_ext.make_train_step(pm, torch.optim.AdamW(pm.parameters(), lr=1e-3), loss_fn, batch)
+name, eager, step, batch = eager_and_pure_step(args.case)
 runs = {"eager": eager}
 def mk(pkg, pooled):
     box = {"s": step.init_state(seed=0)}

@@ -101,6 +101,23 @@ def resnet18_case():
 CASES = {"mlp": mlp_case, "transformer": transformer_case, "gpt2": gpt2_case, "resnet18": resnet18_case}
 
 
+def eager_and_pure_step(case_name: str):
+    """(case name, eager AdamW step closure, pure TrainStep, batch) for CASES[case_name], each side on its
+    own copy of the model (the setup the AOTInductor profiling and package A/B scripts share)."""
+    name, model, loss_fn, batch, _ = CASES[case_name]()
+    em = copy.deepcopy(model)
+    opt = torch.optim.AdamW(em.parameters(), lr=1e-3)
+
+    def eager():
+        opt.zero_grad()
+        loss_fn(em, *batch).backward()
+        opt.step()
+
+    pm = copy.deepcopy(model)
+    step = torch_ext.make_train_step(pm, torch.optim.AdamW(pm.parameters(), lr=1e-3), loss_fn, batch)
+    return name, eager, step, batch
+
+
 def time_loop(fn, iters):
     t0 = time.perf_counter()
     for _ in range(iters):

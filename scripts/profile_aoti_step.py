@@ -12,7 +12,6 @@ load_step's call pool, which reuses its blocks across calls).
 """
 import argparse
 import atexit
-import copy
 import fcntl
 import os
 import resource
@@ -25,18 +24,13 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="prof_aoti_")  #
 atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch, torch_ext
-from bench_step import CASES
+from bench_step import eager_and_pure_step
 ap = argparse.ArgumentParser(); ap.add_argument("--case", default="gpt2"); ap.add_argument("--threads", type=int, default=1)
 ap.add_argument("--steps", type=int, default=4)
 ap.add_argument("--lock", help="flock this file around the timed part")
 args = ap.parse_args()
 torch.set_num_threads(args.threads)
-name, model, loss_fn, batch, _ = CASES[args.case]()
-em = copy.deepcopy(model); opt = torch.optim.AdamW(em.parameters(), lr=1e-3)
-def eager():
-    opt.zero_grad(); l = loss_fn(em, *batch); l.backward(); opt.step()
-pm = copy.deepcopy(model)
-step = torch_ext.make_train_step(pm, torch.optim.AdamW(pm.parameters(), lr=1e-3), loss_fn, batch)
+name, eager, step, batch = eager_and_pure_step(args.case)
 real = torch._inductor.aoti_compile_and_package
 def with_profile(program, package_path=None, inductor_configs=None):
     return real(program, package_path=package_path, inductor_configs={**(inductor_configs or {}), "cpp.enable_kernel_profile": True})
