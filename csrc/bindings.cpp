@@ -614,6 +614,8 @@ PYBIND11_MODULE(_C, m) {
       .def("begin_batch", &reactive::Engine::begin_batch)
       .def("end_batch", &reactive::Engine::end_batch)
       .def("num_pending", &reactive::Engine::num_pending)
+      .def("input_edits", &reactive::Engine::input_edits)
+      .def("set_inputs_frozen", &reactive::Engine::set_inputs_frozen)
       .def("graph_revision", &reactive::Engine::graph_revision)
       .def("cone", &reactive::Engine::cone, py::arg("node"), py::arg("stop_at_pins") = false)
       .def("cone_cost", &reactive::Engine::cone_cost)

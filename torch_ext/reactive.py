@@ -1026,7 +1026,10 @@ class ReactiveGraph:
         # The objects themselves, held by the cone and compared by identity: an id() alone comes back
         # once its object is freed (a restored patch's value, the inputs of an earlier run), and a new
         # object at the same address would pass for the one the cone was built from.
-        state = (eng, eng.graph_revision(), _Held(self._last_inputs), pinned, tuple(eng.value(p) for p in pinned))
+        # input_edits: a weight written in place since (taken by the engine as an edit) makes the cone's
+        # copies of clean values stale.
+        state = (eng, eng.graph_revision(), _Held(self._last_inputs), pinned, tuple(eng.value(p) for p in pinned),
+                 eng.input_edits())
         bc = self._batched.get((node, k))
         if bc is not None and _same_state(bc.state, state):
             self._batched.move_to_end((node, k))
@@ -1941,11 +1944,17 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
         raise TypeError(f"sweep(skip_identical=...) must be a bool, got {type(skip_identical).__name__}")
     if reads is not None and rg._last_inputs is not None:
         metric = _ReadCheck(rg, metric, reads)  # the same inputs on every path; reading outside them is refused
+    # The model written in place before the sweep is an edit the engine takes now (num_dirty reads, so it
+    # settles); during it, a patch function or metric writing into the model is refused (engine.h, I15).
+    eng = rg._engine
+    eng.num_dirty()
     rg._sweeping = True
+    eng.set_inputs_frozen(True)
     try:
         return _sweep(rg, site_list, patch, metric, progress, batch_sites, distributed, rows, skip_identical)
     finally:
         rg._sweeping = False
+        eng.set_inputs_frozen(False)
 
 
 def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, batch_sites: bool,

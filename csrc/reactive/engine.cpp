@@ -149,6 +149,7 @@ int64_t Engine::add_state(ir::Node* node) {
   const auto id = static_cast<int64_t>(states_.size()) - 1;
   ids_[node] = id;
   if (states_.back().countable) ++num_countable_;
+  if (node->kind() == ir::NodeKind::Placeholder) input_ids_.push_back(id);
   return id;
 }
 
@@ -289,6 +290,7 @@ Engine::PatchPlan& Engine::plan_for(int64_t id) {
 
 std::vector<c10::IValue> Engine::evaluate_patched(const std::string& name, c10::IValue value) {
   const int64_t id = id_of(name);
+  take_written_inputs("evaluate_patched");  // the caller's patch function ran since the last read
   settle();
   TORCH_CHECK(has_run_, "evaluate_patched %", name, ": call run() first");
   TORCH_CHECK(dirty_.empty(), "evaluate_patched %", name, ": ", dirty_.size(),
@@ -374,7 +376,9 @@ void Engine::begin_transaction() {
 
 void Engine::rollback() {
   TORCH_CHECK(txn_, "rollback: no transaction is open");
-  settle();  // a batch inside the transaction: its marks are journaled, then undone
+  // A batch inside the transaction: its marks are journaled, then undone. An input written in place
+  // meanwhile is not refused here (rollback runs on the error path too): the next read takes it (I15).
+  settle_pending();
   Transaction t = std::move(*txn_);
   txn_.reset();
   std::vector<int64_t> written;  // entries whose saved value was written in place meanwhile (I8)

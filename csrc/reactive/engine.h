@@ -56,6 +56,17 @@
 //   I14 pending  mutations awaiting invalidation (pending_) exist only inside
 //                a batch; every read settles them first, so every check above
 //                is of the settled state.
+//   I15 inputs   every placeholder's value (a parameter, buffer, graft
+//                constant or user input), and the baseline of a patched one,
+//                has the version counter recorded for it (versions_, the
+//                overlay). An input written in place (model.W.mul_(2), a
+//                weight edit) is an edit of that input: every read takes it
+//                first, in a new revision, invalidating its strict cone and
+//                retiring D(input)'s cached values and baselines, as a graft
+//                does. Inside a transaction or a sweep (set_inputs_frozen)
+//                such a write is refused instead (a patch function or metric
+//                wrote into the model); the edit is taken at the first read
+//                after rollback(), or after the sweep.
 //
 // Mutations (mutations.cpp). Every mutation is an input edit in a new
 // revision (Salsa): patch, restore, restore(node) and graft validate, apply
@@ -178,6 +189,12 @@ class Engine {
   void end_batch();
   bool in_batch() const { return batch_depth_ > 0; }
   int64_t num_pending() const { return static_cast<int64_t>(pending_.size()); }  // mutations not yet settled
+  // How many in-place writes to inputs (parameters, buffers, user inputs) the engine has taken as edits
+  // (I15): a copy of cached values made before (a batched cone's) is stale when this moved.
+  int64_t input_edits() const { return input_edits_; }
+  // While frozen (a sweep runs: its patch functions and metrics must not edit the model), an input
+  // written in place is refused at the next read instead of taken as an edit (I15).
+  void set_inputs_frozen(bool frozen) { inputs_frozen_ = frozen; }
 
   // A sweep transaction: patch -> demand -> read -> rollback. rollback() puts
   // back exactly the state at begin_transaction() (values, revisions,
@@ -290,8 +307,14 @@ class Engine {
   };
   // Records `m`; outside a batch, settles it at once.
   void apply(Mutation m);
-  // Runs every pending mutation's invalidation, in order (also rekeys the dirty set after grafts).
+  // Takes inputs written in place as edits (I15), then settles every pending mutation.
   void settle();
+  // Runs every pending mutation's invalidation, in order (also rekeys the dirty set after grafts).
+  void settle_pending();
+  // I15: a placeholder (or a patched one's baseline) whose version moved since it was stored becomes a
+  // pending edit of that input; inside a transaction, while inputs are frozen, or when `refusing` names
+  // a sweep fast path (whose caller's callbacks ran since the last read), it is refused.
+  void take_written_inputs(const char* refusing = nullptr);
   void invalidate(const Mutation& m);
   // A cached value found written in place: recomputed, never revived by restore() (I8, I11).
   void retire_written(int64_t id);
@@ -360,6 +383,9 @@ class Engine {
   std::vector<NodeState> states_;  // by stable id (creation order)
   runtime::ValueSlots values_;     // by stable id
   std::vector<int64_t> versions_;  // by stable id: tensor version counter when stored, -1 if untracked
+  std::vector<int64_t> input_ids_;  // placeholders (graft constants included), by stable id
+  int64_t input_edits_ = 0;         // inputs written in place and taken as edits (I15)
+  bool inputs_frozen_ = false;      // set_inputs_frozen
   std::optional<Transaction> txn_;
   std::vector<Mutation> pending_;  // I14: only inside a batch
   bool rekey_pending_ = false;     // a graft shifted topological indices: rekey dirty_ when settling

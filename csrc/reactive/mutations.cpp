@@ -95,6 +95,42 @@ void Engine::apply(Mutation m) {
 }
 
 void Engine::settle() {
+  take_written_inputs();
+  settle_pending();
+}
+
+void Engine::take_written_inputs(const char* refusing) {
+  if (!has_run_) return;
+  for (int64_t id : input_ids_) {
+    NodeState& st = states_[id];
+    // A pinned input holds the patch (check_intact guards it); the input itself is its overlay baseline.
+    auto base = st.pinned ? overlay_.find(id) : overlay_.end();
+    if (st.pinned && base == overlay_.end()) continue;
+    const int64_t recorded = st.pinned ? base->second.version : versions_[id];
+    if (recorded < 0) continue;
+    const int64_t now = version_of(st.pinned ? base->second.value : values_[id]);
+    if (now == recorded) continue;
+    TORCH_CHECK(!txn_ && !inputs_frozen_ && refusing == nullptr, refusing ? refusing : "sweep", ": input %", st.node->name(),
+                " of the graph (a parameter, buffer or input) was written in place during a sweep (tensor version ",
+                now, ", stored at version ", recorded, "): a patch function or metric wrote into the model, and ",
+                "every later site would see it. Write into a copy instead (e.g. x = x.clone() first). Outside a ",
+                "sweep, the next demand() takes such a write as an edit of that input");
+    Mutation m;
+    m.under_patch = !pinned_.empty();
+    m.rewired = {id};  // every cached value of D(input), and its baseline, was computed from the old contents
+    if (st.pinned) {
+      base->second.version = now;  // restore() puts the edited input back; D(input) is then recomputed
+    } else {
+      versions_[id] = now;
+      st.changed_at = st.verified_at = ++revision_;
+      m.changed = {id};
+    }
+    ++input_edits_;
+    pending_.push_back(std::move(m));
+  }
+}
+
+void Engine::settle_pending() {
   if (pending_.empty() && !rekey_pending_) return;
   if (rekey_pending_) rekey_dirty();  // grafts shifted topological indices: once per batch
   rekey_pending_ = false;

@@ -808,3 +808,80 @@ TEST(Reactive, DemandChecksInputsBeforeCutoffSkipsANode) {
   EXPECT_EQ(e.stats().evaluations - before, 4);  // n3..n6
   e.check_invariants();
 }
+
+// I15: a weight written in place (model.W.mul_(2), a weight edit) is an edit of that input. Before, the
+// outputs computed from the old weight stayed valid and demand() returned them silently.
+TEST(Reactive, AnInputWrittenInPlaceIsAnEditOfThatInput) {
+  auto g = ir::parse(R"(graph:
+  %x : f32[4] = input()
+  %w : f32[4] = param("w")
+  %a : f32[4] = aten::sin.default(%x)
+  %b : f32[4] = aten::mul.Tensor(%a, %w)
+  %c : f32[4] = aten::cos.default(%b)
+  %d : f32[4] = aten::exp.default(%a)
+  return (%c, %d)
+)");
+  const at::Tensor x = at::rand({4});
+  const at::Tensor w = at::rand({4});
+  const auto full = [&] {
+    reactive::Engine fresh(*g);
+    fresh.run({x.clone(), w.clone()});
+    return fresh.demand();
+  };
+  reactive::Engine e(*g);
+  e.run({x, w});
+  e.reset_stats();
+
+  w.mul_(2);  // the user's tensor, held by the engine: no API call
+  EXPECT_EQ(evals_of_demand(e), 2);  // V+(w) = {b, c}; a and d stand
+  EXPECT_TRUE(at::equal(e.demand()[0].toTensor(), full()[0].toTensor()));
+  EXPECT_EQ(e.input_edits(), 1);
+  EXPECT_EQ(evals_of_demand(e), 0);  // taken once
+
+  // Under a patch: the current values follow the edit, and restore() gives the new baseline, never the
+  // one computed from the old weight.
+  e.patch("a", at::ones({4}));
+  e.demand();
+  w.add_(1);
+  e.demand();
+  e.check_invariants();
+  e.restore();
+  auto after = e.demand();
+  EXPECT_TRUE(at::equal(after[0].toTensor(), full()[0].toTensor()));
+  EXPECT_TRUE(at::equal(after[1].toTensor(), full()[1].toTensor()));
+  e.check_invariants();
+
+  // A patched input's baseline (the user's tensor) written while the patch stands: restore() puts the
+  // edited tensor back and recomputes its cone.
+  e.patch("w", at::zeros({4}));
+  e.demand();
+  w.sub_(0.5);
+  e.demand();
+  e.restore();
+  EXPECT_TRUE(at::equal(e.demand()[0].toTensor(), full()[0].toTensor()));
+  e.check_invariants();
+
+  // Inside a transaction (a sweep's patch function or metric wrote into the model): refused, and the
+  // edit is taken after the rollback.
+  e.begin_transaction();
+  e.patch("a", at::ones({4}));
+  w.mul_(3);
+  std::string msg = error_of([&] { e.demand(); });
+  EXPECT_NE(msg.find("input %w of the graph"), std::string::npos) << msg;
+  e.rollback();
+  EXPECT_TRUE(at::equal(e.demand()[0].toTensor(), full()[0].toTensor()));
+  e.check_invariants();
+
+  // While frozen (a sweep), and on the fast path (its patch function ran since the last read): refused.
+  e.set_inputs_frozen(true);
+  w.add_(1);
+  msg = error_of([&] { e.demand(); });
+  EXPECT_NE(msg.find("sweep: input %w"), std::string::npos) << msg;
+  e.set_inputs_frozen(false);
+  e.demand();
+  w.add_(1);
+  msg = error_of([&] { e.evaluate_patched("a", at::ones({4})); });
+  EXPECT_NE(msg.find("evaluate_patched: input %w"), std::string::npos) << msg;
+  EXPECT_TRUE(at::equal(e.demand()[0].toTensor(), full()[0].toTensor()));
+  e.check_invariants();
+}

@@ -751,3 +751,74 @@ def test_run_on_new_inputs_while_patched_is_refused_not_silently_unpatched():
     rg.restore()
     with torch.no_grad():
         assert torch.equal(rg.run(x2), m(x2))
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("positions", [False, True])
+def test_a_weight_edited_in_place_is_seen_by_demand_value_and_sweeps(resid, batched, positions):
+    """A weight edit (ROME-style ``W.add_(...)``, or a fine-tuning step) after the build: demand(),
+    value() and sweeps (batched cones built before the edit included) answer for the edited model.
+    Before, demand() returned the outputs cached from the old weights, silently."""
+    model, x = resid
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    t0, t1, t2 = _tanh_nodes(rg)
+    sites = [(t1, p) for p in range(5)]
+    torch_ext.sweep(rg, sites, _site_patch, _metric, progress=False, batch_sites=batched, positions=positions)
+    before = rg.stats["evaluations"]
+    with torch.no_grad():
+        model.fc[2].weight.mul_(1.5)
+    assert torch.equal(rg.demand(), model(x))
+    assert rg.stats["evaluations"] - before == len(rg.cone("p_fc_2_weight"))  # exactly the edited weight's cone
+    with torch.no_grad():
+        model.fc[1].bias.add_(0.25)
+    assert torch.equal(rg.value(t1), torch.tanh(model.fc[1](model.fc[0](x).tanh() + x)))
+    result = torch_ext.sweep(rg, sites, _site_patch, _metric, progress=False, batch_sites=batched, positions=positions)
+    for (_, p) in sites:
+        ref = _eager(model, x, {1: lambda o, p=p: _site_patch(o, (None, p))})
+        assert result.metrics[(t1, p)] == pytest.approx(float(ref.sum()), rel=1e-6, abs=1e-5)
+    rg.check_invariants()
+
+
+def test_a_weight_edited_under_a_standing_patch_restores_to_the_new_baseline(resid):
+    model, x = resid
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    t0, t1, t2 = _tanh_nodes(rg)
+    rg.patch(t1, torch.zeros_like(rg.value(t1)))
+    rg.demand()
+    with torch.no_grad():
+        model.fc[0].weight.mul_(-1)  # upstream of the patch: its cone's baselines are stale
+        model.fc[2].bias.add_(1)     # downstream of it
+    assert torch.equal(rg.demand(), _eager(model, x, {1: torch.zeros_like}))
+    rg.restore()
+    assert torch.equal(rg.demand(), model(x))
+    rg.check_invariants()
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("where", ["patch", "metric"])
+def test_a_sweep_callback_writing_into_the_model_is_refused(resid, batched, where):
+    """A patch function or metric that edits a weight would change the model under every later site
+    (and, taken as an edit, mix two models in one table): refused, naming the input."""
+    model, x = resid
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    t0, t1, t2 = _tanh_nodes(rg)
+
+    def edit():
+        with torch.no_grad():
+            model.fc[2].bias.add_(1.0)
+
+    def patch(v, s):
+        if where == "patch":
+            edit()
+        return _site_patch(v, s)
+
+    def metric(out):
+        if where == "metric":
+            edit()
+        return out.sum()
+
+    with pytest.raises(RuntimeError, match=r"input %p_fc_2_bias of the graph .* was written in place during a sweep"):
+        torch_ext.sweep(rg, [(t1, p) for p in range(5)], patch, metric, progress=False, batch_sites=batched)
+    assert rg.patched() == []
+    assert torch.equal(rg.demand(), model(x))  # the write is then an edit like any other
+    rg.check_invariants()
