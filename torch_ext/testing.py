@@ -84,7 +84,10 @@ def _step_parity(model, optimizer, loss_fn, batches, seed, unroll=1):
                 continue
             for slot, value in slots.items():
                 key = optim.state_name("model." + name_of[id(p)], slot)
-                if not isinstance(value, torch.Tensor) or key not in state.opt:
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if key not in state.opt:  # eager keeps a slot the pure step does not: never a pass
+                    worst["state"], worst["worst_entry"] = math.inf, f"optimizer {slot} of {name_of[id(p)]} (missing)"
                     continue
                 ours = state.opt[key]
                 d = _rel(ours.to(value.dtype) if ours.shape == value.shape else ours, value)

@@ -824,6 +824,27 @@ def test_step_parity_compares_the_optimizer_state(monkeypatch, make_opt, slot):
         torch_ext.testing.assert_step_matches_eager(model, make_opt(model.parameters()), loss_fn, batches)
 
 
+def test_step_parity_fails_when_the_pure_state_lacks_an_eager_slot(monkeypatch):
+    # A slot eager keeps that the pure step's state lacks was skipped, so the comparison passed.
+    from torch_ext import optim, train_step
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    batches = [(torch.randn(8, 4), torch.randint(0, 3, (8,))) for _ in range(2)]
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    make_opt = lambda p: torch.optim.Adam(p, lr=0.1)  # noqa: E731
+    call = train_step.TrainStep.__call__
+
+    def dropped(self, state, *batch, **kw):
+        loss, new = call(self, state, *batch, **kw)
+        new.opt.pop(optim.state_name("model.weight", "exp_avg_sq"), None)
+        return loss, new
+
+    monkeypatch.setattr(train_step.TrainStep, "__call__", dropped)
+    with pytest.raises(torch_ext.testing.ParityError, match=r"optimizer exp_avg_sq of weight \(missing\)"):
+        torch_ext.testing.assert_step_matches_eager(model, make_opt(model.parameters()), loss_fn, batches[-1:])
+
+
 # ---------------------------------------------------------------- 5. schedulers
 SCHEDULERS = {
     "lambda": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1.0 / (1 + 0.1 * e)),
