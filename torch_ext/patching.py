@@ -194,7 +194,12 @@ def generic_activation_patch(model, corrupted_tokens: torch.Tensor, clean_cache,
         rows = list(itertools.product(*[range(sizes[a]) for a in columns]))
     if "layer" not in columns:
         raise ValueError(f"the index needs a 'layer' axis to name the hook (got {columns})")
-    layer_at = columns.index("layer")
+    if columns[0] != "layer":
+        # TransformerLens takes the first column as the layer and its patch setters unpack the index in
+        # column order, layer first: another order would patch another site than the one named.
+        raise ValueError(f"the index's first axis must be 'layer', as TransformerLens reads it (got {columns}); "
+                         "reorder the columns (index_df[['layer', ...]])")
+    layer_at = 0
     sites = []
     for row in rows:
         hook = act_name(activation_name, row[layer_at])

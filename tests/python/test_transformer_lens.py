@@ -89,6 +89,28 @@ def test_patching_refuses_training_mode_and_unsupported_options(bridge):
         bridge.eval()
 
 
+def test_an_index_whose_first_axis_is_not_the_layer_is_refused(bridge):
+    # TransformerLens names the hook by the first column and its setters unpack (layer, pos) in column
+    # order; the 'layer' column found by name while a setter read the row as (layer, pos) patched
+    # position <layer> of layer <pos>'s hook, silently.
+    import pandas as pd
+
+    clean, corrupted = _prompts(1)
+    _, clean_cache = bridge.run_with_cache(clean)
+    setter = tl_patching.layer_pos_patch_setter
+    df = pd.DataFrame([(p, layer) for layer in range(2) for p in range(6)], columns=["pos", "layer"])
+    with pytest.raises(ValueError, match=r"first axis must be 'layer'.*\['pos', 'layer'\]"):
+        patching.generic_activation_patch(bridge, corrupted, clean_cache, _metric, setter, "resid_pre", index_df=df)
+    with pytest.raises(ValueError, match=r"first axis must be 'layer'"):
+        patching.generic_activation_patch(bridge, corrupted, clean_cache, _metric, setter, "resid_pre",
+                                          ["pos", "layer"])
+    ours = patching.generic_activation_patch(bridge, corrupted, clean_cache, _metric, setter, "resid_pre",
+                                             index_df=df[["layer", "pos"]])
+    theirs = tl_patching.generic_activation_patch(bridge, corrupted, clean_cache, _metric, setter, "resid_pre",
+                                                  index_df=df[["layer", "pos"]])
+    assert torch.equal(ours, theirs)
+
+
 def test_patching_sees_weights_changed_after_the_first_call(bridge):
     """The graph is exported from a copy of the bridge: a weight written afterwards must rebuild it."""
     clean, corrupted = _prompts(1)
