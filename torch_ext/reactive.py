@@ -1319,7 +1319,16 @@ def _expand_sites(rg: ReactiveGraph, sites) -> list:
         if not found:
             raise ValueError(f"no node matches {sites!r}")
         return found
-    return list(sites)
+    out = list(sites)
+    for site in out:
+        try:
+            hash(site)
+        except TypeError:
+            # A site keys the result table (result.metrics[site]); a slice or a list cannot.
+            raise TypeError(f"site {site!r}: a site must be hashable, as it keys result.metrics; write a slice or "
+                            "a list of positions as a tuple, e.g. (node, (2, 5)), and read it in the patch "
+                            "function") from None
+    return out
 
 
 def _progress(iterable, total, enabled, desc):
