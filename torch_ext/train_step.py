@@ -1007,6 +1007,19 @@ class TrainStep:
             if entries:  # opt.state is a defaultdict: touch it only to store something
                 opt.state[p].update(entries)
 
+    def lr_schedule(self, state: TrainState, calls: int) -> list[list[float]]:
+        """The lr of every param group (the state's ``lr`` order) for each of the next ``calls`` calls
+        from ``state``: what this step feeds its program, for a runner with no Python (the C++
+        runner's ``--lrs``: ``torch.save(step.lr_schedule(state, n), "lrs.pt")``). Without a
+        scheduler, the state's lr every call."""
+        if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
+            raise ValueError(f"lr_schedule: calls must be an int >= 0, got {calls!r}")
+        self._check_state(state)
+        if self._schedule is None:
+            return [[float(t) for t in state.lr] for _ in range(calls)]
+        self._schedule.check_state(state, "lr_schedule")
+        return [list(self._schedule.at(state.sched_epoch + i * self.unroll)) for i in range(calls)]
+
     def to_onnx(self, path: str) -> str:
         """Exports this pure step, the update included, to ONNX (see torch_ext.onnx); a plain
         onnxruntime session then trains with ``torch_ext.onnx.load_onnx_step(path)``."""

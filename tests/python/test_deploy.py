@@ -100,3 +100,39 @@ def test_cpp_runner_refuses_a_scheduled_package_unless_told_the_lr_stays_constan
     run = subprocess.run(args + ["--constant-lr"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(run.stdout.split()) == 2
+
+
+@pytest.mark.skipif(not RUNNER.exists(), reason=f"C++ runner not built at {RUNNER}")
+def test_cpp_runner_follows_a_schedule_given_as_per_call_lrs(tmp_path):
+    # --lrs feeds each call the lr the step's scheduler gives (step.lr_schedule): the runner's losses
+    # are those of the same package loaded in Python with the scheduler, call for call.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    batches = [(torch.randn(3, 4), torch.randint(0, 2, (3,))) for _ in range(4)]
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    step = torch_ext.make_train_step(model, opt, loss_fn, batches[0], scheduler=sched)
+    package = step.to_aoti(str(tmp_path / "step.pt2"))
+    state = step.init_state()
+    lrs = step.lr_schedule(state, len(batches))
+    assert lrs == [[0.5], [0.25], [0.125], [0.0625]]
+    torch.save(state.state_dict(), tmp_path / "state.pt")
+    torch.save([list(b) for b in batches], tmp_path / "batches.pt")
+    torch.save(lrs, tmp_path / "lrs.pt")
+    args = [str(RUNNER), package, str(tmp_path / "state.pt"), str(tmp_path / "batches.pt")]
+    run = subprocess.run(args + ["--lrs", str(tmp_path / "lrs.pt")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    fresh = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=0.5), step_size=1,
+                                            gamma=0.5)
+    loaded = torch_ext.load_step(package, scheduler=fresh)
+    s, want = state, []
+    for b in batches:
+        loss, s = loaded(s, *b)[:2]
+        want.append(float(loss))
+    assert [float(v) for v in run.stdout.split()] == pytest.approx(want, rel=1e-6, abs=0)
+    constant = subprocess.run(args + ["--constant-lr"], capture_output=True, text=True, timeout=300)
+    assert [float(v) for v in constant.stdout.split()] != [float(v) for v in run.stdout.split()]
+    torch.save(lrs[:2], tmp_path / "short.pt")
+    short = subprocess.run(args + ["--lrs", str(tmp_path / "short.pt")], capture_output=True, text=True, timeout=300)
+    assert short.returncode == 2 and "has lrs for 2 calls" in short.stderr, short.stderr

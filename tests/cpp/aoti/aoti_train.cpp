@@ -1,6 +1,6 @@
 // Runs an AOTInductor-compiled torch_ext pure training step with no Python.
 //
-//   aoti_train <step.pt2> <state.pt> <batches.pt> [--constant-lr]
+//   aoti_train <step.pt2> <state.pt> <batches.pt> [--constant-lr | --lrs <lrs.pt>]
 //
 // step.pt2 is a package from step.to_aoti(path): its metadata holds the flat layout, read here
 // (not taken from Python): "torch_ext.inputs" names each program input in order (a state entry,
@@ -13,8 +13,11 @@
 // state.pt is torch.save(state.state_dict()) (the checkpoint format: params/buffers/opt dicts,
 // the lr list, rng, fingerprint); batches.pt is torch.save([[tensor, ...], ...]), one list of
 // batch tensors per call. Each call's new state feeds the next. Prints one loss per line. A package
-// of a step built with scheduler= ("torch_ext.scheduler" is 1) is refused unless --constant-lr says
-// to train every call at the state's lr (the schedule itself is Python, not in the package).
+// of a step built with scheduler= ("torch_ext.scheduler" is 1) takes its lr as an input it does not
+// advance (the schedule itself is Python, not in the package): it is refused unless --lrs gives the
+// lr of every param group for each call (torch.save(step.lr_schedule(state, calls)): a list of lists
+// of floats, in the state's lr order), or --constant-lr says to train every call at the state's lr.
+#include <ATen/ATen.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
@@ -75,8 +78,9 @@ std::map<std::string, at::Tensor> entries_of(const c10::IValue& state) {
 
 int run(int argc, char** argv) {
   const bool constant_lr = argc == 5 && std::string(argv[4]) == "--constant-lr";
-  if (argc != 4 && !constant_lr) {
-    std::fprintf(stderr, "usage: %s <step.pt2> <state.pt> <batches.pt> [--constant-lr]\n", argv[0]);
+  const bool lr_file = argc == 6 && std::string(argv[4]) == "--lrs";
+  if (argc != 4 && !constant_lr && !lr_file) {
+    std::fprintf(stderr, "usage: %s <step.pt2> <state.pt> <batches.pt> [--constant-lr | --lrs <lrs.pt>]\n", argv[0]);
     return 2;
   }
   torch::inductor::AOTIModelPackageLoader loader(argv[1]);
@@ -86,10 +90,11 @@ int run(int argc, char** argv) {
   const std::string fingerprint = meta_at(meta, "torch_ext.fingerprint", argv[1]);
   // A step built with scheduler= takes its lr as an input it does not advance (the scheduler is
   // Python): this runner would train every call at the state's lr, which the step did not do.
-  if (meta_lines_or(meta, "torch_ext.scheduler", {"0"}) != std::vector<std::string>{"0"} && !constant_lr) {
+  if (meta_lines_or(meta, "torch_ext.scheduler", {"0"}) != std::vector<std::string>{"0"} && !constant_lr && !lr_file) {
     std::fprintf(stderr,
-                 "%s was compiled from a step built with scheduler=, whose lr follows the scheduler; this runner "
-                 "keeps the state's lr for every call: pass --constant-lr to accept that\n",
+                 "%s was compiled from a step built with scheduler=, whose lr follows the scheduler; pass "
+                 "--lrs <lrs.pt> (torch.save(step.lr_schedule(state, calls), 'lrs.pt')) to follow it, or "
+                 "--constant-lr to keep the state's lr for every call\n",
                  argv[1]);
     return 2;
   }
@@ -142,7 +147,37 @@ int run(int argc, char** argv) {
   }
   const std::string batch_prefix = "batch:";
   const c10::IValue batches = load(argv[3]);  // kept alive: toListRef() views it
+  // --lrs: per call, the lr of every param group, fed as the state's lr entries (float64 scalars).
+  std::vector<std::vector<double>> lrs;
+  if (lr_file) {
+    size_t groups = 0;
+    while (entries.count("opt:lr:group" + std::to_string(groups))) ++groups;
+    const c10::IValue given = load(argv[5]);
+    TORCH_CHECK(given.isList(), argv[5], ": expected a list (one per call) of lists of floats, got ", given.tagKind());
+    for (const auto& call : given.toListRef()) {
+      TORCH_CHECK(call.isList(), argv[5], ": entry ", lrs.size(), " is a ", call.tagKind(), ", not a list of floats");
+      std::vector<double> values;
+      for (const auto& v : call.toListRef()) {
+        TORCH_CHECK(v.isDouble() || v.isInt(), argv[5], ": entry ", lrs.size(), " holds a ", v.tagKind(), ", not a float");
+        values.push_back(v.toScalar().toDouble());
+      }
+      TORCH_CHECK(values.size() == groups, argv[5], ": entry ", lrs.size(), " has ", values.size(),
+                  " lrs, the state has ", groups, " param groups");
+      lrs.push_back(std::move(values));
+    }
+    const size_t calls = batches.toListRef().size();
+    TORCH_CHECK(lrs.size() >= calls, argv[5], " has lrs for ", lrs.size(), " calls, ", argv[3], " has ", calls,
+                " batches");
+  }
+  size_t call = 0;
   for (const auto& batch_value : batches.toListRef()) {
+    if (lr_file) {
+      for (size_t k = 0; k < lrs[call].size(); ++k) {
+        at::Tensor& lr = entries["opt:lr:group" + std::to_string(k)];
+        lr = at::full({}, lrs[call][k], lr.options());
+      }
+    }
+    ++call;
     std::vector<at::Tensor> batch;
     for (const auto& t : batch_value.toListRef()) batch.push_back(t.toTensor().contiguous());
     std::vector<at::Tensor> flat;
