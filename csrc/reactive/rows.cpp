@@ -12,6 +12,9 @@
 #include "runtime/executor.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <c10/util/Exception.h>
 #include <c10/util/SmallVector.h>
 
@@ -39,15 +42,54 @@ c10::IValue narrow_value(const c10::IValue& v, int64_t dim, int64_t from, int64_
   TORCH_CHECK(false, "token-granular cone: cannot take rows of a ", v.tagKind(), " value");
 }
 
-// The largest |x| of a tensor: NaN when it holds a NaN (amax propagates it), 0 when it is empty.
-double max_abs(const at::Tensor& t) {
-  if (t.numel() == 0 || !at::isFloatingType(t.scalar_type())) return 0.0;
-  return t.abs().amax().item<double>();
-}
-
 // max that keeps a NaN from either side (std::max drops a NaN in its second argument).
 double max_keep_nan(double a, double b) {
   return std::isnan(a) || std::isnan(b) ? std::numeric_limits<double>::quiet_NaN() : std::max(a, b);
+}
+
+// The largest |x| of a tensor: NaN when it holds a NaN (amax and vec::maximum propagate it), 0 when it
+// is empty. Asked for q, k and v of every causal SDPA on the row path (views into a qkv projection's
+// output), so a CPU float tensor whose innermost dim is contiguous is read in place, run by run, with
+// no temporary and no dispatch; other tensors take abs().amax().
+double max_abs(const at::Tensor& t) {
+  if (t.numel() == 0 || !at::isFloatingType(t.scalar_type())) return 0.0;
+  if (t.is_cpu() && !t.is_neg() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble)) {
+    // Dims by stride, outermost first; the innermost ones merge into one contiguous run.
+    c10::SmallVector<std::pair<int64_t, int64_t>, 8> dims;  // (stride, size)
+    for (int64_t d = 0; d < t.dim(); ++d)
+      if (t.size(d) != 1) dims.emplace_back(t.stride(d), t.size(d));
+    std::sort(dims.begin(), dims.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    int64_t run = 1;
+    while (!dims.empty() && dims.back().first == run) {
+      run *= dims.back().second;
+      dims.pop_back();
+    }
+    if (run > 1 || t.numel() == 1) {
+      return AT_DISPATCH_FLOATING_TYPES(t.scalar_type(), "max_abs", [&] {
+        using Vec = at::vec::Vectorized<scalar_t>;
+        const scalar_t* base = t.const_data_ptr<scalar_t>();
+        auto run_max = [&](const scalar_t* p) {
+          return static_cast<double>(at::vec::map_reduce_all<scalar_t>(
+              [](Vec x) { return x.abs(); }, [](Vec a, Vec b) { return at::vec::maximum(a, b); }, p, run));
+        };
+        c10::SmallVector<int64_t, 8> index(dims.size(), 0);
+        double m = 0.0;
+        const scalar_t* p = base;
+        while (true) {
+          m = max_keep_nan(m, run_max(p));
+          int64_t d = static_cast<int64_t>(dims.size()) - 1;  // odometer over the outer dims
+          for (; d >= 0; --d) {
+            p += dims[d].first;
+            if (++index[d] < dims[d].second) break;
+            p -= dims[d].first * dims[d].second;
+            index[d] = 0;
+          }
+          if (d < 0) return m;
+        }
+      });
+    }
+  }
+  return t.abs().amax().item<double>();
 }
 
 double largest_finite(at::ScalarType t) {
