@@ -791,3 +791,76 @@ def test_a_patch_that_only_flips_the_sign_of_a_zero_is_recomputed(cutoff, kw):
         ref = metric(torch.atan(1.0 / patch(torch.relu(x), s)))
         assert got.metrics[s] == ref, s
     rg.check_invariants()
+
+
+def _ragged_setup():
+    """A 2-layer d_model 128 TinyTransformer (its linears large enough that skipping rows beats the gather),
+    its resid_pre nodes, and patches taking row p from a corrupted run (every position differs)."""
+    from torch_ext.models import TinyTransformer
+
+    torch.manual_seed(0)
+    seq = 16
+    model = TinyTransformer(vocab=64, d_model=128, n_heads=4, n_layers=2, seq=seq).eval()
+    clean = torch.randint(0, 64, (2, seq))
+    corrupt = torch.randint(0, 64, (2, seq))
+    rg = torch_ext.ReactiveGraph(model, (corrupt,))
+    resid = ["add", rg.nodes("blocks.0")[-1]]
+    cache = {n: rg.value(n).clone() for n in resid}
+    rg.run(clean)
+
+    def patch(value, site):
+        node, p = site[0], site[1]
+        v = value.clone()
+        v[:, p] = cache[node][:, p]
+        return v
+
+    return rg, resid, patch, seq
+
+
+def test_stacked_sites_start_their_linears_at_their_own_first_row():
+    # Stacked sites of one node at different positions: each copy's linear nodes run only its own rows
+    # [p_k, T) (the cached rows before), every other node rows [min p, T). Copies given out of order and
+    # one identical to the clean value: each must equal its own one-at-a-time evaluation. A copy started
+    # at another copy's row would take cached rows where its patch changed them (or recompute rows it need
+    # not) and differ far beyond 1e-6.
+    rg, resid, patch, seq = _ragged_setup()
+    eng = rg._engine
+    for node in resid:
+        rows = [12, 2, seq, 7]  # seq: the clean value itself
+        values = [patch(eng.value(node), (node, p)) if p < seq else eng.value(node).clone() for p in rows]
+        bc = rg._batched_cone(node, len(rows))
+        assert bc.engine.stacked_copies() == len(rows)
+        before = bc.engine.stats()["cost"]
+        flat = bc.engine.evaluate_patched_rows(node, torch.cat(values), [], [])
+        ragged_cost = bc.engine.stats()["cost"] - before
+        got = bc.split(flat)
+        for k, (p, v) in enumerate(zip(rows, values)):
+            want = eng.evaluate_patched_rows(node, v, [], []) if p < seq else eng.evaluate_patched(node, v)
+            assert _rel(got[k][0], want[0]) <= 1e-6, (node, p, _rel(got[k][0], want[0]))
+        # The same stack with every copy from row 2: the same values, more FLOPs.
+        bc.engine.set_stacked_copies(1)
+        try:
+            before = bc.engine.stats()["cost"]
+            padded = bc.split(bc.engine.evaluate_patched_rows(node, torch.cat(values), [], []))
+            padded_cost = bc.engine.stats()["cost"] - before
+        finally:
+            bc.engine.set_stacked_copies(len(rows))
+        assert ragged_cost < padded_cost, (node, ragged_cost, padded_cost)
+        for k in range(len(rows)):
+            assert _rel(got[k][0], padded[k][0]) <= 1e-6, (node, rows[k])
+    rg.check_invariants()
+
+
+@pytest.mark.parametrize("batch_sites", [True, 4, 16])
+def test_batched_sites_at_mixed_positions_and_layers_equal_one_at_a_time(batch_sites):
+    rg, resid, patch, seq = _ragged_setup()
+    sites = [(n, p) for n in resid for p in (1, 3, 4, 9, 10, 15)]
+    metric = lambda out: out.clone()  # noqa: E731  every logit: the metric reads the rows of every position
+    one = torch_ext.sweep(rg, sites, patch, metric, progress=False)
+    got = torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=batch_sites)
+    assert got.measured_evaluations == got.predicted_evaluations
+    for s in sites:
+        assert _rel(got.metrics[s], one.metrics[s]) <= 1e-6, (s, _rel(got.metrics[s], one.metrics[s]))
+    with pytest.raises(RuntimeError, match="k must be >= 1"):
+        rg._batched_cone(resid[0], 2).engine.set_stacked_copies(0)
+    rg.check_invariants()
