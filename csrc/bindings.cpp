@@ -591,8 +591,6 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("can_evaluate_patched_rows", &reactive::Engine::can_evaluate_patched_rows)
       .def("set_positions", &reactive::Engine::set_positions, py::arg("enabled"), py::arg("seq_dim") = 1)
-      .def("set_stacked_copies", &reactive::Engine::set_stacked_copies, py::arg("k"))
-      .def("stacked_copies", &reactive::Engine::stacked_copies)
       .def("positions", &reactive::Engine::positions)
       .def("seq_axis", &reactive::Engine::seq_axis)
       .def("first_changed_row",

@@ -1107,9 +1107,6 @@ class _BatchedCone:
             return
         self.engine = _C.Engine(graph)
         self.engine.set_positions(rg._positions, rg._seq_dim)
-        # batch_cone proved that every op keeps the K variants apart along dim 0: the row path may then
-        # start each variant's linear nodes at the variant's own first changed row.
-        self.engine.set_stacked_copies(k)
 
         def tiled(v):
             return v.repeat(k, *([1] * (v.dim() - 1)))

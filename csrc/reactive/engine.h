@@ -239,16 +239,6 @@ class Engine {
   std::vector<c10::IValue> evaluate_patched_rows(const std::string& node, c10::IValue value,
                                                  const std::vector<int64_t>& read_rows = {},
                                                  const std::vector<std::vector<int64_t>>& read_cols = {});
-  // The graph holds `k` variants stacked along dim 0, kept apart by every op (a batched cone built by
-  // passes/batch_cone.h, which proves it). evaluate_patched_rows then finds each copy's own first
-  // changed row p_k >= p: copy k's rows [p, p_k) are its cached ones, so linear nodes compute only rows
-  // [p_k, T) of each copy, in one GEMM over the gathered rows (ragged_linear); other nodes run on rows
-  // [p, T) of every copy. 1 (the default): one variant.
-  void set_stacked_copies(int64_t k) {
-    TORCH_CHECK(k >= 1, "set_stacked_copies: k must be >= 1, got ", k);
-    stacked_copies_ = k;
-  }
-  int64_t stacked_copies() const { return stacked_copies_; }
   // The first row along the node's sequence axis where `value` differs from its cached value (T if none).
   int64_t first_changed_row(const std::string& node, const c10::IValue& value);
 
@@ -479,9 +469,6 @@ class Engine {
     std::vector<int64_t> cols;  // special 6 (linear) / 7 (matmul): the only output columns computed
     at::Tensor cols_index;      // cols as a long tensor on the weight's device
     int64_t width = 0;          // the output's last dim when cols is set
-    // linear(x, W[, b]) on rows of x alone (W, b outside the cone): with stacked copies, each copy's
-    // rows before its own first changed row are its cached ones, not recomputed (ragged_linear).
-    bool row_linear = false;
     std::vector<RowInput> inputs;
   };
   struct RowPlan {
@@ -518,15 +505,6 @@ class Engine {
   // Whether a causal SDPA step of the row path could see a score overflow to inf, or a non-finite
   // input: then a full kernel and the row path disagree (see rows.cpp), and the cone runs whole.
   bool attention_may_overflow(const RowStep& step, const NodeState& st, const HeldCone& held);
-  // Each stacked copy's first changed row (>= p), or empty when every copy starts at p or the value is
-  // not dense (then every copy runs from p).
-  std::vector<int64_t> copies_first_rows(int64_t id, const c10::IValue& value, int64_t p, int64_t axis, int64_t T);
-  // linear(x, W[, b]) of a row_linear step on rows [s, e): copy k's rows from max(s, first[k]) in one
-  // GEMM, its rows before that the cached ones. `share`: the fraction of the rows computed.
-  at::Tensor ragged_linear(const ir::Node& node, const RowStep& step, const c10::IValue& cached,
-                           const std::vector<int64_t>& first, int64_t s, int64_t e,
-                           std::map<std::pair<int64_t, int64_t>, at::Tensor>& index, double& share);
-  int64_t stacked_copies_ = 1;
   // Rows [0, p) of `cached`, NaN for rows [p, start), then `suffix` (rows [start, T)); with `cols`,
   // suffix holds only those columns of the last dim (the others NaN).
   at::Tensor assemble_rows(int64_t id, const at::Tensor& cached, const at::Tensor& suffix, int64_t dim, int64_t p,

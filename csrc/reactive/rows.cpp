@@ -21,7 +21,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <map>
 #include <optional>
 #include <limits>
 
@@ -167,19 +166,6 @@ bool row_bytes_differ(const c10::IValue& cached, const c10::IValue& now, int64_t
       axis >= a.dim() || row >= a.size(axis))
     return false;
   const int64_t item = a.element_size();
-  if (a.is_contiguous() && b.is_contiguous()) {  // the row is `outer` runs of `inner` elements: one memcmp each
-    const int64_t T = a.size(axis);
-    int64_t outer = 1;
-    for (int64_t d = 0; d < axis; ++d) outer *= a.size(d);
-    const int64_t inner = a.numel() / (outer * T);
-    const auto* ca = static_cast<const char*>(a.data_ptr());
-    const auto* cb = static_cast<const char*>(b.data_ptr());
-    for (int64_t o = 0; o < outer; ++o) {
-      const int64_t at_row = (o * T + row) * inner * item;
-      if (std::memcmp(ca + at_row, cb + at_row, static_cast<size_t>(inner * item)) != 0) return true;
-    }
-    return false;
-  }
   const auto* pa = static_cast<const char*>(a.data_ptr()) + row * a.stride(axis) * item;
   const auto* pb = static_cast<const char*>(b.data_ptr()) + row * b.stride(axis) * item;
   c10::SmallVector<int64_t, 8> sizes, sa, sb;  // the row's other dims (no heap allocation: asked at every site)
@@ -420,18 +406,6 @@ const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_
     step.special = op == "linear" ? 6 : 7;
     step.cols_index = at::tensor(step.cols, at::TensorOptions().dtype(at::kLong)).to(w->type().tensor.device);
   }
-  for (size_t i = 0; i < plan.order.size(); ++i) {
-    RowStep& step = rp.steps[i];
-    const ir::Node* n = states_[plan.order[i]].node;
-    if (!step.suffix || step.special != 0 || n->target().name != "linear" || !is_floating(n->type()) ||
-        step.inputs.empty() || step.row_axis < 0 || step.row_axis + 1 >= static_cast<int64_t>(n->type().tensor.sizes.size()))
-      continue;
-    bool ok = step.inputs[0].rel == passes::SeqRel::Row && n->args().size() >= 2 &&
-              n->args()[0].kind == ir::Arg::Kind::Node && ids_.at(n->args()[0].node) == step.inputs[0].slot;
-    for (size_t k = 1; k < step.inputs.size(); ++k)
-      ok = ok && step.inputs[k].pos < 0 && step.inputs[k].slot != id && step.inputs[k].slot != step.inputs[0].slot;
-    step.row_linear = ok;
-  }
   rp.narrows = std::any_of(rp.steps.begin(), rp.steps.end(),
                            [](const RowStep& st) { return st.need > 0 || !st.cols.empty(); });
   RowPlan& stored = row_plans_[key] = std::move(rp);
@@ -531,9 +505,6 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
   // same bits.
   const PatchPlan& plan = plan_for(id);
   const auto& out_args = graph_->output()->args()[0].list;
-  // Each stacked copy's own first changed row, by the same byte scan (copies > 1); empty: all start at p.
-  std::vector<int64_t> copy_first;
-  if (stacked_copies_ > 1) copy_first = copies_first_rows(id, value, p, rp.source_axis, rp.source_length);
   // Kept for the whole-cone fallback below (one more reference, no copy).
   const c10::IValue patched = value;
   bool spreads_non_finite = false;
@@ -568,7 +539,6 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
     swapped.clear();
   };
   std::vector<c10::IValue> outs;
-  std::map<std::pair<int64_t, int64_t>, at::Tensor> gathered;  // ragged_linear's row index per (start, rows)
   try {
     for (size_t i = 0; i < plan.order.size(); ++i) {
       const RowStep& step = rp.steps[i];
@@ -647,7 +617,6 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
         break;
       }
       c10::IValue out;
-      double col_share = 1.0;  // the fraction of the rows' FLOPs that ran (a ragged linear's gathered rows)
       try {
         const ir::Node& node = *st.node;
         auto arg_value = [&](size_t k) -> const c10::IValue& { return values_[ids_.at(node.args().at(k).node)]; };
@@ -694,10 +663,6 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
           sizes[step.row_axis] = e - s;
           const at::Tensor& x = arg_value(0).toTensor();
           out = step.special == 5 ? x.expand(sizes) : x.reshape(sizes);
-        } else if (step.suffix && step.row_linear && !copy_first.empty()) {
-          double share = 1.0;
-          out = ragged_linear(node, step, held.cached(i), copy_first, s, e, gathered, share);
-          col_share = share;
         } else {
           out = st.kernel->invoke(values_, stack_);
         }
@@ -708,8 +673,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
       values_[n] = std::move(out);
       end[i] = e;  // e < T: a local node, its cached rows [e, T) joined on when read (complete)
       const double frac = step.suffix ? static_cast<double>(e - s) / static_cast<double>(T) : 1.0;
-      const double col_frac =
-          (step.cols.empty() ? 1.0 : static_cast<double>(step.cols.size()) / static_cast<double>(step.width)) * col_share;
+      const double col_frac = step.cols.empty() ? 1.0 : static_cast<double>(step.cols.size()) / static_cast<double>(step.width);
       count_evaluation(st, frac, col_frac);
       for (int64_t r : plan.steps[i].release) values_[r] = c10::IValue();  // last use: free, as the executor does
     }
@@ -789,77 +753,6 @@ bool Engine::attention_may_overflow(const RowStep& step, const NodeState& st, co
   const double scores = head_dim * largest(0) * largest(1) * std::max(1.0, std::abs(scale));
   const double values = largest(2);
   return !(scores < limit) || !(values < limit);  // false for NaN too
-}
-
-}  // namespace torch_ext::reactive
-
-namespace torch_ext::reactive {
-
-std::vector<int64_t> Engine::copies_first_rows(int64_t id, const c10::IValue& value, int64_t p, int64_t axis,
-                                               int64_t T) {
-  const int64_t k = stacked_copies_;
-  if (!value.isTensor() || !values_[id].isTensor() || axis <= 0) return {};
-  const at::Tensor& now = value.toTensor();
-  const at::Tensor& cached = values_[id].toTensor();
-  if (now.dim() == 0 || now.size(0) % k != 0 || cached.sizes() != now.sizes()) return {};
-  const int64_t b = now.size(0) / k;
-  std::vector<int64_t> first(k, p);
-  bool later = false;
-  for (int64_t c = 0; c < k; ++c) {
-    const auto rows = changed_rows_dense(cached.narrow(0, c * b, b), now.narrow(0, c * b, b), axis, T);
-    if (!rows) return {};
-    first[c] = std::max(rows->first, p);
-    later = later || first[c] > p;
-  }
-  if (!later) return {};
-  return first;
-}
-
-at::Tensor Engine::ragged_linear(const ir::Node& node, const RowStep& step, const c10::IValue& cached,
-                                 const std::vector<int64_t>& first, int64_t s, int64_t e,
-                                 std::map<std::pair<int64_t, int64_t>, at::Tensor>& index, double& share) {
-  auto arg = [&](size_t i) -> const c10::IValue& { return values_[ids_.at(node.args()[i].node)]; };
-  const at::Tensor& x = arg(0).toTensor();
-  const at::Tensor& w = arg(1).toTensor();
-  std::optional<at::Tensor> bias;
-  if (node.args().size() > 2 && node.args()[2].kind == ir::Arg::Kind::Node) bias = arg(2).toTensor();
-  const int64_t k = static_cast<int64_t>(first.size());
-  const int64_t axis = step.row_axis;
-  const int64_t n = e - s;
-  const at::Tensor& c = cached.toTensor();
-  // Rows are dims [0, axis] (copies, batch, ..., row); x's last dim is the features (axis < dim - 1).
-  const bool fits = x.dim() == axis + 2 && x.size(axis) == n && x.size(0) % k == 0 && c.dim() == x.dim() &&
-                    c.size(0) == x.size(0) && c.size(axis) == step.length;
-  if (!fits) {
-    share = 1.0;
-    return at::linear(x, w, bias);
-  }
-  // Flat row r of x viewed as [copies, rest, n, features]: copy r / (rest * n), row s + r % n.
-  at::Tensor& idx = index[{s, n}];
-  const int64_t rest = x.numel() / (x.size(-1) * n * k);  // rows of one copy at one position
-  if (!idx.defined()) {
-    std::vector<int64_t> rows;
-    for (int64_t cp = 0; cp < k; ++cp) {
-      const int64_t from = std::clamp(first[cp] - s, int64_t{0}, n);
-      for (int64_t r = 0; r < rest; ++r)
-        for (int64_t j = from; j < n; ++j) rows.push_back((cp * rest + r) * n + j);
-    }
-    idx = at::tensor(rows, at::TensorOptions().dtype(at::kLong)).to(x.device());
-  }
-  share = static_cast<double>(idx.numel()) / static_cast<double>(k * rest * n);
-  // The gather and the scatter cost about 12 us (three ops) on one core, ~1.5 MFLOP of GEMM: skip rows
-  // only where that many FLOPs are saved.
-  constexpr double kGatherFlops = 1.5e6;
-  const double saved = static_cast<double>(k * rest * n - idx.numel()) * 2.0 * static_cast<double>(w.numel());
-  if (saved < kGatherFlops) {
-    share = 1.0;
-    return at::linear(x, w, bias);
-  }
-  at::Tensor out = c.narrow(axis, s, n).clone(at::MemoryFormat::Contiguous);  // the cached rows, then the new ones
-  if (idx.numel() == 0) return out;
-  const at::Tensor rows = x.reshape({-1, x.size(-1)}).index_select(0, idx);
-  out.view({-1, out.size(-1)}).index_copy_(0, idx, at::linear(rows, w, bias));
-  return out;
 }
 
 }  // namespace torch_ext::reactive
