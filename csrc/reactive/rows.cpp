@@ -166,6 +166,19 @@ bool row_bytes_differ(const c10::IValue& cached, const c10::IValue& now, int64_t
       axis >= a.dim() || row >= a.size(axis))
     return false;
   const int64_t item = a.element_size();
+  if (a.is_contiguous() && b.is_contiguous()) {  // the row is `outer` runs of `inner` elements: one memcmp each
+    const int64_t T = a.size(axis);
+    int64_t outer = 1;
+    for (int64_t d = 0; d < axis; ++d) outer *= a.size(d);
+    const int64_t inner = a.numel() / (outer * T);
+    const auto* ca = static_cast<const char*>(a.data_ptr());
+    const auto* cb = static_cast<const char*>(b.data_ptr());
+    for (int64_t o = 0; o < outer; ++o) {
+      const int64_t at_row = (o * T + row) * inner * item;
+      if (std::memcmp(ca + at_row, cb + at_row, static_cast<size_t>(inner * item)) != 0) return true;
+    }
+    return false;
+  }
   const auto* pa = static_cast<const char*>(a.data_ptr()) + row * a.stride(axis) * item;
   const auto* pb = static_cast<const char*>(b.data_ptr()) + row * b.stride(axis) * item;
   c10::SmallVector<int64_t, 8> sizes, sa, sb;  // the row's other dims (no heap allocation: asked at every site)
