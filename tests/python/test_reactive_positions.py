@@ -817,6 +817,7 @@ def _spread_setup():
     return rg, resid, patch, seq
 
 
+@pytest.mark.internals
 def test_a_stack_of_sites_runs_from_its_earliest_first_row():
     # Stacked copies given out of row order, one identical to the clean value: the stack must run from the
     # earliest changed row of any copy (2, the second copy's), and each copy must equal its own
