@@ -13,8 +13,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <c10/util/Exception.h>
 #include <c10/util/SmallVector.h>
 
@@ -47,7 +45,7 @@ double max_keep_nan(double a, double b) {
   return std::isnan(a) || std::isnan(b) ? std::numeric_limits<double>::quiet_NaN() : std::max(a, b);
 }
 
-// The largest |x| of a tensor: NaN when it holds a NaN (amax and vec::maximum propagate it), 0 when it
+// The largest |x| of a tensor: NaN when it holds a NaN (amax propagates it; the loop sees x != x), 0 when it
 // is empty. Asked for q, k and v of every causal SDPA on the row path (views into a qkv projection's
 // output), so a CPU float tensor whose innermost dim is contiguous is read in place, run by run, with
 // no temporary and no dispatch; other tensors take abs().amax().
@@ -66,17 +64,27 @@ double max_abs(const at::Tensor& t) {
     }
     if (run > 1 || t.numel() == 1) {
       return AT_DISPATCH_FLOATING_TYPES(t.scalar_type(), "max_abs", [&] {
-        using Vec = at::vec::Vectorized<scalar_t>;
-        const scalar_t* base = t.const_data_ptr<scalar_t>();
-        auto run_max = [&](const scalar_t* p) {
-          return static_cast<double>(at::vec::map_reduce_all<scalar_t>(
-              [](Vec x) { return x.abs(); }, [](Vec a, Vec b) { return at::vec::maximum(a, b); }, p, run));
+        // Four independent maxima per run (a plain loop the compiler vectorises); a NaN is seen by x != x.
+        auto run_max = [&](const scalar_t* p, scalar_t* m, bool& nan) {
+          int64_t i = 0;
+          for (; i + 4 <= run; i += 4)
+            for (int j = 0; j < 4; ++j) {
+              const scalar_t a = std::abs(p[i + j]);
+              nan |= a != a;
+              m[j] = a > m[j] ? a : m[j];
+            }
+          for (; i < run; ++i) {
+            const scalar_t a = std::abs(p[i]);
+            nan |= a != a;
+            m[0] = a > m[0] ? a : m[0];
+          }
         };
         c10::SmallVector<int64_t, 8> index(dims.size(), 0);
-        double m = 0.0;
-        const scalar_t* p = base;
+        scalar_t m[4] = {0, 0, 0, 0};
+        bool nan = false;
+        const scalar_t* p = t.const_data_ptr<scalar_t>();
         while (true) {
-          m = max_keep_nan(m, run_max(p));
+          run_max(p, m, nan);
           int64_t d = static_cast<int64_t>(dims.size()) - 1;  // odometer over the outer dims
           for (; d >= 0; --d) {
             p += dims[d].first;
@@ -84,8 +92,10 @@ double max_abs(const at::Tensor& t) {
             p -= dims[d].first * dims[d].second;
             index[d] = 0;
           }
-          if (d < 0) return m;
+          if (d < 0) break;
         }
+        if (nan) return std::numeric_limits<double>::quiet_NaN();
+        return static_cast<double>(std::max(std::max(m[0], m[1]), std::max(m[2], m[3])));
       });
     }
   }
