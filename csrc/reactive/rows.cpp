@@ -12,6 +12,7 @@
 #include "runtime/executor.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <c10/util/Exception.h>
 #include <c10/util/SmallVector.h>
 
@@ -39,15 +40,66 @@ c10::IValue narrow_value(const c10::IValue& v, int64_t dim, int64_t from, int64_
   TORCH_CHECK(false, "token-granular cone: cannot take rows of a ", v.tagKind(), " value");
 }
 
-// The largest |x| of a tensor: NaN when it holds a NaN (amax propagates it), 0 when it is empty.
-double max_abs(const at::Tensor& t) {
-  if (t.numel() == 0 || !at::isFloatingType(t.scalar_type())) return 0.0;
-  return t.abs().amax().item<double>();
-}
-
 // max that keeps a NaN from either side (std::max drops a NaN in its second argument).
 double max_keep_nan(double a, double b) {
   return std::isnan(a) || std::isnan(b) ? std::numeric_limits<double>::quiet_NaN() : std::max(a, b);
+}
+
+// The largest |x| of a tensor: NaN when it holds a NaN (amax propagates it; the loop sees x != x), 0 when it
+// is empty. Asked for q, k and v of every causal SDPA on the row path (views into a qkv projection's
+// output), so a CPU float tensor whose innermost dim is contiguous is read in place, run by run, with
+// no temporary and no dispatch; other tensors take abs().amax().
+double max_abs(const at::Tensor& t) {
+  if (t.numel() == 0 || !at::isFloatingType(t.scalar_type())) return 0.0;
+  if (t.is_cpu() && !t.is_neg() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble)) {
+    // Dims by stride, outermost first; the innermost ones merge into one contiguous run.
+    c10::SmallVector<std::pair<int64_t, int64_t>, 8> dims;  // (stride, size)
+    for (int64_t d = 0; d < t.dim(); ++d)
+      if (t.size(d) != 1) dims.emplace_back(t.stride(d), t.size(d));
+    std::sort(dims.begin(), dims.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    int64_t run = 1;
+    while (!dims.empty() && dims.back().first == run) {
+      run *= dims.back().second;
+      dims.pop_back();
+    }
+    if (run > 1 || t.numel() == 1) {
+      return AT_DISPATCH_FLOATING_TYPES(t.scalar_type(), "max_abs", [&] {
+        // Four independent maxima per run (a plain loop the compiler vectorises); a NaN is seen by x != x.
+        auto run_max = [&](const scalar_t* p, scalar_t* m, bool& nan) {
+          int64_t i = 0;
+          for (; i + 4 <= run; i += 4)
+            for (int j = 0; j < 4; ++j) {
+              const scalar_t a = std::abs(p[i + j]);
+              nan |= a != a;
+              m[j] = a > m[j] ? a : m[j];
+            }
+          for (; i < run; ++i) {
+            const scalar_t a = std::abs(p[i]);
+            nan |= a != a;
+            m[0] = a > m[0] ? a : m[0];
+          }
+        };
+        c10::SmallVector<int64_t, 8> index(dims.size(), 0);
+        scalar_t m[4] = {0, 0, 0, 0};
+        bool nan = false;
+        const scalar_t* p = t.const_data_ptr<scalar_t>();
+        while (true) {
+          run_max(p, m, nan);
+          int64_t d = static_cast<int64_t>(dims.size()) - 1;  // odometer over the outer dims
+          for (; d >= 0; --d) {
+            p += dims[d].first;
+            if (++index[d] < dims[d].second) break;
+            p -= dims[d].first * dims[d].second;
+            index[d] = 0;
+          }
+          if (d < 0) break;
+        }
+        if (nan) return std::numeric_limits<double>::quiet_NaN();
+        return static_cast<double>(std::max(std::max(m[0], m[1]), std::max(m[2], m[3])));
+      });
+    }
+  }
+  return t.abs().amax().item<double>();
 }
 
 double largest_finite(at::ScalarType t) {
@@ -124,6 +176,19 @@ bool row_bytes_differ(const c10::IValue& cached, const c10::IValue& now, int64_t
       axis >= a.dim() || row >= a.size(axis))
     return false;
   const int64_t item = a.element_size();
+  if (a.is_contiguous() && b.is_contiguous()) {  // the row is `outer` runs of `inner` elements: one memcmp each
+    const int64_t T = a.size(axis);
+    int64_t outer = 1;
+    for (int64_t d = 0; d < axis; ++d) outer *= a.size(d);
+    const int64_t inner = a.numel() / (outer * T);
+    const auto* ca = static_cast<const char*>(a.data_ptr());
+    const auto* cb = static_cast<const char*>(b.data_ptr());
+    for (int64_t o = 0; o < outer; ++o) {
+      const int64_t at_row = (o * T + row) * inner * item;
+      if (std::memcmp(ca + at_row, cb + at_row, static_cast<size_t>(inner * item)) != 0) return true;
+    }
+    return false;
+  }
   const auto* pa = static_cast<const char*>(a.data_ptr()) + row * a.stride(axis) * item;
   const auto* pb = static_cast<const char*>(b.data_ptr()) + row * b.stride(axis) * item;
   c10::SmallVector<int64_t, 8> sizes, sa, sb;  // the row's other dims (no heap allocation: asked at every site)

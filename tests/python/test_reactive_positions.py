@@ -791,3 +791,64 @@ def test_a_patch_that_only_flips_the_sign_of_a_zero_is_recomputed(cutoff, kw):
         ref = metric(torch.atan(1.0 / patch(torch.relu(x), s)))
         assert got.metrics[s] == ref, s
     rg.check_invariants()
+
+
+def _spread_setup():
+    """A 2-layer d_model 32 TinyTransformer, its resid_pre nodes, and patches taking row p from a corrupted
+    run (every position differs, so the first changed row of site (node, p) is p)."""
+    from torch_ext.models import TinyTransformer
+
+    torch.manual_seed(0)
+    seq = 16
+    model = TinyTransformer(vocab=64, d_model=32, n_heads=4, n_layers=2, seq=seq).eval()
+    clean = torch.randint(0, 64, (2, seq))
+    corrupt = torch.randint(0, 64, (2, seq))
+    rg = torch_ext.ReactiveGraph(model, (corrupt,))
+    resid = ["add", rg.nodes("blocks.0")[-1]]
+    cache = {n: rg.value(n).clone() for n in resid}
+    rg.run(clean)
+
+    def patch(value, site):
+        node, p = site
+        v = value.clone()
+        v[:, p] = cache[node][:, p]
+        return v
+
+    return rg, resid, patch, seq
+
+
+@pytest.mark.internals
+def test_a_stack_of_sites_runs_from_its_earliest_first_row():
+    # Stacked copies given out of row order, one identical to the clean value: the stack must run from the
+    # earliest changed row of any copy (2, the second copy's), and each copy must equal its own
+    # one-at-a-time evaluation. A stack started at another copy's row (12, the first's) would keep cached
+    # rows where a patch changed them, far beyond 1e-6.
+    rg, resid, patch, seq = _spread_setup()
+    eng = rg._engine
+    for node in resid:
+        rows = [12, 2, seq, 7]  # seq: the clean value itself
+        values = [patch(eng.value(node), (node, p)) if p < seq else eng.value(node).clone() for p in rows]
+        bc = rg._batched_cone(node, len(rows))
+        before = bc.engine.stats()["row_evaluations"]
+        got = bc.split(bc.engine.evaluate_patched_rows(node, torch.cat(values), [], []))
+        assert bc.engine.stats()["row_evaluations"] - before < len(rg.cone(node))  # rows, not the whole cone
+        for k, (p, v) in enumerate(zip(rows, values)):
+            want = eng.evaluate_patched_rows(node, v, [], []) if p < seq else eng.evaluate_patched(node, v)
+            assert _rel(got[k][0], want[0]) <= 1e-6, (node, p, _rel(got[k][0], want[0]))
+            assert torch.equal(got[k][0][:, :2], eng.value(rg._output_nodes()[0])[:, :2]), (node, p)
+    rg.check_invariants()
+
+
+@pytest.mark.parametrize("batch_sites", [True, 2, 4, 16])
+def test_batched_sites_at_mixed_positions_and_layers_equal_one_at_a_time(batch_sites):
+    rg, resid, patch, seq = _spread_setup()
+    sites = [(n, p) for n in resid for p in (1, 3, 4, 9, 10, 15)]
+    metric = lambda out: out.clone()  # noqa: E731  every logit: rows of every position are read
+    one = torch_ext.sweep(rg, sites, patch, metric, progress=False)
+    got = torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=batch_sites)
+    assert got.measured_evaluations == got.predicted_evaluations
+    for s in sites:
+        assert _rel(got.metrics[s], one.metrics[s]) <= 1e-6, (s, _rel(got.metrics[s], one.metrics[s]))
+        # Rows before the site's position are the cached logits, bit for bit (causal), in every batch.
+        assert torch.equal(got.metrics[s][:, :1], one.metrics[s][:, :1]), s
+    rg.check_invariants()
