@@ -73,9 +73,14 @@ def aoti_metadata(layout_json: str) -> dict[str, str]:
     no JSON parser at hand, tests/cpp/aoti/aoti_train.cpp) as plain text (names newline separated):
     its input names, state names, output names (the loss, the state entries it returns, aux), the
     donated state entries (written into the input tensors, not returned), the fingerprint, and
-    whether the step was built with scheduler= ("1": its lr input follows a Python scheduler)."""
+    whether the step was built with scheduler= ("1": its lr input follows a Python scheduler); and
+    for a package compiled for other than contiguous inputs (to_aoti(channels_last=True)) each
+    input's strides, one "<rank>:<s0>,<s1>,..." line per input."""
     layout = json.loads(layout_json)
-    return {LAYOUT_KEY: layout_json, "torch_ext.inputs": "\n".join(layout["inputs"]),
+    extra = {}
+    if "input_strides" in layout:
+        extra["torch_ext.input_strides"] = "\n".join(f"{len(s)}:{','.join(map(str, s))}" for s in layout["input_strides"])
+    return {**extra, LAYOUT_KEY: layout_json, "torch_ext.inputs": "\n".join(layout["inputs"]),
             "torch_ext.state_names": "\n".join(layout["state_names"]),
             "torch_ext.outputs": "\n".join(layout["outputs"]),
             "torch_ext.donated": "\n".join(layout.get("donated", [])),
