@@ -18,7 +18,8 @@ Targets: aoti >= 1.0x compile and >= 1.3x eager; executor >= 1.0x eager.
 What ran before a case in the same process changes its eager column (stop 30: eager GPT-2 3.02
 steps/s first in a process, 3.55 after ResNet-18), so ``--both-orders`` runs the case list once per
 rotation, each in a fresh process (a,b then b,a), and reports every case both first in a fresh
-process and after the others; a target counts as met only when it holds in both.
+process and after the others (with eager's minor page faults per step, which is what changes);
+a target counts as met only when it holds in both.
 
 Every column must train as eager does: the first CHECK_STEPS losses of each (all on the same batch,
 from the same initial state) are compared with eager's, bit for bit for the executor and the arena
@@ -35,6 +36,7 @@ import copy
 import fcntl
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -250,8 +252,8 @@ def held(lock_path):
 
 
 def bench(case, iters, rounds, columns, warmup, lock_path=None):
-    """({column: steps/s}, {column: compile s}, {column: error}); a runner that fails to build or run
-    is reported with its error instead of stopping the other columns."""
+    """({column: steps/s}, {column: compile s}, {column: error}, {column: minor page faults per step});
+    a runner that fails to build or run is reported with its error instead of stopping the other columns."""
     errors, losses = {}, {}
     with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as stack:
         runners, compile_s = runners_for(case, columns, d, errors, losses)
@@ -265,10 +267,14 @@ def bench(case, iters, rounds, columns, warmup, lock_path=None):
                 del runners[k]
         check_losses(case, losses)
         samples = {k: [] for k in runners}
+        faults = dict.fromkeys(runners, 0)  # first-touched pages: what the allocator's state costs a column
         for _ in range(rounds):
             for k, fn in runners.items():
+                f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 samples[k].append(time_loop(fn, iters))
-    return {k: 1.0 / statistics.median(v) for k, v in samples.items()}, compile_s, errors
+                faults[k] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+    return ({k: 1.0 / statistics.median(v) for k, v in samples.items()}, compile_s, errors,
+            {k: v / (rounds * iters) for k, v in faults.items()})
 
 
 def main():
@@ -307,14 +313,15 @@ def main():
     rows = []
     for k, key in enumerate(cases):
         case = CASES[key]()
-        sps, compile_s, errors = bench(case, args.iters, args.rounds, columns, args.warmup, args.lock)
+        sps, compile_s, errors, faults = bench(case, args.iters, args.rounds, columns, args.warmup, args.lock)
         rows.append((case[0], sps, compile_s, errors))
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps({"case": key, "name": case[0], "after": cases[:k], "sps": sps,
-                                    "compile_s": compile_s, "errors": errors}) + "\n")
+                                    "compile_s": compile_s, "errors": errors, "faults": faults}) + "\n")
         print(f"  {case[0]}: " + ", ".join(f"{k} {v:.2f}" for k, v in sps.items())
-              + "; build/compile s: " + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items()), flush=True)
+              + "; build/compile s: " + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items())
+              + "; minor page faults per step: " + ", ".join(f"{k} {v:.0f}" for k, v in faults.items()), flush=True)
     nan = float("nan")
     print()
     print(f"{'case':46}" + "".join(f"{c:>11}" for c in columns)
@@ -365,7 +372,8 @@ def both_orders(cases: list[str], argv: list[str]) -> int:
                     rows += [json.loads(line) for line in f]
     nan = float("nan")
     print(f"\n{'case':12}{'position':26}{'eager':>8}{'executor':>9}{'aoti':>8}{'compile':>9}"
-          f"{'exec/eager':>11}{'aoti/eager':>11}{'aoti/compile':>13}{'aoti s':>8}{'compile s':>10}")
+          f"{'exec/eager':>11}{'aoti/eager':>11}{'aoti/compile':>13}{'aoti s':>8}{'compile s':>10}"
+          f"{'eager faults':>13}")
     for key in cases:
         worst = {}
         for row in (r for r in rows if r["case"] == key):
@@ -379,7 +387,8 @@ def both_orders(cases: list[str], argv: list[str]) -> int:
             print(f"{key:12}{where:26}" + "".join(f"{sps.get(c, nan):{w}.2f}" for c, w in
                                                  (("eager", 8), ("executor", 9), ("aoti", 8), ("compile", 9)))
                   + f"{ratio['exec/eager']:10.2f}x{ratio['aoti/eager']:10.2f}x{ratio['aoti/compile']:12.2f}x"
-                  + f"{cs.get('aoti', nan):8.1f}{cs.get('compile', nan):10.1f}")
+                  + f"{cs.get('aoti', nan):8.1f}{cs.get('compile', nan):10.1f}"
+                  + f"{row.get('faults', {}).get('eager', nan):13.0f}")
         for k, goal in (("exec/eager", 1.0), ("aoti/eager", 1.3), ("aoti/compile", 1.0)):
             if k in worst and worst[k] == worst[k]:  # nan: the column was not run
                 target(worst[k] >= goal, f"{key} {k} {worst[k]:.2f}x in its worst order (target {goal:.2f}x)")
