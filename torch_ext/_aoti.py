@@ -208,3 +208,58 @@ def aoti_decompositions() -> dict:
     table = aten_updates()
     table[torch.ops.torch_ext.native_dropout_rng.default] = _native_dropout_rng
     return table
+
+
+def conv_weight_entries(program: torch.export.ExportedProgram, inputs: list[str]) -> list[str]:
+    """The state entries of ``program`` (its flat input names ``inputs``) stored channels-last in the
+    AOTInductor package: every 4-D input read as a convolution's weight, and the optimizer slots of
+    those parameters with the weight's shape (AdamW's moments: the update reads them with the weight)."""
+    from . import optim
+
+    placeholders = [n for n in program.graph_module.graph.nodes if n.op == "placeholder"]
+    name_of = dict(zip(placeholders, inputs))
+    weights = set()
+    for node in program.graph_module.graph.nodes:
+        if node.op == "call_function" and node.target is _aten.convolution.default:
+            w = node.args[1]
+            if w in name_of and w.meta["val"].dim() == 4:
+                weights.add(name_of[w])
+    shape = {name_of[p]: tuple(p.meta["val"].shape) for p in placeholders}
+    slots = [name for name in inputs if (optim.parse_state_name(name) or ("",))[0] == "slot"
+             and optim.parse_state_name(name)[1] in weights
+             and shape[name] == shape[optim.parse_state_name(name)[1]]]
+    return [name for name in inputs if name in weights] + slots
+
+
+def with_input_layout(program: torch.export.ExportedProgram, inputs: list[str], channels_last: set[str]):
+    """A copy of ``program`` whose inputs named in ``channels_last`` (not empty) are channels-last
+    (same values, other strides), and each input's strides. AOTInductor compiles for the strides of the program's
+    placeholder values (their fake tensors, not the example inputs), so those and every value after
+    them are recomputed: ATen's CPU convolution returns channels-last for a channels-last weight,
+    and every later stride must say so."""
+    from torch._guards import detect_fake_mode
+    from torch.export.experimental import _copy_graph_module_and_signature
+
+    gm, sig = _copy_graph_module_and_signature(program)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = detect_fake_mode([n.meta["val"] for n in placeholders])
+    with mode:
+        for node, name in zip(placeholders, inputs):
+            if name in channels_last:
+                node.meta["val"] = _channels_last(node.meta["val"])
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+                node.meta["val"] = node.target(*args, **kwargs)
+    out = program._update(gm, sig)
+    args, kwargs = program.example_inputs
+    args = tuple(_channels_last(a) if name in channels_last else a for name, a in zip(inputs, args))
+    out.example_inputs = (args, kwargs)
+    return out, [list(n.meta["val"].stride()) for n in placeholders]
+
+
+def _channels_last(t: torch.Tensor) -> torch.Tensor:
+    # empty_like's strides, not contiguous(memory_format=): a (16, 16, 1, 1) weight counts as
+    # channels-last already with strides (16, 1, 1, 1), and the package's new value comes out
+    # (16, 1, 16, 16); one spelling keeps the state in the compiled strides from call to call.
+    return torch.empty_like(t, memory_format=torch.channels_last).copy_(t)

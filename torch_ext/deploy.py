@@ -73,9 +73,14 @@ def aoti_metadata(layout_json: str) -> dict[str, str]:
     no JSON parser at hand, tests/cpp/aoti/aoti_train.cpp) as plain text (names newline separated):
     its input names, state names, output names (the loss, the state entries it returns, aux), the
     donated state entries (written into the input tensors, not returned), the fingerprint, and
-    whether the step was built with scheduler= ("1": its lr input follows a Python scheduler)."""
+    whether the step was built with scheduler= ("1": its lr input follows a Python scheduler); and
+    for a package compiled for other than contiguous inputs (to_aoti(channels_last=True)) each
+    input's strides, one "<rank>:<s0>,<s1>,..." line per input."""
     layout = json.loads(layout_json)
-    return {LAYOUT_KEY: layout_json, "torch_ext.inputs": "\n".join(layout["inputs"]),
+    extra = {}
+    if "input_strides" in layout:
+        extra["torch_ext.input_strides"] = "\n".join(f"{len(s)}:{','.join(map(str, s))}" for s in layout["input_strides"])
+    return {**extra, LAYOUT_KEY: layout_json, "torch_ext.inputs": "\n".join(layout["inputs"]),
             "torch_ext.state_names": "\n".join(layout["state_names"]),
             "torch_ext.outputs": "\n".join(layout["outputs"]),
             "torch_ext.donated": "\n".join(layout.get("donated", [])),
@@ -112,6 +117,8 @@ class LoadedStep:
         # Only the calling thread's allocations inside the call are pooled; release_memory() frees
         # the cache.
         self._pool = _C.CallPool() if kind == "aoti" else None
+        # State entries and batch tensors copied into the package's compiled strides (flat_inputs).
+        self.converted_entries = 0
 
     @property
     def fingerprint(self) -> str:
@@ -158,21 +165,27 @@ class LoadedStep:
         donated = self.layout.get("donated")
         if self.kind == "aoti":
             # AOTInductor's kernels index their inputs with the strides the program was compiled for
-            # (contiguous), without checking: a transposed entry or batch would be read as garbage.
+            # (the layout's input_strides: contiguous, and channels-last convolution weights and
+            # moments; contiguous for a package without them), without checking: other strides would
+            # be read as garbage. An entry in other strides is copied into the compiled ones; the
+            # package's new state has them, so a state is converted once, on its first call. A
+            # donating package then writes into the copy, which the new state holds.
+            strides = self.layout.get("input_strides")
             for i, (name, t) in enumerate(zip(self.layout["inputs"], flat)):
-                if t.is_contiguous():
+                want = None if strides is None else tuple(strides[i])
+                if (t.is_contiguous() if want is None else t.stride() == want):
                     continue
-                if donated and name in donated:
-                    raise ValueError(f"{state.describe()}: entry {name!r} is not contiguous (strides {t.stride()}), and "
-                                     f"{self.path} writes its new value into it in place (a donating package); pass "
-                                     "a state with contiguous tensors (state.replace({name: t.contiguous()}))")
-                flat[i] = t.contiguous()
+                flat[i] = t.contiguous() if want is None else torch.empty_strided(t.shape, want, dtype=t.dtype,
+                                                                                  device=t.device).copy_(t)
+                self.converted_entries += 1
         if donated:
             # The package writes each donated entry into its tensor: two entries sharing memory would
             # overwrite each other's new values.
             seen = {}
-            for name in donated:
-                key = state.lookup(name).untyped_storage().data_ptr()
+            for name, t in zip(self.layout["inputs"], flat):
+                if name not in donated:
+                    continue
+                key = t.untyped_storage().data_ptr()
                 if key in seen:
                     raise ValueError(f"{state.describe()}: entries {seen[key]!r} and {name!r} share memory, and "
                                      f"{self.path} updates both in place (a donating package); pass a state whose "
@@ -181,7 +194,8 @@ class LoadedStep:
         return flat
 
     def __call__(self, state, *batch):
-        outs = list(self._run(self.flat_inputs(state, *batch)))
+        flat = self.flat_inputs(state, *batch)
+        outs = list(self._run(flat))
         if len(outs) != len(self.layout["outputs"]):
             raise RuntimeError(f"{self.path}: the program returned {len(outs)} outputs, its layout lists "
                                f"{len(self.layout['outputs'])}")
@@ -190,7 +204,9 @@ class LoadedStep:
         # A donating package (step.to_aoti(path, donate=True)) wrote these entries into the state's
         # own tensors: the new state holds them, and the old one is consumed.
         donated = self.layout.get("donated", [])
-        by_name.update((name, state.lookup(name)) for name in donated)
+        # (the tensors passed: a state entry itself, or the copy flat_inputs made in the compiled strides)
+        passed = dict(zip(self.layout["inputs"], flat))
+        by_name.update((name, passed[name]) for name in donated)
         new_state = state.replace({name: by_name[name] for name in self.state_names})
         new_state.origin = f"output of call {self._calls} of load_step({self.path!r})"
         if self.schedule is not None:

@@ -1062,7 +1062,7 @@ class TrainStep:
             self._program.graph_module.meta.setdefault("custom", {})[LAYOUT_KEY] = json.dumps(layout_of(self))
         return self._program
 
-    def to_aoti(self, path: str, donate: bool = False) -> str:
+    def to_aoti(self, path: str, donate: bool = False, channels_last: bool = False) -> str:
         """Compiles ``program`` with AOTInductor into the package ``path`` (a minute or more), with the
         flat layout in its metadata; ``torch_ext.load_step(path)`` runs it on TrainStates. The
         optimizer updates are compiled from their ATen form (torch_ext.optim.aten_updates), fused
@@ -1074,12 +1074,25 @@ class TrainStep:
         (AOTInductor stores each updated entry in place, after its last read), as
         ``compile(donate=True)`` does: no state-sized output is allocated per call, and the state
         passed in is consumed (reusing it raises). Its layout lists those entries under ``donated``
-        and only the loss and aux under ``outputs``."""
+        and only the loss and aux under ``outputs``.
+
+        ``channels_last=True`` compiles the package for convolution weights and their optimizer slots
+        in channels-last strides (same values; the layout's ``input_strides`` records every input's),
+        so ATen's convolutions run channels-last throughout. ``load_step`` copies a state given in
+        other strides (``init_state()``'s contiguous one) into these on its first call; the new state
+        keeps them. The executor runs such a state's tensors as they are, as eager would run
+        channels-last parameters (its convolutions then round otherwise than on contiguous ones):
+        ``state.replace({n: t.contiguous() ...})`` first for bit-exact parity with a contiguous eager
+        model. Off by default: on the ResNet-18 benchmark step (one thread, batch 16, 64x64) the
+        package ran 110 ms a step against 105 contiguous, and eager ResNet-18 in channels-last is no
+        faster either (113-118 against 105-116 ms forward + backward), though single convolutions
+        are (scripts/bench_conv_layout.py)."""
         from .deploy import LAYOUT_KEY, aoti_metadata
 
-        if not isinstance(donate, bool):
-            raise TypeError(f"to_aoti: donate must be a bool, got {type(donate).__name__} {donate!r}")
-        from ._aoti import aoti_decompositions, fuse_cross_entropy_program
+        for key, value in (("donate", donate), ("channels_last", channels_last)):
+            if not isinstance(value, bool):
+                raise TypeError(f"to_aoti: {key} must be a bool, got {type(value).__name__} {value!r}")
+        from ._aoti import aoti_decompositions, conv_weight_entries, fuse_cross_entropy_program, with_input_layout
 
         layout_json = self.program.graph_module.meta["custom"][LAYOUT_KEY]
         # The update ops as ATen math and dropout as a counter-based hash keyed from the state,
@@ -1088,21 +1101,23 @@ class TrainStep:
         program = _compat.for_aot_inductor(self.program.run_decompositions(aoti_decompositions()))
         # Cross-entropy as pointwise math over the logits and their logsumexp (torch_ext/_aoti.py).
         program = fuse_cross_entropy_program(program)
+        layout = json.loads(layout_json)
+        chosen = set(conv_weight_entries(program, layout["inputs"])) if channels_last else set()
+        if chosen:
+            # The strides the package is compiled for, per input (contiguous without them): load_step
+            # copies an entry given in others into them (AOTInductor would index it with these unchecked).
+            program, layout["input_strides"] = with_input_layout(program, layout["inputs"], chosen)
+        layout_json = json.dumps(layout)
         if donate:
-            layout = json.loads(layout_json)
             position = {name: i for i, name in enumerate(layout["inputs"])}
             donated = {1 + j: position[name] for j, name in enumerate(layout["state_names"]) if name in position}
             program = _compat.donating_program(program, donated)
             layout["donated"] = [layout["state_names"][k - 1] for k in sorted(donated)]
             layout["outputs"] = [o for k, o in enumerate(layout["outputs"]) if k not in donated]
             layout_json = json.dumps(layout)
-        # No channels-last layout optimisation: the step's convolution weights enter and leave as
-        # contiguous state, so Inductor would convert every weight and gradient each call (ResNet-18,
-        # one thread: 3.61 steps/s with it, 4.32 without; again 1.73 against 2.23 in one interleaved
-        # run at load 5). Per convolution forward + backward in eager (scripts/bench_conv_layout.py),
-        # channels-last activations with contiguous weights are slower than all contiguous (ATen
-        # converts the weight on every call), and channels-last weights, which the state does not
-        # have, gained nothing reproducible (load 1.5: 73.9 against 73.3 ms over the 6 shapes).
+        # No Inductor layout optimisation: it converted contiguous weights and their gradients every
+        # call (ResNet-18, one thread: 3.61 steps/s with it, 4.32 without; not measured with
+        # channels_last=True).
         configs = {"aot_inductor.metadata": aoti_metadata(layout_json), "layout_optimization": False}
         # Inductor's max-pool backward is a scalar gather over every input position, ATen's a
         # scatter over the outputs: ResNet-18's (16x64x32x32, 3x3 stride 2) takes 5.2 ms there

@@ -65,6 +65,36 @@ def test_aoti_package_runs_10_steps_from_cpp(tmp_path, donate):
 
 
 @pytest.mark.skipif(not RUNNER.exists(), reason=f"C++ runner not built at {RUNNER}")
+@pytest.mark.parametrize("donate", [False, True], ids=["returning", "donating"])
+def test_cpp_runner_feeds_a_channels_last_package_its_compiled_strides(tmp_path, donate):
+    # to_aoti(channels_last=True) records each input's strides in the package metadata; the runner
+    # copies the checkpoint's contiguous entries into them (the package's kernels would index them
+    # unchecked) and trains as load_step does on the same package: the same losses, bit for bit.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 1), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(5)]
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn, batches[0])
+    package = step.to_aoti(str(tmp_path / "cl.pt2"), donate=donate, channels_last=True)
+    meta = torch._inductor.aoti_load_package(package).get_metadata()
+    assert "4:27,1,9,3" in meta["torch_ext.input_strides"].split("\n")  # the 8x3x3x3 weight, channels-last
+    state = step.init_state()
+    torch.save(state.state_dict(), tmp_path / "state.pt")
+    torch.save([list(b) for b in batches], tmp_path / "batches.pt")
+    loaded = torch_ext.load_step(package)
+    py_losses = []
+    for b in batches:
+        loss, state = loaded(state, *b)
+        py_losses.append(loss.item())
+    run = subprocess.run([str(RUNNER), package, str(tmp_path / "state.pt"), str(tmp_path / "batches.pt")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [float(line) for line in run.stdout.split()] == [float(f"{x:.9g}") for x in py_losses]
+
+
+@pytest.mark.skipif(not RUNNER.exists(), reason=f"C++ runner not built at {RUNNER}")
 def test_cpp_runner_refuses_a_state_of_another_program(tmp_path):
     torch.manual_seed(0)
     model = nn.Linear(4, 2)

@@ -194,13 +194,18 @@ def test_aoti_donating_package_updates_the_state_in_place(tmp_path):
         donating(shared, *bs[0])
     assert f"'{a}'" in str(refused.value) and f"'{b}'" in str(refused.value)
     assert shared.consumed_by is None
-    # The package writes into the entry with contiguous strides: a transposed one is refused.
+    # The package writes into an entry with the strides it was compiled for: a transposed one is
+    # copied into those first, the copy updated and kept by the new state, the same training.
     transposed = step.init_state()
     w = transposed.lookup("model.l1.weight")
     transposed = transposed.replace({"model.l1.weight": w.t().contiguous().t()})
-    with pytest.raises(ValueError, match=r"entry 'model\.l1\.weight' is not contiguous \(strides \(1, 16\)\)"):
-        donating(transposed, *bs[0])
-    assert transposed.consumed_by is None
+    loss_t, new_t = donating(transposed, *bs[0])
+    assert transposed.consumed_by is not None and donating.converted_entries == 1
+    assert new_t.lookup("model.l1.weight").is_contiguous()
+    assert torch.equal(loss_t, want_losses[0])
+    got_losses, got = run(donating, new_t, bs[1:])
+    assert torch.equal(got_losses, want_losses[1:]) and donating.converted_entries == 1
+    assert_states_equal(got, want)
 
 
 def test_aoti_calls_reuse_the_memory_of_the_last_call(tmp_path):
@@ -373,6 +378,90 @@ def test_aoti_lowers_a_view_after_an_empty_cache_cat(tmp_path):
     want_losses, want = run(step, step.init_state(), xs)
     torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)
     assert_states_equal(got, want, atol=1e-5)
+
+
+class SmallCNN(nn.Module):
+    # 3x3 and 1x1 convolutions (a 1x1 weight is channels-last and contiguous at once, in two spellings)
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.c2, self.c3 = nn.Conv2d(8, 16, 3, padding=1, stride=2), nn.Conv2d(16, 16, 1, bias=False)
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.b1(self.c1(x))), 3, 2, 1)
+        x = self.c3(F.relu(self.c2(x)))
+        return self.fc(x.mean((2, 3)))
+
+
+def test_aoti_channels_last_package_converts_a_contiguous_state_once(tmp_path):
+    # to_aoti(channels_last=True): conv weights and their AdamW moments are compiled channels-last.
+    # AOTInductor indexes inputs with the compiled strides, unchecked: the package driven by hand on
+    # the contiguous state trains something else, so load_step copies such a state into the compiled
+    # strides on its first call (bit-identical to a state converted beforehand), and the new state
+    # keeps them (no copy on later calls); torch.save and the executor see the same values.
+    torch.manual_seed(0)
+    model = SmallCNN()
+    g = torch.Generator().manual_seed(1)
+    bs = [(torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 5, (4,), generator=g)) for _ in range(4)]
+    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), ce, bs[0])
+    pkg = step.to_aoti(str(tmp_path / "cl.pt2"), channels_last=True)
+    loaded = torch_ext.load_step(pkg)
+    layout = loaded.layout
+    strides = dict(zip(layout["inputs"], map(tuple, layout["input_strides"])))
+    weights = ["model.c1.weight", "model.c2.weight", "model.c3.weight"]
+    chosen = weights + [f"opt:{w}:{s}" for w in weights for s in ("exp_avg", "exp_avg_sq")]
+    state = step.init_state()
+    for name in layout["inputs"]:
+        if name.startswith("batch:"):
+            continue
+        want = torch.empty_like(state.lookup(name), memory_format=torch.channels_last if name in chosen
+                                else torch.contiguous_format).stride()
+        assert strides[name] == want, name
+    assert all(not state.lookup(n).is_contiguous(memory_format=torch.channels_last) for n in chosen[:2])
+
+    def in_compiled_strides(s):
+        return s.replace({n: torch.empty_strided(s.lookup(n).shape, strides[n]).copy_(s.lookup(n)) for n in chosen})
+
+    x, y = bs[0]
+    want_loss, want_new = torch_ext.load_step(pkg)(in_compiled_strides(state), x, y)
+    loss, new = loaded(state, x, y)
+    assert loaded.converted_entries == len(chosen)
+    assert torch.equal(loss, want_loss)
+    assert_states_equal(new, want_new)
+    assert all(new.lookup(n).stride() == strides[n] for n in chosen)
+    # the conversion is what makes it right: the raw package on the contiguous state
+    raw = torch._inductor.aoti_load_package(pkg)
+    raw_new = dict(zip(step.state_names, raw(*step.flat_inputs(state, x, y))[1:]))
+    assert not all(torch.equal(raw_new[n], new.lookup(n)) for n in chosen)
+    got_losses, got = run(loaded, new, bs[1:])
+    assert loaded.converted_entries == len(chosen)  # the package's own state: no copy
+    want_losses, want = run(step, step.init_state(), bs)
+    torch.testing.assert_close(torch.cat([loss.reshape(1), got_losses]), want_losses, rtol=1e-5, atol=1e-6)
+    assert_states_equal(got, want, atol=1e-5)
+    # a channels-last state saves and loads with the same values, and trains on bit-identically
+    torch.save(got.state_dict(), tmp_path / "state.pt")
+    back = step.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert_states_equal(back, got)
+    assert torch.equal(loaded(back, x, y)[0], loaded(got, x, y)[0])
+    # The executor runs a state's tensors as they are, as eager runs its parameters: ATen's
+    # convolutions go channels-last on channels-last weights, which rounds otherwise than on their
+    # contiguous copy (the state eager's contiguous model holds); the same values to float32 rounding.
+    flat = back.replace({n: back.lookup(n).contiguous() for n in chosen})
+    l1, s1 = step(back, x, y)
+    l2, s2 = step(flat, x, y)
+    assert torch.equal(l1, l2)
+    assert_states_equal(s1, s2, atol=1e-5)
+    # donating: the first call's copies receive the update and become the new state
+    donating = torch_ext.load_step(step.to_aoti(str(tmp_path / "cl_don.pt2"), donate=True, channels_last=True))
+    state = step.init_state()
+    d_losses, d_state = run(donating, state, bs)
+    assert donating.converted_entries == len(chosen)
+    assert state.lookup("model.c1.weight").is_contiguous()  # the caller's tensor was not written
+    torch.testing.assert_close(d_losses, want_losses, rtol=1e-5, atol=1e-6)
+    assert_states_equal(d_state, want, atol=1e-5)
+    with pytest.raises(TypeError, match="channels_last must be a bool, got str 'yes'"):
+        step.to_aoti(str(tmp_path / "never.pt2"), channels_last="yes")
 
 
 def test_onnx_loads_through_load_step_within_1e5(tmp_path):

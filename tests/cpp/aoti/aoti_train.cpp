@@ -8,7 +8,9 @@
 // new state, "torch_ext.outputs" the program's outputs in order ("loss", returned state entries,
 // "aux:<k>"), "torch_ext.donated" the state entries a donating package (step.to_aoti(path,
 // donate=True)) writes into its input tensors instead of returning them, and
-// "torch_ext.fingerprint" the program's hash. Packages older than "torch_ext.outputs" return the
+// "torch_ext.fingerprint" the program's hash, and "torch_ext.input_strides" (only in a package of
+// step.to_aoti(path, channels_last=True)) the strides each input was compiled for, one
+// "<rank>:<s0>,<s1>,..." line per input (contiguous where absent). Packages older than "torch_ext.outputs" return the
 // loss and then every state entry.
 // state.pt is torch.save(state.state_dict()) (the checkpoint format: params/buffers/opt dicts,
 // the lr list, rng, fingerprint); batches.pt is torch.save([[tensor, ...], ...]), one list of
@@ -50,6 +52,38 @@ std::vector<std::string> meta_lines_or(const std::unordered_map<std::string, std
                                        std::vector<std::string> otherwise) {
   auto it = meta.find(key);
   return it == meta.end() ? otherwise : lines(it->second);
+}
+
+// The strides of "torch_ext.input_strides" by input name; empty for a package compiled contiguous.
+std::map<std::string, std::vector<int64_t>> strides_by_input(const std::vector<std::string>& inputs,
+                                                             const std::vector<std::string>& spec, const char* package) {
+  std::map<std::string, std::vector<int64_t>> out;
+  if (spec.empty()) return out;
+  if (spec.size() != inputs.size()) {
+    throw std::runtime_error(std::string(package) + ": torch_ext.input_strides has " + std::to_string(spec.size()) +
+                             " lines for " + std::to_string(inputs.size()) + " inputs");
+  }
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const size_t colon = spec[i].find(':');
+    std::vector<int64_t> strides;
+    std::istringstream is(spec[i].substr(colon + 1));
+    for (std::string s; std::getline(is, s, ',');) strides.push_back(std::stoll(s));
+    if (colon == std::string::npos || strides.size() != std::stoul(spec[i].substr(0, colon))) {
+      throw std::runtime_error(std::string(package) + ": bad torch_ext.input_strides line '" + spec[i] + "'");
+    }
+    out[inputs[i]] = std::move(strides);
+  }
+  return out;
+}
+
+// t in the strides the package indexes it with (unchecked by its kernels): t itself when it has
+// them, else a copy (contiguous when the package records none).
+at::Tensor in_compiled_strides(const at::Tensor& t, const std::map<std::string, std::vector<int64_t>>& strides,
+                               const std::string& name) {
+  auto it = strides.find(name);
+  if (it == strides.end()) return t.contiguous();
+  if (t.strides() == at::IntArrayRef(it->second)) return t;
+  return at::empty_strided(t.sizes(), it->second, t.options()).copy_(t);
 }
 
 std::string meta_at(const std::unordered_map<std::string, std::string>& meta, const std::string& key,
@@ -126,9 +160,10 @@ int run(int argc, char** argv) {
     return 2;
   }
   std::map<std::string, at::Tensor> entries = entries_of(state);
-  // The package's kernels index every input with the contiguous strides it was compiled for, without
-  // checking (torch.save keeps a transposed tensor transposed): the runner owns contiguous copies.
-  for (auto& entry : entries) entry.second = entry.second.contiguous();
+  // The package's kernels index every input with the strides it was compiled for, without checking
+  // (torch.save keeps a transposed tensor transposed): the runner owns copies in those strides.
+  const auto strides = strides_by_input(inputs, meta_lines_or(meta, "torch_ext.input_strides", {}), argv[1]);
+  for (auto& entry : entries) entry.second = in_compiled_strides(entry.second, strides, entry.first);
   // A donating package overwrites each donated entry's tensor: entries sharing memory (torch.save
   // keeps sharing) would overwrite each other's new values.
   std::map<const void*, std::string> donated_storage;
@@ -197,6 +232,8 @@ int run(int argc, char** argv) {
         std::fprintf(stderr, "%s has no entry '%s' that the program reads\n", argv[2], name.c_str());
         return 2;
       }
+      // (a returned entry normally comes back in its compiled strides: then no copy)
+      it->second = in_compiled_strides(it->second, strides, name);
       flat.push_back(it->second);
     }
     std::vector<at::Tensor> outs = loader.run(flat);
