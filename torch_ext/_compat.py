@@ -27,6 +27,18 @@ INPUT_ROLES = {
 GETITEM = operator.getitem
 
 
+def uncompiled(module):
+    """The module a ``torch.compile`` wrapper (OptimizedModule) wraps, unwrapped: export traces the
+    Python module, and tracing it through the wrapper's Dynamo frame compiles it a second time (torch
+    raises a fake-mode mismatch). The wrapper holds no tensors of its own (its parameters are the
+    wrapped module's), so optimizers and write-backs act on the same tensors, named as in eager."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    while isinstance(module, OptimizedModule):
+        module = module._orig_mod
+    return module
+
+
 def module_path(node: torch.fx.Node) -> str:
     """Innermost module path from export metadata ("layers.0.attn"), or ""."""
     stack = node.meta.get("nn_module_stack")

@@ -284,6 +284,7 @@ class ReactiveGraph:
         key, entry, cache_state, disk_key, disk_state = None, None, "off", None, "off"
         self._program = None
         if isinstance(ep_or_module, torch.nn.Module):
+            ep_or_module = _compat.uncompiled(ep_or_module)  # torch.compile(model): the graph is traced from it
             if example_inputs is None:
                 raise ValueError("ReactiveGraph(module, example_inputs): example_inputs are required to export a module")
             self._module = ep_or_module

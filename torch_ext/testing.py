@@ -35,7 +35,10 @@ def _step_parity(model, optimizer, loss_fn, batches, seed, unroll=1):
     batches = [tuple(b) for b in batches]
     if not batches:
         raise ValueError("step_parity needs at least one batch")
+    from . import _compat
+
     opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    model = _compat.uncompiled(model)  # named as the step names them (no "_orig_mod." of a torch.compile wrapper)
     pure_model, pure_opts = copy.deepcopy((model, opts))
     ref_model, ref_opts = copy.deepcopy((model, opts))
     step = make_train_step(pure_model, pure_opts if len(pure_opts) > 1 else pure_opts[0], loss_fn, batches[0],

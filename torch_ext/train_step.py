@@ -1166,6 +1166,7 @@ def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, exampl
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    model = _compat.uncompiled(model)  # torch.compile(model): the step compiles the model itself
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
         raise TypeError("optimizer must be a torch.optim.Optimizer or a list of them")

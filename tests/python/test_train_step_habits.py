@@ -1367,3 +1367,20 @@ def test_hooks_on_other_models_do_not_refuse_the_step():
     other.body.weight.register_hook(lambda g: g)
     loss2, _ = step(step.init_state(), *_XY)
     assert torch.equal(loss, loss2)
+
+
+def test_a_torch_compiled_model_is_stepped_and_swept_as_the_module_it_wraps():
+    # torch.compile(model) is a common first line of a training script. Export traced it through the
+    # wrapper's Dynamo frame and torch raised an internal fake-mode mismatch (BackendCompilerFailed).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    compiled = torch.compile(model)
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    batches = [(torch.randn(4, 6), torch.randint(0, 3, (4,))) for _ in range(3)]
+    result = torch_ext.testing.assert_step_matches_eager(compiled, torch.optim.Adam(compiled.parameters()), loss_fn,
+                                                         batches, rtol=0.0)
+    assert result["state"] == 0.0 and result["steps"] == 3
+    step = torch_ext.make_train_step(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1), loss_fn, batches[0])
+    assert sorted(step.init_state().params) == ["model.0.bias", "model.0.weight", "model.2.bias", "model.2.weight"]
+    rg = torch_ext.ReactiveGraph(compiled.eval(), (batches[0][0],))
+    assert torch.equal(rg.demand(), model(batches[0][0]))
