@@ -13,6 +13,8 @@ allocations and eager arithmetic inside. Two kinds sit in every step program:
   vectorises and fuses with the mask and the scale. The package draws another stream than the
   executor (the issue asks AOTInductor only to stay pure), and still reads no global generator: the
   seed is a function of the state passed in.
+- noise like a tensor (``torch_ext::randn_like_rng`` / ``rand_like_rng``): uniforms from 24 bits of
+  the same hash, normals by Box-Muller over two of them; pure in the state, another stream than eager.
 
 Cross-entropy is rewritten too (fuse_cross_entropy below): the joint graph's
 ``_log_softmax -> nll_loss_forward`` and ``nll_loss_backward -> _log_softmax_backward_data`` become
@@ -22,6 +24,8 @@ the scatter, but added a pass computing the row sum of the scattered gradient (o
 benchmark, 1024 x 8192, vectorised across rows: about 1% of the AOTInductor step).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -75,6 +79,26 @@ def _native_dropout_rng(input, p, train, rng_state):
     p1m = 1.0 - p
     scale = 0.0 if p1m == 0 else 1.0 / p1m
     return input * mask * scale, mask, new_state
+
+
+def _uniform_like(self, rng_state):
+    # 24 hash bits per element as a float in [0, 1) (float32's mantissa), pure in the state.
+    seed, new_state = torch.ops.torch_ext.rng_seed(rng_state)
+    bits = counter_bits(list(self.shape), seed, self.device)
+    return (bits >> 8).to(torch.float32) * (2.0 ** -24), new_state
+
+
+def _rand_like_rng(self, rng_state):
+    u, new_state = _uniform_like(self, rng_state)
+    return u.to(self.dtype), new_state
+
+
+def _randn_like_rng(self, rng_state):
+    # Box-Muller over two hashed uniforms: u1 in (0, 1] keeps the log finite.
+    u1, state = _uniform_like(self, rng_state)
+    u2, new_state = _uniform_like(self, state)
+    z = torch.sqrt(-2.0 * torch.log(1.0 - u1)) * torch.cos((2.0 * math.pi) * u2)
+    return z.to(self.dtype), new_state
 
 
 _aten = torch.ops.aten
@@ -207,6 +231,8 @@ def aoti_decompositions() -> dict:
 
     table = aten_updates()
     table[torch.ops.torch_ext.native_dropout_rng.default] = _native_dropout_rng
+    table[torch.ops.torch_ext.randn_like_rng.default] = _randn_like_rng
+    table[torch.ops.torch_ext.rand_like_rng.default] = _rand_like_rng
     return table
 
 

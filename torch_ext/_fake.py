@@ -33,6 +33,17 @@ def _(input, p, train, rng_state):
     return torch.empty_like(input), torch.empty_like(input, dtype=torch.bool), torch.empty_like(rng_state)
 
 
+@torch.library.register_fake("torch_ext::randn_like_rng")
+def _(self, rng_state):
+    # (noise like self, advanced generator state)
+    return torch.empty_like(self), torch.empty_like(rng_state)
+
+
+@torch.library.register_fake("torch_ext::rand_like_rng")
+def _(self, rng_state):
+    return torch.empty_like(self), torch.empty_like(rng_state)
+
+
 @torch.library.register_fake("torch_ext::rng_seed")
 def _(rng_state):
     # (int64 0-dim seed, advanced generator state)

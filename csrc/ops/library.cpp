@@ -12,11 +12,15 @@ TORCH_LIBRARY(torch_ext, m) {
   // Random ops with explicit generator state (see ops/random.h); used by passes/thread_rng.h.
   m.def(
       "native_dropout_rng(Tensor input, float p, bool? train, Tensor rng_state) -> (Tensor, Tensor, Tensor)");
+  m.def("randn_like_rng(Tensor self, Tensor rng_state) -> (Tensor, Tensor)");
+  m.def("rand_like_rng(Tensor self, Tensor rng_state) -> (Tensor, Tensor)");
   m.def("rng_seed(Tensor rng_state) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(torch_ext, CPU, m) {
   m.impl("native_dropout_rng", &native_dropout_rng);
+  m.impl("randn_like_rng", &randn_like_rng);
+  m.impl("rand_like_rng", &rand_like_rng);
   m.impl("rng_seed", &rng_seed);
 }
 

@@ -42,6 +42,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> native_dropout_rng(const at::Tens
   return {output, mask, gen.get_state()};
 }
 
+std::tuple<at::Tensor, at::Tensor> randn_like_rng(const at::Tensor& self, const at::Tensor& rng_state) {
+  TORCH_CHECK(self.device().is_cpu(), "randn_like_rng: input must be on the CPU, got ", self.device());
+  at::Generator gen = generator_from(rng_state, "randn_like_rng");
+  at::Tensor out = at::empty_like(self);  // at::randn_like: empty_like (strides preserved), then normal_
+  out.normal_(0, 1, gen);
+  return {out, gen.get_state()};
+}
+
+std::tuple<at::Tensor, at::Tensor> rand_like_rng(const at::Tensor& self, const at::Tensor& rng_state) {
+  TORCH_CHECK(self.device().is_cpu(), "rand_like_rng: input must be on the CPU, got ", self.device());
+  at::Generator gen = generator_from(rng_state, "rand_like_rng");
+  at::Tensor out = at::empty_like(self);  // at::rand_like: empty_like, then uniform_(0, 1)
+  out.uniform_(0, 1, gen);
+  return {out, gen.get_state()};
+}
+
 std::tuple<at::Tensor, at::Tensor> rng_seed(const at::Tensor& rng_state) {
   at::Generator gen = generator_from(rng_state, "rng_seed");
   const uint64_t draw = gen.get<at::CPUGeneratorImpl>()->random64();

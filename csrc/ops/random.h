@@ -16,6 +16,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> native_dropout_rng(const at::Tens
                                                                   std::optional<bool> train,
                                                                   const at::Tensor& rng_state);
 
+// aten::randn_like / aten::rand_like drawn from `rng_state`: the same tensor (empty_like, then
+// normal_(0, 1) / uniform_(0, 1) on the generator), bit for bit, and the advanced state.
+std::tuple<at::Tensor, at::Tensor> randn_like_rng(const at::Tensor& self, const at::Tensor& rng_state);
+std::tuple<at::Tensor, at::Tensor> rand_like_rng(const at::Tensor& self, const at::Tensor& rng_state);
+
 // One 64-bit draw from `rng_state` (gen.random64()), returned as an int64 0-dim tensor, and the
 // state advanced past it; `rng_state` itself is not modified. The seed of a compiler's own
 // counter-based random stream (Inductor's Philox) made pure: to_aoti decomposes each

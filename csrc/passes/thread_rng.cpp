@@ -12,6 +12,33 @@ namespace {
 
 const ir::Target kDropout{"aten", "native_dropout", "default"};
 const ir::Target kDropoutRng{"torch_ext", "native_dropout_rng", "default"};
+// Noise like a tensor (a VAE's reparameterisation, noise injection): the op and its explicit-state form.
+const ir::Target kRandnLike{"aten", "randn_like", "default"};
+const ir::Target kRandLike{"aten", "rand_like", "default"};
+const ir::Target kRandnLikeRng{"torch_ext", "randn_like_rng", "default"};
+const ir::Target kRandLikeRng{"torch_ext", "rand_like_rng", "default"};
+
+bool is_noise_like(const ir::Node& n) { return n.target() == kRandnLike || n.target() == kRandLike; }
+
+// randn_like(x, *, dtype, layout, device, pin_memory, memory_format) whose result has x's dtype,
+// shape and device, with the default memory format: then the explicit-state op (empty_like(x),
+// strides preserved as randn_like preserves them, then the draw) computes the same tensor.
+void check_noise_like(const ir::Node& n) {
+  TORCH_CHECK(n.args().size() == 1 && n.args()[0].kind == ir::Arg::Kind::Node && n.type().kind == ir::Type::Kind::Tensor &&
+                  n.args()[0].node->type().kind == ir::Type::Kind::Tensor,
+              "thread_rng: node %", n.name(), " (", n.target().str(), ") is not a ", n.target().name,
+              "(tensor) with one tensor result");
+  const ir::Node& like = *n.args()[0].node;
+  const ir::TensorMeta& a = like.type().tensor;
+  const ir::TensorMeta& b = n.type().tensor;
+  const ir::Arg* format = n.kwarg("memory_format");
+  const bool preserve = format == nullptr || format->kind == ir::Arg::Kind::None ||
+                        (format->kind == ir::Arg::Kind::MemoryFormat &&
+                         format->i == static_cast<int64_t>(c10::MemoryFormat::Preserve));
+  TORCH_CHECK(a.dtype == b.dtype && a.sizes == b.sizes && a.device == b.device && preserve, "thread_rng: node %",
+              n.name(), " (", n.target().str(), ") makes a tensor of another dtype, device or memory format than its "
+              "input %", like.name(), "; the pure step draws noise only like its input");
+}
 constexpr int64_t kStateBytes = 5056;  // sizeof the mt19937 CPU generator state, torch.get_rng_state().numel()
 
 // True when the op draws from a generator: tagged nondeterministic_seeded, or takes a Generator.
@@ -53,11 +80,16 @@ ir::Node* thread_rng(ir::Graph& g, const std::string& state_name) {
   for (const auto& n : g.nodes()) {
     refuse_in_regions(*n);
     if (!draws_random(*n)) continue;
-    TORCH_CHECK(n->target() == kDropout, "thread_rng: node %", n->name(), " (", n->target().str(),
-                ") draws from the global random generator; the pure step makes only dropout "
-                "(aten::native_dropout) explicit in its RNG state, so this op would make it impure");
-    TORCH_CHECK(n->args().size() == 3 && n->type().kind == ir::Type::Kind::Tuple && n->type().elems.size() == 2,
-                "thread_rng: node %", n->name(), " is not a (input, p, train) native_dropout with two outputs");
+    TORCH_CHECK(n->target() == kDropout || is_noise_like(*n), "thread_rng: node %", n->name(), " (",
+                n->target().str(), ") draws from the global random generator; the pure step makes only dropout "
+                "(aten::native_dropout), randn_like and rand_like explicit in its RNG state, so this op would make "
+                "it impure");
+    if (is_noise_like(*n)) {
+      check_noise_like(*n);
+    } else {
+      TORCH_CHECK(n->args().size() == 3 && n->type().kind == ir::Type::Kind::Tuple && n->type().elems.size() == 2,
+                  "thread_rng: node %", n->name(), " is not a (input, p, train) native_dropout with two outputs");
+    }
     drops.push_back(n.get());
   }
   if (drops.empty()) return nullptr;
@@ -68,6 +100,22 @@ ir::Node* thread_rng(ir::Graph& g, const std::string& state_name) {
   const ir::Type state_type = ir::Type::make_tensor(meta);
   ir::Node* state = g.create_placeholder(g.unique_name("rng_state"), ir::InputRole::Buffer, state_type, state_name);
   for (ir::Node* d : drops) {
+    if (is_noise_like(*d)) {  // (noise, state) = <op>_rng(x, state); the noise replaces the node
+      const ir::Target& target = d->target() == kRandnLike ? kRandnLikeRng : kRandLikeRng;
+      ir::Node* rng = g.create_call(g.unique_name(d->name() + "_rng"), target,
+                                    {d->args()[0], ir::Arg::of_node(state)}, {},
+                                    ir::Type::make_tuple({d->type(), state_type}), d);
+      rng->set_module_path(d->module_path());
+      ir::Node* noise = g.create_call(g.unique_name(d->name() + "_noise"), ir::Target::getitem(),
+                                      {ir::Arg::of_node(rng), ir::Arg::of_int(0)}, {}, d->type(), d);
+      noise->set_module_path(d->module_path());
+      state = g.create_call(g.unique_name(d->name() + "_rng_state"), ir::Target::getitem(),
+                            {ir::Arg::of_node(rng), ir::Arg::of_int(1)}, {}, state_type, d);
+      state->set_module_path(d->module_path());
+      g.replace_all_uses_with(d, noise);
+      g.erase(d);
+      continue;
+    }
     std::vector<ir::Arg> args = d->args();
     args.push_back(ir::Arg::of_node(state));
     ir::Type type = ir::Type::make_tuple({d->type().elems[0], d->type().elems[1], state_type});

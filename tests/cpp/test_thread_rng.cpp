@@ -96,12 +96,70 @@ TEST(ThreadRng, OtherRandomOpsAreRefusedAndTheGraphIsUnchanged) {
   %x : f32[4] = input()
   %d : (f32[4], b8[4]) = aten::native_dropout.default(%x, 0.5, True)
   %o : f32[4] = getitem(%d, 0)
-  %n : f32[4] = aten::randn_like.default(%o)
+  %n : f32[4] = aten::bernoulli.p(%o, 0.5)
   return (%n)
 )";
   auto g = ir::parse(text);
   EXPECT_NE(error_of([&] { passes::thread_rng(*g); })
-                .find("node %n (aten::randn_like.default) draws from the global random generator"),
+                .find("node %n (aten::bernoulli.p) draws from the global random generator"),
             std::string::npos);
+  EXPECT_EQ(ir::print(*g), text);
+}
+
+// A VAE's reparameterisation: noise like a tensor. randn_like / rand_like draw from the threaded state
+// (after the dropout before them), exactly as eager's randn_like / rand_like do from the same state.
+TEST(ThreadRng, NoiseLikeATensorDrawsFromTheStateAsEagerDoes) {
+  const char* text = R"(graph:
+  %x : f32[4,6] = input()
+  %d : (f32[4,6], b8[4,6]) = aten::native_dropout.default(%x, 0.5, True)
+  %o : f32[4,6] = getitem(%d, 0)
+  %t : f32[6,4]{1,6} = aten::t.default(%o)
+  %n : f32[6,4]{1,6} = aten::randn_like.default(%t)
+  %u : f32[4,6] = aten::rand_like.default(%x)
+  return (%o, %n, %u)
+)";
+  auto g = ir::parse(text);
+  ir::Node* state = passes::thread_rng(*g);
+  ASSERT_NE(state, nullptr);
+  ir::verify(*g);
+  const std::string printed = ir::print(*g);
+  EXPECT_NE(printed.find("%n_rng : (f32[6,4]{1,6}, u8[5056]) = torch_ext::randn_like_rng.default(%t, %d_rng_state)"),
+            std::string::npos)
+      << printed;
+  EXPECT_NE(printed.find("%u_rng : (f32[4,6], u8[5056]) = torch_ext::rand_like_rng.default(%x, %n_rng_state)"),
+            std::string::npos)
+      << printed;
+  EXPECT_EQ(state->name(), "u_rng_state");
+  std::vector<ir::Arg> outs = g->output()->args()[0].list;
+  outs.push_back(ir::Arg::of_node(state));
+  g->set_output(outs);
+  runtime::Executor ex(*g);
+  const at::Tensor x = at::randn({4, 6});
+  const at::Tensor s0 = seeded_state(5);
+  auto a = ex.run({x, s0});
+  auto b = ex.run({x, s0});
+  for (size_t i = 0; i < 4; ++i) EXPECT_TRUE(at::equal(a[i].toTensor(), b[i].toTensor())) << i;
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  const at::Tensor saved = gen.get_state();
+  gen.set_state(s0);
+  auto [o, m] = at::native_dropout(x, 0.5, true);
+  const at::Tensor n = at::randn_like(o.t());
+  const at::Tensor u = at::rand_like(x);
+  const at::Tensor after = gen.get_state();
+  gen.set_state(saved);
+  EXPECT_TRUE(at::equal(a[1].toTensor(), n));
+  EXPECT_EQ(a[1].toTensor().strides(), n.strides());
+  EXPECT_TRUE(at::equal(a[2].toTensor(), u));
+  EXPECT_TRUE(at::equal(a[3].toTensor(), after));
+}
+
+TEST(ThreadRng, NoiseOfAnotherDtypeIsRefused) {
+  const char* text = R"(graph:
+  %x : f32[4] = input()
+  %n : f64[4] = aten::randn_like.default(%x, dtype=torch.float64)
+  return (%n)
+)";
+  auto g = ir::parse(text);
+  EXPECT_NE(error_of([&] { passes::thread_rng(*g); }).find("draws noise only like its input"), std::string::npos);
   EXPECT_EQ(ir::print(*g), text);
 }

@@ -645,9 +645,9 @@ def test_other_random_ops_are_refused_by_name():
 
         def forward(self, x):
             h = self.emb(x)
-            return h + torch.randn_like(h)
+            return h * torch.bernoulli(torch.full_like(h, 0.9))  # randn_like / rand_like are threaded now
 
-    with pytest.raises(RuntimeError, match=r"thread_rng: node %randn_like \(aten::randn_like.default\) draws from the "
+    with pytest.raises(RuntimeError, match=r"thread_rng: node %bernoulli \(aten::bernoulli.default\) draws from the "
                                            r"global random generator"):
         m = Noisy()
         torch_ext.make_train_step(m, adamw(m), lm_loss, next(lm_batches()))
@@ -676,6 +676,70 @@ def test_native_dropout_rng_matches_aten_and_opcheck():
         torch.ops.torch_ext.native_dropout_rng(x, 0.3, True, torch.zeros(5056))
     with pytest.raises(RuntimeError, match="dropout probability has to be between 0 and 1, but got 1.5"):
         torch.ops.torch_ext.native_dropout_rng(x, 1.5, True, state)
+
+
+@pytest.mark.parametrize("op, eager", [("randn_like_rng", torch.randn_like), ("rand_like_rng", torch.rand_like)])
+def test_noise_like_rng_matches_aten_and_opcheck(op, eager):
+    x = torch.randn(6, 5).t()  # strides preserved, as randn_like preserves them
+    state = torch.Generator().manual_seed(9).get_state()
+    kept = state.clone()
+    out, new = getattr(torch.ops.torch_ext, op)(x, state)
+    torch.manual_seed(9)
+    ref = eager(x)
+    assert torch.equal(out, ref) and out.stride() == ref.stride() and torch.equal(new, torch.get_rng_state())
+    assert torch.equal(state, kept)
+    torch.library.opcheck(getattr(torch.ops.torch_ext, op).default, (x, state))
+
+
+class _VAE(nn.Module):
+    """A reparameterised encoder (randn_like), noise injection (rand_like) and dropout in one step."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(8, 6)
+        self.dec = nn.Linear(3, 8)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        mu, logvar = self.enc(self.drop(x)).chunk(2, -1)  # chunk: strided views, as randn_like's input
+        z = mu + torch.randn_like(mu) * (0.5 * logvar).exp()
+        return self.dec(z + 0.01 * torch.rand_like(z)), mu, logvar
+
+
+def _vae_loss(m, x):
+    recon, mu, logvar = m(x)
+    return F.mse_loss(recon, x) - 0.5 * torch.mean(1 + logvar - mu ** 2 - logvar.exp())
+
+
+def test_a_vae_draws_its_noise_from_the_step_state_bit_exact_with_eager():
+    # randn_like was refused ("draws from the global random generator"), so a VAE could not be stepped.
+    torch.manual_seed(0)
+    model = _VAE()
+    batches = [(torch.randn(16, 8),) for _ in range(4)]
+    result = torch_ext.testing.assert_step_matches_eager(model, torch.optim.Adam(model.parameters(), lr=1e-2),
+                                                         _vae_loss, batches, rtol=0.0)
+    assert result["state"] == 0.0 and result["steps"] == 4
+    step = torch_ext.make_train_step(model, torch.optim.Adam(model.parameters(), lr=1e-2), _vae_loss, batches[0])
+    state = step.init_state(seed=3)
+    a, b = step(state, *batches[0]), step(state, *batches[0])
+    assert torch.equal(a[0], b[0])  # pure: the same state draws the same noise
+    assert not torch.equal(step(a[1], *batches[0])[0], a[0])  # the advanced state draws new noise
+
+
+def test_noise_like_decompositions_for_aoti_are_pure_and_distributed_as_asked():
+    # to_aoti's forms (torch_ext/_aoti.py): a hash of the element index keyed by one draw from the state.
+    from torch_ext import _aoti
+
+    state = torch.Generator().manual_seed(2).get_state()
+    x = torch.empty(200_000)
+    z, new = _aoti._randn_like_rng(x, state)
+    z2, _ = _aoti._randn_like_rng(x, state)
+    assert torch.equal(z, z2) and not torch.equal(new, state)
+    assert abs(float(z.mean())) < 0.01 and abs(float(z.std()) - 1.0) < 0.01 and bool(torch.isfinite(z).all())
+    assert not torch.equal(_aoti._randn_like_rng(x, new)[0], z)
+    u, _ = _aoti._rand_like_rng(x.double(), state)
+    assert u.dtype == torch.float64 and float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 0.005
 
 
 def test_rng_seed_is_one_random64_draw_and_advances_a_copy_of_the_state():
