@@ -13,8 +13,9 @@ allocations and eager arithmetic inside. Two kinds sit in every step program:
   vectorises and fuses with the mask and the scale. The package draws another stream than the
   executor (the issue asks AOTInductor only to stay pure), and still reads no global generator: the
   seed is a function of the state passed in.
-- noise like a tensor (``torch_ext::randn_like_rng`` / ``rand_like_rng``): uniforms from 24 bits of
-  the same hash, normals by Box-Muller over two of them; pure in the state, another stream than eager.
+- noise like a tensor (``torch_ext::randn_like_rng`` / ``rand_like_rng``) and random factories
+  (``randn_rng`` / ``rand_rng`` / ``randint_rng``): uniforms from 24 bits of the same hash, normals by
+  Box-Muller over two of them, integers by a modulo; pure in the state, another stream than eager.
 
 Cross-entropy is rewritten too (fuse_cross_entropy below): the joint graph's
 ``_log_softmax -> nll_loss_forward`` and ``nll_loss_backward -> _log_softmax_backward_data`` become
@@ -81,24 +82,50 @@ def _native_dropout_rng(input, p, train, rng_state):
     return input * mask * scale, mask, new_state
 
 
-def _uniform_like(self, rng_state):
+def _uniform(shape, device, rng_state):
     # 24 hash bits per element as a float in [0, 1) (float32's mantissa), pure in the state.
     seed, new_state = torch.ops.torch_ext.rng_seed(rng_state)
-    bits = counter_bits(list(self.shape), seed, self.device)
+    bits = counter_bits(list(shape), seed, device)
     return (bits >> 8).to(torch.float32) * (2.0 ** -24), new_state
 
 
+def _normal(shape, device, rng_state):
+    # Box-Muller over two hashed uniforms: 1 - u1 in (0, 1] keeps the log finite.
+    u1, state = _uniform(shape, device, rng_state)
+    u2, new_state = _uniform(shape, device, state)
+    return torch.sqrt(-2.0 * torch.log(1.0 - u1)) * torch.cos((2.0 * math.pi) * u2), new_state
+
+
 def _rand_like_rng(self, rng_state):
-    u, new_state = _uniform_like(self, rng_state)
+    u, new_state = _uniform(self.shape, self.device, rng_state)
     return u.to(self.dtype), new_state
 
 
 def _randn_like_rng(self, rng_state):
-    # Box-Muller over two hashed uniforms: u1 in (0, 1] keeps the log finite.
-    u1, state = _uniform_like(self, rng_state)
-    u2, new_state = _uniform_like(self, state)
-    z = torch.sqrt(-2.0 * torch.log(1.0 - u1)) * torch.cos((2.0 * math.pi) * u2)
+    z, new_state = _normal(self.shape, self.device, rng_state)
     return z.to(self.dtype), new_state
+
+
+def _rand_rng(size, dtype, rng_state):
+    u, new_state = _uniform(size, rng_state.device, rng_state)
+    return u.to(dtype), new_state
+
+
+def _randn_rng(size, dtype, rng_state):
+    z, new_state = _normal(size, rng_state.device, rng_state)
+    return z.to(dtype), new_state
+
+
+def _randint_rng(low, high, size, dtype, rng_state):
+    # An integer in [low, high) from the hash bits (a modulo: its bias is below range / 2**32, or below
+    # range / 2**63 with two draws for ranges past 2**32).
+    span = high - low
+    seed, state = torch.ops.torch_ext.rng_seed(rng_state)
+    bits = counter_bits(list(size), seed, rng_state.device)
+    if span > 2**32:
+        seed2, state = torch.ops.torch_ext.rng_seed(state)
+        bits = (bits << 31) ^ counter_bits(list(size), seed2, rng_state.device)
+    return (low + bits % span).to(dtype), state
 
 
 _aten = torch.ops.aten
@@ -233,6 +260,9 @@ def aoti_decompositions() -> dict:
     table[torch.ops.torch_ext.native_dropout_rng.default] = _native_dropout_rng
     table[torch.ops.torch_ext.randn_like_rng.default] = _randn_like_rng
     table[torch.ops.torch_ext.rand_like_rng.default] = _rand_like_rng
+    table[torch.ops.torch_ext.randn_rng.default] = _randn_rng
+    table[torch.ops.torch_ext.rand_rng.default] = _rand_rng
+    table[torch.ops.torch_ext.randint_rng.default] = _randint_rng
     return table
 
 

@@ -44,6 +44,22 @@ def _(self, rng_state):
     return torch.empty_like(self), torch.empty_like(rng_state)
 
 
+@torch.library.register_fake("torch_ext::randn_rng")
+def _(size, dtype, rng_state):
+    # (the factory's tensor, advanced generator state)
+    return rng_state.new_empty(size, dtype=dtype), torch.empty_like(rng_state)
+
+
+@torch.library.register_fake("torch_ext::rand_rng")
+def _(size, dtype, rng_state):
+    return rng_state.new_empty(size, dtype=dtype), torch.empty_like(rng_state)
+
+
+@torch.library.register_fake("torch_ext::randint_rng")
+def _(low, high, size, dtype, rng_state):
+    return rng_state.new_empty(size, dtype=dtype), torch.empty_like(rng_state)
+
+
 @torch.library.register_fake("torch_ext::rng_seed")
 def _(rng_state):
     # (int64 0-dim seed, advanced generator state)

@@ -14,6 +14,9 @@ TORCH_LIBRARY(torch_ext, m) {
       "native_dropout_rng(Tensor input, float p, bool? train, Tensor rng_state) -> (Tensor, Tensor, Tensor)");
   m.def("randn_like_rng(Tensor self, Tensor rng_state) -> (Tensor, Tensor)");
   m.def("rand_like_rng(Tensor self, Tensor rng_state) -> (Tensor, Tensor)");
+  m.def("randn_rng(int[] size, ScalarType dtype, Tensor rng_state) -> (Tensor, Tensor)");
+  m.def("rand_rng(int[] size, ScalarType dtype, Tensor rng_state) -> (Tensor, Tensor)");
+  m.def("randint_rng(int low, int high, int[] size, ScalarType dtype, Tensor rng_state) -> (Tensor, Tensor)");
   m.def("rng_seed(Tensor rng_state) -> (Tensor, Tensor)");
 }
 
@@ -21,6 +24,9 @@ TORCH_LIBRARY_IMPL(torch_ext, CPU, m) {
   m.impl("native_dropout_rng", &native_dropout_rng);
   m.impl("randn_like_rng", &randn_like_rng);
   m.impl("rand_like_rng", &rand_like_rng);
+  m.impl("randn_rng", &randn_rng);
+  m.impl("rand_rng", &rand_rng);
+  m.impl("randint_rng", &randint_rng);
   m.impl("rng_seed", &rng_seed);
 }
 

@@ -58,6 +58,29 @@ std::tuple<at::Tensor, at::Tensor> rand_like_rng(const at::Tensor& self, const a
   return {out, gen.get_state()};
 }
 
+std::tuple<at::Tensor, at::Tensor> randn_rng(at::IntArrayRef size, at::ScalarType dtype, const at::Tensor& rng_state) {
+  at::Generator gen = generator_from(rng_state, "randn_rng");
+  at::Tensor out = at::empty(size, rng_state.options().dtype(dtype));
+  out.normal_(0, 1, gen);
+  return {out, gen.get_state()};
+}
+
+std::tuple<at::Tensor, at::Tensor> rand_rng(at::IntArrayRef size, at::ScalarType dtype, const at::Tensor& rng_state) {
+  at::Generator gen = generator_from(rng_state, "rand_rng");
+  at::Tensor out = at::empty(size, rng_state.options().dtype(dtype));
+  out.uniform_(0, 1, gen);
+  return {out, gen.get_state()};
+}
+
+std::tuple<at::Tensor, at::Tensor> randint_rng(int64_t low, int64_t high, at::IntArrayRef size, at::ScalarType dtype,
+                                               const at::Tensor& rng_state) {
+  TORCH_CHECK(low < high, "randint_rng: low (", low, ") must be below high (", high, ")");
+  at::Generator gen = generator_from(rng_state, "randint_rng");
+  at::Tensor out = at::empty(size, rng_state.options().dtype(dtype));
+  out.random_(low, high, gen);
+  return {out, gen.get_state()};
+}
+
 std::tuple<at::Tensor, at::Tensor> rng_seed(const at::Tensor& rng_state) {
   at::Generator gen = generator_from(rng_state, "rng_seed");
   const uint64_t draw = gen.get<at::CPUGeneratorImpl>()->random64();

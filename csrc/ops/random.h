@@ -21,6 +21,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> native_dropout_rng(const at::Tens
 std::tuple<at::Tensor, at::Tensor> randn_like_rng(const at::Tensor& self, const at::Tensor& rng_state);
 std::tuple<at::Tensor, at::Tensor> rand_like_rng(const at::Tensor& self, const at::Tensor& rng_state);
 
+// aten::randn / rand / randint(low, high) of a size and dtype (CPU), drawn from `rng_state`: empty,
+// then normal_(0, 1) / uniform_(0, 1) / random_(low, high) on the generator, as the factories do.
+std::tuple<at::Tensor, at::Tensor> randn_rng(at::IntArrayRef size, at::ScalarType dtype, const at::Tensor& rng_state);
+std::tuple<at::Tensor, at::Tensor> rand_rng(at::IntArrayRef size, at::ScalarType dtype, const at::Tensor& rng_state);
+std::tuple<at::Tensor, at::Tensor> randint_rng(int64_t low, int64_t high, at::IntArrayRef size, at::ScalarType dtype,
+                                               const at::Tensor& rng_state);
+
 // One 64-bit draw from `rng_state` (gen.random64()), returned as an int64 0-dim tensor, and the
 // state advanced past it; `rng_state` itself is not modified. The seed of a compiler's own
 // counter-based random stream (Inductor's Philox) made pure: to_aoti decomposes each

@@ -1,6 +1,7 @@
 #include "passes/thread_rng.h"
 
 #include "ir/higher_order.h"
+#include "ir/printer.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
@@ -19,6 +20,30 @@ const ir::Target kRandnLikeRng{"torch_ext", "randn_like_rng", "default"};
 const ir::Target kRandLikeRng{"torch_ext", "rand_like_rng", "default"};
 
 bool is_noise_like(const ir::Node& n) { return n.target() == kRandnLike || n.target() == kRandLike; }
+
+// Random factories (diffusion training: randint timesteps, randn noise): size and dtype are the node's type.
+const ir::Target kRandn{"aten", "randn", "default"};
+const ir::Target kRand{"aten", "rand", "default"};
+const ir::Target kRandint{"aten", "randint", "default"};     // randint(high, size)
+const ir::Target kRandintLow{"aten", "randint", "low"};      // randint(low, high, size)
+
+bool is_factory(const ir::Node& n) {
+  return n.target() == kRandn || n.target() == kRand || n.target() == kRandint || n.target() == kRandintLow;
+}
+
+void check_factory(const ir::Node& n) {
+  TORCH_CHECK(n.type().kind == ir::Type::Kind::Tensor && n.type().tensor.device.is_cpu(), "thread_rng: node %",
+              n.name(), " (", n.target().str(), ") makes a ", ir::print_type(n.type()),
+              "; the pure step's RNG state is the CPU generator's, so it draws random factories on the CPU only");
+  if (n.target() == kRandint || n.target() == kRandintLow) {
+    const size_t bounds = n.target() == kRandint ? 1 : 2;
+    TORCH_CHECK(n.args().size() == bounds + 1, "thread_rng: node %", n.name(), " is not a ", n.target().str(),
+                " with ", bounds, " bounds and a size");
+    for (size_t i = 0; i < bounds; ++i)
+      TORCH_CHECK(n.args()[i].kind == ir::Arg::Kind::Int, "thread_rng: node %", n.name(), " (", n.target().str(),
+                  ") has a bound that is not a constant int");
+  }
+}
 
 // randn_like(x, *, dtype, layout, device, pin_memory, memory_format) whose result has x's dtype,
 // shape and device, with the default memory format: then the explicit-state op (empty_like(x),
@@ -80,11 +105,13 @@ ir::Node* thread_rng(ir::Graph& g, const std::string& state_name) {
   for (const auto& n : g.nodes()) {
     refuse_in_regions(*n);
     if (!draws_random(*n)) continue;
-    TORCH_CHECK(n->target() == kDropout || is_noise_like(*n), "thread_rng: node %", n->name(), " (",
-                n->target().str(), ") draws from the global random generator; the pure step makes only dropout "
-                "(aten::native_dropout), randn_like and rand_like explicit in its RNG state, so this op would make "
-                "it impure");
-    if (is_noise_like(*n)) {
+    TORCH_CHECK(n->target() == kDropout || is_noise_like(*n) || is_factory(*n), "thread_rng: node %", n->name(),
+                " (", n->target().str(), ") draws from the global random generator; the pure step makes only dropout "
+                "(aten::native_dropout), randn_like, rand_like, randn, rand and randint explicit in its RNG state, so "
+                "this op would make it impure");
+    if (is_factory(*n)) {
+      check_factory(*n);
+    } else if (is_noise_like(*n)) {
       check_noise_like(*n);
     } else {
       TORCH_CHECK(n->args().size() == 3 && n->type().kind == ir::Type::Kind::Tuple && n->type().elems.size() == 2,
@@ -100,10 +127,24 @@ ir::Node* thread_rng(ir::Graph& g, const std::string& state_name) {
   const ir::Type state_type = ir::Type::make_tensor(meta);
   ir::Node* state = g.create_placeholder(g.unique_name("rng_state"), ir::InputRole::Buffer, state_type, state_name);
   for (ir::Node* d : drops) {
-    if (is_noise_like(*d)) {  // (noise, state) = <op>_rng(x, state); the noise replaces the node
-      const ir::Target& target = d->target() == kRandnLike ? kRandnLikeRng : kRandLikeRng;
-      ir::Node* rng = g.create_call(g.unique_name(d->name() + "_rng"), target,
-                                    {d->args()[0], ir::Arg::of_node(state)}, {},
+    if (is_noise_like(*d) || is_factory(*d)) {  // (noise, state) = <op>_rng(..., state); the noise replaces the node
+      ir::Target target = d->target() == kRandnLike ? kRandnLikeRng : kRandLikeRng;
+      std::vector<ir::Arg> args{d->args()[0]};
+      if (is_factory(*d)) {
+        const ir::TensorMeta& meta = d->type().tensor;
+        std::vector<ir::Arg> size;
+        for (int64_t s : meta.sizes) size.push_back(ir::Arg::of_int(s));
+        args = {ir::Arg::of_list(std::move(size)), ir::Arg::of_dtype(meta.dtype)};
+        if (d->target() == kRandn) target = {"torch_ext", "randn_rng", "default"};
+        if (d->target() == kRand) target = {"torch_ext", "rand_rng", "default"};
+        if (d->target() == kRandint || d->target() == kRandintLow) {
+          target = {"torch_ext", "randint_rng", "default"};
+          const bool low = d->target() == kRandintLow;
+          args.insert(args.begin(), {low ? d->args()[0] : ir::Arg::of_int(0), d->args()[low ? 1 : 0]});
+        }
+      }
+      args.push_back(ir::Arg::of_node(state));
+      ir::Node* rng = g.create_call(g.unique_name(d->name() + "_rng"), target, std::move(args), {},
                                     ir::Type::make_tuple({d->type(), state_type}), d);
       rng->set_module_path(d->module_path());
       ir::Node* noise = g.create_call(g.unique_name(d->name() + "_noise"), ir::Target::getitem(),
