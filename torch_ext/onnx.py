@@ -131,6 +131,11 @@ def _translations() -> dict:
             ops.rmsprop_update.default: rmsprop_update, ops.adagrad_update.default: adagrad_update}
 
 
+def _silu_backward(grad, x):
+    sigmoid = torch.sigmoid(x)
+    return grad * (sigmoid * (1 + x * (1 - sigmoid)))
+
+
 def to_onnx(step, path: str) -> str:
     """Exports ``step``'s pure program to ``path`` (ONNX), with the program's inputs and outputs:
     the flat layout of every artifact (``torch_ext.deploy.layout_of``: ``inputs`` in order, state
@@ -164,6 +169,9 @@ def to_onnx(step, path: str) -> str:
     decompositions = torch.export.default_decompositions()
     decompositions.update(get_decompositions([aten._native_batch_norm_legit_functional,
                                               aten.native_batch_norm_backward]))
+    # silu_backward (passes/recompose_silu_backward.h) as SiLU's autograd formula: the default table's form
+    # goes through empty_permuted, which the exporter cannot translate.
+    decompositions[aten.silu_backward.default] = _silu_backward
     program = program.run_decompositions(decompositions)
     import logging
 

@@ -189,6 +189,24 @@ def test_onnx_trains_batch_norm_like_the_executor(tmp_path):
     assert torch.equal(state.lookup("model.1.num_batches_tracked"), want.lookup("model.1.num_batches_tracked"))
 
 
+def test_onnx_trains_silu_like_the_executor(tmp_path):
+    # The step runs SiLU's backward as eager's fused aten::silu_backward (passes/recompose_silu_backward.h),
+    # whose default decomposition goes through empty_permuted, which the exporter cannot translate.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Linear(16, 3))
+    batch = (torch.randn(6, 8), torch.randint(0, 3, (6,)))
+    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                     lambda m, x, y: F.cross_entropy(m(x), y), batch)
+    assert any("silu_backward" in str(n.target) for n in step.program.graph.nodes)
+    loaded = torch_ext.load_step(step.to_onnx(str(tmp_path / "silu.onnx")))
+    state = want = step.init_state()
+    for _ in range(5):
+        loss, state = loaded(state, *batch)
+        want_loss, want = step(want, *batch)
+        assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
+    torch.testing.assert_close(state.lookup("model.0.weight"), want.lookup("model.0.weight"), rtol=1e-5, atol=1e-6)
+
+
 def test_onnx_export_that_computes_differently_is_refused(tmp_path, monkeypatch):
     # to_onnx runs the file once against the program: a mistranslated op is an error, not a file.
     model, batch, loss_fn = _case("mlp")
