@@ -136,6 +136,11 @@ def _silu_backward(grad, x):
     return grad * (sigmoid * (1 + x * (1 - sigmoid)))
 
 
+def _mish_backward(grad, x):
+    tanh_softplus = torch.tanh(torch.nn.functional.softplus(x))
+    return grad * (tanh_softplus + x * torch.sigmoid(x) * (1 - tanh_softplus * tanh_softplus))
+
+
 def to_onnx(step, path: str) -> str:
     """Exports ``step``'s pure program to ``path`` (ONNX), with the program's inputs and outputs:
     the flat layout of every artifact (``torch_ext.deploy.layout_of``: ``inputs`` in order, state
@@ -169,9 +174,10 @@ def to_onnx(step, path: str) -> str:
     decompositions = torch.export.default_decompositions()
     decompositions.update(get_decompositions([aten._native_batch_norm_legit_functional,
                                               aten.native_batch_norm_backward]))
-    # silu_backward (passes/recompose_silu_backward.h) as SiLU's autograd formula: the default table's form
-    # goes through empty_permuted, which the exporter cannot translate.
+    # silu_backward and mish_backward (passes/recompose_activation_backward.h) as their autograd formulas: the
+    # default table's forms go through empty_permuted, which the exporter cannot translate.
     decompositions[aten.silu_backward.default] = _silu_backward
+    decompositions[aten.mish_backward.default] = _mish_backward
     program = program.run_decompositions(decompositions)
     import logging
 

@@ -10,7 +10,7 @@
 #include "passes/eliminate_dead_code.h"
 #include "passes/lift_optimizer_state.h"
 #include "passes/pass_manager.h"
-#include "passes/recompose_silu_backward.h"
+#include "passes/recompose_activation_backward.h"
 #include "passes/rewire_outputs.h"
 #include "passes/serialize_collectives.h"
 #include "passes/shard_optimizer_state.h"
@@ -103,8 +103,8 @@ PassResult run_append_update(ir::Graph& g, PassContext& ctx) {
   return PassResult::changed();
 }
 
-PassResult run_recompose_silu_backward(ir::Graph& g, PassContext&) {
-  return recompose_silu_backward(g) > 0 ? PassResult::changed() : PassResult::unchanged();
+PassResult run_recompose_activation_backward(ir::Graph& g, PassContext&) {
+  return recompose_activation_backward(g) > 0 ? PassResult::changed() : PassResult::unchanged();
 }
 
 PassResult run_thread_rng(ir::Graph& g, PassContext& ctx) {
@@ -169,7 +169,7 @@ PassResult run_unroll(ir::Graph& g, PassContext& ctx) {
 // The pipeline (see build_train_step.h). Constant data: no static constructor runs.
 constexpr Pass kTrainStepPasses[] = {
     // First: accumulate copies the joint graph per micro-batch.
-    {"recompose_silu_backward", nullptr, run_recompose_silu_backward},
+    {"recompose_activation_backward", nullptr, run_recompose_activation_backward},
     {"accumulate", [](const PassContext& c) { return c.spec.accumulate > 1; }, run_accumulate},
     {"read_outputs", nullptr, run_read_outputs},
     {"lift_optimizer_state", nullptr, run_lift_optimizer_state},

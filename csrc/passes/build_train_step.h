@@ -1,6 +1,6 @@
 // The pure-training-step pipeline: joint forward/backward graph in, one side-effect-free step out.
 //
-//   recompose_silu_backward -> [accumulate] -> read_outputs -> lift_optimizer_state -> [all_reduce_grads]
+//   recompose_activation_backward -> [accumulate] -> read_outputs -> lift_optimizer_state -> [all_reduce_grads]
 //   -> [clip_grad_norm]
 //   -> append_update (or shard_optimizer_state, ZeRO-1) -> thread_rng -> rewire_outputs
 //   -> eliminate_dead_code -> check_pure -> [unroll -> check_pure]

@@ -141,7 +141,7 @@ TEST(PassManager, PrintAfterAllFollowsTheEnvironment) {
 TEST(TrainStepPipeline, IsTheDeclaredListAndEachSpecEnablesItsEntries) {
   std::vector<std::string> names;
   for (const passes::Pass& p : passes::train_step_passes()) names.push_back(p.name);
-  EXPECT_EQ(names, (std::vector<std::string>{"recompose_silu_backward", "accumulate", "read_outputs", "lift_optimizer_state", "all_reduce_grads",
+  EXPECT_EQ(names, (std::vector<std::string>{"recompose_activation_backward", "accumulate", "read_outputs", "lift_optimizer_state", "all_reduce_grads",
                                              "clip_grad_norm", "shard_optimizer_state", "append_update", "thread_rng",
                                              "rewire_outputs", "eliminate_dead_code", "check_pure", "unroll",
                                              "check_pure", "serialize_collectives"}));
@@ -153,14 +153,14 @@ TEST(TrainStepPipeline, IsTheDeclaredListAndEachSpecEnablesItsEntries) {
     return out;
   };
   passes::TrainStepSpec plain;
-  EXPECT_EQ(enabled(plain, 1), (std::vector<std::string>{"recompose_silu_backward", "read_outputs", "lift_optimizer_state", "append_update",
+  EXPECT_EQ(enabled(plain, 1), (std::vector<std::string>{"recompose_activation_backward", "read_outputs", "lift_optimizer_state", "append_update",
                                                          "thread_rng", "rewire_outputs", "eliminate_dead_code",
                                                          "check_pure"}));
   passes::TrainStepSpec all = plain;
   all.accumulate = 2;
   all.clip_max_norm = 1.0;
   all.data_parallel = passes::DataParallel{"g", 2, 0, true};
-  EXPECT_EQ(enabled(all, 3), (std::vector<std::string>{"recompose_silu_backward", "accumulate", "read_outputs", "lift_optimizer_state",
+  EXPECT_EQ(enabled(all, 3), (std::vector<std::string>{"recompose_activation_backward", "accumulate", "read_outputs", "lift_optimizer_state",
                                                        "all_reduce_grads", "clip_grad_norm", "shard_optimizer_state",
                                                        "thread_rng", "rewire_outputs", "eliminate_dead_code",
                                                        "check_pure", "unroll", "check_pure", "serialize_collectives"}));

@@ -324,7 +324,7 @@ TEST(BuildTrainStep, PrintAfterAllShowsEachPassThatRan) {
   std::vector<std::string> headers;
   for (size_t at = err.find("// ----- IR after "); at != std::string::npos; at = err.find("// ----- IR after ", at + 1))
     headers.push_back(err.substr(at + 18, err.find(' ', at + 18) - (at + 18)));
-  EXPECT_EQ(headers, (std::vector<std::string>{"recompose_silu_backward", "read_outputs", "lift_optimizer_state", "append_update", "thread_rng",
+  EXPECT_EQ(headers, (std::vector<std::string>{"recompose_activation_backward", "read_outputs", "lift_optimizer_state", "append_update", "thread_rng",
                                                "rewire_outputs", "eliminate_dead_code", "check_pure"}));
   const std::string last = ir::print(*out.graph);
   ASSERT_GE(err.size(), last.size());

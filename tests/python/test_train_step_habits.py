@@ -1450,13 +1450,14 @@ def test_a_torch_compiled_model_is_stepped_and_swept_as_the_module_it_wraps():
     assert torch.equal(rg.demand(), model(batches[0][0]))
 
 
+@pytest.mark.parametrize("act", [nn.SiLU, nn.Mish])
 @pytest.mark.parametrize("make_opt", [lambda p: torch.optim.AdamW(p, lr=1e-2), lambda p: torch.optim.SGD(p, lr=0.1)])
-def test_silu_models_are_bit_exact_with_eager(make_opt):
-    # Export traces SiLU's backward with grad mode on, as a composite that rounds otherwise than the fused
-    # silu_backward eager autograd runs: the state drifted by ~2e-7 relative within 5 steps
-    # (passes/recompose_silu_backward.h).
+def test_silu_and_mish_models_are_bit_exact_with_eager(make_opt, act):
+    # Export traces SiLU's and Mish's backward with grad mode on, as composites that round otherwise than
+    # the fused kernels eager autograd runs: the state drifted by ~1e-7 relative within 5 steps
+    # (passes/recompose_activation_backward.h).
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 32), nn.SiLU(), nn.Linear(32, 32), nn.SiLU(), nn.Linear(32, 8))
+    model = nn.Sequential(nn.Linear(8, 32), act(), nn.Linear(32, 32), act(), nn.Linear(32, 8))
     batches = [(torch.randn(16, 8), torch.randn(16, 8)) for _ in range(5)]
     result = torch_ext.testing.assert_step_matches_eager(model, make_opt(model.parameters()),
                                                          lambda m, x, y: F.mse_loss(m(x), y), batches, rtol=0.0)

@@ -1,0 +1,97 @@
+// recompose_activation_backward: the composite SiLU and Mish backwards of a traced joint graph become the
+// fused aten::silu_backward / mish_backward that eager autograd runs (golden text), and only when the
+// forward is that activation.
+#include "ir/parser.h"
+#include "ir/printer.h"
+#include "ir/verifier.h"
+#include "passes/eliminate_dead_code.h"
+#include "passes/recompose_activation_backward.h"
+#include "runtime/executor.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+using namespace torch_ext;
+
+namespace {
+
+// `forward` is the op producing %y from %x: aten::silu.default (SiLU's joint graph) or a hand-written
+// sigmoid product, whose backward composite is the same text.
+std::string joint(const std::string& forward) {
+  return R"(graph:
+  %x : f32[3,4] = input()
+  %g : f32[3,4] = input()
+  %y : f32[3,4] = )" + forward + R"(
+  %sig : f32[3,4] = aten::sigmoid.default(%x)
+  %e : f32[3,4] = aten::empty_like.default(%sig, memory_format=torch.preserve_format)
+  %f : f32[3,4] = aten::fill.Scalar(%e, 1)
+  %s : f32[3,4] = aten::sub.Tensor(%f, %sig)
+  %m : f32[3,4] = aten::mul.Tensor(%x, %s)
+  %a : f32[3,4] = aten::add.Scalar(%m, 1)
+  %m1 : f32[3,4] = aten::mul.Tensor(%sig, %a)
+  %out : f32[3,4] = aten::mul.Tensor(%g, %m1)
+  return (%y, %out)
+)";
+}
+
+}  // namespace
+
+TEST(RecomposeActivationBackward, SilusCompositeBecomesEagersFusedKernel) {
+  auto g = ir::parse(joint("aten::silu.default(%x)"));
+  EXPECT_EQ(passes::recompose_activation_backward(*g), 1);
+  passes::eliminate_dead_code(*g);
+  ir::verify(*g);
+  EXPECT_EQ(ir::print(*g), R"(graph:
+  %x : f32[3,4] = input()
+  %g : f32[3,4] = input()
+  %y : f32[3,4] = aten::silu.default(%x)
+  %out : f32[3,4] = aten::silu_backward.default(%g, %x)
+  return (%y, %out)
+)");
+  // Eager's backward, bit for bit (the composite rounds otherwise).
+  const at::Tensor x = at::randn({3, 4}) * 3;
+  const at::Tensor grad = at::randn({3, 4});
+  runtime::Executor ex(*g);
+  EXPECT_TRUE(at::equal(ex.run({x, grad})[1].toTensor(), at::silu_backward(grad, x)));
+}
+
+TEST(RecomposeActivationBackward, AHandWrittenProductIsLeftAlone) {
+  const std::string text = joint("aten::mul.Tensor(%x, %x)");
+  auto g = ir::parse(text);
+  EXPECT_EQ(passes::recompose_activation_backward(*g), 0);
+  EXPECT_EQ(ir::print(*g), text);
+}
+
+TEST(RecomposeActivationBackward, MishsCompositeBecomesEagersFusedKernel) {
+  auto g = ir::parse(R"(graph:
+  %x : f32[3,4] = input()
+  %g : f32[3,4] = input()
+  %y : f32[3,4] = aten::mish.default(%x)
+  %sp : f32[3,4] = aten::softplus.default(%x)
+  %tsp : f32[3,4] = aten::tanh.default(%sp)
+  %sig : f32[3,4] = aten::sigmoid.default(%x)
+  %sq : f32[3,4] = aten::mul.Tensor(%tsp, %tsp)
+  %e : f32[3,4] = aten::empty_like.default(%sq, memory_format=torch.preserve_format)
+  %f : f32[3,4] = aten::fill.Scalar(%e, 1)
+  %s : f32[3,4] = aten::sub.Tensor(%f, %sq)
+  %m1 : f32[3,4] = aten::mul.Tensor(%x, %sig)
+  %m2 : f32[3,4] = aten::mul.Tensor(%m1, %s)
+  %a : f32[3,4] = aten::add.Tensor(%tsp, %m2)
+  %out : f32[3,4] = aten::mul.Tensor(%g, %a)
+  return (%y, %out)
+)");
+  EXPECT_EQ(passes::recompose_activation_backward(*g), 1);
+  passes::eliminate_dead_code(*g);
+  ir::verify(*g);
+  EXPECT_EQ(ir::print(*g), R"(graph:
+  %x : f32[3,4] = input()
+  %g : f32[3,4] = input()
+  %y : f32[3,4] = aten::mish.default(%x)
+  %out : f32[3,4] = aten::mish_backward.default(%g, %x)
+  return (%y, %out)
+)");
+  const at::Tensor x = at::randn({3, 4}) * 3;
+  const at::Tensor grad = at::randn({3, 4});
+  runtime::Executor ex(*g);
+  EXPECT_TRUE(at::equal(ex.run({x, grad})[1].toTensor(), at::mish_backward(grad, x)));
+}
