@@ -106,6 +106,11 @@ def _randn_like_rng(self, rng_state):
     return z.to(self.dtype), new_state
 
 
+def _bernoulli_p_rng(self, p, rng_state):
+    u, new_state = _uniform(self.shape, self.device, rng_state)
+    return (u < p).to(self.dtype), new_state
+
+
 def _rand_rng(size, dtype, rng_state):
     u, new_state = _uniform(size, rng_state.device, rng_state)
     return u.to(dtype), new_state
@@ -261,6 +266,7 @@ def aoti_decompositions() -> dict:
     table[torch.ops.torch_ext.randn_like_rng.default] = _randn_like_rng
     table[torch.ops.torch_ext.rand_like_rng.default] = _rand_like_rng
     table[torch.ops.torch_ext.randn_rng.default] = _randn_rng
+    table[torch.ops.torch_ext.bernoulli_p_rng.default] = _bernoulli_p_rng
     table[torch.ops.torch_ext.rand_rng.default] = _rand_rng
     table[torch.ops.torch_ext.randint_rng.default] = _randint_rng
     return table

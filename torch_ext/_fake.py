@@ -60,6 +60,12 @@ def _(low, high, size, dtype, rng_state):
     return rng_state.new_empty(size, dtype=dtype), torch.empty_like(rng_state)
 
 
+@torch.library.register_fake("torch_ext::bernoulli_p_rng")
+def _(self, p, rng_state):
+    # (at::bernoulli(self, p)'s contiguous result, advanced generator state)
+    return torch.empty_like(self, memory_format=torch.contiguous_format), torch.empty_like(rng_state)
+
+
 @torch.library.register_fake("torch_ext::rng_seed")
 def _(rng_state):
     # (int64 0-dim seed, advanced generator state)

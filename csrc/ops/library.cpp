@@ -17,6 +17,7 @@ TORCH_LIBRARY(torch_ext, m) {
   m.def("randn_rng(int[] size, ScalarType dtype, Tensor rng_state) -> (Tensor, Tensor)");
   m.def("rand_rng(int[] size, ScalarType dtype, Tensor rng_state) -> (Tensor, Tensor)");
   m.def("randint_rng(int low, int high, int[] size, ScalarType dtype, Tensor rng_state) -> (Tensor, Tensor)");
+  m.def("bernoulli_p_rng(Tensor self, float p, Tensor rng_state) -> (Tensor, Tensor)");
   m.def("rng_seed(Tensor rng_state) -> (Tensor, Tensor)");
 }
 
@@ -27,6 +28,7 @@ TORCH_LIBRARY_IMPL(torch_ext, CPU, m) {
   m.impl("randn_rng", &randn_rng);
   m.impl("rand_rng", &rand_rng);
   m.impl("randint_rng", &randint_rng);
+  m.impl("bernoulli_p_rng", &bernoulli_p_rng);
   m.impl("rng_seed", &rng_seed);
 }
 

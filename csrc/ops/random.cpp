@@ -81,6 +81,15 @@ std::tuple<at::Tensor, at::Tensor> randint_rng(int64_t low, int64_t high, at::In
   return {out, gen.get_state()};
 }
 
+std::tuple<at::Tensor, at::Tensor> bernoulli_p_rng(const at::Tensor& self, double p, const at::Tensor& rng_state) {
+  TORCH_CHECK(self.device().is_cpu(), "bernoulli_p_rng: input must be on the CPU, got ", self.device());
+  TORCH_CHECK(p >= 0 && p <= 1, "bernoulli_p_rng: p must be in [0, 1], got ", p);
+  at::Generator gen = generator_from(rng_state, "bernoulli_p_rng");
+  at::Tensor out = at::empty_like(self, at::MemoryFormat::Contiguous);  // at::bernoulli(self, p)'s result
+  out.bernoulli_(p, gen);
+  return {out, gen.get_state()};
+}
+
 std::tuple<at::Tensor, at::Tensor> rng_seed(const at::Tensor& rng_state) {
   at::Generator gen = generator_from(rng_state, "rng_seed");
   const uint64_t draw = gen.get<at::CPUGeneratorImpl>()->random64();

@@ -19,7 +19,13 @@ const ir::Target kRandLike{"aten", "rand_like", "default"};
 const ir::Target kRandnLikeRng{"torch_ext", "randn_like_rng", "default"};
 const ir::Target kRandLikeRng{"torch_ext", "rand_like_rng", "default"};
 
-bool is_noise_like(const ir::Node& n) { return n.target() == kRandnLike || n.target() == kRandLike; }
+// aten::bernoulli.p(x, p): in-place dropout (F.dropout(inplace=True): empty_like(x).bernoulli_(1 - p)) and
+// torchvision's stochastic depth, functionalized. Noise like x, drawn with a probability.
+const ir::Target kBernoulliP{"aten", "bernoulli", "p"};
+
+bool is_noise_like(const ir::Node& n) {
+  return n.target() == kRandnLike || n.target() == kRandLike || n.target() == kBernoulliP;
+}
 
 // Random factories (diffusion training: randint timesteps, randn noise): size and dtype are the node's type.
 const ir::Target kRandn{"aten", "randn", "default"};
@@ -49,6 +55,14 @@ void check_factory(const ir::Node& n) {
 // shape and device, with the default memory format: then the explicit-state op (empty_like(x),
 // strides preserved as randn_like preserves them, then the draw) computes the same tensor.
 void check_noise_like(const ir::Node& n) {
+  if (n.target() == kBernoulliP) {
+    const ir::Arg* gen = n.kwarg("generator");
+    TORCH_CHECK(n.args().size() == 2 && n.args()[0].kind == ir::Arg::Kind::Node &&
+                    (n.args()[1].kind == ir::Arg::Kind::Float || n.args()[1].kind == ir::Arg::Kind::Int) &&
+                    (gen == nullptr || gen->kind == ir::Arg::Kind::None) && n.type().kind == ir::Type::Kind::Tensor,
+                "thread_rng: node %", n.name(), " is not a bernoulli.p(tensor, constant p) with one tensor result");
+    return;
+  }
   TORCH_CHECK(n.args().size() == 1 && n.args()[0].kind == ir::Arg::Kind::Node && n.type().kind == ir::Type::Kind::Tensor &&
                   n.args()[0].node->type().kind == ir::Type::Kind::Tensor,
               "thread_rng: node %", n.name(), " (", n.target().str(), ") is not a ", n.target().name,
@@ -107,7 +121,8 @@ ir::Node* thread_rng(ir::Graph& g, const std::string& state_name) {
     if (!draws_random(*n)) continue;
     TORCH_CHECK(n->target() == kDropout || is_noise_like(*n) || is_factory(*n), "thread_rng: node %", n->name(),
                 " (", n->target().str(), ") draws from the global random generator; the pure step makes only dropout "
-                "(aten::native_dropout), randn_like, rand_like, randn, rand and randint explicit in its RNG state, so "
+                "(aten::native_dropout), bernoulli(p), randn_like, rand_like, randn, rand and randint explicit in its RNG "
+                "state, so "
                 "this op would make it impure");
     if (is_factory(*n)) {
       check_factory(*n);
@@ -130,6 +145,10 @@ ir::Node* thread_rng(ir::Graph& g, const std::string& state_name) {
     if (is_noise_like(*d) || is_factory(*d)) {  // (noise, state) = <op>_rng(..., state); the noise replaces the node
       ir::Target target = d->target() == kRandnLike ? kRandnLikeRng : kRandLikeRng;
       std::vector<ir::Arg> args{d->args()[0]};
+      if (d->target() == kBernoulliP) {
+        target = {"torch_ext", "bernoulli_p_rng", "default"};
+        args.push_back(d->args()[1]);
+      }
       if (is_factory(*d)) {
         const ir::TensorMeta& meta = d->type().tensor;
         std::vector<ir::Arg> size;

@@ -96,12 +96,12 @@ TEST(ThreadRng, OtherRandomOpsAreRefusedAndTheGraphIsUnchanged) {
   %x : f32[4] = input()
   %d : (f32[4], b8[4]) = aten::native_dropout.default(%x, 0.5, True)
   %o : f32[4] = getitem(%d, 0)
-  %n : f32[4] = aten::bernoulli.p(%o, 0.5)
+  %n : f32[4] = aten::bernoulli.default(%o)
   return (%n)
 )";
   auto g = ir::parse(text);
   EXPECT_NE(error_of([&] { passes::thread_rng(*g); })
-                .find("node %n (aten::bernoulli.p) draws from the global random generator"),
+                .find("node %n (aten::bernoulli.default) draws from the global random generator"),
             std::string::npos);
   EXPECT_EQ(ir::print(*g), text);
 }
@@ -162,4 +162,50 @@ TEST(ThreadRng, NoiseOfAnotherDtypeIsRefused) {
   auto g = ir::parse(text);
   EXPECT_NE(error_of([&] { passes::thread_rng(*g); }).find("draws noise only like its input"), std::string::npos);
   EXPECT_EQ(ir::print(*g), text);
+}
+
+// Random factories (a diffusion step's timesteps and noise) and bernoulli(x, p) (in-place dropout,
+// stochastic depth): sizes and dtypes from the node's type, drawn in graph order as eager draws them.
+TEST(ThreadRng, FactoriesAndBernoulliDrawFromTheStateAsEagerDoes) {
+  const char* text = R"(graph:
+  %x : f32[4,3] = input()
+  %t : i64[4] = aten::randint.low(2, 9, [4], device=device("cpu"), pin_memory=False)
+  %n : f32[4,3] = aten::randn.default([4, 3], device=device("cpu"), pin_memory=False)
+  %k : f32[4,3] = aten::bernoulli.p(%x, 0.25)
+  return (%t, %n, %k)
+)";
+  auto g = ir::parse(text);
+  ir::Node* state = passes::thread_rng(*g);
+  ASSERT_NE(state, nullptr);
+  ir::verify(*g);
+  const std::string printed = ir::print(*g);
+  EXPECT_NE(printed.find("%t_rng : (i64[4], u8[5056]) = torch_ext::randint_rng.default(2, 9, [4], torch.int64, %rng_state)"),
+            std::string::npos)
+      << printed;
+  EXPECT_NE(printed.find("%n_rng : (f32[4,3], u8[5056]) = torch_ext::randn_rng.default([4, 3], torch.float32, "
+                         "%t_rng_state)"),
+            std::string::npos)
+      << printed;
+  EXPECT_NE(printed.find("%k_rng : (f32[4,3], u8[5056]) = torch_ext::bernoulli_p_rng.default(%x, 0.25, %n_rng_state)"),
+            std::string::npos)
+      << printed;
+  std::vector<ir::Arg> outs = g->output()->args()[0].list;
+  outs.push_back(ir::Arg::of_node(state));
+  g->set_output(outs);
+  runtime::Executor ex(*g);
+  const at::Tensor x = at::rand({4, 3});
+  const at::Tensor s0 = seeded_state(8);
+  auto a = ex.run({x, s0});
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  const at::Tensor saved = gen.get_state();
+  gen.set_state(s0);
+  const at::Tensor t = at::randint(2, 9, {4});
+  const at::Tensor n = at::randn({4, 3});
+  const at::Tensor k = at::bernoulli(x, 0.25);
+  const at::Tensor after = gen.get_state();
+  gen.set_state(saved);
+  EXPECT_TRUE(at::equal(a[0].toTensor(), t));
+  EXPECT_TRUE(at::equal(a[1].toTensor(), n));
+  EXPECT_TRUE(at::equal(a[2].toTensor(), k));
+  EXPECT_TRUE(at::equal(a[3].toTensor(), after));
 }

@@ -740,6 +740,10 @@ def test_noise_like_decompositions_for_aoti_are_pure_and_distributed_as_asked():
     u, _ = _aoti._rand_like_rng(x.double(), state)
     assert u.dtype == torch.float64 and float(u.min()) >= 0.0 and float(u.max()) < 1.0
     assert abs(float(u.mean()) - 0.5) < 0.005
+    keep, _ = _aoti._bernoulli_p_rng(x, 0.3, state)
+    assert torch.equal(keep, _aoti._bernoulli_p_rng(x, 0.3, state)[0]) and abs(float(keep.mean()) - 0.3) < 0.005
+    ints, _ = _aoti._randint_rng(3, 13, [200_000], torch.int64, state)
+    assert int(ints.min()) == 3 and int(ints.max()) == 12 and abs(float(ints.double().mean()) - 7.5) < 0.05
 
 
 def test_rng_seed_is_one_random64_draw_and_advances_a_copy_of_the_state():
@@ -1462,3 +1466,75 @@ def test_silu_and_mish_models_are_bit_exact_with_eager(make_opt, act):
     result = torch_ext.testing.assert_step_matches_eager(model, make_opt(model.parameters()),
                                                          lambda m, x, y: F.mse_loss(m(x), y), batches, rtol=0.0)
     assert result["state"] == 0.0 and result["loss"] == 0.0
+
+
+class _StochasticDepth(nn.Module):
+    """torchvision's stochastic depth (empty(...).bernoulli_) and in-place dropout (bernoulli_ on noise)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        from torchvision.ops import stochastic_depth
+
+        x = x + stochastic_depth(self.a(x), 0.5, "row", self.training)
+        x = x + stochastic_depth(torch.tanh(self.b(x)), 0.3, "batch", self.training)
+        return self.head(F.dropout(x, 0.3, True, inplace=True))
+
+
+def test_in_place_dropout_and_stochastic_depth_draw_from_the_step_state_bit_exact_with_eager():
+    # Both functionalize to aten::bernoulli.p, which was refused ("draws from the global random generator"):
+    # torchvision's MobileNetV3 (its classifier's Dropout(inplace=True)) and EfficientNet could not be stepped.
+    pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    batches = [(torch.randn(16, 8), torch.randint(0, 3, (16,))) for _ in range(4)]
+    model = _StochasticDepth()
+    result = torch_ext.testing.assert_step_matches_eager(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                                         lambda m, x, y: F.cross_entropy(m(x), y), batches, rtol=0.0)
+    assert result["state"] == 0.0
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     lambda m, x, y: F.cross_entropy(m(x), y), batches[0])
+    assert sum("bernoulli_p_rng" in str(n.target) for n in step.program.graph.nodes) == 3
+    state = step.init_state(seed=1)
+    assert torch.equal(step(state, *batches[0])[0], step(state, *batches[0])[0])  # pure
+
+
+def test_torchvision_mobilenet_v3_is_bit_exact_with_eager():
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.mobilenet_v3_small(num_classes=10)
+    batches = [(torch.randn(4, 3, 64, 64), torch.randint(0, 10, (4,))) for _ in range(2)]
+    result = torch_ext.testing.assert_step_matches_eager(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                                                         lambda m, x, y: F.cross_entropy(m(x), y), batches, rtol=0.0)
+    assert result["state"] == 0.0 and result["steps"] == 2
+
+
+class _TinyDiffusion(nn.Module):
+    """A denoiser trained as diffusion models are: random timesteps (randint), noise (randn), a rand draw."""
+
+    def __init__(self, steps=100):
+        super().__init__()
+        self.steps = steps
+        self.net = nn.Sequential(nn.Linear(9, 32), nn.SiLU(), nn.Linear(32, 8))
+        self.register_buffer("alpha_bar", torch.linspace(0.99, 0.01, steps))
+
+    def forward(self, x0):
+        t = torch.randint(0, self.steps, (x0.shape[0],))
+        noise = torch.randn(x0.shape)
+        a = self.alpha_bar[t][:, None]
+        xt = a.sqrt() * x0 + (1 - a).sqrt() * noise * (0.9 + 0.2 * torch.rand(1))
+        return F.mse_loss(self.net(torch.cat([xt, t[:, None].float() / self.steps], -1)), noise)
+
+
+def test_a_diffusion_step_draws_timesteps_and_noise_from_the_step_state_bit_exact_with_eager():
+    # torch.randint / randn / rand were refused ("draws from the global random generator").
+    torch.manual_seed(0)
+    model = _TinyDiffusion()
+    batches = [(torch.randn(16, 8),) for _ in range(5)]
+    result = torch_ext.testing.assert_step_matches_eager(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                                         lambda m, x: m(x), batches, rtol=0.0)
+    assert result["state"] == 0.0 and result["loss"] == 0.0
+    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), lambda m, x: m(x), batches[0])
+    kinds = {str(n.target) for n in step.program.graph.nodes if "_rng" in str(n.target)}
+    assert kinds == {"torch_ext.randint_rng.default", "torch_ext.randn_rng.default", "torch_ext.rand_rng.default"}
