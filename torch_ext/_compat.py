@@ -32,9 +32,8 @@ def uncompiled(module):
     Python module, and tracing it through the wrapper's Dynamo frame compiles it a second time (torch
     raises a fake-mode mismatch). The wrapper holds no tensors of its own (its parameters are the
     wrapped module's), so optimizers and write-backs act on the same tensors, named as in eager."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    while isinstance(module, OptimizedModule):
+    frame = sys.modules.get("torch._dynamo.eval_frame")  # a compiled module means it was imported: never import it
+    while frame is not None and isinstance(module, frame.OptimizedModule):
         module = module._orig_mod
     return module
 
