@@ -38,9 +38,14 @@ bool one_minus(const ir::Arg& a, const ir::Node* v) {
   return e != nullptr && !e->args().empty() && is_node(e->args()[0], v);
 }
 
+// Whether the forward activation reads %x, or reads the tensor %x is a clone of: an in-place activation
+// (nn.SiLU(inplace=True)) is functionalized to silu(y), and autograd saves y's original value as clone(y).
 bool read_by(const ir::Node* x, const char* forward) {
   for (const ir::Node* u : x->users())
     if (u->kind() == ir::NodeKind::Call && u->target().str() == forward) return true;
+  if (x->kind() == ir::NodeKind::Call && x->target().str() == "aten::clone.default" && !x->args().empty() &&
+      x->args()[0].kind == ir::Arg::Kind::Node && x->args()[0].node != x)
+    return read_by(x->args()[0].node, forward);
   return false;
 }
 

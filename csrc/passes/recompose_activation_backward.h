@@ -13,10 +13,11 @@
 //         %out = mul.Tensor(%g, add.Tensor(%tsp, mul.Tensor(mul.Tensor(%x, sigmoid(%x)), %one_minus)))
 //
 // Requires: a verified graph. Guarantees: every %out of one of those shapes whose %x is also read by
-// the forward activation (aten::silu.default / aten::mish.default: a hand-written expression of that
-// form is left alone) becomes aten::silu_backward.default(%g, %x) / aten::mish_backward.default(%g, %x),
-// same name and type; the composite's other nodes are left to dead-code elimination. Returns how
-// many were rewritten.
+// the forward activation (aten::silu.default / aten::mish.default), or is a clone of what it reads (an
+// in-place activation: autograd saved the input's value), is rewritten (below); a hand-written
+// expression of that form is left alone. %out becomes aten::silu_backward.default(%g, %x) /
+// aten::mish_backward.default(%g, %x), same name and type; the composite's other nodes are left to
+// dead-code elimination. Returns how many were rewritten.
 #pragma once
 
 #include "ir/graph.h"

@@ -95,3 +95,23 @@ TEST(RecomposeActivationBackward, MishsCompositeBecomesEagersFusedKernel) {
   runtime::Executor ex(*g);
   EXPECT_TRUE(at::equal(ex.run({x, grad})[1].toTensor(), at::mish_backward(grad, x)));
 }
+
+// nn.SiLU(inplace=True): functionalized to silu(%y), with autograd's saved input a clone of %y.
+TEST(RecomposeActivationBackward, AnInPlaceActivationsSavedCloneIsItsInput) {
+  const std::string text = joint("aten::silu.default(%y0)");
+  std::string cloned = text;
+  cloned.replace(cloned.find("  %g : f32[3,4] = input()\n"), std::string("  %g : f32[3,4] = input()\n").size(),
+                 "  %g : f32[3,4] = input()\n  %y0 : f32[3,4] = aten::relu.default(%x)\n");
+  // %x becomes the clone of %y0 that autograd saved: the composite reads the clone.
+  cloned.replace(cloned.find("  %x : f32[3,4] = input()\n"), std::string("  %x : f32[3,4] = input()\n").size(),
+                 "  %w : f32[3,4] = input()\n");
+  cloned.replace(cloned.find("  %y0 : f32[3,4] = aten::relu.default(%x)\n"),
+                 std::string("  %y0 : f32[3,4] = aten::relu.default(%x)\n").size(),
+                 "  %y0 : f32[3,4] = aten::relu.default(%w)\n  %x : f32[3,4] = aten::clone.default(%y0)\n");
+  auto g = ir::parse(cloned);
+  EXPECT_EQ(passes::recompose_activation_backward(*g), 1);
+  passes::eliminate_dead_code(*g);
+  ir::verify(*g);
+  EXPECT_NE(ir::print(*g).find("%out : f32[3,4] = aten::silu_backward.default(%g, %x)"), std::string::npos)
+      << ir::print(*g);
+}
