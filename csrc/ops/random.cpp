@@ -42,52 +42,57 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> native_dropout_rng(const at::Tens
   return {output, mask, gen.get_state()};
 }
 
-std::tuple<at::Tensor, at::Tensor> randn_like_rng(const at::Tensor& self, const at::Tensor& rng_state) {
-  TORCH_CHECK(self.device().is_cpu(), "randn_like_rng: input must be on the CPU, got ", self.device());
-  at::Generator gen = generator_from(rng_state, "randn_like_rng");
-  at::Tensor out = at::empty_like(self);  // at::randn_like: empty_like (strides preserved), then normal_
-  out.normal_(0, 1, gen);
+namespace {
+
+// `out` filled by `fill(out, generator)` on a generator set to `rng_state`, and the advanced state: each
+// op below is its eager counterpart's own sequence (an empty tensor, then the in-place draw).
+template <class Fill>
+std::tuple<at::Tensor, at::Tensor> drawn(const at::Tensor& rng_state, const char* op, at::Tensor out, Fill&& fill) {
+  at::Generator gen = generator_from(rng_state, op);
+  fill(out, gen);
   return {out, gen.get_state()};
+}
+
+void check_cpu(const at::Tensor& t, const char* op) {
+  TORCH_CHECK(t.device().is_cpu(), op, ": input must be on the CPU, got ", t.device());
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> randn_like_rng(const at::Tensor& self, const at::Tensor& rng_state) {
+  check_cpu(self, "randn_like_rng");
+  // at::randn_like: empty_like (strides preserved), then normal_
+  return drawn(rng_state, "randn_like_rng", at::empty_like(self), [](at::Tensor& t, at::Generator& g) { t.normal_(0, 1, g); });
 }
 
 std::tuple<at::Tensor, at::Tensor> rand_like_rng(const at::Tensor& self, const at::Tensor& rng_state) {
-  TORCH_CHECK(self.device().is_cpu(), "rand_like_rng: input must be on the CPU, got ", self.device());
-  at::Generator gen = generator_from(rng_state, "rand_like_rng");
-  at::Tensor out = at::empty_like(self);  // at::rand_like: empty_like, then uniform_(0, 1)
-  out.uniform_(0, 1, gen);
-  return {out, gen.get_state()};
+  check_cpu(self, "rand_like_rng");
+  return drawn(rng_state, "rand_like_rng", at::empty_like(self), [](at::Tensor& t, at::Generator& g) { t.uniform_(0, 1, g); });
 }
 
 std::tuple<at::Tensor, at::Tensor> randn_rng(at::IntArrayRef size, at::ScalarType dtype, const at::Tensor& rng_state) {
-  at::Generator gen = generator_from(rng_state, "randn_rng");
-  at::Tensor out = at::empty(size, rng_state.options().dtype(dtype));
-  out.normal_(0, 1, gen);
-  return {out, gen.get_state()};
+  return drawn(rng_state, "randn_rng", at::empty(size, rng_state.options().dtype(dtype)),
+               [](at::Tensor& t, at::Generator& g) { t.normal_(0, 1, g); });
 }
 
 std::tuple<at::Tensor, at::Tensor> rand_rng(at::IntArrayRef size, at::ScalarType dtype, const at::Tensor& rng_state) {
-  at::Generator gen = generator_from(rng_state, "rand_rng");
-  at::Tensor out = at::empty(size, rng_state.options().dtype(dtype));
-  out.uniform_(0, 1, gen);
-  return {out, gen.get_state()};
+  return drawn(rng_state, "rand_rng", at::empty(size, rng_state.options().dtype(dtype)),
+               [](at::Tensor& t, at::Generator& g) { t.uniform_(0, 1, g); });
 }
 
 std::tuple<at::Tensor, at::Tensor> randint_rng(int64_t low, int64_t high, at::IntArrayRef size, at::ScalarType dtype,
                                                const at::Tensor& rng_state) {
   TORCH_CHECK(low < high, "randint_rng: low (", low, ") must be below high (", high, ")");
-  at::Generator gen = generator_from(rng_state, "randint_rng");
-  at::Tensor out = at::empty(size, rng_state.options().dtype(dtype));
-  out.random_(low, high, gen);
-  return {out, gen.get_state()};
+  return drawn(rng_state, "randint_rng", at::empty(size, rng_state.options().dtype(dtype)),
+               [&](at::Tensor& t, at::Generator& g) { t.random_(low, high, g); });
 }
 
 std::tuple<at::Tensor, at::Tensor> bernoulli_p_rng(const at::Tensor& self, double p, const at::Tensor& rng_state) {
-  TORCH_CHECK(self.device().is_cpu(), "bernoulli_p_rng: input must be on the CPU, got ", self.device());
+  check_cpu(self, "bernoulli_p_rng");
   TORCH_CHECK(p >= 0 && p <= 1, "bernoulli_p_rng: p must be in [0, 1], got ", p);
-  at::Generator gen = generator_from(rng_state, "bernoulli_p_rng");
-  at::Tensor out = at::empty_like(self, at::MemoryFormat::Contiguous);  // at::bernoulli(self, p)'s result
-  out.bernoulli_(p, gen);
-  return {out, gen.get_state()};
+  // at::bernoulli(self, p)'s result is contiguous
+  return drawn(rng_state, "bernoulli_p_rng", at::empty_like(self, at::MemoryFormat::Contiguous),
+               [&](at::Tensor& t, at::Generator& g) { t.bernoulli_(p, g); });
 }
 
 std::tuple<at::Tensor, at::Tensor> rng_seed(const at::Tensor& rng_state) {

@@ -291,7 +291,7 @@ Engine::PatchPlan& Engine::plan_for(int64_t id) {
 std::vector<c10::IValue> Engine::evaluate_patched(const std::string& name, c10::IValue value) {
   const int64_t id = id_of(name);
   take_written_inputs("evaluate_patched");  // the caller's patch function ran since the last read
-  settle();
+  settle_pending();              // settle() without scanning the inputs again
   TORCH_CHECK(has_run_, "evaluate_patched %", name, ": call run() first");
   TORCH_CHECK(dirty_.empty(), "evaluate_patched %", name, ": ", dirty_.size(),
               " nodes are stale; demand() first, so that only the patch's cone is evaluated");

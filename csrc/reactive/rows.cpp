@@ -491,7 +491,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
                                                        const std::vector<std::vector<int64_t>>& read_cols) {
   const int64_t id = id_of(name);
   take_written_inputs("evaluate_patched_rows");  // the caller's patch function ran since the last read
-  settle();
+  settle_pending();              // settle() without scanning the inputs again
   TORCH_CHECK(positions_, "evaluate_patched_rows %", name, ": positions are off (set_positions(true) first)");
   TORCH_CHECK(pinned_.empty(), "evaluate_patched_rows %", name, ": standing patches are active at ", pinned_.size(),
               " nodes; use evaluate_patched or patch()/demand()");

@@ -11,6 +11,9 @@
 
 #include "test_util.h"
 
+#include <functional>
+#include <tuple>
+
 using namespace torch_ext;
 using torch_ext::testing::error_of;
 
@@ -29,6 +32,18 @@ const char* kTwoDropouts = R"(graph:
 at::Tensor seeded_state(uint64_t seed) {
   at::Generator g = at::make_generator<at::CPUGeneratorImpl>(seed);
   return g.get_state();
+}
+
+// Runs `draws` (eager ATen calls) on the global CPU generator set to `state`, puts the generator back, and
+// returns the state the draws left: what the threaded graph's final state must equal.
+at::Tensor eager_from(const at::Tensor& state, const std::function<void()>& draws) {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  const at::Tensor saved = gen.get_state();
+  gen.set_state(state);
+  draws();
+  const at::Tensor after = gen.get_state();
+  gen.set_state(saved);
+  return after;
 }
 
 }  // namespace
@@ -68,13 +83,11 @@ TEST(ThreadRng, SameStateSameDrawsAndEagerOrder) {
   EXPECT_TRUE(at::equal(a[2].toTensor(), b[2].toTensor()));
   EXPECT_FALSE(at::equal(a[2].toTensor(), s0));
   // Eager: the two native_dropout calls on a generator starting from the same state.
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
-  const at::Tensor saved = gen.get_state();
-  gen.set_state(s0);
-  auto [o1, m1] = at::native_dropout(x, 0.5, true);
-  auto [o2, m2] = at::native_dropout(o1, 0.25, true);
-  const at::Tensor after = gen.get_state();
-  gen.set_state(saved);
+  at::Tensor o2, m2;
+  const at::Tensor after = eager_from(s0, [&] {
+    at::Tensor o1 = std::get<0>(at::native_dropout(x, 0.5, true));
+    std::tie(o2, m2) = at::native_dropout(o1, 0.25, true);
+  });
   EXPECT_TRUE(at::equal(a[0].toTensor(), o2));
   EXPECT_TRUE(at::equal(a[1].toTensor(), m2));
   EXPECT_TRUE(at::equal(a[2].toTensor(), after));
@@ -139,14 +152,11 @@ TEST(ThreadRng, NoiseLikeATensorDrawsFromTheStateAsEagerDoes) {
   auto a = ex.run({x, s0});
   auto b = ex.run({x, s0});
   for (size_t i = 0; i < 4; ++i) EXPECT_TRUE(at::equal(a[i].toTensor(), b[i].toTensor())) << i;
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
-  const at::Tensor saved = gen.get_state();
-  gen.set_state(s0);
-  auto [o, m] = at::native_dropout(x, 0.5, true);
-  const at::Tensor n = at::randn_like(o.t());
-  const at::Tensor u = at::rand_like(x);
-  const at::Tensor after = gen.get_state();
-  gen.set_state(saved);
+  at::Tensor n, u;
+  const at::Tensor after = eager_from(s0, [&] {
+    n = at::randn_like(std::get<0>(at::native_dropout(x, 0.5, true)).t());
+    u = at::rand_like(x);
+  });
   EXPECT_TRUE(at::equal(a[1].toTensor(), n));
   EXPECT_EQ(a[1].toTensor().strides(), n.strides());
   EXPECT_TRUE(at::equal(a[2].toTensor(), u));
@@ -196,14 +206,12 @@ TEST(ThreadRng, FactoriesAndBernoulliDrawFromTheStateAsEagerDoes) {
   const at::Tensor x = at::rand({4, 3});
   const at::Tensor s0 = seeded_state(8);
   auto a = ex.run({x, s0});
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
-  const at::Tensor saved = gen.get_state();
-  gen.set_state(s0);
-  const at::Tensor t = at::randint(2, 9, {4});
-  const at::Tensor n = at::randn({4, 3});
-  const at::Tensor k = at::bernoulli(x, 0.25);
-  const at::Tensor after = gen.get_state();
-  gen.set_state(saved);
+  at::Tensor t, n, k;
+  const at::Tensor after = eager_from(s0, [&] {
+    t = at::randint(2, 9, {4});
+    n = at::randn({4, 3});
+    k = at::bernoulli(x, 0.25);
+  });
   EXPECT_TRUE(at::equal(a[0].toTensor(), t));
   EXPECT_TRUE(at::equal(a[1].toTensor(), n));
   EXPECT_TRUE(at::equal(a[2].toTensor(), k));
