@@ -535,6 +535,33 @@ c10::IValue constant_to_ivalue(const Arg& a, const c10::TypePtr& formal, const s
   TORCH_CHECK(false, where, "constant ", print_arg(a), " for argument type ", formal->str(), " is not supported");
 }
 
+c10::IValue constant_to_ivalue(const Arg& a, const c10::Argument& formal, const std::string& where) {
+  c10::IValue v = constant_to_ivalue(a, formal.type(), where);
+  if (!v.isInt()) return v;
+  const c10::TypeKind real = unwrap_optional(formal.real_type())->kind();
+  const int64_t i = v.toInt();
+  const auto in_range = [&](int64_t count) { return i >= 0 && i < count; };
+  switch (real) {
+    case c10::TypeKind::ScalarTypeType:
+      TORCH_CHECK(in_range(static_cast<int64_t>(c10::ScalarType::NumOptions)) &&
+                      i != static_cast<int64_t>(c10::ScalarType::Undefined),
+                  where, "expected a dtype, got ", print_arg(a), ", which names no dtype");
+      break;
+    case c10::TypeKind::LayoutType:
+      TORCH_CHECK(in_range(static_cast<int64_t>(c10::Layout::NumOptions)), where, "expected a layout, got ",
+                  print_arg(a), ", which names no layout");
+      break;
+    case c10::TypeKind::MemoryFormatType:
+      TORCH_CHECK(in_range(static_cast<int64_t>(c10::MemoryFormat::NumOptions)), where,
+                  "expected a memory format, got ", print_arg(a), ", which names no memory format");
+      break;
+    default:
+      break;
+  }
+  return v;
+}
+
+
 std::string invalid_type_reason(const Type& type) {
   if (type.kind == Type::Kind::Tuple) {
     for (size_t i = 0; i < type.elems.size(); ++i) {
@@ -615,7 +642,7 @@ void check_call_types(const Node& node, const c10::OperatorHandle& op, const std
     a.for_each_node([&](Node*) { has_node = true; });
     if (!has_node) {
       try {
-        stack[i] = constant_to_ivalue(a, formal.type(), at_arg);
+        stack[i] = constant_to_ivalue(a, formal, at_arg);
       } catch (const c10::Error& e) {
         errors.push_back(e.msg());
       }

@@ -49,6 +49,11 @@ namespace torch_ext::ir {
 // runtime binds it. Throws c10::Error prefixed with `where` when the constant does not fit.
 c10::IValue constant_to_ivalue(const Arg& a, const c10::TypePtr& formal, const std::string& where);
 
+// The same for a schema argument, which also knows the argument's real type: an int given for a
+// ScalarType, Layout or MemoryFormat must name a value of that enum (ATen reads an out-of-range
+// one out of bounds instead of refusing it).
+c10::IValue constant_to_ivalue(const Arg& a, const c10::Argument& formal, const std::string& where);
+
 // Checks `node` (a call of `op` whose arity already fits the schema) as described above;
 // appends one message per problem, each starting with `where`. `infer_results` false: level 1 only.
 void check_call_types(const Node& node, const c10::OperatorHandle& op, const std::string& where,

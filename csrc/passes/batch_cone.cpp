@@ -278,7 +278,7 @@ ir::Type infer_type(const ir::Target& target, const std::vector<Arg>& args, cons
     bool has_node = false;
     a->for_each_node([&](Node*) { has_node = true; });
     if (!has_node) {
-      stack.push_back(ir::constant_to_ivalue(*a, formal.type(), "batch_cone: " + w + ": "));
+      stack.push_back(ir::constant_to_ivalue(*a, formal, "batch_cone: " + w + ": "));
       continue;
     }
     // A list holding tensors (cat, stack): optional elements are not expected here.

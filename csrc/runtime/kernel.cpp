@@ -143,7 +143,7 @@ BoundKernel BoundKernel::bind_as(const ir::Node& node, const c10::OperatorHandle
     }
     const Arg& a = *given[i];
     if (!has_node(a)) {
-      k.stack_template_[i] = ir::constant_to_ivalue(a, formal.type(), where);
+      k.stack_template_[i] = ir::constant_to_ivalue(a, formal, where);
       continue;
     }
     if (a.kind == Arg::Kind::Node) {

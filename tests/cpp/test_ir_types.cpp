@@ -181,6 +181,35 @@ TEST(IrTypes, ValidGraphsStillVerify) {
   verify(*g);
 }
 
+TEST(IrTypes, IntsForEnumArgumentsMustNameAnEnumValue) {
+  // Schemas type ScalarType, Layout and MemoryFormat as int. ATen turns an out-of-range value into
+  // an out-of-bounds read (a nondeterministic segfault found by the fuzzer), so the verifier
+  // refuses it, naming the argument.
+  const auto to_dtype = [](const std::string& dtype) {
+    return "graph:\n  %a : f32[2] = input()\n  %b : f32[2] = aten::to.dtype(%a, " + dtype + ")\n  return (%b)\n";
+  };
+  const std::vector<std::string> bad_dtypes{"-2", "-1", std::to_string(static_cast<int>(c10::ScalarType::Undefined)),
+                                            std::to_string(static_cast<int>(c10::ScalarType::NumOptions)), "1000"};
+  for (const std::string& bad : bad_dtypes) {
+    const auto msg = verify_message(to_dtype(bad));
+    EXPECT_NE(msg.find("node %b (aten::to.dtype): argument 'dtype': expected a dtype, got " + bad +
+                       ", which names no dtype"),
+              std::string::npos)
+        << msg;
+  }
+  // The int of a real dtype is what export writes for some calls; it still verifies.
+  EXPECT_NO_THROW(verify(*parse(to_dtype(std::to_string(static_cast<int>(c10::ScalarType::Float))))));
+  auto msg = verify_message(
+      "graph:\n  %a : f32[2] = input()\n  %b : f32[2] = aten::clone.default(%a, memory_format=-1)\n  return (%b)\n");
+  EXPECT_NE(msg.find("argument 'memory_format': expected a memory format, got -1, which names no memory format"),
+            std::string::npos)
+      << msg;
+  msg = verify_message(
+      "graph:\n  %a : f32[2] = aten::empty.memory_format([2], layout=57)\n  return (%a)\n");
+  EXPECT_NE(msg.find("argument 'layout': expected a layout, got 57, which names no layout"), std::string::npos)
+      << msg;
+}
+
 TEST(IrTypes, InvalidDeclaredTypesAreRefused) {
   // The parser refuses them in text ...
   auto msg = error_of([] { parse("graph:\n  %a : f32[-3] = input()\n  return (%a)\n"); });
