@@ -495,6 +495,18 @@ class TrainStep:
                 raise ValueError(f"{name or 'model'}: {type(mod).__name__}(momentum=None) (a cumulative moving "
                                  "average, 1 / num_batches_tracked read as a Python number each step) cannot be "
                                  "traced into the pure step; give it a momentum (e.g. momentum=0.1)")
+            if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and mod.weight.requires_grad:
+                # max_norm renormalises the looked-up rows of the weight in place in forward, and a sparse
+                # gradient is not the dense one every update op takes: name the module, not torch's internals.
+                if mod.max_norm is not None:
+                    raise ValueError(f"{name or 'model'}: {type(mod).__name__}(max_norm={mod.max_norm}) writes into its "
+                                     "weight in place during forward (embedding_renorm_), which a pure step cannot "
+                                     "express: a parameter is an input of the program, never written by it. Drop "
+                                     "max_norm, or renormalise explicitly between steps")
+                if mod.sparse:
+                    raise ValueError(f"{name or 'model'}: {type(mod).__name__}(sparse=True) gives a sparse gradient; the "
+                                     "pure step's update ops take dense gradients. Build it with sparse=False (the "
+                                     "dense gradient holds the same values)")
 
         hooks = _compat.gradient_hooks(model)
         if hooks:
@@ -505,7 +517,14 @@ class TrainStep:
 
         def export():
             with _compat.backward_only_code() as found:
-                ep = torch.export.export(wrapper, _compat.distinct_inputs(self._example_batch))  # (x, x): two inputs
+                try:
+                    ep = torch.export.export(wrapper, _compat.distinct_inputs(self._example_batch))  # (x, x): two inputs
+                except torch._subclasses.fake_tensor.DynamicOutputShapeException as e:
+                    raise NotImplementedError(
+                        f"torch {torch.__version__}'s export cannot trace {e.func}: the shape of its result depends on "
+                        "the values of its inputs, and the pure step is one program of static shapes. Compute this "
+                        "part of the loss outside the step, or with ops whose result shapes follow their inputs' "
+                        "shapes") from e
             if found:
                 raise TypeError(f"the model or loss_fn uses {'; '.join(found)}: tracing records the forward only, "
                                 "and the step would differentiate that forward, never running this backward code "
@@ -564,6 +583,12 @@ class TrainStep:
                 raise NotImplementedError(
                     f"torch {torch.__version__} cannot build the joint forward/backward graph through "
                     f"{', '.join(hops)}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+            if "requires gradients, and received a mutation" in str(e):
+                raise ValueError(
+                    "the model or loss_fn writes in place into a tensor that requires grad (a parameter) during "
+                    "forward; a pure step cannot express it: a parameter is an input of the program, never written "
+                    "by it. Write the update with torch.no_grad() outside the step, or make the tensor a buffer") \
+                    from e
             raise
         finally:
             for p in unused:

@@ -1,0 +1,123 @@
+"""Layers whose export or gradients need care in the pure step: EmbeddingBag (whose auxiliary
+results export types as eager computes them, not as the meta kernels do), and the layers and
+losses a pure step cannot express, refused by name instead of with torch's internals."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch_ext
+
+VOCAB = 50
+
+
+def _loss(m, x, y):
+    return F.cross_entropy(m(x), y)
+
+
+class Bag(nn.Module):
+    def __init__(self, weighted=False, **kw):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(VOCAB, 16, **kw)
+        self.head = nn.Linear(16, 3)
+        self.weighted = weighted
+
+    def forward(self, x):
+        w = torch.linspace(0.1, 1.0, x.numel()).view_as(x) if self.weighted else None
+        return self.head(self.bag(x, per_sample_weights=w))
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, VOCAB, (4, 7), generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+@pytest.mark.parametrize("kw", [dict(mode="sum"), dict(mode="mean"), dict(mode="max"),
+                                dict(mode="sum", weighted=True), dict(mode="mean", padding_idx=0)],
+                         ids=["sum", "mean", "max", "sum-weighted", "mean-padding"])
+@pytest.mark.parametrize("run", ["executor", "planned", "donated"])
+def test_embedding_bag_steps_bit_exact_with_eager(kw, run):
+    x, y = _batch()
+    x[0, :3] = 0  # padding entries
+    torch.manual_seed(0)
+    model = Bag(**kw)
+    eager = copy.deepcopy(model)
+    opt, eager_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    step = torch_ext.make_train_step(model, opt, _loss, (x, y))
+    state = step.init_state()
+    runner = step if run == "executor" else step.compile(plan=True, donate=run == "donated")
+    for _ in range(5):
+        loss, state = runner(state, x, y)
+        eager_opt.zero_grad()
+        eager_loss = _loss(eager, x, y)
+        eager_loss.backward()
+        eager_opt.step()
+        assert torch.equal(loss, eager_loss)
+    step.write_back(state)
+    for (name, a), b in zip(model.state_dict().items(), eager.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+class Emb(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.table = nn.Embedding(VOCAB, 16, **kw)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.table(x).mean(1))
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(max_norm=1.0), "table: Embedding(max_norm=1.0) writes into its weight in place during forward"),
+    (dict(sparse=True), "table: Embedding(sparse=True) gives a sparse gradient"),
+])
+def test_embedding_options_a_pure_step_cannot_express_are_refused_by_module(kw, words):
+    x, y = _batch()
+    model = Emb(**kw)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, (x, y))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), before.values()))
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_a_forward_writing_into_a_parameter_is_refused_with_a_reason():
+    class Renorm(Emb):
+        def forward(self, x):  # the functional form: no module option to find
+            return self.head(F.embedding(x, self.table.weight, max_norm=1.0).mean(1))
+
+    x, y = _batch()
+    model = Renorm()
+    with pytest.raises(ValueError, match="writes in place into a tensor that requires grad"):
+        torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, (x, y))
+
+
+def test_a_loss_with_a_value_dependent_shape_is_refused_naming_the_op():
+    model = nn.Linear(8, 5)
+    xs, targets = torch.randn(12, 4, 8), torch.randint(1, 5, (4, 3))
+
+    def ctc(m, x, y):
+        return F.ctc_loss(m(x).log_softmax(-1), y, torch.full((4,), 12), torch.full((4,), 3))
+
+    with pytest.raises(NotImplementedError, match=r"cannot trace aten\._ctc_loss\.Tensor: the shape of its result"):
+        torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), ctc, (xs, targets))
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag_in_a_reactive_graph_patches_exactly(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.EmbeddingBag(VOCAB, 16, mode=mode), nn.ReLU(), nn.Linear(16, 3)).eval()
+    x, _ = _batch()
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    assert torch.equal(rg.demand(), model(x))
+    bag = "getitem"  # the bag's first result
+    patched = torch.linspace(-1, 1, 4 * 16).view(4, 16)
+    rg.patch(bag, patched)
+    assert torch.equal(rg.demand(), model[2](model[1](patched)))
+    rg.restore()
+    assert torch.equal(rg.demand(), model(x))
