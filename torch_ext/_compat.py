@@ -167,6 +167,32 @@ def gradient_hooks(model: torch.nn.Module) -> list[str]:
 
 
 @contextlib.contextmanager
+def eager_attention_masks():
+    """Inside the block, Hugging Face transformers builds attention masks as it does in eager: with no
+    padding mask (or one it can read as all ones) and a shape where SDPA's own ``is_causal`` fits, it
+    passes no mask, so SDPA runs causal, and grouped-query attention shares its key/value heads inside
+    the kernel. While exporting it always materialises the mask instead, because an exported model may
+    be called at other sequence lengths; with that mask it repeats every key/value head (repeat_kv), and
+    the backward sums the repeated heads' gradients in another order than the kernel does, so Llama,
+    Mistral, Qwen2 and Gemma trained about 1e-8 off eager per step (Adam amplified it on Qwen2's key
+    biases, whose gradient is rounding noise, to 7e-5 relative). The pure step is specialised to its
+    example's shapes (another shape is refused, or exported again with ``batch_shapes='cache'``), so
+    eager's choice for those shapes is the right one. A padding mask given as a tensor is still traced,
+    and transformers materialises it then, as eager does when a token is padded. Nothing is imported:
+    only a ``transformers.masking_utils`` already loaded can be tracing this model."""
+    masking = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking, "is_torchdynamo_exporting", None)
+    if original is None:
+        yield
+        return
+    masking.is_torchdynamo_exporting = lambda: False
+    try:
+        yield
+    finally:
+        masking.is_torchdynamo_exporting = original
+
+
+@contextlib.contextmanager
 def backward_only_code():
     """Records, inside the block, the code that would change gradients in eager training but that
     tracing (torch.export, make_fx) cannot record, as descriptions: custom ``torch.autograd.Function``

@@ -32,6 +32,22 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(cfg).train()
 
 
+def tiny_causal_lm(family: str):
+    """A grouped-query-attention causal LM of another Hugging Face family (4 query heads, 2 key/value
+    heads): "mistral", "qwen2" (biases on q, k, v) or "gemma"."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                  bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    configs = {"mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {}),
+               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+               "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, dict(head_dim=8))}
+    config, model, extra = configs[family]
+    torch.manual_seed(0)
+    return model(config(**common, **extra)).train()
+
+
 def tiny_resnet18():
     """torchvision's ResNet-18 as is (BatchNorm in training mode), 10 classes."""
     import torchvision
