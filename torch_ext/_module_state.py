@@ -191,11 +191,17 @@ def traced_changes(model: torch.nn.Module, snapshot: tuple) -> list:
     """The scalar attributes a trace of ``model`` changed (a forward counting its calls), put back as
     they were; a tensor attribute a forward replaces (a cache) is not one of them."""
     out = [c for c in changed(snapshot) if not isinstance(c[2], _Short)]
+    put(snapshot, out, new=False)
+    return out
+
+
+def put(snapshot: tuple, changes: list, *, new: bool) -> None:
+    """Writes each of ``changes`` (from ``changed(snapshot)``) back where it was read: its new value, or
+    the value it had when ``snapshot`` was taken."""
     paths, dicts, keys = snapshot[:3]
     where = {(path, key): d for path, d, key in zip(paths, dicts, keys)}
-    for path, key, was, _ in out:
-        where[(path, key)][key] = was  # the module's (or its config's) own __dict__, as setattr writes it
-    return out
+    for path, key, was, now in changes:
+        where[(path, key)][key] = now if new else was  # the module's (or its config's) own __dict__, as setattr writes it
 
 
 def describe(path: str, key: str) -> str:

@@ -536,6 +536,19 @@ class TrainStep:
         before = _module_state.attributes(model)
         ep = export()
         changed = _module_state.traced_changes(model, before)  # put back as they were
+        if changed:
+            # A first-call initialisation (Hugging Face's *ForSequenceClassification sets config.problem_type
+            # in its first forward and reads it in the same call): eager's first call computes with the value
+            # it sets, as every later call does. Accepted when forward, traced again from the values it left,
+            # changes nothing more and records the same program; the model keeps those values, as after
+            # eager's first forward. Anything else (a call counter) is refused below.
+            _module_state.put(before, changed, new=True)
+            settled = _module_state.attributes(model)
+            again_ep = export()
+            if not _module_state.traced_changes(model, settled) and again_ep.graph_module.code == ep.graph_module.code:
+                ep, changed = again_ep, []
+            else:
+                _module_state.put(before, changed, new=False)
         self._module_snapshot = _module_state.attributes(model)  # what the program was traced with
         self._hook_snapshot = _module_state.Hooks(model, gradients=True, optimizers=optimizers)
         if changed:  # forward changed Python state: eager sees it change every call, the program never

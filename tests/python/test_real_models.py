@@ -174,6 +174,22 @@ def test_grouped_query_attention_families_bit_exact(family):
     run_parity(rm.tiny_causal_lm(family), rm.causal_lm_loss, rm.token_batches(10), rtol=0.0)
 
 
+def test_sequence_classification_setting_problem_type_on_its_first_forward_bit_exact():
+    transformers = needs("transformers")
+    # Every *ForSequenceClassification sets config.problem_type in its first forward (and reads it there):
+    # the step accepts that first-call setting, as its program is the one a second trace records.
+    torch.manual_seed(0)
+    model = transformers.DistilBertForSequenceClassification(transformers.DistilBertConfig(
+        vocab_size=rm.VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=rm.SEQ,
+        num_labels=3)).train()
+
+    def loss(m, ids):
+        return m(input_ids=ids, labels=ids[:, 0] % 3).loss
+
+    run_parity(model, loss, rm.token_batches(10), rtol=0.0)
+    assert model.config.problem_type == "single_label_classification"
+
+
 def test_grouped_query_attention_with_a_padding_mask_bit_exact():
     needs("transformers")
     # A padding mask is traced, and transformers materialises it as eager does when a token is padded.

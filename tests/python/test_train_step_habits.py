@@ -506,6 +506,49 @@ def test_forward_changing_python_state_is_refused_and_left_as_it_was():
     assert model.calls == 0
 
 
+class _SettlesOnFirstCall(nn.Module):
+    """Sets an option in its first forward and reads it in the same call, as Hugging Face's
+    *ForSequenceClassification sets config.problem_type."""
+
+    def __init__(self, first_call_differs=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.mode, self.first_call_differs = nn.Linear(8, 4), None, first_call_differs
+
+    def forward(self, x):
+        y = self.body(x)
+        if self.mode is None:
+            self.mode = "scaled"
+            if self.first_call_differs:  # a first-call initialisation that computes otherwise
+                return y
+        return y * 0.5 if self.mode == "scaled" else y
+
+
+def test_an_option_a_first_forward_sets_and_reads_is_accepted_bit_exact():
+    model = _SettlesOnFirstCall()
+    eager = copy.deepcopy(model)
+    opt, eager_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager.parameters(), lr=0.1)
+    step = torch_ext.make_train_step(model, opt, _mse, _XY)
+    assert model.mode == "scaled"  # as eager's first forward leaves it
+    state = step.init_state()
+    for _ in range(3):
+        loss, state = step(state, *_XY)
+        eager_opt.zero_grad()
+        eager_loss = _mse(eager, *_XY)
+        eager_loss.backward()
+        eager_opt.step()
+        assert torch.equal(loss, eager_loss)
+    step.write_back(state)
+    assert torch.equal(model.body.weight, eager.body.weight)
+
+
+def test_an_option_whose_first_forward_computes_otherwise_is_refused_and_left_as_it_was():
+    model = _SettlesOnFirstCall(first_call_differs=True)
+    with pytest.raises(TypeError, match=r"forward changes module attributes .*model.mode None -> 'scaled'"):
+        torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _mse, _XY)
+    assert model.mode is None
+
+
 @pytest.mark.parametrize("how", ["param_group", "outside_scheduler"])
 def test_lr_changed_on_the_optimizer_after_build_is_refused_not_ignored(how):
     # The step trains with the state's lr: a hand-made warmup (group["lr"] = ...) or a scheduler stepped
