@@ -7,6 +7,11 @@ images, one thread, process CPU time (median of --repeats), three layouts:
   keeps the user's contiguous weights: ATen then converts the weight to channels-last on every call);
 - both_nhwc: input and weight channels-last (the weights stored channels-last).
 
+Every distinct convolution of ResNet-18 is measured, and the sums are weighted by how often each
+occurs in the network (20 convolutions), with one more column: auto, the layout
+``to_aoti(channels_last="auto")`` picks per convolution (both_nhwc where the input has at least
+torch_ext._aoti.CHANNELS_LAST_MIN_POSITIONS positions, nchw below).
+
     python scripts/bench_conv_layout.py [--repeats 15] [--lock FILE]
 """
 import argparse
@@ -17,9 +22,12 @@ import time
 
 import torch
 
-# (in channels, out channels, input height = width, kernel, stride) of ResNet-18 at 64x64
-SHAPES = [(3, 64, 64, 7, 2), (64, 64, 16, 3, 1), (64, 128, 16, 3, 2), (128, 128, 8, 3, 1), (256, 256, 4, 3, 1),
-          (512, 512, 2, 3, 1)]
+from torch_ext._aoti import CHANNELS_LAST_MIN_POSITIONS
+
+# (in channels, out channels, input height = width, kernel, stride, occurrences) of ResNet-18 at 64x64
+SHAPES = [(3, 64, 64, 7, 2, 1), (64, 64, 16, 3, 1, 4), (64, 128, 16, 3, 2, 1), (64, 128, 16, 1, 2, 1),
+          (128, 128, 8, 3, 1, 3), (128, 256, 8, 3, 2, 1), (128, 256, 8, 1, 2, 1), (256, 256, 4, 3, 1, 3),
+          (256, 512, 4, 3, 2, 1), (256, 512, 4, 1, 2, 1), (512, 512, 2, 3, 1, 3)]
 LAYOUTS = {"nchw": (torch.contiguous_format, torch.contiguous_format),
            "x_nhwc": (torch.channels_last, torch.contiguous_format),
            "both_nhwc": (torch.channels_last, torch.channels_last)}
@@ -35,8 +43,8 @@ def main():
     if lk:
         fcntl.flock(lk, fcntl.LOCK_EX)
     print(f"load {os.getloadavg()[0]:.2f}; ms per forward + backward, median of {args.repeats}")
-    total = dict.fromkeys(LAYOUTS, 0.0)
-    for cin, cout, hw, k, s in SHAPES:
+    total = dict.fromkeys([*LAYOUTS, "auto"], 0.0)
+    for cin, cout, hw, k, s, count in SHAPES:
         x0, w0 = torch.randn(16, cin, hw, hw), torch.randn(cout, cin, k, k)
         row = {}
         for name, (xf, wf) in LAYOUTS.items():
@@ -55,10 +63,12 @@ def main():
                 f()
                 ts.append(time.process_time() - c0)
             row[name] = statistics.median(ts) * 1e3
-            total[name] += row[name]
-        print(f"{cin:4}->{cout:<4} {hw:3}x{hw:<3} k{k} s{s}  " + "  ".join(f"{n} {v:6.2f}" for n, v in row.items()),
-              flush=True)
-    print("sum" + " " * 23 + "  ".join(f"{n} {v:6.2f}" for n, v in total.items()))
+        row["auto"] = row["both_nhwc" if hw * hw >= CHANNELS_LAST_MIN_POSITIONS else "nchw"]
+        for name, v in row.items():
+            total[name] += count * v
+        print(f"{count}x {cin:4}->{cout:<4} {hw:3}x{hw:<3} k{k} s{s}  "
+              + "  ".join(f"{n} {v:6.2f}" for n, v in row.items()), flush=True)
+    print("ResNet-18 sum" + " " * 19 + "  ".join(f"{n} {v:6.2f}" for n, v in total.items()))
     if lk:
         fcntl.flock(lk, fcntl.LOCK_UN)
 

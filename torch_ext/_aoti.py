@@ -272,20 +272,33 @@ def aoti_decompositions() -> dict:
     return table
 
 
-def conv_weight_entries(program: torch.export.ExportedProgram, inputs: list[str]) -> list[str]:
+# to_aoti(channels_last="auto") stores a convolution's weight channels-last only when the
+# convolution's input has at least this many positions (H * W). One thread here, ResNet-18 at 64x64,
+# batch 16 (scripts/bench_conv_layout.py): oneDNN's channels-last kernels
+# are 10-40% faster forward + backward on 16x16 and 8x8 inputs, and 10-55% slower on 4x4 and 2x2,
+# where ATen's mkldnn backward also copies each weight gradient from oneDNN's contiguous result into
+# the weight's channels-last strides (1 ms per 512x512x3x3 gradient).
+CHANNELS_LAST_MIN_POSITIONS = 64
+
+
+def conv_weight_entries(program: torch.export.ExportedProgram, inputs: list[str],
+                        min_positions: int = 0) -> list[str]:
     """The state entries of ``program`` (its flat input names ``inputs``) stored channels-last in the
-    AOTInductor package: every 4-D input read as a convolution's weight, and the optimizer slots of
+    AOTInductor package: every 4-D input read as a convolution's weight whose input has at least
+    ``min_positions`` positions (H * W) in every convolution reading it, and the optimizer slots of
     those parameters with the weight's shape (AdamW's moments: the update reads them with the weight)."""
     from . import optim
 
     placeholders = [n for n in program.graph_module.graph.nodes if n.op == "placeholder"]
     name_of = dict(zip(placeholders, inputs))
-    weights = set()
+    weights, small = set(), set()
     for node in program.graph_module.graph.nodes:
         if node.op == "call_function" and node.target is _aten.convolution.default:
-            w = node.args[1]
+            x, w = node.args[0], node.args[1]
             if w in name_of and w.meta["val"].dim() == 4:
-                weights.add(name_of[w])
+                positions = math.prod(x.meta["val"].shape[2:])
+                (weights if positions >= min_positions else small).add(name_of[w])
+    weights -= small  # shared with a convolution too small to gain: stays contiguous
     shape = {name_of[p]: tuple(p.meta["val"].shape) for p in placeholders}
     slots = [name for name in inputs if (optim.parse_state_name(name) or ("",))[0] == "slot"
              and optim.parse_state_name(name)[1] in weights
@@ -298,21 +311,41 @@ def with_input_layout(program: torch.export.ExportedProgram, inputs: list[str], 
     (same values, other strides), and each input's strides. AOTInductor compiles for the strides of the program's
     placeholder values (their fake tensors, not the example inputs), so those and every value after
     them are recomputed: ATen's CPU convolution returns channels-last for a channels-last weight,
-    and every later stride must say so."""
+    and every later stride must say so.
+
+    A convolution (and its backward) whose weight stays contiguous reads a contiguous copy of a
+    channels-last input: ATen would otherwise run it channels-last (either operand decides), copying
+    the weight and its gradient every call, which is what keeping that weight contiguous avoids.
+    Inductor fuses the copy into the kernel that produces the input."""
     from torch._guards import detect_fake_mode
     from torch.export.experimental import _copy_graph_module_and_signature
 
     gm, sig = _copy_graph_module_and_signature(program)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     mode = detect_fake_mode([n.meta["val"] for n in placeholders])
+    conv_args = {_aten.convolution.default: (0, 1), _aten.convolution_backward.default: (1, 2)}  # (input, weight)
+    copies = {}
     with mode:
         for node, name in zip(placeholders, inputs):
             if name in channels_last:
                 node.meta["val"] = _channels_last(node.meta["val"])
-        for node in gm.graph.nodes:
-            if node.op == "call_function":
-                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-                node.meta["val"] = node.target(*args, **kwargs)
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function":
+                continue
+            if node.target in conv_args:
+                xi, wi = conv_args[node.target]
+                x, w = node.args[xi], node.args[wi]
+                if (w.meta["val"].dim() == 4 and w.meta["val"].is_contiguous()
+                        and not x.meta["val"].is_contiguous()):
+                    if x not in copies:
+                        with gm.graph.inserting_before(node):
+                            copies[x] = gm.graph.call_function(_aten.clone.default, (x,),
+                                                               {"memory_format": torch.contiguous_format})
+                        copies[x].meta = {**x.meta, "val": x.meta["val"].contiguous()}
+                    node.update_arg(xi, copies[x])
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+            node.meta["val"] = node.target(*args, **kwargs)
+    gm.recompile()
     out = program._update(gm, sig)
     args, kwargs = program.example_inputs
     args = tuple(_channels_last(a) if name in channels_last else a for name, a in zip(inputs, args))

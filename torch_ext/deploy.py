@@ -74,7 +74,7 @@ def aoti_metadata(layout_json: str) -> dict[str, str]:
     its input names, state names, output names (the loss, the state entries it returns, aux), the
     donated state entries (written into the input tensors, not returned), the fingerprint, and
     whether the step was built with scheduler= ("1": its lr input follows a Python scheduler); and
-    for a package compiled for other than contiguous inputs (to_aoti(channels_last=True)) each
+    for a package compiled for other than contiguous inputs (to_aoti's channels_last) each
     input's strides, one "<rank>:<s0>,<s1>,..." line per input."""
     layout = json.loads(layout_json)
     extra = {}

@@ -1100,7 +1100,7 @@ class TrainStep:
             self._program.graph_module.meta.setdefault("custom", {})[LAYOUT_KEY] = json.dumps(layout_of(self))
         return self._program
 
-    def to_aoti(self, path: str, donate: bool = False, channels_last: bool = False) -> str:
+    def to_aoti(self, path: str, donate: bool = False, channels_last: bool | str = "auto") -> str:
         """Compiles ``program`` with AOTInductor into the package ``path`` (a minute or more), with the
         flat layout in its metadata; ``torch_ext.load_step(path)`` runs it on TrainStates. The
         optimizer updates are compiled from their ATen form (torch_ext.optim.aten_updates), fused
@@ -1114,23 +1114,29 @@ class TrainStep:
         passed in is consumed (reusing it raises). Its layout lists those entries under ``donated``
         and only the loss and aux under ``outputs``.
 
-        ``channels_last=True`` compiles the package for convolution weights and their optimizer slots
-        in channels-last strides (same values; the layout's ``input_strides`` records every input's),
-        so ATen's convolutions run channels-last throughout. ``load_step`` copies a state given in
-        other strides (``init_state()``'s contiguous one) into these on its first call; the new state
-        keeps them. The executor runs such a state's tensors as they are, as eager would run
-        channels-last parameters (its convolutions then round otherwise than on contiguous ones):
-        ``state.replace({n: t.contiguous() ...})`` first for bit-exact parity with a contiguous eager
-        model. Off by default: on the ResNet-18 benchmark step (one thread, batch 16, 64x64) the
-        package ran 110 ms a step against 105 contiguous, and eager ResNet-18 in channels-last is no
-        faster either (113-118 against 105-116 ms forward + backward), though single convolutions
-        are (scripts/bench_conv_layout.py)."""
+        ``channels_last`` picks which convolution weights (and their optimizer slots) the package is
+        compiled to hold channels-last (same values; the layout's ``input_strides`` records every
+        input's), so ATen runs those convolutions channels-last: ``"auto"`` (the default) those whose
+        input has at least 64 positions (H * W, _aoti.CHANNELS_LAST_MIN_POSITIONS), ``True`` every
+        4-D convolution weight, ``False`` none. A model without convolutions compiles the same either
+        way. Under "auto" a smaller convolution reads a contiguous copy of its input, so it runs
+        contiguous, where oneDNN is faster on this CPU and ATen's backward copies no weight gradient.
+        ResNet-18 (one thread, batch 16, 64x64, profiled): the convolution calls take 79 ms a step
+        under "auto", 94 ms all contiguous (False), 96 ms all channels-last (True; 5 ms of it weight
+        gradient copies). ``load_step`` copies a state given in other strides (``init_state()``'s
+        contiguous one) into these on its first call; the new state keeps them. The executor runs
+        such a state's tensors as they are, as eager would run channels-last parameters (its
+        convolutions then round otherwise than on contiguous ones): ``state.replace({n:
+        t.contiguous() ...})`` first for bit-exact parity with a contiguous eager model."""
         from .deploy import LAYOUT_KEY, aoti_metadata
 
-        for key, value in (("donate", donate), ("channels_last", channels_last)):
-            if not isinstance(value, bool):
-                raise TypeError(f"to_aoti: {key} must be a bool, got {type(value).__name__} {value!r}")
-        from ._aoti import aoti_decompositions, conv_weight_entries, fuse_cross_entropy_program, with_input_layout
+        if not isinstance(donate, bool):
+            raise TypeError(f"to_aoti: donate must be a bool, got {type(donate).__name__} {donate!r}")
+        if not (isinstance(channels_last, bool) or (isinstance(channels_last, str) and channels_last == "auto")):
+            raise TypeError(f"to_aoti: channels_last must be a bool or 'auto', got {type(channels_last).__name__} "
+                            f"{channels_last!r}")
+        from ._aoti import (CHANNELS_LAST_MIN_POSITIONS, aoti_decompositions, conv_weight_entries,
+                            fuse_cross_entropy_program, with_input_layout)
 
         layout_json = self.program.graph_module.meta["custom"][LAYOUT_KEY]
         # The update ops as ATen math and dropout as a counter-based hash keyed from the state,
@@ -1140,7 +1146,8 @@ class TrainStep:
         # Cross-entropy as pointwise math over the logits and their logsumexp (torch_ext/_aoti.py).
         program = fuse_cross_entropy_program(program)
         layout = json.loads(layout_json)
-        chosen = set(conv_weight_entries(program, layout["inputs"])) if channels_last else set()
+        min_positions = 0 if channels_last is True else CHANNELS_LAST_MIN_POSITIONS
+        chosen = set(conv_weight_entries(program, layout["inputs"], min_positions)) if channels_last else set()
         if chosen:
             # The strides the package is compiled for, per input (contiguous without them): load_step
             # copies an entry given in others into them (AOTInductor would index it with these unchecked).

@@ -460,8 +460,63 @@ def test_aoti_channels_last_package_converts_a_contiguous_state_once(tmp_path):
     assert state.lookup("model.c1.weight").is_contiguous()  # the caller's tensor was not written
     torch.testing.assert_close(d_losses, want_losses, rtol=1e-5, atol=1e-6)
     assert_states_equal(d_state, want, atol=1e-5)
-    with pytest.raises(TypeError, match="channels_last must be a bool, got str 'yes'"):
+    with pytest.raises(TypeError, match="channels_last must be a bool or 'auto', got str 'yes'"):
         step.to_aoti(str(tmp_path / "never.pt2"), channels_last="yes")
+
+
+def test_aoti_channels_last_auto_keeps_small_convolutions_contiguous(tmp_path):
+    # channels_last="auto" (the default): a weight is stored channels-last only where its
+    # convolution's input has >= 64 positions (c1 on 16x16, c2 on 8x8), not c3 on 4x4, whose input
+    # (channels-last from c2) is read through one contiguous copy by the convolution and its backward,
+    # so ATen runs c3 contiguous. The package trains as the contiguous package and the executor do.
+    from torch_ext._aoti import CHANNELS_LAST_MIN_POSITIONS, conv_weight_entries, with_input_layout
+
+    torch.manual_seed(0)
+    model = SmallCNN()
+    g = torch.Generator().manual_seed(1)
+    bs = [(torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 5, (4,), generator=g)) for _ in range(4)]
+    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), ce, bs[0])
+    inputs = json.loads(step.program.graph_module.meta["custom"][LAYOUT_KEY])["inputs"]
+    chosen = conv_weight_entries(step.program, inputs, CHANNELS_LAST_MIN_POSITIONS)
+    weights = ["model.c1.weight", "model.c2.weight"]
+    assert sorted(chosen) == sorted(weights + [f"opt:{w}:{s}" for w in weights for s in ("exp_avg", "exp_avg_sq")])
+    assert set(conv_weight_entries(step.program, inputs)) > set(chosen)  # True: c3 too
+    program, _ = with_input_layout(step.program, inputs, set(chosen))
+    nodes = list(program.graph_module.graph.nodes)
+    convs = [n for n in nodes if n.target in (torch.ops.aten.convolution.default,
+                                              torch.ops.aten.convolution_backward.default)]
+    c3 = [n for n in convs if n.args[1 if n.target is torch.ops.aten.convolution.default else 2].meta["val"].shape
+          == (16, 16, 1, 1)]
+    assert len(c3) == 2
+    x3 = {n.args[0] if n.target is torch.ops.aten.convolution.default else n.args[1] for n in c3}
+    assert len(x3) == 1
+    (copy,) = x3
+    assert copy.target is torch.ops.aten.clone.default and copy.meta["val"].is_contiguous()
+    assert not copy.args[0].meta["val"].is_contiguous()  # what c2 and the ReLU leave: channels-last
+    assert all(n.meta["val"].is_contiguous() for n in c3 if n.target is torch.ops.aten.convolution.default)
+    assert sum(n.target is torch.ops.aten.clone.default for n in nodes) == 1 + sum(
+        n.target is torch.ops.aten.clone.default for n in step.program.graph_module.graph.nodes)
+
+    auto = torch_ext.load_step(step.to_aoti(str(tmp_path / "auto.pt2")))
+    strides = dict(zip(auto.layout["inputs"], map(tuple, auto.layout["input_strides"])))
+    state = step.init_state()
+    for name in inputs:
+        if not name.startswith("batch:"):
+            fmt = torch.channels_last if name in chosen else torch.contiguous_format
+            assert strides[name] == torch.empty_like(state.lookup(name), memory_format=fmt).stride(), name
+    assert strides["model.c3.weight"] == (16, 1, 1, 1)
+    got_losses, got = run(auto, state, bs)
+    assert auto.converted_entries == len(chosen)
+    plain = torch_ext.load_step(step.to_aoti(str(tmp_path / "plain.pt2"), channels_last=False))
+    assert "input_strides" not in plain.layout
+    plain_losses, plain_state = run(plain, step.init_state(), bs)
+    want_losses, want = run(step, step.init_state(), bs)
+    for losses, new in ((got_losses, got), (plain_losses, plain_state)):
+        torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
+        assert_states_equal(new, want, atol=1e-5)
+    assert_states_equal(got, plain_state, atol=1e-5)
+    with pytest.raises(TypeError, match="channels_last must be a bool or 'auto', got str 'Auto'"):
+        step.to_aoti(str(tmp_path / "never.pt2"), channels_last="Auto")
 
 
 def test_onnx_loads_through_load_step_within_1e5(tmp_path):
