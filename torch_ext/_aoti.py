@@ -281,6 +281,12 @@ def aoti_decompositions() -> dict:
 CHANNELS_LAST_MIN_POSITIONS = 64
 
 
+def has_higher_order_ops(program: torch.export.ExportedProgram) -> bool:
+    """Whether ``program`` calls a higher-order operator (torch.cond, while_loop, ...)."""
+    return any(n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)
+               for n in program.graph_module.graph.nodes)
+
+
 def conv_weight_entries(program: torch.export.ExportedProgram, inputs: list[str],
                         min_positions: int = 0) -> list[str]:
     """The state entries of ``program`` (its flat input names ``inputs``) stored channels-last in the

@@ -1136,7 +1136,7 @@ class TrainStep:
             raise TypeError(f"to_aoti: channels_last must be a bool or 'auto', got {type(channels_last).__name__} "
                             f"{channels_last!r}")
         from ._aoti import (CHANNELS_LAST_MIN_POSITIONS, aoti_decompositions, conv_weight_entries,
-                            fuse_cross_entropy_program, with_input_layout)
+                            fuse_cross_entropy_program, has_higher_order_ops, with_input_layout)
 
         layout_json = self.program.graph_module.meta["custom"][LAYOUT_KEY]
         # The update ops as ATen math and dropout as a counter-based hash keyed from the state,
@@ -1148,6 +1148,14 @@ class TrainStep:
         layout = json.loads(layout_json)
         min_positions = 0 if channels_last is True else CHANNELS_LAST_MIN_POSITIONS
         chosen = set(conv_weight_entries(program, layout["inputs"], min_positions)) if channels_last else set()
+        if chosen and has_higher_order_ops(program):
+            # with_input_layout infers every value's strides again op by op; a subgraph call (torch.cond,
+            # a while loop) would need that inside its subgraphs too.
+            if channels_last is True:
+                raise NotImplementedError("to_aoti(channels_last=True): the step calls subgraphs (torch.cond or "
+                                          "another higher-order op), whose strides are not inferred again; use "
+                                          "channels_last=False")
+            chosen = set()
         if chosen:
             # The strides the package is compiled for, per input (contiguous without them): load_step
             # copies an entry given in others into them (AOTInductor would index it with these unchecked).

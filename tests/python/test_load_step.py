@@ -519,6 +519,35 @@ def test_aoti_channels_last_auto_keeps_small_convolutions_contiguous(tmp_path):
         step.to_aoti(str(tmp_path / "never.pt2"), channels_last="Auto")
 
 
+def test_aoti_channels_last_auto_leaves_a_step_with_subgraph_calls_contiguous(tmp_path):
+    # channels_last="auto" is the default, and its stride re-inference cannot look inside torch.cond's
+    # subgraphs: a convolution model that branches compiles contiguous (it raised KeyError 'val'), and
+    # channels_last=True is refused by name.
+    class Branching(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.c2, self.head = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1), nn.Linear(8, 5)
+
+        def forward(self, x):
+            h = torch.relu(self.c1(x))
+            h = torch.cond(h.sum() > 0, lambda h: self.c2(h), lambda h: h * 2, (h,))
+            return self.head(h.mean((2, 3)))
+
+    torch.manual_seed(0)
+    model = Branching()
+    g = torch.Generator().manual_seed(1)
+    bs = [(torch.randn(2, 3, 16, 16, generator=g), torch.randint(0, 5, (2,), generator=g)) for _ in range(2)]
+    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), ce, bs[0])
+    with pytest.raises(NotImplementedError, match=r"channels_last=True\): the step calls subgraphs"):
+        step.to_aoti(str(tmp_path / "never.pt2"), channels_last=True)
+    loaded = torch_ext.load_step(step.to_aoti(str(tmp_path / "auto.pt2")))
+    assert "input_strides" not in loaded.layout
+    got_losses, got = run(loaded, step.init_state(), bs)
+    want_losses, want = run(step, step.init_state(), bs)
+    torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)
+    assert_states_equal(got, want, atol=1e-5)
+
+
 def test_onnx_loads_through_load_step_within_1e5(tmp_path):
     pytest.importorskip("onnxruntime", reason="needs onnxruntime")
     pytest.importorskip("onnxscript", reason="needs onnxscript")
