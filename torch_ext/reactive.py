@@ -1020,6 +1020,12 @@ class ReactiveGraph:
         """The cone of ``node`` K times over along dim 0 (csrc/passes/batch_cone.h), its values outside
         the cone the current clean ones (grafts and standing patches included); built again when the
         graph, its inputs or its standing patches change."""
+        return self._batched_entries(((node, k),))
+
+    def _batched_entries(self, entries: tuple) -> "_BatchedCone":
+        """Copies entering at several nodes along one chain, ``((node, k), ...)`` upstream first, as one
+        batched cone (batch_cone's entries form); one entry is ``_batched_cone(node, k)``. Cached under
+        ``(node, k)`` for one entry, ``entries`` otherwise."""
         if self._last_inputs is None:
             raise ValueError("batched sites need a ReactiveGraph that has run (give example_inputs or call run())")
         eng = self._engine
@@ -1031,9 +1037,10 @@ class ReactiveGraph:
         # copies of clean values stale.
         state = (eng, eng.graph_revision(), _Held(self._last_inputs), pinned, tuple(eng.value(p) for p in pinned),
                  eng.input_edits())
-        bc = self._batched.get((node, k))
+        key = entries[0] if len(entries) == 1 else entries
+        bc = self._batched.get(key)
         if bc is not None and _same_state(bc.state, state):
-            self._batched.move_to_end((node, k))
+            self._batched.move_to_end(key)
             return bc
         # Entries built for another state would be rebuilt before any use: drop them now, with the
         # least recently used beyond the bound, before building (their memory is freed first).
@@ -1041,11 +1048,11 @@ class ReactiveGraph:
             del self._batched[key]
         while len(self._batched) >= max(1, int(self.max_batched_cones)):
             self._batched.popitem(last=False)
-        graph = _BatchedCone.build_graph(eng, node, k)
+        graph = _BatchedCone.build_graph(eng, entries)
         need = _graph_bytes(graph[0])
         while self._batched and sum(b.nbytes for b in self._batched.values()) + need > int(self.max_batched_bytes):
             self._batched.popitem(last=False)  # freed before the new cone's values are allocated
-        bc = self._batched[(node, k)] = _BatchedCone(self, node, k, state, graph)
+        bc = self._batched[key] = _BatchedCone(self, entries, state, graph)
         return bc
 
     def _check_batchable(self, node: str) -> None:
@@ -1055,7 +1062,7 @@ class ReactiveGraph:
         state = (eng, eng.graph_revision(), tuple(eng.pinned()))
         checked = self.__dict__.setdefault("_batch_checked", {})
         if not _same_state(checked.get(node), state):
-            _BatchedCone.build_graph(eng, node, 2)
+            _BatchedCone.build_graph(eng, ((node, 2),))
             checked[node] = state
 
 
@@ -1095,14 +1102,19 @@ class _BatchedCone:
     K; anything else is refused (ValueError), never answered wrongly. The batched engine is set up
     once with the clean value stacked K times (``setup`` evaluations), so that token-granular cones
     find their cached rows.
+
+    With several entries ``((node, k), ...)`` along a chain, entry j's copies enter at its node (the
+    batch grows there): the site placeholder, named after the first node, holds every entry's copies in
+    entry order, and copy i of the outputs is the i-th site in that order.
     """
 
-    def __init__(self, rg: "ReactiveGraph", node: str, k: int, state: tuple, built=None):
+    def __init__(self, rg: "ReactiveGraph", entries: tuple, state: tuple, built=None):
         eng = rg._engine
-        graph, externals, stacked, calls = built if built is not None else self.build_graph(eng, node, k)
+        graph, externals, stacked, calls = built if built is not None else self.build_graph(eng, entries)
         self.nbytes = _graph_bytes(graph)
         self.state = state
-        self.k = k
+        self.entries = entries
+        self.k = k = sum(n for _, n in entries)
         self.stacked = list(stacked)
         self.calls = calls
         self.engine = None
@@ -1112,19 +1124,21 @@ class _BatchedCone:
         self.engine = _C.Engine(graph)
         self.engine.set_positions(rg._positions, rg._seq_dim)
 
-        def tiled(v):
-            return v.repeat(k, *([1] * (v.dim() - 1)))
+        def tiled(v, times):
+            return v.repeat(times, *([1] * (v.dim() - 1)))
 
-        inputs = [tiled(eng.value(src)) if tile else eng.value(src) for _, src, tile in externals]
-        inputs.append(tiled(eng.value(node)))
+        inputs = [tiled(eng.value(src), times) if times else eng.value(src) for _, src, times in externals]
+        inputs.append(torch.cat([tiled(eng.value(node), n) for node, n in entries]))
         self.engine.run(inputs)
         self.setup = self.engine.stats()["evaluations"]
 
     @staticmethod
-    def build_graph(eng, node: str, k: int):
+    def build_graph(eng, entries: tuple):
         """The batch_cone pass on the engine's graph (its pinned nodes stop the cone); a refusal is a ValueError."""
         try:
-            return _C.batch_cone(eng.graph(), node, k, list(eng.pinned()))
+            if len(entries) == 1:
+                return _C.batch_cone(eng.graph(), entries[0][0], entries[0][1], list(eng.pinned()))
+            return _C.batch_cone(eng.graph(), list(entries), 1, list(eng.pinned()))
         except RuntimeError as e:
             msg = str(e).split("\n")[0].removeprefix("batch_cone: ")
             raise ValueError(f"batched sites cannot be used with this model: {msg}. Sites are stacked along dim 0, "
@@ -1868,6 +1882,78 @@ def _row_batches(first: list[int], length: int, overhead: float) -> list[tuple[i
     return bounds[::-1]
 
 
+def _chains(rg: ReactiveGraph, rowed: list) -> list[list]:
+    """Groups the row-path site nodes into chains along which copies can enter one batched cone
+    (batch_cone's entries form): graph order, each node in the strict cone of the one before, all of one
+    type and sequence length (one placeholder holds every entry's copies). Greedy, upstream first."""
+    order = {n: i for i, n in enumerate(rg._countable)}
+    eng = rg._engine
+    chains: list[list] = []
+    cone_of = None
+    for item in sorted(rowed, key=lambda r: order.get(r[0], -1)):
+        node, length = item[0], item[4]
+        if chains and cone_of is not None and node in cone_of and length == chains[-1][-1][4] \
+                and _same_type(eng.value(node), eng.value(chains[-1][0][0])):
+            chains[-1].append(item)
+        else:
+            chains.append([item])
+        cone_of = set(eng.cone(node))
+    return chains
+
+
+def _chain_units(rg: ReactiveGraph, chain: list) -> list:
+    """Batches over a chain's sites (batch_sites=True on the row path): every site sorted by its first
+    changed row, then split into contiguous batches [lo, hi) minimising the predicted cost, each batch one
+    unit whose copies enter at their own nodes. A batch costs one engine evaluation per node of its most
+    upstream node's cone (_NODE_OVERHEAD_FLOPS each) plus, per member, its node's cone on rows
+    [first[lo], length). One node is _row_batches' split: fewer units where several layers share a
+    position, each copy still running only its own node's cone."""
+    eng = rg._engine
+    length = chain[0][4]
+    if len(chain) == 1:  # one node: _row_batches' split, as before chains
+        node, members, vals, first, _ = chain[0]
+        if len(members) == 1:
+            return [(((node, 1),), members, vals)]
+        order = sorted(range(len(members)), key=lambda i: (first[i], i))
+        per_row = max(eng.cone_cost(node), 1.0) / max(length, 1)
+        bounds = _row_batches([first[i] for i in order], length,
+                              _NODE_OVERHEAD_FLOPS * max(rg._cone_size(node), 1) / per_row)
+        return [(((node, hi - lo),), [members[i] for i in order[lo:hi]], [vals[i] for i in order[lo:hi]])
+                for lo, hi in bounds]
+    sites = []  # (first row, chain index, site, value)
+    for c, (node, members, vals, first, _) in enumerate(chain):
+        sites.extend((f, c, s, v) for s, v, f in zip(members, vals, first))
+    sites.sort(key=lambda t: (t[0], t[1]))
+    per_row = [max(eng.cone_cost(node), 1.0) / max(length, 1) for node, *_ in chain]
+    overhead = [_NODE_OVERHEAD_FLOPS * max(rg._cone_size(node), 1) for node, *_ in chain]
+    n = len(sites)
+    best = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for hi in range(1, n + 1):
+        top = len(chain)
+        rows = 0.0  # sum over members [lo, hi) of their cone cost per row
+        for lo in range(hi - 1, -1, -1):
+            top = min(top, sites[lo][1])
+            rows += per_row[sites[lo][1]]
+            c = best[lo] + overhead[top] + rows * (length - sites[lo][0])
+            if c < best[hi]:
+                best[hi], cut[hi] = c, lo
+    units = []
+    hi = n
+    while hi > 0:
+        lo = cut[hi]
+        part = sorted(sites[lo:hi], key=lambda t: t[1])  # entry order, upstream first (stable: rows kept)
+        entries = []
+        for _, c, _, _ in part:
+            if entries and entries[-1][0] == chain[c][0]:
+                entries[-1][1] += 1
+            else:
+                entries.append([chain[c][0], 1])
+        units.append((tuple((node, k) for node, k in entries), [t[2] for t in part], [t[3] for t in part]))
+        hi = lo
+    return units[::-1]
+
+
 def _same_type(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape, device and layout: what _same_bits checks before comparing bits."""
     return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and a.layout == b.layout
@@ -2048,7 +2134,8 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
     # that each start at their own first row: batch_sites=K, batches of at most K; batch_sites=True, the
     # split that minimises the predicted cost (_row_batches).
     chunk = batch_sites if not isinstance(batch_sites, bool) else None
-    units = []
+    units = []  # (entries ((node, k), ...), members, values), members in entry order
+    rowed = []  # batch_sites=True on the row path: (node, members, values, first rows, length), to chain
     identical = 0
     # The sweep demanded above and refuses mutations while it runs: the current outputs are the cached ones,
     # read from the engine (rg.demand() would repeat the per-call hook and attribute checks per site).
@@ -2080,25 +2167,25 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         members, vals = [s for s, _, _ in kept], [v for _, v, _ in kept]
         if not members:
             continue
-        if len(members) > 1 and by_rows:
+        if by_rows and chunk is None:
+            rowed.append((node, members, vals, [f for _, _, f in kept], length))
+        elif len(members) > 1 and by_rows:
             first = [f for _, _, f in kept]
             order = sorted(range(len(members)), key=lambda i: (first[i], i))
-            if chunk is not None:
-                bounds = [(j, min(j + chunk, len(order))) for j in range(0, len(order), chunk)]
-            else:
-                per_row = max(eng.cone_cost(node), 1.0) / max(length, 1)
-                overhead = _NODE_OVERHEAD_FLOPS * max(rg._cone_size(node), 1) / per_row
-                bounds = _row_batches([first[i] for i in order], length, overhead)
-            for lo, hi in bounds:
-                units.append((node, [members[i] for i in order[lo:hi]], [vals[i] for i in order[lo:hi]]))
+            for j in range(0, len(order), chunk):
+                part = order[j:j + chunk]
+                units.append((((node, len(part)),), [members[i] for i in part], [vals[i] for i in part]))
         elif chunk is not None and len(members) > chunk:
             for j in range(0, len(members), chunk):
-                units.append((node, members[j:j + chunk], vals[j:j + chunk]))
+                units.append((((node, len(members[j:j + chunk])),), members[j:j + chunk], vals[j:j + chunk]))
         else:
-            units.append((node, members, vals))
+            units.append((((node, len(members)),), members, vals))
+    for chain in _chains(rg, rowed):
+        units.extend(_chain_units(rg, chain))
     predicted_batched = 0
-    for node, members, given in _progress(units, len(units), progress, "sweep (batched)"):
+    for entries, members, given in _progress(units, len(units), progress, "sweep (batched)"):
         k = len(members)
+        node = entries[0][0]
         if k == 1:  # nothing to batch: the graph itself is the cheapest
             predicted_batched += live[node]
             before, cost_before = rg.stats["evaluations"], rg.stats["cost"]
@@ -2108,8 +2195,9 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
             cost += rg.stats["cost"] - cost_before
             row_evals += rg.stats["row_evaluations"] - rows_before
             continue
-        old = rg._batched.get((node, k))
-        bc = rg._batched_cone(node, k)
+        key = entries[0] if len(entries) == 1 else entries
+        old = rg._batched.get(key)
+        bc = rg._batched_entries(entries)
         if bc is not old:
             setup += bc.setup
         if bc.engine is None:  # an empty cone (the node is an output, or pins cut it off): one at a time
@@ -2120,7 +2208,8 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
                 measured += rg.stats["evaluations"] - before
                 cost += rg.stats["cost"] - cost_before
             continue
-        # The batched cone: the live cone less the nodes that reach no output (only through a pinned node).
+        # The batched cone: the live cone less the nodes that reach no output (only through a pinned node),
+        # with the entries' slices and joins when copies enter at several nodes.
         predicted_batched += bc.calls
         values = given
         big = bc.engine
@@ -2138,7 +2227,7 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         # Drop the outputs now: the engine reuses their buffers only while it holds the sole reference.
         del flat, parts
         if wrote:
-            rg._batched.pop((node, k), None)  # its clean outputs may be the written ones: built again
+            rg._batched.pop(key, None)  # its clean outputs may be the written ones: built again
             _raise_metric_wrote(rg, wrote[0])
         st_after = big.stats()
         measured += st_after["evaluations"] - st_before["evaluations"]
