@@ -1044,8 +1044,8 @@ class ReactiveGraph:
             return bc
         # Entries built for another state would be rebuilt before any use: drop them now, with the
         # least recently used beyond the bound, before building (their memory is freed first).
-        for key in [key for key, old in self._batched.items() if not _same_state(old.state, state)]:
-            del self._batched[key]
+        for stale in [k for k, old in self._batched.items() if not _same_state(old.state, state)]:
+            del self._batched[stale]
         while len(self._batched) >= max(1, int(self.max_batched_cones)):
             self._batched.popitem(last=False)
         graph = _BatchedCone.build_graph(eng, entries)
@@ -1747,7 +1747,7 @@ def _balanced_shares(units: list, costs: list[float], world: int) -> list[list]:
 _DISTRIBUTED_SWEEPS = 0  # sweeps started on this rank; every rank counts the same (sweeps are collective)
 
 
-def _claimed_chunks(units: list, costs: list[float], rank: int, world: int):
+def _claimed_chunks(units: list, costs: list[float], rank: int, world: int, flatten: bool = True):
     """Chunks of units (sites, or a node's sites when batching) for this rank, largest predicted
     cost first. Rank r starts with chunk r; later chunks go to whichever rank asks first, through an
     atomic counter in the process group's store. Predicted costs alone balance badly once cones are
@@ -1759,11 +1759,13 @@ def _claimed_chunks(units: list, costs: list[float], rank: int, world: int):
     _DISTRIBUTED_SWEEPS += 1
     order = [units[i] for i in sorted(range(len(units)), key=lambda i: (-costs[i], i))]
     size = max(1, -(-len(order) // (8 * world)))
-    chunks = [[s for unit in order[i:i + size] for s in unit] for i in range(0, len(order), size)]
+    chunks = [[s for unit in order[i:i + size] for s in unit] if flatten else order[i:i + size]
+              for i in range(0, len(order), size)]
     try:
         store = dist.distributed_c10d._get_default_store()
     except Exception:  # no store: the fixed longest-processing-time-first split
-        yield [s for unit in _balanced_shares(units, costs, world)[rank] for s in unit]
+        share = _balanced_shares(units, costs, world)[rank]
+        yield [s for unit in share for s in unit] if flatten else share
         return
     if rank < len(chunks):
         yield chunks[rank]
@@ -1777,9 +1779,10 @@ def _claimed_chunks(units: list, costs: list[float], rank: int, world: int):
 
 def _distributed_sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool,
                        batch_sites: bool, rows=None, skip_identical: bool = False) -> SweepResult:
-    """Splits the sites across the ranks of the default process group by predicted cone cost (whole
-    nodes when batching, so a node's sites stay one batch), sweeps the local share and gathers one
-    result on every rank. Every rank must hold the same graph, inputs and standing mutations."""
+    """Splits the sites across the ranks of the default process group by predicted cone cost (when
+    batching, the batched units every rank plans alike, so a unit's sites stay one batch), sweeps the
+    local share and gathers one result on every rank. Every rank must hold the same graph, inputs and
+    standing mutations."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -1801,19 +1804,18 @@ def _distributed_sweep(rg: ReactiveGraph, site_list: list, patch, metric, progre
     def node_of(site):
         return rg.resolve(site[0] if isinstance(site, tuple) else site)
 
+    t0 = time.perf_counter()
     if batch_sites:
-        groups: dict = {}
-        for s in site_list:
-            groups.setdefault(node_of(s), []).append(s)
-        units = list(groups.values())
-        costs = [rg._engine.cone_cost(n) for n in groups]  # a batch costs about one cone (K-times wider)
+        # Every rank plans the same batched units (chains of nodes, row batches: they depend on every site's
+        # patch), then runs those it claims, so the table is the single-process one bit for bit.
+        claim = (lambda units, costs: _claimed_chunks(units, costs, rank, world, flatten=False), rank == 0)
+        parts = [_sweep(rg, site_list, patch, metric, progress, batch_sites, False, rows, skip_identical, claim)]
     else:
         units = [[s] for s in site_list]
         cost_of: dict = {}
         costs = [cost_of.setdefault(node_of(s), rg._engine.cone_cost(node_of(s))) for s in site_list]
-    t0 = time.perf_counter()
-    parts = [_sweep(rg, chunk, patch, metric, progress, batch_sites, False, rows, skip_identical)
-             for chunk in _claimed_chunks(units, costs, rank, world)]
+        parts = [_sweep(rg, chunk, patch, metric, progress, batch_sites, False, rows, skip_identical)
+                 for chunk in _claimed_chunks(units, costs, rank, world)]
     wall = time.perf_counter() - t0
     payload = ({k: v for part in parts for k, v in part.metrics.items()},
                sum(part.measured_evaluations for part in parts), sum(part.predicted_evaluations for part in parts),
@@ -1882,32 +1884,54 @@ def _row_batches(first: list[int], length: int, overhead: float) -> list[tuple[i
     return bounds[::-1]
 
 
-def _chains(rg: ReactiveGraph, rowed: list) -> list[list]:
-    """Groups the row-path site nodes into chains along which copies can enter one batched cone
-    (batch_cone's entries form): graph order, each node in the strict cone of the one before, all of one
-    type and sequence length (one placeholder holds every entry's copies). Greedy, upstream first."""
+# A chained unit's cost per engine evaluation in FLOPs, fitted on the TinyTransformer units of
+# scripts/bench_sweep.py (one thread: ~1.9 us per evaluation at ~65 GFLOP/s), and the largest value a
+# chained unit may hold: past ~0.5 MiB per value the allocator hands fresh pages back per unit (minor
+# faults measured at every unit with 19 copies at d_model 128, none with <= 0.5 MiB values).
+_CHAIN_OVERHEAD_FLOPS = 1.3e5
+_UNIT_BYTES = float(1 << 19)
+
+
+def _value_bytes(eng, node: str) -> int:
+    """Bytes of a node's cached value (tensors of a tuple summed); 0 for other values."""
+    v = eng.value(node)
+    ts = v if isinstance(v, (tuple, list)) else (v,)
+    return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+
+def _node_chains(rg: ReactiveGraph, nodes: list) -> list[list]:
+    """Groups row-path site nodes into chains along which copies can enter one batched cone (batch_cone's
+    entries form): graph order, each node in the strict cone of the one before, all of one type (one
+    placeholder holds every entry's copies). Greedy, upstream first; by node structure only (every
+    row-path site node, its sites identical or not)."""
     order = {n: i for i, n in enumerate(rg._countable)}
     eng = rg._engine
     chains: list[list] = []
     cone_of = None
-    for item in sorted(rowed, key=lambda r: order.get(r[0], -1)):
-        node, length = item[0], item[4]
-        if chains and cone_of is not None and node in cone_of and length == chains[-1][-1][4] \
-                and _same_type(eng.value(node), eng.value(chains[-1][0][0])):
-            chains[-1].append(item)
+    for node in sorted(nodes, key=lambda n: order.get(n, -1)):
+        if chains and cone_of is not None and node in cone_of and _same_type(eng.value(node), eng.value(chains[-1][0])):
+            chains[-1].append(node)
         else:
-            chains.append([item])
+            chains.append([node])
         cone_of = set(eng.cone(node))
     return chains
+
+
+def _row_path_node(rg: ReactiveGraph, node: str, read_rows) -> bool:
+    """Whether a batched sweep runs this node's sites on the row path (token-granular cones)."""
+    eng = rg._engine
+    return (read_rows is not None and not eng.pinned() and eng.can_evaluate_patched_rows()
+            and eng.seq_axis(node) >= 0)
 
 
 def _chain_units(rg: ReactiveGraph, chain: list) -> list:
     """Batches over a chain's sites (batch_sites=True on the row path): every site sorted by its first
     changed row, then split into contiguous batches [lo, hi) minimising the predicted cost, each batch one
     unit whose copies enter at their own nodes. A batch costs one engine evaluation per node of its most
-    upstream node's cone (_NODE_OVERHEAD_FLOPS each) plus, per member, its node's cone on rows
-    [first[lo], length). One node is _row_batches' split: fewer units where several layers share a
-    position, each copy still running only its own node's cone."""
+    upstream node's cone (_CHAIN_OVERHEAD_FLOPS each) plus, per member, its node's cone on rows
+    [first[lo], length); no batch holds a value over _UNIT_BYTES. One node is _row_batches' split, as
+    before: chains give fewer units where several layers share a position, each copy still running only
+    its own node's cone."""
     eng = rg._engine
     length = chain[0][4]
     if len(chain) == 1:  # one node: _row_batches' split, as before chains
@@ -1925,7 +1949,10 @@ def _chain_units(rg: ReactiveGraph, chain: list) -> list:
         sites.extend((f, c, s, v) for s, v, f in zip(members, vals, first))
     sites.sort(key=lambda t: (t[0], t[1]))
     per_row = [max(eng.cone_cost(node), 1.0) / max(length, 1) for node, *_ in chain]
-    overhead = [_NODE_OVERHEAD_FLOPS * max(rg._cone_size(node), 1) for node, *_ in chain]
+    overhead = [_CHAIN_OVERHEAD_FLOPS * max(rg._cone_size(node), 1) for node, *_ in chain]
+    # The largest value one copy carries, per row: a unit whose largest value would pass _UNIT_BYTES is
+    # not formed (beyond it the allocator hands back fresh pages, faulted in at every unit).
+    widest = max(_value_bytes(eng, m) for m in eng.cone(chain[0][0])) / max(length, 1)
     n = len(sites)
     best = [0.0] + [float("inf")] * n
     cut = [0] * (n + 1)
@@ -1933,6 +1960,8 @@ def _chain_units(rg: ReactiveGraph, chain: list) -> list:
         top = len(chain)
         rows = 0.0  # sum over members [lo, hi) of their cone cost per row
         for lo in range(hi - 1, -1, -1):
+            if lo < hi - 1 and (hi - lo) * widest * (length - sites[lo][0]) > _UNIT_BYTES:
+                break
             top = min(top, sites[lo][1])
             rows += per_row[sites[lo][1]]
             c = best[lo] + overhead[top] + rows * (length - sites[lo][0])
@@ -2054,7 +2083,10 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
 
 
 def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, batch_sites: bool,
-           distributed: bool, rows=None, skip_identical: bool = False) -> SweepResult:
+           distributed: bool, rows=None, skip_identical: bool = False, claim=None) -> SweepResult:
+    """``claim`` (distributed batched sweeps): ``(claim(units, costs), keep_identical)``; the units, planned
+    the same on every rank, are run as ``claim`` hands them out, and identical sites are answered only
+    where ``keep_identical``."""
     if distributed:
         return _distributed_sweep(rg, site_list, patch, metric, progress, batch_sites, rows, skip_identical)
     read_rows = rows[0] if rows is not None else None
@@ -2135,7 +2167,8 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
     # split that minimises the predicted cost (_row_batches).
     chunk = batch_sites if not isinstance(batch_sites, bool) else None
     units = []  # (entries ((node, k), ...), members, values), members in entry order
-    rowed = []  # batch_sites=True on the row path: (node, members, values, first rows, length), to chain
+    rowed = {}  # batch_sites=True on the row path: node -> (node, members, values, first rows, length)
+    row_nodes = []  # every row-path node, its sites identical or not: chains do not depend on patch values
     identical = 0
     # The sweep demanded above and refuses mutations while it runs: the current outputs are the cached ones,
     # read from the engine (rg.demand() would repeat the per-call hook and attribute checks per site).
@@ -2144,8 +2177,9 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
             rg._check_batchable(node)
         vals = _patched_values(rg, node, members, patch)
         current = eng.value(node)
-        by_rows = (read_rows is not None and not eng.pinned() and eng.can_evaluate_patched_rows()
-                   and eng.seq_axis(node) >= 0)
+        by_rows = _row_path_node(rg, node, read_rows)
+        if by_rows and chunk is None:
+            row_nodes.append(node)
         if by_rows:
             # One byte scan per site gives both answers: the first changed row, and (== the length, for a
             # value of the node's shape and dtype) bit-identity, as _same_bits would say.
@@ -2158,17 +2192,18 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         kept = []
         for i, (s, v) in enumerate(zip(members, vals)):
             if same[i]:
-                metrics[s], w = _measure(rg, metric, rg._user(eng.demand()), s)  # _user: single-output fast path
-                if w:
-                    _raise_metric_wrote(rg, s)
-                identical += 1
+                if claim is None or claim[1]:
+                    metrics[s], w = _measure(rg, metric, rg._user(eng.demand()), s)  # _user: single-output fast path
+                    if w:
+                        _raise_metric_wrote(rg, s)
+                    identical += 1
             else:
                 kept.append((s, v, first_of[i] if first_of is not None else None))
         members, vals = [s for s, _, _ in kept], [v for _, v, _ in kept]
         if not members:
             continue
         if by_rows and chunk is None:
-            rowed.append((node, members, vals, [f for _, _, f in kept], length))
+            rowed[node] = (node, members, vals, [f for _, _, f in kept], length)
         elif len(members) > 1 and by_rows:
             first = [f for _, _, f in kept]
             order = sorted(range(len(members)), key=lambda i: (first[i], i))
@@ -2180,10 +2215,18 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
                 units.append((((node, len(members[j:j + chunk])),), members[j:j + chunk], vals[j:j + chunk]))
         else:
             units.append((((node, len(members)),), members, vals))
-    for chain in _chains(rg, rowed):
-        units.extend(_chain_units(rg, chain))
+    for nodes in _node_chains(rg, row_nodes):
+        chain = [rowed[n] for n in nodes if n in rowed]
+        if chain:
+            units.extend(_chain_units(rg, chain))
+    total_units = len(units)
+    if claim is not None:  # every rank planned the same units: each runs those it claims
+        costs = [sum(eng.cone_cost(n) * k for n, k in entries) for entries, _, _ in units]
+        units = (u for part in claim[0](units, costs) for u in part)
     predicted_batched = 0
-    for entries, members, given in _progress(units, len(units), progress, "sweep (batched)"):
+    ran = 0
+    for entries, members, given in _progress(units, total_units, progress, "sweep (batched)"):
+        ran += 1
         k = len(members)
         node = entries[0][0]
         if k == 1:  # nothing to batch: the graph itself is the cheapest
@@ -2235,7 +2278,7 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         row_evals += st_after["row_evaluations"] - st_before["row_evaluations"]
     wall = time.perf_counter() - t0
     return SweepResult(metrics, measured, predicted_batched, full, rg.num_nodes, wall, batched=True,
-                       groups=len(units), cost=cost, extra={"setup_evaluations": setup, "row_evaluations": row_evals,
+                       groups=ran, cost=cost, extra={"setup_evaluations": setup, "row_evaluations": row_evals,
                                                             "identical_sites": identical},
                        clean_metric=clean_metric,
                        node_labels=labels)
