@@ -2039,7 +2039,10 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     the shared cone evaluated once. A site whose patched value is bit-identical to the node's value
     takes the unpatched metric. With token-granular cones the sites are sorted by the first row their
     patch changes and split into row batches (``batch_sites=K``: at most K each; ``True``: the split
-    with the least predicted cost). Every cone op must be proven to keep dim 0 apart, and its shape
+    with the least predicted cost). With ``True``, site nodes along one chain (each in the cone of the one
+    before, of one type: the residual stream's layers) share batches: a batch holds sites of several
+    nodes, each copy entering at its own node (batch_cone's entries form), so one position's sites across
+    layers run as one unit. Every cone op must be proven to keep dim 0 apart, and its shape
     must be the original with dim 0 times K; a model where that fails is refused with a ValueError,
     never answered wrongly.
 
