@@ -751,15 +751,23 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def(
       "batch_cone",
-      [](const ir::Graph& g, const std::string& site, int64_t k, const std::vector<std::string>& stop) {
-        passes::BatchCone r = passes::batch_cone(g, site, k, stop);
-        std::vector<std::tuple<std::string, std::string, bool>> ext;
-        for (const auto& e : r.externals) ext.emplace_back(e.placeholder, e.source, e.tiled);
+      [](const ir::Graph& g, const py::object& site, int64_t k, const std::vector<std::string>& stop) {
+        std::vector<passes::BatchConeEntry> entries;
+        if (py::isinstance<py::str>(site)) {
+          entries.push_back({site.cast<std::string>(), k});
+        } else {  // [(site, k), ...] along a chain, upstream first
+          for (const auto& e : site.cast<std::vector<std::pair<std::string, int64_t>>>())
+            entries.push_back({e.first, e.second});
+        }
+        passes::BatchCone r = passes::batch_cone(g, entries, stop);
+        std::vector<std::tuple<std::string, std::string, int64_t>> ext;
+        for (const auto& e : r.externals) ext.emplace_back(e.placeholder, e.source, e.copies);
         return py::make_tuple(std::shared_ptr<ir::Graph>(std::move(r.graph)), ext, r.output_batched, r.num_calls);
       },
-      py::arg("graph"), py::arg("site"), py::arg("k"), py::arg("stop") = std::vector<std::string>{},
-      "The cone of `site` K times over along dim 0 (csrc/passes/batch_cone.h): (graph, [(placeholder, source, "
-      "tiled)], per-output stacked flags, number of calls).");
+      py::arg("graph"), py::arg("site"), py::arg("k") = 1, py::arg("stop") = std::vector<std::string>{},
+      "The cone of `site` K times over along dim 0, or of entries [(site, k), ...] along a chain "
+      "(csrc/passes/batch_cone.h): (graph, [(placeholder, source, copies: 0 read as it is, else tiled that many "
+      "times)], per-output stacked flags, number of calls).");
   m.def(
       "split_heads",
       [](ir::Graph& g, const std::vector<std::pair<std::string, int64_t>>& sites) {

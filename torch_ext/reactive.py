@@ -1020,6 +1020,12 @@ class ReactiveGraph:
         """The cone of ``node`` K times over along dim 0 (csrc/passes/batch_cone.h), its values outside
         the cone the current clean ones (grafts and standing patches included); built again when the
         graph, its inputs or its standing patches change."""
+        return self._batched_entries(((node, k),))
+
+    def _batched_entries(self, entries: tuple) -> "_BatchedCone":
+        """Copies entering at several nodes along one chain, ``((node, k), ...)`` upstream first, as one
+        batched cone (batch_cone's entries form); one entry is ``_batched_cone(node, k)``. Cached under
+        ``(node, k)`` for one entry, ``entries`` otherwise."""
         if self._last_inputs is None:
             raise ValueError("batched sites need a ReactiveGraph that has run (give example_inputs or call run())")
         eng = self._engine
@@ -1031,21 +1037,22 @@ class ReactiveGraph:
         # copies of clean values stale.
         state = (eng, eng.graph_revision(), _Held(self._last_inputs), pinned, tuple(eng.value(p) for p in pinned),
                  eng.input_edits())
-        bc = self._batched.get((node, k))
+        key = entries[0] if len(entries) == 1 else entries
+        bc = self._batched.get(key)
         if bc is not None and _same_state(bc.state, state):
-            self._batched.move_to_end((node, k))
+            self._batched.move_to_end(key)
             return bc
         # Entries built for another state would be rebuilt before any use: drop them now, with the
         # least recently used beyond the bound, before building (their memory is freed first).
-        for key in [key for key, old in self._batched.items() if not _same_state(old.state, state)]:
-            del self._batched[key]
+        for stale in [k for k, old in self._batched.items() if not _same_state(old.state, state)]:
+            del self._batched[stale]
         while len(self._batched) >= max(1, int(self.max_batched_cones)):
             self._batched.popitem(last=False)
-        graph = _BatchedCone.build_graph(eng, node, k)
+        graph = _BatchedCone.build_graph(eng, entries)
         need = _graph_bytes(graph[0])
         while self._batched and sum(b.nbytes for b in self._batched.values()) + need > int(self.max_batched_bytes):
             self._batched.popitem(last=False)  # freed before the new cone's values are allocated
-        bc = self._batched[(node, k)] = _BatchedCone(self, node, k, state, graph)
+        bc = self._batched[key] = _BatchedCone(self, entries, state, graph)
         return bc
 
     def _check_batchable(self, node: str) -> None:
@@ -1055,7 +1062,7 @@ class ReactiveGraph:
         state = (eng, eng.graph_revision(), tuple(eng.pinned()))
         checked = self.__dict__.setdefault("_batch_checked", {})
         if not _same_state(checked.get(node), state):
-            _BatchedCone.build_graph(eng, node, 2)
+            _BatchedCone.build_graph(eng, ((node, 2),))
             checked[node] = state
 
 
@@ -1095,14 +1102,19 @@ class _BatchedCone:
     K; anything else is refused (ValueError), never answered wrongly. The batched engine is set up
     once with the clean value stacked K times (``setup`` evaluations), so that token-granular cones
     find their cached rows.
+
+    With several entries ``((node, k), ...)`` along a chain, entry j's copies enter at its node (the
+    batch grows there): the site placeholder, named after the first node, holds every entry's copies in
+    entry order, and copy i of the outputs is the i-th site in that order.
     """
 
-    def __init__(self, rg: "ReactiveGraph", node: str, k: int, state: tuple, built=None):
+    def __init__(self, rg: "ReactiveGraph", entries: tuple, state: tuple, built=None):
         eng = rg._engine
-        graph, externals, stacked, calls = built if built is not None else self.build_graph(eng, node, k)
+        graph, externals, stacked, calls = built if built is not None else self.build_graph(eng, entries)
         self.nbytes = _graph_bytes(graph)
         self.state = state
-        self.k = k
+        self.entries = entries
+        self.k = k = sum(n for _, n in entries)
         self.stacked = list(stacked)
         self.calls = calls
         self.engine = None
@@ -1112,19 +1124,21 @@ class _BatchedCone:
         self.engine = _C.Engine(graph)
         self.engine.set_positions(rg._positions, rg._seq_dim)
 
-        def tiled(v):
-            return v.repeat(k, *([1] * (v.dim() - 1)))
+        def tiled(v, times):
+            return v.repeat(times, *([1] * (v.dim() - 1)))
 
-        inputs = [tiled(eng.value(src)) if tile else eng.value(src) for _, src, tile in externals]
-        inputs.append(tiled(eng.value(node)))
+        inputs = [tiled(eng.value(src), times) if times else eng.value(src) for _, src, times in externals]
+        inputs.append(torch.cat([tiled(eng.value(node), n) for node, n in entries]))
         self.engine.run(inputs)
         self.setup = self.engine.stats()["evaluations"]
 
     @staticmethod
-    def build_graph(eng, node: str, k: int):
+    def build_graph(eng, entries: tuple):
         """The batch_cone pass on the engine's graph (its pinned nodes stop the cone); a refusal is a ValueError."""
         try:
-            return _C.batch_cone(eng.graph(), node, k, list(eng.pinned()))
+            if len(entries) == 1:
+                return _C.batch_cone(eng.graph(), entries[0][0], entries[0][1], list(eng.pinned()))
+            return _C.batch_cone(eng.graph(), list(entries), 1, list(eng.pinned()))
         except RuntimeError as e:
             msg = str(e).split("\n")[0].removeprefix("batch_cone: ")
             raise ValueError(f"batched sites cannot be used with this model: {msg}. Sites are stacked along dim 0, "
@@ -1733,7 +1747,7 @@ def _balanced_shares(units: list, costs: list[float], world: int) -> list[list]:
 _DISTRIBUTED_SWEEPS = 0  # sweeps started on this rank; every rank counts the same (sweeps are collective)
 
 
-def _claimed_chunks(units: list, costs: list[float], rank: int, world: int):
+def _claimed_chunks(units: list, costs: list[float], rank: int, world: int, flatten: bool = True):
     """Chunks of units (sites, or a node's sites when batching) for this rank, largest predicted
     cost first. Rank r starts with chunk r; later chunks go to whichever rank asks first, through an
     atomic counter in the process group's store. Predicted costs alone balance badly once cones are
@@ -1745,11 +1759,13 @@ def _claimed_chunks(units: list, costs: list[float], rank: int, world: int):
     _DISTRIBUTED_SWEEPS += 1
     order = [units[i] for i in sorted(range(len(units)), key=lambda i: (-costs[i], i))]
     size = max(1, -(-len(order) // (8 * world)))
-    chunks = [[s for unit in order[i:i + size] for s in unit] for i in range(0, len(order), size)]
+    chunks = [[s for unit in order[i:i + size] for s in unit] if flatten else order[i:i + size]
+              for i in range(0, len(order), size)]
     try:
         store = dist.distributed_c10d._get_default_store()
     except Exception:  # no store: the fixed longest-processing-time-first split
-        yield [s for unit in _balanced_shares(units, costs, world)[rank] for s in unit]
+        share = _balanced_shares(units, costs, world)[rank]
+        yield [s for unit in share for s in unit] if flatten else share
         return
     if rank < len(chunks):
         yield chunks[rank]
@@ -1763,9 +1779,10 @@ def _claimed_chunks(units: list, costs: list[float], rank: int, world: int):
 
 def _distributed_sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool,
                        batch_sites: bool, rows=None, skip_identical: bool = False) -> SweepResult:
-    """Splits the sites across the ranks of the default process group by predicted cone cost (whole
-    nodes when batching, so a node's sites stay one batch), sweeps the local share and gathers one
-    result on every rank. Every rank must hold the same graph, inputs and standing mutations."""
+    """Splits the sites across the ranks of the default process group by predicted cone cost (when
+    batching, the batched units every rank plans alike, so a unit's sites stay one batch), sweeps the
+    local share and gathers one result on every rank. Every rank must hold the same graph, inputs and
+    standing mutations."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -1787,19 +1804,18 @@ def _distributed_sweep(rg: ReactiveGraph, site_list: list, patch, metric, progre
     def node_of(site):
         return rg.resolve(site[0] if isinstance(site, tuple) else site)
 
+    t0 = time.perf_counter()
     if batch_sites:
-        groups: dict = {}
-        for s in site_list:
-            groups.setdefault(node_of(s), []).append(s)
-        units = list(groups.values())
-        costs = [rg._engine.cone_cost(n) for n in groups]  # a batch costs about one cone (K-times wider)
+        # Every rank plans the same batched units (chains of nodes, row batches: they depend on every site's
+        # patch), then runs those it claims, so the table is the single-process one bit for bit.
+        claim = (lambda units, costs: _claimed_chunks(units, costs, rank, world, flatten=False), rank == 0)
+        parts = [_sweep(rg, site_list, patch, metric, progress, batch_sites, False, rows, skip_identical, claim)]
     else:
         units = [[s] for s in site_list]
         cost_of: dict = {}
         costs = [cost_of.setdefault(node_of(s), rg._engine.cone_cost(node_of(s))) for s in site_list]
-    t0 = time.perf_counter()
-    parts = [_sweep(rg, chunk, patch, metric, progress, batch_sites, False, rows, skip_identical)
-             for chunk in _claimed_chunks(units, costs, rank, world)]
+        parts = [_sweep(rg, chunk, patch, metric, progress, batch_sites, False, rows, skip_identical)
+                 for chunk in _claimed_chunks(units, costs, rank, world)]
     wall = time.perf_counter() - t0
     payload = ({k: v for part in parts for k, v in part.metrics.items()},
                sum(part.measured_evaluations for part in parts), sum(part.predicted_evaluations for part in parts),
@@ -1868,6 +1884,125 @@ def _row_batches(first: list[int], length: int, overhead: float) -> list[tuple[i
     return bounds[::-1]
 
 
+# A chained unit's cost per engine evaluation in FLOPs, fitted on the TinyTransformer units of
+# scripts/bench_sweep.py (one thread: ~1.9 us per evaluation at ~65 GFLOP/s), and the largest value a
+# chained unit may hold: past ~0.5 MiB per value the allocator hands fresh pages back per unit (minor
+# faults measured at every unit with 19 copies at d_model 128, none with <= 0.5 MiB values).
+_CHAIN_OVERHEAD_FLOPS = 1.3e5
+_UNIT_BYTES = float(1 << 19)
+
+
+def _value_bytes(eng, node: str) -> int:
+    """Bytes of a node's cached value (tensors of a tuple summed); 0 for other values."""
+    v = eng.value(node)
+    ts = v if isinstance(v, (tuple, list)) else (v,)
+    return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+
+def _chain_memo(rg: ReactiveGraph) -> dict:
+    """Per graph (engine and revision) answers of the chain planning that depend on structure only: each
+    batched sweep asks them again (cones as name sets, value sizes), ~0.5 ms of a 15 ms sweep."""
+    eng = rg._engine
+    memo = rg.__dict__.get("_chain_memo_entry")
+    if memo is None or memo[0] is not eng or memo[1] != eng.graph_revision():
+        memo = rg._chain_memo_entry = (eng, eng.graph_revision(), {})
+    return memo[2]
+
+
+def _node_chains(rg: ReactiveGraph, nodes: list) -> list[list]:
+    """Groups row-path site nodes into chains along which copies can enter one batched cone (batch_cone's
+    entries form): graph order, each node in the strict cone of the one before, all of one type (one
+    placeholder holds every entry's copies). Greedy, upstream first; by node structure only (every
+    row-path site node, its sites identical or not)."""
+    memo = _chain_memo(rg)
+    key = ("chains", tuple(nodes))
+    if key in memo:
+        return memo[key]
+    order = memo.get("order")
+    if order is None:
+        order = memo["order"] = {n: i for i, n in enumerate(rg._countable)}
+    eng = rg._engine
+    chains: list[list] = []
+    cone_of = None
+    for node in sorted(nodes, key=lambda n: order.get(n, -1)):
+        if chains and cone_of is not None and node in cone_of and _same_type(eng.value(node), eng.value(chains[-1][0])):
+            chains[-1].append(node)
+        else:
+            chains.append([node])
+        cone_of = set(eng.cone(node))
+    memo[key] = chains
+    return chains
+
+
+def _row_path_node(rg: ReactiveGraph, node: str, read_rows) -> bool:
+    """Whether a batched sweep runs this node's sites on the row path (token-granular cones)."""
+    eng = rg._engine
+    return (read_rows is not None and not eng.pinned() and eng.can_evaluate_patched_rows()
+            and eng.seq_axis(node) >= 0)
+
+
+def _chain_units(rg: ReactiveGraph, chain: list) -> list:
+    """Batches over a chain's sites (batch_sites=True on the row path): every site sorted by its first
+    changed row, then split into contiguous batches [lo, hi) minimising the predicted cost, each batch one
+    unit whose copies enter at their own nodes. A batch costs one engine evaluation per node of its most
+    upstream node's cone (_CHAIN_OVERHEAD_FLOPS each) plus, per member, its node's cone on rows
+    [first[lo], length); no batch holds a value over _UNIT_BYTES. One node is _row_batches' split, as
+    before: chains give fewer units where several layers share a position, each copy still running only
+    its own node's cone."""
+    eng = rg._engine
+    length = chain[0][4]
+    if len(chain) == 1:  # one node: _row_batches' split, as before chains
+        node, members, vals, first, _ = chain[0]
+        if len(members) == 1:
+            return [(((node, 1),), members, vals)]
+        order = sorted(range(len(members)), key=lambda i: (first[i], i))
+        per_row = max(eng.cone_cost(node), 1.0) / max(length, 1)
+        bounds = _row_batches([first[i] for i in order], length,
+                              _NODE_OVERHEAD_FLOPS * max(rg._cone_size(node), 1) / per_row)
+        return [(((node, hi - lo),), [members[i] for i in order[lo:hi]], [vals[i] for i in order[lo:hi]])
+                for lo, hi in bounds]
+    sites = []  # (first row, chain index, site, value)
+    for c, (node, members, vals, first, _) in enumerate(chain):
+        sites.extend((f, c, s, v) for s, v, f in zip(members, vals, first))
+    sites.sort(key=lambda t: (t[0], t[1]))
+    per_row = [max(eng.cone_cost(node), 1.0) / max(length, 1) for node, *_ in chain]
+    overhead = [_CHAIN_OVERHEAD_FLOPS * max(rg._cone_size(node), 1) for node, *_ in chain]
+    # The largest value one copy carries, per row: a unit whose largest value would pass _UNIT_BYTES is
+    # not formed (beyond it the allocator hands back fresh pages, faulted in at every unit).
+    memo = _chain_memo(rg)
+    widest = memo.get(("widest", chain[0][0]))
+    if widest is None:
+        widest = memo[("widest", chain[0][0])] = max(_value_bytes(eng, m) for m in eng.cone(chain[0][0])) / max(length, 1)
+    n = len(sites)
+    best = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for hi in range(1, n + 1):
+        top = len(chain)
+        rows = 0.0  # sum over members [lo, hi) of their cone cost per row
+        for lo in range(hi - 1, -1, -1):
+            if lo < hi - 1 and (hi - lo) * widest * (length - sites[lo][0]) > _UNIT_BYTES:
+                break
+            top = min(top, sites[lo][1])
+            rows += per_row[sites[lo][1]]
+            c = best[lo] + overhead[top] + rows * (length - sites[lo][0])
+            if c < best[hi]:
+                best[hi], cut[hi] = c, lo
+    units = []
+    hi = n
+    while hi > 0:
+        lo = cut[hi]
+        part = sorted(sites[lo:hi], key=lambda t: t[1])  # entry order, upstream first (stable: rows kept)
+        entries = []
+        for _, c, _, _ in part:
+            if entries and entries[-1][0] == chain[c][0]:
+                entries[-1][1] += 1
+            else:
+                entries.append([chain[c][0], 1])
+        units.append((tuple((node, k) for node, k in entries), [t[2] for t in part], [t[3] for t in part]))
+        hi = lo
+    return units[::-1]
+
+
 def _same_type(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape, device and layout: what _same_bits checks before comparing bits."""
     return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and a.layout == b.layout
@@ -1904,7 +2039,10 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     the shared cone evaluated once. A site whose patched value is bit-identical to the node's value
     takes the unpatched metric. With token-granular cones the sites are sorted by the first row their
     patch changes and split into row batches (``batch_sites=K``: at most K each; ``True``: the split
-    with the least predicted cost). Every cone op must be proven to keep dim 0 apart, and its shape
+    with the least predicted cost). With ``True``, site nodes along one chain (each in the cone of the one
+    before, of one type: the residual stream's layers) share batches: a batch holds sites of several
+    nodes, each copy entering at its own node (batch_cone's entries form), so one position's sites across
+    layers run as one unit. Every cone op must be proven to keep dim 0 apart, and its shape
     must be the original with dim 0 times K; a model where that fails is refused with a ValueError,
     never answered wrongly.
 
@@ -1968,7 +2106,10 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
 
 
 def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, batch_sites: bool,
-           distributed: bool, rows=None, skip_identical: bool = False) -> SweepResult:
+           distributed: bool, rows=None, skip_identical: bool = False, claim=None) -> SweepResult:
+    """``claim`` (distributed batched sweeps): ``(claim(units, costs), keep_identical)``; the units, planned
+    the same on every rank, are run as ``claim`` hands them out, and identical sites are answered only
+    where ``keep_identical``."""
     if distributed:
         return _distributed_sweep(rg, site_list, patch, metric, progress, batch_sites, rows, skip_identical)
     read_rows = rows[0] if rows is not None else None
@@ -2048,7 +2189,9 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
     # that each start at their own first row: batch_sites=K, batches of at most K; batch_sites=True, the
     # split that minimises the predicted cost (_row_batches).
     chunk = batch_sites if not isinstance(batch_sites, bool) else None
-    units = []
+    units = []  # (entries ((node, k), ...), members, values), members in entry order
+    rowed = {}  # batch_sites=True on the row path: node -> (node, members, values, first rows, length)
+    row_nodes = []  # every row-path node, its sites identical or not: chains do not depend on patch values
     identical = 0
     # The sweep demanded above and refuses mutations while it runs: the current outputs are the cached ones,
     # read from the engine (rg.demand() would repeat the per-call hook and attribute checks per site).
@@ -2057,8 +2200,9 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
             rg._check_batchable(node)
         vals = _patched_values(rg, node, members, patch)
         current = eng.value(node)
-        by_rows = (read_rows is not None and not eng.pinned() and eng.can_evaluate_patched_rows()
-                   and eng.seq_axis(node) >= 0)
+        by_rows = _row_path_node(rg, node, read_rows)
+        if by_rows and chunk is None:
+            row_nodes.append(node)
         if by_rows:
             # One byte scan per site gives both answers: the first changed row, and (== the length, for a
             # value of the node's shape and dtype) bit-identity, as _same_bits would say.
@@ -2071,34 +2215,43 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         kept = []
         for i, (s, v) in enumerate(zip(members, vals)):
             if same[i]:
-                metrics[s], w = _measure(rg, metric, rg._user(eng.demand()), s)  # _user: single-output fast path
-                if w:
-                    _raise_metric_wrote(rg, s)
-                identical += 1
+                if claim is None or claim[1]:
+                    metrics[s], w = _measure(rg, metric, rg._user(eng.demand()), s)  # _user: single-output fast path
+                    if w:
+                        _raise_metric_wrote(rg, s)
+                    identical += 1
             else:
                 kept.append((s, v, first_of[i] if first_of is not None else None))
         members, vals = [s for s, _, _ in kept], [v for _, v, _ in kept]
         if not members:
             continue
-        if len(members) > 1 and by_rows:
+        if by_rows and chunk is None:
+            rowed[node] = (node, members, vals, [f for _, _, f in kept], length)
+        elif len(members) > 1 and by_rows:
             first = [f for _, _, f in kept]
             order = sorted(range(len(members)), key=lambda i: (first[i], i))
-            if chunk is not None:
-                bounds = [(j, min(j + chunk, len(order))) for j in range(0, len(order), chunk)]
-            else:
-                per_row = max(eng.cone_cost(node), 1.0) / max(length, 1)
-                overhead = _NODE_OVERHEAD_FLOPS * max(rg._cone_size(node), 1) / per_row
-                bounds = _row_batches([first[i] for i in order], length, overhead)
-            for lo, hi in bounds:
-                units.append((node, [members[i] for i in order[lo:hi]], [vals[i] for i in order[lo:hi]]))
+            for j in range(0, len(order), chunk):
+                part = order[j:j + chunk]
+                units.append((((node, len(part)),), [members[i] for i in part], [vals[i] for i in part]))
         elif chunk is not None and len(members) > chunk:
             for j in range(0, len(members), chunk):
-                units.append((node, members[j:j + chunk], vals[j:j + chunk]))
+                units.append((((node, len(members[j:j + chunk])),), members[j:j + chunk], vals[j:j + chunk]))
         else:
-            units.append((node, members, vals))
+            units.append((((node, len(members)),), members, vals))
+    for nodes in _node_chains(rg, row_nodes):
+        chain = [rowed[n] for n in nodes if n in rowed]
+        if chain:
+            units.extend(_chain_units(rg, chain))
+    total_units = len(units)
+    if claim is not None:  # every rank planned the same units: each runs those it claims
+        costs = [sum(eng.cone_cost(n) * k for n, k in entries) for entries, _, _ in units]
+        units = (u for part in claim[0](units, costs) for u in part)
     predicted_batched = 0
-    for node, members, given in _progress(units, len(units), progress, "sweep (batched)"):
+    ran = 0
+    for entries, members, given in _progress(units, total_units, progress, "sweep (batched)"):
+        ran += 1
         k = len(members)
+        node = entries[0][0]
         if k == 1:  # nothing to batch: the graph itself is the cheapest
             predicted_batched += live[node]
             before, cost_before = rg.stats["evaluations"], rg.stats["cost"]
@@ -2108,8 +2261,9 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
             cost += rg.stats["cost"] - cost_before
             row_evals += rg.stats["row_evaluations"] - rows_before
             continue
-        old = rg._batched.get((node, k))
-        bc = rg._batched_cone(node, k)
+        key = entries[0] if len(entries) == 1 else entries
+        old = rg._batched.get(key)
+        bc = rg._batched_entries(entries)
         if bc is not old:
             setup += bc.setup
         if bc.engine is None:  # an empty cone (the node is an output, or pins cut it off): one at a time
@@ -2120,7 +2274,8 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
                 measured += rg.stats["evaluations"] - before
                 cost += rg.stats["cost"] - cost_before
             continue
-        # The batched cone: the live cone less the nodes that reach no output (only through a pinned node).
+        # The batched cone: the live cone less the nodes that reach no output (only through a pinned node),
+        # with the entries' slices and joins when copies enter at several nodes.
         predicted_batched += bc.calls
         values = given
         big = bc.engine
@@ -2138,7 +2293,7 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         # Drop the outputs now: the engine reuses their buffers only while it holds the sole reference.
         del flat, parts
         if wrote:
-            rg._batched.pop((node, k), None)  # its clean outputs may be the written ones: built again
+            rg._batched.pop(key, None)  # its clean outputs may be the written ones: built again
             _raise_metric_wrote(rg, wrote[0])
         st_after = big.stats()
         measured += st_after["evaluations"] - st_before["evaluations"]
@@ -2146,7 +2301,7 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         row_evals += st_after["row_evaluations"] - st_before["row_evaluations"]
     wall = time.perf_counter() - t0
     return SweepResult(metrics, measured, predicted_batched, full, rg.num_nodes, wall, batched=True,
-                       groups=len(units), cost=cost, extra={"setup_evaluations": setup, "row_evaluations": row_evals,
+                       groups=ran, cost=cost, extra={"setup_evaluations": setup, "row_evaluations": row_evals,
                                                             "identical_sites": identical},
                        clean_metric=clean_metric,
                        node_labels=labels)

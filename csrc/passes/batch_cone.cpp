@@ -363,16 +363,46 @@ ir::Type stacked_type(const ir::Type& t, int64_t k) {
   return out;
 }
 
+// One entry of the unit: its node, its copies, and where they sit in the site placeholder.
+struct Entry {
+  const Node* node;
+  int64_t k;
+  int64_t lo;  // copies before this entry's (k_1 + ... + k_{j-1})
+};
+
 class Builder {
  public:
-  Builder(const ir::Graph& g, int64_t k) : g_(g), k_(k), out_(std::make_unique<ir::Graph>()) {}
+  Builder(const ir::Graph& g, std::vector<Entry> entries)
+      : g_(g), entries_(std::move(entries)), out_(std::make_unique<ir::Graph>()) {
+    total_ = entries_.back().lo + entries_.back().k;
+  }
 
-  BatchCone run(const Node* site, const std::vector<const Node*>& cone) {
+  BatchCone run(const std::vector<const Node*>& cone) {
+    // Copies per cone node: those of the last entry whose cone reaches it (a prefix of the entries).
+    const Node* site = entries_.front().node;
+    for (size_t j = 1; j < entries_.size(); ++j) entry_of_[entries_[j].node] = j;
+    live_after_[site] = 1;
+    for (const Node* n : cone) {
+      size_t m = 0;
+      for (const Node* in : n->inputs()) {
+        auto it = live_after_.find(in);
+        if (it != live_after_.end()) m = std::max(m, it->second);
+      }
+      TORCH_INTERNAL_ASSERT(m >= 1, "batch_cone: %", n->name(), " is in no entry's cone");
+      copies_of_[n] = copies(m);
+      auto e = entry_of_.find(n);
+      live_after_[n] = e == entry_of_.end() ? m : e->second + 1;
+    }
     // Externals first (their placeholders precede the site), then the calls.
     for (const Node* n : cone) plan_node(*n);
-    site_ = out_->create_placeholder(site->name(), ir::InputRole::UserInput, stacked_type(site->type(), k_));
-    map_[site] = site_;
-    for (const Node* n : cone) emit(*n);
+    site_ = out_->create_placeholder(site->name(), ir::InputRole::UserInput, stacked_type(site->type(), total_));
+    count_[site_] = total_;
+    map_[site] = entries_.size() == 1 ? site_ : entry_copies(0);
+    for (const Node* n : cone) {
+      emit(*n);
+      auto e = entry_of_.find(n);
+      if (e != entry_of_.end()) join(*n, e->second);
+    }
     std::vector<Arg> outs;
     BatchCone result;
     for (const Arg& a : g_.output()->args().at(0).list) {
@@ -382,7 +412,7 @@ class Builder {
         continue;
       }
       const bool inside = map_.count(a.node) > 0;
-      outs.push_back(Arg::of_node(inside ? map_.at(a.node) : external(a.node, false)));
+      outs.push_back(Arg::of_node(inside ? read_stacked(a.node, total_) : external(a.node, 0)));
       result.output_batched.push_back(inside);
     }
     out_->create_output(std::move(outs));
@@ -394,20 +424,27 @@ class Builder {
     out_->reorder_placeholders(order);
     for (Node* p : order) {
       if (p == site_) continue;
-      const auto& [src, tiled] = sources_.at(p);
-      result.externals.push_back({p->name(), src->name(), tiled});
+      const auto& [src, n] = sources_.at(p);
+      result.externals.push_back({p->name(), src->name(), n > 0, n});
     }
-    result.num_calls = static_cast<int64_t>(cone.size());
+    for (const auto& n : out_->nodes()) result.num_calls += n->kind() == ir::NodeKind::Call ? 1 : 0;
     out_->index();
     result.graph = std::move(out_);
     return result;
   }
 
+  void mark_cone(const std::vector<const Node*>& cone) {
+    in_cone_.insert(entries_.front().node);
+    for (const Node* n : cone) in_cone_.insert(n);
+  }
+
  private:
+  int64_t copies(size_t entries) const { return entries_[entries - 1].lo + entries_[entries - 1].k; }
   bool stacked(const Node* n) const { return map_.count(n) > 0; }
 
-  // Decides, before any call is emitted, which externals each cone call reads tiled, and
-  // creates their placeholders (first-read order keeps the graph deterministic).
+  // Decides, before any call is emitted, which externals each cone call reads tiled (and how many
+  // times: the call's copies), and creates their placeholders (first-read order keeps the graph
+  // deterministic).
   void plan_node(const Node& n) {
     const std::string w = where_of(n);
     TORCH_CHECK(n.regions().empty(), "batch_cone: ", w, " has regions (control flow), which the pass does not batch");
@@ -441,14 +478,15 @@ class Builder {
       a.for_each_node([&](Node* in) {
         if (!in_cone_.count(in)) {
           if (!in->type().is_tensor()) {
-            external(in, false);
+            external(in, 0);
             return;
           }
           const bool lined_up = (elementwise || batched != batched_ops().end()) &&
                                 rank_of(in->type()) == out_rank && out_rank >= 1 &&
                                 in->type().tensor.sizes[0] > 1;
-          external(in, lined_up);
-          planned_[{&n, in}] = lined_up;
+          const int64_t times = lined_up ? copies_of_.at(&n) : 0;
+          external(in, times);
+          planned_[{&n, in}] = times;
           return;
         }
         const int64_t r = rank_of(in->type());
@@ -483,43 +521,91 @@ class Builder {
       TORCH_CHECK(d != 0, "batch_cone: ", w, " works along dim 0, which mixes the stacked sites");
   }
 
- public:
-  void mark_cone(const std::vector<const Node*>& cone, const Node* site) {
-    in_cone_.insert(site);
-    for (const Node* n : cone) in_cone_.insert(n);
+  // A name free in both graphs (cone calls keep their names).
+  std::string fresh(const std::string& base, const Node* src = nullptr) const {
+    std::string name = base;
+    for (int i = 1; g_.find(name) != nullptr && (src == nullptr || name != src->name()); ++i)
+      name = base + "_" + std::to_string(i);
+    return out_->unique_name(name);
   }
 
- private:
-  Node* external(const Node* src, bool tiled) {
-    auto key = std::make_pair(src, tiled);
+  // `src`'s clean value as a placeholder: read as it is (times 0) or repeated `times` along dim 0.
+  Node* external(const Node* src, int64_t times) {
+    auto key = std::make_pair(src, times);
     auto it = externals_.find(key);
     if (it != externals_.end()) return it->second;
-    const std::string base = tiled ? src->name() + "_tiled" : src->name();
+    std::string base = src->name();
+    if (times > 0) base += times == total_ ? "_tiled" : "_tiled" + std::to_string(times);
     ir::InputRole role = ir::InputRole::Constant;
     std::string state;
-    if (src->kind() == ir::NodeKind::Placeholder && !tiled) {
+    if (src->kind() == ir::NodeKind::Placeholder && times == 0) {
       role = src->role() == ir::InputRole::UserInput ? ir::InputRole::Constant : src->role();
       state = src->state_name();
     }
-    ir::Type t = tiled ? stacked_type(src->type(), k_) : src->type();
-    // Cone calls keep their names, so a new name must be free in the original graph too.
-    std::string name = base;
-    for (int i = 1; g_.find(name) != nullptr && name != src->name(); ++i) name = base + "_" + std::to_string(i);
-    Node* p = out_->create_placeholder(out_->unique_name(name), role, std::move(t), state);
+    ir::Type t = times > 0 ? stacked_type(src->type(), times) : src->type();
+    Node* p = out_->create_placeholder(fresh(base, src), role, std::move(t), state);
     externals_[key] = p;
-    sources_[p] = {src, tiled};
+    sources_[p] = {src, times};
     return p;
+  }
+
+  // A plumbing call (slice, cat): its type from the meta kernel, checked against the expected copies.
+  Node* plumb(const std::string& name, const char* target, std::vector<Arg> args, const Node& like, int64_t c) {
+    const ir::Target t = ir::Target::parse(target);
+    ir::Type type = infer_type(t, args, {}, "%" + name + " (" + target + ")");
+    TORCH_INTERNAL_ASSERT(scaled_equal(like.type(), type, c), "batch_cone: %", name, " has the wrong type");
+    set_devices(type, like.type());
+    Node* n = out_->create_call(fresh(name), t, std::move(args), {}, std::move(type));
+    n->set_module_path(like.module_path());
+    count_[n] = c;
+    return n;
+  }
+
+  // Entry j's copies: rows [lo_j, lo_j + k_j) of the site placeholder, in units of the site's dim 0.
+  Node* entry_copies(size_t j) {
+    const Entry& e = entries_[j];
+    const int64_t rows = entries_.front().node->type().tensor.sizes[0];
+    return plumb(e.node->name() + "_copies", "aten::slice.Tensor",
+                 {Arg::of_node(site_), Arg::of_int(0), Arg::of_int(e.lo * rows), Arg::of_int((e.lo + e.k) * rows),
+                  Arg::of_int(1)},
+                 *e.node, e.k);
+  }
+
+  // After entry j's node ran on the copies so far: those copies, then entry j's own.
+  void join(const Node& n, size_t j) {
+    Node* so_far = map_.at(&n);
+    TORCH_INTERNAL_ASSERT(count_.at(so_far) == entries_[j].lo, "batch_cone: entry %", n.name(), " runs on ",
+                          count_.at(so_far), " copies, expected ", entries_[j].lo);
+    Node* own = entry_copies(j);
+    map_[&n] = plumb(n.name() + "_joined", "aten::cat.default",
+                     {Arg::of_list({Arg::of_node(so_far), Arg::of_node(own)}), Arg::of_int(0)}, n, entries_[j].lo + entries_[j].k);
+  }
+
+  // The stacked value of cone node `x` with `c` copies: padded with its clean value where it has fewer
+  // (the copies entering downstream of x see x unpatched).
+  Node* read_stacked(const Node* x, int64_t c) {
+    Node* v = map_.at(x);
+    const int64_t have = count_.at(v);
+    if (have == c) return v;
+    TORCH_INTERNAL_ASSERT(have < c, "batch_cone: %", x->name(), " has ", have, " copies, more than ", c);
+    auto key = std::make_pair(x, c);
+    auto it = pads_.find(key);
+    if (it != pads_.end()) return it->second;
+    Node* clean = external(x, c - have);
+    return pads_[key] = plumb(x->name() + "_pad" + std::to_string(c), "aten::cat.default",
+                              {Arg::of_list({Arg::of_node(v), Arg::of_node(clean)}), Arg::of_int(0)}, *x, c);
   }
 
   void emit(const Node& n) {
     const std::string w = where_of(n);
+    const int64_t c = copies_of_.at(&n);
     std::vector<Arg> args;
     ir::Kwargs kwargs;
     const auto remap = [&](const Arg& a, auto&& self) -> Arg {
       if (a.kind == Arg::Kind::Node) {
-        if (stacked(a.node)) return Arg::of_node(map_.at(a.node));
+        if (stacked(a.node)) return Arg::of_node(read_stacked(a.node, c));
         auto p = planned_.find({&n, a.node});
-        return Arg::of_node(external(a.node, p != planned_.end() && p->second));
+        return Arg::of_node(external(a.node, p != planned_.end() ? p->second : 0));
       }
       if (a.kind != Arg::Kind::List) return a;
       Arg out = a;
@@ -531,7 +617,7 @@ class Builder {
     const std::string& op = n.target().name;
     if (op == "view" || op == "reshape" || op == "_unsafe_view" || op == "expand") {
       TORCH_CHECK(args.size() >= 2, "batch_cone: ", w, " has no size list");
-      args[1] = scaled_sizes(args[1], k_, w);
+      args[1] = scaled_sizes(args[1], c, w);
     }
     if (op == "slice") {
       const auto dim = ints_at(n, 1, "dim", std::vector<int64_t>{0});
@@ -565,18 +651,19 @@ class Builder {
     } else {
       type = infer_type(n.target(), args, kwargs, w);
     }
-    TORCH_CHECK(scaled_equal(n.type(), type, k_), "batch_cone: ", w, " produces ", sizes_text(type),
+    TORCH_CHECK(scaled_equal(n.type(), type, c), "batch_cone: ", w, " produces ", sizes_text(type),
                 " from the stacked inputs against ", sizes_text(n.type()),
                 " alone: the batch is not on dim 0 there (e.g. a sequence-first layout), or the op mixes it");
     set_devices(type, n.type());
     Node* copy = out_->create_call(n.name(), n.target(), std::move(args), std::move(kwargs), std::move(type));
     copy->set_module_path(n.module_path());
     map_[&n] = copy;
+    count_[copy] = c;
   }
 
   struct PairHash {
-    size_t operator()(const std::pair<const Node*, bool>& p) const {
-      return std::hash<const void*>()(p.first) * 2 + p.second;
+    size_t operator()(const std::pair<const Node*, int64_t>& p) const {
+      return std::hash<const void*>()(p.first) * 31 + std::hash<int64_t>()(p.second);
     }
     size_t operator()(const std::pair<const Node*, const Node*>& p) const {
       return std::hash<const void*>()(p.first) ^ (std::hash<const void*>()(p.second) << 1);
@@ -584,32 +671,24 @@ class Builder {
   };
 
   const ir::Graph& g_;
-  const int64_t k_;
+  const std::vector<Entry> entries_;
+  int64_t total_ = 0;
   std::unique_ptr<ir::Graph> out_;
   Node* site_ = nullptr;
   std::unordered_set<const Node*> in_cone_;
+  std::unordered_map<const Node*, size_t> entry_of_;     // entries 2.. by node
+  std::unordered_map<const Node*, size_t> live_after_;   // entries whose copies a node's value carries
+  std::unordered_map<const Node*, int64_t> copies_of_;   // copies a cone call runs on
+  std::unordered_map<const Node*, int64_t> count_;       // copies of a new graph's stacked value
   std::unordered_map<const Node*, Node*> map_;
-  std::unordered_map<std::pair<const Node*, bool>, Node*, PairHash> externals_;
-  std::unordered_map<const Node*, std::pair<const Node*, bool>> sources_;
-  std::unordered_map<std::pair<const Node*, const Node*>, bool, PairHash> planned_;
+  std::unordered_map<std::pair<const Node*, int64_t>, Node*, PairHash> externals_;
+  std::unordered_map<std::pair<const Node*, int64_t>, Node*, PairHash> pads_;
+  std::unordered_map<const Node*, std::pair<const Node*, int64_t>> sources_;
+  std::unordered_map<std::pair<const Node*, const Node*>, int64_t, PairHash> planned_;
 };
 
-}  // namespace
-
-BatchCone batch_cone(const ir::Graph& g, const std::string& site, int64_t k, const std::vector<std::string>& stop) {
-  TORCH_CHECK(k >= 1, "batch_cone: k must be >= 1, got ", k);
-  const Node* s = g.find(site);
-  TORCH_CHECK(s != nullptr && s->kind() != ir::NodeKind::Output, "batch_cone: no node named '%", site, "'");
-  TORCH_CHECK(s->type().is_tensor() && !s->type().tensor.sizes.empty(), "batch_cone: %", site,
-              " is not a tensor with a dim 0 to stack the sites along");
-  TORCH_CHECK(g.output() != nullptr, "batch_cone: the graph has no output");
-  std::unordered_set<const Node*> stops;
-  for (const std::string& name : stop) {
-    const Node* n = g.find(name);
-    TORCH_CHECK(n != nullptr, "batch_cone: no node named '%", name, "' (in stop)");
-    if (n != s) stops.insert(n);
-  }
-  // V+(s) without passing a stop node, then only the part that reaches an output inside it.
+// Nodes reachable from `s` through calls that are not in `stops` (s included).
+std::unordered_set<const Node*> reach_from(const ir::Graph& g, const Node* s, const std::unordered_set<const Node*>& stops) {
   std::unordered_set<const Node*> reach{s};
   for (const auto& up : g.nodes()) {
     const Node* n = up.get();
@@ -620,6 +699,55 @@ BatchCone batch_cone(const ir::Graph& g, const std::string& site, int64_t k, con
         break;
       }
   }
+  return reach;
+}
+
+}  // namespace
+
+BatchCone batch_cone(const ir::Graph& g, const std::string& site, int64_t k, const std::vector<std::string>& stop) {
+  TORCH_CHECK(k >= 1, "batch_cone: k must be >= 1, got ", k);
+  return batch_cone(g, std::vector<BatchConeEntry>{{site, k}}, stop);
+}
+
+BatchCone batch_cone(const ir::Graph& g, const std::vector<BatchConeEntry>& entries, const std::vector<std::string>& stop) {
+  TORCH_CHECK(!entries.empty(), "batch_cone: no entries");
+  TORCH_CHECK(g.output() != nullptr, "batch_cone: the graph has no output");
+  std::vector<Entry> es;
+  int64_t lo = 0;
+  for (const BatchConeEntry& e : entries) {
+    TORCH_CHECK(e.k >= 1, "batch_cone: k must be >= 1, got ", e.k, " for entry %", e.site);
+    const Node* s = g.find(e.site);
+    TORCH_CHECK(s != nullptr && s->kind() != ir::NodeKind::Output, "batch_cone: no node named '%", e.site, "'");
+    TORCH_CHECK(s->type().is_tensor() && !s->type().tensor.sizes.empty(), "batch_cone: %", e.site,
+                " is not a tensor with a dim 0 to stack the sites along");
+    for (const Entry& before : es)
+      TORCH_CHECK(before.node != s, "batch_cone: entry %", e.site, " is given twice");
+    if (!es.empty()) {
+      const ir::TensorMeta& a = es.front().node->type().tensor;
+      const ir::TensorMeta& b = s->type().tensor;
+      TORCH_CHECK(a.sizes == b.sizes && a.dtype == b.dtype, "batch_cone: entry %", e.site, " has type ",
+                  sizes_text(s->type()), " ", c10::toString(b.dtype), ", not the first entry %",
+                  es.front().node->name(), "'s ", sizes_text(es.front().node->type()), " ", c10::toString(a.dtype),
+                  " (one placeholder holds every entry's copies)");
+    }
+    es.push_back({s, e.k, lo});
+    lo += e.k;
+  }
+  std::unordered_set<const Node*> stops;
+  for (const std::string& name : stop) {
+    const Node* n = g.find(name);
+    TORCH_CHECK(n != nullptr, "batch_cone: no node named '%", name, "' (in stop)");
+    if (n != es.front().node) stops.insert(n);
+  }
+  for (size_t j = 1; j < es.size(); ++j) {
+    TORCH_CHECK(!stops.count(es[j].node), "batch_cone: entry %", es[j].node->name(), " is pinned (in stop)");
+    TORCH_CHECK(reach_from(g, es[j - 1].node, stops).count(es[j].node), "batch_cone: entry %", es[j].node->name(),
+                " is not in the cone of the entry before it, %", es[j - 1].node->name(),
+                " (entries must lie along one chain, upstream first)");
+  }
+  // V+(s_1) without passing a stop node, then only the part that reaches an output inside it.
+  const Node* s = es.front().node;
+  const std::unordered_set<const Node*> reach = reach_from(g, s, stops);
   std::unordered_set<const Node*> live;
   for (const Arg& a : g.output()->args().at(0).list)
     a.for_each_node([&](Node* n) {
@@ -631,12 +759,14 @@ BatchCone batch_cone(const ir::Graph& g, const std::string& site, int64_t k, con
     for (const Node* in : n->inputs())
       if (reach.count(in)) live.insert(in);
   }
+  for (size_t j = 1; j < es.size(); ++j)
+    TORCH_CHECK(live.count(es[j].node), "batch_cone: entry %", es[j].node->name(), " reaches no output");
   std::vector<const Node*> cone;
   for (const auto& up : g.nodes())
     if (up->kind() == ir::NodeKind::Call && up.get() != s && live.count(up.get())) cone.push_back(up.get());
-  Builder b(g, k);
-  b.mark_cone(cone, s);
-  return b.run(s, cone);
+  Builder b(g, std::move(es));
+  b.mark_cone(cone);
+  return b.run(cone);
 }
 
 }  // namespace torch_ext::passes

@@ -23,6 +23,20 @@
 // and its type, inferred on meta tensors, is exactly the original type with dim 0 times K. Anything
 // else is refused with a c10::Error naming the node, its op and the reason ("... mixes dim 0 ...");
 // `g` is never modified.
+//
+// Entries along a chain (batch_cone over several (site, k) entries): copies that enter at different
+// nodes of one path, such as one position's residual stream at several layers. Entry j's k_j copies
+// are patched at s_j; each s_j (j >= 2) must be in the strict cone of s_{j-1}, so a cone node carries
+// the copies of a prefix of the entries: c(n) = k_1 + ... + k_m, m the last entry whose cone reaches n
+// (the batch grows at each entry). Upstream of s_2 only k_1 copies run. The new graph has one site
+// placeholder, named s_1, holding every entry's copies in entry order (dim 0 times k_1 + ... + k_M;
+// every s_j has s_1's type), so one patched value drives the whole unit:
+//   %<s_j>_copies = aten::slice.Tensor(%<s_1>, 0, lo_j, hi_j)  entry j's copies (rows of the placeholder)
+//   %<s_j>_joined = aten::cat.default([%<s_j>, %<s_j>_copies])  j >= 2: the copies so far, then entry j's
+// and %<s_1>_copies stands for s_1. A node that reads a value with fewer copies than its own reads it
+// padded with that value's clean copies (%<x>_pad<c> = cat of x and its clean value tiled), since a copy
+// that enters downstream of x sees x unpatched; outputs are padded to every copy. These plumbing calls
+// count in num_calls. One entry gives exactly the single-site form.
 #pragma once
 
 #include "ir/graph.h"
@@ -37,7 +51,13 @@ namespace torch_ext::passes {
 struct BatchConeExternal {
   std::string placeholder;  // its name in the batched graph
   std::string source;       // the node of the original graph whose value it takes
-  bool tiled = false;       // bind the source value repeated k times along dim 0
+  bool tiled = false;       // bind the source value repeated `copies` times along dim 0
+  int64_t copies = 0;       // tiled: how many times (k for one entry; per reader with entries)
+};
+
+struct BatchConeEntry {
+  std::string site;
+  int64_t k = 1;
 };
 
 struct BatchCone {
@@ -48,6 +68,10 @@ struct BatchCone {
 };
 
 BatchCone batch_cone(const ir::Graph& g, const std::string& site, int64_t k,
+                     const std::vector<std::string>& stop = {});
+
+// Entries along a chain (see above); one entry is batch_cone(g, site, k, stop).
+BatchCone batch_cone(const ir::Graph& g, const std::vector<BatchConeEntry>& entries,
                      const std::vector<std::string>& stop = {});
 
 }  // namespace torch_ext::passes

@@ -1027,11 +1027,18 @@ def test_sweep_one_at_a_time_vs_batched(tiny, tmp_path):
         len(rg.cone(n)) for n, p in sites if (n, p) not in identical)
     assert r0.extra["skipped_evaluations"] == sum(len(rg.cone(n)) for n, _ in identical)
     assert r0.metrics == r1.metrics  # the same bits
+    # batch_sites=K: each node's sites, K per batch (here all of them), one node's cone each.
+    r3 = torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=len(sites))
+    assert r3.batched and r3.groups == len(resid)
+    assert r3.measured_evaluations == r3.predicted_evaluations == sum(len(rg.cone(n)) for n in resid)
+    # batch_sites=True chains the three nodes (each in the cone of the one before): one unit whose copies
+    # enter at their own node, the first node's cone plus two entry slices and joins and the first slice.
     r2 = torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=True)
-    assert r2.batched and r2.groups == len(resid)
-    assert r2.measured_evaluations == r2.predicted_evaluations == sum(len(rg.cone(n)) for n in resid)
-    assert set(r1.metrics) == set(r2.metrics) == set(sites)
+    assert r2.batched and r2.groups == 1
+    assert r2.measured_evaluations == r2.predicted_evaluations == len(rg.cone("add")) + 1 + 2 * 2
+    assert set(r1.metrics) == set(r2.metrics) == set(r3.metrics) == set(sites)
     for k in sites:
+        assert abs(r1.metrics[k] - r3.metrics[k]) <= 1e-6 * max(1.0, abs(r3.metrics[k])), (k, r1.metrics[k], r3.metrics[k])
         # Token-granular cones run the linears on rows [p, T): BLAS rounds a row differently with another
         # row count, so the two sweeps agree within 1e-6 relative, not bit for bit.
         assert abs(r1.metrics[k] - r2.metrics[k]) <= 1e-6 * max(1.0, abs(r2.metrics[k])), (k, r1.metrics[k], r2.metrics[k])
@@ -1268,16 +1275,17 @@ def test_batched_cones_are_bounded_and_evicted_least_recently_used_first(tiny):
     patch = lambda c, site: c.index_fill(1, torch.tensor([site[1]]), 0.0)  # noqa: E731
     metric = lambda out: out[:, -1, 0].mean()  # noqa: E731
     sites = [(n, p) for n in nodes for p in (0, 7)]
+    # batch_sites=2: one batched cone per node (batch_sites=True may chain nodes into one unit).
     one_by_one = torch_ext.sweep(rg, sites, patch, metric, progress=False)
-    batched = torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=True)
+    batched = torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=2)
     assert [key[0] for key in rg._batched] == nodes[2:]  # the last three, oldest first
     for k in sites:
         assert abs(one_by_one.metrics[k] - batched.metrics[k]) <= 1e-6, k
     # Reused, it becomes the most recent; a standing patch changes the state: every entry goes.
-    torch_ext.sweep(rg, sites[4:6], patch, metric, progress=False, batch_sites=True)
+    torch_ext.sweep(rg, sites[4:6], patch, metric, progress=False, batch_sites=2)
     assert [key[0] for key in rg._batched] == [nodes[3], nodes[4], nodes[2]]
     rg.patch(nodes[0], lambda v: v * 0.5)
-    torch_ext.sweep(rg, sites[8:], patch, metric, progress=False, batch_sites=True)
+    torch_ext.sweep(rg, sites[8:], patch, metric, progress=False, batch_sites=2)
     assert [key[0] for key in rg._batched] == [nodes[4]]
     rg.restore()
 

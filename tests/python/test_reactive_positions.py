@@ -302,10 +302,14 @@ def test_batched_sites_use_rows_too():
     sites = [(n, p) for n, p in sites if p >= 3]
     metric = lambda out: float((out[:, -1, 3] - out[:, -1, 4]).sum())  # noqa: E731
     one = torch_ext.sweep(rg, sites, patch, metric, progress=False)
-    batched = torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=True)
+    per_node = torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=len(sites))
     whole = torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=True, positions=False)
-    assert batched.measured_evaluations == whole.measured_evaluations
-    assert batched.extra["row_evaluations"] == (T - 3) / T * whole.extra["row_evaluations"]
+    assert per_node.measured_evaluations == whole.measured_evaluations
+    assert per_node.extra["row_evaluations"] == (T - 3) / T * whole.extra["row_evaluations"]
+    # batch_sites=True chains the nodes (each in the cone of the one before): copies enter at their own
+    # node, so the units run fewer evaluations than one batch per node.
+    batched = torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=True)
+    assert batched.measured_evaluations == batched.predicted_evaluations < per_node.measured_evaluations
     # batch_sites=K: each node's sites sorted by their patched row, K per batch, each batch from its
     # own smallest row: positions 3-4, 5-6, 7 recompute rows [3, T), [5, T), [7, T).
     paired = torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=2)
@@ -318,6 +322,7 @@ def test_batched_sites_use_rows_too():
                                                   for n in resid for p, h in ((3, 5), (5, 7), (7, 8)))
     for s in sites:
         assert abs(batched.metrics[s] - one.metrics[s]) <= 1e-6 * max(1.0, abs(one.metrics[s])), s
+        assert abs(per_node.metrics[s] - one.metrics[s]) <= 1e-6 * max(1.0, abs(one.metrics[s])), s
         assert abs(whole.metrics[s] - one.metrics[s]) <= 1e-6 * max(1.0, abs(one.metrics[s])), s
         assert abs(paired.metrics[s] - one.metrics[s]) <= 1e-6 * max(1.0, abs(one.metrics[s])), s
     with pytest.raises(ValueError, match="batch_sites"):
@@ -851,4 +856,76 @@ def test_batched_sites_at_mixed_positions_and_layers_equal_one_at_a_time(batch_s
         assert _rel(got.metrics[s], one.metrics[s]) <= 1e-6, (s, _rel(got.metrics[s], one.metrics[s]))
         # Rows before the site's position are the cached logits, bit for bit (causal), in every batch.
         assert torch.equal(got.metrics[s][:, :1], one.metrics[s][:, :1]), s
+    rg.check_invariants()
+
+
+def _three_layer_setup():
+    """_spread_setup with 3 layers: resid_pre of every layer, patches taking row p from a corrupted run."""
+    from torch_ext.models import TinyTransformer
+
+    torch.manual_seed(1)
+    seq = 12
+    model = TinyTransformer(vocab=64, d_model=32, n_heads=4, n_layers=3, seq=seq).eval()
+    clean = torch.randint(0, 64, (2, seq))
+    corrupt = torch.randint(0, 64, (2, seq))
+    rg = torch_ext.ReactiveGraph(model, (corrupt,))
+    resid = ["add"] + [rg.nodes(f"blocks.{i}")[-1] for i in range(2)]
+    cache = {n: rg.value(n).clone() for n in resid}
+    rg.run(clean)
+
+    def patch(value, site):
+        node, p = site
+        v = value.clone()
+        v[:, p] = cache[node][:, p]
+        return v
+
+    return rg, resid, patch, seq
+
+
+def test_sites_of_one_position_across_layers_share_a_unit_and_equal_one_at_a_time():
+    # batch_sites=True on the row path chains the resid_pre nodes (each in the cone of the one before):
+    # a unit's copies enter at their own layers, so fewer units run than one batch per node, and every
+    # site equals its one-at-a-time evaluation (at the row path's tolerance; rows before the site's
+    # position bit for bit).
+    rg, resid, patch, seq = _three_layer_setup()
+    sites = [(n, p) for n in resid for p in (2, 3, 7, 8, 11)]
+    metric = lambda out: out.clone()  # noqa: E731
+    one = torch_ext.sweep(rg, sites, patch, metric, progress=False)
+    got = torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=True)
+    assert got.measured_evaluations == got.predicted_evaluations
+    chained = [key for key in rg._batched if isinstance(key[0], tuple)]
+    assert chained and all(len(key) >= 2 and [n for n, _ in key] == [n for n in resid if n in dict(key)]
+                           for key in chained)
+    for s in sites:
+        assert _rel(got.metrics[s], one.metrics[s]) <= 1e-6, (s, _rel(got.metrics[s], one.metrics[s]))
+        assert torch.equal(got.metrics[s][:, :s[1]], one.metrics[s][:, :s[1]]), s
+    rg.check_invariants()
+
+
+@pytest.mark.internals
+def test_each_copy_of_a_chained_unit_enters_at_its_own_layer():
+    # One copy per layer, all at position 5: copy j must equal the site patched at layer j alone. The same
+    # value entering at another layer gives a far other answer, so a copy at the wrong layer fails here.
+    rg, resid, patch, seq = _three_layer_setup()
+    eng = rg._engine
+    values = [patch(eng.value(n), (n, 5)) for n in resid]
+    bc = rg._batched_entries(tuple((n, 1) for n in resid))
+    before = bc.engine.stats()["row_evaluations"]
+    got = bc.split(bc.engine.evaluate_patched_rows(resid[0], torch.cat(values), [], []))
+    assert bc.engine.stats()["row_evaluations"] - before < bc.calls  # rows [5, T), not whole nodes
+    for j, (n, v) in enumerate(zip(resid, values)):
+        want = eng.evaluate_patched_rows(n, v, [], [])
+        assert _rel(got[j][0], want[0]) <= 1e-6, (n, _rel(got[j][0], want[0]))
+        assert torch.equal(got[j][0][:, :5], eng.value(rg._output_nodes()[0])[:, :5]), n
+        other = resid[(j + 1) % len(resid)]
+        wrong = eng.evaluate_patched_rows(other, v, [], [])
+        assert _rel(got[j][0], wrong[0]) > 1e-3, (n, other)
+    # Two entries of one unit with their counts: the copies come in entry order.
+    bc2 = rg._batched_entries(((resid[1], 2), (resid[2], 1)))
+    vals2 = [patch(eng.value(resid[1]), (resid[1], 3)), values[1], values[2]]
+    got2 = bc2.split(bc2.engine.evaluate_patched_rows(resid[1], torch.cat(vals2), [], []))
+    for j, (n, v) in enumerate(zip([resid[1], resid[1], resid[2]], vals2)):
+        assert _rel(got2[j][0], eng.evaluate_patched_rows(n, v, [], [])[0]) <= 1e-6, (j, n)
+    with pytest.raises(ValueError, match="not in the cone of the entry before it"):
+        rg._batched_entries(((resid[2], 1), (resid[1], 1)))
     rg.check_invariants()
