@@ -121,3 +121,44 @@ def test_embedding_bag_in_a_reactive_graph_patches_exactly(mode):
     assert torch.equal(rg.demand(), model[2](model[1](patched)))
     rg.restore()
     assert torch.equal(rg.demand(), model(x))
+
+
+class ConvNeXtBlock(nn.Module):
+    """torchvision ConvNeXt's pattern: the depthwise convolution reads a permuted (channels-last) tensor,
+    whose backward's gradients the CPU kernel returns channels-last (its Meta kernel says contiguous)."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.stem = nn.Conv2d(3, dim, 2, stride=2)
+        self.norm = nn.LayerNorm(dim)
+        self.mix = nn.Linear(dim, dim)
+        self.dw = nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
+        self.head = nn.Linear(dim, 5)
+
+    def forward(self, x):
+        h = self.stem(x).permute(0, 2, 3, 1)
+        h = self.mix(self.norm(h)).permute(0, 3, 1, 2)
+        return self.head(self.dw(h).mean((2, 3)))
+
+
+@pytest.mark.parametrize("run", ["executor", "planned", "donated"])
+def test_a_convolution_of_a_channels_last_input_steps_bit_exact_with_eager(run):
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2, 3, 8, 8, generator=g), torch.randint(0, 5, (2,), generator=g)
+    torch.manual_seed(0)
+    model = ConvNeXtBlock()
+    eager = copy.deepcopy(model)
+    opt, eager_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    step = torch_ext.make_train_step(model, opt, _loss, (x, y))
+    state = step.init_state()
+    runner = step if run == "executor" else step.compile(plan=True, donate=run == "donated")
+    for _ in range(3):
+        loss, state = runner(state, x, y)
+        eager_opt.zero_grad()
+        eager_loss = _loss(eager, x, y)
+        eager_loss.backward()
+        eager_opt.step()
+        assert torch.equal(loss, eager_loss)
+    step.write_back(state)
+    for (name, a), b in zip(model.state_dict().items(), eager.state_dict().values()):
+        assert torch.equal(a, b), name
