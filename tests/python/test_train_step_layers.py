@@ -19,6 +19,26 @@ def _loss(m, x, y):
     return F.cross_entropy(m(x), y)
 
 
+def _assert_steps_bit_exact(model, x, y, run, steps):
+    """Trains ``model`` with the pure step (``run``: the executor, the planned or the donated arena) and a
+    copy eagerly with AdamW; every loss and the final state must be bitwise equal."""
+    eager = copy.deepcopy(model)
+    opt, eager_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    step = torch_ext.make_train_step(model, opt, _loss, (x, y))
+    state = step.init_state()
+    runner = step if run == "executor" else step.compile(plan=True, donate=run == "donated")
+    for _ in range(steps):
+        loss, state = runner(state, x, y)
+        eager_opt.zero_grad()
+        eager_loss = _loss(eager, x, y)
+        eager_loss.backward()
+        eager_opt.step()
+        assert torch.equal(loss, eager_loss)
+    step.write_back(state)
+    for (name, a), b in zip(model.state_dict().items(), eager.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 class Bag(nn.Module):
     def __init__(self, weighted=False, **kw):
         super().__init__()
@@ -44,22 +64,7 @@ def test_embedding_bag_steps_bit_exact_with_eager(kw, run):
     x, y = _batch()
     x[0, :3] = 0  # padding entries
     torch.manual_seed(0)
-    model = Bag(**kw)
-    eager = copy.deepcopy(model)
-    opt, eager_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
-    step = torch_ext.make_train_step(model, opt, _loss, (x, y))
-    state = step.init_state()
-    runner = step if run == "executor" else step.compile(plan=True, donate=run == "donated")
-    for _ in range(5):
-        loss, state = runner(state, x, y)
-        eager_opt.zero_grad()
-        eager_loss = _loss(eager, x, y)
-        eager_loss.backward()
-        eager_opt.step()
-        assert torch.equal(loss, eager_loss)
-    step.write_back(state)
-    for (name, a), b in zip(model.state_dict().items(), eager.state_dict().values()):
-        assert torch.equal(a, b), name
+    _assert_steps_bit_exact(Bag(**kw), x, y, run, steps=5)
 
 
 class Emb(nn.Module):
@@ -146,19 +151,4 @@ def test_a_convolution_of_a_channels_last_input_steps_bit_exact_with_eager(run):
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(2, 3, 8, 8, generator=g), torch.randint(0, 5, (2,), generator=g)
     torch.manual_seed(0)
-    model = ConvNeXtBlock()
-    eager = copy.deepcopy(model)
-    opt, eager_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
-    step = torch_ext.make_train_step(model, opt, _loss, (x, y))
-    state = step.init_state()
-    runner = step if run == "executor" else step.compile(plan=True, donate=run == "donated")
-    for _ in range(3):
-        loss, state = runner(state, x, y)
-        eager_opt.zero_grad()
-        eager_loss = _loss(eager, x, y)
-        eager_loss.backward()
-        eager_opt.step()
-        assert torch.equal(loss, eager_loss)
-    step.write_back(state)
-    for (name, a), b in zip(model.state_dict().items(), eager.state_dict().values()):
-        assert torch.equal(a, b), name
+    _assert_steps_bit_exact(ConvNeXtBlock(), x, y, run, steps=3)
