@@ -798,18 +798,17 @@ def test_a_patch_that_only_flips_the_sign_of_a_zero_is_recomputed(cutoff, kw):
     rg.check_invariants()
 
 
-def _spread_setup():
-    """A 2-layer d_model 32 TinyTransformer, its resid_pre nodes, and patches taking row p from a corrupted
-    run (every position differs, so the first changed row of site (node, p) is p)."""
+def _spread_setup(n_layers=2, seq=16, seed=0):
+    """A d_model 32 TinyTransformer, the resid_pre node of every layer, and patches taking row p from a
+    corrupted run (every position differs, so the first changed row of site (node, p) is p)."""
     from torch_ext.models import TinyTransformer
 
-    torch.manual_seed(0)
-    seq = 16
-    model = TinyTransformer(vocab=64, d_model=32, n_heads=4, n_layers=2, seq=seq).eval()
+    torch.manual_seed(seed)
+    model = TinyTransformer(vocab=64, d_model=32, n_heads=4, n_layers=n_layers, seq=seq).eval()
     clean = torch.randint(0, 64, (2, seq))
     corrupt = torch.randint(0, 64, (2, seq))
     rg = torch_ext.ReactiveGraph(model, (corrupt,))
-    resid = ["add", rg.nodes("blocks.0")[-1]]
+    resid = ["add"] + [rg.nodes(f"blocks.{i}")[-1] for i in range(n_layers - 1)]
     cache = {n: rg.value(n).clone() for n in resid}
     rg.run(clean)
 
@@ -859,35 +858,12 @@ def test_batched_sites_at_mixed_positions_and_layers_equal_one_at_a_time(batch_s
     rg.check_invariants()
 
 
-def _three_layer_setup():
-    """_spread_setup with 3 layers: resid_pre of every layer, patches taking row p from a corrupted run."""
-    from torch_ext.models import TinyTransformer
-
-    torch.manual_seed(1)
-    seq = 12
-    model = TinyTransformer(vocab=64, d_model=32, n_heads=4, n_layers=3, seq=seq).eval()
-    clean = torch.randint(0, 64, (2, seq))
-    corrupt = torch.randint(0, 64, (2, seq))
-    rg = torch_ext.ReactiveGraph(model, (corrupt,))
-    resid = ["add"] + [rg.nodes(f"blocks.{i}")[-1] for i in range(2)]
-    cache = {n: rg.value(n).clone() for n in resid}
-    rg.run(clean)
-
-    def patch(value, site):
-        node, p = site
-        v = value.clone()
-        v[:, p] = cache[node][:, p]
-        return v
-
-    return rg, resid, patch, seq
-
-
 def test_sites_of_one_position_across_layers_share_a_unit_and_equal_one_at_a_time():
     # batch_sites=True on the row path chains the resid_pre nodes (each in the cone of the one before):
     # a unit's copies enter at their own layers, so fewer units run than one batch per node, and every
     # site equals its one-at-a-time evaluation (at the row path's tolerance; rows before the site's
     # position bit for bit).
-    rg, resid, patch, seq = _three_layer_setup()
+    rg, resid, patch, seq = _spread_setup(n_layers=3, seq=12, seed=1)
     sites = [(n, p) for n in resid for p in (2, 3, 7, 8, 11)]
     metric = lambda out: out.clone()  # noqa: E731
     one = torch_ext.sweep(rg, sites, patch, metric, progress=False)
@@ -906,7 +882,7 @@ def test_sites_of_one_position_across_layers_share_a_unit_and_equal_one_at_a_tim
 def test_each_copy_of_a_chained_unit_enters_at_its_own_layer():
     # One copy per layer, all at position 5: copy j must equal the site patched at layer j alone. The same
     # value entering at another layer gives a far other answer, so a copy at the wrong layer fails here.
-    rg, resid, patch, seq = _three_layer_setup()
+    rg, resid, patch, seq = _spread_setup(n_layers=3, seq=12, seed=1)
     eng = rg._engine
     values = [patch(eng.value(n), (n, 5)) for n in resid]
     bc = rg._batched_entries(tuple((n, 1) for n in resid))
