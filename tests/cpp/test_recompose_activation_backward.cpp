@@ -34,25 +34,27 @@ std::string joint(const std::string& forward) {
 )";
 }
 
+// The pass rewrites one composite: after dead-code elimination the graph is the forward `act` and its
+// fused backward, which the executor runs bit for bit as eager's kernel `eager` (the composite rounds
+// otherwise).
+void expect_fused(ir::Graph& g, const std::string& act, at::Tensor (*eager)(const at::Tensor&, const at::Tensor&)) {
+  EXPECT_EQ(passes::recompose_activation_backward(g), 1);
+  passes::eliminate_dead_code(g);
+  ir::verify(g);
+  EXPECT_EQ(ir::print(g), "graph:\n  %x : f32[3,4] = input()\n  %g : f32[3,4] = input()\n  %y : f32[3,4] = aten::" +
+                              act + ".default(%x)\n  %out : f32[3,4] = aten::" + act +
+                              "_backward.default(%g, %x)\n  return (%y, %out)\n");
+  const at::Tensor x = at::randn({3, 4}) * 3;
+  const at::Tensor grad = at::randn({3, 4});
+  runtime::Executor ex(g);
+  EXPECT_TRUE(at::equal(ex.run({x, grad})[1].toTensor(), eager(grad, x)));
+}
+
 }  // namespace
 
 TEST(RecomposeActivationBackward, SilusCompositeBecomesEagersFusedKernel) {
   auto g = ir::parse(joint("aten::silu.default(%x)"));
-  EXPECT_EQ(passes::recompose_activation_backward(*g), 1);
-  passes::eliminate_dead_code(*g);
-  ir::verify(*g);
-  EXPECT_EQ(ir::print(*g), R"(graph:
-  %x : f32[3,4] = input()
-  %g : f32[3,4] = input()
-  %y : f32[3,4] = aten::silu.default(%x)
-  %out : f32[3,4] = aten::silu_backward.default(%g, %x)
-  return (%y, %out)
-)");
-  // Eager's backward, bit for bit (the composite rounds otherwise).
-  const at::Tensor x = at::randn({3, 4}) * 3;
-  const at::Tensor grad = at::randn({3, 4});
-  runtime::Executor ex(*g);
-  EXPECT_TRUE(at::equal(ex.run({x, grad})[1].toTensor(), at::silu_backward(grad, x)));
+  expect_fused(*g, "silu", at::silu_backward);
 }
 
 TEST(RecomposeActivationBackward, AHandWrittenProductIsLeftAlone) {
@@ -80,20 +82,7 @@ TEST(RecomposeActivationBackward, MishsCompositeBecomesEagersFusedKernel) {
   %out : f32[3,4] = aten::mul.Tensor(%g, %a)
   return (%y, %out)
 )");
-  EXPECT_EQ(passes::recompose_activation_backward(*g), 1);
-  passes::eliminate_dead_code(*g);
-  ir::verify(*g);
-  EXPECT_EQ(ir::print(*g), R"(graph:
-  %x : f32[3,4] = input()
-  %g : f32[3,4] = input()
-  %y : f32[3,4] = aten::mish.default(%x)
-  %out : f32[3,4] = aten::mish_backward.default(%g, %x)
-  return (%y, %out)
-)");
-  const at::Tensor x = at::randn({3, 4}) * 3;
-  const at::Tensor grad = at::randn({3, 4});
-  runtime::Executor ex(*g);
-  EXPECT_TRUE(at::equal(ex.run({x, grad})[1].toTensor(), at::mish_backward(grad, x)));
+  expect_fused(*g, "mish", at::mish_backward);
 }
 
 // nn.SiLU(inplace=True): functionalized to silu(%y), with autograd's saved input a clone of %y.

@@ -46,6 +46,13 @@ at::Tensor eager_from(const at::Tensor& state, const std::function<void()>& draw
   return after;
 }
 
+// Appends the threaded state to the graph's outputs, so a run returns the state its draws left.
+void return_final_state(ir::Graph& g, ir::Node* state) {
+  std::vector<ir::Arg> outs = g.output()->args()[0].list;
+  outs.push_back(ir::Arg::of_node(state));
+  g.set_output(outs);
+}
+
 }  // namespace
 
 TEST(ThreadRng, ChainsTheStateThroughEveryDropoutInOrder) {
@@ -70,9 +77,7 @@ TEST(ThreadRng, ChainsTheStateThroughEveryDropoutInOrder) {
 TEST(ThreadRng, SameStateSameDrawsAndEagerOrder) {
   auto g = ir::parse(kTwoDropouts);
   ir::Node* state = passes::thread_rng(*g);
-  std::vector<ir::Arg> outs = g->output()->args()[0].list;
-  outs.push_back(ir::Arg::of_node(state));
-  g->set_output(outs);
+  return_final_state(*g, state);
   runtime::Executor ex(*g);
   const at::Tensor x = at::randn({64});
   const at::Tensor s0 = seeded_state(11);
@@ -143,9 +148,7 @@ TEST(ThreadRng, NoiseLikeATensorDrawsFromTheStateAsEagerDoes) {
             std::string::npos)
       << printed;
   EXPECT_EQ(state->name(), "u_rng_state");
-  std::vector<ir::Arg> outs = g->output()->args()[0].list;
-  outs.push_back(ir::Arg::of_node(state));
-  g->set_output(outs);
+  return_final_state(*g, state);
   runtime::Executor ex(*g);
   const at::Tensor x = at::randn({4, 6});
   const at::Tensor s0 = seeded_state(5);
@@ -199,9 +202,7 @@ TEST(ThreadRng, FactoriesAndBernoulliDrawFromTheStateAsEagerDoes) {
   EXPECT_NE(printed.find("%k_rng : (f32[4,3], u8[5056]) = torch_ext::bernoulli_p_rng.default(%x, 0.25, %n_rng_state)"),
             std::string::npos)
       << printed;
-  std::vector<ir::Arg> outs = g->output()->args()[0].list;
-  outs.push_back(ir::Arg::of_node(state));
-  g->set_output(outs);
+  return_final_state(*g, state);
   runtime::Executor ex(*g);
   const at::Tensor x = at::rand({4, 3});
   const at::Tensor s0 = seeded_state(8);
