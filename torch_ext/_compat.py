@@ -178,18 +178,85 @@ def eager_attention_masks():
     biases, whose gradient is rounding noise, to 7e-5 relative). The pure step is specialised to its
     example's shapes (another shape is refused, or exported again with ``batch_shapes='cache'``), so
     eager's choice for those shapes is the right one. A padding mask given as a tensor is still traced,
-    and transformers materialises it then, as eager does when a token is padded. Nothing is imported:
-    only a ``transformers.masking_utils`` already loaded can be tracing this model."""
+    and transformers materialises it then, as eager does when a token is padded.
+
+    The same holds for the packed-sequence check (``find_packed_sequence_indices``), which transformers
+    runs whenever there is no cache (``use_cache=False``, as training scripts and gradient checkpointing
+    set): it reads the position ids' values, and while tracing it always keeps a packed-sequence mask.
+    Position ids that no program input reaches (the model's own ``arange``) are constants of the
+    program, so eager's reading of their values is computed here and holds for every call. Position ids
+    given in the batch stay data: their mask is traced, correct for any values.
+    Nothing is imported: only a ``transformers.masking_utils`` already loaded can be tracing this model."""
     masking = sys.modules.get("transformers.masking_utils")
     original = getattr(masking, "is_torchdynamo_exporting", None)
     if original is None:
         yield
         return
+    find_packed = getattr(masking, "find_packed_sequence_indices", None)
+
+    def eager_find_packed(position_ids):
+        value = traced_constant_value(position_ids)
+        if value is not None and eagerly(lambda: find_packed(value)) is None:
+            return None  # eager's answer for the only values these position ids can take
+        return find_packed(position_ids)
+
+    def eagerly(fn):  # run as outside any trace: no tracing modes, and transformers' is_tracing() False
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        is_tracing = masking.is_tracing
+        masking.is_tracing = lambda tensor=None: False
+        try:
+            with _disable_current_modes():
+                return fn()
+        finally:
+            masking.is_tracing = is_tracing
+
     masking.is_torchdynamo_exporting = lambda: False
+    if find_packed is not None:
+        masking.find_packed_sequence_indices = eager_find_packed
     try:
         yield
     finally:
         masking.is_torchdynamo_exporting = original
+        if find_packed is not None:
+            masking.find_packed_sequence_indices = find_packed
+
+
+def traced_constant_value(t):
+    """The value of a tensor being traced (by torch.export or make_fx) that no input of the program
+    reaches, computed by running the ops that made it on real tensors; None when an input reaches it,
+    when it is not traced, or when an op is random or not a plain function call."""
+    from torch.fx.experimental import proxy_tensor
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    mode = proxy_tensor.get_proxy_mode()
+    if mode is None or not isinstance(t, torch.Tensor):
+        return None
+    try:
+        root = proxy_tensor.get_proxy_slot(t, mode.tracer).proxy.node
+    except Exception:  # not tracked by this tracer
+        return None
+    order, seen, stack = [], set(), [(root, False)]
+    while stack:  # post-order over the ancestors
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            return None  # an input, a lifted constant, a higher-order op
+        if torch.Tag.nondeterministic_seeded in node.target.tags:
+            return None
+        stack.append((node, True))
+        stack.extend((a, False) for a in node.all_input_nodes)
+    values = {}
+    with _disable_current_modes():
+        for node in order:
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), values.__getitem__)
+            values[node] = node.target(*args, **kwargs)
+    return values[root]
 
 
 @contextlib.contextmanager
