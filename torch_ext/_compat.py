@@ -10,6 +10,7 @@ import operator
 import sys
 
 import torch
+from torch.utils._pytree import tree_map_only
 from torch.export.graph_signature import InputKind, OutputKind
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -220,6 +221,37 @@ def eager_attention_masks():
         masking.is_torchdynamo_exporting = original
         if find_packed is not None:
             masking.find_packed_sequence_indices = find_packed
+
+
+@contextlib.contextmanager
+def inline_reentrant_checkpoints():
+    """Inside the block, ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True)`` (torch 2.9's
+    default when ``use_reentrant`` is not given, and ``checkpoint_sequential``'s) calls ``fn`` directly.
+    Its autograd.Function runs ``fn`` under no_grad, which export records as a grad-mode region the joint
+    graph cannot differentiate. Checkpointing changes when eager computes, not what: the recomputation
+    restores the RNG state and redraws the same numbers, and the step plans its own memory. One eager
+    behaviour is kept: with no tensor argument requiring grad, the outputs require none either, so
+    parameters used only inside ``fn`` get no gradient (eager's "None of the inputs have requires_grad")."""
+    from torch.utils import checkpoint as checkpoint_mod
+
+    function_cls = checkpoint_mod.CheckpointFunction
+    own = function_cls.__dict__.get("apply")  # None: inherited from autograd.Function
+
+    def apply(function, preserve_rng_state, *args):
+        del preserve_rng_state  # called once, so the draws are eager's forward draws
+        out = function(*args)
+        if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return out
+        return tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+
+    function_cls.apply = staticmethod(apply)
+    try:
+        yield
+    finally:
+        if own is None:
+            del function_cls.apply
+        else:
+            function_cls.apply = own
 
 
 def traced_constant_value(t):

@@ -516,7 +516,8 @@ class TrainStep:
                             "hooks (clip with clip_grad_norm=) or train eagerly")
 
         def export():
-            with _compat.backward_only_code() as found, _compat.eager_attention_masks():
+            with _compat.backward_only_code() as found, _compat.eager_attention_masks(), \
+                    _compat.inline_reentrant_checkpoints():
                 try:
                     ep = torch.export.export(wrapper, _compat.distinct_inputs(self._example_batch))  # (x, x): two inputs
                 except torch._subclasses.fake_tensor.DynamicOutputShapeException as e:
