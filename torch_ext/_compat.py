@@ -231,23 +231,52 @@ def inline_reentrant_checkpoints():
     graph cannot differentiate. Checkpointing changes when eager computes, not what: the recomputation
     restores the RNG state and redraws the same numbers, and the step plans its own memory. One eager
     behaviour is kept: with no tensor argument requiring grad, the outputs require none either, so
-    parameters used only inside ``fn`` get no gradient (eager's "None of the inputs have requires_grad")."""
+    parameters used only inside ``fn`` get no gradient (eager's "None of the inputs have requires_grad").
+
+    With ``preserve_rng_state=False`` (either kind of checkpoint) eager's recomputation draws new random
+    numbers, so its gradients use other dropout masks than its forward: a block that draws is refused."""
+    from torch.fx.experimental import proxy_tensor
     from torch.utils import checkpoint as checkpoint_mod
+
+    def traced_nodes():
+        graph = getattr(getattr(proxy_tensor.get_proxy_mode(), "tracer", None), "graph", None)
+        return graph, (set(graph.nodes) if graph is not None else set())
+
+    def refuse_new_draws(graph, before):
+        drawn = sorted({str(n.target) for n in (graph.nodes if graph is not None else ())
+                        if n not in before and n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                        and torch.Tag.nondeterministic_seeded in n.target.tags})
+        if drawn:
+            raise ValueError(f"torch.utils.checkpoint(preserve_rng_state=False) around random ops ({', '.join(drawn)}): "
+                             "eager recomputes the block in backward with new random numbers, so its gradients use "
+                             "other masks than its forward. The pure step cannot reproduce that; checkpoint with "
+                             "preserve_rng_state=True (the default)")
 
     function_cls = checkpoint_mod.CheckpointFunction
     own = function_cls.__dict__.get("apply")  # None: inherited from autograd.Function
+    non_reentrant = checkpoint_mod._checkpoint_without_reentrant_generator
 
     def apply(function, preserve_rng_state, *args):
-        del preserve_rng_state  # called once, so the draws are eager's forward draws
-        out = function(*args)
+        graph, before = traced_nodes()
+        out = function(*args)  # once: the block draws eager's forward numbers
+        if not preserve_rng_state:
+            refuse_new_draws(graph, before)
         if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return out
         return tree_map_only(torch.Tensor, torch.Tensor.detach, out)
 
+    def checked_non_reentrant(fn, preserve_rng_state=True, *rest, **kwargs):
+        graph, before = traced_nodes()
+        yield from non_reentrant(fn, preserve_rng_state, *rest, **kwargs)  # the block runs at its yield
+        if not preserve_rng_state:
+            refuse_new_draws(graph, before)
+
     function_cls.apply = staticmethod(apply)
+    checkpoint_mod._checkpoint_without_reentrant_generator = checked_non_reentrant
     try:
         yield
     finally:
+        checkpoint_mod._checkpoint_without_reentrant_generator = non_reentrant
         if own is None:
             del function_cls.apply
         else:

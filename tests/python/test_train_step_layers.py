@@ -198,3 +198,29 @@ def test_activation_checkpointing_bit_exact(how, on_input):
     _assert_steps_bit_exact(model, x, y, "executor", steps=3, seed=0)
     frozen_by_eager = on_input and how != "non-reentrant"
     assert torch.equal(model.block[0].weight, before) == frozen_by_eager
+
+
+class CheckpointedNoRngState(nn.Module):
+    def __init__(self, reentrant, dropout):
+        super().__init__()
+        self.stem, self.head = nn.Linear(8, 16), nn.Linear(16, 3)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.3) if dropout else nn.Tanh(), nn.Linear(16, 16))
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils import checkpoint
+
+        return self.head(checkpoint.checkpoint(self.block, self.stem(x), use_reentrant=self.reentrant,
+                                               preserve_rng_state=False))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpoint_without_rng_state_around_dropout_is_refused(reentrant):
+    # Eager's recomputation then draws new masks, so its gradients use other masks than its forward
+    # (the non-reentrant kind trained 5e-2 off eager in 3 steps, silently). Without random ops it is exact.
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+    model = CheckpointedNoRngState(reentrant, dropout=True)
+    with pytest.raises(ValueError, match=r"preserve_rng_state=False\) around random ops \(aten.dropout.default\)"):
+        torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _loss, (x, y))
+    _assert_steps_bit_exact(CheckpointedNoRngState(reentrant, dropout=False), x, y, "executor", steps=3)
