@@ -283,6 +283,57 @@ def inline_reentrant_checkpoints():
             function_cls.apply = own
 
 
+@contextlib.contextmanager
+def inference_mode_as_no_grad():
+    """Inside the block, ``torch.inference_mode()`` disables gradients as ``torch.no_grad()`` does. Tracing
+    does not record inference mode, so a block under it (a frozen teacher's forward) was differentiated,
+    and the step trained parameters that eager gives no gradient: AdamW moved a teacher's weights 1e-2
+    in one step where eager left them. Patched on the class, so ``@torch.inference_mode()`` decorators and
+    a name imported before the block behave the same."""
+    from torch.autograd import grad_mode
+
+    cls = grad_mode.inference_mode
+    enter, exit_ = cls.__enter__, cls.__exit__
+
+    def no_grad_enter(self):
+        self._torch_ext_grad_before = torch.is_grad_enabled()
+        if self.mode:
+            torch.set_grad_enabled(False)
+
+    def no_grad_exit(self, *exc):
+        torch.set_grad_enabled(self._torch_ext_grad_before)
+
+    cls.__enter__, cls.__exit__ = no_grad_enter, no_grad_exit
+    try:
+        yield
+    finally:
+        cls.__enter__, cls.__exit__ = enter, exit_
+
+
+@contextlib.contextmanager
+def refuse_autograd_in_trace():
+    """Inside the block, ``torch.autograd.grad`` / ``backward`` (a gradient penalty, an adversarial example
+    made from the input's gradient) raise a NotImplementedError that says what the step is. torch 2.9's
+    export traces them, and the joint graph then fails on an internal assertion naming a backward op.
+    Patched where both functions call the engine, so names imported before the block are covered too."""
+    import torch.autograd as autograd_mod
+
+    engine = autograd_mod._engine_run_backward
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError(
+            "the model or loss_fn computes a gradient itself (torch.autograd.grad or .backward(): a gradient "
+            "penalty, an adversarial example from the input's gradient). The pure step is one traced forward "
+            "and the backward of its loss; a gradient inside that forward cannot be traced into it by torch "
+            f"{torch.__version__}. Train this model eagerly")
+
+    autograd_mod._engine_run_backward = refuse
+    try:
+        yield
+    finally:
+        autograd_mod._engine_run_backward = engine
+
+
 def traced_constant_value(t):
     """The value of a tensor being traced (by torch.export or make_fx) that no input of the program
     reaches, computed by running the ops that made it on real tensors; None when an input reaches it,

@@ -516,10 +516,20 @@ class TrainStep:
                             "hooks (clip with clip_grad_norm=) or train eagerly")
 
         def export():
+            from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
             with _compat.backward_only_code() as found, _compat.eager_attention_masks(), \
-                    _compat.inline_reentrant_checkpoints():
+                    _compat.inline_reentrant_checkpoints(), _compat.inference_mode_as_no_grad(), \
+                    _compat.refuse_autograd_in_trace():
                 try:
                     ep = torch.export.export(wrapper, _compat.distinct_inputs(self._example_batch))  # (x, x): two inputs
+                except GuardOnDataDependentSymNode as e:
+                    where = str(e).partition("The following call raised this error:")[2].strip()
+                    raise NotImplementedError(
+                        "the model or loss_fn reads a tensor's value to decide Python control flow (`if t.sum() > 0`, "
+                        "`bool(t)`, a size from `int(t)`): one traced program cannot follow a value that changes "
+                        "per call. Write it with torch.where or torch.cond"
+                        + (f"; at {where.splitlines()[0].strip()}" if where else "")) from e
                 except torch._subclasses.fake_tensor.DynamicOutputShapeException as e:
                     raise NotImplementedError(
                         f"torch {torch.__version__}'s export cannot trace {e.func}: the shape of its result depends on "
@@ -593,16 +603,17 @@ class TrainStep:
         except Exception as e:  # noqa: BLE001 - re-raised with the op and the torch version named
             hops = sorted({getattr(n.target, "__name__", str(n.target)) for n in ep.graph.nodes
                            if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)})
+            if "requires gradients, and received a mutation" in str(e):
+                raise ValueError(
+                    "the model or loss_fn writes in place into a tensor that requires grad (a parameter) during "
+                    "forward, under no_grad too (an EMA teacher updated in forward); a pure step cannot express it: "
+                    "a parameter is an input of the program, never written by it. Write the update with "
+                    "torch.no_grad() outside the step (on the state between calls), or make the tensor a buffer") \
+                    from e
             if hops:
                 raise NotImplementedError(
                     f"torch {torch.__version__} cannot build the joint forward/backward graph through "
                     f"{', '.join(hops)}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
-            if "requires gradients, and received a mutation" in str(e):
-                raise ValueError(
-                    "the model or loss_fn writes in place into a tensor that requires grad (a parameter) during "
-                    "forward; a pure step cannot express it: a parameter is an input of the program, never written "
-                    "by it. Write the update with torch.no_grad() outside the step, or make the tensor a buffer") \
-                    from e
             raise
         finally:
             for p in unused:

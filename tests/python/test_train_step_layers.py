@@ -1,6 +1,7 @@
 """Layers whose export or gradients need care in the pure step: EmbeddingBag (whose auxiliary
-results export types as eager computes them, not as the meta kernels do), and the layers and
-losses a pure step cannot express, refused by name instead of with torch's internals."""
+results export types as eager computes them, not as the meta kernels do), activation checkpointing,
+frozen blocks under inference_mode, and the layers and losses a pure step cannot express, refused by
+name instead of with torch's internals."""
 from __future__ import annotations
 
 import copy
@@ -224,3 +225,99 @@ def test_checkpoint_without_rng_state_around_dropout_is_refused(reentrant):
     with pytest.raises(ValueError, match=r"preserve_rng_state=False\) around random ops \(aten.dropout.default\)"):
         torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _loss, (x, y))
     _assert_steps_bit_exact(CheckpointedNoRngState(reentrant, dropout=False), x, y, "executor", steps=3)
+
+
+class Teacher(nn.Module):
+    """A student trained against a frozen teacher's features, computed under inference_mode (a block or a
+    decorated method), no_grad, or an EMA update written in forward (refused)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.student, self.teacher, self.head = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 3)
+        self.how = how
+
+    @torch.inference_mode()
+    def teach(self, x):
+        return self.teacher(x)
+
+    def forward(self, x):
+        if self.how == "inference_mode":
+            with torch.inference_mode():
+                t = self.teacher(x)
+        elif self.how == "decorator":
+            t = self.teach(x)
+        elif self.how == "no_grad":
+            with torch.no_grad():
+                t = self.teacher(x)
+        else:  # "ema in forward"
+            with torch.no_grad():
+                for pt, ps in zip(self.teacher.parameters(), self.student.parameters()):
+                    pt.mul_(0.9).add_(ps, alpha=0.1)
+                t = self.teacher(x)
+        return self.head(F.relu(self.student(x)) + t.clone())
+
+
+@pytest.mark.parametrize("how", ["inference_mode", "decorator", "no_grad"])
+def test_frozen_teacher_under_inference_mode_gets_no_gradient(how):
+    # Tracing did not record inference mode: the teacher's block was differentiated and AdamW moved its
+    # weights 1e-2 in one step where eager (no gradient) leaves them, silently.
+    torch.manual_seed(0)
+    model = Teacher(how)
+    x, y = _classes_batch()
+    teacher_before = model.teacher.weight.detach().clone()
+    _assert_steps_bit_exact(model, x, y, "executor", steps=3)
+    assert torch.equal(model.teacher.weight, teacher_before)
+    assert not torch.is_inference_mode_enabled() and torch.is_grad_enabled()  # the build left both as they were
+
+
+def _classes_batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+def _gradient_penalty(m, x, y):
+    x = x.clone().requires_grad_(True)
+    out = m(x)
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return F.cross_entropy(out, y) + (g.norm(dim=1) - 1).pow(2).mean()
+
+
+def _adversarial(m, x, y):
+    x = x.clone().requires_grad_(True)
+    x.grad = None
+    F.cross_entropy(m(x), y).backward()
+    return F.cross_entropy(m(x + 0.1 * x.grad.sign()), y)
+
+
+class DataDependentBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if h.sum() > 0:
+            return h * 2
+        return h
+
+
+@pytest.mark.parametrize("case,error,match", [
+    ("gradient penalty", NotImplementedError, r"computes a gradient itself \(torch.autograd.grad or .backward\(\)"),
+    ("adversarial", NotImplementedError, r"computes a gradient itself"),
+    ("ema in forward", ValueError, r"writes in place into a tensor that requires grad .* \(an EMA teacher updated"),
+    ("data-dependent branch", NotImplementedError,
+     r"reads a tensor's value to decide Python control flow .*; at File .*test_train_step_layers.py\", line \d+, "
+     r"in forward"),
+])
+def test_refused_with_a_reason_not_torch_internals(case, error, match):
+    # Were: an AssertionError on a backward op inside torch's joint graph (gradients in forward), the
+    # joint graph's "through wrap_with_set_grad_enabled" (EMA), torch's GuardOnDataDependentSymNode.
+    torch.manual_seed(0)
+    model = {"ema in forward": Teacher("ema"), "data-dependent branch": DataDependentBranch()}.get(case, nn.Linear(8, 3))
+    loss = {"gradient penalty": _gradient_penalty, "adversarial": _adversarial}.get(case, _loss)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = torch.autograd._engine_run_backward
+    with pytest.raises(error, match=match):
+        torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss, _classes_batch())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.autograd._engine_run_backward is engine and torch.is_grad_enabled()  # put back
