@@ -687,11 +687,17 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
           sizes[step.row_axis] = e - s;
           const at::Tensor& x = arg_value(0).toTensor();
           out = step.special == 5 ? x.expand(sizes) : x.reshape(sizes);
+        } else if (!step.suffix && (step.special == 2 || step.special == 3)) {
+          // A whole view of a value computed here from joined rows, whose strides can differ from a full
+          // run's (a kernel fed other strides lays its output out otherwise): a view may not fit them.
+          // reshape gives the same values, and is the view wherever one fits.
+          out = arg_value(0).toTensor().reshape(node.type().tensor.sizes);
         } else {
           out = st.kernel->invoke(values_, stack_);
         }
       } catch (const std::exception& e) {
-        rethrow_evaluating(st, e, " on rows [" + std::to_string(s) + ", " + std::to_string(T) + ")");
+        rethrow_evaluating(st, e, step.suffix ? " on rows [" + std::to_string(s) + ", " + std::to_string(T) + ")"
+                                              : std::string(" whole, in a row-range recompute"));
       }
       put_inputs_back();
       values_[n] = std::move(out);

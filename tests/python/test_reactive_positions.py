@@ -905,3 +905,42 @@ def test_each_copy_of_a_chained_unit_enters_at_its_own_layer():
     with pytest.raises(ValueError, match="not in the cone of the entry before it"):
         rg._batched_entries(((resid[2], 1), (resid[1], 1)))
     rg.check_invariants()
+
+
+class _AttentionThenView(nn.Module):
+    """Causal attention through an explicit mask, its output viewed back to [b, t, d] after a transpose,
+    as Mixtral and Falcon write it: that view needs SDPA's own output layout ([b, t, h, d] in memory)."""
+
+    def __init__(self, d: int = 16, heads: int = 2):
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in self.qkv(x).split(d, dim=-1))
+        mask = torch.full((t, t), float("-inf")).triu(1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return x + self.out(y.transpose(1, 2).view(b, t, d))
+
+
+def test_a_view_of_joined_attention_rows_keeps_their_layout():
+    # Rows recomputed from p were joined with the cached rows into a contiguous buffer, so the view after
+    # the transpose failed ("view size is not compatible with input tensor's size and stride") on every
+    # Mixtral and Falcon sweep. The joined value now has the cached value's layout.
+    torch.manual_seed(0)
+    model = nn.Sequential(_AttentionThenView(), _AttentionThenView()).eval()
+    x = torch.randn(1, T, 16)
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    sites = [(n, p) for n in rg.nodes("add*") for p in range(T)]
+
+    def patch(value, site):
+        v = value.clone()
+        v[:, site[1]] *= -1
+        return v
+
+    rows = torch_ext.sweep(rg, sites, patch, lambda out: out.clone(), progress=False)
+    whole = torch_ext.sweep(rg, sites, patch, lambda out: out.clone(), progress=False, positions=False)
+    assert rows.extra["positions"] and rows.extra["row_evaluations"] < whole.extra["row_evaluations"]
+    for site in sites:
+        assert _rel(rows.metrics[site], whole.metrics[site]) <= 1e-6, site
+    rg.check_invariants()
