@@ -43,10 +43,10 @@ def _tap_span(n_in, n_out, k, stride, pad, dil):
 
 
 class _Builder:
-    def __init__(self, graph, node, x, w, stride, padding, dilation):
+    def __init__(self, graph, x, w, stride, padding, dilation):
         from torch._guards import detect_fake_mode
 
-        self.g, self.node = graph, node
+        self.g = graph
         self.mode = detect_fake_mode([x.meta["val"], w.meta["val"]])
         self.x, self.w = x, w
         xs, ws = x.meta["val"].shape, w.meta["val"].shape
@@ -74,7 +74,7 @@ class _Builder:
     def contiguous(self, n):
         return self.f(_aten.clone.default, n, memory_format=torch.contiguous_format)
 
-    def rect(self, t, n, hw_rows, hw_cols, step):
+    def rect(self, n, hw_rows, hw_cols, step):
         # n[:, :, rows, cols] as (rows * cols * B, channels)
         (r0, nr), (c0, nc) = hw_rows, hw_cols
         s = self.f(_aten.slice.Tensor, n, 2, r0, r0 + (nr - 1) * step[0] + 1, step[0])
@@ -98,12 +98,12 @@ class _Builder:
         return self.f(_aten.select.int, self.f(_aten.select.int, self.w, 2, a), 2, b)
 
     def x_rows(self, t):
-        a, b, (i0, i1, r0), (j0, j1, c0) = t
-        return self.rect(t, self.x, (r0, i1 - i0), (c0, j1 - j0), self.stride)
+        _, _, (i0, i1, r0), (j0, j1, c0) = t
+        return self.rect(self.x, (r0, i1 - i0), (c0, j1 - j0), self.stride)
 
     def gy_rows(self, gy, t):
-        a, b, (i0, i1, r0), (j0, j1, c0) = t
-        return self.rect(t, gy, (i0, i1 - i0), (j0, j1 - j0), (1, 1))
+        _, _, (i0, i1, _), (j0, j1, _) = t
+        return self.rect(gy, (i0, i1 - i0), (j0, j1 - j0), (1, 1))
 
     def sum_to_nchw(self, parts, shape_last):
         total = parts[0]
@@ -176,7 +176,7 @@ def conv_to_tap_gemms(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
                                   for u in node.users):
             continue
         with graph.inserting_before(node):
-            bld = _Builder(graph, node, x, w, list(stride), list(padding), list(dilation))
+            bld = _Builder(graph, x, w, list(stride), list(padding), list(dilation))
             if gy is None:
                 node.replace_all_uses_with(bld.forward())
             else:

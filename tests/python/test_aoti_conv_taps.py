@@ -60,7 +60,8 @@ def test_rewrite_matches_aten(hw, k, kw, mask_x):
     assert len(got) == len(want)
     for a, b in zip(got, want):
         # the weight gradient (last) comes tap-major, as to_aoti holds the weight
-        assert a.shape == b.shape and a.stride() == (b.stride() if a is not got[-1] else tuple(tap_major_strides(w.shape)))
+        want_stride = tuple(tap_major_strides(w.shape)) if a is got[-1] else b.stride()
+        assert a.shape == b.shape and a.stride() == want_stride
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
