@@ -293,8 +293,6 @@ def conv_weight_entries(program: torch.export.ExportedProgram, inputs: list[str]
     AOTInductor package: every 4-D input read as a convolution's weight whose input has at least
     ``min_positions`` positions (H * W) in every convolution reading it, and the optimizer slots of
     those parameters with the weight's shape (AdamW's moments: the update reads them with the weight)."""
-    from . import optim
-
     placeholders = [n for n in program.graph_module.graph.nodes if n.op == "placeholder"]
     name_of = dict(zip(placeholders, inputs))
     weights, small = set(), set()
@@ -305,16 +303,27 @@ def conv_weight_entries(program: torch.export.ExportedProgram, inputs: list[str]
                 positions = math.prod(x.meta["val"].shape[2:])
                 (weights if positions >= min_positions else small).add(name_of[w])
     weights -= small  # shared with a convolution too small to gain: stays contiguous
-    shape = {name_of[p]: tuple(p.meta["val"].shape) for p in placeholders}
+    return with_slots(program, inputs, weights)
+
+
+def with_slots(program: torch.export.ExportedProgram, inputs: list[str], weights) -> list[str]:
+    """``weights`` (state entry names) and the optimizer slots of those parameters with the weight's
+    shape (AdamW's moments: the update reads them with the weight), in input order."""
+    from . import optim
+
+    placeholders = [n for n in program.graph_module.graph.nodes if n.op == "placeholder"]
+    shape = {name: tuple(p.meta["val"].shape) for p, name in zip(placeholders, inputs)}
     slots = [name for name in inputs if (optim.parse_state_name(name) or ("",))[0] == "slot"
              and optim.parse_state_name(name)[1] in weights
              and shape[name] == shape[optim.parse_state_name(name)[1]]]
     return [name for name in inputs if name in weights] + slots
 
 
-def with_input_layout(program: torch.export.ExportedProgram, inputs: list[str], channels_last: set[str]):
-    """A copy of ``program`` whose inputs named in ``channels_last`` (not empty) are channels-last
-    (same values, other strides), and each input's strides. AOTInductor compiles for the strides of the program's
+def with_input_layout(program: torch.export.ExportedProgram, inputs: list[str], channels_last: set[str],
+                      tap_major: set[str] = frozenset()):
+    """A copy of ``program`` whose inputs named in ``channels_last`` are channels-last and those in
+    ``tap_major`` (weights of convolutions rewritten into tap GEMMs, torch_ext/_conv_taps.py, and
+    their slots) tap-major (same values, other strides; not both empty), and each input's strides. AOTInductor compiles for the strides of the program's
     placeholder values (their fake tensors, not the example inputs), so those and every value after
     them are recomputed: ATen's CPU convolution returns channels-last for a channels-last weight,
     and every later stride must say so.
@@ -335,6 +344,8 @@ def with_input_layout(program: torch.export.ExportedProgram, inputs: list[str], 
         for node, name in zip(placeholders, inputs):
             if name in channels_last:
                 node.meta["val"] = _channels_last(node.meta["val"])
+            elif name in tap_major:
+                node.meta["val"] = _tap_major(node.meta["val"])
         for node in list(gm.graph.nodes):
             if node.op != "call_function":
                 continue
@@ -354,7 +365,8 @@ def with_input_layout(program: torch.export.ExportedProgram, inputs: list[str], 
     gm.recompile()
     out = program._update(gm, sig)
     args, kwargs = program.example_inputs
-    args = tuple(_channels_last(a) if name in channels_last else a for name, a in zip(inputs, args))
+    args = tuple(_channels_last(a) if name in channels_last else _tap_major(a) if name in tap_major else a
+                 for name, a in zip(inputs, args))
     out.example_inputs = (args, kwargs)
     return out, [list(n.meta["val"].stride()) for n in placeholders]
 
@@ -364,3 +376,9 @@ def _channels_last(t: torch.Tensor) -> torch.Tensor:
     # channels-last already with strides (16, 1, 1, 1), and the package's new value comes out
     # (16, 1, 16, 16); one spelling keeps the state in the compiled strides from call to call.
     return torch.empty_like(t, memory_format=torch.channels_last).copy_(t)
+
+
+def _tap_major(t: torch.Tensor) -> torch.Tensor:
+    from ._conv_taps import tap_major_strides
+
+    return torch.empty_strided(t.shape, tap_major_strides(t.shape), dtype=t.dtype, device=t.device).copy_(t)

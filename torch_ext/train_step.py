@@ -1112,7 +1112,8 @@ class TrainStep:
             self._program.graph_module.meta.setdefault("custom", {})[LAYOUT_KEY] = json.dumps(layout_of(self))
         return self._program
 
-    def to_aoti(self, path: str, donate: bool = False, channels_last: bool | str = "auto") -> str:
+    def to_aoti(self, path: str, donate: bool = False, channels_last: bool | str = "auto",
+                conv_taps: bool = True) -> str:
         """Compiles ``program`` with AOTInductor into the package ``path`` (a minute or more), with the
         flat layout in its metadata; ``torch_ext.load_step(path)`` runs it on TrainStates. The
         optimizer updates are compiled from their ATen form (torch_ext.optim.aten_updates), fused
@@ -1144,11 +1145,13 @@ class TrainStep:
 
         if not isinstance(donate, bool):
             raise TypeError(f"to_aoti: donate must be a bool, got {type(donate).__name__} {donate!r}")
+        if not isinstance(conv_taps, bool):
+            raise TypeError(f"to_aoti: conv_taps must be a bool, got {type(conv_taps).__name__} {conv_taps!r}")
         if not (isinstance(channels_last, bool) or (isinstance(channels_last, str) and channels_last == "auto")):
             raise TypeError(f"to_aoti: channels_last must be a bool or 'auto', got {type(channels_last).__name__} "
                             f"{channels_last!r}")
         from ._aoti import (CHANNELS_LAST_MIN_POSITIONS, aoti_decompositions, conv_weight_entries,
-                            fuse_cross_entropy_program, has_higher_order_ops, with_input_layout)
+                            fuse_cross_entropy_program, has_higher_order_ops, with_input_layout, with_slots)
 
         layout_json = self.program.graph_module.meta["custom"][LAYOUT_KEY]
         # The update ops as ATen math and dropout as a counter-based hash keyed from the state,
@@ -1158,6 +1161,14 @@ class TrainStep:
         # Cross-entropy as pointwise math over the logits and their logsumexp (torch_ext/_aoti.py).
         program = fuse_cross_entropy_program(program)
         layout = json.loads(layout_json)
+        tap_major = set()
+        if conv_taps:
+            from ._conv_taps import conv_to_tap_gemms_program
+
+            # Convolutions smaller than their kernel as tap GEMMs, their weights held tap-major
+            # (torch_ext/_conv_taps.py).
+            program, tap_weights = conv_to_tap_gemms_program(program, layout["inputs"])
+            tap_major = set(with_slots(program, layout["inputs"], set(tap_weights)))
         min_positions = 0 if channels_last is True else CHANNELS_LAST_MIN_POSITIONS
         chosen = set(conv_weight_entries(program, layout["inputs"], min_positions)) if channels_last else set()
         if chosen and has_higher_order_ops(program):
@@ -1168,10 +1179,13 @@ class TrainStep:
                                           "another higher-order op), whose strides are not inferred again; use "
                                           "channels_last=False")
             chosen = set()
-        if chosen:
+        if tap_major and has_higher_order_ops(program):
+            tap_major = set()  # (the same stride inference; the rewritten convolutions still run, contiguous)
+        if chosen or tap_major:
             # The strides the package is compiled for, per input (contiguous without them): load_step
             # copies an entry given in others into them (AOTInductor would index it with these unchecked).
-            program, layout["input_strides"] = with_input_layout(program, layout["inputs"], chosen)
+            program, layout["input_strides"] = with_input_layout(program, layout["inputs"], chosen - tap_major,
+                                                                 tap_major)
         layout_json = json.dumps(layout)
         if donate:
             position = {name: i for i, name in enumerate(layout["inputs"])}
