@@ -17,17 +17,24 @@ at::Tensor RowBufferPool::take(at::IntArrayRef sizes, const at::TensorOptions& o
   int64_t numel = 1;
   for (int64_t s : sizes) numel *= s;
   const size_t need = static_cast<size_t>(numel) * dtype.itemsize();
-  // Best fit among the free storages; a storage twice the need or more stays for a larger value.
-  c10::Storage* best = nullptr;
+  // The free storage handed out last that fits (the most recently used memory: likely still in cache);
+  // one of twice the need or more stays for a larger value.
   size_t free_bytes = 0;
-  for (c10::Storage& s : storages_) {
+  size_t found = storages_.size();
+  for (size_t i = storages_.size(); i-- > 0;) {
+    const c10::Storage& s = storages_[i];
     if (s.use_count() != 1) continue;  // a tensor or view still points into it
     free_bytes += s.nbytes();
-    if (s.nbytes() >= need && s.nbytes() < 2 * need + 4096 && (best == nullptr || s.nbytes() < best->nbytes())) best = &s;
+    if (s.nbytes() >= need && s.nbytes() < 2 * need + 4096) {
+      found = i;
+      break;
+    }
   }
   c10::Storage storage;
-  if (best != nullptr) {
-    storage = *best;
+  if (found < storages_.size()) {
+    storage = storages_[found];
+    std::rotate(storages_.begin() + static_cast<std::ptrdiff_t>(found), storages_.begin() + static_cast<std::ptrdiff_t>(found) + 1,
+                storages_.end());  // to the back: the most recently used
     ++reused_;
   } else {
     if (free_bytes + need > static_cast<size_t>(kMaxFreeBytes))
@@ -57,8 +64,9 @@ void RowBufferPool::clear() {
 namespace torch_ext::reactive {
 namespace {
 
+// (requires_grad does not matter: the row path runs below autograd, see HeldCone.)
 bool plain_cpu(const at::Tensor& t) {
-  return t.defined() && t.is_cpu() && t.layout() == at::kStrided && !t.is_neg() && !t.is_conj() && !t.requires_grad();
+  return t.defined() && t.is_cpu() && t.layout() == at::kStrided && !t.is_neg() && !t.is_conj();
 }
 
 // Strides that never decrease inwards (the row-major order, some dims maybe sliced): TensorIterator
