@@ -17,6 +17,7 @@ at::Tensor RowBufferPool::take(at::IntArrayRef sizes, const at::TensorOptions& o
   int64_t numel = 1;
   for (int64_t s : sizes) numel *= s;
   const size_t need = static_cast<size_t>(numel) * dtype.itemsize();
+  std::lock_guard<std::mutex> lock(mutex_);
   // The free storage handed out last that fits (the most recently used memory: likely still in cache);
   // one of twice the need or more stays for a larger value.
   size_t free_bytes = 0;
@@ -50,6 +51,7 @@ at::Tensor RowBufferPool::take(at::IntArrayRef sizes, const at::TensorOptions& o
 }
 
 void RowBufferPool::clear() {
+  std::lock_guard<std::mutex> lock(mutex_);
   storages_.erase(std::remove_if(storages_.begin(), storages_.end(), [](const c10::Storage& s) { return s.use_count() == 1; }),
                   storages_.end());
 }

@@ -15,6 +15,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <mutex>
 #include <vector>
 
 namespace torch_ext::reactive {
@@ -36,6 +37,7 @@ class RowBufferPool {
   void clear();
 
  private:
+  std::mutex mutex_;  // engines sharing a pool may run on two threads (evaluate releases the GIL)
   std::vector<c10::Storage> storages_;
   int64_t reused_ = 0;
   int64_t allocated_ = 0;
