@@ -223,7 +223,8 @@ class Engine {
   // intermediate is allocated by its kernel and freed at its last use, and the memory is given back.
   // On, a cone node with no out= kernel whose one input is a cone intermediate that dies there (and
   // that nothing else can alias) runs its in-place variant on that input instead of allocating, when
-  // at run time nothing else references that input's tensor or storage.
+  // at run time nothing else references that input's tensor or storage. The row path then writes
+  // linear, gelu, add and its contiguous copies into pooled storages (row_buffers.h).
   int64_t inplace_steps(const std::string& node);  // how many steps of node's plan run in place
   int64_t scratch_bytes() const { return scratch_.defined() ? scratch_.numel() : 0; }
   void set_scratch(bool enabled);
