@@ -1123,6 +1123,8 @@ class _BatchedCone:
             return
         self.engine = _C.Engine(graph)
         self.engine.set_positions(rg._positions, rg._seq_dim)
+        self.engine.share_row_buffers(eng)  # one sweep's units reuse the same hot memory (row_buffers.h)
+        self.engine.set_scratch(eng.scratch())
 
         def tiled(v, times):
             return v.repeat(times, *([1] * (v.dim() - 1)))

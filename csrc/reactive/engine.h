@@ -94,6 +94,7 @@
 #include "ir/graph.h"
 #include "ir/out_variant.h"
 #include "passes/sequence_axis.h"
+#include "reactive/row_buffers.h"
 #include "runtime/kernel.h"
 #include "runtime/run_loop.h"
 
@@ -222,10 +223,17 @@ class Engine {
   // intermediate is allocated by its kernel and freed at its last use, and the memory is given back.
   // On, a cone node with no out= kernel whose one input is a cone intermediate that dies there (and
   // that nothing else can alias) runs its in-place variant on that input instead of allocating, when
-  // at run time nothing else references that input's tensor or storage.
+  // at run time nothing else references that input's tensor or storage. The row path then writes
+  // linear, gelu, add and its contiguous copies into pooled storages (row_buffers.h).
   int64_t inplace_steps(const std::string& node);  // how many steps of node's plan run in place
   int64_t scratch_bytes() const { return scratch_.defined() ? scratch_.numel() : 0; }
   void set_scratch(bool enabled);
+  // The row path's pooled buffers (row_buffers.h) are shared with `other`'s: the batched cones of one
+  // sweep reuse the same hot memory unit after unit. Off with set_scratch(false), like the scratch.
+  void share_row_buffers(const Engine& other) { row_pool_ = other.row_pool_; }
+  // Pooled buffers handed out again, and allocated (row_buffers.h).
+  int64_t row_buffers_reused() const { return row_pool_->reused(); }
+  int64_t row_buffers_allocated() const { return row_pool_->allocated(); }
   bool scratch() const { return scratch_enabled_; }
   bool can_evaluate_patched() const { return has_run_ && pending_.empty() && dirty_.empty() && !txn_ && !cutoff_; }
 
@@ -492,6 +500,9 @@ class Engine {
     int special = 0;   // 0 kernel, 1 causal SDPA, 2 view, 3 _unsafe_view, 4 reshape, 5 expand
     bool dense_inputs = false;  // sliced inputs are made contiguous first (GEMMs, norms, attention)
     bool causal_sdpa = false;   // scaled_dot_product_attention reading its keys and values causally
+    // A kernel step whose value is written into a pooled buffer (row_buffers.h) by the out= form of what
+    // the functional kernel runs, when its inputs allow it (run_pooled): 1 linear, 2 gelu, 3 add.Tensor.
+    int pooled = 0;
     std::vector<int64_t> cols;  // special 6 (linear) / 7 (matmul): the only output columns computed
     at::Tensor cols_index;      // cols as a long tensor on the weight's device
     int64_t width = 0;          // the output's last dim when cols is set
@@ -520,6 +531,13 @@ class Engine {
     std::vector<int64_t> cols;
   };
   std::unordered_map<int64_t, RowScratch> row_scratch_;  // by node id
+  std::shared_ptr<RowBufferPool> row_pool_ = std::make_shared<RowBufferPool>();
+  // Step `step`'s value written into a buffer of `pool`, or an undefined tensor where its inputs do not
+  // allow it (the functional kernel runs then). Bit for bit what the functional kernel gives.
+  at::Tensor run_pooled(const RowStep& step, const ir::Node& node, RowBufferPool& pool);
+  // x.contiguous() / x.reshape(sizes), their copies (if any) written into a pooled buffer.
+  static at::Tensor pooled_contiguous(const at::Tensor& x, RowBufferPool* pool);
+  static at::Tensor pooled_reshape(const at::Tensor& x, at::IntArrayRef sizes, RowBufferPool* pool);
   // The largest magnitude in a node's cached value, for the attention overflow check of the row path
   // (rows.cpp): computed once per cached tensor and version, as the cached values outlive many sites.
   struct CleanMax {

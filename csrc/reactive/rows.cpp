@@ -361,6 +361,11 @@ const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_
     else if (op == "_unsafe_view") step.special = 3;
     else if (op == "reshape") step.special = 4;
     else if (op == "expand") step.special = 5;
+    if (st.node->target().ns == "aten") {
+      if (op == "linear") step.pooled = 1;
+      else if (op == "gelu") step.pooled = 2;
+      else if (op == "add" && st.node->target().overload == "Tensor") step.pooled = 3;
+    }
     for (int64_t slot : st.kernel->input_slots()) {
       RowInput ri;
       ri.slot = slot;
@@ -535,6 +540,8 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
   std::vector<c10::IValue> result;
   {
   HeldCone held(*this, id, plan, std::move(value));  // the cone's cached values, put back at the end
+  // Suffix values written into reused memory (row_buffers.h); off with the scratch, for fresh allocations.
+  RowBufferPool* pool = scratch_enabled_ ? row_pool_.get() : nullptr;
   std::vector<int64_t> start(plan.order.size(), 0);
   std::vector<c10::IValue> joined(plan.order.size());  // a cone node's whole value, assembled once
   std::vector<int64_t> hi(plan.order.size(), 0);        // rows [p, hi[i]) of a cone node can differ
@@ -606,7 +613,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
           repl = narrow_value(values_[ri.slot], ri.dim, from, e - s);
           // A strided slice makes BLAS and the norm kernels take slow paths: give them dense rows.
           if (step.dense_inputs && repl.isTensor() && !repl.toTensor().is_contiguous())
-            repl = repl.toTensor().contiguous();
+            repl = pooled_contiguous(repl.toTensor(), pool);
         } else if (in_suffix) {
           TORCH_INTERNAL_ASSERT(start[ri.pos] == p, "token-granular cone: %", states_[ri.slot].node->name(),
                                 " is read whole but was computed from row ", start[ri.pos]);
@@ -686,14 +693,16 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
           std::vector<int64_t> sizes = node.type().tensor.sizes;
           sizes[step.row_axis] = e - s;
           const at::Tensor& x = arg_value(0).toTensor();
-          out = step.special == 5 ? x.expand(sizes) : x.reshape(sizes);
+          out = step.special == 5 ? x.expand(sizes) : step.special == 4 ? pooled_reshape(x, sizes, pool) : x.reshape(sizes);
         } else if (!step.suffix && (step.special == 2 || step.special == 3)) {
           // A whole view of a value computed here from joined rows, whose strides can differ from a full
           // run's (a kernel fed other strides lays its output out otherwise): a view may not fit them.
           // reshape gives the same values, and is the view wherever one fits.
           out = arg_value(0).toTensor().reshape(node.type().tensor.sizes);
         } else {
-          out = st.kernel->invoke(values_, stack_);
+          at::Tensor pooled;
+          if (pool != nullptr && step.suffix && step.pooled != 0) pooled = run_pooled(step, node, *pool);
+          out = pooled.defined() ? c10::IValue(std::move(pooled)) : st.kernel->invoke(values_, stack_);
         }
       } catch (const std::exception& e) {
         rethrow_evaluating(st, e, step.suffix ? " on rows [" + std::to_string(s) + ", " + std::to_string(T) + ")"

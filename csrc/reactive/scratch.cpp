@@ -209,7 +209,10 @@ int64_t Engine::inplace_steps(const std::string& node) {
 
 void Engine::set_scratch(bool enabled) {
   scratch_enabled_ = enabled;
-  if (!enabled) scratch_ = at::Tensor();  // plans go back to their own kernels at their next use
+  if (!enabled) {
+    scratch_ = at::Tensor();  // plans go back to their own kernels at their next use
+    row_pool_->clear();       // the row path's free pooled storages too
+  }
 }
 
 void Engine::bind_scratch(PatchPlan& plan) {
