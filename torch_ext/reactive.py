@@ -871,6 +871,50 @@ class ReactiveGraph:
             cache = self._out_nodes = (self.graph, outs)
         return cache[1]
 
+    def _output_index(self, key, outs: list) -> int:
+        """The flat output ``reads`` names by ``key``: its flat index, its node or hook name, its key in
+        the model's output structure (``"logits"`` of a Hugging Face ``ModelOutput`` or a dict, or the
+        key path ``"['logits']"``), or, with one user output, any name."""
+        if isinstance(key, int) and not isinstance(key, bool):
+            if not 0 <= key < len(outs):
+                raise ValueError(f"reads: output index {key} out of range (the graph has {len(outs)} outputs)")
+            return key
+        if isinstance(key, str):
+            if self.resolve(key) in outs:
+                return outs.index(self.resolve(key))
+            by_key = self._output_keys()
+            if key in by_key:
+                return by_key[key]
+            if self._single_output is not None:
+                return self._single_output
+        names = [o for o in outs if o] + sorted(k for k in self._output_keys() if not k.startswith(("[", ".")))
+        raise ValueError(f"reads: {key!r} names no output (outputs: {names})")
+
+    def _output_keys(self) -> dict:
+        """{key: flat output index} for the user outputs' places in the output structure: the last key
+        of each leaf's path (when no other leaf shares it) and the whole path (``pytree.keystr``)."""
+        cache = self.__dict__.get("_out_keys")
+        if cache is not None and cache[0] is self._out_spec:
+            return cache[1]
+        keys: dict = {}
+        if self._out_spec is not None and not self._out_spec.is_leaf():
+            try:
+                tree = pytree.tree_unflatten(list(range(self._out_spec.num_leaves)), self._out_spec)
+                paths = pytree.tree_flatten_with_path(tree)[0]
+            except Exception:  # noqa: BLE001 - an output container that cannot hold ints: no keys
+                paths = []
+            last_names: dict = {}
+            for path, leaf in paths:
+                flat = self._user_outputs[leaf]
+                keys[pytree.keystr(path)] = flat
+                last = path[-1] if path else None
+                name = getattr(last, "key", getattr(last, "name", None))
+                if isinstance(name, str):
+                    last_names.setdefault(name, []).append(flat)
+            keys.update({name: flats[0] for name, flats in last_names.items() if len(flats) == 1})
+        self._out_keys = (self._out_spec, keys)
+        return keys
+
     def _read_spec(self, reads) -> tuple[list[int], list[list[int]]]:
         """(first row read, columns read) per flat output, as evaluate_patched_rows takes them."""
         return self._read_rows(reads), self._read_cols(reads)
@@ -885,13 +929,7 @@ class ReactiveGraph:
         rows = self._read_rows(reads)  # validates the keys
         del rows
         for key, index in reads.items():
-            if isinstance(key, int) and not isinstance(key, bool):
-                k = key
-            elif isinstance(key, str) and self.resolve(key) in outs:
-                k = outs.index(self.resolve(key))
-            else:
-                k = self._single_output
-            node = outs[k]
+            node = outs[self._output_index(key, outs)]
             if node is None or not isinstance(index, tuple):
                 continue
             t = self._type_of(node)
@@ -955,8 +993,8 @@ class ReactiveGraph:
     def _read_rows(self, reads) -> list[int]:
         """``reads`` ({output: index}, or a callable: see _read_rows_of_callable) as the first row read
         along each flat output's sequence axis
-        (-1: read whole). An output is named by its node name, a hook name, its flat index, or, when
-        the graph has one user output, by any name (``"logits"``). The index is what the metric reads
+        (-1: read whole). An output is named as ``_output_index`` says: a node or hook name, a flat
+        index, its key in the output structure (a ModelOutput's ``"logits"``), or any name when alone. The index is what the metric reads
         (``(slice(None), -1, [tok_a, tok_b])``); only its entry at the sequence axis is used: an int
         reads that row, a slice from its start, a list from its smallest row."""
         if reads is None:
@@ -968,16 +1006,7 @@ class ReactiveGraph:
         outs = self._output_nodes()
         rows = [-1] * len(outs)
         for key, index in reads.items():
-            if isinstance(key, int) and not isinstance(key, bool):
-                if not 0 <= key < len(outs):
-                    raise ValueError(f"reads: output index {key} out of range (the graph has {len(outs)} outputs)")
-                k = key
-            elif isinstance(key, str) and self.resolve(key) in outs:
-                k = outs.index(self.resolve(key))
-            elif isinstance(key, str) and self._single_output is not None:
-                k = self._single_output
-            else:
-                raise ValueError(f"reads: {key!r} names no output (outputs: {[o for o in outs if o]})")
+            k = self._output_index(key, outs)
             node = outs[k]
             if node is None:
                 continue

@@ -944,3 +944,40 @@ def test_a_view_of_joined_attention_rows_keeps_their_layout():
     for site in sites:
         assert _rel(rows.metrics[site], whole.metrics[site]) <= 1e-6, site
     rg.check_invariants()
+
+
+class _DictOut(nn.Module):
+    """Outputs a dict, as Hugging Face's ModelOutput flattens: {"logits": ..., "hidden": ...}."""
+
+    def __init__(self, d: int = 16, vocab: int = 11):
+        super().__init__()
+        self.block, self.head = _AttentionThenView(d), nn.Linear(d, vocab)
+
+    def forward(self, x):
+        h = self.block(x)
+        return {"logits": self.head(h), "hidden": h}
+
+
+def test_reads_names_an_output_by_its_key_in_the_output_structure():
+    # Was: reads={"logits": ...} on a Hugging Face model raised "names no output (outputs: ['linear_14'])",
+    # as its ModelOutput has several leaves and only node names were accepted.
+    torch.manual_seed(0)
+    rg = torch_ext.ReactiveGraph(_DictOut().eval(), (torch.randn(1, T, 16),))
+    site_node = rg.nodes("add*")[0]
+    sites = [(site_node, p) for p in range(T)]
+
+    def patch(value, site):
+        v = value.clone()
+        v[:, site[1]] *= -1
+        return v
+
+    def metric(out):
+        return out["logits"][:, -1].clone()
+
+    whole = torch_ext.sweep(rg, sites, patch, metric, progress=False, positions=False)
+    for key in ("logits", "['logits']"):
+        got = torch_ext.sweep(rg, sites, patch, metric, progress=False, reads={key: (slice(None), -1)})
+        for site in sites:
+            assert _rel(got.metrics[site], whole.metrics[site]) <= 1e-6, (key, site)
+    with pytest.raises(ValueError, match=r"reads: 'logitz' names no output \(outputs: .*'hidden', 'logits'\]\)"):
+        torch_ext.sweep(rg, sites, patch, metric, progress=False, reads={"logitz": (slice(None), -1)})
