@@ -4,6 +4,7 @@ The importer only translates FX nodes to IR nodes; it performs no graph transfor
 """
 from __future__ import annotations
 
+import copy
 import operator
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -172,6 +173,41 @@ class Node:
         return tuple(Graph(r) for r in self._source.regions(self.name))
 
 
+def _inline_grad_mode_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm``, or a copy whose grad-mode regions (``wrap_with_set_grad_enabled``: export's record of a
+    ``torch.no_grad()`` block in forward) are inlined. torch_ext runs every graph without autograd (a
+    joint graph holds its backward as ops), so a region's grad mode changes no value; its ops are
+    copied in its place. A region that reads attributes of its own (a nested region) stays a region."""
+    hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    if hop is None or not any(n.op == "call_function" and n.target is hop for n in gm.graph.nodes):
+        return gm
+    gm = copy.deepcopy(gm)
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not hop:
+            continue
+        region = node.args[1]
+        sub = _fetch_attr(gm, region.target) if region.op == "get_attr" else None
+        if not isinstance(sub, torch.fx.GraphModule) or any(n.op == "get_attr" for n in sub.graph.nodes):
+            continue
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        with graph.inserting_before(node):
+            outs = graph.graph_copy(sub.graph, dict(zip(placeholders, node.args[2:])))
+        outs = outs if isinstance(outs, (list, tuple)) else (outs,)
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(outs[user.args[1]])
+                graph.erase_node(user)
+        if node.users:  # used whole: the tuple of its outputs is not an IR value
+            raise UnsupportedNodeError(f"node '{node.name}': a grad-mode region whose outputs are used as a tuple")
+        graph.erase_node(node)
+        if not region.users:
+            graph.erase_node(region)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
 class Graph:
     """A torch_ext IR graph (C++ owned)."""
 
@@ -184,7 +220,8 @@ class Graph:
         """Imports an ExportedProgram's graph and signature. Unsupported nodes raise UnsupportedNodeError."""
         if not isinstance(ep, torch.export.ExportedProgram):
             raise TypeError(f"from_exported expects a torch.export.ExportedProgram, got {type(ep).__name__}")
-        return Graph.from_fx(ep.graph, ep.graph_signature, owner=ep.graph_module)
+        gm = _inline_grad_mode_regions(ep.graph_module)
+        return Graph.from_fx(gm.graph, ep.graph_signature, owner=gm)
 
     @staticmethod
     def from_fx(fx_graph: torch.fx.Graph, signature=None, owner: torch.nn.Module | None = None) -> "Graph":

@@ -373,3 +373,41 @@ def test_build_cache_key_tells_apart_equal_comparing_values():
     assert len(set(keys)) == len(keys)
     assert _build_cache.fingerprint(_Scaled(2.0).eval(), (x,), {}, ()) == _build_cache.fingerprint(
         _Scaled(2.0).eval(), (x,), {}, ())
+
+
+class _GradModeBlocks(nn.Module):
+    """A forward with a torch.no_grad() block and a reentrant checkpoint (torch 2.9's default checkpoint),
+    which torch.export records as grad-mode regions (wrap_with_set_grad_enabled)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.GELU()), nn.Linear(8, 4)
+
+    def forward(self, x):
+        from torch.utils import checkpoint
+
+        h = self.a(x)
+        with torch.no_grad():
+            g = self.b(h) * 2
+        return self.head(h + g + checkpoint.checkpoint(self.b, h, use_reentrant=True))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("front_end", ["auto", "export"])
+def test_grad_mode_regions_in_forward_are_inlined(front_end):
+    # Were refused: "higher-order operator 'wrap_with_set_grad_enabled' is not supported by torch_ext yet".
+    # torch_ext runs every graph without autograd, so a region's grad mode changes no value.
+    torch.manual_seed(0)
+    model = _GradModeBlocks().eval()
+    x = torch.randn(2, 5, 8)
+    rg = torch_ext.ReactiveGraph(model, (x,), front_end=front_end)
+    assert not any("wrap_with_set_grad_enabled" in n.target for n in rg.graph.nodes() if n.kind == "call")
+    with torch.no_grad():
+        assert torch.equal(rg.demand(), model(x))
+    node = rg.nodes("linear")[0]  # self.a's output, read by the region and by the checkpoint
+    rg.patch(node, lambda v: v * -1)
+    with torch.no_grad():
+        h = -model.a(x)
+        want = model.head(h + model.b(h) * 2 + model.b(h))
+    assert torch.equal(rg.demand(), want)
+    rg.restore()
