@@ -106,7 +106,7 @@ def _randn_like_rng(self, rng_state):
     return z.to(self.dtype), new_state
 
 
-def _bernoulli_p_rng(self, p, rng_state):
+def _bernoulli_p_rng(self, p, rng_state, fill_in_place=False):
     u, new_state = _uniform(self.shape, self.device, rng_state)
     return (u < p).to(self.dtype), new_state
 

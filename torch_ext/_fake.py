@@ -61,7 +61,7 @@ def _(low, high, size, dtype, rng_state):
 
 
 @torch.library.register_fake("torch_ext::bernoulli_p_rng")
-def _(self, p, rng_state):
+def _(self, p, rng_state, fill_in_place=False):
     # (at::bernoulli(self, p)'s contiguous result, advanced generator state)
     return torch.empty_like(self, memory_format=torch.contiguous_format), torch.empty_like(rng_state)
 

@@ -17,7 +17,7 @@ TORCH_LIBRARY(torch_ext, m) {
   m.def("randn_rng(int[] size, ScalarType dtype, Tensor rng_state) -> (Tensor, Tensor)");
   m.def("rand_rng(int[] size, ScalarType dtype, Tensor rng_state) -> (Tensor, Tensor)");
   m.def("randint_rng(int low, int high, int[] size, ScalarType dtype, Tensor rng_state) -> (Tensor, Tensor)");
-  m.def("bernoulli_p_rng(Tensor self, float p, Tensor rng_state) -> (Tensor, Tensor)");
+  m.def("bernoulli_p_rng(Tensor self, float p, Tensor rng_state, bool fill_in_place=False) -> (Tensor, Tensor)");
   m.def("rng_seed(Tensor rng_state) -> (Tensor, Tensor)");
 }
 

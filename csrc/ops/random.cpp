@@ -36,7 +36,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> native_dropout_rng(const at::Tens
   }
   const double p1m = 1. - p;
   const double scale = p1m == 0 ? 0. : 1. / p1m;
-  at::Tensor mask = at::empty_like(input, input.options().dtype(at::kBool), at::MemoryFormat::Contiguous);
+  // empty_like preserves the input's strides, as the CPU kernel's own mask does: the draws fill the mask in
+  // memory order, so a contiguous mask for a transposed input (MultiheadAttention's batch_first output)
+  // drew another pattern than eager's.
+  at::Tensor mask = at::empty_like(input, input.options().dtype(at::kBool));
   mask.bernoulli_(p1m, gen);
   at::Tensor output = input.mul(mask).mul_(scale);
   return {output, mask, gen.get_state()};
@@ -87,12 +90,19 @@ std::tuple<at::Tensor, at::Tensor> randint_rng(int64_t low, int64_t high, at::In
                [&](at::Tensor& t, at::Generator& g) { t.random_(low, high, g); });
 }
 
-std::tuple<at::Tensor, at::Tensor> bernoulli_p_rng(const at::Tensor& self, double p, const at::Tensor& rng_state) {
+std::tuple<at::Tensor, at::Tensor> bernoulli_p_rng(const at::Tensor& self, double p, const at::Tensor& rng_state,
+                                                   bool fill_in_place) {
   check_cpu(self, "bernoulli_p_rng");
   TORCH_CHECK(p >= 0 && p <= 1, "bernoulli_p_rng: p must be in [0, 1], got ", p);
-  // at::bernoulli(self, p)'s result is contiguous
-  return drawn(rng_state, "bernoulli_p_rng", at::empty_like(self, at::MemoryFormat::Contiguous),
-               [&](at::Tensor& t, at::Generator& g) { t.bernoulli_(p, g); });
+  // at::bernoulli(self, p)'s result is contiguous, and so is this op's. fill_in_place: the node was an
+  // in-place self.bernoulli_(p) (in-place dropout fills empty_like(x), in x's strides), functionalized;
+  // the draws fill memory in order, so they go into self's layout first, as eager's did.
+  if (!fill_in_place || self.is_contiguous())
+    return drawn(rng_state, "bernoulli_p_rng", at::empty_like(self, at::MemoryFormat::Contiguous),
+                 [&](at::Tensor& t, at::Generator& g) { t.bernoulli_(p, g); });
+  auto [filled, state] = drawn(rng_state, "bernoulli_p_rng", at::empty_like(self),
+                               [&](at::Tensor& t, at::Generator& g) { t.bernoulli_(p, g); });
+  return {filled.contiguous(), state};
 }
 
 std::tuple<at::Tensor, at::Tensor> rng_seed(const at::Tensor& rng_state) {

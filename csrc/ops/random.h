@@ -30,7 +30,8 @@ std::tuple<at::Tensor, at::Tensor> randint_rng(int64_t low, int64_t high, at::In
 
 // aten::bernoulli.p(self, p) drawn from `rng_state` (in-place dropout and stochastic depth functionalized:
 // empty_like(self), then bernoulli_(p) on the generator), and the advanced state.
-std::tuple<at::Tensor, at::Tensor> bernoulli_p_rng(const at::Tensor& self, double p, const at::Tensor& rng_state);
+std::tuple<at::Tensor, at::Tensor> bernoulli_p_rng(const at::Tensor& self, double p, const at::Tensor& rng_state,
+                                                   bool fill_in_place);
 
 // One 64-bit draw from `rng_state` (gen.random64()), returned as an int64 0-dim tensor, and the
 // state advanced past it; `rng_state` itself is not modified. The seed of a compiler's own

@@ -22,6 +22,7 @@ const ir::Target kRandLikeRng{"torch_ext", "rand_like_rng", "default"};
 // aten::bernoulli.p(x, p): in-place dropout (F.dropout(inplace=True): empty_like(x).bernoulli_(1 - p)) and
 // torchvision's stochastic depth, functionalized. Noise like x, drawn with a probability.
 const ir::Target kBernoulliP{"aten", "bernoulli", "p"};
+const ir::Target kEmptyLike{"aten", "empty_like", "default"};
 
 bool is_noise_like(const ir::Node& n) {
   return n.target() == kRandnLike || n.target() == kRandLike || n.target() == kBernoulliP;
@@ -149,6 +150,10 @@ ir::Node* thread_rng(ir::Graph& g, const std::string& state_name) {
         target = {"torch_ext", "bernoulli_p_rng", "default"};
         args.push_back(d->args()[1]);
       }
+      // In-place dropout's noise.bernoulli_(1 - p) on noise = empty_like(x) drew in x's strides.
+      const bool fills_empty_like = d->target() == kBernoulliP && d->args()[0].kind == ir::Arg::Kind::Node &&
+                                    d->args()[0].node->kind() == ir::NodeKind::Call &&
+                                    d->args()[0].node->target() == kEmptyLike;
       if (is_factory(*d)) {
         const ir::TensorMeta& meta = d->type().tensor;
         std::vector<ir::Arg> size;
@@ -163,6 +168,7 @@ ir::Node* thread_rng(ir::Graph& g, const std::string& state_name) {
         }
       }
       args.push_back(ir::Arg::of_node(state));
+      if (fills_empty_like) args.push_back(ir::Arg::of_bool(true));
       ir::Node* rng = g.create_call(g.unique_name(d->name() + "_rng"), target, std::move(args), {},
                                     ir::Type::make_tuple({d->type(), state_type}), d);
       rng->set_module_path(d->module_path());

@@ -113,6 +113,12 @@ BoundKernel BoundKernel::bind_as(const ir::Node& node, const c10::OperatorHandle
   const c10::FunctionSchema& schema = k.op_->schema();
   const auto& formals = schema.arguments();
   k.num_returns_ = schema.returns().size();
+  // native_dropout_backward's CPU kernel (grad * mask * scale) lays its result out like `grad`, but
+  // export's decomposition clones it to grad's suggested memory format (contiguous for a transposed
+  // grad): a view the graph takes of it then fails (a dropout before nn.MultiheadAttention). The
+  // declared layout is what the graph's later views were traced against.
+  if (node.target().ns == "aten" && node.target().name == "native_dropout_backward" && node.type().is_tensor())
+    k.declared_strides_ = node.type().tensor.strides;
   k.mutates_ = schema.is_mutable();
 
   // Place positional args and kwargs at their schema positions.
@@ -234,6 +240,10 @@ c10::IValue BoundKernel::invoke(const ValueSlots& values, std::vector<c10::IValu
     }
   }
   op_->callBoxed(stack);
+  if (declared_strides_ && stack[0].isTensor() && stack[0].toTensor().strides() != *declared_strides_) {
+    const at::Tensor& got = stack[0].toTensor();
+    return at::empty_strided(got.sizes(), *declared_strides_, got.options()).copy_(got);
+  }
   if (num_returns_ == 1) return std::move(stack[0]);
   if (num_returns_ == 0) return c10::IValue();
   return c10::ivalue::Tuple::create(std::vector<c10::IValue>(std::make_move_iterator(stack.begin()),

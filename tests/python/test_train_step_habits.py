@@ -703,8 +703,13 @@ def test_seed_must_be_an_int():
         step.init_state(seed="1")
 
 
-def test_native_dropout_rng_matches_aten_and_opcheck():
-    x = torch.randn(7, 13)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "permuted 4-D"])
+def test_native_dropout_rng_matches_aten_and_opcheck(layout):
+    # The mask takes the input's strides, as aten's CPU kernel's does: the draws fill it in memory
+    # order, so a contiguous mask drew another pattern for a transposed input (seen on a dropout after
+    # nn.MultiheadAttention(batch_first=True), whose output is a transposed view).
+    x = {"contiguous": lambda: torch.randn(7, 13), "transposed": lambda: torch.randn(3, 7, 13).transpose(0, 1),
+         "permuted 4-D": lambda: torch.randn(2, 5, 4, 3).permute(0, 3, 1, 2)}[layout]()
     for p in (0.0, 0.2, 0.5, 1.0):
         state = torch.Generator().manual_seed(4).get_state()
         out, mask, new = torch.ops.torch_ext.native_dropout_rng(x, p, True, state)
@@ -712,6 +717,8 @@ def test_native_dropout_rng_matches_aten_and_opcheck():
         ref_out, ref_mask = torch.ops.aten.native_dropout(x, p, True)
         assert torch.equal(out, ref_out) and torch.equal(mask, ref_mask), p
         assert torch.equal(new, torch.get_rng_state()), p
+        torch.manual_seed(4)
+        assert torch.equal(out, torch.nn.functional.dropout(x, p)), p  # what a model's dropout runs in eager
     out, mask, new = torch.ops.torch_ext.native_dropout_rng(x, 0.5, False, state)
     assert torch.equal(out, x) and bool(mask.all()) and torch.equal(new, state)
     torch.library.opcheck(torch.ops.torch_ext.native_dropout_rng.default, (x, 0.3, True, state))
@@ -1586,3 +1593,17 @@ def test_a_diffusion_step_draws_timesteps_and_noise_from_the_step_state_bit_exac
     step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), lambda m, x: m(x), batches[0])
     kinds = {str(n.target) for n in step.program.graph.nodes if "_rng" in str(n.target)}
     assert kinds == {"torch_ext.randint_rng.default", "torch_ext.randn_rng.default", "torch_ext.rand_rng.default"}
+
+
+@pytest.mark.parametrize("fill_in_place", [False, True])
+def test_bernoulli_p_rng_draws_as_eager_in_either_origin(fill_in_place):
+    # torch.bernoulli(x, p) fills a contiguous result; an in-place noise.bernoulli_(p) on
+    # noise = empty_like(x) (in-place dropout) fills noise in x's strides. Draws go in memory order, so
+    # a transposed x gives other patterns; functionalized, both are bernoulli.p, told apart by the pass.
+    x = torch.randn(3, 7, 5).transpose(0, 1)
+    state = torch.Generator().manual_seed(4).get_state()
+    got, new = torch.ops.torch_ext.bernoulli_p_rng(x, 0.3, state, fill_in_place)
+    torch.manual_seed(4)
+    want = torch.empty_like(x).bernoulli_(0.3) if fill_in_place else torch.bernoulli(x, 0.3)
+    assert torch.equal(got, want) and got.is_contiguous() and torch.equal(new, torch.get_rng_state())
+    torch.library.opcheck(torch.ops.torch_ext.bernoulli_p_rng.default, (x, 0.3, state, fill_in_place))

@@ -321,3 +321,51 @@ def test_refused_with_a_reason_not_torch_internals(case, error, match):
         torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss, _classes_batch())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert torch.autograd._engine_run_backward is engine and torch.is_grad_enabled()  # put back
+
+
+class TutorialTransformer(nn.Module):
+    """PyTorch's transformer tutorial shape: embedding plus positional encoding, dropout, then a
+    TransformerEncoder (batch_first, dropout 0.1), pooled to classes."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.register_buffer("pe", torch.randn(1, 7, d) * 0.1)
+        self.drop = nn.Dropout(0.1)
+        layer = nn.TransformerEncoderLayer(d, 2, 32, dropout=0.1, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        return self.head(self.enc(self.drop(self.emb(x) + self.pe)).mean(1))
+
+
+@pytest.mark.parametrize("run", ["executor", "planned", "donated"])
+def test_transformer_encoder_with_dropout_bit_exact(run):
+    # Two defects, both seen here: the dropout after attention (a transposed view, as batch_first
+    # MultiheadAttention returns it) drew another mask than eager (0.5% off in the first loss), and
+    # a dropout before attention made the executor fail ("view size is not compatible") where
+    # native_dropout_backward's kernel laid its result out unlike export's decomposition.
+    torch.manual_seed(0)
+    model = TutorialTransformer().train()
+    x, y = _batch()
+    _assert_steps_bit_exact(model, x, y, run, steps=3, seed=0)
+
+
+class InPlaceDropoutOnATransposedView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = F.dropout(self.lin(x).transpose(0, 1), 0.2, inplace=True).transpose(0, 1)
+        return self.head(h).mean(1)
+
+
+def test_inplace_dropout_on_a_transposed_view_bit_exact():
+    # In-place dropout fills empty_like(x) in x's strides; the functionalized bernoulli.p drew into a
+    # contiguous tensor, another mask (8.8% off eager in the first loss).
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2, 5, 8, generator=g), torch.randint(0, 3, (2,), generator=g)
+    _assert_steps_bit_exact(InPlaceDropoutOnATransposedView().train(), x, y, "executor", steps=3, seed=0)
