@@ -64,22 +64,15 @@ def test_aoti_package_runs_10_steps_from_cpp(tmp_path, donate):
         assert run.returncode == 2 and "share memory" in run.stderr, run.stderr
 
 
-@pytest.mark.skipif(not RUNNER.exists(), reason=f"C++ runner not built at {RUNNER}")
-@pytest.mark.parametrize("donate", [False, True], ids=["returning", "donating"])
-def test_cpp_runner_feeds_a_channels_last_package_its_compiled_strides(tmp_path, donate):
-    # to_aoti(channels_last=True) records each input's strides in the package metadata; the runner
-    # copies the checkpoint's contiguous entries into them (the package's kernels would index them
-    # unchecked) and trains as load_step does on the same package: the same losses, bit for bit.
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 1), nn.ReLU(),
-                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
-    g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(5)]
+def _runner_trains_as_load_step(tmp_path, model, batches, expected_stride_line, **to_aoti):
+    """Compiles ``model``'s step with ``to_aoti(**to_aoti)``, checks the package records
+    ``expected_stride_line`` among its input strides, and trains it from one contiguous checkpoint with
+    load_step and with the C++ runner: the same losses, bit for bit."""
     loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
     step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn, batches[0])
-    package = step.to_aoti(str(tmp_path / "cl.pt2"), donate=donate, channels_last=True)
+    package = step.to_aoti(str(tmp_path / "strided.pt2"), **to_aoti)
     meta = torch._inductor.aoti_load_package(package).get_metadata()
-    assert "4:27,1,9,3" in meta["torch_ext.input_strides"].split("\n")  # the 8x3x3x3 weight, channels-last
+    assert expected_stride_line in meta["torch_ext.input_strides"].split("\n"), meta["torch_ext.input_strides"]
     state = step.init_state()
     torch.save(state.state_dict(), tmp_path / "state.pt")
     torch.save([list(b) for b in batches], tmp_path / "batches.pt")
@@ -92,6 +85,36 @@ def test_cpp_runner_feeds_a_channels_last_package_its_compiled_strides(tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert [float(line) for line in run.stdout.split()] == [float(f"{x:.9g}") for x in py_losses]
+
+
+@pytest.mark.skipif(not RUNNER.exists(), reason=f"C++ runner not built at {RUNNER}")
+@pytest.mark.parametrize("donate", [False, True], ids=["returning", "donating"])
+def test_cpp_runner_feeds_a_channels_last_package_its_compiled_strides(tmp_path, donate):
+    # to_aoti(channels_last=True) records each input's strides in the package metadata; the runner
+    # copies the checkpoint's contiguous entries into them (the package's kernels would index them
+    # unchecked) and trains as load_step does on the same package: the same losses, bit for bit.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 1), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(5)]
+    # the 8x3x3x3 weight, channels-last
+    _runner_trains_as_load_step(tmp_path, model, batches, "4:27,1,9,3", donate=donate, channels_last=True)
+
+
+@pytest.mark.skipif(not RUNNER.exists(), reason=f"C++ runner not built at {RUNNER}")
+@pytest.mark.parametrize("donate", [False, True], ids=["returning", "donating"])
+def test_cpp_runner_feeds_a_tap_major_package_its_compiled_strides(tmp_path, donate):
+    # A convolution on a 2x2 input (fewer positions than its 9 taps) is compiled as tap GEMMs with its
+    # weight and AdamW moments held tap-major (torch_ext/_conv_taps.py); the runner copies the contiguous
+    # checkpoint into those strides as load_step does.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, stride=4), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1, bias=False),
+                          nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(5)]
+    # the 8x8x3x3 weight of the 2x2 convolution, tap-major: W[:, :, a, b] one contiguous 8x8 block
+    _runner_trains_as_load_step(tmp_path, model, batches, "4:8,1,192,64", donate=donate)
 
 
 @pytest.mark.skipif(not RUNNER.exists(), reason=f"C++ runner not built at {RUNNER}")
