@@ -929,7 +929,8 @@ class ReactiveGraph:
         rows = self._read_rows(reads)  # validates the keys
         del rows
         for key, index in reads.items():
-            node = outs[self._output_index(key, outs)]
+            k = self._output_index(key, outs)
+            node = outs[k]
             if node is None or not isinstance(index, tuple):
                 continue
             t = self._type_of(node)
