@@ -238,13 +238,17 @@ def inline_reentrant_checkpoints():
     from torch.fx.experimental import proxy_tensor
     from torch.utils import checkpoint as checkpoint_mod
 
-    def traced_nodes():
-        graph = getattr(getattr(proxy_tensor.get_proxy_mode(), "tracer", None), "graph", None)
-        return graph, (set(graph.nodes) if graph is not None else set())
-
-    def refuse_new_draws(graph, before):
-        drawn = sorted({str(n.target) for n in (graph.nodes if graph is not None else ())
-                        if n not in before and n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+    @contextlib.contextmanager
+    def refusing_new_draws(preserve_rng_state):
+        # Nodes the tracer appends inside the block; only looked at when eager would redraw differently.
+        graph = None if preserve_rng_state else getattr(getattr(proxy_tensor.get_proxy_mode(), "tracer", None),
+                                                         "graph", None)
+        start = len(graph.nodes) if graph is not None else 0
+        yield
+        if graph is None:
+            return
+        drawn = sorted({str(n.target) for n in list(graph.nodes)[start:] if n.op == "call_function"
+                        and isinstance(n.target, torch._ops.OpOverload)
                         and torch.Tag.nondeterministic_seeded in n.target.tags})
         if drawn:
             raise ValueError(f"torch.utils.checkpoint(preserve_rng_state=False) around random ops ({', '.join(drawn)}): "
@@ -257,19 +261,15 @@ def inline_reentrant_checkpoints():
     non_reentrant = checkpoint_mod._checkpoint_without_reentrant_generator
 
     def apply(function, preserve_rng_state, *args):
-        graph, before = traced_nodes()
-        out = function(*args)  # once: the block draws eager's forward numbers
-        if not preserve_rng_state:
-            refuse_new_draws(graph, before)
+        with refusing_new_draws(preserve_rng_state):
+            out = function(*args)  # once: the block draws eager's forward numbers
         if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return out
         return tree_map_only(torch.Tensor, torch.Tensor.detach, out)
 
     def checked_non_reentrant(fn, preserve_rng_state=True, *rest, **kwargs):
-        graph, before = traced_nodes()
-        yield from non_reentrant(fn, preserve_rng_state, *rest, **kwargs)  # the block runs at its yield
-        if not preserve_rng_state:
-            refuse_new_draws(graph, before)
+        with refusing_new_draws(preserve_rng_state):
+            yield from non_reentrant(fn, preserve_rng_state, *rest, **kwargs)  # the block runs at its yield
 
     function_cls.apply = staticmethod(apply)
     checkpoint_mod._checkpoint_without_reentrant_generator = checked_non_reentrant
@@ -332,6 +332,16 @@ def refuse_autograd_in_trace():
         yield
     finally:
         autograd_mod._engine_run_backward = engine
+
+
+@contextlib.contextmanager
+def step_export():
+    """Everything the pure step's export runs inside, so it traces what eager computes: the code tracing
+    cannot record, listed into the yielded list (backward_only_code), eager's attention masks,
+    checkpoints inlined, inference_mode as no_grad, and gradients computed in forward refused."""
+    with backward_only_code() as found, eager_attention_masks(), inline_reentrant_checkpoints(), \
+            inference_mode_as_no_grad(), refuse_autograd_in_trace():
+        yield found
 
 
 def traced_constant_value(t):

@@ -518,9 +518,7 @@ class TrainStep:
         def export():
             from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-            with _compat.backward_only_code() as found, _compat.eager_attention_masks(), \
-                    _compat.inline_reentrant_checkpoints(), _compat.inference_mode_as_no_grad(), \
-                    _compat.refuse_autograd_in_trace():
+            with _compat.step_export() as found:
                 try:
                     ep = torch.export.export(wrapper, _compat.distinct_inputs(self._example_batch))  # (x, x): two inputs
                 except GuardOnDataDependentSymNode as e:
