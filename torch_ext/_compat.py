@@ -216,11 +216,114 @@ def eager_attention_masks():
     if find_packed is not None:
         masking.find_packed_sequence_indices = eager_find_packed
     try:
-        yield
+        with _mask_skips_as_branches(masking, eagerly):
+            yield
     finally:
         masking.is_torchdynamo_exporting = original
         if find_packed is not None:
             masking.find_packed_sequence_indices = find_packed
+
+
+@contextlib.contextmanager
+def _mask_skips_as_branches(masking, eagerly):
+    """A padding mask given in the batch (a tokenizer's ``attention_mask``, all ones when nothing is
+    padded) is read by eager transformers at every call: all ones, and SDPA runs with no mask, sharing
+    grouped-query key/value heads inside the kernel (``enable_gqa``); any padding, and the mask is
+    materialised and every key/value head repeated. Both are right, but they round differently, and Adam
+    amplifies that: Qwen2 trained 4e-4 relative off eager in 3 AdamW steps on an all-ones mask. While
+    tracing, transformers always takes the second path. Here the program takes eager's decision at
+    every call instead: the mask builder records the traced predicate eager would test (the padding
+    mask is all ones, for the shapes where eager may skip), and a grouped-query SDPA call given that
+    mask becomes ``torch.cond(predicate, without the mask, with it)``. The artifact stays right for any
+    mask. A padding mask that no program input reaches is read here once, as eager would read it.
+    Only grouped-query attention is branched: with one key/value head per query head both paths are
+    already bit-identical (checked on Llama, GPT-2 and BERT), so a branch would buy nothing."""
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    sdpa_module = sys.modules.get("transformers.integrations.sdpa_attention")
+    mask_table = getattr(getattr(masking, "AttentionMaskInterface", None), "_global_mapping", None)
+    attention_table = getattr(getattr(modeling_utils, "AttentionInterface", None), "_global_mapping", None)
+    names = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
+    originals = {name: getattr(masking, name, None) for name in names}
+    if (None in originals.values() or sdpa_module is None or not isinstance(mask_table, dict)
+            or not isinstance(attention_table, dict) or "sdpa" not in mask_table or "sdpa" not in attention_table):
+        yield  # another transformers layout: today's traced masks, right for any values
+        return
+    sdpa_mask, sdpa_attention = mask_table["sdpa"], attention_table["sdpa"]
+    pending: list[torch.Tensor] = []  # the predicate of the mask sdpa_mask is building
+    predicates: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(mask) -> (mask, predicate)
+
+    def skip_predicate(padding_mask, kv_length, local_attention_size):
+        # Eager skips when every token is kept and no local window bites (masking_utils' two checks).
+        if padding_mask.dim() != 2 or padding_mask.shape[-1] != kv_length:
+            return None
+        if local_attention_size is not None and kv_length >= local_attention_size:
+            return None
+        return padding_mask.all()
+
+    def ignore_causal(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
+        call = lambda pm: originals[names[0]](pm, q_length, kv_length, q_offset, kv_offset, local_attention_size)
+        if padding_mask is None or not masking.is_tracing(padding_mask):
+            return call(padding_mask)
+        value = traced_constant_value(padding_mask)
+        if value is not None:
+            return eagerly(lambda: call(value))
+        if isinstance(q_offset, int) and isinstance(kv_offset, int) and q_length == kv_length > 1:
+            predicate = skip_predicate(padding_mask, kv_length, local_attention_size)
+            if predicate is not None:
+                pending.append(predicate)
+        return False
+
+    def ignore_bidirectional(padding_mask, kv_length, local_attention_size=None):
+        call = lambda pm: originals[names[1]](pm, kv_length, local_attention_size)
+        if padding_mask is None or not masking.is_tracing(padding_mask):
+            return call(padding_mask)
+        value = traced_constant_value(padding_mask)
+        if value is not None:
+            return eagerly(lambda: call(value))
+        predicate = skip_predicate(padding_mask, kv_length, local_attention_size)
+        if predicate is not None:
+            pending.append(predicate)
+        return False
+
+    def recording_sdpa_mask(*args, **kwargs):
+        pending.clear()
+        mask = sdpa_mask(*args, **kwargs)
+        if len(pending) == 1 and isinstance(mask, torch.Tensor):
+            predicates[id(mask)] = (mask, pending[0])
+        pending.clear()
+        return mask
+
+    def branching_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                       **kwargs):
+        entry = predicates.get(id(attention_mask)) if attention_mask is not None else None
+        call = lambda q, k, v, m: sdpa_attention(module, q, k, v, m, dropout, scaling, is_causal, **kwargs)
+        if (entry is None or entry[0] is not attention_mask or getattr(module, "num_key_value_groups", 1) <= 1
+                or not sdpa_module.use_gqa_in_sdpa(None, key, value) or kwargs.get("position_bias") is not None
+                or dropout):
+            return call(query, key, value, attention_mask)
+        # The two branches' backwards must lay out the operands' gradients alike. The CPU kernel
+        # returns key and value gradients as (batch, seq, head, dim) transposed; repeat_kv's backward
+        # returns them contiguous. So the masked branch reads key and value through a transpose and
+        # reshape, whose backward copies their gradients into that layout (the forward is a view of a
+        # model's usual (batch, seq, head, dim) projections, and copies no value either way).
+        def seq_major(t):
+            b, h, s, d = t.shape
+            return t.transpose(1, 2).reshape(b, s, h * d).view(b, s, h, d).transpose(1, 2)
+
+        output = torch.cond(entry[1], lambda q, k, v, m: call(q, k, v, None)[0],
+                            lambda q, k, v, m: call(q, seq_major(k), seq_major(v), m)[0],
+                            (query, key, value, attention_mask))
+        return output, None
+
+    setattr(masking, names[0], ignore_causal)
+    setattr(masking, names[1], ignore_bidirectional)
+    mask_table["sdpa"], attention_table["sdpa"] = recording_sdpa_mask, branching_sdpa
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(masking, name, fn)
+        mask_table["sdpa"], attention_table["sdpa"] = sdpa_mask, sdpa_attention
 
 
 @contextlib.contextmanager
@@ -501,6 +604,52 @@ def aten_kernels_in_inductor(ops):
         yield
     finally:
         lowering.lowerings.update(saved)
+
+
+@contextlib.contextmanager
+def exact_subgraph_strides():
+    """Within the block, Inductor keeps the traced strides at the boundary of every subgraph it
+    lowers (``torch.cond``'s branches, ``while_loop``'s bodies). torch 2.9 compiles a branch for its
+    operands' traced strides and lets the caller read its outputs in their traced strides, but it
+    neither passes the operands in those strides (``Conditional.create`` only realizes them) nor
+    writes the outputs in them (a subgraph's ``output`` only matches insignificant strides). An
+    operand or output Inductor computes itself (a pointwise op, ``.contiguous()``, a transpose) is
+    laid out as Inductor chooses, and the other side reads the wrong elements, silently: a masked
+    attention branch gave 2.06 off on a 2x8 batch, a Qwen2 step 0.3% off its first loss
+    (test_real_models.py, test_grouped_query_attention_with_a_tokenizer_mask_saved_and_aoti). A value
+    already in those strides is left alone; the others are copied into them."""
+    from torch._inductor import ir
+    from torch._inductor.graph import SubgraphLowering
+    from torch._inductor.virtualized import V
+
+    def exact(x, val):
+        if isinstance(x, ir.IRNode) and isinstance(val, torch.Tensor):
+            return ir.ExternKernel.require_exact_strides(x, val.stride())
+        return x
+
+    create = ir.Conditional.__dict__["create"]
+    output = SubgraphLowering.output
+
+    def create_with_exact_operands(cls, predicate, true_fn, false_fn, operands):
+        fx_operands = V.graph.current_node.args[-1]
+        operands = [exact(x, getattr(node, "meta", {}).get("val")) for x, node in zip(operands, fx_operands)]
+        return create.__func__(cls, predicate, true_fn, false_fn, operands)
+
+    def output_with_exact_strides(self, target, args, kwargs):
+        output(self, target, args, kwargs)
+        fx_outputs = V.graph.current_node.args[0]
+        if not isinstance(fx_outputs, (tuple, list)):
+            fx_outputs = (fx_outputs,)
+        self.graph_outputs = [exact(x, getattr(node, "meta", {}).get("val"))
+                              for x, node in zip(self.graph_outputs, fx_outputs)]
+
+    ir.Conditional.create = classmethod(create_with_exact_operands)
+    SubgraphLowering.output = output_with_exact_strides
+    try:
+        yield
+    finally:
+        ir.Conditional.create = create
+        SubgraphLowering.output = output
 
 
 def donating_program(ep: torch.export.ExportedProgram, donated: dict[int, int]) -> torch.export.ExportedProgram:

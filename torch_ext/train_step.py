@@ -1199,7 +1199,8 @@ class TrainStep:
         # Inductor's max-pool backward is a scalar gather over every input position, ATen's a
         # scatter over the outputs: ResNet-18's (16x64x32x32, 3x3 stride 2) takes 5.2 ms there
         # against 0.24-0.39 ms in ATen (one thread), so the package calls ATen's.
-        with _compat.aten_kernels_in_inductor([torch.ops.aten.max_pool2d_with_indices_backward.default]):
+        with _compat.aten_kernels_in_inductor([torch.ops.aten.max_pool2d_with_indices_backward.default]), \
+                _compat.exact_subgraph_strides():
             return torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=configs)
 
 
