@@ -56,8 +56,8 @@ std::unique_ptr<ir::Graph> accumulate(const ir::Graph& joint, const TrainStepSpe
     for (const ir::Node* u : user_inputs) map[u] = g->create_placeholder(u->name() + suffix, u->role(), u->type());
     for (const auto& node : joint.nodes()) {
       if (node->kind() != ir::NodeKind::Call) continue;
-      TORCH_CHECK(node->regions().empty(), "accumulate: node %", node->name(),
-                  " owns regions (control flow); accumulation does not support it");
+      // A call that owns regions (torch.cond, while_loop) is copied with them: regions are closed
+      // (they read only the call's operands), so each micro-batch's copy reads its own values.
       ir::Node* copy = g->copy_call(*node, map, g->unique_name(node->name() + suffix));
       if (node.get() == seed && n > 1) {
         // (loss / N).backward(): DivBackward hands ones / N to the loss's backward.

@@ -253,8 +253,9 @@ def mask_loss(m, ids, mask):
     return m(input_ids=ids, attention_mask=mask, labels=ids).loss
 
 
-@pytest.mark.parametrize("family,compiled", [("qwen2", False), ("qwen2", True), ("llama", False)])
-def test_grouped_query_attention_with_a_tokenizer_mask_bit_exact(family, compiled):
+@pytest.mark.parametrize("family,compiled,accumulate", [("qwen2", False, 1), ("qwen2", True, 1), ("llama", False, 1),
+                                                        ("qwen2", False, 2)])
+def test_grouped_query_attention_with_a_tokenizer_mask_bit_exact(family, compiled, accumulate):
     needs("transformers")
     # Eager reads the mask at every call: all ones, and SDPA shares the key/value heads in the kernel;
     # padding, and the heads are repeated. The step always repeated them (the traced mask), so an
@@ -264,9 +265,12 @@ def test_grouped_query_attention_with_a_tokenizer_mask_bit_exact(family, compile
     model.config.use_cache = False
     batches = tokenizer_batches(10)
     assert bool(batches[0][1].all()) and not bool(batches[1][1].all())
-    step, state, _ = run_parity(model, mask_loss, batches, rtol=0.0, compiled=compiled)
+    # accumulate=2 copies the branches per micro-batch (the accumulation pass refused them before)
+    step, state, _ = run_parity(model, mask_loss, batches, rtol=0.0, compiled=compiled, accumulate=accumulate,
+                                clip=1.0 if accumulate > 1 else None)
     cond = [n for n in step.program.graph.nodes if n.target is torch.ops.higher_order.cond]
-    assert len(cond) == 2 * model.config.num_hidden_layers  # each layer's attention, forward and backward
+    # each layer's attention, forward and backward, per micro-batch
+    assert len(cond) == 2 * model.config.num_hidden_layers * accumulate
 
 
 def test_grouped_query_attention_built_on_a_padded_example_bit_exact_on_all_ones():
