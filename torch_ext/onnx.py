@@ -141,6 +141,12 @@ def _mish_backward(grad, x):
     return grad * (tanh_softplus + x * torch.sigmoid(x) * (1 - tanh_softplus * tanh_softplus))
 
 
+def _every_node(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The nodes of ``gm`` and of every subgraph it calls (torch.cond's branches), so an op the
+    exporter cannot translate is named wherever it sits."""
+    return [n for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes]
+
+
 def to_onnx(step, path: str) -> str:
     """Exports ``step``'s pure program to ``path`` (ONNX), with the program's inputs and outputs:
     the flat layout of every artifact (``torch_ext.deploy.layout_of``: ``inputs`` in order, state
@@ -152,13 +158,14 @@ def to_onnx(step, path: str) -> str:
 
     table = _translations()
     program = step.program
-    unsupported = sorted({str(n.target) for n in program.graph.nodes
+    nodes = _every_node(program.graph_module)
+    unsupported = sorted({str(n.target) for n in nodes
                           if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
                           and n.target.namespace == "torch_ext" and n.target not in table})
     if unsupported:
         raise NotImplementedError(f"to_onnx: no ONNX translation for {', '.join(unsupported)} (supported: SGD, "
                                   "Adam/AdamW/amsgrad, RMSprop, Adagrad; dropout's explicit RNG state is not)")
-    attention_backward = sorted({str(n.target) for n in program.graph.nodes if n.op == "call_function"
+    attention_backward = sorted({str(n.target) for n in nodes if n.op == "call_function"
                                  and "attention" in str(n.target) and "backward" in str(n.target)})
     if attention_backward:
         raise NotImplementedError(

@@ -120,6 +120,27 @@ def test_onnx_names_an_op_the_exporter_cannot_translate(tmp_path):
         tox.to_onnx(step, str(tmp_path / "t.onnx"))
 
 
+def test_onnx_names_an_op_inside_a_branch(tmp_path):
+    # Hugging Face grouped-query attention with a padding mask in the batch branches (torch.cond) between
+    # two SDPA calls; the op scan looked only at the top graph, so the exporter failed with a view error.
+    class Branching(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(8, 24)
+
+        def forward(self, x, mask):
+            q, k, v = (t.contiguous() for t in self.qkv(x).unsqueeze(1).chunk(3, -1))
+            return torch.cond(mask.all(), lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                              lambda q, k, v: F.scaled_dot_product_attention(q, k, v), (q, k, v)).sum()
+
+    x, mask = torch.randn(2, 6, 8), torch.ones(2, 6, dtype=torch.bool)
+    model = Branching()
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, x, k: m(x, k),
+                                     (x, mask))
+    with pytest.raises(NotImplementedError, match="scaled_dot_product"):
+        tox.to_onnx(step, str(tmp_path / "b.onnx"))
+
+
 @pytest.mark.parametrize("kind", ["mlp", "transformer", "transformer_sdpa"])
 def test_forward_inference_in_onnx_runtime(tmp_path, kind):
     """Deployment of the forward alone: exported from eval mode, run in a plain InferenceSession,
