@@ -1171,6 +1171,79 @@ def test_a_cycled_momentum_through_the_planned_arena_save_and_write_back_bit_exa
     assert _fed_values(opt) == _fed_values(ref_opt)
 
 
+def test_cycled_momentum_with_two_optimizers_accumulate_and_clip_bit_exact():
+    # Two optimizers, each with its scheduler (one cycling beta1, one momentum with nesterov), two
+    # micro-batches per update and clip_grad_norm: the fed inputs are per param group.
+    torch.manual_seed(0)
+    model = TiedLM()
+    ref = copy.deepcopy(model)
+
+    def opts(m):
+        return [torch.optim.AdamW(m.mid.parameters(), lr=1e-2, weight_decay=0.1),
+                torch.optim.SGD([m.emb.weight], lr=0.1, momentum=0.9, nesterov=True)]
+
+    def scheds(os):
+        return [torch.optim.lr_scheduler.OneCycleLR(os[0], max_lr=0.05, total_steps=50),
+                torch.optim.lr_scheduler.CyclicLR(os[1], base_lr=0.01, max_lr=0.1, step_size_up=8)]
+
+    o, ro = opts(model), opts(ref)
+    batches = lm_batches()
+    b0 = next(lm_batches(99))
+    step = torch_ext.make_train_step(model, o, lm_loss, b0, scheduler=scheds(o), accumulate=2, clip_grad_norm=0.5)
+    assert [n for n, _ in step._inputs if n.endswith(("group0", "group1")) and ":lr:" not in n] == \
+        ["opt:beta1:group0", "opt:momentum:group1"]
+    state = step.init_state()
+    rs = scheds(ro)
+    for i in range(40):
+        mbs = [next(batches), next(batches)]
+        loss, state = step(state, *mbs[0], *mbs[1])
+        for x in ro:
+            x.zero_grad()
+        ref_losses = []
+        for mb in mbs:
+            l = lm_loss(ref, *mb)
+            (l / 2).backward()
+            ref_losses.append(l.detach())
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        for x in ro:
+            x.step()
+        for x in rs:
+            x.step()
+        assert torch.equal(loss, torch.stack(ref_losses)), i
+    for n, p in ref.named_parameters():
+        assert torch.equal(state.params["model." + n], p.detach()), n
+    assert [float(state.opt["opt:beta1:group0"]), float(state.opt["opt:momentum:group1"])] == \
+        [ro[0].param_groups[0]["betas"][0], ro[1].param_groups[0]["momentum"]]
+
+
+def test_cycled_momentum_with_batch_shapes_cache_feeds_every_program():
+    # A batch of another shape runs a program built for it: it takes the momentum as an input too.
+    torch.manual_seed(0)
+    model = TiedLM()
+    ref = copy.deepcopy(model)
+    make_opt, make_sched = CYCLING["onecycle_sgd_nesterov"]
+    opt, ref_opt = make_opt(model), make_opt(ref)
+    step = torch_ext.make_train_step(model, opt, lm_loss, next(lm_batches(99)), scheduler=make_sched(opt),
+                                     batch_shapes="cache")
+    ref_sched = make_sched(ref_opt)
+    g = torch.Generator().manual_seed(3)
+    state = step.init_state()
+    for i in range(24):
+        rows = 3 if i % 2 == 0 else 2
+        b = (torch.randint(0, VOCAB, (rows, 5), generator=g), torch.randint(0, VOCAB, (rows, 5), generator=g))
+        loss, state = step(state, *b)
+        ref_opt.zero_grad()
+        ref_loss = lm_loss(ref, *b)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_sched.step()
+        assert torch.equal(loss, ref_loss.detach()), i
+    assert step.cache_info()["programs"] == 2
+    assert "update.scheduled(" in str(next(iter(step._variants.values())).graph)
+    for n, p in ref.named_parameters():
+        assert torch.equal(state.params["model." + n], p.detach()), n
+
+
 def _save(d, tmp_path):
     torch.save(d, tmp_path / "state.pt")
     return tmp_path / "state.pt"
