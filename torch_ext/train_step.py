@@ -29,8 +29,9 @@ class TrainState:
 
     ``params`` and ``buffers`` are keyed "model.<name>" (a tied parameter or shared buffer appears
     once, under its first name; tensor constants lifted from ``forward`` are kept with the
-    buffers). ``opt`` maps "opt:<param>:<slot>" to a tensor, ``lr`` holds one float64 tensor per
-    param group (a schedule changes them without re-export). ``rng`` is the CPU generator state
+    buffers). ``opt`` maps "opt:<param>:<slot>" to a tensor (and, under a scheduler that cycles
+    momentum, "opt:<momentum or beta1>:group<g>" to a float64 0-d tensor, fed per step as the lr),
+    ``lr`` holds one float64 tensor per param group (a schedule changes them without re-export). ``rng`` is the CPU generator state
     (torch.get_rng_state() layout) when the step draws random numbers (dropout), else None; each
     step returns it advanced. ``sched_epoch`` is the scheduler's epoch (its steps taken). A state belongs to
     the step that made it.
@@ -214,7 +215,8 @@ def _update_for(opt, group: dict, param: torch.Tensor, gi: int) -> dict:
 
 
 class _LrSchedule:
-    """The lr of every param group after k scheduler steps: a pure function of k.
+    """The lr of every param group after k scheduler steps: a pure function of k; and so are the
+    ``fed`` scalars (a momentum or beta1 a scheduler cycles), read from the replayed groups.
 
     The user's schedulers are replayed on private copies (sharing no tensors' storage changes:
     schedulers only write group hyperparameters), k steps deep, and the lrs cached. Eager training
@@ -437,7 +439,19 @@ def _fed_locations(optimizers, fed: dict[int, list[str]]) -> dict[int, dict[str,
     """Per fed param group (the optimizers' groups in order), where each fed scalar lives in the group
     (its registration's ``scheduled``: ("momentum", None), ("betas", 0))."""
     owners = [o for o in optimizers for _ in o.param_groups]
-    return {gi: {n: optim.registration_for(owners[gi]).scheduled[n] for n in names} for gi, names in fed.items()}
+    out = {}
+    for gi, names in fed.items():
+        if gi >= len(owners):
+            raise ValueError(f"the program takes {names} of param group {gi}, but the optimizers have {len(owners)} "
+                             "param groups")
+        where = optim.registration_for(owners[gi]).scheduled
+        missing = [n for n in names if n not in where]
+        if missing:
+            raise ValueError(f"the program takes {missing} of param group {gi} per step, which "
+                             f"{type(owners[gi]).__name__} does not have (it has: {sorted(where) or 'none'}); pass "
+                             "the schedulers of the step's own optimizers, in its order")
+        out[gi] = {n: where[n] for n in names}
+    return out
 
 
 def _fed_value(group: dict, where: tuple[str, int | None]) -> float:

@@ -1151,6 +1151,11 @@ def test_a_cycled_momentum_through_the_planned_arena_save_and_write_back_bit_exa
     batches = lm_batches()
     for _ in range(20):
         next(batches)
+    # The schedulers of other optimizers than the step's: refused, naming the input they cannot give.
+    with pytest.raises(ValueError, match=r"takes \['beta1'\] of param group 0 per step, which SGD does not have"
+                       if "adam" in name else r"takes \['momentum'\] of param group 0 per step, which AdamW"):
+        other = (lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)) if "adam" in name else adamw
+        torch_ext.load_step(path, scheduler=make_sched(other(TiedLM())))
     more, state = pure_run(loaded, state, batches, 15)
     losses += more
     # write_back: eager continues from the state, with the scheduler and momentum where eager's are.
