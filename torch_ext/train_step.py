@@ -31,7 +31,8 @@ class TrainState:
     once, under its first name; tensor constants lifted from ``forward`` are kept with the
     buffers). ``opt`` maps "opt:<param>:<slot>" to a tensor (and, under a scheduler that cycles
     momentum, "opt:<momentum or beta1>:group<g>" to a float64 0-d tensor, fed per step as the lr),
-    ``lr`` holds one float64 tensor per param group (a schedule changes them without re-export). ``rng`` is the CPU generator state
+    ``lr`` holds one float64 tensor per param group (a schedule changes them without re-export).
+    ``rng`` is the CPU generator state
     (torch.get_rng_state() layout) when the step draws random numbers (dropout), else None; each
     step returns it advanced. ``sched_epoch`` is the scheduler's epoch (its steps taken). A state belongs to
     the step that made it.
@@ -277,7 +278,7 @@ class _LrSchedule:
         # list of names missed RMSprop's alpha and Adagrad's lr_decay). Keys a scheduler adds later
         # are not options.
         groups = [g for o in opts for g in o.param_groups]
-        return [_baked_options(g, self._where.get(gi, {})) for gi, g in enumerate(groups)]
+        return [copy.deepcopy(_baked_options(g, self._where.get(gi, {}))) for gi, g in enumerate(groups)]
 
     def _record(self) -> None:
         self._lrs.append([float(g["lr"]) for o in self._opts for g in o.param_groups])
@@ -573,7 +574,8 @@ class TrainStep:
         self._fed = self._scheduled_scalars(schedulers) if fed is None else fed
         self._fed_where = _fed_locations(optimizers, self._fed)
         for u in self._updates:
-            u["scheduled"] = u["group"] in self._fed and bool(optim.descriptor(u["kind"])["schedulable"])
+            schedulable = optim.descriptor(u["kind"])["schedulable"]
+            u["scheduled"] = bool(schedulable) and set(schedulable) <= set(self._fed.get(u["group"], ()))
         self._schedule = _LrSchedule(list(schedulers), optimizers, self._fed) if schedulers else None
         # Options are copied: one mutated in place (a list) must not compare equal to itself.
         self._built_config = [[(params, grads, copy.deepcopy(options)) for params, grads, options in groups]
@@ -769,8 +771,10 @@ class TrainStep:
             opt = self._groups[u["group"]][0]
             if id(opt) in cycled:
                 names = fed.setdefault(u["group"], [])
-                where = optim.registration_for(opt).scheduled
-                names += [n for n in optim.descriptor(u["kind"])["schedulable"] if n in where and n not in names]
+                schedulable = optim.descriptor(u["kind"])["schedulable"]
+                # The "scheduled" overload takes all of them as inputs: each needs a place in the group.
+                if all(n in optim.registration_for(opt).scheduled for n in schedulable):
+                    names += [n for n in schedulable if n not in names]
         return {gi: names for gi, names in fed.items() if names}
 
     # ---- state
