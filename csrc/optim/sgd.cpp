@@ -45,7 +45,7 @@ void sgd_momentum(Update& u) {
 TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
   using T = ScalarType;
   define(m, Descriptor{"sgd", "SGD", {}, {{"weight_decay", T::Float}, {"maximize", T::Bool}}, &sgd});
-  const std::vector<Scalar> scalars{{"momentum", T::Float, true}, {"dampening", T::Float}, {"weight_decay", T::Float},
+  const std::vector<Scalar> scalars{{"momentum", T::Float, /*schedulable=*/true}, {"dampening", T::Float}, {"weight_decay", T::Float},
                                     {"nesterov", T::Bool}, {"maximize", T::Bool}};
   define(m, Descriptor{"sgd_momentum", "SGD", {{"momentum_buffer"}, {"step", SlotInit::StepCounter}}, scalars,
                        &sgd_momentum});
