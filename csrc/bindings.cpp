@@ -372,6 +372,7 @@ passes::TrainStepSpec spec_from_py(const py::dict& d) {
     pu.group = u["group"].cast<int64_t>();
     pu.hyper = u["hyper"].cast<std::map<std::string, double>>();
     pu.flags = u["flags"].cast<std::map<std::string, bool>>();
+    pu.scheduled = u.contains("scheduled") && u["scheduled"].cast<bool>();
     spec.updates.push_back(std::move(pu));
   }
   return spec;
@@ -679,10 +680,13 @@ PYBIND11_MODULE(_C, m) {
     for (const optim::Descriptor* d : optim::all()) {
       py::list slots, scalars;
       for (const optim::Slot& s : d->slots) slots.append(py::make_tuple(s.name, s.is_step() ? "step" : "zeros"));
-      for (const optim::Scalar& x : d->scalars)
+      py::list schedulable;
+      for (const optim::Scalar& x : d->scalars) {
         scalars.append(py::make_tuple(x.name, x.type == optim::ScalarType::Bool  ? "bool"
                                               : x.type == optim::ScalarType::Int ? "int"
                                                                                  : "float"));
+        if (x.schedulable) schedulable.append(x.name);
+      }
       py::dict e;
       e["kind"] = d->kind;
       e["title"] = d->title;
@@ -690,6 +694,7 @@ PYBIND11_MODULE(_C, m) {
       e["inplace_op"] = d->inplace_op_name();
       e["slots"] = slots;
       e["scalars"] = scalars;
+      e["schedulable"] = schedulable;  // Tensor arguments of the "scheduled" overload
       e["elementwise"] = d->elementwise;
       out.append(e);
     }
@@ -697,12 +702,14 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("optimizer_state_name", &optim::state_name, py::arg("param"), py::arg("slot"));
   m.def("optimizer_lr_name", &optim::lr_name, py::arg("group"));
+  m.def("optimizer_group_input_name", &optim::group_input_name, py::arg("hyper"), py::arg("group"));
   m.def(
       "parse_optimizer_state_name",
       [](const std::string& name) -> py::object {
         auto parsed = optim::parse_state_name(name);
         if (!parsed) return py::none();
-        if (parsed->lr_group) return py::make_tuple("lr", *parsed->lr_group);
+        if (parsed->is_lr()) return py::make_tuple("lr", *parsed->group);
+        if (parsed->group) return py::make_tuple("hyper", parsed->hyper, *parsed->group);
         return py::make_tuple("slot", parsed->param, parsed->slot);
       },
       py::arg("name"));

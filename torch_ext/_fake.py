@@ -23,8 +23,10 @@ def _update_fake(slots: list[str]):
 
 
 for _d in _C.optimizer_descriptors():
-    torch.library.register_fake(f"torch_ext::{_d['op']}")(_update_fake([s for s, _ in _d["slots"]]))
-    torch.library.register_fake(f"torch_ext::{_d['inplace_op']}")(lambda *args, **kwargs: None)
+    # The "scheduled" overload (schedulable scalars as tensors) returns the same results.
+    for _overload in ("", ".scheduled") if _d["schedulable"] else ("",):
+        torch.library.register_fake(f"torch_ext::{_d['op']}{_overload}")(_update_fake([s for s, _ in _d["slots"]]))
+        torch.library.register_fake(f"torch_ext::{_d['inplace_op']}{_overload}")(lambda *args, **kwargs: None)
 
 
 @torch.library.register_fake("torch_ext::native_dropout_rng")

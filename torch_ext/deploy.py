@@ -35,7 +35,9 @@ def layout_of(step) -> dict:
     """The flat I/O layout of ``step.program`` (JSON-serializable).
 
     ``inputs``: one entry per program input, a state name (``state.lookup(name)``: "model.<p>",
-    "opt:<param>:<slot>", "opt:lr:group<k>", "rng") or "batch:<i>" (the i-th leaf of the flat
+    "opt:<param>:<slot>", "opt:lr:group<k>", a scheduled hyperparameter "opt:<scalar>:group<k>"
+    (momentum, beta1: fed per call like the lr, when a scheduler cycles momentum), "rng") or
+    "batch:<i>" (the i-th leaf of the flat
     batch; unrolled/accumulated calls concatenate their batches). ``outputs``: "loss", then the new
     state entries ``state_names``, then "aux:<i>" leaves of ``aux_spec``.
     """
@@ -251,7 +253,7 @@ class LoadedStep:
             # buffers, and tensor constants ("model.<...>" from forward, unprefixed from the loss function)
             buffers={n: v for n, v in values.items() if n not in params and n != "rng" and not n.startswith(_BATCH)
                      and optim.parse_state_name(n) is None},
-            opt={n: v for n, v in values.items() if (optim.parse_state_name(n) or ("",))[0] == "slot"},
+            opt={n: v for n, v in values.items() if (optim.parse_state_name(n) or ("",))[0] in ("slot", "hyper")},
             lr=[values[optim.lr_name(k)] for k in range(self.layout["num_lr"])],
             rng=values.get("rng"), fingerprint=self.fingerprint)
         state.origin = f"example_state() of load_step({self.path!r})"
@@ -285,6 +287,7 @@ def loaded_schedule(layout: dict, path: str, scheduler, manual_lr: bool):
     lr it was given, where the step it came from followed the schedule: so one of ``scheduler=`` or
     ``manual_lr=True`` (the caller sets ``state.lr`` before each call) is required there.
     """
+    from . import optim
     from .train_step import _LrSchedule
 
     built_with = bool(layout.get("scheduler", False))
@@ -308,7 +311,12 @@ def loaded_schedule(layout: dict, path: str, scheduler, manual_lr: bool):
         opt = getattr(sch, "optimizer", None)
         if opt is not None and not any(opt is o for o in optimizers):
             optimizers.append(opt)
-    schedule = _LrSchedule(schedulers, optimizers)
+    fed: dict[int, list[str]] = {}  # the scheduled hyperparameters the program takes, per group
+    for name in layout["inputs"]:
+        parsed = optim.parse_state_name(name) if name.startswith("opt:") else None
+        if parsed is not None and parsed[0] == "hyper":
+            fed.setdefault(parsed[2], []).append(parsed[1])
+    schedule = _LrSchedule(schedulers, optimizers, fed)
     count = len(schedule.at(schedule.base))
     if count != layout["num_lr"]:
         raise ValueError(f"load_step: the scheduler's optimizers have {count} param groups, {path} takes "

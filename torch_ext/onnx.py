@@ -34,6 +34,18 @@ def _translations() -> dict:
         """A double-precision scalar (Python float or f64 tensor) in ``like``'s dtype, as a kernel would apply it."""
         return op.CastLike(x, like)
 
+    def scheduled(x) -> bool:
+        """A scheduled hyperparameter: an input (a float64 tensor), not a Python float."""
+        return not isinstance(x, (int, float))
+
+    def hyper(x, like):
+        """A hyperparameter in ``like``'s dtype: a Python float as a constant, a scheduled one cast."""
+        return scalar(x, like) if scheduled(x) else scalar(op.Constant(value_float=x), like)
+
+    def one_minus(x, like):
+        """1 - x in double (as eager computes 1 - beta with a Python float), in ``like``'s dtype."""
+        return scalar(op.Sub(dconst(1.0), x), like) if scheduled(x) else scalar(op.Constant(value_float=1.0 - x), like)
+
     def grad_of(param, grad, weight_decay, maximize):
         g = op.Neg(grad) if maximize else grad
         if weight_decay != 0:
@@ -48,12 +60,17 @@ def _translations() -> dict:
                             maximize):
         g = grad_of(param, grad, weight_decay, maximize)
         first = op.Equal(step, op.CastLike(op.Constant(value_float=0.0), step))
-        mixed = op.Add(op.Mul(momentum_buffer, scalar(op.Constant(value_float=momentum), param)),
+        mixed = op.Add(op.Mul(momentum_buffer, hyper(momentum, param)),
                        op.Mul(g, scalar(op.Constant(value_float=1.0 - dampening), param)))
         buf = op.Where(first, g, mixed)
-        update = op.Add(g, op.Mul(buf, scalar(op.Constant(value_float=momentum), param))) if nesterov else buf
+        update = op.Add(g, op.Mul(buf, hyper(momentum, param))) if nesterov else buf
+        new_step = op.Add(step, op.CastLike(op.Constant(value_float=1.0), step))
+        if scheduled(momentum):  # it may reach 0: torch.optim then takes a plain SGD step, the buffer kept
+            on = op.Not(op.Equal(momentum, dconst(0.0)))
+            update, buf, new_step = op.Where(on, update, g), op.Where(on, buf, momentum_buffer), \
+                op.Where(on, new_step, step)
         new_param = op.Sub(param, op.Mul(update, scalar(lr, param)))
-        return new_param, buf, op.Add(step, op.CastLike(op.Constant(value_float=1.0), step))
+        return new_param, buf, new_step
 
     def _adam(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
               decoupled, maximize):
@@ -67,11 +84,11 @@ def _translations() -> dict:
                                                  op.Mul(lr64, dconst(weight_decay))), param))
             else:
                 g = op.Add(g, op.Mul(param, scalar(op.Constant(value_float=weight_decay), param)))
-        m = op.Add(exp_avg, op.Mul(op.Sub(g, exp_avg), scalar(op.Constant(value_float=1.0 - beta1), param)))
+        m = op.Add(exp_avg, op.Mul(op.Sub(g, exp_avg), one_minus(beta1, param)))
         v = op.Add(op.Mul(exp_avg_sq, scalar(op.Constant(value_float=beta2), param)),
                    op.Mul(op.Mul(g, g), scalar(op.Constant(value_float=1.0 - beta2), param)))
         s64 = op.Cast(new_step, to=f64)
-        bc1 = op.Sub(dconst(1.0), op.Pow(dconst(beta1), s64))
+        bc1 = op.Sub(dconst(1.0), op.Pow(beta1 if scheduled(beta1) else dconst(beta1), s64))
         bc2 = op.Sub(dconst(1.0), op.Pow(dconst(beta2), s64))
         step_size = op.Div(lr64, bc1)
         bc2_sqrt = op.Sqrt(bc2)
@@ -107,7 +124,12 @@ def _translations() -> dict:
             avg = op.Sqrt(sq)
         avg = op.Add(avg, scalar(op.Constant(value_float=eps), param))
         buf = momentum_buffer
-        if momentum > 0:
+        if scheduled(momentum):  # the kernel's branch, taken per step
+            on = op.Greater(momentum, dconst(0.0))
+            buf = op.Where(on, op.Add(op.Mul(momentum_buffer, hyper(momentum, param)), op.Div(g, avg)),
+                           momentum_buffer)
+            new_param = op.Sub(param, op.Mul(op.Where(on, buf, op.Div(g, avg)), scalar(lr, param)))
+        elif momentum > 0:
             buf = op.Add(op.Mul(momentum_buffer, scalar(op.Constant(value_float=momentum), param)), op.Div(g, avg))
             new_param = op.Sub(param, op.Mul(buf, scalar(lr, param)))
         else:
@@ -126,9 +148,14 @@ def _translations() -> dict:
         return op.Sub(param, op.Mul(op.Div(g, std), op.CastLike(clr, param))), new_sum, new_step
 
     ops = torch.ops.torch_ext
-    return {ops.sgd_update.default: sgd_update, ops.sgd_momentum_update.default: sgd_momentum_update,
-            ops.adam_update.default: adam_update, ops.adam_amsgrad_update.default: adam_amsgrad_update,
-            ops.rmsprop_update.default: rmsprop_update, ops.adagrad_update.default: adagrad_update}
+    table = {ops.sgd_update.default: sgd_update, ops.sgd_momentum_update.default: sgd_momentum_update,
+             ops.adam_update.default: adam_update, ops.adam_amsgrad_update.default: adam_amsgrad_update,
+             ops.rmsprop_update.default: rmsprop_update, ops.adagrad_update.default: adagrad_update}
+    # The "scheduled" overloads (a momentum or beta1 fed per step): the same functions, which take
+    # either form of the hyperparameter.
+    table.update({k.overloadpacket.scheduled: fn for k, fn in list(table.items())
+                  if "scheduled" in k.overloadpacket.overloads()})
+    return table
 
 
 def _silu_backward(grad, x):

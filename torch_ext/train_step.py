@@ -29,8 +29,10 @@ class TrainState:
 
     ``params`` and ``buffers`` are keyed "model.<name>" (a tied parameter or shared buffer appears
     once, under its first name; tensor constants lifted from ``forward`` are kept with the
-    buffers). ``opt`` maps "opt:<param>:<slot>" to a tensor, ``lr`` holds one float64 tensor per
-    param group (a schedule changes them without re-export). ``rng`` is the CPU generator state
+    buffers). ``opt`` maps "opt:<param>:<slot>" to a tensor (and, under a scheduler that cycles
+    momentum, "opt:<momentum or beta1>:group<g>" to a float64 0-d tensor, fed per step as the lr),
+    ``lr`` holds one float64 tensor per param group (a schedule changes them without re-export).
+    ``rng`` is the CPU generator state
     (torch.get_rng_state() layout) when the step draws random numbers (dropout), else None; each
     step returns it advanced. ``sched_epoch`` is the scheduler's epoch (its steps taken). A state belongs to
     the step that made it.
@@ -214,7 +216,8 @@ def _update_for(opt, group: dict, param: torch.Tensor, gi: int) -> dict:
 
 
 class _LrSchedule:
-    """The lr of every param group after k scheduler steps: a pure function of k.
+    """The lr of every param group after k scheduler steps: a pure function of k; and so are the
+    ``fed`` scalars (a momentum or beta1 a scheduler cycles), read from the replayed groups.
 
     The user's schedulers are replayed on private copies (sharing no tensors' storage changes:
     schedulers only write group hyperparameters), k steps deep, and the lrs cached. Eager training
@@ -222,7 +225,9 @@ class _LrSchedule:
     step reads the same float from a float64 tensor, so the updates match bit for bit.
     """
 
-    def __init__(self, schedulers: list, optimizers: list):
+    def __init__(self, schedulers: list, optimizers: list, fed: dict[int, list[str]] | None = None):
+        """``fed``: per param group (the optimizers' groups in order), the scalars the program takes as
+        inputs per step besides the lr (see _cycled_momentum); their values come from the replay too."""
         from torch.optim import lr_scheduler
 
         for i, sch in enumerate(schedulers):
@@ -258,21 +263,32 @@ class _LrSchedule:
         self._pristine = copy.deepcopy((schedulers, optimizers), dict(memo))  # replayed again by write_back
         self._user_opts = optimizers
         self._seen = copy.deepcopy([sch.state_dict() for sch in schedulers])  # check_unchanged's last look
+        self.fed = dict(fed or {})
+        self._where = _fed_locations(optimizers, self.fed)
         self._seen_lrs = self._user_lrs()
         self._scheds, self._opts = copy.deepcopy(self._pristine, dict(memo))
-        self._baked = [self._hyper(o) for o in self._opts]
+        self._baked = self._hyper(self._opts)
         self._lrs: list[list[float]] = []
+        self._fed_values: list[dict[str, float]] = []  # per step k: group input name -> value
         self._record()
         self.lrs(1)  # fail now, not mid-training, when the scheduler also changes baked hyperparameters
 
-    @staticmethod
-    def _hyper(opt) -> list[dict]:
-        # Every group option but the lr: the program bakes them all in (a fixed list of names missed
-        # RMSprop's alpha and Adagrad's lr_decay). Keys a scheduler adds later are not options.
-        return [{k: copy.deepcopy(v) for k, v in g.items() if k not in _LR_KEYS} for g in opt.param_groups]
+    def _hyper(self, opts) -> list[dict]:
+        # Every group option but the lr and the fed scalars: the program bakes them all in (a fixed
+        # list of names missed RMSprop's alpha and Adagrad's lr_decay). Keys a scheduler adds later
+        # are not options.
+        groups = [g for o in opts for g in o.param_groups]
+        return [copy.deepcopy(_baked_options(g, self._where.get(gi, {}))) for gi, g in enumerate(groups)]
 
     def _record(self) -> None:
         self._lrs.append([float(g["lr"]) for o in self._opts for g in o.param_groups])
+        self._fed_values.append(self._fed_of(self._opts))
+
+    def _fed_of(self, opts) -> dict[str, float]:
+        """The fed scalars' values in ``opts``' groups, as the optimizer reads them (betas[0] for beta1)."""
+        groups = [g for o in opts for g in o.param_groups]
+        return {optim.group_input_name(n, gi): _fed_value(groups[gi], where[n])
+                for gi, where in self._where.items() for n in where}
 
     @staticmethod
     def _step_all(scheds) -> None:
@@ -285,16 +301,23 @@ class _LrSchedule:
     def lrs(self, k: int) -> list[float]:
         while len(self._lrs) <= k:
             self._step_all(self._scheds)
-            for o, baked in zip(self._opts, self._baked):
-                now = self._hyper(o)
-                for gi, (a, b) in enumerate(zip(baked, now)):
-                    changed = sorted(key for key in a if not _same_option(a[key], b.get(key, _MISSING)))
-                    if changed:
-                        raise ValueError(f"the scheduler changes {', '.join(repr(c) for c in changed)} of "
-                                         f"{type(o).__name__} param group {gi} at step {len(self._lrs)}; the pure step "
-                                         "feeds only the lr per step (for OneCycleLR/CyclicLR pass cycle_momentum=False)")
+            owners = [o for o in self._opts for _ in o.param_groups]
+            for gi, (a, b) in enumerate(zip(self._baked, self._hyper(self._opts))):
+                changed = sorted(key for key in a if not _same_option(a[key], b.get(key, _MISSING)))
+                if changed:
+                    fed = ", ".join(self.fed.get(gi, ())) or "none"
+                    raise ValueError(f"the scheduler changes {', '.join(repr(c) for c in changed)} of "
+                                     f"{type(owners[gi]).__name__} param group {gi} at step {len(self._lrs)}; the pure "
+                                     "step feeds per step only the lr and the hyperparameters a scheduler that cycles "
+                                     "momentum (cycle_momentum=True) drives and the optimizer can take as inputs (SGD "
+                                     f"and RMSprop momentum, Adam/AdamW betas[0]; here: {fed}); anything else it bakes in")
             self._record()
         return self._lrs[k]
+
+    def fed_at(self, epoch: int) -> dict[str, float]:
+        """The fed scalars' values at scheduler epoch ``epoch``, by group input name."""
+        self.at(epoch)
+        return self._fed_values[epoch - self.base]
 
     def check_unchanged(self) -> None:
         """Refuses a user's scheduler edited after the build (``sched.gamma = ...``): eager training would
@@ -307,8 +330,14 @@ class _LrSchedule:
         self.position("this step")
         self._seen, self._seen_lrs = copy.deepcopy(now), lrs
 
-    def _user_lrs(self) -> list[float]:
-        return [float(g["lr"]) for o in self._user_opts for g in o.param_groups]
+    def _user_lrs(self) -> list:
+        """The user's optimizers' lrs, and their fed scalars when there are any."""
+        lrs = [float(g["lr"]) for o in self._user_opts for g in o.param_groups]
+        return [lrs, self._fed_of(self._user_opts)] if self.fed else lrs
+
+    def _values(self, k: int) -> list:
+        """What _user_lrs should read after k steps."""
+        return [self.lrs(k), self._fed_values[k]] if self.fed else self.lrs(k)
 
     def position(self, who: str = "init_state") -> int:
         """How many steps the user's schedulers stand past the build's copy of them: init_state starts
@@ -327,8 +356,8 @@ class _LrSchedule:
                                  "the step's replay would not); undo the change or build a new step with it")
         # An lr set on the optimizer by hand (a manual drop): eager trains with it, and a chainable
         # scheduler (StepLR, ExponentialLR) continues from it; the replay would not.
-        if self._user_lrs() != self.lrs(k):
-            raise ValueError(f"{who}: the optimizers' lr is {self._user_lrs()}, but the scheduler gives {self.lrs(k)} "
+        if self._user_lrs() != self._values(k):
+            raise ValueError(f"{who}: the optimizers' lr is {self._user_lrs()}, but the scheduler gives {self._values(k)} "
                              f"after {k} steps: an lr set on the optimizer by hand is not followed by a step built "
                              "with scheduler= (eager training would use it); undo it, or build the step without "
                              "scheduler= and set the lr per call with state.set_lr")
@@ -349,6 +378,12 @@ class _LrSchedule:
         self.check_unchanged()
         want = self.at(state.sched_epoch)
         have = [float(t) for t in state.lr]
+        fed_want = self.fed_at(state.sched_epoch)
+        fed_have = {n: float(state.opt[n]) for n in fed_want if n in state.opt}
+        if fed_have != fed_want:
+            raise ValueError(f"{state.describe()} has {fed_have}, but {who}'s scheduler gives {fed_want} after "
+                             f"{state.sched_epoch} steps: these inputs follow the scheduler, so values set by hand "
+                             "are refused")
         if have != want:
             names = ", ".join(type(s).__name__ for s in self._originals)
             raise ValueError(f"{state.describe()} has lr {have}, but {who}'s scheduler ({names}) gives {want} "
@@ -360,19 +395,81 @@ class _LrSchedule:
         """The scheduler's epoch and lr in a call's result: what eager sched.step() leaves."""
         new_state.sched_epoch = epoch
         new_state.lr = [torch.tensor(v, dtype=torch.float64) for v in self.at(epoch)]
+        if self.fed:
+            new_state.opt = {**new_state.opt, **self.fed_tensors(epoch)}
+
+    def fed_tensors(self, epoch: int) -> dict[str, torch.Tensor]:
+        """The fed scalars at ``epoch`` as the state holds them: float64 0-d tensors, as lr."""
+        return {n: torch.tensor(v, dtype=torch.float64) for n, v in self.fed_at(epoch).items()}
 
     def write_back(self, epoch: int) -> None:
         """Puts the user's schedulers where eager training would be at ``epoch`` (replayed afresh,
-        so no per-step snapshot is kept)."""
+        so no per-step snapshot is kept), and the fed scalars into their groups, as eager's
+        sched.step() leaves them (the lr is the state's: the caller writes it)."""
         self.at(epoch)
         k = epoch - self.base
-        scheds, _ = copy.deepcopy(self._pristine, dict(self._memo))
+        scheds, opts = copy.deepcopy(self._pristine, dict(self._memo))
         for _ in range(k):
             self._step_all(scheds)
         for sch, replay in zip(self._originals, scheds):
             sch.load_state_dict(replay.state_dict())
+        user = [g for o in self._user_opts for g in o.param_groups]
+        replayed = [g for o in opts for g in o.param_groups]
+        for gi, where in self._where.items():
+            for key, _ in where.values():
+                user[gi][key] = copy.deepcopy(replayed[gi][key])
         self._seen = copy.deepcopy([sch.state_dict() for sch in self._originals])  # placed by us: no edit
-        self._seen_lrs = list(self.lrs(k))  # what the groups hold unless the written state's lr was set by hand
+        self._seen_lrs = self._values(k)  # what the groups hold unless the written state's lr was set by hand
+
+
+def _cycled_momentum(schedulers) -> set[int]:
+    """The ids of the optimizers whose momentum (or betas[0]) a scheduler changes every step: those a
+    scheduler with cycle_momentum=True drives (OneCycleLR, CyclicLR; also inside ChainedScheduler or
+    SequentialLR). Their schedulable scalars are fed per step; a change by any other scheduler is
+    found by the replay and refused."""
+    out, todo = set(), list(schedulers)
+    while todo:
+        sch = todo.pop()
+        todo.extend(getattr(sch, "_schedulers", None) or ())
+        if getattr(sch, "cycle_momentum", False):
+            out.add(id(sch.optimizer))
+    return out
+
+
+def _fed_locations(optimizers, fed: dict[int, list[str]]) -> dict[int, dict[str, tuple[str, int | None]]]:
+    """Per fed param group (the optimizers' groups in order), where each fed scalar lives in the group
+    (its registration's ``scheduled``: ("momentum", None), ("betas", 0))."""
+    owners = [o for o in optimizers for _ in o.param_groups]
+    out = {}
+    for gi, names in fed.items():
+        if gi >= len(owners):
+            raise ValueError(f"the program takes {names} of param group {gi}, but the optimizers have {len(owners)} "
+                             "param groups")
+        where = optim.registration_for(owners[gi]).scheduled
+        missing = [n for n in names if n not in where]
+        if missing:
+            raise ValueError(f"the program takes {missing} of param group {gi} per step, which "
+                             f"{type(owners[gi]).__name__} does not have (it has: {sorted(where) or 'none'}); pass "
+                             "the schedulers of the step's own optimizers, in its order")
+        out[gi] = {n: where[n] for n in names}
+    return out
+
+
+def _fed_value(group: dict, where: tuple[str, int | None]) -> float:
+    key, index = where
+    return float(group[key] if index is None else group[key][index])
+
+
+def _baked_options(group: dict, where: dict[str, tuple[str, int | None]]) -> dict:
+    """A group's options that the program bakes in: all but the lr and the fed scalars at ``where``
+    (betas[0] fed: betas[1:] stays baked)."""
+    opts = {k: v for k, v in group.items() if k not in _LR_KEYS}
+    for key, index in where.values():
+        if index is None:
+            opts.pop(key, None)
+        else:
+            opts[key] = tuple(v for i, v in enumerate(opts[key]) if i != index)
+    return opts
 
 
 def _sched_epoch(sch) -> int:
@@ -413,7 +510,7 @@ class TrainStep:
     """A pure training step. ``loss, new_state = step(state, *batch)`` never mutates ``state``."""
 
     def __init__(self, model, optimizers, loss_fn, example_batch, clip_grad_norm, unroll, schedulers=(), accumulate=1,
-                 batch_shapes="fixed", process_group=None, shard_optimizer_state=False):
+                 batch_shapes="fixed", process_group=None, shard_optimizer_state=False, fed=None):
         from . import distributed
 
         self.model = model
@@ -473,7 +570,13 @@ class TrainStep:
                                  "parameters; freeze it with requires_grad_(False) or give it to an optimizer")
         if schedulers and self.unroll > 1:
             raise ValueError(f"scheduler= needs unroll=1 (the unrolled program uses one lr for its {self.unroll} steps)")
-        self._schedule = _LrSchedule(list(schedulers), optimizers) if schedulers else None
+        # `fed` is given for a batch-shape variant: the same inputs as the step it serves.
+        self._fed = self._scheduled_scalars(schedulers) if fed is None else fed
+        self._fed_where = _fed_locations(optimizers, self._fed)
+        for u in self._updates:
+            schedulable = optim.descriptor(u["kind"])["schedulable"]
+            u["scheduled"] = bool(schedulable) and set(schedulable) <= set(self._fed.get(u["group"], ()))
+        self._schedule = _LrSchedule(list(schedulers), optimizers, self._fed) if schedulers else None
         # Options are copied: one mutated in place (a list) must not compare equal to itself.
         self._built_config = [[(params, grads, copy.deepcopy(options)) for params, grads, options in groups]
                               for groups in self._config()]
@@ -659,6 +762,21 @@ class TrainStep:
         self._calls = 0
         self._buffer_names = [n for n, _ in model.named_buffers()]
 
+    def _scheduled_scalars(self, schedulers) -> dict[int, list[str]]:
+        """Per param group whose momentum a scheduler cycles, its kinds' schedulable scalars: the
+        program takes them as inputs ("opt:<scalar>:group<g>"), fed per step from the replay as lr is."""
+        cycled = _cycled_momentum(schedulers)
+        fed: dict[int, list[str]] = {}
+        for u in self._updates:
+            opt = self._groups[u["group"]][0]
+            if id(opt) in cycled:
+                names = fed.setdefault(u["group"], [])
+                schedulable = optim.descriptor(u["kind"])["schedulable"]
+                # The "scheduled" overload takes all of them as inputs: each needs a place in the group.
+                if all(n in optim.registration_for(opt).scheduled for n in schedulable):
+                    names += [n for n in schedulable if n not in names]
+        return {gi: names for gi, names in fed.items() if names}
+
     # ---- state
     @staticmethod
     def _slot_names(u: dict) -> list[str]:
@@ -721,6 +839,8 @@ class TrainStep:
         lrs = self._schedule.at(sched_epoch) if self._schedule is not None else [float(g["lr"]) for _, g in self._groups]
         self._seen_lrs = self._group_lrs()
         lr = [torch.tensor(v, dtype=torch.float64) for v in lrs]
+        if self._schedule is not None:
+            opt.update(self._schedule.fed_tensors(sched_epoch))
         rng = None
         if self.draws_random:
             rng = torch.Generator().manual_seed(seed).get_state() if seed is not None else torch.get_rng_state()
@@ -786,8 +906,9 @@ class TrainStep:
         """What the program bakes in from the model and optimizers, as they stand: per optimizer, per
         param group, its parameters with their requires_grad flags and its options (lr aside: it is
         state, read by init_state and set by set_lr)."""
+        groups = iter(range(len(self._groups)))
         return [[(tuple(group["params"]), tuple(p.requires_grad for p in group["params"]),
-                  {k: v for k, v in group.items() if k not in _LR_KEYS})
+                  _baked_options(group, self._fed_where.get(next(groups, None), {})))
                  for group in opt.param_groups] for opt in self.optimizers]
 
     def _group_lrs(self) -> list[float]:
@@ -815,11 +936,15 @@ class TrainStep:
         every call: rebuilding the snapshot cost 59 us per call at 150 parameters). A key added to a
         group after the build is not compared: every option the optimizer reads existed at the build
         (add_param_group fills in its defaults), and schedulers such as OneCycleLR add their own keys."""
+        gi = 0
         for opt, built in zip(self.optimizers, self._built_config):
             groups = opt.param_groups
             if len(groups) != len(built):
                 return False
             for group, (params, grads, options) in zip(groups, built):
+                where, gi = self._fed_where.get(gi), gi + 1
+                if where:
+                    group = {**_baked_options(group, where), "params": group["params"]}
                 now = group["params"]
                 if len(now) != len(params):
                     return False
@@ -961,7 +1086,7 @@ class TrainStep:
             example = pytree.tree_unflatten(list(flat_batch[:per_step]), self._batch_spec)
             variant = TrainStep(self.model, self.optimizers, self.loss_fn, example, self.clip_grad_norm, self.unroll,
                                 (), self.accumulate, process_group=self.process_group,
-                                shard_optimizer_state=self.shard_optimizer_state)
+                                shard_optimizer_state=self.shard_optimizer_state, fed=self._fed)
             if variant._state_names != self._state_names:
                 # A Python branch on the batch size (a parameter used by full batches only): its
                 # optimizer state would be in one program and not the other.
@@ -1067,6 +1192,20 @@ class TrainStep:
             return [[float(t) for t in state.lr] for _ in range(calls)]
         self._schedule.check_state(state, "lr_schedule")
         return [list(self._schedule.at(state.sched_epoch + i * self.unroll)) for i in range(calls)]
+
+    def input_schedule(self, state: TrainState, calls: int) -> list[dict[str, float]]:
+        """For each of the next ``calls`` calls from ``state``, the value of every input the step sets
+        per call, by input name: each group's lr ("opt:lr:group<k>") and, when a scheduler cycles
+        momentum, the scheduled hyperparameters ("opt:momentum:group<k>", "opt:beta1:group<k>"). The
+        C++ runner's ``--lrs`` takes it (``torch.save(step.input_schedule(state, n), "lrs.pt")``)."""
+        lrs = self.lr_schedule(state, calls)
+        out = []
+        for i, row in enumerate(lrs):
+            values = {optim.lr_name(k): v for k, v in enumerate(row)}
+            if self._schedule is not None:
+                values.update(self._schedule.fed_at(state.sched_epoch + i * self.unroll))
+            out.append(values)
+        return out
 
     def to_onnx(self, path: str) -> str:
         """Exports this pure step, the update included, to ONNX (see torch_ext.onnx); a plain

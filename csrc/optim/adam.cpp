@@ -49,7 +49,7 @@ void adam_amsgrad(Update& u) { adam_with(u, &u.slot("max_exp_avg_sq")); }
 
 std::vector<Scalar> adam_scalars() {
   using T = ScalarType;
-  return {{"beta1", T::Float},        {"beta2", T::Float},     {"eps", T::Float},
+  return {{"beta1", T::Float, /*schedulable=*/true},  {"beta2", T::Float},     {"eps", T::Float},
           {"weight_decay", T::Float}, {"decoupled", T::Bool}, {"maximize", T::Bool}};
 }
 

@@ -26,8 +26,9 @@ const char* type_name(ScalarType t) {
 }
 
 // "(Tensor param, Tensor grad, Tensor <slot>..., Tensor lr, <type> <scalar>...)"; `inplace`
-// marks param and every slot as written (Tensor(a!), Tensor(b!), ...).
-std::string arguments(const Descriptor& d, bool inplace) {
+// marks param and every slot as written (Tensor(a!), Tensor(b!), ...); `scheduled` makes each
+// schedulable scalar a Tensor.
+std::string arguments(const Descriptor& d, bool inplace, bool scheduled) {
   char alias = 'a';
   auto tensor = [&](const std::string& name, bool written) {
     return std::string("Tensor") + (inplace && written ? std::string("(") + alias++ + "!)" : "") + " " + name;
@@ -35,7 +36,8 @@ std::string arguments(const Descriptor& d, bool inplace) {
   std::string s = "(" + tensor("param", true) + ", " + tensor("grad", false);
   for (const Slot& slot : d.slots) s += ", " + tensor(slot.name, true);
   s += ", " + tensor("lr", false);
-  for (const Scalar& x : d.scalars) s += std::string(", ") + type_name(x.type) + " " + x.name;
+  for (const Scalar& x : d.scalars)
+    s += std::string(", ") + (scheduled && x.schedulable ? "Tensor" : type_name(x.type)) + " " + x.name;
   return s + ")";
 }
 
@@ -146,30 +148,56 @@ at::Tensor& Update::slot(const std::string& name) {
   TORCH_INTERNAL_ASSERT(false, desc->kind, ": no slot '", name, "'");
 }
 
-double Update::f(const std::string& name) const { return scalars[index_of(*desc, name, ScalarType::Float)].toDouble(); }
+double Update::f(const std::string& name) const {
+  const c10::IValue& v = scalars[index_of(*desc, name, ScalarType::Float)];
+  // A scheduled scalar: a float64 tensor holding the Python float eager reads, so the same double.
+  return v.isTensor() ? scalar_of(v.toTensor(), name.c_str()) : v.toDouble();
+}
 int64_t Update::i(const std::string& name) const { return scalars[index_of(*desc, name, ScalarType::Int)].toInt(); }
 bool Update::b(const std::string& name) const { return scalars[index_of(*desc, name, ScalarType::Bool)].toBool(); }
 
-std::string Descriptor::schema() const {
+bool Descriptor::has_schedulable() const {
+  return std::any_of(scalars.begin(), scalars.end(), [](const Scalar& x) { return x.schedulable; });
+}
+
+std::vector<std::string> Descriptor::schedulable() const {
+  std::vector<std::string> out;
+  for (const Scalar& x : scalars)
+    if (x.schedulable) out.push_back(x.name);
+  return out;
+}
+
+namespace {
+std::string qualified(const std::string& op, bool scheduled) {
+  return scheduled ? op + "." + kScheduledOverload : op;
+}
+}  // namespace
+
+std::string Descriptor::schema(bool scheduled) const {
   std::string returns = "Tensor";
   if (!slots.empty()) {
     returns = "(Tensor";
     for (size_t k = 0; k < slots.size(); ++k) returns += ", Tensor";
     returns += ")";
   }
-  return op_name() + arguments(*this, false) + " -> " + returns;
+  return qualified(op_name(), scheduled) + arguments(*this, false, scheduled) + " -> " + returns;
 }
 
-std::string Descriptor::inplace_schema() const { return inplace_op_name() + arguments(*this, true) + " -> ()"; }
+std::string Descriptor::inplace_schema(bool scheduled) const {
+  return qualified(inplace_op_name(), scheduled) + arguments(*this, true, scheduled) + " -> ()";
+}
 
 void define(torch::Library& m, Descriptor d) {
   const Descriptor& stored = detail::add(std::move(d));
-  m.def(stored.schema().c_str());
-  m.def(stored.inplace_schema().c_str());
-  for (const bool inplace : {false, true}) {
-    const std::string name = inplace ? stored.inplace_op_name() : stored.op_name();
-    m.impl(name.c_str(), torch::dispatch(c10::DispatchKey::CPU, torch::CppFunction::makeFromBoxedFunctor(
-                                                                     std::make_unique<UpdateKernel>(&stored, inplace))));
+  for (const bool scheduled : {false, true}) {
+    if (scheduled && !stored.has_schedulable()) continue;
+    m.def(stored.schema(scheduled).c_str());
+    m.def(stored.inplace_schema(scheduled).c_str());
+    for (const bool inplace : {false, true}) {
+      const std::string name = qualified(inplace ? stored.inplace_op_name() : stored.op_name(), scheduled);
+      m.impl(name.c_str(), torch::dispatch(c10::DispatchKey::CPU, torch::CppFunction::makeFromBoxedFunctor(
+                                                                       std::make_unique<UpdateKernel>(&stored, inplace))));
+    }
   }
 }
 

@@ -15,6 +15,11 @@
 //   K_update_(Tensor(a!) param, Tensor grad, Tensor(b!) <slot>..., Tensor lr, <scalar>...) -> ()
 //     the same update in place, for eager scripts and the planned arena (donate=True).
 // `lr` is a 1-element tensor so a schedule changes it without rebuilding the program.
+//
+// A kind with schedulable scalars (momentum, beta1: those torch's schedulers change with
+// cycle_momentum=True) also has the overload "scheduled" of both ops, K_update.scheduled and
+// K_update_.scheduled, where each schedulable scalar is a 1-element float64 tensor, as lr is. The
+// kernel is the same: Update::f reads the double either way.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -52,7 +57,12 @@ enum class ScalarType { Float, Int, Bool };
 struct Scalar {
   std::string name;  // the schema argument name and the ParamUpdate key
   ScalarType type = ScalarType::Float;
+  // A Float that a scheduler may change per step: a Tensor argument in the "scheduled" overload.
+  bool schedulable = false;
 };
+
+// The overload name of the ops whose schedulable scalars are tensors.
+constexpr const char* kScheduledOverload = "scheduled";
 
 // Where the functional op's fresh results come from: at::empty_like, unless a runtime installs a
 // ResultAllocator on the calling thread for the duration of a run (runtime::Executor does, to
@@ -94,7 +104,7 @@ struct Update {
   at::Tensor grad;
   std::vector<at::Tensor> state;  // in Descriptor::slots order
   double lr = 0;
-  std::vector<c10::IValue> scalars;  // in Descriptor::scalars order
+  std::vector<c10::IValue> scalars;  // in Descriptor::scalars order (a schedulable one may be a tensor)
 
   at::Tensor& slot(const std::string& name);
   double f(const std::string& name) const;
@@ -142,8 +152,11 @@ struct Descriptor {
 
   std::string op_name() const { return kind + "_update"; }
   std::string inplace_op_name() const { return kind + "_update_"; }
-  std::string schema() const;
-  std::string inplace_schema() const;
+  // `scheduled`: the "scheduled" overload's schema (schedulable scalars as Tensor).
+  std::string schema(bool scheduled = false) const;
+  std::string inplace_schema(bool scheduled = false) const;
+  bool has_schedulable() const;
+  std::vector<std::string> schedulable() const;  // the schedulable scalars' names, in order
 };
 
 // Registers `d` and defines its two ops with their CPU kernels in `m` (a torch_ext library
@@ -163,14 +176,18 @@ const Descriptor& get(const std::string& kind);
 // The descriptor whose functional op is torch_ext::`op_name` (in-place variants are not matched).
 const Descriptor* find_by_op(const std::string& op_name);
 
-// State names of the lifted optimizer inputs: "opt:<param>:<slot>" and "opt:lr:group<g>".
+// State names of the lifted optimizer inputs: "opt:<param>:<slot>", and a param group's inputs
+// "opt:lr:group<g>" and "opt:<scalar>:group<g>" (a scheduled scalar, e.g. "opt:momentum:group0").
 std::string state_name(const std::string& param, const std::string& slot);
-std::string lr_name(int64_t group);
-// The inverse of state_name / lr_name; nullopt for any other name (parameters, buffers, "rng").
+std::string group_input_name(const std::string& hyper, int64_t group);
+std::string lr_name(int64_t group);  // group_input_name("lr", group)
+// The inverse of state_name / group_input_name; nullopt for any other name (parameters, buffers, "rng").
 struct StateName {
-  std::optional<int64_t> lr_group;  // set for an lr input; param and slot are then empty
+  std::optional<int64_t> group;  // set for a group input; param and slot are then empty
+  std::string hyper;             // with group: "lr" or the scheduled scalar's name
   std::string param;
   std::string slot;
+  bool is_lr() const { return group.has_value() && hyper == "lr"; }
 };
 std::optional<StateName> parse_state_name(const std::string& name);
 

@@ -10,7 +10,7 @@ namespace torch_ext::optim {
 namespace {
 
 constexpr const char* kPrefix = "opt:";
-constexpr const char* kLrPrefix = "opt:lr:group";
+constexpr const char* kGroup = ":group";
 
 // Filled while the library loads (define runs inside TORCH_LIBRARY_FRAGMENT), read-only after.
 // A deque keeps the descriptors' addresses stable; a function-local static is built on first
@@ -69,20 +69,31 @@ const Descriptor* find_by_op(const std::string& op_name) {
 
 std::string state_name(const std::string& param, const std::string& slot) { return kPrefix + param + ":" + slot; }
 
-std::string lr_name(int64_t group) { return kLrPrefix + std::to_string(group); }
+std::string group_input_name(const std::string& hyper, int64_t group) {
+  return kPrefix + hyper + kGroup + std::to_string(group);
+}
+
+std::string lr_name(int64_t group) { return group_input_name("lr", group); }
 
 std::optional<StateName> parse_state_name(const std::string& name) {
   if (!starts_with(name, kPrefix)) return std::nullopt;
   StateName out;
-  const std::string lr_prefix = kLrPrefix;
-  if (starts_with(name, kLrPrefix) && name.size() > lr_prefix.size() &&
-      std::all_of(name.begin() + lr_prefix.size(), name.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-    out.lr_group = std::stoll(name.substr(lr_prefix.size()));
-    return out;
+  // "opt:<hyper>:group<digits>": no slot is named group<digits>, and no hyperparameter name holds
+  // ':' or '.' (parameter names, "model.<...>", hold a '.').
+  const size_t start = std::string(kPrefix).size();
+  const size_t group_at = name.rfind(kGroup);
+  const size_t digits = group_at + std::string(kGroup).size();
+  if (group_at != std::string::npos && group_at > start && digits < name.size() &&
+      std::all_of(name.begin() + digits, name.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    const std::string hyper = name.substr(start, group_at - start);
+    if (hyper.find_first_of(":.") == std::string::npos) {
+      out.group = std::stoll(name.substr(digits));
+      out.hyper = hyper;
+      return out;
+    }
   }
   // The slot is the last part: parameter names may hold ':' (never slot names).
   const size_t colon = name.rfind(':');
-  const size_t start = std::string(kPrefix).size();
   if (colon == std::string::npos || colon < start + 1 || colon + 1 == name.size()) return std::nullopt;
   out.param = name.substr(start, colon - start);
   out.slot = name.substr(colon + 1);

@@ -42,7 +42,7 @@ TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
   using T = ScalarType;
   const std::vector<Slot> slots{{"square_avg"}, {"grad_avg"}, {"momentum_buffer"}, {"step", SlotInit::StepCounter}};
   const std::vector<Scalar> scalars{{"alpha", T::Float},    {"eps", T::Float},     {"weight_decay", T::Float},
-                                    {"momentum", T::Float}, {"centered", T::Bool}, {"maximize", T::Bool}};
+                                    {"momentum", T::Float, /*schedulable=*/true}, {"centered", T::Bool}, {"maximize", T::Bool}};
   define(m, Descriptor{"rmsprop", "RMSprop", slots, scalars, &rmsprop});
 }
 

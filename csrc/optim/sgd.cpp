@@ -25,6 +25,10 @@ void sgd_momentum(Update& u) {
   at::Tensor& buf = u.slot("momentum_buffer");
   at::Tensor& step = u.slot("step");
   const double momentum = u.f("momentum");
+  if (momentum == 0) {  // a scheduled momentum may reach 0: torch.optim then leaves the buffer alone
+    u.write(u.param, [&](at::Tensor& out, const at::Tensor& in) { at::add_out(out, in, grad, -u.lr); });
+    return;
+  }
   if (step.item<double>() == 0) {
     u.write(buf, [&](at::Tensor& out, const at::Tensor&) { out.copy_(grad); });  // torch.optim: buf = grad.clone()
   } else {
@@ -41,7 +45,7 @@ void sgd_momentum(Update& u) {
 TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
   using T = ScalarType;
   define(m, Descriptor{"sgd", "SGD", {}, {{"weight_decay", T::Float}, {"maximize", T::Bool}}, &sgd});
-  const std::vector<Scalar> scalars{{"momentum", T::Float}, {"dampening", T::Float}, {"weight_decay", T::Float},
+  const std::vector<Scalar> scalars{{"momentum", T::Float, /*schedulable=*/true}, {"dampening", T::Float}, {"weight_decay", T::Float},
                                     {"nesterov", T::Bool}, {"maximize", T::Bool}};
   define(m, Descriptor{"sgd_momentum", "SGD", {{"momentum_buffer"}, {"step", SlotInit::StepCounter}}, scalars,
                        &sgd_momentum});

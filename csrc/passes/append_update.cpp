@@ -26,10 +26,17 @@ ir::Node* param_node(const ir::Graph& g, const std::string& name) {
   TORCH_CHECK(false, "append_update: no parameter placeholder for '", name, "'");
 }
 
-// Arguments after (param, grad, <state...>, lr), in the descriptor's (= the schema's) order.
-std::vector<ir::Arg> scalar_args(const ParamUpdate& u) {
+// Arguments after (param, grad, <state...>, lr), in the descriptor's (= the schema's) order; a
+// scheduled update reads its schedulable scalars from the group's inputs in `lifted`.
+std::vector<ir::Arg> scalar_args(const ParamUpdate& u, const std::map<std::string, ir::Node*>& lifted) {
   std::vector<ir::Arg> out;
   for (const optim::Scalar& s : optim::get(u.kind).scalars) {
+    if (u.scheduled && s.schedulable) {
+      auto it = lifted.find(optim::group_input_name(s.name, u.group));
+      TORCH_CHECK(it != lifted.end(), "append_update: no '", s.name, "' input for group ", u.group);
+      out.push_back(ir::Arg::of_node(it->second));
+      continue;
+    }
     switch (s.type) {
       case optim::ScalarType::Float:
         out.push_back(ir::Arg::of_float(hyper(u, s.name)));
@@ -54,7 +61,7 @@ std::vector<std::pair<std::string, ir::Node*>> append_update(ir::Graph& g, const
   // Validate every entry before adding a node.
   for (const ParamUpdate& u : spec.updates) {
     param_node(g, u.param);
-    scalar_args(u);
+    scalar_args(u, lifted);
     for (const optim::Slot& slot : optim::get(u.kind).slots)
       TORCH_CHECK(lifted.count(optim::state_name(u.param, slot.name)), "append_update: state '",
                   optim::state_name(u.param, slot.name), "' was not lifted");
@@ -75,8 +82,9 @@ std::vector<std::pair<std::string, ir::Node*>> append_update(ir::Graph& g, const
       out_types.push_back(s->type());
     }
     args.push_back(ir::Arg::of_node(lifted.at(optim::lr_name(u.group))));
-    for (ir::Arg& a : scalar_args(u)) args.push_back(std::move(a));
-    const std::string target = "torch_ext::" + d.op_name() + ".default";
+    for (ir::Arg& a : scalar_args(u, lifted)) args.push_back(std::move(a));
+    const std::string target =
+        "torch_ext::" + d.op_name() + "." + (u.scheduled ? optim::kScheduledOverload : "default");
     ir::Type type = out_types.size() == 1 ? out_types[0] : ir::Type::make_tuple(out_types);
     ir::Node* upd = g.create_call(g.unique_name(p->name() + "_" + u.kind), ir::Target::parse(target), std::move(args),
                                   {}, type);

@@ -37,7 +37,9 @@ std::map<std::string, ir::Node*> lift_optimizer_state(ir::Graph& g, const TrainS
     TORCH_CHECK(p->type().is_tensor(), "lift_optimizer_state: parameter '", u.param, "' is not a tensor");
     TORCH_CHECK(u.group >= 0 && u.group < spec.num_groups, "lift_optimizer_state: parameter '", u.param,
                 "' has group ", u.group, " but there are ", spec.num_groups, " groups");
-    optim::get(u.kind);
+    const optim::Descriptor& d = optim::get(u.kind);
+    TORCH_CHECK(!u.scheduled || d.has_schedulable(), "lift_optimizer_state: parameter '", u.param, "' (", u.kind,
+                ") is marked scheduled but ", d.title, " has no schedulable hyperparameter");
   }
   std::map<std::string, ir::Node*> lifted;
   for (const ParamUpdate& u : spec.updates) {
@@ -51,10 +53,17 @@ std::map<std::string, ir::Node*> lift_optimizer_state(ir::Graph& g, const TrainS
                                           ir::InputRole::OptimizerState, t, name);
     }
   }
-  for (int64_t grp = 0; grp < spec.num_groups; ++grp)
-    lifted[optim::lr_name(grp)] = g.create_placeholder(g.unique_name("lr_group" + std::to_string(grp)),
-                                                ir::InputRole::OptimizerState, scalar_type(c10::ScalarType::Double),
-                                                optim::lr_name(grp));
+  auto group_input = [&](const std::string& hyper, int64_t grp) {
+    const std::string name = optim::group_input_name(hyper, grp);
+    if (!lifted.count(name))
+      lifted[name] = g.create_placeholder(g.unique_name(hyper + "_group" + std::to_string(grp)),
+                                          ir::InputRole::OptimizerState, scalar_type(c10::ScalarType::Double), name);
+  };
+  for (int64_t grp = 0; grp < spec.num_groups; ++grp) group_input("lr", grp);
+  // After every lr, so a step without scheduled scalars keeps its layout.
+  for (const ParamUpdate& u : spec.updates)
+    if (u.scheduled)
+      for (const std::string& s : optim::get(u.kind).schedulable()) group_input(s, u.group);
   return lifted;
 }
 

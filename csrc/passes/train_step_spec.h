@@ -20,6 +20,9 @@ struct ParamUpdate {
   int64_t group = 0;  // index of the lr input shared by the param group
   std::map<std::string, double> hyper;  // the descriptor's float and int scalars, by name
   std::map<std::string, bool> flags;    // its bool scalars, by name
+  // A scheduler changes the kind's schedulable scalars: they are the group's inputs
+  // "opt:<scalar>:group<g>" (as lr is), and `hyper` holds only their values at build.
+  bool scheduled = false;
 };
 
 // Data parallelism over a torch.distributed process group (see all_reduce_grads.h and

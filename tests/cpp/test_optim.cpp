@@ -26,8 +26,8 @@ std::vector<std::string> kinds() {
 }
 
 // The registered schema of torch_ext::`name`, as the dispatcher prints it.
-std::string registered_schema(const std::string& name) {
-  auto op = c10::Dispatcher::singleton().findSchema({"torch_ext::" + name, ""});
+std::string registered_schema(const std::string& name, const std::string& overload = "") {
+  auto op = c10::Dispatcher::singleton().findSchema({"torch_ext::" + name, overload});
   if (!op.has_value()) return "<none>";
   std::stringstream s;
   s << op->schema();
@@ -54,10 +54,20 @@ TEST(OptimRegistry, SchemasAreGeneratedFromTheDescriptor) {
   EXPECT_EQ(optim::get("sgd").schema(),
             "sgd_update(Tensor param, Tensor grad, Tensor lr, float weight_decay, bool maximize) -> Tensor");
   EXPECT_NE(optim::get("muon").schema().find("int ns_steps"), std::string::npos);
+  // The scheduled overload: the schedulable scalars are tensors, fed per step as lr is.
+  EXPECT_EQ(optim::get("sgd_momentum").schema(true),
+            "sgd_momentum_update.scheduled(Tensor param, Tensor grad, Tensor momentum_buffer, Tensor step, Tensor lr, "
+            "Tensor momentum, float dampening, float weight_decay, bool nesterov, bool maximize) -> (Tensor, Tensor, "
+            "Tensor)");
+  EXPECT_FALSE(optim::get("sgd").has_schedulable());
   // ... and they are what the dispatcher holds, for every kind.
   for (const optim::Descriptor* d : optim::all()) {
     EXPECT_EQ(registered_schema(d->op_name()), "torch_ext::" + d->schema());
     EXPECT_EQ(registered_schema(d->inplace_op_name()), "torch_ext::" + d->inplace_schema());
+    if (!d->has_schedulable()) continue;
+    EXPECT_EQ(registered_schema(d->op_name(), optim::kScheduledOverload), "torch_ext::" + d->schema(true));
+    EXPECT_EQ(registered_schema(d->inplace_op_name(), optim::kScheduledOverload),
+              "torch_ext::" + d->inplace_schema(true));
   }
 }
 
@@ -94,12 +104,20 @@ TEST(OptimRegistry, StateNamesRoundTrip) {
   EXPECT_EQ(optim::lr_name(3), "opt:lr:group3");
   auto s = optim::parse_state_name("opt:model.a:b.weight:exp_avg_sq");
   ASSERT_TRUE(s.has_value());
-  EXPECT_FALSE(s->lr_group.has_value());
+  EXPECT_FALSE(s->group.has_value());
   EXPECT_EQ(s->param, "model.a:b.weight");
   EXPECT_EQ(s->slot, "exp_avg_sq");
   auto lr = optim::parse_state_name(optim::lr_name(12));
-  ASSERT_TRUE(lr.has_value() && lr->lr_group.has_value());
-  EXPECT_EQ(*lr->lr_group, 12);
+  ASSERT_TRUE(lr.has_value() && lr->is_lr());
+  EXPECT_EQ(*lr->group, 12);
+  EXPECT_EQ(optim::group_input_name("momentum", 2), "opt:momentum:group2");
+  auto m = optim::parse_state_name("opt:momentum:group2");
+  ASSERT_TRUE(m.has_value() && m->group.has_value() && !m->is_lr());
+  EXPECT_EQ(m->hyper, "momentum");
+  EXPECT_EQ(*m->group, 2);
+  auto slot = optim::parse_state_name("opt:model.w:group2");  // a parameter (it holds a '.'), not a group input
+  ASSERT_TRUE(slot.has_value());
+  EXPECT_FALSE(slot->group.has_value());
   for (const char* other : {"model.fc.weight", "rng", "opt:", "opt:x", "opt:x:", "batch:0"})
     EXPECT_FALSE(optim::parse_state_name(other).has_value()) << other;
 }

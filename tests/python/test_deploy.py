@@ -189,3 +189,49 @@ def test_cpp_runner_follows_a_schedule_given_as_per_call_lrs(tmp_path):
     torch.save(lrs[:2], tmp_path / "short.pt")
     short = subprocess.run(args + ["--lrs", str(tmp_path / "short.pt")], capture_output=True, text=True, timeout=300)
     assert short.returncode == 2 and "has lrs for 2 calls" in short.stderr, short.stderr
+
+
+@pytest.mark.skipif(not RUNNER.exists(), reason=f"C++ runner not built at {RUNNER}")
+@pytest.mark.parametrize("make_opt", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+                                      lambda ps: torch.optim.AdamW(ps, lr=1e-2)], ids=["sgd_nesterov", "adamw"])
+def test_cpp_runner_follows_a_schedule_that_cycles_momentum(tmp_path, make_opt):
+    # OneCycleLR with its default cycle_momentum=True: the package takes the momentum (beta1) as an
+    # input, like the lr; step.input_schedule gives both per call, and the runner's losses are those of
+    # the package loaded in Python with a fresh scheduler, which follows the executor's step.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    fresh_model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    def sched_of(o):
+        return torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=12)
+
+    opt = make_opt(model.parameters())
+    batches = [(torch.randn(3, 4), torch.randint(0, 2, (3,))) for _ in range(8)]
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    step = torch_ext.make_train_step(model, opt, loss_fn, batches[0], scheduler=sched_of(opt))
+    package = step.to_aoti(str(tmp_path / "step.pt2"))
+    state = step.init_state()
+    fed = "opt:beta1:group0" if isinstance(opt, torch.optim.AdamW) else "opt:momentum:group0"
+    schedule = step.input_schedule(state, len(batches))
+    assert set(schedule[0]) == {"opt:lr:group0", fed}
+    assert len({row[fed] for row in schedule}) == len(batches)  # the momentum changes every call
+    torch.save(state.state_dict(), tmp_path / "state.pt")
+    torch.save([list(b) for b in batches], tmp_path / "batches.pt")
+    torch.save(schedule, tmp_path / "inputs.pt")
+    args = [str(RUNNER), package, str(tmp_path / "state.pt"), str(tmp_path / "batches.pt")]
+    run = subprocess.run(args + ["--lrs", str(tmp_path / "inputs.pt")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    loaded = torch_ext.load_step(package, scheduler=sched_of(make_opt(fresh_model.parameters())))
+    s, live, want, exact = state, state, [], []
+    for b in batches:
+        loss, s = loaded(s, *b)[:2]
+        live_loss, live = step(live, *b)
+        want.append(float(loss))
+        exact.append(float(live_loss))
+    assert float(s.opt[fed]) == float(live.opt[fed])
+    assert [float(v) for v in run.stdout.split()] == pytest.approx(want, rel=1e-6, abs=0)
+    assert want == pytest.approx(exact, rel=1e-5, abs=0)
+    # A list of lrs alone gives no momentum: refused, naming the input.
+    torch.save(step.lr_schedule(state, len(batches)), tmp_path / "lrs.pt")
+    short = subprocess.run(args + ["--lrs", str(tmp_path / "lrs.pt")], capture_output=True, text=True, timeout=300)
+    assert short.returncode != 0 and f"gives no value for '{fed}'" in short.stderr, short.stderr

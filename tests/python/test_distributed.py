@@ -351,6 +351,29 @@ def world_of_one(tmp_path):
         dist.destroy_process_group()
 
 
+def test_one_rank_with_a_cycled_momentum_equals_the_plain_step(world_of_one):
+    # OneCycleLR cycles beta1: the data-parallel and the ZeRO-1 program take it as an input too.
+    model, loss_fn, batches = _setup("cnn_bn", 0, 3)
+
+    def make(**kw):
+        opt = _adamw(model.parameters())
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
+        return torch_ext.make_train_step(model, opt, loss_fn, batches[0], scheduler=sched, **kw)
+
+    plain = make()
+    for shard in (False, True):
+        dp = make(process_group=world_of_one, shard_optimizer_state=shard)
+        assert "opt:beta1:group0" in [n for n, _ in dp._inputs]
+        s0, s1 = plain.init_state(), dp.init_state()
+        for b in batches:
+            l0, s0 = plain(s0, *b)
+            l1, s1 = dp(s1, *b)
+            assert torch.equal(l0, l1)
+        assert float(s1.opt["opt:beta1:group0"]) == float(s0.opt["opt:beta1:group0"])
+        for k in plain.state_names:
+            assert torch.equal(s0.lookup(k).reshape(-1), s1.lookup(k).reshape(-1)), k
+
+
 def test_one_rank_equals_the_plain_step_and_bad_groups_are_refused(world_of_one):
     model, loss_fn, batches = _setup("cnn_bn", 0, 3)
     plain = torch_ext.make_train_step(model, _adamw(model.parameters()), loss_fn, batches[0])

@@ -86,6 +86,37 @@ def test_onnx_runtime_trains_like_eager(tmp_path, kind, opt_name):
         assert float((got - p.detach()).abs().max()) <= 1e-5 * float(p.detach().abs().max()), name
 
 
+@pytest.mark.parametrize("opt_name", ["sgd_nesterov", "adamw", "rmsprop", "sgd_to_zero"])
+def test_onnx_runtime_follows_a_scheduler_that_cycles_momentum(tmp_path, opt_name):
+    # The momentum (beta1) is an input of the ONNX graph as of the step's program, fed per call from
+    # the scheduler's replay; before, to_onnx refused the scheduled update ops.
+    model, batch, loss_fn = _case("mlp")
+    make, sched = {
+        "sgd_nesterov": (lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9, nesterov=True),
+                         lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=30)),
+        "adamw": (lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1),
+                  lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=30)),
+        "rmsprop": (lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5),
+                    lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-3, total_steps=30)),
+        "sgd_to_zero": (lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
+                        lambda o: torch.optim.lr_scheduler.CyclicLR(o, base_lr=0.01, max_lr=0.05, step_size_up=5,
+                                                                    base_momentum=0.0, max_momentum=0.9)),
+    }[opt_name]
+    opt = make(model.parameters())
+    step = torch_ext.make_train_step(model, opt, loss_fn, batch, scheduler=sched(opt))
+    path = step.to_onnx(str(tmp_path / "step.onnx"))
+    onnx_step = tox.load_onnx_step(path, scheduler=sched(make(copy.deepcopy(model).parameters())))
+    state = live = step.init_state()
+    for i in range(20):
+        loss, state = onnx_step(state, *batch)
+        ref, live = step(live, *batch)
+        assert float(loss) == pytest.approx(float(ref), rel=1e-5, abs=1e-6), f"step {i}"
+    assert {n: float(v) for n, v in state.opt.items() if ":group" in n} == \
+        {n: float(v) for n, v in live.opt.items() if ":group" in n}
+    for name, p in live.params.items():
+        assert float((state.params[name] - p).abs().max()) <= 1e-5 * float(p.abs().max()), name
+
+
 def test_onnx_step_on_a_plain_dict_state(tmp_path):
     model, batch, loss_fn = _case("mlp")
     step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, batch)

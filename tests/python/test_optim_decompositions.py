@@ -87,6 +87,54 @@ def test_lion(wd):
     run(ops.lion_update.default, [p, m * 0.1], [0.9, 0.99, wd])
 
 
+def f64(v):
+    return torch.tensor(v, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("nesterov,dampening,momentum", [(False, 0.0, 0.9), (True, 0.0, 0.85), (False, 0.3, 0.9),
+                                                         (True, 0.0, 0.0)])
+def test_sgd_momentum_scheduled(nesterov, dampening, momentum):
+    # The "scheduled" overload: momentum is a float64 tensor input (0: torch.optim's plain SGD step).
+    p, buf = tensors(2)
+    run(ops.sgd_momentum_update.scheduled, [p, buf, torch.tensor(1.0)], [f64(momentum), dampening, 0.01, nesterov,
+                                                                           False])
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adam_scheduled(amsgrad):
+    p, m, v = tensors(3)
+    m, v = m * 0.1, v.abs() * 0.1
+    if amsgrad:
+        run(ops.adam_amsgrad_update.scheduled, [p, m, v, v.clone() * 2, torch.tensor(3.0)],
+            [f64(0.87), 0.99, 1e-8, 0.01, True, False])
+    else:
+        run(ops.adam_update.scheduled, [p, m, v, torch.tensor(2.0)], [f64(0.87), 0.999, 1e-8, 0.1, True, False])
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_rmsprop_scheduled(momentum):
+    p, ga, buf = tensors(3)
+    run(ops.rmsprop_update.scheduled, [p, torch.rand(5, 7), ga * 0.01, buf * 0.1, torch.tensor(0.0)],
+        [0.99, 1e-8, 0.01, f64(momentum), True, False])
+
+
+def test_a_scheduled_scalar_computes_as_the_same_constant_bit_for_bit():
+    # The C++ kernel reads the tensor's double: the same update as the constant overload, bit for bit.
+    for op, state, extra, at in [
+            (ops.sgd_momentum_update, tensors(2) + [torch.tensor(1.0)], [0.9, 0.1, 0.01, True, False], 0),
+            (ops.adam_update, tensors(3, seed=1)[:1] + [t.abs() * 0.1 for t in tensors(2, seed=2)] + [torch.tensor(4.0)],
+             [0.87, 0.999, 1e-8, 0.1, True, False], 0),
+            (ops.rmsprop_update, tensors(1) + [torch.rand(5, 7), torch.zeros(5, 7), torch.zeros(5, 7), torch.tensor(0.0)],
+             [0.99, 1e-8, 0.01, 0.9, False, False], 3)]:
+        grad = tensors(1, seed=5)[0]
+        lr = f64(1e-2)
+        want = op.default(state[0], grad, *state[1:], lr, *extra)
+        scheduled = list(extra)
+        scheduled[at] = f64(extra[at])
+        got = op.scheduled(state[0], grad, *state[1:], lr, *scheduled)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_each_registration_carries_its_aten_forms():
     """The ATen forms live in the optimizer's own registration (one Python module per optimizer);
     every kind but Muon's has one, so AOTInductor fuses it."""
@@ -94,7 +142,9 @@ def test_each_registration_carries_its_aten_forms():
 
     table = decompositions()
     kinds = {kind for reg in registrations() for kind in reg.aten}
-    assert {getattr(ops, descriptor(k)["op"]).default for k in kinds} == set(table)
+    overloads = {getattr(ops, descriptor(k)["op"]).default for k in kinds}
+    overloads |= {getattr(ops, descriptor(k)["op"]).scheduled for k in kinds if descriptor(k)["schedulable"]}
+    assert overloads == set(table)
     assert kinds == {"adam", "adam_amsgrad", "sgd", "sgd_momentum", "rmsprop", "adagrad", "lion"}
 
 

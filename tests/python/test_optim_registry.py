@@ -35,11 +35,33 @@ def test_descriptor_matches_schema_and_fake_kernel(kind):
     assert [(o.shape, o.dtype) for o in out] == [(w.shape, w.dtype) for w in want]
 
 
+@pytest.mark.parametrize("kind", [d["kind"] for d in torch_ext._C.optimizer_descriptors() if d["schedulable"]])
+def test_the_scheduled_overload_takes_its_schedulable_scalars_as_tensors(kind):
+    # Its fake kernel too (torch.export and AOTInductor trace it), with the results of the constant overload.
+    d = optim.descriptor(kind)
+    schema = getattr(torch.ops.torch_ext, d["op"]).scheduled._schema
+    tensors = [a.name for a in schema.arguments if a.type.kind() == "TensorType"]
+    assert tensors == ["param", "grad", *(s for s, _ in d["slots"]), "lr", *d["schedulable"]]
+    constant = _example_args(d)
+    args = [torch.tensor(a, dtype=torch.float64) if x.name in d["schedulable"] else a
+            for a, x in zip(constant, schema.arguments)]
+    want = getattr(torch.ops.torch_ext, d["op"]).default(*constant)
+    got = getattr(torch.ops.torch_ext, d["op"]).scheduled(*args)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with FakeTensorMode() as mode:
+        fake = getattr(torch.ops.torch_ext, d["op"]).scheduled(
+            *[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+    assert [(o.shape, o.dtype) for o in fake] == [(w.shape, w.dtype) for w in want]
+
+
 def test_state_names_round_trip():
     name = optim.state_name("model.fc.weight", "exp_avg")
     assert name == "opt:model.fc.weight:exp_avg"
     assert optim.parse_state_name(name) == ("slot", "model.fc.weight", "exp_avg")
     assert optim.parse_state_name(optim.lr_name(2)) == ("lr", 2)
+    assert optim.group_input_name("beta1", 3) == "opt:beta1:group3"
+    assert optim.parse_state_name("opt:beta1:group3") == ("hyper", "beta1", 3)
+    assert optim.parse_state_name("opt:model.w:group3") == ("slot", "model.w", "group3")
     for other in ("model.fc.weight", "rng", "batch:0", "opt:"):
         assert optim.parse_state_name(other) is None
 

@@ -9,6 +9,7 @@ import argparse
 import copy
 import dataclasses
 import types
+import warnings
 
 import pytest
 import torch
@@ -1062,10 +1063,12 @@ def test_schedulers_the_step_cannot_follow_are_refused():
     model = TiedLM()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     batch = next(lm_batches())
-    onecycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)  # cycles momentum
-    with pytest.raises(ValueError, match=r"the scheduler changes 'momentum' of SGD param group 0 at step 1.*"
-                                         r"cycle_momentum=False"):
-        torch_ext.make_train_step(model, opt, lm_loss, batch, scheduler=onecycle)
+    # Lion's betas are baked in (not schedulable): a scheduler cycling them is refused, as before.
+    lion = torch_ext.optim.Lion(model.parameters(), lr=1e-3)
+    onecycle = torch.optim.lr_scheduler.OneCycleLR(lion, max_lr=1e-3, total_steps=10)  # cycles betas[0]
+    with pytest.raises(ValueError, match=r"the scheduler changes 'betas' of Lion param group 0 at step 1.*"
+                                         r"cycle_momentum=True.*here: none"):
+        torch_ext.make_train_step(model, lion, lm_loss, batch, scheduler=onecycle)
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
     with pytest.raises(TypeError, match="ReduceLROnPlateau steps on a metric"):
         torch_ext.make_train_step(model, opt, lm_loss, batch, scheduler=plateau)
@@ -1075,6 +1078,216 @@ def test_schedulers_the_step_cannot_follow_are_refused():
     with pytest.raises(ValueError, match="scheduler= needs unroll=1"):
         torch_ext.make_train_step(model, opt, lm_loss, batch, scheduler=torch.optim.lr_scheduler.StepLR(opt, 3),
                                   unroll=2)
+
+
+# Schedulers that cycle momentum (cycle_momentum=True, their default): the program takes the momentum
+# (SGD, RMSprop) or beta1 (Adam, AdamW: betas[0]) as an input, fed per step from the replay as the lr is.
+CYCLING = {
+    "onecycle_sgd_nesterov": (lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True),
+                              lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=60)),
+    "onecycle_sgd_dampening": (lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, dampening=0.3,
+                                                         weight_decay=1e-3),
+                               lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=60)),
+    "onecycle_adamw": (adamw, lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=60)),
+    "cyclic_sgd": (lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                   lambda o: torch.optim.lr_scheduler.CyclicLR(o, base_lr=0.01, max_lr=0.1, step_size_up=10)),
+    "cyclic_adam": (lambda m: torch.optim.Adam(m.parameters(), lr=1e-2),
+                    lambda o: torch.optim.lr_scheduler.CyclicLR(o, base_lr=1e-3, max_lr=1e-2, step_size_up=8)),
+    # CyclicLR's momentum reaches 0 at the peak lr: torch.optim's SGD then leaves the buffer alone.
+    "cyclic_sgd_to_zero": (lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                           lambda o: torch.optim.lr_scheduler.CyclicLR(o, base_lr=0.01, max_lr=0.1, step_size_up=10,
+                                                                       base_momentum=0.0, max_momentum=0.9)),
+    "onecycle_rmsprop": (lambda m: torch.optim.RMSprop(m.parameters(), lr=1e-2, momentum=0.5),
+                         lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=60)),
+}
+
+
+def _fed_values(opt):
+    """What eager's optimizer reads this step: each group's momentum, or betas[0]."""
+    return [g["betas"][0] if "betas" in g else g["momentum"] for g in opt.param_groups]
+
+
+def _assert_optimizer_state_equal(state, ref, ref_opt):
+    for n, p in ref.named_parameters():
+        for slot, v in ref_opt.state[p].items():
+            mine = state.opt[torch_ext.optim.state_name("model." + n, slot)]
+            assert torch.equal(mine, torch.as_tensor(v, dtype=mine.dtype)), (n, slot)
+
+
+@pytest.mark.parametrize("name", list(CYCLING))
+def test_a_scheduler_cycling_momentum_is_followed_bit_exact(name):
+    # Before: refused ("the scheduler changes 'momentum' ... pass cycle_momentum=False").
+    make_opt, make_sched = CYCLING[name]
+    step, state, ref, ref_opt = parity(TiedLM, make_opt, steps=45, make_sched=make_sched)  # past the cycle's turn
+    fed = [n for n, _ in step._inputs if (torch_ext.optim.parse_state_name(n) or ("",))[0] == "hyper"]
+    assert fed == [torch_ext.optim.group_input_name("beta1" if "adam" in name else "momentum", 0)]
+    assert [float(state.opt[n]) for n in fed] == _fed_values(ref_opt)
+    assert [float(v) for v in state.lr] == [g["lr"] for g in ref_opt.param_groups]
+    _assert_optimizer_state_equal(state, ref, ref_opt)
+    # The update ops read it as an input: the "scheduled" overload, no constant momentum.
+    assert "update.scheduled(" in str(step.graph)
+
+
+@pytest.mark.parametrize("name", ["onecycle_sgd_nesterov", "onecycle_adamw", "cyclic_sgd"])
+def test_a_cycled_momentum_through_the_planned_arena_save_and_write_back_bit_exact(name, tmp_path):
+    make_opt, make_sched = CYCLING[name]
+    torch.manual_seed(0)
+    model = TiedLM()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = make_opt(model), make_opt(ref)
+    sched, ref_sched = make_sched(opt), make_sched(ref_opt)
+    step = torch_ext.make_train_step(model, opt, lm_loss, next(lm_batches(99)), scheduler=sched)
+    ref_losses = eager_run(ref, ref_opt, lm_batches(), 50, ref_sched)
+    # 20 steps in the planned, donating arena, then save: the .pt2 loaded with a fresh scheduler goes on.
+    planned = step.compile(plan=True, donate=True)
+    losses, state = pure_run(planned, step.init_state(), lm_batches(), 20)
+    path = str(tmp_path / "step.pt2")
+    torch.export.save(step.program, path)
+    saved = copy.deepcopy(state.state_dict())
+    fresh_model = TiedLM()
+    fresh_opt = make_opt(fresh_model)
+    loaded = torch_ext.load_step(path, scheduler=make_sched(fresh_opt))
+    state = step.load_state_dict(torch.load(_save(saved, tmp_path), weights_only=True))
+    batches = lm_batches()
+    for _ in range(20):
+        next(batches)
+    # The schedulers of other optimizers than the step's: refused, naming the input they cannot give.
+    with pytest.raises(ValueError, match=r"takes \['beta1'\] of param group 0 per step, which SGD does not have"
+                       if "adam" in name else r"takes \['momentum'\] of param group 0 per step, which AdamW"):
+        other = (lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)) if "adam" in name else adamw
+        torch_ext.load_step(path, scheduler=make_sched(other(TiedLM())))
+    more, state = pure_run(loaded, state, batches, 15)
+    losses += more
+    # write_back: eager continues from the state, with the scheduler and momentum where eager's are.
+    step.write_back(state)
+    assert _fed_values(opt) == _fed_values(ref_opt_at(make_opt, make_sched, 35))
+    for _ in range(15):
+        b = next(batches)
+        opt.zero_grad()
+        loss = lm_loss(model, *b)
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.detach())
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert torch.equal(a, b), f"loss differs at step {i}: {a.item()!r} vs {b.item()!r}"
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.detach(), q.detach()), n
+    assert _fed_values(opt) == _fed_values(ref_opt)
+
+
+def test_cycled_momentum_with_two_optimizers_accumulate_and_clip_bit_exact():
+    # Two optimizers, each with its scheduler (one cycling beta1, one momentum with nesterov), two
+    # micro-batches per update and clip_grad_norm: the fed inputs are per param group.
+    torch.manual_seed(0)
+    model = TiedLM()
+    ref = copy.deepcopy(model)
+
+    def opts(m):
+        return [torch.optim.AdamW(m.mid.parameters(), lr=1e-2, weight_decay=0.1),
+                torch.optim.SGD([m.emb.weight], lr=0.1, momentum=0.9, nesterov=True)]
+
+    def scheds(os):
+        return [torch.optim.lr_scheduler.OneCycleLR(os[0], max_lr=0.05, total_steps=50),
+                torch.optim.lr_scheduler.CyclicLR(os[1], base_lr=0.01, max_lr=0.1, step_size_up=8)]
+
+    o, ro = opts(model), opts(ref)
+    batches = lm_batches()
+    b0 = next(lm_batches(99))
+    step = torch_ext.make_train_step(model, o, lm_loss, b0, scheduler=scheds(o), accumulate=2, clip_grad_norm=0.5)
+    assert [n for n, _ in step._inputs if n.endswith(("group0", "group1")) and ":lr:" not in n] == \
+        ["opt:beta1:group0", "opt:momentum:group1"]
+    state = step.init_state()
+    rs = scheds(ro)
+    for i in range(40):
+        mbs = [next(batches), next(batches)]
+        loss, state = step(state, *mbs[0], *mbs[1])
+        for x in ro:
+            x.zero_grad()
+        ref_losses = []
+        for mb in mbs:
+            l = lm_loss(ref, *mb)
+            (l / 2).backward()
+            ref_losses.append(l.detach())
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        for x in ro:
+            x.step()
+        for x in rs:
+            x.step()
+        assert torch.equal(loss, torch.stack(ref_losses)), i
+    for n, p in ref.named_parameters():
+        assert torch.equal(state.params["model." + n], p.detach()), n
+    assert [float(state.opt["opt:beta1:group0"]), float(state.opt["opt:momentum:group1"])] == \
+        [ro[0].param_groups[0]["betas"][0], ro[1].param_groups[0]["momentum"]]
+
+
+def test_cycled_momentum_with_batch_shapes_cache_feeds_every_program():
+    # A batch of another shape runs a program built for it: it takes the momentum as an input too.
+    torch.manual_seed(0)
+    model = TiedLM()
+    ref = copy.deepcopy(model)
+    make_opt, make_sched = CYCLING["onecycle_sgd_nesterov"]
+    opt, ref_opt = make_opt(model), make_opt(ref)
+    step = torch_ext.make_train_step(model, opt, lm_loss, next(lm_batches(99)), scheduler=make_sched(opt),
+                                     batch_shapes="cache")
+    ref_sched = make_sched(ref_opt)
+    g = torch.Generator().manual_seed(3)
+    state = step.init_state()
+    for i in range(24):
+        rows = 3 if i % 2 == 0 else 2
+        b = (torch.randint(0, VOCAB, (rows, 5), generator=g), torch.randint(0, VOCAB, (rows, 5), generator=g))
+        loss, state = step(state, *b)
+        ref_opt.zero_grad()
+        ref_loss = lm_loss(ref, *b)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_sched.step()
+        assert torch.equal(loss, ref_loss.detach()), i
+    assert step.cache_info()["programs"] == 2
+    assert "update.scheduled(" in str(next(iter(step._variants.values())).graph)
+    for n, p in ref.named_parameters():
+        assert torch.equal(state.params["model." + n], p.detach()), n
+
+
+def _save(d, tmp_path):
+    torch.save(d, tmp_path / "state.pt")
+    return tmp_path / "state.pt"
+
+
+def ref_opt_at(make_opt, make_sched, k):
+    """An optimizer whose scheduler took k steps (its groups as eager's are then)."""
+    opt = make_opt(TiedLM())
+    sched = make_sched(opt)
+    with warnings.catch_warnings():  # stepping a scheduler without opt.step() warns
+        warnings.simplefilter("ignore")
+        for _ in range(k):
+            sched.step()
+    return opt
+
+
+def test_a_cycled_momentum_set_by_hand_is_refused_and_a_step_without_it_keeps_its_layout():
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    batch = next(lm_batches())
+    plain = torch_ext.make_train_step(model, opt, lm_loss, batch,
+                                      scheduler=torch.optim.lr_scheduler.StepLR(opt, step_size=3))
+    assert not [n for n, _ in plain._inputs if (torch_ext.optim.parse_state_name(n) or ("",))[0] == "hyper"]
+    assert "update.default(" in str(plain.graph) and "scheduled" not in str(plain.graph)
+    opt2 = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = torch_ext.make_train_step(model, opt2, lm_loss, batch,
+                                     scheduler=torch.optim.lr_scheduler.OneCycleLR(opt2, max_lr=0.1, total_steps=20))
+    _, state = step(step.init_state(), *batch)
+    name = torch_ext.optim.group_input_name("momentum", 0)
+    state.opt[name] = torch.tensor(0.5, dtype=torch.float64)
+    before = state.state_dict()
+    with pytest.raises(ValueError, match=r"has \{'opt:momentum:group0': 0\.5\}, but this step's scheduler gives"):
+        step(state, *batch)
+    assert all(torch.equal(before["params"][k], state.params[k]) for k in before["params"])
+    # A momentum set on the optimizer by hand: eager would train with it, the step would not.
+    opt2.param_groups[0]["momentum"] = 0.3
+    with pytest.raises(ValueError, match=r"optimizers' lr is .*0\.3"):
+        step(step.init_state(), *batch)
 
 
 def test_a_hand_set_lr_under_a_scheduler_is_refused():

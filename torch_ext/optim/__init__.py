@@ -8,8 +8,8 @@ optimizer class such as :class:`Lion`) are exported from ``torch_ext.optim``.
 import importlib as _importlib
 import pkgutil as _pkgutil
 
-from ._registry import (Registration, aten_updates, descriptor, lr_name, once, parse_state_name, register,  # noqa: F401
-                        registration_for, registrations, state_name)
+from ._registry import (Registration, aten_updates, descriptor, group_input_name, lr_name, once,  # noqa: F401
+                        parse_state_name, register, registration_for, registrations, state_name)
 
 # Sorted, so the registration order (and the "supported:" list in errors) does not depend on the file system.
 for _mod in sorted(m.name for m in _pkgutil.iter_modules(__path__) if not m.name.startswith("_")):

@@ -17,7 +17,8 @@ import torch
 from .. import _C
 
 __all__ = ["Registration", "register", "registration_for", "registrations", "descriptor", "state_name", "lr_name",
-           "parse_state_name", "aten_updates", "aten_grad", "F64", "once", "refuse_rounded_tensor_lr"]
+           "group_input_name",
+           "parse_state_name", "aten_updates", "aten_grad", "F64", "once", "refuse_rounded_tensor_lr", "operand"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -27,7 +28,8 @@ def _descriptors() -> dict[str, dict]:
 
 def descriptor(kind: str) -> dict:
     """The C++ descriptor of ``kind``: kind, title, op, inplace_op, slots [(name, "zeros"|"step")],
-    scalars [(name, "float"|"int"|"bool")], elementwise."""
+    scalars [(name, "float"|"int"|"bool")], schedulable [the float scalars a scheduler may change: tensor
+    arguments of the ops' "scheduled" overload, fed per step as lr is], elementwise."""
     try:
         return _descriptors()[kind]
     except KeyError:
@@ -43,9 +45,16 @@ def lr_name(group: int) -> str:
     return _C.optimizer_lr_name(group)
 
 
+def group_input_name(hyper: str, group: int) -> str:
+    """The input of param group ``group`` that feeds ``hyper`` per step: "opt:lr:group<g>", or a scheduled
+    scalar's "opt:<scalar>:group<g>"."""
+    return _C.optimizer_group_input_name(hyper, group)
+
+
 # Called for every state entry of every step call: cached, as the names are fixed per program.
 parse_state_name: Callable[[str], tuple | None] = functools.lru_cache(maxsize=None)(_C.parse_optimizer_state_name)
-parse_state_name.__doc__ = """("lr", group) for an lr input, ("slot", param, slot) for an optimizer slot, else None."""
+parse_state_name.__doc__ = """("lr", group) for an lr input, ("hyper", scalar, group) for a scheduled scalar's
+input, ("slot", param, slot) for an optimizer slot, else None."""
 
 
 def default_initial_state(kind: str, st: dict, param: torch.Tensor, group: dict) -> dict[str, torch.Tensor]:
@@ -85,6 +94,9 @@ class Registration:
     ``aten``: for each kind, its update op written as functional ATen with the op's signature and
     returns (a slot the kind does not use may come back as None), for compilers that fuse it
     (``TrainStep.to_aoti``; see :func:`aten_updates`). A kind without one runs its C++ kernel there.
+    ``scheduled``: where each schedulable scalar of its kinds (the descriptor's ``schedulable``) lives
+    in a param group, as a scheduler that cycles momentum writes it: (key, None) for ``group[key]``,
+    (key, i) for ``group[key][i]``. A scalar not listed here stays baked in (a change is refused).
     """
 
     optimizer: type
@@ -93,6 +105,7 @@ class Registration:
     torch_state: Callable[..., dict] = default_torch_state
     foreach_exact: bool = True
     aten: Mapping[str, Callable] = field(default_factory=dict)
+    scheduled: Mapping[str, tuple[str, int | None]] = field(default_factory=dict)
 
 
 _REGISTRY: dict[type, Registration] = {}
@@ -174,5 +187,15 @@ def aten_updates() -> dict:
     table = {}
     for reg in _REGISTRY.values():
         for kind, fn in reg.aten.items():
-            table[getattr(ops, descriptor(kind)["op"]).default] = fn
+            op = getattr(ops, descriptor(kind)["op"])
+            table[op.default] = fn
+            if descriptor(kind)["schedulable"]:  # the same form: its scalars take a float64 0-d tensor too
+                table[op.scheduled] = fn
     return table
+
+
+def operand(x, dtype: torch.dtype):
+    """A hyperparameter as an ATen form multiplies or interpolates with it: a Python float as is, or a
+    scheduled one (a float64 0-d tensor) cast to the tensors' dtype, as eager converts a Python
+    scalar to the op's compute type."""
+    return x.to(dtype) if isinstance(x, torch.Tensor) else x

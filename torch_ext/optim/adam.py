@@ -1,7 +1,7 @@
 """torch.optim.Adam and AdamW: kind "adam", or "adam_amsgrad" with amsgrad=True (csrc/optim/adam.cpp)."""
 import torch
 
-from ._registry import F64, Registration, once, refuse_rounded_tensor_lr, register
+from ._registry import F64, Registration, once, operand, refuse_rounded_tensor_lr, register
 
 
 def _read(opt, group, param, gi):
@@ -26,7 +26,7 @@ def _adam(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, bet
             param = param * once((1 - lr64 * weight_decay).to(param.dtype))
         else:
             g = g.add(param, alpha=weight_decay)
-    m = torch.lerp(exp_avg, g, 1 - beta1)
+    m = torch.lerp(exp_avg, g, operand(1 - beta1, param.dtype))  # beta1: a float, or scheduled (a tensor)
     v = torch.addcmul(exp_avg_sq * beta2, g, g, value=1 - beta2)
     s = new_step.to(F64)
     bias_correction1 = 1 - torch.pow(beta1, s)
@@ -52,5 +52,6 @@ def _aten_adam_amsgrad_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, 
 
 
 _ATEN = {"adam": _aten_adam_update, "adam_amsgrad": _aten_adam_amsgrad_update}
-register(Registration(torch.optim.Adam, _read, aten=_ATEN))
-register(Registration(torch.optim.AdamW, _read, aten=_ATEN))
+_SCHEDULED = {"beta1": ("betas", 0)}
+register(Registration(torch.optim.Adam, _read, aten=_ATEN, scheduled=_SCHEDULED))
+register(Registration(torch.optim.AdamW, _read, aten=_ATEN, scheduled=_SCHEDULED))

@@ -1,7 +1,7 @@
 """torch.optim.RMSprop: kind "rmsprop" (csrc/optim/rmsprop.cpp)."""
 import torch
 
-from ._registry import F64, Registration, aten_grad, register
+from ._registry import F64, Registration, aten_grad, operand, register
 
 
 def _read(opt, group, param, gi):
@@ -36,11 +36,16 @@ def _aten_rmsprop_update(param, grad, square_avg, grad_avg, momentum_buffer, ste
     avg = avg + eps
     neg_lr = (-lr.to(F64)).to(param.dtype)
     buf = momentum_buffer
-    if momentum > 0:
+    if isinstance(momentum, torch.Tensor):  # scheduled: the kernel's branch, taken per step
+        on = momentum > 0
+        buf = torch.where(on, momentum_buffer * operand(momentum, param.dtype) + g / avg, momentum_buffer)
+        new_param = torch.where(on, param + neg_lr * buf, param + neg_lr * g / avg)
+    elif momentum > 0:
         buf = momentum_buffer * momentum + g / avg
         new_param = param + neg_lr * buf
     else:
         new_param = param + neg_lr * g / avg
     return new_param, sq, ga, buf, step + 1
 
-register(Registration(torch.optim.RMSprop, _read, torch_state=_torch_state, aten={"rmsprop": _aten_rmsprop_update}))
+register(Registration(torch.optim.RMSprop, _read, torch_state=_torch_state, aten={"rmsprop": _aten_rmsprop_update},
+                      scheduled={"momentum": ("momentum", None)}))

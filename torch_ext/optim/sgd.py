@@ -1,7 +1,7 @@
 """torch.optim.SGD: kind "sgd" (momentum == 0) or "sgd_momentum" (csrc/optim/sgd.cpp)."""
 import torch
 
-from ._registry import F64, Registration, aten_grad, register
+from ._registry import F64, Registration, aten_grad, operand, register
 
 
 def _read(opt, group, param, gi):
@@ -39,9 +39,18 @@ def _aten_sgd_momentum_update(param, grad, momentum_buffer, step, lr, momentum, 
                               maximize):
     g = aten_grad(param, grad, weight_decay, maximize)
     # torch.optim starts the buffer as a copy of the first gradient.
+    neg_lr = (-lr.to(F64)).to(param.dtype)
+    if isinstance(momentum, torch.Tensor):  # scheduled: a tensor (no alpha=), which may reach 0 (then plain SGD)
+        m = operand(momentum, param.dtype)
+        buf = torch.where(step == 0, g, torch.add(momentum_buffer * m, g, alpha=1 - dampening))
+        d = g + buf * m if nesterov else buf
+        on = momentum != 0
+        return (param + torch.where(on, d, g) * neg_lr, torch.where(on, buf, momentum_buffer),
+                torch.where(on, step + 1, step))
     buf = torch.where(step == 0, g, torch.add(momentum_buffer * momentum, g, alpha=1 - dampening))
     d = g.add(buf, alpha=momentum) if nesterov else buf
-    return param + d * (-lr.to(F64)).to(param.dtype), buf, step + 1
+    return param + d * neg_lr, buf, step + 1
 
 register(Registration(torch.optim.SGD, _read, _initial_state, _torch_state,
-                      aten={"sgd": _aten_sgd_update, "sgd_momentum": _aten_sgd_momentum_update}))
+                      aten={"sgd": _aten_sgd_update, "sgd_momentum": _aten_sgd_momentum_update},
+                      scheduled={"momentum": ("momentum", None)}))

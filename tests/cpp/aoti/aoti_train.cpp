@@ -19,6 +19,10 @@
 // advance (the schedule itself is Python, not in the package): it is refused unless --lrs gives the
 // lr of every param group for each call (torch.save(step.lr_schedule(state, calls)): a list of lists
 // of floats, in the state's lr order), or --constant-lr says to train every call at the state's lr.
+// A package whose scheduler also cycles momentum takes the scheduled hyperparameters as inputs too
+// ("opt:<scalar>:group<k>", e.g. opt:momentum:group0): --lrs then holds, per call, a dict from each
+// such input's name (and each lr's, "opt:lr:group<k>") to its value
+// (torch.save(step.input_schedule(state, calls))).
 #include <ATen/ATen.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/csrc/jit/serialization/pickle.h>
@@ -96,8 +100,21 @@ std::string meta_at(const std::unordered_map<std::string, std::string>& meta, co
   return it->second;
 }
 
+// "opt:<hyper>:group<k>": a param group's per-call input, its lr or a scheduled hyperparameter (no
+// hyperparameter name holds ':' or '.'; parameter names "model.<...>" hold a '.').
+bool is_scheduled_input(const std::string& name) {
+  const std::string prefix = "opt:", group = ":group";
+  if (name.rfind(prefix, 0) != 0) return false;
+  const size_t at = name.rfind(group);
+  if (at == std::string::npos || at <= prefix.size() || at + group.size() == name.size()) return false;
+  const std::string hyper = name.substr(prefix.size(), at - prefix.size());
+  return hyper.find_first_of(":.") == std::string::npos &&
+         std::all_of(name.begin() + at + group.size(), name.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
 // The state's entries by the names the layout uses (TrainState.lookup): "model.*" parameters and
-// buffers, "opt:<param>:<slot>", "opt:lr:group<k>" and "rng".
+// buffers, "opt:<param>:<slot>" and scheduled hyperparameters "opt:<scalar>:group<k>" (both in
+// "opt"), "opt:lr:group<k>" and "rng".
 std::map<std::string, at::Tensor> entries_of(const c10::IValue& state) {
   const auto dict = state.toGenericDict();
   std::map<std::string, at::Tensor> out;
@@ -182,34 +199,59 @@ int run(int argc, char** argv) {
   }
   const std::string batch_prefix = "batch:";
   const c10::IValue batches = load(argv[3]);  // kept alive: toListRef() views it
-  // --lrs: per call, the lr of every param group, fed as the state's lr entries (float64 scalars).
-  std::vector<std::vector<double>> lrs;
+  // --lrs: per call, the value of every per-call input (each group's lr, and any scheduled
+  // hyperparameter), fed as the state's entries of those names (float64 scalars).
+  std::vector<std::map<std::string, double>> per_call;
   if (lr_file) {
     size_t groups = 0;
     while (entries.count("opt:lr:group" + std::to_string(groups))) ++groups;
+    std::vector<std::string> scheduled;  // inputs "opt:<scalar>:group<k>" other than the lr
+    for (const std::string& name : inputs)
+      if (is_scheduled_input(name) && name.rfind("opt:lr:", 0) != 0) scheduled.push_back(name);
     const c10::IValue given = load(argv[5]);
-    TORCH_CHECK(given.isList(), argv[5], ": expected a list (one per call) of lists of floats, got ", given.tagKind());
+    TORCH_CHECK(given.isList(), argv[5], ": expected a list (one per call) of lists of floats or dicts, got ",
+                given.tagKind());
     for (const auto& call : given.toListRef()) {
-      TORCH_CHECK(call.isList(), argv[5], ": entry ", lrs.size(), " is a ", call.tagKind(), ", not a list of floats");
-      std::vector<double> values;
-      for (const auto& v : call.toListRef()) {
-        TORCH_CHECK(v.isDouble() || v.isInt(), argv[5], ": entry ", lrs.size(), " holds a ", v.tagKind(), ", not a float");
-        values.push_back(v.toScalar().toDouble());
+      std::map<std::string, double> values;
+      auto value_of = [&](const c10::IValue& v) {
+        TORCH_CHECK(v.isDouble() || v.isInt(), argv[5], ": entry ", per_call.size(), " holds a ", v.tagKind(),
+                    ", not a float");
+        return v.toScalar().toDouble();
+      };
+      if (call.isGenericDict()) {
+        for (const auto& kv : call.toGenericDict()) {
+          const std::string name = kv.key().toStringRef();
+          TORCH_CHECK(is_scheduled_input(name) && entries.count(name), argv[5], ": entry ", per_call.size(),
+                      " sets '", name, "', which is not a per-call input of ", argv[1]);
+          values[name] = value_of(kv.value());
+        }
+      } else {
+        TORCH_CHECK(call.isList(), argv[5], ": entry ", per_call.size(), " is a ", call.tagKind(),
+                    ", not a list of floats");
+        const auto list = call.toListRef();
+        TORCH_CHECK(list.size() == groups, argv[5], ": entry ", per_call.size(), " has ", list.size(),
+                    " lrs, the state has ", groups, " param groups");
+        for (size_t k = 0; k < list.size(); ++k) values["opt:lr:group" + std::to_string(k)] = value_of(list[k]);
       }
-      TORCH_CHECK(values.size() == groups, argv[5], ": entry ", lrs.size(), " has ", values.size(),
-                  " lrs, the state has ", groups, " param groups");
-      lrs.push_back(std::move(values));
+      for (size_t k = 0; k < groups; ++k)
+        TORCH_CHECK(values.count("opt:lr:group" + std::to_string(k)), argv[5], ": entry ", per_call.size(),
+                    " gives no lr for group ", k);
+      for (const std::string& name : scheduled)
+        TORCH_CHECK(values.count(name), argv[5], ": entry ", per_call.size(), " gives no value for '", name,
+                    "', an input the scheduler sets per call in ", argv[1],
+                    "; save torch.save(step.input_schedule(state, calls), path) instead");
+      per_call.push_back(std::move(values));
     }
     const size_t calls = batches.toListRef().size();
-    TORCH_CHECK(lrs.size() >= calls, argv[5], " has lrs for ", lrs.size(), " calls, ", argv[3], " has ", calls,
-                " batches");
+    TORCH_CHECK(per_call.size() >= calls, argv[5], " has lrs for ", per_call.size(), " calls, ", argv[3], " has ",
+                calls, " batches");
   }
   size_t call = 0;
   for (const auto& batch_value : batches.toListRef()) {
     if (lr_file) {
-      for (size_t k = 0; k < lrs[call].size(); ++k) {
-        at::Tensor& lr = entries["opt:lr:group" + std::to_string(k)];
-        lr = at::full({}, lrs[call][k], lr.options());
+      for (const auto& [name, value] : per_call[call]) {
+        at::Tensor& t = entries[name];
+        t = at::full({}, value, t.options());
       }
     }
     ++call;
