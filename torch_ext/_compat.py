@@ -616,7 +616,9 @@ def exact_subgraph_strides():
     operand or output Inductor computes itself (a pointwise op, ``.contiguous()``, a transpose) is
     laid out as Inductor chooses, and the other side reads the wrong elements, silently: a masked
     attention branch gave 2.06 off on a 2x8 batch, a Qwen2 step 0.3% off its first loss
-    (test_real_models.py, test_grouped_query_attention_with_a_tokenizer_mask_saved_and_aoti). A value
+    (test_real_models.py, test_grouped_query_attention_with_a_tokenizer_mask_saved_and_aoti), a step
+    whose branch reads a ``.contiguous()`` of a transposed view 49% off its second loss
+    (test_load_step.py, test_aoti_hands_cond_branches_operands_in_their_traced_strides). A value
     already in those strides is left alone; the others are copied into them."""
     from torch._inductor import ir
     from torch._inductor.graph import SubgraphLowering

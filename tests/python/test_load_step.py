@@ -548,6 +548,39 @@ def test_aoti_channels_last_auto_leaves_a_step_with_subgraph_calls_contiguous(tm
     assert_states_equal(got, want, atol=1e-5)
 
 
+def test_aoti_hands_cond_branches_operands_in_their_traced_strides(tmp_path):
+    # A branch operand Inductor computes itself (here .contiguous() of a transposed view) was laid out
+    # as Inductor chose, while the branch was compiled for the traced strides: the package read the
+    # wrong elements, silently (_compat.exact_subgraph_strides). The false branch keeps half the mean:
+    # with all of it subtracted, the head reads the sequence mean of a centred tensor, exactly zero, so
+    # proj and head.weight get only rounding noise as gradient and AdamW's first step scales that noise
+    # to +-lr (eager float32 and float64 then differ by 0.7% in loss): no compiler could match eager.
+    class HeadsThenBranch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.head = nn.Linear(16, 16), nn.Linear(16, 5)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            h = self.proj(x).view(b, s, 4, 4).transpose(1, 2).contiguous()  # (b, heads, s, 4)
+            mixed = torch.cond(x.sum() > 0, lambda h: (h * h.flip(-2)).transpose(1, 2),
+                               lambda h: (h - 0.5 * h.mean(-2, keepdim=True)).transpose(1, 2), (h,))
+            return self.head(mixed.reshape(b, s, 16).mean(1))
+
+    torch.manual_seed(0)
+    model = HeadsThenBranch()
+    g = torch.Generator().manual_seed(1)
+    bs = [(torch.randn(2, 6, 16, generator=g) + (1.0 if i % 2 else -1.0), torch.randint(0, 5, (2,), generator=g))
+          for i in range(4)]
+    assert {bool(x.sum() > 0) for x, _ in bs} == {True, False}
+    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), ce, bs[0])
+    loaded = torch_ext.load_step(step.to_aoti(str(tmp_path / "cond.pt2")))
+    got_losses, got = run(loaded, step.init_state(), bs)
+    want_losses, want = run(step, step.init_state(), bs)
+    torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)
+    assert_states_equal(got, want, atol=1e-5)
+
+
 def test_onnx_loads_through_load_step_within_1e5(tmp_path):
     pytest.importorskip("onnxruntime", reason="needs onnxruntime")
     pytest.importorskip("onnxscript", reason="needs onnxscript")
