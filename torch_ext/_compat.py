@@ -167,6 +167,32 @@ def gradient_hooks(model: torch.nn.Module) -> list[str]:
     return found
 
 
+def register_batch_containers() -> None:
+    """Makes the batch containers of loaded libraries pytree nodes, so a step takes them as batches:
+    Hugging Face's ``BatchEncoding`` (what a tokenizer and the data collators return, passed on as
+    ``model(**batch)``) flattens like the dict it wraps (export refused it: "Unsupported input type").
+    Its tokenizer-side ``encodings`` are not tensors and are not carried: ``loss_fn`` gets a
+    BatchEncoding of the same keys and tensors. Nothing is imported; registering twice is a no-op."""
+    import torch.utils._pytree as pytree
+
+    tokenization = sys.modules.get("transformers.tokenization_utils_base")
+    batch_encoding = getattr(tokenization, "BatchEncoding", None)
+    if batch_encoding is None or batch_encoding in pytree.SUPPORTED_NODES:
+        return
+
+    def flatten(b):
+        return list(b.values()), list(b.keys())
+
+    def flatten_with_keys(b):
+        return [(pytree.MappingKey(k), v) for k, v in b.items()], list(b.keys())
+
+    def unflatten(values, keys):
+        return batch_encoding(dict(zip(keys, values)))
+
+    pytree.register_pytree_node(batch_encoding, flatten, unflatten, flatten_with_keys_fn=flatten_with_keys,
+                                serialized_type_name="transformers.BatchEncoding")
+
+
 @contextlib.contextmanager
 def eager_attention_masks():
     """Inside the block, Hugging Face transformers builds attention masks as it does in eager: with no

@@ -22,7 +22,7 @@ import zipfile
 import torch
 import torch.utils._pytree as pytree
 
-from . import _C
+from . import _C, _compat
 
 LAYOUT_KEY = "torch_ext.layout"
 FORMAT = "torch_ext.train_step/1"
@@ -61,7 +61,8 @@ def layout_of(step) -> dict:
         "params": sorted(init.params),
         "num_lr": len(init.lr),
         "state": {n: {"shape": list(t.shape), "dtype": str(t.dtype)} for n, t in entries.items()},
-        "batch": [{"shape": list(t.shape), "dtype": str(t.dtype)} for t in step._example_leaves],
+        "batch": [{"shape": list(t.shape), "dtype": str(t.dtype), "path": pytree.keystr(path)}
+                  for t, path in zip(step._example_leaves, step.batch_paths)],
         "unroll": step.unroll,
         "accumulate": step.accumulate,
         # The lr is an input the program does not advance: a scheduler is Python, so load_step needs
@@ -140,8 +141,8 @@ class LoadedStep:
                              "saved this artifact")
         if self.schedule is not None:
             self.schedule.check_state(state, f"load_step({self.path!r})")
-        leaves = pytree.tree_leaves(batch)
         want = self.layout["batch"]
+        leaves = self._batch_leaves(batch, want)
         if len(leaves) != len(want):
             raise ValueError(f"{self.path} takes {len(want)} batch tensors, got {len(leaves)}")
         for i, (t, w) in enumerate(zip(leaves, want)):
@@ -194,6 +195,24 @@ class LoadedStep:
                                      "entries are separate tensors (e.g. cloned)")
                 seen[key] = name
         return flat
+
+    @staticmethod
+    def _batch_leaves(batch, want) -> list:
+        """The batch's leaves in the artifact's order: matched by key path where the layout records
+        them (a dict's keys in another order than the saved example's), else by position."""
+        _compat.register_batch_containers()
+        with_paths = pytree.tree_flatten_with_path(batch)[0]
+        saved = [w.get("path") for w in want]
+        if None in saved:
+            return [leaf for _, leaf in with_paths]  # an artifact from before paths were recorded
+        by_path = {pytree.keystr(p): leaf for p, leaf in with_paths}
+        if len(by_path) == len(with_paths) and set(by_path) == set(saved):
+            return [by_path[p] for p in saved]
+        if len(by_path) == len(with_paths) and any("['" in p for p in saved + list(by_path)):
+            missing, extra = sorted(set(saved) - set(by_path)), sorted(set(by_path) - set(saved))
+            raise ValueError(f"the batch's keys differ from the saved example batch's: missing "
+                             f"{', '.join(missing) or 'none'}; not in the example: {', '.join(extra) or 'none'}")
+        return [leaf for _, leaf in with_paths]
 
     def __call__(self, state, *batch):
         flat = self.flat_inputs(state, *batch)

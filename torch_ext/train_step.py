@@ -506,6 +506,28 @@ def _same_option(a, b) -> bool:
         return False
 
 
+def batch_leaves(batch, spec, paths) -> list:
+    """The leaves of ``batch`` in the order of the example batch whose structure is ``spec`` and whose
+    leaves sit at ``paths`` (pytree key paths). A dict (or BatchEncoding) may list its keys in another
+    order than the example's, as a data loader's collate function may: its leaves are matched by key,
+    not by position (positionally, {"labels", "input_ids", ...} fed the labels to input_ids, silently).
+    Keys that differ from the example's are refused, naming them; any other difference in structure
+    (a list for a tuple) keeps the positional order, and the count, shape and dtype checks apply."""
+    if pytree.tree_structure(batch) == spec:
+        return pytree.tree_leaves(batch)
+    with_paths = pytree.tree_flatten_with_path(batch)[0]
+    by_path = dict(with_paths)
+    if len(by_path) == len(with_paths) and set(by_path) == set(paths):
+        return [by_path[p] for p in paths]
+    keyed = lambda ps: {pytree.keystr(p) for p in ps if any(isinstance(k, pytree.MappingKey) for k in p)}  # noqa: E731
+    missing, extra = sorted(keyed(paths) - keyed(by_path)), sorted(keyed(by_path) - keyed(paths))
+    if missing or extra:
+        raise ValueError(f"the batch's keys differ from the example batch's: missing {', '.join(missing) or 'none'}; "
+                         f"not in the example: {', '.join(extra) or 'none'} (pytree key paths of the positional "
+                         "batch arguments; with unroll or accumulate, one batch after another)")
+    return [leaf for _, leaf in with_paths]
+
+
 class TrainStep:
     """A pure training step. ``loss, new_state = step(state, *batch)`` never mutates ``state``."""
 
@@ -513,6 +535,7 @@ class TrainStep:
                  batch_shapes="fixed", process_group=None, shard_optimizer_state=False, fed=None):
         from . import distributed
 
+        _compat.register_batch_containers()
         self.model = model
         self.process_group = process_group
         self.shard_optimizer_state = shard_optimizer_state
@@ -529,6 +552,10 @@ class TrainStep:
         self._variants: dict[tuple, TrainStep] = {}  # batch shapes -> step built for them (batch_shapes="cache")
         # checked on every call: one batch per unrolled step or micro-batch
         self._example_leaves = pytree.tree_leaves(self._example_batch) * self.unroll * self.accumulate
+        # What a call's batch is matched against, by key (batch_leaves): every unrolled or accumulated batch
+        call_example = self._example_batch * (self.unroll * self.accumulate)
+        self._call_spec = pytree.tree_structure(call_example)
+        self.batch_paths = [path for path, _ in pytree.tree_flatten_with_path(call_example)[0]]
         self.last_nonfinite = False
 
         names = {id(p): n for n, p in model.named_parameters()}
@@ -1053,7 +1080,7 @@ class TrainStep:
         return self._gather(state, flat_batch)
 
     def _check_batch(self, batch) -> list:
-        flat_batch = pytree.tree_leaves(batch)
+        flat_batch = batch_leaves(batch, self._call_spec, self.batch_paths)
         n = self.unroll * self.accumulate
         if len(flat_batch) != self._num_user * self.unroll:
             what = "micro-batches" if self.accumulate > 1 else "batches"

@@ -307,6 +307,25 @@ def test_grouped_query_attention_with_a_tokenizer_mask_saved_and_aoti(tmp_path):
         torch.testing.assert_close(compiled.params[k], v, rtol=1e-4, atol=1e-5)
 
 
+def test_a_tokenizers_batch_encoding_is_a_batch(tmp_path):
+    transformers = needs("transformers")
+    # What a tokenizer and Hugging Face's data collators return, passed on as model(**batch): export
+    # refused it ("Unsupported input type BatchEncoding"); it is now a pytree node, like the dict it wraps.
+    batches = [(transformers.BatchEncoding({"input_ids": ids, "attention_mask": mask, "labels": ids}),)
+               for ids, mask in tokenizer_batches(4)]
+    model = rm.tiny_causal_lm("qwen2")
+    model.config.use_cache = False
+    step, state, _ = run_parity(model, lambda m, b: m(**b).loss, batches, rtol=0.0)
+    torch.export.save(step.program, str(tmp_path / "enc.pt2"))
+    loaded = torch_ext.load_step(tmp_path / "enc.pt2",
+                                 scheduler=warmup_cosine(rm.adamw(rm.tiny_causal_lm("qwen2")), len(batches)))
+    live = saved = step.init_state()
+    for (b,) in batches:
+        live_loss, live = step(live, b)
+        saved_loss, saved = loaded(saved, b)
+        assert torch.equal(saved_loss, live_loss)
+
+
 # ---------------------------------------------------------------- torchvision
 RESNET_STEPS = STEPS
 VIT_MICRO_BATCHES = 4 * STEPS  # 100 updates of 4 micro-batches

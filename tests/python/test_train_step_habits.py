@@ -1820,3 +1820,58 @@ def test_bernoulli_p_rng_draws_as_eager_in_either_origin(fill_in_place):
     want = torch.empty_like(x).bernoulli_(0.3) if fill_in_place else torch.bernoulli(x, 0.3)
     assert torch.equal(got, want) and got.is_contiguous() and torch.equal(new, torch.get_rng_state())
     torch.library.opcheck(torch.ops.torch_ext.bernoulli_p_rng.default, (x, 0.3, state, fill_in_place))
+
+
+# ---------------------------------------------------------------- dict batches
+def _dict_loss(m, b):
+    return F.cross_entropy(m(b["x"] * b["scale"]), b["y"])
+
+
+def _dict_batches(n, order=("x", "scale", "y")):
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(n):
+        b = {"x": torch.randn(4, 8, generator=g), "scale": torch.rand(4, 8, generator=g) + 0.5,
+             "y": torch.randint(0, 3, (4,), generator=g)}
+        out.append({k: b[k] for k in order})
+    return out
+
+
+def test_dict_batch_with_its_keys_in_another_order_is_matched_by_key(tmp_path):
+    # A data loader's collate function may order a dict's keys otherwise than the example batch: the
+    # leaves were fed by position, so {"scale", "x", "y"} multiplied scale by x the wrong way round...
+    # here x and scale swap, and the step trained on other inputs than eager, silently.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    example = _dict_batches(1)[0]
+    step = torch_ext.make_train_step(model, opt, _dict_loss, (example,))
+    torch.export.save(step.program, str(tmp_path / "dict.pt2"))
+    loaded = torch_ext.load_step(tmp_path / "dict.pt2")
+    state = saved = step.init_state()
+    for b in _dict_batches(4, order=("scale", "y", "x")):
+        loss, state = step(state, b)
+        saved_loss, saved = loaded(saved, b)
+        ref_opt.zero_grad()
+        ref_loss = _dict_loss(ref, b)
+        ref_loss.backward()
+        ref_opt.step()
+        assert torch.equal(loss, ref_loss.detach()) and torch.equal(saved_loss, loss)
+    for n, p in ref.named_parameters():
+        assert torch.equal(state.params["model." + n], p.detach()), n
+        assert torch.equal(saved.params["model." + n], p.detach()), n
+
+
+def test_dict_batch_with_other_keys_is_refused_naming_them(tmp_path):
+    model = nn.Linear(8, 3)
+    example = _dict_batches(1)[0]
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _dict_loss, (example,))
+    state = step.init_state()
+    renamed = {"inputs" if k == "x" else k: v for k, v in example.items()}
+    with pytest.raises(ValueError, match=r"missing \[0\]\['x'\]; not in the example: \[0\]\['inputs'\]"):
+        step(state, renamed)
+    torch.export.save(step.program, str(tmp_path / "dict.pt2"))
+    with pytest.raises(ValueError, match=r"missing \[0\]\['x'\]; not in the example: \[0\]\['inputs'\]"):
+        torch_ext.load_step(tmp_path / "dict.pt2")(state, renamed)
+    step(state, example)  # the example's own order still runs
