@@ -167,6 +167,33 @@ def gradient_hooks(model: torch.nn.Module) -> list[str]:
     return found
 
 
+def leaves_by_key(tree, spec, paths=None) -> list | None:
+    """The leaves of ``tree`` in the order of the structure ``spec`` (whose leaves sit at the pytree
+    key ``paths``; computed from spec when not given): positionally when ``tree`` has that structure,
+    else matched by key path when ``tree`` has exactly those key paths. Python gives no meaning to the
+    order of keyword arguments or of a dict's keys (a data loader's collate function may order them
+    otherwise than the example), so neither may move a tensor to another input. None when the paths
+    differ too."""
+    import torch.utils._pytree as pytree
+
+    if pytree.tree_structure(tree) == spec:
+        return pytree.tree_leaves(tree)
+    if paths is None:
+        paths = key_paths(spec)
+    with_paths = pytree.tree_flatten_with_path(tree)[0]
+    by_path = dict(with_paths)
+    if len(by_path) == len(with_paths) and set(by_path) == set(paths):
+        return [by_path[p] for p in paths]
+    return None
+
+
+def key_paths(spec) -> list:
+    """The pytree key path of every leaf of the structure ``spec``, in leaf order."""
+    import torch.utils._pytree as pytree
+
+    return [path for path, _ in pytree.tree_flatten_with_path(pytree.tree_unflatten([0] * spec.num_leaves, spec))[0]]
+
+
 def register_batch_containers() -> None:
     """Makes the batch containers of loaded libraries pytree nodes, so a step takes them as batches:
     Hugging Face's ``BatchEncoding`` (what a tokenizer and the data collators return, passed on as

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
-from . import _C
+from . import _C, _compat
 from .ir import Graph
 
 
@@ -57,9 +57,13 @@ class Executor:
                 raise TypeError(f"an Executor over an ir.Graph takes positional inputs only, got keywords "
                                 f"{sorted(kwargs)}")
             return self._ex.run(list(args))
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        if self._in_spec is not None and spec != self._in_spec:
-            raise TypeError(f"inputs do not match the exported signature: expected {self._in_spec}, got {spec}")
+        if self._in_spec is None:
+            flat = pytree.tree_leaves((args, kwargs))
+        else:  # keywords (and dict keys) in any order, matched by name
+            flat = _compat.leaves_by_key((args, kwargs), self._in_spec)
+            if flat is None:
+                spec = pytree.tree_structure((args, kwargs))
+                raise TypeError(f"inputs do not match the exported signature: expected {self._in_spec}, got {spec}")
         if len(flat) != self._num_user:
             raise TypeError(f"expected {self._num_user} user inputs, got {len(flat)}")
         it = iter(flat)

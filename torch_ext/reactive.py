@@ -523,9 +523,13 @@ class ReactiveGraph:
 
     # ---- evaluation
     def _flat_inputs(self, args, kwargs):
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        if self._in_spec is not None and spec != self._in_spec:
-            raise TypeError(f"inputs do not match the exported signature: expected {self._in_spec}, got {spec}")
+        if self._in_spec is None:
+            flat = pytree.tree_leaves((args, kwargs))
+        else:  # keywords (and dict keys) in any order, matched by name
+            flat = _compat.leaves_by_key((args, kwargs), self._in_spec)
+            if flat is None:
+                spec = pytree.tree_structure((args, kwargs))
+                raise TypeError(f"inputs do not match the exported signature: expected {self._in_spec}, got {spec}")
         it = iter(flat)
         return [next(it) if s is None else s for s in self._slots]
 

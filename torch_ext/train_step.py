@@ -513,12 +513,11 @@ def batch_leaves(batch, spec, paths) -> list:
     not by position (positionally, {"labels", "input_ids", ...} fed the labels to input_ids, silently).
     Keys that differ from the example's are refused, naming them; any other difference in structure
     (a list for a tuple) keeps the positional order, and the count, shape and dtype checks apply."""
-    if pytree.tree_structure(batch) == spec:
-        return pytree.tree_leaves(batch)
+    leaves = _compat.leaves_by_key(batch, spec, paths)
+    if leaves is not None:
+        return leaves
     with_paths = pytree.tree_flatten_with_path(batch)[0]
     by_path = dict(with_paths)
-    if len(by_path) == len(with_paths) and set(by_path) == set(paths):
-        return [by_path[p] for p in paths]
     keyed = lambda ps: {pytree.keystr(p) for p in ps if any(isinstance(k, pytree.MappingKey) for k in p)}  # noqa: E731
     missing, extra = sorted(keyed(paths) - keyed(by_path)), sorted(keyed(by_path) - keyed(paths))
     if missing or extra:

@@ -284,6 +284,34 @@ def test_wrong_input_structure(mlp_executor):
         ex([x])
 
 
+class _Keywords(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, scale=None, shift=None, extra=None):
+        h = self.lin(x * scale + shift)
+        return h if extra is None else h * extra["w"] + extra["b"]
+
+
+def test_keywords_and_dict_keys_in_another_order_are_matched_by_name():
+    # Python gives keyword order no meaning; the Executor and ReactiveGraph refused run(x, shift=.., scale=..)
+    # for a program exported with scale first, and a dict input whose keys came in another order.
+    torch.manual_seed(0)
+    model = _Keywords()
+    x, scale, shift = torch.randn(2, 4), torch.randn(2, 4), torch.randn(2, 4)
+    extra = {"w": torch.randn(2, 4), "b": torch.randn(2, 4)}
+    kwargs = {"scale": scale, "shift": shift, "extra": extra}
+    want = model(x, **kwargs)
+    ex = torch_ext.Executor(torch.export.export(model, (x,), kwargs))
+    rg = torch_ext.ReactiveGraph(model, (x,), example_kwargs=kwargs)
+    for run in (ex, rg.run):
+        assert torch.equal(run(x, **kwargs), want)
+        assert torch.equal(run(x, extra={"b": extra["b"], "w": extra["w"]}, shift=shift, scale=scale), want)
+        with pytest.raises(TypeError, match=r"inputs do not match the exported signature"):
+            run(x, scale=scale, offset=shift, extra=extra)
+
+
 def test_wrong_input_shape(mlp_executor):
     ex, x = mlp_executor
     with pytest.raises(RuntimeError, match=r"input #\d+ \('x'\): expected shape \[8, 32\], got \[7, 32\]"):
