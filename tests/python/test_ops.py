@@ -32,6 +32,19 @@ OPCHECK_CASES = [
 ]
 
 
+def _fed(x):  # a scheduled scalar (momentum, beta1): a 1-element float64 tensor, as lr is
+    return torch.tensor([x], dtype=torch.float64)
+
+
+# The "scheduled" overloads (a scheduler that cycles momentum feeds it per step): same kernels.
+SCHEDULED_CASES = [
+    ("sgd_momentum_update", lambda p, g: (p, g, torch.randn_like(p), torch.tensor(3.0), _lr(0.1), _fed(0.9), 0.1, 0.01, True, False)),
+    ("adam_update", lambda p, g: (p, g, torch.randn_like(p), torch.rand_like(p), torch.tensor(2.0), _lr(1e-3), _fed(0.9), 0.999, 1e-8, 0.01, True, False)),
+    ("adam_amsgrad_update", lambda p, g: (p, g, torch.randn_like(p), torch.rand_like(p), torch.rand_like(p), torch.tensor(2.0), _lr(1e-3), _fed(0.9), 0.999, 1e-8, 0.0, False, True)),
+    ("rmsprop_update", lambda p, g: (p, g, torch.rand_like(p) + 1, torch.rand_like(p) * 0.1, torch.randn_like(p), torch.tensor(2.0), _lr(1e-2), 0.99, 1e-8, 0.01, _fed(0.9), True, False)),
+]
+
+
 @pytest.mark.parametrize("name,make", OPCHECK_CASES, ids=[c[0] for c in OPCHECK_CASES])
 def test_functional_is_inplace_on_fresh_results(name, make):
     """The functional op writes fresh results (no input written, none aliased) that equal, bit for bit,
@@ -54,12 +67,14 @@ def test_functional_is_inplace_on_fresh_results(name, make):
         assert torch.equal(o, t)
 
 
-@pytest.mark.parametrize("name,make", OPCHECK_CASES, ids=[c[0] for c in OPCHECK_CASES])
+@pytest.mark.parametrize("name,make,overload", [(n, m, "default") for n, m in OPCHECK_CASES] +
+                         [(n, m, "scheduled") for n, m in SCHEDULED_CASES],
+                         ids=[c[0] for c in OPCHECK_CASES] + [c[0] + ".scheduled" for c in SCHEDULED_CASES])
 @pytest.mark.parametrize("inplace", [False, True])
-def test_opcheck(name, make, inplace):
+def test_opcheck(name, make, overload, inplace):
     p, g = _fresh()
     args = make(p, g)
-    op = getattr(ops, name + ("_" if inplace else ""))
+    op = getattr(getattr(ops, name + ("_" if inplace else "")), overload)  # opcheck takes one overload
     torch.library.opcheck(op, args)
 
 
