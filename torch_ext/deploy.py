@@ -61,7 +61,7 @@ def layout_of(step) -> dict:
         "params": sorted(init.params),
         "num_lr": len(init.lr),
         "state": {n: {"shape": list(t.shape), "dtype": str(t.dtype)} for n, t in entries.items()},
-        "batch": [{"shape": list(t.shape), "dtype": str(t.dtype), "path": pytree.keystr(path)}
+        "batch": [{"shape": list(t.shape), "dtype": str(t.dtype), "stride": list(t.stride()), "path": pytree.keystr(path)}
                   for t, path in zip(step._example_leaves, step.batch_paths)],
         "unroll": step.unroll,
         "accumulate": step.accumulate,
@@ -154,7 +154,8 @@ class LoadedStep:
         flat = []
         for name in self.layout["inputs"]:
             if name.startswith(_BATCH):
-                flat.append(leaves[int(name[len(_BATCH):])])
+                i = int(name[len(_BATCH):])
+                flat.append(self._batch_in_layout(leaves[i], want[i]))
                 continue
             try:
                 t = state.lookup(name)
@@ -195,6 +196,16 @@ class LoadedStep:
                                      "entries are separate tensors (e.g. cloned)")
                 seen[key] = name
         return flat
+
+    @staticmethod
+    def _batch_in_layout(t, entry):
+        """A batch leaf in the strides the program was traced with (recorded in the layout; an older
+        artifact records none), as the step itself does (train_step.in_layout_of)."""
+        from .train_step import in_layout_of
+
+        if "stride" not in entry:
+            return t
+        return in_layout_of(t, torch.empty_strided(entry["shape"], entry["stride"], dtype=t.dtype, device="meta"))
 
     @staticmethod
     def _batch_leaves(batch, want) -> list:

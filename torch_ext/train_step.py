@@ -506,6 +506,19 @@ def _same_option(a, b) -> bool:
         return False
 
 
+def in_layout_of(t: torch.Tensor, example: torch.Tensor) -> torch.Tensor:
+    """``t`` in ``example``'s strides: a copy (same values) when they differ in a dimension of size > 1.
+    The program was traced on the example's layout and its views rely on it: a channels-last, transposed
+    or expanded batch of the same shape failed in the executor with "view size is not compatible"."""
+    if all(a == b for a, b, n in zip(t.stride(), example.stride(), t.shape) if n > 1):
+        return t
+    from torch._prims_common import is_non_overlapping_and_dense
+
+    if not is_non_overlapping_and_dense(example):  # an expanded example: no layout to copy into
+        return t.contiguous()
+    return torch.empty_strided(example.shape, example.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
 def batch_leaves(batch, spec, paths) -> list:
     """The leaves of ``batch`` in the order of the example batch whose structure is ``spec`` and whose
     leaves sit at ``paths`` (pytree key paths). A dict (or BatchEncoding) may list its keys in another
@@ -1076,7 +1089,7 @@ class TrainStep:
                 hint = "" if self.batch_shapes == "cache" else "; build the step with batch_shapes='cache' to accept it"
                 raise ValueError(f"batch[{i}]: expected shape {tuple(ex.shape)} and dtype {ex.dtype} as in the "
                                  f"example batch, got shape {tuple(t.shape)} and dtype {t.dtype}{hint}")
-        return self._gather(state, flat_batch)
+        return self._gather(state, [in_layout_of(t, ex) for t, ex in zip(flat_batch, self._example_leaves)])
 
     def _check_batch(self, batch) -> list:
         flat_batch = batch_leaves(batch, self._call_spec, self.batch_paths)

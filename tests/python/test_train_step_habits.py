@@ -1875,3 +1875,44 @@ def test_dict_batch_with_other_keys_is_refused_naming_them(tmp_path):
     with pytest.raises(ValueError, match=r"missing \[0\]\['x'\]; not in the example: \[0\]\['inputs'\]"):
         torch_ext.load_step(tmp_path / "dict.pt2")(state, renamed)
     step(state, example)  # the example's own order still runs
+
+
+# ---------------------------------------------------------------- batch layouts
+class _ConvThenFlat(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 4, 3), nn.Linear(4 * 6 * 6, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv(x)).reshape(x.shape[0], -1))
+
+
+def test_a_batch_in_other_strides_than_the_example_trains_as_eager(tmp_path):
+    # A loader may hand channels-last images, or a transposed or expanded tensor of the example's shape:
+    # the program's views rely on the example's layout, and the executor failed with "view size is not
+    # compatible". Batches are now copied into the example's strides (same values) when they differ.
+    torch.manual_seed(0)
+    model = _ConvThenFlat()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    step = torch_ext.make_train_step(model, opt, loss_fn, (x, y))
+    torch.export.save(step.program, str(tmp_path / "layout.pt2"))
+    loaded = torch_ext.load_step(tmp_path / "layout.pt2")
+    layouts = [torch.randn(4, 3, 8, 8, generator=g).to(memory_format=torch.channels_last),
+               torch.randn(4, 8, 8, 3, generator=g).permute(0, 3, 1, 2),
+               torch.randn(1, 3, 8, 8, generator=g).expand(4, 3, 8, 8)]
+    state = saved = step.init_state()
+    for xb in layouts:
+        assert not xb.is_contiguous()
+        loss, state = step(state, xb, y)
+        saved_loss, saved = loaded(saved, xb, y)
+        ref_opt.zero_grad()
+        ref_loss = loss_fn(ref, xb, y)
+        ref_loss.backward()
+        ref_opt.step()
+        assert torch.equal(loss, ref_loss.detach()) and torch.equal(saved_loss, loss)
+    for n, p in ref.named_parameters():
+        assert torch.equal(state.params["model." + n], p.detach()), n
