@@ -187,6 +187,21 @@ def leaves_by_key(tree, spec, paths=None) -> list | None:
     return None
 
 
+def user_input_leaves(args, kwargs, in_spec) -> list:
+    """The flat user inputs of a call ``(*args, **kwargs)`` of a program exported with input
+    structure ``in_spec`` (None: taken as they come): keywords and dict keys matched by name, in any
+    order (leaves_by_key); another structure is refused, showing both."""
+    import torch.utils._pytree as pytree
+
+    if in_spec is None:
+        return pytree.tree_leaves((args, kwargs))
+    flat = leaves_by_key((args, kwargs), in_spec)
+    if flat is None:
+        spec = pytree.tree_structure((args, kwargs))
+        raise TypeError(f"inputs do not match the exported signature: expected {in_spec}, got {spec}")
+    return flat
+
+
 def key_paths(spec) -> list:
     """The pytree key path of every leaf of the structure ``spec``, in leaf order."""
     import torch.utils._pytree as pytree

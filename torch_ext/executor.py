@@ -57,13 +57,7 @@ class Executor:
                 raise TypeError(f"an Executor over an ir.Graph takes positional inputs only, got keywords "
                                 f"{sorted(kwargs)}")
             return self._ex.run(list(args))
-        if self._in_spec is None:
-            flat = pytree.tree_leaves((args, kwargs))
-        else:  # keywords (and dict keys) in any order, matched by name
-            flat = _compat.leaves_by_key((args, kwargs), self._in_spec)
-            if flat is None:
-                spec = pytree.tree_structure((args, kwargs))
-                raise TypeError(f"inputs do not match the exported signature: expected {self._in_spec}, got {spec}")
+        flat = _compat.user_input_leaves(args, kwargs, self._in_spec)
         if len(flat) != self._num_user:
             raise TypeError(f"expected {self._num_user} user inputs, got {len(flat)}")
         it = iter(flat)

@@ -523,13 +523,7 @@ class ReactiveGraph:
 
     # ---- evaluation
     def _flat_inputs(self, args, kwargs):
-        if self._in_spec is None:
-            flat = pytree.tree_leaves((args, kwargs))
-        else:  # keywords (and dict keys) in any order, matched by name
-            flat = _compat.leaves_by_key((args, kwargs), self._in_spec)
-            if flat is None:
-                spec = pytree.tree_structure((args, kwargs))
-                raise TypeError(f"inputs do not match the exported signature: expected {self._in_spec}, got {spec}")
+        flat = _compat.user_input_leaves(args, kwargs, self._in_spec)
         it = iter(flat)
         return [next(it) if s is None else s for s in self._slots]
 
