@@ -70,6 +70,100 @@ size_t index_of(const Descriptor& d, const std::string& name, ScalarType type) {
   TORCH_INTERNAL_ASSERT(false, d.kind, ": no scalar '", name, "'");
 }
 
+// Blocked updates. An optimizer's kernel is a sequence of whole-tensor ATen ops (torch.optim's
+// single-tensor form, for bit-exact parity), so each op streams param, grad and every state
+// tensor through memory: AdamW is seven passes, 77 ms a step over GPT-2's 14.7M parameters on
+// one thread of this machine. An elementwise kernel gives the same bits when it runs on slices,
+// the same ops on the same values, so large tensors run slice by slice, each small enough that
+// its passes stay in the core's L2 (256 KiB a tensor: 22 ms for the same update, one thread).
+constexpr int64_t kBlockBytes = 256 * 1024;
+
+// The number of elements per block for `u`, or 0 when u runs whole: a kernel that reads whole
+// tensors (Muon), a tensor under two blocks, or per-element tensors whose memory is not laid out
+// alike (the same strides, dense and non-overlapping), so that one flat slice of memory holds the
+// same elements of each.
+int64_t block_elements(const Update& u) {
+  if (!u.desc->elementwise || !u.param.is_non_overlapping_and_dense()) return 0;
+  const int64_t block = std::max<int64_t>(1, kBlockBytes / static_cast<int64_t>(u.param.element_size()));
+  if (u.param.numel() < 2 * block) return 0;
+  auto laid_out_alike = [&](const at::Tensor& t) {
+    return t.is_non_overlapping_and_dense() && t.strides() == u.param.strides() && t.device() == u.param.device();
+  };
+  if (!laid_out_alike(u.grad)) return 0;
+  for (size_t k = 0; k < u.state.size(); ++k)
+    if (!u.desc->slots[k].is_step() && !laid_out_alike(u.state[k])) return 0;
+  return block;
+}
+
+// t's memory as a 1-D tensor (t dense and non-overlapping).
+at::Tensor flat_memory(const at::Tensor& t) { return t.as_strided({t.numel()}, {1}, t.storage_offset()); }
+
+// Runs u's kernel block by block over flat slices (u as run_update prepared it; its results are
+// left in u.param and u.state). A step counter is whole: every block's kernel reads the value it
+// had before the update (the first block the real one, later blocks a copy whose result is
+// dropped), so a kernel that reads it before writing it (sgd_momentum) decides alike in every block.
+void run_blocked(Update& u, int64_t block) {
+  const Descriptor& d = *u.desc;
+  const size_t num_slots = d.slots.size();
+  std::vector<at::Tensor> step_before(num_slots);
+  for (size_t k = 0; k < num_slots; ++k)
+    if (d.slots[k].is_step()) step_before[k] = u.state[k].clone();
+  // Whole results of the functional op; the in-place op writes the caller's tensors.
+  at::Tensor param_out = u.inplace ? u.param : fresh_like(u.param);
+  std::vector<at::Tensor> state_out(num_slots);
+  for (size_t k = 0; k < num_slots; ++k)
+    if (!d.slots[k].is_step()) state_out[k] = u.inplace ? u.state[k] : fresh_like(u.state[k]);
+  TORCH_INTERNAL_ASSERT(param_out.strides() == u.param.strides(), d.kind, ": a result is laid out unlike its input");
+  const int64_t numel = u.param.numel();
+  std::vector<at::Tensor> step_result(num_slots);
+  for (int64_t start = 0; start < numel; start += block) {
+    const int64_t len = std::min(block, numel - start);
+    auto slice = [&](const at::Tensor& t) { return flat_memory(t).narrow(0, start, len); };
+    Update b;
+    b.desc = &d;
+    b.inplace = u.inplace;
+    b.lr = u.lr;
+    b.scalars = u.scalars;
+    b.param = slice(u.param);
+    b.grad = slice(u.grad);
+    const at::Tensor param_slice = b.param;
+    at::Tensor param_out_slice = u.inplace ? param_slice : slice(param_out);
+    std::vector<at::Tensor> slot_slice(num_slots), slot_out_slice(num_slots);
+    for (size_t k = 0; k < num_slots; ++k) {
+      if (d.slots[k].is_step()) {
+        b.state.push_back(start == 0 ? u.state[k] : step_before[k].clone());
+      } else {
+        slot_slice[k] = slice(u.state[k]);
+        slot_out_slice[k] = u.inplace ? slot_slice[k] : slice(state_out[k]);
+        b.state.push_back(slot_slice[k]);
+      }
+    }
+    if (!u.inplace) {
+      b.inputs.push_back(param_slice);
+      b.destinations.emplace_back(param_slice, param_out_slice);
+      for (size_t k = 0; k < num_slots; ++k) {
+        if (!d.slots[k].is_step()) {
+          b.inputs.push_back(slot_slice[k]);
+          b.destinations.emplace_back(slot_slice[k], slot_out_slice[k]);
+        } else if (start == 0) {
+          b.inputs.push_back(u.state[k]);
+        }
+      }
+    }
+    d.kernel(b);
+    if (!u.inplace) {  // what this configuration leaves alone is still the input: copy it across
+      if (b.param.is_same(param_slice)) param_out_slice.copy_(param_slice);
+      for (size_t k = 0; k < num_slots; ++k)
+        if (!d.slots[k].is_step() && b.state[k].is_same(slot_slice[k])) slot_out_slice[k].copy_(slot_slice[k]);
+    }
+    if (start == 0)
+      for (size_t k = 0; k < num_slots; ++k)
+        if (d.slots[k].is_step()) step_result[k] = b.state[k];
+  }
+  u.param = param_out;
+  for (size_t k = 0; k < num_slots; ++k) u.state[k] = d.slots[k].is_step() ? step_result[k] : state_out[k];
+}
+
 // The CPU kernel of K_update (or K_update_ when `inplace`) for every descriptor. The registry
 // owns the descriptor for the life of the process.
 void run_update(const Descriptor* d, bool inplace, torch::jit::Stack* stack) {
@@ -97,7 +191,11 @@ void run_update(const Descriptor* d, bool inplace, torch::jit::Stack* stack) {
     u.inputs.insert(u.inputs.end(), u.state.begin(), u.state.end());
     for (const at::Tensor& t : u.inputs) versions.push_back(t.is_inference() ? 0 : t._version());
   }
-  d->kernel(u);
+  if (const int64_t block = block_elements(u)) {
+    run_blocked(u, block);
+  } else {
+    d->kernel(u);
+  }
   torch::jit::drop(*stack, num_args);
   if (inplace) return;
   for (size_t k = 0; k < u.inputs.size(); ++k)
@@ -138,6 +236,12 @@ at::Tensor fresh_like(const at::Tensor& t) {
 
 bool Update::fresh(const at::Tensor& t) const {
   return std::none_of(inputs.begin(), inputs.end(), [&](const at::Tensor& in) { return in.is_same(t); });
+}
+
+at::Tensor Update::destination(const at::Tensor& t) const {
+  for (const auto& [input, result] : destinations)
+    if (input.is_same(t)) return result;
+  return fresh_like(t);
 }
 
 at::Tensor number(double v) { return at::native::wrapped_scalar_tensor(v); }

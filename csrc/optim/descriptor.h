@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace torch {
@@ -121,7 +122,7 @@ struct Update {
       op(t, t);
       return t;
     }
-    at::Tensor out = fresh_like(t);
+    at::Tensor out = destination(t);
     op(out, static_cast<const at::Tensor&>(t));
     t = std::move(out);
     return t;
@@ -129,9 +130,13 @@ struct Update {
 
   // The functional op's inputs (param, then state), to tell them from results. Set by the caller.
   std::vector<at::Tensor> inputs;
+  // (input, result) pairs: where the functional op's first write of that input goes instead of a
+  // fresh tensor. A blocked update (define.cpp) points each block's slices into whole results.
+  std::vector<std::pair<at::Tensor, at::Tensor>> destinations;
 
  private:
   bool fresh(const at::Tensor& t) const;
+  at::Tensor destination(const at::Tensor& t) const;  // its entry in destinations, else fresh_like(t)
 };
 
 // A Python-number operand for out= calls (at::mul_out(out, in, number(beta2))): a wrapped 0-dim
