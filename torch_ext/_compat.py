@@ -105,13 +105,14 @@ def export_joint(ep: torch.export.ExportedProgram, loss_index: int = 0, *,
     from torch.export.exported_program import _decompose_exported_program
     from torch.export.experimental import _copy_graph_module_and_signature, _remove_detach_pass
 
-    joint = _decompose_exported_program(
-        ep,
-        cia_to_decomp={},
-        python_decomp_table=core_aten_decompositions() if decompose else {},
-        joint_loss_index=loss_index,
-        decompose_custom_triton_ops=False,
-    )
+    with rnn_dropout_between_layers():  # the retrace decomposes aten.lstm & co. here
+        joint = _decompose_exported_program(
+            ep,
+            cia_to_decomp={},
+            python_decomp_table=core_aten_decompositions() if decompose else {},
+            joint_loss_index=loss_index,
+            decompose_custom_triton_ops=False,
+        )
     gm, signature = _copy_graph_module_and_signature(joint)
     _remove_detach_pass(gm, signature)
     return joint._update(gm, signature)
@@ -505,13 +506,64 @@ def refuse_autograd_in_trace():
         autograd_mod._engine_run_backward = engine
 
 
+def _rnn_helper_with_dropout(input, hidden, params, has_biases, num_layers, dropout, train, bidirectional,
+                             batch_first, layer_fn):
+    """torch 2.9's ``torch._decomp.decompositions._rnn_helper`` (what tracing runs for nn.RNN, GRU and
+    LSTM), with eager's dropout between layers: torch's copy zeroes it for every layer
+    (``dropout if (train and num_layers < i - 1) else 0.0`` is never true), so a traced multi-layer
+    RNN with ``dropout=p`` trained with no dropout at all. Eager (aten/src/ATen/native/RNN.cpp) applies
+    ``at::dropout`` to each layer's output but the last when training."""
+    from torch._decomp.decompositions import params_hiddens
+
+    input = input.transpose(0, 1) if batch_first else input
+    final_hiddens = []
+    for i in range(num_layers):
+        cur_params, cur_hidden, bidir_params, bidir_hidden = params_hiddens(params, hidden, i, bidirectional)
+        fwd_inp, fwd_hidden = layer_fn(input, cur_hidden, cur_params, has_biases)
+        final_hiddens.append(fwd_hidden)
+        if bidirectional:
+            bwd_inp, bwd_hidden = layer_fn(input, bidir_hidden, bidir_params, has_biases, reverse=True)
+            final_hiddens.append(bwd_hidden)
+            input = torch.cat([fwd_inp, bwd_inp], fwd_inp.dim() - 1)
+        else:
+            input = fwd_inp
+        if dropout != 0 and train and i < num_layers - 1:
+            input = torch.dropout(input, dropout, train=True)
+    input = input.transpose(0, 1) if batch_first else input
+    return input, final_hiddens
+
+
+@contextlib.contextmanager
+def rnn_dropout_between_layers():
+    """Traces nn.RNN / GRU / LSTM with their dropout between layers, as eager runs them (see
+    ``_rnn_helper_with_dropout``). Only where torch's decomposition has the bug, which is read from its
+    source so that a torch that fixes it keeps its own."""
+    import inspect
+
+    import torch._decomp.decompositions as decomps
+
+    helper = getattr(decomps, "_rnn_helper", None)
+    try:
+        buggy = helper is not None and "num_layers < i - 1" in inspect.getsource(helper)
+    except (OSError, TypeError):
+        buggy = False
+    if not buggy:
+        yield
+        return
+    decomps._rnn_helper = _rnn_helper_with_dropout
+    try:
+        yield
+    finally:
+        decomps._rnn_helper = helper
+
+
 @contextlib.contextmanager
 def step_export():
     """Everything the pure step's export runs inside, so it traces what eager computes: the code tracing
     cannot record, listed into the yielded list (backward_only_code), eager's attention masks,
     checkpoints inlined, inference_mode as no_grad, and gradients computed in forward refused."""
     with backward_only_code() as found, eager_attention_masks(), inline_reentrant_checkpoints(), \
-            inference_mode_as_no_grad(), refuse_autograd_in_trace():
+            inference_mode_as_no_grad(), refuse_autograd_in_trace(), rnn_dropout_between_layers():
         yield found
 
 
@@ -890,6 +942,8 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
     # parameters (nn.LSTM's _flat_weights) and kept the fakes afterwards: put every attribute back.
     traced_vars = [(m, dict(vars(m))) for m in torch.nn.Module.modules(module)]
     try:
+        rnn_fix = rnn_dropout_between_layers()
+        rnn_fix.__enter__()
         if front_end != "export":
             try:
                 ep, used = make_fx_program(module, args, kwargs), "make_fx"
@@ -900,6 +954,7 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
         if used == "export":
             ep = torch.export.export(module, args, kwargs or {})
     finally:
+        rnn_fix.__exit__(None, None, None)
         for h in handles:
             h.remove()
         if saved_forward is not None:
