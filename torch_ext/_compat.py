@@ -395,6 +395,80 @@ def _mask_skips_as_branches(masking, eagerly):
         mask_table["sdpa"], attention_table["sdpa"] = sdpa_mask, sdpa_attention
 
 
+# Eager recomputes a checkpointed block in backward, and the recomputation writes what the block
+# writes into tensors from outside it a second time: a BatchNorm in training mode updates its
+# running statistics and num_batches_tracked twice per step (torchvision's DenseNet with
+# memory_efficient=True). The step traces the block once, then replays those writes at the end of
+# the forward (``replay_checkpoint_writes``), in backward's order: the last block first. While
+# tracing, _checkpoint_writes holds one list of writes per block; None outside the step's export.
+_checkpoint_writes: list | None = None
+
+
+class _ExternalWrites(torch.overrides.TorchFunctionMode):
+    """Records the calls inside a checkpointed block that write into a tensor the block neither made nor
+    was given: an in-place method or ``__setitem__`` on it, and batch/instance norm updating running
+    statistics. ``grad_flows``: whether any tensor made inside the block requires grad (else eager's
+    backward never reaches the block, and never recomputes it)."""
+
+    # Argument names by position, and the default of the "use batch statistics" flag.
+    _NORMS = {
+        torch.nn.functional.batch_norm: (("input", "running_mean", "running_var", "weight", "bias", "training"), False),
+        torch.nn.functional.instance_norm: (("input", "running_mean", "running_var", "weight", "bias",
+                                             "use_input_stats"), True),
+        torch.batch_norm: (("input", "weight", "bias", "running_mean", "running_var", "training"), None),
+        torch.instance_norm: (("input", "weight", "bias", "running_mean", "running_var", "use_input_stats"), None),
+    }
+
+    def __init__(self, args):
+        super().__init__()
+        self.inside = {id(t) for t in pytree_leaves(args) if isinstance(t, torch.Tensor)}
+        self.keep = []  # tensors made inside, kept alive so their ids stay unique
+        self.writes = []
+        self.grad_flows = False
+
+    def _outside(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and id(t) not in self.inside
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if func in self._NORMS:
+            names, default = self._NORMS[func]
+            bound = dict(zip(names, args), **kwargs)
+            batch_stats = bound.get("training", bound.get("use_input_stats", default))
+            if self._outside(bound.get("running_mean")) and batch_stats:
+                self.writes.append((func, args, kwargs))
+        elif args and self._outside(args[0]) and (name == "__setitem__" or (
+                name.endswith("_") and not name.endswith("__") and name not in ("requires_grad_", "share_memory_"))):
+            self.writes.append((func, args, kwargs))
+        out = func(*args, **kwargs)
+        for t in pytree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.inside.add(id(t))
+                self.keep.append(t)
+                self.grad_flows |= t.requires_grad
+        return out
+
+
+def pytree_leaves(tree):
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_leaves(tree)
+
+
+def replay_checkpoint_writes() -> None:
+    """Replays, at the end of the step's forward, the writes of each checkpointed block that eager's
+    backward recomputes (see ``_checkpoint_writes``): the last block first, each block's writes in order.
+    The replayed calls read the values the first writes left, as the recomputation does."""
+    global _checkpoint_writes
+    if not _checkpoint_writes:
+        return
+    blocks, _checkpoint_writes = _checkpoint_writes, []
+    for writes in reversed(blocks):
+        for func, args, kwargs in writes:
+            func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def inline_reentrant_checkpoints():
     """Inside the block, ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True)`` (torch 2.9's
@@ -432,22 +506,37 @@ def inline_reentrant_checkpoints():
     own = function_cls.__dict__.get("apply")  # None: inherited from autograd.Function
     non_reentrant = checkpoint_mod._checkpoint_without_reentrant_generator
 
+    def recorded(writes):
+        if writes.writes and _checkpoint_writes is not None:
+            _checkpoint_writes.append(writes.writes)
+
     def apply(function, preserve_rng_state, *args):
-        with refusing_new_draws(preserve_rng_state):
+        writes = _ExternalWrites(args)
+        with refusing_new_draws(preserve_rng_state), writes:
             out = function(*args)  # once: the block draws eager's forward numbers
         if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            recorded(writes)  # eager's backward recomputes the block
             return out
         return tree_map_only(torch.Tensor, torch.Tensor.detach, out)
 
-    def checked_non_reentrant(fn, preserve_rng_state=True, *rest, **kwargs):
-        with refusing_new_draws(preserve_rng_state):
-            yield from non_reentrant(fn, preserve_rng_state, *rest, **kwargs)  # the block runs at its yield
+    def checked_non_reentrant(fn, preserve_rng_state=True, context_fn=None, determinism_check=None, debug=False,
+                              *args, **kwargs):
+        rest = (context_fn or checkpoint_mod.noop_context_fn, determinism_check or
+                checkpoint_mod._DEFAULT_DETERMINISM_MODE, debug)
+        writes = _ExternalWrites((args, kwargs))
+        with refusing_new_draws(preserve_rng_state), writes:
+            yield from non_reentrant(fn, preserve_rng_state, *rest, *args, **kwargs)  # the block runs at its yield
+        if writes.grad_flows:
+            recorded(writes)
 
+    global _checkpoint_writes
     function_cls.apply = staticmethod(apply)
     checkpoint_mod._checkpoint_without_reentrant_generator = checked_non_reentrant
+    outer_writes, _checkpoint_writes = _checkpoint_writes, []
     try:
         yield
     finally:
+        _checkpoint_writes = outer_writes
         checkpoint_mod._checkpoint_without_reentrant_generator = non_reentrant
         if own is None:
             del function_cls.apply

@@ -201,6 +201,59 @@ def test_activation_checkpointing_bit_exact(how, on_input):
     assert torch.equal(model.block[0].weight, before) == frozen_by_eager
 
 
+class Counted(nn.Module):
+    """Counts its calls in a buffer, in place, as BatchNorm's num_batches_tracked does."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return x
+
+
+class CheckpointedNorm(nn.Module):
+    """A checkpointed block that writes buffers: dropout, then BatchNorm in training mode, then a counter."""
+
+    def __init__(self, how, on_input=False):
+        super().__init__()
+        self.stem, self.head = nn.Linear(8, 16), nn.Linear(16, 3)
+        self.block = nn.Sequential(nn.Linear(16 if not on_input else 8, 16), nn.Dropout(0.2), nn.BatchNorm1d(16),
+                                   Counted(), nn.ReLU(), nn.Linear(16, 16))
+        self.how, self.on_input = how, on_input
+
+    def forward(self, x):
+        from torch.utils import checkpoint
+
+        h = x if self.on_input else self.stem(x)
+        if self.how == "sequential":
+            h = checkpoint.checkpoint_sequential(self.block, 2, h, use_reentrant=True)
+        else:
+            h = checkpoint.checkpoint(self.block, h, use_reentrant=self.how == "reentrant")
+        return self.head(h + (self.stem(x) if self.on_input else 0))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("how", ["reentrant", "sequential", "non-reentrant"])
+@pytest.mark.parametrize("on_input", [False, True])
+def test_checkpointed_batch_norm_updates_its_statistics_as_eager(how, on_input):
+    # Eager's backward recomputes the block, and the recomputation updates BatchNorm's running statistics
+    # and num_batches_tracked (and any buffer written in place) a second time: torchvision's
+    # DenseNet(memory_efficient=True) ends each step with num_batches_tracked + 2. The step traced the
+    # block once, so its buffers silently followed one update per step. Where eager's backward never
+    # reaches the block (reentrant, on the batch itself), they are updated once.
+    torch.manual_seed(0)
+    model = CheckpointedNorm(how, on_input)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+    _assert_steps_bit_exact(model, x, y, "executor", steps=3, seed=0)
+    once = on_input and how != "non-reentrant"
+    assert int(model.block[2].num_batches_tracked) == (3 if once else 6)
+    # checkpoint_sequential runs its last segment (the counter onwards) without a checkpoint.
+    assert int(model.block[3].calls) == (3 if once or how == "sequential" else 6)
+
+
 class CheckpointedNoRngState(nn.Module):
     def __init__(self, reentrant, dropout):
         super().__init__()
