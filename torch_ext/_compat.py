@@ -647,6 +647,50 @@ def rnn_dropout_between_layers():
 
 
 @contextlib.contextmanager
+def python_random_draws():
+    """Yields a list that names, once the block exits, each process-global Python-level generator the
+    block drew from without seeding it first: Python's ``random`` module and ``numpy.random``'s global
+    state. Tracing runs such a draw once and records its result as a constant, so every call of the
+    program would reuse it (a layer drop decided by ``random.uniform``, noise from
+    ``np.random.randn``), where eager draws anew. A forward that seeds the generator itself (Hugging
+    Face's BigBird calls ``np.random.seed`` before drawing its random attention blocks) draws the same
+    numbers at every call, so tracing them once is exact."""
+    import random
+
+    np = sys.modules.get("numpy")
+    seeded: set[str] = set()
+
+    def seeding(name, fn):
+        def wrapped(*args, **kwargs):
+            seeded.add(name)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    patched = [(random, "seed"), (random, "setstate")]
+    if np is not None:
+        patched += [(np.random, "seed"), (np.random, "set_state")]
+    originals = [(mod, attr, getattr(mod, attr)) for mod, attr in patched]
+    for mod, attr, fn in originals:
+        setattr(mod, attr, seeding("numpy.random" if mod is not random else "Python's random module", fn))
+    py_before = random.getstate()
+    np_before = np.random.get_state() if np is not None else None
+    drawn: list[str] = []
+    try:
+        yield drawn
+    finally:
+        for mod, attr, fn in originals:
+            setattr(mod, attr, fn)
+        if random.getstate() != py_before:
+            drawn.append("Python's random module")
+        if np_before is not None:
+            np_after = np.random.get_state()
+            if not (np_after[0] == np_before[0] and np.array_equal(np_after[1], np_before[1])
+                    and tuple(np_after[2:]) == tuple(np_before[2:])):
+                drawn.append("numpy.random")
+        drawn[:] = [d for d in drawn if d not in seeded]
+
+
+@contextlib.contextmanager
 def step_export():
     """Everything the pure step's export runs inside, so it traces what eager computes: the code tracing
     cannot record, listed into the yielded list (backward_only_code), eager's attention masks,

@@ -661,7 +661,7 @@ class TrainStep:
         def export():
             from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-            with _compat.step_export() as found:
+            with _compat.step_export() as found, _compat.python_random_draws() as drawn:
                 try:
                     ep = torch.export.export(wrapper, _compat.distinct_inputs(self._example_batch))  # (x, x): two inputs
                 except GuardOnDataDependentSymNode as e:
@@ -671,12 +671,26 @@ class TrainStep:
                         "`bool(t)`, a size from `int(t)`): one traced program cannot follow a value that changes "
                         "per call. Write it with torch.where or torch.cond"
                         + (f"; at {where.splitlines()[0].strip()}" if where else "")) from e
+                except NotImplementedError as e:
+                    if "torch._C.Generator" not in str(e):
+                        raise
+                    raise NotImplementedError(
+                        "the model or loss_fn passes its own torch.Generator to a random op (generator=...): torch "
+                        f"{torch.__version__}'s export cannot trace a generator object, and the step threads only "
+                        "torch's default generator as state (init_state(seed=...)). Draw from the default generator") from e
                 except torch._subclasses.fake_tensor.DynamicOutputShapeException as e:
                     raise NotImplementedError(
                         f"torch {torch.__version__}'s export cannot trace {e.func}: the shape of its result depends on "
                         "the values of its inputs, and the pure step is one program of static shapes. Compute this "
                         "part of the loss outside the step, or with ops whose result shapes follow their inputs' "
                         "shapes") from e
+            if drawn:
+                raise TypeError(
+                    f"the model or loss_fn draws random numbers from {' and '.join(drawn)} while traced: the program "
+                    "records the numbers drawn once as constants, so every step would reuse them where eager draws "
+                    "anew (a layer dropped or kept forever, the same noise every step). Draw them with torch "
+                    "(torch.rand, torch.randn, torch.bernoulli): the step threads torch's generator as state "
+                    "(init_state(seed=...))")
             if found:
                 raise TypeError(f"the model or loss_fn uses {'; '.join(found)}: tracing records the forward only, "
                                 "and the step would differentiate that forward, never running this backward code "

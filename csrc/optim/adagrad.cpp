@@ -28,7 +28,8 @@ TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
   using T = ScalarType;
   const std::vector<Scalar> scalars{
       {"lr_decay", T::Float}, {"weight_decay", T::Float}, {"eps", T::Float}, {"maximize", T::Bool}};
-  define(m, Descriptor{"adagrad", "Adagrad", {{"sum"}, {"step", SlotInit::StepCounter}}, scalars, &adagrad});
+  define(m, Descriptor{"adagrad", "Adagrad", {{"sum"}, {"step", SlotInit::StepCounter}}, scalars, &adagrad,
+                       /*elementwise=*/true, /*blocked=*/false});
 }
 
 }  // namespace torch_ext::optim

@@ -79,11 +79,11 @@ size_t index_of(const Descriptor& d, const std::string& name, ScalarType type) {
 constexpr int64_t kBlockBytes = 256 * 1024;
 
 // The number of elements per block for `u`, or 0 when u runs whole: a kernel that reads whole
-// tensors (Muon), a tensor under two blocks, or per-element tensors whose memory is not laid out
+// tensors (Muon) or gains nothing from blocks (Descriptor::blocked), a tensor under two blocks, or per-element tensors whose memory is not laid out
 // alike (the same strides, dense and non-overlapping), so that one flat slice of memory holds the
 // same elements of each.
 int64_t block_elements(const Update& u) {
-  if (!u.desc->elementwise || !u.param.is_non_overlapping_and_dense()) return 0;
+  if (!u.desc->elementwise || !u.desc->blocked || !u.param.is_non_overlapping_and_dense()) return 0;
   const int64_t block = std::max<int64_t>(1, kBlockBytes / static_cast<int64_t>(u.param.element_size()));
   if (u.param.numel() < 2 * block) return 0;
   auto laid_out_alike = [&](const at::Tensor& t) {
@@ -105,36 +105,52 @@ at::Tensor flat_memory(const at::Tensor& t) { return t.as_strided({t.numel()}, {
 void run_blocked(Update& u, int64_t block) {
   const Descriptor& d = *u.desc;
   const size_t num_slots = d.slots.size();
-  std::vector<at::Tensor> step_before(num_slots);
+  // Per block, one copy of each step counter's value before the update (scratch, reset per block).
+  std::vector<at::Tensor> step_before(num_slots), step_scratch(num_slots);
   for (size_t k = 0; k < num_slots; ++k)
-    if (d.slots[k].is_step()) step_before[k] = u.state[k].clone();
+    if (d.slots[k].is_step()) {
+      step_before[k] = u.state[k].clone();
+      step_scratch[k] = at::empty_like(step_before[k]);
+    }
   // Whole results of the functional op; the in-place op writes the caller's tensors.
   at::Tensor param_out = u.inplace ? u.param : fresh_like(u.param);
   std::vector<at::Tensor> state_out(num_slots);
   for (size_t k = 0; k < num_slots; ++k)
     if (!d.slots[k].is_step()) state_out[k] = u.inplace ? u.state[k] : fresh_like(u.state[k]);
   TORCH_INTERNAL_ASSERT(param_out.strides() == u.param.strides(), d.kind, ": a result is laid out unlike its input");
+  // Flat views made once; each block narrows them.
+  const at::Tensor param_flat = flat_memory(u.param), grad_flat = flat_memory(u.grad);
+  const at::Tensor param_out_flat = u.inplace ? param_flat : flat_memory(param_out);
+  std::vector<at::Tensor> slot_flat(num_slots), slot_out_flat(num_slots);
+  for (size_t k = 0; k < num_slots; ++k)
+    if (!d.slots[k].is_step()) {
+      slot_flat[k] = flat_memory(u.state[k]);
+      slot_out_flat[k] = u.inplace ? slot_flat[k] : flat_memory(state_out[k]);
+    }
   const int64_t numel = u.param.numel();
   std::vector<at::Tensor> step_result(num_slots);
+  Update b;
+  b.desc = &d;
+  b.inplace = u.inplace;
+  b.lr = u.lr;
+  b.scalars = u.scalars;
   for (int64_t start = 0; start < numel; start += block) {
     const int64_t len = std::min(block, numel - start);
-    auto slice = [&](const at::Tensor& t) { return flat_memory(t).narrow(0, start, len); };
-    Update b;
-    b.desc = &d;
-    b.inplace = u.inplace;
-    b.lr = u.lr;
-    b.scalars = u.scalars;
-    b.param = slice(u.param);
-    b.grad = slice(u.grad);
+    b.param = param_flat.narrow(0, start, len);
+    b.grad = grad_flat.narrow(0, start, len);
     const at::Tensor param_slice = b.param;
-    at::Tensor param_out_slice = u.inplace ? param_slice : slice(param_out);
+    at::Tensor param_out_slice = u.inplace ? param_slice : param_out_flat.narrow(0, start, len);
     std::vector<at::Tensor> slot_slice(num_slots), slot_out_slice(num_slots);
+    b.state.clear();
+    b.inputs.clear();
+    b.destinations.clear();
     for (size_t k = 0; k < num_slots; ++k) {
       if (d.slots[k].is_step()) {
-        b.state.push_back(start == 0 ? u.state[k] : step_before[k].clone());
+        if (start != 0) step_scratch[k].copy_(step_before[k]);
+        b.state.push_back(start == 0 ? u.state[k] : step_scratch[k]);
       } else {
-        slot_slice[k] = slice(u.state[k]);
-        slot_out_slice[k] = u.inplace ? slot_slice[k] : slice(state_out[k]);
+        slot_slice[k] = slot_flat[k].narrow(0, start, len);
+        slot_out_slice[k] = u.inplace ? slot_slice[k] : slot_out_flat[k].narrow(0, start, len);
         b.state.push_back(slot_slice[k]);
       }
     }

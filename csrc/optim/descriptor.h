@@ -154,6 +154,11 @@ struct Descriptor {
   // Each element's update reads only that element of param, grad and state (so ZeRO-1 may
   // update a flat shard). False for Muon, whose Newton-Schulz step needs the whole matrix.
   bool elementwise = true;
+  // Whether an elementwise kernel runs large tensors block by block (define.cpp), so that its passes
+  // over each block stay in cache. Pays where the kernel makes many passes (Adam, RMSprop: up to
+  // 2-3.4x on tensors past the cache); SGD's and Adagrad's few passes gain less than the per-block
+  // cost (0.8-0.93x, measured by scripts/bench_optim_update.py), so they run whole.
+  bool blocked = true;
 
   std::string op_name() const { return kind + "_update"; }
   std::string inplace_op_name() const { return kind + "_update_"; }

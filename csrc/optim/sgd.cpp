@@ -44,11 +44,12 @@ void sgd_momentum(Update& u) {
 
 TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
   using T = ScalarType;
-  define(m, Descriptor{"sgd", "SGD", {}, {{"weight_decay", T::Float}, {"maximize", T::Bool}}, &sgd});
+  define(m, Descriptor{"sgd", "SGD", {}, {{"weight_decay", T::Float}, {"maximize", T::Bool}}, &sgd,
+                       /*elementwise=*/true, /*blocked=*/false});
   const std::vector<Scalar> scalars{{"momentum", T::Float, /*schedulable=*/true}, {"dampening", T::Float}, {"weight_decay", T::Float},
                                     {"nesterov", T::Bool}, {"maximize", T::Bool}};
   define(m, Descriptor{"sgd_momentum", "SGD", {{"momentum_buffer"}, {"step", SlotInit::StepCounter}}, scalars,
-                       &sgd_momentum});
+                       &sgd_momentum, /*elementwise=*/true, /*blocked=*/false});
 }
 
 }  // namespace torch_ext::optim

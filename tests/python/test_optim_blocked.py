@@ -1,10 +1,10 @@
 """Large parameters are updated block by block (csrc/optim/define.cpp: each block's passes stay in
-cache). The blocks run the same ATen ops on the same values, so the result must equal eager
-torch.optim bit for bit: over several blocks with a ragged last one, in the functional op (the
-executor, results written into whole fresh tensors) and in place (the planned arena, donated), at
-one and two threads, with a momentum buffer created in the first update (read from the step
-counter before the counter is written), and where a gradient laid out unlike its parameter keeps
-the update whole."""
+cache; Adam/AdamW, AMSGrad, RMSprop and Lion, while SGD and Adagrad run whole, Descriptor::blocked).
+The blocks run the same ATen ops on the same values, so the result must equal eager torch.optim bit
+for bit: over several blocks with a ragged last one, in the functional op (the executor, results
+written into whole fresh tensors) and in place (the planned arena, donated), at one and two threads,
+with the step counter read and written once per update whatever the number of blocks, and where a
+gradient laid out unlike its parameter keeps the update whole."""
 from __future__ import annotations
 
 import pytest

@@ -456,3 +456,63 @@ def test_recurrent_dropout_between_layers_trains_as_eager(kind, kw):
         eager_loss.backward()
         eager_opt.step()
         assert abs(float(loss) - float(eager_loss)) <= 1e-5 * abs(float(eager_loss)), (float(loss), float(eager_loss))
+
+
+class PythonLayerDrop(nn.Module):
+    """Drops a residual layer at random with Python's random module, as older layer-drop code does."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        import random
+
+        if self.training and random.random() < 0.5:
+            return self.head(x)
+        return self.head(x + self.layer(x))
+
+
+class NumpyNoise(nn.Module):
+    def __init__(self, seed=None):
+        super().__init__()
+        self.head, self.seed = nn.Linear(8, 3), seed
+
+    def forward(self, x):
+        import numpy as np
+
+        if self.seed is not None:  # reseeded every call (Hugging Face BigBird's random blocks): the same draws
+            np.random.seed(self.seed)
+        return self.head(x + torch.from_numpy(np.random.standard_normal(x.shape).astype("float32")))
+
+
+class OwnGenerator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head, self.gen = nn.Linear(8, 3), torch.Generator().manual_seed(0)
+
+    def forward(self, x):
+        return self.head(x + torch.randn(x.shape, generator=self.gen))
+
+
+@pytest.mark.parametrize("model, match", [(PythonLayerDrop, "Python's random module"), (NumpyNoise, "numpy.random"),
+                                          (OwnGenerator, "own torch.Generator")], ids=["random", "numpy", "generator"])
+def test_python_level_random_draws_in_forward_are_refused(model, match):
+    # Tracing ran the draw once and baked its result into the program: with lr=0 the step returned the
+    # same loss at every call (a layer dropped forever, the same noise every step), silently.
+    torch.manual_seed(0)
+    m = model().train()
+    x, y = _batch_dense()
+    with pytest.raises((TypeError, NotImplementedError), match=match):
+        torch_ext.make_train_step(m, torch.optim.SGD(m.parameters(), lr=0.1), _loss, (x, y))
+
+
+def test_a_forward_that_seeds_numpy_itself_steps_bit_exact():
+    torch.manual_seed(0)
+    x, y = _batch_dense()
+    _assert_steps_bit_exact(NumpyNoise(seed=3).train(), x, y, "executor", steps=3)
+
+
+def _batch_dense():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
