@@ -1758,6 +1758,13 @@ def _patched_values(rg: ReactiveGraph, node: str, members: list, patch: Callable
         v = rg._call_patch_fn(node, lambda t, s=s, fn=fn: fn(t, s), clean, "sweep patch function")
         if not isinstance(v, torch.Tensor):
             raise TypeError(f"patch function at site {s!r} returned {type(v).__name__}, expected a tensor")
+        # Checked here, one by one, as the engine checks a single patch: the batched path concatenates the
+        # values along dim 0, and a [2B, ...] value beside a [0, ...] one has the stacked shape of two [B, ...]
+        # ones, so the engine's check on the stack passed and each site got rows of the other's value.
+        if v.shape != clean.shape or v.dtype != clean.dtype or v.device != clean.device:
+            raise RuntimeError(
+                f"patch %{node} at site {s!r}: expected shape {list(clean.shape)}, dtype {clean.dtype}, device "
+                f"{clean.device}; got shape {list(v.shape)}, dtype {v.dtype}, device {v.device}")
         values.append(v.detach())
     return values
 
