@@ -13,6 +13,7 @@ import math
 import sys
 import time
 import warnings
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
@@ -44,6 +45,21 @@ def _weights_fingerprint(module: torch.nn.Module) -> tuple:
     """Identity and version counter of every parameter and buffer: changes when any is replaced or
     written in place."""
     return tuple((t.data_ptr(), t._version) for t in nn_params(module))
+
+
+def _contents_digest(tensors: list) -> list:
+    """A CRC-32 of each tensor's bytes (None where there are none to read: a meta or sparse tensor)."""
+    out = []
+    for t in tensors:
+        if t.is_meta or t.layout != torch.strided:
+            out.append(None)
+            continue
+        d = t.detach()
+        if d.device.type != "cpu":
+            d = d.cpu()
+        d = d.contiguous().reshape(-1)
+        out.append(zlib.crc32(d.view(torch.uint8).numpy()) if d.numel() else 0)
+    return out
 
 
 def _input_versions(args, kwargs) -> tuple:
@@ -560,9 +576,34 @@ class ReactiveGraph:
             if key != self._shape:
                 self._switch_shape(key, args, kwargs)
         self._engine.run(self._flat_inputs(args, kwargs))
+        self._note_contents()
         self._last_inputs = (args, kwargs)
         self._last_input_versions = _input_versions(args, kwargs)
         return self.demand()
+
+    def _note_contents(self) -> None:
+        """Digests of the parameters, buffers and constants the graph reads, as its values were computed."""
+        held = [t for t in self._slots if isinstance(t, torch.Tensor)]
+        self._contents = (held, _contents_digest(held))
+
+    def _take_untracked_writes(self) -> None:
+        """A parameter or buffer written where its version counter does not move (``W.data.mul_(2)``,
+        ``W.data[i] = 0``, ``W.numpy()[...] = ...``: ``.data`` is a tensor with a version counter of its
+        own) is an edit the engine cannot see (I15 goes by version): the outputs cached from the old
+        weights were handed out again, silently. Compared by content here (once per sweep: a pass over
+        the weights, less than one forward reads), and a changed tensor's version is moved, so the engine
+        takes it as the edit it is and recomputes its cone."""
+        held, digest = getattr(self, "_contents", (None, None))
+        if held is None:
+            return
+        now = _contents_digest(held)
+        changed = [t for t, a, b in zip(held, digest, now) if a != b]
+        for t in changed:
+            if t.is_inference():
+                raise ValueError("the model's weights were written in place without moving their version counter "
+                                 "(through .data, or an inference tensor); run() again to recompute with them")
+            torch.autograd.graph.increment_version(t)
+        self._contents = (held, now)
 
     def _ran_on(self, *args, **kwargs) -> bool:
         """Whether the cached values are those of these very inputs: the same objects, not written since the
@@ -2132,6 +2173,7 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     # The model written in place before the sweep is an edit the engine takes now (num_dirty reads, so it
     # settles); during it, a patch function or metric writing into the model is refused (engine.h, I15).
     eng = rg._engine
+    rg._take_untracked_writes()
     eng.num_dirty()
     rg._sweeping = True
     eng.set_inputs_frozen(True)

@@ -822,3 +822,31 @@ def test_a_sweep_callback_writing_into_the_model_is_refused(resid, batched, wher
     assert rg.patched() == []
     assert torch.equal(rg.demand(), model(x))  # the write is then an edit like any other
     rg.check_invariants()
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("how", ["data_mul", "data_row", "numpy"])
+def test_sweep_sees_weights_written_where_the_version_does_not_move(resid, how, batched):
+    """``fc.weight.data.mul_(2)`` (``.data`` has a version counter of its own), a row written through
+    ``.data`` or through ``.numpy()``: the engine, which takes in-place edits by version (I15), kept the
+    outputs cached from the old weights and the sweep measured them. A sweep compares the weights by
+    content first and takes a changed one as an edit."""
+    model, x = resid
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    t0, t1, t2 = _tanh_nodes(rg)
+    w = model.fc[1].weight
+    if how == "data_mul":
+        w.data.mul_(2.0)
+    elif how == "data_row":
+        w.data[3] = 0.25
+    else:
+        w.detach().numpy()[0, 0] += 1.0
+    sites = [(t2, p) for p in range(5)]
+    result = torch_ext.sweep(rg, sites, _site_patch, _metric, progress=False, batch_sites=batched)
+    with torch.no_grad():
+        assert result.clean_metric == float(model(x).sum())
+        for (_, p) in sites:
+            ref = _eager(model, x, {2: lambda o, p=p: _site_patch(o, (None, p))})
+            assert result.metrics[(t2, p)] == float(ref.sum())
+        assert torch.equal(rg.demand(), model(x))  # the edit was taken: later reads agree too
+    rg.check_invariants()
