@@ -579,6 +579,8 @@ class ReactiveGraph:
         self._note_contents()
         self._last_inputs = (args, kwargs)
         self._last_input_versions = _input_versions(args, kwargs)
+        self._last_input_digest = _contents_digest(
+            [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
         return self.demand()
 
     def _note_contents(self) -> None:
@@ -607,14 +609,19 @@ class ReactiveGraph:
 
     def _ran_on(self, *args, **kwargs) -> bool:
         """Whether the cached values are those of these very inputs: the same objects, not written since the
-        last run (an input edited in place keeps its identity; its version counter moves)."""
+        last run (an input edited in place keeps its identity; its version counter moves, or, written through
+        ``.data`` or ``.numpy()``, its contents change)."""
         if self._last_inputs is None:
             return False
         last_args, last_kwargs = self._last_inputs
         same = (len(last_args) == len(args) and all(x is y for x, y in zip(last_args, args))
                 and last_kwargs.keys() == kwargs.keys() and all(last_kwargs[k] is kwargs[k] for k in kwargs))
         versions = _input_versions(args, kwargs)
-        return same and None not in versions and versions == getattr(self, "_last_input_versions", None)
+        if not (same and None not in versions and versions == getattr(self, "_last_input_versions", None)):
+            return False
+        # Written through .data or .numpy() (the version counter stays): the contents tell.
+        return _contents_digest([t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]) \
+            == getattr(self, "_last_input_digest", None)
 
     def _refuse_changed_attributes(self, where: str) -> None:
         """A module attribute the trace read (a LayerNorm eps, a config flag) changed since the build: eager

@@ -170,6 +170,19 @@ def test_patching_sees_corrupted_tokens_edited_in_place(bridge):
     assert torch.equal(patching.get_act_patch_attn_out(rg, corrupted, clean_cache, _metric), expected)
 
 
+@pytest.mark.parametrize("how", ["data", "numpy"])
+def test_patching_sees_corrupted_tokens_written_through_data_or_numpy(bridge, how):
+    """Written through ``.data`` or ``.numpy()``, the tokens keep their version counter: the second call took
+    them for the ones already run and patched onto the old corrupted run (0.15 off TransformerLens)."""
+    clean, corrupted = _prompts(1)
+    _, clean_cache = bridge.run_with_cache(clean)
+    patching.get_act_patch_resid_pre(bridge, corrupted, clean_cache, _metric)
+    view = corrupted.data if how == "data" else torch.from_numpy(corrupted.numpy())
+    view[:, 4] = (view[:, 4] + 7) % 50
+    expected = tl_patching.get_act_patch_resid_pre(bridge, corrupted, clean_cache, _metric)
+    assert torch.equal(patching.get_act_patch_resid_pre(bridge, corrupted, clean_cache, _metric), expected)
+
+
 def test_reactive_graph_of_a_bridge_computes_with_its_live_weights(bridge):
     """The graph is traced from a copy of the bridge, but binds the bridge's own parameters: a weight
     written afterwards shows at the next run (never a stale copy)."""
