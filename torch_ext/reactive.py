@@ -575,21 +575,23 @@ class ReactiveGraph:
             key = _shape_key(args, kwargs)
             if key != self._shape:
                 self._switch_shape(key, args, kwargs)
-        self._engine.run(self._flat_inputs(args, kwargs))
-        self._note_contents()
+        flat = self._flat_inputs(args, kwargs)
+        self._engine.run(flat)
+        self._note_contents(flat)
         self._last_inputs = (args, kwargs)
         self._last_input_versions = _input_versions(args, kwargs)
         self._last_input_digest = _contents_digest(
             [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
         return self.demand()
 
-    def _note_contents(self) -> None:
-        """Digests of the parameters, buffers and constants the graph reads, as its values were computed."""
-        held = [t for t in self._slots if isinstance(t, torch.Tensor)]
+    def _note_contents(self, flat: list) -> None:
+        """Digests of the inputs, parameters, buffers and constants the graph reads (``flat``: the inputs as
+        the engine was run on them), as its values were computed."""
+        held = [t for t in flat if isinstance(t, torch.Tensor)]
         self._contents = (held, _contents_digest(held))
 
     def _take_untracked_writes(self) -> None:
-        """A parameter or buffer written where its version counter does not move (``W.data.mul_(2)``,
+        """An input, parameter or buffer written where its version counter does not move (``W.data.mul_(2)``,
         ``W.data[i] = 0``, ``W.numpy()[...] = ...``: ``.data`` is a tensor with a version counter of its
         own) is an edit the engine cannot see (I15 goes by version): the outputs cached from the old
         weights were handed out again, silently. Compared by content here (once per sweep: a pass over

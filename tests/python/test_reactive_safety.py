@@ -825,12 +825,12 @@ def test_a_sweep_callback_writing_into_the_model_is_refused(resid, batched, wher
 
 
 @pytest.mark.parametrize("batched", [False, True])
-@pytest.mark.parametrize("how", ["data_mul", "data_row", "numpy"])
+@pytest.mark.parametrize("how", ["data_mul", "data_row", "numpy", "input_data", "input_numpy"])
 def test_sweep_sees_weights_written_where_the_version_does_not_move(resid, how, batched):
     """``fc.weight.data.mul_(2)`` (``.data`` has a version counter of its own), a row written through
     ``.data`` or through ``.numpy()``: the engine, which takes in-place edits by version (I15), kept the
-    outputs cached from the old weights and the sweep measured them. A sweep compares the weights by
-    content first and takes a changed one as an edit."""
+    outputs cached from the old weights and the sweep measured them; the same for the graph's input. A
+    sweep compares inputs and weights by content first and takes a changed one as an edit."""
     model, x = resid
     rg = torch_ext.ReactiveGraph(model, (x,))
     t0, t1, t2 = _tanh_nodes(rg)
@@ -839,8 +839,12 @@ def test_sweep_sees_weights_written_where_the_version_does_not_move(resid, how, 
         w.data.mul_(2.0)
     elif how == "data_row":
         w.data[3] = 0.25
-    else:
+    elif how == "numpy":
         w.detach().numpy()[0, 0] += 1.0
+    elif how == "input_data":  # the graph's input, after run(): the same object, other values
+        x.data[1, 2] = -1.0
+    else:
+        x.numpy()[0, 4, :3] = 2.0
     sites = [(t2, p) for p in range(5)]
     result = torch_ext.sweep(rg, sites, _site_patch, _metric, progress=False, batch_sites=batched)
     with torch.no_grad():
