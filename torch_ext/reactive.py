@@ -69,9 +69,15 @@ def _input_versions(args, kwargs) -> tuple:
 
 
 def _shape_key(args, kwargs) -> tuple:
-    """The shapes and dtypes of the tensor inputs: what a static export is specialised to."""
-    return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None
-                 for x in pytree.tree_leaves((args, kwargs)))
+    """What a static export is specialised to: the shapes and dtypes of the tensor inputs, and every other
+    input's value (``scale=2.0``, ``flag=True``: the trace computes with it as a constant). A plain ``None``
+    for the latter let ``run(x, scale=3.0)`` compute with the graph traced at ``scale=2.0``, silently."""
+    def leaves(tree) -> tuple:
+        return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else (type(x), repr(x))
+                     for x in pytree.tree_leaves(tree))
+
+    # Keywords by name: their order means nothing (run(x, shift=.., scale=..) is the same call).
+    return leaves(args) + tuple(leaves(kwargs[k]) for k in sorted(kwargs))
 
 
 def _rebind(ep: torch.export.ExportedProgram, module: torch.nn.Module, keep_state: bool = True):
@@ -517,7 +523,8 @@ class ReactiveGraph:
         """Moves to the graph for another input shape: reused if built before, else exported now;
         grafts made so far are replayed on it. Refused while patches are active."""
         if self._engine.pinned():
-            raise ValueError(f"run: these inputs have other shapes than the graph's ({key} vs {self._shape}) while "
+            raise ValueError(f"run: these inputs have other shapes (or non-tensor values) than the graph's ({key} vs "
+                             f"{self._shape}) while "
                              f"patches are active at {self._engine.pinned()}; restore() first")
         self._variants[self._shape] = {a: getattr(self, a, None) for a in self._PER_SHAPE}
         saved = self._variants.get(key)

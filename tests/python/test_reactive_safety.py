@@ -854,3 +854,36 @@ def test_sweep_sees_weights_written_where_the_version_does_not_move(resid, how, 
             assert result.metrics[(t2, p)] == float(ref.sum())
         assert torch.equal(rg.demand(), model(x))  # the edit was taken: later reads agree too
     rg.check_invariants()
+
+
+class _Options(nn.Module):
+    """forward(x, scale, flag): non-tensor inputs the trace computes with as constants."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, scale=1.0, flag=False):
+        y = self.lin(x) * scale
+        return torch.tanh(y) if flag else y
+
+
+def test_run_with_other_non_tensor_inputs_moves_to_their_graph():
+    """run(x, scale=3.0) on a graph built with scale=2.0 computed with 2.0 (the shape key held None for
+    every non-tensor input), as did run(x, 5.0) for a positional one: now each value has its graph."""
+    model, x = _Options().eval(), torch.randn(2, 4)
+    rg = torch_ext.ReactiveGraph(model, (x,), example_kwargs={"scale": 2.0, "flag": False})
+    with torch.no_grad():
+        for kwargs in ({"scale": 3.0, "flag": False}, {"scale": 2.0, "flag": True}, {"scale": 2.0, "flag": False}):
+            assert torch.equal(rg.run(x, **kwargs), model(x, **kwargs)), kwargs
+        assert rg.stats["graph_builds"] == 3 and rg.stats["graph_reuses"] == 1
+        positional = torch_ext.ReactiveGraph(model, (x, 3.0))
+        assert torch.equal(positional.run(x, 5.0), model(x, 5.0))
+        # While a patch is active another value is refused, as any run is.
+        rg.patch(rg.nodes("linear*")[0], torch.zeros(2, 4))
+        with pytest.raises(ValueError, match="patches are active"):
+            rg.run(x, scale=4.0, flag=False)
+        rg.restore()
+        assert torch.equal(rg.run(x, flag=False, scale=3.0), model(x, scale=3.0, flag=False))  # keyword order: no meaning
+        assert rg.stats["graph_builds"] == 3
