@@ -346,6 +346,9 @@ class ReactiveGraph:
                                  "rg.run(*args, **kwargs) as it was exported")
             self._module = None
             ep, used, why = ep_or_module, "program", None
+            # Its non-tensor inputs are constants of the program: another value is refused at run(). (A
+            # module's graph moves to a graph for the new value instead: _shape_key.)
+            self._user_constants = _compat.user_input_constants(ep)
         else:
             raise TypeError(f"ReactiveGraph expects an nn.Module or an ExportedProgram, got {type(ep_or_module).__name__}")
         t1 = time.perf_counter()
@@ -546,7 +549,7 @@ class ReactiveGraph:
 
     # ---- evaluation
     def _flat_inputs(self, args, kwargs):
-        flat = _compat.user_input_leaves(args, kwargs, self._in_spec)
+        flat = _compat.user_input_leaves(args, kwargs, self._in_spec, getattr(self, "_user_constants", None))
         it = iter(flat)
         return [next(it) if s is None else s for s in self._slots]
 
