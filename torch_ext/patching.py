@@ -120,7 +120,8 @@ def _graph_for(model, tokens: torch.Tensor) -> ReactiveGraph:
             rg._take_untracked_writes()  # a weight written through .data moves its version: rebuilt below
         fingerprint = _weights_fingerprint(model)
         # An attribute the trace read (a LayerNorm eps) changed since: the graph holds the old value, built again.
-        if rg is None or built_for != fingerprint or _module_state.changed(getattr(rg, "_attributes", ())):
+        if rg is None or built_for != fingerprint or _module_state.changed(getattr(rg, "_attributes", ())) \
+                or _module_state.changed(getattr(rg, "_global_reads", ())):
             rg = ReactiveGraph(model, (tokens,))
             per_shape[key] = (rg, fingerprint)
             return rg

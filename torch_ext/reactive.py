@@ -428,6 +428,7 @@ class ReactiveGraph:
         if self._module is not None:
             changed = _module_state.traced_changes(self._module, self._attributes)
             self._attributes = _module_state.attributes(self._module)  # what the graph was traced with
+            self._global_reads = _module_state.global_reads(self._module)  # module-level values it read
             self._hook_snapshot = _module_state.Hooks(self._module)  # forward hooks the graph holds
         if changed:  # forward changed Python state while being traced: the graph holds one value of it
             raise TypeError("ReactiveGraph: forward changes module attributes the graph would hold fixed: "
@@ -639,7 +640,8 @@ class ReactiveGraph:
         """A module attribute the trace read (a LayerNorm eps, a config flag) changed since the build: eager
         calls use the new value, the graph holds the old one. Refused at run() and demand() alike (a sweep
         demands first), not only at run(): a graph demanded or swept without a new run was silently stale."""
-        changed = _module_state.changed(getattr(self, "_attributes", ()))
+        changed = _module_state.changed(getattr(self, "_attributes", ())) \
+            or _module_state.changed(getattr(self, "_global_reads", ()))
         if changed:
             raise ValueError(f"{where}: {_module_state.change_message(changed, 'this ReactiveGraph was built')}; the "
                              "graph holds the value it was traced with, eager calls would use the new one: build a "

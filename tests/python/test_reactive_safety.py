@@ -8,6 +8,8 @@ hand (forward hooks), never through the engine.
 """
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn as nn
@@ -887,3 +889,49 @@ def test_run_with_other_non_tensor_inputs_moves_to_their_graph():
         rg.restore()
         assert torch.equal(rg.run(x, flag=False, scale=3.0), model(x, scale=3.0, flag=False))  # keyword order: no meaning
         assert rg.stats["graph_builds"] == 3
+
+
+_GAIN = 1.0
+_CALLS = 0
+_SETTINGS = types.ModuleType("_torch_ext_safety_settings")  # a user module read by attribute
+_SETTINGS.SHIFT = 0.0
+
+
+def _gained(t):
+    return t * _GAIN
+
+
+class _ReadsGlobals(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        global _CALLS
+        _CALLS += 1  # bookkeeping the forward assigns: not a constant of the trace, not checked
+        return _gained(self.lin(x)) + _SETTINGS.SHIFT
+
+
+@pytest.mark.parametrize("change", ["global_of_a_helper", "user_module_attribute", "helper_replaced"])
+def test_run_and_demand_refuse_module_level_values_changed_after_build(change, monkeypatch):
+    """A module-level constant the forward reads (directly, through a helper, or as config.SHIFT of a user
+    module) changed after the build: eager calls use the new value, the graph held the old one and run(),
+    demand() and sweep() answered with it, silently (1.0 off here)."""
+    model, x = _ReadsGlobals().eval(), torch.randn(2, 4)
+    rg = torch_ext.ReactiveGraph(model, (x,), cache=False)
+    with torch.no_grad():
+        model(x)  # the counter moves: no refusal
+    assert torch.equal(rg.run(x), model(x))
+    if change == "global_of_a_helper":
+        monkeypatch.setitem(globals(), "_GAIN", 2.0)
+    elif change == "user_module_attribute":
+        monkeypatch.setattr(_SETTINGS, "SHIFT", 1.0)
+    else:
+        monkeypatch.setitem(globals(), "_gained", lambda t: -t)
+    for call in (rg.demand, lambda: rg.run(x),
+                 lambda: torch_ext.sweep(rg, [rg.nodes("linear*")[0]], lambda v, s: v, sum_metric, progress=False)):
+        with pytest.raises(ValueError, match="a module-level value the forward reads"):
+            call()
+    monkeypatch.undo()
+    assert torch.equal(rg.run(x), model(x))  # changed back: computes again
