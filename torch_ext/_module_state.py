@@ -161,8 +161,8 @@ def global_reads(model: torch.nn.Module) -> tuple:
     """A snapshot (the layout ``attributes`` returns) of the module-level values that the user's forward
     code reads: for every module class of the tree, the functions its own classes define (forward and the
     helpers it calls on self), and the user functions and user modules (``config.SCALE``) they name, one
-    level after another. Plain values (numbers, strings, small containers of them) by value, functions by
-    identity. The trace holds each as a constant, so ``OFFSET = 1.5`` after the build made eager calls and
+    level after another. Plain values (numbers, strings, small tuples and dicts of them) by value, functions
+    by identity; lists and sets are left out (a log the forward appends to would refuse every later call). The trace holds each as a constant, so ``OFFSET = 1.5`` after the build made eager calls and
     the graph differ, silently. Code of installed packages (torch, transformers, TransformerLens) is not
     walked; names the code assigns (a call counter) are not checked."""
     from ._build_cache import _global_names, _is_installed_module, _is_library
@@ -175,6 +175,8 @@ def global_reads(model: torch.nn.Module) -> tuple:
     def take(label: str, d: dict, name: str, v, names: tuple, skip: set, depth: int) -> None:
         if (id(d), name) in taken or name in skip or name.startswith("__"):
             return
+        if isinstance(v, (list, set)):
+            return  # a list or set at module level is mostly a log the forward appends to, not a constant
         if isinstance(v, _SCALARS) or (isinstance(v, _CONTAINERS) and len(v) <= _GLOBAL_CONTAINER_LIMIT and _plain(v)):
             taken.add((id(d), name))
             paths.append(label)

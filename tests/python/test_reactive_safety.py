@@ -893,6 +893,7 @@ def test_run_with_other_non_tensor_inputs_moves_to_their_graph():
 
 _GAIN = 1.0
 _CALLS = 0
+_SHAPES: list = []
 _SETTINGS = types.ModuleType("_torch_ext_safety_settings")  # a user module read by attribute
 _SETTINGS.SHIFT = 0.0
 
@@ -910,6 +911,7 @@ class _ReadsGlobals(nn.Module):
     def forward(self, x):
         global _CALLS
         _CALLS += 1  # bookkeeping the forward assigns: not a constant of the trace, not checked
+        _SHAPES.append(tuple(x.shape))  # nor a log it appends to
         return _gained(self.lin(x)) + _SETTINGS.SHIFT
 
 
