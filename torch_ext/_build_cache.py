@@ -17,13 +17,14 @@ The key (``fingerprint``) covers:
 - nn.Module's global hooks, grad mode, inference mode, autocast and the default dtype.
 
 An object it cannot describe (an unhashable C extension object, a tensor over 64 Ki elements held as an
-attribute) makes the module uncacheable: it is built, not cached. Module-level globals that a forward
-is built, not cached.
+attribute) makes the module uncacheable: it is built, not cached.
 
 Code is in the key with what it reads: a class of the tree by its bases and the functions, static and
 class methods and properties of its own namespace (so a method replaced on the class misses); a function
 by its code object, defaults, closure and every global its code names (so a module-level helper or
-constant reassigned between builds misses). Classes and functions of installed packages (the standard
+constant reassigned between builds misses); a Python module of the user's code that it names (``import config``,
+then ``config.SCALE``) by the module's attributes that the code names, walked as values (so ``config.SCALE = 3.0``
+misses). Classes and functions of installed packages (the standard
 library, torch, transformers, transformer_lens: anything under site-packages) are taken by identity:
 patching a library between builds is not detected (turn the cache off with ``TORCH_EXT_BUILD_CACHE=0``
 or ``ReactiveGraph(..., cache=False)``). torch_ext installed in development mode counts as user code.
@@ -354,7 +355,8 @@ class _Walker:
                 # A library function made in a function (a closure): described as user code is.
             cells = tuple(self(c.cell_contents, depth + 1) if _filled(c) else ("empty",) for c in obj.__closure__ or ())
             env = obj.__globals__
-            reads = tuple((n, self(env[n], depth + 1)) for n in _global_names(obj.__code__) if n in env)
+            names = _global_names(obj.__code__)
+            reads = tuple((n, self._read(env[n], names, depth + 1)) for n in names if n in env)
             return ("function", self.code(obj.__code__), self(obj.__defaults__, depth + 1),
                     self(obj.__kwdefaults__, depth + 1), cells, self(getattr(obj, "__dict__", None), depth + 1), reads)
         if isinstance(obj, types.MethodType):
@@ -391,6 +393,33 @@ class _Walker:
             state = _without_ids(type(obj), state)
         return ("object", self(type(obj), depth + 1), self(dict(state) if state is not None else None, depth + 1),
                 tuple((s, self(getattr(obj, s, None), depth + 1)) for s in slots))
+
+    def _read(self, obj, names: tuple, depth: int):
+        """A global a function reads. A Python module of the user's code (``import config`` then
+        ``config.SCALE`` in forward) is described with its attributes that the code names (``co_names``
+        holds attribute names too), walked as values, and so on through its user submodules: by identity
+        alone, ``config.SCALE = 3.0`` (or ``config.cfg.shift = 1.0``) between two builds reused the
+        first graph, which computes with the old value. Modules of installed packages stay by identity."""
+        if not isinstance(obj, types.ModuleType) or _is_installed_module(obj.__name__):
+            return self(obj, depth)
+        if depth > 64:
+            raise Uncacheable(f"an object graph deeper than 64 (module {obj.__name__})")
+        env = vars(obj)
+        attrs = []
+        for n in names:
+            if n in env:
+                v = env[n]
+                if isinstance(v, types.ModuleType) and v is not obj and not _is_installed_module(v.__name__):
+                    key = ("module-read", id(v), names)
+                    if key in self.memo:  # an import cycle between user modules, or a second path to one
+                        attrs.append((n, ("ref", self.memo[key])))
+                        continue
+                    self.memo[key] = len(self.memo)
+                    self.keep.append(v)
+                    attrs.append((n, self._read(v, names, depth + 1)))
+                elif v is not obj:
+                    attrs.append((n, self(v, depth + 1)))
+        return ("user-module", self(obj, depth), tuple(attrs))
 
     def _portable_builtin(self, obj, depth: int):
         """A C function, slot wrapper, operator or Python module by name (a bound one with its receiver)."""

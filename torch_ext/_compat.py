@@ -188,10 +188,31 @@ def leaves_by_key(tree, spec, paths=None) -> list | None:
     return None
 
 
-def user_input_leaves(args, kwargs, in_spec) -> list:
+NOT_CONSTANT = object()
+
+
+def user_input_constants(ep) -> list:
+    """For each flat user input of ``ep``, the value export specialised the program to (a non-tensor
+    input: ``scale=2.0``, ``flag=True``; the graph computes with it as a constant), or NOT_CONSTANT."""
+    return [getattr(spec.arg, "value", None) if type(spec.arg).__name__ == "ConstantArgument" else NOT_CONSTANT
+            for spec in ep.graph_signature.input_specs if spec.kind.name == "USER_INPUT"]
+
+
+def _same_constant(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return repr(a) == repr(b)  # -0.0 is not 0.0 (x * -0.0 has other zeros)
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a value that cannot compare: the same object only
+        return a is b
+
+
+def user_input_leaves(args, kwargs, in_spec, constants=None) -> list:
     """The flat user inputs of a call ``(*args, **kwargs)`` of a program exported with input
     structure ``in_spec`` (None: taken as they come): keywords and dict keys matched by name, in any
-    order (leaves_by_key); another structure is refused, showing both."""
+    order (leaves_by_key); another structure is refused, showing both. ``constants``
+    (user_input_constants): a non-tensor input of another value than the program was exported with is
+    refused, as ``ep.module()`` refuses it (the program would compute with the exported one)."""
     import torch.utils._pytree as pytree
 
     if in_spec is None:
@@ -200,6 +221,13 @@ def user_input_leaves(args, kwargs, in_spec) -> list:
     if flat is None:
         spec = pytree.tree_structure((args, kwargs))
         raise TypeError(f"inputs do not match the exported signature: expected {in_spec}, got {spec}")
+    if constants:
+        for i, (v, c) in enumerate(zip(flat, constants)):
+            if c is not NOT_CONSTANT and not _same_constant(v, c):
+                where = pytree.keystr(key_paths(in_spec)[i])
+                raise ValueError(f"input {where}: the program was exported with the constant {c!r} there and "
+                                 f"computes with it; got {v!r}. Export again with this value (a ReactiveGraph of "
+                                 "the module moves to a graph for it by itself)")
     return flat
 
 

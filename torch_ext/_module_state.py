@@ -142,6 +142,94 @@ def attributes(model: torch.nn.Module) -> tuple:
     return paths, dicts, keys, values, tpaths, tdicts, tkeys, tensors, fpaths, fdicts
 
 
+_GLOBAL_CONTAINER_LIMIT = 10_000  # a larger global container is not copied nor compared at every read
+
+
+def _stored_globals(code: types.CodeType) -> set:
+    """Names a code object (and the code nested in it) assigns as globals (``global N; N += 1``): bookkeeping
+    a forward keeps, not a constant of its trace."""
+    import dis
+
+    out = {i.argval for i in dis.get_instructions(code) if i.opname in ("STORE_GLOBAL", "DELETE_GLOBAL")}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            out |= _stored_globals(const)
+    return out
+
+
+def global_reads(model: torch.nn.Module) -> tuple:
+    """A snapshot (the layout ``attributes`` returns) of the module-level values that the user's forward
+    code reads: for every module class of the tree, the functions its own classes define (forward and the
+    helpers it calls on self), and the user functions and user modules (``config.SCALE``) they name, one
+    level after another. Plain values (numbers, strings, small tuples and dicts of them) by value, functions
+    by identity; lists and sets are left out (a log the forward appends to would refuse every later call). The trace holds each as a constant, so ``OFFSET = 1.5`` after the build made eager calls and
+    the graph differ, silently. Code of installed packages (torch, transformers, TransformerLens) is not
+    walked; names the code assigns (a call counter) are not checked."""
+    from ._build_cache import _global_names, _is_installed_module, _is_library
+
+    paths, dicts, keys, values = [], [], [], []
+    tpaths, tdicts, tkeys, objs = [], [], [], []
+    seen: set = set()
+    taken: set = set()
+
+    def take(label: str, d: dict, name: str, v, names: tuple, skip: set, depth: int) -> None:
+        if (id(d), name) in taken or name in skip or name.startswith("__"):
+            return
+        if isinstance(v, (list, set)):
+            return  # a list or set at module level is mostly a log the forward appends to, not a constant
+        if isinstance(v, _SCALARS) or (isinstance(v, _CONTAINERS) and len(v) <= _GLOBAL_CONTAINER_LIMIT and _plain(v)):
+            taken.add((id(d), name))
+            paths.append(label)
+            dicts.append(d)
+            keys.append(name)
+            values.append(v if isinstance(v, _SCALARS) else copy.deepcopy(v))
+        elif isinstance(v, types.FunctionType) and not _is_library(v):
+            taken.add((id(d), name))
+            tpaths.append(label)
+            tdicts.append(d)
+            tkeys.append(name)
+            objs.append(v)
+            function(v, depth + 1)
+        elif isinstance(v, types.ModuleType) and not _is_installed_module(v.__name__) and depth < 4:
+            if id(v) in seen:
+                return
+            seen.add(id(v))
+            md = vars(v)
+            for a in names:
+                if a in md and md[a] is not v:
+                    take(f"global {v.__name__}", md, a, md[a], names, set(), depth + 1)
+
+    def function(fn, depth: int = 0) -> None:
+        if id(fn) in seen or depth > 4 or not isinstance(fn, types.FunctionType) or _is_library(fn):
+            return
+        seen.add(id(fn))
+        env = fn.__globals__
+        names = _global_names(fn.__code__)
+        skip = _stored_globals(fn.__code__)
+        label = f"global {env.get('__name__', '?')}"
+        for n in names:
+            if n in env:
+                take(label, env, n, env[n], names, skip, depth)
+
+    classes = set()
+    for mod in model.modules():
+        f = mod.__dict__.get("forward")
+        if isinstance(f, types.FunctionType):
+            function(f)
+        for cls in type(mod).__mro__:
+            if cls in classes or _is_library(cls):
+                continue
+            classes.add(cls)
+            for v in vars(cls).values():
+                if isinstance(v, (staticmethod, classmethod)):
+                    v = v.__func__
+                elif isinstance(v, property):
+                    v = v.fget
+                if isinstance(v, types.FunctionType):
+                    function(v)
+    return paths, dicts, keys, values, tpaths, tdicts, tkeys, objs, [], []
+
+
 def changed(snapshot: tuple) -> list[tuple[str, str, object, object]]:
     """(module path, attribute, value in the snapshot, value now) for every attribute that changed."""
     if not snapshot:
@@ -208,6 +296,8 @@ def describe(path: str, key: str) -> str:
     """``model.<path>.<key>``, the attribute as the user reaches it (``<class>.forward`` for a class's)."""
     if path.startswith("class "):
         return f"{path[len('class '):]}.{key} (on the class)"
+    if path.startswith("global "):
+        return f"{path[len('global '):]}.{key} (a module-level value the forward reads)"
     return f"{'model.' + path if path else 'model'}.{key}"
 
 
@@ -220,7 +310,7 @@ def change_message(changes: list, built: str) -> str:
     mode = " (eval mode)" if key == "training" and now is False else " (train mode)" if key == "training" else ""
     # Which attributes the forward reads is not known here: every public one is checked. Bookkeeping
     # the forward never reads (a step counter kept on the model) can opt out by its name.
-    hint = ("" if key == "training" else
+    hint = ("" if key == "training" or path.startswith("global ") else
             f" (if forward never reads {key!r}, keep it under a name starting with '_', which is not checked)")
     return f"{describe(path, key)} is {now!r}{mode} now, {was!r} when {built}{more}{hint}"
 

@@ -33,6 +33,7 @@ class Executor:
         self._ex = _C.Executor(self.graph._g)
         self._in_spec = ep.call_spec.in_spec
         self._out_spec = ep.call_spec.out_spec
+        self._constants = _compat.user_input_constants(ep)
         sig = ep.graph_signature
         state = {**ep.state_dict, **ep.constants}
         self.state: dict[str, torch.Tensor] = {}
@@ -57,7 +58,7 @@ class Executor:
                 raise TypeError(f"an Executor over an ir.Graph takes positional inputs only, got keywords "
                                 f"{sorted(kwargs)}")
             return self._ex.run(list(args))
-        flat = _compat.user_input_leaves(args, kwargs, self._in_spec)
+        flat = _compat.user_input_leaves(args, kwargs, self._in_spec, self._constants)
         if len(flat) != self._num_user:
             raise TypeError(f"expected {self._num_user} user inputs, got {len(flat)}")
         it = iter(flat)

@@ -115,10 +115,13 @@ def _graph_for(model, tokens: torch.Tensor) -> ReactiveGraph:
         key = (tuple(tokens.shape), tokens.dtype, tokens.device)
         # A graph is a snapshot of the weights (TransformerLens models are even exported from a copy):
         # any weight replaced or written in place since (load_state_dict, fine-tuning) rebuilds it.
-        fingerprint = _weights_fingerprint(model)
         rg, built_for = per_shape.get(key, (None, None))
+        if rg is not None:
+            rg._take_untracked_writes()  # a weight written through .data moves its version: rebuilt below
+        fingerprint = _weights_fingerprint(model)
         # An attribute the trace read (a LayerNorm eps) changed since: the graph holds the old value, built again.
-        if rg is None or built_for != fingerprint or _module_state.changed(getattr(rg, "_attributes", ())):
+        if rg is None or built_for != fingerprint or _module_state.changed(getattr(rg, "_attributes", ())) \
+                or _module_state.changed(getattr(rg, "_global_reads", ())):
             rg = ReactiveGraph(model, (tokens,))
             per_shape[key] = (rg, fingerprint)
             return rg

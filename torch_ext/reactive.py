@@ -13,6 +13,7 @@ import math
 import sys
 import time
 import warnings
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
@@ -46,6 +47,21 @@ def _weights_fingerprint(module: torch.nn.Module) -> tuple:
     return tuple((t.data_ptr(), t._version) for t in nn_params(module))
 
 
+def _contents_digest(tensors: list) -> list:
+    """A CRC-32 of each tensor's bytes (None where there are none to read: a meta or sparse tensor)."""
+    out = []
+    for t in tensors:
+        if t.is_meta or t.layout != torch.strided:
+            out.append(None)
+            continue
+        d = t.detach()
+        if d.device.type != "cpu":
+            d = d.cpu()
+        d = d.contiguous().reshape(-1)
+        out.append(zlib.crc32(d.view(torch.uint8).numpy()) if d.numel() else 0)
+    return out
+
+
 def _input_versions(args, kwargs) -> tuple:
     """The version counters of the tensor inputs (None for an inference tensor, which has none)."""
     return tuple((None if t.is_inference() else t._version) for t in pytree.tree_leaves((args, kwargs))
@@ -53,9 +69,15 @@ def _input_versions(args, kwargs) -> tuple:
 
 
 def _shape_key(args, kwargs) -> tuple:
-    """The shapes and dtypes of the tensor inputs: what a static export is specialised to."""
-    return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None
-                 for x in pytree.tree_leaves((args, kwargs)))
+    """What a static export is specialised to: the shapes and dtypes of the tensor inputs, and every other
+    input's value (``scale=2.0``, ``flag=True``: the trace computes with it as a constant). A plain ``None``
+    for the latter let ``run(x, scale=3.0)`` compute with the graph traced at ``scale=2.0``, silently."""
+    def leaves(tree) -> tuple:
+        return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else (type(x), repr(x))
+                     for x in pytree.tree_leaves(tree))
+
+    # Keywords by name: their order means nothing (run(x, shift=.., scale=..) is the same call).
+    return leaves(args) + tuple(leaves(kwargs[k]) for k in sorted(kwargs))
 
 
 def _rebind(ep: torch.export.ExportedProgram, module: torch.nn.Module, keep_state: bool = True):
@@ -324,6 +346,9 @@ class ReactiveGraph:
                                  "rg.run(*args, **kwargs) as it was exported")
             self._module = None
             ep, used, why = ep_or_module, "program", None
+            # Its non-tensor inputs are constants of the program: another value is refused at run(). (A
+            # module's graph moves to a graph for the new value instead: _shape_key.)
+            self._user_constants = _compat.user_input_constants(ep)
         else:
             raise TypeError(f"ReactiveGraph expects an nn.Module or an ExportedProgram, got {type(ep_or_module).__name__}")
         t1 = time.perf_counter()
@@ -403,6 +428,7 @@ class ReactiveGraph:
         if self._module is not None:
             changed = _module_state.traced_changes(self._module, self._attributes)
             self._attributes = _module_state.attributes(self._module)  # what the graph was traced with
+            self._global_reads = _module_state.global_reads(self._module)  # module-level values it read
             self._hook_snapshot = _module_state.Hooks(self._module)  # forward hooks the graph holds
         if changed:  # forward changed Python state while being traced: the graph holds one value of it
             raise TypeError("ReactiveGraph: forward changes module attributes the graph would hold fixed: "
@@ -501,7 +527,8 @@ class ReactiveGraph:
         """Moves to the graph for another input shape: reused if built before, else exported now;
         grafts made so far are replayed on it. Refused while patches are active."""
         if self._engine.pinned():
-            raise ValueError(f"run: these inputs have other shapes than the graph's ({key} vs {self._shape}) while "
+            raise ValueError(f"run: these inputs have other shapes (or non-tensor values) than the graph's ({key} vs "
+                             f"{self._shape}) while "
                              f"patches are active at {self._engine.pinned()}; restore() first")
         self._variants[self._shape] = {a: getattr(self, a, None) for a in self._PER_SHAPE}
         saved = self._variants.get(key)
@@ -523,7 +550,7 @@ class ReactiveGraph:
 
     # ---- evaluation
     def _flat_inputs(self, args, kwargs):
-        flat = _compat.user_input_leaves(args, kwargs, self._in_spec)
+        flat = _compat.user_input_leaves(args, kwargs, self._in_spec, getattr(self, "_user_constants", None))
         it = iter(flat)
         return [next(it) if s is None else s for s in self._slots]
 
@@ -559,27 +586,62 @@ class ReactiveGraph:
             key = _shape_key(args, kwargs)
             if key != self._shape:
                 self._switch_shape(key, args, kwargs)
-        self._engine.run(self._flat_inputs(args, kwargs))
+        flat = self._flat_inputs(args, kwargs)
+        self._engine.run(flat)
+        self._note_contents(flat)
         self._last_inputs = (args, kwargs)
         self._last_input_versions = _input_versions(args, kwargs)
+        self._last_input_digest = _contents_digest(
+            [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
         return self.demand()
+
+    def _note_contents(self, flat: list) -> None:
+        """Digests of the inputs, parameters, buffers and constants the graph reads (``flat``: the inputs as
+        the engine was run on them), as its values were computed."""
+        held = [t for t in flat if isinstance(t, torch.Tensor)]
+        self._contents = (held, _contents_digest(held))
+
+    def _take_untracked_writes(self) -> None:
+        """An input, parameter or buffer written where its version counter does not move (``W.data.mul_(2)``,
+        ``W.data[i] = 0``, ``W.numpy()[...] = ...``: ``.data`` is a tensor with a version counter of its
+        own) is an edit the engine cannot see (I15 goes by version): the outputs cached from the old
+        weights were handed out again, silently. Compared by content here (once per sweep: a pass over
+        the weights, less than one forward reads), and a changed tensor's version is moved, so the engine
+        takes it as the edit it is and recomputes its cone."""
+        held, digest = getattr(self, "_contents", (None, None))
+        if held is None:
+            return
+        now = _contents_digest(held)
+        changed = [t for t, a, b in zip(held, digest, now) if a != b]
+        for t in changed:
+            if t.is_inference():
+                raise ValueError("the model's weights were written in place without moving their version counter "
+                                 "(through .data, or an inference tensor); run() again to recompute with them")
+            torch.autograd.graph.increment_version(t)
+        self._contents = (held, now)
 
     def _ran_on(self, *args, **kwargs) -> bool:
         """Whether the cached values are those of these very inputs: the same objects, not written since the
-        last run (an input edited in place keeps its identity; its version counter moves)."""
+        last run (an input edited in place keeps its identity; its version counter moves, or, written through
+        ``.data`` or ``.numpy()``, its contents change)."""
         if self._last_inputs is None:
             return False
         last_args, last_kwargs = self._last_inputs
         same = (len(last_args) == len(args) and all(x is y for x, y in zip(last_args, args))
                 and last_kwargs.keys() == kwargs.keys() and all(last_kwargs[k] is kwargs[k] for k in kwargs))
         versions = _input_versions(args, kwargs)
-        return same and None not in versions and versions == getattr(self, "_last_input_versions", None)
+        if not (same and None not in versions and versions == getattr(self, "_last_input_versions", None)):
+            return False
+        # Written through .data or .numpy() (the version counter stays): the contents tell.
+        return _contents_digest([t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]) \
+            == getattr(self, "_last_input_digest", None)
 
     def _refuse_changed_attributes(self, where: str) -> None:
         """A module attribute the trace read (a LayerNorm eps, a config flag) changed since the build: eager
         calls use the new value, the graph holds the old one. Refused at run() and demand() alike (a sweep
         demands first), not only at run(): a graph demanded or swept without a new run was silently stale."""
-        changed = _module_state.changed(getattr(self, "_attributes", ()))
+        changed = _module_state.changed(getattr(self, "_attributes", ())) \
+            or _module_state.changed(getattr(self, "_global_reads", ()))
         if changed:
             raise ValueError(f"{where}: {_module_state.change_message(changed, 'this ReactiveGraph was built')}; the "
                              "graph holds the value it was traced with, eager calls would use the new one: build a "
@@ -1758,6 +1820,13 @@ def _patched_values(rg: ReactiveGraph, node: str, members: list, patch: Callable
         v = rg._call_patch_fn(node, lambda t, s=s, fn=fn: fn(t, s), clean, "sweep patch function")
         if not isinstance(v, torch.Tensor):
             raise TypeError(f"patch function at site {s!r} returned {type(v).__name__}, expected a tensor")
+        # Checked here, one by one, as the engine checks a single patch: the batched path concatenates the
+        # values along dim 0, and a [2B, ...] value beside a [0, ...] one has the stacked shape of two [B, ...]
+        # ones, so the engine's check on the stack passed and each site got rows of the other's value.
+        if v.shape != clean.shape or v.dtype != clean.dtype or v.device != clean.device:
+            raise RuntimeError(
+                f"patch %{node} at site {s!r}: expected shape {list(clean.shape)}, dtype {clean.dtype}, device "
+                f"{clean.device}; got shape {list(v.shape)}, dtype {v.dtype}, device {v.device}")
         values.append(v.detach())
     return values
 
@@ -2125,6 +2194,7 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     # The model written in place before the sweep is an edit the engine takes now (num_dirty reads, so it
     # settles); during it, a patch function or metric writing into the model is refused (engine.h, I15).
     eng = rg._engine
+    rg._take_untracked_writes()
     eng.num_dirty()
     rg._sweeping = True
     eng.set_inputs_frozen(True)

@@ -312,6 +312,38 @@ def test_keywords_and_dict_keys_in_another_order_are_matched_by_name():
             run(x, scale=scale, offset=shift, extra=extra)
 
 
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, scale=1.0, flag=False):
+        h = self.lin(x) * scale
+        return torch.tanh(h) if flag else h
+
+
+def test_a_non_tensor_input_of_another_value_than_exported_is_refused():
+    # export specialises the program to scale=2.0 (ep.module() refuses 3.0): the Executor and a ReactiveGraph
+    # of the program computed with 2.0 and returned it as the answer for 3.0.
+    torch.manual_seed(0)
+    model, x = _Scaled(), torch.randn(2, 4)
+    ep = torch.export.export(model, (x,), {"scale": 2.0, "flag": False})
+    ex = torch_ext.Executor(ep)
+    rg = torch_ext.ReactiveGraph(ep)
+    with torch.no_grad():
+        want = model(x, scale=2.0, flag=False)
+    for run in (ex, rg.run):
+        assert torch.equal(run(x, flag=False, scale=2.0), want)
+        with pytest.raises(ValueError, match=r"input \[1\]\['scale'\]: the program was exported with the constant "
+                                             r"2.0 there .* got 3.0"):
+            run(x, scale=3.0, flag=False)
+        with pytest.raises(ValueError, match=r"\['scale'\].*got -0.0"):
+            run(x, scale=-0.0, flag=False)
+        with pytest.raises(ValueError, match=r"\['flag'\].*False.*got True"):
+            run(x, scale=2.0, flag=True)
+    assert torch.equal(rg.demand(), want)  # the refused runs left the graph as it was
+
+
 def test_wrong_input_shape(mlp_executor):
     ex, x = mlp_executor
     with pytest.raises(RuntimeError, match=r"input #\d+ \('x'\): expected shape \[8, 32\], got \[7, 32\]"):

@@ -102,6 +102,12 @@ def _unbatchable_patch(v, site):
     return v[:1].clone()
 
 
+def _rows_traded_patch(v, site):
+    """Site 1 returns twice the batch, site 2 none of it: stacked, the three have the right total shape."""
+    out = _good_patch(v, site)
+    return {1: torch.cat([out, out]), 2: out[:0]}.get(site[1], out)
+
+
 SWEEPS = {
     "no_sites": (lambda rg: _sweep(rg, sites=[]), ValueError, "at least one site"),
     "glob_matches_nothing": (lambda rg: _sweep(rg, sites="zzz*"), ValueError, "no node matches 'zzz\\*'"),
@@ -134,6 +140,14 @@ SWEEPS = {
                                "in place"),
     "batched_patch_wrong_shape": (lambda rg: _sweep(rg, patch=_unbatchable_patch, batch_sites=True), RuntimeError,
                                   "shape"),
+    "batched_patch_shapes_trade_rows": (lambda rg: _sweep(rg, patch=_rows_traded_patch, batch_sites=True),
+                                        RuntimeError, r"at site \('tanh_1', 1\): expected shape \[2, 5, 8\].*got shape \[4, 5, 8\]"),
+    "batched_patch_shapes_trade_rows_whole_cones": (
+        lambda rg: _sweep(rg, patch=_rows_traded_patch, batch_sites=True, positions=False), RuntimeError,
+        r"at site \('tanh_1', 1\): expected shape \[2, 5, 8\]"),
+    "batched_patch_one_site_float64": (
+        lambda rg: _sweep(rg, patch=lambda v, s: _good_patch(v, s).double() if s[1] == 2 else _good_patch(v, s),
+                          batch_sites=True), RuntimeError, r"at site \('tanh_1', 2\).*dtype torch.float64"),
     "batched_metric_in_place": (lambda rg: _sweep(rg, metric=lambda o: o.mul_(2).sum(), batch_sites=True),
                                 ValueError, "metric wrote"),
     "batched_patch_returns_none": (lambda rg: _sweep(rg, patch=lambda v, s: None, batch_sites=True), TypeError,

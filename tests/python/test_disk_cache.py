@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import types
 
 import pytest
 import torch
@@ -128,6 +129,32 @@ def test_disk_key_misses_when_code_a_global_or_a_class_attribute_changes(cache_d
     _build(scaled, x)
     monkeypatch.setattr(_ClassScale, "factor", 5.0)
     assert _build(scaled, x).build_stats["disk_cache"] == "stored"
+
+
+_config = types.ModuleType("_torch_ext_test_disk_config")  # a user module, read by attribute
+_config.SCALE = 2.0
+
+
+class _ReadsAModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * _config.SCALE
+
+
+def test_disk_key_misses_when_an_attribute_of_a_user_module_it_reads_changes(cache_dir, monkeypatch):
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    model = _ReadsAModule().eval()
+    _build(model, x)
+    assert _build(model, x).build_stats["disk_cache"] == "hit"
+    monkeypatch.setattr(_config, "SCALE", 3.0)
+    rg = _build(model, x)
+    assert rg.build_stats["disk_cache"] == "stored"
+    with torch.no_grad():
+        assert torch.equal(rg.demand(), model(x))
 
 
 class _MakesConstant(nn.Module):

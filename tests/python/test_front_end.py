@@ -6,6 +6,8 @@ front_end="make_fx" refuses.
 """
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn as nn
@@ -305,6 +307,41 @@ def test_build_cache_misses_when_code_or_the_globals_it_reads_change(monkeypatch
     assert _build(model, x).build_stats["cache"] == "miss"
     monkeypatch.setattr(_Scaled, "forward", lambda self, x: self.lin(x) - self.factor)
     assert _build(_Scaled().eval(), x).build_stats["cache"] == "miss"
+
+
+# A user module read by attribute (``import config`` then ``config.SCALE``): not in site-packages, so its
+# attributes are the user's state. Made here, as a module object with no file, like a script's own module.
+_config = types.ModuleType("_torch_ext_test_config")
+_config.SCALE = 2.0
+_config.settings = types.SimpleNamespace(shift=0.0)
+_config.sub = types.ModuleType("_torch_ext_test_config.sub")
+_config.sub.GAIN = 1.0
+
+
+class _ReadsAModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * _config.SCALE * _config.sub.GAIN + _config.settings.shift
+
+
+def test_build_cache_misses_when_an_attribute_of_a_user_module_it_reads_changes(monkeypatch):
+    """``config.SCALE = 3.0`` between two builds: the module object is the same, so a key holding it by
+    identity reused the first graph, which multiplies by 2.0 (_build compares with model(x))."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    model = _ReadsAModule().eval()
+    _build(model, x)
+    assert _build(model, x).build_stats["cache"] == "hit"
+    monkeypatch.setattr(_config, "SCALE", 3.0)
+    assert _build(model, x).build_stats["cache"] == "miss"
+    monkeypatch.setattr(_config.settings, "shift", 0.5)
+    assert _build(model, x).build_stats["cache"] == "miss"
+    monkeypatch.setattr(_config.sub, "GAIN", -1.0)
+    assert _build(model, x).build_stats["cache"] == "miss"
+    assert _build(model, x).build_stats["cache"] == "hit"
 
 
 def test_build_cache_off_by_environment(monkeypatch):

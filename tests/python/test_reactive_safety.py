@@ -8,6 +8,8 @@ hand (forward hooks), never through the engine.
 """
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn as nn
@@ -822,3 +824,116 @@ def test_a_sweep_callback_writing_into_the_model_is_refused(resid, batched, wher
     assert rg.patched() == []
     assert torch.equal(rg.demand(), model(x))  # the write is then an edit like any other
     rg.check_invariants()
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("how", ["data_mul", "data_row", "numpy", "input_data", "input_numpy"])
+def test_sweep_sees_weights_written_where_the_version_does_not_move(resid, how, batched):
+    """``fc.weight.data.mul_(2)`` (``.data`` has a version counter of its own), a row written through
+    ``.data`` or through ``.numpy()``: the engine, which takes in-place edits by version (I15), kept the
+    outputs cached from the old weights and the sweep measured them; the same for the graph's input. A
+    sweep compares inputs and weights by content first and takes a changed one as an edit."""
+    model, x = resid
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    t0, t1, t2 = _tanh_nodes(rg)
+    w = model.fc[1].weight
+    if how == "data_mul":
+        w.data.mul_(2.0)
+    elif how == "data_row":
+        w.data[3] = 0.25
+    elif how == "numpy":
+        w.detach().numpy()[0, 0] += 1.0
+    elif how == "input_data":  # the graph's input, after run(): the same object, other values
+        x.data[1, 2] = -1.0
+    else:
+        x.numpy()[0, 4, :3] = 2.0
+    sites = [(t2, p) for p in range(5)]
+    result = torch_ext.sweep(rg, sites, _site_patch, _metric, progress=False, batch_sites=batched)
+    with torch.no_grad():
+        assert result.clean_metric == float(model(x).sum())
+        for (_, p) in sites:
+            ref = _eager(model, x, {2: lambda o, p=p: _site_patch(o, (None, p))})
+            assert result.metrics[(t2, p)] == float(ref.sum())
+        assert torch.equal(rg.demand(), model(x))  # the edit was taken: later reads agree too
+    rg.check_invariants()
+
+
+class _Options(nn.Module):
+    """forward(x, scale, flag): non-tensor inputs the trace computes with as constants."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, scale=1.0, flag=False):
+        y = self.lin(x) * scale
+        return torch.tanh(y) if flag else y
+
+
+def test_run_with_other_non_tensor_inputs_moves_to_their_graph():
+    """run(x, scale=3.0) on a graph built with scale=2.0 computed with 2.0 (the shape key held None for
+    every non-tensor input), as did run(x, 5.0) for a positional one: now each value has its graph."""
+    model, x = _Options().eval(), torch.randn(2, 4)
+    rg = torch_ext.ReactiveGraph(model, (x,), example_kwargs={"scale": 2.0, "flag": False})
+    with torch.no_grad():
+        for kwargs in ({"scale": 3.0, "flag": False}, {"scale": 2.0, "flag": True}, {"scale": 2.0, "flag": False}):
+            assert torch.equal(rg.run(x, **kwargs), model(x, **kwargs)), kwargs
+        assert rg.stats["graph_builds"] == 3 and rg.stats["graph_reuses"] == 1
+        positional = torch_ext.ReactiveGraph(model, (x, 3.0))
+        assert torch.equal(positional.run(x, 5.0), model(x, 5.0))
+        # While a patch is active another value is refused, as any run is.
+        rg.patch(rg.nodes("linear*")[0], torch.zeros(2, 4))
+        with pytest.raises(ValueError, match="patches are active"):
+            rg.run(x, scale=4.0, flag=False)
+        rg.restore()
+        assert torch.equal(rg.run(x, flag=False, scale=3.0), model(x, scale=3.0, flag=False))  # keyword order: no meaning
+        assert rg.stats["graph_builds"] == 3
+
+
+_GAIN = 1.0
+_CALLS = 0
+_SHAPES: list = []
+_SETTINGS = types.ModuleType("_torch_ext_safety_settings")  # a user module read by attribute
+_SETTINGS.SHIFT = 0.0
+
+
+def _gained(t):
+    return t * _GAIN
+
+
+class _ReadsGlobals(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        global _CALLS
+        _CALLS += 1  # bookkeeping the forward assigns: not a constant of the trace, not checked
+        _SHAPES.append(tuple(x.shape))  # nor a log it appends to
+        return _gained(self.lin(x)) + _SETTINGS.SHIFT
+
+
+@pytest.mark.parametrize("change", ["global_of_a_helper", "user_module_attribute", "helper_replaced"])
+def test_run_and_demand_refuse_module_level_values_changed_after_build(change, monkeypatch):
+    """A module-level constant the forward reads (directly, through a helper, or as config.SHIFT of a user
+    module) changed after the build: eager calls use the new value, the graph held the old one and run(),
+    demand() and sweep() answered with it, silently (1.0 off here)."""
+    model, x = _ReadsGlobals().eval(), torch.randn(2, 4)
+    rg = torch_ext.ReactiveGraph(model, (x,), cache=False)
+    with torch.no_grad():
+        model(x)  # the counter moves: no refusal
+    assert torch.equal(rg.run(x), model(x))
+    if change == "global_of_a_helper":
+        monkeypatch.setitem(globals(), "_GAIN", 2.0)
+    elif change == "user_module_attribute":
+        monkeypatch.setattr(_SETTINGS, "SHIFT", 1.0)
+    else:
+        monkeypatch.setitem(globals(), "_gained", lambda t: -t)
+    for call in (rg.demand, lambda: rg.run(x),
+                 lambda: torch_ext.sweep(rg, [rg.nodes("linear*")[0]], lambda v, s: v, sum_metric, progress=False)):
+        with pytest.raises(ValueError, match="a module-level value the forward reads"):
+            call()
+    monkeypatch.undo()
+    assert torch.equal(rg.run(x), model(x))  # changed back: computes again

@@ -131,6 +131,27 @@ def test_patching_sees_weights_changed_after_the_first_call(bridge):
             w.copy_(saved)
 
 
+def test_patching_sees_weights_written_through_data(bridge):
+    """``w.data.mul_(1.5)`` (or ``w.data[i] = 0``) does not move ``w``'s version counter (``.data`` has one of its
+    own): the second call reused the graph and its cached runs, answering with the old weights (0.35 off
+    TransformerLens on a resid_pre sweep). Weights are compared by content at each call."""
+    clean, corrupted = _prompts(1)
+    _, clean_cache = bridge.run_with_cache(clean)
+    first = patching.get_act_patch_resid_pre(bridge, corrupted, clean_cache, _metric)
+    w = next(p for n, p in torch.nn.Module.named_parameters(bridge) if n.endswith("weight") and p.dim() == 2)
+    saved = w.detach().clone()
+    try:
+        w.data.mul_(1.5)
+        _, clean_cache = bridge.run_with_cache(clean)
+        expected = tl_patching.get_act_patch_resid_pre(bridge, corrupted, clean_cache, _metric)
+        got = patching.get_act_patch_resid_pre(bridge, corrupted, clean_cache, _metric)
+        assert not torch.equal(expected, first)
+        assert torch.equal(got, expected)
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+
+
 def test_patching_sees_corrupted_tokens_edited_in_place(bridge):
     """The graph kept the corrupted run of the same tensor object: tokens edited in place since (a new
     corruption written into the same buffer) were ignored, every site patched onto the old corrupted run
@@ -147,6 +168,19 @@ def test_patching_sees_corrupted_tokens_edited_in_place(bridge):
     corrupted[:, 1] = (corrupted[:, 1] + 3) % 50
     expected = tl_patching.get_act_patch_attn_out(bridge, corrupted, clean_cache, _metric)
     assert torch.equal(patching.get_act_patch_attn_out(rg, corrupted, clean_cache, _metric), expected)
+
+
+@pytest.mark.parametrize("how", ["data", "numpy"])
+def test_patching_sees_corrupted_tokens_written_through_data_or_numpy(bridge, how):
+    """Written through ``.data`` or ``.numpy()``, the tokens keep their version counter: the second call took
+    them for the ones already run and patched onto the old corrupted run (0.15 off TransformerLens)."""
+    clean, corrupted = _prompts(1)
+    _, clean_cache = bridge.run_with_cache(clean)
+    patching.get_act_patch_resid_pre(bridge, corrupted, clean_cache, _metric)
+    view = corrupted.data if how == "data" else torch.from_numpy(corrupted.numpy())
+    view[:, 4] = (view[:, 4] + 7) % 50
+    expected = tl_patching.get_act_patch_resid_pre(bridge, corrupted, clean_cache, _metric)
+    assert torch.equal(patching.get_act_patch_resid_pre(bridge, corrupted, clean_cache, _metric), expected)
 
 
 def test_reactive_graph_of_a_bridge_computes_with_its_live_weights(bridge):
