@@ -118,6 +118,33 @@ def test_cpp_runner_feeds_a_tap_major_package_its_compiled_strides(tmp_path, don
 
 
 @pytest.mark.skipif(not RUNNER.exists(), reason=f"C++ runner not built at {RUNNER}")
+def test_cpp_runner_refuses_a_batch_of_another_dtype_or_shape(tmp_path):
+    # The package's kernels read each batch tensor with its compiled dtype and shape, unchecked: a
+    # float64 batch was read as float32 bits, and a last partial batch (a slice of a full one, whose
+    # whole storage torch.save keeps) as the full batch, both training on silently (exit 0).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 3))  # an Inductor kernel reads x first, not an extern GEMM
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     lambda m, x, y: F.cross_entropy(m(x), y), (torch.randn(5, 6), torch.zeros(5).long()))
+    package = step.to_aoti(str(tmp_path / "step.pt2"))
+    torch.save(step.init_state().state_dict(), tmp_path / "state.pt")
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+    cases = {"ok": [x, y], "double": [x.double(), y], "partial": [x[:3], y[:3]], "extra": [x, y, y]}
+    runs = {}
+    for name, batch in cases.items():
+        torch.save([batch], tmp_path / f"{name}.pt")
+        runs[name] = subprocess.run([str(RUNNER), package, str(tmp_path / "state.pt"), str(tmp_path / f"{name}.pt")],
+                                    capture_output=True, text=True, timeout=300)
+    assert runs["ok"].returncode == 0, runs["ok"].stderr[-3000:]
+    assert runs["double"].returncode == 2, runs["double"].stdout
+    assert "batch tensor 0 has dtype:shape Double:5,6" in runs["double"].stderr
+    assert "compiled for Float:5,6" in runs["double"].stderr
+    assert runs["partial"].returncode == 2, runs["partial"].stdout
+    assert "batch tensor 0 has dtype:shape Float:3,6" in runs["partial"].stderr
+    assert runs["extra"].returncode == 2 and "batch has 3 tensors" in runs["extra"].stderr, runs["extra"].stderr
+
+
+@pytest.mark.skipif(not RUNNER.exists(), reason=f"C++ runner not built at {RUNNER}")
 def test_cpp_runner_refuses_a_state_of_another_program(tmp_path):
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
