@@ -1362,6 +1362,14 @@ class TrainStep:
             # copies an entry given in others into them (AOTInductor would index it with these unchecked).
             program, layout["input_strides"] = with_input_layout(program, layout["inputs"], chosen - tap_major,
                                                                  tap_major)
+        if "input_strides" not in layout:
+            # AOTInductor compiles for the strides of the placeholders, which keep the example batch's:
+            # a channels-last (or transposed) example batch is read in those strides, unchecked, and
+            # load_step and the C++ runner fed it contiguous, training silently on permuted values.
+            # Recorded whenever an input is not contiguous, so that both copy a batch into them.
+            values = [n.meta["val"] for n in program.graph_module.graph.nodes if n.op == "placeholder"]
+            if len(values) == len(layout["inputs"]) and not all(v.is_contiguous() for v in values):
+                layout["input_strides"] = [list(v.stride()) for v in values]
         layout_json = json.dumps(layout)
         if donate:
             position = {name: i for i, name in enumerate(layout["inputs"])}

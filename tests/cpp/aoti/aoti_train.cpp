@@ -270,7 +270,7 @@ int run(int argc, char** argv) {
     }
     ++call;
     std::vector<at::Tensor> batch;
-    for (const auto& t : batch_value.toListRef()) batch.push_back(t.toTensor().contiguous());
+    for (const auto& t : batch_value.toListRef()) batch.push_back(t.toTensor());
     if (meta.count("torch_ext.batch")) {
       if (batch.size() != batch_spec.size()) {
         std::fprintf(stderr, "%s: call %zu's batch has %zu tensors, %s takes %zu\n", argv[3], call, batch.size(),
@@ -288,6 +288,11 @@ int run(int argc, char** argv) {
           return 2;
         }
       }
+    }
+    // In the strides the package was compiled for: the example batch's, recorded in
+    // torch_ext.input_strides when they are not contiguous (channels-last images); else contiguous.
+    for (size_t i = 0; i < batch.size(); ++i) {
+      batch[i] = in_compiled_strides(batch[i], strides, batch_prefix + std::to_string(i));
     }
     std::vector<at::Tensor> flat;
     flat.reserve(inputs.size());
