@@ -1279,6 +1279,13 @@ class TrainStep:
         if self._program is None:
             gm = self.graph.to_graph_module()
             example = self.flat_inputs(self._fresh_state(), *(self._example_batch * self.unroll * self.accumulate))
+            # An expanded example batch (stride 0) is traced dense: its strides are what AOTInductor
+            # compiles the input for, and every later batch is given dense (in_layout_of); compiled
+            # for stride 0, the package read each call's batch as copies of its first row, silently.
+            from torch._prims_common import is_non_overlapping_and_dense
+
+            example = [t.contiguous() if isinstance(t, torch.Tensor) and not is_non_overlapping_and_dense(t) else t
+                       for t in example]
             # The example batch repeated per micro-batch or unrolled call: distinct_inputs keeps export
             # from reading the copies as one input (every micro-batch would read the last one).
             self._program = torch.export.export(gm, _compat.distinct_inputs(tuple(example)), strict=False)

@@ -786,3 +786,28 @@ def test_aoti_package_of_a_channels_last_model_reads_its_state_in_its_strides(tm
     want_losses, want = run(step, step.init_state(), bs)
     torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)
     assert_states_equal(got, want, atol=1e-5)
+
+
+def test_aoti_package_of_an_expanded_example_batch_reads_every_row(tmp_path):
+    # An example batch made by expand (stride 0: one row repeated) was compiled for stride 0, so the
+    # package read every later batch as copies of its first row: 3% off the executor's loss, silently.
+    # (With its strides recorded it would be refused instead: a batch cannot be copied into stride 0.)
+    class ShiftThenLinear(nn.Module):  # an Inductor kernel reads x first, not an extern GEMM
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.lin(torch.tanh(x * 1.5 + 0.1))
+
+    torch.manual_seed(0)
+    model = ShiftThenLinear()
+    g = torch.Generator().manual_seed(1)
+    example = (torch.randn(1, 6, generator=g).expand(4, 6), torch.randint(0, 3, (4,), generator=g))
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), ce, example)
+    loaded = torch_ext.load_step(step.to_aoti(str(tmp_path / "step.pt2")))
+    bs = [(torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(2)] + [example]
+    got_losses, got = run(loaded, step.init_state(), bs)
+    want_losses, want = run(step, step.init_state(), bs)
+    torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)
+    assert_states_equal(got, want, atol=1e-5)
