@@ -320,6 +320,9 @@ class OnnxStep:
 
             if not isinstance(state, TrainState):
                 raise TypeError(f"the ONNX step takes a TrainState or a dict of state tensors, got {type(state).__name__}")
+            if state.consumed_by is not None:  # its tensors hold the next state's values (as load_step refuses)
+                raise ValueError(f"{state.describe()} was donated to {state.consumed_by}; use the state that call "
+                                 "returned")
             made_by = self.layout.get("fingerprint")
             if made_by is not None and state.fingerprint != made_by:
                 raise ValueError(f"{state.describe()} was made by a different program (fingerprint "

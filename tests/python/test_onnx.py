@@ -309,3 +309,18 @@ def test_onnx_step_matches_dict_batch_leaves_by_key(tmp_path):
         onnx_step(state, {"tokens": tokens, "labels": targets})
     with pytest.raises(ValueError, match=r"batch\[0\].*expects shape \(3, 5\).*got shape \(2, 5\)"):
         onnx_step(state, {"tokens": tokens[:2], "targets": targets[:2]})
+
+
+def test_onnx_step_refuses_a_donated_state(tmp_path):
+    # A state donated to step.compile(donate=True) holds the next state's values under its old lr and
+    # step counts: the executor and load_step of a .pt2 refuse it; the ONNX step trained on, silently.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    batch = (torch.randn(5, 4), torch.randint(0, 3, (5,)))
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                     lambda m, x, y: F.cross_entropy(m(x), y), batch)
+    onnx_step = torch_ext.load_step(step.to_onnx(str(tmp_path / "step.onnx")))
+    donated = step.init_state()
+    step.compile(plan=True, donate=True)(donated, *batch)
+    with pytest.raises(ValueError, match=r"was donated to step.compile\(donate=True\)"):
+        onnx_step(donated, *batch)
