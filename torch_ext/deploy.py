@@ -71,16 +71,31 @@ def layout_of(step) -> dict:
     }
 
 
+# torch dtype -> ATen ScalarType name (c10::toString), for the C++ runner's batch check.
+_SCALAR_TYPE = {"torch.float32": "Float", "torch.float64": "Double", "torch.float16": "Half",
+                "torch.bfloat16": "BFloat16", "torch.int64": "Long", "torch.int32": "Int", "torch.int16": "Short",
+                "torch.int8": "Char", "torch.uint8": "Byte", "torch.bool": "Bool", "torch.complex64": "ComplexFloat",
+                "torch.complex128": "ComplexDouble"}
+
+
 def aoti_metadata(layout_json: str) -> dict[str, str]:
     """The AOTInductor package metadata for a step: the JSON layout, and for C++ readers (which have
     no JSON parser at hand, tests/cpp/aoti/aoti_train.cpp) as plain text (names newline separated):
     its input names, state names, output names (the loss, the state entries it returns, aux), the
-    donated state entries (written into the input tensors, not returned), the fingerprint, and
-    whether the step was built with scheduler= ("1": its lr input follows a Python scheduler); and
+    donated state entries (written into the input tensors, not returned), the fingerprint,
+    whether the step was built with scheduler= ("1": its lr input follows a Python scheduler), and
+    each batch leaf's dtype and shape ("torch_ext.batch", one "<ScalarType>:<d0>,<d1>,..." line per
+    leaf); and
     for a package compiled for other than contiguous inputs (to_aoti's channels_last) each
     input's strides, one "<rank>:<s0>,<s1>,..." line per input."""
     layout = json.loads(layout_json)
     extra = {}
+    # Each batch leaf's dtype (ATen's ScalarType name, as c10::toString prints it) and shape, one
+    # "<dtype>:<d0>,<d1>,..." line per leaf: AOTInductor's kernels read a batch tensor with the
+    # compiled shape and dtype, unchecked (a float64 batch, or a last partial batch that is a view of
+    # a full one, trained silently on other values), so the C++ runner checks every call's batch.
+    extra["torch_ext.batch"] = "\n".join(f"{_SCALAR_TYPE.get(b['dtype'], '?')}:{','.join(map(str, b['shape']))}"
+                                         for b in layout["batch"])
     if "input_strides" in layout:
         extra["torch_ext.input_strides"] = "\n".join(f"{len(s)}:{','.join(map(str, s))}" for s in layout["input_strides"])
     return {**extra, LAYOUT_KEY: layout_json, "torch_ext.inputs": "\n".join(layout["inputs"]),

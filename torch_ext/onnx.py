@@ -320,6 +320,9 @@ class OnnxStep:
 
             if not isinstance(state, TrainState):
                 raise TypeError(f"the ONNX step takes a TrainState or a dict of state tensors, got {type(state).__name__}")
+            if state.consumed_by is not None:  # its tensors hold the next state's values (as load_step refuses)
+                raise ValueError(f"{state.describe()} was donated to {state.consumed_by}; use the state that call "
+                                 "returned")
             made_by = self.layout.get("fingerprint")
             if made_by is not None and state.fingerprint != made_by:
                 raise ValueError(f"{state.describe()} was made by a different program (fingerprint "
@@ -334,10 +337,25 @@ class OnnxStep:
             entries = [lookup(n) for n in self.layout["input_state_names"]]
         except KeyError as e:
             raise KeyError(f"the state has no entry {e} that this ONNX step needs") from None
-        leaves = [t for t in torch.utils._pytree.tree_leaves(batch)]
+        want = self.layout.get("batch")
+        if want is not None:
+            from .deploy import LoadedStep
+
+            # Matched by key path, as load_step of a .pt2 does: tree_leaves lists a dict's leaves in its
+            # insertion order, so a loader whose dicts list their keys in another order than the saved
+            # example's fed same-shaped tensors to the wrong inputs, silently.
+            leaves = LoadedStep._batch_leaves(batch, want)
+        else:  # a file written before the layout recorded the batch
+            leaves = list(torch.utils._pytree.tree_leaves(batch))
         if len(entries) + len(leaves) != len(self._input_names):
             raise ValueError(f"the ONNX step takes {len(self._input_names) - len(entries)} batch tensors, got "
                              f"{len(leaves)}")
+        for i, (t, w) in enumerate(zip(leaves, want or ())):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"batch[{i}]: expected a tensor, got {type(t).__name__}")
+            if list(t.shape) != w["shape"] or str(t.dtype) != w["dtype"]:
+                raise ValueError(f"batch[{i}]: {self.path} expects shape {tuple(w['shape'])} and dtype {w['dtype']}, "
+                                 f"got shape {tuple(t.shape)} and dtype {t.dtype}")
         if "inputs" in self.layout:  # the program's own input order (state and batch entries may interleave)
             by_state = dict(zip(self.layout["input_state_names"], entries))
             flat = [leaves[int(n[len("batch:"):])] if n.startswith("batch:") else by_state[n]

@@ -1294,6 +1294,13 @@ class TrainStep:
         if self._program is None:
             gm = self.graph.to_graph_module()
             example = self.flat_inputs(self._fresh_state(), *(self._example_batch * self.unroll * self.accumulate))
+            # An expanded example batch (stride 0) is traced dense: its strides are what AOTInductor
+            # compiles the input for, and every later batch is given dense (in_layout_of); compiled
+            # for stride 0, the package read each call's batch as copies of its first row, silently.
+            from torch._prims_common import is_non_overlapping_and_dense
+
+            example = [t.contiguous() if isinstance(t, torch.Tensor) and not is_non_overlapping_and_dense(t) else t
+                       for t in example]
             # The example batch repeated per micro-batch or unrolled call: distinct_inputs keeps export
             # from reading the copies as one input (every micro-batch would read the last one).
             self._program = torch.export.export(gm, _compat.distinct_inputs(tuple(example)), strict=False)
@@ -1377,6 +1384,14 @@ class TrainStep:
             # copies an entry given in others into them (AOTInductor would index it with these unchecked).
             program, layout["input_strides"] = with_input_layout(program, layout["inputs"], chosen - tap_major,
                                                                  tap_major)
+        if "input_strides" not in layout:
+            # AOTInductor compiles for the strides of the placeholders, which keep the example batch's:
+            # a channels-last (or transposed) example batch is read in those strides, unchecked, and
+            # load_step and the C++ runner fed it contiguous, training silently on permuted values.
+            # Recorded whenever an input is not contiguous, so that both copy a batch into them.
+            values = [n.meta["val"] for n in program.graph_module.graph.nodes if n.op == "placeholder"]
+            if len(values) == len(layout["inputs"]) and not all(v.is_contiguous() for v in values):
+                layout["input_strides"] = [list(v.stride()) for v in values]
         layout_json = json.dumps(layout)
         if donate:
             position = {name: i for i, name in enumerate(layout["inputs"])}

@@ -118,6 +118,75 @@ def test_cpp_runner_feeds_a_tap_major_package_its_compiled_strides(tmp_path, don
 
 
 @pytest.mark.skipif(not RUNNER.exists(), reason=f"C++ runner not built at {RUNNER}")
+def test_cpp_runner_refuses_a_batch_of_another_dtype_or_shape(tmp_path):
+    # The package's kernels read each batch tensor with its compiled dtype and shape, unchecked: a
+    # float64 batch was read as float32 bits, and a last partial batch (a slice of a full one, whose
+    # whole storage torch.save keeps) as the full batch, both training on silently (exit 0).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 3))  # an Inductor kernel reads x first, not an extern GEMM
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     lambda m, x, y: F.cross_entropy(m(x), y), (torch.randn(5, 6), torch.zeros(5).long()))
+    package = step.to_aoti(str(tmp_path / "step.pt2"))
+    torch.save(step.init_state().state_dict(), tmp_path / "state.pt")
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+    cases = {"ok": [x, y], "double": [x.double(), y], "partial": [x[:3], y[:3]], "extra": [x, y, y]}
+    runs = {}
+    for name, batch in cases.items():
+        torch.save([batch], tmp_path / f"{name}.pt")
+        runs[name] = subprocess.run([str(RUNNER), package, str(tmp_path / "state.pt"), str(tmp_path / f"{name}.pt")],
+                                    capture_output=True, text=True, timeout=300)
+    assert runs["ok"].returncode == 0, runs["ok"].stderr[-3000:]
+    assert runs["double"].returncode == 2, runs["double"].stdout
+    assert "batch tensor 0 has dtype:shape Double:5,6" in runs["double"].stderr
+    assert "compiled for Float:5,6" in runs["double"].stderr
+    assert runs["partial"].returncode == 2, runs["partial"].stdout
+    assert "batch tensor 0 has dtype:shape Float:3,6" in runs["partial"].stderr
+    assert runs["extra"].returncode == 2 and "batch has 3 tensors" in runs["extra"].stderr, runs["extra"].stderr
+
+
+class _ShiftThenConv(nn.Module):
+    """An Inductor kernel reads the image first (an extern convolution would take any strides)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4, 3)
+
+    def forward(self, x):
+        x = torch.tanh(x * 1.5 + torch.arange(6.0))  # the shift differs along W: a permuted read shows
+        return self.head(torch.relu(self.conv(x)).mean((2, 3)))
+
+
+@pytest.mark.skipif(not RUNNER.exists(), reason=f"C++ runner not built at {RUNNER}")
+def test_a_channels_last_example_batch_is_fed_in_its_compiled_strides(tmp_path):
+    # AOTInductor compiles a batch input for the example batch's strides (here channels-last images)
+    # and reads it so, unchecked. load_step and the C++ runner fed it contiguous: both trained on
+    # permuted pixels, silently (losses 1e-3 off the executor's). The package now records them.
+    torch.manual_seed(0)
+    model = _ShiftThenConv()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(2, 3, 6, 6, generator=g).contiguous(memory_format=torch.channels_last),
+                torch.randint(0, 3, (2,), generator=g)) for _ in range(3)]
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                     lambda m, x, y: F.cross_entropy(m(x), y), batches[0])
+    package = step.to_aoti(str(tmp_path / "step.pt2"), channels_last=False)  # no channels-last weights
+    loaded = torch_ext.load_step(package)
+    want, got = [], []
+    state = loaded_state = step.init_state()
+    torch.save(state.state_dict(), tmp_path / "state.pt")
+    for x, y in batches:
+        loss, state = step(state, x, y)
+        want.append(loss.item())
+        loss, loaded_state = loaded(loaded_state, x, y)
+        got.append(loss.item())
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+    torch.save([list(b) for b in batches], tmp_path / "batches.pt")
+    run = subprocess.run([str(RUNNER), package, str(tmp_path / "state.pt"), str(tmp_path / "batches.pt")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [float(line) for line in run.stdout.split()] == [float(f"{x:.9g}") for x in got]
+
+
+@pytest.mark.skipif(not RUNNER.exists(), reason=f"C++ runner not built at {RUNNER}")
 def test_cpp_runner_refuses_a_state_of_another_program(tmp_path):
     torch.manual_seed(0)
     model = nn.Linear(4, 2)

@@ -766,3 +766,48 @@ def _with_lr(state, lr):
     out = state.replace({})
     out.set_lr(lr)
     return out
+
+
+def test_aoti_package_of_a_channels_last_model_reads_its_state_in_its_strides(tmp_path):
+    # model.to(memory_format=torch.channels_last), a common habit for CNNs: the state's convolution
+    # weights (and Adam's moments, zeros_like them) are channels-last, and AOTInductor compiles for
+    # those strides. With no convolution that to_aoti itself makes channels-last (4x4 inputs: "auto"
+    # keeps them contiguous) the package recorded no input_strides, so load_step copied the state to
+    # contiguous and the package read it as channels-last: the second loss was 0.8% off, silently.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(1), nn.Linear(8, 3)).to(memory_format=torch.channels_last)
+    g = torch.Generator().manual_seed(1)
+    bs = [(torch.randn(2, 3, 4, 4, generator=g), torch.randint(0, 3, (2,), generator=g)) for _ in range(3)]
+    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), ce, bs[0])
+    assert not step.init_state().params["model.0.weight"].is_contiguous()
+    loaded = torch_ext.load_step(step.to_aoti(str(tmp_path / "step.pt2")))
+    got_losses, got = run(loaded, step.init_state(), bs)
+    want_losses, want = run(step, step.init_state(), bs)
+    torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)
+    assert_states_equal(got, want, atol=1e-5)
+
+
+def test_aoti_package_of_an_expanded_example_batch_reads_every_row(tmp_path):
+    # An example batch made by expand (stride 0: one row repeated) was compiled for stride 0, so the
+    # package read every later batch as copies of its first row: 3% off the executor's loss, silently.
+    # (With its strides recorded it would be refused instead: a batch cannot be copied into stride 0.)
+    class ShiftThenLinear(nn.Module):  # an Inductor kernel reads x first, not an extern GEMM
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.lin(torch.tanh(x * 1.5 + 0.1))
+
+    torch.manual_seed(0)
+    model = ShiftThenLinear()
+    g = torch.Generator().manual_seed(1)
+    example = (torch.randn(1, 6, generator=g).expand(4, 6), torch.randint(0, 3, (4,), generator=g))
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), ce, example)
+    loaded = torch_ext.load_step(step.to_aoti(str(tmp_path / "step.pt2")))
+    bs = [(torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(2)] + [example]
+    got_losses, got = run(loaded, step.init_state(), bs)
+    want_losses, want = run(step, step.init_state(), bs)
+    torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)
+    assert_states_equal(got, want, atol=1e-5)

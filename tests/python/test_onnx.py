@@ -277,3 +277,50 @@ def test_onnx_export_that_computes_differently_is_refused(tmp_path, monkeypatch)
     with pytest.raises(RuntimeError, match=r"computes output 'model\.0\.weight' differently"):
         tox.to_onnx(step, str(path))
     assert not path.exists()
+
+
+class _KeyedLoss(nn.Module):
+    """Two batch tensors of one shape and dtype, told apart only by their keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.head = nn.Linear(4, 7)
+
+    def forward(self, tokens, targets):
+        return F.cross_entropy(self.head(self.emb(tokens)).flatten(0, 1), targets.flatten())
+
+
+def test_onnx_step_matches_dict_batch_leaves_by_key(tmp_path):
+    torch.manual_seed(0)
+    model = _KeyedLoss()
+    tokens, targets = torch.randint(0, 7, (3, 5)), torch.randint(0, 7, (3, 5))
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), lambda m, b: m(**b),
+                                     ({"tokens": tokens, "targets": targets},))
+    onnx_step = torch_ext.load_step(step.to_onnx(str(tmp_path / "step.onnx")))
+    state = step.init_state()
+    want, want_state = step(state, {"tokens": tokens, "targets": targets})
+    # the same batch from a loader that lists its keys the other way round
+    got, got_state = onnx_step(state, {"targets": targets, "tokens": tokens})
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for name, value in want_state.params.items():
+        torch.testing.assert_close(got_state.params[name], value, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"keys differ.*missing \[0\]\['targets'\].*not in the example: \[0\]\['labels'\]"):
+        onnx_step(state, {"tokens": tokens, "labels": targets})
+    with pytest.raises(ValueError, match=r"batch\[0\].*expects shape \(3, 5\).*got shape \(2, 5\)"):
+        onnx_step(state, {"tokens": tokens[:2], "targets": targets[:2]})
+
+
+def test_onnx_step_refuses_a_donated_state(tmp_path):
+    # A state donated to step.compile(donate=True) holds the next state's values under its old lr and
+    # step counts: the executor and load_step of a .pt2 refuse it; the ONNX step trained on, silently.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    batch = (torch.randn(5, 4), torch.randint(0, 3, (5,)))
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                     lambda m, x, y: F.cross_entropy(m(x), y), batch)
+    onnx_step = torch_ext.load_step(step.to_onnx(str(tmp_path / "step.onnx")))
+    donated = step.init_state()
+    step.compile(plan=True, donate=True)(donated, *batch)
+    with pytest.raises(ValueError, match=r"was donated to step.compile\(donate=True\)"):
+        onnx_step(donated, *batch)

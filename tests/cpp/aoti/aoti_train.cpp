@@ -10,8 +10,10 @@
 // donate=True)) writes into its input tensors instead of returning them, and
 // "torch_ext.fingerprint" the program's hash, and "torch_ext.input_strides" (only in a package of
 // step.to_aoti(path, channels_last=True)) the strides each input was compiled for, one
-// "<rank>:<s0>,<s1>,..." line per input (contiguous where absent). Packages older than "torch_ext.outputs" return the
-// loss and then every state entry.
+// "<rank>:<s0>,<s1>,..." line per input (contiguous where absent), and "torch_ext.batch" the dtype
+// and shape each batch tensor was compiled for, one "<ScalarType>:<d0>,<d1>,..." line per tensor
+// (the package's kernels read a batch with those, unchecked: a call whose batch differs is refused).
+// Packages older than "torch_ext.outputs" return the loss and then every state entry.
 // state.pt is torch.save(state.state_dict()) (the checkpoint format: params/buffers/opt dicts,
 // the lr list, rng, fingerprint); batches.pt is torch.save([[tensor, ...], ...]), one list of
 // batch tensors per call. Each call's new state feeds the next. Prints one loss per line. A package
@@ -77,6 +79,13 @@ std::map<std::string, std::vector<int64_t>> strides_by_input(const std::vector<s
     }
     out[inputs[i]] = std::move(strides);
   }
+  return out;
+}
+
+// A batch tensor's dtype and shape as "torch_ext.batch" writes them: "<ScalarType>:<d0>,<d1>,...".
+std::string dtype_and_shape(const at::Tensor& t) {
+  std::string out = std::string(c10::toString(t.scalar_type())) + ":";
+  for (size_t d = 0; d < static_cast<size_t>(t.dim()); ++d) out += (d ? "," : "") + std::to_string(t.size(d));
   return out;
 }
 
@@ -198,6 +207,11 @@ int run(int argc, char** argv) {
     }
   }
   const std::string batch_prefix = "batch:";
+  // The dtype and shape of each batch tensor the package was compiled for (absent in packages from
+  // before it was recorded): its kernels read a batch with those, unchecked, so a float64 batch or a
+  // last partial batch (a view of a full one: torch.save keeps the whole storage) trained silently
+  // on other values.
+  const std::vector<std::string> batch_spec = meta_lines_or(meta, "torch_ext.batch", {});
   const c10::IValue batches = load(argv[3]);  // kept alive: toListRef() views it
   // --lrs: per call, the value of every per-call input (each group's lr, and any scheduled
   // hyperparameter), fed as the state's entries of those names (float64 scalars).
@@ -256,7 +270,30 @@ int run(int argc, char** argv) {
     }
     ++call;
     std::vector<at::Tensor> batch;
-    for (const auto& t : batch_value.toListRef()) batch.push_back(t.toTensor().contiguous());
+    for (const auto& t : batch_value.toListRef()) batch.push_back(t.toTensor());
+    if (meta.count("torch_ext.batch")) {
+      if (batch.size() != batch_spec.size()) {
+        std::fprintf(stderr, "%s: call %zu's batch has %zu tensors, %s takes %zu\n", argv[3], call, batch.size(),
+                     argv[1], batch_spec.size());
+        return 2;
+      }
+      for (size_t i = 0; i < batch.size(); ++i) {
+        const std::string& want = batch_spec[i];
+        const std::string got = dtype_and_shape(batch[i]);
+        // ("?:..." : a dtype without a ScalarType name in the metadata; its shape is still checked)
+        const bool same = want.rfind("?:", 0) == 0 ? got.substr(got.find(':')) == want.substr(1) : got == want;
+        if (!same) {
+          std::fprintf(stderr, "%s: call %zu's batch tensor %zu has dtype:shape %s, %s was compiled for %s\n",
+                       argv[3], call, i, got.c_str(), argv[1], want.c_str());
+          return 2;
+        }
+      }
+    }
+    // In the strides the package was compiled for: the example batch's, recorded in
+    // torch_ext.input_strides when they are not contiguous (channels-last images); else contiguous.
+    for (size_t i = 0; i < batch.size(); ++i) {
+      batch[i] = in_compiled_strides(batch[i], strides, batch_prefix + std::to_string(i));
+    }
     std::vector<at::Tensor> flat;
     flat.reserve(inputs.size());
     for (const std::string& name : inputs) {
