@@ -105,7 +105,8 @@ def export_joint(ep: torch.export.ExportedProgram, loss_index: int = 0, *,
     from torch.export.exported_program import _decompose_exported_program
     from torch.export.experimental import _copy_graph_module_and_signature, _remove_detach_pass
 
-    with rnn_dropout_between_layers():  # the retrace decomposes aten.lstm & co. here
+    # The retrace decomposes aten.lstm & co. here, and differentiates what it traces.
+    with rnn_dropout_between_layers(), eager_autograd_kernels():
         joint = _decompose_exported_program(
             ep,
             cia_to_decomp={},
@@ -648,6 +649,47 @@ def _rnn_helper_with_dropout(input, hidden, params, has_biases, num_layers, drop
             input = torch.dropout(input, dropout, train=True)
     input = input.transpose(0, 1) if batch_first else input
     return input, final_hiddens
+
+
+# Ops whose autograd torch's Python decompositions take over while tracing (py_impl for
+# DispatchKey.Autograd): the joint graph then differentiates the decomposition (index, lerp, masks)
+# instead of calling the backward kernel eager autograd calls. The gradients round differently
+# (bilinear and bicubic upsampling 1 ulp off eager), or are wrong: torch 2.9's decomposition of
+# multilabel_margin_loss_forward gives 28.19 where eager gives 2.65 (the step trained 0.72 off eager's
+# loss in 3 steps, silently). Traced with these removed, the op runs its C++ kernel and autograd
+# records eager's derivative (upsample_bilinear2d_backward, multilabel_margin_loss_backward).
+UPSAMPLE_OPS = (
+    "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
+    "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+    "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa",
+)
+EAGER_AUTOGRAD_OPS = UPSAMPLE_OPS + ("multilabel_margin_loss_forward",)
+
+
+@contextlib.contextmanager
+def eager_autograd_kernels(names=EAGER_AUTOGRAD_OPS):
+    """Inside the block, the ops ``names`` (every overload) trace as eager runs them: their Python
+    Autograd and CompositeImplicitAutograd kernels (torch._decomp's) are set aside."""
+    from torch._C import DispatchKey
+
+    removed = []
+    for name in names:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is None:
+            continue
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            for key in (DispatchKey.Autograd, DispatchKey.CompositeImplicitAutograd):
+                kernel = op.py_kernels.pop(key, None)
+                if kernel is not None:
+                    removed.append((op, key, kernel))
+            op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, key, kernel in removed:
+            op.py_kernels[key] = kernel
+            op._dispatch_cache.clear()
 
 
 @contextlib.contextmanager

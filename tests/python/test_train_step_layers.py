@@ -504,3 +504,62 @@ def test_a_forward_that_seeds_numpy_itself_steps_bit_exact():
 def _batch_dense():
     g = torch.Generator().manual_seed(1)
     return torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+class Upsampled(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.conv, self.head, self.kw = nn.Conv2d(1, 4, 3, padding=1), nn.Linear(4, 3), kw
+
+    def forward(self, x):
+        h = self.conv(x.view(-1, 1, 2, 4))
+        if self.kw.get("mode") == "trilinear":
+            h = F.interpolate(h.unsqueeze(2).repeat(1, 1, 2, 1, 1), scale_factor=2, mode="trilinear")
+        else:
+            h = F.interpolate(h, **{"scale_factor": 2, **self.kw})
+        return self.head(h.flatten(2).mean(-1))
+
+
+@pytest.mark.parametrize("kw", [dict(mode="nearest"), dict(mode="nearest-exact"), dict(mode="bilinear"),
+                                dict(mode="bilinear", align_corners=True), dict(mode="bicubic"),
+                                dict(mode="bilinear", antialias=True, scale_factor=0.5), dict(mode="trilinear")],
+                         ids=["nearest", "nearest_exact", "bilinear", "bilinear_corners", "bicubic", "bilinear_aa",
+                              "trilinear"])
+def test_upsampling_trains_bit_exact(kw):
+    # Tracing differentiated torch's Python decomposition of upsampling instead of calling eager's
+    # backward kernel: bilinear and bicubic gradients 1 ulp off eager (7.5e-9 on the first update).
+    torch.manual_seed(0)
+    x, y = _batch_dense()
+    _assert_steps_bit_exact(Upsampled(**kw), x, y, "executor", steps=3)
+
+
+def test_multilabel_margin_loss_trains_as_eager():
+    # torch 2.9's decomposition of multilabel_margin_loss_forward, which tracing used, computes another
+    # loss (28.19 where eager gives 2.65): the step trained 0.72 off eager's loss in 3 steps, silently.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16))
+    x, _ = _batch_dense()
+    target = torch.full((4, 16), -1, dtype=torch.long)
+    target[:, 0], target[:, 1] = torch.tensor([1, 5, 7, 2]), torch.tensor([3, 0, 9, 15])
+    eager = copy.deepcopy(model)
+    loss_fn = lambda m, x, t: F.multilabel_margin_loss(m(x), t)  # noqa: E731
+    opt, eager_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager.parameters(), lr=0.1)
+    step = torch_ext.make_train_step(model, opt, loss_fn, (x, target))
+    state = step.init_state()
+    for _ in range(3):
+        loss, state = step(state, x, target)
+        eager_opt.zero_grad()
+        eager_loss = loss_fn(eager, x, target)
+        eager_loss.backward()
+        eager_opt.step()
+        assert torch.equal(loss, eager_loss)
+
+
+def test_upsampling_step_to_onnx_is_refused_naming_the_backward(tmp_path):
+    # The step calls eager's upsampling backward kernel, which torch's ONNX exporter cannot translate.
+    torch.manual_seed(0)
+    model = Upsampled(mode="bilinear")
+    x, y = _batch_dense()
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, (x, y))
+    with pytest.raises(NotImplementedError, match="upsample_bilinear2d_backward"):
+        step.to_onnx(str(tmp_path / "step.onnx"))
