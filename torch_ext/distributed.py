@@ -109,6 +109,16 @@ def check_collective_order(graph, order, process_group, where: str) -> None:
                 "Every rank must build the same program: same model, optimizer, batch shapes and options")
 
 
+def nonfinite_on_any_rank(mine: bool, process_group) -> list[int]:
+    """The ranks of ``process_group`` whose flag ``mine`` is True (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    flags = torch.zeros(dist.get_world_size(process_group), dtype=torch.int32)
+    flags[dist.get_rank(process_group)] = int(mine)
+    dist.all_reduce(flags, group=process_group)
+    return [r for r, f in enumerate(flags.tolist()) if f]
+
+
 def _digest(t: torch.Tensor) -> str:
     t = t.detach().contiguous().cpu()
     return f"{t.dtype}{tuple(t.shape)}:" + hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()
@@ -117,8 +127,10 @@ def _digest(t: torch.Tensor) -> str:
 
 def broadcast_state_(state, process_group, sharded: bool) -> None:
     """Overwrites this rank's state with rank 0's, as DistributedDataParallel's constructor does
-    with the module's parameters and buffers: parameters, buffers, the RNG state and the optimizer
-    state (except ZeRO-1 shards, which are each rank's own). A collective: every rank calls it."""
+    with the module's parameters and buffers: parameters, buffers and the optimizer state (except
+    ZeRO-1 shards, which are each rank's own). The RNG state stays this rank's own, as each rank of
+    an eager DDP loop draws its dropout masks from its own generator (seeded per rank or not). A
+    collective: every rank calls it."""
     import torch.distributed as dist
 
     group = process_group if process_group is not None else dist.group.WORLD
@@ -129,18 +141,14 @@ def broadcast_state_(state, process_group, sharded: bool) -> None:
             if part is state.opt and sharded and t.dim() > 0:
                 continue
             dist.broadcast(t, src=src, group=group)
-    if state.rng is not None:
-        box = [state.rng]
-        dist.broadcast_object_list(box, src=src, group=group)
-        state.rng = box[0]
 
 
 def assert_states_in_sync(state, process_group=None) -> None:
     """Raises AssertionError naming every state entry that differs between the ranks of
-    ``process_group`` (default: the world), bit for bit: parameters, buffers, lr, RNG state and
-    optimizer state. With ZeRO-1 (``shard_optimizer_state=True``) each rank holds its own shard,
-    so only the optimizer state's scalar slots (step counts) are compared. A collective: every rank
-    calls it."""
+    ``process_group`` (default: the world), bit for bit: parameters, buffers, lr and optimizer
+    state. With ZeRO-1 (``shard_optimizer_state=True``) each rank holds its own shard, so only the
+    optimizer state's scalar slots (step counts) are compared. The RNG state is each rank's own (its
+    dropout masks, as in eager DDP) and is not compared. A collective: every rank calls it."""
     import torch.distributed as dist
 
     from .train_step import TrainState
@@ -155,8 +163,6 @@ def assert_states_in_sync(state, process_group=None) -> None:
     digests.update({f"buffers[{k!r}]": _digest(v) for k, v in state.buffers.items()})
     digests.update({f"opt[{k!r}]": _digest(v) for k, v in state.opt.items() if not sharded or v.dim() == 0})
     digests.update({f"lr[{i}]": _digest(v) for i, v in enumerate(state.lr)})
-    if state.rng is not None:
-        digests["rng"] = _digest(state.rng)
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, digests, group=group)
     bad = sorted(k for k in set().union(*everyone) if len({d.get(k) for d in everyone}) > 1)

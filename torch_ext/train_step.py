@@ -856,7 +856,9 @@ class TrainStep:
         A data-parallel step (``process_group=``) starts every rank from rank 0's state, as
         DistributedDataParallel's constructor broadcasts rank 0's parameters and buffers: the
         program keeps the states identical only if they start so. It is then a collective: every
-        rank calls it.
+        rank calls it. The RNG state is not broadcast: each rank draws its dropout masks from its own
+        generator state (``seed`` or the global generator on that rank), as each rank of an eager
+        DDP loop does, so ``init_state(seed=base + rank)`` gives the ranks different masks.
         """
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"init_state: seed must be an int or None, got {type(seed).__name__}")
@@ -1188,6 +1190,18 @@ class TrainStep:
         if self._aux_spec is not None:
             result = (loss, new_state, pytree.tree_unflatten(list(outs[1 + n:]), self._aux_spec))
         self.last_nonfinite = not bool(torch.isfinite(loss).all())
+        if skip_nonfinite and donated_to is None and self.process_group is not None:
+            # Each rank's loss is its own, but the gradients were averaged: one rank's non-finite loss
+            # makes every rank's update non-finite. Skip on every rank or on none (a collective).
+            from .distributed import nonfinite_on_any_rank
+
+            anywhere = nonfinite_on_any_rank(self.last_nonfinite, self.process_group)
+            if anywhere and not self.last_nonfinite:
+                self.last_nonfinite = True
+                warnings.warn(f"non-finite loss on rank {anywhere[0]} (this rank's: {loss.tolist()}): the averaged "
+                              "gradients are non-finite on every rank; step skipped, state kept", RuntimeWarning,
+                              stacklevel=3)
+                return (loss, state) + result[2:]
         if self.last_nonfinite:
             if skip_nonfinite and donated_to is None:
                 warnings.warn(f"non-finite loss {loss.tolist()}: step skipped, state kept", RuntimeWarning, stacklevel=3)

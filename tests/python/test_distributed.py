@@ -453,3 +453,66 @@ def test_an_all_gather_never_overlaps_another_collective(world_of_one):
                                            r"while %\w+ \(_c10d_functional::all_gather_into_tensor.default\) is in "
                                            r"flight; an all-gather must run alone"):
         check_collective_order(step.graph, order, world_of_one, "test")
+
+
+def _tiny(rank, dropout=0.0):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Dropout(dropout), torch.nn.Linear(8, 2))
+    g = torch.Generator().manual_seed(7 + rank)
+    batches = [(torch.randn(3, 6, generator=g), torch.randn(3, 2, generator=g)) for _ in range(3)]
+    return model, (lambda m, x, y: F.mse_loss(m(x), y)), batches
+
+
+def _dropout_seed_worker(rank, world, out_dir):
+    model, loss_fn, batches = _tiny(rank, dropout=0.5)
+    ref = copy.deepcopy(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(ref)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    torch.manual_seed(1000 + rank)  # eager DDP: each rank draws its masks from its own generator
+    for b in batches:
+        opt.zero_grad()
+        loss_fn(ddp, *b).backward()
+        opt.step()
+    m = copy.deepcopy(model)
+    step = torch_ext.make_train_step(m, torch.optim.SGD(m.parameters(), lr=0.1), loss_fn, batches[0],
+                                     process_group=dist.group.WORLD)
+    torch.manual_seed(1000 + rank)
+    from_global = step.init_state()
+    from_seed = step.init_state(seed=1000 + rank)
+    unequal = {}
+    for name, state in (("global generator", from_global), ("seed=", from_seed)):
+        for b in batches:
+            _, state = step(state, *b)
+        assert_states_in_sync(state)  # parameters agree; the generator states are each rank's own
+        unequal[name] = [n for n, p in ref.named_parameters() if not torch.equal(state.params["model." + n], p)]
+    return unequal
+
+
+def test_each_rank_draws_dropout_masks_from_its_own_generator_as_in_ddp(tmp_path):
+    # Seeded per rank, eager DDP's ranks drop different units; init_state broadcast rank 0's
+    # generator state, so every rank dropped rank 0's units and the weights differed from DDP's.
+    for rank, unequal in enumerate(_launch(_dropout_seed_worker, (), tmp_path)):
+        assert unequal == {"global generator": [], "seed=": []}, f"rank {rank}: {unequal}"
+
+
+def _nonfinite_worker(rank, world, out_dir):
+    model, loss_fn, batches = _tiny(rank)
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, batches[0],
+                                     process_group=dist.group.WORLD)
+    state = step.init_state()
+    x, y = batches[0]
+    if rank == 0:
+        x = x.clone()
+        x[0, 0] = float("nan")
+    with pytest.warns(RuntimeWarning, match="step skipped, state kept"):
+        loss, new = step(state, x, y, skip_nonfinite=True)
+    assert_states_in_sync(new)
+    return dict(kept=new is state, last_nonfinite=step.last_nonfinite, loss_finite=bool(torch.isfinite(loss)))
+
+
+def test_skip_nonfinite_skips_on_every_rank_when_one_rank_loss_is_not_finite(tmp_path):
+    # The gradients are averaged, so rank 0's NaN reaches every rank's update: rank 1 (finite loss)
+    # used to apply it and hold NaN weights while rank 0 kept its state.
+    res = _launch(_nonfinite_worker, (), tmp_path)
+    assert res[0] == dict(kept=True, last_nonfinite=True, loss_finite=False), res[0]
+    assert res[1] == dict(kept=True, last_nonfinite=True, loss_finite=True), res[1]
