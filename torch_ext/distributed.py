@@ -109,7 +109,7 @@ def check_collective_order(graph, order, process_group, where: str) -> None:
                 "Every rank must build the same program: same model, optimizer, batch shapes and options")
 
 
-def nonfinite_on_any_rank(mine: bool, process_group) -> list[int]:
+def ranks_where(mine: bool, process_group) -> list[int]:
     """The ranks of ``process_group`` whose flag ``mine`` is True (a collective: every rank calls it)."""
     import torch.distributed as dist
 

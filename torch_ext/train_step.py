@@ -1124,9 +1124,25 @@ class TrainStep:
         it = iter(flat_batch)
         return [next(it) if role == "input" else state.lookup(name) for name, role in self._inputs]
 
+    def _agree_on_builds(self, building: bool, program: "TrainStep | None" = None) -> None:
+        """batch_shapes='cache' under process_group= (a collective on every call): building a program
+        checks its collective order with every rank (check_collective_order), so when any rank meets
+        new batch shapes the others take part in that check with the program they run now. Without
+        it, a rank building a program while the others train paired its check with their gradient
+        all-reduces: the ranks hung until gloo's timeout (30 minutes)."""
+        if self.batch_shapes != "cache" or self.process_group is None:
+            return
+        from . import distributed
+
+        builders = distributed.ranks_where(building, self.process_group)
+        if builders and not building:
+            distributed.check_collective_order(program.graph, None, self.process_group,
+                                               f"make_train_step (rank {builders[0]} met new batch shapes)")
+
     def _program_for(self, flat_batch: list) -> "TrainStep":
         """This step, or (batch_shapes='cache') the step built for these batch shapes."""
         if self.batch_shapes != "cache" or all(t.shape == ex.shape for t, ex in zip(flat_batch, self._example_leaves)):
+            self._agree_on_builds(False, self)
             return self
         for i, (t, ex) in enumerate(zip(flat_batch, self._example_leaves)):
             if t.dtype != ex.dtype or t.dim() != ex.dim():
@@ -1139,6 +1155,7 @@ class TrainStep:
         key = tuple(shapes[:per_step])
         variant = self._variants.get(key)
         if variant is None:
+            self._agree_on_builds(True)
             example = pytree.tree_unflatten(list(flat_batch[:per_step]), self._batch_spec)
             variant = TrainStep(self.model, self.optimizers, self.loss_fn, example, self.clip_grad_norm, self.unroll,
                                 (), self.accumulate, process_group=self.process_group,
@@ -1156,6 +1173,8 @@ class TrainStep:
                 raise ValueError(f"batch shapes {key}: loss_fn returns other aux outputs at this batch size "
                                  f"({variant._aux_spec} vs {self._aux_spec})")
             self._variants[key] = variant
+        else:
+            self._agree_on_builds(False, variant)
         return variant
 
     def cache_info(self) -> dict:
@@ -1193,9 +1212,9 @@ class TrainStep:
         if skip_nonfinite and donated_to is None and self.process_group is not None:
             # Each rank's loss is its own, but the gradients were averaged: one rank's non-finite loss
             # makes every rank's update non-finite. Skip on every rank or on none (a collective).
-            from .distributed import nonfinite_on_any_rank
+            from .distributed import ranks_where
 
-            anywhere = nonfinite_on_any_rank(self.last_nonfinite, self.process_group)
+            anywhere = ranks_where(self.last_nonfinite, self.process_group)
             if anywhere and not self.last_nonfinite:
                 self.last_nonfinite = True
                 warnings.warn(f"non-finite loss on rank {anywhere[0]} (this rank's: {loss.tolist()}): the averaged "

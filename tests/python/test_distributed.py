@@ -516,3 +516,30 @@ def test_skip_nonfinite_skips_on_every_rank_when_one_rank_loss_is_not_finite(tmp
     res = _launch(_nonfinite_worker, (), tmp_path)
     assert res[0] == dict(kept=True, last_nonfinite=True, loss_finite=False), res[0]
     assert res[1] == dict(kept=True, last_nonfinite=True, loss_finite=True), res[1]
+
+
+def _cache_worker(rank, world, out_dir):
+    model, loss_fn, batches = _tiny(rank)
+    sizes = [3, 2, 3] if rank == 0 else [3, 3, 2]  # rank 0 meets batch size 2 one call before rank 1
+    g = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(n, 6, generator=g), torch.randn(n, 2, generator=g)) for n in sizes]
+    ref = copy.deepcopy(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(ref)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for b in batches:
+        opt.zero_grad()
+        loss_fn(ddp, *b).backward()
+        opt.step()
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, batches[0],
+                                     batch_shapes="cache", process_group=dist.group.WORLD)
+    state = step.init_state()
+    for b in batches:
+        _, state = step(state, *b)
+    return [n for n, p in ref.named_parameters() if not torch.equal(state.params["model." + n], p)]
+
+
+def test_batch_shapes_cache_with_ranks_meeting_new_shapes_at_different_calls(tmp_path):
+    # Building a program for new shapes is a collective (its collective order is checked across the
+    # ranks): rank 0 built at call 2 while rank 1 all-reduced gradients, and both hung.
+    for rank, unequal in enumerate(_launch(_cache_worker, (), tmp_path, timeout_s=90)):
+        assert unequal == [], f"rank {rank}: {unequal}"
