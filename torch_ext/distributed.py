@@ -64,26 +64,68 @@ def unshard_tensor(shard: torch.Tensor, like: torch.Tensor, process_group) -> to
     return full[:like.numel()].view(like.shape).clone()
 
 
-def collective_sequence(graph, order=None) -> list[str]:
+def _is_collective(n) -> bool:
+    return n.kind == "call" and n.target.startswith("_c10d_functional::") and "wait_tensor" not in n.target
+
+
+def _collective_targets(nodes: dict, state_names) -> dict[str, str]:
+    """Per collective node, the state entries it serves: the program outputs (named by
+    ``state_names``, output 0 being the loss) nearest to it along its users. A gradient's
+    all-reduce reaches its own parameter's update first (clipping reaches every parameter, but
+    further away), a buffer's broadcast its buffer, a ZeRO-1 all-gather its parameter."""
+    out = next(n for n in nodes.values() if n.kind == "output")
+    outputs: dict[str, list[str]] = {}
+    for ref, state in zip(list(out.args[0])[1:], state_names):
+        if isinstance(ref, _C_NodeRef()):
+            outputs.setdefault(ref.name, []).append(state)
+    targets = {}
+    for name, n in nodes.items():
+        if not _is_collective(n):
+            continue
+        frontier, seen = [name], {name}
+        while frontier:
+            hit = sorted(s for f in frontier for s in outputs.get(f, ()))
+            if hit:
+                targets[name] = ", ".join(hit)
+                break
+            frontier = [u for f in frontier for u in nodes[f].users if u not in seen and not seen.add(u)]
+    return targets
+
+
+def _C_NodeRef():
+    from . import _C
+
+    return _C.NodeRef
+
+
+def collective_sequence(graph, order=None, state_names=None) -> list[str]:
     """The collectives one run of ``graph`` (a torch_ext.ir.Graph) issues, in the order it issues them:
     ``order`` (node names, e.g. a memory plan's order) or else graph order. One entry per
-    _c10d_functional call other than wait_tensor: its op and the type it produces."""
+    _c10d_functional call other than wait_tensor: its op and the type it produces, and with
+    ``state_names`` (the program's state outputs, in order) the state entries it serves: two
+    gradients of one shape are told apart by their parameters."""
     nodes = {n.name: n for n in graph.nodes()}
     names = order if order is not None else [n.name for n in graph.nodes()]
+    targets = _collective_targets(nodes, state_names) if state_names is not None else {}
     out = []
     for name in names:
         n = nodes[name]
-        if n.kind == "call" and n.target.startswith("_c10d_functional::") and "wait_tensor" not in n.target:
-            out.append(f"{n.target} -> {n.type}")
+        if _is_collective(n):
+            out.append(f"{n.target} -> {n.type}" + (f" for {targets[name]}" if name in targets else ""))
     return out
 
 
-def check_collective_order(graph, order, process_group, where: str) -> None:
+def check_collective_order(graph, order, process_group, where: str, state_names=None) -> None:
     """Raises RuntimeError unless every rank of ``process_group`` issues the same collectives in the
     same order (a collective: every rank calls it). Ranks that issue collectives in different
     orders pair up unrelated tensors: gloo and NCCL then hang, or write a buffer with another
     tensor's bytes. Scheduling and memory planning run on each rank on its own, so this is checked
     before a plan runs, not assumed.
+
+    With ``state_names`` (the program's state outputs) each collective is also named by the state
+    entries it serves, so ranks that reduce gradients of one shape for different parameters (a
+    forward that branches on the batch size, ranks with different batch sizes) are refused too:
+    their all-reduces would add one parameter's gradient to another's.
 
     Also raises if an all-gather would run while another collective is in flight: gloo corrupts
     the heap then (csrc/passes/serialize_collectives.h), so the passes never emit such an order."""
@@ -94,7 +136,7 @@ def check_collective_order(graph, order, process_group, where: str) -> None:
     overlap = _C.collective_overlap(graph._g, order)
     if overlap:
         raise RuntimeError(f"{where}: {overlap}; an all-gather must run alone (see serialize_collectives.h)")
-    mine = collective_sequence(graph, order)
+    mine = collective_sequence(graph, order, state_names)
     everyone: list = [None] * dist.get_world_size(process_group)
     dist.all_gather_object(everyone, mine, group=process_group)
     if all(seq == everyone[0] for seq in everyone):

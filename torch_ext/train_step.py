@@ -810,7 +810,7 @@ class TrainStep:
         self._num_aux = len(spec["aux_outputs"])
         self._executor = _C.Executor(cgraph)
         if self._dp is not None:  # the executor issues the collectives in graph order
-            distributed.check_collective_order(self.graph, None, process_group, "make_train_step")
+            distributed.check_collective_order(self.graph, None, process_group, "make_train_step", self._state_names)
         self._program = None
         self._fingerprint = None
         self._calls = 0
@@ -1137,7 +1137,8 @@ class TrainStep:
         builders = distributed.ranks_where(building, self.process_group)
         if builders and not building:
             distributed.check_collective_order(program.graph, None, self.process_group,
-                                               f"make_train_step (rank {builders[0]} met new batch shapes)")
+                                               f"make_train_step (rank {builders[0]} met new batch shapes)",
+                                               program._state_names)
 
     def _program_for(self, flat_batch: list) -> "TrainStep":
         """This step, or (batch_shapes='cache') the step built for these batch shapes."""

@@ -543,3 +543,49 @@ def test_batch_shapes_cache_with_ranks_meeting_new_shapes_at_different_calls(tmp
     # ranks): rank 0 built at call 2 while rank 1 all-reduced gradients, and both hung.
     for rank, unequal in enumerate(_launch(_cache_worker, (), tmp_path, timeout_s=90)):
         assert unequal == [], f"rank {rank}: {unequal}"
+
+
+class _HeadBySize(torch.nn.Module):
+    """Two same-shaped heads, chosen by the batch size (a Python branch on x.shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return self.a(h) if x.shape[0] == 4 else self.b(h)
+
+
+def _same_shape_worker(rank, world, out_dir):
+    torch.manual_seed(0)
+    model = _HeadBySize()
+    loss_fn = lambda m, x, y: F.mse_loss(m(x), y)  # noqa: E731
+    messages = {}
+    n = 4 - rank  # rank 0 trains head a, rank 1 head b: DDP averages each head's gradient with rank 1's zeros
+    try:
+        torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn,
+                                  (torch.randn(n, 4), torch.randn(n, 4)), process_group=dist.group.WORLD)
+    except RuntimeError as e:
+        messages["branch"] = str(e)
+    # One program, but a plan on rank 1 that issues two same-shaped all-reduces the other way round.
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn,
+                                     (torch.randn(4, 4), torch.randn(4, 4)), process_group=dist.group.WORLD)
+    order = [n.name for n in step.graph.nodes() if n.kind == "call"]
+    f32_4 = [i for i, name in enumerate(order) if step.graph.node(name).target.endswith("all_reduce.default")
+             and step.graph.node(name).type[2] == [4]]
+    if rank == 1:
+        order[f32_4[0]], order[f32_4[1]] = order[f32_4[1]], order[f32_4[0]]
+    try:
+        check_collective_order(step.graph, order, dist.group.WORLD, "plan", step.state_names)
+    except RuntimeError as e:
+        messages["plan"] = str(e)
+    return messages
+
+
+def test_ranks_reducing_same_shaped_gradients_of_different_parameters_are_refused(tmp_path):
+    # The collectives were compared by op and type only: rank 0's head-a gradient was added to rank
+    # 1's head-b gradient (same shape), and the ranks' weights silently drifted apart.
+    for messages in _launch(_same_shape_worker, (), tmp_path):
+        assert "for model.a.bias" in messages.get("branch", "") and "for model.b.bias" in messages["branch"], messages
+        assert "plan: the ranks would issue different collectives" in messages.get("plan", ""), messages
