@@ -935,7 +935,10 @@ class TrainStep:
         if d["fingerprint"] != self.fingerprint:
             raise ValueError(f"load_state_dict: the state was made by a different program (fingerprint "
                              f"{d['fingerprint']!r}, this step's is {self.fingerprint!r}); the model, optimizer "
-                             "options, batch shapes or torch_ext version differ")
+                             "options, batch shapes or torch_ext version differ"
+                             + ("; with shard_optimizer_state=True the fingerprint also names the rank, whose shard of "
+                                "the optimizer state the state holds: load each rank's own" if self.shard_optimizer_state
+                                else ""))
         ref = self._fresh_state()
         loaded = TrainState(dict(d["params"]), dict(d["buffers"]), dict(d["opt"]), list(d["lr"]), self._id, d["rng"],
                             int(d["sched_epoch"]), fingerprint=self.fingerprint)
@@ -1066,6 +1069,16 @@ class TrainStep:
             raise ValueError("this TrainState was made by another TrainStep (step_id "
                              f"{state.step_id}, this step is {self._id}); use this step's init_state(), or "
                              "step.load_state_dict(state) for a saved one")
+        if state.fingerprint and state.fingerprint != self.fingerprint:
+            # step_id counts steps per process: a state pickled by another process (torch.save of a
+            # TrainState, torch.load on every rank) can carry this step's id but another program's
+            # layout. With ZeRO-1 the fingerprint names the rank: rank 0's shards on rank 1 would
+            # update rank 1's slice with rank 0's optimizer state.
+            hint = (" (with shard_optimizer_state=True each rank's state holds that rank's shard of the optimizer "
+                    "state: save and load every rank's own state, or write_back and save the model and optimizer)"
+                    if self.shard_optimizer_state else "")
+            raise ValueError(f"{state.describe()} was made by a different program (fingerprint {state.fingerprint!r}, "
+                             f"this step's is {self.fingerprint!r}){hint}")
         # Entries are looked up by name: a missing one would surface as a bare KeyError, and an extra
         # one (a renamed or misspelt key) would be silently ignored while the real entry is missing.
         expected = self.__dict__.get("_entry_names")  # fixed by the program: computed once, not per call

@@ -589,3 +589,29 @@ def test_ranks_reducing_same_shaped_gradients_of_different_parameters_are_refuse
     for messages in _launch(_same_shape_worker, (), tmp_path):
         assert "for model.a.bias" in messages.get("branch", "") and "for model.b.bias" in messages["branch"], messages
         assert "plan: the ranks would issue different collectives" in messages.get("plan", ""), messages
+
+
+def _rank0_checkpoint_worker(rank, world, out_dir):
+    model, loss_fn, batches = _tiny(rank)
+    step = torch_ext.make_train_step(model, _adamw(model.parameters()), loss_fn, batches[0],
+                                     process_group=dist.group.WORLD, shard_optimizer_state=True)
+    _, state = step(step.init_state(), *batches[0])
+    path = os.path.join(out_dir, "state.pt")
+    if rank == 0:  # the usual checkpoint: rank 0 saves, every rank loads
+        torch.save(state, path)
+    dist.barrier()
+    loaded = torch.load(path, weights_only=False)
+    if rank == 0:
+        return None
+    try:
+        step(loaded, *batches[1])  # refused before any collective is issued
+    except Exception as e:  # noqa: BLE001 - accepted, it fails in the all-reduce rank 0 never joins
+        return f"{type(e).__name__}: {e}"
+    return "accepted"
+
+
+def test_a_zero1_state_of_another_rank_is_refused(tmp_path):
+    # Rank 1 trained on with rank 0's optimizer-state shards: its slice of every parameter got rank
+    # 0's moments, and the all-gathered weights silently left the uninterrupted run's (0.025 in 2 steps).
+    message = _launch(_rank0_checkpoint_worker, (), tmp_path, timeout_s=90)[1]
+    assert message.startswith("ValueError") and "was made by a different program" in message and "that rank's shard" in message, message
