@@ -18,6 +18,9 @@ import hashlib
 import torch
 
 _SHARDED_STEPS: dict[int, object] = {}  # TrainStep id -> process group, for steps with ZeRO-1 state
+# TrainStep id -> the state entries each rank keeps its own: tensors the model or loss_fn captured
+# or made (lifted constants, kept with the buffers), which eager DDP never broadcasts either.
+_RANK_OWN: dict[int, frozenset] = {}
 
 
 def data_parallel_spec(process_group, shard_optimizer_state) -> dict | None:
@@ -167,12 +170,13 @@ def _digest(t: torch.Tensor) -> str:
                                                            if t.numel() else b"").hexdigest()
 
 
-def broadcast_state_(state, process_group, sharded: bool) -> None:
+def broadcast_state_(state, process_group, sharded: bool, own=()) -> None:
     """Overwrites this rank's state with rank 0's, as DistributedDataParallel's constructor does
     with the module's parameters and buffers: parameters, buffers and the optimizer state (except
     ZeRO-1 shards, which are each rank's own). The RNG state stays this rank's own, as each rank of
-    an eager DDP loop draws its dropout masks from its own generator (seeded per rank or not). A
-    collective: every rank calls it."""
+    an eager DDP loop draws its dropout masks from its own generator (seeded per rank or not), and
+    so do the entries named in ``own``: tensors the model or loss_fn captured (per-rank class
+    weights), which DDP leaves alone. A collective: every rank calls it."""
     import torch.distributed as dist
 
     group = process_group if process_group is not None else dist.group.WORLD
@@ -180,7 +184,7 @@ def broadcast_state_(state, process_group, sharded: bool) -> None:
     for part in (state.params, state.buffers, state.opt):
         for name in sorted(part):  # the same order on every rank
             t = part[name]
-            if part is state.opt and sharded and t.dim() > 0:
+            if (part is state.opt and sharded and t.dim() > 0) or name in own:
                 continue
             dist.broadcast(t, src=src, group=group)
 
@@ -190,7 +194,9 @@ def assert_states_in_sync(state, process_group=None) -> None:
     ``process_group`` (default: the world), bit for bit: parameters, buffers, lr and optimizer
     state. With ZeRO-1 (``shard_optimizer_state=True``) each rank holds its own shard, so only the
     optimizer state's scalar slots (step counts) are compared. The RNG state is each rank's own (its
-    dropout masks, as in eager DDP) and is not compared. A collective: every rank calls it."""
+    dropout masks, as in eager DDP) and is not compared, nor are tensors the model or loss_fn
+    captured (kept with the buffers: each rank's own, as in eager DDP). A collective: every rank
+    calls it."""
     import torch.distributed as dist
 
     from .train_step import TrainState
@@ -202,7 +208,8 @@ def assert_states_in_sync(state, process_group=None) -> None:
     group = process_group if process_group is not None else dist.group.WORLD
     sharded = state.step_id in _SHARDED_STEPS
     digests = {f"params[{k!r}]": _digest(v) for k, v in state.params.items()}
-    digests.update({f"buffers[{k!r}]": _digest(v) for k, v in state.buffers.items()})
+    own = _RANK_OWN.get(state.step_id, frozenset())
+    digests.update({f"buffers[{k!r}]": _digest(v) for k, v in state.buffers.items() if k not in own})
     digests.update({f"opt[{k!r}]": _digest(v) for k, v in state.opt.items() if not sharded or v.dim() == 0})
     digests.update({f"lr[{i}]": _digest(v) for i, v in enumerate(state.lr)})
     everyone: list = [None] * dist.get_world_size(group)

@@ -803,6 +803,8 @@ class TrainStep:
         # eager follows an in-place change to it, the program reads the value it was built with.
         self._constant_sources = [(name, joint.constants[name], joint.constants[name]._version)
                                   for name in self._constants if not joint.constants[name].is_inference()]
+        if self._dp is not None:  # each rank's own captured tensors: neither broadcast nor compared
+            distributed._RANK_OWN[self._id] = frozenset(self._constants)
         self.joint_graph = Graph.from_exported(joint)
         cgraph, self._state_names, self._num_user = _C.build_train_step(self.joint_graph._g, spec, self.unroll)
         self.graph = Graph(cgraph)
@@ -866,7 +868,7 @@ class TrainStep:
         if self.process_group is not None:
             from .distributed import broadcast_state_
 
-            broadcast_state_(state, self.process_group, self.shard_optimizer_state)
+            broadcast_state_(state, self.process_group, self.shard_optimizer_state, own=set(self._constants))
         return state
 
     def _fresh_state(self, seed: int | None = None, place_schedule: bool = False) -> TrainState:

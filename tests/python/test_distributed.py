@@ -615,3 +615,30 @@ def test_a_zero1_state_of_another_rank_is_refused(tmp_path):
     # 0's moments, and the all-gathered weights silently left the uninterrupted run's (0.025 in 2 steps).
     message = _launch(_rank0_checkpoint_worker, (), tmp_path, timeout_s=90)[1]
     assert message.startswith("ValueError") and "was made by a different program" in message and "that rank's shard" in message, message
+
+
+def _captured_weight_worker(rank, world, out_dir):
+    model, _, batches = _tiny(rank)
+    weight = torch.tensor([1.0, 3.0]) if rank == 0 else torch.tensor([2.0, 0.5])  # from each rank's own data
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y.argmax(1), weight=weight)  # noqa: E731
+    ref = copy.deepcopy(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(ref)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for b in batches:
+        opt.zero_grad()
+        loss_fn(ddp, *b).backward()
+        opt.step()
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, batches[0],
+                                     process_group=dist.group.WORLD)
+    state = step.init_state()
+    for b in batches:
+        _, state = step(state, *b)
+    assert_states_in_sync(state)  # the captured weights are each rank's own, not compared
+    return [n for n, p in ref.named_parameters() if not torch.equal(state.params["model." + n], p)]
+
+
+def test_tensors_the_loss_captured_stay_each_ranks_own_as_in_ddp(tmp_path):
+    # init_state broadcast every buffer, lifted constants included: rank 1 weighted its loss with
+    # rank 0's class weights (the weights 0.06 from DDP's after 3 steps).
+    for rank, unequal in enumerate(_launch(_captured_weight_worker, (), tmp_path)):
+        assert unequal == [], f"rank {rank}: {unequal}"
