@@ -1137,7 +1137,11 @@ class TrainStep:
 
     def _gather(self, state: TrainState, flat_batch: list) -> list:
         it = iter(flat_batch)
-        return [next(it) if role == "input" else state.lookup(name) for name, role in self._inputs]
+        # Data-parallel: the tensors the model or loss_fn captured are this rank's own, as eager DDP
+        # reads them; a state saved on rank 0 and loaded on every rank holds rank 0's copies.
+        own = self._constants if self._dp is not None else {}
+        return [next(it) if role == "input" else own[name] if name in own else state.lookup(name)
+                for name, role in self._inputs]
 
     def _agree_on_builds(self, building: bool, program: "TrainStep | None" = None) -> None:
         """batch_shapes='cache' under process_group= (a collective on every call): building a program

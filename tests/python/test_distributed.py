@@ -634,7 +634,15 @@ def _captured_weight_worker(rank, world, out_dir):
     for b in batches:
         _, state = step(state, *b)
     assert_states_in_sync(state)  # the captured weights are each rank's own, not compared
-    return [n for n, p in ref.named_parameters() if not torch.equal(state.params["model." + n], p)]
+    unequal = [n for n, p in ref.named_parameters() if not torch.equal(state.params["model." + n], p)]
+    path = os.path.join(out_dir, "state.pt")
+    if rank == 0:  # rank 0 saves, every rank resumes from it: rank 1 still weighs with its own weights
+        torch.save(state.state_dict(), path)
+    dist.barrier()
+    resumed = step.load_state_dict(torch.load(path))
+    _, a = step(state, *batches[0])
+    _, b = step(resumed, *batches[0])
+    return unequal + [f"resumed {k}" for k in a.params if not torch.equal(a.params[k], b.params[k])]
 
 
 def test_tensors_the_loss_captured_stay_each_ranks_own_as_in_ddp(tmp_path):
