@@ -939,8 +939,8 @@ class TrainStep:
                              f"{d['fingerprint']!r}, this step's is {self.fingerprint!r}); the model, optimizer "
                              "options, batch shapes or torch_ext version differ"
                              + ("; with shard_optimizer_state=True the fingerprint also names the rank, whose shard of "
-                                "the optimizer state the state holds: load each rank's own" if self.shard_optimizer_state
-                                else ""))
+                                "the optimizer state the state holds: load each rank's own"
+                                if self.shard_optimizer_state else ""))
         ref = self._fresh_state()
         loaded = TrainState(dict(d["params"]), dict(d["buffers"]), dict(d["opt"]), list(d["lr"]), self._id, d["rng"],
                             int(d["sched_epoch"]), fingerprint=self.fingerprint)
