@@ -57,7 +57,7 @@ class PlannedStep:
         if step.process_group is not None:  # each rank scheduled on its own
             from .distributed import check_collective_order
 
-            check_collective_order(graph, self.plan["order"], step.process_group, "compile")
+            check_collective_order(graph, self.plan["order"], step.process_group, "compile", step._state_names)
 
     @property
     def peak_bytes(self) -> int:

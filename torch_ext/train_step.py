@@ -803,6 +803,8 @@ class TrainStep:
         # eager follows an in-place change to it, the program reads the value it was built with.
         self._constant_sources = [(name, joint.constants[name], joint.constants[name]._version)
                                   for name in self._constants if not joint.constants[name].is_inference()]
+        if self._dp is not None:  # each rank's own captured tensors: neither broadcast nor compared
+            distributed._RANK_OWN[self._id] = frozenset(self._constants)
         self.joint_graph = Graph.from_exported(joint)
         cgraph, self._state_names, self._num_user = _C.build_train_step(self.joint_graph._g, spec, self.unroll)
         self.graph = Graph(cgraph)
@@ -810,7 +812,7 @@ class TrainStep:
         self._num_aux = len(spec["aux_outputs"])
         self._executor = _C.Executor(cgraph)
         if self._dp is not None:  # the executor issues the collectives in graph order
-            distributed.check_collective_order(self.graph, None, process_group, "make_train_step")
+            distributed.check_collective_order(self.graph, None, process_group, "make_train_step", self._state_names)
         self._program = None
         self._fingerprint = None
         self._calls = 0
@@ -856,7 +858,9 @@ class TrainStep:
         A data-parallel step (``process_group=``) starts every rank from rank 0's state, as
         DistributedDataParallel's constructor broadcasts rank 0's parameters and buffers: the
         program keeps the states identical only if they start so. It is then a collective: every
-        rank calls it.
+        rank calls it. The RNG state is not broadcast: each rank draws its dropout masks from its own
+        generator state (``seed`` or the global generator on that rank), as each rank of an eager
+        DDP loop does, so ``init_state(seed=base + rank)`` gives the ranks different masks.
         """
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"init_state: seed must be an int or None, got {type(seed).__name__}")
@@ -864,7 +868,7 @@ class TrainStep:
         if self.process_group is not None:
             from .distributed import broadcast_state_
 
-            broadcast_state_(state, self.process_group, self.shard_optimizer_state)
+            broadcast_state_(state, self.process_group, self.shard_optimizer_state, own=set(self._constants))
         return state
 
     def _fresh_state(self, seed: int | None = None, place_schedule: bool = False) -> TrainState:
@@ -933,7 +937,10 @@ class TrainStep:
         if d["fingerprint"] != self.fingerprint:
             raise ValueError(f"load_state_dict: the state was made by a different program (fingerprint "
                              f"{d['fingerprint']!r}, this step's is {self.fingerprint!r}); the model, optimizer "
-                             "options, batch shapes or torch_ext version differ")
+                             "options, batch shapes or torch_ext version differ"
+                             + ("; with shard_optimizer_state=True the fingerprint also names the rank, whose shard of "
+                                "the optimizer state the state holds: load each rank's own"
+                                if self.shard_optimizer_state else ""))
         ref = self._fresh_state()
         loaded = TrainState(dict(d["params"]), dict(d["buffers"]), dict(d["opt"]), list(d["lr"]), self._id, d["rng"],
                             int(d["sched_epoch"]), fingerprint=self.fingerprint)
@@ -1064,6 +1071,16 @@ class TrainStep:
             raise ValueError("this TrainState was made by another TrainStep (step_id "
                              f"{state.step_id}, this step is {self._id}); use this step's init_state(), or "
                              "step.load_state_dict(state) for a saved one")
+        if state.fingerprint and state.fingerprint != self.fingerprint:
+            # step_id counts steps per process: a state pickled by another process (torch.save of a
+            # TrainState, torch.load on every rank) can carry this step's id but another program's
+            # layout. With ZeRO-1 the fingerprint names the rank: rank 0's shards on rank 1 would
+            # update rank 1's slice with rank 0's optimizer state.
+            hint = (" (with shard_optimizer_state=True each rank's state holds that rank's shard of the optimizer "
+                    "state: save and load every rank's own state, or write_back and save the model and optimizer)"
+                    if self.shard_optimizer_state else "")
+            raise ValueError(f"{state.describe()} was made by a different program (fingerprint {state.fingerprint!r}, "
+                             f"this step's is {self.fingerprint!r}){hint}")
         # Entries are looked up by name: a missing one would surface as a bare KeyError, and an extra
         # one (a renamed or misspelt key) would be silently ignored while the real entry is missing.
         expected = self.__dict__.get("_entry_names")  # fixed by the program: computed once, not per call
@@ -1120,11 +1137,32 @@ class TrainStep:
 
     def _gather(self, state: TrainState, flat_batch: list) -> list:
         it = iter(flat_batch)
-        return [next(it) if role == "input" else state.lookup(name) for name, role in self._inputs]
+        # Data-parallel: the tensors the model or loss_fn captured are this rank's own, as eager DDP
+        # reads them; a state saved on rank 0 and loaded on every rank holds rank 0's copies.
+        own = self._constants if self._dp is not None else {}
+        return [next(it) if role == "input" else own[name] if name in own else state.lookup(name)
+                for name, role in self._inputs]
+
+    def _agree_on_builds(self, building: bool, program: "TrainStep | None" = None) -> None:
+        """batch_shapes='cache' under process_group= (a collective on every call): building a program
+        checks its collective order with every rank (check_collective_order), so when any rank meets
+        new batch shapes the others take part in that check with the program they run now. Without
+        it, a rank building a program while the others train paired its check with their gradient
+        all-reduces: the ranks hung until gloo's timeout (30 minutes)."""
+        if self.batch_shapes != "cache" or self.process_group is None:
+            return
+        from . import distributed
+
+        builders = distributed.ranks_where(building, self.process_group)
+        if builders and not building:
+            distributed.check_collective_order(program.graph, None, self.process_group,
+                                               f"make_train_step (rank {builders[0]} met new batch shapes)",
+                                               program._state_names)
 
     def _program_for(self, flat_batch: list) -> "TrainStep":
         """This step, or (batch_shapes='cache') the step built for these batch shapes."""
         if self.batch_shapes != "cache" or all(t.shape == ex.shape for t, ex in zip(flat_batch, self._example_leaves)):
+            self._agree_on_builds(False, self)
             return self
         for i, (t, ex) in enumerate(zip(flat_batch, self._example_leaves)):
             if t.dtype != ex.dtype or t.dim() != ex.dim():
@@ -1137,6 +1175,7 @@ class TrainStep:
         key = tuple(shapes[:per_step])
         variant = self._variants.get(key)
         if variant is None:
+            self._agree_on_builds(True)
             example = pytree.tree_unflatten(list(flat_batch[:per_step]), self._batch_spec)
             variant = TrainStep(self.model, self.optimizers, self.loss_fn, example, self.clip_grad_norm, self.unroll,
                                 (), self.accumulate, process_group=self.process_group,
@@ -1154,6 +1193,8 @@ class TrainStep:
                 raise ValueError(f"batch shapes {key}: loss_fn returns other aux outputs at this batch size "
                                  f"({variant._aux_spec} vs {self._aux_spec})")
             self._variants[key] = variant
+        else:
+            self._agree_on_builds(False, variant)
         return variant
 
     def cache_info(self) -> dict:
@@ -1188,6 +1229,18 @@ class TrainStep:
         if self._aux_spec is not None:
             result = (loss, new_state, pytree.tree_unflatten(list(outs[1 + n:]), self._aux_spec))
         self.last_nonfinite = not bool(torch.isfinite(loss).all())
+        if skip_nonfinite and donated_to is None and self.process_group is not None:
+            # Each rank's loss is its own, but the gradients were averaged: one rank's non-finite loss
+            # makes every rank's update non-finite. Skip on every rank or on none (a collective).
+            from .distributed import ranks_where
+
+            anywhere = ranks_where(self.last_nonfinite, self.process_group)
+            if anywhere and not self.last_nonfinite:
+                self.last_nonfinite = True
+                warnings.warn(f"non-finite loss on rank {anywhere[0]} (this rank's: {loss.tolist()}): the averaged "
+                              "gradients are non-finite on every rank; step skipped, state kept", RuntimeWarning,
+                              stacklevel=3)
+                return (loss, state) + result[2:]
         if self.last_nonfinite:
             if skip_nonfinite and donated_to is None:
                 warnings.warn(f"non-finite loss {loss.tolist()}: step skipped, state kept", RuntimeWarning, stacklevel=3)

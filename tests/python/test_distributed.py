@@ -453,3 +453,201 @@ def test_an_all_gather_never_overlaps_another_collective(world_of_one):
                                            r"while %\w+ \(_c10d_functional::all_gather_into_tensor.default\) is in "
                                            r"flight; an all-gather must run alone"):
         check_collective_order(step.graph, order, world_of_one, "test")
+
+
+def _tiny(rank, dropout=0.0):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Dropout(dropout), torch.nn.Linear(8, 2))
+    g = torch.Generator().manual_seed(7 + rank)
+    batches = [(torch.randn(3, 6, generator=g), torch.randn(3, 2, generator=g)) for _ in range(3)]
+    return model, (lambda m, x, y: F.mse_loss(m(x), y)), batches
+
+
+def _dropout_seed_worker(rank, world, out_dir):
+    model, loss_fn, batches = _tiny(rank, dropout=0.5)
+    ref = copy.deepcopy(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(ref)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    torch.manual_seed(1000 + rank)  # eager DDP: each rank draws its masks from its own generator
+    for b in batches:
+        opt.zero_grad()
+        loss_fn(ddp, *b).backward()
+        opt.step()
+    m = copy.deepcopy(model)
+    step = torch_ext.make_train_step(m, torch.optim.SGD(m.parameters(), lr=0.1), loss_fn, batches[0],
+                                     process_group=dist.group.WORLD)
+    torch.manual_seed(1000 + rank)
+    from_global = step.init_state()
+    from_seed = step.init_state(seed=1000 + rank)
+    unequal = {}
+    for name, state in (("global generator", from_global), ("seed=", from_seed)):
+        for b in batches:
+            _, state = step(state, *b)
+        assert_states_in_sync(state)  # parameters agree; the generator states are each rank's own
+        unequal[name] = [n for n, p in ref.named_parameters() if not torch.equal(state.params["model." + n], p)]
+    return unequal
+
+
+def test_each_rank_draws_dropout_masks_from_its_own_generator_as_in_ddp(tmp_path):
+    # Seeded per rank, eager DDP's ranks drop different units; init_state broadcast rank 0's
+    # generator state, so every rank dropped rank 0's units and the weights differed from DDP's.
+    for rank, unequal in enumerate(_launch(_dropout_seed_worker, (), tmp_path)):
+        assert unequal == {"global generator": [], "seed=": []}, f"rank {rank}: {unequal}"
+
+
+def _nonfinite_worker(rank, world, out_dir):
+    model, loss_fn, batches = _tiny(rank)
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, batches[0],
+                                     process_group=dist.group.WORLD)
+    state = step.init_state()
+    x, y = batches[0]
+    if rank == 0:
+        x = x.clone()
+        x[0, 0] = float("nan")
+    with pytest.warns(RuntimeWarning, match="step skipped, state kept"):
+        loss, new = step(state, x, y, skip_nonfinite=True)
+    assert_states_in_sync(new)
+    return dict(kept=new is state, last_nonfinite=step.last_nonfinite, loss_finite=bool(torch.isfinite(loss)))
+
+
+def test_skip_nonfinite_skips_on_every_rank_when_one_rank_loss_is_not_finite(tmp_path):
+    # The gradients are averaged, so rank 0's NaN reaches every rank's update: rank 1 (finite loss)
+    # used to apply it and hold NaN weights while rank 0 kept its state.
+    res = _launch(_nonfinite_worker, (), tmp_path)
+    assert res[0] == dict(kept=True, last_nonfinite=True, loss_finite=False), res[0]
+    assert res[1] == dict(kept=True, last_nonfinite=True, loss_finite=True), res[1]
+
+
+def _cache_worker(rank, world, out_dir):
+    model, loss_fn, batches = _tiny(rank)
+    sizes = [3, 2, 3] if rank == 0 else [3, 3, 2]  # rank 0 meets batch size 2 one call before rank 1
+    g = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(n, 6, generator=g), torch.randn(n, 2, generator=g)) for n in sizes]
+    ref = copy.deepcopy(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(ref)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for b in batches:
+        opt.zero_grad()
+        loss_fn(ddp, *b).backward()
+        opt.step()
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, batches[0],
+                                     batch_shapes="cache", process_group=dist.group.WORLD)
+    state = step.init_state()
+    for b in batches:
+        _, state = step(state, *b)
+    return [n for n, p in ref.named_parameters() if not torch.equal(state.params["model." + n], p)]
+
+
+def test_batch_shapes_cache_with_ranks_meeting_new_shapes_at_different_calls(tmp_path):
+    # Building a program for new shapes is a collective (its collective order is checked across the
+    # ranks): rank 0 built at call 2 while rank 1 all-reduced gradients, and both hung.
+    for rank, unequal in enumerate(_launch(_cache_worker, (), tmp_path, timeout_s=90)):
+        assert unequal == [], f"rank {rank}: {unequal}"
+
+
+class _HeadBySize(torch.nn.Module):
+    """Two same-shaped heads, chosen by the batch size (a Python branch on x.shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return self.a(h) if x.shape[0] == 4 else self.b(h)
+
+
+def _same_shape_worker(rank, world, out_dir):
+    torch.manual_seed(0)
+    model = _HeadBySize()
+    loss_fn = lambda m, x, y: F.mse_loss(m(x), y)  # noqa: E731
+    messages = {}
+    n = 4 - rank  # rank 0 trains head a, rank 1 head b: DDP averages each head's gradient with rank 1's zeros
+    try:
+        torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn,
+                                  (torch.randn(n, 4), torch.randn(n, 4)), process_group=dist.group.WORLD)
+    except RuntimeError as e:
+        messages["branch"] = str(e)
+    # One program, but a plan on rank 1 that issues two same-shaped all-reduces the other way round.
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn,
+                                     (torch.randn(4, 4), torch.randn(4, 4)), process_group=dist.group.WORLD)
+    order = [n.name for n in step.graph.nodes() if n.kind == "call"]
+    f32_4 = [i for i, name in enumerate(order) if step.graph.node(name).target.endswith("all_reduce.default")
+             and step.graph.node(name).type[2] == [4]]
+    if rank == 1:
+        order[f32_4[0]], order[f32_4[1]] = order[f32_4[1]], order[f32_4[0]]
+    try:
+        check_collective_order(step.graph, order, dist.group.WORLD, "plan", step.state_names)
+    except RuntimeError as e:
+        messages["plan"] = str(e)
+    return messages
+
+
+def test_ranks_reducing_same_shaped_gradients_of_different_parameters_are_refused(tmp_path):
+    # The collectives were compared by op and type only: rank 0's head-a gradient was added to rank
+    # 1's head-b gradient (same shape), and the ranks' weights silently drifted apart.
+    for messages in _launch(_same_shape_worker, (), tmp_path):
+        assert "for model.a.bias" in messages.get("branch", "") and "for model.b.bias" in messages["branch"], messages
+        assert "plan: the ranks would issue different collectives" in messages.get("plan", ""), messages
+
+
+def _rank0_checkpoint_worker(rank, world, out_dir):
+    model, loss_fn, batches = _tiny(rank)
+    step = torch_ext.make_train_step(model, _adamw(model.parameters()), loss_fn, batches[0],
+                                     process_group=dist.group.WORLD, shard_optimizer_state=True)
+    _, state = step(step.init_state(), *batches[0])
+    path = os.path.join(out_dir, "state.pt")
+    if rank == 0:  # the usual checkpoint: rank 0 saves, every rank loads
+        torch.save(state, path)
+    dist.barrier()
+    loaded = torch.load(path, weights_only=False)
+    if rank == 0:
+        return None
+    try:
+        step(loaded, *batches[1])  # refused before any collective is issued
+    except Exception as e:  # noqa: BLE001 - accepted, it fails in the all-reduce rank 0 never joins
+        return f"{type(e).__name__}: {e}"
+    return "accepted"
+
+
+def test_a_zero1_state_of_another_rank_is_refused(tmp_path):
+    # Rank 1 trained on with rank 0's optimizer-state shards: its slice of every parameter got rank
+    # 0's moments, and the all-gathered weights silently left the uninterrupted run's (0.025 in 2 steps).
+    message = _launch(_rank0_checkpoint_worker, (), tmp_path, timeout_s=90)[1]
+    assert message.startswith("ValueError") and "was made by a different program" in message, message
+    assert "that rank's shard" in message, message
+
+
+def _captured_weight_worker(rank, world, out_dir):
+    model, _, batches = _tiny(rank)
+    weight = torch.tensor([1.0, 3.0]) if rank == 0 else torch.tensor([2.0, 0.5])  # from each rank's own data
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y.argmax(1), weight=weight)  # noqa: E731
+    ref = copy.deepcopy(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(ref)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for b in batches:
+        opt.zero_grad()
+        loss_fn(ddp, *b).backward()
+        opt.step()
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, batches[0],
+                                     process_group=dist.group.WORLD)
+    state = step.init_state()
+    for b in batches:
+        _, state = step(state, *b)
+    assert_states_in_sync(state)  # the captured weights are each rank's own, not compared
+    unequal = [n for n, p in ref.named_parameters() if not torch.equal(state.params["model." + n], p)]
+    path = os.path.join(out_dir, "state.pt")
+    if rank == 0:  # rank 0 saves, every rank resumes from it: rank 1 still weighs with its own weights
+        torch.save(state.state_dict(), path)
+    dist.barrier()
+    resumed = step.load_state_dict(torch.load(path))
+    _, a = step(state, *batches[0])
+    _, b = step(resumed, *batches[0])
+    return unequal + [f"resumed {k}" for k in a.params if not torch.equal(a.params[k], b.params[k])]
+
+
+def test_tensors_the_loss_captured_stay_each_ranks_own_as_in_ddp(tmp_path):
+    # init_state broadcast every buffer, lifted constants included: rank 1 weighted its loss with
+    # rank 0's class weights (the weights 0.06 from DDP's after 3 steps).
+    for rank, unequal in enumerate(_launch(_captured_weight_worker, (), tmp_path)):
+        assert unequal == [], f"rank {rank}: {unequal}"
