@@ -6,6 +6,7 @@
 #include <c10/core/TensorOptions.h>
 
 #include <algorithm>
+#include <iterator>
 #include <unordered_map>
 
 namespace torch_ext::ir {
@@ -42,6 +43,16 @@ std::optional<std::vector<size_t>> written_args_if_inplace_of(const c10::Functio
   return written;
 }
 
+// Reductions whose out= kernel uses `out` as scratch of the input's shape before reducing into it
+// (torch 2.9, CPU): given a planned arena view, which cannot grow, they failed with "Trying to resize
+// storage that is not resizable" (a step with accumulate=2 or process_group and one of these
+// losses). Found by calling every loss's out= kernel on a [] view inside a sentinel-filled buffer.
+// They run functionally instead.
+bool out_kernel_writes_scratch(const Target& t) {
+  static const char* const kOps[] = {"mse_loss", "huber_loss", "soft_margin_loss", "binary_cross_entropy"};
+  return t.ns == "aten" && std::any_of(std::begin(kOps), std::end(kOps), [&](const char* op) { return t.name == op; });
+}
+
 }  // namespace
 
 std::optional<InplaceVariant> find_inplace_variant(const Node& node) {
@@ -76,6 +87,7 @@ std::optional<InplaceVariant> find_inplace_variant(const Node& node) {
 
 std::optional<OutVariant> find_out_variant(const Node& node) {
   if (node.kind() != NodeKind::Call || node.target().is_builtin()) return std::nullopt;
+  if (out_kernel_writes_scratch(node.target())) return std::nullopt;
   std::vector<const TensorMeta*> results;
   if (node.type().is_tensor()) results.push_back(&node.type().tensor);
   if (node.type().kind == Type::Kind::Tuple)

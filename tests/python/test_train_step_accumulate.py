@@ -103,3 +103,33 @@ def test_accumulate_bad_input():
     step = torch_ext.make_train_step(model, opt, loss_fn, mb, accumulate=2)
     with pytest.raises(ValueError, match=r"expected 4 batch tensors \(2 micro-batches\), got 2"):
         step(step.init_state(), *mb)
+
+
+@pytest.mark.parametrize("loss", ["binary_cross_entropy", "huber_loss", "soft_margin_loss", "mse_loss"])
+def test_planned_arena_runs_losses_whose_out_kernels_use_scratch(loss):
+    # These losses' out= kernels resize `out` to the input's shape as scratch before reducing into it.
+    # With accumulate=2 each micro-batch loss is an arena buffer, and the planned step failed with
+    # "Trying to resize storage that is not resizable" (binary_cross_entropy here; mse_loss under
+    # process_group). They now run functionally, bit-exact with the executor.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+    x, y = torch.randn(4, 5), torch.rand(4, 8).round()
+
+    def loss_fn(m, x, y):
+        out = m(x)
+        if loss == "binary_cross_entropy":
+            return F.binary_cross_entropy(torch.sigmoid(out), y)
+        if loss == "soft_margin_loss":
+            return F.soft_margin_loss(out, y * 2 - 1)
+        return getattr(F, loss)(out, y)
+
+    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn, (x, y),
+                                     accumulate=2)
+    planned = step.compile(plan=True)
+    ours, theirs = step.init_state(), step.init_state()
+    for _ in range(2):
+        want, ours = step(ours, x, y, x, y)
+        got, theirs = planned(theirs, x, y, x, y)
+        assert torch.equal(got, want)
+    for name in ours.params:
+        assert torch.equal(theirs.params[name], ours.params[name]), name
