@@ -10,7 +10,7 @@ import operator
 import sys
 
 import torch
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.export.graph_signature import InputKind, OutputKind
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -450,7 +450,7 @@ class _ExternalWrites(torch.overrides.TorchFunctionMode):
 
     def __init__(self, args):
         super().__init__()
-        self.inside = {id(t) for t in pytree_leaves(args) if isinstance(t, torch.Tensor)}
+        self.inside = {id(t) for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
         self.keep = []  # tensors made inside, kept alive so their ids stay unique
         self.writes = []
         self.grad_flows = False
@@ -471,18 +471,12 @@ class _ExternalWrites(torch.overrides.TorchFunctionMode):
                 name.endswith("_") and not name.endswith("__") and name not in ("requires_grad_", "share_memory_"))):
             self.writes.append((func, args, kwargs))
         out = func(*args, **kwargs)
-        for t in pytree_leaves(out):
+        for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.inside.add(id(t))
                 self.keep.append(t)
                 self.grad_flows |= t.requires_grad
         return out
-
-
-def pytree_leaves(tree):
-    import torch.utils._pytree as pytree
-
-    return pytree.tree_leaves(tree)
 
 
 def replay_checkpoint_writes() -> None:
@@ -658,12 +652,12 @@ def _rnn_helper_with_dropout(input, hidden, params, has_biases, num_layers, drop
 # multilabel_margin_loss_forward gives 28.19 where eager gives 2.65 (the step trained 0.72 off eager's
 # loss in 3 steps, silently). Traced with these removed, the op runs its C++ kernel and autograd
 # records eager's derivative (upsample_bilinear2d_backward, multilabel_margin_loss_backward).
-UPSAMPLE_OPS = (
+EAGER_AUTOGRAD_OPS = (
     "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
     "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
     "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa",
+    "multilabel_margin_loss_forward",
 )
-EAGER_AUTOGRAD_OPS = UPSAMPLE_OPS + ("multilabel_margin_loss_forward",)
 
 
 @contextlib.contextmanager
@@ -1144,9 +1138,9 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
     # Tracing reparametrizes the module with fake tensors; some modules cache views of their
     # parameters (nn.LSTM's _flat_weights) and kept the fakes afterwards: put every attribute back.
     traced_vars = [(m, dict(vars(m))) for m in torch.nn.Module.modules(module)]
+    rnn_fix = rnn_dropout_between_layers()
+    rnn_fix.__enter__()
     try:
-        rnn_fix = rnn_dropout_between_layers()
-        rnn_fix.__enter__()
         if front_end != "export":
             try:
                 ep, used = make_fx_program(module, args, kwargs), "make_fx"

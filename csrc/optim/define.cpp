@@ -79,9 +79,9 @@ size_t index_of(const Descriptor& d, const std::string& name, ScalarType type) {
 constexpr int64_t kBlockBytes = 256 * 1024;
 
 // The number of elements per block for `u`, or 0 when u runs whole: a kernel that reads whole
-// tensors (Muon) or gains nothing from blocks (Descriptor::blocked), a tensor under two blocks, or per-element tensors whose memory is not laid out
-// alike (the same strides, dense and non-overlapping), so that one flat slice of memory holds the
-// same elements of each.
+// tensors (Muon) or gains nothing from blocks (Descriptor::blocked), a tensor under two blocks,
+// or per-element tensors whose memory is not laid out alike (the same strides, dense and
+// non-overlapping), so that one flat slice of memory holds the same elements of each.
 int64_t block_elements(const Update& u) {
   if (!u.desc->elementwise || !u.desc->blocked || !u.param.is_non_overlapping_and_dense()) return 0;
   const int64_t block = std::max<int64_t>(1, kBlockBytes / static_cast<int64_t>(u.param.element_size()));

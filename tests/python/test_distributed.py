@@ -518,11 +518,8 @@ def test_skip_nonfinite_skips_on_every_rank_when_one_rank_loss_is_not_finite(tmp
     assert res[1] == dict(kept=True, last_nonfinite=True, loss_finite=True), res[1]
 
 
-def _cache_worker(rank, world, out_dir):
-    model, loss_fn, batches = _tiny(rank)
-    sizes = [3, 2, 3] if rank == 0 else [3, 3, 2]  # rank 0 meets batch size 2 one call before rank 1
-    g = torch.Generator().manual_seed(rank)
-    batches = [(torch.randn(n, 6, generator=g), torch.randn(n, 2, generator=g)) for n in sizes]
+def _ddp_sgd_reference(model, loss_fn, batches):
+    """A copy of ``model`` trained by eager DDP with SGD(lr=0.1) on ``batches``: what the pure step must match."""
     ref = copy.deepcopy(model)
     ddp = torch.nn.parallel.DistributedDataParallel(ref)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -530,6 +527,15 @@ def _cache_worker(rank, world, out_dir):
         opt.zero_grad()
         loss_fn(ddp, *b).backward()
         opt.step()
+    return ref
+
+
+def _cache_worker(rank, world, out_dir):
+    model, loss_fn, batches = _tiny(rank)
+    sizes = [3, 2, 3] if rank == 0 else [3, 3, 2]  # rank 0 meets batch size 2 one call before rank 1
+    g = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(n, 6, generator=g), torch.randn(n, 2, generator=g)) for n in sizes]
+    ref = _ddp_sgd_reference(model, loss_fn, batches)
     step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, batches[0],
                                      batch_shapes="cache", process_group=dist.group.WORLD)
     state = step.init_state()
@@ -622,13 +628,7 @@ def _captured_weight_worker(rank, world, out_dir):
     model, _, batches = _tiny(rank)
     weight = torch.tensor([1.0, 3.0]) if rank == 0 else torch.tensor([2.0, 0.5])  # from each rank's own data
     loss_fn = lambda m, x, y: F.cross_entropy(m(x), y.argmax(1), weight=weight)  # noqa: E731
-    ref = copy.deepcopy(model)
-    ddp = torch.nn.parallel.DistributedDataParallel(ref)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for b in batches:
-        opt.zero_grad()
-        loss_fn(ddp, *b).backward()
-        opt.step()
+    ref = _ddp_sgd_reference(model, loss_fn, batches)
     step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, batches[0],
                                      process_group=dist.group.WORLD)
     state = step.init_state()
