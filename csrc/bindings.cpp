@@ -491,6 +491,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<runtime::Executor, std::shared_ptr<runtime::Executor>>(m, "Executor")
       .def(py::init([](const ir::Graph& g) { return std::make_shared<runtime::Executor>(g); }))
       .def("num_inputs", &runtime::Executor::num_inputs)
+      .def("inplace_steps", &runtime::Executor::inplace_steps)
       .def("result_pool_stats",
            [](const runtime::Executor& ex) {
              py::dict d;

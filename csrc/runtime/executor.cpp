@@ -1,15 +1,62 @@
 #include "runtime/executor.h"
 
+#include "ir/out_variant.h"
 #include "ir/printer.h"
+#include "ir/schema.h"
 #include "ir/verifier.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/enum_tag.h>
 #include <c10/util/Exception.h>
 
 #include <exception>
+#include <mutex>
+#include <string>
+#include <unordered_map>
 
 namespace torch_ext::runtime {
+namespace {
+
+// ir::find_inplace_variant scans every registered operator: once per target and process.
+std::optional<ir::InplaceVariant> inplace_variant_of(const ir::Node& node) {
+  static std::mutex mutex;
+  static std::unordered_map<std::string, std::optional<ir::InplaceVariant>> cache;
+  const std::string key = node.target().str();
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(key);
+  if (it == cache.end()) it = cache.emplace(key, ir::find_inplace_variant(node)).first;
+  return it->second;
+}
+
+// The input `node` may overwrite with its in-place variant, or nullptr. Only pointwise ops: their
+// in-place variant runs the same elementwise kernel on the same operands, so the bits are the
+// functional kernel's. The input must be computed by a call node (never a caller's tensor), given
+// through exactly one argument (the written one), read for the last time here, and no output; its
+// declared layout must be the result's (no broadcast into a larger result, no dtype promotion).
+// Aliasing is checked where the step runs (runtime::sole_owner): a view, a tuple element still held
+// or anything else sharing the storage sends the step to its functional kernel.
+const ir::Node* overwritable_input(const ir::Node& node, const std::optional<ir::InplaceVariant>& variant) {
+  if (!variant || variant->written_args.size() != 1 || variant->op.schema().returns().size() != 1) return nullptr;
+  const auto functional = ir::find_op(node.target());
+  if (!functional || !functional->hasTag(at::Tag::pointwise) || functional->schema().is_mutable()) return nullptr;
+  const size_t w = variant->written_args[0];
+  if (w >= node.args().size() || node.args()[w].kind != ir::Arg::Kind::Node) return nullptr;
+  const ir::Node* input = node.args()[w].node;
+  int64_t uses = 0;
+  for (const ir::Arg& a : node.args()) a.for_each_node([&](const ir::Node* x) { uses += x == input; });
+  for (const auto& kv : node.kwargs()) kv.second.for_each_node([&](const ir::Node* x) { uses += x == input; });
+  if (uses != 1 || input->kind() != ir::NodeKind::Call || !input->type().is_tensor() || !node.type().is_tensor())
+    return nullptr;
+  const ir::TensorMeta& in = input->type().tensor;
+  const ir::TensorMeta& out = node.type().tensor;
+  if (in.sizes != out.sizes || in.strides != out.strides || in.dtype != out.dtype || in.device != out.device ||
+      out.numel() == 0)
+    return nullptr;
+  return input;
+}
+
+}  // namespace
 
 void check_input(const ir::Node& ph, const c10::IValue& v, size_t position) {
   const ir::Type& t = ph.type();
@@ -82,6 +129,25 @@ Executor::Executor(const ir::Graph& graph) : graph_(graph.clone()) {
     } else {
       release_inputs_.push_back(static_cast<int64_t>(s));
     }
+  }
+  // Pointwise steps whose input dies there write into it, as eager's in-place modules do
+  // (nn.ReLU(inplace=True), a residual `out += identity`): no fresh activation-sized buffer, and the
+  // write goes to memory the step has just read.
+  std::vector<std::pair<size_t, const ir::Node*>> inplace;
+  for (size_t k = 0; k < steps_.size(); ++k) {
+    const ir::Node& node = *nodes[steps_[k].out];
+    if (node.target().is_builtin() || ir::is_higher_order(node.target())) continue;
+    const ir::Node* input = overwritable_input(node, inplace_variant_of(node));
+    if (input == nullptr || is_output[input->index()] || last_use[input->index()] != static_cast<int64_t>(k)) continue;
+    inplace.emplace_back(k, input);
+  }
+  inplace_kernels_.reserve(inplace.size());  // the steps point into it
+  for (const auto& [k, input] : inplace) {
+    const ir::Node& node = *nodes[steps_[k].out];
+    inplace_kernels_.push_back(BoundKernel::bind_as(node, inplace_variant_of(node)->op, nullptr, {}));
+    steps_[k].fallback = steps_[k].kernel;
+    steps_[k].kernel = &inplace_kernels_.back();
+    steps_[k].overwrites = input->index();
   }
 }
 

@@ -30,12 +30,16 @@ class Executor {
   size_t num_inputs() const { return placeholders_.size(); }
   // The memory the optimizer updates' results are recycled through (result_pool.h).
   const ResultPool& result_pool() const { return *pool_; }
+  // Steps that may run their in-place variant on an input that dies there (each checked, when it
+  // runs, to hold the input's only reference; else its functional kernel runs).
+  size_t inplace_steps() const { return inplace_kernels_.size(); }
 
  private:
   std::unique_ptr<ir::Graph> graph_;
   std::vector<const ir::Node*> placeholders_;
   std::vector<BoundKernel> kernels_;          // one per call node, in order
   std::vector<Step> steps_;                   // one per kernel: its slot and the slots dead after it
+  std::vector<BoundKernel> inplace_kernels_;  // in-place variants some steps run (see the constructor)
   std::vector<int64_t> release_inputs_;       // placeholder slots no call reads
   std::vector<ir::Arg> outputs_;
   std::unique_ptr<ResultPool> pool_ = std::make_unique<ResultPool>();

@@ -72,3 +72,46 @@ TEST(Executor, RefusesUnsupportedGraphsAtConstruction) {
   EXPECT_NE(error_of([&] { runtime::Executor ex(*wrong); }).find("node %y (aten::mul.Scalar): argument 'other'"),
             std::string::npos);
 }
+
+// A pointwise step whose input dies there runs its in-place variant (relu_, add_), with the bits of
+// the functional kernel; the graph's own input and an output are never overwritten.
+TEST(Executor, PointwiseStepsOverwriteInputsThatDieThere) {
+  auto g = ir::parse(R"(graph:
+  %x : f32[4,8] = input()
+  %b : f32[8] = input()
+  %a : f32[4,8] = aten::mul.Tensor(%x, 3)
+  %r : f32[4,8] = aten::relu.default(%a)
+  %s : f32[4,8] = aten::add.Tensor(%r, %b, alpha=2)
+  %t : f32[4,8] = aten::tanh.default(%x)
+  return (%s, %t)
+)");
+  runtime::Executor ex(*g);
+  EXPECT_EQ(ex.inplace_steps(), 2u);  // relu on %a, add on %r; not tanh on the input %x
+  at::manual_seed(0);
+  at::Tensor x = at::randn({4, 8}), b = at::randn({8});
+  const at::Tensor x_before = x.clone();
+  auto out = ex.run({x, b});
+  EXPECT_TRUE(at::equal(out[0].toTensor(), at::add(at::relu(x * 3), b, 2)));
+  EXPECT_TRUE(at::equal(out[1].toTensor(), at::tanh(x)));
+  EXPECT_TRUE(at::equal(x, x_before));
+}
+
+// The plan only says the input is read for the last time by its node; a view of it read later
+// shares its storage, so the step must run functionally (else %v would read relu's result).
+TEST(Executor, PointwiseStepsLeaveInputsThatAViewStillReads) {
+  auto g = ir::parse(R"(graph:
+  %x : f32[4,8] = input()
+  %a : f32[4,8] = aten::sub.Tensor(%x, 0.5)
+  %v : f32[32] = aten::view.default(%a, [32])
+  %r : f32[4,8] = aten::relu.default(%a)
+  %w : f32[4,8] = aten::view.default(%v, [4, 8])
+  %s : f32[4,8] = aten::add.Tensor(%w, %r)
+  return (%s)
+)");
+  runtime::Executor ex(*g);
+  EXPECT_EQ(ex.inplace_steps(), 2u);  // relu on %a may, by the plan; add on %w too
+  at::manual_seed(0);
+  at::Tensor x = at::randn({4, 8});
+  const at::Tensor a = x - 0.5;
+  EXPECT_TRUE(at::equal(ex.run({x})[0].toTensor(), a + at::relu(a)));
+}
