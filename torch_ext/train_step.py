@@ -310,8 +310,9 @@ class _LrSchedule:
                     raise ValueError(f"the scheduler changes {', '.join(repr(c) for c in changed)} of "
                                      f"{type(owners[gi]).__name__} param group {gi} at step {len(self._lrs)}; the pure "
                                      "step feeds per step only the lr and the hyperparameters a scheduler that cycles "
-                                     "momentum (cycle_momentum=True) drives and the optimizer can take as inputs (SGD "
-                                     f"and RMSprop momentum, Adam/AdamW betas[0]; here: {fed}); anything else it bakes in")
+                                     "momentum (cycle_momentum=True) drives and the optimizer can take as inputs (SGD, "
+                                     "RMSprop and Muon momentum, Adam/AdamW and Lion betas[0]; here: "
+                                     f"{fed}); anything else it bakes in")
             self._record()
         return self._lrs[k]
 

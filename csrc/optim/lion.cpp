@@ -25,7 +25,7 @@ void lion(Update& u) {
 
 TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
   using T = ScalarType;
-  const std::vector<Scalar> scalars{{"beta1", T::Float}, {"beta2", T::Float}, {"weight_decay", T::Float}};
+  const std::vector<Scalar> scalars{{"beta1", T::Float, /*schedulable=*/true}, {"beta2", T::Float}, {"weight_decay", T::Float}};
   define(m, Descriptor{"lion", "Lion", {{"exp_avg"}}, scalars, &lion});
 }
 

@@ -43,7 +43,7 @@ void muon(Update& u) {
 
 TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
   using T = ScalarType;
-  const std::vector<Scalar> scalars{{"weight_decay", T::Float}, {"momentum", T::Float}, {"nesterov", T::Bool},
+  const std::vector<Scalar> scalars{{"weight_decay", T::Float}, {"momentum", T::Float, /*schedulable=*/true}, {"nesterov", T::Bool},
                                     {"a", T::Float},            {"b", T::Float},        {"c", T::Float},
                                     {"ns_steps", T::Int},       {"eps", T::Float},      {"lr_ratio", T::Float}};
   define(m, Descriptor{"muon", "Muon", {{"momentum_buffer"}}, scalars, &muon, /*elementwise=*/false});

@@ -42,6 +42,8 @@ SCHEDULED_CASES = [
     ("adam_update", lambda p, g: (p, g, torch.randn_like(p), torch.rand_like(p), torch.tensor(2.0), _lr(1e-3), _fed(0.9), 0.999, 1e-8, 0.01, True, False)),
     ("adam_amsgrad_update", lambda p, g: (p, g, torch.randn_like(p), torch.rand_like(p), torch.rand_like(p), torch.tensor(2.0), _lr(1e-3), _fed(0.9), 0.999, 1e-8, 0.0, False, True)),
     ("rmsprop_update", lambda p, g: (p, g, torch.rand_like(p) + 1, torch.rand_like(p) * 0.1, torch.randn_like(p), torch.tensor(2.0), _lr(1e-2), 0.99, 1e-8, 0.01, _fed(0.9), True, False)),
+    ("lion_update", lambda p, g: (p, g, torch.randn_like(p), _lr(1e-3), _fed(0.9), 0.99, 0.1)),
+    ("muon_update", lambda p, g: (p, g, torch.randn_like(p), _lr(0.02), 0.1, _fed(0.95), True, 3.4445, -4.7750, 2.0315, 5, 1e-7, 1.0)),
 ]
 
 

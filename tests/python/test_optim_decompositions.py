@@ -118,6 +118,12 @@ def test_rmsprop_scheduled(momentum):
         [0.99, 1e-8, 0.01, f64(momentum), True, False])
 
 
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_lion_scheduled(wd):
+    p, m = tensors(2)
+    run(ops.lion_update.scheduled, [p, m * 0.1], [f64(0.9), 0.99, wd])
+
+
 def test_a_scheduled_scalar_computes_as_the_same_constant_bit_for_bit():
     # The C++ kernel reads the tensor's double: the same update as the constant overload, bit for bit.
     for op, state, extra, at in [
@@ -125,7 +131,9 @@ def test_a_scheduled_scalar_computes_as_the_same_constant_bit_for_bit():
             (ops.adam_update, tensors(3, seed=1)[:1] + [t.abs() * 0.1 for t in tensors(2, seed=2)] + [torch.tensor(4.0)],
              [0.87, 0.999, 1e-8, 0.1, True, False], 0),
             (ops.rmsprop_update, tensors(1) + [torch.rand(5, 7), torch.zeros(5, 7), torch.zeros(5, 7), torch.tensor(0.0)],
-             [0.99, 1e-8, 0.01, 0.9, False, False], 3)]:
+             [0.99, 1e-8, 0.01, 0.9, False, False], 3),
+            (ops.lion_update, tensors(2), [0.9, 0.99, 0.1], 0),
+            (ops.muon_update, tensors(2), [0.1, 0.95, True, 3.4445, -4.7750, 2.0315, 5, 1e-7, 1.0], 1)]:
         grad = tensors(1, seed=5)[0]
         lr = f64(1e-2)
         want = op.default(state[0], grad, *state[1:], lr, *extra)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import F64, Registration, register
+from ._registry import F64, Registration, operand, register
 
 __all__ = ["Lion"]
 
@@ -60,9 +60,12 @@ def _read(opt, group, param, gi):
 def _aten_lion_update(param, grad, exp_avg, lr, beta1, beta2, weight_decay):
     """csrc/optim/lion.cpp line by line, functional (for Inductor to fuse)."""
     param = param * (1 - lr.to(F64) * weight_decay).to(param.dtype)
-    update = torch.add(exp_avg * beta1, grad, alpha=1 - beta1).sign()
+    if isinstance(beta1, torch.Tensor):  # scheduled (alpha= takes no tensor): within rounding of the kernel
+        update = (exp_avg * operand(beta1, param.dtype) + grad * operand(1 - beta1, param.dtype)).sign()
+    else:
+        update = torch.add(exp_avg * beta1, grad, alpha=1 - beta1).sign()
     new_param = param + update * (-lr.to(F64)).to(param.dtype)
     return new_param, torch.add(exp_avg * beta2, grad, alpha=1 - beta2)
 
 
-register(Registration(Lion, _read, aten={"lion": _aten_lion_update}))
+register(Registration(Lion, _read, aten={"lion": _aten_lion_update}, scheduled={"beta1": ("betas", 0)}))

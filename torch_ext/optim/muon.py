@@ -24,4 +24,4 @@ def _read(opt, group, param, gi):
                 flags=dict(nesterov=bool(group["nesterov"])))
 
 
-register(Registration(torch.optim.Muon, _read, foreach_exact=False))
+register(Registration(torch.optim.Muon, _read, foreach_exact=False, scheduled={"momentum": ("momentum", None)}))
