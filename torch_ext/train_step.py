@@ -147,8 +147,10 @@ class _LossModule(torch.nn.Module):
 
 
     def forward(self, *batch):
+        held = [(path, mod, key, b) for path, mod in self.model.named_modules() for key, b in mod._buffers.items()]
         out = self._loss_fn(self.model, *batch)
         _compat.replay_checkpoint_writes()  # what eager's backward recomputation writes again
+        _write_rebound_buffers(held)
         if not isinstance(out, (tuple, list)):
             return out
         if len(out) != 2:
@@ -161,6 +163,29 @@ class _LossModule(torch.nn.Module):
                                 f"{type(leaf).__name__}")
         # aux is reported, not differentiated: detached, it is a plain output of the joint program.
         return loss, pytree.tree_map(torch.Tensor.detach, aux)
+
+
+def _write_rebound_buffers(held: list) -> None:
+    """A buffer the forward rebinds (``self.prev = h.mean(0).detach()``, ``register_buffer`` again) is
+    what eager's next call reads, but torch.export drops the rebinding: the program kept the old value
+    forever (a loss 0.057 off eager's by the second step). Written into the traced buffer instead, it
+    is a buffer mutation like ``self.prev.copy_(...)``: an output of the program, the next step's state.
+    ``held``: (path, module, name, buffer) as forward started."""
+    for path, mod, key, was in held:
+        now = mod._buffers.get(key, _MISSING)
+        if now is was:
+            continue
+        name = f"{path}.{key}" if path else key
+        if was is None or not isinstance(now, torch.Tensor) or now.shape != was.shape or now.dtype != was.dtype:
+            got = (f"a tensor of shape {tuple(now.shape)} and dtype {now.dtype}" if isinstance(now, torch.Tensor)
+                   else "(deleted)" if now is _MISSING else repr(type(now).__name__))
+            had = f"shape {tuple(was.shape)} and dtype {was.dtype}" if was is not None else "None"
+            raise ValueError(f"forward rebinds buffer '{name}' ({had}) to {got}: the step's state keeps each buffer's "
+                             "shape and dtype from one step to the next, so only a rebinding to the same shape and "
+                             "dtype can be carried (as an in-place write)")
+        mod._buffers[key] = was
+        with torch.no_grad():
+            was.copy_(now)
 
 
 def _check_subclass(opt: torch.optim.Optimizer) -> None:
