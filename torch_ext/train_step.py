@@ -147,10 +147,14 @@ class _LossModule(torch.nn.Module):
 
 
     def forward(self, *batch):
-        held = [(path, mod, key, b) for path, mod in self.model.named_modules() for key, b in mod._buffers.items()]
+        modules = list(self.model.named_modules())
+        held = [(path, mod, key, b) for path, mod in modules for key, b in mod._buffers.items()]
+        plain = [(path, key, t, t._version) for path, mod in modules for key, t in vars(mod).items()
+                 if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)]
         out = self._loss_fn(self.model, *batch)
         _compat.replay_checkpoint_writes()  # what eager's backward recomputation writes again
         _write_rebound_buffers(held)
+        _refuse_writes_to_plain_tensors(plain)
         if not isinstance(out, (tuple, list)):
             return out
         if len(out) != 2:
@@ -186,6 +190,19 @@ def _write_rebound_buffers(held: list) -> None:
         mod._buffers[key] = was
         with torch.no_grad():
             was.copy_(now)
+
+
+def _refuse_writes_to_plain_tensors(plain: list) -> None:
+    """A tensor attribute that is neither a parameter nor a buffer (``self.ema = torch.zeros(8)``) is a
+    constant to torch.export, which drops an in-place write to it (``self.ema.mul_(0.5).add_(m)``): eager
+    reads the updated value at the next call. torch then failed deep in the joint export with a bare
+    AssertionError. ``plain``: (path, name, tensor, its version as forward started)."""
+    written = [f"{path}.{key}" if path else key for path, key, t, version in plain if t._version != version]
+    if written:
+        raise ValueError(f"forward writes in place into {', '.join(repr(w) for w in written)}, a tensor attribute that "
+                         "is neither a parameter nor a buffer: torch.export treats it as a constant and drops the "
+                         "write, where eager's next call reads the new value. Register it as a buffer "
+                         "(self.register_buffer(name, tensor)) so the step carries it from one step to the next")
 
 
 def _check_subclass(opt: torch.optim.Optimizer) -> None:

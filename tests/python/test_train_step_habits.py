@@ -1958,3 +1958,30 @@ def test_a_buffer_rebound_to_another_shape_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"forward rebinds buffer 'prev' \(shape \(8,\) and dtype torch.float32\) to "
                                          r"a tensor of shape \(2, 8\)"):
         torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), lm_loss, next(lm_batches()))
+
+
+class PlainTensorEMA(nn.Module):
+    """Keeps a running mean in a tensor attribute that is not a registered buffer."""
+
+    def __init__(self, no_grad):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.head = nn.Linear(8, VOCAB)
+        self.ema = torch.zeros(8)
+        self.no_grad = no_grad
+
+    def forward(self, x):
+        h = self.emb(x)
+        with torch.set_grad_enabled(not self.no_grad):
+            self.ema.mul_(0.5).add_(h.mean((0, 1)).detach())
+        return self.head(h + self.ema)
+
+
+@pytest.mark.parametrize("no_grad", [False, True])
+def test_an_in_place_write_to_a_plain_tensor_attribute_is_refused_naming_it(no_grad):
+    # Before: torch.export dropped the write (a constant to it), and the joint export then failed with
+    # a bare AssertionError from torch.
+    model = PlainTensorEMA(no_grad)
+    with pytest.raises(ValueError, match=r"forward writes in place into 'ema', a tensor attribute that is neither a "
+                                         r"parameter nor a buffer.*register_buffer"):
+        torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), lm_loss, next(lm_batches()))
