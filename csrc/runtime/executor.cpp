@@ -166,6 +166,7 @@ std::vector<c10::IValue> Executor::run(std::vector<c10::IValue> inputs) const {
   stack.reserve(16);
   ResultPool::Run results(*pool_);
   optim::ResultAllocatorGuard recycle(&results);
+  PooledAllocations pooled(results);  // the kernels' results and scratch too
   run_steps(steps_, values, stack, [this](size_t k, const std::exception& e) { rethrow_executing(kernels_[k], e); });
   return output_values(outputs_, [&](const ir::Node* n) -> const c10::IValue& { return values[n->index()]; });
 }
