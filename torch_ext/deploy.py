@@ -96,6 +96,11 @@ def aoti_metadata(layout_json: str) -> dict[str, str]:
     # a full one, trained silently on other values), so the C++ runner checks every call's batch.
     extra["torch_ext.batch"] = "\n".join(f"{_SCALAR_TYPE.get(b['dtype'], '?')}:{','.join(map(str, b['shape']))}"
                                          for b in layout["batch"])
+    # Each batch leaf's pytree key path ("[0]['tokens']"), one per line: the C++ runner matches a dict
+    # batch by key, as load_step does (positionally, a loader's dict in another key order fed the
+    # wrong tensors, silently, where shapes and dtypes agree).
+    if all(b.get("path") is not None for b in layout["batch"]):
+        extra["torch_ext.batch_paths"] = "\n".join(b["path"] for b in layout["batch"])
     if "input_strides" in layout:
         extra["torch_ext.input_strides"] = "\n".join(f"{len(s)}:{','.join(map(str, s))}" for s in layout["input_strides"])
     return {**extra, LAYOUT_KEY: layout_json, "torch_ext.inputs": "\n".join(layout["inputs"]),

@@ -304,3 +304,50 @@ def test_cpp_runner_follows_a_schedule_that_cycles_momentum(tmp_path, make_opt):
     torch.save(step.lr_schedule(state, len(batches)), tmp_path / "lrs.pt")
     short = subprocess.run(args + ["--lrs", str(tmp_path / "lrs.pt")], capture_output=True, text=True, timeout=300)
     assert short.returncode != 0 and f"gives no value for '{fed}'" in short.stderr, short.stderr
+
+
+class _Keyed(nn.Module):
+    """Two batch tensors of one shape and dtype, told apart only by their keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(7, 4), nn.Linear(4, 7)
+
+    def forward(self, tokens, targets):
+        return F.cross_entropy(self.head(self.emb(tokens)).flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.skipif(not RUNNER.exists(), reason=f"C++ runner not built at {RUNNER}")
+def test_cpp_runner_matches_dict_batches_by_key(tmp_path):
+    # The runner fed a call's tensors by position: a loader whose dicts list "targets" before "tokens"
+    # (same shape and dtype) trained on swapped inputs, silently. It now matches them by the key paths
+    # the package records (torch_ext.batch_paths), and refuses a flat list for a keyed batch.
+    torch.manual_seed(0)
+    model = _Keyed()
+    g = torch.Generator().manual_seed(1)
+    batches = [{"tokens": torch.randint(0, 7, (3, 5), generator=g), "targets": torch.randint(0, 7, (3, 5), generator=g)}
+               for _ in range(3)]
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), lambda m, b: m(**b),
+                                     (batches[0],))
+    package = step.to_aoti(str(tmp_path / "step.pt2"))
+    loaded = torch_ext.load_step(package)
+    state = step.init_state()
+    torch.save(state.state_dict(), tmp_path / "state.pt")
+    want = []
+    for b in batches:
+        loss, state = loaded(state, b)
+        want.append(loss.item())
+    reordered = [{"targets": b["targets"], "tokens": b["tokens"]} for b in batches]
+    args = [str(RUNNER), package, str(tmp_path / "state.pt")]
+    for name, value in {"dicts": reordered, "lists_of_dicts": [[b] for b in reordered]}.items():
+        torch.save(value, tmp_path / f"{name}.pt")
+        run = subprocess.run(args + [str(tmp_path / f"{name}.pt")], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert [float(line) for line in run.stdout.split()] == [float(f"{x:.9g}") for x in want], name
+    refused = {"flat_list": ([list(b.values()) for b in reordered], "missing [0]['tokens'], [0]['targets']"),
+               "other_key": ([{"tokens": b["tokens"], "labels": b["targets"]} for b in batches],
+                             "missing [0]['targets']; not in the example: [0]['labels']")}
+    for name, (value, message) in refused.items():
+        torch.save(value, tmp_path / f"{name}.pt")
+        run = subprocess.run(args + [str(tmp_path / f"{name}.pt")], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 2 and message in run.stderr and run.stdout == "", (name, run.stderr)
