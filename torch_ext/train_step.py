@@ -810,7 +810,7 @@ class TrainStep:
         self.graph = Graph(cgraph)
         self._inputs = [(n.state_name, n.role) for n in self.graph.nodes() if n.kind == "placeholder"]
         # The strides each state input was traced with: the program's views rely on them.
-        self._traced_strides = [tuple(n.type[3]) if role != "input" and n.type[0] == "tensor" else None
+        self._traced_strides = [(tuple(n.type[2]), tuple(n.type[3])) if role != "input" and n.type[0] == "tensor" else None
                                 for n, (_, role) in zip([n for n in self.graph.nodes() if n.kind == "placeholder"],
                                                         self._inputs)]
         self._num_aux = len(spec["aux_outputs"])
@@ -1149,10 +1149,11 @@ class TrainStep:
         # A state entry in other strides than traced (the channels-last state of an AOTInductor
         # package) is copied into the traced ones, as a batch is: the program's views failed on it
         # ("view size is not compatible"), and a convolution rounds otherwise on channels-last weights.
-        for i, want in enumerate(self._traced_strides):
+        for i, traced in enumerate(self._traced_strides):
             t = flat[i]
-            if want is not None and t.stride() != want and isinstance(t, torch.Tensor):
-                flat[i] = in_layout_of(t, torch.empty_strided(t.shape, want, dtype=t.dtype, device="meta"))
+            # (another shape is left to the executor's input check, which names the entry)
+            if traced is not None and isinstance(t, torch.Tensor) and t.stride() != traced[1] and t.shape == traced[0]:
+                flat[i] = in_layout_of(t, torch.empty_strided(t.shape, traced[1], dtype=t.dtype, device="meta"))
         return flat
 
     def _agree_on_builds(self, building: bool, program: "TrainStep | None" = None) -> None:
