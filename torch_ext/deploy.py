@@ -99,6 +99,10 @@ def aoti_metadata(layout_json: str) -> dict[str, str]:
     # Each batch leaf's pytree key path ("[0]['tokens']"), one per line: the C++ runner matches a dict
     # batch by key, as load_step does (positionally, a loader's dict in another key order fed the
     # wrong tensors, silently, where shapes and dtypes agree).
+    # Each state input's dtype and shape, "<name>=<ScalarType>:<d0>,...": the package's kernels read a
+    # state entry unchecked too (a float32 lr was read as float64 by the C++ runner, silently).
+    extra["torch_ext.state"] = "\n".join(f"{name}={_SCALAR_TYPE.get(e['dtype'], '?')}:{','.join(map(str, e['shape']))}"
+                                         for name, e in layout["state"].items())
     if all(b.get("path") is not None for b in layout["batch"]):
         extra["torch_ext.batch_paths"] = "\n".join(b["path"] for b in layout["batch"])
     if "input_strides" in layout:

@@ -351,3 +351,37 @@ def test_cpp_runner_matches_dict_batches_by_key(tmp_path):
         torch.save(value, tmp_path / f"{name}.pt")
         run = subprocess.run(args + [str(tmp_path / f"{name}.pt")], capture_output=True, text=True, timeout=300)
         assert run.returncode == 2 and message in run.stderr and run.stdout == "", (name, run.stderr)
+
+
+@pytest.mark.skipif(not RUNNER.exists(), reason=f"C++ runner not built at {RUNNER}")
+def test_cpp_runner_refuses_a_state_entry_of_another_dtype_or_shape(tmp_path):
+    # The package's kernels read state entries unchecked: a float32 lr (written by hand into a state
+    # dict) was read as float64 and the runner trained at a garbage lr, exit 0. The package records
+    # every state input's dtype and shape (torch_ext.state) and the runner refuses, naming the entry.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                     lambda m, x, y: F.cross_entropy(m(x), y), (x, y))
+    package = step.to_aoti(str(tmp_path / "step.pt2"))
+    torch.save([[x, y]] * 2, tmp_path / "batches.pt")
+    good = step.init_state().state_dict()
+    bad = {"lr_float32": ("lr", None, [torch.tensor(0.1, dtype=torch.float32)], "'opt:lr:group0' has dtype:shape Float:"),
+           "weight_reshaped": ("params", "model.0.weight", good["params"]["model.0.weight"].reshape(8, 16),
+                               "'model.0.weight' has dtype:shape Float:8,16, "),
+           "moment_half": ("opt", "opt:model.0.weight:momentum_buffer", torch.zeros(16, 8, dtype=torch.float16),
+                           "'opt:model.0.weight:momentum_buffer' has dtype:shape Half:16,8")}
+    for name, (part, key, value, message) in bad.items():
+        d = {k: (dict(v) if isinstance(v, dict) else v) for k, v in good.items()}
+        if key is None:
+            d[part] = value
+        else:
+            d[part][key] = value
+        torch.save(d, tmp_path / f"{name}.pt")
+        run = subprocess.run([str(RUNNER), package, str(tmp_path / f"{name}.pt"), str(tmp_path / "batches.pt")],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 2 and message in run.stderr and run.stdout == "", (name, run.stderr)
+    torch.save(good, tmp_path / "good.pt")
+    run = subprocess.run([str(RUNNER), package, str(tmp_path / "good.pt"), str(tmp_path / "batches.pt")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and len(run.stdout.split()) == 2, run.stderr

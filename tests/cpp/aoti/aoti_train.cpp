@@ -13,7 +13,8 @@
 // "<rank>:<s0>,<s1>,..." line per input (contiguous where absent), and "torch_ext.batch" the dtype
 // and shape each batch tensor was compiled for, one "<ScalarType>:<d0>,<d1>,..." line per tensor
 // (the package's kernels read a batch with those, unchecked: a call whose batch differs is refused).
-// "torch_ext.batch_paths" holds each batch tensor's pytree key path in the example batch, one per line
+// "torch_ext.state" holds each state input's dtype and shape ("<name>=<ScalarType>:<d0>,<d1>,...");
+// an entry that differs is refused. "torch_ext.batch_paths" holds each batch tensor's pytree key path in the example batch, one per line
 // ("[0]" for the first positional tensor, "[0]['tokens']" for a dict's key): a call whose batch is a
 // dict (or a list holding dicts) is matched by those keys, whatever their order; a package whose
 // batch has dict keys refuses a flat list (its order may not be the example's).
@@ -247,6 +248,17 @@ int run(int argc, char** argv) {
   }
 
   const c10::IValue state = load(argv[2]);
+  if (!state.isGenericDict()) {
+    std::fprintf(stderr, "%s holds a %s, not a state (torch.save(state.state_dict()), a dict)\n", argv[2],
+                 state.tagKind().c_str());
+    return 2;
+  }
+  for (const char* key : {"params", "buffers", "opt", "lr", "rng", "fingerprint"}) {
+    if (!state.toGenericDict().contains(key)) {
+      std::fprintf(stderr, "%s has no '%s': expected torch.save(state.state_dict())\n", argv[2], key);
+      return 2;
+    }
+  }
   const std::string made_by = state.toGenericDict().at("fingerprint").toStringRef();
   if (made_by != fingerprint) {
     std::fprintf(stderr, "%s was made by a different program (fingerprint '%s') than %s (fingerprint '%s')\n",
@@ -254,6 +266,22 @@ int run(int argc, char** argv) {
     return 2;
   }
   std::map<std::string, at::Tensor> entries = entries_of(state);
+  // Each state input's dtype and shape as compiled ("torch_ext.state", "<name>=<ScalarType>:<d0>,..."
+  // lines; absent in older packages): the kernels read an entry with those, unchecked, so a float32
+  // lr (read as float64) or a float16 moment trained silently on other values.
+  for (const std::string& line : meta_lines_or(meta, "torch_ext.state", {})) {
+    const size_t eq = line.rfind('=');
+    const std::string name = line.substr(0, eq), want = line.substr(eq + 1);
+    auto it = entries.find(name);
+    if (it == entries.end()) continue;  // reported below, where the program reads it
+    const std::string got = dtype_and_shape(it->second);
+    const bool same = want.rfind("?:", 0) == 0 ? got.substr(got.find(':')) == want.substr(1) : got == want;
+    if (!same) {
+      std::fprintf(stderr, "%s: entry '%s' has dtype:shape %s, %s was compiled for %s\n", argv[2], name.c_str(),
+                   got.c_str(), argv[1], want.c_str());
+      return 2;
+    }
+  }
   // The package's kernels index every input with the strides it was compiled for, without checking
   // (torch.save keeps a transposed tensor transposed): the runner owns copies in those strides.
   const auto strides = strides_by_input(inputs, meta_lines_or(meta, "torch_ext.input_strides", {}), argv[1]);
