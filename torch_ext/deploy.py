@@ -96,6 +96,15 @@ def aoti_metadata(layout_json: str) -> dict[str, str]:
     # a full one, trained silently on other values), so the C++ runner checks every call's batch.
     extra["torch_ext.batch"] = "\n".join(f"{_SCALAR_TYPE.get(b['dtype'], '?')}:{','.join(map(str, b['shape']))}"
                                          for b in layout["batch"])
+    # Each batch leaf's pytree key path ("[0]['tokens']"), one per line: the C++ runner matches a dict
+    # batch by key, as load_step does (positionally, a loader's dict in another key order fed the
+    # wrong tensors, silently, where shapes and dtypes agree).
+    # Each state input's dtype and shape, "<name>=<ScalarType>:<d0>,...": the package's kernels read a
+    # state entry unchecked too (a float32 lr was read as float64 by the C++ runner, silently).
+    extra["torch_ext.state"] = "\n".join(f"{name}={_SCALAR_TYPE.get(e['dtype'], '?')}:{','.join(map(str, e['shape']))}"
+                                         for name, e in layout["state"].items())
+    if all(b.get("path") is not None for b in layout["batch"]):
+        extra["torch_ext.batch_paths"] = "\n".join(b["path"] for b in layout["batch"])
     if "input_strides" in layout:
         extra["torch_ext.input_strides"] = "\n".join(f"{len(s)}:{','.join(map(str, s))}" for s in layout["input_strides"])
     return {**extra, LAYOUT_KEY: layout_json, "torch_ext.inputs": "\n".join(layout["inputs"]),
@@ -137,6 +146,8 @@ class LoadedStep:
         self._pool = _C.CallPool() if kind == "aoti" else None
         # State entries and batch tensors copied into the package's compiled strides (flat_inputs).
         self.converted_entries = 0
+        # The strides of each input of an ExportedProgram as traced (set by load_step), else None.
+        self._traced_strides = None
 
     @property
     def fingerprint(self) -> str:
@@ -182,6 +193,15 @@ class LoadedStep:
                                  f"{self.path} expects {tuple(w['shape'])} and {w['dtype']}")
             flat.append(t)
         donated = self.layout.get("donated")
+        if self._traced_strides is not None:
+            # The executor runs the program's views on the strides it was traced with: a state entry
+            # in others (the channels-last state of an AOTInductor package) is copied into them.
+            from .train_step import in_layout_of
+
+            for i, (name, t) in enumerate(zip(self.layout["inputs"], flat)):
+                want = self._traced_strides[i]
+                if want is not None and not name.startswith(_BATCH) and t.stride() != want:
+                    flat[i] = in_layout_of(t, torch.empty_strided(t.shape, want, dtype=t.dtype, device="meta"))
         if self.kind == "aoti":
             # AOTInductor's kernels index their inputs with the strides the program was compiled for
             # (the layout's input_strides: contiguous, and channels-last convolution weights and
@@ -410,6 +430,8 @@ def load_step(path, *, scheduler=None, manual_lr: bool = False):
         raise _no_layout(path, "save it with torch.export.save(step.program, path)")
     layout = json.loads(layout)
     loaded = LoadedStep(path, kind, layout, Executor(ep), loaded_schedule(layout, path, scheduler, manual_lr))
+    loaded._traced_strides = [tuple(n.meta["val"].stride()) if isinstance(n.meta.get("val"), torch.Tensor) else None
+                              for n in ep.graph.nodes if n.op == "placeholder"]
     if ep.example_inputs is not None:
         loaded._example_inputs = list(ep.example_inputs[0])
     return loaded

@@ -23,6 +23,10 @@ class PlannedStep:
     def __init__(self, step, plan: bool = True, donate: bool = True, memory_budget=None):
         self.step = step
         self.donate = bool(donate)
+        # batch_shapes="cache": one planned program per batch shapes the step has met (its variants),
+        # planned on first use with the same options.
+        self._options = (plan, self.donate, memory_budget)
+        self._variants: dict[int, PlannedStep] = {}
         budget = _budget_bytes(step, memory_budget, plan)  # checked before any work
         graph = step.graph.clone()
         if plan:
@@ -79,7 +83,31 @@ class PlannedStep:
         return self._ex.fallbacks()
 
     def __call__(self, state, *batch):
-        inputs = self.step.flat_inputs(state, *batch)  # refuses a state an earlier donating call consumed
+        step = self.step
+        if step.batch_shapes != "cache":
+            inputs = step.flat_inputs(state, *batch)  # refuses a state an earlier donating call consumed
+            return self._run(state, inputs)
+        # A batch of other shapes (the last, partial batch of an epoch) runs the program the step built
+        # for them (step(state, *batch) does the same), planned here once: it was refused as of another
+        # shape than the example's.
+        step._check_call(state)
+        flat_batch = step._check_batch(batch)
+        program = step._program_for(flat_batch)
+        if program is step:
+            return self._run(state, step._checked_inputs(state, flat_batch))
+        planned = self._variants.get(id(program))
+        if planned is None:
+            plan, donate, budget = self._options
+            planned = self._variants[id(program)] = PlannedStep(program, plan=plan, donate=donate, memory_budget=budget)
+        from .train_step import in_layout_of
+
+        inputs = program._gather(state, [in_layout_of(t, ex) for t, ex in zip(flat_batch, program._example_leaves)])
+        return planned._run(state, inputs, finish=step)
+
+    def _run(self, state, inputs, finish=None):
+        """Runs the planned program on its flat inputs; ``finish`` (the step whose call this is: the
+        step itself, or the one whose batch_shapes='cache' variant this plan runs) builds the result."""
+        finish = self.step if finish is None else finish
         if not self.donate:
             outs = self._ex.run(inputs)
         else:
@@ -104,7 +132,7 @@ class PlannedStep:
                     raise wrapped from e
                 raise
         # With donation the input tensors now hold the new values: mark the old state consumed.
-        return self.step._finish(state, outs, donated_to="step.compile(donate=True)" if self.donate else None)
+        return finish._finish(state, outs, donated_to="step.compile(donate=True)" if self.donate else None)
 
 
 _SPLIT_PEAKS: dict = {}  # call signature -> (fused peak, split peak), measured once per process

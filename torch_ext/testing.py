@@ -117,10 +117,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(diff.max()) / max(denom, 1e-12)
 
 
-def assert_step_matches_eager(model, optimizer, loss_fn: Callable, batches: Iterable, rtol: float = 1e-5, *,
+def assert_step_matches_eager(model, optimizer, loss_fn: Callable, batches: Iterable, rtol: float = 0.0, *,
                               seed: int = 0) -> dict:
     """Fails unless the pure step tracks the eager loop within ``rtol`` (relative, max-norm); both
-    sides draw dropout from one seed."""
+    sides draw dropout from one seed. The default 0 is bit-exact: the step runs eager's kernels, so a
+    difference of even 1 ulp per step is a defect (the former default 1e-5 let such a drift pass)."""
     result = step_parity(model, optimizer, loss_fn, list(batches), seed=seed)
     if result["nonfinite"]:
         raise ParityError(f"non-finite loss at step {result['steps']}: {result['losses'][-1]}")

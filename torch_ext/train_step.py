@@ -852,6 +852,10 @@ class TrainStep:
         cgraph, self._state_names, self._num_user = _C.build_train_step(self.joint_graph._g, spec, self.unroll)
         self.graph = Graph(cgraph)
         self._inputs = [(n.state_name, n.role) for n in self.graph.nodes() if n.kind == "placeholder"]
+        # The strides each state input was traced with: the program's views rely on them.
+        self._traced_strides = [(tuple(n.type[2]), tuple(n.type[3])) if role != "input" and n.type[0] == "tensor" else None
+                                for n, (_, role) in zip([n for n in self.graph.nodes() if n.kind == "placeholder"],
+                                                        self._inputs)]
         self._num_aux = len(spec["aux_outputs"])
         self._executor = _C.Executor(cgraph)
         if self._dp is not None:  # the executor issues the collectives in graph order
@@ -1183,8 +1187,17 @@ class TrainStep:
         # Data-parallel: the tensors the model or loss_fn captured are this rank's own, as eager DDP
         # reads them; a state saved on rank 0 and loaded on every rank holds rank 0's copies.
         own = self._constants if self._dp is not None else {}
-        return [next(it) if role == "input" else own[name] if name in own else state.lookup(name)
+        flat = [next(it) if role == "input" else own[name] if name in own else state.lookup(name)
                 for name, role in self._inputs]
+        # A state entry in other strides than traced (the channels-last state of an AOTInductor
+        # package) is copied into the traced ones, as a batch is: the program's views failed on it
+        # ("view size is not compatible"), and a convolution rounds otherwise on channels-last weights.
+        for i, traced in enumerate(self._traced_strides):
+            t = flat[i]
+            # (another shape is left to the executor's input check, which names the entry)
+            if traced is not None and isinstance(t, torch.Tensor) and t.stride() != traced[1] and t.shape == traced[0]:
+                flat[i] = in_layout_of(t, torch.empty_strided(t.shape, traced[1], dtype=t.dtype, device="meta"))
+        return flat
 
     def _agree_on_builds(self, building: bool, program: "TrainStep | None" = None) -> None:
         """batch_shapes='cache' under process_group= (a collective on every call): building a program
@@ -1431,10 +1444,8 @@ class TrainStep:
         ResNet-18 (one thread, batch 16, 64x64, profiled): the convolution calls take 79 ms a step
         under "auto", 94 ms all contiguous (False), 96 ms all channels-last (True; 5 ms of it weight
         gradient copies). ``load_step`` copies a state given in other strides (``init_state()``'s
-        contiguous one) into these on its first call; the new state keeps them. The executor runs
-        such a state's tensors as they are, as eager would run channels-last parameters (its
-        convolutions then round otherwise than on contiguous ones): ``state.replace({n:
-        t.contiguous() ...})`` first for bit-exact parity with a contiguous eager model."""
+        contiguous one) into these on its first call; the new state keeps them. The executor takes
+        such a state as a copy in the strides it was traced with (bit-exact with the eager model)."""
         from .deploy import LAYOUT_KEY, aoti_metadata
 
         if not isinstance(donate, bool):

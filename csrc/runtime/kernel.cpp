@@ -5,7 +5,9 @@
 #include "ir/type_check.h"
 #include "runtime/executor.h"
 
+#include <ATen/InferSize.h>
 #include <ATen/ScalarOps.h>
+#include <ATen/TensorUtils.h>
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/jit_type.h>
@@ -119,6 +121,14 @@ BoundKernel BoundKernel::bind_as(const ir::Node& node, const c10::OperatorHandle
   // declared layout is what the graph's later views were traced against.
   if (node.target().ns == "aten" && node.target().name == "native_dropout_backward" && node.type().is_tensor())
     k.declared_strides_ = node.type().tensor.strides;
+  // A view's input may be laid out otherwise than tracing saw: batch norm's CPU kernels (forward and
+  // backward) return a contiguous result for a transposed input where their meta kernels keep its
+  // layout, so `transpose, BatchNorm1d, transpose, Linear` failed at the Linear's view. Eager's Linear
+  // reshapes there (a copy): the view does too, and later ops see eager's layout (restriding the batch
+  // norm's result as traced instead changed a later reduction's order: not bit-exact).
+  k.reshape_if_not_viewable_ =
+      node.target().ns == "aten" && (node.target().name == "view" || node.target().name == "_unsafe_view") &&
+      node.target().overload == "default";
   k.mutates_ = schema.is_mutable();
 
   // Place positional args and kwargs at their schema positions.
@@ -238,6 +248,11 @@ c10::IValue BoundKernel::invoke(const ValueSlots& values, std::vector<c10::IValu
         stack[l.stack_pos] = scalar_list<double>(l, values, &c10::IValue::toDouble);
         break;
     }
+  }
+  if (reshape_if_not_viewable_ && stack[0].isTensor() && stack[1].isIntList()) {
+    const at::Tensor& self = stack[0].toTensor();
+    const at::DimVector shape = at::infer_size_dv(stack[1].toDimVector(), self.numel());
+    if (!at::detail::computeStride(self.sizes(), self.strides(), shape).has_value()) return self.reshape(shape);
   }
   op_->callBoxed(stack);
   if (declared_strides_ && stack[0].isTensor() && stack[0].toTensor().strides() != *declared_strides_) {

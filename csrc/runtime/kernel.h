@@ -79,6 +79,7 @@ class BoundKernel {
   std::vector<int64_t> input_slots_;
   size_t num_returns_ = 1;
   bool mutates_ = false;
+  bool reshape_if_not_viewable_ = false;  // aten::view / _unsafe_view (see bind_as)
   int64_t getitem_index_ = -1;  // builtin getitem when >= 0
   // The result is copied into these strides when the kernel lays it out otherwise (see bind).
   std::optional<std::vector<int64_t>> declared_strides_;

@@ -4,6 +4,7 @@ Subprocess tests check what a shell sees (exit codes, stderr, pipes); in-process
 faster. Factories live in tests/python/factories.py or are written to tmp_path as files.
 """
 import json
+import math
 import os
 import re
 import subprocess
@@ -397,6 +398,25 @@ def test_check_passes_on_a_good_factory(here, capsys):
     assert cli.main(["check", "factories:mlp", "--steps", "5", "--json", "--quiet"]) == 0
     d = strict_json(capsys.readouterr().out)
     assert d["ok"] is True and d["failures"] == [] and all(not isinstance(v, dict) for v in d.values())
+    assert d["rtol"] == 0.0 and d["loss_rel"] == 0.0 and d["state_rel"] == 0.0 and "bit-exact" in d["rtol_reason"]
+
+
+def test_check_is_bit_exact_by_default_and_says_so(here, monkeypatch, capsys):
+    # The pure step matches eager bit for bit: a drift of 1 ulp per step is a defect. The former default
+    # rtol 1e-5 passed it silently; now the default is 0, stated with its reason, and --rtol loosens it.
+    real_call = torch_ext.train_step.TrainStep.__call__
+
+    def one_ulp_off(self, state, *batch, **kw):
+        loss, new, *rest = real_call(self, state, *batch, **kw)
+        new = new.replace({n: torch.nextafter(t, torch.full_like(t, math.inf)) for n, t in new.params.items()})
+        return (loss, new, *rest)
+
+    monkeypatch.setattr(torch_ext.train_step.TrainStep, "__call__", one_ulp_off)
+    assert cli.main(["check", "factories:mlp", "--steps", "3", "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "rtol" in out and "bit-exact expected: the pure step runs eager's kernels" in out
+    assert cli.main(["check", "factories:mlp", "--steps", "3", "--rtol", "1e-5", "--quiet"]) == 0
+    assert "1e-05 (given by --rtol)" in capsys.readouterr().out
 
 
 def test_check_fails_on_nonfinite_loss_with_strict_json(here, capsys):

@@ -304,3 +304,84 @@ def test_cpp_runner_follows_a_schedule_that_cycles_momentum(tmp_path, make_opt):
     torch.save(step.lr_schedule(state, len(batches)), tmp_path / "lrs.pt")
     short = subprocess.run(args + ["--lrs", str(tmp_path / "lrs.pt")], capture_output=True, text=True, timeout=300)
     assert short.returncode != 0 and f"gives no value for '{fed}'" in short.stderr, short.stderr
+
+
+class _Keyed(nn.Module):
+    """Two batch tensors of one shape and dtype, told apart only by their keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(7, 4), nn.Linear(4, 7)
+
+    def forward(self, tokens, targets):
+        return F.cross_entropy(self.head(self.emb(tokens)).flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.skipif(not RUNNER.exists(), reason=f"C++ runner not built at {RUNNER}")
+def test_cpp_runner_matches_dict_batches_by_key(tmp_path):
+    # The runner fed a call's tensors by position: a loader whose dicts list "targets" before "tokens"
+    # (same shape and dtype) trained on swapped inputs, silently. It now matches them by the key paths
+    # the package records (torch_ext.batch_paths), and refuses a flat list for a keyed batch.
+    torch.manual_seed(0)
+    model = _Keyed()
+    g = torch.Generator().manual_seed(1)
+    batches = [{"tokens": torch.randint(0, 7, (3, 5), generator=g), "targets": torch.randint(0, 7, (3, 5), generator=g)}
+               for _ in range(3)]
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), lambda m, b: m(**b),
+                                     (batches[0],))
+    package = step.to_aoti(str(tmp_path / "step.pt2"))
+    loaded = torch_ext.load_step(package)
+    state = step.init_state()
+    torch.save(state.state_dict(), tmp_path / "state.pt")
+    want = []
+    for b in batches:
+        loss, state = loaded(state, b)
+        want.append(loss.item())
+    reordered = [{"targets": b["targets"], "tokens": b["tokens"]} for b in batches]
+    args = [str(RUNNER), package, str(tmp_path / "state.pt")]
+    for name, value in {"dicts": reordered, "lists_of_dicts": [[b] for b in reordered]}.items():
+        torch.save(value, tmp_path / f"{name}.pt")
+        run = subprocess.run(args + [str(tmp_path / f"{name}.pt")], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert [float(line) for line in run.stdout.split()] == [float(f"{x:.9g}") for x in want], name
+    refused = {"flat_list": ([list(b.values()) for b in reordered], "missing [0]['tokens'], [0]['targets']"),
+               "other_key": ([{"tokens": b["tokens"], "labels": b["targets"]} for b in batches],
+                             "missing [0]['targets']; not in the example: [0]['labels']")}
+    for name, (value, message) in refused.items():
+        torch.save(value, tmp_path / f"{name}.pt")
+        run = subprocess.run(args + [str(tmp_path / f"{name}.pt")], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 2 and message in run.stderr and run.stdout == "", (name, run.stderr)
+
+
+@pytest.mark.skipif(not RUNNER.exists(), reason=f"C++ runner not built at {RUNNER}")
+def test_cpp_runner_refuses_a_state_entry_of_another_dtype_or_shape(tmp_path):
+    # The package's kernels read state entries unchecked: a float32 lr (written by hand into a state
+    # dict) was read as float64 and the runner trained at a garbage lr, exit 0. The package records
+    # every state input's dtype and shape (torch_ext.state) and the runner refuses, naming the entry.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                     lambda m, x, y: F.cross_entropy(m(x), y), (x, y))
+    package = step.to_aoti(str(tmp_path / "step.pt2"))
+    torch.save([[x, y]] * 2, tmp_path / "batches.pt")
+    good = step.init_state().state_dict()
+    bad = {"lr_float32": ("lr", None, [torch.tensor(0.1, dtype=torch.float32)], "'opt:lr:group0' has dtype:shape Float:"),
+           "weight_reshaped": ("params", "model.0.weight", good["params"]["model.0.weight"].reshape(8, 16),
+                               "'model.0.weight' has dtype:shape Float:8,16, "),
+           "moment_half": ("opt", "opt:model.0.weight:momentum_buffer", torch.zeros(16, 8, dtype=torch.float16),
+                           "'opt:model.0.weight:momentum_buffer' has dtype:shape Half:16,8")}
+    for name, (part, key, value, message) in bad.items():
+        d = {k: (dict(v) if isinstance(v, dict) else v) for k, v in good.items()}
+        if key is None:
+            d[part] = value
+        else:
+            d[part][key] = value
+        torch.save(d, tmp_path / f"{name}.pt")
+        run = subprocess.run([str(RUNNER), package, str(tmp_path / f"{name}.pt"), str(tmp_path / "batches.pt")],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 2 and message in run.stderr and run.stdout == "", (name, run.stderr)
+    torch.save(good, tmp_path / "good.pt")
+    run = subprocess.run([str(RUNNER), package, str(tmp_path / "good.pt"), str(tmp_path / "batches.pt")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and len(run.stdout.split()) == 2, run.stderr

@@ -444,14 +444,13 @@ def test_aoti_channels_last_package_converts_a_contiguous_state_once(tmp_path):
     back = step.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
     assert_states_equal(back, got)
     assert torch.equal(loaded(back, x, y)[0], loaded(got, x, y)[0])
-    # The executor runs a state's tensors as they are, as eager runs its parameters: ATen's
-    # convolutions go channels-last on channels-last weights, which rounds otherwise than on their
-    # contiguous copy (the state eager's contiguous model holds); the same values to float32 rounding.
+    # The executor takes a state in the strides the program was traced with (a copy), as it takes a
+    # batch: bit-identical to the contiguous state eager's contiguous model holds.
     flat = back.replace({n: back.lookup(n).contiguous() for n in chosen})
     l1, s1 = step(back, x, y)
     l2, s2 = step(flat, x, y)
     assert torch.equal(l1, l2)
-    assert_states_equal(s1, s2, atol=1e-5)
+    assert_states_equal(s1, s2)
     # donating: the first call's copies receive the update and become the new state
     donating = torch_ext.load_step(step.to_aoti(str(tmp_path / "cl_don.pt2"), donate=True, channels_last=True))
     state = step.init_state()
@@ -462,6 +461,42 @@ def test_aoti_channels_last_package_converts_a_contiguous_state_once(tmp_path):
     assert_states_equal(d_state, want, atol=1e-5)
     with pytest.raises(TypeError, match="channels_last must be a bool or 'auto', got str 'yes'"):
         step.to_aoti(str(tmp_path / "never.pt2"), channels_last="yes")
+
+
+class ConvFlatten(nn.Module):
+    # a convolution on 8x8 (channels-last under "auto"), then a flatten: a view the executor runs
+    def __init__(self):
+        super().__init__()
+        self.c, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8 * 8 * 8, 4)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.c(x)).flatten(1))
+
+
+def test_the_state_of_a_default_channels_last_package_runs_on_the_executor(tmp_path):
+    # The package's state holds the conv weight and its momentum channels-last. The executor, the
+    # loaded .pt2 and the planned step failed on it ("view size is not compatible"); now each takes it
+    # in the traced strides and trains bit-exact with the same values held contiguous.
+    torch.manual_seed(0)
+    model = ConvFlatten()
+    g = torch.Generator().manual_seed(1)
+    bs = [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(3)]
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), ce, bs[0])
+    aoti = torch_ext.load_step(step.to_aoti(str(tmp_path / "cl.pt2")))
+    _, cl_state = aoti(step.init_state(), *bs[0])
+    assert not cl_state.params["model.c.weight"].is_contiguous()
+    assert not cl_state.opt["opt:model.c.weight:momentum_buffer"].is_contiguous()
+    moved = ("model.c.weight", "opt:model.c.weight:momentum_buffer")
+    dense = cl_state.replace({n: cl_state.lookup(n).contiguous() for n in moved})
+    want_losses, want = run(step, dense, bs[1:])
+    torch.export.save(step.program, str(tmp_path / "step.pt2"))
+    loaded = torch_ext.load_step(str(tmp_path / "step.pt2"))
+    for fn in (step, loaded, step.compile(plan=True, donate=False), step.compile(plan=True, donate=True)):
+        given = cl_state.replace({n: cl_state.lookup(n).clone() for n in moved})  # (a donating call consumes it)
+        assert not given.params["model.c.weight"].is_contiguous()
+        losses, got = run(fn, given, bs[1:])
+        assert torch.equal(losses, want_losses)
+        assert_states_equal(got, want)
 
 
 def test_aoti_channels_last_auto_keeps_small_convolutions_contiguous(tmp_path):

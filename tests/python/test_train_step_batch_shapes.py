@@ -55,10 +55,24 @@ def test_fixed_shapes_refuse_with_a_hint_and_cache_refuses_other_dtypes():
     assert cached.cache_info()["programs"] == 1  # nothing was built for the refused call
     with pytest.raises(ValueError, match="batch_shapes must be 'fixed' or 'cache', got 'dynamic'"):
         torch_ext.make_train_step(model, opt, loss_fn, batches[0], batch_shapes="dynamic")
-    # The planned arena serves the example's shapes only.
-    planned = cached.compile()
-    with pytest.raises(ValueError, match=r"got shape \(5, 16\)"):
-        planned(cached.init_state(), *batches[3])
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["returning", "donating"])
+def test_compiled_step_runs_a_partial_batch_under_cache(donate):
+    # step.compile() refused the last, partial batch of an epoch ("got shape (5, 16)") that the step
+    # itself runs under batch_shapes='cache'; it now plans the program built for those shapes once.
+    model, opt = model_opt()
+    batches = epoch()
+    cached = torch_ext.make_train_step(model, opt, loss_fn, batches[0], batch_shapes="cache")
+    planned = cached.compile(plan=True, donate=donate)
+    state, want = cached.init_state(), cached.init_state()
+    for b in batches + batches:
+        loss, state = planned(state, *b)
+        want_loss, want = cached(want, *b)
+        assert torch.equal(loss, want_loss)
+    assert all(torch.equal(state.lookup(n), want.lookup(n)) for n in want.params)
+    assert all(torch.equal(state.lookup(n), want.lookup(n)) for n in want.opt)
+    assert len(planned._variants) == cached.cache_info()["programs"] - 1 == 1
 
 
 class _BranchOnBatchSize(nn.Module):

@@ -13,6 +13,11 @@
 // "<rank>:<s0>,<s1>,..." line per input (contiguous where absent), and "torch_ext.batch" the dtype
 // and shape each batch tensor was compiled for, one "<ScalarType>:<d0>,<d1>,..." line per tensor
 // (the package's kernels read a batch with those, unchecked: a call whose batch differs is refused).
+// "torch_ext.state" holds each state input's dtype and shape ("<name>=<ScalarType>:<d0>,<d1>,...");
+// an entry that differs is refused. "torch_ext.batch_paths" holds each batch tensor's pytree key path in the example batch, one per line
+// ("[0]" for the first positional tensor, "[0]['tokens']" for a dict's key): a call whose batch is a
+// dict (or a list holding dicts) is matched by those keys, whatever their order; a package whose
+// batch has dict keys refuses a flat list (its order may not be the example's).
 // Packages older than "torch_ext.outputs" return the loss and then every state entry.
 // state.pt is torch.save(state.state_dict()) (the checkpoint format: params/buffers/opt dicts,
 // the lr list, rng, fingerprint); batches.pt is torch.save([[tensor, ...], ...]), one list of
@@ -35,6 +40,7 @@
 #include <iterator>
 #include <map>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -121,6 +127,69 @@ bool is_scheduled_input(const std::string& name) {
          std::all_of(name.begin() + at + group.size(), name.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
+// The tensors of one call's batch by pytree key path, as torch_ext's layout writes them ("[i]" for a
+// list element or an int key, "['k']" for a string key).
+void flatten_with_paths(const c10::IValue& v, const std::string& path, std::vector<std::pair<std::string, at::Tensor>>& out,
+                        const char* file) {
+  if (v.isTensor()) {
+    out.emplace_back(path, v.toTensor());
+  } else if (v.isList() || v.isTuple()) {
+    const auto elems = v.isList() ? v.toListRef().vec() : v.toTupleRef().elements().vec();
+    for (size_t i = 0; i < elems.size(); ++i) flatten_with_paths(elems[i], path + "[" + std::to_string(i) + "]", out, file);
+  } else if (v.isGenericDict()) {
+    for (const auto& kv : v.toGenericDict()) {
+      const c10::IValue& k = kv.key();
+      TORCH_CHECK(k.isString() || k.isInt(), file, ": batch key ", path, "[", k.tagKind(), "] is neither a string nor an int");
+      flatten_with_paths(kv.value(), path + (k.isString() ? "['" + k.toStringRef() + "']" : "[" + std::to_string(k.toInt()) + "]"),
+                         out, file);
+    }
+  } else {
+    TORCH_CHECK(false, file, ": batch element ", path.empty() ? "(the call's batch)" : path, " is a ", v.tagKind(),
+                ", not a tensor, list or dict");
+  }
+}
+
+// One call's batch tensors in the package's order. `paths` (torch_ext.batch_paths, empty in older
+// packages) are matched by key when the example batch had dict keys: a dict's keys may come in any
+// order (positionally, {"targets", "tokens"} fed the targets as the tokens, silently), but none may be
+// missing or extra. A call given as a dict is the batch of one positional argument ({...} for "[0]...").
+std::vector<at::Tensor> batch_in_package_order(const c10::IValue& call_batch, const std::vector<std::string>& paths,
+                                               size_t call, const char* file) {
+  const bool keyed = std::any_of(paths.begin(), paths.end(), [](const std::string& p) { return p.find("['") != std::string::npos; });
+  std::vector<std::pair<std::string, at::Tensor>> flat;
+  if (call_batch.isGenericDict()) {
+    flatten_with_paths(call_batch, "[0]", flat, file);
+  } else {
+    flatten_with_paths(call_batch, "", flat, file);
+  }
+  if (!keyed) {
+    TORCH_CHECK(!call_batch.isGenericDict(), file, ": call ", call, "'s batch is a dict, but the package's example batch had no dict keys; save a list of tensors");
+    std::vector<at::Tensor> out;
+    for (auto& [_, t] : flat) out.push_back(t);
+    return out;
+  }
+  std::map<std::string, at::Tensor> by_path(flat.begin(), flat.end());
+  std::vector<std::string> missing, extra;
+  for (const std::string& p : paths)
+    if (!by_path.count(p)) missing.push_back(p);
+  for (const auto& [p, _] : flat)
+    if (std::find(paths.begin(), paths.end(), p) == paths.end()) extra.push_back(p);
+  if (!missing.empty() || !extra.empty()) {
+    auto join = [](const std::vector<std::string>& v) {
+      std::string s;
+      for (const auto& e : v) s += (s.empty() ? "" : ", ") + e;
+      return s.empty() ? std::string("none") : s;
+    };
+    throw std::invalid_argument(std::string(file) + ": call " + std::to_string(call) +
+                                "'s batch does not have the example batch's keys (the package's batch is keyed: save "
+                                "each call's batch as a dict, or a list of dicts per unrolled call); missing " +
+                                join(missing) + "; not in the example: " + join(extra));
+  }
+  std::vector<at::Tensor> out;
+  for (const std::string& p : paths) out.push_back(by_path.at(p));
+  return out;
+}
+
 // The state's entries by the names the layout uses (TrainState.lookup): "model.*" parameters and
 // buffers, "opt:<param>:<slot>" and scheduled hyperparameters "opt:<scalar>:group<k>" (both in
 // "opt"), "opt:lr:group<k>" and "rng".
@@ -179,6 +248,17 @@ int run(int argc, char** argv) {
   }
 
   const c10::IValue state = load(argv[2]);
+  if (!state.isGenericDict()) {
+    std::fprintf(stderr, "%s holds a %s, not a state (torch.save(state.state_dict()), a dict)\n", argv[2],
+                 state.tagKind().c_str());
+    return 2;
+  }
+  for (const char* key : {"params", "buffers", "opt", "lr", "rng", "fingerprint"}) {
+    if (!state.toGenericDict().contains(key)) {
+      std::fprintf(stderr, "%s has no '%s': expected torch.save(state.state_dict())\n", argv[2], key);
+      return 2;
+    }
+  }
   const std::string made_by = state.toGenericDict().at("fingerprint").toStringRef();
   if (made_by != fingerprint) {
     std::fprintf(stderr, "%s was made by a different program (fingerprint '%s') than %s (fingerprint '%s')\n",
@@ -186,6 +266,22 @@ int run(int argc, char** argv) {
     return 2;
   }
   std::map<std::string, at::Tensor> entries = entries_of(state);
+  // Each state input's dtype and shape as compiled ("torch_ext.state", "<name>=<ScalarType>:<d0>,..."
+  // lines; absent in older packages): the kernels read an entry with those, unchecked, so a float32
+  // lr (read as float64) or a float16 moment trained silently on other values.
+  for (const std::string& line : meta_lines_or(meta, "torch_ext.state", {})) {
+    const size_t eq = line.rfind('=');
+    const std::string name = line.substr(0, eq), want = line.substr(eq + 1);
+    auto it = entries.find(name);
+    if (it == entries.end()) continue;  // reported below, where the program reads it
+    const std::string got = dtype_and_shape(it->second);
+    const bool same = want.rfind("?:", 0) == 0 ? got.substr(got.find(':')) == want.substr(1) : got == want;
+    if (!same) {
+      std::fprintf(stderr, "%s: entry '%s' has dtype:shape %s, %s was compiled for %s\n", argv[2], name.c_str(),
+                   got.c_str(), argv[1], want.c_str());
+      return 2;
+    }
+  }
   // The package's kernels index every input with the strides it was compiled for, without checking
   // (torch.save keeps a transposed tensor transposed): the runner owns copies in those strides.
   const auto strides = strides_by_input(inputs, meta_lines_or(meta, "torch_ext.input_strides", {}), argv[1]);
@@ -212,6 +308,7 @@ int run(int argc, char** argv) {
   // last partial batch (a view of a full one: torch.save keeps the whole storage) trained silently
   // on other values.
   const std::vector<std::string> batch_spec = meta_lines_or(meta, "torch_ext.batch", {});
+  const std::vector<std::string> batch_paths = meta_lines_or(meta, "torch_ext.batch_paths", {});
   const c10::IValue batches = load(argv[3]);  // kept alive: toListRef() views it
   // --lrs: per call, the value of every per-call input (each group's lr, and any scheduled
   // hyperparameter), fed as the state's entries of those names (float64 scalars).
@@ -270,7 +367,12 @@ int run(int argc, char** argv) {
     }
     ++call;
     std::vector<at::Tensor> batch;
-    for (const auto& t : batch_value.toListRef()) batch.push_back(t.toTensor());
+    try {
+      batch = batch_in_package_order(batch_value, batch_paths, call, argv[3]);
+    } catch (const std::invalid_argument& e) {
+      std::fprintf(stderr, "%s\n", e.what());
+      return 2;
+    }
     if (meta.count("torch_ext.batch")) {
       if (batch.size() != batch_spec.size()) {
         std::fprintf(stderr, "%s: call %zu's batch has %zu tensors, %s takes %zu\n", argv[3], call, batch.size(),
