@@ -858,6 +858,40 @@ def test_sweep_sees_weights_written_where_the_version_does_not_move(resid, how, 
     rg.check_invariants()
 
 
+@pytest.mark.parametrize("read", ["demand", "value", "baseline", "patched_demand"])
+@pytest.mark.parametrize("how", ["data_mul", "numpy", "input_data"])
+def test_demand_and_value_see_writes_where_the_version_does_not_move(resid, how, read):
+    """rg.demand() / rg.value() / rg.baseline() after ``w.data.mul_(2)`` (or a write through ``.numpy()``, or
+    into the input's ``.data``) handed out the values cached from the old weights: only run(), sweep and
+    patching compared contents. Every read now compares them once per call (a fast content digest)."""
+    model, x = resid
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    t0, t1, t2 = _tanh_nodes(rg)
+    w = model.fc[1].weight
+    if how == "data_mul":
+        w.data.mul_(2.0)
+    elif how == "numpy":
+        w.detach().numpy()[0, 0] += 1.0
+    else:
+        x.data[1, 2] = -1.0
+    with torch.no_grad():
+        want = model(x)
+        if read == "demand":
+            assert torch.equal(rg.demand(), want)
+        elif read in ("value", "baseline"):
+            seen = {}
+            _eager(model, x, {2: lambda o: seen.setdefault("t2", o)})
+            assert torch.equal(getattr(rg, read)(t2), seen["t2"])
+            assert torch.equal(rg.demand(), want)
+        else:
+            rg.patch(t0, lambda v: v * 0.5)
+            ref = _eager(model, x, {0: lambda o: o * 0.5})
+            assert torch.equal(rg.demand(), ref)
+            rg.restore()
+            assert torch.equal(rg.demand(), want)
+    rg.check_invariants()
+
+
 class _Options(nn.Module):
     """forward(x, scale, flag): non-tensor inputs the trace computes with as constants."""
 
