@@ -284,6 +284,11 @@ class ReactiveGraph:
     ``torch.export``; an ``ExportedProgram`` is used as it is. Every node keeps its value after
     :meth:`run`; :meth:`patch`, :meth:`restore` and :meth:`graft` invalidate exactly the affected
     cone, and :meth:`demand` recomputes only that.
+
+    A model in training mode computes as its training forward does (a BatchNorm normalises with the batch's
+    statistics), but the graph never writes the module's buffers: its running statistics stay as they were
+    through the build, ``run()``, ``demand()`` and sweeps (an eager forward, and so a TransformerLens-style
+    eager sweep, updates them at every call). A sweep is a measurement; it leaves the model as it found it.
     """
 
     #: How many batched cones (``sweep(..., batch_sites=True)``: one per site node and K, each holding
@@ -1002,9 +1007,13 @@ class ReactiveGraph:
         the model's output structure (``"logits"`` of a Hugging Face ``ModelOutput`` or a dict, or the
         key path ``"['logits']"``), or, with one user output, any name."""
         if isinstance(key, int) and not isinstance(key, bool):
-            if not 0 <= key < len(outs):
-                raise ValueError(f"reads: output index {key} out of range (the graph has {len(outs)} outputs)")
-            return key
+            # The index of a leaf of what the model returns: a train-mode BatchNorm's graph also outputs its
+            # running statistics (buffer updates, first), and reads={0: ...} indexed running_mean (IndexError).
+            user = self._user_outputs if self._loss_output is None and self._user_outputs else range(len(outs))
+            if not 0 <= key < len(user):
+                raise ValueError(f"reads: output index {key} out of range (the model returns {len(user)} "
+                                 f"output{'s' if len(user) != 1 else ''})")
+            return user[key]
         if isinstance(key, str):
             if self.resolve(key) in outs:
                 return outs.index(self.resolve(key))
@@ -1083,11 +1092,16 @@ class ReactiveGraph:
         outs = self._output_nodes()
         flat = []
         tagged = {}
+        whole: set = set()
         for k, node in enumerate(outs):
             axis = self._engine.seq_axis(node) if node is not None else -1
             t = self._type_of(node) if node is not None else None
-            if axis < 0 or t is None or t[0] != "tensor":
+            if t is None or t[0] != "tensor":
                 flat.append(self._engine.value(node) if node is not None else None)
+                continue
+            if axis < 0:  # no sequence axis (a train-mode batch norm mixes rows): read whole, still an output
+                flat.append(torch.full(list(t[2]), 1e6 * (k + 1), dtype=torch.float64))
+                whole.add(k)
                 continue
             sizes = list(t[2])
             shape = [1] * len(sizes)
@@ -1107,6 +1121,8 @@ class ReactiveGraph:
                                 f"{type(leaf).__name__}")
             tags = (leaf / 1e6).round().long() - 1
             for k in tags.unique().tolist():
+                if k in whole:
+                    continue
                 if k not in seen:
                     raise ValueError("reads callable returned values that are not elements of an output with a "
                                      "sequence axis; index the outputs, do not compute on them")
@@ -1726,13 +1742,9 @@ def _same_result(a, b) -> bool:
 
 
 def _read_key(rg: "ReactiveGraph", key) -> int:
-    """The flat output a ``reads`` key names (already validated by _read_rows)."""
-    outs = rg._output_nodes()
-    if isinstance(key, int) and not isinstance(key, bool):
-        return key
-    if isinstance(key, str) and rg.resolve(key) in outs:
-        return outs.index(rg.resolve(key))
-    return rg._single_output
+    """The flat output a ``reads`` key names (already validated by _read_rows): as _read_rows resolves it, by
+    one rule (a leaf index of the returned structure, a node or hook name, a key such as "logits")."""
+    return rg._output_index(key, rg._output_nodes())
 
 
 def _raise_metric_wrote(rg: ReactiveGraph, site):
