@@ -588,7 +588,7 @@ class ReactiveGraph:
     # ---- evaluation
     def _flat_inputs(self, args, kwargs):
         flat = _compat.user_input_leaves(args, kwargs, self._in_spec, getattr(self, "_user_constants", None))
-        it = iter(flat)
+        it = iter(None if isinstance(v, str) else v for v in flat)  # a string input is a constant: ir.from_fx
         return [next(it) if s is None else s for s in self._slots]
 
     def _user(self, outs):

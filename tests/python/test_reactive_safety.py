@@ -971,3 +971,34 @@ def test_run_and_demand_refuse_module_level_values_changed_after_build(change, m
             call()
     monkeypatch.undo()
     assert torch.equal(rg.run(x), model(x))  # changed back: computes again
+
+
+class _Mode(nn.Module):
+    """forward(x, mode: str): a string input the trace computes with as a constant."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, mode: str = "plain"):
+        y = self.lin(x)
+        return torch.tanh(y) * 2 if mode == "tanh" else y
+
+
+def test_string_inputs_are_imported_as_the_constants_they_are(tmp_path, monkeypatch):
+    """forward(x, mode="tanh"): the importer refused the program ("value of type str is not supported"). A
+    string input is specialised by export (nothing in the graph reads it): each value has its graph (a
+    module's graph moves to it, an ExportedProgram refuses another value), the disk cache included."""
+    monkeypatch.setenv("TORCH_EXT_CACHE_DIR", str(tmp_path))
+    model, x = _Mode().eval(), torch.randn(2, 4)
+    rg = torch_ext.ReactiveGraph(model, (x,), example_kwargs={"mode": "tanh"})
+    assert rg.build_stats["disk_cache"] == "stored"
+    with torch.no_grad():
+        for mode in ("tanh", "plain", "tanh"):
+            assert torch.equal(rg.run(x, mode=mode), model(x, mode=mode)), mode
+        ep = torch.export.export(model, (x,), {"mode": "tanh"})
+        rg = torch_ext.ReactiveGraph(ep)
+        assert torch.equal(rg.run(x, mode="tanh"), model(x, mode="tanh"))
+        with pytest.raises(ValueError, match="exported with the constant 'tanh'"):
+            rg.run(x, mode="plain")
