@@ -1002,3 +1002,19 @@ def test_string_inputs_are_imported_as_the_constants_they_are(tmp_path, monkeypa
         assert torch.equal(rg.run(x, mode="tanh"), model(x, mode="tanh"))
         with pytest.raises(ValueError, match="exported with the constant 'tanh'"):
             rg.run(x, mode="plain")
+
+
+def test_a_submodule_added_after_the_build_is_refused(resid):
+    """``model.fc.append(nn.Linear(8, 8))`` after the build: eager iterates the new layer, the graph never ran
+    it, and demand() handed back the old outputs silently (submodules were checked by identity, per name
+    present at the build; a new name was not seen). Patching rebuilds its graph instead."""
+    model, x = resid
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    model.fc.append(nn.Linear(8, 8))
+    with pytest.raises(ValueError, match=r"model\.fc has submodules \(0, 1, 2, 3\) now, submodules \(0, 1, 2\) when"):
+        rg.demand()
+    with pytest.raises(ValueError, match="submodules"):
+        rg.run(x)
+    del model.fc[3]
+    with torch.no_grad():
+        assert torch.equal(rg.demand(), model(x))  # as built again
