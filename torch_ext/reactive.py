@@ -521,7 +521,8 @@ class ReactiveGraph:
             self._split_attention_heads(built, self._split_heads)
         return built
 
-    _PER_SHAPE = ("_program", "build_stats", "_env", "_hooks", "_conversions", "_engine", "_slots", "_num_user", "_in_spec",
+    _PER_SHAPE = ("_program", "build_stats", "_env", "_hooks", "_conversions", "_engine", "_slots", "_num_user",
+                  "_in_spec",
                   "_single_output", "_cone_sizes", "_all_names",
                   "_out_spec", "_user_outputs", "_loss_output", "_grad_outputs", "_module_paths", "_countable",
                   "_countable_cache", "_batched", "_last_inputs", "_example_inputs", "_example_kwargs",
