@@ -22,6 +22,7 @@
 #include "passes/split_heads.h"
 #include "runtime/arena_executor.h"
 #include "runtime/call_pool.h"
+#include "reactive/content_digest.h"
 #include "reactive/engine.h"
 #include "runtime/executor.h"
 
@@ -646,6 +647,14 @@ PYBIND11_MODULE(_C, m) {
       .def("graph", [](const reactive::Engine& e) { return std::shared_ptr<ir::Graph>(e.graph().clone()); })
       .def("__str__", [](const reactive::Engine& e) { return ir::print(e.graph()); });
 
+  // Content digests of the tensors a reactive graph reads (csrc/reactive/content_digest.h): one call per check.
+  m.def(
+      "content_digests",
+      [](const std::vector<at::Tensor>& tensors) {
+        py::gil_scoped_release release;
+        return reactive::content_digests(tensors);
+      },
+      py::arg("tensors"));
   m.def(
       "build_train_step",
       [](const ir::Graph& joint, const py::dict& spec, int64_t unroll_steps) {

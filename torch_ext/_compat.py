@@ -1118,6 +1118,12 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
                     break
                 if frame.f_code.co_name == "_fire_post_hoc_hook":
                     return x
+                if frame.f_code.co_name == "_hf_autograd_forward_with_hooks":
+                    # A norm bridge's observation hooks (hook_scale, hook_normalized): the bridge runs the
+                    # wrapped norm itself (rsqrt, HF's numerics) only while each hook hands back the very
+                    # tensor it got. A marker is a new tensor, so the trace took the bridge's edit path
+                    # (x / sqrt): every value after an RMSNorm differed from eager in the last bits.
+                    return x
                 frame = frame.f_back
             if isinstance(x, torch.Tensor) and getattr(self, "name", None):
                 return torch.ops.torch_ext.hook_point(x, self.name)

@@ -106,6 +106,13 @@ def attributes(model: torch.nn.Module) -> tuple:
         # (model.act = nn.Tanh()) is code the program never ran; a parameter or buffer replaced by a
         # new tensor (m.weight = nn.Parameter(w)) is not the one a ReactiveGraph reads or a step's
         # write_back writes (values changed in place are read as they are).
+        if d.get("_modules") is not None:
+            # Which submodules it has, by name: one added after the build (model.layers.append(block), a
+            # ModuleDict entry) is code the program never ran, where a forward iterating them runs it.
+            paths.append(path)
+            dicts.append(d)
+            keys.append("_modules")
+            values.append(_Keys(d["_modules"]))
         for table in ("_modules", "_parameters", "_buffers"):
             sub = d.get(table)
             if sub:
@@ -245,6 +252,10 @@ def changed(snapshot: tuple) -> list[tuple[str, str, object, object]]:
     out = []
     for path, d, k, was in zip(paths, dicts, keys, values):
         now = d.get(k, _MISSING)
+        if isinstance(was, _Keys):
+            if was != now:
+                out.append((path, k, was, _Keys(now if isinstance(now, dict) else {})))
+            continue
         if now is not was and not (type(now) is type(was) and now == was):
             out.append((path, k, was, now))
     for path, d, k, was in zip(tpaths, tdicts, tkeys, tensors):
@@ -273,6 +284,25 @@ class _Short:
             return text if len(text) <= 80 else text[:77] + "..."
         flat = self.t.detach().reshape(-1)[:4].tolist()
         return f"a tensor of shape {tuple(self.t.shape)} ({', '.join(f'{v:.4g}' for v in flat)}{', ...' if self.t.numel() > 4 else ''})"
+
+
+class _Keys(_Short):
+    """The names of a module's submodules: equal to a ``_modules`` dict holding the same names, in order."""
+
+    def __init__(self, table: dict):
+        super().__init__(None)
+        self.names = tuple(table)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, _Keys):
+            return self.names == other.names
+        return isinstance(other, dict) and tuple(other) == self.names
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        text = ", ".join(self.names[:8]) + (", ..." if len(self.names) > 8 else "")
+        return f"submodules ({text})"
 
 
 def traced_changes(model: torch.nn.Module, snapshot: tuple) -> list:
@@ -305,6 +335,8 @@ def change_message(changes: list, built: str) -> str:
     """One sentence naming the first change (and how many more), for a refusal."""
     path, key, was, now = changes[0]
     more = f" (and {len(changes) - 1} more changed attributes)" if len(changes) > 1 else ""
+    if isinstance(was, _Keys):
+        return f"{'model.' + path if path else 'model'} has {now!r} now, {was!r} when {built}{more}"
     if isinstance(was, _Short):
         return f"{describe(path, key)} was replaced by {now!r} (when {built}: {was!r}){more}"
     mode = " (eval mode)" if key == "training" and now is False else " (train mode)" if key == "training" else ""

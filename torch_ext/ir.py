@@ -242,7 +242,17 @@ class Graph:
             where = f"node '{node.name}'"
             if node.op == "placeholder":
                 role, state = roles.get(node.name, ("input", ""))
-                g.add_placeholder(node.name, role, _type_of(node.meta.get("val"), where), state)
+                val = node.meta.get("val")
+                if isinstance(val, str) and role == "input":
+                    # A string input (forward(x, mode="sum")): export specialised the program to its value
+                    # (a constant; other values are refused at run, or built as their own graph), so nothing
+                    # reads the placeholder: it takes None (reactive._flat_inputs passes None for it).
+                    if node.users:
+                        raise UnsupportedNodeError(f"{where}: the string input {val!r} is read by "
+                                                   f"{sorted(u.name for u in node.users)}; string values in the "
+                                                   "graph are not supported")
+                    val = None
+                g.add_placeholder(node.name, role, _type_of(val, where), state)
             elif node.op == "get_attr" and isinstance(_fetch_attr(owner, node.target), torch.fx.GraphModule):
                 subgraphs[node.name] = _fetch_attr(owner, node.target)
             elif node.op == "call_function" and node.target in _HIGHER_ORDER:

@@ -20,14 +20,15 @@ TransformerLens 4.3: the last three return TransformerLens's ``PatchingResult`` 
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from typing import Callable, Mapping, Sequence
 
 import torch
 
-from . import _compat, _module_state
-from .reactive import ReactiveGraph, _weights_fingerprint, sweep
+from . import _compat, _env_reads, _module_state
+from .reactive import ReactiveGraph, _one_check_per_call, _weights_fingerprint, sweep
 
 __all__ = [
     "generic_activation_patch", "get_act_patch_resid_pre", "get_act_patch_resid_mid", "get_act_patch_attn_out",
@@ -97,6 +98,16 @@ def layer_head_pos_pattern_patch_setter(corrupted_activation, index, clean_activ
     return corrupted_activation
 
 
+def _checked_once(fn):
+    """The weights are compared by content once per call of ``fn`` (the graph lookup, its run and the sweep
+    share it): reactive._one_check_per_call."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _one_check_per_call():
+            return fn(*args, **kwargs)
+    return wrapper
+
+
 # ---- graphs, one per model and input shape
 _GRAPHS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
@@ -121,7 +132,7 @@ def _graph_for(model, tokens: torch.Tensor) -> ReactiveGraph:
         fingerprint = _weights_fingerprint(model)
         # An attribute the trace read (a LayerNorm eps) changed since: the graph holds the old value, built again.
         if rg is None or built_for != fingerprint or _module_state.changed(getattr(rg, "_attributes", ())) \
-                or _module_state.changed(getattr(rg, "_global_reads", ())):
+                or _module_state.changed(getattr(rg, "_global_reads", ())) or _env_reads.changed(rg._env):
             rg = ReactiveGraph(model, (tokens,))
             per_shape[key] = (rg, fingerprint)
             return rg
@@ -146,6 +157,7 @@ def _layers_and_heads(model, rg: ReactiveGraph) -> tuple[int, int]:
     return (max(layers) + 1 if layers else 0), 0
 
 
+@_checked_once
 def run_with_cache(model, tokens: torch.Tensor):
     """(outputs, cache) of ``model`` on ``tokens``, the cache keyed by hook name (and node name):
     a clean cache for the functions here, for any model they accept (Hugging Face decoders too)."""
@@ -156,6 +168,7 @@ def _logits(out):
     return getattr(out, "logits", out)
 
 
+@_checked_once
 def generic_activation_patch(model, corrupted_tokens: torch.Tensor, clean_cache, patching_metric: Callable,
                              patch_setter: Callable, activation_name: str,
                              index_axis_names: Sequence[str] | None = None, index_df=None,
@@ -349,6 +362,7 @@ get_act_patch_attn_head_k_by_pos = _head_vector("k", by_pos=True)
 get_act_patch_attn_head_v_by_pos = _head_vector("v", by_pos=True)
 
 
+@_checked_once
 def _every(fns, axes, model, corrupted_tokens, clean_cache, metric, kwargs, *, axis_order, n_heads, type_names,
            pattern_to_pos_head=False, block=False):
     """Several sweeps stacked on a leading patch-type axis, as TransformerLens's *_every helpers do

@@ -11,16 +11,16 @@ import contextlib
 import fnmatch
 import math
 import sys
+import threading
 import time
 import warnings
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
 
-from . import _C, _build_cache, _compat, _disk_cache, _module_state
+from . import _C, _build_cache, _compat, _disk_cache, _env_reads, _module_state
 from .ir import _SHORT_DTYPE, Graph
 
 
@@ -48,18 +48,40 @@ def _weights_fingerprint(module: torch.nn.Module) -> tuple:
 
 
 def _contents_digest(tensors: list) -> list:
-    """A CRC-32 of each tensor's bytes (None where there are none to read: a meta or sparse tensor)."""
-    out = []
-    for t in tensors:
-        if t.is_meta or t.layout != torch.strided:
-            out.append(None)
-            continue
-        d = t.detach()
-        if d.device.type != "cpu":
-            d = d.cpu()
-        d = d.contiguous().reshape(-1)
-        out.append(zlib.crc32(d.view(torch.uint8).numpy()) if d.numel() else 0)
-    return out
+    """A 64-bit digest (XXH3, in C++ at memory bandwidth, csrc/reactive/content_digest.h) of each tensor's
+    bytes, every byte read (None where there are none to read: a meta or sparse tensor). Was a CRC-32 in
+    Python: ~75 ms on GPT-2 small's 124M parameters, paid two or three times per patching call."""
+    host = [t.detach().cpu() if t.device.type != "cpu" and not t.is_meta else t.detach() for t in tensors]
+    return _C.content_digests(host)
+
+
+_CALL = threading.local()
+
+
+@contextlib.contextmanager
+def _one_check_per_call():
+    """One user-visible call (run, demand, value, sweep, a patching function): each graph compares the
+    contents of what it reads at most once in it (a pass over every weight byte, ~20 ms on GPT-2 small),
+    not again at each internal step (patching's graph lookup, sweep's, run's closing demand)."""
+    depth = getattr(_CALL, "depth", 0)
+    if depth == 0:
+        _CALL.checked = set()  # ids of the graphs whose contents are known current in this call
+    _CALL.depth = depth + 1
+    try:
+        yield
+    finally:
+        _CALL.depth = depth
+        if depth == 0:
+            _CALL.checked = set()
+
+
+def _checked_in_this_call(rg) -> bool:
+    return getattr(_CALL, "depth", 0) > 0 and id(rg) in _CALL.checked
+
+
+def _mark_checked(rg) -> None:
+    if getattr(_CALL, "depth", 0) > 0:
+        _CALL.checked.add(id(rg))
 
 
 def _input_versions(args, kwargs) -> tuple:
@@ -153,7 +175,7 @@ def _entry_of(program, built: Graph, hooks: dict, front_end: str, why) -> dict:
     """What a built graph needs besides its program: the input and output kinds with their state
     names, the pytree specs, hook names and the front end (the build caches' entry)."""
     sig = program.graph_signature
-    return {"graph": built, "hooks": dict(hooks), "front_end": front_end, "fallback_reason": why,
+    return {"graph": built, "hooks": dict(hooks), "front_end": front_end, "fallback_reason": why, "env": {},
             "inputs": [(spec.kind.name, spec.target) for spec in sig.input_specs],
             "outputs": [(spec.kind.name, spec.target) for spec in sig.output_specs],
             "in_spec": program.call_spec.in_spec, "out_spec": program.call_spec.out_spec, "program": None}
@@ -189,7 +211,8 @@ def _store_on_disk(key: str, entry: dict) -> str:
     except Exception as e:  # noqa: BLE001 (any failure only means: not stored)
         return f"not stored: {type(e).__name__}: {e}"
     body = {"graph": text, "hooks": entry["hooks"], "front_end": entry["front_end"],
-            "fallback_reason": entry["fallback_reason"], "inputs": [list(x) for x in entry["inputs"]],
+            "fallback_reason": entry["fallback_reason"], "env": entry["env"],
+            "inputs": [list(x) for x in entry["inputs"]],
             "outputs": [list(x) for x in entry["outputs"]], "in_spec": specs[0], "out_spec": specs[1]}
     return "stored" if _disk_cache.store(key, body) else "not stored: the cache folder could not be written"
 
@@ -202,6 +225,7 @@ def _cached_entry_from_disk(key: str) -> dict | None:
     try:
         entry = {"graph": Graph.parse(body["graph"]), "hooks": dict(body["hooks"]), "front_end": body["front_end"],
                  "fallback_reason": body["fallback_reason"],
+                 "env": {str(k): None if v is None else str(v) for k, v in body["env"].items()},
                  "inputs": [(str(k), None if t is None else str(t)) for k, t in body["inputs"]],
                  "outputs": [(str(k), None if t is None else str(t)) for k, t in body["outputs"]],
                  "in_spec": None if body["in_spec"] is None else pytree.treespec_loads(body["in_spec"]),
@@ -260,6 +284,11 @@ class ReactiveGraph:
     ``torch.export``; an ``ExportedProgram`` is used as it is. Every node keeps its value after
     :meth:`run`; :meth:`patch`, :meth:`restore` and :meth:`graft` invalidate exactly the affected
     cone, and :meth:`demand` recomputes only that.
+
+    A model in training mode computes as its training forward does (a BatchNorm normalises with the batch's
+    statistics), but the graph never writes the module's buffers: its running statistics stay as they were
+    through the build, ``run()``, ``demand()`` and sweeps (an eager forward, and so a TransformerLens-style
+    eager sweep, updates them at every call). A sweep is a measurement; it leaves the model as it found it.
     """
 
     #: How many batched cones (``sweep(..., batch_sites=True)``: one per site node and K, each holding
@@ -324,6 +353,11 @@ class ReactiveGraph:
                     if entry is not None:
                         cache_state = disk_state = "hit"
                         _build_cache.put(key, entry)
+            if entry is not None and _env_reads.changed(entry.get("env")):
+                # Traced with other values of environment variables the forward reads: those are constants
+                # of the graph, not in the key (read during the trace, known only after it): traced again.
+                entry, cache_state = None, "miss"
+                disk_state = "miss" if disk_key is not None else disk_state
             if entry is not None:
                 binding = _bind_entry(entry, ep_or_module)
                 if binding is None:  # cannot happen for an equal key; rebuild rather than guess
@@ -335,8 +369,9 @@ class ReactiveGraph:
                     used, why = entry["front_end"], entry["fallback_reason"]
             if entry is None:
                 try:
-                    ep, used, why = _compat.trace_for_inference(ep_or_module, tuple(example_inputs),
-                                                                example_kwargs, front_end=front_end)
+                    with _env_reads.recording() as env_reads:
+                        ep, used, why = _compat.trace_for_inference(ep_or_module, tuple(example_inputs),
+                                                                    example_kwargs, front_end=front_end)
                 except _compat.UnsoundTrace as e:
                     raise ValueError(f"ReactiveGraph(front_end='make_fx'): make_fx cannot trace this model soundly: "
                                      f"{e}; use front_end='auto' or 'export'") from None
@@ -365,8 +400,10 @@ class ReactiveGraph:
                 # tensors, as one traced from the module itself does: never with a stale copy.
                 self.program = _rebind(self.program, self._module) or self.program
             entry = _entry_of(self.program, built, self._hooks, used, why)
+            entry["env"] = dict(env_reads) if self._module is not None else {}
             state = {**self.program.state_dict, **self.program.constants}
             self._slots = [None if kind == "USER_INPUT" else state[target] for kind, target in entry["inputs"]]
+        self._env = dict(entry.get("env") or {})  # environment variables the forward read, as traced
         t2 = time.perf_counter()
         # A cached graph passed the verifier's meta-kernel inference when it was built (same torch and
         # torch_ext: both in the key); skipping it spares a fresh process loading Python meta kernels.
@@ -484,7 +521,8 @@ class ReactiveGraph:
             self._split_attention_heads(built, self._split_heads)
         return built
 
-    _PER_SHAPE = ("_program", "build_stats", "_hooks", "_conversions", "_engine", "_slots", "_num_user", "_in_spec",
+    _PER_SHAPE = ("_program", "build_stats", "_env", "_hooks", "_conversions", "_engine", "_slots", "_num_user",
+                  "_in_spec",
                   "_single_output", "_cone_sizes", "_all_names",
                   "_out_spec", "_user_outputs", "_loss_output", "_grad_outputs", "_module_paths", "_countable",
                   "_countable_cache", "_batched", "_last_inputs", "_example_inputs", "_example_kwargs",
@@ -551,7 +589,7 @@ class ReactiveGraph:
     # ---- evaluation
     def _flat_inputs(self, args, kwargs):
         flat = _compat.user_input_leaves(args, kwargs, self._in_spec, getattr(self, "_user_constants", None))
-        it = iter(flat)
+        it = iter(None if isinstance(v, str) else v for v in flat)  # a string input is a constant: ir.from_fx
         return [next(it) if s is None else s for s in self._slots]
 
     def _user(self, outs):
@@ -570,6 +608,10 @@ class ReactiveGraph:
         Refused while patches are active: a new baseline would drop them (the outputs would be the
         unpatched ones, where a forward hook would still act), so restore() first and patch again.
         """
+        with _one_check_per_call():
+            return self._run(args, kwargs)
+
+    def _run(self, args, kwargs):
         self._refuse_during_sweep("run()")
         pinned = self._engine.pinned()
         if pinned:
@@ -597,9 +639,16 @@ class ReactiveGraph:
 
     def _note_contents(self, flat: list) -> None:
         """Digests of the inputs, parameters, buffers and constants the graph reads (``flat``: the inputs as
-        the engine was run on them), as its values were computed."""
+        the engine was run on them), as its values were computed. Tensors already digested in this call
+        (patching checked the weights, then runs new tokens) keep their digest: only the rest is read."""
         held = [t for t in flat if isinstance(t, torch.Tensor)]
-        self._contents = (held, _contents_digest(held))
+        known = {}
+        if _checked_in_this_call(self) and getattr(self, "_contents", None) is not None:
+            known = {id(t): d for t, d in zip(*self._contents)}  # the old tensors are alive: ids are unique
+        fresh = [t for t in held if id(t) not in known]
+        it = iter(_contents_digest(fresh))
+        self._contents = (held, [known[id(t)] if id(t) in known else next(it) for t in held])
+        _mark_checked(self)
 
     def _take_untracked_writes(self) -> None:
         """An input, parameter or buffer written where its version counter does not move (``W.data.mul_(2)``,
@@ -609,7 +658,7 @@ class ReactiveGraph:
         the weights, less than one forward reads), and a changed tensor's version is moved, so the engine
         takes it as the edit it is and recomputes its cone."""
         held, digest = getattr(self, "_contents", (None, None))
-        if held is None:
+        if held is None or _checked_in_this_call(self):
             return
         now = _contents_digest(held)
         changed = [t for t, a, b in zip(held, digest, now) if a != b]
@@ -619,6 +668,7 @@ class ReactiveGraph:
                                  "(through .data, or an inference tensor); run() again to recompute with them")
             torch.autograd.graph.increment_version(t)
         self._contents = (held, now)
+        _mark_checked(self)
 
     def _ran_on(self, *args, **kwargs) -> bool:
         """Whether the cached values are those of these very inputs: the same objects, not written since the
@@ -640,6 +690,10 @@ class ReactiveGraph:
         """A module attribute the trace read (a LayerNorm eps, a config flag) changed since the build: eager
         calls use the new value, the graph holds the old one. Refused at run() and demand() alike (a sweep
         demands first), not only at run(): a graph demanded or swept without a new run was silently stale."""
+        env = _env_reads.changed(getattr(self, "_env", None))
+        if env:
+            raise ValueError(f"{where}: {_env_reads.message(env, 'this ReactiveGraph was built')}: build a new "
+                             "ReactiveGraph after changing it, or change it back")
         changed = _module_state.changed(getattr(self, "_attributes", ())) \
             or _module_state.changed(getattr(self, "_global_reads", ()))
         if changed:
@@ -667,7 +721,16 @@ class ReactiveGraph:
         (and columns) that reach the reads are computed, into fresh tensors (the rest NaN), and
         nothing is cached: the patch's cone stays stale, so a later plain ``demand()`` recomputes
         it. Otherwise this is a plain demand.
+
+        Weights and inputs written where no version counter moves (``W.data.mul_(2)``, ``x.numpy()[:] =
+        ...``) are found by content (one pass over every byte they hold, ~20 ms on GPT-2 small's 124M
+        parameters, once per call) and their cones recomputed, as for any in-place edit.
         """
+        with _one_check_per_call():
+            self._take_untracked_writes()
+            return self._demand(reads)
+
+    def _demand(self, reads):
         self._refuse_changed_hooks("demand")
         self._refuse_changed_attributes("demand")
         eng = self._engine
@@ -686,12 +749,19 @@ class ReactiveGraph:
         return self._user(eng.demand())
 
     def value(self, node: str) -> torch.Tensor:
-        """A node's current value, recomputing only its stale ancestors (a node or hook name)."""
-        return self._engine.value(self.resolve(node))
+        """A node's current value, recomputing only its stale ancestors (a node or hook name). Writes that
+        move no version counter are found by content first, as at :meth:`demand` (one pass over the
+        weights per call: read many nodes through :meth:`run_with_cache`'s cache, checked once)."""
+        with _one_check_per_call():
+            self._take_untracked_writes()
+            return self._engine.value(self.resolve(node))
 
     def baseline(self, node: str) -> torch.Tensor:
-        """A node's value with no patch active (from the overlay, no evaluation)."""
-        return self._engine.baseline(self.resolve(node))
+        """A node's value with no patch active (from the overlay; evaluates only what an edit of the
+        weights or inputs, found as at :meth:`value`, made stale)."""
+        with _one_check_per_call():
+            self._take_untracked_writes()
+            return self._engine.baseline(self.resolve(node))
 
     def resolve(self, name: str) -> str:
         """The node a name addresses: a node name, or a hook name (``blocks.0.hook_resid_pre``)."""
@@ -731,8 +801,10 @@ class ReactiveGraph:
         self._refuse_during_sweep("patch()")
         name, node = node, self.resolve(node)
         if callable(value):
-            value = self._call_patch_fn(node, self._hook_view(name, value), self._engine.baseline(node),
-                                        "patch function")
+            with _one_check_per_call():  # f sees the baseline of the weights as they are now
+                self._take_untracked_writes()
+                clean = self._engine.baseline(node)
+            value = self._call_patch_fn(node, self._hook_view(name, value), clean, "patch function")
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"patch {node!r}: expected a tensor or a callable returning one, got {type(value).__name__}")
         self._engine.patch(node, value.detach())
@@ -936,9 +1008,13 @@ class ReactiveGraph:
         the model's output structure (``"logits"`` of a Hugging Face ``ModelOutput`` or a dict, or the
         key path ``"['logits']"``), or, with one user output, any name."""
         if isinstance(key, int) and not isinstance(key, bool):
-            if not 0 <= key < len(outs):
-                raise ValueError(f"reads: output index {key} out of range (the graph has {len(outs)} outputs)")
-            return key
+            # The index of a leaf of what the model returns: a train-mode BatchNorm's graph also outputs its
+            # running statistics (buffer updates, first), and reads={0: ...} indexed running_mean (IndexError).
+            user = self._user_outputs if self._loss_output is None and self._user_outputs else range(len(outs))
+            if not 0 <= key < len(user):
+                raise ValueError(f"reads: output index {key} out of range (the model returns {len(user)} "
+                                 f"output{'s' if len(user) != 1 else ''})")
+            return user[key]
         if isinstance(key, str):
             if self.resolve(key) in outs:
                 return outs.index(self.resolve(key))
@@ -1017,11 +1093,16 @@ class ReactiveGraph:
         outs = self._output_nodes()
         flat = []
         tagged = {}
+        whole: set = set()
         for k, node in enumerate(outs):
             axis = self._engine.seq_axis(node) if node is not None else -1
             t = self._type_of(node) if node is not None else None
-            if axis < 0 or t is None or t[0] != "tensor":
+            if t is None or t[0] != "tensor":
                 flat.append(self._engine.value(node) if node is not None else None)
+                continue
+            if axis < 0:  # no sequence axis (a train-mode batch norm mixes rows): read whole, still an output
+                flat.append(torch.full(list(t[2]), 1e6 * (k + 1), dtype=torch.float64))
+                whole.add(k)
                 continue
             sizes = list(t[2])
             shape = [1] * len(sizes)
@@ -1041,6 +1122,8 @@ class ReactiveGraph:
                                 f"{type(leaf).__name__}")
             tags = (leaf / 1e6).round().long() - 1
             for k in tags.unique().tolist():
+                if k in whole:
+                    continue
                 if k not in seen:
                     raise ValueError("reads callable returned values that are not elements of an output with a "
                                      "sequence axis; index the outputs, do not compute on them")
@@ -1660,13 +1743,9 @@ def _same_result(a, b) -> bool:
 
 
 def _read_key(rg: "ReactiveGraph", key) -> int:
-    """The flat output a ``reads`` key names (already validated by _read_rows)."""
-    outs = rg._output_nodes()
-    if isinstance(key, int) and not isinstance(key, bool):
-        return key
-    if isinstance(key, str) and rg.resolve(key) in outs:
-        return outs.index(rg.resolve(key))
-    return rg._single_output
+    """The flat output a ``reads`` key names (already validated by _read_rows): as _read_rows resolves it, by
+    one rule (a leaf index of the returned structure, a node or hook name, a key such as "logits")."""
+    return rg._output_index(key, rg._output_nodes())
 
 
 def _raise_metric_wrote(rg: ReactiveGraph, site):
@@ -2175,34 +2254,36 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     their cones would have cost (docs/cost-model-positions.md, "Identical sites"). With
     ``skip_identical=False`` every site costs its cone, as the plain cost model states.
     """
-    site_list = _expand_sites(rg, sites)
-    if not site_list:
-        raise ValueError("sweep needs at least one site")
-    rg._refuse_during_sweep("sweep()")
-    if positions is not None and not isinstance(positions, bool):
-        raise TypeError(f"sweep(positions=...) must be a bool or None, got {type(positions).__name__}")
-    if not isinstance(batch_sites, bool) and (not isinstance(batch_sites, int) or batch_sites < 2):
-        raise ValueError(f"sweep(batch_sites=...) must be a bool or an int >= 2 (sites per batch), got {batch_sites!r}")
-    use_rows = rg.positions if positions is None else positions
-    rows = (rg._read_spec(reads), reads) if use_rows else None
-    if reads is not None and not use_rows:
-        rg._read_rows(reads)  # still checked: a bad reads argument is refused either way
-    if not isinstance(skip_identical, bool):
-        raise TypeError(f"sweep(skip_identical=...) must be a bool, got {type(skip_identical).__name__}")
-    if reads is not None and rg._last_inputs is not None:
-        metric = _ReadCheck(rg, metric, reads)  # the same inputs on every path; reading outside them is refused
-    # The model written in place before the sweep is an edit the engine takes now (num_dirty reads, so it
-    # settles); during it, a patch function or metric writing into the model is refused (engine.h, I15).
-    eng = rg._engine
-    rg._take_untracked_writes()
-    eng.num_dirty()
-    rg._sweeping = True
-    eng.set_inputs_frozen(True)
-    try:
-        return _sweep(rg, site_list, patch, metric, progress, batch_sites, distributed, rows, skip_identical)
-    finally:
-        rg._sweeping = False
-        eng.set_inputs_frozen(False)
+    with _one_check_per_call():  # the weights are compared once: patching looked them up already
+        site_list = _expand_sites(rg, sites)
+        if not site_list:
+            raise ValueError("sweep needs at least one site")
+        rg._refuse_during_sweep("sweep()")
+        if positions is not None and not isinstance(positions, bool):
+            raise TypeError(f"sweep(positions=...) must be a bool or None, got {type(positions).__name__}")
+        if not isinstance(batch_sites, bool) and (not isinstance(batch_sites, int) or batch_sites < 2):
+            raise ValueError(f"sweep(batch_sites=...) must be a bool or an int >= 2 (sites per batch), "
+                             f"got {batch_sites!r}")
+        use_rows = rg.positions if positions is None else positions
+        rows = (rg._read_spec(reads), reads) if use_rows else None
+        if reads is not None and not use_rows:
+            rg._read_rows(reads)  # still checked: a bad reads argument is refused either way
+        if not isinstance(skip_identical, bool):
+            raise TypeError(f"sweep(skip_identical=...) must be a bool, got {type(skip_identical).__name__}")
+        if reads is not None and rg._last_inputs is not None:
+            metric = _ReadCheck(rg, metric, reads)  # the same inputs on every path; reading outside them is refused
+        # The model written in place before the sweep is an edit the engine takes now (num_dirty reads, so it
+        # settles); during it, a patch function or metric writing into the model is refused (engine.h, I15).
+        eng = rg._engine
+        rg._take_untracked_writes()
+        eng.num_dirty()
+        rg._sweeping = True
+        eng.set_inputs_frozen(True)
+        try:
+            return _sweep(rg, site_list, patch, metric, progress, batch_sites, distributed, rows, skip_identical)
+        finally:
+            rg._sweeping = False
+            eng.set_inputs_frozen(False)
 
 
 def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, batch_sites: bool,

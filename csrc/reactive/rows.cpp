@@ -450,7 +450,9 @@ at::Tensor Engine::assemble_rows(int64_t id, const at::Tensor& cached, const at:
                      sc.buf.use_count() == 1 && sc.buf.storage().use_count() == 1 && version_of(sc.buf) == sc.version &&
                      sc.source.is(cached);
   if (!reuse) {
-    sc.buf = at::empty_like(cached, at::MemoryFormat::Contiguous);
+    // The cached value's strides where they are dense (a transposed view): a whole reader (a train-mode
+    // batch norm, a reduction) then reads the layout a full run hands it, so it sums in the same order.
+    sc.buf = at::empty_like(cached, at::MemoryFormat::Preserve);
     sc.state.assign(T, 0);
     sc.source.set(cached);
     sc.cols.clear();

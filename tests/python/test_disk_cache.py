@@ -422,3 +422,47 @@ def test_portable_key_bytes_refuse_any_object_and_ignore_sharing():
     assert _build_cache._portable_bytes(one) == _build_cache._portable_bytes(two)
     assert _build_cache._portable_bytes((1, "1")) != _build_cache._portable_bytes(("1", 1))
     assert _build_cache._portable_bytes((-0.0,)) != _build_cache._portable_bytes((0.0,))
+
+
+class _EnvScale(nn.Module):
+    """A forward that reads environment variables (os.environ.get, os.getenv): the trace bakes their values in."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x) * float(os.environ.get("TORCH_EXT_TEST_SCALE", "1.0"))
+        return torch.tanh(y) if os.getenv("TORCH_EXT_TEST_TANH") == "1" else y
+
+
+@pytest.mark.parametrize("disk", [True, False])
+def test_environment_variables_the_forward_reads_are_part_of_the_graph(cache_dir, monkeypatch, disk):
+    """A changed environment variable reused the graph traced with the old value, silently: from the in-process
+    and the on-disk build caches (neither key held it), and at demand() of a built graph. The variables the
+    forward reads are recorded during the trace: a cached graph traced with other values is traced again, and
+    a built graph refuses to compute once one of them changed."""
+    if not disk:
+        monkeypatch.setenv("TORCH_EXT_CACHE", "0")
+    monkeypatch.setenv("TORCH_EXT_TEST_SCALE", "2.0")
+    monkeypatch.delenv("TORCH_EXT_TEST_TANH", raising=False)
+    model, x = _EnvScale().eval(), torch.randn(3, 4)
+    first = torch_ext.ReactiveGraph(model, (x,))
+    assert first._env == {"TORCH_EXT_TEST_SCALE": "2.0", "TORCH_EXT_TEST_TANH": None}
+    for name, value in (("TORCH_EXT_TEST_SCALE", "3.0"), ("TORCH_EXT_TEST_TANH", "1")):
+        monkeypatch.setenv("TORCH_EXT_TEST_SCALE", "2.0")
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=rf"environment variable {name} the forward read is '{value}' now"):
+            first.demand()
+        if disk:
+            rg = _build(model, x)  # the in-process cache cleared: the disk entry is the one traced before
+        else:
+            rg = torch_ext.ReactiveGraph(model, (x,))
+            with torch.no_grad():
+                assert torch.equal(rg.demand(), model(x))
+        assert rg.build_stats["cache"] == "miss"
+    monkeypatch.setenv("TORCH_EXT_TEST_SCALE", "2.0")
+    monkeypatch.delenv("TORCH_EXT_TEST_TANH")
+    with torch.no_grad():
+        assert torch.equal(first.demand(), model(x))  # changed back: as traced

@@ -858,6 +858,40 @@ def test_sweep_sees_weights_written_where_the_version_does_not_move(resid, how, 
     rg.check_invariants()
 
 
+@pytest.mark.parametrize("read", ["demand", "value", "baseline", "patched_demand"])
+@pytest.mark.parametrize("how", ["data_mul", "numpy", "input_data"])
+def test_demand_and_value_see_writes_where_the_version_does_not_move(resid, how, read):
+    """rg.demand() / rg.value() / rg.baseline() after ``w.data.mul_(2)`` (or a write through ``.numpy()``, or
+    into the input's ``.data``) handed out the values cached from the old weights: only run(), sweep and
+    patching compared contents. Every read now compares them once per call (a fast content digest)."""
+    model, x = resid
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    t0, t1, t2 = _tanh_nodes(rg)
+    w = model.fc[1].weight
+    if how == "data_mul":
+        w.data.mul_(2.0)
+    elif how == "numpy":
+        w.detach().numpy()[0, 0] += 1.0
+    else:
+        x.data[1, 2] = -1.0
+    with torch.no_grad():
+        want = model(x)
+        if read == "demand":
+            assert torch.equal(rg.demand(), want)
+        elif read in ("value", "baseline"):
+            seen = {}
+            _eager(model, x, {2: lambda o: seen.setdefault("t2", o)})
+            assert torch.equal(getattr(rg, read)(t2), seen["t2"])
+            assert torch.equal(rg.demand(), want)
+        else:
+            rg.patch(t0, lambda v: v * 0.5)
+            ref = _eager(model, x, {0: lambda o: o * 0.5})
+            assert torch.equal(rg.demand(), ref)
+            rg.restore()
+            assert torch.equal(rg.demand(), want)
+    rg.check_invariants()
+
+
 class _Options(nn.Module):
     """forward(x, scale, flag): non-tensor inputs the trace computes with as constants."""
 
@@ -937,3 +971,50 @@ def test_run_and_demand_refuse_module_level_values_changed_after_build(change, m
             call()
     monkeypatch.undo()
     assert torch.equal(rg.run(x), model(x))  # changed back: computes again
+
+
+class _Mode(nn.Module):
+    """forward(x, mode: str): a string input the trace computes with as a constant."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, mode: str = "plain"):
+        y = self.lin(x)
+        return torch.tanh(y) * 2 if mode == "tanh" else y
+
+
+def test_string_inputs_are_imported_as_the_constants_they_are(tmp_path, monkeypatch):
+    """forward(x, mode="tanh"): the importer refused the program ("value of type str is not supported"). A
+    string input is specialised by export (nothing in the graph reads it): each value has its graph (a
+    module's graph moves to it, an ExportedProgram refuses another value), the disk cache included."""
+    monkeypatch.setenv("TORCH_EXT_CACHE_DIR", str(tmp_path))
+    model, x = _Mode().eval(), torch.randn(2, 4)
+    rg = torch_ext.ReactiveGraph(model, (x,), example_kwargs={"mode": "tanh"})
+    assert rg.build_stats["disk_cache"] == "stored"
+    with torch.no_grad():
+        for mode in ("tanh", "plain", "tanh"):
+            assert torch.equal(rg.run(x, mode=mode), model(x, mode=mode)), mode
+        ep = torch.export.export(model, (x,), {"mode": "tanh"})
+        rg = torch_ext.ReactiveGraph(ep)
+        assert torch.equal(rg.run(x, mode="tanh"), model(x, mode="tanh"))
+        with pytest.raises(ValueError, match="exported with the constant 'tanh'"):
+            rg.run(x, mode="plain")
+
+
+def test_a_submodule_added_after_the_build_is_refused(resid):
+    """``model.fc.append(nn.Linear(8, 8))`` after the build: eager iterates the new layer, the graph never ran
+    it, and demand() handed back the old outputs silently (submodules were checked by identity, per name
+    present at the build; a new name was not seen). Patching rebuilds its graph instead."""
+    model, x = resid
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    model.fc.append(nn.Linear(8, 8))
+    with pytest.raises(ValueError, match=r"model\.fc has submodules \(0, 1, 2, 3\) now, submodules \(0, 1, 2\) when"):
+        rg.demand()
+    with pytest.raises(ValueError, match="submodules"):
+        rg.run(x)
+    del model.fc[3]
+    with torch.no_grad():
+        assert torch.equal(rg.demand(), model(x))  # as built again

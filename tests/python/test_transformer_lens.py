@@ -330,3 +330,32 @@ def test_patching_skips_sites_whose_patch_changes_nothing(bridge, name, hook):
                 want += 0 if same else cone
     assert skipped >= 2 * (4 if "head" in name else 1) * 2  # at least positions 0 and 1 of both layers
     assert rg.stats["evaluations"] - before == want
+
+
+@pytest.fixture(scope="module")
+def rms_bridge():
+    cfg = tl.TransformerBridgeConfig(n_layers=2, d_model=16, n_heads=4, d_head=4, d_mlp=24, n_ctx=16, d_vocab=31,
+                                     act_fn="silu", normalization_type="RMS", seed=2)
+    model = tl.TransformerBridge.boot_native(cfg).eval()
+    model(torch.zeros(1, 2, dtype=torch.long))  # a fresh RMS bridge's first trace fails in TransformerLens (weakref)
+    return model
+
+
+@pytest.mark.parametrize("name", ["get_act_patch_resid_pre", "get_act_patch_attn_head_q_by_pos",
+                                  "get_act_patch_block_every"])
+def test_rms_norm_bridge_equals_transformer_lens(rms_bridge, name):
+    """An RMSNorm bridge runs HF's norm (x * rsqrt) only while its hook_scale / hook_normalized hand back the
+    very tensor they got; the trace's hook markers are new tensors, so the graph took the bridge's edit path
+    (x / sqrt) and every sweep differed from TransformerLens in the last bits. Those two observation hooks are
+    no longer markers (not patchable sites); the graph computes what eager computes."""
+    clean = torch.randint(0, 31, (3, 7), generator=torch.Generator().manual_seed(0))
+    corrupted = clean.clone()
+    corrupted[:, 0] = (corrupted[:, 0] + 5) % 31
+    _, clean_cache = rms_bridge.run_with_cache(clean)
+    expected = getattr(tl_patching, name)(rms_bridge, corrupted, clean_cache, _metric)
+    got = getattr(patching, name)(rms_bridge, corrupted, clean_cache, _metric)
+    assert torch.equal(got, expected)
+    rg = torch_ext.ReactiveGraph(rms_bridge, (corrupted,))
+    with torch.no_grad():
+        assert torch.equal(rg.demand(), rms_bridge(corrupted))
+    assert "blocks.0.ln1.hook_normalized" not in rg.hook_names
