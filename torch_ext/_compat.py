@@ -755,12 +755,36 @@ def python_random_draws():
 
 
 @contextlib.contextmanager
+def global_module_hooks_restored():
+    """Removes the global module hooks torch.export registers and leaves behind when the trace raises:
+    torch 2.9's non-strict export adds a buffer-registration hook (register_buffer_assignment_hook) and
+    removes it only on success. The leaked hook kept the traced module alive and sat in the global hook
+    tables, which every later build-cache key reads (a refused step made every later ReactiveGraph
+    uncacheable on disk)."""
+    from torch.nn.modules import module as nn_module
+
+    tables = [getattr(nn_module, name) for name in ("_global_buffer_registration_hooks",
+                                                    "_global_module_registration_hooks",
+                                                    "_global_parameter_registration_hooks")
+              if isinstance(getattr(nn_module, name, None), dict)]
+    before = [set(t) for t in tables]
+    try:
+        yield
+    finally:
+        for table, keys in zip(tables, before):
+            for k in [k for k in table if k not in keys]:
+                del table[k]
+
+
+@contextlib.contextmanager
 def step_export():
     """Everything the pure step's export runs inside, so it traces what eager computes: the code tracing
     cannot record, listed into the yielded list (backward_only_code), eager's attention masks,
-    checkpoints inlined, inference_mode as no_grad, and gradients computed in forward refused."""
+    checkpoints inlined, inference_mode as no_grad, and gradients computed in forward refused; and no
+    global module hook left behind by a failed trace."""
     with backward_only_code() as found, eager_attention_masks(), inline_reentrant_checkpoints(), \
-            inference_mode_as_no_grad(), refuse_autograd_in_trace(), rnn_dropout_between_layers():
+            inference_mode_as_no_grad(), refuse_autograd_in_trace(), rnn_dropout_between_layers(), \
+            global_module_hooks_restored():
         yield found
 
 
@@ -1146,6 +1170,8 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
     traced_vars = [(m, dict(vars(m))) for m in torch.nn.Module.modules(module)]
     rnn_fix = rnn_dropout_between_layers()
     rnn_fix.__enter__()
+    hooks_fix = global_module_hooks_restored()
+    hooks_fix.__enter__()
     try:
         if front_end != "export":
             try:
@@ -1157,6 +1183,7 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
         if used == "export":
             ep = torch.export.export(module, args, kwargs or {})
     finally:
+        hooks_fix.__exit__(None, None, None)
         rnn_fix.__exit__(None, None, None)
         for h in handles:
             h.remove()

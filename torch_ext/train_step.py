@@ -176,13 +176,14 @@ def _write_rebound_buffers(held: list) -> None:
     is a buffer mutation like ``self.prev.copy_(...)``: an output of the program, the next step's state.
     ``held``: (path, module, name, buffer) as forward started."""
     for path, mod, key, was in held:
-        now = mod._buffers.get(key, _MISSING)
-        if now is was:
+        deleted = key not in mod._buffers
+        now = mod._buffers.get(key)
+        if now is was and not deleted:
             continue
         name = f"{path}.{key}" if path else key
         if was is None or not isinstance(now, torch.Tensor) or now.shape != was.shape or now.dtype != was.dtype:
             got = (f"a tensor of shape {tuple(now.shape)} and dtype {now.dtype}" if isinstance(now, torch.Tensor)
-                   else "(deleted)" if now is _MISSING else repr(type(now).__name__))
+                   else "(deleted)" if deleted else repr(type(now).__name__))
             had = f"shape {tuple(was.shape)} and dtype {was.dtype}" if was is not None else "None"
             raise ValueError(f"forward rebinds buffer '{name}' ({had}) to {got}: the step's state keeps each buffer's "
                              "shape and dtype from one step to the next, so only a rebinding to the same shape and "

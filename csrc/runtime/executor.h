@@ -1,7 +1,8 @@
 // One-shot dispatcher executor: runs every call node of a graph in order
 // through its BoundKernel and frees each value right after its last use. The
 // optimizer updates' fresh results come from a ResultPool, so the state a run
-// returns is recycled by a later run once the caller drops it.
+// returns is recycled by a later run once the caller drops it; every other CPU
+// block the run allocates comes from a CallPool, so the next run reuses it warm.
 //
 // Inputs are given in placeholder order. Tensor inputs are checked against the
 // placeholder's dtype and shape (a clear error names the placeholder); the
@@ -9,6 +10,7 @@
 #pragma once
 
 #include "ir/graph.h"
+#include "runtime/call_pool.h"
 #include "runtime/kernel.h"
 #include "runtime/result_pool.h"
 #include "runtime/run_loop.h"
@@ -30,6 +32,8 @@ class Executor {
   size_t num_inputs() const { return placeholders_.size(); }
   // The memory the optimizer updates' results are recycled through (result_pool.h).
   const ResultPool& result_pool() const { return *pool_; }
+  // The memory every other CPU allocation of a run is recycled through (call_pool.h).
+  const CallPool& call_pool() const { return *call_pool_; }
   // Steps that may run their in-place variant on an input that dies there (each checked, when it
   // runs, to hold the input's only reference; else its functional kernel runs).
   size_t inplace_steps() const { return inplace_kernels_.size(); }
@@ -43,6 +47,7 @@ class Executor {
   std::vector<int64_t> release_inputs_;       // placeholder slots no call reads
   std::vector<ir::Arg> outputs_;
   std::unique_ptr<ResultPool> pool_ = std::make_unique<ResultPool>();
+  std::unique_ptr<CallPool> call_pool_ = std::make_unique<CallPool>();
 };
 
 // Checks a runtime value against a placeholder's type; throws naming `what`.

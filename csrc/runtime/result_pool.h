@@ -34,25 +34,20 @@ class ResultPool {
   ResultPool(const ResultPool&) = delete;
   ResultPool& operator=(const ResultPool&) = delete;
 
-  struct State;  // shared with the blocks' deleters
-
   // One run's allocator: install it with optim::ResultAllocatorGuard for the run; on destruction it
-  // raises the pool's cap to the most bytes in use from the pool at once so far.
+  // raises the pool's cap to the bytes this run took.
   class Run final : public optim::ResultAllocator {
    public:
     explicit Run(const ResultPool& pool) : pool_(pool) {}
     ~Run() override;
     at::Tensor empty_like(const at::Tensor& t) override;
 
-    // A block of `nbytes` from the pool (or freshly allocated), counted towards this run's cap.
-    void* take(size_t nbytes);
-    std::shared_ptr<State> pool_state() const;
-
    private:
     const ResultPool& pool_;
-    friend class PooledAllocations;
+    int64_t taken_ = 0;
   };
 
+  struct State;  // shared with the blocks' deleters
 
   // Bytes in the free lists now (for tests).
   int64_t cached_bytes() const;
@@ -61,27 +56,6 @@ class ResultPool {
 
  private:
   std::shared_ptr<State> state_;
-};
-
-// While alive on a thread, the CPU allocations of at least kPooledMinBytes that the kernels make on
-// that thread (their results, their scratch) come from `run`'s pool too, not only the optimizer's
-// results: a step's activations and gradients reuse the blocks the previous call freed. glibc hands
-// memory back to the OS at the top of its heap and for large blocks, so without it a ResNet-18 step on
-// the executor first-touched 3,400-8,600 fresh pages in its convolution kernels each call (none for
-// eager in the same process, whose heap happened to settle), about 5% of the step. The process's CPU
-// allocator is wrapped once (c10::SetCPUAllocator); outside a guard, and on other threads, every
-// allocation goes to the allocator it wrapped. A pooled block's deleter puts it back into its pool,
-// from any thread, whenever its last tensor dies; raw_allocate users (oneDNN's scratch) get the same.
-class PooledAllocations {
- public:
-  static constexpr size_t kPooledMinBytes = 64 * 1024;  // smaller blocks stay in glibc's bins, warm anyway
-  explicit PooledAllocations(ResultPool::Run& run);
-  ~PooledAllocations();
-  PooledAllocations(const PooledAllocations&) = delete;
-  PooledAllocations& operator=(const PooledAllocations&) = delete;
-
- private:
-  ResultPool::Run* previous_;
 };
 
 }  // namespace torch_ext::runtime

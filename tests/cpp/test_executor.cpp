@@ -1,9 +1,6 @@
 // The dispatcher executor on hand-written text IR.
 #include "ir/parser.h"
 #include "runtime/executor.h"
-#include "runtime/result_pool.h"
-
-#include <c10/core/CPUAllocator.h>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -119,7 +116,7 @@ TEST(Executor, PointwiseStepsLeaveInputsThatAViewStillReads) {
   EXPECT_TRUE(at::equal(ex.run({x})[0].toTensor(), a + at::relu(a)));
 }
 
-// Kernel results of a run come from the executor's pool (runtime::PooledAllocations): a second run
+// Kernel results of a run come from the executor's CallPool: a second run
 // reuses the blocks the first one freed, and results the caller keeps stay valid after the executor.
 TEST(Executor, KernelResultsReuseThePoolsBlocksAcrossRuns) {
   auto g = ir::parse(R"(graph:
@@ -136,32 +133,12 @@ TEST(Executor, KernelResultsReuseThePoolsBlocksAcrossRuns) {
   {
     runtime::Executor ex(*g);
     auto first = ex.run({x});
-    const int64_t reused_before = ex.result_pool().reused_blocks();
+    const int64_t reused_before = ex.call_pool().reused_blocks();
     first.clear();  // the caller drops the first results: their blocks go back to the pool
     auto second = ex.run({x});
-    EXPECT_GT(ex.result_pool().reused_blocks(), reused_before);
+    EXPECT_GT(ex.call_pool().reused_blocks(), reused_before);
     EXPECT_TRUE(at::equal(second[1].toTensor(), at::mm(x, x)));
     kept = second[1].toTensor();
   }
   EXPECT_TRUE(at::equal(kept, at::mm(x, x)));  // outlives the executor and its pool
-}
-
-// oneDNN allocates its scratch with raw_allocate: a pooled block handed out raw is given back through
-// raw_deleter, and outside a guard the wrapped allocator's blocks are freed by its own deleter.
-TEST(PooledAllocations, RawAllocationsInsideAndOutsideARun) {
-  runtime::ResultPool pool;
-  for (int call = 0; call < 2; ++call) {  // the first call sets the cap (its peak), the second keeps the block
-    runtime::ResultPool::Run run(pool);
-    runtime::PooledAllocations guard(run);
-    c10::Allocator* cpu = c10::GetCPUAllocator();
-    void* p = cpu->raw_allocate(1 << 20);
-    static_cast<char*>(p)[(1 << 20) - 1] = 1;
-    cpu->raw_deallocate(p);
-  }
-  EXPECT_EQ(pool.cached_bytes(), 1 << 20);
-  EXPECT_EQ(pool.reused_blocks(), 0);
-  c10::Allocator* cpu = c10::GetCPUAllocator();
-  void* q = cpu->raw_allocate(1 << 20);  // no guard: the wrapped allocator's block
-  cpu->raw_deallocate(q);
-  EXPECT_EQ(pool.cached_bytes(), 1 << 20);
 }

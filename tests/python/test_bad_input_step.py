@@ -358,3 +358,27 @@ def test_a_tensor_lr_the_step_accepts_matches_eager_bit_for_bit(make):
     # scheduler keeps it (LRScheduler fills a tensor lr in place).
     assert step.optimizers[0].param_groups[0]["lr"] is lr_before
     assert float(lr_before) == float(opt.param_groups[0]["lr"])
+
+
+def test_a_failed_trace_leaves_no_global_module_hook_behind():
+    # torch 2.9's non-strict export registers a global buffer-registration hook and removes it only when
+    # the trace succeeds: the leaked hook kept the module alive and sat in the hook tables every later
+    # build-cache key reads (a refused step made later ReactiveGraphs uncacheable on disk).
+    from torch.nn.modules import module as nn_module
+
+    class Boom(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            raise RuntimeError("boom in forward")
+
+    before = dict(nn_module._global_buffer_registration_hooks)
+    model = Boom()
+    with pytest.raises(RuntimeError, match="boom in forward"):
+        torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  lambda m, x: m(x).sum(), (torch.randn(2, 3),))
+    with pytest.raises(RuntimeError, match="boom in forward"):
+        torch_ext.ReactiveGraph(model, (torch.randn(2, 3),))
+    assert dict(nn_module._global_buffer_registration_hooks) == before
