@@ -85,6 +85,23 @@ std::optional<InplaceVariant> find_inplace_variant(const Node& node) {
   return InplaceVariant{*c10::Dispatcher::singleton().findOp(found[0].first), std::move(found[0].second)};
 }
 
+const Node* overwritten_input(const Node& node, const InplaceVariant& variant) {
+  if (variant.written_args.size() != 1 || variant.op.schema().returns().size() != 1) return nullptr;
+  const size_t w = variant.written_args[0];
+  if (w >= node.args().size() || node.args()[w].kind != Arg::Kind::Node) return nullptr;
+  const Node* input = node.args()[w].node;
+  int64_t uses = 0;
+  for (const Arg& a : node.args()) a.for_each_node([&](const Node* x) { uses += x == input; });
+  for (const auto& kv : node.kwargs()) kv.second.for_each_node([&](const Node* x) { uses += x == input; });
+  if (uses != 1 || !input->type().is_tensor() || !node.type().is_tensor()) return nullptr;
+  const TensorMeta& in = input->type().tensor;
+  const TensorMeta& out = node.type().tensor;
+  if (in.sizes != out.sizes || in.strides != out.strides || in.dtype != out.dtype || in.device != out.device ||
+      out.numel() == 0)
+    return nullptr;
+  return input;
+}
+
 std::optional<OutVariant> find_out_variant(const Node& node) {
   if (node.kind() != NodeKind::Call || node.target().is_builtin()) return std::nullopt;
   if (out_kernel_writes_scratch(node.target())) return std::nullopt;

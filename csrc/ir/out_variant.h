@@ -40,4 +40,11 @@ struct InplaceVariant {
 // stays ambiguous.
 std::optional<InplaceVariant> find_inplace_variant(const Node& node);
 
+// The input `node` would overwrite by running `variant` instead: the one argument the variant writes
+// (it returns only that), given through no other argument or keyword (a variant reading what it
+// already wrote gives other values, or refuses: index_put_(b, [b], b)), whose declared layout (sizes,
+// strides, dtype, device) is the result's, so the bits and the layout are the functional kernel's;
+// nullptr otherwise. Whether the input is dead there and unaliased is the runtime's to decide.
+const Node* overwritten_input(const Node& node, const InplaceVariant& variant);
+
 }  // namespace torch_ext::ir

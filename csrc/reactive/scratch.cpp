@@ -167,25 +167,12 @@ void Engine::plan_inplace(PatchPlan& plan, const std::vector<int64_t>& end, cons
     // The input: computed in this cone by a kernel that allocates it (not in the scratch, no alias of
     // another value), read by nothing after this step (through any alias), and not an output.
     if (in_scratch[j] || escapes[j] || end[j] != static_cast<int64_t>(i) || input.target().is_builtin() ||
-        ir::is_higher_order(input.target()) || may_alias_input(input) || input.type().kind != ir::Type::Kind::Tensor)
-      continue;
-    const ir::TensorMeta& in = input.type().tensor;
-    const ir::TensorMeta& out = node.type().tensor;
-    if (in.sizes != out.sizes || in.strides != out.strides || in.dtype != out.dtype || in.device != out.device ||
-        out.numel() == 0)
+        ir::is_higher_order(input.target()) || may_alias_input(input))
       continue;
     const auto key = "inplace|" + node.target().str();
     auto it = inplace_variants_.find(key);
     if (it == inplace_variants_.end()) it = inplace_variants_.emplace(key, ir::find_inplace_variant(node)).first;
-    if (!it->second.has_value() || it->second->written_args.size() != 1 || it->second->op.schema().returns().size() != 1)
-      continue;
-    // The written argument must be the node's tensor input, given in no other argument: a variant
-    // reading what it already wrote gives other values, or refuses (index_put_(b, [b], b)).
-    const size_t w = it->second->written_args[0];
-    if (w >= node.args().size() || node.args()[w].kind != ir::Arg::Kind::Node || node.args()[w].node != &input) continue;
-    int64_t uses = 0;
-    for (const ir::Arg& a : node.args()) a.for_each_node([&](const ir::Node* x) { uses += x == &input; });
-    if (uses != 1) continue;
+    if (!it->second.has_value() || ir::overwritten_input(node, *it->second) != &input) continue;
     plan.inplace_steps.push_back(i);
     plan.inplace_inputs.push_back(inputs[0]);
     plan.inplace_kernels.push_back(runtime::BoundKernel::bind_as(

@@ -29,31 +29,18 @@ std::optional<ir::InplaceVariant> inplace_variant_of(const ir::Node& node) {
   return it->second;
 }
 
-// The input `node` may overwrite with its in-place variant, or nullptr. Only pointwise ops: their
-// in-place variant runs the same elementwise kernel on the same operands, so the bits are the
-// functional kernel's. The input must be computed by a call node (never a caller's tensor), given
-// through exactly one argument (the written one), read for the last time here, and no output; its
-// declared layout must be the result's (no broadcast into a larger result, no dtype promotion).
-// Aliasing is checked where the step runs (runtime::sole_owner): a view, a tuple element still held
-// or anything else sharing the storage sends the step to its functional kernel.
+// The input `node` may overwrite with its in-place variant (ir::overwritten_input), or nullptr. Only
+// pointwise ops: their in-place variant runs the same elementwise kernel on the same operands, so the
+// bits are the functional kernel's. The input must be computed by a call node (never a caller's
+// tensor); that it dies there and is no output is the constructor's check. Aliasing is checked where
+// the step runs (runtime::sole_owner): a view, a tuple element still held or anything else sharing
+// the storage sends the step to its functional kernel.
 const ir::Node* overwritable_input(const ir::Node& node, const std::optional<ir::InplaceVariant>& variant) {
-  if (!variant || variant->written_args.size() != 1 || variant->op.schema().returns().size() != 1) return nullptr;
+  if (!variant) return nullptr;
   const auto functional = ir::find_op(node.target());
   if (!functional || !functional->hasTag(at::Tag::pointwise) || functional->schema().is_mutable()) return nullptr;
-  const size_t w = variant->written_args[0];
-  if (w >= node.args().size() || node.args()[w].kind != ir::Arg::Kind::Node) return nullptr;
-  const ir::Node* input = node.args()[w].node;
-  int64_t uses = 0;
-  for (const ir::Arg& a : node.args()) a.for_each_node([&](const ir::Node* x) { uses += x == input; });
-  for (const auto& kv : node.kwargs()) kv.second.for_each_node([&](const ir::Node* x) { uses += x == input; });
-  if (uses != 1 || input->kind() != ir::NodeKind::Call || !input->type().is_tensor() || !node.type().is_tensor())
-    return nullptr;
-  const ir::TensorMeta& in = input->type().tensor;
-  const ir::TensorMeta& out = node.type().tensor;
-  if (in.sizes != out.sizes || in.strides != out.strides || in.dtype != out.dtype || in.device != out.device ||
-      out.numel() == 0)
-    return nullptr;
-  return input;
+  const ir::Node* input = ir::overwritten_input(node, *variant);
+  return input != nullptr && input->kind() == ir::NodeKind::Call ? input : nullptr;
 }
 
 }  // namespace
@@ -133,18 +120,24 @@ Executor::Executor(const ir::Graph& graph) : graph_(graph.clone()) {
   // Pointwise steps whose input dies there write into it, as eager's in-place modules do
   // (nn.ReLU(inplace=True), a residual `out += identity`): no fresh activation-sized buffer, and the
   // write goes to memory the step has just read.
-  std::vector<std::pair<size_t, const ir::Node*>> inplace;
+  struct Overwrite {
+    size_t step;
+    const ir::Node* input;
+    c10::OperatorHandle op;
+  };
+  std::vector<Overwrite> inplace;
   for (size_t k = 0; k < steps_.size(); ++k) {
     const ir::Node& node = *nodes[steps_[k].out];
     if (node.target().is_builtin() || ir::is_higher_order(node.target())) continue;
-    const ir::Node* input = overwritable_input(node, inplace_variant_of(node));
+    const auto variant = inplace_variant_of(node);
+    const ir::Node* input = overwritable_input(node, variant);
     if (input == nullptr || is_output[input->index()] || last_use[input->index()] != static_cast<int64_t>(k)) continue;
-    inplace.emplace_back(k, input);
+    inplace.push_back({k, input, variant->op});
   }
   inplace_kernels_.reserve(inplace.size());  // the steps point into it
-  for (const auto& [k, input] : inplace) {
+  for (const auto& [k, input, op] : inplace) {
     const ir::Node& node = *nodes[steps_[k].out];
-    inplace_kernels_.push_back(BoundKernel::bind_as(node, inplace_variant_of(node)->op, nullptr, {}));
+    inplace_kernels_.push_back(BoundKernel::bind_as(node, op, nullptr, {}));
     steps_[k].fallback = steps_[k].kernel;
     steps_[k].kernel = &inplace_kernels_.back();
     steps_[k].overwrites = input->index();
