@@ -110,3 +110,42 @@ def test_ranks_that_differ_are_refused_not_merged(tmp_path, how, what):
     for rank in range(world):
         outcome = (tmp_path / f"rank{rank}.txt").read_text()
         assert outcome.startswith(f"sweep(distributed=True): rank(s) [1] hold other {what}"), outcome
+
+
+_FREED_AT_DESTROY = r'''
+import gc, os, sys, tempfile
+import torch_ext  # before the group, as a script imports it
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from helpers import ResidTanh, position_patch
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+torch.set_num_threads(1)
+before = threads()
+dist.init_process_group("gloo", init_method="file://" + os.path.join(tempfile.mkdtemp(), "init"), rank=0, world_size=1)
+rg = torch_ext.ReactiveGraph(ResidTanh(4).eval(), (torch.randn(2, 5, 8),), cache=False)  # traced with the group alive
+sites = [(n, p) for n in rg.nodes("tanh*") for p in range(5)]
+torch_ext.sweep(rg, sites, position_patch(0.25), lambda out: out[:, -1].sum(), progress=False, distributed=True)
+dist.destroy_process_group()
+gc.collect()
+print(before, threads())
+'''
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_destroy_process_group_frees_gloo_threads_after_a_traced_sweep(tmp_path):
+    # torch 2.9's dynamo, first imported by a trace while the group was alive, kept the group past
+    # destroy_process_group: gloo's worker threads lived into interpreter exit, where one releasing a Python
+    # tensor aborted the process now and then (SIGABRT, "terminate called without an active exception").
+    import subprocess
+    import sys
+
+    script = tmp_path / "freed.py"
+    script.write_text(_FREED_AT_DESTROY)
+    run = subprocess.run([sys.executable, str(script), os.path.dirname(__file__)], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "TORCH_EXT_CACHE": "0"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    before, after = map(int, run.stdout.strip().splitlines()[-1].split())
+    assert after == before, f"{after - before} threads left after destroy_process_group"
