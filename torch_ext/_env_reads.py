@@ -6,7 +6,8 @@ variable keeps that value. The reads are recorded during the trace (every read g
 ``os._Environ.__getitem__``), kept with the graph and its build-cache entries, and compared at every
 use: a changed variable rebuilds the graph (build caches, ``patching``) or is refused (``run``,
 ``demand``), never answered with the old program. Reads by Python's and installed packages' own code
-(torch's flags) are not recorded: only code outside them is the model's.
+(torch's flags) are not recorded: only code outside them is the model's. Nor are reads inside a region dynamo traces (a
+``torch.cond`` branch): dynamo cannot trace the frame walk that tells the model's code from a library's.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import contextlib
 import os
 import sys
 import threading
+
+import torch
 
 _LOCK = threading.Lock()
 _SKIP_MODULES = frozenset({"os", "_collections_abc", "collections.abc", __name__})
@@ -42,7 +45,9 @@ def recording():
         original = cls.__getitem__
 
         def getitem(self, key):
-            if self is not os.environ or not _from_user_code():
+            # Under dynamo (torch.cond's branches are traced by dynamo even in non-strict export) the frame
+            # walk cannot be traced: such a read is not recorded. (is_compiling() is true in any export.)
+            if self is not os.environ or torch.compiler.is_dynamo_compiling() or not _from_user_code():
                 return original(self, key)
             try:
                 value = original(self, key)

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from . import _C, _compat, _module_state, optim
+from . import _C, _compat, _env_reads, _module_state, optim
 from .ir import Graph
 
 _MODEL_PREFIX = "model."
@@ -702,10 +702,13 @@ class TrainStep:
                             "gradients inside its program, so eager training and the step would differ; remove the "
                             "hooks (clip with clip_grad_norm=) or train eagerly")
 
+        env_reads: dict = {}  # environment variables the forward read while traced: the program bakes them in
+
         def export():
             from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-            with _compat.step_export() as found, _compat.python_random_draws() as drawn:
+            with _compat.step_export() as found, _compat.python_random_draws() as drawn, \
+                    _env_reads.recording() as env:
                 try:
                     ep = torch.export.export(wrapper, _compat.distinct_inputs(self._example_batch))  # (x, x): two inputs
                 except GuardOnDataDependentSymNode as e:
@@ -728,6 +731,8 @@ class TrainStep:
                         "the values of its inputs, and the pure step is one program of static shapes. Compute this "
                         "part of the loss outside the step, or with ops whose result shapes follow their inputs' "
                         "shapes") from e
+            for name, value in env.items():
+                env_reads.setdefault(name, value)
             if drawn:
                 raise TypeError(
                     f"the model or loss_fn draws random numbers from {' and '.join(drawn)} while traced: the program "
@@ -760,6 +765,7 @@ class TrainStep:
             else:
                 _module_state.put(before, changed, new=False)
         self._module_snapshot = _module_state.attributes(model)  # what the program was traced with
+        self._env_reads = env_reads
         self._hook_snapshot = _module_state.Hooks(model, gradients=True, optimizers=optimizers)
         if changed:  # forward changed Python state: eager sees it change every call, the program never
             raise TypeError("forward changes module attributes the program would bake in once: "
@@ -1074,6 +1080,10 @@ class TrainStep:
                                  "place after make_train_step; eager training would use its new value, the program "
                                  "bakes in the value it was built with: build a new step (make_train_step) after "
                                  "changing it")
+        env = _env_reads.changed(self._env_reads)
+        if env:
+            raise ValueError(f"{_env_reads.message(env, 'the step was built')}: eager training would follow it; build "
+                             "a new step (make_train_step) after changing it, or change it back")
         hook_change = self._hook_snapshot.message("the step was built")
         if hook_change:
             raise ValueError(f"{hook_change}: build a new step (make_train_step) after changing hooks, or change "

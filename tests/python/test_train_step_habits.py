@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import os
 import types
 import warnings
 
@@ -1985,3 +1986,48 @@ def test_an_in_place_write_to_a_plain_tensor_attribute_is_refused_naming_it(no_g
     with pytest.raises(ValueError, match=r"forward writes in place into 'ema', a tensor attribute that is neither a "
                                          r"parameter nor a buffer.*register_buffer"):
         torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), lm_loss, next(lm_batches()))
+
+
+class _EnvScaled(nn.Module):
+    """Reads an environment variable in forward, as a config switch would."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        scale = float(os.environ.get("TORCH_EXT_TEST_SCALE", "1.0"))
+        return self.fc(x) * scale
+
+
+def test_environment_variable_read_in_forward_is_checked_at_every_call(monkeypatch):
+    # The trace computes with the value read once: after the variable changed, eager trained with the new
+    # value and the step silently with the old one.
+    monkeypatch.setenv("TORCH_EXT_TEST_SCALE", "2.0")
+    model = _EnvScaled()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = torch_ext.make_train_step(model, opt, _mse, _XY)
+    state = step.init_state()
+    loss, state = step(state, *_XY)
+    monkeypatch.setenv("TORCH_EXT_TEST_SCALE", "3.0")
+    message = r"environment variable TORCH_EXT_TEST_SCALE the forward read is '3.0' now, '2.0' when the step was built"
+    with pytest.raises(ValueError, match=message):
+        step(state, *_XY)
+    with pytest.raises(ValueError, match=message):
+        step.compile(plan=False)(state, *_XY)
+    monkeypatch.delenv("TORCH_EXT_TEST_SCALE")
+    with pytest.raises(ValueError, match="is unset now, '2.0' when the step was built"):
+        step(state, *_XY)
+    monkeypatch.setenv("TORCH_EXT_TEST_SCALE", "2.0")  # changed back: accepted, and the state is untouched
+    step(state, *_XY)
+
+
+def test_environment_variable_unset_at_build_is_recorded_as_unset(monkeypatch):
+    monkeypatch.delenv("TORCH_EXT_TEST_SCALE", raising=False)
+    model = _EnvScaled()
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _mse, _XY)
+    state = step.init_state()
+    step(state, *_XY)
+    monkeypatch.setenv("TORCH_EXT_TEST_SCALE", "1.0")
+    with pytest.raises(ValueError, match="TORCH_EXT_TEST_SCALE the forward read is '1.0' now, unset when"):
+        step(state, *_XY)
