@@ -20,7 +20,7 @@ struct CallPool::State : BlockCache {};
 
 struct CallPool::Scope::Frame {
   std::shared_ptr<CallPool::State> state;
-  int64_t taken = 0;  // bytes handed out in this scope
+  int64_t fresh = 0;  // bytes newly allocated in this scope (not served from the free lists)
   Frame* outer = nullptr;
 };
 
@@ -62,11 +62,16 @@ void give_back(void* ptr) {
 }
 
 c10::DataPtr pooled(CallPool::Scope::Frame& f, size_t nbytes) {
-  f.taken += static_cast<int64_t>(nbytes);
-  // The cap grows during the first call, so that call's freed intermediates are kept already.
-  f.state->raise_cap(f.taken);
   void* ptr = f.state->take(nbytes);
-  if (ptr == nullptr) ptr = c10::alloc_cpu(nbytes);
+  if (ptr == nullptr) {
+    ptr = c10::alloc_cpu(nbytes);
+    // The cap is the most bytes one scope allocated afresh: the blocks a call of that program needs
+    // to run warm. It grows during the first call, so that call's freed intermediates are kept
+    // already. (Not the bytes a scope takes, reused blocks included: many times that, and with several
+    // batch shapes the free lists filled up to it.)
+    f.fresh += static_cast<int64_t>(nbytes);
+    f.state->raise_cap(f.fresh);
+  }
   {
     std::lock_guard<std::mutex> lock(in_use_mutex);
     in_use()[ptr] = InUse{f.state, nbytes};

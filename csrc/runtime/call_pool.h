@@ -16,7 +16,7 @@
 // allocator is registered, nothing is installed and the scope pools nothing (installed() says so).
 //
 // Invariants: a block is in the free lists only after its last tensor died; the pool keeps at most
-// `cap` bytes there (the most bytes one scope took from it), the rest goes back to c10::free_cpu;
+// `cap` bytes there (the most bytes one scope allocated afresh), the rest goes back to c10::free_cpu;
 // blocks outlive the pool safely (each holds the shared state); after release() or destruction
 // every cached block is freed, and blocks in use are freed when they die. Allocations are reported
 // to the profiler as c10's CPU allocator reports them.

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <thread>
+#include <vector>
 
 using torch_ext::runtime::CallPool;
 
@@ -63,9 +64,30 @@ TEST(CallPool, AnOutputKeptPastTheScopeIsNotHandedOutAgain) {
     EXPECT_NE(t.data_ptr(), kept.data_ptr());
   }
   EXPECT_TRUE(at::equal(kept, at::full({kFloats}, 7.0f)));
-  // Dies after the scope: freed, since the pool already caches the most one scope took (4 MiB).
+  // Dies after the scope: freed, since the pool already caches the most one scope allocated afresh (4 MiB).
   kept.reset();
   EXPECT_EQ(pool.cached_bytes(), kFloats * 4);
+}
+
+TEST(CallPool, KeepsAtMostWhatOneScopeAllocatedAfreshNotWhatItTook) {
+  // A call takes many blocks it already reused (here the same block ten times); capped by the bytes
+  // taken, the free lists grew to that over calls of other shapes, many times what one call needs.
+  CallPool pool;
+  {
+    CallPool::Scope scope(pool);
+    for (int i = 0; i < 10; ++i) at::Tensor t = at::empty({kFloats});  // one fresh block, nine reuses
+  }
+  EXPECT_EQ(pool.fresh_blocks(), 1);
+  EXPECT_EQ(pool.cached_bytes(), kFloats * 4);
+  {
+    CallPool::Scope scope(pool);  // another shape: three blocks of half the size, alive together
+    std::vector<at::Tensor> halves;
+    for (int i = 0; i < 3; ++i) halves.push_back(at::empty({kFloats / 2}));
+  }
+  // This scope allocated 1.5 blocks' worth afresh: that is the cap; the first half block fits beside
+  // the cached whole one, the other two are freed.
+  EXPECT_EQ(pool.fresh_blocks(), 4);
+  EXPECT_EQ(pool.cached_bytes(), kFloats * 4 * 3 / 2);
 }
 
 TEST(CallPool, OutsideAScopeAndOnOtherThreadsNothingIsPooled) {
