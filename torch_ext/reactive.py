@@ -756,6 +756,18 @@ class ReactiveGraph:
             self._take_untracked_writes()
             return self._engine.value(self.resolve(node))
 
+    def values(self, nodes: Iterable[str]) -> dict[str, torch.Tensor]:
+        """{name: current value} for many nodes or hook names, as :meth:`value` gives each, with the weights
+        and inputs compared by content once for all of them instead of once per name (~20 ms on GPT-2
+        small: reading every node of a model one :meth:`value` at a time paid that per node)."""
+        names = list(nodes)
+        for name in names:
+            if not isinstance(name, str):
+                raise TypeError(f"values: expected node or hook names (str), got {type(name).__name__} {name!r}")
+        with _one_check_per_call():
+            self._take_untracked_writes()
+            return {name: self._engine.value(self.resolve(name)) for name in names}
+
     def baseline(self, node: str) -> torch.Tensor:
         """A node's value with no patch active (from the overlay; evaluates only what an edit of the
         weights or inputs, found as at :meth:`value`, made stale)."""

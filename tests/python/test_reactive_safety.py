@@ -858,7 +858,7 @@ def test_sweep_sees_weights_written_where_the_version_does_not_move(resid, how, 
     rg.check_invariants()
 
 
-@pytest.mark.parametrize("read", ["demand", "value", "baseline", "patched_demand"])
+@pytest.mark.parametrize("read", ["demand", "value", "values", "baseline", "patched_demand"])
 @pytest.mark.parametrize("how", ["data_mul", "numpy", "input_data"])
 def test_demand_and_value_see_writes_where_the_version_does_not_move(resid, how, read):
     """rg.demand() / rg.value() / rg.baseline() after ``w.data.mul_(2)`` (or a write through ``.numpy()``, or
@@ -878,10 +878,11 @@ def test_demand_and_value_see_writes_where_the_version_does_not_move(resid, how,
         want = model(x)
         if read == "demand":
             assert torch.equal(rg.demand(), want)
-        elif read in ("value", "baseline"):
+        elif read in ("value", "baseline", "values"):
             seen = {}
-            _eager(model, x, {2: lambda o: seen.setdefault("t2", o)})
-            assert torch.equal(getattr(rg, read)(t2), seen["t2"])
+            _eager(model, x, {0: lambda o: seen.setdefault(t0, o), 2: lambda o: seen.setdefault(t2, o)})
+            got = rg.values([t0, t2]) if read == "values" else {t: getattr(rg, read)(t) for t in (t0, t2)}
+            assert torch.equal(got[t0], seen[t0]) and torch.equal(got[t2], seen[t2])
             assert torch.equal(rg.demand(), want)
         else:
             rg.patch(t0, lambda v: v * 0.5)
@@ -889,6 +890,31 @@ def test_demand_and_value_see_writes_where_the_version_does_not_move(resid, how,
             assert torch.equal(rg.demand(), ref)
             rg.restore()
             assert torch.equal(rg.demand(), want)
+    rg.check_invariants()
+
+
+def test_values_compares_contents_once_for_all_names_and_again_at_the_next_call(resid, monkeypatch):
+    """rg.values(names) reads many nodes with one content comparison of the weights (rg.value per name paid a
+    pass over every weight byte per name); a write through .data between two calls is still seen."""
+    import torch_ext.reactive as reactive
+
+    model, x = resid
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    t0, t1, t2 = _tanh_nodes(rg)
+    calls = []
+    digest = reactive._contents_digest
+    monkeypatch.setattr(reactive, "_contents_digest", lambda ts: calls.append(len(ts)) or digest(ts))
+    rg.values(rg.nodes())
+    assert len(calls) == 1
+    model.fc[1].weight.data.mul_(2.0)  # between two calls: no version counter moves
+    seen = {}
+    with torch.no_grad():
+        _eager(model, x, {i: (lambda o, i=i: seen.setdefault(i, o)) for i in range(3)})
+    got = rg.values([t0, t1, t2])
+    assert len(calls) == 2
+    assert all(torch.equal(got[t], seen[i]) for i, t in enumerate((t0, t1, t2)))
+    with pytest.raises(TypeError, match="values: expected node or hook names"):
+        rg.values([t0, 3])
     rg.check_invariants()
 
 
