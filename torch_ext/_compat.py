@@ -1164,6 +1164,25 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
             handles.append(sub.register_forward_hook(_marker_out(name)))
     if front_end not in FRONT_ENDS:
         raise ValueError(f"front_end must be one of {FRONT_ENDS}, got {front_end!r}")
+    # What the forward does to its buffers and plain tensor attributes, settled inside the trace as the pure
+    # step does (_module_state.ForwardWrites): a rebinding becomes a buffer write, a write into a plain
+    # tensor attribute (a constant to both front ends: the graph silently kept its old value) is refused.
+    from . import _module_state
+
+    pending = []  # one per traced call of the forward (auto traces again with export when make_fx refuses)
+
+    def writes_begin(mod, args, kwargs):
+        pending.append(_module_state.ForwardWrites(mod, "the graph"))
+
+    def writes_settle(mod, args, kwargs, out):
+        pending.pop().settle()
+
+    handles.append(module.register_forward_pre_hook(writes_begin, with_kwargs=True, prepend=True))
+    handles.append(module.register_forward_hook(writes_settle, with_kwargs=True))
+    # The trace runs such a write on the real tensor (export keeps constants real): put it back, so that the
+    # refused model is left as it was.
+    plain = [(t, t._version, t.detach().clone()) for m in torch.nn.Module.modules(module) for t in vars(m).values()
+             if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and not t.is_meta]
     used, reason = "export", None
     # Tracing reparametrizes the module with fake tensors; some modules cache views of their
     # parameters (nn.LSTM's _flat_weights) and kept the fakes afterwards: put every attribute back.
@@ -1192,6 +1211,10 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
         if saved_cache is not None:
             cfg.use_cache = saved_cache
         _restore_attributes(traced_vars)
+        for t, version, saved in plain:
+            if t._version != version:
+                with torch.no_grad():
+                    t.copy_(saved)
         for meth in unshadowed:
             delattr(module, meth)
         if has_hooks:

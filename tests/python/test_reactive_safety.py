@@ -1044,3 +1044,82 @@ def test_a_submodule_added_after_the_build_is_refused(resid):
     del model.fc[3]
     with torch.no_grad():
         assert torch.equal(rg.demand(), model(x))  # as built again
+
+
+class _RebindsBuffer(nn.Module):
+    """forward rebinds its buffer ``prev`` (to the same shape, or to another): eager's next call reads it."""
+
+    def __init__(self, shape=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("prev", torch.zeros(4))
+        self.shape = shape
+
+    def forward(self, x):
+        y = self.lin(x) + self.prev
+        self.prev = y.mean(0).detach() if self.shape is None else y.detach().reshape(self.shape)
+        return y
+
+
+class _WritesPlainTensor(nn.Module):
+    """forward writes in place into ``ema``, a tensor attribute that is neither a parameter nor a buffer."""
+
+    def __init__(self, how):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.ema = torch.zeros(4)
+        self.how = how
+
+    def forward(self, x):
+        y = self.lin(x) + self.ema
+        if self.how == "no_grad":
+            with torch.no_grad():
+                self.ema.mul_(0.5).add_(1.0)
+        else:
+            self.ema.copy_(y.mean(0).detach())
+        return y
+
+
+@pytest.mark.parametrize("front_end", ["auto", "export"])
+@pytest.mark.parametrize("how", ["copy", "no_grad"])
+def test_graph_refuses_a_forward_writing_a_plain_tensor_attribute(front_end, how):
+    """Only the pure step refused this; the inference trace treats ``ema`` as a constant and dropped the write
+    (torch's 'Constant ema is mutated', or, under no_grad, an engine error about dead code), where eager's next
+    call reads the new value. Refused naming it, as the step does; the model is left as it was."""
+    model, x = _WritesPlainTensor(how).eval(), torch.randn(2, 4)
+    ema, before = model.ema, model.ema.clone()
+    with pytest.raises(ValueError, match=r"forward writes in place into 'ema', a tensor attribute that is neither a "
+                                         r"parameter nor a buffer"):
+        torch_ext.ReactiveGraph(model, (x,), front_end=front_end, cache=False)
+    assert model.ema is ema and torch.equal(model.ema, before)
+    assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+@pytest.mark.parametrize("front_end", ["auto", "export"])
+def test_graph_refuses_a_buffer_rebound_to_another_shape(front_end):
+    """make_fx kept such a rebinding on its traced copy and built a graph, export failed inside torch ('expand:
+    attempting to expand a dimension of length 8 -> 4'): refused naming the buffer, as the step does."""
+    model, x = _RebindsBuffer(shape=(8,)).eval(), torch.randn(2, 4)
+    prev = model.prev
+    with pytest.raises(ValueError, match=r"forward rebinds buffer 'prev' \(shape \(4,\) and dtype torch.float32\) to "
+                                         r"a tensor of shape \(8,\) .*the graph keeps each buffer's shape"):
+        torch_ext.ReactiveGraph(model, (x,), front_end=front_end, cache=False)
+    assert model.prev is prev and torch.equal(prev, torch.zeros(4))
+
+
+@pytest.mark.parametrize("front_end", ["auto", "export"])
+def test_graph_carries_a_same_shape_rebinding_as_a_buffer_write(front_end):
+    """A rebinding to the same shape and dtype is a buffer write, as ``self.prev.copy_(...)`` is (the step carries
+    it so); the graph computes eager's call from the module's state and, as for batch norm's running statistics,
+    never writes the module: an eager call that rebinds it then is a change run() refuses to compute past."""
+    model, x = _RebindsBuffer().eval(), torch.randn(2, 4)
+    prev = model.prev
+    rg = torch_ext.ReactiveGraph(model, (x,), front_end=front_end, cache=False)
+    assert [s.target for s in rg.program.graph_signature.output_specs if s.kind.name == "BUFFER_MUTATION"] == ["prev"]
+    with torch.no_grad():
+        assert torch.equal(rg.run(x), model.lin(x)) and model.prev is prev and torch.equal(prev, torch.zeros(4))
+        model(x)  # eager rebinds prev: the graph's next call would read the old one
+    with pytest.raises(ValueError, match=r"run: model.prev was replaced"):
+        rg.run(x)
