@@ -711,6 +711,35 @@ def rnn_dropout_between_layers():
 
 
 @contextlib.contextmanager
+def packed_sequences_refused():
+    """``nn.utils.rnn.pack_padded_sequence`` (and ``pack_sequence``, which calls it) refused with a message naming
+    it: a packed sequence's layout (its ``batch_sizes``) is computed from the lengths' values, which a static
+    program cannot follow, wherever the lengths come from (the batch, a Python list, a CPU int64 tensor). Traced,
+    it failed inside torch's RNN ('zeros(): argument 'size' ... got FakeTensor')."""
+    vf = torch._VF  # a module whose attributes come from torch._C._VariableFunctions unless set on it
+    had = vars(vf).get("_pack_padded_sequence")
+
+    def refuse(input, lengths, batch_first):
+        got = (f"a {lengths.dtype} tensor on {lengths.device}" if isinstance(lengths, torch.Tensor)
+               else f"a {type(lengths).__name__}")
+        raise ValueError(
+            f"nn.utils.rnn.pack_padded_sequence (lengths: {got}) cannot be traced: a packed sequence's layout "
+            "(batch_sizes) is computed from the lengths' values, which a static program cannot follow, whether "
+            "they come from the batch, a Python list or a CPU int64 tensor. Run the RNN on the padded batch "
+            "instead and read each sequence where it ends, e.g. out[torch.arange(len(lengths)), lengths - 1] for "
+            "a unidirectional RNN with batch_first=True, or mask the padded positions in the loss")
+
+    vf._pack_padded_sequence = refuse
+    try:
+        yield
+    finally:
+        if had is not None:
+            vf._pack_padded_sequence = had
+        else:
+            del vf._pack_padded_sequence
+
+
+@contextlib.contextmanager
 def python_random_draws():
     """Yields a list that names, once the block exits, each process-global Python-level generator the
     block drew from without seeding it first: Python's ``random`` module and ``numpy.random``'s global
@@ -784,7 +813,7 @@ def step_export():
     global module hook left behind by a failed trace."""
     with backward_only_code() as found, eager_attention_masks(), inline_reentrant_checkpoints(), \
             inference_mode_as_no_grad(), refuse_autograd_in_trace(), rnn_dropout_between_layers(), \
-            global_module_hooks_restored():
+            global_module_hooks_restored(), packed_sequences_refused():
         yield found
 
 
@@ -1191,6 +1220,8 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
     rnn_fix.__enter__()
     hooks_fix = global_module_hooks_restored()
     hooks_fix.__enter__()
+    packed_fix = packed_sequences_refused()
+    packed_fix.__enter__()
     try:
         if front_end != "export":
             try:
@@ -1202,6 +1233,7 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
         if used == "export":
             ep = torch.export.export(module, args, kwargs or {})
     finally:
+        packed_fix.__exit__(None, None, None)
         hooks_fix.__exit__(None, None, None)
         rnn_fix.__exit__(None, None, None)
         for h in handles:
