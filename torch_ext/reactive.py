@@ -633,8 +633,11 @@ class ReactiveGraph:
         self._note_contents(flat)
         self._last_inputs = (args, kwargs)
         self._last_input_versions = _input_versions(args, kwargs)
-        self._last_input_digest = _contents_digest(
-            [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
+        # The inputs were digested with the weights just now: their digests are reused, not taken again.
+        known = {id(t): d for t, d in zip(*self._contents)}
+        leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        rest = iter(_contents_digest([t for t in leaves if id(t) not in known]))
+        self._last_input_digest = [known[id(t)] if id(t) in known else next(rest) for t in leaves]
         return self.demand()
 
     def _note_contents(self, flat: list) -> None:

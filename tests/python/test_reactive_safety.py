@@ -1123,3 +1123,20 @@ def test_graph_carries_a_same_shape_rebinding_as_a_buffer_write(front_end):
         model(x)  # eager rebinds prev: the graph's next call would read the old one
     with pytest.raises(ValueError, match=r"run: model.prev was replaced"):
         rg.run(x)
+
+
+def test_run_digests_each_input_once(resid, monkeypatch):
+    """run() digested its inputs twice: with the weights (the graph's reads) and again for _ran_on's check of
+    the inputs; the second reuses the first. A write through .data into the input is still seen after it."""
+    import torch_ext.reactive as reactive
+
+    model, x = resid
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    seen = []
+    digest = reactive._contents_digest
+    monkeypatch.setattr(reactive, "_contents_digest", lambda ts: seen.extend(id(t) for t in ts) or digest(ts))
+    rg.run(x)
+    assert seen.count(id(x)) == 1, seen.count(id(x))
+    assert rg._ran_on(x)
+    x.data[0, 0, 0] += 1.0
+    assert not rg._ran_on(x)
