@@ -685,9 +685,14 @@ class ReactiveGraph:
         versions = _input_versions(args, kwargs)
         if not (same and None not in versions and versions == getattr(self, "_last_input_versions", None)):
             return False
-        # Written through .data or .numpy() (the version counter stays): the contents tell.
-        return _contents_digest([t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]) \
-            == getattr(self, "_last_input_digest", None)
+        # Written through .data or .numpy() (the version counter stays): the contents tell. Digests taken earlier
+        # in this call (patching compares the graph's reads, these inputs among them, first) are reused.
+        known = {}
+        if _checked_in_this_call(self) and getattr(self, "_contents", None) is not None:
+            known = {id(t): d for t, d in zip(*self._contents)}
+        leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        rest = iter(_contents_digest([t for t in leaves if id(t) not in known]))
+        return [known[id(t)] if id(t) in known else next(rest) for t in leaves] == getattr(self, "_last_input_digest", None)
 
     def _refuse_changed_attributes(self, where: str) -> None:
         """A module attribute the trace read (a LayerNorm eps, a config flag) changed since the build: eager

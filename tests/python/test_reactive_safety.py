@@ -1140,3 +1140,24 @@ def test_run_digests_each_input_once(resid, monkeypatch):
     assert rg._ran_on(x)
     x.data[0, 0, 0] += 1.0
     assert not rg._ran_on(x)
+
+
+def test_ran_on_reuses_the_digests_taken_earlier_in_the_same_call(resid, monkeypatch):
+    """Patching compares the graph's reads by content, then asks _ran_on whether the tokens are those of the last
+    run, which digested them again: within one call the first digest is reused. Between calls, a write through
+    .data into the input is still seen."""
+    import torch_ext.reactive as reactive
+
+    model, x = resid
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    seen = []
+    digest = reactive._contents_digest
+    monkeypatch.setattr(reactive, "_contents_digest", lambda ts: seen.extend(id(t) for t in ts) or digest(ts))
+    with reactive._one_check_per_call():
+        rg._take_untracked_writes()
+        assert rg._ran_on(x)
+    assert seen.count(id(x)) == 1, seen.count(id(x))
+    x.data[0, 0, 0] += 1.0
+    with reactive._one_check_per_call():
+        rg._take_untracked_writes()  # takes the write as an edit (moves x's version): not the last run's inputs
+        assert not rg._ran_on(x)
