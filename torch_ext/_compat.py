@@ -711,6 +711,35 @@ def rnn_dropout_between_layers():
 
 
 @contextlib.contextmanager
+def packed_sequences_refused():
+    """``nn.utils.rnn.pack_padded_sequence`` (and ``pack_sequence``, which calls it) refused with a message naming
+    it: a packed sequence's layout (its ``batch_sizes``) is computed from the lengths' values, which a static
+    program cannot follow, wherever the lengths come from (the batch, a Python list, a CPU int64 tensor). Traced,
+    it failed inside torch's RNN ('zeros(): argument 'size' ... got FakeTensor')."""
+    vf = torch._VF  # a module whose attributes come from torch._C._VariableFunctions unless set on it
+    had = vars(vf).get("_pack_padded_sequence")
+
+    def refuse(input, lengths, batch_first):
+        got = (f"a {lengths.dtype} tensor on {lengths.device}" if isinstance(lengths, torch.Tensor)
+               else f"a {type(lengths).__name__}")
+        raise ValueError(
+            f"nn.utils.rnn.pack_padded_sequence (lengths: {got}) cannot be traced: a packed sequence's layout "
+            "(batch_sizes) is computed from the lengths' values, which a static program cannot follow, whether "
+            "they come from the batch, a Python list or a CPU int64 tensor. Run the RNN on the padded batch "
+            "instead and read each sequence where it ends, e.g. out[torch.arange(len(lengths)), lengths - 1] for "
+            "a unidirectional RNN with batch_first=True, or mask the padded positions in the loss")
+
+    vf._pack_padded_sequence = refuse
+    try:
+        yield
+    finally:
+        if had is not None:
+            vf._pack_padded_sequence = had
+        else:
+            del vf._pack_padded_sequence
+
+
+@contextlib.contextmanager
 def python_random_draws():
     """Yields a list that names, once the block exits, each process-global Python-level generator the
     block drew from without seeding it first: Python's ``random`` module and ``numpy.random``'s global
@@ -784,7 +813,7 @@ def step_export():
     global module hook left behind by a failed trace."""
     with backward_only_code() as found, eager_attention_masks(), inline_reentrant_checkpoints(), \
             inference_mode_as_no_grad(), refuse_autograd_in_trace(), rnn_dropout_between_layers(), \
-            global_module_hooks_restored():
+            global_module_hooks_restored(), packed_sequences_refused():
         yield found
 
 
@@ -1164,6 +1193,25 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
             handles.append(sub.register_forward_hook(_marker_out(name)))
     if front_end not in FRONT_ENDS:
         raise ValueError(f"front_end must be one of {FRONT_ENDS}, got {front_end!r}")
+    # What the forward does to its buffers and plain tensor attributes, settled inside the trace as the pure
+    # step does (_module_state.ForwardWrites): a rebinding becomes a buffer write, a write into a plain
+    # tensor attribute (a constant to both front ends: the graph silently kept its old value) is refused.
+    from . import _module_state
+
+    pending = []  # one per traced call of the forward (auto traces again with export when make_fx refuses)
+
+    def writes_begin(mod, args, kwargs):
+        pending.append(_module_state.ForwardWrites(mod, "the graph"))
+
+    def writes_settle(mod, args, kwargs, out):
+        pending.pop().settle()
+
+    handles.append(module.register_forward_pre_hook(writes_begin, with_kwargs=True, prepend=True))
+    handles.append(module.register_forward_hook(writes_settle, with_kwargs=True))
+    # The trace runs such a write on the real tensor (export keeps constants real): put it back, so that the
+    # refused model is left as it was.
+    plain = [(t, t._version, t.detach().clone()) for m in torch.nn.Module.modules(module) for t in vars(m).values()
+             if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and not t.is_meta]
     used, reason = "export", None
     # Tracing reparametrizes the module with fake tensors; some modules cache views of their
     # parameters (nn.LSTM's _flat_weights) and kept the fakes afterwards: put every attribute back.
@@ -1172,6 +1220,8 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
     rnn_fix.__enter__()
     hooks_fix = global_module_hooks_restored()
     hooks_fix.__enter__()
+    packed_fix = packed_sequences_refused()
+    packed_fix.__enter__()
     try:
         if front_end != "export":
             try:
@@ -1183,6 +1233,7 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
         if used == "export":
             ep = torch.export.export(module, args, kwargs or {})
     finally:
+        packed_fix.__exit__(None, None, None)
         hooks_fix.__exit__(None, None, None)
         rnn_fix.__exit__(None, None, None)
         for h in handles:
@@ -1192,6 +1243,10 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
         if saved_cache is not None:
             cfg.use_cache = saved_cache
         _restore_attributes(traced_vars)
+        for t, version, saved in plain:
+            if t._version != version:
+                with torch.no_grad():
+                    t.copy_(saved)
         for meth in unshadowed:
             delattr(module, meth)
         if has_hooks:

@@ -462,3 +462,50 @@ class Hooks:
         where, how = removed[0]
         return (f"a hook on {where} ({how}) was removed after {built}{more}; the program traced it and still "
                 "applies it, eager code no longer does")
+
+
+# ---- tensor state a traced forward writes (the pure step's joint trace and the inference trace alike)
+class ForwardWrites:
+    """The buffers and plain tensor attributes of ``model``'s modules as a traced forward starts; ``settle()``,
+    called as it ends (inside the trace), carries or refuses what the forward did to them:
+
+    - a buffer rebound (``self.prev = h.mean(0).detach()``, ``register_buffer`` again) is what eager's next
+      call reads, but torch.export drops the rebinding (make_fx kept it on the traced copy): the program
+      kept the old value forever. Rebound to the same shape and dtype it is written into the traced buffer
+      instead, a buffer mutation like ``self.prev.copy_(...)``; to another shape or dtype it is refused.
+    - a tensor attribute that is neither a parameter nor a buffer (``self.ema = torch.zeros(8)``) is a
+      constant to torch.export, which drops an in-place write to it (``self.ema.mul_(0.5).add_(m)``):
+      eager reads the updated value at the next call. Refused, naming it.
+
+    ``keeps``: why a buffer must keep its shape and dtype, for the message (the step's state, the graph's)."""
+
+    def __init__(self, model: torch.nn.Module, keeps: str):
+        modules = list(torch.nn.Module.named_modules(model))
+        self.keeps = keeps
+        self.held = [(path, mod, key, b) for path, mod in modules for key, b in mod._buffers.items()]
+        self.plain = [(path, key, t, t._version) for path, mod in modules for key, t in vars(mod).items()
+                      if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)]
+
+    def settle(self) -> None:
+        for path, mod, key, was in self.held:
+            deleted = key not in mod._buffers
+            now = mod._buffers.get(key)
+            if now is was and not deleted:
+                continue
+            name = f"{path}.{key}" if path else key
+            if was is None or not isinstance(now, torch.Tensor) or now.shape != was.shape or now.dtype != was.dtype:
+                got = (f"a tensor of shape {tuple(now.shape)} and dtype {now.dtype}" if isinstance(now, torch.Tensor)
+                       else "(deleted)" if deleted else repr(type(now).__name__))
+                had = f"shape {tuple(was.shape)} and dtype {was.dtype}" if was is not None else "None"
+                raise ValueError(f"forward rebinds buffer '{name}' ({had}) to {got}: {self.keeps} keeps each "
+                                 "buffer's shape and dtype from one call to the next, so only a rebinding to the same "
+                                 "shape and dtype can be carried (as an in-place write)")
+            mod._buffers[key] = was
+            with torch.no_grad():
+                was.copy_(now)
+        written = [f"{path}.{key}" if path else key for path, key, t, version in self.plain if t._version != version]
+        if written:
+            raise ValueError(f"forward writes in place into {', '.join(repr(w) for w in written)}, a tensor attribute "
+                             "that is neither a parameter nor a buffer: torch.export treats it as a constant and drops "
+                             "the write, where eager's next call reads the new value. Register it as a buffer "
+                             "(self.register_buffer(name, tensor)) so that the write is carried")

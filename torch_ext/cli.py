@@ -333,6 +333,20 @@ def _save(fig, path: str) -> str:
 
 
 # ---------------------------------------------------------------- demo
+def _one_content_check(command):
+    """A command is one call chain: nothing writes the model between its reads, so each graph compares the
+    weights by content once in it (reactive._one_check_per_call), not again at every demand, value and sweep
+    (a pass over every weight byte each time: ~20 ms on GPT-2 small)."""
+    def checked_once(args) -> int:
+        from .reactive import _one_check_per_call
+
+        with _one_check_per_call():
+            return command(args)
+    checked_once.__name__, checked_once.__doc__ = command.__name__, command.__doc__
+    return checked_once
+
+
+@_one_content_check
 def _demo(args) -> int:
     import torch
     import torch.nn.functional as F
@@ -401,8 +415,10 @@ def _demo(args) -> int:
     corrupt[0, 3] = (corrupt[0, 3] + 7) % vocab
     with args.status.stage("exporting the model for the reactive engine"):
         rg = torch_ext.ReactiveGraph(model, (corrupt,))
-    resid = [n for n in rg.nodes("add*") if tuple(rg.value(n).shape) == (1, seq, d_model)]
-    corrupted = {n: rg.value(n).clone() for n in resid}
+    adds = rg.values(rg.nodes("add*"))  # the weights are compared by content once, not once per node
+    resid = [n for n, v in adds.items() if tuple(v.shape) == (1, seq, d_model)]
+    corrupted = {n: adds[n].clone() for n in resid}
+    del adds  # the engine reuses a value's buffer only while it holds the sole reference
     rg.run(clean)
     target = int(batches[0][1][0, -1])
     sites = [(n, p) for n in resid for p in range(seq)]
@@ -657,6 +673,7 @@ def _describe(named: dict) -> str:
     return ", ".join(f"{k} {list(v.shape)}" for k, v in named.items())
 
 
+@_one_content_check
 def _sweep(args) -> int:
     import torch
 
@@ -669,12 +686,15 @@ def _sweep(args) -> int:
     with args.status.stage("exporting the model for the reactive engine"):
         rg = torch_ext.ReactiveGraph(model, (example[0],))
     info = {n.name: n for n in rg.graph.nodes()}
-    nodes = [n for n in rg.nodes(args.sites) if isinstance(rg.value(n), torch.Tensor)]
+    # One content check of the weights for every node (rg.value per node paid it per node: ~20 ms each on
+    # GPT-2 small). Shapes only: a value held here would keep the engine from reusing its buffer.
+    shapes = {n: tuple(v.shape) for n, v in rg.values(rg.nodes(args.sites)).items() if isinstance(v, torch.Tensor)}
+    nodes = list(shapes)
     if not nodes:
         raise UserError(f"no tensor node matches --sites {args.sites!r}; list them with "
                         f"`torch-ext sweep {args.model} --list`")
     if args.list:
-        rows = [(n, info[n].module_path or "-", info[n].target, "x".join(map(str, rg.value(n).shape)) or "scalar",
+        rows = [(n, info[n].module_path or "-", info[n].target, "x".join(map(str, shapes[n])) or "scalar",
                  len(rg.cone(n))) for n in nodes]
         if args.json:
             _emit_json({"sites": [dict(zip(("node", "module_path", "op", "shape", "cone"), r)) for r in rows]})
@@ -702,11 +722,11 @@ def _sweep(args) -> int:
     else:
         raise UserError(f"--metric must be norm or logit:IDX, got {args.metric!r}")
     if args.positions:
-        bad = [n for n in nodes if rg.value(n).dim() < 2]
+        bad = [n for n in nodes if len(shapes[n]) < 2]
         if bad:
             raise UserError(f"--positions patches dimension 1 ([batch, position, ...]); {', '.join(bad)} has fewer "
                             f"than 2 dimensions: narrow --sites")
-        sites = [(n, p) for n in nodes for p in range(rg.value(n).shape[1])]
+        sites = [(n, p) for n in nodes for p in range(shapes[n][1])]
     else:
         sites = nodes
 

@@ -633,8 +633,11 @@ class ReactiveGraph:
         self._note_contents(flat)
         self._last_inputs = (args, kwargs)
         self._last_input_versions = _input_versions(args, kwargs)
-        self._last_input_digest = _contents_digest(
-            [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
+        # The inputs were digested with the weights just now: their digests are reused, not taken again.
+        known = {id(t): d for t, d in zip(*self._contents)}
+        leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        rest = iter(_contents_digest([t for t in leaves if id(t) not in known]))
+        self._last_input_digest = [known[id(t)] if id(t) in known else next(rest) for t in leaves]
         return self.demand()
 
     def _note_contents(self, flat: list) -> None:
@@ -682,9 +685,14 @@ class ReactiveGraph:
         versions = _input_versions(args, kwargs)
         if not (same and None not in versions and versions == getattr(self, "_last_input_versions", None)):
             return False
-        # Written through .data or .numpy() (the version counter stays): the contents tell.
-        return _contents_digest([t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]) \
-            == getattr(self, "_last_input_digest", None)
+        # Written through .data or .numpy() (the version counter stays): the contents tell. Digests taken earlier
+        # in this call (patching compares the graph's reads, these inputs among them, first) are reused.
+        known = {}
+        if _checked_in_this_call(self) and getattr(self, "_contents", None) is not None:
+            known = {id(t): d for t, d in zip(*self._contents)}
+        leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        rest = iter(_contents_digest([t for t in leaves if id(t) not in known]))
+        return [known[id(t)] if id(t) in known else next(rest) for t in leaves] == getattr(self, "_last_input_digest", None)
 
     def _refuse_changed_attributes(self, where: str) -> None:
         """A module attribute the trace read (a LayerNorm eps, a config flag) changed since the build: eager
@@ -755,6 +763,18 @@ class ReactiveGraph:
         with _one_check_per_call():
             self._take_untracked_writes()
             return self._engine.value(self.resolve(node))
+
+    def values(self, nodes: Iterable[str]) -> dict[str, torch.Tensor]:
+        """{name: current value} for many nodes or hook names, as :meth:`value` gives each, with the weights
+        and inputs compared by content once for all of them instead of once per name (~20 ms on GPT-2
+        small: reading every node of a model one :meth:`value` at a time paid that per node)."""
+        names = list(nodes)
+        for name in names:
+            if not isinstance(name, str):
+                raise TypeError(f"values: expected node or hook names (str), got {type(name).__name__} {name!r}")
+        with _one_check_per_call():
+            self._take_untracked_writes()
+            return {name: self._engine.value(self.resolve(name)) for name in names}
 
     def baseline(self, node: str) -> torch.Tensor:
         """A node's value with no patch active (from the overlay; evaluates only what an edit of the

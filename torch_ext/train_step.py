@@ -147,14 +147,10 @@ class _LossModule(torch.nn.Module):
 
 
     def forward(self, *batch):
-        modules = list(self.model.named_modules())
-        held = [(path, mod, key, b) for path, mod in modules for key, b in mod._buffers.items()]
-        plain = [(path, key, t, t._version) for path, mod in modules for key, t in vars(mod).items()
-                 if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)]
+        writes = _module_state.ForwardWrites(self.model, "the step's state")
         out = self._loss_fn(self.model, *batch)
         _compat.replay_checkpoint_writes()  # what eager's backward recomputation writes again
-        _write_rebound_buffers(held)
-        _refuse_writes_to_plain_tensors(plain)
+        writes.settle()  # buffers rebound, plain tensor attributes written (shared with inference tracing)
         if not isinstance(out, (tuple, list)):
             return out
         if len(out) != 2:
@@ -167,43 +163,6 @@ class _LossModule(torch.nn.Module):
                                 f"{type(leaf).__name__}")
         # aux is reported, not differentiated: detached, it is a plain output of the joint program.
         return loss, pytree.tree_map(torch.Tensor.detach, aux)
-
-
-def _write_rebound_buffers(held: list) -> None:
-    """A buffer the forward rebinds (``self.prev = h.mean(0).detach()``, ``register_buffer`` again) is
-    what eager's next call reads, but torch.export drops the rebinding: the program kept the old value
-    forever (a loss 0.057 off eager's by the second step). Written into the traced buffer instead, it
-    is a buffer mutation like ``self.prev.copy_(...)``: an output of the program, the next step's state.
-    ``held``: (path, module, name, buffer) as forward started."""
-    for path, mod, key, was in held:
-        deleted = key not in mod._buffers
-        now = mod._buffers.get(key)
-        if now is was and not deleted:
-            continue
-        name = f"{path}.{key}" if path else key
-        if was is None or not isinstance(now, torch.Tensor) or now.shape != was.shape or now.dtype != was.dtype:
-            got = (f"a tensor of shape {tuple(now.shape)} and dtype {now.dtype}" if isinstance(now, torch.Tensor)
-                   else "(deleted)" if deleted else repr(type(now).__name__))
-            had = f"shape {tuple(was.shape)} and dtype {was.dtype}" if was is not None else "None"
-            raise ValueError(f"forward rebinds buffer '{name}' ({had}) to {got}: the step's state keeps each buffer's "
-                             "shape and dtype from one step to the next, so only a rebinding to the same shape and "
-                             "dtype can be carried (as an in-place write)")
-        mod._buffers[key] = was
-        with torch.no_grad():
-            was.copy_(now)
-
-
-def _refuse_writes_to_plain_tensors(plain: list) -> None:
-    """A tensor attribute that is neither a parameter nor a buffer (``self.ema = torch.zeros(8)``) is a
-    constant to torch.export, which drops an in-place write to it (``self.ema.mul_(0.5).add_(m)``): eager
-    reads the updated value at the next call. torch then failed deep in the joint export with a bare
-    AssertionError. ``plain``: (path, name, tensor, its version as forward started)."""
-    written = [f"{path}.{key}" if path else key for path, key, t, version in plain if t._version != version]
-    if written:
-        raise ValueError(f"forward writes in place into {', '.join(repr(w) for w in written)}, a tensor attribute that "
-                         "is neither a parameter nor a buffer: torch.export treats it as a constant and drops the "
-                         "write, where eager's next call reads the new value. Register it as a buffer "
-                         "(self.register_buffer(name, tensor)) so the step carries it from one step to the next")
 
 
 def _check_subclass(opt: torch.optim.Optimizer) -> None:

@@ -125,7 +125,10 @@ BoundKernel BoundKernel::bind_as(const ir::Node& node, const c10::OperatorHandle
   // backward) return a contiguous result for a transposed input where their meta kernels keep its
   // layout, so `transpose, BatchNorm1d, transpose, Linear` failed at the Linear's view. Eager's Linear
   // reshapes there (a copy): the view does too, and later ops see eager's layout (restriding the batch
-  // norm's result as traced instead changed a later reduction's order: not bit-exact).
+  // norm's result as traced instead changed a later reduction's order: not bit-exact). No pass of ours
+  // makes such an input (the layout planner, in-place steps and restrides keep declared layouts): it is
+  // ATen's CPU kernel against its meta kernel, pinned by test_why_a_view_meets_an_input_laid_out_otherwise_
+  // than_traced (tests/python/test_train_step_layers.py); if that stops holding, this may be dead.
   k.reshape_if_not_viewable_ =
       node.target().ns == "aten" && (node.target().name == "view" || node.target().name == "_unsafe_view") &&
       node.target().overload == "default";

@@ -554,3 +554,24 @@ def test_demo_heatmap_rows_name_the_module_that_wrote_each_residual():
     assert list(labels.values()) == ["add (embeddings)", "add_1 (after blocks.0.attn.proj)",
                                      "add_2 (after blocks.0.mlp.2)", "add_3 (after blocks.1.attn.proj)",
                                      "add_4 (after blocks.1.mlp.2)"]
+
+
+@pytest.mark.parametrize("extra", [["--list"], ["--positions"]])
+def test_sweep_compares_the_weights_by_content_once_not_once_per_node(here, monkeypatch, capsys, extra):
+    """`sweep` read every matching node with rg.value(n), up to three times per node, and each value() compared
+    every weight byte by content (~20 ms on GPT-2 small): the command paid that per node. It reads them with
+    one rg.values(), and the command is one call chain (its demands and the sweep share the build's digest)."""
+    import torch_ext.reactive as reactive
+
+    seen = []
+    digest = reactive._contents_digest
+
+    def counting(tensors):
+        if any(isinstance(t, torch.nn.Parameter) for t in tensors):
+            seen.append(len(tensors))
+        return digest(tensors)
+
+    monkeypatch.setattr(reactive, "_contents_digest", counting)
+    assert cli.main(["sweep", "factories:seq", "--sites", "*", "--quiet", *extra]) == 0
+    capsys.readouterr()
+    assert len(seen) == 1, seen  # the build's run: the command is one call chain, nothing writes in between

@@ -858,7 +858,7 @@ def test_sweep_sees_weights_written_where_the_version_does_not_move(resid, how, 
     rg.check_invariants()
 
 
-@pytest.mark.parametrize("read", ["demand", "value", "baseline", "patched_demand"])
+@pytest.mark.parametrize("read", ["demand", "value", "values", "baseline", "patched_demand"])
 @pytest.mark.parametrize("how", ["data_mul", "numpy", "input_data"])
 def test_demand_and_value_see_writes_where_the_version_does_not_move(resid, how, read):
     """rg.demand() / rg.value() / rg.baseline() after ``w.data.mul_(2)`` (or a write through ``.numpy()``, or
@@ -878,10 +878,11 @@ def test_demand_and_value_see_writes_where_the_version_does_not_move(resid, how,
         want = model(x)
         if read == "demand":
             assert torch.equal(rg.demand(), want)
-        elif read in ("value", "baseline"):
+        elif read in ("value", "baseline", "values"):
             seen = {}
-            _eager(model, x, {2: lambda o: seen.setdefault("t2", o)})
-            assert torch.equal(getattr(rg, read)(t2), seen["t2"])
+            _eager(model, x, {0: lambda o: seen.setdefault(t0, o), 2: lambda o: seen.setdefault(t2, o)})
+            got = rg.values([t0, t2]) if read == "values" else {t: getattr(rg, read)(t) for t in (t0, t2)}
+            assert torch.equal(got[t0], seen[t0]) and torch.equal(got[t2], seen[t2])
             assert torch.equal(rg.demand(), want)
         else:
             rg.patch(t0, lambda v: v * 0.5)
@@ -889,6 +890,31 @@ def test_demand_and_value_see_writes_where_the_version_does_not_move(resid, how,
             assert torch.equal(rg.demand(), ref)
             rg.restore()
             assert torch.equal(rg.demand(), want)
+    rg.check_invariants()
+
+
+def test_values_compares_contents_once_for_all_names_and_again_at_the_next_call(resid, monkeypatch):
+    """rg.values(names) reads many nodes with one content comparison of the weights (rg.value per name paid a
+    pass over every weight byte per name); a write through .data between two calls is still seen."""
+    import torch_ext.reactive as reactive
+
+    model, x = resid
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    t0, t1, t2 = _tanh_nodes(rg)
+    calls = []
+    digest = reactive._contents_digest
+    monkeypatch.setattr(reactive, "_contents_digest", lambda ts: calls.append(len(ts)) or digest(ts))
+    rg.values(rg.nodes())
+    assert len(calls) == 1
+    model.fc[1].weight.data.mul_(2.0)  # between two calls: no version counter moves
+    seen = {}
+    with torch.no_grad():
+        _eager(model, x, {i: (lambda o, i=i: seen.setdefault(i, o)) for i in range(3)})
+    got = rg.values([t0, t1, t2])
+    assert len(calls) == 2
+    assert all(torch.equal(got[t], seen[i]) for i, t in enumerate((t0, t1, t2)))
+    with pytest.raises(TypeError, match="values: expected node or hook names"):
+        rg.values([t0, 3])
     rg.check_invariants()
 
 
@@ -1018,3 +1044,120 @@ def test_a_submodule_added_after_the_build_is_refused(resid):
     del model.fc[3]
     with torch.no_grad():
         assert torch.equal(rg.demand(), model(x))  # as built again
+
+
+class _RebindsBuffer(nn.Module):
+    """forward rebinds its buffer ``prev`` (to the same shape, or to another): eager's next call reads it."""
+
+    def __init__(self, shape=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("prev", torch.zeros(4))
+        self.shape = shape
+
+    def forward(self, x):
+        y = self.lin(x) + self.prev
+        self.prev = y.mean(0).detach() if self.shape is None else y.detach().reshape(self.shape)
+        return y
+
+
+class _WritesPlainTensor(nn.Module):
+    """forward writes in place into ``ema``, a tensor attribute that is neither a parameter nor a buffer."""
+
+    def __init__(self, how):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.ema = torch.zeros(4)
+        self.how = how
+
+    def forward(self, x):
+        y = self.lin(x) + self.ema
+        if self.how == "no_grad":
+            with torch.no_grad():
+                self.ema.mul_(0.5).add_(1.0)
+        else:
+            self.ema.copy_(y.mean(0).detach())
+        return y
+
+
+@pytest.mark.parametrize("front_end", ["auto", "export"])
+@pytest.mark.parametrize("how", ["copy", "no_grad"])
+def test_graph_refuses_a_forward_writing_a_plain_tensor_attribute(front_end, how):
+    """Only the pure step refused this; the inference trace treats ``ema`` as a constant and dropped the write
+    (torch's 'Constant ema is mutated', or, under no_grad, an engine error about dead code), where eager's next
+    call reads the new value. Refused naming it, as the step does; the model is left as it was."""
+    model, x = _WritesPlainTensor(how).eval(), torch.randn(2, 4)
+    ema, before = model.ema, model.ema.clone()
+    with pytest.raises(ValueError, match=r"forward writes in place into 'ema', a tensor attribute that is neither a "
+                                         r"parameter nor a buffer"):
+        torch_ext.ReactiveGraph(model, (x,), front_end=front_end, cache=False)
+    assert model.ema is ema and torch.equal(model.ema, before)
+    assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+@pytest.mark.parametrize("front_end", ["auto", "export"])
+def test_graph_refuses_a_buffer_rebound_to_another_shape(front_end):
+    """make_fx kept such a rebinding on its traced copy and built a graph, export failed inside torch ('expand:
+    attempting to expand a dimension of length 8 -> 4'): refused naming the buffer, as the step does."""
+    model, x = _RebindsBuffer(shape=(8,)).eval(), torch.randn(2, 4)
+    prev = model.prev
+    with pytest.raises(ValueError, match=r"forward rebinds buffer 'prev' \(shape \(4,\) and dtype torch.float32\) to "
+                                         r"a tensor of shape \(8,\) .*the graph keeps each buffer's shape"):
+        torch_ext.ReactiveGraph(model, (x,), front_end=front_end, cache=False)
+    assert model.prev is prev and torch.equal(prev, torch.zeros(4))
+
+
+@pytest.mark.parametrize("front_end", ["auto", "export"])
+def test_graph_carries_a_same_shape_rebinding_as_a_buffer_write(front_end):
+    """A rebinding to the same shape and dtype is a buffer write, as ``self.prev.copy_(...)`` is (the step carries
+    it so); the graph computes eager's call from the module's state and, as for batch norm's running statistics,
+    never writes the module: an eager call that rebinds it then is a change run() refuses to compute past."""
+    model, x = _RebindsBuffer().eval(), torch.randn(2, 4)
+    prev = model.prev
+    rg = torch_ext.ReactiveGraph(model, (x,), front_end=front_end, cache=False)
+    assert [s.target for s in rg.program.graph_signature.output_specs if s.kind.name == "BUFFER_MUTATION"] == ["prev"]
+    with torch.no_grad():
+        assert torch.equal(rg.run(x), model.lin(x)) and model.prev is prev and torch.equal(prev, torch.zeros(4))
+        model(x)  # eager rebinds prev: the graph's next call would read the old one
+    with pytest.raises(ValueError, match=r"run: model.prev was replaced"):
+        rg.run(x)
+
+
+def test_run_digests_each_input_once(resid, monkeypatch):
+    """run() digested its inputs twice: with the weights (the graph's reads) and again for _ran_on's check of
+    the inputs; the second reuses the first. A write through .data into the input is still seen after it."""
+    import torch_ext.reactive as reactive
+
+    model, x = resid
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    seen = []
+    digest = reactive._contents_digest
+    monkeypatch.setattr(reactive, "_contents_digest", lambda ts: seen.extend(id(t) for t in ts) or digest(ts))
+    rg.run(x)
+    assert seen.count(id(x)) == 1, seen.count(id(x))
+    assert rg._ran_on(x)
+    x.data[0, 0, 0] += 1.0
+    assert not rg._ran_on(x)
+
+
+def test_ran_on_reuses_the_digests_taken_earlier_in_the_same_call(resid, monkeypatch):
+    """Patching compares the graph's reads by content, then asks _ran_on whether the tokens are those of the last
+    run, which digested them again: within one call the first digest is reused. Between calls, a write through
+    .data into the input is still seen."""
+    import torch_ext.reactive as reactive
+
+    model, x = resid
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    seen = []
+    digest = reactive._contents_digest
+    monkeypatch.setattr(reactive, "_contents_digest", lambda ts: seen.extend(id(t) for t in ts) or digest(ts))
+    with reactive._one_check_per_call():
+        rg._take_untracked_writes()
+        assert rg._ran_on(x)
+    assert seen.count(id(x)) == 1, seen.count(id(x))
+    x.data[0, 0, 0] += 1.0
+    with reactive._one_check_per_call():
+        rg._take_untracked_writes()  # takes the write as an edit (moves x's version): not the last run's inputs
+        assert not rg._ran_on(x)
