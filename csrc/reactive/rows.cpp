@@ -601,6 +601,11 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
         for (int64_t r : plan.steps[i].release) values_[r] = c10::IValue();
         continue;
       }
+      // A causal SDPA (is_causal, no mask) whose rows are all needed from p on runs its own kernel on whole
+      // inputs (below), the full run's call; one read from a later row (reads=) runs on its rows alone.
+      const bool whole_sdpa = step.suffix && step.special == 1 && s == p;
+      // Also for whole_sdpa: a NaN or inf in the changed key / value rows reaches rows before p through a
+      // full kernel (0 * NaN), which the row path keeps cached.
       if (step.suffix && step.causal_sdpa && attention_may_overflow(step, st, held)) {
         spreads_non_finite = true;
         break;
@@ -608,7 +613,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
       for (const RowInput& ri : step.inputs) {
         const bool in_suffix = ri.pos >= 0 && rp.steps[ri.pos].suffix;
         c10::IValue repl;
-        if (step.suffix && ri.rel == passes::SeqRel::Row) {
+        if (step.suffix && ri.rel == passes::SeqRel::Row && !whole_sdpa) {
           const int64_t from = in_suffix ? s - start[ri.pos] : s;
           if (in_suffix && end[ri.pos] < e) complete(ri.pos);  // rows past the ones it computed are read
           if (from == 0 && in_suffix && rows_along(values_[ri.slot], ri.dim) == e - s) continue;
@@ -653,7 +658,15 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
       try {
         const ir::Node& node = *st.node;
         auto arg_value = [&](size_t k) -> const c10::IValue& { return values_[ids_.at(node.args().at(k).node)]; };
-        if (step.suffix && step.special == 1) {
+        if (whole_sdpa) {
+          // Causal SDPA on whole queries, keys and values, rows [p, T) of its result kept. Row i of a causal
+          // attention reads query row i and key / value rows [0, i] only, so those rows are the full
+          // recompute's, bit for bit (same kernel, same inputs; a non-finite input ran the cone whole above),
+          // where the masked call below gives other bits. On short sequences the whole kernel costs about
+          // what the masked one does on the suffix.
+          const c10::IValue whole = st.kernel->invoke(values_, stack_);
+          out = narrow_value(whole, step.row_axis, s, T - s);
+        } else if (step.suffix && step.special == 1) {
           // Query rows [s, T) against every key and value: row i may read keys j <= s + i. SDPA's own
           // is_causal aligns top-left when Lq != Lk, so the offset goes into an explicit mask.
           const at::Tensor& q = arg_value(0).toTensor();

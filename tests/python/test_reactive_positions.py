@@ -162,6 +162,41 @@ def test_finite_keys_whose_scores_overflow_give_what_a_full_recompute_gives(how,
     assert torch.equal(rg.demand(), clean)
 
 
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("input_index", [0, 1, 2])
+def test_causal_sdpa_rows_are_the_full_kernels_bits(heads, input_index):
+    # The row path runs a causal SDPA (is_causal, no mask) as the full run does, on whole queries, keys and
+    # values, and keeps rows [p, T) of its result: patching q, k or v directly (the SDPA's inputs are then
+    # the full recompute's, bit for bit), every row equals a whole-cone recompute's at zero tolerance. Seen
+    # failing before: the row path computed rows [p, T) under an explicit additive mask, other bits.
+    torch.manual_seed(0)
+    model = _MaskedAttention("is_causal", d=32, heads=heads).eval()
+    x = torch.randn(3, T, 32)
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    clean = rg.demand().clone()
+    sdpa = [n for n in rg.nodes() if n.startswith("scaled_dot_product_attention")]
+    from torch_ext.reactive import _node_inputs
+
+    node = _node_inputs(rg.graph.node(sdpa[0]))[input_index]
+
+    def patch(value, site):
+        v = value.clone()
+        v[:, :, site[1]:] = v[:, :, site[1]:] * 1.7 - 0.3
+        return v
+
+    sites = [(node, p) for p in range(1, T)]
+    rows = torch_ext.sweep(rg, sites, patch, lambda out: out.clone(), progress=False, skip_identical=False)
+    whole = torch_ext.sweep(rg, sites, patch, lambda out: out.clone(), progress=False, positions=False,
+                            skip_identical=False)
+    assert rows.extra["row_evaluations"] < whole.measured_evaluations  # the row path ran
+    for site in sites:
+        got, want = rows.metrics[site], whole.metrics[site]
+        assert bits_equal(got, want), (site, (got - want).abs().max())
+        assert not torch.equal(got, clean), site  # the patch reached the output
+    rg.check_invariants()
+    assert bits_equal(rg.demand(), clean)
+
+
 def _local(rg, resid) -> dict:
     """a_s per site: the cone nodes of s that no path through an attention reaches (the norm, qkv
     projection, split and q/k/v reshapes of s's layer; after the last layer, the final norm and
