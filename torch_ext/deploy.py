@@ -146,8 +146,6 @@ class LoadedStep:
         self._pool = _C.CallPool() if kind == "aoti" else None
         # State entries and batch tensors copied into the package's compiled strides (flat_inputs).
         self.converted_entries = 0
-        # The strides of each input of an ExportedProgram as traced (set by load_step), else None.
-        self._traced_strides = None
 
     @property
     def fingerprint(self) -> str:
@@ -193,15 +191,8 @@ class LoadedStep:
                                  f"{self.path} expects {tuple(w['shape'])} and {w['dtype']}")
             flat.append(t)
         donated = self.layout.get("donated")
-        if self._traced_strides is not None:
-            # The executor runs the program's views on the strides it was traced with: a state entry
-            # in others (the channels-last state of an AOTInductor package) is copied into them.
-            from .train_step import in_layout_of
-
-            for i, (name, t) in enumerate(zip(self.layout["inputs"], flat)):
-                want = self._traced_strides[i]
-                if want is not None and not name.startswith(_BATCH) and t.stride() != want:
-                    flat[i] = in_layout_of(t, torch.empty_strided(t.shape, want, dtype=t.dtype, device="meta"))
+        # (A .pt2's executor copies a state entry in other strides than traced, the channels-last state
+        # of an AOTInductor package, into the traced ones itself: runtime::to_traced_layout.)
         if self.kind == "aoti":
             # AOTInductor's kernels index their inputs with the strides the program was compiled for
             # (the layout's input_strides: contiguous, and channels-last convolution weights and
@@ -430,8 +421,6 @@ def load_step(path, *, scheduler=None, manual_lr: bool = False):
         raise _no_layout(path, "save it with torch.export.save(step.program, path)")
     layout = json.loads(layout)
     loaded = LoadedStep(path, kind, layout, Executor(ep), loaded_schedule(layout, path, scheduler, manual_lr))
-    loaded._traced_strides = [tuple(n.meta["val"].stride()) if isinstance(n.meta.get("val"), torch.Tensor) else None
-                              for n in ep.graph.nodes if n.op == "placeholder"]
     if ep.example_inputs is not None:
         loaded._example_inputs = list(ep.example_inputs[0])
     return loaded

@@ -818,10 +818,6 @@ class TrainStep:
         cgraph, self._state_names, self._num_user = _C.build_train_step(self.joint_graph._g, spec, self.unroll)
         self.graph = Graph(cgraph)
         self._inputs = [(n.state_name, n.role) for n in self.graph.nodes() if n.kind == "placeholder"]
-        # The strides each state input was traced with: the program's views rely on them.
-        self._traced_strides = [(tuple(n.type[2]), tuple(n.type[3])) if role != "input" and n.type[0] == "tensor" else None
-                                for n, (_, role) in zip([n for n in self.graph.nodes() if n.kind == "placeholder"],
-                                                        self._inputs)]
         self._num_aux = len(spec["aux_outputs"])
         self._executor = _C.Executor(cgraph)
         if self._dp is not None:  # the executor issues the collectives in graph order
@@ -1157,17 +1153,11 @@ class TrainStep:
         # Data-parallel: the tensors the model or loss_fn captured are this rank's own, as eager DDP
         # reads them; a state saved on rank 0 and loaded on every rank holds rank 0's copies.
         own = self._constants if self._dp is not None else {}
-        flat = [next(it) if role == "input" else own[name] if name in own else state.lookup(name)
+        # A state entry in other strides than traced (the channels-last state of an AOTInductor package)
+        # is the executor's to copy into the traced ones (runtime::to_traced_layout, after its input
+        # check names a wrong shape or dtype): no per-call Python loop over the entries.
+        return [next(it) if role == "input" else own[name] if name in own else state.lookup(name)
                 for name, role in self._inputs]
-        # A state entry in other strides than traced (the channels-last state of an AOTInductor
-        # package) is copied into the traced ones, as a batch is: the program's views failed on it
-        # ("view size is not compatible"), and a convolution rounds otherwise on channels-last weights.
-        for i, traced in enumerate(self._traced_strides):
-            t = flat[i]
-            # (another shape is left to the executor's input check, which names the entry)
-            if traced is not None and isinstance(t, torch.Tensor) and t.stride() != traced[1] and t.shape == traced[0]:
-                flat[i] = in_layout_of(t, torch.empty_strided(t.shape, traced[1], dtype=t.dtype, device="meta"))
-        return flat
 
     def _agree_on_builds(self, building: bool, program: "TrainStep | None" = None) -> None:
         """batch_shapes='cache' under process_group= (a collective on every call): building a program

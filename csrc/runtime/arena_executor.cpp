@@ -124,7 +124,11 @@ std::vector<c10::IValue> ArenaExecutor::run(std::vector<c10::IValue> inputs) {
   // Graph values are data, never autograd history: skip the autograd kernels.
   at::AutoDispatchBelowAutograd no_autograd;
   TORCH_CHECK(inputs.size() == placeholders_.size(), "expected ", placeholders_.size(), " inputs, got ", inputs.size());
-  for (size_t i = 0; i < inputs.size(); ++i) check_input(*placeholders_[i], inputs[i], i);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_input(*placeholders_[i], inputs[i], i);
+    // A donated entry in other strides is written into its copy, which the new state then holds.
+    to_traced_layout(*placeholders_[i], inputs[i]);
+  }
   if (donate_) {
     std::map<const void*, size_t> storages;
     for (size_t i = 0; i < num_state_; ++i) {

@@ -5,6 +5,7 @@
 #include "ir/schema.h"
 #include "ir/verifier.h"
 
+#include <ATen/ATen.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/enum_tag.h>
@@ -43,6 +44,31 @@ const ir::Node* overwritable_input(const ir::Node& node, const std::optional<ir:
   return input != nullptr && input->kind() == ir::NodeKind::Call ? input : nullptr;
 }
 
+// Placeholders a call writes in place (a Tensor(a!) argument, the placeholder itself or a view of
+// it: a BatchNorm's num_batches_tracked.add_): the write must reach the caller's tensor, so those keep
+// the layout they are given (to_traced_layout would hand the kernel a copy).
+std::vector<bool> written_placeholders(const ir::Graph& graph) {
+  std::vector<bool> written(graph.size(), false);
+  for (const auto& n : graph.nodes()) {
+    if (n->kind() != ir::NodeKind::Call || n->target().is_builtin() || ir::is_higher_order(n->target())) continue;
+    const c10::FunctionSchema* schema = ir::find_schema(n->target());
+    if (schema == nullptr) continue;
+    const auto& formals = schema->arguments();
+    for (size_t i = 0; i < formals.size(); ++i) {
+      if (formals[i].alias_info() == nullptr || !formals[i].alias_info()->isWrite()) continue;
+      const ir::Arg* a = i < n->args().size() ? &n->args()[i] : n->kwarg(formals[i].name());
+      if (a == nullptr) continue;
+      a->for_each_node([&](const ir::Node* m) {
+        while (m->kind() == ir::NodeKind::Call && ir::is_view_op(*m) && !m->args().empty() &&
+               m->args()[0].kind == ir::Arg::Kind::Node)
+          m = m->args()[0].node;
+        if (m->kind() == ir::NodeKind::Placeholder) written[m->index()] = true;
+      });
+    }
+  }
+  return written;
+}
+
 }  // namespace
 
 void check_input(const ir::Node& ph, const c10::IValue& v, size_t position) {
@@ -63,6 +89,25 @@ void check_input(const ir::Node& ph, const c10::IValue& v, size_t position) {
   if (t.kind == ir::Type::Kind::Float)
     TORCH_CHECK(v.isDouble() || v.isInt(), where(), ": expected a float, got ", v.tagKind());
   if (t.kind == ir::Type::Kind::Bool) TORCH_CHECK(v.isBool(), where(), ": expected a bool, got ", v.tagKind());
+}
+
+bool to_traced_layout(const ir::Node& ph, c10::IValue& v) {
+  const ir::Type& t = ph.type();
+  if (!t.is_tensor() || !v.isTensor()) return false;
+  const at::Tensor& x = v.toTensor();
+  const std::vector<int64_t>& want = t.tensor.strides;
+  const c10::IntArrayRef sizes = x.sizes();
+  const c10::IntArrayRef strides = x.strides();
+  if (want.size() != strides.size()) return false;  // another rank: check_input's to refuse
+  bool same = true;
+  for (size_t d = 0; d < want.size() && same; ++d) same = sizes[d] <= 1 || strides[d] == want[d];
+  if (same) return false;
+  if (!at::empty_strided(sizes, want, x.options().device(c10::kMeta)).is_non_overlapping_and_dense()) {
+    v = x.contiguous();
+    return true;
+  }
+  v = at::empty_strided(sizes, want, x.options()).copy_(x);
+  return true;
 }
 
 std::vector<c10::IValue> output_values(const std::vector<ir::Arg>& outputs,
@@ -92,8 +137,12 @@ Executor::Executor(const ir::Graph& graph) : graph_(graph.clone()) {
   std::vector<bool> is_output(nodes.size(), false);
   out->args()[0].for_each_node([&](ir::Node* n) { is_output[n->index()] = true; });
   outputs_ = out->args()[0].list;
+  const std::vector<bool> written = written_placeholders(*graph_);
   for (const auto& n : nodes) {
-    if (n->kind() == ir::NodeKind::Placeholder) placeholders_.push_back(n.get());
+    if (n->kind() == ir::NodeKind::Placeholder) {
+      placeholders_.push_back(n.get());
+      restride_.push_back(!written[n->index()]);
+    }
     if (n->kind() != ir::NodeKind::Call) continue;
     kernels_.push_back(BoundKernel::bind(*n));
     for (int64_t s : kernels_.back().input_slots()) last_use[s] = static_cast<int64_t>(kernels_.size()) - 1;
@@ -152,6 +201,7 @@ std::vector<c10::IValue> Executor::run(std::vector<c10::IValue> inputs) const {
   ValueSlots values(graph_->size());
   for (size_t i = 0; i < inputs.size(); ++i) {
     check_input(*placeholders_[i], inputs[i], i);
+    if (restride_[i]) to_traced_layout(*placeholders_[i], inputs[i]);
     values[placeholders_[i]->index()] = std::move(inputs[i]);
   }
   for (int64_t s : release_inputs_) values[s] = c10::IValue();

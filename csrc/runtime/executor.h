@@ -5,8 +5,10 @@
 // block the run allocates comes from a CallPool, so the next run reuses it warm.
 //
 // Inputs are given in placeholder order. Tensor inputs are checked against the
-// placeholder's dtype and shape (a clear error names the placeholder); the
-// graph is verified once at construction.
+// placeholder's dtype and shape (a clear error names the placeholder), and one
+// laid out otherwise than traced runs as a copy in the traced strides
+// (to_traced_layout), unless a call writes it in place; the graph is verified
+// once at construction.
 #pragma once
 
 #include "ir/graph.h"
@@ -41,6 +43,7 @@ class Executor {
  private:
   std::unique_ptr<ir::Graph> graph_;
   std::vector<const ir::Node*> placeholders_;
+  std::vector<bool> restride_;                // per placeholder: taken in its traced strides (none written in place)
   std::vector<BoundKernel> kernels_;          // one per call node, in order
   std::vector<Step> steps_;                   // one per kernel: its slot and the slots dead after it
   std::vector<BoundKernel> inplace_kernels_;  // in-place variants some steps run (see the constructor)
@@ -52,6 +55,14 @@ class Executor {
 
 // Checks a runtime value against a placeholder's type; throws naming `what`.
 void check_input(const ir::Node& placeholder, const c10::IValue& value, size_t position);
+
+// A checked tensor input in the strides its placeholder was traced with: left as it is when they agree
+// in every dimension of size > 1, else replaced by a copy in those strides (contiguous where they
+// overlap or leave gaps, as an expanded example's do). The program's views and kernels were traced on
+// that layout: a state entry in others (the channels-last state an AOTInductor package returns) failed
+// with "view size is not compatible", and a convolution on channels-last weights rounds otherwise than
+// eager's on contiguous ones. Returns whether it copied.
+bool to_traced_layout(const ir::Node& placeholder, c10::IValue& value);
 
 // The values of an output node's list: graph values through `value_of`, constants as themselves.
 std::vector<c10::IValue> output_values(const std::vector<ir::Arg>& outputs,

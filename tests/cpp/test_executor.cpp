@@ -65,6 +65,44 @@ TEST(Executor, RejectsBadInputsByName) {
   EXPECT_NE(error_of([&] { ex.run({c10::IValue(3)}); }).find("expected a tensor"), std::string::npos);
 }
 
+TEST(Executor, TakesAnInputLaidOutOtherwiseInItsTracedStrides) {
+  // A state entry in other strides than traced (an AOTInductor package's channels-last weights) runs
+  // as a copy in the traced strides: the caller's tensor is untouched and the kernels see the layout
+  // the program was traced on (neg keeps its input's strides, so its result shows which it got).
+  auto g = ir::parse(R"(graph:
+  %w : f32[4,6] = param("w")
+  %e : f32[4,1,6]{6,1,1} = param("e")
+  %y : f32[4,6] = aten::neg.default(%w)
+  %z : f32[4,1,6]{6,1,1} = aten::neg.default(%e)
+  return (%y, %z)
+)");
+  runtime::Executor ex(*g);
+  at::Tensor w = at::arange(24, at::kFloat).reshape({6, 4}).t();  // strides (1, 4)
+  at::Tensor e = at::arange(24, at::kFloat).reshape({4, 1, 6});   // (6, 6, 1): differs only where the size is 1
+  auto out = ex.run({w, e});
+  EXPECT_EQ(out[0].toTensor().strides(), c10::IntArrayRef({6, 1}));
+  EXPECT_TRUE(at::equal(out[0].toTensor(), -w));
+  EXPECT_EQ(w.strides(), c10::IntArrayRef({1, 4}));
+  EXPECT_EQ(out[1].toTensor().strides(), e.strides());  // taken as it is: no copy
+  // a wrong shape is still refused by name before any copy
+  EXPECT_NE(error_of([&] { ex.run({w.t(), e}); }).find("input #0 ('w'): expected shape [4, 6], got [6, 4]"),
+            std::string::npos);
+}
+
+TEST(Executor, LeavesAnInputWrittenInPlaceInTheCallersLayout) {
+  // The write must reach the caller's tensor: a placeholder an in-place op writes is never copied.
+  auto g = ir::parse(R"(graph:
+  %b : f32[4,6] = buffer("b")
+  %add_ : f32[4,6] = aten::add_.Tensor(%b, 1)
+  %y : f32[4,6] = aten::mul.Tensor(%b, 2)
+  return (%y)
+)");
+  runtime::Executor ex(*g);
+  at::Tensor b = at::zeros({6, 4}).t();
+  ex.run({b});
+  EXPECT_TRUE(at::equal(b, at::ones({4, 6})));
+}
+
 TEST(Executor, RefusesUnsupportedGraphsAtConstruction) {
   auto bad = ir::parse("graph:\n  %x : f32[2] = input()\n  %y : f32[2] = aten::nope.default(%x)\n  return (%y)\n");
   EXPECT_NE(error_of([&] { runtime::Executor ex(*bad); }).find("unknown operator"), std::string::npos);
