@@ -1,11 +1,13 @@
 """torch_ext: pure fused training steps, global memory planning and reactive sweeps for PyTorch."""
 import torch  # noqa: F401  (loads libtorch before the extension)
-# Imported now, before any process group exists: torch 2.9's dynamo, imported while a default process group
-# is alive (our first trace imports it), takes references to that group that destroy_process_group never
-# drops, so gloo's worker threads outlive it into interpreter exit, where one releasing a Python tensor
-# aborts the process ("terminate called without an active exception", SIGABRT in a torchrun job's last
-# moment). Every use of torch_ext traces, which imports dynamo anyway.
-import torch._dynamo  # noqa: F401,E402
+# Imported now, before any process group exists: torch 2.9's torch.distributed.nn.functional binds
+# `group=group.WORLD` as the default argument of 10 functions when first imported, and our first trace
+# imports it (through dynamo). Imported while a default group is alive, it keeps that group past
+# destroy_process_group, so gloo's worker threads lived into interpreter exit, where one releasing a Python
+# tensor aborts the process ("terminate called without an active exception", SIGABRT at a torchrun job's
+# end). Imported with no group, its defaults are None. (~5 ms; all of dynamo would cost ~1 s.)
+if torch.distributed.is_available():
+    import torch.distributed.nn  # noqa: F401,E402
 
 from . import _C  # noqa: F401
 from . import _fake  # noqa: F401  (fake kernels for torch.ops.torch_ext)

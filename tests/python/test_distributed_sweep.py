@@ -136,9 +136,10 @@ print(before, threads())
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
 def test_destroy_process_group_frees_gloo_threads_after_a_traced_sweep(tmp_path):
-    # torch 2.9's dynamo, first imported by a trace while the group was alive, kept the group past
-    # destroy_process_group: gloo's worker threads lived into interpreter exit, where one releasing a Python
-    # tensor aborted the process now and then (SIGABRT, "terminate called without an active exception").
+    # torch 2.9's torch.distributed.nn, first imported by a trace (through dynamo) while the group was alive,
+    # kept the group past destroy_process_group (default arguments group=group.WORLD): gloo's worker threads
+    # lived into interpreter exit, where one releasing a Python tensor aborted the process now and then
+    # (SIGABRT, "terminate called without an active exception").
     import subprocess
     import sys
 
