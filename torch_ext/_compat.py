@@ -106,7 +106,7 @@ def export_joint(ep: torch.export.ExportedProgram, loss_index: int = 0, *,
     from torch.export.experimental import _copy_graph_module_and_signature, _remove_detach_pass
 
     # The retrace decomposes aten.lstm & co. here, and differentiates what it traces.
-    with rnn_dropout_between_layers(), eager_autograd_kernels():
+    with rnn_dropout_between_layers(), eager_autograd_kernels(), joint_replayed_without_autograd():
         joint = _decompose_exported_program(
             ep,
             cia_to_decomp={},
@@ -684,6 +684,41 @@ def eager_autograd_kernels(names=EAGER_AUTOGRAD_OPS):
         for op, key, kernel in removed:
             op.py_kernels[key] = kernel
             op._dispatch_cache.clear()
+
+
+@contextlib.contextmanager
+def joint_replayed_without_autograd():
+    """Inside the block, torch 2.9's ``aot_export_module(trace_joint=True)`` replays its joint graph (forward
+    and backward, already differentiated and functionalized) under ``torch.no_grad()``. It retraces that graph
+    with ``make_fx`` to drop its tangents, with grad mode on and the parameters requiring grad, so autograd
+    records every backward op again, and an op whose autograd refuses complex outputs stops the export:
+    ``fft_r2c_backward`` (eager's derivative of ``torch.fft.rfft``) pads the gradient with
+    ``new_zeros(...).slice(...).copy_(grad)``, functionalized into a complex ``slice_scatter``, and the replay
+    failed with "slice_scatter does not support automatic differentiation for outputs with complex dtype".
+    Nothing differentiates the replay, and grad mode changes neither the ops it records nor the kernels
+    they dispatch to. Only the module-level ``make_fx`` name of ``torch._functorch.aot_autograd`` (that
+    replay's only user) is wrapped."""
+    import functools
+
+    from torch._functorch import aot_autograd
+
+    make_fx = aot_autograd.make_fx
+
+    @functools.wraps(make_fx)
+    def make_fx_without_grad(*args, **kwargs):
+        traced = make_fx(*args, **kwargs)
+
+        @functools.wraps(traced)
+        def run(*inputs):
+            with torch.no_grad():
+                return traced(*inputs)
+        return run
+
+    aot_autograd.make_fx = make_fx_without_grad
+    try:
+        yield
+    finally:
+        aot_autograd.make_fx = make_fx
 
 
 @contextlib.contextmanager
