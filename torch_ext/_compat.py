@@ -771,8 +771,8 @@ def eager_cumprod_backward():
     previous = op.py_kernels.pop(key, None)
 
     def kernel(grad, input, dim, output):
-        if torch.is_grad_enabled():
-            return op.decompose(grad, input, dim, output)
+        if torch.is_grad_enabled():  # ATen's C++ kernel (op.decompose would call this one again)
+            return op._op_dk(key, grad, input, dim, output)
         return _cumprod_backward_first_order(grad, input, dim, output)
 
     op.py_kernels[key] = kernel

@@ -104,3 +104,22 @@ def test_cumprod_backward_kernel_put_back():
     assert op.py_kernels == before
     # eager's first-order formula: no product of slices (aten.prod) as in ATen's double-backward form
     assert torch.ops.aten.prod.dim_int not in {n.target for n in joint.graph.nodes}
+
+
+def test_cumprod_backward_under_grad_mode_stays_atens():
+    """A gradient of the gradient (grad mode on) keeps ATen's kernel, whose O(n^2) form is differentiable; without
+    grad mode the traced kernel is eager's first-order formula. The two differ on this input, which holds a zero."""
+    from torch._dispatch.python import enable_python_dispatcher
+
+    g = torch.Generator().manual_seed(0)
+    x, grad = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    x[0, 2] = 0
+    out = torch.cumprod(x, 1)
+    op = torch.ops.aten.cumprod_backward.default
+    aten = op(grad, x, 1, out)
+    first_order = _compat._cumprod_backward_first_order(grad, x, 1, out)
+    assert not torch.equal(aten, first_order)
+    with _compat.eager_cumprod_backward(), enable_python_dispatcher():
+        assert torch.equal(op(grad, x, 1, out), aten)
+        with torch.no_grad():
+            assert torch.equal(op(grad, x, 1, out), first_order)
