@@ -106,7 +106,8 @@ def export_joint(ep: torch.export.ExportedProgram, loss_index: int = 0, *,
     from torch.export.experimental import _copy_graph_module_and_signature, _remove_detach_pass
 
     # The retrace decomposes aten.lstm & co. here, and differentiates what it traces.
-    with rnn_dropout_between_layers(), eager_autograd_kernels():
+    with rnn_dropout_between_layers(), eager_autograd_kernels(), joint_replayed_without_autograd(), \
+            eager_cumprod_backward():
         joint = _decompose_exported_program(
             ep,
             cia_to_decomp={},
@@ -684,6 +685,105 @@ def eager_autograd_kernels(names=EAGER_AUTOGRAD_OPS):
         for op, key, kernel in removed:
             op.py_kernels[key] = kernel
             op._dispatch_cache.clear()
+
+
+@contextlib.contextmanager
+def joint_replayed_without_autograd():
+    """Inside the block, torch 2.9's ``aot_export_module(trace_joint=True)`` replays its joint graph (forward
+    and backward, already differentiated and functionalized) under ``torch.no_grad()``. It retraces that graph
+    with ``make_fx`` to drop its tangents, with grad mode on and the parameters requiring grad, so autograd
+    records every backward op again, and an op whose autograd refuses complex outputs stops the export:
+    ``fft_r2c_backward`` (eager's derivative of ``torch.fft.rfft``) pads the gradient with
+    ``new_zeros(...).slice(...).copy_(grad)``, functionalized into a complex ``slice_scatter``, and the replay
+    failed with "slice_scatter does not support automatic differentiation for outputs with complex dtype".
+    Nothing differentiates the replay, and grad mode changes neither the ops it records nor the kernels
+    they dispatch to. Only the module-level ``make_fx`` name of ``torch._functorch.aot_autograd`` (that
+    replay's only user) is wrapped."""
+    import functools
+
+    from torch._functorch import aot_autograd
+
+    make_fx = aot_autograd.make_fx
+
+    @functools.wraps(make_fx)
+    def make_fx_without_grad(*args, **kwargs):
+        traced = make_fx(*args, **kwargs)
+
+        @functools.wraps(traced)
+        def run(*inputs):
+            with torch.no_grad():
+                return traced(*inputs)
+        return run
+
+    aot_autograd.make_fx = make_fx_without_grad
+    try:
+        yield
+    finally:
+        aot_autograd.make_fx = make_fx
+
+
+def _reversed_cumsum(w: torch.Tensor, dim: int) -> torch.Tensor:
+    return w.flip(dim).cumsum(dim).flip(dim)
+
+
+def _cumprod_backward_first_order(grad, input, dim, output):
+    """ATen's ``cumprod_backward`` (aten/src/ATen/native/ReduceOps.cpp, torch 2.9) as eager autograd runs it for
+    a first-order gradient, written without reading data: eager picks ``reversed_cumsum(output * grad) / input``
+    when ``input`` holds no zero, else an O(n) formula built with ``masked_scatter_``. Both are computed here,
+    with the same kernels, each ``masked_scatter_`` as a ``where`` (the same elements copied), and
+    ``where(any zero, ...)`` picks eager's."""
+    if input.numel() <= 1:
+        return grad
+    dim = dim % input.dim()
+    if input.shape[dim] == 1:
+        return grad
+    input_conj, output_conj = input.conj(), output.conj()
+    w = output_conj * grad
+    is_zero = input == 0
+    no_zero = _reversed_cumsum(w, dim).div(input_conj)
+    cumsum = is_zero.cumsum(dim)
+    mask = cumsum == 0  # before the first zero
+    before = _reversed_cumsum(w.masked_fill(~mask, 0.), dim).div(input_conj)
+    grad_input = torch.where(mask, before, torch.zeros_like(grad))
+    mask = cumsum == 1  # from the first zero to the second
+    first_zero_index = mask.max(dim, keepdim=True).indices
+    first_zero_mask = torch.zeros_like(mask).scatter(dim, first_zero_index, 1).logical_and(mask)
+    mask = mask & ~first_zero_mask
+    at_first_zero = (input_conj.masked_fill(~mask, 1.).cumprod(dim).mul(grad.masked_fill(cumsum != 1, 0.))
+                     .sum(dim, keepdim=True)
+                     .mul(torch.gather(output_conj, dim, (first_zero_index - 1).relu())
+                          .masked_fill(first_zero_index == 0, 1.)))
+    grad_input = torch.where(first_zero_mask, at_first_zero, grad_input)
+    return torch.where(is_zero.any(), grad_input, no_zero)
+
+
+@contextlib.contextmanager
+def eager_cumprod_backward():
+    """Inside the block, ``aten.cumprod_backward`` (the derivative autograd records for ``torch.cumprod``) traces
+    as eager computes a first-order gradient (``_cumprod_backward_first_order``). ATen's kernel branches on the
+    input's data (any zero?) and, given a tensor subclass (the trace's functional tensors), always takes its
+    O(n^2) form meant for double backward: products of slices, which round differently (the step's gradients
+    were 1.5e-8 off eager's). Under grad mode (a gradient of the gradient) ATen's kernel runs as before."""
+    from torch._C import DispatchKey
+
+    op = torch.ops.aten.cumprod_backward.default
+    key = DispatchKey.CompositeImplicitAutograd
+    previous = op.py_kernels.pop(key, None)
+
+    def kernel(grad, input, dim, output):
+        if torch.is_grad_enabled():  # ATen's C++ kernel (op.decompose would call this one again)
+            return op._op_dk(key, grad, input, dim, output)
+        return _cumprod_backward_first_order(grad, input, dim, output)
+
+    op.py_kernels[key] = kernel
+    op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        del op.py_kernels[key]
+        if previous is not None:
+            op.py_kernels[key] = previous
+        op._dispatch_cache.clear()
 
 
 @contextlib.contextmanager
