@@ -1476,7 +1476,20 @@ class TrainStep:
         # against 0.24-0.39 ms in ATen (one thread), so the package calls ATen's.
         with _compat.aten_kernels_in_inductor([torch.ops.aten.max_pool2d_with_indices_backward.default]), \
                 _compat.exact_subgraph_strides():
-            return torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=configs)
+            try:
+                return torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=configs)
+            except AssertionError as e:
+                # torch 2.9's C++ wrapper asserts on a complex Python scalar it makes itself (complex zeros in
+                # the lowering of the backward of torch.fft's ops): a bare AssertionError from Inductor.
+                complex_ops = sorted({str(n.target) for n in program.graph.nodes if n.op == "call_function"
+                                      and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_complex()})
+                if not complex_ops:
+                    raise
+                raise NotImplementedError(
+                    f"to_aoti: torch {torch.__version__}'s AOTInductor failed on this step's complex-valued ops "
+                    f"({', '.join(complex_ops[:6])}{' ...' if len(complex_ops) > 6 else ''}; torch.fft and its "
+                    "backward): run the step with the executor (step(state, *batch), step.compile()) or save it as "
+                    "a .pt2 (torch_ext.load_step runs it)") from e
 
 
 def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, example_batch: Sequence, *,
