@@ -107,7 +107,7 @@ def export_joint(ep: torch.export.ExportedProgram, loss_index: int = 0, *,
 
     # The retrace decomposes aten.lstm & co. here, and differentiates what it traces.
     with rnn_dropout_between_layers(), eager_autograd_kernels(), joint_replayed_without_autograd(), \
-            eager_cumprod_backward():
+            eager_cumprod_backward(), eager_prod_backward():
         joint = _decompose_exported_program(
             ep,
             cia_to_decomp={},
@@ -784,6 +784,137 @@ def eager_cumprod_backward():
         if previous is not None:
             op.py_kernels[key] = previous
         op._dispatch_cache.clear()
+
+
+def _prod_safe_zeros_backward(grad, input, dim):
+    """ATen's ``prod_safe_zeros_backward`` (torch/csrc/autograd/FunctionsManual.cpp, torch 2.9), the same kernels:
+    exclusive cumulative products from the front and from the back, multiplied, so that no division by the input
+    is needed (exact with zeros)."""
+    if input.numel() == 0:
+        return grad.expand_as(input)
+    n = input.shape[dim]
+    if n == 1:
+        return grad
+    ones_size = list(input.shape)
+    ones_size[dim] = 1
+    ones = torch.ones(ones_size, dtype=grad.dtype, device=grad.device)
+    exclusive_normal = torch.cat([ones, input.narrow(dim, 0, n - 1)], dim).cumprod(dim)
+    narrow_reverse = input.narrow(dim, 1, n - 1).flip(dim)
+    exclusive_reverse = torch.cat([ones, narrow_reverse], dim).cumprod(dim).flip(dim)
+    return grad * (exclusive_normal * exclusive_reverse).conj()
+
+
+def _prod_backward_first_order(grad, input, result, dim=None, keepdim=False):
+    """ATen's ``prod_backward`` (FunctionsManual.cpp, torch 2.9) as eager autograd runs it for a first-order
+    gradient, written without reading data. Eager reads the input: with no zero it takes
+    ``grad * (result / input).conj()``; else ``prod_safe_zeros_backward`` (over the flattened input for a full
+    prod), except that a full prod with two zeros or more, outside grad mode, gives ``zeros_like(input)``. All are
+    computed here, with the same kernels, and ``where`` picks eager's. ``dim=None``: the full ``prod``."""
+    if input.dim() == 0:
+        return grad
+    if dim is None:
+        no_zero = grad * (result / input).conj()
+        safe = _prod_safe_zeros_backward(grad, input.contiguous().view(-1), 0).view_as(input)
+        zeros = (input == 0).sum()
+        return torch.where(zeros > 1, torch.zeros_like(input), torch.where(zeros == 0, no_zero, safe))
+    dim = dim % input.dim()
+    if not keepdim:
+        grad, result = grad.unsqueeze(dim), result.unsqueeze(dim)
+    no_zero = grad * (result / input).conj()
+    safe = _prod_safe_zeros_backward(grad, input, dim)
+    return torch.where((input == 0).any(), safe, no_zero)
+
+
+def _is_tensor_subclass_like(t: torch.Tensor) -> bool:
+    """ATen's ``input.is_meta() || isTensorSubclassLike(input)`` (ATen/TensorSubclassLikeUtils.h): a dispatch mode
+    is on, or the tensor is meta, a Python subclass (FunctionalTensor, FakeTensor), a functional wrapper, a functorch
+    wrapper or sparse."""
+    from torch._C import DispatchKey
+
+    if torch._C._len_torch_dispatch_stack() > 0 or t.is_meta or type(t) is not torch.Tensor:
+        return True
+    keys = torch._C._dispatch_keys(t)
+    return any(keys.has(k) for k in (DispatchKey.Python, DispatchKey.Functionalize, DispatchKey.FuncTorchGradWrapper,
+                                      DispatchKey.FuncTorchBatched, DispatchKey.Sparse, DispatchKey.SparseCsr))
+
+
+def _prod_backward_atens(grad, input, result, dim=None, keepdim=False):
+    """ATen's ``prod_backward`` under grad mode (a gradient of the gradient), branches included: the differentiable
+    ``prod_safe_zeros_backward`` for a tensor subclass (a trace's tensors), else branched on the input's zeros."""
+    if input.dim() == 0:
+        return grad
+    if dim is not None:
+        dim = dim % input.dim()
+        if not keepdim:
+            grad, result = grad.unsqueeze(dim), result.unsqueeze(dim)
+    subclass = _is_tensor_subclass_like(input)
+    if not subclass and not bool((input == 0).any()):
+        return grad * (result / input).conj()
+    if dim is None:
+        return _prod_safe_zeros_backward(grad, input.contiguous().view(-1), 0).view_as(input)
+    return _prod_safe_zeros_backward(grad, input, dim)
+
+
+class _EagerProd(torch.autograd.Function):
+    """``aten.prod`` / ``aten.prod.dim_int`` whose backward is eager's (see ``eager_prod_backward``)."""
+
+    @staticmethod
+    def forward(ctx, input, op, args, kwargs, dim, keepdim):
+        with torch._C._AutoDispatchBelowAutograd():
+            result = op(input, *args, **kwargs)
+        ctx.save_for_backward(input, result)
+        ctx.dim, ctx.keepdim = dim, keepdim
+        return result
+
+    @staticmethod
+    def backward(ctx, grad):
+        input, result = ctx.saved_tensors
+        input = input.to(grad.dtype)  # derivatives.yaml: prod_backward(grad, self.to(grad.scalar_type()), result, ...)
+        backward = _prod_backward_atens if torch.is_grad_enabled() else _prod_backward_first_order
+        return backward(grad, input, result, ctx.dim, ctx.keepdim), None, None, None, None, None
+
+
+@contextlib.contextmanager
+def eager_prod_backward():
+    """Inside the block (with the Python dispatcher on, as in a trace), ``aten.prod`` and ``aten.prod.dim_int``
+    differentiate as eager autograd does a first-order gradient (``_prod_backward_first_order``). ATen's
+    ``prod_backward`` is no dispatcher op: it is called from the ops' C++ autograd kernel, branches on the input's
+    data (any zero?) and, given a tensor subclass (the trace's functional tensors), always takes
+    ``prod_safe_zeros_backward``, which rounds differently from eager's ``grad * (result / input)`` (the step's
+    gradients were ~3e-8 off eager's). So the ops' Autograd kernel is replaced by a Python one that records
+    ``_EagerProd``. Under grad mode in the backward (a gradient of the gradient) ATen's branches are kept
+    (``_prod_backward_atens``)."""
+    from torch._C import DispatchKey
+
+    key = DispatchKey.Autograd
+    ops = (torch.ops.aten.prod.default, torch.ops.aten.prod.dim_int)
+    previous = {op: op.py_kernels.pop(key, None) for op in ops}
+
+    def make_kernel(op):
+        def kernel(input, *args, **kwargs):
+            if not (torch.is_grad_enabled() and input.requires_grad):
+                with torch._C._AutoDispatchBelowAutograd():
+                    return op(input, *args, **kwargs)
+            if op is torch.ops.aten.prod.default:
+                dim, keepdim = None, False
+            else:
+                bound = op._schema.arguments
+                values = dict(zip((a.name for a in bound[1:]), args), **kwargs)
+                dim, keepdim = values["dim"], values.get("keepdim", False)
+            return _EagerProd.apply(input, op, args, kwargs, dim, keepdim)
+        return kernel
+
+    for op in ops:
+        op.py_kernels[key] = make_kernel(op)
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op in ops:
+            del op.py_kernels[key]
+            if previous[op] is not None:
+                op.py_kernels[key] = previous[op]
+            op._dispatch_cache.clear()
 
 
 @contextlib.contextmanager
