@@ -48,11 +48,13 @@ def assert_verifier_and_executor_refuse(text: str, pattern: str):
     return g
 
 
-def train_like_eager(step, state, ref, ref_opt, loss_fn, batches):
+def train_like_eager(step, state, ref, ref_opt, loss_fn, batches, losses=None):
     """Runs the step and eager PyTorch (``ref`` with ``ref_opt``) on every batch: each loss and, at the
-    end, every parameter bit for bit. Returns the step's last state."""
+    end, every parameter bit for bit. Returns the step's last state; ``losses`` (a list) gets each loss."""
     for i, b in enumerate(batches):
         loss, state = step(state, *b)
+        if losses is not None:
+            losses.append(loss.item())
         ref_opt.zero_grad()
         ref_loss = loss_fn(ref, *b)
         ref_loss.backward()
@@ -61,6 +63,24 @@ def train_like_eager(step, state, ref, ref_opt, loss_fn, batches):
     for n, p in ref.named_parameters():
         assert torch.equal(state.params["model." + n], p.detach()), n
     return state
+
+
+def assert_adamw_steps_bit_exact(model, loss_fn, batch, run: str, steps: int = 20):
+    """``steps`` AdamW steps of ``model`` on ``batch`` through the executor (``run="executor"``) or the planned
+    arena: every loss and the final state bit for bit with an eager torch.optim loop, and the loss going down (a
+    step that left the weights alone would match eager's first loss only)."""
+    import copy
+
+    eager = copy.deepcopy(model)
+    opt, eager_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    step = torch_ext.make_train_step(model, opt, loss_fn, batch)
+    runner = step if run == "executor" else step.compile(plan=True)
+    losses = []
+    state = train_like_eager(runner, step.init_state(), eager, eager_opt, loss_fn, [batch] * steps, losses)
+    assert losses[-1] < losses[0]
+    step.write_back(state)
+    for (key, a), b in zip(model.state_dict().items(), eager.state_dict().values()):
+        assert torch.equal(a, b), key
 
 
 def tiny_gpt_step(vocab: int, d_model: int, n_heads: int, n_layers: int, seq: int, batch: int):

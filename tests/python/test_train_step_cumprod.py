@@ -4,14 +4,13 @@ the step trains bit-exact with an eager torch.optim loop. Traced, ATen's kernel 
 form (products of slices), and the gradients were 1.5e-8 off eager's."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import torch_ext
+from helpers import assert_adamw_steps_bit_exact
 from torch_ext import _compat
 
 
@@ -40,7 +39,6 @@ class CumProd(nn.Module):
 def test_cumprod_steps_bit_exact_with_eager(dim, zeros, run):
     torch.manual_seed(0)
     model = CumProd(dim, zeros)
-    eager = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
     if zeros:  # eager's masked formula, with slices holding two zeros or more (the part after the second zero)
@@ -48,23 +46,7 @@ def test_cumprod_steps_bit_exact_with_eager(dim, zeros, run):
             h = model.fc(x)
         zeros_per_slice = ((F.relu(h) + (h > 0.4).float() * 0.5) == 0).view(-1, 2, 4).sum(dim)
         assert zeros_per_slice.max() >= 2, zeros_per_slice
-    opt, eager_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
-    step = torch_ext.make_train_step(model, opt, _loss, (x, y))
-    state = step.init_state()
-    runner = step if run == "executor" else step.compile(plan=True)
-    losses = []
-    for _ in range(20):
-        loss, state = runner(state, x, y)
-        eager_opt.zero_grad()
-        eager_loss = _loss(eager, x, y)
-        eager_loss.backward()
-        eager_opt.step()
-        assert torch.equal(loss, eager_loss)
-        losses.append(loss.item())
-    assert losses[-1] < losses[0]
-    step.write_back(state)
-    for (key, a), b in zip(model.state_dict().items(), eager.state_dict().values()):
-        assert torch.equal(a, b), key
+    assert_adamw_steps_bit_exact(model, _loss, (x, y), run)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.complex64])

@@ -6,7 +6,6 @@ torch 2.9's joint export replayed its differentiated graph with autograd recordi
 not support automatic differentiation for outputs with complex dtype"): every model with ``torch.fft.rfft`` failed."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -14,6 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch_ext
+
+from helpers import assert_adamw_steps_bit_exact
 from torch_ext import _compat
 
 
@@ -90,27 +91,10 @@ def test_fft_model_steps_bit_exact_with_eager(name, run):
     make, shape = MODELS[name]
     torch.manual_seed(0)
     model = make()
-    eager = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(*shape, generator=g)
     y = torch.randint(0, 3, (x.numel() // 32 if name == "fft2" else shape[0],), generator=g)
-    opt, eager_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
-    step = torch_ext.make_train_step(model, opt, _loss, (x, y))
-    state = step.init_state()
-    runner = step if run == "executor" else step.compile(plan=True)
-    losses = []
-    for _ in range(20):
-        loss, state = runner(state, x, y)
-        eager_opt.zero_grad()
-        eager_loss = _loss(eager, x, y)
-        eager_loss.backward()
-        eager_opt.step()
-        assert torch.equal(loss, eager_loss)
-        losses.append(loss.item())
-    assert losses[-1] < losses[0]  # it trains: a step that left the weights alone would match eager's first loss only
-    step.write_back(state)
-    for (key, a), b in zip(model.state_dict().items(), eager.state_dict().values()):
-        assert torch.equal(a, b), key
+    assert_adamw_steps_bit_exact(model, _loss, (x, y), run)
 
 
 def test_joint_export_leaves_aot_autograd_as_it_found_it():

@@ -5,14 +5,13 @@ Traced, ATen always took prod_safe_zeros_backward (its path for tensor subclasse
 off eager's."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import torch_ext
+from helpers import assert_adamw_steps_bit_exact
 from torch_ext import _compat
 
 
@@ -44,7 +43,6 @@ class Prod(nn.Module):
 def test_prod_steps_bit_exact_with_eager(dim, zeros, run):
     torch.manual_seed(0)
     model = Prod(dim, zeros)
-    eager = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
     if zeros:  # eager's zero-handling formulas: slices with one zero or more, a full product with several
@@ -53,23 +51,7 @@ def test_prod_steps_bit_exact_with_eager(dim, zeros, run):
         factor_zeros = (F.relu(h) + (h > 0.4).float() * 0.5) == 0
         assert factor_zeros.view(-1, 2, 4).sum(dim).max() >= 1, factor_zeros
         assert factor_zeros[:, :3].sum() >= 2, factor_zeros
-    opt, eager_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
-    step = torch_ext.make_train_step(model, opt, _loss, (x, y))
-    state = step.init_state()
-    runner = step if run == "executor" else step.compile(plan=True)
-    losses = []
-    for _ in range(20):
-        loss, state = runner(state, x, y)
-        eager_opt.zero_grad()
-        eager_loss = _loss(eager, x, y)
-        eager_loss.backward()
-        eager_opt.step()
-        assert torch.equal(loss, eager_loss)
-        losses.append(loss.item())
-    assert losses[-1] < losses[0]
-    step.write_back(state)
-    for (key, a), b in zip(model.state_dict().items(), eager.state_dict().values()):
-        assert torch.equal(a, b), key
+    assert_adamw_steps_bit_exact(model, _loss, (x, y), run)
 
 
 def _with_zeros(shape, zeros, dtype, g):
