@@ -2084,10 +2084,13 @@ def _row_batches(first: list[int], length: int, overhead: float) -> list[tuple[i
 
 # A chained unit's cost per engine evaluation in FLOPs, fitted on the TinyTransformer units of
 # scripts/bench_sweep.py (one thread: ~1.9 us per evaluation at ~65 GFLOP/s), and the largest value a
-# chained unit may hold: past ~0.5 MiB per value the allocator hands fresh pages back per unit (minor
-# faults measured at every unit with 19 copies at d_model 128, none with <= 0.5 MiB values).
+# chained unit may hold. The bound was 0.5 MiB while every unit's values came from the allocator, which
+# handed fresh pages back per unit past it; the row path now writes its large values into the engines'
+# shared RowBufferPool (row_buffers.h), and with 4 MiB no minor fault is counted per sweep at d_model 64
+# or 128 (getrusage, batch 8), where 0.5 MiB split those sweeps into more, smaller units (8 -> 7 groups
+# at d_model 64, 16 -> 13 at 128; 1-6% of their thread time in interleaved A/B runs, a shared machine).
 _CHAIN_OVERHEAD_FLOPS = 1.3e5
-_UNIT_BYTES = float(1 << 19)
+_UNIT_BYTES = float(1 << 22)
 
 
 def _value_bytes(eng, node: str) -> int:

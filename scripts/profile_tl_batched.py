@@ -1,0 +1,146 @@
+#!/usr/bin/env python
+"""Where a batched TransformerLens-style sweep's time goes (issue 10, bench_sweep.py part 2), against the
+eager-hook sweep it is measured against.
+
+    python scripts/profile_tl_batched.py [--d 64 128] [--batch 8] [--repeats 7]
+
+For each d_model (part 2's model and sites: tl_setup, resid_pos_sites, 64 sites, opaque metric):
+
+1. Thread CPU time (time.thread_time: other processes on a shared machine count less) of the eager
+   sweep and of sweep(batch_sites=True), medians of interleaved repeats, and the part of the batched
+   sweep spent inside the batched engines' evaluate_patched_rows / evaluate_patched (the C++ cone
+   evaluations) per unit: the rest is the Python loop (patch function, metric, planning, stacking).
+2. One profiled sweep of each arm (torch.profiler, record_shapes): ATen calls per op, the batched arm
+   against eager's per-forward count times the number of batched units, and the bytes aten::copy_
+   writes, by the op that called it ("-": called by the engine itself: row joins, dense copies).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import torch_ext  # noqa: E402
+import torch_ext.reactive as reactive  # noqa: E402
+
+from _bench_util import eager_hook_sweep, resid_pre_cache  # noqa: E402
+from bench_sweep import metric, resid_pos_sites, tl_setup  # noqa: E402
+
+
+class _TimedEngine:
+    """A batched cone's engine whose cone evaluations are timed (thread time) into ``log``."""
+
+    def __init__(self, engine, log: list):
+        self._e, self._log = engine, log
+
+    def __getattr__(self, name):
+        return getattr(self._e, name)
+
+    def _timed(self, fn, node, value, *rest):
+        t0 = time.thread_time()
+        out = fn(node, value, *rest)
+        self._log.append((node, value.shape[0], time.thread_time() - t0))
+        return out
+
+    def evaluate_patched_rows(self, node, value, *rest):
+        return self._timed(self._e.evaluate_patched_rows, node, value, *rest)
+
+    def evaluate_patched(self, node, value):
+        return self._timed(self._e.evaluate_patched, node, value)
+
+
+def profile_case(d: int, B: int, repeats: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    model, clean, corrupt = tl_setup(d=d, B=B)
+    T, L = clean.shape[1], len(model.blocks)
+    cache = resid_pre_cache(model, corrupt)
+    rg = torch_ext.ReactiveGraph(model, (clean,))
+    resid = ["add"] + [rg.nodes(f"blocks.{i}")[-1] for i in range(L - 1)]
+    sites, patch = resid_pos_sites(cache, resid, T)
+    log: list = []
+    init = reactive._BatchedCone.__init__
+
+    def timed_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if self.engine is not None:
+            self.engine = _TimedEngine(self.engine, log)
+
+    arms = {"eager": lambda: eager_hook_sweep(model, clean, cache, T, metric),
+            "batched": lambda: torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=True)}
+    reactive._BatchedCone.__init__ = timed_init
+    try:
+        with torch.no_grad():
+            result = arms["batched"]()  # builds the batched cones (timed engines from here on)
+            arms["eager"]()
+            times = {k: [] for k in arms}
+            cpp, units = [], []
+            for _ in range(repeats):
+                for k, fn in arms.items():
+                    log.clear()
+                    t0 = time.thread_time()
+                    fn()
+                    times[k].append(time.thread_time() - t0)
+                    if k == "batched":
+                        cpp.append(sum(t for _, _, t in log))
+                        units.append(list(log))
+            counts, copies = {}, {}
+            for k, fn in arms.items():
+                with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                    fn()
+                counts[k] = collections.Counter(e.name for e in prof.events())
+                by = collections.Counter()
+                for e in prof.events():
+                    if e.name == "aten::copy_" and e.input_shapes and e.input_shapes[0]:
+                        caller = e.cpu_parent.name.removeprefix("aten::") if e.cpu_parent is not None else "-"
+                        by[caller] += math.prod(e.input_shapes[0]) * 4  # f32 (the model's dtype)
+                copies[k] = by
+    finally:
+        reactive._BatchedCone.__init__ = init
+    med = {k: statistics.median(v) for k, v in times.items()}
+    c = statistics.median(cpp)
+    print(f"\n[TinyTransformer L={L} d_model={d} batch={B}] {len(sites)} sites, {result.groups} groups "
+          f"({len(units[0])} batched units + {result.groups - len(units[0])} single sites), "
+          f"{result.measured_evaluations} evaluations")
+    print(f"  thread time, medians of {repeats}: eager {med['eager'] * 1e3:.1f} ms, batched {med['batched'] * 1e3:.1f} ms "
+          f"({med['eager'] / med['batched']:.2f}x); in the batched engines {c * 1e3:.1f} ms "
+          f"({c / med['batched']:.0%}), Python loop and single sites {(med['batched'] - c) * 1e3:.1f} ms")
+    per_unit = [statistics.median(u[i][2] for u in units) for i in range(len(units[0]))]
+    print("  per unit (entry node, stacked rows, thread ms): "
+          + ", ".join(f"({n}, {r}, {t * 1e3:.2f})" for (n, r, _), t in zip(units[0], per_unit)))
+    n_units = max(len(units[0]), 1)
+    per_fwd = {k: v / len(sites) for k, v in counts["eager"].items()}
+    excess = sorted(counts["batched"], key=lambda k: -(counts["batched"][k] - per_fwd.get(k, 0) * n_units))
+    print(f"  ATen calls: batched {sum(counts['batched'].values())}, eager {sum(counts['eager'].values())} "
+          f"({sum(counts['eager'].values()) / len(sites):.0f} per forward); largest excess over eager's per-forward "
+          f"count x {n_units} units (the metric's and patch function's per-site calls are in both):")
+    for k in excess[:8]:
+        print(f"    {k:34s} batched {counts['batched'][k]:5d}   eager per forward x {n_units}: "
+              f"{per_fwd.get(k, 0) * n_units:7.1f}")
+    for k in arms:
+        tot = sum(copies[k].values())
+        print(f"  aten::copy_ bytes, {k}: {tot / 1e6:.1f} MB, by caller: "
+              + ", ".join(f"{c} {b / 1e6:.2f}" for c, b in copies[k].most_common(6)))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--d", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    for d in args.d:
+        profile_case(d, args.batch, args.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
