@@ -305,7 +305,10 @@ class _LrSchedule:
         while len(self._lrs) <= k:
             self._step_all(self._scheds)
             owners = [o for o in self._opts for _ in o.param_groups]
+            empty = [not g["params"] for o in self._opts for g in o.param_groups]
             for gi, (a, b) in enumerate(zip(self._baked, self._hyper(self._opts))):
+                if empty[gi]:
+                    continue  # a group with no parameters: what a scheduler does to its options updates nothing
                 changed = sorted(key for key in a if not _same_option(a[key], b.get(key, _MISSING)))
                 if changed:
                     fed = ", ".join(self.fed.get(gi, ())) or "none"
@@ -422,6 +425,11 @@ class _LrSchedule:
         for gi, where in self._where.items():
             for key, _ in where.values():
                 user[gi][key] = copy.deepcopy(replayed[gi][key])
+        for u, r in zip(user, replayed):
+            if not u["params"]:  # a group with no parameters is neither fed nor baked: eager holds the replay's options
+                for key, v in r.items():
+                    if key != "params" and key not in _LR_KEYS:
+                        u[key] = copy.deepcopy(v)
         self._seen = copy.deepcopy([sch.state_dict() for sch in self._originals])  # placed by us: no edit
         self._seen_lrs = self._values(k)  # what the groups hold unless the written state's lr was set by hand
 
@@ -1021,6 +1029,8 @@ class TrainStep:
                 for p, q, was in zip(now, params, grads):
                     if p is not q or p.requires_grad != was:
                         return False
+                if not params:
+                    continue  # the options of a group with no parameters update nothing (a scheduler cycles them)
                 for key, value in options.items():
                     if not _same_option(value, group.get(key, _MISSING)):
                         return False
@@ -1067,7 +1077,7 @@ class TrainStep:
                         raise ValueError(f"parameter '{names.get(id(p), '?')}' is {how} (requires_grad={was}) when the "
                                          "step was built, and the program bakes that in; build a new step "
                                          "(make_train_step) after freezing or unfreezing")
-                for key, value in options.items():
+                for key, value in (options.items() if params else ()):
                     if not _same_option(value, options_now.get(key, _MISSING)):
                         raise ValueError(f"{title} param group {gi}: {key!r} is {options_now.get(key, 'gone')!r} now, "
                                          f"{value!r} when the step was built, and the program bakes it in; build a "

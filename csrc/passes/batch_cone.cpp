@@ -356,6 +356,44 @@ std::string sizes_text(const ir::Type& t) {
   return s + ")";
 }
 
+// Dense strides for `sizes` that order the dims as `like`'s strides do (outermost first).
+std::vector<int64_t> dense_strides_like(const ir::TensorMeta& like, const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> order(sizes.size());
+  for (size_t d = 0; d < order.size(); ++d) order[d] = static_cast<int64_t>(d);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return like.strides[a] > like.strides[b]; });
+  std::vector<int64_t> strides(sizes.size());
+  int64_t step = 1;
+  for (size_t i = order.size(); i-- > 0;) {
+    strides[order[i]] = step;
+    step *= std::max<int64_t>(sizes[order[i]], 1);
+  }
+  return strides;
+}
+
+// An op with only a CompositeImplicitAutograd kernel (scaled_dot_product_attention) gets its layout
+// on meta from whichever decomposition meta picks, not from the kernel that runs: CPU attention
+// returns [B, T, H, D]-ordered results where meta returns them contiguous, and a view after a
+// transpose (T5's attention output) then refused the stacked sites. A stacked result whose
+// unstacked node had a dense permuted layout keeps that permutation.
+void keep_layout_of(ir::Type& stacked, const ir::Type& alone) {
+  if (stacked.kind == ir::Type::Kind::Tuple && alone.kind == ir::Type::Kind::Tuple) {
+    for (size_t i = 0; i < stacked.elems.size() && i < alone.elems.size(); ++i) keep_layout_of(stacked.elems[i], alone.elems[i]);
+    return;
+  }
+  if (!stacked.is_tensor() || !alone.is_tensor()) return;
+  const ir::TensorMeta& a = alone.tensor;
+  ir::TensorMeta& s = stacked.tensor;
+  if (a.sizes.size() != s.sizes.size() || a.strides.size() != a.sizes.size()) return;
+  if (dense_strides_like(a, a.sizes) != a.strides) return;  // not a dense layout: leave meta's
+  s.strides = dense_strides_like(a, s.sizes);
+}
+
+bool layout_from_decomposition(const ir::Target& target) {
+  auto op = ir::find_op(target);
+  return op.has_value() && !op->hasKernelForDispatchKey(c10::DispatchKey::Meta) &&
+         op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
+}
+
 ir::Type stacked_type(const ir::Type& t, int64_t k) {
   ir::Type out = t;
   out.tensor.sizes[0] *= k;
@@ -650,6 +688,7 @@ class Builder {
       type = args.at(0).node->type();
     } else {
       type = infer_type(n.target(), args, kwargs, w);
+      if (layout_from_decomposition(n.target())) keep_layout_of(type, n.type());
     }
     TORCH_CHECK(scaled_equal(n.type(), type, c), "batch_cone: ", w, " produces ", sizes_text(type),
                 " from the stacked inputs against ", sizes_text(n.type()),

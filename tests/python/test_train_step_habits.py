@@ -1105,6 +1105,24 @@ CYCLING = {
                                                                          step_size_up=10)),
 }
 
+def test_a_cycling_scheduler_over_a_param_group_with_no_parameters_is_followed_bit_exact():
+    # A "head" group left empty (its weight is tied to the embedding, so named_parameters() skips it):
+    # eager OneCycleLR cycles that group's momentum too, which updates nothing. Before: refused ("the
+    # scheduler changes 'momentum' of SGD param group 1 at step 1 ... here: none").
+    def make_opt(m):
+        return torch.optim.SGD([{"params": list(m.parameters())}, {"params": []}], lr=0.05, momentum=0.9,
+                               nesterov=True)
+
+    step, state, ref, ref_opt = parity(TiedLM, make_opt, steps=20, make_sched=lambda o: torch.optim.lr_scheduler.OneCycleLR(
+        o, max_lr=[0.1, 0.2], total_steps=30))
+    assert [float(v) for v in state.lr] == [g["lr"] for g in ref_opt.param_groups]
+    step.write_back(state)
+    assert [(g["lr"], g["momentum"]) for g in step.optimizers[0].param_groups] == \
+        [(g["lr"], g["momentum"]) for g in ref_opt.param_groups]
+    loss, _ = step(step.init_state(), *next(lm_batches(5)))  # the written-back groups are no edit
+    assert torch.isfinite(loss)
+
+
 # The scheduled scalar each kind takes per step.
 _FED_SCALAR = {"adam": "beta1", "lion": "beta1"}
 
