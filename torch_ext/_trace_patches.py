@@ -21,7 +21,7 @@ Here every patch is entered through ``patched(*names)``:
   (``gated``): an eager forward or backward in another thread during a trace runs torch's own code. The
   Python kernels on ATen ops are read only under the Python dispatcher, which is per thread and on only while
   a trace runs; another library tracing in another thread at the same moment (not through torch_ext) would
-  see those.
+  see those, and another thread's ``torch.compile`` (dynamo) at that moment would see the function patches too.
 
 When no trace runs, nothing is installed (``installed()`` is empty).
 """
@@ -31,6 +31,8 @@ import contextlib
 import functools
 import sys
 import threading
+
+import torch
 
 _LOCK = threading.RLock()
 _owner: int | None = None  # the thread that holds the lock (and the patches), None when none does
@@ -85,10 +87,13 @@ def here() -> bool:
 
 
 def gated(patched, original):
-    """``patched`` on the thread that holds the patches, ``original`` on every other thread."""
+    """``patched`` on the thread that holds the patches, ``original`` on every other thread. Inside a region
+    dynamo traces (a ``torch.cond`` branch, which export traces with dynamo) the thread cannot be asked (dynamo
+    does not trace ``threading.get_ident``): ``patched`` there, as the trace that runs the branch is ours while
+    the patches are installed (another thread's ``torch.compile`` at that moment would see them too)."""
     @functools.wraps(patched)
     def call(*args, **kwargs):
-        if _owner == threading.get_ident():
+        if torch.compiler.is_dynamo_compiling() or _owner == threading.get_ident():
             return patched(*args, **kwargs)
         return original(*args, **kwargs)
     return call
