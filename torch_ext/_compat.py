@@ -28,6 +28,13 @@ INPUT_ROLES = {
 GETITEM = operator.getitem
 
 
+def _gated(patched, original):
+    """A patch that acts on the tracing thread only (see _trace_patches)."""
+    from ._trace_patches import gated
+
+    return gated(patched, original)
+
+
 def uncompiled(module):
     """The module a ``torch.compile`` wrapper (OptimizedModule) wraps, unwrapped: export traces the
     Python module, and tracing it through the wrapper's Dynamo frame compiles it a second time (torch
@@ -105,9 +112,10 @@ def export_joint(ep: torch.export.ExportedProgram, loss_index: int = 0, *,
     from torch.export.exported_program import _decompose_exported_program
     from torch.export.experimental import _copy_graph_module_and_signature, _remove_detach_pass
 
+    from . import _trace_patches
+
     # The retrace decomposes aten.lstm & co. here, and differentiates what it traces.
-    with rnn_dropout_between_layers(), eager_autograd_kernels(), joint_replayed_without_autograd(), \
-            eager_cumprod_backward(), eager_prod_backward(), eager_half_dropout_backward():
+    with _trace_patches.patched(*_trace_patches.JOINT_EXPORT):
         joint = _decompose_exported_program(
             ep,
             cia_to_decomp={},
@@ -304,16 +312,16 @@ def eager_attention_masks():
         from torch.utils._python_dispatch import _disable_current_modes
 
         is_tracing = masking.is_tracing
-        masking.is_tracing = lambda tensor=None: False
+        masking.is_tracing = _gated(lambda tensor=None: False, is_tracing)
         try:
             with _disable_current_modes():
                 return fn()
         finally:
             masking.is_tracing = is_tracing
 
-    masking.is_torchdynamo_exporting = lambda: False
+    masking.is_torchdynamo_exporting = _gated(lambda: False, original)
     if find_packed is not None:
-        masking.find_packed_sequence_indices = eager_find_packed
+        masking.find_packed_sequence_indices = _gated(eager_find_packed, find_packed)
     try:
         with _mask_skips_as_branches(masking, eagerly):
             yield
@@ -414,9 +422,10 @@ def _mask_skips_as_branches(masking, eagerly):
                             (query, key, value, attention_mask))
         return output, None
 
-    setattr(masking, names[0], ignore_causal)
-    setattr(masking, names[1], ignore_bidirectional)
-    mask_table["sdpa"], attention_table["sdpa"] = recording_sdpa_mask, branching_sdpa
+    setattr(masking, names[0], _gated(ignore_causal, originals[names[0]]))
+    setattr(masking, names[1], _gated(ignore_bidirectional, originals[names[1]]))
+    mask_table["sdpa"] = _gated(recording_sdpa_mask, sdpa_mask)
+    attention_table["sdpa"] = _gated(branching_sdpa, sdpa_attention)
     try:
         yield
     finally:
@@ -528,6 +537,7 @@ def inline_reentrant_checkpoints():
 
     function_cls = checkpoint_mod.CheckpointFunction
     own = function_cls.__dict__.get("apply")  # None: inherited from autograd.Function
+    bound_apply = function_cls.apply  # what another thread calls meanwhile
     non_reentrant = checkpoint_mod._checkpoint_without_reentrant_generator
 
     def recorded(writes):
@@ -554,8 +564,8 @@ def inline_reentrant_checkpoints():
             recorded(writes)
 
     global _checkpoint_writes
-    function_cls.apply = staticmethod(apply)
-    checkpoint_mod._checkpoint_without_reentrant_generator = checked_non_reentrant
+    function_cls.apply = staticmethod(_gated(apply, bound_apply))
+    checkpoint_mod._checkpoint_without_reentrant_generator = _gated(checked_non_reentrant, non_reentrant)
     outer_writes, _checkpoint_writes = _checkpoint_writes, []
     try:
         yield
@@ -588,7 +598,7 @@ def inference_mode_as_no_grad():
     def no_grad_exit(self, *exc):
         torch.set_grad_enabled(self._torch_ext_grad_before)
 
-    cls.__enter__, cls.__exit__ = no_grad_enter, no_grad_exit
+    cls.__enter__, cls.__exit__ = _gated(no_grad_enter, enter), _gated(no_grad_exit, exit_)
     try:
         yield
     finally:
@@ -612,7 +622,7 @@ def refuse_autograd_in_trace():
             "and the backward of its loss; a gradient inside that forward cannot be traced into it by torch "
             f"{torch.__version__}. Train this model eagerly")
 
-    autograd_mod._engine_run_backward = refuse
+    autograd_mod._engine_run_backward = _gated(refuse, engine)
     try:
         yield
     finally:
@@ -715,7 +725,7 @@ def joint_replayed_without_autograd():
                 return traced(*inputs)
         return run
 
-    aot_autograd.make_fx = make_fx_without_grad
+    aot_autograd.make_fx = _gated(make_fx_without_grad, make_fx)
     try:
         yield
     finally:
@@ -990,7 +1000,7 @@ def rnn_dropout_between_layers():
     if not buggy:
         yield
         return
-    decomps._rnn_helper = _rnn_helper_with_dropout
+    decomps._rnn_helper = _gated(_rnn_helper_with_dropout, helper)
     try:
         yield
     finally:
@@ -1005,6 +1015,7 @@ def packed_sequences_refused():
     it failed inside torch's RNN ('zeros(): argument 'size' ... got FakeTensor')."""
     vf = torch._VF  # a module whose attributes come from torch._C._VariableFunctions unless set on it
     had = vars(vf).get("_pack_padded_sequence")
+    original = vf._pack_padded_sequence
 
     def refuse(input, lengths, batch_first):
         got = (f"a {lengths.dtype} tensor on {lengths.device}" if isinstance(lengths, torch.Tensor)
@@ -1016,7 +1027,7 @@ def packed_sequences_refused():
             "instead and read each sequence where it ends, e.g. out[torch.arange(len(lengths)), lengths - 1] for "
             "a unidirectional RNN with batch_first=True, or mask the padded positions in the loss")
 
-    vf._pack_padded_sequence = refuse
+    vf._pack_padded_sequence = _gated(refuse, original)
     try:
         yield
     finally:
@@ -1051,7 +1062,7 @@ def python_random_draws():
         patched += [(np.random, "seed"), (np.random, "set_state")]
     originals = [(mod, attr, getattr(mod, attr)) for mod, attr in patched]
     for mod, attr, fn in originals:
-        setattr(mod, attr, seeding("numpy.random" if mod is not random else "Python's random module", fn))
+        setattr(mod, attr, _gated(seeding("numpy.random" if mod is not random else "Python's random module", fn), fn))
     py_before = random.getstate()
     np_before = np.random.get_state() if np is not None else None
     drawn: list[str] = []
@@ -1090,18 +1101,6 @@ def global_module_hooks_restored():
         for table, keys in zip(tables, before):
             for k in [k for k in table if k not in keys]:
                 del table[k]
-
-
-@contextlib.contextmanager
-def step_export():
-    """Everything the pure step's export runs inside, so it traces what eager computes: the code tracing
-    cannot record, listed into the yielded list (backward_only_code), eager's attention masks,
-    checkpoints inlined, inference_mode as no_grad, and gradients computed in forward refused; and no
-    global module hook left behind by a failed trace."""
-    with backward_only_code() as found, eager_attention_masks(), inline_reentrant_checkpoints(), \
-            inference_mode_as_no_grad(), refuse_autograd_in_trace(), rnn_dropout_between_layers(), \
-            global_module_hooks_restored(), packed_sequences_refused():
-        yield found
 
 
 def traced_constant_value(t):
@@ -1155,12 +1154,14 @@ def backward_only_code():
     user's ``grad_reverse = GradReverse.apply``, bound at import, would bypass a patched ``apply``."""
     from torch.autograd import function as function_mod
 
+    from . import _trace_patches
+
     found: list[str] = []
     original = function_mod._is_setup_context_defined
     original_hook = torch.Tensor.register_hook
 
     def is_setup_context_defined(fn):
-        caller = sys._getframe(1).f_locals
+        caller = _trace_patches.caller_frame(1).f_locals
         cls = caller.get("cls")
         if isinstance(cls, type) and issubclass(cls, function_mod.Function) and any(
                 isinstance(a, torch.Tensor) and a.requires_grad
@@ -1172,7 +1173,7 @@ def backward_only_code():
         return original(fn)
 
     def register_hook(self, hook):
-        frame = sys._getframe(1)
+        frame = _trace_patches.caller_frame(1)
         module = frame.f_globals.get("__name__", "") or ""
         if self.requires_grad and not (module == "torch" or module.startswith("torch.")):  # torch forwards hooks too
             what = f"Tensor.register_hook on an activation ({frame.f_code.co_filename}:{frame.f_lineno})"
@@ -1180,8 +1181,8 @@ def backward_only_code():
                 found.append(what)
         return original_hook(self, hook)
 
-    function_mod._is_setup_context_defined = is_setup_context_defined
-    torch.Tensor.register_hook = register_hook
+    function_mod._is_setup_context_defined = _gated(is_setup_context_defined, original)
+    torch.Tensor.register_hook = _gated(register_hook, original_hook)
     try:
         yield found
     finally:
@@ -1257,10 +1258,17 @@ def aten_kernels_in_inductor(ops):
     saved = {op: lowering.lowerings[op] for op in ops if op in lowering.lowerings}
     try:
         for op in saved:
-            lowering.lowerings[op] = lowering.fallback_handler(op, add_to_fallback_set=False)
+            lowering.lowerings[op] = _gated(lowering.fallback_handler(op, add_to_fallback_set=False), saved[op])
         yield
     finally:
         lowering.lowerings.update(saved)
+
+
+def aten_max_pool_backward_in_inductor():
+    """``aten_kernels_in_inductor`` for the max-pool backward: Inductor's lowering is a scalar gather over
+    every input position, ATen's kernel a scatter over the outputs (ResNet-18's 16x64x32x32, 3x3 stride 2:
+    5.2 ms against 0.24-0.39 ms, one thread)."""
+    return aten_kernels_in_inductor([torch.ops.aten.max_pool2d_with_indices_backward.default])
 
 
 @contextlib.contextmanager
@@ -1302,8 +1310,9 @@ def exact_subgraph_strides():
         self.graph_outputs = [exact(x, getattr(node, "meta", {}).get("val"))
                               for x, node in zip(self.graph_outputs, fx_outputs)]
 
-    ir.Conditional.create = classmethod(create_with_exact_operands)
-    SubgraphLowering.output = output_with_exact_strides
+    ir.Conditional.create = classmethod(_gated(create_with_exact_operands,
+                                               lambda cls, *a, **k: create.__func__(cls, *a, **k)))
+    SubgraphLowering.output = _gated(output_with_exact_strides, output)
     try:
         yield
     finally:
@@ -1401,7 +1410,16 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
     - State named after Python keywords (TransformerLens 4's ``in`` projections) breaks the code that
       ``run_decompositions()`` generates: the program's state names get a trailing ``_`` (``in_``).
     - TransformerLens hook points leave named markers (see ``strip_hook_points``).
+
+    Traced under the trace patches' lock (``_trace_patches``): one trace at a time in the process.
     """
+    from . import _trace_patches
+
+    with _trace_patches.patched(*_trace_patches.INFERENCE_TRACE):
+        return _trace_for_inference(module, args, kwargs, front_end)
+
+
+def _trace_for_inference(module, args, kwargs, front_end):
     import keyword
 
     import types
@@ -1469,7 +1487,7 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
                 return torch.ops.torch_ext.hook_point(x, self.name)
             return x
 
-        hook_cls.forward = forward
+        hook_cls.forward = _gated(forward, saved_forward)
     # Hugging Face decoders get TransformerLens hook names (blocks.<l>.hook_resid_pre, ...) from
     # temporary hooks that leave the same named markers.
     handles = []
@@ -1503,12 +1521,6 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
     # Tracing reparametrizes the module with fake tensors; some modules cache views of their
     # parameters (nn.LSTM's _flat_weights) and kept the fakes afterwards: put every attribute back.
     traced_vars = [(m, dict(vars(m))) for m in torch.nn.Module.modules(module)]
-    rnn_fix = rnn_dropout_between_layers()
-    rnn_fix.__enter__()
-    hooks_fix = global_module_hooks_restored()
-    hooks_fix.__enter__()
-    packed_fix = packed_sequences_refused()
-    packed_fix.__enter__()
     try:
         if front_end != "export":
             try:
@@ -1520,9 +1532,6 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
         if used == "export":
             ep = torch.export.export(module, args, kwargs or {})
     finally:
-        packed_fix.__exit__(None, None, None)
-        hooks_fix.__exit__(None, None, None)
-        rnn_fix.__exit__(None, None, None)
         for h in handles:
             h.remove()
         if saved_forward is not None:

@@ -19,7 +19,7 @@ import threading
 import torch
 
 _LOCK = threading.Lock()
-_SKIP_MODULES = frozenset({"os", "_collections_abc", "collections.abc", __name__})
+_SKIP_MODULES = frozenset({"os", "_collections_abc", "collections.abc", __name__, "torch_ext._trace_patches"})
 
 
 def _from_user_code() -> bool:
@@ -38,7 +38,20 @@ def _from_user_code() -> bool:
 @contextlib.contextmanager
 def recording():
     """Yields a dict that fills with {variable: value read, None where unset} while the block runs (the first
-    read of each counts: it is what the trace computed with)."""
+    read of each counts: it is what the trace computed with). Only reads on this thread are recorded, and the
+    block holds the trace patches' lock (``_trace_patches``): a trace records while no other trace runs.
+    Nested, each level records the reads of its block."""
+    from . import _trace_patches
+
+    with _trace_patches.patched("env_reads") as got:
+        yield got["env_reads"]
+
+
+@contextlib.contextmanager
+def _recorder():
+    """The patch itself (entered through _trace_patches): ``recording`` without the registry."""
+    from ._trace_patches import gated
+
     reads: dict = {}
     cls = type(os.environ)
     with _LOCK:
@@ -57,7 +70,7 @@ def recording():
             reads.setdefault(key, value)
             return value
 
-        cls.__getitem__ = getitem
+        cls.__getitem__ = gated(getitem, original)
     try:
         yield reads
     finally:

@@ -36,6 +36,78 @@ def _functional_program(ep: torch.export.ExportedProgram) -> torch.export.Export
     return ep.run_decompositions({}) if mutated or mutating else ep
 
 
+# Normalisations whose output does not read their running statistics when they use the batch's (training /
+# use_input_stats, the argument at that index): op -> (flag index or None for always, the running statistics'
+# argument indices, the outputs that do not read them, None for a single output).
+_BATCH_STAT_OPS = {
+    "aten::_native_batch_norm_legit_functional": (5, (3, 4), (0, 1, 2)),
+    "aten::_batch_norm_with_update_functional": (None, (3, 4), (0, 1, 2, 3)),
+    "aten::batch_norm": (5, (3, 4), None),
+    "aten::instance_norm": (5, (3, 4), None),
+}
+
+
+def _stats_free(node: torch.fx.Node, index: int | None) -> tuple | None:
+    """The argument indices of ``node`` (output ``index`` of it, None for a single output) that the value does
+    not read: a batch-statistics normalisation's running statistics; None when it reads all."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    entry = _BATCH_STAT_OPS.get(node.target._schema.name)
+    if entry is None:
+        return None
+    flag, stats, outputs = entry
+    if flag is not None and not (len(node.args) > flag and node.args[flag] is True):
+        return None
+    if (outputs is None) != (index is None) or (outputs is not None and index not in outputs):
+        return None
+    return stats
+
+
+def buffers_read_back(ep: torch.export.ExportedProgram) -> list[str]:
+    """The buffers a functional program writes (BUFFER_MUTATION outputs) whose written value a later call's user
+    output reads: the buffer's input reaches a user output, or reaches the written value of another buffer that
+    does (a call counter in the computation, a running average returned, a cache). A buffer written and never
+    read back into an output (a BatchNorm's running statistics in training mode, a counter nothing reads) is not
+    listed."""
+    sig = ep.graph_signature
+    buffer_of = {s.arg.name: s.target for s in sig.input_specs if s.kind.name == "BUFFER"}
+    reads: dict[torch.fx.Node, frozenset] = {}  # node -> the buffers whose input value it reads
+    for n in ep.graph.nodes:
+        if n.op == "placeholder":
+            reads[n] = frozenset([buffer_of[n.name]]) if n.name in buffer_of else frozenset()
+            continue
+        if n.op == "output":
+            continue
+        source, index = n, None
+        if n.target is _compat.GETITEM and isinstance(n.args[0], torch.fx.Node):
+            source, index = n.args
+        skip = _stats_free(source, index) or ()
+        if source is not n and not skip:  # one output of a multi-output op: what the op reads
+            reads[n] = reads.get(source, frozenset())
+            continue
+        found: set = set()
+        for i, a in enumerate(source.args):
+            if i not in skip:
+                torch.fx.node.map_arg(a, lambda m: found.update(reads.get(m, ())))
+        torch.fx.node.map_arg(source.kwargs, lambda m: found.update(reads.get(m, ())))
+        reads[n] = frozenset(found)
+    outs = list(ep.graph.output_node().args[0])
+    live, written = set(), {}
+    for node, spec in zip(outs, sig.output_specs):
+        if not isinstance(node, torch.fx.Node):
+            continue
+        if spec.kind.name == "BUFFER_MUTATION":
+            written[spec.target] = reads.get(node, frozenset())
+        elif spec.kind.name in ("USER_OUTPUT", "LOSS_OUTPUT"):
+            live |= reads.get(node, frozenset())
+    grew = True
+    while grew:  # a buffer whose input reaches a live buffer's written value is live too
+        more = {b for target, feeds in written.items() if target in live for b in feeds} - live
+        live |= more
+        grew = bool(more)
+    return [b for b in written if b in live]
+
+
 def nn_params(module: torch.nn.Module) -> list:
     """Parameters and buffers by nn.Module's own walk (TransformerLens 4 overrides parameters())."""
     return list(torch.nn.Module.parameters(module)) + list(torch.nn.Module.buffers(module))
@@ -289,6 +361,10 @@ class ReactiveGraph:
     statistics), but the graph never writes the module's buffers: its running statistics stay as they were
     through the build, ``run()``, ``demand()`` and sweeps (an eager forward, and so a TransformerLens-style
     eager sweep, updates them at every call). A sweep is a measurement; it leaves the model as it found it.
+    A forward that writes a buffer a later call's output reads (a call counter used in the computation, a
+    running average returned, a KV cache) is refused at build (``ValueError`` naming the buffer and its module):
+    eager's second call would differ from its first, the graph would not. Make such state an input, or put
+    the module in a mode that does not write it.
     """
 
     #: How many batched cones (``sweep(..., batch_sites=True)``: one per site node and K, each holding
@@ -500,6 +576,7 @@ class ReactiveGraph:
         """Functionalizes ``ep``, reads its hook names, refuses random ops, imports it to the IR (and
         splits attention heads on request); sets program, _hooks, _conversions."""
         self.program = _functional_program(ep)
+        self._refuse_state_read_back(self.program)
         # Hook names (TransformerLens hook points) -> node names; aliases such as hook_resid_pre included.
         self._hooks = _compat.strip_hook_points(self.program)
         self._conversions: dict = {}
@@ -520,6 +597,34 @@ class ReactiveGraph:
         if self._split_heads is not False:
             self._split_attention_heads(built, self._split_heads)
         return built
+
+    def _refuse_state_read_back(self, program) -> None:
+        """The graph never writes the module's buffers (a sweep is a measurement). A buffer forward writes and
+        a later call's output reads (a call counter in the computation, a running average returned, a KV cache)
+        makes eager's second call differ from its first, while the graph would answer the first call's value
+        forever: refused, naming the buffer and its module."""
+        read_back = buffers_read_back(program)
+        if not read_back:
+            return
+        described = []
+        for target in read_back:
+            path, _, attr = target.rpartition(".")
+            owner = None
+            if self._module is not None:
+                try:
+                    owner = self._module.get_submodule(path)
+                except AttributeError:
+                    owner = None
+            kind = f" ({type(owner).__name__})" if owner is not None else ""
+            described.append(f"buffer '{attr}' of module '{path or '<root>'}'{kind}")
+        more = f" (and {len(described) - 1} more: {', '.join(read_back[1:4])})" if len(described) > 1 else ""
+        raise ValueError(
+            f"ReactiveGraph: forward writes {described[0]}{more}, and a later call's output reads the written value: "
+            "eager's next call computes with the new value, while the graph never writes the module's buffers and "
+            "would keep answering with the value it was built with. Make the state an input of forward (pass it in, "
+            "return the new value), or put the module in a mode whose forward does not write it (e.g. .eval() or a "
+            "flag); a buffer written and never read back into an output (BatchNorm's running statistics in "
+            "training mode) is accepted and left unwritten")
 
     _PER_SHAPE = ("_program", "build_stats", "_env", "_hooks", "_conversions", "_engine", "_slots", "_num_user",
                   "_in_spec",

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from . import _C, _compat, _env_reads, _module_state, optim
+from . import _C, _compat, _env_reads, _module_state, _trace_patches, optim
 from .ir import Graph
 
 _MODEL_PREFIX = "model."
@@ -674,8 +674,11 @@ class TrainStep:
         def export():
             from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-            with _compat.step_export() as found, _compat.python_random_draws() as drawn, \
-                    _env_reads.recording() as env:
+            # Everything the export runs inside, so it traces what eager computes (_trace_patches.STEP_EXPORT):
+            # the code tracing cannot record (backward_only_code), Python draws, environment reads, eager's
+            # attention masks, checkpoints inlined, inference_mode as no_grad, gradients in forward refused.
+            with _trace_patches.patched(*_trace_patches.STEP_EXPORT) as got:
+                found, drawn, env = got["backward_only_code"], got["python_random_draws"], got["env_reads"]
                 try:
                     ep = torch.export.export(wrapper, _compat.distinct_inputs(self._example_batch))  # (x, x): two inputs
                 except GuardOnDataDependentSymNode as e:
@@ -1484,8 +1487,7 @@ class TrainStep:
         # Inductor's max-pool backward is a scalar gather over every input position, ATen's a
         # scatter over the outputs: ResNet-18's (16x64x32x32, 3x3 stride 2) takes 5.2 ms there
         # against 0.24-0.39 ms in ATen (one thread), so the package calls ATen's.
-        with _compat.aten_kernels_in_inductor([torch.ops.aten.max_pool2d_with_indices_backward.default]), \
-                _compat.exact_subgraph_strides():
+        with _trace_patches.patched(*_trace_patches.AOTI_COMPILE):
             try:
                 return torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=configs)
             except AssertionError as e:

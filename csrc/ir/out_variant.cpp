@@ -47,7 +47,9 @@ std::optional<std::vector<size_t>> written_args_if_inplace_of(const c10::Functio
 // (torch 2.9, CPU): given a planned arena view, which cannot grow, they failed with "Trying to resize
 // storage that is not resizable" (a step with accumulate=2 or process_group and one of these
 // losses). Found by calling every loss's out= kernel on a [] view inside a sentinel-filled buffer.
-// They run functionally instead.
+// They run functionally instead. The arena executor no longer depends on this list (it checks every
+// out= call and falls back to the functional kernel: runtime/arena_executor.h); the reactive sweep's
+// scratch (reactive/scratch.cpp) has no such check yet, and writes through find_out_variant too.
 bool out_kernel_writes_scratch(const Target& t) {
   static const char* const kOps[] = {"mse_loss", "huber_loss", "soft_margin_loss", "binary_cross_entropy"};
   return t.ns == "aten" && std::any_of(std::begin(kOps), std::end(kOps), [&](const char* op) { return t.name == op; });

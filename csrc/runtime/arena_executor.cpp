@@ -38,6 +38,32 @@ Writes writes_of(const ir::Node& node, const c10::FunctionSchema& schema) {
   return w;
 }
 
+// The functional overload `out` is the out= variant of (its arguments less the `k` trailing out=
+// ones, by name and type, returning `k` results and writing nothing), if any.
+std::optional<c10::OperatorHandle> functional_of(const c10::OperatorHandle& out, size_t k) {
+  const auto& oa = out.schema().arguments();
+  if (oa.size() < k) return std::nullopt;
+  for (const c10::OperatorName& name : c10::Dispatcher::singleton().getAllOpNames()) {
+    if (name.name != out.operator_name().name || name == out.operator_name()) continue;
+    const auto op = c10::Dispatcher::singleton().findOp(name);
+    if (!op || !op->hasSchema()) continue;
+    const auto& fa = op->schema().arguments();
+    if (fa.size() + k != oa.size() || op->schema().returns().size() != k) continue;
+    bool ok = true;
+    for (size_t i = 0; i < fa.size() && ok; ++i)
+      ok = fa[i].name() == oa[i].name() && *fa[i].type() == *oa[i].type() &&
+           !(fa[i].alias_info() && fa[i].alias_info()->isWrite());
+    if (ok) return op;
+  }
+  return std::nullopt;
+}
+
+bool same_layout(const at::Tensor& t, const c10::Storage& storage, int64_t offset, const std::vector<int64_t>& sizes,
+                 const std::vector<int64_t>& strides) {
+  return t.defined() && t.has_storage() && t.storage().is_alias_of(storage) && t.storage_offset() == offset &&
+         t.sizes() == c10::IntArrayRef(sizes) && t.strides() == c10::IntArrayRef(strides);
+}
+
 }  // namespace
 
 ArenaExecutor::ArenaExecutor(std::unique_ptr<ir::Graph> lowered, ir::MemoryPlan plan, size_t num_state, bool donate)
@@ -87,14 +113,22 @@ ArenaExecutor::ArenaExecutor(std::unique_ptr<ir::Graph> lowered, ir::MemoryPlan 
                   " (", n->target().str(), ") writes ", w.out_args.size(), " out= results but the plan gives it ",
                   it == planned.end() ? 0 : it->second.size(), " arena buffers");
       std::vector<std::pair<std::string, c10::IValue>> outs;
+      step.out = std::make_unique<OutGuard>();
       for (size_t k = 0; k < it->second.size(); ++k) {
         const ir::PlannedBuffer& b = plan_.buffers[it->second[k]];
         const ir::TensorMeta& m = b.elem < 0 ? n->type().tensor : n->type().elems.at(b.elem).tensor;
         at::Tensor view = at::from_blob(static_cast<uint8_t*>(arena_.data_ptr()) + plan_.arena.offsets[it->second[k]],
                                         m.sizes, m.strides, at::TensorOptions().dtype(m.dtype).device(m.device));
         outs.emplace_back(w.out_args[k], c10::IValue(view));
+        step.out->views.push_back(view);
+        step.out->storages.push_back(view.storage());
+        step.out->offsets.push_back(view.storage_offset());
+        step.out->sizes.push_back(m.sizes);
+        step.out->strides.push_back(m.strides);
       }
       step.kernel = BoundKernel::bind_as(*n, *op, nullptr, outs);
+      if (const auto functional = functional_of(*op, w.out_args.size()))
+        step.out->functional = std::make_unique<BoundKernel>(BoundKernel::bind_as(*n, *functional, nullptr, {}));
       ++num_out_;
     } else {
       TORCH_CHECK(it == planned.end() && !aliased.count(n), "ArenaExecutor: the plan puts node %", n->name(), " (",
@@ -118,6 +152,45 @@ ArenaExecutor::ArenaExecutor(std::unique_ptr<ir::Graph> lowered, ir::MemoryPlan 
   for (size_t s = 0; s < nodes.size(); ++s)
     if (!is_output[s] && last_use[s] >= 0 && nodes[s]->kind() == ir::NodeKind::Call)
       steps_[last_use[s]].release.push_back(static_cast<int64_t>(s));
+}
+
+c10::IValue ArenaExecutor::run_out_step(size_t k, const ValueSlots& values, std::vector<c10::IValue>& stack) {
+  OutGuard& g = *bound_[k].out;
+  if (!g.use_functional) {
+    c10::IValue v;
+    bool planned = true;
+    try {
+      v = bound_[k].kernel.invoke(values, stack);
+    } catch (const std::exception& e) {
+      if (!g.functional) rethrow_executing(bound_[k].kernel, e);
+      planned = false;
+    }
+    for (size_t r = 0; r < g.views.size() && planned; ++r)
+      planned = same_layout(g.views[r], g.storages[r], g.offsets[r], g.sizes[r], g.strides[r]);
+    if (planned) return v;
+    // The kernel left a planned view resized or re-pointed (or failed trying): put the views back, and
+    // run the functional kernel from now on.
+    for (size_t r = 0; r < g.views.size(); ++r)
+      if (!same_layout(g.views[r], g.storages[r], g.offsets[r], g.sizes[r], g.strides[r]))
+        g.views[r].set_(g.storages[r], g.offsets[r], g.sizes[r], g.strides[r]);
+    TORCH_CHECK(g.functional != nullptr, "ArenaExecutor: node %", bound_[k].kernel.node_name(),
+                ": its out= kernel changed its planned result (", c10::IntArrayRef(g.sizes[0]),
+                " in the arena) and the operator has no functional overload to run instead");
+    c10::IValue v2;
+    try {
+      v2 = g.functional->invoke(values, stack);
+    } catch (const std::exception& e) {
+      rethrow_executing(*g.functional, e);  // the inputs' own error (the out= kernel is tried again next call)
+    }
+    g.use_functional = true;
+    fallbacks_.push_back(bound_[k].kernel.node_name());
+    return v2;
+  }
+  try {
+    return g.functional->invoke(values, stack);
+  } catch (const std::exception& e) {
+    rethrow_executing(*g.functional, e);
+  }
 }
 
 std::vector<c10::IValue> ArenaExecutor::run(std::vector<c10::IValue> inputs) {
@@ -158,9 +231,27 @@ std::vector<c10::IValue> ArenaExecutor::run(std::vector<c10::IValue> inputs) {
   };
   ResultPool::Run pooled(*pool_);
   optim::ResultAllocatorGuard recycle(&pooled);
+  // out= steps run checked here (run_out_step); the loop runs the others.
+  struct Hooks : NoHooks {
+    ArenaExecutor* self;
+    ValueSlots* values;
+    std::vector<c10::IValue>* stack;
+    decltype(inplace_value)* after_step;
+    bool before(size_t k, const c10::IValue&) {
+      if (!self->bound_[k].out) return true;
+      (*values)[self->steps_[k].out] = self->run_out_step(k, *values, *stack);
+      return false;
+    }
+    void after(size_t k) { (*after_step)(k); }
+  };
+  Hooks hooks;
+  hooks.self = this;
+  hooks.values = &values;
+  hooks.stack = &stack;
+  hooks.after_step = &inplace_value;
   run_steps(
       steps_, values, stack, [this](size_t k, const std::exception& e) { rethrow_executing(bound_[k].kernel, e); },
-      after_each(inplace_value));
+      hooks);
   std::vector<c10::IValue> results =
       output_values(outputs_, [&](const ir::Node* n) -> const c10::IValue& { return values[n->index()]; });
   if (donate_) {

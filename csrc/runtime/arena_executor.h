@@ -10,6 +10,12 @@
 //     W_t and W_{t+1} (and M_t, M_{t+1}) share storage; its value is those inputs;
 //   * everything else runs as in the plain Executor ("fallback": it allocates its result; the plan
 //     counts such buffers in dynamic_bytes).
+// Every out= call is checked: its results must still be the planned views (same storage, offset,
+// sizes and strides). An out= kernel that uses `out` as scratch of another shape (torch 2.9's CPU
+// mse_loss, huber_loss, soft_margin_loss and binary_cross_entropy resize it to the input's shape
+// first: "Trying to resize storage that is not resizable" on an arena view), or that resizes or
+// re-points it otherwise, runs its functional kernel instead, from that call on: the node joins
+// fallbacks() and its arena buffer stays unused. Its views are put back as planned.
 // Results are bit-exact with runtime::Executor: the same kernels run on the same values.
 //
 // Donation (JAX donate_argnums semantics): with donate=True the first `num_state` inputs are
@@ -36,6 +42,8 @@ class ArenaExecutor {
   ArenaExecutor(std::unique_ptr<ir::Graph> lowered, ir::MemoryPlan plan, size_t num_state, bool donate);
 
   std::vector<c10::IValue> run(std::vector<c10::IValue> inputs);
+  // Runs out= step k checked (see the header comment) and returns its value.
+  c10::IValue run_out_step(size_t k, const ValueSlots& values, std::vector<c10::IValue>& stack);
 
   const ir::MemoryPlan& plan() const { return plan_; }
   const ir::Graph& graph() const { return *graph_; }
@@ -45,8 +53,18 @@ class ArenaExecutor {
   const std::vector<std::string>& fallbacks() const { return fallbacks_; }
 
  private:
+  // An out= step's planned results and the functional kernel it falls back to (see above).
+  struct OutGuard {
+    std::vector<at::Tensor> views;  // the tensors bound as out= arguments, in result order
+    std::vector<c10::Storage> storages;
+    std::vector<int64_t> offsets;
+    std::vector<std::vector<int64_t>> sizes, strides;
+    std::unique_ptr<BoundKernel> functional;  // null when the operator has no functional overload
+    bool use_functional = false;
+  };
   struct Bound {
     BoundKernel kernel;
+    std::unique_ptr<OutGuard> out;  // out= steps only
     std::vector<int64_t> inplace_results;  // for in-place updates: slots forming the result
     bool tuple_result = false;
   };

@@ -1,0 +1,167 @@
+"""A forward that writes a buffer a later call's output reads (a call counter in the computation, a running average
+returned, a KV cache): eager's second call differs from its first, and the reactive graph, which never writes the
+module's buffers, kept answering eager's first call forever. Refused at build, naming the buffer and its module.
+A buffer written and never read back into an output (BatchNorm's running statistics in training mode, a counter
+nothing reads) is accepted, and left unwritten."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torch_ext
+from torch_ext import patching
+
+
+class Counted(nn.Module):
+    """Scales by the number of calls so far."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+        return self.fc(x) * self.calls
+
+
+class Ema(nn.Module):
+    """Returns a running average of its input, updated in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("avg", torch.zeros(8))
+
+    def forward(self, x):
+        self.avg.mul_(0.5).add_(x.mean(0), alpha=0.5)
+        return x + self.avg
+
+
+class KvCache(nn.Module):
+    """Attends over a rolling cache of past inputs, rebound each call (same shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(4, 8))
+
+    def forward(self, x):
+        self.cache = torch.cat([self.cache[x.shape[0]:], x], 0)
+        return torch.softmax(x @ self.cache.T, -1) @ self.cache
+
+
+class Chained(nn.Module):
+    """``a`` is written and feeds the write of ``b``, which the output reads: ``a``'s value reaches the output
+    two calls later."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("a", torch.ones(8))
+        self.register_buffer("b", torch.zeros(8))
+
+    def forward(self, x):
+        out = x + self.b
+        self.b.copy_(self.a * 2)
+        self.a.add_(x.mean(0))
+        return out
+
+
+class Blocks(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Identity(), inner])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("make,buffer,module", [
+    (lambda: Counted().train(), "calls", "'<root>' (Counted)"),
+    (lambda: Ema(), "avg", "'<root>' (Ema)"),
+    (lambda: KvCache(), "cache", "'<root>' (KvCache)"),
+    (lambda: Blocks(Counted().train()), "calls", "'blocks.1' (Counted)"),
+], ids=["counter", "ema", "kv-cache", "nested"])
+def test_state_read_back_is_refused_by_name(make, buffer, module):
+    torch.manual_seed(0)
+    model, x = make(), torch.randn(2, 8)
+    first, second = model(x).detach(), model(x).detach()
+    assert not torch.equal(first, second)  # eager's answer moves with the state
+    before = _state(model)
+    with pytest.raises(ValueError, match=rf"forward writes buffer '{buffer}' of module {re.escape(module)}.*later call's output "
+                                         r"reads the written value.*Make the state an input of forward.*\.eval\(\)"):
+        torch_ext.ReactiveGraph(model, (x,))
+    after = _state(model)  # refused: the model is left as it was
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_buffer_that_feeds_a_read_back_buffer_is_named_too():
+    model, x = Chained(), torch.randn(2, 8)
+    outs = [model(x) for _ in range(3)]
+    assert torch.equal(outs[0], x) and torch.equal(outs[1], x + 2) and not torch.equal(outs[2], outs[1])
+    with pytest.raises(ValueError, match=r"buffer '(a|b)' of module '<root>' \(Chained\) \(and 1 more: (a|b)\)"):
+        torch_ext.ReactiveGraph(Chained(), (x,))
+
+
+def test_a_mode_that_does_not_write_is_accepted():
+    torch.manual_seed(0)
+    model, x = Counted(), torch.randn(2, 8)
+    model(x)  # calls = 1
+    model.eval()
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    with torch.no_grad():
+        assert torch.equal(rg.run(x), model(x))
+        assert torch.equal(rg.run(x), model(x))
+
+
+class WriteOnly(nn.Module):
+    """Counts its calls and keeps its last input's mean, reads neither; a train-mode BatchNorm too."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn = nn.Linear(8, 8), nn.BatchNorm1d(8)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.register_buffer("last_mean", torch.zeros(8))
+
+    def forward(self, x):
+        self.seen += 1
+        self.last_mean.copy_(x.mean(0))
+        return self.bn(self.fc(x))
+
+
+def test_write_only_buffers_are_accepted_and_left_unwritten():
+    torch.manual_seed(0)
+    model, x = WriteOnly().train(), torch.randn(4, 8)
+    before = _state(model)
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    out = rg.run(x)
+    after = _state(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    with torch.no_grad():
+        assert torch.equal(out, model(x))  # eager updates its buffers; its output reads none of them
+        assert torch.equal(rg.run(x), model(x))
+
+
+class TokenCounter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.unembed = nn.Embedding(11, 8), nn.Linear(8, 11)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, tokens):
+        self.calls += 1
+        return self.unembed(self.embed(tokens) * self.calls)
+
+
+def test_patching_refuses_state_read_back():
+    model, tokens = TokenCounter().eval(), torch.randint(0, 11, (2, 5))
+    with pytest.raises(ValueError, match=r"forward writes buffer 'calls' of module '<root>' \(TokenCounter\)"):
+        patching.run_with_cache(model, tokens)

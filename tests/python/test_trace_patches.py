@@ -1,0 +1,275 @@
+"""The process-global patches torch_ext installs while tracing (torch_ext/_trace_patches.py): one registry, under
+one re-entrant lock. Before it, each entry point stacked its context managers by hand, so two threads building at
+once saw each other's patches, and the first to finish removed the other's (or the last put the first's back
+for good: after two concurrent step builds, ``loss.backward()`` raised the step's "computes a gradient itself").
+"""
+from __future__ import annotations
+
+import copy
+import os
+import random
+import sys
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch_ext
+from torch_ext import _compat, _env_reads, _trace_patches
+
+from test_train_step_cumprod import CumProd
+from test_train_step_prod import Prod
+
+
+def _process_state() -> dict:
+    """Every process-global thing a trace patches, by identity (or a copy of the table)."""
+    import torch._decomp.decompositions as decomps
+    import torch.autograd as autograd_mod
+    from torch._functorch import aot_autograd
+    from torch._inductor import ir, lowering
+    from torch._inductor.graph import SubgraphLowering
+    from torch.autograd import function as function_mod
+    from torch.autograd import grad_mode
+    from torch.nn.modules import module as nn_module
+    from torch.utils import checkpoint as checkpoint_mod
+
+    ops = [torch.ops.aten.prod.default, torch.ops.aten.prod.dim_int, torch.ops.aten.cumprod_backward.default]
+    for name in _compat.EAGER_AUTOGRAD_OPS:
+        packet = getattr(torch.ops.aten, name, None)
+        ops += [getattr(packet, o) for o in packet.overloads()] if packet is not None else []
+    state = {
+        "make_fx": aot_autograd.make_fx, "rnn_helper": decomps._rnn_helper,
+        "pack_padded": vars(torch._VF).get("_pack_padded_sequence"),
+        "engine": autograd_mod._engine_run_backward,
+        "inference_mode": (grad_mode.inference_mode.__enter__, grad_mode.inference_mode.__exit__),
+        "setup_context": function_mod._is_setup_context_defined, "register_hook": torch.Tensor.register_hook,
+        "random": (random.seed, random.setstate),
+        "checkpoint": (checkpoint_mod.CheckpointFunction.__dict__.get("apply"),
+                       checkpoint_mod._checkpoint_without_reentrant_generator),
+        "environ": type(os.environ).__getitem__,
+        "py_kernels": {str(op): dict(op.py_kernels) for op in ops},
+        "lowering": lowering.lowerings.get(torch.ops.aten.max_pool2d_with_indices_backward.default),
+        "inductor": (ir.Conditional.__dict__["create"], SubgraphLowering.output),
+        "global_hooks": [set(getattr(nn_module, t)) for t in ("_global_buffer_registration_hooks",
+                                                               "_global_module_registration_hooks",
+                                                               "_global_parameter_registration_hooks")],
+        "installed": _trace_patches.installed(),
+    }
+    np = sys.modules.get("numpy")
+    if np is not None:
+        state["numpy"] = (np.random.seed, np.random.set_state)
+    return state
+
+
+def _changed(before: dict, after: dict) -> list[str]:
+    return [k for k in before if before[k] != after[k]]
+
+
+def test_nothing_is_installed_outside_a_trace_and_everything_inside():
+    before = _process_state()
+    assert before["installed"] == []
+    with _trace_patches.patched(*_trace_patches.ORDER):
+        inside = _process_state()
+        assert inside["installed"] == list(_trace_patches.ORDER)
+    # Every patch shows in the snapshot (so the tests below would see one left behind).
+    assert sorted(_changed(before, inside)) == sorted(k for k in before if k != "global_hooks"), _changed(before, inside)
+    assert _changed(before, _process_state()) == []
+
+
+def _loss(m, x, y):
+    return F.cross_entropy(m(x), y)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+def _train(model, steps=4):
+    """(losses, final parameters) of ``steps`` AdamW steps of a step built for ``model``."""
+    batch = _batch()
+    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _loss, batch)
+    state, losses = step.init_state(), []
+    for _ in range(steps):
+        loss, state = step(state, *batch)
+        losses.append(loss)
+    return losses, dict(state.params)
+
+
+def _seeded(cls, *args):
+    torch.manual_seed(0)
+    return cls(*args)
+
+
+def _assert_same(a, b):
+    (la, pa), (lb, pb) = a, b
+    assert all(torch.equal(x, y) for x, y in zip(la, lb)), (la, lb)
+    assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+class _Resid(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h + x).cumprod(-1)
+
+
+def _run_threads(*fns):
+    results, errors = [None] * len(fns), []
+
+    def run(i, fn):
+        try:
+            results[i] = fn()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_concurrent_builds_equal_sequential_builds():
+    before = _process_state()
+    x = torch.randn(4, 8)
+    sequential = [_train(_seeded(Prod, -1, True)), _train(_seeded(CumProd, 1, True)),
+                  torch_ext.ReactiveGraph(_seeded(_Resid).eval(), (x,)).run(x)]
+    concurrent = _run_threads(lambda: _train(_seeded(Prod, -1, True)), lambda: _train(_seeded(CumProd, 1, True)),
+                              lambda: torch_ext.ReactiveGraph(_seeded(_Resid).eval(), (x,)).run(x))
+    _assert_same(sequential[0], concurrent[0])
+    _assert_same(sequential[1], concurrent[1])
+    assert torch.equal(sequential[2], concurrent[2])
+    assert _changed(before, _process_state()) == []
+
+
+class _Waiting(Prod):
+    """Prod whose first traced forward waits (up to ``timeout``) for ``other`` to be set: for another thread to be
+    inside its own trace. With tracing serialized it never is, and the wait runs out."""
+
+    def __init__(self, arrived, other, timeout):
+        torch.manual_seed(0)
+        super().__init__(-1, False)
+        self.events = (arrived, other, timeout)
+
+    def forward(self, x):
+        if self.events is not None:
+            arrived, other, timeout = self.events
+            self.events = None
+            arrived.set()
+            other.wait(timeout)
+        return super().forward(x)
+
+
+def test_interleaved_builds_keep_their_patches_and_leave_none():
+    """Thread A's trace waits for thread B to be inside its trace, and B's for A to have finished: without the
+    lock, A's exit removed B's patches mid-trace and B's exit put A's back for good."""
+    before = _process_state()
+    expected = _train(_seeded(Prod, -1, False))
+    a_in, b_in, a_done = threading.Event(), threading.Event(), threading.Event()
+
+    def a():
+        try:
+            return _train(_Waiting(a_in, b_in, 1.0))
+        finally:
+            a_done.set()
+
+    def b():
+        a_in.wait(60)
+        return _train(_Waiting(b_in, a_done, 1.0))
+
+    got_a, got_b = _run_threads(a, b)
+    _assert_same(expected, got_a)
+    _assert_same(expected, got_b)
+    assert _changed(before, _process_state()) == []
+    model = _seeded(Prod, -1, False)  # eager training still works (the autograd engine is torch's)
+    _loss(model, *_batch()).backward()
+
+
+def test_a_failing_trace_leaves_no_patch():
+    class Fails(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 3)
+
+        def forward(self, x):
+            assert _trace_patches.installed(), "traced under the patches"
+            raise RuntimeError("boom in forward")
+
+    before = _process_state()
+    with pytest.raises(RuntimeError, match="boom in forward"):
+        model = Fails()
+        torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, _batch())
+    assert _changed(before, _process_state()) == []
+    with pytest.raises(RuntimeError, match="boom in forward"):
+        torch_ext.ReactiveGraph(Fails(), (torch.randn(4, 8),))
+    assert _changed(before, _process_state()) == []
+    # A refused patch name leaves nothing either.
+    with pytest.raises(ValueError, match="unknown trace patch"):
+        with _trace_patches.patched("eager_prod_backward", "no_such_patch"):
+            pass
+    assert _changed(before, _process_state()) == []
+
+
+def test_patches_act_on_the_tracing_thread_only():
+    """An eager backward and pack_padded_sequence in another thread while a step is traced run torch's own code."""
+    seen = {}
+
+    def other_thread():
+        w = torch.ones(3, requires_grad=True)
+        (w * 2).sum().backward()  # the trace refuses autograd in forward; here it must run
+        seen["grad"] = w.grad.clone()
+        packed = nn.utils.rnn.pack_padded_sequence(torch.randn(2, 3, 4), torch.tensor([3, 2]), batch_first=True)
+        seen["packed"] = packed.batch_sizes.tolist()
+
+    class Traced(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 3)
+
+        def forward(self, x):
+            if "grad" not in seen:
+                t = threading.Thread(target=other_thread)
+                t.start()
+                t.join(60)
+            return self.fc(x)
+
+    model = Traced()
+    torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, _batch())
+    assert torch.equal(seen["grad"], torch.full((3,), 2.0))
+    assert seen["packed"] == [2, 2, 1]
+
+
+def test_nested_traces():
+    """A build inside a trace's patches on one thread (the registry held, environment reads recorded around
+    it): the inner trace enters only what is not installed, leaves the outer's in place, and builds what a
+    build outside gives; each level records the environment variables read inside it."""
+    before = _process_state()
+    os.environ["TORCH_EXT_TEST_NESTED"] = "2"
+
+    class Scaled(_Resid):
+        def forward(self, x):
+            return super().forward(x) * float(os.environ["TORCH_EXT_TEST_NESTED"])
+
+    x = torch.randn(4, 8)
+    expected = _train(_seeded(Prod, -1, True)), torch_ext.ReactiveGraph(_seeded(Scaled).eval(), (x,), cache=False).run(x)
+    with _env_reads.recording() as reads, _trace_patches.patched(*_trace_patches.INFERENCE_TRACE):
+        outer = _trace_patches.installed()
+        with _env_reads.recording() as inner_reads:
+            got = torch_ext.ReactiveGraph(_seeded(Scaled).eval(), (x,), cache=False).run(x)
+        assert _trace_patches.installed() == outer
+        trained = _train(_seeded(Prod, -1, True))
+        assert _trace_patches.installed() == outer == ["env_reads", *_trace_patches.INFERENCE_TRACE]
+    assert torch.equal(expected[1], got)
+    _assert_same(expected[0], trained)
+    assert reads == inner_reads == {"TORCH_EXT_TEST_NESTED": "2"}
+    assert _changed(before, _process_state()) == []

@@ -1,0 +1,150 @@
+"""The one registry of the process-global patches torch_ext installs while it traces.
+
+To trace what eager computes, torch_ext swaps process-global things for the duration of a trace: module
+attributes of torch (aot_autograd's ``make_fx``, the RNN decomposition's helper, ``torch._VF``'s
+``_pack_padded_sequence``, the autograd engine's entry, ``inference_mode``'s methods, ...), Python kernels on
+ATen ops (``aten.prod``'s Autograd kernel, ``aten.cumprod_backward``'s), Inductor's lowerings, the environment
+variable reader. Stacked by hand in each entry point, two threads tracing at once saw each other's patches,
+and one thread's exit removed a patch the other still relied on (or put back the other's, leaving it installed
+for good).
+
+Here every patch is entered through ``patched(*names)``:
+
+- under one process-wide re-entrant lock, held for the whole block: **tracing is serialized** (building a
+  train step, a ``ReactiveGraph``, a joint export, an AOTInductor package in several threads at once is
+  safe, and each waits for the trace before it). Running what was built (a step, a graph, the executor)
+  takes no lock and runs concurrently;
+- in one fixed order (``ORDER``), and restored in reverse order when the block exits, also when it raises;
+- nested (a trace inside a trace, on the thread that holds the lock): a patch already installed is not
+  entered again (a collector, which yields what the block saw, is entered again so each level gets its own);
+- the patches that replace Python functions act only on the thread that holds the lock
+  (``gated``): an eager forward or backward in another thread during a trace runs torch's own code. The
+  Python kernels on ATen ops are read only under the Python dispatcher, which is per thread and on only while
+  a trace runs; another library tracing in another thread at the same moment (not through torch_ext) would
+  see those, and another thread's ``torch.compile`` (dynamo) at that moment would see the function patches too.
+
+When no trace runs, nothing is installed (``installed()`` is empty).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import threading
+
+import torch
+
+_LOCK = threading.RLock()
+_owner: int | None = None  # the thread that holds the lock (and the patches), None when none does
+_stack: list[str] = []  # names installed now, in the order entered
+
+
+def _factories() -> dict:
+    from . import _compat, _env_reads
+
+    return {
+        "env_reads": _env_reads._recorder,
+        "python_random_draws": _compat.python_random_draws,
+        "backward_only_code": _compat.backward_only_code,
+        "global_module_hooks_restored": _compat.global_module_hooks_restored,
+        "eager_attention_masks": _compat.eager_attention_masks,
+        "inline_reentrant_checkpoints": _compat.inline_reentrant_checkpoints,
+        "inference_mode_as_no_grad": _compat.inference_mode_as_no_grad,
+        "refuse_autograd_in_trace": _compat.refuse_autograd_in_trace,
+        "rnn_dropout_between_layers": _compat.rnn_dropout_between_layers,
+        "packed_sequences_refused": _compat.packed_sequences_refused,
+        "eager_autograd_kernels": _compat.eager_autograd_kernels,
+        "joint_replayed_without_autograd": _compat.joint_replayed_without_autograd,
+        "eager_cumprod_backward": _compat.eager_cumprod_backward,
+        "eager_prod_backward": _compat.eager_prod_backward,
+        "eager_half_dropout_backward": _compat.eager_half_dropout_backward,
+        "aten_max_pool_backward_in_inductor": _compat.aten_max_pool_backward_in_inductor,
+        "exact_subgraph_strides": _compat.exact_subgraph_strides,
+    }
+
+
+# Every patch, in the order it is entered (restored in reverse).
+ORDER = ("env_reads", "python_random_draws", "backward_only_code", "global_module_hooks_restored",
+         "eager_attention_masks", "inline_reentrant_checkpoints", "inference_mode_as_no_grad",
+         "refuse_autograd_in_trace", "rnn_dropout_between_layers", "packed_sequences_refused",
+         "eager_autograd_kernels", "joint_replayed_without_autograd", "eager_cumprod_backward",
+         "eager_prod_backward", "eager_half_dropout_backward", "aten_max_pool_backward_in_inductor",
+         "exact_subgraph_strides")
+# Patches that yield what the block did (reads, draws, code found): entered again at each nesting level.
+COLLECTORS = frozenset({"env_reads", "python_random_draws", "backward_only_code"})
+
+# What each entry point traces under.
+STEP_EXPORT = ("env_reads", "python_random_draws", "backward_only_code", "global_module_hooks_restored",
+               "eager_attention_masks", "inline_reentrant_checkpoints", "inference_mode_as_no_grad",
+               "refuse_autograd_in_trace", "rnn_dropout_between_layers", "packed_sequences_refused")
+JOINT_EXPORT = ("rnn_dropout_between_layers", "eager_autograd_kernels", "joint_replayed_without_autograd",
+                "eager_cumprod_backward", "eager_prod_backward", "eager_half_dropout_backward")
+INFERENCE_TRACE = ("global_module_hooks_restored", "rnn_dropout_between_layers", "packed_sequences_refused")
+AOTI_COMPILE = ("aten_max_pool_backward_in_inductor", "exact_subgraph_strides")
+
+
+def here() -> bool:
+    """Whether the calling thread holds the patches (is inside ``patched``)."""
+    return _owner == threading.get_ident()
+
+
+def gated(patched, original):
+    """``patched`` on the thread that holds the patches, ``original`` on every other thread. Inside a region
+    dynamo traces (a ``torch.cond`` branch, which export traces with dynamo) the thread cannot be asked (dynamo
+    does not trace ``threading.get_ident``): ``patched`` there, as the trace that runs the branch is ours while
+    the patches are installed (another thread's ``torch.compile`` at that moment would see them too)."""
+    @functools.wraps(patched)
+    def call(*args, **kwargs):
+        if torch.compiler.is_dynamo_compiling() or _owner == threading.get_ident():
+            return patched(*args, **kwargs)
+        return original(*args, **kwargs)
+    return call
+
+
+_GATE_CODE = gated(None, None).__code__
+
+
+def caller_frame(depth: int = 1):
+    """``sys._getframe(depth)`` of the caller, not counting ``gated``'s frames: what a patched function
+    reading its caller's frame sees (``_getframe(1)`` of a gated patch is the gate's)."""
+    frame = sys._getframe(1)
+    while depth > 0:
+        frame = frame.f_back
+        while frame is not None and frame.f_code is _GATE_CODE:
+            frame = frame.f_back
+        depth -= 1
+    return frame
+
+
+def installed() -> list[str]:
+    """The patches installed now (by any thread), in the order entered; empty when no trace runs."""
+    return list(_stack)
+
+
+@contextlib.contextmanager
+def patched(*names: str):
+    """Installs the patches ``names`` (in ``ORDER``) under the registry's lock for the block, and yields
+    {name: what the patch yields}. See the module's docstring."""
+    global _owner
+    unknown = [n for n in names if n not in ORDER]
+    if unknown:
+        raise ValueError(f"unknown trace patch(es) {unknown}; known: {list(ORDER)}")
+    wanted = set(names)
+    with _LOCK:
+        outer = _owner
+        _owner = threading.get_ident()
+        depth = len(_stack)
+        try:
+            with contextlib.ExitStack() as stack:
+                factories = _factories()
+                got = {}
+                for name in ORDER:
+                    if name not in wanted or (name in _stack and name not in COLLECTORS):
+                        continue
+                    got[name] = stack.enter_context(factories[name]())
+                    _stack.append(name)
+                    stack.callback(_stack.pop)  # runs right after the patch's own exit (reverse order)
+                yield got
+        finally:
+            del _stack[depth:]  # (already so: each exit popped its name)
+            _owner = outer
