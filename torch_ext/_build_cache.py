@@ -472,8 +472,13 @@ _SKIP = {"_parameters", "_buffers", "_modules"}
 
 def fingerprint(module: torch.nn.Module, args: tuple, kwargs: dict, options: tuple, portable: bool = False):
     """The cache key of a build, or raises ``Uncacheable``. ``portable``: a hex digest that means the
-    same in any process (see the module docstring)."""
-    key = describe(module, args, kwargs, options, portable)
+    same in any process (see the module docstring). Taken under the trace patches' lock: a trace in another
+    thread installs process-global things the walk reads (torch.export's global module hooks, holding fake
+    tensors), so a walk during it read another thread's trace state (or failed on its fake tensors)."""
+    from . import _trace_patches
+
+    with _trace_patches.serialized():
+        key = describe(module, args, kwargs, options, portable)
     if not portable:
         return key
     return hashlib.sha256(_portable_bytes(key)).hexdigest()

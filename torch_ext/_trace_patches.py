@@ -116,6 +116,12 @@ def caller_frame(depth: int = 1):
     return frame
 
 
+def serialized():
+    """The registry's lock alone (no patch): for work that reads what a trace patches or installs (the build
+    cache's walk of process-global hooks), so that it never runs while another thread traces."""
+    return _LOCK
+
+
 def installed() -> list[str]:
     """The patches installed now (by any thread), in the order entered; empty when no trace runs."""
     return list(_stack)

@@ -144,8 +144,12 @@ def test_concurrent_builds_equal_sequential_builds():
     x = torch.randn(4, 8)
     sequential = [_train(_seeded(Prod, -1, True)), _train(_seeded(CumProd, 1, True)),
                   torch_ext.ReactiveGraph(_seeded(_Resid).eval(), (x,)).run(x)]
-    concurrent = _run_threads(lambda: _train(_seeded(Prod, -1, True)), lambda: _train(_seeded(CumProd, 1, True)),
-                              lambda: torch_ext.ReactiveGraph(_seeded(_Resid).eval(), (x,)).run(x))
+    # The models are made here, one after the other: torch's default generator is shared by all threads, so
+    # seeding and initialising inside the threads would interleave their draws (different weights, not a bug
+    # of the registry).
+    models = [_seeded(Prod, -1, True), _seeded(CumProd, 1, True), _seeded(_Resid).eval()]
+    concurrent = _run_threads(lambda: _train(models[0]), lambda: _train(models[1]),
+                              lambda: torch_ext.ReactiveGraph(models[2], (x,)).run(x))
     _assert_same(sequential[0], concurrent[0])
     _assert_same(sequential[1], concurrent[1])
     assert torch.equal(sequential[2], concurrent[2])
