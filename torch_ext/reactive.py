@@ -33,7 +33,30 @@ def _functional_program(ep: torch.export.ExportedProgram) -> torch.export.Export
     mutated = any(spec.kind.name.endswith("MUTATION") for spec in ep.graph_signature.output_specs)
     mutating = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
                    and n.target._schema.is_mutable for n in ep.graph.nodes)
-    return ep.run_decompositions({}) if mutated or mutating else ep
+    return _without_hidden_stat_writes(ep.run_decompositions({}) if mutated or mutating else ep)
+
+
+def _without_hidden_stat_writes(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """``aten::instance_norm`` with ``use_input_stats`` (training, or ``track_running_stats=False``) and running
+    statistics given writes them in place (ATen copies the batch's statistics into them) although its schema
+    declares no mutation, so functionalization keeps it: every evaluation of the node wrote the module's
+    buffers (the graph never writes them). Its output does not read them in that mode, so they are dropped
+    from the call (the same kernels and bits for the output). A program that needs no change is returned as
+    it is; one that does is copied first (a program the user passed stays untouched)."""
+    def hidden_writes(n):
+        return (n.op == "call_function" and n.target is torch.ops.aten.instance_norm.default
+                and len(n.args) > 5 and n.args[5] is True and (n.args[3] is not None or n.args[4] is not None))
+
+    if not any(hidden_writes(n) for n in ep.graph.nodes):
+        return ep
+    import copy
+
+    ep = copy.deepcopy(ep)
+    for n in ep.graph.nodes:
+        if hidden_writes(n):
+            n.args = n.args[:3] + (None, None) + n.args[5:]
+    ep.graph_module.recompile()
+    return ep
 
 
 # Normalisations whose output does not read their running statistics when they use the batch's (training /

@@ -5,6 +5,7 @@ A buffer written and never read back into an output (BatchNorm's running statist
 nothing reads) is accepted, and left unwritten."""
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -165,3 +166,32 @@ def test_patching_refuses_state_read_back():
     model, tokens = TokenCounter().eval(), torch.randint(0, 11, (2, 5))
     with pytest.raises(ValueError, match=r"forward writes buffer 'calls' of module '<root>' \(TokenCounter\)"):
         patching.run_with_cache(model, tokens)
+
+
+def test_train_mode_instance_norm_with_running_stats_leaves_them_unwritten():
+    """aten::instance_norm with use_input_stats and running statistics writes them in place although its schema
+    declares no mutation: every build, run and demand wrote the module's buffers. The output does not read them
+    in that mode; it stays eager's, bit for bit."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv1d(3, 4, 3), nn.InstanceNorm1d(4, track_running_stats=True, affine=True), nn.ReLU()).train()
+    with torch.no_grad():
+        m[1].running_mean.uniform_()
+        m[1].running_var.uniform_(0.5, 1.5)
+    x = torch.randn(2, 3, 10)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    expected = copy.deepcopy(m)(x)
+    rg = torch_ext.ReactiveGraph(m, (x,), cache=False)
+    out = rg.run(x)
+    conv = rg.nodes()[0]
+    rg.patch(conv, rg.value(conv) * 2)
+    patched = rg.demand()
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    assert torch.equal(out, expected)
+    m2 = copy.deepcopy(m)  # eager writes its copy's statistics
+    with torch.no_grad():
+        assert torch.equal(patched, m2[2](m2[1](m2[0](x) * 2)))
+    # A program the user passes is not changed by the rewrite.
+    ep = torch.export.export(copy.deepcopy(m), (x,))
+    text = str(ep.graph)
+    torch_ext.ReactiveGraph(ep, (x,), cache=False)
+    assert str(ep.graph) == text
