@@ -1416,7 +1416,30 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
     from . import _trace_patches
 
     with _trace_patches.patched(*_trace_patches.INFERENCE_TRACE):
-        return _trace_for_inference(module, args, kwargs, front_end)
+        try:
+            return _trace_for_inference(module, args, kwargs, front_end)
+        except RuntimeError as e:
+            _refuse_unflattenable_output(module, e)
+            raise
+
+
+def _refuse_unflattenable_output(module: torch.nn.Module, error: RuntimeError) -> None:
+    """torch's "Found <class ...> in output, which is not a known type" (an output torch.export cannot flatten,
+    e.g. a Hugging Face encoder-decoder's ``EncoderDecoderCache``) as a ValueError that names the type and the
+    way out; returns for any other error."""
+    import re
+
+    found = re.search(r"Found <class '([^']+)'> in output, which is not a known type", str(error))
+    if found is None:
+        return
+    kind = found.group(1)
+    hint = ("pass use_cache=False (example_kwargs={..., 'use_cache': False}, or model.config.use_cache = False): "
+            "the key/value cache is for generation, and no activation needs it"
+            if kind.startswith("transformers.") and "Cache" in kind else
+            "return tensors, or tuples, lists and dicts of them (register the type with "
+            "torch.utils._pytree.register_pytree_node if it holds tensors)")
+    raise ValueError(f"{type(module).__name__}'s forward returns a {kind}, which torch.export cannot flatten into "
+                     f"tensors, so no graph can be traced from it; {hint}") from error
 
 
 def _trace_for_inference(module, args, kwargs, front_end):

@@ -400,3 +400,20 @@ def test_batched_sites_on_hugging_face_t5_equal_eager_hooks():
     rg = torch_ext.ReactiveGraph(model, (ids,), example_kwargs=kwargs)
     node = [n for n in rg.nodes() if rg._module_paths.get(n) == "encoder.block.0.layer.1.DenseReluDense.wo"][-1]
     _batched_sites_equal_eager_hooks(model, (ids,), kwargs, node, model.encoder.block[0].layer[1].DenseReluDense.wo, 8)
+
+
+def test_hugging_face_t5_with_its_cache_on_is_refused_with_the_way_out():
+    """T5's forward returns an EncoderDecoderCache when use_cache is on (the default): torch.export cannot flatten
+    it, and the build failed with torch's "register a pytree" message. It names the type and use_cache=False."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1,
+                                num_heads=4, decoder_start_token_id=0, pad_token_id=0)
+    model = transformers.T5ForConditionalGeneration(cfg).eval()
+    ids, dec = torch.randint(3, 64, (1, 6)), torch.randint(3, 64, (1, 5))
+    with pytest.raises(ValueError, match=r"returns a transformers\.cache_utils\.EncoderDecoderCache.*use_cache=False"):
+        torch_ext.ReactiveGraph(model, (ids,), example_kwargs={"decoder_input_ids": dec}, cache=False)
+    rg = torch_ext.ReactiveGraph(model, (ids,), example_kwargs={"decoder_input_ids": dec, "use_cache": False},
+                                 cache=False)
+    with torch.no_grad():
+        expected = model(ids, decoder_input_ids=dec, use_cache=False).logits
+    assert torch.equal(rg.run(ids, decoder_input_ids=dec, use_cache=False)[0], expected)
