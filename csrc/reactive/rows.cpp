@@ -8,6 +8,7 @@
 // tensor is written: the cone's cached values are kept aside and put back at the end, so restore
 // stays free, exactly as in evaluate_patched.
 #include "reactive/engine.h"
+#include "reactive/max_abs.h"
 
 #include "runtime/executor.h"
 
@@ -43,63 +44,6 @@ c10::IValue narrow_value(const c10::IValue& v, int64_t dim, int64_t from, int64_
 // max that keeps a NaN from either side (std::max drops a NaN in its second argument).
 double max_keep_nan(double a, double b) {
   return std::isnan(a) || std::isnan(b) ? std::numeric_limits<double>::quiet_NaN() : std::max(a, b);
-}
-
-// The largest |x| of a tensor: NaN when it holds a NaN (amax propagates it; the loop sees x != x), 0 when it
-// is empty. Asked for q, k and v of every causal SDPA on the row path (views into a qkv projection's
-// output), so a CPU float tensor whose innermost dim is contiguous is read in place, run by run, with
-// no temporary and no dispatch; other tensors take abs().amax().
-double max_abs(const at::Tensor& t) {
-  if (t.numel() == 0 || !at::isFloatingType(t.scalar_type())) return 0.0;
-  if (t.is_cpu() && !t.is_neg() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble)) {
-    // Dims by stride, outermost first; the innermost ones merge into one contiguous run.
-    c10::SmallVector<std::pair<int64_t, int64_t>, 8> dims;  // (stride, size)
-    for (int64_t d = 0; d < t.dim(); ++d)
-      if (t.size(d) != 1) dims.emplace_back(t.stride(d), t.size(d));
-    std::sort(dims.begin(), dims.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
-    int64_t run = 1;
-    while (!dims.empty() && dims.back().first == run) {
-      run *= dims.back().second;
-      dims.pop_back();
-    }
-    if (run > 1 || t.numel() == 1) {
-      return AT_DISPATCH_FLOATING_TYPES(t.scalar_type(), "max_abs", [&] {
-        // Four independent maxima per run (a plain loop the compiler vectorises); a NaN is seen by x != x.
-        auto run_max = [&](const scalar_t* p, scalar_t* m, bool& nan) {
-          int64_t i = 0;
-          for (; i + 4 <= run; i += 4)
-            for (int j = 0; j < 4; ++j) {
-              const scalar_t a = std::abs(p[i + j]);
-              nan |= a != a;
-              m[j] = a > m[j] ? a : m[j];
-            }
-          for (; i < run; ++i) {
-            const scalar_t a = std::abs(p[i]);
-            nan |= a != a;
-            m[0] = a > m[0] ? a : m[0];
-          }
-        };
-        c10::SmallVector<int64_t, 8> index(dims.size(), 0);
-        scalar_t m[4] = {0, 0, 0, 0};
-        bool nan = false;
-        const scalar_t* p = t.const_data_ptr<scalar_t>();
-        while (true) {
-          run_max(p, m, nan);
-          int64_t d = static_cast<int64_t>(dims.size()) - 1;  // odometer over the outer dims
-          for (; d >= 0; --d) {
-            p += dims[d].first;
-            if (++index[d] < dims[d].second) break;
-            p -= dims[d].first * dims[d].second;
-            index[d] = 0;
-          }
-          if (d < 0) break;
-        }
-        if (nan) return std::numeric_limits<double>::quiet_NaN();
-        return static_cast<double>(std::max(std::max(m[0], m[1]), std::max(m[2], m[3])));
-      });
-    }
-  }
-  return t.abs().amax().item<double>();
 }
 
 double largest_finite(at::ScalarType t) {
