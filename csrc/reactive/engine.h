@@ -507,6 +507,12 @@ class Engine {
     at::Tensor cols_index;      // cols as a long tensor on the weight's device
     int64_t width = 0;          // the output's last dim when cols is set
     std::vector<RowInput> inputs;
+    // Whole on the row path though the analysis bounds it to rows (its readers see the whole value):
+    // 1, a node whose recomputed rows are joined with its cached ones right where they are computed,
+    // because every reader is a view chain ending in causal attention, which reads keys and values
+    // whole (the fused qkv projection: one join, and q, k and v are views of it as in a full run);
+    // 2, a view in such a chain, run on the whole value (counted as the rows it would have computed).
+    int whole = 0;
   };
   struct RowPlan {
     std::vector<RowStep> steps;  // parallel to PatchPlan::order
@@ -549,10 +555,11 @@ class Engine {
   // Whether a causal SDPA step of the row path could see a score overflow to inf, or a non-finite
   // input: then a full kernel and the row path disagree (see rows.cpp), and the cone runs whole.
   bool attention_may_overflow(const RowStep& step, const NodeState& st, const HeldCone& held);
-  // Rows [0, p) of `cached`, NaN for rows [p, start), then `suffix` (rows [start, T)); with `cols`,
-  // suffix holds only those columns of the last dim (the others NaN).
+  // Rows [0, p) of `cached`, NaN for rows [p, start), then `suffix` (rows [start, stop), stop -1: T), then
+  // rows [stop, T) of `cached`; with `cols`, suffix holds only those columns of the last dim (the others NaN).
   at::Tensor assemble_rows(int64_t id, const at::Tensor& cached, const at::Tensor& suffix, int64_t dim, int64_t p,
-                           int64_t start, const std::vector<int64_t>& cols, const at::Tensor& cols_index);
+                           int64_t start, const std::vector<int64_t>& cols, const at::Tensor& cols_index,
+                           int64_t stop = -1);
   std::map<std::tuple<int64_t, int64_t, int64_t, int, int>, at::Tensor> sdpa_masks_;  // (s, T, Lk, dtype, device)
   const RowPlan& row_plan_for(int64_t id, const std::vector<int64_t>& read_rows,
                               const std::vector<std::vector<int64_t>>& read_cols);

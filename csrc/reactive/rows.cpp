@@ -434,6 +434,53 @@ const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_
     step.special = op == "linear" ? 6 : 7;
     step.cols_index = at::tensor(step.cols, at::TensorOptions().dtype(at::kLong)).to(w->type().tensor.device);
   }
+  // Join once where q, k and v come from one projection: a suffix node (need 0, not an output) whose every
+  // reader is a view chain (split, getitem, reshape, view, transpose, permute) ending only in causal
+  // attention is joined whole where it is computed (whole 1), and the views run whole on it (whole 2), so
+  // attention reads views of one joined buffer, laid out as in a full run, instead of three joins.
+  {
+    auto is_view = [](const ir::Node* u) {
+      if (u->target().is_getitem()) return true;
+      const std::string& op = u->target().name;
+      return u->target().ns == "aten" && (op == "split" || op == "split_with_sizes" || op == "reshape" ||
+                                          op == "view" || op == "_unsafe_view" || op == "transpose" ||
+                                          op == "permute");
+    };
+    for (size_t i = 0; i < plan.order.size(); ++i) {
+      RowStep& step = rp.steps[i];
+      const ir::Node* node = states_[plan.order[i]].node;
+      if (!step.suffix || step.special != 0 || step.need != 0 || step.whole != 0 || step.row_axis < 0 ||
+          node->type().kind != ir::Type::Kind::Tensor || is_view(node))
+        continue;
+      std::vector<size_t> views;
+      bool ok = !node->users().empty();
+      bool reaches_attention = false;
+      std::vector<const ir::Node*> todo(node->users().begin(), node->users().end());
+      while (ok && !todo.empty()) {
+        const ir::Node* u = todo.back();
+        todo.pop_back();
+        auto p = u->kind() == ir::NodeKind::Output ? rp.pos.end() : rp.pos.find(ids_.at(u));
+        if (p == rp.pos.end()) {
+          ok = false;
+          break;
+        }
+        const RowStep& su = rp.steps[p->second];
+        if (su.special == 1 && su.suffix) {
+          reaches_attention = true;
+          continue;
+        }
+        if (!is_view(u) || !su.suffix || su.whole != 0 || su.special >= 5) {
+          ok = false;
+          break;
+        }
+        views.push_back(p->second);
+        todo.insert(todo.end(), u->users().begin(), u->users().end());
+      }
+      if (!ok || !reaches_attention) continue;
+      step.whole = 1;
+      for (size_t v : views) rp.steps[v].whole = 2;
+    }
+  }
   rp.narrows = std::any_of(rp.steps.begin(), rp.steps.end(),
                            [](const RowStep& st) { return st.need > 0 || !st.cols.empty(); });
   RowPlan& stored = row_plans_[key] = std::move(rp);
@@ -442,8 +489,11 @@ const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_
 }
 
 at::Tensor Engine::assemble_rows(int64_t id, const at::Tensor& cached, const at::Tensor& suffix, int64_t dim, int64_t p,
-                                 int64_t start, const std::vector<int64_t>& cols, const at::Tensor& cols_index) {
+                                 int64_t start, const std::vector<int64_t>& cols, const at::Tensor& cols_index,
+                                 int64_t stop) {
   const int64_t T = cached.size(dim);
+  if (stop < 0 || stop > T) stop = T;
+  TORCH_INTERNAL_ASSERT(cols.empty() || stop == T, "assemble_rows: columns with cached rows after the suffix");
   RowScratch& sc = row_scratch_[id];
   // Inference tensors have no version counter, so a write into them could not be seen: never reuse.
   const bool reuse = sc.buf.defined() && !sc.buf.is_inference() &&
@@ -475,8 +525,8 @@ at::Tensor Engine::assemble_rows(int64_t id, const at::Tensor& cached, const at:
   ensure(0, std::min(p, T), 1, [&](at::Tensor dst, int64_t a, int64_t b) { dst.copy_(cached.narrow(dim, a, b - a)); });
   ensure(p, std::min(start, T), 2, [&](at::Tensor dst, int64_t, int64_t) { dst.fill_(nan); });
   if (start < T) {
-    at::Tensor dst = sc.buf.narrow(dim, start, T - start);
     if (!cols.empty()) {
+      at::Tensor dst = sc.buf.narrow(dim, start, T - start);
       if (sc.cols != cols) {  // rows NaN but for other columns
         for (auto& st : sc.state)
           if (st == 3) st = 0;
@@ -484,10 +534,12 @@ at::Tensor Engine::assemble_rows(int64_t id, const at::Tensor& cached, const at:
       }
       ensure(start, T, 3, [&](at::Tensor d, int64_t, int64_t) { d.fill_(nan); });
       dst.index_copy_(dst.dim() - 1, cols_index, suffix);
-    } else {
-      dst.copy_(suffix);
-      std::fill(sc.state.begin() + start, sc.state.end(), 4);
+    } else if (stop > start) {
+      sc.buf.narrow(dim, start, stop - start).copy_(suffix);
+      std::fill(sc.state.begin() + start, sc.state.begin() + stop, 4);
     }
+    ensure(std::max(start, stop), T, 1,
+           [&](at::Tensor d, int64_t a, int64_t b) { d.copy_(cached.narrow(dim, a, b - a)); });
   }
   sc.version = version_of(sc.buf);
   return sc.buf;
@@ -591,6 +643,31 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
         e = std::min(e, T);
       }
       hi[i] = e;
+      if (step.whole == 2) {
+        // A view in a chain read whole by causal attention (RowStep::whole): run on the whole value it
+        // views, counted as the rows the row path would have computed of it.
+        c10::IValue out;
+        try {
+          out = step.special == 2 || step.special == 3
+                    ? c10::IValue(values_[ids_.at(st.node->args().at(0).node)].toTensor().reshape(st.node->type().tensor.sizes))
+                    : st.kernel->invoke(values_, stack_);
+        } catch (const std::exception& ex) {
+          rethrow_evaluating(st, ex, std::string(" whole, in a row-range recompute"));
+        }
+        values_[n] = std::move(out);
+        start[i] = 0;
+        end[i] = T;
+        if (s < T) count_evaluation(st, s >= e ? 0.0 : static_cast<double>(e - s) / static_cast<double>(T));
+        for (int64_t r : plan.steps[i].release) values_[r] = c10::IValue();
+        continue;
+      }
+      if (step.whole == 1 && s >= e) {  // no row differs from the cached ones: the cached value, whole
+        values_[n] = held.cached(i);
+        end[i] = T;
+        count_evaluation(st, 0.0);
+        for (int64_t r : plan.steps[i].release) values_[r] = c10::IValue();
+        continue;
+      }
       if (step.suffix && s >= T) {  // no reader needs any of its rows
         values_[n] = c10::IValue();
         continue;
@@ -611,7 +688,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
         break;
       }
       for (const RowInput& ri : step.inputs) {
-        const bool in_suffix = ri.pos >= 0 && rp.steps[ri.pos].suffix;
+        const bool in_suffix = ri.pos >= 0 && rp.steps[ri.pos].suffix && rp.steps[ri.pos].whole == 0;
         c10::IValue repl;
         if (step.suffix && ri.rel == passes::SeqRel::Row && !whole_sdpa) {
           const int64_t from = in_suffix ? s - start[ri.pos] : s;
@@ -644,6 +721,9 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
                                                : join_value(cached, values_[ri.slot], rp.steps[ri.pos].row_axis, p, p);
           }
           repl = joined[ri.pos];
+        } else if (ri.pos >= 0 && rp.steps[ri.pos].whole == 2 && step.special == 1 && !whole_sdpa &&
+                   values_[ri.slot].isTensor() && !values_[ri.slot].toTensor().is_contiguous()) {
+          repl = values_[ri.slot].toTensor().contiguous();  // the masked call reads dense keys and values
         } else {
           continue;
         }
@@ -724,8 +804,14 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
                                               : std::string(" whole, in a row-range recompute"));
       }
       put_inputs_back();
+      if (step.whole == 1) {  // rows [s, e) joined with the cached ones, once, where they are computed
+        const c10::IValue& cached = held.cached(i);
+        TORCH_INTERNAL_ASSERT(cached.isTensor() && out.isTensor() && s == p, "token-granular cone: %", st.node->name(),
+                              " joined where computed needs tensor rows from the first changed one");
+        out = assemble_rows(n, cached.toTensor(), out.toTensor(), step.row_axis, s, s, {}, {}, e);
+      }
       values_[n] = std::move(out);
-      end[i] = e;  // e < T: a local node, its cached rows [e, T) joined on when read (complete)
+      end[i] = step.whole == 1 ? T : e;  // e < T: a local node, its cached rows [e, T) joined on when read (complete)
       const double frac = step.suffix ? static_cast<double>(e - s) / static_cast<double>(T) : 1.0;
       const double col_frac = step.cols.empty() ? 1.0 : static_cast<double>(step.cols.size()) / static_cast<double>(step.width);
       count_evaluation(st, frac, col_frac);
@@ -737,7 +823,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
       if (a.kind != ir::Arg::Kind::Node) continue;
       const int64_t o = ids_.at(a.node);
       auto pos = rp.pos.find(o);
-      if (pos == rp.pos.end() || !rp.steps[pos->second].suffix) continue;
+      if (pos == rp.pos.end() || !rp.steps[pos->second].suffix || rp.steps[pos->second].whole != 0) continue;
       const size_t i = pos->second;
       if (std::any_of(swapped.begin(), swapped.end(), [&](const auto& e) { return e.first == o; })) continue;
       complete(i);
