@@ -554,7 +554,8 @@ class Engine {
   double cached_max_abs(int64_t slot, const at::Tensor& cached);
   // Whether a causal SDPA step of the row path could see a score overflow to inf, or a non-finite
   // input: then a full kernel and the row path disagree (see rows.cpp), and the cone runs whole.
-  bool attention_may_overflow(const RowStep& step, const NodeState& st, const HeldCone& held);
+  bool attention_may_overflow(const RowStep& step, const NodeState& st, const HeldCone& held, const RowPlan& rp,
+                              int64_t p);
   // Rows [0, p) of `cached`, NaN for rows [p, start), then `suffix` (rows [start, stop), stop -1: T), then
   // rows [stop, T) of `cached`; with `cols`, suffix holds only those columns of the last dim (the others NaN).
   at::Tensor assemble_rows(int64_t id, const at::Tensor& cached, const at::Tensor& suffix, int64_t dim, int64_t p,

@@ -683,7 +683,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
       const bool whole_sdpa = step.suffix && step.special == 1 && s == p;
       // Also for whole_sdpa: a NaN or inf in the changed key / value rows reaches rows before p through a
       // full kernel (0 * NaN), which the row path keeps cached.
-      if (step.suffix && step.causal_sdpa && attention_may_overflow(step, st, held)) {
+      if (step.suffix && step.causal_sdpa && attention_may_overflow(step, st, held, rp, p)) {
         spreads_non_finite = true;
         break;
       }
@@ -869,7 +869,8 @@ double Engine::cached_max_abs(int64_t slot, const at::Tensor& cached) {
 // half the dtype's largest finite value (in any summation order), and so does every value of v (the
 // output is a convex combination of v's rows). Each maximum covers every row either side reads: the
 // rows this site recomputed and the cached ones. A NaN or inf anywhere also runs the cone whole.
-bool Engine::attention_may_overflow(const RowStep& step, const NodeState& st, const HeldCone& held) {
+bool Engine::attention_may_overflow(const RowStep& step, const NodeState& st, const HeldCone& held, const RowPlan& rp,
+                                    int64_t p) {
   const ir::Node& node = *st.node;
   auto largest = [&](size_t arg) -> double {
     const int64_t slot = ids_.at(node.args().at(arg).node);
@@ -878,7 +879,15 @@ bool Engine::attention_may_overflow(const RowStep& step, const NodeState& st, co
     for (const RowInput& ri : step.inputs)
       if (ri.slot == slot) in = &ri;
     if (in != nullptr && in->pos >= 0) {  // a cone node: the rows it recomputed, and its cached value
-      const double fresh = now.isTensor() ? max_abs(now.toTensor()) : 0.0;
+      const RowStep& from = rp.steps[static_cast<size_t>(in->pos)];
+      double fresh = 0.0;
+      if (now.isTensor()) {
+        // A whole value (RowStep::whole): its rows before p are cached ones, covered by the cached maximum.
+        const at::Tensor& t = now.toTensor();
+        fresh = max_abs(from.whole != 0 && from.row_axis >= 0 && p < t.size(from.row_axis)
+                            ? t.narrow(from.row_axis, p, t.size(from.row_axis) - p)
+                            : t);
+      }
       const c10::IValue& cached = held.cached(static_cast<size_t>(in->pos));
       return max_keep_nan(fresh, cached.isTensor() ? cached_max_abs(slot, cached.toTensor()) : 0.0);
     }
