@@ -566,7 +566,9 @@ class Engine {
                               const std::vector<std::vector<int64_t>>& read_cols);
   const passes::SeqAxisAnalysis& seq_analysis();
   // [first, last + 1) of the rows along the node's sequence axis where `value` differs from the cached value ({T, T} if none).
-  std::pair<int64_t, int64_t> changed_rows(int64_t id, const c10::IValue& value);
+  // first_only: the second is not asked for (a dense value is then scanned no further than its first changed
+  // row, and the second is T).
+  std::pair<int64_t, int64_t> changed_rows(int64_t id, const c10::IValue& value, bool first_only = false);
   std::map<std::tuple<int64_t, std::vector<int64_t>, std::vector<std::vector<int64_t>>>, RowPlan> row_plans_;
   // The plan row_plan_for returned last, found again without building row_plans_'s key (a sweep asks for
   // one node's plan at each of its sites); cleared with row_plans_.

@@ -255,7 +255,7 @@ int64_t Engine::seq_axis(const std::string& name) {
 // tell them apart downstream, so such a row must be recomputed), a NaN with the same bits is unchanged.
 // nullopt where it does not apply (another device or layout, a complex dtype): the general path runs.
 static std::optional<std::pair<int64_t, int64_t>> changed_rows_dense(const at::Tensor& cached, const at::Tensor& now,
-                                                                     int64_t axis, int64_t T) {
+                                                                     int64_t axis, int64_t T, bool first_only) {
   if (!cached.is_cpu() || !now.is_cpu() || cached.scalar_type() != now.scalar_type() ||
       cached.sizes() != now.sizes() || axis < 0 || axis >= now.dim() || now.size(axis) != T ||
       !cached.is_contiguous() || !now.is_contiguous() || cached.is_complex() || cached.is_conj() || now.is_conj() ||
@@ -279,6 +279,10 @@ static std::optional<std::pair<int64_t, int64_t>> changed_rows_dense(const at::T
     int64_t first = 0;
     while (first < T && !differs(first)) ++first;
     if (first == T) return;
+    if (first_only) {  // the last changed row is not asked for: no row after the first is read
+      out = {first, T};
+      return;
+    }
     int64_t last = T - 1;
     while (last > first && !differs(last)) --last;
     out = {first, last + 1};
@@ -299,7 +303,7 @@ static at::Tensor bits_of(const at::Tensor& t) {
   }
 }
 
-std::pair<int64_t, int64_t> Engine::changed_rows(int64_t id, const c10::IValue& value) {
+std::pair<int64_t, int64_t> Engine::changed_rows(int64_t id, const c10::IValue& value, bool first_only) {
   const passes::SeqNode& info = seq_analysis().at(states_[id].node);
   TORCH_CHECK(info.row_axis >= 0, "first_changed_row %", states_[id].node->name(), ": the node has no sequence axis");
   check_value_type(*states_[id].node, value);
@@ -307,7 +311,7 @@ std::pair<int64_t, int64_t> Engine::changed_rows(int64_t id, const c10::IValue& 
   const at::Tensor& now = value.toTensor();
   const int64_t T = info.length;
   if (now.numel() == 0) return {T, T};
-  if (auto dense = changed_rows_dense(cached, now, info.row_axis, T)) return *dense;
+  if (auto dense = changed_rows_dense(cached, now, info.row_axis, T, first_only)) return *dense;
   // By bits, as the dense path: `ne` would call -0.0 equal to 0.0 and skip a row whose downstream values
   // differ (1 / -0.0 = -inf).
   const at::Tensor changed = bits_of(now).ne(bits_of(cached)).movedim(info.row_axis, 0).reshape({T, -1}).any(1);
@@ -319,7 +323,7 @@ std::pair<int64_t, int64_t> Engine::changed_rows(int64_t id, const c10::IValue& 
 }
 
 int64_t Engine::first_changed_row(const std::string& name, const c10::IValue& value) {
-  return changed_rows(id_of(name), value).first;
+  return changed_rows(id_of(name), value, /*first_only=*/true).first;
 }
 
 const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_t>& read_rows,
