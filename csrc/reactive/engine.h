@@ -507,6 +507,12 @@ class Engine {
     at::Tensor cols_index;      // cols as a long tensor on the weight's device
     int64_t width = 0;          // the output's last dim when cols is set
     std::vector<RowInput> inputs;
+    // Whole on the row path though the analysis bounds it to rows (its readers see the whole value):
+    // 1, a node whose recomputed rows are joined with its cached ones right where they are computed,
+    // because every reader is a view chain ending in causal attention, which reads keys and values
+    // whole (the fused qkv projection: one join, and q, k and v are views of it as in a full run);
+    // 2, a view in such a chain, run on the whole value (counted as the rows it would have computed).
+    int whole = 0;
   };
   struct RowPlan {
     std::vector<RowStep> steps;  // parallel to PatchPlan::order
@@ -548,17 +554,21 @@ class Engine {
   double cached_max_abs(int64_t slot, const at::Tensor& cached);
   // Whether a causal SDPA step of the row path could see a score overflow to inf, or a non-finite
   // input: then a full kernel and the row path disagree (see rows.cpp), and the cone runs whole.
-  bool attention_may_overflow(const RowStep& step, const NodeState& st, const HeldCone& held);
-  // Rows [0, p) of `cached`, NaN for rows [p, start), then `suffix` (rows [start, T)); with `cols`,
-  // suffix holds only those columns of the last dim (the others NaN).
+  bool attention_may_overflow(const RowStep& step, const NodeState& st, const HeldCone& held, const RowPlan& rp,
+                              int64_t p);
+  // Rows [0, p) of `cached`, NaN for rows [p, start), then `suffix` (rows [start, stop), stop -1: T), then
+  // rows [stop, T) of `cached`; with `cols`, suffix holds only those columns of the last dim (the others NaN).
   at::Tensor assemble_rows(int64_t id, const at::Tensor& cached, const at::Tensor& suffix, int64_t dim, int64_t p,
-                           int64_t start, const std::vector<int64_t>& cols, const at::Tensor& cols_index);
+                           int64_t start, const std::vector<int64_t>& cols, const at::Tensor& cols_index,
+                           int64_t stop = -1);
   std::map<std::tuple<int64_t, int64_t, int64_t, int, int>, at::Tensor> sdpa_masks_;  // (s, T, Lk, dtype, device)
   const RowPlan& row_plan_for(int64_t id, const std::vector<int64_t>& read_rows,
                               const std::vector<std::vector<int64_t>>& read_cols);
   const passes::SeqAxisAnalysis& seq_analysis();
   // [first, last + 1) of the rows along the node's sequence axis where `value` differs from the cached value ({T, T} if none).
-  std::pair<int64_t, int64_t> changed_rows(int64_t id, const c10::IValue& value);
+  // first_only: the second is not asked for (a dense value is then scanned no further than its first changed
+  // row, and the second is T).
+  std::pair<int64_t, int64_t> changed_rows(int64_t id, const c10::IValue& value, bool first_only = false);
   std::map<std::tuple<int64_t, std::vector<int64_t>, std::vector<std::vector<int64_t>>>, RowPlan> row_plans_;
   // The plan row_plan_for returned last, found again without building row_plans_'s key (a sweep asks for
   // one node's plan at each of its sites); cleared with row_plans_.

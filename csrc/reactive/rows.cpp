@@ -199,7 +199,7 @@ int64_t Engine::seq_axis(const std::string& name) {
 // tell them apart downstream, so such a row must be recomputed), a NaN with the same bits is unchanged.
 // nullopt where it does not apply (another device or layout, a complex dtype): the general path runs.
 static std::optional<std::pair<int64_t, int64_t>> changed_rows_dense(const at::Tensor& cached, const at::Tensor& now,
-                                                                     int64_t axis, int64_t T) {
+                                                                     int64_t axis, int64_t T, bool first_only) {
   if (!cached.is_cpu() || !now.is_cpu() || cached.scalar_type() != now.scalar_type() ||
       cached.sizes() != now.sizes() || axis < 0 || axis >= now.dim() || now.size(axis) != T ||
       !cached.is_contiguous() || !now.is_contiguous() || cached.is_complex() || cached.is_conj() || now.is_conj() ||
@@ -223,6 +223,10 @@ static std::optional<std::pair<int64_t, int64_t>> changed_rows_dense(const at::T
     int64_t first = 0;
     while (first < T && !differs(first)) ++first;
     if (first == T) return;
+    if (first_only) {  // the last changed row is not asked for: no row after the first is read
+      out = {first, T};
+      return;
+    }
     int64_t last = T - 1;
     while (last > first && !differs(last)) --last;
     out = {first, last + 1};
@@ -243,7 +247,7 @@ static at::Tensor bits_of(const at::Tensor& t) {
   }
 }
 
-std::pair<int64_t, int64_t> Engine::changed_rows(int64_t id, const c10::IValue& value) {
+std::pair<int64_t, int64_t> Engine::changed_rows(int64_t id, const c10::IValue& value, bool first_only) {
   const passes::SeqNode& info = seq_analysis().at(states_[id].node);
   TORCH_CHECK(info.row_axis >= 0, "first_changed_row %", states_[id].node->name(), ": the node has no sequence axis");
   check_value_type(*states_[id].node, value);
@@ -251,7 +255,7 @@ std::pair<int64_t, int64_t> Engine::changed_rows(int64_t id, const c10::IValue& 
   const at::Tensor& now = value.toTensor();
   const int64_t T = info.length;
   if (now.numel() == 0) return {T, T};
-  if (auto dense = changed_rows_dense(cached, now, info.row_axis, T)) return *dense;
+  if (auto dense = changed_rows_dense(cached, now, info.row_axis, T, first_only)) return *dense;
   // By bits, as the dense path: `ne` would call -0.0 equal to 0.0 and skip a row whose downstream values
   // differ (1 / -0.0 = -inf).
   const at::Tensor changed = bits_of(now).ne(bits_of(cached)).movedim(info.row_axis, 0).reshape({T, -1}).any(1);
@@ -263,7 +267,7 @@ std::pair<int64_t, int64_t> Engine::changed_rows(int64_t id, const c10::IValue& 
 }
 
 int64_t Engine::first_changed_row(const std::string& name, const c10::IValue& value) {
-  return changed_rows(id_of(name), value).first;
+  return changed_rows(id_of(name), value, /*first_only=*/true).first;
 }
 
 const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_t>& read_rows,
@@ -378,6 +382,53 @@ const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_
     step.special = op == "linear" ? 6 : 7;
     step.cols_index = at::tensor(step.cols, at::TensorOptions().dtype(at::kLong)).to(w->type().tensor.device);
   }
+  // Join once where q, k and v come from one projection: a suffix node (need 0, not an output) whose every
+  // reader is a view chain (split, getitem, reshape, view, transpose, permute) ending only in causal
+  // attention is joined whole where it is computed (whole 1), and the views run whole on it (whole 2), so
+  // attention reads views of one joined buffer, laid out as in a full run, instead of three joins.
+  {
+    auto is_view = [](const ir::Node* u) {
+      if (u->target().is_getitem()) return true;
+      const std::string& op = u->target().name;
+      return u->target().ns == "aten" && (op == "split" || op == "split_with_sizes" || op == "reshape" ||
+                                          op == "view" || op == "_unsafe_view" || op == "transpose" ||
+                                          op == "permute");
+    };
+    for (size_t i = 0; i < plan.order.size(); ++i) {
+      RowStep& step = rp.steps[i];
+      const ir::Node* node = states_[plan.order[i]].node;
+      if (!step.suffix || step.special != 0 || step.need != 0 || step.whole != 0 || step.row_axis < 0 ||
+          node->type().kind != ir::Type::Kind::Tensor || is_view(node))
+        continue;
+      std::vector<size_t> views;
+      bool ok = !node->users().empty();
+      bool reaches_attention = false;
+      std::vector<const ir::Node*> todo(node->users().begin(), node->users().end());
+      while (ok && !todo.empty()) {
+        const ir::Node* u = todo.back();
+        todo.pop_back();
+        auto p = u->kind() == ir::NodeKind::Output ? rp.pos.end() : rp.pos.find(ids_.at(u));
+        if (p == rp.pos.end()) {
+          ok = false;
+          break;
+        }
+        const RowStep& su = rp.steps[p->second];
+        if (su.special == 1 && su.suffix) {
+          reaches_attention = true;
+          continue;
+        }
+        if (!is_view(u) || !su.suffix || su.whole != 0 || su.special >= 5) {
+          ok = false;
+          break;
+        }
+        views.push_back(p->second);
+        todo.insert(todo.end(), u->users().begin(), u->users().end());
+      }
+      if (!ok || !reaches_attention) continue;
+      step.whole = 1;
+      for (size_t v : views) rp.steps[v].whole = 2;
+    }
+  }
   rp.narrows = std::any_of(rp.steps.begin(), rp.steps.end(),
                            [](const RowStep& st) { return st.need > 0 || !st.cols.empty(); });
   RowPlan& stored = row_plans_[key] = std::move(rp);
@@ -386,8 +437,11 @@ const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_
 }
 
 at::Tensor Engine::assemble_rows(int64_t id, const at::Tensor& cached, const at::Tensor& suffix, int64_t dim, int64_t p,
-                                 int64_t start, const std::vector<int64_t>& cols, const at::Tensor& cols_index) {
+                                 int64_t start, const std::vector<int64_t>& cols, const at::Tensor& cols_index,
+                                 int64_t stop) {
   const int64_t T = cached.size(dim);
+  if (stop < 0 || stop > T) stop = T;
+  TORCH_INTERNAL_ASSERT(cols.empty() || stop == T, "assemble_rows: columns with cached rows after the suffix");
   RowScratch& sc = row_scratch_[id];
   // Inference tensors have no version counter, so a write into them could not be seen: never reuse.
   const bool reuse = sc.buf.defined() && !sc.buf.is_inference() &&
@@ -419,8 +473,8 @@ at::Tensor Engine::assemble_rows(int64_t id, const at::Tensor& cached, const at:
   ensure(0, std::min(p, T), 1, [&](at::Tensor dst, int64_t a, int64_t b) { dst.copy_(cached.narrow(dim, a, b - a)); });
   ensure(p, std::min(start, T), 2, [&](at::Tensor dst, int64_t, int64_t) { dst.fill_(nan); });
   if (start < T) {
-    at::Tensor dst = sc.buf.narrow(dim, start, T - start);
     if (!cols.empty()) {
+      at::Tensor dst = sc.buf.narrow(dim, start, T - start);
       if (sc.cols != cols) {  // rows NaN but for other columns
         for (auto& st : sc.state)
           if (st == 3) st = 0;
@@ -428,10 +482,12 @@ at::Tensor Engine::assemble_rows(int64_t id, const at::Tensor& cached, const at:
       }
       ensure(start, T, 3, [&](at::Tensor d, int64_t, int64_t) { d.fill_(nan); });
       dst.index_copy_(dst.dim() - 1, cols_index, suffix);
-    } else {
-      dst.copy_(suffix);
-      std::fill(sc.state.begin() + start, sc.state.end(), 4);
+    } else if (stop > start) {
+      sc.buf.narrow(dim, start, stop - start).copy_(suffix);
+      std::fill(sc.state.begin() + start, sc.state.begin() + stop, 4);
     }
+    ensure(std::max(start, stop), T, 1,
+           [&](at::Tensor d, int64_t a, int64_t b) { d.copy_(cached.narrow(dim, a, b - a)); });
   }
   sc.version = version_of(sc.buf);
   return sc.buf;
@@ -535,6 +591,31 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
         e = std::min(e, T);
       }
       hi[i] = e;
+      if (step.whole == 2) {
+        // A view in a chain read whole by causal attention (RowStep::whole): run on the whole value it
+        // views, counted as the rows the row path would have computed of it.
+        c10::IValue out;
+        try {
+          out = step.special == 2 || step.special == 3
+                    ? c10::IValue(values_[ids_.at(st.node->args().at(0).node)].toTensor().reshape(st.node->type().tensor.sizes))
+                    : st.kernel->invoke(values_, stack_);
+        } catch (const std::exception& ex) {
+          rethrow_evaluating(st, ex, std::string(" whole, in a row-range recompute"));
+        }
+        values_[n] = std::move(out);
+        start[i] = 0;
+        end[i] = T;
+        if (s < T) count_evaluation(st, s >= e ? 0.0 : static_cast<double>(e - s) / static_cast<double>(T));
+        for (int64_t r : plan.steps[i].release) values_[r] = c10::IValue();
+        continue;
+      }
+      if (step.whole == 1 && s >= e) {  // no row differs from the cached ones: the cached value, whole
+        values_[n] = held.cached(i);
+        end[i] = T;
+        count_evaluation(st, 0.0);
+        for (int64_t r : plan.steps[i].release) values_[r] = c10::IValue();
+        continue;
+      }
       if (step.suffix && s >= T) {  // no reader needs any of its rows
         values_[n] = c10::IValue();
         continue;
@@ -550,12 +631,12 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
       const bool whole_sdpa = step.suffix && step.special == 1 && s == p;
       // Also for whole_sdpa: a NaN or inf in the changed key / value rows reaches rows before p through a
       // full kernel (0 * NaN), which the row path keeps cached.
-      if (step.suffix && step.causal_sdpa && attention_may_overflow(step, st, held)) {
+      if (step.suffix && step.causal_sdpa && attention_may_overflow(step, st, held, rp, p)) {
         spreads_non_finite = true;
         break;
       }
       for (const RowInput& ri : step.inputs) {
-        const bool in_suffix = ri.pos >= 0 && rp.steps[ri.pos].suffix;
+        const bool in_suffix = ri.pos >= 0 && rp.steps[ri.pos].suffix && rp.steps[ri.pos].whole == 0;
         c10::IValue repl;
         if (step.suffix && ri.rel == passes::SeqRel::Row && !whole_sdpa) {
           const int64_t from = in_suffix ? s - start[ri.pos] : s;
@@ -588,6 +669,9 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
                                                : join_value(cached, values_[ri.slot], rp.steps[ri.pos].row_axis, p, p);
           }
           repl = joined[ri.pos];
+        } else if (ri.pos >= 0 && rp.steps[ri.pos].whole == 2 && step.special == 1 && !whole_sdpa &&
+                   values_[ri.slot].isTensor() && !values_[ri.slot].toTensor().is_contiguous()) {
+          repl = values_[ri.slot].toTensor().contiguous();  // the masked call reads dense keys and values
         } else {
           continue;
         }
@@ -668,8 +752,14 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
                                               : std::string(" whole, in a row-range recompute"));
       }
       put_inputs_back();
+      if (step.whole == 1) {  // rows [s, e) joined with the cached ones, once, where they are computed
+        const c10::IValue& cached = held.cached(i);
+        TORCH_INTERNAL_ASSERT(cached.isTensor() && out.isTensor() && s == p, "token-granular cone: %", st.node->name(),
+                              " joined where computed needs tensor rows from the first changed one");
+        out = assemble_rows(n, cached.toTensor(), out.toTensor(), step.row_axis, s, s, {}, {}, e);
+      }
       values_[n] = std::move(out);
-      end[i] = e;  // e < T: a local node, its cached rows [e, T) joined on when read (complete)
+      end[i] = step.whole == 1 ? T : e;  // e < T: a local node, its cached rows [e, T) joined on when read (complete)
       const double frac = step.suffix ? static_cast<double>(e - s) / static_cast<double>(T) : 1.0;
       const double col_frac = step.cols.empty() ? 1.0 : static_cast<double>(step.cols.size()) / static_cast<double>(step.width);
       count_evaluation(st, frac, col_frac);
@@ -681,7 +771,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
       if (a.kind != ir::Arg::Kind::Node) continue;
       const int64_t o = ids_.at(a.node);
       auto pos = rp.pos.find(o);
-      if (pos == rp.pos.end() || !rp.steps[pos->second].suffix) continue;
+      if (pos == rp.pos.end() || !rp.steps[pos->second].suffix || rp.steps[pos->second].whole != 0) continue;
       const size_t i = pos->second;
       if (std::any_of(swapped.begin(), swapped.end(), [&](const auto& e) { return e.first == o; })) continue;
       complete(i);
@@ -727,7 +817,8 @@ double Engine::cached_max_abs(int64_t slot, const at::Tensor& cached) {
 // half the dtype's largest finite value (in any summation order), and so does every value of v (the
 // output is a convex combination of v's rows). Each maximum covers every row either side reads: the
 // rows this site recomputed and the cached ones. A NaN or inf anywhere also runs the cone whole.
-bool Engine::attention_may_overflow(const RowStep& step, const NodeState& st, const HeldCone& held) {
+bool Engine::attention_may_overflow(const RowStep& step, const NodeState& st, const HeldCone& held, const RowPlan& rp,
+                                    int64_t p) {
   const ir::Node& node = *st.node;
   auto largest = [&](size_t arg) -> double {
     const int64_t slot = ids_.at(node.args().at(arg).node);
@@ -736,7 +827,15 @@ bool Engine::attention_may_overflow(const RowStep& step, const NodeState& st, co
     for (const RowInput& ri : step.inputs)
       if (ri.slot == slot) in = &ri;
     if (in != nullptr && in->pos >= 0) {  // a cone node: the rows it recomputed, and its cached value
-      const double fresh = now.isTensor() ? max_abs(now.toTensor()) : 0.0;
+      const RowStep& from = rp.steps[static_cast<size_t>(in->pos)];
+      double fresh = 0.0;
+      if (now.isTensor()) {
+        // A whole value (RowStep::whole): its rows before p are cached ones, covered by the cached maximum.
+        const at::Tensor& t = now.toTensor();
+        fresh = max_abs(from.whole != 0 && from.row_axis >= 0 && p < t.size(from.row_axis)
+                            ? t.narrow(from.row_axis, p, t.size(from.row_axis) - p)
+                            : t);
+      }
       const c10::IValue& cached = held.cached(static_cast<size_t>(in->pos));
       return max_keep_nan(fresh, cached.isTensor() ? cached_max_abs(slot, cached.toTensor()) : 0.0);
     }

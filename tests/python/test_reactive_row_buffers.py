@@ -69,3 +69,26 @@ def test_outputs_and_cached_values_a_caller_holds_survive_later_sites():
             assert torch.equal(o.view(torch.int32), c.view(torch.int32))
     for n, v in cached.items():  # the cache restore needs, bit for bit
         assert torch.equal(eng.value(n).view(torch.int32), v.view(torch.int32)), n
+
+
+def test_qkv_joined_once_keeps_no_rows_of_an_earlier_site():
+    # On TinyTransformer the row path joins the qkv projection's recomputed rows with its cached ones where
+    # they are computed (one kept buffer; q, k and v are views of it). A one-row patch recomputes rows
+    # [p, p + 1) of the first layer's projection, so the buffer's rows after them must be the cached ones
+    # again after a site at an earlier row wrote there: each site in a shuffled order gives the bits a fresh
+    # graph (fresh buffers) gives for it alone, and the whole-cone recompute's values.
+    rg, _, patch = _setup(32, True)
+    eng = rg._engine
+    node = "add"
+    with torch.no_grad():
+        for pos in (9, 3, 11, 2, 0, 7, 3):
+            value = patch(eng.value(node), (node, pos))
+            got = [o.clone() for o in eng.evaluate_patched_rows(node, value, [], [])]
+            fresh, _, _ = _setup(32, True)
+            want = fresh._engine.evaluate_patched_rows(node, value, [], [])
+            whole = eng.evaluate_patched(node, value)
+            for g, w, f in zip(got, want, whole):
+                assert torch.equal(g.view(torch.int32), w.view(torch.int32)), pos
+                assert torch.equal(g[:, :pos], f[:, :pos]), pos  # causal: the rows before p are cached
+                assert float((g - f).abs().max() / f.abs().max()) <= 1e-6, pos
+    rg.check_invariants()
