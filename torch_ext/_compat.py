@@ -778,22 +778,32 @@ def eager_cumprod_backward():
 
     op = torch.ops.aten.cumprod_backward.default
     key = DispatchKey.CompositeImplicitAutograd
-    previous = op.py_kernels.pop(key, None)
 
     def kernel(grad, input, dim, output):
         if torch.is_grad_enabled():  # ATen's C++ kernel (op.decompose would call this one again)
             return op._op_dk(key, grad, input, dim, output)
         return _cumprod_backward_first_order(grad, input, dim, output)
 
-    op.py_kernels[key] = kernel
-    op._dispatch_cache.clear()
+    with _python_kernels(key, {op: kernel}):
+        yield
+
+
+@contextlib.contextmanager
+def _python_kernels(key, kernels: dict):
+    """``{op: kernel}`` as each op's Python kernel for dispatch key ``key`` for the block; what was there is put
+    back after it, also when it raises."""
+    previous = {op: op.py_kernels.pop(key, None) for op in kernels}
+    for op, kernel in kernels.items():
+        op.py_kernels[key] = kernel
+        op._dispatch_cache.clear()
     try:
         yield
     finally:
-        del op.py_kernels[key]
-        if previous is not None:
-            op.py_kernels[key] = previous
-        op._dispatch_cache.clear()
+        for op in kernels:
+            del op.py_kernels[key]
+            if previous[op] is not None:
+                op.py_kernels[key] = previous[op]
+            op._dispatch_cache.clear()
 
 
 class _EagerHalfDropout(torch.autograd.Function):
@@ -831,7 +841,7 @@ def eager_half_dropout_backward():
 
     key = DispatchKey.Autograd
     op = torch.ops.aten.native_dropout.default
-    previous = op.py_kernels.pop(key, None)
+    previous = op.py_kernels.get(key)
 
     def kernel(input, p, train):
         if (input.dtype in (torch.float16, torch.bfloat16) and train is not False and input.device.type == "cpu"
@@ -841,15 +851,8 @@ def eager_half_dropout_backward():
             return previous(input, p, train)
         return op._op_dk(key, input, p, train)
 
-    op.py_kernels[key] = kernel
-    op._dispatch_cache.clear()
-    try:
+    with _python_kernels(key, {op: kernel}):
         yield
-    finally:
-        del op.py_kernels[key]
-        if previous is not None:
-            op.py_kernels[key] = previous
-        op._dispatch_cache.clear()
 
 
 def _prod_safe_zeros_backward(grad, input, dim):
@@ -954,7 +957,6 @@ def eager_prod_backward():
 
     key = DispatchKey.Autograd
     ops = (torch.ops.aten.prod.default, torch.ops.aten.prod.dim_int)
-    previous = {op: op.py_kernels.pop(key, None) for op in ops}
 
     def make_kernel(op):
         def kernel(input, *args, **kwargs):
@@ -970,17 +972,8 @@ def eager_prod_backward():
             return _EagerProd.apply(input, op, args, kwargs, dim, keepdim)
         return kernel
 
-    for op in ops:
-        op.py_kernels[key] = make_kernel(op)
-        op._dispatch_cache.clear()
-    try:
+    with _python_kernels(key, {op: make_kernel(op) for op in ops}):
         yield
-    finally:
-        for op in ops:
-            del op.py_kernels[key]
-            if previous[op] is not None:
-                op.py_kernels[key] = previous[op]
-            op._dispatch_cache.clear()
 
 
 @contextlib.contextmanager
