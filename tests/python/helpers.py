@@ -83,6 +83,36 @@ def assert_adamw_steps_bit_exact(model, loss_fn, batch, run: str, steps: int = 2
         assert torch.equal(a, b), key
 
 
+class PositiveFactors(nn.Module):
+    """Linear(8, 8) then Linear(8, 3), and the factors of a product: ``zeros``, through a ReLU so that some are
+    zero; else in (0.5, 1.5). The cumprod and prod step tests build on it."""
+
+    def __init__(self, dim=-1, zeros=False):
+        super().__init__()
+        self.fc, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
+        self.dim, self.zeros = dim, zeros
+
+    def factors(self, x):
+        h = self.fc(x)
+        return F.relu(h) + (h > 0.4).float() * 0.5 if self.zeros else torch.sigmoid(h) + 0.5
+
+
+class _SummedLoss(nn.Module):
+    def __init__(self, m: nn.Module):
+        super().__init__()
+        self.m = m
+
+    def forward(self, x):
+        return self.m(x).sum()
+
+
+def joint_of_summed(module: nn.Module, x: torch.Tensor):
+    """The joint forward/backward program (``_compat.export_joint``) of ``module(x).sum()``."""
+    from torch_ext import _compat
+
+    return _compat.export_joint(torch.export.export(_SummedLoss(module), (x,)))
+
+
 def tiny_gpt_step(vocab: int, d_model: int, n_heads: int, n_layers: int, seq: int, batch: int):
     """(step, batch): a seeded TinyTransformer with AdamW (lr 1e-3) and a next-token loss."""
     from torch_ext.models import TinyTransformer

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from helpers import assert_adamw_steps_bit_exact
+from helpers import PositiveFactors, assert_adamw_steps_bit_exact, joint_of_summed
 from torch_ext import _compat
 
 
@@ -18,18 +18,12 @@ def _loss(m, x, y):
     return F.cross_entropy(m(x), y)
 
 
-class CumProd(nn.Module):
+class CumProd(PositiveFactors):
     """``zeros``: the factors pass through a ReLU, so some slices hold zeros (one, two, or more) and eager takes
     its masked formula; else they are in (0.5, 1.5) and eager divides by the input."""
 
-    def __init__(self, dim=-1, zeros=False):
-        super().__init__()
-        self.fc, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
-        self.dim, self.zeros = dim, zeros
-
     def forward(self, x):
-        h = self.fc(x)
-        factors = F.relu(h) + (h > 0.4).float() * 0.5 if self.zeros else torch.sigmoid(h) + 0.5
+        factors = self.factors(x)
         return self.head(torch.cumprod(factors.view(-1, 2, 4), dim=self.dim).flatten(1))
 
 
@@ -74,15 +68,7 @@ def test_cumprod_backward_kernel_put_back():
     op = torch.ops.aten.cumprod_backward.default
     before = dict(op.py_kernels)
 
-    class Loss(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = CumProd()
-
-        def forward(self, x):
-            return self.m(x).sum()
-
-    joint = _compat.export_joint(torch.export.export(Loss(), (torch.randn(4, 8),)))
+    joint = joint_of_summed(CumProd(), torch.randn(4, 8))
     assert op.py_kernels == before
     # eager's first-order formula: no product of slices (aten.prod) as in ATen's double-backward form
     assert torch.ops.aten.prod.dim_int not in {n.target for n in joint.graph.nodes}

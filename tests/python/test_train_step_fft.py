@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import torch_ext
 
-from helpers import assert_adamw_steps_bit_exact
+from helpers import assert_adamw_steps_bit_exact, joint_of_summed
 from torch_ext import _compat
 
 
@@ -108,15 +108,7 @@ def test_joint_export_leaves_aot_autograd_as_it_found_it():
         _compat.export_joint(ep)
     assert aot_autograd.make_fx is before
 
-    class Loss(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = RealFFT()
-
-        def forward(self, x):
-            return self.m(x).sum()
-
-    joint = _compat.export_joint(torch.export.export(Loss(), (torch.randn(4, 8),)))
+    joint = joint_of_summed(RealFFT(), torch.randn(4, 8))
     assert aot_autograd.make_fx is before
     # eager's derivatives: fft_c2r_backward is an r2c, fft_r2c_backward an inverse c2c of the zero-padded gradient
     targets = [n.target for n in joint.graph.nodes if n.op == "call_function"]

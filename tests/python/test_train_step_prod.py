@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from helpers import assert_adamw_steps_bit_exact
+from helpers import PositiveFactors, assert_adamw_steps_bit_exact, joint_of_summed
 from torch_ext import _compat
 
 
@@ -19,19 +19,13 @@ def _loss(m, x, y):
     return F.cross_entropy(m(x), y)
 
 
-class Prod(nn.Module):
+class Prod(PositiveFactors):
     """``x.prod(dim)`` over slices of 4 factors and a full ``x.prod()`` of a few factors, scaling the logits.
     ``zeros``: the factors pass through a ReLU, so some slices (and the full product) hold zeros; else they are
     in (0.5, 1.5) and eager divides by the input."""
 
-    def __init__(self, dim=-1, zeros=False):
-        super().__init__()
-        self.fc, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
-        self.dim, self.zeros = dim, zeros
-
     def forward(self, x):
-        h = self.fc(x)
-        factors = F.relu(h) + (h > 0.4).float() * 0.5 if self.zeros else torch.sigmoid(h) + 0.5
+        factors = self.factors(x)
         per_slice = factors.view(-1, 2, 4).prod(self.dim)  # (n, 2) or (n, 4)
         full = factors[:, :3].prod()
         return self.head(torch.cat([per_slice, factors], 1)[:, :8] * (1 + full))
@@ -126,15 +120,7 @@ def test_prod_kernel_put_back():
     ops = (torch.ops.aten.prod.default, torch.ops.aten.prod.dim_int)
     before = [dict(op.py_kernels) for op in ops]
 
-    class Loss(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = Prod()
-
-        def forward(self, x):
-            return self.m(x).sum()
-
-    joint = _compat.export_joint(torch.export.export(Loss(), (torch.randn(4, 8),)))
+    joint = joint_of_summed(Prod(), torch.randn(4, 8))
     assert [dict(op.py_kernels) for op in ops] == before
     # eager's no-zero formula divides by the input; prod_safe_zeros_backward (ATen's traced path) never does
     assert torch.ops.aten.div.Tensor in {n.target for n in joint.graph.nodes}
