@@ -74,6 +74,7 @@ const std::unordered_map<std::string, RowOp>& row_ops() {
       {"adaptive_avg_pool2d", {0, 4}},
       {"_adaptive_avg_pool2d", {0, 4}},
       {"constant_pad_nd", {0, 1}},
+      {"pad", {0, 1}},  // every mode pads only the trailing dims its list names (F.pad, causal convolutions)
       {"softmax", {0, 1}},
       {"_softmax", {0, 1}},
       {"log_softmax", {0, 1}},
@@ -226,7 +227,7 @@ std::vector<int64_t> worked_dims(const Node& n, const std::string& op, int64_t r
     for (int64_t d = rank - static_cast<int64_t>(s->size()); d < rank; ++d) out.push_back(d);
     return out;
   }
-  if (op == "constant_pad_nd") {
+  if (op == "constant_pad_nd" || op == "pad") {
     auto p = ints_at(n, 1, "pad", std::nullopt);
     TORCH_CHECK(p.has_value(), "batch_cone: ", w, " has no pad");
     std::vector<int64_t> out;

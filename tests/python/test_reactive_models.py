@@ -417,3 +417,38 @@ def test_hugging_face_t5_with_its_cache_on_is_refused_with_the_way_out():
     with torch.no_grad():
         expected = model(ids, decoder_input_ids=dec, use_cache=False).logits
     assert torch.equal(rg.run(ids, decoder_input_ids=dec, use_cache=False)[0], expected)
+
+
+class _CausalConv(torch.nn.Module):
+    """A causal convolution stack (WaveNet / Mamba style): F.pad on the time axis exports as aten::pad."""
+
+    def __init__(self, c=8, k=3, mode="constant"):
+        super().__init__()
+        self.k, self.mode = k, mode
+        self.c1 = torch.nn.Conv1d(c, c, k)
+        self.c2 = torch.nn.Conv1d(c, c, k)
+
+    def forward(self, x):  # x: [batch, time, channels]
+        h = torch.relu(self.c1(torch.nn.functional.pad(x.transpose(1, 2), (self.k - 1, 0), mode=self.mode)))
+        return self.c2(torch.nn.functional.pad(h, (self.k - 1, 0), mode=self.mode)).transpose(1, 2)
+
+
+@pytest.mark.parametrize("mode", ["constant", "replicate", "reflect"])
+def test_batched_sites_through_f_pad_equal_eager_hooks(mode):
+    # aten::pad pads only the trailing dims its list names, never dim 0 (the stacked sites). It was refused
+    # ("not an op the pass can prove keeps the stacked sites apart"), so a causal convolution could not batch.
+    torch.manual_seed(0)
+    model = _CausalConv(mode=mode).eval()
+    x = torch.randn(2, 10, 8)
+    _batched_sites_equal_eager_hooks(model, (x,), {}, "relu", model.c1, 4)
+
+
+def test_batched_sites_refuse_a_pad_of_dim_0():
+    class PadsBatch(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.pad(torch.relu(x), (0, 0, 1, 0, 1, 0)).sum(-1)
+
+    rg = torch_ext.ReactiveGraph(PadsBatch(), (torch.randn(2, 3, 4),))
+    with pytest.raises(ValueError, match="pad"):
+        torch_ext.sweep(rg, [("relu", 0), ("relu", 1)], lambda v, s: v * s[1], lambda o: o.sum(), progress=False,
+                        positions=False, batch_sites=True)
