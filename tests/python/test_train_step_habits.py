@@ -1726,6 +1726,57 @@ def test_hooks_on_other_models_do_not_refuse_the_step():
     assert torch.equal(loss, loss2)
 
 
+class _Steer:
+    """A forward hook object with a knob (activation steering: out * alpha)."""
+
+    def __init__(self, alpha):
+        self.alpha = alpha
+
+    def __call__(self, module, args, out):
+        return out * self.alpha
+
+
+@pytest.mark.parametrize("kind", ["closure", "object"])
+def test_forward_hook_state_changed_after_build_is_refused_not_ignored(kind):
+    # The program holds the values a forward hook read when traced. Before: after the user changed a value
+    # the hook reads (a closure's scale[0], a hook object's alpha), the step kept training with the traced
+    # one, silently, where eager training follows the change.
+    model = _Adversarial(lambda h: h)
+    scale, steer = [2.0], _Steer(2.0)
+    model.body.register_forward_hook((lambda m, a, out: out * scale[0]) if kind == "closure" else steer)
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), _mse, _XY)
+    _, state = step(step.init_state(), *_XY)
+    before, _ = step(state, *_XY)
+    if kind == "closure":
+        scale[0] = 3.0
+        message = r"forward hook <lambda> on module 'body' \(Linear\): 'scale' is \[3.0\] now, \[2.0\] when the step"
+    else:
+        steer.alpha = 3.0
+        message = r"forward hook _Steer on module 'body' \(Linear\): 'alpha' is 3.0 now, 2.0 when the step"
+    step.write_back(state)
+    with torch.no_grad():
+        assert not torch.equal(_mse(model, *_XY), before)  # eager follows the change
+    with pytest.raises(ValueError, match=message):
+        step(state, *_XY)
+    with pytest.raises(ValueError, match=message):
+        step.compile(plan=False)(state, *_XY)
+    scale[0], steer.alpha = 2.0, 2.0  # changed back: the program is right again
+    again, _ = step(state, *_XY)
+    assert torch.equal(again, before)
+
+
+def test_forward_hook_that_stores_activations_is_refused_at_build():
+    # Hooks run while the forward is traced, never when the program runs. Before: a hook that keeps its
+    # module's output (acts[name] = out) was left holding a FakeTensor of the trace, and no call of the
+    # step ever stored an activation, silently.
+    model = _Adversarial(lambda h: h)
+    acts = {}
+    model.body.register_forward_hook(lambda m, a, out: acts.__setitem__("body", out))
+    with pytest.raises(ValueError, match=r"forward hook <lambda> on module 'body' \(Linear\) stored a tensor of the "
+                                         r"trace in 'acts'"):
+        torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), _mse, _XY)
+
+
 def test_a_torch_compiled_model_is_stepped_and_swept_as_the_module_it_wraps():
     # torch.compile(model) is a common first line of a training script. Export traced it through the
     # wrapper's Dynamo frame and torch raised an internal fake-mode mismatch (BackendCompilerFailed).
