@@ -275,6 +275,10 @@ class _LrSchedule:
         self._fed_values: list[dict[str, float]] = []  # per step k: group input name -> value
         self._record()
         self.lrs(1)  # fail now, not mid-training, when the scheduler also changes baked hyperparameters
+        # ... but forget that look-ahead: eager computes step 1's lr at the first call's sched.step(), from
+        # what the schedule reads then (a LambdaLR's function reading a factor the script sets after the build).
+        self._scheds, self._opts = copy.deepcopy(self._pristine, dict(memo))
+        del self._lrs[1:], self._fed_values[1:]
 
     def _hyper(self, opts) -> list[dict]:
         # Every group option but the lr and the fed scalars: the program bakes them all in (a fixed

@@ -1060,6 +1060,36 @@ def test_a_scheduler_changing_any_baked_option_is_refused(make_opt, key):
         torch_ext.make_train_step(model, opt, lm_loss, next(lm_batches()), scheduler=_DecayingOption(opt, key))
 
 
+def test_a_lambda_schedule_reads_what_its_function_reads_when_eager_does():
+    # Eager LambdaLR calls its function at each sched.step(), reading what it reads (a warmup factor the
+    # training script sets) as it stands then. Before: the build computed the lr of scheduler step 1 ahead
+    # (to refuse a scheduler that changes baked options at once) and kept it, so a factor set between the
+    # build and the first call was ignored for the second call's lr: trained off eager, silently.
+    batches = [b for _, b in zip(range(3), lm_batches())]
+
+    def train(with_step: bool):
+        torch.manual_seed(0)
+        model = TiedLM()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        factor = [1.0]
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: factor[0] / (epoch + 1))
+        step = torch_ext.make_train_step(model, opt, lm_loss, batches[0], scheduler=sched) if with_step else None
+        factor[0] = 0.25
+        if step is None:
+            return [loss.item() for loss in eager_run(model, opt, iter(batches), 3, sched=sched)], model
+        state, losses = step.init_state(), []
+        for b in batches:
+            loss, state = step(state, *b)
+            losses.append(loss.item())
+        step.write_back(state)
+        return losses, model
+
+    (losses, model), (ref_losses, ref) = train(True), train(False)
+    assert losses == ref_losses
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 def test_schedulers_the_step_cannot_follow_are_refused():
     model = TiedLM()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
