@@ -218,6 +218,20 @@ def _update_for(opt, group: dict, param: torch.Tensor, gi: int) -> dict:
 
 
 
+_VALUE_AS_PYTHON = ("the model or loss_fn reads a tensor's value to decide Python control flow (`if t.sum() > 0`, "
+                    "`bool(t)`, a size from `int(t)`, a number from `float(t.item() > 0)`): one traced program cannot "
+                    "follow a value that changes per call. Write it with torch.where or torch.cond")
+
+
+def _user_frame(e: BaseException) -> str:
+    """Where ``e`` was raised in code outside torch and torch_ext, as 'File "...", line N, in f'."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if "/torch/" not in f.filename and "/torch_ext/" not in f.filename]
+    return f'File "{frames[-1].filename}", line {frames[-1].lineno}, in {frames[-1].name}' if frames else "(unknown)"
+
+
 class _LrSchedule:
     """The lr of every param group after k scheduler steps: a pure function of k; and so are the
     ``fed`` scalars (a momentum or beta1 a scheduler cycles), read from the replayed groups.
@@ -687,11 +701,13 @@ class TrainStep:
                     ep = torch.export.export(wrapper, _compat.distinct_inputs(self._example_batch))  # (x, x): two inputs
                 except GuardOnDataDependentSymNode as e:
                     where = str(e).partition("The following call raised this error:")[2].strip()
-                    raise NotImplementedError(
-                        "the model or loss_fn reads a tensor's value to decide Python control flow (`if t.sum() > 0`, "
-                        "`bool(t)`, a size from `int(t)`): one traced program cannot follow a value that changes "
-                        "per call. Write it with torch.where or torch.cond"
-                        + (f"; at {where.splitlines()[0].strip()}" if where else "")) from e
+                    raise NotImplementedError(_VALUE_AS_PYTHON + (f"; at {where.splitlines()[0].strip()}" if where
+                                                                  else "")) from e
+                except TypeError as e:
+                    # float(t.item() > 0), int(...) of a traced value: Python's own conversion refuses the symbol.
+                    if not any(f"'{sym}'" in str(e) for sym in ("SymBool", "SymInt", "SymFloat")):
+                        raise
+                    raise NotImplementedError(f"{_VALUE_AS_PYTHON}; at {_user_frame(e)}: {e}") from e
                 except NotImplementedError as e:
                     if "torch._C.Generator" not in str(e):
                         raise
@@ -813,6 +829,17 @@ class TrainStep:
                     spec["grads"].append((i, s.target))
             elif kind == "USER_OUTPUT":
                 spec["aux_outputs"].append(i)
+            elif kind == "USER_INPUT_MUTATION":
+                users = [a.arg.name for a in joint.graph_signature.input_specs if a.kind.name == "USER_INPUT"]
+                paths = [torch.utils._pytree.keystr(k) for k, _ in
+                         torch.utils._pytree.tree_flatten_with_path(tuple(self._example_batch))[0]]
+                leaf = users.index(s.target) if s.target in users else None
+                where = f"{leaf} (batch{paths[leaf]})" if leaf is not None and leaf < len(paths) else repr(s.target)
+                raise ValueError(
+                    f"the model or loss_fn writes in place into batch input {where}, which the pure step "
+                    "never writes: eager changes the caller's batch tensor at every call (a batch used twice is "
+                    "read changed the second time), the step would leave it as it is. Write out of place "
+                    "(x = x * 2 instead of x.mul_(2)), or clone the input first")
             else:
                 raise NotImplementedError(f"joint program output kind {kind} is not supported")
         if self._aux_spec is not None and (self.unroll > 1 or self.accumulate > 1):
