@@ -218,20 +218,6 @@ def _update_for(opt, group: dict, param: torch.Tensor, gi: int) -> dict:
 
 
 
-_VALUE_AS_PYTHON = ("the model or loss_fn reads a tensor's value to decide Python control flow (`if t.sum() > 0`, "
-                    "`bool(t)`, a size from `int(t)`, a number from `float(t.item() > 0)`): one traced program cannot "
-                    "follow a value that changes per call. Write it with torch.where or torch.cond")
-
-
-def _user_frame(e: BaseException) -> str:
-    """Where ``e`` was raised in code outside torch and torch_ext, as 'File "...", line N, in f'."""
-    import traceback
-
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if "/torch/" not in f.filename and "/torch_ext/" not in f.filename]
-    return f'File "{frames[-1].filename}", line {frames[-1].lineno}, in {frames[-1].name}' if frames else "(unknown)"
-
-
 class _LrSchedule:
     """The lr of every param group after k scheduler steps: a pure function of k; and so are the
     ``fed`` scalars (a momentum or beta1 a scheduler cycles), read from the replayed groups.
@@ -659,14 +645,8 @@ class TrainStep:
             wrapper.named_parameters(remove_duplicate=False), wrapper.named_buffers(remove_duplicate=False))}
         self.aliases = {n[len(_MODEL_PREFIX):]: c[len(_MODEL_PREFIX):] for n, c in canonical.items() if n != c}
 
+        _compat.refuse_cumulative_batch_norm(model, "the pure step")
         for name, mod in model.named_modules():
-            # momentum=None averages with 1 / num_batches_tracked, a Python float read from a buffer:
-            # torch.export cannot trace that (a data-dependent guard error that names nothing of ours).
-            if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm) and mod.training and mod.momentum is None \
-                    and mod.track_running_stats:
-                raise ValueError(f"{name or 'model'}: {type(mod).__name__}(momentum=None) (a cumulative moving "
-                                 "average, 1 / num_batches_tracked read as a Python number each step) cannot be "
-                                 "traced into the pure step; give it a momentum (e.g. momentum=0.1)")
             if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and mod.weight.requires_grad:
                 # max_norm renormalises the looked-up rows of the weight in place in forward, and a sparse
                 # gradient is not the dense one every update op takes: name the module, not torch's internals.
@@ -699,15 +679,9 @@ class TrainStep:
                 found, drawn, env = got["backward_only_code"], got["python_random_draws"], got["env_reads"]
                 try:
                     ep = torch.export.export(wrapper, _compat.distinct_inputs(self._example_batch))  # (x, x): two inputs
-                except GuardOnDataDependentSymNode as e:
-                    where = str(e).partition("The following call raised this error:")[2].strip()
-                    raise NotImplementedError(_VALUE_AS_PYTHON + (f"; at {where.splitlines()[0].strip()}" if where
-                                                                  else "")) from e
-                except TypeError as e:
-                    # float(t.item() > 0), int(...) of a traced value: Python's own conversion refuses the symbol.
-                    if not any(f"'{sym}'" in str(e) for sym in ("SymBool", "SymInt", "SymFloat")):
-                        raise
-                    raise NotImplementedError(f"{_VALUE_AS_PYTHON}; at {_user_frame(e)}: {e}") from e
+                except (GuardOnDataDependentSymNode, TypeError) as e:  # TypeError: float(t.item() > 0)
+                    _compat.refuse_value_as_python(e, "the model or loss_fn")
+                    raise
                 except NotImplementedError as e:
                     if "torch._C.Generator" not in str(e):
                         raise
