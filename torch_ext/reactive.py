@@ -10,6 +10,7 @@ import collections
 import contextlib
 import fnmatch
 import math
+import re
 import sys
 import threading
 import time
@@ -129,6 +130,30 @@ def buffers_read_back(ep: torch.export.ExportedProgram) -> list[str]:
         live |= more
         grew = bool(more)
     return [b for b in written if b in live]
+
+
+def _refuse_writes_in_regions(ep: torch.export.ExportedProgram) -> None:
+    """An in-place or out= op left inside a region export keeps as a higher-order op (a ``torch.no_grad()`` block:
+    ``wrap_with_set_grad_enabled``), which functionalization does not reach. spectral_norm's training forward
+    writes its power-iteration vectors into its ``_u`` and ``_v`` buffers there, and the next call reads them:
+    the graph would drop the writes. Refused naming the op and the module (the engine refused it as "mutates its
+    inputs; cached values need a functional graph", naming neither)."""
+    for name, sub in ep.graph_module.named_modules():
+        if not name or not isinstance(sub, torch.fx.GraphModule):
+            continue
+        for n in sub.graph.nodes:
+            if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+                stack = list((n.meta.get("nn_module_stack") or {}).values())
+                path, kind = stack[-1] if stack else ("", None)
+                path = re.sub(r"^L__self__\.?", "", path) if isinstance(path, str) else ""
+                kind = getattr(kind, "__name__", None) or (str(kind).rpartition(".")[2].strip("'>") if kind else "")
+                where = f" of module '{path or '<root>'}'" + (f" ({kind})" if kind else "")
+                raise ValueError(
+                    f"ReactiveGraph: forward writes in place ({n.target._schema.name}) inside a torch.no_grad() block"
+                    f"{where}, which the graph cannot carry: it never writes the module's state, while eager's next "
+                    "call reads what such a block wrote (spectral_norm's power iteration updates its _u and _v buffers "
+                    "in training mode). Put the module in a mode that does not write (model.eval()), or write out of "
+                    "place")
 
 
 def nn_params(module: torch.nn.Module) -> list:
@@ -600,6 +625,7 @@ class ReactiveGraph:
         splits attention heads on request); sets program, _hooks, _conversions."""
         self.program = _functional_program(ep)
         self._refuse_state_read_back(self.program)
+        _refuse_writes_in_regions(self.program)
         # Hook names (TransformerLens hook points) -> node names; aliases such as hook_resid_pre included.
         self._hooks = _compat.strip_hook_points(self.program)
         self._conversions: dict = {}
