@@ -345,7 +345,9 @@ def change_message(changes: list, built: str) -> str:
     mode = " (eval mode)" if key == "training" and now is False else " (train mode)" if key == "training" else ""
     # Which attributes the forward reads is not known here: every public one is checked. Bookkeeping
     # the forward never reads (a step counter kept on the model) can opt out by its name.
-    hint = ("" if key == "training" or path.startswith(("global ", "hook ")) else
+    hint = ("" if key == "training" or path.startswith("global ") else
+            f" (if the hook's output never depends on {key!r}, keep it under a name starting with '_', which is not "
+            "checked)" if path.startswith("hook ") else
             f" (if forward never reads {key!r}, keep it under a name starting with '_', which is not checked)")
     return f"{describe(path, key)} is {now!r}{mode} now, {was!r} when {built}{more}{hint}"
 
@@ -505,10 +507,11 @@ def hook_reads(dicts: list) -> tuple:
     paths, dicts_, keys, values = [], [], [], []
     tpaths, tdicts, tkeys, objs = [], [], [], []
     for label, fn in _forward_hooks(dicts):
+        stored = _assigned_cells(fn)
         for holder in _hook_holders(fn):
             for k, v in list(holder.items()):
-                if v is _MISSING or (isinstance(k, str) and k.startswith("__")):
-                    continue
+                if v is _MISSING or (isinstance(k, str) and k.startswith("_")) or k in stored:
+                    continue  # bookkeeping: a name starting with "_", a closure variable the hook assigns
                 if isinstance(v, _SCALARS) or (isinstance(v, _CONTAINERS) and len(v) <= _GLOBAL_CONTAINER_LIMIT
                                                and _plain(v)):
                     paths.append("hook " + label)
@@ -521,6 +524,16 @@ def hook_reads(dicts: list) -> tuple:
                     tkeys.append(k)
                     objs.append(v)
     return paths, dicts_, keys, values, tpaths, tdicts, tkeys, objs, [], []
+
+
+def _assigned_cells(fn) -> set:
+    """The closure variables a hook function assigns (``nonlocal calls; calls += 1``): its own bookkeeping."""
+    import dis
+
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    if code is None:
+        return set()
+    return {i.argval for i in dis.get_instructions(code) if i.opname in ("STORE_DEREF", "DELETE_DEREF")}
 
 
 def _traced_tensor(v) -> bool:

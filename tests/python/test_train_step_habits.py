@@ -1795,6 +1795,28 @@ def test_forward_hook_state_changed_after_build_is_refused_not_ignored(kind):
     assert torch.equal(again, before)
 
 
+def test_a_forward_hooks_own_bookkeeping_is_not_a_changed_value():
+    # A hook counting its calls (a closure variable it assigns, or a name starting with "_") runs in an eager
+    # evaluation call between steps; what it counts is not what it computes, so the step is not refused.
+    calls, _seen = 0, [0]
+
+    def counting(m, a, out):
+        nonlocal calls
+        calls += 1
+        _seen[0] += 1
+        return out * 2
+
+    model = _Adversarial(lambda h: h)
+    model.body.register_forward_hook(counting)
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), _mse, _XY)
+    _, state = step(step.init_state(), *_XY)
+    step.write_back(state)
+    with torch.no_grad():
+        eager = _mse(model, *_XY)  # runs the hook: calls and _seen change
+    loss, _ = step(state, *_XY)
+    assert calls == 2 and _seen == [2] and torch.equal(loss, eager)
+
+
 def test_forward_hook_that_stores_activations_is_refused_at_build():
     # Hooks run while the forward is traced, never when the program runs. Before: a hook that keeps its
     # module's output (acts[name] = out) was left holding a FakeTensor of the trace, and no call of the
