@@ -252,11 +252,12 @@ def _random_nodes(ep: torch.export.ExportedProgram) -> list[str]:
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
             continue
         if torch.Tag.nondeterministic_seeded in n.target.tags:
-            # dropout(x, p, train=False), p == 0 and attention with dropout_p == 0 draw nothing.
+            # dropout(x, p, train=False), rrelu(x, training=False) (an RReLU in eval mode: the mean slope), p == 0
+            # and attention with dropout_p == 0 draw nothing.
             bound = {a.name: (n.args[i] if i < len(n.args) else n.kwargs.get(a.name, a.default_value))
                      for i, a in enumerate(n.target._schema.arguments)}
-            if bound.get("train") is False or bound.get("p") == 0 or bound.get("dropout_p", 1) == 0 \
-                    and "dropout_p" in bound:
+            if bound.get("train") is False or bound.get("training") is False or bound.get("p") == 0 \
+                    or bound.get("dropout_p", 1) == 0 and "dropout_p" in bound:
                 continue
             out.append(f"%{n.name} ({n.target.name()})")
     return out

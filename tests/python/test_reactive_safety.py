@@ -1207,3 +1207,25 @@ def test_ran_on_reuses_the_digests_taken_earlier_in_the_same_call(resid, monkeyp
     with reactive._one_check_per_call():
         rg._take_untracked_writes()  # takes the write as an edit (moves x's version): not the last run's inputs
         assert not rg._ran_on(x)
+
+
+class _RReLUNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.act, self.b = nn.Linear(8, 8), nn.RReLU(), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(self.act(self.a(x)))
+
+
+def test_rrelu_is_refused_in_training_mode_and_exact_in_eval_mode():
+    # An RReLU in eval mode applies its mean slope and draws nothing (aten::rrelu with training=False). It was
+    # refused as random ("the program draws random numbers at %rrelu"), as it is, rightly, in training mode.
+    x = torch.randn(2, 3, 8)
+    with pytest.raises(ValueError, match=r"draws random numbers at %rrelu \(aten::rrelu\)"):
+        torch_ext.ReactiveGraph(_RReLUNet().train(), (x,), cache=False)
+    model = _RReLUNet().eval()
+    rg = torch_ext.ReactiveGraph(model, (x,), cache=False)
+    with torch.no_grad():
+        assert torch.equal(rg.run(x), model(x)) and torch.equal(rg.run(x + 1), model(x + 1))
