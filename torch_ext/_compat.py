@@ -1428,9 +1428,10 @@ def refuse_cumulative_batch_norm(model: torch.nn.Module, into: str, way_out: str
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm) and mod.training and mod.momentum is None \
                 and mod.track_running_stats:
+            way_out = f" {way_out}" if way_out else ""
             raise ValueError(f"{name or 'model'}: {type(mod).__name__}(momentum=None) (a cumulative moving "
                              "average, 1 / num_batches_tracked read as a Python number each call) cannot be "
-                             f"traced into {into}; give it a momentum (e.g. momentum=0.1){' ' + way_out if way_out else ''}")
+                             f"traced into {into}; give it a momentum (e.g. momentum=0.1){way_out}")
 
 
 VALUE_AS_PYTHON = ("reads a tensor's value to decide Python control flow (`if t.sum() > 0`, `bool(t)`, a size from "
