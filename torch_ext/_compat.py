@@ -1408,12 +1408,59 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
     """
     from . import _trace_patches
 
+    refuse_cumulative_batch_norm(module, "a graph", "(a ReactiveGraph never writes running statistics, so its "
+                                 "outputs do not depend on it), or call model.eval()")
     with _trace_patches.patched(*_trace_patches.INFERENCE_TRACE):
         try:
             return _trace_for_inference(module, args, kwargs, front_end)
         except RuntimeError as e:
             _refuse_unflattenable_output(module, e)
+            refuse_value_as_python(e)
             raise
+        except TypeError as e:
+            refuse_value_as_python(e)
+            raise
+
+
+def refuse_cumulative_batch_norm(model: torch.nn.Module, into: str, way_out: str = "") -> None:
+    """A BatchNorm in training mode with momentum=None averages with 1 / num_batches_tracked, a Python float read
+    from a buffer: tracing cannot follow it (torch raised a data-dependent guard error that names nothing of ours)."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm) and mod.training and mod.momentum is None \
+                and mod.track_running_stats:
+            way_out = f" {way_out}" if way_out else ""
+            raise ValueError(f"{name or 'model'}: {type(mod).__name__}(momentum=None) (a cumulative moving "
+                             "average, 1 / num_batches_tracked read as a Python number each call) cannot be "
+                             f"traced into {into}; give it a momentum (e.g. momentum=0.1){way_out}")
+
+
+VALUE_AS_PYTHON = ("reads a tensor's value to decide Python control flow (`if t.sum() > 0`, `bool(t)`, a size from "
+                   "`int(t)`, a number from `float(t.item() > 0)`): one traced program cannot follow a value that "
+                   "changes per call. Write it with torch.where or torch.cond")
+
+
+def _user_frame(e: BaseException) -> str | None:
+    """Where ``e`` was raised in code outside torch and torch_ext, as 'File "...", line N, in f'."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if "/torch/" not in f.filename and "/torch_ext/" not in f.filename]
+    return f'File "{frames[-1].filename}", line {frames[-1].lineno}, in {frames[-1].name}' if frames else None
+
+
+def refuse_value_as_python(e: BaseException, who: str = "the model") -> None:
+    """torch's data-dependent guard error, or Python's refusal to turn a traced value into a number (float() of a
+    SymBool), as a NotImplementedError naming the user's line; returns for any other error."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    if isinstance(e, GuardOnDataDependentSymNode):
+        where = str(e).partition("The following call raised this error:")[2].strip()
+        where = where.splitlines()[0].strip() if where else _user_frame(e)
+    elif isinstance(e, TypeError) and any(f"'{sym}'" in str(e) for sym in ("SymBool", "SymInt", "SymFloat")):
+        where = f"{_user_frame(e) or '(unknown)'}: {e}"
+    else:
+        return
+    raise NotImplementedError(f"{who} {VALUE_AS_PYTHON}" + (f"; at {where}" if where else "")) from e
 
 
 def _refuse_unflattenable_output(module: torch.nn.Module, error: RuntimeError) -> None:

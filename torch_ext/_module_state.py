@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import itertools
 import operator
 import types
@@ -328,6 +329,8 @@ def describe(path: str, key: str) -> str:
         return f"{path[len('class '):]}.{key} (on the class)"
     if path.startswith("global "):
         return f"{path[len('global '):]}.{key} (a module-level value the forward reads)"
+    if path.startswith("hook "):
+        return f"{path[len('hook '):]}: {key!r}"
     return f"{'model.' + path if path else 'model'}.{key}"
 
 
@@ -343,6 +346,8 @@ def change_message(changes: list, built: str) -> str:
     # Which attributes the forward reads is not known here: every public one is checked. Bookkeeping
     # the forward never reads (a step counter kept on the model) can opt out by its name.
     hint = ("" if key == "training" or path.startswith("global ") else
+            f" (if the hook's output never depends on {key!r}, keep it under a name starting with '_', which is not "
+            "checked)" if path.startswith("hook ") else
             f" (if forward never reads {key!r}, keep it under a name starting with '_', which is not checked)")
     return f"{describe(path, key)} is {now!r}{mode} now, {was!r} when {built}{more}{hint}"
 
@@ -420,6 +425,140 @@ def _next_hook_id() -> int:
     return torch.utils.hooks.RemovableHandle.next_id
 
 
+class _Closure:
+    """A function's closure cells as a mapping from free-variable name to contents (a snapshot's dict): an
+    empty cell reads as missing."""
+
+    def __init__(self, fn: types.FunctionType):
+        self._cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+
+    def __getitem__(self, name: str):
+        try:
+            return self._cells[name].cell_contents
+        except ValueError:  # an empty cell
+            raise KeyError(name) from None
+
+    def get(self, name: str, default=None):
+        try:
+            return self[name]
+        except KeyError:
+            return default
+
+    def items(self):
+        return [(k, self.get(k, _MISSING)) for k in self._cells]
+
+
+def _hook_label(fn) -> str:
+    inner = fn.func if isinstance(fn, functools.partial) else fn
+    inner = getattr(inner, "__func__", inner)
+    return getattr(inner, "__name__", None) or type(inner).__name__
+
+
+def _hook_holders(fn, depth: int = 0) -> list:
+    """The mappings a forward hook reads its Python values from: a function's closure and the module-level
+    names its code reads, a hook object's (or a bound method's instance's) attributes, a partial's
+    arguments; then the same for the functions it holds (``__call__``, a partial's function)."""
+    from ._build_cache import _global_names, _is_library
+
+    if depth > 2:
+        return []
+    out = []
+    if isinstance(fn, functools.partial):
+        out.append({"args": fn.args})
+        if fn.keywords:
+            out.append(fn.keywords)
+        return out + _hook_holders(fn.func, depth + 1)
+    if isinstance(fn, types.MethodType):
+        d = getattr(fn.__self__, "__dict__", None)
+        if isinstance(d, dict):
+            out.append(d)
+        return out + _hook_holders(fn.__func__, depth + 1)
+    if isinstance(fn, types.FunctionType):
+        if _is_library(fn):
+            return []
+        if fn.__closure__:
+            out.append(_Closure(fn))
+        names = set(_global_names(fn.__code__)) - _stored_globals(fn.__code__)
+        env = fn.__globals__
+        out.append({n: env[n] for n in names if n in env and not isinstance(env[n], (types.ModuleType, type))
+                    and not n.startswith("__")})
+        return out
+    if callable(fn) and not isinstance(fn, type) and not _is_library(type(fn)):
+        d = getattr(fn, "__dict__", None)
+        if isinstance(d, dict):
+            out.append(d)
+        call = getattr(type(fn), "__call__", None)
+        if isinstance(call, types.FunctionType):
+            out += _hook_holders(call, depth + 1)
+    return out
+
+
+def _forward_hooks(dicts: list) -> list:
+    """(label, hook) for every forward (pre-)hook of ``dicts`` (from _hook_dicts)."""
+    return [(f"forward hook {_hook_label(fn)} on {where}", fn) for where, how, d, owner in dicts
+            if "forward" in how for fn in list(d.values()) if not _library_wiring(fn, owner)]
+
+
+def hook_reads(dicts: list) -> tuple:
+    """A snapshot (the layout ``attributes`` returns) of the Python values the forward hooks of ``dicts``
+    read: plain values (numbers, strings, small containers of them: ``scale = [2.0]``) by value, tensors
+    and callables by identity. The trace bakes each in, so a hook's knob changed after the build
+    (``steer.alpha = 3.0``) made eager calls and the program differ, silently."""
+    paths, dicts_, keys, values = [], [], [], []
+    tpaths, tdicts, tkeys, objs = [], [], [], []
+    for label, fn in _forward_hooks(dicts):
+        stored = _assigned_cells(fn)
+        for holder in _hook_holders(fn):
+            for k, v in list(holder.items()):
+                if v is _MISSING or (isinstance(k, str) and k.startswith("_")) or k in stored:
+                    continue  # bookkeeping: a name starting with "_", a closure variable the hook assigns
+                if isinstance(v, _SCALARS) or (isinstance(v, _CONTAINERS) and len(v) <= _GLOBAL_CONTAINER_LIMIT
+                                               and _plain(v)):
+                    paths.append("hook " + label)
+                    dicts_.append(holder)
+                    keys.append(k)
+                    values.append(v if isinstance(v, _SCALARS) else copy.deepcopy(v))
+                elif isinstance(v, torch.Tensor) or (callable(v) and not isinstance(v, type)):
+                    tpaths.append("hook " + label)
+                    tdicts.append(holder)
+                    tkeys.append(k)
+                    objs.append(v)
+    return paths, dicts_, keys, values, tpaths, tdicts, tkeys, objs, [], []
+
+
+def _assigned_cells(fn) -> set:
+    """The closure variables a hook function assigns (``nonlocal calls; calls += 1``): its own bookkeeping."""
+    import dis
+
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    if code is None:
+        return set()
+    return {i.argval for i in dis.get_instructions(code) if i.opname in ("STORE_DEREF", "DELETE_DEREF")}
+
+
+def _traced_tensor(v) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return isinstance(v, torch.Tensor) and (is_fake(v) or type(v).__name__ in ("FunctionalTensor", "Proxy"))
+
+
+def stored_trace_tensors(dicts: list) -> list[tuple[str, str, torch.Tensor]]:
+    """(hook label, name, tensor) for every tensor of a trace a forward hook of ``dicts`` kept in the Python
+    state it reads (its closure, its attributes, a module-level dict or list, one level into containers):
+    a hook that stores activations (``acts[name] = out``) ran only while traced."""
+    out = []
+    for label, fn in _forward_hooks(dicts):
+        for holder in _hook_holders(fn):
+            for k, v in list(holder.items()):
+                inner = (list(v.values()) if isinstance(v, dict) else list(v) if isinstance(v, (list, tuple))
+                         else [v]) if isinstance(v, (dict, list, tuple, torch.Tensor)) else []
+                if len(inner) <= _GLOBAL_CONTAINER_LIMIT:
+                    hit = next((t for t in inner if _traced_tensor(t)), None)
+                    if hit is not None:
+                        out.append((label, k, hit))
+    return out
+
+
 class Hooks:
     """The hooks on a model (and its optimizers) when a program was traced from it, checked on every call.
 
@@ -431,11 +570,21 @@ class Hooks:
     hooks at build still hold as many. Otherwise the hook dicts are listed again and compared."""
 
     def __init__(self, model: torch.nn.Module, *, gradients: bool = False, optimizers=()):
+        """Taken right after the trace: a forward hook that stored a tensor of the trace is refused here."""
         self.model, self.gradients, self.optimizers = model, gradients, tuple(optimizers)
         dicts = _hook_dicts(model, gradients, self.optimizers)
         self.built = _hook_set(dicts)
         self.nonempty = [(d, len(d)) for _, _, d, _ in dicts if d]
         self.seen = _next_hook_id()
+        stored = stored_trace_tensors(dicts)
+        if stored:
+            label, name, t = stored[0]
+            raise ValueError(f"{label} stored a tensor of the trace in {name!r} ({type(t).__name__} of shape "
+                             f"{tuple(t.shape)}): hooks run while the forward is traced, never when the program "
+                             "runs, so it would hold that placeholder and no call's values; take activations from "
+                             "the program's outputs instead (a loss_fn returning (loss, aux), or a ReactiveGraph's "
+                             "run_with_cache / value), or remove the hook before building")
+        self.reads = hook_reads(dicts) if self.nonempty else ()  # the values the traced hooks read
 
     def changed(self) -> tuple[list, list]:
         """(added, removed): (where, how) of the hooks registered or removed since the build."""
@@ -452,6 +601,10 @@ class Hooks:
         """A sentence naming the first added or removed hook, or None when the hooks are as at the build."""
         added, removed = self.changed()
         if not added and not removed:
+            values = changed(self.reads)
+            if values:
+                return (f"{change_message(values, built)}; the program holds the value the hook read when traced, "
+                        "eager code would use the new one")
             return None
         n = len(added) + len(removed)
         more = f" (and {n - 1} more hook changes)" if n > 1 else ""

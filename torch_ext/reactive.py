@@ -10,6 +10,7 @@ import collections
 import contextlib
 import fnmatch
 import math
+import re
 import sys
 import threading
 import time
@@ -131,6 +132,30 @@ def buffers_read_back(ep: torch.export.ExportedProgram) -> list[str]:
     return [b for b in written if b in live]
 
 
+def _refuse_writes_in_regions(ep: torch.export.ExportedProgram) -> None:
+    """An in-place or out= op left inside a region export keeps as a higher-order op (a ``torch.no_grad()`` block:
+    ``wrap_with_set_grad_enabled``), which functionalization does not reach. spectral_norm's training forward
+    writes its power-iteration vectors into its ``_u`` and ``_v`` buffers there, and the next call reads them:
+    the graph would drop the writes. Refused naming the op and the module (the engine refused it as "mutates its
+    inputs; cached values need a functional graph", naming neither)."""
+    for name, sub in ep.graph_module.named_modules():
+        if not name or not isinstance(sub, torch.fx.GraphModule):
+            continue
+        for n in sub.graph.nodes:
+            if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+                stack = list((n.meta.get("nn_module_stack") or {}).values())
+                path, kind = stack[-1] if stack else ("", None)
+                path = re.sub(r"^L__self__\.?", "", path) if isinstance(path, str) else ""
+                kind = getattr(kind, "__name__", None) or (str(kind).rpartition(".")[2].strip("'>") if kind else "")
+                where = f" of module '{path or '<root>'}'" + (f" ({kind})" if kind else "")
+                raise ValueError(
+                    f"ReactiveGraph: forward writes in place ({n.target._schema.name}) inside a torch.no_grad() block"
+                    f"{where}, which the graph cannot carry: it never writes the module's state, while eager's next "
+                    "call reads what such a block wrote (spectral_norm's power iteration updates its _u and _v buffers "
+                    "in training mode). Put the module in a mode that does not write (model.eval()), or write out of "
+                    "place")
+
+
 def nn_params(module: torch.nn.Module) -> list:
     """Parameters and buffers by nn.Module's own walk (TransformerLens 4 overrides parameters())."""
     return list(torch.nn.Module.parameters(module)) + list(torch.nn.Module.buffers(module))
@@ -227,11 +252,12 @@ def _random_nodes(ep: torch.export.ExportedProgram) -> list[str]:
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
             continue
         if torch.Tag.nondeterministic_seeded in n.target.tags:
-            # dropout(x, p, train=False), p == 0 and attention with dropout_p == 0 draw nothing.
+            # dropout(x, p, train=False), rrelu(x, training=False) (an RReLU in eval mode: the mean slope), p == 0
+            # and attention with dropout_p == 0 draw nothing.
             bound = {a.name: (n.args[i] if i < len(n.args) else n.kwargs.get(a.name, a.default_value))
                      for i, a in enumerate(n.target._schema.arguments)}
-            if bound.get("train") is False or bound.get("p") == 0 or bound.get("dropout_p", 1) == 0 \
-                    and "dropout_p" in bound:
+            if bound.get("train") is False or bound.get("training") is False or bound.get("p") == 0 \
+                    or bound.get("dropout_p", 1) == 0 and "dropout_p" in bound:
                 continue
             out.append(f"%{n.name} ({n.target.name()})")
     return out
@@ -600,6 +626,7 @@ class ReactiveGraph:
         splits attention heads on request); sets program, _hooks, _conversions."""
         self.program = _functional_program(ep)
         self._refuse_state_read_back(self.program)
+        _refuse_writes_in_regions(self.program)
         # Hook names (TransformerLens hook points) -> node names; aliases such as hook_resid_pre included.
         self._hooks = _compat.strip_hook_points(self.program)
         self._conversions: dict = {}

@@ -275,6 +275,10 @@ class _LrSchedule:
         self._fed_values: list[dict[str, float]] = []  # per step k: group input name -> value
         self._record()
         self.lrs(1)  # fail now, not mid-training, when the scheduler also changes baked hyperparameters
+        # ... but forget that look-ahead: eager computes step 1's lr at the first call's sched.step(), from
+        # what the schedule reads then (a LambdaLR's function reading a factor the script sets after the build).
+        self._scheds, self._opts = copy.deepcopy(self._pristine, dict(memo))
+        del self._lrs[1:], self._fed_values[1:]
 
     def _hyper(self, opts) -> list[dict]:
         # Every group option but the lr and the fed scalars: the program bakes them all in (a fixed
@@ -641,14 +645,8 @@ class TrainStep:
             wrapper.named_parameters(remove_duplicate=False), wrapper.named_buffers(remove_duplicate=False))}
         self.aliases = {n[len(_MODEL_PREFIX):]: c[len(_MODEL_PREFIX):] for n, c in canonical.items() if n != c}
 
+        _compat.refuse_cumulative_batch_norm(model, "the pure step")
         for name, mod in model.named_modules():
-            # momentum=None averages with 1 / num_batches_tracked, a Python float read from a buffer:
-            # torch.export cannot trace that (a data-dependent guard error that names nothing of ours).
-            if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm) and mod.training and mod.momentum is None \
-                    and mod.track_running_stats:
-                raise ValueError(f"{name or 'model'}: {type(mod).__name__}(momentum=None) (a cumulative moving "
-                                 "average, 1 / num_batches_tracked read as a Python number each step) cannot be "
-                                 "traced into the pure step; give it a momentum (e.g. momentum=0.1)")
             if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and mod.weight.requires_grad:
                 # max_norm renormalises the looked-up rows of the weight in place in forward, and a sparse
                 # gradient is not the dense one every update op takes: name the module, not torch's internals.
@@ -681,13 +679,9 @@ class TrainStep:
                 found, drawn, env = got["backward_only_code"], got["python_random_draws"], got["env_reads"]
                 try:
                     ep = torch.export.export(wrapper, _compat.distinct_inputs(self._example_batch))  # (x, x): two inputs
-                except GuardOnDataDependentSymNode as e:
-                    where = str(e).partition("The following call raised this error:")[2].strip()
-                    raise NotImplementedError(
-                        "the model or loss_fn reads a tensor's value to decide Python control flow (`if t.sum() > 0`, "
-                        "`bool(t)`, a size from `int(t)`): one traced program cannot follow a value that changes "
-                        "per call. Write it with torch.where or torch.cond"
-                        + (f"; at {where.splitlines()[0].strip()}" if where else "")) from e
+                except (GuardOnDataDependentSymNode, TypeError) as e:  # TypeError: float(t.item() > 0)
+                    _compat.refuse_value_as_python(e, "the model or loss_fn")
+                    raise
                 except NotImplementedError as e:
                     if "torch._C.Generator" not in str(e):
                         raise
@@ -809,6 +803,17 @@ class TrainStep:
                     spec["grads"].append((i, s.target))
             elif kind == "USER_OUTPUT":
                 spec["aux_outputs"].append(i)
+            elif kind == "USER_INPUT_MUTATION":
+                users = [a.arg.name for a in joint.graph_signature.input_specs if a.kind.name == "USER_INPUT"]
+                paths = [torch.utils._pytree.keystr(k) for k, _ in
+                         torch.utils._pytree.tree_flatten_with_path(tuple(self._example_batch))[0]]
+                leaf = users.index(s.target) if s.target in users else None
+                where = f"{leaf} (batch{paths[leaf]})" if leaf is not None and leaf < len(paths) else repr(s.target)
+                raise ValueError(
+                    f"the model or loss_fn writes in place into batch input {where}, which the pure step "
+                    "never writes: eager changes the caller's batch tensor at every call (a batch used twice is "
+                    "read changed the second time), the step would leave it as it is. Write out of place "
+                    "(x = x * 2 instead of x.mul_(2)), or clone the input first")
             else:
                 raise NotImplementedError(f"joint program output kind {kind} is not supported")
         if self._aux_spec is not None and (self.unroll > 1 or self.accumulate > 1):

@@ -192,3 +192,46 @@ def test_example_kwargs_without_example_inputs_or_for_a_program():
     ep = torch.export.export(ResidTanh(3).eval(), (X,))
     with pytest.raises(ValueError, match="example_kwargs are for a module"):
         torch_ext.ReactiveGraph(ep, (X,), example_kwargs={"x": X})
+
+
+class _BranchOnValue(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h * 2 if h.sum().item() > 0 else h
+
+
+class _ValueAsNumber(_BranchOnValue):
+    def forward(self, x):
+        return self.lin(x) * float(x.abs().max().item() > 0)
+
+
+class _CumulativeBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = nn.Linear(8, 8), nn.BatchNorm1d(5, momentum=None)
+
+    def forward(self, x):
+        return self.bn(self.lin(x))
+
+
+@pytest.mark.parametrize("make, exc, pattern", [
+    (lambda: _BranchOnValue().eval(), NotImplementedError,
+     r"the model reads a tensor's value to decide Python control flow .*torch.cond; at File .*"
+     r"test_bad_input_reactive.py\", line \d+, in forward"),
+    (lambda: _ValueAsNumber().eval(), NotImplementedError,
+     r"reads a tensor's value .*; at File .*test_bad_input_reactive.py\", line \d+, in forward: float\(\) argument"),
+    (lambda: _CumulativeBatchNorm().train(), ValueError,
+     r"bn: BatchNorm1d\(momentum=None\) .* cannot be traced into a graph; give it a momentum .* or call model.eval\(\)"),
+], ids=["branch on .item()", "float of a traced value", "BatchNorm momentum=None in training"])
+def test_untraceable_forward_is_refused_by_name(make, exc, pattern):
+    # Were torch's GuardOnDataDependentSymNode ("Could not guard on data-dependent expression zuf0 > 0.0",
+    # "Could not extract specialized integer ... u0") and a TypeError "... not 'SymBool'", naming nothing of ours.
+    model = make()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(exc, match=pattern):
+        torch_ext.ReactiveGraph(model, (X,), cache=False)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

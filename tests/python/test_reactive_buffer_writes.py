@@ -195,3 +195,24 @@ def test_train_mode_instance_norm_with_running_stats_leaves_them_unwritten():
     text = str(ep.graph)
     torch_ext.ReactiveGraph(ep, (x,), cache=False)
     assert str(ep.graph) == text
+
+
+def test_spectral_norm_in_training_mode_is_refused_by_name_and_accepted_in_eval():
+    # spectral_norm's training forward runs its power iteration under torch.no_grad(), writing the new vectors
+    # into its _u and _v buffers with out= (F.normalize(..., out=self._u)), and the next call's weight reads them.
+    # Export keeps that block as a region functionalization does not reach: the build failed inside the engine
+    # ("node %clamp_min_ (aten::clamp_min_.default) mutates its inputs; cached values need a functional graph").
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(spectral_norm(nn.Linear(8, 8)), nn.ReLU())
+    x = torch.randn(2, 5, 8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"ReactiveGraph: forward writes in place \(aten::clamp_min_\) inside a "
+                                         r"torch.no_grad\(\) block of module '0.parametrizations.weight.0' "
+                                         r"\(_SpectralNorm\).*model.eval\(\)"):
+        torch_ext.ReactiveGraph(model.train(), (x,), cache=False)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    rg = torch_ext.ReactiveGraph(model.eval(), (x,), cache=False)
+    with torch.no_grad():
+        assert torch.equal(rg.run(x), model(x))

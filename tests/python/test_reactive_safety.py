@@ -664,6 +664,55 @@ def test_run_and_demand_refuse_forward_hooks_changed_after_build(kind):
     assert torch.equal(rg.run(x), clean)
 
 
+class _Steer:
+    """A forward hook object with a knob (activation steering: out * alpha)."""
+
+    def __init__(self, alpha):
+        self.alpha = alpha
+
+    def __call__(self, module, args, out):
+        return out * self.alpha
+
+
+@pytest.mark.parametrize("kind", ["closure", "object"])
+def test_run_and_demand_refuse_a_traced_hooks_values_changed_after_build(kind):
+    # The graph holds the values a forward hook read when traced. Before: after the user turned a steering
+    # knob (a closure's scale[0], a hook object's alpha), run() and demand() answered with the traced value,
+    # silently, where eager calls follow the change.
+    model = _Tempered().eval()
+    x = torch.randn(2, 3, 8)
+    scale, steer = [2.0], _Steer(2.0)
+    model.fc.register_forward_hook((lambda m, a, out: out * scale[0]) if kind == "closure" else steer)
+    rg = torch_ext.ReactiveGraph(model, (x,), cache=False)
+    clean = rg.run(x).clone()
+    if kind == "closure":
+        scale[0] = 3.0
+        message = r"forward hook <lambda> on module 'fc' \(Linear\): 'scale' is \[3.0\] now, \[2.0\] when this"
+    else:
+        steer.alpha = 3.0
+        message = r"forward hook _Steer on module 'fc' \(Linear\): 'alpha' is 3.0 now, 2.0 when this"
+    with torch.no_grad():
+        assert not torch.equal(model(x), clean)  # eager follows the change
+    with pytest.raises(ValueError, match="run: " + message):
+        rg.run(x)
+    with pytest.raises(ValueError, match="demand: " + message):
+        rg.demand()
+    scale[0], steer.alpha = 2.0, 2.0  # changed back: the graph is right again
+    assert torch.equal(rg.run(x), clean)
+
+
+@pytest.mark.parametrize("front_end", ["make_fx", "export"])
+def test_a_forward_hook_that_stores_activations_is_refused_at_build(front_end):
+    # Hooks run while the forward is traced, never when the graph runs. Before: a hook that keeps its module's
+    # output (acts[name] = out) was left holding a FakeTensor of the trace, and run() never stored anything.
+    model = _Tempered().eval()
+    acts = {}
+    model.fc.register_forward_hook(lambda m, a, out: acts.__setitem__("fc", out))
+    with pytest.raises(ValueError, match=r"forward hook <lambda> on module 'fc' \(Linear\) stored a tensor of the "
+                                         r"trace in 'acts'.*run_with_cache"):
+        torch_ext.ReactiveGraph(model, (torch.randn(2, 3, 8),), cache=False, front_end=front_end)
+
+
 @pytest.mark.parametrize("demanded", [False, True])
 def test_patch_function_below_a_standing_patch_gets_the_baseline_in_either_order(demanded):
     # "f receives the node's baseline value (no patch active)". Before: with a patch upstream not yet
@@ -1158,3 +1207,25 @@ def test_ran_on_reuses_the_digests_taken_earlier_in_the_same_call(resid, monkeyp
     with reactive._one_check_per_call():
         rg._take_untracked_writes()  # takes the write as an edit (moves x's version): not the last run's inputs
         assert not rg._ran_on(x)
+
+
+class _RReLUNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.act, self.b = nn.Linear(8, 8), nn.RReLU(), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(self.act(self.a(x)))
+
+
+def test_rrelu_is_refused_in_training_mode_and_exact_in_eval_mode():
+    # An RReLU in eval mode applies its mean slope and draws nothing (aten::rrelu with training=False). It was
+    # refused as random ("the program draws random numbers at %rrelu"), as it is, rightly, in training mode.
+    x = torch.randn(2, 3, 8)
+    with pytest.raises(ValueError, match=r"draws random numbers at %rrelu \(aten::rrelu\)"):
+        torch_ext.ReactiveGraph(_RReLUNet().train(), (x,), cache=False)
+    model = _RReLUNet().eval()
+    rg = torch_ext.ReactiveGraph(model, (x,), cache=False)
+    with torch.no_grad():
+        assert torch.equal(rg.run(x), model(x)) and torch.equal(rg.run(x + 1), model(x + 1))

@@ -1060,6 +1060,36 @@ def test_a_scheduler_changing_any_baked_option_is_refused(make_opt, key):
         torch_ext.make_train_step(model, opt, lm_loss, next(lm_batches()), scheduler=_DecayingOption(opt, key))
 
 
+def test_a_lambda_schedule_reads_what_its_function_reads_when_eager_does():
+    # Eager LambdaLR calls its function at each sched.step(), reading what it reads (a warmup factor the
+    # training script sets) as it stands then. Before: the build computed the lr of scheduler step 1 ahead
+    # (to refuse a scheduler that changes baked options at once) and kept it, so a factor set between the
+    # build and the first call was ignored for the second call's lr: trained off eager, silently.
+    batches = [b for _, b in zip(range(3), lm_batches())]
+
+    def train(with_step: bool):
+        torch.manual_seed(0)
+        model = TiedLM()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        factor = [1.0]
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: factor[0] / (epoch + 1))
+        step = torch_ext.make_train_step(model, opt, lm_loss, batches[0], scheduler=sched) if with_step else None
+        factor[0] = 0.25
+        if step is None:
+            return [loss.item() for loss in eager_run(model, opt, iter(batches), 3, sched=sched)], model
+        state, losses = step.init_state(), []
+        for b in batches:
+            loss, state = step(state, *b)
+            losses.append(loss.item())
+        step.write_back(state)
+        return losses, model
+
+    (losses, model), (ref_losses, ref) = train(True), train(False)
+    assert losses == ref_losses
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 def test_schedulers_the_step_cannot_follow_are_refused():
     model = TiedLM()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -1724,6 +1754,79 @@ def test_hooks_on_other_models_do_not_refuse_the_step():
     other.body.weight.register_hook(lambda g: g)
     loss2, _ = step(step.init_state(), *_XY)
     assert torch.equal(loss, loss2)
+
+
+class _Steer:
+    """A forward hook object with a knob (activation steering: out * alpha)."""
+
+    def __init__(self, alpha):
+        self.alpha = alpha
+
+    def __call__(self, module, args, out):
+        return out * self.alpha
+
+
+@pytest.mark.parametrize("kind", ["closure", "object"])
+def test_forward_hook_state_changed_after_build_is_refused_not_ignored(kind):
+    # The program holds the values a forward hook read when traced. Before: after the user changed a value
+    # the hook reads (a closure's scale[0], a hook object's alpha), the step kept training with the traced
+    # one, silently, where eager training follows the change.
+    model = _Adversarial(lambda h: h)
+    scale, steer = [2.0], _Steer(2.0)
+    model.body.register_forward_hook((lambda m, a, out: out * scale[0]) if kind == "closure" else steer)
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), _mse, _XY)
+    _, state = step(step.init_state(), *_XY)
+    before, _ = step(state, *_XY)
+    if kind == "closure":
+        scale[0] = 3.0
+        message = r"forward hook <lambda> on module 'body' \(Linear\): 'scale' is \[3.0\] now, \[2.0\] when the step"
+    else:
+        steer.alpha = 3.0
+        message = r"forward hook _Steer on module 'body' \(Linear\): 'alpha' is 3.0 now, 2.0 when the step"
+    step.write_back(state)
+    with torch.no_grad():
+        assert not torch.equal(_mse(model, *_XY), before)  # eager follows the change
+    with pytest.raises(ValueError, match=message):
+        step(state, *_XY)
+    with pytest.raises(ValueError, match=message):
+        step.compile(plan=False)(state, *_XY)
+    scale[0], steer.alpha = 2.0, 2.0  # changed back: the program is right again
+    again, _ = step(state, *_XY)
+    assert torch.equal(again, before)
+
+
+def test_a_forward_hooks_own_bookkeeping_is_not_a_changed_value():
+    # A hook counting its calls (a closure variable it assigns, or a name starting with "_") runs in an eager
+    # evaluation call between steps; what it counts is not what it computes, so the step is not refused.
+    calls, _seen = 0, [0]
+
+    def counting(m, a, out):
+        nonlocal calls
+        calls += 1
+        _seen[0] += 1
+        return out * 2
+
+    model = _Adversarial(lambda h: h)
+    model.body.register_forward_hook(counting)
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), _mse, _XY)
+    _, state = step(step.init_state(), *_XY)
+    step.write_back(state)
+    with torch.no_grad():
+        eager = _mse(model, *_XY)  # runs the hook: calls and _seen change
+    loss, _ = step(state, *_XY)
+    assert calls == 2 and _seen == [2] and torch.equal(loss, eager)
+
+
+def test_forward_hook_that_stores_activations_is_refused_at_build():
+    # Hooks run while the forward is traced, never when the program runs. Before: a hook that keeps its
+    # module's output (acts[name] = out) was left holding a FakeTensor of the trace, and no call of the
+    # step ever stored an activation, silently.
+    model = _Adversarial(lambda h: h)
+    acts = {}
+    model.body.register_forward_hook(lambda m, a, out: acts.__setitem__("body", out))
+    with pytest.raises(ValueError, match=r"forward hook <lambda> on module 'body' \(Linear\) stored a tensor of the "
+                                         r"trace in 'acts'"):
+        torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), _mse, _XY)
 
 
 def test_a_torch_compiled_model_is_stepped_and_swept_as_the_module_it_wraps():

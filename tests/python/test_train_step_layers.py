@@ -342,6 +342,27 @@ class DataDependentBranch(nn.Module):
         return h
 
 
+class ValueAsNumber(nn.Module):
+    """A tensor's value turned into a Python number: float() of a traced comparison (a SymBool)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.lin(x) * float(x.abs().max().item() > 0)
+
+
+class WritesItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 3)
+
+    def forward(self, x):
+        x.mul_(2)  # eager doubles the caller's batch tensor at every call
+        return self.lin(x)
+
+
 @pytest.mark.parametrize("case,error,match", [
     ("gradient penalty", NotImplementedError, r"computes a gradient itself \(torch.autograd.grad or .backward\(\)"),
     ("adversarial", NotImplementedError, r"computes a gradient itself"),
@@ -349,12 +370,19 @@ class DataDependentBranch(nn.Module):
     ("data-dependent branch", NotImplementedError,
      r"reads a tensor's value to decide Python control flow .*; at File .*test_train_step_layers.py\", line \d+, "
      r"in forward"),
+    ("value as a number", NotImplementedError,
+     r"reads a tensor's value to decide Python control flow .*; at .*float\(\) argument must be .* not 'SymBool'"),
+    ("writes its input", ValueError,
+     r"writes in place into batch input 0 \(batch\[0\]\), which the pure step never writes"),
 ])
 def test_refused_with_a_reason_not_torch_internals(case, error, match):
     # Were: an AssertionError on a backward op inside torch's joint graph (gradients in forward), the
-    # joint graph's "through wrap_with_set_grad_enabled" (EMA), torch's GuardOnDataDependentSymNode.
+    # joint graph's "through wrap_with_set_grad_enabled" (EMA), torch's GuardOnDataDependentSymNode, a
+    # TypeError "float() argument must be a string or a real number, not 'SymBool'" (value as a number) and
+    # "joint program output kind USER_INPUT_MUTATION is not supported" (writes its input).
     torch.manual_seed(0)
-    model = {"ema in forward": Teacher("ema"), "data-dependent branch": DataDependentBranch()}.get(case, nn.Linear(8, 3))
+    model = {"ema in forward": Teacher("ema"), "data-dependent branch": DataDependentBranch(),
+             "value as a number": ValueAsNumber(), "writes its input": WritesItsInput()}.get(case, nn.Linear(8, 3))
     loss = {"gradient penalty": _gradient_penalty, "adversarial": _adversarial}.get(case, _loss)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     engine = torch.autograd._engine_run_backward
