@@ -12,7 +12,9 @@ For each d_model (part 2's model and sites: tl_setup, resid_pos_sites, 64 sites,
    evaluations) per unit: the rest is the Python loop (patch function, metric, planning, stacking).
 2. One profiled sweep of each arm (torch.profiler, record_shapes): ATen calls per op, the batched arm
    against eager's per-forward count times the number of batched units, and the bytes aten::copy_
-   writes, by the op that called it ("-": called by the engine itself: row joins, dense copies).
+   writes, by the op that called it ("-": called by the engine itself: row joins, dense copies), and the
+   engines' own top-level ATen calls by op (count, profiled time with their callees: inflated by the
+   profiler, small view ops most).
 """
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ from _bench_util import eager_hook_sweep, resid_pre_cache  # noqa: E402
 from bench_sweep import metric, resid_pos_sites, tl_setup  # noqa: E402
 
 
+_ENGINE = "torch_ext.reactive.cone"
+
+
 class _TimedEngine:
     """A batched cone's engine whose cone evaluations are timed (thread time) into ``log``."""
 
@@ -44,8 +49,11 @@ class _TimedEngine:
         return getattr(self._e, name)
 
     def _timed(self, fn, node, value, *rest):
+        from torch.profiler import record_function
+
         t0 = time.thread_time()
-        out = fn(node, value, *rest)
+        with record_function(_ENGINE):  # a no-op unless profiled: marks the ATen calls the engine makes
+            out = fn(node, value, *rest)
         self._log.append((node, value.shape[0], time.thread_time() - t0))
         return out
 
@@ -92,14 +100,21 @@ def profile_case(d: int, B: int, repeats: int) -> None:
                         cpp.append(sum(t for _, _, t in log))
                         units.append(list(log))
             counts, copies = {}, {}
+            engine_ops: collections.Counter = collections.Counter()
+            engine_us: collections.Counter = collections.Counter()
             for k, fn in arms.items():
                 with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
                     fn()
-                counts[k] = collections.Counter(e.name for e in prof.events())
+                counts[k] = collections.Counter(e.name for e in prof.events() if e.name != _ENGINE)
+                for e in prof.events():  # the ATen calls the engine makes itself (its top-level ones)
+                    if e.cpu_parent is not None and e.cpu_parent.name == _ENGINE:
+                        engine_ops[e.name] += 1
+                        engine_us[e.name] += e.cpu_time_total
                 by = collections.Counter()
                 for e in prof.events():
                     if e.name == "aten::copy_" and e.input_shapes and e.input_shapes[0]:
                         caller = e.cpu_parent.name.removeprefix("aten::") if e.cpu_parent is not None else "-"
+                        caller = "-" if caller == _ENGINE else caller
                         by[caller] += math.prod(e.input_shapes[0]) * 4  # f32 (the model's dtype)
                 copies[k] = by
     finally:
@@ -124,6 +139,11 @@ def profile_case(d: int, B: int, repeats: int) -> None:
     for k in excess[:8]:
         print(f"    {k:34s} batched {counts['batched'][k]:5d}   eager per forward x {n_units}: "
               f"{per_fwd.get(k, 0) * n_units:7.1f}")
+    total_us = sum(engine_us.values())
+    print(f"  top-level ATen calls inside the batched engines (one profiled sweep; profiled wall time, callees included): "
+          f"{sum(engine_ops.values())} calls, {total_us / 1e3:.1f} ms:")
+    print("    " + ", ".join(f"{k.removeprefix('aten::')} {engine_ops[k]} / {engine_us[k] / 1e3:.2f} ms"
+                          for k, _ in engine_us.most_common(14)))
     for k in arms:
         tot = sum(copies[k].values())
         print(f"  aten::copy_ bytes, {k}: {tot / 1e6:.1f} MB, by caller: "

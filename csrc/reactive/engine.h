@@ -499,6 +499,9 @@ class Engine {
     int64_t need = 0;  // first row any reader needs (0 when read whole)
     int special = 0;   // 0 kernel, 1 causal SDPA, 2 view, 3 _unsafe_view, 4 reshape, 5 expand
     bool dense_inputs = false;  // sliced inputs are made contiguous first (GEMMs, norms, attention)
+    // Rows given whole but strided are made contiguous first (linear, the norms: they would copy them
+    // densely themselves, into fresh memory, linear by matmul + add_ instead of addmm).
+    bool dense_whole = false;
     bool causal_sdpa = false;   // scaled_dot_product_attention reading its keys and values causally
     // A kernel step whose value is written into a pooled buffer (row_buffers.h) by the out= form of what
     // the functional kernel runs, when its inputs allow it (run_pooled): 1 linear, 2 gelu, 3 add.Tensor.

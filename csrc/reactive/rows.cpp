@@ -304,6 +304,7 @@ const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_
     const std::string& op = st.node->target().name;
     step.dense_inputs = op == "linear" || op == "matmul" || op == "mm" || op == "bmm" || op == "addmm" ||
                         op == "layer_norm" || op == "rms_norm" || op == "scaled_dot_product_attention";
+    step.dense_whole = st.node->target().ns == "aten" && (op == "linear" || op == "layer_norm" || op == "rms_norm");
     if (info.causal_attention) step.special = 1;
     else if (op == "view") step.special = 2;
     else if (op == "_unsafe_view") step.special = 3;
@@ -641,7 +642,18 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
         if (step.suffix && ri.rel == passes::SeqRel::Row && !whole_sdpa) {
           const int64_t from = in_suffix ? s - start[ri.pos] : s;
           if (in_suffix && end[ri.pos] < e) complete(ri.pos);  // rows past the ones it computed are read
-          if (from == 0 && in_suffix && rows_along(values_[ri.slot], ri.dim) == e - s) continue;
+          if (from == 0 && in_suffix && rows_along(values_[ri.slot], ri.dim) == e - s) {
+            // Its rows as they are. A strided one (a view of rows of a whole value, such as attention's
+            // output narrowed, transposed and reshaped) is what linear and the norms copy densely
+            // themselves (linear then runs matmul and add_, not the fused addmm a full run's dense input
+            // gets): the copy goes to pooled memory, and linear takes run_pooled's addmm, a full run's call.
+            const c10::IValue& v = values_[ri.slot];
+            if (!step.dense_whole || !v.isTensor() || v.toTensor().dim() < 3 || v.toTensor().is_contiguous()) continue;
+            repl = pooled_contiguous(v.toTensor(), pool);
+            swapped.emplace_back(ri.slot, std::move(values_[ri.slot]));
+            values_[ri.slot] = std::move(repl);
+            continue;
+          }
           repl = narrow_value(values_[ri.slot], ri.dim, from, e - s);
           // A strided slice makes BLAS and the norm kernels take slow paths: give them dense rows.
           if (step.dense_inputs && repl.isTensor() && !repl.toTensor().is_contiguous())
