@@ -27,6 +27,7 @@
 #include "runtime/executor.h"
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 
 namespace py = pybind11;
@@ -202,6 +203,34 @@ int64_t tensor_version(const at::Tensor& t) {
   return t.defined() && !t.is_inference() ? static_cast<int64_t>(t._version()) : -1;
 }
 
+// A dense CPU tensor whose elements are its bytes as they lie (no lazy conjugation or negation, no Python
+// subclass dispatching its reads): what the two fast paths below may read or write with plain memory ops.
+bool plain_cpu(const at::Tensor& t) {
+  return t.is_cpu() && t.layout() == at::kStrided && t.is_contiguous() && t.has_storage() && !t.is_conj() &&
+         !t.is_neg() && !t.unsafeGetTensorImpl()->is_python_dispatch();
+}
+
+// `dst.copy_(src)` for tensors of one shape, dtype and device. Between dense CPU tensors it is a memcpy,
+// the same bytes: for a small activation copy_'s TensorIterator setup costs as much as the copy.
+void copy_spare(at::Tensor& dst, const at::Tensor& src) {
+  if (plain_cpu(dst) && plain_cpu(src) && dst.scalar_type() == src.scalar_type() && dst.sizes() == src.sizes()) {
+    if (src.numel() > 0) std::memcpy(dst.data_ptr(), src.const_data_ptr(), src.nbytes());
+    dst.unsafeGetTensorImpl()->bump_version();  // a write, as copy_ records one
+    return;
+  }
+  dst.copy_(src);
+}
+
+// `t.item<double>()` for a one-element floating tensor; a float or double on the CPU is read directly (the
+// same conversion _local_scalar_dense makes, without its dispatch).
+double item_double(const at::Tensor& t) {
+  if (plain_cpu(t)) {
+    if (t.scalar_type() == at::kFloat) return static_cast<double>(*t.const_data_ptr<float>());
+    if (t.scalar_type() == at::kDouble) return *t.const_data_ptr<double>();
+  }
+  return t.item<double>();
+}
+
 py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes, py::sequence sites,
                      py::sequence patches, bool rows,
                      const std::vector<int64_t>& read_rows, const std::vector<std::vector<int64_t>>& read_cols,
@@ -243,7 +272,7 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
           break;
         }
     if (reused != nullptr) {
-      reused->copy_(cached);
+      copy_spare(*reused, cached);
     } else {
       spares.erase(std::remove_if(spares.begin(), spares.end(),
                                   [](const at::Tensor& t) { return t.use_count() > 1 || t.storage().use_count() > 1; }),
@@ -310,7 +339,7 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
     if (THPVariable_Check(result.ptr())) {
       const at::Tensor& t = THPVariable_Unpack(result.ptr());
       if (t.numel() == 1 && at::isFloatingType(t.scalar_type()))
-        result = py::float_(t.item<double>());
+        result = py::float_(item_double(t));
       else
         result = convert(result, site);
     } else if (!PyFloat_CheckExact(result.ptr())) {
