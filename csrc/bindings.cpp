@@ -26,6 +26,8 @@
 #include "reactive/engine.h"
 #include "runtime/executor.h"
 
+#include <c10/core/impl/COW.h>
+
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -221,6 +223,22 @@ void copy_spare(at::Tensor& dst, const at::Tensor& src) {
   dst.copy_(src);
 }
 
+// A lazy copy of `t` (at::_lazy_clone, copy on write): the same elements in a tensor of the same sizes and
+// strides whose memory is shared until either side writes, when the writer gets memory of its own. Only
+// where it is indistinguishable from t.clone() but for that sharing: a dense strided tensor that fills its
+// whole storage from offset 0 (clone keeps those strides), with no lazy conjugation or negation (the lazy
+// copy would not carry the bit), no autograd history and no Python subclass, on memory whose allocator
+// allows copy on write (c10::impl::cow). Else undefined: the caller copies.
+at::Tensor lazy_copy(const at::Tensor& t) {
+  if (t.requires_grad() || t.layout() != at::kStrided || !t.has_storage() || t.is_conj() || t.is_neg() ||
+      t.unsafeGetTensorImpl()->is_python_dispatch() || t.storage_offset() != 0 || !t.is_non_overlapping_and_dense())
+    return {};
+  const c10::StorageImpl& storage = *t.storage().unsafeGetStorageImpl();
+  if (storage.nbytes() != t.nbytes()) return {};
+  if (!c10::impl::cow::has_simple_data_ptr(storage) && !c10::impl::cow::is_cow_data_ptr(storage.data_ptr())) return {};
+  return at::_lazy_clone(t);
+}
+
 // `t.item<double>()` for a one-element floating tensor; a float or double on the CPU is read directly (the
 // same conversion _local_scalar_dense makes, without its dispatch).
 double item_double(const at::Tensor& t) {
@@ -257,31 +275,36 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
     // The patch function gets a copy of the cached value: a write through .data or .numpy() shares the
     // memory but not the version counter, so a guard on the cached tensor itself would miss it
     // (ReactiveGraph._call_patch_fn, the per-site path, does the same). An in-place edit of the
-    // copy is still refused: the function must return a new tensor. The copy is written into an
-    // earlier site's copy of the same shape, dtype and device when nothing but this loop holds that
-    // tensor or its memory (the patch function kept no reference to it or to a view of it, and the
-    // metric kept none of an output it became); else it is a fresh tensor. A tensor the user holds
-    // is never overwritten.
+    // copy is still refused: the function must return a new tensor. Where it can, the copy is lazy
+    // (lazy_copy): copy on write, so a function that only reads its argument costs no copy of it, and
+    // any write into either tensor (.data, .numpy(), out=, a storage write) first gives the writer
+    // memory of its own. Else the copy is written into an earlier site's copy of the same shape,
+    // dtype and device when nothing but this loop holds that tensor or its memory (the patch function
+    // kept no reference to it or to a view of it, and the metric kept none of an output it became),
+    // or is a fresh tensor. A tensor the user holds is never overwritten.
     const at::Tensor cached = e.value(nodes[i]).toTensor();
-    at::Tensor* reused = nullptr;
-    if (!cached.requires_grad())
-      for (at::Tensor& t : spares)
-        if (t.use_count() == 1 && t.storage().use_count() == 1 && !t.is_inference() && t.sizes() == cached.sizes() &&
-            t.strides() == cached.strides() && t.dtype() == cached.dtype() && t.device() == cached.device()) {
-          reused = &t;
-          break;
-        }
-    if (reused != nullptr) {
-      copy_spare(*reused, cached);
-    } else {
-      spares.erase(std::remove_if(spares.begin(), spares.end(),
-                                  [](const at::Tensor& t) { return t.use_count() > 1 || t.storage().use_count() > 1; }),
-                   spares.end());  // held by the user: never written again
-      if (spares.size() >= 8) spares.erase(spares.begin());  // a few shapes at a time
-      spares.push_back(cached.clone());
-      reused = &spares.back();
+    at::Tensor clean = lazy_copy(cached);
+    if (!clean.defined()) {
+      at::Tensor* reused = nullptr;
+      if (!cached.requires_grad())
+        for (at::Tensor& t : spares)
+          if (t.use_count() == 1 && t.storage().use_count() == 1 && !t.is_inference() && t.sizes() == cached.sizes() &&
+              t.strides() == cached.strides() && t.dtype() == cached.dtype() && t.device() == cached.device()) {
+            reused = &t;
+            break;
+          }
+      if (reused != nullptr) {
+        copy_spare(*reused, cached);
+      } else {
+        spares.erase(std::remove_if(spares.begin(), spares.end(),
+                                    [](const at::Tensor& t) { return t.use_count() > 1 || t.storage().use_count() > 1; }),
+                     spares.end());  // held by the user: never written again
+        if (spares.size() >= 8) spares.erase(spares.begin());  // a few shapes at a time
+        spares.push_back(cached.clone());
+        reused = &spares.back();
+      }
+      clean = *reused;
     }
-    const at::Tensor clean = *reused;
     const int64_t clean_version = tensor_version(clean);
     py::object patched = patches[i](py::reinterpret_steal<py::object>(THPVariable_Wrap(clean)), site);
     if (tensor_version(clean) != clean_version) {
@@ -295,6 +318,7 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
     at::Tensor value = THPVariable_Unpack(patched.ptr());
     if (value.requires_grad()) value = value.detach();
     patched = py::object();
+    clean.reset();  // a lazy copy nobody kept leaves the cached tensor its memory's one owner again
     std::vector<c10::IValue> flat;
     if (skip_identical && reactive::same_bits(value, cached)) {
       // A value bit-identical to the cached one changes nothing: the cone would recompute its cached
