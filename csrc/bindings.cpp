@@ -708,6 +708,16 @@ PYBIND11_MODULE(_C, m) {
         return reactive::content_digests(tensors);
       },
       py::arg("tensors"));
+  // The copy a patch function is handed (ReactiveGraph._call_patch_fn): a copy-on-write copy where one can
+  // stand for clone() (lazy_copy above), else None.
+  m.def(
+      "lazy_copy",
+      [](const at::Tensor& t) -> py::object {
+        at::Tensor c = lazy_copy(t);
+        if (!c.defined()) return py::none();
+        return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(c)));
+      },
+      py::arg("tensor"));
   m.def(
       "build_train_step",
       [](const ir::Graph& joint, const py::dict& spec, int64_t unroll_steps) {
