@@ -26,7 +26,10 @@
 #include "reactive/engine.h"
 #include "runtime/executor.h"
 
+#include <c10/core/impl/COW.h>
+
 #include <algorithm>
+#include <cstring>
 #include <memory>
 
 namespace py = pybind11;
@@ -202,6 +205,50 @@ int64_t tensor_version(const at::Tensor& t) {
   return t.defined() && !t.is_inference() ? static_cast<int64_t>(t._version()) : -1;
 }
 
+// A dense CPU tensor whose elements are its bytes as they lie (no lazy conjugation or negation, no Python
+// subclass dispatching its reads): what the two fast paths below may read or write with plain memory ops.
+bool plain_cpu(const at::Tensor& t) {
+  return t.is_cpu() && t.layout() == at::kStrided && t.is_contiguous() && t.has_storage() && !t.is_conj() &&
+         !t.is_neg() && !t.unsafeGetTensorImpl()->is_python_dispatch();
+}
+
+// `dst.copy_(src)` for tensors of one shape, dtype and device. Between dense CPU tensors it is a memcpy,
+// the same bytes: for a small activation copy_'s TensorIterator setup costs as much as the copy.
+void copy_spare(at::Tensor& dst, const at::Tensor& src) {
+  if (plain_cpu(dst) && plain_cpu(src) && dst.scalar_type() == src.scalar_type() && dst.sizes() == src.sizes()) {
+    if (src.numel() > 0) std::memcpy(dst.data_ptr(), src.const_data_ptr(), src.nbytes());
+    dst.unsafeGetTensorImpl()->bump_version();  // a write, as copy_ records one
+    return;
+  }
+  dst.copy_(src);
+}
+
+// A lazy copy of `t` (at::_lazy_clone, copy on write): the same elements in a tensor of the same sizes and
+// strides whose memory is shared until either side writes, when the writer gets memory of its own. Only
+// where it is indistinguishable from t.clone() but for that sharing: a dense strided tensor that fills its
+// whole storage from offset 0 (clone keeps those strides), with no lazy conjugation or negation (the lazy
+// copy would not carry the bit), no autograd history and no Python subclass, on memory whose allocator
+// allows copy on write (c10::impl::cow). Else undefined: the caller copies.
+at::Tensor lazy_copy(const at::Tensor& t) {
+  if (t.requires_grad() || t.layout() != at::kStrided || !t.has_storage() || t.is_conj() || t.is_neg() ||
+      t.unsafeGetTensorImpl()->is_python_dispatch() || t.storage_offset() != 0 || !t.is_non_overlapping_and_dense())
+    return {};
+  const c10::StorageImpl& storage = *t.storage().unsafeGetStorageImpl();
+  if (storage.nbytes() != t.nbytes()) return {};
+  if (!c10::impl::cow::has_simple_data_ptr(storage) && !c10::impl::cow::is_cow_data_ptr(storage.data_ptr())) return {};
+  return at::_lazy_clone(t);
+}
+
+// `t.item<double>()` for a one-element floating tensor; a float or double on the CPU is read directly (the
+// same conversion _local_scalar_dense makes, without its dispatch).
+double item_double(const at::Tensor& t) {
+  if (plain_cpu(t)) {
+    if (t.scalar_type() == at::kFloat) return static_cast<double>(*t.const_data_ptr<float>());
+    if (t.scalar_type() == at::kDouble) return *t.const_data_ptr<double>();
+  }
+  return t.item<double>();
+}
+
 py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes, py::sequence sites,
                      py::sequence patches, bool rows,
                      const std::vector<int64_t>& read_rows, const std::vector<std::vector<int64_t>>& read_cols,
@@ -228,31 +275,36 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
     // The patch function gets a copy of the cached value: a write through .data or .numpy() shares the
     // memory but not the version counter, so a guard on the cached tensor itself would miss it
     // (ReactiveGraph._call_patch_fn, the per-site path, does the same). An in-place edit of the
-    // copy is still refused: the function must return a new tensor. The copy is written into an
-    // earlier site's copy of the same shape, dtype and device when nothing but this loop holds that
-    // tensor or its memory (the patch function kept no reference to it or to a view of it, and the
-    // metric kept none of an output it became); else it is a fresh tensor. A tensor the user holds
-    // is never overwritten.
+    // copy is still refused: the function must return a new tensor. Where it can, the copy is lazy
+    // (lazy_copy): copy on write, so a function that only reads its argument costs no copy of it, and
+    // any write into either tensor (.data, .numpy(), out=, a storage write) first gives the writer
+    // memory of its own. Else the copy is written into an earlier site's copy of the same shape,
+    // dtype and device when nothing but this loop holds that tensor or its memory (the patch function
+    // kept no reference to it or to a view of it, and the metric kept none of an output it became),
+    // or is a fresh tensor. A tensor the user holds is never overwritten.
     const at::Tensor cached = e.value(nodes[i]).toTensor();
-    at::Tensor* reused = nullptr;
-    if (!cached.requires_grad())
-      for (at::Tensor& t : spares)
-        if (t.use_count() == 1 && t.storage().use_count() == 1 && !t.is_inference() && t.sizes() == cached.sizes() &&
-            t.strides() == cached.strides() && t.dtype() == cached.dtype() && t.device() == cached.device()) {
-          reused = &t;
-          break;
-        }
-    if (reused != nullptr) {
-      reused->copy_(cached);
-    } else {
-      spares.erase(std::remove_if(spares.begin(), spares.end(),
-                                  [](const at::Tensor& t) { return t.use_count() > 1 || t.storage().use_count() > 1; }),
-                   spares.end());  // held by the user: never written again
-      if (spares.size() >= 8) spares.erase(spares.begin());  // a few shapes at a time
-      spares.push_back(cached.clone());
-      reused = &spares.back();
+    at::Tensor clean = lazy_copy(cached);
+    if (!clean.defined()) {
+      at::Tensor* reused = nullptr;
+      if (!cached.requires_grad())
+        for (at::Tensor& t : spares)
+          if (t.use_count() == 1 && t.storage().use_count() == 1 && !t.is_inference() && t.sizes() == cached.sizes() &&
+              t.strides() == cached.strides() && t.dtype() == cached.dtype() && t.device() == cached.device()) {
+            reused = &t;
+            break;
+          }
+      if (reused != nullptr) {
+        copy_spare(*reused, cached);
+      } else {
+        spares.erase(std::remove_if(spares.begin(), spares.end(),
+                                    [](const at::Tensor& t) { return t.use_count() > 1 || t.storage().use_count() > 1; }),
+                     spares.end());  // held by the user: never written again
+        if (spares.size() >= 8) spares.erase(spares.begin());  // a few shapes at a time
+        spares.push_back(cached.clone());
+        reused = &spares.back();
+      }
+      clean = *reused;
     }
-    const at::Tensor clean = *reused;
     const int64_t clean_version = tensor_version(clean);
     py::object patched = patches[i](py::reinterpret_steal<py::object>(THPVariable_Wrap(clean)), site);
     if (tensor_version(clean) != clean_version) {
@@ -266,6 +318,7 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
     at::Tensor value = THPVariable_Unpack(patched.ptr());
     if (value.requires_grad()) value = value.detach();
     patched = py::object();
+    clean.reset();  // a lazy copy nobody kept leaves the cached tensor its memory's one owner again
     std::vector<c10::IValue> flat;
     if (skip_identical && reactive::same_bits(value, cached)) {
       // A value bit-identical to the cached one changes nothing: the cone would recompute its cached
@@ -310,7 +363,7 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
     if (THPVariable_Check(result.ptr())) {
       const at::Tensor& t = THPVariable_Unpack(result.ptr());
       if (t.numel() == 1 && at::isFloatingType(t.scalar_type()))
-        result = py::float_(t.item<double>());
+        result = py::float_(item_double(t));
       else
         result = convert(result, site);
     } else if (!PyFloat_CheckExact(result.ptr())) {
@@ -655,6 +708,16 @@ PYBIND11_MODULE(_C, m) {
         return reactive::content_digests(tensors);
       },
       py::arg("tensors"));
+  // The copy a patch function is handed (ReactiveGraph._call_patch_fn): a copy-on-write copy where one can
+  // stand for clone() (lazy_copy above), else None.
+  m.def(
+      "lazy_copy",
+      [](const at::Tensor& t) -> py::object {
+        at::Tensor c = lazy_copy(t);
+        if (!c.defined()) return py::none();
+        return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(c)));
+      },
+      py::arg("tensor"));
   m.def(
       "build_train_step",
       [](const ir::Graph& joint, const py::dict& spec, int64_t unroll_steps) {

@@ -989,8 +989,12 @@ class ReactiveGraph:
         not every write into it can be seen: ``.data`` and ``.numpy()`` give tensors that share its
         memory but not its version counter, and a write through them went unnoticed into the cache
         (every later evaluation reading the node computed from it). An in-place edit of the copy (its
-        version changes) is still refused, as documented: the function must return a new tensor."""
-        given = clean.clone()
+        version changes) is still refused, as documented: the function must return a new tensor. The
+        copy is copy-on-write where it can stand for ``clone()`` (``_C.lazy_copy``, as the C++ sweep loop
+        does): a function that only reads its argument costs no copy, and any write gets memory of its own."""
+        given = _C.lazy_copy(clean)
+        if given is None:
+            given = clean.clone()
         version = given._version
         out = fn(given)
         if given._version != version:

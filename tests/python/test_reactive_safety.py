@@ -486,11 +486,13 @@ def test_early_cutoff_tells_a_negative_zero_from_a_positive_one():
     rg.check_invariants()
 
 
-@pytest.mark.parametrize("how", ["data", "numpy"])
+@pytest.mark.parametrize("how", ["data", "numpy", "storage", "out"])
 @pytest.mark.parametrize("entry", ["sweep", "patch"])
 def test_patch_function_writing_through_data_or_numpy_cannot_corrupt_the_cache(resid, how, entry):
     # .data and .numpy() share the cached tensor's memory but not its version counter: the write was
-    # invisible, stayed in the cache, and every later sweep reading the node answered from it.
+    # invisible, stayed in the cache, and every later sweep reading the node answered from it. The sweep
+    # loop hands over a copy-on-write copy: a write through its storage or an out= argument must also
+    # land in memory of the function's own.
     model, x = resid
     rg = torch_ext.ReactiveGraph(model, (x,))
     t0, t1, t2 = _tanh_nodes(rg)
@@ -498,8 +500,12 @@ def test_patch_function_writing_through_data_or_numpy_cannot_corrupt_the_cache(r
     def sneaky(act, site=None):
         if how == "data":
             act.data.mul_(3.0)
-        else:
+        elif how == "numpy":
             act.numpy()[...] *= 3.0
+        elif how == "storage":
+            act.detach().untyped_storage().copy_(torch.zeros_like(act).untyped_storage())
+        else:
+            torch.mul(act.data, 3.0, out=act.data)
         return torch.zeros_like(act)
 
     resid0 = [n for n in rg.nodes() if n.startswith("add")][0]  # x + tanh(fc0(x)): add_1 reads it
