@@ -1080,20 +1080,37 @@ def global_module_hooks_restored():
     torch 2.9's non-strict export adds a buffer-registration hook (register_buffer_assignment_hook) and
     removes it only on success. The leaked hook kept the traced module alive and sat in the global hook
     tables, which every later build-cache key reads (a refused step made every later ReactiveGraph
-    uncacheable on disk)."""
+    uncacheable on disk).
+
+    Only the hooks the tracing thread registered (through ``nn.modules.module``'s three
+    ``register_module_*_registration_hook`` functions, which export calls) are removed, by handle id: a hook
+    another thread registers meanwhile is kept (it was deleted, silently, when every key added during the
+    block was)."""
     from torch.nn.modules import module as nn_module
 
-    tables = [getattr(nn_module, name) for name in ("_global_buffer_registration_hooks",
-                                                    "_global_module_registration_hooks",
-                                                    "_global_parameter_registration_hooks")
-              if isinstance(getattr(nn_module, name, None), dict)]
-    before = [set(t) for t in tables]
+    names = [n for n in ("register_module_buffer_registration_hook", "register_module_module_registration_hook",
+                         "register_module_parameter_registration_hook") if callable(getattr(nn_module, n, None))]
+    originals = {n: getattr(nn_module, n) for n in names}
+    added = []  # (table, handle id) of each hook the tracing thread registered
+
+    def recording(fn):
+        def register(*args, **kwargs):
+            handle = fn(*args, **kwargs)
+            table = handle.hooks_dict_ref()
+            if table is not None:
+                added.append((table, handle.id))
+            return handle
+        return register
+
+    for n, fn in originals.items():
+        setattr(nn_module, n, _gated(recording(fn), fn))
     try:
         yield
     finally:
-        for table, keys in zip(tables, before):
-            for k in [k for k in table if k not in keys]:
-                del table[k]
+        for n, fn in originals.items():
+            setattr(nn_module, n, fn)
+        for table, key in added:
+            table.pop(key, None)
 
 
 def traced_constant_value(t):

@@ -56,6 +56,8 @@ def _process_state() -> dict:
         "global_hooks": [set(getattr(nn_module, t)) for t in ("_global_buffer_registration_hooks",
                                                                "_global_module_registration_hooks",
                                                                "_global_parameter_registration_hooks")],
+        "global_hook_registration": tuple(getattr(nn_module, f"register_module_{t}_registration_hook")
+                                          for t in ("buffer", "module", "parameter")),
         "installed": _trace_patches.installed(),
     }
     np = sys.modules.get("numpy")
@@ -278,3 +280,66 @@ def test_nested_traces():
     _assert_same(expected[0], trained)
     assert reads == inner_reads == {"TORCH_EXT_TEST_NESTED": "2"}
     assert _changed(before, _process_state()) == []
+
+
+class _Meanwhile(nn.Module):
+    """A model whose first traced forward lets another thread run ``work`` (started by the test) and waits for
+    it to finish: ``work`` runs while this thread holds the trace's patches, deterministically (events, no
+    sleeps)."""
+
+    def __init__(self, work):
+        super().__init__()
+        self.fc, self.work = nn.Linear(8, 3), work
+        self.inside, self.done, self.errors = threading.Event(), threading.Event(), []
+
+    def start(self):
+        def other():
+            self.inside.wait(60)
+            try:
+                self.work()
+            except BaseException as e:  # noqa: BLE001 - asserted by the test
+                self.errors.append(e)
+            finally:
+                self.done.set()
+
+        t = threading.Thread(target=other)
+        t.start()
+        return t
+
+    def forward(self, x):
+        if not self.inside.is_set():
+            self.inside.set()
+            assert self.done.wait(60), "the other thread did not finish"
+        return self.fc(x)
+
+
+def test_global_module_hooks_other_threads_register_during_a_trace_are_kept():
+    """The trace removes the global module hooks it leaves behind (torch.export's buffer-registration hook when
+    it raises), not those another thread registers meanwhile: these were deleted, silently."""
+    from torch.nn.modules import module as nn_module
+
+    handles = []
+
+    def register():
+        hook = lambda module, name, value: None  # noqa: E731
+        handles.extend([nn_module.register_module_buffer_registration_hook(hook),
+                        nn_module.register_module_module_registration_hook(hook),
+                        nn_module.register_module_parameter_registration_hook(hook)])
+
+    tables = (nn_module._global_buffer_registration_hooks, nn_module._global_module_registration_hooks,
+              nn_module._global_parameter_registration_hooks)
+    try:
+        for build in (lambda m: torch_ext.make_train_step(m, torch.optim.SGD(m.parameters(), lr=0.1), _loss, _batch()),
+                      lambda m: torch_ext.ReactiveGraph(m.eval(), (_batch()[0],), cache=False)):
+            model = _Meanwhile(register)
+            t = model.start()
+            build(model)
+            t.join(60)
+            assert not model.errors, model.errors
+            assert [h.id in table for h, table in zip(handles, tables)] == [True] * 3
+            for h in handles:
+                h.remove()
+            handles.clear()
+    finally:
+        for h in handles:
+            h.remove()
