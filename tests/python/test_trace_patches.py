@@ -46,7 +46,8 @@ def _process_state() -> dict:
         "engine": autograd_mod._engine_run_backward,
         "inference_mode": (grad_mode.inference_mode.__enter__, grad_mode.inference_mode.__exit__),
         "setup_context": function_mod._is_setup_context_defined, "register_hook": torch.Tensor.register_hook,
-        "random": (random.seed, random.setstate),
+        "random": (random.seed, random.setstate, random.random, random.uniform,
+                   sorted(k for k, v in vars(random._inst).items() if callable(v))),
         "checkpoint": (checkpoint_mod.CheckpointFunction.__dict__.get("apply"),
                        checkpoint_mod._checkpoint_without_reentrant_generator),
         "environ": type(os.environ).__getitem__,
@@ -62,7 +63,7 @@ def _process_state() -> dict:
     }
     np = sys.modules.get("numpy")
     if np is not None:
-        state["numpy"] = (np.random.seed, np.random.set_state)
+        state["numpy"] = (np.random.seed, np.random.set_state, np.random.randn, np.random.uniform)
     return state
 
 
@@ -343,3 +344,56 @@ def test_global_module_hooks_other_threads_register_during_a_trace_are_kept():
     finally:
         for h in handles:
             h.remove()
+
+
+def test_other_threads_random_draws_during_a_trace_are_not_refused():
+    """A step's trace refuses a forward that draws from Python's ``random`` or ``numpy.random`` (the draw would be
+    baked in). Another thread drawing from them meanwhile is not the forward's draw: it was refused ("draws
+    from Python's random module"), as the check compared the global generators' states before and after."""
+    import numpy as np
+
+    def draw():
+        random.random(), random.uniform(0, 1), random.randint(0, 9), random.getrandbits(8)
+        np.random.randn(3), np.random.uniform(size=2), np.random.randint(0, 9, size=2)
+        random.seed(5), np.random.seed(5)
+
+    torch.manual_seed(0)
+    model = _Meanwhile(draw)
+    t = model.start()
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, _batch())
+    t.join(60)
+    assert not model.errors, model.errors
+    assert step is not None
+
+
+class _Draws(nn.Module):
+    def __init__(self, draw):
+        super().__init__()
+        self.fc, self.draw = nn.Linear(8, 3), draw
+
+    def forward(self, x):
+        return self.fc(x) * self.draw()
+
+
+@pytest.mark.parametrize("draw, match", [
+    (lambda: random.random(), "Python's random module"),
+    (lambda: random.uniform(0.5, 1.5), "Python's random module"),
+    (lambda: float(sys.modules["numpy"].random.rand()), "numpy.random"),
+], ids=["random.random", "random.uniform", "numpy.random.rand"])
+@pytest.mark.parametrize("meanwhile", [False, True], ids=["alone", "other-thread-draws"])
+def test_the_trace_own_random_draws_are_refused_also_while_other_threads_draw(draw, match, meanwhile):
+    """A forward that draws is refused, also when another thread draws during its trace."""
+    import numpy as np
+
+    class Model(_Draws):
+        def forward(self, x):
+            if meanwhile:  # another thread draws from both generators while this thread traces
+                t = threading.Thread(target=lambda: (random.random(), np.random.randn(2)))
+                t.start()
+                t.join(60)
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model = Model(draw)
+    with pytest.raises((TypeError, NotImplementedError), match=match):
+        torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, _batch())
