@@ -397,3 +397,58 @@ def test_the_trace_own_random_draws_are_refused_also_while_other_threads_draw(dr
     model = Model(draw)
     with pytest.raises((TypeError, NotImplementedError), match=match):
         torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, _batch())
+
+
+def _building_thread(errors, done=None):
+    def build():
+        try:
+            torch_ext.ReactiveGraph(_seeded(_Resid).eval(), (torch.randn(4, 8),), cache=False)
+        except BaseException as e:  # noqa: BLE001 - asserted by the test
+            errors.append(e)
+        finally:
+            if done is not None:
+                done.set()
+    return threading.Thread(target=build, name="builder")
+
+
+def test_a_build_in_a_thread_the_trace_joins_raises_instead_of_deadlocking():
+    """A traced forward that joins a thread which builds a graph: tracing is serialized, so the thread waited for
+    the trace's lock while the trace waited for the thread, forever. Now the thread raises, naming the holder."""
+    errors, joined = [], []
+    before = _process_state()
+
+    class Joins(_Resid):
+        def forward(self, x):
+            if not joined:
+                t = _building_thread(errors)
+                t.start()
+                t.join(20)  # the test's own bound: before the fix the thread was still waiting here
+                joined.append(not t.is_alive())
+            return super().forward(x)
+
+    x = torch.randn(4, 8)
+    got = torch_ext.ReactiveGraph(_seeded(Joins).eval(), (x,), cache=False).run(x)
+    assert joined == [True], "the building thread still waited for the trace's lock"
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError), errors
+    assert "MainThread" in str(errors[0]) and "waits on this thread" in str(errors[0]), str(errors[0])
+    assert torch.equal(got, torch_ext.ReactiveGraph(_seeded(_Resid).eval(), (x,), cache=False).run(x))
+    assert _changed(before, _process_state()) == []
+
+
+def test_a_build_waited_on_through_an_event_raises_after_the_holder_stays_blocked(monkeypatch):
+    """The trace waits on an event the building thread sets once built (not a join: who sets an event cannot be
+    known). The building thread raises once the holder has stayed blocked in a wait for HOLDER_BLOCKED_LIMIT_S."""
+    monkeypatch.setattr(_trace_patches, "HOLDER_BLOCKED_LIMIT_S", 0.5)
+    errors, done, waited = [], threading.Event(), []
+
+    class Waits(_Resid):
+        def forward(self, x):
+            if not waited:
+                _building_thread(errors, done).start()
+                waited.append(done.wait(20))
+            return super().forward(x)
+
+    x = torch.randn(4, 8)
+    torch_ext.ReactiveGraph(_seeded(Waits).eval(), (x,), cache=False)
+    assert waited == [True], "the building thread still waited for the trace's lock"
+    assert len(errors) == 1 and "blocked" in str(errors[0]) and "MainThread" in str(errors[0]), errors
