@@ -1,0 +1,41 @@
+// Test operators whose out= kernels misuse their `out` (registered once for the whole test binary; used by
+// test_lower_out_variants.cpp and test_reactive.cpp). Each computes sum(x * x):
+//   * torch_ext_test::sq_sum_resizing.out uses `out` as scratch of x's shape first (as torch 2.9's CPU
+//     mse_loss.out does): on a planned view, which cannot grow, it throws "Trying to resize storage that is not
+//     resizable";
+//   * torch_ext_test::sq_sum_repointing.out points `out` at a fresh tensor (set_): no error, but the planned
+//     view no longer views the planned memory.
+// Neither is in ir::out_variant.cpp's name list, so find_out_variant offers their out= overloads.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+namespace {
+
+at::Tensor sq_sum(const at::Tensor& x) { return (x * x).sum(); }
+
+at::Tensor& sq_sum_resizing_out(const at::Tensor& x, at::Tensor& out) {
+  out.resize_(x.sizes());
+  at::mul_out(out, x, x);
+  const at::Tensor s = out.sum();
+  out.resize_({});
+  out.copy_(s);
+  return out;
+}
+
+at::Tensor& sq_sum_repointing_out(const at::Tensor& x, at::Tensor& out) {
+  out.set_(sq_sum(x));
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(torch_ext_test, m) {
+  m.def("sq_sum_resizing(Tensor x) -> Tensor");
+  m.def("sq_sum_resizing.out(Tensor x, *, Tensor(a!) out) -> Tensor(a!)");
+  m.def("sq_sum_repointing(Tensor x) -> Tensor");
+  m.def("sq_sum_repointing.out(Tensor x, *, Tensor(a!) out) -> Tensor(a!)");
+  m.impl("sq_sum_resizing", c10::DispatchKey::CPU, &sq_sum);
+  m.impl("sq_sum_resizing.out", c10::DispatchKey::CPU, &sq_sum_resizing_out);
+  m.impl("sq_sum_repointing", c10::DispatchKey::CPU, &sq_sum);
+  m.impl("sq_sum_repointing.out", c10::DispatchKey::CPU, &sq_sum_repointing_out);
+}
