@@ -49,9 +49,11 @@ std::optional<std::vector<size_t>> written_args_if_inplace_of(const c10::Functio
 // (torch 2.9, CPU): given a planned arena view, which cannot grow, they failed with "Trying to resize
 // storage that is not resizable" (a step with accumulate=2 or process_group and one of these
 // losses). Found by calling every loss's out= kernel on a [] view inside a sentinel-filled buffer.
-// They run functionally instead. The arena executor no longer depends on this list (it checks every
-// out= call and falls back to the functional kernel: runtime/arena_executor.h); the reactive sweep's
-// scratch (reactive/scratch.cpp) has no such check yet, and writes through find_out_variant too.
+// They run functionally instead. Correctness no longer depends on this list: the arena executor and the
+// reactive sweep's scratch check every out= call and fall back to the functional kernel
+// (runtime/arena_executor.h, reactive/scratch.cpp), and mark the overload unusable for later plans
+// (mark_out_kernel_unusable). It is kept because it saves, per process, the wasted first call (a thrown
+// c10::Error with its backtrace) and, in a planned step, an arena buffer that would stay reserved unused.
 // The out= overloads a runtime found resizing or re-pointing a planned buffer (mark_out_kernel_unusable).
 std::mutex unusable_mutex;
 std::unordered_set<c10::OperatorName>& unusable_out_kernels() {

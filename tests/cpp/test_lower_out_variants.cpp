@@ -192,7 +192,7 @@ TEST(ArenaExecutor, AnOutKernelThatResizesItsResultRunsTheFunctionalKernel) {
 // executor reports counts that allocation in dynamic_bytes (it was left out: the peak understated what ran),
 // and later plans leave the operator to its kernel (no arena buffer that would stay unused).
 TEST(ArenaExecutor, AnOutKernelThatFallsBackIsCountedAndNotPlannedAgain) {
-  for (const char* op : {"sq_sum_resizing", "sq_sum_repointing"}) {
+  for (const char* op : {"arena_sq_sum_resizing", "arena_sq_sum_repointing"}) {
     std::string text = R"(graph:
   %x : f32[16] = input()
   %a : f32[16] = aten::sin.default(%x)

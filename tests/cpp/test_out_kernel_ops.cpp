@@ -5,9 +5,13 @@
 //     resizable";
 //   * torch_ext_test::sq_sum_repointing.out points `out` at a fresh tensor (set_): no error, but the planned
 //     view no longer views the planned memory.
-// Neither is in ir::out_variant.cpp's name list, so find_out_variant offers their out= overloads.
+// Neither is in ir::out_variant.cpp's name list, so find_out_variant offers their out= overloads, until a runtime
+// marks them unusable (ir::mark_out_kernel_unusable, process-wide): so each is registered twice, `arena_` for
+// test_lower_out_variants.cpp and `scratch_` for test_reactive.cpp, and neither test depends on the other's order.
 #include <ATen/ATen.h>
 #include <torch/library.h>
+
+#include <string>
 
 namespace {
 
@@ -30,12 +34,15 @@ at::Tensor& sq_sum_repointing_out(const at::Tensor& x, at::Tensor& out) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torch_ext_test, m) {
-  m.def("sq_sum_resizing(Tensor x) -> Tensor");
-  m.def("sq_sum_resizing.out(Tensor x, *, Tensor(a!) out) -> Tensor(a!)");
-  m.def("sq_sum_repointing(Tensor x) -> Tensor");
-  m.def("sq_sum_repointing.out(Tensor x, *, Tensor(a!) out) -> Tensor(a!)");
-  m.impl("sq_sum_resizing", c10::DispatchKey::CPU, &sq_sum);
-  m.impl("sq_sum_resizing.out", c10::DispatchKey::CPU, &sq_sum_resizing_out);
-  m.impl("sq_sum_repointing", c10::DispatchKey::CPU, &sq_sum);
-  m.impl("sq_sum_repointing.out", c10::DispatchKey::CPU, &sq_sum_repointing_out);
+  for (const char* use : {"arena_", "scratch_"})
+    for (const char* kind : {"resizing", "repointing"}) {
+      const std::string name = std::string(use) + "sq_sum_" + kind;
+      m.def((name + "(Tensor x) -> Tensor").c_str());
+      m.def((name + ".out(Tensor x, *, Tensor(a!) out) -> Tensor(a!)").c_str());
+      m.impl(name.c_str(), c10::DispatchKey::CPU, TORCH_FN(sq_sum));
+      if (std::string(kind) == "resizing")
+        m.impl((name + ".out").c_str(), c10::DispatchKey::CPU, TORCH_FN(sq_sum_resizing_out));
+      else
+        m.impl((name + ".out").c_str(), c10::DispatchKey::CPU, TORCH_FN(sq_sum_repointing_out));
+    }
 }
