@@ -216,7 +216,7 @@ c10::IValue Engine::run_scratch_step(PatchPlan& plan, size_t i) {
   } catch (const std::exception&) {
     planned = false;  // the functional kernel below raises the inputs' own error, if any
   }
-  if (planned && in_place(view) && v.isTensor() && in_place(v.toTensor())) return v;
+  if (planned && v.isTensor() && v.toTensor().is_same(view) && in_place(view)) return v;  // (a(!) returns `out`)
   // The kernel left its view resized or re-pointed (or failed trying): run the functional kernel from now
   // on. The view is not put back: this plan never runs that out= kernel again (bind_scratch binds a fresh
   // view for each scratch tensor, and leaves a fallen-back step on its functional kernel).
