@@ -5,9 +5,11 @@ Checked against torch 2.9.1 (the CI pin). torch >= 2.9 is required.
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 
 import sys
+import threading
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
@@ -1038,40 +1040,68 @@ def python_random_draws():
     program would reuse it (a layer drop decided by ``random.uniform``, noise from
     ``np.random.randn``), where eager draws anew. A forward that seeds the generator itself (Hugging
     Face's BigBird calls ``np.random.seed`` before drawing its random attention blocks) draws the same
-    numbers at every call, so tracing them once is exact."""
+    numbers at every call, so tracing them once is exact.
+
+    The generators are shared by every thread, so a changed state alone does not say who drew. The draw and
+    seed functions (``random``'s module functions and its instance's ``random``/``getrandbits``, through which
+    all its methods draw; ``numpy.random``'s module functions) record the thread that calls them while the block
+    runs: a draw on the tracing thread is the trace's; a changed state with no recorded draw is taken as the
+    trace's too (a draw through a name bound before the block, ``from random import random``); a changed state
+    that another thread's recorded draws explain is not refused (another thread drawing while this one traces).
+    Left: the trace drawing through such an early-bound name while another thread draws through a recorded one
+    is not seen."""
     import random
 
     np = sys.modules.get("numpy")
+    me = threading.get_ident()  # the tracing thread (the block's)
+    py_name, np_name = "Python's random module", "numpy.random"
     seeded: set[str] = set()
+    own: set[str] = set()
+    others: set[str] = set()
 
-    def seeding(name, fn):
+    def noting(name, fn, seeds):
+        @functools.wraps(fn)
         def wrapped(*args, **kwargs):
-            seeded.add(name)
+            if torch.compiler.is_dynamo_compiling() or threading.get_ident() == me:
+                (seeded if seeds else own).add(name)
+            else:
+                others.add(name)
             return fn(*args, **kwargs)
         return wrapped
 
-    patched = [(random, "seed"), (random, "setstate")]
+    inst = random._inst
+    targets = [(random, attr, py_name) for attr, fn in vars(random).items()
+               if getattr(fn, "__self__", None) is inst and attr not in ("getstate",)]
+    targets += [(inst, "random", py_name), (inst, "getrandbits", py_name)]  # what random's methods draw through
     if np is not None:
-        patched += [(np.random, "seed"), (np.random, "set_state")]
-    originals = [(mod, attr, getattr(mod, attr)) for mod, attr in patched]
-    for mod, attr, fn in originals:
-        setattr(mod, attr, _gated(seeding("numpy.random" if mod is not random else "Python's random module", fn), fn))
+        rand = getattr(np.random.mtrand, "_rand", None)
+        targets += [(np.random, "seed", np_name)]
+        targets += [(np.random, attr, np_name) for attr, fn in vars(np.random).items()
+                    if rand is not None and getattr(fn, "__self__", None) is rand and attr != "get_state"]
+    saved = [(obj, attr, name, vars(obj).get(attr, _MISSING), getattr(obj, attr)) for obj, attr, name in targets]
     py_before = random.getstate()
     np_before = np.random.get_state() if np is not None else None
+    for obj, attr, name, _, fn in saved:
+        setattr(obj, attr, noting(name, fn, attr in ("seed", "setstate", "set_state")))
     drawn: list[str] = []
     try:
         yield drawn
     finally:
-        for mod, attr, fn in originals:
-            setattr(mod, attr, fn)
+        for obj, attr, _, had, _ in reversed(saved):
+            if had is _MISSING:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, had)
+        changed = []
         if random.getstate() != py_before:
-            drawn.append("Python's random module")
+            changed.append(py_name)
         if np_before is not None:
             np_after = np.random.get_state()
             if not (np_after[0] == np_before[0] and np.array_equal(np_after[1], np_before[1])
                     and tuple(np_after[2:]) == tuple(np_before[2:])):
-                drawn.append("numpy.random")
-        drawn[:] = [d for d in drawn if d not in seeded]
+                changed.append(np_name)
+        drawn[:] = [name for name in (py_name, np_name)
+                    if name not in seeded and (name in own or (name in changed and name not in others))]
 
 
 @contextlib.contextmanager
@@ -1080,20 +1110,37 @@ def global_module_hooks_restored():
     torch 2.9's non-strict export adds a buffer-registration hook (register_buffer_assignment_hook) and
     removes it only on success. The leaked hook kept the traced module alive and sat in the global hook
     tables, which every later build-cache key reads (a refused step made every later ReactiveGraph
-    uncacheable on disk)."""
+    uncacheable on disk).
+
+    Only the hooks the tracing thread registered (through ``nn.modules.module``'s three
+    ``register_module_*_registration_hook`` functions, which export calls) are removed, by handle id: a hook
+    another thread registers meanwhile is kept (it was deleted, silently, when every key added during the
+    block was)."""
     from torch.nn.modules import module as nn_module
 
-    tables = [getattr(nn_module, name) for name in ("_global_buffer_registration_hooks",
-                                                    "_global_module_registration_hooks",
-                                                    "_global_parameter_registration_hooks")
-              if isinstance(getattr(nn_module, name, None), dict)]
-    before = [set(t) for t in tables]
+    names = [n for n in ("register_module_buffer_registration_hook", "register_module_module_registration_hook",
+                         "register_module_parameter_registration_hook") if callable(getattr(nn_module, n, None))]
+    originals = {n: getattr(nn_module, n) for n in names}
+    added = []  # (table, handle id) of each hook the tracing thread registered
+
+    def recording(fn):
+        def register(*args, **kwargs):
+            handle = fn(*args, **kwargs)
+            table = handle.hooks_dict_ref()
+            if table is not None:
+                added.append((table, handle.id))
+            return handle
+        return register
+
+    for n, fn in originals.items():
+        setattr(nn_module, n, _gated(recording(fn), fn))
     try:
         yield
     finally:
-        for table, keys in zip(tables, before):
-            for k in [k for k in table if k not in keys]:
-                del table[k]
+        for n, fn in originals.items():
+            setattr(nn_module, n, fn)
+        for table, key in added:
+            table.pop(key, None)
 
 
 def traced_constant_value(t):

@@ -13,7 +13,10 @@ Here every patch is entered through ``patched(*names)``:
 - under one process-wide re-entrant lock, held for the whole block: **tracing is serialized** (building a
   train step, a ``ReactiveGraph``, a joint export, an AOTInductor package in several threads at once is
   safe, and each waits for the trace before it). Running what was built (a step, a graph, the executor)
-  takes no lock and runs concurrently;
+  takes no lock and runs concurrently. A traced forward that waits on another thread which itself builds
+  would wait forever (the lock is re-entrant on its own thread only): the waiting builder raises instead, at
+  once when the holder is joining it (``Thread.join``), or once the holder has stayed blocked in a wait
+  (an event, a condition, a queue, a future) for ``HOLDER_BLOCKED_LIMIT_S`` while the builder waits;
 - in one fixed order (``ORDER``), and restored in reverse order when the block exits, also when it raises;
 - nested (a trace inside a trace, on the thread that holds the lock): a patch already installed is not
   entered again (a collector, which yields what the block saw, is entered again so each level gets its own);
@@ -29,14 +32,83 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 import threading
+import time
 
 import torch
 
 _LOCK = threading.RLock()
 _owner: int | None = None  # the thread that holds the lock (and the patches), None when none does
 _stack: list[str] = []  # names installed now, in the order entered
+
+# How long the lock's holder may stay blocked in a wait (threading's, queue's, a future's) while another thread
+# waits for the lock, before that thread raises (a deadlock, unless the holder waits on a third thread).
+HOLDER_BLOCKED_LIMIT_S = 60.0
+_POLL_S = 0.05
+_WAIT_FILES = frozenset(os.path.normcase(os.path.abspath(m.__file__)) for m in (threading, __import__("queue"))) | {
+    os.path.normcase(os.path.abspath(os.path.join(os.path.dirname(threading.__file__), "concurrent", "futures",
+                                                  "_base.py")))}
+
+
+def _holder_wait(holder: int, me: threading.Thread) -> tuple[bool, bool, str]:
+    """(whether the thread ``holder`` is blocked in a wait of threading, queue or concurrent.futures, whether
+    that wait is ``me.join()``, where it waits)."""
+    frame = sys._current_frames().get(holder)
+    waits, where = False, ""
+    while frame is not None and os.path.normcase(os.path.abspath(frame.f_code.co_filename)) in _WAIT_FILES:
+        waits, where = True, frame.f_code.co_qualname
+        if frame.f_code.co_name == "join" and frame.f_locals.get("self") is me:
+            return True, True, where
+        frame = frame.f_back
+    if waits and frame is not None:
+        where += f" (called from {frame.f_code.co_filename}:{frame.f_lineno}, in {frame.f_code.co_name})"
+    return waits, False, where
+
+
+def _acquire() -> None:
+    """Takes the registry's lock, waiting for the thread that holds it; raises RuntimeError (holding nothing)
+    when that thread waits on this one: joining it, or blocked in a wait for ``HOLDER_BLOCKED_LIMIT_S``."""
+    if _LOCK.acquire(blocking=False):
+        return
+    me = threading.current_thread()
+    blocked_since = None
+    while not _LOCK.acquire(timeout=_POLL_S):
+        holder = _owner
+        if holder is None:  # between two traces, or a build-cache walk (which waits on nothing)
+            blocked_since = None
+            continue
+        waits, on_me, where = _holder_wait(holder, me)
+        holder_thread = threading._active.get(holder)
+        who = f"thread {holder_thread.name if holder_thread else '?'!r} (ident {holder})"
+        if on_me:
+            raise RuntimeError(
+                f"torch_ext: thread {me.name!r} waits to trace (build a step, a graph, an export), but {who} "
+                "holds the trace lock and waits on this thread (Thread.join) inside its own trace: both would wait "
+                "forever. Tracing is serialized process-wide; a traced forward must not wait on a thread that "
+                "builds. Build it before or after that trace")
+        now = time.monotonic()
+        if not waits:
+            blocked_since = None
+        elif blocked_since is None:
+            blocked_since = now
+        elif now - blocked_since >= HOLDER_BLOCKED_LIMIT_S:
+            raise RuntimeError(
+                f"torch_ext: thread {me.name!r} waits to trace (build a step, a graph, an export), but {who} holds "
+                f"the trace lock and has stayed blocked in {where} for {now - blocked_since:.1f} s "
+                f"(_trace_patches.HOLDER_BLOCKED_LIMIT_S = {HOLDER_BLOCKED_LIMIT_S}): most likely its traced "
+                "forward waits on this thread, and both would wait forever. Tracing is serialized process-wide; a "
+                "traced forward must not wait on a thread that builds. Build it before or after that trace")
+
+
+@contextlib.contextmanager
+def _locked():
+    _acquire()
+    try:
+        yield
+    finally:
+        _LOCK.release()
 
 
 def _factories() -> dict:
@@ -118,8 +190,9 @@ def caller_frame(depth: int = 1):
 
 def serialized():
     """The registry's lock alone (no patch): for work that reads what a trace patches or installs (the build
-    cache's walk of process-global hooks), so that it never runs while another thread traces."""
-    return _LOCK
+    cache's walk of process-global hooks), so that it never runs while another thread traces. Raises as
+    ``patched`` does when the thread that holds it waits on this one."""
+    return _locked()
 
 
 def installed() -> list[str]:
@@ -136,7 +209,7 @@ def patched(*names: str):
     if unknown:
         raise ValueError(f"unknown trace patch(es) {unknown}; known: {list(ORDER)}")
     wanted = set(names)
-    with _LOCK:
+    with _locked():
         outer = _owner
         _owner = threading.get_ident()
         depth = len(_stack)

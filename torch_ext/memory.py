@@ -57,11 +57,20 @@ class PlannedStep:
                     f"{r['min_peak']} bytes")
         self.graph = graph
         self._ex = _C.ArenaExecutor(graph._g, len(step.state_names), self.donate)
-        self.plan = self._ex.plan()
+        self._plan = (len(self._ex.fallbacks()), self._ex.plan())  # (len(fallbacks) when read, the plan)
         if step.process_group is not None:  # each rank scheduled on its own
             from .distributed import check_collective_order
 
             check_collective_order(graph, self.plan["order"], step.process_group, "compile", step._state_names)
+
+    @property
+    def plan(self) -> dict:
+        """The memory plan (a dict). A node whose out= kernel fell back at run time (``fallbacks``) allocates its
+        result from then on: read again after a call, ``dynamic`` and ``dynamic_bytes`` (``peak_bytes``) count it."""
+        fallbacks = len(self._ex.fallbacks())
+        if self._plan[0] != fallbacks:
+            self._plan = (fallbacks, self._ex.plan())
+        return self._plan[1]
 
     @property
     def peak_bytes(self) -> int:

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <iterator>
+#include <mutex>
+#include <unordered_set>
 #include <unordered_map>
 
 namespace torch_ext::ir {
@@ -47,9 +49,23 @@ std::optional<std::vector<size_t>> written_args_if_inplace_of(const c10::Functio
 // (torch 2.9, CPU): given a planned arena view, which cannot grow, they failed with "Trying to resize
 // storage that is not resizable" (a step with accumulate=2 or process_group and one of these
 // losses). Found by calling every loss's out= kernel on a [] view inside a sentinel-filled buffer.
-// They run functionally instead. The arena executor no longer depends on this list (it checks every
-// out= call and falls back to the functional kernel: runtime/arena_executor.h); the reactive sweep's
-// scratch (reactive/scratch.cpp) has no such check yet, and writes through find_out_variant too.
+// They run functionally instead. Correctness no longer depends on this list: the arena executor and the
+// reactive sweep's scratch check every out= call and fall back to the functional kernel
+// (runtime/arena_executor.h, reactive/scratch.cpp), and mark the overload unusable for later plans
+// (mark_out_kernel_unusable). It is kept because it saves, per process, the wasted first call (a thrown
+// c10::Error with its backtrace) and, in a planned step, an arena buffer that would stay reserved unused.
+// The out= overloads a runtime found resizing or re-pointing a planned buffer (mark_out_kernel_unusable).
+std::mutex unusable_mutex;
+std::unordered_set<c10::OperatorName>& unusable_out_kernels() {
+  static std::unordered_set<c10::OperatorName> names;
+  return names;
+}
+
+bool marked_unusable(const c10::OperatorName& out) {
+  std::lock_guard<std::mutex> lock(unusable_mutex);
+  return unusable_out_kernels().count(out) > 0;
+}
+
 bool out_kernel_writes_scratch(const Target& t) {
   static const char* const kOps[] = {"mse_loss", "huber_loss", "soft_margin_loss", "binary_cross_entropy"};
   return t.ns == "aten" && std::any_of(std::begin(kOps), std::end(kOps), [&](const char* op) { return t.name == op; });
@@ -104,6 +120,11 @@ const Node* overwritten_input(const Node& node, const InplaceVariant& variant) {
   return input;
 }
 
+void mark_out_kernel_unusable(const c10::OperatorName& out) {
+  std::lock_guard<std::mutex> lock(unusable_mutex);
+  unusable_out_kernels().insert(out);
+}
+
 std::optional<OutVariant> find_out_variant(const Node& node) {
   if (node.kind() != NodeKind::Call || node.target().is_builtin()) return std::nullopt;
   if (out_kernel_writes_scratch(node.target())) return std::nullopt;
@@ -139,7 +160,7 @@ std::optional<OutVariant> find_out_variant(const Node& node) {
            o.type()->isSubtypeOf(*c10::TensorType::get());
       v.out_args.push_back(o.name());
     }
-    if (!ok || !out->hasKernelForDispatchKey(backend)) continue;
+    if (!ok || !out->hasKernelForDispatchKey(backend) || marked_unusable(out->operator_name())) continue;
     return v;
   }
   return std::nullopt;

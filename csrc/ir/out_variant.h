@@ -27,6 +27,13 @@ struct OutVariant {
 // aten::relu.out), a full extra pass over the result that the planned arena must not pay.
 std::optional<OutVariant> find_out_variant(const Node& node);
 
+// Marks the out= overload `out` as unusable, process-wide: its kernel, called on a planned buffer (an arena
+// view, the reactive sweep's scratch), resized or re-pointed it, or failed trying (runtime/arena_executor.h).
+// The runtime that saw it ran the functional kernel instead; from then on find_out_variant offers no node
+// that overload, so later plans leave such nodes to their kernels (no planned buffer that would stay unused,
+// no failed first call).
+void mark_out_kernel_unusable(const c10::OperatorName& out);
+
 struct InplaceVariant {
   c10::OperatorHandle op;
   std::vector<size_t> written_args;  // one per result, in result order: the argument it overwrites

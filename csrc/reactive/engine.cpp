@@ -313,7 +313,24 @@ std::vector<c10::IValue> Engine::evaluate_cone_whole(int64_t id, c10::IValue val
     count_plan(plan, i);  // the nodes before it did run
     rethrow_evaluating(states_[plan.order[i]], e);
   };
-  if (plan.alias_checks.empty() || !scratch_.defined()) {
+  if (plan.scratch_generation != 0) {  // out= steps write into the scratch: each runs checked (scratch.cpp)
+    struct Hooks : runtime::NoHooks {
+      Engine* self;
+      PatchPlan* plan;
+      bool before(size_t i, const c10::IValue&) {
+        if (plan->scratch_of[i] < 0 || plan->scratch[plan->scratch_of[i]].fell_back) return true;
+        self->values_[plan->order[i]] = self->run_scratch_step(*plan, i);
+        return false;
+      }
+      void after(size_t i) {
+        if (!plan->alias_checks.empty() && plan->alias_checks[i]) self->unalias_scratch(self->values_[plan->order[i]]);
+      }
+    };
+    Hooks hooks;
+    hooks.self = this;
+    hooks.plan = &plan;
+    runtime::run_steps(plan.steps, values_, stack_, on_error, hooks);
+  } else if (plan.alias_checks.empty() || !scratch_.defined()) {
     runtime::run_steps(plan.steps, values_, stack_, on_error);
   } else {
     runtime::run_steps(plan.steps, values_, stack_, on_error, runtime::after_each([&](size_t i) {

@@ -227,6 +227,9 @@ class Engine {
   // linear, gelu, add and its contiguous copies into pooled storages (row_buffers.h).
   int64_t inplace_steps(const std::string& node);  // how many steps of node's plan run in place
   int64_t scratch_bytes() const { return scratch_.defined() ? scratch_.numel() : 0; }
+  // Cone nodes whose out= kernel, run into the scratch, resized or re-pointed its result (or failed trying):
+  // they run their functional kernel from then on (scratch.cpp). In the order seen, once each per plan.
+  const std::vector<std::string>& scratch_fallbacks() const { return scratch_fallbacks_; }
   void set_scratch(bool enabled);
   // The row path's pooled buffers (row_buffers.h) are shared with `other`'s: the batched cones of one
   // sweep reuse the same hot memory unit after unit. Off with set_scratch(false), like the scratch.
@@ -409,6 +412,7 @@ class Engine {
     c10::OperatorHandle op;  // the out= overload
     std::string arg;         // its out argument
     int64_t offset = 0;      // bytes into the scratch tensor
+    bool fell_back = false;  // its out= kernel changed its planned result: the functional kernel runs
   };
   struct PatchPlan {
     std::vector<int64_t> order;         // the cone's countable nodes, topological order
@@ -418,6 +422,8 @@ class Engine {
     // Intermediates that never leave one evaluate_patched call, planned once (scratch.cpp).
     std::vector<ScratchOut> scratch;
     std::vector<runtime::BoundKernel> scratch_kernels;  // parallel to scratch, bound to scratch_
+    std::vector<at::Tensor> scratch_views;              // parallel to scratch: each kernel's out= view
+    std::vector<int32_t> scratch_of;                    // per step: its index in scratch, -1 (empty: none)
     int64_t scratch_bytes = 0;
     uint64_t scratch_generation = 0;  // scratch_generation_ the kernels are bound to (0: unbound)
     // Steps run by their in-place variant on their one input, a cone intermediate that dies there
@@ -444,11 +450,16 @@ class Engine {
   // A value that points into the scratch memory (a composite op handed back its input's buffer) is
   // replaced by a copy, so that no value outside the plan's lifetimes lives in the scratch.
   void unalias_scratch(c10::IValue& v) const;
+  // Runs scratch step `i` of `plan` (bound, not fallen back) checked: when its out= kernel fails or leaves
+  // its view resized or re-pointed, puts the view back, runs the functional kernel from then on (this plan;
+  // later plans leave the operator out of the scratch) and records the node in scratch_fallbacks_.
+  c10::IValue run_scratch_step(PatchPlan& plan, size_t i);
   // evaluate_patched's work once its checks passed: pins `id` to `value`, runs its whole cone with the
   // shared loop, returns the outputs and puts every value back. No early cutoff inside the cone (the
   // row path calls it with cutoff on, where cutoff does not act inside a cone either).
   std::vector<c10::IValue> evaluate_cone_whole(int64_t id, c10::IValue value);
   at::Tensor scratch_;
+  std::vector<std::string> scratch_fallbacks_;
   bool scratch_enabled_ = true;
   uint64_t scratch_generation_ = 0;
   // Out= overloads by target and result type: the dispatcher scan runs once per kind of node.

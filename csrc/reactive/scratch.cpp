@@ -8,7 +8,11 @@
 // ir::verify_plan. A sweep then reuses the same hot memory at every site instead of allocating
 // each value afresh (for large tensors the allocator returns freed blocks to the system, and every
 // recomputed node faulted in cold pages). The same kernels run on the same inputs, so the values
-// are bit for bit those of the functional kernels.
+// are bit for bit those of the functional kernels. Every out= call is checked, as the arena executor
+// checks its own (runtime/arena_executor.h): a kernel that fails on its scratch view or leaves it
+// resized or re-pointed (using `out` as scratch of another shape, as torch 2.9's CPU mse_loss.out does)
+// runs its functional kernel instead, from that call on (Engine::run_scratch_step, scratch_fallbacks()),
+// and later plans leave the operator out of the scratch (ir::mark_out_kernel_unusable).
 //
 // A value stays allocated by its kernel (as before) when it is an output, when a value that may
 // alias it (a schema view, a getitem, _unsafe_view, a higher-order op's result) reaches an output,
@@ -41,6 +45,7 @@
 #include "reactive/engine.h"
 
 #include "ir/memory_plan.h"
+#include "ir/out_variant.h"
 #include "ir/printer.h"
 #include "ir/schema.h"
 #include "passes/memory_algorithms.h"
@@ -134,7 +139,11 @@ void Engine::plan_scratch(PatchPlan& plan) {
   // The composite steps planned as fresh results that do not write into the scratch themselves: their
   // value is checked after they run (unalias_scratch).
   std::vector<bool> in_scratch(n, false);
-  for (const ScratchOut& s : plan.scratch) in_scratch[s.step] = true;
+  plan.scratch_of.assign(n, -1);
+  for (size_t k = 0; k < plan.scratch.size(); ++k) {
+    in_scratch[plan.scratch[k].step] = true;
+    plan.scratch_of[plan.scratch[k].step] = static_cast<int32_t>(k);
+  }
   for (size_t i = 0; i < n; ++i)
     if (!in_scratch[i] && alias_of_input(*states_[plan.order[i]].node) == Alias::Checked) {
       if (plan.alias_checks.empty()) plan.alias_checks.assign(n, 0);
@@ -190,6 +199,44 @@ void Engine::unalias_scratch(c10::IValue& v) const {
   v = t.clone();  // an input's scratch buffer handed back: later steps may reuse that buffer
 }
 
+c10::IValue Engine::run_scratch_step(PatchPlan& plan, size_t i) {
+  ScratchOut& s = plan.scratch[plan.scratch_of[i]];
+  const at::Tensor& view = plan.scratch_views[plan.scratch_of[i]];
+  const NodeState& st = states_[plan.order[i]];
+  const ir::TensorMeta& m = st.node->type().tensor;
+  auto* planned_data = static_cast<uint8_t*>(scratch_.data_ptr()) + s.offset;
+  const auto in_place = [&](const at::Tensor& t) {
+    return t.defined() && t.has_storage() && t.storage().data() == planned_data && t.storage_offset() == 0 &&
+           t.sizes() == c10::IntArrayRef(m.sizes) && t.strides() == c10::IntArrayRef(m.strides);
+  };
+  c10::IValue v;
+  bool planned = true;
+  try {
+    v = plan.scratch_kernels[plan.scratch_of[i]].invoke(values_, stack_);
+  } catch (const std::exception&) {
+    planned = false;  // the functional kernel below raises the inputs' own error, if any
+  }
+  if (planned && v.isTensor() && v.toTensor().is_same(view) && in_place(view)) return v;  // (a(!) returns `out`)
+  // The kernel left its view resized or re-pointed (or failed trying): run the functional kernel from now
+  // on. The view is not put back: this plan never runs that out= kernel again (bind_scratch binds a fresh
+  // view for each scratch tensor, and leaves a fallen-back step on its functional kernel).
+  v = c10::IValue();
+  c10::IValue functional;
+  try {
+    functional = st.kernel->invoke(values_, stack_);
+  } catch (const std::exception& e) {
+    count_plan(plan, i);  // the nodes before it did run; the out= kernel is tried again next call
+    rethrow_evaluating(st, e);
+  }
+  s.fell_back = true;
+  plan.steps[i].kernel = &*st.kernel;
+  ir::mark_out_kernel_unusable(s.op.operator_name());
+  const std::string key = st.node->target().str() + "|" + c10::toString(m.dtype) + "|" + m.device.str();
+  out_variants_[key] = std::nullopt;  // plans built from now on leave the node to its kernel
+  scratch_fallbacks_.push_back(st.node->name());
+  return functional;
+}
+
 int64_t Engine::inplace_steps(const std::string& node) {
   return static_cast<int64_t>(plan_for(id_of(node)).inplace_steps.size());
 }
@@ -230,18 +277,22 @@ void Engine::bind_scratch(PatchPlan& plan) {
   }
   if (plan.scratch_generation == scratch_generation_) return;
   std::vector<runtime::BoundKernel> kernels;
+  std::vector<at::Tensor> views;
   kernels.reserve(plan.scratch.size());
+  views.reserve(plan.scratch.size());
   auto* base = static_cast<uint8_t*>(scratch_.data_ptr());
   for (const ScratchOut& s : plan.scratch) {
     const ir::Node& node = *states_[plan.order[s.step]].node;
     const ir::TensorMeta& m = node.type().tensor;
-    const at::Tensor view = at::from_blob(base + s.offset, m.sizes, m.strides,
-                                          at::TensorOptions().dtype(m.dtype).device(m.device));
+    views.push_back(at::from_blob(base + s.offset, m.sizes, m.strides,
+                                  at::TensorOptions().dtype(m.dtype).device(m.device)));
     kernels.push_back(runtime::BoundKernel::bind_as(node, s.op, [this](const ir::Node* x) { return ids_.at(x); },
-                                                    {{s.arg, c10::IValue(view)}}));
+                                                    {{s.arg, c10::IValue(views.back())}}));
   }
   plan.scratch_kernels = std::move(kernels);  // the new buffer: the old kernels' addresses are gone
-  for (size_t k = 0; k < plan.scratch.size(); ++k) plan.steps[plan.scratch[k].step].kernel = &plan.scratch_kernels[k];
+  plan.scratch_views = std::move(views);
+  for (size_t k = 0; k < plan.scratch.size(); ++k)
+    if (!plan.scratch[k].fell_back) plan.steps[plan.scratch[k].step].kernel = &plan.scratch_kernels[k];
   plan.scratch_generation = scratch_generation_;
 }
 

@@ -1,5 +1,6 @@
 #include "runtime/arena_executor.h"
 
+#include "ir/out_variant.h"
 #include "ir/schema.h"
 #include "runtime/executor.h"
 
@@ -154,6 +155,18 @@ ArenaExecutor::ArenaExecutor(std::unique_ptr<ir::Graph> lowered, ir::MemoryPlan 
       steps_[last_use[s]].release.push_back(static_cast<int64_t>(s));
 }
 
+void ArenaExecutor::count_allocated(size_t k) {
+  const ir::Node* n = plan_.order[k];
+  if (const auto& op = bound_[k].kernel.op()) ir::mark_out_kernel_unusable(op->operator_name());
+  // Its arena buffers stay (unused: the arena is allocated); the kernel's allocations add to the dynamic ones.
+  for (const ir::PlannedBuffer& b : plan_.buffers)
+    if (b.node == n) plan_.dynamic.push_back(b);
+  std::vector<ir::BufferLife> lives;
+  lives.reserve(plan_.dynamic.size());
+  for (const ir::PlannedBuffer& b : plan_.dynamic) lives.push_back(b.life);
+  plan_.dynamic_bytes = ir::lower_bound_bytes(lives);
+}
+
 c10::IValue ArenaExecutor::run_out_step(size_t k, const ValueSlots& values, std::vector<c10::IValue>& stack) {
   OutGuard& g = *bound_[k].out;
   if (!g.use_functional) {
@@ -184,6 +197,7 @@ c10::IValue ArenaExecutor::run_out_step(size_t k, const ValueSlots& values, std:
     }
     g.use_functional = true;
     fallbacks_.push_back(bound_[k].kernel.node_name());
+    count_allocated(k);
     return v2;
   }
   try {

@@ -15,7 +15,11 @@
 // mse_loss, huber_loss, soft_margin_loss and binary_cross_entropy resize it to the input's shape
 // first: "Trying to resize storage that is not resizable" on an arena view), or that resizes or
 // re-points it otherwise, runs its functional kernel instead, from that call on: the node joins
-// fallbacks() and its arena buffer stays unused. Its views are put back as planned.
+// fallbacks() and its arena buffer stays unused. Its views are put back as planned. plan() then counts
+// the kernel's allocation: the node's buffers join plan().dynamic and dynamic_bytes (and peak_bytes())
+// is recomputed, while they stay in plan().buffers (the arena holds their bytes, unused). The out=
+// overload is marked unusable (ir::mark_out_kernel_unusable): later plans leave such nodes to their
+// kernels.
 // Results are bit-exact with runtime::Executor: the same kernels run on the same values.
 //
 // Donation (JAX donate_argnums semantics): with donate=True the first `num_state` inputs are
@@ -45,6 +49,8 @@ class ArenaExecutor {
   // Runs out= step k checked (see the header comment) and returns its value.
   c10::IValue run_out_step(size_t k, const ValueSlots& values, std::vector<c10::IValue>& stack);
 
+  // The plan it was given, with the allocations of nodes whose out= kernel fell back at run time
+  // counted in `dynamic` and `dynamic_bytes` (see the header comment).
   const ir::MemoryPlan& plan() const { return plan_; }
   const ir::Graph& graph() const { return *graph_; }
   int64_t num_out_variant() const { return num_out_; }
@@ -78,6 +84,8 @@ class ArenaExecutor {
   std::vector<Bound> bound_;  // per step of the plan's order
   std::vector<Step> steps_;   // the shared run loop's steps (run_loop.h) over bound_
   std::vector<ir::Arg> outputs_;
+  // Step k's out= kernel fell back: count its allocation in plan_ and mark the overload unusable.
+  void count_allocated(size_t k);
   int64_t num_out_ = 0;
   int64_t num_inplace_ = 0;
   std::vector<std::string> fallbacks_;

@@ -187,3 +187,55 @@ TEST(ArenaExecutor, AnOutKernelThatResizesItsResultRunsTheFunctionalKernel) {
     EXPECT_EQ(ex.fallbacks(), (std::vector<std::string>{"s", "l"})) << call;  // once, from the first call on
   }
 }
+
+// A node whose out= kernel falls back at run time (see above) allocates its result from then on: the plan the
+// executor reports counts that allocation in dynamic_bytes (it was left out: the peak understated what ran),
+// and later plans leave the operator to its kernel (no arena buffer that would stay unused).
+TEST(ArenaExecutor, AnOutKernelThatFallsBackIsCountedAndNotPlannedAgain) {
+  for (const char* op : {"arena_sq_sum_resizing", "arena_sq_sum_repointing"}) {
+    std::string text = R"(graph:
+  %x : f32[16] = input()
+  %a : f32[16] = aten::sin.default(%x)
+  %l : f32[] = torch_ext_test::OP.default(%a)
+  %b : f32[16] = aten::mul.Tensor(%a, %l)
+  %s : f32[16] = aten::cos.default(%b)
+  return (%s)
+)";
+    text.replace(text.find("OP"), 2, op);
+    auto g = ir::parse(text);
+    runtime::Executor plain(*g);
+    auto lowered = g->clone();
+    ir::MemoryPlan plan = passes::plan_memory(*lowered, /*donate=*/false);
+    ir::Node* l = lowered->find("l");
+    const auto in_arena = [&](const ir::MemoryPlan& p, const ir::Node* n) {
+      return std::any_of(p.buffers.begin(), p.buffers.end(), [&](const ir::PlannedBuffer& b) { return b.node == n; });
+    };
+    const auto dynamic_of = [](const ir::MemoryPlan& p, const ir::Node* n) {
+      return std::count_if(p.dynamic.begin(), p.dynamic.end(), [&](const ir::PlannedBuffer& b) { return b.node == n; });
+    };
+    ASSERT_TRUE(in_arena(plan, l)) << op;  // its out= overload has a kernel of its own
+    ASSERT_EQ(dynamic_of(plan, l), 0) << op;
+    passes::lower_out_variants(*lowered, plan);
+    runtime::ArenaExecutor ex(std::move(lowered), plan, /*num_state=*/0, /*donate=*/false);
+    const int64_t dynamic_before = ex.plan().dynamic_bytes;
+    at::manual_seed(0);
+    for (int call = 0; call < 2; ++call) {
+      const at::Tensor x = at::randn({16});
+      EXPECT_TRUE(at::equal(ex.run({x})[0].toTensor(), plain.run({x})[0].toTensor())) << op << " " << call;
+      EXPECT_EQ(ex.fallbacks().back(), "l") << op;
+      // Counted once: l's result (4 bytes, aligned to 64) is live with a's... as the planner counts it.
+      const ir::Node* pl = ex.graph().find("l");
+      EXPECT_EQ(dynamic_of(ex.plan(), pl), 1) << op;
+      std::vector<ir::BufferLife> lives;
+      for (const auto& b : ex.plan().dynamic) lives.push_back(b.life);
+      EXPECT_EQ(ex.plan().dynamic_bytes, ir::lower_bound_bytes(lives)) << op;
+      EXPECT_GE(ex.plan().dynamic_bytes, dynamic_before + ir::align_up(4)) << op;
+      EXPECT_EQ(ex.plan().peak_bytes(), plan.peak_bytes() + ex.plan().dynamic_bytes - dynamic_before) << op;
+    }
+    // A later plan of the same graph leaves it to its kernel.
+    auto again = ir::parse(text);
+    const ir::MemoryPlan later = passes::plan_memory(*again, /*donate=*/false);
+    EXPECT_FALSE(in_arena(later, again->find("l"))) << op;
+    EXPECT_EQ(dynamic_of(later, again->find("l")), 1) << op;
+  }
+}

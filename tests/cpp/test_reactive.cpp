@@ -885,3 +885,41 @@ TEST(Reactive, AnInputWrittenInPlaceIsAnEditOfThatInput) {
   EXPECT_TRUE(at::equal(e.demand()[0].toTensor(), full()[0].toTensor()));
   e.check_invariants();
 }
+
+// The sweep's scratch checks every out= call as the arena does (runtime/arena_executor.h): an out= kernel that
+// uses `out` as scratch of another shape (it threw "Trying to resize storage that is not resizable" out of
+// evaluate_patched) or re-points it runs its functional kernel instead, from that call on, with the same bits;
+// later plans leave the operator to its kernel. The ops are tests/cpp/test_out_kernel_ops.cpp's.
+TEST(Reactive, ScratchOutKernelThatResizesOrRepointsItsResultFallsBack) {
+  for (const char* op : {"scratch_sq_sum_resizing", "scratch_sq_sum_repointing"}) {
+    std::string text = R"(graph:
+  %x : f32[16] = input()
+  %a : f32[16] = aten::sin.default(%x)
+  %l : f32[] = torch_ext_test::OP.default(%a)
+  %b : f32[16] = aten::mul.Tensor(%a, %l)
+  %s : f32[16] = aten::cos.default(%b)
+  return (%s)
+)";
+    text.replace(text.find("OP"), 2, op);
+    auto g = ir::parse(text);
+    reactive::Engine e(*g);
+    e.run({at::randn({16})});
+    std::string full_text = text;
+    const std::string a_line = "  %a : f32[16] = aten::sin.default(%x)\n";
+    full_text.replace(full_text.find(a_line), a_line.size(), "  %a : f32[16] = input()\n");
+    runtime::Executor full(*ir::parse(full_text));
+    for (int round = 0; round < 3; ++round) {
+      const at::Tensor p = at::randn({16});
+      const auto out = e.evaluate_patched("a", p);
+      EXPECT_TRUE(at::equal(out[0].toTensor(), full.run({at::zeros({16}), p})[0].toTensor())) << op << " " << round;
+      EXPECT_EQ(e.scratch_fallbacks(), std::vector<std::string>{"l"}) << op << " " << round;  // once, from the first call
+    }
+    // Another plan (patching %x) leaves %l to its kernel: no failed first call, no second fallback.
+    const at::Tensor x = at::randn({16});
+    const auto out = e.evaluate_patched("x", x);
+    const at::Tensor a = x.sin();
+    EXPECT_TRUE(at::equal(out[0].toTensor(), at::cos(a * (a * a).sum()))) << op;
+    EXPECT_EQ(e.scratch_fallbacks(), std::vector<std::string>{"l"}) << op;
+    e.check_invariants();
+  }
+}

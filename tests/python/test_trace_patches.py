@@ -46,7 +46,8 @@ def _process_state() -> dict:
         "engine": autograd_mod._engine_run_backward,
         "inference_mode": (grad_mode.inference_mode.__enter__, grad_mode.inference_mode.__exit__),
         "setup_context": function_mod._is_setup_context_defined, "register_hook": torch.Tensor.register_hook,
-        "random": (random.seed, random.setstate),
+        "random": (random.seed, random.setstate, random.random, random.uniform,
+                   sorted(k for k, v in vars(random._inst).items() if callable(v))),
         "checkpoint": (checkpoint_mod.CheckpointFunction.__dict__.get("apply"),
                        checkpoint_mod._checkpoint_without_reentrant_generator),
         "environ": type(os.environ).__getitem__,
@@ -56,11 +57,13 @@ def _process_state() -> dict:
         "global_hooks": [set(getattr(nn_module, t)) for t in ("_global_buffer_registration_hooks",
                                                                "_global_module_registration_hooks",
                                                                "_global_parameter_registration_hooks")],
+        "global_hook_registration": tuple(getattr(nn_module, f"register_module_{t}_registration_hook")
+                                          for t in ("buffer", "module", "parameter")),
         "installed": _trace_patches.installed(),
     }
     np = sys.modules.get("numpy")
     if np is not None:
-        state["numpy"] = (np.random.seed, np.random.set_state)
+        state["numpy"] = (np.random.seed, np.random.set_state, np.random.randn, np.random.uniform)
     return state
 
 
@@ -278,3 +281,174 @@ def test_nested_traces():
     _assert_same(expected[0], trained)
     assert reads == inner_reads == {"TORCH_EXT_TEST_NESTED": "2"}
     assert _changed(before, _process_state()) == []
+
+
+class _Meanwhile(nn.Module):
+    """A model whose first traced forward lets another thread run ``work`` (started by the test) and waits for
+    it to finish: ``work`` runs while this thread holds the trace's patches, deterministically (events, no
+    sleeps)."""
+
+    def __init__(self, work):
+        super().__init__()
+        self.fc, self.work = nn.Linear(8, 3), work
+        self.inside, self.done, self.errors = threading.Event(), threading.Event(), []
+
+    def start(self):
+        def other():
+            self.inside.wait(60)
+            try:
+                self.work()
+            except BaseException as e:  # noqa: BLE001 - asserted by the test
+                self.errors.append(e)
+            finally:
+                self.done.set()
+
+        t = threading.Thread(target=other)
+        t.start()
+        return t
+
+    def forward(self, x):
+        if not self.inside.is_set():
+            self.inside.set()
+            assert self.done.wait(60), "the other thread did not finish"
+        return self.fc(x)
+
+
+def test_global_module_hooks_other_threads_register_during_a_trace_are_kept():
+    """The trace removes the global module hooks it leaves behind (torch.export's buffer-registration hook when
+    it raises), not those another thread registers meanwhile: these were deleted, silently."""
+    from torch.nn.modules import module as nn_module
+
+    handles = []
+
+    def register():
+        hook = lambda module, name, value: None  # noqa: E731
+        handles.extend([nn_module.register_module_buffer_registration_hook(hook),
+                        nn_module.register_module_module_registration_hook(hook),
+                        nn_module.register_module_parameter_registration_hook(hook)])
+
+    tables = (nn_module._global_buffer_registration_hooks, nn_module._global_module_registration_hooks,
+              nn_module._global_parameter_registration_hooks)
+    try:
+        for build in (lambda m: torch_ext.make_train_step(m, torch.optim.SGD(m.parameters(), lr=0.1), _loss, _batch()),
+                      lambda m: torch_ext.ReactiveGraph(m.eval(), (_batch()[0],), cache=False)):
+            model = _Meanwhile(register)
+            t = model.start()
+            build(model)
+            t.join(60)
+            assert not model.errors, model.errors
+            assert [h.id in table for h, table in zip(handles, tables)] == [True] * 3
+            for h in handles:
+                h.remove()
+            handles.clear()
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def test_other_threads_random_draws_during_a_trace_are_not_refused():
+    """A step's trace refuses a forward that draws from Python's ``random`` or ``numpy.random`` (the draw would be
+    baked in). Another thread drawing from them meanwhile is not the forward's draw: it was refused ("draws
+    from Python's random module"), as the check compared the global generators' states before and after."""
+    import numpy as np
+
+    def draw():
+        random.random(), random.uniform(0, 1), random.randint(0, 9), random.getrandbits(8)
+        np.random.randn(3), np.random.uniform(size=2), np.random.randint(0, 9, size=2)
+        random.seed(5), np.random.seed(5)
+
+    torch.manual_seed(0)
+    model = _Meanwhile(draw)
+    t = model.start()
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, _batch())
+    t.join(60)
+    assert not model.errors, model.errors
+    assert step is not None
+
+
+class _Draws(nn.Module):
+    def __init__(self, draw):
+        super().__init__()
+        self.fc, self.draw = nn.Linear(8, 3), draw
+
+    def forward(self, x):
+        return self.fc(x) * self.draw()
+
+
+@pytest.mark.parametrize("draw, match", [
+    (lambda: random.random(), "Python's random module"),
+    (lambda: random.uniform(0.5, 1.5), "Python's random module"),
+    (lambda: float(sys.modules["numpy"].random.rand()), "numpy.random"),
+], ids=["random.random", "random.uniform", "numpy.random.rand"])
+@pytest.mark.parametrize("meanwhile", [False, True], ids=["alone", "other-thread-draws"])
+def test_the_trace_own_random_draws_are_refused_also_while_other_threads_draw(draw, match, meanwhile):
+    """A forward that draws is refused, also when another thread draws during its trace."""
+    import numpy as np
+
+    class Model(_Draws):
+        def forward(self, x):
+            if meanwhile:  # another thread draws from both generators while this thread traces
+                t = threading.Thread(target=lambda: (random.random(), np.random.randn(2)))
+                t.start()
+                t.join(60)
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model = Model(draw)
+    with pytest.raises((TypeError, NotImplementedError), match=match):
+        torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, _batch())
+
+
+def _building_thread(errors, done=None):
+    def build():
+        try:
+            torch_ext.ReactiveGraph(_seeded(_Resid).eval(), (torch.randn(4, 8),), cache=False)
+        except BaseException as e:  # noqa: BLE001 - asserted by the test
+            errors.append(e)
+        finally:
+            if done is not None:
+                done.set()
+    return threading.Thread(target=build, name="builder")
+
+
+def test_a_build_in_a_thread_the_trace_joins_raises_instead_of_deadlocking():
+    """A traced forward that joins a thread which builds a graph: tracing is serialized, so the thread waited for
+    the trace's lock while the trace waited for the thread, forever. Now the thread raises, naming the holder."""
+    errors, joined = [], []
+    before = _process_state()
+
+    class Joins(_Resid):
+        def forward(self, x):
+            if not joined:
+                t = _building_thread(errors)
+                t.start()
+                t.join(20)  # the test's own bound: before the fix the thread was still waiting here
+                joined.append(not t.is_alive())
+            return super().forward(x)
+
+    x = torch.randn(4, 8)
+    got = torch_ext.ReactiveGraph(_seeded(Joins).eval(), (x,), cache=False).run(x)
+    assert joined == [True], "the building thread still waited for the trace's lock"
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError), errors
+    assert "MainThread" in str(errors[0]) and "waits on this thread" in str(errors[0]), str(errors[0])
+    assert torch.equal(got, torch_ext.ReactiveGraph(_seeded(_Resid).eval(), (x,), cache=False).run(x))
+    assert _changed(before, _process_state()) == []
+
+
+def test_a_build_waited_on_through_an_event_raises_after_the_holder_stays_blocked(monkeypatch):
+    """The trace waits on an event the building thread sets once built (not a join: who sets an event cannot be
+    known). The building thread raises once the holder has stayed blocked in a wait for HOLDER_BLOCKED_LIMIT_S."""
+    monkeypatch.setattr(_trace_patches, "HOLDER_BLOCKED_LIMIT_S", 0.5)
+    errors, done, waited = [], threading.Event(), []
+
+    class Waits(_Resid):
+        def forward(self, x):
+            if not waited:
+                _building_thread(errors, done).start()
+                waited.append(done.wait(20))
+            return super().forward(x)
+
+    x = torch.randn(4, 8)
+    torch_ext.ReactiveGraph(_seeded(Waits).eval(), (x,), cache=False)
+    assert waited == [True], "the building thread still waited for the trace's lock"
+    assert len(errors) == 1 and "blocked" in str(errors[0]) and "MainThread" in str(errors[0]), errors
