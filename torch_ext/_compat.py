@@ -1619,6 +1619,7 @@ def make_fx_program(module: torch.nn.Module, args: tuple, kwargs: dict | None = 
 
     from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
     from torch.export.graph_signature import (ExportGraphSignature, InputSpec, OutputSpec, TensorArgument)
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
     from torch.fx.experimental.proxy_tensor import make_fx
     import torch.utils._pytree as pytree
 
@@ -1655,7 +1656,10 @@ def make_fx_program(module: torch.nn.Module, args: tuple, kwargs: dict | None = 
 
     flat_forward._orig_mod = module  # make_fx records nn_module_stack (module paths) against this root
     try:
-        gm = make_fx(flat_forward, tracing_mode="fake", pre_dispatch=True, record_module_stack=True)(*state, *args)
+        # Only the traced graph is used (the ExportedProgram below compiles its own module from it): make_fx's
+        # GraphModule defers generating and compiling its Python code (as dynamo's are), which it never needs.
+        with _use_lazy_graph_module(True):
+            gm = make_fx(flat_forward, tracing_mode="fake", pre_dispatch=True, record_module_stack=True)(*state, *args)
     except Exception as e:  # noqa: BLE001  (any failure: torch.export handles or reports it)
         raise UnsoundTrace(f"make_fx failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     graph = gm.graph
@@ -1691,7 +1695,8 @@ def make_fx_program(module: torch.nn.Module, args: tuple, kwargs: dict | None = 
                                      persistent=(k in persistent) if kind is InputKind.BUFFER else None))
     input_specs += [InputSpec(InputKind.USER_INPUT, TensorArgument(n.name), None) for n in placeholders[len(names):]]
     output_specs = [OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(o.name), None) for o in outs]
-    gm.recompile()
+    # (No gm.recompile() for the renamed placeholders: ExportedProgram builds its GraphModule from the graph,
+    # which generates the code once, with the names as they are now.)
     return torch.export.ExportedProgram(
         root=gm, graph=graph,
         graph_signature=ExportGraphSignature(input_specs, output_specs),
