@@ -1001,6 +1001,32 @@ def rnn_dropout_between_layers():
 
 
 @contextlib.contextmanager
+def make_fx_without_stack_traces():
+    """make_fx with ``record_module_stack`` traces with torch's ``_ModuleStackTracer``, which records every
+    node's Python stack (``node.meta["stack_trace"]``: a traceback extracted, symbolized, filtered and
+    formatted per node) whatever make_fx's ``record_stack_traces`` says (torch 2.9 has no option to turn it off):
+    ~12% of a make_fx build. Nothing in torch_ext reads it (the IR takes module paths from ``nn_module_stack``),
+    so the tracing thread's tracers record none; the graph, its names and ``nn_module_stack`` are unchanged."""
+    from torch.fx.experimental import proxy_tensor
+
+    cls = getattr(proxy_tensor, "_ModuleStackTracer", None)
+    original = None if cls is None else cls.__dict__.get("__init__")
+    if original is None:
+        yield
+        return
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.record_stack_traces = False
+
+    cls.__init__ = _gated(init, original)
+    try:
+        yield
+    finally:
+        cls.__init__ = original
+
+
+@contextlib.contextmanager
 def packed_sequences_refused():
     """``nn.utils.rnn.pack_padded_sequence`` (and ``pack_sequence``, which calls it) refused with a message naming
     it: a packed sequence's layout (its ``batch_sizes``) is computed from the lengths' values, which a static
@@ -1621,6 +1647,8 @@ def make_fx_program(module: torch.nn.Module, args: tuple, kwargs: dict | None = 
     from torch.export.graph_signature import (ExportGraphSignature, InputSpec, OutputSpec, TensorArgument)
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
     from torch.fx.experimental.proxy_tensor import make_fx
+
+    from . import _trace_patches
     import torch.utils._pytree as pytree
 
     if kwargs:
@@ -1658,7 +1686,7 @@ def make_fx_program(module: torch.nn.Module, args: tuple, kwargs: dict | None = 
     try:
         # Only the traced graph is used (the ExportedProgram below compiles its own module from it): make_fx's
         # GraphModule defers generating and compiling its Python code (as dynamo's are), which it never needs.
-        with _use_lazy_graph_module(True):
+        with _use_lazy_graph_module(True), _trace_patches.patched("make_fx_without_stack_traces"):
             gm = make_fx(flat_forward, tracing_mode="fake", pre_dispatch=True, record_module_stack=True)(*state, *args)
     except Exception as e:  # noqa: BLE001  (any failure: torch.export handles or reports it)
         raise UnsoundTrace(f"make_fx failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
