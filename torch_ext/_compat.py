@@ -1003,6 +1003,34 @@ def rnn_dropout_between_layers():
 
 
 @contextlib.contextmanager
+def make_fx_without_stack_traces():
+    """make_fx with ``record_module_stack`` (``make_fx_program``) and non-strict ``torch.export`` trace with
+    torch's ``_ModuleStackTracer``, which records every node's Python stack (``node.meta["stack_trace"]``: a
+    traceback extracted, symbolized, filtered and formatted per node) whatever make_fx's ``record_stack_traces``
+    says (torch 2.9 has no option to turn it off): ~12% of a make_fx build, ~18% of an export one (4-layer
+    d_model 128 TinyTransformer). Nothing in torch_ext reads it (the IR takes module paths from
+    ``nn_module_stack``), so the tracing thread's tracers record none; the graph, its names and
+    ``nn_module_stack`` are unchanged. Entered for ReactiveGraph's inference trace (``INFERENCE_TRACE``)."""
+    from torch.fx.experimental import proxy_tensor
+
+    cls = getattr(proxy_tensor, "_ModuleStackTracer", None)
+    original = None if cls is None else cls.__dict__.get("__init__")
+    if original is None:
+        yield
+        return
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.record_stack_traces = False
+
+    cls.__init__ = _gated(init, original)
+    try:
+        yield
+    finally:
+        cls.__init__ = original
+
+
+@contextlib.contextmanager
 def packed_sequences_refused():
     """``nn.utils.rnn.pack_padded_sequence`` (and ``pack_sequence``, which calls it) refused with a message naming
     it: a packed sequence's layout (its ``batch_sizes``) is computed from the lengths' values, which a static
@@ -1713,6 +1741,7 @@ def make_fx_program(module: torch.nn.Module, args: tuple, kwargs: dict | None = 
 
     from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
     from torch.export.graph_signature import (ExportGraphSignature, InputSpec, OutputSpec, TensorArgument)
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
     from torch.fx.experimental.proxy_tensor import make_fx
     import torch.utils._pytree as pytree
 
@@ -1749,7 +1778,10 @@ def make_fx_program(module: torch.nn.Module, args: tuple, kwargs: dict | None = 
 
     flat_forward._orig_mod = module  # make_fx records nn_module_stack (module paths) against this root
     try:
-        gm = make_fx(flat_forward, tracing_mode="fake", pre_dispatch=True, record_module_stack=True)(*state, *args)
+        # Only the traced graph is used (the ExportedProgram below compiles its own module from it): make_fx's
+        # GraphModule defers generating and compiling its Python code (as dynamo's are), which it never needs.
+        with _use_lazy_graph_module(True):
+            gm = make_fx(flat_forward, tracing_mode="fake", pre_dispatch=True, record_module_stack=True)(*state, *args)
     except Exception as e:  # noqa: BLE001  (any failure: torch.export handles or reports it)
         raise UnsoundTrace(f"make_fx failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     graph = gm.graph
@@ -1785,7 +1817,8 @@ def make_fx_program(module: torch.nn.Module, args: tuple, kwargs: dict | None = 
                                      persistent=(k in persistent) if kind is InputKind.BUFFER else None))
     input_specs += [InputSpec(InputKind.USER_INPUT, TensorArgument(n.name), None) for n in placeholders[len(names):]]
     output_specs = [OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(o.name), None) for o in outs]
-    gm.recompile()
+    # (No gm.recompile() for the renamed placeholders: ExportedProgram builds its GraphModule from the graph,
+    # which generates the code once, with the names as they are now.)
     return torch.export.ExportedProgram(
         root=gm, graph=graph,
         graph_signature=ExportGraphSignature(input_specs, output_specs),
@@ -1897,6 +1930,8 @@ def strip_hook_points(ep: torch.export.ExportedProgram) -> dict[str, str]:
             renamed[n.name] = alias.name
             hooks[name] = alias.name
         g.erase_node(n)
+    if not renamed:  # no marker: the graph and its code are as they were (a recompile costs ~5 ms per 150 nodes)
+        return hooks
     for spec in ep.graph_signature.output_specs:
         arg = getattr(spec, "arg", None)
         while arg is not None and getattr(arg, "name", None) in renamed:

@@ -4,9 +4,9 @@ To trace what eager computes, torch_ext swaps process-global things for the dura
 attributes of torch (aot_autograd's ``make_fx``, the RNN decomposition's helper, ``torch._VF``'s
 ``_pack_padded_sequence``, the autograd engine's entry, ``inference_mode``'s methods, ...), Python kernels on
 ATen ops (``aten.prod``'s Autograd kernel, ``aten.cumprod_backward``'s), Inductor's lowerings, the environment
-variable reader. Stacked by hand in each entry point, two threads tracing at once saw each other's patches,
-and one thread's exit removed a patch the other still relied on (or put back the other's, leaving it installed
-for good).
+variable reader, the stack-trace recording of make_fx's module-stack tracer. Stacked by hand in each entry
+point, two threads tracing at once saw each other's patches, and one thread's exit removed a patch the other
+still relied on (or put back the other's, leaving it installed for good).
 
 Here every patch is entered through ``patched(*names)``:
 
@@ -132,6 +132,7 @@ def _factories() -> dict:
         "eager_half_dropout_backward": _compat.eager_half_dropout_backward,
         "aten_max_pool_backward_in_inductor": _compat.aten_max_pool_backward_in_inductor,
         "exact_subgraph_strides": _compat.exact_subgraph_strides,
+        "make_fx_without_stack_traces": _compat.make_fx_without_stack_traces,
     }
 
 
@@ -141,7 +142,7 @@ ORDER = ("env_reads", "python_random_draws", "backward_only_code", "global_modul
          "refuse_autograd_in_trace", "rnn_dropout_between_layers", "packed_sequences_refused",
          "eager_autograd_kernels", "joint_replayed_without_autograd", "eager_cumprod_backward",
          "eager_prod_backward", "eager_half_dropout_backward", "aten_max_pool_backward_in_inductor",
-         "exact_subgraph_strides")
+         "exact_subgraph_strides", "make_fx_without_stack_traces")
 # Patches that yield what the block did (reads, draws, code found): entered again at each nesting level.
 COLLECTORS = frozenset({"env_reads", "python_random_draws", "backward_only_code"})
 
@@ -151,7 +152,8 @@ STEP_EXPORT = ("env_reads", "python_random_draws", "backward_only_code", "global
                "refuse_autograd_in_trace", "rnn_dropout_between_layers", "packed_sequences_refused")
 JOINT_EXPORT = ("rnn_dropout_between_layers", "eager_autograd_kernels", "joint_replayed_without_autograd",
                 "eager_cumprod_backward", "eager_prod_backward", "eager_half_dropout_backward")
-INFERENCE_TRACE = ("global_module_hooks_restored", "rnn_dropout_between_layers", "packed_sequences_refused")
+INFERENCE_TRACE = ("global_module_hooks_restored", "rnn_dropout_between_layers", "packed_sequences_refused",
+                   "make_fx_without_stack_traces")
 AOTI_COMPILE = ("aten_max_pool_backward_in_inductor", "exact_subgraph_strides")
 
 

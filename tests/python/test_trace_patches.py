@@ -32,6 +32,7 @@ def _process_state() -> dict:
     from torch._inductor.graph import SubgraphLowering
     from torch.autograd import function as function_mod
     from torch.autograd import grad_mode
+    from torch.fx.experimental import proxy_tensor
     from torch.nn.modules import module as nn_module
     from torch.utils import checkpoint as checkpoint_mod
 
@@ -54,6 +55,7 @@ def _process_state() -> dict:
         "py_kernels": {str(op): dict(op.py_kernels) for op in ops},
         "lowering": lowering.lowerings.get(torch.ops.aten.max_pool2d_with_indices_backward.default),
         "inductor": (ir.Conditional.__dict__["create"], SubgraphLowering.output),
+        "stack_tracer": proxy_tensor._ModuleStackTracer.__dict__["__init__"],
         "global_hooks": [set(getattr(nn_module, t)) for t in ("_global_buffer_registration_hooks",
                                                                "_global_module_registration_hooks",
                                                                "_global_parameter_registration_hooks")],
