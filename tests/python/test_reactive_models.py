@@ -452,3 +452,98 @@ def test_batched_sites_refuse_a_pad_of_dim_0():
     with pytest.raises(ValueError, match="pad"):
         torch_ext.sweep(rg, [("relu", 0), ("relu", 1)], lambda v, s: v * s[1], lambda o: o.sum(), progress=False,
                         positions=False, batch_sites=True)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_split_heads_on_hugging_face_gpt2_conv1d_equals_eager_head_patching(batch):
+    """GPT-2's c_proj is a Hugging Face Conv1D (view -> addmm(b, x2d, W[in, out]) -> view), not an nn.Linear:
+    split_heads splits it too. Reference with the same kernels: eager GPT-2 whose every c_proj computes the
+    per-head form through a forward hook (matmul per head, sum over heads, add the bias), as the split graph
+    does in every layer. Against it the cached hook_result and the per-head patching sweep are equal bit for bit.
+    Against unmodified GPT-2 with a pre-hook patching the head's slice of z before the addmm, the sweep agrees
+    within rel 1e-5 / abs 1e-6: the per-head form sums over heads in another order than the addmm's dot
+    products, and that rounding reaches every later layer."""
+    from torch_ext import patching
+
+    model, layers, proj = _hf_model("gpt2")
+    g = torch.Generator().manual_seed(batch)
+    clean = torch.randint(0, 64, (batch, 6), generator=g)
+    corrupted = clean.clone()
+    corrupted[:, 2] = (corrupted[:, 2] + 5) % 64
+    metric = lambda logits: logits[:, -1, 3].mean() - logits[:, -1, 4].mean()  # noqa: E731
+
+    def per_head(l, z):  # [batch, pos, head, d_model], as the pass computes it
+        w = proj[l].weight.detach()  # Conv1D: [in = head * d_head, out = d_model]
+        return torch.matmul(z.view(*z.shape[:-1], 4, 1, 8), w.view(4, 8, 32)).squeeze(-2)
+
+    def run_per_head(tokens, patch=None, record=None):
+        """Eager logits with every c_proj in its per-head form; patch = (layer, head, clean result)."""
+        def hook(m, a, out, l):
+            r = per_head(l, a[0])
+            if record is not None:
+                record[l] = r
+            if patch is not None and patch[0] == l:
+                r = r.clone()
+                r[:, :, patch[1]] = patch[2][:, :, patch[1]]
+            return r.sum(-2) + m.bias
+
+        hs = [proj[l].register_forward_hook(lambda m, a, out, l=l: hook(m, a, out, l)) for l in range(2)]
+        try:
+            with torch.no_grad():
+                return model(tokens, use_cache=False).logits
+        finally:
+            for h in hs:
+                h.remove()
+
+    clean_results, clean_z = {}, {}
+    clean_logits = run_per_head(clean, record=clean_results)
+    hs = [proj[l].register_forward_pre_hook(lambda m, a, l=l: clean_z.setdefault(l, a[0])) for l in range(2)]
+    with torch.no_grad():
+        plain_logits = model(clean, use_cache=False).logits
+    for h in hs:
+        h.remove()
+
+    rg = torch_ext.ReactiveGraph(model, (clean,), split_heads=True)
+    out, cache = rg.run_with_cache(clean)
+    assert torch.equal(out.logits, clean_logits)
+    assert torch.allclose(out.logits, plain_logits, rtol=1e-5, atol=1e-6)
+    for l in range(2):
+        assert cache[f"blocks.{l}.attn.hook_result"].shape == (batch, 6, 4, 32)
+        assert torch.equal(cache[f"blocks.{l}.attn.hook_result"], clean_results[l])
+    rg.run(corrupted)
+    ours = patching.generic_activation_patch(rg, corrupted, cache, metric, patching.layer_head_vector_patch_setter,
+                                             "result", ("layer", "head"))
+    assert ours.shape == (2, 4)
+    for l in range(2):
+        for head in range(4):
+            def put_z(m, a, l=l, head=head):
+                x = a[0].clone()
+                x[..., head * 8:(head + 1) * 8] = clean_z[l][..., head * 8:(head + 1) * 8]
+                return (x,) + tuple(a[1:])
+
+            same_kernels = float(metric(run_per_head(corrupted, patch=(l, head, clean_results[l]))))
+            h = proj[l].register_forward_pre_hook(put_z)
+            with torch.no_grad():
+                z_patched = float(metric(model(corrupted, use_cache=False).logits))
+            h.remove()
+            assert ours[l, head].item() == same_kernels, (l, head)
+            assert ours[l, head].item() == pytest.approx(z_patched, rel=1e-5, abs=1e-6), (l, head)
+
+
+def test_split_heads_on_hugging_face_gpt2_refuses_a_projection_it_cannot_prove():
+    """A c_proj whose addmm is scaled (alpha != 1) is not the Conv1D form: the refusal names the addmm and what
+    was expected, and the graph is left as it was (no hook_result)."""
+    model, _, proj = _hf_model("gpt2")
+    tokens = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(0))
+
+    def scaled(self, x):
+        out = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight, alpha=0.5)
+        return out.view(x.size()[:-1] + (self.nf,))
+
+    proj[1].forward = scaled.__get__(proj[1])
+    with pytest.raises(RuntimeError, match=r"split_heads: %addmm_\d+ has alpha other than 1"):
+        torch_ext.ReactiveGraph(model, (tokens,), split_heads=True)
+    rg = torch_ext.ReactiveGraph(model, (tokens,))
+    assert not rg.nodes("blocks.*.attn.hook_result")
+    with torch.no_grad():
+        assert torch.equal(rg.demand().logits, model(tokens, use_cache=False).logits)
