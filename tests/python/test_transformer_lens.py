@@ -359,3 +359,31 @@ def test_rms_norm_bridge_equals_transformer_lens(rms_bridge, name):
     with torch.no_grad():
         assert torch.equal(rg.demand(), rms_bridge(corrupted))
     assert "blocks.0.ln1.hook_normalized" not in rg.hook_names
+
+
+def test_split_heads_on_a_bridge_over_hugging_face_gpt2(tmp_path):
+    """A TransformerBridge over Hugging Face GPT-2 keeps GPT-2's Conv1D c_proj (view -> addmm(b, x2d, W[in, out])
+    -> view): split_heads splits it. hook_result is z through W's rows per head; head-result patching equals
+    TransformerLens's z patching within 1e-6 (the sum over heads adds in another order than the addmm)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16,
+                                  architectures=["GPT2LMHeadModel"])
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    cfg.save_pretrained(tmp_path)  # a local config: no hub access
+    gpt2 = tl.TransformerBridge.boot_transformers(str(tmp_path), hf_model=model, load_weights=False).eval()
+    clean, corrupted = _prompts(2)
+    _, tl_cache = gpt2.run_with_cache(clean)
+    rg = torch_ext.ReactiveGraph(gpt2, (clean,), split_heads=True)
+    out, cache = rg.run_with_cache(clean)
+    assert torch.allclose(out, gpt2(clean).detach(), rtol=1e-5, atol=1e-6)
+    for l in range(2):
+        w = model.transformer.h[l].attn.c_proj.weight.detach()  # Conv1D: [head * d_head, d_model]
+        expected = torch.einsum("bphd,hdD->bphD", tl_cache[f"blocks.{l}.attn.hook_z"], w.view(4, 8, 32))
+        assert torch.allclose(cache[f"blocks.{l}.attn.hook_result"], expected, rtol=1e-5, atol=1e-6)
+    rg.run(corrupted)
+    ours = patching.generic_activation_patch(rg, corrupted, cache, _metric, patching.layer_head_vector_patch_setter,
+                                             "result", ("layer", "head"))
+    ref = tl_patching.get_act_patch_attn_head_out_all_pos(gpt2, corrupted, tl_cache, _metric)
+    assert ours.shape == ref.shape == (2, 4)
+    assert torch.allclose(ours, ref, rtol=1e-6, atol=1e-6), float((ours - ref).abs().max())
