@@ -530,6 +530,26 @@ def test_split_heads_on_hugging_face_gpt2_conv1d_equals_eager_head_patching(batc
             assert ours[l, head].item() == pytest.approx(z_patched, rel=1e-5, abs=1e-6), (l, head)
 
 
+def test_split_heads_on_hugging_face_gpt2_carries_to_batched_sites():
+    """The K-times batched graph of batched sites splits GPT-2's Conv1D c_proj too: hook_result sweeps agree
+    with the one-at-a-time sweep (within 1e-6: a batched GEMM may round differently)."""
+    from torch_ext import patching
+
+    model, _, _ = _hf_model("gpt2")
+    clean = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(2))
+    corrupted = clean.clone()
+    corrupted[:, 2] = (corrupted[:, 2] + 5) % 64
+    metric = lambda logits: logits[:, -1, 3].mean() - logits[:, -1, 4].mean()  # noqa: E731
+    rg = torch_ext.ReactiveGraph(model, (clean,), split_heads=True)
+    _, cache = rg.run_with_cache(clean)
+    rg.run(corrupted)
+    args = (rg, corrupted, cache, metric, patching.layer_head_vector_patch_setter, "result", ("layer", "head"))
+    one = patching.generic_activation_patch(*args)
+    batched = patching.generic_activation_patch(*args, batch_sites=True)
+    assert one.shape == (2, 4) and bool((one != 0).any())
+    assert torch.allclose(one, batched, rtol=1e-6, atol=1e-6), float((one - batched).abs().max())
+
+
 def test_split_heads_on_hugging_face_gpt2_refuses_a_projection_it_cannot_prove():
     """A c_proj whose addmm is scaled (alpha != 1) is not the Conv1D form: the refusal names the addmm and what
     was expected, and the graph is left as it was (no hook_result)."""
