@@ -195,8 +195,8 @@ py::list run_without_gil(py::sequence inputs, Fn&& fn) {
 // The sweep's hot loop (torch_ext.reactive._sweep): for every site, in order, `patch(clean, site)` on the
 // node's cached value (a write into it is refused by its version counter), the node's prepared cone
 // evaluated with the result (Engine::evaluate_patched, or, with `rows`, evaluate_patched_rows for a node
-// with a sequence axis), `metric(outputs)` (a write into the cached outputs refused the same way), its value
-// kept. Python runs only the user's callbacks; everything between them stays here. `user` maps the
+// with a sequence axis), `metric(outputs)` on copies of the outputs (metric_copy; an in-place write into
+// them refused the same way), its value kept. Python runs only the user's callbacks; everything between them stays here. `user` maps the
 // flat outputs to what the metric receives: an int (that output alone) or a callable. `convert` turns
 // a metric result other than a float or a one-element floating tensor into what is stored, and
 // `fail(kind, i)` raises the Python error for site i ("patch_wrote", "not_tensor", "metric_wrote"); a
@@ -236,6 +236,24 @@ at::Tensor lazy_copy(const at::Tensor& t) {
   const c10::StorageImpl& storage = *t.storage().unsafeGetStorageImpl();
   if (storage.nbytes() != t.nbytes()) return {};
   if (!c10::impl::cow::has_simple_data_ptr(storage) && !c10::impl::cow::is_cow_data_ptr(storage.data_ptr())) return {};
+  return at::_lazy_clone(t);
+}
+
+// What a metric is handed for an output `t` (a cached value, a row buffer reused across sites, or a slice
+// of a batched output): a copy, so that a write through .data, .numpy() or the storage, which shares the
+// memory but not the version counter, cannot reach the cache. Copy on write (at::_lazy_clone, same sizes,
+// strides and storage offset as `t`: the metric sees the tensor it saw before) where the memory allows it,
+// so a metric that only reads costs no copy; else t.clone(). Not a tensor: itself.
+c10::IValue metric_copy(const c10::IValue& v) {
+  if (!v.isTensor()) return v;
+  const at::Tensor& t = v.toTensor();
+  if (!t.defined()) return v;
+  if (t.requires_grad() || t.layout() != at::kStrided || !t.has_storage() || t.is_conj() || t.is_neg() ||
+      t.unsafeGetTensorImpl()->is_python_dispatch())
+    return t.clone();
+  const c10::StorageImpl& storage = *t.storage().unsafeGetStorageImpl();
+  if (!c10::impl::cow::has_simple_data_ptr(storage) && !c10::impl::cow::is_cow_data_ptr(storage.data_ptr()))
+    return t.clone();
   return at::_lazy_clone(t);
 }
 
@@ -333,22 +351,30 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
       else
         flat = e.evaluate_patched(nodes[i], std::move(value));
     }
-    std::vector<std::pair<at::Tensor, int64_t>> guarded;  // outputs the metric could write into
+    // The metric gets copies of the outputs (metric_copy): the engine's buffers are never handed out. An
+    // in-place write into a copy is still refused (its version counter), as documented.
+    std::vector<std::pair<at::Tensor, int64_t>> guarded;  // the copies the metric could write into
     py::object outs;
     if (single) {
       TORCH_CHECK(single_index >= 0 && single_index < static_cast<int64_t>(flat.size()),
                   "sweep_sites: output index ", single_index, " out of range");
+      flat[single_index] = metric_copy(flat[single_index]);
       outs = ivalue_to_py(flat[single_index]);
+      const int64_t version = flat[single_index].isTensor() ? tensor_version(flat[single_index].toTensor()) : -1;
+      if (version >= 0) guarded.emplace_back(flat[single_index].toTensor(), version);
     } else {
       py::list l;
-      for (const auto& v : flat) l.append(ivalue_to_py(v));
+      for (auto& v : flat) {
+        v = metric_copy(v);
+        l.append(ivalue_to_py(v));
+        const int64_t version = v.isTensor() ? tensor_version(v.toTensor()) : -1;
+        if (version >= 0) guarded.emplace_back(v.toTensor(), version);
+      }
       outs = user(l);
     }
-    for (const auto& v : flat) {
-      const int64_t version = v.isTensor() ? tensor_version(v.toTensor()) : -1;
-      if (version >= 0) guarded.emplace_back(v.toTensor(), version);
-    }
-    flat.clear();  // the engine reuses an output's buffer only while it holds the sole reference
+    // The engine's references go now: it reuses an output's buffer only while it holds the sole reference,
+    // and a copy nobody kept leaves that buffer's memory its own again when the engine next writes it.
+    flat.clear();
     py::object result = metric(outs);
     bool wrote = false;
     for (const auto& [t, version] : guarded) wrote = wrote || tensor_version(t) != version;
@@ -710,6 +736,10 @@ PYBIND11_MODULE(_C, m) {
       py::arg("tensors"));
   // The copy a patch function is handed (ReactiveGraph._call_patch_fn): a copy-on-write copy where one can
   // stand for clone() (lazy_copy above), else None.
+  // What a sweep's metric is handed for an output (metric_copy above): a copy-on-write copy of the same
+  // geometry where the memory allows it, else a clone.
+  m.def(
+      "metric_copy", [](const at::Tensor& t) { return metric_copy(c10::IValue(t)).toTensor(); }, py::arg("tensor"));
   m.def(
       "lazy_copy",
       [](const at::Tensor& t) -> py::object {

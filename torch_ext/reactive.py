@@ -1725,9 +1725,20 @@ def _metric_value(m, site):
 
 
 def _measure(rg: ReactiveGraph, metric, outs, site):
-    """metric(outs), refusing a metric that writes into the (cached) outputs."""
-    leaves = [outs] if isinstance(outs, torch.Tensor) else pytree.tree_leaves(outs)
-    flat = [t for t in leaves if isinstance(t, torch.Tensor) and not t.is_inference()]
+    """metric(outs) on copies of the outputs, refusing a metric that writes into them in place.
+
+    The outputs are the cached values, row buffers reused across sites or slices of a batched output: a
+    write through ``.data`` or ``.numpy()`` shares their memory but not their version counter, so the
+    metric is handed copies (``_C.metric_copy``: copy on write, the same geometry, where the memory allows
+    it, so a metric that only reads costs no copy; else a clone), as the C++ loop (sweep_sites) does."""
+    if isinstance(outs, torch.Tensor):
+        outs = _C.metric_copy(outs)
+        flat = [outs] if not outs.is_inference() else []
+    else:
+        leaves, spec = pytree.tree_flatten(outs)
+        leaves = [_C.metric_copy(t) if isinstance(t, torch.Tensor) else t for t in leaves]
+        outs = pytree.tree_unflatten(leaves, spec)
+        flat = [t for t in leaves if isinstance(t, torch.Tensor) and not t.is_inference()]
     versions = [t._version for t in flat]
     value = _metric_value(metric(outs), site)
     if any(t._version != v for t, v in zip(flat, versions)):
@@ -1928,12 +1939,9 @@ def _read_key(rg: "ReactiveGraph", key) -> int:
 
 
 def _raise_metric_wrote(rg: ReactiveGraph, site):
-    try:
-        rg._engine.demand()  # finds the written outputs and marks them for recomputation
-    except RuntimeError:
-        pass
-    raise ValueError(f"the metric wrote into the model outputs in place at site {site!r} (they are the cached "
-                     "values); the cache is repaired. Compute on a copy instead (e.g. out = out.clone()).")
+    raise ValueError(f"the metric wrote into the model outputs in place at site {site!r}; it was handed copies, "
+                     "so the cache is intact, but a metric must not write into its outputs. Compute on a copy "
+                     "instead (e.g. out = out.clone()).")
 
 
 def _site_path(rg: ReactiveGraph, node: str, pinned, read_rows) -> str:
@@ -2390,7 +2398,9 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     tuples (e.g. ``("add_3", position)``). ``patch(value, site)`` returns the patched value, where
     ``value`` is the node's current value (standing patches and grafts included); it must return a
     new tensor, not write into ``value``. ``metric(outputs)`` returns a float, a tensor (one value
-    per example is kept as a tensor) or a dict of those. Each site runs as a transaction: the
+    per example is kept as a tensor) or a dict of those; it is handed copies of the outputs (copy on
+    write: free unless written, so a write through ``.data`` or ``.numpy()`` cannot reach the cache),
+    and an in-place write into them is refused as for ``patch``. Each site runs as a transaction: the
     sweep leaves standing patches and grafts exactly as it found them, also when a callback raises.
 
     With ``batch_sites=True`` the sites that share a node (so their cones coincide) are evaluated
@@ -2655,8 +2665,7 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
                 wrote.append(s)
         # Drop the outputs now: the engine reuses their buffers only while it holds the sole reference.
         del flat, parts
-        if wrote:
-            rg._batched.pop(key, None)  # its clean outputs may be the written ones: built again
+        if wrote:  # into the copies _measure handed it: the batched engine's outputs are intact
             _raise_metric_wrote(rg, wrote[0])
         st_after = big.stats()
         measured += st_after["evaluations"] - st_before["evaluations"]

@@ -247,6 +247,16 @@ class _LrSchedule:
         if len(set(owners)) != len(owners):
             raise ValueError("two schedulers drive the same optimizer; chain them with ChainedScheduler or SequentialLR")
         self._originals = schedulers
+        # A scheduler restored from a checkpoint (sched.load_state_dict) past epoch 0 whose optimizer was not
+        # (opt.load_state_dict): the optimizer's lr is not the scheduler's last lr, so the replay (which steps
+        # on from the optimizer's lr) disagrees with a saved state's lr. Kept to name that cause in check_state.
+        self._restored_alone = None
+        for sch, j in zip(schedulers, owners):
+            last = getattr(sch, "_last_lr", None)
+            now = [float(g["lr"]) for g in optimizers[j].param_groups]
+            if _sched_epoch(sch) > 0 and last is not None and [float(v) for v in last] != now:
+                self._restored_alone = (type(sch).__name__, _sched_epoch(sch), [float(v) for v in last], now)
+                break
         # A state's sched_epoch is the scheduler's own epoch (last_epoch), so a step built with a
         # scheduler restored from a checkpoint reads a saved state's epoch the same way as one built
         # with a fresh scheduler; the replay starts at the build's epoch.
@@ -397,6 +407,13 @@ class _LrSchedule:
                              "are refused")
         if have != want:
             names = ", ".join(type(s).__name__ for s in self._originals)
+            if self._restored_alone is not None:
+                name, epoch, last, now = self._restored_alone
+                raise ValueError(f"{state.describe()} has lr {have}, but {who}'s scheduler ({names}) gives {want} "
+                                 f"after {state.sched_epoch} steps: its {name} was restored at epoch {epoch} (last lr "
+                                 f"{last}), but its optimizer was not (its lr is {now}), so the replay steps on from "
+                                 "the wrong lr. Restore the optimizer's state too (opt.load_state_dict(...) with "
+                                 "sched.load_state_dict(...)) before building the step")
             raise ValueError(f"{state.describe()} has lr {have}, but {who}'s scheduler ({names}) gives {want} "
                              f"after {state.sched_epoch} steps: the lr of a step run with a scheduler follows the "
                              "scheduler, so a hand-set lr (state.set_lr) is refused; run it without the scheduler "

@@ -95,6 +95,20 @@ bool draws_random(const ir::Node& n) {
     if (a == nullptr) return false;  // schema default: 0
     if ((a->kind == ir::Arg::Kind::Float && a->f == 0.0) || (a->kind == ir::Arg::Kind::Int && a->i == 0)) return false;
   }
+  // An op with a `training` flag (aten::rrelu, rrelu_with_noise and its functional form: an RReLU in eval
+  // mode) draws nothing when the flag is a constant false: the mean slope, (lower + upper) / 2.
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].name() != "training" || params[i].type()->kind() != c10::TypeKind::BoolType) continue;
+    const ir::Arg* a = i < n.args().size() ? &n.args()[i] : n.kwarg("training");
+    if (a == nullptr) {
+      if (params[i].default_value().has_value() && params[i].default_value()->isBool() &&
+          !params[i].default_value()->toBool())
+        return false;
+      break;
+    }
+    if (a->kind == ir::Arg::Kind::Bool && a->i == 0) return false;
+    break;
+  }
   if (op->hasTag(at::Tag::nondeterministic_seeded)) return true;
   for (const auto& a : params)
     if (a.type()->kind() == c10::TypeKind::OptionalType &&

@@ -125,16 +125,16 @@ bool row_bytes_differ(const c10::IValue& cached, const c10::IValue& now, int64_t
     int64_t outer = 1;
     for (int64_t d = 0; d < axis; ++d) outer *= a.size(d);
     const int64_t inner = a.numel() / (outer * T);
-    const auto* ca = static_cast<const char*>(a.data_ptr());
-    const auto* cb = static_cast<const char*>(b.data_ptr());
+    const auto* ca = static_cast<const char*>(a.const_data_ptr());
+    const auto* cb = static_cast<const char*>(b.const_data_ptr());
     for (int64_t o = 0; o < outer; ++o) {
       const int64_t at_row = (o * T + row) * inner * item;
       if (std::memcmp(ca + at_row, cb + at_row, static_cast<size_t>(inner * item)) != 0) return true;
     }
     return false;
   }
-  const auto* pa = static_cast<const char*>(a.data_ptr()) + row * a.stride(axis) * item;
-  const auto* pb = static_cast<const char*>(b.data_ptr()) + row * b.stride(axis) * item;
+  const auto* pa = static_cast<const char*>(a.const_data_ptr()) + row * a.stride(axis) * item;
+  const auto* pb = static_cast<const char*>(b.const_data_ptr()) + row * b.stride(axis) * item;
   c10::SmallVector<int64_t, 8> sizes, sa, sb;  // the row's other dims (no heap allocation: asked at every site)
   for (int64_t d = 0; d < a.dim(); ++d)
     if (d != axis) sizes.push_back(a.size(d)), sa.push_back(a.stride(d) * item), sb.push_back(b.stride(d) * item);

@@ -124,6 +124,27 @@ TEST(ThreadRng, OtherRandomOpsAreRefusedAndTheGraphIsUnchanged) {
   EXPECT_EQ(ir::print(*g), text);
 }
 
+// An RReLU in eval mode (training=False) applies the mean slope and draws nothing: left alone. In training
+// mode it draws, and is refused by name with the graph unchanged.
+TEST(ThreadRng, RreluDrawsOnlyInTrainingMode) {
+  const char* eval = R"(graph:
+  %x : f32[4] = input()
+  %z : f32[4] = aten::empty_like.default(%x)
+  %r : (f32[4], f32[4]) = aten::rrelu_with_noise_functional.default(%x, %z, 0.125, 0.375, False)
+  %o : f32[4] = getitem(%r, 0)
+  return (%o)
+)";
+  auto g = ir::parse(eval);
+  EXPECT_EQ(passes::thread_rng(*g), nullptr);
+  EXPECT_EQ(ir::print(*g), eval);
+  const std::string train = std::string(eval).replace(std::string(eval).find("False"), 5, "True");
+  auto t = ir::parse(train);
+  EXPECT_NE(error_of([&] { passes::thread_rng(*t); })
+                .find("node %r (aten::rrelu_with_noise_functional.default) draws from the global random generator"),
+            std::string::npos);
+  EXPECT_EQ(ir::print(*t), train);
+}
+
 // A VAE's reparameterisation: noise like a tensor. randn_like / rand_like draw from the threaded state
 // (after the dropout before them), exactly as eager's randn_like / rand_like do from the same state.
 TEST(ThreadRng, NoiseLikeATensorDrawsFromTheStateAsEagerDoes) {

@@ -846,3 +846,43 @@ def test_aoti_package_of_an_expanded_example_batch_reads_every_row(tmp_path):
     want_losses, want = run(step, step.init_state(), bs)
     torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)
     assert_states_equal(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("restore_optimizer", [False, True])
+def test_resuming_with_only_the_scheduler_restored_names_the_optimizer(restore_optimizer):
+    # A checkpoint resumed with sched.load_state_dict but not opt.load_state_dict: the fresh optimizer's lr
+    # is the initial one, so the replay disagrees with the saved state's lr. It was refused as a hand-set lr
+    # (state.set_lr), which the user never called; the message now names the optimizer not restored.
+    import copy
+    sched = lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5)  # noqa: E731
+    loss = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    g = torch.Generator().manual_seed(1)
+    bs = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(5)]
+    m1 = copy.deepcopy(base)
+    o1 = torch.optim.SGD(m1.parameters(), lr=0.1, momentum=0.9)
+    s1 = sched(o1)
+    step = torch_ext.make_train_step(m1, o1, loss, bs[0], scheduler=s1)
+    state = step.init_state()
+    for b in bs[:3]:
+        _, state = step(state, *b)
+    saved = state.state_dict()
+    step.write_back(state)
+    m2 = copy.deepcopy(base)
+    o2 = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
+    s2 = sched(o2)
+    if restore_optimizer:
+        o2.load_state_dict(copy.deepcopy(o1.state_dict()))
+    s2.load_state_dict(copy.deepcopy(s1.state_dict()))
+    resumed = torch_ext.make_train_step(m2, o2, loss, bs[0], scheduler=s2)
+    state2 = resumed.load_state_dict(saved)
+    if not restore_optimizer:
+        with pytest.raises(ValueError, match=r"StepLR was restored at epoch 3 .*but its optimizer was not "
+                                             r"\(its lr is \[0\.1\]\).*opt\.load_state_dict") as e:
+            resumed(state2, *bs[3])
+        assert "set_lr" not in str(e.value)
+        return
+    want = step(state, *bs[3])[0]
+    got = resumed(state2, *bs[3])[0]
+    assert torch.equal(got, want)

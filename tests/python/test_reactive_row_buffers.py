@@ -92,3 +92,21 @@ def test_qkv_joined_once_keeps_no_rows_of_an_earlier_site():
                 assert torch.equal(g[:, :pos], f[:, :pos]), pos  # causal: the rows before p are cached
                 assert float((g - f).abs().max() / f.abs().max()) <= 1e-6, pos
     rg.check_invariants()
+
+
+def test_the_row_path_reads_a_copy_on_write_cached_value_without_materialising_it():
+    # evaluate_patched_rows compares the patched value's edge rows with the cached value's bytes; read
+    # through a mutable data_ptr(), a cached value sharing its memory copy-on-write (a lazy copy handed to
+    # a patch function or metric and kept) was given a copy of its own at every site: a whole-value copy.
+    rg, sites, patch = _setup(16, scratch=True)
+    eng = rg._engine
+    node, pos = sites[2]  # ("add", 2): a corrupted position
+    cached = eng.value(node)
+    kept = torch_ext._C.lazy_copy(cached)
+    assert kept is not None and torch._C._is_cow_tensor(cached)
+    value = patch(cached, (node, pos))
+    assert eng.first_changed_row(node, value) == pos
+    eng.evaluate_patched_rows(node, value, *rg._read_spec(None))
+    assert eng.value(node) is cached or torch.equal(eng.value(node), cached)
+    assert torch._C._is_cow_tensor(eng.value(node)), "the cached value was materialised"
+    assert torch.equal(kept, cached)

@@ -524,27 +524,53 @@ def test_patch_function_writing_through_data_or_numpy_cannot_corrupt_the_cache(r
     rg.check_invariants()
 
 
-@pytest.mark.xfail(strict=True, reason="metrics are handed the cached outputs (and, with token-granular cones, the "
-                   "row buffers reused across sites); a write through .data or .numpy() bypasses the version "
-                   "counter that guards them, so it reaches the cache unseen. Needs a copy of the outputs per site "
-                   "or a content check; not done (cost per site of a whole output)")
-def test_metric_writing_through_data_cannot_corrupt_the_cache(resid):
+_SWEEP_PATHS = {
+    # name: (sweep keyword arguments, standing patch on tanh_0)
+    "cpp_rows": ({}, False),  # the C++ per-site loop, token-granular rows (row buffers reused across sites)
+    "cpp_whole": ({"positions": False}, False),  # the C++ per-site loop, whole cones
+    "transaction": ({}, True),  # a standing patch: the Python transaction path
+    "batched_rows": ({"batch_sites": True}, False),
+    "batched_whole": ({"batch_sites": True, "positions": False}, False),
+    "batched_pinned": ({"batch_sites": True}, True),
+}
+
+
+@pytest.mark.parametrize("path", list(_SWEEP_PATHS))
+@pytest.mark.parametrize("how", ["data", "numpy"])
+def test_metric_writing_through_data_cannot_corrupt_the_cache(resid, path, how):
+    # A write through .data or .numpy() shares the memory but not the version counter: handed the cached
+    # outputs (or, on the row path, row buffers reused across sites; batched, slices of the batched
+    # outputs), such a metric corrupted the cache unseen, and every later site and demand read it.
     model, x = resid
     rg = torch_ext.ReactiveGraph(model, (x,))
     t0, t1, t2 = _tanh_nodes(rg)
-    sites = [(t1, p) for p in range(5)]
+    kwargs, pinned = _SWEEP_PATHS[path]
+    standing = {}
+    if pinned:
+        rg.patch(t0, torch.full_like(rg.value(t0), 0.5))
+        standing = {0: lambda o: torch.full_like(o, 0.5)}
+    sites = [(t1, p) for p in range(5)] + [(t2, p) for p in range(5)]
+    if pinned:  # sites on the pinned node take the transaction path (patched over the standing patch)
+        sites += [(t0, p) for p in range(5)]
 
     def sneaky(out):
         value = float(out.sum())
-        out.data.mul_(0)
+        if how == "data":
+            out.data.mul_(0)
+        else:
+            out.numpy()[...] = 0
         return value
 
-    torch_ext.sweep(rg, sites, _site_patch, sneaky, progress=False)
-    result = torch_ext.sweep(rg, sites, _site_patch, _metric, progress=False)
-    for (_, p) in sites:
-        ref = _eager(model, x, {1: lambda o, p=p: _site_patch(o, (None, p))})
-        assert result.metrics[(t1, p)] == pytest.approx(float(ref.sum()), rel=1e-6, abs=1e-5), p
-    assert torch.equal(rg.demand(), model(x))
+    first = torch_ext.sweep(rg, sites, _site_patch, sneaky, progress=False, **kwargs)
+    result = torch_ext.sweep(rg, sites, _site_patch, _metric, progress=False, **kwargs)
+    for (node, p) in sites:
+        at = [t0, t1, t2].index(node)
+        under = standing.get(at, lambda o: o)
+        ref = _eager(model, x, {**standing, at: lambda o, p=p, under=under: _site_patch(under(o), (None, p))})
+        assert first.metrics[(node, p)] == pytest.approx(float(ref.sum()), rel=1e-6, abs=1e-5), (node, p)
+        assert result.metrics[(node, p)] == pytest.approx(float(ref.sum()), rel=1e-6, abs=1e-5), (node, p)
+    assert torch.equal(rg.demand(), _eager(model, x, standing))
+    rg.check_invariants()
 
 
 class _ReluChain(nn.Module):

@@ -695,3 +695,63 @@ def test_pack_padded_sequence_is_refused_naming_it_with_a_way_out():
     result = torch_ext.testing.assert_step_matches_eager(padded.train(), torch.optim.SGD(padded.parameters(), lr=0.1),
                                                          loss_fn, batches, rtol=0.0)
     assert result["steps"] == 2
+
+
+class _RReLUNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.act, self.b = nn.Linear(16, 8), nn.RReLU(0.1, 0.3), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.b(self.act(self.a(x)))
+
+
+def _rrelu_batch():
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(6, 16, generator=g), torch.randint(0, 3, (6,), generator=g)
+
+
+@pytest.mark.parametrize("run", ["executor", "planned", "donated"])
+def test_rrelu_in_eval_mode_steps_bit_exact_with_eager(run):
+    # An RReLU in eval mode (aten::rrelu with training=False) applies the mean slope and draws nothing; the
+    # step's thread_rng pass refused it as drawing from the global generator.
+    model = _RReLUNet().train()
+    model.act.eval()
+    x, y = _rrelu_batch()
+    _assert_steps_bit_exact(model, x, y, run, steps=3)
+
+
+def test_rrelu_in_eval_mode_steps_bit_exact_after_a_pt2_round_trip(tmp_path):
+    model = _RReLUNet().train()
+    model.act.eval()
+    x, y = _rrelu_batch()
+    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _loss, (x, y))
+    torch.export.save(step.program, str(tmp_path / "step.pt2"))
+    loaded = torch_ext.load_step(tmp_path / "step.pt2")
+    state = step.init_state()
+    for _ in range(3):
+        want, state_live = step(state, x, y)
+        got, state = loaded(state, x, y)
+        assert torch.equal(got, want)
+        got_leaves, want_leaves = (torch.utils._pytree.tree_leaves(s.state_dict()) for s in (state, state_live))
+        assert len(got_leaves) == len(want_leaves)
+        for a, b in zip(got_leaves, want_leaves):
+            assert not isinstance(a, torch.Tensor) and a == b or torch.equal(a, b)
+    step.write_back(state)
+    eager = _RReLUNet().train()
+    eager.act.eval()
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    for _ in range(3):
+        eager_opt.zero_grad()
+        _loss(eager, x, y).backward()
+        eager_opt.step()
+    for (name, a), b in zip(model.state_dict().items(), eager.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_rrelu_in_training_mode_is_refused_by_name():
+    model = _RReLUNet().train()
+    x, y = _rrelu_batch()
+    with pytest.raises(RuntimeError, match="rrelu_with_noise"):
+        torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _loss, (x, y))
