@@ -2499,13 +2499,19 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
     site_nodes = [resolve(n, n) for n in names]  # node_of, once per site
     cones = {}
     labels = {}
+    paths_of = rg._module_paths.get
     for name, n in zip(names, site_nodes):
         if n not in cones:
             if n not in known:
                 raise ValueError(f"sweep: unknown node {n!r}")
-            cones[n] = rg._cone_size(n)
+            cones[n] = None
         if name not in labels:
-            labels[name] = rg._module_paths.get(n, "") if name == n else n
+            labels[name] = paths_of(n, "") if name == n else n
+    rg._cone_size(next(iter(cones)))  # makes the cache (per node below: a dict read, not a method call)
+    sizes = rg._cone_sizes
+    for n in cones:
+        size = sizes.get(n)
+        cones[n] = size if size is not None else rg._cone_size(n)
     if rg._last_inputs is None:
         raise ValueError("sweep: the graph has no values yet; give example_inputs or call run() first")
     full = len(site_list) * rg.num_nodes
@@ -2517,12 +2523,13 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
     metrics: dict = {}
     # What patching a node costs now: its strict cone up to the standing patches (a pinned node keeps its
     # value, so the cone stops there), the same for every site of the node.
-    live = {n: (len(eng.cone(n, True)) if eng.pinned() else cones[n]) for n in cones}
+    standing = eng.pinned()  # asked once: the sweep refuses mutations while it runs
+    live = {n: len(eng.cone(n, True)) for n in cones} if standing else cones
     if not batch_sites:
         predicted = sum(live[n] for n in site_nodes)
         st0 = eng.stats()  # the engine's counters (rg.stats adds only per-shape fields)
         t0 = time.perf_counter()
-        pinned = set(eng.pinned())
+        pinned = set(standing)
         paths: dict = {}
         identical: list | None = [] if skip_identical else None
         shown = _progress(site_list, len(site_list), progress, "sweep")
