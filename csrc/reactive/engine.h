@@ -569,11 +569,7 @@ class Engine {
   // Whether a causal SDPA step of the row path could see a score overflow to inf, or a non-finite
   // input: then a full kernel and the row path disagree (see rows.cpp), and the cone runs whole.
   bool attention_may_overflow(const RowStep& step, const NodeState& st, const HeldCone& held, const RowPlan& rp,
-                              int64_t p, const std::vector<at::Tensor>& join_bufs);
-  // The largest |x| over the joined buffer q, k and v of that step are all views of (rows [p, T) scanned,
-  // the cached rows' maximum memoized), NaN if any is NaN; -1 where they are not views of one such buffer.
-  double joint_max_abs(const RowStep& step, const ir::Node& node, const HeldCone& held, const RowPlan& rp, int64_t p,
-                       const std::vector<at::Tensor>& join_bufs);
+                              int64_t p);
   // Rows [0, p) of `cached`, NaN for rows [p, start), then `suffix` (rows [start, stop), stop -1: T), then
   // rows [stop, T) of `cached`; with `cols`, suffix holds only those columns of the last dim (the others NaN).
   at::Tensor assemble_rows(int64_t id, const at::Tensor& cached, const at::Tensor& suffix, int64_t dim, int64_t p,

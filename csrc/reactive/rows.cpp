@@ -547,9 +547,6 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
   RowBufferPool* pool = scratch_enabled_ ? row_pool_.get() : nullptr;
   std::vector<int64_t> start(plan.order.size(), 0);
   std::vector<c10::IValue> joined(plan.order.size());  // a cone node's whole value, assembled once
-  // A whole == 1 node's joined buffer, held until the causal attention reading q, k and v as its views has
-  // checked them (joint_max_abs): its slot may be released before that, the views keeping only its storage.
-  std::vector<at::Tensor> join_bufs(plan.order.size());
   std::vector<int64_t> hi(plan.order.size(), 0);        // rows [p, hi[i]) of a cone node can differ
   // A suffix node's value holds its rows [start[i], end[i]). A local node keeps only the rows it computed
   // (end = hi < T): its cached rows [hi, T) are joined on once, when a reader first needs them, so a chain
@@ -635,12 +632,10 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
       const bool whole_sdpa = step.suffix && step.special == 1 && s == p;
       // Also for whole_sdpa: a NaN or inf in the changed key / value rows reaches rows before p through a
       // full kernel (0 * NaN), which the row path keeps cached.
-      if (step.suffix && step.causal_sdpa && attention_may_overflow(step, st, held, rp, p, join_bufs)) {
+      if (step.suffix && step.causal_sdpa && attention_may_overflow(step, st, held, rp, p)) {
         spreads_non_finite = true;
         break;
       }
-      if (step.causal_sdpa)  // checked: the joined buffers before it go back to their views' hold alone
-        for (size_t k = 0; k < i; ++k) join_bufs[k] = at::Tensor();
       for (const RowInput& ri : step.inputs) {
         const bool in_suffix = ri.pos >= 0 && rp.steps[ri.pos].suffix && rp.steps[ri.pos].whole == 0;
         c10::IValue repl;
@@ -774,7 +769,6 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
         TORCH_INTERNAL_ASSERT(cached.isTensor() && out.isTensor() && s == p, "token-granular cone: %", st.node->name(),
                               " joined where computed needs tensor rows from the first changed one");
         out = assemble_rows(n, cached.toTensor(), out.toTensor(), step.row_axis, s, s, {}, {}, e);
-        join_bufs[i] = out.toTensor();  // for the attention overflow check (joint_max_abs)
       }
       values_[n] = std::move(out);
       end[i] = step.whole == 1 ? T : e;  // e < T: a local node, its cached rows [e, T) joined on when read (complete)
@@ -836,7 +830,7 @@ double Engine::cached_max_abs(int64_t slot, const at::Tensor& cached) {
 // output is a convex combination of v's rows). Each maximum covers every row either side reads: the
 // rows this site recomputed and the cached ones. A NaN or inf anywhere also runs the cone whole.
 bool Engine::attention_may_overflow(const RowStep& step, const NodeState& st, const HeldCone& held, const RowPlan& rp,
-                                    int64_t p, const std::vector<at::Tensor>& join_bufs) {
+                                    int64_t p) {
   const ir::Node& node = *st.node;
   auto largest = [&](size_t arg) -> double {
     const int64_t slot = ids_.at(node.args().at(arg).node);
@@ -865,70 +859,9 @@ bool Engine::attention_may_overflow(const RowStep& step, const NodeState& st, co
   const ir::Arg* sc = node.args().size() > 6 ? &node.args()[6] : node.kwarg("scale");
   if (sc != nullptr && sc->kind == ir::Arg::Kind::Float) scale = sc->f;
   const double limit = 0.5 * largest_finite(q.scalar_type());
-  // q, k and v as views of one joined buffer (the fused qkv projection, RowStep::whole == 1): one pass over
-  // its rows [p, T) and its cached value's (memoized) maximum bound all three, as the largest |x| of a
-  // buffer bounds that of every view into it. A bound at least each one's maximum keeps the check sound
-  // (it can only run the cone whole more often: exact either way), and reads each row once, in long runs,
-  // instead of three strided passes over one head's width at a time.
-  const double joint = joint_max_abs(step, node, held, rp, p, join_bufs);
-  if (joint >= 0.0 || std::isnan(joint)) {
-    const double scores = head_dim * joint * joint * std::max(1.0, std::abs(scale));
-    return !(scores < limit) || !(joint < limit);  // true for NaN
-  }
   const double scores = head_dim * largest(0) * largest(1) * std::max(1.0, std::abs(scale));
   const double values = largest(2);
   return !(scores < limit) || !(values < limit);  // false for NaN too
-}
-
-double Engine::joint_max_abs(const RowStep& step, const ir::Node& node, const HeldCone& held, const RowPlan& rp,
-                             int64_t p, const std::vector<at::Tensor>& join_bufs) {
-  // The buffer q (arg 0) is a view of: the first whole == 1 step up its chain of whole views (whole == 2).
-  const int64_t q_slot = ids_.at(node.args().at(0).node);
-  const RowInput* in = nullptr;
-  for (const RowInput& ri : step.inputs)
-    if (ri.slot == q_slot) in = &ri;
-  for (int hops = 0; in != nullptr && in->pos >= 0 && hops < 32; ++hops) {
-    const RowStep& from = rp.steps[static_cast<size_t>(in->pos)];
-    if (from.whole == 1) break;
-    const RowInput* next = nullptr;
-    if (from.whole == 2)
-      for (const RowInput& ri : from.inputs)
-        if (ri.pos >= 0) {
-          next = &ri;
-          break;
-        }
-    in = next;
-  }
-  if (in == nullptr || in->pos < 0 || rp.steps[static_cast<size_t>(in->pos)].whole != 1) return -1.0;
-  const RowStep& base_step = rp.steps[static_cast<size_t>(in->pos)];
-  // The buffer as joined (its slot may be released already: q, k and v hold its storage, not it).
-  const at::Tensor& buf = join_bufs.at(static_cast<size_t>(in->pos));
-  const c10::IValue& cached = held.cached(static_cast<size_t>(in->pos));
-  if (!buf.defined() || !cached.isTensor() || base_step.row_axis < 0) return -1.0;
-  if (!buf.is_contiguous() || buf.numel() == 0 || p > buf.size(base_step.row_axis)) return -1.0;
-  // Every element of q, k and v lies in the buffer: same storage and dtype, addresses within its range.
-  const int64_t lo = buf.storage_offset();
-  const int64_t hi = lo + buf.numel();
-  for (size_t arg = 0; arg < 3; ++arg) {
-    const c10::IValue& v = values_[ids_.at(node.args().at(arg).node)];
-    if (!v.isTensor()) return -1.0;
-    const at::Tensor& t = v.toTensor();
-    if (t.scalar_type() != buf.scalar_type() || !t.has_storage() ||
-        t.storage().unsafeGetStorageImpl() != buf.storage().unsafeGetStorageImpl())
-      return -1.0;
-    if (t.numel() == 0) continue;
-    int64_t last = t.storage_offset();
-    for (int64_t d = 0; d < t.dim(); ++d) {
-      if (t.stride(d) < 0) return -1.0;
-      last += (t.size(d) - 1) * t.stride(d);
-    }
-    if (t.storage_offset() < lo || last >= hi) return -1.0;
-  }
-  // The buffer's rows before p (and after the recomputed ones) are its cached value's: covered by the
-  // cached maximum. Rows [p, T) are scanned.
-  const int64_t T = buf.size(base_step.row_axis);
-  const double fresh = p < T ? max_abs(buf.narrow(base_step.row_axis, p, T - p)) : 0.0;
-  return max_keep_nan(fresh, cached_max_abs(in->slot, cached.toTensor()));
 }
 
 }  // namespace torch_ext::reactive
