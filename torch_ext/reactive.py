@@ -1374,21 +1374,27 @@ class ReactiveGraph:
         graph, its inputs or its standing patches change."""
         return self._batched_entries(((node, k),))
 
-    def _batched_entries(self, entries: tuple) -> "_BatchedCone":
+    def _batched_state(self) -> tuple:
+        """What a batched cone is built from (its cache key besides the entries). The objects themselves,
+        held by the cone and compared by identity: an id() alone comes back once its object is freed (a
+        restored patch's value, the inputs of an earlier run), and a new object at the same address would
+        pass for the one the cone was built from. input_edits: a weight written in place since (taken by the
+        engine as an edit) makes the cone's copies of clean values stale."""
+        eng = self._engine
+        pinned = tuple(eng.pinned())
+        return (eng, eng.graph_revision(), _Held(self._last_inputs), pinned, tuple(eng.value(p) for p in pinned),
+                eng.input_edits())
+
+    def _batched_entries(self, entries: tuple, state: tuple | None = None) -> "_BatchedCone":
         """Copies entering at several nodes along one chain, ``((node, k), ...)`` upstream first, as one
         batched cone (batch_cone's entries form); one entry is ``_batched_cone(node, k)``. Cached under
-        ``(node, k)`` for one entry, ``entries`` otherwise."""
+        ``(node, k)`` for one entry, ``entries`` otherwise. ``state``: _batched_state() as it is now (a sweep,
+        which refuses every mutation while it runs, takes it once for all its units)."""
         if self._last_inputs is None:
             raise ValueError("batched sites need a ReactiveGraph that has run (give example_inputs or call run())")
         eng = self._engine
-        pinned = tuple(eng.pinned())
-        # The objects themselves, held by the cone and compared by identity: an id() alone comes back
-        # once its object is freed (a restored patch's value, the inputs of an earlier run), and a new
-        # object at the same address would pass for the one the cone was built from.
-        # input_edits: a weight written in place since (taken by the engine as an edit) makes the cone's
-        # copies of clean values stale.
-        state = (eng, eng.graph_revision(), _Held(self._last_inputs), pinned, tuple(eng.value(p) for p in pinned),
-                 eng.input_edits())
+        if state is None:
+            state = self._batched_state()
         key = entries[0] if len(entries) == 1 else entries
         bc = self._batched.get(key)
         if bc is not None and _same_state(bc.state, state):
@@ -2633,6 +2639,9 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         units = (u for part in claim[0](units, costs) for u in part)
     predicted_batched = 0
     ran = 0
+    # The graph, its inputs and standing patches cannot change while the sweep runs (mutations are refused,
+    # the inputs frozen): the batched cones' cache key is taken once, not per unit.
+    batched_state = rg._batched_state() if rg._last_inputs is not None else None
     for entries, members, given in _progress(units, total_units, progress, "sweep (batched)"):
         ran += 1
         k = len(members)
@@ -2648,7 +2657,7 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
             continue
         key = entries[0] if len(entries) == 1 else entries
         old = rg._batched.get(key)
-        bc = rg._batched_entries(entries)
+        bc = rg._batched_entries(entries, batched_state)
         if bc is not old:
             setup += bc.setup
         if bc.engine is None:  # an empty cone (the node is an output, or pins cut it off): one at a time
