@@ -1374,21 +1374,27 @@ class ReactiveGraph:
         graph, its inputs or its standing patches change."""
         return self._batched_entries(((node, k),))
 
-    def _batched_entries(self, entries: tuple) -> "_BatchedCone":
+    def _batched_state(self) -> tuple:
+        """What a batched cone is built from (its cache key besides the entries). The objects themselves,
+        held by the cone and compared by identity: an id() alone comes back once its object is freed (a
+        restored patch's value, the inputs of an earlier run), and a new object at the same address would
+        pass for the one the cone was built from. input_edits: a weight written in place since (taken by the
+        engine as an edit) makes the cone's copies of clean values stale."""
+        eng = self._engine
+        pinned = tuple(eng.pinned())
+        return (eng, eng.graph_revision(), _Held(self._last_inputs), pinned, tuple(eng.value(p) for p in pinned),
+                eng.input_edits())
+
+    def _batched_entries(self, entries: tuple, state: tuple | None = None) -> "_BatchedCone":
         """Copies entering at several nodes along one chain, ``((node, k), ...)`` upstream first, as one
         batched cone (batch_cone's entries form); one entry is ``_batched_cone(node, k)``. Cached under
-        ``(node, k)`` for one entry, ``entries`` otherwise."""
+        ``(node, k)`` for one entry, ``entries`` otherwise. ``state``: _batched_state() as it is now (a sweep,
+        which refuses every mutation while it runs, takes it once for all its units)."""
         if self._last_inputs is None:
             raise ValueError("batched sites need a ReactiveGraph that has run (give example_inputs or call run())")
         eng = self._engine
-        pinned = tuple(eng.pinned())
-        # The objects themselves, held by the cone and compared by identity: an id() alone comes back
-        # once its object is freed (a restored patch's value, the inputs of an earlier run), and a new
-        # object at the same address would pass for the one the cone was built from.
-        # input_edits: a weight written in place since (taken by the engine as an edit) makes the cone's
-        # copies of clean values stale.
-        state = (eng, eng.graph_revision(), _Held(self._last_inputs), pinned, tuple(eng.value(p) for p in pinned),
-                 eng.input_edits())
+        if state is None:
+            state = self._batched_state()
         key = entries[0] if len(entries) == 1 else entries
         bc = self._batched.get(key)
         if bc is not None and _same_state(bc.state, state):
@@ -1470,6 +1476,7 @@ class _BatchedCone:
         self.stacked = list(stacked)
         self.calls = calls
         self.engine = None
+        self.last_stats = None
         self.setup = 0
         if calls == 0:  # nothing to batch: the node is an output, or standing patches cut its cone off
             return
@@ -1484,7 +1491,10 @@ class _BatchedCone:
         inputs = [tiled(eng.value(src), times) if times else eng.value(src) for _, src, times in externals]
         inputs.append(torch.cat([tiled(eng.value(node), n) for node, n in entries]))
         self.engine.run(inputs)
-        self.setup = self.engine.stats()["evaluations"]
+        # The engine's counters as its last evaluation left them (None: read them again), so that a sweep
+        # reads them once per unit, after it; only the sweep loop and this set-up evaluate the engine.
+        self.last_stats = self.engine.stats()
+        self.setup = self.last_stats["evaluations"]
 
     @staticmethod
     def build_graph(eng, entries: tuple):
@@ -2317,35 +2327,53 @@ def _chain_units(rg: ReactiveGraph, chain: list) -> list:
     [first[lo], length); no batch holds a value over _UNIT_BYTES. One node is _row_batches' split, as
     before: chains give fewer units where several layers share a position, each copy still running only
     its own node's cone."""
+    memo = _chain_memo(rg)
+    plans = memo.setdefault("plans", {})
+    key = (tuple(node for node, *_ in chain), tuple(tuple(first) for *_, first, _ in chain), chain[0][4])
+    plan = plans.get(key)
+    if plan is None:
+        if len(plans) >= _MAX_CHAIN_PLANS:
+            plans.clear()
+        plan = plans[key] = _chain_plan(rg, key[0], key[1], key[2])
+    return [(entries, [chain[c][1][i] for c, i in picks], [chain[c][2][i] for c, i in picks])
+            for entries, picks in plan]
+
+
+# Plans kept per graph (_chain_memo) by their nodes and first changed rows: a sweep run again with the same
+# patches (a new metric, the benchmark's repeats) plans its units once.
+_MAX_CHAIN_PLANS = 64
+
+
+def _chain_plan(rg: ReactiveGraph, nodes: tuple, firsts: tuple, length: int) -> list:
+    """_chain_units' split as indices: ``[(entries, [(chain index, member index), ...]), ...]``. A function
+    of the nodes (their costs and value sizes: structure) and the members' first changed rows only."""
     eng = rg._engine
-    length = chain[0][4]
-    if len(chain) == 1:  # one node: _row_batches' split, as before chains
-        node, members, vals, first, _ = chain[0]
-        if len(members) == 1:
-            return [(((node, 1),), members, vals)]
-        order = sorted(range(len(members)), key=lambda i: (first[i], i))
+    if len(nodes) == 1:  # one node: _row_batches' split, as before chains
+        node, first = nodes[0], firsts[0]
+        if len(first) == 1:
+            return [(((node, 1),), [(0, 0)])]
+        order = sorted(range(len(first)), key=lambda i: (first[i], i))
         per_row = max(eng.cone_cost(node), 1.0) / max(length, 1)
         bounds = _row_batches([first[i] for i in order], length,
                               _NODE_OVERHEAD_FLOPS * max(rg._cone_size(node), 1) / per_row)
-        return [(((node, hi - lo),), [members[i] for i in order[lo:hi]], [vals[i] for i in order[lo:hi]])
-                for lo, hi in bounds]
-    sites = []  # (first row, chain index, site, value)
-    for c, (node, members, vals, first, _) in enumerate(chain):
-        sites.extend((f, c, s, v) for s, v, f in zip(members, vals, first))
+        return [(((node, hi - lo),), [(0, i) for i in order[lo:hi]]) for lo, hi in bounds]
+    sites = []  # (first row, chain index, member index)
+    for c, first in enumerate(firsts):
+        sites.extend((f, c, i) for i, f in enumerate(first))
     sites.sort(key=lambda t: (t[0], t[1]))
-    per_row = [max(eng.cone_cost(node), 1.0) / max(length, 1) for node, *_ in chain]
-    overhead = [_CHAIN_OVERHEAD_FLOPS * max(rg._cone_size(node), 1) for node, *_ in chain]
+    per_row = [max(eng.cone_cost(node), 1.0) / max(length, 1) for node in nodes]
+    overhead = [_CHAIN_OVERHEAD_FLOPS * max(rg._cone_size(node), 1) for node in nodes]
     # The largest value one copy carries, per row: a unit whose largest value would pass _UNIT_BYTES is
     # not formed (beyond it the allocator hands back fresh pages, faulted in at every unit).
     memo = _chain_memo(rg)
-    widest = memo.get(("widest", chain[0][0]))
+    widest = memo.get(("widest", nodes[0]))
     if widest is None:
-        widest = memo[("widest", chain[0][0])] = max(_value_bytes(eng, m) for m in eng.cone(chain[0][0])) / max(length, 1)
+        widest = memo[("widest", nodes[0])] = max(_value_bytes(eng, m) for m in eng.cone(nodes[0])) / max(length, 1)
     n = len(sites)
     best = [0.0] + [float("inf")] * n
     cut = [0] * (n + 1)
     for hi in range(1, n + 1):
-        top = len(chain)
+        top = len(nodes)
         rows = 0.0  # sum over members [lo, hi) of their cone cost per row
         for lo in range(hi - 1, -1, -1):
             if lo < hi - 1 and (hi - lo) * widest * (length - sites[lo][0]) > _UNIT_BYTES:
@@ -2355,20 +2383,20 @@ def _chain_units(rg: ReactiveGraph, chain: list) -> list:
             c = best[lo] + overhead[top] + rows * (length - sites[lo][0])
             if c < best[hi]:
                 best[hi], cut[hi] = c, lo
-    units = []
+    plan = []
     hi = n
     while hi > 0:
         lo = cut[hi]
         part = sorted(sites[lo:hi], key=lambda t: t[1])  # entry order, upstream first (stable: rows kept)
         entries = []
-        for _, c, _, _ in part:
-            if entries and entries[-1][0] == chain[c][0]:
+        for _, c, _ in part:
+            if entries and entries[-1][0] == nodes[c]:
                 entries[-1][1] += 1
             else:
-                entries.append([chain[c][0], 1])
-        units.append((tuple((node, k) for node, k in entries), [t[2] for t in part], [t[3] for t in part]))
+                entries.append([nodes[c], 1])
+        plan.append((tuple((node, k) for node, k in entries), [(c, i) for _, c, i in part]))
         hi = lo
-    return units[::-1]
+    return plan[::-1]
 
 
 def _same_type(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -2628,6 +2656,9 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         units = (u for part in claim[0](units, costs) for u in part)
     predicted_batched = 0
     ran = 0
+    # The graph, its inputs and standing patches cannot change while the sweep runs (mutations are refused,
+    # the inputs frozen): the batched cones' cache key is taken once, not per unit.
+    batched_state = rg._batched_state() if rg._last_inputs is not None else None
     for entries, members, given in _progress(units, total_units, progress, "sweep (batched)"):
         ran += 1
         k = len(members)
@@ -2643,7 +2674,7 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
             continue
         key = entries[0] if len(entries) == 1 else entries
         old = rg._batched.get(key)
-        bc = rg._batched_entries(entries)
+        bc = rg._batched_entries(entries, batched_state)
         if bc is not old:
             setup += bc.setup
         if bc.engine is None:  # an empty cone (the node is an output, or pins cut it off): one at a time
@@ -2659,7 +2690,8 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         predicted_batched += bc.calls
         values = given
         big = bc.engine
-        st_before = big.stats()  # one call: it builds a dict
+        st_before = bc.last_stats if bc.last_stats is not None else big.stats()
+        bc.last_stats = None  # stays so if the evaluation or a metric raises: read again next time
         by_rows = read_rows is not None and big.can_evaluate_patched_rows() and big.seq_axis(node) >= 0
         wrote = []
         if by_rows:
@@ -2674,7 +2706,7 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         del flat, parts
         if wrote:  # into the copies _measure handed it: the batched engine's outputs are intact
             _raise_metric_wrote(rg, wrote[0])
-        st_after = big.stats()
+        st_after = bc.last_stats = big.stats()
         measured += st_after["evaluations"] - st_before["evaluations"]
         cost += st_after["cost"] - st_before["cost"]
         row_evals += st_after["row_evaluations"] - st_before["row_evaluations"]
