@@ -134,3 +134,13 @@ def assert_same_training(step, other, batch, steps: int) -> None:
         assert torch.equal(loss, loss_ref)
     for name in step.state_names:
         assert torch.equal(s_ref.lookup(name), s_other.lookup(name)), name
+
+
+class Steer:
+    """A forward hook object with a knob (activation steering: out * alpha)."""
+
+    def __init__(self, alpha):
+        self.alpha = alpha
+
+    def __call__(self, module, args, out):
+        return out * self.alpha

@@ -18,7 +18,7 @@ import torch_ext
 from torch_ext import synthetic
 from torch_ext.ir import Graph
 
-from helpers import ResidTanh, position_patch, sum_metric
+from helpers import ResidTanh, Steer, position_patch, sum_metric
 
 
 @pytest.fixture
@@ -696,16 +696,6 @@ def test_run_and_demand_refuse_forward_hooks_changed_after_build(kind):
     assert torch.equal(rg.run(x), clean)
 
 
-class _Steer:
-    """A forward hook object with a knob (activation steering: out * alpha)."""
-
-    def __init__(self, alpha):
-        self.alpha = alpha
-
-    def __call__(self, module, args, out):
-        return out * self.alpha
-
-
 @pytest.mark.parametrize("kind", ["closure", "object"])
 def test_run_and_demand_refuse_a_traced_hooks_values_changed_after_build(kind):
     # The graph holds the values a forward hook read when traced. Before: after the user turned a steering
@@ -713,7 +703,7 @@ def test_run_and_demand_refuse_a_traced_hooks_values_changed_after_build(kind):
     # silently, where eager calls follow the change.
     model = _Tempered().eval()
     x = torch.randn(2, 3, 8)
-    scale, steer = [2.0], _Steer(2.0)
+    scale, steer = [2.0], Steer(2.0)
     model.fc.register_forward_hook((lambda m, a, out: out * scale[0]) if kind == "closure" else steer)
     rg = torch_ext.ReactiveGraph(model, (x,), cache=False)
     clean = rg.run(x).clone()
@@ -722,7 +712,7 @@ def test_run_and_demand_refuse_a_traced_hooks_values_changed_after_build(kind):
         message = r"forward hook <lambda> on module 'fc' \(Linear\): 'scale' is \[3.0\] now, \[2.0\] when this"
     else:
         steer.alpha = 3.0
-        message = r"forward hook _Steer on module 'fc' \(Linear\): 'alpha' is 3.0 now, 2.0 when this"
+        message = r"forward hook Steer on module 'fc' \(Linear\): 'alpha' is 3.0 now, 2.0 when this"
     with torch.no_grad():
         assert not torch.equal(model(x), clean)  # eager follows the change
     with pytest.raises(ValueError, match="run: " + message):

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch_ext
+from helpers import Steer
 
 VOCAB = 11
 
@@ -1756,23 +1757,13 @@ def test_hooks_on_other_models_do_not_refuse_the_step():
     assert torch.equal(loss, loss2)
 
 
-class _Steer:
-    """A forward hook object with a knob (activation steering: out * alpha)."""
-
-    def __init__(self, alpha):
-        self.alpha = alpha
-
-    def __call__(self, module, args, out):
-        return out * self.alpha
-
-
 @pytest.mark.parametrize("kind", ["closure", "object"])
 def test_forward_hook_state_changed_after_build_is_refused_not_ignored(kind):
     # The program holds the values a forward hook read when traced. Before: after the user changed a value
     # the hook reads (a closure's scale[0], a hook object's alpha), the step kept training with the traced
     # one, silently, where eager training follows the change.
     model = _Adversarial(lambda h: h)
-    scale, steer = [2.0], _Steer(2.0)
+    scale, steer = [2.0], Steer(2.0)
     model.body.register_forward_hook((lambda m, a, out: out * scale[0]) if kind == "closure" else steer)
     step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), _mse, _XY)
     _, state = step(step.init_state(), *_XY)
@@ -1782,7 +1773,7 @@ def test_forward_hook_state_changed_after_build_is_refused_not_ignored(kind):
         message = r"forward hook <lambda> on module 'body' \(Linear\): 'scale' is \[3.0\] now, \[2.0\] when the step"
     else:
         steer.alpha = 3.0
-        message = r"forward hook _Steer on module 'body' \(Linear\): 'alpha' is 3.0 now, 2.0 when the step"
+        message = r"forward hook Steer on module 'body' \(Linear\): 'alpha' is 3.0 now, 2.0 when the step"
     step.write_back(state)
     with torch.no_grad():
         assert not torch.equal(_mse(model, *_XY), before)  # eager follows the change
