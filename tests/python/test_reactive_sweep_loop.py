@@ -224,20 +224,41 @@ def test_sweep_sites_stops_even_when_fail_returns():
 
 
 def test_copies_given_to_patch_functions_are_reused_only_while_nobody_holds_them():
-    """sweep_sites writes each site's copy of the activation into an earlier site's copy of the same
-    shape when nothing else holds it: a copy (or a view of it) the patch function kept, or returned
-    as the patched value into an output the metric kept, is never written again."""
+    """sweep_sites hands each site a copy on write of the activation (no bytes copied unless written);
+    where that cannot stand for a clone (a value at an offset into its storage), it writes the copy into
+    an earlier site's copy of the same shape when nothing else holds it: a copy (or a view of it) the
+    patch function kept, or returned as the patched value into an output the metric kept, is never
+    written again."""
     _, _, rg = _graph()
     tanh = [n for n in rg.nodes() if n.startswith("tanh")]
     sites = [(tanh[k % 3], p) for k in range(3) for p in range(5)]
+    lazy = []
+
+    def reads_only(v, site):
+        lazy.append(torch._C._is_cow_tensor(v))  # (v.data_ptr() would ask for writable memory: a copy)
+        return v * 0.5
+
+    torch_ext.sweep(rg, sites, reads_only, lambda o: o.sum(), progress=False)
+    assert lazy == [True] * len(sites)
+
+    class RowsFromOne(torch.nn.Module):  # x[1:] is dense but starts at an offset: no copy on write for it
+        def forward(self, x):
+            return torch.tanh(torch.tanh(x)[1:])
+
+    x = torch.randn(3, 4)
+    sliced = torch_ext.ReactiveGraph(RowsFromOne(), (x,))
+    node = next(n for n in sliced.nodes() if n.startswith("slice"))
+    assert sliced.engine.value(node).storage_offset() > 0
     seen = []
 
     def keeps_nothing(v, site):
         seen.append(v.data_ptr())
-        return v * 0.5
+        return v * (0.5 + site[1])
 
-    torch_ext.sweep(rg, sites, keeps_nothing, lambda o: o.sum(), progress=False)
+    r = torch_ext.sweep(sliced, [(node, p) for p in range(5)], keeps_nothing, lambda o: o.sum(), progress=False)
     assert len(set(seen)) == 1  # one buffer, written again at every site
+    for p in range(5):
+        assert r.metrics[(node, p)] == float(torch.tanh(torch.tanh(x)[1:] * (0.5 + p)).sum())
 
     kept = []  # (what the function kept, the clean value it was given)
 
