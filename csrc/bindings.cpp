@@ -223,6 +223,17 @@ void copy_spare(at::Tensor& dst, const at::Tensor& src) {
   dst.copy_(src);
 }
 
+// Whether at::_lazy_clone(t) gives t's elements as a tensor of its own geometry: no autograd history, no lazy
+// conjugation or negation (the lazy copy would not carry the bit), no Python subclass, on memory whose
+// allocator allows copy on write (c10::impl::cow).
+bool cow_shareable(const at::Tensor& t) {
+  if (t.requires_grad() || t.layout() != at::kStrided || !t.has_storage() || t.is_conj() || t.is_neg() ||
+      t.unsafeGetTensorImpl()->is_python_dispatch())
+    return false;
+  const c10::StorageImpl& storage = *t.storage().unsafeGetStorageImpl();
+  return c10::impl::cow::has_simple_data_ptr(storage) || c10::impl::cow::is_cow_data_ptr(storage.data_ptr());
+}
+
 // A lazy copy of `t` (at::_lazy_clone, copy on write): the same elements in a tensor of the same sizes and
 // strides whose memory is shared until either side writes, when the writer gets memory of its own. Only
 // where it is indistinguishable from t.clone() but for that sharing: a dense strided tensor that fills its
@@ -230,12 +241,10 @@ void copy_spare(at::Tensor& dst, const at::Tensor& src) {
 // copy would not carry the bit), no autograd history and no Python subclass, on memory whose allocator
 // allows copy on write (c10::impl::cow). Else undefined: the caller copies.
 at::Tensor lazy_copy(const at::Tensor& t) {
-  if (t.requires_grad() || t.layout() != at::kStrided || !t.has_storage() || t.is_conj() || t.is_neg() ||
-      t.unsafeGetTensorImpl()->is_python_dispatch() || t.storage_offset() != 0 || !t.is_non_overlapping_and_dense())
+  // clone() keeps the strides of a dense tensor and starts at offset 0: so must the lazy copy.
+  if (!cow_shareable(t) || t.storage_offset() != 0 || !t.is_non_overlapping_and_dense() ||
+      t.storage().nbytes() != t.nbytes())
     return {};
-  const c10::StorageImpl& storage = *t.storage().unsafeGetStorageImpl();
-  if (storage.nbytes() != t.nbytes()) return {};
-  if (!c10::impl::cow::has_simple_data_ptr(storage) && !c10::impl::cow::is_cow_data_ptr(storage.data_ptr())) return {};
   return at::_lazy_clone(t);
 }
 
@@ -248,13 +257,7 @@ c10::IValue metric_copy(const c10::IValue& v) {
   if (!v.isTensor()) return v;
   const at::Tensor& t = v.toTensor();
   if (!t.defined()) return v;
-  if (t.requires_grad() || t.layout() != at::kStrided || !t.has_storage() || t.is_conj() || t.is_neg() ||
-      t.unsafeGetTensorImpl()->is_python_dispatch())
-    return t.clone();
-  const c10::StorageImpl& storage = *t.storage().unsafeGetStorageImpl();
-  if (!c10::impl::cow::has_simple_data_ptr(storage) && !c10::impl::cow::is_cow_data_ptr(storage.data_ptr()))
-    return t.clone();
-  return at::_lazy_clone(t);
+  return cow_shareable(t) ? at::_lazy_clone(t) : t.clone();
 }
 
 // `t.item<double>()` for a one-element floating tensor; a float or double on the CPU is read directly (the
