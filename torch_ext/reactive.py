@@ -1505,9 +1505,9 @@ class _BatchedCone:
             return _C.batch_cone(eng.graph(), list(entries), 1, list(eng.pinned()))
         except RuntimeError as e:
             msg = str(e).split("\n")[0].removeprefix("batch_cone: ")
-            raise ValueError(f"batched sites cannot be used with this model: {msg}. Sites are stacked along dim 0, "
-                             "so every batch-dependent value must keep the batch on dim 0 and never mix it; use "
-                             "batch_sites=False") from None
+            raise ValueError(f"batched sites cannot be used with this model: {msg}. Sites are stacked along one "
+                             "dim of the site (dim 0 first, then the others), which every op of its cone must keep "
+                             "apart (move with a transpose or view, never mix); use batch_sites=False") from None
 
     def split(self, flat: list) -> list[list]:
         """Per site, the outputs: chunk i of each stacked output, the clean value of the others."""

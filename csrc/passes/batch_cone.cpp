@@ -171,7 +171,7 @@ std::vector<int64_t> worked_dims(const Node& n, const std::string& op, int64_t r
   const std::string w = where_of(n);
   const auto need = [&](std::optional<std::vector<int64_t>> v, const char* what) {
     TORCH_CHECK(v.has_value() && !v->empty(), "batch_cone: ", w, " ", what,
-                ", which mixes dim 0 (the stacked sites)");
+                ", which mixes the stacked sites");
     std::vector<int64_t> out;
     for (int64_t d : *v) out.push_back(norm_dim(d, rank));
     return out;
@@ -399,31 +399,38 @@ std::string layout_text(const Layout& l, const ir::Type& t) {
   return s;
 }
 
-// A view's output layout: the copy index keeps its place in the row-major order of the elements (I of
-// them inside it), so it lands in the outermost output dim b' with prod(out[b'+1:]) | I and
-// I / prod(out[b'+1:]) | out[b']. Sizes are the original (unstacked) ones.
-Layout view_layout(const std::vector<int64_t>& in_sizes, Layout l, const std::vector<int64_t>& out, const std::string& w) {
+// A view's output layouts: the copy index keeps its place in the row-major order of the elements (I of
+// them inside it), so it lands in an output dim d with prod(out[d+1:]) | I and I / prod(out[d+1:]) |
+// out[d]. Several dims can hold that place (copies innermost of dim d are outermost of dim d + 1, and
+// size-1 dims add more): all of them, the likeliest first (dim b itself where the view keeps dims 0..b,
+// then whole chunks of a dim, innermost first, then the rest, outermost first). Which one a later op
+// needs is found by trying them in order (batch_cone backtracks over these choices).
+std::vector<Layout> view_layouts(const std::vector<int64_t>& in_sizes, Layout l, const std::vector<int64_t>& out,
+                                 const std::string& w) {
   int64_t inner = l.in;
   for (size_t d = l.b + 1; d < in_sizes.size(); ++d) inner *= in_sizes[d];
   for (int64_t s : out) TORCH_CHECK(s > 0, "batch_cone: ", w, " has an empty output, which the pass does not batch");
-  // Several dims can hold the same place (the copies innermost of dim d are outermost of dim d + 1):
-  // whole chunks of a dim are preferred (the innermost such dim: [seq * batch, d] viewed as [seq, batch,
-  // d] puts them on batch, not after seq), else the outermost dim that holds them.
-  std::optional<Layout> found;
+  std::vector<Layout> valid;
   for (size_t d = 0; d < out.size(); ++d) {
     int64_t after = 1;
     for (size_t e = d + 1; e < out.size(); ++e) after *= out[e];
     if (inner % after != 0) continue;
     const int64_t q = inner / after;
-    if (q < 1 || out[d] % q != 0) continue;
-    const Layout here{static_cast<int64_t>(d), q};
-    if (q == out[d] || !found || found->in != out[found->b]) {
-      if (!found || q == out[d]) found = here;
-    }
+    if (q >= 1 && out[d] % q == 0) valid.push_back({static_cast<int64_t>(d), q});
   }
-  if (found) return *found;
-  TORCH_CHECK(false, "batch_cone: ", w, " reshapes dim ", l.b, ", where the stacked sites are, so that they no longer "
-              "stay apart in one dim of its output");
+  TORCH_CHECK(!valid.empty(), "batch_cone: ", w, " reshapes dim ", l.b, ", where the stacked sites are, so that they no "
+              "longer stay apart in one dim of its output");
+  std::vector<Layout> order;
+  const auto add = [&](const Layout& c) {
+    if (std::find(order.begin(), order.end(), c) == order.end()) order.push_back(c);
+  };
+  if (static_cast<int64_t>(out.size()) > l.b && std::equal(in_sizes.begin(), in_sizes.begin() + l.b + 1, out.begin()))
+    for (const Layout& c : valid)
+      if (c == l) add(c);
+  for (auto it = valid.rbegin(); it != valid.rend(); ++it)
+    if (it->in == out[it->b]) add(*it);
+  for (const Layout& c : valid) add(c);
+  return order;
 }
 
 // One entry of the unit: its node, its copies, and where they sit in the site placeholder.
@@ -628,8 +635,22 @@ class Builder {
 
   // Where a cone call's output has its copies, given its stacked input's layout `l` (sizes `in_sizes`),
   // refusing ops that contract or mix the stacked dim.
+  // One of several equally valid layouts: picks_[i] for the i-th such choice of this build (0 past its end);
+  // choices_ records how many there were.
+  Layout choose(const std::vector<Layout>& options) {
+    const size_t i = choices_.size();
+    choices_.push_back(options.size());
+    const size_t pick = i < picks_.size() ? picks_[i] : 0;
+    return options.at(std::min(pick, options.size() - 1));
+  }
+
+ public:
+  std::vector<size_t> picks_;    // set by batch_cone before run()
+  std::vector<size_t> choices_;  // filled by run(), even when it throws
+
+ private:
   Layout out_layout(const Node& n, const std::string& op, Layout l, const std::vector<int64_t>& in_sizes, int64_t R,
-                    bool x_by_matrix, const std::string& w) const {
+                    bool x_by_matrix, const std::string& w) {
     const int64_t r = static_cast<int64_t>(in_sizes.size());
     const int64_t b = l.b;
     const auto need = [&](bool ok, const char* why) {
@@ -694,7 +715,7 @@ class Builder {
       return {start, inner};
     }
     if (op == "view" || op == "reshape" || op == "_unsafe_view" || op == "unflatten")
-      return view_layout(in_sizes, l, out, w);
+      return choose(view_layouts(in_sizes, l, out, w));
     if (op == "expand") {
       const int64_t to = b + (R - r);
       need(out.at(to) == in_sizes.at(b), "which it expands");
@@ -884,6 +905,7 @@ class Builder {
     for (const auto& [key, a] : n.kwargs()) kwargs.emplace_back(key, remap(a, remap));
     const std::string& op = n.target().name;
     const Layout lout = lay_.at(&n);
+    ir::Target target = n.target();
     if (op == "view" || op == "reshape" || op == "_unsafe_view" || op == "expand") {
       TORCH_CHECK(args.size() >= 2, "batch_cone: ", w, " has no size list");
       std::vector<int64_t> sizes = first_tensor(n.type())->sizes;
@@ -931,14 +953,23 @@ class Builder {
       // from Python), so a meta run would fail outside a Python process.
       type = args.at(0).node->type();
     } else {
-      type = infer_type(n.target(), args, kwargs, w);
-      if (layout_from_decomposition(n.target())) keep_layout_of(type, n.type());
+      try {
+        type = infer_type(target, args, kwargs, w);
+      } catch (const c10::Error&) {
+        // A view whose stacked input's strides cannot be viewed (the copies sit between dims it merges):
+        // reshape gives the same values, copying. The cone has no in-place ops, so nothing writes through
+        // the alias a view would have made.
+        if (op != "view" && op != "_unsafe_view") throw;
+        target = ir::Target::parse("aten::reshape.default");
+        type = infer_type(target, args, kwargs, w);
+      }
+      if (layout_from_decomposition(target)) keep_layout_of(type, n.type());
     }
     TORCH_CHECK(scaled_equal(n.type(), type, c, lout.b), "batch_cone: ", w, " produces ", sizes_text(type),
                 " from the stacked inputs against ", sizes_text(n.type()), " alone, not the copies along dim ", lout.b,
                 ": the op mixes them");
     set_devices(type, n.type());
-    Node* copy = out_->create_call(n.name(), n.target(), std::move(args), std::move(kwargs), std::move(type));
+    Node* copy = out_->create_call(n.name(), target, std::move(args), std::move(kwargs), std::move(type));
     copy->set_module_path(n.module_path());
     map_[&n] = copy;
     count_[copy] = c;
@@ -1059,20 +1090,35 @@ BatchCone batch_cone(const ir::Graph& g, const std::vector<BatchConeEntry>& entr
   const int64_t rank = static_cast<int64_t>(s->type().tensor.sizes.size());
   std::string refusal;
   for (int64_t d = 0; d < rank; ++d) {
-    try {
+    // Chronological backtracking over the views' equally valid layouts: on a refusal, the last choice
+    // made that has an untried option takes its next one (later choices start over). Bounded.
+    std::vector<size_t> picks;
+    std::string first;
+    for (int attempt = 0; attempt < 64; ++attempt) {
       Builder b(g, es, d);
+      b.picks_ = picks;
       b.mark_cone(cone);
-      return b.run(cone);
-    } catch (const c10::Error& e) {
-      std::string msg = e.msg();
-      if (d == 0) {
-        refusal = msg;
-        continue;
+      try {
+        return b.run(cone);
+      } catch (const c10::Error& e) {
+        if (attempt == 0) first = e.msg();
       }
-      const std::string prefix = "batch_cone: ";
-      if (msg.rfind(prefix, 0) == 0) msg = msg.substr(prefix.size());
-      refusal += "; along dim " + std::to_string(d) + " instead: " + msg;
+      const std::vector<size_t>& made = b.choices_;
+      picks.resize(made.size(), 0);
+      size_t i = made.size();
+      while (i > 0 && picks[i - 1] + 1 >= made[i - 1]) --i;
+      if (i == 0) break;
+      picks.resize(i);
+      ++picks[i - 1];
     }
+    std::string msg = first;
+    if (d == 0) {
+      refusal = msg;
+      continue;
+    }
+    const std::string prefix = "batch_cone: ";
+    if (msg.rfind(prefix, 0) == 0) msg = msg.substr(prefix.size());
+    refusal += "; along dim " + std::to_string(d) + " instead: " + msg;
   }
   TORCH_CHECK(false, refusal);
 }

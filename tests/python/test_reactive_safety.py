@@ -158,9 +158,12 @@ def test_batched_sweep_sees_inputs_edited_in_place_and_run_again(resid):
         assert result.metrics[(t1, p)] == pytest.approx(float(ref.sum()), rel=1e-6, abs=1e-5), p
 
 
-def test_batched_sweep_refuses_a_sequence_first_model():
+def test_batched_sweep_of_a_sequence_first_model_stacks_along_its_batch_dim():
+    # nn.MultiheadAttention's default layout is (seq, batch, d). Before, the batched sweep refused it (the
+    # copies, stacked along dim 0, met transposes of dim 0); now batch_cone finds that stacking them along
+    # dim 1 keeps them apart through every op of the cone, and answers as eager does, site by site.
     torch.manual_seed(0)
-    mha = nn.MultiheadAttention(8, 2).eval()  # default layout (seq, batch, d): dim 0 is not the batch
+    mha = nn.MultiheadAttention(8, 2).eval()
 
     class M(nn.Module):
         def __init__(self):
@@ -172,16 +175,25 @@ def test_batched_sweep_refuses_a_sequence_first_model():
             h = torch.relu(self.fc(x))
             return self.mha(h, h, h, need_weights=False)[0]
 
+    model = M().eval()
     x = torch.randn(5, 2, 8)
-    rg = torch_ext.ReactiveGraph(M().eval(), (x,))
+    rg = torch_ext.ReactiveGraph(model, (x,))
     relu = [n for n in rg.nodes() if n.startswith("relu")][0]
     sites = [(relu, p) for p in range(5)]
-    with pytest.raises(ValueError, match="batch"):
-        torch_ext.sweep(rg, sites, lambda v, s: _zero_row(v, s[1]), lambda o: o.sum(), progress=False,
-                        batch_sites=True)
-    # One at a time stays right.
+    batched = torch_ext.sweep(rg, sites, lambda v, s: _zero_row(v, s[1]), lambda o: o.sum(), progress=False,
+                              batch_sites=True)
+    assert batched.batched and batched.groups == 1
     r = torch_ext.sweep(rg, sites, lambda v, s: _zero_row(v, s[1]), lambda o: o.sum(), progress=False)
     assert len(set(r.metrics.values())) > 1
+    for site in sites:
+        h = model.fc.register_forward_hook(lambda m, a, o, p=site[1]: _zero_row(o, p))  # relu(0) == 0
+        try:
+            with torch.no_grad():
+                ref = float(model(x).sum())
+        finally:
+            h.remove()
+        assert r.metrics[site] == pytest.approx(ref, rel=1e-6, abs=1e-6), site
+        assert batched.metrics[site] == pytest.approx(ref, rel=1e-6, abs=1e-6), site
     assert rg.patched() == []
 
 
@@ -195,7 +207,9 @@ def test_batched_sweep_refuses_mixing_along_the_batch():
     class M(nn.Module):
         def forward(self, x):
             h = torch.sin(x)
-            return torch.softmax(h, dim=0) * 3  # mixes the batch without changing shapes
+            # mixes every element without changing shapes: no dim of the site keeps the copies apart (a
+            # softmax over dim 0 alone is batched along dim 1)
+            return torch.softmax(h.reshape(-1), dim=0).view(2, 4) * 3
 
     x = torch.randn(2, 4)
     rg = torch_ext.ReactiveGraph(M(), (x,))
