@@ -630,7 +630,11 @@ class Builder {
       rank = rank_of(in0->list[0].node->type());
     for (int64_t d : worked_dims(n, op, rank, out_rank))
       TORCH_CHECK(d != b, "batch_cone: ", w, " works along dim ", b, ", where the stacked sites are, which mixes them");
-    lay_[&n] = out_layout(n, op, *lin, first_tensor(first_in->type())->sizes, out_rank, by_matrix && in_cone_.count(n.args()[0].node), w);
+    unsigned stacked_args = 0;
+    for (size_t i = 0; i < 2 && i < n.args().size(); ++i)
+      if (n.args()[i].kind == Arg::Kind::Node && in_cone_.count(n.args()[i].node)) stacked_args |= 1u << i;
+    lay_[&n] = out_layout(n, op, *lin, first_tensor(first_in->type())->sizes, out_rank,
+                          by_matrix && in_cone_.count(n.args()[0].node), stacked_args, w);
   }
 
   // Where a cone call's output has its copies, given its stacked input's layout `l` (sizes `in_sizes`),
@@ -650,20 +654,26 @@ class Builder {
 
  private:
   Layout out_layout(const Node& n, const std::string& op, Layout l, const std::vector<int64_t>& in_sizes, int64_t R,
-                    bool x_by_matrix, const std::string& w) {
+                    bool x_by_matrix, unsigned stacked_args, const std::string& w) {
     const int64_t r = static_cast<int64_t>(in_sizes.size());
     const int64_t b = l.b;
     const auto need = [&](bool ok, const char* why) {
       TORCH_CHECK(ok, "batch_cone: ", w, " has the stacked sites on dim ", b, ", ", why, ", which mixes them");
     };
     static const std::set<std::string> dim0_only = {
-        "mm", "addmm", "bmm", "conv1d", "conv2d", "conv3d", "convolution", "max_pool1d", "max_pool2d", "avg_pool1d",
+        "mm", "addmm", "conv1d", "conv2d", "conv3d", "convolution", "max_pool1d", "max_pool2d", "avg_pool1d",
         "avg_pool2d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d", "batch_norm",
         "_native_batch_norm_legit_no_training"};
     if (dim0_only.count(op)) need(b == 0, "not on dim 0, the only dim it keeps apart");
     if (op == "linear") need(b < r - 1, "which it contracts");
     if (op == "tril" || op == "triu") need(b < r - 2, "one of its matrix dims");
-    if (op == "matmul") need(b < R - 2 || (x_by_matrix && b < r - 1), "one of its matrix dims");
+    if (op == "matmul" || op == "bmm") {
+      // Batch dims, or the rows of the left matrix / the columns of the right one when only that one is
+      // stacked (each row / column of the product reads only its own).
+      const bool left = stacked_args & 1, right = stacked_args & 2;
+      need(b < R - 2 || (x_by_matrix && b < r - 1) || (left && !right && b == r - 2) || (right && !left && b == r - 1),
+           "one of its matrix dims");
+    }
     if (op == "scaled_dot_product_attention" || op == "_scaled_dot_product_flash_attention_for_cpu")
       need(b < R - 2, "one of its sequence or feature dims");
     const std::vector<int64_t>& out = first_tensor(n.type())->sizes;
