@@ -212,15 +212,6 @@ std::vector<int64_t> worked_dims(const Node& n, const std::string& op, int64_t r
   return {};
 }
 
-// Copies `a` with dim 0 of a size list times k (an explicit -1 is left to be inferred).
-Arg scaled_sizes(const Arg& a, int64_t k, const std::string& w) {
-  TORCH_CHECK(a.kind == Arg::Kind::List && !a.list.empty() && a.list[0].kind == Arg::Kind::Int,
-              "batch_cone: ", w, " has no constant size list whose dim 0 can be scaled");
-  Arg out = a;
-  if (out.list[0].i != -1) out.list[0].i *= k;
-  return out;
-}
-
 at::Tensor meta_tensor(const ir::TensorMeta& m) {
   return at::empty_strided(m.sizes, m.strides, at::TensorOptions().dtype(m.dtype).device(c10::kMeta));
 }
@@ -687,7 +678,7 @@ class Builder {
       return {b - (d < b ? 1 : 0), l.in};
     }
     if (op == "squeeze") {
-      auto ds = ints_at(n, 1, n.target().overload == "dims" ? "dim" : "dim", std::nullopt);
+      auto ds = ints_at(n, 1, "dim", std::nullopt);
       TORCH_CHECK(ds.has_value(), "batch_cone: ", w, " has no dim");
       int64_t moved = 0;
       for (int64_t d : *ds) moved += norm_dim(d, r) < b && in_sizes.at(norm_dim(d, r)) == 1 ? 1 : 0;
@@ -796,7 +787,6 @@ class Builder {
   Node* to_layout(Node* v, const Node& like, Layout to, int64_t c) {
     const std::vector<int64_t>& n = first_tensor(like.type())->sizes;
     if (to == whole_chunks(like.type(), 0)) return v;
-    const int64_t r = static_cast<int64_t>(n.size());
     const bool outer = n[to.b] != to.in;
     std::vector<int64_t> split{c};
     split.insert(split.end(), n.begin(), n.begin() + to.b);
@@ -815,7 +805,6 @@ class Builder {
     Node* m = plumb(base + "_moved", "aten::permute.default", {Arg::of_node(a), int_list(perm)}, like, c, -1);
     Node* out = plumb(base, "aten::reshape.default", {Arg::of_node(m), int_list(final_sizes)}, like, c, to.b);
     nlay_[out] = to;
-    (void)r;
     return out;
   }
 
@@ -1104,7 +1093,7 @@ BatchCone batch_cone(const ir::Graph& g, const std::vector<BatchConeEntry>& entr
     // made that has an untried option takes its next one (later choices start over). Bounded.
     std::vector<size_t> picks;
     std::string first;
-    for (int attempt = 0; attempt < 64; ++attempt) {
+    for (int attempt = 0; attempt < 24; ++attempt) {
       Builder b(g, es, d);
       b.picks_ = picks;
       b.mark_cone(cone);
