@@ -34,7 +34,43 @@ def _functional_program(ep: torch.export.ExportedProgram) -> torch.export.Export
     mutated = any(spec.kind.name.endswith("MUTATION") for spec in ep.graph_signature.output_specs)
     mutating = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
                    and n.target._schema.is_mutable for n in ep.graph.nodes)
-    return _without_hidden_stat_writes(ep.run_decompositions({}) if mutated or mutating else ep)
+    # A forward that enters torch.autocast is exported as a wrap_with_autocast region; run_decompositions
+    # traces it into the casts autocast makes (aten._to_copy), so the graph runs the same kernels on the
+    # same dtypes as eager, with no ambient context needed.
+    autocast = any(n.op == "call_function" and n.target is getattr(torch.ops.higher_order, "wrap_with_autocast", None)
+                   for n in ep.graph.nodes)
+    return _without_hidden_stat_writes(ep.run_decompositions({}) if mutated or mutating or autocast else ep)
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla", "ipu", "privateuseone")
+
+
+def _ambient_autocast() -> list[str]:
+    """The autocast contexts on here, as "torch.autocast('cpu', dtype=torch.bfloat16)" (empty: none)."""
+    if not torch._C._is_any_autocast_enabled():
+        return []
+    on = []
+    for device in _AUTOCAST_DEVICES:
+        try:
+            if torch.is_autocast_enabled(device):
+                on.append(f"torch.autocast({device!r}, dtype={torch.get_autocast_dtype(device)})")
+        except RuntimeError:  # a device type this build of torch does not know
+            continue
+    return on or ["torch.autocast"]
+
+
+def _refuse_ambient_autocast(what: str) -> None:
+    """A graph is built and run with no ambient autocast: under one, the engine's kernels would be cast
+    where they are recomputed and not where values are cached, unlike eager under the same context."""
+    on = _ambient_autocast()
+    if not on:
+        return
+    raise ValueError(
+        f"{what} under {' and '.join(on)}: a ReactiveGraph records the casts autocast makes only when the "
+        "model's forward enters the context itself (they become ops of the graph, run exactly as eager); "
+        "an ambient one around the build or a run would be applied only to the kernels recomputed (cached "
+        "values stay as they are), a silent difference from eager. Put `with torch.autocast(...)` inside "
+        "the forward and build again, or call outside the context")
 
 
 def _without_hidden_stat_writes(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -185,6 +221,7 @@ def _one_check_per_call():
     not again at each internal step (patching's graph lookup, sweep's, run's closing demand)."""
     depth = getattr(_CALL, "depth", 0)
     if depth == 0:
+        _refuse_ambient_autocast("ReactiveGraph: called")
         _CALL.checked = set()  # ids of the graphs whose contents are known current in this call
     _CALL.depth = depth + 1
     try:
@@ -447,6 +484,7 @@ class ReactiveGraph:
         "uncacheable: <why>". Parameters and buffers are never cached: each graph reads the module's own."""
         if front_end not in _compat.FRONT_ENDS:
             raise ValueError(f"ReactiveGraph: front_end must be one of {_compat.FRONT_ENDS}, got {front_end!r}")
+        _refuse_ambient_autocast("ReactiveGraph: built")
         if example_kwargs is not None and not isinstance(example_kwargs, dict):
             raise TypeError(f"ReactiveGraph: example_kwargs must be a dict of keyword inputs, got "
                             f"{type(example_kwargs).__name__}")
@@ -1505,9 +1543,9 @@ class _BatchedCone:
             return _C.batch_cone(eng.graph(), list(entries), 1, list(eng.pinned()))
         except RuntimeError as e:
             msg = str(e).split("\n")[0].removeprefix("batch_cone: ")
-            raise ValueError(f"batched sites cannot be used with this model: {msg}. Sites are stacked along dim 0, "
-                             "so every batch-dependent value must keep the batch on dim 0 and never mix it; use "
-                             "batch_sites=False") from None
+            raise ValueError(f"batched sites cannot be used with this model: {msg}. Sites are stacked along one "
+                             "dim of the site (dim 0 first, then the others), which every op of its cone must keep "
+                             "apart (move with a transpose or view, never mix); use batch_sites=False") from None
 
     def split(self, flat: list) -> list[list]:
         """Per site, the outputs: chunk i of each stacked output, the clean value of the others."""

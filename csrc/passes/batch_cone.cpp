@@ -13,6 +13,8 @@
 
 #include <algorithm>
 #include <limits>
+#include <map>
+#include <tuple>
 #include <set>
 #include <unordered_map>
 #include <unordered_set>
@@ -110,6 +112,7 @@ const std::unordered_map<std::string, RowOp>& row_ops() {
       {"view", {0, 1}},
       {"reshape", {0, 1}},
       {"_unsafe_view", {0, 1}},
+      {"unflatten", {0, 1}},
       {"expand", {0, 1}},
       {"t", {0, 1}},
       {"tril", {0, 3}},
@@ -168,7 +171,7 @@ std::vector<int64_t> worked_dims(const Node& n, const std::string& op, int64_t r
   const std::string w = where_of(n);
   const auto need = [&](std::optional<std::vector<int64_t>> v, const char* what) {
     TORCH_CHECK(v.has_value() && !v->empty(), "batch_cone: ", w, " ", what,
-                ", which mixes dim 0 (the stacked sites)");
+                ", which mixes the stacked sites");
     std::vector<int64_t> out;
     for (int64_t d : *v) out.push_back(norm_dim(d, rank));
     return out;
@@ -185,41 +188,13 @@ std::vector<int64_t> worked_dims(const Node& n, const std::string& op, int64_t r
     if (a != nullptr && a->kind == Arg::Kind::List && a->list.empty()) a = nullptr;
     return need(a == nullptr ? std::nullopt : ints_at(n, 1, "dim", std::nullopt), "reduces over every dim");
   }
-  if (op == "transpose") {
-    auto a = need(ints_at(n, 1, "dim0", std::nullopt), "has no dims");
-    auto b = need(ints_at(n, 2, "dim1", std::nullopt), "has no dims");
-    a.insert(a.end(), b.begin(), b.end());
-    return a;
-  }
-  if (op == "t") return rank >= 2 ? std::vector<int64_t>{0, 1} : std::vector<int64_t>{};
-  if (op == "permute") {
-    auto p = need(ints_at(n, 1, "dims", std::nullopt), "has no permutation");
-    TORCH_CHECK(p[0] == 0, "batch_cone: ", w, " moves dim ", p[0], " to dim 0, which mixes dim 0 (the stacked sites)");
-    return {};
-  }
-  if (op == "unsqueeze") {
-    auto d = ints_at(n, 1, "dim", std::nullopt);
-    TORCH_CHECK(d && d->size() == 1, "batch_cone: ", w, " has no dim");
-    return {norm_dim((*d)[0], out_rank)};
-  }
+  // transpose / t / permute / unsqueeze / flatten / stack / views move the stacked dim (out_layout).
   if (op == "split" || op == "split_with_sizes" || op == "unsafe_split" || op == "chunk")
     return need(ints_at(n, 2, "dim", std::vector<int64_t>{0}), "splits no dim");
   if (op == "unbind") return need(ints_at(n, 1, "dim", std::vector<int64_t>{0}), "unbinds no dim");
   if (op == "flip") return need(ints_at(n, 1, "dims", std::nullopt), "flips no dim");
-  if (op == "flatten") {  // dims start..end merge: dim 0 must not be among them
-    if (rank == 0) return {};
-    const int64_t start = norm_dim(ints_at(n, 1, "start_dim", std::vector<int64_t>{0})->at(0), rank);
-    const int64_t end = norm_dim(ints_at(n, 2, "end_dim", std::vector<int64_t>{-1})->at(0), rank);
-    std::vector<int64_t> out;
-    for (int64_t d = start; d <= end; ++d) out.push_back(d);
-    return out;
-  }
   if (op == "roll") return need(ints_at(n, 2, "dims", std::nullopt), "rolls the flattened tensor");
   if (op == "cat") return need(ints_at(n, 1, "dim", std::vector<int64_t>{0}), "has no dim");
-  if (op == "stack") {
-    auto d = need(ints_at(n, 1, "dim", std::vector<int64_t>{0}), "has no dim");
-    return {norm_dim(d[0] < 0 ? d[0] - rank + out_rank : d[0], out_rank)};
-  }
   if (op == "layer_norm" || op == "native_layer_norm" || op == "rms_norm") {
     auto s = ints_at(n, 1, "normalized_shape", std::nullopt);
     TORCH_CHECK(s.has_value(), "batch_cone: ", w, " has no normalized_shape");
@@ -235,15 +210,6 @@ std::vector<int64_t> worked_dims(const Node& n, const std::string& op, int64_t r
     return out;
   }
   return {};
-}
-
-// Copies `a` with dim 0 of a size list times k (an explicit -1 is left to be inferred).
-Arg scaled_sizes(const Arg& a, int64_t k, const std::string& w) {
-  TORCH_CHECK(a.kind == Arg::Kind::List && !a.list.empty() && a.list[0].kind == Arg::Kind::Int,
-              "batch_cone: ", w, " has no constant size list whose dim 0 can be scaled");
-  Arg out = a;
-  if (out.list[0].i != -1) out.list[0].i *= k;
-  return out;
 }
 
 at::Tensor meta_tensor(const ir::TensorMeta& m) {
@@ -299,7 +265,7 @@ ir::Type infer_type(const ir::Target& target, const std::vector<Arg>& args, cons
       op->callBoxed(stack);
     } catch (const std::exception& e) {
       const auto* c10e = dynamic_cast<const c10::Error*>(&e);
-      TORCH_CHECK(false, "batch_cone: ", w, " refuses its inputs stacked along dim 0: ",
+      TORCH_CHECK(false, "batch_cone: ", w, " refuses its stacked inputs: ",
                   c10e ? c10e->msg() : std::string(e.what()));
     }
   }
@@ -325,18 +291,19 @@ ir::Type infer_type(const ir::Target& target, const std::vector<Arg>& args, cons
 }
 
 // `t` with dim 0 of every tensor times k (sizes only: strides are compared separately).
-bool scaled_equal(const ir::Type& small, const ir::Type& got, int64_t k) {
+bool scaled_equal(const ir::Type& small, const ir::Type& got, int64_t k, int64_t dim = 0) {
   if (small.kind != got.kind) return false;
   if (small.is_tensor()) {
     const auto& s = small.tensor.sizes;
     const auto& g = got.tensor.sizes;
-    if (s.empty() || s.size() != g.size() || small.tensor.dtype != got.tensor.dtype) return false;
-    if (g[0] != s[0] * k) return false;
-    return std::equal(s.begin() + 1, s.end(), g.begin() + 1);
+    if (static_cast<int64_t>(s.size()) <= dim || s.size() != g.size() || small.tensor.dtype != got.tensor.dtype) return false;
+    for (size_t d = 0; d < s.size(); ++d)
+      if (g[d] != (static_cast<int64_t>(d) == dim ? s[d] * k : s[d])) return false;
+    return true;
   }
   if (small.kind != ir::Type::Kind::Tuple || small.elems.size() != got.elems.size()) return false;
   for (size_t i = 0; i < small.elems.size(); ++i)
-    if (!scaled_equal(small.elems[i], got.elems[i], k)) return false;
+    if (!scaled_equal(small.elems[i], got.elems[i], k, dim)) return false;
   return true;
 }
 
@@ -395,11 +362,66 @@ bool layout_from_decomposition(const ir::Target& target) {
          op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
 }
 
-ir::Type stacked_type(const ir::Type& t, int64_t k) {
+ir::Type stacked_type(const ir::Type& t, int64_t k, int64_t dim = 0) {
   ir::Type out = t;
-  out.tensor.sizes[0] *= k;
+  out.tensor.sizes[dim] *= k;
   out.tensor.strides = ir::TensorMeta::contiguous_strides(out.tensor.sizes);
   return out;
+}
+
+// Where a stacked value keeps its copies: along dim `b`, whose size is the original one times the copies,
+// the copy index sitting in that dim with `in` of the original dim's elements inside it (index of
+// original element j of copy i: (j / in) * copies * in + i * in + j % in). `in` == the dim's size: the
+// copies are whole chunks of dim b (the form the site placeholder and the outputs have along dim 0).
+struct Layout {
+  int64_t b = 0;
+  int64_t in = 0;
+  bool operator==(const Layout& o) const { return b == o.b && in == o.in; }
+  bool operator!=(const Layout& o) const { return !(*this == o); }
+};
+
+Layout whole_chunks(const ir::Type& t, int64_t b) { return {b, first_tensor(t)->sizes.at(b)}; }
+
+std::string layout_text(const Layout& l, const ir::Type& t) {
+  std::string s = "dim " + std::to_string(l.b);
+  const ir::TensorMeta* m = first_tensor(t);
+  if (m != nullptr && l.b < static_cast<int64_t>(m->sizes.size()) && m->sizes[l.b] != l.in)
+    s += " (every " + std::to_string(l.in) + " rows)";
+  return s;
+}
+
+// A view's output layouts: the copy index keeps its place in the row-major order of the elements (I of
+// them inside it), so it lands in an output dim d with prod(out[d+1:]) | I and I / prod(out[d+1:]) |
+// out[d]. Several dims can hold that place (copies innermost of dim d are outermost of dim d + 1, and
+// size-1 dims add more): all of them, the likeliest first (dim b itself where the view keeps dims 0..b,
+// then whole chunks of a dim, innermost first, then the rest, outermost first). Which one a later op
+// needs is found by trying them in order (batch_cone backtracks over these choices).
+std::vector<Layout> view_layouts(const std::vector<int64_t>& in_sizes, Layout l, const std::vector<int64_t>& out,
+                                 const std::string& w) {
+  int64_t inner = l.in;
+  for (size_t d = l.b + 1; d < in_sizes.size(); ++d) inner *= in_sizes[d];
+  for (int64_t s : out) TORCH_CHECK(s > 0, "batch_cone: ", w, " has an empty output, which the pass does not batch");
+  std::vector<Layout> valid;
+  for (size_t d = 0; d < out.size(); ++d) {
+    int64_t after = 1;
+    for (size_t e = d + 1; e < out.size(); ++e) after *= out[e];
+    if (inner % after != 0) continue;
+    const int64_t q = inner / after;
+    if (q >= 1 && out[d] % q == 0) valid.push_back({static_cast<int64_t>(d), q});
+  }
+  TORCH_CHECK(!valid.empty(), "batch_cone: ", w, " reshapes dim ", l.b, ", where the stacked sites are, so that they no "
+              "longer stay apart in one dim of its output");
+  std::vector<Layout> order;
+  const auto add = [&](const Layout& c) {
+    if (std::find(order.begin(), order.end(), c) == order.end()) order.push_back(c);
+  };
+  if (static_cast<int64_t>(out.size()) > l.b && std::equal(in_sizes.begin(), in_sizes.begin() + l.b + 1, out.begin()))
+    for (const Layout& c : valid)
+      if (c == l) add(c);
+  for (auto it = valid.rbegin(); it != valid.rend(); ++it)
+    if (it->in == out[it->b]) add(*it);
+  for (const Layout& c : valid) add(c);
+  return order;
 }
 
 // One entry of the unit: its node, its copies, and where they sit in the site placeholder.
@@ -411,8 +433,8 @@ struct Entry {
 
 class Builder {
  public:
-  Builder(const ir::Graph& g, std::vector<Entry> entries)
-      : g_(g), entries_(std::move(entries)), out_(std::make_unique<ir::Graph>()) {
+  Builder(const ir::Graph& g, std::vector<Entry> entries, int64_t site_dim)
+      : g_(g), entries_(std::move(entries)), out_(std::make_unique<ir::Graph>()), site_dim_(site_dim) {
     total_ = entries_.back().lo + entries_.back().k;
   }
 
@@ -433,10 +455,14 @@ class Builder {
       live_after_[n] = e == entry_of_.end() ? m : e->second + 1;
     }
     // Externals first (their placeholders precede the site), then the calls.
+    lay_[site] = whole_chunks(site->type(), site_dim_);
     for (const Node* n : cone) plan_node(*n);
     site_ = out_->create_placeholder(site->name(), ir::InputRole::UserInput, stacked_type(site->type(), total_));
     count_[site_] = total_;
-    map_[site] = entries_.size() == 1 ? site_ : entry_copies(0);
+    nlay_[site_] = whole_chunks(site->type(), 0);
+    Node* first = entries_.size() == 1 ? site_ : entry_copies(0);
+    nlay_[first] = whole_chunks(site->type(), 0);
+    map_[site] = to_layout(first, *site, lay_.at(site), entries_.front().k);
     for (const Node* n : cone) {
       emit(*n);
       auto e = entry_of_.find(n);
@@ -451,7 +477,7 @@ class Builder {
         continue;
       }
       const bool inside = map_.count(a.node) > 0;
-      outs.push_back(Arg::of_node(inside ? read_stacked(a.node, total_) : external(a.node, 0)));
+      outs.push_back(Arg::of_node(inside ? to_chunks(read_stacked(a.node, total_), *a.node, total_) : external(a.node, 0)));
       result.output_batched.push_back(inside);
     }
     out_->create_output(std::move(outs));
@@ -487,7 +513,12 @@ class Builder {
   void plan_node(const Node& n) {
     const std::string w = where_of(n);
     TORCH_CHECK(n.regions().empty(), "batch_cone: ", w, " has regions (control flow), which the pass does not batch");
-    if (n.target().is_getitem()) return;
+    if (n.target().is_getitem()) {
+      const Layout l = lay_.at(n.args().at(0).node);
+      TORCH_CHECK(rank_of(n.type()) > l.b, "batch_cone: ", w, " reads an element without the stacked dim ", l.b);
+      lay_[&n] = l;
+      return;
+    }
     const std::string& op = n.target().name;
     TORCH_CHECK(n.target().ns == "aten", "batch_cone: ", w, " is not an aten op the pass knows keeps dim 0 apart");
     TORCH_CHECK(op != "_native_batch_norm_legit_functional" && op != "_native_batch_norm_legit" &&
@@ -512,41 +543,74 @@ class Builder {
                   "dim 0 (the stacked sites); call model.eval() on a model with running statistics");
     }
     const int64_t out_rank = rank_of(n.type());
-    for (size_t i = 0; i < n.args().size() + n.kwargs().size(); ++i) {
-      const Arg& a = i < n.args().size() ? n.args()[i] : n.kwargs()[i - n.args().size()].second;
-      a.for_each_node([&](Node* in) {
+    const size_t nargs = n.args().size() + n.kwargs().size();
+    const auto arg_i = [&](size_t i) -> const Arg& {
+      return i < n.args().size() ? n.args()[i] : n.kwargs()[i - n.args().size()].second;
+    };
+    // The stacked inputs: all with their copies in the same place.
+    std::optional<Layout> lin;
+    const Node* first_in = nullptr;
+    for (size_t i = 0; i < nargs; ++i)
+      arg_i(i).for_each_node([&](Node* in) {
+        if (!in_cone_.count(in)) return;
+        const Layout& l = lay_.at(in);
+        if (!lin) {
+          lin = l;
+          first_in = in;
+          return;
+        }
+        TORCH_CHECK(l == *lin, "batch_cone: ", w, " reads %", first_in->name(), " with its stacked sites on ",
+                    layout_text(*lin, first_in->type()), " and %", in->name(), " with them on ", layout_text(l, in->type()),
+                    ", which do not line up");
+      });
+    TORCH_INTERNAL_ASSERT(lin.has_value(), "batch_cone: ", w, " reads nothing of the cone");
+    const int64_t b = lin->b;
+    const int64_t rs = rank_of(first_in->type());
+    const Arg* w1 = arg_at(n, 1, "other");
+    const bool by_matrix = op == "matmul" && w1 != nullptr && w1->kind == Arg::Kind::Node && !in_cone_.count(w1->node) &&
+                           rank_of(w1->node->type()) <= 2;
+    for (size_t i = 0; i < nargs; ++i) {
+      arg_i(i).for_each_node([&](Node* in) {
         if (!in_cone_.count(in)) {
           if (!in->type().is_tensor()) {
             external(in, 0);
             return;
           }
-          const bool lined_up = (elementwise || batched != batched_ops().end()) &&
-                                rank_of(in->type()) == out_rank && out_rank >= 1 &&
-                                in->type().tensor.sizes[0] > 1;
+          // Lined up with the stacked dim (right-aligned broadcasting): read tiled along its own dim e.
+          const int64_t re = rank_of(in->type());
+          const int64_t e = b - (rs - re);
+          bool lined_up = (elementwise || batched != batched_ops().end()) && out_rank >= 1 && e >= 0 && e < re &&
+                          in->type().tensor.sizes[e] > 1;
+          if (lined_up && (op == "matmul" || op == "bmm" || op == "scaled_dot_product_attention" ||
+                           op == "_scaled_dot_product_flash_attention_for_cpu"))
+            lined_up = e < re - 2;  // its matrix dims are contracted or read whole, not lined up
+          if (lined_up)
+            TORCH_CHECK(in->type().tensor.sizes[e] == first_tensor(first_in->type())->sizes[b], "batch_cone: ", w,
+                        " broadcasts %", first_in->name(), " (of the patched cone) along dim ", b,
+                        ", where the stacked sites are");
           const int64_t times = lined_up ? copies_of_.at(&n) : 0;
           external(in, times);
           planned_[{&n, in}] = times;
+          if (lined_up) tile_lay_[{&n, in}] = Layout{e, lin->in};
           return;
         }
         const int64_t r = rank_of(in->type());
         if (row != row_ops().end()) {
           TORCH_CHECK(i == row->second.row, "batch_cone: ", w, " reads %", in->name(), " (of the patched cone) as argument ",
-                      i, ", which it does not treat as a batch of rows: it mixes dim 0 (the stacked sites)");
+                      i, ", which it does not treat as a batch of rows: it mixes dim ", b, " (the stacked sites)");
           TORCH_CHECK(r >= row->second.min_rank, "batch_cone: ", w, " reads %", in->name(), " of rank ", r,
                       " (needs rank >= ", row->second.min_rank, " for dim 0 to be a batch dim)");
         } else if (batched != batched_ops().end()) {
-          // x @ W with a constant matrix W: a row-wise product, dim 0 of a rank-2 x is a batch too.
-          const Arg* w1 = arg_at(n, 1, "other");
-          const bool by_matrix = op == "matmul" && i == 0 && w1 != nullptr && w1->kind == Arg::Kind::Node &&
-                                 !in_cone_.count(w1->node) && rank_of(w1->node->type()) <= 2;
-          TORCH_CHECK(r >= (by_matrix ? 2 : batched->second), "batch_cone: ", w, " reads %", in->name(), " of rank ", r,
-                      " (needs rank >= ", (by_matrix ? 2 : batched->second), " for dim 0 to be a batch dim)");
+          // x @ W with a constant matrix W: a row-wise product, the rows of x are a batch too.
+          const bool x_by_matrix = by_matrix && i == 0;
+          TORCH_CHECK(r >= (x_by_matrix ? 2 : batched->second), "batch_cone: ", w, " reads %", in->name(), " of rank ", r,
+                      " (needs rank >= ", (x_by_matrix ? 2 : batched->second), " for its stacked dim to be a batch dim)");
           if (op == "matmul" || op == "bmm" || op == "cat")
             TORCH_CHECK(r == out_rank, "batch_cone: ", w, " broadcasts %", in->name(),
-                        " so that its dim 0 is not the output's dim 0");
+                        " so that its dims are not the output's dims");
         } else {
           TORCH_CHECK(r == out_rank, "batch_cone: ", w, " broadcasts %", in->name(), " (rank ", r,
-                      ") against rank ", out_rank, ", so its dim 0 is not the output's dim 0");
+                      ") against rank ", out_rank, ", so its dims are not the output's dims");
         }
       });
     }
@@ -555,9 +619,110 @@ class Builder {
     if (in0 != nullptr && in0->kind == Arg::Kind::Node) rank = rank_of(in0->node->type());
     if (in0 != nullptr && in0->kind == Arg::Kind::List && !in0->list.empty() && in0->list[0].kind == Arg::Kind::Node)
       rank = rank_of(in0->list[0].node->type());
-    TORCH_CHECK(op != "expand" || rank == out_rank, "batch_cone: ", w, " adds leading dims, so dim 0 of its input is not dim 0 of its output");
     for (int64_t d : worked_dims(n, op, rank, out_rank))
-      TORCH_CHECK(d != 0, "batch_cone: ", w, " works along dim 0, which mixes the stacked sites");
+      TORCH_CHECK(d != b, "batch_cone: ", w, " works along dim ", b, ", where the stacked sites are, which mixes them");
+    unsigned stacked_args = 0;
+    for (size_t i = 0; i < 2 && i < n.args().size(); ++i)
+      if (n.args()[i].kind == Arg::Kind::Node && in_cone_.count(n.args()[i].node)) stacked_args |= 1u << i;
+    lay_[&n] = out_layout(n, op, *lin, first_tensor(first_in->type())->sizes, out_rank,
+                          by_matrix && in_cone_.count(n.args()[0].node), stacked_args, w);
+  }
+
+  // Where a cone call's output has its copies, given its stacked input's layout `l` (sizes `in_sizes`),
+  // refusing ops that contract or mix the stacked dim.
+  // One of several equally valid layouts: picks_[i] for the i-th such choice of this build (0 past its end);
+  // choices_ records how many there were.
+  Layout choose(const std::vector<Layout>& options) {
+    const size_t i = choices_.size();
+    choices_.push_back(options.size());
+    const size_t pick = i < picks_.size() ? picks_[i] : 0;
+    return options.at(std::min(pick, options.size() - 1));
+  }
+
+ public:
+  std::vector<size_t> picks_;    // set by batch_cone before run()
+  std::vector<size_t> choices_;  // filled by run(), even when it throws
+
+ private:
+  Layout out_layout(const Node& n, const std::string& op, Layout l, const std::vector<int64_t>& in_sizes, int64_t R,
+                    bool x_by_matrix, unsigned stacked_args, const std::string& w) {
+    const int64_t r = static_cast<int64_t>(in_sizes.size());
+    const int64_t b = l.b;
+    const auto need = [&](bool ok, const char* why) {
+      TORCH_CHECK(ok, "batch_cone: ", w, " has the stacked sites on dim ", b, ", ", why, ", which mixes them");
+    };
+    static const std::set<std::string> dim0_only = {
+        "mm", "addmm", "conv1d", "conv2d", "conv3d", "convolution", "max_pool1d", "max_pool2d", "avg_pool1d",
+        "avg_pool2d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d", "batch_norm",
+        "_native_batch_norm_legit_no_training"};
+    if (dim0_only.count(op)) need(b == 0, "not on dim 0, the only dim it keeps apart");
+    if (op == "linear") need(b < r - 1, "which it contracts");
+    if (op == "tril" || op == "triu") need(b < r - 2, "one of its matrix dims");
+    if (op == "matmul" || op == "bmm") {
+      // Batch dims, or the rows of the left matrix / the columns of the right one when only that one is
+      // stacked (each row / column of the product reads only its own).
+      const bool left = stacked_args & 1, right = stacked_args & 2;
+      need(b < R - 2 || (x_by_matrix && b < r - 1) || (left && !right && b == r - 2) || (right && !left && b == r - 1),
+           "one of its matrix dims");
+    }
+    if (op == "scaled_dot_product_attention" || op == "_scaled_dot_product_flash_attention_for_cpu")
+      need(b < R - 2, "one of its sequence or feature dims");
+    const std::vector<int64_t>& out = first_tensor(n.type())->sizes;
+    const auto dim_of = [&](size_t pos, const char* name, int64_t rank, std::optional<int64_t> dflt) {
+      auto d = ints_at(n, pos, name, dflt ? std::optional<std::vector<int64_t>>(std::vector<int64_t>{*dflt}) : std::nullopt);
+      TORCH_CHECK(d && d->size() == 1, "batch_cone: ", w, " has no ", name);
+      return norm_dim((*d)[0], rank);
+    };
+    if (op == "select" || op == "unbind") {
+      const int64_t d = dim_of(1, "dim", r, op == "unbind" ? std::optional<int64_t>(0) : std::nullopt);
+      return {b - (d < b ? 1 : 0), l.in};
+    }
+    if (op == "squeeze") {
+      auto ds = ints_at(n, 1, "dim", std::nullopt);
+      TORCH_CHECK(ds.has_value(), "batch_cone: ", w, " has no dim");
+      int64_t moved = 0;
+      for (int64_t d : *ds) moved += norm_dim(d, r) < b && in_sizes.at(norm_dim(d, r)) == 1 ? 1 : 0;
+      return {b - moved, l.in};
+    }
+    if (op == "unsqueeze") return {b + (dim_of(1, "dim", R, std::nullopt) <= b ? 1 : 0), l.in};
+    if (op == "stack") return {b + (dim_of(1, "dim", R, 0) <= b ? 1 : 0), l.in};
+    if (op == "transpose") {
+      const int64_t d0 = dim_of(1, "dim0", r, std::nullopt), d1 = dim_of(2, "dim1", r, std::nullopt);
+      return {b == d0 ? d1 : b == d1 ? d0 : b, l.in};
+    }
+    if (op == "t") return {r == 2 ? 1 - b : b, l.in};
+    if (op == "permute") {
+      auto p = ints_at(n, 1, "dims", std::nullopt);
+      TORCH_CHECK(p.has_value(), "batch_cone: ", w, " has no permutation");
+      for (size_t i = 0; i < p->size(); ++i)
+        if (norm_dim((*p)[i], r) == b) return {static_cast<int64_t>(i), l.in};
+      TORCH_CHECK(false, "batch_cone: ", w, " drops dim ", b);
+    }
+    static const std::set<std::string> reductions = {"sum", "mean", "amax", "amin", "prod", "var", "std",
+                                                     "logsumexp", "argmax", "argmin"};
+    if (reductions.count(op) && R < r) {  // keepdim=False: the reduced dims before b go
+      auto ds = ints_at(n, 1, "dim", std::nullopt);
+      int64_t gone = 0;
+      for (int64_t d : *ds) gone += norm_dim(d, r) < b ? 1 : 0;
+      return {b - gone, l.in};
+    }
+    if (op == "flatten") {
+      if (r == 0) return l;
+      const int64_t start = dim_of(1, "start_dim", r, 0), end = dim_of(2, "end_dim", r, -1);
+      if (b < start) return l;
+      if (b > end) return {b - (end - start), l.in};
+      int64_t inner = l.in;
+      for (int64_t d = b + 1; d <= end; ++d) inner *= in_sizes[d];
+      return {start, inner};
+    }
+    if (op == "view" || op == "reshape" || op == "_unsafe_view" || op == "unflatten")
+      return choose(view_layouts(in_sizes, l, out, w));
+    if (op == "expand") {
+      const int64_t to = b + (R - r);
+      need(out.at(to) == in_sizes.at(b), "which it expands");
+      return {to, l.in};
+    }
+    return l;
   }
 
   // A name free in both graphs (cone calls keep their names).
@@ -589,10 +754,11 @@ class Builder {
   }
 
   // A plumbing call (slice, cat): its type from the meta kernel, checked against the expected copies.
-  Node* plumb(const std::string& name, const char* target, std::vector<Arg> args, const Node& like, int64_t c) {
+  Node* plumb(const std::string& name, const char* target, std::vector<Arg> args, const Node& like, int64_t c,
+              int64_t dim = 0) {
     const ir::Target t = ir::Target::parse(target);
     ir::Type type = infer_type(t, args, {}, "%" + name + " (" + target + ")");
-    TORCH_INTERNAL_ASSERT(scaled_equal(like.type(), type, c), "batch_cone: %", name, " has the wrong type");
+    TORCH_INTERNAL_ASSERT(dim < 0 || scaled_equal(like.type(), type, c, dim), "batch_cone: %", name, " has the wrong type");
     set_devices(type, like.type());
     Node* n = out_->create_call(fresh(name), t, std::move(args), {}, std::move(type));
     n->set_module_path(like.module_path());
@@ -610,14 +776,91 @@ class Builder {
                  *e.node, e.k);
   }
 
+  static Arg int_list(const std::vector<int64_t>& v) {
+    std::vector<Arg> l;
+    for (int64_t x : v) l.push_back(Arg::of_int(x));
+    return Arg::of_list(std::move(l));
+  }
+
+  // `v` (c copies of `like`'s value as whole chunks of dim 0) with its copies placed as `to` says:
+  // reshape [c, n0, ..., n_b / in, in, ...], move c before `in`, reshape [n0, ..., c * n_b, ...].
+  Node* to_layout(Node* v, const Node& like, Layout to, int64_t c) {
+    const std::vector<int64_t>& n = first_tensor(like.type())->sizes;
+    if (to == whole_chunks(like.type(), 0)) return v;
+    const bool outer = n[to.b] != to.in;
+    std::vector<int64_t> split{c};
+    split.insert(split.end(), n.begin(), n.begin() + to.b);
+    if (outer) split.push_back(n[to.b] / to.in);
+    split.push_back(to.in);
+    split.insert(split.end(), n.begin() + to.b + 1, n.end());
+    std::vector<int64_t> perm;
+    const int64_t before = to.b + (outer ? 1 : 0);  // dims that go before the copies
+    for (int64_t d = 1; d <= before; ++d) perm.push_back(d);
+    perm.push_back(0);
+    for (int64_t d = before + 1; d < static_cast<int64_t>(split.size()); ++d) perm.push_back(d);
+    std::vector<int64_t> final_sizes = n;
+    final_sizes[to.b] *= c;
+    const std::string base = like.name() + "_dim" + std::to_string(to.b);
+    Node* a = plumb(base + "_split", "aten::reshape.default", {Arg::of_node(v), int_list(split)}, like, c, -1);
+    Node* m = plumb(base + "_moved", "aten::permute.default", {Arg::of_node(a), int_list(perm)}, like, c, -1);
+    Node* out = plumb(base, "aten::reshape.default", {Arg::of_node(m), int_list(final_sizes)}, like, c, to.b);
+    nlay_[out] = to;
+    return out;
+  }
+
+  // The inverse: `v` (layout nlay_[v]) with its copies as whole chunks of dim 0.
+  Node* to_chunks(Node* v, const Node& like, int64_t c) {
+    const Layout from = nlay_.at(v);
+    if (from == whole_chunks(like.type(), 0)) return v;
+    const std::vector<int64_t>& n = first_tensor(like.type())->sizes;
+    const bool outer = n[from.b] != from.in;
+    std::vector<int64_t> split(n.begin(), n.begin() + from.b);
+    if (outer) split.push_back(n[from.b] / from.in);
+    const int64_t at = static_cast<int64_t>(split.size());
+    split.push_back(c);
+    split.push_back(from.in);
+    split.insert(split.end(), n.begin() + from.b + 1, n.end());
+    std::vector<int64_t> perm{at};
+    for (int64_t d = 0; d < static_cast<int64_t>(split.size()); ++d)
+      if (d != at) perm.push_back(d);
+    std::vector<int64_t> final_sizes = n;
+    final_sizes[0] *= c;
+    const std::string base = like.name() + "_chunks";
+    Node* a = plumb(base + "_split", "aten::reshape.default", {Arg::of_node(v), int_list(split)}, like, c, -1);
+    Node* m = plumb(base + "_moved", "aten::permute.default", {Arg::of_node(a), int_list(perm)}, like, c, -1);
+    Node* out = plumb(base, "aten::reshape.default", {Arg::of_node(m), int_list(final_sizes)}, like, c, 0);
+    nlay_[out] = whole_chunks(like.type(), 0);
+    return out;
+  }
+
+  // `src`'s clean value repeated `times` times, its copies placed as `to` says.
+  Node* tiled(const Node* src, int64_t times, Layout to) {
+    auto key = std::make_tuple(src, times, to.b, to.in);
+    auto it = tiles_.find(key);
+    if (it != tiles_.end()) return it->second;
+    Node* t = external(src, times);
+    nlay_[t] = whole_chunks(src->type(), 0);
+    return tiles_[key] = to_layout(t, *src, to, times);
+  }
+
+  bool whole(Node* v) const {
+    const Layout l = nlay_.at(v);
+    return first_tensor(v->type())->sizes.at(l.b) == l.in * count_.at(v);
+  }
+
   // After entry j's node ran on the copies so far: those copies, then entry j's own.
   void join(const Node& n, size_t j) {
     Node* so_far = map_.at(&n);
     TORCH_INTERNAL_ASSERT(count_.at(so_far) == entries_[j].lo, "batch_cone: entry %", n.name(), " runs on ",
                           count_.at(so_far), " copies, expected ", entries_[j].lo);
-    Node* own = entry_copies(j);
+    const Layout l = nlay_.at(so_far);
+    TORCH_CHECK(whole(so_far), "batch_cone: entry %", n.name(), " has the stacked sites on ", layout_text(l, n.type()),
+                ", where the entry's copies cannot be joined to them");
+    Node* own = to_layout(entry_copies(j), n, l, entries_[j].k);
     map_[&n] = plumb(n.name() + "_joined", "aten::cat.default",
-                     {Arg::of_list({Arg::of_node(so_far), Arg::of_node(own)}), Arg::of_int(0)}, n, entries_[j].lo + entries_[j].k);
+                     {Arg::of_list({Arg::of_node(so_far), Arg::of_node(own)}), Arg::of_int(l.b)}, n,
+                     entries_[j].lo + entries_[j].k, l.b);
+    nlay_[map_[&n]] = l;
   }
 
   // The stacked value of cone node `x` with `c` copies: padded with its clean value where it has fewer
@@ -630,9 +873,14 @@ class Builder {
     auto key = std::make_pair(x, c);
     auto it = pads_.find(key);
     if (it != pads_.end()) return it->second;
-    Node* clean = external(x, c - have);
-    return pads_[key] = plumb(x->name() + "_pad" + std::to_string(c), "aten::cat.default",
-                              {Arg::of_list({Arg::of_node(v), Arg::of_node(clean)}), Arg::of_int(0)}, *x, c);
+    const Layout l = nlay_.at(v);
+    TORCH_CHECK(whole(v), "batch_cone: %", x->name(), " has the stacked sites on ", layout_text(l, x->type()),
+                ", where copies entering below it cannot be added");
+    Node* clean = tiled(x, c - have, l);
+    Node* p = plumb(x->name() + "_pad" + std::to_string(c), "aten::cat.default",
+                    {Arg::of_list({Arg::of_node(v), Arg::of_node(clean)}), Arg::of_int(l.b)}, *x, c, l.b);
+    nlay_[p] = l;
+    return pads_[key] = p;
   }
 
   void emit(const Node& n) {
@@ -644,7 +892,8 @@ class Builder {
       if (a.kind == Arg::Kind::Node) {
         if (stacked(a.node)) return Arg::of_node(read_stacked(a.node, c));
         auto p = planned_.find({&n, a.node});
-        return Arg::of_node(external(a.node, p != planned_.end() ? p->second : 0));
+        if (p != planned_.end() && p->second > 0) return Arg::of_node(tiled(a.node, p->second, tile_lay_.at({&n, a.node})));
+        return Arg::of_node(external(a.node, 0));
       }
       if (a.kind != Arg::Kind::List) return a;
       Arg out = a;
@@ -654,21 +903,36 @@ class Builder {
     for (const Arg& a : n.args()) args.push_back(remap(a, remap));
     for (const auto& [key, a] : n.kwargs()) kwargs.emplace_back(key, remap(a, remap));
     const std::string& op = n.target().name;
+    const Layout lout = lay_.at(&n);
+    ir::Target target = n.target();
     if (op == "view" || op == "reshape" || op == "_unsafe_view" || op == "expand") {
       TORCH_CHECK(args.size() >= 2, "batch_cone: ", w, " has no size list");
-      args[1] = scaled_sizes(args[1], c, w);
+      std::vector<int64_t> sizes = first_tensor(n.type())->sizes;
+      sizes.at(lout.b) *= c;
+      args[1] = int_list(sizes);
+    }
+    if (op == "unflatten") {
+      const int64_t rank = rank_of(n.args().at(0).node->type());
+      const int64_t dim = norm_dim(ints_at(n, 1, "dim", std::nullopt).value().at(0), rank);
+      TORCH_CHECK(args.size() >= 3, "batch_cone: ", w, " has no size list");
+      const std::vector<int64_t>& out = first_tensor(n.type())->sizes;
+      const int64_t parts = static_cast<int64_t>(out.size()) - rank + 1;
+      std::vector<int64_t> sizes(out.begin() + dim, out.begin() + dim + parts);
+      if (lout.b >= dim && lout.b < dim + parts) sizes[lout.b - dim] *= c;
+      args[2] = int_list(sizes);
     }
     if (op == "slice") {
       const auto dim = ints_at(n, 1, "dim", std::vector<int64_t>{0});
       const int64_t rank = rank_of(n.args().at(0).node->type());
-      if (dim && dim->size() == 1 && norm_dim((*dim)[0], rank) == 0) {
+      const int64_t b_in = lay_.at(n.args().at(0).node).b;
+      if (dim && dim->size() == 1 && norm_dim((*dim)[0], rank) == b_in) {
         // Only the identity slice of dim 0 keeps the sites: its end is rewritten to "all of it".
         const auto start = ints_at(n, 2, "start", std::vector<int64_t>{0});
         const auto end = ints_at(n, 3, "end", std::vector<int64_t>{std::numeric_limits<int64_t>::max()});
         const auto step = ints_at(n, 4, "step", std::vector<int64_t>{1});
-        const int64_t size0 = n.args().at(0).node->type().tensor.sizes.at(0);
+        const int64_t size0 = n.args().at(0).node->type().tensor.sizes.at(b_in);
         TORCH_CHECK(start && end && step && (*start)[0] == 0 && (*step)[0] == 1 && (*end)[0] >= size0,
-                    "batch_cone: ", w, " slices dim 0, which mixes the stacked sites");
+                    "batch_cone: ", w, " slices dim ", b_in, ", where the stacked sites are, which mixes them");
         while (args.size() < 4) args.push_back(args.size() == 2 ? Arg::of_int(0) : Arg::none());
         args[3] = Arg::of_int(std::numeric_limits<int64_t>::max());
         kwargs.erase(std::remove_if(kwargs.begin(), kwargs.end(), [](const auto& kv) { return kv.first == "end" || kv.first == "start"; }),
@@ -688,17 +952,27 @@ class Builder {
       // from Python), so a meta run would fail outside a Python process.
       type = args.at(0).node->type();
     } else {
-      type = infer_type(n.target(), args, kwargs, w);
-      if (layout_from_decomposition(n.target())) keep_layout_of(type, n.type());
+      try {
+        type = infer_type(target, args, kwargs, w);
+      } catch (const c10::Error&) {
+        // A view whose stacked input's strides cannot be viewed (the copies sit between dims it merges):
+        // reshape gives the same values, copying. The cone has no in-place ops, so nothing writes through
+        // the alias a view would have made.
+        if (op != "view" && op != "_unsafe_view") throw;
+        target = ir::Target::parse("aten::reshape.default");
+        type = infer_type(target, args, kwargs, w);
+      }
+      if (layout_from_decomposition(target)) keep_layout_of(type, n.type());
     }
-    TORCH_CHECK(scaled_equal(n.type(), type, c), "batch_cone: ", w, " produces ", sizes_text(type),
-                " from the stacked inputs against ", sizes_text(n.type()),
-                " alone: the batch is not on dim 0 there (e.g. a sequence-first layout), or the op mixes it");
+    TORCH_CHECK(scaled_equal(n.type(), type, c, lout.b), "batch_cone: ", w, " produces ", sizes_text(type),
+                " from the stacked inputs against ", sizes_text(n.type()), " alone, not the copies along dim ", lout.b,
+                ": the op mixes them");
     set_devices(type, n.type());
-    Node* copy = out_->create_call(n.name(), n.target(), std::move(args), std::move(kwargs), std::move(type));
+    Node* copy = out_->create_call(n.name(), target, std::move(args), std::move(kwargs), std::move(type));
     copy->set_module_path(n.module_path());
     map_[&n] = copy;
     count_[copy] = c;
+    nlay_[copy] = lout;
   }
 
   struct PairHash {
@@ -725,6 +999,11 @@ class Builder {
   std::unordered_map<std::pair<const Node*, int64_t>, Node*, PairHash> pads_;
   std::unordered_map<const Node*, std::pair<const Node*, int64_t>> sources_;
   std::unordered_map<std::pair<const Node*, const Node*>, int64_t, PairHash> planned_;
+  std::map<std::pair<const Node*, const Node*>, Layout> tile_lay_;       // where a tiled read puts its copies
+  std::map<std::tuple<const Node*, int64_t, int64_t, int64_t>, Node*> tiles_;
+  std::unordered_map<const Node*, Layout> lay_;   // original site and cone nodes: where their copies are
+  std::unordered_map<const Node*, Layout> nlay_;  // the new graph's stacked values
+  int64_t site_dim_ = 0;
 };
 
 // Nodes reachable from `s` through calls that are not in `stops` (s included).
@@ -804,9 +1083,43 @@ BatchCone batch_cone(const ir::Graph& g, const std::vector<BatchConeEntry>& entr
   std::vector<const Node*> cone;
   for (const auto& up : g.nodes())
     if (up->kind() == ir::NodeKind::Call && up.get() != s && live.count(up.get())) cone.push_back(up.get());
-  Builder b(g, std::move(es));
-  b.mark_cone(cone);
-  return b.run(cone);
+  // The copies go where the cone provably keeps them apart: along dim 0 of the site first, else along
+  // the first other dim that works (dim 1 of a sequence-first [seq, batch, d] stream). Every rule is
+  // checked per node from the dims themselves, not guessed from sizes, so seq == batch changes nothing.
+  const int64_t rank = static_cast<int64_t>(s->type().tensor.sizes.size());
+  std::string refusal;
+  for (int64_t d = 0; d < rank; ++d) {
+    // Chronological backtracking over the views' equally valid layouts: on a refusal, the last choice
+    // made that has an untried option takes its next one (later choices start over). Bounded.
+    std::vector<size_t> picks;
+    std::string first;
+    for (int attempt = 0; attempt < 24; ++attempt) {
+      Builder b(g, es, d);
+      b.picks_ = picks;
+      b.mark_cone(cone);
+      try {
+        return b.run(cone);
+      } catch (const c10::Error& e) {
+        if (attempt == 0) first = e.msg();
+      }
+      const std::vector<size_t>& made = b.choices_;
+      picks.resize(made.size(), 0);
+      size_t i = made.size();
+      while (i > 0 && picks[i - 1] + 1 >= made[i - 1]) --i;
+      if (i == 0) break;
+      picks.resize(i);
+      ++picks[i - 1];
+    }
+    std::string msg = first;
+    if (d == 0) {
+      refusal = msg;
+      continue;
+    }
+    const std::string prefix = "batch_cone: ";
+    if (msg.rfind(prefix, 0) == 0) msg = msg.substr(prefix.size());
+    refusal += "; along dim " + std::to_string(d) + " instead: " + msg;
+  }
+  TORCH_CHECK(false, refusal);
 }
 
 }  // namespace torch_ext::passes

@@ -16,13 +16,28 @@
 // values read as they are. Cone nodes that reach no output (only through a stop node) are dropped.
 //
 // Requires: the site is a node of `g` with a tensor value of rank >= 1; k >= 1.
-// Guarantees: every cone call is an op the pass proves keeps the K variants apart along dim 0 (a
-// documented whitelist with per-op dim checks: elementwise and broadcasting ops, row-wise ops such
-// as linear / addmm / layer_norm / embedding, attention and batched matmuls, views and reshapes,
-// transposes / permutes / softmaxes / reductions / splits / cats / slices that do not touch dim 0),
-// and its type, inferred on meta tensors, is exactly the original type with dim 0 times K. Anything
-// else is refused with a c10::Error naming the node, its op and the reason ("... mixes dim 0 ...");
-// `g` is never modified.
+// Guarantees: every cone call is an op the pass proves keeps the K variants apart (a documented
+// whitelist with per-op dim checks: elementwise and broadcasting ops, row-wise ops such as linear /
+// addmm / layer_norm / embedding, attention and batched matmuls, views and reshapes, transposes /
+// permutes / softmaxes / reductions / splits / cats / slices that do not touch the stacked dim), and
+// its type, inferred on meta tensors, is exactly the original type with the stacked dim times K.
+// Anything else is refused with a c10::Error naming the node, its op and the reason; `g` is never
+// modified.
+//
+// Where the copies go. Inside the batched graph each stacked value keeps its K copies in one dim b
+// (a Layout: b, and `in`, how many of the original dim's elements sit inside the copy index; `in` ==
+// the dim's size: whole chunks), and every op moves b as it moves that dim: a transpose or permute
+// carries it, select / squeeze / unsqueeze / stack / keepdim=False reductions shift it, a view,
+// reshape, flatten or unflatten keeps the copy index at its place in the row-major order (the copies
+// of [seq, K*batch, d] viewed as [seq*batch, d] sit inside dim 0, every `batch` rows; viewed back as
+// [seq, batch, d] they are on dim 1 again). A view whose sizes allow several places (size-1 dims) is
+// tried with each, in a fixed order, with bounded backtracking. The site is stacked along its dim 0
+// first, else along the first other dim whose cone passes (dim 1 of nn.MultiheadAttention's default
+// [seq, batch, d] stream, whose attention would mix copies stacked along seq): the site placeholder is
+// still bound as whole chunks of dim 0 and moved in the graph (%<s>_dim<b>, a reshape / permute /
+// reshape), as are tiled externals (%<x>_dim<b>), and every stacked output is moved back to whole
+// chunks of dim 0 (%<r>_chunks). The choice is made from what each op does to each dim, never from
+// sizes (seq == batch changes nothing). A refusal names the node and reason for every dim tried.
 //
 // Entries along a chain (batch_cone over several (site, k) entries): copies that enter at different
 // nodes of one path, such as one position's residual stream at several layers. Entry j's k_j copies

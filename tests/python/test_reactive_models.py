@@ -567,3 +567,78 @@ def test_split_heads_on_hugging_face_gpt2_refuses_a_projection_it_cannot_prove()
     assert not rg.nodes("blocks.*.attn.hook_result")
     with torch.no_grad():
         assert torch.equal(rg.demand().logits, model(tokens, use_cache=False).logits)
+
+
+def _seq_first_encoder():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0)  # batch_first=False: [seq, batch, d]
+    return torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_batched_residual_sweep_of_a_sequence_first_transformer_encoder_equals_eager_hooks(batch):
+    # The PyTorch-native transformer layers run [seq, batch, d] and transpose / reshape dims 0 and 1 inside
+    # nn.MultiheadAttention. Before, every batched sweep of them was refused. batch_cone now stacks the
+    # copies along the batch dim (dim 0 would mix them in attention) and follows them through the views.
+    # seq == batch == 8 at batch 8: the dim is chosen from what the ops do to each dim, not from sizes,
+    # and a copy that leaked into another (the wrong axis) would change the per-position answers.
+    model = _seq_first_encoder()
+    seq = 8
+    g = torch.Generator().manual_seed(1)
+    x, xc = torch.randn(seq, batch, 64, generator=g), torch.randn(seq, batch, 64, generator=g)
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    modules = {"layer_norm": model.layers[0].norm1, "layer_norm_1": model.layers[0], "layer_norm_2": model.layers[1].norm1}
+    cache = {}
+    grab = [m.register_forward_hook(lambda m, a, o, n=n: cache.__setitem__(n, o.detach().clone()))
+            for n, m in modules.items()]
+    with torch.no_grad():
+        model(xc)
+    for h in grab:
+        h.remove()
+    assert rg._module_paths["layer_norm"] == "layers.0.norm1" and rg._module_paths["layer_norm_2"] == "layers.1.norm1"
+    sites = [(n, p) for n in modules for p in range(seq)]
+
+    def patch(v, site):
+        v = v.clone()
+        v[site[1]] = cache[site[0]][site[1]]
+        return v
+
+    metric = lambda o: o[-1, :, 0].sum() - o[0, :, 1].sum()  # noqa: E731
+    one = torch_ext.sweep(rg, sites, patch, metric, progress=False)
+    batched = torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=True)
+    assert batched.batched and batched.groups == 1
+    refs = []
+    for n, p in sites:
+        h = modules[n].register_forward_hook(lambda m, a, o, n=n, p=p: patch(o, (n, p)))
+        try:
+            with torch.no_grad():
+                ref = float(metric(model(x)))
+        finally:
+            h.remove()
+        refs.append(ref)
+        assert float(one.metrics[(n, p)]) == pytest.approx(ref, rel=1e-5, abs=1e-5), (n, p)
+        assert float(batched.metrics[(n, p)]) == pytest.approx(ref, rel=1e-5, abs=1e-5), (n, p)
+    assert len({round(r, 4) for r in refs}) > seq  # the sites give different answers
+    # The copies went to dim 1 (the batch), the site placeholder moved there and the output back.
+    text = str(torch_ext.ir.Graph(torch_ext._C.batch_cone(rg._engine.graph(), "layer_norm", 3, [])[0]))
+    assert "%layer_norm_dim1 : f32[8," + str(3 * batch) + ",64]" in text, text
+
+
+def test_batched_sites_of_a_sequence_first_encoder_refuse_a_cone_that_mixes_every_dim():
+    # The same encoder followed by a mean over the whole output: no dim keeps the copies apart. Refused,
+    # naming the node for each dim tried, never answered.
+    class MeanAll(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = _seq_first_encoder()
+
+        def forward(self, x):
+            return self.enc(x).mean()
+
+    x = torch.randn(8, 8, 64, generator=torch.Generator().manual_seed(2))
+    rg = torch_ext.ReactiveGraph(MeanAll().eval(), (x,))
+    with pytest.raises(ValueError, match=r"^batched sites cannot be used with this model: %scaled_dot_product_attention_1 "
+                       r".* on dim 2, .*; along dim 1 instead: %mean \(aten::mean\.default\) reduces over every dim, "
+                       r"which mixes the stacked sites"):
+        torch_ext.sweep(rg, [("layer_norm", 0), ("layer_norm", 1)], lambda v, s: v * s[1], lambda o: o,
+                        progress=False, batch_sites=True)

@@ -158,9 +158,12 @@ def test_batched_sweep_sees_inputs_edited_in_place_and_run_again(resid):
         assert result.metrics[(t1, p)] == pytest.approx(float(ref.sum()), rel=1e-6, abs=1e-5), p
 
 
-def test_batched_sweep_refuses_a_sequence_first_model():
+def test_batched_sweep_of_a_sequence_first_model_stacks_along_its_batch_dim():
+    # nn.MultiheadAttention's default layout is (seq, batch, d). Before, the batched sweep refused it (the
+    # copies, stacked along dim 0, met transposes of dim 0); now batch_cone finds that stacking them along
+    # dim 1 keeps them apart through every op of the cone, and answers as eager does, site by site.
     torch.manual_seed(0)
-    mha = nn.MultiheadAttention(8, 2).eval()  # default layout (seq, batch, d): dim 0 is not the batch
+    mha = nn.MultiheadAttention(8, 2).eval()
 
     class M(nn.Module):
         def __init__(self):
@@ -172,16 +175,25 @@ def test_batched_sweep_refuses_a_sequence_first_model():
             h = torch.relu(self.fc(x))
             return self.mha(h, h, h, need_weights=False)[0]
 
+    model = M().eval()
     x = torch.randn(5, 2, 8)
-    rg = torch_ext.ReactiveGraph(M().eval(), (x,))
+    rg = torch_ext.ReactiveGraph(model, (x,))
     relu = [n for n in rg.nodes() if n.startswith("relu")][0]
     sites = [(relu, p) for p in range(5)]
-    with pytest.raises(ValueError, match="batch"):
-        torch_ext.sweep(rg, sites, lambda v, s: _zero_row(v, s[1]), lambda o: o.sum(), progress=False,
-                        batch_sites=True)
-    # One at a time stays right.
+    batched = torch_ext.sweep(rg, sites, lambda v, s: _zero_row(v, s[1]), lambda o: o.sum(), progress=False,
+                              batch_sites=True)
+    assert batched.batched and batched.groups == 1
     r = torch_ext.sweep(rg, sites, lambda v, s: _zero_row(v, s[1]), lambda o: o.sum(), progress=False)
     assert len(set(r.metrics.values())) > 1
+    for site in sites:
+        h = model.fc.register_forward_hook(lambda m, a, o, p=site[1]: _zero_row(o, p))  # relu(0) == 0
+        try:
+            with torch.no_grad():
+                ref = float(model(x).sum())
+        finally:
+            h.remove()
+        assert r.metrics[site] == pytest.approx(ref, rel=1e-6, abs=1e-6), site
+        assert batched.metrics[site] == pytest.approx(ref, rel=1e-6, abs=1e-6), site
     assert rg.patched() == []
 
 
@@ -195,7 +207,9 @@ def test_batched_sweep_refuses_mixing_along_the_batch():
     class M(nn.Module):
         def forward(self, x):
             h = torch.sin(x)
-            return torch.softmax(h, dim=0) * 3  # mixes the batch without changing shapes
+            # mixes every element without changing shapes: no dim of the site keeps the copies apart (a
+            # softmax over dim 0 alone is batched along dim 1)
+            return torch.softmax(h.reshape(-1), dim=0).view(2, 4) * 3
 
     x = torch.randn(2, 4)
     rg = torch_ext.ReactiveGraph(M(), (x,))
@@ -1251,3 +1265,80 @@ def test_rrelu_is_refused_in_training_mode_and_exact_in_eval_mode():
     rg = torch_ext.ReactiveGraph(model, (x,), cache=False)
     with torch.no_grad():
         assert torch.equal(rg.run(x), model(x)) and torch.equal(rg.run(x + 1), model(x + 1))
+
+
+class _AutocastInForward(nn.Module):
+    """A forward that enters torch.autocast itself: the linear and relu run in bfloat16, the head in float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = torch.relu(self.fc(x))
+        return self.fc2(h.float())
+
+
+def test_a_forward_that_enters_autocast_runs_its_casts_exactly_as_eager():
+    # Before: refused at build ("higher-order operator 'wrap_with_autocast' is not supported"). The region is
+    # now traced into the casts autocast makes (aten._to_copy), so the graph runs the same kernels on the same
+    # dtypes as eager: equal at zero tolerance, patched or not.
+    torch.manual_seed(0)
+    model = _AutocastInForward().eval()
+    x = torch.randn(4, 16)
+    rg = torch_ext.ReactiveGraph(model, (x,), cache=False)
+    with torch.no_grad():
+        assert torch.equal(rg.demand(), model(x))
+    relu = [n for n in rg.nodes() if n.startswith("relu")][0]
+    assert rg.value(relu).dtype == torch.bfloat16
+    sites = [(relu, p) for p in range(4)]
+    patch = lambda v, s: _zero_row(v, s[1])  # noqa: E731
+    metric = lambda o: o[:, 0] - o[:, 1]  # noqa: E731
+    one = torch_ext.sweep(rg, sites, patch, metric, progress=False, positions=False)
+    batched = torch_ext.sweep(rg, sites, patch, metric, progress=False, positions=False, batch_sites=True)
+    assert batched.batched
+    for s in sites:
+        h = model.fc.register_forward_hook(lambda m, a, o, p=s[1]: _zero_row(o, p))  # relu(0) == 0
+        try:
+            with torch.no_grad():
+                ref = metric(model(x))
+        finally:
+            h.remove()
+        assert torch.equal(one.metrics[s], ref), s
+        torch.testing.assert_close(batched.metrics[s], ref, rtol=1e-5, atol=1e-6)
+
+
+def test_an_ambient_autocast_is_refused_by_name_and_leaves_the_graph_as_it_was():
+    # An autocast context around the build recorded bfloat16 types without casts (the build failed IR
+    # verification); around a run, demand or sweep of a plainly built graph it silently cast only the kernels
+    # recomputed, answering neither as eager with nor as eager without it. Both are refused by name.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    x = torch.randn(4, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ValueError, match=r"built under torch\.autocast\('cpu', dtype=torch\.bfloat16\).*inside the forward"):
+            torch_ext.ReactiveGraph(model, (x,), cache=False)
+    rg = torch_ext.ReactiveGraph(model, (x,), cache=False)
+    relu = [n for n in rg.nodes() if n.startswith("relu")][0]
+    rg.patch(relu, torch.zeros(4, 16))
+    before = rg.stats["evaluations"]
+    calls = {
+        "run": lambda: rg.run(x),
+        "demand": rg.demand,
+        "value": lambda: rg.value(relu),
+        "sweep": lambda: torch_ext.sweep(rg, [(relu, 0)], lambda v, s: v * 0, lambda o: o.sum(), progress=False),
+    }
+    for name, call in calls.items():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with pytest.raises(ValueError, match=r"called under torch\.autocast\('cpu', dtype=torch\.bfloat16\)"):
+                call()
+        assert rg.stats["evaluations"] == before, name
+        assert rg.patched() == [relu], name
+    with torch.no_grad():
+        expected = model[2](torch.zeros(4, 16))
+    assert torch.equal(rg.demand(), expected)
+    rg.restore()
+    with torch.no_grad():
+        assert torch.equal(rg.demand(), model(x))
