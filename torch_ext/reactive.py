@@ -716,7 +716,7 @@ class ReactiveGraph:
 
     _PER_SHAPE = ("_program", "build_stats", "_env", "_hooks", "_conversions", "_engine", "_slots", "_num_user",
                   "_in_spec",
-                  "_single_output", "_cone_sizes", "_all_names",
+                  "_single_output", "_cone_sizes", "_all_names", "_sweep_plans",
                   "_out_spec", "_user_outputs", "_loss_output", "_grad_outputs", "_module_paths", "_countable",
                   "_countable_cache", "_batched", "_last_inputs", "_example_inputs", "_example_kwargs",
                   "_grafts_applied")
@@ -1093,7 +1093,7 @@ class ReactiveGraph:
         state = {**ep.state_dict, **ep.constants}
         params = [state[spec.target] for spec in ep.graph_signature.input_specs if spec.kind.name != "USER_INPUT"]
         names = self._engine.graft(src, dst, bgraph._g, params)
-        self._cone_sizes, self._all_names = {}, None
+        self._cone_sizes, self._all_names, self._sweep_plans = {}, None, None
         self._countable.extend(names)
         for n in names:
             self._module_paths[n] = ""
@@ -2544,21 +2544,9 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
             eng.set_inputs_frozen(False)
 
 
-def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, batch_sites: bool,
-           distributed: bool, rows=None, skip_identical: bool = False, claim=None) -> SweepResult:
-    """``claim`` (distributed batched sweeps): ``(claim(units, costs), keep_identical)``; the units, planned
-    the same on every rank, are run as ``claim`` hands them out, and identical sites are answered only
-    where ``keep_identical``."""
-    if distributed:
-        return _distributed_sweep(rg, site_list, patch, metric, progress, batch_sites, rows, skip_identical)
-    read_rows = rows[0] if rows is not None else None
-    eng = rg._engine
-    if eng.in_transaction():
-        raise RuntimeError("sweep: a sweep transaction is already open on this graph (sweeps do not nest)")
-
-    def node_of(site):
-        return rg.resolve(site[0] if isinstance(site, tuple) else site)
-
+def _sweep_plan(rg: ReactiveGraph, site_list: list) -> tuple:
+    """(names, nodes, labels, cone sizes) of a site list: each site's node or hook name, its node, the label
+    of each name, and |V+| of each node; an unknown node is refused."""
     known = rg._node_names()
     resolve = rg._hooks.get
     names = [s[0] if isinstance(s, tuple) else s for s in site_list]
@@ -2578,6 +2566,39 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
     for n in cones:
         size = sizes.get(n)
         cones[n] = size if size is not None else rg._cone_size(n)
+    return names, site_nodes, labels, cones
+
+
+def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, batch_sites: bool,
+           distributed: bool, rows=None, skip_identical: bool = False, claim=None) -> SweepResult:
+    """``claim`` (distributed batched sweeps): ``(claim(units, costs), keep_identical)``; the units, planned
+    the same on every rank, are run as ``claim`` hands them out, and identical sites are answered only
+    where ``keep_identical``."""
+    if distributed:
+        return _distributed_sweep(rg, site_list, patch, metric, progress, batch_sites, rows, skip_identical)
+    read_rows = rows[0] if rows is not None else None
+    eng = rg._engine
+    if eng.in_transaction():
+        raise RuntimeError("sweep: a sweep transaction is already open on this graph (sweeps do not nest)")
+
+    def node_of(site):
+        return rg.resolve(site[0] if isinstance(site, tuple) else site)
+
+    # What a site list resolves to (names, nodes, labels, cone sizes) depends only on the graph: kept per
+    # site list until a graft or another input shape replaces the graph (with _cone_sizes), so a repeated
+    # sweep does none of this per-site Python.
+    plans = rg.__dict__.get("_sweep_plans")
+    if plans is None:
+        plans = rg._sweep_plans = {}
+    plan_key = tuple(site_list)
+    plan = plans.get(plan_key)
+    if plan is None:
+        plan = _sweep_plan(rg, site_list)
+        if len(plans) >= 8:  # a few site lists at a time
+            del plans[next(iter(plans))]
+        plans[plan_key] = plan
+    names, site_nodes, labels, cones = plan
+    labels = dict(labels)  # the result's own: a caller editing it leaves the plan intact
     if rg._last_inputs is None:
         raise ValueError("sweep: the graph has no values yet; give example_inputs or call run() first")
     full = len(site_list) * rg.num_nodes

@@ -375,3 +375,26 @@ def test_skip_identical_refuses_a_non_bool():
     with pytest.raises(TypeError, match="skip_identical"):
         torch_ext.sweep(rg, [(tanh[0], 0)], position_patch(1.0), lambda o: o.sum(), progress=False,
                         skip_identical="yes")
+
+
+def test_repeated_site_list_after_a_graft_takes_the_new_graph():
+    """The site list's resolved plan (nodes, labels, cone sizes) is kept between sweeps: a graft between two
+    sweeps of one list must give the grafted graph's cone sizes and metrics, as a graph grafted before
+    its first sweep does."""
+    model, x, rg = _graph()
+    sites = rg.nodes()[:3]
+    patch = lambda v, s: v * 0.5  # noqa: E731
+    metric = lambda o: o.sum()  # noqa: E731
+    first = torch_ext.sweep(rg, sites, patch, metric, progress=False)
+    before = {s: rg._cone_size(s) for s in sites}
+    block = lambda t: torch.tanh(t) * 2.0  # noqa: E731
+    rg.graft(sites[1], block)
+    again = torch_ext.sweep(rg, sites, patch, metric, progress=False)
+    _, _, fresh = _graph()
+    fresh.graft(sites[1], block)
+    want = torch_ext.sweep(fresh, sites, patch, metric, progress=False)
+    assert rg._cone_size(sites[0]) == before[sites[0]] + 2  # the block's two nodes joined the first site's cone
+    assert again.predicted_evaluations == want.predicted_evaluations != first.predicted_evaluations
+    assert again.measured_evaluations == again.predicted_evaluations
+    assert _bits(again.metrics) == _bits(want.metrics)
+    assert again.node_labels == want.node_labels
