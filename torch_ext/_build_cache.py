@@ -14,7 +14,7 @@ The key (``fingerprint``) covers:
   and other objects by value, functions and bound methods (forward wrappers, hooks) by code object,
   defaults and closure contents; parameters and buffers by name, shape, strides, dtype, device and
   requires_grad; a tensor held as a plain attribute by its contents; modules of the tree by path;
-- nn.Module's global hooks, grad mode, inference mode, autocast and the default dtype.
+- nn.Module's global hooks, grad mode, inference mode, autocast (per device type, with its dtype) and the default dtype.
 
 An object it cannot describe (an unhashable C extension object, a tensor over 64 Ki elements held as an
 attribute) makes the module uncacheable: it is built, not cached.
@@ -525,6 +525,22 @@ def describe(module: torch.nn.Module, args: tuple, kwargs: dict, options: tuple,
             gc.enable()
 
 
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "maia", "privateuseone")
+
+
+def _autocast_state() -> tuple:
+    """Autocast per device type, with its dtype: ``torch.is_autocast_enabled()`` without a device reads
+    CUDA's only, so a build under ``torch.autocast("cpu")`` keyed like a plain one."""
+    state = []
+    for device in _AUTOCAST_DEVICES:
+        try:
+            if torch.is_autocast_enabled(device):
+                state.append((device, str(torch.get_autocast_dtype(device))))
+        except RuntimeError:  # a device type this torch build does not know
+            continue
+    return tuple(state)
+
+
 def _fingerprint(walk, module, named, module_paths, args, kwargs, options):
     from . import __version__
 
@@ -543,7 +559,7 @@ def _fingerprint(walk, module, named, module_paths, args, kwargs, options):
     global_hooks = walk([getattr(nn_module, h, None) for h in sorted(dir(nn_module)) if h.startswith("_global_")
                          and h.endswith("hooks")])
     flags = (str(torch.__version__), __version__, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-             torch.is_autocast_enabled(), walk(torch.get_default_dtype()))
+             _autocast_state(), walk(torch.get_default_dtype()))
     if walk.portable:
         flags += (environment(),)
     return (flags, options, str(spec), inputs, tuple(modules), global_hooks)

@@ -412,6 +412,25 @@ def test_build_cache_key_tells_apart_equal_comparing_values():
         _Scaled(2.0).eval(), (x,), {}, ())
 
 
+def test_build_cache_key_tells_apart_autocast_per_device_and_dtype():
+    """A trace under torch.autocast("cpu") records casts a plain trace has not: the key must differ.
+    ``torch.is_autocast_enabled()`` without a device reads CUDA's only, which keyed them alike."""
+    from torch_ext import _build_cache
+
+    x = torch.randn(3, 4)
+
+    def key():
+        return _build_cache.fingerprint(_Scaled(2.0).eval(), (x,), {}, ())
+
+    plain = key()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cpu_bf16 = key()
+    with torch.autocast("cpu", dtype=torch.float16):
+        cpu_f16 = key()
+    assert len({plain, cpu_bf16, cpu_f16}) == 3
+    assert key() == plain
+
+
 class _GradModeBlocks(nn.Module):
     """A forward with a torch.no_grad() block and a reentrant checkpoint (torch 2.9's default checkpoint),
     which torch.export records as grad-mode regions (wrap_with_set_grad_enabled)."""
