@@ -1130,6 +1130,12 @@ def python_random_draws():
                 changed.append(np_name)
         drawn[:] = [name for name in (py_name, np_name)
                     if name not in seeded and (name in own or (name in changed and name not in others))]
+        # Every caller refuses a build that drew: the generator is put back as the build found it, unless
+        # another thread drew from it meanwhile (its draws are not the build's to undo).
+        if py_name in drawn and py_name not in others:
+            random.setstate(py_before)
+        if np_name in drawn and np_name not in others:
+            np.random.set_state(np_before)
 
 
 @contextlib.contextmanager
@@ -1485,16 +1491,36 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
 
     refuse_cumulative_batch_norm(module, "a graph", "(a ReactiveGraph never writes running statistics, so its "
                                  "outputs do not depend on it), or call model.eval()")
-    with _trace_patches.patched(*_trace_patches.INFERENCE_TRACE):
-        try:
-            return _trace_for_inference(module, args, kwargs, front_end)
-        except RuntimeError as e:
-            _refuse_unflattenable_output(module, e)
-            refuse_value_as_python(e)
-            raise
-        except TypeError as e:
-            refuse_value_as_python(e)
-            raise
+    from . import _module_state
+
+    own = _module_state.OwnGenerators(module)
+    try:
+        with _trace_patches.patched(*_trace_patches.INFERENCE_TRACE) as got:
+            try:
+                traced = _trace_for_inference(module, args, kwargs, front_end)
+            except RuntimeError as e:
+                _refuse_unflattenable_output(module, e)
+                refuse_value_as_python(e)
+                raise
+            except TypeError as e:
+                refuse_value_as_python(e)
+                raise
+    finally:
+        mine = own.drawn()
+        own.restore()  # a refused build leaves the user's generators as it found them
+    refuse_python_draws(got["python_random_draws"] + mine, "the model", "graph",
+                        "every run and every recomputation would reuse them where eager draws anew. Draw noise "
+                        "outside the graph and pass it as an input")
+    return traced
+
+
+def refuse_python_draws(drawn: list, who: str, what: str, consequence: str) -> None:
+    """Refuses a trace that drew from Python-level random generators (``drawn``: their names), which the
+    program would hold as the constants drawn once."""
+    if drawn:
+        raise TypeError(
+            f"{who} draws random numbers from {', '.join(drawn)} while traced: the {what} records the numbers drawn "
+            f"once as constants, so {consequence}")
 
 
 def refuse_cumulative_batch_norm(model: torch.nn.Module, into: str, way_out: str = "") -> None:

@@ -662,3 +662,153 @@ class ForwardWrites:
                              "that is neither a parameter nor a buffer: torch.export treats it as a constant and drops "
                              "the write, where eager's next call reads the new value. Register it as a buffer "
                              "(self.register_buffer(name, tensor)) so that the write is carried")
+
+
+def _generator_state(obj):
+    """The state of a Python-level random generator object a forward may draw from (``random.Random``,
+    numpy's ``Generator``, ``RandomState`` and bit generators), or _MISSING for anything else (and for
+    ``random.SystemRandom``, which has no state: it reads the OS's entropy)."""
+    import random
+
+    if isinstance(obj, random.Random):
+        if isinstance(obj, random.SystemRandom):
+            return _MISSING
+        return obj.getstate()
+    np = __import__("sys").modules.get("numpy")
+    if np is None:
+        return _MISSING
+    if isinstance(obj, np.random.Generator):
+        return copy.deepcopy(obj.bit_generator.state)
+    if isinstance(obj, np.random.RandomState):
+        return copy.deepcopy(obj._bit_generator.state)
+    if isinstance(obj, np.random.BitGenerator):
+        return copy.deepcopy(obj.state)
+    return _MISSING
+
+
+def _same_state(a, b) -> bool:
+    np = __import__("sys").modules.get("numpy")
+    if np is not None and isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _set_generator_state(obj, state) -> None:
+    import random
+
+    if isinstance(obj, random.Random):
+        obj.setstate(state)
+    elif hasattr(obj, "bit_generator"):
+        obj.bit_generator.state = state
+    elif hasattr(obj, "_bit_generator"):
+        obj._bit_generator.state = state
+    else:
+        obj.state = state
+
+
+class OwnGenerators:
+    """The Python-level random generator objects of the user's own (``self.rng = np.random.default_rng()``,
+    a ``random.Random(seed)`` held by a module, a list of them, a generator a forward or a loss function names
+    as a global, or holds in a closure or default argument), with their states at construction.
+
+    Tracing runs a draw from one once and bakes the numbers into the program, where eager draws anew at every
+    call. Process-global generators (``random``'s, ``numpy.random``'s) are not these: they are seen by
+    ``_compat.python_random_draws``. ``drawn()`` names those whose state the block since changed;
+    ``restore()`` puts those states back (a refused build leaves the user's generators as it found them)."""
+
+    def __init__(self, model: torch.nn.Module, functions=()):
+        import random
+        import sys
+
+        from ._build_cache import _global_names, _is_library
+
+        np = sys.modules.get("numpy")
+        shared = {id(random._inst)}
+        if np is not None and getattr(np.random.mtrand, "_rand", None) is not None:
+            shared.add(id(np.random.mtrand._rand))
+            shared.add(id(np.random.mtrand._rand._bit_generator))
+        self._found: list[tuple[str, object, object]] = []
+        seen_objs: set = set()
+        seen_fns: set = set()
+
+        def take(label: str, v, depth: int = 0) -> None:
+            if id(v) in shared or id(v) in seen_objs:
+                return
+            state = _generator_state(v)
+            if state is not _MISSING:
+                seen_objs.add(id(v))
+                self._found.append((f"{label} (a {type(v).__module__}.{type(v).__qualname__})", v, state))
+                return
+            if depth >= 2:
+                return
+            if isinstance(v, dict):
+                for k, e in list(v.items())[:1000]:
+                    take(f"{label}[{k!r}]", e, depth + 1)
+            elif isinstance(v, (list, tuple)):
+                for i, e in enumerate(v[:1000]):
+                    take(f"{label}[{i}]", e, depth + 1)
+            elif isinstance(v, functools.partial):
+                for i, e in enumerate(v.args):
+                    take(f"{label}.args[{i}]", e, depth + 1)
+                for k, e in v.keywords.items():
+                    take(f"{label}.keywords[{k!r}]", e, depth + 1)
+            elif isinstance(v, types.MethodType):
+                take(f"{label}.__self__", v.__self__, depth + 1)
+                function(v.__func__, label)
+            elif isinstance(v, types.FunctionType):
+                function(v, label)
+
+        def function(fn, label: str) -> None:
+            if id(fn) in seen_fns or not isinstance(fn, types.FunctionType) or _is_library(fn):
+                return
+            seen_fns.add(id(fn))
+            for i, d in enumerate(fn.__defaults__ or ()):
+                take(f"{label} (default argument {i})", d, 1)
+            for k, d in (fn.__kwdefaults__ or {}).items():
+                take(f"{label} (default argument {k})", d, 1)
+            for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+                try:
+                    take(f"{label} (closure variable {name})", cell.cell_contents, 1)
+                except ValueError:  # an empty cell
+                    pass
+            env = fn.__globals__
+            for name in _global_names(fn.__code__):
+                if name in env:
+                    v = env[name]
+                    if _generator_state(v) is not _MISSING or isinstance(v, types.FunctionType):
+                        take(f"global {env.get('__name__', '?')}.{name}", v, 1)
+
+        classes: set = set()
+        for path, mod in model.named_modules():
+            for k, v in mod.__dict__.items():
+                if k in ("_parameters", "_buffers", "_modules") or isinstance(v, (torch.Tensor, torch.nn.Module)):
+                    continue
+                take(f"{path or 'model'}.{k}", v)
+            for cls in type(mod).__mro__:
+                if cls in classes or _is_library(cls):
+                    continue
+                classes.add(cls)
+                for k, v in vars(cls).items():
+                    if isinstance(v, (staticmethod, classmethod)):
+                        v = v.__func__
+                    elif isinstance(v, property):
+                        v = v.fget
+                    if isinstance(v, types.FunctionType):
+                        function(v, f"{cls.__qualname__}.{k}")
+                    elif _generator_state(v) is not _MISSING:
+                        take(f"{cls.__qualname__}.{k}", v)
+        for i, fn in enumerate(functions):
+            take(getattr(fn, "__qualname__", f"function {i}"), fn)
+
+    def drawn(self) -> list[str]:
+        """Labels of the generators whose state changed since construction."""
+        return [label for label, obj, state in self._found if not _same_state(state, _generator_state(obj))]
+
+    def restore(self) -> None:
+        for _, obj, state in self._found:
+            if not _same_state(state, _generator_state(obj)):
+                _set_generator_state(obj, state)
