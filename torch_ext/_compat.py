@@ -1494,10 +1494,12 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
     from . import _module_state
 
     own = _module_state.OwnGenerators(module)
+    writes = _module_state.TracedWrites(module)  # what forward hooks write while traced: put back
+    stored: list = []
     try:
         with _trace_patches.patched(*_trace_patches.INFERENCE_TRACE) as got:
             try:
-                traced = _trace_for_inference(module, args, kwargs, front_end)
+                traced = _trace_for_inference(module, args, kwargs, front_end, lambda: stored.extend(writes.settle()))
             except RuntimeError as e:
                 _refuse_unflattenable_output(module, e)
                 refuse_value_as_python(e)
@@ -1508,6 +1510,11 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
     finally:
         mine = own.drawn()
         own.restore()  # a refused build leaves the user's generators as it found them
+        stored.extend(writes.settle())  # (settled already, before the modules' attributes were put back)
+    if stored:
+        raise ValueError(_module_state.stored_trace_message(
+            stored, "the graph", "take activations from the graph instead (rg.run_with_cache, rg.value), or "
+            "remove the hook before building"))
     refuse_python_draws(got["python_random_draws"] + mine, "the model", "graph",
                         "every run and every recomputation would reuse them where eager draws anew. Draw noise "
                         "outside the graph and pass it as an input")
@@ -1583,7 +1590,9 @@ def _refuse_unflattenable_output(module: torch.nn.Module, error: RuntimeError) -
                      f"tensors, so no graph can be traced from it; {hint}") from error
 
 
-def _trace_for_inference(module, args, kwargs, front_end):
+def _trace_for_inference(module, args, kwargs, front_end, settle=lambda: None):
+    """``settle``: called as the trace ends, before the modules' attributes are put back as they were (what
+    the forward hooks wrote, read by ``_module_state.TracedWrites``)."""
     import keyword
 
     import types
@@ -1702,6 +1711,7 @@ def _trace_for_inference(module, args, kwargs, front_end):
             hook_cls.forward = saved_forward
         if saved_cache is not None:
             cfg.use_cache = saved_cache
+        settle()
         _restore_attributes(traced_vars)
         for t, version, saved in plain:
             if t._version != version:

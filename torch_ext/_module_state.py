@@ -812,3 +812,218 @@ class OwnGenerators:
         for _, obj, state in self._found:
             if not _same_state(state, _generator_state(obj)):
                 _set_generator_state(obj, state)
+
+
+# ---- Python state a trace writes (hooks' bookkeeping, activations stored by a hook or a forward)
+class _Cells:
+    """A function's closure as a live, writable mapping from free-variable name to contents."""
+
+    def __init__(self, fn: types.FunctionType):
+        self._cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+
+    def get(self, name: str, default=None):
+        try:
+            return self._cells[name].cell_contents
+        except (KeyError, ValueError):  # not a free variable, an empty cell
+            return default
+
+    def keys(self):
+        return list(self._cells)
+
+    def __setitem__(self, name: str, value) -> None:
+        self._cells[name].cell_contents = value
+
+    def __delitem__(self, name: str) -> None:
+        del self._cells[name].cell_contents
+
+
+def _live_holders(fn, label: str, depth: int = 0) -> list:
+    """(label, mapping, names or None) where a hook (or a loss function) keeps Python state it can write: a
+    function's closure cells and the module-level names its code reads or assigns, a hook object's (a bound
+    method's instance's) attributes, a partial's arguments. ``names``: the keys to watch (None: all of them,
+    new ones included)."""
+    from ._build_cache import _global_names, _is_library
+
+    if depth > 2:
+        return []
+    if isinstance(fn, functools.partial):
+        out = [(label, dict(enumerate(fn.args)), None)]  # not rebindable: watched for their contents
+        if fn.keywords:
+            out.append((label, fn.keywords, None))
+        return out + _live_holders(fn.func, label, depth + 1)
+    if isinstance(fn, types.MethodType):
+        d = getattr(fn.__self__, "__dict__", None)
+        out = [(label, d, None)] if isinstance(d, dict) and not isinstance(fn.__self__, torch.nn.Module) else []
+        return out + _live_holders(fn.__func__, label, depth + 1)
+    if isinstance(fn, types.FunctionType):
+        if _is_library(fn):
+            return []
+        out = [(label, _Cells(fn), tuple(fn.__code__.co_freevars))] if fn.__closure__ else []
+        names = set(_global_names(fn.__code__)) | _stored_globals(fn.__code__)
+        env = fn.__globals__
+        names = {n for n in names if not n.startswith("__")
+                 and not isinstance(env.get(n), (types.ModuleType, type, types.FunctionType))}
+        return out + [(label, env, tuple(sorted(names)))]
+    if callable(fn) and not isinstance(fn, type) and not _is_library(type(fn)) and not isinstance(fn, torch.nn.Module):
+        d = getattr(fn, "__dict__", None)
+        out = [(label, d, None)] if isinstance(d, dict) else []
+        call = getattr(type(fn), "__call__", None)
+        if isinstance(call, types.FunctionType):
+            out += _live_holders(call, label, depth + 1)
+        return out
+    return []
+
+
+def _contents(v, depth: int = 0):
+    """A copy of a mutable container's items, by identity, with the same of the containers it holds (two
+    levels: ``ACTS["layer"]["out"] = out`` into a module-level dict of dicts), or None for anything else."""
+    if depth > 2 or not isinstance(v, (list, dict, set)) or len(v) > _GLOBAL_CONTAINER_LIMIT:
+        return None
+    if isinstance(v, set):
+        return set(v)
+    items = list(v.items()) if isinstance(v, dict) else list(enumerate(v))
+    return [(k, e, _contents(e, depth + 1)) for k, e in items]
+
+
+def _same_contents(was, v) -> bool:
+    if isinstance(was, set):
+        return isinstance(v, set) and was == v
+    items = list(v.items()) if isinstance(v, dict) else list(enumerate(v))
+    return len(items) == len(was) and all(
+        k == k2 and e is e2 and (inner is None or _same_contents(inner, e2))
+        for (k, e, inner), (k2, e2) in zip(was, items))
+
+
+def _put_contents(v, was) -> None:
+    if isinstance(was, set):
+        v.clear()
+        v.update(was)
+        return
+    if isinstance(v, list):
+        v[:] = [e for _, e, _ in was]
+    else:
+        v.clear()
+        v.update((k, e) for k, e, _ in was)
+    for _, e, inner in was:
+        if inner is not None and not _same_contents(inner, e):
+            _put_contents(e, inner)
+
+
+def _holds_traced_tensor(v, depth: int = 0) -> torch.Tensor | None:
+    if _traced_tensor(v):
+        return v
+    if depth >= 3 or not isinstance(v, (list, tuple, dict, set)) or len(v) > _GLOBAL_CONTAINER_LIMIT:
+        return None
+    for e in (v.values() if isinstance(v, dict) else v):
+        hit = _holds_traced_tensor(e, depth + 1)
+        if hit is not None:
+            return hit
+    return None
+
+
+class TracedWrites:
+    """What a trace writes into the user's Python state, put back as it was when the trace ends.
+
+    Hooks and the loss function run while the forward is traced, never when the program runs. Whatever they
+    write (``acts[name] = out``, ``outs.append(out)``, ``self.calls += 1`` on a hook object, a closure counter,
+    ``module.cached = out``) is written once, by the trace: left there, a dict kept a FakeTensor of the trace,
+    a counter counted a call that never ran. Every write of the forward hooks (and the loss function) is put
+    back; a forward storing a tensor of the trace on a module (``self.attn = weights``, a list it appends to) is
+    put back too. ``settle()`` (called as the trace ends, also when it raises) does so and returns, for a
+    refusal, (who, where, tensor) of each tensor of the trace that was stored: no call of the program would
+    store anything there. Other Python writes of a forward to its modules are the module snapshot's
+    (``attributes`` / ``traced_changes``)."""
+
+    def __init__(self, model: torch.nn.Module, functions=()):
+        from ._build_cache import _is_library
+
+        self._entries = []  # (who, where, mapping, key, value, contents, all writes or traced ones only, refused)
+        self._keysets = []  # (who, where, mapping, keys before, all writes or traced ones only, names only, refused)
+        seen: set = set()
+        dicts = _hook_dicts(model, False, ())
+        hooked = {id(owner) for _, how, d, owner in dicts if "forward" in how and owner is not None
+                  and any(not _library_wiring(fn, owner) for fn in d.values())}
+        watched = [(label, fn) for label, fn in _forward_hooks(dicts)]
+        watched += [(f"loss_fn {_hook_label(fn)}", fn) for fn in functions]
+        for who, fn in watched:
+            for _, holder, names in _live_holders(fn, who):
+                if id(holder) in seen:
+                    continue
+                seen.add(id(holder))
+                self._watch(who, _holder_name(holder), holder, names, everything=True)
+        for path, mod in torch.nn.Module.named_modules(model):
+            d = mod.__dict__
+            if id(d) not in seen:
+                seen.add(id(d))
+                # A library's module keeping a tensor of the trace (TransformerLens 4's attention bridge keeps
+                # the pre-LN residual) is its own cache: put back, not refused. The user's modules, and those
+                # the user's hooks are on, are refused.
+                refused = not _is_library(type(mod)) or id(mod) in hooked
+                where = f"model.{path}" if path else "model"
+                who = f"forward (or a forward hook on {where})" if id(mod) in hooked else "forward"
+                self._watch(who, where, d, None, everything=False, refused=refused)
+
+    def _watch(self, who, where, holder, names, everything: bool, refused: bool = True) -> None:
+        keys = names if names is not None else [k for k in holder.keys() if not (isinstance(k, str) and (
+            k.startswith("__") or k in ("_parameters", "_buffers", "_modules") or k.endswith("hooks")))]
+        for k in keys:
+            v = holder.get(k, _MISSING)
+            self._entries.append((who, where, holder, k, v, _contents(v), everything, refused))
+        if isinstance(holder, dict):
+            self._keysets.append((who, where, holder, set(holder) if names is None else set(names), everything,
+                                  names is not None, refused))
+
+    def settle(self) -> list[tuple[str, str, torch.Tensor]]:
+        stored = []
+        for who, where, holder, k, was, contents, everything, refused in self._entries:
+            now = holder.get(k, _MISSING)
+            if now is not was:
+                hit = _holds_traced_tensor(now)
+                if everything or hit is not None:
+                    if hit is not None and refused:
+                        stored.append((who, _where(where, k), hit))
+                    if was is _MISSING:
+                        holder.pop(k, None) if isinstance(holder, dict) else holder.__delitem__(k)
+                    else:
+                        holder[k] = was
+            elif contents is not None and not _same_contents(contents, now):
+                hit = _holds_traced_tensor(now)
+                if everything or hit is not None:
+                    if hit is not None and refused:
+                        stored.append((who, _where(where, k), hit))
+                    _put_contents(now, contents)
+        for who, where, holder, before, everything, only_named, refused in self._keysets:
+            if only_named:
+                continue  # a closure's or a module's globals: the names watched are entries
+            for k in [k for k in holder if k not in before]:
+                hit = _holds_traced_tensor(holder[k])
+                if everything or hit is not None:
+                    if hit is not None and refused:
+                        stored.append((who, _where(where, k), hit))
+                    del holder[k]
+        return stored
+
+
+def _holder_name(holder) -> str:
+    if isinstance(holder, _Cells):
+        return "closure"
+    if isinstance(holder, dict) and "__name__" in holder and "__builtins__" in holder:
+        return f"global {holder['__name__']}"
+    return "attributes"
+
+
+def _where(where: str, key) -> str:
+    if where in ("closure", "attributes"):
+        return repr(key)
+    if where.startswith("global "):
+        return f"{key!r} ({where})"
+    return f"{where}.{key}"
+
+
+def stored_trace_message(stored: list, who_runs: str, instead: str) -> str:
+    """The refusal for tensors of a trace that hooks, a loss function or a forward stored (``TracedWrites``)."""
+    who, where, t = stored[0]
+    more = f" (and {len(stored) - 1} more)" if len(stored) > 1 else ""
+    return (f"{who} stored a tensor of the trace in {where} ({type(t).__name__} of shape {tuple(t.shape)}){more}: "
+            f"it runs while the forward is traced, never when {who_runs} runs, so it would hold that placeholder and "
+            f"no call's values (the build put back what was there); {instead}")
