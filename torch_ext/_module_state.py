@@ -100,6 +100,17 @@ def attributes(model: torch.nn.Module) -> tuple:
                 tdicts.append(d)
                 tkeys.append(k)
                 tensors.append(v)
+            elif isinstance(v, (list, dict)) and len(v) <= _GLOBAL_CONTAINER_LIMIT:
+                # Tensors held in a list or dict attribute (self.anchors = [t0, t1], {"bias": t}): the trace
+                # bakes each in as a constant, so one replaced after the build (model.anchors[0] = t) made eager
+                # calls and the program differ, silently. By identity, as a tensor attribute.
+                items = v.items() if isinstance(v, dict) else enumerate(v)
+                held = [(i, t) for i, t in items if isinstance(t, torch.Tensor)]
+                for i, t in held:
+                    tpaths.append(f"item {'model.' + path if path else 'model'}.{k}")
+                    tdicts.append(v if isinstance(v, dict) else _Items(v))
+                    tkeys.append(i)
+                    tensors.append(t)
         if "forward" not in d:  # a forward set on the instance after the build shadows the one traced
             fpaths.append(path)
             fdicts.append(d)
@@ -323,8 +334,25 @@ def put(snapshot: tuple, changes: list, *, new: bool) -> None:
         where[(path, key)][key] = now if new else was  # the module's (or its config's) own __dict__, as setattr writes it
 
 
+class _Items:
+    """A list read as a mapping from index to item (``get``), for a snapshot of the tensors it holds."""
+
+    def __init__(self, items: list):
+        self._items = items
+
+    def get(self, i: int, default=None):
+        return self._items[i] if i < len(self._items) else default
+
+    def __getitem__(self, i: int):
+        if i >= len(self._items):
+            raise KeyError(i)  # (the list shrank: the slow path of ``changed`` names it)
+        return self._items[i]
+
+
 def describe(path: str, key: str) -> str:
     """``model.<path>.<key>``, the attribute as the user reaches it (``<class>.forward`` for a class's)."""
+    if path.startswith("item "):
+        return f"{path[len('item '):]}[{key!r}]"
     if path.startswith("class "):
         return f"{path[len('class '):]}.{key} (on the class)"
     if path.startswith("global "):
@@ -857,7 +885,17 @@ def _live_holders(fn, label: str, depth: int = 0) -> list:
         return out + _live_holders(fn.__func__, label, depth + 1)
     if isinstance(fn, types.FunctionType):
         if _is_library(fn):
-            return []
+            # A library's wrapper around the user's hook (TransformerLens's add_hook registers full_hook, which
+            # holds the user's function in its closure): the user's functions it holds.
+            out = []
+            for cell in fn.__closure__ or ():
+                try:
+                    inner = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                if callable(inner) and not isinstance(inner, (type, torch.nn.Module)):
+                    out += _live_holders(inner, label, depth + 1)
+            return out
         out = [(label, _Cells(fn), tuple(fn.__code__.co_freevars))] if fn.__closure__ else []
         names = set(_global_names(fn.__code__)) | _stored_globals(fn.__code__)
         env = fn.__globals__

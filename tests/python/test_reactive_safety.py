@@ -836,6 +836,41 @@ def test_a_forward_that_stores_activations_on_its_module_is_refused(where, how):
     assert "attn" not in vars(model) and model.maps == [] and model.d == {}
 
 
+class _HoldsTensors(nn.Module):
+    """Tensors held in a list and in a dict attribute: constants of the trace."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.shifts, self.table = nn.Linear(8, 8), [torch.ones(8)], {"bias": torch.zeros(8)}
+
+    def forward(self, x):
+        return self.fc(x) + self.shifts[0] * self.table["bias"].exp()
+
+
+@pytest.mark.parametrize("how", ["step", "ReactiveGraph"])
+@pytest.mark.parametrize("where", ["list", "dict", "shrunk"])
+def test_a_tensor_replaced_in_a_list_or_dict_attribute_after_the_build_is_refused(where, how):
+    # Before: the trace baked model.shifts[0] and model.table["bias"] in; replaced after the build, eager computed
+    # with the new tensor and the step / graph with the old one, silently.
+    model = _HoldsTensors()
+    x = torch.randn(2, 3, 8)
+    built = _build(how, model, x)
+    run = (lambda: built(built.init_state(), x)[0]) if how == "step" else (lambda: built.run(x))
+    run()
+    if where == "list":
+        model.shifts[0] = torch.full((8,), 2.0)
+        name = r"model\.shifts\[0\] was replaced"
+    elif where == "dict":
+        model.table["bias"] = torch.full((8,), 2.0)
+        name = r"model\.table\['bias'\] was replaced"
+    else:
+        model.shifts.clear()
+        name = r"model\.shifts\[0\] was replaced by \(none\)"
+    with pytest.raises(ValueError, match=name):
+        run()
+
+
 @pytest.mark.parametrize("demanded", [False, True])
 def test_patch_function_below_a_standing_patch_gets_the_baseline_in_either_order(demanded):
     # "f receives the node's baseline value (no patch active)". Before: with a patch upstream not yet
