@@ -1130,6 +1130,12 @@ def python_random_draws():
                 changed.append(np_name)
         drawn[:] = [name for name in (py_name, np_name)
                     if name not in seeded and (name in own or (name in changed and name not in others))]
+        # Every caller refuses a build that drew: the generator is put back as the build found it, unless
+        # another thread drew from it meanwhile (its draws are not the build's to undo).
+        if py_name in drawn and py_name not in others:
+            random.setstate(py_before)
+        if np_name in drawn and np_name not in others:
+            np.random.set_state(np_before)
 
 
 @contextlib.contextmanager
@@ -1485,16 +1491,43 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
 
     refuse_cumulative_batch_norm(module, "a graph", "(a ReactiveGraph never writes running statistics, so its "
                                  "outputs do not depend on it), or call model.eval()")
-    with _trace_patches.patched(*_trace_patches.INFERENCE_TRACE):
-        try:
-            return _trace_for_inference(module, args, kwargs, front_end)
-        except RuntimeError as e:
-            _refuse_unflattenable_output(module, e)
-            refuse_value_as_python(e)
-            raise
-        except TypeError as e:
-            refuse_value_as_python(e)
-            raise
+    from . import _module_state
+
+    own = _module_state.OwnGenerators(module)
+    writes = _module_state.TracedWrites(module)  # what forward hooks write while traced: put back
+    stored: list = []
+    try:
+        with _trace_patches.patched(*_trace_patches.INFERENCE_TRACE) as got:
+            try:
+                traced = _trace_for_inference(module, args, kwargs, front_end, lambda: stored.extend(writes.settle()))
+            except RuntimeError as e:
+                _refuse_unflattenable_output(module, e)
+                refuse_value_as_python(e)
+                raise
+            except TypeError as e:
+                refuse_value_as_python(e)
+                raise
+    finally:
+        mine = own.drawn()
+        own.restore()  # a refused build leaves the user's generators as it found them
+        stored.extend(writes.settle())  # (settled already, before the modules' attributes were put back)
+    if stored:
+        raise ValueError(_module_state.stored_trace_message(
+            stored, "the graph", "take activations from the graph instead (rg.run_with_cache, rg.value), or "
+            "remove the hook before building"))
+    refuse_python_draws(got["python_random_draws"] + mine, "the model", "graph",
+                        "every run and every recomputation would reuse them where eager draws anew. Draw noise "
+                        "outside the graph and pass it as an input")
+    return traced
+
+
+def refuse_python_draws(drawn: list, who: str, what: str, consequence: str) -> None:
+    """Refuses a trace that drew from Python-level random generators (``drawn``: their names), which the
+    program would hold as the constants drawn once."""
+    if drawn:
+        raise TypeError(
+            f"{who} draws random numbers from {', '.join(drawn)} while traced: the {what} records the numbers drawn "
+            f"once as constants, so {consequence}")
 
 
 def refuse_cumulative_batch_norm(model: torch.nn.Module, into: str, way_out: str = "") -> None:
@@ -1557,7 +1590,9 @@ def _refuse_unflattenable_output(module: torch.nn.Module, error: RuntimeError) -
                      f"tensors, so no graph can be traced from it; {hint}") from error
 
 
-def _trace_for_inference(module, args, kwargs, front_end):
+def _trace_for_inference(module, args, kwargs, front_end, settle=lambda: None):
+    """``settle``: called as the trace ends, before the modules' attributes are put back as they were (what
+    the forward hooks wrote, read by ``_module_state.TracedWrites``)."""
     import keyword
 
     import types
@@ -1676,6 +1711,7 @@ def _trace_for_inference(module, args, kwargs, front_end):
             hook_cls.forward = saved_forward
         if saved_cache is not None:
             cfg.use_cache = saved_cache
+        settle()
         _restore_attributes(traced_vars)
         for t, version, saved in plain:
             if t._version != version:

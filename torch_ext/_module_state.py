@@ -100,6 +100,17 @@ def attributes(model: torch.nn.Module) -> tuple:
                 tdicts.append(d)
                 tkeys.append(k)
                 tensors.append(v)
+            elif isinstance(v, (list, dict)) and len(v) <= _GLOBAL_CONTAINER_LIMIT:
+                # Tensors held in a list or dict attribute (self.anchors = [t0, t1], {"bias": t}): the trace
+                # bakes each in as a constant, so one replaced after the build (model.anchors[0] = t) made eager
+                # calls and the program differ, silently. By identity, as a tensor attribute.
+                items = v.items() if isinstance(v, dict) else enumerate(v)
+                held = [(i, t) for i, t in items if isinstance(t, torch.Tensor)]
+                for i, t in held:
+                    tpaths.append(f"item {'model.' + path if path else 'model'}.{k}")
+                    tdicts.append(v if isinstance(v, dict) else _Items(v))
+                    tkeys.append(i)
+                    tensors.append(t)
         if "forward" not in d:  # a forward set on the instance after the build shadows the one traced
             fpaths.append(path)
             fdicts.append(d)
@@ -323,8 +334,25 @@ def put(snapshot: tuple, changes: list, *, new: bool) -> None:
         where[(path, key)][key] = now if new else was  # the module's (or its config's) own __dict__, as setattr writes it
 
 
+class _Items:
+    """A list read as a mapping from index to item (``get``), for a snapshot of the tensors it holds."""
+
+    def __init__(self, items: list):
+        self._items = items
+
+    def get(self, i: int, default=None):
+        return self._items[i] if i < len(self._items) else default
+
+    def __getitem__(self, i: int):
+        if i >= len(self._items):
+            raise KeyError(i)  # (the list shrank: the slow path of ``changed`` names it)
+        return self._items[i]
+
+
 def describe(path: str, key: str) -> str:
     """``model.<path>.<key>``, the attribute as the user reaches it (``<class>.forward`` for a class's)."""
+    if path.startswith("item "):
+        return f"{path[len('item '):]}[{key!r}]"
     if path.startswith("class "):
         return f"{path[len('class '):]}.{key} (on the class)"
     if path.startswith("global "):
@@ -662,3 +690,378 @@ class ForwardWrites:
                              "that is neither a parameter nor a buffer: torch.export treats it as a constant and drops "
                              "the write, where eager's next call reads the new value. Register it as a buffer "
                              "(self.register_buffer(name, tensor)) so that the write is carried")
+
+
+def _generator_state(obj):
+    """The state of a Python-level random generator object a forward may draw from (``random.Random``,
+    numpy's ``Generator``, ``RandomState`` and bit generators), or _MISSING for anything else (and for
+    ``random.SystemRandom``, which has no state: it reads the OS's entropy)."""
+    import random
+
+    if isinstance(obj, random.Random):
+        if isinstance(obj, random.SystemRandom):
+            return _MISSING
+        return obj.getstate()
+    np = __import__("sys").modules.get("numpy")
+    if np is None:
+        return _MISSING
+    if isinstance(obj, np.random.Generator):
+        return copy.deepcopy(obj.bit_generator.state)
+    if isinstance(obj, np.random.RandomState):
+        return copy.deepcopy(obj._bit_generator.state)
+    if isinstance(obj, np.random.BitGenerator):
+        return copy.deepcopy(obj.state)
+    return _MISSING
+
+
+def _same_state(a, b) -> bool:
+    np = __import__("sys").modules.get("numpy")
+    if np is not None and isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _set_generator_state(obj, state) -> None:
+    import random
+
+    if isinstance(obj, random.Random):
+        obj.setstate(state)
+    elif hasattr(obj, "bit_generator"):
+        obj.bit_generator.state = state
+    elif hasattr(obj, "_bit_generator"):
+        obj._bit_generator.state = state
+    else:
+        obj.state = state
+
+
+class OwnGenerators:
+    """The Python-level random generator objects of the user's own (``self.rng = np.random.default_rng()``,
+    a ``random.Random(seed)`` held by a module, a list of them, a generator a forward or a loss function names
+    as a global, or holds in a closure or default argument), with their states at construction.
+
+    Tracing runs a draw from one once and bakes the numbers into the program, where eager draws anew at every
+    call. Process-global generators (``random``'s, ``numpy.random``'s) are not these: they are seen by
+    ``_compat.python_random_draws``. ``drawn()`` names those whose state the block since changed;
+    ``restore()`` puts those states back (a refused build leaves the user's generators as it found them)."""
+
+    def __init__(self, model: torch.nn.Module, functions=()):
+        import random
+        import sys
+
+        from ._build_cache import _global_names, _is_library
+
+        np = sys.modules.get("numpy")
+        shared = {id(random._inst)}
+        if np is not None and getattr(np.random.mtrand, "_rand", None) is not None:
+            shared.add(id(np.random.mtrand._rand))
+            shared.add(id(np.random.mtrand._rand._bit_generator))
+        self._found: list[tuple[str, object, object]] = []
+        seen_objs: set = set()
+        seen_fns: set = set()
+
+        def take(label: str, v, depth: int = 0) -> None:
+            if id(v) in shared or id(v) in seen_objs:
+                return
+            state = _generator_state(v)
+            if state is not _MISSING:
+                seen_objs.add(id(v))
+                self._found.append((f"{label} (a {type(v).__module__}.{type(v).__qualname__})", v, state))
+                return
+            if depth >= 2:
+                return
+            if isinstance(v, dict):
+                for k, e in list(v.items())[:1000]:
+                    take(f"{label}[{k!r}]", e, depth + 1)
+            elif isinstance(v, (list, tuple)):
+                for i, e in enumerate(v[:1000]):
+                    take(f"{label}[{i}]", e, depth + 1)
+            elif isinstance(v, functools.partial):
+                for i, e in enumerate(v.args):
+                    take(f"{label}.args[{i}]", e, depth + 1)
+                for k, e in v.keywords.items():
+                    take(f"{label}.keywords[{k!r}]", e, depth + 1)
+            elif isinstance(v, types.MethodType):
+                take(f"{label}.__self__", v.__self__, depth + 1)
+                function(v.__func__, label)
+            elif isinstance(v, types.FunctionType):
+                function(v, label)
+
+        def function(fn, label: str) -> None:
+            if id(fn) in seen_fns or not isinstance(fn, types.FunctionType) or _is_library(fn):
+                return
+            seen_fns.add(id(fn))
+            for i, d in enumerate(fn.__defaults__ or ()):
+                take(f"{label} (default argument {i})", d, 1)
+            for k, d in (fn.__kwdefaults__ or {}).items():
+                take(f"{label} (default argument {k})", d, 1)
+            for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+                try:
+                    take(f"{label} (closure variable {name})", cell.cell_contents, 1)
+                except ValueError:  # an empty cell
+                    pass
+            env = fn.__globals__
+            for name in _global_names(fn.__code__):
+                if name in env:
+                    v = env[name]
+                    if _generator_state(v) is not _MISSING or isinstance(v, types.FunctionType):
+                        take(f"global {env.get('__name__', '?')}.{name}", v, 1)
+
+        classes: set = set()
+        for path, mod in model.named_modules():
+            for k, v in mod.__dict__.items():
+                if k in ("_parameters", "_buffers", "_modules") or isinstance(v, (torch.Tensor, torch.nn.Module)):
+                    continue
+                take(f"{path or 'model'}.{k}", v)
+            for cls in type(mod).__mro__:
+                if cls in classes or _is_library(cls):
+                    continue
+                classes.add(cls)
+                for k, v in vars(cls).items():
+                    if isinstance(v, (staticmethod, classmethod)):
+                        v = v.__func__
+                    elif isinstance(v, property):
+                        v = v.fget
+                    if isinstance(v, types.FunctionType):
+                        function(v, f"{cls.__qualname__}.{k}")
+                    elif _generator_state(v) is not _MISSING:
+                        take(f"{cls.__qualname__}.{k}", v)
+        for i, fn in enumerate(functions):
+            take(getattr(fn, "__qualname__", f"function {i}"), fn)
+
+    def drawn(self) -> list[str]:
+        """Labels of the generators whose state changed since construction."""
+        return [label for label, obj, state in self._found if not _same_state(state, _generator_state(obj))]
+
+    def restore(self) -> None:
+        for _, obj, state in self._found:
+            if not _same_state(state, _generator_state(obj)):
+                _set_generator_state(obj, state)
+
+
+# ---- Python state a trace writes (hooks' bookkeeping, activations stored by a hook or a forward)
+class _Cells:
+    """A function's closure as a live, writable mapping from free-variable name to contents."""
+
+    def __init__(self, fn: types.FunctionType):
+        self._cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+
+    def get(self, name: str, default=None):
+        try:
+            return self._cells[name].cell_contents
+        except (KeyError, ValueError):  # not a free variable, an empty cell
+            return default
+
+    def keys(self):
+        return list(self._cells)
+
+    def __setitem__(self, name: str, value) -> None:
+        self._cells[name].cell_contents = value
+
+    def __delitem__(self, name: str) -> None:
+        del self._cells[name].cell_contents
+
+
+def _live_holders(fn, label: str, depth: int = 0) -> list:
+    """(label, mapping, names or None) where a hook (or a loss function) keeps Python state it can write: a
+    function's closure cells and the module-level names its code reads or assigns, a hook object's (a bound
+    method's instance's) attributes, a partial's arguments. ``names``: the keys to watch (None: all of them,
+    new ones included)."""
+    from ._build_cache import _global_names, _is_library
+
+    if depth > 2:
+        return []
+    if isinstance(fn, functools.partial):
+        out = [(label, dict(enumerate(fn.args)), None)]  # not rebindable: watched for their contents
+        if fn.keywords:
+            out.append((label, fn.keywords, None))
+        return out + _live_holders(fn.func, label, depth + 1)
+    if isinstance(fn, types.MethodType):
+        d = getattr(fn.__self__, "__dict__", None)
+        out = [(label, d, None)] if isinstance(d, dict) and not isinstance(fn.__self__, torch.nn.Module) else []
+        return out + _live_holders(fn.__func__, label, depth + 1)
+    if isinstance(fn, types.FunctionType):
+        if _is_library(fn):
+            # A library's wrapper around the user's hook (TransformerLens's add_hook registers full_hook, which
+            # holds the user's function in its closure): the user's functions it holds.
+            out = []
+            for cell in fn.__closure__ or ():
+                try:
+                    inner = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                if callable(inner) and not isinstance(inner, (type, torch.nn.Module)):
+                    out += _live_holders(inner, label, depth + 1)
+            return out
+        out = [(label, _Cells(fn), tuple(fn.__code__.co_freevars))] if fn.__closure__ else []
+        names = set(_global_names(fn.__code__)) | _stored_globals(fn.__code__)
+        env = fn.__globals__
+        names = {n for n in names if not n.startswith("__")
+                 and not isinstance(env.get(n), (types.ModuleType, type, types.FunctionType))}
+        return out + [(label, env, tuple(sorted(names)))]
+    if callable(fn) and not isinstance(fn, type) and not _is_library(type(fn)) and not isinstance(fn, torch.nn.Module):
+        d = getattr(fn, "__dict__", None)
+        out = [(label, d, None)] if isinstance(d, dict) else []
+        call = getattr(type(fn), "__call__", None)
+        if isinstance(call, types.FunctionType):
+            out += _live_holders(call, label, depth + 1)
+        return out
+    return []
+
+
+def _contents(v, depth: int = 0):
+    """A copy of a mutable container's items, by identity, with the same of the containers it holds (two
+    levels: ``ACTS["layer"]["out"] = out`` into a module-level dict of dicts), or None for anything else."""
+    if depth > 2 or not isinstance(v, (list, dict, set)) or len(v) > _GLOBAL_CONTAINER_LIMIT:
+        return None
+    if isinstance(v, set):
+        return set(v)
+    items = list(v.items()) if isinstance(v, dict) else list(enumerate(v))
+    return [(k, e, _contents(e, depth + 1)) for k, e in items]
+
+
+def _same_contents(was, v) -> bool:
+    if isinstance(was, set):
+        return isinstance(v, set) and was == v
+    items = list(v.items()) if isinstance(v, dict) else list(enumerate(v))
+    return len(items) == len(was) and all(
+        k == k2 and e is e2 and (inner is None or _same_contents(inner, e2))
+        for (k, e, inner), (k2, e2) in zip(was, items))
+
+
+def _put_contents(v, was) -> None:
+    if isinstance(was, set):
+        v.clear()
+        v.update(was)
+        return
+    if isinstance(v, list):
+        v[:] = [e for _, e, _ in was]
+    else:
+        v.clear()
+        v.update((k, e) for k, e, _ in was)
+    for _, e, inner in was:
+        if inner is not None and not _same_contents(inner, e):
+            _put_contents(e, inner)
+
+
+def _holds_traced_tensor(v, depth: int = 0) -> torch.Tensor | None:
+    if _traced_tensor(v):
+        return v
+    if depth >= 3 or not isinstance(v, (list, tuple, dict, set)) or len(v) > _GLOBAL_CONTAINER_LIMIT:
+        return None
+    for e in (v.values() if isinstance(v, dict) else v):
+        hit = _holds_traced_tensor(e, depth + 1)
+        if hit is not None:
+            return hit
+    return None
+
+
+class TracedWrites:
+    """What a trace writes into the user's Python state, put back as it was when the trace ends.
+
+    Hooks and the loss function run while the forward is traced, never when the program runs. Whatever they
+    write (``acts[name] = out``, ``outs.append(out)``, ``self.calls += 1`` on a hook object, a closure counter,
+    ``module.cached = out``) is written once, by the trace: left there, a dict kept a FakeTensor of the trace,
+    a counter counted a call that never ran. Every write of the forward hooks (and the loss function) is put
+    back; a forward storing a tensor of the trace on a module (``self.attn = weights``, a list it appends to) is
+    put back too. ``settle()`` (called as the trace ends, also when it raises) does so and returns, for a
+    refusal, (who, where, tensor) of each tensor of the trace that was stored: no call of the program would
+    store anything there. Other Python writes of a forward to its modules are the module snapshot's
+    (``attributes`` / ``traced_changes``)."""
+
+    def __init__(self, model: torch.nn.Module, functions=()):
+        from ._build_cache import _is_library
+
+        self._entries = []  # (who, where, mapping, key, value, contents, all writes or traced ones only, refused)
+        self._keysets = []  # (who, where, mapping, keys before, all writes or traced ones only, names only, refused)
+        seen: set = set()
+        dicts = _hook_dicts(model, False, ())
+        hooked = {id(owner) for _, how, d, owner in dicts if "forward" in how and owner is not None
+                  and any(not _library_wiring(fn, owner) for fn in d.values())}
+        watched = [(label, fn) for label, fn in _forward_hooks(dicts)]
+        watched += [(f"loss_fn {_hook_label(fn)}", fn) for fn in functions]
+        for who, fn in watched:
+            for _, holder, names in _live_holders(fn, who):
+                if id(holder) in seen:
+                    continue
+                seen.add(id(holder))
+                self._watch(who, _holder_name(holder), holder, names, everything=True)
+        for path, mod in torch.nn.Module.named_modules(model):
+            d = mod.__dict__
+            if id(d) not in seen:
+                seen.add(id(d))
+                # A library's module keeping a tensor of the trace (TransformerLens 4's attention bridge keeps
+                # the pre-LN residual) is its own cache: put back, not refused. The user's modules, and those
+                # the user's hooks are on, are refused.
+                refused = not _is_library(type(mod)) or id(mod) in hooked
+                where = f"model.{path}" if path else "model"
+                who = f"forward (or a forward hook on {where})" if id(mod) in hooked else "forward"
+                self._watch(who, where, d, None, everything=False, refused=refused)
+
+    def _watch(self, who, where, holder, names, everything: bool, refused: bool = True) -> None:
+        keys = names if names is not None else [k for k in holder.keys() if not (isinstance(k, str) and (
+            k.startswith("__") or k in ("_parameters", "_buffers", "_modules") or k.endswith("hooks")))]
+        for k in keys:
+            v = holder.get(k, _MISSING)
+            self._entries.append((who, where, holder, k, v, _contents(v), everything, refused))
+        if isinstance(holder, dict):
+            self._keysets.append((who, where, holder, set(holder) if names is None else set(names), everything,
+                                  names is not None, refused))
+
+    def settle(self) -> list[tuple[str, str, torch.Tensor]]:
+        stored = []
+        for who, where, holder, k, was, contents, everything, refused in self._entries:
+            now = holder.get(k, _MISSING)
+            if now is not was:
+                hit = _holds_traced_tensor(now)
+                if everything or hit is not None:
+                    if hit is not None and refused:
+                        stored.append((who, _where(where, k), hit))
+                    if was is _MISSING:
+                        holder.pop(k, None) if isinstance(holder, dict) else holder.__delitem__(k)
+                    else:
+                        holder[k] = was
+            elif contents is not None and not _same_contents(contents, now):
+                hit = _holds_traced_tensor(now)
+                if everything or hit is not None:
+                    if hit is not None and refused:
+                        stored.append((who, _where(where, k), hit))
+                    _put_contents(now, contents)
+        for who, where, holder, before, everything, only_named, refused in self._keysets:
+            if only_named:
+                continue  # a closure's or a module's globals: the names watched are entries
+            for k in [k for k in holder if k not in before]:
+                hit = _holds_traced_tensor(holder[k])
+                if everything or hit is not None:
+                    if hit is not None and refused:
+                        stored.append((who, _where(where, k), hit))
+                    del holder[k]
+        return stored
+
+
+def _holder_name(holder) -> str:
+    if isinstance(holder, _Cells):
+        return "closure"
+    if isinstance(holder, dict) and "__name__" in holder and "__builtins__" in holder:
+        return f"global {holder['__name__']}"
+    return "attributes"
+
+
+def _where(where: str, key) -> str:
+    if where in ("closure", "attributes"):
+        return repr(key)
+    if where.startswith("global "):
+        return f"{key!r} ({where})"
+    return f"{where}.{key}"
+
+
+def stored_trace_message(stored: list, who_runs: str, instead: str) -> str:
+    """The refusal for tensors of a trace that hooks, a loss function or a forward stored (``TracedWrites``)."""
+    who, where, t = stored[0]
+    more = f" (and {len(stored) - 1} more)" if len(stored) > 1 else ""
+    return (f"{who} stored a tensor of the trace in {where} ({type(t).__name__} of shape {tuple(t.shape)}){more}: "
+            f"it runs while the forward is traced, never when {who_runs} runs, so it would hold that placeholder and "
+            f"no call's values (the build put back what was there); {instead}")

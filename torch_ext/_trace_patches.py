@@ -152,7 +152,7 @@ STEP_EXPORT = ("env_reads", "python_random_draws", "backward_only_code", "global
                "refuse_autograd_in_trace", "rnn_dropout_between_layers", "packed_sequences_refused")
 JOINT_EXPORT = ("rnn_dropout_between_layers", "eager_autograd_kernels", "joint_replayed_without_autograd",
                 "eager_cumprod_backward", "eager_prod_backward", "eager_half_dropout_backward")
-INFERENCE_TRACE = ("global_module_hooks_restored", "rnn_dropout_between_layers", "packed_sequences_refused",
+INFERENCE_TRACE = ("python_random_draws", "global_module_hooks_restored", "rnn_dropout_between_layers", "packed_sequences_refused",
                    "make_fx_without_stack_traces")
 AOTI_COMPILE = ("aten_max_pool_backward_in_inductor", "exact_subgraph_strides")
 

@@ -6,6 +6,7 @@ performs no graph transformation itself.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import json
@@ -137,6 +138,10 @@ torch.serialization.add_safe_globals([TrainState])
 
 def _placeholder(ep, name: str) -> torch.fx.Node:
     return next(n for n in ep.graph.nodes if n.op == "placeholder" and n.name == name)
+
+
+_STORED_INSTEAD = ("take activations from the program's outputs instead (a loss_fn returning (loss, aux), or a "
+                   "ReactiveGraph's run_with_cache / value), or remove the hook before building")
 
 
 class _LossModule(torch.nn.Module):
@@ -692,7 +697,14 @@ class TrainStep:
             # Everything the export runs inside, so it traces what eager computes (_trace_patches.STEP_EXPORT):
             # the code tracing cannot record (backward_only_code), Python draws, environment reads, eager's
             # attention masks, checkpoints inlined, inference_mode as no_grad, gradients in forward refused.
-            with _trace_patches.patched(*_trace_patches.STEP_EXPORT) as got:
+            own = _module_state.OwnGenerators(model, (loss_fn,))  # the user's own random.Random, numpy Generator
+            writes = _module_state.TracedWrites(model, (loss_fn,))  # what hooks and loss_fn write while traced
+            mine: list = []
+            stored: list = []
+            with contextlib.ExitStack() as restoring, _trace_patches.patched(*_trace_patches.STEP_EXPORT) as got:
+                restoring.callback(own.restore)  # a refused build leaves the user's generators as it found them
+                restoring.callback(lambda: mine.extend(own.drawn()))
+                restoring.callback(lambda: stored.extend(writes.settle()))  # put back, also when the trace raises
                 found, drawn, env = got["backward_only_code"], got["python_random_draws"], got["env_reads"]
                 try:
                     ep = torch.export.export(wrapper, _compat.distinct_inputs(self._example_batch))  # (x, x): two inputs
@@ -714,13 +726,13 @@ class TrainStep:
                         "shapes") from e
             for name, value in env.items():
                 env_reads.setdefault(name, value)
-            if drawn:
-                raise TypeError(
-                    f"the model or loss_fn draws random numbers from {' and '.join(drawn)} while traced: the program "
-                    "records the numbers drawn once as constants, so every step would reuse them where eager draws "
-                    "anew (a layer dropped or kept forever, the same noise every step). Draw them with torch "
-                    "(torch.rand, torch.randn, torch.bernoulli): the step threads torch's generator as state "
-                    "(init_state(seed=...))")
+            if stored:
+                raise ValueError(_module_state.stored_trace_message(stored, "the program", _STORED_INSTEAD))
+            _compat.refuse_python_draws(
+                drawn + mine, "the model or loss_fn", "program",
+                "every step would reuse them where eager draws anew (a layer dropped or kept forever, the same noise "
+                "every step). Draw them with torch (torch.rand, torch.randn, torch.bernoulli): the step threads "
+                "torch's generator as state (init_state(seed=...))")
             if found:
                 raise TypeError(f"the model or loss_fn uses {'; '.join(found)}: tracing records the forward only, "
                                 "and the step would differentiate that forward, never running this backward code "

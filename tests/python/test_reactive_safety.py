@@ -749,6 +749,142 @@ def test_a_forward_hook_that_stores_activations_is_refused_at_build(front_end):
         torch_ext.ReactiveGraph(model, (torch.randn(2, 3, 8),), cache=False, front_end=front_end)
 
 
+class _Keeps:
+    """A hook object that keeps its module's last output and counts its calls."""
+
+    def __init__(self, keep=True):
+        self.keep, self.calls, self.last = keep, 0, None
+
+    def __call__(self, m, a, out):
+        self.calls += 1
+        if self.keep:
+            self.last = out
+
+
+_KEPT = {"acts": {"old": 1}, "outs": [], "shapes": [], "count": {"n": 0}}
+
+
+def _hook_writing(kind):
+    """(hook, what it writes into) for a forward hook that writes Python state while traced."""
+    if kind == "dict":
+        return (lambda m, a, out: _KEPT["acts"].__setitem__("fc", out)), _KEPT["acts"]
+    if kind == "list":
+        return (lambda m, a, out: _KEPT["outs"].append(out.detach())), _KEPT["outs"]
+    if kind == "hook-object":
+        h = _Keeps()
+        return h, h.__dict__
+    if kind == "module-attribute":
+        return (lambda m, a, out: setattr(m, "kept", out)), None
+    if kind == "counter":
+        return (lambda m, a, out: _KEPT["count"].__setitem__("n", _KEPT["count"]["n"] + 1)), _KEPT["count"]
+    if kind == "shape-log":
+        return (lambda m, a, out: _KEPT["shapes"].append(tuple(out.shape))), _KEPT["shapes"]
+    h = _Keeps(keep=False)  # counts only
+    return h, h.__dict__
+
+
+def _build(how, model, x):
+    if how == "step":
+        return torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                         lambda m, x: m(x).square().mean(), (x,))
+    return torch_ext.ReactiveGraph(model.eval(), (x,), cache=False)
+
+
+def _state_of(written, model):
+    own = {k: v for k, v in vars(model.fc).items() if not k.startswith("_")}
+    if written is None:
+        return own
+    return (dict(written) if isinstance(written, dict) else list(written)), own
+
+
+@pytest.mark.parametrize("how", ["step", "ReactiveGraph"])
+@pytest.mark.parametrize("kind, refused", [("dict", True), ("list", True), ("hook-object", True),
+                                           ("module-attribute", True), ("counter", False), ("shape-log", False),
+                                           ("hook-object-counter", False)])
+def test_a_build_leaves_what_a_forward_hook_writes_as_it_found_it(kind, refused, how):
+    # The trace runs the hooks once, the program never. Before: a refused build left a FakeTensor of the trace in
+    # the user's dict (acts["fc"]), list or hook object; an accepted one left a counter counting a call that never
+    # ran, a log holding the trace's entry, and a module attribute (module.kept = out) holding a FakeTensor.
+    model = _Tempered() if how == "step" else _Tempered().eval()
+    x = torch.randn(2, 3, 8)
+    hook, written = _hook_writing(kind)
+    model.fc.register_forward_hook(hook)
+    before = _state_of(written, model)
+    if refused:
+        with pytest.raises(ValueError, match=r"stored a tensor of the trace in .*(run_with_cache|aux)"):
+            _build(how, model, x)
+    else:
+        _build(how, model, x)
+    after = _state_of(written, model)
+    assert after == before if written is None else (
+        after[1] == before[1] and len(after[0]) == len(before[0])
+        and all((a is b) if not isinstance(a, tuple) else a == b for a, b in zip(
+            after[0].values() if isinstance(after[0], dict) else after[0],
+            before[0].values() if isinstance(before[0], dict) else before[0]))), (before, after)
+
+
+@pytest.mark.parametrize("how", ["step", "ReactiveGraph"])
+@pytest.mark.parametrize("where", ["attribute", "list", "dict"])
+def test_a_forward_that_stores_activations_on_its_module_is_refused(where, how):
+    # Before: a step accepted it, with the module holding a FakeTensor of the trace (self.attn = weights, a list
+    # appended to, a dict), and no step ever storing a value there where eager stores each call's; a ReactiveGraph
+    # accepted the attribute (put back, never stored by a run).
+    class Stores(_Tempered):
+        def __init__(self):
+            super().__init__()
+            self.maps, self.d = [], {}
+
+        def forward(self, x):
+            h = self.fc(x)
+            if where == "attribute":
+                self.attn = torch.softmax(h, -1)
+            elif where == "list":
+                self.maps.append(h)
+            else:
+                self.d["h"] = h
+            return h
+
+    model = Stores()
+    with pytest.raises(ValueError, match=r"forward stored a tensor of the trace in model\.(attn|maps|d) "):
+        _build(how, model, torch.randn(2, 3, 8))
+    assert "attn" not in vars(model) and model.maps == [] and model.d == {}
+
+
+class _HoldsTensors(nn.Module):
+    """Tensors held in a list and in a dict attribute: constants of the trace."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.shifts, self.table = nn.Linear(8, 8), [torch.ones(8)], {"bias": torch.zeros(8)}
+
+    def forward(self, x):
+        return self.fc(x) + self.shifts[0] * self.table["bias"].exp()
+
+
+@pytest.mark.parametrize("how", ["step", "ReactiveGraph"])
+@pytest.mark.parametrize("where", ["list", "dict", "shrunk"])
+def test_a_tensor_replaced_in_a_list_or_dict_attribute_after_the_build_is_refused(where, how):
+    # Before: the trace baked model.shifts[0] and model.table["bias"] in; replaced after the build, eager computed
+    # with the new tensor and the step / graph with the old one, silently.
+    model = _HoldsTensors()
+    x = torch.randn(2, 3, 8)
+    built = _build(how, model, x)
+    run = (lambda: built(built.init_state(), x)[0]) if how == "step" else (lambda: built.run(x))
+    run()
+    if where == "list":
+        model.shifts[0] = torch.full((8,), 2.0)
+        name = r"model\.shifts\[0\] was replaced"
+    elif where == "dict":
+        model.table["bias"] = torch.full((8,), 2.0)
+        name = r"model\.table\['bias'\] was replaced"
+    else:
+        model.shifts.clear()
+        name = r"model\.shifts\[0\] was replaced by \(none\)"
+    with pytest.raises(ValueError, match=name):
+        run()
+
+
 @pytest.mark.parametrize("demanded", [False, True])
 def test_patch_function_below_a_standing_patch_gets_the_baseline_in_either_order(demanded):
     # "f receives the node's baseline value (no patch active)". Before: with a patch upstream not yet

@@ -401,6 +401,85 @@ def test_the_trace_own_random_draws_are_refused_also_while_other_threads_draw(dr
         torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, _batch())
 
 
+_EARLY_RANDOM = random.random  # bound before any trace: `from random import random`
+
+
+class _OwnRng(nn.Module):
+    """Draws from a generator object of its own, held as an attribute, a global or in a closure."""
+
+    def __init__(self, where, kind):
+        super().__init__()
+        import numpy as np
+
+        self.fc, self.where = nn.Linear(8, 3), where
+        rng = {"random.Random": lambda: random.Random(0), "numpy Generator": lambda: np.random.default_rng(0),
+               "numpy RandomState": lambda: np.random.RandomState(0)}[kind]()
+        draw = (lambda g: g.random()) if kind != "numpy RandomState" else (lambda g: g.rand())
+        if where == "attribute":
+            self.rng, self.draw = rng, lambda: float(draw(self.rng))
+        elif where == "global":
+            globals()["_GLOBAL_RNG"] = rng
+            self.draw = lambda: float(draw(_GLOBAL_RNG))  # noqa: F821 - set just above
+        else:
+            self.draw = lambda: float(draw(rng))  # a closure variable
+        self.rng_obj = rng
+
+    def forward(self, x):
+        return self.fc(x) * self.draw()
+
+
+def _rng_state(g):
+    return g.getstate() if isinstance(g, random.Random) else repr(g.bit_generator.state if hasattr(
+        g, "bit_generator") else g.get_state(legacy=False))
+
+
+_BUILDS = {"step": lambda m: torch_ext.make_train_step(m, torch.optim.SGD(m.parameters(), lr=0.1), _loss, _batch()),
+           "ReactiveGraph": lambda m: torch_ext.ReactiveGraph(m.eval(), (_batch()[0],), cache=False)}
+
+
+@pytest.mark.parametrize("build", list(_BUILDS))
+@pytest.mark.parametrize("draw, match", [
+    (lambda: _EARLY_RANDOM(), "Python's random module"),
+    (lambda: float(sys.modules["numpy"].random.mtrand._rand.rand()), "numpy.random"),  # `from numpy.random import rand`
+], ids=["from-random-import-random", "from-numpy-random-import-rand"])
+def test_draws_through_early_bound_names_are_refused_and_leave_the_generator_as_found(draw, match, build):
+    """A ReactiveGraph did not look at Python draws at all: a forward drawing through any name was traced with the
+    number drawn once, and every run replayed it, silently. The refused build puts the global generator back."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = _Draws(draw)
+    py, npst = random.getstate(), np.random.get_state()
+    with pytest.raises(TypeError, match=match):
+        _BUILDS[build](model)
+    assert random.getstate() == py
+    assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in zip(np.random.get_state(), npst))
+
+
+@pytest.mark.parametrize("build", list(_BUILDS))
+@pytest.mark.parametrize("kind", ["random.Random", "numpy Generator", "numpy RandomState"])
+@pytest.mark.parametrize("where", ["attribute", "global", "closure"])
+def test_draws_from_the_model_own_generator_objects_are_refused_by_name(where, kind, build):
+    """``self.rng = np.random.default_rng(0)`` drawn from in forward (or a global, or a closure's generator): its
+    state is no process-global one, so neither the step nor a ReactiveGraph saw the draw; both baked the number
+    in and replayed it at every call, silently. Refused naming the generator; its state is left as found."""
+    torch.manual_seed(0)
+    model = _OwnRng(where, kind)
+    before = _rng_state(model.rng_obj)
+    want = {"attribute": "model.rng", "global": "_GLOBAL_RNG", "closure": "closure variable rng"}[where]
+    with pytest.raises(TypeError, match=want):
+        _BUILDS[build](model)
+    assert _rng_state(model.rng_obj) == before
+
+
+def test_a_model_holding_a_generator_it_does_not_draw_from_in_forward_builds():
+    torch.manual_seed(0)
+    model = _OwnRng("attribute", "numpy Generator")
+    model.draw = lambda: 1.0
+    _BUILDS["step"](model)
+    _BUILDS["ReactiveGraph"](model)
+
+
 def _building_thread(errors, done=None):
     def build():
         try:

@@ -387,3 +387,25 @@ def test_split_heads_on_a_bridge_over_hugging_face_gpt2(tmp_path):
     ref = tl_patching.get_act_patch_attn_head_out_all_pos(gpt2, corrupted, tl_cache, _metric)
     assert ours.shape == ref.shape == (2, 4)
     assert torch.allclose(ours, ref, rtol=1e-6, atol=1e-6), float((ours - ref).abs().max())
+
+
+@pytest.mark.parametrize("kind", ["list", "dict", "counter"])
+def test_a_hook_added_through_add_hook_leaves_the_users_state_as_found(bridge, kind):
+    # TransformerLens registers the user's hook inside its own wrapper (add_hook's full_hook), which the check of
+    # hooks that store activations did not look into. Before: the build was accepted and left a FakeTensor of the
+    # trace in the user's list or dict (no run of the graph ever stores one), and a counter counting a call that
+    # never ran.
+    acts, store, count = [], {}, {"n": 0}
+    hooks = {"list": lambda act, hook: acts.append(act), "dict": lambda act, hook: store.__setitem__(hook.name, act),
+             "counter": lambda act, hook: count.__setitem__("n", count["n"] + 1)}
+    clean = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(3))
+    bridge.add_hook("blocks.0.hook_resid_pre", hooks[kind])
+    try:
+        if kind == "counter":
+            torch_ext.ReactiveGraph(bridge, (clean,), cache=False)
+        else:
+            with pytest.raises(ValueError, match=r"stored a tensor of the trace in '(acts|store)'"):
+                torch_ext.ReactiveGraph(bridge, (clean,), cache=False)
+    finally:
+        bridge.reset_hooks()
+    assert acts == [] and store == {} and count == {"n": 0}
