@@ -18,9 +18,19 @@ import types
 
 import torch
 
+from . import _C
+
 # The training flag and every public attribute holding one of these.
 _SCALARS = (bool, int, float, complex, str, type(None))
 _MISSING = object()
+
+
+def contents_digest(tensors: list) -> list:
+    """A 64-bit digest (XXH3, in C++ at memory bandwidth, csrc/reactive/content_digest.h) of each tensor's
+    bytes, every byte read (None where there are none to read: a meta or sparse tensor). What tells a
+    write through ``.data`` or ``.numpy()``, which leaves the version counter as it was."""
+    host = [t.detach().cpu() if t.device.type != "cpu" and not t.is_meta else t.detach() for t in tensors]
+    return _C.content_digests(host)
 
 
 _CONTAINERS = (list, tuple, dict, set, frozenset)

@@ -203,12 +203,7 @@ def _weights_fingerprint(module: torch.nn.Module) -> tuple:
     return tuple((t.data_ptr(), t._version) for t in nn_params(module))
 
 
-def _contents_digest(tensors: list) -> list:
-    """A 64-bit digest (XXH3, in C++ at memory bandwidth, csrc/reactive/content_digest.h) of each tensor's
-    bytes, every byte read (None where there are none to read: a meta or sparse tensor). Was a CRC-32 in
-    Python: ~75 ms on GPT-2 small's 124M parameters, paid two or three times per patching call."""
-    host = [t.detach().cpu() if t.device.type != "cpu" and not t.is_meta else t.detach() for t in tensors]
-    return _C.content_digests(host)
+_contents_digest = _module_state.contents_digest
 
 
 _CALL = threading.local()

@@ -857,6 +857,9 @@ class TrainStep:
         # eager follows an in-place change to it, the program reads the value it was built with.
         self._constant_sources = [(name, joint.constants[name], joint.constants[name]._version)
                                   for name in self._constants if not joint.constants[name].is_inference()]
+        # A write through .data or .numpy() (m.scale.data.fill_(4)) leaves the version counter as it was: the
+        # contents tell (a 64-bit digest at memory bandwidth; constants are small next to a step).
+        self._constant_digests = _module_state.contents_digest([t for _, t, _ in self._constant_sources])
         if self._dp is not None:  # each rank's own captured tensors: neither broadcast nor compared
             distributed._RANK_OWN[self._id] = frozenset(self._constants)
         self.joint_graph = Graph.from_exported(joint)
@@ -1082,6 +1085,15 @@ class TrainStep:
                                  "place after make_train_step; eager training would use its new value, the program "
                                  "bakes in the value it was built with: build a new step (make_train_step) after "
                                  "changing it")
+        if self._constant_sources:
+            now = _module_state.contents_digest([t for _, t, _ in self._constant_sources])
+            for (name, tensor, _), was, is_ in zip(self._constant_sources, self._constant_digests, now):
+                if was != is_:
+                    raise ValueError(f"the tensor captured as constant {name!r} (shape {tuple(tensor.shape)}) was changed "
+                                     "in place after make_train_step, through .data or .numpy() (its version counter did "
+                                     "not move; its contents did); eager training would use its new value, the program "
+                                     "bakes in the value it was built with: build a new step (make_train_step) after "
+                                     "changing it")
         env = _env_reads.changed(self._env_reads)
         if env:
             raise ValueError(f"{_env_reads.message(env, 'the step was built')}: eager training would follow it; build "

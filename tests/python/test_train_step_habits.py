@@ -1632,6 +1632,40 @@ def test_a_captured_tensor_changed_in_place_after_the_build_is_refused():
             call()
 
 
+@pytest.mark.parametrize("write", ["data", "numpy"])
+def test_a_captured_tensor_written_through_data_or_numpy_after_the_build_is_refused(write):
+    # .data and .numpy() writes leave the version counter as it was: the step trained on silently with the
+    # value it was built with, where eager follows the write (seen on a model's plain tensor attribute).
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 3)
+            self.scale = torch.tensor([1.0, 2.0, 3.0])  # a plain attribute: lifted as a constant
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    torch.manual_seed(0)
+    model = Scaled()
+    batch = (torch.randn(6, 8), torch.randint(0, 3, (6,)))
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     lambda m, x, y: F.cross_entropy(m(x), y), batch)
+    state = step.init_state()
+    loss, state = step(state, *batch)
+    version = model.scale._version
+    if write == "data":
+        model.scale.data.fill_(4.0)
+    else:
+        model.scale.numpy()[:] = 4.0
+    assert model.scale._version == version  # the write the version counter does not see
+    for call in (lambda: step(state, *batch), lambda: step.compile(plan=False)(state, *batch)):
+        with pytest.raises(ValueError, match=r"constant .* was changed in place after make_train_step, through "
+                                             r"\.data or \.numpy\(\)"):
+            call()
+    model.scale.data.copy_(torch.tensor([1.0, 2.0, 3.0]))  # changed back: accepted again
+    step(state, *batch)
+
+
 def test_step_parity_with_unroll_runs_the_unrolled_step(monkeypatch):
     # unroll= was accepted and ignored: the parity of an unrolled step was never checked.
     from torch_ext import testing
