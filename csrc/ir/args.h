@@ -30,4 +30,12 @@ inline std::optional<std::vector<int64_t>> ints_arg(const Node& n, size_t pos, c
   return out;
 }
 
+// The ints of argument `pos`/`name` as ints_arg reads them; `dflt` when absent or None.
+inline std::optional<std::vector<int64_t>> ints_arg_or(const Node& n, size_t pos, const char* name,
+                                                       std::optional<std::vector<int64_t>> dflt) {
+  const Arg* a = arg_at(n, pos, name);
+  if (a == nullptr || a->kind == Arg::Kind::None) return dflt;
+  return ints_arg(n, pos, name);
+}
+
 }  // namespace torch_ext::ir

@@ -3,6 +3,7 @@
 #include "passes/batch_cone.h"
 
 #include "ir/args.h"
+#include "passes/batch_layout.h"
 
 #include "ir/schema.h"
 #include "ir/type_check.h"
@@ -24,6 +25,15 @@ namespace {
 
 using ir::Arg;
 using ir::Node;
+using batch_layout::first_tensor;
+using batch_layout::Layout;
+using batch_layout::layout_text;
+using batch_layout::LayoutMove;
+using batch_layout::move_from_chunks;
+using batch_layout::move_to_chunks;
+using batch_layout::norm_dim;
+using batch_layout::out_layout;
+using batch_layout::whole_chunks;
 
 // Ops applied element by element with broadcasting: every tensor argument may be stacked, and an
 // external one lined up with the output's dim 0 is tiled.
@@ -144,24 +154,6 @@ int64_t rank_of(const ir::Type& t) {
   return -1;
 }
 
-const ir::TensorMeta* first_tensor(const ir::Type& t) {
-  if (t.is_tensor()) return &t.tensor;
-  if (t.kind == ir::Type::Kind::Tuple)
-    for (const ir::Type& e : t.elems)
-      if (e.is_tensor()) return &e.tensor;
-  return nullptr;
-}
-
-int64_t norm_dim(int64_t d, int64_t rank) { return d < 0 ? d + rank : d; }
-
-// The given ints of argument `pos`/`name` (one int or a list); `dflt` when absent or None.
-std::optional<std::vector<int64_t>> ints_at(const Node& n, size_t pos, const char* name,
-                                            std::optional<std::vector<int64_t>> dflt) {
-  const Arg* a = arg_at(n, pos, name);
-  if (a == nullptr || a->kind == Arg::Kind::None) return dflt;
-  return ir::ints_arg(n, pos, name);
-}
-
 std::string where_of(const Node& n) { return "%" + n.name() + " (" + n.target().str() + ")"; }
 
 // The dims an op works along, which must not include dim 0 of its stacked input (rank `rank`,
@@ -180,30 +172,30 @@ std::vector<int64_t> worked_dims(const Node& n, const std::string& op, int64_t r
       op == "squeeze" || op == "cumsum" || op == "cumprod" || op == "narrow" || op == "index_select") {
     if (op == "squeeze" && n.target().overload == "default")
       return need(std::nullopt, "squeezes every size-1 dim (dim 0 among them when the batch is 1)");
-    return need(ints_at(n, 1, "dim", std::nullopt), "works along no explicit dim");
+    return need(ir::ints_arg_or(n, 1, "dim", std::nullopt), "works along no explicit dim");
   }
   if (op == "sum" || op == "mean" || op == "amax" || op == "amin" || op == "prod" || op == "var" || op == "std" ||
       op == "logsumexp" || op == "argmax" || op == "argmin") {
     const Arg* a = arg_at(n, 1, "dim");
     if (a != nullptr && a->kind == Arg::Kind::List && a->list.empty()) a = nullptr;
-    return need(a == nullptr ? std::nullopt : ints_at(n, 1, "dim", std::nullopt), "reduces over every dim");
+    return need(a == nullptr ? std::nullopt : ir::ints_arg_or(n, 1, "dim", std::nullopt), "reduces over every dim");
   }
   // transpose / t / permute / unsqueeze / flatten / stack / views move the stacked dim (out_layout).
   if (op == "split" || op == "split_with_sizes" || op == "unsafe_split" || op == "chunk")
-    return need(ints_at(n, 2, "dim", std::vector<int64_t>{0}), "splits no dim");
-  if (op == "unbind") return need(ints_at(n, 1, "dim", std::vector<int64_t>{0}), "unbinds no dim");
-  if (op == "flip") return need(ints_at(n, 1, "dims", std::nullopt), "flips no dim");
-  if (op == "roll") return need(ints_at(n, 2, "dims", std::nullopt), "rolls the flattened tensor");
-  if (op == "cat") return need(ints_at(n, 1, "dim", std::vector<int64_t>{0}), "has no dim");
+    return need(ir::ints_arg_or(n, 2, "dim", std::vector<int64_t>{0}), "splits no dim");
+  if (op == "unbind") return need(ir::ints_arg_or(n, 1, "dim", std::vector<int64_t>{0}), "unbinds no dim");
+  if (op == "flip") return need(ir::ints_arg_or(n, 1, "dims", std::nullopt), "flips no dim");
+  if (op == "roll") return need(ir::ints_arg_or(n, 2, "dims", std::nullopt), "rolls the flattened tensor");
+  if (op == "cat") return need(ir::ints_arg_or(n, 1, "dim", std::vector<int64_t>{0}), "has no dim");
   if (op == "layer_norm" || op == "native_layer_norm" || op == "rms_norm") {
-    auto s = ints_at(n, 1, "normalized_shape", std::nullopt);
+    auto s = ir::ints_arg_or(n, 1, "normalized_shape", std::nullopt);
     TORCH_CHECK(s.has_value(), "batch_cone: ", w, " has no normalized_shape");
     std::vector<int64_t> out;
     for (int64_t d = rank - static_cast<int64_t>(s->size()); d < rank; ++d) out.push_back(d);
     return out;
   }
   if (op == "constant_pad_nd" || op == "pad") {
-    auto p = ints_at(n, 1, "pad", std::nullopt);
+    auto p = ir::ints_arg_or(n, 1, "pad", std::nullopt);
     TORCH_CHECK(p.has_value(), "batch_cone: ", w, " has no pad");
     std::vector<int64_t> out;
     for (int64_t d = rank - static_cast<int64_t>(p->size() / 2); d < rank; ++d) out.push_back(d);
@@ -367,61 +359,6 @@ ir::Type stacked_type(const ir::Type& t, int64_t k, int64_t dim = 0) {
   out.tensor.sizes[dim] *= k;
   out.tensor.strides = ir::TensorMeta::contiguous_strides(out.tensor.sizes);
   return out;
-}
-
-// Where a stacked value keeps its copies: along dim `b`, whose size is the original one times the copies,
-// the copy index sitting in that dim with `in` of the original dim's elements inside it (index of
-// original element j of copy i: (j / in) * copies * in + i * in + j % in). `in` == the dim's size: the
-// copies are whole chunks of dim b (the form the site placeholder and the outputs have along dim 0).
-struct Layout {
-  int64_t b = 0;
-  int64_t in = 0;
-  bool operator==(const Layout& o) const { return b == o.b && in == o.in; }
-  bool operator!=(const Layout& o) const { return !(*this == o); }
-};
-
-Layout whole_chunks(const ir::Type& t, int64_t b) { return {b, first_tensor(t)->sizes.at(b)}; }
-
-std::string layout_text(const Layout& l, const ir::Type& t) {
-  std::string s = "dim " + std::to_string(l.b);
-  const ir::TensorMeta* m = first_tensor(t);
-  if (m != nullptr && l.b < static_cast<int64_t>(m->sizes.size()) && m->sizes[l.b] != l.in)
-    s += " (every " + std::to_string(l.in) + " rows)";
-  return s;
-}
-
-// A view's output layouts: the copy index keeps its place in the row-major order of the elements (I of
-// them inside it), so it lands in an output dim d with prod(out[d+1:]) | I and I / prod(out[d+1:]) |
-// out[d]. Several dims can hold that place (copies innermost of dim d are outermost of dim d + 1, and
-// size-1 dims add more): all of them, the likeliest first (dim b itself where the view keeps dims 0..b,
-// then whole chunks of a dim, innermost first, then the rest, outermost first). Which one a later op
-// needs is found by trying them in order (batch_cone backtracks over these choices).
-std::vector<Layout> view_layouts(const std::vector<int64_t>& in_sizes, Layout l, const std::vector<int64_t>& out,
-                                 const std::string& w) {
-  int64_t inner = l.in;
-  for (size_t d = l.b + 1; d < in_sizes.size(); ++d) inner *= in_sizes[d];
-  for (int64_t s : out) TORCH_CHECK(s > 0, "batch_cone: ", w, " has an empty output, which the pass does not batch");
-  std::vector<Layout> valid;
-  for (size_t d = 0; d < out.size(); ++d) {
-    int64_t after = 1;
-    for (size_t e = d + 1; e < out.size(); ++e) after *= out[e];
-    if (inner % after != 0) continue;
-    const int64_t q = inner / after;
-    if (q >= 1 && out[d] % q == 0) valid.push_back({static_cast<int64_t>(d), q});
-  }
-  TORCH_CHECK(!valid.empty(), "batch_cone: ", w, " reshapes dim ", l.b, ", where the stacked sites are, so that they no "
-              "longer stay apart in one dim of its output");
-  std::vector<Layout> order;
-  const auto add = [&](const Layout& c) {
-    if (std::find(order.begin(), order.end(), c) == order.end()) order.push_back(c);
-  };
-  if (static_cast<int64_t>(out.size()) > l.b && std::equal(in_sizes.begin(), in_sizes.begin() + l.b + 1, out.begin()))
-    for (const Layout& c : valid)
-      if (c == l) add(c);
-  for (auto it = valid.rbegin(); it != valid.rend(); ++it)
-    if (it->in == out[it->b]) add(*it);
-  for (const Layout& c : valid) add(c);
-  return order;
 }
 
 // One entry of the unit: its node, its copies, and where they sit in the site placeholder.
@@ -625,11 +562,10 @@ class Builder {
     for (size_t i = 0; i < 2 && i < n.args().size(); ++i)
       if (n.args()[i].kind == Arg::Kind::Node && in_cone_.count(n.args()[i].node)) stacked_args |= 1u << i;
     lay_[&n] = out_layout(n, op, *lin, first_tensor(first_in->type())->sizes, out_rank,
-                          by_matrix && in_cone_.count(n.args()[0].node), stacked_args, w);
+                          by_matrix && in_cone_.count(n.args()[0].node), stacked_args, w,
+                          [this](const std::vector<Layout>& options) { return choose(options); });
   }
 
-  // Where a cone call's output has its copies, given its stacked input's layout `l` (sizes `in_sizes`),
-  // refusing ops that contract or mix the stacked dim.
   // One of several equally valid layouts: picks_[i] for the i-th such choice of this build (0 past its end);
   // choices_ records how many there were.
   Layout choose(const std::vector<Layout>& options) {
@@ -644,87 +580,6 @@ class Builder {
   std::vector<size_t> choices_;  // filled by run(), even when it throws
 
  private:
-  Layout out_layout(const Node& n, const std::string& op, Layout l, const std::vector<int64_t>& in_sizes, int64_t R,
-                    bool x_by_matrix, unsigned stacked_args, const std::string& w) {
-    const int64_t r = static_cast<int64_t>(in_sizes.size());
-    const int64_t b = l.b;
-    const auto need = [&](bool ok, const char* why) {
-      TORCH_CHECK(ok, "batch_cone: ", w, " has the stacked sites on dim ", b, ", ", why, ", which mixes them");
-    };
-    static const std::set<std::string> dim0_only = {
-        "mm", "addmm", "conv1d", "conv2d", "conv3d", "convolution", "max_pool1d", "max_pool2d", "avg_pool1d",
-        "avg_pool2d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d", "batch_norm",
-        "_native_batch_norm_legit_no_training"};
-    if (dim0_only.count(op)) need(b == 0, "not on dim 0, the only dim it keeps apart");
-    if (op == "linear") need(b < r - 1, "which it contracts");
-    if (op == "tril" || op == "triu") need(b < r - 2, "one of its matrix dims");
-    if (op == "matmul" || op == "bmm") {
-      // Batch dims, or the rows of the left matrix / the columns of the right one when only that one is
-      // stacked (each row / column of the product reads only its own).
-      const bool left = stacked_args & 1, right = stacked_args & 2;
-      need(b < R - 2 || (x_by_matrix && b < r - 1) || (left && !right && b == r - 2) || (right && !left && b == r - 1),
-           "one of its matrix dims");
-    }
-    if (op == "scaled_dot_product_attention" || op == "_scaled_dot_product_flash_attention_for_cpu")
-      need(b < R - 2, "one of its sequence or feature dims");
-    const std::vector<int64_t>& out = first_tensor(n.type())->sizes;
-    const auto dim_of = [&](size_t pos, const char* name, int64_t rank, std::optional<int64_t> dflt) {
-      auto d = ints_at(n, pos, name, dflt ? std::optional<std::vector<int64_t>>(std::vector<int64_t>{*dflt}) : std::nullopt);
-      TORCH_CHECK(d && d->size() == 1, "batch_cone: ", w, " has no ", name);
-      return norm_dim((*d)[0], rank);
-    };
-    if (op == "select" || op == "unbind") {
-      const int64_t d = dim_of(1, "dim", r, op == "unbind" ? std::optional<int64_t>(0) : std::nullopt);
-      return {b - (d < b ? 1 : 0), l.in};
-    }
-    if (op == "squeeze") {
-      auto ds = ints_at(n, 1, "dim", std::nullopt);
-      TORCH_CHECK(ds.has_value(), "batch_cone: ", w, " has no dim");
-      int64_t moved = 0;
-      for (int64_t d : *ds) moved += norm_dim(d, r) < b && in_sizes.at(norm_dim(d, r)) == 1 ? 1 : 0;
-      return {b - moved, l.in};
-    }
-    if (op == "unsqueeze") return {b + (dim_of(1, "dim", R, std::nullopt) <= b ? 1 : 0), l.in};
-    if (op == "stack") return {b + (dim_of(1, "dim", R, 0) <= b ? 1 : 0), l.in};
-    if (op == "transpose") {
-      const int64_t d0 = dim_of(1, "dim0", r, std::nullopt), d1 = dim_of(2, "dim1", r, std::nullopt);
-      return {b == d0 ? d1 : b == d1 ? d0 : b, l.in};
-    }
-    if (op == "t") return {r == 2 ? 1 - b : b, l.in};
-    if (op == "permute") {
-      auto p = ints_at(n, 1, "dims", std::nullopt);
-      TORCH_CHECK(p.has_value(), "batch_cone: ", w, " has no permutation");
-      for (size_t i = 0; i < p->size(); ++i)
-        if (norm_dim((*p)[i], r) == b) return {static_cast<int64_t>(i), l.in};
-      TORCH_CHECK(false, "batch_cone: ", w, " drops dim ", b);
-    }
-    static const std::set<std::string> reductions = {"sum", "mean", "amax", "amin", "prod", "var", "std",
-                                                     "logsumexp", "argmax", "argmin"};
-    if (reductions.count(op) && R < r) {  // keepdim=False: the reduced dims before b go
-      auto ds = ints_at(n, 1, "dim", std::nullopt);
-      int64_t gone = 0;
-      for (int64_t d : *ds) gone += norm_dim(d, r) < b ? 1 : 0;
-      return {b - gone, l.in};
-    }
-    if (op == "flatten") {
-      if (r == 0) return l;
-      const int64_t start = dim_of(1, "start_dim", r, 0), end = dim_of(2, "end_dim", r, -1);
-      if (b < start) return l;
-      if (b > end) return {b - (end - start), l.in};
-      int64_t inner = l.in;
-      for (int64_t d = b + 1; d <= end; ++d) inner *= in_sizes[d];
-      return {start, inner};
-    }
-    if (op == "view" || op == "reshape" || op == "_unsafe_view" || op == "unflatten")
-      return choose(view_layouts(in_sizes, l, out, w));
-    if (op == "expand") {
-      const int64_t to = b + (R - r);
-      need(out.at(to) == in_sizes.at(b), "which it expands");
-      return {to, l.in};
-    }
-    return l;
-  }
-
   // A name free in both graphs (cone calls keep their names).
   std::string fresh(const std::string& base, const Node* src = nullptr) const {
     std::string name = base;
@@ -782,28 +637,11 @@ class Builder {
     return Arg::of_list(std::move(l));
   }
 
-  // `v` (c copies of `like`'s value as whole chunks of dim 0) with its copies placed as `to` says:
-  // reshape [c, n0, ..., n_b / in, in, ...], move c before `in`, reshape [n0, ..., c * n_b, ...].
+  // `v` (c copies of `like`'s value as whole chunks of dim 0) with its copies placed as `to` says.
   Node* to_layout(Node* v, const Node& like, Layout to, int64_t c) {
-    const std::vector<int64_t>& n = first_tensor(like.type())->sizes;
     if (to == whole_chunks(like.type(), 0)) return v;
-    const bool outer = n[to.b] != to.in;
-    std::vector<int64_t> split{c};
-    split.insert(split.end(), n.begin(), n.begin() + to.b);
-    if (outer) split.push_back(n[to.b] / to.in);
-    split.push_back(to.in);
-    split.insert(split.end(), n.begin() + to.b + 1, n.end());
-    std::vector<int64_t> perm;
-    const int64_t before = to.b + (outer ? 1 : 0);  // dims that go before the copies
-    for (int64_t d = 1; d <= before; ++d) perm.push_back(d);
-    perm.push_back(0);
-    for (int64_t d = before + 1; d < static_cast<int64_t>(split.size()); ++d) perm.push_back(d);
-    std::vector<int64_t> final_sizes = n;
-    final_sizes[to.b] *= c;
-    const std::string base = like.name() + "_dim" + std::to_string(to.b);
-    Node* a = plumb(base + "_split", "aten::reshape.default", {Arg::of_node(v), int_list(split)}, like, c, -1);
-    Node* m = plumb(base + "_moved", "aten::permute.default", {Arg::of_node(a), int_list(perm)}, like, c, -1);
-    Node* out = plumb(base, "aten::reshape.default", {Arg::of_node(m), int_list(final_sizes)}, like, c, to.b);
+    const LayoutMove mv = move_from_chunks(first_tensor(like.type())->sizes, to, c);
+    Node* out = move(v, like, mv, like.name() + "_dim" + std::to_string(to.b), c, to.b);
     nlay_[out] = to;
     return out;
   }
@@ -812,25 +650,18 @@ class Builder {
   Node* to_chunks(Node* v, const Node& like, int64_t c) {
     const Layout from = nlay_.at(v);
     if (from == whole_chunks(like.type(), 0)) return v;
-    const std::vector<int64_t>& n = first_tensor(like.type())->sizes;
-    const bool outer = n[from.b] != from.in;
-    std::vector<int64_t> split(n.begin(), n.begin() + from.b);
-    if (outer) split.push_back(n[from.b] / from.in);
-    const int64_t at = static_cast<int64_t>(split.size());
-    split.push_back(c);
-    split.push_back(from.in);
-    split.insert(split.end(), n.begin() + from.b + 1, n.end());
-    std::vector<int64_t> perm{at};
-    for (int64_t d = 0; d < static_cast<int64_t>(split.size()); ++d)
-      if (d != at) perm.push_back(d);
-    std::vector<int64_t> final_sizes = n;
-    final_sizes[0] *= c;
-    const std::string base = like.name() + "_chunks";
-    Node* a = plumb(base + "_split", "aten::reshape.default", {Arg::of_node(v), int_list(split)}, like, c, -1);
-    Node* m = plumb(base + "_moved", "aten::permute.default", {Arg::of_node(a), int_list(perm)}, like, c, -1);
-    Node* out = plumb(base, "aten::reshape.default", {Arg::of_node(m), int_list(final_sizes)}, like, c, 0);
+    const LayoutMove mv = move_to_chunks(first_tensor(like.type())->sizes, from, c);
+    Node* out = move(v, like, mv, like.name() + "_chunks", c, 0);
     nlay_[out] = whole_chunks(like.type(), 0);
     return out;
+  }
+
+  // The reshape / permute / reshape of `mv` on `v`, its calls named after `base`; the result holds its
+  // copies along dim `dim`.
+  Node* move(Node* v, const Node& like, const LayoutMove& mv, const std::string& base, int64_t c, int64_t dim) {
+    Node* a = plumb(base + "_split", "aten::reshape.default", {Arg::of_node(v), int_list(mv.split)}, like, c, -1);
+    Node* m = plumb(base + "_moved", "aten::permute.default", {Arg::of_node(a), int_list(mv.perm)}, like, c, -1);
+    return plumb(base, "aten::reshape.default", {Arg::of_node(m), int_list(mv.sizes_after)}, like, c, dim);
   }
 
   // `src`'s clean value repeated `times` times, its copies placed as `to` says.
@@ -913,7 +744,7 @@ class Builder {
     }
     if (op == "unflatten") {
       const int64_t rank = rank_of(n.args().at(0).node->type());
-      const int64_t dim = norm_dim(ints_at(n, 1, "dim", std::nullopt).value().at(0), rank);
+      const int64_t dim = norm_dim(ir::ints_arg_or(n, 1, "dim", std::nullopt).value().at(0), rank);
       TORCH_CHECK(args.size() >= 3, "batch_cone: ", w, " has no size list");
       const std::vector<int64_t>& out = first_tensor(n.type())->sizes;
       const int64_t parts = static_cast<int64_t>(out.size()) - rank + 1;
@@ -922,14 +753,14 @@ class Builder {
       args[2] = int_list(sizes);
     }
     if (op == "slice") {
-      const auto dim = ints_at(n, 1, "dim", std::vector<int64_t>{0});
+      const auto dim = ir::ints_arg_or(n, 1, "dim", std::vector<int64_t>{0});
       const int64_t rank = rank_of(n.args().at(0).node->type());
       const int64_t b_in = lay_.at(n.args().at(0).node).b;
       if (dim && dim->size() == 1 && norm_dim((*dim)[0], rank) == b_in) {
         // Only the identity slice of dim 0 keeps the sites: its end is rewritten to "all of it".
-        const auto start = ints_at(n, 2, "start", std::vector<int64_t>{0});
-        const auto end = ints_at(n, 3, "end", std::vector<int64_t>{std::numeric_limits<int64_t>::max()});
-        const auto step = ints_at(n, 4, "step", std::vector<int64_t>{1});
+        const auto start = ir::ints_arg_or(n, 2, "start", std::vector<int64_t>{0});
+        const auto end = ir::ints_arg_or(n, 3, "end", std::vector<int64_t>{std::numeric_limits<int64_t>::max()});
+        const auto step = ir::ints_arg_or(n, 4, "step", std::vector<int64_t>{1});
         const int64_t size0 = n.args().at(0).node->type().tensor.sizes.at(b_in);
         TORCH_CHECK(start && end && step && (*start)[0] == 0 && (*step)[0] == 1 && (*end)[0] >= size0,
                     "batch_cone: ", w, " slices dim ", b_in, ", where the stacked sites are, which mixes them");

@@ -38,6 +38,7 @@
 // reshape), as are tiled externals (%<x>_dim<b>), and every stacked output is moved back to whole
 // chunks of dim 0 (%<r>_chunks). The choice is made from what each op does to each dim, never from
 // sizes (seq == batch changes nothing). A refusal names the node and reason for every dim tried.
+// The layout algebra (Layout, view_layouts, out_layout, the moves) is passes/batch_layout.h.
 //
 // Entries along a chain (batch_cone over several (site, k) entries): copies that enter at different
 // nodes of one path, such as one position's residual stream at several layers. Entry j's k_j copies

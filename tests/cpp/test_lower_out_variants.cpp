@@ -16,6 +16,7 @@
 
 using namespace torch_ext;
 using torch_ext::testing::error_of;
+using torch_ext::testing::out_kernel_chain;
 
 namespace {
 
@@ -193,15 +194,7 @@ TEST(ArenaExecutor, AnOutKernelThatResizesItsResultRunsTheFunctionalKernel) {
 // and later plans leave the operator to its kernel (no arena buffer that would stay unused).
 TEST(ArenaExecutor, AnOutKernelThatFallsBackIsCountedAndNotPlannedAgain) {
   for (const char* op : {"arena_sq_sum_resizing", "arena_sq_sum_repointing"}) {
-    std::string text = R"(graph:
-  %x : f32[16] = input()
-  %a : f32[16] = aten::sin.default(%x)
-  %l : f32[] = torch_ext_test::OP.default(%a)
-  %b : f32[16] = aten::mul.Tensor(%a, %l)
-  %s : f32[16] = aten::cos.default(%b)
-  return (%s)
-)";
-    text.replace(text.find("OP"), 2, op);
+    const std::string text = out_kernel_chain(op);
     auto g = ir::parse(text);
     runtime::Executor plain(*g);
     auto lowered = g->clone();

@@ -17,6 +17,8 @@
 
 using namespace torch_ext;
 using torch_ext::testing::error_of;
+using torch_ext::testing::out_kernel_chain;
+using torch_ext::testing::with_input;
 
 namespace {
 
@@ -480,10 +482,7 @@ TEST(Reactive, InplaceStepsOverwriteOnlyDyingConeIntermediates) {
   // view; %h overwrites %f (its view %v is dead by then: %g read it); %k reads %h, an output.
   EXPECT_EQ(e.inplace_steps("a"), 2);
   // The same graph with %a read from an input: a full recompute.
-  std::string full_text = text;
-  full_text.replace(full_text.find("  %a : f32[6,5] = aten::relu.default(%x)\n"),
-                    std::string("  %a : f32[6,5] = aten::relu.default(%x)\n").size(), "  %a : f32[6,5] = input()\n");
-  runtime::Executor full(*ir::parse(full_text));
+  runtime::Executor full(*ir::parse(with_input(text, "a")));
   for (int round = 0; round < 3; ++round) {
     const at::Tensor p = at::randn({6, 5});
     const at::Tensor p_copy = p.clone();
@@ -557,10 +556,7 @@ TEST(Reactive, InplaceStepNeverWritesATensorAnOpPassedThrough) {
   e.run({x});
   const at::Tensor cached_c = e.value("c").toTensor().clone();
   const at::Tensor cached_l = e.value("l").toTensor().clone();
-  std::string full_text = text;
-  const std::string a_line = "  %a : f32[6,5] = aten::sin.default(%x)\n";
-  full_text.replace(full_text.find(a_line), a_line.size(), "  %a : f32[6,5] = input()\n");
-  runtime::Executor full(*ir::parse(full_text));
+  runtime::Executor full(*ir::parse(with_input(text, "a")));
   // Planned in place: %m, %z and %g (after pass_through, so checked at run time: %k is the patch
   // value, %j the cached %l, %f is %e's tensor, which only the cone holds) and %h; not %r, %s (their
   // inputs come from composite ops).
@@ -599,10 +595,7 @@ TEST(Reactive, InplaceStepNeedsItsInputInOneArgument) {
   reactive::Engine e(*g);
   e.run({at::tensor({-1, 0, -2, -4, -3}, at::kLong)});
   const at::Tensor p = at::tensor({2, 0, 1, 4, 3}, at::kLong);  // a permutation: %b is p
-  std::string full_text = text;
-  const std::string a_line = "  %a : i64[5] = aten::neg.default(%x)\n";
-  full_text.replace(full_text.find(a_line), a_line.size(), "  %a : i64[5] = input()\n");
-  const auto ref = runtime::Executor(*ir::parse(full_text)).run({at::zeros({5}, at::kLong), p});
+  const auto ref = runtime::Executor(*ir::parse(with_input(text, "a"))).run({at::zeros({5}, at::kLong), p});
   EXPECT_EQ(e.inplace_steps("a"), 1);  // %d overwrites %c; %c allocates
   const auto out = e.evaluate_patched("a", p);
   EXPECT_TRUE(at::equal(out[0].toTensor(), ref[0].toTensor()));
@@ -630,10 +623,7 @@ TEST(Reactive, ScratchKeepsAPassedThroughBufferAliveWhileItsReaderIs) {
   auto g = ir::parse(text);
   reactive::Engine e(*g);
   e.run({at::randn({8})});
-  std::string full_text = text;
-  const std::string a_line = "  %a : f32[8] = aten::sin.default(%x)\n";
-  full_text.replace(full_text.find(a_line), a_line.size(), "  %a : f32[8] = input()\n");
-  runtime::Executor full(*ir::parse(full_text));
+  runtime::Executor full(*ir::parse(with_input(text, "a")));
   std::vector<c10::IValue> first;
   std::vector<at::Tensor> first_copy;
   for (int round = 0; round < 3; ++round) {
@@ -658,7 +648,7 @@ TEST(Reactive, ScratchKeepsAPassedThroughBufferAliveWhileItsReaderIs) {
 // against a full Executor run; a view that reaches an output keeps its own storage, so outputs
 // handed out survive the next call; and each patched node's plan is built once and reused.
 TEST(Reactive, ScratchFastPathIsExactAndPlannedOnce) {
-  auto g = ir::parse(R"(graph:
+  const char* text = R"(graph:
   %x : f32[8,8] = input()
   %w : f32[8,8] = input()
   %b : f32[8] = input()
@@ -672,32 +662,19 @@ TEST(Reactive, ScratchFastPathIsExactAndPlannedOnce) {
   %e : f32[8,8] = aten::exp.default(%s)
   %t : f32[8,8]{1,8} = aten::t.default(%e)
   return (%c, %t)
-)");
+)";
+  auto g = ir::parse(text);
   const at::Tensor x = at::randn({8, 8});
   const at::Tensor w = at::randn({8, 8});
   const at::Tensor bias = at::randn({8});
   reactive::Engine e(*g);
   e.run({x, w, bias});
-  // The same graph with %a read from an input: a full recompute of the patched graph.
-  auto full_g = ir::parse(R"(graph:
-  %a : f32[8,8] = input()
-  %w : f32[8,8] = input()
-  %b : f32[8] = input()
-  %l : f32[8,8] = aten::linear.default(%a, %w, %b)
-  %g : f32[8,8] = aten::gelu.default(%l)
-  %s : f32[8,8] = aten::sin.default(%g)
-  %m : f32[8,8] = aten::mul.Tensor(%s, %g)
-  %v : f32[64] = aten::view.default(%m, [64])
-  %c : f32[64] = aten::cos.default(%v)
-  %e : f32[8,8] = aten::exp.default(%s)
-  %t : f32[8,8]{1,8} = aten::t.default(%e)
-  return (%c, %t)
-)");
-  runtime::Executor full(*full_g);
+  // The same graph with %a read from an input (after %x, %w, %b): a full recompute of the patched graph.
+  runtime::Executor full(*ir::parse(with_input(text, "a")));
   const at::Tensor p1 = at::randn({8, 8});
   const at::Tensor p2 = at::randn({8, 8});
-  const auto ref1 = full.run({p1, w, bias});
-  const auto ref2 = full.run({p2, w, bias});
+  const auto ref1 = full.run({x, w, bias, p1});
+  const auto ref2 = full.run({x, w, bias, p2});
   const auto out1 = e.evaluate_patched("a", p1);
   EXPECT_EQ(e.plans_built(), 1);
   EXPECT_GT(e.scratch_bytes(), 0);  // l, g, s, m (through the view, freed after %c), e
@@ -892,22 +869,11 @@ TEST(Reactive, AnInputWrittenInPlaceIsAnEditOfThatInput) {
 // later plans leave the operator to its kernel. The ops are tests/cpp/test_out_kernel_ops.cpp's.
 TEST(Reactive, ScratchOutKernelThatResizesOrRepointsItsResultFallsBack) {
   for (const char* op : {"scratch_sq_sum_resizing", "scratch_sq_sum_repointing"}) {
-    std::string text = R"(graph:
-  %x : f32[16] = input()
-  %a : f32[16] = aten::sin.default(%x)
-  %l : f32[] = torch_ext_test::OP.default(%a)
-  %b : f32[16] = aten::mul.Tensor(%a, %l)
-  %s : f32[16] = aten::cos.default(%b)
-  return (%s)
-)";
-    text.replace(text.find("OP"), 2, op);
+    const std::string text = out_kernel_chain(op);
     auto g = ir::parse(text);
     reactive::Engine e(*g);
     e.run({at::randn({16})});
-    std::string full_text = text;
-    const std::string a_line = "  %a : f32[16] = aten::sin.default(%x)\n";
-    full_text.replace(full_text.find(a_line), a_line.size(), "  %a : f32[16] = input()\n");
-    runtime::Executor full(*ir::parse(full_text));
+    runtime::Executor full(*ir::parse(with_input(text, "a")));
     for (int round = 0; round < 3; ++round) {
       const at::Tensor p = at::randn({16});
       const auto out = e.evaluate_patched("a", p);

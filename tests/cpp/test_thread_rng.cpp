@@ -13,6 +13,7 @@
 
 #include <functional>
 #include <tuple>
+#include <vector>
 
 using namespace torch_ext;
 using torch_ext::testing::error_of;
@@ -46,6 +47,40 @@ at::Tensor eager_from(const at::Tensor& state, const std::function<void()>& draw
   return after;
 }
 
+// thread_rng on `text` finds nothing to thread: it returns no state and leaves the graph as parsed.
+void expect_left_alone(const std::string& text) {
+  auto g = ir::parse(text);
+  EXPECT_EQ(passes::thread_rng(*g), nullptr);
+  EXPECT_EQ(ir::print(*g), text);
+}
+
+// thread_rng on `text` refuses with a message holding `msg`, and leaves the graph as parsed.
+void expect_refused(const std::string& text, const std::string& msg) {
+  auto g = ir::parse(text);
+  const std::string got = error_of([&] { passes::thread_rng(*g); });
+  EXPECT_NE(got.find(msg), std::string::npos) << got;
+  EXPECT_EQ(ir::print(*g), text);
+}
+
+// Each of `lines` stands in `printed` (a threaded graph's text).
+void expect_has(const std::string& printed, const std::vector<std::string>& lines) {
+  for (const std::string& line : lines) EXPECT_NE(printed.find(line), std::string::npos) << line << "\n" << printed;
+}
+
+// `text` with its draws threaded through one state by thread_rng, checked by the verifier when threaded.
+struct Threaded {
+  std::unique_ptr<ir::Graph> graph;
+  ir::Node* state = nullptr;  // the state the last draw leaves; null: nothing was threaded
+  std::string printed;        // the threaded graph's text
+};
+Threaded threaded(const std::string& text) {
+  Threaded t{ir::parse(text)};
+  t.state = passes::thread_rng(*t.graph);
+  if (t.state != nullptr) ir::verify(*t.graph);
+  t.printed = ir::print(*t.graph);
+  return t;
+}
+
 // Appends the threaded state to the graph's outputs, so a run returns the state its draws left.
 void return_final_state(ir::Graph& g, ir::Node* state) {
   std::vector<ir::Arg> outs = g.output()->args()[0].list;
@@ -56,22 +91,15 @@ void return_final_state(ir::Graph& g, ir::Node* state) {
 }  // namespace
 
 TEST(ThreadRng, ChainsTheStateThroughEveryDropoutInOrder) {
-  auto g = ir::parse(kTwoDropouts);
-  ir::Node* state = passes::thread_rng(*g);
-  ASSERT_NE(state, nullptr);
-  ir::verify(*g);
-  const std::string text = ir::print(*g);
-  EXPECT_NE(text.find("%rng_state : u8[5056] = buffer(\"rng\")"), std::string::npos) << text;
-  EXPECT_NE(text.find("%d_rng : (f32[64], b8[64], u8[5056]) = torch_ext::native_dropout_rng.default(%x, 0.5, True, "
-                      "%rng_state)"),
-            std::string::npos)
-      << text;
-  EXPECT_NE(text.find("%d2_rng : (f32[64], b8[64], u8[5056]) = torch_ext::native_dropout_rng.default(%o, 0.25, True, "
-                      "%d_rng_state)"),
-            std::string::npos)
-      << text;
-  EXPECT_EQ(text.find("aten::native_dropout.default"), std::string::npos) << text;
-  EXPECT_EQ(state->name(), "d2_rng_state");
+  const Threaded th = threaded(kTwoDropouts);
+  ASSERT_NE(th.state, nullptr);
+  expect_has(th.printed, {"%rng_state : u8[5056] = buffer(\"rng\")",
+                    "%d_rng : (f32[64], b8[64], u8[5056]) = torch_ext::native_dropout_rng.default(%x, 0.5, True, "
+                    "%rng_state)",
+                    "%d2_rng : (f32[64], b8[64], u8[5056]) = torch_ext::native_dropout_rng.default(%o, 0.25, True, "
+                    "%d_rng_state)"});
+  EXPECT_EQ(th.printed.find("aten::native_dropout.default"), std::string::npos) << th.printed;
+  EXPECT_EQ(th.state->name(), "d2_rng_state");
 }
 
 TEST(ThreadRng, SameStateSameDrawsAndEagerOrder) {
@@ -104,9 +132,7 @@ TEST(ThreadRng, NoRandomOpsLeavesTheGraphAlone) {
   %y : f32[4] = aten::relu.default(%x)
   return (%y)
 )";
-  auto g = ir::parse(text);
-  EXPECT_EQ(passes::thread_rng(*g), nullptr);
-  EXPECT_EQ(ir::print(*g), text);
+  expect_left_alone(text);
 }
 
 TEST(ThreadRng, OtherRandomOpsAreRefusedAndTheGraphIsUnchanged) {
@@ -117,11 +143,7 @@ TEST(ThreadRng, OtherRandomOpsAreRefusedAndTheGraphIsUnchanged) {
   %n : f32[4] = aten::bernoulli.default(%o)
   return (%n)
 )";
-  auto g = ir::parse(text);
-  EXPECT_NE(error_of([&] { passes::thread_rng(*g); })
-                .find("node %n (aten::bernoulli.default) draws from the global random generator"),
-            std::string::npos);
-  EXPECT_EQ(ir::print(*g), text);
+  expect_refused(text, "node %n (aten::bernoulli.default) draws from the global random generator");
 }
 
 // An RReLU in eval mode (training=False) applies the mean slope and draws nothing: left alone. In training
@@ -134,15 +156,9 @@ TEST(ThreadRng, RreluDrawsOnlyInTrainingMode) {
   %o : f32[4] = getitem(%r, 0)
   return (%o)
 )";
-  auto g = ir::parse(eval);
-  EXPECT_EQ(passes::thread_rng(*g), nullptr);
-  EXPECT_EQ(ir::print(*g), eval);
+  expect_left_alone(eval);
   const std::string train = std::string(eval).replace(std::string(eval).find("False"), 5, "True");
-  auto t = ir::parse(train);
-  EXPECT_NE(error_of([&] { passes::thread_rng(*t); })
-                .find("node %r (aten::rrelu_with_noise_functional.default) draws from the global random generator"),
-            std::string::npos);
-  EXPECT_EQ(ir::print(*t), train);
+  expect_refused(train, "node %r (aten::rrelu_with_noise_functional.default) draws from the global random generator");
 }
 
 // A VAE's reparameterisation: noise like a tensor. randn_like / rand_like draw from the threaded state
@@ -157,20 +173,13 @@ TEST(ThreadRng, NoiseLikeATensorDrawsFromTheStateAsEagerDoes) {
   %u : f32[4,6] = aten::rand_like.default(%x)
   return (%o, %n, %u)
 )";
-  auto g = ir::parse(text);
-  ir::Node* state = passes::thread_rng(*g);
-  ASSERT_NE(state, nullptr);
-  ir::verify(*g);
-  const std::string printed = ir::print(*g);
-  EXPECT_NE(printed.find("%n_rng : (f32[6,4]{1,6}, u8[5056]) = torch_ext::randn_like_rng.default(%t, %d_rng_state)"),
-            std::string::npos)
-      << printed;
-  EXPECT_NE(printed.find("%u_rng : (f32[4,6], u8[5056]) = torch_ext::rand_like_rng.default(%x, %n_rng_state)"),
-            std::string::npos)
-      << printed;
-  EXPECT_EQ(state->name(), "u_rng_state");
-  return_final_state(*g, state);
-  runtime::Executor ex(*g);
+  const Threaded th = threaded(text);
+  ASSERT_NE(th.state, nullptr);
+  expect_has(th.printed, {"%n_rng : (f32[6,4]{1,6}, u8[5056]) = torch_ext::randn_like_rng.default(%t, %d_rng_state)",
+                       "%u_rng : (f32[4,6], u8[5056]) = torch_ext::rand_like_rng.default(%x, %n_rng_state)"});
+  EXPECT_EQ(th.state->name(), "u_rng_state");
+  return_final_state(*th.graph, th.state);
+  runtime::Executor ex(*th.graph);
   const at::Tensor x = at::randn({4, 6});
   const at::Tensor s0 = seeded_state(5);
   auto a = ex.run({x, s0});
@@ -193,9 +202,7 @@ TEST(ThreadRng, NoiseOfAnotherDtypeIsRefused) {
   %n : f64[4] = aten::randn_like.default(%x, dtype=torch.float64)
   return (%n)
 )";
-  auto g = ir::parse(text);
-  EXPECT_NE(error_of([&] { passes::thread_rng(*g); }).find("draws noise only like its input"), std::string::npos);
-  EXPECT_EQ(ir::print(*g), text);
+  expect_refused(text, "draws noise only like its input");
 }
 
 // Random factories (a diffusion step's timesteps and noise) and bernoulli(x, p) (in-place dropout,
@@ -208,23 +215,14 @@ TEST(ThreadRng, FactoriesAndBernoulliDrawFromTheStateAsEagerDoes) {
   %k : f32[4,3] = aten::bernoulli.p(%x, 0.25)
   return (%t, %n, %k)
 )";
-  auto g = ir::parse(text);
-  ir::Node* state = passes::thread_rng(*g);
-  ASSERT_NE(state, nullptr);
-  ir::verify(*g);
-  const std::string printed = ir::print(*g);
-  EXPECT_NE(printed.find("%t_rng : (i64[4], u8[5056]) = torch_ext::randint_rng.default(2, 9, [4], torch.int64, %rng_state)"),
-            std::string::npos)
-      << printed;
-  EXPECT_NE(printed.find("%n_rng : (f32[4,3], u8[5056]) = torch_ext::randn_rng.default([4, 3], torch.float32, "
-                         "%t_rng_state)"),
-            std::string::npos)
-      << printed;
-  EXPECT_NE(printed.find("%k_rng : (f32[4,3], u8[5056]) = torch_ext::bernoulli_p_rng.default(%x, 0.25, %n_rng_state)"),
-            std::string::npos)
-      << printed;
-  return_final_state(*g, state);
-  runtime::Executor ex(*g);
+  const Threaded th = threaded(text);
+  ASSERT_NE(th.state, nullptr);
+  expect_has(th.printed, {"%t_rng : (i64[4], u8[5056]) = torch_ext::randint_rng.default(2, 9, [4], torch.int64, %rng_state)",
+                       "%n_rng : (f32[4,3], u8[5056]) = torch_ext::randn_rng.default([4, 3], torch.float32, "
+                       "%t_rng_state)",
+                       "%k_rng : (f32[4,3], u8[5056]) = torch_ext::bernoulli_p_rng.default(%x, 0.25, %n_rng_state)"});
+  return_final_state(*th.graph, th.state);
+  runtime::Executor ex(*th.graph);
   const at::Tensor x = at::rand({4, 3});
   const at::Tensor s0 = seeded_state(8);
   auto a = ex.run({x, s0});
