@@ -124,7 +124,8 @@ const Node* overwritten_input(const Node& node, const InplaceVariant& variant) {
 std::optional<Overwrite> find_overwrite(const Node& node) {
   if (node.kind() != NodeKind::Call || node.target().is_builtin()) return std::nullopt;
   static std::mutex mutex;
-  static std::unordered_map<std::string, std::optional<InplaceVariant>> cache;  // find_inplace_variant scans every operator
+  // find_inplace_variant scans every registered operator: once per target and process.
+  static std::unordered_map<std::string, std::optional<InplaceVariant>> cache;
   std::optional<InplaceVariant> variant;
   {
     const std::string key = node.target().str();

@@ -42,15 +42,15 @@
 // A node left out of the scratch (no out= kernel of its own: aten::relu) whose one tensor input is a
 // cone intermediate that its own kernel allocated, that no value may alias, that is no output, that
 // nothing reads after this node and that the node reads through one argument only, may run its
-// in-place variant (ir::find_inplace_variant) on that input instead of allocating: the input dies
-// there, so its memory is the node's (the same rule, ir::find_overwrite). The plan is not enough on its own: an op whose schema
+// in-place variant on that input instead of allocating (the same rule, ir::find_overwrite): the input
+// dies there, so its memory is the node's. The plan is not enough on its own: an op whose schema
 // declares a fresh result may hand back its input's tensor (aten::dropout with train=False,
 // aten::type_as with the dtype it has), which can be the site's value (the caller's tensor) or a
 // cached value from outside the cone. So the step runs in place only when, at that moment, its
 // input slot holds the one reference to a dense tensor and to its storage (runtime::sole_owner):
-// nobody else can read what it overwrites. Otherwise the functional kernel runs. The in-place
+// nobody else can read what it overwrites. Otherwise the functional kernel runs. A pointwise in-place
 // variant applies the same function to the same elements, so the bits are those of the functional
-// kernel (tests/cpp/test_reactive.cpp).
+// kernel (tests/cpp/test_reactive.cpp, Reactive.PointwiseInplaceVariantsGiveTheFunctionalBits).
 #include "reactive/engine.h"
 
 #include "ir/memory_plan.h"
@@ -333,8 +333,10 @@ void Engine::bind_scratch(PatchPlan& plan) {
     views.push_back(at::from_blob(base + s.offset, m.sizes, m.strides,
                                   at::TensorOptions().dtype(m.dtype).device(m.device)));
     const auto slot_of = [this](const ir::Node* x) { return ids_.at(x); };
-    kernels.push_back(s.overwrites >= 0 ? runtime::BoundKernel::bind_as(node, s.op, slot_of, {})
-                                        : runtime::BoundKernel::bind_as(node, s.op, slot_of, {{s.arg, c10::IValue(views.back())}}));
+    if (s.overwrites >= 0)  // the in-place variant takes the node's own arguments: no out= view
+      kernels.push_back(runtime::BoundKernel::bind_as(node, s.op, slot_of, {}));
+    else
+      kernels.push_back(runtime::BoundKernel::bind_as(node, s.op, slot_of, {{s.arg, c10::IValue(views.back())}}));
   }
   plan.scratch_kernels = std::move(kernels);  // the new buffer: the old kernels' addresses are gone
   plan.scratch_views = std::move(views);

@@ -659,7 +659,8 @@ TEST(Reactive, InplaceStepOnADyingScratchInputTakesItsBuffer) {
   }
   for (size_t k = 0; k < held.size(); ++k) EXPECT_TRUE(at::equal(held[k], held_copies[k])) << k;
   const char* names[] = {"b", "c", "d", "e", "f", "g", "h"};
-  for (size_t k = 0; k < cached.size(); ++k) EXPECT_TRUE(at::equal(e.value(names[k]).toTensor(), cached[k])) << names[k];
+  for (size_t k = 0; k < cached.size(); ++k)
+    EXPECT_TRUE(at::equal(e.value(names[k]).toTensor(), cached[k])) << names[k];
   // Buffers: %b [b, f]; %c's, taken over by %d [c, e]; %f's, taken over by %h [f, k]: two at once
   // (%b with %c, %b with %f). Out of place, %b, %c and %d were live at once.
   EXPECT_EQ(e.scratch_bytes(), 2 * ir::align_up(33 * 65 * 4));
