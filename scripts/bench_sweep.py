@@ -44,16 +44,20 @@ from torch_ext.ir import Graph
 
 from _bench_util import FAILURES, MISSED, check, eager_hook_sweep, header, resid_pre_cache, summary, target
 
+_CLOCK = time.perf_counter  # --clock thread: this thread's CPU time, for a loaded machine
+
+
 def interleaved(fns: dict, repeats: int) -> dict:
-    """Median wall time of each callable, the callables interleaved within every repeat."""
+    """Median time of each callable (wall, or thread CPU time with --clock thread), the callables
+    interleaved within every repeat."""
     for fn in fns.values():
         fn()  # warm-up
     times = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = _CLOCK()
             fn()
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(_CLOCK() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -776,7 +780,13 @@ def main() -> int:
     ap.add_argument("--positions", action="store_true", help="run only part 4 (token-granular cones)")
     ap.add_argument("--positions-cases", nargs="+", metavar="VxB",
                     help="with --positions: only these vocab x batch cases (e.g. 500x1 4096x1), and no head sweep")
+    ap.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                    help="what interleaved() times: wall clock, or this thread's CPU time (a loaded machine; "
+                         "the runs are single-threaded)")
     args = ap.parse_args()
+    if args.clock == "thread":
+        global _CLOCK
+        _CLOCK = time.thread_time
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     if args.positions:

@@ -2,6 +2,7 @@
 
 #include "ir/schema.h"
 
+#include <ATen/core/enum_tag.h>
 #include <c10/core/DispatchKey.h>
 #include <c10/core/TensorOptions.h>
 
@@ -118,6 +119,27 @@ const Node* overwritten_input(const Node& node, const InplaceVariant& variant) {
       out.numel() == 0)
     return nullptr;
   return input;
+}
+
+std::optional<Overwrite> find_overwrite(const Node& node) {
+  if (node.kind() != NodeKind::Call || node.target().is_builtin()) return std::nullopt;
+  static std::mutex mutex;
+  // find_inplace_variant scans every registered operator: once per target and process.
+  static std::unordered_map<std::string, std::optional<InplaceVariant>> cache;
+  std::optional<InplaceVariant> variant;
+  {
+    const std::string key = node.target().str();
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = cache.find(key);
+    if (it == cache.end()) it = cache.emplace(key, find_inplace_variant(node)).first;
+    variant = it->second;
+  }
+  if (!variant) return std::nullopt;
+  const auto functional = find_op(node.target());
+  if (!functional || !functional->hasTag(at::Tag::pointwise) || functional->schema().is_mutable()) return std::nullopt;
+  const Node* input = overwritten_input(node, *variant);
+  if (input == nullptr || input->kind() != NodeKind::Call) return std::nullopt;
+  return Overwrite{input, variant->op};
 }
 
 void mark_out_kernel_unusable(const c10::OperatorName& out) {

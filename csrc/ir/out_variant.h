@@ -54,4 +54,19 @@ std::optional<InplaceVariant> find_inplace_variant(const Node& node);
 // nullptr otherwise. Whether the input is dead there and unaliased is the runtime's to decide.
 const Node* overwritten_input(const Node& node, const InplaceVariant& variant);
 
+// A step that may run in place: `node` computed by its in-place variant `op`, which overwrites `input`.
+struct Overwrite {
+  const Node* input;
+  c10::OperatorHandle op;
+};
+
+// The runtimes' one rule for which node may overwrite which input (runtime::Executor, and the reactive
+// sweep's cone, reactive/scratch.cpp): a pointwise functional op (tagged pointwise, not mutable) with an
+// in-place variant (find_inplace_variant, looked up once per target and process) and an overwritten_input
+// computed by a call node (never a caller's tensor). A pointwise in-place variant runs the same elementwise
+// kernel on the same operands, so the bits are the functional kernel's. Whether the input dies at `node`,
+// is no output and is referenced by nothing else is each runtime's to decide (the executor checks it at
+// run time with runtime::sole_owner; the sweep's scratch by its planned lifetimes).
+std::optional<Overwrite> find_overwrite(const Node& node);
+
 }  // namespace torch_ext::ir

@@ -221,9 +221,10 @@ class Engine {
   int64_t plans_built() const { return plans_built_; }
   // Bytes of scratch memory the fast path holds for cone intermediates (scratch.cpp). Off, every
   // intermediate is allocated by its kernel and freed at its last use, and the memory is given back.
-  // On, a cone node with no out= kernel whose one input is a cone intermediate that dies there (and
-  // that nothing else can alias) runs its in-place variant on that input instead of allocating, when
-  // at run time nothing else references that input's tensor or storage. The row path then writes
+  // On, a pointwise cone node whose one input is a cone intermediate that dies there (and that nothing
+  // else can alias) runs its in-place variant on that input (ir::find_overwrite, the executor's rule):
+  // in that input's scratch buffer, or, for an input its kernel allocated, when at run time nothing
+  // else references that input's tensor or storage. The row path then writes
   // linear, gelu, add and its contiguous copies into pooled storages (row_buffers.h).
   int64_t inplace_steps(const std::string& node);  // how many steps of node's plan run in place
   int64_t scratch_bytes() const { return scratch_.defined() ? scratch_.numel() : 0; }
@@ -413,6 +414,9 @@ class Engine {
     std::string arg;         // its out argument
     int64_t offset = 0;      // bytes into the scratch tensor
     bool fell_back = false;  // its out= kernel changed its planned result: the functional kernel runs
+    // >= 0: `op` is the node's in-place variant, run on its one input, the value of plan.scratch[overwrites]
+    // (which dies at this step), in that value's buffer (offset is that buffer's).
+    int32_t overwrites = -1;
   };
   struct PatchPlan {
     std::vector<int64_t> order;         // the cone's countable nodes, topological order
@@ -464,7 +468,6 @@ class Engine {
   uint64_t scratch_generation_ = 0;
   // Out= overloads by target and result type: the dispatcher scan runs once per kind of node.
   std::unordered_map<std::string, std::optional<ir::OutVariant>> out_variants_;
-  std::unordered_map<std::string, std::optional<ir::InplaceVariant>> inplace_variants_;  // by target
   // Evaluating a patched cone in place (evaluate_patched, evaluate_patched_rows): checks the values
   // the cone reads from outside it (I8), holds the cone's cached values and the site's aside, puts
   // `value` at the site, and puts everything back when it goes out of scope, on success or error.

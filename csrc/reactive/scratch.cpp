@@ -30,18 +30,27 @@
 // ever points into the scratch. The copy has the same bits. A composite op with another result type
 // (a tuple of tensors) is still planned as an alias of its inputs.
 //
+// A pointwise node whose one input is a scratch value that dies at it (nothing reads that value, or
+// any value that may alias it, afterwards) and whose own value may live in the scratch runs its
+// in-place variant on that input's buffer instead of its out= overload into a buffer of its own: the
+// executor's rule (ir::find_overwrite, the same in-place kernels the executor runs), and one buffer
+// fewer live at that step. The buffer then lives until the last read of the node's value, and a chain
+// of such nodes (sin(sin(sin(x)))) runs in one buffer, as in the executor. It runs in place only while
+// the input is still in its planned buffer (an out= step that fell back to its functional kernel left
+// it elsewhere: the node then runs its functional kernel too).
+//
 // A node left out of the scratch (no out= kernel of its own: aten::relu) whose one tensor input is a
 // cone intermediate that its own kernel allocated, that no value may alias, that is no output, that
 // nothing reads after this node and that the node reads through one argument only, may run its
-// in-place variant (ir::find_inplace_variant) on that input instead of allocating: the input dies
-// there, so its memory is the node's. The plan is not enough on its own: an op whose schema
+// in-place variant on that input instead of allocating (the same rule, ir::find_overwrite): the input
+// dies there, so its memory is the node's. The plan is not enough on its own: an op whose schema
 // declares a fresh result may hand back its input's tensor (aten::dropout with train=False,
 // aten::type_as with the dtype it has), which can be the site's value (the caller's tensor) or a
 // cached value from outside the cone. So the step runs in place only when, at that moment, its
 // input slot holds the one reference to a dense tensor and to its storage (runtime::sole_owner):
-// nobody else can read what it overwrites. Otherwise the functional kernel runs. The in-place
+// nobody else can read what it overwrites. Otherwise the functional kernel runs. A pointwise in-place
 // variant applies the same function to the same elements, so the bits are those of the functional
-// kernel (tests/cpp/test_reactive.cpp).
+// kernel (tests/cpp/test_reactive.cpp, Reactive.PointwiseInplaceVariantsGiveTheFunctionalBits).
 #include "reactive/engine.h"
 
 #include "ir/memory_plan.h"
@@ -115,9 +124,12 @@ void Engine::plan_scratch(PatchPlan& plan) {
     escapes[i] = esc;
   }
   std::vector<ir::BufferLife> lives;
+  std::vector<size_t> life_of;             // per scratch entry: the buffer it writes (its index in lives)
+  std::vector<int32_t> entry_of(n, -1);    // per position: its scratch entry, -1
   std::optional<c10::Device> device;
   for (size_t i = 0; i < n; ++i) {
-    const ir::Node& node = *states_[plan.order[i]].node;
+    const NodeState& st = states_[plan.order[i]];
+    const ir::Node& node = *st.node;
     if (escapes[i] || node.type().kind != ir::Type::Kind::Tensor || node.target().is_builtin() ||
         ir::is_higher_order(node.target()))
       continue;
@@ -126,12 +138,30 @@ void Engine::plan_scratch(PatchPlan& plan) {
         std::any_of(m.strides.begin(), m.strides.end(), [](int64_t s) { return s < 0; }))
       continue;
     if (device.has_value() && *device != m.device) continue;
+    // In place on a dying scratch input (the executor's rule, ir::find_overwrite): the node's one input is
+    // a scratch value that nothing reads after this step (through any alias), so the node's value takes
+    // over that buffer, which then lives as long as this value (and its aliases) may be read.
+    if (!may_alias_input(node) && st.kernel->input_slots().size() == 1) {
+      const auto w = ir::find_overwrite(node);
+      const auto p = w ? pos.find(ids_.at(w->input)) : pos.end();
+      if (p != pos.end() && p->second < i && entry_of[p->second] >= 0 && end[p->second] == static_cast<int64_t>(i) &&
+          st.kernel->input_slots()[0] == plan.order[p->second]) {
+        const int32_t k = entry_of[p->second];
+        entry_of[i] = static_cast<int32_t>(plan.scratch.size());
+        plan.scratch.push_back({i, w->op, "", 0, false, k});
+        life_of.push_back(life_of[k]);
+        lives[life_of[k]].last = std::max(lives[life_of[k]].last, end[i]);
+        continue;
+      }
+    }
     const std::string key = node.target().str() + "|" + c10::toString(m.dtype) + "|" + m.device.str();
     auto it = out_variants_.find(key);
     if (it == out_variants_.end()) it = out_variants_.emplace(key, ir::find_out_variant(node)).first;
     if (!it->second.has_value() || it->second->out_args.size() != 1) continue;
     device = m.device;
+    entry_of[i] = static_cast<int32_t>(plan.scratch.size());
     plan.scratch.push_back({i, it->second->op, it->second->out_args[0], 0});
+    life_of.push_back(lives.size());
     lives.push_back({ir::align_up(m.nbytes()), static_cast<int64_t>(i), end[i]});
   }
   plan_inplace(plan, end, escapes);
@@ -151,7 +181,7 @@ void Engine::plan_scratch(PatchPlan& plan) {
     }
   const ir::ArenaPlan arena = passes::plan_best(lives);
   ir::verify_plan(lives, arena);  // no two buffers live at once share a byte
-  for (size_t b = 0; b < lives.size(); ++b) plan.scratch[b].offset = arena.offsets[b];
+  for (size_t k = 0; k < plan.scratch.size(); ++k) plan.scratch[k].offset = arena.offsets[life_of[k]];
   plan.scratch_bytes = std::max<int64_t>(arena.arena_bytes, 1);
 }
 
@@ -178,14 +208,12 @@ void Engine::plan_inplace(PatchPlan& plan, const std::vector<int64_t>& end, cons
     if (in_scratch[j] || escapes[j] || end[j] != static_cast<int64_t>(i) || input.target().is_builtin() ||
         ir::is_higher_order(input.target()) || may_alias_input(input))
       continue;
-    const auto key = "inplace|" + node.target().str();
-    auto it = inplace_variants_.find(key);
-    if (it == inplace_variants_.end()) it = inplace_variants_.emplace(key, ir::find_inplace_variant(node)).first;
-    if (!it->second.has_value() || ir::overwritten_input(node, *it->second) != &input) continue;
+    const auto w = ir::find_overwrite(node);  // the executor's rule
+    if (!w || w->input != &input) continue;
     plan.inplace_steps.push_back(i);
     plan.inplace_inputs.push_back(inputs[0]);
     plan.inplace_kernels.push_back(runtime::BoundKernel::bind_as(
-        node, it->second->op, [this](const ir::Node* x) { return ids_.at(x); }, {}));
+        node, w->op, [this](const ir::Node* x) { return ids_.at(x); }, {}));
   }
 }
 
@@ -210,6 +238,21 @@ c10::IValue Engine::run_scratch_step(PatchPlan& plan, size_t i) {
            t.sizes() == c10::IntArrayRef(m.sizes) && t.strides() == c10::IntArrayRef(m.strides);
   };
   c10::IValue v;
+  if (s.overwrites >= 0) {
+    // In place on the input's buffer, when the input is still there (its own step may have fallen back
+    // to its functional kernel: then this one runs its functional kernel too, into fresh memory).
+    const c10::IValue& input = values_[plan.order[plan.scratch[s.overwrites].step]];
+    const bool there = input.isTensor() && in_place(input.toTensor());
+    try {
+      v = there ? plan.scratch_kernels[plan.scratch_of[i]].invoke(values_, stack_) : st.kernel->invoke(values_, stack_);
+    } catch (const std::exception& e) {
+      count_plan(plan, i);  // the nodes before it did run
+      rethrow_evaluating(st, e);
+    }
+    TORCH_INTERNAL_ASSERT(!there || (v.isTensor() && in_place(v.toTensor())), "in-place step %", st.node->name(),
+                          " did not return the tensor it overwrote");
+    return v;
+  }
   bool planned = true;
   try {
     v = plan.scratch_kernels[plan.scratch_of[i]].invoke(values_, stack_);
@@ -238,7 +281,10 @@ c10::IValue Engine::run_scratch_step(PatchPlan& plan, size_t i) {
 }
 
 int64_t Engine::inplace_steps(const std::string& node) {
-  return static_cast<int64_t>(plan_for(id_of(node)).inplace_steps.size());
+  const PatchPlan& plan = plan_for(id_of(node));
+  const auto on_scratch = std::count_if(plan.scratch.begin(), plan.scratch.end(),
+                                        [](const ScratchOut& s) { return s.overwrites >= 0; });
+  return static_cast<int64_t>(plan.inplace_steps.size()) + static_cast<int64_t>(on_scratch);
 }
 
 void Engine::set_scratch(bool enabled) {
@@ -286,8 +332,11 @@ void Engine::bind_scratch(PatchPlan& plan) {
     const ir::TensorMeta& m = node.type().tensor;
     views.push_back(at::from_blob(base + s.offset, m.sizes, m.strides,
                                   at::TensorOptions().dtype(m.dtype).device(m.device)));
-    kernels.push_back(runtime::BoundKernel::bind_as(node, s.op, [this](const ir::Node* x) { return ids_.at(x); },
-                                                    {{s.arg, c10::IValue(views.back())}}));
+    const auto slot_of = [this](const ir::Node* x) { return ids_.at(x); };
+    if (s.overwrites >= 0)  // the in-place variant takes the node's own arguments: no out= view
+      kernels.push_back(runtime::BoundKernel::bind_as(node, s.op, slot_of, {}));
+    else
+      kernels.push_back(runtime::BoundKernel::bind_as(node, s.op, slot_of, {{s.arg, c10::IValue(views.back())}}));
   }
   plan.scratch_kernels = std::move(kernels);  // the new buffer: the old kernels' addresses are gone
   plan.scratch_views = std::move(views);

@@ -8,41 +8,13 @@
 #include <ATen/ATen.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/LegacyTypeDispatch.h>
-#include <ATen/core/enum_tag.h>
 #include <c10/util/Exception.h>
 
 #include <exception>
-#include <mutex>
 #include <string>
-#include <unordered_map>
 
 namespace torch_ext::runtime {
 namespace {
-
-// ir::find_inplace_variant scans every registered operator: once per target and process.
-std::optional<ir::InplaceVariant> inplace_variant_of(const ir::Node& node) {
-  static std::mutex mutex;
-  static std::unordered_map<std::string, std::optional<ir::InplaceVariant>> cache;
-  const std::string key = node.target().str();
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = cache.find(key);
-  if (it == cache.end()) it = cache.emplace(key, ir::find_inplace_variant(node)).first;
-  return it->second;
-}
-
-// The input `node` may overwrite with its in-place variant (ir::overwritten_input), or nullptr. Only
-// pointwise ops: their in-place variant runs the same elementwise kernel on the same operands, so the
-// bits are the functional kernel's. The input must be computed by a call node (never a caller's
-// tensor); that it dies there and is no output is the constructor's check. Aliasing is checked where
-// the step runs (runtime::sole_owner): a view, a tuple element still held or anything else sharing
-// the storage sends the step to its functional kernel.
-const ir::Node* overwritable_input(const ir::Node& node, const std::optional<ir::InplaceVariant>& variant) {
-  if (!variant) return nullptr;
-  const auto functional = ir::find_op(node.target());
-  if (!functional || !functional->hasTag(at::Tag::pointwise) || functional->schema().is_mutable()) return nullptr;
-  const ir::Node* input = ir::overwritten_input(node, *variant);
-  return input != nullptr && input->kind() == ir::NodeKind::Call ? input : nullptr;
-}
 
 // Placeholders a call writes in place (a Tensor(a!) argument, the placeholder itself or a view of
 // it: a BatchNorm's num_batches_tracked.add_): the write must reach the caller's tensor, so those keep
@@ -178,10 +150,12 @@ Executor::Executor(const ir::Graph& graph) : graph_(graph.clone()) {
   for (size_t k = 0; k < steps_.size(); ++k) {
     const ir::Node& node = *nodes[steps_[k].out];
     if (node.target().is_builtin() || ir::is_higher_order(node.target())) continue;
-    const auto variant = inplace_variant_of(node);
-    const ir::Node* input = overwritable_input(node, variant);
-    if (input == nullptr || is_output[input->index()] || last_use[input->index()] != static_cast<int64_t>(k)) continue;
-    inplace.push_back({k, input, variant->op});
+    // ir::find_overwrite: pointwise ops only, so the bits are the functional kernel's. Aliasing is
+    // checked where the step runs (runtime::sole_owner): a view, a tuple element still held or anything
+    // else sharing the storage sends the step to its functional kernel.
+    const auto w = ir::find_overwrite(node);
+    if (!w || is_output[w->input->index()] || last_use[w->input->index()] != static_cast<int64_t>(k)) continue;
+    inplace.push_back({k, w->input, w->op});
   }
   inplace_kernels_.reserve(inplace.size());  // the steps point into it
   for (const auto& [k, input, op] : inplace) {

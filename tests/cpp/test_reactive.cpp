@@ -1,5 +1,6 @@
 // Reactive engine: invalidation, demand, overlay restore, graft splicing, cycle rejection,
 // and the exact counts of cost-model.md (E7) on text IR.
+#include "ir/memory_plan.h"
 #include "ir/parser.h"
 #include "ir/printer.h"
 #include "reactive/engine.h"
@@ -600,6 +601,122 @@ TEST(Reactive, InplaceStepNeedsItsInputInOneArgument) {
   const auto out = e.evaluate_patched("a", p);
   EXPECT_TRUE(at::equal(out[0].toTensor(), ref[0].toTensor()));
   e.check_invariants();
+}
+
+// A pointwise step whose one input is a scratch value that dies there runs its in-place variant on
+// that input's buffer (the executor's rule, ir::find_overwrite), instead of writing its out= overload
+// into a buffer of its own; the buffer then lives as long as the step's value. A value read later, a
+// value handed out (an output) and the site's value are never written: each keeps its own memory.
+TEST(Reactive, InplaceStepOnADyingScratchInputTakesItsBuffer) {
+  const char* text = R"(graph:
+  %x : f32[33,65] = input()
+  %a : f32[33,65] = aten::sin.default(%x)
+  %b : f32[33,65] = aten::sin.default(%a)
+  %c : f32[33,65] = aten::sin.default(%b)
+  %d : f32[33,65] = aten::cos.default(%c)
+  %e : f32[33,65] = aten::tanh.default(%d)
+  %f : f32[33,65] = aten::add.Tensor(%e, %b)
+  %g : f32[33,65] = aten::exp.default(%f)
+  %h : f32[33,65] = aten::neg.default(%g)
+  %k : f32[33,65] = aten::sigmoid.default(%h)
+  %m : f32[33,65] = aten::tanh.default(%f)
+  return (%k, %e, %m)
+)";
+  auto g = ir::parse(text);
+  const at::Tensor x = at::randn({33, 65});
+  reactive::Engine e(*g);
+  e.run({x});
+  std::vector<at::Tensor> cached;
+  for (const char* n : {"b", "c", "d", "e", "f", "g", "h"}) cached.push_back(e.value(n).toTensor().clone());
+  // Patching %a: %b reads the site (out=, never writes it); %c reads %b, which %f reads later (out=);
+  // %d overwrites %c; %e is an output (allocated by its kernel, never in the scratch); %f has two inputs
+  // (out=); %g cannot overwrite %f, which %m reads later; %h overwrites %g; %k and %m are outputs.
+  EXPECT_EQ(e.inplace_steps("a"), 2);
+  std::string full_text = text;
+  const std::string a_line = "  %a : f32[33,65] = aten::sin.default(%x)\n";
+  full_text.replace(full_text.find(a_line), a_line.size(), "  %a : f32[33,65] = input()\n");
+  runtime::Executor full(*ir::parse(full_text));
+  std::vector<at::Tensor> held;  // outputs of earlier calls: no later call may write them
+  std::vector<at::Tensor> held_copies;
+  for (int round = 0; round < 3; ++round) {
+    const at::Tensor p = at::randn({33, 65});
+    const at::Tensor p_copy = p.clone();
+    const auto ref = full.run({x, p});
+    const auto out = e.evaluate_patched("a", p);
+    for (size_t k = 0; k < 3; ++k) EXPECT_TRUE(at::equal(out[k].toTensor(), ref[k].toTensor())) << round << " " << k;
+    EXPECT_TRUE(at::equal(p, p_copy)) << round;  // the site's value: never written
+    for (size_t k = 0; k < 3; ++k) {
+      held.push_back(out[k].toTensor());
+      held_copies.push_back(out[k].toTensor().clone());
+    }
+  }
+  for (size_t k = 0; k < held.size(); ++k) EXPECT_TRUE(at::equal(held[k], held_copies[k])) << k;
+  const char* names[] = {"b", "c", "d", "e", "f", "g", "h"};
+  for (size_t k = 0; k < cached.size(); ++k)
+    EXPECT_TRUE(at::equal(e.value(names[k]).toTensor(), cached[k])) << names[k];
+  // Buffers: %b [b, f]; %c's, taken over by %d [c, e]; %f's, taken over by %h [f, k]: two at once
+  // (%b with %c, %b with %f). Out of place, %b, %c and %d were live at once.
+  EXPECT_EQ(e.scratch_bytes(), 2 * ir::align_up(33 * 65 * 4));
+  // The same bits with the scratch off (every step its functional kernel, fresh memory).
+  const at::Tensor p = at::randn({33, 65});
+  const auto on = e.evaluate_patched("a", p);
+  e.set_scratch(false);
+  const auto off = e.evaluate_patched("a", p);
+  for (size_t k = 0; k < 3; ++k) EXPECT_TRUE(at::equal(on[k].toTensor(), off[k].toTensor())) << k;
+  e.set_scratch(true);
+  e.check_invariants();
+}
+
+// Running a pointwise op in place is exact: its in-place variant gives the bits of its functional
+// kernel and of its out= overload, on every length (vectorised body and scalar tail) and dtype. The
+// executor and the sweep's scratch rely on it (ir::find_overwrite).
+TEST(Reactive, PointwiseInplaceVariantsGiveTheFunctionalBits) {
+  using Fn = std::function<at::Tensor(const at::Tensor&)>;
+  using InplaceFn = std::function<void(at::Tensor&)>;
+  using OutFn = std::function<void(at::Tensor&, const at::Tensor&)>;
+  struct Op {
+    const char* name;
+    Fn functional;
+    InplaceFn inplace;
+    OutFn out;
+  };
+  const std::vector<Op> ops = {
+      {"sin", [](const at::Tensor& t) { return at::sin(t); }, [](at::Tensor& t) { t.sin_(); },
+       [](at::Tensor& o, const at::Tensor& t) { at::sin_out(o, t); }},
+      {"cos", [](const at::Tensor& t) { return at::cos(t); }, [](at::Tensor& t) { t.cos_(); },
+       [](at::Tensor& o, const at::Tensor& t) { at::cos_out(o, t); }},
+      {"tanh", [](const at::Tensor& t) { return at::tanh(t); }, [](at::Tensor& t) { t.tanh_(); },
+       [](at::Tensor& o, const at::Tensor& t) { at::tanh_out(o, t); }},
+      {"exp", [](const at::Tensor& t) { return at::exp(t); }, [](at::Tensor& t) { t.exp_(); },
+       [](at::Tensor& o, const at::Tensor& t) { at::exp_out(o, t); }},
+      {"sigmoid", [](const at::Tensor& t) { return at::sigmoid(t); }, [](at::Tensor& t) { t.sigmoid_(); },
+       [](at::Tensor& o, const at::Tensor& t) { at::sigmoid_out(o, t); }},
+      {"neg", [](const at::Tensor& t) { return at::neg(t); }, [](at::Tensor& t) { t.neg_(); },
+       [](at::Tensor& o, const at::Tensor& t) { at::neg_out(o, t); }},
+      {"gelu", [](const at::Tensor& t) { return at::gelu(t); }, [](at::Tensor& t) { at::gelu_(t); },
+       [](at::Tensor& o, const at::Tensor& t) { at::gelu_out(o, t); }},
+      {"silu", [](const at::Tensor& t) { return at::silu(t); }, [](at::Tensor& t) { at::silu_(t); },
+       [](at::Tensor& o, const at::Tensor& t) { at::silu_out(o, t); }},
+      {"relu", [](const at::Tensor& t) { return at::relu(t); }, [](at::Tensor& t) { t.relu_(); }, nullptr},
+      {"erf", [](const at::Tensor& t) { return at::erf(t); }, [](at::Tensor& t) { t.erf_(); },
+       [](at::Tensor& o, const at::Tensor& t) { at::erf_out(o, t); }},
+  };
+  for (const at::ScalarType dtype : {at::kFloat, at::kDouble, at::kBFloat16}) {
+    const at::ScalarType bits = dtype == at::kFloat ? at::kInt : dtype == at::kDouble ? at::kLong : at::kShort;
+    for (const int64_t n : {1, 7, 31, 4096, 4099, 147456}) {
+      const at::Tensor x = (at::randn({n}) * 4).to(dtype);
+      for (const Op& op : ops) {
+        const at::Tensor ref = op.functional(x);
+        at::Tensor in_place = x.clone();
+        op.inplace(in_place);
+        EXPECT_TRUE(at::equal(in_place.view(bits), ref.view(bits))) << op.name << " " << dtype << " " << n;
+        if (!op.out) continue;
+        at::Tensor out = at::empty_like(x);
+        op.out(out, x);
+        EXPECT_TRUE(at::equal(out.view(bits), ref.view(bits))) << op.name << " " << dtype << " " << n;
+      }
+    }
+  }
 }
 
 // A composite op may hand back its input although its schema declares a fresh result
