@@ -852,6 +852,121 @@ class OwnGenerators:
                 _set_generator_state(obj, state)
 
 
+# ---- Python state a user's forward writes on its own modules while traced (a lazy first-call path, a counter)
+_OWN_MUTATORS = frozenset({"append", "extend", "add", "update", "insert", "appendleft", "discard", "remove", "pop",
+                           "clear", "setdefault"})
+
+
+@functools.lru_cache(maxsize=4096)
+def _own_write_reads(code: types.CodeType) -> frozenset:
+    """Offsets of the attribute loads of ``code`` whose value only feeds a write back to the same attribute:
+    ``self.n += 1`` (COPY, LOAD_ATTR n, ..., STORE_ATTR n) and a mutator called on it (``self.log.append(v)``)."""
+    import dis
+
+    ins = list(dis.get_instructions(code))
+    out = set()
+    for i, op in enumerate(ins):
+        if op.opname not in ("LOAD_ATTR", "LOAD_METHOD"):
+            continue
+        if i > 0 and ins[i - 1].opname == "COPY" and ins[i - 1].arg == 1:
+            depth = next((j for j in range(i + 1, min(i + 64, len(ins))) if ins[j].opname == "STORE_ATTR"), None)
+            if depth is not None and ins[depth].argval == op.argval and ins[depth - 1].opname == "SWAP":
+                out.add(op.offset)
+        elif i + 1 < len(ins) and ins[i + 1].opname == "LOAD_METHOD" and ins[i + 1].argval in _OWN_MUTATORS:
+            out.add(op.offset)
+    return frozenset(out)
+
+
+class _StateReads:
+    """Records, while installed, which attributes of the watched module instances are read (``__getattribute__``
+    of the user's module classes, ``hasattr`` and ``getattr`` included), and whether only to write them back."""
+
+    def __init__(self, classes: list, watched: set):
+        self.plain: set = set()  # (id(instance), name) read for what it holds
+        self._watched = watched
+        self._saved = []
+        origins = {}
+        for cls in classes:
+            origins[cls] = next(c.__dict__["__getattribute__"] for c in cls.__mro__ if "__getattribute__" in c.__dict__)
+        for cls, orig in origins.items():
+            self._saved.append((cls, cls.__dict__.get("__getattribute__", _MISSING)))
+            type.__setattr__(cls, "__getattribute__", self._recorder(orig))
+
+    def _recorder(self, orig):
+        import sys
+
+        plain, watched = self.plain, self._watched
+
+        def __getattribute__(obj, name):
+            if id(obj) in watched and name[:2] != "__":
+                frame = sys._getframe(1)
+                if frame.f_lasti not in _own_write_reads(frame.f_code):
+                    plain.add((id(obj), name))
+            return orig(obj, name)
+        return __getattribute__
+
+    def remove(self) -> None:
+        for cls, was in self._saved:
+            if was is _MISSING:
+                type.__delattr__(cls, "__getattribute__")
+            else:
+                type.__setattr__(cls, "__getattribute__", was)
+        self._saved = []
+
+
+_TORCH_MODULE_KEYS = frozenset(vars(torch.nn.Module()))
+
+
+def _state_value(v) -> bool:
+    return not isinstance(v, (torch.Tensor, torch.nn.Module))
+
+
+@dataclasses.dataclass
+class StateWrite:
+    """An attribute a user's forward wrote on its own module while traced: ``now`` is what the trace left."""
+    where: str
+    holder: dict
+    key: str
+    was: object
+    now: object
+    read: bool  # the trace also read it (other than to write it back): its path may depend on it
+    contents: object = None  # a container's items before, when it was changed in place
+
+    @property
+    def snapshot_covers(self) -> bool:
+        """A public attribute the module snapshot (``attributes``) compares by value."""
+        return not self.key.startswith("_") and self.was is not _MISSING and self.contents is None and (
+            isinstance(self.was, _SCALARS) or _plain(self.was))
+
+    def put(self, new: bool) -> None:
+        if self.contents is not None:
+            if not new:
+                _put_contents(self.was, self.contents)
+            return
+        v = self.now if new else self.was
+        if v is _MISSING:
+            self.holder.pop(self.key, None)
+        else:
+            self.holder[self.key] = v
+
+    def describe(self) -> str:
+        def show(v):
+            return "(missing)" if v is _MISSING else repr(_Short(v))
+        if self.contents is not None:
+            return f"{self.where}.{self.key} (changed in place)"
+        return f"{self.where}.{self.key} {show(self.was)} -> {show(self.now)}"
+
+
+def read_back_message(writes: list, what: str) -> str:
+    """The refusal for a forward that reads state it writes itself while traced (``TracedWrites.state_writes``)."""
+    w = writes[0]
+    more = f" (and {len(writes) - 1} more)" if len(writes) > 1 else ""
+    return (f"forward writes {w.describe()}{more} while traced and reads it: eager's next call reads the value it "
+            f"left and can take another path (a first-call branch, a counter a branch reads), {what} keeps the path "
+            f"traced once. The build put the attribute back; keep such state in a buffer (register_buffer) or pass "
+            f"it as an input (a value forward writes and never reads, a counter for logging, is accepted)")
+
+
 # ---- Python state a trace writes (hooks' bookkeeping, activations stored by a hook or a forward)
 class _Cells:
     """A function's closure as a live, writable mapping from free-variable name to contents."""
@@ -1010,6 +1125,19 @@ class TracedWrites:
                 where = f"model.{path}" if path else "model"
                 who = f"forward (or a forward hook on {where})" if id(mod) in hooked else "forward"
                 self._watch(who, where, d, None, everything=False, refused=refused)
+        # The user's own modules: every Python value (new attributes and those starting with '_' included) their
+        # forward writes, and whether the trace read it, for ``state_writes``.
+        self._user = []
+        for path, mod in torch.nn.Module.named_modules(model):
+            if not _is_library(type(mod)):
+                d = mod.__dict__
+                keep = {k: v for k, v in d.items() if k not in _TORCH_MODULE_KEYS and _state_value(v)}
+                self._user.append((f"model.{path}" if path else "model", mod, d, keep,
+                                   {k: c for k, v in keep.items() if (c := _contents(v)) is not None}))
+        classes = list({type(mod): None for _, mod, _, _, _ in self._user})
+        self._reads = _StateReads(classes, {id(mod) for _, mod, _, _, _ in self._user})
+        self.state_writes: list[StateWrite] = []
+        self._settled = False
 
     def _watch(self, who, where, holder, names, everything: bool, refused: bool = True) -> None:
         keys = names if names is not None else [k for k in holder.keys() if not (isinstance(k, str) and (
@@ -1021,7 +1149,34 @@ class TracedWrites:
             self._keysets.append((who, where, holder, set(holder) if names is None else set(names), everything,
                                   names is not None, refused))
 
+    def _settle_state(self) -> None:
+        """Once: ``state_writes`` of the user's modules, each put back as it was except the public attributes the
+        module snapshot compares (``traced_changes`` handles those)."""
+        if self._settled:
+            return
+        self._settled = True
+        self._reads.remove()
+        for where, mod, d, before, contents in self._user:
+            for k in list(before) + [k for k in d if k not in before]:
+                if k in _TORCH_MODULE_KEYS or k.endswith("hooks"):
+                    continue
+                was, now = before.get(k, _MISSING), d.get(k, _MISSING)
+                if not (_state_value(was) and _state_value(now)):
+                    continue
+                inner = None
+                if was is now:
+                    inner = contents.get(k)
+                    if inner is None or _same_contents(inner, now):
+                        continue
+                elif type(was) is type(now) and _plain(was) and was == now:
+                    continue
+                w = StateWrite(where, d, k, was, now, (id(mod), k) in self._reads.plain, inner)
+                self.state_writes.append(w)
+                if not w.snapshot_covers:
+                    w.put(new=False)
+
     def settle(self) -> list[tuple[str, str, torch.Tensor]]:
+        self._settle_state()
         stored = []
         for who, where, holder, k, was, contents, everything, refused in self._entries:
             now = holder.get(k, _MISSING)
