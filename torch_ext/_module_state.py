@@ -1176,7 +1176,6 @@ class TracedWrites:
                     w.put(new=False)
 
     def settle(self) -> list[tuple[str, str, torch.Tensor]]:
-        self._settle_state()
         stored = []
         for who, where, holder, k, was, contents, everything, refused in self._entries:
             now = holder.get(k, _MISSING)
@@ -1204,6 +1203,7 @@ class TracedWrites:
                     if hit is not None and refused:
                         stored.append((who, _where(where, k), hit))
                     del holder[k]
+        self._settle_state()  # (after the tensors of the trace were taken out, and refused, above)
         return stored
 
 
