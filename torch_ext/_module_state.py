@@ -917,6 +917,18 @@ class _StateReads:
 _TORCH_MODULE_KEYS = frozenset(vars(torch.nn.Module()))
 
 
+def _tensors_swapped(was, v) -> bool:
+    """A container whose items differ only in tensors (the trace lifts the tensors a list or dict attribute
+    holds, and puts them back): not state the forward wrote (a tensor of the trace stored is refused apart)."""
+    if isinstance(was, set):
+        return False
+    items = list(v.items()) if isinstance(v, dict) else list(enumerate(v))
+    return len(items) == len(was) and all(
+        k == k2 and (e is e2 or (isinstance(e, torch.Tensor) and isinstance(e2, torch.Tensor)))
+        and (inner is None or _same_contents(inner, e2) or _tensors_swapped(inner, e2))
+        for (k, e, inner), (k2, e2) in zip(was, items))
+
+
 def _state_value(v) -> bool:
     return not isinstance(v, (torch.Tensor, torch.nn.Module))
 
@@ -1166,10 +1178,12 @@ class TracedWrites:
                 inner = None
                 if was is now:
                     inner = contents.get(k)
-                    if inner is None or _same_contents(inner, now):
+                    if inner is None or _same_contents(inner, now) or _tensors_swapped(inner, now):
                         continue
                 elif type(was) is type(now) and _plain(was) and was == now:
                     continue
+                elif type(was) is type(now) and k in contents and _tensors_swapped(contents[k], now):
+                    continue  # a container of tensors the trace rebound to a copy (its tensors lifted)
                 w = StateWrite(where, d, k, was, now, (id(mod), k) in self._reads.plain, inner)
                 self.state_writes.append(w)
                 if not w.snapshot_covers:
