@@ -888,9 +888,38 @@ class _StateReads:
         origins = {}
         for cls in classes:
             origins[cls] = next(c.__dict__["__getattribute__"] for c in cls.__mro__ if "__getattribute__" in c.__dict__)
+        # Writes too (torch.export puts a root module's attributes back itself before the trace returns, so the
+        # module's dict alone would not show them): the last value written to each attribute.
+        self.written: dict = {}  # (id(instance), name) -> the values written, in order (_MISSING: deleted)
+        setters = {cls: next(c.__dict__["__setattr__"] for c in cls.__mro__ if "__setattr__" in c.__dict__)
+                   for cls in classes}
+        deleters = {cls: next(c.__dict__["__delattr__"] for c in cls.__mro__ if "__delattr__" in c.__dict__)
+                    for cls in classes}
         for cls, orig in origins.items():
-            self._saved.append((cls, cls.__dict__.get("__getattribute__", _MISSING)))
+            self._saved.append((cls, "__getattribute__", cls.__dict__.get("__getattribute__", _MISSING)))
             type.__setattr__(cls, "__getattribute__", self._recorder(orig))
+            self._saved.append((cls, "__setattr__", cls.__dict__.get("__setattr__", _MISSING)))
+            type.__setattr__(cls, "__setattr__", self._writer(setters[cls]))
+            self._saved.append((cls, "__delattr__", cls.__dict__.get("__delattr__", _MISSING)))
+            type.__setattr__(cls, "__delattr__", self._deleter(deleters[cls]))
+
+    def _writer(self, orig):
+        written, watched = self.written, self._watched
+
+        def __setattr__(obj, name, value):
+            if id(obj) in watched:
+                written.setdefault((id(obj), name), []).append(value)
+            orig(obj, name, value)
+        return __setattr__
+
+    def _deleter(self, orig):
+        written, watched = self.written, self._watched
+
+        def __delattr__(obj, name):
+            if id(obj) in watched:
+                written.setdefault((id(obj), name), []).append(_MISSING)
+            orig(obj, name)
+        return __delattr__
 
     def _recorder(self, orig):
         import sys
@@ -906,11 +935,11 @@ class _StateReads:
         return __getattribute__
 
     def remove(self) -> None:
-        for cls, was in self._saved:
+        for cls, slot, was in reversed(self._saved):
             if was is _MISSING:
-                type.__delattr__(cls, "__getattribute__")
+                type.__delattr__(cls, slot)
             else:
-                type.__setattr__(cls, "__getattribute__", was)
+                type.__setattr__(cls, slot, was)
         self._saved = []
 
 
@@ -1109,7 +1138,7 @@ class TracedWrites:
     store anything there. Other Python writes of a forward to its modules are the module snapshot's
     (``attributes`` / ``traced_changes``)."""
 
-    def __init__(self, model: torch.nn.Module, functions=()):
+    def __init__(self, model: torch.nn.Module, functions=(), root: str = "model"):
         from ._build_cache import _is_library
 
         self._entries = []  # (who, where, mapping, key, value, contents, all writes or traced ones only, refused)
@@ -1144,7 +1173,7 @@ class TracedWrites:
             if not _is_library(type(mod)):
                 d = mod.__dict__
                 keep = {k: v for k, v in d.items() if k not in _TORCH_MODULE_KEYS and _state_value(v)}
-                self._user.append((f"model.{path}" if path else "model", mod, d, keep,
+                self._user.append((f"{root}.{path}" if path else root, mod, d, keep,
                                    {k: c for k, v in keep.items() if (c := _contents(v)) is not None}))
         classes = list({type(mod): None for _, mod, _, _, _ in self._user})
         self._reads = _StateReads(classes, {id(mod) for _, mod, _, _, _ in self._user})
@@ -1168,11 +1197,20 @@ class TracedWrites:
             return
         self._settled = True
         self._reads.remove()
+        written = {}
+        for (obj, k), v in self._reads.written.items():
+            written.setdefault(obj, {})[k] = v
         for where, mod, d, before, contents in self._user:
-            for k in list(before) + [k for k in d if k not in before]:
+            mine = written.get(id(mod), {})
+            for k in list(before) + [k for k in d if k not in before] + [k for k in mine if k not in before and k not in d]:
                 if k in _TORCH_MODULE_KEYS or k.endswith("hooks"):
                     continue
                 was, now = before.get(k, _MISSING), d.get(k, _MISSING)
+                if now is was and k in mine:
+                    # Written, then put back by the tracer itself (torch.export on a root module): the last value
+                    # written that differs from the one before.
+                    now = next((v for v in reversed(mine[k]) if v is not was and not (
+                        type(v) is type(was) and _plain(was) and was == v)), was)
                 if not (_state_value(was) and _state_value(now)):
                     continue
                 inner = None

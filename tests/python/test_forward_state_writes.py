@@ -157,3 +157,12 @@ def test_a_private_first_call_setting_is_accepted_bit_exact():
         eager_loss.backward()
         opt.step()
         assert torch.equal(loss, eager_loss)
+
+
+def test_graph_through_torch_export_refuses_a_counter_a_branch_reads():
+    # torch.export puts a root module's attributes back itself before the trace returns: the write was invisible
+    # in the module's dict afterwards, and the graph was built on the traced path.
+    model = _Counter(True)
+    with pytest.raises(TypeError, match=r"forward writes model\._n 0 -> 1 while traced and reads it"):
+        torch_ext.ReactiveGraph(model, (_X,), front_end="export")
+    assert model._n == 0
