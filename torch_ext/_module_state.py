@@ -1203,8 +1203,9 @@ class TracedWrites:
         for where, mod, d, before, contents in self._user:
             mine = written.get(id(mod), {})
             for k in list(before) + [k for k in d if k not in before] + [k for k in mine if k not in before and k not in d]:
-                if k in _TORCH_MODULE_KEYS or k.endswith("hooks"):
-                    continue
+                if k in _TORCH_MODULE_KEYS or k.endswith("hooks") or (
+                        k not in d and k not in before and hasattr(getattr(type(mod), k, None), "__set__")):
+                    continue  # (a property's setter: what it stores is an attribute of its own)
                 was, now = before.get(k, _MISSING), d.get(k, _MISSING)
                 if now is was and k in mine:
                     # Written, then put back by the tracer itself (torch.export on a root module): the last value
