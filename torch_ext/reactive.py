@@ -1115,6 +1115,9 @@ class ReactiveGraph:
         state = {**ep.state_dict, **ep.constants}
         params = [state[spec.target] for spec in ep.graph_signature.input_specs if spec.kind.name != "USER_INPUT"]
         names = self._engine.graft(src, dst, bgraph._g, params)
+        # The block's parameters are placeholders of the graph now (after the others, in order): run() hands them
+        # in with the model's state (it was refused: "run: expected 7 inputs, got 5").
+        self._slots = list(self._slots) + list(params)
         # The block's parameters are read by reference: one written through .data or .numpy() (its version counter
         # stays) is found by content as the model's weights are (_take_untracked_writes).
         tensors = [t for t in params if isinstance(t, torch.Tensor) and all(t is not u for u in self._graft_tensors)]

@@ -76,3 +76,29 @@ def test_a_grafted_blocks_parameter_written_through_data_is_recomputed():
         assert torch.equal(rg.value(last), ref())
         block.bias.numpy()[:] = 0.5
         assert torch.equal(rg.value(last), ref())
+
+
+def test_run_after_grafting_blocks_with_parameters_matches_eager_on_every_shape():
+    # Before: the blocks' parameters became placeholders of the graph and run() did not hand them in
+    # ("run: expected 7 inputs, got 5"): a graft of any block with parameters ended the graph's run().
+    model = _chain()
+    torch.manual_seed(1)
+    first, second = nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh())  # parameters of the same shapes
+    rg = torch_ext.ReactiveGraph(model, (_X,))
+    rg.graft("relu", first)
+    rg.graft("relu", second)  # after relu, for every consumer: before `first`
+
+    def eager(x):
+        return model[2](first(second(torch.relu(model[0](x)))))
+
+    with torch.no_grad():
+        for x in (_X, torch.randn(3, 4), torch.randn(5, 4), _X):
+            assert torch.equal(rg.run(x), eager(x))
+        first.weight.mul_(2)
+        assert torch.equal(rg.run(_X), eager(_X))
+        result = torch_ext.sweep(rg, ["relu"], lambda v, site: v * 0, lambda out: out.sum().item())
+        assert result.metrics["relu"] == eager_from_relu(model, first, second, torch.zeros(3, 4))
+
+
+def eager_from_relu(model, first, second, h):
+    return model[2](first(second(h))).sum().item()
