@@ -1202,7 +1202,8 @@ class TracedWrites:
             written.setdefault(obj, {})[k] = v
         for where, mod, d, before, contents in self._user:
             mine = written.get(id(mod), {})
-            for k in list(before) + [k for k in d if k not in before] + [k for k in mine if k not in before and k not in d]:
+            keys = list(before) + [k for k in d if k not in before]
+            for k in keys + [k for k in mine if k not in before and k not in d]:
                 if k in _TORCH_MODULE_KEYS or k.endswith("hooks") or (
                         k not in d and k not in before and hasattr(getattr(type(mod), k, None), "__set__")):
                     continue  # (a property's setter: what it stores is an attribute of its own)

@@ -1094,7 +1094,7 @@ class ReactiveGraph:
         # The example comes from src's declared type, never its value: inside `batch()` nothing may be
         # evaluated before the demand (a value would compute stale ancestors now, and again later).
         example = _empty_like_type(self._type_of(src))
-        writes = _module_state.TracedWrites(block, root="block")  # what the block's forward writes on itself while exported
+        writes = _module_state.TracedWrites(block, root="block")  # what the block's forward writes on itself
         try:
             exported = torch.export.export(block, (example,))
         finally:

@@ -75,7 +75,8 @@ def _mse(m, x, y):
     return F.mse_loss(m(x), y)
 
 
-_X, _Y = torch.randn(3, 4, generator=torch.Generator().manual_seed(1)), torch.randn(3, 4, generator=torch.Generator().manual_seed(2))
+_X = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+_Y = torch.randn(3, 4, generator=torch.Generator().manual_seed(2))
 
 
 def _state(m):
