@@ -877,70 +877,72 @@ def _own_write_reads(code: types.CodeType) -> frozenset:
     return frozenset(out)
 
 
-class _StateReads:
-    """Records, while installed, which attributes of the watched module instances are read (``__getattribute__``
-    of the user's module classes, ``hasattr`` and ``getattr`` included), and whether only to write them back."""
+_WILDCARD = "*"  # code that reads attributes by a computed name (getattr, hasattr, vars, __dict__)
+_NOT_TRACED = frozenset({"__init__", "__repr__", "__str__", "extra_repr", "__setstate__", "__getstate__"})
 
-    def __init__(self, classes: list, watched: set):
-        self.plain: set = set()  # (id(instance), name) read for what it holds
-        self._watched = watched
-        self._saved = []
-        origins = {}
-        for cls in classes:
-            origins[cls] = next(c.__dict__["__getattribute__"] for c in cls.__mro__ if "__getattribute__" in c.__dict__)
-        # Writes too (torch.export puts a root module's attributes back itself before the trace returns, so the
-        # module's dict alone would not show them): the last value written to each attribute.
-        self.written: dict = {}  # (id(instance), name) -> the values written, in order (_MISSING: deleted)
-        setters = {cls: next(c.__dict__["__setattr__"] for c in cls.__mro__ if "__setattr__" in c.__dict__)
-                   for cls in classes}
-        deleters = {cls: next(c.__dict__["__delattr__"] for c in cls.__mro__ if "__delattr__" in c.__dict__)
-                    for cls in classes}
-        for cls, orig in origins.items():
-            self._saved.append((cls, "__getattribute__", cls.__dict__.get("__getattribute__", _MISSING)))
-            type.__setattr__(cls, "__getattribute__", self._recorder(orig))
-            self._saved.append((cls, "__setattr__", cls.__dict__.get("__setattr__", _MISSING)))
-            type.__setattr__(cls, "__setattr__", self._writer(setters[cls]))
-            self._saved.append((cls, "__delattr__", cls.__dict__.get("__delattr__", _MISSING)))
-            type.__setattr__(cls, "__delattr__", self._deleter(deleters[cls]))
 
-    def _writer(self, orig):
-        written, watched = self.written, self._watched
+@functools.lru_cache(maxsize=4096)
+def _code_reads(code: types.CodeType) -> frozenset:
+    """The attribute names ``code`` (and the code nested in it) reads other than to write them back (``self.n += 1``,
+    ``self.log.append(v)``); ``_WILDCARD`` when it reads attributes by a computed name."""
+    import dis
 
-        def __setattr__(obj, name, value):
-            if id(obj) in watched:
-                written.setdefault((id(obj), name), []).append(value)
-            orig(obj, name, value)
-        return __setattr__
+    own = _own_write_reads(code)
+    out = set()
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.offset not in own:
+            out.add(_WILDCARD if ins.argval == "__dict__" else ins.argval)
+        elif ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval in ("getattr", "hasattr", "vars"):
+            out.add(_WILDCARD)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            out |= _code_reads(const)
+    return frozenset(out)
 
-    def _deleter(self, orig):
-        written, watched = self.written, self._watched
 
-        def __delattr__(obj, name):
-            if id(obj) in watched:
-                written.setdefault((id(obj), name), []).append(_MISSING)
-            orig(obj, name)
-        return __delattr__
+def _function_codes(fn, depth: int = 0) -> list:
+    if depth > 2:
+        return []
+    if isinstance(fn, functools.partial):
+        return _function_codes(fn.func, depth + 1)
+    if isinstance(fn, types.MethodType):
+        return _function_codes(fn.__func__, depth + 1)
+    if isinstance(fn, types.FunctionType):
+        return [fn.__code__]
+    call = getattr(type(fn), "__call__", None)
+    return _function_codes(call, depth + 1) if isinstance(call, types.FunctionType) else []
 
-    def _recorder(self, orig):
-        import sys
 
-        plain, watched = self.plain, self._watched
+def _state_reads(modules: list, functions: list) -> frozenset:
+    """What the code that runs while a forward is traced may read of the user's modules, found in its bytecode (a
+    tracer may run it by dynamo, torch.cond's branches, where no Python-level hook can watch it): every attribute
+    name the user's module classes' functions (and the instance forwards, the hooks, a loss function) load."""
+    from ._build_cache import _is_library
 
-        def __getattribute__(obj, name):
-            if id(obj) in watched and name[:2] != "__":
-                frame = sys._getframe(1)
-                if frame.f_lasti not in _own_write_reads(frame.f_code):
-                    plain.add((id(obj), name))
-            return orig(obj, name)
-        return __getattribute__
-
-    def remove(self) -> None:
-        for cls, slot, was in reversed(self._saved):
-            if was is _MISSING:
-                type.__delattr__(cls, slot)
-            else:
-                type.__setattr__(cls, slot, was)
-        self._saved = []
+    out: set = set()
+    seen: set = set()
+    for mod in modules:
+        f = mod.__dict__.get("forward")
+        codes = _function_codes(f) if f is not None else []
+        for cls in type(mod).__mro__:
+            if cls in seen or _is_library(cls):
+                continue
+            seen.add(cls)
+            for k, v in vars(cls).items():
+                if k in _NOT_TRACED:
+                    continue
+                if isinstance(v, (staticmethod, classmethod)):
+                    v = v.__func__
+                if isinstance(v, property):
+                    codes += [c for g in (v.fget, v.fset, v.fdel) if g is not None for c in _function_codes(g)]
+                elif isinstance(v, types.FunctionType):
+                    codes.append(v.__code__)
+        for code in codes:
+            out |= _code_reads(code)
+    for fn in functions:
+        for code in _function_codes(fn):
+            out |= _code_reads(code)
+    return frozenset(out)
 
 
 _TORCH_MODULE_KEYS = frozenset(vars(torch.nn.Module()))
@@ -970,7 +972,7 @@ class StateWrite:
     key: str
     was: object
     now: object
-    read: bool  # the trace also read it (other than to write it back): its path may depend on it
+    read: bool  # code that runs while traced reads it (other than to write it back): its path may depend on it
     contents: object = None  # a container's items before, when it was changed in place
 
     @property
@@ -1175,10 +1177,20 @@ class TracedWrites:
                 keep = {k: v for k, v in d.items() if k not in _TORCH_MODULE_KEYS and _state_value(v)}
                 self._user.append((f"{root}.{path}" if path else root, mod, d, keep,
                                    {k: c for k, v in keep.items() if (c := _contents(v)) is not None}))
-        classes = list({type(mod): None for _, mod, _, _, _ in self._user})
-        self._reads = _StateReads(classes, {id(mod) for _, mod, _, _, _ in self._user})
+        self._reads = _state_reads([mod for _, mod, _, _, _ in self._user],
+                                   list(functions) + [fn for _, fn in watched])
         self.state_writes: list[StateWrite] = []
         self._settled = False
+        # What the modules hold as the traced forward returns: torch.export puts a root module's attributes back
+        # itself before the trace returns, so the module's dict alone would not show what forward wrote.
+        self._observed: dict = {}
+        self._observer = None
+        if self._user:
+            self._observer = torch.nn.Module.register_forward_hook(model, self._observe, always_call=True)
+
+    def _observe(self, *_) -> None:
+        for _, mod, d, _, _ in self._user:
+            self._observed[id(mod)] = (dict(d), {k: c for k, v in d.items() if (c := _contents(v)) is not None})
 
     def _watch(self, who, where, holder, names, everything: bool, refused: bool = True) -> None:
         keys = names if names is not None else [k for k in holder.keys() if not (isinstance(k, str) and (
@@ -1196,23 +1208,18 @@ class TracedWrites:
         if self._settled:
             return
         self._settled = True
-        self._reads.remove()
-        written = {}
-        for (obj, k), v in self._reads.written.items():
-            written.setdefault(obj, {})[k] = v
+        if self._observer is not None:
+            self._observer.remove()
         for where, mod, d, before, contents in self._user:
-            mine = written.get(id(mod), {})
+            seen, seen_contents = self._observed.get(id(mod), ({}, {}))
             keys = list(before) + [k for k in d if k not in before]
-            for k in keys + [k for k in mine if k not in before and k not in d]:
+            for k in keys + [k for k in seen if k not in before and k not in d]:
                 if k in _TORCH_MODULE_KEYS or k.endswith("hooks") or (
                         k not in d and k not in before and hasattr(getattr(type(mod), k, None), "__set__")):
                     continue  # (a property's setter: what it stores is an attribute of its own)
                 was, now = before.get(k, _MISSING), d.get(k, _MISSING)
-                if now is was and k in mine:
-                    # Written, then put back by the tracer itself (torch.export on a root module): the last value
-                    # written that differs from the one before.
-                    now = next((v for v in reversed(mine[k]) if v is not was and not (
-                        type(v) is type(was) and _plain(was) and was == v)), was)
+                if now is was and seen.get(k, _MISSING) is not was and id(mod) in self._observed:
+                    now = seen.get(k, _MISSING)  # written, then put back by the tracer itself (torch.export)
                 if not (_state_value(was) and _state_value(now)):
                     continue
                 inner = None
@@ -1224,7 +1231,7 @@ class TracedWrites:
                     continue
                 elif type(was) is type(now) and k in contents and _tensors_swapped(contents[k], now):
                     continue  # a container of tensors the trace rebound to a copy (its tensors lifted)
-                w = StateWrite(where, d, k, was, now, (id(mod), k) in self._reads.plain, inner)
+                w = StateWrite(where, d, k, was, now, k in self._reads or _WILDCARD in self._reads, inner)
                 self.state_writes.append(w)
                 if not w.snapshot_covers:
                     w.put(new=False)

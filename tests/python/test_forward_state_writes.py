@@ -32,28 +32,50 @@ class _Lazy(nn.Module):
 
 
 class _Counter(nn.Module):
-    def __init__(self, branch):
+    def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.body, self._n, self.branch = nn.Linear(4, 4), 0, branch
+        self.body, self._n = nn.Linear(4, 4), 0
 
     def forward(self, x):
         self._n += 1
-        if self.branch and self._n > 1:  # a counter a branch reads
+        if self._n > 1:  # a counter a branch reads
             x = x * 2
         return self.body(x)
 
 
 class _Log(nn.Module):
-    def __init__(self, branch):
+    def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.body, self._shapes, self.branch = nn.Linear(4, 4), [], branch
+        self.body, self._shapes = nn.Linear(4, 4), []
 
     def forward(self, x):
         self._shapes.append(tuple(x.shape))
-        if self.branch and len(self._shapes) > 1:
+        if len(self._shapes) > 1:
             x = x * 2
+        return self.body(x)
+
+
+class _CounterForLogs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self._n = nn.Linear(4, 4), 0
+
+    def forward(self, x):
+        self._n += 1  # read only to be written back
+        return self.body(x)
+
+
+class _LogOfShapes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self._shapes = nn.Linear(4, 4), []
+
+    def forward(self, x):
+        self._shapes.append(tuple(x.shape))
         return self.body(x)
 
 
@@ -86,8 +108,8 @@ def _state(m):
 
 READ_BACK = [(lambda: _Lazy("ready"), r"model\.ready \(missing\) -> True"),
              (lambda: _Lazy("_ready"), r"model\._ready \(missing\) -> True"),
-             (lambda: _Counter(True), r"model\._n 0 -> 1"),
-             (lambda: _Log(True), r"model\._shapes \(changed in place\)")]
+             (lambda: _Counter(), r"model\._n 0 -> 1"),
+             (lambda: _Log(), r"model\._shapes \(changed in place\)")]
 
 
 @pytest.mark.parametrize("make,name", READ_BACK)
@@ -109,18 +131,18 @@ def test_graph_refuses_a_forward_reading_state_it_writes_and_leaves_it_as_it_was
 
 
 def test_graph_refuses_a_public_counter_a_branch_reads():
-    class Public(_Counter):
+    class Public(_CounterForLogs):
         def forward(self, x):
             self.n = getattr(self, "n", 0) + 1
             return self.body(x * 2 if self.n > 1 else x)
 
-    model = Public(True)
+    model = Public()
     with pytest.raises(TypeError, match=r"forward writes model\.n \(missing\) -> 1"):
         torch_ext.ReactiveGraph(model, (_X,))
     assert not hasattr(model, "n")
 
 
-@pytest.mark.parametrize("make", [lambda: _Counter(False), lambda: _Log(False)])
+@pytest.mark.parametrize("make", [_CounterForLogs, _LogOfShapes])
 def test_state_forward_writes_and_never_reads_is_put_back_and_the_step_matches_eager(make):
     model = make()
     eager = copy.deepcopy(model)
@@ -163,7 +185,7 @@ def test_a_private_first_call_setting_is_accepted_bit_exact():
 def test_graph_through_torch_export_refuses_a_counter_a_branch_reads():
     # torch.export puts a root module's attributes back itself before the trace returns: the write was invisible
     # in the module's dict afterwards, and the graph was built on the traced path.
-    model = _Counter(True)
+    model = _Counter()
     with pytest.raises(TypeError, match=r"forward writes model\._n 0 -> 1 while traced and reads it"):
         torch_ext.ReactiveGraph(model, (_X,), front_end="export")
     assert model._n == 0
