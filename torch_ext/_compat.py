@@ -1515,6 +1515,9 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
         raise ValueError(_module_state.stored_trace_message(
             stored, "the graph", "take activations from the graph instead (rg.run_with_cache, rg.value), or "
             "remove the hook before building"))
+    read_back = [w for w in writes.state_writes if w.read]  # (all put back, by settle and _restore_attributes)
+    if read_back:
+        raise TypeError("ReactiveGraph: " + _module_state.read_back_message(read_back, "the graph"))
     refuse_python_draws(got["python_random_draws"] + mine, "the model", "graph",
                         "every run and every recomputation would reuse them where eager draws anew. Draw noise "
                         "outside the graph and pass it as an input")

@@ -852,6 +852,164 @@ class OwnGenerators:
                 _set_generator_state(obj, state)
 
 
+# ---- Python state a user's forward writes on its own modules while traced (a lazy first-call path, a counter)
+_OWN_MUTATORS = frozenset({"append", "extend", "add", "update", "insert", "appendleft", "discard", "remove", "pop",
+                           "clear", "setdefault"})
+
+
+@functools.lru_cache(maxsize=4096)
+def _own_write_reads(code: types.CodeType) -> frozenset:
+    """Offsets of the attribute loads of ``code`` whose value only feeds a write back to the same attribute:
+    ``self.n += 1`` (COPY, LOAD_ATTR n, ..., STORE_ATTR n) and a mutator called on it (``self.log.append(v)``)."""
+    import dis
+
+    ins = list(dis.get_instructions(code))
+    out = set()
+    for i, op in enumerate(ins):
+        if op.opname not in ("LOAD_ATTR", "LOAD_METHOD"):
+            continue
+        if i > 0 and ins[i - 1].opname == "COPY" and ins[i - 1].arg == 1:
+            depth = next((j for j in range(i + 1, min(i + 64, len(ins))) if ins[j].opname == "STORE_ATTR"), None)
+            if depth is not None and ins[depth].argval == op.argval and ins[depth - 1].opname == "SWAP":
+                out.add(op.offset)
+        elif i + 1 < len(ins) and ins[i + 1].opname == "LOAD_METHOD" and ins[i + 1].argval in _OWN_MUTATORS:
+            out.add(op.offset)
+    return frozenset(out)
+
+
+_WILDCARD = "*"  # code that reads attributes by a computed name (getattr, hasattr, vars, __dict__)
+_NOT_TRACED = frozenset({"__init__", "__repr__", "__str__", "extra_repr", "__setstate__", "__getstate__"})
+
+
+@functools.lru_cache(maxsize=4096)
+def _code_reads(code: types.CodeType) -> frozenset:
+    """The attribute names ``code`` (and the code nested in it) reads other than to write them back (``self.n += 1``,
+    ``self.log.append(v)``); ``_WILDCARD`` when it reads attributes by a computed name."""
+    import dis
+
+    own = _own_write_reads(code)
+    out = set()
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.offset not in own:
+            out.add(_WILDCARD if ins.argval == "__dict__" else ins.argval)
+        elif ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval in ("getattr", "hasattr", "vars"):
+            out.add(_WILDCARD)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            out |= _code_reads(const)
+    return frozenset(out)
+
+
+def _function_codes(fn, depth: int = 0) -> list:
+    if depth > 2:
+        return []
+    if isinstance(fn, functools.partial):
+        return _function_codes(fn.func, depth + 1)
+    if isinstance(fn, types.MethodType):
+        return _function_codes(fn.__func__, depth + 1)
+    if isinstance(fn, types.FunctionType):
+        return [fn.__code__]
+    call = getattr(type(fn), "__call__", None)
+    return _function_codes(call, depth + 1) if isinstance(call, types.FunctionType) else []
+
+
+def _state_reads(modules: list, functions: list) -> frozenset:
+    """What the code that runs while a forward is traced may read of the user's modules, found in its bytecode (a
+    tracer may run it by dynamo, torch.cond's branches, where no Python-level hook can watch it): every attribute
+    name the user's module classes' functions (and the instance forwards, the hooks, a loss function) load."""
+    from ._build_cache import _is_library
+
+    out: set = set()
+    seen: set = set()
+    for mod in modules:
+        f = mod.__dict__.get("forward")
+        codes = _function_codes(f) if f is not None else []
+        for cls in type(mod).__mro__:
+            if cls in seen or _is_library(cls):
+                continue
+            seen.add(cls)
+            for k, v in vars(cls).items():
+                if k in _NOT_TRACED:
+                    continue
+                if isinstance(v, (staticmethod, classmethod)):
+                    v = v.__func__
+                if isinstance(v, property):
+                    codes += [c for g in (v.fget, v.fset, v.fdel) if g is not None for c in _function_codes(g)]
+                elif isinstance(v, types.FunctionType):
+                    codes.append(v.__code__)
+        for code in codes:
+            out |= _code_reads(code)
+    for fn in functions:
+        for code in _function_codes(fn):
+            out |= _code_reads(code)
+    return frozenset(out)
+
+
+_TORCH_MODULE_KEYS = frozenset(vars(torch.nn.Module()))
+
+
+def _tensors_swapped(was, v) -> bool:
+    """A container whose items differ only in tensors (the trace lifts the tensors a list or dict attribute
+    holds, and puts them back): not state the forward wrote (a tensor of the trace stored is refused apart)."""
+    if isinstance(was, set):
+        return False
+    items = list(v.items()) if isinstance(v, dict) else list(enumerate(v))
+    return len(items) == len(was) and all(
+        k == k2 and (e is e2 or (isinstance(e, torch.Tensor) and isinstance(e2, torch.Tensor)))
+        and (inner is None or _same_contents(inner, e2) or _tensors_swapped(inner, e2))
+        for (k, e, inner), (k2, e2) in zip(was, items))
+
+
+def _state_value(v) -> bool:
+    return not isinstance(v, (torch.Tensor, torch.nn.Module))
+
+
+@dataclasses.dataclass
+class StateWrite:
+    """An attribute a user's forward wrote on its own module while traced: ``now`` is what the trace left."""
+    where: str
+    holder: dict
+    key: str
+    was: object
+    now: object
+    read: bool  # code that runs while traced reads it (other than to write it back): its path may depend on it
+    contents: object = None  # a container's items before, when it was changed in place
+
+    @property
+    def snapshot_covers(self) -> bool:
+        """A public attribute the module snapshot (``attributes``) compares by value."""
+        return not self.key.startswith("_") and self.was is not _MISSING and self.contents is None and (
+            isinstance(self.was, _SCALARS) or _plain(self.was))
+
+    def put(self, new: bool) -> None:
+        if self.contents is not None:
+            if not new:
+                _put_contents(self.was, self.contents)
+            return
+        v = self.now if new else self.was
+        if v is _MISSING:
+            self.holder.pop(self.key, None)
+        else:
+            self.holder[self.key] = v
+
+    def describe(self) -> str:
+        def show(v):
+            return "(missing)" if v is _MISSING else repr(_Short(v))
+        if self.contents is not None:
+            return f"{self.where}.{self.key} (changed in place)"
+        return f"{self.where}.{self.key} {show(self.was)} -> {show(self.now)}"
+
+
+def read_back_message(writes: list, what: str) -> str:
+    """The refusal for a forward that reads state it writes itself while traced (``TracedWrites.state_writes``)."""
+    w = writes[0]
+    more = f" (and {len(writes) - 1} more)" if len(writes) > 1 else ""
+    return (f"forward writes {w.describe()}{more} while traced and reads it: eager's next call reads the value it "
+            f"left and can take another path (a first-call branch, a counter a branch reads), {what} keeps the path "
+            f"traced once. The build put the attribute back; keep such state in a buffer (register_buffer) or pass "
+            f"it as an input (a value forward writes and never reads, a counter for logging, is accepted)")
+
+
 # ---- Python state a trace writes (hooks' bookkeeping, activations stored by a hook or a forward)
 class _Cells:
     """A function's closure as a live, writable mapping from free-variable name to contents."""
@@ -982,7 +1140,7 @@ class TracedWrites:
     store anything there. Other Python writes of a forward to its modules are the module snapshot's
     (``attributes`` / ``traced_changes``)."""
 
-    def __init__(self, model: torch.nn.Module, functions=()):
+    def __init__(self, model: torch.nn.Module, functions=(), root: str = "model"):
         from ._build_cache import _is_library
 
         self._entries = []  # (who, where, mapping, key, value, contents, all writes or traced ones only, refused)
@@ -1010,6 +1168,29 @@ class TracedWrites:
                 where = f"model.{path}" if path else "model"
                 who = f"forward (or a forward hook on {where})" if id(mod) in hooked else "forward"
                 self._watch(who, where, d, None, everything=False, refused=refused)
+        # The user's own modules: every Python value (new attributes and those starting with '_' included) their
+        # forward writes, and whether the trace read it, for ``state_writes``.
+        self._user = []
+        for path, mod in torch.nn.Module.named_modules(model):
+            if not _is_library(type(mod)):
+                d = mod.__dict__
+                keep = {k: v for k, v in d.items() if k not in _TORCH_MODULE_KEYS and _state_value(v)}
+                self._user.append((f"{root}.{path}" if path else root, mod, d, keep,
+                                   {k: c for k, v in keep.items() if (c := _contents(v)) is not None}))
+        self._reads = _state_reads([mod for _, mod, _, _, _ in self._user],
+                                   list(functions) + [fn for _, fn in watched])
+        self.state_writes: list[StateWrite] = []
+        self._settled = False
+        # What the modules hold as the traced forward returns: torch.export puts a root module's attributes back
+        # itself before the trace returns, so the module's dict alone would not show what forward wrote.
+        self._observed: dict = {}
+        self._observer = None
+        if self._user:
+            self._observer = torch.nn.Module.register_forward_hook(model, self._observe, always_call=True)
+
+    def _observe(self, *_) -> None:
+        for _, mod, d, _, _ in self._user:
+            self._observed[id(mod)] = (dict(d), {k: c for k, v in d.items() if (c := _contents(v)) is not None})
 
     def _watch(self, who, where, holder, names, everything: bool, refused: bool = True) -> None:
         keys = names if names is not None else [k for k in holder.keys() if not (isinstance(k, str) and (
@@ -1020,6 +1201,40 @@ class TracedWrites:
         if isinstance(holder, dict):
             self._keysets.append((who, where, holder, set(holder) if names is None else set(names), everything,
                                   names is not None, refused))
+
+    def _settle_state(self) -> None:
+        """Once: ``state_writes`` of the user's modules, each put back as it was except the public attributes the
+        module snapshot compares (``traced_changes`` handles those)."""
+        if self._settled:
+            return
+        self._settled = True
+        if self._observer is not None:
+            self._observer.remove()
+        for where, mod, d, before, contents in self._user:
+            seen, seen_contents = self._observed.get(id(mod), ({}, {}))
+            keys = list(before) + [k for k in d if k not in before]
+            for k in keys + [k for k in seen if k not in before and k not in d]:
+                if k in _TORCH_MODULE_KEYS or k.endswith("hooks") or (
+                        k not in d and k not in before and hasattr(getattr(type(mod), k, None), "__set__")):
+                    continue  # (a property's setter: what it stores is an attribute of its own)
+                was, now = before.get(k, _MISSING), d.get(k, _MISSING)
+                if now is was and seen.get(k, _MISSING) is not was and id(mod) in self._observed:
+                    now = seen.get(k, _MISSING)  # written, then put back by the tracer itself (torch.export)
+                if not (_state_value(was) and _state_value(now)):
+                    continue
+                inner = None
+                if was is now:
+                    inner = contents.get(k)
+                    if inner is None or _same_contents(inner, now) or _tensors_swapped(inner, now):
+                        continue
+                elif type(was) is type(now) and _plain(was) and was == now:
+                    continue
+                elif type(was) is type(now) and k in contents and _tensors_swapped(contents[k], now):
+                    continue  # a container of tensors the trace rebound to a copy (its tensors lifted)
+                w = StateWrite(where, d, k, was, now, k in self._reads or _WILDCARD in self._reads, inner)
+                self.state_writes.append(w)
+                if not w.snapshot_covers:
+                    w.put(new=False)
 
     def settle(self) -> list[tuple[str, str, torch.Tensor]]:
         stored = []
@@ -1049,6 +1264,7 @@ class TracedWrites:
                     if hit is not None and refused:
                         stored.append((who, _where(where, k), hit))
                     del holder[k]
+        self._settle_state()  # (after the tensors of the trace were taken out, and refused, above)
         return stored
 
 

@@ -606,6 +606,7 @@ class ReactiveGraph:
         # times its cone's values) by max_batched_cones.
         self._batched: collections.OrderedDict[tuple, "_BatchedCone"] = collections.OrderedDict()
         self._grafts: list[tuple] = []  # (src, dst, block, new names): replayed on other shapes' graphs
+        self._graft_tensors: list = []  # the grafted blocks' parameters and buffers (every shape's graph reads them)
         self._grafts_applied = 0
         self._cutoff = bool(cutoff)
         # One graph per input shape (static export): other shapes build, or reuse, their own.
@@ -832,7 +833,7 @@ class ReactiveGraph:
         """Digests of the inputs, parameters, buffers and constants the graph reads (``flat``: the inputs as
         the engine was run on them), as its values were computed. Tensors already digested in this call
         (patching checked the weights, then runs new tokens) keep their digest: only the rest is read."""
-        held = [t for t in flat if isinstance(t, torch.Tensor)]
+        held = [t for t in flat if isinstance(t, torch.Tensor)] + self._graft_tensors
         known = {}
         if _checked_in_this_call(self) and getattr(self, "_contents", None) is not None:
             known = {id(t): d for t, d in zip(*self._contents)}  # the old tensors are alive: ids are unique
@@ -896,6 +897,15 @@ class ReactiveGraph:
             raise ValueError(f"{where}: {_module_state.change_message(changed, 'this ReactiveGraph was built')}; the "
                              "graph holds the value it was traced with, eager calls would use the new one: build a "
                              "new ReactiveGraph after changing it, or change it back")
+        for src, kind, (attrs, reads) in getattr(self, "_graft_snapshots", ()):
+            changed = _module_state.changed(attrs) or _module_state.changed(reads)
+            if changed:
+                text = _module_state.change_message(changed, "it was grafted")
+                text = "block" + text[len("model"):] if text.startswith("model") else text
+                raise ValueError(f"{where}: the block grafted after {src!r} ({kind}) changed: {text}; the graph holds "
+                                 "the block as it was exported at the graft, and a graph for another input shape would "
+                                 "export it again as it is now: graft a new block (on a new ReactiveGraph) after "
+                                 "changing it, or change it back")
 
     def _refuse_changed_hooks(self, where: str) -> None:
         """A forward hook registered on the module after the build would run in eager calls, never in the
@@ -1070,7 +1080,12 @@ class ReactiveGraph:
             if not callable(block):
                 raise TypeError(f"graft: block must be an nn.Module or a callable, got {type(block).__name__}")
             block = _FunctionBlock(block)
+        # What the block's export reads (its Python attributes, its parameters by identity, module-level values):
+        # a graph for another input shape exports it again, so one changed after the graft would be the old value
+        # in this graph and the new one in that graph, silently. Refused at run() and demand() instead.
+        snapshot = (_module_state.attributes(block), _module_state.global_reads(block))
         names = self._apply_graft(src, dst, block)
+        self._graft_snapshots = getattr(self, "_graft_snapshots", []) + [(src, type(block).__name__, snapshot)]
         self._grafts.append((src, dst, block, names))
         self._grafts_applied += 1
         return names
@@ -1079,7 +1094,19 @@ class ReactiveGraph:
         # The example comes from src's declared type, never its value: inside `batch()` nothing may be
         # evaluated before the demand (a value would compute stale ancestors now, and again later).
         example = _empty_like_type(self._type_of(src))
-        ep = _functional_program(torch.export.export(block, (example,)))
+        writes = _module_state.TracedWrites(block, root="block")  # what the block's forward writes on itself
+        try:
+            exported = torch.export.export(block, (example,))
+        finally:
+            stored = writes.settle()
+        if stored:
+            raise ValueError("graft: " + _module_state.stored_trace_message(
+                stored, "the graph", "take activations from the graph instead (rg.value), or graft a block that "
+                "does not keep them"))
+        read_back = [w for w in writes.state_writes if w.read]
+        if read_back:
+            raise TypeError("graft: the block's " + _module_state.read_back_message(read_back, "the graph"))
+        ep = _functional_program(exported)
         random = _random_nodes(ep)
         if random:
             raise ValueError(f"graft: the block draws random numbers at {', '.join(random[:4])}; a cached random draw "
@@ -1088,6 +1115,16 @@ class ReactiveGraph:
         state = {**ep.state_dict, **ep.constants}
         params = [state[spec.target] for spec in ep.graph_signature.input_specs if spec.kind.name != "USER_INPUT"]
         names = self._engine.graft(src, dst, bgraph._g, params)
+        # The block's parameters are placeholders of the graph now (after the others, in order): run() hands them
+        # in with the model's state (it was refused: "run: expected 7 inputs, got 5").
+        self._slots = list(self._slots) + list(params)
+        # The block's parameters are read by reference: one written through .data or .numpy() (its version counter
+        # stays) is found by content as the model's weights are (_take_untracked_writes).
+        tensors = [t for t in params if isinstance(t, torch.Tensor) and all(t is not u for u in self._graft_tensors)]
+        self._graft_tensors = self._graft_tensors + tensors
+        if getattr(self, "_contents", None) is not None and tensors:
+            held, digest = self._contents
+            self._contents = (held + tensors, digest + _contents_digest(tensors))
         self._cone_sizes, self._all_names, self._sweep_plans = {}, None, None
         self._countable.extend(names)
         for n in names:

@@ -699,6 +699,7 @@ class TrainStep:
             # attention masks, checkpoints inlined, inference_mode as no_grad, gradients in forward refused.
             own = _module_state.OwnGenerators(model, (loss_fn,))  # the user's own random.Random, numpy Generator
             writes = _module_state.TracedWrites(model, (loss_fn,))  # what hooks and loss_fn write while traced
+            state_writes.append(writes.state_writes)  # what forward wrote on the user's modules (filled by settle)
             mine: list = []
             stored: list = []
             with contextlib.ExitStack() as restoring, _trace_patches.patched(*_trace_patches.STEP_EXPORT) as got:
@@ -741,9 +742,32 @@ class TrainStep:
                                 "torch.library.register_autograd, or train eagerly")
             return _compat.merge_aliased_inputs(ep, canonical) if self.aliases else ep
 
+        state_writes: list = []  # per export: _module_state.StateWrite of forward's writes on the user's modules
+
+        def read_back() -> list:
+            # Values forward wrote and read (a lazy first-call path, a counter a branch reads) that the module
+            # snapshot does not compare (new attributes, names starting with '_'): put back already.
+            return [w for w in state_writes[-1] if w.read and not w.snapshot_covers]
+
         before = _module_state.attributes(model)
         ep = export()
         changed = _module_state.traced_changes(model, before)  # put back as they were
+        own = read_back()
+        if own and not changed:
+            # As a public first-call setting below: accepted when the trace from the values it left writes
+            # nothing more and records the same program (every later eager call then takes that path).
+            for w in own:
+                w.put(new=True)
+            settled = _module_state.attributes(model)  # (a new public attribute is one of the snapshot's now)
+            again_ep = export()
+            if not read_back() and not _module_state.traced_changes(model, settled) \
+                    and again_ep.graph_module.code == ep.graph_module.code:
+                ep, own = again_ep, []
+            else:
+                for w in own:
+                    w.put(new=False)
+        if own:
+            raise TypeError(_module_state.read_back_message(own, "the pure step"))
         if changed:
             # A first-call initialisation (Hugging Face's *ForSequenceClassification sets config.problem_type
             # in its first forward and reads it in the same call): eager's first call computes with the value
