@@ -2054,7 +2054,7 @@ def _one_site(rg: ReactiveGraph, site, node: str, patch: Callable, metric: Calla
         value = rg._call_patch_fn(node, lambda v: patch(v, site), current, "sweep patch function")
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"patch function at site {site!r} returned {type(value).__name__}, expected a tensor")
-        if _same_bits(value, current):
+        if _same_layout(value, current) and _same_bits(value, current):
             identical.append(site)
             result, wrote = _measure(rg, metric, rg._user(eng.demand()), site)
             if wrote:
@@ -2474,6 +2474,12 @@ def _same_type(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and a.layout == b.layout
 
 
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same strides in every dim of size > 1 (a and b of one shape): a patch value with the cached value's bits in
+    another layout is another input to the cone (a reduction or GEMM reads it in another order), as in eager."""
+    return a.dim() == b.dim() and all(n <= 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()))
+
+
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-identical tensors (so -0.0 and 0.0 differ, and equal NaNs agree)."""
     if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
@@ -2536,7 +2542,8 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     row-range path as with cutoff off (same bits).
 
     With ``skip_identical=True`` (the default) a one-at-a-time site whose patched value is
-    bit-identical to the node's current value (same shape, dtype and bits: -0.0 is not 0.0) is not
+    bit-identical to the node's current value (same shape, dtype, strides and bits: -0.0 is not 0.0;
+    the same bits in another layout are another input, which a reduction reads in another order) is not
     evaluated: its cone would recompute the cached values, so it takes the current outputs (the
     unpatched metric, as batched sites always do), the same bits. It costs zero evaluations and
     leaves the ledger: ``predicted_evaluations`` sums ``|V+(s)|`` over the other sites only,

@@ -398,3 +398,40 @@ def test_repeated_site_list_after_a_graft_takes_the_new_graph():
     assert again.measured_evaluations == again.predicted_evaluations
     assert _bits(again.metrics) == _bits(want.metrics)
     assert again.node_labels == want.node_labels
+
+
+class _RowSums(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(1000, 1000)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)).sum(dim=-1)
+
+
+@pytest.mark.parametrize("loop", ["cpp", "python"])
+def test_skip_identical_needs_the_cached_layout_too(monkeypatch, loop):
+    """A patch returning the cached bits in another layout (``v.t().contiguous().t()``) is another input: eager's
+    sum over the last dim reads it in another order and rounds otherwise (3e-5 here). skip_identical took it as
+    identical and answered the clean sums, silently not eager's."""
+    torch.manual_seed(0)
+    model = _RowSums().eval()
+    x = torch.randn(64, 1000)
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    relu = [n for n in rg.nodes() if n.startswith("relu")][0]
+    if loop == "python":
+        _python_loop(monkeypatch)
+    with torch.no_grad():
+        h = model.lin(x).relu()
+        eager = h.t().contiguous().t().sum(dim=-1)
+        clean = h.sum(dim=-1)
+    assert not torch.equal(eager, clean)  # the case: the layout changes the bits
+    for skip in (True, False):
+        r = torch_ext.sweep(rg, [relu], lambda v, s: v.t().contiguous().t(), lambda o: o.clone(),
+                            progress=False, skip_identical=skip)
+        assert torch.equal(r.metrics[relu], eager), skip
+        assert "identical_sites" not in r.extra or r.extra["identical_sites"] == 0
+    # The same bits in the same layout are still identical: taken unevaluated.
+    r = torch_ext.sweep(rg, [relu], lambda v, s: v.clone(), lambda o: o.clone(), progress=False)
+    assert r.extra["identical_sites"] == 1 and torch.equal(r.metrics[relu], clean)
