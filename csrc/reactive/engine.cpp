@@ -29,8 +29,18 @@ const ir::TensorMeta* arg_meta(const ir::Node& n, size_t i) {
   return t.kind == ir::Type::Kind::Tensor ? &t.tensor : nullptr;
 }
 
+// Same strides in every dim of size > 1: the same bits in another layout are another input downstream (a
+// reduction or GEMM reads them in another order and can round otherwise, as eager, which runs on that layout).
+bool same_layout(const at::Tensor& x, const at::Tensor& y) {
+  if (x.dim() != y.dim()) return false;
+  for (int64_t d = 0; d < x.dim(); ++d)
+    if (x.size(d) > 1 && x.stride(d) != y.stride(d)) return false;
+  return true;
+}
+
 bool values_equal(const c10::IValue& a, const c10::IValue& b) {
-  if (a.isTensor() && b.isTensor()) return same_bits(a.toTensor(), b.toTensor());
+  if (a.isTensor() && b.isTensor())
+    return same_layout(a.toTensor(), b.toTensor()) && same_bits(a.toTensor(), b.toTensor());
   const bool seq_a = a.isTuple() || a.isList();
   const bool seq_b = b.isTuple() || b.isList();
   if (seq_a || seq_b) {

@@ -1478,3 +1478,34 @@ def test_an_ambient_autocast_is_refused_by_name_and_leaves_the_graph_as_it_was()
     rg.restore()
     with torch.no_grad():
         assert torch.equal(rg.demand(), model(x))
+
+
+def test_early_cutoff_does_not_stop_at_the_same_bits_in_another_layout():
+    """A patch with the cached bits transposed in memory: the elementwise node after it recomputes the same bits in
+    that layout, and early cutoff (same bits) stopped there, keeping the row sums computed from the old layout;
+    eager sums the new layout in another order (other bits). Cutoff compares layouts too."""
+    class RowSums(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = nn.Linear(1000, 1000)
+
+        def forward(self, x):
+            return (torch.relu(self.lin(x)) * 1.0).sum(dim=-1)
+
+    model = RowSums().eval()
+    x = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0))
+    rg = torch_ext.ReactiveGraph(model, (x,), cutoff=True)
+    relu = [n for n in rg.nodes() if n.startswith("relu")][0]
+    with torch.no_grad():
+        h = model.lin(x).relu()
+        moved = h.t().contiguous().t()
+        eager, clean = (moved * 1.0).sum(dim=-1), (h * 1.0).sum(dim=-1)
+    assert not torch.equal(eager, clean)  # the case: the layout changes the bits
+    rg.patch(relu, moved)
+    assert torch.equal(rg.demand(), eager)
+    rg.restore()
+    assert torch.equal(rg.demand(), clean)
+    rg.patch(relu, h.clone())  # the same bits in the same layout: cut off after the site, as before
+    cut = rg.stats["cutoffs"]
+    assert torch.equal(rg.demand(), clean) and rg.stats["cutoffs"] > cut
