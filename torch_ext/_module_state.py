@@ -464,8 +464,8 @@ def _next_hook_id() -> int:
 
 
 class _Closure:
-    """A function's closure cells as a mapping from free-variable name to contents (a snapshot's dict): an
-    empty cell reads as missing."""
+    """A function's closure cells as a live mapping from free-variable name to contents: read by the hook
+    snapshot (an empty cell reads as missing), written back by TracedWrites."""
 
     def __init__(self, fn: types.FunctionType):
         self._cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
@@ -484,6 +484,15 @@ class _Closure:
 
     def items(self):
         return [(k, self.get(k, _MISSING)) for k in self._cells]
+
+    def keys(self):
+        return list(self._cells)
+
+    def __setitem__(self, name: str, value) -> None:
+        self._cells[name].cell_contents = value
+
+    def __delitem__(self, name: str) -> None:
+        del self._cells[name].cell_contents
 
 
 def _hook_label(fn) -> str:
@@ -1011,28 +1020,6 @@ def read_back_message(writes: list, what: str) -> str:
 
 
 # ---- Python state a trace writes (hooks' bookkeeping, activations stored by a hook or a forward)
-class _Cells:
-    """A function's closure as a live, writable mapping from free-variable name to contents."""
-
-    def __init__(self, fn: types.FunctionType):
-        self._cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
-
-    def get(self, name: str, default=None):
-        try:
-            return self._cells[name].cell_contents
-        except (KeyError, ValueError):  # not a free variable, an empty cell
-            return default
-
-    def keys(self):
-        return list(self._cells)
-
-    def __setitem__(self, name: str, value) -> None:
-        self._cells[name].cell_contents = value
-
-    def __delitem__(self, name: str) -> None:
-        del self._cells[name].cell_contents
-
-
 def _live_holders(fn, label: str, depth: int = 0) -> list:
     """(label, mapping, names or None) where a hook (or a loss function) keeps Python state it can write: a
     function's closure cells and the module-level names its code reads or assigns, a hook object's (a bound
@@ -1064,7 +1051,7 @@ def _live_holders(fn, label: str, depth: int = 0) -> list:
                 if callable(inner) and not isinstance(inner, (type, torch.nn.Module)):
                     out += _live_holders(inner, label, depth + 1)
             return out
-        out = [(label, _Cells(fn), tuple(fn.__code__.co_freevars))] if fn.__closure__ else []
+        out = [(label, _Closure(fn), tuple(fn.__code__.co_freevars))] if fn.__closure__ else []
         names = set(_global_names(fn.__code__)) | _stored_globals(fn.__code__)
         env = fn.__globals__
         names = {n for n in names if not n.startswith("__")
@@ -1269,7 +1256,7 @@ class TracedWrites:
 
 
 def _holder_name(holder) -> str:
-    if isinstance(holder, _Cells):
+    if isinstance(holder, _Closure):
         return "closure"
     if isinstance(holder, dict) and "__name__" in holder and "__builtins__" in holder:
         return f"global {holder['__name__']}"
