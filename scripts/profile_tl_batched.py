@@ -9,7 +9,9 @@ For each d_model (part 2's model and sites: tl_setup, resid_pos_sites, 64 sites,
 1. Thread CPU time (time.thread_time: other processes on a shared machine count less) of the eager
    sweep and of sweep(batch_sites=True), medians of interleaved repeats, and the part of the batched
    sweep spent inside the batched engines' evaluate_patched_rows / evaluate_patched (the C++ cone
-   evaluations) per unit: the rest is the Python loop (patch function, metric, planning, stacking).
+   evaluations) per unit, and inside the user's patch function and metric (timed wrappers: the eager
+   sweep calls both as often, in its hook and after each forward); the rest is the driver (planning,
+   copies handed to the callbacks, stacking, splitting, checks).
 2. One profiled sweep of each arm (torch.profiler, record_shapes): ATen calls per op, the batched arm
    against eager's per-forward count times the number of batched units, and the bytes aten::copy_
    writes, by the op that called it ("-": called by the engine itself: row joins, dense copies), and the
@@ -33,7 +35,7 @@ import torch_ext  # noqa: E402
 import torch_ext.reactive as reactive  # noqa: E402
 
 from _bench_util import eager_hook_sweep, resid_pre_cache  # noqa: E402
-from bench_sweep import metric, resid_pos_sites, tl_setup  # noqa: E402
+from bench_sweep import full_forward_cost, metric, resid_pos_sites, tl_setup  # noqa: E402
 
 
 _ENGINE = "torch_ext.reactive.cone"
@@ -81,23 +83,41 @@ def profile_case(d: int, B: int, repeats: int) -> None:
         if self.engine is not None:
             self.engine = _TimedEngine(self.engine, log)
 
+    user = {"patch": 0.0, "metric": 0.0}  # thread time inside the user's callbacks (batched arm)
+
+    def timed_patch(value, site):
+        t0 = time.thread_time()
+        try:
+            return patch(value, site)
+        finally:
+            user["patch"] += time.thread_time() - t0
+
+    def timed_metric(outs):
+        t0 = time.thread_time()
+        try:
+            return metric(outs)
+        finally:
+            user["metric"] += time.thread_time() - t0
+
     arms = {"eager": lambda: eager_hook_sweep(model, clean, cache, T, metric),
-            "batched": lambda: torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=True)}
+            "batched": lambda: torch_ext.sweep(rg, sites, timed_patch, timed_metric, progress=False, batch_sites=True)}
     reactive._BatchedCone.__init__ = timed_init
     try:
         with torch.no_grad():
             result = arms["batched"]()  # builds the batched cones (timed engines from here on)
             arms["eager"]()
             times = {k: [] for k in arms}
-            cpp, units = [], []
+            cpp, units, calls = [], [], []
             for _ in range(repeats):
                 for k, fn in arms.items():
                     log.clear()
+                    user.update(patch=0.0, metric=0.0)
                     t0 = time.thread_time()
                     fn()
                     times[k].append(time.thread_time() - t0)
                     if k == "batched":
                         cpp.append(sum(t for _, _, t in log))
+                        calls.append(user["patch"] + user["metric"])
                         units.append(list(log))
             counts, copies = {}, {}
             engine_ops: collections.Counter = collections.Counter()
@@ -117,6 +137,8 @@ def profile_case(d: int, B: int, repeats: int) -> None:
                         caller = "-" if caller == _ENGINE else caller
                         by[caller] += math.prod(e.input_shapes[0]) * 4  # f32 (the model's dtype)
                 copies[k] = by
+            # Last: a full run gives the graph new inputs, after which the batched cones are built again.
+            fr = full_forward_cost(rg) * len(sites) / result.cost
     finally:
         reactive._BatchedCone.__init__ = init
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -127,6 +149,12 @@ def profile_case(d: int, B: int, repeats: int) -> None:
     print(f"  thread time, medians of {repeats}: eager {med['eager'] * 1e3:.1f} ms, batched {med['batched'] * 1e3:.1f} ms "
           f"({med['eager'] / med['batched']:.2f}x); in the batched engines {c * 1e3:.1f} ms "
           f"({c / med['batched']:.0%}), Python loop and single sites {(med['batched'] - c) * 1e3:.1f} ms")
+    u = statistics.median(calls)
+    rest = statistics.median(t - e - w for t, e, w in zip(times["batched"], cpp, calls))
+    print(f"  of the Python loop: the user's patch function and metric {u * 1e3:.1f} ms (eager calls them as often), "
+          f"the driver {rest * 1e3:.1f} ms ({rest / med['batched']:.0%}); the engines at eager's per-FLOP rate would "
+          f"leave the batched sweep at {(med['eager'] / fr + u + rest) * 1e3:.1f} ms "
+          f"({med['eager'] / (med['eager'] / fr + u + rest):.2f}x) with its FLOP-weighted rho {fr:.2f}")
     per_unit = [statistics.median(u[i][2] for u in units) for i in range(len(units[0]))]
     print("  per unit (entry node, stacked rows, thread ms): "
           + ", ".join(f"({n}, {r}, {t * 1e3:.2f})" for (n, r, _), t in zip(units[0], per_unit)))
