@@ -15,6 +15,7 @@ import functools
 import itertools
 import operator
 import types
+from typing import Callable, Sequence
 
 import torch
 
@@ -52,10 +53,15 @@ def _options_object(v) -> bool:
     """A configuration object a forward reads its options from (``self.config.xxx``): a Hugging Face
     ``PretrainedConfig``, a dataclass instance (TransformerLens's configs), or a namespace of options
     (``types.SimpleNamespace``, ``argparse.Namespace``: research code's ``self.args``)."""
+    from ._build_cache import _is_library
+
     if isinstance(v, type) or isinstance(v, (torch.Tensor, torch.nn.Module)):
         return False
     return (dataclasses.is_dataclass(v) or isinstance(v, (types.SimpleNamespace, argparse.Namespace))
-            or any(c.__name__ in ("PretrainedConfig", "PreTrainedConfig") for c in type(v).__mro__))
+            or any(c.__name__ in ("PretrainedConfig", "PreTrainedConfig") for c in type(v).__mro__)
+            # An instance of the user's own class (``self.opts = Options()``), read like a namespace.
+            or (not callable(v) and isinstance(getattr(v, "__dict__", None), dict) and not _is_library(type(v))
+                and _generator_state(v) is _MISSING))
 
 
 # Private options a Hugging Face forward reads from its config (the attention function is looked up by it).
@@ -91,6 +97,7 @@ def attributes(model: torch.nn.Module) -> tuple:
     tpaths, tdicts, tkeys, tensors = [], [], [], []
     fpaths, fdicts = [], []
     configs, seen_configs = [], set()
+    callables = []
     for path, mod in model.named_modules():
         d = mod.__dict__
         for k, v in d.items():
@@ -110,6 +117,10 @@ def attributes(model: torch.nn.Module) -> tuple:
                 tdicts.append(d)
                 tkeys.append(k)
                 tensors.append(v)
+                if not isinstance(v, torch.Tensor) and not isinstance(getattr(v, "__self__", None), torch.nn.Module):
+                    # What a held function reads (a lambda's closure, a partial's arguments, a callable
+                    # object's attributes): ``self.act = lambda t: t * k[0]`` bakes k[0] into the trace too.
+                    callables.append((f"fn {'model.' + path if path else 'model'}.{k}", v))
             elif isinstance(v, (list, dict)) and len(v) <= _GLOBAL_CONTAINER_LIMIT:
                 # Tensors held in a list or dict attribute (self.anchors = [t0, t1], {"bias": t}): the trace
                 # bakes each in as a constant, so one replaced after the build (model.anchors[0] = t) made eager
@@ -148,6 +159,10 @@ def attributes(model: torch.nn.Module) -> tuple:
         dicts.append(d)
         keys.append(k)
         values.append(v)
+    if callables:
+        read = callable_reads(callables)
+        for out, more in zip((paths, dicts, keys, values, tpaths, tdicts, tkeys, tensors), read):
+            out += more
     # A forward replaced on a class after the build (Block.forward = f) is code the program never ran:
     # per module class, the class that defines the forward it runs holds that function by identity, and
     # every class before it in the MRO must still not define one (else it shadows the traced one).
@@ -186,11 +201,11 @@ def _stored_globals(code: types.CodeType) -> set:
     return out
 
 
-def global_reads(model: torch.nn.Module) -> tuple:
+def global_reads(model: torch.nn.Module, functions: Sequence[Callable] = ()) -> tuple:
     """A snapshot (the layout ``attributes`` returns) of the module-level values that the user's forward
     code reads: for every module class of the tree, the functions its own classes define (forward and the
-    helpers it calls on self), and the user functions and user modules (``config.SCALE``) they name, one
-    level after another. Plain values (numbers, strings, small tuples and dicts of them) by value, functions
+    helpers it calls on self), the user's ``functions`` traced with it (a step's loss_fn), and the user
+    functions and user modules (``config.SCALE``) they name, one level after another. Plain values (numbers, strings, small tuples and dicts of them) by value, functions
     by identity; lists and sets are left out (a log the forward appends to would refuse every later call). The trace holds each as a constant, so ``OFFSET = 1.5`` after the build made eager calls and
     the graph differ, silently. Code of installed packages (torch, transformers, TransformerLens) is not
     walked; names the code assigns (a call counter) are not checked."""
@@ -201,10 +216,10 @@ def global_reads(model: torch.nn.Module) -> tuple:
     seen: set = set()
     taken: set = set()
 
-    def take(label: str, d: dict, name: str, v, names: tuple, skip: set, depth: int) -> None:
+    def take(label: str, d: dict, name: str, v, names: tuple, skip: set, depth: int, lists: bool = False) -> None:
         if (id(d), name) in taken or name in skip or name.startswith("__"):
             return
-        if isinstance(v, (list, set)):
+        if isinstance(v, (list, set)) and not lists:
             return  # a list or set at module level is mostly a log the forward appends to, not a constant
         if isinstance(v, _SCALARS) or (isinstance(v, _CONTAINERS) and len(v) <= _GLOBAL_CONTAINER_LIMIT and _plain(v)):
             taken.add((id(d), name))
@@ -212,6 +227,14 @@ def global_reads(model: torch.nn.Module) -> tuple:
             dicts.append(d)
             keys.append(name)
             values.append(v if isinstance(v, _SCALARS) else copy.deepcopy(v))
+        elif isinstance(v, torch.Tensor):
+            # A module-level tensor (MASK = torch.tril(...)) is a constant of the trace: one rebound after the
+            # build (MASK = other) is not the one the program holds (writes into it are found by content).
+            taken.add((id(d), name))
+            tpaths.append(label)
+            tdicts.append(d)
+            tkeys.append(name)
+            objs.append(v)
         elif isinstance(v, types.FunctionType) and not _is_library(v):
             taken.add((id(d), name))
             tpaths.append(label)
@@ -239,6 +262,15 @@ def global_reads(model: torch.nn.Module) -> tuple:
         for n in names:
             if n in env:
                 take(label, env, n, env[n], names, skip, depth)
+        if fn.__closure__:
+            # A module class defined inside a factory (``def make(scale): class M: ... x * scale[0]``) reads its
+            # knobs from the factory's closure: a list of numbers there is a knob (scale = [2.0]), not a log.
+            cells = _Closure(fn)
+            assigned = _assigned_cells(fn)
+            for n in fn.__code__.co_freevars:
+                v = cells.get(n, _MISSING)
+                if v is not _MISSING and n not in assigned and not n.startswith("_"):
+                    take(f"closure {fn.__qualname__}", cells, n, v, names, set(), depth, lists=True)
 
     classes = set()
     for mod in model.modules():
@@ -249,14 +281,44 @@ def global_reads(model: torch.nn.Module) -> tuple:
             if cls in classes or _is_library(cls):
                 continue
             classes.add(cls)
-            for v in vars(cls).values():
+            label = f"class {cls.__module__}.{cls.__qualname__}"
+            for k, v in vars(cls).items():
                 if isinstance(v, (staticmethod, classmethod)):
                     v = v.__func__
                 elif isinstance(v, property):
                     v = v.fget
                 if isinstance(v, types.FunctionType):
                     function(v)
+                elif not k.startswith("_") and (isinstance(v, _SCALARS) or _plain(v)):
+                    # A class-level knob (``SCALE = 2.0`` in the class body, read as self.SCALE): the trace
+                    # holds it as a constant, so ``Block.SCALE = 3.0`` after the build was unseen.
+                    take(label, vars(cls), k, v, (), set(), 0, lists=True)
+    for fn in functions:
+        for kind, f in _callable_parts(fn):
+            if kind == "function":
+                function(f)
     return paths, dicts, keys, values, tpaths, tdicts, tkeys, objs, [], []
+
+
+def joined(*snapshots: tuple) -> tuple:
+    """One snapshot (the layout ``attributes`` returns) holding every entry of ``snapshots``."""
+    out = [[] for _ in range(10)]
+    seen: set = set()
+    for snap in snapshots:
+        if not snap:
+            continue
+        for group in ((0, 1, 2, 3), (4, 5, 6, 7)):  # (paths, dicts, keys, values), the same by identity
+            for entry in zip(*(snap[i] for i in group)):
+                d, k = entry[1], entry[2]
+                # One closure cell seen through two functions' views is one entry.
+                slot = ("cell", id(d._cells[k])) if isinstance(d, _Closure) and k in d._cells else (id(d), k)
+                if (group[0], slot) not in seen:
+                    seen.add((group[0], slot))
+                    for i, e in zip(group, entry):
+                        out[i].append(e)
+        for i in (8, 9):
+            out[i] += list(snap[i])
+    return tuple(out) if any(out) else ()
 
 
 def changed(snapshot: tuple) -> list[tuple[str, str, object, object]]:
@@ -366,9 +428,13 @@ def describe(path: str, key: str) -> str:
     if path.startswith("class "):
         return f"{path[len('class '):]}.{key} (on the class)"
     if path.startswith("global "):
-        return f"{path[len('global '):]}.{key} (a module-level value the forward reads)"
+        return f"{path[len('global '):]}.{key} (a module-level value the traced code reads)"
     if path.startswith("hook "):
         return f"{path[len('hook '):]}: {key!r}"
+    if path.startswith("closure "):
+        return f"{key!r} (a closure variable {path[len('closure '):]} reads)"
+    if path.startswith("fn "):
+        return f"{path[len('fn '):]}: {key!r}"
     return f"{'model.' + path if path else 'model'}.{key}"
 
 
@@ -386,6 +452,8 @@ def change_message(changes: list, built: str) -> str:
     hint = ("" if key == "training" or path.startswith("global ") else
             f" (if the hook's output never depends on {key!r}, keep it under a name starting with '_', which is not "
             "checked)" if path.startswith("hook ") else
+            f" (if the result never depends on {key!r}, keep it under a name starting with '_', which is not "
+            "checked)" if path.startswith(("fn ", "closure ")) else
             f" (if forward never reads {key!r}, keep it under a name starting with '_', which is not checked)")
     return f"{describe(path, key)} is {now!r}{mode} now, {was!r} when {built}{more}{hint}"
 
@@ -496,47 +564,80 @@ class _Closure:
 
 
 def _hook_label(fn) -> str:
+    from ._build_cache import _is_library
+
+    if isinstance(fn, types.FunctionType) and _is_library(fn):  # a library's wrapper: the user's hook it holds
+        for cell in fn.__closure__ or ():
+            try:
+                inner = cell.cell_contents
+            except ValueError:
+                continue
+            if callable(inner) and not isinstance(inner, (type, torch.nn.Module)):
+                return _hook_label(inner)
     inner = fn.func if isinstance(fn, functools.partial) else fn
     inner = getattr(inner, "__func__", inner)
     return getattr(inner, "__name__", None) or type(inner).__name__
 
 
-def _hook_holders(fn, depth: int = 0) -> list:
-    """The mappings a forward hook reads its Python values from: a function's closure and the module-level
-    names its code reads, a hook object's (or a bound method's instance's) attributes, a partial's
-    arguments; then the same for the functions it holds (``__call__``, a partial's function)."""
-    from ._build_cache import _global_names, _is_library
+def _callable_parts(fn, depth: int = 0):
+    """The Python objects a callable keeps its state in, as ("partial", p), ("instance", obj) or
+    ("function", f): a partial and then its function, a bound method's instance and then its function, a
+    callable object and then its class's ``__call__``, and, inside a library's wrapper around the user's
+    callable (TransformerLens's ``add_hook`` registers its own ``full_hook`` holding the user's hook in its
+    closure), the user's callables it holds. The one walk behind every check of what a hook reads or writes."""
+    from ._build_cache import _is_library
 
     if depth > 2:
-        return []
-    out = []
+        return
     if isinstance(fn, functools.partial):
-        out.append({"args": fn.args})
-        if fn.keywords:
-            out.append(fn.keywords)
-        return out + _hook_holders(fn.func, depth + 1)
-    if isinstance(fn, types.MethodType):
-        d = getattr(fn.__self__, "__dict__", None)
-        if isinstance(d, dict):
-            out.append(d)
-        return out + _hook_holders(fn.__func__, depth + 1)
-    if isinstance(fn, types.FunctionType):
-        if _is_library(fn):
-            return []
-        if fn.__closure__:
-            out.append(_Closure(fn))
-        names = set(_global_names(fn.__code__)) - _stored_globals(fn.__code__)
-        env = fn.__globals__
-        out.append({n: env[n] for n in names if n in env and not isinstance(env[n], (types.ModuleType, type))
-                    and not n.startswith("__")})
-        return out
-    if callable(fn) and not isinstance(fn, type) and not _is_library(type(fn)):
-        d = getattr(fn, "__dict__", None)
-        if isinstance(d, dict):
-            out.append(d)
+        yield "partial", fn
+        yield from _callable_parts(fn.func, depth + 1)
+    elif isinstance(fn, types.MethodType):
+        yield "instance", fn.__self__
+        yield from _callable_parts(fn.__func__, depth + 1)
+    elif isinstance(fn, types.FunctionType):
+        if not _is_library(fn):
+            yield "function", fn
+            return
+        for cell in fn.__closure__ or ():
+            try:
+                inner = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if callable(inner) and not isinstance(inner, (type, torch.nn.Module)):
+                yield from _callable_parts(inner, depth + 1)
+    elif callable(fn) and not isinstance(fn, type) and not _is_library(type(fn)):
+        yield "instance", fn
         call = getattr(type(fn), "__call__", None)
         if isinstance(call, types.FunctionType):
-            out += _hook_holders(call, depth + 1)
+            yield from _callable_parts(call, depth + 1)
+
+
+def _hook_holders(fn) -> list:
+    """(mapping, keys) a forward hook reads its Python values from: a function's closure and the module-level
+    names its code reads, a hook object's (or a bound method's instance's) attributes, a partial's
+    arguments (_callable_parts: also inside a library's wrapper). Each mapping is the live one (a later
+    ``alpha = 3.0`` at module level is seen through it); ``keys``: those to read, in the mapping's order."""
+    from ._build_cache import _global_names
+
+    out = []
+    for kind, obj in _callable_parts(fn):
+        if kind == "partial":
+            out.append(({"args": obj.args}, ("args",)))
+            if obj.keywords:
+                out.append((obj.keywords, tuple(obj.keywords)))
+        elif kind == "instance":
+            d = getattr(obj, "__dict__", None)
+            if isinstance(d, dict):
+                out.append((d, tuple(d)))
+        else:
+            if obj.__closure__:
+                cells = _Closure(obj)
+                out.append((cells, tuple(cells.keys())))
+            names = set(_global_names(obj.__code__)) - _stored_globals(obj.__code__)
+            env = obj.__globals__
+            out.append((env, tuple(sorted(n for n in names if n in env and not n.startswith("__")
+                                          and not isinstance(env[n], (types.ModuleType, type))))))
     return out
 
 
@@ -548,25 +649,34 @@ def _forward_hooks(dicts: list) -> list:
 
 def hook_reads(dicts: list) -> tuple:
     """A snapshot (the layout ``attributes`` returns) of the Python values the forward hooks of ``dicts``
-    read: plain values (numbers, strings, small containers of them: ``scale = [2.0]``) by value, tensors
-    and callables by identity. The trace bakes each in, so a hook's knob changed after the build
+    read (callable_reads). The trace bakes each in, so a hook's knob changed after the build
     (``steer.alpha = 3.0``) made eager calls and the program differ, silently."""
+    return callable_reads([("hook " + label, fn) for label, fn in _forward_hooks(dicts)])
+
+
+def callable_reads(pairs: list) -> tuple:
+    """A snapshot (the layout ``attributes`` returns) of the Python values the callables of ``pairs``
+    ((path, fn): forward hooks, a step's loss_fn) read through their closures, objects, partial arguments
+    and module-level names (_hook_holders): plain values (numbers, strings, small containers of them:
+    ``scale = [2.0]``) by value, tensors and callables by identity. Names starting with "_" and closure
+    variables the function assigns are its bookkeeping, not checked."""
     paths, dicts_, keys, values = [], [], [], []
     tpaths, tdicts, tkeys, objs = [], [], [], []
-    for label, fn in _forward_hooks(dicts):
-        stored = _assigned_cells(fn)
-        for holder in _hook_holders(fn):
-            for k, v in list(holder.items()):
+    for label, fn in pairs:
+        stored = set().union(*(_assigned_cells(f) for kind, f in _callable_parts(fn) if kind == "function"))
+        for holder, names in _hook_holders(fn):
+            for k in names:
+                v = holder.get(k, _MISSING)
                 if v is _MISSING or (isinstance(k, str) and k.startswith("_")) or k in stored:
                     continue  # bookkeeping: a name starting with "_", a closure variable the hook assigns
                 if isinstance(v, _SCALARS) or (isinstance(v, _CONTAINERS) and len(v) <= _GLOBAL_CONTAINER_LIMIT
                                                and _plain(v)):
-                    paths.append("hook " + label)
+                    paths.append(label)
                     dicts_.append(holder)
                     keys.append(k)
                     values.append(v if isinstance(v, _SCALARS) else copy.deepcopy(v))
                 elif isinstance(v, torch.Tensor) or (callable(v) and not isinstance(v, type)):
-                    tpaths.append("hook " + label)
+                    tpaths.append(label)
                     tdicts.append(holder)
                     tkeys.append(k)
                     objs.append(v)
@@ -595,8 +705,9 @@ def stored_trace_tensors(dicts: list) -> list[tuple[str, str, torch.Tensor]]:
     a hook that stores activations (``acts[name] = out``) ran only while traced."""
     out = []
     for label, fn in _forward_hooks(dicts):
-        for holder in _hook_holders(fn):
-            for k, v in list(holder.items()):
+        for holder, names in _hook_holders(fn):
+            for k in names:
+                v = holder.get(k)
                 inner = (list(v.values()) if isinstance(v, dict) else list(v) if isinstance(v, (list, tuple))
                          else [v]) if isinstance(v, (dict, list, tuple, torch.Tensor)) else []
                 if len(inner) <= _GLOBAL_CONTAINER_LIMIT:
@@ -1020,51 +1131,33 @@ def read_back_message(writes: list, what: str) -> str:
 
 
 # ---- Python state a trace writes (hooks' bookkeeping, activations stored by a hook or a forward)
-def _live_holders(fn, label: str, depth: int = 0) -> list:
+def _live_holders(fn, label: str) -> list:
     """(label, mapping, names or None) where a hook (or a loss function) keeps Python state it can write: a
     function's closure cells and the module-level names its code reads or assigns, a hook object's (a bound
-    method's instance's) attributes, a partial's arguments. ``names``: the keys to watch (None: all of them,
-    new ones included)."""
-    from ._build_cache import _global_names, _is_library
+    method's instance's) attributes, a partial's arguments (_callable_parts: also inside a library's
+    wrapper). ``names``: the keys to watch (None: all of them, new ones included). A module's own attributes
+    are the module state's, not watched here."""
+    from ._build_cache import _global_names
 
-    if depth > 2:
-        return []
-    if isinstance(fn, functools.partial):
-        out = [(label, dict(enumerate(fn.args)), None)]  # not rebindable: watched for their contents
-        if fn.keywords:
-            out.append((label, fn.keywords, None))
-        return out + _live_holders(fn.func, label, depth + 1)
-    if isinstance(fn, types.MethodType):
-        d = getattr(fn.__self__, "__dict__", None)
-        out = [(label, d, None)] if isinstance(d, dict) and not isinstance(fn.__self__, torch.nn.Module) else []
-        return out + _live_holders(fn.__func__, label, depth + 1)
-    if isinstance(fn, types.FunctionType):
-        if _is_library(fn):
-            # A library's wrapper around the user's hook (TransformerLens's add_hook registers full_hook, which
-            # holds the user's function in its closure): the user's functions it holds.
-            out = []
-            for cell in fn.__closure__ or ():
-                try:
-                    inner = cell.cell_contents
-                except ValueError:  # an empty cell
-                    continue
-                if callable(inner) and not isinstance(inner, (type, torch.nn.Module)):
-                    out += _live_holders(inner, label, depth + 1)
-            return out
-        out = [(label, _Closure(fn), tuple(fn.__code__.co_freevars))] if fn.__closure__ else []
-        names = set(_global_names(fn.__code__)) | _stored_globals(fn.__code__)
-        env = fn.__globals__
-        names = {n for n in names if not n.startswith("__")
-                 and not isinstance(env.get(n), (types.ModuleType, type, types.FunctionType))}
-        return out + [(label, env, tuple(sorted(names)))]
-    if callable(fn) and not isinstance(fn, type) and not _is_library(type(fn)) and not isinstance(fn, torch.nn.Module):
-        d = getattr(fn, "__dict__", None)
-        out = [(label, d, None)] if isinstance(d, dict) else []
-        call = getattr(type(fn), "__call__", None)
-        if isinstance(call, types.FunctionType):
-            out += _live_holders(call, label, depth + 1)
-        return out
-    return []
+    out = []
+    for kind, obj in _callable_parts(fn):
+        if kind == "partial":
+            out.append((label, dict(enumerate(obj.args)), None))  # not rebindable: watched for their contents
+            if obj.keywords:
+                out.append((label, obj.keywords, None))
+        elif kind == "instance":
+            d = getattr(obj, "__dict__", None)
+            if isinstance(d, dict) and not isinstance(obj, torch.nn.Module):
+                out.append((label, d, None))
+        else:
+            if obj.__closure__:
+                out.append((label, _Closure(obj), tuple(obj.__code__.co_freevars)))
+            names = set(_global_names(obj.__code__)) | _stored_globals(obj.__code__)
+            env = obj.__globals__
+            names = {n for n in names if not n.startswith("__")
+                     and not isinstance(env.get(n), (types.ModuleType, type, types.FunctionType))}
+            out.append((label, env, tuple(sorted(names))))
+    return out
 
 
 def _contents(v, depth: int = 0):

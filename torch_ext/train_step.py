@@ -782,6 +782,10 @@ class TrainStep:
             else:
                 _module_state.put(before, changed, new=False)
         self._module_snapshot = _module_state.attributes(model)  # what the program was traced with
+        # The Python values the forward's and loss_fn's code read (module-level names, loss_fn's closure and
+        # partial arguments): the trace holds each as a constant.
+        self._read_snapshot = _module_state.joined(_module_state.callable_reads([("fn loss_fn", loss_fn)]),
+                                                   _module_state.global_reads(model, (loss_fn,)))
         self._env_reads = env_reads
         self._hook_snapshot = _module_state.Hooks(model, gradients=True, optimizers=optimizers)
         if changed:  # forward changed Python state: eager sees it change every call, the program never
@@ -1126,7 +1130,7 @@ class TrainStep:
         if hook_change:
             raise ValueError(f"{hook_change}: build a new step (make_train_step) after changing hooks, or change "
                              "them back")
-        changed = _module_state.changed(self._module_snapshot)
+        changed = _module_state.changed(self._module_snapshot) or _module_state.changed(self._read_snapshot)
         if changed:
             raise ValueError(f"{_module_state.change_message(changed, 'the step was built')}; eager training would follow the change, the program bakes in the value it was traced "
                              "with: build a new step (make_train_step) after changing it, or change it back")

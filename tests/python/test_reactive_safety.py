@@ -8,6 +8,7 @@ hand (forward hooks), never through the engine.
 """
 from __future__ import annotations
 
+import functools
 import types
 
 import pytest
@@ -710,20 +711,31 @@ def test_run_and_demand_refuse_forward_hooks_changed_after_build(kind):
     assert torch.equal(rg.run(x), clean)
 
 
-@pytest.mark.parametrize("kind", ["closure", "object"])
+STEER_SCALE = 2.0  # a module-level knob a hook reads
+
+
+@pytest.mark.parametrize("kind", ["closure", "object", "global"])
 def test_run_and_demand_refuse_a_traced_hooks_values_changed_after_build(kind):
+    # "global": a hook reading a module-level name was checked against a copy of the name taken at the build
+    # (never against the module's own globals), so `STEER_SCALE = 3.0` went unseen.
+    global STEER_SCALE
     # The graph holds the values a forward hook read when traced. Before: after the user turned a steering
     # knob (a closure's scale[0], a hook object's alpha), run() and demand() answered with the traced value,
     # silently, where eager calls follow the change.
     model = _Tempered().eval()
     x = torch.randn(2, 3, 8)
     scale, steer = [2.0], Steer(2.0)
-    model.fc.register_forward_hook((lambda m, a, out: out * scale[0]) if kind == "closure" else steer)
+    hook = {"closure": lambda m, a, out: out * scale[0], "object": steer,
+            "global": lambda m, a, out: out * STEER_SCALE}[kind]
+    model.fc.register_forward_hook(hook)
     rg = torch_ext.ReactiveGraph(model, (x,), cache=False)
     clean = rg.run(x).clone()
     if kind == "closure":
         scale[0] = 3.0
         message = r"forward hook <lambda> on module 'fc' \(Linear\): 'scale' is \[3.0\] now, \[2.0\] when this"
+    elif kind == "global":
+        STEER_SCALE = 3.0
+        message = r"forward hook <lambda> on module 'fc' \(Linear\): 'STEER_SCALE' is 3.0 now, 2.0 when this"
     else:
         steer.alpha = 3.0
         message = r"forward hook Steer on module 'fc' \(Linear\): 'alpha' is 3.0 now, 2.0 when this"
@@ -733,7 +745,7 @@ def test_run_and_demand_refuse_a_traced_hooks_values_changed_after_build(kind):
         rg.run(x)
     with pytest.raises(ValueError, match="demand: " + message):
         rg.demand()
-    scale[0], steer.alpha = 2.0, 2.0  # changed back: the graph is right again
+    scale[0], steer.alpha, STEER_SCALE = 2.0, 2.0, 2.0  # changed back: the graph is right again
     assert torch.equal(rg.run(x), clean)
 
 
@@ -1214,7 +1226,7 @@ def test_run_and_demand_refuse_module_level_values_changed_after_build(change, m
         monkeypatch.setitem(globals(), "_gained", lambda t: -t)
     for call in (rg.demand, lambda: rg.run(x),
                  lambda: torch_ext.sweep(rg, [rg.nodes("linear*")[0]], lambda v, s: v, sum_metric, progress=False)):
-        with pytest.raises(ValueError, match="a module-level value the forward reads"):
+        with pytest.raises(ValueError, match="a module-level value the traced code reads"):
             call()
     monkeypatch.undo()
     assert torch.equal(rg.run(x), model(x))  # changed back: computes again
@@ -1509,3 +1521,157 @@ def test_early_cutoff_does_not_stop_at_the_same_bits_in_another_layout():
     rg.patch(relu, h.clone())  # the same bits in the same layout: cut off after the site, as before
     cut = rg.stats["cutoffs"]
     assert torch.equal(rg.demand(), clean) and rg.stats["cutoffs"] > cut
+
+
+def _model_made_by_a_factory(scale: list) -> nn.Module:
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.fc(x) * scale[0]
+
+    return Scaled().eval()
+
+
+def test_a_value_the_forward_reads_from_its_factorys_closure_changed_after_build_is_refused():
+    # A module class defined inside a factory reads its knobs from the factory's closure. Before: module-level
+    # names were checked, closures not, so `scale[0] = 3.0` left run() answering with 2.0, silently.
+    scale = [2.0]
+    model, x = _model_made_by_a_factory(scale), torch.randn(3, 4)
+    rg = torch_ext.ReactiveGraph(model, (x,), cache=False)
+    clean = rg.run(x).clone()
+    scale[0] = 3.0
+    with torch.no_grad():
+        assert not torch.equal(model(x), clean)  # eager follows the change
+    message = r"'scale' \(a closure variable .*Scaled.forward reads\) is \[3.0\] now, \[2.0\] when this ReactiveGraph"
+    with pytest.raises(ValueError, match="run: " + message):
+        rg.run(x)
+    with pytest.raises(ValueError, match="demand: " + message):
+        rg.demand()
+    scale[0] = 2.0  # changed back: the graph is right again
+    assert torch.equal(rg.run(x), clean)
+    y = torch.randn(3, 2)
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     lambda m, a, b: nn.functional.mse_loss(m(a), b), (x, y))
+    state = step.init_state()
+    scale[0] = 3.0
+    with pytest.raises(ValueError, match=message.replace("this ReactiveGraph", "the step")):
+        step(state, x, y)
+    scale[0] = 2.0
+    step(state, x, y)
+
+
+class _UserOptions:  # the user's own options class (neither a dataclass nor a namespace)
+    def __init__(self):
+        self.scale = 2.0
+
+
+def _times(t, s):
+    return t * s["v"]
+
+
+class _HoldsKnobs(nn.Module):
+    GAIN = 2.0  # a class-level knob
+
+    def __init__(self, kind: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.kind = nn.Linear(4, 2), kind
+        self.opts = _UserOptions()
+        self.by_partial = functools.partial(_times, s={"v": 2.0})
+        k = [2.0]
+        self.by_lambda = lambda t: t * k[0]
+
+    def forward(self, x):
+        y = self.fc(x)
+        if self.kind == "object":
+            return y * self.opts.scale
+        if self.kind == "class":
+            return y * self.GAIN
+        return self.by_partial(y) if self.kind == "partial" else self.by_lambda(y)
+
+
+@pytest.mark.parametrize("kind", ["object", "partial", "lambda", "class"])
+def test_a_knob_held_in_a_user_object_or_a_held_functions_state_changed_after_build_is_refused(kind):
+    # Before: options on an instance of the user's own class (self.opts.scale) and what a held function reads
+    # (a partial's keyword dict, a lambda's closure list) were taken by identity only, and class-level values
+    # (GAIN = 2.0 in the class body) not at all, so an edit left run() and the step answering with the traced
+    # value, silently.
+    model, x = _HoldsKnobs(kind).eval(), torch.randn(3, 4)
+    rg = torch_ext.ReactiveGraph(model, (x,), cache=False)
+    clean = rg.run(x).clone()
+    y = torch.randn(3, 2)
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     lambda m, a, b: nn.functional.mse_loss(m(a), b), (x, y))
+    state = step.init_state()
+
+    def turn(value):
+        if kind == "object":
+            model.opts.scale = value
+        elif kind == "class":
+            _HoldsKnobs.GAIN = value
+        elif kind == "partial":
+            model.by_partial.keywords["s"]["v"] = value
+        else:
+            model.by_lambda.__closure__[0].cell_contents[0] = value
+
+    turn(3.0)
+    try:
+        _expect_refused(model, rg, step, state, x, y, clean, kind)
+    finally:
+        turn(2.0)  # changed back: both are right again
+    assert torch.equal(rg.run(x), clean)
+    step(state, x, y)
+
+
+def _expect_refused(model, rg, step, state, x, y, clean, kind):
+    with torch.no_grad():
+        assert not torch.equal(model(x), clean)  # eager follows the change
+    message = {"object": r"model.opts.scale is 3.0 now, 2.0", "partial": r"model.by_partial: 's' is \{'v': 3.0\} now",
+               "lambda": r"model.by_lambda: 'k' is \[3.0\] now, \[2.0\]",
+               "class": r"[\w.]*_HoldsKnobs.GAIN \(on the class\) is 3.0 now, 2.0"}[kind]
+    with pytest.raises(ValueError, match="run: " + message):
+        rg.run(x)
+    with pytest.raises(ValueError, match=message):
+        step(state, x, y)
+
+
+BIAS_TABLE = torch.tensor([1.0, -1.0])  # a module-level tensor a forward reads
+
+
+class _ReadsAModuleLevelTensor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x) + BIAS_TABLE
+
+
+def test_a_module_level_tensor_rebound_after_build_is_refused():
+    # The trace holds a module-level tensor as a constant. Writes into it were found by content; rebinding the
+    # name (BIAS_TABLE = other) was not: run() and the step kept the old tensor, silently.
+    global BIAS_TABLE
+    model, x, y = _ReadsAModuleLevelTensor().eval(), torch.randn(3, 4), torch.randn(3, 2)
+    rg = torch_ext.ReactiveGraph(model, (x,), cache=False)
+    clean = rg.run(x).clone()
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     lambda m, a, b: nn.functional.mse_loss(m(a), b), (x, y))
+    state = step.init_state()
+    old, BIAS_TABLE = BIAS_TABLE, torch.tensor([5.0, 5.0])
+    try:
+        with torch.no_grad():
+            assert not torch.equal(model(x), clean)  # eager follows the change
+        message = r"BIAS_TABLE \(a module-level value the traced code reads\) was replaced by a tensor of shape \(2,\)"
+        with pytest.raises(ValueError, match="run: .*" + message):
+            rg.run(x)
+        with pytest.raises(ValueError, match=message):
+            step(state, x, y)
+    finally:
+        BIAS_TABLE = old  # changed back: both are right again
+    assert torch.equal(rg.run(x), clean)
+    step(state, x, y)

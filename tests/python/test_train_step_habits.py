@@ -1791,20 +1791,31 @@ def test_hooks_on_other_models_do_not_refuse_the_step():
     assert torch.equal(loss, loss2)
 
 
-@pytest.mark.parametrize("kind", ["closure", "object"])
+STEER_SCALE = 2.0  # a module-level knob a hook reads
+
+
+@pytest.mark.parametrize("kind", ["closure", "object", "global"])
 def test_forward_hook_state_changed_after_build_is_refused_not_ignored(kind):
+    # "global": a hook reading a module-level name was checked against a copy of the name taken at the build
+    # (never against the module's own globals), so `STEER_SCALE = 3.0` went unseen.
+    global STEER_SCALE
     # The program holds the values a forward hook read when traced. Before: after the user changed a value
     # the hook reads (a closure's scale[0], a hook object's alpha), the step kept training with the traced
     # one, silently, where eager training follows the change.
     model = _Adversarial(lambda h: h)
     scale, steer = [2.0], Steer(2.0)
-    model.body.register_forward_hook((lambda m, a, out: out * scale[0]) if kind == "closure" else steer)
+    hook = {"closure": lambda m, a, out: out * scale[0], "object": steer,
+            "global": lambda m, a, out: out * STEER_SCALE}[kind]
+    model.body.register_forward_hook(hook)
     step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), _mse, _XY)
     _, state = step(step.init_state(), *_XY)
     before, _ = step(state, *_XY)
     if kind == "closure":
         scale[0] = 3.0
         message = r"forward hook <lambda> on module 'body' \(Linear\): 'scale' is \[3.0\] now, \[2.0\] when the step"
+    elif kind == "global":
+        STEER_SCALE = 3.0
+        message = r"forward hook <lambda> on module 'body' \(Linear\): 'STEER_SCALE' is 3.0 now, 2.0 when the step"
     else:
         steer.alpha = 3.0
         message = r"forward hook Steer on module 'body' \(Linear\): 'alpha' is 3.0 now, 2.0 when the step"
@@ -1815,7 +1826,7 @@ def test_forward_hook_state_changed_after_build_is_refused_not_ignored(kind):
         step(state, *_XY)
     with pytest.raises(ValueError, match=message):
         step.compile(plan=False)(state, *_XY)
-    scale[0], steer.alpha = 2.0, 2.0  # changed back: the program is right again
+    scale[0], steer.alpha, STEER_SCALE = 2.0, 2.0, 2.0  # changed back: the program is right again
     again, _ = step(state, *_XY)
     assert torch.equal(again, before)
 
@@ -2178,3 +2189,63 @@ def test_environment_variable_unset_at_build_is_recorded_as_unset(monkeypatch):
     monkeypatch.setenv("TORCH_EXT_TEST_SCALE", "1.0")
     with pytest.raises(ValueError, match="TORCH_EXT_TEST_SCALE the forward read is '1.0' now, unset when"):
         step(state, *_XY)
+
+
+FORWARD_OFFSET = 1.5  # a module-level value a forward reads
+LOSS_SCALE = 2.0  # a module-level value a loss_fn reads
+
+
+class _Offset(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.body(x) + FORWARD_OFFSET
+
+
+def _scaled_mse(m, x, y):
+    return F.mse_loss(m(x), y) * LOSS_SCALE
+
+
+class _Weighted:
+    def __init__(self, w: float):
+        self.w = w
+
+    def __call__(self, m, x, y):
+        return F.mse_loss(m(x), y) * self.w
+
+
+@pytest.mark.parametrize("kind", ["forward global", "loss_fn global", "loss_fn closure", "loss_fn object"])
+def test_a_value_the_forward_or_loss_fn_reads_changed_after_build_is_refused(kind):
+    # The program holds the Python values the traced code read. Before: the step checked module attributes and
+    # hooks, never the module-level names the forward or loss_fn read nor loss_fn's closure or object, so
+    # `FORWARD_OFFSET = 3.0` after make_train_step left the step training with 1.5 (loss 3.58 against eager's
+    # 10.49 on a probe), silently; ReactiveGraph checked the forward's names already.
+    global FORWARD_OFFSET, LOSS_SCALE
+    scale, weighted = [2.0], _Weighted(2.0)
+    loss_fn = {"forward global": _mse, "loss_fn global": _scaled_mse, "loss_fn object": weighted,
+               "loss_fn closure": lambda m, x, y: F.mse_loss(m(x), y) * scale[0]}[kind]
+    model = _Offset()
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, _XY)
+    loss, state = step(step.init_state(), *_XY)
+    if kind == "forward global":
+        FORWARD_OFFSET, message = 3.0, r"FORWARD_OFFSET \(a module-level value the traced code reads\) is 3.0 now, 1.5"
+    elif kind == "loss_fn global":
+        LOSS_SCALE, message = 5.0, r"loss_fn: 'LOSS_SCALE' is 5.0 now, 2.0"
+    elif kind == "loss_fn closure":
+        scale[0], message = 5.0, r"loss_fn: 'scale' is \[5.0\] now, \[2.0\] when the step was built"
+    else:
+        weighted.w, message = 5.0, r"loss_fn: 'w' is 5.0 now, 2.0 when the step was built"
+    try:
+        step.write_back(state)
+        with pytest.raises(ValueError, match=message):
+            step(state, *_XY)
+        with pytest.raises(ValueError, match=message):
+            step.compile(plan=False)(state, *_XY)
+    finally:
+        FORWARD_OFFSET, LOSS_SCALE, scale[0], weighted.w = 1.5, 2.0, 2.0, 2.0
+    again, _ = step(state, *_XY)  # changed back: the program is right again
+    with torch.no_grad():
+        assert torch.equal(again, loss_fn(model, *_XY))

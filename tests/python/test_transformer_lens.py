@@ -409,3 +409,35 @@ def test_a_hook_added_through_add_hook_leaves_the_users_state_as_found(bridge, k
     finally:
         bridge.reset_hooks()
     assert acts == [] and store == {} and count == {"n": 0}
+
+
+class _Scale:
+    def __init__(self, k: float):
+        self.k = k
+
+    def __call__(self, act, hook):
+        return act * self.k
+
+
+@pytest.mark.parametrize("kind", ["closure", "object"])
+def test_a_steering_hook_added_through_add_hook_refuses_its_knob_changed_after_build(bridge, kind):
+    # The graph holds the values a traced hook read. A hook added through add_hook sits inside TransformerLens's
+    # own wrapper (full_hook), which the check of what hooks read did not look into. Before: after the user
+    # turned the knob, run() answered with the traced value (0.66 off eager on this bridge), silently.
+    scale, obj = [2.0], _Scale(2.0)
+    hook = (lambda act, hook: act * scale[0]) if kind == "closure" else obj
+    clean = torch.randint(0, 50, (1, 8), generator=torch.Generator().manual_seed(5))
+    bridge.add_hook("blocks.0.hook_resid_pre", hook)
+    try:
+        rg = torch_ext.ReactiveGraph(bridge, (clean,), cache=False)
+        before = rg.run(clean).clone()
+        scale[0], obj.k = 3.0, 3.0
+        with torch.no_grad():
+            assert not torch.equal(bridge(clean), before)  # eager follows the change
+        with pytest.raises(ValueError, match=r"run: forward hook (<lambda>|_Scale) on module 'blocks.0.hook_in' \(HookPoint\): "
+                           r"'(scale|k)' is \[?3.0\]? now, \[?2.0\]? when this ReactiveGraph"):
+            rg.run(clean)
+        scale[0], obj.k = 2.0, 2.0  # changed back: the graph is right again
+        assert torch.equal(rg.run(clean), before)
+    finally:
+        bridge.reset_hooks()
