@@ -1319,7 +1319,10 @@ class ReactiveGraph:
             if node is None or not isinstance(index, tuple):
                 continue
             t = self._type_of(node)
-            if t[0] != "tensor" or len(index) != len(t[2]) or len(t[2]) < 2:
+            if t[0] != "tensor":
+                continue
+            index = _index_per_dim(key, index, len(t[2]))
+            if len(index) != len(t[2]) or len(t[2]) < 2:
                 continue
             last = index[-1]
             if isinstance(last, int) and not isinstance(last, bool):
@@ -1404,14 +1407,14 @@ class ReactiveGraph:
             if node is None:
                 continue
             axis = self._engine.seq_axis(node)
-            if not isinstance(index, tuple):
-                index = (index,)
-            if axis < 0 or axis >= len(index):
+            if axis < 0:
+                continue
+            given = index
+            index = _index_per_dim(key, index, len(self._type_of(node)[2]))
+            if axis >= len(index):
                 continue
             t = self._type_of(node)[2][axis]
             sel = index[axis]
-            if isinstance(sel, bool) or sel is Ellipsis or any(e is Ellipsis for e in index[:axis]):
-                raise ValueError(f"reads[{key!r}]: {index!r}: Ellipsis and bool indices are not supported")
             if isinstance(sel, int):
                 first = sel + t if sel < 0 else sel
             elif isinstance(sel, slice):
@@ -1424,8 +1427,8 @@ class ReactiveGraph:
             elif isinstance(sel, torch.Tensor) and sel.dtype in (torch.int64, torch.int32) and sel.numel():
                 first = int(torch.where(sel < 0, sel + t, sel).min())
             else:
-                raise ValueError(f"reads[{key!r}]: cannot read {sel!r} along the sequence axis (dim {axis}); give an "
-                                 "int, a slice, or a list of ints")
+                raise ValueError(f"reads[{key!r}]: {given!r} cannot read {sel!r} along the sequence axis (dim {axis}); "
+                                 "give an int, a slice, or a list of ints")
             if not 0 <= first < t:
                 raise ValueError(f"reads[{key!r}]: row {first} is outside the sequence axis of length {t}")
             rows[k] = first
@@ -1492,6 +1495,38 @@ class ReactiveGraph:
         if not _same_state(checked.get(node), state):
             _BatchedCone.build_graph(eng, ((node, 2),))
             checked[node] = state
+
+
+def _index_per_dim(key, index, ndim: int) -> tuple:
+    """A ``reads`` index as one entry per dim of the output it indexes, in dim order, so that entry ``d``
+    is what the index selects along dim ``d`` (a superset where it cannot be exact). Python indexing
+    lets entries consume no dim (``None``, ``True``/``False``: a new dim) or several (``...``, an n-d
+    bool mask): taken entry by entry, ``(None, -1, 2)`` (row 2 of the last example) read as "row -1,
+    column 2", so only row -1 was computed and the metric got NaN for the row it declared. ``None`` and
+    bools are dropped, ``...`` becomes full slices, and an n-d bool mask becomes, per dim it covers, the
+    coordinates it selects there (int64)."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    out: list = []
+    ellipsis_at = None
+    for e in index:
+        if e is None or isinstance(e, bool):
+            continue
+        if e is Ellipsis:
+            if ellipsis_at is not None:
+                raise ValueError(f"reads[{key!r}]: {index!r}: an index can only have a single ellipsis ('...')")
+            ellipsis_at = len(out)
+            continue
+        if isinstance(e, torch.Tensor) and e.dtype == torch.bool:
+            if e.dim() == 0:
+                continue
+            coords = e.nonzero()
+            out.extend(coords[:, d].contiguous() for d in range(e.dim()))
+            continue
+        out.append(e)
+    if ellipsis_at is not None:
+        out[ellipsis_at:ellipsis_at] = [slice(None)] * max(ndim - len(out), 0)
+    return tuple(out)
 
 
 class _Held:

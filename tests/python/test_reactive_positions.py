@@ -277,6 +277,41 @@ def _full_cost(rg) -> float:
     return cost
 
 
+# Index entries that do not consume a dim (None, a bool) or consume several (Ellipsis, an n-d bool mask) shift
+# which entry stands for the sequence axis and the last dim: reads={"logits": (None, -1, 2)} (row 2 of the
+# last example) was taken as "row -1, column 2", only that was computed, and the metric got NaN for the row
+# it declared, silently (eager: a number).
+_SHIFTED_READS = {
+    "none_first": ((None, -1, 2), lambda o: o[None, -1, 2]),
+    "true_first": ((True, slice(None), 3), lambda o: o[True, :, 3]),
+    "ellipsis_first": ((Ellipsis, 2, [3, 4]), lambda o: o[..., 2, [3, 4]]),
+    "ellipsis_last": ((1, 3, Ellipsis), lambda o: o[1, 3, ...]),
+    "bool_batch": ((torch.tensor([False, True]), 3, 5), lambda o: o[torch.tensor([False, True]), 3, 5]),
+    "bool_batch_rows": ((torch.eye(2, T, dtype=torch.bool), 5), lambda o: o[torch.eye(2, T, dtype=torch.bool), 5]),
+}
+
+
+@pytest.mark.parametrize("how", list(_SHIFTED_READS))
+def test_reads_with_entries_that_shift_dims_reads_the_right_rows(how):
+    rg, resid, patch, sites = _zoo_sweep_setup("sdpa")
+    sites = [(n, p) for n, p in sites if p >= 1][::3]
+    index, read = _SHIFTED_READS[how]
+    metric = lambda out: read(out).clone()  # noqa: E731
+    whole = torch_ext.sweep(rg, sites, patch, metric, progress=False, positions=False)
+    for kw in ({}, {"batch_sites": True}):
+        got = torch_ext.sweep(rg, sites, patch, metric, progress=False, reads={"logits": index}, **kw)
+        for s in sites:
+            a, b = torch.as_tensor(got.metrics[s]), torch.as_tensor(whole.metrics[s])
+            assert not torch.isnan(a).any(), (how, kw, s)
+            assert _rel(a, b) <= 1e-6, (how, kw, s)
+    patched = rg.value(resid[0]).clone()
+    patched[:, 1:] = 0
+    rg.patch(resid[0], patched)
+    full = read(rg.demand()).clone()
+    assert _rel(read(rg.demand(reads={"logits": index})), full) <= 1e-6
+    rg.restore()
+
+
 def test_reads_last_row_computes_only_what_reaches_it():
     rg, resid, patch, sites = _zoo_sweep_setup("sdpa")
     seen = {}
