@@ -1025,7 +1025,7 @@ class ReactiveGraph:
             value = self._call_patch_fn(node, self._hook_view(name, value), clean, "patch function")
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"patch {node!r}: expected a tensor or a callable returning one, got {type(value).__name__}")
-        self._engine.patch(node, value.detach())
+        self._engine.patch(node, _own_copy(value.detach()))
 
     def _call_patch_fn(self, node: str, fn: Callable, clean: torch.Tensor, what: str):
         """``fn(copy of clean)``. ``clean`` is the cached tensor; the function gets a copy, because
@@ -1495,6 +1495,25 @@ class ReactiveGraph:
         if not _same_state(checked.get(node), state):
             _BatchedCone.build_graph(eng, ((node, 2),))
             checked[node] = state
+
+
+def _own_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its sizes and strides that no later write into ``t`` reaches: what a standing patch
+    keeps. The tensor given to ``patch`` (or returned by its function) may be the caller's own: a write into it
+    through ``.data``, ``.numpy()`` or its storage moves no version counter, so the patched node read the new
+    contents while its cone kept the outputs computed from the old ones. Copy on write where the memory allows
+    it (``_C.lazy_copy``: free unless either side writes); else the elements the view spans, with its strides
+    (an expanded or strided view reads the same memory pattern as the tensor given)."""
+    copy = _C.lazy_copy(t)
+    if copy is not None:
+        return copy
+    if t.is_conj() or t.is_neg():  # lazy bits the view would not carry: resolved, a new tensor already
+        return t.resolve_conj().resolve_neg()
+    if t.numel() == 0:
+        return t.clone()
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    flat = t.as_strided((span,), (1,), t.storage_offset()).clone()
+    return flat.as_strided(t.shape, t.stride(), 0)
 
 
 def _index_per_dim(key, index, ndim: int) -> tuple:
