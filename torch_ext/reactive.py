@@ -1929,7 +1929,10 @@ class _ReadCheck:
                 if k in offsets:
                     picked.append(ids[k][index])
         else:
-            picked = [leaf for leaf in pytree.tree_leaves(reads(rg._user(ids))) if isinstance(leaf, torch.Tensor)]
+            # Only ids (float64) declare elements: an integer output is handed over with its own values (not
+            # poisoned), and those values, taken as ids, declared float elements the callable never indexed.
+            picked = [leaf for leaf in pytree.tree_leaves(reads(rg._user(ids)))
+                      if isinstance(leaf, torch.Tensor) and leaf.dtype == torch.float64]
         # Per flat output indexed by the declaration: the flat positions of its declared elements.
         self.declared: dict[int, torch.Tensor] = {}
         for leaf in picked:

@@ -1051,3 +1051,46 @@ def test_reads_names_an_output_by_its_key_in_the_output_structure():
             assert _rel(got.metrics[site], whole.metrics[site]) <= 1e-6, (key, site)
     with pytest.raises(ValueError, match=r"reads: 'logitz' names no output \(outputs: .*'hidden', 'logits'\]\)"):
         torch_ext.sweep(rg, sites, patch, metric, progress=False, reads={"logitz": (slice(None), -1)})
+
+
+class _WithPredictions(nn.Module):
+    """(logits, argmax tokens): an integer output beside the float one."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = LM("sdpa", seq=T)
+
+    def forward(self, idx):
+        logits = self.lm(idx)
+        return logits, logits.argmax(-1)
+
+
+def test_an_integer_output_a_reads_callable_indexes_declares_no_float_element():
+    # The read check tells elements apart by ids written into the float outputs; an integer output kept its
+    # values, so a reads callable that indexed it declared the float elements whose ids equal those values
+    # (token ids: logits[0, 0, :vocab]). A metric reading one of those then passed the check, and on the row
+    # path (row 0 not computed for a patch at 0) got NaN where eager gives a number.
+    torch.manual_seed(0)
+    model = _WithPredictions().eval()
+    x = torch.randint(0, 50, (2, T))
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    site = rg.nodes("lm.blocks.0")[-1]
+    pred = int(rg.demand()[1][0, -1])
+
+    def patch(v, s):
+        v = v.clone()
+        v[:, s[1]] = 0.0
+        return v
+
+    def metric(out):  # reads logits[0, 0, pred]: not declared below
+        return float(out[0][:, -1, 3].sum() + out[0][0, 0, pred])
+
+    reads = lambda out: (out[0][:, -1, 3], out[1][:, -1])  # noqa: E731
+    with pytest.raises(ValueError, match="outside what the reads callable indexes"):
+        torch_ext.sweep(rg, [(site, 0), (site, 2)], patch, metric, progress=False, reads=reads)
+    assert rg.patched() == []
+    good = lambda out: float(out[0][:, -1, 3].sum() + out[1][:, -1].sum())  # noqa: E731
+    got = torch_ext.sweep(rg, [(site, 0), (site, 2)], patch, good, progress=False, reads=reads)
+    whole = torch_ext.sweep(rg, [(site, 0), (site, 2)], patch, good, progress=False, positions=False)
+    for s in whole.metrics:
+        assert abs(got.metrics[s] - whole.metrics[s]) <= 1e-6 * max(1.0, abs(whole.metrics[s]))
