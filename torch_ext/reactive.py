@@ -1018,6 +1018,7 @@ class ReactiveGraph:
         """
         self._refuse_during_sweep("patch()")
         name, node = node, self.resolve(node)
+        self._refuse_non_tensor(node, "patch")
         if callable(value):
             with _one_check_per_call():  # f sees the baseline of the weights as they are now
                 self._take_untracked_writes()
@@ -1026,6 +1027,18 @@ class ReactiveGraph:
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"patch {node!r}: expected a tensor or a callable returning one, got {type(value).__name__}")
         self._engine.patch(node, _own_copy(value.detach()))
+
+    def _refuse_non_tensor(self, node: str, what: str) -> None:
+        """A node holding a tuple or list (topk, split, max with indices) cannot be patched as one value: its
+        elements are the getitem nodes that take them. Refused here, naming them, before anything runs (the
+        engine failed later with "Expected Tensor but got Tuple", naming neither)."""
+        t = self._type_of(node)
+        if t[0] == "tensor":
+            return
+        parts = [n.name for n in self.graph.nodes() if str(n.target) == "getitem" and _node_inputs(n)[:1] == [node]]
+        size = f" of {len(t[1])} values" if isinstance(t[1], (list, tuple)) else ""
+        hint = (f"; patch the nodes that take its elements ({', '.join(repr(p) for p in parts)})" if parts else "")
+        raise ValueError(f"{what}: node {node!r} holds a {t[0]}{size}, not a tensor{hint}")
 
     def _call_patch_fn(self, node: str, fn: Callable, clean: torch.Tensor, what: str):
         """``fn(copy of clean)``. ``clean`` is the cached tensor; the function gets a copy, because
@@ -1821,7 +1834,11 @@ def _expand_sites(rg: ReactiveGraph, sites) -> list:
         found = rg.nodes(sites)
         if not found:
             raise ValueError(f"no node matches {sites!r}")
-        return found
+        # A glob takes the tensors: a node holding a tuple (topk, split) is patched through its getitem nodes.
+        tensors = [n for n in found if rg._type_of(n)[0] == "tensor"]
+        if not tensors:
+            rg._refuse_non_tensor(found[0], "sweep")
+        return tensors
     out = list(sites)
     for site in out:
         try:
@@ -2654,6 +2671,7 @@ def _sweep_plan(rg: ReactiveGraph, site_list: list) -> tuple:
         if n not in cones:
             if n not in known:
                 raise ValueError(f"sweep: unknown node {n!r}")
+            rg._refuse_non_tensor(n, "sweep")
             cones[n] = None
         if name not in labels:
             labels[name] = paths_of(n, "") if name == n else n
