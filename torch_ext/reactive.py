@@ -1018,6 +1018,7 @@ class ReactiveGraph:
         """
         self._refuse_during_sweep("patch()")
         name, node = node, self.resolve(node)
+        self._refuse_non_tensor(node, "patch")
         if callable(value):
             with _one_check_per_call():  # f sees the baseline of the weights as they are now
                 self._take_untracked_writes()
@@ -1025,7 +1026,19 @@ class ReactiveGraph:
             value = self._call_patch_fn(node, self._hook_view(name, value), clean, "patch function")
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"patch {node!r}: expected a tensor or a callable returning one, got {type(value).__name__}")
-        self._engine.patch(node, value.detach())
+        self._engine.patch(node, _own_copy(value.detach()))
+
+    def _refuse_non_tensor(self, node: str, what: str) -> None:
+        """A node holding a tuple or list (topk, split, max with indices) cannot be patched as one value: its
+        elements are the getitem nodes that take them. Refused here, naming them, before anything runs (the
+        engine failed later with "Expected Tensor but got Tuple", naming neither)."""
+        t = self._type_of(node)
+        if t[0] == "tensor":
+            return
+        parts = [n.name for n in self.graph.nodes() if str(n.target) == "getitem" and _node_inputs(n)[:1] == [node]]
+        size = f" of {len(t[1])} values" if isinstance(t[1], (list, tuple)) else ""
+        hint = (f"; patch the nodes that take its elements ({', '.join(repr(p) for p in parts)})" if parts else "")
+        raise ValueError(f"{what}: node {node!r} holds a {t[0]}{size}, not a tensor{hint}")
 
     def _call_patch_fn(self, node: str, fn: Callable, clean: torch.Tensor, what: str):
         """``fn(copy of clean)``. ``clean`` is the cached tensor; the function gets a copy, because
@@ -1319,7 +1332,10 @@ class ReactiveGraph:
             if node is None or not isinstance(index, tuple):
                 continue
             t = self._type_of(node)
-            if t[0] != "tensor" or len(index) != len(t[2]) or len(t[2]) < 2:
+            if t[0] != "tensor":
+                continue
+            index = _index_per_dim(key, index, len(t[2]))
+            if len(index) != len(t[2]) or len(t[2]) < 2:
                 continue
             last = index[-1]
             if isinstance(last, int) and not isinstance(last, bool):
@@ -1404,14 +1420,14 @@ class ReactiveGraph:
             if node is None:
                 continue
             axis = self._engine.seq_axis(node)
-            if not isinstance(index, tuple):
-                index = (index,)
-            if axis < 0 or axis >= len(index):
+            if axis < 0:
+                continue
+            given = index
+            index = _index_per_dim(key, index, len(self._type_of(node)[2]))
+            if axis >= len(index):
                 continue
             t = self._type_of(node)[2][axis]
             sel = index[axis]
-            if isinstance(sel, bool) or sel is Ellipsis or any(e is Ellipsis for e in index[:axis]):
-                raise ValueError(f"reads[{key!r}]: {index!r}: Ellipsis and bool indices are not supported")
             if isinstance(sel, int):
                 first = sel + t if sel < 0 else sel
             elif isinstance(sel, slice):
@@ -1424,8 +1440,8 @@ class ReactiveGraph:
             elif isinstance(sel, torch.Tensor) and sel.dtype in (torch.int64, torch.int32) and sel.numel():
                 first = int(torch.where(sel < 0, sel + t, sel).min())
             else:
-                raise ValueError(f"reads[{key!r}]: cannot read {sel!r} along the sequence axis (dim {axis}); give an "
-                                 "int, a slice, or a list of ints")
+                raise ValueError(f"reads[{key!r}]: {given!r} cannot read {sel!r} along the sequence axis (dim {axis}); "
+                                 "give an int, a slice, or a list of ints")
             if not 0 <= first < t:
                 raise ValueError(f"reads[{key!r}]: row {first} is outside the sequence axis of length {t}")
             rows[k] = first
@@ -1492,6 +1508,57 @@ class ReactiveGraph:
         if not _same_state(checked.get(node), state):
             _BatchedCone.build_graph(eng, ((node, 2),))
             checked[node] = state
+
+
+def _own_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its sizes and strides that no later write into ``t`` reaches: what a standing patch
+    keeps. The tensor given to ``patch`` (or returned by its function) may be the caller's own: a write into it
+    through ``.data``, ``.numpy()`` or its storage moves no version counter, so the patched node read the new
+    contents while its cone kept the outputs computed from the old ones. Copy on write where the memory allows
+    it (``_C.lazy_copy``: free unless either side writes); else the elements the view spans, with its strides
+    (an expanded or strided view reads the same memory pattern as the tensor given)."""
+    copy = _C.lazy_copy(t)
+    if copy is not None:
+        return copy
+    if t.is_conj() or t.is_neg():  # lazy bits the view would not carry: resolved, a new tensor already
+        return t.resolve_conj().resolve_neg()
+    if t.numel() == 0:
+        return t.clone()
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    flat = t.as_strided((span,), (1,), t.storage_offset()).clone()
+    return flat.as_strided(t.shape, t.stride(), 0)
+
+
+def _index_per_dim(key, index, ndim: int) -> tuple:
+    """A ``reads`` index as one entry per dim of the output it indexes, in dim order, so that entry ``d``
+    is what the index selects along dim ``d`` (a superset where it cannot be exact). Python indexing
+    lets entries consume no dim (``None``, ``True``/``False``: a new dim) or several (``...``, an n-d
+    bool mask): taken entry by entry, ``(None, -1, 2)`` (row 2 of the last example) read as "row -1,
+    column 2", so only row -1 was computed and the metric got NaN for the row it declared. ``None`` and
+    bools are dropped, ``...`` becomes full slices, and an n-d bool mask becomes, per dim it covers, the
+    coordinates it selects there (int64)."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    out: list = []
+    ellipsis_at = None
+    for e in index:
+        if e is None or isinstance(e, bool):
+            continue
+        if e is Ellipsis:
+            if ellipsis_at is not None:
+                raise ValueError(f"reads[{key!r}]: {index!r}: an index can only have a single ellipsis ('...')")
+            ellipsis_at = len(out)
+            continue
+        if isinstance(e, torch.Tensor) and e.dtype == torch.bool:
+            if e.dim() == 0:
+                continue
+            coords = e.nonzero()
+            out.extend(coords[:, d].contiguous() for d in range(e.dim()))
+            continue
+        out.append(e)
+    if ellipsis_at is not None:
+        out[ellipsis_at:ellipsis_at] = [slice(None)] * max(ndim - len(out), 0)
+    return tuple(out)
 
 
 class _Held:
@@ -1767,7 +1834,11 @@ def _expand_sites(rg: ReactiveGraph, sites) -> list:
         found = rg.nodes(sites)
         if not found:
             raise ValueError(f"no node matches {sites!r}")
-        return found
+        # A glob takes the tensors: a node holding a tuple (topk, split) is patched through its getitem nodes.
+        tensors = [n for n in found if rg._type_of(n)[0] == "tensor"]
+        if not tensors:
+            rg._refuse_non_tensor(found[0], "sweep")
+        return tensors
     out = list(sites)
     for site in out:
         try:
@@ -1875,7 +1946,10 @@ class _ReadCheck:
                 if k in offsets:
                     picked.append(ids[k][index])
         else:
-            picked = [leaf for leaf in pytree.tree_leaves(reads(rg._user(ids))) if isinstance(leaf, torch.Tensor)]
+            # Only ids (float64) declare elements: an integer output is handed over with its own values (not
+            # poisoned), and those values, taken as ids, declared float elements the callable never indexed.
+            picked = [leaf for leaf in pytree.tree_leaves(reads(rg._user(ids)))
+                      if isinstance(leaf, torch.Tensor) and leaf.dtype == torch.float64]
         # Per flat output indexed by the declaration: the flat positions of its declared elements.
         self.declared: dict[int, torch.Tensor] = {}
         for leaf in picked:
@@ -2597,6 +2671,7 @@ def _sweep_plan(rg: ReactiveGraph, site_list: list) -> tuple:
         if n not in cones:
             if n not in known:
                 raise ValueError(f"sweep: unknown node {n!r}")
+            rg._refuse_non_tensor(n, "sweep")
             cones[n] = None
         if name not in labels:
             labels[name] = paths_of(n, "") if name == n else n

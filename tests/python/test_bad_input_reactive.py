@@ -235,3 +235,50 @@ def test_untraceable_forward_is_refused_by_name(make, exc, pattern):
     with pytest.raises(exc, match=pattern):
         torch_ext.ReactiveGraph(model, (X,), cache=False)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class _TopK(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        values, indices = self.lin(x).topk(3, dim=-1)
+        return values.sum(-1) + indices.sum(-1)
+
+
+@pytest.mark.parametrize("how", ["patch", "sweep", "sweep_batched"])
+def test_a_site_on_a_node_holding_a_tuple_is_refused_by_name(how):
+    # topk's node holds (values, indices): patching it failed deep in the engine ("Expected Tensor but got
+    # Tuple", or a TypeError from the copy of the clean value) without naming the node or the nodes to patch.
+    torch.manual_seed(0)
+    model = _TopK().eval()
+    rg = torch_ext.ReactiveGraph(model, (X,))
+    text, before = str(rg.graph), rg.demand().clone()
+    match = r"node 'topk' holds a tuple of 2 values, not a tensor; .*'getitem', 'getitem_1'"
+    with pytest.raises(ValueError, match=match):
+        if how == "patch":
+            rg.patch("topk", lambda v: v)
+        else:
+            torch_ext.sweep(rg, ["topk", "getitem"], lambda v, s: v * 2, lambda o: float(o.sum()), progress=False,
+                            batch_sites=how == "sweep_batched")
+    assert rg.patched() == [] and str(rg.graph) == text
+    with torch.no_grad():
+        assert torch.equal(rg.demand(), before) and torch.equal(before, model(X))
+    rg.check_invariants()
+    r = torch_ext.sweep(rg, ["getitem"], lambda v, s: v * 2, lambda o: float(o.sum()), progress=False)
+    h = model.lin.register_forward_hook(lambda m, i, o: o)
+    values, indices = model.lin(X).topk(3, dim=-1)
+    h.remove()
+    with torch.no_grad():
+        assert r.metrics["getitem"] == float((values * 2).sum(-1).add(indices.sum(-1)).sum())
+
+
+def test_a_glob_over_sites_takes_the_tensor_nodes():
+    torch.manual_seed(0)
+    rg = torch_ext.ReactiveGraph(_TopK().eval(), (X,))
+    assert "topk" in rg.nodes("*")
+    r = torch_ext.sweep(rg, "*", lambda v, s: v * 2, lambda o: float(o.sum()), progress=False)
+    assert "topk" not in r.metrics and {"getitem", "getitem_1"} <= set(r.metrics)
+    with pytest.raises(ValueError, match="node 'topk' holds a tuple"):
+        torch_ext.sweep(rg, "topk", lambda v, s: v * 2, lambda o: float(o.sum()), progress=False)

@@ -277,6 +277,41 @@ def _full_cost(rg) -> float:
     return cost
 
 
+# Index entries that do not consume a dim (None, a bool) or consume several (Ellipsis, an n-d bool mask) shift
+# which entry stands for the sequence axis and the last dim: reads={"logits": (None, -1, 2)} (row 2 of the
+# last example) was taken as "row -1, column 2", only that was computed, and the metric got NaN for the row
+# it declared, silently (eager: a number).
+_SHIFTED_READS = {
+    "none_first": ((None, -1, 2), lambda o: o[None, -1, 2]),
+    "true_first": ((True, slice(None), 3), lambda o: o[True, :, 3]),
+    "ellipsis_first": ((Ellipsis, 2, [3, 4]), lambda o: o[..., 2, [3, 4]]),
+    "ellipsis_last": ((1, 3, Ellipsis), lambda o: o[1, 3, ...]),
+    "bool_batch": ((torch.tensor([False, True]), 3, 5), lambda o: o[torch.tensor([False, True]), 3, 5]),
+    "bool_batch_rows": ((torch.eye(2, T, dtype=torch.bool), 5), lambda o: o[torch.eye(2, T, dtype=torch.bool), 5]),
+}
+
+
+@pytest.mark.parametrize("how", list(_SHIFTED_READS))
+def test_reads_with_entries_that_shift_dims_reads_the_right_rows(how):
+    rg, resid, patch, sites = _zoo_sweep_setup("sdpa")
+    sites = [(n, p) for n, p in sites if p >= 1][::3]
+    index, read = _SHIFTED_READS[how]
+    metric = lambda out: read(out).clone()  # noqa: E731
+    whole = torch_ext.sweep(rg, sites, patch, metric, progress=False, positions=False)
+    for kw in ({}, {"batch_sites": True}):
+        got = torch_ext.sweep(rg, sites, patch, metric, progress=False, reads={"logits": index}, **kw)
+        for s in sites:
+            a, b = torch.as_tensor(got.metrics[s]), torch.as_tensor(whole.metrics[s])
+            assert not torch.isnan(a).any(), (how, kw, s)
+            assert _rel(a, b) <= 1e-6, (how, kw, s)
+    patched = rg.value(resid[0]).clone()
+    patched[:, 1:] = 0
+    rg.patch(resid[0], patched)
+    full = read(rg.demand()).clone()
+    assert _rel(read(rg.demand(reads={"logits": index})), full) <= 1e-6
+    rg.restore()
+
+
 def test_reads_last_row_computes_only_what_reaches_it():
     rg, resid, patch, sites = _zoo_sweep_setup("sdpa")
     seen = {}
@@ -1016,3 +1051,46 @@ def test_reads_names_an_output_by_its_key_in_the_output_structure():
             assert _rel(got.metrics[site], whole.metrics[site]) <= 1e-6, (key, site)
     with pytest.raises(ValueError, match=r"reads: 'logitz' names no output \(outputs: .*'hidden', 'logits'\]\)"):
         torch_ext.sweep(rg, sites, patch, metric, progress=False, reads={"logitz": (slice(None), -1)})
+
+
+class _WithPredictions(nn.Module):
+    """(logits, argmax tokens): an integer output beside the float one."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = LM("sdpa", seq=T)
+
+    def forward(self, idx):
+        logits = self.lm(idx)
+        return logits, logits.argmax(-1)
+
+
+def test_an_integer_output_a_reads_callable_indexes_declares_no_float_element():
+    # The read check tells elements apart by ids written into the float outputs; an integer output kept its
+    # values, so a reads callable that indexed it declared the float elements whose ids equal those values
+    # (token ids: logits[0, 0, :vocab]). A metric reading one of those then passed the check, and on the row
+    # path (row 0 not computed for a patch at 0) got NaN where eager gives a number.
+    torch.manual_seed(0)
+    model = _WithPredictions().eval()
+    x = torch.randint(0, 50, (2, T))
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    site = rg.nodes("lm.blocks.0")[-1]
+    pred = int(rg.demand()[1][0, -1])
+
+    def patch(v, s):
+        v = v.clone()
+        v[:, s[1]] = 0.0
+        return v
+
+    def metric(out):  # reads logits[0, 0, pred]: not declared below
+        return float(out[0][:, -1, 3].sum() + out[0][0, 0, pred])
+
+    reads = lambda out: (out[0][:, -1, 3], out[1][:, -1])  # noqa: E731
+    with pytest.raises(ValueError, match="outside what the reads callable indexes"):
+        torch_ext.sweep(rg, [(site, 0), (site, 2)], patch, metric, progress=False, reads=reads)
+    assert rg.patched() == []
+    good = lambda out: float(out[0][:, -1, 3].sum() + out[1][:, -1].sum())  # noqa: E731
+    got = torch_ext.sweep(rg, [(site, 0), (site, 2)], patch, good, progress=False, reads=reads)
+    whole = torch_ext.sweep(rg, [(site, 0), (site, 2)], patch, good, progress=False, positions=False)
+    for s in whole.metrics:
+        assert abs(got.metrics[s] - whole.metrics[s]) <= 1e-6 * max(1.0, abs(whole.metrics[s]))

@@ -1675,3 +1675,34 @@ def test_a_module_level_tensor_rebound_after_build_is_refused():
         BIAS_TABLE = old  # changed back: both are right again
     assert torch.equal(rg.run(x), clean)
     step(state, x, y)
+
+
+@pytest.mark.parametrize("how", ["data", "numpy", "storage"])
+@pytest.mark.parametrize("given", ["tensor", "function"])
+def test_a_patch_value_the_caller_keeps_and_writes_without_a_version_bump_does_not_go_stale(resid, how, given):
+    # rg.patch(node, v) stored v itself: a later write into v through .data, .numpy() or its storage moves no
+    # version counter, so the patched node read the new contents (rg.value) while its cone kept the outputs
+    # computed from the old ones, and demand() answered neither eager run. The patch is the value given.
+    model, x = resid
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    t1 = _tanh_nodes(rg)[1]
+    v = rg.value(t1).clone() * 0.5
+    kept = v.clone()
+    rg.patch(t1, v if given == "tensor" else (lambda clean: v))
+    first = rg.demand().clone()
+    if how == "data":
+        v.data.mul_(3.0)
+    elif how == "numpy":
+        v.numpy()[:] *= 3.0
+    else:
+        v.untyped_storage().copy_(torch.full_like(v, 2.0).untyped_storage())
+    assert not torch.equal(v, kept)
+    with torch.no_grad():
+        ref = _eager(model, x, {1: lambda out: kept})
+    assert torch.equal(rg.value(t1), kept)
+    assert torch.equal(rg.demand(), first)
+    torch.testing.assert_close(rg.demand(), ref, rtol=0, atol=0)
+    rg.check_invariants()
+    rg.restore()
+    with torch.no_grad():
+        assert torch.equal(rg.demand(), model(x))
