@@ -196,7 +196,7 @@ py::list run_without_gil(py::sequence inputs, Fn&& fn) {
 // node's cached value (a write into it is refused by its version counter), the node's prepared cone
 // evaluated with the result (Engine::evaluate_patched, or, with `rows`, evaluate_patched_rows for a node
 // with a sequence axis), `metric(outputs)` on copies of the outputs (metric_copy; an in-place write into
-// them refused the same way; an output of the whole cone that only the loop holds is handed over as it is,
+// them refused the same way; a fresh output of the cone that only the loop holds is handed over as it is,
 // see sole_fresh), its value kept. Python runs only the user's callbacks; everything between them stays here.
 // `user` maps the flat outputs to what the metric receives: an int (that output alone) or a callable.
 // `convert` turns a metric result other than a float or a one-element floating tensor into what is stored,
