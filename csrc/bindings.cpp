@@ -196,11 +196,14 @@ py::list run_without_gil(py::sequence inputs, Fn&& fn) {
 // node's cached value (a write into it is refused by its version counter), the node's prepared cone
 // evaluated with the result (Engine::evaluate_patched, or, with `rows`, evaluate_patched_rows for a node
 // with a sequence axis), `metric(outputs)` on copies of the outputs (metric_copy; an in-place write into
-// them refused the same way), its value kept. Python runs only the user's callbacks; everything between them stays here. `user` maps the
-// flat outputs to what the metric receives: an int (that output alone) or a callable. `convert` turns
-// a metric result other than a float or a one-element floating tensor into what is stored, and
-// `fail(kind, i)` raises the Python error for site i ("patch_wrote", "not_tensor", "metric_wrote"); a
-// `fail` that returns instead still stops the loop, with a generic error.
+// them refused the same way; a fresh output of the cone that only the loop holds is handed over as it is,
+// see sole_fresh), its value kept. Python runs only the user's callbacks; everything between them stays here.
+// `user` maps the flat outputs to what the metric receives: an int (that output alone) or a callable.
+// `convert` turns a metric result other than a float or a one-element floating tensor into what is stored,
+// and `fail(kind, i)` raises the Python error for site i ("patch_wrote", "not_tensor", "metric_wrote"; i = -1:
+// the unpatched metric); a `fail` that returns instead still stops the loop, with a generic error. With
+// `clean` (a list), the metric of the current outputs is appended to it first (sweep()'s clean_metric, one
+// crossing fewer per sweep).
 int64_t tensor_version(const at::Tensor& t) {
   return t.defined() && !t.is_inference() ? static_cast<int64_t>(t._version()) : -1;
 }
@@ -270,6 +273,23 @@ c10::IValue metric_copy(const c10::IValue& v) {
   return cow_shareable(t) ? at::_lazy_clone(t) : t.clone();
 }
 
+// Whether `v`, held by the caller's one reference, is a tensor no one else can reach: its TensorImpl and its
+// StorageImpl have no other owner (the engine, the cache, a view, the user), and its memory is the plain
+// allocation of that storage (a simple data pointer: not copy-on-write memory shared with another storage,
+// not memory borrowed from numpy or a from_blob owner). A fresh output of a sweep's cone, once the cached
+// values are put back, is such a tensor: a copy of it would be indistinguishable from it but for the cost,
+// so the metric may be handed the tensor itself (a write into it, through .data or .numpy() included,
+// reaches nothing else).
+bool sole_fresh(const c10::IValue& v) {
+  if (!v.isTensor()) return false;
+  const at::Tensor& t = v.toTensor();
+  if (!t.defined() || t.use_count() != 1 || !t.has_storage() || t.requires_grad() ||
+      t.unsafeGetTensorImpl()->is_python_dispatch())
+    return false;
+  const c10::Storage& storage = t.storage();
+  return storage.use_count() == 1 && c10::impl::cow::has_simple_data_ptr(*storage.unsafeGetStorageImpl());
+}
+
 // `t.item<double>()` for a one-element floating tensor; a float or double on the CPU is read directly (the
 // same conversion _local_scalar_dense makes, without its dispatch).
 double item_double(const at::Tensor& t) {
@@ -284,7 +304,7 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
                      py::sequence patches, bool rows,
                      const std::vector<int64_t>& read_rows, const std::vector<std::vector<int64_t>>& read_cols,
                      py::function metric, py::object user, py::function convert, py::function fail,
-                     bool skip_identical, py::object identical) {
+                     bool skip_identical, py::object identical, py::object clean_out) {
   const size_t n = nodes.size();
   TORCH_CHECK(py::len(sites) == n && py::len(patches) == n,
               "sweep_sites: nodes, sites and patches must have one entry per site");
@@ -296,6 +316,65 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
   // Copies handed to patch functions, kept for the next site of the same shape, dtype and device.
   std::vector<at::Tensor> spares;
   py::list results;
+  // metric(outputs) for `flat` (site i; -1: the unpatched outputs), as stored. `fresh_ok`: an output this loop
+  // alone holds may be handed over as it is (sole_fresh: a cone's fresh outputs), else every output is copied.
+  const auto measure = [&](std::vector<c10::IValue>& flat, bool fresh_ok, const py::object& site,
+                           int64_t i) -> py::object {
+    // The metric gets copies of the outputs (metric_copy): the engine's buffers are never handed out. An
+    // in-place write into a copy is still refused (its version counter), as documented.
+    std::vector<std::pair<at::Tensor, int64_t>> guarded;  // the copies the metric could write into
+    py::object outs;
+    if (single) {
+      TORCH_CHECK(single_index >= 0 && single_index < static_cast<int64_t>(flat.size()),
+                  "sweep_sites: output index ", single_index, " out of range");
+      // A fresh output only this loop holds (a cone's, once the cached values are put back) is handed over
+      // as it is: nothing else can see a write into it (sole_fresh). Else a copy.
+      if (!fresh_ok || !sole_fresh(flat[single_index])) flat[single_index] = metric_copy(flat[single_index]);
+      outs = ivalue_to_py(flat[single_index]);
+      const int64_t version = flat[single_index].isTensor() ? tensor_version(flat[single_index].toTensor()) : -1;
+      if (version >= 0) guarded.emplace_back(flat[single_index].toTensor(), version);
+    } else {
+      py::list l;
+      for (auto& v : flat) {
+        if (!fresh_ok || !sole_fresh(v)) v = metric_copy(v);  // as above
+        l.append(ivalue_to_py(v));
+        const int64_t version = v.isTensor() ? tensor_version(v.toTensor()) : -1;
+        if (version >= 0) guarded.emplace_back(v.toTensor(), version);
+      }
+      outs = user(l);
+    }
+    // The engine's references go now: it reuses an output's buffer only while it holds the sole reference,
+    // and a copy nobody kept leaves that buffer's memory its own again when the engine next writes it.
+    flat.clear();
+    py::object result = metric(outs);
+    bool wrote = false;
+    for (const auto& [t, version] : guarded) wrote = wrote || tensor_version(t) != version;
+    // Released before the Python outputs: a tensor whose Python object dies while C++ still holds it
+    // has that object kept alive with it (resurrected), work that is wasted here.
+    guarded.clear();
+    outs = py::object();
+    if (wrote) {
+      fail("metric_wrote", i);
+      TORCH_CHECK(false, "sweep_sites: the metric wrote into the outputs at ",
+                  i < 0 ? std::string("the unpatched outputs") : "a site of %" + nodes[i]);
+    }
+    if (THPVariable_Check(result.ptr())) {
+      const at::Tensor& t = THPVariable_Unpack(result.ptr());
+      if (t.numel() == 1 && at::isFloatingType(t.scalar_type()))
+        result = py::float_(item_double(t));
+      else
+        result = convert(result, site);
+    } else if (!PyFloat_CheckExact(result.ptr())) {
+      result = convert(result, site);
+    }
+    return result;
+  };
+  if (!clean_out.is_none()) {
+    // The unpatched metric first (sweep()'s clean_metric), on copies of the current outputs, as at the sites
+    // skip_identical answers: the caller checked hooks and attributes, and nothing is stale here.
+    std::vector<c10::IValue> flat = e.demand();
+    clean_out.attr("append")(measure(flat, false, py::str("unpatched"), -1));
+  }
   for (size_t i = 0; i < n; ++i) {
     py::object site = sites[i];
     if (i == 0 || nodes[i] != nodes[i - 1]) {
@@ -351,7 +430,11 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
     patched = py::object();
     clean.reset();  // a lazy copy nobody kept leaves the cached tensor its memory's one owner again
     std::vector<c10::IValue> flat;
+    // The cone's outputs may be fresh tensors only this loop holds (sole_fresh tells, per output: a cached
+    // value, a pooled row buffer or a view of either has another owner, and is copied).
+    bool fresh = true;
     if (skip_identical && same_layout(value, cached) && reactive::same_bits(value, cached)) {
+      fresh = false;
       // A value bit-identical to the cached one changes nothing: the cone would recompute its cached
       // values, so the site takes the current outputs (nothing stale: can_evaluate_patched holds), with
       // zero evaluations; the caller is told which sites these were (they leave the ledger's sum).
@@ -364,51 +447,7 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
       else
         flat = e.evaluate_patched(nodes[i], std::move(value));
     }
-    // The metric gets copies of the outputs (metric_copy): the engine's buffers are never handed out. An
-    // in-place write into a copy is still refused (its version counter), as documented.
-    std::vector<std::pair<at::Tensor, int64_t>> guarded;  // the copies the metric could write into
-    py::object outs;
-    if (single) {
-      TORCH_CHECK(single_index >= 0 && single_index < static_cast<int64_t>(flat.size()),
-                  "sweep_sites: output index ", single_index, " out of range");
-      flat[single_index] = metric_copy(flat[single_index]);
-      outs = ivalue_to_py(flat[single_index]);
-      const int64_t version = flat[single_index].isTensor() ? tensor_version(flat[single_index].toTensor()) : -1;
-      if (version >= 0) guarded.emplace_back(flat[single_index].toTensor(), version);
-    } else {
-      py::list l;
-      for (auto& v : flat) {
-        v = metric_copy(v);
-        l.append(ivalue_to_py(v));
-        const int64_t version = v.isTensor() ? tensor_version(v.toTensor()) : -1;
-        if (version >= 0) guarded.emplace_back(v.toTensor(), version);
-      }
-      outs = user(l);
-    }
-    // The engine's references go now: it reuses an output's buffer only while it holds the sole reference,
-    // and a copy nobody kept leaves that buffer's memory its own again when the engine next writes it.
-    flat.clear();
-    py::object result = metric(outs);
-    bool wrote = false;
-    for (const auto& [t, version] : guarded) wrote = wrote || tensor_version(t) != version;
-    // Released before the Python outputs: a tensor whose Python object dies while C++ still holds it
-    // has that object kept alive with it (resurrected), work that is wasted here.
-    guarded.clear();
-    outs = py::object();
-    if (wrote) {
-      fail("metric_wrote", i);
-      TORCH_CHECK(false, "sweep_sites: the metric wrote into the outputs at a site of %", nodes[i]);
-    }
-    if (THPVariable_Check(result.ptr())) {
-      const at::Tensor& t = THPVariable_Unpack(result.ptr());
-      if (t.numel() == 1 && at::isFloatingType(t.scalar_type()))
-        result = py::float_(item_double(t));
-      else
-        result = convert(result, site);
-    } else if (!PyFloat_CheckExact(result.ptr())) {
-      result = convert(result, site);
-    }
-    results.append(result);
+    results.append(measure(flat, fresh, site, static_cast<int64_t>(i)));
   }
   return results;
 }
@@ -662,7 +701,8 @@ PYBIND11_MODULE(_C, m) {
              return result;
            })
       .def("sweep_sites", &sweep_sites, py::arg("nodes"), py::arg("sites"), py::arg("patches"), py::arg("rows"), py::arg("read_rows"), py::arg("read_cols"), py::arg("metric"), py::arg("user"),
-           py::arg("convert"), py::arg("fail"), py::arg("skip_identical") = false, py::arg("identical") = py::none())
+           py::arg("convert"), py::arg("fail"), py::arg("skip_identical") = false, py::arg("identical") = py::none(),
+           py::arg("clean") = py::none())
       .def("evaluate_patched_rows",
            [](reactive::Engine& e, const std::string& n, py::handle v, std::vector<int64_t> read_rows,
               std::vector<std::vector<int64_t>> read_cols) {

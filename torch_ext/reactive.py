@@ -209,22 +209,28 @@ _contents_digest = _module_state.contents_digest
 _CALL = threading.local()
 
 
-@contextlib.contextmanager
-def _one_check_per_call():
+class _one_check_per_call:
     """One user-visible call (run, demand, value, sweep, a patching function): each graph compares the
     contents of what it reads at most once in it (a pass over every weight byte, ~20 ms on GPT-2 small),
-    not again at each internal step (patching's graph lookup, sweep's, run's closing demand)."""
-    depth = getattr(_CALL, "depth", 0)
-    if depth == 0:
-        _refuse_ambient_autocast("ReactiveGraph: called")
-        _CALL.checked = set()  # ids of the graphs whose contents are known current in this call
-    _CALL.depth = depth + 1
-    try:
-        yield
-    finally:
+    not again at each internal step (patching's graph lookup, sweep's, run's closing demand). A context
+    manager (``with _one_check_per_call():``), written as a class: entered once per call, so it costs what
+    a contextlib generator costs several times over in a sweep of small tensors."""
+
+    __slots__ = ("depth",)
+
+    def __enter__(self):
+        depth = self.depth = getattr(_CALL, "depth", 0)
+        if depth == 0:
+            _refuse_ambient_autocast("ReactiveGraph: called")
+            _CALL.checked = set()  # ids of the graphs whose contents are known current in this call
+        _CALL.depth = depth + 1
+
+    def __exit__(self, *exc):
+        depth = self.depth
         _CALL.depth = depth
         if depth == 0:
             _CALL.checked = set()
+        return False
 
 
 def _checked_in_this_call(rg) -> bool:
@@ -1851,12 +1857,15 @@ def _expand_sites(rg: ReactiveGraph, sites) -> list:
     return out
 
 
-def _progress(iterable, total, enabled, desc):
-    if not enabled:
-        return iterable
+def _shows_progress(enabled) -> bool:
+    """Whether _progress draws a bar (progress asked for, and stderr a terminal)."""
     import sys
 
-    if not sys.stderr.isatty():
+    return bool(enabled) and sys.stderr.isatty()
+
+
+def _progress(iterable, total, enabled, desc):
+    if not _shows_progress(enabled):
         return iterable
     from tqdm import tqdm
 
@@ -2170,14 +2179,16 @@ def _one_site(rg: ReactiveGraph, site, node: str, patch: Callable, metric: Calla
 
 
 def _sweep_in_cpp(rg: ReactiveGraph, site_list: list, nodes: list, names: list, patch, metric, pinned, rows,
-                  metrics: dict, identical: list | None = None) -> None:
+                  metrics: dict, identical: list | None = None, clean: list | None = None) -> None:
     """The one-at-a-time sweep loop with the per-site work in C++ (``_C.Engine.sweep_sites``): each run of
     consecutive sites that take the prepared cone ("fast" or "rows", see ``_site_path``) is one call, in
     which Python runs only ``patch`` and ``metric``; a site on a node pinned by a standing patch takes
     the transaction path (``_one_site``). Same values, counts and checks as ``_one_site``. ``nodes`` and
     ``names`` are each site's node and the name it was given (a node or hook name). With ``identical`` (a
     list), sites whose patched value is bit-identical to the node's current one take the current outputs
-    unevaluated and are appended to it (``sweep(skip_identical=True)``)."""
+    unevaluated and are appended to it (``sweep(skip_identical=True)``). With ``clean`` (an empty list, given
+    only where every site takes the prepared cone: one call), the metric of the current outputs is appended
+    to it before the first site (the sweep's unpatched metric)."""
     eng = rg._engine
     read_rows = rows[0] if rows is not None else None
     # The engine's state is the same at every site (each leaves it as it found it): asked once.
@@ -2211,6 +2222,8 @@ def _sweep_in_cpp(rg: ReactiveGraph, site_list: list, nodes: list, names: list, 
         part, part_nodes = site_list[i:j], nodes[i:j]
 
         def fail(kind, k, value=None, part=part, part_nodes=part_nodes):
+            if k < 0:  # the unpatched metric (clean)
+                _raise_metric_wrote(rg, "unpatched")
             site, node = part[k], part_nodes[k]
             if kind == "patch_wrote":
                 raise ValueError(
@@ -2224,7 +2237,8 @@ def _sweep_in_cpp(rg: ReactiveGraph, site_list: list, nodes: list, names: list, 
         fns = [patch] * (j - i) if views is None else [views[n] for n in names[i:j]]
         same: list = []
         values = eng.sweep_sites(part_nodes, part, fns, can_rows, spec[0], spec[1],
-                                 metric, user, _metric_value, fail, identical is not None, same)
+                                 metric, user, _metric_value, fail, identical is not None, same,
+                                 clean if i == 0 else None)
         metrics.update(zip(part, values))
         if identical is not None:
             identical.extend(part[k] for k in same)
@@ -2717,10 +2731,21 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         raise ValueError("sweep: the graph has no values yet; give example_inputs or call run() first")
     full = len(site_list) * rg.num_nodes
     # Pending mutations are brought up to date once, outside the measured loop; the unpatched metric
-    # centres the plots.
-    clean_metric, wrote = _measure(rg, metric, rg.demand(), "unpatched")
-    if wrote:
-        _raise_metric_wrote(rg, "unpatched")
+    # centres the plots. rg.demand() less what sweep() did already in this call (the contents compared,
+    # _take_untracked_writes): its hook and attribute checks, then the engine's demand. Where every site
+    # runs in one sweep_sites call (one at a time, no standing patch, no progress bar) and nothing is stale,
+    # that call measures the unpatched outputs first (`clean`), the same metric on the same copies.
+    clean: list | None = None
+    if (not batch_sites and eng.num_dirty() == 0 and not eng.pinned() and eng.can_evaluate_patched()
+            and not _shows_progress(progress)):
+        rg._refuse_changed_hooks("demand")
+        rg._refuse_changed_attributes("demand")
+        clean = []
+        clean_metric = None
+    else:
+        clean_metric, wrote = _measure(rg, metric, rg._demand(None), "unpatched")
+        if wrote:
+            _raise_metric_wrote(rg, "unpatched")
     metrics: dict = {}
     # What patching a node costs now: its strict cone up to the standing patches (a pinned node keeps its
     # value, so the cone stops there), the same for every site of the node.
@@ -2735,8 +2760,14 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         identical: list | None = [] if skip_identical else None
         shown = _progress(site_list, len(site_list), progress, "sweep")
         if shown is site_list:  # no progress bar to update per site: the loop runs in C++
-            _sweep_in_cpp(rg, site_list, site_nodes, names, patch, metric, pinned, rows, metrics, identical)
+            _sweep_in_cpp(rg, site_list, site_nodes, names, patch, metric, pinned, rows, metrics, identical, clean)
+            if clean is not None:
+                clean_metric = clean[0]
         else:
+            if clean is not None:  # left to the C++ loop, which does not run: measured here, before any site
+                clean_metric, wrote = _measure(rg, metric, rg._user(eng.demand()), "unpatched")
+                if wrote:
+                    _raise_metric_wrote(rg, "unpatched")
             for s in shown:
                 node = node_of(s)
                 path = paths.get(node)

@@ -435,3 +435,43 @@ def test_skip_identical_needs_the_cached_layout_too(monkeypatch, loop):
     # The same bits in the same layout are still identical: taken unevaluated.
     r = torch_ext.sweep(rg, [relu], lambda v, s: v.clone(), lambda o: o.clone(), progress=False)
     assert r.extra["identical_sites"] == 1 and torch.equal(r.metrics[relu], clean)
+
+
+@pytest.mark.parametrize("loop", ["cpp", "python"])
+@pytest.mark.parametrize("positions", [True, False])
+def test_unpatched_metric_measured_in_the_cpp_loop_is_guarded(monkeypatch, positions, loop):
+    """The C++ loop measures the unpatched outputs first (sweep_sites(clean=...)): the metric gets copies
+    there too. A write into them (in place, or through .data, which no version counter sees) is refused
+    naming the unpatched run, or cannot reach the cache; the clean metric is the eager one. The Python
+    loop (a progress bar) measures it itself, first."""
+    model, x, rg = _graph()
+    if loop == "python":
+        _python_loop(monkeypatch)
+    clean = rg.demand().clone()
+    tanh = [n for n in rg.nodes() if n.startswith("tanh")]
+    sites = [(tanh[1], p) for p in range(3)]
+    patch = position_patch(0.5)
+    calls = []
+
+    def writes_first(o):
+        calls.append(1)
+        if len(calls) == 1:
+            o.mul_(2.0)
+        return o.sum()
+
+    with pytest.raises(ValueError, match="metric wrote .* at site 'unpatched'"):
+        torch_ext.sweep(rg, sites, patch, writes_first, progress=False, positions=positions)
+    assert len(calls) == 1  # refused before any site ran
+    assert torch.equal(rg.demand(), clean)
+
+    def through_data(o):
+        value = float(o.sum())
+        o.data.mul_(0.0)
+        return value
+
+    r = torch_ext.sweep(rg, sites, patch, through_data, progress=False, positions=positions)
+    assert r.clean_metric == float(clean.sum())
+    assert torch.equal(rg.demand(), clean)
+    again = torch_ext.sweep(rg, sites, patch, lambda o: o.sum(), progress=False, positions=positions)
+    assert again.metrics == r.metrics and again.clean_metric == r.clean_metric
+    rg.check_invariants()
