@@ -408,8 +408,11 @@ def loaded_schedule(layout: dict, path: str, scheduler, manual_lr: bool):
     if all(isinstance(sch, torch.optim.lr_scheduler.LRScheduler) for sch in schedulers):  # else refused below
         count = sum(len(o.param_groups) for o in optimizers)
         if count != layout["num_lr"]:
+            saved = layout.get("optimizers")
+            which = "" if saved is None else f" ({len(saved)}: {', '.join(o['type'] for o in saved)})"
             raise ValueError(f"load_step: the scheduler's optimizers have {count} param groups, {path} takes "
-                             f"{layout['num_lr']} lr values; pass the schedulers of the step's optimizers")
+                             f"{layout['num_lr']} lr values; pass a scheduler for each of the step's optimizers{which} "
+                             "(a loaded step cannot follow a scheduler of only some of them)")
         # In the step's order: the lr inputs are its optimizers' groups in order, and the step maps each
         # scheduler to its optimizer whatever the list's order (taken as given, a list in another order
         # fed one optimizer's schedule to the other's groups, silently where their lrs agreed at the start).
