@@ -83,8 +83,8 @@ def optimizer_signature(opt) -> dict:
 
 def _in_saved_order(optimizers: list, saved, path: str) -> list:
     """The schedulers' optimizers in the order of the step's own (``saved``: the layout's
-    ``optimizers``), matched by class and param-group shapes; optimizers alike in both keep the order
-    given. An artifact from before the layout recorded them keeps the order given."""
+    ``optimizers``), matched by param-group shapes, then class; optimizers alike in both keep the
+    order given. An artifact from before the layout recorded them keeps the order given."""
     if saved is None:
         return optimizers
     if len(optimizers) != len(saved):
@@ -93,7 +93,10 @@ def _in_saved_order(optimizers: list, saved, path: str) -> list:
                          "pass a scheduler for each of the step's optimizers")
     remaining, ordered = list(optimizers), []
     for j, want in enumerate(saved):
-        k = next((i for i, o in enumerate(remaining) if optimizer_signature(o) == want), None)
+        # by its groups' shapes; the class only breaks ties (a subclass of the step's optimizer, or the
+        # class itself, schedules the same lrs)
+        alike = [i for i, o in enumerate(remaining) if optimizer_signature(o)["groups"] == want["groups"]]
+        k = next((i for i in alike if type(remaining[i]).__name__ == want["type"]), alike[0] if alike else None)
         if k is None:
             got = "; ".join(f"{optimizer_signature(o)['type']} with groups of shapes {optimizer_signature(o)['groups']}"
                             for o in remaining)
