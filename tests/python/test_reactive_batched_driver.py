@@ -142,3 +142,38 @@ def test_the_patch_function_runs_once_per_site(kw):
     metric = (lambda out: out[:, -1].clone()) if "reads" in kw else (lambda out: out.clone())  # noqa: E731
     torch_ext.sweep(rg, sites, patch, metric, progress=False, **kw)
     assert calls == sites
+
+
+@pytest.mark.parametrize("kw", [{"batch_sites": True}, {"batch_sites": 2}, {}, {"positions": False}],
+                         ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "one_at_a_time")
+def test_a_metric_reading_outside_reads_at_one_site_only_is_refused(kw):
+    """The read check (the metric run with undeclared elements NaN, +inf, -inf, 0.75) runs per site, not
+    once per sweep or per unit: whether a metric reads outside ``reads=`` can depend on the values it reads.
+    This one reads an undeclared row only where the declared row's sum passes a threshold, which the clean
+    outputs and the first three sites do not: a check of the clean outputs or of a unit's first site alone
+    passes it, and the last site got NaN for the undeclared row on the row path (its true value elsewhere)."""
+    model, x, rg, modules = _setup(offset=0.0)
+    node = "linear_1"
+
+    def patch(v, site):
+        w = v.clone()
+        w[:, -1] += float(site[1])  # the last row's sums grow by 1000 per step
+        return w
+
+    threshold = float(rg.demand()[:, -1].sum()) + 2000.0 * 2.5  # two examples: 2000 per step
+
+    def metric(out):
+        last = out[:, -1].sum()
+        return float(last) if float(last) < threshold else float(last + out[:, -2].sum())
+
+    sites = [(node, i) for i in range(4)]
+    with pytest.raises(ValueError, match=r"the metric reads elements of output 0 .* outside reads="):
+        torch_ext.sweep(rg, sites, patch, metric, progress=False, reads=_READS, **kw)
+    # Declared, the same metric is answered at every site as eager gives it.
+    both = {0: (slice(None), [-2, -1])}
+    got = torch_ext.sweep(rg, sites, patch, metric, progress=False, reads=both, **kw)
+    want = _eager_sweep(model, x, modules, sites, patch, metric)
+    for s in sites:
+        assert abs(got.metrics[s] - want[s]) <= 1e-6 * abs(want[s]), s
+    assert rg.patched() == []
+    rg.check_invariants()
