@@ -2517,8 +2517,10 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     With ``batch_sites=True`` the sites that share a node (so their cones coincide) are evaluated
     together: K variants stacked along dim 0 of the node's cone, built by the C++ pass batch_cone over
     this graph (grafts included; standing patches stop the cone; values outside it are the cached ones),
-    the shared cone evaluated once. A site whose patched value is bit-identical to the node's value
-    takes the unpatched metric. With token-granular cones the sites are sorted by the first row their
+    the shared cone evaluated once. A site whose patched value is bit-identical to the node's value, in its
+    layout (strides), takes the unpatched metric; a value in another layout (the same bits or not) is another
+    input to the cone, as in eager, and runs alone on its whole cone. The patch function runs once per site,
+    in site order, on every path. With token-granular cones the sites are sorted by the first row their
     patch changes and split into row batches (``batch_sites=K``: at most K each; ``True``: the split
     with the least predicted cost). With ``True``, site nodes along one chain (each in the cone of the one
     before, of one type: the residual stream's layers) share batches: a batch holds sites of several
