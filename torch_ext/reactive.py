@@ -2789,9 +2789,10 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
             before, cost_before = rg.stats["evaluations"], rg.stats["cost"]
             rows_before = rg.stats["row_evaluations"]
             pinned = set(eng.pinned())
-            # A value in another layout: the whole cone (the fast path, or a transaction where it is pinned).
-            path = None if members[0] not in alone else (
-                "fast" if node not in pinned and eng.can_evaluate_patched() else "transaction")
+            # A value in another layout: the whole cone, as a transaction (patch, demand, rollback), whose kernels
+            # keep the layout eager's give; the prepared cone's (evaluate_patched) wrote an elementwise op's
+            # result contiguous and a reduction after it read the clean order (relu -> add -> sum).
+            path = "transaction" if members[0] in alone else None
             metrics[members[0]] = _one_site(rg, members[0], node, patch, metric, pinned, read_rows, path,
                                             given=given[0])
             measured += rg.stats["evaluations"] - before
