@@ -95,7 +95,8 @@ def test_batched_sites_in_another_layout_are_evaluated_as_eager(kw):
         assert _rel(got.metrics[s], want[s]) <= 1e-6, (s, _rel(got.metrics[s], want[s]))
         if s[1] == "same":
             assert torch.equal(got.metrics[s], clean), s
-    assert got.extra["identical_sites"] == 2  # the two same-layout copies only
+    assert got.extra["identical_sites"] == 2
+    assert got.measured_evaluations == got.predicted_evaluations  # the two same-layout copies only
     assert rg.patched() == []
     rg.check_invariants()
 
@@ -217,4 +218,5 @@ def test_a_batched_site_in_another_layout_keeps_it_through_an_elementwise_op(kw)
     for s in sites:
         assert _rel(got.metrics[s], want[s]) <= 1e-6, (s, _rel(got.metrics[s], want[s]))
     assert got.extra["identical_sites"] == 2
+    assert got.measured_evaluations == got.predicted_evaluations
     rg.check_invariants()
