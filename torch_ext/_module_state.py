@@ -56,15 +56,19 @@ def _options_object(v) -> bool:
     """A configuration object a forward reads its options from (``self.config.xxx``): a Hugging Face
     ``PretrainedConfig``, a dataclass instance (TransformerLens's configs), or a namespace of options
     (``types.SimpleNamespace``, ``argparse.Namespace``: research code's ``self.args``)."""
-    from ._build_cache import _is_library
-
     if isinstance(v, type) or isinstance(v, (torch.Tensor, torch.nn.Module)):
         return False
     return (dataclasses.is_dataclass(v) or isinstance(v, (types.SimpleNamespace, argparse.Namespace))
-            or any(c.__name__ in ("PretrainedConfig", "PreTrainedConfig") for c in type(v).__mro__)
-            # An instance of the user's own class (``self.opts = Options()``), read like a namespace.
-            or (not callable(v) and isinstance(getattr(v, "__dict__", None), dict) and not _is_library(type(v))
-                and _generator_state(v) is _MISSING))
+            or any(c.__name__ in ("PretrainedConfig", "PreTrainedConfig") for c in type(v).__mro__))
+
+
+def _user_object(v) -> bool:
+    """An instance of the user's own class (``self.opts = Options()``), which a forward reads like a namespace."""
+    from ._build_cache import _is_library
+
+    return (not isinstance(v, (type, torch.Tensor, torch.nn.Module)) and not callable(v)
+            and isinstance(getattr(v, "__dict__", None), dict) and not _is_library(type(v))
+            and _generator_state(v) is _MISSING)
 
 
 # Private options a Hugging Face forward reads from its config (the attention function is looked up by it).
@@ -100,7 +104,6 @@ def attributes(model: torch.nn.Module) -> tuple:
     tpaths, tdicts, tkeys, tensors = [], [], [], []
     fpaths, fdicts = [], []
     configs, seen_configs = [], set()
-    callables = []
     for path, mod in model.named_modules():
         d = mod.__dict__
         for k, v in d.items():
@@ -120,10 +123,6 @@ def attributes(model: torch.nn.Module) -> tuple:
                 tdicts.append(d)
                 tkeys.append(k)
                 tensors.append(v)
-                if not isinstance(v, torch.Tensor) and not isinstance(getattr(v, "__self__", None), torch.nn.Module):
-                    # What a held function reads (a lambda's closure, a partial's arguments, a callable
-                    # object's attributes): ``self.act = lambda t: t * k[0]`` bakes k[0] into the trace too.
-                    callables.append((f"fn {'model.' + path if path else 'model'}.{k}", v))
             elif isinstance(v, (list, dict)) and len(v) <= _GLOBAL_CONTAINER_LIMIT:
                 # Tensors held in a list or dict attribute (self.anchors = [t0, t1], {"bias": t}): the trace
                 # bakes each in as a constant, so one replaced after the build (model.anchors[0] = t) made eager
@@ -162,10 +161,6 @@ def attributes(model: torch.nn.Module) -> tuple:
         dicts.append(d)
         keys.append(k)
         values.append(v)
-    if callables:
-        read = callable_reads(callables)
-        for out, more in zip((paths, dicts, keys, values, tpaths, tdicts, tkeys, tensors), read):
-            out += more
     # A forward replaced on a class after the build (Block.forward = f) is code the program never ran:
     # per module class, the class that defines the forward it runs holds that function by identity, and
     # every class before it in the MRO must still not define one (else it shadows the traced one).
@@ -300,7 +295,28 @@ def global_reads(model: torch.nn.Module, functions: Sequence[Callable] = ()) -> 
         for kind, f in _callable_parts(fn):
             if kind == "function":
                 function(f)
-    return paths, dicts, keys, values, tpaths, tdicts, tkeys, objs, [], []
+    return joined((paths, dicts, keys, values, tpaths, tdicts, tkeys, objs, [], []), _held_reads(model))
+
+
+def _held_reads(model: torch.nn.Module) -> tuple:
+    """A snapshot (the layout ``attributes`` returns) of what a forward reads through objects its modules hold:
+    the plain options of an instance of the user's own class (``self.opts.scale``), and what a held function
+    reads (a lambda's closure, a partial's arguments, a callable object's attributes: ``self.act = lambda t:
+    t * k[0]`` bakes k[0] into the trace). Taken after the trace and compared at every call, not across the
+    trace (these objects are not the module's own state)."""
+    configs, seen, callables = [], set(), []
+    for path, mod in model.named_modules():
+        for k, v in mod.__dict__.items():
+            if k.startswith("_"):
+                continue
+            if _user_object(v):
+                _config_entries(f"{path}.{k}" if path else k, v, seen, configs)
+            elif (callable(v) and not isinstance(v, (type, torch.Tensor, torch.nn.Module))
+                  and not isinstance(getattr(v, "__self__", None), torch.nn.Module)):
+                callables.append((f"fn {'model.' + path if path else 'model'}.{k}", v))
+    held = ([label for label, _, _, _ in configs], [d for _, d, _, _ in configs], [k for _, _, k, _ in configs],
+            [v for _, _, _, v in configs], [], [], [], [], [], [])
+    return joined(held, callable_reads(callables))
 
 
 def joined(*snapshots: tuple) -> tuple:
