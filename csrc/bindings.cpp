@@ -243,6 +243,25 @@ bool cow_shareable(const at::Tensor& t) {
 // whole storage from offset 0 (clone keeps those strides), with no lazy conjugation or negation (the lazy
 // copy would not carry the bit), no autograd history and no Python subclass, on memory whose allocator
 // allows copy on write (c10::impl::cow). Else undefined: the caller copies.
+// A copy of `t` with its sizes and strides (a strided view's gaps included), as an eager hook is handed `t`
+// itself: clone() would lay a non-dense view out densely, and a patch returning its argument (or an op on it)
+// would then give another layout than eager's. An overlapping tensor (expanded) cannot be written in its own
+// layout: clone().
+at::Tensor copy_in_layout(const at::Tensor& t) {
+  if (t.layout() != at::kStrided || t.is_non_overlapping_and_dense()) return t.clone();
+  // No two elements at one address: the dims of size > 1, by stride, each step past the last one's extent.
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
+  for (int64_t d = 0; d < t.dim(); ++d)
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  std::sort(dims.begin(), dims.end());
+  int64_t extent = 1;
+  for (const auto& [stride, size] : dims) {
+    if (stride < extent) return t.clone();  // overlapping (an expanded dim) or interleaved: not writable as laid out
+    extent = stride * size;
+  }
+  return at::empty_strided(t.sizes(), t.strides(), t.options()).copy_(t);
+}
+
 at::Tensor lazy_copy(const at::Tensor& t) {
   // clone() keeps the strides of a dense tensor and starts at offset 0: so must the lazy copy.
   if (!cow_shareable(t) || t.storage_offset() != 0 || !t.is_non_overlapping_and_dense() ||
@@ -400,7 +419,7 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
                                     [](const at::Tensor& t) { return t.use_count() > 1 || t.storage().use_count() > 1; }),
                      spares.end());  // held by the user: never written again
         if (spares.size() >= 8) spares.erase(spares.begin());  // a few shapes at a time
-        spares.push_back(cached.clone());
+        spares.push_back(copy_in_layout(cached));
         reused = &spares.back();
       }
       clean = *reused;

@@ -323,9 +323,19 @@ std::vector<c10::IValue> Engine::evaluate_patched(const std::string& name, c10::
   return evaluate_cone_whole(id, std::move(value));
 }
 
+// Whether `value`, given for node `id`, lays its elements out otherwise than the node's current value does. Such a
+// value is another input to the cone (a reduction reads it in another order), and eager's kernels carry its
+// layout downstream (an elementwise op's result follows its input's strides), where the scratch's out= steps
+// write into the layout the trace gave and the row path keeps rows computed from the current layout.
+bool Engine::other_layout(int64_t id, const c10::IValue& value) const {
+  const c10::IValue& current = values_[id];
+  return value.isTensor() && current.isTensor() && !same_layout(value.toTensor(), current.toTensor());
+}
+
 std::vector<c10::IValue> Engine::evaluate_cone_whole(int64_t id, c10::IValue value) {
   PatchPlan& plan = plan_for(id);
   bind_scratch(plan);
+  const bool other = other_layout(id, value);
   HeldCone held(*this, id, plan, std::move(value));  // the state afterwards is exactly the state before
   // The executor's loop: values are released at their last use, and nothing else happens per node
   // (but for the composite steps scratch.cpp checks).
@@ -333,7 +343,16 @@ std::vector<c10::IValue> Engine::evaluate_cone_whole(int64_t id, c10::IValue val
     count_plan(plan, i);  // the nodes before it did run
     rethrow_evaluating(states_[plan.order[i]], e);
   };
-  if (plan.scratch_generation != 0) {  // out= steps write into the scratch: each runs checked (scratch.cpp)
+  if (other) {
+    // A site value in another layout: every step on its functional kernel, which carries that layout on as
+    // eager's does (the plan's out= steps write the layout the trace gave, its in-place steps reuse buffers).
+    std::vector<runtime::Step> functional = plan.steps;
+    for (size_t i = 0; i < functional.size(); ++i) {
+      functional[i].kernel = &*states_[plan.order[i]].kernel;
+      functional[i].overwrites = -1;
+    }
+    runtime::run_steps(functional, values_, stack_, on_error);
+  } else if (plan.scratch_generation != 0) {  // out= steps write into the scratch: each runs checked (scratch.cpp)
     struct Hooks : runtime::NoHooks {
       Engine* self;
       PatchPlan* plan;

@@ -470,6 +470,7 @@ class Engine {
   // shared loop, returns the outputs and puts every value back. No early cutoff inside the cone (the
   // row path calls it with cutoff on, where cutoff does not act inside a cone either).
   std::vector<c10::IValue> evaluate_cone_whole(int64_t id, c10::IValue value);
+  bool other_layout(int64_t id, const c10::IValue& value) const;
   at::Tensor scratch_;
   std::vector<std::string> scratch_fallbacks_;
   bool scratch_enabled_ = true;

@@ -511,6 +511,9 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
               ": the node has no sequence axis and early cutoff is on; use patch()/demand()");
   if (rp.source_axis < 0) return evaluate_patched(name, std::move(value));
   check_intact(id);
+  // A value in another layout changes every row's inputs (a row's reduction reads it in another order), so
+  // no row is the cached one: the whole cone, on the kernels eager runs (evaluate_cone_whole).
+  if (other_layout(id, value)) return evaluate_cone_whole(id, std::move(value));
   // Rows 0 and T-1 changed (by their bytes), so rows [0, T), with no read rows or columns
   // declared: every node runs whole, local ones included, and that is a whole-cone
   // evaluation, whose kernels (and loop) are exactly those of a full recompute. Taken with cutoff on or
