@@ -663,13 +663,14 @@ def _rnn_helper_with_dropout(input, hidden, params, has_biases, num_layers, drop
 # instead of calling the backward kernel eager autograd calls. The gradients round differently
 # (bilinear and bicubic upsampling 1 ulp off eager), or are wrong: torch 2.9's decomposition of
 # multilabel_margin_loss_forward gives 28.19 where eager gives 2.65 (the step trained 0.72 off eager's
-# loss in 3 steps, silently). Traced with these removed, the op runs its C++ kernel and autograd
-# records eager's derivative (upsample_bilinear2d_backward, multilabel_margin_loss_backward).
+# loss in 3 steps, silently); its decomposition of multi_margin_loss (p=2, weight) rounds 1 ulp off eager's
+# loss and gradient. Traced with these removed, the op runs its C++ kernel and autograd
+# records eager's derivative (upsample_bilinear2d_backward, multilabel_margin_loss_backward, multi_margin_loss_backward).
 EAGER_AUTOGRAD_OPS = (
     "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
     "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
     "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa",
-    "multilabel_margin_loss_forward",
+    "multilabel_margin_loss_forward", "multi_margin_loss",
 )
 
 
