@@ -465,6 +465,7 @@ class _ExternalWrites(torch.overrides.TorchFunctionMode):
         self.inside = {id(t) for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
         self.keep = []  # tensors made inside, kept alive so their ids stay unique
         self.writes = []
+        self.unreplayable = []  # writes through out= into a tensor from outside (spectral_norm's power iteration)
         self.grad_flows = False
 
     def _outside(self, t) -> bool:
@@ -482,6 +483,8 @@ class _ExternalWrites(torch.overrides.TorchFunctionMode):
         elif args and self._outside(args[0]) and (name == "__setitem__" or (
                 name.endswith("_") and not name.endswith("__") and name not in ("requires_grad_", "share_memory_"))):
             self.writes.append((func, args, kwargs))
+        if any(self._outside(t) for t in tree_leaves(kwargs.get("out"))):
+            self.unreplayable.append(f"{getattr(func, '__module__', None) or ''}.{name}(out=...)".lstrip("."))
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -543,6 +546,16 @@ def inline_reentrant_checkpoints():
     non_reentrant = checkpoint_mod._checkpoint_without_reentrant_generator
 
     def recorded(writes):
+        if writes.unreplayable and _checkpoint_writes is not None:
+            # spectral_norm's power iteration (normalize(..., out=self._u)): eager's recomputation starts from
+            # the vectors the forward left and iterates again, so its gradients come from another weight than
+            # its forward, and its buffers move twice; the step's trace sees the block once.
+            raise ValueError(
+                f"torch.utils.checkpoint around a block that writes into a tensor from outside it with out= "
+                f"({', '.join(sorted(set(writes.unreplayable)))}; e.g. spectral_norm's power iteration into its "
+                "_u and _v buffers): eager recomputes the block in backward from the values its forward left, so "
+                "its gradients come from another weight than its forward. The pure step cannot reproduce that; "
+                "keep the parametrized layer outside the checkpointed block")
         if writes.writes and _checkpoint_writes is not None:
             _checkpoint_writes.append(writes.writes)
 
