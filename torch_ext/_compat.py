@@ -485,9 +485,12 @@ class _ExternalWrites(torch.overrides.TorchFunctionMode):
             self.writes.append((func, args, kwargs))
         if any(self._outside(t) for t in tree_leaves(kwargs.get("out"))):
             self.unreplayable.append(f"{getattr(func, '__module__', None) or ''}.{name}(out=...)".lstrip("."))
+        given = {id(t) for t in tree_leaves((args, kwargs)) if self._outside(t)}
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
+                if id(t) in given:  # an in-place method returns the tensor it wrote: still from outside
+                    continue  # (`ema.mul_(0.9).add_(y)`: the add_ is a write to replay as well)
                 self.inside.add(id(t))
                 self.keep.append(t)
                 self.grad_flows |= t.requires_grad
