@@ -467,6 +467,26 @@ class _ExternalWrites(torch.overrides.TorchFunctionMode):
         self.writes = []
         self.unreplayable = []  # writes through out= into a tensor from outside (spectral_norm's power iteration)
         self.grad_flows = False
+        self.saves = 0  # tensors the block's autograd nodes saved so far
+        self.saves_before = []  # per write: the tensors saved before its call
+        # Autograd nodes seen: the inputs' own, so the count stops at the block's edge.
+        self._nodes = {t.grad_fn for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+
+    def _count_saves(self, out) -> int:
+        """Tensors saved for backward by the autograd nodes ``out`` brought (those not seen before)."""
+        count, todo = 0, [t.grad_fn for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if node is None or node in self._nodes:
+                continue
+            self._nodes.add(node)
+            self.keep.append(node)
+            for attr in dir(node):
+                if attr.startswith("_raw_saved_"):
+                    saved = getattr(node, attr, None)
+                    count += len(saved) if isinstance(saved, (list, tuple)) else saved is not None
+            todo.extend(fn for fn, _ in node.next_functions)
+        return count
 
     def _outside(self, t) -> bool:
         return isinstance(t, torch.Tensor) and id(t) not in self.inside
@@ -474,6 +494,7 @@ class _ExternalWrites(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        wrote, saved = len(self.writes), self.saves
         if func in self._NORMS:
             names, default = self._NORMS[func]
             bound = dict(zip(names, args), **kwargs)
@@ -487,6 +508,8 @@ class _ExternalWrites(torch.overrides.TorchFunctionMode):
             self.unreplayable.append(f"{getattr(func, '__module__', None) or ''}.{name}(out=...)".lstrip("."))
         given = {id(t) for t in tree_leaves((args, kwargs)) if self._outside(t)}
         out = func(*args, **kwargs)
+        self.saves += self._count_saves(out)
+        self.saves_before.extend([saved] * (len(self.writes) - wrote))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 if id(t) in given:  # an in-place method returns the tensor it wrote: still from outside
@@ -578,6 +601,13 @@ def inline_reentrant_checkpoints():
         writes = _ExternalWrites((args, kwargs))
         with refusing_new_draws(preserve_rng_state), writes:
             yield from non_reentrant(fn, preserve_rng_state, *rest, *args, **kwargs)  # the block runs at its yield
+        early_stop = checkpoint_mod._enable_checkpoint_early_stop
+        if early_stop is None:  # the argument after debug (checkpoint passes it positionally), True by default
+            early_stop = args[0] if args and isinstance(args[0], bool) else kwargs.get("early_stop", True)
+        if early_stop:
+            # Eager's recomputation stops once it has saved as many tensors as the forward did: the writes after
+            # the block's last saving call are never made again (an EMA updated under no_grad at its end).
+            writes.writes = [w for w, saved in zip(writes.writes, writes.saves_before) if saved < writes.saves]
         if writes.grad_flows:
             recorded(writes)
 
