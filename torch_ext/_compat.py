@@ -483,7 +483,10 @@ class _ExternalWrites(torch.overrides.TorchFunctionMode):
             self.keep.append(node)
             for attr in dir(node):
                 if attr.startswith("_raw_saved_"):
-                    saved = getattr(node, attr, None)
+                    try:
+                        saved = getattr(node, attr, None)
+                    except RuntimeError:  # saved, then freed
+                        saved = True
                     count += len(saved) if isinstance(saved, (list, tuple)) else saved is not None
             todo.extend(fn for fn, _ in node.next_functions)
         return count
