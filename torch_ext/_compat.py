@@ -465,7 +465,31 @@ class _ExternalWrites(torch.overrides.TorchFunctionMode):
         self.inside = {id(t) for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
         self.keep = []  # tensors made inside, kept alive so their ids stay unique
         self.writes = []
+        self.unreplayable = []  # writes through out= into a tensor from outside (spectral_norm's power iteration)
         self.grad_flows = False
+        self.saves = 0  # tensors the block's autograd nodes saved so far
+        self.saves_before = []  # per write: the tensors saved before its call
+        # Autograd nodes seen: the inputs' own, so the count stops at the block's edge.
+        self._nodes = {t.grad_fn for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+
+    def _count_saves(self, out) -> int:
+        """Tensors saved for backward by the autograd nodes ``out`` brought (those not seen before)."""
+        count, todo = 0, [t.grad_fn for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if node is None or node in self._nodes:
+                continue
+            self._nodes.add(node)
+            self.keep.append(node)
+            for attr in dir(node):
+                if attr.startswith("_raw_saved_"):
+                    try:
+                        saved = getattr(node, attr, None)
+                    except RuntimeError:  # saved, then freed
+                        saved = True
+                    count += len(saved) if isinstance(saved, (list, tuple)) else saved is not None
+            todo.extend(fn for fn, _ in node.next_functions)
+        return count
 
     def _outside(self, t) -> bool:
         return isinstance(t, torch.Tensor) and id(t) not in self.inside
@@ -473,6 +497,7 @@ class _ExternalWrites(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        wrote, saved = len(self.writes), self.saves
         if func in self._NORMS:
             names, default = self._NORMS[func]
             bound = dict(zip(names, args), **kwargs)
@@ -482,9 +507,16 @@ class _ExternalWrites(torch.overrides.TorchFunctionMode):
         elif args and self._outside(args[0]) and (name == "__setitem__" or (
                 name.endswith("_") and not name.endswith("__") and name not in ("requires_grad_", "share_memory_"))):
             self.writes.append((func, args, kwargs))
+        if any(self._outside(t) for t in tree_leaves(kwargs.get("out"))):
+            self.unreplayable.append(f"{getattr(func, '__module__', None) or ''}.{name}(out=...)".lstrip("."))
+        given = {id(t) for t in tree_leaves((args, kwargs)) if self._outside(t)}
         out = func(*args, **kwargs)
+        self.saves += self._count_saves(out)
+        self.saves_before.extend([saved] * (len(self.writes) - wrote))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
+                if id(t) in given:  # an in-place method returns the tensor it wrote: still from outside
+                    continue  # (`ema.mul_(0.9).add_(y)`: the add_ is a write to replay as well)
                 self.inside.add(id(t))
                 self.keep.append(t)
                 self.grad_flows |= t.requires_grad
@@ -543,6 +575,16 @@ def inline_reentrant_checkpoints():
     non_reentrant = checkpoint_mod._checkpoint_without_reentrant_generator
 
     def recorded(writes):
+        if writes.unreplayable and _checkpoint_writes is not None:
+            # spectral_norm's power iteration (normalize(..., out=self._u)): eager's recomputation starts from
+            # the vectors the forward left and iterates again, so its gradients come from another weight than
+            # its forward, and its buffers move twice; the step's trace sees the block once.
+            raise ValueError(
+                f"torch.utils.checkpoint around a block that writes into a tensor from outside it with out= "
+                f"({', '.join(sorted(set(writes.unreplayable)))}; e.g. spectral_norm's power iteration into its "
+                "_u and _v buffers): eager recomputes the block in backward from the values its forward left, so "
+                "its gradients come from another weight than its forward. The pure step cannot reproduce that; "
+                "keep the parametrized layer outside the checkpointed block")
         if writes.writes and _checkpoint_writes is not None:
             _checkpoint_writes.append(writes.writes)
 
@@ -562,6 +604,13 @@ def inline_reentrant_checkpoints():
         writes = _ExternalWrites((args, kwargs))
         with refusing_new_draws(preserve_rng_state), writes:
             yield from non_reentrant(fn, preserve_rng_state, *rest, *args, **kwargs)  # the block runs at its yield
+        early_stop = checkpoint_mod._enable_checkpoint_early_stop
+        if early_stop is None:  # the argument after debug (checkpoint passes it positionally), True by default
+            early_stop = args[0] if args and isinstance(args[0], bool) else kwargs.get("early_stop", True)
+        if early_stop:
+            # Eager's recomputation stops once it has saved as many tensors as the forward did: the writes after
+            # the block's last saving call are never made again (an EMA updated under no_grad at its end).
+            writes.writes = [w for w, saved in zip(writes.writes, writes.saves_before) if saved < writes.saves]
         if writes.grad_flows:
             recorded(writes)
 
@@ -663,13 +712,14 @@ def _rnn_helper_with_dropout(input, hidden, params, has_biases, num_layers, drop
 # instead of calling the backward kernel eager autograd calls. The gradients round differently
 # (bilinear and bicubic upsampling 1 ulp off eager), or are wrong: torch 2.9's decomposition of
 # multilabel_margin_loss_forward gives 28.19 where eager gives 2.65 (the step trained 0.72 off eager's
-# loss in 3 steps, silently). Traced with these removed, the op runs its C++ kernel and autograd
-# records eager's derivative (upsample_bilinear2d_backward, multilabel_margin_loss_backward).
+# loss in 3 steps, silently); its decomposition of multi_margin_loss (p=2, weight) rounds 1 ulp off eager's
+# loss and gradient. Traced with these removed, the op runs its C++ kernel and autograd
+# records eager's derivative (upsample_bilinear2d_backward, multilabel_margin_loss_backward, multi_margin_loss_backward).
 EAGER_AUTOGRAD_OPS = (
     "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
     "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
     "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa",
-    "multilabel_margin_loss_forward",
+    "multilabel_margin_loss_forward", "multi_margin_loss",
 )
 
 
@@ -1000,6 +1050,47 @@ def rnn_dropout_between_layers():
         yield
     finally:
         decomps._rnn_helper = helper
+
+
+def _gru_cell_as_eager(inp, cur_hidden, ih_weight, ih_bias, hh_weight, hh_bias):
+    """torch 2.9's ``torch._decomp.decompositions.gru_cell`` (what tracing runs for nn.GRU) with eager's
+    layouts. Eager's cell (aten/src/ATen/native/RNN.cpp, ``GRUCell``) adds the reset and update chunks of the
+    input gates in place into the hidden gates and applies ``sigmoid_`` to those chunks, views of width H in
+    rows of 3H; torch's copy applies ``sigmoid`` to a fresh contiguous sum. The CPU kernel vectorizes a
+    contiguous tensor whole but a row of H alone (its scalar tail when H is below the vector width), and the
+    two round apart: a GRU with batch 8 trained 1.2e-7 off eager's loss in 3 SGD steps, silently. Here the
+    gates are summed whole and each sigmoid reads its chunk of the sum, a view with eager's strides
+    (``lstm_cell`` already does so); the new gate and the blend are eager's as they were."""
+    hgates = torch.nn.functional.linear(cur_hidden, hh_weight, hh_bias)
+    gates = hgates + inp
+    chunked_igates, chunked_hgates, chunked_gates = inp.chunk(3, -1), hgates.chunk(3, -1), gates.chunk(3, -1)
+    reset_gate = chunked_gates[0].sigmoid()
+    input_gate = chunked_gates[1].sigmoid()
+    new_gate = (chunked_igates[2] + (chunked_hgates[2] * reset_gate)).tanh()
+    return (cur_hidden - new_gate) * input_gate + new_gate
+
+
+@contextlib.contextmanager
+def eager_gru_cell():
+    """Traces nn.GRU's cell with eager's layouts (see ``_gru_cell_as_eager``), where torch's decomposition
+    sums the gates chunk by chunk (read from its source, so that a torch that changes it keeps its own)."""
+    import inspect
+
+    import torch._decomp.decompositions as decomps
+
+    cell = getattr(decomps, "gru_cell", None)
+    try:
+        differs = cell is not None and "(chunked_hgates[0] + chunked_igates[0]).sigmoid()" in inspect.getsource(cell)
+    except (OSError, TypeError):
+        differs = False
+    if not differs:
+        yield
+        return
+    decomps.gru_cell = _gated(_gru_cell_as_eager, cell)
+    try:
+        yield
+    finally:
+        decomps.gru_cell = cell
 
 
 @contextlib.contextmanager

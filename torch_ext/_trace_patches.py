@@ -124,6 +124,7 @@ def _factories() -> dict:
         "inference_mode_as_no_grad": _compat.inference_mode_as_no_grad,
         "refuse_autograd_in_trace": _compat.refuse_autograd_in_trace,
         "rnn_dropout_between_layers": _compat.rnn_dropout_between_layers,
+        "eager_gru_cell": _compat.eager_gru_cell,
         "packed_sequences_refused": _compat.packed_sequences_refused,
         "eager_autograd_kernels": _compat.eager_autograd_kernels,
         "joint_replayed_without_autograd": _compat.joint_replayed_without_autograd,
@@ -139,7 +140,7 @@ def _factories() -> dict:
 # Every patch, in the order it is entered (restored in reverse).
 ORDER = ("env_reads", "python_random_draws", "backward_only_code", "global_module_hooks_restored",
          "eager_attention_masks", "inline_reentrant_checkpoints", "inference_mode_as_no_grad",
-         "refuse_autograd_in_trace", "rnn_dropout_between_layers", "packed_sequences_refused",
+         "refuse_autograd_in_trace", "rnn_dropout_between_layers", "eager_gru_cell", "packed_sequences_refused",
          "eager_autograd_kernels", "joint_replayed_without_autograd", "eager_cumprod_backward",
          "eager_prod_backward", "eager_half_dropout_backward", "aten_max_pool_backward_in_inductor",
          "exact_subgraph_strides", "make_fx_without_stack_traces")
@@ -149,11 +150,11 @@ COLLECTORS = frozenset({"env_reads", "python_random_draws", "backward_only_code"
 # What each entry point traces under.
 STEP_EXPORT = ("env_reads", "python_random_draws", "backward_only_code", "global_module_hooks_restored",
                "eager_attention_masks", "inline_reentrant_checkpoints", "inference_mode_as_no_grad",
-               "refuse_autograd_in_trace", "rnn_dropout_between_layers", "packed_sequences_refused")
-JOINT_EXPORT = ("rnn_dropout_between_layers", "eager_autograd_kernels", "joint_replayed_without_autograd",
+               "refuse_autograd_in_trace", "rnn_dropout_between_layers", "eager_gru_cell", "packed_sequences_refused")
+JOINT_EXPORT = ("rnn_dropout_between_layers", "eager_gru_cell", "eager_autograd_kernels", "joint_replayed_without_autograd",
                 "eager_cumprod_backward", "eager_prod_backward", "eager_half_dropout_backward")
-INFERENCE_TRACE = ("python_random_draws", "global_module_hooks_restored", "rnn_dropout_between_layers", "packed_sequences_refused",
-                   "make_fx_without_stack_traces")
+INFERENCE_TRACE = ("python_random_draws", "global_module_hooks_restored", "rnn_dropout_between_layers", "eager_gru_cell",
+                   "packed_sequences_refused", "make_fx_without_stack_traces")
 AOTI_COMPILE = ("aten_max_pool_backward_in_inductor", "exact_subgraph_strides")
 
 
