@@ -229,16 +229,6 @@ void copy_spare(at::Tensor& dst, const at::Tensor& src) {
 // Whether at::_lazy_clone(t) gives t's elements as a tensor of its own geometry: no autograd history, no lazy
 // conjugation or negation (the lazy copy would not carry the bit), no Python subclass, on memory whose
 // allocator allows copy on write (c10::impl::cow).
-// Same strides wherever they matter (dims of size > 1; a tensor of one shape). A patch value with the cached
-// value's bits but another layout (v.t().contiguous().t()) is not the same input to the cone: a reduction or a
-// GEMM reads it in another order and can round otherwise, as eager, which runs the cone on that layout, does.
-bool same_layout(const at::Tensor& x, const at::Tensor& y) {
-  if (x.dim() != y.dim()) return false;
-  for (int64_t d = 0; d < x.dim(); ++d)
-    if (x.size(d) > 1 && x.stride(d) != y.stride(d)) return false;
-  return true;
-}
-
 bool cow_shareable(const at::Tensor& t) {
   if (t.requires_grad() || t.layout() != at::kStrided || !t.has_storage() || t.is_conj() || t.is_neg() ||
       t.unsafeGetTensorImpl()->is_python_dispatch())
@@ -433,7 +423,7 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
     // The cone's outputs may be fresh tensors only this loop holds (sole_fresh tells, per output: a cached
     // value, a pooled row buffer or a view of either has another owner, and is copied).
     bool fresh = true;
-    if (skip_identical && same_layout(value, cached) && reactive::same_bits(value, cached)) {
+    if (skip_identical && reactive::same_input(value, cached)) {
       fresh = false;
       // A value bit-identical to the cached one changes nothing: the cone would recompute its cached
       // values, so the site takes the current outputs (nothing stale: can_evaluate_patched holds), with

@@ -68,7 +68,43 @@ def layout_of(step) -> dict:
         # The lr is an input the program does not advance: a scheduler is Python, so load_step needs
         # it back (scheduler=) to follow it, or manual_lr=True to train at the lr the caller sets.
         "scheduler": step._schedule is not None,
+        # Each optimizer's class and its param groups' parameter shapes, in the step's order (the order
+        # of the lr inputs): load_step(path, scheduler=[...]) puts the schedulers' optimizers in this
+        # order, as the step itself does, whatever order the list gives them in.
+        "optimizers": [optimizer_signature(o) for o in step.optimizers],
     }
+
+
+def optimizer_signature(opt) -> dict:
+    """An optimizer's class name and, per param group, its parameters' shapes: what a loaded artifact
+    can tell of the optimizers of the step it was saved from (not their parameters' names)."""
+    return {"type": type(opt).__name__, "groups": [[list(p.shape) for p in g["params"]] for g in opt.param_groups]}
+
+
+def _in_saved_order(optimizers: list, saved, path: str) -> list:
+    """The schedulers' optimizers in the order of the step's own (``saved``: the layout's
+    ``optimizers``), matched by param-group shapes, then class; optimizers alike in both keep the
+    order given. An artifact from before the layout recorded them keeps the order given."""
+    if saved is None:
+        return optimizers
+    if len(optimizers) != len(saved):
+        raise ValueError(f"load_step: {path} was saved from a step with {len(saved)} optimizers "
+                         f"({', '.join(o['type'] for o in saved)}), the schedulers given drive {len(optimizers)}; "
+                         "pass a scheduler for each of the step's optimizers")
+    remaining, ordered = list(optimizers), []
+    for j, want in enumerate(saved):
+        # by its groups' shapes; the class only breaks ties (a subclass of the step's optimizer, or the
+        # class itself, schedules the same lrs)
+        alike = [i for i, o in enumerate(remaining) if optimizer_signature(o)["groups"] == want["groups"]]
+        k = next((i for i in alike if type(remaining[i]).__name__ == want["type"]), alike[0] if alike else None)
+        if k is None:
+            got = "; ".join(f"{optimizer_signature(o)['type']} with groups of shapes {optimizer_signature(o)['groups']}"
+                            for o in remaining)
+            raise ValueError(f"load_step: {path} was saved from a step whose optimizer {j} is {want['type']} with "
+                             f"param groups of shapes {want['groups']}, and no scheduler given drives one like it "
+                             f"(left: {got}); pass the schedulers of the step's optimizers")
+        ordered.append(remaining.pop(k))
+    return ordered
 
 
 # torch dtype -> ATen ScalarType name (c10::toString), for the C++ runner's batch check.
@@ -335,8 +371,8 @@ def _no_layout(path: str, how: str) -> ValueError:
 
 
 def loaded_schedule(layout: dict, path: str, scheduler, manual_lr: bool):
-    """What a loaded artifact does with its lr input: follow ``scheduler`` (an LRScheduler, or a list in
-    the order of the step's optimizers) as the in-memory step did, or nothing (``None``).
+    """What a loaded artifact does with its lr input: follow ``scheduler`` (an LRScheduler, or a list of
+    them, one per optimizer of the step, in any order) as the in-memory step did, or nothing (``None``).
 
     A step built with ``scheduler=`` saves a program whose lr is an input it does not advance (a
     scheduler is Python, not graph). Run without its scheduler it would train every call at the
@@ -372,12 +408,19 @@ def loaded_schedule(layout: dict, path: str, scheduler, manual_lr: bool):
         parsed = optim.parse_state_name(name) if name.startswith("opt:") else None
         if parsed is not None and parsed[0] == "hyper":
             fed.setdefault(parsed[2], []).append(parsed[1])
-    schedule = _LrSchedule(schedulers, optimizers, fed)
-    count = len(schedule.at(schedule.base))
-    if count != layout["num_lr"]:
-        raise ValueError(f"load_step: the scheduler's optimizers have {count} param groups, {path} takes "
-                         f"{layout['num_lr']} lr values; pass the schedulers of the step's optimizers, in its order")
-    return schedule
+    if all(isinstance(sch, torch.optim.lr_scheduler.LRScheduler) for sch in schedulers):  # else refused below
+        count = sum(len(o.param_groups) for o in optimizers)
+        if count != layout["num_lr"]:
+            saved = layout.get("optimizers")
+            which = "" if saved is None else f" ({len(saved)}: {', '.join(o['type'] for o in saved)})"
+            raise ValueError(f"load_step: the scheduler's optimizers have {count} param groups, {path} takes "
+                             f"{layout['num_lr']} lr values; pass a scheduler for each of the step's optimizers{which} "
+                             "(a loaded step cannot follow a scheduler of only some of them)")
+        # In the step's order: the lr inputs are its optimizers' groups in order, and the step maps each
+        # scheduler to its optimizer whatever the list's order (taken as given, a list in another order
+        # fed one optimizer's schedule to the other's groups, silently where their lrs agreed at the start).
+        optimizers = _in_saved_order(optimizers, layout.get("optimizers"), path)
+    return _LrSchedule(schedulers, optimizers, fed)
 
 
 def load_step(path, *, scheduler=None, manual_lr: bool = False):

@@ -3,7 +3,9 @@
 memory_analysis.h); this module runs them and formats or plots the results."""
 from __future__ import annotations
 
+import contextlib
 import copy
+import itertools
 import json
 from dataclasses import asdict, dataclass, field
 
@@ -202,6 +204,22 @@ def _call_peak(fn, device):
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - base
     return None
+
+
+def _generators_kept(model) -> contextlib.ExitStack:
+    """A context that puts torch's global generators (the CPU one, and those of the devices ``model``
+    lives on) back as they were: the eager step it measures draws from them (dropout), and the
+    user's next ``step.init_state()`` copies the CPU one, as an eager loop after ``torch.manual_seed``
+    draws from it."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.random.fork_rng(devices=[]))
+    devices: dict[str, set] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if t.device.type not in ("cpu", "meta"):
+            devices.setdefault(t.device.type, set()).add(0 if t.device.index is None else t.device.index)
+    for kind, indices in devices.items():
+        stack.enter_context(torch.random.fork_rng(devices=sorted(indices), device_type=kind))
+    return stack
 
 
 def _budget_bytes(step, memory_budget, plan):
@@ -464,6 +482,11 @@ def _tensor_bytes(tensors) -> int:
 
 
 def _eager_peak(step, batch):
+    with _generators_kept(step.model):  # the measured eager step draws dropout masks
+        return _measure_eager_peak(step, batch)
+
+
+def _measure_eager_peak(step, batch):
     model, opts = copy.deepcopy((step.model, step.optimizers))
 
     def one():
@@ -519,5 +542,10 @@ def memory_report(step, batch, budgets=None) -> MemoryReport:
         refused_reasons=[f"{a[0]}: {a[2]}" for a in plan["aliases"] if not a[1]],
         schedule=planned.schedule, candidates=dict(planned.candidates), fallback_nodes=len(planned.fallbacks),
         eager_timeline=eager_timeline, planned_timeline=analysis["timeline"],
-        pareto=_pareto(step, batch, budgets, eager_peak) if budgets else [])
+        pareto=_pareto_keeping_generators(step, batch, budgets, eager_peak) if budgets else [])
+
+
+def _pareto_keeping_generators(step, batch, budgets, eager_peak) -> list:
+    with _generators_kept(step.model):  # its timed eager steps draw dropout masks too
+        return _pareto(step, batch, budgets, eager_peak)
 

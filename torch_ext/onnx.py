@@ -379,6 +379,20 @@ class OnnxStep:
             entries = [lookup(n) for n in self.layout["input_state_names"]]
         except KeyError as e:
             raise KeyError(f"the state has no entry {e} that this ONNX step needs") from None
+        # Each entry's shape and dtype as exported (load_step of a .pt2 checks the same): onnxruntime
+        # checks a tensor input's rank only when the model declares it above 0, so a scalar entry given
+        # with another shape (a step count or lr of shape (1,), a float64 lr tensor of several values)
+        # was accepted and broadcast into the update, returning state entries of other shapes.
+        declared = self.layout.get("state", {})
+        for name, t in zip(self.layout["input_state_names"], entries):
+            w = declared.get(name)
+            if w is None:
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"state entry {name!r}: expected a tensor, got {type(t).__name__}")
+            if list(t.shape) != w["shape"] or str(t.dtype) != w["dtype"]:
+                raise ValueError(f"state entry {name!r} has shape {tuple(t.shape)} and dtype {t.dtype}, "
+                                 f"{self.path} expects {tuple(w['shape'])} and {w['dtype']}")
         want = self.layout.get("batch")
         if want is not None:
             from .deploy import LoadedStep

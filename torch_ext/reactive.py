@@ -2120,15 +2120,20 @@ def _site_path(rg: ReactiveGraph, node: str, pinned, read_rows) -> str:
 
 
 def _one_site(rg: ReactiveGraph, site, node: str, patch: Callable, metric: Callable, pinned=(), read_rows=None,
-              path: str | None = None, identical: list | None = None):
+              path: str | None = None, identical: list | None = None, given: torch.Tensor | None = None):
     """One sweep transaction: patch -> demand -> metric -> rollback (standing patches and grafts kept).
 
     With ``read_rows`` ((rows, columns) read per output, possibly empty) and token-granular cones
     available, only the rows the patch changed (and the metric reads) are recomputed. ``path`` is
     ``_site_path``'s answer for ``node``, when the caller already has it. With ``identical`` (a list),
     a patched value bit-identical to the node's current one is not evaluated: the site takes the
-    current outputs (zero evaluations) and is appended to the list (``sweep(skip_identical=True)``)."""
-    patch = rg._hook_view(site[0] if isinstance(site, tuple) else site, patch)
+    current outputs (zero evaluations) and is appended to the list (``sweep(skip_identical=True)``). With
+    ``given`` (the patch function's value for this site, computed by the batched driver) the patch function
+    is not called again: it runs once per site on every path (a noise patch draws once, as in eager)."""
+    if given is None:
+        patch = rg._hook_view(site[0] if isinstance(site, tuple) else site, patch)
+    else:
+        patch = lambda v, s, given=given: given  # noqa: E731  (hook conversions already applied)
     eng = rg._engine
     if path is None:
         path = _site_path(rg, node, pinned, read_rows)
@@ -2245,11 +2250,13 @@ def _sweep_in_cpp(rg: ReactiveGraph, site_list: list, nodes: list, names: list, 
         i = j
 
 
-def _patched_values(rg: ReactiveGraph, node: str, members: list, patch: Callable) -> list:
-    """The patch function's value for each site of one node (its current value given to each)."""
-    clean = rg._engine.value(node)
+def _patched_values(rg: ReactiveGraph, nodes: list, members: list, patch: Callable) -> list:
+    """The patch function's value for each site (``members``, on ``nodes``; its node's current value given to
+    each), called once per site in the order given: the order an eager-hook sweep calls it in, so a patch
+    drawing from a seeded generator draws the same values."""
     values = []
-    for s in members:
+    for node, s in zip(nodes, members):
+        clean = rg._engine.value(node)
         fn = rg._hook_view(s[0] if isinstance(s, tuple) else s, patch)
         v = rg._call_patch_fn(node, lambda t, s=s, fn=fn: fn(t, s), clean, "sweep patch function")
         if not isinstance(v, torch.Tensor):
@@ -2598,8 +2605,10 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     With ``batch_sites=True`` the sites that share a node (so their cones coincide) are evaluated
     together: K variants stacked along dim 0 of the node's cone, built by the C++ pass batch_cone over
     this graph (grafts included; standing patches stop the cone; values outside it are the cached ones),
-    the shared cone evaluated once. A site whose patched value is bit-identical to the node's value
-    takes the unpatched metric. With token-granular cones the sites are sorted by the first row their
+    the shared cone evaluated once. A site whose patched value is bit-identical to the node's value, in its
+    layout (strides), takes the unpatched metric; a value in another layout (the same bits or not) is another
+    input to the cone, as in eager, and runs alone on its whole cone. The patch function runs once per site,
+    in site order, on every path. With token-granular cones the sites are sorted by the first row their
     patch changes and split into row batches (``batch_sites=K``: at most K each; ``True``: the split
     with the least predicted cost). With ``True``, site nodes along one chain (each in the cone of the one
     before, of one type: the residual stream's layers) share batches: a batch holds sites of several
@@ -2810,23 +2819,37 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
     for node, members in groups.items():
         if len(members) > 1:
             rg._check_batchable(node)
-        vals = _patched_values(rg, node, members, patch)
+    # The patch function runs once per site, in site order (as an eager-hook sweep calls it); each value is
+    # passed on, also to the sites evaluated one at a time below.
+    value_of = dict(zip(site_list, _patched_values(rg, [node_of(s) for s in site_list], site_list, patch)))
+    alone = set()  # sites whose value has another layout than the node's: evaluated whole, one at a time
+    for node, members in groups.items():
+        vals = [value_of[s] for s in members]
         current = eng.value(node)
         by_rows = _row_path_node(rg, node, read_rows)
         if by_rows and chunk is None:
             row_nodes.append(node)
+        # A value in another layout than the cached one (the same bits or not) is another input to the cone: a
+        # reduction over it rounds otherwise, as eager, which runs the cone on it, does. It is never identical,
+        # and never stacked (torch.cat lays the stack out afresh) nor run from its first changed row (the rows
+        # before it were computed from the cached layout): it runs alone, on its whole cone, in its layout.
+        layout = [_same_layout(v, current) for v in vals]
         if by_rows:
             # One byte scan per site gives both answers: the first changed row, and (== the length, for a
             # value of the node's shape and dtype) bit-identity, as _same_bits would say.
             length = current.shape[eng.seq_axis(node)]
-            first_of = [eng.first_changed_row(node, v) if _same_type(v, current) else -1 for v in vals]
+            first_of = [eng.first_changed_row(node, v) if _same_type(v, current) and lay else -1
+                        for v, lay in zip(vals, layout)]
             same = [f >= length for f in first_of]
         else:
             first_of = None
-            same = [_same_bits(v, current) for v in vals]
+            same = [lay and _same_bits(v, current) for v, lay in zip(vals, layout)]
         kept = []
         for i, (s, v) in enumerate(zip(members, vals)):
-            if same[i]:
+            if not layout[i]:
+                alone.add(s)
+                units.append((((node, 1),), [s], [v]))
+            elif same[i]:
                 if claim is None or claim[1]:
                     metrics[s], w = _measure(rg, metric, rg._user(eng.demand()), s)  # _user: single-output fast path
                     if w:
@@ -2871,7 +2894,13 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
             predicted_batched += live[node]
             before, cost_before = rg.stats["evaluations"], rg.stats["cost"]
             rows_before = rg.stats["row_evaluations"]
-            metrics[members[0]] = _one_site(rg, members[0], node, patch, metric, set(eng.pinned()), read_rows)
+            pinned = set(eng.pinned())
+            # A value in another layout: the whole cone, as a transaction (patch, demand, rollback), whose kernels
+            # keep the layout eager's give; the prepared cone's (evaluate_patched) wrote an elementwise op's
+            # result contiguous and a reduction after it read the clean order (relu -> add -> sum).
+            path = "transaction" if members[0] in alone else None
+            metrics[members[0]] = _one_site(rg, members[0], node, patch, metric, pinned, read_rows, path,
+                                            given=given[0])
             measured += rg.stats["evaluations"] - before
             cost += rg.stats["cost"] - cost_before
             row_evals += rg.stats["row_evaluations"] - rows_before
@@ -2883,9 +2912,9 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
             setup += bc.setup
         if bc.engine is None:  # an empty cone (the node is an output, or pins cut it off): one at a time
             predicted_batched += k * live[node]
-            for s in members:
+            for s, v in zip(members, given):
                 before, cost_before = rg.stats["evaluations"], rg.stats["cost"]
-                metrics[s] = _one_site(rg, s, node, patch, metric, set(eng.pinned()), read_rows)
+                metrics[s] = _one_site(rg, s, node, patch, metric, set(eng.pinned()), read_rows, given=v)
                 measured += rg.stats["evaluations"] - before
                 cost += rg.stats["cost"] - cost_before
             continue

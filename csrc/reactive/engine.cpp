@@ -29,18 +29,8 @@ const ir::TensorMeta* arg_meta(const ir::Node& n, size_t i) {
   return t.kind == ir::Type::Kind::Tensor ? &t.tensor : nullptr;
 }
 
-// Same strides in every dim of size > 1: the same bits in another layout are another input downstream (a
-// reduction or GEMM reads them in another order and can round otherwise, as eager, which runs on that layout).
-bool same_layout(const at::Tensor& x, const at::Tensor& y) {
-  if (x.dim() != y.dim()) return false;
-  for (int64_t d = 0; d < x.dim(); ++d)
-    if (x.size(d) > 1 && x.stride(d) != y.stride(d)) return false;
-  return true;
-}
-
 bool values_equal(const c10::IValue& a, const c10::IValue& b) {
-  if (a.isTensor() && b.isTensor())
-    return same_layout(a.toTensor(), b.toTensor()) && same_bits(a.toTensor(), b.toTensor());
+  if (a.isTensor() && b.isTensor()) return same_input(a.toTensor(), b.toTensor());
   const bool seq_a = a.isTuple() || a.isList();
   const bool seq_b = b.isTuple() || b.isList();
   if (seq_a || seq_b) {
@@ -64,6 +54,13 @@ bool values_equal(const c10::IValue& a, const c10::IValue& b) {
 static bool plain_dense_cpu(const at::Tensor& t) {
   return t.is_cpu() && t.layout() == at::kStrided && t.is_contiguous() && t.has_storage() && !t.is_conj() &&
          !t.is_neg() && !t.unsafeGetTensorImpl()->is_python_dispatch();
+}
+
+bool same_layout(const at::Tensor& x, const at::Tensor& y) {
+  if (x.dim() != y.dim()) return false;
+  for (int64_t d = 0; d < x.dim(); ++d)
+    if (x.size(d) > 1 && x.stride(d) != y.stride(d)) return false;
+  return true;
 }
 
 // Early cutoff's equality: the same bits, not the same numbers. Under `==`, -0.0 equals 0.0 (and NaN

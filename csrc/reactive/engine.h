@@ -117,6 +117,14 @@ namespace torch_ext::reactive {
 // complex tensors compare as integers of their width. Early cutoff's and skip_identical's equality.
 bool same_bits(const at::Tensor& x, const at::Tensor& y);
 
+// Same strides in every dim of size > 1 (x and y of one shape). The same bits in another layout
+// (v.t().contiguous().t()) are another input downstream: a reduction or a GEMM reads them in another order
+// and can round otherwise, as eager, which runs on that layout, does.
+bool same_layout(const at::Tensor& x, const at::Tensor& y);
+
+// What a cone cannot tell apart: the same bits in the same layout. skip_identical's and early cutoff's test.
+inline bool same_input(const at::Tensor& x, const at::Tensor& y) { return same_layout(x, y) && same_bits(x, y); }
+
 struct Stats {
   int64_t evaluations = 0;  // countable-node executions
   double cost = 0.0;        // FLOP-weighted evaluations (see header comment)

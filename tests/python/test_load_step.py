@@ -886,3 +886,41 @@ def test_resuming_with_only_the_scheduler_restored_names_the_optimizer(restore_o
     want = step(state, *bs[3])[0]
     got = resumed(state2, *bs[3])[0]
     assert torch.equal(got, want)
+
+
+def _two_scheduled_optimizers():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    body, head = (torch.optim.AdamW(model[i].parameters(), lr=1e-2) for i in (0, 2))
+    # both start at lr 1e-2: a state at epoch 0 cannot tell the two schedules apart
+    return model, [body, head], [torch.optim.lr_scheduler.StepLR(body, step_size=1, gamma=0.5),
+                                 torch.optim.lr_scheduler.LambdaLR(head, lambda i: 1.0)]
+
+
+def test_schedulers_given_in_another_order_than_the_steps_optimizers_follow_their_own(tmp_path):
+    # The step maps each scheduler to its optimizer whatever the list's order; load_step took the
+    # list's order for the optimizers' (the order of the lr inputs), so [head's, body's] fed the body's
+    # halving lr to the head and the constant one to the body: 0.02 off the live step in 4 calls, silently.
+    model, opts, scheds = _two_scheduled_optimizers()
+    step = torch_ext.make_train_step(model, opts, ce, batches(1)[0], scheduler=scheds)
+    path = str(tmp_path / "two.pt2")
+    torch.export.save(step.program, path)
+    _, _, fresh = _two_scheduled_optimizers()
+    loaded = torch_ext.load_step(path, scheduler=fresh[::-1])
+    live = saved = step.init_state()
+    for b in batches(4):
+        live_loss, live = step(live, *b)
+        saved_loss, saved = loaded(saved, *b)
+        assert torch.equal(saved_loss, live_loss)
+    assert [float(v) for v in saved.lr] == [float(v) for v in live.lr] == [1e-2 * 0.5 ** 4, 1e-2]
+    assert_states_equal(saved, live)
+    # schedulers of optimizers unlike the step's (other parameter shapes) are refused, naming both
+    other = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 3))
+    wrong = [torch.optim.lr_scheduler.StepLR(torch.optim.AdamW(other[i].parameters(), lr=1e-2), step_size=1)
+             for i in (0, 1)]
+    with pytest.raises(ValueError, match=r"optimizer 0 is AdamW with param groups of shapes \[\[\[16, 8\], \[16\]\]\]"
+                                         r".*no scheduler given drives one like it.*\[\[\[4, 8\], \[4\]\]\]"):
+        torch_ext.load_step(path, scheduler=wrong)
+    with pytest.raises(ValueError, match=r"2 optimizers \(AdamW, AdamW\), the schedulers given drive 1"):
+        torch_ext.load_step(path, scheduler=[torch.optim.lr_scheduler.StepLR(
+            torch.optim.SGD([{"params": other[0].parameters()}, {"params": other[1].parameters()}], lr=0.1), 1)])

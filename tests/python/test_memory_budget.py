@@ -256,3 +256,26 @@ def test_a_dropout_clone_reads_the_generator_state_the_original_read():
     for c in clones:
         state = c.args[3].name
         assert not state.endswith("_recomp"), (c.name, state)
+
+
+def test_a_fractional_budget_and_the_report_leave_the_global_generator_as_they_found_it():
+    # A float budget measures the eager step's peak, and memory_report times eager steps: both ran
+    # dropout on torch's global generator, so a later init_state() (which copies it) drew other masks
+    # than the same script without compile(): training changed silently, also when the budget was refused.
+    step, batch = _dropout_mlp_step()
+    torch.manual_seed(1)
+    before = torch.get_rng_state()
+    want = step.init_state()
+    planned = step.compile(plan=True, donate=False, memory_budget=1.0)
+    assert torch.equal(torch.get_rng_state(), before)
+    with pytest.raises(ValueError, match="cannot be met"):
+        step.compile(plan=True, memory_budget=1e-6)
+    assert torch.equal(torch.get_rng_state(), before)
+    torch_ext.memory_report(step, batch, budgets=[1.0])
+    assert torch.equal(torch.get_rng_state(), before)
+    got = step.init_state()
+    assert torch.equal(got.rng, want.rng)
+    # ... so the planned step trains as the unplanned one from the state init_state() gives
+    loss_a, a = planned(got, *batch)
+    loss_b, b = step(want, *batch)
+    assert torch.equal(loss_a, loss_b) and all(torch.equal(a.params[k], b.params[k]) for k in a.params)

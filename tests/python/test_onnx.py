@@ -394,3 +394,28 @@ def test_onnx_exports_batch_norm_1d_on_a_transposed_input(tmp_path):
     assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
     for name in want.params:
         torch.testing.assert_close(state.lookup(name), want.lookup(name), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_onnx_step_refuses_a_state_entry_of_another_shape_or_dtype(tmp_path):
+    # onnxruntime checks an input's rank only where the model declares one above 0: a step count or
+    # an lr of shape (1,) was accepted and broadcast into the update, and the ONNX step returned
+    # entries of other shapes (a bias (3,) came back (1, 3)). Checked as load_step of a .pt2 does.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    batch = (torch.randn(5, 4), torch.randint(0, 3, (5,)))
+    step = torch_ext.make_train_step(model, torch.optim.Adam(model.parameters(), lr=0.1),
+                                     lambda m, x, y: F.cross_entropy(m(x), y), batch)
+    onnx_step = torch_ext.load_step(step.to_onnx(str(tmp_path / "step.onnx")))
+    state = step.init_state()
+    with pytest.raises(ValueError, match=r"'opt:model.weight:step' has shape \(1, 1\) and dtype torch.float32, .*"
+                                         r"expects \(\) and torch.float32"):
+        onnx_step(state.replace({"opt:model.weight:step": state.opt["opt:model.weight:step"].reshape(1, 1)}), *batch)
+    flat = {n: state.lookup(n) for n in onnx_step.layout["input_state_names"]}
+    with pytest.raises(ValueError, match=r"'opt:lr:group0' has shape \(1,\) and dtype torch.float64"):
+        onnx_step({**flat, "opt:lr:group0": flat["opt:lr:group0"].reshape(1)}, *batch)
+    with pytest.raises(ValueError, match=r"'model.bias' has shape \(3,\) and dtype torch.float64"):
+        onnx_step(state.replace({"model.bias": state.params["model.bias"].double()}), *batch)
+    # the state the checks saw is a good one: it trains as the step does
+    loss, new_state = onnx_step(state, *batch)
+    assert {n: tuple(t.shape) for n, t in new_state.params.items()} == {"model.weight": (3, 4), "model.bias": (3,)}
+    torch.testing.assert_close(loss, step(state, *batch)[0], rtol=1e-6, atol=1e-6)
