@@ -596,18 +596,19 @@ class Engine {
   // row, and the second is T).
   std::pair<int64_t, int64_t> changed_rows(int64_t id, const c10::IValue& value, bool first_only = false);
   std::map<std::tuple<int64_t, std::vector<int64_t>, std::vector<std::vector<int64_t>>>, RowPlan> row_plans_;
-  // The plan row_plan_for returned last, found again without building row_plans_'s key (a sweep asks for
-  // one node's plan at each of its sites); cleared with row_plans_.
+  // Per node, the plan row_plan_for returned last for it, found again without building row_plans_'s key (a
+  // sweep asks for a node's plan at each of its sites, and its sites on other nodes come between); cleared
+  // with row_plans_.
   struct RowPlanMemo {
     int64_t id = -1;
     const RowPlan* plan = nullptr;
     std::vector<int64_t> read_rows;
     std::vector<std::vector<int64_t>> read_cols;
   };
-  RowPlanMemo row_plan_memo_;
+  std::unordered_map<int64_t, RowPlanMemo> row_plan_memo_;
   void clear_row_plans() {
     row_plans_.clear();
-    row_plan_memo_ = RowPlanMemo();
+    row_plan_memo_.clear();
   }
   std::optional<passes::SeqAxisAnalysis> seq_;
   bool positions_ = false;

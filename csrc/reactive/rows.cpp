@@ -166,6 +166,13 @@ int64_t rows_along(const c10::IValue& v, int64_t dim) {
   return -1;
 }
 
+// Whether declared reads leave every row and column of the outputs read: no read row past 0, no read
+// columns (row_plan_for then gives no node a need past row 0 and no columns: RowPlan::narrows is false).
+bool reads_whole(const std::vector<int64_t>& read_rows, const std::vector<std::vector<int64_t>>& read_cols) {
+  return std::none_of(read_rows.begin(), read_rows.end(), [](int64_t r) { return r > 0; }) &&
+         std::all_of(read_cols.begin(), read_cols.end(), [](const std::vector<int64_t>& c) { return c.empty(); });
+}
+
 bool is_floating(const ir::Type& t) {
   return t.kind == ir::Type::Kind::Tensor && c10::isFloatingType(t.tensor.dtype);
 }
@@ -272,14 +279,16 @@ int64_t Engine::first_changed_row(const std::string& name, const c10::IValue& va
 
 const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_t>& read_rows,
                                             const std::vector<std::vector<int64_t>>& read_cols) {
-  const RowPlanMemo& memo = row_plan_memo_;
-  if (memo.id == id && memo.plan->pins_version == pins_version_ && memo.read_rows == read_rows &&
+  // Found again per node without building row_plans_'s key: a sweep's consecutive sites are on different
+  // nodes, so one memo for the last node alone would miss at every site.
+  RowPlanMemo& memo = row_plan_memo_[id];
+  if (memo.plan != nullptr && memo.plan->pins_version == pins_version_ && memo.read_rows == read_rows &&
       memo.read_cols == read_cols)
     return *memo.plan;
   const auto key = std::make_tuple(id, read_rows, read_cols);
   auto it = row_plans_.find(key);
   if (it != row_plans_.end() && it->second.pins_version == pins_version_) {
-    row_plan_memo_ = {id, &it->second, read_rows, read_cols};
+    memo = {id, &it->second, read_rows, read_cols};
     return it->second;
   }
   const PatchPlan& plan = plan_for(id);
@@ -433,7 +442,7 @@ const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_
   rp.narrows = std::any_of(rp.steps.begin(), rp.steps.end(),
                            [](const RowStep& st) { return st.need > 0 || !st.cols.empty(); });
   RowPlan& stored = row_plans_[key] = std::move(rp);
-  row_plan_memo_ = {id, &stored, read_rows, read_cols};
+  row_plan_memo_[id] = {id, &stored, read_rows, read_cols};  // found anew: nothing above may keep `memo`
   return stored;
 }
 
@@ -506,6 +515,19 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
   TORCH_CHECK(has_run_ && dirty_.empty() && !txn_, "evaluate_patched_rows %", name,
               ": needs a graph that has run, with nothing stale and no open transaction");
   check_value_type(*states_[id].node, value);
+  // Whole or rows, decided before any row bookkeeping where the reads cannot narrow the cone (no read row
+  // past 0, no read columns: RowPlan::narrows is false whatever the plan) and the patch changes the source's
+  // first and last rows (by their bytes): every cone node then runs on rows [0, T), which is the whole-cone
+  // evaluation taken below after the plan's lookup, here without it (a sweep's consecutive sites are on
+  // different nodes). Same kernels, same bits, same count.
+  if (reads_whole(read_rows, read_cols)) {
+    const passes::SeqNode& info = seq_analysis().at(states_[id].node);
+    if (info.row_axis >= 0 && row_bytes_differ(values_[id], value, info.row_axis, 0) &&
+        row_bytes_differ(values_[id], value, info.row_axis, info.length - 1)) {
+      check_intact(id);
+      return evaluate_cone_whole(id, std::move(value));
+    }
+  }
   const RowPlan& rp = row_plan_for(id, read_rows, read_cols);
   TORCH_CHECK(rp.source_axis >= 0 || !cutoff_, "evaluate_patched_rows %", name,
               ": the node has no sequence axis and early cutoff is on; use patch()/demand()");

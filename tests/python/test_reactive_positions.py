@@ -316,6 +316,52 @@ def test_reads_with_entries_that_shift_dims_reads_the_right_rows(how):
     rg.restore()
 
 
+def test_sites_alternating_between_nodes_and_reads_get_each_nodes_own_row_plan():
+    # A sweep whose consecutive sites are on different nodes, with patches that change one row and patches
+    # that change every row (which take the whole cone before any row bookkeeping), under two read
+    # declarations in turn: each site gets the row plan of its own node and reads (plans are kept per node).
+    rg, resid, patch, _ = _zoo_sweep_setup("sdpa")
+    torch.manual_seed(1)
+    noise = {n: torch.randn_like(rg.value(n)) for n in resid}
+
+    def patch_any(value, site):
+        node, p = site
+        return value + noise[node] if p == "all" else patch(value, site)
+
+    sites = [(n, p) for p in (2, "all", T - 1, 0) for n in resid]
+    assert all(a[0] != b[0] for a, b in zip(sites, sites[1:]))
+    reads = {"logits": (slice(None), -1, [3, 4])}
+
+    def narrow_metric(out):
+        return float((out[:, -1, 3] - out[:, -1, 4]).sum())
+
+    whole = torch_ext.sweep(rg, sites, patch_any, lambda out: out.clone(), progress=False, positions=False)
+    runs = []
+    for narrow in (True, False, True):
+        rg.reset_stats()
+        if narrow:
+            r = torch_ext.sweep(rg, sites, patch_any, narrow_metric, progress=False, reads=reads)
+        else:
+            r = torch_ext.sweep(rg, sites, patch_any, lambda out: out.clone(), progress=False)
+        runs.append(r)
+        assert r.measured_evaluations == whole.measured_evaluations
+        for s in sites:
+            want = whole.metrics[s]
+            if narrow:
+                want = narrow_metric(want)
+                assert abs(r.metrics[s] - want) <= 1e-6 * max(1.0, abs(want)), s
+            elif s[1] == "all":
+                # Every row changed and every output row read: the whole cone, the full recompute's bits.
+                assert bits_equal(r.metrics[s], want), s
+            else:
+                assert _rel(r.metrics[s], want) <= 1e-6, s
+    # The narrow plans were found again after the wide ones (the same rows computed), and the wide sweep
+    # computed more rows than the narrow one.
+    assert runs[0].extra["row_evaluations"] == runs[2].extra["row_evaluations"] < runs[1].extra["row_evaluations"]
+    assert runs[0].cost == runs[2].cost < runs[1].cost
+    rg.check_invariants()
+
+
 def test_reads_last_row_computes_only_what_reaches_it():
     rg, resid, patch, sites = _zoo_sweep_setup("sdpa")
     seen = {}
