@@ -105,9 +105,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--configs", default="2x32x6x1,2x32x6x8,4x128x16x1,4x128x16x8",
+                    help="comma-separated n_layer x d_model x T x batch")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    for n_layer, d, T, batch in [(2, 32, 6, 1), (2, 32, 6, 8), (4, 128, 16, 1), (4, 128, 16, 8)]:
+    for cfg in args.configs.split(","):
+        n_layer, d, T, batch = (int(v) for v in cfg.split("x"))
         run(n_layer, d, T, batch, args.rounds)
 
 

@@ -78,7 +78,11 @@ std::optional<at::Scalar> scalar_arg(const Arg* a) {
 }
 
 std::optional<at::Tensor> evaluate_constant(const Node& n, const std::unordered_map<const Node*, at::Tensor>& known) {
-  if (n.kind() != ir::NodeKind::Call || n.target().ns != "aten") return std::nullopt;
+  if (n.kind() != ir::NodeKind::Call || n.target().ns != "aten" || n.type().kind != ir::Type::Kind::Tensor)
+    return std::nullopt;
+  int64_t numel = 1;  // refused before anything is allocated
+  for (int64_t d : n.type().tensor.sizes) numel *= d;
+  if (numel > kMaxKnown) return std::nullopt;
   for (const Node* in : n.inputs())
     if (!known.count(in)) return std::nullopt;
   auto t = [&](size_t pos, const char* name) -> std::optional<at::Tensor> {
