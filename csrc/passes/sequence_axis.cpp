@@ -660,6 +660,8 @@ class Analyzer {
         if (pout == pin && T > 1 && (*out)[j] % T == 0) {
           SeqNode s = follow(n, x, static_cast<int64_t>(j), -1);
           s.fold = (*out)[j] / T;
+          s.causal_values = false;  // no key axis: nothing causal to carry
+          s.mask_kind = 0;
           return s;
         }
         if (pout > pin) break;
