@@ -737,6 +737,7 @@ PYBIND11_MODULE(_C, m) {
       .def("set_positions", &reactive::Engine::set_positions, py::arg("enabled"), py::arg("seq_dim") = 1)
       .def("positions", &reactive::Engine::positions)
       .def("seq_axis", &reactive::Engine::seq_axis)
+      .def("seq_fold", &reactive::Engine::seq_fold)
       .def("first_changed_row",
            [](reactive::Engine& e, const std::string& n, py::handle v) { return e.first_changed_row(n, ivalue_from_py(v)); })
       .def("can_evaluate_patched", &reactive::Engine::can_evaluate_patched)

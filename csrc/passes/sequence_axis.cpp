@@ -2,6 +2,8 @@
 
 #include "ir/args.h"
 
+#include <ATen/ATen.h>
+
 #include <algorithm>
 #include <cmath>
 #include <set>
@@ -60,6 +62,175 @@ bool identity_like(const std::string& op) {
          op == "lift_fresh_copy" || op == "dropout" || op == "feature_dropout" || op == "alpha_dropout";
 }
 
+
+// ---- Small integer / boolean constants computed from the graph alone (no placeholder reaches them):
+// positions, masks. Evaluated exactly on the CPU at analysis time, so that a mask built by code the
+// structural rules do not know (Hugging Face's causal mask: positions compared with `le`, `and`ed with
+// a packed-sequence test) can be proven lower-triangular by its value. Floating results are refused
+// (kept exact), and so is anything larger than kMaxKnown elements.
+constexpr int64_t kMaxKnown = int64_t{1} << 24;  // a [8, 1, 1024, 1024] mask and its parts
+
+std::optional<at::Scalar> scalar_arg(const Arg* a) {
+  if (a == nullptr) return std::nullopt;
+  if (a->kind == Arg::Kind::Int) return at::Scalar(a->i);
+  if (a->kind == Arg::Kind::Bool) return at::Scalar(static_cast<bool>(a->i));
+  return std::nullopt;
+}
+
+std::optional<at::Tensor> evaluate_constant(const Node& n, const std::unordered_map<const Node*, at::Tensor>& known) {
+  if (n.kind() != ir::NodeKind::Call || n.target().ns != "aten" || n.type().kind != ir::Type::Kind::Tensor)
+    return std::nullopt;
+  int64_t numel = 1;  // refused before anything is allocated
+  for (int64_t d : n.type().tensor.sizes) numel *= d;
+  if (numel > kMaxKnown) return std::nullopt;
+  for (const Node* in : n.inputs())
+    if (!known.count(in)) return std::nullopt;
+  auto t = [&](size_t pos, const char* name) -> std::optional<at::Tensor> {
+    const Arg* a = arg_at(n, pos, name);
+    if (a == nullptr || a->kind != Arg::Kind::Node) return std::nullopt;
+    return known.at(a->node);
+  };
+  auto dtype_kw = [&]() -> std::optional<c10::ScalarType> {
+    const Arg* d = n.kwarg("dtype");
+    if (d == nullptr || d->kind != Arg::Kind::Dtype) return std::nullopt;
+    return static_cast<c10::ScalarType>(d->i);
+  };
+  const std::string& op = n.target().name;
+  const auto long_opts = at::TensorOptions().dtype(at::kLong);
+  at::Tensor r;
+  try {
+    if (op == "arange") {
+      const Arg* a0 = arg_at(n, 0, "end");
+      const Arg* a1 = n.args().size() > 1 ? &n.args()[1] : nullptr;
+      if (a0 == nullptr || a0->kind != Arg::Kind::Int || n.args().size() > 2 || n.kwarg("step") != nullptr)
+        return std::nullopt;
+      if (a1 != nullptr && a1->kind == Arg::Kind::Int) r = at::arange(a0->i, a1->i, long_opts);
+      else if (a1 == nullptr) r = at::arange(a0->i, long_opts);
+      else return std::nullopt;
+      if (auto d = dtype_kw()) r = r.to(*d);
+    } else if (op == "new_ones" || op == "new_zeros") {
+      const auto size = ints_arg(n, 1, "size");
+      auto x = t(0, "self");
+      if (!size || !x) return std::nullopt;
+      const auto opts = at::TensorOptions().dtype(dtype_kw().value_or(x->scalar_type()));
+      r = op == "new_ones" ? at::ones(*size, opts) : at::zeros(*size, opts);
+    } else if (op == "unsqueeze") {
+      auto x = t(0, "self");
+      const auto d = int_arg(n, 1, "dim");
+      if (!x || !d) return std::nullopt;
+      r = x->unsqueeze(*d);
+    } else if (op == "expand") {
+      auto x = t(0, "self");
+      const auto size = ints_arg(n, 1, "size");
+      if (!x || !size) return std::nullopt;
+      r = x->expand(*size);
+    } else if (op == "view" || op == "reshape" || op == "_unsafe_view") {
+      auto x = t(0, "self");
+      const auto size = ints_arg(n, 1, "size");
+      if (!x || !size) return std::nullopt;
+      r = x->reshape(*size);
+    } else if (op == "slice") {
+      auto x = t(0, "self");
+      if (!x) return std::nullopt;
+      const int64_t dim = int_arg(n, 1, "dim").value_or(0);
+      const Arg* st = arg_at(n, 2, "start");
+      const Arg* en = arg_at(n, 3, "end");
+      std::optional<int64_t> start, end;
+      if (st && st->kind == Arg::Kind::Int) start = st->i;
+      else if (st && st->kind != Arg::Kind::None) return std::nullopt;
+      if (en && en->kind == Arg::Kind::Int) end = en->i;
+      else if (en && en->kind != Arg::Kind::None) return std::nullopt;
+      r = x->slice(dim, start, end, int_arg(n, 4, "step").value_or(1));
+    } else if (op == "diff") {
+      auto x = t(0, "self");
+      if (!x) return std::nullopt;
+      const Arg* pre = arg_at(n, 3, "prepend");
+      const Arg* app = arg_at(n, 4, "append");
+      std::optional<at::Tensor> prepend, append;
+      if (pre && pre->kind == Arg::Kind::Node) prepend = known.at(pre->node);
+      if (app && app->kind == Arg::Kind::Node) append = known.at(app->node);
+      r = at::diff(*x, int_arg(n, 1, "n").value_or(1), int_arg(n, 2, "dim").value_or(-1), prepend, append);
+    } else if (op == "cumsum") {
+      auto x = t(0, "self");
+      const auto d = int_arg(n, 1, "dim");
+      if (!x || !d || dtype_kw()) return std::nullopt;
+      r = x->cumsum(*d);
+    } else if (op == "index") {
+      auto x = t(0, "self");
+      const Arg* idx = arg_at(n, 1, "indices");
+      if (!x || idx == nullptr || idx->kind != Arg::Kind::List) return std::nullopt;
+      c10::List<std::optional<at::Tensor>> indices;
+      for (const Arg& e : idx->list) {
+        if (e.kind == Arg::Kind::Node) indices.push_back(known.at(e.node));
+        else if (e.kind == Arg::Kind::None) indices.push_back(std::nullopt);
+        else return std::nullopt;
+      }
+      r = at::index(*x, indices);
+    } else if (op == "to" || op == "_to_copy" || op == "clone" || op == "contiguous" || op == "alias" ||
+               op == "lift_fresh_copy") {
+      auto x = t(0, "self");
+      if (!x) return std::nullopt;
+      r = x->to(dtype_kw().value_or(x->scalar_type())).clone();
+    } else if (op == "logical_not" || op == "bitwise_not" || op == "neg") {
+      auto x = t(0, "self");
+      if (!x) return std::nullopt;
+      r = op == "logical_not" ? x->logical_not() : op == "neg" ? x->neg() : x->bitwise_not();
+    } else if (op == "add" || op == "sub" || op == "mul" || op == "eq" || op == "ne" || op == "le" || op == "lt" ||
+               op == "ge" || op == "gt" || op == "__and__" || op == "__or__" || op == "bitwise_and" ||
+               op == "bitwise_or" || op == "logical_and" || op == "logical_or") {
+      auto x = t(0, "self");
+      if (!x) return std::nullopt;
+      const Arg* o = arg_at(n, 1, "other");
+      if (o == nullptr) return std::nullopt;
+      at::Tensor other;
+      if (o->kind == Arg::Kind::Node) {
+        other = known.at(o->node);
+      } else if (auto sc = scalar_arg(o)) {
+        other = at::scalar_tensor(*sc, at::TensorOptions().dtype(sc->isBoolean() ? at::kBool : at::kLong));
+      } else {
+        return std::nullopt;
+      }
+      const Arg* alpha = n.kwarg("alpha");
+      if (alpha != nullptr && !(alpha->kind == Arg::Kind::Int && alpha->i == 1)) return std::nullopt;
+      if (op == "add") r = at::add(*x, other);
+      else if (op == "sub") r = at::sub(*x, other);
+      else if (op == "mul") r = at::mul(*x, other);
+      else if (op == "eq") r = at::eq(*x, other);
+      else if (op == "ne") r = at::ne(*x, other);
+      else if (op == "le") r = at::le(*x, other);
+      else if (op == "lt") r = at::lt(*x, other);
+      else if (op == "ge") r = at::ge(*x, other);
+      else if (op == "gt") r = at::gt(*x, other);
+      else if (op == "__and__" || op == "bitwise_and") r = at::bitwise_and(*x, other);
+      else if (op == "__or__" || op == "bitwise_or") r = at::bitwise_or(*x, other);
+      else if (op == "logical_and") r = at::logical_and(*x, other);
+      else r = at::logical_or(*x, other);
+    } else {
+      return std::nullopt;
+    }
+  } catch (const std::exception&) {
+    return std::nullopt;  // not evaluable here: no claim
+  }
+  // Only exact values, of the declared type: integers and booleans, small.
+  if (r.is_floating_point() || r.is_complex() || r.numel() > kMaxKnown || n.type().kind != ir::Type::Kind::Tensor ||
+      r.sizes() != at::IntArrayRef(n.type().tensor.sizes) || r.scalar_type() != n.type().tensor.dtype)
+    return std::nullopt;
+  return r;
+}
+
+// 1: lower-triangular keep mask (true where j <= i) over the last two dims, for every leading index;
+// 2: its complement; 3: all true; 0: none of these.
+int mask_kind_of_value(const at::Tensor& v) {
+  if (v.dim() < 2 || v.size(-1) != v.size(-2) || v.numel() == 0) return 0;
+  const at::Tensor b = v.to(at::kBool);
+  if (b.all().item<bool>()) return 3;
+  const int64_t T = v.size(-1);
+  const at::Tensor keep = at::ones({T, T}, at::TensorOptions().dtype(at::kBool)).tril();
+  if (b.eq(keep).all().item<bool>()) return 1;
+  if (b.eq(keep.logical_not()).all().item<bool>()) return 2;
+  return 0;
+}
+
 class Analyzer {
  public:
   Analyzer(const ir::Graph& g, int64_t seq_dim) : g_(g) { out_.seq_dim = seq_dim; }
@@ -80,6 +251,12 @@ class Analyzer {
       } else {
         info = call(*n);
         for (const Node* in : n->inputs()) info.varying = info.varying || of(in).varying;
+        if (info.row_axis < 0 && !info.varying) {
+          if (auto v = evaluate_constant(*n, known_)) {
+            if (info.mask_kind == 0) info.mask_kind = mask_kind_of_value(*v);
+            known_[n] = std::move(*v);
+          }
+        }
       }
       out_.nodes[n] = std::move(info);
     }
@@ -149,6 +326,12 @@ class Analyzer {
     else if (op == "embedding") r = embedding(n);
     else if (op == "scaled_dot_product_attention") r = sdpa(n);
     if (!r || r->row_axis < 0 || !rest_is_constant(*r)) return fallback(n);
+    // Rows folded into blocks (SeqNode::fold) are followed by the ops whose rules above account for it.
+    const bool folds = elementwise_ops().count(op) || op == "linear" || op == "addmm" || op == "layer_norm" ||
+                       op == "rms_norm" || op == "view" || op == "_unsafe_view" || op == "reshape";
+    bool folded = r->fold != 1;
+    for (const Node* in : n.inputs()) folded = folded || (has_axis(in) && of(in).fold != 1);
+    if (folded && !folds) return fallback(n);
     return *r;
   }
 
@@ -217,7 +400,7 @@ class Analyzer {
                        (p && p->kind == Arg::Kind::Float && p->f == 0.0);
       if (!off) return std::nullopt;
     }
-    int64_t row = -1, key = -1, T = 0;
+    int64_t row = -1, key = -1, T = 0, fold = 0;
     for (const Node* in : n.inputs()) {
       const SeqNode& i = of(in);
       if (i.row_axis < 0) continue;
@@ -228,12 +411,15 @@ class Analyzer {
       row = a;
       if (k >= 0) key = k;
       if (T && i.length != T) return std::nullopt;
+      if (fold && i.fold != fold) return std::nullopt;
       T = i.length;
+      fold = i.fold;
     }
-    if (row < 0 || (*out)[row] != T) return std::nullopt;
+    if (row < 0 || (*out)[row] != fold * T) return std::nullopt;
     s.row_axis = row;
     s.key_axis = key;
     s.length = T;
+    s.fold = fold;
     for (auto& in : s.inputs) {
       const int64_t r = rank_of(in.node);
       if (r < 0) continue;
@@ -241,6 +427,8 @@ class Analyzer {
       if (has_axis(in.node)) {
         in.rel = SeqRel::Row;
         in.dim = of(in.node).row_axis;
+      } else if (fold != 1 && d >= 0 && (*sizes_of(in.node))[d] != 1) {
+        return std::nullopt;  // a table along folded rows: not read row-wise here
       } else if (d >= 0 && (*sizes_of(in.node))[d] == T && T != 1) {
         in.rel = SeqRel::Row;  // a positional table or mask broadcast along the axis: read its rows
         in.dim = d;
@@ -277,6 +465,7 @@ class Analyzer {
     if (i.row_axis >= rank_of(x) - 1) return std::nullopt;
     s.row_axis = i.row_axis;
     s.length = i.length;
+    s.fold = i.fold;
     s.mixes_key = i.key_axis == rank_of(x) - 1;
     input(s, x)->rel = SeqRel::Row;
     input(s, x)->dim = i.row_axis;
@@ -287,8 +476,12 @@ class Analyzer {
     SeqNode s = base(n);
     const Node* a = node_arg(n, 1, "mat1");
     if (!a || !has_axis(a) || of(a).row_axis != 0) return std::nullopt;
+    // The bias is read whole: it must broadcast along the rows (a row-sized one is not sliced).
+    const Node* bias = node_arg(n, 0, "self");
+    if (bias != nullptr && !has_axis(bias) && rank_of(bias) == 2 && (*sizes_of(bias))[0] != 1) return std::nullopt;
     s.row_axis = 0;
     s.length = of(a).length;
+    s.fold = of(a).fold;
     input(s, a)->rel = SeqRel::Row;
     input(s, a)->dim = 0;
     return s;
@@ -350,6 +543,7 @@ class Analyzer {
     if (i.row_axis >= first) return std::nullopt;
     s.row_axis = i.row_axis;
     s.length = i.length;
+    s.fold = i.fold;
     s.mixes_key = i.key_axis >= first;
     input(s, x)->rel = SeqRel::Row;
     input(s, x)->dim = i.row_axis;
@@ -419,6 +613,7 @@ class Analyzer {
     s.row_axis = row;
     s.key_axis = key;
     s.length = of(x).length;
+    s.fold = of(x).fold;
     s.causal_values = of(x).causal_values;
     s.mask_kind = of(x).causal_values ? of(x).mask_kind : 0;
     input(s, x)->rel = SeqRel::Row;
@@ -453,6 +648,27 @@ class Analyzer {
     const auto* out = sizes_of(&n);
     const auto* in = sizes_of(x);
     if (!has_axis(x) || !out || !in) return std::nullopt;
+    if (of(x).key_axis < 0) {
+      // Rows merged into blocks or split out of them: output dim j holds the row axis when the dims up to
+      // it hold as many elements as the input's dims up to its row axis (so the flat index L over them is
+      // the same) and its size is a multiple of T: row t of block L / T, t = L mod T, on both sides.
+      const int64_t d = of(x).row_axis, T = of(x).length;
+      int64_t pin = 1, pout = 1;
+      for (int64_t k = 0; k <= d; ++k) pin *= (*in)[k];
+      for (size_t j = 0; j < out->size(); ++j) {
+        pout *= (*out)[j];
+        if (pout == pin && T > 1 && (*out)[j] % T == 0) {
+          SeqNode s = follow(n, x, static_cast<int64_t>(j), -1);
+          s.fold = (*out)[j] / T;
+          s.causal_values = false;  // no key axis: nothing causal to carry
+          s.mask_kind = 0;
+          return s;
+        }
+        if (pout > pin) break;
+      }
+      return std::nullopt;
+    }
+    if (of(x).fold != 1) return std::nullopt;
     const int64_t row = reshape_dim(*in, *out, of(x).row_axis);
     if (row < 0) return std::nullopt;
     // The key axis must also stay whole, else the causal structure is lost (Upper stays Upper).
@@ -635,6 +851,7 @@ class Analyzer {
     } else if (!is_causal && mask != nullptr && self_attn && causal_mask(mask, 1, T) &&
                mask->type().kind == ir::Type::Kind::Tensor && mask->type().tensor.dtype == c10::kBool) {
       causal_ok = true;
+      s.causal_attention = true;  // the mask is the causal one: is_causal's rows (the row path may use either)
       SeqInput* mi = input(s, mask);
       mi->rel = SeqRel::Row;
       mi->dim = rank_of(mask) - 2;
@@ -651,6 +868,7 @@ class Analyzer {
 
   const ir::Graph& g_;
   SeqAxisAnalysis out_;
+  std::unordered_map<const Node*, at::Tensor> known_;  // evaluate_constant's values
 };
 
 const char* rel_name(SeqRel r) {
@@ -684,6 +902,7 @@ std::string print_sequence_axis(const ir::Graph& graph, const SeqAxisAnalysis& a
       if (s.mask_kind == 3) os << " ones";
     } else {
       os << " row=" << s.row_axis;
+      if (s.fold != 1) os << " fold=" << s.fold;
       if (s.key_axis >= 0) os << " key=" << s.key_axis;
       if (s.causal_attention) os << " causal-attention";
       if (s.masks_upper) os << " causal-mask";

@@ -18,10 +18,11 @@
 // A node whose row axis is -1 has none: printed "const" when it depends on no user input, else "all"
 // (the fallback).
 //
-// Causal structure is proven, never assumed: SDPA with is_causal=True (or an attention mask proven
-// lower-triangular); masked_fill(x, m, -inf) where m is proven to be true exactly above the diagonal
+// Causal structure is proven, never assumed: SDPA with is_causal=True (or a boolean attention mask proven
+// lower-triangular: then it is causal attention as well, printed causal-attention); masked_fill(x, m, -inf) where m is proven to be true exactly above the diagonal
 // (built in the graph from ones(T, T).tril()/triu(), ==0 / !=0 / logical_not, slices from 0 and
-// unsqueezes); softmax over the key axis of such a masked tensor is zero above the diagonal, and its
+// unsqueezes), or by its value where it is computed from integer and boolean constants alone (no
+// placeholder reaches it: Hugging Face's mask compares positions with `le`); softmax over the key axis of such a masked tensor is zero above the diagonal, and its
 // product with values is causal attention.
 //
 // seq_cone() composes the per-node relations for one patched source: a patch that changes rows
@@ -52,7 +53,11 @@ struct SeqInput {
 struct SeqNode {
   int64_t row_axis = -1;   // the output's sequence axis; -1: none (constant or fallback)
   int64_t key_axis = -1;   // a second sequence axis (attention scores' key columns), or -1
-  int64_t length = 0;      // T: the output's size along the row axis
+  int64_t length = 0;      // T: the number of positions along the row axis
+  // The row axis flattens `fold` blocks of T rows (index b * T + t; its size is fold * T): a view that
+  // merges [B, T] into B*T rows, as Hugging Face's Conv1D does before its GEMM. Row (b, t) of the output
+  // still reads row (b, t) of its inputs; followed by views, addmm, linear, norms and elementwise ops only.
+  int64_t fold = 1;
   bool mixes_key = false;  // works along the key axis (softmax over keys): Upper inputs become All
   bool masks_upper = false;      // masked_fill with a proven causal mask: Upper input becomes Rows
   bool causal_attention = false;  // SDPA with is_causal=True (suffix rows need an explicit offset mask)

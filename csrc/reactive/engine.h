@@ -266,8 +266,11 @@ class Engine {
   // except that early cutoff may be on (see can_evaluate_patched_rows).
   void set_positions(bool enabled, int64_t seq_dim = 1);
   bool positions() const { return positions_; }
-  // The node's sequence axis by the analysis (-1: none, or positions off).
+  // The node's sequence axis by the analysis (-1: none, positions off, or rows folded into blocks: such a
+  // node is not patched by rows, see seq_fold).
   int64_t seq_axis(const std::string& node);
+  // The analysis's row axis and row blocks (passes::SeqNode::fold) of a node, (-1, 1) without one.
+  std::pair<int64_t, int64_t> seq_fold(const std::string& node);
   // Early cutoff may be on: a value equal to the cached one is cut off at the site (zero
   // evaluations, |V+(node)| cutoffs, the cached outputs), any other takes the row path, as with cutoff off.
   bool can_evaluate_patched_rows() const {
@@ -511,6 +514,7 @@ class Engine {
     passes::SeqRel rel = passes::SeqRel::None;
     int64_t dim = -1;
     int64_t pos = -1;  // position in the plan when the input is a cone node, else -1
+    int64_t fold = 1;  // the input's row blocks (passes::SeqNode::fold): its size along dim is fold * T
   };
   struct RowStep {
     bool suffix = false;  // computed on rows [start, T) of its row axis, stored as those rows alone
@@ -519,6 +523,7 @@ class Engine {
     bool local = false;
     int64_t row_axis = -1;
     int64_t length = 0;
+    int64_t fold = 1;  // rows in blocks along row_axis (passes::SeqNode::fold): rows [s, e) of each block
     int64_t need = 0;  // first row any reader needs (0 when read whole)
     int special = 0;   // 0 kernel, 1 causal SDPA, 2 view, 3 _unsafe_view, 4 reshape, 5 expand
     bool dense_inputs = false;  // sliced inputs are made contiguous first (GEMMs, norms, attention)

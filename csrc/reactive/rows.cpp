@@ -41,6 +41,39 @@ c10::IValue narrow_value(const c10::IValue& v, int64_t dim, int64_t from, int64_
   TORCH_CHECK(false, "token-granular cone: cannot take rows of a ", v.tagKind(), " value");
 }
 
+// Rows in blocks (passes::SeqNode::fold): a value whose dim `dim` holds `fold` blocks of rows, seen as
+// [.., fold, rows, ..] (a view), and back (a view when dense, else a copy).
+at::Tensor unfold_rows(const at::Tensor& t, int64_t dim, int64_t fold) {
+  return fold == 1 ? t : t.unflatten(dim, {fold, t.size(dim) / fold});
+}
+at::Tensor refold_rows(const at::Tensor& t, int64_t dim, int64_t fold) { return fold == 1 ? t : t.flatten(dim, dim + 1); }
+
+// Rows [from, from + len) of every block.
+c10::IValue narrow_rows(const c10::IValue& v, int64_t dim, int64_t fold, int64_t from, int64_t len) {
+  if (fold == 1) return narrow_value(v, dim, from, len);
+  TORCH_CHECK(v.isTensor(), "token-granular cone: cannot take rows in blocks of a ", v.tagKind(), " value");
+  return refold_rows(unfold_rows(v.toTensor(), dim, fold).narrow(dim + 1, from, len), dim, fold);
+}
+
+// Rows [0, p) of `cached`, NaN for rows [p, start), `suffix` for rows [start, stop), cached rows [stop, T), in
+// every block (a fresh tensor).
+at::Tensor join_folded(const at::Tensor& cached, const at::Tensor& suffix, int64_t dim, int64_t fold, int64_t p,
+                       int64_t start, int64_t stop) {
+  const at::Tensor c = unfold_rows(cached, dim, fold);
+  const int64_t T = c.size(dim + 1);
+  if (stop < 0 || stop > T) stop = T;
+  std::vector<at::Tensor> parts;
+  if (p > 0) parts.push_back(c.narrow(dim + 1, 0, p));
+  if (start > p) {
+    std::vector<int64_t> sizes = c.sizes().vec();
+    sizes[dim + 1] = std::min(start, T) - p;
+    parts.push_back(at::full(sizes, std::numeric_limits<double>::quiet_NaN(), c.options()));
+  }
+  if (stop > start) parts.push_back(unfold_rows(suffix, dim, fold));
+  if (stop < T) parts.push_back(c.narrow(dim + 1, stop, T - stop));
+  return refold_rows(at::cat(parts, dim + 1), dim, fold);
+}
+
 // max that keeps a NaN from either side (std::max drops a NaN in its second argument).
 double max_keep_nan(double a, double b) {
   return std::isnan(a) || std::isnan(b) ? std::numeric_limits<double>::quiet_NaN() : std::max(a, b);
@@ -197,7 +230,15 @@ const passes::SeqAxisAnalysis& Engine::seq_analysis() {
 int64_t Engine::seq_axis(const std::string& name) {
   const int64_t id = id_of(name);
   if (!positions_ || states_[id].node->type().kind != ir::Type::Kind::Tensor) return -1;
-  return seq_analysis().at(states_[id].node).row_axis;
+  const passes::SeqNode& info = seq_analysis().at(states_[id].node);
+  return info.fold == 1 ? info.row_axis : -1;
+}
+
+std::pair<int64_t, int64_t> Engine::seq_fold(const std::string& name) {
+  const int64_t id = id_of(name);
+  if (!positions_ || states_[id].node->type().kind != ir::Type::Kind::Tensor) return {-1, 1};
+  const passes::SeqNode& info = seq_analysis().at(states_[id].node);
+  return {info.row_axis, info.row_axis >= 0 ? info.fold : 1};
 }
 
 // changed_rows for dense CPU tensors of one real dtype, read in place (no temporaries, one pass at most):
@@ -297,7 +338,7 @@ const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_
   const auto changes = passes::seq_cone(*graph_, a, src);
   RowPlan rp;
   rp.pins_version = pins_version_;
-  rp.source_axis = a.at(src).row_axis;
+  rp.source_axis = a.at(src).fold == 1 ? a.at(src).row_axis : -1;  // a folded source: whole (node-granular)
   rp.source_length = a.at(src).length;
   rp.steps.resize(plan.order.size());
   for (size_t i = 0; i < plan.order.size(); ++i) rp.pos[plan.order[i]] = i;
@@ -310,6 +351,7 @@ const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_
     step.suffix = info.row_axis >= 0 && (change == passes::SeqChange::Rows || change == passes::SeqChange::Upper);
     step.row_axis = info.row_axis;
     step.length = info.length;
+    step.fold = info.fold;
     const std::string& op = st.node->target().name;
     step.dense_inputs = op == "linear" || op == "matmul" || op == "mm" || op == "bmm" || op == "addmm" ||
                         op == "layer_norm" || op == "rms_norm" || op == "scaled_dot_product_attention";
@@ -331,6 +373,7 @@ const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_
         if (in.node == states_[slot].node) {
           ri.rel = in.rel;
           ri.dim = in.dim;
+          if (in.rel == passes::SeqRel::Row && a.at(in.node).row_axis >= 0) ri.fold = a.at(in.node).fold;
         }
       auto p = rp.pos.find(slot);
       ri.pos = p == rp.pos.end() ? -1 : static_cast<int64_t>(p->second);
@@ -352,7 +395,8 @@ const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_
     auto p = rp.pos.find(ids_.at(outs[k].node));
     if (p == rp.pos.end()) continue;
     const RowStep& step = rp.steps[p->second];
-    const bool partial = k < read_rows.size() && read_rows[k] >= 0 && step.suffix && is_floating(outs[k].node->type());
+    const bool partial = k < read_rows.size() && read_rows[k] >= 0 && step.suffix && step.fold == 1 &&
+                         is_floating(outs[k].node->type());
     need[p->second] = std::min(need[p->second], partial ? std::min(read_rows[k], step.length) : int64_t{0});
   }
   for (size_t i = plan.order.size(); i-- > 0;) {
@@ -373,7 +417,7 @@ const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_
     if (p == rp.pos.end()) continue;
     RowStep& step = rp.steps[p->second];
     const std::string& op = o->target().name;
-    if (!step.suffix || step.special != 0 || !(op == "linear" || op == "matmul") || o->args().size() < 2 ||
+    if (!step.suffix || step.special != 0 || step.fold != 1 || !(op == "linear" || op == "matmul") || o->args().size() < 2 ||
         o->args()[1].kind != ir::Arg::Kind::Node || !is_floating(o->type()))
       continue;
     const ir::Node* w = o->args()[1].node;
@@ -580,7 +624,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
   // The cached rows [from, T) of cone node k (the read columns alone for a columns-only output).
   auto cached_tail = [&](size_t k, int64_t from) {
     const RowStep& sk = rp.steps[k];
-    c10::IValue tail = narrow_value(held.cached(k), sk.row_axis, from, sk.length - from);
+    c10::IValue tail = narrow_rows(held.cached(k), sk.row_axis, sk.fold, from, sk.length - from);
     if (!sk.cols.empty()) tail = tail.toTensor().index_select(tail.toTensor().dim() - 1, sk.cols_index);
     return tail;
   };
@@ -588,7 +632,11 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
     const RowStep& sk = rp.steps[k];
     if (!sk.suffix || end[k] >= sk.length) return;
     const int64_t slot = plan.order[k];
-    values_[slot] = concat_rows(values_[slot], cached_tail(k, end[k]), sk.row_axis);
+    values_[slot] = sk.fold == 1 ? concat_rows(values_[slot], cached_tail(k, end[k]), sk.row_axis)
+                                 : c10::IValue(refold_rows(at::cat({unfold_rows(values_[slot].toTensor(), sk.row_axis, sk.fold),
+                                                                    unfold_rows(cached_tail(k, end[k]).toTensor(), sk.row_axis, sk.fold)},
+                                                                   sk.row_axis + 1),
+                                                           sk.row_axis, sk.fold));
     end[k] = sk.length;
   };
   // Inputs replaced by their rows for one node, put back before `held` puts the cone back.
@@ -667,7 +715,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
         if (step.suffix && ri.rel == passes::SeqRel::Row && !whole_sdpa) {
           const int64_t from = in_suffix ? s - start[ri.pos] : s;
           if (in_suffix && end[ri.pos] < e) complete(ri.pos);  // rows past the ones it computed are read
-          if (from == 0 && in_suffix && rows_along(values_[ri.slot], ri.dim) == e - s) {
+          if (from == 0 && in_suffix && rows_along(values_[ri.slot], ri.dim) == ri.fold * (e - s)) {
             // Its rows as they are. A strided one (a view of rows of a whole value, such as attention's
             // output narrowed, transposed and reshaped) is what linear and the norms copy densely
             // themselves (linear then runs matmul and add_, not the fused addmm a full run's dense input
@@ -679,7 +727,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
             values_[ri.slot] = std::move(repl);
             continue;
           }
-          repl = narrow_value(values_[ri.slot], ri.dim, from, e - s);
+          repl = narrow_rows(values_[ri.slot], ri.dim, ri.fold, from, e - s);
           // A strided slice makes BLAS and the norm kernels take slow paths: give them dense rows.
           if (step.dense_inputs && repl.isTensor() && !repl.toTensor().is_contiguous())
             repl = pooled_contiguous(repl.toTensor(), pool);
@@ -701,7 +749,10 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
               }
             }
             const c10::IValue& cached = held.cached(ri.pos);
-            joined[ri.pos] = cached.isTensor() ? c10::IValue(assemble_rows(ri.slot, cached.toTensor(), values_[ri.slot].toTensor(),
+            const RowStep& from = rp.steps[ri.pos];
+            joined[ri.pos] = from.fold != 1 ? c10::IValue(join_folded(cached.toTensor(), values_[ri.slot].toTensor(),
+                                                                      from.row_axis, from.fold, p, p, -1))
+                           : cached.isTensor() ? c10::IValue(assemble_rows(ri.slot, cached.toTensor(), values_[ri.slot].toTensor(),
                                                                           rp.steps[ri.pos].row_axis, p, p, {}, {}))
                                                : join_value(cached, values_[ri.slot], rp.steps[ri.pos].row_axis, p, p);
           }
@@ -771,7 +822,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
           out = small;  // only the read columns: the output is assembled below (read by nothing else)
         } else if (step.suffix && step.special >= 2) {
           std::vector<int64_t> sizes = node.type().tensor.sizes;
-          sizes[step.row_axis] = e - s;
+          sizes[step.row_axis] = step.fold * (e - s);
           const at::Tensor& x = arg_value(0).toTensor();
           out = step.special == 5 ? x.expand(sizes) : step.special == 4 ? pooled_reshape(x, sizes, pool) : x.reshape(sizes);
         } else if (!step.suffix && (step.special == 2 || step.special == 3)) {
@@ -793,7 +844,8 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
         const c10::IValue& cached = held.cached(i);
         TORCH_INTERNAL_ASSERT(cached.isTensor() && out.isTensor() && s == p, "token-granular cone: %", st.node->name(),
                               " joined where computed needs tensor rows from the first changed one");
-        out = assemble_rows(n, cached.toTensor(), out.toTensor(), step.row_axis, s, s, {}, {}, e);
+        out = step.fold != 1 ? join_folded(cached.toTensor(), out.toTensor(), step.row_axis, step.fold, s, s, e)
+                             : assemble_rows(n, cached.toTensor(), out.toTensor(), step.row_axis, s, s, {}, {}, e);
       }
       values_[n] = std::move(out);
       end[i] = step.whole == 1 ? T : e;  // e < T: a local node, its cached rows [e, T) joined on when read (complete)
@@ -817,6 +869,9 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
       const c10::IValue& suffix = swapped.back().second;
       if (!joined[i].isNone()) {
         values_[o] = joined[i];
+      } else if (rp.steps[i].fold != 1) {
+        values_[o] = join_folded(cached.toTensor(), suffix.toTensor(), rp.steps[i].row_axis, rp.steps[i].fold, p,
+                                 start[i], -1);
       } else if (cached.isTensor()) {
         values_[o] = assemble_rows(o, cached.toTensor(), suffix.isTensor() ? suffix.toTensor() : at::Tensor(),
                                    rp.steps[i].row_axis, p, start[i], rp.steps[i].cols, rp.steps[i].cols_index);

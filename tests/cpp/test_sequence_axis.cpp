@@ -30,8 +30,9 @@ const char* kCausal = R"(graph:
   return (%matmul_1, %scaled_dot_product_attention)
 )";
 
-// What the pass cannot bound: a mean over the sequence, a cumsum, non-causal attention, a reshape
-// that merges the axis away; and a mask it cannot prove (triu of ones with the diagonal kept).
+// What the pass cannot bound: a mean over the sequence, a cumsum, non-causal attention; and a mask it
+// cannot prove (triu of ones with the diagonal kept). A reshape that merges the axis in as the inner
+// index of a dim (features x positions) is followed as rows in blocks (fold).
 const char* kFallback = R"(graph:
   %x : f32[2,4,3] = input()
   %mean : f32[2,1,3] = aten::mean.dim(%x, [1], True)
@@ -75,6 +76,38 @@ const char* kPositionWise = R"(graph:
   %cat : f32[2,3,8] = aten::cat.default([%reshape, %getitem_1], -1)
   %select : f32[2,8]{24,1} = aten::select.int(%cat, 1, -1)
   return (%cat, %select)
+)";
+
+// Hugging Face GPT-2's shapes: Conv1D flattens [batch, seq] into batch*seq rows before its GEMM and
+// views them back; attention takes a boolean mask built from positions (j <= i, so causal), and one
+// built the other way round (j >= i), and one read from a buffer (its value can change: not proven).
+const char* kConv1d = R"(graph:
+  %w : f32[4,12] = param("c_attn.weight")
+  %b : f32[12] = param("c_attn.bias")
+  %tab : f32[6,12] = param("table")
+  %mb : b8[3,3] = buffer("mask")
+  %x : f32[2,3,4] = input()
+  %view : f32[6,4] = aten::view.default(%x, [-1, 4])
+  %addmm : f32[6,12] = aten::addmm.default(%b, %view, %w)
+  %gelu : f32[6,12] = aten::gelu.default(%addmm)
+  %add : f32[6,12] = aten::add.Tensor(%gelu, %tab)
+  %view_1 : f32[2,3,12] = aten::view.default(%gelu, [2, 3, 12])
+  %view_2 : f32[3,2,12] = aten::view.default(%gelu, [3, 2, 12])
+  %view_3 : f32[1,6,12] = aten::view.default(%gelu, [1, 6, 12])
+  %split : (f32[2,3,4]{36,12,1}, f32[2,3,4]{36,12,1}, f32[2,3,4]{36,12,1}) = aten::split.Tensor(%view_1, 4, 2)
+  %getitem : f32[2,3,4]{36,12,1} = getitem(%split, 0)
+  %getitem_1 : f32[2,3,4]{36,12,1} = getitem(%split, 1)
+  %getitem_2 : f32[2,3,4]{36,12,1} = getitem(%split, 2)
+  %arange : i64[3] = aten::arange.default(3, device=device("cpu"), pin_memory=False)
+  %unsqueeze : i64[3,1] = aten::unsqueeze.default(%arange, 1)
+  %unsqueeze_1 : i64[1,3] = aten::unsqueeze.default(%arange, 0)
+  %le : b8[3,3] = aten::le.Tensor(%unsqueeze_1, %unsqueeze)
+  %ge : b8[3,3] = aten::ge.Tensor(%unsqueeze_1, %unsqueeze)
+  %expand : b8[2,3,3]{0,3,1} = aten::expand.default(%le, [2, 3, 3])
+  %sdpa : f32[2,3,4] = aten::scaled_dot_product_attention.default(%getitem, %getitem_1, %getitem_2, %expand)
+  %sdpa_1 : f32[2,3,4] = aten::scaled_dot_product_attention.default(%getitem, %getitem_1, %getitem_2, %ge)
+  %sdpa_2 : f32[2,3,4] = aten::scaled_dot_product_attention.default(%getitem, %getitem_1, %getitem_2, %mb)
+  return (%add, %view_2, %view_3, %sdpa, %sdpa_1, %sdpa_2)
 )";
 
 std::string analyze(const std::string& text, int64_t seq_dim) {
@@ -124,7 +157,7 @@ TEST(SequenceAxis, ConservativeFallback) {
             "%add_2: row=1 | %x: row@1\n"
             "%scaled_dot_product_attention: all | %x: all, %add_1: all, %add_2: all\n"
             "%transpose: row=2 | %x: row@1\n"
-            "%reshape: all | %transpose: all\n"
+            "%reshape: row=1 fold=3 | %transpose: row@2\n"
             "%matmul: row=1 key=2 | %x: row@1, %transpose: key@2\n"
             "%ones: const ones\n"
             "%triu: const | %ones: none\n"
@@ -135,7 +168,7 @@ TEST(SequenceAxis, ConservativeFallback) {
   // Every row of what reads the mean or the unprovable mask changes.
   EXPECT_EQ(cone(kFallback, 1, "x"),
             "%mean=all %add=all %cumsum=all %add_1=rows %add_2=rows %scaled_dot_product_attention=all "
-            "%transpose=rows %reshape=all %matmul=all %masked_fill=all %softmax=all %matmul_1=all ");
+            "%transpose=rows %reshape=rows %matmul=all %masked_fill=all %softmax=all %matmul_1=all ");
 }
 
 TEST(SequenceAxis, PositionWiseOpsFollowTheAxis) {
@@ -161,4 +194,32 @@ TEST(SequenceAxis, PositionWiseOpsFollowTheAxis) {
   // inputs' rank leaves everything without an axis.
   EXPECT_NE(analyze(kPositionWise, 0).find("%linear: row=0"), std::string::npos);
   EXPECT_NE(analyze(kPositionWise, 5).find("%linear: all"), std::string::npos);
+}
+
+TEST(SequenceAxis, FoldedRowsAndMasksProvenByTheirValue) {
+  EXPECT_EQ(analyze(kConv1d, 1),
+            "%view: row=0 fold=2 | %x: row@1\n"
+            "%addmm: row=0 fold=2 | %b: none, %view: row@0, %w: none\n"
+            "%gelu: row=0 fold=2 | %addmm: row@0\n"
+            "%add: all | %gelu: all, %tab: none\n"  // a table along folded rows: not followed
+            "%view_1: row=1 | %gelu: row@0\n"
+            "%view_2: all | %gelu: all\n"  // 3 x 2 rows: position t is not the inner index
+            "%view_3: row=1 fold=2 | %gelu: row@0\n"
+            "%split: row=1 | %view_1: row@1\n"
+            "%getitem: row=1 | %split: row@1\n"
+            "%getitem_1: row=1 | %split: row@1\n"
+            "%getitem_2: row=1 | %split: row@1\n"
+            "%arange: const\n"
+            "%unsqueeze: const | %arange: none\n"
+            "%unsqueeze_1: const | %arange: none\n"
+            "%le: const tril | %unsqueeze_1: none, %unsqueeze: none\n"
+            "%ge: const | %unsqueeze_1: none, %unsqueeze: none\n"
+            "%expand: const tril | %le: none\n"
+            "%sdpa: row=1 causal-attention | %getitem: row@1, %getitem_1: prefix@1, %getitem_2: prefix@1, "
+            "%expand: row@1\n"
+            "%sdpa_1: all | %getitem: all, %getitem_1: all, %getitem_2: all, %ge: none\n"
+            "%sdpa_2: all | %getitem: all, %getitem_1: all, %getitem_2: all, %mb: none\n");
+  EXPECT_EQ(cone(kConv1d, 1, "x"),
+            "%view=rows %addmm=rows %gelu=rows %add=all %view_1=rows %view_2=all %view_3=rows %split=rows "
+            "%getitem=rows %getitem_1=rows %getitem_2=rows %sdpa=rows %sdpa_1=all %sdpa_2=all ");
 }

@@ -516,7 +516,7 @@ def test_positions_off_and_bad_arguments():
 # ---- property test: the analysis is conservative on random graphs of the supported ops
 
 OPS = ("linear", "layer_norm", "gelu", "square", "add_pos", "causal_sdpa", "mask_attention", "rms", "transpose_back",
-       "mean_over_seq", "cumsum", "encoder_sdpa", "split_cat")
+       "mean_over_seq", "cumsum", "encoder_sdpa", "split_cat", "conv1d", "position_mask_sdpa")
 
 
 class RandomNet(nn.Module):
@@ -544,6 +544,16 @@ class RandomNet(nn.Module):
                 q = self.lins[i](x).view(b, t, 2, d // 2).transpose(1, 2)
                 k = x.view(b, t, 2, d // 2).transpose(1, 2)
                 y = torch.nn.functional.scaled_dot_product_attention(q, k, k * 0.5, is_causal=op == "causal_sdpa")
+                y = y.transpose(1, 2).reshape(b, t, d)
+            elif op == "conv1d":  # Hugging Face GPT-2's Conv1D: [b, t] flattened into b*t rows around the GEMM
+                y = torch.addmm(self.lins[i].bias, x.reshape(-1, d), self.lins[i].weight.t()).view(b, t, d)
+                y = torch.nn.functional.gelu(y.view(-1, d)).view(b, t, d)
+            elif op == "position_mask_sdpa":  # a boolean mask from positions (j <= i), as transformers builds it
+                pos = torch.arange(t)
+                mask = (pos[None, :] <= pos[:, None]).expand(b, 1, t, t)
+                q = self.lins[i](x).view(b, t, 2, d // 2).transpose(1, 2)
+                k = x.view(b, t, 2, d // 2).transpose(1, 2)
+                y = torch.nn.functional.scaled_dot_product_attention(q, k, k * 0.5, attn_mask=mask)
                 y = y.transpose(1, 2).reshape(b, t, d)
             elif op == "mask_attention":
                 att = (self.lins[i](x) @ x.transpose(-2, -1)).masked_fill(torch.ones(t, t).tril() == 0, float("-inf"))
@@ -595,9 +605,10 @@ def test_rows_called_unchanged_are_bit_identical(ops, seed, p, pick):
     for n, change in changes.items():
         if spread or change != "rows" or n not in base:
             continue
-        a = rg.seq_axis(n)
-        now = rg.value(n)
-        assert torch.equal(now.narrow(a, 0, p), base[n].narrow(a, 0, p)), (ops, src, p, n)
+        a, fold = rg._engine.seq_fold(n)  # rows in blocks (a flattened [batch, seq]): rows [0, p) of each block
+        now = rg.value(n).unflatten(a, (fold, -1))
+        was = base[n].unflatten(a, (fold, -1))
+        assert torch.equal(now.narrow(a + 1, 0, p), was.narrow(a + 1, 0, p)), (ops, src, p, n)
     for n in base:  # outside the cone: untouched
         if n not in changes and n != src and n not in rg.cone(src):
             assert torch.equal(rg.value(n), base[n])
