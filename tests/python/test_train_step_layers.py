@@ -582,13 +582,18 @@ def test_gru_trains_bit_exact_with_eager(batch_first, make_opt):
     eager = copy.deepcopy(model)
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randn(8, 6, 8, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
-    opt, eager_opt = make_opt(model.parameters()), make_opt(eager.parameters())
-    step = torch_ext.make_train_step(model, opt, _loss, batches[0])
+    _trains_bit_exact(model, eager, make_opt(model.parameters()), make_opt(eager.parameters()), _loss, batches)
+
+
+def _trains_bit_exact(model, eager, opt, eager_opt, loss_fn, batches):
+    """The step over ``batches`` against the eager loop on ``eager`` (a copy of ``model``): every loss, then
+    every parameter, buffer and optimizer slot, bit for bit."""
+    step = torch_ext.make_train_step(model, opt, loss_fn, batches[0])
     state = step.init_state()
-    for x, y in batches:
-        loss, state = step(state, x, y)
+    for batch in batches:
+        loss, state = step(state, *batch)
         eager_opt.zero_grad()
-        eager_loss = _loss(eager, x, y)
+        eager_loss = loss_fn(eager, *batch)
         eager_loss.backward()
         eager_opt.step()
         assert torch.equal(loss, eager_loss)
@@ -721,22 +726,8 @@ def test_multi_margin_loss_trains_as_eager(kw):
     batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
     eager = copy.deepcopy(model)
     loss_fn = lambda m, x, t: F.multi_margin_loss(m(x), t, **kw)  # noqa: E731
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.05, momentum=0.9)
-    step = torch_ext.make_train_step(model, opt, loss_fn, batches[0])
-    state = step.init_state()
-    for x, t in batches:
-        loss, state = step(state, x, t)
-        eager_opt.zero_grad()
-        eager_loss = loss_fn(eager, x, t)
-        eager_loss.backward()
-        eager_opt.step()
-        assert torch.equal(loss, eager_loss)
-    step.write_back(state)
-    for (name, a), b in zip(model.state_dict().items(), eager.state_dict().values()):
-        assert torch.equal(a, b), name
-    for p, q in zip(model.parameters(), eager.parameters()):
-        assert torch.equal(opt.state[p]["momentum_buffer"], eager_opt.state[q]["momentum_buffer"])
+    _trains_bit_exact(model, eager, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                      torch.optim.SGD(eager.parameters(), lr=0.05, momentum=0.9), loss_fn, batches)
 
 
 def test_upsampling_step_to_onnx_is_refused_naming_the_backward(tmp_path):
