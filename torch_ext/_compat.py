@@ -1095,20 +1095,16 @@ def eager_gru_cell():
 
 def _eager_lstm_uses_onednn(input, hx, params, onednn_enabled: bool) -> bool:
     """Whether eager's ``at::lstm`` (aten/src/ATen/native/RNN.cpp, torch 2.9) runs oneDNN for these arguments:
-    ``use_mkldnn`` (oneDNN enabled, every tensor on the CPU, a non-empty float32 input, bfloat16 where the CPU
-    supports it, float16 only without grad) and no projections. ``onednn_enabled``: the flag as eager sees it
+    ``use_mkldnn`` (oneDNN enabled, every tensor on the CPU, a non-empty float32 input) and no projections. ``onednn_enabled``: the flag as eager sees it
     (``torch.export`` turns it off while it traces)."""
     if not onednn_enabled or input.numel() == 0 or hx[0].size(2) != hx[1].size(2):
         return False
     if any(t.device.type != "cpu" for t in (input, *hx, *params)):
         return False
-    if input.dtype == torch.float32:
-        return True
-    if input.dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    if input.dtype == torch.float16:
-        return not torch.is_grad_enabled() and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    return False
+    # float32 only: eager also takes oneDNN for bfloat16 (float16 without grad), but mkldnn_rnn_layer_backward
+    # returns float32 gradients for bfloat16 weights (eager's autograd engine casts them; the meta kernel
+    # declares bfloat16 and the traced step failed on the dtype). Those keep torch's decomposition.
+    return input.dtype == torch.float32
 
 
 class _OwnGradient(torch.autograd.Function):
