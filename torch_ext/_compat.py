@@ -1093,6 +1093,104 @@ def eager_gru_cell():
         decomps.gru_cell = cell
 
 
+def _eager_lstm_uses_onednn(input, hx, params, onednn_enabled: bool) -> bool:
+    """Whether eager's ``at::lstm`` (aten/src/ATen/native/RNN.cpp, torch 2.9) runs oneDNN for these arguments:
+    ``use_mkldnn`` (oneDNN enabled, every tensor on the CPU, a non-empty float32 input) and no projections. ``onednn_enabled``: the flag as eager sees it
+    (``torch.export`` turns it off while it traces)."""
+    if not onednn_enabled or input.numel() == 0 or hx[0].size(2) != hx[1].size(2):
+        return False
+    if any(t.device.type != "cpu" for t in (input, *hx, *params)):
+        return False
+    # float32 only: eager also takes oneDNN for bfloat16 (float16 without grad), but mkldnn_rnn_layer_backward
+    # returns float32 gradients for bfloat16 weights (eager's autograd engine casts them; the meta kernel
+    # declares bfloat16 and the traced step failed on the dtype). Those keep torch's decomposition.
+    return input.dtype == torch.float32
+
+
+class _OwnGradient(torch.autograd.Function):
+    """The identity, whose gradient is a copy of the one it gets: ``mkldnn_rnn_layer_backward`` returns one tensor
+    as the gradient of both biases, and torch 2.9's joint export cannot give two parameters one gradient output
+    (it failed on an assertion in ``create_graph_signature``). Eager's two gradients hold the same values."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.clone()
+
+
+def _onednn_lstm_layer(inp, hidden, params, has_biases, reverse=False, *, train, own_gradients):
+    """One direction of one layer as eager's ``mkldnn_rnn`` (aten/src/ATen/native/mkldnn/RNN.cpp) runs it:
+    ``mkldnn_rnn_layer`` with the module's ``train``, so that autograd records eager's derivative
+    (``mkldnn_rnn_layer_backward``). torch's ``mkldnn_one_layer_lstm`` is the same call with ``train=False``."""
+    w0, w1 = params[0], params[1]
+    w2, w3 = (params[2], params[3]) if has_biases else (w0.new_zeros(w0.shape), w1.new_zeros(w1.shape))
+    if own_gradients and has_biases:
+        w3 = _OwnGradient.apply(w3)
+    hx, cx = hidden[0].unsqueeze(0).contiguous(), hidden[1].unsqueeze(0).contiguous()
+    mode = 2  # ideep::rnn_kind::LSTM
+    y, hy, cy, _ = torch.ops.aten.mkldnn_rnn_layer.default(
+        inp.contiguous(), w0, w1, w2, w3, hx, cx, reverse, [], mode, hx.size(2), 1, has_biases, False, False, train)
+    return y, (hy.squeeze(0), cy.squeeze(0))
+
+
+def _lstm_as_eager(original, onednn_enabled, own_gradients):
+    def lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
+        import torch._decomp.decompositions as decomps
+
+        if not _eager_lstm_uses_onednn(input, hx, params, onednn_enabled):
+            out, hy, cy = original(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+                                   batch_first)
+            # torch 2.9's one_layer_lstm returns each layer's state squeezed at dim 1 (the batch) instead of
+            # 0, so with a batch over 1 the states came out [L*D, 1, B, H] where eager's are hx's shape.
+            return out, hy.reshape(hx[0].shape), cy.reshape(hx[1].shape)
+        grouped = decomps.gather_params(params, has_biases, False)
+        layer_fn = functools.partial(_onednn_lstm_layer, train=train, own_gradients=own_gradients)
+        out, final_hiddens = decomps._rnn_helper(input, list(zip(hx[0], hx[1])), grouped, has_biases, num_layers,
+                                                 dropout, train, bidirectional, batch_first, layer_fn)
+        hy, cy = zip(*final_hiddens)
+        return out, torch.stack(hy, 0), torch.stack(cy, 0)
+    return lstm
+
+
+@contextlib.contextmanager
+def eager_onednn_lstm(own_gradients=True):
+    """Traces ``nn.LSTM`` (``aten.lstm.input``) as eager runs it on the CPU: one ``mkldnn_rnn_layer`` per layer and
+    direction, differentiated by eager's ``mkldnn_rnn_layer_backward``, wherever eager runs oneDNN
+    (``_eager_lstm_uses_onednn``). torch 2.9's decomposition, which tracing runs, takes oneDNN only for an input
+    that requires no grad (and then with ``train=False``), else the LSTM cell op by op, which rounds apart from
+    oneDNN: a 2-layer LSTM trained 1 to 2 ulp (6e-8) off eager's parameters in 3 steps, silently. Elsewhere
+    (projections, other devices and dtypes, oneDNN disabled) torch's decomposition runs as before, its final
+    states given eager's shape: torch's squeezes the batch dim where it means the layer dim, so with a batch over 1
+    ``h_n`` and ``c_n`` traced as [L*D, 1, B, H] (``h_n[-1]`` then [1, B, H], broadcast into what followed).
+    ``own_gradients=False`` for the forward's export (which keeps ``aten.lstm`` whole and refuses an
+    ``autograd.Function``): the biases' separate gradients matter to the joint export only."""
+    from torch._C import DispatchKey
+
+    op = torch.ops.aten.lstm.input
+    # Meta too: torch registers the same decomposition as its meta kernel, which export's fake tensors run.
+    keys = (DispatchKey.CompositeImplicitAutograd, DispatchKey.Autograd, DispatchKey.Meta)
+    originals = {key: op.py_kernels.get(key) for key in keys}
+    if any(kernel is None for kernel in originals.values()):
+        yield
+        return
+    # Read here, outside the trace: torch.export sets torch.backends.mkldnn's flag off while it traces.
+    onednn_enabled = torch._C._get_mkldnn_enabled()
+    for key in keys:
+        # The meta kernel (shapes only) differentiates nothing; the others give each bias its own gradient.
+        lstm = _lstm_as_eager(originals[key], onednn_enabled, own_gradients and key != DispatchKey.Meta)
+        op.py_kernels[key] = _gated(lstm, originals[key])
+    op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for key in keys:
+            op.py_kernels[key] = originals[key]
+        op._dispatch_cache.clear()
+
+
 @contextlib.contextmanager
 def make_fx_without_stack_traces():
     """make_fx with ``record_module_stack`` (``make_fx_program``) and non-strict ``torch.export`` trace with

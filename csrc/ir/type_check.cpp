@@ -63,9 +63,13 @@ std::string misfit(const std::string& where, const c10::Argument& formal, const 
 //     entry per bag in modes sum and mean where meta returns it empty;
 //   * native_layer_norm's mean and rstd (index 1, 2) of a bfloat16 or float16 input on the CPU,
 //     which the CPU kernel (and export's fake kernel) return in the input's dtype where meta returns
-//     float32 (a half-precision model with a LayerNorm was refused at the build).
+//     float32 (a half-precision model with a LayerNorm was refused at the build); likewise the saved
+//     mean and invstd (index 1, 2) of the batch norms in training (_native_batch_norm_legit_functional,
+//     _native_batch_norm_legit, native_batch_norm: a half-precision BatchNorm2d CNN was refused).
 bool known_disagreement(const std::string& op, size_t index, const TensorMeta& declared, const TensorMeta& inferred) {
-  if (op == "native_layer_norm" && (index == 1 || index == 2))
+  if ((op == "native_layer_norm" || op == "_native_batch_norm_legit_functional" || op == "_native_batch_norm_legit" ||
+       op == "native_batch_norm") &&
+      (index == 1 || index == 2))
     return declared.device.is_cpu() && declared.sizes == inferred.sizes && inferred.dtype == c10::ScalarType::Float &&
            (declared.dtype == c10::ScalarType::BFloat16 || declared.dtype == c10::ScalarType::Half);
   if (index == 0 || declared.dtype != inferred.dtype) return false;
