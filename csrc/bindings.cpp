@@ -803,6 +803,8 @@ PYBIND11_MODULE(_C, m) {
   // geometry where the memory allows it, else a clone.
   m.def(
       "metric_copy", [](const at::Tensor& t) { return metric_copy(c10::IValue(t)).toTensor(); }, py::arg("tensor"));
+  m.def("copy_in_layout", &copy_in_layout, py::arg("tensor"),
+        "A copy of the tensor with its sizes and strides, gaps included (clone() where it overlaps).");
   m.def(
       "lazy_copy",
       [](const at::Tensor& t) -> py::object {

@@ -187,7 +187,8 @@ def attributes(model: torch.nn.Module) -> tuple:
 _GLOBAL_CONTAINER_LIMIT = 10_000  # a larger global container is not copied nor compared at every read
 
 
-def _stored_globals(code: types.CodeType) -> set:
+@functools.lru_cache(maxsize=None)
+def _stored_globals(code: types.CodeType) -> frozenset:
     """Names a code object (and the code nested in it) assigns as globals (``global N; N += 1``): bookkeeping
     a forward keeps, not a constant of its trace."""
     import dis
@@ -196,7 +197,7 @@ def _stored_globals(code: types.CodeType) -> set:
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             out |= _stored_globals(const)
-    return out
+    return frozenset(out)  # cached per code object: not to be changed by a caller
 
 
 def global_reads(model: torch.nn.Module, functions: Sequence[Callable] = ()) -> tuple:

@@ -1056,7 +1056,7 @@ class ReactiveGraph:
         does): a function that only reads its argument costs no copy, and any write gets memory of its own."""
         given = _C.lazy_copy(clean)
         if given is None:
-            given = _copy_in_layout(clean)
+            given = _C.copy_in_layout(clean)  # the node's strides, gaps included, as an eager hook sees
         version = given._version
         out = fn(given)
         if given._version != version:
@@ -1514,20 +1514,6 @@ class ReactiveGraph:
         if not _same_state(checked.get(node), state):
             _BatchedCone.build_graph(eng, ((node, 2),))
             checked[node] = state
-
-
-def _copy_in_layout(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` with its sizes and strides (a strided view's gaps included), as an eager hook is handed
-    ``t`` itself (the C++ sweep loop's copy_in_layout): clone() lays a non-dense view out densely, and a patch
-    returning its argument would then give another layout than eager's. An overlapping tensor: clone()."""
-    if t.layout != torch.strided or t.is_contiguous():
-        return t.clone()
-    extent = 1
-    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1):
-        if stride < extent:  # overlapping (an expanded dim) or interleaved: not writable as laid out
-            return t.clone()
-        extent = stride * size
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _own_copy(t: torch.Tensor) -> torch.Tensor:

@@ -593,11 +593,7 @@ def test_lstm_trains_bit_exact_with_eager(bidirectional, batch, make_opt):
         eager_opt.step()
         assert torch.equal(loss_i, eager_loss)
     step.write_back(state)
-    for (name, a), b in zip(model.state_dict().items(), eager.state_dict().values()):
-        assert torch.equal(a, b), name
-    for p, q in zip(model.parameters(), eager.parameters()):
-        for slot, value in eager_opt.state[q].items():
-            assert torch.equal(opt.state[p][slot], value), slot
+    _same_state(model, eager, opt, eager_opt)
 
 
 class GRUClassifier(nn.Module):
@@ -641,6 +637,11 @@ def _trains_bit_exact(model, eager, opt, eager_opt, loss_fn, batches):
         eager_opt.step()
         assert torch.equal(loss, eager_loss)
     step.write_back(state)
+    _same_state(model, eager, opt, eager_opt)
+
+
+def _same_state(model, eager, opt, eager_opt):
+    """Every parameter, buffer and optimizer slot of the stepped ``model`` equals the eager loop's, bit for bit."""
     for (name, a), b in zip(model.state_dict().items(), eager.state_dict().values()):
         assert torch.equal(a, b), name
     for p, q in zip(model.parameters(), eager.parameters()):
