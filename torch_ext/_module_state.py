@@ -703,14 +703,19 @@ def callable_reads(pairs: list) -> tuple:
     return paths, dicts_, keys, values, tpaths, tdicts, tkeys, objs, [], []
 
 
-def _assigned_cells(fn) -> set:
+def _assigned_cells(fn) -> frozenset:
     """The closure variables a hook function assigns (``nonlocal calls; calls += 1``): its own bookkeeping."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    return frozenset() if code is None else _stored_cells(code)
+
+
+@functools.lru_cache(maxsize=None)
+def _stored_cells(code: types.CodeType) -> frozenset:
+    """The closure variables ``code`` assigns or deletes (STORE_DEREF, DELETE_DEREF)."""
     import dis
 
-    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-    if code is None:
-        return set()
-    return {i.argval for i in dis.get_instructions(code) if i.opname in ("STORE_DEREF", "DELETE_DEREF")}
+    out = {i.argval for i in dis.get_instructions(code) if i.opname in ("STORE_DEREF", "DELETE_DEREF")}
+    return frozenset(out)  # cached per code object, like _stored_globals: not to be changed by a caller
 
 
 def _traced_tensor(v) -> bool:
