@@ -24,6 +24,7 @@
 #include "runtime/call_pool.h"
 #include "reactive/content_digest.h"
 #include "reactive/engine.h"
+#include "reactive/sole_fresh.h"
 #include "runtime/executor.h"
 
 #include <c10/core/impl/COW.h>
@@ -282,23 +283,6 @@ c10::IValue metric_copy(const c10::IValue& v) {
   return cow_shareable(t) ? at::_lazy_clone(t) : t.clone();
 }
 
-// Whether `v`, held by the caller's one reference, is a tensor no one else can reach: its TensorImpl and its
-// StorageImpl have no other owner (the engine, the cache, a view, the user), and its memory is the plain
-// allocation of that storage (a simple data pointer: not copy-on-write memory shared with another storage,
-// not memory borrowed from numpy or a from_blob owner). A fresh output of a sweep's cone, once the cached
-// values are put back, is such a tensor: a copy of it would be indistinguishable from it but for the cost,
-// so the metric may be handed the tensor itself (a write into it, through .data or .numpy() included,
-// reaches nothing else).
-bool sole_fresh(const c10::IValue& v) {
-  if (!v.isTensor()) return false;
-  const at::Tensor& t = v.toTensor();
-  if (!t.defined() || t.use_count() != 1 || !t.has_storage() || t.requires_grad() ||
-      t.unsafeGetTensorImpl()->is_python_dispatch())
-    return false;
-  const c10::Storage& storage = t.storage();
-  return storage.use_count() == 1 && c10::impl::cow::has_simple_data_ptr(*storage.unsafeGetStorageImpl());
-}
-
 // `t.item<double>()` for a one-element floating tensor; a float or double on the CPU is read directly (the
 // same conversion _local_scalar_dense makes, without its dispatch).
 double item_double(const at::Tensor& t) {
@@ -338,14 +322,14 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
                   "sweep_sites: output index ", single_index, " out of range");
       // A fresh output only this loop holds (a cone's, once the cached values are put back) is handed over
       // as it is: nothing else can see a write into it (sole_fresh). Else a copy.
-      if (!fresh_ok || !sole_fresh(flat[single_index])) flat[single_index] = metric_copy(flat[single_index]);
+      if (!fresh_ok || !reactive::sole_fresh(flat[single_index])) flat[single_index] = metric_copy(flat[single_index]);
       outs = ivalue_to_py(flat[single_index]);
       const int64_t version = flat[single_index].isTensor() ? tensor_version(flat[single_index].toTensor()) : -1;
       if (version >= 0) guarded.emplace_back(flat[single_index].toTensor(), version);
     } else {
       py::list l;
       for (auto& v : flat) {
-        if (!fresh_ok || !sole_fresh(v)) v = metric_copy(v);  // as above
+        if (!fresh_ok || !reactive::sole_fresh(v)) v = metric_copy(v);  // as above
         l.append(ivalue_to_py(v));
         const int64_t version = v.isTensor() ? tensor_version(v.toTensor()) : -1;
         if (version >= 0) guarded.emplace_back(v.toTensor(), version);
