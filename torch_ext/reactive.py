@@ -2822,7 +2822,6 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
     # The patch function runs once per site, in site order (as an eager-hook sweep calls it); each value is
     # passed on, also to the sites evaluated one at a time below.
     value_of = dict(zip(site_list, _patched_values(rg, [node_of(s) for s in site_list], site_list, patch)))
-    alone = set()  # sites whose value has another layout than the node's: evaluated whole, one at a time
     for node, members in groups.items():
         vals = [value_of[s] for s in members]
         current = eng.value(node)
@@ -2847,7 +2846,6 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         kept = []
         for i, (s, v) in enumerate(zip(members, vals)):
             if not layout[i]:
-                alone.add(s)
                 units.append((((node, 1),), [s], [v]))
             elif same[i]:
                 if claim is None or claim[1]:
@@ -2895,12 +2893,9 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
             before, cost_before = rg.stats["evaluations"], rg.stats["cost"]
             rows_before = rg.stats["row_evaluations"]
             pinned = set(eng.pinned())
-            # A value in another layout: the whole cone, as a transaction (patch, demand, rollback), whose kernels
-            # keep the layout eager's give; the prepared cone's (evaluate_patched) wrote an elementwise op's
-            # result contiguous and a reduction after it read the clean order (relu -> add -> sum).
-            path = "transaction" if members[0] in alone else None
-            metrics[members[0]] = _one_site(rg, members[0], node, patch, metric, pinned, read_rows, path,
-                                            given=given[0])
+            # A value in another layout takes the one-site paths as well: the engine runs its whole cone on the
+            # functional kernels, which keep that layout as eager's do (Engine::evaluate_cone_whole).
+            metrics[members[0]] = _one_site(rg, members[0], node, patch, metric, pinned, read_rows, given=given[0])
             measured += rg.stats["evaluations"] - before
             cost += rg.stats["cost"] - cost_before
             row_evals += rg.stats["row_evaluations"] - rows_before
