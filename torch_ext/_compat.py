@@ -1033,23 +1033,32 @@ def rnn_dropout_between_layers():
     """Traces nn.RNN / GRU / LSTM with their dropout between layers, as eager runs them (see
     ``_rnn_helper_with_dropout``). Only where torch's decomposition has the bug, which is read from its
     source so that a torch that fixes it keeps its own."""
+    with _decomposition_replaced("_rnn_helper", "num_layers < i - 1", _rnn_helper_with_dropout):
+        yield
+
+
+@contextlib.contextmanager
+def _decomposition_replaced(name: str, marker: str, replacement):
+    """``torch._decomp.decompositions.<name>`` replaced by ``replacement`` on the tracing thread (``_gated``) for
+    the block, and put back after it, also when it raises; only where torch's source of it contains ``marker``
+    (the code the replacement corrects), so that a torch that changes it keeps its own."""
     import inspect
 
     import torch._decomp.decompositions as decomps
 
-    helper = getattr(decomps, "_rnn_helper", None)
+    original = getattr(decomps, name, None)
     try:
-        buggy = helper is not None and "num_layers < i - 1" in inspect.getsource(helper)
+        differs = original is not None and marker in inspect.getsource(original)
     except (OSError, TypeError):
-        buggy = False
-    if not buggy:
+        differs = False
+    if not differs:
         yield
         return
-    decomps._rnn_helper = _gated(_rnn_helper_with_dropout, helper)
+    setattr(decomps, name, _gated(replacement, original))
     try:
         yield
     finally:
-        decomps._rnn_helper = helper
+        setattr(decomps, name, original)
 
 
 def _gru_cell_as_eager(inp, cur_hidden, ih_weight, ih_bias, hh_weight, hh_bias):
@@ -1074,23 +1083,8 @@ def _gru_cell_as_eager(inp, cur_hidden, ih_weight, ih_bias, hh_weight, hh_bias):
 def eager_gru_cell():
     """Traces nn.GRU's cell with eager's layouts (see ``_gru_cell_as_eager``), where torch's decomposition
     sums the gates chunk by chunk (read from its source, so that a torch that changes it keeps its own)."""
-    import inspect
-
-    import torch._decomp.decompositions as decomps
-
-    cell = getattr(decomps, "gru_cell", None)
-    try:
-        differs = cell is not None and "(chunked_hgates[0] + chunked_igates[0]).sigmoid()" in inspect.getsource(cell)
-    except (OSError, TypeError):
-        differs = False
-    if not differs:
+    with _decomposition_replaced("gru_cell", "(chunked_hgates[0] + chunked_igates[0]).sigmoid()", _gru_cell_as_eager):
         yield
-        return
-    decomps.gru_cell = _gated(_gru_cell_as_eager, cell)
-    try:
-        yield
-    finally:
-        decomps.gru_cell = cell
 
 
 def _eager_lstm_uses_onednn(input, hx, params, onednn_enabled: bool) -> bool:
@@ -1178,17 +1172,12 @@ def eager_onednn_lstm(own_gradients=True):
         return
     # Read here, outside the trace: torch.export sets torch.backends.mkldnn's flag off while it traces.
     onednn_enabled = torch._C._get_mkldnn_enabled()
-    for key in keys:
-        # The meta kernel (shapes only) differentiates nothing; the others give each bias its own gradient.
-        lstm = _lstm_as_eager(originals[key], onednn_enabled, own_gradients and key != DispatchKey.Meta)
-        op.py_kernels[key] = _gated(lstm, originals[key])
-    op._dispatch_cache.clear()
-    try:
-        yield
-    finally:
+    with contextlib.ExitStack() as stack:
         for key in keys:
-            op.py_kernels[key] = originals[key]
-        op._dispatch_cache.clear()
+            # The meta kernel (shapes only) differentiates nothing; the others give each bias its own gradient.
+            lstm = _lstm_as_eager(originals[key], onednn_enabled, own_gradients and key != DispatchKey.Meta)
+            stack.enter_context(_python_kernels(key, {op: _gated(lstm, originals[key])}))
+        yield
 
 
 @contextlib.contextmanager
