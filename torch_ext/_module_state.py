@@ -200,6 +200,23 @@ def _stored_globals(code: types.CodeType) -> frozenset:
     return frozenset(out)  # cached per code object: not to be changed by a caller
 
 
+def _user_class_members(mod: torch.nn.Module, classes: set):
+    """(class, name, member) for every class of ``mod``'s MRO that is the user's (not a library's) and not in
+    ``classes`` yet (it is added): a staticmethod or classmethod as its function, a property as its getter."""
+    from ._build_cache import _is_library
+
+    for cls in type(mod).__mro__:
+        if cls in classes or _is_library(cls):
+            continue
+        classes.add(cls)
+        for k, v in vars(cls).items():
+            if isinstance(v, (staticmethod, classmethod)):
+                v = v.__func__
+            elif isinstance(v, property):
+                v = v.fget
+            yield cls, k, v
+
+
 def global_reads(model: torch.nn.Module, functions: Sequence[Callable] = ()) -> tuple:
     """A snapshot (the layout ``attributes`` returns) of the module-level values that the user's forward
     code reads: for every module class of the tree, the functions its own classes define (forward and the
@@ -276,22 +293,13 @@ def global_reads(model: torch.nn.Module, functions: Sequence[Callable] = ()) -> 
         f = mod.__dict__.get("forward")
         if isinstance(f, types.FunctionType):
             function(f)
-        for cls in type(mod).__mro__:
-            if cls in classes or _is_library(cls):
-                continue
-            classes.add(cls)
-            label = f"class {cls.__module__}.{cls.__qualname__}"
-            for k, v in vars(cls).items():
-                if isinstance(v, (staticmethod, classmethod)):
-                    v = v.__func__
-                elif isinstance(v, property):
-                    v = v.fget
-                if isinstance(v, types.FunctionType):
-                    function(v)
-                elif not k.startswith("_") and (isinstance(v, _SCALARS) or _plain(v)):
-                    # A class-level knob (``SCALE = 2.0`` in the class body, read as self.SCALE): the trace
-                    # holds it as a constant, so ``Block.SCALE = 3.0`` after the build was unseen.
-                    take(label, vars(cls), k, v, (), set(), 0, lists=True)
+        for cls, k, v in _user_class_members(mod, classes):
+            if isinstance(v, types.FunctionType):
+                function(v)
+            elif not k.startswith("_") and (isinstance(v, _SCALARS) or _plain(v)):
+                # A class-level knob (``SCALE = 2.0`` in the class body, read as self.SCALE): the trace
+                # holds it as a constant, so ``Block.SCALE = 3.0`` after the build was unseen.
+                take(f"class {cls.__module__}.{cls.__qualname__}", vars(cls), k, v, (), set(), 0, lists=True)
     for fn in functions:
         for kind, f in _callable_parts(fn):
             if kind == "function":
@@ -971,19 +979,11 @@ class OwnGenerators:
                 if k in ("_parameters", "_buffers", "_modules") or isinstance(v, (torch.Tensor, torch.nn.Module)):
                     continue
                 take(f"{path or 'model'}.{k}", v)
-            for cls in type(mod).__mro__:
-                if cls in classes or _is_library(cls):
-                    continue
-                classes.add(cls)
-                for k, v in vars(cls).items():
-                    if isinstance(v, (staticmethod, classmethod)):
-                        v = v.__func__
-                    elif isinstance(v, property):
-                        v = v.fget
-                    if isinstance(v, types.FunctionType):
-                        function(v, f"{cls.__qualname__}.{k}")
-                    elif _generator_state(v) is not _MISSING:
-                        take(f"{cls.__qualname__}.{k}", v)
+            for cls, k, v in _user_class_members(mod, classes):
+                if isinstance(v, types.FunctionType):
+                    function(v, f"{cls.__qualname__}.{k}")
+                elif _generator_state(v) is not _MISSING:
+                    take(f"{cls.__qualname__}.{k}", v)
         for i, fn in enumerate(functions):
             take(getattr(fn, "__qualname__", f"function {i}"), fn)
 
