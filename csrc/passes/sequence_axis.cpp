@@ -68,6 +68,13 @@ bool identity_like(const std::string& op) {
 // structural rules do not know (Hugging Face's causal mask: positions compared with `le`, `and`ed with
 // a packed-sequence test) can be proven lower-triangular by its value. Floating results are refused
 // (kept exact), and so is anything larger than kMaxKnown elements.
+// The ops evaluated are listed by name, on purpose: no rule read from the schema admits only ops whose value
+// here is the value the graph computes on its device. "No tensor input, not nondeterministic_seeded" admits
+// aten::empty / new_empty / empty_like (uninitialized memory; tagged core or pt2_compliant_tag only), and
+// "integer or boolean inputs" admits scatter / index_put with repeated indices (which write wins is the
+// device's) and sort / argsort / topk with ties (unstable order); torch tags none of these. Each op below gives
+// the same value on every device: an arange or a fill, a view, a copy, a gather (index), integer or boolean
+// arithmetic and comparisons.
 constexpr int64_t kMaxKnown = int64_t{1} << 24;  // a [8, 1, 1024, 1024] mask and its parts
 
 std::optional<at::Scalar> scalar_arg(const Arg* a) {
