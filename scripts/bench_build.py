@@ -141,14 +141,17 @@ _CACHE_DIR = None  # a temporary on-disk build cache for the children (never the
 class _GcClock:
     """Times one in-process arm from a collected heap, and the cyclic-GC time spent inside it.
 
-    Python's full (generation 2) collection is triggered by the allocations of everything before it: after
-    torch.export has been imported the heap holds ~250k tracked objects and one full pass costs ~0.1 s here,
-    paid by whichever arm happens to cross the threshold. A tracing arm (cache off) leaves ~4.6k objects of
-    cyclic garbage (torch.export's closures) and most of the pending count; the next arm, a cache hit that
-    allocates almost nothing, then paid that arm's full collection (one of the two timed iterations of
-    ``--repeats 2``: 1.26x instead of 3.15x; the cold arms only shifted which arm crossed the threshold).
-    So every arm starts from ``gc.collect()`` (untimed) and keeps the collector on: the collections its own
-    allocations trigger stay in its time, and are reported (``gc`` ms, full passes) next to it."""
+    Python's full (generation 2) collection is triggered by the allocations of everything before it: once
+    the tracers (make_fx, torch._dynamo, sympy) are imported the heap holds ~250k tracked objects and one
+    full pass costs ~0.1 s here, paid by whichever arm happens to cross the threshold. A tracing arm (cache
+    off) leaves ~4.6k objects of cyclic garbage (the tracer's closures) and most of the pending count; the
+    next arm, a cache hit that allocates almost nothing, then paid that arm's full collection (in one of
+    the two timed iterations of ``--repeats 2``: 1.26x instead of 3.15x; the cold arms only shifted which
+    arm crossed the threshold). So every arm starts from ``gc.collect()`` (untimed) and keeps the
+    collector on: the collections its own allocations trigger stay in its time, and are reported (GC ms,
+    full passes) next to it. The price: a tracing arm's amortized share of full passes (in this loop
+    about one pass per three or four iterations) is in no arm's time now; before, it was charged to
+    whichever arm crossed the threshold."""
 
     def __init__(self):
         self.gc_s, self.full, self._t = 0.0, 0, None
