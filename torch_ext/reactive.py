@@ -221,7 +221,8 @@ class _one_check_per_call:
     def __enter__(self):
         depth = self.depth = getattr(_CALL, "depth", 0)
         if depth == 0:
-            _refuse_ambient_autocast("ReactiveGraph: called")
+            if torch._C._is_any_autocast_enabled():  # _ambient_autocast's own first test, without two calls
+                _refuse_ambient_autocast("ReactiveGraph: called")
             _CALL.checked = set()  # ids of the graphs whose contents are known current in this call
         _CALL.depth = depth + 1
 
@@ -1866,8 +1867,6 @@ def _expand_sites(rg: ReactiveGraph, sites) -> list:
 
 def _shows_progress(enabled) -> bool:
     """Whether _progress draws a bar (progress asked for, and stderr a terminal)."""
-    import sys
-
     return bool(enabled) and sys.stderr.isatty()
 
 
@@ -2666,7 +2665,7 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
             raise ValueError(f"sweep(batch_sites=...) must be a bool or an int >= 2 (sites per batch), "
                              f"got {batch_sites!r}")
         use_rows = rg.positions if positions is None else positions
-        rows = (rg._read_spec(reads), reads) if use_rows else None
+        rows = ((rg._read_spec(reads) if reads is not None else ([], [])), reads) if use_rows else None
         if reads is not None and not use_rows:
             rg._read_rows(reads)  # still checked: a bad reads argument is refused either way
         if not isinstance(skip_identical, bool):
