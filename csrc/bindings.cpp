@@ -776,7 +776,19 @@ PYBIND11_MODULE(_C, m) {
   // Content digests of the tensors a reactive graph reads (csrc/reactive/content_digest.h): one call per check.
   m.def(
       "content_digests",
-      [](const std::vector<at::Tensor>& tensors) {
+      [](std::vector<at::Tensor> tensors) {
+        // A tensor on another device is read through a detached host copy (a sparse one has no bytes to read);
+        // a CPU tensor as it lies, autograd history or not (content_digest reads bytes, under no_grad). Done
+        // here rather than per tensor in Python, which cost a Python step per weight per check.
+        size_t bytes = 0;
+        for (at::Tensor& t : tensors) {
+          if (!t.defined() || t.is_meta() || t.layout() != at::kStrided) continue;
+          if (!t.is_cpu()) t = t.detach().cpu();
+          bytes += t.nbytes();
+        }
+        // The GIL goes for a pass long enough to matter (a model's weights); releasing it costs more than
+        // hashing an activation of a few KB.
+        if (bytes < (size_t{1} << 20)) return reactive::content_digests(tensors);
         py::gil_scoped_release release;
         return reactive::content_digests(tensors);
       },

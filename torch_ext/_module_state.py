@@ -30,11 +30,8 @@ def contents_digest(tensors: list) -> list:
     """A 64-bit digest (XXH3, in C++ at memory bandwidth, csrc/reactive/content_digest.h) of each tensor's
     bytes, every byte read (None where there are none to read: a meta or sparse tensor). What tells a
     write through ``.data`` or ``.numpy()``, which leaves the version counter as it was."""
-    # CPU tensors with no autograd history go as they are (the C++ side only reads their bytes; a detached
-    # alias would cost an allocation per tensor per call).
-    host = [t.detach().cpu() if t.device.type != "cpu" and not t.is_meta else t.detach() if t.requires_grad else t
-            for t in tensors]
-    return _C.content_digests(host)
+    # The tensors go as they are: the C++ side reads a tensor on another device through a detached host copy.
+    return _C.content_digests(tensors)
 
 
 _CONTAINERS = (list, tuple, dict, set, frozenset)

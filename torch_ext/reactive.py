@@ -221,7 +221,8 @@ class _one_check_per_call:
     def __enter__(self):
         depth = self.depth = getattr(_CALL, "depth", 0)
         if depth == 0:
-            _refuse_ambient_autocast("ReactiveGraph: called")
+            if torch._C._is_any_autocast_enabled():  # _ambient_autocast's own first test, without two calls
+                _refuse_ambient_autocast("ReactiveGraph: called")
             _CALL.checked = set()  # ids of the graphs whose contents are known current in this call
         _CALL.depth = depth + 1
 
@@ -859,6 +860,9 @@ class ReactiveGraph:
         if held is None or _checked_in_this_call(self):
             return
         now = _contents_digest(held)
+        if now == digest:  # the common case: one list comparison, in C
+            _mark_checked(self)
+            return
         changed = [t for t, a, b in zip(held, digest, now) if a != b]
         for t in changed:
             if t.is_inference():
@@ -1846,21 +1850,23 @@ def _expand_sites(rg: ReactiveGraph, sites) -> list:
             rg._refuse_non_tensor(found[0], "sweep")
         return tensors
     out = list(sites)
-    for site in out:
-        try:
-            hash(site)
-        except TypeError:
-            # A site keys the result table (result.metrics[site]); a slice or a list cannot.
-            raise TypeError(f"site {site!r}: a site must be hashable, as it keys result.metrics; write a slice or "
-                            "a list of positions as a tuple, e.g. (node, (2, 5)), and read it in the patch "
-                            "function") from None
+    try:
+        hash(tuple(out))  # every site at once (one C loop); the one that is not hashable is named below
+    except TypeError:
+        for site in out:
+            try:
+                hash(site)
+            except TypeError:
+                # A site keys the result table (result.metrics[site]); a slice or a list cannot.
+                raise TypeError(f"site {site!r}: a site must be hashable, as it keys result.metrics; write a slice "
+                                "or a list of positions as a tuple, e.g. (node, (2, 5)), and read it in the patch "
+                                "function") from None
+        raise
     return out
 
 
 def _shows_progress(enabled) -> bool:
     """Whether _progress draws a bar (progress asked for, and stderr a terminal)."""
-    import sys
-
     return bool(enabled) and sys.stderr.isatty()
 
 
@@ -2659,7 +2665,7 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
             raise ValueError(f"sweep(batch_sites=...) must be a bool or an int >= 2 (sites per batch), "
                              f"got {batch_sites!r}")
         use_rows = rg.positions if positions is None else positions
-        rows = (rg._read_spec(reads), reads) if use_rows else None
+        rows = ((rg._read_spec(reads) if reads is not None else ([], [])), reads) if use_rows else None
         if reads is not None and not use_rows:
             rg._read_rows(reads)  # still checked: a bad reads argument is refused either way
         if not isinstance(skip_identical, bool):
@@ -2745,8 +2751,10 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
     # runs in one sweep_sites call (one at a time, no standing patch, no progress bar) and nothing is stale,
     # that call measures the unpatched outputs first (`clean`), the same metric on the same copies.
     clean: list | None = None
-    if (not batch_sites and eng.num_dirty() == 0 and not eng.pinned() and eng.can_evaluate_patched()
-            and not _shows_progress(progress)):
+    standing = eng.pinned()  # asked once: the sweep refuses mutations while it runs
+    shows = _shows_progress(progress)
+    if (not batch_sites and not standing and not shows and eng.num_dirty() == 0
+            and eng.can_evaluate_patched()):
         rg._refuse_changed_hooks("demand")
         rg._refuse_changed_attributes("demand")
         clean = []
@@ -2758,17 +2766,15 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
     metrics: dict = {}
     # What patching a node costs now: its strict cone up to the standing patches (a pinned node keeps its
     # value, so the cone stops there), the same for every site of the node.
-    standing = eng.pinned()  # asked once: the sweep refuses mutations while it runs
     live = {n: len(eng.cone(n, True)) for n in cones} if standing else cones
     if not batch_sites:
-        predicted = sum(live[n] for n in site_nodes)
+        predicted = sum(map(live.__getitem__, site_nodes))
         st0 = eng.stats()  # the engine's counters (rg.stats adds only per-shape fields)
         t0 = time.perf_counter()
         pinned = set(standing)
         paths: dict = {}
         identical: list | None = [] if skip_identical else None
-        shown = _progress(site_list, len(site_list), progress, "sweep")
-        if shown is site_list:  # no progress bar to update per site: the loop runs in C++
+        if not shows:  # no progress bar to update per site: the loop runs in C++
             _sweep_in_cpp(rg, site_list, site_nodes, names, patch, metric, pinned, rows, metrics, identical, clean)
             if clean is not None:
                 clean_metric = clean[0]
@@ -2777,7 +2783,7 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
                 clean_metric, wrote = _measure(rg, metric, rg._user(eng.demand()), "unpatched")
                 if wrote:
                     _raise_metric_wrote(rg, "unpatched")
-            for s in shown:
+            for s in _progress(site_list, len(site_list), progress, "sweep"):
                 node = node_of(s)
                 path = paths.get(node)
                 if path is None:
@@ -2789,7 +2795,7 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
                  "positions": read_rows is not None and not pinned}
         if identical is not None:
             # Skipped sites leave the ledger (docs/cost-model-positions.md, "Identical sites").
-            skipped = sum(live[node_of(s)] for s in identical)
+            skipped = sum(live[node_of(s)] for s in identical) if identical else 0
             predicted -= skipped
             extra.update(identical_sites=len(identical), skipped_evaluations=skipped)
         return SweepResult(metrics, st1["evaluations"] - st0["evaluations"], predicted, full, rg.num_nodes, wall,

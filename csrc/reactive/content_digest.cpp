@@ -1,6 +1,7 @@
 #include "reactive/content_digest.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
 
 #define XXH_INLINE_ALL
 #include "third_party/xxhash.h"
@@ -28,6 +29,7 @@ std::optional<uint64_t> content_digest(const at::Tensor& t) {
     return std::nullopt;
   }
   TORCH_CHECK(t.device().is_cpu(), "content_digest: expected a CPU tensor, got one on ", t.device());
+  const at::NoGradGuard no_grad;  // the contiguous copy of a tensor with autograd history records none
   const at::Tensor c = t.is_contiguous() ? t : t.contiguous();
   const auto bytes = static_cast<size_t>(c.numel()) * c.element_size();
   if (bytes == 0) {

@@ -1706,3 +1706,27 @@ def test_a_patch_value_the_caller_keeps_and_writes_without_a_version_bump_does_n
     rg.restore()
     with torch.no_grad():
         assert torch.equal(rg.demand(), model(x))
+
+
+def test_contents_digest_reads_tensors_with_autograd_history_as_their_bytes():
+    """contents_digest hands tensors to C++ as they are (no per-tensor detach in Python): a parameter with
+    autograd history, contiguous or not, digests as its detached bytes, records no autograd history, and a
+    write through .data (no version counter moves) changes its digest. An empty or meta tensor: as before."""
+    from torch_ext import _module_state
+
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(8, 6))
+    wt = w.t()  # not contiguous, with a grad_fn
+    plain = [w.detach().clone(), w.detach().t().contiguous()]
+    with torch.enable_grad():
+        got = _module_state.contents_digest([w, wt, torch.empty(0), torch.empty(3, device="meta")])
+    assert got[:2] == _module_state.contents_digest(plain)
+    assert got[2] == 0 and got[3] is None
+    assert w.grad is None and wt.grad_fn is not None
+    before = got[:2]
+    was = float(w.data[3, 2])
+    w.data[3, 2] = was + 1.0
+    after = _module_state.contents_digest([w, wt])
+    assert after[0] != before[0] and after[1] != before[1]
+    w.data[3, 2] = was  # the same bits again: the same digests
+    assert _module_state.contents_digest([w, wt]) == before
