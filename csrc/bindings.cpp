@@ -126,7 +126,7 @@ ir::Arg arg_from_py(ir::Graph& g, const py::handle& h, int depth = 0) {
     auto parsed = ir::parse("graph:\n  return (" + s.text + ")\n");
     return parsed->output()->args()[0].list.at(0);
   }
-  TORCH_CHECK(false, "unsupported argument of Python type ", py::str(h.get_type()).cast<std::string>());
+  TORCH_CHECK(false, "unsupported argument of Python type ", py::str(py::type::handle_of(h)).cast<std::string>());
 }
 
 py::object arg_to_py(const ir::Arg& a) {
@@ -156,7 +156,7 @@ c10::IValue ivalue_from_py(const py::handle& h) {
   if (py::isinstance<py::bool_>(h)) return c10::IValue(h.cast<bool>());
   if (py::isinstance<py::int_>(h)) return c10::IValue(h.cast<int64_t>());
   if (py::isinstance<py::float_>(h)) return c10::IValue(h.cast<double>());
-  TORCH_CHECK(false, "unsupported input of Python type ", py::str(h.get_type()).cast<std::string>());
+  TORCH_CHECK(false, "unsupported input of Python type ", py::str(py::type::handle_of(h)).cast<std::string>());
 }
 
 py::object ivalue_to_py(const c10::IValue& v) {
