@@ -494,3 +494,21 @@ def test_hugging_face_gemma2_hook_names_are_the_residual_streams(tmp_path):
         expected = getattr(tl_patching, name)(bridge, corrupted, tl_cache, _metric)
         got = getattr(patching, name)(model, corrupted, cache, _metric)
         assert torch.equal(got, expected), (name, float((got - expected).abs().max()))
+
+
+def test_run_with_cache_on_a_rotary_bridge_gives_its_unread_hooks(tmp_path):
+    """A rotary bridge's rotary_emb.hook_in is read by nothing: its alias node is dropped from the graph as dead
+    code, and run_with_cache (so patching.run_with_cache too) raised "unknown node 'alias_default_1'"."""
+    _, bridge = _tiny_gemma2(tmp_path)
+    clean, _ = _prompts(2)
+    logits, tl_cache = bridge.run_with_cache(clean)
+    rg = torch_ext.ReactiveGraph(bridge, (clean,))
+    out, cache = rg.run_with_cache(clean)
+    assert torch.equal(out, logits)
+    assert "rotary_emb.hook_in" in cache
+    # Every hook both caches hold is the same tensor (hook_scale / hook_normalized of a norm are not markers).
+    shared = [name for name in tl_cache.keys() if name in cache]
+    assert "rotary_emb.hook_in" in shared and "blocks.1.hook_resid_mid" in shared
+    for name in shared:
+        assert torch.equal(cache[name], tl_cache[name]), name
+    assert torch.equal(patching.run_with_cache(bridge, clean)[1]["rotary_emb.hook_in"], tl_cache["rotary_emb.hook_in"])
