@@ -2222,8 +2222,8 @@ def hf_hook_points(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, 
     """TransformerLens hook names on a Hugging Face decoder: (name, submodule, "pre" | "out").
 
     resid_pre / resid_post: a layer's input / output; attn_out, mlp_out: the attention's and the
-    MLP's outputs (with sandwich norms, Gemma 2/3: their post-norms' outputs, what the residual add
-    reads); resid_mid: the second norm's input (as TransformerLens 4's bridge aliases it, so a
+    MLP's outputs (with sandwich norms, Gemma 2-4, OLMo 2, GLM-4: their post-norms' outputs, what the
+    residual add reads); resid_mid: the second norm's input (as TransformerLens 4's bridge aliases it, so a
     patch there reaches the MLP branch only); attn.hook_z: the attention output projection's input,
     seen as [batch, pos, head, d_head]. A TransformerLens bridge is not handled here (see _hf_decoder).
     """
@@ -2237,13 +2237,19 @@ def hf_hook_points(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, 
         mlp = getattr(layer, "mlp", None)
         ln2 = getattr(layer, "ln_2", None) or getattr(layer, "post_attention_layernorm", None)
         attn_out, mlp_out = attn, mlp
-        if getattr(layer, "post_feedforward_layernorm", None) is not None:
-            # Sandwich norms (Gemma 2/3, OLMo 2): post_attention_layernorm normalizes the attention's output
-            # before the residual add, so its input is not resid_mid. What each branch adds to the stream is
-            # its post-norm's output (TransformerLens's ln1_post / ln2_post); resid_mid is the input of the
-            # norm before the MLP, and there is none to name where the MLP reads the stream unnormalized.
-            attn_out, mlp_out = ln2, layer.post_feedforward_layernorm
-            ln2 = getattr(layer, "pre_feedforward_layernorm", None)
+        post_mlp = getattr(layer, "post_feedforward_layernorm", None) or getattr(layer, "post_mlp_layernorm", None)
+        post_attn = getattr(layer, "post_self_attn_layernorm", None)
+        if post_attn is None and post_mlp is not None:
+            post_attn = getattr(layer, "post_attention_layernorm", None)
+        if post_attn is not None or post_mlp is not None:
+            # Sandwich norms (Gemma 2-4, OLMo 2/3, GLM-4, AFMoE, EXAONE 4): a norm after the attention and/or the
+            # MLP, before the residual add. What each branch adds to the stream is its post-norm's output
+            # (TransformerLens's ln1_post / ln2_post), and resid_mid is the input of the norm before the MLP
+            # (post_attention_layernorm is that norm only where it is not the attention's post-norm); none is
+            # named where the MLP reads the stream unnormalized.
+            attn_out, mlp_out = post_attn or attn, post_mlp or mlp
+            ln2 = (getattr(layer, "pre_feedforward_layernorm", None) or getattr(layer, "pre_mlp_layernorm", None)
+                   or (ln2 if ln2 is not post_attn else None))
         proj = (getattr(attn, "c_proj", None) or getattr(attn, "o_proj", None)) if attn is not None else None
         points.append((f"blocks.{l}.hook_resid_pre", layer, "pre"))
         for name, sub, kind in ((f"blocks.{l}.hook_attn_out", attn_out, "out"),
