@@ -2191,9 +2191,11 @@ def _marker_out(name: str):
 
 
 def _hf_decoder(module: torch.nn.Module):
-    """(layers, n_heads) of a Hugging Face decoder-only LM (GPT-2 or Llama-style), else None."""
+    """(layers, n_heads) of a Hugging Face decoder-only LM (GPT-2 or Llama-style), else None. A TransformerLens
+    bridge over one (which forwards ``config`` and ``model.layers`` to the wrapped model) is not: its own hook
+    points name its activations, as TransformerLens defines them for that architecture."""
     cfg = getattr(module, "config", None)
-    if cfg is None or not hasattr(module, "generate"):
+    if cfg is None or not hasattr(module, "generate") or hook_aliases(module):
         return None
     for path in ("transformer.h", "model.layers"):
         obj = module
@@ -2209,9 +2211,10 @@ def hf_hook_points(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, 
     """TransformerLens hook names on a Hugging Face decoder: (name, submodule, "pre" | "out").
 
     resid_pre / resid_post: a layer's input / output; attn_out, mlp_out: the attention's and the
-    MLP's outputs; resid_mid: the second norm's input (as TransformerLens 4's bridge aliases it, so a
+    MLP's outputs (with sandwich norms, Gemma 2-4, OLMo 2, GLM-4: their post-norms' outputs, what the
+    residual add reads); resid_mid: the second norm's input (as TransformerLens 4's bridge aliases it, so a
     patch there reaches the MLP branch only); attn.hook_z: the attention output projection's input,
-    seen as [batch, pos, head, d_head].
+    seen as [batch, pos, head, d_head]. A TransformerLens bridge is not handled here (see _hf_decoder).
     """
     found = _hf_decoder(module)
     if found is None:
@@ -2222,10 +2225,25 @@ def hf_hook_points(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, 
         attn = getattr(layer, "attn", None) or getattr(layer, "self_attn", None)
         mlp = getattr(layer, "mlp", None)
         ln2 = getattr(layer, "ln_2", None) or getattr(layer, "post_attention_layernorm", None)
+        attn_out, mlp_out = attn, mlp
+        post_mlp = getattr(layer, "post_feedforward_layernorm", None) or getattr(layer, "post_mlp_layernorm", None)
+        post_attn = getattr(layer, "post_self_attn_layernorm", None)
+        if post_attn is None and post_mlp is not None:
+            post_attn = getattr(layer, "post_attention_layernorm", None)
+        if post_attn is not None or post_mlp is not None:
+            # Sandwich norms (Gemma 2-4, OLMo 2/3, GLM-4, AFMoE, EXAONE 4): a norm after the attention and/or the
+            # MLP, before the residual add. What each branch adds to the stream is its post-norm's output
+            # (TransformerLens's ln1_post / ln2_post), and resid_mid is the input of the norm before the MLP
+            # (post_attention_layernorm is that norm only where it is not the attention's post-norm); none is
+            # named where the MLP reads the stream unnormalized.
+            attn_out, mlp_out = post_attn or attn, post_mlp or mlp
+            ln2 = (getattr(layer, "pre_feedforward_layernorm", None) or getattr(layer, "pre_mlp_layernorm", None)
+                   or (ln2 if ln2 is not post_attn else None))
         proj = (getattr(attn, "c_proj", None) or getattr(attn, "o_proj", None)) if attn is not None else None
         points.append((f"blocks.{l}.hook_resid_pre", layer, "pre"))
-        for name, sub, kind in ((f"blocks.{l}.hook_attn_out", attn, "out"), (f"blocks.{l}.hook_resid_mid", ln2, "pre"),
-                                (f"blocks.{l}.hook_mlp_out", mlp, "out"), (f"blocks.{l}.attn.hook_z", proj, "pre")):
+        for name, sub, kind in ((f"blocks.{l}.hook_attn_out", attn_out, "out"),
+                                (f"blocks.{l}.hook_resid_mid", ln2, "pre"),
+                                (f"blocks.{l}.hook_mlp_out", mlp_out, "out"), (f"blocks.{l}.attn.hook_z", proj, "pre")):
             if sub is not None:
                 points.append((name, sub, kind))
         points.append((f"blocks.{l}.hook_resid_post", layer, "out"))

@@ -1005,7 +1005,15 @@ class ReactiveGraph:
         node name to its value (the cached tensors: read them, do not write into them)."""
         out = self.run(*args, **kwargs)
         cache = {name: self._engine.value(name) for name in self._countable}
+        unread, names = None, self._node_names()
         for hook, node in self._hooks.items():
+            if node not in names:
+                # A hook point whose value nothing reads (a RoPE bridge's rotary_emb.hook_in): its alias node was
+                # dropped from the graph as dead code; its value is its source's.
+                if unread is None:
+                    unread = {n.name: n.args[0].name for n in self.program.graph.nodes
+                              if n.op == "call_function" and n.target is torch.ops.aten.alias.default and not n.users}
+                node = unread[node]
             value = cache[node] if node in cache else self._engine.value(node)
             conv = self._conversions.get(hook)
             cache[hook] = conv.convert(value) if conv is not None else value

@@ -698,3 +698,73 @@ def test_gpt2_residual_sweep_by_rows_equals_eager_hooks_and_saves_rows(batch):
             assert whole.metrics[(name, p)] == pytest.approx(ref, rel=1e-5, abs=1e-5), (layer, p)
     rg.check_invariants()
     assert torch.equal(rg.demand().logits, model(corrupted, use_cache=False).logits)
+
+
+def _sandwich_norm_model(family):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    if family == "gemma2":
+        return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**common, head_dim=8, sliding_window=3)).eval()
+    if family == "glm4":
+        return transformers.Glm4ForCausalLM(transformers.Glm4Config(**common, head_dim=8)).eval()
+    return transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**common)).eval()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "glm4", "olmo2"])
+def test_hook_names_of_sandwich_norm_decoders_are_what_the_residual_stream_reads(family):
+    """Gemma 2, OLMo 2 and GLM-4 normalize the attention's and the MLP's outputs before the residual add. The
+    Llama rule (resid_mid = post_attention_layernorm's input, attn_out / mlp_out = the modules' outputs) named the
+    raw attention output resid_mid on Gemma 2 and OLMo 2, and the pre-norm branch outputs attn_out / mlp_out, so a
+    resid_mid patching sweep measured attention-output patching, silently. Checked against eager module hooks:
+    attn_out / mlp_out are the post-norms' outputs, resid_mid the input of the norm before the MLP (none on OLMo 2,
+    whose MLP reads the stream unnormalized), and resid_mid patching equals eager's."""
+    from torch_ext import patching
+    model = _sandwich_norm_model(family)
+    g = torch.Generator().manual_seed(2)
+    clean = torch.randint(1, 64, (2, 6), generator=g)
+    corrupted = clean.clone()
+    corrupted[:, 2] = (corrupted[:, 2] + 9) % 64
+    layers = model.model.layers
+    post_attn = [getattr(l, "post_self_attn_layernorm", None) or l.post_attention_layernorm for l in layers]
+    post_mlp = [getattr(l, "post_mlp_layernorm", None) or l.post_feedforward_layernorm for l in layers]
+    pre_mlp = None  # OLMo 2's MLP reads the stream unnormalized
+    if family != "olmo2":
+        pre_mlp = [l.pre_feedforward_layernorm if family == "gemma2" else l.post_attention_layernorm for l in layers]
+    seen = {}
+    handles = []
+    for i in range(2):
+        handles.append(post_attn[i].register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(("attn", i), o.clone())))
+        handles.append(post_mlp[i].register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(("mlp", i), o.clone())))
+        if pre_mlp is not None:
+            handles.append(pre_mlp[i].register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(("mid", i), a[0].clone())))
+    with torch.no_grad():
+        model(clean, use_cache=False)
+    for h in handles:
+        h.remove()
+    _, cache = patching.run_with_cache(model, clean)
+    for i in range(2):
+        assert torch.equal(cache[f"blocks.{i}.hook_attn_out"], seen[("attn", i)])
+        assert torch.equal(cache[f"blocks.{i}.hook_mlp_out"], seen[("mlp", i)])
+        if pre_mlp is None:
+            assert f"blocks.{i}.hook_resid_mid" not in cache
+        else:
+            assert torch.equal(cache[f"blocks.{i}.hook_resid_mid"], seen[("mid", i)])
+    if pre_mlp is None:
+        return
+    metric = lambda logits: logits[:, -1, 3].mean() - logits[:, -1, 4].mean()  # noqa: E731
+    got = patching.get_act_patch_resid_mid(model, corrupted, cache, metric)
+    for i in range(2):
+        for p in range(6):
+            def put(m, a, i=i, p=p):
+                h = a[0].clone()
+                h[:, p] = seen[("mid", i)][:, p]
+                return (h,) + tuple(a[1:])
+            hook = pre_mlp[i].register_forward_pre_hook(put)
+            try:
+                with torch.no_grad():
+                    ref = metric(model(corrupted, use_cache=False).logits)
+            finally:
+                hook.remove()
+            assert float(got[i, p]) == pytest.approx(float(ref), rel=1e-5, abs=1e-6), (i, p)

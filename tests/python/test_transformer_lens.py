@@ -441,3 +441,74 @@ def test_a_steering_hook_added_through_add_hook_refuses_its_knob_changed_after_b
         assert torch.equal(rg.run(clean), before)
     finally:
         bridge.reset_hooks()
+
+
+def _tiny_gemma2(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=16,
+                                    sliding_window=3, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                                    bos_token_id=0, eos_token_id=0, pad_token_id=0, architectures=["Gemma2ForCausalLM"])
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    cfg.save_pretrained(tmp_path)  # a local config: no hub access
+    import copy
+    bridge = tl.TransformerBridge.boot_transformers(str(tmp_path), hf_model=copy.deepcopy(model), load_weights=False)
+    return model, bridge.eval()
+
+
+GEMMA2_FUNCTIONS = ["get_act_patch_resid_mid", "get_act_patch_attn_out", "get_act_patch_mlp_out",
+                    "get_act_patch_attn_head_q_all_pos", "get_act_patch_attn_head_k_by_pos"]
+
+
+def test_a_bridge_over_hugging_face_gemma2_keeps_transformer_lenss_hook_names(tmp_path):
+    """A bridge forwards `config` and `model.layers` to the Hugging Face model it wraps, so it was taken for a
+    Hugging Face decoder: Llama-style markers named blocks.<l>.hook_resid_mid / hook_attn_out / hook_mlp_out
+    took those names from TransformerLens's own hooks. On Gemma 2 (sandwich norms) they are other tensors:
+    resid_mid patching was 0.047 off TransformerLens, mlp_out 0.013, attn_out 4e-4, silently; q/k head
+    patching raised an expand error (the markers' [pos, d] views against GQA's heads)."""
+    _, bridge = _tiny_gemma2(tmp_path)
+    clean, corrupted = _prompts(2)
+    _, clean_cache = bridge.run_with_cache(clean)
+    for name in GEMMA2_FUNCTIONS:
+        expected = getattr(tl_patching, name)(bridge, corrupted, clean_cache, _metric)
+        got = getattr(patching, name)(bridge, corrupted, clean_cache, _metric)
+        assert torch.equal(got, expected), (name, float((got - expected).abs().max()))
+
+
+def test_hugging_face_gemma2_hook_names_are_the_residual_streams(tmp_path):
+    """Gemma 2's post_attention_layernorm normalizes the attention's output before the residual add (the
+    norm before the MLP is pre_feedforward_layernorm): blocks.<l>.hook_resid_mid named the raw attention
+    output, and hook_attn_out / hook_mlp_out what comes before the post-norms, so resid_mid patching on the
+    Hugging Face model measured attention-output patching. Each name is now what TransformerLens's bridge
+    over the same weights gives, and each patching function returns the bridge's tensor, bit for bit."""
+    model, bridge = _tiny_gemma2(tmp_path)
+    clean, corrupted = _prompts(2)
+    _, tl_cache = bridge.run_with_cache(clean)
+    _, cache = patching.run_with_cache(model, clean)
+    for layer in range(2):
+        for hook in ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post"):
+            name = f"blocks.{layer}.{hook}"
+            assert torch.equal(cache[name], tl_cache[name]), name
+    for name in ["get_act_patch_resid_mid", "get_act_patch_attn_out", "get_act_patch_mlp_out"]:
+        expected = getattr(tl_patching, name)(bridge, corrupted, tl_cache, _metric)
+        got = getattr(patching, name)(model, corrupted, cache, _metric)
+        assert torch.equal(got, expected), (name, float((got - expected).abs().max()))
+
+
+def test_run_with_cache_on_a_rotary_bridge_gives_its_unread_hooks(tmp_path):
+    """A rotary bridge's rotary_emb.hook_in is read by nothing: its alias node is dropped from the graph as dead
+    code, and run_with_cache (so patching.run_with_cache too) raised "unknown node 'alias_default_1'"."""
+    _, bridge = _tiny_gemma2(tmp_path)
+    clean, _ = _prompts(2)
+    logits, tl_cache = bridge.run_with_cache(clean)
+    rg = torch_ext.ReactiveGraph(bridge, (clean,))
+    out, cache = rg.run_with_cache(clean)
+    assert torch.equal(out, logits)
+    assert "rotary_emb.hook_in" in cache
+    # Every hook both caches hold is the same tensor (hook_scale / hook_normalized of a norm are not markers).
+    shared = [name for name in tl_cache.keys() if name in cache]
+    assert "rotary_emb.hook_in" in shared and "blocks.1.hook_resid_mid" in shared
+    for name in shared:
+        assert torch.equal(cache[name], tl_cache[name]), name
+    assert torch.equal(patching.run_with_cache(bridge, clean)[1]["rotary_emb.hook_in"], tl_cache["rotary_emb.hook_in"])
