@@ -273,6 +273,20 @@ def test_grouped_query_attention_with_a_tokenizer_mask_bit_exact(family, compile
     assert len(cond) == 2 * model.config.num_hidden_layers * accumulate
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_grouped_query_attention_with_a_tokenizer_mask_under_gradient_checkpointing_bit_exact(reentrant):
+    needs("transformers")
+    # Trainer's gradient_checkpointing=True with padded batches: the attention's torch.cond (above) is
+    # traced by dynamo inside the checkpointed layer, where the step's recorder of the block's writes
+    # (_compat._ExternalWrites, a TorchFunctionMode) is active; dynamo inlined it and stopped at its
+    # grad_fn read, so make_train_step failed with "Unsupported: Tensor with grad_fn()".
+    model = rm.tiny_causal_lm("qwen2")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    batches = tokenizer_batches(4)
+    step, _, _ = run_parity(model, mask_loss, batches, rtol=0.0)
+    assert any(n.target is torch.ops.higher_order.cond for n in step.program.graph.nodes)
+
+
 def test_grouped_query_attention_built_on_a_padded_example_bit_exact_on_all_ones():
     needs("transformers")
     model = rm.tiny_causal_lm("qwen2")
