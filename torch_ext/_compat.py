@@ -496,10 +496,11 @@ class _ExternalWrites(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             # torch.cond traces its branches with dynamo, which inlines this mode: a branch (the step's
             # attention on a padding mask, in a checkpointed Hugging Face layer) is a pure function of
-            # its operands, writing nothing from outside; grad_fn, read below, stops dynamo
+            # its operands, writing nothing from outside; grad_fn, read below, stops dynamo. (Not
+            # is_compiling(): that is true for the whole export, and would switch the recorder off.)
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         wrote, saved = len(self.writes), self.saves
