@@ -1255,6 +1255,27 @@ def packed_sequences_refused():
             del vf._pack_padded_sequence
 
 
+_dynamo_tables_built = False
+
+
+def build_dynamo_function_tables() -> None:
+    """Makes dynamo compute its tables of known functions now, before a trace patches any. They are lazy,
+    keyed by ``id()``, and first read when dynamo first traces (a ``torch.cond`` branch, inside the step's
+    trace): computed then, they held the ids of the trace's stand-ins (``python_random_draws``' wrappers of
+    ``numpy.random``'s functions), freed when the trace ended. A function made later at one of those
+    addresses (a cond branch of the attention on a padding mask) was taken for numpy's, and a build failed
+    at random with "Can't find numpy function <lambda> in torch._numpy"."""
+    global _dynamo_tables_built
+    if _dynamo_tables_built:
+        return
+    from torch._dynamo import trace_rules
+
+    for table in vars(trace_rules).values():
+        if isinstance(table, trace_rules.FunctionIdSet):
+            table()
+    _dynamo_tables_built = True
+
+
 @contextlib.contextmanager
 def python_random_draws():
     """Yields a list that names, once the block exits, each process-global Python-level generator the

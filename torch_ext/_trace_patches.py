@@ -111,6 +111,12 @@ def _locked():
         _LOCK.release()
 
 
+def _compat_tables() -> None:
+    from . import _compat
+
+    _compat.build_dynamo_function_tables()
+
+
 def _factories() -> dict:
     from . import _compat, _env_reads
 
@@ -222,6 +228,7 @@ def patched(*names: str):
         try:
             with contextlib.ExitStack() as stack:
                 factories = _factories()
+                _compat_tables()  # before any patch replaces a function dynamo lists by id
                 got = {}
                 for name in ORDER:
                     if name not in wanted or (name in _stack and name not in COLLECTORS):

@@ -287,6 +287,32 @@ def test_grouped_query_attention_with_a_tokenizer_mask_under_gradient_checkpoint
     assert any(n.target is torch.ops.higher_order.cond for n in step.program.graph.nodes)
 
 
+def test_a_build_leaves_dynamo_no_function_id_of_its_stand_ins(monkeypatch):
+    needs("transformers")
+    from torch._dynamo import trace_rules
+
+    # Dynamo lists numpy's functions by id(), lazily, on its first trace: in a fresh process that is the
+    # first torch.cond (the attention on a padding mask), inside the step's trace, where numpy.random's
+    # functions are wrapped (_compat.python_random_draws). The list kept the wrappers' ids after they were
+    # freed; a later function at such an address (a cond branch of the next build) was taken for numpy's,
+    # and that build failed at random: "Can't find numpy function <lambda> in torch._numpy".
+    table = trace_rules._numpy_function_ids
+    monkeypatch.setattr(table, "function_ids", None)  # as in a fresh process (put back afterwards)
+    monkeypatch.setattr(table, "function_names", None)
+    monkeypatch.setattr(_compat, "_dynamo_tables_built", False, raising=False)
+    model = rm.tiny_causal_lm("qwen2")
+    model.config.use_cache = False
+    batch = tokenizer_batches(2)[1]
+    assert not bool(batch[1].all())
+    step = torch_ext.make_train_step(model, rm.adamw(model), mask_loss, batch)
+    assert any(n.target is torch.ops.higher_order.cond for n in step.program.graph.nodes)
+    live = {id(v) for m in trace_rules.NP_SUPPORTED_MODULES for v in vars(m).values()}
+    stale = sorted(table.get_name(i, "?") for i in table() if i not in live)
+    assert not stale, f"dynamo lists freed functions as numpy's: {stale[:5]}"
+    made = [lambda: None for _ in range(20000)]  # new functions take the freed addresses first
+    assert not any(trace_rules.is_numpy(f) for f in made)
+
+
 def test_grouped_query_attention_built_on_a_padded_example_bit_exact_on_all_ones():
     needs("transformers")
     model = rm.tiny_causal_lm("qwen2")
