@@ -209,6 +209,25 @@ def test_packed_sequences_given_as_position_ids_keep_their_mask_bit_exact():
     assert not torch.equal(step(state, ids, positions)[0], step(state, ids, unpacked)[0])
 
 
+@pytest.mark.parametrize("family", ["mixtral", "gemma2", "bert"])
+def test_other_families_with_padding_and_ignored_labels_bit_exact(family):
+    needs("transformers")
+    # Mixture of experts (data-dependent routing, aux loss), soft-capping with sliding windows, a masked LM
+    # with a tied decoder: each with a tokenizer's mask (padded every other batch) and labels -100 where
+    # padded (bert: only the masked positions count), 4 AdamW steps under the warmup-cosine schedule.
+    batches = []
+    for i, (ids, mask) in enumerate(tokenizer_batches(4)):
+        labels = ids.masked_fill(mask == 0, -100)
+        if family == "bert":
+            labels = labels.masked_fill(torch.arange(rm.SEQ) % 3 != 0, -100)
+        batches.append((ids, mask, labels))
+
+    def loss(m, ids, mask, labels):
+        return m(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+    run_parity(rm.tiny_family(family), loss, batches, rtol=0.0)
+
+
 def test_sequence_classification_setting_problem_type_on_its_first_forward_bit_exact():
     transformers = needs("transformers")
     # Every *ForSequenceClassification sets config.problem_type in its first forward (and reads it there):
