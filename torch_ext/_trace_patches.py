@@ -111,12 +111,6 @@ def _locked():
         _LOCK.release()
 
 
-def _compat_tables() -> None:
-    from . import _compat
-
-    _compat.build_dynamo_function_tables()
-
-
 def _factories() -> dict:
     from . import _compat, _env_reads
 
@@ -228,7 +222,9 @@ def patched(*names: str):
         try:
             with contextlib.ExitStack() as stack:
                 factories = _factories()
-                _compat_tables()  # before any patch replaces a function dynamo lists by id
+                from . import _compat
+
+                _compat.build_dynamo_function_tables()  # before any patch replaces a function dynamo lists by id
                 got = {}
                 for name in ORDER:
                     if name not in wanted or (name in _stack and name not in COLLECTORS):
