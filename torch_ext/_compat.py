@@ -496,6 +496,12 @@ class _ExternalWrites(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_dynamo_compiling():
+            # torch.cond traces its branches with dynamo, which inlines this mode: a branch (the step's
+            # attention on a padding mask, in a checkpointed Hugging Face layer) is a pure function of
+            # its operands, writing nothing from outside; grad_fn, read below, stops dynamo. (Not
+            # is_compiling(): that is true for the whole export, and would switch the recorder off.)
+            return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         wrote, saved = len(self.writes), self.saves
         if func in self._NORMS:
@@ -1236,6 +1242,27 @@ def packed_sequences_refused():
             vf._pack_padded_sequence = had
         else:
             del vf._pack_padded_sequence
+
+
+_dynamo_tables_built = False
+
+
+def build_dynamo_function_tables() -> None:
+    """Makes dynamo compute its tables of known functions now, before a trace patches any. They are lazy,
+    keyed by ``id()``, and first read when dynamo first traces (a ``torch.cond`` branch, inside the step's
+    trace): computed then, they held the ids of the trace's stand-ins (``python_random_draws``' wrappers of
+    ``numpy.random``'s functions), freed when the trace ended. A function made later at one of those
+    addresses (a cond branch of the attention on a padding mask) was taken for numpy's, and a build failed
+    at random with "Can't find numpy function <lambda> in torch._numpy"."""
+    global _dynamo_tables_built
+    if _dynamo_tables_built:
+        return
+    from torch._dynamo import trace_rules
+
+    for table in vars(trace_rules).values():
+        if isinstance(table, trace_rules.FunctionIdSet):
+            table()
+    _dynamo_tables_built = True
 
 
 @contextlib.contextmanager

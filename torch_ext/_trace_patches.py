@@ -222,6 +222,9 @@ def patched(*names: str):
         try:
             with contextlib.ExitStack() as stack:
                 factories = _factories()
+                from . import _compat
+
+                _compat.build_dynamo_function_tables()  # before any patch replaces a function dynamo lists by id
                 got = {}
                 for name in ORDER:
                     if name not in wanted or (name in _stack and name not in COLLECTORS):

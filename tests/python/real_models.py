@@ -48,6 +48,28 @@ def tiny_causal_lm(family: str):
     return model(config(**common, **extra)).train()
 
 
+def tiny_family(family: str):
+    """Families the step meets in the wild beyond the Llama-style ones: "mixtral" (top-2 of 4 experts,
+    router aux loss in the loss), "gemma2" (logit soft-capping, sliding-window layers alternating with
+    global ones) and "bert" (masked LM, decoder tied to the embeddings, labels -100 off the masked tokens)."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=SEQ)
+    torch.manual_seed(0)
+    if family == "mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **common, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+            router_aux_loss_coef=0.02, bos_token_id=0, eos_token_id=0, pad_token_id=0)).train()
+    if family == "gemma2":
+        return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            **common, num_key_value_heads=2, head_dim=8, sliding_window=4, attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)).train()
+    if family == "bert":
+        return transformers.BertForMaskedLM(transformers.BertConfig(**common, pad_token_id=0)).train()
+    raise ValueError(f"unknown family {family!r}")
+
+
 def tiny_resnet18():
     """torchvision's ResNet-18 as is (BatchNorm in training mode), 10 classes."""
     import torchvision

@@ -209,6 +209,25 @@ def test_packed_sequences_given_as_position_ids_keep_their_mask_bit_exact():
     assert not torch.equal(step(state, ids, positions)[0], step(state, ids, unpacked)[0])
 
 
+@pytest.mark.parametrize("family", ["mixtral", "gemma2", "bert"])
+def test_other_families_with_padding_and_ignored_labels_bit_exact(family):
+    needs("transformers")
+    # Mixture of experts (data-dependent routing, aux loss), soft-capping with sliding windows, a masked LM
+    # with a tied decoder: each with a tokenizer's mask (padded every other batch) and labels -100 where
+    # padded (bert: only the masked positions count), 4 AdamW steps under the warmup-cosine schedule.
+    batches = []
+    for i, (ids, mask) in enumerate(tokenizer_batches(4)):
+        labels = ids.masked_fill(mask == 0, -100)
+        if family == "bert":
+            labels = labels.masked_fill(torch.arange(rm.SEQ) % 3 != 0, -100)
+        batches.append((ids, mask, labels))
+
+    def loss(m, ids, mask, labels):
+        return m(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+    run_parity(rm.tiny_family(family), loss, batches, rtol=0.0)
+
+
 def test_sequence_classification_setting_problem_type_on_its_first_forward_bit_exact():
     transformers = needs("transformers")
     # Every *ForSequenceClassification sets config.problem_type in its first forward (and reads it there):
@@ -271,6 +290,46 @@ def test_grouped_query_attention_with_a_tokenizer_mask_bit_exact(family, compile
     cond = [n for n in step.program.graph.nodes if n.target is torch.ops.higher_order.cond]
     # each layer's attention, forward and backward, per micro-batch
     assert len(cond) == 2 * model.config.num_hidden_layers * accumulate
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_grouped_query_attention_with_a_tokenizer_mask_under_gradient_checkpointing_bit_exact(reentrant):
+    needs("transformers")
+    # Trainer's gradient_checkpointing=True with padded batches: the attention's torch.cond (above) is
+    # traced by dynamo inside the checkpointed layer, where the step's recorder of the block's writes
+    # (_compat._ExternalWrites, a TorchFunctionMode) is active; dynamo inlined it and stopped at its
+    # grad_fn read, so make_train_step failed with "Unsupported: Tensor with grad_fn()".
+    model = rm.tiny_causal_lm("qwen2")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    batches = tokenizer_batches(4)
+    step, _, _ = run_parity(model, mask_loss, batches, rtol=0.0)
+    assert any(n.target is torch.ops.higher_order.cond for n in step.program.graph.nodes)
+
+
+def test_a_build_leaves_dynamo_no_function_id_of_its_stand_ins(monkeypatch):
+    needs("transformers")
+    from torch._dynamo import trace_rules
+
+    # Dynamo lists numpy's functions by id(), lazily, on its first trace: in a fresh process that is the
+    # first torch.cond (the attention on a padding mask), inside the step's trace, where numpy.random's
+    # functions are wrapped (_compat.python_random_draws). The list kept the wrappers' ids after they were
+    # freed; a later function at such an address (a cond branch of the next build) was taken for numpy's,
+    # and that build failed at random: "Can't find numpy function <lambda> in torch._numpy".
+    table = trace_rules._numpy_function_ids
+    monkeypatch.setattr(table, "function_ids", None)  # as in a fresh process (put back afterwards)
+    monkeypatch.setattr(table, "function_names", None)
+    monkeypatch.setattr(_compat, "_dynamo_tables_built", False, raising=False)
+    model = rm.tiny_causal_lm("qwen2")
+    model.config.use_cache = False
+    batch = tokenizer_batches(2)[1]
+    assert not bool(batch[1].all())
+    step = torch_ext.make_train_step(model, rm.adamw(model), mask_loss, batch)
+    assert any(n.target is torch.ops.higher_order.cond for n in step.program.graph.nodes)
+    live = {id(v) for m in trace_rules.NP_SUPPORTED_MODULES for v in vars(m).values()}
+    stale = sorted(table.get_name(i, "?") for i in table() if i not in live)
+    assert not stale, f"dynamo lists freed functions as numpy's: {stale[:5]}"
+    made = [lambda: None for _ in range(20000)]  # new functions take the freed addresses first
+    assert not any(trace_rules.is_numpy(f) for f in made)
 
 
 def test_grouped_query_attention_built_on_a_padded_example_bit_exact_on_all_ones():
