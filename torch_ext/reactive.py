@@ -778,6 +778,10 @@ class ReactiveGraph:
             self._grafts_applied = 0
             self._shape_stats["graph_builds"] += 1
         self._shape = key
+        # set_cutoff / set_positions hold for the graph, not one shape's engine: a reused engine kept the setting
+        # it had when it was left, and a new one was built with the constructor's cutoff.
+        self._engine.set_cutoff(self._cutoff)
+        self.set_positions(self._positions)
         self._grafts_applied = _replay_grafts(self, self._grafts, self._grafts_applied, f"the graph for shape {key}",
                                               RuntimeError)
 
@@ -1240,7 +1244,9 @@ class ReactiveGraph:
         return self._engine.num_countable()
 
     def set_cutoff(self, enabled: bool) -> None:
-        self._engine.set_cutoff(bool(enabled))
+        """Turns early cutoff on or off (for this graph, every input shape's graph included)."""
+        self._cutoff = bool(enabled)
+        self._engine.set_cutoff(self._cutoff)
 
     @property
     def positions(self) -> bool:

@@ -433,6 +433,39 @@ def test_one_graph_serves_several_prompt_lengths(resid):
     rg.check_invariants()
 
 
+def test_set_cutoff_and_set_positions_hold_on_every_prompt_lengths_graph(resid):
+    # Before: both settings were applied to the current shape's engine only. A graph for another prompt length was
+    # built with the constructor's cutoff, and a graph switched back to kept its own old settings: the counts
+    # (evaluations, cutoffs) and the sequence axes were those of a setting the user had turned off.
+    model, x = resid
+    longer = torch.randn(2, 9, 8)
+    rg = torch_ext.ReactiveGraph(model, (x,), cutoff=False)
+    rg.set_cutoff(True)
+    rg.set_positions(False)
+    for inputs in (longer, x, longer):
+        rg.run(inputs)
+        t0 = _tanh_nodes(rg)[0]
+        assert rg.seq_axis(t0) == -1
+        rg.reset_stats()
+        rg.patch(t0, lambda v: v.clone())  # the same bits: its consumer `add` runs, the rest is cut off
+        rg.demand()
+        assert (rg.stats["evaluations"], rg.stats["cutoffs"]) == (1, len(rg.cone(t0)) - 1)
+        rg.restore()
+    rg.set_cutoff(False)
+    rg.set_positions(True)
+    for inputs in (x, longer):
+        rg.run(inputs)
+        t0 = _tanh_nodes(rg)[0]
+        assert rg.seq_axis(t0) == 1
+        rg.reset_stats()
+        rg.patch(t0, lambda v: v.clone())
+        rg.demand()
+        assert (rg.stats["evaluations"], rg.stats["cutoffs"]) == (len(rg.cone(t0)), 0)
+        rg.restore()
+    assert rg.stats["graph_builds"] == 2
+    rg.check_invariants()
+
+
 def test_graft_of_the_wrong_dtype_is_refused_for_its_type(resid):
     model, x = resid
     rg = torch_ext.ReactiveGraph(model, (x,))
