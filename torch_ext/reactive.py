@@ -1099,6 +1099,14 @@ class ReactiveGraph:
                 raise TypeError("graft(src, dst, block): dst must be a node name")
             dst = dst_or_block
         src, dst = self.resolve(src), self.resolve(dst) if dst else dst
+        if self._loss_output is not None or self._grad_outputs:
+            # The backward nodes were derived from the forward without the block: spliced into the forward, its
+            # values reached the loss while the gradients kept the old chain rule (a block 2*t after a layer left
+            # that layer's gradients half of eager's), silently.
+            raise ValueError(f"graft after {src!r}: this graph is a joint forward+backward program (its outputs are "
+                             "the loss and the gradients), whose backward was derived without the block: the "
+                             "gradients would not be those of the grafted model. Put the block into the model and "
+                             "export the joint program again")
         if not isinstance(block, torch.nn.Module):
             if not callable(block):
                 raise TypeError(f"graft: block must be an nn.Module or a callable, got {type(block).__name__}")
