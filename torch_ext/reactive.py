@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import fnmatch
+import itertools
 import math
 import re
 import sys
@@ -1115,6 +1116,7 @@ class ReactiveGraph:
         # a graph for another input shape exports it again, so one changed after the graft would be the old value
         # in this graph and the new one in that graph, silently. Refused at run() and demand() instead.
         snapshot = (_module_state.attributes(block), _module_state.global_reads(block))
+        _refuse_other_device(block, src, self._type_of(src)[4])
         names = self._apply_graft(src, dst, block)
         self._graft_snapshots = getattr(self, "_graft_snapshots", []) + [(src, type(block).__name__, snapshot)]
         self._grafts.append((src, dst, block, names))
@@ -1697,6 +1699,24 @@ def _replay_grafts(target: ReactiveGraph, grafts: list, start: int, where: str, 
             raise error(f"replaying graft {src!r} -> {dst or '*'} on {where} produced nodes {got}, not {names}")
         start += 1
     return start
+
+
+def _refuse_other_device(block: torch.nn.Module, src: str, device: str) -> None:
+    """A block holding a tensor (parameter, buffer or tensor attribute) on another device than the value it
+    is grafted after is refused by name before its export (which failed with "Unhandled FakeTensor Device
+    Propagation ... found two different devices", naming neither the graft nor the tensor)."""
+    want = torch.device(device)
+    for path, mod in block.named_modules():
+        held = itertools.chain(mod.named_parameters(recurse=False), mod.named_buffers(recurse=False),
+                               ((k, v) for k, v in vars(mod).items() if isinstance(v, torch.Tensor)))
+        for name, t in held:
+            d = t.device
+            if d.type == "cpu" and t.dim() == 0:
+                continue  # a CPU scalar mixes with tensors of any device, in eager too
+            if d.type != want.type or (d.index is not None and want.index is not None and d.index != want.index):
+                raise ValueError(f"graft after {src!r}: the block's tensor {'.'.join(filter(None, (path, name)))!r} "
+                                 f"is on {d}, the value it is grafted after on {device}: move the block there "
+                                 f"first (block.to({device!r}))")
 
 
 def _node_inputs(n) -> list[str]:

@@ -102,3 +102,34 @@ def test_run_after_grafting_blocks_with_parameters_matches_eager_on_every_shape(
 
 def eager_from_relu(model, first, second, h):
     return model[2](first(second(h))).sum().item()
+
+
+class _Shift(nn.Module):
+    def __init__(self, device):
+        super().__init__()
+        self.inner = nn.Module()
+        self.inner.register_buffer("shift", torch.ones(4, device=device))
+        self.offset = torch.zeros(4)
+
+    def forward(self, v):
+        return v + self.inner.shift + self.offset
+
+
+@pytest.mark.parametrize("make, culprit", [(lambda: nn.Linear(4, 4, device="meta"), "weight"),
+                                          (lambda: _Shift("meta"), "inner.shift")])
+def test_a_block_on_another_device_is_refused_by_name_and_changes_nothing(make, culprit):
+    # Before: its export failed with "Unhandled FakeTensor Device Propagation for aten.mm.default, found two
+    # different devices cpu, meta", naming neither the graft nor the tensor.
+    model = _chain()
+    rg = torch_ext.ReactiveGraph(model, (_X,))
+    before = (str(rg), rg.nodes(), dict(rg.stats), rg.demand().clone())
+    with pytest.raises(ValueError, match=rf"graft after 'relu': the block's tensor '{culprit}' is on meta, the value "
+                                         r"it is grafted after on cpu: move the block there first"):
+        rg.graft("relu", make())
+    assert (str(rg), rg.nodes(), dict(rg.stats)) == before[:3]
+    assert torch.equal(rg.demand(), before[3])
+    shift = _Shift("cpu")
+    rg.graft("relu", shift)  # the same block on the graph's device is taken
+    with torch.no_grad():
+        assert torch.equal(rg.demand(), model[2](shift(torch.relu(model[0](_X)))))
+    rg.check_invariants()
