@@ -908,7 +908,7 @@ class ReactiveGraph:
             raise ValueError(f"{where}: {_module_state.change_message(changed, 'this ReactiveGraph was built')}; the "
                              "graph holds the value it was traced with, eager calls would use the new one: build a "
                              "new ReactiveGraph after changing it, or change it back")
-        for src, kind, (attrs, reads) in getattr(self, "_graft_snapshots", ()):
+        for src, kind, (attrs, reads, _) in getattr(self, "_graft_snapshots", ()):
             changed = _module_state.changed(attrs) or _module_state.changed(reads)
             if changed:
                 text = _module_state.change_message(changed, "it was grafted")
@@ -918,6 +918,13 @@ class ReactiveGraph:
                                  "export it again as it is now: graft a new block (on a new ReactiveGraph) after "
                                  "changing it, or change it back")
 
+    def _refuse_changed_state(self, where: str) -> None:
+        """What demand() refuses, refused by the other reads too: value(), values() and baseline() answered with
+        the graph as traced after a forward hook or a traced attribute had changed, where eager (and demand)
+        would not."""
+        self._refuse_changed_hooks(where)
+        self._refuse_changed_attributes(where)
+
     def _refuse_changed_hooks(self, where: str) -> None:
         """A forward hook registered on the module after the build would run in eager calls, never in the
         graph (and one removed would still act in it): refused, as a changed attribute is."""
@@ -925,6 +932,14 @@ class ReactiveGraph:
         change = snapshot.message("this ReactiveGraph was built") if snapshot is not None else None
         if change:
             raise ValueError(f"{where}: {change}; build a new ReactiveGraph after changing hooks, or change them back")
+        # A grafted block's hooks were exported with it: one registered or removed since acts in eager, not here
+        # (and a graph for another input shape, which exports the block again, would disagree with this one).
+        for src, kind, (_, _, hooks) in getattr(self, "_graft_snapshots", ()):
+            change = hooks.message("it was grafted")
+            if change:
+                change = change.replace("the model (", "the block (")
+                raise ValueError(f"{where}: the block grafted after {src!r} ({kind}) changed: {change}; graft a new "
+                                 "block (on a new ReactiveGraph) after changing its hooks, or change them back")
 
     def demand(self, reads=None):
         """The outputs, recomputing only stale nodes.
@@ -970,6 +985,7 @@ class ReactiveGraph:
         move no version counter are found by content first, as at :meth:`demand` (one pass over the
         weights per call: read many nodes through :meth:`run_with_cache`'s cache, checked once)."""
         with _one_check_per_call():
+            self._refuse_changed_state("value")
             self._take_untracked_writes()
             return self._engine.value(self.resolve(node))
 
@@ -982,6 +998,7 @@ class ReactiveGraph:
             if not isinstance(name, str):
                 raise TypeError(f"values: expected node or hook names (str), got {type(name).__name__} {name!r}")
         with _one_check_per_call():
+            self._refuse_changed_state("values")
             self._take_untracked_writes()
             return {name: self._engine.value(self.resolve(name)) for name in names}
 
@@ -989,6 +1006,7 @@ class ReactiveGraph:
         """A node's value with no patch active (from the overlay; evaluates only what an edit of the
         weights or inputs, found as at :meth:`value`, made stale)."""
         with _one_check_per_call():
+            self._refuse_changed_state("baseline")
             self._take_untracked_writes()
             return self._engine.baseline(self.resolve(node))
 
@@ -1115,7 +1133,7 @@ class ReactiveGraph:
         # What the block's export reads (its Python attributes, its parameters by identity, module-level values):
         # a graph for another input shape exports it again, so one changed after the graft would be the old value
         # in this graph and the new one in that graph, silently. Refused at run() and demand() instead.
-        snapshot = (_module_state.attributes(block), _module_state.global_reads(block))
+        snapshot = (_module_state.attributes(block), _module_state.global_reads(block), _module_state.Hooks(block))
         _refuse_other_device(block, src, self._type_of(src)[4])
         names = self._apply_graft(src, dst, block)
         self._graft_snapshots = getattr(self, "_graft_snapshots", []) + [(src, type(block).__name__, snapshot)]

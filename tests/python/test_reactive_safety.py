@@ -692,6 +692,12 @@ def test_run_refuses_module_attributes_changed_after_build(change):
     # demand() (and so a sweep) refuses too: it handed out the stale graph's outputs, unlike eager.
     with pytest.raises(ValueError, match="demand: " + message):
         rg.demand()
+    # So do the other reads: value(), values() and baseline() handed out the traced graph's values.
+    node = rg.nodes()[-1]
+    for where, read in (("value", lambda: rg.value(node)), ("values", lambda: rg.values([node])),
+                        ("baseline", lambda: rg.baseline(node))):
+        with pytest.raises(ValueError, match=f"{where}: " + message):
+            read()
     model.eval()
     model.tau = 1.0  # changed back: the graph is right again
     assert torch.equal(rg.run(x), model(x))
@@ -730,6 +736,11 @@ def test_run_and_demand_refuse_forward_hooks_changed_after_build(kind):
             rg.run(x)
         with pytest.raises(ValueError, match="demand: " + message):
             rg.demand()
+        node = rg.nodes()[-1]  # before: value(), values() and baseline() answered as if nothing had changed
+        for where, read in (("value", lambda: rg.value(node)), ("values", lambda: rg.values([node])),
+                            ("baseline", lambda: rg.baseline(node))):
+            with pytest.raises(ValueError, match=f"{where}: " + message):
+                read()
     finally:
         if handle is not None:
             handle.remove()
