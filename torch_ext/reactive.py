@@ -1720,14 +1720,14 @@ def _replay_grafts(target: ReactiveGraph, grafts: list, start: int, where: str, 
 
 
 def _refuse_other_device(block: torch.nn.Module, src: str, device: str) -> None:
-    """A block holding a tensor (parameter, buffer or tensor attribute) on another device than the value it
+    """A block holding a parameter or buffer on another device than the value it
     is grafted after is refused by name before its export (which failed with "Unhandled FakeTensor Device
     Propagation ... found two different devices", naming neither the graft nor the tensor)."""
     want = torch.device(device)
     for path, mod in block.named_modules():
-        held = itertools.chain(mod.named_parameters(recurse=False), mod.named_buffers(recurse=False),
-                               ((k, v) for k, v in vars(mod).items() if isinstance(v, torch.Tensor)))
-        for name, t in held:
+        # Parameters and buffers: export makes every one an input. A plain tensor attribute is a constant only
+        # where the forward reads it, so one left unread on another device is no reason to refuse.
+        for name, t in itertools.chain(mod.named_parameters(recurse=False), mod.named_buffers(recurse=False)):
             d = t.device
             if d.type == "cpu" and t.dim() == 0:
                 continue  # a CPU scalar mixes with tensors of any device, in eager too
