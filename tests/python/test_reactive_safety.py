@@ -1235,8 +1235,12 @@ _SETTINGS = types.ModuleType("_torch_ext_safety_settings")  # a user module read
 _SETTINGS.SHIFT = 0.0
 
 
+class _Config:  # a user class read as a namespace
+    SCALE = 1.0
+
+
 def _gained(t):
-    return t * _GAIN
+    return t * _GAIN * _Config.SCALE
 
 
 class _ReadsGlobals(nn.Module):
@@ -1252,7 +1256,8 @@ class _ReadsGlobals(nn.Module):
         return _gained(self.lin(x)) + _SETTINGS.SHIFT
 
 
-@pytest.mark.parametrize("change", ["global_of_a_helper", "user_module_attribute", "helper_replaced"])
+@pytest.mark.parametrize("change", ["global_of_a_helper", "user_module_attribute", "helper_replaced",
+                                    "user_class_attribute"])
 def test_run_and_demand_refuse_module_level_values_changed_after_build(change, monkeypatch):
     """A module-level constant the forward reads (directly, through a helper, or as config.SHIFT of a user
     module) changed after the build: eager calls use the new value, the graph held the old one and run(),
@@ -1266,12 +1271,16 @@ def test_run_and_demand_refuse_module_level_values_changed_after_build(change, m
         monkeypatch.setitem(globals(), "_GAIN", 2.0)
     elif change == "user_module_attribute":
         monkeypatch.setattr(_SETTINGS, "SHIFT", 1.0)
+    elif change == "user_class_attribute":  # before: not looked at, so run(), demand() and value() answered 1.0 off
+        monkeypatch.setattr(_Config, "SCALE", 2.0)
     else:
         monkeypatch.setitem(globals(), "_gained", lambda t: -t)
     for call in (rg.demand, lambda: rg.run(x),
                  lambda: torch_ext.sweep(rg, [rg.nodes("linear*")[0]], lambda v, s: v, sum_metric, progress=False)):
         with pytest.raises(ValueError, match="a module-level value the traced code reads"):
             call()
+    with pytest.raises(ValueError, match=r"value: .*a module-level value the traced code reads"):
+        rg.value(rg.nodes()[-1])
     monkeypatch.undo()
     assert torch.equal(rg.run(x), model(x))  # changed back: computes again
 
