@@ -197,6 +197,19 @@ def _stored_globals(code: types.CodeType) -> frozenset:
     return frozenset(out)  # cached per code object: not to be changed by a caller
 
 
+@functools.lru_cache(maxsize=None)
+def _stored_attrs(code: types.CodeType) -> frozenset:
+    """Attribute names a code object (and the code nested in it) assigns (``Stats.calls += 1``): bookkeeping on
+    a class it reads as a namespace, not a constant of its trace."""
+    import dis
+
+    out = {i.argval for i in dis.get_instructions(code) if i.opname in ("STORE_ATTR", "DELETE_ATTR")}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            out |= _stored_attrs(const)
+    return frozenset(out)
+
+
 def _user_class_members(mod: torch.nn.Module, classes: set):
     """(class, name, member) for every class of ``mod``'s MRO that is the user's (not a library's) and not in
     ``classes`` yet (it is added): a staticmethod or classmethod as its function, a property as its getter."""
@@ -229,7 +242,8 @@ def global_reads(model: torch.nn.Module, functions: Sequence[Callable] = ()) -> 
     seen: set = set()
     taken: set = set()
 
-    def take(label: str, d: dict, name: str, v, names: tuple, skip: set, depth: int, lists: bool = False) -> None:
+    def take(label: str, d: dict, name: str, v, names: tuple, skip: set, depth: int, lists: bool = False,
+             attrs_set: frozenset = frozenset()) -> None:
         if (id(d), name) in taken or name in skip or name.startswith("__"):
             return
         if isinstance(v, (list, set)) and not lists:
@@ -255,6 +269,18 @@ def global_reads(model: torch.nn.Module, functions: Sequence[Callable] = ()) -> 
             tkeys.append(name)
             objs.append(v)
             function(v, depth + 1)
+        elif isinstance(v, type) and not _is_library(v) and depth < 4:
+            # A user class read as a namespace (``Cfg.SCALE``): its attributes the code names, as a module's.
+            if id(v) in seen:
+                return
+            seen.add(id(v))
+            for klass in v.__mro__:
+                if klass is not object and not _is_library(klass):
+                    cd = vars(klass)
+                    for a in names:
+                        if a in cd and a not in attrs_set:
+                            take(f"global {klass.__module__}.{klass.__qualname__}", cd, a, cd[a], names, set(),
+                                 depth + 1)
         elif isinstance(v, types.ModuleType) and not _is_installed_module(v.__name__) and depth < 4:
             if id(v) in seen:
                 return
@@ -272,9 +298,10 @@ def global_reads(model: torch.nn.Module, functions: Sequence[Callable] = ()) -> 
         names = _global_names(fn.__code__)
         skip = _stored_globals(fn.__code__)
         label = f"global {env.get('__name__', '?')}"
+        attrs_set = _stored_attrs(fn.__code__)
         for n in names:
             if n in env:
-                take(label, env, n, env[n], names, skip, depth)
+                take(label, env, n, env[n], names, skip, depth, attrs_set=attrs_set)
         if fn.__closure__:
             # A module class defined inside a factory (``def make(scale): class M: ... x * scale[0]``) reads its
             # knobs from the factory's closure: a list of numbers there is a knob (scale = [2.0]), not a log.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import fnmatch
+import itertools
 import math
 import re
 import sys
@@ -779,6 +780,10 @@ class ReactiveGraph:
             self._grafts_applied = 0
             self._shape_stats["graph_builds"] += 1
         self._shape = key
+        # set_cutoff / set_positions hold for the graph, not one shape's engine: a reused engine kept the setting
+        # it had when it was left, and a new one was built with the constructor's cutoff.
+        self._engine.set_cutoff(self._cutoff)
+        self.set_positions(self._positions)
         self._grafts_applied = _replay_grafts(self, self._grafts, self._grafts_applied, f"the graph for shape {key}",
                                               RuntimeError)
 
@@ -907,7 +912,7 @@ class ReactiveGraph:
             raise ValueError(f"{where}: {_module_state.change_message(changed, 'this ReactiveGraph was built')}; the "
                              "graph holds the value it was traced with, eager calls would use the new one: build a "
                              "new ReactiveGraph after changing it, or change it back")
-        for src, kind, (attrs, reads) in getattr(self, "_graft_snapshots", ()):
+        for src, kind, (attrs, reads, _) in getattr(self, "_graft_snapshots", ()):
             changed = _module_state.changed(attrs) or _module_state.changed(reads)
             if changed:
                 text = _module_state.change_message(changed, "it was grafted")
@@ -917,6 +922,13 @@ class ReactiveGraph:
                                  "export it again as it is now: graft a new block (on a new ReactiveGraph) after "
                                  "changing it, or change it back")
 
+    def _refuse_changed_state(self, where: str) -> None:
+        """What demand() refuses, refused by the other reads too: value(), values() and baseline() answered with
+        the graph as traced after a forward hook or a traced attribute had changed, where eager (and demand)
+        would not."""
+        self._refuse_changed_hooks(where)
+        self._refuse_changed_attributes(where)
+
     def _refuse_changed_hooks(self, where: str) -> None:
         """A forward hook registered on the module after the build would run in eager calls, never in the
         graph (and one removed would still act in it): refused, as a changed attribute is."""
@@ -924,6 +936,14 @@ class ReactiveGraph:
         change = snapshot.message("this ReactiveGraph was built") if snapshot is not None else None
         if change:
             raise ValueError(f"{where}: {change}; build a new ReactiveGraph after changing hooks, or change them back")
+        # A grafted block's hooks were exported with it: one registered or removed since acts in eager, not here
+        # (and a graph for another input shape, which exports the block again, would disagree with this one).
+        for src, kind, (_, _, hooks) in getattr(self, "_graft_snapshots", ()):
+            change = hooks.message("it was grafted")
+            if change:
+                change = change.replace("the model (", "the block (")
+                raise ValueError(f"{where}: the block grafted after {src!r} ({kind}) changed: {change}; graft a new "
+                                 "block (on a new ReactiveGraph) after changing its hooks, or change them back")
 
     def demand(self, reads=None):
         """The outputs, recomputing only stale nodes.
@@ -969,6 +989,7 @@ class ReactiveGraph:
         move no version counter are found by content first, as at :meth:`demand` (one pass over the
         weights per call: read many nodes through :meth:`run_with_cache`'s cache, checked once)."""
         with _one_check_per_call():
+            self._refuse_changed_state("value")
             self._take_untracked_writes()
             return self._engine.value(self.resolve(node))
 
@@ -981,6 +1002,7 @@ class ReactiveGraph:
             if not isinstance(name, str):
                 raise TypeError(f"values: expected node or hook names (str), got {type(name).__name__} {name!r}")
         with _one_check_per_call():
+            self._refuse_changed_state("values")
             self._take_untracked_writes()
             return {name: self._engine.value(self.resolve(name)) for name in names}
 
@@ -988,6 +1010,7 @@ class ReactiveGraph:
         """A node's value with no patch active (from the overlay; evaluates only what an edit of the
         weights or inputs, found as at :meth:`value`, made stale)."""
         with _one_check_per_call():
+            self._refuse_changed_state("baseline")
             self._take_untracked_writes()
             return self._engine.baseline(self.resolve(node))
 
@@ -1107,6 +1130,14 @@ class ReactiveGraph:
                 raise TypeError("graft(src, dst, block): dst must be a node name")
             dst = dst_or_block
         src, dst = self.resolve(src), self.resolve(dst) if dst else dst
+        if self._loss_output is not None or self._grad_outputs:
+            # The backward nodes were derived from the forward without the block: spliced into the forward, its
+            # values reached the loss while the gradients kept the old chain rule (a block 2*t after a layer left
+            # that layer's gradients half of eager's), silently.
+            raise ValueError(f"graft after {src!r}: this graph is a joint forward+backward program (its outputs are "
+                             "the loss and the gradients), whose backward was derived without the block: the "
+                             "gradients would not be those of the grafted model. Put the block into the model and "
+                             "export the joint program again")
         if not isinstance(block, torch.nn.Module):
             if not callable(block):
                 raise TypeError(f"graft: block must be an nn.Module or a callable, got {type(block).__name__}")
@@ -1114,7 +1145,8 @@ class ReactiveGraph:
         # What the block's export reads (its Python attributes, its parameters by identity, module-level values):
         # a graph for another input shape exports it again, so one changed after the graft would be the old value
         # in this graph and the new one in that graph, silently. Refused at run() and demand() instead.
-        snapshot = (_module_state.attributes(block), _module_state.global_reads(block))
+        snapshot = (_module_state.attributes(block), _module_state.global_reads(block), _module_state.Hooks(block))
+        _refuse_other_device(block, src, self._type_of(src)[4])
         names = self._apply_graft(src, dst, block)
         self._graft_snapshots = getattr(self, "_graft_snapshots", []) + [(src, type(block).__name__, snapshot)]
         self._grafts.append((src, dst, block, names))
@@ -1252,7 +1284,9 @@ class ReactiveGraph:
         return self._engine.num_countable()
 
     def set_cutoff(self, enabled: bool) -> None:
-        self._engine.set_cutoff(bool(enabled))
+        """Turns early cutoff on or off (for this graph, every input shape's graph included)."""
+        self._cutoff = bool(enabled)
+        self._engine.set_cutoff(self._cutoff)
 
     @property
     def positions(self) -> bool:
@@ -1695,6 +1729,24 @@ def _replay_grafts(target: ReactiveGraph, grafts: list, start: int, where: str, 
             raise error(f"replaying graft {src!r} -> {dst or '*'} on {where} produced nodes {got}, not {names}")
         start += 1
     return start
+
+
+def _refuse_other_device(block: torch.nn.Module, src: str, device: str) -> None:
+    """A block holding a parameter or buffer on another device than the value it
+    is grafted after is refused by name before its export (which failed with "Unhandled FakeTensor Device
+    Propagation ... found two different devices", naming neither the graft nor the tensor)."""
+    want = torch.device(device)
+    for path, mod in block.named_modules():
+        # Parameters and buffers: export makes every one an input. A plain tensor attribute is a constant only
+        # where the forward reads it, so one left unread on another device is no reason to refuse.
+        for name, t in itertools.chain(mod.named_parameters(recurse=False), mod.named_buffers(recurse=False)):
+            d = t.device
+            if d.type == "cpu" and t.dim() == 0:
+                continue  # a CPU scalar mixes with tensors of any device, in eager too
+            if d.type != want.type or (d.index is not None and want.index is not None and d.index != want.index):
+                raise ValueError(f"graft after {src!r}: the block's tensor {'.'.join(filter(None, (path, name)))!r} "
+                                 f"is on {d}, the value it is grafted after on {device}: move the block there "
+                                 f"first (block.to({device!r}))")
 
 
 def _node_inputs(n) -> list[str]:

@@ -1157,6 +1157,24 @@ def test_training_mode_patch_invalidates_backward():
     assert Fraction(len(sites) * N, rg.stats["evaluations"]) == Fraction(len(sites) * N, sum(len(s.cone(v)) for v in sites))
 
 
+def test_training_mode_graft_is_refused_and_changes_nothing():
+    # Before: the block was spliced into the forward of the joint graph and its backward stayed the one derived
+    # without it: the loss was the grafted model's, the first layer's gradients were not (2 * t after the first tanh
+    # left them off by up to 0.14), silently.
+    rg, model, (x, y), _ = joint_reactive_graph(2)
+    t0 = [n for n in rg.nodes() if n.startswith("tanh")][0]
+    loss, grads = rg.demand()
+    before = (str(rg), rg.nodes(), dict(rg.stats), loss.clone(), {k: g.clone() for k, g in grads.items()})
+    consumer = next(n.name for n in rg.graph.nodes() if t0 in [a.name for a in n.args if hasattr(a, "name")])
+    for args in ((t0, lambda t: 2 * t), (t0, consumer, lambda t: 2 * t)):
+        with pytest.raises(ValueError, match=f"graft after '{t0}': this graph is a joint forward\\+backward program"):
+            rg.graft(*args)
+    loss, grads = rg.demand()
+    assert (str(rg), rg.nodes(), dict(rg.stats)) == before[:3]
+    assert bits_equal([loss, *grads.values()], [before[3], *before[4].values()])
+    rg.check_invariants()
+
+
 # ---------------------------------------------------------------------------------------------
 # 6. regressions: minimal repros of engine bugs fixed since
 # ---------------------------------------------------------------------------------------------

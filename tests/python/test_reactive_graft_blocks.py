@@ -102,3 +102,68 @@ def test_run_after_grafting_blocks_with_parameters_matches_eager_on_every_shape(
 
 def eager_from_relu(model, first, second, h):
     return model[2](first(second(h))).sum().item()
+
+
+class _Shift(nn.Module):
+    def __init__(self, device):
+        super().__init__()
+        self.inner = nn.Module()
+        self.inner.register_buffer("shift", torch.ones(4, device=device))
+        self.offset = torch.zeros(4)
+
+    def forward(self, v):
+        return v + self.inner.shift + self.offset
+
+
+@pytest.mark.parametrize("make, culprit", [(lambda: nn.Linear(4, 4, device="meta"), "weight"),
+                                          (lambda: _Shift("meta"), "inner.shift")])
+def test_a_block_on_another_device_is_refused_by_name_and_changes_nothing(make, culprit):
+    # Before: its export failed with "Unhandled FakeTensor Device Propagation for aten.mm.default, found two
+    # different devices cpu, meta", naming neither the graft nor the tensor.
+    model = _chain()
+    rg = torch_ext.ReactiveGraph(model, (_X,))
+    before = (str(rg), rg.nodes(), dict(rg.stats), rg.demand().clone())
+    with pytest.raises(ValueError, match=rf"graft after 'relu': the block's tensor '{culprit}' is on meta, the value "
+                                         r"it is grafted after on cpu: move the block there first"):
+        rg.graft("relu", make())
+    assert (str(rg), rg.nodes(), dict(rg.stats)) == before[:3]
+    assert torch.equal(rg.demand(), before[3])
+    shift = _Shift("cpu")
+    rg.graft("relu", shift)  # the same block on the graph's device is taken
+    with torch.no_grad():
+        assert torch.equal(rg.demand(), model[2](shift(torch.relu(model[0](_X)))))
+    rg.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["registered", "removed"])
+def test_a_grafted_blocks_hook_changed_after_the_graft_is_refused(kind):
+    # Before: the block's hooks were exported with it and never looked at again: a hook registered on the block
+    # after the graft acted in eager and not in the graph (and one removed still acted in it), silently for
+    # demand() and value(); run() on another shape failed replaying the graft ("produced nodes [...], not [...]").
+    model, block = _chain(), nn.Linear(4, 4)
+    traced = block.register_forward_hook(lambda m, a, out: out * 3) if kind == "removed" else None
+    rg = torch_ext.ReactiveGraph(model, (_X,))
+    rg.graft("relu", block)
+
+    def eager(x):
+        with torch.no_grad():
+            return model[2](block(torch.relu(model[0](x))))
+
+    assert torch.equal(rg.demand(), eager(_X))
+    if kind == "registered":
+        handle = block.register_forward_hook(lambda m, a, out: out * 2)
+        message = r"block \(Linear\) has a hook registered \(register_forward_hook\) after it was grafted"
+    else:
+        traced.remove()
+        message = r"a hook on the block \(Linear\) \(register_forward_hook\) was removed after it was grafted"
+    last = rg.nodes("linear_1")[0]
+    for where, call in (("demand", rg.demand), ("value", lambda: rg.value(last)), ("run", lambda: rg.run(_X)),
+                        ("run", lambda: rg.run(torch.randn(5, 4)))):
+        with pytest.raises(ValueError, match=rf"{where}: the block grafted after 'relu' \(Linear\) changed: "
+                                             rf"(the )?{message}"):
+            call()
+    if kind == "registered":
+        handle.remove()  # changed back: the graph is right again
+        x5 = torch.randn(5, 4)
+        assert torch.equal(rg.run(x5), eager(x5))
+        assert torch.equal(rg.run(_X), eager(_X))

@@ -433,6 +433,39 @@ def test_one_graph_serves_several_prompt_lengths(resid):
     rg.check_invariants()
 
 
+def test_set_cutoff_and_set_positions_hold_on_every_prompt_lengths_graph(resid):
+    # Before: both settings were applied to the current shape's engine only. A graph for another prompt length was
+    # built with the constructor's cutoff, and a graph switched back to kept its own old settings: the counts
+    # (evaluations, cutoffs) and the sequence axes were those of a setting the user had turned off.
+    model, x = resid
+    longer = torch.randn(2, 9, 8)
+    rg = torch_ext.ReactiveGraph(model, (x,), cutoff=False)
+    rg.set_cutoff(True)
+    rg.set_positions(False)
+    for inputs in (longer, x, longer):
+        rg.run(inputs)
+        t0 = _tanh_nodes(rg)[0]
+        assert rg.seq_axis(t0) == -1
+        rg.reset_stats()
+        rg.patch(t0, lambda v: v.clone())  # the same bits: its consumer `add` runs, the rest is cut off
+        rg.demand()
+        assert (rg.stats["evaluations"], rg.stats["cutoffs"]) == (1, len(rg.cone(t0)) - 1)
+        rg.restore()
+    rg.set_cutoff(False)
+    rg.set_positions(True)
+    for inputs in (x, longer):
+        rg.run(inputs)
+        t0 = _tanh_nodes(rg)[0]
+        assert rg.seq_axis(t0) == 1
+        rg.reset_stats()
+        rg.patch(t0, lambda v: v.clone())
+        rg.demand()
+        assert (rg.stats["evaluations"], rg.stats["cutoffs"]) == (len(rg.cone(t0)), 0)
+        rg.restore()
+    assert rg.stats["graph_builds"] == 2
+    rg.check_invariants()
+
+
 def test_graft_of_the_wrong_dtype_is_refused_for_its_type(resid):
     model, x = resid
     rg = torch_ext.ReactiveGraph(model, (x,))
@@ -659,6 +692,12 @@ def test_run_refuses_module_attributes_changed_after_build(change):
     # demand() (and so a sweep) refuses too: it handed out the stale graph's outputs, unlike eager.
     with pytest.raises(ValueError, match="demand: " + message):
         rg.demand()
+    # So do the other reads: value(), values() and baseline() handed out the traced graph's values.
+    node = rg.nodes()[-1]
+    for where, read in (("value", lambda: rg.value(node)), ("values", lambda: rg.values([node])),
+                        ("baseline", lambda: rg.baseline(node))):
+        with pytest.raises(ValueError, match=f"{where}: " + message):
+            read()
     model.eval()
     model.tau = 1.0  # changed back: the graph is right again
     assert torch.equal(rg.run(x), model(x))
@@ -697,6 +736,11 @@ def test_run_and_demand_refuse_forward_hooks_changed_after_build(kind):
             rg.run(x)
         with pytest.raises(ValueError, match="demand: " + message):
             rg.demand()
+        node = rg.nodes()[-1]  # before: value(), values() and baseline() answered as if nothing had changed
+        for where, read in (("value", lambda: rg.value(node)), ("values", lambda: rg.values([node])),
+                            ("baseline", lambda: rg.baseline(node))):
+            with pytest.raises(ValueError, match=f"{where}: " + message):
+                read()
     finally:
         if handle is not None:
             handle.remove()
@@ -1191,8 +1235,12 @@ _SETTINGS = types.ModuleType("_torch_ext_safety_settings")  # a user module read
 _SETTINGS.SHIFT = 0.0
 
 
+class _Config:  # a user class read as a namespace
+    SCALE = 1.0
+
+
 def _gained(t):
-    return t * _GAIN
+    return t * _GAIN * _Config.SCALE
 
 
 class _ReadsGlobals(nn.Module):
@@ -1208,7 +1256,8 @@ class _ReadsGlobals(nn.Module):
         return _gained(self.lin(x)) + _SETTINGS.SHIFT
 
 
-@pytest.mark.parametrize("change", ["global_of_a_helper", "user_module_attribute", "helper_replaced"])
+@pytest.mark.parametrize("change", ["global_of_a_helper", "user_module_attribute", "helper_replaced",
+                                    "user_class_attribute"])
 def test_run_and_demand_refuse_module_level_values_changed_after_build(change, monkeypatch):
     """A module-level constant the forward reads (directly, through a helper, or as config.SHIFT of a user
     module) changed after the build: eager calls use the new value, the graph held the old one and run(),
@@ -1222,12 +1271,16 @@ def test_run_and_demand_refuse_module_level_values_changed_after_build(change, m
         monkeypatch.setitem(globals(), "_GAIN", 2.0)
     elif change == "user_module_attribute":
         monkeypatch.setattr(_SETTINGS, "SHIFT", 1.0)
+    elif change == "user_class_attribute":  # before: not looked at, so run(), demand() and value() answered 1.0 off
+        monkeypatch.setattr(_Config, "SCALE", 2.0)
     else:
         monkeypatch.setitem(globals(), "_gained", lambda t: -t)
     for call in (rg.demand, lambda: rg.run(x),
                  lambda: torch_ext.sweep(rg, [rg.nodes("linear*")[0]], lambda v, s: v, sum_metric, progress=False)):
         with pytest.raises(ValueError, match="a module-level value the traced code reads"):
             call()
+    with pytest.raises(ValueError, match=r"value: .*a module-level value the traced code reads"):
+        rg.value(rg.nodes()[-1])
     monkeypatch.undo()
     assert torch.equal(rg.run(x), model(x))  # changed back: computes again
 
