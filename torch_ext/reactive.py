@@ -2490,14 +2490,20 @@ def _row_batches(first: list[int], length: int, overhead: float) -> list[tuple[i
     return bounds[::-1]
 
 
-# A chained unit's cost per engine evaluation in FLOPs, fitted on the TinyTransformer units of
-# scripts/bench_sweep.py (one thread: ~1.9 us per evaluation at ~65 GFLOP/s), and the largest value a
-# chained unit may hold. The bound was 0.5 MiB while every unit's values came from the allocator, which
+# A chained unit's cost per engine evaluation in FLOPs, and the largest value a chained unit may hold. The
+# cost is what a unit's evaluation costs besides its arithmetic: refitted (tlbatch47) by least squares of
+# thread time on (evaluations, FLOPs) over the plans this constant gives between 5e4 and 1.2e6, on the
+# TinyTransformer units of scripts/bench_sweep.py (d_model 64, batch 8: 6.7 us per evaluation at 50 GFLOP/s,
+# 3.4e5 FLOPs; with reads= 6.6 us at 74 GFLOP/s, 4.9e5; the earlier fit, 1.3e5, was ~1.9 us at ~65 GFLOP/s;
+# noisy: a loaded machine). 3.5e5 against 1.3e5, medians of 6 interleaved repeats: d_model 64 19.9 vs 19.9 ms,
+# with reads 20.3 vs 21.2; d_model 128 41.9 vs 41.6, with reads 38.1 vs 40.7 (5 vs 7 groups at 64, 7 vs 13
+# at 128). It is the order of _NODE_OVERHEAD_FLOPS (3e5), one node's. The bound was 0.5 MiB while every
+# unit's values came from the allocator, which
 # handed fresh pages back per unit past it; the row path now writes its large values into the engines'
 # shared RowBufferPool (row_buffers.h), and with 4 MiB no minor fault is counted per sweep at d_model 64
 # or 128 (getrusage, batch 8), where 0.5 MiB split those sweeps into more, smaller units (8 -> 7 groups
 # at d_model 64, 16 -> 13 at 128; 1-6% of their thread time in interleaved A/B runs, a shared machine).
-_CHAIN_OVERHEAD_FLOPS = 1.3e5
+_CHAIN_OVERHEAD_FLOPS = 3.5e5
 _UNIT_BYTES = float(1 << 22)
 
 
