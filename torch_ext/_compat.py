@@ -1442,13 +1442,20 @@ def backward_only_code():
     def is_setup_context_defined(fn):
         caller = _trace_patches.caller_frame(1).f_locals
         cls = caller.get("cls")
-        if isinstance(cls, type) and issubclass(cls, function_mod.Function) and any(
-                isinstance(a, torch.Tensor) and a.requires_grad
-                for a in (*caller.get("args", ()), *caller.get("kwargs", {}).values())):
+        args, kwargs = caller.get("args", ()), caller.get("kwargs", {})
+        if isinstance(cls, type) and issubclass(cls, function_mod.Function) and torch.is_grad_enabled() and any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in tree_leaves((args, kwargs))):
             module = getattr(cls, "__module__", "") or ""
-            what = f"custom torch.autograd.Function {module}.{cls.__qualname__}"
-            if not (module == "torch" or module.startswith("torch.")) and what not in found:
-                found.append(what)
+            if not (module == "torch" or module.startswith("torch.")):
+                # Recorded as one op whose Autograd kernel is the class: the joint trace runs its backward.
+                from . import _user_functions
+
+                refused = _user_functions.untraceable(cls)
+                what = f"custom torch.autograd.Function {module}.{cls.__qualname__} ({refused})"
+                if refused is None:
+                    _user_functions.redirect_next_forward(cls, args, kwargs)
+                elif what not in found:
+                    found.append(what)
         return original(fn)
 
     def register_hook(self, hook):
@@ -1467,6 +1474,8 @@ def backward_only_code():
     finally:
         function_mod._is_setup_context_defined = original
         torch.Tensor.register_hook = original_hook
+        if "torch_ext._user_functions" in sys.modules:
+            sys.modules["torch_ext._user_functions"].restore_all()
 
 
 def merge_aliased_inputs(ep: torch.export.ExportedProgram, canonical: dict[str, str]) -> torch.export.ExportedProgram:
