@@ -17,6 +17,7 @@ import threading
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _NS = "torch_ext_autograd"
 _LIB = torch.library.Library(_NS, "DEF")
@@ -95,17 +96,21 @@ def _apply(tensors, key):
 
 
 def _autograd_kernel(tensors, key):
-    """The class itself, as eager applies it: autograd records its node, differentiating runs its backward."""
+    """The class itself, as eager applies it: autograd records its node, differentiating runs its backward.
+    With no gradient wanted (grad mode off, no input requiring grad: the step's export) the forward kernel."""
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        with torch._C._AutoDispatchBelowAutograd():
+            return OP(tensors, key)
     entry, out = _apply(tensors, key)
     return _flat_outputs(entry, out)
 
 
 def _forward_kernel(tensors, key):
     """Below autograd: the class's forward, fresh tensors out (the op's schema declares no alias)."""
-    versions = [t._version for t in tensors]
-    with torch.no_grad():
+    writes = _Writes(tensors)
+    with torch.no_grad(), writes:
         entry, out = _apply(tensors, key)
-    written = [i for i, (t, v) in enumerate(zip(tensors, versions)) if t._version != v]
+    written = sorted(writes.written)
     if written:
         cls = entry.cls
         raise TypeError(
@@ -115,6 +120,26 @@ def _forward_kernel(tensors, key):
     flat = _flat_outputs(entry, out)
     ins = list(tensors)
     return [t.clone() if any(t._is_view() or _aliases(t, i) for i in ins) else t for t in flat]
+
+
+class _Writes(TorchDispatchMode):
+    """Records which of ``inputs`` the ops run inside write into (the version counter is not kept below
+    autograd, where a fake kernel runs)."""
+
+    def __init__(self, inputs):
+        super().__init__()
+        self.inputs, self.written = list(inputs), set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            for t in pytree.tree_leaves(value):
+                if isinstance(t, torch.Tensor):
+                    self.written.update(j for j, x in enumerate(self.inputs) if _aliases(t, x))
+        return func(*args, **kwargs)
 
 
 def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
