@@ -89,10 +89,39 @@ def _flat_outputs(entry: _Entry, out):
     return tensors
 
 
-def _apply(tensors, key):
+def _apply(tensors, key, cls=None):
     entry = _ENTRIES[key]
     args, kwargs = _call_args(entry, tensors)
-    return entry, entry.cls.apply(*args, **kwargs)
+    return entry, (cls or entry.cls).apply(*args, **kwargs)
+
+
+_NAMED: dict = {}  # cls -> its subclass whose backward names the class when it cannot be traced
+
+
+def _named_backward(cls):
+    """``cls`` with its ``backward`` (or ``vjp``) wrapped so that an error while the joint trace runs it names the
+    class (a backward calling numpy fails inside torch's autograd engine, far from the user's code)."""
+    sub = _NAMED.get(cls)
+    if sub is not None:
+        return sub
+    Function = torch.autograd.Function
+    name = "vjp" if cls.vjp is not Function.vjp and cls.backward is Function.backward else "backward"
+    user = getattr(cls, name)
+
+    def backward(ctx, *grads):
+        try:
+            return user(ctx, *grads)
+        except Exception as e:  # noqa: BLE001 - re-raised naming the class
+            raise TypeError(
+                f"custom torch.autograd.Function {cls.__module__}.{cls.__qualname__}: its {name} cannot be traced "
+                f"into the step's program ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). The "
+                "step runs it under the tracer, so it must compute with torch ops on its tensors (no .numpy(), no "
+                "Python branch on a tensor's value, no code outside torch); or train eagerly") from e
+
+    sub = type(cls.__name__, (cls,), {name: staticmethod(backward), "__module__": cls.__module__,
+                                      "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+    _NAMED[cls] = sub
+    return sub
 
 
 def _autograd_kernel(tensors, key):
@@ -101,7 +130,7 @@ def _autograd_kernel(tensors, key):
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         with torch._C._AutoDispatchBelowAutograd():
             return OP(tensors, key)
-    entry, out = _apply(tensors, key)
+    entry, out = _apply(tensors, key, _named_backward(_ENTRIES[key].cls))
     return _flat_outputs(entry, out)
 
 
