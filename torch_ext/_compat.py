@@ -1422,11 +1422,13 @@ def traced_constant_value(t):
 @contextlib.contextmanager
 def backward_only_code():
     """Records, inside the block, the code that would change gradients in eager training but that
-    tracing (torch.export, make_fx) cannot record, as descriptions: custom ``torch.autograd.Function``
-    subclasses defined outside torch (a gradient reversal, a straight-through estimator: tracing runs
-    their ``forward`` only, so a graph differentiated afterwards gets the derivative of that forward,
-    never the class's ``backward``) and ``Tensor.register_hook`` on an activation. Applications and
-    hooks on tensors that require no gradient (a batch, a target) are not recorded.
+    tracing (torch.export, make_fx) cannot record, as descriptions: ``Tensor.register_hook`` on an
+    activation, and applications of custom ``torch.autograd.Function`` subclasses defined outside torch
+    that ``_user_functions.untraceable`` refuses. Tracing runs a Function's ``forward`` only, so a graph
+    differentiated afterwards would get the derivative of that forward, never the class's ``backward``:
+    every other application (under grad mode, to a tensor that requires grad) is recorded as one call of
+    ``_user_functions``' op, whose Autograd kernel is the class, and the joint trace runs its backward.
+    Applications and hooks on tensors that require no gradient (a batch, a target) are left as they are.
 
     ``Function.apply`` (torch 2.9) calls the module function ``_is_setup_context_defined`` first thing,
     with the class in its local ``cls``; that call is wrapped rather than ``apply`` itself, because a
