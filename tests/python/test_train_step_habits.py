@@ -236,6 +236,22 @@ class _SetupContextSTE(torch.autograd.Function):
         return g * (x.abs() <= -ctx.lo), None
 
 
+class _OnceDifferentiable(torch.autograd.Function):
+    """``once_differentiable`` with Python state on ctx (a float, a dict): a scaled, clipped ReLU gradient."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale, ctx.meta = scale, {"k": [1, 3]}
+        ctx.save_for_backward(x)
+        return x.clamp(min=0) * scale
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * (x > 0.1) * ctx.scale * ctx.meta["k"][1], None
+
+
 grad_reverse = _GradReverse.apply  # bound at import, as such layers usually are
 
 
@@ -281,6 +297,8 @@ _FUNCTIONS = {
     "straight_through": (lambda: _RoundSTE.apply, lambda: (lambda h: torch.round(h * 4) / 4)),
     "two_outputs_saved": (_TwoOutputsLayer, lambda: _ForwardOnlyTwoOutputs()),
     "setup_context": (lambda: _setup_context_ste, lambda: (lambda h: torch.round(h).clamp(-1.0, 1.0))),
+    "once_differentiable": (lambda: (lambda h: _OnceDifferentiable.apply(h, 0.5)),
+                            lambda: (lambda h: h.clamp(min=0) * 0.5)),
 }
 
 
@@ -378,6 +396,18 @@ class _InPlaceSTE(torch.autograd.Function):
         return g
 
 
+class _BranchingBackward(torch.autograd.Function):
+    """A backward that branches on a tensor's value: the program would hold one branch."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g if g.sum() > 0 else -g
+
+
 class _NumpyBackward(torch.autograd.Function):
     """A backward that leaves torch (numpy): nothing a graph can hold."""
 
@@ -395,7 +425,9 @@ class _NumpyBackward(torch.autograd.Function):
                                          r"forward \(ctx.mark_dirty\)"),
     (_NumpyBackward.apply, r"_NumpyBackward: its backward cannot be traced into the step's program \(RuntimeError: "
                            r"\.numpy\(\) is not supported"),
-], ids=["mark_dirty", "numpy_backward"])
+    (_BranchingBackward.apply, r"_BranchingBackward: its backward cannot be traced into the step's program "
+                               r"\(GuardOnDataDependentSymNode: "),
+], ids=["mark_dirty", "numpy_backward", "value_branch_in_backward"])
 def test_custom_autograd_function_that_cannot_be_traced_is_refused_not_ignored(fn, match):
     # What the joint trace cannot record is refused, never differentiated from the forward: an in-place
     # forward (the one call the program records writes nothing), a backward that leaves torch.
