@@ -180,8 +180,7 @@ def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 _LIB.impl("function_apply", _autograd_kernel, "Autograd")
 _LIB.impl("function_apply", _forward_kernel, "CompositeExplicitAutograd")
-_LIB._register_fake("function_apply", _forward_kernel) if hasattr(_LIB, "_register_fake") else \
-    torch.library.register_fake(f"{_NS}::function_apply", _forward_kernel, lib=_LIB)
+torch.library.register_fake(f"{_NS}::function_apply", _forward_kernel, lib=_LIB)  # fake tensors: the same forward
 
 OP = getattr(torch.ops, _NS).function_apply.default
 
