@@ -1422,11 +1422,13 @@ def traced_constant_value(t):
 @contextlib.contextmanager
 def backward_only_code():
     """Records, inside the block, the code that would change gradients in eager training but that
-    tracing (torch.export, make_fx) cannot record, as descriptions: custom ``torch.autograd.Function``
-    subclasses defined outside torch (a gradient reversal, a straight-through estimator: tracing runs
-    their ``forward`` only, so a graph differentiated afterwards gets the derivative of that forward,
-    never the class's ``backward``) and ``Tensor.register_hook`` on an activation. Applications and
-    hooks on tensors that require no gradient (a batch, a target) are not recorded.
+    tracing (torch.export, make_fx) cannot record, as descriptions: ``Tensor.register_hook`` on an
+    activation, and applications of custom ``torch.autograd.Function`` subclasses defined outside torch
+    that ``_user_functions.untraceable`` refuses. Tracing runs a Function's ``forward`` only, so a graph
+    differentiated afterwards would get the derivative of that forward, never the class's ``backward``:
+    every other application (under grad mode, to a tensor that requires grad) is recorded as one call of
+    ``_user_functions``' op, whose Autograd kernel is the class, and the joint trace runs its backward.
+    Applications and hooks on tensors that require no gradient (a batch, a target) are left as they are.
 
     ``Function.apply`` (torch 2.9) calls the module function ``_is_setup_context_defined`` first thing,
     with the class in its local ``cls``; that call is wrapped rather than ``apply`` itself, because a
@@ -1442,13 +1444,20 @@ def backward_only_code():
     def is_setup_context_defined(fn):
         caller = _trace_patches.caller_frame(1).f_locals
         cls = caller.get("cls")
-        if isinstance(cls, type) and issubclass(cls, function_mod.Function) and any(
-                isinstance(a, torch.Tensor) and a.requires_grad
-                for a in (*caller.get("args", ()), *caller.get("kwargs", {}).values())):
+        args, kwargs = caller.get("args", ()), caller.get("kwargs", {})
+        if isinstance(cls, type) and issubclass(cls, function_mod.Function) and torch.is_grad_enabled() and any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in tree_leaves((args, kwargs))):
             module = getattr(cls, "__module__", "") or ""
-            what = f"custom torch.autograd.Function {module}.{cls.__qualname__}"
-            if not (module == "torch" or module.startswith("torch.")) and what not in found:
-                found.append(what)
+            if not (module == "torch" or module.startswith("torch.")):
+                # Recorded as one op whose Autograd kernel is the class: the joint trace runs its backward.
+                from . import _user_functions
+
+                refused = _user_functions.untraceable(cls)
+                what = f"custom torch.autograd.Function {module}.{cls.__qualname__} ({refused})"
+                if refused is None:
+                    _user_functions.redirect_next_forward(cls, args, kwargs)
+                elif what not in found:
+                    found.append(what)
         return original(fn)
 
     def register_hook(self, hook):
@@ -1467,6 +1476,8 @@ def backward_only_code():
     finally:
         function_mod._is_setup_context_defined = original
         torch.Tensor.register_hook = original_hook
+        if "torch_ext._user_functions" in sys.modules:
+            sys.modules["torch_ext._user_functions"].restore_all()
 
 
 def merge_aliased_inputs(ep: torch.export.ExportedProgram, canonical: dict[str, str]) -> torch.export.ExportedProgram:

@@ -737,9 +737,8 @@ class TrainStep:
             if found:
                 raise TypeError(f"the model or loss_fn uses {'; '.join(found)}: tracing records the forward only, "
                                 "and the step would differentiate that forward, never running this backward code "
-                                "(a gradient reversal, a straight-through estimator or a gradient hook would silently "
-                                "train differently from eager). Write it as a custom op with "
-                                "torch.library.register_autograd, or train eagerly")
+                                "(a gradient hook on an activation would silently train differently from eager). "
+                                "Remove it (clip with clip_grad_norm=), or train eagerly")
             return _compat.merge_aliased_inputs(ep, canonical) if self.aliases else ep
 
         state_writes: list = []  # per export: _module_state.StateWrite of forward's writes on the user's modules

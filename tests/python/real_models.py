@@ -70,6 +70,17 @@ def tiny_family(family: str):
     raise ValueError(f"unknown family {family!r}")
 
 
+def tiny_bloom():
+    """Hugging Face BLOOM (ALiBi attention), whose MLP applies its own torch.autograd.Function (GeLUFunction, with
+    a hand-written backward)."""
+    import transformers
+
+    cfg = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, bos_token_id=0,
+                                   eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.BloomForCausalLM(cfg).train()
+
+
 def tiny_resnet18():
     """torchvision's ResNet-18 as is (BatchNorm in training mode), 10 classes."""
     import torchvision
