@@ -1129,10 +1129,10 @@ def _eager_lstm_uses_onednn(input, hx, params, onednn_enabled: bool) -> bool:
         return False
     if any(t.device.type != "cpu" for t in (input, *hx, *params)):
         return False
-    # float32 only: eager also takes oneDNN for bfloat16 (float16 without grad), but mkldnn_rnn_layer_backward
-    # returns float32 gradients for bfloat16 weights (eager's autograd engine casts them; the meta kernel
-    # declares bfloat16 and the traced step failed on the dtype). Those keep torch's decomposition.
-    return input.dtype == torch.float32
+    # bfloat16 where eager's mkldnn_bf16_device_check holds; float16 only without grad (never in a step): those
+    # keep torch's decomposition.
+    return input.dtype == torch.float32 or (input.dtype == torch.bfloat16
+                                            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class _OwnGradient(torch.autograd.Function):
@@ -1181,6 +1181,37 @@ def _lstm_as_eager(original, onednn_enabled, own_gradients):
         hy, cy = zip(*final_hiddens)
         return out, torch.stack(hy, 0), torch.stack(cy, 0)
     return lstm
+
+
+def _onednn_rnn_backward_meta(original):
+    """torch 2.9's meta kernel of ``mkldnn_rnn_layer_backward`` with the dtypes its CPU kernel returns: float32
+    gradients (input, weights, biases, states) for a bfloat16 layer, where the meta kernel declares bfloat16.
+    Eager's autograd engine casts each to its input's dtype (``validate_outputs``), which the trace records
+    only when it sees the float32; with bfloat16 declared the traced step got the kernel's float32 where it
+    expected bfloat16."""
+    def meta(input, *args, **kwargs):
+        out = original(input, *args, **kwargs)
+        if input.dtype != torch.bfloat16:
+            return out
+        return tuple(t.new_empty(t.shape, dtype=torch.float32) for t in out)
+    return meta
+
+
+@contextlib.contextmanager
+def onednn_rnn_backward_dtypes():
+    """``mkldnn_rnn_layer_backward``'s meta kernel with its CPU kernel's float32 gradients for a bfloat16 layer
+    (``_onednn_rnn_backward_meta``) for the block: while the step's joint is traced (so that it casts them as
+    eager's engine does) and while AOTInductor compiles it (whose fallback kernel reads its outputs' dtypes
+    from the meta kernel)."""
+    from torch._C import DispatchKey
+
+    op, key = torch.ops.aten.mkldnn_rnn_layer_backward.default, DispatchKey.Meta
+    original = op.py_kernels.get(key)
+    if original is None:
+        yield
+        return
+    with _python_kernels(key, {op: _gated(_onednn_rnn_backward_meta(original), original)}):
+        yield
 
 
 @contextlib.contextmanager

@@ -565,19 +565,25 @@ class LSTMClassifier(nn.Module):
         return self.head(out.mean(1)) + c.sum(0).mean(-1, keepdim=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("bidirectional", [False, True], ids=["unidirectional", "bidirectional"])
 @pytest.mark.parametrize("make_opt", [lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
                                       lambda ps: torch.optim.AdamW(ps, lr=1e-2)], ids=["sgd_momentum", "adamw"])
-def test_lstm_trains_bit_exact_with_eager(bidirectional, batch, make_opt):
+def test_lstm_trains_bit_exact_with_eager(bidirectional, batch, make_opt, dtype):
     # Eager's CPU LSTM runs oneDNN (one mkldnn_rnn_layer per layer and direction, differentiated by
     # mkldnn_rnn_layer_backward); tracing ran torch's decomposition, the LSTM cell op by op, which rounds
-    # apart: parameters 1 to 2 ulp (up to 6e-8) off eager's after 3 steps, silently.
+    # apart: parameters 1 to 2 ulp (up to 6e-8) off eager's after 3 steps, silently. bfloat16 kept torch's
+    # decomposition (oneDNN's backward returns float32 gradients, which eager's engine casts, where the meta kernel
+    # declares bfloat16): the first loss 4e-5 off eager's, parameters up to 2e-2 off after 3 AdamW steps.
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("eager's bfloat16 LSTM runs oneDNN only where oneDNN supports bfloat16 on this CPU")
     torch.manual_seed(0)
-    model = LSTMClassifier(bidirectional).train()
+    model = LSTMClassifier(bidirectional).train().to(dtype)
     eager = copy.deepcopy(model)
     g = torch.Generator().manual_seed(3)
-    batches = [(torch.randn(batch, 5, 8, generator=g), torch.randint(0, 3, (batch,), generator=g)) for _ in range(3)]
+    batches = [(torch.randn(batch, 5, 8, generator=g).to(dtype), torch.randint(0, 3, (batch,), generator=g))
+               for _ in range(3)]
     opt, eager_opt = make_opt(model.parameters()), make_opt(eager.parameters())
     step = torch_ext.make_train_step(model, opt, _loss, batches[0])
     state = step.init_state(seed=0)
