@@ -1121,18 +1121,23 @@ def eager_gru_cell():
         yield
 
 
-def _eager_lstm_uses_onednn(input, hx, params, onednn_enabled: bool) -> bool:
+def _eager_lstm_uses_onednn(input, hx, params, onednn_dtypes: tuple) -> bool:
     """Whether eager's ``at::lstm`` (aten/src/ATen/native/RNN.cpp, torch 2.9) runs oneDNN for these arguments:
-    ``use_mkldnn`` (oneDNN enabled, every tensor on the CPU, a non-empty float32 input) and no projections. ``onednn_enabled``: the flag as eager sees it
-    (``torch.export`` turns it off while it traces)."""
-    if not onednn_enabled or input.numel() == 0 or hx[0].size(2) != hx[1].size(2):
+    ``use_mkldnn`` (oneDNN enabled, every tensor on the CPU, a non-empty input of a dtype it takes) and no
+    projections. ``onednn_dtypes``: those dtypes as eager sees them (``_onednn_lstm_dtypes``), read outside the trace."""
+    if input.dtype not in onednn_dtypes or input.numel() == 0 or hx[0].size(2) != hx[1].size(2):
         return False
-    if any(t.device.type != "cpu" for t in (input, *hx, *params)):
-        return False
-    # bfloat16 where eager's mkldnn_bf16_device_check holds; float16 only without grad (never in a step): those
-    # keep torch's decomposition.
-    return input.dtype == torch.float32 or (input.dtype == torch.bfloat16
-                                            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return all(t.device.type == "cpu" for t in (input, *hx, *params))
+
+
+def _onednn_lstm_dtypes() -> tuple:
+    """The input dtypes for which eager's ``use_mkldnn`` holds in a training step: none with oneDNN disabled, else
+    float32, and bfloat16 where ``mkldnn_bf16_device_check`` holds (float16 only without grad: never in a step). The
+    flag is read here, outside the trace: ``torch.export`` sets torch.backends.mkldnn's flag off while it traces."""
+    if not torch._C._get_mkldnn_enabled():
+        return ()
+    bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
 
 
 class _OwnGradient(torch.autograd.Function):
@@ -1164,11 +1169,11 @@ def _onednn_lstm_layer(inp, hidden, params, has_biases, reverse=False, *, train,
     return y, (hy.squeeze(0), cy.squeeze(0))
 
 
-def _lstm_as_eager(original, onednn_enabled, own_gradients):
+def _lstm_as_eager(original, onednn_dtypes, own_gradients):
     def lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
         import torch._decomp.decompositions as decomps
 
-        if not _eager_lstm_uses_onednn(input, hx, params, onednn_enabled):
+        if not _eager_lstm_uses_onednn(input, hx, params, onednn_dtypes):
             out, hy, cy = original(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
                                    batch_first)
             # torch 2.9's one_layer_lstm returns each layer's state squeezed at dim 1 (the batch) instead of
@@ -1235,12 +1240,11 @@ def eager_onednn_lstm(own_gradients=True):
     if any(kernel is None for kernel in originals.values()):
         yield
         return
-    # Read here, outside the trace: torch.export sets torch.backends.mkldnn's flag off while it traces.
-    onednn_enabled = torch._C._get_mkldnn_enabled()
+    onednn_dtypes = _onednn_lstm_dtypes()
     with contextlib.ExitStack() as stack:
         for key in keys:
             # The meta kernel (shapes only) differentiates nothing; the others give each bias its own gradient.
-            lstm = _lstm_as_eager(originals[key], onednn_enabled, own_gradients and key != DispatchKey.Meta)
+            lstm = _lstm_as_eager(originals[key], onednn_dtypes, own_gradients and key != DispatchKey.Meta)
             stack.enter_context(_python_kernels(key, {op: _gated(lstm, originals[key])}))
         yield
 

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch_ext
+from torch_ext import _compat
 
 VOCAB = 50
 
@@ -576,7 +577,7 @@ def test_lstm_trains_bit_exact_with_eager(bidirectional, batch, make_opt, dtype)
     # apart: parameters 1 to 2 ulp (up to 6e-8) off eager's after 3 steps, silently. bfloat16 kept torch's
     # decomposition (oneDNN's backward returns float32 gradients, which eager's engine casts, where the meta kernel
     # declares bfloat16): the first loss 4e-5 off eager's, parameters up to 2e-2 off after 3 AdamW steps.
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if dtype == torch.bfloat16 and torch.bfloat16 not in _compat._onednn_lstm_dtypes():
         pytest.skip("eager's bfloat16 LSTM runs oneDNN only where oneDNN supports bfloat16 on this CPU")
     torch.manual_seed(0)
     model = LSTMClassifier(bidirectional).train().to(dtype)
