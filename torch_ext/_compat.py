@@ -1085,26 +1085,65 @@ def _gru_cell_as_eager(inp, cur_hidden, ih_weight, ih_bias, hh_weight, hh_bias):
     return (cur_hidden - new_gate) * input_gate + new_gate
 
 
+def _gru_cell_op_as_eager(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+    """``aten.gru_cell`` (``nn.GRUCell``, ``torch.gru_cell``) as eager's CPU ``GRUCell`` computes it
+    (aten/src/ATen/native/RNN.cpp): ``hgates.chunk(3)[k].add_(igates.chunk(3)[k]).sigmoid_()`` for the reset and
+    update gates, in place on views of width H in rows of 3H. Traced, the C++ composite is functionalized: each
+    sigmoid reads a fresh contiguous sum, which the CPU kernel vectorizes whole where eager's strided chunk runs
+    its scalar tail (H below twice the vector width), and the two round apart: the gates 1 ulp off eager's, so
+    an nn.GRUCell with batch 8 trained 3e-8 off eager's parameters in 3 steps, silently. Here the two sums go
+    into one tensor of eager's layout, ``[hg0 + ig0, hg1 + ig1, hg2]``, and each sigmoid reads its chunk, a view
+    with eager's strides; the new gate multiplies that tensor's third chunk (eager's ``hg2.mul_(reset)`` on its
+    own chunk of the hidden gates), so every gradient is a copy or eager's formula, nothing summed with zeros.
+    Elsewhere than the CPU eager runs a fused kernel: the op's own composite there."""
+    if input.device.type != "cpu":
+        from torch._C import DispatchKey
+
+        return torch.ops.aten.gru_cell.default._op_dk(DispatchKey.CompositeImplicitAutograd, input, hx, w_ih, w_hh,
+                                                      b_ih, b_hh)
+    igates, hgates = torch.nn.functional.linear(input, w_ih, b_ih), torch.nn.functional.linear(hx, w_hh, b_hh)
+    ig, hg = igates.chunk(3, 1), hgates.chunk(3, 1)
+    gates = torch.cat([hg[0] + ig[0], hg[1] + ig[1], hg[2]], 1).chunk(3, 1)
+    reset_gate, input_gate = gates[0].sigmoid(), gates[1].sigmoid()
+    new_gate = (ig[2] + gates[2] * reset_gate).tanh()
+    return (hx - new_gate) * input_gate + new_gate
+
+
 @contextlib.contextmanager
 def eager_gru_cell():
     """Traces nn.GRU's cell with eager's layouts (see ``_gru_cell_as_eager``), where torch's decomposition
-    sums the gates chunk by chunk (read from its source, so that a torch that changes it keeps its own)."""
-    with _decomposition_replaced("gru_cell", "(chunked_hgates[0] + chunked_igates[0]).sigmoid()", _gru_cell_as_eager):
+    sums the gates chunk by chunk (read from its source, so that a torch that changes it keeps its own), and
+    ``aten.gru_cell`` (nn.GRUCell) as eager's CPU cell (``_gru_cell_op_as_eager``), where no Python kernel of
+    torch's is registered for it (a torch that adds one keeps its own)."""
+    from torch._C import DispatchKey
+
+    op, key = torch.ops.aten.gru_cell.default, DispatchKey.CompositeImplicitAutograd
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_decomposition_replaced("gru_cell", "(chunked_hgates[0] + chunked_igates[0]).sigmoid()",
+                                                    _gru_cell_as_eager))
+        if key not in op.py_kernels:
+            stack.enter_context(_python_kernels(key, {op: _gated(_gru_cell_op_as_eager,
+                                                                  lambda *a, **k: op._op_dk(key, *a, **k))}))
         yield
 
 
-def _eager_lstm_uses_onednn(input, hx, params, onednn_enabled: bool) -> bool:
+def _eager_lstm_uses_onednn(input, hx, params, onednn_dtypes: tuple) -> bool:
     """Whether eager's ``at::lstm`` (aten/src/ATen/native/RNN.cpp, torch 2.9) runs oneDNN for these arguments:
-    ``use_mkldnn`` (oneDNN enabled, every tensor on the CPU, a non-empty float32 input) and no projections. ``onednn_enabled``: the flag as eager sees it
-    (``torch.export`` turns it off while it traces)."""
-    if not onednn_enabled or input.numel() == 0 or hx[0].size(2) != hx[1].size(2):
+    ``use_mkldnn`` (oneDNN enabled, every tensor on the CPU, a non-empty input of a dtype it takes) and no
+    projections. ``onednn_dtypes``: those dtypes as eager sees them (``_onednn_lstm_dtypes``), read outside the trace."""
+    if input.dtype not in onednn_dtypes or input.numel() == 0 or hx[0].size(2) != hx[1].size(2):
         return False
-    if any(t.device.type != "cpu" for t in (input, *hx, *params)):
-        return False
-    # float32 only: eager also takes oneDNN for bfloat16 (float16 without grad), but mkldnn_rnn_layer_backward
-    # returns float32 gradients for bfloat16 weights (eager's autograd engine casts them; the meta kernel
-    # declares bfloat16 and the traced step failed on the dtype). Those keep torch's decomposition.
-    return input.dtype == torch.float32
+    return all(t.device.type == "cpu" for t in (input, *hx, *params))
+
+
+def _onednn_lstm_dtypes() -> tuple:
+    """The input dtypes for which eager's ``use_mkldnn`` holds in a training step: none with oneDNN disabled, else
+    float32, and bfloat16 where ``mkldnn_bf16_device_check`` holds (float16 only without grad: never in a step). The
+    flag is read here, outside the trace: ``torch.export`` sets torch.backends.mkldnn's flag off while it traces."""
+    if not torch._C._get_mkldnn_enabled():
+        return ()
+    bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
 
 
 class _OwnGradient(torch.autograd.Function):
@@ -1136,11 +1175,11 @@ def _onednn_lstm_layer(inp, hidden, params, has_biases, reverse=False, *, train,
     return y, (hy.squeeze(0), cy.squeeze(0))
 
 
-def _lstm_as_eager(original, onednn_enabled, own_gradients):
+def _lstm_as_eager(original, onednn_dtypes, own_gradients):
     def lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
         import torch._decomp.decompositions as decomps
 
-        if not _eager_lstm_uses_onednn(input, hx, params, onednn_enabled):
+        if not _eager_lstm_uses_onednn(input, hx, params, onednn_dtypes):
             out, hy, cy = original(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
                                    batch_first)
             # torch 2.9's one_layer_lstm returns each layer's state squeezed at dim 1 (the batch) instead of
@@ -1153,6 +1192,37 @@ def _lstm_as_eager(original, onednn_enabled, own_gradients):
         hy, cy = zip(*final_hiddens)
         return out, torch.stack(hy, 0), torch.stack(cy, 0)
     return lstm
+
+
+def _onednn_rnn_backward_meta(original):
+    """torch 2.9's meta kernel of ``mkldnn_rnn_layer_backward`` with the dtypes its CPU kernel returns: float32
+    gradients (input, weights, biases, states) for a bfloat16 layer, where the meta kernel declares bfloat16.
+    Eager's autograd engine casts each to its input's dtype (``validate_outputs``), which the trace records
+    only when it sees the float32; with bfloat16 declared the traced step got the kernel's float32 where it
+    expected bfloat16."""
+    def meta(input, *args, **kwargs):
+        out = original(input, *args, **kwargs)
+        if input.dtype != torch.bfloat16:
+            return out
+        return tuple(t.new_empty(t.shape, dtype=torch.float32) for t in out)
+    return meta
+
+
+@contextlib.contextmanager
+def onednn_rnn_backward_dtypes():
+    """``mkldnn_rnn_layer_backward``'s meta kernel with its CPU kernel's float32 gradients for a bfloat16 layer
+    (``_onednn_rnn_backward_meta``) for the block: while the step's joint is traced (so that it casts them as
+    eager's engine does) and while AOTInductor compiles it (whose fallback kernel reads its outputs' dtypes
+    from the meta kernel)."""
+    from torch._C import DispatchKey
+
+    op, key = torch.ops.aten.mkldnn_rnn_layer_backward.default, DispatchKey.Meta
+    original = op.py_kernels.get(key)
+    if original is None:
+        yield
+        return
+    with _python_kernels(key, {op: _gated(_onednn_rnn_backward_meta(original), original)}):
+        yield
 
 
 @contextlib.contextmanager
@@ -1176,12 +1246,11 @@ def eager_onednn_lstm(own_gradients=True):
     if any(kernel is None for kernel in originals.values()):
         yield
         return
-    # Read here, outside the trace: torch.export sets torch.backends.mkldnn's flag off while it traces.
-    onednn_enabled = torch._C._get_mkldnn_enabled()
+    onednn_dtypes = _onednn_lstm_dtypes()
     with contextlib.ExitStack() as stack:
         for key in keys:
             # The meta kernel (shapes only) differentiates nothing; the others give each bias its own gradient.
-            lstm = _lstm_as_eager(originals[key], onednn_enabled, own_gradients and key != DispatchKey.Meta)
+            lstm = _lstm_as_eager(originals[key], onednn_dtypes, own_gradients and key != DispatchKey.Meta)
             stack.enter_context(_python_kernels(key, {op: _gated(lstm, originals[key])}))
         yield
 

@@ -37,7 +37,8 @@ def _process_state() -> dict:
     from torch.utils import checkpoint as checkpoint_mod
 
     ops = [torch.ops.aten.prod.default, torch.ops.aten.prod.dim_int, torch.ops.aten.cumprod_backward.default,
-           torch.ops.aten.native_dropout.default]
+           torch.ops.aten.native_dropout.default, torch.ops.aten.gru_cell.default,
+           torch.ops.aten.mkldnn_rnn_layer_backward.default]
     for name in _compat.EAGER_AUTOGRAD_OPS:
         packet = getattr(torch.ops.aten, name, None)
         ops += [getattr(packet, o) for o in packet.overloads()] if packet is not None else []
