@@ -21,7 +21,7 @@ from typing import Any, Callable, Hashable, Iterable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from . import _C, _build_cache, _compat, _disk_cache, _env_reads, _module_state
+from . import _C, _build_cache, _compat, _disk_cache, _env_reads, _hook_proof, _module_state
 from .ir import _SHORT_DTYPE, Graph
 
 
@@ -370,7 +370,8 @@ def _store_on_disk(key: str, entry: dict) -> str:
         specs = [pytree.treespec_dumps(entry[k]) if entry[k] is not None else None for k in ("in_spec", "out_spec")]
     except Exception as e:  # noqa: BLE001 (any failure only means: not stored)
         return f"not stored: {type(e).__name__}: {e}"
-    body = {"graph": text, "hooks": entry["hooks"], "front_end": entry["front_end"],
+    body = {"graph": text, "hooks": entry["hooks"], "refused_hooks": entry["refused_hooks"],
+            "unread_hooks": entry["unread_hooks"], "front_end": entry["front_end"],
             "fallback_reason": entry["fallback_reason"], "env": entry["env"],
             "inputs": [list(x) for x in entry["inputs"]],
             "outputs": [list(x) for x in entry["outputs"]], "in_spec": specs[0], "out_spec": specs[1]}
@@ -383,7 +384,9 @@ def _cached_entry_from_disk(key: str) -> dict | None:
     if body is None:
         return None
     try:
-        entry = {"graph": Graph.parse(body["graph"]), "hooks": dict(body["hooks"]), "front_end": body["front_end"],
+        entry = {"graph": Graph.parse(body["graph"]), "hooks": dict(body["hooks"]),
+                 "refused_hooks": {str(k): str(v) for k, v in body["refused_hooks"].items()},
+                 "unread_hooks": {str(k): str(v) for k, v in body["unread_hooks"].items()}, "front_end": body["front_end"],
                  "fallback_reason": body["fallback_reason"],
                  "env": {str(k): None if v is None else str(v) for k, v in body["env"].items()},
                  "inputs": [(str(k), None if t is None else str(t)) for k, t in body["inputs"]],
@@ -554,6 +557,7 @@ class ReactiveGraph:
         t1 = time.perf_counter()
         if entry is not None:
             self._hooks, built = dict(entry["hooks"]), entry["graph"]
+            self._refused_hooks, self._unread_hooks = dict(entry["refused_hooks"]), dict(entry["unread_hooks"])
             self._slots = binding
             # A disk entry has no program: traced on first read of .program (never needed to run).
             self._program = _rebind(entry["program"], self._module) if entry.get("program") is not None else None
@@ -565,6 +569,7 @@ class ReactiveGraph:
                 # tensors, as one traced from the module itself does: never with a stale copy.
                 self.program = _rebind(self.program, self._module) or self.program
             entry = _entry_of(self.program, built, self._hooks, used, why)
+            entry.update(refused_hooks=dict(self._refused_hooks), unread_hooks=dict(self._unread_hooks))
             entry["env"] = dict(env_reads) if self._module is not None else {}
             state = {**self.program.state_dict, **self.program.constants}
             self._slots = [None if kind == "USER_INPUT" else state[target] for kind, target in entry["inputs"]]
@@ -671,6 +676,13 @@ class ReactiveGraph:
         # Hook names (TransformerLens hook points) -> node names; aliases such as hook_resid_pre included.
         self._hooks = _compat.strip_hook_points(self.program)
         self._conversions: dict = {}
+        # A Hugging Face decoder's names were chosen by module names: kept only where the graph shows what
+        # TransformerLens promises for them (_hook_proof); the others answer why when asked for.
+        self._refused_hooks: dict = {}
+        decoder = _compat._hf_decoder(self._module) if self._module is not None and self._hooks else None
+        if decoder is not None:
+            self._refused_hooks = _hook_proof.verify(self.program.graph, self._hooks, len(decoder[0]),
+                                                     type(self._module).__name__, decoder[1])
         if self._module is not None and self._hooks:
             for alias, canonical in _compat.hook_aliases(self._module).items():
                 if canonical in self._hooks:
@@ -687,6 +699,14 @@ class ReactiveGraph:
         built = Graph.from_exported(self.program)
         if self._split_heads is not False:
             self._split_attention_heads(built, self._split_heads)
+        # A hook point whose value nothing reads (a RoPE bridge's rotary_emb.hook_in): the engine drops its alias as
+        # dead code. {its node: the source node it observes}.
+        program_nodes = {n.name: n for n in self.program.graph.nodes}
+        self._unread_hooks = {}
+        for node in set(self._hooks.values()):
+            n = program_nodes.get(node)
+            if n is not None and n.op == "call_function" and n.target is torch.ops.aten.alias.default and not n.users:
+                self._unread_hooks[node] = n.args[0].name
         return built
 
     def _refuse_state_read_back(self, program) -> None:
@@ -717,7 +737,7 @@ class ReactiveGraph:
             "flag); a buffer written and never read back into an output (BatchNorm's running statistics in "
             "training mode) is accepted and left unwritten")
 
-    _PER_SHAPE = ("_program", "build_stats", "_env", "_hooks", "_conversions", "_engine", "_slots", "_num_user",
+    _PER_SHAPE = ("_program", "build_stats", "_env", "_hooks", "_refused_hooks", "_unread_hooks", "_conversions", "_engine", "_slots", "_num_user",
                   "_in_spec",
                   "_single_output", "_cone_sizes", "_all_names", "_sweep_plans",
                   "_out_spec", "_user_outputs", "_loss_output", "_grad_outputs", "_module_paths", "_countable",
@@ -970,7 +990,7 @@ class ReactiveGraph:
         weights per call: read many nodes through :meth:`run_with_cache`'s cache, checked once)."""
         with _one_check_per_call():
             self._take_untracked_writes()
-            return self._engine.value(self.resolve(node))
+            return self._engine.value(self._read_node(node))
 
     def values(self, nodes: Iterable[str]) -> dict[str, torch.Tensor]:
         """{name: current value} for many nodes or hook names, as :meth:`value` gives each, with the weights
@@ -982,18 +1002,40 @@ class ReactiveGraph:
                 raise TypeError(f"values: expected node or hook names (str), got {type(name).__name__} {name!r}")
         with _one_check_per_call():
             self._take_untracked_writes()
-            return {name: self._engine.value(self.resolve(name)) for name in names}
+            return {name: self._engine.value(self._read_node(name)) for name in names}
 
     def baseline(self, node: str) -> torch.Tensor:
         """A node's value with no patch active (from the overlay; evaluates only what an edit of the
         weights or inputs, found as at :meth:`value`, made stale)."""
         with _one_check_per_call():
             self._take_untracked_writes()
-            return self._engine.baseline(self.resolve(node))
+            return self._engine.baseline(self._read_node(node))
 
     def resolve(self, name: str) -> str:
-        """The node a name addresses: a node name, or a hook name (``blocks.0.hook_resid_pre``)."""
-        return self._hooks.get(name, name)
+        """The node a name addresses: a node name, or a hook name (``blocks.0.hook_resid_pre``). A hook name
+        that is not offered (its promise does not hold in the graph: _hook_proof), or whose value nothing
+        reads, is refused, saying why."""
+        node = self._hooks.get(name)
+        if node is None:
+            self._refuse_hook(name)
+            return name
+        if node in self._unread_hooks:
+            raise ValueError(f"hook '{name}' addresses nothing in the graph: nothing reads its value (its marker "
+                             f"'{node}' was dropped as dead code), so patching it would change no output; its "
+                             f"value is its source's, node '{self._unread_hooks[node]}': patch or read that")
+        return node
+
+    def _read_node(self, name: str) -> str:
+        """The node whose value a name reads: as :meth:`resolve`, and a hook nothing reads gives its source's."""
+        node = self._hooks.get(name)
+        if node is not None and node in self._unread_hooks:
+            return self._unread_hooks[node]
+        return self.resolve(name)
+
+    def _refuse_hook(self, name) -> None:
+        why = self.__dict__.get("_refused_hooks", {}).get(name)
+        if why is not None:
+            raise ValueError(f"ReactiveGraph: {why}")
 
     @property
     def hook_names(self) -> dict[str, str]:
@@ -1005,15 +1047,10 @@ class ReactiveGraph:
         node name to its value (the cached tensors: read them, do not write into them)."""
         out = self.run(*args, **kwargs)
         cache = {name: self._engine.value(name) for name in self._countable}
-        unread, names = None, self._node_names()
         for hook, node in self._hooks.items():
-            if node not in names:
-                # A hook point whose value nothing reads (a RoPE bridge's rotary_emb.hook_in): its alias node was
-                # dropped from the graph as dead code; its value is its source's.
-                if unread is None:
-                    unread = {n.name: n.args[0].name for n in self.program.graph.nodes
-                              if n.op == "call_function" and n.target is torch.ops.aten.alias.default and not n.users}
-                node = unread[node]
+            # A hook point whose value nothing reads (a RoPE bridge's rotary_emb.hook_in): its alias node was
+            # dropped from the graph as dead code; its value is its source's.
+            node = self._unread_hooks.get(node, node)
             value = cache[node] if node in cache else self._engine.value(node)
             conv = self._conversions.get(hook)
             cache[hook] = conv.convert(value) if conv is not None else value
@@ -2707,6 +2744,7 @@ def _sweep_plan(rg: ReactiveGraph, site_list: list) -> tuple:
     for name, n in zip(names, site_nodes):
         if n not in cones:
             if n not in known:
+                rg.resolve(name)  # a hook refused, or nothing reads it: says why
                 raise ValueError(f"sweep: unknown node {n!r}")
             rg._refuse_non_tensor(n, "sweep")
             cones[n] = None
