@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import fnmatch
+import fractions
 import math
 import re
 import sys
@@ -1230,8 +1231,8 @@ class ReactiveGraph:
     @property
     def stats(self) -> dict:
         """``evaluations``, ``cost`` (FLOPs of what ran), ``row_evaluations`` (a node run on k of its T
-        rows counts k/T), ``cutoffs``, ``invalidated``, ``restored`` of the
-        current shape's graph; ``graph_builds`` and ``graph_reuses`` count per-shape graphs; ``front_end``
+        rows counts k/T; exact, rounded once: ``row_evaluations_exact`` is the same sum as {T: rows}),
+        ``cutoffs``, ``invalidated``, ``restored`` of the current shape's graph; ``graph_builds`` and ``graph_reuses`` count per-shape graphs; ``front_end``
         names the tracer that built the current shape's graph ("make_fx", "export", or "program" for an
         ExportedProgram given as it is; ``build_stats`` has the details)."""
         return {**self._engine.stats(), **self._shape_stats, "front_end": self.build_stats["front_end"]}
@@ -2731,6 +2732,14 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
             eng.set_inputs_frozen(False)
 
 
+def _rows_between(before: dict, after: dict) -> fractions.Fraction:
+    """The row-weighted evaluations (stats["row_evaluations"]) from engine stats ``before`` to ``after``, exactly:
+    from their integer parts ({T: rows}, meaning the sum of rows / T), so a sweep's share equals its closed form
+    in docs/cost-model-positions.md once rounded, instead of a difference of two rounded sums."""
+    a, b = after["row_evaluations_exact"], before["row_evaluations_exact"]
+    return sum((fractions.Fraction(k - b.get(t, 0), t) for t, k in a.items()), fractions.Fraction(0))
+
+
 def _sweep_plan(rg: ReactiveGraph, site_list: list) -> tuple:
     """(names, nodes, labels, cone sizes) of a site list: each site's node or hook name, its node, the label
     of each name, and |V+| of each node; an unknown node is refused."""
@@ -2837,7 +2846,7 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
                 metrics[s] = _one_site(rg, s, node, patch, metric, pinned, read_rows, path, identical)
         wall = time.perf_counter() - t0
         st1 = eng.stats()
-        extra = {"row_evaluations": st1["row_evaluations"] - st0["row_evaluations"],
+        extra = {"row_evaluations": float(_rows_between(st0, st1)),
                  "positions": read_rows is not None and not pinned}
         if identical is not None:
             # Skipped sites leave the ledger (docs/cost-model-positions.md, "Identical sites").
@@ -2853,7 +2862,7 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         groups.setdefault(node_of(s), []).append(s)
     measured = 0
     cost = 0.0
-    row_evals = 0.0
+    row_evals = fractions.Fraction(0)
     setup = 0
     t0 = time.perf_counter()
     # A site whose patched value is bit-identical to the node's current one changes nothing: its metric is
@@ -2943,14 +2952,14 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         if k == 1:  # nothing to batch: the graph itself is the cheapest
             predicted_batched += live[node]
             before, cost_before = rg.stats["evaluations"], rg.stats["cost"]
-            rows_before = rg.stats["row_evaluations"]
+            rows_before = eng.stats()
             pinned = set(eng.pinned())
             # A value in another layout takes the one-site paths as well: the engine runs its whole cone on the
             # functional kernels, which keep that layout as eager's do (Engine::evaluate_cone_whole).
             metrics[members[0]] = _one_site(rg, members[0], node, patch, metric, pinned, read_rows, given=given[0])
             measured += rg.stats["evaluations"] - before
             cost += rg.stats["cost"] - cost_before
-            row_evals += rg.stats["row_evaluations"] - rows_before
+            row_evals += _rows_between(rows_before, eng.stats())
             continue
         key = entries[0] if len(entries) == 1 else entries
         old = rg._batched.get(key)
@@ -2989,10 +2998,10 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         st_after = bc.last_stats = big.stats()
         measured += st_after["evaluations"] - st_before["evaluations"]
         cost += st_after["cost"] - st_before["cost"]
-        row_evals += st_after["row_evaluations"] - st_before["row_evaluations"]
+        row_evals += _rows_between(st_before, st_after)
     wall = time.perf_counter() - t0
     return SweepResult(metrics, measured, predicted_batched, full, rg.num_nodes, wall, batched=True,
-                       groups=ran, cost=cost, extra={"setup_evaluations": setup, "row_evaluations": row_evals,
+                       groups=ran, cost=cost, extra={"setup_evaluations": setup, "row_evaluations": float(row_evals),
                                                             "identical_sites": identical},
                        clean_metric=clean_metric,
                        node_labels=labels)
