@@ -13,8 +13,11 @@ promises for it (HookedTransformer's TransformerBlock, TransformerLens 4's Block
   ``hook_resid_post = hook_resid_pre + hook_attn_out + hook_mlp_out``, a sum of adds in any order;
 - ``attn.hook_z`` feeds a matrix product (the output projection) whose result reaches ``hook_attn_out``.
 
-A name whose promise does not hold is not offered: asking for it raises ``refusal`` naming the hook, the
-model's class and what the graph holds instead.
+Where resid_mid = resid_pre + X (or resid_post = resid_mid + Y) is proven and X is read by that add alone, X is
+what TransformerLens's attn_out (mlp_out) is, whatever module computes it: the name is put there (Granite scales
+each branch before the add; BLOOM's attention and MLP add the residual themselves). Any other name whose promise
+does not hold is not offered: asking for it raises an error naming the hook, the model's class and what the
+graph holds instead.
 """
 from __future__ import annotations
 
@@ -81,6 +84,15 @@ def _add_operands(n):
     return _value(n.args[0]), _value(n.args[1])
 
 
+def _sole_operand(add, value):
+    """The argument of ``add`` whose value is ``value``, if ``add`` is its only reader (so patching it changes
+    only what the residual add reads, as patching TransformerLens's hook does), else None."""
+    for a in add.args:
+        if isinstance(a, torch.fx.Node) and _value(a) is value and len(a.users) == 1 and a.op == "call_function":
+            return a
+    return None
+
+
 def _terms(n, stop: set) -> list:
     """The summands of ``n`` through adds, stopping at the nodes in ``stop``."""
     n = _value(n)
@@ -136,6 +148,15 @@ def verify(graph: torch.fx.Graph, hooks: dict, layers: int, arch: str, heads: in
     def node(name):
         return _value(by_name[hooks[name]]) if name in hooks and hooks[name] in by_name else None
 
+    def put(name, operand, add, what):
+        """Names ``operand`` (the add's own argument, read by it alone), else refuses ``name``."""
+        arg = _sole_operand(add, operand)
+        if arg is not None:
+            hooks[name] = arg.name
+            return arg
+        refuse(name, what)
+        return None
+
     def refuse(name, found):
         if name in hooks and name not in refused:
             refused[name] = (f"hook '{name}' is not offered on this {arch}: TransformerLens defines it as "
@@ -151,15 +172,21 @@ def verify(graph: torch.fx.Graph, hooks: dict, layers: int, arch: str, heads: in
                                           f"is {_describe(nxt)}")
         if mid is not None:
             ops = _add_operands(mid)
-            if ops is None or pre not in ops:
+            if mid is pre:
+                refuse(b + "hook_resid_mid", f"it is hook_resid_pre itself ({_describe(pre)}): the MLP reads the "
+                                             "layer's input, as with parallel attention and MLP, where TransformerLens "
+                                             "names no resid_mid")
+                mid = None
+            elif ops is None or pre not in ops:
                 refuse(b + "hook_resid_mid", f"it is {_describe(mid)}, not an add reading hook_resid_pre "
                                              f"({_describe(pre)})")
                 mid = None
             else:
                 other = ops[1] if ops[0] is pre else ops[0]
-                if attn is not None and other is not attn:
-                    refuse(b + "hook_attn_out", f"hook_resid_mid is {_describe(mid)}: the attention's contribution is "
-                                                f"{_describe(other)}, while the name was on {_describe(attn)}")
+                if other is not attn:
+                    attn = put(b + "hook_attn_out", other, mid,
+                               f"hook_resid_mid is {_describe(mid)}: the attention's contribution is {_describe(other)}, "
+                               f"which other nodes read too, while the name was on {_describe(attn)}")
         if mid is not None:
             ops = _add_operands(post) if post is not None else None
             if ops is None or mid not in ops:
@@ -167,9 +194,10 @@ def verify(graph: torch.fx.Graph, hooks: dict, layers: int, arch: str, heads: in
                                            "plus one other value")
             else:
                 other = ops[1] if ops[0] is mid else ops[0]
-                if mlp is not None and other is not mlp:
-                    refuse(b + "hook_mlp_out", f"hook_resid_post is {_describe(post)}: the MLP's contribution is "
-                                               f"{_describe(other)}, while the name was on {_describe(mlp)}")
+                if other is not mlp:
+                    mlp = put(b + "hook_mlp_out", other, _value(post),
+                              f"hook_resid_post is {_describe(post)}: the MLP's contribution is {_describe(other)}, "
+                              f"which other nodes read too, while the name was on {_describe(mlp)}")
         elif post is not None and pre is not None:
             stop = {x for x in (pre, attn, mlp) if x is not None}
             terms = _terms(post, stop)

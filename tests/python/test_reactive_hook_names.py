@@ -29,15 +29,28 @@ FAMILIES = {
                                                     rotary_dim=4)), STREAM),
     "codegen": (lambda: T.CodeGenForCausalLM(T.CodeGenConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64,
                                                              n_positions=32, rotary_dim=4)), STREAM),
-    # Falcon's attention module is self_attention: no attn_out or hook_z by name.
+    # hook_z only where the output projection is c_proj / o_proj (the head layout of the others is not proven).
     "falcon_parallel": (lambda: T.FalconForCausalLM(T.FalconConfig(num_hidden_layers=2, hidden_size=32,
                                                                    num_attention_heads=4, vocab_size=64,
-                                                                   parallel_attn=True)),
-                        {"hook_resid_pre", "hook_mlp_out", "hook_resid_post"}),
+                                                                   parallel_attn=True)), STREAM),
     "falcon_sequential": (lambda: T.FalconForCausalLM(T.FalconConfig(num_hidden_layers=2, hidden_size=32,
                                                                      num_attention_heads=4, vocab_size=64,
                                                                      parallel_attn=False)),
-                          {"hook_resid_pre", "hook_resid_mid", "hook_mlp_out", "hook_resid_post"}),
+                          STREAM | {"hook_resid_mid"}),
+    "falcon_new_architecture": (lambda: T.FalconForCausalLM(T.FalconConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2, vocab_size=64,
+        new_decoder_architecture=True)), STREAM),
+    # GPT-NeoX (Pythia): the MLP's norm reads the layer's input when parallel: no resid_mid, as in TransformerLens.
+    "neox_parallel": (lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**_C, use_parallel_residual=True)), STREAM),
+    "neox_sequential": (lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**_C, use_parallel_residual=False)),
+                        STREAM | {"hook_resid_mid"}),
+    "mpt": (lambda: T.MptForCausalLM(T.MptConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, max_seq_len=32)),
+            STREAM | {"hook_resid_mid"}),
+    # OPT runs its residual adds and MLP on [batch * pos, d]: only the layers' inputs and outputs are the stream.
+    "opt": (lambda: T.OPTForCausalLM(T.OPTConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                                 ffn_dim=64, vocab_size=64, word_embed_proj_dim=32,
+                                                 max_position_embeddings=32)),
+            {"hook_resid_pre", "hook_resid_post"}),
     "phi": (lambda: T.PhiForCausalLM(T.PhiConfig(**_C)), STREAM),
     "cohere": (_llama_like(T.CohereConfig, T.CohereForCausalLM), STREAM | {"attn.hook_z"}),
     "llama": (_llama_like(T.LlamaConfig, T.LlamaForCausalLM), ALL),
@@ -54,11 +67,10 @@ FAMILIES = {
                           ALL - {"hook_resid_mid"}),
     # Granite scales each branch before the residual add: what TransformerLens calls attn_out / mlp_out is the
     # scaled contribution, which no module outputs.
-    "granite": (_llama_like(T.GraniteConfig, T.GraniteForCausalLM, residual_multiplier=0.5),
-                ALL - {"hook_attn_out", "hook_mlp_out"}),
-    # BLOOM's MLP adds the residual itself: its output is resid_post, not mlp_out.
+    "granite": (_llama_like(T.GraniteConfig, T.GraniteForCausalLM, residual_multiplier=0.5), ALL),
+    # BLOOM's attention and MLP add the residual themselves: their outputs are resid_mid and resid_post.
     "bloom": (lambda: T.BloomForCausalLM(T.BloomConfig(n_layer=2, hidden_size=32, n_head=4, vocab_size=64)),
-              {"hook_resid_pre", "hook_resid_mid", "hook_resid_post"}),
+              STREAM | {"hook_resid_mid"}),
 }
 
 
@@ -106,9 +118,50 @@ def test_every_offered_hook_name_keeps_its_transformer_lens_promise(family):
         assert torch.equal(rg.demand().logits, model(ids, use_cache=False).logits)
 
 
+def test_granite_and_bloom_branch_outputs_are_what_the_residual_adds_read():
+    """On main, Granite's hook_attn_out / hook_mlp_out were the attention's and MLP's outputs, which Granite scales
+    by residual_multiplier before the residual add, and BLOOM's hook_mlp_out was the MLP's output, which already
+    holds the residual (resid_post itself): patching sweeps over them measured other tensors, silently. The names
+    are now on the tensors the residual adds read, checked against eager module hooks."""
+    seen, handles = {}, []
+
+    def keep(key, scale=None):
+        return lambda m, a, o: seen.__setitem__(key, (o[0] if isinstance(o, tuple) else o) * (scale or 1))
+
+    for family in ("granite", "bloom"):
+        model, ids, rg = _graph(family)
+        for l, layer in enumerate(model.model.layers if family == "granite" else model.transformer.h):
+            if family == "granite":
+                scale = model.config.residual_multiplier
+                handles += [layer.self_attn.register_forward_hook(keep(("attn", l), scale)),
+                            layer.mlp.register_forward_hook(keep(("mlp", l), scale))]
+            else:
+                handles += [layer.self_attention.dense.register_forward_hook(keep(("attn", l))),
+                            layer.mlp.dense_4h_to_h.register_forward_hook(keep(("mlp", l)))]
+        with torch.no_grad():
+            model(ids, use_cache=False)
+        for h in handles:
+            h.remove()
+        handles.clear()
+        _, cache = rg.run_with_cache(ids)
+        for l in range(2):
+            assert torch.equal(cache[f"blocks.{l}.hook_attn_out"], seen[("attn", l)]), (family, l)
+            assert torch.equal(cache[f"blocks.{l}.hook_mlp_out"], seen[("mlp", l)]), (family, l)
+        clean = rg.demand().logits.clone()
+        rg.patch("blocks.1.hook_mlp_out", torch.zeros_like(cache["blocks.1.hook_mlp_out"]))
+        patched = rg.demand().logits.clone()
+        rg.restore()
+        hook = (model.model.layers[1].mlp if family == "granite" else model.transformer.h[1].mlp.dense_4h_to_h
+                ).register_forward_hook(lambda m, a, o: torch.zeros_like(o))
+        with torch.no_grad():
+            assert torch.equal(patched, model(ids, use_cache=False).logits), family
+        hook.remove()
+        assert torch.equal(rg.demand().logits, clean)
+
+
 @pytest.mark.parametrize("family, hook, found", [
-    ("bloom", "blocks.1.hook_mlp_out", "the MLP's contribution is 'linear"),
-    ("granite", "blocks.0.hook_attn_out", "the attention's contribution is 'mul"),
+    ("neox_parallel", "blocks.1.hook_resid_mid", "it is hook_resid_pre itself"),
+    ("opt", "blocks.0.hook_attn_out", "hook_resid_post ('view"),
 ])
 def test_a_hook_name_whose_promise_fails_is_refused_saying_why(family, hook, found):
     """A name the graph disproves is not offered: patching, reading or sweeping it says which name, on which
