@@ -179,3 +179,50 @@ def test_a_hook_name_whose_promise_fails_is_refused_saying_why(family, hook, fou
     assert not rg._engine.pinned()
     assert torch.equal(rg.demand().logits, before)
     assert hook not in rg.hook_names and rg.nodes(hook) == []
+
+
+def test_a_stream_changed_between_layers_refuses_resid_post():
+    """A decoder that scales the stream between layers (no family does today; the next one may): the layer's
+    output is then not the next layer's resid_pre, so blocks.L.hook_resid_post is refused, naming both tensors;
+    every other name still holds and is offered."""
+    import torch.nn as nn
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.input_layernorm, self.post_attention_layernorm = nn.LayerNorm(8), nn.LayerNorm(8)
+            self.self_attn, self.mlp = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            x = x + self.self_attn(self.input_layernorm(x))
+            return x + self.mlp(self.post_attention_layernorm(x))
+
+    class Decoder(nn.Module):
+        config = T.PretrainedConfig(num_attention_heads=2)
+
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Module()
+            self.model.layers = nn.ModuleList([Layer(), Layer()])
+
+        def generate(self):  # what marks a Hugging Face LM
+            raise NotImplementedError
+
+        def forward(self, x):
+            for layer in self.model.layers:
+                x = layer(x) * 2.0
+            return x
+
+    torch.manual_seed(0)
+    model, x = Decoder().eval(), torch.randn(2, 3, 8)
+    rg = torch_ext.ReactiveGraph(model, (x,), cache=False)
+    offered = set(rg.hook_names)
+    assert {f"blocks.{l}.{h}" for l in range(2) for h in STREAM | {"hook_resid_mid"}} - offered == {
+        "blocks.0.hook_resid_post"}
+    with pytest.raises(ValueError, match=r"hook 'blocks.0.hook_resid_post' is not offered on this Decoder: .* the "
+                                         r"layer's output is 'add.*' = add.* while blocks.1.hook_resid_pre is 'mul' = mul"):
+        rg.value("blocks.0.hook_resid_post")
+    _, cache = rg.run_with_cache(x)
+    assert torch.equal(cache["blocks.1.hook_resid_post"], rg.demand() / 2.0)
+    with torch.no_grad():
+        assert torch.equal(cache["blocks.1.hook_resid_pre"], model.model.layers[0](x) * 2.0)
