@@ -765,7 +765,12 @@ PYBIND11_MODULE(_C, m) {
              d["cutoffs"] = s.cutoffs;
              d["invalidated"] = s.invalidated;
              d["restored"] = s.restored;
-             d["row_evaluations"] = s.row_evaluations;
+             d["row_evaluations"] = s.row_evaluations.value();
+             // The same sum exactly: {T: rows} meaning the sum of rows / T (whole evaluations under T = 1).
+             py::dict parts;
+             parts[py::int_(1)] = s.row_evaluations.whole;
+             for (const auto& [T, k] : s.row_evaluations.partial) parts[py::int_(T)] = k;
+             d["row_evaluations_exact"] = parts;
              return d;
            })
       .def("reset_stats", &reactive::Engine::reset_stats)

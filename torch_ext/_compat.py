@@ -2304,13 +2304,16 @@ def _hf_decoder(module: torch.nn.Module):
     cfg = getattr(module, "config", None)
     if cfg is None or not hasattr(module, "generate") or hook_aliases(module):
         return None
-    for path in ("transformer.h", "model.layers"):
+    # GPT-2, GPT-J, BLOOM, Falcon, CodeGen; Llama-style; GPT-NeoX; OPT; MPT. What each name is there is proven in
+    # the traced graph (_hook_proof), not taken from these module names.
+    for path in ("transformer.h", "model.layers", "gpt_neox.layers", "model.decoder.layers", "transformer.blocks"):
         obj = module
         for part in path.split("."):
             obj = getattr(obj, part, None)
         if isinstance(obj, torch.nn.ModuleList):
-            heads = getattr(cfg, "n_head", None) or getattr(cfg, "num_attention_heads", None)
-            return obj, int(heads)
+            heads = (getattr(cfg, "n_head", None) or getattr(cfg, "num_attention_heads", None)
+                     or getattr(cfg, "n_heads", None))
+            return obj, int(heads) if heads else None
     return None
 
 
@@ -2329,9 +2332,11 @@ def hf_hook_points(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, 
     layers, _ = found
     points = []
     for l, layer in enumerate(layers):
-        attn = getattr(layer, "attn", None) or getattr(layer, "self_attn", None)
-        mlp = getattr(layer, "mlp", None)
-        ln2 = getattr(layer, "ln_2", None) or getattr(layer, "post_attention_layernorm", None)
+        attn = next((getattr(layer, a) for a in ("attn", "self_attn", "attention", "self_attention")
+                     if isinstance(getattr(layer, a, None), torch.nn.Module)), None)
+        mlp = getattr(layer, "mlp", None) or getattr(layer, "ffn", None)
+        ln2 = next((getattr(layer, a) for a in ("ln_2", "post_attention_layernorm", "norm_2", "final_layer_norm")
+                    if isinstance(getattr(layer, a, None), torch.nn.Module)), None)
         attn_out, mlp_out = attn, mlp
         post_mlp = getattr(layer, "post_feedforward_layernorm", None) or getattr(layer, "post_mlp_layernorm", None)
         post_attn = getattr(layer, "post_self_attn_layernorm", None)
@@ -2375,7 +2380,7 @@ def hook_conversions(module: torch.nn.Module) -> dict:
     (``hook_q``/``hook_z`` as [batch, pos, head, d_head]): ``convert`` before a hook, ``revert`` after."""
     found = _hf_decoder(module)
     if found is not None:
-        return {f"blocks.{l}.attn.hook_z": _SplitHeads(found[1]) for l in range(len(found[0]))}
+        return {f"blocks.{l}.attn.hook_z": _SplitHeads(found[1]) for l in range(len(found[0]))} if found[1] else {}
     hook_cls = _transformer_lens_hook_point()
     hook_dict = getattr(module, "hook_dict", None) if hook_cls is not None else None
     if not isinstance(hook_dict, dict):

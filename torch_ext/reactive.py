@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import fnmatch
+import fractions
 import itertools
 import math
 import re
@@ -22,7 +23,7 @@ from typing import Any, Callable, Hashable, Iterable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from . import _C, _build_cache, _compat, _disk_cache, _env_reads, _module_state
+from . import _C, _build_cache, _compat, _disk_cache, _env_reads, _hook_proof, _module_state
 from .ir import _SHORT_DTYPE, Graph
 
 
@@ -371,7 +372,8 @@ def _store_on_disk(key: str, entry: dict) -> str:
         specs = [pytree.treespec_dumps(entry[k]) if entry[k] is not None else None for k in ("in_spec", "out_spec")]
     except Exception as e:  # noqa: BLE001 (any failure only means: not stored)
         return f"not stored: {type(e).__name__}: {e}"
-    body = {"graph": text, "hooks": entry["hooks"], "front_end": entry["front_end"],
+    body = {"graph": text, "hooks": entry["hooks"], "refused_hooks": entry["refused_hooks"],
+            "unread_hooks": entry["unread_hooks"], "front_end": entry["front_end"],
             "fallback_reason": entry["fallback_reason"], "env": entry["env"],
             "inputs": [list(x) for x in entry["inputs"]],
             "outputs": [list(x) for x in entry["outputs"]], "in_spec": specs[0], "out_spec": specs[1]}
@@ -384,7 +386,9 @@ def _cached_entry_from_disk(key: str) -> dict | None:
     if body is None:
         return None
     try:
-        entry = {"graph": Graph.parse(body["graph"]), "hooks": dict(body["hooks"]), "front_end": body["front_end"],
+        entry = {"graph": Graph.parse(body["graph"]), "hooks": dict(body["hooks"]),
+                 "refused_hooks": {str(k): str(v) for k, v in body["refused_hooks"].items()},
+                 "unread_hooks": {str(k): str(v) for k, v in body["unread_hooks"].items()}, "front_end": body["front_end"],
                  "fallback_reason": body["fallback_reason"],
                  "env": {str(k): None if v is None else str(v) for k, v in body["env"].items()},
                  "inputs": [(str(k), None if t is None else str(t)) for k, t in body["inputs"]],
@@ -555,6 +559,7 @@ class ReactiveGraph:
         t1 = time.perf_counter()
         if entry is not None:
             self._hooks, built = dict(entry["hooks"]), entry["graph"]
+            self._refused_hooks, self._unread_hooks = dict(entry["refused_hooks"]), dict(entry["unread_hooks"])
             self._slots = binding
             # A disk entry has no program: traced on first read of .program (never needed to run).
             self._program = _rebind(entry["program"], self._module) if entry.get("program") is not None else None
@@ -566,6 +571,7 @@ class ReactiveGraph:
                 # tensors, as one traced from the module itself does: never with a stale copy.
                 self.program = _rebind(self.program, self._module) or self.program
             entry = _entry_of(self.program, built, self._hooks, used, why)
+            entry.update(refused_hooks=dict(self._refused_hooks), unread_hooks=dict(self._unread_hooks))
             entry["env"] = dict(env_reads) if self._module is not None else {}
             state = {**self.program.state_dict, **self.program.constants}
             self._slots = [None if kind == "USER_INPUT" else state[target] for kind, target in entry["inputs"]]
@@ -672,6 +678,13 @@ class ReactiveGraph:
         # Hook names (TransformerLens hook points) -> node names; aliases such as hook_resid_pre included.
         self._hooks = _compat.strip_hook_points(self.program)
         self._conversions: dict = {}
+        # A Hugging Face decoder's names were chosen by module names: kept only where the graph shows what
+        # TransformerLens promises for them (_hook_proof); the others answer why when asked for.
+        self._refused_hooks: dict = {}
+        decoder = _compat._hf_decoder(self._module) if self._module is not None and self._hooks else None
+        if decoder is not None:
+            self._refused_hooks = _hook_proof.verify(self.program.graph, self._hooks, len(decoder[0]),
+                                                     type(self._module).__name__, decoder[1])
         if self._module is not None and self._hooks:
             for alias, canonical in _compat.hook_aliases(self._module).items():
                 if canonical in self._hooks:
@@ -688,6 +701,14 @@ class ReactiveGraph:
         built = Graph.from_exported(self.program)
         if self._split_heads is not False:
             self._split_attention_heads(built, self._split_heads)
+        # A hook point whose value nothing reads (a RoPE bridge's rotary_emb.hook_in): the engine drops its alias as
+        # dead code. {its node: the source node it observes}.
+        program_nodes = {n.name: n for n in self.program.graph.nodes}
+        self._unread_hooks = {}
+        for node in set(self._hooks.values()):
+            n = program_nodes.get(node)
+            if n is not None and n.op == "call_function" and n.target is torch.ops.aten.alias.default and not n.users:
+                self._unread_hooks[node] = n.args[0].name
         return built
 
     def _refuse_state_read_back(self, program) -> None:
@@ -718,7 +739,7 @@ class ReactiveGraph:
             "flag); a buffer written and never read back into an output (BatchNorm's running statistics in "
             "training mode) is accepted and left unwritten")
 
-    _PER_SHAPE = ("_program", "build_stats", "_env", "_hooks", "_conversions", "_engine", "_slots", "_num_user",
+    _PER_SHAPE = ("_program", "build_stats", "_env", "_hooks", "_refused_hooks", "_unread_hooks", "_conversions", "_engine", "_slots", "_num_user",
                   "_in_spec",
                   "_single_output", "_cone_sizes", "_all_names", "_sweep_plans",
                   "_out_spec", "_user_outputs", "_loss_output", "_grad_outputs", "_module_paths", "_countable",
@@ -991,7 +1012,7 @@ class ReactiveGraph:
         with _one_check_per_call():
             self._refuse_changed_state("value")
             self._take_untracked_writes()
-            return self._engine.value(self.resolve(node))
+            return self._engine.value(self._read_node(node))
 
     def values(self, nodes: Iterable[str]) -> dict[str, torch.Tensor]:
         """{name: current value} for many nodes or hook names, as :meth:`value` gives each, with the weights
@@ -1004,7 +1025,7 @@ class ReactiveGraph:
         with _one_check_per_call():
             self._refuse_changed_state("values")
             self._take_untracked_writes()
-            return {name: self._engine.value(self.resolve(name)) for name in names}
+            return {name: self._engine.value(self._read_node(name)) for name in names}
 
     def baseline(self, node: str) -> torch.Tensor:
         """A node's value with no patch active (from the overlay; evaluates only what an edit of the
@@ -1012,11 +1033,33 @@ class ReactiveGraph:
         with _one_check_per_call():
             self._refuse_changed_state("baseline")
             self._take_untracked_writes()
-            return self._engine.baseline(self.resolve(node))
+            return self._engine.baseline(self._read_node(node))
 
     def resolve(self, name: str) -> str:
-        """The node a name addresses: a node name, or a hook name (``blocks.0.hook_resid_pre``)."""
-        return self._hooks.get(name, name)
+        """The node a name addresses: a node name, or a hook name (``blocks.0.hook_resid_pre``). A hook name
+        that is not offered (its promise does not hold in the graph: _hook_proof), or whose value nothing
+        reads, is refused, saying why."""
+        node = self._hooks.get(name)
+        if node is None:
+            self._refuse_hook(name)
+            return name
+        if node in self._unread_hooks:
+            raise ValueError(f"hook '{name}' addresses nothing in the graph: nothing reads its value (its marker "
+                             f"'{node}' was dropped as dead code), so patching it would change no output; its "
+                             f"value is its source's, node '{self._unread_hooks[node]}': patch or read that")
+        return node
+
+    def _read_node(self, name: str) -> str:
+        """The node whose value a name reads: as :meth:`resolve`, and a hook nothing reads gives its source's."""
+        node = self._hooks.get(name)
+        if node is not None and node in self._unread_hooks:
+            return self._unread_hooks[node]
+        return self.resolve(name)
+
+    def _refuse_hook(self, name) -> None:
+        why = self.__dict__.get("_refused_hooks", {}).get(name)
+        if why is not None:
+            raise ValueError(f"ReactiveGraph: {why}")
 
     @property
     def hook_names(self) -> dict[str, str]:
@@ -1028,15 +1071,10 @@ class ReactiveGraph:
         node name to its value (the cached tensors: read them, do not write into them)."""
         out = self.run(*args, **kwargs)
         cache = {name: self._engine.value(name) for name in self._countable}
-        unread, names = None, self._node_names()
         for hook, node in self._hooks.items():
-            if node not in names:
-                # A hook point whose value nothing reads (a RoPE bridge's rotary_emb.hook_in): its alias node was
-                # dropped from the graph as dead code; its value is its source's.
-                if unread is None:
-                    unread = {n.name: n.args[0].name for n in self.program.graph.nodes
-                              if n.op == "call_function" and n.target is torch.ops.aten.alias.default and not n.users}
-                node = unread[node]
+            # A hook point whose value nothing reads (a RoPE bridge's rotary_emb.hook_in): its alias node was
+            # dropped from the graph as dead code; its value is its source's.
+            node = self._unread_hooks.get(node, node)
             value = cache[node] if node in cache else self._engine.value(node)
             conv = self._conversions.get(hook)
             cache[hook] = conv.convert(value) if conv is not None else value
@@ -1225,8 +1263,8 @@ class ReactiveGraph:
     @property
     def stats(self) -> dict:
         """``evaluations``, ``cost`` (FLOPs of what ran), ``row_evaluations`` (a node run on k of its T
-        rows counts k/T), ``cutoffs``, ``invalidated``, ``restored`` of the
-        current shape's graph; ``graph_builds`` and ``graph_reuses`` count per-shape graphs; ``front_end``
+        rows counts k/T; exact, rounded once: ``row_evaluations_exact`` is the same sum as {T: rows}),
+        ``cutoffs``, ``invalidated``, ``restored`` of the current shape's graph; ``graph_builds`` and ``graph_reuses`` count per-shape graphs; ``front_end``
         names the tracer that built the current shape's graph ("make_fx", "export", or "program" for an
         ExportedProgram given as it is; ``build_stats`` has the details)."""
         return {**self._engine.stats(), **self._shape_stats, "front_end": self.build_stats["front_end"]}
@@ -2752,6 +2790,14 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
             eng.set_inputs_frozen(False)
 
 
+def _rows_between(before: dict, after: dict) -> fractions.Fraction:
+    """The row-weighted evaluations (stats["row_evaluations"]) from engine stats ``before`` to ``after``, exactly:
+    from their integer parts ({T: rows}, meaning the sum of rows / T), so a sweep's share equals its closed form
+    in docs/cost-model-positions.md once rounded, instead of a difference of two rounded sums."""
+    a, b = after["row_evaluations_exact"], before["row_evaluations_exact"]
+    return sum((fractions.Fraction(k - b.get(t, 0), t) for t, k in a.items()), fractions.Fraction(0))
+
+
 def _sweep_plan(rg: ReactiveGraph, site_list: list) -> tuple:
     """(names, nodes, labels, cone sizes) of a site list: each site's node or hook name, its node, the label
     of each name, and |V+| of each node; an unknown node is refused."""
@@ -2765,6 +2811,7 @@ def _sweep_plan(rg: ReactiveGraph, site_list: list) -> tuple:
     for name, n in zip(names, site_nodes):
         if n not in cones:
             if n not in known:
+                rg.resolve(name)  # a hook refused, or nothing reads it: says why
                 raise ValueError(f"sweep: unknown node {n!r}")
             rg._refuse_non_tensor(n, "sweep")
             cones[n] = None
@@ -2857,7 +2904,7 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
                 metrics[s] = _one_site(rg, s, node, patch, metric, pinned, read_rows, path, identical)
         wall = time.perf_counter() - t0
         st1 = eng.stats()
-        extra = {"row_evaluations": st1["row_evaluations"] - st0["row_evaluations"],
+        extra = {"row_evaluations": float(_rows_between(st0, st1)),
                  "positions": read_rows is not None and not pinned}
         if identical is not None:
             # Skipped sites leave the ledger (docs/cost-model-positions.md, "Identical sites").
@@ -2873,7 +2920,7 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         groups.setdefault(node_of(s), []).append(s)
     measured = 0
     cost = 0.0
-    row_evals = 0.0
+    row_evals = fractions.Fraction(0)
     setup = 0
     t0 = time.perf_counter()
     # A site whose patched value is bit-identical to the node's current one changes nothing: its metric is
@@ -2963,14 +3010,14 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         if k == 1:  # nothing to batch: the graph itself is the cheapest
             predicted_batched += live[node]
             before, cost_before = rg.stats["evaluations"], rg.stats["cost"]
-            rows_before = rg.stats["row_evaluations"]
+            rows_before = eng.stats()
             pinned = set(eng.pinned())
             # A value in another layout takes the one-site paths as well: the engine runs its whole cone on the
             # functional kernels, which keep that layout as eager's do (Engine::evaluate_cone_whole).
             metrics[members[0]] = _one_site(rg, members[0], node, patch, metric, pinned, read_rows, given=given[0])
             measured += rg.stats["evaluations"] - before
             cost += rg.stats["cost"] - cost_before
-            row_evals += rg.stats["row_evaluations"] - rows_before
+            row_evals += _rows_between(rows_before, eng.stats())
             continue
         key = entries[0] if len(entries) == 1 else entries
         old = rg._batched.get(key)
@@ -3009,10 +3056,10 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         st_after = bc.last_stats = big.stats()
         measured += st_after["evaluations"] - st_before["evaluations"]
         cost += st_after["cost"] - st_before["cost"]
-        row_evals += st_after["row_evaluations"] - st_before["row_evaluations"]
+        row_evals += _rows_between(st_before, st_after)
     wall = time.perf_counter() - t0
     return SweepResult(metrics, measured, predicted_batched, full, rg.num_nodes, wall, batched=True,
-                       groups=ran, cost=cost, extra={"setup_evaluations": setup, "row_evaluations": row_evals,
+                       groups=ran, cost=cost, extra={"setup_evaluations": setup, "row_evaluations": float(row_evals),
                                                             "identical_sites": identical},
                        clean_metric=clean_metric,
                        node_labels=labels)

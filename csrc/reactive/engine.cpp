@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 
 namespace torch_ext::reactive {
 namespace {
@@ -395,20 +396,42 @@ Engine::HeldCone::~HeldCone() {
   engine_.values_[site_] = std::move(saved_site_);
 }
 
-void Engine::count_evaluation(NodeState& st, double rows, double cost_fraction) {
+void Engine::count_evaluation(NodeState& st, int64_t rows, int64_t of, double cost_fraction) {
   ++st.evaluations;
   ++stats_.evaluations;
-  stats_.cost += st.cost * rows * cost_fraction;
-  stats_.row_evaluations += rows;
+  const double fraction = rows >= of ? 1.0 : static_cast<double>(rows) / static_cast<double>(of);
+  stats_.cost += st.cost * fraction * cost_fraction;
+  stats_.row_evaluations.add(rows, of);
+}
+
+double RowEvaluations::value() const {
+  // sum = whole + num / den, num and den integers (den the least common multiple of the row counts).
+  constexpr int64_t kExact = int64_t{1} << 53;
+  __int128 num = 0, den = 1;
+  bool exact = true;
+  for (const auto& [T, k] : partial) {
+    const __int128 lcm = den / std::gcd(static_cast<int64_t>(den), T) * T;
+    if (lcm >= kExact) {
+      exact = false;
+      break;
+    }
+    num = num * (lcm / den) + static_cast<__int128>(k) * (lcm / T);
+    den = lcm;
+  }
+  const __int128 total = num + static_cast<__int128>(whole) * den;
+  if (exact && total < kExact) return static_cast<double>(total) / static_cast<double>(den);
+  long double sum = static_cast<long double>(whole);  // beyond 53 bits: as close as long double gets
+  for (const auto& [T, k] : partial) sum += static_cast<long double>(k) / static_cast<long double>(T);
+  return static_cast<double>(sum);
 }
 
 void Engine::count_plan(const PatchPlan& plan, size_t done) {
-  // Node by node, in order, as count_evaluation adds them: the same sums bit for bit.
+  // Node by node, in order, as count_evaluation adds them: the same cost sum bit for bit.
   for (size_t i = 0; i < done; ++i) {
     NodeState& st = states_[plan.order[i]];
     ++st.evaluations;
     stats_.cost += st.cost;
-    stats_.row_evaluations += 1.0;  // added one by one: a fractional sum before rounds the same way
+    stats_.row_evaluations.whole += 1;
   }
   stats_.evaluations += static_cast<int64_t>(done);
 }

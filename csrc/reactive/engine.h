@@ -125,6 +125,23 @@ bool same_layout(const at::Tensor& x, const at::Tensor& y);
 // What a cone cannot tell apart: the same bits in the same layout. skip_identical's and early cutoff's test.
 inline bool same_input(const at::Tensor& x, const at::Tensor& y) { return same_layout(x, y) && same_bits(x, y); }
 
+// Row-weighted evaluations, kept exact: an evaluation of k of a node's T rows counts k/T. Summing those
+// fractions in a double drifted (a sweep's 2718 read 2718.000000000007, against its closed form in
+// docs/cost-model-positions.md); here they are integers per row count T, divided once when read.
+struct RowEvaluations {
+  int64_t whole = 0;                  // evaluations of every row
+  std::map<int64_t, int64_t> partial;  // T -> the sum of k over evaluations of k < T of T rows
+  void add(int64_t k, int64_t T) {
+    if (k >= T) {
+      ++whole;
+    } else if (k > 0) {
+      partial[T] += k;
+    }
+  }
+  // The exact sum, rounded once to the nearest double (while numerator and denominator fit in 53 bits).
+  double value() const;
+};
+
 struct Stats {
   int64_t evaluations = 0;  // countable-node executions
   double cost = 0.0;        // FLOP-weighted evaluations (see header comment)
@@ -138,7 +155,7 @@ struct Stats {
   int64_t restored = 0;     // nodes returned to baseline by restore
   // Row-weighted evaluations: a node evaluated on k of its T rows counts k/T (a whole evaluation
   // counts 1). stats.cost is weighted the same way: the FLOPs of what actually ran.
-  double row_evaluations = 0.0;
+  RowEvaluations row_evaluations;
 };
 
 double node_cost(const ir::Node& node);
@@ -499,9 +516,9 @@ class Engine {
     c10::IValue saved_site_;
     at::AutoDispatchBelowAutograd no_autograd_;  // graph values are data, never autograd history
   };
-  // One execution of node st's kernel (or `compute`, for the row paths) for the ledger (I7): a
-  // fraction `rows` of its rows, costing `cost_fraction` of its estimate.
-  void count_evaluation(NodeState& st, double rows = 1.0, double cost_fraction = 1.0);
+  // One execution of node st's kernel (or `compute`, for the row paths) for the ledger (I7): `rows` of
+  // its `of` rows, costing `cost_fraction` of its estimate.
+  void count_evaluation(NodeState& st, int64_t rows = 1, int64_t of = 1, double cost_fraction = 1.0);
   // The ledger (I7) for the first `done` nodes of a plan that ran whole: what count_evaluation
   // would record node by node, added once per run.
   void count_plan(const PatchPlan& plan, size_t done);

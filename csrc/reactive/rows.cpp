@@ -679,14 +679,14 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
         values_[n] = std::move(out);
         start[i] = 0;
         end[i] = T;
-        if (s < T) count_evaluation(st, s >= e ? 0.0 : static_cast<double>(e - s) / static_cast<double>(T));
+        if (s < T) count_evaluation(st, s >= e ? 0 : e - s, T);
         for (int64_t r : plan.steps[i].release) values_[r] = c10::IValue();
         continue;
       }
       if (step.whole == 1 && s >= e) {  // no row differs from the cached ones: the cached value, whole
         values_[n] = held.cached(i);
         end[i] = T;
-        count_evaluation(st, 0.0);
+        count_evaluation(st, 0, T);
         for (int64_t r : plan.steps[i].release) values_[r] = c10::IValue();
         continue;
       }
@@ -696,7 +696,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
       }
       if (step.suffix && s >= e) {  // none of the rows read differ from the cached ones
         values_[n] = cached_tail(i, s);
-        count_evaluation(st, 0.0);
+        count_evaluation(st, 0, T);
         for (int64_t r : plan.steps[i].release) values_[r] = c10::IValue();
         continue;
       }
@@ -849,9 +849,12 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
       }
       values_[n] = std::move(out);
       end[i] = step.whole == 1 ? T : e;  // e < T: a local node, its cached rows [e, T) joined on when read (complete)
-      const double frac = step.suffix ? static_cast<double>(e - s) / static_cast<double>(T) : 1.0;
       const double col_frac = step.cols.empty() ? 1.0 : static_cast<double>(step.cols.size()) / static_cast<double>(step.width);
-      count_evaluation(st, frac, col_frac);
+      if (step.suffix) {
+        count_evaluation(st, e - s, T, col_frac);
+      } else {
+        count_evaluation(st, 1, 1, col_frac);
+      }
       for (int64_t r : plan.steps[i].release) values_[r] = c10::IValue();  // last use: free, as the executor does
     }
     // Outputs computed on a suffix: cached rows [0, p), NaN for rows no declared read reaches, new rows.

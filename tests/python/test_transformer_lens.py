@@ -512,3 +512,27 @@ def test_run_with_cache_on_a_rotary_bridge_gives_its_unread_hooks(tmp_path):
     for name in shared:
         assert torch.equal(cache[name], tl_cache[name]), name
     assert torch.equal(patching.run_with_cache(bridge, clean)[1]["rotary_emb.hook_in"], tl_cache["rotary_emb.hook_in"])
+
+
+def test_patching_a_hook_nothing_reads_says_so(tmp_path):
+    """rg.patch("rotary_emb.hook_in", v) on a rotary bridge raised "unknown node 'alias_default_N'", naming neither
+    the hook nor why: nothing reads that hook point (its alias node was dropped as dead code), so a patch there
+    changes nothing. The refusal names the hook and its source; reading it gives the source's value; nothing is
+    pinned."""
+    _, bridge = _tiny_gemma2(tmp_path)
+    clean, _ = _prompts(2)
+    _, tl_cache = bridge.run_with_cache(clean)
+    rg = torch_ext.ReactiveGraph(bridge, (clean,))
+    before = rg.demand().clone()
+    source = next(n.args[0].name for n in rg.program.graph.nodes if n.name == rg.hook_names["rotary_emb.hook_in"])
+    value = torch.zeros_like(tl_cache["rotary_emb.hook_in"])
+    for attempt in (lambda: rg.patch("rotary_emb.hook_in", value),
+                    lambda: torch_ext.sweep(rg, ["rotary_emb.hook_in"], lambda v, s: v * 0, lambda o: o.sum(),
+                                            progress=False)):
+        with pytest.raises(ValueError, match=r"hook 'rotary_emb.hook_in' addresses nothing in the graph: nothing "
+                                             rf"reads its value .* patch or read that") as e:
+            attempt()
+        assert f"node '{source}'" in str(e.value)
+    assert not rg._engine.pinned()
+    assert torch.equal(rg.demand(), before)
+    assert torch.equal(rg.value("rotary_emb.hook_in"), tl_cache["rotary_emb.hook_in"])

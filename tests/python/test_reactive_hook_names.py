@@ -1,0 +1,228 @@
+"""TransformerLens hook names on Hugging Face decoders, proven in the traced graph (torch_ext/_hook_proof.py):
+each name is offered only where the graph shows what TransformerLens promises for it; every family
+transformers ships that builds offline from a tiny config is checked here against those promises, value by
+value, bit for bit."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_ext
+
+T = pytest.importorskip("transformers", reason="transformers is not installed")
+
+_C = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, intermediate_size=64,
+          max_position_embeddings=32, pad_token_id=0)
+ALL = {"hook_resid_pre", "hook_resid_mid", "hook_attn_out", "hook_mlp_out", "hook_resid_post", "attn.hook_z"}
+STREAM = {"hook_resid_pre", "hook_attn_out", "hook_mlp_out", "hook_resid_post"}
+
+
+def _llama_like(config, model, **kw):
+    return lambda: model(config(**{**_C, "num_key_value_heads": 2, **kw}))
+
+
+# family -> (model factory, the names offered on every layer).
+FAMILIES = {
+    "gpt2": (lambda: T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32)),
+             ALL),
+    "gptj": (lambda: T.GPTJForCausalLM(T.GPTJConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
+                                                    rotary_dim=4)), STREAM),
+    "codegen": (lambda: T.CodeGenForCausalLM(T.CodeGenConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64,
+                                                             n_positions=32, rotary_dim=4)), STREAM),
+    # hook_z only where the output projection is c_proj / o_proj (the head layout of the others is not proven).
+    "falcon_parallel": (lambda: T.FalconForCausalLM(T.FalconConfig(num_hidden_layers=2, hidden_size=32,
+                                                                   num_attention_heads=4, vocab_size=64,
+                                                                   parallel_attn=True)), STREAM),
+    "falcon_sequential": (lambda: T.FalconForCausalLM(T.FalconConfig(num_hidden_layers=2, hidden_size=32,
+                                                                     num_attention_heads=4, vocab_size=64,
+                                                                     parallel_attn=False)),
+                          STREAM | {"hook_resid_mid"}),
+    "falcon_new_architecture": (lambda: T.FalconForCausalLM(T.FalconConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2, vocab_size=64,
+        new_decoder_architecture=True)), STREAM),
+    # GPT-NeoX (Pythia): the MLP's norm reads the layer's input when parallel: no resid_mid, as in TransformerLens.
+    "neox_parallel": (lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**_C, use_parallel_residual=True)), STREAM),
+    "neox_sequential": (lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**_C, use_parallel_residual=False)),
+                        STREAM | {"hook_resid_mid"}),
+    "mpt": (lambda: T.MptForCausalLM(T.MptConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, max_seq_len=32)),
+            STREAM | {"hook_resid_mid"}),
+    # OPT runs its residual adds and MLP on [batch * pos, d]: only the layers' inputs and outputs are the stream.
+    "opt": (lambda: T.OPTForCausalLM(T.OPTConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                                 ffn_dim=64, vocab_size=64, word_embed_proj_dim=32,
+                                                 max_position_embeddings=32)),
+            {"hook_resid_pre", "hook_resid_post"}),
+    "phi": (lambda: T.PhiForCausalLM(T.PhiConfig(**_C)), STREAM),
+    "cohere": (_llama_like(T.CohereConfig, T.CohereForCausalLM), STREAM | {"attn.hook_z"}),
+    "llama": (_llama_like(T.LlamaConfig, T.LlamaForCausalLM), ALL),
+    "mistral": (_llama_like(T.MistralConfig, T.MistralForCausalLM), ALL),
+    "qwen2": (_llama_like(T.Qwen2Config, T.Qwen2ForCausalLM), ALL),
+    "gemma": (_llama_like(T.GemmaConfig, T.GemmaForCausalLM, head_dim=8), ALL),
+    "gemma2": (_llama_like(T.Gemma2Config, T.Gemma2ForCausalLM, head_dim=8, sliding_window=3), ALL),
+    "gemma3": (_llama_like(T.Gemma3TextConfig, T.Gemma3ForCausalLM, head_dim=8, sliding_window=3), ALL),
+    "olmo": (_llama_like(T.OlmoConfig, T.OlmoForCausalLM), ALL),
+    "olmo2": (_llama_like(T.Olmo2Config, T.Olmo2ForCausalLM), ALL - {"hook_resid_mid"}),
+    "glm4": (_llama_like(T.Glm4Config, T.Glm4ForCausalLM, head_dim=8), ALL),
+    "stablelm_sequential": (_llama_like(T.StableLmConfig, T.StableLmForCausalLM), ALL),
+    "stablelm_parallel": (_llama_like(T.StableLmConfig, T.StableLmForCausalLM, use_parallel_residual=True),
+                          ALL - {"hook_resid_mid"}),
+    # Granite scales each branch before the residual add: what TransformerLens calls attn_out / mlp_out is the
+    # scaled contribution, which no module outputs.
+    "granite": (_llama_like(T.GraniteConfig, T.GraniteForCausalLM, residual_multiplier=0.5), ALL),
+    # BLOOM's attention and MLP add the residual themselves: their outputs are resid_mid and resid_post.
+    "bloom": (lambda: T.BloomForCausalLM(T.BloomConfig(n_layer=2, hidden_size=32, n_head=4, vocab_size=64)),
+              STREAM | {"hook_resid_mid"}),
+}
+
+
+def _graph(family):
+    torch.manual_seed(0)
+    model = FAMILIES[family][0]().eval()
+    ids = torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(1))
+    return model, ids, torch_ext.ReactiveGraph(model, (ids,), cache=False)
+
+
+def _sums(*xs):
+    """x0 + x1 + ... in every order of adding (float addition is commutative, not associative)."""
+    if len(xs) == 2:
+        return [xs[0] + xs[1]]
+    a, b, c = xs
+    return [(a + b) + c, (a + c) + b, (b + c) + a]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_offered_hook_name_keeps_its_transformer_lens_promise(family):
+    """resid_post(L) is resid_pre(L+1); resid_mid = resid_pre + attn_out; resid_post = resid_mid + mlp_out, or
+    without a resid_mid (parallel attention and MLP, as TransformerLens defines them) resid_pre + attn_out +
+    mlp_out: checked on the values, bit for bit. On main, BLOOM's hook_mlp_out was resid_post itself and
+    Granite's attn_out / mlp_out the unscaled branch outputs, silently."""
+    model, ids, rg = _graph(family)
+    expected = FAMILIES[family][1]
+    _, cache = rg.run_with_cache(ids)
+    for layer in range(2):
+        offered = {h.split(".", 2)[2] for h in rg.hook_names if h.startswith(f"blocks.{layer}.")}
+        assert offered == expected, (family, layer, offered)
+        v = {h: cache[f"blocks.{layer}.{h}"] for h in offered}
+        if layer == 0:
+            assert torch.equal(cache["blocks.0.hook_resid_post"], cache["blocks.1.hook_resid_pre"])
+        if "hook_resid_mid" in v:
+            if "hook_attn_out" in v:
+                assert torch.equal(v["hook_resid_mid"], v["hook_resid_pre"] + v["hook_attn_out"])
+            if "hook_mlp_out" in v:
+                assert torch.equal(v["hook_resid_post"], v["hook_resid_mid"] + v["hook_mlp_out"])
+        elif "hook_attn_out" in v and "hook_mlp_out" in v:
+            sums = _sums(v["hook_resid_pre"], v["hook_attn_out"], v["hook_mlp_out"])
+            assert any(torch.equal(v["hook_resid_post"], s) for s in sums), family
+        if "attn.hook_z" in v:
+            assert v["attn.hook_z"].dim() == 4 and v["attn.hook_z"].shape[2] == 4  # [batch, pos, head, d_head]
+    with torch.no_grad():
+        assert torch.equal(rg.demand().logits, model(ids, use_cache=False).logits)
+
+
+def test_granite_and_bloom_branch_outputs_are_what_the_residual_adds_read():
+    """On main, Granite's hook_attn_out / hook_mlp_out were the attention's and MLP's outputs, which Granite scales
+    by residual_multiplier before the residual add, and BLOOM's hook_mlp_out was the MLP's output, which already
+    holds the residual (resid_post itself): patching sweeps over them measured other tensors, silently. The names
+    are now on the tensors the residual adds read, checked against eager module hooks."""
+    seen, handles = {}, []
+
+    def keep(key, scale=None):
+        return lambda m, a, o: seen.__setitem__(key, (o[0] if isinstance(o, tuple) else o) * (scale or 1))
+
+    for family in ("granite", "bloom"):
+        model, ids, rg = _graph(family)
+        for l, layer in enumerate(model.model.layers if family == "granite" else model.transformer.h):
+            if family == "granite":
+                scale = model.config.residual_multiplier
+                handles += [layer.self_attn.register_forward_hook(keep(("attn", l), scale)),
+                            layer.mlp.register_forward_hook(keep(("mlp", l), scale))]
+            else:
+                handles += [layer.self_attention.dense.register_forward_hook(keep(("attn", l))),
+                            layer.mlp.dense_4h_to_h.register_forward_hook(keep(("mlp", l)))]
+        with torch.no_grad():
+            model(ids, use_cache=False)
+        for h in handles:
+            h.remove()
+        handles.clear()
+        _, cache = rg.run_with_cache(ids)
+        for l in range(2):
+            assert torch.equal(cache[f"blocks.{l}.hook_attn_out"], seen[("attn", l)]), (family, l)
+            assert torch.equal(cache[f"blocks.{l}.hook_mlp_out"], seen[("mlp", l)]), (family, l)
+        clean = rg.demand().logits.clone()
+        rg.patch("blocks.1.hook_mlp_out", torch.zeros_like(cache["blocks.1.hook_mlp_out"]))
+        patched = rg.demand().logits.clone()
+        rg.restore()
+        hook = (model.model.layers[1].mlp if family == "granite" else model.transformer.h[1].mlp.dense_4h_to_h
+                ).register_forward_hook(lambda m, a, o: torch.zeros_like(o))
+        with torch.no_grad():
+            assert torch.equal(patched, model(ids, use_cache=False).logits), family
+        hook.remove()
+        assert torch.equal(rg.demand().logits, clean)
+
+
+@pytest.mark.parametrize("family, hook, found", [
+    ("neox_parallel", "blocks.1.hook_resid_mid", "it is hook_resid_pre itself"),
+    ("opt", "blocks.0.hook_attn_out", "hook_resid_post ('view"),
+])
+def test_a_hook_name_whose_promise_fails_is_refused_saying_why(family, hook, found):
+    """A name the graph disproves is not offered: patching, reading or sweeping it says which name, on which
+    architecture, and what the graph holds instead; nothing is pinned or changed."""
+    model, ids, rg = _graph(family)
+    before = rg.demand().logits.clone()
+    arch = type(model).__name__
+    for attempt in (lambda: rg.patch(hook, torch.zeros(2, 6, 32)), lambda: rg.value(hook),
+                    lambda: torch_ext.sweep(rg, [hook], lambda v, s: v * 0, lambda o: o.logits.sum(),
+                                            progress=False)):
+        with pytest.raises(ValueError) as e:
+            attempt()
+        msg = str(e.value)
+        assert f"hook '{hook}' is not offered on this {arch}" in msg and found in msg, msg
+    assert not rg._engine.pinned()
+    assert torch.equal(rg.demand().logits, before)
+    assert hook not in rg.hook_names and rg.nodes(hook) == []
+
+
+def test_a_stream_changed_between_layers_refuses_resid_post():
+    """A decoder that scales the stream between layers (no family does today; the next one may): the layer's
+    output is then not the next layer's resid_pre, so blocks.L.hook_resid_post is refused, naming both tensors;
+    every other name still holds and is offered."""
+    import torch.nn as nn
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.input_layernorm, self.post_attention_layernorm = nn.LayerNorm(8), nn.LayerNorm(8)
+            self.self_attn, self.mlp = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            x = x + self.self_attn(self.input_layernorm(x))
+            return x + self.mlp(self.post_attention_layernorm(x))
+
+    class Decoder(nn.Module):
+        config = T.PretrainedConfig(num_attention_heads=2)
+
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Module()
+            self.model.layers = nn.ModuleList([Layer(), Layer()])
+
+        def generate(self):  # what marks a Hugging Face LM
+            raise NotImplementedError
+
+        def forward(self, x):
+            for layer in self.model.layers:
+                x = layer(x) * 2.0
+            return x
+
+    torch.manual_seed(0)
+    model, x = Decoder().eval(), torch.randn(2, 3, 8)
+    rg = torch_ext.ReactiveGraph(model, (x,), cache=False)
+    offered = set(rg.hook_names)
+    assert {f"blocks.{l}.{h}" for l in range(2) for h in STREAM | {"hook_resid_mid"}} - offered == {
+        "blocks.0.hook_resid_post"}
+    with pytest.raises(ValueError, match=r"hook 'blocks.0.hook_resid_post' is not offered on this Decoder: .* the "
+                                         r"layer's output is 'add.*' = add.* while blocks.1.hook_resid_pre is 'mul' = mul"):
+        rg.value("blocks.0.hook_resid_post")
+    _, cache = rg.run_with_cache(x)
+    assert torch.equal(cache["blocks.1.hook_resid_post"], rg.demand() / 2.0)
+    with torch.no_grad():
+        assert torch.equal(cache["blocks.1.hook_resid_pre"], model.model.layers[0](x) * 2.0)
