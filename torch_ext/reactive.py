@@ -1063,11 +1063,30 @@ class ReactiveGraph:
         if callable(value):
             with _one_check_per_call():  # f sees the baseline of the weights as they are now
                 self._take_untracked_writes()
-                clean = self._engine.baseline(node)
-            value = self._call_patch_fn(node, self._hook_view(name, value), clean, "patch function")
+                value = self._patch_fn_value(name, node, value)
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"patch {node!r}: expected a tensor or a callable returning one, got {type(value).__name__}")
         self._engine.patch(node, _own_copy(value.detach()))
+
+    def _patch_fn_value(self, name: str, node: str, fn: Callable) -> torch.Tensor:
+        """``fn(baseline of node)``, checked as a patch value. A stale node's baseline is computed first (its
+        stale ancestors evaluated): that runs in a transaction that is rolled back, counters included, when
+        ``fn`` fails or its result is refused, so a refused patch changes no count and no cached value
+        (cost-model.md); once the result is accepted, the evaluations stand, as for any read."""
+        eng = self._engine
+        eng.begin_transaction(restore_counts=True)
+        try:
+            clean = eng.baseline(node)
+            value = self._call_patch_fn(node, self._hook_view(name, fn), clean, "patch function")
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"patch {node!r}: expected a tensor or a callable returning one, got a callable "
+                                f"returning {type(value).__name__}")
+            eng.check_patch(node, value)
+        except BaseException:
+            eng.rollback()
+            raise
+        eng.commit()
+        return value
 
     def _refuse_non_tensor(self, node: str, what: str) -> None:
         """A node holding a tuple or list (topk, split, max with indices) cannot be patched as one value: its
