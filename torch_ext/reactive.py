@@ -1149,6 +1149,8 @@ class ReactiveGraph:
                 raise TypeError("graft(src, dst, block): dst must be a node name")
             dst = dst_or_block
         src, dst = self.resolve(src), self.resolve(dst) if dst else dst
+        if dst:
+            self._refuse_grafted_edge(src, dst)
         if self._loss_output is not None or self._grad_outputs:
             # The backward nodes were derived from the forward without the block: spliced into the forward, its
             # values reached the loss while the gradients kept the old chain rule (a block 2*t after a layer left
@@ -1171,6 +1173,24 @@ class ReactiveGraph:
         self._grafts.append((src, dst, block, names))
         self._grafts_applied += 1
         return names
+
+    def _refuse_grafted_edge(self, src: str, dst: str) -> None:
+        """An edge ``src -> dst`` grafted before is gone: ``dst`` reads that block's output now. The engine's
+        refusal said only "no edge"; this one says why and names the edge to graft onto instead (after the
+        earlier block, whose output ``dst`` reads), before anything is exported. Nothing changes."""
+        node = next((n for n in self.graph.nodes() if n.name == dst), None)
+        inputs = _node_inputs(node) if node is not None else []
+        if node is None or src in inputs:
+            return  # an unknown dst, or an edge that exists: the engine's checks
+        for g_src, g_dst, _, names in reversed(self._grafts):
+            if g_src != src or g_dst not in ("", dst):
+                continue
+            reads = [a for a in inputs if a in names]
+            if reads:
+                how = "the edge" if g_dst else "every consumer of it (node form)"
+                raise ValueError(f"graft {src} -> {dst}: {how} was already grafted, so {dst!r} reads the block's "
+                                 f"output {reads[0]!r} now, not {src!r}; to add a block after the first one, graft "
+                                 f"onto the edge {reads[0]!r} -> {dst!r}")
 
     def _apply_graft(self, src: str, dst: str, block: torch.nn.Module) -> list[str]:
         # The example comes from src's declared type, never its value: inside `batch()` nothing may be
