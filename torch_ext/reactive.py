@@ -1237,7 +1237,11 @@ class ReactiveGraph:
     def batch(self):
         """Records the mutations made inside it and invalidates once, when the block ends (or at the
         first read inside it): nothing is evaluated before the next demand, which costs
-        |U D0(w_k)| + sum h_k for a batch of grafts (cost-model.md), in any order."""
+        |U D0(w_k)| + sum h_k for a batch of grafts (cost-model.md), in any order. With patches by value too
+        (nodes S, standing at the demand), from a graph with nothing stale and no standing patch, early cutoff
+        off, it costs |(U_k D(B_k) U U_{s in S} V+(s)) minus S|, with B_k the k-th block's nodes and the cones
+        taken in the graph after the batch (which reduces to the formula above when S is empty). A patch
+        function reads its node's baseline inside the batch: that read settles the batch and evaluates then."""
         self._engine.begin_batch()
         try:
             yield self
