@@ -341,9 +341,15 @@ def global_reads(model: torch.nn.Module, functions: Sequence[Callable] = ()) -> 
         for k, v in mod.__dict__.items():
             if k.startswith("_"):
                 continue
-            if isinstance(v, types.FunctionType):
-                function(v)  # a function it holds and calls (a grafted function block): its defaults, its globals
-            namespace(f"attribute {type(mod).__qualname__}.{k}:", v)
+            if isinstance(v, types.FunctionType) and not _is_library(v):
+                # A function it holds and calls (a grafted function block): its closure and globals are
+                # callable_reads' (_held_reads); a class or object given as its default argument is read here.
+                all_names.update(_global_names(v.__code__))
+                all_stored.update(_stored_attrs(v.__code__))
+                for d in list(v.__defaults__ or ()) + list((v.__kwdefaults__ or {}).values()):
+                    namespace(f"default of {v.__module__}.{v.__qualname__}:", d)
+            if isinstance(v, type):  # an object held as an attribute (self.opts.scale) is _held_reads'
+                namespace(f"attribute {type(mod).__qualname__}.{k}:", v)
             if isinstance(v, (list, tuple, dict)) and len(v) <= _GLOBAL_CONTAINER_LIMIT:
                 for i, e in (v.items() if isinstance(v, dict) else enumerate(v)):
                     if isinstance(e, type):
