@@ -342,12 +342,11 @@ def global_reads(model: torch.nn.Module, functions: Sequence[Callable] = ()) -> 
             if k.startswith("_"):
                 continue
             if isinstance(v, types.FunctionType) and not _is_library(v):
-                # A function it holds and calls (a grafted function block): its closure and globals are
-                # callable_reads' (_held_reads); a class or object given as its default argument is read here.
-                all_names.update(_global_names(v.__code__))
-                all_stored.update(_stored_attrs(v.__code__))
-                for d in list(v.__defaults__ or ()) + list((v.__kwdefaults__ or {}).values()):
-                    namespace(f"default of {v.__module__}.{v.__qualname__}:", d)
+                # A function it holds and calls (a grafted function block) is walked as forward is: a user class
+                # or module it reads by its global name (Cfg.SCALE), a class or object given as its default
+                # argument. Its closure and plain globals are callable_reads' too (_held_reads): their labels
+                # ("fn model.act: 'k'") come first in the joined snapshot.
+                function(v)
             if isinstance(v, type):  # an object held as an attribute (self.opts.scale) is _held_reads'
                 namespace(f"attribute {type(mod).__qualname__}.{k}:", v)
             if isinstance(v, (list, tuple, dict)) and len(v) <= _GLOBAL_CONTAINER_LIMIT:
@@ -386,7 +385,7 @@ def global_reads(model: torch.nn.Module, functions: Sequence[Callable] = ()) -> 
                 if a in cd:
                     take(f"{label} class {klass.__module__}.{klass.__qualname__}", cd, a, cd[a], read, set(), 1,
                          attrs_set=frozenset(all_stored))
-    return joined((paths, dicts, keys, values, tpaths, tdicts, tkeys, objs, [], []), _held_reads(model))
+    return joined(_held_reads(model), (paths, dicts, keys, values, tpaths, tdicts, tkeys, objs, [], []))
 
 
 def _held_reads(model: torch.nn.Module) -> tuple:
