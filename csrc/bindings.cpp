@@ -733,7 +733,10 @@ PYBIND11_MODULE(_C, m) {
       .def("share_row_buffers", &reactive::Engine::share_row_buffers, py::arg("other"))
       .def("row_buffers_reused", &reactive::Engine::row_buffers_reused)
       .def("row_buffers_allocated", &reactive::Engine::row_buffers_allocated)
-      .def("begin_transaction", &reactive::Engine::begin_transaction)
+      .def("begin_transaction", &reactive::Engine::begin_transaction, py::arg("restore_counts") = false)
+      .def("commit", &reactive::Engine::commit)
+      .def("check_patch",
+           [](const reactive::Engine& e, const std::string& n, py::handle v) { e.check_patch(n, ivalue_from_py(v)); })
       .def("rollback", &reactive::Engine::rollback)
       .def("in_transaction", &reactive::Engine::in_transaction)
       .def("check_intact", [](reactive::Engine& e, const std::string& n) { e.check_intact(n); })

@@ -241,6 +241,20 @@ def global_reads(model: torch.nn.Module, functions: Sequence[Callable] = ()) -> 
     tpaths, tdicts, tkeys, objs = [], [], [], []
     seen: set = set()
     taken: set = set()
+    # User classes and objects the code reads as namespaces without naming them as globals: a class held as a
+    # module attribute (self.K = K; self.K.s), in a list or dict attribute, as a class attribute (type(self).X.s),
+    # or a default argument (def forward(self, x, cfg=CFG)). Their attributes are taken once every function is
+    # walked, those some walked code names and none assigns (K.calls += 1 is bookkeeping).
+    namespaces: list = []
+    all_names: set = set()
+    all_stored: set = set()
+
+    def namespace(label: str, v) -> None:
+        if isinstance(v, type):
+            if not _is_library(v) and not issubclass(v, torch.nn.Module):
+                namespaces.append((label, v))
+        elif _user_object(v):
+            namespaces.append((label, v))
 
     def take(label: str, d: dict, name: str, v, names: tuple, skip: set, depth: int, lists: bool = False,
              attrs_set: frozenset = frozenset()) -> None:
@@ -270,10 +284,12 @@ def global_reads(model: torch.nn.Module, functions: Sequence[Callable] = ()) -> 
             objs.append(v)
             function(v, depth + 1)
         elif isinstance(v, type) and not _is_library(v) and depth < 4:
-            # A user class read as a namespace (``Cfg.SCALE``): its attributes the code names, as a module's.
-            if id(v) in seen:
+            # A user class read as a namespace (``Cfg.SCALE``): its attributes the code names, as a module's. Once
+            # per class and set of names: a function naming the class but not the attribute (an __init__ storing
+            # ``self.K = K``) walked first left ``K.s`` read by forward unchecked.
+            if (id(v), names) in seen:
                 return
-            seen.add(id(v))
+            seen.add((id(v), names))
             for klass in v.__mro__:
                 if klass is not object and not _is_library(klass):
                     cd = vars(klass)
@@ -299,6 +315,11 @@ def global_reads(model: torch.nn.Module, functions: Sequence[Callable] = ()) -> 
         skip = _stored_globals(fn.__code__)
         label = f"global {env.get('__name__', '?')}"
         attrs_set = _stored_attrs(fn.__code__)
+        all_names.update(names)
+        all_stored.update(attrs_set)
+        defaults = list(fn.__defaults__ or ()) + list((fn.__kwdefaults__ or {}).values())
+        for v in defaults:
+            namespace(f"default of {fn.__module__}.{fn.__qualname__}:", v)
         for n in names:
             if n in env:
                 take(label, env, n, env[n], names, skip, depth, attrs_set=attrs_set)
@@ -317,9 +338,26 @@ def global_reads(model: torch.nn.Module, functions: Sequence[Callable] = ()) -> 
         f = mod.__dict__.get("forward")
         if isinstance(f, types.FunctionType):
             function(f)
+        for k, v in mod.__dict__.items():
+            if k.startswith("_"):
+                continue
+            if isinstance(v, types.FunctionType) and not _is_library(v):
+                # A function it holds and calls (a grafted function block) is walked as forward is: a user class
+                # or module it reads by its global name (Cfg.SCALE), a class or object given as its default
+                # argument. Its closure and plain globals are callable_reads' too (_held_reads): their labels
+                # ("fn model.act: 'k'") come first in the joined snapshot.
+                function(v)
+            if isinstance(v, type):  # an object held as an attribute (self.opts.scale) is _held_reads'
+                namespace(f"attribute {type(mod).__qualname__}.{k}:", v)
+            if isinstance(v, (list, tuple, dict)) and len(v) <= _GLOBAL_CONTAINER_LIMIT:
+                for i, e in (v.items() if isinstance(v, dict) else enumerate(v)):
+                    if isinstance(e, type):
+                        namespace(f"attribute {type(mod).__qualname__}.{k}[{i!r}]:", e)
         for cls, k, v in _user_class_members(mod, classes):
             if isinstance(v, types.FunctionType):
                 function(v)
+            elif isinstance(v, type):
+                namespace(f"class attribute {cls.__qualname__}.{k}:", v)
             elif not k.startswith("_") and (isinstance(v, _SCALARS) or _plain(v)):
                 # A class-level knob (``SCALE = 2.0`` in the class body, read as self.SCALE): the trace
                 # holds it as a constant, so ``Block.SCALE = 3.0`` after the build was unseen.
@@ -328,7 +366,26 @@ def global_reads(model: torch.nn.Module, functions: Sequence[Callable] = ()) -> 
         for kind, f in _callable_parts(fn):
             if kind == "function":
                 function(f)
-    return joined((paths, dicts, keys, values, tpaths, tdicts, tkeys, objs, [], []), _held_reads(model))
+    read = tuple(sorted(all_names - all_stored))
+    for label, v in namespaces:
+        if (id(v), read) in seen:
+            continue
+        seen.add((id(v), read))
+        if not isinstance(v, type):
+            own = vars(v)
+            for a in read:
+                if a in own and not a.startswith("__"):
+                    take(f"{label} {type(v).__qualname__} object", own, a, own[a], read, set(), 1,
+                         attrs_set=frozenset(all_stored))
+        for klass in (v if isinstance(v, type) else type(v)).__mro__:
+            if klass is object or _is_library(klass):
+                continue
+            cd = vars(klass)
+            for a in read:
+                if a in cd:
+                    take(f"{label} class {klass.__module__}.{klass.__qualname__}", cd, a, cd[a], read, set(), 1,
+                         attrs_set=frozenset(all_stored))
+    return joined(_held_reads(model), (paths, dicts, keys, values, tpaths, tdicts, tkeys, objs, [], []))
 
 
 def _held_reads(model: torch.nn.Module) -> tuple:

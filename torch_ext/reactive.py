@@ -1101,11 +1101,30 @@ class ReactiveGraph:
         if callable(value):
             with _one_check_per_call():  # f sees the baseline of the weights as they are now
                 self._take_untracked_writes()
-                clean = self._engine.baseline(node)
-            value = self._call_patch_fn(node, self._hook_view(name, value), clean, "patch function")
+                value = self._patch_fn_value(name, node, value)
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"patch {node!r}: expected a tensor or a callable returning one, got {type(value).__name__}")
         self._engine.patch(node, _own_copy(value.detach()))
+
+    def _patch_fn_value(self, name: str, node: str, fn: Callable) -> torch.Tensor:
+        """``fn(baseline of node)``, checked as a patch value. A stale node's baseline is computed first (its
+        stale ancestors evaluated): that runs in a transaction that is rolled back, counters included, when
+        ``fn`` fails or its result is refused, so a refused patch changes no count and no cached value
+        (cost-model.md); once the result is accepted, the evaluations stand, as for any read."""
+        eng = self._engine
+        eng.begin_transaction(restore_counts=True)
+        try:
+            clean = eng.baseline(node)
+            value = self._call_patch_fn(node, self._hook_view(name, fn), clean, "patch function")
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"patch {node!r}: expected a tensor or a callable returning one, got a callable "
+                                f"returning {type(value).__name__}")
+            eng.check_patch(node, value)
+        except BaseException:
+            eng.rollback()
+            raise
+        eng.commit()
+        return value
 
     def _refuse_non_tensor(self, node: str, what: str) -> None:
         """A node holding a tuple or list (topk, split, max with indices) cannot be patched as one value: its
@@ -1168,6 +1187,8 @@ class ReactiveGraph:
                 raise TypeError("graft(src, dst, block): dst must be a node name")
             dst = dst_or_block
         src, dst = self.resolve(src), self.resolve(dst) if dst else dst
+        if dst:
+            self._refuse_grafted_edge(src, dst)
         if self._loss_output is not None or self._grad_outputs:
             # The backward nodes were derived from the forward without the block: spliced into the forward, its
             # values reached the loss while the gradients kept the old chain rule (a block 2*t after a layer left
@@ -1190,6 +1211,24 @@ class ReactiveGraph:
         self._grafts.append((src, dst, block, names))
         self._grafts_applied += 1
         return names
+
+    def _refuse_grafted_edge(self, src: str, dst: str) -> None:
+        """An edge ``src -> dst`` grafted before is gone: ``dst`` reads that block's output now. The engine's
+        refusal said only "no edge"; this one says why and names the edge to graft onto instead (after the
+        earlier block, whose output ``dst`` reads), before anything is exported. Nothing changes."""
+        node = next((n for n in self.graph.nodes() if n.name == dst), None)
+        inputs = _node_inputs(node) if node is not None else []
+        if node is None or src in inputs:
+            return  # an unknown dst, or an edge that exists: the engine's checks
+        for g_src, g_dst, _, names in reversed(self._grafts):
+            if g_src != src or g_dst not in ("", dst):
+                continue
+            reads = [a for a in inputs if a in names]
+            if reads:
+                how = "the edge" if g_dst else "every consumer of it (node form)"
+                raise ValueError(f"graft {src} -> {dst}: {how} was already grafted, so {dst!r} reads the block's "
+                                 f"output {reads[0]!r} now, not {src!r}; to add a block after the first one, graft "
+                                 f"onto the edge {reads[0]!r} -> {dst!r}")
 
     def _apply_graft(self, src: str, dst: str, block: torch.nn.Module) -> list[str]:
         # The example comes from src's declared type, never its value: inside `batch()` nothing may be
@@ -1236,7 +1275,11 @@ class ReactiveGraph:
     def batch(self):
         """Records the mutations made inside it and invalidates once, when the block ends (or at the
         first read inside it): nothing is evaluated before the next demand, which costs
-        |U D0(w_k)| + sum h_k for a batch of grafts (cost-model.md), in any order."""
+        |U D0(w_k)| + sum h_k for a batch of grafts (cost-model.md), in any order. With patches by value too
+        (nodes S, standing at the demand), from a graph with nothing stale and no standing patch, early cutoff
+        off, it costs |(U_k D(B_k) U U_{s in S} V+(s)) minus S|, with B_k the k-th block's nodes and the cones
+        taken in the graph after the batch (which reduces to the formula above when S is empty). A patch
+        function reads its node's baseline inside the batch: that read settles the batch and evaluates then."""
         self._engine.begin_batch()
         try:
             yield self

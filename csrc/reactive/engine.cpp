@@ -442,7 +442,7 @@ void Engine::rethrow_evaluating(const NodeState& st, const std::exception& e, co
                                                   : e.what());
 }
 
-void Engine::begin_transaction() {
+void Engine::begin_transaction(bool restore_counts) {
   settle();
   TORCH_CHECK(has_run_, "begin_transaction: call run() first");
   TORCH_CHECK(!txn_, "begin_transaction: a transaction is already open (transactions do not nest)");
@@ -450,7 +450,17 @@ void Engine::begin_transaction() {
   t.pinned_before = pinned_;
   t.structural_before = structural_dirty_;
   t.baseline_stale_before = baseline_stale_;
+  if (restore_counts) {
+    t.stats_before = stats_;
+    t.node_evaluations_before.reserve(states_.size());
+    for (const auto& st : states_) t.node_evaluations_before.push_back(st.evaluations);
+  }
   txn_.emplace(std::move(t));
+}
+
+void Engine::commit() {
+  TORCH_CHECK(txn_, "commit: no transaction is open");
+  txn_.reset();
 }
 
 void Engine::rollback() {
@@ -482,6 +492,10 @@ void Engine::rollback() {
     if (!states_[id].valid) structural.insert(id);  // found written in place during the transaction
   structural_dirty_ = std::move(structural);
   baseline_stale_ = std::move(t.baseline_stale_before);
+  if (t.stats_before) {  // the counters as at begin_transaction(true): nothing was grafted meanwhile (refused)
+    stats_ = *t.stats_before;
+    for (size_t i = 0; i < t.node_evaluations_before.size(); ++i) states_[i].evaluations = t.node_evaluations_before[i];
+  }
   for (int64_t id : written) retire_written(id);
 }
 

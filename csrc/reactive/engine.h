@@ -227,9 +227,19 @@ class Engine {
   // validity, pins and overlay), with zero evaluations, so standing patches
   // and grafts are left as they were. run, graft and restore are refused
   // inside a transaction; transactions do not nest.
-  void begin_transaction();
+  void begin_transaction(bool restore_counts = false);
   void rollback();
   bool in_transaction() const { return txn_.has_value(); }
+  // A refusable mutation (patch(node, f) on a stale node computes f's argument first):
+  // begin_transaction(true) also saves the counters (stats and the per-node ledger, I7), which
+  // rollback() then puts back, so a refused mutation changes no counter; commit() keeps everything
+  // done since begin_transaction (evaluations included) and closes the transaction.
+  void commit();
+  // Refuses `value` for a patch of `name` (not a tensor, or the node's dtype, shape or device
+  // differ), as patch() would, without changing anything.
+  void check_patch(const std::string& name, const c10::IValue& value) const {
+    check_value_type(*states_[id_of(name)].node, value);
+  }
   // The sweep fast path: pins `node` to `value`, evaluates its cone (the nodes
   // reachable from it without passing a pinned node) in topological order,
   // returns the outputs, and puts every value back, as patch -> demand ->
@@ -378,6 +388,8 @@ class Engine {
     std::vector<int64_t> overlay_added;
     std::set<int64_t> structural_before;      // structural_dirty_ at begin_transaction()
     std::set<int64_t> baseline_stale_before;  // baseline_stale_ at begin_transaction()
+    std::optional<Stats> stats_before;        // begin_transaction(true): the counters to put back
+    std::vector<int64_t> node_evaluations_before;
   };
 
   struct NodeState {

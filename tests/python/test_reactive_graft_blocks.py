@@ -167,3 +167,24 @@ def test_a_grafted_blocks_hook_changed_after_the_graft_is_refused(kind):
         x5 = torch.randn(5, 4)
         assert torch.equal(rg.run(x5), eager(x5))
         assert torch.equal(rg.run(_X), eager(_X))
+
+
+@pytest.mark.parametrize("first", ["edge", "node"])
+def test_a_second_graft_on_a_grafted_edge_says_so_and_names_the_edge_to_graft_onto(first):
+    """The edge relu -> linear_1 is gone once grafted (linear_1 reads the block's output): a second graft on it
+    was refused with "no edge relu -> linear_1 (linear_1 does not read relu)", which hid why. It is refused,
+    naming the edge to graft onto instead, and changes nothing; grafting there stacks the second block after
+    the first, as eager does."""
+    model = _chain()
+    rg = torch_ext.ReactiveGraph(model, (_X,))
+    names = rg.graft("relu", "linear_1", lambda t: t * 2) if first == "edge" else rg.graft("relu", lambda t: t * 2)
+    out = names[-1]
+    text, stats = str(rg), rg.stats
+    with pytest.raises(ValueError, match=rf"graft relu -> linear_1: .* already grafted, so 'linear_1' reads the "
+                                         rf"block's output '{out}' now, not 'relu'; .* graft onto the edge '{out}' -> "
+                                         r"'linear_1'"):
+        rg.graft("relu", "linear_1", lambda t: t + 1)
+    assert str(rg) == text and rg.stats == stats
+    rg.graft(out, "linear_1", lambda t: t + 1)
+    with torch.no_grad():
+        assert torch.equal(rg.demand(), model[2](torch.relu(model[0](_X)) * 2 + 1))

@@ -1783,3 +1783,96 @@ def test_contents_digest_reads_tensors_with_autograd_history_as_their_bytes():
     assert after[0] != before[0] and after[1] != before[1]
     w.data[3, 2] = was  # the same bits again: the same digests
     assert _module_state.contents_digest([w, wt]) == before
+
+
+class _Knobs:  # a user class the forward reads as a namespace, never by its global name
+    scale = 2.0
+    calls = 0
+
+
+class _Opts:  # a user object given as a default argument
+    def __init__(self):
+        self.scale = 2.0
+
+
+_OPTS = _Opts()
+
+
+class _HeldClass(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.knobs = _Knobs  # held as an attribute, read as self.knobs.scale
+
+    def forward(self, x):
+        self.knobs.calls += 1  # bookkeeping the code assigns: not a constant of the trace
+        return self.lin(x) * self.knobs.scale
+
+
+class _ClassAttribute(_HeldClass):
+    KNOBS = _Knobs
+
+    def forward(self, x):
+        return self.lin(x) * type(self).KNOBS.scale
+
+
+class _InContainers(_HeldClass):
+    def __init__(self):
+        super().__init__()
+        self.in_list, self.in_dict = [_Knobs], {"k": _Knobs}
+
+    def forward(self, x):
+        return self.lin(x) * self.in_list[0].scale + self.in_dict["k"].scale
+
+
+class _DefaultObject(_HeldClass):
+    def forward(self, x, opts=_OPTS):
+        return self.lin(x) * opts.scale
+
+
+class _DefaultClass(_HeldClass):
+    def forward(self, x, knobs=_Knobs):
+        return self.lin(x) * knobs.scale
+
+
+def _graft_default(t, opts=_OPTS):
+    return t * opts.scale
+
+
+_NAMESPACE_CASES = {
+    "class attribute of the module": (_HeldClass, None, _Knobs),
+    "type(self).X": (_ClassAttribute, None, _Knobs),
+    "class in a list or dict": (_InContainers, None, _Knobs),
+    "object as forward's default": (_DefaultObject, None, _OPTS),
+    "class as forward's default": (_DefaultClass, None, _Knobs),
+    "object as a grafted function's default": (_HeldClass, _graft_default, _OPTS),
+    "class as a grafted lambda's default": (_HeldClass, lambda t, k=_Knobs: t + k.scale, _Knobs),
+    "class a grafted lambda names as a global": (_HeldClass, lambda t: t - _Knobs.scale, _Knobs),
+}
+
+
+@pytest.mark.parametrize("case", list(_NAMESPACE_CASES))
+def test_a_user_class_or_object_the_trace_reads_as_a_namespace_is_checked(case, monkeypatch):
+    """Before: run(), demand(), value() and sweep() answered with the traced 2.0 after `scale = 5.0` on a user class
+    or object the code reads without naming it as a global (held by the module, a class attribute, in a list or dict,
+    a default argument of forward or of a grafted function), silently unlike eager; changed back, it computes again."""
+    make, graft, holder = _NAMESPACE_CASES[case]
+    model, x = make().eval(), torch.randn(2, 4)
+    rg = torch_ext.ReactiveGraph(model, (x,), cache=False)
+    if graft is not None:
+        rg.graft(rg.nodes("linear*")[0], graft)
+
+    def eager():
+        with torch.no_grad():
+            return model(x) if graft is None else graft(model.lin(x)) * model.knobs.scale  # grafted after lin
+
+    assert torch.equal(rg.run(x), eager())  # the bookkeeping (calls += 1) moved: no refusal
+    monkeypatch.setattr(holder, "scale", 5.0)
+    for call in (rg.demand, lambda: rg.run(x), lambda: rg.value(rg.nodes()[-1]),
+                 lambda: torch_ext.sweep(rg, [rg.nodes("linear*")[0]], lambda v, s: v, sum_metric, progress=False)):
+        with pytest.raises(ValueError, match=r"\.scale( \(a module-level value the traced code reads\))? is 5\.0 now, "
+                                             r"2\.0 when"):
+            call()
+    monkeypatch.undo()
+    assert torch.equal(rg.run(x), eager())

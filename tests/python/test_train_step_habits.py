@@ -2464,3 +2464,56 @@ def test_custom_autograd_function_whose_apply_raises_is_put_back():
     h = torch.randn(3, 8, requires_grad=True)
     grad_reverse(h * 3).sum().backward()  # eager: the class's own forward and backward
     assert torch.equal(h.grad, torch.full_like(h, -1.5))
+
+
+class _StepKnobs:  # a user class a forward reads as a namespace, held by the module (never named as a global)
+    offset = 1.5
+    calls = 0
+
+
+class _StepOpts:
+    def __init__(self):
+        self.offset = 1.5
+
+
+_STEP_OPTS = _StepOpts()
+
+
+class _HeldKnobs(_Offset):
+    def __init__(self):
+        super().__init__()
+        self.knobs = [_StepKnobs]
+
+    def forward(self, x):
+        self.knobs[0].calls += 1  # bookkeeping the code assigns: not checked
+        return self.body(x) + self.knobs[0].offset
+
+
+class _DefaultOpts(_Offset):
+    def forward(self, x, opts=_STEP_OPTS):
+        return self.body(x) + opts.offset
+
+
+@pytest.mark.parametrize("kind", ["class held in a list attribute", "object as forward's default",
+                                  "object as loss_fn's default"])
+def test_a_namespace_the_forward_or_loss_fn_reads_changed_after_build_is_refused(kind):
+    # Before: `offset = 3.0` on a user class or object the code reads without naming it as a global (a class held
+    # in a list attribute, an object given as a default argument) left the step training with the traced 1.5.
+    def defaulted(m, x, y, opts=_STEP_OPTS):
+        return F.mse_loss(m(x), y) * opts.offset
+
+    model = _HeldKnobs() if kind.startswith("class") else _DefaultOpts() if "forward" in kind else _Offset()
+    loss_fn = defaulted if "loss_fn" in kind else _mse
+    holder = _StepKnobs if kind.startswith("class") else _STEP_OPTS
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, _XY)
+    loss, state = step(step.init_state(), *_XY)
+    step.write_back(state)
+    holder.offset = 3.0
+    try:
+        with pytest.raises(ValueError, match=r"\.offset is 3\.0 now, 1\.5 when"):
+            step(state, *_XY)
+    finally:
+        holder.offset = 1.5
+    again, _ = step(state, *_XY)  # changed back: the program is right again
+    with torch.no_grad():
+        assert torch.equal(again, loss_fn(model, *_XY))
