@@ -403,11 +403,22 @@ def test_aoti_lstm_step_runs_and_agrees_with_the_step(tmp_path):
     step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), ce, bs[0])
     assert {n.target for n in step.program.graph.nodes} >= {torch.ops.aten.mkldnn_rnn_layer.default,
                                                            torch.ops.aten.mkldnn_rnn_layer_backward.default}
-    loaded = torch_ext.load_step(step.to_aoti(str(tmp_path / "lstm.pt2")))
+    package = step.to_aoti(str(tmp_path / "lstm.pt2"))
+    loaded = torch_ext.load_step(package)
     got_losses, got = run(loaded, step.init_state(), bs)
     want_losses, want = run(step, step.init_state(), bs)
     torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)
     assert_states_equal(got, want, atol=1e-5)
+    # the C++ runner (no Python) runs it too: it links torch_ext_core, which defines the ops
+    runner = Path(os.environ.get("TORCH_EXT_BUILD_DIR", ROOT / "build")) / "aoti_train"
+    if runner.exists():
+        torch.save(step.init_state().state_dict(), tmp_path / "state.pt")
+        torch.save([list(b) for b in bs], tmp_path / "batches.pt")
+        cpp = subprocess.run([str(runner), package, str(tmp_path / "state.pt"), str(tmp_path / "batches.pt")],
+                             capture_output=True, text=True, timeout=300)
+        assert cpp.returncode == 0, cpp.stderr[-3000:]
+        torch.testing.assert_close(torch.tensor([float(v) for v in cpp.stdout.split()]), want_losses, rtol=1e-5,
+                                   atol=1e-6)
     # the executor's program keeps ATen's ops (bit-exact with eager)
     assert torch.ops.torch_ext.mkldnn_rnn_layer.default not in {n.target for n in step.program.graph.nodes}
 
