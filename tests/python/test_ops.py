@@ -1,4 +1,5 @@
-"""torch.ops.torch_ext optimizer ops: opcheck, and bit-exact parity with torch.optim's single-tensor loops."""
+"""torch.ops.torch_ext ops: opcheck, bit-exact parity of the optimizer ops with torch.optim's single-tensor loops, and of
+the oneDNN LSTM layer ops with ATen's."""
 import math
 
 import pytest
