@@ -136,6 +136,31 @@ def _randint_rng(low, high, size, dtype, rng_state):
 _aten = torch.ops.aten
 
 
+def _mkldnn_rnn_layer(input, weight0, weight1, weight2, weight3, hx_, cx_, reverse, batch_sizes, mode, hidden_size,
+                      num_layers, has_biases, bidirectional, batch_first, train):
+    # An LSTM layer (traced as eager's oneDNN kernel, _compat.eager_onednn_lstm) as torch_ext's op: the same ATen
+    # kernel, run with grad mode on when training (AOTInductor runs a package with it off, where ATen's returns no
+    # workspace for the backward) and called with batch_sizes=[] from C++ (below).
+    if len(batch_sizes):
+        return NotImplemented
+    return torch.ops.torch_ext.mkldnn_rnn_layer(input, weight0, weight1, weight2, weight3, hx_, cx_, reverse, mode,
+                                                hidden_size, num_layers, has_biases, bidirectional, batch_first, train)
+
+
+def _mkldnn_rnn_layer_backward(input, weight1, weight2, weight3, weight4, hx_, cx_tmp, output, hy_, cy_, grad_output,
+                               grad_hy, grad_cy, reverse, mode, hidden_size, num_layers, has_biases, train,
+                               bidirectional, batch_sizes, batch_first, workspace):
+    # An LSTM layer's backward (traced as eager's oneDNN kernel, _compat.eager_onednn_lstm) as torch_ext's op: the
+    # same ATen kernel, called with batch_sizes=[] from C++, since torch 2.9's AOTInductor proxy executor passes
+    # aten's empty batch_sizes as None (pytorch/pytorch#194324; the package failed at run time with "Expected
+    # IntList but got None"). Packed sequences, the only non-empty batch_sizes, are refused at trace time.
+    if len(batch_sizes):
+        return NotImplemented
+    return torch.ops.torch_ext.mkldnn_rnn_layer_backward(
+        input, weight1, weight2, weight3, weight4, hx_, cx_tmp, output, hy_, cy_, grad_output, grad_hy, grad_cy,
+        reverse, mode, hidden_size, num_layers, has_biases, train, bidirectional, batch_first, workspace)
+
+
 def fuse_cross_entropy_program(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """A copy of ``ep`` with fuse_cross_entropy applied (``ep`` itself when nothing matches)."""
     from torch.export.experimental import _copy_graph_module_and_signature
@@ -257,8 +282,9 @@ def _fill_vals(gm: torch.fx.GraphModule) -> None:
 
 
 def aoti_decompositions() -> dict:
-    """{torch_ext OpOverload: its form for AOTInductor}: the optimizer updates' ATen forms and the
-    dropout above. The executor and the arena keep running the C++ kernels (bit-exact with eager)."""
+    """{OpOverload: its form for AOTInductor}: the optimizer updates' ATen forms, the dropout above, and
+    ``aten.mkldnn_rnn_layer`` and its backward as torch_ext's ops of the same names (the same kernels). The
+    executor and the arena keep running the C++ kernels and ATen's op (bit-exact with eager)."""
     from .optim import aten_updates
 
     table = aten_updates()
@@ -269,6 +295,8 @@ def aoti_decompositions() -> dict:
     table[torch.ops.torch_ext.bernoulli_p_rng.default] = _bernoulli_p_rng
     table[torch.ops.torch_ext.rand_rng.default] = _rand_rng
     table[torch.ops.torch_ext.randint_rng.default] = _randint_rng
+    table[_aten.mkldnn_rnn_layer.default] = _mkldnn_rnn_layer
+    table[_aten.mkldnn_rnn_layer_backward.default] = _mkldnn_rnn_layer_backward
     return table
 
 

@@ -72,3 +72,25 @@ def _(self, p, rng_state, fill_in_place=False):
 def _(rng_state):
     # (int64 0-dim seed, advanced generator state)
     return rng_state.new_empty((), dtype=torch.int64), torch.empty_like(rng_state)
+
+
+@torch.library.register_fake("torch_ext::mkldnn_rnn_layer_backward")
+def _(input, weight1, weight2, weight3, weight4, hx_, cx_tmp, output, hy_, cy_, grad_output, grad_hy, grad_cy,
+      reverse, mode, hidden_size, num_layers, has_biases, train, bidirectional, batch_first, workspace):
+    # ATen's CPU kernel's gradients (input, weight1, weight2, the two biases, hx, cx), contiguous: float32 for a
+    # bfloat16 layer (oneDNN's backward runs in float32; eager's engine casts them), else the input's dtype.
+    dtype = torch.float32 if input.dtype == torch.bfloat16 else input.dtype
+    return tuple(t.new_empty(t.shape, dtype=dtype)
+                 for t in (input, weight1, weight2, weight3, weight3, hx_, cx_tmp))
+
+
+@torch.library.register_fake("torch_ext::mkldnn_rnn_layer")
+def _(input, weight0, weight1, weight2, weight3, hx_, cx_, reverse, mode, hidden_size, num_layers, has_biases,
+      bidirectional, batch_first, train):
+    # (output, hy, cy, workspace): aten.mkldnn_rnn_layer's meta kernel, except the workspace, whose byte size oneDNN
+    # picks at run time (a size of its own, unknown until then; empty when not training).
+    seq, batch = (input.shape[1], input.shape[0]) if batch_first else (input.shape[0], input.shape[1])
+    out_shape = (batch, seq, hidden_size) if batch_first else (seq, batch, hidden_size)
+    size = torch.library.get_ctx().new_dynamic_size() if train else 0
+    return (input.new_empty(out_shape), hx_.new_empty(hx_.shape), cx_.new_empty(cx_.shape),
+            input.new_empty((size,), dtype=torch.uint8))

@@ -380,6 +380,49 @@ def test_aoti_lowers_a_view_after_an_empty_cache_cat(tmp_path):
     assert_states_equal(got, want, atol=1e-5)
 
 
+class LSTMClassifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(8, 12, num_layers=2, batch_first=True)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x):
+        out, (h, c) = self.lstm(x)
+        return self.head(out.mean(1)) + c.sum(0).mean(-1, keepdim=True)
+
+
+def test_aoti_lstm_step_runs_and_agrees_with_the_step(tmp_path):
+    # The step traces eager's CPU LSTM (aten.mkldnn_rnn_layer and its backward, _compat.eager_onednn_lstm). The
+    # package failed at run time: torch 2.9's AOTInductor proxy executor passed the backward's empty batch_sizes as
+    # None ("Expected IntList but got None"), and ATen's forward, run with grad mode off there, returned no
+    # workspace for it. to_aoti calls torch_ext's ops of the same kernels (csrc/ops/onednn_rnn.h) instead.
+    torch.manual_seed(0)
+    model = LSTMClassifier()
+    g = torch.Generator().manual_seed(3)
+    bs = [(torch.randn(4, 5, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(3)]
+    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), ce, bs[0])
+    assert {n.target for n in step.program.graph.nodes} >= {torch.ops.aten.mkldnn_rnn_layer.default,
+                                                           torch.ops.aten.mkldnn_rnn_layer_backward.default}
+    package = step.to_aoti(str(tmp_path / "lstm.pt2"))
+    loaded = torch_ext.load_step(package)
+    got_losses, got = run(loaded, step.init_state(), bs)
+    want_losses, want = run(step, step.init_state(), bs)
+    torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)
+    assert_states_equal(got, want, atol=1e-5)
+    # the C++ runner (no Python) runs it too: it links torch_ext_core, which defines the ops
+    runner = Path(os.environ.get("TORCH_EXT_BUILD_DIR", ROOT / "build")) / "aoti_train"
+    if runner.exists():
+        torch.save(step.init_state().state_dict(), tmp_path / "state.pt")
+        torch.save([list(b) for b in bs], tmp_path / "batches.pt")
+        cpp = subprocess.run([str(runner), package, str(tmp_path / "state.pt"), str(tmp_path / "batches.pt")],
+                             capture_output=True, text=True, timeout=300)
+        assert cpp.returncode == 0, cpp.stderr[-3000:]
+        torch.testing.assert_close(torch.tensor([float(v) for v in cpp.stdout.split()]), want_losses, rtol=1e-5,
+                                   atol=1e-6)
+    # the executor's program keeps ATen's ops (bit-exact with eager)
+    assert torch.ops.torch_ext.mkldnn_rnn_layer.default not in {n.target for n in step.program.graph.nodes}
+
+
 class SmallCNN(nn.Module):
     # 3x3 and 1x1 convolutions (a 1x1 weight is channels-last and contiguous at once, in two spellings)
     def __init__(self):

@@ -1,4 +1,5 @@
-"""torch.ops.torch_ext optimizer ops: opcheck, and bit-exact parity with torch.optim's single-tensor loops."""
+"""torch.ops.torch_ext ops: opcheck, bit-exact parity of the optimizer ops with torch.optim's single-tensor loops, and of
+the oneDNN LSTM layer ops with ATen's."""
 import math
 
 import pytest
@@ -175,3 +176,85 @@ def test_bad_arguments_name_the_argument():
                         1e-8, 0.0, False, False)
     with pytest.raises(RuntimeError, match=r"lr must be a 1-element tensor, got shape \[2\]"):
         ops.sgd_update(p, g, torch.zeros(2), 0.0, False)
+
+
+def _lstm_layer_args(dtype, batch_first=False, seed=0):
+    # One LSTM layer's (input, w_ih, w_hh, b_ih, b_hh, hx, cx) as aten.mkldnn_rnn_layer takes them: T=5, B=3, I=4, H=6.
+    g = torch.Generator().manual_seed(seed)
+    shape = (3, 5, 4) if batch_first else (5, 3, 4)
+    x = torch.randn(shape, generator=g)
+    ws = [torch.randn(s, generator=g) * 0.3 for s in ((24, 4), (24, 6), (24,), (24,))]
+    hx, cx = torch.randn(1, 3, 6, generator=g), torch.randn(1, 3, 6, generator=g)
+    return [t.to(dtype) for t in (x, *ws, hx, cx)]
+
+
+def _onednn_dtypes():
+    from torch_ext import _compat
+
+    return [d for d in (torch.float32, torch.bfloat16) if d in _compat._onednn_lstm_dtypes()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_mkldnn_rnn_layer_ops_are_atens_kernels(dtype, reverse):
+    # torch_ext::mkldnn_rnn_layer(_backward): ATen's oneDNN LSTM layer and its backward with batch_sizes=[] (what
+    # to_aoti hands AOTInductor, whose proxy executor passed aten's empty batch_sizes as None), the forward run with
+    # grad mode on when training: ATen's returns the backward's workspace only then, and AOTInductor runs with it off.
+    if dtype not in _onednn_dtypes():
+        pytest.skip("oneDNN's LSTM does not take this dtype on this CPU")
+    x, w0, w1, b0, b1, hx, cx = _lstm_layer_args(dtype)
+    want = torch.ops.aten.mkldnn_rnn_layer(x, w0, w1, b0, b1, hx, cx, reverse, [], 2, 6, 1, True, False, False, True)
+    with torch.no_grad():
+        assert torch.ops.aten.mkldnn_rnn_layer(x, w0, w1, b0, b1, hx, cx, reverse, [], 2, 6, 1, True, False, False,
+                                               True)[3] is None  # (why the op exists)
+        got = ops.mkldnn_rnn_layer(x, w0, w1, b0, b1, hx, cx, reverse, 2, 6, 1, True, False, False, True)
+    for a, b in zip(got[:3], want[:3]):
+        assert torch.equal(a, b)
+    # (the workspace's bytes are oneDNN's scratch, some never written: its size, and the gradients below)
+    assert got[3].dtype == torch.uint8 and got[3].shape == want[3].shape
+    y, hy, cy, work = got
+    gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    gh = torch.randn(hy.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    args = (x, w0, w1, b0, b1, hx, cx, y, hy, cy, gy, gh, None, reverse, 2, 6, 1, True, True, False)
+    want = torch.ops.aten.mkldnn_rnn_layer_backward(*args, [], False, work.clone())  # (ATen writes into it)
+    with torch.no_grad():
+        got = ops.mkldnn_rnn_layer_backward(*args, False, work)
+    assert len(got) == 7
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    # the two bias gradients: equal, not one tensor (no two outputs of an op alias)
+    assert got[3].untyped_storage().data_ptr() != got[4].untyped_storage().data_ptr()
+    # ATen's kernel writes into its workspace; the op's input is left as it was
+    before = work.clone()
+    ops.mkldnn_rnn_layer_backward(*args, False, work)
+    assert torch.equal(work, before)
+    # not training: the same output, and an empty workspace (ATen's is None)
+    inference = ops.mkldnn_rnn_layer(x, w0, w1, b0, b1, hx, cx, reverse, 2, 6, 1, True, False, False, False)
+    assert torch.equal(inference[0], y) and inference[3].numel() == 0 and inference[3].dtype == torch.uint8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_opcheck_mkldnn_rnn_layer_ops(dtype):
+    if dtype not in _onednn_dtypes():
+        pytest.skip("oneDNN's LSTM does not take this dtype on this CPU")
+    x, w0, w1, b0, b1, hx, cx = _lstm_layer_args(dtype)
+    for train in (True, False):
+        # Training, the workspace holds scratch bytes oneDNN never writes, which differ from run to run: AOTDispatch's
+        # test compares two runs' outputs, so it runs on the inference call only.
+        utils = ("test_schema", "test_autograd_registration", "test_faketensor") + (() if train else
+                                                                                   ("test_aot_dispatch_dynamic",))
+        torch.library.opcheck(ops.mkldnn_rnn_layer.default, (x, w0, w1, b0, b1, hx, cx, False, 2, 6, 1, True, False,
+                                                             False, train), test_utils=utils)
+    y, hy, cy, work = ops.mkldnn_rnn_layer(x, w0, w1, b0, b1, hx, cx, False, 2, 6, 1, True, False, False, True)
+    torch.library.opcheck(ops.mkldnn_rnn_layer_backward.default,
+                          (x, w0, w1, b0, b1, hx, cx, y, hy, cy, torch.ones_like(y), None, None, False, 2, 6, 1, True,
+                           True, False, False, work))
+
+
+def test_mkldnn_rnn_layer_backward_names_a_missing_workspace():
+    x, w0, w1, b0, b1, hx, cx = _lstm_layer_args(torch.float32)
+    y, hy, cy, _ = ops.mkldnn_rnn_layer(x, w0, w1, b0, b1, hx, cx, False, 2, 6, 1, True, False, False, False)
+    # the inference forward's (empty) workspace: refused by name, where ATen's kernel would read past it
+    with pytest.raises(RuntimeError, match=r"workspace is empty \(input \[5, 3, 4\], hidden_size 6\)"):
+        ops.mkldnn_rnn_layer_backward(x, w0, w1, b0, b1, hx, cx, y, hy, cy, torch.ones_like(y), None, None, False, 2,
+                                      6, 1, True, True, False, False, _)
