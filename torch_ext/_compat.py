@@ -1787,10 +1787,10 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
                 traced = _trace_for_inference(module, args, kwargs, front_end, lambda: stored.extend(writes.settle()))
             except RuntimeError as e:
                 _refuse_unflattenable_output(module, e)
-                refuse_value_as_python(e)
+                refuse_value_as_python(e, module=module)
                 raise
             except TypeError as e:
-                refuse_value_as_python(e)
+                refuse_value_as_python(e, module=module)
                 raise
     finally:
         mine = own.drawn()
@@ -1844,9 +1844,24 @@ def _user_frame(e: BaseException) -> str | None:
     return f'File "{frames[-1].filename}", line {frames[-1].lineno}, in {frames[-1].name}' if frames else None
 
 
-def refuse_value_as_python(e: BaseException, who: str = "the model") -> None:
+def _eager_experts_hint(module: torch.nn.Module | None) -> str:
+    """The way out where the data-dependent code is a Hugging Face mixture of experts run with
+    ``experts_implementation="eager"`` (a Python loop over the experts that received tokens); else ''."""
+    if module is None:
+        return ""
+    for name, sub in module.named_modules():
+        cfg = getattr(sub, "config", None)
+        if getattr(cfg, "_experts_implementation", None) == "eager":
+            return (f". {type(sub).__name__}{f' ({name})' if name else ''} runs its experts with "
+                    "experts_implementation='eager', a Python loop over the experts that received tokens: build it "
+                    "with experts_implementation='grouped_mm' (transformers' default) or 'batched_mm', which trace")
+    return ""
+
+
+def refuse_value_as_python(e: BaseException, who: str = "the model", module: torch.nn.Module | None = None) -> None:
     """torch's data-dependent guard error, or Python's refusal to turn a traced value into a number (float() of a
-    SymBool), as a NotImplementedError naming the user's line; returns for any other error."""
+    SymBool), as a NotImplementedError naming the user's line (and the way out for a Hugging Face mixture of experts
+    run eagerly, when ``module`` is one); returns for any other error."""
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     if isinstance(e, GuardOnDataDependentSymNode):
@@ -1856,7 +1871,8 @@ def refuse_value_as_python(e: BaseException, who: str = "the model") -> None:
         where = f"{_user_frame(e) or '(unknown)'}: {e}"
     else:
         return
-    raise NotImplementedError(f"{who} {VALUE_AS_PYTHON}" + (f"; at {where}" if where else "")) from e
+    raise NotImplementedError(f"{who} {VALUE_AS_PYTHON}" + (f"; at {where}" if where else "")
+                              + _eager_experts_hint(module)) from e
 
 
 def _refuse_unflattenable_output(module: torch.nn.Module, error: RuntimeError) -> None:

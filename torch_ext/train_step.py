@@ -710,7 +710,7 @@ class TrainStep:
                 try:
                     ep = torch.export.export(wrapper, _compat.distinct_inputs(self._example_batch))  # (x, x): two inputs
                 except (GuardOnDataDependentSymNode, TypeError) as e:  # TypeError: float(t.item() > 0)
-                    _compat.refuse_value_as_python(e, "the model or loss_fn")
+                    _compat.refuse_value_as_python(e, "the model or loss_fn", model)
                     raise
                 except NotImplementedError as e:
                     if "torch._C.Generator" not in str(e):

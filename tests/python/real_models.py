@@ -48,7 +48,7 @@ def tiny_causal_lm(family: str):
     return model(config(**common, **extra)).train()
 
 
-def tiny_family(family: str):
+def tiny_family(family: str, **config):
     """Families the step meets in the wild beyond the Llama-style ones: "mixtral" (top-2 of 4 experts,
     router aux loss in the loss), "gemma2" (logit soft-capping, sliding-window layers alternating with
     global ones) and "bert" (masked LM, decoder tied to the embeddings, labels -100 off the masked tokens)."""
@@ -60,7 +60,7 @@ def tiny_family(family: str):
     if family == "mixtral":
         return transformers.MixtralForCausalLM(transformers.MixtralConfig(
             **common, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
-            router_aux_loss_coef=0.02, bos_token_id=0, eos_token_id=0, pad_token_id=0)).train()
+            router_aux_loss_coef=0.02, bos_token_id=0, eos_token_id=0, pad_token_id=0, **config)).train()
     if family == "gemma2":
         return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
             **common, num_key_value_heads=2, head_dim=8, sliding_window=4, attn_logit_softcapping=50.0,

@@ -483,3 +483,14 @@ def test_traced_constant_value_only_for_what_no_input_reaches():
     assert torch.equal(seen["constant"], (torch.arange(4) * 2).expand(2, 4))
     assert seen["from input"] is None and seen["random"] is None
     assert _compat.traced_constant_value(torch.ones(2)) is None  # not traced
+
+
+def test_a_mixture_of_experts_run_eagerly_is_refused_with_the_implementation_that_traces():
+    # experts_implementation="eager" loops in Python over the experts that received tokens (nonzero of the routing):
+    # no traced program follows it. The refusal named only transformers' line; it now names the way out.
+    model = rm.tiny_family("mixtral", experts_implementation="eager")
+    (ids,) = rm.token_batches(1)[0]
+    with pytest.raises(NotImplementedError, match=r"experts_implementation='grouped_mm'.*'batched_mm'"):
+        torch_ext.ReactiveGraph(model.eval(), (ids,))
+    with pytest.raises(NotImplementedError, match=r"MixtralForCausalLM runs its experts with experts_implementation"):
+        torch_ext.make_train_step(model.train(), rm.adamw(model), rm.causal_lm_loss, (ids,))
