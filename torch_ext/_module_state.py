@@ -185,29 +185,29 @@ _GLOBAL_CONTAINER_LIMIT = 10_000  # a larger global container is not copied nor 
 
 
 @functools.lru_cache(maxsize=None)
+def _stored_names(code: types.CodeType, opnames: tuple, nested: bool) -> frozenset:
+    """The names the instructions ``opnames`` of a code object store or delete (and of the code nested in it, with
+    ``nested``): what _stored_globals, _stored_attrs and _stored_cells read, one dis walk cached per code object."""
+    import dis
+
+    out = {i.argval for i in dis.get_instructions(code) if i.opname in opnames}
+    if nested:
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                out |= _stored_names(const, opnames, True)
+    return frozenset(out)  # cached: not to be changed by a caller
+
+
 def _stored_globals(code: types.CodeType) -> frozenset:
     """Names a code object (and the code nested in it) assigns as globals (``global N; N += 1``): bookkeeping
     a forward keeps, not a constant of its trace."""
-    import dis
-
-    out = {i.argval for i in dis.get_instructions(code) if i.opname in ("STORE_GLOBAL", "DELETE_GLOBAL")}
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            out |= _stored_globals(const)
-    return frozenset(out)  # cached per code object: not to be changed by a caller
+    return _stored_names(code, ("STORE_GLOBAL", "DELETE_GLOBAL"), True)
 
 
-@functools.lru_cache(maxsize=None)
 def _stored_attrs(code: types.CodeType) -> frozenset:
     """Attribute names a code object (and the code nested in it) assigns (``Stats.calls += 1``): bookkeeping on
     a class it reads as a namespace, not a constant of its trace."""
-    import dis
-
-    out = {i.argval for i in dis.get_instructions(code) if i.opname in ("STORE_ATTR", "DELETE_ATTR")}
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            out |= _stored_attrs(const)
-    return frozenset(out)
+    return _stored_names(code, ("STORE_ATTR", "DELETE_ATTR"), True)
 
 
 def _user_class_members(mod: torch.nn.Module, classes: set):
@@ -798,13 +798,9 @@ def _assigned_cells(fn) -> frozenset:
     return frozenset() if code is None else _stored_cells(code)
 
 
-@functools.lru_cache(maxsize=None)
 def _stored_cells(code: types.CodeType) -> frozenset:
     """The closure variables ``code`` assigns or deletes (STORE_DEREF, DELETE_DEREF)."""
-    import dis
-
-    out = {i.argval for i in dis.get_instructions(code) if i.opname in ("STORE_DEREF", "DELETE_DEREF")}
-    return frozenset(out)  # cached per code object, like _stored_globals: not to be changed by a caller
+    return _stored_names(code, ("STORE_DEREF", "DELETE_DEREF"), False)
 
 
 def _traced_tensor(v) -> bool:

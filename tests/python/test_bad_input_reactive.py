@@ -284,19 +284,26 @@ def test_a_glob_over_sites_takes_the_tensor_nodes():
         torch_ext.sweep(rg, "topk", lambda v, s: v * 2, lambda o: float(o.sum()), progress=False)
 
 
-@pytest.mark.parametrize("bad", ["wrong shape", "wrong dtype", "not a tensor", "raises"])
-def test_a_refused_patch_function_on_a_stale_node_changes_no_count_and_no_cached_value(bad):
-    """patch(node, f) on a stale node computes f's argument (its stale ancestors) first. When f's result is
-    refused, or f raises, those evaluations are undone (cost-model.md: a refused mutation changes no counter
-    and no value): the stats stay as they were, and the next demand costs the graft's closed form, h + |V0+(u)|,
-    with the outputs of the grafted model run eagerly."""
+def _chain_grafted_after_its_first_node():
+    """Three Linear+ReLU blocks, then ``2 * t`` grafted after the first node, so every node below it is stale:
+    (model, x, rg, first node, the last linear, |V0+(first)| before the graft, the block's node count h)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)]).eval()
     x = torch.randn(2, 4)
     rg = torch_ext.ReactiveGraph(model, (x,))
     first, last = rg.nodes()[0], rg.nodes()[-2]
     cone0 = len(rg.cone(first))
-    h = len(rg.graft(first, lambda t: 2 * t))  # every node below `first` is stale now
+    h = len(rg.graft(first, lambda t: 2 * t))
+    return model, x, rg, first, last, cone0, h
+
+
+@pytest.mark.parametrize("bad", ["wrong shape", "wrong dtype", "not a tensor", "raises"])
+def test_a_refused_patch_function_on_a_stale_node_changes_no_count_and_no_cached_value(bad):
+    """patch(node, f) on a stale node computes f's argument (its stale ancestors) first. When f's result is
+    refused, or f raises, those evaluations are undone (cost-model.md: a refused mutation changes no counter
+    and no value): the stats stay as they were, and the next demand costs the graft's closed form, h + |V0+(u)|,
+    with the outputs of the grafted model run eagerly."""
+    model, x, rg, first, last, cone0, h = _chain_grafted_after_its_first_node()  # every node below it stale
     fns = {"wrong shape": lambda t: torch.zeros(3), "wrong dtype": lambda t: t.double(),
            "not a tensor": lambda t: 1.0, "raises": lambda t: 1 / 0}
     stats, text = rg.stats, str(rg)
@@ -315,13 +322,7 @@ def test_a_refused_patch_function_on_a_stale_node_changes_no_count_and_no_cached
 def test_an_accepted_patch_function_on_a_stale_node_keeps_its_evaluations():
     """The same patch accepted: the stale ancestors f needed are evaluated once and stay valid, so the patch
     and the demand after it cost h + |V0+(u)| together, and the value is f of the eager baseline."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)]).eval()
-    x = torch.randn(2, 4)
-    rg = torch_ext.ReactiveGraph(model, (x,))
-    first, last = rg.nodes()[0], rg.nodes()[-2]
-    cone0 = len(rg.cone(first))
-    h = len(rg.graft(first, lambda t: 2 * t))
+    model, x, rg, first, last, cone0, h = _chain_grafted_after_its_first_node()
     before = rg.stats["evaluations"]
     rg.patch(last, lambda t: t + 1)
     out = rg.demand()
