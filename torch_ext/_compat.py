@@ -1747,11 +1747,6 @@ def distinct_inputs(tree):
     return torch.utils._pytree.tree_unflatten(leaves, spec)
 
 
-def export_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> torch.export.ExportedProgram:
-    """torch.export for an inference graph (see ``trace_for_inference``)."""
-    return trace_for_inference(module, args, kwargs, front_end="export")[0]
-
-
 FRONT_ENDS = ("auto", "make_fx", "export")
 
 
