@@ -303,19 +303,23 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
               "sweep_sites: nodes, sites and patches must have one entry per site");
   const bool single = py::isinstance<py::int_>(user);
   const int64_t single_index = single ? user.cast<int64_t>() : -1;
-  // Whether a node's sites take the row path, found once per node.
-  std::unordered_map<std::string, bool> row_path;
+  // The node's id and whether its sites take the row path, found once per run of sites on one node (the
+  // engine's *_at forms then take the id: no name is looked up per site).
+  int64_t id = -1;
   bool rows_here = false;
   // Copies handed to patch functions, kept for the next site of the same shape, dtype and device.
   std::vector<at::Tensor> spares;
   py::list results;
+  // The copies the metric could write into, with their versions (one site at a time; kept here so that its
+  // memory is reused).
+  std::vector<std::pair<at::Tensor, int64_t>> guarded;
   // metric(outputs) for `flat` (site i; -1: the unpatched outputs), as stored. `fresh_ok`: an output this loop
   // alone holds may be handed over as it is (sole_fresh: a cone's fresh outputs), else every output is copied.
   const auto measure = [&](std::vector<c10::IValue>& flat, bool fresh_ok, const py::object& site,
                            int64_t i) -> py::object {
     // The metric gets copies of the outputs (metric_copy): the engine's buffers are never handed out. An
     // in-place write into a copy is still refused (its version counter), as documented.
-    std::vector<std::pair<at::Tensor, int64_t>> guarded;  // the copies the metric could write into
+    guarded.clear();
     py::object outs;
     if (single) {
       TORCH_CHECK(single_index >= 0 && single_index < static_cast<int64_t>(flat.size()),
@@ -371,9 +375,8 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
   for (size_t i = 0; i < n; ++i) {
     py::object site = sites[i];
     if (i == 0 || nodes[i] != nodes[i - 1]) {
-      auto [it, fresh] = row_path.try_emplace(nodes[i], false);
-      if (fresh) it->second = rows && e.seq_axis(nodes[i]) >= 0;
-      rows_here = it->second;
+      id = e.node_id(nodes[i]);
+      rows_here = rows && e.seq_axis_at(id) >= 0;
     }
     // The patch function gets a copy of the cached value: a write through .data or .numpy() shares the
     // memory but not the version counter, so a guard on the cached tensor itself would miss it
@@ -385,7 +388,7 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
     // dtype and device when nothing but this loop holds that tensor or its memory (the patch function
     // kept no reference to it or to a view of it, and the metric kept none of an output it became),
     // or is a fresh tensor. A tensor the user holds is never overwritten.
-    const at::Tensor cached = e.value(nodes[i]).toTensor();
+    const at::Tensor cached = e.value_at(id).toTensor();
     at::Tensor clean = lazy_copy(cached);
     if (!clean.defined()) {
       at::Tensor* reused = nullptr;
@@ -436,9 +439,9 @@ py::list sweep_sites(reactive::Engine& e, const std::vector<std::string>& nodes,
     } else {
       py::gil_scoped_release no_gil;
       if (rows_here)
-        flat = e.evaluate_patched_rows(nodes[i], std::move(value), read_rows, read_cols);
+        flat = e.evaluate_patched_rows_at(id, std::move(value), read_rows, read_cols);
       else
-        flat = e.evaluate_patched(nodes[i], std::move(value));
+        flat = e.evaluate_patched_at(id, std::move(value));
     }
     results.append(measure(flat, fresh, site, static_cast<int64_t>(i)));
   }

@@ -2838,6 +2838,8 @@ def _rows_between(before: dict, after: dict) -> fractions.Fraction:
     from their integer parts ({T: rows}, meaning the sum of rows / T), so a sweep's share equals its closed form
     in docs/cost-model-positions.md once rounded, instead of a difference of two rounded sums."""
     a, b = after["row_evaluations_exact"], before["row_evaluations_exact"]
+    if all(t == 1 or k == b.get(t, 0) for t, k in a.items()):  # whole evaluations only (T = 1): an integer
+        return fractions.Fraction(a.get(1, 0) - b.get(1, 0))
     return sum((fractions.Fraction(k - b.get(t, 0), t) for t, k in a.items()), fractions.Fraction(0))
 
 

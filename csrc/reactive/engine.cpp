@@ -310,7 +310,12 @@ Engine::PatchPlan& Engine::plan_for(int64_t id) {
 }
 
 std::vector<c10::IValue> Engine::evaluate_patched(const std::string& name, c10::IValue value) {
-  const int64_t id = id_of(name);
+  return evaluate_patched_at(id_of(name), std::move(value));
+}
+
+std::vector<c10::IValue> Engine::evaluate_patched_at(int64_t id, c10::IValue value) {
+  TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(states_.size()), "evaluate_patched: no node has id ", id);
+  const std::string& name = states_[id].node->name();
   take_written_inputs("evaluate_patched");  // the caller's patch function ran since the last read
   settle_pending();              // settle() without scanning the inputs again
   TORCH_CHECK(has_run_, "evaluate_patched %", name, ": call run() first");
@@ -608,8 +613,11 @@ std::vector<c10::IValue> Engine::demand() {
                                 [&](const ir::Node* n) -> const c10::IValue& { return values_[ids_.at(n)]; });
 }
 
-c10::IValue Engine::value(const std::string& name) {
-  const int64_t target = id_of(name);
+c10::IValue Engine::value(const std::string& name) { return value_at(id_of(name)); }
+
+c10::IValue Engine::value_at(int64_t target) {
+  TORCH_CHECK(target >= 0 && target < static_cast<int64_t>(states_.size()), "value: no node has id ", target);
+  const std::string& name = states_[target].node->name();
   TORCH_CHECK(has_run_, "value %", name, ": the engine has no values yet; call run(inputs) first");
   settle();
   if (states_[target].valid) {  // I3: nothing upstream is stale (the common case: no walk, no allocation)

@@ -192,6 +192,10 @@ class Engine {
   std::vector<c10::IValue> demand();
   // One node's value, recomputing only its stale ancestors.
   c10::IValue value(const std::string& node);
+  // A node's id, for a caller that addresses the same node many times (sweep_sites): the *_at forms below
+  // take it, and do what the named forms do without looking the name up again. Throws naming the node.
+  int64_t node_id(const std::string& node) const { return id_of(node); }
+  c10::IValue value_at(int64_t id);
   // The node's value with no patch active (zero evaluations when cached).
   c10::IValue baseline(const std::string& node);
 
@@ -251,6 +255,7 @@ class Engine {
   // reuses the same hot memory. Needs a graph with nothing stale, no open
   // transaction and early cutoff off.
   std::vector<c10::IValue> evaluate_patched(const std::string& node, c10::IValue value);
+  std::vector<c10::IValue> evaluate_patched_at(int64_t id, c10::IValue value);
   // How many cone plans evaluate_patched has prepared: one per patched node (and pin set), reused
   // by every later call on that node until a graft or a change of the pins drops it.
   int64_t plans_built() const { return plans_built_; }
@@ -296,6 +301,7 @@ class Engine {
   // The node's sequence axis by the analysis (-1: none, positions off, or rows folded into blocks: such a
   // node is not patched by rows, see seq_fold).
   int64_t seq_axis(const std::string& node);
+  int64_t seq_axis_at(int64_t id);
   // The analysis's row axis and row blocks (passes::SeqNode::fold) of a node, (-1, 1) without one.
   std::pair<int64_t, int64_t> seq_fold(const std::string& node);
   // Early cutoff may be on: a value equal to the cached one is cut off at the site (zero
@@ -306,6 +312,9 @@ class Engine {
   std::vector<c10::IValue> evaluate_patched_rows(const std::string& node, c10::IValue value,
                                                  const std::vector<int64_t>& read_rows = {},
                                                  const std::vector<std::vector<int64_t>>& read_cols = {});
+  std::vector<c10::IValue> evaluate_patched_rows_at(int64_t id, c10::IValue value,
+                                                    const std::vector<int64_t>& read_rows = {},
+                                                    const std::vector<std::vector<int64_t>>& read_cols = {});
   // The first row along the node's sequence axis where `value` differs from its cached value (T if none).
   int64_t first_changed_row(const std::string& node, const c10::IValue& value);
 

@@ -227,8 +227,10 @@ const passes::SeqAxisAnalysis& Engine::seq_analysis() {
   return *seq_;
 }
 
-int64_t Engine::seq_axis(const std::string& name) {
-  const int64_t id = id_of(name);
+int64_t Engine::seq_axis(const std::string& name) { return seq_axis_at(id_of(name)); }
+
+int64_t Engine::seq_axis_at(int64_t id) {
+  TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(states_.size()), "seq_axis: no node has id ", id);
   if (!positions_ || states_[id].node->type().kind != ir::Type::Kind::Tensor) return -1;
   const passes::SeqNode& info = seq_analysis().at(states_[id].node);
   return info.fold == 1 ? info.row_axis : -1;
@@ -550,7 +552,14 @@ at::Tensor Engine::assemble_rows(int64_t id, const at::Tensor& cached, const at:
 std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, c10::IValue value,
                                                        const std::vector<int64_t>& read_rows,
                                                        const std::vector<std::vector<int64_t>>& read_cols) {
-  const int64_t id = id_of(name);
+  return evaluate_patched_rows_at(id_of(name), std::move(value), read_rows, read_cols);
+}
+
+std::vector<c10::IValue> Engine::evaluate_patched_rows_at(int64_t id, c10::IValue value,
+                                                          const std::vector<int64_t>& read_rows,
+                                                          const std::vector<std::vector<int64_t>>& read_cols) {
+  TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(states_.size()), "evaluate_patched_rows: no node has id ", id);
+  const std::string& name = states_[id].node->name();
   take_written_inputs("evaluate_patched_rows");  // the caller's patch function ran since the last read
   settle_pending();              // settle() without scanning the inputs again
   TORCH_CHECK(positions_, "evaluate_patched_rows %", name, ": positions are off (set_positions(true) first)");
@@ -575,7 +584,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
   const RowPlan& rp = row_plan_for(id, read_rows, read_cols);
   TORCH_CHECK(rp.source_axis >= 0 || !cutoff_, "evaluate_patched_rows %", name,
               ": the node has no sequence axis and early cutoff is on; use patch()/demand()");
-  if (rp.source_axis < 0) return evaluate_patched(name, std::move(value));
+  if (rp.source_axis < 0) return evaluate_patched_at(id, std::move(value));
   check_intact(id);
   // A value in another layout changes every row's inputs (a row's reduction reads it in another order), so
   // no row is the cached one: the whole cone, on the kernels eager runs (evaluate_cone_whole).

@@ -57,9 +57,11 @@ def test_cpp_loop_equals_python_loop(monkeypatch, positions, metric):
     fn = _metrics()[metric]
     _, _, rg = _graph()
     tanh = [n for n in rg.nodes() if n.startswith("tanh")]
-    # Sites on several nodes, in an interleaved order, on the graph input too (copied before patching).
+    # Sites on several nodes, in an interleaved order, on the graph input too (copied before patching), with runs of
+    # sites on one node (sweep_sites looks a node up once per run) between sites on other nodes.
     x_node = [n.name for n in rg.graph.nodes() if n.kind == "placeholder" and n.role == "input"][0]
-    sites = [(tanh[1], 3), (tanh[0], 0), (tanh[1], 1), (x_node, 2), (tanh[2], 4), (tanh[0], 4)]
+    sites = [(tanh[1], 3), (tanh[0], 0), (tanh[1], 1), (x_node, 2), (tanh[2], 4), (tanh[0], 4),
+             (tanh[0], 1), (tanh[0], 2), (tanh[2], 0), (x_node, 0), (x_node, 3), (tanh[1], 0)]
     patch = position_patch(0.5)
     fast = _run(rg, sites, patch, fn, positions=positions)
     rg.check_invariants()
