@@ -192,6 +192,7 @@ class LoadedStep:
         from .train_step import TrainState
 
         if not isinstance(state, TrainState):
+            refuse_state_dict(state, f"load_step({self.path!r})")
             raise TypeError(f"load_step({self.path!r}) takes a TrainState, got {type(state).__name__}")
         if state.consumed_by is not None:
             raise ValueError(f"{state.describe()} was donated to {state.consumed_by}; use the state that call returned")
@@ -350,6 +351,18 @@ class LoadedStep:
             rng=values.get("rng"), fingerprint=self.fingerprint)
         state.origin = f"example_state() of load_step({self.path!r})"
         return state
+
+
+_STATE_DICT_KEYS = frozenset(("params", "buffers", "opt", "lr", "rng", "sched_epoch", "fingerprint"))
+
+
+def refuse_state_dict(state, who: str) -> None:
+    """A loaded step takes a TrainState: refuses ``state.state_dict()`` (the checkpoint format, which
+    ``build/aoti_train`` reads) naming how to wrap it, instead of failing on its first entry."""
+    if isinstance(state, dict) and _STATE_DICT_KEYS <= set(state):
+        raise TypeError(f"{who} takes a TrainState, got the dict of state.state_dict() (fingerprint "
+                        f"{state.get('fingerprint')!r}): pass torch_ext.TrainState(**d), which keeps its fingerprint, "
+                        "RNG and scheduler epoch")
 
 
 def _pt2_kind(path: str) -> str:
