@@ -72,6 +72,11 @@ def layout_of(step) -> dict:
         # of the lr inputs): load_step(path, scheduler=[...]) puts the schedulers' optimizers in this
         # order, as the step itself does, whatever order the list gives them in.
         "optimizers": [optimizer_signature(o) for o in step.optimizers],
+        # A data-parallel step (process_group=): the program all-reduces each gradient over the group of
+        # this name, scaled by 1/world_size, and with ZeRO-1 slices the optimizer state by this rank; a
+        # loaded artifact runs only in a group of that size (and, with ZeRO-1, on that rank).
+        "data_parallel": None if step._dp is None else {k: step._dp[k] for k in
+                                                        ("group_name", "world_size", "rank", "shard_optimizer_state")},
     }
 
 
@@ -192,6 +197,7 @@ class LoadedStep:
         from .train_step import TrainState
 
         if not isinstance(state, TrainState):
+            refuse_state_dict(state, f"load_step({self.path!r})")
             raise TypeError(f"load_step({self.path!r}) takes a TrainState, got {type(state).__name__}")
         if state.consumed_by is not None:
             raise ValueError(f"{state.describe()} was donated to {state.consumed_by}; use the state that call returned")
@@ -201,6 +207,7 @@ class LoadedStep:
                              "saved this artifact")
         if self.schedule is not None:
             self.schedule.check_state(state, f"load_step({self.path!r})")
+        check_process_group(self.layout.get("data_parallel"), self.path)
         want = self.layout["batch"]
         leaves = self._batch_leaves(batch, want)
         if len(leaves) != len(want):
@@ -350,6 +357,46 @@ class LoadedStep:
             rng=values.get("rng"), fingerprint=self.fingerprint)
         state.origin = f"example_state() of load_step({self.path!r})"
         return state
+
+
+def check_process_group(dp: dict | None, path: str) -> None:
+    """Refuses to run a data-parallel artifact (layout ``data_parallel``) outside a process group like
+    the one it was built for: run in a group of another size, its gradients, scaled by 1/world_size
+    as built and summed over the group, were the average times new/old size, silently."""
+    if not dp:
+        return
+    import torch.distributed as dist
+
+    what = (f"{path} was saved from a data-parallel step on {dp['world_size']} ranks (process group "
+            f"{dp['group_name']!r}), whose program all-reduces the gradients across that group")
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"{what}: call torch.distributed.init_process_group(...) with {dp['world_size']} ranks "
+                         "first (e.g. under torchrun)")
+    try:
+        pg = dist.distributed_c10d._resolve_process_group(dp["group_name"])
+    except Exception:  # noqa: BLE001 - torch raises RuntimeError or KeyError by version
+        raise ValueError(f"{what}, and this process has no process group of that name") from None
+    world = dist.get_world_size(pg)
+    if world != dp["world_size"]:
+        raise ValueError(f"{what}, but that group has {world} ranks here: the program scales each gradient by "
+                         f"1/{dp['world_size']} before summing it over the group, so it would train on {world}/"
+                         f"{dp['world_size']} of the average gradient; run it on {dp['world_size']} ranks")
+    rank = dist.get_rank(pg)
+    if dp.get("shard_optimizer_state") and rank != dp["rank"]:
+        raise ValueError(f"{what} with its optimizer state sharded (ZeRO-1) for rank {dp['rank']}, but this process "
+                         f"is rank {rank}: load each rank's own artifact")
+
+
+_STATE_DICT_KEYS = frozenset(("params", "buffers", "opt", "lr", "rng", "sched_epoch", "fingerprint"))
+
+
+def refuse_state_dict(state, who: str) -> None:
+    """A loaded step takes a TrainState: refuses ``state.state_dict()`` (the checkpoint format, which
+    ``build/aoti_train`` reads) naming how to wrap it, instead of failing on its first entry."""
+    if isinstance(state, dict) and _STATE_DICT_KEYS <= set(state):
+        raise TypeError(f"{who} takes a TrainState, got the dict of state.state_dict() (fingerprint "
+                        f"{state.get('fingerprint')!r}): pass torch_ext.TrainState(**d), which keeps its fingerprint, "
+                        "RNG and scheduler epoch")
 
 
 def _pt2_kind(path: str) -> str:

@@ -356,6 +356,9 @@ class OnnxStep:
         self._input_names = [i.name for i in self.session.get_inputs()]
 
     def __call__(self, state, *batch):
+        from .deploy import refuse_state_dict
+
+        refuse_state_dict(state, f"load_step({self.path!r})")  # (a flat {name: tensor} dict is taken)
         is_dict = isinstance(state, dict)
         if not is_dict:
             from .train_step import TrainState

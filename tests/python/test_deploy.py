@@ -385,3 +385,36 @@ def test_cpp_runner_refuses_a_state_entry_of_another_dtype_or_shape(tmp_path):
     run = subprocess.run([str(RUNNER), package, str(tmp_path / "good.pt"), str(tmp_path / "batches.pt")],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and len(run.stdout.split()) == 2, run.stderr
+
+
+@pytest.mark.skipif(not RUNNER.exists(), reason=f"C++ runner not built at {RUNNER}")
+def test_cpp_runner_prints_every_loss_of_an_accumulating_package(tmp_path):
+    # An accumulate=2 step returns one loss per micro-batch: the runner printed loss.item() and exited 2 on
+    # the first call ("a Tensor with 2 elements cannot be converted to Scalar").
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(6)]
+    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                     lambda m, x, y: F.cross_entropy(m(x), y), batches[0], accumulate=2)
+    package = step.to_aoti(str(tmp_path / "acc.pt2"))
+    state = step.init_state()
+    torch.save(state.state_dict(), tmp_path / "state.pt")
+    calls = [list(batches[i]) + list(batches[i + 1]) for i in range(0, 6, 2)]
+    torch.save(calls, tmp_path / "batches.pt")
+    loaded = torch_ext.load_step(package)
+    py_losses = []
+    for c in calls:
+        loss, state = loaded(state, *c)
+        py_losses.extend(loss.tolist())
+    run = subprocess.run([str(RUNNER), package, str(tmp_path / "state.pt"), str(tmp_path / "batches.pt")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [float(line) for line in run.stdout.split()] == [float(f"{x:.9g}") for x in py_losses]
+    # torch.save(state) (a pickled Python TrainState) is not the runner's format: named, no C++ stack trace.
+    torch.save(step.init_state(), tmp_path / "pickled.pt")
+    run = subprocess.run([str(RUNNER), package, str(tmp_path / "pickled.pt"), str(tmp_path / "batches.pt")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "pickled Python TrainState" in run.stderr and "state_dict()" in run.stderr, \
+        run.stderr[-2000:]
+    assert "frame #" not in run.stderr, run.stderr[-2000:]

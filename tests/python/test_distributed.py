@@ -652,3 +652,37 @@ def test_tensors_the_loss_captured_stay_each_ranks_own_as_in_ddp(tmp_path):
     # rank 0's class weights (the weights 0.06 from DDP's after 3 steps).
     for rank, unequal in enumerate(_launch(_captured_weight_worker, (), tmp_path)):
         assert unequal == [], f"rank {rank}: {unequal}"
+
+
+def _saved_data_parallel_worker(rank, world, out_dir):
+    model, loss_fn, batches = _tiny(rank)
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, batches[0],
+                                     process_group=dist.group.WORLD)
+    state = step.init_state()
+    path = os.path.join(out_dir, f"step{rank}.pt2")
+    torch.export.save(step.program, path)
+    loaded = torch_ext.load_step(path)  # in its own group of 2 ranks: bit-exact with the live step
+    want_loss, want = step(state, *batches[0])
+    got_loss, got = loaded(state, *batches[0])
+    if rank == 0:
+        torch.save((state, batches[0], want_loss, want.params), os.path.join(out_dir, "rank0.pt"))
+    return [k for k in want.params if not torch.equal(want.params[k], got.params[k])] + \
+        ([] if torch.equal(want_loss, got_loss) else ["loss"])
+
+
+def test_a_saved_data_parallel_step_runs_only_in_a_group_of_its_size(tmp_path):
+    # The program scales each gradient by 1/2 (2 ranks, as DDP) and sums it over the group of its name:
+    # loaded in a 1-rank group it trained on half the gradient, silently (SGD: half the step).
+    assert _launch(_saved_data_parallel_worker, (), tmp_path, timeout_s=120) == [[], []]
+    loaded = torch_ext.load_step(tmp_path / "step0.pt2")
+    state, batch, _, _ = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    with pytest.raises(ValueError, match=r"data-parallel step on 2 ranks .*init_process_group"):
+        loaded(state, *batch)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init1'}", rank=0, world_size=1)
+    try:
+        before = {k: v.clone() for k, v in state.params.items()}
+        with pytest.raises(ValueError, match=r"on 2 ranks .*that group has 1 ranks here.*1/2"):
+            loaded(state, *batch)
+        assert all(torch.equal(before[k], v) for k, v in state.params.items())
+    finally:
+        dist.destroy_process_group()

@@ -700,8 +700,13 @@ def test_errors_name_the_path_the_extension_and_the_state(tmp_path):
     state = foreign.init_state(seed=0)
     with pytest.raises(ValueError, match=r"made by a different program \(fingerprint '[0-9a-f]+'\) than .*step.pt2"):
         loaded(state, *b)
-    with pytest.raises(TypeError, match="takes a TrainState, got dict"):
+    with pytest.raises(TypeError, match=r"takes a TrainState, got the dict of state\.state_dict\(\).*"
+                                        r"torch_ext\.TrainState\(\*\*d\)"):
         loaded(step.init_state(seed=0).state_dict(), *b)
+    with pytest.raises(TypeError, match="takes a TrainState, got list"):
+        loaded([step.init_state(seed=0)], *b)
+    wrapped = torch_ext.TrainState(**step.init_state(seed=0).state_dict())  # what the message says to do
+    assert torch.equal(loaded(wrapped, *b)[0], loaded(step.init_state(seed=0), *b)[0])
     with pytest.raises(ValueError, match=r"batch\[0\]: .*expects shape \(4, 8\) and dtype torch.float32, got shape "
                                          r"\(5, 8\)"):
         loaded(step.init_state(seed=0), torch.randn(5, 8), b[1])

@@ -132,6 +132,26 @@ def test_onnx_step_on_a_plain_dict_state(tmp_path):
         onnx_step({}, *batch)
 
 
+def test_onnx_step_names_the_way_to_load_a_state_dict(tmp_path):
+    # state.state_dict() is the checkpoint format (build/aoti_train reads it); given to the ONNX step it
+    # was looked up as a flat dict and refused as having "no entry 'model.0.weight'", which it holds.
+    model, batch, loss_fn = _case("mlp")
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, batch)
+    onnx_step = tox.load_onnx_step(tox.to_onnx(step, str(tmp_path / "s.onnx")))
+    state = step.init_state()
+    with pytest.raises(TypeError, match=r"state\.state_dict\(\).*torch_ext\.TrainState\(\*\*d\)"):
+        onnx_step(state.state_dict(), *batch)
+    loss_a, new_a = onnx_step(torch_ext.TrainState(**state.state_dict()), *batch)
+    loss_b, new_b = onnx_step(state, *batch)
+    assert torch.equal(loss_a, loss_b)
+    for n in step.state_names:
+        assert torch.equal(new_a.lookup(n), new_b.lookup(n)), n
+    foreign = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), loss_fn,
+                                        batch).init_state().state_dict()
+    with pytest.raises(ValueError, match="made by a different program"):
+        onnx_step(torch_ext.TrainState(**foreign), *batch)
+
+
 def test_onnx_refuses_ops_it_cannot_translate(tmp_path):
     model = nn.Sequential(nn.Linear(8, 8, bias=False))
     opt = torch.optim.Muon(model.parameters(), lr=0.02)

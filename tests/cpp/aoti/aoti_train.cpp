@@ -21,7 +21,8 @@
 // Packages older than "torch_ext.outputs" return the loss and then every state entry.
 // state.pt is torch.save(state.state_dict()) (the checkpoint format: params/buffers/opt dicts,
 // the lr list, rng, fingerprint); batches.pt is torch.save([[tensor, ...], ...]), one list of
-// batch tensors per call. Each call's new state feeds the next. Prints one loss per line. A package
+// batch tensors per call. Each call's new state feeds the next. Prints one loss per line (an
+// accumulating or unrolled package: one per micro-batch or step, in order). A package
 // of a step built with scheduler= ("torch_ext.scheduler" is 1) takes its lr as an input it does not
 // advance (the schedule itself is Python, not in the package): it is refused unless --lrs gives the
 // lr of every param group for each call (torch.save(step.lr_schedule(state, calls)): a list of lists
@@ -49,7 +50,16 @@ c10::IValue load(const char* path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error(std::string("cannot read ") + path);
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  return torch::jit::pickle_load(bytes);
+  try {
+    return torch::jit::pickle_load(bytes);
+  } catch (const c10::Error& e) {
+    // torch.save(state) pickles a Python TrainState, which C++ cannot unpickle (it threw a stack trace
+    // naming only the class): say which file and what to save instead.
+    if (std::string(e.what_without_backtrace()).find("TrainState") != std::string::npos)
+      throw std::runtime_error(std::string(path) + " holds a pickled Python TrainState (torch.save(state)); "
+                               "save torch.save(state.state_dict(), path) for aoti_train");
+    throw std::runtime_error(std::string(path) + ": " + e.what_without_backtrace());
+  }
 }
 
 std::vector<std::string> lines(const std::string& text) {
@@ -422,7 +432,10 @@ int run(int argc, char** argv) {
       std::fprintf(stderr, "%s returned %zu outputs, its layout lists %zu\n", argv[1], outs.size(), outputs.size());
       return 1;
     }
-    std::printf("%.9g\n", outs[0].item<double>());
+    // One line per loss the call returns: an accumulating or unrolled step returns one per
+    // micro-batch or step (item() on them threw "a Tensor with 2 elements cannot be converted to Scalar").
+    const at::Tensor losses = outs[0].reshape({-1}).to(at::kDouble).contiguous();
+    for (int64_t i = 0; i < losses.numel(); ++i) std::printf("%.9g\n", losses.data_ptr<double>()[i]);
     // Donated entries already hold their new values (written into entries[name] by the call).
     for (const std::string& name : state_names) {
       auto it = output_index.find(name);
