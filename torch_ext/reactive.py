@@ -41,7 +41,55 @@ def _functional_program(ep: torch.export.ExportedProgram) -> torch.export.Export
     # same dtypes as eager, with no ambient context needed.
     autocast = any(n.op == "call_function" and n.target is getattr(torch.ops.higher_order, "wrap_with_autocast", None)
                    for n in ep.graph.nodes)
-    return _without_hidden_stat_writes(ep.run_decompositions({}) if mutated or mutating or autocast else ep)
+    ep = _without_hidden_stat_writes(ep.run_decompositions({}) if mutated or mutating or autocast else ep)
+    _untangle_identity_casts(ep)
+    return ep
+
+
+_IDENTITY_CASTS = {torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.device,
+                   torch.ops.aten.type_as.default}
+
+
+def _untangle_identity_casts(ep: torch.export.ExportedProgram) -> None:
+    """Gives back to the code outside a module the tensor it read, where the module's cast to the dtype the
+    tensor has already (``hidden_states.to(torch.float32)`` in a float32 RMSNorm) was traced as a node.
+
+    Eager returns the tensor itself for such a cast, so the tracer maps that one tensor to the cast's node from
+    then on: a Llama decoder layer's residual add (``residual = hidden_states`` before ``input_layernorm``) read
+    the norm's internal ``to`` node instead of ``hook_resid_pre``. Values were the same, edges were not: a graft
+    on the edge resid_pre -> input_layernorm (path patching into the attention only) reached the residual stream
+    too, silently. Consumers outside the cast's module (where the module uses the cast itself) read the cast's
+    input again; the cast keeps its consumers inside the module. A cast the module does not use itself (maybe its
+    return value) is left as traced."""
+    changed = False
+    for n in list(ep.graph.nodes):
+        if n.op != "call_function" or n.target not in _IDENTITY_CASTS or not n.args:
+            continue
+        src = n.args[0]
+        if not isinstance(src, torch.fx.Node) or n.kwargs.get("copy") or n.kwargs.get("memory_format") not in (
+                None, torch.preserve_format) or (n.target is torch.ops.aten.to.dtype_layout and len(n.args) > 1):
+            continue
+        a, b = n.meta.get("val"), src.meta.get("val")
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.device == b.device and a.shape == b.shape and a.stride() == b.stride()):
+            continue
+        path = _compat.module_path(n)
+        if not path:
+            continue
+
+        def inside(user, path=path):
+            p = _compat.module_path(user) if user.op == "call_function" else ""
+            return p == path or p.startswith(path + ".")
+
+        users = list(n.users)
+        if not any(inside(u) for u in users):
+            continue
+        for u in users:
+            if not inside(u):
+                u.replace_input_with(n, src)
+                changed = True
+    if changed:
+        ep.graph_module.recompile()
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla", "ipu", "privateuseone")
