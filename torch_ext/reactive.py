@@ -1134,7 +1134,23 @@ class ReactiveGraph:
         conv = self._conversions.get(name)
         if conv is None:
             return fn
-        return lambda value, *rest: conv.revert(fn(conv.convert(value), *rest))
+        if not isinstance(conv, _compat._SplitHeads):
+            return lambda value, *rest: conv.revert(fn(conv.convert(value), *rest))
+
+        def view(value, *rest):
+            # A Hugging Face decoder's hook_z: the result is merged back to [batch, pos, head * d_head] by a reshape,
+            # which took any tensor of as many elements per position ([batch, pos, 2, 16] for 4 heads of 8) as
+            # the heads silently, and named a wrong shape only after the merge, in the node's layout.
+            given = conv.convert(value)
+            out = fn(given, *rest)
+            if not isinstance(out, torch.Tensor):
+                return out  # refused by the caller, naming what it got
+            if out.shape != given.shape:
+                raise ValueError(f"patch function for hook {name!r} returned shape {list(out.shape)}; the hook's value "
+                                 f"is [batch, pos, head, d_head] = {list(given.shape)}, and the patch must have that "
+                                 "shape")
+            return conv.revert(out)
+        return view
 
     # ---- mutations
     def patch(self, node: str, value) -> None:
