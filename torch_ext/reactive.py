@@ -66,8 +66,9 @@ def _untangle_identity_casts(ep: torch.export.ExportedProgram) -> None:
         if n.op != "call_function" or n.target not in _IDENTITY_CASTS or not n.args:
             continue
         src = n.args[0]
-        if not isinstance(src, torch.fx.Node) or n.kwargs.get("copy") or n.kwargs.get("memory_format") not in (
-                None, torch.preserve_format) or (n.target is torch.ops.aten.to.dtype_layout and len(n.args) > 1):
+        given = {**{a.name: v for a, v in zip(n.target._schema.arguments, n.args)}, **n.kwargs}
+        if not isinstance(src, torch.fx.Node) or given.get("copy") or given.get("memory_format") not in (
+                None, torch.preserve_format):
             continue
         a, b = n.meta.get("val"), src.meta.get("val")
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
