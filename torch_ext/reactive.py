@@ -41,7 +41,56 @@ def _functional_program(ep: torch.export.ExportedProgram) -> torch.export.Export
     # same dtypes as eager, with no ambient context needed.
     autocast = any(n.op == "call_function" and n.target is getattr(torch.ops.higher_order, "wrap_with_autocast", None)
                    for n in ep.graph.nodes)
-    return _without_hidden_stat_writes(ep.run_decompositions({}) if mutated or mutating or autocast else ep)
+    ep = _without_hidden_stat_writes(ep.run_decompositions({}) if mutated or mutating or autocast else ep)
+    _untangle_identity_casts(ep)
+    return ep
+
+
+_IDENTITY_CASTS = {torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.device,
+                   torch.ops.aten.type_as.default}
+
+
+def _untangle_identity_casts(ep: torch.export.ExportedProgram) -> None:
+    """Gives back to the code outside a module the tensor it read, where the module's cast to the dtype the
+    tensor has already (``hidden_states.to(torch.float32)`` in a float32 RMSNorm) was traced as a node.
+
+    Eager returns the tensor itself for such a cast, so the tracer maps that one tensor to the cast's node from
+    then on: a Llama decoder layer's residual add (``residual = hidden_states`` before ``input_layernorm``) read
+    the norm's internal ``to`` node instead of ``hook_resid_pre``. Values were the same, edges were not: a graft
+    on the edge resid_pre -> input_layernorm (path patching into the attention only) reached the residual stream
+    too, silently. Consumers outside the cast's module (where the module uses the cast itself) read the cast's
+    input again; the cast keeps its consumers inside the module. A cast the module does not use itself (maybe its
+    return value) is left as traced."""
+    changed = False
+    for n in list(ep.graph.nodes):
+        if n.op != "call_function" or n.target not in _IDENTITY_CASTS or not n.args:
+            continue
+        src = n.args[0]
+        given = {**{a.name: v for a, v in zip(n.target._schema.arguments, n.args)}, **n.kwargs}
+        if not isinstance(src, torch.fx.Node) or given.get("copy") or given.get("memory_format") not in (
+                None, torch.preserve_format):
+            continue
+        a, b = n.meta.get("val"), src.meta.get("val")
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.device == b.device and a.shape == b.shape and a.stride() == b.stride()):
+            continue
+        path = _compat.module_path(n)
+        if not path:
+            continue
+
+        def inside(user, path=path):
+            p = _compat.module_path(user) if user.op == "call_function" else ""
+            return p == path or p.startswith(path + ".")
+
+        users = list(n.users)
+        if not any(inside(u) for u in users):
+            continue
+        for u in users:
+            if not inside(u):
+                u.replace_input_with(n, src)
+                changed = True
+    if changed:
+        ep.graph_module.recompile()
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla", "ipu", "privateuseone")
@@ -1086,7 +1135,23 @@ class ReactiveGraph:
         conv = self._conversions.get(name)
         if conv is None:
             return fn
-        return lambda value, *rest: conv.revert(fn(conv.convert(value), *rest))
+        if not isinstance(conv, _compat._SplitHeads):
+            return lambda value, *rest: conv.revert(fn(conv.convert(value), *rest))
+
+        def view(value, *rest):
+            # A Hugging Face decoder's hook_z: the result is merged back to [batch, pos, head * d_head] by a reshape,
+            # which took any tensor of as many elements per position ([batch, pos, 2, 16] for 4 heads of 8) as
+            # the heads silently, and named a wrong shape only after the merge, in the node's layout.
+            given = conv.convert(value)
+            out = fn(given, *rest)
+            if not isinstance(out, torch.Tensor):
+                return out  # refused by the caller, naming what it got
+            if out.shape != given.shape:
+                raise ValueError(f"patch function for hook {name!r} returned shape {list(out.shape)}; the hook's value "
+                                 f"is [batch, pos, head, d_head] = {list(given.shape)}, and the patch must have that "
+                                 "shape")
+            return conv.revert(out)
+        return view
 
     # ---- mutations
     def patch(self, node: str, value) -> None:

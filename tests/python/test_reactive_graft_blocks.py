@@ -188,3 +188,82 @@ def test_a_second_graft_on_a_grafted_edge_says_so_and_names_the_edge_to_graft_on
     rg.graft(out, "linear_1", lambda t: t + 1)
     with torch.no_grad():
         assert torch.equal(rg.demand(), model[2](torch.relu(model[0](_X)) * 2 + 1))
+
+
+class _RMSNorm(nn.Module):
+    """Llama's RMSNorm: casts its input to float32 first, which on a float32 stream is the tensor itself."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(x.dtype)
+
+
+class _PreNormLayer(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = _RMSNorm(d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        residual = x
+        return residual + self.proj(self.norm(x))
+
+
+def _with_pre_hook(module, fn, model, x):
+    handle = module.register_forward_pre_hook(lambda m, args: (fn(args[0]),))
+    try:
+        with torch.no_grad():
+            return model(x)
+    finally:
+        handle.remove()
+
+
+def test_an_edge_graft_into_a_norm_that_casts_to_its_own_dtype_leaves_the_residual_stream_alone():
+    # Before: the norm's `x.to(torch.float32)` on a float32 stream returns x itself, so the trace gave the layer's
+    # residual add the cast's node to read; a graft on the edge (layer input -> norm), path patching into the
+    # sublayer only, reached the residual stream too, silently (logits off eager by ~1 here).
+    torch.manual_seed(0)
+    model = nn.Sequential(_PreNormLayer(8), _PreNormLayer(8)).eval()
+    x = torch.randn(2, 3, 8)
+    delta = torch.randn(8)
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    norm_in = rg.nodes("1.norm*")[0]
+    resid = next(a for n in rg.graph.nodes() if n.name == norm_in for a in torch_ext.reactive._node_inputs(n))
+    rg.graft(resid, norm_in, lambda t: t + delta)
+    expected = _with_pre_hook(model[1].norm, lambda t: t + delta, model, x)
+    assert torch.equal(rg.demand(), expected)
+    x2 = torch.randn(1, 5, 8)  # another shape's graph replays the graft on the same edge
+    assert torch.equal(rg.run(x2), _with_pre_hook(model[1].norm, lambda t: t + delta, model, x2))
+
+
+def test_path_patching_a_head_into_a_later_llama_layers_attention_only_matches_two_pass_eager():
+    # Sender: layer 0 head 1's corrupted output, added to layer 2's attention input only (input_layernorm), as a
+    # two-pass eager path patch does. The residual stream of layer 2 must keep the clean value.
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    clean = torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(2))
+    corrupted = clean.clone()
+    corrupted[:, 2] = (corrupted[:, 2] + 7) % 64
+    rg = torch_ext.ReactiveGraph(model, (clean,))
+    z_corrupted = rg.run_with_cache(corrupted)[1]["blocks.0.attn.hook_z"][:, :, 1].clone()
+    z_clean = rg.run_with_cache(clean)[1]["blocks.0.attn.hook_z"][:, :, 1].clone()
+    w_o = model.model.layers[0].self_attn.o_proj.weight[:, 8:16]
+    with torch.no_grad():
+        delta = (z_corrupted - z_clean) @ w_o.T
+    resid = rg.resolve("blocks.2.hook_resid_pre")
+    norm = set(rg.nodes("model.layers.2.input_layernorm*"))
+    into_norm = [n.name for n in rg.graph.nodes() if n.name in norm and resid in torch_ext.reactive._node_inputs(n)]
+    assert len(into_norm) == 1
+    rg.graft(resid, into_norm[0], lambda t: t + delta)
+    got = rg.demand().logits
+    expected = _with_pre_hook(model.model.layers[2].input_layernorm, lambda t: t + delta, model, clean).logits
+    assert torch.equal(got, expected)

@@ -226,3 +226,24 @@ def test_a_stream_changed_between_layers_refuses_resid_post():
     assert torch.equal(cache["blocks.1.hook_resid_post"], rg.demand() / 2.0)
     with torch.no_grad():
         assert torch.equal(cache["blocks.1.hook_resid_pre"], model.model.layers[0](x) * 2.0)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_hook_z_patch_of_another_head_shape_is_refused_naming_the_hook_and_changes_nothing(family):
+    # Before: [batch, pos, 2, 16] for 4 heads of 8 was merged back to [batch, pos, 32] by the reshape and taken as
+    # the heads' values silently (a transposed or regrouped head axis), and a shape of other size was refused in
+    # the node's merged layout, naming neither the hook nor the shape the function was handed.
+    _, _, rg = _graph(family)
+    clean = rg.demand().logits.clone()
+    b, t = clean.shape[:2]
+    for wrong in (lambda z: z.reshape(b, t, 2, 16).clone(), lambda z: z[:, :, :2].clone()):
+        with pytest.raises(ValueError, match=r"hook 'blocks\.0\.attn\.hook_z' returned shape \[.*\]; the hook's value "
+                                             rf"is \[batch, pos, head, d_head\] = \[{b}, {t}, 4, 8\]"):
+            rg.patch("blocks.0.attn.hook_z", wrong)
+        assert rg.patched() == [] and torch.equal(rg.demand().logits, clean)
+        with pytest.raises(ValueError, match=r"hook 'blocks\.0\.attn\.hook_z' returned shape"):
+            torch_ext.sweep(rg, [("blocks.0.attn.hook_z", 0)], lambda z, s, wrong=wrong: wrong(z), lambda o: 0.0,
+                            progress=False)
+        assert rg.patched() == [] and torch.equal(rg.demand().logits, clean)
+    rg.patch("blocks.0.attn.hook_z", lambda z: torch.zeros_like(z))  # the hook's own shape is taken
+    assert rg.patched() != []
