@@ -2540,10 +2540,11 @@ def test_a_model_or_optimizer_written_between_calls_is_refused_not_ignored(write
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = torch_ext.make_train_step(model, opt, _ce, _XC)
     loss, state = step(step.init_state(), *_XC)
-    other = _bn_mlp()
+    other = _bn_mlp()  # another run: 2 steps (after 1 it would hold the state's values, which ignores nothing)
     other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
-    _ce(other, *_XC).backward()
-    other_opt.step()
+    for _ in range(2):
+        _ce(other, *_XC).backward()
+        other_opt.step()
     if write == "nn.init.zeros_":
         nn.init.zeros_(model[3].weight)
         name = r"parameter '3\.weight'"
@@ -2552,11 +2553,12 @@ def test_a_model_or_optimizer_written_between_calls_is_refused_not_ignored(write
         name = r"parameter '0\.weight'"
     elif write.startswith("eager forward"):
         with torch.no_grad():
-            model(_XC[0])
+            model(_XC[0] * 2)
         name = r"buffer '1\.num_batches_tracked'"  # BatchNorm's kernel writes its running statistics unversioned
     elif write == "eager opt.step()":
-        _ce(model, *_XC).backward()
-        opt.step()
+        for _ in range(2):
+            _ce(model, *_XC).backward()
+            opt.step()
         name = r"parameter '0\.weight'"
     else:
         opt.load_state_dict(other_opt.state_dict())
@@ -2589,7 +2591,8 @@ def test_a_model_or_optimizer_written_between_calls_is_refused_not_ignored(write
 
 def test_reading_the_model_and_writing_back_between_calls_is_accepted():
     # What a script may do between calls without a refusal: read the weights (an EMA over state.params or after
-    # write_back), evaluate in eval mode (no buffer written), zero_grad (no gradients: the step keeps none).
+    # write_back), evaluate in eval mode (no buffer written), zero_grad (no gradients: the step keeps none), and
+    # an eager loop on the same model and optimizer in lockstep with the step (it writes the values the state holds).
     model = _bn_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     step = torch_ext.make_train_step(model, opt, _ce, _XC)
@@ -2606,6 +2609,17 @@ def test_reading_the_model_and_writing_back_between_calls_is_accepted():
         opt.zero_grad()
         assert all(p.grad is None for p in model.parameters())
     assert torch.equal(model[0].weight, state.params["model.0.weight"])
+    model = _bn_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = torch_ext.make_train_step(model, opt, _ce, _XC)
+    state = step.init_state()
+    for _ in range(3):
+        loss, state = step(state, *_XC)
+        opt.zero_grad()
+        ref_loss = _ce(model, *_XC)
+        ref_loss.backward()
+        opt.step()
+        assert torch.equal(loss, ref_loss.detach())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
