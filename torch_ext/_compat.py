@@ -1284,6 +1284,37 @@ def make_fx_without_stack_traces():
 
 
 @contextlib.contextmanager
+def grad_scaler_refused():
+    """``torch.amp.GradScaler.scale`` (and the ``torch.cuda.amp`` / ``torch.cpu.amp`` subclasses) refused by name
+    inside a traced step: the step differentiates the loss ``loss_fn`` returns and updates the parameters itself,
+    with no ``scaler.step`` to unscale the gradients or skip a step whose gradients are not finite. Traced, an
+    enabled scaler trained on gradients multiplied by its scale (65536: 5e6 off eager's AdamW ``exp_avg_sq`` in
+    3 steps, silently) and kept the trace's fake scale tensor, so the next build failed with "fake mode ...
+    doesn't match mode". A disabled scaler (``enabled=False``) returns the loss as it is, in eager too: it runs."""
+    from torch.amp import GradScaler
+
+    original = GradScaler.scale
+
+    def refuse(self, outputs):
+        if not self._enabled:
+            return original(self, outputs)
+        raise ValueError(
+            f"{type(self).__module__}.{type(self).__qualname__}.scale(loss) inside the traced step (enabled, "
+            f"init_scale={self._init_scale}): the step differentiates the loss loss_fn returns and updates the parameters itself, with no "
+            "scaler.step(optimizer) to unscale the gradients or skip a step whose gradients are not finite, so it "
+            "would train on gradients multiplied by the scale. Return the unscaled loss from loss_fn and drop the "
+            "scaler (float16 parameters and bfloat16 autocast train bit-exact with the eager loop without one; "
+            "step(..., skip_nonfinite=True) keeps the state when the loss is not finite), or build the scaler with "
+            "enabled=False")
+
+    GradScaler.scale = _gated(refuse, original)
+    try:
+        yield
+    finally:
+        GradScaler.scale = original
+
+
+@contextlib.contextmanager
 def packed_sequences_refused():
     """``nn.utils.rnn.pack_padded_sequence`` (and ``pack_sequence``, which calls it) refused with a message naming
     it: a packed sequence's layout (its ``batch_sizes``) is computed from the lengths' values, which a static

@@ -10,6 +10,7 @@ import contextlib
 import copy
 import itertools
 import json
+import operator
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -21,6 +22,7 @@ from . import _C, _compat, _env_reads, _module_state, _trace_patches, optim
 from .ir import Graph
 
 _MODEL_PREFIX = "model."
+_VERSION = operator.attrgetter("_version")
 _ids = itertools.count()
 
 
@@ -901,6 +903,7 @@ class TrainStep:
         self._fingerprint = None
         self._calls = 0
         self._buffer_names = [n for n, _ in model.named_buffers()]
+        self._record_model()
 
     def _scheduled_scalars(self, schedulers) -> dict[int, list[str]]:
         """Per param group whose momentum a scheduler cycles, its kinds' schedulable scalars: the
@@ -949,6 +952,7 @@ class TrainStep:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"init_state: seed must be an int or None, got {type(seed).__name__}")
         state = self._fresh_state(seed, place_schedule=True)
+        self._record_model()  # the model and optimizers as this state took them
         if self.process_group is not None:
             from .distributed import broadcast_state_
 
@@ -1159,6 +1163,77 @@ class TrainStep:
                                          f"{value!r} when the step was built, and the program bakes it in; build a "
                                          "new step (make_train_step)")
 
+    def _record_model(self) -> None:
+        """Notes the model's parameters and buffers (their version counters) and the optimizers' state
+        dicts as this step last read or wrote them: the build, ``init_state``, ``write_back``."""
+        named = [*self.model.named_parameters(), *self.model.named_buffers()]
+        self._model_tensors = [t for _, t in named]
+        self._model_names = [n for n, _ in named]
+        self._num_model_params = sum(1 for _ in self.model.parameters())
+        self._model_versions = list(map(_VERSION, self._model_tensors))
+        self._opt_states = [(opt.state, len(opt.state)) for opt in self.optimizers]
+
+    def _check_model_unwritten(self, state: TrainState) -> None:
+        """Refuses a call after the model's parameters or buffers were written in place to other values than
+        ``state`` holds, or an optimizer's state replaced, since this step last read or wrote them
+        (``nn.init.zeros_(layer.weight)``, ``model.load_state_dict(ckpt)``, ``opt.load_state_dict(ckpt)``, an eager
+        ``opt.step()``, an eager forward that updates BatchNorm statistics): eager training continues from the
+        written values, the step from its TrainState, so the write was silently ignored. A write that leaves the
+        values the state holds (an eager loop run in lockstep with the step after ``write_back``) ignores
+        nothing and is accepted. Version counters tell (a write through ``.data`` leaves them as they were);
+        reading them costs about 0.2 us per tensor."""
+        versions = list(map(_VERSION, self._model_tensors))
+        if (versions == self._model_versions
+                and all(opt.state is st and len(opt.state) == n for opt, (st, n) in zip(self.optimizers, self._opt_states))):
+            return
+        how = ("take a new state from the model and optimizers as they stand: state = step.init_state() (to keep the "
+               "optimizer state and schedule of your TrainState with an edit, call step.write_back(state) before "
+               "editing, then init_state()); or discard the edit with step.write_back(state)")
+        changed = [i for i, (was, now) in enumerate(zip(self._model_versions, versions)) if was != now]
+        if changed:
+            # Written to the values the state holds (an eager loop in lockstep) ignores nothing. The whole model is
+            # compared: some writes move no version counter (BatchNorm's kernel writes its running statistics).
+            differ = [i for i, t in enumerate(self._model_tensors) if not self._held_by(state, i, t)]
+            if differ:
+                i = next((j for j in changed if j in differ), changed[0])
+                other = "" if i in differ else f" ({self._model_names[differ[0]]!r} among them)"
+                raise ValueError(
+                    f"the model's {'parameter' if i < self._num_model_params else 'buffer'} {self._model_names[i]!r} "
+                    f"was written in place (version {self._model_versions[i]} -> {versions[i]}) after this step last "
+                    "read or wrote the model (the build, init_state or write_back), and the model holds other values "
+                    f"than the TrainState's{other}: the step trains the parameters and buffers in its TrainState, "
+                    "eager training would continue from the written values, so the write would be silently ignored. "
+                    f"To train from it, {how}")
+        for opt, (st, n) in zip(self.optimizers, self._opt_states):
+            if (opt.state is not st or len(opt.state) != n) and not self._opt_state_held(opt, state):
+                raise ValueError(f"{type(opt).__name__}'s state was replaced or changed (opt.load_state_dict, "
+                                 f"opt.state.clear(); {len(opt.state)} entries now, {n} then) after this step last "
+                                 "read or wrote it (the build, init_state or write_back): the step trains with the "
+                                 "optimizer state in its TrainState, so the change would be silently ignored. To "
+                                 f"train from it, {how}")
+        self._model_versions = versions
+        self._opt_states = [(opt.state, len(opt.state)) for opt in self.optimizers]
+
+    def _held_by(self, state: TrainState, i: int, t: torch.Tensor) -> bool:
+        """Whether the model's i-th tensor (parameters, then buffers) equals what ``state`` holds for it."""
+        held = (state.params if i < self._num_model_params else state.buffers).get(_MODEL_PREFIX + self._model_names[i])
+        return (held is not None and held.shape == t.shape and held.dtype == t.dtype and held.device == t.device
+                and torch.equal(held, t))
+
+    def _opt_state_held(self, opt, state: TrainState) -> bool:
+        """Whether ``opt``'s state, read as ``init_state`` reads it, equals what ``state`` holds."""
+        for u in self._updates:
+            owner, group = self._groups[u["group"]]
+            if owner is not opt:
+                continue
+            p = self._param_of[self._strip(u["param"])]
+            initial = optim.registration_for(owner).initial_state(u["kind"], owner.state.get(p, {}), p, group)
+            for slot, v in initial.items():
+                held = state.opt.get(optim.state_name(u["param"], slot))
+                if held is None or held.shape != v.shape or held.dtype != v.dtype or not torch.equal(held, v):
+                    return False
+        return True
+
     def _check_state(self, state) -> None:
         if not isinstance(state, TrainState):
             raise TypeError(f"expected a TrainState from step.init_state(), got {type(state).__name__}")
@@ -1212,6 +1287,7 @@ class TrainStep:
         self._check_state(state)
         self._check_schedule(state)
         self._check_config()
+        self._check_model_unwritten(state)
         self._check_lr(state)
 
     def _checked_inputs(self, state: TrainState, flat_batch: list) -> list:
@@ -1388,6 +1464,7 @@ class TrainStep:
             entries = optim.registration_for(opt).torch_state(u["kind"], values, group)
             if entries:  # opt.state is a defaultdict: touch it only to store something
                 opt.state[p].update(entries)
+        self._record_model()  # the model and optimizers now hold this state
 
     def lr_schedule(self, state: TrainState, calls: int) -> list[list[float]]:
         """The lr of every param group (the state's ``lr`` order) for each of the next ``calls`` calls

@@ -2517,3 +2517,145 @@ def test_a_namespace_the_forward_or_loss_fn_reads_changed_after_build_is_refused
     again, _ = step(state, *_XY)  # changed back: the program is right again
     with torch.no_grad():
         assert torch.equal(again, loss_fn(model, *_XY))
+
+
+def _bn_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+_XC = (torch.randn(4, 6, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 2, 1, 2]))
+
+
+def _ce(m, x, y):
+    return F.cross_entropy(m(x), y)
+
+
+@pytest.mark.parametrize("write", ["nn.init.zeros_", "model.load_state_dict", "eager forward (BatchNorm statistics)",
+                                   "eager opt.step()", "opt.load_state_dict"])
+def test_a_model_or_optimizer_written_between_calls_is_refused_not_ignored(write):
+    # Before: the step trained on from its TrainState and silently ignored the write, which eager training would
+    # continue from (re-initialising a layer: 0.32 off eager's AdamW parameters in 3 steps).
+    model = _bn_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = torch_ext.make_train_step(model, opt, _ce, _XC)
+    loss, state = step(step.init_state(), *_XC)
+    other = _bn_mlp()  # another run: 2 steps (after 1 it would hold the state's values, which ignores nothing)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    for _ in range(2):
+        _ce(other, *_XC).backward()
+        other_opt.step()
+    if write == "nn.init.zeros_":
+        nn.init.zeros_(model[3].weight)
+        name = r"parameter '3\.weight'"
+    elif write == "model.load_state_dict":
+        model.load_state_dict(other.state_dict())
+        name = r"parameter '0\.weight'"
+    elif write.startswith("eager forward"):
+        with torch.no_grad():
+            model(_XC[0] * 2)
+        name = r"buffer '1\.num_batches_tracked'"  # BatchNorm's kernel writes its running statistics unversioned
+    elif write == "eager opt.step()":
+        for _ in range(2):
+            _ce(model, *_XC).backward()
+            opt.step()
+        name = r"parameter '0\.weight'"
+    else:
+        opt.load_state_dict(other_opt.state_dict())
+        name = r"AdamW's state was replaced"
+    with pytest.raises(ValueError, match=name + r".*silently ignored.*step\.init_state\(\)"):
+        step(state, *_XC)
+    with pytest.raises(ValueError, match=name):  # the planned arena checks as the executor does
+        step.compile(plan=True, donate=False)(state, *_XC)
+    # Either way out trains as eager from there: a new state from the model and optimizer as they stand
+    ref = _bn_mlp()
+    ref.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt.load_state_dict(opt.state_dict())
+    fresh = step.init_state()
+    for _ in range(2):
+        loss, fresh = step(fresh, *_XC)
+        ref_opt.zero_grad()
+        ref_loss = _ce(ref, *_XC)
+        ref_loss.backward()
+        ref_opt.step()
+        assert torch.equal(loss, ref_loss.detach())
+    for n, p in ref.named_parameters():
+        assert torch.equal(fresh.params["model." + n], p.detach()), n
+    for n, b in ref.named_buffers():
+        assert torch.equal(fresh.buffers["model." + n], b), n
+    # ... or the edit discarded by writing the state back, after which the old state runs again
+    step.write_back(fresh)
+    step(fresh, *_XC)
+
+
+def test_reading_the_model_and_writing_back_between_calls_is_accepted():
+    # What a script may do between calls without a refusal: read the weights (an EMA over state.params or after
+    # write_back), evaluate in eval mode (no buffer written), zero_grad (no gradients: the step keeps none), and
+    # an eager loop on the same model and optimizer in lockstep with the step (it writes the values the state holds).
+    model = _bn_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = torch_ext.make_train_step(model, opt, _ce, _XC)
+    state = step.init_state()
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    for _ in range(3):
+        loss, state = step(state, *_XC)
+        step.write_back(state)
+        ema.update_parameters(model)
+        model.eval()
+        with torch.no_grad():
+            model(_XC[0])
+        model.train()
+        opt.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(model[0].weight, state.params["model.0.weight"])
+    model = _bn_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = torch_ext.make_train_step(model, opt, _ce, _XC)
+    state = step.init_state()
+    for _ in range(3):
+        loss, state = step(state, *_XC)
+        opt.zero_grad()
+        ref_loss = _ce(model, *_XC)
+        ref_loss.backward()
+        opt.step()
+        assert torch.equal(loss, ref_loss.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_grad_scaler_in_loss_fn_is_refused_and_left_as_it_was(dtype):
+    # Before: scaler.scale(loss) inside loss_fn trained on gradients 65536x eager's, with no unscale and no skipped
+    # step (5e6 off eager's AdamW exp_avg_sq in 3 steps), and left the scaler holding the trace's fake scale, so the
+    # next build failed with "fake mode ... doesn't match mode".
+    model = _bn_mlp().to(dtype)
+    x, y = _XC[0].to(dtype), _XC[1]
+    scaler = torch.amp.GradScaler("cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = copy.deepcopy(model.state_dict())
+
+    def scaled(m, x, y):
+        return scaler.scale(F.cross_entropy(m(x).float(), y))
+
+    for _ in range(2):  # the second build is refused the same way
+        with pytest.raises(ValueError, match=r"GradScaler\.scale\(loss\) inside the traced step .*init_scale=65536"):
+            torch_ext.make_train_step(model, opt, scaled, (x, y))
+    assert scaler._scale is None and not opt.state
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    if dtype != torch.float32:
+        return
+    # A disabled scaler returns the loss as it is (eager's scaler.step is then opt.step): trains as eager
+    off = torch.amp.GradScaler("cpu", enabled=False)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    step = torch_ext.make_train_step(model, opt, lambda m, x, y: off.scale(F.cross_entropy(m(x).float(), y)), (x, y))
+    state = step.init_state()
+    for _ in range(3):
+        loss, state = step(state, x, y)
+        ref_opt.zero_grad()
+        ref_loss = off.scale(F.cross_entropy(ref(x).float(), y))
+        ref_loss.backward()
+        off.step(ref_opt)
+        off.update()
+        assert torch.equal(loss, ref_loss.detach())
+    for n, p in ref.named_parameters():
+        assert torch.equal(state.params["model." + n], p.detach()), n
