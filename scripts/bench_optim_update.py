@@ -5,7 +5,8 @@ the same values, so bit-exact).
 
 Parameter sets: torchvision ResNet-18 (11.7M parameters in 62 tensors), one 50257x256 embedding
 (GPT-2's vocabulary: 12.9M in one tensor) and an 8192x256 one (bench_step's GPT-2). Optimizers:
-AdamW and RMSprop (centered, momentum), blocked, and Adagrad and SGD with momentum, run whole
+AdamW and RMSprop (centered, momentum), blocked, and Adagrad and SGD with momentum, run whole; Adamax, NAdam,
+RAdam, Adadelta and Rprop, blocked
 (``Descriptor::blocked``: they measured 0.8-0.93x blocked). Arms, interleaved per round, medians reported:
 
 - eager: ``opt.step()`` with the gradients set;
@@ -18,7 +19,7 @@ parameters and state must equal eager's bit for bit (checked: the exit status is
 Target: at least 0.95x eager everywhere (no regression on small tensors; noise), and faster where
 tensors exceed the cache.
 
-    python scripts/bench_optim_update.py [--threads 1] [--rounds 9]
+    python scripts/bench_optim_update.py [--threads 1] [--rounds 9] [--optimizers AdamW,NAdam]
 """
 from __future__ import annotations
 
@@ -52,6 +53,16 @@ OPTIMIZERS = {
     "Adagrad": (lambda ps: torch.optim.Adagrad(ps, lr=1e-2), "adagrad", ("sum", "step"), (0.0, 0.0, 1e-10, False)),
     "SGD momentum": (lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9), "sgd_momentum",
                      ("momentum_buffer", "step"), (0.9, 0.0, 0.0, False, False)),
+    "Adamax": (lambda ps: torch.optim.Adamax(ps, lr=2e-3), "adamax", ("exp_avg", "exp_inf", "step"),
+               (0.9, 0.999, 1e-8, 0.0, False)),
+    "NAdam": (lambda ps: torch.optim.NAdam(ps, lr=2e-3, weight_decay=1e-2, decoupled_weight_decay=True), "nadam",
+              ("exp_avg", "exp_avg_sq", "mu_product", "step"), (0.9, 0.999, 1e-8, 1e-2, 4e-3, True, False)),
+    "RAdam": (lambda ps: torch.optim.RAdam(ps, lr=1e-3), "radam", ("exp_avg", "exp_avg_sq", "step"),
+              (0.9, 0.999, 1e-8, 0.0, False, False)),
+    "Adadelta": (lambda ps: torch.optim.Adadelta(ps), "adadelta", ("square_avg", "acc_delta", "step"),
+                 (0.9, 1e-6, 0.0, False)),
+    "Rprop": (lambda ps: torch.optim.Rprop(ps, lr=1e-2), "rprop", ("prev", "step_size", "step"),
+              (0.5, 1.2, 1e-6, 50.0, False)),
 }
 
 
@@ -59,7 +70,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--optimizers", default=",".join(OPTIMIZERS),
+                    help=f"comma-separated subset of: {', '.join(OPTIMIZERS)}")
     args = ap.parse_args()
+    chosen = args.optimizers.split(",")
+    unknown = [o for o in chosen if o not in OPTIMIZERS]
+    if unknown:
+        ap.error(f"--optimizers: unknown {', '.join(unknown)} (known: {', '.join(OPTIMIZERS)})")
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     bu.header(f"optimizer update alone, {args.threads} thread(s), ms per step, median of {args.rounds} interleaved rounds")
@@ -68,6 +85,8 @@ def main() -> int:
         g = torch.Generator().manual_seed(0)
         grads = [torch.randn(t.shape, generator=g) for t in tensors]
         for opt_name, (make, kind, slots, scalars) in OPTIMIZERS.items():
+            if opt_name not in chosen:
+                continue
             eager_params = [torch.nn.Parameter(t.clone()) for t in tensors]
             for p, gr in zip(eager_params, grads):
                 p.grad = gr

@@ -337,7 +337,7 @@ class _LrSchedule:
                                      f"{type(owners[gi]).__name__} param group {gi} at step {len(self._lrs)}; the pure "
                                      "step feeds per step only the lr and the hyperparameters a scheduler that cycles "
                                      "momentum (cycle_momentum=True) drives and the optimizer can take as inputs (SGD, "
-                                     "RMSprop and Muon momentum, Adam/AdamW and Lion betas[0]; here: "
+                                     "RMSprop and Muon momentum, Adam/AdamW, Lion, Adamax, NAdam and RAdam betas[0]; here: "
                                      f"{fed}); anything else it bakes in")
             self._record()
         return self._lrs[k]
@@ -1661,8 +1661,9 @@ def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, exampl
     """Builds the pure step ``(loss, new_state) = step(state, *batch)`` for ``model`` and ``optimizer``.
 
     ``loss_fn(model, *batch)`` returns a scalar. ``optimizer`` is a torch.optim optimizer (SGD,
-    Adam, AdamW, Muon, RMSprop, Adagrad, torch_ext.optim.Lion: every class registered in
-    torch_ext.optim; foreach=True accepted except for Muon, whose update has no foreach path) or a
+    Adam, AdamW, Muon, RMSprop, Adagrad, Adamax, NAdam, RAdam, Adadelta, Rprop, torch_ext.optim.Lion: every class
+    registered in torch_ext.optim; foreach=True accepted except for Muon, whose update has no foreach path, and NAdam
+    and RAdam, whose foreach path rounds differently) or a
     list of them over disjoint parameters; it is read as it stands, param
     groups and existing state included. ``clip_grad_norm`` clips the global 2-norm as
     ``torch.nn.utils.clip_grad_norm_``; ``unroll=N`` makes one graph of N steps over N batches.

@@ -91,7 +91,7 @@ int64_t block_elements(const Update& u) {
   };
   if (!laid_out_alike(u.grad)) return 0;
   for (size_t k = 0; k < u.state.size(); ++k)
-    if (!u.desc->slots[k].is_step() && !laid_out_alike(u.state[k])) return 0;
+    if (!u.desc->slots[k].is_scalar() && !laid_out_alike(u.state[k])) return 0;
   return block;
 }
 
@@ -99,16 +99,17 @@ int64_t block_elements(const Update& u) {
 at::Tensor flat_memory(const at::Tensor& t) { return t.as_strided({t.numel()}, {1}, t.storage_offset()); }
 
 // Runs u's kernel block by block over flat slices (u as run_update prepared it; its results are
-// left in u.param and u.state). A step counter is whole: every block's kernel reads the value it
-// had before the update (the first block the real one, later blocks a copy whose result is
-// dropped), so a kernel that reads it before writing it (sgd_momentum) decides alike in every block.
+// left in u.param and u.state). A scalar slot (a step counter, NAdam's mu_product) is whole: every
+// block's kernel reads the value it had before the update (the first block the real one, later
+// blocks a copy whose result is dropped), so a kernel that reads it before writing it
+// (sgd_momentum) decides alike in every block.
 void run_blocked(Update& u, int64_t block) {
   const Descriptor& d = *u.desc;
   const size_t num_slots = d.slots.size();
-  // Per block, one copy of each step counter's value before the update (scratch, reset per block).
+  // Per block, one copy of each scalar slot's value before the update (scratch, reset per block).
   std::vector<at::Tensor> step_before(num_slots), step_scratch(num_slots);
   for (size_t k = 0; k < num_slots; ++k)
-    if (d.slots[k].is_step()) {
+    if (d.slots[k].is_scalar()) {
       step_before[k] = u.state[k].clone();
       step_scratch[k] = at::empty_like(step_before[k]);
     }
@@ -116,14 +117,14 @@ void run_blocked(Update& u, int64_t block) {
   at::Tensor param_out = u.inplace ? u.param : fresh_like(u.param);
   std::vector<at::Tensor> state_out(num_slots);
   for (size_t k = 0; k < num_slots; ++k)
-    if (!d.slots[k].is_step()) state_out[k] = u.inplace ? u.state[k] : fresh_like(u.state[k]);
+    if (!d.slots[k].is_scalar()) state_out[k] = u.inplace ? u.state[k] : fresh_like(u.state[k]);
   TORCH_INTERNAL_ASSERT(param_out.strides() == u.param.strides(), d.kind, ": a result is laid out unlike its input");
   // Flat views made once; each block narrows them.
   const at::Tensor param_flat = flat_memory(u.param), grad_flat = flat_memory(u.grad);
   const at::Tensor param_out_flat = u.inplace ? param_flat : flat_memory(param_out);
   std::vector<at::Tensor> slot_flat(num_slots), slot_out_flat(num_slots);
   for (size_t k = 0; k < num_slots; ++k)
-    if (!d.slots[k].is_step()) {
+    if (!d.slots[k].is_scalar()) {
       slot_flat[k] = flat_memory(u.state[k]);
       slot_out_flat[k] = u.inplace ? slot_flat[k] : flat_memory(state_out[k]);
     }
@@ -145,7 +146,7 @@ void run_blocked(Update& u, int64_t block) {
     b.inputs.clear();
     b.destinations.clear();
     for (size_t k = 0; k < num_slots; ++k) {
-      if (d.slots[k].is_step()) {
+      if (d.slots[k].is_scalar()) {
         if (start != 0) step_scratch[k].copy_(step_before[k]);
         b.state.push_back(start == 0 ? u.state[k] : step_scratch[k]);
       } else {
@@ -158,7 +159,7 @@ void run_blocked(Update& u, int64_t block) {
       b.inputs.push_back(param_slice);
       b.destinations.emplace_back(param_slice, param_out_slice);
       for (size_t k = 0; k < num_slots; ++k) {
-        if (!d.slots[k].is_step()) {
+        if (!d.slots[k].is_scalar()) {
           b.inputs.push_back(slot_slice[k]);
           b.destinations.emplace_back(slot_slice[k], slot_out_slice[k]);
         } else if (start == 0) {
@@ -170,14 +171,14 @@ void run_blocked(Update& u, int64_t block) {
     if (!u.inplace) {  // what this configuration leaves alone is still the input: copy it across
       if (b.param.is_same(param_slice)) param_out_slice.copy_(param_slice);
       for (size_t k = 0; k < num_slots; ++k)
-        if (!d.slots[k].is_step() && b.state[k].is_same(slot_slice[k])) slot_out_slice[k].copy_(slot_slice[k]);
+        if (!d.slots[k].is_scalar() && b.state[k].is_same(slot_slice[k])) slot_out_slice[k].copy_(slot_slice[k]);
     }
     if (start == 0)
       for (size_t k = 0; k < num_slots; ++k)
-        if (d.slots[k].is_step()) step_result[k] = b.state[k];
+        if (d.slots[k].is_scalar()) step_result[k] = b.state[k];
   }
   u.param = param_out;
-  for (size_t k = 0; k < num_slots; ++k) u.state[k] = d.slots[k].is_step() ? step_result[k] : state_out[k];
+  for (size_t k = 0; k < num_slots; ++k) u.state[k] = d.slots[k].is_scalar() ? step_result[k] : state_out[k];
 }
 
 // The CPU kernel of K_update (or K_update_ when `inplace`) for every descriptor. The registry
@@ -192,7 +193,7 @@ void run_update(const Descriptor* d, bool inplace, torch::jit::Stack* stack) {
   check_like(u.param, u.grad, "grad");
   for (size_t k = 0; k < d->slots.size(); ++k) {
     u.state.push_back(args[2 + k].toTensor());
-    if (d->slots[k].is_step()) {
+    if (d->slots[k].is_scalar()) {
       check_step(u.state.back(), d->slots[k].name);
     } else {
       check_like(u.param, u.state.back(), d->slots[k].name);

@@ -43,12 +43,15 @@ struct Descriptor;
 enum class SlotInit {
   Zeros,        // zeros shaped like the parameter
   StepCounter,  // an f32[] count of applied steps, starting at 0; kept whole when state is sharded
+  ScalarOne,    // an f32[] per-parameter scalar starting at 1 (NAdam's mu_product); kept whole, like the step
 };
 
 struct Slot {
   std::string name;  // the schema argument name and the last part of the state name
   SlotInit init = SlotInit::Zeros;
   bool is_step() const { return init == SlotInit::StepCounter; }
+  // An f32[] per parameter rather than a tensor like it: whole in blocked updates and sharded state.
+  bool is_scalar() const { return init == SlotInit::StepCounter || init == SlotInit::ScalarOne; }
 };
 
 enum class ScalarType { Float, Int, Bool };

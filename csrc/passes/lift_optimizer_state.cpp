@@ -47,7 +47,7 @@ std::map<std::string, ir::Node*> lift_optimizer_state(ir::Graph& g, const TrainS
     for (const optim::Slot& slot : optim::get(u.kind).slots) {
       const std::string name = optim::state_name(u.param, slot.name);
       if (lifted.count(name)) continue;
-      ir::Type t = slot.is_step() ? scalar_type(c10::ScalarType::Float) : p->type();
+      ir::Type t = slot.is_scalar() ? scalar_type(c10::ScalarType::Float) : p->type();
       if (t.is_tensor()) t.tensor.strides = ir::TensorMeta::contiguous_strides(t.tensor.sizes);
       lifted[name] = g.create_placeholder(g.unique_name("opt_" + sanitize(u.param) + "_" + slot.name),
                                           ir::InputRole::OptimizerState, t, name);

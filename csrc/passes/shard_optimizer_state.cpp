@@ -85,7 +85,7 @@ std::vector<std::pair<std::string, ir::Node*>> shard_optimizer_state(ir::Graph& 
       ir::Node* s = lifted.at(optim::state_name(u.param, slot.name));
       // Slots that mirror the parameter are sharded; a step counter stays whole even when it has the
       // parameter's shape (a 0-d parameter).
-      if (!slot.is_step() && s->type().is_tensor() && s->type().tensor.sizes == p->type().tensor.sizes)
+      if (!slot.is_scalar() && s->type().is_tensor() && s->type().tensor.sizes == p->type().tensor.sizes)
         s->set_type(flat_type(s->type(), shard));
     }
     auto gi = grads.find(u.param);

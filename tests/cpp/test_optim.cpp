@@ -38,7 +38,8 @@ std::string registered_schema(const std::string& name, const std::string& overlo
 
 TEST(OptimRegistry, EveryBuiltInKindIsRegisteredSorted) {
   const auto k = kinds();
-  for (const char* kind : {"adagrad", "adam", "adam_amsgrad", "muon", "rmsprop", "sgd", "sgd_momentum"})
+  for (const char* kind : {"adadelta", "adagrad", "adam", "adam_amsgrad", "adamax", "muon", "nadam", "radam", "rmsprop",
+                           "rprop", "sgd", "sgd_momentum"})
     EXPECT_NE(std::find(k.begin(), k.end(), kind), k.end()) << kind;
   EXPECT_TRUE(std::is_sorted(k.begin(), k.end()));
 }
@@ -76,15 +77,24 @@ TEST(OptimRegistry, StepCountersAndElementwise) {
   ASSERT_EQ(sgd_m.slots.size(), 2u);
   EXPECT_FALSE(sgd_m.slots[0].is_step());
   EXPECT_TRUE(sgd_m.slots[1].is_step());
+  // NAdam's mu_product: a scalar slot (whole in blocks and shards) that is not the step counter.
+  const auto& nadam = optim::get("nadam");
+  ASSERT_EQ(nadam.slots.size(), 4u);
+  EXPECT_EQ(nadam.slots[2].name, "mu_product");
+  EXPECT_TRUE(nadam.slots[2].is_scalar());
+  EXPECT_FALSE(nadam.slots[2].is_step());
+  EXPECT_TRUE(nadam.slots[3].is_scalar());
+  EXPECT_FALSE(nadam.slots[0].is_scalar());
   EXPECT_FALSE(optim::get("muon").elementwise);
   EXPECT_TRUE(optim::get("adam").elementwise);
 }
 
 TEST(OptimRegistry, UnknownKindIsNamedWithTheKnownOnes) {
-  const std::string e = error_of([] { optim::get("nadam"); });
-  EXPECT_NE(e.find("unknown update kind 'nadam' (expected one of: adagrad, adam, adam_amsgrad, "), std::string::npos)
+  const std::string e = error_of([] { optim::get("lamb"); });
+  EXPECT_NE(e.find("unknown update kind 'lamb' (expected one of: adadelta, adagrad, adam, adam_amsgrad, adamax, "),
+            std::string::npos)
       << e;
-  EXPECT_EQ(optim::find("nadam"), nullptr);
+  EXPECT_EQ(optim::find("lamb"), nullptr);
   EXPECT_EQ(optim::find_by_op("adam_update_"), nullptr);  // the in-place variant is not the functional op
   EXPECT_EQ(optim::find_by_op("adam_update"), &optim::get("adam"));
 }

@@ -1,5 +1,5 @@
 """Large parameters are updated block by block (csrc/optim/define.cpp: each block's passes stay in
-cache; Adam/AdamW, AMSGrad, RMSprop and Lion, while SGD and Adagrad run whole, Descriptor::blocked).
+cache; Adam/AdamW, AMSGrad, RMSprop, Lion, Adamax, NAdam, RAdam and Adadelta, while SGD and Adagrad run whole, Descriptor::blocked).
 The blocks run the same ATen ops on the same values, so the result must equal eager torch.optim bit
 for bit: over several blocks with a ragged last one, in the functional op (the executor, results
 written into whole fresh tensors) and in place (the planned arena, donated), at one and two threads,
@@ -23,6 +23,11 @@ OPTIMIZERS = {
     "rmsprop_centered_momentum": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, centered=True, momentum=0.5, weight_decay=0.01),
     "adagrad_lr_decay": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, lr_decay=0.01, weight_decay=0.01),
     "lion": lambda ps: torch_ext.optim.Lion(ps, lr=1e-3, weight_decay=0.1),
+    "adamax_wd": lambda ps: torch.optim.Adamax(ps, lr=1e-2, weight_decay=0.1),
+    # mu_product, a scalar slot like the step: read before and written once per update, whatever the blocks
+    "nadam_decoupled": lambda ps: torch.optim.NAdam(ps, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
+    "radam_l2_maximize": lambda ps: torch.optim.RAdam(ps, lr=1e-2, weight_decay=0.1, maximize=True),
+    "adadelta_wd": lambda ps: torch.optim.Adadelta(ps, weight_decay=0.01),
 }
 
 
@@ -123,3 +128,18 @@ def test_update_ops_called_directly_match_eager_in_place_and_functional():
     for got in (m2, m):
         assert torch.equal(got, ref_state["exp_avg"])
     assert float(step2) == float(step) == 1.0
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["functional", "in_place"])
+def test_blocked_radam_across_its_rectification_threshold(planned):
+    """Steps 1-5 unrectified, 6-7 rectified (default betas): every block takes the same branch."""
+    block = BLOCK_BYTES // 4
+    g = torch.Generator().manual_seed(2)
+    w0 = torch.randn(2 * block + 3, generator=g)
+    grads = [torch.randn(w0.shape, generator=g) for _ in range(7)]
+    make = lambda ps: torch.optim.RAdam(ps, lr=1e-2)  # noqa: E731
+    ref, ref_state = eager(make, w0, grads)
+    state = run_step(make, w0, grads, planned=planned)
+    assert torch.equal(state.params["model.w"], ref)
+    for slot, v in ref_state.items():
+        assert torch.equal(state.opt[f"opt:model.w:{slot}"].to(v.dtype), v), slot

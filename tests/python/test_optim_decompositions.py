@@ -91,6 +91,46 @@ def f64(v):
     return torch.tensor(v, dtype=torch.float64)
 
 
+@pytest.mark.parametrize("wd,maximize,beta1", [(0.0, False, 0.9), (0.1, True, 0.9), (0.1, False, f64(0.85))])
+def test_adamax(wd, maximize, beta1):
+    p, m, u = tensors(3)
+    op = ops.adamax_update.scheduled if isinstance(beta1, torch.Tensor) else ops.adamax_update.default
+    run(op, [p, m * 0.1, u.abs() * 0.1, torch.tensor(2.0)], [beta1, 0.999, 1e-8, wd, maximize])
+
+
+@pytest.mark.parametrize("wd,decoupled,maximize,beta1", [(0.0, False, False, 0.9), (0.1, False, True, 0.9),
+                                                         (0.1, True, False, 0.9), (0.1, True, True, f64(0.85))])
+def test_nadam(wd, decoupled, maximize, beta1):
+    p, m, v = tensors(3)
+    op = ops.nadam_update.scheduled if isinstance(beta1, torch.Tensor) else ops.nadam_update.default
+    run(op, [p, m * 0.1, v.abs() * 0.1, torch.tensor(0.8), torch.tensor(2.0)],
+        [beta1, 0.999, 1e-8, wd, 4e-3, decoupled, maximize])
+
+
+@pytest.mark.parametrize("start", [0.0, 3.0, 10.0])  # steps 1-4 unrectified, 4-7 across the threshold, rectified
+@pytest.mark.parametrize("wd,decoupled,maximize,beta1", [(0.0, False, False, 0.9), (0.1, False, True, 0.9),
+                                                         (0.1, True, False, f64(0.85))])
+def test_radam(start, wd, decoupled, maximize, beta1):
+    p, m, v = tensors(3)
+    op = ops.radam_update.scheduled if isinstance(beta1, torch.Tensor) else ops.radam_update.default
+    run(op, [p, m * 0.1, v.abs() * 0.1, torch.tensor(start)], [beta1, 0.999, 1e-8, wd, decoupled, maximize])
+
+
+@pytest.mark.parametrize("maximize", [False, True])
+def test_rprop(maximize):
+    p, prev = tensors(2)
+    prev[0, :3] = 0  # sign 0: factor 1
+    run(ops.rprop_update.default, [p, prev, torch.full((5, 7), 1e-2), torch.tensor(0.0)],
+        [0.5, 1.2, 1e-6, 50.0, maximize])
+
+
+@pytest.mark.parametrize("wd,maximize", [(0.0, False), (0.1, True)])
+def test_adadelta(wd, maximize):
+    p, = tensors(1)
+    run(ops.adadelta_update.default, [p, torch.rand(5, 7), torch.rand(5, 7) * 0.1, torch.tensor(0.0)],
+        [0.9, 1e-6, wd, maximize])
+
+
 @pytest.mark.parametrize("nesterov,dampening,momentum", [(False, 0.0, 0.9), (True, 0.0, 0.85), (False, 0.3, 0.9),
                                                          (True, 0.0, 0.0)])
 def test_sgd_momentum_scheduled(nesterov, dampening, momentum):
@@ -153,7 +193,8 @@ def test_each_registration_carries_its_aten_forms():
     overloads = {getattr(ops, descriptor(k)["op"]).default for k in kinds}
     overloads |= {getattr(ops, descriptor(k)["op"]).scheduled for k in kinds if descriptor(k)["schedulable"]}
     assert overloads == set(table)
-    assert kinds == {"adam", "adam_amsgrad", "sgd", "sgd_momentum", "rmsprop", "adagrad", "lion"}
+    assert kinds == {"adam", "adam_amsgrad", "sgd", "sgd_momentum", "rmsprop", "adagrad", "lion", "adamax", "nadam",
+                     "radam", "adadelta", "rprop"}
 
 
 def test_an_aten_form_for_an_unknown_kind_is_refused():

@@ -12,7 +12,7 @@ from torch_ext import optim
 
 def _example_args(d, shape=(3, 2)):
     args = [torch.randn(shape), torch.randn(shape)]
-    args += [torch.tensor(1.0) if init == "step" else torch.zeros(shape) for _, init in d["slots"]]
+    args += [torch.tensor(1.0) if init in ("step", "one") else torch.zeros(shape) for _, init in d["slots"]]
     args.append(torch.tensor(0.1, dtype=torch.float64))
     args += [{"float": 0.5, "int": 2, "bool": False}[t] for _, t in d["scalars"]]
     return args
@@ -69,8 +69,19 @@ def test_state_names_round_trip():
 def test_unknown_kind_and_unsupported_optimizer_are_named():
     with pytest.raises(ValueError, match=r"unknown update kind 'lamb' \(registered: .*lion"):
         optim.descriptor("lamb")
-    with pytest.raises(TypeError, match=r"optimizer NAdam is not supported \(supported: .*Lion"):
-        optim.registration_for(torch.optim.NAdam([torch.nn.Parameter(torch.zeros(2))]))
+    with pytest.raises(TypeError, match=r"optimizer LBFGS is not supported \(supported: .*Lion"):
+        optim.registration_for(torch.optim.LBFGS([torch.nn.Parameter(torch.zeros(2))]))
+    with pytest.raises(TypeError, match=r"optimizer SparseAdam is not supported \(supported: .*NAdam"):
+        optim.registration_for(torch.optim.SparseAdam([torch.nn.Parameter(torch.zeros(2))]))
+
+
+def test_nadam_mu_product_is_a_scalar_slot_starting_at_one():
+    d = optim.descriptor("nadam")
+    assert dict(d["slots"]) == {"exp_avg": "zeros", "exp_avg_sq": "zeros", "mu_product": "one", "step": "step"}
+    p = torch.nn.Parameter(torch.zeros(3, 2))
+    init = optim.registration_for(torch.optim.NAdam([p])).initial_state("nadam", {}, p, {})
+    assert init["mu_product"].shape == () and init["mu_product"].dtype == torch.float32
+    assert float(init["mu_product"]) == 1.0 and float(init["step"]) == 0.0
 
 
 def test_register_refuses_bad_registrations():

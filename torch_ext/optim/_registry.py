@@ -18,7 +18,8 @@ from .. import _C
 
 __all__ = ["Registration", "register", "registration_for", "registrations", "descriptor", "state_name", "lr_name",
            "group_input_name",
-           "parse_state_name", "aten_updates", "aten_grad", "F64", "once", "refuse_rounded_tensor_lr", "operand"]
+           "parse_state_name", "aten_updates", "aten_grad", "F64", "once", "refuse_rounded_tensor_lr", "operand",
+           "refuse_default_foreach"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -27,7 +28,7 @@ def _descriptors() -> dict[str, dict]:
 
 
 def descriptor(kind: str) -> dict:
-    """The C++ descriptor of ``kind``: kind, title, op, inplace_op, slots [(name, "zeros"|"step")],
+    """The C++ descriptor of ``kind``: kind, title, op, inplace_op, slots [(name, "zeros"|"step"|"one")],
     scalars [(name, "float"|"int"|"bool")], schedulable [the float scalars a scheduler may change: tensor
     arguments of the ops' "scheduled" overload, fed per step as lr is], elementwise."""
     try:
@@ -59,12 +60,15 @@ input, ("slot", param, slot) for an optimizer slot, else None."""
 
 def default_initial_state(kind: str, st: dict, param: torch.Tensor, group: dict) -> dict[str, torch.Tensor]:
     """Each slot from torch.optim's per-parameter state ``st``, or as the descriptor starts it
-    (zeros like the parameter; a step counter at 0) when torch.optim has not created it yet."""
+    (zeros like the parameter; a step counter at 0; a scalar "one" slot, NAdam's mu_product, at 1)
+    when torch.optim has not created it yet."""
     out = {}
     for slot, init in descriptor(kind)["slots"]:
         v = st.get(slot)
         if init == "step":
             out[slot] = v.detach().clone().float() if isinstance(v, torch.Tensor) else torch.tensor(float(v or 0.0))
+        elif init == "one":
+            out[slot] = v.detach().clone().float() if isinstance(v, torch.Tensor) else torch.tensor(1.0)
         else:
             out[slot] = v.detach().clone() if v is not None else torch.zeros_like(param)
     return out
@@ -150,6 +154,20 @@ def refuse_rounded_tensor_lr(opt: torch.optim.Optimizer, group: dict, gi: int, c
             f"{type(opt).__name__} param group {gi}: lr is a {lr.dtype} tensor ({float(lr)!r}); eager "
             f"{type(opt).__name__} then computes {computes} in {lr.dtype} arithmetic, which the pure step does "
             f"not reproduce bit for bit. Pass lr as a Python float or a torch.float64 tensor.")
+
+
+def refuse_default_foreach(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, gi: int) -> None:
+    """For a kind whose registration is not ``foreach_exact`` (foreach=True is refused by name): refuses
+    foreach=None where torch.optim would pick its foreach path by default (parameters on CUDA and the like;
+    on CPU it picks the single-tensor path the kernel replays), as that path rounds differently."""
+    if group.get("foreach") is not None or group.get("differentiable"):
+        return
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    if _default_to_fused_or_foreach([param], differentiable=False, use_fused=False)[1]:
+        raise ValueError(
+            f"{type(opt).__name__} param group {gi}: foreach=None on {param.device.type} runs torch.optim's foreach "
+            f"path, which rounds differently from the single-tensor path the pure step replays; pass foreach=False")
 
 
 def once(t: torch.Tensor) -> torch.Tensor:

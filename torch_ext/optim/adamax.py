@@ -1,0 +1,28 @@
+"""torch.optim.Adamax: kind "adamax" (csrc/optim/adamax.cpp)."""
+import torch
+
+from ._registry import F64, Registration, aten_grad, once, operand, refuse_rounded_tensor_lr, register
+
+
+def _read(opt, group, param, gi):
+    if any(isinstance(b, torch.Tensor) for b in group["betas"]):
+        raise ValueError(f"{type(opt).__name__} param group {gi}: tensor betas are not supported")
+    refuse_rounded_tensor_lr(opt, group, gi, "its step size lr / (1 - beta1^t)")
+    beta1, beta2 = group["betas"]
+    return dict(kind="adamax",
+                hyper=dict(beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                           weight_decay=float(group["weight_decay"])),
+                flags=dict(maximize=bool(group.get("maximize", False))))
+
+
+def _aten_adamax_update(param, grad, exp_avg, exp_inf, step, lr, beta1, beta2, eps, weight_decay, maximize):
+    new_step = step + 1
+    g = aten_grad(param, grad, weight_decay, maximize)
+    m = torch.lerp(exp_avg, g, operand(1 - beta1, param.dtype))  # beta1: a float, or scheduled (a tensor)
+    u = torch.maximum(exp_inf * beta2, g.abs() + eps)
+    clr = lr.to(F64) / (1 - torch.pow(beta1, new_step.to(F64)))
+    return param + once((-clr).to(param.dtype)) * m / u, m, u, new_step
+
+
+register(Registration(torch.optim.Adamax, _read, aten={"adamax": _aten_adamax_update},
+                      scheduled={"beta1": ("betas", 0)}))
