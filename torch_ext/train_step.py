@@ -998,13 +998,18 @@ class TrainStep:
 
     @property
     def fingerprint(self) -> str:
-        """A hash of the program (its IR text and flat input/output layout): equal for steps built
-        the same way, in any process, and different when the model, optimizer options, batch
-        shapes or passes differ."""
+        """A hash of the program (its IR text, batch shapes left out, and flat input/output layout):
+        equal for steps built the same way, in any process, also on batches of other shapes (a
+        state does not depend on them: _program_text), and different when the model, the state's
+        shapes or dtypes, optimizer options or passes differ, and with ZeRO-1 per rank."""
         if self._fingerprint is None:
             import hashlib
 
-            text = "\n".join([str(self.graph), repr(self._inputs), repr(self._state_names), repr(self._aux_spec)])
+            from ._program_text import shape_free_text
+
+            zero1 = [f"ZeRO-1 rank {self._dp['rank']} of {self._dp['world_size']}"] if self.shard_optimizer_state else []
+            text = "\n".join([shape_free_text(self.graph), repr(self._inputs), repr(self._state_names),
+                              repr(self._aux_spec)] + zero1)
             self._fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
         return self._fingerprint
 
@@ -1021,7 +1026,7 @@ class TrainStep:
         if d["fingerprint"] != self.fingerprint:
             raise ValueError(f"load_state_dict: the state was made by a different program (fingerprint "
                              f"{d['fingerprint']!r}, this step's is {self.fingerprint!r}); the model, optimizer "
-                             "options, batch shapes or torch_ext version differ"
+                             "options, state shapes or dtypes, or torch_ext version differ (batch shapes may differ)"
                              + ("; with shard_optimizer_state=True the fingerprint also names the rank, whose shard of "
                                 "the optimizer state the state holds: load each rank's own"
                                 if self.shard_optimizer_state else ""))
