@@ -1453,7 +1453,8 @@ class TrainStep:
         """The pure step as an ExportedProgram over flat inputs (state entries, then the batch)."""
         if self._program is None:
             gm = self.graph.to_graph_module()
-            example = self.flat_inputs(self._fresh_state(), *(self._example_batch * self.unroll * self.accumulate))
+            fresh = self._fresh_state()
+            example = self.flat_inputs(fresh, *(self._example_batch * self.unroll * self.accumulate))
             # An expanded example batch (stride 0) is traced dense: its strides are what AOTInductor
             # compiles the input for, and every later batch is given dense (in_layout_of); compiled
             # for stride 0, the package read each call's batch as copies of its first row, silently.
@@ -1465,9 +1466,13 @@ class TrainStep:
             # from reading the copies as one input (every micro-batch would read the last one).
             self._program = torch.export.export(gm, _compat.distinct_inputs(tuple(example)), strict=False)
             # The flat layout rides in the artifact: torch.export.save serializes meta["custom"].
-            from .deploy import LAYOUT_KEY, layout_of
+            from .deploy import LAYOUT_KEY, example_digest, layout_of
 
-            self._program.graph_module.meta.setdefault("custom", {})[LAYOUT_KEY] = json.dumps(layout_of(self))
+            layout = layout_of(self)
+            # The example inputs' scheduler epoch, which no input carries (LoadedStep.example_state).
+            layout["example_sched_epoch"] = {"epoch": fresh.sched_epoch,
+                                             "digest": example_digest(layout["inputs"], list(example))}
+            self._program.graph_module.meta.setdefault("custom", {})[LAYOUT_KEY] = json.dumps(layout)
         return self._program
 
     def to_aoti(self, path: str, donate: bool = False, channels_last: bool | str = "auto",
