@@ -80,6 +80,16 @@ def layout_of(step) -> dict:
     }
 
 
+def example_digest(names: list, flat: list) -> str:
+    """A digest of the state entries among a program's example inputs (``names``: the layout's
+    ``inputs``; batch leaves left out): tells ``example_state`` whether the example inputs are still
+    the ones whose scheduler epoch the layout's ``example_sched_epoch`` records."""
+    import hashlib
+
+    state = [t.detach() for name, t in zip(names, flat) if not name.startswith(_BATCH)]
+    return hashlib.sha256(repr(_C.content_digests(state)).encode()).hexdigest()[:16]
+
+
 def optimizer_signature(opt) -> dict:
     """An optimizer's class name and, per param group, its parameters' shapes: what a loaded artifact
     can tell of the optimizers of the step it was saved from (not their parameters' names)."""
@@ -335,9 +345,16 @@ class LoadedStep:
         if self._pool is not None:
             self._pool.release()
 
-    def example_state(self):
+    def example_state(self, sched_epoch: int | None = None):
         """The state stored as the ExportedProgram's example inputs (``step.init_state()``, or the
-        trained state ``torch-ext step --steps N --export`` ships), as a TrainState of this artifact."""
+        trained state ``torch-ext step --steps N --export`` ships), as a TrainState of this artifact.
+
+        Its scheduler epoch (a step built with ``scheduler=``) is not an input: the layout records the
+        epoch of the example inputs ``step.program`` was exported with, and ``sched_epoch=`` gives it
+        for example inputs set by hand (``program.example_inputs = ...``, e.g. a trained state's
+        ``step.flat_inputs(state, ...)``: pass ``state.sched_epoch``). Taken as 0, the scheduler would
+        restart its schedule from the trained lr, silently where the two lrs agree (StepLR before its
+        first decay)."""
         from . import optim
         from .train_step import TrainState
 
@@ -345,6 +362,20 @@ class LoadedStep:
         if example is None:
             raise ValueError(f"{self.path}: only a torch.export .pt2 carries example inputs (this is {self.kind}); "
                              "load a saved state with torch.load(path, weights_only=True)")
+        if sched_epoch is not None and (isinstance(sched_epoch, bool) or not isinstance(sched_epoch, int)
+                                        or sched_epoch < 0):
+            raise ValueError(f"example_state: sched_epoch must be an int >= 0, got {sched_epoch!r}")
+        if sched_epoch is None:
+            recorded = self.layout.get("example_sched_epoch")
+            if not self.layout.get("scheduler"):
+                sched_epoch = 0  # a state of a step without scheduler= counts no epochs
+            elif recorded is not None and example_digest(self.layout["inputs"], example) == recorded["digest"]:
+                sched_epoch = recorded["epoch"]
+            else:
+                raise ValueError(f"example_state: {self.path} was saved from a step built with scheduler=, and its "
+                                 "example inputs are not the ones step.program was exported with (set by hand, e.g. "
+                                 "a trained state), so the scheduler epoch they were made at is not recorded; pass "
+                                 "example_state(sched_epoch=state.sched_epoch) of the state they came from")
         values = dict(zip(self.layout["inputs"], example))
         params = set(self.layout["params"])
         state = TrainState(
@@ -354,7 +385,7 @@ class LoadedStep:
                      and optim.parse_state_name(n) is None},
             opt={n: v for n, v in values.items() if (optim.parse_state_name(n) or ("",))[0] in ("slot", "hyper")},
             lr=[values[optim.lr_name(k)] for k in range(self.layout["num_lr"])],
-            rng=values.get("rng"), fingerprint=self.fingerprint)
+            rng=values.get("rng"), sched_epoch=sched_epoch, fingerprint=self.fingerprint)
         state.origin = f"example_state() of load_step({self.path!r})"
         return state
 

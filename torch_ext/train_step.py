@@ -1002,13 +1002,18 @@ class TrainStep:
 
     @property
     def fingerprint(self) -> str:
-        """A hash of the program (its IR text and flat input/output layout): equal for steps built
-        the same way, in any process, and different when the model, optimizer options, batch
-        shapes or passes differ."""
+        """A hash of the program (its IR text, batch shapes left out, and flat input/output layout):
+        equal for steps built the same way, in any process, also on batches of other shapes (a
+        state does not depend on them: _program_text), and different when the model, the state's
+        shapes or dtypes, optimizer options or passes differ, and with ZeRO-1 per rank."""
         if self._fingerprint is None:
             import hashlib
 
-            text = "\n".join([str(self.graph), repr(self._inputs), repr(self._state_names), repr(self._aux_spec)])
+            from ._program_text import shape_free_text
+
+            zero1 = [f"ZeRO-1 rank {self._dp['rank']} of {self._dp['world_size']}"] if self.shard_optimizer_state else []
+            text = "\n".join([shape_free_text(self.graph), repr(self._inputs), repr(self._state_names),
+                              repr(self._aux_spec)] + zero1)
             self._fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
         return self._fingerprint
 
@@ -1025,7 +1030,7 @@ class TrainStep:
         if d["fingerprint"] != self.fingerprint:
             raise ValueError(f"load_state_dict: the state was made by a different program (fingerprint "
                              f"{d['fingerprint']!r}, this step's is {self.fingerprint!r}); the model, optimizer "
-                             "options, batch shapes or torch_ext version differ"
+                             "options, state shapes or dtypes, or torch_ext version differ (batch shapes may differ)"
                              + ("; with shard_optimizer_state=True the fingerprint also names the rank, whose shard of "
                                 "the optimizer state the state holds: load each rank's own"
                                 if self.shard_optimizer_state else ""))
@@ -1525,7 +1530,8 @@ class TrainStep:
         """The pure step as an ExportedProgram over flat inputs (state entries, then the batch)."""
         if self._program is None:
             gm = self.graph.to_graph_module()
-            example = self.flat_inputs(self._fresh_state(), *(self._example_batch * self.unroll * self.accumulate))
+            fresh = self._fresh_state()
+            example = self.flat_inputs(fresh, *(self._example_batch * self.unroll * self.accumulate))
             # An expanded example batch (stride 0) is traced dense: its strides are what AOTInductor
             # compiles the input for, and every later batch is given dense (in_layout_of); compiled
             # for stride 0, the package read each call's batch as copies of its first row, silently.
@@ -1537,9 +1543,13 @@ class TrainStep:
             # from reading the copies as one input (every micro-batch would read the last one).
             self._program = torch.export.export(gm, _compat.distinct_inputs(tuple(example)), strict=False)
             # The flat layout rides in the artifact: torch.export.save serializes meta["custom"].
-            from .deploy import LAYOUT_KEY, layout_of
+            from .deploy import LAYOUT_KEY, example_digest, layout_of
 
-            self._program.graph_module.meta.setdefault("custom", {})[LAYOUT_KEY] = json.dumps(layout_of(self))
+            layout = layout_of(self)
+            # The example inputs' scheduler epoch, which no input carries (LoadedStep.example_state).
+            layout["example_sched_epoch"] = {"epoch": fresh.sched_epoch,
+                                             "digest": example_digest(layout["inputs"], list(example))}
+            self._program.graph_module.meta.setdefault("custom", {})[LAYOUT_KEY] = json.dumps(layout)
         return self._program
 
     def to_aoti(self, path: str, donate: bool = False, channels_last: bool | str = "auto",
@@ -1547,7 +1557,9 @@ class TrainStep:
         """Compiles ``program`` with AOTInductor into the package ``path`` (a minute or more), with the
         flat layout in its metadata; ``torch_ext.load_step(path)`` runs it on TrainStates. The
         optimizer updates are compiled from their ATen form (torch_ext.optim.aten_updates), fused
-        with the rest, so the package agrees with the executor to float32 rounding, not bitwise.
+        with the rest, so the package agrees with the executor to float32 rounding, not bitwise; not a
+        parameter whose gradient is rounding noise (a Linear bias right before a training-mode BatchNorm:
+        0.012-0.027 off after a few AdamW steps at lr 1e-2, Adam scaling the noise to a full step).
         Dropout draws a counter-based hash stream (vectorised, fused with the mask), keyed by one
         draw from the state's ``rng`` (torch_ext/_aoti.py): pure, but another stream than the executor's.
 

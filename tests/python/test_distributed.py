@@ -625,6 +625,42 @@ def test_a_zero1_state_of_another_rank_is_refused(tmp_path):
     assert "that rank's shard" in message, message
 
 
+def _uneven_checkpoint_worker(rank, world, out_dir):
+    model, loss_fn, _ = _tiny(rank)
+    n = 2 if rank == 0 else 3  # uneven data: each rank builds its step on its own batch size
+    g = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(n, 6, generator=g), torch.randn(n, 2, generator=g)) for _ in range(2)]
+    step = torch_ext.make_train_step(model, _adamw(model.parameters()), loss_fn, batches[0],
+                                     process_group=dist.group.WORLD)
+    _, state = step(step.init_state(), *batches[0])
+    path = os.path.join(out_dir, "state.pt")
+    if rank == 0:  # README's checkpoint: saved on rank 0, loaded on every rank
+        torch.save((state, state.state_dict()), path)
+    dist.barrier()
+    pickled, sd = torch.load(path, weights_only=True)
+    try:  # no collective: a rank that refuses tells the other before either calls the step
+        loaded, refused = step.load_state_dict(sd), ""
+    except ValueError as e:
+        loaded, refused = None, str(e)
+    any_refused = torch.tensor([float(bool(refused))])
+    dist.all_reduce(any_refused)
+    if any_refused.item():
+        return [refused or "refused on the other rank"]
+    _, want = step(state, *batches[1])
+    found = []
+    for how, source in (("pickled", pickled), ("load_state_dict", loaded)):
+        _, got = step(source, *batches[1])
+        found += [f"{how}: {k}" for k in step.state_names if not torch.equal(got.lookup(k), want.lookup(k))]
+    return found
+
+
+def test_a_state_saved_on_rank_0_loads_on_a_rank_with_another_batch_size(tmp_path):
+    # The fingerprint hashed the batch shapes: with uneven data (rank 0 built on batch 2, rank 1 on
+    # batch 3) rank 0's saved state was refused on rank 1 as "made by a different program".
+    for rank, found in enumerate(_launch(_uneven_checkpoint_worker, (), tmp_path, timeout_s=90)):
+        assert found == [], f"rank {rank}: {found}"
+
+
 def _captured_weight_worker(rank, world, out_dir):
     model, _, batches = _tiny(rank)
     weight = torch.tensor([1.0, 3.0]) if rank == 0 else torch.tensor([2.0, 0.5])  # from each rank's own data

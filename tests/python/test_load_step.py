@@ -839,6 +839,54 @@ def test_a_scheduled_step_loaded_with_its_scheduler_follows_it_as_the_step_does(
     assert [float(v) for v in after.lr] == [0.5]
 
 
+def test_example_state_keeps_the_scheduler_epoch_of_the_example_inputs(tmp_path):
+    # example_state() gave scheduler epoch 0 whatever the example inputs were: with StepLR(10) the
+    # lr of epoch 3 is epoch 0's, so the state was accepted and the loaded step decayed the lr 3
+    # calls late, silently (a state whose epoch disagrees with its lr).
+    def build(epochs_before=0):
+        torch.manual_seed(0)
+        model = DropoutMLP(0.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
+        for _ in range(epochs_before):  # a scheduler restored past epoch 0
+            opt.step()
+            sched.step()
+        return model, torch_ext.make_train_step(model, opt, ce, batches(1)[0], scheduler=sched)
+
+    def fresh_scheduler(model):
+        return torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=0.1), step_size=10, gamma=0.5)
+
+    bs = batches(11)
+    model, step = build()
+    _, trained = run(step, step.init_state(), bs[:3])
+    program = step.program
+    program.example_inputs = (tuple(step.flat_inputs(trained, *bs[0])), {})  # set by hand: a trained state
+    torch.export.save(program, str(tmp_path / "trained.pt2"))
+    _, restored = build(epochs_before=3)
+    torch.export.save(restored.program, str(tmp_path / "restored.pt2"))  # example inputs at epoch 3
+    for name, live, hand_set in (("trained.pt2", trained, True), ("restored.pt2", restored.init_state(), False)):
+        loaded = torch_ext.load_step(tmp_path / name, scheduler=fresh_scheduler(copy_model(model)))
+        if hand_set:
+            with pytest.raises(ValueError, match=r"not the ones step\.program was exported with.*"
+                                                 r"example_state\(sched_epoch=state\.sched_epoch\)"):
+                loaded.example_state()
+            state = loaded.example_state(sched_epoch=trained.sched_epoch)
+        else:
+            state = loaded.example_state()
+        assert state.sched_epoch == live.sched_epoch == 3, name
+        owner = step if hand_set else restored
+        got_lrs, want_lrs = [], []
+        for b in bs[3:]:
+            _, state = loaded(state, *b)
+            _, live = owner(live, *b)
+            got_lrs.append(float(state.lr[0]))
+            want_lrs.append(float(live.lr[0]))
+        assert want_lrs == [0.1] * 6 + [0.05] * 2 and got_lrs == want_lrs, name
+        assert_states_equal(state, live)
+    with pytest.raises(ValueError, match=r"sched_epoch must be an int >= 0, got -1"):
+        loaded.example_state(sched_epoch=-1)
+
+
 def copy_model(model):
     import copy
 

@@ -137,3 +137,46 @@ def test_resume_with_a_restored_scheduler_keeps_the_schedule_in_place():
     late = torch_ext.make_train_step(model, opt, loss_fn, (x, y), scheduler=sched)
     with pytest.raises(ValueError, match=r"at scheduler epoch 3, but this step's scheduler was at epoch 5"):
         late(late.load_state_dict(checkpoint["state"]), x, y)
+
+
+def _mlp_step(n=2, width=8, dtype=torch.float32, weight_decay=1e-2, groups=1, optimizer="adamw", **kw):
+    """An MLP step built on an example batch of n rows (n's own data), with one knob changed at a time."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, width), nn.ReLU(), nn.Linear(width, 3)).to(dtype)
+    params = [{"params": model[0].parameters()}, {"params": model[2].parameters()}] if groups == 2 \
+        else model.parameters()
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=weight_decay) if optimizer == "adamw" \
+        else torch.optim.SGD(params, lr=1e-2, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    g = torch.Generator().manual_seed(n)
+    batch = (torch.randn(n, 6, generator=g, dtype=dtype), torch.randint(0, 3, (n,), generator=g))
+    return torch_ext.make_train_step(model, opt, lambda m, x, y: F.cross_entropy(m(x), y), batch,
+                                     scheduler=sched, **kw), batch
+
+
+def test_a_state_moves_between_steps_that_differ_only_in_batch_shapes():
+    # The fingerprint hashed the batch shapes: a data-parallel state saved on rank 0 (example batch 2)
+    # was refused on rank 1 (example batch 3) as "made by a different program", although parameters,
+    # optimizer slots, lr, RNG and scheduler epoch do not depend on the batch shape.
+    a, batch2 = _mlp_step(2)
+    b, batch3 = _mlp_step(3)
+    assert a.fingerprint == b.fingerprint
+    _, state = a(a.init_state(), *batch2)
+    moved = b.load_state_dict(state.state_dict())
+    _, got = b(moved, *batch3)
+    # The same two calls without moving the state: one step that builds a program per batch shape.
+    both, _ = _mlp_step(3, batch_shapes="cache")
+    want = both.init_state()
+    for batch in (batch2, batch3):
+        _, want = both(want, *batch)
+    assert got.sched_epoch == want.sched_epoch == 2 and [float(v) for v in got.lr] == [float(v) for v in want.lr]
+    for name in b.state_names:
+        assert torch.equal(got.lookup(name), want.lookup(name)), name
+    # A state of a really different program is still refused, also when all its shapes match.
+    sd = state.state_dict()
+    for knob in (dict(width=16), dict(dtype=torch.float64), dict(optimizer="sgd"), dict(groups=2),
+                 dict(weight_decay=0.5)):
+        other, _ = _mlp_step(3, **knob)
+        assert other.fingerprint != a.fingerprint, knob
+        with pytest.raises(ValueError, match="made by a different program"):
+            other.load_state_dict(sd)
