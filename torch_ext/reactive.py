@@ -1525,7 +1525,7 @@ class ReactiveGraph:
             return user[key]
         if isinstance(key, str):
             shapes = self._hook_shape(key, self._hooks[key]) if key in self._conversions else None
-            if shapes is not None:
+            if shapes is not None and shapes[0] != shapes[1]:
                 # reads indexes outputs in their nodes' layout; a hook shown in another (hook_z split into heads)
                 # was taken for the one user output, or indexed in the merged layout, silently.
                 raise ValueError(f"reads: hook {key!r} is shown as {self._layout_words(key)}{shapes[0]} where its "

@@ -320,10 +320,12 @@ def test_every_read_and_write_by_hook_name_takes_hook_zs_head_layout(family):
     assert rg.patched() == [] and torch.equal(rg.demand().logits, logits)
 
     # sweep's patch functions see the hook's layout, one head per site
-    res = torch_ext.sweep(rg, [(hook, h) for h in range(4)], lambda v, s: _zero_head(v, s[1]),
-                          lambda o: {"last": o.logits[:, -1].clone()}, progress=False)
-    for h in range(4):
-        assert torch.equal(res.metrics[(hook, h)]["last"], _eager_z(model, family, ids, {1: _zero_head(z[1], h)})[0][:, -1])
+    heads = [_eager_z(model, family, ids, {1: _zero_head(z[1], h)})[0][:, -1] for h in range(4)]
+    for batch_sites in (False, True):
+        res = torch_ext.sweep(rg, [(hook, h) for h in range(4)], lambda v, s: _zero_head(v, s[1]),
+                              lambda o: {"last": o.logits[:, -1].clone()}, progress=False, batch_sites=batch_sites)
+        for h in range(4):
+            assert torch.equal(res.metrics[(hook, h)]["last"], heads[h]), (batch_sites, h)
 
     # reads= names outputs: a hook shown in another layout than its node's is refused by name
     rg.patch(hook, patched)

@@ -570,3 +570,6 @@ def test_reads_and_writes_by_hook_name_on_a_bridge_take_transformer_lenss_layout
     with pytest.raises(ValueError, match=r"hook 'blocks\.1\.attn\.hook_z' returned shape \[2, 6, 2, 16\]"):
         rg.patch("blocks.1.attn.hook_z", lambda v: v.reshape(2, 6, 2, 16) * 1)
     assert rg.patched() == [] and torch.equal(rg.demand(), logits)
+    # a block grafted by hook name sees the heads, as a TransformerLens hook does
+    rg.graft("blocks.1.attn.hook_z", lambda v: torch.cat([v[:, :, :2], v[:, :, 2:3] * 0, v[:, :, 3:]], dim=2))
+    assert torch.equal(rg.demand(), want)
