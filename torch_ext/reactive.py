@@ -1123,7 +1123,9 @@ class ReactiveGraph:
 
     def run_with_cache(self, *args, **kwargs):
         """Runs the graph on new inputs; returns (outputs, cache). The cache maps every hook name and
-        node name to its value (the cached tensors: read them, do not write into them)."""
+        node name to its value (the cached tensors: read them, do not write into them): a hook name in the
+        hook's layout (TransformerLens's: ``blocks.<l>.attn.hook_z`` as [batch, pos, head, d_head]), a node name
+        in the node's own."""
         out = self.run(*args, **kwargs)
         cache = {name: self._engine.value(name) for name in self._countable}
         for hook, node in self._hooks.items():
@@ -1144,8 +1146,8 @@ class ReactiveGraph:
         """(the hook's shape, its node's shape) for a hook name whose value is converted, else None. From the
         node's declared type: nothing is evaluated."""
         conv = self._conversions.get(name)
-        t = self._type_of(node)
-        if conv is None or t[0] != "tensor":
+        t = self._type_of(node) if conv is not None else None
+        if t is None or t[0] != "tensor":
             return None
         return list(conv.convert(torch.empty(list(t[2]), device="meta")).shape), list(t[2])
 
