@@ -1057,16 +1057,21 @@ class ReactiveGraph:
     def value(self, node: str) -> torch.Tensor:
         """A node's current value, recomputing only its stale ancestors (a node or hook name). Writes that
         move no version counter are found by content first, as at :meth:`demand` (one pass over the
-        weights per call: read many nodes through :meth:`run_with_cache`'s cache, checked once)."""
+        weights per call: read many nodes through :meth:`run_with_cache`'s cache, checked once).
+
+        A hook name gives the hook's layout, the one :meth:`run_with_cache` and TransformerLens give
+        (``blocks.<l>.attn.hook_z`` as [batch, pos, head, d_head]); a node name gives the node's own layout
+        (hook_z's node holds [batch, pos, head * d_head])."""
         with _one_check_per_call():
             self._refuse_changed_state("value")
             self._take_untracked_writes()
-            return self._engine.value(self._read_node(node))
+            return self._as_hook(node, self._engine.value(self._read_node(node)))
 
     def values(self, nodes: Iterable[str]) -> dict[str, torch.Tensor]:
         """{name: current value} for many nodes or hook names, as :meth:`value` gives each, with the weights
         and inputs compared by content once for all of them instead of once per name (~20 ms on GPT-2
-        small: reading every node of a model one :meth:`value` at a time paid that per node)."""
+        small: reading every node of a model one :meth:`value` at a time paid that per node). Hook names
+        give the hook's layout, node names the node's, as at :meth:`value`."""
         names = list(nodes)
         for name in names:
             if not isinstance(name, str):
@@ -1074,15 +1079,16 @@ class ReactiveGraph:
         with _one_check_per_call():
             self._refuse_changed_state("values")
             self._take_untracked_writes()
-            return {name: self._engine.value(self._read_node(name)) for name in names}
+            return {name: self._as_hook(name, self._engine.value(self._read_node(name))) for name in names}
 
     def baseline(self, node: str) -> torch.Tensor:
         """A node's value with no patch active (from the overlay; evaluates only what an edit of the
-        weights or inputs, found as at :meth:`value`, made stale)."""
+        weights or inputs, found as at :meth:`value`, made stale). A hook name gives the hook's layout, a node
+        name the node's, as at :meth:`value`."""
         with _one_check_per_call():
             self._refuse_changed_state("baseline")
             self._take_untracked_writes()
-            return self._engine.baseline(self._read_node(node))
+            return self._as_hook(node, self._engine.baseline(self._read_node(node)))
 
     def resolve(self, name: str) -> str:
         """The node a name addresses: a node name, or a hook name (``blocks.0.hook_resid_pre``). A hook name
@@ -1117,7 +1123,9 @@ class ReactiveGraph:
 
     def run_with_cache(self, *args, **kwargs):
         """Runs the graph on new inputs; returns (outputs, cache). The cache maps every hook name and
-        node name to its value (the cached tensors: read them, do not write into them)."""
+        node name to its value (the cached tensors: read them, do not write into them): a hook name in the
+        hook's layout (TransformerLens's: ``blocks.<l>.attn.hook_z`` as [batch, pos, head, d_head]), a node name
+        in the node's own."""
         out = self.run(*args, **kwargs)
         cache = {name: self._engine.value(name) for name in self._countable}
         for hook, node in self._hooks.items():
@@ -1125,9 +1133,41 @@ class ReactiveGraph:
             # dropped from the graph as dead code; its value is its source's.
             node = self._unread_hooks.get(node, node)
             value = cache[node] if node in cache else self._engine.value(node)
-            conv = self._conversions.get(hook)
-            cache[hook] = conv.convert(value) if conv is not None else value
+            cache[hook] = self._as_hook(hook, value)
         return out, cache
+
+    def _as_hook(self, name: str, value):
+        """``value`` (of the node ``name`` addresses) as the hook ``name`` shows it: TransformerLens's layout
+        (hook_z split into heads); a node name, or a hook with no conversion, gives ``value`` itself."""
+        conv = self._conversions.get(name)
+        return conv.convert(value) if conv is not None and isinstance(value, torch.Tensor) else value
+
+    def _hook_shape(self, name: str, node: str) -> tuple[list[int], list[int]] | None:
+        """(the hook's shape, its node's shape) for a hook name whose value is converted, else None. From the
+        node's declared type: nothing is evaluated."""
+        conv = self._conversions.get(name)
+        t = self._type_of(node) if conv is not None else None
+        if t is None or t[0] != "tensor":
+            return None
+        return list(conv.convert(torch.empty(list(t[2]), device="meta")).shape), list(t[2])
+
+    def _from_hook(self, name: str, node: str, value, what: str):
+        """A tensor given by hook name, in the hook's layout, as its node holds it; a tensor of another shape
+        (the node's merged layout included) is refused, naming the hook and both shapes."""
+        shapes = self._hook_shape(name, node) if isinstance(value, torch.Tensor) else None
+        if shapes is None:
+            return value
+        if list(value.shape) != shapes[0]:
+            raise ValueError(f"{what} {name!r}: got shape {list(value.shape)}; the hook's value is "
+                             f"{self._layout_words(name)}{shapes[0]} (as run_with_cache and value() give it), and "
+                             f"the value must have that shape. Its node {node!r} holds {shapes[1]}: give a value in "
+                             "that layout by the node's name")
+        return self._conversions[name].revert(value)
+
+    def _layout_words(self, name: str) -> str:
+        conv = self._conversions.get(name)
+        return ("[batch, pos, head, d_head] = " if isinstance(conv, _compat._SplitHeads)
+                or getattr(conv, "splits_attention_heads", False) else "")
 
     def _hook_view(self, name: str, fn: Callable) -> Callable:
         """``fn`` as it sees a hook's value: TransformerLens converts it before a hook (e.g. [batch,
@@ -1135,21 +1175,20 @@ class ReactiveGraph:
         conv = self._conversions.get(name)
         if conv is None:
             return fn
-        if not isinstance(conv, _compat._SplitHeads):
-            return lambda value, *rest: conv.revert(fn(conv.convert(value), *rest))
+        words = self._layout_words(name)
 
         def view(value, *rest):
-            # A Hugging Face decoder's hook_z: the result is merged back to [batch, pos, head * d_head] by a reshape,
-            # which took any tensor of as many elements per position ([batch, pos, 2, 16] for 4 heads of 8) as
-            # the heads silently, and named a wrong shape only after the merge, in the node's layout.
+            # hook_z (a Hugging Face decoder's, or a TransformerLens bridge's): the result is merged back to
+            # [batch, pos, head * d_head] by a reshape, which took any tensor of as many elements per position
+            # ([batch, pos, 2, 16] for 4 heads of 8) as the heads silently (a bridge's revert passed other shapes
+            # through), and named a wrong shape only after the merge, in the node's layout.
             given = conv.convert(value)
             out = fn(given, *rest)
             if not isinstance(out, torch.Tensor):
                 return out  # refused by the caller, naming what it got
             if out.shape != given.shape:
                 raise ValueError(f"patch function for hook {name!r} returned shape {list(out.shape)}; the hook's value "
-                                 f"is [batch, pos, head, d_head] = {list(given.shape)}, and the patch must have that "
-                                 "shape")
+                                 f"is {words}{list(given.shape)}, and the patch must have that shape")
             return conv.revert(out)
         return view
 
@@ -1159,6 +1198,10 @@ class ReactiveGraph:
 
         ``f`` receives the node's baseline value (no patch active). It must not write into it; a
         function that does raises a ValueError and the cache is repaired (the node is recomputed).
+
+        By hook name, ``value`` (and ``f``'s argument and result) is in the hook's layout, as :meth:`value`
+        and :meth:`run_with_cache` give it (``blocks.<l>.attn.hook_z``: [batch, pos, head, d_head]); a value
+        of another shape is refused naming the hook and both shapes. By node name, the node's own layout.
         """
         self._refuse_during_sweep("patch()")
         name, node = node, self.resolve(node)
@@ -1167,6 +1210,8 @@ class ReactiveGraph:
             with _one_check_per_call():  # f sees the baseline of the weights as they are now
                 self._take_untracked_writes()
                 value = self._patch_fn_value(name, node, value)
+        else:
+            value = self._from_hook(name, node, value, "patch")
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"patch {node!r}: expected a tensor or a callable returning one, got {type(value).__name__}")
         self._engine.patch(node, _own_copy(value.detach()))
@@ -1241,7 +1286,9 @@ class ReactiveGraph:
 
         ``block`` is an ``nn.Module`` or a function of one tensor returning a tensor of the same
         shape and dtype. It is exported with ``torch.export`` and spliced in; the new node names
-        are returned.
+        are returned. With ``src`` a hook name, ``block`` sees the hook's layout and returns it, as
+        :meth:`value` gives it (``blocks.<l>.attn.hook_z``: [batch, pos, head, d_head]); by node name, the
+        node's own layout.
         """
         self._refuse_during_sweep("graft()")
         dst = ""
@@ -1251,7 +1298,7 @@ class ReactiveGraph:
             if not isinstance(dst_or_block, str):
                 raise TypeError("graft(src, dst, block): dst must be a node name")
             dst = dst_or_block
-        src, dst = self.resolve(src), self.resolve(dst) if dst else dst
+        hook, (src, dst) = src, (self.resolve(src), self.resolve(dst) if dst else dst)
         if dst:
             self._refuse_grafted_edge(src, dst)
         if self._loss_output is not None or self._grad_outputs:
@@ -1271,6 +1318,9 @@ class ReactiveGraph:
         # in this graph and the new one in that graph, silently. Refused at run() and demand() instead.
         snapshot = (_module_state.attributes(block), _module_state.global_reads(block), _module_state.Hooks(block))
         _refuse_other_device(block, src, self._type_of(src)[4])
+        shapes = self._hook_shape(hook, src)
+        if shapes is not None:  # the block sees the hook's layout (as patch functions do) and returns it
+            block = _HookLayoutBlock(block, self._conversions[hook], hook, self._layout_words(hook))
         names = self._apply_graft(src, dst, block)
         self._graft_snapshots = getattr(self, "_graft_snapshots", []) + [(src, type(block).__name__, snapshot)]
         self._grafts.append((src, dst, block, names))
@@ -1476,6 +1526,13 @@ class ReactiveGraph:
                                  f"output{'s' if len(user) != 1 else ''})")
             return user[key]
         if isinstance(key, str):
+            shapes = self._hook_shape(key, self._hooks[key]) if key in self._conversions else None
+            if shapes is not None and shapes[0] != shapes[1]:
+                # reads indexes outputs in their nodes' layout; a hook shown in another (hook_z split into heads)
+                # was taken for the one user output, or indexed in the merged layout, silently.
+                raise ValueError(f"reads: hook {key!r} is shown as {self._layout_words(key)}{shapes[0]} where its "
+                                 f"node {self._hooks[key]!r} holds {shapes[1]}; reads names the outputs the metric "
+                                 "reads (by output key, index or node name), not a hook inside the model")
             if self.resolve(key) in outs:
                 return outs.index(self.resolve(key))
             by_key = self._output_keys()
@@ -1917,6 +1974,24 @@ class _FunctionBlock(torch.nn.Module):
 
     def forward(self, x):
         return self.fn(x)
+
+
+class _HookLayoutBlock(torch.nn.Module):
+    """A block grafted by hook name: it sees the hook's layout (TransformerLens's, hook_z split into heads) and
+    its result, which must keep that shape, is merged back into the node's layout."""
+
+    def __init__(self, block: torch.nn.Module, conv, hook: str, words: str):
+        super().__init__()
+        self.block, self.conv, self.hook, self.words = block, conv, hook, words
+
+    def forward(self, x):
+        given = self.conv.convert(x)
+        out = self.block(given)
+        if not isinstance(out, torch.Tensor) or out.shape != given.shape:
+            got = f"shape {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"graft block after hook {self.hook!r} returned {got}; the hook's value is "
+                             f"{self.words}{list(given.shape)}, and the block must return that shape")
+        return self.conv.revert(out)
 
 
 Site = Hashable

@@ -247,3 +247,99 @@ def test_a_hook_z_patch_of_another_head_shape_is_refused_naming_the_hook_and_cha
         assert rg.patched() == [] and torch.equal(rg.demand().logits, clean)
     rg.patch("blocks.0.attn.hook_z", lambda z: torch.zeros_like(z))  # the hook's own shape is taken
     assert rg.patched() != []
+
+
+def _eager_z(model, family, ids, replace=None):
+    """(logits, {layer: z}) of the eager model, z the output projection's input reshaped here to [batch, pos,
+    head, d_head]; ``replace`` ({layer: z in that layout}) is fed to the projection instead (merged back here)."""
+    layers = model.transformer.h if family == "gpt2" else model.model.layers
+    seen, handles = {}, []
+    for l, layer in enumerate(layers):
+        proj = layer.attn.c_proj if family == "gpt2" else layer.self_attn.o_proj
+
+        def pre(m, args, l=l):
+            x = args[0]
+            seen[l] = x.reshape(x.shape[0], x.shape[1], 4, x.shape[2] // 4).clone()
+            if replace is not None and l in replace:
+                return (replace[l].reshape(x.shape),)
+            return None
+        handles.append(proj.register_forward_pre_hook(pre))
+    try:
+        with torch.no_grad():
+            logits = model(ids, use_cache=False).logits
+    finally:
+        for h in handles:
+            h.remove()
+    return logits, seen
+
+
+def _zero_head(z, h):
+    z = z.clone()
+    z[:, :, h] = 0
+    return z
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_every_read_and_write_by_hook_name_takes_hook_zs_head_layout(family):
+    """On main, rg.value / values / baseline of blocks.<l>.attn.hook_z gave the node's merged [batch, pos, 32] while
+    run_with_cache and patch functions gave TransformerLens's [batch, pos, head, d_head]: value(hook)[:, :, h] was a
+    slice of the merged dim, not head h; patch(hook, tensor) refused the hook's own layout; graft(hook, block) handed
+    the block the merged layout, so a block zeroing head 0 zeroed one feature. Every value here is compared to the
+    eager model's (forward hooks on the output projection), at zero tolerance."""
+    model, ids, rg = _graph(family)
+    hook = "blocks.1.attn.hook_z"
+    node = rg.hook_names[hook]
+    logits, z = _eager_z(model, family, ids)
+    b, t = ids.shape
+    assert torch.equal(rg.value(hook), z[1]) and rg.value(hook).shape == (b, t, 4, 8)
+    assert torch.equal(rg.value(hook)[:, :, 2], z[1][:, :, 2])  # head 2, as TransformerLens's cache indexes it
+    got = rg.values([hook, "blocks.0.attn.hook_z", node])
+    assert torch.equal(got[hook], z[1]) and torch.equal(got["blocks.0.attn.hook_z"], z[0])
+    assert torch.equal(got[node], z[1].reshape(b, t, 32))  # a node name keeps the node's layout
+    assert torch.equal(rg.baseline(hook), z[1])
+    assert torch.equal(rg.run_with_cache(ids)[1][hook], z[1])
+
+    # patch by hook name with a tensor in the hook's layout
+    patched = _zero_head(z[1], 1)
+    want, _ = _eager_z(model, family, ids, {1: patched})
+    rg.patch(hook, patched)
+    assert torch.equal(rg.demand().logits, want)
+    assert torch.equal(rg.value(hook), patched) and torch.equal(rg.baseline(hook), z[1])
+    rg.restore()
+    # ... and with a function; by node name, the node's layout
+    rg.patch(hook, lambda v: _zero_head(v, 1))
+    assert torch.equal(rg.demand().logits, want)
+    rg.restore()
+    rg.patch(node, patched.reshape(b, t, 32))
+    assert torch.equal(rg.demand().logits, want)
+    rg.restore()
+    # the node's merged layout given by hook name is refused, naming the hook and both shapes; nothing changes
+    with pytest.raises(ValueError, match=rf"patch '{hook}': got shape \[{b}, {t}, 32\]; the hook's value is \[batch, "
+                                         rf"pos, head, d_head\] = \[{b}, {t}, 4, 8\].*node '{node}' holds \[{b}, {t}, 32\]"):
+        rg.patch(hook, patched.reshape(b, t, 32))
+    assert rg.patched() == [] and torch.equal(rg.demand().logits, logits)
+
+    # sweep's patch functions see the hook's layout, one head per site
+    heads = [_eager_z(model, family, ids, {1: _zero_head(z[1], h)})[0][:, -1] for h in range(4)]
+    for batch_sites in (False, True):
+        res = torch_ext.sweep(rg, [(hook, h) for h in range(4)], lambda v, s: _zero_head(v, s[1]),
+                              lambda o: {"last": o.logits[:, -1].clone()}, progress=False, batch_sites=batch_sites)
+        for h in range(4):
+            assert torch.equal(res.metrics[(hook, h)]["last"], heads[h]), (batch_sites, h)
+
+    # reads= names outputs: a hook shown in another layout than its node's is refused by name
+    rg.patch(hook, patched)
+    with pytest.raises(ValueError, match=rf"reads: hook '{hook}' is shown as \[batch, pos, head, d_head\] = "
+                                         rf"\[{b}, {t}, 4, 8\] where its node '{node}' holds \[{b}, {t}, 32\]"):
+        rg.demand(reads={hook: (slice(None), -1)})
+    assert torch.equal(rg.demand().logits, want)
+    rg.restore()
+
+    # graft by hook name: the block sees the heads; one of another shape is refused and changes nothing
+    n = rg.num_nodes
+    with pytest.raises(ValueError, match=rf"graft block after hook '{hook}' returned shape \[{b}, {t}, 2, 16\]; the "
+                                         rf"hook's value is \[batch, pos, head, d_head\] = \[{b}, {t}, 4, 8\]"):
+        rg.graft(hook, lambda v: v.reshape(b, t, 2, 16) * 1)
+    assert rg.num_nodes == n and torch.equal(rg.demand().logits, logits)
+    rg.graft(hook, lambda v: torch.cat([v[:, :, :1], v[:, :, 1:2] * 0, v[:, :, 2:]], dim=2))
+    assert torch.equal(rg.demand().logits, want)

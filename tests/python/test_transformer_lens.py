@@ -536,3 +536,40 @@ def test_patching_a_hook_nothing_reads_says_so(tmp_path):
     assert not rg._engine.pinned()
     assert torch.equal(rg.demand(), before)
     assert torch.equal(rg.value("rotary_emb.hook_in"), tl_cache["rotary_emb.hook_in"])
+
+
+def test_reads_and_writes_by_hook_name_on_a_bridge_take_transformer_lenss_layout(bridge):
+    """A bridge's hook_z, hook_q, hook_k, hook_v are nodes of [batch, pos, head * d_head] that TransformerLens shows
+    as [batch, pos, head, d_head] (its hook conversions). On main rg.value / values / baseline gave the merged node
+    while run_with_cache gave TransformerLens's layout, and patch(hook, tensor) refused TransformerLens's layout.
+    Compared to the bridge's own run_with_cache and run_with_hooks, at zero tolerance."""
+    clean, _ = _prompts(2)
+    logits, tl_cache = bridge.run_with_cache(clean)
+    rg = torch_ext.ReactiveGraph(bridge, (clean,))
+    for l in range(2):
+        for h in ("hook_z", "hook_q", "hook_k", "hook_v"):
+            name = f"blocks.{l}.attn.{h}"
+            assert tl_cache[name].shape == (2, 6, 4, 8)
+            assert torch.equal(rg.value(name), tl_cache[name]), name
+            assert torch.equal(rg.baseline(name), tl_cache[name]), name
+            assert torch.equal(rg.values([name])[name], tl_cache[name]), name
+    node = rg.hook_names["blocks.1.attn.hook_z"]
+    assert torch.equal(rg.value(node), tl_cache["blocks.1.attn.hook_z"].reshape(2, 6, 32))  # the node's own layout
+    z = tl_cache["blocks.1.attn.hook_z"].clone()
+    z[:, :, 2] = 0
+    want = bridge.run_with_hooks(clean, fwd_hooks=[("blocks.1.attn.hook_z", lambda act, hook: z)])
+    rg.patch("blocks.1.attn.hook_z", z)
+    assert torch.equal(rg.demand(), want)
+    assert torch.equal(rg.value("blocks.1.attn.hook_z"), z)
+    rg.restore()
+    with pytest.raises(ValueError, match=r"patch 'blocks\.1\.attn\.hook_z': got shape \[2, 6, 32\]; the hook's value is "
+                                         r"\[batch, pos, head, d_head\] = \[2, 6, 4, 8\]"):
+        rg.patch("blocks.1.attn.hook_z", z.reshape(2, 6, 32))
+    assert rg.patched() == [] and torch.equal(rg.demand(), logits)
+    # a patch function of another head shape: TransformerLens's revert passed it through, unmerged
+    with pytest.raises(ValueError, match=r"hook 'blocks\.1\.attn\.hook_z' returned shape \[2, 6, 2, 16\]"):
+        rg.patch("blocks.1.attn.hook_z", lambda v: v.reshape(2, 6, 2, 16) * 1)
+    assert rg.patched() == [] and torch.equal(rg.demand(), logits)
+    # a block grafted by hook name sees the heads, as a TransformerLens hook does
+    rg.graft("blocks.1.attn.hook_z", lambda v: torch.cat([v[:, :, :2], v[:, :, 2:3] * 0, v[:, :, 3:]], dim=2))
+    assert torch.equal(rg.demand(), want)
