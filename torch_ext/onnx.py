@@ -1,12 +1,12 @@
 """The pure step in ONNX: ``to_onnx(step, path)`` and ``load_onnx_step(path, step)``.
 
 The step program (forward, backward and the update, ``(loss, S') = F(S, batch)``) goes through
-``torch.onnx.export(..., dynamo=True)``; the ``torch_ext`` update ops are translated by the
-functions below (onnxscript, traced with the op's scalar arguments as Python values), which
-follow the kernels in ``csrc/optim/``: scalars computed in double, applied in the parameter's dtype.
-A plain ``onnxruntime.InferenceSession`` then trains by feeding the state outputs back as inputs.
-Supported: SGD (momentum, nesterov, weight decay, maximize), Adam, AdamW and amsgrad, RMSprop,
-Adagrad. Muon (a Newton-Schulz iteration in bfloat16) and dropout's RNG op are refused by name.
+``torch.onnx.export(..., dynamo=True)``; each ``torch_ext`` update op is translated by its
+optimizer's ONNX form (``Registration.onnx`` in torch_ext/optim/<name>.py: onnxscript, traced with
+the op's scalar arguments as Python values), which follows the kernel in ``csrc/optim/``: scalars
+computed in double, applied in the parameter's dtype. A plain ``onnxruntime.InferenceSession`` then
+trains by feeding the state outputs back as inputs. An optimizer without an ONNX form (Muon: a
+Newton-Schulz iteration in bfloat16; Lion) and dropout's RNG op are refused by name.
 """
 from __future__ import annotations
 
@@ -20,142 +20,11 @@ __all__ = ["to_onnx", "OnnxStep", "load_onnx_step"]
 
 
 def _translations() -> dict:
-    import numpy as np
-    import onnx
-    from onnxscript import opset18 as op
+    """{torch_ext update OpOverload: its ONNX form}, the exporter's custom_translation_table: every
+    optimizer's ``Registration.onnx`` (torch_ext/optim/<name>.py, helpers in torch_ext/optim/_onnx.py)."""
+    from .optim import onnx_updates
 
-    f64 = onnx.TensorProto.DOUBLE
-
-    def dconst(x):
-        """A float64 constant (Constant has no double attribute): scalars stay as exact as the C++ doubles."""
-        return op.Constant(value=onnx.numpy_helper.from_array(np.array(x, dtype=np.float64)))
-
-    def scalar(x, like):
-        """A double-precision scalar (Python float or f64 tensor) in ``like``'s dtype, as a kernel would apply it."""
-        return op.CastLike(x, like)
-
-    def scheduled(x) -> bool:
-        """A scheduled hyperparameter: an input (a float64 tensor), not a Python float."""
-        return not isinstance(x, (int, float))
-
-    def hyper(x, like):
-        """A hyperparameter in ``like``'s dtype: a Python float as a constant, a scheduled one cast."""
-        return scalar(x, like) if scheduled(x) else scalar(op.Constant(value_float=x), like)
-
-    def one_minus(x, like):
-        """1 - x in double (as eager computes 1 - beta with a Python float), in ``like``'s dtype."""
-        return scalar(op.Sub(dconst(1.0), x), like) if scheduled(x) else scalar(op.Constant(value_float=1.0 - x), like)
-
-    def grad_of(param, grad, weight_decay, maximize):
-        g = op.Neg(grad) if maximize else grad
-        if weight_decay != 0:
-            g = op.Add(g, op.Mul(param, scalar(op.Constant(value_float=weight_decay), param)))
-        return g
-
-    def sgd_update(param, grad, lr, weight_decay, maximize):
-        g = grad_of(param, grad, weight_decay, maximize)
-        return op.Sub(param, op.Mul(g, scalar(lr, param)))
-
-    def sgd_momentum_update(param, grad, momentum_buffer, step, lr, momentum, dampening, weight_decay, nesterov,
-                            maximize):
-        g = grad_of(param, grad, weight_decay, maximize)
-        first = op.Equal(step, op.CastLike(op.Constant(value_float=0.0), step))
-        mixed = op.Add(op.Mul(momentum_buffer, hyper(momentum, param)),
-                       op.Mul(g, scalar(op.Constant(value_float=1.0 - dampening), param)))
-        buf = op.Where(first, g, mixed)
-        update = op.Add(g, op.Mul(buf, hyper(momentum, param))) if nesterov else buf
-        new_step = op.Add(step, op.CastLike(op.Constant(value_float=1.0), step))
-        if scheduled(momentum):  # it may reach 0: torch.optim then takes a plain SGD step, the buffer kept
-            on = op.Not(op.Equal(momentum, dconst(0.0)))
-            update, buf, new_step = op.Where(on, update, g), op.Where(on, buf, momentum_buffer), \
-                op.Where(on, new_step, step)
-        new_param = op.Sub(param, op.Mul(update, scalar(lr, param)))
-        return new_param, buf, new_step
-
-    def _adam(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
-              decoupled, maximize):
-        g = op.Neg(grad) if maximize else grad
-        new_step = op.Add(step, op.CastLike(op.Constant(value_float=1.0), step))
-        lr64 = op.Cast(lr, to=f64)
-        p = param
-        if weight_decay != 0:
-            if decoupled:
-                p = op.Mul(p, op.CastLike(op.Sub(dconst(1.0),
-                                                 op.Mul(lr64, dconst(weight_decay))), param))
-            else:
-                g = op.Add(g, op.Mul(param, scalar(op.Constant(value_float=weight_decay), param)))
-        m = op.Add(exp_avg, op.Mul(op.Sub(g, exp_avg), one_minus(beta1, param)))
-        v = op.Add(op.Mul(exp_avg_sq, scalar(op.Constant(value_float=beta2), param)),
-                   op.Mul(op.Mul(g, g), scalar(op.Constant(value_float=1.0 - beta2), param)))
-        s64 = op.Cast(new_step, to=f64)
-        bc1 = op.Sub(dconst(1.0), op.Pow(beta1 if scheduled(beta1) else dconst(beta1), s64))
-        bc2 = op.Sub(dconst(1.0), op.Pow(dconst(beta2), s64))
-        step_size = op.Div(lr64, bc1)
-        bc2_sqrt = op.Sqrt(bc2)
-        new_max = op.Max(max_exp_avg_sq, v) if max_exp_avg_sq is not None else None
-        second = new_max if new_max is not None else v
-        denom = op.Add(op.Div(op.Sqrt(second), op.CastLike(bc2_sqrt, param)),
-                       scalar(op.Constant(value_float=eps), param))
-        new_param = op.Sub(p, op.Mul(op.Div(m, denom), op.CastLike(step_size, param)))
-        return new_param, m, v, new_max, new_step
-
-    def adam_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, decoupled,
-                    maximize):
-        p, m, v, _, s = _adam(param, grad, exp_avg, exp_avg_sq, None, step, lr, beta1, beta2, eps, weight_decay,
-                              decoupled, maximize)
-        return p, m, v, s
-
-    def adam_amsgrad_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, beta2, eps,
-                            weight_decay, decoupled, maximize):
-        return _adam(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
-                     decoupled, maximize)
-
-    def rmsprop_update(param, grad, square_avg, grad_avg, momentum_buffer, step, lr, alpha, eps, weight_decay,
-                       momentum, centered, maximize):
-        g = grad_of(param, grad, weight_decay, maximize)
-        new_step = op.Add(step, op.CastLike(op.Constant(value_float=1.0), step))
-        sq = op.Add(op.Mul(square_avg, scalar(op.Constant(value_float=alpha), param)),
-                    op.Mul(op.Mul(g, g), scalar(op.Constant(value_float=1.0 - alpha), param)))
-        ga = grad_avg
-        if centered:
-            ga = op.Add(grad_avg, op.Mul(op.Sub(g, grad_avg), scalar(op.Constant(value_float=1.0 - alpha), param)))
-            avg = op.Sqrt(op.Sub(sq, op.Mul(ga, ga)))
-        else:
-            avg = op.Sqrt(sq)
-        avg = op.Add(avg, scalar(op.Constant(value_float=eps), param))
-        buf = momentum_buffer
-        if scheduled(momentum):  # the kernel's branch, taken per step
-            on = op.Greater(momentum, dconst(0.0))
-            buf = op.Where(on, op.Add(op.Mul(momentum_buffer, hyper(momentum, param)), op.Div(g, avg)),
-                           momentum_buffer)
-            new_param = op.Sub(param, op.Mul(op.Where(on, buf, op.Div(g, avg)), scalar(lr, param)))
-        elif momentum > 0:
-            buf = op.Add(op.Mul(momentum_buffer, scalar(op.Constant(value_float=momentum), param)), op.Div(g, avg))
-            new_param = op.Sub(param, op.Mul(buf, scalar(lr, param)))
-        else:
-            new_param = op.Sub(param, op.Mul(op.Div(g, avg), scalar(lr, param)))
-        return new_param, sq, ga, buf, new_step
-
-    def adagrad_update(param, grad, sum, step, lr, lr_decay, weight_decay, eps, maximize):  # noqa: A002
-        new_step = op.Add(step, op.CastLike(op.Constant(value_float=1.0), step))
-        g = grad_of(param, grad, weight_decay, maximize)
-        s64 = op.Cast(new_step, to=f64)
-        clr = op.Div(op.Cast(lr, to=f64), op.Add(dconst(1.0),
-                                               op.Mul(op.Sub(s64, dconst(1.0)),
-                                                      dconst(lr_decay))))
-        new_sum = op.Add(sum, op.Mul(g, g))
-        std = op.Add(op.Sqrt(new_sum), scalar(op.Constant(value_float=eps), param))
-        return op.Sub(param, op.Mul(op.Div(g, std), op.CastLike(clr, param))), new_sum, new_step
-
-    ops = torch.ops.torch_ext
-    table = {ops.sgd_update.default: sgd_update, ops.sgd_momentum_update.default: sgd_momentum_update,
-             ops.adam_update.default: adam_update, ops.adam_amsgrad_update.default: adam_amsgrad_update,
-             ops.rmsprop_update.default: rmsprop_update, ops.adagrad_update.default: adagrad_update}
-    # The "scheduled" overloads (a momentum or beta1 fed per step): the same functions, which take
-    # either form of the hyperparameter.
-    table.update({k.overloadpacket.scheduled: fn for k, fn in list(table.items())
-                  if "scheduled" in k.overloadpacket.overloads()})
-    return table
+    return onnx_updates()
 
 
 def _silu_backward(grad, x):
@@ -190,8 +59,10 @@ def to_onnx(step, path: str) -> str:
                           if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
                           and n.target.namespace == "torch_ext" and n.target not in table})
     if unsupported:
-        raise NotImplementedError(f"to_onnx: no ONNX translation for {', '.join(unsupported)} (supported: SGD, "
-                                  "Adam/AdamW/amsgrad, RMSprop, Adagrad; dropout's explicit RNG state is not)")
+        from .optim import onnx_kinds
+
+        raise NotImplementedError(f"to_onnx: no ONNX translation for {', '.join(unsupported)} (supported: "
+                                  f"{', '.join(onnx_kinds())}; dropout's explicit RNG state is not)")
     attention_backward = sorted({str(n.target) for n in nodes if n.op == "call_function"
                                  and "attention" in str(n.target) and "backward" in str(n.target)})
     if attention_backward:

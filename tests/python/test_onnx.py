@@ -86,7 +86,7 @@ def test_onnx_runtime_trains_like_eager(tmp_path, kind, opt_name):
         assert float((got - p.detach()).abs().max()) <= 1e-5 * float(p.detach().abs().max()), name
 
 
-@pytest.mark.parametrize("opt_name", ["sgd_nesterov", "adamw", "rmsprop", "sgd_to_zero"])
+@pytest.mark.parametrize("opt_name", ["sgd_nesterov", "adamw", "rmsprop", "sgd_to_zero", "nadam", "radam"])
 def test_onnx_runtime_follows_a_scheduler_that_cycles_momentum(tmp_path, opt_name):
     # The momentum (beta1) is an input of the ONNX graph as of the step's program, fed per call from
     # the scheduler's replay; before, to_onnx refused the scheduled update ops.
@@ -101,6 +101,11 @@ def test_onnx_runtime_follows_a_scheduler_that_cycles_momentum(tmp_path, opt_nam
         "sgd_to_zero": (lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
                         lambda o: torch.optim.lr_scheduler.CyclicLR(o, base_lr=0.01, max_lr=0.05, step_size_up=5,
                                                                     base_momentum=0.0, max_momentum=0.9)),
+        # beta1 cycled: a float64 input of NAdam's momentum schedule and of RAdam's bias correction
+        "nadam": (lambda p: torch.optim.NAdam(p, lr=1e-3, foreach=False),
+                  lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=30)),
+        "radam": (lambda p: torch.optim.RAdam(p, lr=1e-3, foreach=False),
+                  lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=30)),
     }[opt_name]
     opt = make(model.parameters())
     step = torch_ext.make_train_step(model, opt, loss_fn, batch, scheduler=sched(opt))
@@ -115,6 +120,42 @@ def test_onnx_runtime_follows_a_scheduler_that_cycles_momentum(tmp_path, opt_nam
         {n: float(v) for n, v in live.opt.items() if ":group" in n}
     for name, p in live.params.items():
         assert float((state.params[name] - p).abs().max()) <= 1e-5 * float(p.abs().max()), name
+
+
+# Each optimizer's ONNX form (Registration.onnx in torch_ext/optim/<name>.py) against the live step, with the
+# options that take its branches: weight decay coupled and decoupled, maximize; RAdam across its
+# rectification threshold (rho_t > 5 from step 6 with the default betas), decided per step in the graph.
+_NEW_OPTIMIZERS = {
+    "adamax": lambda p: torch.optim.Adamax(p, lr=1e-2, weight_decay=1e-2),
+    "adamax_maximize": lambda p: torch.optim.Adamax(p, lr=1e-2, maximize=True),
+    "nadam": lambda p: torch.optim.NAdam(p, lr=1e-2, weight_decay=1e-2, foreach=False),
+    "nadam_decoupled": lambda p: torch.optim.NAdam(p, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True,
+                                                   foreach=False),
+    "radam": lambda p: torch.optim.RAdam(p, lr=1e-2, weight_decay=1e-2, foreach=False),
+    "radam_decoupled": lambda p: torch.optim.RAdam(p, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True,
+                                                   foreach=False),
+    "adadelta": lambda p: torch.optim.Adadelta(p, lr=1.0, weight_decay=1e-3),
+    "rprop": lambda p: torch.optim.Rprop(p, lr=1e-2),
+    "rprop_maximize": lambda p: torch.optim.Rprop(p, lr=1e-2, etas=(0.3, 1.5), step_sizes=(1e-4, 0.02),
+                                                  maximize=True),
+}
+
+
+@pytest.mark.parametrize("opt_name", sorted(_NEW_OPTIMIZERS))
+def test_onnx_runtime_trains_the_new_optimizers_like_the_step(tmp_path, opt_name):
+    model, batch, loss_fn = _case("mlp")
+    step = torch_ext.make_train_step(model, _NEW_OPTIMIZERS[opt_name](model.parameters()), loss_fn, batch)
+    onnx_step = tox.load_onnx_step(step.to_onnx(str(tmp_path / "step.onnx")))
+    state = live = step.init_state()
+    for i in range(8):  # RAdam: steps 1-5 unrectified, 6-8 rectified
+        loss, state = onnx_step(state, *batch)
+        ref, live = step(live, *batch)
+        assert float(loss) == pytest.approx(float(ref), rel=1e-5, abs=1e-6), f"step {i}"
+    for name, want in {**live.params, **live.opt}.items():
+        got = state.lookup(name)
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        # relative to the tensor's scale, as above: float32 kernels of two runtimes differ by rounding only
+        assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max())), name
 
 
 def test_onnx_step_on_a_plain_dict_state(tmp_path):
@@ -159,6 +200,21 @@ def test_onnx_refuses_ops_it_cannot_translate(tmp_path):
     step = torch_ext.make_train_step(model, opt, lambda m, x: m(x).pow(2).mean(), (x,))
     with pytest.raises(NotImplementedError, match="muon_update"):
         tox.to_onnx(step, str(tmp_path / "m.onnx"))
+
+
+def test_onnx_refusal_lists_the_kinds_the_registry_translates(tmp_path):
+    model = nn.Sequential(nn.Linear(8, 4))
+    x = torch.randn(4, 8)
+    step = torch_ext.make_train_step(model, torch_ext.optim.Lion(model.parameters(), lr=1e-3),
+                                     lambda m, x: m(x).pow(2).mean(), (x,))
+    with pytest.raises(NotImplementedError) as e:
+        tox.to_onnx(step, str(tmp_path / "l.onnx"))
+    message = str(e.value)
+    assert "no ONNX translation for torch_ext.lion_update.default" in message
+    for r in torch_ext.optim.registrations():  # from the registry: each optimizer with an ONNX form, and its kinds
+        listed = f"{r.optimizer.__name__} ({', '.join(r.onnx)})"
+        assert (listed in message) == bool(r.onnx), listed
+    assert "Rprop (rprop)" in message and "Lion" not in message.split("supported:")[1]
 
 
 def test_onnx_names_an_op_the_exporter_cannot_translate(tmp_path):

@@ -89,3 +89,49 @@ def test_register_refuses_bad_registrations():
         optim.register(optim.Registration(int, lambda *a: {}))
     with pytest.raises(ValueError, match="SGD is registered twice"):
         optim.register(optim.Registration(torch.optim.SGD, lambda *a: {}))
+
+
+def test_register_refuses_an_onnx_form_the_exporter_would_bind_otherwise():
+    # torch.onnx's dynamo exporter binds a translation's parameters to the op's arguments by name and reads
+    # annotations as ONNX types (an annotated float becomes an attribute): either would break the form.
+    class Mine(torch.optim.SGD):
+        pass
+
+    def renamed(param, gradient, lr, weight_decay, maximize):
+        return param
+
+    def annotated(param, grad, lr, weight_decay: float, maximize):
+        return param
+
+    before = optim.registrations()
+    with pytest.raises(ValueError, match=r"ONNX form of 'sgd' \(.*renamed\) takes \(param, gradient, lr, "
+                                         r"weight_decay, maximize\).*\(param, grad, lr, weight_decay, maximize\)"):
+        optim.register(optim.Registration(Mine, lambda *a: {}, onnx={"sgd": renamed}))
+    with pytest.raises(ValueError, match="ONNX form of 'sgd' annotates weight_decay"):
+        optim.register(optim.Registration(Mine, lambda *a: {}, onnx={"sgd": annotated}))
+    with pytest.raises(ValueError, match="unknown update kind 'nope'"):
+        optim.register(optim.Registration(Mine, lambda *a: {}, onnx={"nope": renamed}))
+    assert optim.registrations() == before  # nothing registered
+
+
+def test_every_onnx_form_is_in_the_translation_table():
+    from torch_ext.optim import _registry
+
+    table = optim.onnx_updates()
+    for reg in optim.registrations():
+        for kind, fn in reg.onnx.items():
+            op = getattr(torch.ops.torch_ext, optim.descriptor(kind)["op"])
+            assert table[op.default] is fn
+            if optim.descriptor(kind)["schedulable"]:
+                assert table[op.scheduled] is fn
+    assert set(table.values()) == {fn for r in optim.registrations() for fn in r.onnx.values()}
+    assert "Muon" not in " ".join(_registry.onnx_kinds())
+
+
+def test_import_torch_ext_needs_neither_onnx_nor_onnxscript():
+    import subprocess
+    import sys
+
+    code = "import sys, torch_ext; print(sorted(m for m in ('onnx', 'onnxscript') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

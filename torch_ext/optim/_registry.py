@@ -18,7 +18,8 @@ from .. import _C
 
 __all__ = ["Registration", "register", "registration_for", "registrations", "descriptor", "state_name", "lr_name",
            "group_input_name",
-           "parse_state_name", "aten_updates", "aten_grad", "F64", "once", "refuse_rounded_tensor_lr", "operand",
+           "parse_state_name", "aten_updates", "onnx_updates", "onnx_kinds", "aten_grad", "F64", "once",
+           "refuse_rounded_tensor_lr", "operand",
            "refuse_default_foreach"]
 
 
@@ -98,6 +99,10 @@ class Registration:
     ``aten``: for each kind, its update op written as functional ATen with the op's signature and
     returns (a slot the kind does not use may come back as None), for compilers that fuse it
     (``TrainStep.to_aoti``; see :func:`aten_updates`). A kind without one runs its C++ kernel there.
+    ``onnx``: for each kind, its update op written in onnxscript (helpers in ``optim/_onnx.py``), the
+    translation ``torch.onnx.export`` uses for the op (``TrainStep.to_onnx``; see :func:`onnx_updates`):
+    parameters unannotated and named as the op's schema arguments, as the exporter binds them by name.
+    A kind without one is refused by ``to_onnx``, naming its op.
     ``scheduled``: where each schedulable scalar of its kinds (the descriptor's ``schedulable``) lives
     in a param group, as a scheduler that cycles momentum writes it: (key, None) for ``group[key]``,
     (key, i) for ``group[key][i]``. A scalar not listed here stays baked in (a change is refused).
@@ -109,6 +114,7 @@ class Registration:
     torch_state: Callable[..., dict] = default_torch_state
     foreach_exact: bool = True
     aten: Mapping[str, Callable] = field(default_factory=dict)
+    onnx: Mapping[str, Callable] = field(default_factory=dict)
     scheduled: Mapping[str, tuple[str, int | None]] = field(default_factory=dict)
 
 
@@ -123,8 +129,30 @@ def register(registration: Registration) -> Registration:
         raise ValueError(f"register: {cls.__qualname__} is registered twice")
     for kind in registration.aten:
         descriptor(kind)  # an unknown kind is refused here, naming it
+    for kind, fn in registration.onnx.items():
+        _check_onnx_form(cls, kind, fn)
     _REGISTRY[cls] = registration
     return registration
+
+
+def _check_onnx_form(cls: type, kind: str, fn: Callable) -> None:
+    """Refuses an ONNX form the exporter would bind otherwise than the op: torch.onnx's dynamo exporter
+    matches a translation's parameters to the op's arguments by name, and an annotated parameter by its
+    type (an annotated float becomes an ONNX attribute, not the Python value the forms branch on)."""
+    import inspect
+
+    schema = getattr(torch.ops.torch_ext, descriptor(kind)["op"]).default._schema
+    want = [a.name for a in schema.arguments]
+    params = inspect.signature(fn).parameters
+    got = list(params)
+    if got != want:
+        raise ValueError(f"register: {cls.__qualname__}'s ONNX form of {kind!r} ({getattr(fn, '__qualname__', fn)}) "
+                         f"takes ({', '.join(got)}); the exporter binds by name, so it must take the op's arguments "
+                         f"({', '.join(want)})")
+    annotated = [n for n, p in params.items() if p.annotation is not inspect.Parameter.empty]
+    if annotated:
+        raise ValueError(f"register: {cls.__qualname__}'s ONNX form of {kind!r} annotates {', '.join(annotated)}; "
+                         "the exporter reads annotations as ONNX types and attributes, so leave them out")
 
 
 def registrations() -> list[Registration]:
@@ -210,6 +238,26 @@ def aten_updates() -> dict:
             if descriptor(kind)["schedulable"]:  # the same form: its scalars take a float64 0-d tensor too
                 table[op.scheduled] = fn
     return table
+
+
+def onnx_updates() -> dict:
+    """{torch_ext update OpOverload: its ONNX form} over every registration's ``onnx``, the
+    ``custom_translation_table`` of ``torch_ext.onnx.to_onnx``; a kind with schedulable scalars maps its
+    "scheduled" overload to the same form (a scheduled scalar arrives as a float64 tensor)."""
+    ops = torch.ops.torch_ext
+    table = {}
+    for reg in _REGISTRY.values():
+        for kind, fn in reg.onnx.items():
+            op = getattr(ops, descriptor(kind)["op"])
+            table[op.default] = fn
+            if descriptor(kind)["schedulable"]:
+                table[op.scheduled] = fn
+    return table
+
+
+def onnx_kinds() -> list[str]:
+    """"<optimizer> (<kinds>)" for every registration with ONNX forms, in registration order (error messages)."""
+    return [f"{r.optimizer.__name__} ({', '.join(r.onnx)})" for r in _REGISTRY.values() if r.onnx]
 
 
 def operand(x, dtype: torch.dtype):

@@ -1,6 +1,7 @@
 """torch.optim.Adadelta: kind "adadelta" (csrc/optim/adadelta.cpp)."""
 import torch
 
+from ._onnx import grad_of, op, plus_one, scalar
 from ._registry import F64, Registration, aten_grad, once, register
 
 
@@ -18,4 +19,19 @@ def _aten_adadelta_update(param, grad, square_avg, acc_delta, step, lr, rho, eps
     return param + once((-lr.to(F64)).to(param.dtype)) * delta, sq, acc, step + 1
 
 
-register(Registration(torch.optim.Adadelta, _read, aten={"adadelta": _aten_adadelta_update}))
+def _onnx_adadelta_update(param, grad, square_avg, acc_delta, step, lr, rho, eps, weight_decay, maximize):
+    """csrc/optim/adadelta.cpp line by line, in onnxscript."""
+    new_step = plus_one(step)
+    g = grad_of(param, grad, weight_decay, maximize)
+    rho_ = scalar(op.Constant(value_float=rho), param)
+    one_minus_rho = scalar(op.Constant(value_float=1.0 - rho), param)
+    eps_ = scalar(op.Constant(value_float=eps), param)
+    sq = op.Add(op.Mul(square_avg, rho_), op.Mul(op.Mul(g, g), one_minus_rho))
+    std = op.Sqrt(op.Add(sq, eps_))
+    delta = op.Mul(op.Div(op.Sqrt(op.Add(acc_delta, eps_)), std), g)
+    acc = op.Add(op.Mul(acc_delta, rho_), op.Mul(op.Mul(delta, delta), one_minus_rho))
+    return op.Sub(param, op.Mul(delta, scalar(lr, param))), sq, acc, new_step
+
+
+register(Registration(torch.optim.Adadelta, _read, aten={"adadelta": _aten_adadelta_update},
+                      onnx={"adadelta": _onnx_adadelta_update}))

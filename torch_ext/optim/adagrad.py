@@ -2,6 +2,7 @@
 creates its state in the constructor: ``sum`` filled with initial_accumulator_value, step 0."""
 import torch
 
+from ._onnx import dconst, f64, grad_of, op, plus_one, scalar
 from ._registry import F64, Registration, aten_grad, default_initial_state, once, refuse_rounded_tensor_lr, register
 
 
@@ -34,4 +35,16 @@ def _aten_adagrad_update(param, grad, sum, step, lr, lr_decay, weight_decay, eps
     std = new_sum.sqrt() + eps
     return param + once((-clr).to(param.dtype)) * g / std, new_sum, new_step
 
-register(Registration(torch.optim.Adagrad, _read, _initial_state, _torch_state, aten={"adagrad": _aten_adagrad_update}))
+
+def _onnx_adagrad_update(param, grad, sum, step, lr, lr_decay, weight_decay, eps, maximize):  # noqa: A002
+    new_step = plus_one(step)
+    g = grad_of(param, grad, weight_decay, maximize)
+    s64 = f64(new_step)
+    clr = op.Div(f64(lr), op.Add(dconst(1.0), op.Mul(op.Sub(s64, dconst(1.0)), dconst(lr_decay))))
+    new_sum = op.Add(sum, op.Mul(g, g))
+    std = op.Add(op.Sqrt(new_sum), scalar(op.Constant(value_float=eps), param))
+    return op.Sub(param, op.Mul(op.Div(g, std), op.CastLike(clr, param))), new_sum, new_step
+
+
+register(Registration(torch.optim.Adagrad, _read, _initial_state, _torch_state, aten={"adagrad": _aten_adagrad_update},
+                      onnx={"adagrad": _onnx_adagrad_update}))

@@ -2,6 +2,7 @@
 (an f32[] slot that starts at 1)."""
 import torch
 
+from ._onnx import dconst, f64, one_minus, op, plus_one, scalar, scheduled
 from ._registry import F64, Registration, once, operand, refuse_default_foreach, refuse_rounded_tensor_lr, register
 
 
@@ -53,6 +54,44 @@ def _aten_nadam_update(param, grad, exp_avg, exp_avg_sq, mu_product, step, lr, b
     return new_param, m, v, new_mu_product, new_step
 
 
+def _onnx_nadam_update(param, grad, exp_avg, exp_avg_sq, mu_product, step, lr, beta1, beta2, eps, weight_decay,
+                       momentum_decay, decoupled, maximize):
+    """csrc/optim/nadam.cpp line by line, in onnxscript: the momentum schedule in double, the
+    float32 mu_product times mu in float32 (the kernel's wrapped scalar)."""
+    g = op.Neg(grad) if maximize else grad
+    new_step = plus_one(step)
+    s = f64(new_step)
+    lr64 = f64(lr)
+    one = dconst(1.0)
+    bias_correction2 = op.Sub(one, op.Pow(dconst(beta2), s))
+    p = param
+    if weight_decay != 0:
+        if decoupled:
+            p = op.Mul(p, op.CastLike(op.Sub(one, op.Mul(lr64, dconst(weight_decay))), param))
+        else:
+            g = op.Add(g, op.Mul(param, scalar(op.Constant(value_float=weight_decay), param)))
+    b1 = beta1 if scheduled(beta1) else dconst(beta1)
+
+    def mu_at(t):  # beta1 * (1 - 0.5 * 0.96^(t * momentum_decay))
+        return op.Mul(b1, op.Sub(one, op.Mul(dconst(0.5), op.Pow(dconst(0.96), op.Mul(t, dconst(momentum_decay))))))
+
+    mu, mu_next = mu_at(s), mu_at(op.Add(s, one))
+    new_mu_product = op.Mul(mu_product, op.CastLike(mu, mu_product))
+    m = op.Add(exp_avg, op.Mul(op.Sub(g, exp_avg), one_minus(beta1, param)))
+    v = op.Add(op.Mul(exp_avg_sq, scalar(op.Constant(value_float=beta2), param)),
+               op.Mul(op.Mul(g, g), scalar(op.Constant(value_float=1.0 - beta2), param)))
+    denom = op.Add(op.Sqrt(op.Div(v, op.CastLike(bias_correction2, param))),
+                   scalar(op.Constant(value_float=eps), param))
+    mu_product_now = f64(new_mu_product)
+    mu_product_next = op.Mul(mu_product_now, mu_next)
+    neg_lr = op.Neg(lr64)
+    c_grad = op.Div(op.Mul(neg_lr, op.Sub(one, mu)), op.Sub(one, mu_product_now))
+    c_avg = op.Div(op.Mul(neg_lr, mu_next), op.Sub(one, mu_product_next))
+    p = op.Add(p, op.Mul(op.Div(g, denom), op.CastLike(c_grad, param)))
+    p = op.Add(p, op.Mul(op.Div(m, denom), op.CastLike(c_avg, param)))
+    return p, m, v, new_mu_product, new_step
+
+
 register(Registration(torch.optim.NAdam, _read, foreach_exact=False,
-                      aten={"nadam": _aten_nadam_update},
+                      aten={"nadam": _aten_nadam_update}, onnx={"nadam": _onnx_nadam_update},
                       scheduled={"beta1": ("betas", 0)}))

@@ -1,7 +1,8 @@
 """torch.optim.RAdam: kind "radam" (csrc/optim/radam.cpp). Whether a step is rectified depends on the
-step count, so the kernel, and the ATen form below (torch.where on the step input), decide it per step."""
+step count, so the kernel, and the ATen and ONNX forms below (a where on the step input), decide it per step."""
 import torch
 
+from ._onnx import dconst, f64, one_minus, op, plus_one, scalar, scheduled
 from ._registry import F64, Registration, once, operand, refuse_default_foreach, refuse_rounded_tensor_lr, register
 
 
@@ -44,6 +45,41 @@ def _aten_radam_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2,
     return param - torch.where(rho_t > 5.0, rectified, update), m, v, new_step
 
 
+def _onnx_radam_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, decoupled,
+                       maximize):
+    """csrc/optim/radam.cpp line by line, in onnxscript; the rectification branch is a Where on the step."""
+    g = op.Neg(grad) if maximize else grad
+    new_step = plus_one(step)
+    s = f64(new_step)
+    lr64 = f64(lr)
+    one = dconst(1.0)
+    p = param
+    if weight_decay != 0:
+        if decoupled:
+            p = op.Mul(p, op.CastLike(op.Sub(one, op.Mul(lr64, dconst(weight_decay))), param))
+        else:
+            g = op.Add(g, op.Mul(param, scalar(op.Constant(value_float=weight_decay), param)))
+    m = op.Add(exp_avg, op.Mul(op.Sub(g, exp_avg), one_minus(beta1, param)))
+    v = op.Add(op.Mul(exp_avg_sq, scalar(op.Constant(value_float=beta2), param)),
+               op.Mul(op.Mul(g, g), scalar(op.Constant(value_float=1.0 - beta2), param)))
+    bias_correction1 = op.Sub(one, op.Pow(beta1 if scheduled(beta1) else dconst(beta1), s))
+    beta2_t = op.Pow(dconst(beta2), s)
+    bias_correction2 = op.Sub(one, beta2_t)
+    update = op.Mul(op.Div(m, op.CastLike(bias_correction1, param)), op.CastLike(lr64, param))
+    rho_inf = 2 / (1 - beta2) - 1
+    rho_t = op.Sub(dconst(rho_inf), op.Div(op.Mul(op.Mul(dconst(2.0), s), beta2_t), bias_correction2))
+    # (rho_t - 4)(rho_t - 2) rho_inf / ((rho_inf - 4)(rho_inf - 2) rho_t), clamped at 0 so that the
+    # branch not taken (an unrectified step's ratio is negative) holds no NaN.
+    ratio = op.Div(op.Mul(op.Mul(op.Sub(rho_t, dconst(4.0)), op.Sub(rho_t, dconst(2.0))), dconst(rho_inf)),
+                   op.Mul(dconst((rho_inf - 4) * (rho_inf - 2)), rho_t))
+    rect = op.Sqrt(op.Max(ratio, dconst(0.0)))
+    adaptive_lr = op.Mul(op.Reciprocal(op.Add(op.Sqrt(v), scalar(op.Constant(value_float=eps), param))),
+                         op.CastLike(op.Sqrt(bias_correction2), param))
+    rectified = op.Mul(op.Mul(update, adaptive_lr), op.CastLike(rect, param))
+    chosen = op.Where(op.Greater(rho_t, dconst(5.0)), rectified, update)
+    return op.Sub(p, chosen), m, v, new_step
+
+
 register(Registration(torch.optim.RAdam, _read, foreach_exact=False,
-                      aten={"radam": _aten_radam_update},
+                      aten={"radam": _aten_radam_update}, onnx={"radam": _onnx_radam_update},
                       scheduled={"beta1": ("betas", 0)}))

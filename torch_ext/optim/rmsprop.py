@@ -1,6 +1,7 @@
 """torch.optim.RMSprop: kind "rmsprop" (csrc/optim/rmsprop.cpp)."""
 import torch
 
+from ._onnx import dconst, grad_of, hyper, op, plus_one, scalar, scheduled
 from ._registry import F64, Registration, aten_grad, operand, register
 
 
@@ -47,5 +48,33 @@ def _aten_rmsprop_update(param, grad, square_avg, grad_avg, momentum_buffer, ste
         new_param = param + neg_lr * g / avg
     return new_param, sq, ga, buf, step + 1
 
+
+def _onnx_rmsprop_update(param, grad, square_avg, grad_avg, momentum_buffer, step, lr, alpha, eps, weight_decay,
+                         momentum, centered, maximize):
+    g = grad_of(param, grad, weight_decay, maximize)
+    new_step = plus_one(step)
+    sq = op.Add(op.Mul(square_avg, scalar(op.Constant(value_float=alpha), param)),
+                op.Mul(op.Mul(g, g), scalar(op.Constant(value_float=1.0 - alpha), param)))
+    ga = grad_avg
+    if centered:
+        ga = op.Add(grad_avg, op.Mul(op.Sub(g, grad_avg), scalar(op.Constant(value_float=1.0 - alpha), param)))
+        avg = op.Sqrt(op.Sub(sq, op.Mul(ga, ga)))
+    else:
+        avg = op.Sqrt(sq)
+    avg = op.Add(avg, scalar(op.Constant(value_float=eps), param))
+    buf = momentum_buffer
+    if scheduled(momentum):  # the kernel's branch, taken per step
+        on = op.Greater(momentum, dconst(0.0))
+        buf = op.Where(on, op.Add(op.Mul(momentum_buffer, hyper(momentum, param)), op.Div(g, avg)), momentum_buffer)
+        new_param = op.Sub(param, op.Mul(op.Where(on, buf, op.Div(g, avg)), scalar(lr, param)))
+    elif momentum > 0:
+        buf = op.Add(op.Mul(momentum_buffer, scalar(op.Constant(value_float=momentum), param)), op.Div(g, avg))
+        new_param = op.Sub(param, op.Mul(buf, scalar(lr, param)))
+    else:
+        new_param = op.Sub(param, op.Mul(op.Div(g, avg), scalar(lr, param)))
+    return new_param, sq, ga, buf, new_step
+
+
 register(Registration(torch.optim.RMSprop, _read, torch_state=_torch_state, aten={"rmsprop": _aten_rmsprop_update},
+                      onnx={"rmsprop": _onnx_rmsprop_update},
                       scheduled={"momentum": ("momentum", None)}))

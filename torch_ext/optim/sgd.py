@@ -1,6 +1,7 @@
 """torch.optim.SGD: kind "sgd" (momentum == 0) or "sgd_momentum" (csrc/optim/sgd.cpp)."""
 import torch
 
+from ._onnx import dconst, grad_of, hyper, op, plus_one, scalar, scheduled
 from ._registry import F64, Registration, aten_grad, operand, register
 
 
@@ -51,6 +52,30 @@ def _aten_sgd_momentum_update(param, grad, momentum_buffer, step, lr, momentum, 
     d = g.add(buf, alpha=momentum) if nesterov else buf
     return param + d * neg_lr, buf, step + 1
 
+
+def _onnx_sgd_update(param, grad, lr, weight_decay, maximize):
+    g = grad_of(param, grad, weight_decay, maximize)
+    return op.Sub(param, op.Mul(g, scalar(lr, param)))
+
+
+def _onnx_sgd_momentum_update(param, grad, momentum_buffer, step, lr, momentum, dampening, weight_decay, nesterov,
+                              maximize):
+    g = grad_of(param, grad, weight_decay, maximize)
+    first = op.Equal(step, op.CastLike(op.Constant(value_float=0.0), step))
+    mixed = op.Add(op.Mul(momentum_buffer, hyper(momentum, param)),
+                   op.Mul(g, scalar(op.Constant(value_float=1.0 - dampening), param)))
+    buf = op.Where(first, g, mixed)
+    update = op.Add(g, op.Mul(buf, hyper(momentum, param))) if nesterov else buf
+    new_step = plus_one(step)
+    if scheduled(momentum):  # it may reach 0: torch.optim then takes a plain SGD step, the buffer kept
+        on = op.Not(op.Equal(momentum, dconst(0.0)))
+        update, buf, new_step = op.Where(on, update, g), op.Where(on, buf, momentum_buffer), \
+            op.Where(on, new_step, step)
+    new_param = op.Sub(param, op.Mul(update, scalar(lr, param)))
+    return new_param, buf, new_step
+
+
 register(Registration(torch.optim.SGD, _read, _initial_state, _torch_state,
                       aten={"sgd": _aten_sgd_update, "sgd_momentum": _aten_sgd_momentum_update},
+                      onnx={"sgd": _onnx_sgd_update, "sgd_momentum": _onnx_sgd_momentum_update},
                       scheduled={"momentum": ("momentum", None)}))
