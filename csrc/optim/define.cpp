@@ -277,6 +277,20 @@ double Update::f(const std::string& name) const {
 int64_t Update::i(const std::string& name) const { return scalars[index_of(*desc, name, ScalarType::Int)].toInt(); }
 bool Update::b(const std::string& name) const { return scalars[index_of(*desc, name, ScalarType::Bool)].toBool(); }
 
+at::Tensor Update::descent_grad() const { return b("maximize") ? at::neg(grad) : grad; }
+
+at::Tensor& Update::count_step() {
+  return write(slot("step"), [](at::Tensor& out, const at::Tensor& in) { at::add_out(out, in, number(1)); });
+}
+
+at::Tensor Update::weight_decayed(at::Tensor g, bool decoupled) {
+  const double weight_decay = f("weight_decay");
+  if (weight_decay == 0) return g;
+  if (!decoupled) return g.add(param, weight_decay);
+  write(param, [&](at::Tensor& out, const at::Tensor& in) { at::mul_out(out, in, number(1 - lr * weight_decay)); });
+  return g;
+}
+
 bool Descriptor::has_schedulable() const {
   return std::any_of(scalars.begin(), scalars.end(), [](const Scalar& x) { return x.schedulable; });
 }
