@@ -854,7 +854,7 @@ PYBIND11_MODULE(_C, m) {
     py::list out;
     for (const optim::Descriptor* d : optim::all()) {
       py::list slots, scalars;
-      for (const optim::Slot& s : d->slots) slots.append(py::make_tuple(s.name, s.is_step() ? "step" : s.is_scalar() ? "one" : "zeros"));
+      for (const optim::Slot& s : d->slots) slots.append(py::make_tuple(s.name, s.is_step() ? "step" : s.init == optim::SlotInit::ScalarOne ? "one" : "zeros"));
       py::list schedulable;
       for (const optim::Scalar& x : d->scalars) {
         scalars.append(py::make_tuple(x.name, x.type == optim::ScalarType::Bool  ? "bool"

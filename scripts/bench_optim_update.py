@@ -5,9 +5,8 @@ the same values, so bit-exact).
 
 Parameter sets: torchvision ResNet-18 (11.7M parameters in 62 tensors), one 50257x256 embedding
 (GPT-2's vocabulary: 12.9M in one tensor) and an 8192x256 one (bench_step's GPT-2). Optimizers:
-AdamW and RMSprop (centered, momentum), blocked, and Adagrad and SGD with momentum, run whole; Adamax, NAdam,
-RAdam, Adadelta and Rprop, blocked
-(``Descriptor::blocked``: they measured 0.8-0.93x blocked). Arms, interleaved per round, medians reported:
+AdamW, RMSprop (centered, momentum), Adamax, NAdam, RAdam, Adadelta and Rprop, blocked, and Adagrad and SGD
+with momentum, run whole (``Descriptor::blocked``: they measured 0.8-0.93x blocked). Arms, interleaved per round, medians reported:
 
 - eager: ``opt.step()`` with the gradients set;
 - ops: ``torch.ops.torch_ext.<kind>_update_`` per parameter (the in-place op the planned arena runs;

@@ -10,10 +10,9 @@ namespace {
 void adadelta(Update& u) {
   at::Tensor& square_avg = u.slot("square_avg");
   at::Tensor& acc_delta = u.slot("acc_delta");
-  const double rho = u.f("rho"), eps = u.f("eps"), weight_decay = u.f("weight_decay");
-  u.write(u.slot("step"), [](at::Tensor& out, const at::Tensor& in) { at::add_out(out, in, number(1)); });
-  at::Tensor grad = u.b("maximize") ? at::neg(u.grad) : u.grad;
-  if (weight_decay != 0) grad = grad.add(u.param, weight_decay);
+  const double rho = u.f("rho"), eps = u.f("eps");
+  u.count_step();
+  const at::Tensor grad = u.weight_decayed(u.descent_grad());
   u.write(square_avg, [&](at::Tensor& out, const at::Tensor& in) { at::mul_out(out, in, number(rho)); })
       .addcmul_(grad, grad, 1 - rho);
   const at::Tensor std = square_avg.add(eps).sqrt_();

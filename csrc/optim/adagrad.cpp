@@ -9,13 +9,9 @@ namespace torch_ext::optim {
 namespace {
 
 void adagrad(Update& u) {
-  at::Tensor& step_t = u.slot("step");
   at::Tensor& state_sum = u.slot("sum");
-  u.write(step_t, [](at::Tensor& out, const at::Tensor& in) { at::add_out(out, in, number(1)); });
-  const double step = step_t.item<double>();
-  at::Tensor grad = u.b("maximize") ? at::neg(u.grad) : u.grad;
-  const double weight_decay = u.f("weight_decay");
-  if (weight_decay != 0) grad = grad.add(u.param, weight_decay);
+  const double step = u.count_step().item<double>();
+  const at::Tensor grad = u.weight_decayed(u.descent_grad());
   const double clr = u.lr / (1 + (step - 1) * u.f("lr_decay"));
   u.write(state_sum, [&](at::Tensor& out, const at::Tensor& in) { at::addcmul_out(out, in, grad, grad, 1); });
   at::Tensor std = state_sum.sqrt().add_(u.f("eps"));

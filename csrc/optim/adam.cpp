@@ -15,22 +15,13 @@ void adam_with(Update& u, at::Tensor* max_exp_avg_sq) {
   at::Tensor& param = u.param;
   at::Tensor& exp_avg = u.slot("exp_avg");
   at::Tensor& exp_avg_sq = u.slot("exp_avg_sq");
-  at::Tensor& step_t = u.slot("step");
   const double lr = u.lr, beta1 = u.f("beta1"), beta2 = u.f("beta2"), eps = u.f("eps");
-  const double weight_decay = u.f("weight_decay");
-  at::Tensor grad = u.b("maximize") ? at::neg(u.grad) : u.grad;
-  u.write(step_t, [](at::Tensor& out, const at::Tensor& in) { at::add_out(out, in, number(1)); });
-  if (weight_decay != 0) {
-    if (u.b("decoupled")) {
-      u.write(param, [&](at::Tensor& out, const at::Tensor& in) { at::mul_out(out, in, number(1 - lr * weight_decay)); });
-    } else {
-      grad = grad.add(param, weight_decay);
-    }
-  }
+  at::Tensor grad = u.descent_grad();
+  const double step = u.count_step().item<double>();
+  grad = u.weight_decayed(std::move(grad), u.b("decoupled"));
   u.write(exp_avg, [&](at::Tensor& out, const at::Tensor& in) { at::lerp_out(out, in, grad, 1 - beta1); });
   u.write(exp_avg_sq, [&](at::Tensor& out, const at::Tensor& in) { at::mul_out(out, in, number(beta2)); })
       .addcmul_(grad, grad, 1 - beta2);
-  const double step = step_t.item<double>();
   const double bias_correction1 = 1 - std::pow(beta1, step);
   const double bias_correction2 = 1 - std::pow(beta2, step);
   const double step_size = lr / bias_correction1;

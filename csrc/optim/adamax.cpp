@@ -13,17 +13,15 @@ namespace {
 void adamax(Update& u) {
   at::Tensor& exp_avg = u.slot("exp_avg");
   at::Tensor& exp_inf = u.slot("exp_inf");
-  at::Tensor& step_t = u.slot("step");
-  const double beta1 = u.f("beta1"), beta2 = u.f("beta2"), weight_decay = u.f("weight_decay");
-  u.write(step_t, [](at::Tensor& out, const at::Tensor& in) { at::add_out(out, in, number(1)); });
-  at::Tensor grad = u.b("maximize") ? at::neg(u.grad) : u.grad;
-  if (weight_decay != 0) grad = grad.add(u.param, weight_decay);
+  const double beta1 = u.f("beta1"), beta2 = u.f("beta2");
+  const double step = u.count_step().item<double>();
+  const at::Tensor grad = u.weight_decayed(u.descent_grad());
   u.write(exp_avg, [&](at::Tensor& out, const at::Tensor& in) { at::lerp_out(out, in, grad, 1 - beta1); });
   // torch.maximum(exp_inf.mul_(beta2), grad.abs().add_(eps), out=exp_inf)
   const at::Tensor norm = grad.abs().add_(u.f("eps"));
   u.write(exp_inf, [&](at::Tensor& out, const at::Tensor& in) { at::mul_out(out, in, number(beta2)); });
   at::maximum_out(exp_inf, exp_inf, norm);
-  const double clr = u.lr / (1 - std::pow(beta1, step_t.item<double>()));
+  const double clr = u.lr / (1 - std::pow(beta1, step));
   u.write(u.param, [&](at::Tensor& out, const at::Tensor& in) { at::addcdiv_out(out, in, exp_avg, exp_inf, -clr); });
 }
 

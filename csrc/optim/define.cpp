@@ -57,8 +57,8 @@ void check_like(const at::Tensor& param, const at::Tensor& other, const std::str
               param.device());
 }
 
-void check_step(const at::Tensor& step, const std::string& what) {
-  TORCH_CHECK(step.numel() == 1, what, " must be a 1-element tensor, got shape ", step.sizes());
+void check_scalar_slot(const at::Tensor& t, const std::string& what) {
+  TORCH_CHECK(t.numel() == 1, what, " must be a 1-element tensor, got shape ", t.sizes());
 }
 
 size_t index_of(const Descriptor& d, const std::string& name, ScalarType type) {
@@ -107,11 +107,11 @@ void run_blocked(Update& u, int64_t block) {
   const Descriptor& d = *u.desc;
   const size_t num_slots = d.slots.size();
   // Per block, one copy of each scalar slot's value before the update (scratch, reset per block).
-  std::vector<at::Tensor> step_before(num_slots), step_scratch(num_slots);
+  std::vector<at::Tensor> scalar_before(num_slots), scalar_scratch(num_slots);
   for (size_t k = 0; k < num_slots; ++k)
     if (d.slots[k].is_scalar()) {
-      step_before[k] = u.state[k].clone();
-      step_scratch[k] = at::empty_like(step_before[k]);
+      scalar_before[k] = u.state[k].clone();
+      scalar_scratch[k] = at::empty_like(scalar_before[k]);
     }
   // Whole results of the functional op; the in-place op writes the caller's tensors.
   at::Tensor param_out = u.inplace ? u.param : fresh_like(u.param);
@@ -147,8 +147,8 @@ void run_blocked(Update& u, int64_t block) {
     b.destinations.clear();
     for (size_t k = 0; k < num_slots; ++k) {
       if (d.slots[k].is_scalar()) {
-        if (start != 0) step_scratch[k].copy_(step_before[k]);
-        b.state.push_back(start == 0 ? u.state[k] : step_scratch[k]);
+        if (start != 0) scalar_scratch[k].copy_(scalar_before[k]);
+        b.state.push_back(start == 0 ? u.state[k] : scalar_scratch[k]);
       } else {
         slot_slice[k] = slot_flat[k].narrow(0, start, len);
         slot_out_slice[k] = u.inplace ? slot_slice[k] : slot_out_flat[k].narrow(0, start, len);
@@ -194,7 +194,7 @@ void run_update(const Descriptor* d, bool inplace, torch::jit::Stack* stack) {
   for (size_t k = 0; k < d->slots.size(); ++k) {
     u.state.push_back(args[2 + k].toTensor());
     if (d->slots[k].is_scalar()) {
-      check_step(u.state.back(), d->slots[k].name);
+      check_scalar_slot(u.state.back(), d->slots[k].name);
     } else {
       check_like(u.param, u.state.back(), d->slots[k].name);
     }
@@ -276,6 +276,20 @@ double Update::f(const std::string& name) const {
 }
 int64_t Update::i(const std::string& name) const { return scalars[index_of(*desc, name, ScalarType::Int)].toInt(); }
 bool Update::b(const std::string& name) const { return scalars[index_of(*desc, name, ScalarType::Bool)].toBool(); }
+
+at::Tensor Update::descent_grad() const { return b("maximize") ? at::neg(grad) : grad; }
+
+at::Tensor& Update::count_step() {
+  return write(slot("step"), [](at::Tensor& out, const at::Tensor& in) { at::add_out(out, in, number(1)); });
+}
+
+at::Tensor Update::weight_decayed(at::Tensor g, bool decoupled) {
+  const double weight_decay = f("weight_decay");
+  if (weight_decay == 0) return g;
+  if (!decoupled) return g.add(param, weight_decay);
+  write(param, [&](at::Tensor& out, const at::Tensor& in) { at::mul_out(out, in, number(1 - lr * weight_decay)); });
+  return g;
+}
 
 bool Descriptor::has_schedulable() const {
   return std::any_of(scalars.begin(), scalars.end(), [](const Scalar& x) { return x.schedulable; });

@@ -115,6 +115,16 @@ struct Update {
   int64_t i(const std::string& name) const;
   bool b(const std::string& name) const;
 
+  // The opening lines every torch.optim single-tensor update shares, one place for all kernels:
+  // The gradient to descend: -grad when the kind's "maximize" flag is set, else grad itself.
+  at::Tensor descent_grad() const;
+  // Counts this update in the "step" slot (torch.optim: step_t += 1); returns the slot.
+  at::Tensor& count_step();
+  // torch.optim's weight decay by the "weight_decay" scalar, none when it is 0: L2 returns
+  // g + weight_decay * param; `decoupled` (AdamW's form) instead writes param *= 1 - lr * weight_decay
+  // and returns g as it is.
+  at::Tensor weight_decayed(at::Tensor g, bool decoupled = false);
+
   // Writes `t` (param or one of state) by op(out, in): an out= call that reads `in` and writes
   // `out` (e.g. at::lerp_out(out, in, grad, w)); afterwards t names the result. In the in-place
   // op, and once t has been written, out and in are both t (op(t, t) is the in-place op); in the

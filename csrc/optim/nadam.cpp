@@ -16,20 +16,12 @@ void nadam(Update& u) {
   at::Tensor& exp_avg = u.slot("exp_avg");
   at::Tensor& exp_avg_sq = u.slot("exp_avg_sq");
   at::Tensor& mu_product = u.slot("mu_product");
-  at::Tensor& step_t = u.slot("step");
-  const double lr = u.lr, beta1 = u.f("beta1"), beta2 = u.f("beta2"), weight_decay = u.f("weight_decay");
+  const double lr = u.lr, beta1 = u.f("beta1"), beta2 = u.f("beta2");
   const double momentum_decay = u.f("momentum_decay");
-  at::Tensor grad = u.b("maximize") ? at::neg(u.grad) : u.grad;
-  u.write(step_t, [](at::Tensor& out, const at::Tensor& in) { at::add_out(out, in, number(1)); });
-  const double step = step_t.item<double>();
+  at::Tensor grad = u.descent_grad();
+  const double step = u.count_step().item<double>();
   const double bias_correction2 = 1 - std::pow(beta2, step);
-  if (weight_decay != 0) {
-    if (u.b("decoupled")) {
-      u.write(u.param, [&](at::Tensor& out, const at::Tensor& in) { at::mul_out(out, in, number(1 - lr * weight_decay)); });
-    } else {
-      grad = grad.add(u.param, weight_decay);
-    }
-  }
+  grad = u.weight_decayed(std::move(grad), u.b("decoupled"));
   const double mu = beta1 * (1.0 - 0.5 * std::pow(0.96, step * momentum_decay));
   const double mu_next = beta1 * (1.0 - 0.5 * std::pow(0.96, (step + 1) * momentum_decay));
   u.write(mu_product, [&](at::Tensor& out, const at::Tensor& in) { at::mul_out(out, in, number(mu)); });

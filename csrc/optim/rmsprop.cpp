@@ -13,10 +13,9 @@ void rmsprop(Update& u) {
   at::Tensor& square_avg = u.slot("square_avg");
   at::Tensor& grad_avg = u.slot("grad_avg");
   at::Tensor& momentum_buffer = u.slot("momentum_buffer");
-  const double alpha = u.f("alpha"), weight_decay = u.f("weight_decay"), momentum = u.f("momentum");
-  at::Tensor grad = u.b("maximize") ? at::neg(u.grad) : u.grad;
-  u.write(u.slot("step"), [](at::Tensor& out, const at::Tensor& in) { at::add_out(out, in, number(1)); });
-  if (weight_decay != 0) grad = grad.add(u.param, weight_decay);
+  const double alpha = u.f("alpha"), momentum = u.f("momentum");
+  u.count_step();
+  const at::Tensor grad = u.weight_decayed(u.descent_grad());
   u.write(square_avg, [&](at::Tensor& out, const at::Tensor& in) { at::mul_out(out, in, number(alpha)); })
       .addcmul_(grad, grad, 1 - alpha);
   at::Tensor avg;

@@ -13,8 +13,8 @@ void rprop(Update& u) {
   at::Tensor& prev = u.slot("prev");
   at::Tensor& step_size = u.slot("step_size");
   const double etaminus = u.f("etaminus"), etaplus = u.f("etaplus");
-  u.write(u.slot("step"), [](at::Tensor& out, const at::Tensor& in) { at::add_out(out, in, number(1)); });
-  const at::Tensor grad = u.b("maximize") ? at::neg(u.grad) : u.grad;
+  u.count_step();
+  const at::Tensor grad = u.descent_grad();
   // sign[sign.gt(0)] = etaplus; sign[sign.lt(0)] = etaminus; sign[sign.eq(0)] = 1
   at::Tensor sign = grad.mul(prev).sign_();
   sign.masked_fill_(sign.gt(0), etaplus);

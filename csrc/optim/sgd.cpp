@@ -9,19 +9,13 @@
 namespace torch_ext::optim {
 namespace {
 
-at::Tensor decayed_grad(const Update& u) {
-  at::Tensor grad = u.b("maximize") ? at::neg(u.grad) : u.grad;
-  const double weight_decay = u.f("weight_decay");
-  return weight_decay != 0 ? grad.add(u.param, weight_decay) : grad;
-}
-
 void sgd(Update& u) {
-  const at::Tensor grad = decayed_grad(u);
+  const at::Tensor grad = u.weight_decayed(u.descent_grad());
   u.write(u.param, [&](at::Tensor& out, const at::Tensor& in) { at::add_out(out, in, grad, -u.lr); });
 }
 
 void sgd_momentum(Update& u) {
-  at::Tensor grad = decayed_grad(u);
+  at::Tensor grad = u.weight_decayed(u.descent_grad());
   at::Tensor& buf = u.slot("momentum_buffer");
   at::Tensor& step = u.slot("step");
   const double momentum = u.f("momentum");
@@ -35,7 +29,7 @@ void sgd_momentum(Update& u) {
     u.write(buf, [&](at::Tensor& out, const at::Tensor& in) { at::mul_out(out, in, number(momentum)); })
         .add_(grad, 1 - u.f("dampening"));
   }
-  u.write(step, [](at::Tensor& out, const at::Tensor& in) { at::add_out(out, in, number(1)); });
+  u.count_step();
   grad = u.b("nesterov") ? grad.add(buf, momentum) : buf;
   u.write(u.param, [&](at::Tensor& out, const at::Tensor& in) { at::add_out(out, in, grad, -u.lr); });
 }

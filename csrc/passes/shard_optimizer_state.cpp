@@ -83,8 +83,8 @@ std::vector<std::pair<std::string, ir::Node*>> shard_optimizer_state(ir::Graph& 
     shards[u.param] = shard;
     for (const optim::Slot& slot : optim::get(u.kind).slots) {
       ir::Node* s = lifted.at(optim::state_name(u.param, slot.name));
-      // Slots that mirror the parameter are sharded; a step counter stays whole even when it has the
-      // parameter's shape (a 0-d parameter).
+      // Slots that mirror the parameter are sharded; a scalar slot (a step counter, NAdam's mu_product)
+      // stays whole even when it has the parameter's shape (a 0-d parameter).
       if (!slot.is_scalar() && s->type().is_tensor() && s->type().tensor.sizes == p->type().tensor.sizes)
         s->set_type(flat_type(s->type(), shard));
     }

@@ -184,6 +184,11 @@ int64_t Engine::id_of(const std::string& name) const {
   return ids_.at(n);
 }
 
+void Engine::check_id(int64_t id, const char* what) const {
+  TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(states_.size()), what, ": no node has id ", id, " (ids 0 to ",
+              static_cast<int64_t>(states_.size()) - 1, ")");
+}
+
 void Engine::mark_invalid(int64_t id) {
   NodeState& st = states_[id];
   if (!st.countable || !st.valid || st.pinned) return;
@@ -314,7 +319,7 @@ std::vector<c10::IValue> Engine::evaluate_patched(const std::string& name, c10::
 }
 
 std::vector<c10::IValue> Engine::evaluate_patched_at(int64_t id, c10::IValue value) {
-  TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(states_.size()), "evaluate_patched: no node has id ", id);
+  check_id(id, "evaluate_patched");
   const std::string& name = states_[id].node->name();
   take_written_inputs("evaluate_patched");  // the caller's patch function ran since the last read
   settle_pending();              // settle() without scanning the inputs again
@@ -616,7 +621,7 @@ std::vector<c10::IValue> Engine::demand() {
 c10::IValue Engine::value(const std::string& name) { return value_at(id_of(name)); }
 
 c10::IValue Engine::value_at(int64_t target) {
-  TORCH_CHECK(target >= 0 && target < static_cast<int64_t>(states_.size()), "value: no node has id ", target);
+  check_id(target, "value");
   const std::string& name = states_[target].node->name();
   TORCH_CHECK(has_run_, "value %", name, ": the engine has no values yet; call run(inputs) first");
   settle();

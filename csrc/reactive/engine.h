@@ -414,6 +414,8 @@ class Engine {
   };
 
   int64_t id_of(const std::string& name) const;  // throws naming the node
+  // For the *_at forms: throws, naming `what` and the id, unless `id` is one of this engine's nodes.
+  void check_id(int64_t id, const char* what) const;
   int64_t id_of(const ir::Node* node) const { return ids_.at(node); }
   int64_t add_state(ir::Node* node);
   void bind(int64_t id);

@@ -230,7 +230,7 @@ const passes::SeqAxisAnalysis& Engine::seq_analysis() {
 int64_t Engine::seq_axis(const std::string& name) { return seq_axis_at(id_of(name)); }
 
 int64_t Engine::seq_axis_at(int64_t id) {
-  TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(states_.size()), "seq_axis: no node has id ", id);
+  check_id(id, "seq_axis");
   if (!positions_ || states_[id].node->type().kind != ir::Type::Kind::Tensor) return -1;
   const passes::SeqNode& info = seq_analysis().at(states_[id].node);
   return info.fold == 1 ? info.row_axis : -1;
@@ -558,7 +558,7 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows(const std::string& name, 
 std::vector<c10::IValue> Engine::evaluate_patched_rows_at(int64_t id, c10::IValue value,
                                                           const std::vector<int64_t>& read_rows,
                                                           const std::vector<std::vector<int64_t>>& read_cols) {
-  TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(states_.size()), "evaluate_patched_rows: no node has id ", id);
+  check_id(id, "evaluate_patched_rows");
   const std::string& name = states_[id].node->name();
   take_written_inputs("evaluate_patched_rows");  // the caller's patch function ran since the last read
   settle_pending();              // settle() without scanning the inputs again

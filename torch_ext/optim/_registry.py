@@ -19,8 +19,7 @@ from .. import _C
 __all__ = ["Registration", "register", "registration_for", "registrations", "descriptor", "state_name", "lr_name",
            "group_input_name",
            "parse_state_name", "aten_updates", "onnx_updates", "onnx_kinds", "aten_grad", "F64", "once",
-           "refuse_rounded_tensor_lr", "operand",
-           "refuse_default_foreach"]
+           "refuse_rounded_tensor_lr", "operand", "refuse_default_foreach", "read_betas"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -196,6 +195,17 @@ def refuse_default_foreach(opt: torch.optim.Optimizer, group: dict, param: torch
         raise ValueError(
             f"{type(opt).__name__} param group {gi}: foreach=None on {param.device.type} runs torch.optim's foreach "
             f"path, which rounds differently from the single-tensor path the pure step replays; pass foreach=False")
+
+
+def read_betas(opt: torch.optim.Optimizer, group: dict, gi: int) -> tuple[float, float]:
+    """``group["betas"]`` as (beta1, beta2), Python floats, for a kind that takes them as scalars; tensor
+    betas are refused by name, with their values."""
+    betas = group["betas"]
+    if any(isinstance(b, torch.Tensor) for b in betas):
+        raise ValueError(f"{type(opt).__name__} param group {gi}: tensor betas are not supported (got {betas!r}); "
+                         "pass them as Python floats")
+    beta1, beta2 = betas
+    return float(beta1), float(beta2)
 
 
 def once(t: torch.Tensor) -> torch.Tensor:

@@ -2,16 +2,14 @@
 import torch
 
 from ._onnx import dconst, f64, grad_of, one_minus, op, plus_one, scalar, scheduled
-from ._registry import F64, Registration, aten_grad, once, operand, refuse_rounded_tensor_lr, register
+from ._registry import F64, Registration, aten_grad, once, operand, read_betas, refuse_rounded_tensor_lr, register
 
 
 def _read(opt, group, param, gi):
-    if any(isinstance(b, torch.Tensor) for b in group["betas"]):
-        raise ValueError(f"{type(opt).__name__} param group {gi}: tensor betas are not supported")
+    beta1, beta2 = read_betas(opt, group, gi)
     refuse_rounded_tensor_lr(opt, group, gi, "its step size lr / (1 - beta1^t)")
-    beta1, beta2 = group["betas"]
     return dict(kind="adamax",
-                hyper=dict(beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                hyper=dict(beta1=beta1, beta2=beta2, eps=float(group["eps"]),
                            weight_decay=float(group["weight_decay"])),
                 flags=dict(maximize=bool(group.get("maximize", False))))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import F64, Registration, operand, register
+from ._registry import F64, Registration, operand, read_betas, register
 
 __all__ = ["Lion"]
 
@@ -50,10 +50,8 @@ class Lion(torch.optim.Optimizer):
 
 
 def _read(opt, group, param, gi):
-    if any(isinstance(b, torch.Tensor) for b in group["betas"]):
-        raise ValueError(f"{type(opt).__name__} param group {gi}: tensor betas are not supported")
-    beta1, beta2 = group["betas"]
-    return dict(kind="lion", hyper=dict(beta1=float(beta1), beta2=float(beta2),
+    beta1, beta2 = read_betas(opt, group, gi)
+    return dict(kind="lion", hyper=dict(beta1=beta1, beta2=beta2,
                                         weight_decay=float(group["weight_decay"])), flags={})
 
 

@@ -3,13 +3,13 @@
 import torch
 
 from ._onnx import dconst, f64, one_minus, op, plus_one, scalar, scheduled
-from ._registry import F64, Registration, once, operand, refuse_default_foreach, refuse_rounded_tensor_lr, register
+from ._registry import (F64, Registration, once, operand, read_betas, refuse_default_foreach, refuse_rounded_tensor_lr,
+                        register)
 
 
 def _read(opt, group, param, gi):
     name = type(opt).__name__
-    if any(isinstance(b, torch.Tensor) for b in group["betas"]):
-        raise ValueError(f"{name} param group {gi}: tensor betas are not supported")
+    beta1, beta2 = read_betas(opt, group, gi)
     refuse_default_foreach(opt, group, param, gi)
     refuse_rounded_tensor_lr(opt, group, gi, "its momentum factors lr * (1 - mu_t) / (1 - prod mu)")
     # torch.optim keeps mu_product in torch's scalar dtype (float64 under torch.set_default_dtype(torch.float64));
@@ -20,9 +20,8 @@ def _read(opt, group, param, gi):
         raise ValueError(f"{name} param group {gi}: its mu_product is (or would be created as) a float64 tensor "
                          "(torch's default dtype is float64); the pure step keeps it in float32 as torch.optim does "
                          "under the default float32. Build the step with torch.get_default_dtype() == torch.float32")
-    beta1, beta2 = group["betas"]
     return dict(kind="nadam",
-                hyper=dict(beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                hyper=dict(beta1=beta1, beta2=beta2, eps=float(group["eps"]),
                            weight_decay=float(group["weight_decay"]), momentum_decay=float(group["momentum_decay"])),
                 flags=dict(decoupled=bool(group.get("decoupled_weight_decay", False)),
                            maximize=bool(group.get("maximize", False))))

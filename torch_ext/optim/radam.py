@@ -3,17 +3,16 @@ step count, so the kernel, and the ATen and ONNX forms below (a where on the ste
 import torch
 
 from ._onnx import dconst, f64, one_minus, op, plus_one, scalar, scheduled
-from ._registry import F64, Registration, once, operand, refuse_default_foreach, refuse_rounded_tensor_lr, register
+from ._registry import (F64, Registration, once, operand, read_betas, refuse_default_foreach, refuse_rounded_tensor_lr,
+                        register)
 
 
 def _read(opt, group, param, gi):
-    if any(isinstance(b, torch.Tensor) for b in group["betas"]):
-        raise ValueError(f"{type(opt).__name__} param group {gi}: tensor betas are not supported")
+    beta1, beta2 = read_betas(opt, group, gi)
     refuse_default_foreach(opt, group, param, gi)
     refuse_rounded_tensor_lr(opt, group, gi, "its decay factor 1 - lr * weight_decay and lr-scaled update")
-    beta1, beta2 = group["betas"]
     return dict(kind="radam",
-                hyper=dict(beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                hyper=dict(beta1=beta1, beta2=beta2, eps=float(group["eps"]),
                            weight_decay=float(group["weight_decay"])),
                 flags=dict(decoupled=bool(group.get("decoupled_weight_decay", False)),
                            maximize=bool(group.get("maximize", False))))
