@@ -790,9 +790,13 @@ def _check(args) -> int:
     with args.status.stage(f"running {args.steps} steps pure and eager side by side"):
         parity = step_parity(model, opt, loss_fn, _batches(example, batches, args.steps))
     report.update({"parity_steps": parity["steps"], "loss_rel": parity["loss"], "state_rel": parity["state"],
-                   "worst_entry": parity["worst_entry"], "nonfinite": parity["nonfinite"]})
+                   "worst_entry": parity["worst_entry"], "nonfinite": parity["nonfinite"],
+                   "nonfinite_state": parity["nonfinite_state"] or None})
     if parity["nonfinite"]:
         failures.append(f"non-finite loss at step {parity['steps']}")
+    elif parity["nonfinite_state"]:
+        failures.append(f"non-finite state after step {parity['steps']}: {parity['nonfinite_state']} (finite before "
+                        "training; every loss was finite)")
     elif parity["loss"] > rtol or parity["state"] > rtol:
         failures.append(f"parity: loss rel {parity['loss']:.3g}, state rel {parity['state']:.3g} "
                         f"({parity['worst_entry']}) exceed rtol {rtol:g} ({why})")
