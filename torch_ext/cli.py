@@ -446,7 +446,9 @@ def _demo(args) -> int:
          f"sweep took {result.wall_time * 1e3:.0f} ms")
     _out(f"      wrote {heat}")
     _out(f"done in {time.perf_counter() - t_start:.1f} s")
-    ok = parity["loss"] <= 1e-5 and parity["state"] <= 1e-5 and result.measured_evaluations == result.predicted_evaluations
+    # As `check` by default: bit-exact (rtol 0) and finite; a NaN step matched eager NaN for NaN and passed.
+    ok = (not parity["nonfinite"] and not parity["nonfinite_state"] and parity["loss"] == 0 and parity["state"] == 0
+          and result.measured_evaluations == result.predicted_evaluations)
     return EXIT_OK if ok else EXIT_CHECK_FAILED
 
 

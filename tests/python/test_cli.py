@@ -52,6 +52,13 @@ def test_demo_runs_and_writes_pngs(tmp_path):
     assert "torch-ext:" not in r.stdout
 
 
+def test_demo_fails_unless_its_parity_is_bit_exact_and_finite(tmp_path, monkeypatch, capsys):
+    # The demo's exit status used rtol 1e-5 (and ignored a non-finite step): a 1e-7 drift exited 0. Now as `check`.
+    real = torch_ext.testing.step_parity
+    monkeypatch.setattr(torch_ext.testing, "step_parity", lambda *a, **kw: {**real(*a, **kw), "loss": 1e-7})
+    assert cli.main(["demo", "--steps", "1", "--out", str(tmp_path), "--quiet", "--no-progress"]) == 1
+
+
 def test_demo_steps_0_is_a_usage_error():
     r = run_cli("demo", "--steps", "0")
     assert r.returncode == 2
