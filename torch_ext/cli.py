@@ -30,7 +30,7 @@ EXIT_INTERNAL = 3
 
 EXIT_CODES_HELP = """exit status:
   0  ok
-  1  a check failed (parity with eager, a non-finite loss, a memory budget; `check` and `demo`)
+  1  a check failed (parity with eager, a non-finite loss or state, a memory budget; `check` and `demo`)
   2  usage or input error (bad option, MODEL not found, a factory or model that torch_ext refuses)
   3  internal error (a bug in torch_ext: rerun with --debug and report the traceback)
 """
