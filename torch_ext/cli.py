@@ -30,7 +30,7 @@ EXIT_INTERNAL = 3
 
 EXIT_CODES_HELP = """exit status:
   0  ok
-  1  a check failed (parity with eager, a non-finite loss, a memory budget; `check` and `demo`)
+  1  a check failed (parity with eager, a non-finite loss or state, a memory budget; `check` and `demo`)
   2  usage or input error (bad option, MODEL not found, a factory or model that torch_ext refuses)
   3  internal error (a bug in torch_ext: rerun with --debug and report the traceback)
 """
@@ -446,7 +446,9 @@ def _demo(args) -> int:
          f"sweep took {result.wall_time * 1e3:.0f} ms")
     _out(f"      wrote {heat}")
     _out(f"done in {time.perf_counter() - t_start:.1f} s")
-    ok = parity["loss"] <= 1e-5 and parity["state"] <= 1e-5 and result.measured_evaluations == result.predicted_evaluations
+    # As `check` by default: bit-exact (rtol 0) and finite; a NaN step matched eager NaN for NaN and passed.
+    ok = (not parity["nonfinite"] and not parity["nonfinite_state"] and parity["loss"] == 0 and parity["state"] == 0
+          and result.measured_evaluations == result.predicted_evaluations)
     return EXIT_OK if ok else EXIT_CHECK_FAILED
 
 
@@ -790,9 +792,13 @@ def _check(args) -> int:
     with args.status.stage(f"running {args.steps} steps pure and eager side by side"):
         parity = step_parity(model, opt, loss_fn, _batches(example, batches, args.steps))
     report.update({"parity_steps": parity["steps"], "loss_rel": parity["loss"], "state_rel": parity["state"],
-                   "worst_entry": parity["worst_entry"], "nonfinite": parity["nonfinite"]})
+                   "worst_entry": parity["worst_entry"], "nonfinite": parity["nonfinite"],
+                   "nonfinite_state": parity["nonfinite_state"] or None})
     if parity["nonfinite"]:
         failures.append(f"non-finite loss at step {parity['steps']}")
+    elif parity["nonfinite_state"]:
+        failures.append(f"non-finite state after step {parity['steps']}: {parity['nonfinite_state']} (finite before "
+                        "training; every loss was finite)")
     elif parity["loss"] > rtol or parity["state"] > rtol:
         failures.append(f"parity: loss rel {parity['loss']:.3g}, state rel {parity['state']:.3g} "
                         f"({parity['worst_entry']}) exceed rtol {rtol:g} ({why})")

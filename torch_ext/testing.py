@@ -18,7 +18,8 @@ def step_parity(model, optimizer, loss_fn: Callable, batches: Sequence, *, unrol
     Both sides start from one RNG state: the step from ``init_state(seed=seed)``, the eager loop
     after ``torch.manual_seed(seed)``, so dropout draws the same masks. ``unroll=N`` builds the
     step with ``unroll=N`` and feeds it N batches per call (``len(batches)`` a multiple of N). The
-    caller's model, optimizer and global RNG state are not touched.
+    caller's model, optimizer and global RNG state are not touched. ``nonfinite_state`` names the first
+    state entry (parameter, buffer, optimizer slot) that was finite before training and is not after it.
     """
     if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
         raise ValueError(f"step_parity: unroll must be an int >= 1, got {unroll!r}")
@@ -44,8 +45,14 @@ def _step_parity(model, optimizer, loss_fn, batches, seed, unroll=1):
     step = make_train_step(pure_model, pure_opts if len(pure_opts) > 1 else pure_opts[0], loss_fn, batches[0],
                            unroll=unroll)
     state = step.init_state(seed=seed)
+    # What was finite before training must stay finite: an update that turns the weights NaN with every loss
+    # still finite (the last step's, or a NaN learning rate) matches eager NaN for NaN, so parity alone passes it.
+    # A buffer that starts non-finite (a -inf attention mask) is left out.
+    finite_before = {name: bool(torch.isfinite(state.lookup(name)).all()) for name in step.state_names
+                     if state.lookup(name).is_floating_point()}
     torch.manual_seed(seed)  # the eager loop's generator; the pure step reads only its own state
-    worst = {"loss": 0.0, "state": 0.0, "worst_entry": "", "steps": 0, "nonfinite": False, "losses": []}
+    worst = {"loss": 0.0, "state": 0.0, "worst_entry": "", "steps": 0, "nonfinite": False, "losses": [],
+             "nonfinite_state": ""}
     pending = []  # this call's losses, one per unrolled step
     for i, batch in enumerate(batches):
         if i % unroll == 0:
@@ -68,6 +75,10 @@ def _step_parity(model, optimizer, loss_fn, batches, seed, unroll=1):
             return worst
         worst["loss"] = max(worst["loss"], _rel(loss, ref_loss.detach()))
         worst["steps"] = i + 1
+    for name, was_finite in finite_before.items():
+        if was_finite and not bool(torch.isfinite(state.lookup(name)).all()):
+            worst["nonfinite_state"] = name
+            break
     for n, p in ref_model.named_parameters():
         d = _rel(state.params["model." + n], p.detach())
         if d > worst["state"]:
@@ -125,6 +136,9 @@ def assert_step_matches_eager(model, optimizer, loss_fn: Callable, batches: Iter
     result = step_parity(model, optimizer, loss_fn, list(batches), seed=seed)
     if result["nonfinite"]:
         raise ParityError(f"non-finite loss at step {result['steps']}: {result['losses'][-1]}")
+    if result["nonfinite_state"]:
+        raise ParityError(f"{result['nonfinite_state']} holds non-finite values after {result['steps']} steps, "
+                          "every loss finite (it was finite before training)")
     if result["loss"] > rtol or result["state"] > rtol:
         raise ParityError(f"pure step differs from eager over {result['steps']} steps: loss rel {result['loss']:.3g}, "
                           f"state rel {result['state']:.3g} ({result['worst_entry']}), rtol {rtol:g}")

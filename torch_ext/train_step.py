@@ -580,6 +580,40 @@ def batch_leaves(batch, spec, paths) -> list:
     return [leaf for _, leaf in with_paths]
 
 
+def _written_constants(ep, snapshots) -> list[tuple[str, str]]:
+    """(what, op) for each in-place write of the forward program into a lifted constant tensor (a tensor
+    the code reads from a module-level name, a closure or a plain module attribute), directly or through
+    views of it; ``what`` names it by the snapshots' identity entries when one holds it."""
+    consts = {s.arg.name: s.target for s in ep.graph_signature.input_specs if s.kind.name == "CONSTANT_TENSOR"}
+    if not consts:
+        return []
+    found = []
+    for node in ep.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        values = list(node.args) + [node.kwargs.get(a.name) for a in schema.arguments[len(node.args):]]
+        for arg, v in zip(schema.arguments, values):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            while isinstance(v, torch.fx.Node) and v.op == "call_function" and v.args:  # a view of a view ...
+                vs = getattr(v.target, "_schema", None)
+                if vs is None or not vs.arguments or vs.arguments[0].alias_info is None:
+                    break
+                v = v.args[0]
+            if isinstance(v, torch.fx.Node) and v.op == "placeholder" and v.name in consts:
+                const = ep.constants.get(consts[v.name])
+                what = None
+                for snap in snapshots:
+                    if snap:
+                        what = what or next((_module_state.describe(p, k) for p, k, o in zip(snap[4], snap[6], snap[7])
+                                             if o is const), None)
+                shape = list(const.shape) if isinstance(const, torch.Tensor) else "?"
+                found.append((what or f"a tensor of shape {shape} the traced code reads ({consts[v.name]})",
+                              str(node.target)))
+    return found
+
+
 class TrainStep:
     """A pure training step. ``loss, new_state = step(state, *batch)`` never mutates ``state``."""
 
@@ -794,6 +828,13 @@ class TrainStep:
                             + ", ".join(f"{_module_state.describe(p, k)} {a!r} -> {b!r}" for p, k, a, b in changed[:4])
                             + ". Eager training sees a new value every call, the pure step would not; keep such "
                             "state in a buffer (register_buffer) or outside the model")
+        written = _written_constants(ep, (self._read_snapshot, self._module_snapshot))
+        if written:  # torch's joint export failed on it with a bare AssertionError (exit 3 in the CLI)
+            raise ValueError(
+                f"the forward or loss_fn writes in place ({written[0][1]}) into {written[0][0]}: a tensor that is "
+                "neither a parameter, a buffer nor a batch input, so the program holds it as a constant; eager "
+                "training changes it at every call, the pure step could not. Register it as a buffer "
+                "(register_buffer) or pass it in the batch")
         out_spec = ep.call_spec.out_spec  # a leaf (the loss), or (loss, aux)
         self._aux_spec = out_spec.children_specs[1] if out_spec.num_children == 2 else None
         loss_val = [n for n in ep.graph.nodes if n.op == "output"][0].args[0][0].meta.get("val")

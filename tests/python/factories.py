@@ -18,6 +18,19 @@ def nan_loss():
     return model, opt, lambda m, x, y: F.cross_entropy(m(x), y) * float("nan"), batch, batches
 
 
+def nan_weights():
+    """Every loss finite, the weights NaN after the first update (a NaN learning rate)."""
+    model, _, loss_fn, batch, batches = mlp()
+    return model, torch.optim.SGD(model.parameters(), lr=float("nan")), loss_fn, batch, batches
+
+
+def causal_mask_buffer():
+    """A buffer that is non-finite from the start (a -inf attention mask): no failure of its own."""
+    model, opt, _, batch, batches = mlp()
+    model.register_buffer("mask", torch.tensor([0.0, float("-inf"), 0.0]))
+    return model, opt, lambda m, x, y: F.cross_entropy(m(x) + m.mask.clamp(min=-1e4), y), batch, batches
+
+
 def not_a_factory():
     return 42
 

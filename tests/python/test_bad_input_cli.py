@@ -39,6 +39,26 @@ FACTORIES = textwrap.dedent('''
         raise RuntimeError("factory exploded")
 
     not_callable = 3
+
+    COUNT = torch.zeros(())
+    SEEN = torch.zeros(2, 3)
+
+    def writes_global():  # a call counter as a module-level tensor: eager scales by it, a program would not
+        m, o, _, b = good()
+
+        def loss_fn(m, x, y):
+            COUNT.add_(1.0)
+            return F.cross_entropy(m(x), y) * COUNT
+        return m, o, loss_fn, b
+
+    def writes_global_view():  # logs an activation into a row of a module-level tensor
+        m, o, _, b = good()
+
+        def loss_fn(m, x, y):
+            out = m(x)
+            SEEN[0].copy_(out.detach()[0])
+            return F.cross_entropy(out, y)
+        return m, o, loss_fn, b
 ''')
 
 
@@ -92,6 +112,10 @@ CASES = {
     "check_rtol_word": (["check", "{m}:good", "--rtol", "tight"], "number"),
     "check_peak_zero": (["check", "{m}:good", "--max-peak-bytes", "0"], "--max-peak-bytes"),
     "check_missing_attr": (["check", "{m}:nope"], "nope"),
+    "check_rtol_nan": (["check", "{m}:good", "--rtol", "nan"], "--rtol"),
+    # torch's joint export failed on these with a bare AssertionError: exit 3, "a bug in torch_ext", no name
+    "check_writes_global_tensor": (["check", "{m}:writes_global"], "writes in place (aten.add_.Tensor) into loss_fn: 'COUNT'"),
+    "step_writes_global_tensor_row": (["step", "{m}:writes_global_view"], "(aten.copy_.default) into loss_fn: 'SEEN'"),
 }
 
 

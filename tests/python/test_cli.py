@@ -52,6 +52,13 @@ def test_demo_runs_and_writes_pngs(tmp_path):
     assert "torch-ext:" not in r.stdout
 
 
+def test_demo_fails_unless_its_parity_is_bit_exact_and_finite(tmp_path, monkeypatch, capsys):
+    # The demo's exit status used rtol 1e-5 (and ignored a non-finite step): a 1e-7 drift exited 0. Now as `check`.
+    real = torch_ext.testing.step_parity
+    monkeypatch.setattr(torch_ext.testing, "step_parity", lambda *a, **kw: {**real(*a, **kw), "loss": 1e-7})
+    assert cli.main(["demo", "--steps", "1", "--out", str(tmp_path), "--quiet", "--no-progress"]) == 1
+
+
 def test_demo_steps_0_is_a_usage_error():
     r = run_cli("demo", "--steps", "0")
     assert r.returncode == 2
@@ -423,6 +430,25 @@ def test_check_fails_on_nonfinite_loss_with_strict_json(here, capsys):
     assert cli.main(["check", "factories:nan_loss", "--steps", "3", "--json", "--quiet"]) == 1
     d = strict_json(capsys.readouterr().out)
     assert d["ok"] is False and "non-finite loss" in d["failures"][0] and d["nonfinite"] is True
+
+
+def test_check_fails_on_weights_that_turned_nan_with_every_loss_finite(here, capsys):
+    # One step at lr=nan: the loss is computed before the update, so it is finite, and eager's weights are NaN
+    # exactly where the pure step's are: parity (NaN == NaN) and the loss check both passed; CI said OK.
+    assert cli.main(["check", "factories:nan_weights", "--steps", "1", "--json", "--quiet"]) == 1
+    d = strict_json(capsys.readouterr().out)
+    assert d["ok"] is False and d["nonfinite"] is False and d["state_rel"] == 0.0
+    assert d["nonfinite_state"] == "model.0.weight"
+    assert d["failures"] == ["non-finite state after step 1: model.0.weight (finite before training; every loss "
+                             "was finite)"]
+    assert cli.main(["check", "factories:nan_weights", "--steps", "1", "--quiet"]) == 1
+    assert "FAIL: non-finite state after step 1: model.0.weight" in capsys.readouterr().out
+    with pytest.raises(torch_ext.testing.ParityError, match="model.0.weight holds non-finite values after 1 steps"):
+        torch_ext.testing.assert_step_matches_eager(*factories.nan_weights()[:3], factories.nan_weights()[4][:1])
+    # A state entry non-finite from the start (a -inf mask buffer) is no failure.
+    assert cli.main(["check", "factories:causal_mask_buffer", "--steps", "2", "--json", "--quiet"]) == 0
+    d = strict_json(capsys.readouterr().out)
+    assert d["ok"] is True and d["nonfinite_state"] is None
 
 
 def test_check_fails_when_the_budget_is_too_low(here, capsys):
