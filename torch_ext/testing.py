@@ -76,7 +76,8 @@ def _step_parity(model, optimizer, loss_fn, batches, seed, unroll=1):
         worst["loss"] = max(worst["loss"], _rel(loss, ref_loss.detach()))
         worst["steps"] = i + 1
     for name, was_finite in finite_before.items():
-        if was_finite and not bool(torch.isfinite(state.lookup(name)).all()):
+        # An entry the state lacks is the parity comparison's to name (below: "(missing)").
+        if was_finite and _has_entry(state, name) and not bool(torch.isfinite(state.lookup(name)).all()):
             worst["nonfinite_state"] = name
             break
     for n, p in ref_model.named_parameters():
@@ -128,6 +129,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(diff.max()) / max(denom, 1e-12)
 
 
+def _has_entry(state, name: str) -> bool:
+    try:
+        state.lookup(name)
+    except KeyError:
+        return False
+    return True
+
+
 def assert_step_matches_eager(model, optimizer, loss_fn: Callable, batches: Iterable, rtol: float = 0.0, *,
                               seed: int = 0) -> dict:
     """Fails unless the pure step tracks the eager loop within ``rtol`` (relative, max-norm); both
@@ -136,12 +145,14 @@ def assert_step_matches_eager(model, optimizer, loss_fn: Callable, batches: Iter
     result = step_parity(model, optimizer, loss_fn, list(batches), seed=seed)
     if result["nonfinite"]:
         raise ParityError(f"non-finite loss at step {result['steps']}: {result['losses'][-1]}")
-    if result["nonfinite_state"]:
-        raise ParityError(f"{result['nonfinite_state']} holds non-finite values after {result['steps']} steps, "
-                          "every loss finite (it was finite before training)")
+    # A difference from eager first: it names the entry and the size; a non-finite state that eager shares
+    # (NaN for NaN, which parity counts as equal) is what the second check is for.
     if result["loss"] > rtol or result["state"] > rtol:
         raise ParityError(f"pure step differs from eager over {result['steps']} steps: loss rel {result['loss']:.3g}, "
                           f"state rel {result['state']:.3g} ({result['worst_entry']}), rtol {rtol:g}")
+    if result["nonfinite_state"]:
+        raise ParityError(f"{result['nonfinite_state']} holds non-finite values after {result['steps']} steps, "
+                          "every loss finite (it was finite before training)")
     return result
 
 
