@@ -38,13 +38,13 @@ void adam_with(Update& u, at::Tensor* max_exp_avg_sq) {
 void adam(Update& u) { adam_with(u, nullptr); }
 void adam_amsgrad(Update& u) { adam_with(u, &u.slot("max_exp_avg_sq")); }
 
+}  // namespace
+
 std::vector<Scalar> adam_scalars() {
   using T = ScalarType;
   return {{"beta1", T::Float, /*schedulable=*/true},  {"beta2", T::Float},     {"eps", T::Float},
           {"weight_decay", T::Float}, {"decoupled", T::Bool}, {"maximize", T::Bool}};
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
   const Slot step{"step", SlotInit::StepCounter};

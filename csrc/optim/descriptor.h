@@ -185,6 +185,9 @@ struct Descriptor {
 // Registers `d` and defines its two ops with their CPU kernels in `m` (a torch_ext library
 // fragment). TORCH_CHECKs that the kind is new.
 void define(torch::Library& m, Descriptor d);
+// Adam's scalars, in its ops' argument order (beta1 schedulable, beta2, eps, weight_decay, decoupled,
+// maximize): shared by the kinds whose ops take exactly these (adam, adam_amsgrad, radam).
+std::vector<Scalar> adam_scalars();
 
 namespace detail {
 // Adds `d` to the registry (define's first step); TORCH_CHECKs that the kind is new.

@@ -41,15 +41,8 @@ void radam(Update& u) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
-  using T = ScalarType;
-  const std::vector<Scalar> scalars{{"beta1", T::Float, /*schedulable=*/true},
-                                    {"beta2", T::Float},
-                                    {"eps", T::Float},
-                                    {"weight_decay", T::Float},
-                                    {"decoupled", T::Bool},
-                                    {"maximize", T::Bool}};
-  define(m, Descriptor{"radam", "RAdam", {{"exp_avg"}, {"exp_avg_sq"}, {"step", SlotInit::StepCounter}}, scalars,
-                       &radam});
+  define(m, Descriptor{"radam", "RAdam", {{"exp_avg"}, {"exp_avg_sq"}, {"step", SlotInit::StepCounter}},
+                       adam_scalars(), &radam});
 }
 
 }  // namespace torch_ext::optim
