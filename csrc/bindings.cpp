@@ -820,6 +820,24 @@ PYBIND11_MODULE(_C, m) {
         return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(c)));
       },
       py::arg("tensor"));
+  // One number for the version counters and storage addresses of a model's tensors (TrainStep's check that
+  // nothing wrote the model between calls): equal numbers, nothing moved; the cheap first test of every call.
+  m.def(
+      "write_signature",
+      [](const std::vector<at::Tensor>& tensors) {
+        uint64_t h = 0x9e3779b97f4a7c15ULL;
+        auto mix = [&h](uint64_t v) {
+          h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+          h *= 0xbf58476d1ce4e5b9ULL;
+          h ^= h >> 31;
+        };
+        for (const at::Tensor& t : tensors) {
+          mix(t.is_inference() ? 0 : static_cast<uint64_t>(t._version()));
+          mix(reinterpret_cast<uintptr_t>(t.data_ptr()));
+        }
+        return static_cast<int64_t>(h);
+      },
+      py::arg("tensors"));
   m.def(
       "build_train_step",
       [](const ir::Graph& joint, const py::dict& spec, int64_t unroll_steps) {

@@ -23,6 +23,8 @@ from .ir import Graph
 
 _MODEL_PREFIX = "model."
 _VERSION = operator.attrgetter("_version")
+_DATA_PTR = operator.methodcaller("data_ptr")
+
 _ids = itertools.count()
 
 
@@ -1217,6 +1219,9 @@ class TrainStep:
         self._model_names = [n for n, _ in named]
         self._num_model_params = sum(1 for _ in self.model.parameters())
         self._model_versions = list(map(_VERSION, self._model_tensors))
+        # A write the version counters miss: `p.data = t` gives the same Parameter new storage.
+        self._model_ptrs = list(map(_DATA_PTR, self._model_tensors))
+        self._model_signature = _C.write_signature(self._model_tensors)
         self._opt_states = [(opt.state, len(opt.state)) for opt in self.optimizers]
 
     def _check_model_unwritten(self, state: TrainState) -> None:
@@ -1226,16 +1231,19 @@ class TrainStep:
         ``opt.step()``, an eager forward that updates BatchNorm statistics): eager training continues from the
         written values, the step from its TrainState, so the write was silently ignored. A write that leaves the
         values the state holds (an eager loop run in lockstep with the step after ``write_back``) ignores
-        nothing and is accepted. Version counters tell (a write through ``.data`` leaves them as they were);
-        reading them costs about 0.2 us per tensor."""
-        versions = list(map(_VERSION, self._model_tensors))
-        if (versions == self._model_versions
+        nothing and is accepted. Version counters and storage addresses tell
+        (``p.data = t`` moves the address), hashed in one C++ call; a write in place through
+        ``.data`` moves neither and is not seen."""
+        if (_C.write_signature(self._model_tensors) == self._model_signature
                 and all(opt.state is st and len(opt.state) == n for opt, (st, n) in zip(self.optimizers, self._opt_states))):
             return
+        versions = list(map(_VERSION, self._model_tensors))
         how = ("take a new state from the model and optimizers as they stand: state = step.init_state() (to keep the "
                "optimizer state and schedule of your TrainState with an edit, call step.write_back(state) before "
                "editing, then init_state()); or discard the edit with step.write_back(state)")
-        changed = [i for i, (was, now) in enumerate(zip(self._model_versions, versions)) if was != now]
+        ptrs = list(map(_DATA_PTR, self._model_tensors))
+        changed = [i for i, (was, now, p0, p1) in enumerate(zip(self._model_versions, versions, self._model_ptrs, ptrs))
+                   if was != now or p0 != p1]
         if changed:
             # Written to the values the state holds (an eager loop in lockstep) ignores nothing. The whole model is
             # compared: some writes move no version counter (BatchNorm's kernel writes its running statistics).
@@ -1243,9 +1251,12 @@ class TrainStep:
             if differ:
                 i = next((j for j in changed if j in differ), changed[0])
                 other = "" if i in differ else f" ({self._model_names[differ[0]]!r} among them)"
+                how_written = (f"given new storage (.data = ...; data_ptr {self._model_ptrs[i]:#x} -> "
+                               f"{ptrs[i]:#x})" if self._model_ptrs[i] != ptrs[i] else
+                               f"written in place (version {self._model_versions[i]} -> {versions[i]})")
                 raise ValueError(
                     f"the model's {'parameter' if i < self._num_model_params else 'buffer'} {self._model_names[i]!r} "
-                    f"was written in place (version {self._model_versions[i]} -> {versions[i]}) after this step last "
+                    f"was {how_written} after this step last "
                     "read or wrote the model (the build, init_state or write_back), and the model holds other values "
                     f"than the TrainState's{other}: the step trains the parameters and buffers in its TrainState, "
                     "eager training would continue from the written values, so the write would be silently ignored. "
@@ -1258,6 +1269,8 @@ class TrainStep:
                                  "optimizer state in its TrainState, so the change would be silently ignored. To "
                                  f"train from it, {how}")
         self._model_versions = versions
+        self._model_ptrs = ptrs
+        self._model_signature = _C.write_signature(self._model_tensors)
         self._opt_states = [(opt.state, len(opt.state)) for opt in self.optimizers]
 
     def _held_by(self, state: TrainState, i: int, t: torch.Tensor) -> bool:

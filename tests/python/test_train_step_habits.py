@@ -2532,7 +2532,7 @@ def _ce(m, x, y):
 
 
 @pytest.mark.parametrize("write", ["nn.init.zeros_", "model.load_state_dict", "eager forward (BatchNorm statistics)",
-                                   "eager opt.step()", "opt.load_state_dict"])
+                                   "eager opt.step()", "opt.load_state_dict", "p.data = t"])
 def test_a_model_or_optimizer_written_between_calls_is_refused_not_ignored(write):
     # Before: the step trained on from its TrainState and silently ignored the write, which eager training would
     # continue from (re-initialising a layer: 0.32 off eager's AdamW parameters in 3 steps).
@@ -2555,6 +2555,9 @@ def test_a_model_or_optimizer_written_between_calls_is_refused_not_ignored(write
         with torch.no_grad():
             model(_XC[0] * 2)
         name = r"buffer '1\.num_batches_tracked'"  # BatchNorm's kernel writes its running statistics unversioned
+    elif write == "p.data = t":  # new storage, version counter unmoved: was silently ignored too
+        model[3].weight.data = torch.zeros_like(model[3].weight)
+        name = r"parameter '3\.weight' was given new storage"
     elif write == "eager opt.step()":
         for _ in range(2):
             _ce(model, *_XC).backward()
