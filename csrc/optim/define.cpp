@@ -298,6 +298,12 @@ at::Tensor Update::weight_decayed(at::Tensor g, bool decoupled) {
   return g;
 }
 
+void Update::update_moments(const at::Tensor& grad, double beta1, double beta2) {
+  write(slot("exp_avg"), [&](at::Tensor& out, const at::Tensor& in) { at::lerp_out(out, in, grad, 1 - beta1); });
+  write(slot("exp_avg_sq"), [&](at::Tensor& out, const at::Tensor& in) { at::mul_out(out, in, number(beta2)); })
+      .addcmul_(grad, grad, 1 - beta2);
+}
+
 bool Descriptor::has_schedulable() const {
   return std::any_of(scalars.begin(), scalars.end(), [](const Scalar& x) { return x.schedulable; });
 }

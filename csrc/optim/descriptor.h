@@ -124,6 +124,9 @@ struct Update {
   // g + weight_decay * param; `decoupled` (AdamW's form) instead writes param *= 1 - lr * weight_decay
   // and returns g as it is.
   at::Tensor weight_decayed(at::Tensor g, bool decoupled = false);
+  // The Adam family's moments from `grad` (Adam, NAdam, RAdam): exp_avg.lerp_(grad, 1 - beta1), then
+  // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2), each slot written through write().
+  void update_moments(const at::Tensor& grad, double beta1, double beta2);
 
   // Writes `t` (param or one of state) by op(out, in): an out= call that reads `in` and writes
   // `out` (e.g. at::lerp_out(out, in, grad, w)); afterwards t names the result. In the in-place
