@@ -154,11 +154,23 @@ def check_collective_order(graph, order, process_group, where: str, state_names=
                 "Every rank must build the same program: same model, optimizer, batch shapes and options")
 
 
+def _collective_device(process_group) -> torch.device:
+    """Where a collective of ``process_group`` takes its tensors: the current CUDA device under NCCL (which
+    refuses CPU tensors), the CPU under gloo; torch's own rule for object collectives (all_gather_object)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    kind = c10d._get_object_coll_device(process_group) if hasattr(c10d, "_get_object_coll_device") else "cpu"
+    if kind == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, kind)
+    return torch.device(kind, module.current_device()) if hasattr(module, "current_device") else torch.device(kind)
+
+
 def ranks_where(mine: bool, process_group) -> list[int]:
     """The ranks of ``process_group`` whose flag ``mine`` is True (a collective: every rank calls it)."""
     import torch.distributed as dist
 
-    flags = torch.zeros(dist.get_world_size(process_group), dtype=torch.int32)
+    flags = torch.zeros(dist.get_world_size(process_group), dtype=torch.int32, device=_collective_device(process_group))
     flags[dist.get_rank(process_group)] = int(mine)
     dist.all_reduce(flags, group=process_group)
     return [r for r, f in enumerate(flags.tolist()) if f]
@@ -181,12 +193,18 @@ def broadcast_state_(state, process_group, sharded: bool, own=()) -> None:
 
     group = process_group if process_group is not None else dist.group.WORLD
     src = dist.get_global_rank(group, 0)
+    device = _collective_device(group)
     for part in (state.params, state.buffers, state.opt):
         for name in sorted(part):  # the same order on every rank
             t = part[name]
             if (part is state.opt and sharded and t.dim() > 0) or name in own:
                 continue
-            dist.broadcast(t, src=src, group=group)
+            if t.device.type == device.type:
+                dist.broadcast(t, src=src, group=group)
+            else:  # a step counter, which stays on the CPU, under NCCL: through the group's device
+                carried = t.to(device)
+                dist.broadcast(carried, src=src, group=group)
+                t.copy_(carried)
 
 
 def assert_states_in_sync(state, process_group=None) -> None:

@@ -19,9 +19,7 @@ void adam_with(Update& u, at::Tensor* max_exp_avg_sq) {
   at::Tensor grad = u.descent_grad();
   const double step = u.count_step().item<double>();
   grad = u.weight_decayed(std::move(grad), u.b("decoupled"));
-  u.write(exp_avg, [&](at::Tensor& out, const at::Tensor& in) { at::lerp_out(out, in, grad, 1 - beta1); });
-  u.write(exp_avg_sq, [&](at::Tensor& out, const at::Tensor& in) { at::mul_out(out, in, number(beta2)); })
-      .addcmul_(grad, grad, 1 - beta2);
+  u.update_moments(grad, beta1, beta2);
   const double bias_correction1 = 1 - std::pow(beta1, step);
   const double bias_correction2 = 1 - std::pow(beta2, step);
   const double step_size = lr / bias_correction1;

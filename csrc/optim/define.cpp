@@ -1,6 +1,7 @@
-// Schemas and CPU kernels of every optimizer, generated from its Descriptor: one boxed kernel
-// checks the arguments and calls the descriptor's kernel (in place, or writing fresh results
-// through Update::write for the functional op).
+// Schemas and kernels of every optimizer, generated from its Descriptor: one boxed kernel checks
+// the arguments and calls the descriptor's kernel (in place, or writing fresh results through
+// Update::write for the functional op). The kernels are ATen calls, so the same boxed kernel is
+// registered for the CPU and CUDA dispatch keys (define, below); only cache blocking is CPU's.
 #include "optim/descriptor.h"
 
 #include <ATen/ATen.h>
@@ -41,6 +42,9 @@ std::string arguments(const Descriptor& d, bool inplace, bool scheduled) {
   return s + ")";
 }
 
+// lr and the scheduled scalars are float64 tensors that the step keeps on the CPU whatever the
+// model's device (lift_optimizer_state declares them so, and train_step.py makes them so): reading
+// one is a host read. One on another device is still read (a device sync per parameter), not refused.
 double scalar_of(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.numel() == 1, what, " must be a 1-element tensor, got shape ", t.sizes());
   return t.item<double>();
@@ -78,12 +82,15 @@ size_t index_of(const Descriptor& d, const std::string& name, ScalarType type) {
 // its passes stay in the core's L2 (256 KiB a tensor: 22 ms for the same update, one thread).
 constexpr int64_t kBlockBytes = 256 * 1024;
 
-// The number of elements per block for `u`, or 0 when u runs whole: a kernel that reads whole
+// The number of elements per block for `u`, or 0 when u runs whole: a parameter off the CPU (the
+// block size is a CPU cache's; a GPU's kernels stream whole tensors and each block would cost a
+// launch per op), a kernel that reads whole
 // tensors (Muon) or gains nothing from blocks (Descriptor::blocked), a tensor under two blocks,
 // or per-element tensors whose memory is not laid out alike (the same strides, dense and
 // non-overlapping), so that one flat slice of memory holds the same elements of each.
 int64_t block_elements(const Update& u) {
-  if (!u.desc->elementwise || !u.desc->blocked || !u.param.is_non_overlapping_and_dense()) return 0;
+  if (!u.param.is_cpu() || !u.desc->elementwise || !u.desc->blocked || !u.param.is_non_overlapping_and_dense())
+    return 0;
   const int64_t block = std::max<int64_t>(1, kBlockBytes / static_cast<int64_t>(u.param.element_size()));
   if (u.param.numel() < 2 * block) return 0;
   auto laid_out_alike = [&](const at::Tensor& t) {
@@ -181,7 +188,7 @@ void run_blocked(Update& u, int64_t block) {
   for (size_t k = 0; k < num_slots; ++k) u.state[k] = d.slots[k].is_scalar() ? step_result[k] : state_out[k];
 }
 
-// The CPU kernel of K_update (or K_update_ when `inplace`) for every descriptor. The registry
+// The kernel of K_update (or K_update_ when `inplace`) for every descriptor, on any device. The registry
 // owns the descriptor for the life of the process.
 void run_update(const Descriptor* d, bool inplace, torch::jit::Stack* stack) {
   const size_t num_args = 3 + d->slots.size() + d->scalars.size();
@@ -291,6 +298,12 @@ at::Tensor Update::weight_decayed(at::Tensor g, bool decoupled) {
   return g;
 }
 
+void Update::update_moments(const at::Tensor& grad, double beta1, double beta2) {
+  write(slot("exp_avg"), [&](at::Tensor& out, const at::Tensor& in) { at::lerp_out(out, in, grad, 1 - beta1); });
+  write(slot("exp_avg_sq"), [&](at::Tensor& out, const at::Tensor& in) { at::mul_out(out, in, number(beta2)); })
+      .addcmul_(grad, grad, 1 - beta2);
+}
+
 bool Descriptor::has_schedulable() const {
   return std::any_of(scalars.begin(), scalars.end(), [](const Scalar& x) { return x.schedulable; });
 }
@@ -303,6 +316,11 @@ std::vector<std::string> Descriptor::schedulable() const {
 }
 
 namespace {
+// The dispatch keys of every update op's kernel. CompositeExplicitAutograd would claim every backend
+// (XLA, MPS, XPU, ...) where no run has checked the kernels' ATen calls and .item() reads; the Meta
+// kernels are the fake kernels torch_ext/_fake.py registers.
+constexpr c10::DispatchKey kUpdateKernelKeys[] = {c10::DispatchKey::CPU, c10::DispatchKey::CUDA};
+
 std::string qualified(const std::string& op, bool scheduled) {
   return scheduled ? op + "." + kScheduledOverload : op;
 }
@@ -330,8 +348,9 @@ void define(torch::Library& m, Descriptor d) {
     m.def(stored.inplace_schema(scheduled).c_str());
     for (const bool inplace : {false, true}) {
       const std::string name = qualified(inplace ? stored.inplace_op_name() : stored.op_name(), scheduled);
-      m.impl(name.c_str(), torch::dispatch(c10::DispatchKey::CPU, torch::CppFunction::makeFromBoxedFunctor(
-                                                                       std::make_unique<UpdateKernel>(&stored, inplace))));
+      for (const c10::DispatchKey key : kUpdateKernelKeys)
+        m.impl(name.c_str(), torch::dispatch(key, torch::CppFunction::makeFromBoxedFunctor(
+                                                      std::make_unique<UpdateKernel>(&stored, inplace))));
     }
   }
 }

@@ -1,5 +1,5 @@
 // An optimizer is one Descriptor: its state slots, its scalar hyperparameters, its two ops and
-// its CPU kernel. Everything that depends on the optimizer kind reads the registry below: the
+// its kernel (CPU and CUDA). Everything that depends on the optimizer kind reads the registry below: the
 // torch_ext op schemas and kernels (define), the passes that lift state and append the update
 // (lift_optimizer_state, append_update, shard_optimizer_state), ir::is_update_op, and, through
 // torch_ext._C.optimizer_descriptors(), the fake kernels and the torch.optim mapping in Python.
@@ -124,6 +124,9 @@ struct Update {
   // g + weight_decay * param; `decoupled` (AdamW's form) instead writes param *= 1 - lr * weight_decay
   // and returns g as it is.
   at::Tensor weight_decayed(at::Tensor g, bool decoupled = false);
+  // The Adam family's moments from `grad` (Adam, NAdam, RAdam): exp_avg.lerp_(grad, 1 - beta1), then
+  // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2), each slot written through write().
+  void update_moments(const at::Tensor& grad, double beta1, double beta2);
 
   // Writes `t` (param or one of state) by op(out, in): an out= call that reads `in` and writes
   // `out` (e.g. at::lerp_out(out, in, grad, w)); afterwards t names the result. In the in-place
@@ -163,7 +166,7 @@ struct Descriptor {
   std::string title;  // the optimizer's name in messages, e.g. "Adam"
   std::vector<Slot> slots;      // in op-argument order
   std::vector<Scalar> scalars;  // in op-argument order, after lr
-  Kernel kernel = nullptr;      // the CPU kernel
+  Kernel kernel = nullptr;      // ATen calls on the tensors' own device
   // Each element's update reads only that element of param, grad and state (so ZeRO-1 may
   // update a flat shard). False for Muon, whose Newton-Schulz step needs the whole matrix.
   bool elementwise = true;
@@ -182,7 +185,7 @@ struct Descriptor {
   std::vector<std::string> schedulable() const;  // the schedulable scalars' names, in order
 };
 
-// Registers `d` and defines its two ops with their CPU kernels in `m` (a torch_ext library
+// Registers `d` and defines its two ops with their kernels (CPU and CUDA) in `m` (a torch_ext library
 // fragment). TORCH_CHECKs that the kind is new.
 void define(torch::Library& m, Descriptor d);
 // Adam's scalars, in its ops' argument order (beta1 schedulable, beta2, eps, weight_decay, decoupled,

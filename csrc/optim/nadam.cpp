@@ -25,9 +25,7 @@ void nadam(Update& u) {
   const double mu = beta1 * (1.0 - 0.5 * std::pow(0.96, step * momentum_decay));
   const double mu_next = beta1 * (1.0 - 0.5 * std::pow(0.96, (step + 1) * momentum_decay));
   u.write(mu_product, [&](at::Tensor& out, const at::Tensor& in) { at::mul_out(out, in, number(mu)); });
-  u.write(exp_avg, [&](at::Tensor& out, const at::Tensor& in) { at::lerp_out(out, in, grad, 1 - beta1); });
-  u.write(exp_avg_sq, [&](at::Tensor& out, const at::Tensor& in) { at::mul_out(out, in, number(beta2)); })
-      .addcmul_(grad, grad, 1 - beta2);
+  u.update_moments(grad, beta1, beta2);
   at::Tensor denom = exp_avg_sq.div(bias_correction2).sqrt_();
   const double mu_product_now = mu_product.item<double>();
   const double mu_product_next = mu_product_now * mu_next;

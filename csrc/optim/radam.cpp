@@ -18,9 +18,7 @@ void radam(Update& u) {
   at::Tensor grad = u.descent_grad();
   const double step = u.count_step().item<double>();
   grad = u.weight_decayed(std::move(grad), u.b("decoupled"));
-  u.write(exp_avg, [&](at::Tensor& out, const at::Tensor& in) { at::lerp_out(out, in, grad, 1 - beta1); });
-  u.write(exp_avg_sq, [&](at::Tensor& out, const at::Tensor& in) { at::mul_out(out, in, number(beta2)); })
-      .addcmul_(grad, grad, 1 - beta2);
+  u.update_moments(grad, beta1, beta2);
   const double bias_correction1 = 1 - std::pow(beta1, step);
   const double bias_correction2 = 1 - std::pow(beta2, step);
   // torch.optim: bias_corrected_exp_avg * lr, then (rectified) * adaptive_lr * rect, with Python

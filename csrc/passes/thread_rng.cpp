@@ -79,6 +79,18 @@ void check_noise_like(const ir::Node& n) {
               n.name(), " (", n.target().str(), ") makes a tensor of another dtype, device or memory format than its "
               "input %", like.name(), "; the pure step draws noise only like its input");
 }
+// The pure step's RNG state is the CPU generator's (mt19937, torch.get_rng_state()); eager draws a
+// tensor off the CPU from that device's own generator (CUDA: Philox, seed and offset), so the draws of
+// the explicit-state ops would differ from eager's without a word. Refused by name, at build time.
+void check_drawn_on_cpu(const ir::Node& n) {
+  const ir::Type& t = n.type().kind == ir::Type::Kind::Tuple && !n.type().elems.empty() ? n.type().elems[0] : n.type();
+  if (t.kind != ir::Type::Kind::Tensor) return;  // the op's own check names the shape it expects
+  TORCH_CHECK(t.tensor.device.is_cpu(), "thread_rng: node %", n.name(), " (", n.target().str(), ") draws on ",
+              t.tensor.device.str(), "; the pure step's RNG state is the CPU generator's, and eager draws on ",
+              t.tensor.device.str(), " from that device's generator, so random ops run on the CPU only (a model on ",
+              t.tensor.device.type(), " with dropout or noise is not supported)");
+}
+
 constexpr int64_t kStateBytes = 5056;  // sizeof the mt19937 CPU generator state, torch.get_rng_state().numel()
 
 // True when the op draws from a generator: tagged nondeterministic_seeded, or takes a Generator.
@@ -139,6 +151,7 @@ ir::Node* thread_rng(ir::Graph& g, const std::string& state_name) {
                 "(aten::native_dropout), bernoulli(p), randn_like, rand_like, randn, rand and randint explicit in its RNG "
                 "state, so "
                 "this op would make it impure");
+    if (!is_factory(*n)) check_drawn_on_cpu(*n);  // a factory states its device in check_factory's message
     if (is_factory(*n)) {
       check_factory(*n);
     } else if (is_noise_like(*n)) {

@@ -5,6 +5,7 @@
 #include "runtime/executor.h"
 
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/util/Exception.h>
 
@@ -75,14 +76,32 @@ ArenaExecutor::ArenaExecutor(std::unique_ptr<ir::Graph> lowered, ir::MemoryPlan 
     TORCH_CHECK(graph_->find(n->name()) == n, "ArenaExecutor: the plan's node %", n->name(),
                 " is not in the graph it was given (plan the graph, lower it, and pass both)");
   ir::verify_memory_plan(plan_);
-  // The arena lives on the device of the values it holds.
-  c10::Device device(c10::kCPU);
-  if (!plan_.buffers.empty()) {
-    const ir::PlannedBuffer& b0 = plan_.buffers[0];
-    const ir::Type& t = b0.elem < 0 ? b0.node->type() : b0.node->type().elems.at(b0.elem);
-    device = t.tensor.device;
+  // The arena lives on the device of the values it holds: one per device, when a plan's buffers are on
+  // several (a CUDA model's parameters and its optimizers' step counters, which stay on the CPU, as
+  // torch.optim keeps them), each as long as the plan's offsets reach on it.
+  std::vector<std::pair<c10::Device, int64_t>> ends;  // (device, bytes its buffers reach)
+  auto meta_of = [&](const ir::PlannedBuffer& b) -> const ir::TensorMeta& {
+    return (b.elem < 0 ? b.node->type() : b.node->type().elems.at(b.elem)).tensor;
+  };
+  for (size_t b = 0; b < plan_.buffers.size(); ++b) {
+    const ir::TensorMeta& m = meta_of(plan_.buffers[b]);
+    const int64_t end = plan_.arena.offsets.at(b) +
+                        static_cast<int64_t>(at::detail::computeStorageNbytes(m.sizes, m.strides, c10::elementSize(m.dtype)));
+    auto it = std::find_if(ends.begin(), ends.end(), [&](const auto& e) { return e.first == m.device; });
+    if (it == ends.end()) {
+      ends.emplace_back(m.device, end);
+    } else {
+      it->second = std::max(it->second, end);
+    }
   }
-  arena_ = at::empty({std::max<int64_t>(plan_.arena.arena_bytes, 1)}, at::TensorOptions().dtype(at::kByte).device(device));
+  if (ends.empty()) ends.emplace_back(c10::Device(c10::kCPU), 0);
+  for (const auto& [device, end] : ends)
+    arenas_.push_back(at::empty({std::max<int64_t>(end, 1)}, at::TensorOptions().dtype(at::kByte).device(device)));
+  auto arena_on = [&](const c10::Device& device) -> const at::Tensor& {
+    for (const at::Tensor& a : arenas_)
+      if (a.device() == device) return a;
+    TORCH_INTERNAL_ASSERT(false, "ArenaExecutor: no arena on ", device);
+  };
   std::map<const ir::Node*, std::vector<size_t>> planned;  // node -> its arena buffers, in result order
   for (size_t b = 0; b < plan_.buffers.size(); ++b) planned[plan_.buffers[b].node].push_back(b);
   std::unordered_set<const ir::Node*> dynamic;
@@ -118,7 +137,7 @@ ArenaExecutor::ArenaExecutor(std::unique_ptr<ir::Graph> lowered, ir::MemoryPlan 
       for (size_t k = 0; k < it->second.size(); ++k) {
         const ir::PlannedBuffer& b = plan_.buffers[it->second[k]];
         const ir::TensorMeta& m = b.elem < 0 ? n->type().tensor : n->type().elems.at(b.elem).tensor;
-        at::Tensor view = at::from_blob(static_cast<uint8_t*>(arena_.data_ptr()) + plan_.arena.offsets[it->second[k]],
+        at::Tensor view = at::from_blob(static_cast<uint8_t*>(arena_on(m.device).data_ptr()) + plan_.arena.offsets[it->second[k]],
                                         m.sizes, m.strides, at::TensorOptions().dtype(m.dtype).device(m.device));
         outs.emplace_back(w.out_args[k], c10::IValue(view));
         step.out->views.push_back(view);
@@ -281,9 +300,14 @@ std::vector<c10::IValue> ArenaExecutor::run(std::vector<c10::IValue> inputs) {
   for (auto& r : results) {
     if (!r.isTensor()) continue;
     const at::Tensor& t = r.toTensor();
-    const auto* base = static_cast<const uint8_t*>(arena_.data_ptr());
     const auto* p = static_cast<const uint8_t*>(t.storage().data());
-    if (p >= base && p < base + arena_.numel()) r = t.clone();
+    for (const at::Tensor& arena : arenas_) {
+      const auto* base = static_cast<const uint8_t*>(arena.data_ptr());
+      if (arena.device() == t.device() && p >= base && p < base + arena.numel()) {
+        r = t.clone();
+        break;
+      }
+    }
   }
   return results;
 }

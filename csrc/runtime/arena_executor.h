@@ -79,7 +79,7 @@ class ArenaExecutor {
   ir::MemoryPlan plan_;
   size_t num_state_;
   bool donate_;
-  at::Tensor arena_;
+  std::vector<at::Tensor> arenas_;  // one per device the plan's buffers are on
   std::vector<const ir::Node*> placeholders_;
   std::vector<Bound> bound_;  // per step of the plan's order
   std::vector<Step> steps_;   // the shared run loop's steps (run_loop.h) over bound_

@@ -205,6 +205,39 @@ TEST(ThreadRng, NoiseOfAnotherDtypeIsRefused) {
   expect_refused(text, "draws noise only like its input");
 }
 
+// The state is the CPU generator's: a draw on CUDA (eager's Philox stream) is refused by name at build time,
+// naming the device, for dropout, noise like a tensor and bernoulli alike; the graph is left as parsed.
+TEST(ThreadRng, DrawsOffTheCpuAreRefusedNamingTheDevice) {
+  expect_refused(R"(graph:
+  %x : f32[64]@cuda:0 = input()
+  %d : (f32[64]@cuda:0, b8[64]@cuda:0) = aten::native_dropout.default(%x, 0.5, True)
+  %o : f32[64]@cuda:0 = getitem(%d, 0)
+  return (%o)
+)",
+                 "thread_rng: node %d (aten::native_dropout.default) draws on cuda:0; the pure step's RNG state is "
+                 "the CPU generator's");
+  expect_refused(R"(graph:
+  %x : f32[4]@cuda:0 = input()
+  %n : f32[4]@cuda:0 = aten::randn_like.default(%x)
+  return (%n)
+)",
+                 "node %n (aten::randn_like.default) draws on cuda:0");
+  expect_refused(R"(graph:
+  %x : f32[4]@cuda:0 = input()
+  %k : f32[4]@cuda:0 = aten::bernoulli.p(%x, 0.25)
+  return (%k)
+)",
+                 "node %k (aten::bernoulli.p) draws on cuda:0");
+  // A CPU draw in a graph that also holds CUDA values is threaded as before.
+  auto g = ir::parse(R"(graph:
+  %x : f32[4] = input()
+  %y : f32[4]@cuda:0 = input()
+  %n : f32[4] = aten::randn_like.default(%x)
+  return (%n, %y)
+)");
+  EXPECT_NE(passes::thread_rng(*g), nullptr);
+}
+
 // Random factories (a diffusion step's timesteps and noise) and bernoulli(x, p) (in-place dropout,
 // stochastic depth): sizes and dtypes from the node's type, drawn in graph order as eager draws them.
 TEST(ThreadRng, FactoriesAndBernoulliDrawFromTheStateAsEagerDoes) {

@@ -65,10 +65,13 @@ def default_initial_state(kind: str, st: dict, param: torch.Tensor, group: dict)
     out = {}
     for slot, init in descriptor(kind)["slots"]:
         v = st.get(slot)
+        # A scalar slot is an f32[] on the CPU whatever the parameter's device (the program declares it so, as
+        # torch.optim keeps its step): one torch.optim holds elsewhere (a loaded state dict) is copied there.
         if init == "step":
-            out[slot] = v.detach().clone().float() if isinstance(v, torch.Tensor) else torch.tensor(float(v or 0.0))
+            out[slot] = (v.detach().to("cpu", torch.float32, copy=True) if isinstance(v, torch.Tensor)
+                         else torch.tensor(float(v or 0.0)))
         elif init == "one":
-            out[slot] = v.detach().clone().float() if isinstance(v, torch.Tensor) else torch.tensor(1.0)
+            out[slot] = v.detach().to("cpu", torch.float32, copy=True) if isinstance(v, torch.Tensor) else torch.tensor(1.0)
         else:
             out[slot] = v.detach().clone() if v is not None else torch.zeros_like(param)
     return out
