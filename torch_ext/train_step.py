@@ -915,6 +915,19 @@ class TrainStep:
                     "(x = x * 2 instead of x.mul_(2)), or clone the input first")
             else:
                 raise NotImplementedError(f"joint program output kind {kind} is not supported")
+        # A parameter the loss gives no gradient (unused, frozen, read under no_grad) is skipped, as torch.optim
+        # skips a .grad of None. One that holds a .grad tensor (zero_grad(set_to_none=False)) eager keeps
+        # updating with that zero gradient at every step (weight decay, momentum, step count): ambiguous.
+        with_grad = {t for _, t in spec["grads"]}
+        stale = [self._strip(u["param"]) for u in self._updates if u["param"] not in with_grad
+                 and self._param_of[self._strip(u["param"])].grad is not None]
+        if stale:
+            raise ValueError(
+                f"parameter{'s' if len(stale) > 1 else ''} {', '.join(repr(n) for n in stale[:4])}"
+                f"{f' (and {len(stale) - 4} more)' if len(stale) > 4 else ''} get no gradient from loss_fn but hold a "
+                ".grad tensor (left by zero_grad(set_to_none=False)): eager's opt.step() would update them with that "
+                "gradient at every call (weight decay, momentum, step count), the pure step skips them as for a .grad "
+                "of None. Set their .grad to None first (opt.zero_grad(), set_to_none=True by default)")
         if self._aux_spec is not None and (self.unroll > 1 or self.accumulate > 1):
             raise ValueError(f"loss_fn returns (loss, aux), which needs unroll=1 and accumulate=1 (got unroll="
                              f"{self.unroll}, accumulate={self.accumulate})")

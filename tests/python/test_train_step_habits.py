@@ -2659,3 +2659,71 @@ def test_a_grad_scaler_in_loss_fn_is_refused_and_left_as_it_was(dtype):
         assert torch.equal(loss, ref_loss.detach())
     for n, p in ref.named_parameters():
         assert torch.equal(state.params["model." + n], p.detach()), n
+
+
+class _TwoHeads(nn.Module):
+    """A body and two heads; the loss reads only the first head (the second is trained by another loss)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(6, 8)
+        self.h1 = nn.Linear(8, 3)
+        self.h2 = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.h1(torch.tanh(self.body(x)))
+
+
+@pytest.mark.parametrize("how", ["unused", "frozen"])
+@pytest.mark.parametrize("opt_name", ["AdamW", "SGD"])
+def test_a_parameter_without_gradient_that_holds_a_zeroed_grad_is_refused(how, opt_name):
+    # zero_grad(set_to_none=False) leaves a zero .grad on a parameter the loss does not reach (a second head
+    # trained eagerly before, then frozen or left out of this loss): eager's opt.step() updates it at every
+    # call with that zero gradient (weight decay, momentum, Adam's step count). The step skipped it, as for a
+    # .grad of None: 0.06 off eager's h2.weight in 3 SGD steps, 3 off its Adam step count, silently.
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    model = _TwoHeads()
+
+    def make_opt(m):
+        if opt_name == "AdamW":
+            return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+        return torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9, weight_decay=0.1)
+
+    opt = make_opt(model)
+    opt.zero_grad()
+    (F.cross_entropy(model(x), y) + model.h2(model.body(x)).square().mean()).backward()  # an earlier loss
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    if how == "frozen":
+        model.h2.requires_grad_(False)
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    before = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    with pytest.raises(ValueError, match=r"'h2\.weight', 'h2\.bias'.*set_to_none=False"):
+        torch_ext.make_train_step(model, opt, loss_fn, (x, y))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before[0].items())
+    assert all(p.requires_grad == (how == "unused" or not n.startswith("h2")) for n, p in model.named_parameters())
+    after = opt.state_dict()["state"]
+    assert before[1]["state"].keys() == after.keys()
+    assert all(torch.equal(v, after[i][k]) for i, s in before[1]["state"].items() for k, v in s.items())
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    # With the zero gradients set to None (opt.zero_grad(), the default) eager skips h2 too: bit-exact
+    opt.zero_grad()
+    ref = copy.deepcopy(model)
+    ref_opt = make_opt(ref)
+    ref_opt.load_state_dict(opt.state_dict())
+    step = torch_ext.make_train_step(model, opt, loss_fn, (x, y))
+    state = step.init_state()
+    for _ in range(3):
+        loss, state = step(state, x, y)
+        ref_opt.zero_grad()
+        ref_loss = loss_fn(ref, x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        assert torch.equal(loss, ref_loss.detach())
+    step.write_back(state)
+    for n, p in ref.named_parameters():
+        assert torch.equal(dict(model.named_parameters())[n], p), n
+    for (i, s), t in zip(opt.state_dict()["state"].items(), ref_opt.state_dict()["state"].values()):
+        for k in s:
+            assert torch.equal(s[k], t[k]), (i, k)
