@@ -614,6 +614,44 @@ def _written_constants(ep, snapshots) -> list[tuple[str, str]]:
     return found
 
 
+def _overlapping_parameters(model: torch.nn.Module) -> tuple[str, str] | None:
+    """Two distinct parameters, or a parameter and a buffer, whose memory overlaps (``nn.Parameter(w[0])``
+    shares ``w``'s storage): eager's update of one changes the other, the step's state holds each apart.
+    Tied parameters (one object) are one entry and not reported. Disjoint views of one storage pass."""
+    def span(t):
+        if t.numel() == 0:
+            return None
+        lo = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st < 0)
+        hi = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
+        size = t.element_size()
+        return lo * size, (hi + 1) * size
+
+    by_storage: dict[tuple, list] = {}
+    for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for n, t in items:
+            if t.layout != torch.strided or t.device.type == "meta" or span(t) is None:
+                continue
+            by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((f"{kind} '{n}'", t))
+    for group in by_storage.values():
+        for i, (na, a) in enumerate(group):
+            for nb, b in group[i + 1:]:
+                if a is b or not (na.startswith("parameter") or nb.startswith("parameter")):
+                    continue  # shared buffers are one entry; buffers beside buffers are left alone
+                (alo, ahi), (blo, bhi) = span(a), span(b)
+                if ahi <= blo or bhi <= alo:
+                    continue
+                # exact: the element offsets each one covers (interleaved strided views do not overlap)
+                if a.element_size() == b.element_size():
+                    n = max(ahi, bhi) // a.element_size()
+                    base = torch.arange(n)
+                    ia = torch.as_strided(base, a.shape, a.stride(), a.storage_offset())
+                    ib = torch.as_strided(base, b.shape, b.stride(), b.storage_offset())
+                    if not torch.isin(ia.reshape(-1), ib.reshape(-1)).any():
+                        continue
+                return na, nb
+    return None
+
+
 class TrainStep:
     """A pure training step. ``loss, new_state = step(state, *batch)`` never mutates ``state``."""
 
@@ -633,6 +671,14 @@ class TrainStep:
         self.clip_grad_norm = clip_grad_norm
         self._id = next(_ids)
         self._example_batch = tuple(example_batch)
+        for path, leaf in pytree.tree_flatten_with_path(self._example_batch)[0]:
+            if not isinstance(leaf, torch.Tensor):  # torch's joint export failed on it: "'float' object has no
+                # attribute 'requires_grad'"; a number would be a constant of the program, its next value ignored
+                raise TypeError(
+                    f"batch{pytree.keystr(path)} is {type(leaf).__name__} {leaf!r}, not a tensor: the program takes "
+                    "tensors only and would hold a Python value as a constant, so a new value at a later call (an "
+                    "epoch, a loss weight, a flag) would be ignored. Pass it as a tensor (torch.tensor(value)), or "
+                    "keep it out of the batch (a loss_fn default, or a closure: a change to it is refused by name)")
         self._batch_spec = pytree.tree_structure(self._example_batch)
         self.batch_shapes = batch_shapes
         self._variants: dict[tuple, TrainStep] = {}  # batch shapes -> step built for them (batch_shapes="cache")
@@ -645,6 +691,12 @@ class TrainStep:
         self.last_nonfinite = False
 
         names = {id(p): n for n, p in model.named_parameters()}
+        overlap = _overlapping_parameters(model)
+        if overlap is not None:
+            raise ValueError(f"{overlap[0]} and {overlap[1]} share memory (one is a view of the other, e.g. "
+                             "nn.Parameter(w[0])): eager's update of one changes the other, the pure step holds each "
+                             "as its own state entry and would train them apart. Tie them as one parameter object, "
+                             "or give one its own memory (.clone())")
         self._param_of: dict[str, torch.Tensor] = {}
         self._updates: list[dict] = []
         self._groups: list[tuple[torch.optim.Optimizer, dict]] = []

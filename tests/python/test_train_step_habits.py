@@ -2727,3 +2727,87 @@ def test_a_parameter_without_gradient_that_holds_a_zeroed_grad_is_refused(how, o
     for (i, s), t in zip(opt.state_dict()["state"].items(), ref_opt.state_dict()["state"].values()):
         for k in s:
             assert torch.equal(s[k], t[k]), (i, k)
+
+
+class _ViewParameter(nn.Module):
+    """A parameter made from a row of another one: nn.Parameter(w[0]) shares w's memory."""
+
+    def __init__(self, disjoint=False):
+        super().__init__()
+        self.l = nn.Linear(6, 8)
+        self.o = nn.Linear(8, 3)
+        if disjoint:  # two parameters cut from one flat storage, side by side (a flat-parameter layout)
+            flat = torch.randn(11)
+            self.a, self.b = nn.Parameter(flat[:8]), nn.Parameter(flat[8:])
+        else:
+            self.a = nn.Parameter(self.o.weight[0])
+            self.b = nn.Parameter(torch.zeros(3))
+
+    def forward(self, x):
+        return self.o(torch.tanh(self.l(x)) * self.a) + self.b
+
+
+@pytest.mark.parametrize("opt_name", ["AdamW", "SGD"])
+def test_a_parameter_that_is_a_view_of_another_is_refused_naming_both(opt_name):
+    # Eager's update of o.weight changes a (one memory), and a's update changes o.weight[0]; the step held
+    # them as two state entries: AdamW 0.012 off eager's o.weight in 3 steps, the loss off from the second.
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+
+    def make_opt(m):
+        if opt_name == "AdamW":
+            return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+        return torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9, weight_decay=0.1)
+
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    model = _ViewParameter()
+    opt = make_opt(model)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=r"parameter 'a' and parameter 'o\.weight' share memory"):
+        torch_ext.make_train_step(model, opt, loss_fn, (x, y))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()) and not opt.state
+    # Disjoint views of one storage do not interact in eager: accepted, bit-exact
+    model = _ViewParameter(disjoint=True)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = make_opt(model), make_opt(ref)
+    step = torch_ext.make_train_step(model, opt, loss_fn, (x, y))
+    state = step.init_state()
+    for _ in range(3):
+        loss, state = step(state, x, y)
+        ref_opt.zero_grad()
+        ref_loss = loss_fn(ref, x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        assert torch.equal(loss, ref_loss.detach())
+    for n, p in ref.named_parameters():
+        assert torch.equal(state.params["model." + n], p.detach()), n
+
+
+@pytest.mark.parametrize("leaf", [2.0, 3, True, "train", None])
+def test_a_python_value_in_the_batch_is_refused_naming_it(leaf):
+    # A loss weight, an epoch or a flag passed in the batch: torch's joint export failed on it with
+    # "AttributeError: 'float' object has no attribute 'requires_grad'", naming neither the leaf nor the fix.
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = copy.deepcopy(model.state_dict())
+    batch = ({"x": torch.randn(4, 6), "y": torch.randint(0, 3, (4,)), "extra": leaf},)
+    with pytest.raises(TypeError, match=r"batch\[0\]\['extra'\] is \w+ .*not a tensor.*torch\.tensor\(value\)"):
+        torch_ext.make_train_step(model, opt, lambda m, b: F.cross_entropy(m(b["x"]), b["y"]), batch)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()) and not opt.state
+    # As a 0-d tensor it is an input of the program: a new value at each call is followed, as eager does
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    loss_fn = lambda m, x, y, w: F.cross_entropy(m(x), y) * w  # noqa: E731
+    x, y = batch[0]["x"], batch[0]["y"]
+    step = torch_ext.make_train_step(model, opt, loss_fn, (x, y, torch.tensor(1.0)))
+    state = step.init_state()
+    for w in (1.0, 2.0, 0.5):
+        loss, state = step(state, x, y, torch.tensor(w))
+        ref_opt.zero_grad()
+        ref_loss = loss_fn(ref, x, y, torch.tensor(w))
+        ref_loss.backward()
+        ref_opt.step()
+        assert torch.equal(loss, ref_loss.detach())
+    for n, p in ref.named_parameters():
+        assert torch.equal(state.params["model." + n], p.detach()), n
