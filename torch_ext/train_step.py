@@ -715,6 +715,11 @@ class TrainStep:
                         raise ValueError(f"parameter '{names[id(p)]}' appears in more than one param group/optimizer")
                     seen[id(p)] = names[id(p)]
                     name = names[id(p)]
+                    if p.is_complex():  # the executor failed at the first call: "parameter must be floating point"
+                        raise TypeError(f"parameter '{name}' is {p.dtype}: torch.optim updates a complex parameter as "
+                                        "torch.view_as_real(p), the step's update kernels take real parameters. Hold "
+                                        "it as a real parameter with a trailing dimension of 2 and read it with "
+                                        "torch.view_as_complex(p) in forward (the same update, element by element)")
                     self._param_of[name] = p
                     u = _update_for(opt, group, p, gi)
                     if shard_optimizer_state and not optim.descriptor(u["kind"])["elementwise"]:

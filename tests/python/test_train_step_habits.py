@@ -2811,3 +2811,51 @@ def test_a_python_value_in_the_batch_is_refused_naming_it(leaf):
         assert torch.equal(loss, ref_loss.detach())
     for n, p in ref.named_parameters():
         assert torch.equal(state.params["model." + n], p.detach()), n
+
+
+class _ComplexGain(nn.Module):
+    def __init__(self, real_view):
+        super().__init__()
+        self.l = nn.Linear(6, 8)
+        self.o = nn.Linear(8, 3)
+        c = torch.randn(8, dtype=torch.complex64)
+        self.real_view = real_view
+        self.c = nn.Parameter(torch.view_as_real(c).clone() if real_view else c)
+
+    def forward(self, x):
+        c = torch.view_as_complex(self.c) if self.real_view else self.c
+        return self.o((self.l(x).to(torch.complex64) * c).abs())
+
+
+@pytest.mark.parametrize("opt_name", ["AdamW", "SGD"])
+def test_a_complex_parameter_is_refused_at_the_build_and_its_real_view_trains_as_eager(opt_name):
+    # The build passed and the first call failed inside the executor ("while executing node %p_model_c_adam:
+    # parameter must be floating point, got ComplexFloat"). Eager torch.optim updates torch.view_as_real(c).
+    def make_opt(m):
+        if opt_name == "AdamW":
+            return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+        return torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9, weight_decay=0.1)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    torch.manual_seed(1)
+    ref = _ComplexGain(real_view=False)
+    model = _ComplexGain(real_view=False)
+    opt = make_opt(model)
+    with pytest.raises(TypeError, match=r"parameter 'c' is torch\.complex64: .*view_as_complex"):
+        torch_ext.make_train_step(model, opt, loss_fn, (x, y))
+    torch.manual_seed(1)
+    real = _ComplexGain(real_view=True)  # the advice: the same numbers, held as real pairs
+    ref_opt = make_opt(ref)
+    step = torch_ext.make_train_step(real, make_opt(real), loss_fn, (x, y))
+    state = step.init_state()
+    for _ in range(3):
+        loss, state = step(state, x, y)
+        ref_opt.zero_grad()
+        ref_loss = loss_fn(ref, x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        assert torch.equal(loss, ref_loss.detach())
+    assert torch.equal(state.params["model.c"], torch.view_as_real(ref.c.detach()))
+    assert torch.equal(state.params["model.l.weight"], ref.l.weight.detach())
