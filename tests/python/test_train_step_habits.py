@@ -2859,3 +2859,37 @@ def test_a_complex_parameter_is_refused_at_the_build_and_its_real_view_trains_as
         assert torch.equal(loss, ref_loss.detach())
     assert torch.equal(state.params["model.c"], torch.view_as_real(ref.c.detach()))
     assert torch.equal(state.params["model.l.weight"], ref.l.weight.detach())
+
+
+@pytest.mark.parametrize("api", ["weight_norm", "spectral_norm"])
+def test_the_hook_weight_and_spectral_norm_are_refused_naming_the_parametrization_which_trains_as_eager(api):
+    # torch.nn.utils.weight_norm / spectral_norm set module.weight as a plain attribute in a forward pre-hook:
+    # the build was refused as "stored a tensor of the trace ... take activations from the program's outputs",
+    # which names neither the API nor its replacement.
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    hooked = nn.Sequential(getattr(nn.utils, api)(nn.Linear(6, 8)), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.AdamW(hooked.parameters(), lr=1e-2, weight_decay=0.1)
+    before = copy.deepcopy(hooked.state_dict())
+    with pytest.raises(TypeError, match=rf"module '0' \(Linear\) uses torch\.nn\.utils\.{api}.*"
+                                        rf"parametrizations\.{api}\(module\)"):
+        torch_ext.make_train_step(hooked, opt, loss_fn, (x, y))
+    assert all(torch.equal(v, hooked.state_dict()[k]) for k, v in before.items()) and not opt.state
+    model = nn.Sequential(getattr(nn.utils.parametrizations, api)(nn.Linear(6, 8)), nn.Tanh(), nn.Linear(8, 3))
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    step = torch_ext.make_train_step(model, opt, loss_fn, (x, y))
+    state = step.init_state()
+    for _ in range(3):
+        loss, state = step(state, x, y)
+        ref_opt.zero_grad()
+        ref_loss = loss_fn(ref, x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        assert torch.equal(loss, ref_loss.detach())
+    for n, p in ref.named_parameters():
+        assert torch.equal(state.params["model." + n], p.detach()), n
+    for n, b in ref.named_buffers():  # spectral_norm's power iteration writes _u and _v in training
+        assert torch.equal(state.buffers["model." + n], b), n
