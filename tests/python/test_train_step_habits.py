@@ -2893,3 +2893,45 @@ def test_the_hook_weight_and_spectral_norm_are_refused_naming_the_parametrizatio
         assert torch.equal(state.params["model." + n], p.detach()), n
     for n, b in ref.named_buffers():  # spectral_norm's power iteration writes _u and _v in training
         assert torch.equal(state.buffers["model." + n], b), n
+
+
+class _DataAssign(nn.Module):
+    """An EMA buffer written with .data = (an old habit), or a MoCo key encoder's momentum update so written."""
+
+    def __init__(self, what):
+        super().__init__()
+        self.what = what
+        self.q = nn.Linear(6, 8)
+        self.k = nn.Linear(6, 8).requires_grad_(False)
+        self.o = nn.Linear(8, 3)
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x):
+        h = torch.tanh(self.q(x))
+        if self.what == "buffer":
+            self.ema.data = self.ema * 0.9 + h.detach().mean(0)
+            h = h - self.ema
+        else:
+            with torch.no_grad():
+                for pk, pq in zip(self.k.parameters(), self.q.parameters()):
+                    pk.data = pk.data * 0.9 + pq.data * 0.1
+            h = h + torch.tanh(self.k(x))
+        return self.o(h)
+
+
+@pytest.mark.parametrize("what", ["buffer", "momentum_encoder"])
+def test_a_data_assignment_in_forward_is_refused_naming_the_line(what):
+    # .data = swaps a tensor's storage outside autograd and functionalization: the trace did not see it. A buffer's
+    # EMA was left out of the program (the first loss 0.017 off eager's, silently); a frozen parameter's momentum
+    # update crashed the process (SIGSEGV in torch's joint export).
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    model = _DataAssign(what)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=r"assigns a tensor's \.data at .*test_train_step_habits\.py:\d+"):
+        torch_ext.make_train_step(model, opt, lambda m, x, y: F.cross_entropy(m(x), y), (x, y))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()) and not opt.state
+    # outside a build, .data = is torch's own again
+    model.ema.data = torch.ones(8)
+    assert "data" not in vars(torch.Tensor) and torch.equal(model.ema, torch.ones(8))
