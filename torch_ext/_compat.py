@@ -1315,6 +1315,37 @@ def grad_scaler_refused():
 
 
 @contextlib.contextmanager
+def data_assignment_refused():
+    """``t.data = value`` in the traced forward or loss_fn refused by name: it swaps the tensor's storage outside
+    autograd and functionalization, so the trace did not see it. A buffer's ``.data =`` (an EMA) was left out of the
+    program (the first loss already off eager's, silently); a frozen parameter's (a MoCo key encoder's momentum
+    update, ``p_k.data = p_k.data * m + p_q.data * (1 - m)``) crashed the process in torch's joint export."""
+    import os
+
+    from ._trace_patches import caller_frame
+
+    base = torch._C.TensorBase.data
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+
+    def refuse(self, value):
+        where = caller_frame(1)
+        if where is not None and where.f_code.co_filename.startswith(torch_dir):
+            return base.__set__(self, value)  # torch's own (Module._apply)
+        at = f" at {where.f_code.co_filename}:{where.f_lineno}" if where is not None else ""
+        raise ValueError(
+            f"the model or loss_fn assigns a tensor's .data{at} (shape {list(self.shape)}): it swaps the storage "
+            "behind autograd's back, which the trace cannot see, so the program would skip it (or torch's export "
+            "fails). Write a buffer in place under torch.no_grad() (self.ema.mul_(0.9).add_(x)), or assign the "
+            "module attribute (self.ema = new); update a parameter (a momentum encoder) on the state between calls")
+
+    torch.Tensor.data = property(base.__get__, _gated(refuse, base.__set__), doc=base.__doc__)
+    try:
+        yield
+    finally:
+        del torch.Tensor.data  # TensorBase's getset again
+
+
+@contextlib.contextmanager
 def packed_sequences_refused():
     """``nn.utils.rnn.pack_padded_sequence`` (and ``pack_sequence``, which calls it) refused with a message naming
     it: a packed sequence's layout (its ``batch_sizes``) is computed from the lengths' values, which a static

@@ -130,6 +130,7 @@ def _factories() -> dict:
         "onednn_rnn_backward_dtypes": _compat.onednn_rnn_backward_dtypes,
         "packed_sequences_refused": _compat.packed_sequences_refused,
         "grad_scaler_refused": _compat.grad_scaler_refused,
+        "data_assignment_refused": _compat.data_assignment_refused,
         "eager_autograd_kernels": _compat.eager_autograd_kernels,
         "joint_replayed_without_autograd": _compat.joint_replayed_without_autograd,
         "eager_cumprod_backward": _compat.eager_cumprod_backward,
@@ -146,7 +147,7 @@ ORDER = ("env_reads", "python_random_draws", "backward_only_code", "global_modul
          "eager_attention_masks", "inline_reentrant_checkpoints", "inference_mode_as_no_grad",
          "refuse_autograd_in_trace", "rnn_dropout_between_layers", "eager_gru_cell", "onednn_lstm_forward",
          "eager_onednn_lstm", "onednn_rnn_backward_dtypes", "packed_sequences_refused", "grad_scaler_refused",
-         "eager_autograd_kernels", "joint_replayed_without_autograd", "eager_cumprod_backward",
+         "data_assignment_refused", "eager_autograd_kernels", "joint_replayed_without_autograd", "eager_cumprod_backward",
          "eager_prod_backward", "eager_half_dropout_backward", "aten_max_pool_backward_in_inductor",
          "exact_subgraph_strides", "make_fx_without_stack_traces")
 # Patches that yield what the block did (reads, draws, code found): entered again at each nesting level.
@@ -156,7 +157,7 @@ COLLECTORS = frozenset({"env_reads", "python_random_draws", "backward_only_code"
 STEP_EXPORT = ("env_reads", "python_random_draws", "backward_only_code", "global_module_hooks_restored",
                "eager_attention_masks", "inline_reentrant_checkpoints", "inference_mode_as_no_grad",
                "refuse_autograd_in_trace", "rnn_dropout_between_layers", "eager_gru_cell", "onednn_lstm_forward",
-               "packed_sequences_refused", "grad_scaler_refused")
+               "packed_sequences_refused", "grad_scaler_refused", "data_assignment_refused")
 JOINT_EXPORT = ("rnn_dropout_between_layers", "eager_gru_cell", "eager_onednn_lstm", "onednn_rnn_backward_dtypes",
                 "eager_autograd_kernels", "joint_replayed_without_autograd",
                 "eager_cumprod_backward", "eager_prod_backward", "eager_half_dropout_backward")

@@ -616,6 +616,63 @@ def _written_constants(ep, snapshots) -> list[tuple[str, str]]:
     return found
 
 
+def _overlapping_parameters(model: torch.nn.Module) -> tuple[str, str] | None:
+    """Two distinct parameters, or a parameter and a buffer, whose memory overlaps (``nn.Parameter(w[0])``
+    shares ``w``'s storage): eager's update of one changes the other, the step's state holds each apart.
+    Tied parameters (one object) are one entry and not reported. Disjoint views of one storage pass."""
+    def span(t):
+        if t.numel() == 0:
+            return None
+        lo = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st < 0)
+        hi = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
+        size = t.element_size()
+        return lo * size, (hi + 1) * size
+
+    by_storage: dict[tuple, list] = {}
+    for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for n, t in items:
+            if t.layout != torch.strided or t.device.type == "meta" or span(t) is None:
+                continue
+            by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((f"{kind} '{n}'", t))
+    for group in by_storage.values():
+        for i, (na, a) in enumerate(group):
+            for nb, b in group[i + 1:]:
+                if a is b or not (na.startswith("parameter") or nb.startswith("parameter")):
+                    continue  # shared buffers are one entry; buffers beside buffers are left alone
+                (alo, ahi), (blo, bhi) = span(a), span(b)
+                if ahi <= blo or bhi <= alo:
+                    continue
+                # exact: the element offsets each one covers (interleaved strided views do not overlap)
+                if a.element_size() == b.element_size():
+                    n = max(ahi, bhi) // a.element_size()
+                    base = torch.arange(n)
+                    ia = torch.as_strided(base, a.shape, a.stride(), a.storage_offset())
+                    ib = torch.as_strided(base, b.shape, b.stride(), b.storage_offset())
+                    if not torch.isin(ia.reshape(-1), ib.reshape(-1)).any():
+                        continue
+                return na, nb
+    return None
+
+
+def _legacy_reparametrization(model: torch.nn.Module) -> str | None:
+    """The refusal for a module under torch.nn.utils.weight_norm / spectral_norm (the hook API): the hook
+    sets ``module.weight`` as a plain attribute at every forward, which the trace refused as a stored tensor
+    of the trace, pointing at activations. torch.nn.utils.parametrizations' versions train bit-exact."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    for name, mod in model.named_modules():
+        for hook in mod._forward_pre_hooks.values():
+            if isinstance(hook, (WeightNorm, SpectralNorm)):
+                api = "weight_norm" if isinstance(hook, WeightNorm) else "spectral_norm"
+                return (f"module '{name or type(model).__name__}' ({type(mod).__name__}) uses torch.nn.utils.{api}, "
+                        f"whose forward pre-hook sets {hook.name!r} as a plain attribute at every forward: the program "
+                        f"would hold the traced one. Use torch.nn.utils.parametrizations.{api}(module) instead, "
+                        f"which computes it in the forward and trains bit-exact with eager (its state_dict names "
+                        f"are parametrizations.{hook.name}.original...)")
+    return None
+
+
 class TrainStep:
     """A pure training step. ``loss, new_state = step(state, *batch)`` never mutates ``state``."""
 
@@ -635,6 +692,14 @@ class TrainStep:
         self.clip_grad_norm = clip_grad_norm
         self._id = next(_ids)
         self._example_batch = tuple(example_batch)
+        for path, leaf in pytree.tree_flatten_with_path(self._example_batch)[0]:
+            if not isinstance(leaf, torch.Tensor):  # torch's joint export failed on it: "'float' object has no
+                # attribute 'requires_grad'"; a number would be a constant of the program, its next value ignored
+                raise TypeError(
+                    f"batch{pytree.keystr(path)} is {type(leaf).__name__} {leaf!r}, not a tensor: the program takes "
+                    "tensors only and would hold a Python value as a constant, so a new value at a later call (an "
+                    "epoch, a loss weight, a flag) would be ignored. Pass it as a tensor (torch.tensor(value)), or "
+                    "keep it out of the batch (a loss_fn default, or a closure: a change to it is refused by name)")
         self._batch_spec = pytree.tree_structure(self._example_batch)
         self.batch_shapes = batch_shapes
         self._variants: dict[tuple, TrainStep] = {}  # batch shapes -> step built for them (batch_shapes="cache")
@@ -647,6 +712,15 @@ class TrainStep:
         self.last_nonfinite = False
 
         names = {id(p): n for n, p in model.named_parameters()}
+        legacy = _legacy_reparametrization(model)
+        if legacy is not None:
+            raise TypeError(legacy)
+        overlap = _overlapping_parameters(model)
+        if overlap is not None:
+            raise ValueError(f"{overlap[0]} and {overlap[1]} share memory (one is a view of the other, e.g. "
+                             "nn.Parameter(w[0])): eager's update of one changes the other, the pure step holds each "
+                             "as its own state entry and would train them apart. Tie them as one parameter object, "
+                             "or give one its own memory (.clone())")
         self._param_of: dict[str, torch.Tensor] = {}
         self._updates: list[dict] = []
         self._groups: list[tuple[torch.optim.Optimizer, dict]] = []
@@ -665,6 +739,11 @@ class TrainStep:
                         raise ValueError(f"parameter '{names[id(p)]}' appears in more than one param group/optimizer")
                     seen[id(p)] = names[id(p)]
                     name = names[id(p)]
+                    if p.is_complex():  # the executor failed at the first call: "parameter must be floating point"
+                        raise TypeError(f"parameter '{name}' is {p.dtype}: torch.optim updates a complex parameter as "
+                                        "torch.view_as_real(p), the step's update kernels take real parameters. Hold "
+                                        "it as a real parameter with a trailing dimension of 2 and read it with "
+                                        "torch.view_as_complex(p) in forward (the same update, element by element)")
                     self._param_of[name] = p
                     u = _update_for(opt, group, p, gi)
                     if shard_optimizer_state and not optim.descriptor(u["kind"])["elementwise"]:
@@ -917,6 +996,19 @@ class TrainStep:
                     "(x = x * 2 instead of x.mul_(2)), or clone the input first")
             else:
                 raise NotImplementedError(f"joint program output kind {kind} is not supported")
+        # A parameter the loss gives no gradient (unused, frozen, read under no_grad) is skipped, as torch.optim
+        # skips a .grad of None. One that holds a .grad tensor (zero_grad(set_to_none=False)) eager keeps
+        # updating with that zero gradient at every step (weight decay, momentum, step count): ambiguous.
+        with_grad = {t for _, t in spec["grads"]}
+        stale = [self._strip(u["param"]) for u in self._updates if u["param"] not in with_grad
+                 and self._param_of[self._strip(u["param"])].grad is not None]
+        if stale:
+            raise ValueError(
+                f"parameter{'s' if len(stale) > 1 else ''} {', '.join(repr(n) for n in stale[:4])}"
+                f"{f' (and {len(stale) - 4} more)' if len(stale) > 4 else ''} get no gradient from loss_fn but hold a "
+                ".grad tensor (left by zero_grad(set_to_none=False)): eager's opt.step() would update them with that "
+                "gradient at every call (weight decay, momentum, step count), the pure step skips them as for a .grad "
+                "of None. Set their .grad to None first (opt.zero_grad(), set_to_none=True by default)")
         if self._aux_spec is not None and (self.unroll > 1 or self.accumulate > 1):
             raise ValueError(f"loss_fn returns (loss, aux), which needs unroll=1 and accumulate=1 (got unroll="
                              f"{self.unroll}, accumulate={self.accumulate})")
