@@ -160,8 +160,13 @@ def _layers_and_heads(model, rg: ReactiveGraph) -> tuple[int, int]:
 @_checked_once
 def run_with_cache(model, tokens: torch.Tensor):
     """(outputs, cache) of ``model`` on ``tokens``, the cache keyed by hook name (and node name):
-    a clean cache for the functions here, for any model they accept (Hugging Face decoders too)."""
-    return _graph_for(model, tokens).run_with_cache(tokens)
+    a clean cache for the functions here, for any model they accept (Hugging Face decoders too). A
+    ReactiveGraph run with keyword inputs (a padding ``attention_mask`` in example_kwargs) runs ``tokens``
+    with them, as the patching functions run the corrupted tokens: without them it moved to a mask-free
+    graph, and the clean cache (and every later patching call on the graph) silently dropped the mask."""
+    rg = _graph_for(model, tokens)
+    kwargs = rg._last_inputs[1] if rg._last_inputs is not None else {}
+    return rg.run_with_cache(tokens, **kwargs)
 
 
 def _logits(out):

@@ -828,6 +828,15 @@ class ReactiveGraph:
             raise RuntimeError(f"{what} is not allowed while a sweep runs on this graph (from a patch function or "
                                "metric); a sweep leaves the graph as it found it")
 
+    def _refuse_read_in_metric(self, what: str) -> None:
+        """A sweep's metric sees the site's patched outputs, but the graph itself holds the clean values (the
+        per-site transaction runs beside the cache, in C++ or on row buffers): a value() or demand() from the
+        metric answered the unpatched graph, silently unlike eager's hooked run. Refused, naming the way."""
+        if getattr(self, "_in_metric", False):
+            raise RuntimeError(f"{what} from a sweep's metric would read the graph without the site's patch (the "
+                               "metric is handed the patched outputs only): read inner nodes outside the sweep "
+                               "(rg.patch(...); rg.value(node); rg.restore()), or make them outputs of the model")
+
     def _switch_shape(self, key, args, kwargs) -> None:
         """Moves to the graph for another input shape: reused if built before, else exported now;
         grafts made so far are replayed on it. Refused while patches are active."""
@@ -1032,6 +1041,7 @@ class ReactiveGraph:
         ...``) are found by content (one pass over every byte they hold, ~20 ms on GPT-2 small's 124M
         parameters, once per call) and their cones recomputed, as for any in-place edit.
         """
+        self._refuse_read_in_metric("demand()")
         with _one_check_per_call():
             self._take_untracked_writes()
             return self._demand(reads)
@@ -1062,6 +1072,7 @@ class ReactiveGraph:
         A hook name gives the hook's layout, the one :meth:`run_with_cache` and TransformerLens give
         (``blocks.<l>.attn.hook_z`` as [batch, pos, head, d_head]); a node name gives the node's own layout
         (hook_z's node holds [batch, pos, head * d_head])."""
+        self._refuse_read_in_metric(f"value({node!r})")
         with _one_check_per_call():
             self._refuse_changed_state("value")
             self._take_untracked_writes()
@@ -1076,6 +1087,7 @@ class ReactiveGraph:
         for name in names:
             if not isinstance(name, str):
                 raise TypeError(f"values: expected node or hook names (str), got {type(name).__name__} {name!r}")
+        self._refuse_read_in_metric("values()")
         with _one_check_per_call():
             self._refuse_changed_state("values")
             self._take_untracked_writes()
@@ -2193,6 +2205,22 @@ def _measure(rg: ReactiveGraph, metric, outs, site):
     return value, False
 
 
+class _InMetric:
+    """A sweep's metric, called with ``rg._in_metric`` set, so that a read of the graph from inside it
+    (value(), values(), demand()), which would answer without the site's patch, is refused by name."""
+
+    def __init__(self, rg: "ReactiveGraph", metric: Callable):
+        self.rg, self.metric = rg, metric
+
+    def __call__(self, *args, **kwargs):
+        before = getattr(self.rg, "_in_metric", False)
+        self.rg._in_metric = True
+        try:
+            return self.metric(*args, **kwargs)
+        finally:
+            self.rg._in_metric = before
+
+
 class _ReadCheck:
     """The metric of a sweep given ``reads=``, made loud about reading outside the declaration.
 
@@ -2959,6 +2987,7 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
             raise TypeError(f"sweep(skip_identical=...) must be a bool, got {type(skip_identical).__name__}")
         if reads is not None and rg._last_inputs is not None:
             metric = _ReadCheck(rg, metric, reads)  # the same inputs on every path; reading outside them is refused
+        metric = _InMetric(rg, metric)  # value() / demand() from the metric would read the unpatched graph: refused
         # The model written in place before the sweep is an edit the engine takes now (num_dirty reads, so it
         # settles); during it, a patch function or metric writing into the model is refused (engine.h, I15).
         eng = rg._engine

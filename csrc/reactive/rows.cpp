@@ -363,6 +363,10 @@ const Engine::RowPlan& Engine::row_plan_for(int64_t id, const std::vector<int64_
     else if (op == "_unsafe_view") step.special = 3;
     else if (op == "reshape") step.special = 4;
     else if (op == "expand") step.special = 5;
+    // squeeze is a view whose result depends on which dims are 1: run on one row, the kernel also drops the
+    // row axis (squeeze() or squeeze(row_axis) of a [b, 1, d] slice of a [b, T, d] value). Its traced sizes,
+    // with the rows computed, say what it keeps: a view, as view's.
+    else if (op == "squeeze") step.special = 2;
     if (st.node->target().ns == "aten") {
       if (op == "linear") step.pooled = 1;
       else if (op == "gelu") step.pooled = 2;

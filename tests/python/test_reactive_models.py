@@ -227,6 +227,51 @@ def test_patching_a_reactive_graph_keeps_its_attention_mask():
     torch.testing.assert_close(got, eager(corrupted), rtol=1e-5, atol=1e-5)
 
 
+def test_patching_run_with_cache_of_a_masked_graph_keeps_its_attention_mask():
+    """patching.run_with_cache(rg, clean) on a graph built and run with a padding mask ran the clean tokens
+    without it (rg.run_with_cache(tokens) moved to a mask-free graph): the clean cache was 0.015 off eager's
+    masked run, and the graph, last run without the mask, ran the corrupted tokens of the next patching call
+    without it too. Both now use the mask the graph was run with, as the patching functions do."""
+    from torch_ext import patching
+
+    model, layers, _ = _hf_model("gpt2")
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(1, 64, (2, 6), generator=g)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, :2] = 0
+    corrupted = tokens.clone()
+    corrupted[:, 3] = (corrupted[:, 3] + 7) % 64
+    metric = lambda logits: (logits[:, -1, 3] - logits[:, -1, 4]).sum()  # noqa: E731
+    seen = {}
+    hooks = [layers[l].register_forward_pre_hook(
+        lambda m, a, kw, l=l: seen.__setitem__(l, (a[0] if a else kw["hidden_states"]).clone()), with_kwargs=True)
+        for l in range(2)]
+    try:
+        with torch.no_grad():
+            model(tokens, attention_mask=mask, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    rg = torch_ext.ReactiveGraph(model, (corrupted,), example_kwargs={"attention_mask": mask})
+    _, cache = patching.run_with_cache(rg, tokens)
+    for layer in range(2):
+        assert torch.equal(cache[f"blocks.{layer}.hook_resid_pre"], seen[layer]), layer
+    got = patching.get_act_patch_resid_pre(rg, corrupted, cache, metric)
+    for layer in range(2):
+        for p in range(6):
+            def put(h, layer=layer, p=p):
+                h = h.clone()
+                h[:, p] = seen[layer][:, p]
+                return h
+            hook = layers[layer].register_forward_pre_hook(_pre_hook(put), with_kwargs=True)
+            try:
+                with torch.no_grad():
+                    ref = float(metric(model(corrupted, attention_mask=mask, use_cache=False).logits))
+            finally:
+                hook.remove()
+            assert got[layer, p].item() == pytest.approx(ref, rel=1e-5, abs=1e-6), (layer, p)
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_keyword_attention_mask_with_left_padding_equals_eager_hooks(kind):
     # Hugging Face models take attention_mask as a keyword (GPT-2's positional order puts the KV

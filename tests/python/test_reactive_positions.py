@@ -1179,3 +1179,53 @@ def test_an_integer_output_a_reads_callable_indexes_declares_no_float_element():
     whole = torch_ext.sweep(rg, [(site, 0), (site, 2)], patch, good, progress=False, positions=False)
     for s in whole.metrics:
         assert abs(got.metrics[s] - whole.metrics[s]) <= 1e-6 * max(1.0, abs(whole.metrics[s]))
+
+
+class _Squeezes(nn.Module):
+    """A batch-1 model that drops the batch dim with squeeze (no dim: every size-1 dim) or squeeze(1) (the
+    sequence dim, a no-op at T > 1), runs a position-wise op and puts the dim back."""
+
+    def __init__(self, how, d=6):
+        super().__init__()
+        self.how = how
+        self.lin = nn.Linear(d, d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        h = self.lin(x) * 1.0
+        if self.how == "squeeze":
+            y = F.gelu(h.squeeze()).unsqueeze(0)
+        else:
+            y = F.gelu(h.squeeze(1))
+        return self.head(y + h)
+
+
+@pytest.mark.parametrize("how", ["squeeze", "squeeze_seq_dim"])
+@pytest.mark.parametrize("kw", [{}, {"reads": {0: (slice(None), -1)}}])
+def test_a_squeeze_evaluated_on_one_row_keeps_the_row_axis(how, kw):
+    # Rows [p, T) of a squeeze were run by its kernel on the slice: at p = T - 1 a one-row slice lost its row
+    # axis too ([1, 1, d] -> [d]), and gelu's [d] was put back as [1, d]: the last site answered 2.7 off eager
+    # (or raised "Tensors must have same number of dimensions" where rows were joined). Now a squeeze keeps its
+    # traced sizes with the rows computed, as a view does.
+    torch.manual_seed(0)
+    model = _Squeezes(how).eval()
+    x = torch.randn(1, 5, 6) if how == "squeeze" else torch.randn(2, 5, 6)
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    mul = rg.nodes("mul*")[0]
+    sites = [(mul, p) for p in range(5)]
+
+    def patch(v, site):
+        w = v.clone()
+        w[:, site[1]] = w[:, site[1]] * -2 + 0.5
+        return w
+
+    metric = (lambda o: o[:, -1].clone()) if kw else (lambda o: o.clone())
+    r = torch_ext.sweep(rg, sites, patch, metric, progress=False, **kw)
+    for site in sites:
+        hook = model.lin.register_forward_hook(lambda m, a, o, s=site: patch(o, s))
+        try:
+            with torch.no_grad():
+                ref = metric(model(x))
+        finally:
+            hook.remove()
+        assert _rel(r.metrics[site], ref) <= 1e-6, (site, _rel(r.metrics[site], ref))

@@ -1876,3 +1876,34 @@ def test_a_user_class_or_object_the_trace_reads_as_a_namespace_is_checked(case, 
             call()
     monkeypatch.undo()
     assert torch.equal(rg.run(x), eager())
+
+
+@pytest.mark.parametrize("path", [{}, {"positions": False}, {"batch_sites": True},
+                                  {"reads": {0: (slice(None), -1)}}])
+@pytest.mark.parametrize("read", ["value", "values", "demand"])
+def test_a_metric_reading_the_graph_is_refused_not_answered_unpatched(resid, path, read):
+    # A sweep's metric is handed the site's patched outputs; the graph's cache keeps the clean values (the
+    # per-site transaction runs beside it). rg.value(node) / values / demand() from the metric answered the
+    # clean graph: every site read the same unpatched tanh, where eager with the patch hook differs per site.
+    model, x = resid
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    clean = rg.demand().clone()
+    t0, _, t2 = _tanh_nodes(rg)
+    reads = {"value": lambda: rg.value(t2), "values": lambda: rg.values([t2])[t2], "demand": lambda: rg.demand()}
+    sites = [(t0, p) for p in range(x.shape[1])]
+    with pytest.raises(RuntimeError, match="from a sweep's metric would read the graph without the site's patch"):
+        torch_ext.sweep(rg, sites, _site_patch, lambda out: reads[read]().sum(), progress=False, **path)
+    # Refused, the graph is as it was; the same sweep reading its outputs answers as eager does.
+    assert rg.patched() == []
+    assert torch.equal(rg.demand(), clean)
+    rg.check_invariants()
+    r = torch_ext.sweep(rg, sites, _site_patch, lambda out: out[:, -1].sum(), progress=False, **path)
+    for site in sites:
+        with torch.no_grad():
+            ref = _eager(model, x, {0: lambda t, p=site[1]: _site_patch(t, (t0, p))})
+        assert r.metrics[site] == pytest.approx(float(ref[:, -1].sum()), rel=1e-6, abs=1e-6), site
+    # Outside a sweep a read follows a standing patch, as eager does.
+    rg.patch(t0, lambda v: _site_patch(v, (t0, 1)))
+    with torch.no_grad():
+        assert torch.equal(rg.demand(), _eager(model, x, {0: lambda t: _site_patch(t, (t0, 1))}))
+    rg.restore()
