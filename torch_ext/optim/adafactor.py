@@ -9,7 +9,7 @@ runs the single-tensor path on every device (unlike the other optimizers), which
 import torch
 
 from ._onnx import dconst, f64, op, plus_one
-from ._registry import F64, Registration, once, register
+from ._registry import F64, Registration, once, refuse_rounded_tensor_lr, register
 
 
 def _number(opt, group, gi, key, value):
@@ -20,6 +20,8 @@ def _number(opt, group, gi, key, value):
 
 
 def _read(opt, group, param, gi):
+    refuse_rounded_tensor_lr(opt, group, gi, "rho = min(lr, 1 / sqrt(step)), the update's scale from it and the "
+                                             "decay factor 1 - lr * weight_decay")
     eps1, eps2 = group["eps"]
     if eps1 is None:
         dtypes = sorted({str(p.dtype) for p in group["params"]})
