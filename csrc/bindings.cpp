@@ -872,7 +872,11 @@ PYBIND11_MODULE(_C, m) {
     py::list out;
     for (const optim::Descriptor* d : optim::all()) {
       py::list slots, scalars;
-      for (const optim::Slot& s : d->slots) slots.append(py::make_tuple(s.name, s.is_step() ? "step" : s.init == optim::SlotInit::ScalarOne ? "one" : "zeros"));
+      for (const optim::Slot& s : d->slots)
+        slots.append(py::make_tuple(s.name, s.is_step()                            ? "step"
+                                            : s.init == optim::SlotInit::ScalarOne ? "one"
+                                            : s.is_factored()                      ? "factored"
+                                                                                   : "zeros"));
       py::list schedulable;
       for (const optim::Scalar& x : d->scalars) {
         scalars.append(py::make_tuple(x.name, x.type == optim::ScalarType::Bool  ? "bool"
@@ -893,6 +897,16 @@ PYBIND11_MODULE(_C, m) {
     }
     return out;
   });
+  // A slot's shape for a parameter's shape, as the descriptor derives it (a factored slot's differs).
+  m.def(
+      "optimizer_slot_shape",
+      [](const std::string& kind, const std::string& slot, const std::vector<int64_t>& param) {
+        const std::vector<optim::Slot>& slots = optim::get(kind).slots;
+        auto it = std::find_if(slots.begin(), slots.end(), [&](const optim::Slot& s) { return s.name == slot; });
+        TORCH_CHECK(it != slots.end(), "optimizer kind '", kind, "' has no slot '", slot, "'");
+        return it->shape(param);
+      },
+      py::arg("kind"), py::arg("slot"), py::arg("param_shape"));
   m.def("optimizer_state_name", &optim::state_name, py::arg("param"), py::arg("slot"));
   m.def("optimizer_lr_name", &optim::lr_name, py::arg("group"));
   m.def("optimizer_group_input_name", &optim::group_input_name, py::arg("hyper"), py::arg("group"));

@@ -50,15 +50,29 @@ double scalar_of(const at::Tensor& t, const char* what) {
   return t.item<double>();
 }
 
-void check_like(const at::Tensor& param, const at::Tensor& other, const std::string& what) {
-  TORCH_CHECK(other.sizes() == param.sizes(), what, " has shape ", other.sizes(), " but the parameter has shape ",
-              param.sizes());
+// The parameter is floating point; `other` has its dtype and device.
+void check_kind_like(const at::Tensor& param, const at::Tensor& other, const std::string& what) {
   TORCH_CHECK(at::isFloatingType(param.scalar_type()), "parameter must be floating point, got ", param.scalar_type());
   // Mixed dtypes or devices would fail deep inside a kernel with a message naming none of the arguments.
   TORCH_CHECK(other.scalar_type() == param.scalar_type(), what, " has dtype ", other.scalar_type(),
               " but the parameter has dtype ", param.scalar_type());
   TORCH_CHECK(other.device() == param.device(), what, " is on ", other.device(), " but the parameter is on ",
               param.device());
+}
+
+void check_like(const at::Tensor& param, const at::Tensor& other, const std::string& what) {
+  TORCH_CHECK(other.sizes() == param.sizes(), what, " has shape ", other.sizes(), " but the parameter has shape ",
+              param.sizes());
+  check_kind_like(param, other, what);
+}
+
+// A factored slot (Adafactor's row_var, col_var): the shape `slot` derives from the parameter's.
+void check_factored(const at::Tensor& param, const at::Tensor& other, const Slot& slot) {
+  const std::vector<int64_t> want = slot.shape(param.sizes());
+  TORCH_CHECK(other.sizes() == c10::IntArrayRef(want), slot.name, " has shape ", other.sizes(),
+              " but a parameter of shape ", param.sizes(), " needs ", c10::IntArrayRef(want),
+              " (its size along dim ", slot.factored_dim, " reduced to 1)");
+  check_kind_like(param, other, slot.name);
 }
 
 void check_scalar_slot(const at::Tensor& t, const std::string& what) {
@@ -91,6 +105,8 @@ constexpr int64_t kBlockBytes = 256 * 1024;
 int64_t block_elements(const Update& u) {
   if (!u.param.is_cpu() || !u.desc->elementwise || !u.desc->blocked || !u.param.is_non_overlapping_and_dense())
     return 0;
+  for (const Slot& slot : u.desc->slots)
+    if (slot.is_factored()) return 0;  // not shaped like the parameter (and never elementwise)
   const int64_t block = std::max<int64_t>(1, kBlockBytes / static_cast<int64_t>(u.param.element_size()));
   if (u.param.numel() < 2 * block) return 0;
   auto laid_out_alike = [&](const at::Tensor& t) {
@@ -202,6 +218,8 @@ void run_update(const Descriptor* d, bool inplace, torch::jit::Stack* stack) {
     u.state.push_back(args[2 + k].toTensor());
     if (d->slots[k].is_scalar()) {
       check_scalar_slot(u.state.back(), d->slots[k].name);
+    } else if (d->slots[k].is_factored()) {
+      check_factored(u.param, u.state.back(), d->slots[k]);
     } else {
       check_like(u.param, u.state.back(), d->slots[k].name);
     }

@@ -44,14 +44,23 @@ enum class SlotInit {
   Zeros,        // zeros shaped like the parameter
   StepCounter,  // an f32[] count of applied steps, starting at 0; kept whole when state is sharded
   ScalarOne,    // an f32[] per-parameter scalar starting at 1 (NAdam's mu_product); kept whole, like the step
+  Factored,     // zeros shaped like the parameter with one of its last two dims (Slot::factored_dim) reduced
+                // to 1: Adafactor's row_var and col_var. Needs a parameter of 2 or more dims; never blocked
+                // or sharded (a kind with such a slot is not elementwise).
 };
 
 struct Slot {
   std::string name;  // the schema argument name and the last part of the state name
   SlotInit init = SlotInit::Zeros;
+  int64_t factored_dim = 0;  // Factored: the dim (-1 or -2) that has size 1 in the slot
   bool is_step() const { return init == SlotInit::StepCounter; }
   // An f32[] per parameter rather than a tensor like it: whole in blocked updates and sharded state.
   bool is_scalar() const { return init == SlotInit::StepCounter || init == SlotInit::ScalarOne; }
+  bool is_factored() const { return init == SlotInit::Factored; }
+  // The slot's shape for a parameter of shape `param`: the parameter's (Zeros), [] (a scalar slot), or
+  // the parameter's with factored_dim set to 1 (Factored; TORCH_CHECKs that the parameter has 2 or
+  // more dims, naming the slot and the shape).
+  std::vector<int64_t> shape(c10::IntArrayRef param) const;
 };
 
 enum class ScalarType { Float, Int, Bool };

@@ -35,6 +35,9 @@ const Descriptor& add(Descriptor d) {
   Registry& r = registry();
   TORCH_CHECK(!r.by_kind.count(d.kind), "optimizer kind '", d.kind, "' is registered twice");
   TORCH_CHECK(d.kernel != nullptr, "optimizer kind '", d.kind, "' has no kernel");
+  for (const Slot& slot : d.slots)
+    TORCH_CHECK(!slot.is_factored() || !d.elementwise, "optimizer kind '", d.kind, "': slot '", slot.name,
+                "' is factored (not shaped like the parameter), so the kind cannot be elementwise");
   const Descriptor& stored = r.descriptors.emplace_back(std::move(d));
   r.by_kind[stored.kind] = &stored;
   r.by_op[stored.op_name()] = &stored;
@@ -65,6 +68,17 @@ const Descriptor* find_by_op(const std::string& op_name) {
   const auto& m = registry().by_op;
   auto it = m.find(op_name);
   return it == m.end() ? nullptr : it->second;
+}
+
+std::vector<int64_t> Slot::shape(c10::IntArrayRef param) const {
+  if (is_scalar()) return {};
+  std::vector<int64_t> out(param.begin(), param.end());
+  if (!is_factored()) return out;
+  TORCH_CHECK(param.size() >= 2, "optimizer slot '", name, "' is factored over dim ", factored_dim,
+              " and needs a parameter of 2 or more dims, got shape ", param);
+  TORCH_INTERNAL_ASSERT(factored_dim == -1 || factored_dim == -2, "slot '", name, "': factored_dim ", factored_dim);
+  out[out.size() + factored_dim] = 1;
+  return out;
 }
 
 std::string state_name(const std::string& param, const std::string& slot) { return kPrefix + param + ":" + slot; }

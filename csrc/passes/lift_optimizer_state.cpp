@@ -40,6 +40,10 @@ std::map<std::string, ir::Node*> lift_optimizer_state(ir::Graph& g, const TrainS
     const optim::Descriptor& d = optim::get(u.kind);
     TORCH_CHECK(!u.scheduled || d.has_schedulable(), "lift_optimizer_state: parameter '", u.param, "' (", u.kind,
                 ") is marked scheduled but ", d.title, " has no schedulable hyperparameter");
+    for (const optim::Slot& slot : d.slots)
+      TORCH_CHECK(!slot.is_factored() || p->type().tensor.sizes.size() >= 2, "lift_optimizer_state: parameter '",
+                  u.param, "' (", u.kind, ") has shape ", c10::IntArrayRef(p->type().tensor.sizes), " but ", d.title,
+                  "'s slot '", slot.name, "' is factored over its last two dims and needs 2 or more");
   }
   std::map<std::string, ir::Node*> lifted;
   for (const ParamUpdate& u : spec.updates) {
@@ -48,6 +52,7 @@ std::map<std::string, ir::Node*> lift_optimizer_state(ir::Graph& g, const TrainS
       const std::string name = optim::state_name(u.param, slot.name);
       if (lifted.count(name)) continue;
       ir::Type t = slot.is_scalar() ? scalar_type(c10::ScalarType::Float) : p->type();
+      if (slot.is_factored()) t.tensor.sizes = slot.shape(p->type().tensor.sizes);  // Adafactor's row_var, col_var
       if (t.is_tensor()) t.tensor.strides = ir::TensorMeta::contiguous_strides(t.tensor.sizes);
       lifted[name] = g.create_placeholder(g.unique_name("opt_" + sanitize(u.param) + "_" + slot.name),
                                           ir::InputRole::OptimizerState, t, name);

@@ -91,7 +91,7 @@ TEST(OptimRegistry, StepCountersAndElementwise) {
 
 TEST(OptimRegistry, UnknownKindIsNamedWithTheKnownOnes) {
   const std::string e = error_of([] { optim::get("lamb"); });
-  EXPECT_NE(e.find("unknown update kind 'lamb' (expected one of: adadelta, adagrad, adam, adam_amsgrad, adamax, "),
+  EXPECT_NE(e.find("unknown update kind 'lamb' (expected one of: adadelta, adafactor, adafactor_vector, adagrad, adam, "),
             std::string::npos)
       << e;
   EXPECT_EQ(optim::find("lamb"), nullptr);
@@ -172,4 +172,77 @@ TEST(OptimIr, UpdateOpsAreFoundInTheRegistry) {
   EXPECT_TRUE(ir::is_update_op(*g->find("u")));
   EXPECT_FALSE(ir::is_update_op(*g->find("g")));
   EXPECT_EQ(ir::update_replaced_args(*g->find("u")), (std::vector<size_t>{0, 2, 3}));
+}
+
+// Adafactor's factored second moment: slots whose shapes the descriptor derives from the parameter's.
+TEST(OptimRegistry, AdafactorSlotsAreFactoredAndNotElementwise) {
+  const auto& d = optim::get("adafactor");
+  ASSERT_EQ(d.slots.size(), 3u);
+  EXPECT_TRUE(d.slots[0].is_factored() && d.slots[1].is_factored());
+  EXPECT_FALSE(d.slots[0].is_scalar() || d.slots[2].is_factored());
+  EXPECT_EQ(d.slots[0].shape({4, 2, 3, 5}), (std::vector<int64_t>{4, 2, 3, 1}));
+  EXPECT_EQ(d.slots[1].shape({4, 2, 3, 5}), (std::vector<int64_t>{4, 2, 1, 5}));
+  EXPECT_EQ(d.slots[2].shape({4, 2}), (std::vector<int64_t>{}));
+  EXPECT_EQ(optim::get("adafactor_vector").slots[0].shape({7}), (std::vector<int64_t>{7}));
+  EXPECT_NE(error_of([&] { d.slots[1].shape({7}); })
+                .find("optimizer slot 'col_var' is factored over dim -2 and needs a parameter of 2 or more dims, got "
+                      "shape [7]"),
+            std::string::npos);
+  EXPECT_FALSE(d.elementwise);
+  EXPECT_FALSE(optim::get("adafactor_vector").elementwise);
+  // A factored slot in an elementwise kind (which ZeRO-1 would shard and blocked runs slice) is refused.
+  EXPECT_NE(error_of([] {
+              optim::detail::add(optim::Descriptor{"factored_elementwise", "X",
+                                                   {{"r", optim::SlotInit::Factored, -1}}, {}, optim::get("sgd").kernel});
+            }).find("slot 'r' is factored (not shaped like the parameter), so the kind cannot be elementwise"),
+            std::string::npos);
+  EXPECT_EQ(optim::find("factored_elementwise"), nullptr);
+}
+
+namespace {
+const char* kAdafactorJoint = R"(graph:
+  %w : f32[2,3,4] = param("w")
+  %b : f32[4] = param("b")
+  %gw : f32[2,3,4] = aten::ones_like.default(%w)
+  %gb : f32[4] = aten::ones_like.default(%b)
+  return (%gw, %gb)
+)";
+
+passes::TrainStepSpec adafactor_spec(const std::string& bias_kind) {
+  passes::TrainStepSpec s;
+  s.num_groups = 1;
+  const std::map<std::string, double> hyper{
+      {"beta2_decay", -0.8}, {"eps1", 1e-30}, {"eps2", 1e-3}, {"d", 1.0}, {"weight_decay", 0.0}};
+  s.updates = {{"w", "adafactor", 0, hyper, {{"maximize", false}}}, {"b", bias_kind, 0, hyper, {{"maximize", false}}}};
+  return s;
+}
+}  // namespace
+
+TEST(OptimIr, LiftTypesFactoredSlotsAndAppendUpdateReturnsThem) {
+  auto g = ir::parse(kAdafactorJoint);
+  auto lifted = passes::lift_optimizer_state(*g, adafactor_spec("adafactor_vector"));
+  auto updated = passes::append_update(*g, adafactor_spec("adafactor_vector"),
+                                       {{"w", g->find("gw")}, {"b", g->find("gb")}}, lifted);
+  ir::verify(*g);
+  const std::string text = ir::print(*g);
+  for (const char* line : {"%opt_w_row_var : f32[2,3,1] = optstate(\"opt:w:row_var\")",
+                           "%opt_w_col_var : f32[2,1,4] = optstate(\"opt:w:col_var\")",
+                           "%opt_b_variance : f32[4] = optstate(\"opt:b:variance\")"})
+    EXPECT_NE(text.find(line), std::string::npos) << line << "\n" << text;
+  std::map<std::string, std::vector<int64_t>> sizes;
+  for (const auto& [name, node] : updated) sizes[name] = node->type().tensor.sizes;
+  EXPECT_EQ(sizes.at("opt:w:row_var"), (std::vector<int64_t>{2, 3, 1}));
+  EXPECT_EQ(sizes.at("opt:w:col_var"), (std::vector<int64_t>{2, 1, 4}));
+  EXPECT_EQ(sizes.at("w"), (std::vector<int64_t>{2, 3, 4}));
+}
+
+TEST(OptimIr, LiftRefusesAFactoredSlotForAVectorAndLeavesTheGraph) {
+  auto g = ir::parse(kAdafactorJoint);
+  const std::string before = ir::print(*g);
+  const std::string e = error_of([&] { passes::lift_optimizer_state(*g, adafactor_spec("adafactor")); });
+  EXPECT_NE(e.find("lift_optimizer_state: parameter 'b' (adafactor) has shape [4] but Adafactor's slot 'row_var' is "
+                   "factored over its last two dims and needs 2 or more"),
+            std::string::npos)
+      << e;
+  EXPECT_EQ(ir::print(*g), before);
 }

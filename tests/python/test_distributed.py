@@ -400,6 +400,12 @@ def test_one_rank_equals_the_plain_step_and_bad_groups_are_refused(world_of_one)
     with pytest.raises(ValueError, match="parameter 'weight' uses Muon"):
         torch_ext.make_train_step(muon_model, torch.optim.Muon(muon_model.parameters()), lambda m, x: m(x).sum(),
                                   (torch.randn(2, 4),), process_group=world_of_one, shard_optimizer_state=True)
+    # Adafactor's update reads whole tensors too (norms, row and column means of its factored second moment)
+    opt = torch.optim.Adafactor(muon_model.parameters())
+    with pytest.raises(ValueError, match="parameter 'weight' uses Adafactor, whose update needs the whole"):
+        torch_ext.make_train_step(muon_model, opt, lambda m, x: m(x).sum(), (torch.randn(2, 4),),
+                                  process_group=world_of_one, shard_optimizer_state=True)
+    assert not opt.state
     with pytest.raises(TypeError, match="expects a TrainState, got dict"):
         assert_states_in_sync({}, world_of_one)
     dp = torch_ext.make_train_step(model, _adamw(model.parameters()), loss_fn, batches[0], process_group=world_of_one)

@@ -138,6 +138,10 @@ _NEW_OPTIMIZERS = {
     "rprop": lambda p: torch.optim.Rprop(p, lr=1e-2),
     "rprop_maximize": lambda p: torch.optim.Rprop(p, lr=1e-2, etas=(0.3, 1.5), step_sizes=(1e-4, 0.02),
                                                   maximize=True),
+    # Adafactor: the MLP's weights factored (row_var, col_var), its biases a full variance
+    "adafactor": lambda p: torch.optim.Adafactor(p, lr=2e-2, weight_decay=1e-2),
+    "adafactor_maximize_eps1_d": lambda p: torch.optim.Adafactor(p, eps=(1e-20, 1e-3), d=1.5, beta2_decay=-0.5,
+                                                                 maximize=True),
 }
 
 

@@ -194,7 +194,7 @@ def test_each_registration_carries_its_aten_forms():
     overloads |= {getattr(ops, descriptor(k)["op"]).scheduled for k in kinds if descriptor(k)["schedulable"]}
     assert overloads == set(table)
     assert kinds == {"adam", "adam_amsgrad", "sgd", "sgd_momentum", "rmsprop", "adagrad", "lion", "adamax", "nadam",
-                     "radam", "adadelta", "rprop"}
+                     "radam", "adadelta", "rprop", "adafactor", "adafactor_vector"}
 
 
 def test_an_aten_form_for_an_unknown_kind_is_refused():
@@ -236,3 +236,12 @@ def test_once_refuses_a_tensor_that_is_not_0d():
     assert torch.equal(once(torch.tensor(2.5, dtype=torch.float64)), torch.tensor(2.5, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"0-d tensor, got shape \(2,\)"):
         once(torch.ones(2))
+
+
+@pytest.mark.parametrize("wd,maximize,eps1", [(0.0, False, 1e-30), (0.1, True, float(torch.finfo(torch.float32).eps))])
+def test_adafactor(wd, maximize, eps1):
+    """Both kinds: a matrix with its factored row_var [5, 1] and col_var [1, 7], a vector with its variance."""
+    (p,) = tensors(1)
+    extra = [-0.8, eps1, 1e-3, 1.0, wd, maximize]
+    run(ops.adafactor_update.default, [p, torch.zeros(5, 1), torch.zeros(1, 7), torch.tensor(0.0)], extra)
+    run(ops.adafactor_vector_update.default, [p[0].clone(), torch.zeros(7), torch.tensor(0.0)], extra)

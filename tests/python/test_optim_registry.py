@@ -12,7 +12,9 @@ from torch_ext import optim
 
 def _example_args(d, shape=(3, 2)):
     args = [torch.randn(shape), torch.randn(shape)]
-    args += [torch.tensor(1.0) if init in ("step", "one") else torch.zeros(shape) for _, init in d["slots"]]
+    args += [torch.tensor(1.0) if init in ("step", "one")
+             else torch.zeros(torch_ext._C.optimizer_slot_shape(d["kind"], s, list(shape))) if init == "factored"
+             else torch.zeros(shape) for s, init in d["slots"]]
     args.append(torch.tensor(0.1, dtype=torch.float64))
     args += [{"float": 0.5, "int": 2, "bool": False}[t] for _, t in d["scalars"]]
     return args
@@ -82,6 +84,26 @@ def test_nadam_mu_product_is_a_scalar_slot_starting_at_one():
     init = optim.registration_for(torch.optim.NAdam([p])).initial_state("nadam", {}, p, {})
     assert init["mu_product"].shape == () and init["mu_product"].dtype == torch.float32
     assert float(init["mu_product"]) == 1.0 and float(init["step"]) == 0.0
+
+
+def test_adafactor_factored_slots_take_shapes_the_descriptor_derives():
+    d = optim.descriptor("adafactor")
+    assert dict(d["slots"]) == {"row_var": "factored", "col_var": "factored", "step": "step"}
+    assert not d["elementwise"] and not optim.descriptor("adafactor_vector")["elementwise"]
+    assert dict(optim.descriptor("adafactor_vector")["slots"]) == {"variance": "zeros", "step": "step"}
+    shape = torch_ext._C.optimizer_slot_shape
+    assert shape("adafactor", "row_var", [4, 2, 3, 5]) == [4, 2, 3, 1]
+    assert shape("adafactor", "col_var", [4, 2, 3, 5]) == [4, 2, 1, 5]
+    assert shape("adafactor", "step", [4, 2]) == []
+    with pytest.raises(RuntimeError, match=r"slot 'row_var' is factored over dim -1 and needs a parameter of 2 or "
+                                           r"more dims, got shape \[5\]"):
+        shape("adafactor", "row_var", [5])
+    # The kernel checks the factored shapes, naming the slot and the shape it needs.
+    p, lr = torch.randn(4, 3), torch.tensor(0.1, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"col_var has shape \[4, 1\] but a parameter of shape \[4, 3\] needs "
+                                           r"\[1, 3\]"):
+        torch.ops.torch_ext.adafactor_update(p, p, torch.zeros(4, 1), torch.zeros(4, 1), torch.tensor(0.0), lr,
+                                             -0.8, 1e-30, 1e-3, 1.0, 0.0, False)
 
 
 def test_register_refuses_bad_registrations():

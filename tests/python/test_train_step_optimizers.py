@@ -320,3 +320,154 @@ def test_radam_aten_form_branches_on_the_step_input():
         got = exported(p, g, m, v, torch.tensor(s), lr)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+
+
+# ---- Adafactor: a parameter of 2 or more dims keeps a factored second moment (row_var, col_var: shapes that
+# are not the parameter's), a 1-d one a full variance; a conv weight (4-d) factors over its last two dims.
+ADAFACTOR = {
+    "default": lambda ps: torch.optim.Adafactor(ps),
+    "wd_maximize_eps1_d_single": lambda ps: torch.optim.Adafactor(ps, lr=2e-2, beta2_decay=-0.5, eps=(1e-20, 1e-3),
+                                                                  d=1.5, weight_decay=1e-2, maximize=True,
+                                                                  foreach=False),
+    "wd_eps1_none_f64_tensor_lr": lambda ps: torch.optim.Adafactor(ps, lr=torch.tensor(3e-2, dtype=torch.float64),
+                                                                   weight_decay=0.1),
+}
+
+
+def conv_model_and_batches(steps=STEPS):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 5, 12),
+                          nn.LayerNorm(12), nn.Tanh(), nn.Linear(12, 3))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(6, 2, 4, 5, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(steps)]
+    return model, batches
+
+
+def _assert_opt_state_like(state, ref, ref_opt):
+    names = {id(p): n for n, p in ref.named_parameters()}
+    for p, st in ref_opt.state.items():
+        for slot, v in st.items():
+            got = state.opt[f"opt:model.{names[id(p)]}:{slot}"]
+            assert got.shape == v.shape and torch.equal(got.to(v.dtype), v), (names[id(p)], slot)
+
+
+@pytest.mark.parametrize("warm", [0, 3])
+@pytest.mark.parametrize("name", list(ADAFACTOR))
+def test_adafactor_bit_exact_many_steps_and_written_back(name, warm):
+    model, batches = conv_model_and_batches()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = ADAFACTOR[name](model.parameters()), ADAFACTOR[name](ref.parameters())
+    for b in batches[:warm]:  # resume from existing optimizer state
+        assert torch.equal(_eager(model, opt, b), _eager(ref, ref_opt, b))
+    step = torch_ext.make_train_step(model, opt, loss_fn, batches[0])
+    shapes = {k: tuple(v.shape) for k, v in step.init_state().opt.items()}
+    assert shapes["opt:model.0.weight:row_var"] == (3, 2, 3, 1) and shapes["opt:model.0.weight:col_var"] == (3, 2, 1, 3)
+    assert shapes["opt:model.3.weight:row_var"] == (12, 1) and shapes["opt:model.3.weight:col_var"] == (1, 60)
+    assert shapes["opt:model.0.bias:variance"] == (3,) and "opt:model.0.bias:row_var" not in shapes
+    state = _run_side_by_side(step, step.init_state(), ref, ref_opt, batches[warm:])
+    _assert_opt_state_like(state, ref, ref_opt)
+    step.write_back(state)
+    _assert_written_back_like(model, opt, ref, ref_opt)
+    for b in batches[:2]:  # eager continues from the written-back state bit for bit
+        assert torch.equal(_eager(model, opt, b), _eager(ref, ref_opt, b))
+    _assert_written_back_like(model, opt, ref, ref_opt)
+
+
+def test_adafactor_scheduler_and_two_param_groups_bit_exact():
+    """Two groups (eps1=None and a float, weight decay, maximize in one) under a LambdaLR, 40 steps, then write_back."""
+    model, batches = conv_model_and_batches()
+    ref = copy.deepcopy(model)
+
+    def make(m):
+        opt = torch.optim.Adafactor([{"params": m[0].parameters()},
+                                     {"params": [*m[3].parameters(), *m[4].parameters(), *m[6].parameters()],
+                                      "lr": 5e-3, "eps": (1e-25, 2e-3), "weight_decay": 1e-2, "maximize": True,
+                                      "d": 2.0}], lr=3e-2)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1 / (1 + 0.1 * k))
+
+    (opt, sched), (ref_opt, ref_sched) = make(model), make(ref)
+    step = torch_ext.make_train_step(model, opt, loss_fn, batches[0], scheduler=sched)
+    state = _run_side_by_side(step, step.init_state(), ref, ref_opt, batches, ref_sched)
+    _assert_opt_state_like(state, ref, ref_opt)
+    step.write_back(state)
+    _assert_written_back_like(model, opt, ref, ref_opt)
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+
+
+def test_adafactor_pt2_save_load_step_and_planned_arena(tmp_path):
+    model, batches = conv_model_and_batches(10)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.Adafactor(model.parameters(), weight_decay=1e-2), \
+        torch.optim.Adafactor(ref.parameters(), weight_decay=1e-2)
+    step = torch_ext.make_train_step(model, opt, loss_fn, batches[0])
+    path = tmp_path / "step.pt2"
+    torch.export.save(step.program, str(path))
+    loaded = torch_ext.load_step(path)
+    state = _run_side_by_side(loaded, step.init_state(), ref, ref_opt, batches[:5])
+    # a saved TrainState comes back with its factored slots; one shaped like its parameter is refused by name
+    torch.save(state.state_dict(), tmp_path / "state.pt")
+    saved = torch.load(tmp_path / "state.pt")
+    state = step.load_state_dict(saved)
+    saved["opt"]["opt:model.3.weight:row_var"] = torch.zeros(12, 60)
+    with pytest.raises(ValueError, match=r"opt\['opt:model.3.weight:row_var'\] should have shape \(12, 1\)"):
+        step.load_state_dict(saved)
+    # the planned arena, donating, updates the factored slots in place and goes on bit for bit
+    planned = step.compile(plan=True, donate=True)
+    assert planned.inplace_updates == len(list(model.parameters()))
+    state = _run_side_by_side(planned, state, ref, ref_opt, batches[5:])
+    _assert_opt_state_like(state, ref, ref_opt)
+    step.write_back(state)
+    _assert_written_back_like(model, opt, ref, ref_opt)
+
+
+def test_adafactor_foreach_is_refused_as_it_rounds_differently():
+    """Eager's foreach path adds the scaled update with a separate multiply (the single-tensor path: add with
+    alpha), so its bits differ; the step refuses foreach=True by name."""
+    model, batches = conv_model_and_batches(5)
+    single, multi = copy.deepcopy(model), copy.deepcopy(model)
+    o1, o2 = torch.optim.Adafactor(single.parameters(), foreach=False), torch.optim.Adafactor(multi.parameters(),
+                                                                                           foreach=True)
+    for b in batches:
+        _eager(single, o1, b), _eager(multi, o2, b)
+    assert not all(torch.equal(a, b) for a, b in zip(single.parameters(), multi.parameters()))
+    opt = torch.optim.Adafactor(model.parameters(), foreach=True)
+    with pytest.raises(ValueError, match=r"Adafactor param group 0: .*foreach=True"):
+        torch_ext.make_train_step(model, opt, loss_fn, batches[0])
+
+
+ADAFACTOR_REFUSED = {
+    "foreach": (lambda ps: torch.optim.Adafactor(ps, foreach=True), r"Adafactor param group 0: .*foreach=True"),
+    # eager computes rho, the update's scale and the decay factor in float32 tensor arithmetic then
+    "float32_lr": (lambda ps: torch.optim.Adafactor(ps, lr=torch.tensor(0.01)),
+                   r"Adafactor param group 0: lr is a torch.float32 tensor"),
+    "tensor_d": (lambda ps: torch.optim.Adafactor(ps, d=torch.tensor(2.0)),
+                 r"Adafactor param group 0: a tensor d is not supported"),
+    "eps1_none_mixed_dtypes": (lambda ps: torch.optim.Adafactor(ps), r"Adafactor param group 0: eps=\(None, \.\.\.\) .*"
+                               r"mixes dtypes \(torch.float32, torch.float64\)"),
+}
+
+
+@pytest.mark.parametrize("name", list(ADAFACTOR_REFUSED))
+def test_adafactor_unsupported_options_are_refused_by_name_leaving_model_and_optimizer_unchanged(name):
+    make, match = ADAFACTOR_REFUSED[name]
+    model, batches = conv_model_and_batches(1)
+    if name == "eps1_none_mixed_dtypes":  # the head in float64
+        model[5] = _Cast(torch.float64)
+        model[6].double()
+        model.append(_Cast(torch.float32))
+    opt = make(model.parameters())
+    params, groups = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()["param_groups"])
+    with pytest.raises(ValueError, match=match):
+        torch_ext.make_train_step(model, opt, loss_fn, batches[0])
+    assert all(torch.equal(a, b) for a, b in zip(params.values(), model.state_dict().values()))
+    assert not opt.state and str(opt.state_dict()["param_groups"]) == str(groups)
+
+
+class _Cast(nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x):
+        return x.to(self.dtype)
+

@@ -28,7 +28,7 @@ def _descriptors() -> dict[str, dict]:
 
 
 def descriptor(kind: str) -> dict:
-    """The C++ descriptor of ``kind``: kind, title, op, inplace_op, slots [(name, "zeros"|"step"|"one")],
+    """The C++ descriptor of ``kind``: kind, title, op, inplace_op, slots [(name, "zeros"|"step"|"one"|"factored")],
     scalars [(name, "float"|"int"|"bool")], schedulable [the float scalars a scheduler may change: tensor
     arguments of the ops' "scheduled" overload, fed per step as lr is], elementwise."""
     try:
@@ -60,14 +60,18 @@ input, ("slot", param, slot) for an optimizer slot, else None."""
 
 def default_initial_state(kind: str, st: dict, param: torch.Tensor, group: dict) -> dict[str, torch.Tensor]:
     """Each slot from torch.optim's per-parameter state ``st``, or as the descriptor starts it
-    (zeros like the parameter; a step counter at 0; a scalar "one" slot, NAdam's mu_product, at 1)
-    when torch.optim has not created it yet."""
+    (zeros like the parameter; a step counter at 0; a scalar "one" slot, NAdam's mu_product, at 1; a
+    "factored" slot, Adafactor's row_var and col_var, zeros of the shape the descriptor derives from the
+    parameter's) when torch.optim has not created it yet."""
     out = {}
     for slot, init in descriptor(kind)["slots"]:
         v = st.get(slot)
+        if init == "factored":
+            out[slot] = v.detach().clone() if v is not None else param.new_zeros(
+                _C.optimizer_slot_shape(kind, slot, list(param.shape)))
         # A scalar slot is an f32[] on the CPU whatever the parameter's device (the program declares it so, as
         # torch.optim keeps its step): one torch.optim holds elsewhere (a loaded state dict) is copied there.
-        if init == "step":
+        elif init == "step":
             out[slot] = (v.detach().to("cpu", torch.float32, copy=True) if isinstance(v, torch.Tensor)
                          else torch.tensor(float(v or 0.0)))
         elif init == "one":
