@@ -1842,9 +1842,10 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
         with _trace_patches.patched(*_trace_patches.INFERENCE_TRACE) as got:
             try:
                 traced = _trace_for_inference(module, args, kwargs, front_end, lambda: stored.extend(writes.settle()))
-            except RuntimeError as e:
+            except RuntimeError as e:  # NotImplementedError included
                 _refuse_unflattenable_output(module, e)
                 refuse_value_as_python(e, module=module)
+                refuse_torch_generator(e)
                 raise
             except TypeError as e:
                 refuse_value_as_python(e, module=module)
@@ -1873,6 +1874,18 @@ def refuse_python_draws(drawn: list, who: str, what: str, consequence: str) -> N
         raise TypeError(
             f"{who} draws random numbers from {', '.join(drawn)} while traced: the {what} records the numbers drawn "
             f"once as constants, so {consequence}")
+
+
+def refuse_torch_generator(e: BaseException, who: str = "ReactiveGraph: the model") -> None:
+    """torch.fx's "argument of type: <class 'torch._C.Generator'>" (a random op given ``generator=``, which no
+    traced program can take) as a ValueError naming the user's line, as the other random draws are refused;
+    returns for any other error."""
+    if "argument of type" not in str(e) or "Generator" not in str(e):
+        return
+    where = _user_frame(e)
+    raise ValueError(f"{who} draws random numbers with a torch.Generator (generator=...): a traced program "
+                     "cannot take a generator, and patching sweeps need a deterministic model; draw the noise "
+                     "outside and pass it as an input" + (f"; at {where}" if where else "")) from e
 
 
 def refuse_cumulative_batch_norm(model: torch.nn.Module, into: str, way_out: str = "") -> None:
