@@ -1964,6 +1964,19 @@ def _refuse_unflattenable_output(module: torch.nn.Module, error: RuntimeError) -
                      f"tensors, so no graph can be traced from it; {hint}") from error
 
 
+def kv_cache_left_out(module, kwargs: dict | None) -> str | None:
+    """Why the graph's output has no ``past_key_values`` where eager's has one (a Hugging Face generation model
+    with ``config.use_cache`` on, traced with it off by ``_trace_for_inference``), else None."""
+    cfg = getattr(module, "config", None)
+    if cfg is None or getattr(cfg, "use_cache", None) is not True or not hasattr(module, "generate") \
+            or (kwargs or {}).get("use_cache", True) is not True:
+        return None
+    return (f"past_key_values (cache): {type(module).__name__}'s key/value cache is not computed by the graph, which is "
+            "traced with use_cache=False (the cache is for generation; eager returns it because config.use_cache "
+            "is on): read the keys and values as nodes of the graph (rg.nodes(...), rg.value), or compare "
+            "against model(..., use_cache=False)")
+
+
 def _trace_for_inference(module, args, kwargs, front_end, settle=lambda: None):
     """``settle``: called as the trace ends, before the modules' attributes are put back as they were (what
     the forward hooks wrote, read by ``_module_state.TracedWrites``)."""
