@@ -1222,6 +1222,7 @@ class ReactiveGraph:
         self._refuse_during_sweep("patch()")
         name, node = node, self.resolve(node)
         self._refuse_non_tensor(node, "patch")
+        self._refuse_forward_patch_in_joint(node, "patch")
         if callable(value):
             with _one_check_per_call():  # f sees the baseline of the weights as they are now
                 self._take_untracked_writes()
@@ -1251,6 +1252,52 @@ class ReactiveGraph:
             raise
         eng.commit()
         return value
+
+    def _refuse_forward_patch_in_joint(self, node: str, what: str) -> None:
+        """On a joint forward+backward program (outputs: the loss and the parameter gradients), a forward
+        activation computed from parameters whose gradients are outputs is refused as a patch site: the
+        backward nodes were derived without the patch, so those gradients ran the chain rule through the
+        patched value with the original op's derivative, where eager's forward hook cuts or replaces that
+        path (0.08 to 0.14 off eager's gradients on a 3-layer tanh MLP, silently; graft() is refused likewise).
+        Gradient nodes, and forward nodes with no such parameter before them, stay patchable."""
+        if self._loss_output is None or not self._grad_outputs:
+            return
+        cached = getattr(self, "_joint_forward", None)
+        if cached is None or cached[0] is not self._engine:
+            nodes = {n.name: n for n in self.graph.nodes()}
+            out = next(n for n in nodes.values() if n.kind == "output")
+            loss = _node_inputs(out)[self._loss_output]
+            forward, stack = set(), [loss]
+            while stack:  # the loss and its ancestors: the forward pass
+                n = stack.pop()
+                if n not in forward:
+                    forward.add(n)
+                    stack.extend(_node_inputs(nodes[n]))
+            with_grad = {t for _, t in self._grad_outputs}
+            params = {n.name: n.state_name for n in nodes.values()
+                      if n.kind == "placeholder" and n.state_name in with_grad}
+            cached = self._joint_forward = (self._engine, nodes, forward, params)
+        _, nodes, forward, params = cached
+        if node not in forward or node in params:
+            return
+        seen, stack, found = set(), [node], []
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n in params:
+                found.append(params[n])
+            stack.extend(_node_inputs(nodes[n]))
+        if found:
+            found.sort()
+            names = ", ".join(found[:4]) + (f", ... ({len(found)} in all)" if len(found) > 4 else "")
+            raise ValueError(
+                f"{what} {node!r}: this graph is a joint forward+backward program and {node!r} is a forward activation "
+                f"computed from parameters ({names}) whose gradients are outputs; its backward was derived without the "
+                "patch, so their gradients would run the chain rule through the patched value with the original "
+                "op's derivative, neither eager's under a forward hook nor the unpatched ones. Patch a gradient node, "
+                "or patch activations on a graph of the model in eval mode (ReactiveGraph(model, inputs))")
 
     def _refuse_non_tensor(self, node: str, what: str) -> None:
         """A node holding a tuple or list (topk, split, max with indices) cannot be patched as one value: its
@@ -3080,6 +3127,7 @@ def _sweep_plan(rg: ReactiveGraph, site_list: list) -> tuple:
                 rg.resolve(name)  # a hook refused, or nothing reads it: says why
                 raise ValueError(f"sweep: unknown node {n!r}")
             rg._refuse_non_tensor(n, "sweep")
+            rg._refuse_forward_patch_in_joint(n, "sweep")
             cones[n] = None
         if name not in labels:
             labels[name] = paths_of(n, "") if name == n else n
