@@ -1842,9 +1842,10 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
         with _trace_patches.patched(*_trace_patches.INFERENCE_TRACE) as got:
             try:
                 traced = _trace_for_inference(module, args, kwargs, front_end, lambda: stored.extend(writes.settle()))
-            except RuntimeError as e:
+            except RuntimeError as e:  # NotImplementedError included
                 _refuse_unflattenable_output(module, e)
                 refuse_value_as_python(e, module=module)
+                refuse_torch_generator(e)
                 raise
             except TypeError as e:
                 refuse_value_as_python(e, module=module)
@@ -1873,6 +1874,18 @@ def refuse_python_draws(drawn: list, who: str, what: str, consequence: str) -> N
         raise TypeError(
             f"{who} draws random numbers from {', '.join(drawn)} while traced: the {what} records the numbers drawn "
             f"once as constants, so {consequence}")
+
+
+def refuse_torch_generator(e: BaseException, who: str = "ReactiveGraph: the model") -> None:
+    """torch.fx's "argument of type: <class 'torch._C.Generator'>" (a random op given ``generator=``, which no
+    traced program can take) as a ValueError naming the user's line, as the other random draws are refused;
+    returns for any other error."""
+    if "argument of type" not in str(e) or "Generator" not in str(e):
+        return
+    where = _user_frame(e)
+    raise ValueError(f"{who} draws random numbers with a torch.Generator (generator=...): a traced program "
+                     "cannot take a generator, and patching sweeps need a deterministic model; draw the noise "
+                     "outside and pass it as an input" + (f"; at {where}" if where else "")) from e
 
 
 def refuse_cumulative_batch_norm(model: torch.nn.Module, into: str, way_out: str = "") -> None:
@@ -1949,6 +1962,19 @@ def _refuse_unflattenable_output(module: torch.nn.Module, error: RuntimeError) -
             "torch.utils._pytree.register_pytree_node if it holds tensors)")
     raise ValueError(f"{type(module).__name__}'s forward returns a {kind}, which torch.export cannot flatten into "
                      f"tensors, so no graph can be traced from it; {hint}") from error
+
+
+def kv_cache_left_out(module, kwargs: dict | None) -> str | None:
+    """Why the graph's output has no ``past_key_values`` where eager's has one (a Hugging Face generation model
+    with ``config.use_cache`` on, traced with it off by ``_trace_for_inference``), else None."""
+    cfg = getattr(module, "config", None)
+    if cfg is None or getattr(cfg, "use_cache", None) is not True or not hasattr(module, "generate") \
+            or (kwargs or {}).get("use_cache", True) is not True:
+        return None
+    return (f"past_key_values (cache): {type(module).__name__}'s key/value cache is not computed by the graph, which is "
+            "traced with use_cache=False (the cache is for generation; eager returns it because config.use_cache "
+            "is on): read the keys and values as nodes of the graph (rg.nodes(...), rg.value), or compare "
+            "against model(..., use_cache=False)")
 
 
 def _trace_for_inference(module, args, kwargs, front_end, settle=lambda: None):

@@ -89,6 +89,23 @@ def _type_of(val: Any, where: str):
     raise UnsupportedNodeError(f"{where}: value of type {type(val).__name__} is not supported")
 
 
+def _refuse_python_number(node, tname: str) -> None:
+    """A node whose value is a symbolic Python number (``.item()``, ``.tolist()``, ``float(t)`` read in forward
+    and used in arithmetic) is refused naming the op and the module whose forward read it: the program cannot
+    hold a number that changes per call (this was "value of type SymFloat is not supported")."""
+    val = node.meta.get("val")
+    if not isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return
+    stack = list((node.meta.get("nn_module_stack") or {}).values())
+    path, cls = stack[-1] if stack else ("", "")
+    cls = str(getattr(cls, "__qualname__", cls)).rsplit(".", 1)[-1]
+    owner = f"{cls}.forward" + (f" (module {path!r})" if path else " (the model itself)") if cls else "forward"
+    raise UnsupportedNodeError(
+        f"the model reads a tensor's value as a Python number (node '{node.name}', {tname.split('.')[0]}) in "
+        f"{owner}: `.item()`, `.tolist()` or `float(t)` give a number that changes per call, which one traced "
+        "program cannot hold; keep it a tensor (`t.sum()` for `sum(t.tolist())`, `t.amax()` for `max(t.tolist())`)")
+
+
 def _arg_to_ir(a: Any, where: str):
     if isinstance(a, torch.fx.Node):
         return _C.NodeRef(a.name)
@@ -285,6 +302,7 @@ class Graph:
                             "(only ATen/custom OpOverloads and getitem are)")
                     tname = f"{qual[0]}.{qual[1]}"
                 where = f"node '{node.name}' ({tname})"
+                _refuse_python_number(node, tname)
                 args = [_arg_to_ir(a, where) for a in node.args]
                 kwargs = [(k, _arg_to_ir(v, where)) for k, v in node.kwargs.items()]
                 g.add_call(node.name, tname, args, kwargs, _type_of(node.meta.get("val"), where),

@@ -559,6 +559,7 @@ class ReactiveGraph:
                 raise ValueError("ReactiveGraph(module, example_inputs): example_inputs are required to export a module")
             self._module = ep_or_module
             self._attributes = _module_state.attributes(ep_or_module)  # what the trace reads (run() checks)
+            self._no_kv_cache = _compat.kv_cache_left_out(ep_or_module, example_kwargs)
             if cache and _build_cache.enabled():
                 key, disk_key, cache_state, disk_state = _cache_keys(ep_or_module, tuple(example_inputs),
                                                                      example_kwargs, (front_end, repr(split_heads)))
@@ -878,7 +879,10 @@ class ReactiveGraph:
         if self._loss_output is not None and not self._user_outputs:
             # Training mode: (loss, {parameter name: gradient}).
             return outs[self._loss_output], {name: outs[i] for i, name in self._grad_outputs}
-        return pytree.tree_unflatten([outs[i] for i in self._user_outputs], self._out_spec)
+        out = pytree.tree_unflatten([outs[i] for i in self._user_outputs], self._out_spec)
+        if getattr(self, "_no_kv_cache", None):
+            _mark_no_kv_cache(out, self._no_kv_cache)
+        return out
 
     def run(self, *args, **kwargs):
         """Full evaluation (N evaluations); becomes the baseline. Returns the outputs.
@@ -1218,6 +1222,7 @@ class ReactiveGraph:
         self._refuse_during_sweep("patch()")
         name, node = node, self.resolve(node)
         self._refuse_non_tensor(node, "patch")
+        self._refuse_forward_patch_in_joint(node, "patch")
         if callable(value):
             with _one_check_per_call():  # f sees the baseline of the weights as they are now
                 self._take_untracked_writes()
@@ -1247,6 +1252,52 @@ class ReactiveGraph:
             raise
         eng.commit()
         return value
+
+    def _refuse_forward_patch_in_joint(self, node: str, what: str) -> None:
+        """On a joint forward+backward program (outputs: the loss and the parameter gradients), a forward
+        activation computed from parameters whose gradients are outputs is refused as a patch site: the
+        backward nodes were derived without the patch, so those gradients ran the chain rule through the
+        patched value with the original op's derivative, where eager's forward hook cuts or replaces that
+        path (0.08 to 0.14 off eager's gradients on a 3-layer tanh MLP, silently; graft() is refused likewise).
+        Gradient nodes, and forward nodes with no such parameter before them, stay patchable."""
+        if self._loss_output is None or not self._grad_outputs:
+            return
+        cached = getattr(self, "_joint_forward", None)
+        if cached is None or cached[0] is not self._engine:
+            nodes = {n.name: n for n in self.graph.nodes()}
+            out = next(n for n in nodes.values() if n.kind == "output")
+            loss = _node_inputs(out)[self._loss_output]
+            forward, stack = set(), [loss]
+            while stack:  # the loss and its ancestors: the forward pass
+                n = stack.pop()
+                if n not in forward:
+                    forward.add(n)
+                    stack.extend(_node_inputs(nodes[n]))
+            with_grad = {t for _, t in self._grad_outputs}
+            params = {n.name: n.state_name for n in nodes.values()
+                      if n.kind == "placeholder" and n.state_name in with_grad}
+            cached = self._joint_forward = (self._engine, nodes, forward, params)
+        _, nodes, forward, params = cached
+        if node not in forward or node in params:
+            return
+        seen, stack, found = set(), [node], []
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n in params:
+                found.append(params[n])
+            stack.extend(_node_inputs(nodes[n]))
+        if found:
+            found.sort()
+            names = ", ".join(found[:4]) + (f", ... ({len(found)} in all)" if len(found) > 4 else "")
+            raise ValueError(
+                f"{what} {node!r}: this graph is a joint forward+backward program and {node!r} is a forward activation "
+                f"computed from parameters ({names}) whose gradients are outputs; its backward was derived without the "
+                "patch, so their gradients would run the chain rule through the patched value with the original "
+                "op's derivative, neither eager's under a forward hook nor the unpatched ones. Patch a gradient node, "
+                "or patch activations on a graph of the model in eval mode (ReactiveGraph(model, inputs))")
 
     def _refuse_non_tensor(self, node: str, what: str) -> None:
         """A node holding a tuple or list (topk, split, max with indices) cannot be patched as one value: its
@@ -2205,6 +2256,52 @@ def _measure(rg: ReactiveGraph, metric, outs, site):
     return value, False
 
 
+class _NoKVCache:
+    """``past_key_values`` of a Hugging Face output whose graph was traced with ``use_cache=False`` (the cache
+    is for generation; see ``_compat.kv_cache_left_out``): eager's output holds the cache there, the graph's
+    held None, and a metric reading it failed with "'NoneType' object is not iterable". Any use of it raises,
+    saying why; printing it does not."""
+    __slots__ = ("_why",)
+
+    def __init__(self, why: str):
+        object.__setattr__(self, "_why", why)
+
+    def _refuse(self, *args, **kwargs):
+        raise ValueError(object.__getattribute__(self, "_why"))
+
+    __iter__ = __len__ = __getitem__ = __bool__ = __call__ = __contains__ = _refuse
+
+    def __getattr__(self, name):
+        if name.startswith("__"):  # copy, pickle and friends look up dunders with getattr(..., None)
+            raise AttributeError(name)
+        self._refuse()
+
+    def __repr__(self):
+        return "<past_key_values: not computed by the graph (traced with use_cache=False)>"
+
+
+def _mark_no_kv_cache(out, why: str) -> None:
+    """Sets a Hugging Face ``ModelOutput``'s empty ``past_key_values`` (``cache``) to a ``_NoKVCache`` (an attribute only:
+    not one of its keys, so flattening, ``to_tuple()`` and ``out["past_key_values"]`` are as before)."""
+    fields = getattr(type(out), "__dataclass_fields__", None)
+    if fields is None:
+        return
+    for name in ("past_key_values", "cache"):  # transformers 5 names the field cache (past_key_values reads it)
+        if name in fields and vars(out).get(name, 0) is None:
+            object.__setattr__(out, name, _NoKVCache(why))
+
+
+class _MarksNoKVCache:
+    """A sweep's metric, handed outputs whose missing key/value cache says why when read (``_NoKVCache``)."""
+
+    def __init__(self, metric: Callable, why: str):
+        self.metric, self.why = metric, why
+
+    def __call__(self, outs, *args, **kwargs):
+        _mark_no_kv_cache(outs, self.why)
+        return self.metric(outs, *args, **kwargs)
+
+
 class _InMetric:
     """A sweep's metric, called with ``rg._in_metric`` set, so that a read of the graph from inside it
     (value(), values(), demand()), which would answer without the site's patch, is refused by name."""
@@ -2985,6 +3082,8 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
             rg._read_rows(reads)  # still checked: a bad reads argument is refused either way
         if not isinstance(skip_identical, bool):
             raise TypeError(f"sweep(skip_identical=...) must be a bool, got {type(skip_identical).__name__}")
+        if getattr(rg, "_no_kv_cache", None):
+            metric = _MarksNoKVCache(metric, rg._no_kv_cache)  # innermost: it marks the copies the metric reads
         if reads is not None and rg._last_inputs is not None:
             metric = _ReadCheck(rg, metric, reads)  # the same inputs on every path; reading outside them is refused
         metric = _InMetric(rg, metric)  # value() / demand() from the metric would read the unpatched graph: refused
@@ -3028,6 +3127,7 @@ def _sweep_plan(rg: ReactiveGraph, site_list: list) -> tuple:
                 rg.resolve(name)  # a hook refused, or nothing reads it: says why
                 raise ValueError(f"sweep: unknown node {n!r}")
             rg._refuse_non_tensor(n, "sweep")
+            rg._refuse_forward_patch_in_joint(n, "sweep")
             cones[n] = None
         if name not in labels:
             labels[name] = paths_of(n, "") if name == n else n

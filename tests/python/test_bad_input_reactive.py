@@ -209,6 +209,18 @@ class _ValueAsNumber(_BranchOnValue):
         return self.lin(x) * float(x.abs().max().item() > 0)
 
 
+class _ValueAsList(_BranchOnValue):
+    def forward(self, x):
+        h = self.lin(x)
+        return h + sum(h[0, 0].tolist())
+
+
+class _SeededNoise(_BranchOnValue):
+    def forward(self, x):
+        gen = torch.Generator().manual_seed(0)
+        return self.lin(x) + torch.randn(x.shape, generator=gen)
+
+
 class _CumulativeBatchNorm(nn.Module):
     def __init__(self):
         super().__init__()
@@ -224,12 +236,21 @@ class _CumulativeBatchNorm(nn.Module):
      r"test_bad_input_reactive.py\", line \d+, in forward"),
     (lambda: _ValueAsNumber().eval(), NotImplementedError,
      r"reads a tensor's value .*; at File .*test_bad_input_reactive.py\", line \d+, in forward: float\(\) argument"),
+    (lambda: _ValueAsList().eval(), NotImplementedError,
+     r"the model reads a tensor's value as a Python number \(node 'item', aten::item\) in _ValueAsList.forward \(the "
+     r"model itself\): .*keep it a tensor \(`t.sum\(\)` for `sum\(t.tolist\(\)\)`"),
+    (lambda: _SeededNoise().eval(), ValueError,
+     r"ReactiveGraph: the model draws random numbers with a torch.Generator .*deterministic model.*; at File "
+     r".*test_bad_input_reactive.py\", line \d+, in forward"),
     (lambda: _CumulativeBatchNorm().train(), ValueError,
      r"bn: BatchNorm1d\(momentum=None\) .* cannot be traced into a graph; give it a momentum .* or call model.eval\(\)"),
-], ids=["branch on .item()", "float of a traced value", "BatchNorm momentum=None in training"])
+], ids=["branch on .item()", "float of a traced value", "sum of .tolist()", "a seeded torch.Generator",
+        "BatchNorm momentum=None in training"])
 def test_untraceable_forward_is_refused_by_name(make, exc, pattern):
     # Were torch's GuardOnDataDependentSymNode ("Could not guard on data-dependent expression zuf0 > 0.0",
-    # "Could not extract specialized integer ... u0") and a TypeError "... not 'SymBool'", naming nothing of ours.
+    # "Could not extract specialized integer ... u0") and a TypeError "... not 'SymBool'", naming nothing of ours;
+    # sum(t.tolist()) was "UnsupportedNodeError: node 'item' (aten::item.default): value of type SymFloat is not
+    # supported", a seeded generator torch.fx's "NotImplementedError: argument of type: <class 'torch._C.Generator'>".
     model = make()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(exc, match=pattern):

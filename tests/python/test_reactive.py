@@ -1143,7 +1143,9 @@ def test_training_mode_patch_invalidates_backward():
         assert set(grads.values()) <= cone, "every parameter gradient depends on every forward activation"
         assert loss[0] in cone
         value = torch.full_like(rg.value(site), 0.3)
-        rg.patch(site, value)
+        # The engine's dataflow patch (the counts are the subject here): rg.patch refuses a forward activation of a
+        # joint program (its gradients would not be eager's, see the test below).
+        rg._engine.patch(site, value)
         out = rg._engine.demand()
         rg.check_invariants()
         total += len(cone)
@@ -1155,6 +1157,52 @@ def test_training_mode_patch_invalidates_backward():
         assert rg.stats["evaluations"] == total
     # rho_train from cones: the ratio the sweep actually achieved, exactly.
     assert Fraction(len(sites) * N, rg.stats["evaluations"]) == Fraction(len(sites) * N, sum(len(s.cone(v)) for v in sites))
+
+
+class SinTanhMLP(TanhMLP):
+    def forward(self, x, y):
+        return super().forward(torch.sin(x), y)
+
+
+def test_training_mode_patch_of_a_forward_activation_with_parameters_before_it_is_refused():
+    # Before: rg.patch(tanh, value) on a joint program gave the loss of eager with a forward hook returning value,
+    # but the gradients of the layers before the patch ran the chain rule through the patched value with tanh's
+    # derivative (tanh_backward of 0.3), where eager's hook cuts or replaces that path: 0.08 to 0.14 off eager's
+    # gradients, silently, as a graft was (the backward was derived without the patch).
+    torch.manual_seed(0)
+    model = SinTanhMLP(3)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    rg = torch_ext.ReactiveGraph(export_joint(torch.export.export(model, (x, y))))
+    rg.run(x, y)
+    loss0, grads0 = rg.demand()
+    before = (str(rg), dict(rg.stats), loss0.clone(), {k: g.clone() for k, g in grads0.items()})
+    tanh = [n for n in rg.nodes() if n.startswith("tanh") and "backward" not in n]
+    assert len(tanh) == 3
+    for site in tanh:
+        value = torch.full_like(rg.value(site), 0.3)
+        with pytest.raises(ValueError, match=rf"patch {site!r}: this graph is a joint forward\+backward program and "
+                                             rf"{site!r} is a forward activation computed from parameters "
+                                             r"\(layers\.0\.bias, layers\.0\.weight"):
+            rg.patch(site, value)
+        with pytest.raises(ValueError, match=rf"sweep {site!r}: this graph is a joint forward\+backward program"):
+            torch_ext.sweep(rg, [site], lambda v, s: v * 0, lambda o: float(o[0]), progress=False)
+        assert rg.patched() == []
+    loss, grads = rg.demand()
+    assert (str(rg), dict(rg.stats)) == before[:2]
+    assert bits_equal([loss, *grads.values()], [before[2], *before[3].values()])
+    # A forward activation with no parameter before it (sin of the input) is patched as eager's forward hook: the
+    # gradients all flow after it.
+    sin = [n for n in rg.nodes() if n.startswith("sin")]
+    assert len(sin) == 1
+    value = torch.full_like(rg.value(sin[0]), 0.3)
+    rg.patch(sin[0], value)
+    loss, grads = rg.demand()
+    eager_loss = TanhMLP.forward(model, value, y)
+    eager_grads = torch.autograd.grad(eager_loss, [p for _, p in model.named_parameters()])
+    torch.testing.assert_close(loss, eager_loss.detach(), atol=1e-6, rtol=1e-6)
+    for g, (name, _) in zip(eager_grads, model.named_parameters()):
+        torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-6)
+    rg.restore()
 
 
 def test_training_mode_graft_is_refused_and_changes_nothing():

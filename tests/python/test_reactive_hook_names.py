@@ -343,3 +343,31 @@ def test_every_read_and_write_by_hook_name_takes_hook_zs_head_layout(family):
     assert rg.num_nodes == n and torch.equal(rg.demand().logits, logits)
     rg.graft(hook, lambda v: torch.cat([v[:, :, :1], v[:, :, 1:2] * 0, v[:, :, 2:]], dim=2))
     assert torch.equal(rg.demand().logits, want)
+
+
+@pytest.mark.parametrize("reads", [None, {"logits": (slice(None), -1)}], ids=["all outputs", "reads="])
+def test_the_key_value_cache_the_graph_does_not_compute_is_refused_by_name_when_read(reads):
+    # GPT-2 with default kwargs: eager returns past_key_values (config.use_cache), the graph is traced with
+    # use_cache=False and its output held None there, so a metric reading the cache failed with "'NoneType'
+    # object is not iterable", naming nothing; the logits stay bit for bit eager's.
+    torch.manual_seed(0)
+    model = T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32)).eval()
+    ids = torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        eager = model(ids)
+    assert eager.past_key_values is not None
+    rg = torch_ext.ReactiveGraph(model, (ids,))
+    out = rg.demand()
+    assert torch.equal(out.logits, eager.logits) and list(out.keys()) == ["logits"]
+    assert "not computed by the graph" in repr(out.past_key_values)
+    why = r"past_key_values \(cache\): GPT2LMHeadModel's key/value cache is not computed by the graph, .*use_cache=False"
+    with pytest.raises(ValueError, match=why):
+        list(out.past_key_values)
+    site = ("blocks.1.hook_resid_pre", 2)
+    with pytest.raises(ValueError, match=why):
+        torch_ext.sweep(rg, [site], lambda v, s: v * 2, lambda o: o.past_key_values[1][0].sum(), progress=False,
+                        reads=reads)
+    assert rg.patched() == []
+    res = torch_ext.sweep(rg, [site], lambda v, s: v * 2, lambda o: o.logits[:, -1].clone(), progress=False,
+                          reads=reads)
+    assert res.metrics[site].shape == (2, 64)
