@@ -263,7 +263,9 @@ TEST(CallPool, AnotherThreadFreesPooledBlocksWhileScopesRun) {
   int pending = 0;  // items pushed and not finished by the worker
   std::condition_variable finished;
   std::atomic<int64_t> corrupt{0};
-  auto intact = [](const float* d, int64_t n, float v) { return d[0] == v && d[n / 2] == v && d[n - 1] == v; };
+  auto intact = [](const float* d, int64_t n, float v) {
+    return d[0] == v && d[n / 2] == v && d[n - 1] == v;
+  };
   std::thread worker([&] {
     float* own_raw = nullptr;  // the worker's raw block, alive until the next item
     int64_t own_floats = 0;
