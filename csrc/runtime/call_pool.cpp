@@ -42,20 +42,29 @@ std::unordered_map<void*, InUse>& in_use() {
 }
 std::atomic<c10::DeleterFnPtr> previous_raw_deleter{nullptr};
 
+bool pooled_blocks_in_use() {
+  std::lock_guard<std::mutex> lock(in_use_mutex);
+  return !in_use().empty();
+}
+
 void give_back(void* ptr) {
   InUse b;
   {
     std::lock_guard<std::mutex> lock(in_use_mutex);
     auto it = in_use().find(ptr);
-    if (it == in_use().end()) {
-      // Raw-allocated by the replaced allocator and freed through ours.
-      c10::DeleterFnPtr d = previous_raw_deleter.load();
-      TORCH_INTERNAL_ASSERT(d != nullptr, "CallPool: freeing a block the replaced CPU allocator cannot free raw");
-      d(ptr);
-      return;
+    if (it != in_use().end()) {
+      b = std::move(it->second);
+      in_use().erase(it);
     }
-    b = std::move(it->second);
-    in_use().erase(it);
+  }
+  if (b.pool == nullptr) {
+    // Raw-allocated by the replaced allocator and freed through ours (outside the lock: that
+    // allocator's deleter may allocate).
+    c10::DeleterFnPtr d = previous_raw_deleter.load();
+    TORCH_INTERNAL_ASSERT(d != nullptr, "CallPool: freeing ", ptr,
+                          ", not a pooled block, and the replaced CPU allocator has no raw deleter");
+    d(ptr);
+    return;
   }
   c10::reportMemoryUsageToProfiler(ptr, -static_cast<int64_t>(b.nbytes), 0, 0, c10::Device(c10::kCPU));
   b.pool->give_back(ptr, b.nbytes);
@@ -143,7 +152,13 @@ CallPool::Scope::~Scope() {
   current_frame = frame_->outer;
   std::lock_guard<std::mutex> lock(install_mutex);
   Forwarding& fwd = forwarding();
-  if (--live_scopes == 0 && c10::GetCPUAllocator() == &fwd) c10::SetCPUAllocator(fwd.previous.load(), 0);
+  // Not while a pooled block is alive: it may have been raw-allocated (oneDNN), and its raw free
+  // must come back through our raw deleter. Through the replaced allocator's it would be freed
+  // behind the pool's back, leaving its entry in `in_use`; the next raw free of that address
+  // (glibc hands it out again) would then put a foreign block into the free lists with a stale size.
+  if (--live_scopes == 0 && c10::GetCPUAllocator() == &fwd && !pooled_blocks_in_use()) {
+    c10::SetCPUAllocator(fwd.previous.load(), 0);
+  }
 }
 
 }  // namespace torch_ext::runtime

@@ -10,10 +10,19 @@
 // and the next call of the same program, which asks for the same sizes, gets warm memory.
 //
 // How it is scoped: c10 has one process-wide CPU allocator and no per-thread hook, so the first
-// live Scope installs a forwarding allocator (c10::SetCPUAllocator, priority 0) and the last one
-// puts the previous allocator back. The forwarding allocator serves only threads inside a Scope;
-// any other thread's allocation goes to the previous allocator, unchanged. If a higher-priority CPU
-// allocator is registered, nothing is installed and the scope pools nothing (installed() says so).
+// live Scope installs a forwarding allocator (c10::SetCPUAllocator, priority 0), and the previous
+// allocator is put back by the last Scope that ends with no pooled block alive: a pooled block may
+// have been raw-allocated (oneDNN's raw_allocate / raw_deallocate), so until it dies c10's raw
+// deleter must stay ours (through the previous allocator's it would be freed behind the pool's back,
+// and a later raw free of the same address, handed out again by glibc, would reach the pool with the
+// stale size). The forwarding allocator serves only threads inside a Scope; any other thread's
+// allocation goes to the previous allocator, unchanged. If a higher-priority CPU allocator is
+// registered, nothing is installed and the scope pools nothing (installed() says so); one registered
+// while a pooled block is alive would get that block's raw free (not guarded here).
+//
+// Threads: a block may die on any thread (a gloo worker dropping a call's output); its free touches
+// only the address table and the pool's free lists, each under its mutex. The thread-local stack of
+// scopes is read only by its own thread, and scopes install and restore under one mutex.
 //
 // Invariants: a block is in the free lists only after its last tensor died; the pool keeps at most
 // `cap` bytes there (the most bytes one scope allocated afresh), the rest goes back to c10::free_cpu;
