@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import operator
 
 import sys
 import threading
+import weakref
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
@@ -1338,11 +1340,47 @@ def data_assignment_refused():
             "fails). Write a buffer in place under torch.no_grad() (self.ema.mul_(0.9).add_(x)), or assign the "
             "module attribute (self.ema = new); update a parameter (a momentum encoder) on the state between calls")
 
-    torch.Tensor.data = property(base.__get__, _gated(refuse, base.__set__), doc=base.__doc__)
+    def read(self):  # recorded: an in-place write into the result is one into ``self``, which the trace lost
+        result = base.__get__(self)
+        _DATA_READS[id(result)] = [weakref.ref(result), self, None]
+        return result
+
+    def forget():  # the traced tensors: named by now (inside the trace), or not the model's
+        for key, entry in list(_DATA_READS.items()):
+            if entry[0]() is None:
+                del _DATA_READS[key]
+            entry[1] = None
+
+    forget()
+    torch.Tensor.data = property(_gated(read, base.__get__), _gated(refuse, base.__set__), doc=base.__doc__)
     try:
         yield
     finally:
         del torch.Tensor.data  # TensorBase's getset again
+        forget()
+
+
+_DATA_READS: dict = {}  # id(t.data's result) -> [weak result, t, t's name], of the traces under data_assignment_refused
+
+
+def name_data_reads(module: torch.nn.Module, prefix: str = "") -> None:
+    """Names, by ``module``'s parameters and buffers, the tensors whose ``.data`` the code traced so far read: called
+    inside the trace, where export has put its own tensors in the module (the reads' tensors, not the user's)."""
+    pending = {id(e[1]): e for e in _DATA_READS.values() if e[1] is not None}
+    if not pending:
+        return
+    for name, t in itertools.chain(module.named_parameters(remove_duplicate=False),
+                                   module.named_buffers(remove_duplicate=False)):
+        entry = pending.get(id(t))
+        if entry is not None and entry[1] is t and entry[2] is None:
+            entry[2] = prefix + name
+
+
+def data_source(t) -> str | None:
+    """The name (given by name_data_reads) of the parameter or buffer whose ``.data`` the traced code read to get
+    ``t``: export lifts that detached alias as a constant of its own, unrelated to the tensor it shares memory with."""
+    entry = _DATA_READS.get(id(t))
+    return entry[2] if entry is not None and entry[0]() is t else None
 
 
 @contextlib.contextmanager

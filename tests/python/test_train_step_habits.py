@@ -2938,3 +2938,46 @@ def test_a_data_assignment_in_forward_is_refused_naming_the_line(what):
     # outside a build, .data = is torch's own again
     model.ema.data = torch.ones(8)
     assert "data" not in vars(torch.Tensor) and torch.equal(model.ema, torch.ones(8))
+
+
+class _MomentumInForward(nn.Module):
+    """MoCo's key encoder updated in place inside forward, under torch.no_grad(): through .data or directly."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.q = nn.Linear(6, 8)
+        self.k = nn.Linear(6, 8).requires_grad_(False)
+        self.o = nn.Linear(8, 3)
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x):
+        if self.how == "buffer .data":  # refused before as a write into "neither a parameter, a buffer nor ..."
+            self.ema.data.mul_(0.9).add_(x.mean())
+            return self.o(torch.tanh(self.q(x)) - self.ema)
+        with torch.no_grad():
+            for pk, pq in zip(self.k.parameters(), self.q.parameters()):
+                if self.how == ".data":
+                    pk.data.mul_(0.9).add_(pq.data, alpha=0.1)
+                else:
+                    pk.mul_(0.9).add_(pq, alpha=0.1)
+        return self.o(torch.tanh(self.q(x)) + torch.tanh(self.k(x)))
+
+
+@pytest.mark.parametrize("how", [".data", "in place", "buffer .data"])
+def test_a_frozen_parameter_written_in_forward_is_refused_naming_it_and_the_line(how):
+    # Through .data the joint export killed the process (SIGSEGV in a fake-tensor kernel); directly, it was refused
+    # as "cannot build the joint forward/backward graph through wrap_with_set_grad_enabled: AssertionError:".
+    # A parameter is an input of the step's program and its state has no written parameter to return.
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    model = _MomentumInForward(how)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    before = copy.deepcopy(model.state_dict())
+    what = "buffer 'ema'" if how == "buffer .data" else "frozen parameter 'k\\.weight'"
+    through = r" through \.data" if ".data" in how else ""
+    with pytest.raises(ValueError, match=r"writes in place into " + what + r" \(aten\.mul_\.Tensor\)"
+                                         + through + r" at .*test_train_step_habits\.py:\d+"):
+        torch_ext.make_train_step(model, opt, lambda m, x, y: F.cross_entropy(m(x), y), (x, y))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()) and not opt.state
+    assert not any(p.requires_grad for p in model.k.parameters()) and all(p.requires_grad for p in model.q.parameters())
