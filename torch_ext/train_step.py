@@ -1075,6 +1075,7 @@ class TrainStep:
         # skips a .grad of None. One that holds a .grad tensor (zero_grad(set_to_none=False)) eager keeps
         # updating with that zero gradient at every step (weight decay, momentum, step count): ambiguous.
         with_grad = {t for _, t in spec["grads"]}
+        self._with_grad = with_grad  # the parameters the step updates: write_back creates torch state for no other
         stale = [self._strip(u["param"]) for u in self._updates if u["param"] not in with_grad
                  and self._param_of[self._strip(u["param"])].grad is not None]
         if stale:
@@ -1685,6 +1686,10 @@ class TrainStep:
         for u in self._updates:
             p = self._param_of[self._strip(u["param"])]
             opt, group = self._groups[u["group"]]
+            if u["param"] not in self._with_grad and not opt.state.get(p):
+                # Never updated by the step, as torch.optim skips a .grad of None: eager has no state for it. A kind
+                # whose slots count no steps (Lion's exp_avg, Muon's momentum_buffer) cannot tell so from its values.
+                continue
             slots = [slot for slot, _ in optim.descriptor(u["kind"])["slots"]]
             values = {slot: state.opt[optim.state_name(u["param"], slot)] for slot in slots}
             entries = optim.registration_for(opt).torch_state(u["kind"], values, group)

@@ -2981,3 +2981,44 @@ def test_a_frozen_parameter_written_in_forward_is_refused_naming_it_and_the_line
         torch_ext.make_train_step(model, opt, lambda m, x, y: F.cross_entropy(m(x), y), (x, y))
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()) and not opt.state
     assert not any(p.requires_grad for p in model.k.parameters()) and all(p.requires_grad for p in model.q.parameters())
+
+
+class _TwoHeadsNoBias(nn.Module):
+    """_TwoHeads with bias-free layers (Muon takes matrices only); the loss reads only the first head."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(6, 8, bias=False)
+        self.h1 = nn.Linear(8, 3, bias=False)
+        self.h2 = nn.Linear(8, 3, bias=False)
+
+    def forward(self, x):
+        return self.h1(torch.tanh(self.body(x)))
+
+
+@pytest.mark.parametrize("opt_name", ["Lion", "Muon"])
+def test_write_back_leaves_no_state_for_a_parameter_without_gradient_in_an_optimizer_without_a_step_count(opt_name):
+    # Lion's and Muon's slots have no step count to tell a parameter never updated: write_back gave h2.weight a zero
+    # exp_avg (momentum_buffer), so opt.state_dict() had an entry eager's has not (a checkpoint that differs).
+    torch.manual_seed(0)
+    ref = _TwoHeadsNoBias()
+    model = copy.deepcopy(ref)
+    make = {"Lion": lambda m: torch_ext.optim.Lion(m.parameters(), lr=1e-3, weight_decay=0.1),
+            "Muon": lambda m: torch.optim.Muon(m.parameters(), lr=0.02, weight_decay=0.1)}[opt_name]
+    ref_opt, opt = make(ref), make(model)
+    batches = [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(3)]
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    step = torch_ext.make_train_step(model, opt, loss_fn, batches[0])
+    state = step.init_state()
+    for x, y in batches:
+        ref_opt.zero_grad()
+        loss_fn(ref, x, y).backward()
+        ref_opt.step()
+        loss, state = step(state, x, y)
+    step.write_back(state)
+    assert [p is model.h2.weight for p in opt.state] == [p is ref.h2.weight for p in ref_opt.state] == [False] * 2
+    got, want = opt.state_dict(), ref_opt.state_dict()
+    assert sorted(got["state"]) == sorted(want["state"]) == [0, 1]
+    for k, st in want["state"].items():
+        assert sorted(got["state"][k]) == sorted(st) and all(torch.equal(got["state"][k][s], v) for s, v in st.items())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
