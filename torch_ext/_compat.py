@@ -1966,8 +1966,31 @@ def refuse_value_as_python(e: BaseException, who: str = "the model", module: tor
         where = f"{_user_frame(e) or '(unknown)'}: {e}"
     else:
         return
+    indexing = _indexing_call(e)
+    if indexing is not None:  # no control flow the user wrote: `buf[0, n % 8] = 1.0` with n a 0-dim tensor
+        write = indexing == "__setitem__"
+        raise NotImplementedError(
+            f"{who} uses a tensor's value as an index ({'writes' if write else 'reads'} tensor[..., i]"
+            f"{' = v' if write else ''} with i a 0-dim tensor: Python's indexing reads i as an int, and one traced "
+            "program cannot follow a position that changes per call). Index with a 1-element tensor instead "
+            f"(tensor[..., i.view(1)]{' = v' if write else ''}), which the program computes"
+            + (f"; at {where}" if where else "")) from e
     raise NotImplementedError(f"{who} {VALUE_AS_PYTHON}" + (f"; at {where}" if where else "")
                               + _eager_experts_hint(module)) from e
+
+
+def _indexing_call(e: BaseException) -> str | None:
+    """"__setitem__" or "__getitem__" when ``e`` was raised inside a tensor's indexing (torch's
+    ``__torch_function__`` handlers, which hold the call as ``func``), else None."""
+    tb = e.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "__torch_function__":
+            name = getattr(frame.f_locals.get("func"), "__name__", None)
+            if name in ("__setitem__", "__getitem__"):
+                return name
+        tb = tb.tb_next
+    return None
 
 
 def _refuse_unflattenable_output(module: torch.nn.Module, error: RuntimeError) -> None:

@@ -3022,3 +3022,53 @@ def test_write_back_leaves_no_state_for_a_parameter_without_gradient_in_an_optim
     for k, st in want["state"].items():
         assert sorted(got["state"][k]) == sorted(st) and all(torch.equal(got["state"][k][s], v) for s, v in st.items())
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+class _TensorIndex(nn.Module):
+    """A ring buffer indexed by a 0-dim step counter: Python's indexing reads the counter as an int."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.lin = nn.Linear(6, 3)
+        self.register_buffer("big", torch.zeros(2, 3))
+        self.register_buffer("n", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        i = self.n % 3 if self.how.endswith("0-dim") else (self.n % 3).view(1)
+        if self.how.startswith("write"):
+            self.big[0, i] = 1.0
+        else:
+            x = x * self.big[1, i].sum()
+        self.n.add_(1)
+        return self.lin(x) + self.big[0]
+
+
+@pytest.mark.parametrize("how", ["write 0-dim", "read 0-dim", "write 1-element", "read 1-element"])
+def test_a_tensor_value_as_an_index_is_refused_as_such_and_a_one_element_index_trains_as_eager(how):
+    # `self.big[0, self.n % 3] = 1.0` was refused as "reads a tensor's value to decide Python control flow (`if
+    # t.sum() > 0`, ...)": the user wrote no control flow. The same index as a 1-element tensor traces (index_put).
+    torch.manual_seed(0)
+    ref = _TensorIndex(how)
+    model = copy.deepcopy(ref)
+    ref_opt, opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model))
+    batches = [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(3)]
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    if how.endswith("0-dim"):
+        before = copy.deepcopy(model.state_dict())
+        with pytest.raises(NotImplementedError, match=r"uses a tensor's value as an index \(" + how.split()[0]
+                           + r"s? .*tensor\[\.\.\., i\].*i\.view\(1\).*; at File .*test_train_step_habits\.py\", line"):
+            torch_ext.make_train_step(model, opt, loss_fn, batches[0])
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()) and not opt.state
+        return
+    step = torch_ext.make_train_step(model, opt, loss_fn, batches[0])
+    state = step.init_state()
+    for x, y in batches:
+        ref_opt.zero_grad()
+        want = loss_fn(ref, x, y)
+        want.backward()
+        ref_opt.step()
+        loss, state = step(state, x, y)
+        assert torch.equal(loss, want.detach())
+    step.write_back(state)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
