@@ -1337,8 +1337,9 @@ def data_assignment_refused():
         raise ValueError(
             f"the model or loss_fn assigns a tensor's .data{at} (shape {list(self.shape)}): it swaps the storage "
             "behind autograd's back, which the trace cannot see, so the program would skip it (or torch's export "
-            "fails). Write a buffer in place under torch.no_grad() (self.ema.mul_(0.9).add_(x)), or assign the "
-            "module attribute (self.ema = new); update a parameter (a momentum encoder) on the state between calls")
+            "fails). In a training step, write a buffer in place under torch.no_grad() (self.ema.mul_(0.9).add_(x)), "
+            "or assign the module attribute (self.ema = new), and update a parameter (a momentum encoder) on the "
+            "state between calls; a ReactiveGraph writes no model state: move the update out of forward")
 
     def read(self):  # recorded: an in-place write into the result is one into ``self``, which the trace lost
         result = base.__get__(self)
@@ -1847,6 +1848,26 @@ def distinct_inputs(tree):
     return torch.utils._pytree.tree_unflatten(leaves, spec)
 
 
+def legacy_reparametrization(model: torch.nn.Module, into: str, runs: str) -> str | None:
+    """The refusal for a module under torch.nn.utils.weight_norm / spectral_norm (the hook API): the hook
+    sets ``module.weight`` as a plain attribute at every forward, which the trace refused as a stored tensor
+    of the trace, pointing at activations. torch.nn.utils.parametrizations' versions trace: ``into`` names what
+    would hold the traced one ("the program"), ``runs`` how the replacement matches eager ("trains")."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    for name, mod in model.named_modules():
+        for hook in mod._forward_pre_hooks.values():
+            if isinstance(hook, (WeightNorm, SpectralNorm)):
+                api = "weight_norm" if isinstance(hook, WeightNorm) else "spectral_norm"
+                return (f"module '{name or type(model).__name__}' ({type(mod).__name__}) uses torch.nn.utils.{api}, "
+                        f"whose forward pre-hook sets {hook.name!r} as a plain attribute at every forward: {into} "
+                        f"would hold the traced one. Use torch.nn.utils.parametrizations.{api}(module) instead, "
+                        f"which computes it in the forward and {runs} bit-exact with eager (its state_dict names "
+                        f"are parametrizations.{hook.name}.original...)")
+    return None
+
+
 FRONT_ENDS = ("auto", "make_fx", "export")
 
 
@@ -1871,6 +1892,9 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
 
     refuse_cumulative_batch_norm(module, "a graph", "(a ReactiveGraph never writes running statistics, so its "
                                  "outputs do not depend on it), or call model.eval()")
+    legacy = legacy_reparametrization(module, "the graph", "runs")
+    if legacy is not None:
+        raise TypeError(f"ReactiveGraph: {legacy}")
     from . import _module_state
 
     own = _module_state.OwnGenerators(module)

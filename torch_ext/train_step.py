@@ -711,25 +711,6 @@ def _overlapping_parameters(model: torch.nn.Module) -> tuple[str, str] | None:
     return None
 
 
-def _legacy_reparametrization(model: torch.nn.Module) -> str | None:
-    """The refusal for a module under torch.nn.utils.weight_norm / spectral_norm (the hook API): the hook
-    sets ``module.weight`` as a plain attribute at every forward, which the trace refused as a stored tensor
-    of the trace, pointing at activations. torch.nn.utils.parametrizations' versions train bit-exact."""
-    from torch.nn.utils.spectral_norm import SpectralNorm
-    from torch.nn.utils.weight_norm import WeightNorm
-
-    for name, mod in model.named_modules():
-        for hook in mod._forward_pre_hooks.values():
-            if isinstance(hook, (WeightNorm, SpectralNorm)):
-                api = "weight_norm" if isinstance(hook, WeightNorm) else "spectral_norm"
-                return (f"module '{name or type(model).__name__}' ({type(mod).__name__}) uses torch.nn.utils.{api}, "
-                        f"whose forward pre-hook sets {hook.name!r} as a plain attribute at every forward: the program "
-                        f"would hold the traced one. Use torch.nn.utils.parametrizations.{api}(module) instead, "
-                        f"which computes it in the forward and trains bit-exact with eager (its state_dict names "
-                        f"are parametrizations.{hook.name}.original...)")
-    return None
-
-
 class TrainStep:
     """A pure training step. ``loss, new_state = step(state, *batch)`` never mutates ``state``."""
 
@@ -769,7 +750,7 @@ class TrainStep:
         self.last_nonfinite = False
 
         names = {id(p): n for n, p in model.named_parameters()}
-        legacy = _legacy_reparametrization(model)
+        legacy = _compat.legacy_reparametrization(model, "the program", "trains")
         if legacy is not None:
             raise TypeError(legacy)
         overlap = _overlapping_parameters(model)

@@ -3072,3 +3072,26 @@ def test_a_tensor_value_as_an_index_is_refused_as_such_and_a_one_element_index_t
         assert torch.equal(loss, want.detach())
     step.write_back(state)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+
+
+@pytest.mark.parametrize("case", ["buffer", "momentum_encoder", "weight_norm", "spectral_norm"])
+def test_a_reactive_graph_refuses_a_data_assignment_and_the_hook_norms_by_name(case):
+    # A ReactiveGraph gave no wrong values on these, but refused them in torch's words: "Node.meta
+    # _has_compatible_shallow_copy_type is missing val field" (a buffer's .data =), "IR verification failed"
+    # (a momentum encoder's), and "stored a tensor of the trace ... take activations from the graph" (the hooks).
+    torch.manual_seed(0)
+    x = torch.randn(8, 6)
+    if case in ("buffer", "momentum_encoder"):
+        model = _DataAssign(case)
+        error, match = ValueError, r"assigns a tensor's \.data at .*test_train_step_habits\.py:\d+"
+    else:
+        model = nn.Sequential(getattr(nn.utils, case)(nn.Linear(6, 8)), nn.Tanh(), nn.Linear(8, 3)).eval()
+        error, match = TypeError, rf"module '0' \(Linear\) uses torch\.nn\.utils\.{case}.*parametrizations\.{case}"
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(error, match=match):
+        torch_ext.ReactiveGraph(model, (x,), cache=False)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    if case in ("weight_norm", "spectral_norm"):  # the parametrization's graph answers as eager
+        fixed = nn.Sequential(getattr(nn.utils.parametrizations, case)(nn.Linear(6, 8)), nn.Tanh(), nn.Linear(8, 3))
+        rg = torch_ext.ReactiveGraph(fixed.eval(), (x,), cache=False)
+        assert torch.equal(rg.run(x), fixed(x))
