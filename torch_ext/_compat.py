@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import operator
 
 import sys
 import threading
+import weakref
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
@@ -1335,14 +1337,51 @@ def data_assignment_refused():
         raise ValueError(
             f"the model or loss_fn assigns a tensor's .data{at} (shape {list(self.shape)}): it swaps the storage "
             "behind autograd's back, which the trace cannot see, so the program would skip it (or torch's export "
-            "fails). Write a buffer in place under torch.no_grad() (self.ema.mul_(0.9).add_(x)), or assign the "
-            "module attribute (self.ema = new); update a parameter (a momentum encoder) on the state between calls")
+            "fails). In a training step, write a buffer in place under torch.no_grad() (self.ema.mul_(0.9).add_(x)), "
+            "or assign the module attribute (self.ema = new), and update a parameter (a momentum encoder) on the "
+            "state between calls; a ReactiveGraph writes no model state: move the update out of forward")
 
-    torch.Tensor.data = property(base.__get__, _gated(refuse, base.__set__), doc=base.__doc__)
+    def read(self):  # recorded: an in-place write into the result is one into ``self``, which the trace lost
+        result = base.__get__(self)
+        _DATA_READS[id(result)] = [weakref.ref(result), self, None]
+        return result
+
+    def forget():  # the traced tensors: named by now (inside the trace), or not the model's
+        for key, entry in list(_DATA_READS.items()):
+            if entry[0]() is None:
+                del _DATA_READS[key]
+            entry[1] = None
+
+    forget()
+    torch.Tensor.data = property(_gated(read, base.__get__), _gated(refuse, base.__set__), doc=base.__doc__)
     try:
         yield
     finally:
         del torch.Tensor.data  # TensorBase's getset again
+        forget()
+
+
+_DATA_READS: dict = {}  # id(t.data's result) -> [weak result, t, t's name], of the traces under data_assignment_refused
+
+
+def name_data_reads(module: torch.nn.Module, prefix: str = "") -> None:
+    """Names, by ``module``'s parameters and buffers, the tensors whose ``.data`` the code traced so far read: called
+    inside the trace, where export has put its own tensors in the module (the reads' tensors, not the user's)."""
+    pending = {id(e[1]): e for e in _DATA_READS.values() if e[1] is not None}
+    if not pending:
+        return
+    for name, t in itertools.chain(module.named_parameters(remove_duplicate=False),
+                                   module.named_buffers(remove_duplicate=False)):
+        entry = pending.get(id(t))
+        if entry is not None and entry[1] is t and entry[2] is None:
+            entry[2] = prefix + name
+
+
+def data_source(t) -> str | None:
+    """The name (given by name_data_reads) of the parameter or buffer whose ``.data`` the traced code read to get
+    ``t``: export lifts that detached alias as a constant of its own, unrelated to the tensor it shares memory with."""
+    entry = _DATA_READS.get(id(t))
+    return entry[2] if entry is not None and entry[0]() is t else None
 
 
 @contextlib.contextmanager
@@ -1809,6 +1848,26 @@ def distinct_inputs(tree):
     return torch.utils._pytree.tree_unflatten(leaves, spec)
 
 
+def legacy_reparametrization(model: torch.nn.Module, into: str, runs: str) -> str | None:
+    """The refusal for a module under torch.nn.utils.weight_norm / spectral_norm (the hook API): the hook
+    sets ``module.weight`` as a plain attribute at every forward, which the trace refused as a stored tensor
+    of the trace, pointing at activations. torch.nn.utils.parametrizations' versions trace: ``into`` names what
+    would hold the traced one ("the program"), ``runs`` how the replacement matches eager ("trains")."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    for name, mod in model.named_modules():
+        for hook in mod._forward_pre_hooks.values():
+            if isinstance(hook, (WeightNorm, SpectralNorm)):
+                api = "weight_norm" if isinstance(hook, WeightNorm) else "spectral_norm"
+                return (f"module '{name or type(model).__name__}' ({type(mod).__name__}) uses torch.nn.utils.{api}, "
+                        f"whose forward pre-hook sets {hook.name!r} as a plain attribute at every forward: {into} "
+                        f"would hold the traced one. Use torch.nn.utils.parametrizations.{api}(module) instead, "
+                        f"which computes it in the forward and {runs} bit-exact with eager (its state_dict names "
+                        f"are parametrizations.{hook.name}.original...)")
+    return None
+
+
 FRONT_ENDS = ("auto", "make_fx", "export")
 
 
@@ -1833,6 +1892,9 @@ def trace_for_inference(module: torch.nn.Module, args: tuple, kwargs: dict | Non
 
     refuse_cumulative_batch_norm(module, "a graph", "(a ReactiveGraph never writes running statistics, so its "
                                  "outputs do not depend on it), or call model.eval()")
+    legacy = legacy_reparametrization(module, "the graph", "runs")
+    if legacy is not None:
+        raise TypeError(f"ReactiveGraph: {legacy}")
     from . import _module_state
 
     own = _module_state.OwnGenerators(module)
@@ -1941,8 +2003,31 @@ def refuse_value_as_python(e: BaseException, who: str = "the model", module: tor
         where = f"{_user_frame(e) or '(unknown)'}: {e}"
     else:
         return
+    indexing = _indexing_call(e)
+    if indexing is not None:  # no control flow the user wrote: `buf[0, n % 8] = 1.0` with n a 0-dim tensor
+        write = indexing == "__setitem__"
+        raise NotImplementedError(
+            f"{who} uses a tensor's value as an index ({'writes' if write else 'reads'} tensor[..., i]"
+            f"{' = v' if write else ''} with i a 0-dim tensor: Python's indexing reads i as an int, and one traced "
+            "program cannot follow a position that changes per call). Index with a 1-element tensor instead "
+            f"(tensor[..., i.view(1)]{' = v' if write else ''}), which the program computes"
+            + (f"; at {where}" if where else "")) from e
     raise NotImplementedError(f"{who} {VALUE_AS_PYTHON}" + (f"; at {where}" if where else "")
                               + _eager_experts_hint(module)) from e
+
+
+def _indexing_call(e: BaseException) -> str | None:
+    """"__setitem__" or "__getitem__" when ``e`` was raised inside a tensor's indexing (torch's
+    ``__torch_function__`` handlers, which hold the call as ``func``), else None."""
+    tb = e.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "__torch_function__":
+            name = getattr(frame.f_locals.get("func"), "__name__", None)
+            if name in ("__setitem__", "__getitem__"):
+                return name
+        tb = tb.tb_next
+    return None
 
 
 def _refuse_unflattenable_output(module: torch.nn.Module, error: RuntimeError) -> None:

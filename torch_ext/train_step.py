@@ -11,6 +11,7 @@ import copy
 import itertools
 import json
 import operator
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -159,6 +160,7 @@ class _LossModule(torch.nn.Module):
         writes = _module_state.ForwardWrites(self.model, "the step's state")
         out = self._loss_fn(self.model, *batch)
         _compat.replay_checkpoint_writes()  # what eager's backward recomputation writes again
+        _compat.name_data_reads(self.model, _MODEL_PREFIX)  # t.data read: which t (export's own tensors now)
         writes.settle()  # buffers rebound, plain tensor attributes written (shared with inference tracing)
         if not isinstance(out, (tuple, list)):
             return out
@@ -616,6 +618,61 @@ def _written_constants(ep, snapshots) -> list[tuple[str, str]]:
     return found
 
 
+def _state_writes(ep, named: dict) -> list[tuple[str, str, bool, str, str]]:
+    """(name, op, through_data, kind, where) for each in-place write of the forward program into a parameter or
+    buffer of ``named`` (name -> tensor), directly or through views of it, at the top level or inside a region
+    export keeps as a higher-order op (a ``torch.no_grad()`` block: ``wrap_with_set_grad_enabled``), whose
+    operands are followed into its subgraph. A write through ``t.data`` (a detached alias export lifts as a
+    constant) is matched to the tensor it was read from (_compat.data_source). ``kind`` is "parameter" or
+    "buffer"; ``where`` the user's line from the node's stack trace, or ''."""
+    roots = {}
+    for s in ep.graph_signature.input_specs:
+        if s.kind.name in ("PARAMETER", "BUFFER") and s.target in named:
+            roots[s.arg.name] = (s.target, False, s.kind.name.lower())
+        elif s.kind.name == "CONSTANT_TENSOR":
+            name = _compat.data_source(ep.constants.get(s.target))
+            if name in named:
+                kind = "parameter" if isinstance(named[name], torch.nn.Parameter) else "buffer"
+                roots[s.arg.name] = (name, True, kind)
+    found = []
+
+    def walk(gm, env):  # env: placeholder name -> root of ``roots``
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if isinstance(node.target, torch._ops.HigherOrderOperator):
+                subs = [i for i, a in enumerate(node.args) if isinstance(a, torch.fx.Node) and a.op == "get_attr"
+                        and isinstance(getattr(gm, a.target, None), torch.fx.GraphModule)]
+                if len(subs) == 1:  # wrap_with_set_grad_enabled, wrap_with_autocast: (..., submod, *operands)
+                    sub = getattr(gm, node.args[subs[0]].target)
+                    inner = [n.name for n in sub.graph.nodes if n.op == "placeholder"]
+                    operands = node.args[subs[0] + 1:]
+                    walk(sub, {i: env[o.name] for i, o in zip(inner, operands)
+                               if isinstance(o, torch.fx.Node) and o.name in env})
+                continue
+            schema = getattr(node.target, "_schema", None)
+            if schema is None:
+                continue
+            values = list(node.args) + [node.kwargs.get(a.name) for a in schema.arguments[len(node.args):]]
+            for arg, v in zip(schema.arguments, values):
+                if arg.alias_info is None or not arg.alias_info.is_write:
+                    continue
+                while isinstance(v, torch.fx.Node) and v.op == "call_function" and v.args:  # a view of a view ...
+                    vs = getattr(v.target, "_schema", None)
+                    if vs is None or not vs.arguments or vs.arguments[0].alias_info is None:
+                        break
+                    v = v.args[0]
+                if isinstance(v, torch.fx.Node) and v.op == "placeholder" and v.name in env:
+                    name, through_data, kind = env[v.name]
+                    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+                    where = next((t.strip() for t in reversed(trace) if t.strip().startswith("File ")), "")
+                    m = re.match(r'File "(.*)", line (\d+)', where)
+                    found.append((name, str(node.target), through_data, kind, f"{m[1]}:{m[2]}" if m else ""))
+
+    walk(ep.graph_module, dict(roots))
+    return found
+
+
 def _overlapping_parameters(model: torch.nn.Module) -> tuple[str, str] | None:
     """Two distinct parameters, or a parameter and a buffer, whose memory overlaps (``nn.Parameter(w[0])``
     shares ``w``'s storage): eager's update of one changes the other, the step's state holds each apart.
@@ -651,25 +708,6 @@ def _overlapping_parameters(model: torch.nn.Module) -> tuple[str, str] | None:
                     if not torch.isin(ia.reshape(-1), ib.reshape(-1)).any():
                         continue
                 return na, nb
-    return None
-
-
-def _legacy_reparametrization(model: torch.nn.Module) -> str | None:
-    """The refusal for a module under torch.nn.utils.weight_norm / spectral_norm (the hook API): the hook
-    sets ``module.weight`` as a plain attribute at every forward, which the trace refused as a stored tensor
-    of the trace, pointing at activations. torch.nn.utils.parametrizations' versions train bit-exact."""
-    from torch.nn.utils.spectral_norm import SpectralNorm
-    from torch.nn.utils.weight_norm import WeightNorm
-
-    for name, mod in model.named_modules():
-        for hook in mod._forward_pre_hooks.values():
-            if isinstance(hook, (WeightNorm, SpectralNorm)):
-                api = "weight_norm" if isinstance(hook, WeightNorm) else "spectral_norm"
-                return (f"module '{name or type(model).__name__}' ({type(mod).__name__}) uses torch.nn.utils.{api}, "
-                        f"whose forward pre-hook sets {hook.name!r} as a plain attribute at every forward: the program "
-                        f"would hold the traced one. Use torch.nn.utils.parametrizations.{api}(module) instead, "
-                        f"which computes it in the forward and trains bit-exact with eager (its state_dict names "
-                        f"are parametrizations.{hook.name}.original...)")
     return None
 
 
@@ -712,7 +750,7 @@ class TrainStep:
         self.last_nonfinite = False
 
         names = {id(p): n for n, p in model.named_parameters()}
-        legacy = _legacy_reparametrization(model)
+        legacy = _compat.legacy_reparametrization(model, "the program", "trains")
         if legacy is not None:
             raise TypeError(legacy)
         overlap = _overlapping_parameters(model)
@@ -909,6 +947,24 @@ class TrainStep:
                             + ", ".join(f"{_module_state.describe(p, k)} {a!r} -> {b!r}" for p, k, a, b in changed[:4])
                             + ". Eager training sees a new value every call, the pure step would not; keep such "
                             "state in a buffer (register_buffer) or outside the model")
+        named = dict(wrapper.named_parameters())
+        named.update(wrapper.named_buffers())
+        for name, op, through_data, kind, at in _state_writes(ep, named):
+            at = f" at {at}" if at else ""
+            if kind == "buffer" and through_data:
+                raise ValueError(
+                    f"the model or loss_fn writes in place into buffer {self._strip(name)!r} ({op}) through .data{at}: "
+                    "the trace sees .data as a detached tensor of its own, so the program would not write the buffer "
+                    "where eager does. Write the buffer itself under torch.no_grad() (self.ema.mul_(0.9).add_(x))")
+            if kind == "parameter":  # torch's joint export failed on it, or crashed the process (through .data)
+                what = (f"a tensor that requires grad (parameter {self._strip(name)!r}, {op})"
+                        if named[name].requires_grad else f"frozen parameter {self._strip(name)!r} ({op})")
+                raise ValueError(
+                    f"the model or loss_fn writes in place into {what}"
+                    f"{' through .data' if through_data else ''}{at} during forward, under no_grad too (an EMA teacher "
+                    "updated in forward, a momentum encoder); a pure step cannot express it: a parameter is an input "
+                    "of the program, never written by it. Write the update with torch.no_grad() outside the step (on "
+                    "the state between calls), or make the tensor a buffer")
         written = _written_constants(ep, (self._read_snapshot, self._module_snapshot))
         if written:  # torch's joint export failed on it with a bare AssertionError (exit 3 in the CLI)
             raise ValueError(
@@ -1000,6 +1056,7 @@ class TrainStep:
         # skips a .grad of None. One that holds a .grad tensor (zero_grad(set_to_none=False)) eager keeps
         # updating with that zero gradient at every step (weight decay, momentum, step count): ambiguous.
         with_grad = {t for _, t in spec["grads"]}
+        self._with_grad = with_grad  # the parameters the step updates: write_back creates torch state for no other
         stale = [self._strip(u["param"]) for u in self._updates if u["param"] not in with_grad
                  and self._param_of[self._strip(u["param"])].grad is not None]
         if stale:
@@ -1610,6 +1667,10 @@ class TrainStep:
         for u in self._updates:
             p = self._param_of[self._strip(u["param"])]
             opt, group = self._groups[u["group"]]
+            if u["param"] not in self._with_grad and not opt.state.get(p):
+                # Never updated by the step, as torch.optim skips a .grad of None: eager has no state for it. A kind
+                # whose slots count no steps (Lion's exp_avg, Muon's momentum_buffer) cannot tell so from its values.
+                continue
             slots = [slot for slot, _ in optim.descriptor(u["kind"])["slots"]]
             values = {slot: state.opt[optim.state_name(u["param"], slot)] for slot in slots}
             entries = optim.registration_for(opt).torch_state(u["kind"], values, group)
