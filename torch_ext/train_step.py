@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from . import _C, _compat, _env_reads, _module_state, _trace_patches, optim
+from . import _C, _compat, _env_reads, _model_checks, _module_state, _trace_patches, optim
 from .ir import Graph
 
 _MODEL_PREFIX = "model."
@@ -176,57 +176,9 @@ class _LossModule(torch.nn.Module):
         return loss, pytree.tree_map(torch.Tensor.detach, aux)
 
 
-def _check_subclass(opt: torch.optim.Optimizer) -> None:
-    """Refuses optimizers whose update is not torch.optim's: the pure step replays the base class's math.
-
-    A subclass is accepted when its ``step`` is the supported base class's (it may add attributes,
-    defaults or helper methods); one that overrides ``step`` would silently run the base update,
-    so it is refused. Step hooks run Python code the program cannot contain, so they are refused too.
-    """
-    import inspect
-
-    cls = type(opt)
-    base = optim.registration_for(opt).optimizer
-    # torch.optim wraps a class's step in a profiling hook on first construction; compare the
-    # functions underneath the wrappers.
-    if inspect.unwrap(cls.step) is not inspect.unwrap(base.step):
-        owner = next((k for k in cls.__mro__ if "step" in vars(k) and inspect.unwrap(vars(k)["step"])
-                      is not inspect.unwrap(base.step)), cls)
-        raise TypeError(f"optimizer {cls.__qualname__} overrides step() (in {owner.__qualname__}); the pure step only "
-                        f"replays torch.optim.{base.__name__}'s update and would silently ignore the override. "
-                        f"Use {base.__name__} itself or a subclass that keeps its step()")
-    hooks = _compat.optimizer_step_hooks(opt)
-    if hooks:
-        raise TypeError(f"optimizer {cls.__qualname__} has step hooks ({', '.join(hooks)}); the pure step cannot "
-                        "run them. Remove the hooks or train eagerly")
-
-
-def _check_options(opt: torch.optim.Optimizer, group: dict, gi: int) -> None:
-    name = type(opt).__name__
-    bad = []
-    # torch.optim's foreach (multi-tensor) path computes the same numbers as the single-tensor path
-    # the update ops replay, for these optimizers (bit for bit over 100 steps on CPU, see
-    # tests/python/test_train_step_optimizers.py); fused kernels do not.
-    if group.get("foreach") and not optim.registration_for(opt).foreach_exact:
-        bad.append("foreach=True")
-    if group.get("fused"):
-        bad.append("fused=True")
-    for key in ("capturable", "differentiable"):
-        if group.get(key):
-            bad.append(f"{key}=True")
-    if bad:
-        raise ValueError(f"{name} param group {gi}: option(s) {', '.join(bad)} are not supported by the pure step "
-                         "(it follows torch.optim's single-tensor path); leave them at their defaults")
-    for key in ("lr", "weight_decay", "momentum", "eps"):
-        if isinstance(group.get(key), torch.Tensor) and group[key].requires_grad:
-            raise ValueError(f"{name} param group {gi}: a differentiable tensor '{key}' is not supported")
-
-
 def _update_for(opt, group: dict, param: torch.Tensor, gi: int) -> dict:
-    _check_options(opt, group, gi)
+    _model_checks.check_options(opt, group, gi)
     return optim.registration_for(opt).read(opt, group, param, gi)
-
-
 
 
 class _LrSchedule:
@@ -673,44 +625,6 @@ def _state_writes(ep, named: dict) -> list[tuple[str, str, bool, str, str]]:
     return found
 
 
-def _overlapping_parameters(model: torch.nn.Module) -> tuple[str, str] | None:
-    """Two distinct parameters, or a parameter and a buffer, whose memory overlaps (``nn.Parameter(w[0])``
-    shares ``w``'s storage): eager's update of one changes the other, the step's state holds each apart.
-    Tied parameters (one object) are one entry and not reported. Disjoint views of one storage pass."""
-    def span(t):
-        if t.numel() == 0:
-            return None
-        lo = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st < 0)
-        hi = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
-        size = t.element_size()
-        return lo * size, (hi + 1) * size
-
-    by_storage: dict[tuple, list] = {}
-    for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
-        for n, t in items:
-            if t.layout != torch.strided or t.device.type == "meta" or span(t) is None:
-                continue
-            by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((f"{kind} '{n}'", t))
-    for group in by_storage.values():
-        for i, (na, a) in enumerate(group):
-            for nb, b in group[i + 1:]:
-                if a is b or not (na.startswith("parameter") or nb.startswith("parameter")):
-                    continue  # shared buffers are one entry; buffers beside buffers are left alone
-                (alo, ahi), (blo, bhi) = span(a), span(b)
-                if ahi <= blo or bhi <= alo:
-                    continue
-                # exact: the element offsets each one covers (interleaved strided views do not overlap)
-                if a.element_size() == b.element_size():
-                    n = max(ahi, bhi) // a.element_size()
-                    base = torch.arange(n)
-                    ia = torch.as_strided(base, a.shape, a.stride(), a.storage_offset())
-                    ib = torch.as_strided(base, b.shape, b.stride(), b.storage_offset())
-                    if not torch.isin(ia.reshape(-1), ib.reshape(-1)).any():
-                        continue
-                return na, nb
-    return None
-
-
 class TrainStep:
     """A pure training step. ``loss, new_state = step(state, *batch)`` never mutates ``state``."""
 
@@ -730,14 +644,7 @@ class TrainStep:
         self.clip_grad_norm = clip_grad_norm
         self._id = next(_ids)
         self._example_batch = tuple(example_batch)
-        for path, leaf in pytree.tree_flatten_with_path(self._example_batch)[0]:
-            if not isinstance(leaf, torch.Tensor):  # torch's joint export failed on it: "'float' object has no
-                # attribute 'requires_grad'"; a number would be a constant of the program, its next value ignored
-                raise TypeError(
-                    f"batch{pytree.keystr(path)} is {type(leaf).__name__} {leaf!r}, not a tensor: the program takes "
-                    "tensors only and would hold a Python value as a constant, so a new value at a later call (an "
-                    "epoch, a loss weight, a flag) would be ignored. Pass it as a tensor (torch.tensor(value)), or "
-                    "keep it out of the batch (a loss_fn default, or a closure: a change to it is refused by name)")
+        _model_checks.refuse_non_tensor_batch(self._example_batch)
         self._batch_spec = pytree.tree_structure(self._example_batch)
         self.batch_shapes = batch_shapes
         self._variants: dict[tuple, TrainStep] = {}  # batch shapes -> step built for them (batch_shapes="cache")
@@ -750,38 +657,19 @@ class TrainStep:
         self.last_nonfinite = False
 
         names = {id(p): n for n, p in model.named_parameters()}
-        legacy = _compat.legacy_reparametrization(model, "the program", "trains")
-        if legacy is not None:
-            raise TypeError(legacy)
-        overlap = _overlapping_parameters(model)
-        if overlap is not None:
-            raise ValueError(f"{overlap[0]} and {overlap[1]} share memory (one is a view of the other, e.g. "
-                             "nn.Parameter(w[0])): eager's update of one changes the other, the pure step holds each "
-                             "as its own state entry and would train them apart. Tie them as one parameter object, "
-                             "or give one its own memory (.clone())")
+        _model_checks.check_model_parameters(model)
         self._param_of: dict[str, torch.Tensor] = {}
         self._updates: list[dict] = []
         self._groups: list[tuple[torch.optim.Optimizer, dict]] = []
         seen: dict[int, str] = {}
         for opt in optimizers:
-            optim.registration_for(opt)  # TypeError when unsupported
-            _check_subclass(opt)
+            _model_checks.check_optimizer(opt)
             for group in opt.param_groups:
                 gi = len(self._groups)
                 self._groups.append((opt, group))
                 for p in group["params"]:
-                    if id(p) not in names:
-                        raise ValueError(f"{type(opt).__name__} param group {gi} holds a parameter of shape "
-                                         f"{tuple(p.shape)} that is not a parameter of the model")
-                    if id(p) in seen:
-                        raise ValueError(f"parameter '{names[id(p)]}' appears in more than one param group/optimizer")
-                    seen[id(p)] = names[id(p)]
-                    name = names[id(p)]
-                    if p.is_complex():  # the executor failed at the first call: "parameter must be floating point"
-                        raise TypeError(f"parameter '{name}' is {p.dtype}: torch.optim updates a complex parameter as "
-                                        "torch.view_as_real(p), the step's update kernels take real parameters. Hold "
-                                        "it as a real parameter with a trailing dimension of 2 and read it with "
-                                        "torch.view_as_complex(p) in forward (the same update, element by element)")
+                    name = _model_checks.optimizer_parameter(opt, gi, p, names, seen)
+                    seen[id(p)] = name
                     self._param_of[name] = p
                     u = _update_for(opt, group, p, gi)
                     if shard_optimizer_state and not optim.descriptor(u["kind"])["elementwise"]:
@@ -791,15 +679,7 @@ class TrainStep:
                     u.update(param=_MODEL_PREFIX + name, group=gi)
                     self._updates.append(u)
 
-        if clip_grad_norm is not None:
-            # Eager clip_grad_norm_(model.parameters(), c) counts this parameter's gradient; the program
-            # clips over the optimizers' parameters only, so the two norms would differ.
-            outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
-            if outside:
-                raise ValueError(f"clip_grad_norm={clip_grad_norm}: parameter '{outside[0]}' requires grad but is in "
-                                 f"no optimizer ({len(outside)} such): eager clip_grad_norm_(model.parameters()) "
-                                 "would count its gradient in the norm, the step clips over the optimizers' "
-                                 "parameters; freeze it with requires_grad_(False) or give it to an optimizer")
+        _model_checks.check_clip_covers(model, clip_grad_norm, seen)
         if schedulers and self.unroll > 1:
             raise ValueError(f"scheduler= needs unroll=1 (the unrolled program uses one lr for its {self.unroll} steps)")
         # `fed` is given for a batch-shape variant: the same inputs as the step it serves.
@@ -822,27 +702,7 @@ class TrainStep:
             wrapper.named_parameters(remove_duplicate=False), wrapper.named_buffers(remove_duplicate=False))}
         self.aliases = {n[len(_MODEL_PREFIX):]: c[len(_MODEL_PREFIX):] for n, c in canonical.items() if n != c}
 
-        _compat.refuse_cumulative_batch_norm(model, "the pure step")
-        for name, mod in model.named_modules():
-            if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and mod.weight.requires_grad:
-                # max_norm renormalises the looked-up rows of the weight in place in forward, and a sparse
-                # gradient is not the dense one every update op takes: name the module, not torch's internals.
-                if mod.max_norm is not None:
-                    raise ValueError(f"{name or 'model'}: {type(mod).__name__}(max_norm={mod.max_norm}) writes into its "
-                                     "weight in place during forward (embedding_renorm_), which a pure step cannot "
-                                     "express: a parameter is an input of the program, never written by it. Drop "
-                                     "max_norm, or renormalise explicitly between steps")
-                if mod.sparse:
-                    raise ValueError(f"{name or 'model'}: {type(mod).__name__}(sparse=True) gives a sparse gradient; the "
-                                     "pure step's update ops take dense gradients. Build it with sparse=False (the "
-                                     "dense gradient holds the same values)")
-
-        hooks = _compat.gradient_hooks(model)
-        if hooks:
-            raise TypeError(f"the model has gradient hooks the pure step cannot run: {'; '.join(hooks[:4])}"
-                            f"{f' and {len(hooks) - 4} more' if len(hooks) > 4 else ''}. The step computes the "
-                            "gradients inside its program, so eager training and the step would differ; remove the "
-                            "hooks (clip with clip_grad_norm=) or train eagerly")
+        _model_checks.check_modules(model)
 
         env_reads: dict = {}  # environment variables the forward read while traced: the program bakes them in
 
@@ -1052,20 +912,10 @@ class TrainStep:
                     "(x = x * 2 instead of x.mul_(2)), or clone the input first")
             else:
                 raise NotImplementedError(f"joint program output kind {kind} is not supported")
-        # A parameter the loss gives no gradient (unused, frozen, read under no_grad) is skipped, as torch.optim
-        # skips a .grad of None. One that holds a .grad tensor (zero_grad(set_to_none=False)) eager keeps
-        # updating with that zero gradient at every step (weight decay, momentum, step count): ambiguous.
         with_grad = {t for _, t in spec["grads"]}
         self._with_grad = with_grad  # the parameters the step updates: write_back creates torch state for no other
-        stale = [self._strip(u["param"]) for u in self._updates if u["param"] not in with_grad
-                 and self._param_of[self._strip(u["param"])].grad is not None]
-        if stale:
-            raise ValueError(
-                f"parameter{'s' if len(stale) > 1 else ''} {', '.join(repr(n) for n in stale[:4])}"
-                f"{f' (and {len(stale) - 4} more)' if len(stale) > 4 else ''} get no gradient from loss_fn but hold a "
-                ".grad tensor (left by zero_grad(set_to_none=False)): eager's opt.step() would update them with that "
-                "gradient at every call (weight decay, momentum, step count), the pure step skips them as for a .grad "
-                "of None. Set their .grad to None first (opt.zero_grad(), set_to_none=True by default)")
+        _model_checks.refuse_stale_grads([(self._strip(u["param"]), self._param_of[self._strip(u["param"])])
+                                          for u in self._updates if u["param"] not in with_grad])
         if self._aux_spec is not None and (self.unroll > 1 or self.accumulate > 1):
             raise ValueError(f"loss_fn returns (loss, aux), which needs unroll=1 and accumulate=1 (got unroll="
                              f"{self.unroll}, accumulate={self.accumulate})")
