@@ -674,8 +674,9 @@ class TrainStep:
                     u = _update_for(opt, group, p, gi)
                     if shard_optimizer_state and not optim.descriptor(u["kind"])["elementwise"]:
                         title = optim.descriptor(u["kind"])["title"]
-                        raise ValueError(f"shard_optimizer_state: parameter '{name}' uses {title}, whose update needs "
-                                         "the whole matrix; ZeRO-1 supports the element-wise optimizers only")
+                        raise ValueError(f"shard_optimizer_state: parameter '{name}' uses {title}, whose update reads "
+                                         "the whole tensor (a matrix's Newton-Schulz step, a factored second moment's "
+                                         "row and column means); ZeRO-1 supports the element-wise optimizers only")
                     u.update(param=_MODEL_PREFIX + name, group=gi)
                     self._updates.append(u)
 
@@ -1730,9 +1731,9 @@ def make_train_step(model: torch.nn.Module, optimizer, loss_fn: Callable, exampl
     """Builds the pure step ``(loss, new_state) = step(state, *batch)`` for ``model`` and ``optimizer``.
 
     ``loss_fn(model, *batch)`` returns a scalar. ``optimizer`` is a torch.optim optimizer (SGD,
-    Adam, AdamW, Muon, RMSprop, Adagrad, Adamax, NAdam, RAdam, Adadelta, Rprop, torch_ext.optim.Lion: every class
-    registered in torch_ext.optim; foreach=True accepted except for Muon, whose update has no foreach path, and NAdam
-    and RAdam, whose foreach path rounds differently) or a
+    Adam, AdamW, Muon, RMSprop, Adagrad, Adamax, NAdam, RAdam, Adadelta, Rprop, Adafactor, torch_ext.optim.Lion:
+    every class registered in torch_ext.optim; foreach=True accepted except for Muon, whose update has no foreach path,
+    and NAdam, RAdam and Adafactor, whose foreach path rounds differently) or a
     list of them over disjoint parameters; it is read as it stands, param
     groups and existing state included. ``clip_grad_norm`` clips the global 2-norm as
     ``torch.nn.utils.clip_grad_norm_``; ``unroll=N`` makes one graph of N steps over N batches.

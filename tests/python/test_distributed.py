@@ -402,7 +402,7 @@ def test_one_rank_equals_the_plain_step_and_bad_groups_are_refused(world_of_one)
                                   (torch.randn(2, 4),), process_group=world_of_one, shard_optimizer_state=True)
     # Adafactor's update reads whole tensors too (norms, row and column means of its factored second moment)
     opt = torch.optim.Adafactor(muon_model.parameters())
-    with pytest.raises(ValueError, match="parameter 'weight' uses Adafactor, whose update needs the whole"):
+    with pytest.raises(ValueError, match="parameter 'weight' uses Adafactor, whose update reads the whole"):
         torch_ext.make_train_step(muon_model, opt, lambda m, x: m(x).sum(), (torch.randn(2, 4),),
                                   process_group=world_of_one, shard_optimizer_state=True)
     assert not opt.state
