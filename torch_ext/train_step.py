@@ -536,6 +536,25 @@ def batch_leaves(batch, spec, paths) -> list:
     return [leaf for _, leaf in with_paths]
 
 
+def _written_placeholders(node: torch.fx.Node):
+    """The placeholders an op node writes in place (its schema's written arguments), directly or through views
+    of them (a view of a view ...)."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None:
+        return
+    values = list(node.args) + [node.kwargs.get(a.name) for a in schema.arguments[len(node.args):]]
+    for arg, v in zip(schema.arguments, values):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        while isinstance(v, torch.fx.Node) and v.op == "call_function" and v.args:
+            vs = getattr(v.target, "_schema", None)
+            if vs is None or not vs.arguments or vs.arguments[0].alias_info is None:
+                break
+            v = v.args[0]
+        if isinstance(v, torch.fx.Node) and v.op == "placeholder":
+            yield v
+
+
 def _written_constants(ep, snapshots) -> list[tuple[str, str]]:
     """(what, op) for each in-place write of the forward program into a lifted constant tensor (a tensor
     the code reads from a module-level name, a closure or a plain module attribute), directly or through
@@ -545,19 +564,8 @@ def _written_constants(ep, snapshots) -> list[tuple[str, str]]:
         return []
     found = []
     for node in ep.graph.nodes:
-        schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None:
-            continue
-        values = list(node.args) + [node.kwargs.get(a.name) for a in schema.arguments[len(node.args):]]
-        for arg, v in zip(schema.arguments, values):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            while isinstance(v, torch.fx.Node) and v.op == "call_function" and v.args:  # a view of a view ...
-                vs = getattr(v.target, "_schema", None)
-                if vs is None or not vs.arguments or vs.arguments[0].alias_info is None:
-                    break
-                v = v.args[0]
-            if isinstance(v, torch.fx.Node) and v.op == "placeholder" and v.name in consts:
+        for v in _written_placeholders(node):
+            if v.name in consts:
                 const = ep.constants.get(consts[v.name])
                 what = None
                 for snap in snapshots:
@@ -602,19 +610,8 @@ def _state_writes(ep, named: dict) -> list[tuple[str, str, bool, str, str]]:
                     walk(sub, {i: env[o.name] for i, o in zip(inner, operands)
                                if isinstance(o, torch.fx.Node) and o.name in env})
                 continue
-            schema = getattr(node.target, "_schema", None)
-            if schema is None:
-                continue
-            values = list(node.args) + [node.kwargs.get(a.name) for a in schema.arguments[len(node.args):]]
-            for arg, v in zip(schema.arguments, values):
-                if arg.alias_info is None or not arg.alias_info.is_write:
-                    continue
-                while isinstance(v, torch.fx.Node) and v.op == "call_function" and v.args:  # a view of a view ...
-                    vs = getattr(v.target, "_schema", None)
-                    if vs is None or not vs.arguments or vs.arguments[0].alias_info is None:
-                        break
-                    v = v.args[0]
-                if isinstance(v, torch.fx.Node) and v.op == "placeholder" and v.name in env:
+            for v in _written_placeholders(node):
+                if v.name in env:
                     name, through_data, kind = env[v.name]
                     trace = (node.meta.get("stack_trace") or "").strip().splitlines()
                     where = next((t.strip() for t in reversed(trace) if t.strip().startswith("File ")), "")

@@ -2898,20 +2898,24 @@ def test_the_hook_weight_and_spectral_norm_are_refused_naming_the_parametrizatio
         assert torch.equal(state.buffers["model." + n], b), n
 
 
-class _DataAssign(nn.Module):
-    """An EMA buffer written with .data = (an old habit), or a MoCo key encoder's momentum update so written."""
+class _QueryKey(nn.Module):
+    """A query encoder, a frozen key encoder, a head and an EMA buffer: what `how` writes in forward."""
 
-    def __init__(self, what):
+    def __init__(self, how):
         super().__init__()
-        self.what = what
+        self.how = how
         self.q = nn.Linear(6, 8)
         self.k = nn.Linear(6, 8).requires_grad_(False)
         self.o = nn.Linear(8, 3)
         self.register_buffer("ema", torch.zeros(8))
 
+
+class _DataAssign(_QueryKey):
+    """An EMA buffer written with .data = (an old habit), or a MoCo key encoder's momentum update so written."""
+
     def forward(self, x):
         h = torch.tanh(self.q(x))
-        if self.what == "buffer":
+        if self.how == "buffer":
             self.ema.data = self.ema * 0.9 + h.detach().mean(0)
             h = h - self.ema
         else:
@@ -2940,16 +2944,8 @@ def test_a_data_assignment_in_forward_is_refused_naming_the_line(what):
     assert "data" not in vars(torch.Tensor) and torch.equal(model.ema, torch.ones(8))
 
 
-class _MomentumInForward(nn.Module):
+class _MomentumInForward(_QueryKey):
     """MoCo's key encoder updated in place inside forward, under torch.no_grad(): through .data or directly."""
-
-    def __init__(self, how):
-        super().__init__()
-        self.how = how
-        self.q = nn.Linear(6, 8)
-        self.k = nn.Linear(6, 8).requires_grad_(False)
-        self.o = nn.Linear(8, 3)
-        self.register_buffer("ema", torch.zeros(8))
 
     def forward(self, x):
         if self.how == "buffer .data":  # refused before as a write into "neither a parameter, a buffer nor ..."
