@@ -30,7 +30,8 @@ Results are checked against the reference (eager hooks / TransformerLens) every 
 Floors, measured beside the sweep: a cold build with the cache off imports torch._dynamo (torch 2.9's make_fx
 does, in ``_MakefxTracer._trace_inner``, as torch.export does), timed in a fresh process; a rebuilt sweep
 cannot take less than torch's tracer plus the cache-hit sweep, so ``eager / (tracer + cache-hit arm)`` is
-the best ratio any build around that tracer could reach (the "ceiling" printed on the in-process line).
+about the best ratio any build around that tracer could reach (the "ceiling" printed on the in-process
+line: an estimate from arms timed apart, so a noisy run can land above it).
 
 ``--clock thread`` times with this thread's CPU time (``time.thread_time``) instead of the wall clock: on a
 shared, loaded machine. build_stats' phases stay wall-clock seconds.
