@@ -1,11 +1,13 @@
 #!/usr/bin/env python
 """The build cost of a ReactiveGraph, end to end (issue 10 item 5, issue 12's end-to-end targets). CPU, one thread.
 
-    python scripts/bench_build.py [--repeats 3] [--cold-repeats 2] [--parts split sweep patching]
+    python scripts/bench_build.py [--repeats 3] [--cold-repeats 2] [--parts split sweep patching] [--clock thread]
 
 1. split: where ``ReactiveGraph(model, inputs)`` spends its time, per front end (torch.export against
    make_fx), cache off: trace, import (functionalize, hook names, IR), bind (kernels), first run. A
-   4-layer d_model 128 TinyTransformer and the issue-12 TransformerBridge, seq 20, batch 1 and 8.
+   4-layer d_model 128 TinyTransformer and the issue-12 TransformerBridge, seq 20, batch 1 and 8. Each
+   row also gives the floor of the build: the time inside torch's own tracer (make_fx's
+   ``_MakefxTracer.trace``, or ``torch.export.export``), which torch_ext does not control.
 2. sweep (issue 10): one 80-site residual sweep (4 layers x 20 positions) of the TinyTransformer, building
    included, against the eager forward-hook sweep. Target >= 2x.
 3. patching (issue 12): torch_ext.patching against transformer_lens.patching on the TransformerBridge,
@@ -24,12 +26,22 @@ Each end-to-end comparison is reported these ways, and says which include a cach
 In-process arms each start from a collected heap (``gc.collect()``, untimed; see ``_GcClock``) and report the
 cyclic-GC time inside them: a full collection left pending by a tracing arm is not charged to the next arm.
 Results are checked against the reference (eager hooks / TransformerLens) every time.
+
+Floors, measured beside the sweep: a cold build with the cache off imports torch._dynamo (torch 2.9's make_fx
+does, in ``_MakefxTracer._trace_inner``, as torch.export does), timed in a fresh process; a rebuilt sweep
+cannot take less than torch's tracer plus the cache-hit sweep, so ``eager / (tracer + cache-hit arm)`` is
+about the best ratio any build around that tracer could reach (the "ceiling" printed on the in-process
+line: an estimate from arms timed apart, so a noisy run can land above it).
+
+``--clock thread`` times with this thread's CPU time (``time.thread_time``) instead of the wall clock: on a
+shared, loaded machine. build_stats' phases stay wall-clock seconds.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import gc
+import importlib
 import json
 import os
 import statistics
@@ -43,6 +55,42 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench_util import FAILURES, check, eager_hook_sweep, header, resid_pre_cache, summary, target  # noqa: E402
 
 L, D, H, T, V = 4, 128, 4, 20, 500
+CLOCK = time.perf_counter  # --clock thread: time.thread_time
+
+
+class _TracerClock:
+    """Seconds inside torch's own tracer while the block runs: make_fx's ``_MakefxTracer.trace`` and
+    ``torch.export.export`` (outermost calls only: export traces with make_fx), timed with ``CLOCK``."""
+
+    def __init__(self):
+        self.s, self._depth, self._saved = 0.0, 0, []
+
+    def _timed(self, fn):
+        def call(*args, **kw):
+            self._depth += 1
+            t0 = CLOCK()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    self.s += CLOCK() - t0
+        return call
+
+    def __enter__(self):
+        from torch.fx.experimental import proxy_tensor
+
+        self.s = 0.0
+        for owner, name in ((proxy_tensor._MakefxTracer, "trace"), (torch.export, "export")):
+            fn = vars(owner)[name]
+            self._saved.append((owner, name, fn))
+            setattr(owner, name, self._timed(fn))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, fn in reversed(self._saved):
+            setattr(owner, name, fn)
+        self._saved.clear()
 
 
 # ---------------------------------------------------------------------------- models
@@ -102,19 +150,28 @@ def reactive_sweep(model, clean, corrupt_cache, skip_identical: bool = True, **k
 def child(spec: dict) -> dict:
     """Runs in a fresh process: sets up, then times the first call of one side."""
     torch.set_num_threads(1)
+    global CLOCK
+    CLOCK = time.thread_time if spec.get("clock") == "thread" else time.perf_counter
+    if spec["part"] == "dynamo_import":  # the floor of a cold trace: torch's tracers import torch._dynamo
+        import torch_ext  # noqa: F401  (imports excluded, as in the other children)
+
+        assert "torch._dynamo" not in sys.modules, "torch._dynamo imported before the build"
+        t0 = CLOCK()
+        importlib.import_module("torch._dynamo")
+        return {"wall": CLOCK() - t0}
     batch = spec["batch"]
     clean, corrupted = prompts(batch)
     if spec["part"] == "sweep":
         model = tiny()
         cache = resid_pre_cache(model, corrupted)
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         if spec["side"] == "eager":
             res = eager_sweep(model, clean, cache)
             stats = {}
         else:
             res, rg = reactive_sweep(model, clean, cache, skip_identical=spec["side"] == "ours_skip")
             stats = {k: v for k, v in rg.build_stats.items() if k != "fallback_reason"}
-        wall = time.perf_counter() - t0
+        wall = CLOCK() - t0
         return {"wall": wall, "result": [res[k] for k in sorted(res)], "stats": stats}
     import transformer_lens.patching as tl_patching
 
@@ -123,9 +180,9 @@ def child(spec: dict) -> dict:
     model = bridge()
     _, cache = model.run_with_cache(clean)
     fn = getattr(tl_patching if spec["side"] == "tl" else patching, spec["fn"])
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     out = fn(model, corrupted, cache, metric)
-    wall = time.perf_counter() - t0
+    wall = CLOCK() - t0
     stats = {}
     if spec["side"] != "tl":
         from torch_ext.patching import _GRAPHS
@@ -158,9 +215,9 @@ class _GcClock:
 
     def _cb(self, phase, info):
         if phase == "start":
-            self._t = time.perf_counter()
+            self._t = CLOCK()
         elif self._t is not None:
-            self.gc_s += time.perf_counter() - self._t
+            self.gc_s += CLOCK() - self._t
             self.full += info["generation"] == 2
             self._t = None
 
@@ -170,9 +227,9 @@ class _GcClock:
         self.gc_s, self.full, self._t = 0.0, 0, None
         gc.callbacks.append(self._cb)
         try:
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             out = fn(*args, **kw)
-            wall = time.perf_counter() - t0
+            wall = CLOCK() - t0
         finally:
             gc.callbacks.remove(self._cb)
         return out, wall, self.gc_s, self.full
@@ -190,6 +247,7 @@ def cold(spec: dict) -> dict:
         env["TORCH_EXT_CACHE"] = "0"
     elif spec["side"] in ("ours_disk", "ours_skip"):
         env["TORCH_EXT_CACHE"] = "1"
+    spec = {**spec, "clock": "thread" if CLOCK is time.thread_time else "wall"}
     p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)], capture_output=True,
                        text=True, env=env, check=False)
     if p.returncode != 0:
@@ -230,15 +288,19 @@ def part_split(repeats: int) -> None:
             runs = {"export": [], "make_fx": []}
             for _ in range(repeats + 1):  # the first round warms the tracers
                 for fe in runs:
-                    t0 = time.perf_counter()
-                    rg = torch_ext.ReactiveGraph(model, (clean,), front_end=fe, cache=False)
-                    runs[fe].append((time.perf_counter() - t0, rg.build_stats))
+                    with _TracerClock() as tracer:
+                        t0 = CLOCK()
+                        rg = torch_ext.ReactiveGraph(model, (clean,), front_end=fe, cache=False)
+                        total = CLOCK() - t0
+                    runs[fe].append((total, rg.build_stats, tracer.s))
             with torch.no_grad():
                 check(torch.equal(rg.demand(), model(clean)), f"{name} b{batch}: graph output equals the model's")
             for fe, rs in runs.items():
+                floor = statistics.median(r[2] for r in rs[1:])
                 rs = sorted(rs[1:], key=lambda r: r[0])
-                total, st = rs[len(rs) // 2]
-                print(f"  {name:17s} batch {batch}  {fe:8s} total {total * 1e3:7.1f} ms: {fmt_split(st)}")
+                total, st, _ = rs[len(rs) // 2]
+                print(f"  {name:17s} batch {batch}  {fe:8s} total {total * 1e3:7.1f} ms (torch's tracer {floor * 1e3:6.1f}, "
+                      f"the rest {(total - floor) * 1e3:5.1f}): {fmt_split(st)}")
 
 
 def part_sweep(repeats: int, cold_repeats: int) -> None:
@@ -253,9 +315,12 @@ def part_sweep(repeats: int, cold_repeats: int) -> None:
             check(last["ours"]["result"] == last["ours_disk"]["result"], f"sweep b{batch}: disk hit equals a cold build")
             check(last["ours_disk"]["stats"]["disk_cache"] == "hit", f"sweep b{batch}: {last['ours_disk']['stats']}")
             r = walls["eager"] / walls["ours"]
+            dynamo = statistics.median(cold({"part": "dynamo_import", "side": "floor"})["wall"] for _ in range(cold_repeats))
             print(f"  batch {batch} cold (fresh process each), disk cache off, skip_identical=False: eager {walls['eager']:.3f} s, ours "
                   f"{walls['ours']:.3f} s ({fmt_split(last['ours']['stats'])}, front end "
-                  f"{last['ours']['stats']['front_end']}) -> {r:.2f}x [target >= 2x: {target(r >= 2, f'sweep b{batch} cold >= 2x')}]")
+                  f"{last['ours']['stats']['front_end']}) -> {r:.2f}x [target >= 2x: {target(r >= 2, f'sweep b{batch} cold >= 2x')}]; "
+                  f"floor: torch's tracers import torch._dynamo, {dynamo:.3f} s in a fresh process: ceiling eager / "
+                  f"(that + the disk-hit arm) {walls['eager'] / (dynamo + walls['ours_disk']):.2f}x")
             r = walls["eager"] / walls["ours_disk"]
             print(f"  batch {batch} cold (fresh process each), disk cache HIT, skip_identical=False: eager {walls['eager']:.3f} s, ours "
                   f"{walls['ours_disk']:.3f} s ({fmt_split(last['ours_disk']['stats'])}) -> {r:.2f}x "
@@ -270,7 +335,7 @@ def part_sweep(repeats: int, cold_repeats: int) -> None:
         model = tiny()
         cache = resid_pre_cache(model, corrupted)
         others = [tiny(seed=s + 1) for s in range(repeats + 1)]
-        res, times = {}, {"eager": [], "nocache": [], "hit": []}
+        res, times, tracer = {}, {"eager": [], "nocache": [], "hit": []}, []
         gcs, full = {k: [] for k in times}, {k: [] for k in times}
         clock, rg = _GcClock(), None
 
@@ -284,7 +349,9 @@ def part_sweep(repeats: int, cold_repeats: int) -> None:
         for i in range(repeats + 1):
             res["eager"] = arm("eager", eager_sweep, model, clean, cache)
             rg = None  # the previous arm's graph is not freed inside the next arm's timer
-            res["nocache"], rg = arm("nocache", reactive_sweep, model, clean, cache, cache=False)
+            with _TracerClock() as tc:
+                res["nocache"], rg = arm("nocache", reactive_sweep, model, clean, cache, cache=False)
+            tracer.append(tc.s)
             check(rg.build_stats["cache"] == "off", "no-cache arm did not use the cache")
             other = others[i]
             other_cache = resid_pre_cache(other, corrupted)
@@ -298,8 +365,10 @@ def part_sweep(repeats: int, cold_repeats: int) -> None:
             check(diff <= 1e-4, f"sweep b{batch} {k}: reactive vs eager max |diff| {diff:.2e}")
         med = {k: statistics.median(v[1:]) for k, v in times.items()}
         r1, r2 = med["eager"] / med["nocache"], med["eager"] / med["hit"]
+        floor = statistics.median(tracer[1:])
         print(f"  batch {batch} in-process, the sweep's default skip_identical=True: eager {med['eager']:.3f} s; "
-              f"ours, built again (cache off) {med['nocache']:.3f} s "
+              f"ours, built again (cache off) {med['nocache']:.3f} s (torch's tracer {floor:.3f} s; ceiling eager / "
+              f"(tracer + cache-hit arm) {med['eager'] / (floor + med['hit']):.2f}x) "
               f"-> {r1:.2f}x [{target(r1 >= 2, f'sweep b{batch} rebuilt >= 2x')}]; ours, fresh model object (cache HIT) "
               f"{med['hit']:.3f} s -> {r2:.2f}x [{target(r2 >= 2, f'sweep b{batch} cache hit >= 2x')}]"
               + _gc_note(gcs, full))
@@ -373,20 +442,23 @@ def main() -> int:
     ap.add_argument("--cold-repeats", type=int, default=2)
     ap.add_argument("--parts", nargs="+", default=["split", "sweep", "patching"])
     ap.add_argument("--no-cold", action="store_true", help="skip the fresh-process (cold) measurements")
+    ap.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                    help="what the arms time: wall clock, or this thread's CPU time (a shared, loaded machine)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return 0
     torch.set_num_threads(1)
-    global _CACHE_DIR
+    global _CACHE_DIR, CLOCK
+    CLOCK = time.thread_time if args.clock == "thread" else time.perf_counter
     import tempfile
 
     tmp = tempfile.TemporaryDirectory(prefix="bench_build_cache_")
     _CACHE_DIR = tmp.name
     os.environ["TORCH_EXT_CACHE_DIR"] = _CACHE_DIR  # this process's builds too: never the user's cache
     t0 = time.perf_counter()
-    print(f"load: {os.getloadavg()}")
+    print(f"load: {os.getloadavg()}; clock: {args.clock}")
     if "split" in args.parts:
         part_split(args.repeats)
     if "sweep" in args.parts:
