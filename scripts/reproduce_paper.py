@@ -243,8 +243,9 @@ def e5() -> None:
         for v in sites:
             value = torch.full_like(rg.value(v), 0.25)
             before = rg.stats["evaluations"]
-            rg._engine.patch(v, value)  # the engine's dataflow patch: rg.patch refuses a forward activation of a
-            rg.demand()                 # joint program (its gradients would not be eager's); the counts are the same
+            with rg.dataflow_edits():  # a forward activation of a joint program is refused outside it (its
+                rg.patch(v, value)     # gradients would not be eager's): here its cone is counted, as a dataflow edit
+            rg.demand()
             per.append(rg.stats["evaluations"] - before)
             rg.restore()
         rg.check_invariants()

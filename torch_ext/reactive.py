@@ -24,6 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import _C, _build_cache, _compat, _disk_cache, _env_reads, _hook_proof, _module_state
+from ._joint_edits import JointEditRule
 from .ir import _SHORT_DTYPE, Graph
 
 
@@ -468,15 +469,35 @@ class Engine:
         if not isinstance(graph, Graph):
             raise TypeError(f"Engine expects a torch_ext.ir.Graph, got {type(graph).__name__}")
         self._e = _C.Engine(graph._g)
+        self._refuse: Callable | None = None
 
     @classmethod
-    def _wrap(cls, engine: "_C.Engine") -> "Engine":
+    def _wrap(cls, engine: "_C.Engine", refuse: Callable | None = None) -> "Engine":
+        """``refuse(node, what, graft=, dst=)`` raises for an edit its graph refuses (a ReactiveGraph's
+        joint-edit rule): the edits made here are the ReactiveGraph's, under the same rule."""
         out = cls.__new__(cls)
-        out._e = engine
+        out._e, out._refuse = engine, refuse
         return out
+
+    def patch(self, node: str, value) -> None:
+        if self._refuse is not None:
+            self._refuse(node, "patch")
+        self._e.patch(node, value)
+
+    def evaluate_patched(self, node: str, value) -> list:
+        if self._refuse is not None:
+            self._refuse(node, "patch")
+        return self._e.evaluate_patched(node, value)
+
+    def evaluate_patched_rows(self, node: str, value, *args, **kwargs) -> list:
+        if self._refuse is not None:
+            self._refuse(node, "patch")
+        return self._e.evaluate_patched_rows(node, value, *args, **kwargs)
 
     def graft(self, src: str, dst: str, block: Graph, params: Sequence = ()) -> list[str]:
         """Splices ``block`` (one user input, one output) on the edge src -> dst; returns the new node names."""
+        if self._refuse is not None:
+            self._refuse(src, "graft after", graft=True, dst=dst)
         return self._e.graft(src, dst, block._g, list(params))
 
     @property
@@ -1222,7 +1243,7 @@ class ReactiveGraph:
         self._refuse_during_sweep("patch()")
         name, node = node, self.resolve(node)
         self._refuse_non_tensor(node, "patch")
-        self._refuse_forward_patch_in_joint(node, "patch")
+        self._refuse_joint_edit(node, "patch")
         if callable(value):
             with _one_check_per_call():  # f sees the baseline of the weights as they are now
                 self._take_untracked_writes()
@@ -1253,51 +1274,37 @@ class ReactiveGraph:
         eng.commit()
         return value
 
-    def _refuse_forward_patch_in_joint(self, node: str, what: str) -> None:
-        """On a joint forward+backward program (outputs: the loss and the parameter gradients), a forward
-        activation computed from parameters whose gradients are outputs is refused as a patch site: the
-        backward nodes were derived without the patch, so those gradients ran the chain rule through the
-        patched value with the original op's derivative, where eager's forward hook cuts or replaces that
-        path (0.08 to 0.14 off eager's gradients on a 3-layer tanh MLP, silently; graft() is refused likewise).
-        Gradient nodes, and forward nodes with no such parameter before them, stay patchable."""
-        if self._loss_output is None or not self._grad_outputs:
+    def _refuse_joint_edit(self, node: str, what: str, graft: bool = False, dst: str = "") -> None:
+        """On a joint forward+backward program (outputs: the loss and the parameter gradients), the one rule for
+        patch, sweep and graft (torch_ext/_joint_edits.py): an edit whose gradients would not be eager autograd's
+        for the edited model (a forward activation computed from parameters whose gradients are outputs: 0.08 to
+        0.14 off eager's gradients on a 3-layer tanh MLP, silently) is refused, naming the parameters and the way
+        out; gradient nodes, and forward values with no such parameter before them, stay editable. Off inside
+        :meth:`dataflow_edits`. Refused before anything changes."""
+        if self._loss_output is None or not self._grad_outputs or getattr(self, "_dataflow_edits", 0):
             return
-        cached = getattr(self, "_joint_forward", None)
-        if cached is None or cached[0] is not self._engine:
+        key = (self._engine, self._engine.graph_revision())
+        cached = getattr(self, "_joint_rule", None)
+        if cached is None or cached[0] != key:
             nodes = {n.name: n for n in self.graph.nodes()}
-            out = next(n for n in nodes.values() if n.kind == "output")
-            loss = _node_inputs(out)[self._loss_output]
-            forward, stack = set(), [loss]
-            while stack:  # the loss and its ancestors: the forward pass
-                n = stack.pop()
-                if n not in forward:
-                    forward.add(n)
-                    stack.extend(_node_inputs(nodes[n]))
-            with_grad = {t for _, t in self._grad_outputs}
-            params = {n.name: n.state_name for n in nodes.values()
-                      if n.kind == "placeholder" and n.state_name in with_grad}
-            cached = self._joint_forward = (self._engine, nodes, forward, params)
-        _, nodes, forward, params = cached
-        if node not in forward or node in params:
-            return
-        seen, stack, found = set(), [node], []
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            if n in params:
-                found.append(params[n])
-            stack.extend(_node_inputs(nodes[n]))
-        if found:
-            found.sort()
-            names = ", ".join(found[:4]) + (f", ... ({len(found)} in all)" if len(found) > 4 else "")
-            raise ValueError(
-                f"{what} {node!r}: this graph is a joint forward+backward program and {node!r} is a forward activation "
-                f"computed from parameters ({names}) whose gradients are outputs; its backward was derived without the "
-                "patch, so their gradients would run the chain rule through the patched value with the original "
-                "op's derivative, neither eager's under a forward hook nor the unpatched ones. Patch a gradient node, "
-                "or patch activations on a graph of the model in eval mode (ReactiveGraph(model, inputs))")
+            rule = JointEditRule(nodes, _node_inputs, self._loss_output, {t for _, t in self._grad_outputs})
+            cached = self._joint_rule = (key, rule)
+        why = cached[1].refusal(node, what, graft=graft, dst=dst)
+        if why is not None:
+            raise ValueError(why)
+
+    @contextlib.contextmanager
+    def dataflow_edits(self):
+        """Inside it, a joint forward+backward graph takes every patch, sweep and graft as a dataflow edit:
+        the rule that refuses an edit of a forward activation whose gradients would not be eager's
+        (:meth:`patch`) is off. For cost measurements that count the cones of forward edits
+        (scripts/reproduce_paper.py E5): the counts are exact (cost-model.md), the gradient outputs are the
+        joint graph's dataflow under the edit, not gradients of any model. Edits made inside stand after it."""
+        self._dataflow_edits = getattr(self, "_dataflow_edits", 0) + 1
+        try:
+            yield self
+        finally:
+            self._dataflow_edits -= 1
 
     def _refuse_non_tensor(self, node: str, what: str) -> None:
         """A node holding a tuple or list (topk, split, max with indices) cannot be patched as one value: its
@@ -1364,14 +1371,7 @@ class ReactiveGraph:
         hook, (src, dst) = src, (self.resolve(src), self.resolve(dst) if dst else dst)
         if dst:
             self._refuse_grafted_edge(src, dst)
-        if self._loss_output is not None or self._grad_outputs:
-            # The backward nodes were derived from the forward without the block: spliced into the forward, its
-            # values reached the loss while the gradients kept the old chain rule (a block 2*t after a layer left
-            # that layer's gradients half of eager's), silently.
-            raise ValueError(f"graft after {src!r}: this graph is a joint forward+backward program (its outputs are "
-                             "the loss and the gradients), whose backward was derived without the block: the "
-                             "gradients would not be those of the grafted model. Put the block into the model and "
-                             "export the joint program again")
+        self._refuse_joint_edit(src, "graft after", graft=True, dst=dst)
         if not isinstance(block, torch.nn.Module):
             if not callable(block):
                 raise TypeError(f"graft: block must be an nn.Module or a callable, got {type(block).__name__}")
@@ -1468,8 +1468,9 @@ class ReactiveGraph:
     @property
     def engine(self) -> Engine:
         """The :class:`Engine` under this graph (the same one, not a copy), for exact cost measurements
-        that drive it by node name; a patch made there is a patch of this ReactiveGraph."""
-        return Engine._wrap(self._engine)
+        that drive it by node name; a patch made there is a patch of this ReactiveGraph, under the same rule
+        for joint forward+backward graphs (:meth:`patch`, :meth:`dataflow_edits`)."""
+        return Engine._wrap(self._engine, self._refuse_joint_edit)
 
     @property
     def graph(self) -> Graph:
@@ -3127,7 +3128,7 @@ def _sweep_plan(rg: ReactiveGraph, site_list: list) -> tuple:
                 rg.resolve(name)  # a hook refused, or nothing reads it: says why
                 raise ValueError(f"sweep: unknown node {n!r}")
             rg._refuse_non_tensor(n, "sweep")
-            rg._refuse_forward_patch_in_joint(n, "sweep")
+            rg._refuse_joint_edit(n, "sweep")
             cones[n] = None
         if name not in labels:
             labels[name] = paths_of(n, "") if name == n else n

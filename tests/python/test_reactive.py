@@ -1143,9 +1143,10 @@ def test_training_mode_patch_invalidates_backward():
         assert set(grads.values()) <= cone, "every parameter gradient depends on every forward activation"
         assert loss[0] in cone
         value = torch.full_like(rg.value(site), 0.3)
-        # The engine's dataflow patch (the counts are the subject here): rg.patch refuses a forward activation of a
-        # joint program (its gradients would not be eager's, see the test below).
-        rg._engine.patch(site, value)
+        # A dataflow patch (the counts are the subject here): rg.patch refuses a forward activation of a joint
+        # program outside dataflow_edits() (its gradients would not be eager's, see the test below).
+        with rg.dataflow_edits():
+            rg.patch(site, value)
         out = rg._engine.demand()
         rg.check_invariants()
         total += len(cone)
@@ -1221,6 +1222,115 @@ def test_training_mode_graft_is_refused_and_changes_nothing():
     assert (str(rg), rg.nodes(), dict(rg.stats)) == before[:3]
     assert bits_equal([loss, *grads.values()], [before[3], *before[4].values()])
     rg.check_invariants()
+
+
+def joint_sin_graph(depth: int = 2):
+    """A joint graph of SinTanhMLP: sin(x) has no parameter before it, every tanh has."""
+    torch.manual_seed(0)
+    model = SinTanhMLP(depth)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    rg = torch_ext.ReactiveGraph(export_joint(torch.export.export(model, (x, y))))
+    rg.run(x, y)
+    return rg, model, x, y
+
+
+def readers_of(rg, node: str) -> list[str]:
+    return [n.name for n in rg.graph.nodes() if node in [a.name for a in n.args if hasattr(a, "name")]]
+
+
+def assert_eager_grads(rg, model, eager_loss):
+    """The graph's loss and every gradient equal eager autograd's, bit for bit."""
+    loss, grads = rg.demand()
+    names = [name for name, _ in model.named_parameters()]
+    eager = torch.autograd.grad(eager_loss, [p for _, p in model.named_parameters()])
+    assert torch.equal(loss, eager_loss.detach())
+    assert sorted(grads) == sorted(names)
+    for name, g in zip(names, eager):
+        assert torch.equal(grads[name], g), name
+
+
+def test_training_mode_joint_graph_gradients_are_eagers_bit_for_bit():
+    # The baseline the graft tests below compare against: no edit, the joint graph is eager autograd exactly.
+    rg, model, x, y = joint_sin_graph()
+    assert_eager_grads(rg, model, model(x, y))
+
+
+@pytest.mark.parametrize("block", [lambda t: 2 * t, lambda t: t * t + 0.5])
+def test_training_mode_graft_after_a_value_with_no_parameter_before_it_is_eagers(block):
+    # Before: every graft on a joint graph was refused. After sin(x) (no parameter before it), the node form
+    # reroutes every reader, the backward's mm reading sin for layers.0.weight's gradient included: a patch by the
+    # block's value. Eager: the model with the block after sin. Exact, bit for bit, on the loss and every gradient.
+    rg, model, x, y = joint_sin_graph()
+    sin = [n for n in rg.nodes() if n.startswith("sin")]
+    assert len(sin) == 1 and len(readers_of(rg, sin[0])) == 2  # the forward's addmm and the backward's mm
+    names = rg.graft(sin[0], block)
+    assert names
+    assert_eager_grads(rg, model, TanhMLP.forward(model, block(torch.sin(x)), y))
+    rg.check_invariants()
+    # A graft after the user input x itself: the same, one step earlier.
+    rg2, model2, x2, y2 = joint_sin_graph()
+    rg2.graft("x", block)
+    assert_eager_grads(rg2, model2, model2(block(x2), y2))
+
+
+def test_training_mode_graft_on_a_gradient_node_is_eagers_tensor_hook():
+    # Before: refused. The gradient of layer 0's output (tanh) is the backward's mm of the next layer's
+    # tanh_backward with its weight; a graft after it is eager's tensor hook on that output: h.register_hook(block).
+    rg, model, x, y = joint_sin_graph()
+    tb = [n for n in rg.nodes() if n.startswith("tanh_backward")]
+    grad_h0 = next(n for n in rg.nodes() if n.startswith("mm") and any(r in readers_of(rg, n) for r in tb)
+                   and rg.graph.node(n).args[0].name in tb)
+    block = lambda t: t * t - 0.25 * t  # noqa: E731
+    rg.graft(grad_h0, block)
+
+    h = torch.tanh(model.layers[0](torch.sin(x)))
+    h.register_hook(block)
+    h1 = torch.tanh(model.layers[1](h))
+    assert_eager_grads(rg, model, ((h1 - y) ** 2).mean())
+    rg.check_invariants()
+
+
+def test_training_mode_graft_refusals_name_the_parameter_and_change_nothing():
+    rg, model, x, y = joint_sin_graph()
+    loss, grads = rg.demand()
+    before = (str(rg), rg.nodes(), dict(rg.stats), loss.clone(), {k: g.clone() for k, g in grads.items()})
+    sin = [n for n in rg.nodes() if n.startswith("sin")][0]
+    fwd, bwd = sorted(readers_of(rg, sin))  # addmm (forward), mm_2 (backward: layers.0.weight's gradient)
+    assert fwd.startswith("addmm") and bwd.startswith("mm")
+    # The edge form after sin reroutes the forward's addmm only: the backward's mm keeps reading sin, so
+    # layers.0.weight's gradient is neither model's.
+    with pytest.raises(ValueError, match=rf"graft after {sin!r}: this graph is a joint forward\+backward program "
+                                         rf"and {sin!r} is read by the backward \({bwd!r}\).*node form"):
+        rg.graft(sin, fwd, lambda t: 2 * t)
+    # A graft after a parameter is a parametrization: eager differentiates through the block.
+    with pytest.raises(ValueError, match=r"graft after 'p_layers_0_weight': .* is the parameter layers\.0\.weight "
+                                         r"whose gradient is an output"):
+        rg.graft("p_layers_0_weight", lambda t: 2 * t)
+    # A forward activation with parameters before it: named.
+    tanh = [n for n in rg.nodes() if n.startswith("tanh") and "backward" not in n][0]
+    with pytest.raises(ValueError, match=rf"graft after {tanh!r}: .* computed from parameters \(layers\.0\.bias, "
+                                         r"layers\.0\.weight\).*Graft on a gradient node"):
+        rg.graft(tanh, lambda t: 2 * t)
+    # The public engine view is under the same rule (it took the patch, silently off eager's gradients).
+    with pytest.raises(ValueError, match=rf"patch {tanh!r}: this graph is a joint forward\+backward program"):
+        rg.engine.patch(tanh, torch.zeros(4, 8))
+    with pytest.raises(ValueError, match=rf"patch {tanh!r}: this graph is a joint forward\+backward program"):
+        rg.engine.evaluate_patched(tanh, torch.zeros(4, 8))
+    assert rg.patched() == []
+    loss, grads = rg.demand()
+    assert (str(rg), rg.nodes(), dict(rg.stats)) == before[:3]
+    assert bits_equal([loss, *grads.values()], [before[3], *before[4].values()])
+    rg.check_invariants()
+    # What the refused edge graft would have given (dataflow_edits: the cost measurements' way past the rule):
+    # the loss of the grafted model, layers.0.weight's gradient off eager's.
+    with rg.dataflow_edits():
+        rg.graft(sin, fwd, lambda t: 2 * t)
+    loss, grads = rg.demand()
+    eager_loss = TanhMLP.forward(model, 2 * torch.sin(x), y)
+    eager = dict(zip([n for n, _ in model.named_parameters()],
+                     torch.autograd.grad(eager_loss, list(model.parameters()))))
+    assert torch.equal(loss, eager_loss.detach())
+    assert not torch.allclose(grads["layers.0.weight"], eager["layers.0.weight"], atol=1e-3)
 
 
 # ---------------------------------------------------------------------------------------------
