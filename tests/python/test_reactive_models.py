@@ -880,6 +880,51 @@ def test_zero_ablation_sweeps_of_more_families_equal_eager_hooks(family):
                     (k, l, p)
 
 
+@pytest.mark.parametrize("family", ["gpt_neox", "gptj", "opt", "phi", "falcon", "falcon_40b"])
+def test_head_patching_of_more_families_equals_eager_hooks(family):
+    """attn.hook_z on output projections named dense (GPT-NeoX, Phi, Falcon) or out_proj (GPT-J, OPT): refused
+    before ("not a patchable site"), as only c_proj / o_proj were looked at. Its head layout is proven in the graph
+    (a reshape of [batch, head, pos, d_head] with head and pos swapped): the cache is the projection's input split
+    by head, bit for bit, and per-head patching equals eager hooks on that input."""
+    from torch_ext import patching
+
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    model = rm.more_families(family).eval()
+    layers = next(m for n, m in model.named_modules() if n.endswith(("layers", ".h")) and isinstance(m, nn.ModuleList))
+    attn = [next(getattr(layer, a) for a in ("attn", "self_attn", "attention", "self_attention") if hasattr(layer, a))
+            for layer in layers]
+    proj = [getattr(a, "dense", None) or a.out_proj for a in attn]
+    g = torch.Generator().manual_seed(1)
+    clean = torch.randint(1, rm.VOCAB, (2, 6), generator=g)
+    corrupted = clean.clone()
+    corrupted[:, 2] = (corrupted[:, 2] + 5) % rm.VOCAB
+    metric = lambda logits: logits[:, -1, 3].mean() - logits[:, -1, 4].mean()  # noqa: E731
+    _, cache = patching.run_with_cache(model, clean)
+    heads = patching.get_act_patch_attn_head_out_by_pos(model, corrupted, cache, metric)
+    seen = {}
+    hs = [p.register_forward_pre_hook(lambda m, a, l=l: seen.setdefault(l, a[0].clone())) for l, p in enumerate(proj)]
+    with torch.no_grad():
+        model(clean, use_cache=False)
+    for h in hs:
+        h.remove()
+    H, D = 4, 8
+    assert heads.shape == (len(layers), 6, H)
+    for l in range(len(layers)):
+        assert torch.equal(cache[f"blocks.{l}.attn.hook_z"], seen[l].reshape(2, 6, H, D))
+        for p in range(6):
+            for head in range(H):
+                def put(m, a, l=l, p=p, head=head):
+                    x = a[0].clone()
+                    x[:, p, head * D:(head + 1) * D] = seen[l][:, p, head * D:(head + 1) * D]
+                    return (x,) + tuple(a[1:])
+
+                h = proj[l].register_forward_pre_hook(put)
+                with torch.no_grad():
+                    ref = float(metric(model(corrupted, use_cache=False).logits))
+                h.remove()
+                assert heads[l, p, head].item() == pytest.approx(ref, rel=1e-5, abs=1e-6), (l, p, head)
+
+
 def test_zero_ablation_sweeps_of_t5_block_outputs_equal_eager_hooks():
     """T5 (encoder-decoder, relative position bias, a padding mask): each encoder and decoder block's output, zeroed at
     each position by a sweep, equals the eager forward with a hook on the block."""
