@@ -2535,7 +2535,10 @@ def hf_hook_points(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, 
             attn_out, mlp_out = post_attn or attn, post_mlp or mlp
             ln2 = (getattr(layer, "pre_feedforward_layernorm", None) or getattr(layer, "pre_mlp_layernorm", None)
                    or (ln2 if ln2 is not post_attn else None))
-        proj = (getattr(attn, "c_proj", None) or getattr(attn, "o_proj", None)) if attn is not None else None
+        # The output projection, whose input is the heads' outputs side by side: GPT-2's c_proj, Llama's o_proj,
+        # GPT-NeoX's, Phi's, Falcon's and BLOOM's dense, GPT-J's and OPT's out_proj.
+        proj = next((p for p in (getattr(attn, a, None) for a in ("c_proj", "o_proj", "dense", "out_proj"))
+                     if isinstance(p, torch.nn.Module)), None) if attn is not None else None
         points.append((f"blocks.{l}.hook_resid_pre", layer, "pre"))
         for name, sub, kind in ((f"blocks.{l}.hook_attn_out", attn_out, "out"),
                                 (f"blocks.{l}.hook_resid_mid", ln2, "pre"),

@@ -11,7 +11,9 @@ promises for it (HookedTransformer's TransformerBlock, TransformerLens 4's Block
 - ``hook_resid_post = hook_resid_mid + hook_mlp_out`` (likewise), or, with no resid_mid (parallel
   attention and MLP: GPT-J, Phi, Cohere, CodeGen, parallel Falcon; TransformerLens names none there),
   ``hook_resid_post = hook_resid_pre + hook_attn_out + hook_mlp_out``, a sum of adds in any order;
-- ``attn.hook_z`` feeds a matrix product (the output projection) whose result reaches ``hook_attn_out``.
+- ``attn.hook_z`` feeds a matrix product (the output projection) whose result reaches ``hook_attn_out``, and is
+  a reshape of the attention's [batch, head, pos, d_head] output with head and pos swapped, so that its last dim is
+  the heads side by side (hook_z's [batch, pos, head, d_head] view splits it by head).
 
 Where resid_mid = resid_pre + X (or resid_post = resid_mid + Y) is proven and X is read by that add alone, X is
 what TransformerLens's attn_out (mlp_out) is, whatever module computes it: the name is put there (Granite scales
@@ -38,7 +40,8 @@ PROMISES = {
                      "or without a resid_mid, hook_resid_post = hook_resid_pre + hook_attn_out + hook_mlp_out)",
     "hook_mlp_out": "what the MLP adds to the residual stream (hook_resid_post = hook_resid_mid + hook_mlp_out, "
                     "or without a resid_mid, hook_resid_pre + hook_attn_out + hook_mlp_out)",
-    "attn.hook_z": "the attention's per-head output, read by the output projection that gives hook_attn_out",
+    "attn.hook_z": "the attention's per-head output, heads side by side, read by the output projection that gives "
+                   "hook_attn_out",
 }
 
 
@@ -138,6 +141,32 @@ def _feeds_projection(z, target) -> str | None:
     return f"the product reading it ({_describe(products[0])}) does not reach {_describe(target)}"
 
 
+def _head_layout(z, heads: int) -> str | None:
+    """None if ``z``'s last dim is the heads' outputs side by side, head-major (index h * d_head + d), as
+    TransformerLens's [batch, pos, head, d_head] view of hook_z takes it: through views only, ``z`` is a reshape of
+    ``x.transpose(1, 2)`` (or ``x.permute(0, 2, 1, 3)``) of an ``x`` of shape [batch, heads, pos, d_head] whose
+    last dim is heads * d_head (a reshape keeps the row-major order, so z[..., h * d_head + d] is x[b, h, s, d]);
+    else what was found."""
+    val = z.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() < 1 or val.shape[-1] % heads:
+        return f"its shape {tuple(getattr(val, 'shape', ()))} does not split into {heads} heads"
+    n = z
+    while isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target in _VIEWS and n.args:
+        n = n.args[0]
+    swap = None
+    if isinstance(n, torch.fx.Node) and n.op == "call_function":
+        if n.target is _aten.transpose.int and len(n.args) == 3:
+            swap = sorted(d % 4 for d in n.args[1:]) == [1, 2]
+        elif n.target is _aten.permute.default:
+            swap = [d % 4 for d in n.args[1]] == [0, 2, 1, 3]
+    x = n.args[0].meta.get("val") if swap else None
+    if not (isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[1] == heads
+            and x.shape[1] * x.shape[3] == val.shape[-1]):
+        return (f"its head layout is not proven: it is not a reshape of [batch, {heads} heads, pos, d_head] with "
+                f"heads and pos swapped (it reshapes {_describe(n)})")
+    return None
+
+
 def verify(graph: torch.fx.Graph, hooks: dict, layers: int, arch: str, heads: int | None = None) -> dict:
     """Checks the TransformerLens names of a Hugging Face decoder's ``layers`` layers in ``graph`` (hook name ->
     node name, as strip_hook_points left them); removes from ``hooks`` each name whose promise does not hold
@@ -210,9 +239,7 @@ def verify(graph: torch.fx.Graph, hooks: dict, layers: int, arch: str, heads: in
             target = attn if attn is not None and (b + "hook_attn_out") not in refused else post
             why = _feeds_projection(z, target)
             if why is None and heads:
-                val = z.meta.get("val")
-                if isinstance(val, torch.Tensor) and (val.dim() < 1 or val.shape[-1] % heads):
-                    why = f"its shape {tuple(val.shape)} does not split into {heads} heads"
+                why = _head_layout(z, heads)
             if why is not None:
                 refuse(b + "attn.hook_z", f"it is {_describe(z)}: {why}")
     for name in refused:

@@ -70,6 +70,65 @@ def tiny_family(family: str, **config):
     raise ValueError(f"unknown family {family!r}")
 
 
+# The families of more_families(): the attention and block layouts interpretability and training users meet
+# beyond the Llama-style decoders, each with its dropout on.
+MORE_FAMILIES = ("gpt_neox", "gpt_neox_sequential", "opt", "gptj", "phi", "phi3", "falcon", "falcon_alibi",
+                 "falcon_40b", "t5")
+
+
+def more_families(family: str, layers: int = 2, dropout: float = 0.1):
+    """A tiny model of one of MORE_FAMILIES, in training mode: "gpt_neox" (Pythia: parallel attention and MLP,
+    rotary on a quarter of each head), "gpt_neox_sequential" (use_parallel_residual=False), "opt" (learned
+    positions from the attention mask's cumsum), "gptj" (parallel, interleaved rotary on 4 dims), "phi"
+    (parallel, partial rotary, one LayerNorm), "phi3" (fused qkv and gate_up, grouped-query attention), "falcon"
+    (7B: parallel, multi-query, rotary), "falcon_alibi" (RW-1B: sequential, ALiBi, biases), "falcon_40b" (the
+    new decoder architecture: two LayerNorms, 2 key/value heads), "t5" (encoder-decoder, relative position
+    bias, labels shifted into decoder inputs). ``layers``: decoder layers (T5: encoder and decoder layers each)."""
+    import transformers as T
+
+    d = dropout
+    ids = dict(bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    if family.startswith("gpt_neox"):
+        return T.GPTNeoXForCausalLM(T.GPTNeoXConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=SEQ, rotary_pct=0.25, use_parallel_residual=family == "gpt_neox",
+            hidden_dropout=d, attention_dropout=d, **ids)).train()
+    if family == "opt":
+        return T.OPTForCausalLM(T.OPTConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, ffn_dim=64, num_attention_heads=4,
+            max_position_embeddings=SEQ, dropout=d, attention_dropout=d, word_embed_proj_dim=32, pad_token_id=1,
+            **ids)).train()
+    if family == "gptj":
+        return T.GPTJForCausalLM(T.GPTJConfig(
+            vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=layers, n_head=4, rotary_dim=4, resid_pdrop=d,
+            embd_pdrop=d, attn_pdrop=d, **ids)).train()
+    if family == "phi":
+        return T.PhiForCausalLM(T.PhiConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+            max_position_embeddings=SEQ, partial_rotary_factor=0.5, resid_pdrop=d, embd_pdrop=d,
+            attention_dropout=d, **ids)).train()
+    if family == "phi3":
+        return T.Phi3ForCausalLM(T.Phi3Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=SEQ, resid_pdrop=d, embd_pdrop=d, attention_dropout=d,
+            pad_token_id=0, **ids)).train()
+    if family.startswith("falcon"):
+        layout = {"falcon": dict(parallel_attn=True, multi_query=True, new_decoder_architecture=False, alibi=False),
+                  "falcon_alibi": dict(parallel_attn=False, multi_query=False, new_decoder_architecture=False,
+                                       alibi=True, bias=True),
+                  "falcon_40b": dict(new_decoder_architecture=True, num_kv_heads=2, alibi=False)}[family]
+        return T.FalconForCausalLM(T.FalconConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, hidden_dropout=d,
+            attention_dropout=d, max_position_embeddings=SEQ, **layout, **ids)).train()
+    if family == "t5":
+        return T.T5ForConditionalGeneration(T.T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_decoder_layers=layers, num_heads=4,
+            relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=d,
+            decoder_start_token_id=0, pad_token_id=0)).train()
+    raise ValueError(f"unknown family {family!r}; one of {MORE_FAMILIES}")
+
+
 def tiny_bloom():
     """Hugging Face BLOOM (ALiBi attention), whose MLP applies its own torch.autograd.Function (GeLUFunction, with
     a hand-written backward)."""

@@ -26,32 +26,32 @@ FAMILIES = {
     "gpt2": (lambda: T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32)),
              ALL),
     "gptj": (lambda: T.GPTJForCausalLM(T.GPTJConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
-                                                    rotary_dim=4)), STREAM),
+                                                    rotary_dim=4)), ALL - {"hook_resid_mid"}),
     "codegen": (lambda: T.CodeGenForCausalLM(T.CodeGenConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64,
-                                                             n_positions=32, rotary_dim=4)), STREAM),
-    # hook_z only where the output projection is c_proj / o_proj (the head layout of the others is not proven).
+                                                             n_positions=32, rotary_dim=4)), ALL - {"hook_resid_mid"}),
+    # hook_z wherever the output projection (c_proj, o_proj, dense, out_proj) reads the heads side by side.
     "falcon_parallel": (lambda: T.FalconForCausalLM(T.FalconConfig(num_hidden_layers=2, hidden_size=32,
                                                                    num_attention_heads=4, vocab_size=64,
-                                                                   parallel_attn=True)), STREAM),
+                                                                   parallel_attn=True)), STREAM | {"attn.hook_z"}),
     "falcon_sequential": (lambda: T.FalconForCausalLM(T.FalconConfig(num_hidden_layers=2, hidden_size=32,
                                                                      num_attention_heads=4, vocab_size=64,
                                                                      parallel_attn=False)),
-                          STREAM | {"hook_resid_mid"}),
+                          ALL),
     "falcon_new_architecture": (lambda: T.FalconForCausalLM(T.FalconConfig(
         num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2, vocab_size=64,
-        new_decoder_architecture=True)), STREAM),
+        new_decoder_architecture=True)), STREAM | {"attn.hook_z"}),
     # GPT-NeoX (Pythia): the MLP's norm reads the layer's input when parallel: no resid_mid, as in TransformerLens.
-    "neox_parallel": (lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**_C, use_parallel_residual=True)), STREAM),
+    "neox_parallel": (lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**_C, use_parallel_residual=True)),
+                      STREAM | {"attn.hook_z"}),
     "neox_sequential": (lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**_C, use_parallel_residual=False)),
-                        STREAM | {"hook_resid_mid"}),
-    "mpt": (lambda: T.MptForCausalLM(T.MptConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, max_seq_len=32)),
-            STREAM | {"hook_resid_mid"}),
+                        ALL),
+    "mpt": (lambda: T.MptForCausalLM(T.MptConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, max_seq_len=32)), ALL),
     # OPT runs its residual adds and MLP on [batch * pos, d]: only the layers' inputs and outputs are the stream.
     "opt": (lambda: T.OPTForCausalLM(T.OPTConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
                                                  ffn_dim=64, vocab_size=64, word_embed_proj_dim=32,
                                                  max_position_embeddings=32)),
-            {"hook_resid_pre", "hook_resid_post"}),
-    "phi": (lambda: T.PhiForCausalLM(T.PhiConfig(**_C)), STREAM),
+            {"hook_resid_pre", "hook_resid_post", "attn.hook_z"}),
+    "phi": (lambda: T.PhiForCausalLM(T.PhiConfig(**_C)), STREAM | {"attn.hook_z"}),
     "cohere": (_llama_like(T.CohereConfig, T.CohereForCausalLM), STREAM | {"attn.hook_z"}),
     "llama": (_llama_like(T.LlamaConfig, T.LlamaForCausalLM), ALL),
     "mistral": (_llama_like(T.MistralConfig, T.MistralForCausalLM), ALL),
@@ -69,8 +69,7 @@ FAMILIES = {
     # scaled contribution, which no module outputs.
     "granite": (_llama_like(T.GraniteConfig, T.GraniteForCausalLM, residual_multiplier=0.5), ALL),
     # BLOOM's attention and MLP add the residual themselves: their outputs are resid_mid and resid_post.
-    "bloom": (lambda: T.BloomForCausalLM(T.BloomConfig(n_layer=2, hidden_size=32, n_head=4, vocab_size=64)),
-              STREAM | {"hook_resid_mid"}),
+    "bloom": (lambda: T.BloomForCausalLM(T.BloomConfig(n_layer=2, hidden_size=32, n_head=4, vocab_size=64)), ALL),
 }
 
 

@@ -8,6 +8,8 @@ import torch.nn as nn
 
 import torch_ext
 
+import real_models as rm
+
 
 def test_submodule_named_after_a_keyword():
     class M(nn.Module):
@@ -813,3 +815,135 @@ def test_hook_names_of_sandwich_norm_decoders_are_what_the_residual_stream_reads
             finally:
                 hook.remove()
             assert float(got[i, p]) == pytest.approx(float(ref), rel=1e-5, abs=1e-6), (i, p)
+
+
+# What each family offers of a block's hooks (the others are refused, saying why): parallel attention and MLP has
+# no resid_mid (TransformerLens names none); OPT adds the attention's output in a [batch, pos] layout and flattens
+# it to rows before the MLP, which has no module of its own, so only the layer's input and output are named.
+_BLOCK_KINDS = ("resid_pre", "attn_out", "mlp_out", "resid_mid", "resid_post")
+_OFFERED = {"gpt_neox": {"resid_pre", "attn_out", "mlp_out", "resid_post"}, "gpt_neox_sequential": set(_BLOCK_KINDS),
+            "opt": {"resid_pre", "resid_post"}, "gptj": {"resid_pre", "attn_out", "mlp_out", "resid_post"},
+            "phi": {"resid_pre", "attn_out", "mlp_out", "resid_post"}, "phi3": set(_BLOCK_KINDS),
+            "falcon": {"resid_pre", "attn_out", "mlp_out", "resid_post"}, "falcon_alibi": set(_BLOCK_KINDS),
+            "falcon_40b": {"resid_pre", "attn_out", "mlp_out", "resid_post"}}
+
+
+def _zero_at(x, p):
+    x = x.clone()
+    x[:, p] = 0
+    return x
+
+
+def _eager_zero_ablation(model, layer, kind, p, run):
+    """``run()`` with position ``p`` of one block activation zeroed by an eager hook on the module that computes it."""
+    if kind == "resid_pre":
+        hook = layer.register_forward_pre_hook(_pre_hook(lambda x: _zero_at(x, p)), with_kwargs=True)
+    elif kind == "resid_mid":
+        ln2 = next(getattr(layer, a) for a in ("ln_2", "post_attention_layernorm") if hasattr(layer, a))
+        hook = ln2.register_forward_pre_hook(lambda m, a: (_zero_at(a[0], p),) + tuple(a[1:]))
+    else:
+        mod = {"resid_post": layer, "mlp_out": getattr(layer, "mlp", None)}.get(kind) or next(
+            getattr(layer, a) for a in ("attn", "self_attn", "attention", "self_attention") if hasattr(layer, a))
+        hook = mod.register_forward_hook(
+            lambda m, a, o: (_zero_at(o[0], p),) + tuple(o[1:]) if isinstance(o, tuple) else _zero_at(o, p))
+    try:
+        with torch.no_grad():
+            return float(run())
+    finally:
+        hook.remove()
+
+
+@pytest.mark.parametrize("family", [f for f in rm.MORE_FAMILIES if f != "t5"])
+def test_zero_ablation_sweeps_of_more_families_equal_eager_hooks(family):
+    """GPT-NeoX (Pythia), OPT, GPT-J, Phi, Phi-3 and Falcon (7B, RW-1B, 40B): every block hook the graph offers, zeroed
+    at each position by a sweep, equals the eager forward with that position zeroed by a hook on the module."""
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    model = rm.more_families(family).eval()
+    layers = next(m for n, m in model.named_modules() if n.endswith(("layers", ".h")) and isinstance(m, nn.ModuleList))
+    T = 6
+    tokens = torch.randint(1, rm.VOCAB, (2, T), generator=torch.Generator().manual_seed(2))
+    rg = torch_ext.ReactiveGraph(model, (tokens,))
+    with torch.no_grad():
+        assert torch.equal(rg.demand().logits, model(tokens, use_cache=False).logits)
+    offered = {k for k in _BLOCK_KINDS if all(f"blocks.{l}.hook_{k}" in rg._hooks for l in range(len(layers)))}
+    assert offered == _OFFERED[family]
+    metric = lambda out: (out.logits[:, -1, 3] - out.logits[:, -1, 4]).sum()  # noqa: E731
+    sites = [(rg.resolve(f"blocks.{l}.hook_{k}"), p) for k in sorted(offered) for l in range(len(layers))
+             for p in range(T)]
+    got = torch_ext.sweep(rg, sites, lambda v, site: _zero_at(v, site[1]), metric, progress=False)
+    for k in sorted(offered):
+        for l, layer in enumerate(layers):
+            for p in range(T):
+                ref = _eager_zero_ablation(model, layer, k, p, lambda: metric(model(tokens, use_cache=False)))
+                # the row path runs the GEMMs on fewer rows than eager does: other BLAS blocking, so a tolerance
+                assert got.metrics[(rg.resolve(f"blocks.{l}.hook_{k}"), p)] == pytest.approx(ref, rel=1e-5, abs=1e-6), \
+                    (k, l, p)
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "gptj", "opt", "phi", "falcon", "falcon_40b"])
+def test_head_patching_of_more_families_equals_eager_hooks(family):
+    """attn.hook_z on output projections named dense (GPT-NeoX, Phi, Falcon) or out_proj (GPT-J, OPT): refused
+    before ("not a patchable site"), as only c_proj / o_proj were looked at. Its head layout is proven in the graph
+    (a reshape of [batch, head, pos, d_head] with head and pos swapped): the cache is the projection's input split
+    by head, bit for bit, and per-head patching equals eager hooks on that input."""
+    from torch_ext import patching
+
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    model = rm.more_families(family).eval()
+    layers = next(m for n, m in model.named_modules() if n.endswith(("layers", ".h")) and isinstance(m, nn.ModuleList))
+    attn = [next(getattr(layer, a) for a in ("attn", "self_attn", "attention", "self_attention") if hasattr(layer, a))
+            for layer in layers]
+    proj = [getattr(a, "dense", None) or a.out_proj for a in attn]
+    g = torch.Generator().manual_seed(1)
+    clean = torch.randint(1, rm.VOCAB, (2, 6), generator=g)
+    corrupted = clean.clone()
+    corrupted[:, 2] = (corrupted[:, 2] + 5) % rm.VOCAB
+    metric = lambda logits: logits[:, -1, 3].mean() - logits[:, -1, 4].mean()  # noqa: E731
+    _, cache = patching.run_with_cache(model, clean)
+    heads = patching.get_act_patch_attn_head_out_by_pos(model, corrupted, cache, metric)
+    seen = {}
+    hs = [p.register_forward_pre_hook(lambda m, a, l=l: seen.setdefault(l, a[0].clone())) for l, p in enumerate(proj)]
+    with torch.no_grad():
+        model(clean, use_cache=False)
+    for h in hs:
+        h.remove()
+    H, D = 4, 8
+    assert heads.shape == (len(layers), 6, H)
+    for l in range(len(layers)):
+        assert torch.equal(cache[f"blocks.{l}.attn.hook_z"], seen[l].reshape(2, 6, H, D))
+        for p in range(6):
+            for head in range(H):
+                def put(m, a, l=l, p=p, head=head):
+                    x = a[0].clone()
+                    x[:, p, head * D:(head + 1) * D] = seen[l][:, p, head * D:(head + 1) * D]
+                    return (x,) + tuple(a[1:])
+
+                h = proj[l].register_forward_pre_hook(put)
+                with torch.no_grad():
+                    ref = float(metric(model(corrupted, use_cache=False).logits))
+                h.remove()
+                assert heads[l, p, head].item() == pytest.approx(ref, rel=1e-5, abs=1e-6), (l, p, head)
+
+
+def test_zero_ablation_sweeps_of_t5_block_outputs_equal_eager_hooks():
+    """T5 (encoder-decoder, relative position bias, a padding mask): each encoder and decoder block's output, zeroed at
+    each position by a sweep, equals the eager forward with a hook on the block."""
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    model = rm.more_families("t5").eval()
+    g = torch.Generator().manual_seed(1)
+    ids, dec = torch.randint(3, rm.VOCAB, (2, 8), generator=g), torch.randint(3, rm.VOCAB, (2, 6), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0
+    kwargs = {"attention_mask": mask, "decoder_input_ids": dec, "use_cache": False}
+    rg = torch_ext.ReactiveGraph(model, (ids,), example_kwargs=kwargs)
+    with torch.no_grad():
+        assert torch.equal(rg.demand().logits, model(ids, **kwargs).logits)
+    metric = lambda out: (out.logits[:, -1, 3] - out.logits[:, -1, 4]).sum()  # noqa: E731
+    for stack, T in (("encoder", 8), ("decoder", 6)):
+        for l, block in enumerate(getattr(model, stack).block):
+            node = rg.nodes(f"{stack}.block.{l}.*")[-1]  # the block's last op: its second (third) residual add
+            got = torch_ext.sweep(rg, [(node, p) for p in range(T)], lambda v, site: _zero_at(v, site[1]), metric,
+                                  progress=False)
+            for p in range(T):
+                ref = _eager_zero_ablation(model, block, "resid_post", p, lambda: metric(model(ids, **kwargs)))
+                assert got.metrics[(node, p)] == pytest.approx(ref, rel=1e-5, abs=1e-6), (stack, l, p)

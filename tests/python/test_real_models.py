@@ -58,20 +58,30 @@ def warmup_cosine(opt, steps):
 def run_parity(model, loss_fn, batches, *, seed=3, clip=None, compiled=False, rtol=0.0, accumulate=1):
     """Trains ``model`` with the pure step and a copy eagerly on ``batches`` (``accumulate``
     micro-batches per update); asserts every loss, parameter and buffer agree within ``rtol``
-    (0.0: bitwise). Returns the step, its final state and the eager model."""
+    (0.0: bitwise). ``compiled``: on the planned arena (``step.compile(plan=True, donate=True)``)
+    instead of the executor; "both": the one step on each, asserted bitwise equal to each other.
+    Returns the step, its final state (the arena's with "both") and the eager model."""
     ref = copy.deepcopy(model)
     opt, ref_opt = rm.adamw(model), rm.adamw(ref)
     updates = len(batches) // accumulate
     sched, ref_sched = warmup_cosine(opt, updates), warmup_cosine(ref_opt, updates)
     step = torch_ext.make_train_step(model, opt, loss_fn, batches[0], scheduler=sched, clip_grad_norm=clip,
                                      accumulate=accumulate)
-    runner = step.compile(plan=True, donate=True) if compiled else step
-    state = step.init_state(seed=seed)
     groups = [batches[i * accumulate:(i + 1) * accumulate] for i in range(updates)]
-    losses = []
-    for mbs in groups:
-        loss, state = runner(state, *[t for mb in mbs for t in mb])
-        losses.append(loss.reshape(-1))
+    runs = []
+    for arena in ((False, True) if compiled == "both" else (bool(compiled),)):
+        runner = step.compile(plan=True, donate=True) if arena else step
+        state = step.init_state(seed=seed)
+        losses = []
+        for mbs in groups:
+            loss, state = runner(state, *[t for mb in mbs for t in mb])
+            losses.append(loss.reshape(-1))
+        runs.append((losses, state))
+    for other_losses, other in runs[:-1]:  # the executor's run against the arena's
+        assert all(torch.equal(a, b) for a, b in zip(other_losses, losses)), "executor and arena losses differ"
+        for part in ("params", "buffers", "opt"):
+            for k, v in getattr(state, part).items():
+                assert torch.equal(getattr(other, part)[k], v), f"executor and arena differ at {k}"
     torch.manual_seed(seed)
     worst = {"loss": 0.0, "param": 0.0, "buffer": 0.0}
     for i, mbs in enumerate(groups):
@@ -272,6 +282,23 @@ def test_other_families_with_padding_and_ignored_labels_bit_exact(family):
         return m(input_ids=ids, attention_mask=mask, labels=labels).loss
 
     run_parity(rm.tiny_family(family), loss, batches, rtol=0.0)
+
+
+@pytest.mark.parametrize("family", rm.MORE_FAMILIES)
+def test_more_families_with_dropout_and_padding_bit_exact_on_the_executor_and_the_arena(family):
+    needs("transformers")
+    # GPT-NeoX (Pythia), OPT, GPT-J, Phi, Phi-3, Falcon (7B, RW-1B with ALiBi, 40B) and T5: parallel attention and
+    # MLP, partial and interleaved rotary, learned positions from the mask's cumsum, multi-query and grouped-query
+    # attention, ALiBi, relative position bias and an encoder-decoder, all with dropout on. A tokenizer's mask
+    # (padded on the second batch), labels -100 where padded; 3 AdamW steps, one step on the executor and on the
+    # planned arena, each bitwise equal to eager (one layer each: the build, mostly tracing, grows with the layers).
+    batches = [(ids, mask, ids.masked_fill(mask == 0, -100)) for ids, mask in tokenizer_batches(3)]
+
+    def loss(m, ids, mask, labels):
+        return m(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+    step, _, _ = run_parity(rm.more_families(family, layers=1), loss, batches, rtol=0.0, compiled="both")
+    assert step.draws_random
 
 
 def test_sequence_classification_setting_problem_type_on_its_first_forward_bit_exact():
