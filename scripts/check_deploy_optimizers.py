@@ -61,14 +61,18 @@ OPTIMIZERS = {
                                                                beta2_decay=-0.5, maximize=True),
 }
 ONNX_REFUSED = {"lion": "lion_update", "muon": "muon_update"}
-ZERO1_REFUSED = {"muon", "adafactor", "adafactor_eps1_maximize"}  # whole-tensor updates (README)
+# Muon's Newton-Schulz runs in bfloat16 (as eager's): a gradient one float32 ulp off flips a bfloat16 rounding,
+# lr/256 per flip, 3.8e-3 of a 3x12 weight after 8 steps (README); the executor and the .pt2 stay bit-exact.
+AOTI_BOUNDS = {"muon": 1e-2}
 
 
-def model_and_batches(n, seed=1):
+def model_and_batches(n, seed=1, conv=True):
     torch.manual_seed(0)
-    # a conv weight (4-D: Adafactor's factored row/col over its last two dims), Linear weights, biases, a LayerNorm
-    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 5, 12),
-                          nn.LayerNorm(12), nn.Tanh(), nn.Linear(12, 3))
+    # a conv weight (4-D: Adafactor's factored row/col over its last two dims), Linear weights, biases, a LayerNorm;
+    # conv=False for ONNX, whose exporter has no translation of the convolution's backward (refused by name)
+    first = [nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 5, 12)] if conv else \
+        [nn.Flatten(), nn.Linear(2 * 4 * 5, 12)]
+    model = nn.Sequential(*first, nn.LayerNorm(12), nn.Tanh(), nn.Linear(12, 3))
     g = torch.Generator().manual_seed(seed)
     return model, [(torch.randn(6, 2, 4, 5, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(n)]
 
@@ -108,7 +112,9 @@ def compare(losses, state, ref_losses, ref, ref_opts, relative, shard=None):
     """The largest difference of losses, parameters and optimizer slots; a slot eager has and the state lacks
     (or the other way round) is an error."""
     out = {"loss": _diff(losses, ref_losses, relative)}
-    out["params"] = max(_diff(state.params["model." + n], p.detach(), relative) for n, p in ref.named_parameters())
+    per_param = {n: _diff(state.params["model." + n], p.detach(), relative) for n, p in ref.named_parameters()}
+    out["params"] = max(per_param.values())
+    compare.worst_param = max(per_param, key=per_param.get)
     names = {id(p): n for n, p in ref.named_parameters()}
     worst, seen = 0.0, set()
     for o in ref_opts:
@@ -118,8 +124,11 @@ def compare(losses, state, ref_losses, ref, ref_opts, relative, shard=None):
                 seen.add(key)
                 got = state.opt[key]
                 if shard is not None and v.dim() > 0:
+                    # this rank's slice; its zero padding is left out (the update runs on it too: Adamax's
+                    # exp_inf holds eps there, Rprop's step_size its minimum, never read into a parameter)
                     from torch_ext.distributed import shard_tensor
-                    v = shard_tensor(v, *shard)
+                    real = shard_tensor(torch.ones_like(v, dtype=torch.bool), *shard)
+                    v, got = shard_tensor(v, *shard)[real], got[real]
                 assert got.shape == v.shape, (key, tuple(got.shape), tuple(v.shape))
                 worst = max(worst, _diff(got, v.to(got.dtype) if got.dtype != v.dtype else v, relative))
     extra = {k for k in state.opt if ":group" not in k} - seen
@@ -205,7 +214,7 @@ def check_aoti(names, tmp):
             row["cpp_loss"] = _diff(cpp, ref_losses, relative=True)
         row["compile_s"] = compile_s
         rows[name] = row
-        print(f"  aoti {name}: {_fmt(row)}", flush=True)
+        print(f"  aoti {name}: {_fmt(row)} (worst parameter: {compare.worst_param})", flush=True)
     return rows, 1e-5
 
 
@@ -215,7 +224,7 @@ def check_aoti(names, tmp):
 def check_onnx(names, tmp):
     rows = {}
     for name in names:
-        model, batches = model_and_batches(8)
+        model, batches = model_and_batches(8, conv=False)
         step = torch_ext.make_train_step(model, OPTIMIZERS[name](model), loss_fn, batches[0])
         if name in ONNX_REFUSED:
             try:
@@ -304,7 +313,7 @@ def main():
             rows, bound = PATHS[path](names, Path(tmp))
             for name, res in rows.items():
                 worst = max(v for k, v in res.items() if k != "compile_s")
-                ok = worst <= bound
+                ok = worst <= (AOTI_BOUNDS.get(name, bound) if path == "aoti" else bound)
                 print(f"{path:5s} {name:26s} {'ok ' if ok else 'BAD'} {_fmt(res)}", flush=True)
                 if not ok:
                     failed.append(f"{path}:{name}")
