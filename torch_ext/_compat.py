@@ -1692,6 +1692,13 @@ def for_aot_inductor(ep: torch.export.ExportedProgram) -> torch.export.ExportedP
     so a ``view`` that export recorded after it fails to lower ("Cannot view a tensor with shape
     [8, 4, 64, 128] and strides (32768, 64, 1, 256)"). The step program mutates nothing, so each
     ``aten.view`` becomes ``aten.reshape``: a view wherever Inductor's strides allow, a copy elsewhere.
+
+    Inductor's post-grad pattern ``add(mm(a, b), c) -> addmm(c, a, b)`` also matches an ``aten.add`` with
+    ``alpha`` and drops it, so ``add(mm, c, alpha=k)`` computed ``mm + c``: every coupled weight decay
+    (``grad.add(param, alpha=weight_decay)``, a Linear weight's gradient a matmul) trained as ``grad + param``,
+    0.04 off eager's weight after one SGD step at weight_decay 1e-2. Each ``aten.add.Tensor`` with an alpha,
+    here and in subgraphs, becomes ``add(a, mul(b, alpha))``: the same value to float32 rounding (eager's
+    kernel rounds ``alpha * b`` inside an FMA).
     """
     from torch.export.experimental import _copy_graph_module_and_signature
 
@@ -1701,10 +1708,38 @@ def for_aot_inductor(ep: torch.export.ExportedProgram) -> torch.export.ExportedP
         if node.op == "call_function" and node.target is torch.ops.aten.view.default:
             node.target = torch.ops.aten.reshape.default
             changed = True
+    changed = _alpha_adds_as_muls(gm) or changed
     if not changed:
         return ep
     gm.recompile()
     return ep._update(gm, sig)
+
+
+def _alpha_adds_as_muls(gm: torch.fx.GraphModule) -> bool:
+    """Rewrites, in place, each ``aten.add.Tensor(a, b, alpha=k)`` (k != 1) of ``gm`` and its subgraph modules
+    into ``aten.add.Tensor(a, aten.mul.Tensor(b, k))`` (see for_aot_inductor); whether any was."""
+    add, mul = torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor
+    changed = False
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        touched = False
+        for node in list(module.graph.nodes):
+            if node.op != "call_function" or node.target is not add or node.kwargs.get("alpha", 1) == 1:
+                continue
+            a, b = node.args
+            alpha = node.kwargs["alpha"]
+            with module.graph.inserting_before(node):
+                scaled = module.graph.call_function(mul, (b, alpha))
+            b_val = b.meta.get("val") if isinstance(b, torch.fx.Node) else None
+            if isinstance(b_val, torch.Tensor):
+                scaled.meta["val"] = b_val * alpha  # a FakeTensor: its shape, dtype and strides
+            node.args, node.kwargs = (a, scaled), {k: v for k, v in node.kwargs.items() if k != "alpha"}
+            touched = True
+        if touched:
+            module.recompile()
+            changed = True
+    return changed
 
 
 @contextlib.contextmanager

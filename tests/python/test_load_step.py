@@ -1020,3 +1020,48 @@ def test_schedulers_given_in_another_order_than_the_steps_optimizers_follow_thei
     with pytest.raises(ValueError, match=r"2 optimizers \(AdamW, AdamW\), the schedulers given drive 1"):
         torch_ext.load_step(path, scheduler=[torch.optim.lr_scheduler.StepLR(
             torch.optim.SGD([{"params": other[0].parameters()}, {"params": other[1].parameters()}], lr=0.1), 1)])
+
+
+class AlphaAddMLP(nn.Module):
+    """A forward that adds a bias to a matmul with an alpha, as the coupled weight decay of the update adds the
+    weight to its gradient (``grad.add(param, alpha=weight_decay)``, an mm's transpose)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 3)
+        self.w = nn.Parameter(torch.randn(3, 3) / 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        return torch.add(self.l2(h) @ self.w, self.l2.bias, alpha=0.5)
+
+
+def test_aoti_keeps_the_alpha_of_an_add_to_a_matmul(tmp_path):
+    """torch 2.9's Inductor fuses ``add(mm(a, b), c, alpha=k)`` into ``addmm(c, a, b)`` and drops k, so every
+    coupled weight decay (SGD, Adam, Adamax, NAdam, RAdam, Adadelta, RMSprop, Adagrad: ``grad + wd * param``,
+    the gradient a matmul's) trained as ``grad + param`` in the package: 0.04 off eager's Linear weight after one
+    SGD/Adam step at lr 2e-2, weight_decay 1e-2, and 0.21 off after 8 Adamax steps
+    (scripts/check_deploy_optimizers.py). The package now agrees with eager to float32 rounding, the
+    forward's own alpha add included."""
+    torch.manual_seed(0)
+    model = AlphaAddMLP()
+    ref = AlphaAddMLP()
+    ref.load_state_dict(model.state_dict())
+    make = lambda m: [torch.optim.SGD([m.l1.weight, m.l1.bias], lr=2e-2, momentum=0.9, weight_decay=1e-2),  # noqa: E731
+                      torch.optim.Adamax([m.l2.weight, m.l2.bias, m.w], lr=2e-2, weight_decay=1e-2)]
+    opts, ref_opts = make(model), make(ref)
+    bs = batches(3)
+    step = torch_ext.make_train_step(model, opts, ce, bs[0])
+    loaded = torch_ext.load_step(step.to_aoti(str(tmp_path / "step.pt2")))
+    state = step.init_state()
+    for b in bs:
+        loss, state = loaded(state, *b)
+        for o in ref_opts:
+            o.zero_grad()
+        want = ce(ref, *b)
+        want.backward()
+        for o in ref_opts:
+            o.step()
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(state.params["model." + n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
