@@ -2665,7 +2665,8 @@ def _sweep_in_cpp(rg: ReactiveGraph, site_list: list, nodes: list, names: list, 
 def _patched_values(rg: ReactiveGraph, nodes: list, members: list, patch: Callable) -> list:
     """The patch function's value for each site (``members``, on ``nodes``; its node's current value given to
     each), called once per site in the order given: the order an eager-hook sweep calls it in, so a patch
-    drawing from a seeded generator draws the same values."""
+    drawing from a seeded generator draws the same values. Each value is kept as the function returned it
+    then: a later write into the tensor returned (a reused buffer) does not reach it."""
     values = []
     for node, s in zip(nodes, members):
         clean = rg._engine.value(node)
@@ -2680,7 +2681,10 @@ def _patched_values(rg: ReactiveGraph, nodes: list, members: list, patch: Callab
             raise RuntimeError(
                 f"patch %{node} at site {s!r}: expected shape {list(clean.shape)}, dtype {clean.dtype}, device "
                 f"{clean.device}; got shape {list(v.shape)}, dtype {v.dtype}, device {v.device}")
-        values.append(v.detach())
+        # Kept as a copy (copy on write: free unless a side writes): the values are stacked only after every
+        # site of the unit has run, and a function that writes each site's value into one buffer it returns
+        # (or a view of it) left every site but the last reading the last one's bits, silently.
+        values.append(_own_copy(v.detach()))
     return values
 
 
