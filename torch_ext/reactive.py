@@ -1457,12 +1457,40 @@ class ReactiveGraph:
         (nodes S, standing at the demand), from a graph with nothing stale and no standing patch, early cutoff
         off, it costs |(U_k D(B_k) U U_{s in S} V+(s)) minus S|, with B_k the k-th block's nodes and the cones
         taken in the graph after the batch (which reduces to the formula above when S is empty). A patch
-        function reads its node's baseline inside the batch: that read settles the batch and evaluates then."""
-        self._engine.begin_batch()
+        function reads its node's baseline inside the batch: that read settles the batch and evaluates then.
+
+        An exception leaving the block (the user's own, or a refused patch) puts the patches back as they
+        were when it began, the same values (a caught half-applied batch answered the next demand silently);
+        a graft made inside it cannot be taken back and stands, which the exception's note says."""
+        eng = self._engine
+        # The pins' values, read before the batch opens: a pinned node is valid, so this evaluates nothing
+        # (inside an outer batch it settles that batch's pending mutations, as any read does).
+        pins = {n: eng.value(n) for n in eng.pinned()}
+        grafts = len(self._grafts)
+        eng.begin_batch()
         try:
             yield self
+        except BaseException as e:
+            self._put_back_pins(pins)
+            if len(self._grafts) > grafts:
+                made = ", ".join(f"after {src!r}" + (f" into {dst!r}" if dst else "")
+                                 for src, dst, _, _ in self._grafts[grafts:])
+                e.add_note(f"rg.batch(): the patches are as they were before this batch; its grafts ({made}) "
+                           "stand, as a graft cannot be taken back")
+            raise
         finally:
-            self._engine.end_batch()
+            eng.end_batch()
+
+    def _put_back_pins(self, pins: dict) -> None:
+        """Makes the pinned nodes exactly ``pins`` (node -> pinned value), as :meth:`batch` found them."""
+        eng = self._engine
+        for node in eng.pinned():
+            if node not in pins:
+                eng.restore_node(node)
+        for node, value in pins.items():
+            now = eng.value(node) if node in eng.pinned() else None
+            if now is not value:
+                eng.patch(node, value)
 
     # ---- inspection
     @property
