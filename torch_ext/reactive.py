@@ -2342,6 +2342,17 @@ class _InMetric:
         self.rg._in_metric = True
         try:
             return self.metric(*args, **kwargs)
+        except RuntimeError as e:
+            # Attribution patching: .backward() or torch.autograd.grad on the outputs. torch's words name
+            # neither the sweep nor where gradients with respect to activations can come from.
+            if "does not require grad" not in str(e):
+                raise
+            raise RuntimeError(
+                f"sweep: the metric asked for a gradient ({e}); the graph runs without autograd, so the outputs "
+                "a metric gets carry no grad_fn, and gradients with respect to activations (attribution patching) "
+                "cannot be taken inside a sweep. Take them in eager: run the model with forward hooks that keep "
+                "the activations (act.retain_grad()), call metric(output).backward() and read act.grad; or "
+                "measure each site exactly with sweep(), which attribution patching approximates") from e
         finally:
             self.rg._in_metric = before
 
