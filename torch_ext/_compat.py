@@ -2203,12 +2203,20 @@ def _trace_for_inference(module, args, kwargs, front_end, settle=lambda: None):
     traced_vars = [(m, dict(vars(m))) for m in torch.nn.Module.modules(module)]
     try:
         if front_end != "export":
+            hooks_before = _hook_dicts(module)
             try:
                 ep, used = make_fx_program(module, args, kwargs), "make_fx"
             except UnsoundTrace as e:
                 if front_end == "make_fx":
                     raise
                 reason = str(e)
+                # What the refused attempt did to the modules, undone before export traces them again. A module
+                # that sets itself up at its first forward did it there, on make_fx's stand-ins for its submodules
+                # (record_module_stack's proxies): TransformerLens 4's blocks register hooks that hold a
+                # weakref.proxy to the block and mark themselves wired, so export ran hooks whose block was gone
+                # ("ReferenceError: weakly-referenced object no longer exists" on a bridge never run before).
+                _restore_hook_dicts(hooks_before)
+                _restore_attributes(traced_vars)
         if used == "export":
             ep = torch.export.export(module, args, kwargs or {})
     finally:
@@ -2411,6 +2419,21 @@ def _cells_filled(f) -> bool:
         return True
     except ValueError:
         return False
+
+
+def _hook_dicts(module: torch.nn.Module) -> list:
+    """(dict, its entries) for every hook dict of every module (``_forward_hooks``, ``_forward_pre_hooks``, ...):
+    registering a hook adds to the dict in place, which a snapshot of the module's attributes does not undo."""
+    return [(d, dict(d)) for m in torch.nn.Module.modules(module) for k, d in vars(m).items()
+            if k.startswith(("_forward", "_backward", "_state_dict", "_load_state_dict")) and isinstance(d, dict)]
+
+
+def _restore_hook_dicts(snapshots) -> None:
+    """Puts each hook dict back to the entries ``_hook_dicts`` recorded (hooks registered since are dropped)."""
+    for d, before in snapshots:
+        if d.keys() != before.keys():
+            d.clear()
+            d.update(before)
 
 
 def _restore_attributes(snapshots) -> None:

@@ -1457,12 +1457,40 @@ class ReactiveGraph:
         (nodes S, standing at the demand), from a graph with nothing stale and no standing patch, early cutoff
         off, it costs |(U_k D(B_k) U U_{s in S} V+(s)) minus S|, with B_k the k-th block's nodes and the cones
         taken in the graph after the batch (which reduces to the formula above when S is empty). A patch
-        function reads its node's baseline inside the batch: that read settles the batch and evaluates then."""
-        self._engine.begin_batch()
+        function reads its node's baseline inside the batch: that read settles the batch and evaluates then.
+
+        An exception leaving the block (the user's own, or a refused patch) puts the patches back as they
+        were when it began, the same values (a caught half-applied batch answered the next demand silently);
+        a graft made inside it cannot be taken back and stands, which the exception's note says."""
+        eng = self._engine
+        # The pins' values, read before the batch opens: a pinned node is valid, so this evaluates nothing
+        # (inside an outer batch it settles that batch's pending mutations, as any read does).
+        pins = {n: eng.value(n) for n in eng.pinned()}
+        grafts = len(self._grafts)
+        eng.begin_batch()
         try:
             yield self
+        except BaseException as e:
+            self._put_back_pins(pins)
+            if len(self._grafts) > grafts:
+                made = ", ".join(f"after {src!r}" + (f" into {dst!r}" if dst else "")
+                                 for src, dst, _, _ in self._grafts[grafts:])
+                e.add_note(f"rg.batch(): the patches are as they were before this batch; its grafts ({made}) "
+                           "stand, as a graft cannot be taken back")
+            raise
         finally:
-            self._engine.end_batch()
+            eng.end_batch()
+
+    def _put_back_pins(self, pins: dict) -> None:
+        """Makes the pinned nodes exactly ``pins`` (node -> pinned value), as :meth:`batch` found them."""
+        eng = self._engine
+        for node in eng.pinned():
+            if node not in pins:
+                eng.restore_node(node)
+        for node, value in pins.items():
+            now = eng.value(node) if node in eng.pinned() else None
+            if now is not value:
+                eng.patch(node, value)
 
     # ---- inspection
     @property
@@ -2315,6 +2343,17 @@ class _InMetric:
         self.rg._in_metric = True
         try:
             return self.metric(*args, **kwargs)
+        except RuntimeError as e:
+            # Attribution patching: .backward() or torch.autograd.grad on the outputs. torch's words name
+            # neither the sweep nor where gradients with respect to activations can come from.
+            if "does not require grad" not in str(e):
+                raise
+            raise RuntimeError(
+                f"sweep: the metric asked for a gradient ({e}); the graph runs without autograd, so the outputs "
+                "a metric gets carry no grad_fn, and gradients with respect to activations (attribution patching) "
+                "cannot be taken inside a sweep. Take them in eager: run the model with forward hooks that keep "
+                "the activations (act.retain_grad()), call metric(output).backward() and read act.grad; or "
+                "measure each site exactly with sweep(), which attribution patching approximates") from e
         finally:
             self.rg._in_metric = before
 
@@ -2666,7 +2705,8 @@ def _sweep_in_cpp(rg: ReactiveGraph, site_list: list, nodes: list, names: list, 
 def _patched_values(rg: ReactiveGraph, nodes: list, members: list, patch: Callable) -> list:
     """The patch function's value for each site (``members``, on ``nodes``; its node's current value given to
     each), called once per site in the order given: the order an eager-hook sweep calls it in, so a patch
-    drawing from a seeded generator draws the same values."""
+    drawing from a seeded generator draws the same values. Each value is kept as the function returned it
+    then: a later write into the tensor returned (a reused buffer) does not reach it."""
     values = []
     for node, s in zip(nodes, members):
         clean = rg._engine.value(node)
@@ -2681,7 +2721,10 @@ def _patched_values(rg: ReactiveGraph, nodes: list, members: list, patch: Callab
             raise RuntimeError(
                 f"patch %{node} at site {s!r}: expected shape {list(clean.shape)}, dtype {clean.dtype}, device "
                 f"{clean.device}; got shape {list(v.shape)}, dtype {v.dtype}, device {v.device}")
-        values.append(v.detach())
+        # Kept as a copy (copy on write: free unless a side writes): the values are stacked only after every
+        # site of the unit has run, and a function that writes each site's value into one buffer it returns
+        # (or a view of it) left every site but the last reading the last one's bits, silently.
+        values.append(_own_copy(v.detach()))
     return values
 
 

@@ -258,3 +258,33 @@ def test_one_at_a_time_sites_in_another_layout_give_eagers_bits(kw, model_kind):
         assert torch.equal(got.metrics[s], want[s]), (s, _rel(got.metrics[s], want[s]))
     assert got.measured_evaluations == got.predicted_evaluations
     rg.check_invariants()
+
+
+@pytest.mark.parametrize("kw", _KWS + [{}], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "one_at_a_time")
+def test_a_patch_function_reusing_one_output_buffer_gives_each_site_its_value(kw):
+    """A patch function that writes each site's value into one preallocated buffer and returns it (or a view
+    of it) is fine in an eager-hook sweep: each hook's value is consumed before the next is written. The
+    batched driver called the function for every site of a unit first and stacked the values afterwards, so
+    every site but the last of a unit read the last site's bits: 5 of 6 sites of a resid sweep answered
+    another position's metric, silently. Each returned value is now kept as a copy (copy on write)."""
+    torch.manual_seed(0)
+    model = _OffsetRowSums(width=16, offset=0.0).eval()
+    x = torch.randn(2, 6, 16)
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    modules = {"linear": model.lin1, "relu": model.act, "linear_1": model.lin2}
+    buf = torch.empty(2, 6, 16)
+
+    def patch(v, site):
+        buf.copy_(v)
+        buf[:, site[1]] = 0.0
+        return buf if site[0] == "relu" else buf[:, :]
+
+    sites = [(n, p) for n in ("linear", "relu") for p in range(6)]
+    metric = (lambda out: out[:, -1].clone()) if "reads" in kw else (lambda out: out.clone())  # noqa: E731
+    want = _eager_sweep(model, x, modules, sites, patch, metric)
+    assert not torch.equal(want[("relu", 0)], want[("relu", 5)])  # the case: the sites' values differ
+    got = torch_ext.sweep(rg, sites, patch, metric, progress=False, **kw)
+    for s in sites:
+        assert _rel(got.metrics[s], want[s]) <= 1e-6, (s, _rel(got.metrics[s], want[s]))
+    assert rg.patched() == []
+    rg.check_invariants()

@@ -330,6 +330,57 @@ def test_batch_of_mixed_order_grafts_costs_the_batch_formula():
     rg.check_invariants()
 
 
+def test_an_exception_inside_a_batch_leaves_the_patches_as_they_were_before_it(resid):
+    """A user's `with rg.batch():` block that raised (a bad patch value, a KeyError of their own) and was
+    caught left the patches made inside it standing: the next demand answered the half-applied batch (1.7
+    off the sum of the standing patch alone on ResidTanh(3)), silently, and a patch restored inside it
+    stayed off. The patches are now put back as they were when the outermost failing batch began (the
+    pins' values, the same bits), nested batches included."""
+    model, x = resid
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    t0, t1, t2 = _tanh_nodes(rg)
+    rg.patch(t1, lambda v: v * 0.5)  # standing
+    want = _eager(model, x, {1: lambda v: v * 0.5})
+    assert torch.equal(rg.demand(), want)
+    frozen = rg.value(t1).clone()  # a standing patch keeps its value when its upstream changes (README)
+    with pytest.raises(KeyError, match="mine"):
+        with rg.batch():
+            rg.patch(t0, lambda v: v * 0)
+            rg.restore(t1)
+            rg.patch(t2, torch.zeros(2, 5, 8))
+            raise KeyError("mine")
+    assert rg.patched() == [t1]
+    assert torch.equal(rg.demand(), want)
+    with pytest.raises(RuntimeError, match="expected shape"):
+        with rg.batch():
+            rg.patch(t0, lambda v: v * 0)
+            with rg.batch():
+                rg.restore()
+                rg.patch(t2, torch.zeros(3))  # refused: the wrong shape
+    assert rg.patched() == [t1]
+    assert torch.equal(rg.demand(), want)
+    with rg.batch():  # an inner batch that failed and was caught inside the outer one: only its own undone
+        rg.patch(t0, lambda v: v * 0)
+        try:
+            with rg.batch():
+                rg.restore(t1)
+                raise KeyError("inner")
+        except KeyError:
+            pass
+    assert sorted(rg.patched()) == sorted([t0, t1])
+    assert torch.equal(rg.demand(), _eager(model, x, {0: lambda v: v * 0, 1: lambda v: frozen}))
+    rg.restore(t0)
+    with pytest.raises(KeyError, match="graft") as e:  # a graft cannot be taken back: the note says it stands
+        with rg.batch():
+            rg.patch(t0, lambda v: v * 0)
+            rg.graft(t2, lambda v: v * 2)
+            raise KeyError("graft")
+    assert any(f"its grafts (after {t2!r}) stand" in note for note in e.value.__notes__)
+    assert rg.patched() == [t1]
+    assert torch.equal(rg.demand(), _eager(model, x, {1: lambda v: frozen, 2: lambda v: v * 2}))
+    rg.check_invariants()
+
+
 @pytest.mark.internals
 def test_demand_before_run_says_so():
     g = Graph.parse(synthetic.chain_text(3, "aten::sin.default", "f32[4]"))

@@ -477,3 +477,34 @@ def test_unpatched_metric_measured_in_the_cpp_loop_is_guarded(monkeypatch, posit
     again = torch_ext.sweep(rg, sites, patch, lambda o: o.sum(), progress=False, positions=positions)
     assert again.metrics == r.metrics and again.clean_metric == r.clean_metric
     rg.check_invariants()
+
+
+@pytest.mark.parametrize("kw", [{}, {"batch_sites": True}, {"reads": {0: (slice(None), -1)}}, "python_loop"],
+                         ids=["cpp_loop", "batched", "reads", "python_loop"])
+@pytest.mark.parametrize("how", ["backward", "autograd_grad"])
+def test_a_metric_asking_for_a_gradient_says_the_sweep_has_none(monkeypatch, kw, how):
+    """Attribution patching: a metric calling ``.backward()`` (or ``torch.autograd.grad``) on the outputs got
+    torch's "element 0 of tensors does not require grad and does not have a grad_fn", which names neither the
+    sweep nor the way out. The refusal says the graph runs without autograd and where gradients with respect to
+    activations come from (eager with hooks); nothing is left patched."""
+    model, x, rg = _graph()
+    if kw == "python_loop":
+        _python_loop(monkeypatch)
+        kw = {}
+    clean = rg.demand().clone()
+
+    def metric(out):
+        m = out[:, -1].sum()
+        if how == "backward":
+            m.backward()
+        else:
+            torch.autograd.grad(m, out)
+        return m
+
+    sites = [(n, p) for n in rg.nodes("tanh*") for p in range(2)]
+    with pytest.raises(RuntimeError, match=r"sweep: the metric asked for a gradient .* runs without autograd.*"
+                                           r"attribution patching.*forward hooks") as e:
+        torch_ext.sweep(rg, sites, position_patch(0.0), metric, progress=False, **kw)
+    assert "does not require grad" in str(e.value)  # torch's own words kept, after ours
+    assert rg.patched() == []
+    assert torch.equal(rg.demand(), clean)

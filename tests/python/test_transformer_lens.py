@@ -332,13 +332,46 @@ def test_patching_skips_sites_whose_patch_changes_nothing(bridge, name, hook):
     assert rg.stats["evaluations"] - before == want
 
 
+def test_a_fresh_gqa_bridge_builds_and_patches_heads_as_transformer_lens():
+    """A native RMS bridge never run before (Llama-style: rotary, gated MLP, 4 query heads over 2 key/value
+    heads) failed to build with "ReferenceError: weakly-referenced object no longer exists": its blocks wire
+    their capture hooks at their first forward, which was the make_fx attempt of front_end="auto", where each
+    block is a tracer's stand-in (weakref.proxy to it, dead after that trace); the export that followed kept
+    those hooks. The attempt's hooks and attribute writes are now undone before the export. Per-head q, k, v
+    and pattern patches at one position then equal TransformerLens's run_with_hooks bit for bit."""
+    cfg = tl.TransformerBridgeConfig(n_layers=2, d_model=32, n_heads=4, d_head=8, d_mlp=64, n_ctx=16, d_vocab=50,
+                                     act_fn="silu", normalization_type="RMS", positional_embedding_type="rotary",
+                                     gated_mlp=True, n_key_value_heads=2, seed=0)
+    model = tl.TransformerBridge.boot_native(cfg).eval()
+    clean, _ = _prompts(2)
+    rg = torch_ext.ReactiveGraph(model, (clean,), cache=False)
+    assert rg.build_stats["front_end"] == "export"  # make_fx refused it first: the case
+    assert torch.equal(rg.demand(), model(clean))
+    assert rg.value("blocks.0.attn.hook_k").shape == (2, 6, 2, 8)  # two key/value heads
+
+    def one_head(a):
+        a = a.clone()
+        a[:, 2, 1] = 0.5  # [batch, pos, head, d_head]: head 1 at position 2
+        return a
+
+    def one_row(a):
+        a = a.clone()
+        a[:, 1, 3] = a[:, 1, 3].flip(-1)  # [batch, head, query, key]: head 1, query 3
+        return a
+
+    for hook, fn in [("hook_q", one_head), ("hook_k", one_head), ("hook_v", one_head), ("hook_pattern", one_row)]:
+        name = f"blocks.1.attn.{hook}"
+        want = model.run_with_hooks(clean, fwd_hooks=[(name, lambda act, hook, fn=fn: fn(act))])
+        rg.patch(name, fn)
+        assert torch.equal(rg.demand(), want), name
+        rg.restore()
+
+
 @pytest.fixture(scope="module")
 def rms_bridge():
     cfg = tl.TransformerBridgeConfig(n_layers=2, d_model=16, n_heads=4, d_head=4, d_mlp=24, n_ctx=16, d_vocab=31,
                                      act_fn="silu", normalization_type="RMS", seed=2)
-    model = tl.TransformerBridge.boot_native(cfg).eval()
-    model(torch.zeros(1, 2, dtype=torch.long))  # a fresh RMS bridge's first trace fails in TransformerLens (weakref)
-    return model
+    return tl.TransformerBridge.boot_native(cfg).eval()
 
 
 @pytest.mark.parametrize("name", ["get_act_patch_resid_pre", "get_act_patch_attn_head_q_by_pos",
