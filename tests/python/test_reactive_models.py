@@ -409,6 +409,7 @@ def _batched_sites_equal_eager_hooks(model, args, kwargs, node, module, position
 
     batched = torch_ext.sweep(rg, sites, patch, metric, batch_sites=True)
     one = torch_ext.sweep(rg, sites, patch, metric)
+    whole = torch_ext.sweep(rg, sites, patch, metric, positions=False)
     for site in sites:
         h = module.register_forward_hook(lambda m, a, o, site=site: patch(o, site))
         try:
@@ -416,7 +417,10 @@ def _batched_sites_equal_eager_hooks(model, args, kwargs, node, module, position
                 ref = metric(model(*args, **kwargs))
         finally:
             h.remove()
-        assert one.metrics[site] == ref, site
+        assert whole.metrics[site] == ref, site
+        # Token-granular cones agree within README's 1e-6 relative (BLAS may round some rows differently): bit for
+        # bit on the machines of earlier stops, 4.3e-7 off on HF T5 on an AVX2 AMD EPYC (positions=False: exact).
+        assert one.metrics[site] == pytest.approx(ref, rel=1e-6, abs=1e-6), site
         assert batched.metrics[site] == pytest.approx(ref, rel=1e-6, abs=1e-6), site
 
 
