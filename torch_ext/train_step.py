@@ -239,6 +239,9 @@ class _LrSchedule:
         self._pristine = copy.deepcopy((schedulers, optimizers), dict(memo))  # replayed again by write_back
         self._user_opts = optimizers
         self._seen = copy.deepcopy([sch.state_dict() for sch in schedulers])  # check_unchanged's last look
+        # Steps past the build where the step last put or found the user's schedulers (the build,
+        # init_state, write_back): a call refuses them anywhere else but at the state's own epoch.
+        self._placed = 0
         self.fed = dict(fed or {})
         self._where = _fed_locations(optimizers, self.fed)
         self._seen_lrs = self._user_lrs()
@@ -360,6 +363,7 @@ class _LrSchedule:
         or a scheduler edited since the last look. An eager scheduler may continue from a hand-set lr
         (StepLR, ExponentialLR: chainable) or override it (LambdaLR), so no one answer matches eager."""
         self.check_unchanged()
+        self._check_stepped_outside(state, who)
         want = self.at(state.sched_epoch)
         have = [float(t) for t in state.lr]
         fed_want = self.fed_at(state.sched_epoch)
@@ -381,6 +385,26 @@ class _LrSchedule:
                              f"after {state.sched_epoch} steps: the lr of a step run with a scheduler follows the "
                              "scheduler, so a hand-set lr (state.set_lr) is refused; run it without the scheduler "
                              "to set the lr per call, or change the scheduler")
+
+    def _user_steps(self) -> int:
+        return max(_sched_epoch(now) - _sched_epoch(built) for now, built in zip(self._originals, self._pristine[0]))
+
+    def _check_stepped_outside(self, state, who: str) -> None:
+        """Refuses the user's schedulers stepped since the step last placed them (build, init_state,
+        write_back) to anywhere but the state's epoch: eager training would take that lr (a sched.step()
+        before the first call, or twice per call), the step takes the state's. Stepped in lockstep with the
+        calls (once per call after it) they stand at the state's epoch, as eager's would."""
+        k = self._user_steps()
+        if k == self._placed or self.base + k == state.sched_epoch:
+            return
+        names = ", ".join(type(s).__name__ for s in self._originals)
+        raise ValueError(f"{who}: the user's scheduler ({names}) was stepped outside the step to epoch {self.base + k} "
+                         f"(epoch {self.base + self._placed} when the step last placed it), but {state.describe()} is "
+                         f"at scheduler epoch {state.sched_epoch}: eager training would take the lr of epoch "
+                         f"{self.base + k}, the step takes the state's. A step built with scheduler= steps the "
+                         "schedule itself, once per call: drop the extra sched.step() (or step it once per call, "
+                         "after the call), or build the step without scheduler= and set the lr per call with "
+                         "state.set_lr")
 
     def advance(self, new_state, epoch: int) -> None:
         """The scheduler's epoch and lr in a call's result: what eager sched.step() leaves."""
@@ -415,6 +439,7 @@ class _LrSchedule:
                     if key != "params" and key not in _LR_KEYS:
                         u[key] = copy.deepcopy(v)
         self._seen = copy.deepcopy([sch.state_dict() for sch in self._originals])  # placed by us: no edit
+        self._placed = k
         self._seen_lrs = self._values(k)  # what the groups hold unless the written state's lr was set by hand
 
 
@@ -1021,7 +1046,10 @@ class TrainStep:
         # The schedule continues from where the user's schedulers stand now (eager steps, write_back).
         sched_epoch = 0
         if self._schedule is not None:
-            sched_epoch = self._schedule.base + (self._schedule.position() if place_schedule else 0)
+            sched_epoch = self._schedule.base
+            if place_schedule:  # init_state: the schedule continues from where the user's scheduler stands
+                self._schedule._placed = self._schedule.position()
+                sched_epoch += self._schedule._placed
         lrs = self._schedule.at(sched_epoch) if self._schedule is not None else [float(g["lr"]) for _, g in self._groups]
         self._seen_lrs = self._group_lrs()
         lr = [torch.tensor(v, dtype=torch.float64) for v in lrs]
