@@ -58,6 +58,10 @@ class TrainState:
     origin: str = field(default="", repr=False, compare=False)
     # TrainStep.fingerprint of the program that made it; checked by load_state_dict, in any process.
     fingerprint: str = field(default="", repr=False)
+    # The parameters (state names) eager's optimizer held no state for when init_state took this state, and
+    # that no call has updated since: write_back leaves them without an entry, as torch.optim creates its state
+    # on the first step. Lion's and Muon's slots count no steps, so their values cannot tell.
+    unstepped: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     def state_dict(self) -> dict:
         """Plain tensors, lists and strings: saves with torch.save, loads with torch.load(weights_only=True);
@@ -65,7 +69,7 @@ class TrainState:
         self._refuse_if_consumed("state_dict()")
         return {"params": dict(self.params), "buffers": dict(self.buffers), "opt": dict(self.opt),
                 "lr": list(self.lr), "rng": self.rng, "sched_epoch": int(self.sched_epoch),
-                "fingerprint": self.fingerprint}
+                "fingerprint": self.fingerprint, "unstepped": list(self.unstepped)}
 
     def _refuse_if_consumed(self, what: str) -> None:
         if self.consumed_by is not None:  # the tensors hold the next step's values now
@@ -121,18 +125,18 @@ def _flatten_state(s: TrainState):
     leaves = [s.params[k] for k in keys[0]] + [s.buffers[k] for k in keys[1]] + [s.opt[k] for k in keys[2]] + list(s.lr)
     if s.rng is not None:
         leaves.append(s.rng)
-    return leaves, (keys, len(s.lr), s.step_id, s.rng is not None, s.sched_epoch, s.fingerprint)
+    return leaves, (keys, len(s.lr), s.step_id, s.rng is not None, s.sched_epoch, s.fingerprint, tuple(s.unstepped))
 
 
 def _unflatten_state(leaves, ctx):
-    (pk, bk, ok), n_lr, step_id, has_rng, sched_epoch, fingerprint = ctx
+    (pk, bk, ok), n_lr, step_id, has_rng, sched_epoch, fingerprint, unstepped = ctx
     it = iter(leaves)
     params = {k: next(it) for k in pk}
     buffers = {k: next(it) for k in bk}
     opt = {k: next(it) for k in ok}
     lr = [next(it) for _ in range(n_lr)]
     return TrainState(params, buffers, opt, lr, step_id, next(it) if has_rng else None, sched_epoch,
-                      fingerprint=fingerprint)
+                      fingerprint=fingerprint, unstepped=unstepped)
 
 
 pytree.register_pytree_node(TrainState, _flatten_state, _unflatten_state)
@@ -1029,11 +1033,14 @@ class TrainStep:
         params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
         buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
         opt: dict[str, torch.Tensor] = {}
+        unstepped = []
         for u in self._updates:
             p = self._param_of[self._strip(u["param"])]
             owner, group = self._groups[u["group"]]
             initial = optim.registration_for(owner).initial_state(u["kind"], owner.state.get(p, {}), p, group)
             opt.update({optim.state_name(u["param"], slot): v for slot, v in initial.items()})
+            if not owner.state.get(p):
+                unstepped.append(u["param"])
         if self.shard_optimizer_state:  # ZeRO-1: this rank's shard of each slot shaped like its parameter
             from .distributed import _SHARDED_STEPS, shard_tensor
 
@@ -1063,7 +1070,7 @@ class TrainStep:
         # unprefixed when the loss function made or captured them (cross_entropy(..., weight=w)).
         buffers.update({k: v.clone() for k, v in self._constants.items()})
         state = TrainState({_MODEL_PREFIX + k: v for k, v in params.items()}, buffers, opt, lr, self._id, rng,
-                           sched_epoch)
+                           sched_epoch, unstepped=tuple(unstepped))
         state.origin = f"init_state() of TrainStep {self._id}"
         state.fingerprint = self.fingerprint
         return state
@@ -1104,7 +1111,7 @@ class TrainStep:
                                 if self.shard_optimizer_state else ""))
         ref = self._fresh_state()
         loaded = TrainState(dict(d["params"]), dict(d["buffers"]), dict(d["opt"]), list(d["lr"]), self._id, d["rng"],
-                            int(d["sched_epoch"]), fingerprint=self.fingerprint)
+                            int(d["sched_epoch"]), fingerprint=self.fingerprint, unstepped=tuple(d.get("unstepped", ())))
         for part in ("params", "buffers", "opt"):
             want, got = getattr(ref, part), getattr(loaded, part)
             if set(want) != set(got):
@@ -1524,7 +1531,7 @@ class TrainStep:
                     if opt[k].dim() > 0:  # every non-scalar slot is a shard (step counts are scalars)
                         opt[k] = unshard_tensor(opt[k], p, self.process_group)
             state = TrainState(state.params, state.buffers, opt, state.lr, state.step_id, state.rng, state.sched_epoch,
-                               fingerprint=state.fingerprint)
+                               fingerprint=state.fingerprint, unstepped=state.unstepped)
         with torch.no_grad():
             for n, p in self.model.named_parameters():
                 p.copy_(state.params[_MODEL_PREFIX + n])
@@ -1543,10 +1550,14 @@ class TrainStep:
         for u in self._updates:
             p = self._param_of[self._strip(u["param"])]
             opt, group = self._groups[u["group"]]
-            if u["param"] not in self._with_grad and not opt.state.get(p):
-                # Never updated by the step, as torch.optim skips a .grad of None: eager has no state for it. A kind
-                # whose slots count no steps (Lion's exp_avg, Muon's momentum_buffer) cannot tell so from its values.
+            if u["param"] in state.unstepped:
+                # Not updated yet (a state straight from init_state, taken when eager held no state for it): eager
+                # has none. A kind whose slots count no steps (Lion's exp_avg, Muon's momentum_buffer) cannot tell
+                # so from its values; an entry a later write_back left goes, as the state holds none.
+                opt.state.pop(p, None)
                 continue
+            if u["param"] not in self._with_grad and not opt.state.get(p):
+                continue  # never updated by the step, as torch.optim skips a .grad of None: eager has no state for it
             slots = [slot for slot, _ in optim.descriptor(u["kind"])["slots"]]
             values = {slot: state.opt[optim.state_name(u["param"], slot)] for slot in slots}
             entries = optim.registration_for(opt).torch_state(u["kind"], values, group)

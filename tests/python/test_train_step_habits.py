@@ -3053,6 +3053,48 @@ def test_write_back_leaves_no_state_for_a_parameter_without_gradient_in_an_optim
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 
 
+@pytest.mark.parametrize("opt_name", ["Lion", "Muon", "AdamW"])
+@pytest.mark.parametrize("steps", [0, 1, 3])
+def test_write_back_of_a_state_before_its_first_step_gives_eager_optimizer_state(opt_name, steps):
+    # write_back(step.init_state()) gave Lion and Muon a zero exp_avg (momentum_buffer) for every parameter
+    # that gets a gradient, where eager's optimizer, not stepped yet, holds no entry at all (a checkpoint with
+    # 2 entries against eager's 0); kinds with a step count (AdamW) left none already. The state says which
+    # parameters no call has updated yet, through state_dict()/load_state_dict and tree_map too.
+    torch.manual_seed(0)
+    ref = _TwoHeadsNoBias()
+    model = copy.deepcopy(ref)
+    make = {"Lion": lambda m: torch_ext.optim.Lion(m.parameters(), lr=1e-3, weight_decay=0.1),
+            "Muon": lambda m: torch.optim.Muon(m.parameters(), lr=0.02, weight_decay=0.1),
+            "AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)}[opt_name]
+    ref_opt, opt = make(ref), make(model)
+    batches = [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(3)]
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    step = torch_ext.make_train_step(model, opt, loss_fn, batches[0])
+    fresh = state = step.init_state()
+    for x, y in batches[:steps]:
+        ref_opt.zero_grad()
+        loss_fn(ref, x, y).backward()
+        ref_opt.step()
+        loss, state = step(state, x, y)
+
+    def same_as_eager():
+        got, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+        assert sorted(got) == sorted(want) == ([0, 1] if steps else [])
+        for k, st in want.items():
+            assert sorted(got[k]) == sorted(st) and all(torch.equal(got[k][s], v) for s, v in st.items())
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+    for copy_of in (lambda s: s, lambda s: step.load_state_dict(s.state_dict()),
+                    lambda s: torch.utils._pytree.tree_map(torch.clone, s)):
+        step.write_back(copy_of(state))
+        same_as_eager()
+    if steps:  # the written entries go again when the state before any step is written back
+        step.write_back(fresh)
+        assert opt.state_dict()["state"] == {}
+        step.write_back(state)
+        same_as_eager()
+
+
 class _TensorIndex(nn.Module):
     """A ring buffer indexed by a 0-dim step counter: Python's indexing reads the counter as an int."""
 
