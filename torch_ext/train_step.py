@@ -531,16 +531,25 @@ def _same_option(a, b) -> bool:
         return False
 
 
-def in_layout_of(t: torch.Tensor, example: torch.Tensor) -> torch.Tensor:
+def in_layout_of(t: torch.Tensor, example: torch.Tensor, name: str = "a batch tensor") -> torch.Tensor:
     """``t`` in ``example``'s strides: a copy (same values) when they differ in a dimension of size > 1.
-    The program was traced on the example's layout and its views rely on it: a channels-last, transposed
-    or expanded batch of the same shape failed in the executor with "view size is not compatible"."""
+    The program was traced on the example's layout and its views rely on it: an expanded or sliced batch
+    of the same shape failed in the executor with "view size is not compatible". A dense batch in another
+    memory layout (channels-last, permuted) is refused: eager's kernels take their path from it (a
+    channels-last convolution rounds otherwise), so the copy trained 1 ulp off eager, silently."""
     if all(a == b for a, b, n in zip(t.stride(), example.stride(), t.shape) if n > 1):
         return t
     from torch._prims_common import is_non_overlapping_and_dense
 
     if not is_non_overlapping_and_dense(example):  # an expanded example: no layout to copy into
         return t.contiguous()
+    if is_non_overlapping_and_dense(t):
+        raise ValueError(f"{name}: strides {tuple(t.stride())} (shape {tuple(t.shape)}), a memory layout other than "
+                         f"the example batch's strides {tuple(example.stride())}, which the program was traced with: "
+                         "eager's kernels take their path from the layout (a channels-last convolution rounds "
+                         "otherwise), so a copy would not train as eager. Pass it in the example's layout "
+                         "(.contiguous(), or .contiguous(memory_format=torch.channels_last)), or build the step on "
+                         "an example batch in this layout")
     return torch.empty_strided(example.shape, example.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 
@@ -1387,7 +1396,8 @@ class TrainStep:
                 hint = "" if self.batch_shapes == "cache" else "; build the step with batch_shapes='cache' to accept it"
                 raise ValueError(f"batch[{i}]: expected shape {tuple(ex.shape)} and dtype {ex.dtype} as in the "
                                  f"example batch, got shape {tuple(t.shape)} and dtype {t.dtype}{hint}")
-        return self._gather(state, [in_layout_of(t, ex) for t, ex in zip(flat_batch, self._example_leaves)])
+        return self._gather(state, [in_layout_of(t, ex, f"batch[{i}]")
+                                    for i, (t, ex) in enumerate(zip(flat_batch, self._example_leaves))])
 
     def _check_batch(self, batch) -> list:
         flat_batch = batch_leaves(batch, self._call_spec, self.batch_paths)

@@ -2287,34 +2287,49 @@ class _ConvThenFlat(nn.Module):
 
 
 def test_a_batch_in_other_strides_than_the_example_trains_as_eager(tmp_path):
-    # A loader may hand channels-last images, or a transposed or expanded tensor of the example's shape:
-    # the program's views rely on the example's layout, and the executor failed with "view size is not
-    # compatible". Batches are now copied into the example's strides (same values) when they differ.
-    torch.manual_seed(0)
-    model = _ConvThenFlat()
-    ref = copy.deepcopy(model)
+    # A loader may hand an expanded or sliced tensor of the example's shape: the program's views rely on the
+    # example's layout, and the executor failed with "view size is not compatible". Such batches are copied
+    # into the example's strides (same values). A dense batch in another memory layout (channels-last images,
+    # a permuted tensor) is refused: eager's convolution takes its channels-last path there and rounds
+    # otherwise, so the copy trained 1 ulp off eager (loss 1.1526538 against 1.1526537 at the first step,
+    # parameters 1e-7 off in 3 AdamW steps), silently. Built on a channels-last example, it trains as eager.
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
-    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
     loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
-    step = torch_ext.make_train_step(model, opt, loss_fn, (x, y))
-    torch.export.save(step.program, str(tmp_path / "layout.pt2"))
-    loaded = torch_ext.load_step(tmp_path / "layout.pt2")
-    layouts = [torch.randn(4, 3, 8, 8, generator=g).to(memory_format=torch.channels_last),
-               torch.randn(4, 8, 8, 3, generator=g).permute(0, 3, 1, 2),
-               torch.randn(1, 3, 8, 8, generator=g).expand(4, 3, 8, 8)]
-    state = saved = step.init_state()
-    for xb in layouts:
-        assert not xb.is_contiguous()
-        loss, state = step(state, xb, y)
-        saved_loss, saved = loaded(saved, xb, y)
-        ref_opt.zero_grad()
-        ref_loss = loss_fn(ref, xb, y)
-        ref_loss.backward()
-        ref_opt.step()
-        assert torch.equal(loss, ref_loss.detach()) and torch.equal(saved_loss, loss)
-    for n, p in ref.named_parameters():
-        assert torch.equal(state.params["model." + n], p.detach()), n
+
+    def side_by_side(example, layouts, name):
+        torch.manual_seed(0)
+        model = _ConvThenFlat()
+        ref = copy.deepcopy(model)
+        opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        step = torch_ext.make_train_step(model, opt, loss_fn, (example, y))
+        torch.export.save(step.program, str(tmp_path / name))
+        loaded = torch_ext.load_step(tmp_path / name)
+        state = saved = step.init_state()
+        for xb in layouts:
+            loss, state = step(state, xb, y)
+            saved_loss, saved = loaded(saved, xb, y)
+            ref_opt.zero_grad()
+            ref_loss = loss_fn(ref, xb, y)
+            ref_loss.backward()
+            ref_opt.step()
+            assert torch.equal(loss, ref_loss.detach()) and torch.equal(saved_loss, loss)
+        for n, p in ref.named_parameters():
+            assert torch.equal(state.params["model." + n], p.detach()), n
+        return step, loaded, state
+
+    copied = [torch.randn(1, 3, 8, 8, generator=g).expand(4, 3, 8, 8), torch.randn(4, 3, 8, 16, generator=g)[..., ::2]]
+    step, loaded, state = side_by_side(x, copied, "layout.pt2")
+    for other in (torch.randn(4, 3, 8, 8, generator=g).to(memory_format=torch.channels_last),
+                  torch.randn(4, 8, 8, 3, generator=g).permute(0, 3, 1, 2)):
+        assert not other.is_contiguous()
+        for run in (step, step.compile(plan=False, donate=False), loaded):
+            with pytest.raises(ValueError, match=r"batch\[0\]: strides \(192, 1, 24, 3\) \(shape \(4, 3, 8, 8\)\), "
+                                                 r"a memory layout other than the example batch's strides "
+                                                 r"\(192, 64, 8, 1\).*build the step on an example batch in this layout"):
+                run(state, other, y)
+    channels_last = [torch.randn(4, 3, 8, 8, generator=g).to(memory_format=torch.channels_last) for _ in range(3)]
+    side_by_side(channels_last[0].clone(memory_format=torch.preserve_format), channels_last, "cl.pt2")
 
 
 # ---------------------------------------------------------------- buffers rebound in forward
