@@ -284,7 +284,8 @@ class LoadedStep:
 
         if "stride" not in entry:
             return t
-        return in_layout_of(t, torch.empty_strided(entry["shape"], entry["stride"], dtype=t.dtype, device="meta"))
+        return in_layout_of(t, torch.empty_strided(entry["shape"], entry["stride"], dtype=t.dtype, device="meta"),
+                            f"batch{entry.get('path', '')}")
 
     @staticmethod
     def _batch_leaves(batch, want) -> list:

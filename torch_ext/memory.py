@@ -112,7 +112,8 @@ class PlannedStep:
             planned = self._variants[id(program)] = PlannedStep(program, plan=plan, donate=donate, memory_budget=budget)
         from .train_step import in_layout_of
 
-        inputs = program._gather(state, [in_layout_of(t, ex) for t, ex in zip(flat_batch, program._example_leaves)])
+        inputs = program._gather(state, [in_layout_of(t, ex, f"batch[{i}]")
+                                         for i, (t, ex) in enumerate(zip(flat_batch, program._example_leaves))])
         return planned._run(state, inputs, finish=step)
 
     def _run(self, state, inputs, finish=None):

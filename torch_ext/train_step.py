@@ -58,6 +58,10 @@ class TrainState:
     origin: str = field(default="", repr=False, compare=False)
     # TrainStep.fingerprint of the program that made it; checked by load_state_dict, in any process.
     fingerprint: str = field(default="", repr=False)
+    # The parameters (state names) eager's optimizer held no state for when init_state took this state, and
+    # that no call has updated since: write_back leaves them without an entry, as torch.optim creates its state
+    # on the first step. Lion's and Muon's slots count no steps, so their values cannot tell.
+    unstepped: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     def state_dict(self) -> dict:
         """Plain tensors, lists and strings: saves with torch.save, loads with torch.load(weights_only=True);
@@ -65,7 +69,7 @@ class TrainState:
         self._refuse_if_consumed("state_dict()")
         return {"params": dict(self.params), "buffers": dict(self.buffers), "opt": dict(self.opt),
                 "lr": list(self.lr), "rng": self.rng, "sched_epoch": int(self.sched_epoch),
-                "fingerprint": self.fingerprint}
+                "fingerprint": self.fingerprint, "unstepped": list(self.unstepped)}
 
     def _refuse_if_consumed(self, what: str) -> None:
         if self.consumed_by is not None:  # the tensors hold the next step's values now
@@ -121,18 +125,18 @@ def _flatten_state(s: TrainState):
     leaves = [s.params[k] for k in keys[0]] + [s.buffers[k] for k in keys[1]] + [s.opt[k] for k in keys[2]] + list(s.lr)
     if s.rng is not None:
         leaves.append(s.rng)
-    return leaves, (keys, len(s.lr), s.step_id, s.rng is not None, s.sched_epoch, s.fingerprint)
+    return leaves, (keys, len(s.lr), s.step_id, s.rng is not None, s.sched_epoch, s.fingerprint, tuple(s.unstepped))
 
 
 def _unflatten_state(leaves, ctx):
-    (pk, bk, ok), n_lr, step_id, has_rng, sched_epoch, fingerprint = ctx
+    (pk, bk, ok), n_lr, step_id, has_rng, sched_epoch, fingerprint, unstepped = ctx
     it = iter(leaves)
     params = {k: next(it) for k in pk}
     buffers = {k: next(it) for k in bk}
     opt = {k: next(it) for k in ok}
     lr = [next(it) for _ in range(n_lr)]
     return TrainState(params, buffers, opt, lr, step_id, next(it) if has_rng else None, sched_epoch,
-                      fingerprint=fingerprint)
+                      fingerprint=fingerprint, unstepped=unstepped)
 
 
 pytree.register_pytree_node(TrainState, _flatten_state, _unflatten_state)
@@ -239,6 +243,9 @@ class _LrSchedule:
         self._pristine = copy.deepcopy((schedulers, optimizers), dict(memo))  # replayed again by write_back
         self._user_opts = optimizers
         self._seen = copy.deepcopy([sch.state_dict() for sch in schedulers])  # check_unchanged's last look
+        # Steps past the build where the step last put or found the user's schedulers (the build,
+        # init_state, write_back): a call refuses them anywhere else but at the state's own epoch.
+        self._placed = 0
         self.fed = dict(fed or {})
         self._where = _fed_locations(optimizers, self.fed)
         self._seen_lrs = self._user_lrs()
@@ -360,6 +367,7 @@ class _LrSchedule:
         or a scheduler edited since the last look. An eager scheduler may continue from a hand-set lr
         (StepLR, ExponentialLR: chainable) or override it (LambdaLR), so no one answer matches eager."""
         self.check_unchanged()
+        self._check_stepped_outside(state, who)
         want = self.at(state.sched_epoch)
         have = [float(t) for t in state.lr]
         fed_want = self.fed_at(state.sched_epoch)
@@ -381,6 +389,26 @@ class _LrSchedule:
                              f"after {state.sched_epoch} steps: the lr of a step run with a scheduler follows the "
                              "scheduler, so a hand-set lr (state.set_lr) is refused; run it without the scheduler "
                              "to set the lr per call, or change the scheduler")
+
+    def _user_steps(self) -> int:
+        return max(_sched_epoch(now) - _sched_epoch(built) for now, built in zip(self._originals, self._pristine[0]))
+
+    def _check_stepped_outside(self, state, who: str) -> None:
+        """Refuses the user's schedulers stepped since the step last placed them (build, init_state,
+        write_back) to anywhere but the state's epoch: eager training would take that lr (a sched.step()
+        before the first call, or twice per call), the step takes the state's. Stepped in lockstep with the
+        calls (once per call after it) they stand at the state's epoch, as eager's would."""
+        k = self._user_steps()
+        if k == self._placed or self.base + k == state.sched_epoch:
+            return
+        names = ", ".join(type(s).__name__ for s in self._originals)
+        raise ValueError(f"{who}: the user's scheduler ({names}) was stepped outside the step to epoch {self.base + k} "
+                         f"(epoch {self.base + self._placed} when the step last placed it), but {state.describe()} is "
+                         f"at scheduler epoch {state.sched_epoch}: eager training would take the lr of epoch "
+                         f"{self.base + k}, the step takes the state's. A step built with scheduler= steps the "
+                         "schedule itself, once per call: drop the extra sched.step() (or step it once per call, "
+                         "after the call), or build the step without scheduler= and set the lr per call with "
+                         "state.set_lr")
 
     def advance(self, new_state, epoch: int) -> None:
         """The scheduler's epoch and lr in a call's result: what eager sched.step() leaves."""
@@ -415,6 +443,7 @@ class _LrSchedule:
                     if key != "params" and key not in _LR_KEYS:
                         u[key] = copy.deepcopy(v)
         self._seen = copy.deepcopy([sch.state_dict() for sch in self._originals])  # placed by us: no edit
+        self._placed = k
         self._seen_lrs = self._values(k)  # what the groups hold unless the written state's lr was set by hand
 
 
@@ -502,16 +531,25 @@ def _same_option(a, b) -> bool:
         return False
 
 
-def in_layout_of(t: torch.Tensor, example: torch.Tensor) -> torch.Tensor:
+def in_layout_of(t: torch.Tensor, example: torch.Tensor, name: str = "a batch tensor") -> torch.Tensor:
     """``t`` in ``example``'s strides: a copy (same values) when they differ in a dimension of size > 1.
-    The program was traced on the example's layout and its views rely on it: a channels-last, transposed
-    or expanded batch of the same shape failed in the executor with "view size is not compatible"."""
+    The program was traced on the example's layout and its views rely on it: an expanded or sliced batch
+    of the same shape failed in the executor with "view size is not compatible". A dense batch in another
+    memory layout (channels-last, permuted) is refused: eager's kernels take their path from it (a
+    channels-last convolution rounds otherwise), so the copy trained 1 ulp off eager, silently."""
     if all(a == b for a, b, n in zip(t.stride(), example.stride(), t.shape) if n > 1):
         return t
     from torch._prims_common import is_non_overlapping_and_dense
 
     if not is_non_overlapping_and_dense(example):  # an expanded example: no layout to copy into
         return t.contiguous()
+    if is_non_overlapping_and_dense(t):
+        raise ValueError(f"{name}: strides {tuple(t.stride())} (shape {tuple(t.shape)}), a memory layout other than "
+                         f"the example batch's strides {tuple(example.stride())}, which the program was traced with: "
+                         "eager's kernels take their path from the layout (a channels-last convolution rounds "
+                         "otherwise), so a copy would not train as eager. Pass it in the example's layout "
+                         "(.contiguous(), or .contiguous(memory_format=torch.channels_last)), or build the step on "
+                         "an example batch in this layout")
     return torch.empty_strided(example.shape, example.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 
@@ -1004,11 +1042,14 @@ class TrainStep:
         params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
         buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
         opt: dict[str, torch.Tensor] = {}
+        unstepped = []
         for u in self._updates:
             p = self._param_of[self._strip(u["param"])]
             owner, group = self._groups[u["group"]]
             initial = optim.registration_for(owner).initial_state(u["kind"], owner.state.get(p, {}), p, group)
             opt.update({optim.state_name(u["param"], slot): v for slot, v in initial.items()})
+            if not owner.state.get(p):
+                unstepped.append(u["param"])
         if self.shard_optimizer_state:  # ZeRO-1: this rank's shard of each slot shaped like its parameter
             from .distributed import _SHARDED_STEPS, shard_tensor
 
@@ -1021,7 +1062,10 @@ class TrainStep:
         # The schedule continues from where the user's schedulers stand now (eager steps, write_back).
         sched_epoch = 0
         if self._schedule is not None:
-            sched_epoch = self._schedule.base + (self._schedule.position() if place_schedule else 0)
+            sched_epoch = self._schedule.base
+            if place_schedule:  # init_state: the schedule continues from where the user's scheduler stands
+                self._schedule._placed = self._schedule.position()
+                sched_epoch += self._schedule._placed
         lrs = self._schedule.at(sched_epoch) if self._schedule is not None else [float(g["lr"]) for _, g in self._groups]
         self._seen_lrs = self._group_lrs()
         lr = [torch.tensor(v, dtype=torch.float64) for v in lrs]
@@ -1035,7 +1079,7 @@ class TrainStep:
         # unprefixed when the loss function made or captured them (cross_entropy(..., weight=w)).
         buffers.update({k: v.clone() for k, v in self._constants.items()})
         state = TrainState({_MODEL_PREFIX + k: v for k, v in params.items()}, buffers, opt, lr, self._id, rng,
-                           sched_epoch)
+                           sched_epoch, unstepped=tuple(unstepped))
         state.origin = f"init_state() of TrainStep {self._id}"
         state.fingerprint = self.fingerprint
         return state
@@ -1076,7 +1120,7 @@ class TrainStep:
                                 if self.shard_optimizer_state else ""))
         ref = self._fresh_state()
         loaded = TrainState(dict(d["params"]), dict(d["buffers"]), dict(d["opt"]), list(d["lr"]), self._id, d["rng"],
-                            int(d["sched_epoch"]), fingerprint=self.fingerprint)
+                            int(d["sched_epoch"]), fingerprint=self.fingerprint, unstepped=tuple(d.get("unstepped", ())))
         for part in ("params", "buffers", "opt"):
             want, got = getattr(ref, part), getattr(loaded, part)
             if set(want) != set(got):
@@ -1352,7 +1396,8 @@ class TrainStep:
                 hint = "" if self.batch_shapes == "cache" else "; build the step with batch_shapes='cache' to accept it"
                 raise ValueError(f"batch[{i}]: expected shape {tuple(ex.shape)} and dtype {ex.dtype} as in the "
                                  f"example batch, got shape {tuple(t.shape)} and dtype {t.dtype}{hint}")
-        return self._gather(state, [in_layout_of(t, ex) for t, ex in zip(flat_batch, self._example_leaves)])
+        return self._gather(state, [in_layout_of(t, ex, f"batch[{i}]")
+                                    for i, (t, ex) in enumerate(zip(flat_batch, self._example_leaves))])
 
     def _check_batch(self, batch) -> list:
         flat_batch = batch_leaves(batch, self._call_spec, self.batch_paths)
@@ -1496,7 +1541,7 @@ class TrainStep:
                     if opt[k].dim() > 0:  # every non-scalar slot is a shard (step counts are scalars)
                         opt[k] = unshard_tensor(opt[k], p, self.process_group)
             state = TrainState(state.params, state.buffers, opt, state.lr, state.step_id, state.rng, state.sched_epoch,
-                               fingerprint=state.fingerprint)
+                               fingerprint=state.fingerprint, unstepped=state.unstepped)
         with torch.no_grad():
             for n, p in self.model.named_parameters():
                 p.copy_(state.params[_MODEL_PREFIX + n])
@@ -1515,10 +1560,14 @@ class TrainStep:
         for u in self._updates:
             p = self._param_of[self._strip(u["param"])]
             opt, group = self._groups[u["group"]]
-            if u["param"] not in self._with_grad and not opt.state.get(p):
-                # Never updated by the step, as torch.optim skips a .grad of None: eager has no state for it. A kind
-                # whose slots count no steps (Lion's exp_avg, Muon's momentum_buffer) cannot tell so from its values.
+            if u["param"] in state.unstepped:
+                # Not updated yet (a state straight from init_state, taken when eager held no state for it): eager
+                # has none. A kind whose slots count no steps (Lion's exp_avg, Muon's momentum_buffer) cannot tell
+                # so from its values; an entry a later write_back left goes, as the state holds none.
+                opt.state.pop(p, None)
                 continue
+            if u["param"] not in self._with_grad and not opt.state.get(p):
+                continue  # never updated by the step, as torch.optim skips a .grad of None: eager has no state for it
             slots = [slot for slot, _ in optim.descriptor(u["kind"])["slots"]]
             values = {slot: state.opt[optim.state_name(u["param"], slot)] for slot in slots}
             entries = optim.registration_for(opt).torch_state(u["kind"], values, group)

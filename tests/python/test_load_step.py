@@ -151,15 +151,19 @@ def test_aoti_package_loads_and_trains(tmp_path):
     torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)
     assert_states_equal(got, want, atol=1e-5)
     # AOTInductor indexes inputs with the contiguous strides it was compiled for, unchecked: a
-    # transposed entry or batch (same values) trained something else (loss 1.088 for 1.103).
+    # transposed entry or batch (same values) trained something else (loss 1.088 for 1.103). A state
+    # entry is copied into the compiled strides; a batch in another dense layout is refused, as by the
+    # live step (eager's matmul on a transposed input rounds otherwise: train_step.in_layout_of).
     state = step.init_state()
     w = state.lookup("model.l1.weight")
     transposed = state.replace({"model.l1.weight": w.t().contiguous().t()})
     x, y = bs[0]
-    loss, new = loaded(transposed, x.t().contiguous().t(), y)
+    loss, new = loaded(transposed, x, y)
     want_loss, want_new = loaded(state, x, y)
     assert torch.equal(loss, want_loss)
     assert_states_equal(new, want_new)
+    with pytest.raises(ValueError, match=r"batch\[0\]: strides \(1, 4\) \(shape \(4, 8\)\), a memory layout other"):
+        loaded(state, x.t().contiguous().t(), y)
 
 
 def test_aoti_donating_package_updates_the_state_in_place(tmp_path):

@@ -1631,7 +1631,10 @@ def test_a_scheduler_edited_after_build_is_refused_not_ignored():
     sched.gamma = 0.5  # undone: accepted, and eager steps of the scheduler are no edit
     _, state = step(state, *batch)
     opt.step()
-    sched.step()
+    sched.step()  # epoch 1, the state is at 2: eager would train at epoch 1's lr (test_..._stepped_outside_...)
+    with pytest.raises(ValueError, match=r"stepped outside the step to epoch 1"):
+        step(state, *batch)
+    sched.step()  # where the state is: an eager loop in lockstep
     _, state = step(state, *batch)
     assert state.sched_epoch == 3
 
@@ -1656,6 +1659,36 @@ def test_an_lr_set_on_the_optimizer_under_a_scheduler_is_refused_not_ignored():
     step.write_back(state)  # puts the scheduler's lr (0.05 after 2 steps) into the group: no hand-set lr
     _, state = step(step.init_state(), *batch)
     assert state.sched_epoch == 3
+
+
+@pytest.mark.parametrize("extra", ["before_the_first_call", "twice_per_call"])
+def test_a_scheduler_stepped_outside_the_step_off_the_states_epoch_is_refused_not_ignored(extra):
+    # scheduler= steps the schedule once per call. A script that also stepped the user's scheduler off the
+    # state's epoch (a sched.step() after init_state before the first call, or one more per call: twice per
+    # optimizer step) had eager train at that epoch's lr and the step at the state's, silently: StepLR(1, 0.5)
+    # from lr 0.1 on a 6-8-3 MLP, losses 1.5200 against eager's 1.5915 (before the first call) and 1.6101 (twice) after 4 steps.
+    torch.manual_seed(0)
+    model = _Adversarial(lambda h: h)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    step = torch_ext.make_train_step(model, opt, _mse, _XY, scheduler=sched)
+    state = step.init_state()
+    if extra == "twice_per_call":
+        _, state = step(state, *_XY)
+        sched.step()  # once per call, after it: where the state is (lockstep), accepted
+        _, state = step(state, *_XY)
+        sched.step()
+    sched.step()
+    epoch = sched.last_epoch
+    for run in (step, step.compile(plan=False, donate=False)):
+        with pytest.raises(ValueError, match=rf"the user's scheduler \(StepLR\) was stepped outside the step to "
+                                             rf"epoch {epoch} .* is at scheduler epoch {state.sched_epoch}: eager "
+                                             rf"training would take the lr of epoch {epoch}"):
+            run(state, *_XY)
+    assert sched.last_epoch == epoch  # nothing moved
+    step(step.init_state(), *_XY)  # a fresh state starts where the scheduler stands
+    step.write_back(state)  # or the scheduler is put back where the state is
+    _, state = step(state, *_XY)
 
 
 # ---------------------------------------------------------------- 6. auxiliary outputs
@@ -2254,34 +2287,49 @@ class _ConvThenFlat(nn.Module):
 
 
 def test_a_batch_in_other_strides_than_the_example_trains_as_eager(tmp_path):
-    # A loader may hand channels-last images, or a transposed or expanded tensor of the example's shape:
-    # the program's views rely on the example's layout, and the executor failed with "view size is not
-    # compatible". Batches are now copied into the example's strides (same values) when they differ.
-    torch.manual_seed(0)
-    model = _ConvThenFlat()
-    ref = copy.deepcopy(model)
+    # A loader may hand an expanded or sliced tensor of the example's shape: the program's views rely on the
+    # example's layout, and the executor failed with "view size is not compatible". Such batches are copied
+    # into the example's strides (same values). A dense batch in another memory layout (channels-last images,
+    # a permuted tensor) is refused: eager's convolution takes its channels-last path there and rounds
+    # otherwise, so the copy trained 1 ulp off eager (loss 1.1526538 against 1.1526537 at the first step,
+    # parameters 1e-7 off in 3 AdamW steps), silently. Built on a channels-last example, it trains as eager.
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
-    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
     loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
-    step = torch_ext.make_train_step(model, opt, loss_fn, (x, y))
-    torch.export.save(step.program, str(tmp_path / "layout.pt2"))
-    loaded = torch_ext.load_step(tmp_path / "layout.pt2")
-    layouts = [torch.randn(4, 3, 8, 8, generator=g).to(memory_format=torch.channels_last),
-               torch.randn(4, 8, 8, 3, generator=g).permute(0, 3, 1, 2),
-               torch.randn(1, 3, 8, 8, generator=g).expand(4, 3, 8, 8)]
-    state = saved = step.init_state()
-    for xb in layouts:
-        assert not xb.is_contiguous()
-        loss, state = step(state, xb, y)
-        saved_loss, saved = loaded(saved, xb, y)
-        ref_opt.zero_grad()
-        ref_loss = loss_fn(ref, xb, y)
-        ref_loss.backward()
-        ref_opt.step()
-        assert torch.equal(loss, ref_loss.detach()) and torch.equal(saved_loss, loss)
-    for n, p in ref.named_parameters():
-        assert torch.equal(state.params["model." + n], p.detach()), n
+
+    def side_by_side(example, layouts, name):
+        torch.manual_seed(0)
+        model = _ConvThenFlat()
+        ref = copy.deepcopy(model)
+        opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        step = torch_ext.make_train_step(model, opt, loss_fn, (example, y))
+        torch.export.save(step.program, str(tmp_path / name))
+        loaded = torch_ext.load_step(tmp_path / name)
+        state = saved = step.init_state()
+        for xb in layouts:
+            loss, state = step(state, xb, y)
+            saved_loss, saved = loaded(saved, xb, y)
+            ref_opt.zero_grad()
+            ref_loss = loss_fn(ref, xb, y)
+            ref_loss.backward()
+            ref_opt.step()
+            assert torch.equal(loss, ref_loss.detach()) and torch.equal(saved_loss, loss)
+        for n, p in ref.named_parameters():
+            assert torch.equal(state.params["model." + n], p.detach()), n
+        return step, loaded, state
+
+    copied = [torch.randn(1, 3, 8, 8, generator=g).expand(4, 3, 8, 8), torch.randn(4, 3, 8, 16, generator=g)[..., ::2]]
+    step, loaded, state = side_by_side(x, copied, "layout.pt2")
+    for other in (torch.randn(4, 3, 8, 8, generator=g).to(memory_format=torch.channels_last),
+                  torch.randn(4, 8, 8, 3, generator=g).permute(0, 3, 1, 2)):
+        assert not other.is_contiguous()
+        for run in (step, step.compile(plan=False, donate=False), loaded):
+            with pytest.raises(ValueError, match=r"batch\[0\]: strides \(192, 1, 24, 3\) \(shape \(4, 3, 8, 8\)\), "
+                                                 r"a memory layout other than the example batch's strides "
+                                                 r"\(192, 64, 8, 1\).*build the step on an example batch in this layout"):
+                run(state, other, y)
+    channels_last = [torch.randn(4, 3, 8, 8, generator=g).to(memory_format=torch.channels_last) for _ in range(3)]
+    side_by_side(channels_last[0].clone(memory_format=torch.preserve_format), channels_last, "cl.pt2")
 
 
 # ---------------------------------------------------------------- buffers rebound in forward
@@ -3018,6 +3066,48 @@ def test_write_back_leaves_no_state_for_a_parameter_without_gradient_in_an_optim
     for k, st in want["state"].items():
         assert sorted(got["state"][k]) == sorted(st) and all(torch.equal(got["state"][k][s], v) for s, v in st.items())
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("opt_name", ["Lion", "Muon", "AdamW"])
+@pytest.mark.parametrize("steps", [0, 1, 3])
+def test_write_back_of_a_state_before_its_first_step_gives_eager_optimizer_state(opt_name, steps):
+    # write_back(step.init_state()) gave Lion and Muon a zero exp_avg (momentum_buffer) for every parameter
+    # that gets a gradient, where eager's optimizer, not stepped yet, holds no entry at all (a checkpoint with
+    # 2 entries against eager's 0); kinds with a step count (AdamW) left none already. The state says which
+    # parameters no call has updated yet, through state_dict()/load_state_dict and tree_map too.
+    torch.manual_seed(0)
+    ref = _TwoHeadsNoBias()
+    model = copy.deepcopy(ref)
+    make = {"Lion": lambda m: torch_ext.optim.Lion(m.parameters(), lr=1e-3, weight_decay=0.1),
+            "Muon": lambda m: torch.optim.Muon(m.parameters(), lr=0.02, weight_decay=0.1),
+            "AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)}[opt_name]
+    ref_opt, opt = make(ref), make(model)
+    batches = [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(3)]
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    step = torch_ext.make_train_step(model, opt, loss_fn, batches[0])
+    fresh = state = step.init_state()
+    for x, y in batches[:steps]:
+        ref_opt.zero_grad()
+        loss_fn(ref, x, y).backward()
+        ref_opt.step()
+        loss, state = step(state, x, y)
+
+    def same_as_eager():
+        got, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+        assert sorted(got) == sorted(want) == ([0, 1] if steps else [])
+        for k, st in want.items():
+            assert sorted(got[k]) == sorted(st) and all(torch.equal(got[k][s], v) for s, v in st.items())
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+    for copy_of in (lambda s: s, lambda s: step.load_state_dict(s.state_dict()),
+                    lambda s: torch.utils._pytree.tree_map(torch.clone, s)):
+        step.write_back(copy_of(state))
+        same_as_eager()
+    if steps:  # the written entries go again when the state before any step is written back
+        step.write_back(fresh)
+        assert opt.state_dict()["state"] == {}
+        step.write_back(state)
+        same_as_eager()
 
 
 class _TensorIndex(nn.Module):
