@@ -418,8 +418,10 @@ def _batched_sites_equal_eager_hooks(model, args, kwargs, node, module, position
         finally:
             h.remove()
         assert whole.metrics[site] == ref, site
-        # Token-granular cones agree within README's 1e-6 relative (BLAS may round some rows differently): bit for
-        # bit on the machines of earlier stops, 4.3e-7 off on HF T5 on an AVX2 AMD EPYC (positions=False: exact).
+        # Token-granular cones agree within README's 1e-6 relative (BLAS may round a product of a few rows
+        # differently from the same rows of the full one): bit for bit on the machines of earlier stops, 4.3e-7 off on
+        # HF T5 on an AVX2 AMD EPYC (positions=False: exact; what it computes instead, bit for bit:
+        # _t5_row_sweep_is_eager_with_one_row_projections).
         assert one.metrics[site] == pytest.approx(ref, rel=1e-6, abs=1e-6), site
         assert batched.metrics[site] == pytest.approx(ref, rel=1e-6, abs=1e-6), site
 
@@ -450,7 +452,51 @@ def test_batched_sites_on_hugging_face_t5_equal_eager_hooks():
     kwargs = {"attention_mask": mask, "decoder_input_ids": dec, "use_cache": False}
     rg = torch_ext.ReactiveGraph(model, (ids,), example_kwargs=kwargs)
     node = [n for n in rg.nodes() if rg._module_paths.get(n) == "encoder.block.0.layer.1.DenseReluDense.wo"][-1]
-    _batched_sites_equal_eager_hooks(model, (ids,), kwargs, node, model.encoder.block[0].layer[1].DenseReluDense.wo, 8)
+    wo = model.encoder.block[0].layer[1].DenseReluDense.wo
+    _batched_sites_equal_eager_hooks(model, (ids,), kwargs, node, wo, 8)
+    _t5_row_sweep_is_eager_with_one_row_projections(model, rg, ids, kwargs, node, wo)
+
+
+def _t5_row_sweep_is_eager_with_one_row_projections(model, rg, ids, kwargs, node, wo):
+    """What the one-at-a-time (token-granular) sweep of T5 computes, bit for bit, on any machine: zeroing row p of
+    encoder block 0's wo changes row p alone up to block 1's attention, so the row path computes block 1's q, k
+    and v projections on that row alone, a [2, 1, 32] input (an [M=2, K=32] GEMM), and joins it with the cached
+    rows; everything else it computes as eager does (every row from the bidirectional attention on). MKL's sgemm
+    on an AVX2 AMD EPYC rounds a product of fewer than 4 rows differently from the same rows of the full [16, 32]
+    one (2 threads: 5-7 and 9-11 rows too): q's row p is off by up to 3e-7 in 45-51 of its 64 elements, which
+    the attention spreads to every row of the decoder, 4.3e-7 relative off eager on the metric (machines of
+    earlier stops: equal). An eager model whose q, k and v compute row p from that row alone gives the sweep's
+    bits exactly; on this machine plain eager hooks differ at 6 of the 8 positions (seen failing without the q,
+    k, v hooks)."""
+    sites = [(node, p) for p in range(8)]
+
+    def patch(clean, site):
+        v = clean.clone()
+        v[:, site[1]] = 0.0
+        return v
+
+    def metric(out):
+        return (out if isinstance(out, torch.Tensor) else out[0]).clone()
+
+    one = torch_ext.sweep(rg, sites, patch, metric, progress=False)
+    attention = model.encoder.block[1].layer[0].SelfAttention
+    for site in sites:
+        p = site[1]
+
+        def one_row(m, a, o, p=p):
+            o = o.clone()
+            o[:, p:p + 1] = torch.nn.functional.linear(a[0][:, p:p + 1].contiguous(), m.weight, m.bias)
+            return o
+
+        hooks = [wo.register_forward_hook(lambda m, a, o, site=site: patch(o, site))]
+        hooks += [lin.register_forward_hook(one_row) for lin in (attention.q, attention.k, attention.v)]
+        try:
+            with torch.no_grad():
+                ref = metric(model(ids, **kwargs))
+        finally:
+            for h in hooks:
+                h.remove()
+        assert torch.equal(one.metrics[site], ref), (site, float((one.metrics[site] - ref).abs().max()))
 
 
 def test_hugging_face_t5_with_its_cache_on_is_refused_with_the_way_out():
