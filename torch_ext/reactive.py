@@ -1118,6 +1118,33 @@ class ReactiveGraph:
             self._take_untracked_writes()
             return {name: self._as_hook(name, self._engine.value(self._read_node(name))) for name in names}
 
+    def gradient(self, metric: Callable, nodes: str | Iterable[str]):
+        """d metric(outputs) / d value(node) at the graph's current values (standing patches included), as eager
+        autograd gives it with ``retain_grad()`` on the activations: the tensor for one node or hook name, or
+        {name: tensor} for several (attribution patching: ``((corrupt - clean) * grad).sum()`` estimates every
+        patch of a node at once). ``metric`` gets the outputs as :meth:`demand` returns them and returns one
+        floating-point value. A hook name gives the gradient in the hook's layout, as :meth:`value` gives the
+        value; a node downstream of another one asked for is differentiated through (the upstream gradient is
+        the total derivative); a patched node is a constant (gradients flow around it). Only the requested
+        nodes' cone is re-run, with autograd, beside the cache (``torch_ext/_gradient.py``); the cache and
+        ``stats`` are left as they were."""
+        from . import _gradient
+        self._refuse_read_in_metric("gradient()")
+        self._refuse_during_sweep("gradient()")
+        if self._loss_output is not None:
+            raise ValueError("gradient: this graph is a joint forward+backward program (its outputs are the loss and "
+                             "the parameter gradients); take activation gradients on the forward graph: "
+                             "ReactiveGraph(model, inputs) without loss_fn")
+        one = isinstance(nodes, str)
+        names = [nodes] if one else list(nodes)
+        if not names:
+            raise ValueError("gradient: no nodes given")
+        with _one_check_per_call():
+            self._refuse_changed_state("gradient")
+            self._take_untracked_writes()
+            result = _gradient.gradients(self, metric, names)
+        return result[nodes] if one else result
+
     def baseline(self, node: str) -> torch.Tensor:
         """A node's value with no patch active (from the overlay; evaluates only what an edit of the
         weights or inputs, found as at :meth:`value`, made stale). A hook name gives the hook's layout, a node
@@ -2351,9 +2378,9 @@ class _InMetric:
             raise RuntimeError(
                 f"sweep: the metric asked for a gradient ({e}); the graph runs without autograd, so the outputs "
                 "a metric gets carry no grad_fn, and gradients with respect to activations (attribution patching) "
-                "cannot be taken inside a sweep. Take them in eager: run the model with forward hooks that keep "
-                "the activations (act.retain_grad()), call metric(output).backward() and read act.grad; or "
-                "measure each site exactly with sweep(), which attribution patching approximates") from e
+                "cannot be taken inside a sweep. Take them outside it with rg.gradient(metric, nodes) (it re-runs "
+                "the nodes' cone with autograd: eager's gradients), or measure each site exactly with sweep(), "
+                "which attribution patching approximates") from e
         finally:
             self.rg._in_metric = before
 

@@ -1,0 +1,141 @@
+"""Gradients of a metric with respect to a ReactiveGraph's nodes (attribution patching).
+
+The engine runs without autograd. ``gradients`` re-runs only the downstream cone of the requested nodes, in an
+``fx.Interpreter`` over the graph the engine runs now (grafts and split heads included) under ``enable_grad``,
+with every value outside that cone taken from the cache (standing patches included) and each requested node's
+current value as a ``requires_grad`` leaf; then ``autograd.grad(metric(outputs), nodes)``. The cone runs the
+same ATen ops as the model's eager forward, so the gradients are eager autograd's (``retain_grad()`` on the
+activations), bit for bit where the ops' backward formulas are those eager runs.
+
+A requested node downstream of another requested node is computed from it (not a leaf), so the gradient with
+respect to the upstream node is the total derivative, through the downstream one, as eager's is. A patched
+node is a constant of the patched graph (its pinned value, whatever its inputs are): gradients flow around it,
+not through it; asked for itself, its gradient is the one with respect to its pinned value.
+
+Nothing in the cache changes: values are read in an engine transaction that is rolled back, counters
+included (a gradient call is a read, not a patch, and evaluates nothing the next demand would not).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from .ir import _to_graph_module
+
+
+class _Cone(torch.fx.Interpreter):
+    """Runs only the nodes not given in ``initial_env``; keeps the results of ``keep`` (non-leaf requested
+    nodes) before the interpreter frees them at their last use."""
+
+    def __init__(self, gm: torch.fx.GraphModule, keep: set):
+        super().__init__(gm, garbage_collect_values=True)
+        self.keep, self.kept = keep, {}
+
+    def run_node(self, n: torch.fx.Node):
+        out = super().run_node(n)
+        if n.name in self.keep:
+            self.kept[n.name] = out
+        return out
+
+
+def _graph_module(rg) -> torch.fx.GraphModule:
+    """The engine's current graph as a GraphModule, cached until the graph changes (a graft)."""
+    key = (rg._engine, rg._engine.graph_revision())
+    cached = rg.__dict__.get("_gradient_gm")
+    if cached is None or cached[0] != key:
+        cached = rg._gradient_gm = (key, _to_graph_module(rg.graph))
+    return cached[1]
+
+
+def _refuse_node(rg, name: str, node: str) -> None:
+    t = rg._type_of(node)
+    if t[0] != "tensor":
+        raise ValueError(f"gradient: node {node!r}{f' (hook {name!r})' if name != node else ''} holds a {t[0]}, "
+                         "not a tensor: a gradient is taken with respect to a floating-point tensor")
+    dtype = rg._engine.node(node)["type"][1]
+    if dtype not in ("f32", "f64", "f16", "bf16"):
+        raise ValueError(f"gradient: node {node!r}{f' (hook {name!r})' if name != node else ''} holds a {dtype} "
+                         "tensor; a gradient is taken with respect to a floating-point tensor (f32, f64, f16, bf16)")
+
+
+def _scalar(m, metric: Callable) -> torch.Tensor:
+    what = getattr(metric, "__name__", type(metric).__name__)
+    if not isinstance(m, torch.Tensor):
+        raise TypeError(f"gradient: metric {what} returned {type(m).__name__}; it must return a one-element "
+                        "floating-point tensor computed from the outputs it is given (a Python number, from "
+                        ".item() or float(), carries no gradient)")
+    if m.numel() != 1 or not m.is_floating_point():
+        raise TypeError(f"gradient: metric {what} returned a {m.dtype} tensor of shape {list(m.shape)}; it must "
+                        "return one floating-point value (reduce per-example metrics, e.g. .sum() or .mean())")
+    if not m.requires_grad:
+        raise RuntimeError(f"gradient: metric {what} returned a value that depends on none of the requested nodes "
+                           "(it has no grad_fn): it reads only outputs none of them reach, or it detached its "
+                           "inputs (.detach(), .item(), torch.no_grad()); eager's backward fails on it too")
+    return m.reshape(())
+
+
+def gradients(rg, metric: Callable, names: list[str]) -> dict[str, torch.Tensor]:
+    """{name: d metric(outputs) / d value(name)} at the graph's current values; see the module docstring."""
+    nodes = {}
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"gradient: expected node or hook names (str), got {type(name).__name__} {name!r}")
+        node = rg._read_node(name)
+        _refuse_node(rg, name, node)
+        nodes[name] = node
+    requested = set(nodes.values())
+    eng = rg._engine
+    cone = set()
+    for node in requested:
+        cone |= set(eng.cone(node))
+    pinned = set(eng.pinned())
+    gm = _graph_module(rg)
+    graph_nodes = list(gm.graph.nodes)
+    # Run: the cone of the requested nodes, less the patched nodes (constants) and the requested nodes that
+    # are no one's descendants (leaves). Everything a run node or the output reads is given.
+    run = {n for n in cone if n not in pinned}
+    leaves = {n for n in requested if n not in run}
+    given = {}
+    eng.begin_transaction(restore_counts=True)
+    try:
+        for n in graph_nodes:
+            if n.name in run:
+                continue
+            if n.op == "output" or n.op == "get_attr":
+                continue
+            if n.name in leaves or any(u.name in run or u.op == "output" for u in n.users):
+                given[n.name] = eng.value(n.name)
+            else:
+                given[n.name] = None
+    finally:
+        eng.rollback()
+    env = {}
+    by_name = {n.name: n for n in graph_nodes}
+    leaf_values = {}
+    for name, v in given.items():
+        if name in leaves:
+            v = v.detach().clone().requires_grad_(True)
+            leaf_values[name] = v
+        elif isinstance(v, torch.Tensor):
+            v = v.detach()
+        env[by_name[name]] = v
+    interp = _Cone(gm, requested & run)
+    before = getattr(rg, "_in_metric", False)
+    with torch.enable_grad():
+        flat = interp.run(initial_env=env, enable_io_processing=False)
+        outs = rg._user(list(flat))
+        rg._in_metric = True
+        try:
+            m = _scalar(metric(outs), metric)
+        finally:
+            rg._in_metric = before
+        wrt = [leaf_values[n] if n in leaf_values else interp.kept[n] for n in nodes.values()]
+        grads = torch.autograd.grad(m, wrt, allow_unused=True)
+    result = {}
+    for (name, node), g, w in zip(nodes.items(), grads, wrt):
+        g = torch.zeros_like(w) if g is None else g
+        result[name] = rg._as_hook(name, g.detach())
+    return result
