@@ -81,8 +81,6 @@ class BoundKernel {
   bool mutates_ = false;
   bool reshape_if_not_viewable_ = false;  // aten::view / _unsafe_view (see bind_as)
   int64_t getitem_index_ = -1;  // builtin getitem when >= 0
-  // The result is copied into these strides when the kernel lays it out otherwise (see bind).
-  std::optional<std::vector<int64_t>> declared_strides_;
   int64_t getitem_source_ = -1;
 
   // A higher-order op (ir/higher_order.h): its table entry runs it, each region in its own

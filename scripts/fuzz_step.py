@@ -1,0 +1,559 @@
+#!/usr/bin/env python
+"""Differential fuzzer for the training step: its VALUES against an eager PyTorch loop, bit for bit.
+
+Each case is a seeded random training setup (a spec, JSON): a small model composed of Linear, Conv1d/2d,
+Embedding, LayerNorm, BatchNorm (train mode), Dropout, GELU/ReLU/SiLU/tanh, residual adds, a weight shared by
+two layers, a buffer read in forward and one written in forward, frozen parameters and parameters in no
+optimizer; an optimizer of every kind torch_ext supports (torch_ext/optim/_registry.py) with random
+hyperparameters, one or two param groups (Muon: Muon on the 2-D weights beside AdamW on the rest); and
+options: the executor, ``compile(plan=True)`` with or without donation or with a ``memory_budget``,
+``accumulate=2``, ``clip_grad_norm``, a scheduler (StepLR / LambdaLR / OneCycleLR), batch 1 or 4.
+
+The case trains 3 steps through the step and through eager PyTorch (same initial weights, the same RNG:
+``init_state(seed=s)`` against ``torch.manual_seed(s)``), comparing with torch.equal each step's loss and,
+after ``write_back``, every parameter, buffer, optimizer.state slot, param-group hyperparameter and the
+scheduler's position. A refusal by name (an exception of the project's own kinds, no internal assert) is
+fine; a value difference, a crash (signal) or an internal error is a finding, printed with its spec.
+
+    python scripts/fuzz_step.py --seconds 600 --seed 1      # bounded run
+    python scripts/fuzz_step.py --case 1:17                 # replay case 17 of seed 1, with details
+    python scripts/fuzz_step.py --spec '{"front": ...}'     # replay a (hand-minimised) spec
+
+Cases run in a worker subprocess, so a crash is caught and the run continues with the next case.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import random
+import re
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OK_ERRORS = ("RuntimeError", "ValueError", "TypeError", "NotImplementedError")
+BAD_MARKERS = ("INTERNAL ASSERT FAILED", "please report a bug to PyTorch", "Traceback")
+STEPS = 3
+ACTS = ("gelu", "relu", "silu", "tanh")
+BLOCKS = ("linear", "ln", "bn", "act", "drop", "resid", "shared", "bufscale", "ema")
+OPTS = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Muon", "Lion", "Adamax", "NAdam", "RAdam", "Adadelta",
+        "Rprop", "Adafactor")
+FOREACH_EXACT = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "Adadelta", "Rprop")
+
+
+# ------------------------------------------------------------------------------------------ generator
+def gen_spec(rng: random.Random) -> dict:
+    """A random setup, as plain JSON data (so a finding can be replayed and minimised by hand)."""
+    front = rng.choice(("linear", "embed", "conv1d", "conv2d"))
+    batch = rng.choice((1, 4))
+    blocks = []
+    for _ in range(rng.randint(1, 4)):
+        kind = rng.choice(BLOCKS)
+        if kind == "bn" and front == "linear" and batch == 1:
+            kind = "ln"  # eager refuses BatchNorm over one value per channel
+        b = {"kind": kind}
+        if kind in ("act", "resid", "shared"):
+            b["act"] = rng.choice(ACTS)
+        if kind == "drop":
+            b["p"] = rng.choice((0.1, 0.5))
+        blocks.append(b)
+    opt = gen_opt(rng)
+    spec = {
+        "model_seed": rng.randrange(1000), "rng_seed": rng.randrange(1000), "data_seed": rng.randrange(1000),
+        "front": front, "front_bn": front.startswith("conv") and rng.random() < 0.4,
+        "padding_idx": front == "embed" and rng.random() < 0.3,
+        "width": rng.choice((4, 6, 8)), "blocks": blocks, "loss": rng.choice(("ce", "mse")),
+        "batch": batch, "frozen": rng.sample(range(12), rng.choice((0, 0, 1, 2))),
+        "excluded": rng.sample(range(12), rng.choice((0, 0, 0, 1))),
+        "opt": opt, "groups": rng.choice((1, 2)), "group2": {"lr_scale": rng.choice((0.5, 2.0)),
+                                                              "wd": rng.choice((None, 0.0, 0.05))},
+        "sched": rng.choice((None, None, "step", "lambda", "onecycle")),
+        "cycle_momentum": rng.random() < 0.5,
+        "accumulate": rng.choice((1, 1, 2)), "clip": rng.choice((None, None, 0.5, 10.0)),
+        "runner": rng.choice(("exec", "exec", "plan", "donate", "budget")),
+        "budget": rng.choice((0.6, 0.8)),
+    }
+    return spec
+
+
+def gen_opt(rng: random.Random) -> dict:
+    kind = rng.choice(OPTS)
+    wd = rng.choice((0.0, 0.0, 0.01, 0.1))
+    maximize = rng.random() < 0.2
+    betas = [rng.choice((0.9, 0.8, 0.5)), rng.choice((0.999, 0.99, 0.9))]
+    h: dict = {}
+    if kind == "SGD":
+        mom = rng.choice((0.0, 0.9, 0.5))
+        nesterov = mom > 0 and rng.random() < 0.4
+        h = dict(lr=rng.choice((0.1, 0.05)), momentum=mom, dampening=0.0 if nesterov else rng.choice((0.0, 0.1)),
+                 nesterov=nesterov, weight_decay=wd, maximize=maximize)
+    elif kind in ("Adam", "AdamW"):
+        h = dict(lr=rng.choice((1e-2, 3e-3)), betas=betas, eps=rng.choice((1e-8, 1e-6)), weight_decay=wd,
+                 amsgrad=rng.random() < 0.4, maximize=maximize)
+        if kind == "Adam" and rng.random() < 0.3:
+            h["decoupled_weight_decay"] = True
+    elif kind == "RMSprop":
+        h = dict(lr=rng.choice((1e-2, 3e-3)), alpha=rng.choice((0.99, 0.9)), momentum=rng.choice((0.0, 0.9)),
+                 centered=rng.random() < 0.4, weight_decay=wd, maximize=maximize, eps=rng.choice((1e-8, 1e-6)))
+    elif kind == "Adagrad":
+        h = dict(lr=rng.choice((1e-1, 1e-2)), lr_decay=rng.choice((0.0, 0.01)), weight_decay=wd,
+                 initial_accumulator_value=rng.choice((0.0, 0.1)), maximize=maximize)
+    elif kind == "Muon":
+        h = dict(lr=rng.choice((2e-2, 1e-3)), weight_decay=rng.choice((0.0, 0.1)), momentum=rng.choice((0.95, 0.9)),
+                 nesterov=rng.random() < 0.6, adjust_lr_fn=rng.choice((None, "original", "match_rms_adamw")))
+    elif kind == "Lion":
+        h = dict(lr=rng.choice((1e-3, 1e-4)), betas=[betas[0], 0.99], weight_decay=wd)
+    elif kind == "Adamax":
+        h = dict(lr=rng.choice((2e-3, 1e-2)), betas=betas, weight_decay=wd, maximize=maximize)
+    elif kind == "NAdam":
+        h = dict(lr=rng.choice((2e-3, 1e-2)), betas=betas, weight_decay=wd, maximize=maximize,
+                 momentum_decay=rng.choice((0.004, 0.01)), decoupled_weight_decay=rng.random() < 0.4)
+    elif kind == "RAdam":
+        h = dict(lr=rng.choice((1e-3, 1e-2)), betas=betas, weight_decay=wd, maximize=maximize,
+                 decoupled_weight_decay=rng.random() < 0.4)
+    elif kind == "Adadelta":
+        h = dict(lr=rng.choice((1.0, 0.5)), rho=rng.choice((0.9, 0.95)), weight_decay=wd, maximize=maximize)
+    elif kind == "Rprop":
+        h = dict(lr=rng.choice((1e-2, 1e-3)), etas=[rng.choice((0.5, 0.3)), rng.choice((1.2, 1.5))],
+                 step_sizes=[1e-6, rng.choice((50.0, 1.0))], maximize=maximize)
+    elif kind == "Adafactor":
+        h = dict(lr=rng.choice((1e-2, 1e-3)), beta2_decay=rng.choice((-0.8, -0.5)),
+                 eps=[rng.choice((None, 1e-30)), 1e-3], d=rng.choice((1.0, 2.0)), weight_decay=wd, maximize=maximize)
+    if kind in FOREACH_EXACT and rng.random() < 0.3:
+        h["foreach"] = True
+    return {"kind": kind, "hyper": h}
+
+
+# ------------------------------------------------------------------------------------------ the setup
+def build(spec: dict):
+    """(model, make_opts(model) -> ([optimizers], [schedulers]), loss_fn, batches): the model seeded."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    D, B, K, T, V = spec["width"], spec["batch"], 3, 3, 7
+    act_of = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU, "tanh": nn.Tanh}
+
+    class ChanBN(nn.Module):  # BatchNorm over the feature (last) dim, of a [B, D] or [B, T, D] stream
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(D)
+
+        def forward(self, x):
+            return self.bn(x) if x.dim() == 2 else self.bn(x.transpose(1, 2)).transpose(1, 2)
+
+    class Resid(nn.Module):
+        def __init__(self, act):
+            super().__init__()
+            self.fc, self.act = nn.Linear(D, D), act_of[act]()
+
+        def forward(self, x):
+            return x + self.act(self.fc(x))
+
+    class Shared(nn.Module):  # two layers, one weight
+        def __init__(self, act):
+            super().__init__()
+            self.a, self.b, self.act = nn.Linear(D, D), nn.Linear(D, D), act_of[act]()
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(self.act(self.a(x)))
+
+    class BufScale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.rand(D) + 0.5)
+
+        def forward(self, x):
+            return x * self.scale
+
+    class Ema(nn.Module):  # a buffer written in forward
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("mean", torch.zeros(D))
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(x.detach().reshape(-1, D).mean(0), alpha=0.1)
+            return x
+
+    def block(b):
+        k = b["kind"]
+        if k == "linear":
+            return nn.Linear(D, D)
+        if k == "ln":
+            return nn.LayerNorm(D)
+        if k == "bn":
+            return ChanBN()
+        if k == "act":
+            return act_of[b["act"]]()
+        if k == "drop":
+            return nn.Dropout(b["p"])
+        if k == "resid":
+            return Resid(b["act"])
+        if k == "shared":
+            return Shared(b["act"])
+        if k == "bufscale":
+            return BufScale()
+        if k == "ema":
+            return Ema()
+        raise ValueError(k)
+
+    front = spec["front"]
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            if front == "linear":
+                self.front = nn.Linear(5, D)
+            elif front == "embed":
+                self.front = nn.Embedding(V, D, padding_idx=0 if spec["padding_idx"] else None)
+            elif front == "conv1d":
+                self.front = nn.Conv1d(3, D, 3, padding=1)
+            else:
+                self.front = nn.Conv2d(2, D, 3, padding=1)
+            self.front_bn = ((nn.BatchNorm1d if front == "conv1d" else nn.BatchNorm2d)(D)
+                             if spec["front_bn"] else None)
+            self.blocks = nn.ModuleList(block(b) for b in spec["blocks"])
+            self.head = nn.Linear(D, K)
+
+        def forward(self, x):
+            h = self.front(x)
+            if self.front_bn is not None:
+                h = self.front_bn(h)
+            if front.startswith("conv"):
+                h = h.flatten(2).transpose(1, 2)
+            for blk in self.blocks:
+                h = blk(h)
+            return self.head(h)
+
+    torch.manual_seed(spec["model_seed"])
+    model = Net().train()
+    named = list(model.named_parameters())
+    for i in spec["frozen"]:
+        if i < len(named):
+            named[i][1].requires_grad_(False)
+
+    g = torch.Generator().manual_seed(spec["data_seed"])
+
+    def one_batch():
+        if front == "linear":
+            x = torch.randn(B, 5, generator=g)
+        elif front == "embed":
+            x = torch.randint(0, V, (B, T), generator=g)
+        elif front == "conv1d":
+            x = torch.randn(B, 3, T, generator=g)
+        else:
+            x = torch.randn(B, 2, 2, 2, generator=g)
+        seq = () if front == "linear" else (T if front != "conv2d" else 4,)
+        if spec["loss"] == "ce":
+            y = torch.randint(0, K, (B, *seq), generator=g)
+        else:
+            y = torch.randn(B, *seq, K, generator=g)
+        return x, y
+
+    def loss_fn(m, x, y):
+        out = m(x)
+        if spec["loss"] == "ce":
+            return F.cross_entropy(out.reshape(-1, K), y.reshape(-1))
+        return F.mse_loss(out, y)
+
+    batches = [[one_batch() for _ in range(spec["accumulate"])] for _ in range(STEPS + 1)]
+    return model, loss_fn, batches
+
+
+def make_opts(spec: dict, model):
+    """([optimizers], [schedulers]) of ``model`` as the spec says (called on the model and on its eager copy)."""
+    import torch
+
+    import torch_ext.optim
+
+    named = list(model.named_parameters())
+    params = [p for i, (_, p) in enumerate(named) if i not in spec["excluded"]]
+    kind, h = spec["opt"]["kind"], dict(spec["opt"]["hyper"])
+    for key in ("betas", "etas", "step_sizes", "eps"):
+        if isinstance(h.get(key), list):
+            h[key] = tuple(h[key])
+    cls = torch_ext.optim.Lion if kind == "Lion" else getattr(torch.optim, kind)
+
+    def groups(ps, lr):
+        if spec["groups"] == 2 and len(ps) >= 2:
+            g2 = {"params": ps[1::2], "lr": lr * spec["group2"]["lr_scale"]}
+            if spec["group2"]["wd"] is not None and "weight_decay" in h:
+                g2["weight_decay"] = spec["group2"]["wd"]
+            return [{"params": ps[0::2]}, g2]
+        return ps
+
+    if kind == "Muon":
+        mats = [p for p in params if p.dim() == 2]
+        rest = [p for p in params if p.dim() != 2]
+        opts = [cls(groups(mats, h["lr"]), **h)] if mats else []
+        if rest:
+            opts.append(torch.optim.AdamW(groups(rest, 1e-2), lr=1e-2))
+    else:
+        opts = [cls(groups(params, h["lr"]), **h)]
+    scheds = []
+    for o in opts:
+        if spec["sched"] == "step":
+            scheds.append(torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5))
+        elif spec["sched"] == "lambda":
+            scheds.append(torch.optim.lr_scheduler.LambdaLR(o, _lambda))
+        elif spec["sched"] == "onecycle":
+            scheds.append(torch.optim.lr_scheduler.OneCycleLR(
+                o, max_lr=[g["lr"] * 4 for g in o.param_groups], total_steps=10,
+                cycle_momentum=spec["cycle_momentum"] and ("momentum" in o.defaults or "betas" in o.defaults)))
+    return opts, scheds
+
+
+def _lambda(i):
+    return 1.0 / (1 + i)
+
+
+# ------------------------------------------------------------------------------------------ one case
+class Mismatch(AssertionError):
+    pass
+
+
+def _eq(a, b, what: str, diffs: list):
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            diffs.append(f"{what}: {type(a).__name__} vs eager {type(b).__name__}")
+        elif a.shape != b.shape or a.dtype != b.dtype:
+            diffs.append(f"{what}: {a.dtype}{list(a.shape)} vs eager {b.dtype}{list(b.shape)}")
+        elif not torch.equal(a, b) and not (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
+                                            and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))):
+            d = (a.double() - b.double()).abs().max().item() if a.is_floating_point() else "?"
+            diffs.append(f"{what}: max |diff| {d} (step {a.flatten()[:3].tolist()} vs eager {b.flatten()[:3].tolist()})")
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            _eq(x, y, f"{what}[{i}]", diffs)
+    elif a != b:
+        diffs.append(f"{what}: {a!r} vs eager {b!r}")
+
+
+def run_case(spec: dict) -> list[str]:
+    """Trains the spec both ways; returns the differences (empty: bit-exact). Refusals raise."""
+    import torch
+
+    import torch_ext
+
+    torch.set_num_threads(1)
+    model, loss_fn, batches = build(spec)
+    ref = copy.deepcopy(model)
+    opts, scheds = make_opts(spec, model)
+    ref_opts, ref_scheds = make_opts(spec, ref)
+    n = spec["accumulate"]
+    opt_arg = opts if len(opts) > 1 else opts[0]
+    sched_arg = (scheds if len(scheds) > 1 else scheds[0]) if scheds else None
+    step = torch_ext.make_train_step(model, opt_arg, loss_fn, batches[0][0], clip_grad_norm=spec["clip"],
+                                     accumulate=n, scheduler=sched_arg)
+    runner = step
+    if spec["runner"] == "plan":
+        runner = step.compile(plan=True, donate=False)
+    elif spec["runner"] == "donate":
+        runner = step.compile(plan=True, donate=True)
+    elif spec["runner"] == "budget":
+        donate = spec["model_seed"] % 2 == 0
+        try:
+            runner = step.compile(plan=True, donate=donate, memory_budget=spec["budget"])
+        except ValueError as e:  # out of reach for a tiny model (its state dominates): the smallest peak found,
+            least = re.search(r"at least (\d+) bytes", str(e))  # which recomputes the most
+            if least is None:
+                raise
+            runner = step.compile(plan=True, donate=donate, memory_budget=int(least.group(1)))
+    state = step.init_state(seed=spec["rng_seed"])
+    losses = []
+    for mbs in batches[1:]:
+        out = runner(state, *[t for mb in mbs for t in mb])
+        loss, state = out[0], out[1]
+        losses.append(loss)
+    step.write_back(state)
+
+    torch.manual_seed(spec["rng_seed"])
+    ref_params = [p for p in ref.parameters() if p.requires_grad]
+    diffs: list[str] = []
+    for i, mbs in enumerate(batches[1:]):
+        for o in ref_opts:
+            o.zero_grad()
+        ls = []
+        for mb in mbs:
+            lo = loss_fn(ref, *mb)
+            (lo / n if n > 1 else lo).backward()
+            ls.append(lo.detach())
+        if spec["clip"] is not None:
+            torch.nn.utils.clip_grad_norm_(ref_params, spec["clip"])
+        for o in ref_opts:
+            o.step()
+        for s in ref_scheds:
+            s.step()
+        _eq(losses[i], torch.stack(ls) if n > 1 else ls[0], f"loss step {i}", diffs)
+    ref_sd = ref.state_dict()
+    for k, v in model.state_dict().items():
+        _eq(v, ref_sd[k], f"model {k}", diffs)
+    for oi, (o, ro) in enumerate(zip(opts, ref_opts)):
+        names = {id(p): k for k, p in model.named_parameters()}
+        for gi, (g, rg) in enumerate(zip(o.param_groups, ro.param_groups)):
+            for key in g:
+                if key != "params":
+                    _eq(g[key], rg[key], f"opt{oi} group{gi} {key}", diffs)
+            for p, rp in zip(g["params"], rg["params"]):
+                st, rst = o.state.get(p, {}), ro.state.get(rp, {})
+                if set(st) != set(rst):
+                    diffs.append(f"opt{oi} state of {names[id(p)]}: slots {sorted(st)} vs eager {sorted(rst)}")
+                for slot in set(st) & set(rst):
+                    a, b = st[slot], rst[slot]
+                    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype != b.dtype and a.dim() == 0:
+                        a = a.to(b.dtype)  # a step counter kept as float32 where eager holds another dtype
+                    _eq(a, b, f"opt{oi} state {names[id(p)]}.{slot}", diffs)
+    for si, (s, rs) in enumerate(zip(scheds, ref_scheds)):
+        _eq(s.last_epoch, rs.last_epoch, f"sched{si} last_epoch", diffs)
+        _eq(s.get_last_lr(), rs.get_last_lr(), f"sched{si} last_lr", diffs)
+    return diffs
+
+
+def classify(exc: BaseException) -> tuple[str, str]:
+    name = type(exc).__name__
+    msg = str(exc)
+    if isinstance(exc, Mismatch):
+        return "mismatch", msg
+    if name in OK_ERRORS and not any(m in msg for m in BAD_MARKERS):
+        return "refused", f"{name}: {msg.splitlines()[0][:300] if msg else ''}"
+    return "error", f"{name}: {msg[:2000]}\n{traceback.format_exc()[-3000:]}"
+
+
+def simplifications(spec: dict):
+    """Each one-step simpler variant of ``spec`` (for --minimize)."""
+    for k in range(len(spec["blocks"])):
+        yield {**spec, "blocks": spec["blocks"][:k] + spec["blocks"][k + 1:]}
+    plain = {"front_bn": False, "padding_idx": False, "frozen": [], "excluded": [], "groups": 1, "sched": None,
+             "accumulate": 1, "clip": None, "runner": "exec", "batch": 4, "loss": "ce", "width": 4}
+    for key, v in plain.items():
+        if spec[key] != v:
+            yield {**spec, key: v}
+    for key in spec["opt"]["hyper"]:
+        if key != "lr":
+            h = dict(spec["opt"]["hyper"])
+            del h[key]
+            yield {**spec, "opt": {**spec["opt"], "hyper": h}}
+    if spec["opt"]["kind"] != "SGD":
+        yield {**spec, "opt": {"kind": "SGD", "hyper": {"lr": 0.1}}}
+    for front in ("linear", "embed"):
+        if spec["front"] != front:
+            yield {**spec, "front": front, "front_bn": False, "padding_idx": False}
+
+
+def minimize(spec: dict) -> dict:
+    """Greedily simplifies ``spec`` while it stays a finding of the same status."""
+    status = one(spec)["status"]
+    changed = True
+    while changed:
+        changed = False
+        for cand in simplifications(spec):
+            if cand["front"] == "linear" and cand["batch"] == 1 and any(b["kind"] == "bn" for b in cand["blocks"]):
+                continue
+            if one(cand)["status"] == status:
+                spec, changed = cand, True
+                break
+    return spec
+
+
+def case_spec(seed: int, i: int) -> dict:
+    return gen_spec(random.Random(f"{seed}:{i}"))
+
+
+def one(spec: dict) -> dict:
+    try:
+        diffs = run_case(spec)
+        if diffs:
+            return {"status": "mismatch", "msg": "\n".join(diffs[:20])}
+        return {"status": "ok"}
+    except Exception as exc:  # noqa: BLE001 - every exception is classified
+        status, msg = classify(exc)
+        return {"status": status, "msg": msg}
+
+
+# ------------------------------------------------------------------------------------------ driver
+def worker(seed: int, first: int, deadline: float):
+    i = first
+    while time.time() < deadline:
+        print(json.dumps({"start": i}), flush=True)
+        r = one(case_spec(seed, i))
+        r["i"] = i
+        print(json.dumps(r), flush=True)
+        i += 1
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=300.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--first", type=int, default=0, help="first case index")
+    ap.add_argument("--case", help="SEED:I: run one generated case in-process and print it")
+    ap.add_argument("--spec", help="a JSON spec (or @file) to run in-process")
+    ap.add_argument("--minimize", action="store_true", help="with --case/--spec: simplify the finding first")
+    ap.add_argument("--log", help="append every case's result (JSON lines) here")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        worker(a.seed, a.first, a.deadline)
+        return 0
+    if a.case or a.spec:
+        if a.case:
+            s, i = a.case.split(":")
+            spec = case_spec(int(s), int(i))
+        else:
+            spec = json.loads(Path(a.spec[1:]).read_text() if a.spec.startswith("@") else a.spec)
+        if a.minimize:
+            spec = minimize(spec)
+        print(json.dumps(spec))
+        r = one(spec)
+        print(r["status"])
+        print(r.get("msg", ""))
+        return 0 if r["status"] in ("ok", "refused") else 1
+
+    deadline = time.time() + a.seconds
+    counts: dict[str, int] = {}
+    findings, refusals = [], {}
+    log = open(a.log, "a") if a.log else None
+    i = a.first
+    while time.time() < deadline:
+        p = subprocess.Popen([sys.executable, __file__, "--worker", "--seed", str(a.seed), "--first", str(i),
+                              "--deadline", str(deadline)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        current = None
+        for line in p.stdout:
+            r = json.loads(line)
+            if "start" in r:
+                current = r["start"]
+                continue
+            current = None
+            i = r["i"] + 1
+            counts[r["status"]] = counts.get(r["status"], 0) + 1
+            if log:
+                log.write(line)
+                log.flush()
+            if r["status"] == "refused":
+                refusals[r["msg"][:160]] = refusals.get(r["msg"][:160], 0) + 1
+            elif r["status"] != "ok":
+                findings.append(r)
+                print(f"FINDING {r['status']} case {a.seed}:{r['i']}\n{r['msg']}\n", flush=True)
+        rc = p.wait()
+        if current is not None:  # the worker died inside a case: a crash
+            counts["crash"] = counts.get("crash", 0) + 1
+            findings.append({"status": "crash", "i": current, "msg": f"worker exit {rc}"})
+            print(f"FINDING crash case {a.seed}:{current} (exit {rc})", flush=True)
+            i = current + 1
+    print(f"seed {a.seed}: cases {a.first}..{i - 1}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    for msg, c in sorted(refusals.items(), key=lambda kv: -kv[1]):
+        print(f"  refused x{c}: {msg}")
+    return 1 if findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
