@@ -164,7 +164,8 @@ JOINT_EXPORT = ("rnn_dropout_between_layers", "eager_gru_cell", "eager_onednn_ls
                 "eager_autograd_kernels", "joint_replayed_without_autograd",
                 "eager_cumprod_backward", "eager_prod_backward", "eager_half_dropout_backward")
 INFERENCE_TRACE = ("python_random_draws", "global_module_hooks_restored", "rnn_dropout_between_layers", "eager_gru_cell",
-                   "packed_sequences_refused", "data_assignment_refused", "make_fx_without_stack_traces")
+                   "eager_batch_norm_layouts", "packed_sequences_refused", "data_assignment_refused",
+                   "make_fx_without_stack_traces")
 AOTI_COMPILE = ("aten_max_pool_backward_in_inductor", "exact_subgraph_strides", "onednn_rnn_backward_dtypes")
 
 
