@@ -1227,6 +1227,61 @@ def onednn_rnn_backward_dtypes():
         yield
 
 
+def _batch_norm_cpu_layout(original, input_at, restrided):
+    """``original`` (a batch norm op's decomposition, which fake tensors run, or its meta kernel) with its results
+    ``restrided`` (indices) laid out as the CPU kernels lay them out: ``empty_like(input,
+    input.suggest_memory_format())`` (aten/src/ATen/native/Normalization.cpp, forward and backward), where torch
+    2.9's decompositions keep the input's layout (``input_at``: the input's position). A transposed input
+    (``x.transpose(1, 2)`` into BatchNorm1d) comes out contiguous on the CPU. A clone, so that the values stay
+    the decomposition's wherever it runs."""
+    from torch._prims_common import suggest_memory_format
+
+    @functools.wraps(original)  # its module and name: fake tensors run a decomposition of torch._decomp's only
+    def kernel(*args, **kwargs):
+        out = original(*args, **kwargs)
+        input = args[input_at] if len(args) > input_at else kwargs["input"]
+        if getattr(input, "fake_device", input.device).type != "cpu" or input.layout != torch.strided:
+            return out
+        fmt = suggest_memory_format(input)
+        out = list(out)
+        for i in restrided:
+            t = out[i]
+            if isinstance(t, torch.Tensor) and t.shape == input.shape and not t.is_contiguous(memory_format=fmt):
+                out[i] = t.clone(memory_format=fmt)
+        return tuple(out)
+    return kernel
+
+
+@contextlib.contextmanager
+def eager_batch_norm_layouts():
+    """Traces batch norm's results (forward output, backward input gradient) with the layout its CPU kernels give
+    them (``_batch_norm_cpu_layout``), in both places export's fake tensors take them from: torch's decomposition
+    table and the ops' meta kernels. With the decompositions' layout the trace saw a transposed result where eager
+    has a contiguous one, and every layout-dependent choice after it went another way than eager's: a Linear's
+    reshape traced as a view and its ``mm`` backward recorded as a plain ``mm`` (bn.bias 1e-9 off eager after one
+    step, 2e-3 after three with Lion), found by scripts/fuzz_step.py."""
+    from torch._C import DispatchKey
+    from torch._decomp import decomposition_table
+
+    aten, key = torch.ops.aten, DispatchKey.Meta
+    forward, backward = (0, (0,)), (1, (0,))
+    ops = {aten.native_batch_norm.default: forward, aten._native_batch_norm_legit.default: forward,
+           aten._native_batch_norm_legit.no_stats: forward, aten._native_batch_norm_legit_functional.default: forward,
+           aten._native_batch_norm_legit_no_training.default: forward, aten._batch_norm_with_update.default: forward,
+           aten._batch_norm_with_update_functional.default: forward, aten._batch_norm_no_update.default: forward,
+           aten.native_batch_norm_backward.default: backward, aten.batch_norm_backward.default: backward}
+    metas = {op: op.py_kernels.get(key) for op in ops}
+    decomps = {op: decomposition_table.get(op) for op in ops}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_python_kernels(key, {op: _gated(_batch_norm_cpu_layout(metas[op], *ops[op]), metas[op])
+                                                  for op in ops if metas[op] is not None}))
+        for op in ops:
+            if decomps[op] is not None:
+                decomposition_table[op] = _gated(_batch_norm_cpu_layout(decomps[op], *ops[op]), decomps[op])
+                stack.callback(decomposition_table.__setitem__, op, decomps[op])
+        yield
+
+
 @contextlib.contextmanager
 def eager_onednn_lstm(own_gradients=True):
     """Traces ``nn.LSTM`` (``aten.lstm.input``) as eager runs it on the CPU: one ``mkldnn_rnn_layer`` per layer and

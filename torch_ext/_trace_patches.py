@@ -128,6 +128,7 @@ def _factories() -> dict:
         "eager_onednn_lstm": _compat.eager_onednn_lstm,
         "onednn_lstm_forward": lambda: _compat.eager_onednn_lstm(own_gradients=False),
         "onednn_rnn_backward_dtypes": _compat.onednn_rnn_backward_dtypes,
+        "eager_batch_norm_layouts": _compat.eager_batch_norm_layouts,
         "packed_sequences_refused": _compat.packed_sequences_refused,
         "grad_scaler_refused": _compat.grad_scaler_refused,
         "data_assignment_refused": _compat.data_assignment_refused,
@@ -146,9 +147,9 @@ def _factories() -> dict:
 ORDER = ("env_reads", "python_random_draws", "backward_only_code", "global_module_hooks_restored",
          "eager_attention_masks", "inline_reentrant_checkpoints", "inference_mode_as_no_grad",
          "refuse_autograd_in_trace", "rnn_dropout_between_layers", "eager_gru_cell", "onednn_lstm_forward",
-         "eager_onednn_lstm", "onednn_rnn_backward_dtypes", "packed_sequences_refused", "grad_scaler_refused",
-         "data_assignment_refused", "eager_autograd_kernels", "joint_replayed_without_autograd", "eager_cumprod_backward",
-         "eager_prod_backward", "eager_half_dropout_backward", "aten_max_pool_backward_in_inductor",
+         "eager_onednn_lstm", "onednn_rnn_backward_dtypes", "eager_batch_norm_layouts", "packed_sequences_refused",
+         "grad_scaler_refused", "data_assignment_refused", "eager_autograd_kernels", "joint_replayed_without_autograd",
+         "eager_cumprod_backward", "eager_prod_backward", "eager_half_dropout_backward", "aten_max_pool_backward_in_inductor",
          "exact_subgraph_strides", "make_fx_without_stack_traces")
 # Patches that yield what the block did (reads, draws, code found): entered again at each nesting level.
 COLLECTORS = frozenset({"env_reads", "python_random_draws", "backward_only_code"})
@@ -159,10 +160,12 @@ STEP_EXPORT = ("env_reads", "python_random_draws", "backward_only_code", "global
                "refuse_autograd_in_trace", "rnn_dropout_between_layers", "eager_gru_cell", "onednn_lstm_forward",
                "packed_sequences_refused", "grad_scaler_refused", "data_assignment_refused")
 JOINT_EXPORT = ("rnn_dropout_between_layers", "eager_gru_cell", "eager_onednn_lstm", "onednn_rnn_backward_dtypes",
+                "eager_batch_norm_layouts",
                 "eager_autograd_kernels", "joint_replayed_without_autograd",
                 "eager_cumprod_backward", "eager_prod_backward", "eager_half_dropout_backward")
 INFERENCE_TRACE = ("python_random_draws", "global_module_hooks_restored", "rnn_dropout_between_layers", "eager_gru_cell",
-                   "packed_sequences_refused", "data_assignment_refused", "make_fx_without_stack_traces")
+                   "eager_batch_norm_layouts", "packed_sequences_refused", "data_assignment_refused",
+                   "make_fx_without_stack_traces")
 AOTI_COMPILE = ("aten_max_pool_backward_in_inductor", "exact_subgraph_strides", "onednn_rnn_backward_dtypes")
 
 

@@ -42,7 +42,13 @@ def _functional_program(ep: torch.export.ExportedProgram) -> torch.export.Export
     # same dtypes as eager, with no ambient context needed.
     autocast = any(n.op == "call_function" and n.target is getattr(torch.ops.higher_order, "wrap_with_autocast", None)
                    for n in ep.graph.nodes)
-    ep = _without_hidden_stat_writes(ep.run_decompositions({}) if mutated or mutating or autocast else ep)
+    if mutated or mutating or autocast:
+        from . import _trace_patches
+
+        # The retrace keeps batch norm's results in its CPU kernels' layout, as traced (INFERENCE_TRACE).
+        with _trace_patches.patched("eager_batch_norm_layouts"):
+            ep = ep.run_decompositions({})
+    ep = _without_hidden_stat_writes(ep)
     _untangle_identity_casts(ep)
     return ep
 

@@ -1645,7 +1645,10 @@ class TrainStep:
                        for t in example]
             # The example batch repeated per micro-batch or unrolled call: distinct_inputs keeps export
             # from reading the copies as one input (every micro-batch would read the last one).
-            self._program = torch.export.export(gm, _compat.distinct_inputs(tuple(example)), strict=False)
+            # Batch norm's results traced in its CPU kernels' layout, as the step's graph has them (a retrace with
+            # the meta kernels' layout disagreed with the graph's and a loaded program failed verification).
+            with _trace_patches.patched("eager_batch_norm_layouts"):
+                self._program = torch.export.export(gm, _compat.distinct_inputs(tuple(example)), strict=False)
             # The flat layout rides in the artifact: torch.export.save serializes meta["custom"].
             from .deploy import LAYOUT_KEY, example_digest, layout_of
 

@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/enum_tag.h>
 #include <ATen/core/jit_type.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/empty_strided.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
@@ -319,6 +320,20 @@ MetaCache& meta_cache() {
   return *cache;
 }
 
+// Batch norm's CPU kernels (aten/src/ATen/native/Normalization.cpp, forward and backward) lay their first result
+// (the output, the input's gradient) out as empty_like(input, input.suggest_memory_format()), where the meta
+// kernels keep the input's layout (a transposed input comes out contiguous on the CPU). Tracing records the CPU
+// kernels' layout (torch_ext/_compat.py, eager_batch_norm_layouts), and so is it inferred here. The input's
+// position in the schema, or -1 for other operators.
+int batch_norm_input_position(const std::string& op) {
+  if (op == "native_batch_norm" || op == "_native_batch_norm_legit" || op == "_native_batch_norm_legit_functional" ||
+      op == "_native_batch_norm_legit_no_training" || op == "_batch_norm_with_update" ||
+      op == "_batch_norm_with_update_functional" || op == "_batch_norm_no_update")
+    return 0;
+  if (op == "native_batch_norm_backward" || op == "batch_norm_backward") return 1;
+  return -1;
+}
+
 std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, std::vector<c10::IValue>& stack,
                               const std::vector<TensorInput>& tensor_inputs) {
   std::unordered_map<const Node*, at::Tensor> metas;
@@ -340,6 +355,11 @@ std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, s
       stack[t.pos] = c10::IValue(l);
     }
   }
+  const c10::Device device = result_device(node);
+  at::Tensor batch_norm_input;
+  if (const int pos = batch_norm_input_position(node.target().name);
+      pos >= 0 && device.is_cpu() && static_cast<size_t>(pos) < stack.size() && stack[pos].isTensor())
+    batch_norm_input = stack[pos].toTensor();
   {
     // Graph values carry no autograd history, and a Python mode active in the caller must not
     // see these tensors.
@@ -356,7 +376,6 @@ std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, s
     }
   }
   std::optional<Type> inferred;
-  const c10::Device device = result_device(node);
   const size_t num_returns = op.schema().returns().size();
   if (num_returns == 0) {
     inferred = Type::make_scalar(Type::Kind::None);
@@ -371,6 +390,10 @@ std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, s
     }
     inferred = Type::make_tuple(std::move(elems));
   }
+  if (inferred && batch_norm_input.defined() && inferred->kind == Type::Kind::Tuple && !inferred->elems.empty() &&
+      inferred->elems[0].is_tensor() && inferred->elems[0].tensor.sizes == batch_norm_input.sizes().vec())
+    inferred->elems[0].tensor.strides =
+        at::empty_like(batch_norm_input, batch_norm_input.suggest_memory_format()).strides().vec();
   if (!inferred || agrees(node.type(), *inferred, node.target().name, layout_is_inferred(op))) return "";
   copy_devices(node.type(), *inferred);
   return "declared type " + print_type(node.type()) + " differs from " + print_type(*inferred) +

@@ -888,9 +888,9 @@ def test_why_a_view_meets_an_input_laid_out_otherwise_than_traced():
     """BoundKernel::invoke (csrc/runtime/kernel.cpp) reshapes an aten::view whose input is not viewable. No pass of
     torch_ext makes such an input (the layout planner, the in-place steps and restrides keep declared layouts):
     ATen's CPU batch norm kernels return a contiguous result for a transposed input, where their meta kernels
-    (what tracing saw) keep its layout, so the view after transposing back meets a layout the trace never saw.
-    Restriding their result as traced would make later reductions sum in another order than eager's (not its
-    bits), so the view reshapes as eager's Linear does. If the kernels stop differing, the fallback may be dead."""
+    keep its layout. Tracing now records the CPU kernels' layout (_compat.eager_batch_norm_layouts), so a Linear
+    after transposing back traces eager's reshape (a copy) instead of a view; the fallback stays for
+    native_dropout_backward (see kernel.cpp). If the kernels stop differing, the layout patch may be dead."""
     x = torch.randn(4, 5, 6).transpose(1, 2)
     stats = (torch.ones(6), torch.zeros(6), torch.zeros(6), torch.ones(6))
     strides = {}
@@ -901,18 +901,83 @@ def test_why_a_view_meets_an_input_laid_out_otherwise_than_traced():
             strides[device, train] = out.stride()
     assert strides["meta", True] == strides["meta", False] == x.stride() == (30, 1, 6)
     assert strides["cpu", True] == strides["cpu", False] == (30, 5, 1)
-    # The view is the joint graph's (Linear decomposed into view, addmm, view); inference graphs keep aten::linear,
-    # a composite that reshapes by itself. test_batch_norm_1d_on_a_transposed_input_trains_bit_exact fails
-    # ('view size is not compatible') without the fallback.
+    # The step's graph: batch norm's result and its input's gradient as the CPU kernels lay them out, and the
+    # Linear's reshape of the transposed result a copy (clone, _unsafe_view) as in eager, not a view.
     torch.manual_seed(0)
     model, x = _TransposedBatchNorm(), torch.randn(4, 5, 6)
     step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                      lambda m, x: m(x).sum(), (x,))
     graph = step.program.graph
+    norms = [n for n in graph.nodes if "batch_norm" in str(n.target)]
+    assert len(norms) == 2 and all(n.meta["val"][0].stride() == (30, 5, 1) for n in norms)
     views = [n for n in graph.nodes if n.target in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
              and n.args[0].target == torch.ops.aten.transpose.int
              and "batch_norm" in str(n.args[0].args[0].args[0].target)]
-    assert views, "no view of a transposed batch norm result in the step's graph"
+    assert not views, "a view of a transposed batch norm result, where eager's reshape copies"
+
+
+def _bn_eager_differences(model, opt_cls, x, y, steps):
+    """{name: max |diff|} of the parameters after ``steps`` steps (``opt_cls``, lr 0.1) of the pure step against eager's."""
+    eager = copy.deepcopy(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    eager_params = [p for p in eager.parameters() if p.requires_grad]
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x).reshape(-1, 3), y.reshape(-1))  # noqa: E731
+    step = torch_ext.make_train_step(model, opt_cls(params, lr=0.1), loss_fn, (x, y))
+    eager_opt, state = opt_cls(eager_params, lr=0.1), step.init_state()
+    for _ in range(steps):
+        loss, state = step(state, x, y)
+        eager_opt.zero_grad()
+        eager_loss = loss_fn(eager, x, y)
+        eager_loss.backward()
+        eager_opt.step()
+        assert torch.equal(loss, eager_loss)
+    return {n: (state.params["model." + n] - p.detach()).abs().max().item()
+            for n, p in eager.named_parameters() if not torch.equal(state.params["model." + n], p.detach())}
+
+
+class _TwoTransposedBatchNorms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn1, self.bn2, self.head = nn.BatchNorm1d(4), nn.BatchNorm1d(4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.bn1(x.transpose(1, 2)).transpose(1, 2)
+        return self.head(self.bn2(h.transpose(1, 2)).transpose(1, 2))
+
+
+class _LinearTransposedBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.bn, self.head = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.bn(self.inp(x).transpose(1, 2)).transpose(1, 2))
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch_ext.optim.Lion], ids=["SGD", "Lion"])
+def test_transposed_batch_norm_with_batch_one_trains_bit_exact(opt_cls):
+    # Found by scripts/fuzz_step.py. Batch 1: eager's Linear reshapes the transposed-back batch norm result
+    # ([1, 3, 4], contiguous from the CPU kernel) as a view, a transposed matrix, so its mm backward takes the
+    # transposed branch; tracing saw the meta kernel's layout and recorded a plain mm: bn1.bias 2e-10 to 1.5e-9 off
+    # eager after one SGD step (16 of 20 seeds), silently.
+    g = torch.Generator().manual_seed(1)
+    for seed in range(6):
+        torch.manual_seed(seed)
+        x, y = torch.randn(1, 3, 4, generator=g), torch.randint(0, 3, (1, 3), generator=g)
+        assert _bn_eager_differences(_TwoTransposedBatchNorms(), opt_cls, x, y, steps=3) == {}, seed
+
+
+def test_transposed_batch_norm_before_a_frozen_linear_trains_bit_exact():
+    # Found by scripts/fuzz_step.py. Linear -> transpose -> BatchNorm1d -> transpose back -> Linear whose weight
+    # is frozen: the step differed from eager in 10 of 10 seeds after one SGD step (0 of 10 with the weight
+    # trained), silently, as tracing saw the meta kernel's layout of batch norm's result and its gradient.
+    g = torch.Generator().manual_seed(1)
+    for seed in range(4):
+        torch.manual_seed(seed)
+        model = _LinearTransposedBatchNorm()
+        model.head.weight.requires_grad_(False)
+        x, y = torch.randn(4, 4, 8, generator=g), torch.randint(0, 3, (4, 4), generator=g)
+        assert _bn_eager_differences(model, torch.optim.SGD, x, y, steps=1) == {}, seed
 
 
 class _PackedGRU(nn.Module):
