@@ -485,19 +485,20 @@ class Engine:
         out._e, out._refuse = engine, refuse
         return out
 
-    def patch(self, node: str, value) -> None:
+    def _check_patch(self, node: str) -> None:
         if self._refuse is not None:
             self._refuse(node, "patch")
+
+    def patch(self, node: str, value) -> None:
+        self._check_patch(node)
         self._e.patch(node, value)
 
     def evaluate_patched(self, node: str, value) -> list:
-        if self._refuse is not None:
-            self._refuse(node, "patch")
+        self._check_patch(node)
         return self._e.evaluate_patched(node, value)
 
     def evaluate_patched_rows(self, node: str, value, *args, **kwargs) -> list:
-        if self._refuse is not None:
-            self._refuse(node, "patch")
+        self._check_patch(node)
         return self._e.evaluate_patched_rows(node, value, *args, **kwargs)
 
     def graft(self, src: str, dst: str, block: Graph, params: Sequence = ()) -> list[str]:
