@@ -83,6 +83,11 @@ def to_onnx(step, path: str) -> str:
     # default table's forms go through empty_permuted, which the exporter cannot translate.
     decompositions[aten.silu_backward.default] = _silu_backward
     decompositions[aten.mish_backward.default] = _mish_backward
+    # Convolution, pooling and nearest-upsampling backward: torch has no decomposition and the exporter no
+    # translation of them; their definitions in ops it translates (torch_ext/_onnx_backward.py).
+    from ._onnx_backward import decompositions as backward_decompositions
+
+    decompositions.update(backward_decompositions())
     program = program.run_decompositions(decompositions)
     import logging
 
@@ -98,9 +103,10 @@ def to_onnx(step, path: str) -> str:
         found = re.search(r"No ONNX function found for <OpOverload\(op='([^']+)', overload='([^']+)'\)>", str(e))
         if found:
             raise NotImplementedError(
-                f"to_onnx: torch {torch.__version__}'s ONNX exporter has no translation for {found[1]}.{found[2]} "
-                "(e.g. the backward of scaled_dot_product_attention: write attention as matmul + softmax to "
-                "train it in ONNX)") from e
+                f"to_onnx: torch {torch.__version__}'s ONNX exporter has no translation for {found[1]}.{found[2]}, "
+                "and to_onnx has no form of it (it supplies convolution, average/max/adaptive pooling and nearest "
+                "upsampling backward: torch_ext/_onnx_backward.py): to train this model in ONNX, write that layer "
+                "with ops the exporter translates") from e
         raise
     finally:
         logging.disable(previous)

@@ -40,6 +40,7 @@ __all__ = [
     "get_act_patch_attn_head_v_by_pos", "get_act_patch_attn_head_pattern_by_pos",
     "get_act_patch_attn_head_all_pos_every", "get_act_patch_attn_head_by_pos_every",
     "layer_head_pattern_patch_setter", "layer_head_pos_pattern_patch_setter",
+    "get_act_patch_attn_head_pattern_dest_src_pos", "layer_head_dest_src_pos_pattern_patch_setter",
 ]
 
 _BLOCK_HOOKS = {"resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"}
@@ -95,6 +96,13 @@ def layer_head_pos_pattern_patch_setter(corrupted_activation, index, clean_activ
     """index = (layer, head, dest_pos)."""
     layer, head, dest_pos = index
     corrupted_activation[:, head, dest_pos, :] = clean_activation[:, head, dest_pos, :]
+    return corrupted_activation
+
+
+def layer_head_dest_src_pos_pattern_patch_setter(corrupted_activation, index, clean_activation):
+    """index = (layer, head, dest_pos, src_pos): one entry of one head's pattern."""
+    layer, head, dest_pos, src_pos = index
+    corrupted_activation[:, head, dest_pos, src_pos] = clean_activation[:, head, dest_pos, src_pos]
     return corrupted_activation
 
 
@@ -316,6 +324,10 @@ _ACT_PATCHES = {
     "attn_head_pattern_by_pos": (layer_head_pos_pattern_patch_setter, "pattern", ("layer", "head_index", "dest_pos"),
                                  "[n_layers, n_heads, dest_pos]: each head's attention pattern at each destination "
                                  "position."),
+    "attn_head_pattern_dest_src_pos": (layer_head_dest_src_pos_pattern_patch_setter, "pattern",
+                                       ("layer", "head_index", "dest_pos", "src_pos"),
+                                       "[n_layers, n_heads, dest_pos, src_pos]: each entry of each head's attention "
+                                       "pattern."),
 }
 
 
@@ -342,6 +354,7 @@ get_act_patch_attn_head_out_all_pos = _act_patch("attn_head_out_all_pos")
 get_act_patch_attn_head_out_by_pos = _act_patch("attn_head_out_by_pos")
 get_act_patch_attn_head_pattern_all_pos = _act_patch("attn_head_pattern_all_pos")
 get_act_patch_attn_head_pattern_by_pos = _act_patch("attn_head_pattern_by_pos")
+get_act_patch_attn_head_pattern_dest_src_pos = _act_patch("attn_head_pattern_dest_src_pos")
 
 
 def get_act_patch_block_every(model, corrupted_tokens, clean_cache, metric, **kwargs):

@@ -499,3 +499,68 @@ def test_onnx_step_refuses_a_state_entry_of_another_shape_or_dtype(tmp_path):
     loss, new_state = onnx_step(state, *batch)
     assert {n: tuple(t.shape) for n, t in new_state.params.items()} == {"model.weight": (3, 4), "model.bias": (3,)}
     torch.testing.assert_close(loss, step(state, *batch)[0], rtol=1e-6, atol=1e-6)
+
+
+class _ConvNet(nn.Module):
+    """Every layer whose backward torch's ONNX exporter cannot translate and to_onnx writes out
+    (torch_ext/_onnx_backward.py): strided, dilated, grouped and depthwise convolutions in 1-D and 2-D, a transposed
+    convolution with output_padding, max pooling in ceil mode, average pooling without the padding in its divisor,
+    adaptive average pooling to a size that does not divide the input, and nearest upsampling."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False)  # before batch norm: a bias gets only noise
+        self.bn = nn.BatchNorm2d(8)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=2)
+        self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.up = nn.ConvTranspose2d(8, 4, 3, stride=2, padding=1, output_padding=1, groups=2)
+        self.c1d = nn.Conv1d(4, 6, 3, stride=2, padding=1)
+        self.head = nn.Linear(6 * 3 + 4 * 9, 5)
+
+    def forward(self, x):                                              # [N, 3, 16, 16]
+        h = F.relu(self.bn(self.c1(x)))                                # [N, 8, 8, 8]
+        h = F.max_pool2d(F.gelu(self.c2(h)), 3, 2, 1, ceil_mode=True)  # [N, 8, 5, 5]
+        h = F.avg_pool2d(torch.tanh(self.dw(h)), 2, 1, 1, count_include_pad=False)  # [N, 8, 6, 6]
+        h = F.interpolate(self.up(h), scale_factor=0.5, mode="nearest")  # [N, 4, 6, 6]
+        a = F.adaptive_avg_pool2d(h, (3, 3)).flatten(1)                # [N, 36]
+        s = self.c1d(h.flatten(2))                                     # [N, 6, 18]
+        return self.head(torch.cat([F.adaptive_avg_pool1d(s, 3).flatten(1), a], 1))
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw"])
+def test_onnx_runtime_trains_convolutions_and_pooling_like_the_step_and_eager(tmp_path, opt_name):
+    # torch 2.9's exporter has no translation of convolution_backward (nor of the pooling and upsampling backward
+    # ops): to_onnx refused every CNN, naming the op. Now their definitions go into the graph.
+    torch.manual_seed(0)
+    model = _ConvNet()
+    eager = copy.deepcopy(model)
+    make = {"sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+            "adamw": lambda p: torch.optim.AdamW(p, lr=2e-3, weight_decay=0.1)}[opt_name]
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 5, (4,), generator=g)) for _ in range(6)]
+    step = torch_ext.make_train_step(model, make(model.parameters()), loss_fn, batches[0])
+    path = step.to_onnx(str(tmp_path / "cnn.onnx"))
+    import onnx
+
+    ops = {n.op_type for n in onnx.load(path).graph.node}
+    assert {"Conv", "ConvTranspose", "ScatterElements", "MatMul"} <= ops, ops
+    loaded = tox.load_onnx_step(path)
+    eager_opt = make(eager.parameters())
+    state = want = step.init_state()
+    for i, b in enumerate(batches):
+        loss, state = loaded(state, *b)
+        want_loss, want = step(want, *b)
+        eager_opt.zero_grad()
+        ref = loss_fn(eager, *b)
+        ref.backward()
+        eager_opt.step()
+        assert torch.equal(want_loss, ref), f"step {i}: the live step is bit-exact with eager"
+        assert float(loss) == pytest.approx(float(ref.detach()), rel=1e-5), f"step {i}"
+    for name, p in eager.named_parameters():
+        got, live = state.params["model." + name], want.params["model." + name]
+        scale = float(p.detach().abs().max())
+        assert float((got - p.detach()).abs().max()) <= 1e-5 * scale, name
+        assert float((got - live).abs().max()) <= 1e-5 * scale, name
+    for name in ("model.bn.running_mean", "model.bn.running_var"):
+        torch.testing.assert_close(state.lookup(name), want.lookup(name), rtol=1e-5, atol=1e-6, msg=name)

@@ -18,7 +18,8 @@ FUNCTIONS = ["get_act_patch_resid_pre", "get_act_patch_resid_mid", "get_act_patc
              "get_act_patch_attn_head_out_all_pos", "get_act_patch_attn_head_out_by_pos", "get_act_patch_block_every",
              "get_act_patch_attn_head_q_all_pos", "get_act_patch_attn_head_k_by_pos", "get_act_patch_attn_head_v_all_pos",
              "get_act_patch_attn_head_pattern_all_pos", "get_act_patch_attn_head_pattern_by_pos",
-             "get_act_patch_attn_head_all_pos_every", "get_act_patch_attn_head_by_pos_every"]
+             "get_act_patch_attn_head_all_pos_every", "get_act_patch_attn_head_by_pos_every",
+             "get_act_patch_attn_head_pattern_dest_src_pos"]
 
 
 @pytest.fixture(scope="module")

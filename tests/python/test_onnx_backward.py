@@ -1,0 +1,115 @@
+"""The backward ops to_onnx writes out for torch's ONNX exporter (torch_ext/_onnx_backward.py) against ATen's kernels,
+in float64 (so a wrong window, stride or group shows as an O(1) difference, rounding as 1e-15): convolutions regular
+and transposed in 1-D to 3-D over strides, paddings, dilations, groups and output paddings; average, max and
+adaptive average pooling; nearest upsampling."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torch_ext import _onnx_backward as ob
+
+aten = torch.ops.aten
+
+
+def _close(got, want, what):
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    err = float((got - want).abs().max() / (want.abs().max() + 1e-300))
+    assert err < 1e-12, (what, err)
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_convolution_backward_equals_atens(nd, transposed):
+    torch.manual_seed(0)
+    seen = 0
+    for groups, stride, padding, dilation in [(1, 1, 0, 1), (2, 2, 1, 1), (4, 1, 2, 2), (1, 3, 1, 2), (2, 2, 0, 3)]:
+        for output_padding in ([0, 1, 2] if transposed else [0]):
+            if output_padding >= max(stride, dilation):
+                continue
+            c_in, c_out, k, size = 4, 8, 3, (9 if nd < 3 else 7)
+            x = torch.randn(3, c_in, *[size] * nd, dtype=torch.float64)
+            wshape = (c_in, c_out // groups) if transposed else (c_out, c_in // groups)
+            w = torch.randn(*wshape, *[k] * nd, dtype=torch.float64)
+            args = ([stride] * nd, [padding] * nd, [dilation] * nd, transposed, [output_padding] * nd, groups)
+            y = aten.convolution(x, w, torch.randn(c_out, dtype=torch.float64), *args)
+            gy = torch.randn_like(y)
+            for mask in ([True, True, True], [True, False, False], [False, True, True]):
+                want = aten.convolution_backward(gy, x, w, [c_out], *args, mask)
+                got = ob.convolution_backward(gy, x, w, [c_out], *args, mask)
+                for g, wv, on, name in zip(got, want, mask, ("input", "weight", "bias")):
+                    if on:
+                        _close(g, wv, (groups, stride, padding, dilation, output_padding, name))
+                    else:
+                        assert g is None
+            seen += 1
+    assert seen >= 5
+
+
+def test_depthwise_convolution_backward_with_per_dim_options_equals_atens():
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 10, 11, dtype=torch.float64)
+    w = torch.randn(12, 1, 3, 2, dtype=torch.float64)  # depthwise, channel multiplier 2
+    args = ([2, 1], [1, 0], [1, 2], False, [0, 0], 6)
+    gy = torch.randn_like(aten.convolution(x, w, None, *args))
+    want = aten.convolution_backward(gy, x, w, None, *args, [True, True, False])
+    got = ob.convolution_backward(gy, x, w, None, *args, [True, True, False])
+    _close(got[0], want[0], "input")
+    _close(got[1], want[1], "weight")
+    assert got[2] is None
+
+
+@pytest.mark.parametrize("ceil_mode", [False, True])
+@pytest.mark.parametrize("count_include_pad", [False, True])
+def test_pooling_backward_equals_atens(ceil_mode, count_include_pad):
+    torch.manual_seed(0)
+    for h, w, k, s, p, divisor in itertools.product([7, 8], [5, 9], [2, 3], [1, 2, None], [0, 1], [None, 3]):
+        if p > k // 2:
+            continue
+        x = torch.randn(2, 3, h, w, dtype=torch.float64, requires_grad=True)
+        y = F.avg_pool2d(x, k, s, p, ceil_mode, count_include_pad, divisor)
+        gy = torch.randn_like(y)
+        want, = torch.autograd.grad(y, x, gy)
+        got = ob.avg_pool2d_backward(gy, x.detach(), [k, k], [] if s is None else [s, s], [p, p], ceil_mode,
+                                     count_include_pad, divisor)
+        _close(got, want, ("avg", h, w, k, s, p, divisor))
+        y, indices = F.max_pool2d(x, k, s, p, 1, ceil_mode, return_indices=True)
+        gy = torch.randn_like(y)
+        want, = torch.autograd.grad(y, x, gy)
+        got = ob.max_pool2d_with_indices_backward(gy, x.detach(), [k, k], [s or k] * 2, [p, p], [1, 1], ceil_mode,
+                                                  indices)
+        _close(got, want, ("max", h, w, k, s, p))
+
+
+@pytest.mark.parametrize("h,w,oh,ow", [(7, 9, 3, 4), (8, 8, 8, 8), (5, 7, 1, 1), (6, 10, 4, 3), (3, 3, 5, 7)])
+@pytest.mark.parametrize("batched", [True, False])
+def test_adaptive_average_pooling_backward_equals_atens(h, w, oh, ow, batched):
+    torch.manual_seed(0)
+    x = torch.randn(*([2] if batched else []), 3, h, w, dtype=torch.float64, requires_grad=True)
+    y = F.adaptive_avg_pool2d(x, (oh, ow))
+    gy = torch.randn_like(y)
+    want, = torch.autograd.grad(y, x, gy)
+    _close(ob.adaptive_avg_pool2d_backward(gy, x.detach()), want, (h, w, oh, ow))
+
+
+@pytest.mark.parametrize("h,w,kw", [(4, 5, dict(scale_factor=2)), (4, 5, dict(scale_factor=3)),
+                                    (3, 7, dict(size=(7, 10))), (5, 5, dict(scale_factor=1.7)),
+                                    (6, 4, dict(size=(4, 3))), (8, 8, dict(scale_factor=0.5))])
+def test_nearest_upsampling_backward_equals_atens(h, w, kw):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, h, w, dtype=torch.float64, requires_grad=True)
+    y = F.interpolate(x, mode="nearest", **kw)
+    gy = torch.randn_like(y)
+    want, = torch.autograd.grad(y, x, gy)
+    scale = kw.get("scale_factor")
+    _close(ob.upsample_nearest2d_backward(gy, list(y.shape[-2:]), list(x.shape), scale, scale), want, kw)
+
+
+def test_every_form_is_in_the_table_to_onnx_uses():
+    table = ob.decompositions()
+    assert set(table) == {aten.convolution_backward.default, aten._adaptive_avg_pool2d_backward.default,
+                          aten.avg_pool2d_backward.default, aten.max_pool2d_with_indices_backward.default,
+                          aten.upsample_nearest2d_backward.default}
