@@ -88,9 +88,14 @@ def _window_matrix(starts: torch.Tensor, ends: torch.Tensor, size: int, divisors
     return inside.to(dtype) / divisors[:, None].to(dtype)
 
 
-def _separable(grad: torch.Tensor, a_h: torch.Tensor, a_w: torch.Tensor) -> torch.Tensor:
-    """grad [..., oh, ow] -> [..., H, W]: a_h^T @ grad @ a_w."""
-    return torch.matmul(torch.matmul(a_h.transpose(0, 1), grad), a_w)
+def _separable(grad: torch.Tensor, *mats: torch.Tensor) -> torch.Tensor:
+    """grad [..., o_1, ..., o_k] -> [..., i_1, ..., i_k]: each trailing dim contracted with its [o_d, i_d] matrix
+    (``a_h^T @ grad @ a_w`` in 2-D)."""
+    k = len(mats)
+    for d, a in enumerate(mats):
+        dim = grad.dim() - k + d
+        grad = torch.matmul(grad.movedim(dim, -1), a).movedim(-1, dim)
+    return grad
 
 
 def adaptive_avg_pool2d_backward(grad_output, self):
@@ -134,26 +139,110 @@ def max_pool2d_with_indices_backward(grad_output, self, kernel_size, stride, pad
     return flat.scatter_add(-1, indices.flatten(-2), grad_output.flatten(-2)).reshape(self.shape)
 
 
-def _nearest_sources(out: int, size: int, scale) -> torch.Tensor:
-    """ATen's nearest source index (UpSample.h ``nearest_idx``): the float scale size / out (or 1 / scale when
-    given), floor(o * scale) in float32, at most size - 1."""
-    o = torch.arange(out)
+def _float32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _opmath(dtype: torch.dtype) -> torch.dtype:
+    """The type ATen's upsampling kernels compute source indices and weights in: double for double, else float."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _scale(out: int, size: int, align_corners: bool | None, scale, opmath: torch.dtype) -> float:
+    """ATen's ``area_pixel_compute_scale`` (UpSample.h), rounded as its kernels hold it: (size - 1) / (out - 1)
+    with align_corners, else 1 / scale when the caller gave one, else size / out."""
+    if align_corners:
+        value = (size - 1) / (out - 1) if out > 1 else 0.0
+    else:
+        value = 1.0 / scale if scale is not None and scale > 0 else size / out
+    return _float32(value) if opmath == torch.float32 else value
+
+
+def _one_hot(index: torch.Tensor, size: int, dtype) -> torch.Tensor:
+    return (index[:, None] == torch.arange(size, device=index.device)[None, :]).to(dtype)
+
+
+def _nearest_matrix(out: int, size: int, scale, exact: bool, dtype, device) -> torch.Tensor:
+    """[out, size]: 1 at ATen's nearest source (``nearest_idx`` / ``nearest_exact_idx``): floor(o * scale), or
+    floor((o + 0.5) * scale) for nearest-exact, in float32, at most size - 1; o // 2 when out is twice size."""
+    o = torch.arange(out, device=device)
+    if out == size and not exact:
+        return _one_hot(o, size, dtype)
+    opmath = _opmath(dtype)
+    s = 0.5 if out == 2 * size and not exact else _scale(out, size, None, scale, opmath)
+    real = (o.to(opmath) + 0.5) * s if exact else o.to(opmath) * s
+    return _one_hot(torch.clamp(torch.floor(real).to(torch.int64), max=size - 1), size, dtype)
+
+
+def _linear_matrix(out: int, size: int, align_corners: bool, scale, dtype, device) -> torch.Tensor:
+    """[out, size]: ATen's linear interpolation weights (``compute_source_index_and_lambda``, float32): the source
+    index real = s * o (align_corners) or max(s * (o + 0.5) - 0.5, 0); i0 = min(floor(real), size - 1), lambda =
+    clamp(real - i0, 0, 1); weight 1 - lambda at i0 and lambda at i0 + 1 (i0 itself at the last row)."""
+    o = torch.arange(out, device=device)
     if out == size:
-        return o
-    if out == 2 * size:
-        return torch.div(o, 2, rounding_mode="floor")
-    s = float(1.0 / scale) if scale is not None and scale > 0 else size / out
-    s = struct.unpack("f", struct.pack("f", s))[0]  # ATen's scale is a float: this product rounds as its does
-    return torch.clamp(torch.floor(o.to(torch.float32) * s).to(torch.int64), max=size - 1)
+        return _one_hot(o, size, dtype)
+    opmath = _opmath(dtype)
+    s = _scale(out, size, align_corners, scale, opmath)
+    real = o.to(opmath) * s if align_corners else torch.clamp((o.to(opmath) + 0.5) * s - 0.5, min=0)
+    i0 = torch.clamp(torch.floor(real).to(torch.int64), max=size - 1)
+    lam1 = torch.clamp(real - i0.to(opmath), 0, 1)
+    i1 = torch.clamp(i0 + 1, max=size - 1)
+    return (_one_hot(i0, size, opmath) * (1 - lam1)[:, None] + _one_hot(i1, size, opmath) * lam1[:, None]).to(dtype)
 
 
-def upsample_nearest2d_backward(grad_output, output_size, input_size, scales_h=None, scales_w=None):
+def _cubic_matrix(out: int, size: int, align_corners: bool, scale, dtype, device) -> torch.Tensor:
+    """[out, size]: ATen's bicubic weights (UpSample.h ``get_cubic_upsample_coefficients``, A = -0.75, float32) on
+    the four taps floor(real) - 1 .. + 2, clamped into the input (``upsample_increment_value_bounded``); real = s * o
+    or s * (o + 0.5) - 0.5, not clamped at 0."""
+    opmath = _opmath(dtype)
+    o = torch.arange(out, device=device).to(opmath)
+    s = _scale(out, size, align_corners, scale, opmath)
+    real = o * s if align_corners else (o + 0.5) * s - 0.5
+    # guard_index_and_lambda: the tap base at most size - 1, t clamped into [0, 1]
+    base = torch.clamp(torch.floor(real), max=size - 1)
+    t = torch.clamp(real - base, 0, 1)
+    a = -0.75
+    x1, x2 = t, 1 - t
+    w = [((a * (x1 + 1) - 5 * a) * (x1 + 1) + 8 * a) * (x1 + 1) - 4 * a,
+         ((a + 2) * x1 - (a + 3)) * x1 * x1 + 1,
+         ((a + 2) * x2 - (a + 3)) * x2 * x2 + 1,
+         ((a * (x2 + 1) - 5 * a) * (x2 + 1) + 8 * a) * (x2 + 1) - 4 * a]
+    base = base.to(torch.int64)
+    m = sum(_one_hot(torch.clamp(base - 1 + k, 0, size - 1), size, opmath) * w[k][:, None] for k in range(4))
+    return m.to(dtype)
+
+
+def _upsample_backward(kind: str, grad_output, output_size, input_size, align_corners=None, scales=()):
+    """The backward of upsampling over the trailing len(output_size) dims: separable, one matrix per dim."""
+    nd = len(output_size)
+    scales = list(scales) + [None] * (nd - len(scales))
     mats = []
-    for d, scale in ((-2, scales_h), (-1, scales_w)):
-        out, size = int(output_size[d]), int(input_size[d])
-        src = _nearest_sources(out, size, scale).to(grad_output.device)
-        mats.append((src[:, None] == torch.arange(size, device=grad_output.device)[None, :]).to(grad_output.dtype))
+    for d in range(nd):
+        out, size = int(output_size[d]), int(input_size[2 + d])
+        if kind in ("nearest", "nearest_exact"):
+            mats.append(_nearest_matrix(out, size, scales[d], kind == "nearest_exact", grad_output.dtype,
+                                        grad_output.device))
+        elif kind == "linear":
+            mats.append(_linear_matrix(out, size, align_corners, scales[d], grad_output.dtype, grad_output.device))
+        else:
+            mats.append(_cubic_matrix(out, size, align_corners, scales[d], grad_output.dtype, grad_output.device))
     return _separable(grad_output, *mats)
+
+
+def _nearest(exact: bool):
+    def backward(grad_output, output_size, input_size, *scales):
+        return _upsample_backward("nearest_exact" if exact else "nearest", grad_output, output_size, input_size,
+                                  scales=scales)
+    return backward
+
+
+def _interpolating(kind: str):
+    def backward(grad_output, output_size, input_size, align_corners, *scales):
+        return _upsample_backward(kind, grad_output, output_size, input_size, align_corners, scales)
+    return backward
+
+
+upsample_nearest2d_backward = _nearest(exact=False)
 
 
 def decompositions() -> dict:
@@ -163,6 +252,11 @@ def decompositions() -> dict:
         aten._adaptive_avg_pool2d_backward.default: adaptive_avg_pool2d_backward,
         aten.avg_pool2d_backward.default: avg_pool2d_backward,
         aten.max_pool2d_with_indices_backward.default: max_pool2d_with_indices_backward,
-        aten.upsample_nearest2d_backward.default: upsample_nearest2d_backward,
     }
+    for nd, linear in ((1, "upsample_linear1d_backward"), (2, "upsample_bilinear2d_backward"),
+                       (3, "upsample_trilinear3d_backward")):
+        table[getattr(aten, f"upsample_nearest{nd}d_backward").default] = _nearest(exact=False)
+        table[getattr(aten, f"_upsample_nearest_exact{nd}d_backward").default] = _nearest(exact=True)
+        table[getattr(aten, linear).default] = _interpolating("linear")
+    table[aten.upsample_bicubic2d_backward.default] = _interpolating("cubic")
     return table

@@ -1,7 +1,7 @@
 """The backward ops to_onnx writes out for torch's ONNX exporter (torch_ext/_onnx_backward.py) against ATen's kernels,
 in float64 (so a wrong window, stride or group shows as an O(1) difference, rounding as 1e-15): convolutions regular
 and transposed in 1-D to 3-D over strides, paddings, dilations, groups and output paddings; average, max and
-adaptive average pooling; nearest upsampling."""
+adaptive average pooling; nearest, nearest-exact, linear, bilinear, trilinear and bicubic upsampling."""
 from __future__ import annotations
 
 import itertools
@@ -95,21 +95,47 @@ def test_adaptive_average_pooling_backward_equals_atens(h, w, oh, ow, batched):
     _close(ob.adaptive_avg_pool2d_backward(gy, x.detach()), want, (h, w, oh, ow))
 
 
-@pytest.mark.parametrize("h,w,kw", [(4, 5, dict(scale_factor=2)), (4, 5, dict(scale_factor=3)),
-                                    (3, 7, dict(size=(7, 10))), (5, 5, dict(scale_factor=1.7)),
-                                    (6, 4, dict(size=(4, 3))), (8, 8, dict(scale_factor=0.5))])
-def test_nearest_upsampling_backward_equals_atens(h, w, kw):
+_UPSAMPLE_OPS = {"nearest": "upsample_nearest{nd}d_backward", "nearest-exact": "_upsample_nearest_exact{nd}d_backward",
+                 "linear": "upsample_linear1d_backward", "bilinear": "upsample_bilinear2d_backward",
+                 "trilinear": "upsample_trilinear3d_backward", "bicubic": "upsample_bicubic2d_backward"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("sizes,kw", [((5, 7), dict(scale_factor=2)), ((5, 7), dict(scale_factor=1.7)),
+                                      ((6, 4), dict(size=(4, 3))), ((4, 4), dict(size=(9, 13))),
+                                      ((8, 8), dict(scale_factor=0.5)), ((3, 5), dict(scale_factor=3)),
+                                      ((7, 6), dict(size=(7, 6))), ((1, 5), dict(size=(4, 1)))])
+def test_upsampling_backward_equals_atens(dtype, sizes, kw):
+    # Source indices and weights are computed in ATen's opmath type (float for float32), so float64 shows any
+    # misplaced tap or weight as O(1) and float32 matches to rounding.
     torch.manual_seed(0)
-    x = torch.randn(2, 3, h, w, dtype=torch.float64, requires_grad=True)
-    y = F.interpolate(x, mode="nearest", **kw)
-    gy = torch.randn_like(y)
-    want, = torch.autograd.grad(y, x, gy)
-    scale = kw.get("scale_factor")
-    _close(ob.upsample_nearest2d_backward(gy, list(y.shape[-2:]), list(x.shape), scale, scale), want, kw)
+    table = ob.decompositions()
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for nd in (1, 2, 3):
+        shape = {1: sizes[:1], 2: sizes, 3: (sizes[0], sizes[1], sizes[0])}[nd]
+        kwd = {k: (tuple((v * 2)[:nd]) if isinstance(v, tuple) else v) for k, v in kw.items()}
+        modes = ["nearest", "nearest-exact"] + {1: ["linear"], 2: ["bilinear", "bicubic"], 3: ["trilinear"]}[nd]
+        for mode in modes:
+            for align_corners in ((None,) if mode.startswith("nearest") else (False, True)):
+                x = torch.randn(2, 3, *shape, dtype=dtype, requires_grad=True)
+                extra = {} if align_corners is None else dict(align_corners=align_corners)
+                y = F.interpolate(x, mode=mode, **kwd, **extra)
+                gy = torch.randn_like(y)
+                want, = torch.autograd.grad(y, x, gy)
+                scale = kwd.get("scale_factor")
+                op = getattr(aten, _UPSAMPLE_OPS[mode].format(nd=nd)).default
+                args = (gy, list(y.shape[2:]), list(x.shape), *([align_corners] if align_corners is not None else []),
+                        *[scale] * nd)
+                got = table[op](*args)
+                assert got.shape == want.shape
+                err = float((got - want).abs().max() / want.abs().max())
+                assert err < tol, (mode, nd, kwd, align_corners, err)
 
 
 def test_every_form_is_in_the_table_to_onnx_uses():
     table = ob.decompositions()
+    upsampling = {getattr(aten, op.format(nd=nd)).default for op in _UPSAMPLE_OPS.values() for nd in (1, 2, 3)
+                  if hasattr(aten, op.format(nd=nd))}
     assert set(table) == {aten.convolution_backward.default, aten._adaptive_avg_pool2d_backward.default,
-                          aten.avg_pool2d_backward.default, aten.max_pool2d_with_indices_backward.default,
-                          aten.upsample_nearest2d_backward.default}
+                          aten.avg_pool2d_backward.default, aten.max_pool2d_with_indices_backward.default} | upsampling
+    assert len(upsampling) == 10
