@@ -25,6 +25,16 @@ import torch
 aten = torch.ops.aten
 
 
+def _like_layout(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``t`` laid out in memory as ``ref`` (a dense permutation: a transposed query, a channels-last input), as the
+    kernel's own result is: the program's later views were traced on that layout."""
+    if t.is_contiguous() and ref.is_contiguous():
+        return t
+    order = sorted(range(ref.dim()), key=lambda d: (-ref.stride(d), -ref.shape[d]))
+    inverse = [order.index(d) for d in range(ref.dim())]
+    return t.permute(order).contiguous().permute(inverse)
+
+
 def _spatial(values, nd: int) -> list[int]:
     values = [int(v) for v in values]
     return values * nd if len(values) == 1 else values
@@ -75,7 +85,8 @@ def convolution_backward(grad_output, input, weight, bias_sizes, stride, padding
                        else _weight_grad(input, grad_output, kernel, stride, padding, dilation, groups))
     if output_mask[2]:
         grad_bias = grad_output.sum([0, *range(2, grad_output.dim())])
-    return grad_input, grad_weight, grad_bias
+    return (None if grad_input is None else _like_layout(grad_input, input),
+            None if grad_weight is None else _like_layout(grad_weight, weight), grad_bias)
 
 
 def _window_matrix(starts: torch.Tensor, ends: torch.Tensor, size: int, divisors: torch.Tensor | None,
@@ -245,6 +256,72 @@ def _interpolating(kind: str):
 upsample_nearest2d_backward = _nearest(exact=False)
 
 
+def _attention_probabilities(query, key, is_causal, attn_mask, scale):
+    """(probabilities, logsumexp, scale, groups, repeated key) as the CPU flash kernel computes them: a query row
+    whose keys are all masked attends to nothing (probabilities 0, output 0, logsumexp 0), where a plain softmax
+    (the exporter's translation of the forward) gives NaN: Hugging Face's left padding makes such rows."""
+    scale = (1.0 / float(query.shape[-1]) ** 0.5) if scale is None else float(scale)
+    groups = int(query.shape[-3]) // int(key.shape[-3])
+    k = key.repeat_interleave(groups, -3) if groups > 1 else key
+    scores = torch.matmul(query, k.transpose(-2, -1)) * scale
+    rows, cols = int(query.shape[-2]), int(key.shape[-2])
+    if is_causal:
+        keep = torch.ones(rows, cols, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                  else scores + attn_mask)
+    top = scores.amax(-1, keepdim=True)
+    top = torch.where(top == float("-inf"), torch.zeros_like(top), top)
+    e = torch.exp(scores - top)
+    total = e.sum(-1, keepdim=True)
+    empty = total == 0
+    probs = e / torch.where(empty, torch.ones_like(total), total)
+    lse = torch.where(empty, torch.zeros_like(total), torch.log(total) + top).squeeze(-1)
+    return probs, lse, scale, groups, k
+
+
+def _bshd(t: torch.Tensor) -> torch.Tensor:
+    """[batch, heads, seq, dim] laid out [batch, seq, heads, dim], as the CPU flash kernel returns every gradient
+    whatever its inputs' layout (its output follows the query's): the program's later views were traced on that."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _no_attention_dropout(dropout_p) -> None:
+    if dropout_p:
+        raise NotImplementedError(f"to_onnx: attention with dropout_p={dropout_p} draws its mask from an RNG state "
+                                  "ONNX cannot carry; train with attention dropout 0 to export")
+
+
+def sdpa_flash_cpu(query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
+    """``_scaled_dot_product_flash_attention_for_cpu`` from its definition (the exporter's own translation gives NaN
+    for a fully masked row and zeros for the logsumexp)."""
+    _no_attention_dropout(dropout_p)
+    probs, lse, _, groups, _ = _attention_probabilities(query, key, is_causal, attn_mask, scale)
+    v = value.repeat_interleave(groups, -3) if groups > 1 else value
+    return _like_layout(torch.matmul(probs, v), query), lse
+
+
+def sdpa_flash_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, attn_mask=None,
+                            scale=None):
+    """``_scaled_dot_product_flash_attention_for_cpu_backward`` from its definition: the probabilities recomputed
+    from q, k and the mask, then dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ = dS K * scale,
+    dK = dS^T Q * scale. Key/value heads fewer than the query's (grouped-query attention) are repeated and their
+    gradients summed back."""
+    _no_attention_dropout(dropout_p)
+    probs, _, scale, groups, k = _attention_probabilities(query, key, is_causal, attn_mask, scale)
+    v = value.repeat_interleave(groups, -3) if groups > 1 else value
+    grad_v = torch.matmul(probs.transpose(-2, -1), grad_out)
+    grad_probs = torch.matmul(grad_out, v.transpose(-2, -1))
+    grad_scores = probs * (grad_probs - (grad_out * out).sum(-1, keepdim=True))
+    grad_q = torch.matmul(grad_scores, k) * scale
+    grad_k = torch.matmul(grad_scores.transpose(-2, -1), query) * scale
+    if groups > 1:
+        grad_k = grad_k.unflatten(-3, (int(key.shape[-3]), groups)).sum(-2)
+        grad_v = grad_v.unflatten(-3, (int(key.shape[-3]), groups)).sum(-2)
+    return _bshd(grad_q), _bshd(grad_k), _bshd(grad_v)
+
+
 def decompositions() -> dict:
     """{OpOverload: its form here}, for ``ExportedProgram.run_decompositions`` before the ONNX export."""
     table = {
@@ -259,4 +336,6 @@ def decompositions() -> dict:
         table[getattr(aten, f"_upsample_nearest_exact{nd}d_backward").default] = _nearest(exact=True)
         table[getattr(aten, linear).default] = _interpolating("linear")
     table[aten.upsample_bicubic2d_backward.default] = _interpolating("cubic")
+    table[aten._scaled_dot_product_flash_attention_for_cpu.default] = sdpa_flash_cpu
+    table[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = sdpa_flash_cpu_backward
     return table

@@ -63,12 +63,17 @@ def to_onnx(step, path: str) -> str:
 
         raise NotImplementedError(f"to_onnx: no ONNX translation for {', '.join(unsupported)} (supported: "
                                   f"{', '.join(onnx_kinds())}; dropout's explicit RNG state is not)")
+    from ._onnx_backward import decompositions as backward_decompositions
+
+    written_out = backward_decompositions()
     attention_backward = sorted({str(n.target) for n in nodes if n.op == "call_function"
-                                 and "attention" in str(n.target) and "backward" in str(n.target)})
+                                 and "attention" in str(n.target) and "backward" in str(n.target)
+                                 and n.target not in written_out})
     if attention_backward:
         raise NotImplementedError(
             f"to_onnx: torch {torch.__version__}'s ONNX exporter has no translation for {', '.join(attention_backward)} "
-            "(the backward of scaled_dot_product_attention): write attention as matmul + softmax to train in ONNX")
+            "(the backward of scaled_dot_product_attention on this device's kernel; to_onnx writes out the CPU flash "
+            "kernel's): build the step on the CPU, or write attention as matmul + softmax to train in ONNX")
     # torch's own core-ATen decompositions first: the exporter's translation of some backward ops
     # (nll_loss_backward's mean reduction) is wrong, while their ATen decompositions are what Inductor runs.
     # Training-mode batch norm too: the exporter translates _native_batch_norm_legit_functional as
@@ -83,11 +88,11 @@ def to_onnx(step, path: str) -> str:
     # default table's forms go through empty_permuted, which the exporter cannot translate.
     decompositions[aten.silu_backward.default] = _silu_backward
     decompositions[aten.mish_backward.default] = _mish_backward
-    # Convolution, pooling and nearest-upsampling backward: torch has no decomposition and the exporter no
+    # Convolution, pooling, upsampling and CPU attention backward: torch has no decomposition and the exporter no
     # translation of them; their definitions in ops it translates (torch_ext/_onnx_backward.py).
-    from ._onnx_backward import decompositions as backward_decompositions
-
-    decompositions.update(backward_decompositions())
+    # (The CPU attention kernel's forward too: torch's decomposition returns its output contiguous where the kernel
+    # lays it out [batch, seq, heads, dim], and the exporter's translation gives NaN for a fully masked row.)
+    decompositions.update(written_out)
     program = program.run_decompositions(decompositions)
     import logging
 

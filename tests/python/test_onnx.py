@@ -17,8 +17,8 @@ from torch_ext import onnx as tox  # noqa: E402
 
 
 class Tiny(nn.Module):
-    """A causal one-block transformer with attention written out (torch.onnx cannot translate the
-    backward of scaled_dot_product_attention; to_onnx says so, see the last test)."""
+    """A causal one-block transformer with attention written out, or through F.scaled_dot_product_attention
+    (sdpa=True: torch.onnx cannot translate its backward; to_onnx writes it out)."""
 
     def __init__(self, sdpa: bool = False):
         super().__init__()
@@ -221,19 +221,39 @@ def test_onnx_refusal_lists_the_kinds_the_registry_translates(tmp_path):
     assert "Rprop (rprop)" in message and "Lion" not in message.split("supported:")[1]
 
 
-def test_onnx_names_an_op_the_exporter_cannot_translate(tmp_path):
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw"])
+def test_onnx_runtime_trains_sdpa_attention_like_eager(tmp_path, opt_name):
+    # torch 2.9's exporter has no translation of the CPU attention kernel's backward
+    # (_scaled_dot_product_flash_attention_for_cpu_backward) and returns zeros for its forward's logsumexp: to_onnx
+    # refused every model with F.scaled_dot_product_attention (every Hugging Face model by default). It now writes the
+    # backward out from q, k, v and the mask (torch_ext/_onnx_backward.py).
     torch.manual_seed(0)
     model = Tiny(sdpa=True)
+    eager = copy.deepcopy(model)
     idx = torch.randint(0, 20, (2, 6))
-    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                     lambda m, x: m(x).logsumexp(-1).mean(), (idx,))
-    with pytest.raises(NotImplementedError, match="scaled_dot_product"):
-        tox.to_onnx(step, str(tmp_path / "t.onnx"))
+    batch = (idx, torch.roll(idx, -1, 1))
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x).flatten(0, 1), y.flatten())  # noqa: E731
+    make = {"sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+            "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1)}[opt_name]
+    step = torch_ext.make_train_step(model, make(model.parameters()), loss_fn, batch)
+    onnx_step = tox.load_onnx_step(step.to_onnx(str(tmp_path / "sdpa.onnx")))
+    eager_opt = make(eager.parameters())
+    state = step.init_state()
+    for i in range(20):
+        loss, state = onnx_step(state, *batch)
+        eager_opt.zero_grad()
+        ref = loss_fn(eager, *batch)
+        ref.backward()
+        eager_opt.step()
+        assert float(loss) == pytest.approx(float(ref.detach()), rel=1e-5), f"step {i}"
+    for name, p in eager.named_parameters():
+        got = state.params["model." + name]
+        assert float((got - p.detach()).abs().max()) <= 1e-5 * float(p.detach().abs().max()), name
 
 
-def test_onnx_names_an_op_inside_a_branch(tmp_path):
+def test_onnx_trains_sdpa_inside_a_branch_like_the_step(tmp_path):
     # Hugging Face grouped-query attention with a padding mask in the batch branches (torch.cond) between
-    # two SDPA calls; the op scan looked only at the top graph, so the exporter failed with a view error.
+    # two SDPA calls: the op scan looks into the branches; the CPU attention backward is written out in both.
     class Branching(nn.Module):
         def __init__(self):
             super().__init__()
@@ -242,14 +262,23 @@ def test_onnx_names_an_op_inside_a_branch(tmp_path):
         def forward(self, x, mask):
             q, k, v = (t.contiguous() for t in self.qkv(x).unsqueeze(1).chunk(3, -1))
             return torch.cond(mask.all(), lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                              lambda q, k, v: F.scaled_dot_product_attention(q, k, v), (q, k, v)).sum()
+                              lambda q, k, v: F.scaled_dot_product_attention(q, k, v), (q, k, v)).pow(2).mean()
 
+    torch.manual_seed(0)
     x, mask = torch.randn(2, 6, 8), torch.ones(2, 6, dtype=torch.bool)
     model = Branching()
     step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, x, k: m(x, k),
                                      (x, mask))
-    with pytest.raises(NotImplementedError, match="scaled_dot_product"):
-        tox.to_onnx(step, str(tmp_path / "b.onnx"))
+    loaded = torch_ext.load_step(step.to_onnx(str(tmp_path / "b.onnx")))
+    state = want = step.init_state()
+    padded = mask.clone()
+    padded[1, 4:] = False
+    for m in (mask, padded, mask, padded):  # both branches
+        loss, state = loaded(state, x, m)
+        want_loss, want = step(want, x, m)
+        assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
+    for name, p in want.params.items():
+        torch.testing.assert_close(state.params[name], p, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("kind", ["mlp", "transformer", "transformer_sdpa"])
@@ -564,3 +593,36 @@ def test_onnx_runtime_trains_convolutions_and_pooling_like_the_step_and_eager(tm
         assert float((got - live).abs().max()) <= 1e-5 * scale, name
     for name in ("model.bn.running_mean", "model.bn.running_var"):
         torch.testing.assert_close(state.lookup(name), want.lookup(name), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_onnx_runtime_trains_hugging_face_gpt2_with_left_padding_like_eager(tmp_path):
+    # Hugging Face attention runs F.scaled_dot_product_attention: its CPU kernel's backward has no ONNX translation,
+    # and the exporter's forward gives NaN for a query row whose keys are all padding (left padding makes them; the
+    # kernel gives 0): to_onnx refused GPT-2, then (forward translated, backward written out) its check caught an
+    # infinite loss. Both kernels are written out now.
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=32, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    eager = copy.deepcopy(model)
+    ids = torch.randint(0, 100, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :2] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    loss_fn = lambda m, ids, mask, labels: m(input_ids=ids, attention_mask=mask, labels=labels).loss  # noqa: E731
+    make = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731  (Adam amplifies the key bias's noise)
+    step = torch_ext.make_train_step(model, make(model.parameters()), loss_fn, (ids, mask, labels))
+    onnx_step = tox.load_onnx_step(step.to_onnx(str(tmp_path / "gpt2.onnx")))
+    eager_opt = make(eager.parameters())
+    state = step.init_state()
+    for i in range(5):
+        loss, state = onnx_step(state, ids, mask, labels)
+        eager_opt.zero_grad()
+        ref = loss_fn(eager, ids, mask, labels)
+        ref.backward()
+        eager_opt.step()
+        assert float(loss) == pytest.approx(float(ref.detach()), rel=1e-5), f"step {i}"
+    for name, p in eager.named_parameters():
+        got = state.params["model." + name]
+        assert float((got - p.detach()).abs().max()) <= 1e-5 * float(p.detach().abs().max()), name

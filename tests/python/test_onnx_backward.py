@@ -1,7 +1,8 @@
 """The backward ops to_onnx writes out for torch's ONNX exporter (torch_ext/_onnx_backward.py) against ATen's kernels,
 in float64 (so a wrong window, stride or group shows as an O(1) difference, rounding as 1e-15): convolutions regular
 and transposed in 1-D to 3-D over strides, paddings, dilations, groups and output paddings; average, max and
-adaptive average pooling; nearest, nearest-exact, linear, bilinear, trilinear and bicubic upsampling."""
+adaptive average pooling; nearest, nearest-exact, linear, bilinear, trilinear and bicubic upsampling; the CPU
+attention kernel and its backward."""
 from __future__ import annotations
 
 import itertools
@@ -132,10 +133,58 @@ def test_upsampling_backward_equals_atens(dtype, sizes, kw):
                 assert err < tol, (mode, nd, kwd, align_corners, err)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced"])
+@pytest.mark.parametrize("is_causal,mask,rows,cols", [(False, None, 6, 6), (True, None, 6, 6), (False, "float", 5, 7),
+                                                      (False, "padded", 6, 6), (True, None, 5, 7)])
+def test_cpu_attention_and_its_backward_equal_the_kernels(layout, is_causal, mask, rows, cols):
+    # Values, logsumexp and the layout of every result (the program's views were traced on the kernel's): a fully
+    # masked query row (left padding) gives 0 as the kernel does, where a plain softmax gives NaN.
+    torch.manual_seed(0)
+
+    def make(n):
+        if layout == "contiguous":
+            return torch.randn(2, 3, n, 8, dtype=torch.float64)
+        if layout == "transposed":
+            return torch.randn(2, n, 3, 8, dtype=torch.float64).transpose(1, 2)
+        return torch.randn(2, n, 3, 24, dtype=torch.float64)[..., 8:16].transpose(1, 2)
+
+    q, k, v = make(rows), make(cols), make(cols)
+    attn_mask = None
+    if mask == "float":
+        attn_mask = torch.randn(2, 1, rows, cols, dtype=torch.float64)
+    elif mask == "padded":
+        attn_mask = torch.zeros(2, 1, rows, cols, dtype=torch.float64)
+        attn_mask[1, 0, :, :2] = float("-inf")
+        attn_mask[1, 0, :2, :] = float("-inf")
+    for scale in (None, 0.3):
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=attn_mask,
+                                                                    scale=scale)
+        got_out, got_lse = ob.sdpa_flash_cpu(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
+        assert got_out.stride() == out.stride()
+        _close(got_out, out, "out")
+        _close(got_lse, lse, "logsumexp")
+        grad_out = torch.randn_like(out)
+        want = aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, is_causal,
+                                                                         attn_mask=attn_mask, scale=scale)
+        got = ob.sdpa_flash_cpu_backward(grad_out, q, k, v, out, lse * 0, 0.0, is_causal, attn_mask=attn_mask,
+                                         scale=scale)  # (the exporter's forward gave zeros for the logsumexp)
+        for g, w, name in zip(got, want, "qkv"):
+            assert g.stride() == w.stride(), name
+            _close(g, w, name)
+
+
+def test_attention_dropout_is_refused_by_name():
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(NotImplementedError, match="dropout_p=0.1"):
+        ob.sdpa_flash_cpu(q, q, q, 0.1)
+
+
 def test_every_form_is_in_the_table_to_onnx_uses():
     table = ob.decompositions()
     upsampling = {getattr(aten, op.format(nd=nd)).default for op in _UPSAMPLE_OPS.values() for nd in (1, 2, 3)
                   if hasattr(aten, op.format(nd=nd))}
     assert set(table) == {aten.convolution_backward.default, aten._adaptive_avg_pool2d_backward.default,
-                          aten.avg_pool2d_backward.default, aten.max_pool2d_with_indices_backward.default} | upsampling
+                          aten.avg_pool2d_backward.default, aten.max_pool2d_with_indices_backward.default,
+                          aten._scaled_dot_product_flash_attention_for_cpu.default,
+                          aten._scaled_dot_product_flash_attention_for_cpu_backward.default} | upsampling
     assert len(upsampling) == 10
