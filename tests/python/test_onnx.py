@@ -388,6 +388,25 @@ def test_onnx_export_that_computes_differently_is_refused(tmp_path, monkeypatch)
     assert not path.exists()
 
 
+def test_forward_export_that_computes_differently_is_refused(tmp_path, monkeypatch):
+    # forward_to_onnx runs the file once against eager too (it wrote whatever the exporter produced).
+    model, batch, _ = _case("mlp")
+    model.eval()
+    real_export = torch.onnx.export
+
+    def export_of_another_model(program, *args, **kwargs):
+        other = copy.deepcopy(model)
+        with torch.no_grad():
+            other[0].weight.mul_(1.5)
+        return real_export(torch.export.export(other, (batch[0],)), *args, **kwargs)
+
+    monkeypatch.setattr(torch.onnx, "export", export_of_another_model)
+    path = tmp_path / "wrong.onnx"
+    with pytest.raises(RuntimeError, match=r"forward_to_onnx: the ONNX model computes output 0 differently"):
+        tox.forward_to_onnx(model, (batch[0],), str(path))
+    assert not path.exists()
+
+
 def _bias_before_batch_norm():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
