@@ -16,7 +16,8 @@ The reference is eager PyTorch on a deep copy of the model, forward hooks on the
 following README's documented semantics: a standing patch's function runs once, at patch(), on the hook's
 baseline value (no patch active, grafts and weight edits included: ReactiveGraph.patch's docstring), and the node then keeps that value (frozen) through later weight edits, grafts and sweep sites;
 after a node-form graft ``graft(hook, block)`` the hook's name addresses the value before the block (a patch
-there is applied before the block); a refused call leaves everything as it was; an exception leaving
+there is applied before the block), and a second node-form graft there runs before the first block (spliced
+right after the node; two eager forward hooks would run in the other order); a refused call leaves everything as it was; an exception leaving
 ``rg.batch()`` puts the patches back as they were when it began, grafts made in it stand.
 
 Comparison: bit for bit (torch.equal) where README promises it; within 1e-6 relative (of the metric's scale)
@@ -457,7 +458,9 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
         blk = graft_block(o, m["d"], dtype)
         rblk = copy.deepcopy(blk) if isinstance(blk, torch.nn.Module) else blk
         rg.graft(o["hook"], blk)
-        ref.grafts.setdefault(o["hook"], []).append(rblk)
+        # A node-form graft is spliced right after the node, before the blocks grafted there earlier (intended:
+        # tests/python/test_reactive_graft_blocks.py), where a second eager forward hook would run after the first.
+        ref.grafts.setdefault(o["hook"], []).insert(0, rblk)
         if isinstance(blk, torch.nn.Module):
             graft_mods.append((blk, rblk))
 
