@@ -114,3 +114,31 @@ def test_chained_hook_points_are_two_sites():
     with torch.no_grad():
         assert res.metrics["hook_post"] == float(m.b(pin).sum())
         assert torch.equal(rg.value("hook_post"), torch.relu(m.a(x)))
+
+
+@pytest.mark.xfail(strict=True, reason="open: Engine::patch saves a stale node's pre-graft value as its baseline")
+def test_patch_function_after_a_graft_and_a_patch_sees_the_grafted_baseline():
+    """Fuzzer case 2:55, reduced: graft upstream, patch a node by value (nothing demanded in between), then
+    patch it again by function. The function was handed the node's value from before the graft (the engine saved
+    the stale value as the baseline at the first patch), so the pin is fn(baseline without the block), silently
+    (2.29 off on the fuzzer's model). With a demand() between the graft and the patch, it is right."""
+    import torch
+
+    import torch_ext
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.c(torch.tanh(self.b(torch.relu(self.a(x)))))
+
+    torch.manual_seed(0)
+    m, x = M().eval(), torch.randn(2, 4)
+    rg = torch_ext.ReactiveGraph(m, (x,), cache=False)
+    rg.graft("relu", lambda t: 2 * t)
+    rg.patch("tanh", torch.full((2, 4), 5.0))
+    rg.patch("tanh", lambda v: v * 1.5)
+    with torch.no_grad():
+        assert torch.equal(rg.value("tanh"), torch.tanh(m.b(2 * torch.relu(m.a(x)))) * 1.5)
