@@ -333,6 +333,13 @@ def _rebind(ep: torch.export.ExportedProgram, module: torch.nn.Module, keep_stat
     for spec in ep.graph_signature.input_specs:
         if spec.kind.name == "USER_INPUT":
             continue
+        if keep_state and spec.kind.name == "CONSTANT_TENSOR" and spec.target not in own \
+                and spec.target.rsplit(".", 1)[-1].startswith("lifted_tensor_") and spec.target in ep.constants:
+            # A tensor made in forward (`mask[0, -1] = 1.0` lifts its scalar) is the trace's own, no model state:
+            # it kept a program traced from a copy (a model with TransformerLens hook points) on the copy's
+            # weights, so a later weight edit of the model was answered with the old weights by demand/value/sweep.
+            constants[spec.target] = ep.constants[spec.target]
+            continue
         if spec.target not in own or spec.kind.name not in ("PARAMETER", "BUFFER"):
             return None
         (state if spec.target in ep.state_dict else constants)[spec.target] = own[spec.target]
@@ -1043,6 +1050,11 @@ class ReactiveGraph:
     def _refuse_changed_hooks(self, where: str) -> None:
         """A forward hook registered on the module after the build would run in eager calls, never in the
         graph (and one removed would still act in it): refused, as a changed attribute is."""
+        if where != "run" and self._weights_fp is not None and _weights_fingerprint(self._module) != self._weights_fp:
+            # Not run() alone: demand, value and sweep on a copy's weights answered with the old ones silently.
+            raise ValueError(f"{where}: the model's weights changed since this ReactiveGraph was built, and it "
+                             "computes with a copy of them (a model with TransformerLens hook points is exported from "
+                             "a copy); build a new ReactiveGraph (torch_ext.patching does so by itself)")
         snapshot = getattr(self, "_hook_snapshot", None)
         change = snapshot.message("this ReactiveGraph was built") if snapshot is not None else None
         if change:

@@ -1,0 +1,754 @@
+#!/usr/bin/env python
+"""Differential fuzzer for the reactive engine: ReactiveGraph mutations and torch_ext.sweep against eager PyTorch.
+
+Each case is a seeded random spec (JSON): a small model built from an embedding / Linear / Conv1d front, blocks
+of LayerNorm + MLP (GELU/ReLU/tanh), torch_ext.models' causal attention Block, nn.MultiheadAttention and
+nn.TransformerEncoderLayer (batch_first or [seq, batch, d], causal or padding masks), Conv1d (same or causal
+padding), eval-mode BatchNorm1d and residual adds, with TransformerLens HookPoints between them (the sites);
+batch 1..3, float32 or float64. Then a sequence of operations on a ReactiveGraph: patch (tensor, function),
+restore() / restore(hook), graft(hook, block), run(new inputs, same or other length), weight edits (``W.add_``
+under no_grad, ``W.data.mul_`` found by content, a grafted block's weight too), ``with rg.batch():`` blocks (an
+exception raised inside and caught, sometimes), set_cutoff, reads (value, values, demand, demand(reads=)) and
+sweeps (one at a time, batch_sites=True / K, reads=, positions on/off, skip_identical on/off; zero / noise /
+mean / corrupted-run patches; over standing patches and grafts).
+
+The reference is eager PyTorch on a deep copy of the model, forward hooks on the HookPoints, no torch_ext code,
+following README's documented semantics: a standing patch's function runs once, at patch(), on the hook's
+baseline value (no patch active, grafts and weight edits included: ReactiveGraph.patch's docstring), and the node then keeps that value (frozen) through later weight edits, grafts and sweep sites;
+after a node-form graft ``graft(hook, block)`` the hook's name addresses the value before the block (a patch
+there is applied before the block), and a second node-form graft there runs before the first block (spliced
+right after the node; two eager forward hooks would run in the other order); a refused call leaves everything as it was; an exception leaving
+``rg.batch()`` puts the patches back as they were when it began, grafts made in it stand.
+
+Comparison: bit for bit (torch.equal) where README promises it; within 1e-6 relative (of the metric's scale)
+where it documents a tolerance: token-granular rows (``positions`` on, sites at one position) and
+demand(reads=). A batched sweep (``batch_sites``) stacks K copies in one GEMM: it is held to the same 1e-6, and
+a difference in the last bits there is reported as "bits" (see the report), not as a mismatch.
+
+    python scripts/fuzz_sweep.py --seconds 600 --seed 1      # bounded run
+    python scripts/fuzz_sweep.py --case 1:17                 # replay case 17 of seed 1, with details
+    python scripts/fuzz_sweep.py --spec '{"model": ...}'     # replay a (hand-minimised) spec
+    python scripts/fuzz_sweep.py --case 1:17 --minimize      # drop ops and blocks while it stays a finding
+
+Cases run in a worker subprocess, so a crash is caught and the run continues with the next case. A refusal by
+name (an exception of the project's own kinds, no internal assert) ends only that operation; refusals are
+counted by message.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import random
+import re
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OK_ERRORS = ("RuntimeError", "ValueError", "TypeError", "NotImplementedError")
+BAD_MARKERS = ("INTERNAL ASSERT FAILED", "please report a bug to PyTorch", "Traceback")
+ACTS = ("gelu", "relu", "tanh")
+BLOCKS = ("mlp", "tiny", "mha", "enc", "conv", "bn", "act")
+TOL = 1e-6
+
+
+class Mismatch(Exception):
+    pass
+
+
+class Boom(Exception):
+    """The user's own exception, raised inside ``with rg.batch():``."""
+
+
+# ------------------------------------------------------------------------------------------ generator
+def gen_model(rng: random.Random) -> dict:
+    blocks = []
+    for _ in range(rng.randint(1, 3)):
+        kind = rng.choice(BLOCKS)
+        b = {"kind": kind}
+        if kind in ("mlp", "act"):
+            b["act"] = rng.choice(ACTS)
+        if kind in ("mha", "enc"):
+            b["batch_first"] = rng.random() < 0.5
+            b["mask"] = rng.choice((None, "causal", "pad"))
+            b["inner_hook"] = rng.random() < 0.3  # a hook on the [seq, batch, d] stream when not batch_first
+        if kind == "conv":
+            b["causal"] = rng.random() < 0.5
+        blocks.append(b)
+    return {"seed": rng.randrange(1000), "front": rng.choice(("embed", "embed", "linear", "conv")),
+            "d": rng.choice((8, 12)), "T": rng.choice((4, 5, 6, 8)), "B": rng.choice((1, 2, 3)),
+            "dtype": "float64" if rng.random() < 0.2 else "float32", "blocks": blocks}
+
+
+def hooks_of(model_spec: dict) -> dict:
+    """{hook name: seq dim} of the spec's model, in forward order."""
+    hooks = {"hook_embed": 1}
+    for i, b in enumerate(model_spec["blocks"]):
+        if b["kind"] in ("mlp", "tiny", "mha", "enc", "conv"):
+            hooks[f"blocks.{i}.hook_mid"] = 1
+        if b["kind"] in ("mha", "enc") and b.get("inner_hook") and not b["batch_first"]:
+            hooks[f"blocks.{i}.hook_tbd"] = 0
+        hooks[f"blocks.{i}.hook_out"] = 1
+    return hooks
+
+
+def gen_ops(rng: random.Random, m: dict) -> list:
+    hooks = list(hooks_of(m))
+    ops = []
+    patched, grafted = set(), set()
+    n_graft = 0
+
+    def patch_op():
+        h = rng.choice(hooks)
+        if rng.random() < 0.4:
+            return {"op": "patch_t", "hook": h, "seed": rng.randrange(1000)}
+        return {"op": "patch_f", "hook": h, "fn": rng.choice(("zero", "scale", "noise", "pos")),
+                "p": rng.randrange(m["T"]), "seed": rng.randrange(1000)}
+
+    for _ in range(rng.randint(2, 8)):
+        r = rng.random()
+        if r < 0.18:
+            o = patch_op()
+            patched.add(o["hook"])
+        elif r < 0.25:
+            o = {"op": "restore"} if rng.random() < 0.5 or not patched else \
+                {"op": "restore1", "hook": rng.choice(sorted(patched))}
+            if o["op"] == "restore":
+                patched.clear()
+            else:
+                patched.discard(o["hook"])
+        elif r < 0.32:
+            o = {"op": "graft", "hook": rng.choice(hooks), "block": rng.choice(("double", "tanh", "linear")),
+                 "seed": rng.randrange(1000)}
+            grafted.add(o["hook"])
+            n_graft += 1
+        elif r < 0.38:
+            if patched and rng.random() < 0.7:
+                ops.append({"op": "restore"})
+                patched.clear()
+            o = {"op": "run", "seed": rng.randrange(1000),
+                 "T": m["T"] if rng.random() < 0.6 else rng.choice((3, 5, 7))}
+        elif r < 0.46:
+            o = {"op": "wedit", "how": rng.choice(("add_", "data_mul")), "c": rng.choice((0.5, 1.5, -1.0)),
+                 "seed": rng.randrange(1000),
+                 "target": "graft" if n_graft and rng.random() < 0.3 else "model"}
+        elif r < 0.53:
+            inner = []
+            for _ in range(rng.randint(1, 3)):
+                if rng.random() < 0.7:
+                    inner.append(patch_op())
+                elif rng.random() < 0.5:
+                    inner.append({"op": "restore"})
+                else:
+                    inner.append({"op": "graft", "hook": rng.choice(hooks), "block": "double", "seed": 0})
+            o = {"op": "batch", "ops": inner, "raise": rng.random() < 0.4}
+        elif r < 0.57:
+            o = {"op": "cutoff", "on": rng.random() < 0.6}
+        elif r < 0.72:
+            o = {"op": "read", "how": rng.choice(("value", "values", "demand", "demand_reads")),
+                 "hooks": rng.sample(hooks, min(len(hooks), rng.randint(1, 3)))}
+        else:
+            per_pos = rng.random() < 0.75
+            o = {"op": "sweep", "hooks": rng.sample(hooks, min(len(hooks), rng.randint(1, 3))),
+                 "per_pos": per_pos, "fn": rng.choice(("zero", "noise", "mean", "corrupt", "same")),
+                 "metric": rng.choice(("last", "sum", "reads_last", "dict")),
+                 "batch": rng.choice((False, False, True, 2)), "positions": rng.choice((None, None, False)),
+                 "skip": rng.random() < 0.7, "seed": rng.randrange(1000)}
+        ops.append(o)
+    if not any(o["op"] in ("sweep", "read") for o in ops):
+        ops.append({"op": "read", "how": "demand", "hooks": []})
+    return ops
+
+
+def gen_spec(rng: random.Random) -> dict:
+    m = gen_model(rng)
+    return {"model": m, "ops": gen_ops(rng, m)}
+
+
+# ------------------------------------------------------------------------------------------ model
+def build_model(m: dict):
+    import torch
+    import torch.nn as nn
+    from transformer_lens.hook_points import HookPoint
+
+    from torch_ext.models import Block as TinyBlock
+
+    d, dtype = m["d"], getattr(torch, m["dtype"])
+    acts = {"gelu": nn.GELU, "relu": nn.ReLU, "tanh": nn.Tanh}
+
+    def pad_mask(b, t):  # batch row 0 does not attend to its last key
+        mask = torch.zeros(b, t, dtype=torch.bool)
+        mask[0, -1] = True
+        return mask
+
+    class Blk(nn.Module):
+        def __init__(self, spec):
+            super().__init__()
+            self.spec = dict(spec)
+            k = spec["kind"]
+            if k == "mlp":
+                self.ln = nn.LayerNorm(d)
+                self.mlp = nn.Sequential(nn.Linear(d, 2 * d), acts[spec["act"]](), nn.Linear(2 * d, d))
+            elif k == "tiny":
+                self.blk = TinyBlock(d, 2, 2 * d)
+            elif k == "mha":
+                self.ln = nn.LayerNorm(d)
+                self.attn = nn.MultiheadAttention(d, 2, batch_first=spec["batch_first"])
+            elif k == "enc":
+                self.enc = nn.TransformerEncoderLayer(d, 2, 2 * d, dropout=0.0, batch_first=spec["batch_first"])
+            elif k == "conv":
+                self.conv = nn.Conv1d(d, d, 3, padding=2 if spec["causal"] else 1)
+                self.bn = nn.BatchNorm1d(d)
+            elif k == "bn":
+                self.bn = nn.BatchNorm1d(d)
+            elif k == "act":
+                self.act = acts[spec["act"]]()
+            self.hook_mid = HookPoint()
+            self.hook_tbd = HookPoint()
+            self.hook_out = HookPoint()
+
+        def forward(self, x):  # x: [B, T, d]
+            k, s = self.spec["kind"], self.spec
+            b, t = x.shape[0], x.shape[1]
+            if k == "mlp":
+                return self.hook_out(x + self.hook_mid(self.mlp(self.ln(x))))
+            # hook_out never reads hook_mid alone: two hook points in a row address one node (see the report).
+            if k == "tiny":
+                return self.hook_out(0.5 * x + self.hook_mid(self.blk(x)))
+            if k in ("mha", "enc"):
+                h = x if s["batch_first"] else x.transpose(0, 1)
+                if not s["batch_first"] and s.get("inner_hook"):
+                    h = self.hook_tbd(h)
+                causal = s["mask"] == "causal"
+                am = nn.Transformer.generate_square_subsequent_mask(t, dtype=x.dtype) if causal else None
+                kpm = pad_mask(b, t) if s["mask"] == "pad" else None
+                if k == "mha":
+                    y = self.ln(h)
+                    y = self.attn(y, y, y, attn_mask=am, key_padding_mask=kpm, need_weights=False)[0]
+                    y = self.hook_mid(y if s["batch_first"] else y.transpose(0, 1))
+                    return self.hook_out(x + y)
+                y = self.enc(h, src_mask=am, src_key_padding_mask=kpm, is_causal=causal)
+                y = self.hook_mid(y if s["batch_first"] else y.transpose(0, 1))
+                return self.hook_out(0.5 * x + y)
+            if k == "conv":
+                y = self.conv(x.transpose(1, 2))[:, :, :t]
+                y = self.hook_mid(self.bn(y).transpose(1, 2))
+                return self.hook_out(x + torch.tanh(y))
+            if k == "bn":
+                return self.hook_out(self.bn(x.transpose(1, 2)).transpose(1, 2))
+            return self.hook_out(self.act(x))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            f = m["front"]
+            if f == "embed":
+                self.front = nn.Embedding(16, d)
+            elif f == "linear":
+                self.front = nn.Linear(4, d)
+            else:
+                self.front = nn.Conv1d(4, d, 3, padding=1)
+            self.hook_embed = HookPoint()
+            self.blocks = nn.ModuleList(Blk(b) for b in m["blocks"])
+            self.head = nn.Linear(d, 10)
+
+        def forward(self, x):
+            h = self.front(x)
+            if m["front"] == "conv":
+                h = h.transpose(1, 2)
+            h = self.hook_embed(h)
+            for blk in self.blocks:
+                h = blk(h)
+            return self.head(h)
+
+    torch.manual_seed(m["seed"])
+    model = Model().to(dtype)
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, nn.BatchNorm1d):
+                mod.running_mean.normal_()
+                mod.running_var.uniform_(0.5, 2.0)
+    for name, mod in model.named_modules():
+        if isinstance(mod, HookPoint):
+            mod.name = name
+    return model.eval()
+
+
+def make_input(m: dict, seed: int, t: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    b, dtype = m["B"], getattr(torch, m["dtype"])
+    if m["front"] == "embed":
+        return torch.randint(0, 16, (b, t), generator=g)
+    if m["front"] == "linear":
+        return torch.randn(b, t, 4, generator=g, dtype=dtype)
+    return torch.randn(b, 4, t, generator=g, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------------ reference
+class Reference:
+    """Eager PyTorch with forward hooks on the HookPoints: the documented semantics, no torch_ext."""
+
+    def __init__(self, model, x):
+        self.model, self.x = model, x
+        self.patches: dict = {}  # hook -> tensor (the frozen value)
+        self.grafts: dict = {}   # hook -> [block, ...] (applied after the patch, in graft order)
+
+    def forward(self, override=None):
+        """(output, {hook: value its name addresses}) with the standing patches, grafts and ``override``."""
+        import torch
+        from transformer_lens.hook_points import HookPoint
+
+        seen, handles = {}, []
+
+        def hook(mod, args, out):
+            name = mod.name
+            v = out
+            if name in self.patches:
+                v = self.patches[name]
+            if override is not None and override[0] == name:
+                v = override[1]
+            seen[name] = v
+            for blk in self.grafts.get(name, ()):
+                with torch.no_grad():
+                    v = blk(v)
+            return v
+
+        for mod in self.model.modules():
+            if isinstance(mod, HookPoint):
+                handles.append(mod.register_forward_hook(hook))
+        try:
+            # Grad mode on: under no_grad an eval-mode nn.MultiheadAttention / nn.TransformerEncoderLayer takes
+            # its fused fast path (torch._native_multi_head_attention), other kernels than the traced graph's.
+            with torch.enable_grad():
+                out = self.model(self.x)
+        finally:
+            for h in handles:
+                h.remove()
+        return out.detach(), {k: v.detach() for k, v in seen.items()}
+
+
+# ------------------------------------------------------------------------------------------ case
+def patch_fn_of(o: dict, seq_dim: int):
+    import torch
+
+    kind = o["fn"]
+
+    def fn(v):
+        if kind == "zero":
+            return torch.zeros_like(v)
+        if kind == "scale":
+            return v * 1.5
+        if kind == "noise":
+            g = torch.Generator().manual_seed(o["seed"])
+            return v + torch.randn(v.shape, generator=g, dtype=v.dtype)
+        w = v.clone()
+        w.select(seq_dim, o["p"] % v.shape[seq_dim]).zero_()
+        return w
+    return fn
+
+
+def graft_block(o: dict, d: int, dtype):
+    import torch
+
+    if o["block"] == "double":
+        return lambda t: 2 * t
+    if o["block"] == "tanh":
+        return torch.tanh
+    torch.manual_seed(o["seed"])
+    return torch.nn.Linear(d, d).to(dtype)
+
+
+def metric_of(kind: str):
+    """(metric for the graph, metric for the reference, scale(out), reads or None)."""
+    import torch
+
+    def w_of(out):
+        return torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)
+
+    if kind in ("last", "reads_last"):
+        met = lambda out: float((out[:, -1] * w_of(out)).sum())  # noqa: E731
+        scale = lambda out: float((out[:, -1].abs() * w_of(out).abs()).sum())  # noqa: E731
+        reads = {0: (slice(None), -1)} if kind == "reads_last" else None
+        return met, met, scale, reads
+    if kind == "sum":
+        met = lambda out: float(out.sum())  # noqa: E731
+        return met, met, lambda out: float(out.abs().sum()), None
+    met = lambda out: {"a": float(out[0, 0, 0]), "b": float(out[-1].mean())}  # noqa: E731
+    return met, met, lambda out: float(out.abs().max()), None
+
+
+def close(a: float, b: float, scale: float) -> bool:
+    return abs(a - b) <= TOL * max(scale, 1e-30)
+
+
+def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
+    """Runs the spec both ways; returns (differences, {refusal message: count}). A refused build raises."""
+    import torch
+
+    import torch_ext
+
+    torch.set_num_threads(1)
+    m = spec["model"]
+    seq_dims = hooks_of(m)
+    model = build_model(m)
+    ref_model = copy.deepcopy(model)
+    x = make_input(m, 0, m["T"])
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    ref = Reference(ref_model, x.clone())
+    diffs: list[str] = []
+    refusals: dict[str, int] = {}
+    graft_mods = []  # (graph's block, reference's block) for nn.Module grafts
+    dtype = getattr(torch, m["dtype"])
+
+    def note(exc, where):
+        name = type(exc).__name__
+        msg = str(exc)
+        if name in OK_ERRORS and not any(k in msg for k in BAD_MARKERS):
+            key = f"{where}: {name}: " + re.sub(r"\d+", "N", msg.splitlines()[0] if msg else "")[:150]
+            refusals[key] = refusals.get(key, 0) + 1
+            if verbose:
+                print("  refused:", key)
+            return
+        raise exc
+
+    def eq(a, b, what, tol_ok=False, scale=None):
+        if isinstance(a, torch.Tensor):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                diffs.append(f"{what}: shape/dtype {tuple(a.shape)} {a.dtype} vs eager {tuple(b.shape)} {b.dtype}")
+                return
+            if torch.equal(a, b):
+                return
+            err = float((a.double() - b.double()).abs().max()) if a.is_floating_point() else float("nan")
+            sc = float(b.double().abs().max()) if scale is None else scale
+            if tol_ok and err <= TOL * max(sc, 1e-30):
+                return
+            diffs.append(f"{what}: max abs diff {err:.3g} (scale {sc:.3g}){' beyond 1e-6' if tol_ok else ''}")
+            return
+        if a == b:
+            return
+        if tol_ok and close(a, b, scale):
+            return
+        diffs.append(f"{what}: {a!r} vs eager {b!r} (scale {scale})")
+
+    def do_patch(o):
+        h = o["hook"]
+        if o["op"] == "patch_t":
+            _, seen = ref.forward()
+            g = torch.Generator().manual_seed(o["seed"])
+            t = torch.randn(seen[h].shape, generator=g, dtype=seen[h].dtype)
+            rg.patch(h, t.clone())
+            ref.patches[h] = t
+        else:
+            fn = patch_fn_of(o, seq_dims[h])
+            rg.patch(h, fn)
+            # ReactiveGraph.patch: "f receives the node's baseline value (no patch active)", grafts included.
+            saved, ref.patches = ref.patches, {}
+            try:
+                _, seen = ref.forward()
+            finally:
+                ref.patches = saved
+            ref.patches[h] = fn(seen[h].clone())
+
+    def do_graft(o):
+        blk = graft_block(o, m["d"], dtype)
+        rblk = copy.deepcopy(blk) if isinstance(blk, torch.nn.Module) else blk
+        rg.graft(o["hook"], blk)
+        # A node-form graft is spliced right after the node, before the blocks grafted there earlier (intended:
+        # tests/python/test_reactive_graft_blocks.py), where a second eager forward hook would run after the first.
+        ref.grafts.setdefault(o["hook"], []).insert(0, rblk)
+        if isinstance(blk, torch.nn.Module):
+            graft_mods.append((blk, rblk))
+
+    for step, o in enumerate(spec["ops"]):
+        op = o["op"]
+        where = f"op{step} {op}"
+        if verbose:
+            print(where, json.dumps(o))
+        try:
+            if op in ("patch_t", "patch_f"):
+                do_patch(o)
+            elif op == "restore":
+                rg.restore()
+                ref.patches.clear()
+            elif op == "restore1":
+                rg.restore(o["hook"])
+                ref.patches.pop(o["hook"], None)
+            elif op == "graft":
+                do_graft(o)
+            elif op == "run":
+                nx = make_input(m, o["seed"], o["T"])
+                rg.run(nx)
+                ref.x = nx.clone()
+            elif op == "wedit":
+                pairs = graft_mods if o["target"] == "graft" and graft_mods else [(model, ref_model)]
+                a_mod, b_mod = pairs[o["seed"] % len(pairs)]
+                ps = list(a_mod.parameters())
+                i = o["seed"] % len(ps)
+                pa, pb = ps[i], list(b_mod.parameters())[i]
+                with torch.no_grad():
+                    for p in (pa, pb):
+                        if o["how"] == "add_":
+                            p.add_(o["c"] * 0.1)
+                        else:
+                            p.data.mul_(o["c"])
+            elif op == "batch":
+                saved = dict(ref.patches)
+                try:
+                    with rg.batch():
+                        for inner in o["ops"]:
+                            if inner["op"] == "restore":
+                                rg.restore()
+                                ref.patches.clear()
+                            elif inner["op"] == "graft":
+                                do_graft(inner)
+                            else:
+                                do_patch(inner)
+                        if o["raise"]:
+                            raise Boom("user's exception")
+                except Boom:
+                    ref.patches = saved
+                except Exception:
+                    ref.patches = saved
+                    raise
+            elif op == "cutoff":
+                rg.set_cutoff(o["on"])
+            elif op == "read":
+                out, seen = ref.forward()
+                if o["how"] == "value":
+                    for h in o["hooks"]:
+                        eq(rg.value(h), seen[h], f"{where} value({h})")
+                elif o["how"] == "values":
+                    got = rg.values(o["hooks"])
+                    for h in o["hooks"]:
+                        eq(got[h], seen[h], f"{where} values()[{h}]")
+                elif o["how"] == "demand":
+                    eq(rg.demand(), out, f"{where} demand()")
+                else:
+                    got = rg.demand(reads={0: (slice(None), -1)})
+                    eq(got[:, -1], out[:, -1], f"{where} demand(reads)[:, -1]", tol_ok=True)
+            elif op == "sweep":
+                sweep_op(o, where, rg, ref, seq_dims, m, eq, torch_ext, torch)
+        except Exception as exc:  # noqa: BLE001 - classified
+            note(exc, where)
+    # Whatever happened, the graph's outputs must be eager's at the end.
+    try:
+        out, _ = ref.forward()
+        eq(rg.demand(), out, "final demand()")
+    except Exception as exc:  # noqa: BLE001
+        note(exc, "final")
+    return diffs, refusals
+
+
+def sweep_op(o, where, rg, ref, seq_dims, m, eq, torch_ext, torch):
+    out0, seen0 = ref.forward()
+    hooks = o["hooks"]
+    t = out0.shape[1]
+    sites = [(h, p) for h in hooks for p in range(seen0[h].shape[seq_dims[h]])] if o["per_pos"] else list(hooks)
+    corrupt = None
+    if o["fn"] in ("corrupt", "mean"):
+        saved = ref.x
+        ref.x = make_input(m, o["seed"] + 7, t)
+        _, corrupt = ref.forward()
+        ref.x = saved
+    kind = o["fn"]
+
+    def patch_fn(v, site):
+        h, p = site if isinstance(site, tuple) else (site, None)
+        sd = seq_dims[h]
+        if kind == "same":
+            return v.clone()
+        if kind == "zero":
+            src = torch.zeros_like(v)
+        elif kind == "noise":
+            g = torch.Generator().manual_seed(o["seed"] * 131 + (p or 0))
+            src = v + torch.randn(v.shape, generator=g, dtype=v.dtype)
+        elif kind == "mean":
+            src = corrupt[h].mean(dim=sd, keepdim=True).expand_as(v)
+        else:
+            src = corrupt[h]
+        if p is None:
+            return src.clone()
+        w = v.clone()
+        w.select(sd, p).copy_(src.select(sd, p))
+        return w
+
+    met, ref_met, scale_of, reads = metric_of(o["metric"])
+    kw = {"progress": False, "skip_identical": o["skip"]}
+    if o["batch"] is not False:
+        kw["batch_sites"] = o["batch"]
+    if o["positions"] is not None:
+        kw["positions"] = o["positions"]
+    if reads is not None:
+        kw["reads"] = reads
+    res = torch_ext.sweep(rg, sites, patch_fn, met, **kw)
+    # Tolerance: token-granular rows (positions on, per-position sites) and batched stacks; else bits.
+    tol_ok = bool(o["batch"] is not False or (o["per_pos"] and o["positions"] is None) or reads is not None)
+    scale0 = scale_of(out0)
+    eq(res.clean_metric, ref_met(out0), f"{where} clean_metric", tol_ok, scale0) if not isinstance(
+        res.clean_metric, dict) else None
+    for site in sites:
+        h = site[0] if isinstance(site, tuple) else site
+        pv = patch_fn(seen0[h].clone(), site)
+        out, _ = ref.forward(override=(h, pv))
+        want = ref_met(out)
+        got = res.metrics.get(site)
+        sc = max(scale_of(out), scale0)
+        if isinstance(want, dict):
+            for k in want:
+                eq(got[k] if got is not None else None, want[k], f"{where} site {site} [{k}]", tol_ok, sc)
+        else:
+            eq(got, want, f"{where} site {site}", tol_ok, sc)
+
+
+def classify(exc: BaseException) -> tuple[str, str]:
+    name = type(exc).__name__
+    msg = str(exc)
+    if name in OK_ERRORS and not any(m in msg for m in BAD_MARKERS):
+        return "refused", f"{name}: {re.sub(r'[0-9]+', 'N', msg.splitlines()[0] if msg else '')[:200]}"
+    return "error", f"{name}: {msg[:2000]}\n{traceback.format_exc()[-3000:]}"
+
+
+def one(spec: dict, verbose: bool = False) -> dict:
+    try:
+        diffs, refusals = run_case(spec, verbose)
+        r = {"status": "mismatch", "msg": "\n".join(diffs[:20])} if diffs else {"status": "ok"}
+        r["refusals"] = refusals
+        return r
+    except Exception as exc:  # noqa: BLE001 - every exception is classified
+        status, msg = classify(exc)
+        return {"status": status, "msg": msg, "refusals": {}}
+
+
+def simplifications(spec: dict):
+    ops, m = spec["ops"], spec["model"]
+    for k in range(len(ops)):
+        yield {**spec, "ops": ops[:k] + ops[k + 1:]}
+    for k in range(len(m["blocks"])):
+        bl = m["blocks"][:k] + m["blocks"][k + 1:]
+        if bl:
+            nm = {**m, "blocks": bl}
+            names = set(hooks_of(nm))
+            if all(o.get("hook", "hook_embed") in names and set(o.get("hooks", ())) <= names
+                   and all(i.get("hook", "hook_embed") in names for i in o.get("ops", ())) for o in ops):
+                yield {**spec, "model": nm}
+    for key, v in (("B", 1), ("dtype", "float32"), ("front", "embed")):
+        if m[key] != v:
+            yield {**spec, "model": {**m, key: v}}
+    for k, o in enumerate(ops):
+        if o["op"] == "sweep":
+            for key, v in (("batch", False), ("positions", None), ("skip", True), ("metric", "sum")):
+                if o[key] != v:
+                    yield {**spec, "ops": ops[:k] + [{**o, key: v}] + ops[k + 1:]}
+            if len(o["hooks"]) > 1:
+                for h in o["hooks"]:
+                    yield {**spec, "ops": ops[:k] + [{**o, "hooks": [h]}] + ops[k + 1:]}
+
+
+def minimize(spec: dict) -> dict:
+    status = one(spec)["status"]
+    changed = True
+    while changed:
+        changed = False
+        for cand in simplifications(spec):
+            if one(cand)["status"] == status:
+                spec, changed = cand, True
+                break
+    return spec
+
+
+def case_spec(seed: int, i: int) -> dict:
+    return gen_spec(random.Random(f"sweep{seed}:{i}"))
+
+
+# ------------------------------------------------------------------------------------------ driver
+def worker(seed: int, first: int, deadline: float):
+    i = first
+    while time.time() < deadline:
+        print(json.dumps({"start": i}), flush=True)
+        r = one(case_spec(seed, i))
+        r["i"] = i
+        print(json.dumps(r), flush=True)
+        i += 1
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=300.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--first", type=int, default=0, help="first case index")
+    ap.add_argument("--case", help="SEED:I: run one generated case in-process and print it")
+    ap.add_argument("--spec", help="a JSON spec (or @file) to run in-process")
+    ap.add_argument("--minimize", action="store_true", help="with --case/--spec: simplify the finding first")
+    ap.add_argument("--log", help="append every case's result (JSON lines) here")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        worker(a.seed, a.first, a.deadline)
+        return 0
+    if a.case or a.spec:
+        if a.case:
+            s, i = a.case.split(":")
+            spec = case_spec(int(s), int(i))
+        else:
+            spec = json.loads(Path(a.spec[1:]).read_text() if a.spec.startswith("@") else a.spec)
+        if a.minimize:
+            spec = minimize(spec)
+        print(json.dumps(spec))
+        r = one(spec, verbose=True)
+        print(r["status"])
+        print(r.get("msg", ""))
+        return 0 if r["status"] in ("ok", "refused") else 1
+
+    deadline = time.time() + a.seconds
+    counts: dict[str, int] = {}
+    findings, refusals, op_refusals = [], {}, {}
+    n_ops = 0
+    log = open(a.log, "a") if a.log else None
+    i = a.first
+    while time.time() < deadline:
+        p = subprocess.Popen([sys.executable, __file__, "--worker", "--seed", str(a.seed), "--first", str(i),
+                              "--deadline", str(deadline)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        current = None
+        for line in p.stdout:
+            r = json.loads(line)
+            if "start" in r:
+                current = r["start"]
+                continue
+            current = None
+            i = r["i"] + 1
+            counts[r["status"]] = counts.get(r["status"], 0) + 1
+            n_ops += len(case_spec(a.seed, r["i"])["ops"])
+            for k, c in r.get("refusals", {}).items():
+                k = re.sub(r"^op\d+ ", "", k)
+                op_refusals[k] = op_refusals.get(k, 0) + c
+            if log:
+                log.write(line)
+                log.flush()
+            if r["status"] == "refused":
+                refusals[r["msg"][:160]] = refusals.get(r["msg"][:160], 0) + 1
+            elif r["status"] != "ok":
+                findings.append(r)
+                print(f"FINDING {r['status']} case {a.seed}:{r['i']}\n{r['msg']}\n", flush=True)
+        rc = p.wait()
+        if current is not None:  # the worker died inside a case: a crash
+            counts["crash"] = counts.get("crash", 0) + 1
+            findings.append({"status": "crash", "i": current, "msg": f"worker exit {rc}"})
+            print(f"FINDING crash case {a.seed}:{current} (exit {rc})", flush=True)
+            i = current + 1
+    print(f"seed {a.seed}: cases {a.first}..{i - 1}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    print(f"  operations: {n_ops}, refused operations: {sum(op_refusals.values())}")
+    for msg, c in sorted(refusals.items(), key=lambda kv: -kv[1]):
+        print(f"  case refused x{c}: {msg}")
+    for msg, c in sorted(op_refusals.items(), key=lambda kv: -kv[1]):
+        print(f"  op refused x{c}: {msg}")
+    return 1 if findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
