@@ -338,9 +338,38 @@ std::vector<c10::IValue> Engine::evaluate_patched_at(int64_t id, c10::IValue val
 // value is another input to the cone (a reduction reads it in another order), and eager's kernels carry its
 // layout downstream (an elementwise op's result follows its input's strides), where the scratch's out= steps
 // write into the layout the trace gave and the row path keeps rows computed from the current layout.
+//
+// The cone is taken off its traced layout as well when the node's current value, or a cone node's, is not in the
+// layout the trace gave (a standing patch upstream in another layout, as `rg.patch(hook, torch.randn(shape))` of a
+// transposed node gives, carried on by the functional kernels): a site value in that current layout still meets the
+// out= steps, which write the traced one, and a transpose's reader downstream then reduced in another order than
+// eager (2e-8 relative off on a Conv1d after such a patch, with positions off).
 bool Engine::other_layout(int64_t id, const c10::IValue& value) const {
   const c10::IValue& current = values_[id];
-  return value.isTensor() && current.isTensor() && !same_layout(value.toTensor(), current.toTensor());
+  if (value.isTensor() && current.isTensor() && !same_layout(value.toTensor(), current.toTensor())) return true;
+  // Only a standing patch puts a value off its traced strides upstream (inputs keep the example's layout): without
+  // one, the per-site walk below is skipped, so a plain sweep's loop pays nothing for it.
+  if (pinned_.empty()) return false;
+  const auto off_trace = [&](int64_t n) {
+    const c10::IValue& v = values_[n];
+    const ir::Type& t = states_[n].node->type();
+    if (!v.isTensor() || !t.is_tensor()) return false;
+    const at::Tensor& x = v.toTensor();
+    if (x.dim() != static_cast<int64_t>(t.tensor.strides.size())) return false;
+    for (int64_t d = 0; d < x.dim(); ++d)
+      if (x.size(d) > 1 && x.stride(d) != t.tensor.strides[d]) return true;
+    return false;
+  };
+  if (off_trace(id)) return true;
+  const auto plan = plans_.find(id);
+  if (plan != plans_.end() && plan->second.pins_version == pins_version_) {
+    for (int64_t n : plan->second.order)
+      if (off_trace(n)) return true;
+    return false;
+  }
+  for (int64_t n : downstream(id, true))
+    if (off_trace(n)) return true;
+  return false;
 }
 
 std::vector<c10::IValue> Engine::evaluate_cone_whole(int64_t id, c10::IValue value) {
