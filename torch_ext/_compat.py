@@ -1369,7 +1369,8 @@ def batch_norm_in_cpu_layout(ep: torch.export.ExportedProgram) -> torch.export.E
             node.target = torch.ops.aten.reshape.default
     gm.recompile()
     custom = ep.graph_module.meta.get("custom")
-    with _trace_patches.patched("eager_batch_norm_layouts"):
+    # (and a bfloat16 LSTM's backward in the float32 the step's program declares)
+    with _trace_patches.patched("eager_batch_norm_layouts", "onednn_rnn_backward_dtypes"):
         out = ep._update(gm, sig).run_decompositions({})
     if custom is not None:
         out.graph_module.meta["custom"] = custom
