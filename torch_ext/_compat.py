@@ -848,16 +848,59 @@ def eager_cumprod_backward():
         yield
 
 
+_FAKE_UNCACHED: dict = {}  # OpOverload -> how many open blocks keep fake tensors' cache off for it
+
+
+@contextlib.contextmanager
+def _fake_cache_bypassed(ops):
+    """Fake tensors compute ``ops`` afresh in the block instead of through their dispatch cache
+    (``FakeTensorMode.cache``, process-global, keyed by the op and its inputs' metadata only). A trace patch that
+    changes what an op's meta kernel or decomposition returns otherwise read results cached before the block
+    without it, and left its own in the cache for traces after the block: exporting a model's training loss
+    before ``make_train_step`` (transposed BatchNorm1d) made the step trace batch norm in the meta kernels'
+    layout, which the IR checker refused, and ``to_aoti``'s decompositions saw whichever layout had been
+    cached."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, _BypassDispatchCache
+
+    ops = list(ops)
+    if not _FAKE_UNCACHED:
+        original = FakeTensorMode._cache_key
+
+        def cache_key(self, state, func, args, kwargs):
+            if func in _FAKE_UNCACHED:
+                raise _BypassDispatchCache("torch_ext: a trace patch changes this op's fake result")
+            return original(self, state, func, args, kwargs)
+
+        FakeTensorMode._cache_key = cache_key
+        _fake_cache_bypassed.original = original
+    for op in ops:
+        _FAKE_UNCACHED[op] = _FAKE_UNCACHED.get(op, 0) + 1
+    try:
+        yield
+    finally:
+        for op in ops:
+            _FAKE_UNCACHED[op] -= 1
+            if not _FAKE_UNCACHED[op]:
+                del _FAKE_UNCACHED[op]
+        if not _FAKE_UNCACHED:
+            FakeTensorMode._cache_key = _fake_cache_bypassed.original
+
+
 @contextlib.contextmanager
 def _python_kernels(key, kernels: dict):
     """``{op: kernel}`` as each op's Python kernel for dispatch key ``key`` for the block; what was there is put
-    back after it, also when it raises."""
+    back after it, also when it raises. A Meta kernel's results bypass fake tensors' cache in the block
+    (``_fake_cache_bypassed``)."""
+    from torch._C import DispatchKey
+
+    uncached = _fake_cache_bypassed(kernels) if key == DispatchKey.Meta else contextlib.nullcontext()
     previous = {op: op.py_kernels.pop(key, None) for op in kernels}
     for op, kernel in kernels.items():
         op.py_kernels[key] = kernel
         op._dispatch_cache.clear()
     try:
-        yield
+        with uncached:
+            yield
     finally:
         for op in kernels:
             del op.py_kernels[key]
@@ -1263,16 +1306,13 @@ def eager_batch_norm_layouts():
     from torch._C import DispatchKey
     from torch._decomp import decomposition_table
 
-    aten, key = torch.ops.aten, DispatchKey.Meta
-    forward, backward = (0, (0,)), (1, (0,))
-    ops = {aten.native_batch_norm.default: forward, aten._native_batch_norm_legit.default: forward,
-           aten._native_batch_norm_legit.no_stats: forward, aten._native_batch_norm_legit_functional.default: forward,
-           aten._native_batch_norm_legit_no_training.default: forward, aten._batch_norm_with_update.default: forward,
-           aten._batch_norm_with_update_functional.default: forward, aten._batch_norm_no_update.default: forward,
-           aten.native_batch_norm_backward.default: backward, aten.batch_norm_backward.default: backward}
+    key = DispatchKey.Meta
+    ops = _batch_norm_layout_ops()
     metas = {op: op.py_kernels.get(key) for op in ops}
     decomps = {op: decomposition_table.get(op) for op in ops}
     with contextlib.ExitStack() as stack:
+        # (fake tensors' cache holds results of the meta kernels' layout, and must not keep these)
+        stack.enter_context(_fake_cache_bypassed(ops))
         stack.enter_context(_python_kernels(key, {op: _gated(_batch_norm_cpu_layout(metas[op], *ops[op]), metas[op])
                                                   for op in ops if metas[op] is not None}))
         for op in ops:
@@ -1280,6 +1320,62 @@ def eager_batch_norm_layouts():
                 decomposition_table[op] = _gated(_batch_norm_cpu_layout(decomps[op], *ops[op]), decomps[op])
                 stack.callback(decomposition_table.__setitem__, op, decomps[op])
         yield
+
+
+def _batch_norm_layout_ops() -> dict:
+    """{batch norm op: (its input's position, the indices of its results laid out like the input)}."""
+    aten = torch.ops.aten
+    forward, backward = (0, (0,)), (1, (0,))
+    return {aten.native_batch_norm.default: forward, aten._native_batch_norm_legit.default: forward,
+            aten._native_batch_norm_legit.no_stats: forward, aten._native_batch_norm_legit_functional.default: forward,
+            aten._native_batch_norm_legit_no_training.default: forward, aten._batch_norm_with_update.default: forward,
+            aten._batch_norm_with_update_functional.default: forward, aten._batch_norm_no_update.default: forward,
+            aten.native_batch_norm_backward.default: backward, aten.batch_norm_backward.default: backward}
+
+
+def batch_norm_in_cpu_layout(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """``ep``, or, where it declares a batch norm result on the CPU in another layout than its CPU kernels give it,
+    a copy retraced in that layout (``eager_batch_norm_layouts``), which the IR checker infers (it refused such a
+    program). Such programs: a step saved before torch_ext traced batch norm in its CPU layout, and any
+    ``torch.export`` program decomposed to ATen (``run_decompositions()``) whose batch norm reads a transposed input
+    (torch's meta kernels keep the input's layout). Its ``aten.view`` nodes are retraced as ``reshape``: a view of
+    such a result that the CPU layout does not allow becomes a copy, as the executor ran it before (it reshapes a
+    view whose input is not viewable, csrc/runtime/kernel.cpp). The ops are the program's otherwise, so it computes
+    what the executor computed on it before the IR checker inferred the CPU layout."""
+    from torch._prims_common import suggest_memory_format
+
+    ops = _batch_norm_layout_ops()
+    stale = False
+    for node in ep.graph.nodes:
+        if node.op != "call_function" or node.target not in ops:
+            continue
+        at, results = ops[node.target]
+        x, vals = node.args[at].meta.get("val") if len(node.args) > at else None, node.meta.get("val")
+        if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.layout != torch.strided:
+            continue
+        fmt = suggest_memory_format(x)
+        for i in results:
+            t = vals[i] if isinstance(vals, (tuple, list)) and i < len(vals) else None
+            stale |= isinstance(t, torch.Tensor) and t.shape == x.shape and not t.is_contiguous(memory_format=fmt)
+    if not stale:
+        return ep
+    from torch.export.experimental import _copy_graph_module_and_signature
+
+    from . import _trace_patches
+
+    gm, sig = _copy_graph_module_and_signature(ep)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+    gm.recompile()
+    custom = ep.graph_module.meta.get("custom")
+    # (and a bfloat16 LSTM's backward in the float32 the step's program declares)
+    with _trace_patches.patched("eager_batch_norm_layouts", "onednn_rnn_backward_dtypes"):
+        out = ep._update(gm, sig).run_decompositions({})
+    if custom is not None:
+        out.graph_module.meta["custom"] = custom
+    out.example_inputs = ep.example_inputs
+    return out
 
 
 @contextlib.contextmanager

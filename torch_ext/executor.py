@@ -29,6 +29,9 @@ class Executor:
         if not isinstance(ep, torch.export.ExportedProgram):
             raise TypeError(f"Executor expects a torch.export.ExportedProgram, got {type(ep).__name__} "
                             "(or a torch_ext.ir.Graph)")
+        # A batch norm result declared in torch's meta-kernel layout (torch.export's own, a step saved by an older
+        # release) is retraced in the CPU kernels' layout, which the IR checker infers.
+        ep = _compat.batch_norm_in_cpu_layout(ep)
         self.graph = Graph.from_exported(ep)
         self._ex = _C.Executor(self.graph._g)
         self._in_spec = ep.call_spec.in_spec

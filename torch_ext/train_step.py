@@ -1704,7 +1704,12 @@ class TrainStep:
         # The update ops as ATen math and dropout as a counter-based hash keyed from the state,
         # which Inductor fuses (opaque C++ kernels otherwise; see torch_ext/_aoti.py).
         # (for_aot_inductor last: the retrace of run_decompositions turns its reshapes back into views.)
-        program = _compat.for_aot_inductor(self.program.run_decompositions(aoti_decompositions()))
+        # Batch norm's results retraced in its CPU kernels' layout, as the program declares them (with the meta
+        # kernels' layout the compiled graph took another layout than the executor's after a transposed
+        # BatchNorm1d, or the program's, whichever fake tensors' cache held).
+        with _trace_patches.patched("eager_batch_norm_layouts"):
+            decomposed = self.program.run_decompositions(aoti_decompositions())
+        program = _compat.for_aot_inductor(decomposed)
         # Cross-entropy as pointwise math over the logits and their logsumexp (torch_ext/_aoti.py).
         program = fuse_cross_entropy_program(program)
         layout = json.loads(layout_json)

@@ -115,18 +115,18 @@ BoundKernel BoundKernel::bind_as(const ir::Node& node, const c10::OperatorHandle
   const c10::FunctionSchema& schema = k.op_->schema();
   const auto& formals = schema.arguments();
   k.num_returns_ = schema.returns().size();
-  // A view's input may be laid out otherwise than tracing saw: batch norm's CPU kernels (forward and
-  // backward) return a contiguous result for a transposed input where their meta kernels keep its
-  // layout, so `transpose, BatchNorm1d, transpose, Linear` failed at the Linear's view. Eager's Linear
-  // reshapes there (a copy): the view does too, and later ops see eager's layout (restriding the batch
-  // norm's result as traced instead changed a later reduction's order: not bit-exact). The same holds
-  // for native_dropout_backward (grad * mask * scale, laid out like `grad`, as eager's grad * noise),
-  // whose export decomposition clones to grad's suggested format: its result is not restrided either
-  // (restriding it to the traced layout summed a transposed batch norm's bias gradient over another
-  // layout than eager's: 2e-9 off, found by scripts/fuzz_step.py); a view of it reshapes. No pass of ours
-  // makes such an input (the layout planner, in-place steps and restrides keep declared layouts): it is
-  // ATen's CPU kernel against its meta kernel, pinned by test_why_a_view_meets_an_input_laid_out_otherwise_
-  // than_traced (tests/python/test_train_step_layers.py); if that stops holding, this may be dead.
+  // A view's input may be laid out otherwise than tracing saw, where an op's CPU kernel lays its result out
+  // otherwise than its meta kernel: native_dropout_backward (grad * mask * scale) comes out laid out like
+  // `grad`, as eager's grad * noise, where its export decomposition clones to grad's suggested format. Its
+  // result is not restrided to the traced layout (that summed a transposed batch norm's bias gradient over
+  // another layout than eager's: 2e-9 off, found by scripts/fuzz_step.py), so a view of it reshapes (a copy),
+  // as eager's reshape would. Batch norm's CPU kernels differ from their meta kernels the same way (a
+  // transposed input gives a contiguous result), but no graph reaches here with that: tracing records the CPU
+  // layout (torch_ext/_compat.py eager_batch_norm_layouts) and an ExportedProgram declaring the meta layout (a
+  // step saved by an older release, a decomposed torch.export) is retraced in it before import
+  // (_compat.batch_norm_in_cpu_layout). No pass of ours makes such an input (the layout planner, in-place steps
+  // and restrides keep declared layouts); test_why_a_view_meets_an_input_laid_out_otherwise_than_traced
+  // (tests/python/test_train_step_layers.py) pins the kernels' difference.
   k.reshape_if_not_viewable_ =
       node.target().ns == "aten" && (node.target().name == "view" || node.target().name == "_unsafe_view") &&
       node.target().overload == "default";

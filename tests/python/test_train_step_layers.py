@@ -999,6 +999,121 @@ def test_transposed_batch_norm_before_a_frozen_linear_trains_bit_exact():
         assert _bn_eager_differences(model, torch.optim.SGD, x, y, steps=1) == {}, seed
 
 
+def _meta_kernel_layout_of(step):
+    """``step``'s program as releases before batch norm was traced in its CPU kernels' layout saved it: each batch
+    norm result declared in the meta kernels' layout (a transposed input's), and a copy that only that layout
+    avoids (clone, _unsafe_view) recorded as the view it was then. Re-exported from the program's module without
+    the layout patch (fake tensors' cache keeps no patched result, so this takes the meta kernels' layout)."""
+    from torch_ext.deploy import LAYOUT_KEY
+
+    gm = step.program.module()
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._unsafe_view.default:
+            src = node.args[0]
+            if src.op == "call_function" and src.target is torch.ops.aten.clone.default and len(src.users) == 1:
+                node.target, node.args = torch.ops.aten.view.default, (src.args[0], *node.args[1:])
+                gm.graph.erase_node(src)
+    gm.recompile()
+    old = torch.export.export(gm, tuple(step.flat_inputs(step.init_state(), *step._example_batch)), strict=False)
+    old.graph_module.meta.setdefault("custom", {})[LAYOUT_KEY] = step.program.graph_module.meta["custom"][LAYOUT_KEY]
+    return old
+
+
+def test_a_step_saved_before_batch_norm_took_its_cpu_layout_still_loads(tmp_path):
+    # A .pt2 saved by a release before batch norm was traced in its CPU kernels' layout declares a transposed
+    # BatchNorm1d's result in the meta kernels' layout; the IR checker now infers the CPU kernels' and refused it
+    # on load_step ("declared type f32[4,6,5]{30,1,6} differs"). load_step retraces it in the CPU layout, its
+    # views as reshapes (a copy where the executor reshaped before): it trains as the live step does.
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 5, 6, generator=g), torch.randn(4, generator=g)
+    torch.manual_seed(0)
+    model = _TransposedBatchNorm()
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     lambda m, x, y: F.mse_loss(m(x), y), (x, y))
+    old = _meta_kernel_layout_of(step)
+    norms = [n for n in old.graph.nodes if "batch_norm" in str(n.target)]
+    assert len(norms) == 2 and all(n.meta["val"][0].stride() == (30, 1, 6) for n in norms)  # the old layout
+    assert any(n.target is torch.ops.aten.view.default and n.args[0].target is torch.ops.aten.transpose.int
+               for n in old.graph.nodes)  # a view of the transposed-back result, as then
+    torch.export.save(old, str(tmp_path / "old.pt2"))
+    loaded = torch_ext.load_step(str(tmp_path / "old.pt2"))
+    live, saved = step.init_state(), step.init_state()
+    for _ in range(3):
+        want, live = step(live, x, y)
+        got, saved = loaded(saved, x, y)
+        assert torch.equal(got, want)
+    assert all(torch.equal(saved.lookup(n), live.lookup(n)) for n in live.params)
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_executor_runs_a_decomposed_export_of_a_transposed_batch_norm(mode):
+    # torch.export's run_decompositions() declares batch norm's result in the meta kernels' layout (a transposed
+    # input's); since the IR checker infers the CPU kernels' layout, torch_ext.Executor refused such a program
+    # ("declared type f32[4,4,3]{12,1,4} differs"). It is retraced in the CPU layout and runs as eager.
+    torch.manual_seed(0)
+    model = getattr(_TransposedBatchNormDropout(), mode)()
+    model.drop.p = 0.0
+    x = torch.randn(4, 3, 4)
+    ep = torch.export.export(model, (x,), strict=False).run_decompositions()
+    assert [n.meta["val"][0].stride() for n in ep.graph.nodes if "batch_norm" in str(n.target)] == [(12, 1, 4)]
+    got = torch_ext.Executor(ep)(x)
+    assert torch.equal(got, model(x))  # (ep.module() fails: "view size is not compatible", torch's own view)
+
+
+def test_an_export_before_the_step_does_not_change_how_batch_norm_is_traced():
+    # torch's fake tensors cache each op's result by its inputs' metadata, process-wide: exporting the model's
+    # training loss first cached batch norm's meta-kernel layout, which the step's trace then read (make_train_step
+    # failed: "IR verification failed ... declared type f32[4,6,5]{30,1,6} differs"), and what the step's trace
+    # cached under its layout patch leaked into later traces.
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 5, 6, generator=g), torch.randn(4, generator=g)) for _ in range(2)]
+    loss_fn = lambda m, x, y: F.mse_loss(m(x), y)  # noqa: E731
+    torch.manual_seed(0)
+    model = _TransposedBatchNorm()
+
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, x, y):
+            return loss_fn(self.m, x, y)
+
+    def norm_strides(ep):
+        return [n.meta["val"][0].stride() for n in ep.graph.nodes if "batch_norm" in str(n.target)]
+
+    assert norm_strides(torch.export.export(Loss(), batches[0], strict=False).run_decompositions()) == [(30, 1, 6)]
+    result = torch_ext.testing.assert_step_matches_eager(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                                         loss_fn, batches, rtol=0.0)
+    assert result["steps"] == 2
+    # and the layout patch leaves nothing behind: a plain export after the step still sees torch's meta kernels
+    assert norm_strides(torch.export.export(Loss(), batches[0], strict=False).run_decompositions()) == [(30, 1, 6)]
+
+
+def test_to_aoti_compiles_batch_norm_in_the_layout_the_program_declares(monkeypatch):
+    # to_aoti retraced the program (run_decompositions) without the layout patch: a transposed BatchNorm1d's result
+    # came out in the meta kernels' layout, or in the program's, whichever fake tensors' cache held (a cold cache
+    # here), so AOTInductor compiled another graph than the executor runs. The program given to AOTInductor is
+    # captured, not compiled.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 3, 4, generator=g), torch.randint(0, 3, (4,), generator=g)
+    torch.manual_seed(0)
+    model = _TransposedBatchNormDropout()
+    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                     lambda m, x, y: F.cross_entropy(m(x), y), (x, y))
+    declared = [n.meta["val"][0].stride() for n in step.program.graph.nodes if "batch_norm" in str(n.target)]
+    assert declared == [(12, 3, 1), (12, 3, 1)]  # the CPU kernels' layout
+    captured = []
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package",
+                        lambda program, package_path, **kw: captured.append(program) or package_path)
+    FakeTensorMode.cache.clear()  # (what another trace may have left there decided the layout)
+    step.to_aoti("unused.pt2")
+    compiled = [n.meta["val"][0].stride() for n in captured[0].graph.nodes if "batch_norm" in str(n.target)]
+    assert compiled == declared
+
+
 class _PackedGRU(nn.Module):
     """A GRU over variable-length sequences: packed (lengths from the batch), or run on the padded batch and
     read where each sequence ends (the way out the refusal names)."""
