@@ -161,6 +161,9 @@ void Engine::invalidate(const Mutation& m) {
     const NodeState& st = states_[id];
     // A pinned node counts too: in a batch it may have been patched after the graft that retired it.
     if (st.countable && (!st.valid || st.pinned)) structural_dirty_.insert(id);
+    // A pinned one's saved baseline was computed by the old function (patched in this batch before the graft
+    // settled, or before an input edit): restore() and a patch function must not take it.
+    if (st.countable && st.pinned && overlay_.count(id)) baseline_stale_.insert(id);
     // A valid node of D(w) is one a pin shields (a patch in this batch, after the graft): its value
     // is current, but the baseline restore() would put back was computed by the old function.
     else if (st.countable && !pinned_.empty()) baseline_stale_.insert(id);
@@ -195,6 +198,9 @@ void Engine::patch(const std::string& name, c10::IValue value) {
     ++pins_version_;
   }
   save_baseline(id);
+  // A node a graft or an input edit retired and nobody recomputed still holds its old function's value: that is no
+  // baseline (a patch function asking for it was handed the pre-graft value, 2.29 off eager, silently).
+  if (structural_dirty_.count(id)) baseline_stale_.insert(id);
   if (!st.valid) {
     if (rekey_pending_) {  // the dirty set's keys predate a graft in this batch
       rekey_dirty();

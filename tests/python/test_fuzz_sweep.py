@@ -120,12 +120,12 @@ def test_chained_hook_points_are_two_sites():
         assert torch.equal(rg.value("hook_post"), torch.relu(m.a(x)))
 
 
-@pytest.mark.xfail(strict=True, reason="open: Engine::patch saves a stale node's pre-graft value as its baseline")
-def test_patch_function_after_a_graft_and_a_patch_sees_the_grafted_baseline():
+def test_patch_function_after_a_graft_and_a_patch_is_refused_not_handed_the_pre_graft_value():
     """Fuzzer case 2:55, reduced: graft upstream, patch a node by value (nothing demanded in between), then
     patch it again by function. The function was handed the node's value from before the graft (the engine saved
-    the stale value as the baseline at the first patch), so the pin is fn(baseline without the block), silently
-    (2.29 off on the fuzzer's model). With a demand() between the graft and the patch, it is right."""
+    the stale value as the baseline at the first patch), so the pin was fn(baseline without the block), silently
+    (2.29 off on the fuzzer's model). Now that baseline is known stale: the function patch is refused by name and
+    the graph left as it was; after restore() the same patch sees the grafted baseline, as eager hooks would."""
     import torch
 
     import torch_ext
@@ -143,6 +143,13 @@ def test_patch_function_after_a_graft_and_a_patch_sees_the_grafted_baseline():
     rg = torch_ext.ReactiveGraph(m, (x,), cache=False)
     rg.graft("relu", lambda t: 2 * t)
     rg.patch("tanh", torch.full((2, 4), 5.0))
+    with pytest.raises(RuntimeError, match=r"baseline of %tanh is not cached while patches are active"):
+        rg.patch("tanh", lambda v: v * 1.5)
+    assert torch.equal(rg.value("tanh"), torch.full((2, 4), 5.0))
+    rg.check_invariants()
+    rg.restore()
     rg.patch("tanh", lambda v: v * 1.5)
     with torch.no_grad():
-        assert torch.equal(rg.value("tanh"), torch.tanh(m.b(2 * torch.relu(m.a(x)))) * 1.5)
+        want = torch.tanh(m.b(2 * torch.relu(m.a(x))))
+        assert torch.equal(rg.value("tanh"), want * 1.5)
+        assert torch.equal(rg.demand(), m.c(want * 1.5))
