@@ -260,12 +260,12 @@ def test_patches_act_on_the_tracing_thread_only():
     assert seen["packed"] == [2, 2, 1]
 
 
-def test_nested_traces():
+def test_nested_traces(monkeypatch):
     """A build inside a trace's patches on one thread (the registry held, environment reads recorded around
     it): the inner trace enters only what is not installed, leaves the outer's in place, and builds what a
     build outside gives; each level records the environment variables read inside it."""
     before = _process_state()
-    os.environ["TORCH_EXT_TEST_NESTED"] = "2"
+    monkeypatch.setenv("TORCH_EXT_TEST_NESTED", "2")  # undone at teardown: later tests see no such variable
 
     class Scaled(_Resid):
         def forward(self, x):
