@@ -145,7 +145,8 @@ def extend_spec(spec: dict, rng: random.Random) -> dict:
     spec["float64"] = rng.random() < 0.15
     if spec["groups"] == 2 and rng.random() < 0.5:
         spec["group2"]["hyper"] = _group_hyper(spec["opt"], rng)
-    spec["unroll"] = 2 if spec["accumulate"] == 1 and rng.random() < 0.2 else 1
+    # unroll=2 with a scheduler is refused by design (one lr per unrolled call)
+    spec["unroll"] = 2 if spec["accumulate"] == 1 and spec["sched"] is None and rng.random() < 0.2 else 1
     spec["set_lr"] = spec["sched"] is None and rng.random() < 0.25
     return spec
 
@@ -164,6 +165,8 @@ def _group_hyper(opt: dict, rng: random.Random) -> dict:
             v = rng.choice(vals)
             if k == "nesterov" and opt["kind"] == "SGD":
                 continue  # SGD's nesterov needs momentum and no dampening in its group
+            if opt["kind"] == "Adafactor" and k == "eps":
+                v = [None, 1e-3] if h["eps"][0] is not None else [1e-30, 1e-3]
             if opt["kind"] == "Lion" and k == "betas":
                 v = [v[0], 0.99]
             if opt["kind"] == "SGD" and k == "momentum" and h.get("nesterov"):
@@ -236,8 +239,8 @@ def build(spec: dict):
 
     def attn_mask(kind):
         if kind == "bool":  # a fixed, non-causal pattern (each query sees itself)
-            return torch.tensor([[True, False, True], [True, True, False], [False, True, True], [True, False, True]]
-                                )[:S, :S] | torch.eye(S, dtype=torch.bool)
+            return torch.tensor([[True, False, True, False], [True, True, False, False], [False, True, True, True],
+                                 [True, False, True, True]])[:S, :S] | torch.eye(S, dtype=torch.bool)
         if kind == "float":
             return torch.linspace(-1.0, 1.0, S * S).reshape(S, S)
         return None
@@ -728,6 +731,29 @@ def worker(seed: int, first: int, deadline: float):
         i += 1
 
 
+def _lines(p, timeout: float):
+    """The worker's stdout lines; None when no line came for ``timeout`` seconds (read unbuffered, so a line
+    already read is never left waiting behind the select)."""
+    import os
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(p.stdout, selectors.EVENT_READ)
+    buf = b""
+    while True:
+        if b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            yield line.decode()
+            continue
+        if not sel.select(timeout):
+            yield None
+            return
+        chunk = os.read(p.stdout.fileno(), 1 << 16)
+        if not chunk:
+            return
+        buf += chunk
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=300.0)
@@ -737,6 +763,8 @@ def main(argv=None):
     ap.add_argument("--spec", help="a JSON spec (or @file) to run in-process")
     ap.add_argument("--minimize", action="store_true", help="with --case/--spec: simplify the finding first")
     ap.add_argument("--log", help="append every case's result (JSON lines) here")
+    ap.add_argument("--case-timeout", type=float, default=120.0,
+                    help="seconds one case may take before its worker is killed and the case is a finding (slow)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -764,9 +792,13 @@ def main(argv=None):
     i = a.first
     while time.time() < deadline:
         p = subprocess.Popen([sys.executable, __file__, "--worker", "--seed", str(a.seed), "--first", str(i),
-                              "--deadline", str(deadline)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
-        current = None
-        for line in p.stdout:
+                              "--deadline", str(deadline)], stdout=subprocess.PIPE, bufsize=0, cwd=ROOT)
+        current, slow = None, False
+        for line in _lines(p, a.case_timeout):
+            if line is None:  # one case ran past --case-timeout: a finding (a hang, or a pass gone quadratic)
+                slow = True
+                p.kill()
+                break
             r = json.loads(line)
             if "start" in r:
                 current = r["start"]
@@ -783,10 +815,15 @@ def main(argv=None):
                 findings.append(r)
                 print(f"FINDING {r['status']} case {a.seed}:{r['i']}\n{r['msg']}\n", flush=True)
         rc = p.wait()
-        if current is not None:  # the worker died inside a case: a crash
-            counts["crash"] = counts.get("crash", 0) + 1
-            findings.append({"status": "crash", "i": current, "msg": f"worker exit {rc}"})
-            print(f"FINDING crash case {a.seed}:{current} (exit {rc})", flush=True)
+        if current is not None:  # the worker died inside a case (a crash), or was killed as too slow
+            kind = "slow" if slow else "crash"
+            counts[kind] = counts.get(kind, 0) + 1
+            why = f"over {a.case_timeout:g} s" if slow else f"worker exit {rc}"
+            findings.append({"status": kind, "i": current, "msg": why})
+            if log:
+                log.write(json.dumps({"status": kind, "msg": why, "i": current}) + "\n")
+                log.flush()
+            print(f"FINDING {kind} case {a.seed}:{current} ({why})", flush=True)
             i = current + 1
     print(f"seed {a.seed}: cases {a.first}..{i - 1}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     for msg, c in sorted(refusals.items(), key=lambda kv: -kv[1]):
