@@ -722,6 +722,9 @@ def one(spec: dict) -> dict:
 
 # ------------------------------------------------------------------------------------------ driver
 def worker(seed: int, first: int, deadline: float):
+    import torch  # noqa: F401 - imported before the first case's clock starts (--case-timeout)
+
+    import torch_ext  # noqa: F401
     i = first
     while time.time() < deadline:
         print(json.dumps({"start": i}), flush=True)
@@ -731,9 +734,9 @@ def worker(seed: int, first: int, deadline: float):
         i += 1
 
 
-def _lines(p, timeout: float):
-    """The worker's stdout lines; None when no line came for ``timeout`` seconds (read unbuffered, so a line
-    already read is never left waiting behind the select)."""
+def _lines(p, timeout: dict):
+    """The worker's stdout lines; None when no line came for ``timeout["s"]`` seconds (None: no limit, while the
+    worker starts up and imports torch). Read unbuffered, so a line already read never waits behind the select."""
     import os
     import selectors
 
@@ -745,7 +748,7 @@ def _lines(p, timeout: float):
             line, buf = buf.split(b"\n", 1)
             yield line.decode()
             continue
-        if not sel.select(timeout):
+        if not sel.select(timeout["s"]):
             yield None
             return
         chunk = os.read(p.stdout.fileno(), 1 << 16)
@@ -793,21 +796,21 @@ def main(argv=None):
     while time.time() < deadline:
         p = subprocess.Popen([sys.executable, __file__, "--worker", "--seed", str(a.seed), "--first", str(i),
                               "--deadline", str(deadline)], stdout=subprocess.PIPE, bufsize=0, cwd=ROOT)
-        current, slow = None, False
-        for line in _lines(p, a.case_timeout):
+        current, slow, timeout = None, False, {"s": None}
+        for line in _lines(p, timeout):
             if line is None:  # one case ran past --case-timeout: a finding (a hang, or a pass gone quadratic)
                 slow = True
                 p.kill()
                 break
             r = json.loads(line)
             if "start" in r:
-                current = r["start"]
+                current, timeout["s"] = r["start"], a.case_timeout
                 continue
-            current = None
+            current, timeout["s"] = None, None
             i = r["i"] + 1
             counts[r["status"]] = counts.get(r["status"], 0) + 1
             if log:
-                log.write(line)
+                log.write(line + "\n")
                 log.flush()
             if r["status"] == "refused":
                 refusals[r["msg"][:160]] = refusals.get(r["msg"][:160], 0) + 1
