@@ -7,7 +7,10 @@ two layers, a buffer read in forward and one written in forward, frozen paramete
 optimizer; an optimizer of every kind torch_ext supports (torch_ext/optim/_registry.py) with random
 hyperparameters, one or two param groups (Muon: Muon on the 2-D weights beside AdamW on the rest); and
 options: the executor, ``compile(plan=True)`` with or without donation or with a ``memory_budget``,
-``accumulate=2``, ``clip_grad_norm``, a scheduler (StepLR / LambdaLR / OneCycleLR), batch 1 or 4.
+``accumulate=2``, ``clip_grad_norm``, a scheduler (StepLR / LambdaLR / OneCycleLR), batch 1 or 4. Seeds 10 and
+up add the ground of ``extend_spec``: attention (SDPA, MultiheadAttention, TransformerEncoderLayer), GRU/LSTM,
+GroupNorm/RMSNorm/InstanceNorm, ConvTranspose, pooling, a transposed weight Parameter, cross-entropy options,
+BCE/Huber, ``reduction="sum"``, float64, per-group hyperparameters, ``set_lr`` between calls and ``unroll=2``.
 
 The case trains 3 steps through the step and through eager PyTorch (same initial weights, the same RNG:
 ``init_state(seed=s)`` against ``torch.manual_seed(s)``), comparing with torch.equal each step's loss and,
@@ -43,6 +46,11 @@ BLOCKS = ("linear", "ln", "bn", "act", "drop", "resid", "shared", "bufscale", "e
 OPTS = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Muon", "Lion", "Adamax", "NAdam", "RAdam", "Adadelta",
         "Rprop", "Adafactor")
 FOREACH_EXACT = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "Adadelta", "Rprop")
+# Seeds from EXTENDED_SEED on draw the extended ground below after the draws above (so seeds 0..9 replay as before).
+EXTENDED_SEED = 10
+ACTS2 = ACTS + ("mish", "hardswish", "elu", "leaky_relu", "softplus", "sigmoid")
+ANY_BLOCKS = ("rms", "tlin", "act2")                       # blocks on a [B, D] or [B, T, D] stream
+SEQ_BLOCKS = ("sdpa", "mha", "gru", "lstm", "gn", "inorm", "convT", "pool", "dwconv", "tel")  # [B, T, D] only
 
 
 # ------------------------------------------------------------------------------------------ generator
@@ -78,6 +86,93 @@ def gen_spec(rng: random.Random) -> dict:
         "budget": rng.choice((0.6, 0.8)),
     }
     return spec
+
+
+def extend_spec(spec: dict, rng: random.Random) -> dict:
+    """The extended ground, drawn after ``gen_spec``: a sequence front, attention (SDPA with or without a causal or
+    explicit mask and dropout, nn.MultiheadAttention, TransformerEncoderLayer), GRU/LSTM, GroupNorm, RMSNorm,
+    InstanceNorm, ConvTranspose, pooling, depthwise conv, a transposed (non-contiguous) weight Parameter, more
+    activations; embeddings with scale_grad_by_freq; cross-entropy with label smoothing / ignore_index / class
+    weights, BCE, Huber, reduction="sum"; float64 models; per-group hyperparameters; set_lr between calls;
+    ``unroll=2``."""
+    if spec["front"] == "linear" and rng.random() < 0.5:
+        spec["front"] = "seqlin"  # Linear over [B, T, 5]
+    seq = spec["front"] != "linear"
+    kinds = ANY_BLOCKS + (SEQ_BLOCKS if seq else ())
+    for i in range(len(spec["blocks"])):
+        if rng.random() < 0.6:
+            kind = rng.choice(kinds)
+            b = {"kind": kind}
+            if kind == "act2":
+                b["act"] = rng.choice(ACTS2)
+            elif kind == "rms":
+                b["eps"] = rng.choice((None, 1e-5))
+                b["affine"] = rng.random() < 0.8
+            elif kind == "sdpa":
+                b["mask"] = rng.choice(("none", "causal", "bool", "float"))
+                b["p"] = rng.choice((0.0, 0.0, 0.2))
+                b["scale"] = rng.choice((None, 0.3))
+            elif kind == "mha":
+                b["mask"] = rng.choice(("none", "causal", "bool", "float"))
+                b["p"] = rng.choice((0.0, 0.0, 0.2))
+                b["bias"] = rng.random() < 0.7
+                b["need_weights"] = rng.random() < 0.5
+            elif kind in ("gru", "lstm"):
+                b["layers"] = rng.choice((1, 1, 2))
+                b["bi"] = rng.random() < 0.4
+                b["p"] = rng.choice((0.0, 0.3)) if b["layers"] > 1 else 0.0
+            elif kind == "gn":
+                b["groups"] = rng.choice((1, 2))
+            elif kind == "inorm":
+                b["affine"] = rng.random() < 0.7
+                b["track"] = rng.random() < 0.4
+            elif kind == "pool":
+                b["op"] = rng.choice(("max", "avg", "avg_nopad", "lp", "adaptive"))
+            elif kind == "tel":
+                b["norm_first"] = rng.random() < 0.5
+                b["p"] = rng.choice((0.0, 0.1))
+                b["act"] = rng.choice(("relu", "gelu"))
+                b["causal"] = rng.random() < 0.4
+            spec["blocks"][i] = b
+    if spec["front"] == "embed":
+        spec["scale_grad_by_freq"] = rng.random() < 0.4
+    loss = rng.choice(("ce", "ce", "mse", "bce", "huber"))
+    spec["loss"] = loss
+    if loss == "ce":
+        spec["ce"] = {"label_smoothing": rng.choice((0.0, 0.1)), "ignore": rng.random() < 0.3,
+                      "weight": rng.random() < 0.3}
+    spec["reduction"] = rng.choice(("mean", "mean", "sum"))
+    spec["float64"] = rng.random() < 0.15
+    if spec["groups"] == 2 and rng.random() < 0.5:
+        spec["group2"]["hyper"] = _group_hyper(spec["opt"], rng)
+    # unroll=2 with a scheduler is refused by design (one lr per unrolled call)
+    spec["unroll"] = 2 if spec["accumulate"] == 1 and spec["sched"] is None and rng.random() < 0.2 else 1
+    spec["set_lr"] = spec["sched"] is None and rng.random() < 0.25
+    return spec
+
+
+def _group_hyper(opt: dict, rng: random.Random) -> dict:
+    """Other values of some of the optimizer's hyperparameters, for the second param group."""
+    h = opt["hyper"]
+    alt = {"momentum": (0.0, 0.8), "betas": ([0.7, 0.95], [0.85, 0.98]), "eps": (1e-7,), "alpha": (0.95,),
+           "amsgrad": (True, False), "nesterov": (False,), "dampening": (0.0,), "centered": (True, False),
+           "rho": (0.8,), "lr_decay": (0.02,), "momentum_decay": (0.006,), "etas": ([0.4, 1.3],),
+           "beta2_decay": (-0.7,), "d": (1.5,), "maximize": (True, False),
+           "decoupled_weight_decay": (True, False)}
+    out = {}
+    for k, vals in alt.items():
+        if k in h and rng.random() < 0.5:
+            v = rng.choice(vals)
+            if k == "nesterov" and opt["kind"] == "SGD":
+                continue  # SGD's nesterov needs momentum and no dampening in its group
+            if opt["kind"] == "Adafactor" and k == "eps":
+                v = [None, 1e-3] if h["eps"][0] is not None else [1e-30, 1e-3]
+            if opt["kind"] == "Lion" and k == "betas":
+                v = [v[0], 0.99]
+            if opt["kind"] == "SGD" and k == "momentum" and h.get("nesterov"):
+                continue
+            out[k] = v
+    return out
 
 
 def gen_opt(rng: random.Random) -> dict:
@@ -136,7 +231,103 @@ def build(spec: dict):
     import torch.nn.functional as F
 
     D, B, K, T, V = spec["width"], spec["batch"], 3, 3, 7
-    act_of = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU, "tanh": nn.Tanh}
+    act_of = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU, "tanh": nn.Tanh, "mish": nn.Mish,
+              "hardswish": nn.Hardswish, "elu": nn.ELU, "leaky_relu": lambda: nn.LeakyReLU(0.1),
+              "softplus": nn.Softplus, "sigmoid": nn.Sigmoid}
+    dtype = torch.float64 if spec.get("float64") else torch.float32
+    S = 4 if spec["front"] == "conv2d" else T  # the stream's sequence length
+
+    def attn_mask(kind):
+        if kind == "bool":  # a fixed, non-causal pattern (each query sees itself)
+            return torch.tensor([[True, False, True, False], [True, True, False, False], [False, True, True, True],
+                                 [True, False, True, True]])[:S, :S] | torch.eye(S, dtype=torch.bool)
+        if kind == "float":
+            return torch.linspace(-1.0, 1.0, S * S).reshape(S, S)
+        return None
+
+    class Sdpa(nn.Module):
+        def __init__(self, b):
+            super().__init__()
+            self.b, self.qkv, self.out = b, nn.Linear(D, 3 * D), nn.Linear(D, D)
+            m = attn_mask(b["mask"])
+            self.register_buffer("mask", m if m is None or m.dtype == torch.bool else m.to(dtype))
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).reshape(x.shape[0], S, 3, 2, D // 2).permute(2, 0, 3, 1, 4)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.b["mask"] == "causal",
+                                               dropout_p=self.b["p"] if self.training else 0.0, scale=self.b["scale"])
+            return self.out(o.transpose(1, 2).reshape(x.shape[0], S, D))
+
+    class Mha(nn.Module):
+        def __init__(self, b):
+            super().__init__()
+            self.b = b
+            self.mha = nn.MultiheadAttention(D, 2, dropout=b["p"], bias=b["bias"], batch_first=True)
+            m = (nn.Transformer.generate_square_subsequent_mask(S) if b["mask"] == "causal"
+                 else None if b["mask"] == "none" else attn_mask(b["mask"]))
+            if m is not None and m.dtype == torch.bool:
+                m = ~m  # MultiheadAttention's bool mask marks what is NOT attended
+            self.register_buffer("mask", m if m is None or m.dtype == torch.bool else m.to(dtype))
+
+        def forward(self, x):
+            o, w = self.mha(x, x, x, attn_mask=self.mask, need_weights=self.b["need_weights"],
+                            is_causal=self.b["mask"] == "causal")
+            return o if w is None else o + w.sum(-1, keepdim=True)
+
+    class Rnn(nn.Module):
+        def __init__(self, b):
+            super().__init__()
+            cls = nn.GRU if b["kind"] == "gru" else nn.LSTM
+            self.rnn = cls(D, D // 2 if b["bi"] else D, num_layers=b["layers"], batch_first=True,
+                           bidirectional=b["bi"], dropout=b["p"])
+
+        def forward(self, x):
+            return self.rnn(x)[0]
+
+    class Chan(nn.Module):  # a [B, D, T] op on the [B, T, D] stream
+        def __init__(self, b):
+            super().__init__()
+            k = b["kind"]
+            self.b = b
+            if k == "gn":
+                self.m = nn.GroupNorm(b["groups"], D)
+            elif k == "inorm":
+                self.m = nn.InstanceNorm1d(D, affine=b["affine"], track_running_stats=b["track"])
+            elif k == "convT":
+                self.m = nn.ConvTranspose1d(D, D, 3, padding=1)
+            elif k == "dwconv":
+                self.m = nn.Conv1d(D, D, 3, padding=1, groups=D)
+            else:
+                op = b["op"]
+                self.m = (nn.MaxPool1d(3, 1, 1) if op == "max" else nn.AvgPool1d(3, 1, 1) if op == "avg"
+                          else nn.AvgPool1d(3, 1, 1, count_include_pad=False) if op == "avg_nopad"
+                          else nn.LPPool1d(2, 2, 1) if op == "lp" else nn.AdaptiveAvgPool1d(2))
+
+        def forward(self, x):
+            y = self.m(x.transpose(1, 2))
+            if y.shape[-1] != S:  # a pooling that shortens the sequence: back to S by repeating
+                y = F.interpolate(y, size=S, mode="nearest")
+            return y.transpose(1, 2)
+
+    class TLin(nn.Module):  # a weight Parameter stored transposed (non-contiguous)
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(D, D).div(D ** 0.5).t())
+            self.bias = nn.Parameter(torch.zeros(D))
+
+        def forward(self, x):
+            return x @ self.w + self.bias
+
+    class Tel(nn.Module):
+        def __init__(self, b):
+            super().__init__()
+            self.b = b
+            self.m = nn.TransformerEncoderLayer(D, 2, 2 * D, dropout=b["p"], activation=b["act"], batch_first=True,
+                                                norm_first=b["norm_first"])
+            self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(S) if b["causal"] else None)
+
+        def forward(self, x):
+            return self.m(x, src_mask=self.mask, is_causal=self.b["causal"])
 
     class ChanBN(nn.Module):  # BatchNorm over the feature (last) dim, of a [B, D] or [B, T, D] stream
         def __init__(self):
@@ -201,6 +392,22 @@ def build(spec: dict):
             return BufScale()
         if k == "ema":
             return Ema()
+        if k == "act2":
+            return act_of[b["act"]]()
+        if k == "rms":
+            return nn.RMSNorm(D, eps=b["eps"], elementwise_affine=b["affine"])
+        if k == "tlin":
+            return TLin()
+        if k == "sdpa":
+            return Sdpa(b)
+        if k == "mha":
+            return Mha(b)
+        if k in ("gru", "lstm"):
+            return Rnn(b)
+        if k in ("gn", "inorm", "convT", "pool", "dwconv"):
+            return Chan(b)
+        if k == "tel":
+            return Tel(b)
         raise ValueError(k)
 
     front = spec["front"]
@@ -208,10 +415,11 @@ def build(spec: dict):
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
-            if front == "linear":
+            if front in ("linear", "seqlin"):
                 self.front = nn.Linear(5, D)
             elif front == "embed":
-                self.front = nn.Embedding(V, D, padding_idx=0 if spec["padding_idx"] else None)
+                self.front = nn.Embedding(V, D, padding_idx=0 if spec["padding_idx"] else None,
+                                          scale_grad_by_freq=spec.get("scale_grad_by_freq", False))
             elif front == "conv1d":
                 self.front = nn.Conv1d(3, D, 3, padding=1)
             else:
@@ -232,7 +440,7 @@ def build(spec: dict):
             return self.head(h)
 
     torch.manual_seed(spec["model_seed"])
-    model = Net().train()
+    model = Net().train().to(dtype)
     named = list(model.named_parameters())
     for i in spec["frozen"]:
         if i < len(named):
@@ -243,26 +451,44 @@ def build(spec: dict):
     def one_batch():
         if front == "linear":
             x = torch.randn(B, 5, generator=g)
+        elif front == "seqlin":
+            x = torch.randn(B, T, 5, generator=g)
         elif front == "embed":
             x = torch.randint(0, V, (B, T), generator=g)
         elif front == "conv1d":
             x = torch.randn(B, 3, T, generator=g)
         else:
             x = torch.randn(B, 2, 2, 2, generator=g)
+        if x.is_floating_point():
+            x = x.to(dtype)
         seq = () if front == "linear" else (T if front != "conv2d" else 4,)
         if spec["loss"] == "ce":
             y = torch.randint(0, K, (B, *seq), generator=g)
+            if ce.get("ignore"):
+                y = torch.where(torch.rand(y.shape, generator=g) < 0.3, torch.full_like(y, -100), y)
+        elif spec["loss"] == "bce":
+            y = torch.rand(B, *seq, K, generator=g).to(dtype)
         else:
-            y = torch.randn(B, *seq, K, generator=g)
+            y = torch.randn(B, *seq, K, generator=g).to(dtype)
         return x, y
+
+    ce = spec.get("ce", {})
+    red = spec.get("reduction", "mean")
+    cw = torch.tensor([0.5, 1.0, 2.0], dtype=dtype) if ce.get("weight") else None
 
     def loss_fn(m, x, y):
         out = m(x)
         if spec["loss"] == "ce":
-            return F.cross_entropy(out.reshape(-1, K), y.reshape(-1))
-        return F.mse_loss(out, y)
+            return F.cross_entropy(out.reshape(-1, K), y.reshape(-1), weight=cw, reduction=red,
+                                   label_smoothing=ce.get("label_smoothing", 0.0))
+        if spec["loss"] == "bce":
+            return F.binary_cross_entropy_with_logits(out, y, reduction=red)
+        if spec["loss"] == "huber":
+            return F.huber_loss(out, y, reduction=red, delta=0.5)
+        return F.mse_loss(out, y, reduction=red)
 
-    batches = [[one_batch() for _ in range(spec["accumulate"])] for _ in range(STEPS + 1)]
+    calls = STEPS * spec.get("unroll", 1)
+    batches = [[one_batch() for _ in range(spec["accumulate"])] for _ in range(calls + 1)]
     return model, loss_fn, batches
 
 
@@ -285,6 +511,8 @@ def make_opts(spec: dict, model):
             g2 = {"params": ps[1::2], "lr": lr * spec["group2"]["lr_scale"]}
             if spec["group2"]["wd"] is not None and "weight_decay" in h:
                 g2["weight_decay"] = spec["group2"]["wd"]
+            for k, v in spec["group2"].get("hyper", {}).items():
+                g2[k] = tuple(v) if isinstance(v, list) else v
             return [{"params": ps[0::2]}, g2]
         return ps
 
@@ -348,11 +576,11 @@ def run_case(spec: dict) -> list[str]:
     ref = copy.deepcopy(model)
     opts, scheds = make_opts(spec, model)
     ref_opts, ref_scheds = make_opts(spec, ref)
-    n = spec["accumulate"]
+    n, u = spec["accumulate"], spec.get("unroll", 1)
     opt_arg = opts if len(opts) > 1 else opts[0]
     sched_arg = (scheds if len(scheds) > 1 else scheds[0]) if scheds else None
     step = torch_ext.make_train_step(model, opt_arg, loss_fn, batches[0][0], clip_grad_norm=spec["clip"],
-                                     accumulate=n, scheduler=sched_arg)
+                                     accumulate=n, scheduler=sched_arg, unroll=u)
     runner = step
     if spec["runner"] == "plan":
         runner = step.compile(plan=True, donate=False)
@@ -368,17 +596,24 @@ def run_case(spec: dict) -> list[str]:
                 raise
             runner = step.compile(plan=True, donate=donate, memory_budget=int(least.group(1)))
     state = step.init_state(seed=spec["rng_seed"])
+    new_lrs = [g["lr"] * 0.3 for o in opts for g in o.param_groups]
     losses = []
-    for mbs in batches[1:]:
-        out = runner(state, *[t for mb in mbs for t in mb])
+    for c in range(STEPS):
+        if spec.get("set_lr") and c == 1:
+            state.set_lr(new_lrs)
+        calls = batches[1 + c * u:1 + (c + 1) * u]
+        out = runner(state, *[t for mbs in calls for mb in mbs for t in mb])
         loss, state = out[0], out[1]
-        losses.append(loss)
+        losses.extend(loss.unbind(0) if u > 1 else [loss])
     step.write_back(state)
 
     torch.manual_seed(spec["rng_seed"])
     ref_params = [p for p in ref.parameters() if p.requires_grad]
     diffs: list[str] = []
     for i, mbs in enumerate(batches[1:]):
+        if spec.get("set_lr") and i == u:  # the eager twin of state.set_lr before the second call
+            for g, lr in zip([g for o in ref_opts for g in o.param_groups], new_lrs):
+                g["lr"] = lr
         for o in ref_opts:
             o.zero_grad()
         ls = []
@@ -432,10 +667,14 @@ def simplifications(spec: dict):
     for k in range(len(spec["blocks"])):
         yield {**spec, "blocks": spec["blocks"][:k] + spec["blocks"][k + 1:]}
     plain = {"front_bn": False, "padding_idx": False, "frozen": [], "excluded": [], "groups": 1, "sched": None,
-             "accumulate": 1, "clip": None, "runner": "exec", "batch": 4, "loss": "ce", "width": 4}
+             "accumulate": 1, "clip": None, "runner": "exec", "batch": 4, "loss": "ce", "width": 4,
+             "float64": False, "unroll": 1, "set_lr": False, "reduction": "mean", "scale_grad_by_freq": False,
+             "ce": {}}
     for key, v in plain.items():
-        if spec[key] != v:
+        if spec.get(key, v) != v:
             yield {**spec, key: v}
+    if spec["group2"].get("hyper"):
+        yield {**spec, "group2": {k: v for k, v in spec["group2"].items() if k != "hyper"}}
     for key in spec["opt"]["hyper"]:
         if key != "lr":
             h = dict(spec["opt"]["hyper"])
@@ -443,8 +682,9 @@ def simplifications(spec: dict):
             yield {**spec, "opt": {**spec["opt"], "hyper": h}}
     if spec["opt"]["kind"] != "SGD":
         yield {**spec, "opt": {"kind": "SGD", "hyper": {"lr": 0.1}}}
+    seq_only = any(b["kind"] in SEQ_BLOCKS for b in spec["blocks"])
     for front in ("linear", "embed"):
-        if spec["front"] != front:
+        if spec["front"] != front and not (front == "linear" and seq_only):
             yield {**spec, "front": front, "front_bn": False, "padding_idx": False}
 
 
@@ -464,7 +704,9 @@ def minimize(spec: dict) -> dict:
 
 
 def case_spec(seed: int, i: int) -> dict:
-    return gen_spec(random.Random(f"{seed}:{i}"))
+    rng = random.Random(f"{seed}:{i}")
+    spec = gen_spec(rng)
+    return extend_spec(spec, rng) if seed >= EXTENDED_SEED else spec
 
 
 def one(spec: dict) -> dict:
@@ -480,6 +722,9 @@ def one(spec: dict) -> dict:
 
 # ------------------------------------------------------------------------------------------ driver
 def worker(seed: int, first: int, deadline: float):
+    import torch  # noqa: F401 - imported before the first case's clock starts (--case-timeout)
+
+    import torch_ext  # noqa: F401
     i = first
     while time.time() < deadline:
         print(json.dumps({"start": i}), flush=True)
@@ -487,6 +732,29 @@ def worker(seed: int, first: int, deadline: float):
         r["i"] = i
         print(json.dumps(r), flush=True)
         i += 1
+
+
+def _lines(p, timeout: dict):
+    """The worker's stdout lines; None when no line came for ``timeout["s"]`` seconds (None: no limit, while the
+    worker starts up and imports torch). Read unbuffered, so a line already read never waits behind the select."""
+    import os
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(p.stdout, selectors.EVENT_READ)
+    buf = b""
+    while True:
+        if b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            yield line.decode()
+            continue
+        if not sel.select(timeout["s"]):
+            yield None
+            return
+        chunk = os.read(p.stdout.fileno(), 1 << 16)
+        if not chunk:
+            return
+        buf += chunk
 
 
 def main(argv=None):
@@ -498,6 +766,8 @@ def main(argv=None):
     ap.add_argument("--spec", help="a JSON spec (or @file) to run in-process")
     ap.add_argument("--minimize", action="store_true", help="with --case/--spec: simplify the finding first")
     ap.add_argument("--log", help="append every case's result (JSON lines) here")
+    ap.add_argument("--case-timeout", type=float, default=120.0,
+                    help="seconds one case may take before its worker is killed and the case is a finding (slow)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -525,18 +795,22 @@ def main(argv=None):
     i = a.first
     while time.time() < deadline:
         p = subprocess.Popen([sys.executable, __file__, "--worker", "--seed", str(a.seed), "--first", str(i),
-                              "--deadline", str(deadline)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
-        current = None
-        for line in p.stdout:
+                              "--deadline", str(deadline)], stdout=subprocess.PIPE, bufsize=0, cwd=ROOT)
+        current, slow, timeout = None, False, {"s": None}
+        for line in _lines(p, timeout):
+            if line is None:  # one case ran past --case-timeout: a finding (a hang, or a pass gone quadratic)
+                slow = True
+                p.kill()
+                break
             r = json.loads(line)
             if "start" in r:
-                current = r["start"]
+                current, timeout["s"] = r["start"], a.case_timeout
                 continue
-            current = None
+            current, timeout["s"] = None, None
             i = r["i"] + 1
             counts[r["status"]] = counts.get(r["status"], 0) + 1
             if log:
-                log.write(line)
+                log.write(line + "\n")
                 log.flush()
             if r["status"] == "refused":
                 refusals[r["msg"][:160]] = refusals.get(r["msg"][:160], 0) + 1
@@ -544,10 +818,15 @@ def main(argv=None):
                 findings.append(r)
                 print(f"FINDING {r['status']} case {a.seed}:{r['i']}\n{r['msg']}\n", flush=True)
         rc = p.wait()
-        if current is not None:  # the worker died inside a case: a crash
-            counts["crash"] = counts.get("crash", 0) + 1
-            findings.append({"status": "crash", "i": current, "msg": f"worker exit {rc}"})
-            print(f"FINDING crash case {a.seed}:{current} (exit {rc})", flush=True)
+        if current is not None:  # the worker died inside a case (a crash), or was killed as too slow
+            kind = "slow" if slow else "crash"
+            counts[kind] = counts.get(kind, 0) + 1
+            why = f"over {a.case_timeout:g} s" if slow else f"worker exit {rc}"
+            findings.append({"status": kind, "i": current, "msg": why})
+            if log:
+                log.write(json.dumps({"status": kind, "msg": why, "i": current}) + "\n")
+                log.flush()
+            print(f"FINDING {kind} case {a.seed}:{current} ({why})", flush=True)
             i = current + 1
     print(f"seed {a.seed}: cases {a.first}..{i - 1}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     for msg, c in sorted(refusals.items(), key=lambda kv: -kv[1]):

@@ -1270,13 +1270,14 @@ def onednn_rnn_backward_dtypes():
         yield
 
 
-def _batch_norm_cpu_layout(original, input_at, restrided):
+def _batch_norm_cpu_layout(original, input_at, restrided, contiguous=False):
     """``original`` (a batch norm op's decomposition, which fake tensors run, or its meta kernel) with its results
     ``restrided`` (indices) laid out as the CPU kernels lay them out: ``empty_like(input,
     input.suggest_memory_format())`` (aten/src/ATen/native/Normalization.cpp, forward and backward), where torch
     2.9's decompositions keep the input's layout (``input_at``: the input's position). A transposed input
     (``x.transpose(1, 2)`` into BatchNorm1d) comes out contiguous on the CPU. A clone, so that the values stay
-    the decomposition's wherever it runs."""
+    the decomposition's wherever it runs. ``contiguous``: the kernel lays them out contiguous whatever the input's
+    layout (layer norm's, aten/src/ATen/native/layer_norm.cpp: ``empty_like(X.contiguous(), Contiguous)``)."""
     from torch._prims_common import suggest_memory_format
 
     @functools.wraps(original)  # its module and name: fake tensors run a decomposition of torch._decomp's only
@@ -1285,13 +1286,14 @@ def _batch_norm_cpu_layout(original, input_at, restrided):
         input = args[input_at] if len(args) > input_at else kwargs["input"]
         if getattr(input, "fake_device", input.device).type != "cpu" or input.layout != torch.strided:
             return out
-        fmt = suggest_memory_format(input)
-        out = list(out)
+        fmt = torch.contiguous_format if contiguous else suggest_memory_format(input)
+        single = isinstance(out, torch.Tensor)
+        out = [out] if single else list(out)
         for i in restrided:
             t = out[i]
             if isinstance(t, torch.Tensor) and t.shape == input.shape and not t.is_contiguous(memory_format=fmt):
                 out[i] = t.clone(memory_format=fmt)
-        return tuple(out)
+        return out[0] if single else tuple(out)
     return kernel
 
 
@@ -1302,7 +1304,12 @@ def eager_batch_norm_layouts():
     table and the ops' meta kernels. With the decompositions' layout the trace saw a transposed result where eager
     has a contiguous one, and every layout-dependent choice after it went another way than eager's: a Linear's
     reshape traced as a view and its ``mm`` backward recorded as a plain ``mm`` (bn.bias 1e-9 off eager after one
-    step, 2e-3 after three with Lion), found by scripts/fuzz_step.py."""
+    step, 2e-3 after three with Lion), found by scripts/fuzz_step.py. Layer norm's too, whose CPU kernels return
+    contiguous results: its backward's meta kernel kept a transposed input's layout for the input's gradient, so the
+    trace dropped the ``.contiguous()`` eager's autograd puts before a GroupNorm's backward (the gradient looked
+    contiguous after a transpose), and ``native_group_norm_backward``'s CPU kernel read the real, transposed
+    gradient as contiguous: GroupNorm -> transpose -> LayerNorm trained with wrong gradients (1e-2 off eager's
+    parameters after one SGD step, silently), found by scripts/fuzz_step.py (seed 14)."""
     from torch._C import DispatchKey
     from torch._decomp import decomposition_table
 
@@ -1323,14 +1330,21 @@ def eager_batch_norm_layouts():
 
 
 def _batch_norm_layout_ops() -> dict:
-    """{batch norm op: (its input's position, the indices of its results laid out like the input)}."""
+    """{op: (its input's position, the indices of its results laid out as the CPU kernels lay them out, whether
+    that is contiguous whatever the input's layout)}: batch norm's results follow the input's memory format; layer
+    norm's, mse/huber loss backward's and log_softmax backward's are contiguous on the CPU, where the meta kernels
+    keep the (first) input's layout. The same dropped .contiguous() made GroupNorm -> transpose -> mse_loss /
+    huber_loss train 0.1 off eager in 3 steps."""
     aten = torch.ops.aten
-    forward, backward = (0, (0,)), (1, (0,))
+    forward, backward = (0, (0,), False), (1, (0,), False)
     return {aten.native_batch_norm.default: forward, aten._native_batch_norm_legit.default: forward,
             aten._native_batch_norm_legit.no_stats: forward, aten._native_batch_norm_legit_functional.default: forward,
             aten._native_batch_norm_legit_no_training.default: forward, aten._batch_norm_with_update.default: forward,
             aten._batch_norm_with_update_functional.default: forward, aten._batch_norm_no_update.default: forward,
-            aten.native_batch_norm_backward.default: backward, aten.batch_norm_backward.default: backward}
+            aten.native_batch_norm_backward.default: backward, aten.batch_norm_backward.default: backward,
+            aten.native_layer_norm.default: (0, (0,), True), aten.native_layer_norm_backward.default: (1, (0,), True),
+            aten.mse_loss_backward.default: (1, (0,), True), aten.huber_loss_backward.default: (1, (0,), True),
+            aten._log_softmax_backward_data.default: (0, (0,), True)}
 
 
 def batch_norm_in_cpu_layout(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -1349,11 +1363,11 @@ def batch_norm_in_cpu_layout(ep: torch.export.ExportedProgram) -> torch.export.E
     for node in ep.graph.nodes:
         if node.op != "call_function" or node.target not in ops:
             continue
-        at, results = ops[node.target]
+        at, results, contiguous = ops[node.target]
         x, vals = node.args[at].meta.get("val") if len(node.args) > at else None, node.meta.get("val")
         if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.layout != torch.strided:
             continue
-        fmt = suggest_memory_format(x)
+        fmt = torch.contiguous_format if contiguous else suggest_memory_format(x)
         for i in results:
             t = vals[i] if isinstance(vals, (tuple, list)) and i < len(vals) else None
             stale |= isinstance(t, torch.Tensor) and t.shape == x.shape and not t.is_contiguous(memory_format=fmt)

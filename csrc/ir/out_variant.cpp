@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <iterator>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <unordered_set>
 #include <unordered_map>
@@ -15,14 +17,59 @@
 namespace torch_ext::ir {
 namespace {
 
-// Every overload name of each operator, from the dispatcher's registry. Rebuilt when operators
-// were registered since (a library loaded later), so it never misses one.
+// Every overload name of each operator with a schema, kept by a dispatcher registration listener (told
+// of every operator already defined, then of each one defined or removed later: a library loaded
+// afterwards), so it never misses one. It replaces a copy of the dispatcher's whole name table per
+// lookup (getAllOpNames, thousands of names): plan_memory looks up every node, and the memory-budget
+// search plans hundreds of candidate graphs, so that copy dominated a budgeted compile of a
+// 3,000-node GRU step (minutes).
+class OverloadIndex {
+ public:
+  void add(const c10::OperatorName& n) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++overloads_[n.name][n.overload_name];
+  }
+  void remove(const c10::OperatorName& n) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = overloads_.find(n.name);
+    if (it == overloads_.end()) return;
+    auto o = it->second.find(n.overload_name);
+    if (o != it->second.end() && --o->second == 0) it->second.erase(o);
+  }
+  std::vector<std::string> of(const std::string& qualified_name) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<std::string> out;
+    auto it = overloads_.find(qualified_name);
+    if (it != overloads_.end())
+      for (const auto& [overload, count] : it->second) out.push_back(overload);  // sorted: a std::map
+    return out;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<std::string, std::map<std::string, int>> overloads_;
+};
+
+// The dispatcher owns its listener: this one forwards to the index, which outlives it.
+class ListenerRef final : public c10::OpRegistrationListener {
+ public:
+  explicit ListenerRef(OverloadIndex* index) : index_(index) {}
+  void onOperatorRegistered(const c10::OperatorHandle& op) override { index_->add(op.operator_name()); }
+  void onOperatorDeregistered(const c10::OperatorHandle& op) override { index_->remove(op.operator_name()); }
+
+ private:
+  OverloadIndex* index_;
+};
+
 std::vector<std::string> overloads_of(const std::string& qualified_name) {
-  std::vector<std::string> out;
-  for (const c10::OperatorName& op : c10::Dispatcher::singleton().getAllOpNames())
-    if (op.name == qualified_name) out.push_back(op.overload_name);
-  std::sort(out.begin(), out.end());
-  return out;
+  static OverloadIndex* const index = [] {
+    auto* idx = new OverloadIndex();  // never freed: the dispatcher may call it until the process ends
+    auto listener = std::unique_ptr<c10::OpRegistrationListener>(new ListenerRef(idx));
+    // The handle is kept alive forever (deregistering at exit could run after the dispatcher is gone).
+    new c10::RegistrationHandleRAII(c10::Dispatcher::singleton().addRegistrationListener(std::move(listener)));
+    return idx;
+  }();
+  return index->of(qualified_name);
 }
 
 // `c` has `f`'s arguments (names and types, in order), with write annotations only on those it

@@ -334,6 +334,16 @@ int batch_norm_input_position(const std::string& op) {
   return -1;
 }
 
+// The CPU kernels of layer norm (aten/src/ATen/native/layer_norm.cpp), mse_loss_backward, huber_loss_backward and
+// _log_softmax_backward_data lay their first result out contiguous whatever their inputs' layouts, where the meta
+// kernels keep the input's; traced in the CPU kernels' layout too (eager_batch_norm_layouts). The position of the
+// input whose shape the result has, or -1 for other operators.
+int contiguous_result_input_position(const std::string& op) {
+  if (op == "native_layer_norm" || op == "_log_softmax_backward_data") return 0;
+  if (op == "native_layer_norm_backward" || op == "mse_loss_backward" || op == "huber_loss_backward") return 1;
+  return -1;
+}
+
 std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, std::vector<c10::IValue>& stack,
                               const std::vector<TensorInput>& tensor_inputs) {
   std::unordered_map<const Node*, at::Tensor> metas;
@@ -357,9 +367,16 @@ std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, s
   }
   const c10::Device device = result_device(node);
   at::Tensor batch_norm_input;
+  bool contiguous_result = false;  // contiguous_result_input_position's ops: not the suggested memory format
   if (const int pos = batch_norm_input_position(node.target().name);
       pos >= 0 && device.is_cpu() && static_cast<size_t>(pos) < stack.size() && stack[pos].isTensor())
     batch_norm_input = stack[pos].toTensor();
+  if (const int pos = contiguous_result_input_position(node.target().name);
+      node.target().ns == "aten" && pos >= 0 && device.is_cpu() && static_cast<size_t>(pos) < stack.size() &&
+      stack[pos].isTensor()) {
+    batch_norm_input = stack[pos].toTensor();
+    contiguous_result = true;
+  }
   {
     // Graph values carry no autograd history, and a Python mode active in the caller must not
     // see these tensors.
@@ -390,10 +407,16 @@ std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, s
     }
     inferred = Type::make_tuple(std::move(elems));
   }
-  if (inferred && batch_norm_input.defined() && inferred->kind == Type::Kind::Tuple && !inferred->elems.empty() &&
-      inferred->elems[0].is_tensor() && inferred->elems[0].tensor.sizes == batch_norm_input.sizes().vec())
-    inferred->elems[0].tensor.strides =
-        at::empty_like(batch_norm_input, batch_norm_input.suggest_memory_format()).strides().vec();
+  Type* first = !inferred ? nullptr
+                : inferred->kind == Type::Kind::Tuple && !inferred->elems.empty() ? &inferred->elems[0]
+                : &*inferred;
+  if (first && batch_norm_input.defined() && first->is_tensor() &&
+      first->tensor.sizes == batch_norm_input.sizes().vec())
+    first->tensor.strides = at::empty_like(batch_norm_input, contiguous_result
+                                                                 ? c10::MemoryFormat::Contiguous
+                                                                 : batch_norm_input.suggest_memory_format())
+                                .strides()
+                                .vec();
   if (!inferred || agrees(node.type(), *inferred, node.target().name, layout_is_inferred(op))) return "";
   copy_devices(node.type(), *inferred);
   return "declared type " + print_type(node.type()) + " differs from " + print_type(*inferred) +

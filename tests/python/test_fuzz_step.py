@@ -22,3 +22,28 @@ FIXED = [(0, 54), (0, 83), (0, 108), (0, 111), (0, 211), (0, 247), (0, 357), (1,
 def test_fuzz_step_finding_is_bit_exact(seed, case):
     spec = fuzz_step.case_spec(seed, case)
     assert fuzz_step.run_case(spec) == [], spec
+
+
+# Seed 14 (29, 70), the extended ground (seeds >= 10), kept as minimised specs so that generator changes do not
+# move them: GroupNorm on a transposed stream, back, then a LayerNorm (alone or in a TransformerEncoderLayer) and
+# a convolution over time. Layer norm's backward meta kernel kept a transposed input's layout where the CPU kernel
+# returns the gradient contiguous, so the trace dropped the .contiguous() before native_group_norm_backward, whose
+# CPU kernel read a transposed gradient as contiguous (1e-2 off eager after one step); _compat.eager_batch_norm_layouts.
+_PLAIN = {"front": "embed", "front_bn": False, "padding_idx": False, "width": 4, "loss": "ce", "batch": 4,
+          "frozen": [], "excluded": [], "opt": {"kind": "SGD", "hyper": {"lr": 0.1}}, "groups": 1,
+          "group2": {"lr_scale": 2.0, "wd": None}, "sched": None, "cycle_momentum": True, "accumulate": 1,
+          "clip": None, "runner": "exec", "budget": 0.8, "reduction": "mean", "float64": False, "unroll": 1,
+          "set_lr": False}
+SPECS = {
+    "14:29 gn-ln-convT": {**_PLAIN, "model_seed": 51, "rng_seed": 355, "data_seed": 208,
+                          "blocks": [{"kind": "gn", "groups": 2}, {"kind": "ln"}, {"kind": "convT"}]},
+    "14:70 gn-tel-convT": {**_PLAIN, "model_seed": 941, "rng_seed": 60, "data_seed": 870,
+                           "blocks": [{"kind": "gn", "groups": 1}, {"kind": "tel", "norm_first": False, "p": 0.0,
+                                                                     "act": "relu", "causal": True},
+                                      {"kind": "convT"}]},
+}
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_fuzz_step_minimised_finding_is_bit_exact(name):
+    assert fuzz_step.run_case(SPECS[name]) == [], SPECS[name]

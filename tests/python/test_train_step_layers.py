@@ -1114,6 +1114,90 @@ def test_to_aoti_compiles_batch_norm_in_the_layout_the_program_declares(monkeypa
     assert compiled == declared
 
 
+class _GroupNormThenLayerNorm(nn.Module):
+    # (batch, time, features): GroupNorm over features (transposed), back, LayerNorm, a convolution over time
+    def __init__(self, conv):
+        super().__init__()
+        self.inp, self.gn, self.ln, self.head = nn.Linear(5, 4), nn.GroupNorm(2, 4), nn.LayerNorm(4), nn.Linear(4, 3)
+        self.conv = nn.ConvTranspose1d(4, 4, 3, padding=1) if conv == "transpose" else nn.Conv1d(4, 4, 3, padding=1,
+                                                                                                   groups=4)
+
+    def forward(self, x):
+        h = self.ln(self.gn(self.inp(x).transpose(1, 2)).transpose(1, 2))
+        return self.head(self.conv(h.transpose(1, 2)).transpose(1, 2))
+
+
+@pytest.mark.parametrize("conv", ["transpose", "depthwise"])
+def test_group_norm_then_layer_norm_on_a_transposed_stream_trains_bit_exact(conv):
+    # Found by scripts/fuzz_step.py (seed 14). Layer norm's backward CPU kernel returns the input's gradient
+    # contiguous, where its meta kernel (what tracing saw) keeps a transposed input's layout; so the gradient
+    # transposed back into the GroupNorm looked contiguous to the trace, which dropped the .contiguous() eager's
+    # autograd puts before native_group_norm_backward, whose CPU kernel then read the transposed gradient as
+    # contiguous: gn.weight, gn.bias and inp.* 1e-2 off eager after one SGD step, silently.
+    g = torch.Generator().manual_seed(1)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x, y = torch.randn(4, 3, 5, generator=g), torch.randint(0, 3, (4, 3), generator=g)
+        assert _bn_eager_differences(_GroupNormThenLayerNorm(conv), torch.optim.SGD, x, y, steps=2) == {}, seed
+
+
+class _ConvGroupNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.gn = nn.Conv1d(3, 6, 3, padding=1), nn.GroupNorm(2, 6)
+
+    def forward(self, x):
+        return self.gn(self.conv(x))  # [batch, channels, time]
+
+
+@pytest.mark.parametrize("loss", ["mse", "huber", "log_softmax"])
+def test_group_norm_output_transposed_into_the_loss_trains_bit_exact(loss):
+    # GroupNorm's output read transposed by the loss ([B, C, T] against [B, T, C] targets). mse_loss_backward's and
+    # huber_loss_backward's CPU kernels return the gradient contiguous, their meta kernels in the transposed input's
+    # layout, so the trace saw a contiguous gradient after the transpose back and dropped eager's .contiguous()
+    # before native_group_norm_backward: gn.weight 0.1 to 0.2 off eager after 3 SGD steps, silently.
+    g = torch.Generator().manual_seed(1)
+    fns = {"mse": lambda m, x, y: F.mse_loss(m(x).transpose(1, 2), y),
+           "huber": lambda m, x, y: F.huber_loss(m(x).transpose(1, 2), y),
+           "log_softmax": lambda m, x, y: -(F.log_softmax(m(x).transpose(1, 2), 1) * y).mean()}
+    for seed in range(2):
+        torch.manual_seed(seed)
+        model, x, y = _ConvGroupNorm(), torch.randn(4, 3, 7, generator=g), torch.randn(4, 7, 6, generator=g)
+        eager = copy.deepcopy(model)
+        step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), fns[loss], (x, y))
+        eager_opt, state = torch.optim.SGD(eager.parameters(), lr=0.1), step.init_state()
+        for _ in range(3):
+            got, state = step(state, x, y)
+            eager_opt.zero_grad()
+            want = fns[loss](eager, x, y)
+            want.backward()
+            eager_opt.step()
+            assert torch.equal(got, want), (seed, got, want)
+        step.write_back(state)
+        for (name, a), b in zip(model.state_dict().items(), eager.state_dict().values()):
+            assert torch.equal(a, b), (seed, name, (a - b).abs().max())
+
+
+def test_layer_norm_results_traced_in_the_cpu_kernels_layout():
+    """Why the layer norm entries of _compat.eager_batch_norm_layouts exist: the CPU kernels' layout against the
+    meta kernels' for a transposed input. If they stop differing, the patch may be dead."""
+    x, dy = torch.randn(4, 4, 3).transpose(1, 2), torch.randn(4, 4, 3).transpose(1, 2)
+    w, b = torch.ones(4), torch.zeros(4)
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [4], w, b, 1e-5)
+    strides = {}
+    for device in ("cpu", "meta"):
+        args = [t.to(device) for t in (dy, x, mean, rstd, w, b)]
+        strides[device] = torch.ops.aten.native_layer_norm_backward(args[0], args[1], [4], *args[2:],
+                                                                    [True, True, True])[0].stride()
+    assert strides == {"cpu": (12, 4, 1), "meta": (12, 1, 3)}
+    torch.manual_seed(0)
+    model = _GroupNormThenLayerNorm("transpose")
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, x: m(x).sum(),
+                                     (torch.randn(4, 3, 5),))
+    norms = [n for n in step.program.graph.nodes if n.target == torch.ops.aten.native_layer_norm_backward.default]
+    assert len(norms) == 1 and norms[0].meta["val"][0].stride() == (12, 4, 1)
+
+
 class _PackedGRU(nn.Module):
     """A GRU over variable-length sequences: packed (lengths from the batch), or run on the padded batch and
     read where each sequence ends (the way out the refusal names)."""
