@@ -864,6 +864,22 @@ class ReactiveGraph:
             raise RuntimeError(f"{what} is not allowed while a sweep runs on this graph (from a patch function or "
                                "metric); a sweep leaves the graph as it found it")
 
+    def _refuse_other_hook_name(self, name: str, node: str, what: str) -> None:
+        """Two hook points in a row (``hook_pre(hook_post(x))``: a block's ``hook_resid_post`` and the next one's
+        ``hook_resid_pre``) address one node of the graph. A patch made through one of them is, in eager, seen by
+        the other only downstream of it: reading, patching or sweeping the other name while that patch stands has
+        no single answer in one node (a sweep at hook_post with hook_pre pinned answered 1.207 where eager gives
+        -0.287, silently). Refused, naming both, until the patch is restored."""
+        pinned_as = self.__dict__.get("_pin_names", {}).get(node)
+        if pinned_as is None or pinned_as == name or name not in self._hooks or pinned_as not in self._hooks:
+            return
+        if node not in self._engine.pinned():
+            return
+        raise ValueError(f"{what}: hooks '{name}' and '{pinned_as}' are two hook points in a row and address one "
+                         f"node ('{node}') of the graph, and '{pinned_as}' is patched: in eager each would see the "
+                         f"other's patch only downstream of it, which one node cannot hold. Use '{pinned_as}', or "
+                         f"restore('{pinned_as}') first")
+
     def _refuse_read_in_metric(self, what: str) -> None:
         """A sweep's metric sees the site's patched outputs, but the graph itself holds the clean values (the
         per-site transaction runs beside the cache, in C++ or on row buffers): a value() or demand() from the
@@ -1120,7 +1136,9 @@ class ReactiveGraph:
         with _one_check_per_call():
             self._refuse_changed_state("value")
             self._take_untracked_writes()
-            return self._as_hook(node, self._engine.value(self._read_node(node)))
+            read = self._read_node(node)
+            self._refuse_other_hook_name(node, read, f"value({node!r})")
+            return self._as_hook(node, self._engine.value(read))
 
     def values(self, nodes: Iterable[str]) -> dict[str, torch.Tensor]:
         """{name: current value} for many nodes or hook names, as :meth:`value` gives each, with the weights
@@ -1135,7 +1153,10 @@ class ReactiveGraph:
         with _one_check_per_call():
             self._refuse_changed_state("values")
             self._take_untracked_writes()
-            return {name: self._as_hook(name, self._engine.value(self._read_node(name))) for name in names}
+            reads = {name: self._read_node(name) for name in names}
+            for name, read in reads.items():
+                self._refuse_other_hook_name(name, read, f"values([{name!r}, ...])")
+            return {name: self._as_hook(name, self._engine.value(reads[name])) for name in names}
 
     def gradient(self, metric: Callable, nodes: str | Iterable[str]):
         """d metric(outputs) / d value(node) at the graph's current values (standing patches included), as eager
@@ -1288,6 +1309,7 @@ class ReactiveGraph:
         """
         self._refuse_during_sweep("patch()")
         name, node = node, self.resolve(node)
+        self._refuse_other_hook_name(name, node, "patch")
         self._refuse_non_tensor(node, "patch")
         self._refuse_joint_edit(node, "patch")
         if callable(value):
@@ -1299,6 +1321,7 @@ class ReactiveGraph:
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"patch {node!r}: expected a tensor or a callable returning one, got {type(value).__name__}")
         self._engine.patch(node, _own_copy(value.detach()))
+        self.__dict__.setdefault("_pin_names", {})[node] = name
 
     def _patch_fn_value(self, name: str, node: str, fn: Callable) -> torch.Tensor:
         """``fn(baseline of node)``, checked as a patch value. A stale node's baseline is computed first (its
@@ -3269,6 +3292,9 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
     # that call measures the unpatched outputs first (`clean`), the same metric on the same copies.
     clean: list | None = None
     standing = eng.pinned()  # asked once: the sweep refuses mutations while it runs
+    if standing:
+        for site, node in zip(site_list, site_nodes):
+            rg._refuse_other_hook_name(site[0] if isinstance(site, tuple) else site, node, "sweep")
     shows = _shows_progress(progress)
     if (not batch_sites and not standing and not shows and eng.num_dirty() == 0
             and eng.can_evaluate_patched()):

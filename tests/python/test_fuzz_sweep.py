@@ -88,12 +88,12 @@ def test_weight_edit_on_a_copy_is_refused_by_demand_value_and_sweep():
             call()
 
 
-@pytest.mark.xfail(strict=True, reason="open: two hook points in a row address one node (_compat.strip_hook_points), "
-                                       "so a patch of the second is the first's value too")
-def test_chained_hook_points_are_two_sites():
+def test_chained_hook_points_refuse_what_one_node_cannot_answer():
     """hook_pre(hook_post(x)): TransformerLens's blocks.l.hook_resid_post then blocks.{l+1}.hook_resid_pre. Eager:
     a sweep site at hook_post with hook_pre pinned changes nothing (the pin stands after it). The graph names both
-    hooks 'relu': value(hook_post) returns hook_pre's pin and the sweep answered 1.207 where eager gives -0.287."""
+    hooks 'relu': value(hook_post) returned hook_pre's pin and the sweep answered 1.207 where eager gives -0.287,
+    silently. Now reading, patching or sweeping the other name while one is patched is refused naming both; the
+    patched name itself, and both names once restored, answer as eager."""
     import torch
     from transformer_lens.hook_points import HookPoint
 
@@ -112,12 +112,24 @@ def test_chained_hook_points_are_two_sites():
     torch.manual_seed(0)
     m, x = M().eval(), torch.randn(2, 4)
     rg = torch_ext.ReactiveGraph(m, (x,))
+    assert rg.resolve("hook_pre") == rg.resolve("hook_post")
     pin = torch.ones(2, 4)
     rg.patch("hook_pre", pin)
-    res = torch_ext.sweep(rg, ["hook_post"], lambda v, s: v * 0, lambda o: float(o.sum()), progress=False)
+    both = r"hooks 'hook_post' and 'hook_pre' are two hook points in a row"
+    with pytest.raises(ValueError, match=both):
+        torch_ext.sweep(rg, ["hook_post"], lambda v, s: v * 0, lambda o: float(o.sum()), progress=False)
+    with pytest.raises(ValueError, match=both):
+        rg.value("hook_post")
+    with pytest.raises(ValueError, match=both):
+        rg.values(["hook_pre", "hook_post"])
+    with pytest.raises(ValueError, match=both):
+        rg.patch("hook_post", torch.zeros(2, 4))
     with torch.no_grad():
-        assert res.metrics["hook_post"] == float(m.b(pin).sum())
+        assert torch.equal(rg.value("hook_pre"), pin) and torch.equal(rg.demand(), m.b(pin))
+        rg.restore("hook_pre")
         assert torch.equal(rg.value("hook_post"), torch.relu(m.a(x)))
+        res = torch_ext.sweep(rg, ["hook_post"], lambda v, s: v * 0, lambda o: float(o.sum()), progress=False)
+        assert res.metrics["hook_post"] == float(m.b(torch.zeros(2, 4)).sum())
 
 
 def test_patch_function_after_a_graft_and_a_patch_is_refused_not_handed_the_pre_graft_value():
