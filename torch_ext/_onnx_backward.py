@@ -14,7 +14,9 @@ program after the export.
   is 1 / (the window's size along that dim) for every input index ``i`` in output ``o``'s window (ATen's window
   bounds and divisors, with ``ceil_mode``, ``count_include_pad`` and ``divisor_override``).
 - ``max_pool2d_with_indices_backward``: the output gradient scattered (added) to the indices the forward chose.
-- ``upsample_nearest2d_backward``: separable like the average pools, with ATen's nearest source index.
+- upsampling (nearest, nearest-exact, linear, bilinear, trilinear, bicubic): separable like the average pools, with
+  ATen's source indices and weights.
+- the CPU attention kernel and its backward: from q, k, v and the mask, a fully masked row giving 0 as the kernel.
 """
 from __future__ import annotations
 
@@ -251,9 +253,6 @@ def _interpolating(kind: str):
     def backward(grad_output, output_size, input_size, align_corners, *scales):
         return _upsample_backward(kind, grad_output, output_size, input_size, align_corners, scales)
     return backward
-
-
-upsample_nearest2d_backward = _nearest(exact=False)
 
 
 def _attention_probabilities(query, key, is_causal, attn_mask, scale):

@@ -160,12 +160,9 @@ def _check_against_the_program(step, path: str, layout: dict) -> None:
     # executor reshapes: batch norm's CPU kernels lay out a transposed input's result otherwise
     # than their meta kernels, csrc/runtime/kernel.cpp).
     want = step._executor.run(list(flat))
-    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    feeds = {i.name: t.detach().cpu().numpy() for i, t in zip(session.get_inputs(), flat)}
-    got = session.run(None, feeds)
+    got = _run_once(ort, path, flat)
     spread = None
     for k, (name, w, g) in enumerate(zip(layout["outputs"], want, got)):
-        g = torch.from_numpy(g)
         w = w.detach()
         if g.shape != w.shape or g.dtype != w.dtype:
             raise RuntimeError(f"to_onnx: output {name!r} of the ONNX model has shape {tuple(g.shape)} and dtype "
@@ -173,8 +170,7 @@ def _check_against_the_program(step, path: str, layout: dict) -> None:
         if not w.is_floating_point():
             ok, tol = torch.equal(g, w), 0.0
         else:
-            scale = max(1.0, float(w.double().abs().max())) if w.numel() else 1.0
-            tol = 1e-4 * scale
+            tol = _base_tolerance(w)
             diff = _max_diff(g, w)
             if diff > tol:
                 if spread is None:
@@ -186,6 +182,18 @@ def _check_against_the_program(step, path: str, layout: dict) -> None:
             raise RuntimeError(f"to_onnx: the ONNX model computes output {name!r} differently from the program on the "
                                f"step's example inputs (max |difference| {diff:.3g}, tolerance {tol:.3g}): torch "
                                f"{torch.__version__}'s ONNX exporter mistranslates an op of this step; file not written")
+
+
+def _run_once(ort, path: str, inputs) -> list[torch.Tensor]:
+    """The ONNX file's outputs for ``inputs`` (positional, in the model's input order), in a fresh CPU session."""
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    feeds = {i.name: t.detach().cpu().numpy() for i, t in zip(session.get_inputs(), inputs)}
+    return [torch.from_numpy(g) for g in session.run(None, feeds)]
+
+
+def _base_tolerance(want: torch.Tensor) -> float:
+    """1e-4 of an output's scale (at least 1): what two runtimes' float32 kernels may differ by."""
+    return 1e-4 * (max(1.0, float(want.double().abs().max())) if want.numel() else 1.0)
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -357,9 +365,7 @@ def _check_forward_against_eager(model: torch.nn.Module, example_inputs: tuple, 
 
     with torch.no_grad():
         want = [t for t in pytree.tree_leaves(model(*example_inputs)) if isinstance(t, torch.Tensor)]
-    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    feeds = {i.name: t.detach().cpu().numpy() for i, t in zip(session.get_inputs(), example_inputs)}
-    got = [torch.from_numpy(g) for g in session.run(None, feeds)]
+    got = _run_once(ort, path, example_inputs)
     if len(got) != len(want):
         raise RuntimeError(f"forward_to_onnx: the ONNX model has {len(got)} outputs, the model's forward returns "
                            f"{len(want)} tensors")
@@ -371,7 +377,7 @@ def _check_forward_against_eager(model: torch.nn.Module, example_inputs: tuple, 
         if not w.is_floating_point():
             ok, diff, tol = torch.equal(g, w.to(g.dtype)), float("nan"), 0.0
         else:
-            tol = 1e-4 * (max(1.0, float(w.double().abs().max())) if w.numel() else 1.0)
+            tol = _base_tolerance(w)
             diff = _max_diff(g, w)
             ok = diff <= tol
         if not ok:
