@@ -376,7 +376,10 @@ std::vector<c10::IValue> Engine::evaluate_cone_whole(int64_t id, c10::IValue val
   PatchPlan& plan = plan_for(id);
   bind_scratch(plan);
   const bool other = other_layout(id, value);
-  HeldCone held(*this, id, plan, std::move(value));  // the state afterwards is exactly the state before
+  // The state afterwards is exactly the state before. Every step writes its slot before any step reads it (the
+  // plan is in topological order, and a cone node reads only earlier cone nodes and values outside the cone), so
+  // the cached values are taken out of their slots, not copied.
+  HeldCone held(*this, id, plan, std::move(value), /*take=*/true);
   // The executor's loop: values are released at their last use, and nothing else happens per node
   // (but for the composite steps scratch.cpp checks).
   const auto on_error = [&](size_t i, const std::exception& e) {
@@ -421,11 +424,15 @@ std::vector<c10::IValue> Engine::evaluate_cone_whole(int64_t id, c10::IValue val
                                 [&](const ir::Node* n) -> const c10::IValue& { return values_[ids_.at(n)]; });
 }
 
-Engine::HeldCone::HeldCone(Engine& engine, int64_t site, const PatchPlan& plan, c10::IValue value)
+Engine::HeldCone::HeldCone(Engine& engine, int64_t site, const PatchPlan& plan, c10::IValue value, bool take)
     : engine_(engine), site_(site), plan_(plan) {
   for (int64_t in : plan.external) engine.check_intact(in);  // I8: never compute from a written value
   saved_.reserve(plan.order.size());
-  for (int64_t n : plan.order) saved_.push_back(engine.values_[n]);
+  if (take) {
+    for (int64_t n : plan.order) saved_.push_back(std::move(engine.values_[n]));
+  } else {
+    for (int64_t n : plan.order) saved_.push_back(engine.values_[n]);
+  }
   saved_site_ = std::move(engine.values_[site]);
   engine.values_[site] = std::move(value);
 }

@@ -525,7 +525,10 @@ class Engine {
   // `value` at the site, and puts everything back when it goes out of scope, on success or error.
   class HeldCone {
    public:
-    HeldCone(Engine& engine, int64_t site, const PatchPlan& plan, c10::IValue value);
+    // `take`: the cached values are moved out of their slots (left empty) rather than copied, for a loop that
+    // writes every cone slot before reading it (evaluate_cone_whole): no cached tensor's reference count is
+    // touched, where a copy, and the store that drops it, cost two cache misses per cone node on cold tensors.
+    HeldCone(Engine& engine, int64_t site, const PatchPlan& plan, c10::IValue value, bool take = false);
     ~HeldCone();
     HeldCone(const HeldCone&) = delete;
     HeldCone& operator=(const HeldCone&) = delete;
