@@ -1005,8 +1005,8 @@ PYBIND11_MODULE(_C, m) {
     auto r = passes::rematerialize(g, names);
     return py::make_tuple(r.recomputed, r.clones);
   });
-  m.def("rematerialize_for_budget", [](ir::Graph& g, int64_t budget, bool donate) {
-    auto r = passes::rematerialize_for_budget(g, budget, donate);
+  m.def("rematerialize_for_budget", [](ir::Graph& g, int64_t budget, bool donate, bool prune_by_bound) {
+    auto r = passes::rematerialize_for_budget(g, budget, donate, prune_by_bound);
     py::dict d;
     d["feasible"] = r.feasible;
     d["budget"] = r.budget;
@@ -1017,8 +1017,9 @@ PYBIND11_MODULE(_C, m) {
     d["added_flops"] = r.added_flops;
     d["recomputed"] = r.recomputed;
     d["evaluations"] = r.evaluations;
+    d["pruned"] = r.pruned;
     return d;
-  });
+  }, py::arg("graph"), py::arg("budget"), py::arg("donate"), py::arg("prune_by_bound") = true);
   m.def("plan_memory", [](const ir::Graph& g, bool donate) { return plan_to_py(passes::plan_memory(g, donate)); });
   py::class_<runtime::ArenaExecutor, std::shared_ptr<runtime::ArenaExecutor>>(m, "ArenaExecutor")
       .def(py::init([](const ir::Graph& g, size_t num_state, bool donate) {

@@ -5,7 +5,8 @@ path, against eager torch.optim on a tiny conv + MLP model:
         bit-exact with 6 eager steps (losses, parameters, every optimizer slot);
   aoti  step.to_aoti, 8 steps through load_step (RAdam crosses its rectification threshold at step 6) and the
         same package from C++ (build/aoti_train): float32 rounding of eager (README: "not bitwise"), and the C++
-        runner's losses bit for bit load_step's (cpp_vs_load_step, which must be 0);
+        runner's losses and its final state (--save-state: every parameter, slot and step count) bit for bit
+        load_step's (cpp_vs_load_step, which must be 0);
   onnx  step.to_onnx, 8 steps in ONNX Runtime where README lists the optimizer (within 1e-5), Lion and Muon
         refused by name;
   dp    2 gloo ranks, the pure DDP step (and ZeRO-1 where the optimizer allows it) for 5 steps: bit-exact with
@@ -138,6 +139,23 @@ def compare(losses, state, ref_losses, ref, ref_opts, relative, shard=None):
     return out
 
 
+def _state_diff(got, want) -> float:
+    """The largest difference between two TrainStates over every entry (params, buffers, optimizer slots and
+    step counts, lrs, rng); inf when their entries, dtypes or scheduler epochs differ."""
+    parts = [(getattr(got, p), getattr(want, p)) for p in ("params", "buffers", "opt")]
+    parts.append((dict(enumerate(got.lr)), dict(enumerate(want.lr))))
+    parts.append(({"rng": got.rng} if got.rng is not None else {}, {"rng": want.rng} if want.rng is not None else {}))
+    if got.sched_epoch != want.sched_epoch or any(list(g) != list(w) for g, w in parts):
+        return float("inf")
+    worst = 0.0
+    for g, w in parts:
+        for k in w:
+            if g[k].dtype != w[k].dtype or g[k].shape != w[k].shape:
+                return float("inf")
+            worst = max(worst, 0.0 if torch.equal(g[k], w[k]) else (g[k].double() - w[k].double()).abs().max().item())
+    return worst
+
+
 def _fmt(res):
     return " ".join(f"{k}={v:.3g}" for k, v in res.items())
 
@@ -208,18 +226,20 @@ def check_aoti(names, tmp):
         if RUNNER.exists():
             torch.save([list(b) for b in batches], tmp / f"aoti_{name}_batches.pt")
             run = subprocess.run([str(RUNNER), pkg, str(tmp / f"aoti_{name}_state.pt"),
-                                  str(tmp / f"aoti_{name}_batches.pt")], capture_output=True, text=True, timeout=300)
+                                  str(tmp / f"aoti_{name}_batches.pt"), "--save-state", str(tmp / f"aoti_{name}_out.pt")],
+                                 capture_output=True, text=True, timeout=300)
             if run.returncode != 0:
                 raise RuntimeError(f"{name}: aoti_train failed: {run.stderr[-2000:]}")
             cpp = torch.tensor([float(v) for v in run.stdout.split()], dtype=torch.float32)
             row["cpp_loss"] = _diff(cpp, ref_losses, relative=True)
             # The same package from C++ and from load_step: the same kernels on the same inputs, so the same
-            # losses bit for bit (the runner prints 9 significant digits, a float32 exactly). The runner saves no
-            # state: a state that drifted from load_step's shows in the next call's loss, the last update not.
+            # losses bit for bit (the runner prints 9 significant digits, a float32 exactly), and the same final
+            # state (--save-state: the last update too, which no printed loss reads).
             printed = torch.tensor([float(f"{float(v):.9g}") for v in losses], dtype=torch.float32)
             if len(cpp) != len(printed):
                 raise RuntimeError(f"{name}: aoti_train printed {len(cpp)} losses for {len(printed)} calls")
-            row["cpp_vs_load_step"] = (cpp - printed).abs().max().item()
+            row["cpp_vs_load_step"] = max((cpp - printed).abs().max().item(),
+                                          _state_diff(loaded.load_state(tmp / f"aoti_{name}_out.pt"), state))
         row["compile_s"] = compile_s
         rows[name] = row
         print(f"  aoti {name}: {_fmt(row)} (worst parameter: {compare.worst_param})", flush=True)

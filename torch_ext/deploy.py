@@ -163,7 +163,9 @@ def aoti_metadata(layout_json: str) -> dict[str, str]:
             "torch_ext.outputs": "\n".join(layout["outputs"]),
             "torch_ext.donated": "\n".join(layout.get("donated", [])),
             "torch_ext.fingerprint": layout["fingerprint"],
-            "torch_ext.scheduler": "1" if layout.get("scheduler") else "0"}
+            "torch_ext.scheduler": "1" if layout.get("scheduler") else "0",
+            # the scheduler epochs one call advances (aoti_train --save-state)
+            "torch_ext.unroll": str(int(layout.get("unroll", 1)))}
 
 
 def _check_layout(layout, path: str) -> dict:
@@ -345,6 +347,38 @@ class LoadedStep:
         """Frees the blocks an AOTInductor package's calls cached (the next call allocates afresh)."""
         if self._pool is not None:
             self._pool.release()
+
+    def load_state(self, saved):
+        """A saved state of this artifact as a TrainState: ``saved`` is a path to ``torch.save(state.state_dict())``
+        or to what ``build/aoti_train ... --save-state out.pt`` wrote (the same format), or that dict.
+        Its fingerprint must be this artifact's, and every entry the program reads must have the
+        compiled shape and dtype; the scheduler epoch, RNG and "unstepped" are kept, so the state
+        continues exactly where the run that saved it stopped."""
+        from .train_step import TrainState
+
+        what = repr(saved) if isinstance(saved, (str, os.PathLike)) else "the dict"
+        if isinstance(saved, (str, os.PathLike)):
+            saved = torch.load(os.fspath(saved), weights_only=True)
+        if not isinstance(saved, dict) or not _STATE_DICT_KEYS - {"sched_epoch"} <= set(saved):
+            got = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+            raise ValueError(f"load_state: {what} is not a state_dict() (keys {sorted(_STATE_DICT_KEYS)}), got {got}")
+        if saved["fingerprint"] != self.fingerprint:
+            raise ValueError(f"load_state: {what} was made by a different program (fingerprint "
+                             f"{saved['fingerprint']!r}) than {self.path} (fingerprint {self.fingerprint!r})")
+        state = TrainState(dict(saved["params"]), dict(saved["buffers"]), dict(saved["opt"]), list(saved["lr"]),
+                           rng=saved["rng"], sched_epoch=int(saved.get("sched_epoch", 0)),
+                           fingerprint=self.fingerprint, unstepped=tuple(saved.get("unstepped", ())))
+        for name, want in self.layout["state"].items():
+            try:
+                t = state.lookup(name)
+            except (KeyError, IndexError):
+                raise ValueError(f"load_state: {what} has no entry {name!r} that {self.path} reads") from None
+            if not isinstance(t, torch.Tensor) or list(t.shape) != want["shape"] or str(t.dtype) != want["dtype"]:
+                got = f"shape {tuple(t.shape)} and dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"load_state: {what}: entry {name!r} has {got}, {self.path} expects shape "
+                                 f"{tuple(want['shape'])} and dtype {want['dtype']}")
+        state.origin = f"load_state({what}) of load_step({self.path!r})"
+        return state
 
     def example_state(self, sched_epoch: int | None = None):
         """The state stored as the ExportedProgram's example inputs (``step.init_state()``, or the

@@ -371,10 +371,12 @@ class Graph:
         returns (nodes recomputed, clones added). RuntimeError names a node that cannot be recomputed."""
         return _C.rematerialize(self._g, list(nodes))
 
-    def rematerialize_for_budget(self, budget: int, donate: bool = True) -> dict:
+    def rematerialize_for_budget(self, budget: int, donate: bool = True, prune_by_bound: bool = True) -> dict:
         """Recomputes forward nodes, in place, until the planned peak fits ``budget`` bytes: feasible,
-        peak, min_peak, forward_flops, added_flops, recomputed, ..."""
-        return _C.rematerialize_for_budget(self._g, budget, donate)
+        peak, min_peak, forward_flops, added_flops, recomputed, evaluations (trials), pruned (trials settled
+        by the liveness bound without planning the arena). ``prune_by_bound=False`` plans every trial in full:
+        the same result, slower (a reference)."""
+        return _C.rematerialize_for_budget(self._g, budget, donate, prune_by_bound)
 
     # ---- back to the ecosystem
     def to_graph_module(self) -> torch.fx.GraphModule:

@@ -302,15 +302,29 @@ RematResult rematerialize(ir::Graph& g, const std::vector<std::string>& names) {
   return r;
 }
 
-BudgetResult rematerialize_for_budget(ir::Graph& g, int64_t budget, bool donate) {
+BudgetResult rematerialize_for_budget(ir::Graph& g, int64_t budget, bool donate, bool prune_by_bound) {
   TORCH_CHECK(budget > 0, "rematerialize_for_budget: the budget must be positive, got ", budget, " bytes");
   BudgetResult res;
   res.budget = budget;
   for (const auto& n : g.nodes()) res.forward_flops += estimated_flops(*n);
-  auto peak_of = [&](const std::set<std::string>& names) {
+  // The planned peak of recomputing `names`, or, when the liveness bound of that order (lb_sched:
+  // persistent + escaping + the largest live sum, which no placement beats; plan_memory.h) already
+  // reaches `at_least`, that bound: the caller only asks whether the peak falls below `at_least`, and
+  // the answer is the same, without running the arena planners (most trials lower nothing).
+  auto peak_of = [&](const std::set<std::string>& names, int64_t at_least = -1) {
     ++res.evaluations;
     auto c = g.clone();
     if (!names.empty()) rematerialize(*c, std::vector<std::string>(names.begin(), names.end()));
+    if (prune_by_bound && at_least >= 0) {
+      std::vector<const Node*> order;
+      for (const auto& n : c->nodes())
+        if (n->kind() == ir::NodeKind::Call) order.push_back(n.get());
+      const int64_t bound = simulate_peak(*c, order, donate);
+      if (bound >= at_least) {
+        ++res.pruned;
+        return bound;
+      }
+    }
     return plan_memory(*c, donate, /*with_lb_graph=*/false).peak_bytes();
   };
   res.peak_before = res.peak = res.min_peak = peak_of({});
@@ -375,7 +389,7 @@ BudgetResult rematerialize_for_budget(ir::Graph& g, int64_t budget, bool donate)
       if (fails[i] >= 2 || std::includes(chosen.begin(), chosen.end(), grp.names.begin(), grp.names.end())) continue;
       std::set<std::string> trial = chosen;
       trial.insert(grp.names.begin(), grp.names.end());
-      const int64_t p = peak_of(trial);
+      const int64_t p = peak_of(trial, res.peak);
       if (p >= res.peak) {
         ++fails[i];
         continue;
@@ -400,7 +414,7 @@ BudgetResult rematerialize_for_budget(ir::Graph& g, int64_t budget, bool donate)
   if (res.peak > budget) {
     // Stalled above the budget: segment recomputation, fewest recomputed segments first.
     for (std::set<std::string>& names : segment_sets(g, f)) {
-      const int64_t p = peak_of(names);
+      const int64_t p = peak_of(names, res.peak);
       if (p < res.peak) {
         res.peak = p;
         chosen = std::move(names);

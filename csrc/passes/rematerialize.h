@@ -57,11 +57,15 @@ struct BudgetResult {
   int64_t added_flops = 0;    // estimated FLOPs of the recomputation
   std::vector<std::string> recomputed;
   int64_t evaluations = 0;
+  int64_t pruned = 0;  // evaluations settled by the liveness bound, without planning the arena
 };
 
 // Leaves `graph` with the chosen recomputation when feasible; when not, with the set that gave
-// min_peak (the caller reports it).
-BudgetResult rematerialize_for_budget(ir::Graph& graph, int64_t budget, bool donate);
+// min_peak (the caller reports it). A trial whose liveness bound (lb_sched, which no arena placement
+// beats) already reaches the peak to beat is settled by that bound, without planning the arena: the
+// same answers, hence the same search and the same result. `prune_by_bound=false` plans every trial
+// in full (the reference the tests compare against).
+BudgetResult rematerialize_for_budget(ir::Graph& graph, int64_t budget, bool donate, bool prune_by_bound = true);
 
 // Estimated FLOPs of one call node (the cost model the budget search ranks by).
 int64_t estimated_flops(const ir::Node& node);

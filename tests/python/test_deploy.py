@@ -14,6 +14,20 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNNER = Path(os.environ.get("TORCH_EXT_BUILD_DIR", ROOT / "build")) / "aoti_train"
 
 
+def assert_same_state(got, want):
+    """Every entry of two TrainStates bit for bit, and what a state carries besides (scheduler epoch,
+    fingerprint, unstepped)."""
+    for part in ("params", "buffers", "opt"):
+        g, w = getattr(got, part), getattr(want, part)
+        assert list(g) == list(w), part
+        for k in w:
+            assert torch.equal(g[k], w[k]) and g[k].dtype == w[k].dtype, f"{part}[{k!r}]: {g[k]} != {w[k]}"
+    assert len(got.lr) == len(want.lr) and all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got.lr, want.lr))
+    assert (got.rng is None) == (want.rng is None) and (got.rng is None or torch.equal(got.rng, want.rng))
+    assert (got.sched_epoch, got.fingerprint, tuple(got.unstepped)) == (want.sched_epoch, want.fingerprint,
+                                                                       tuple(want.unstepped))
+
+
 @pytest.mark.skipif(not RUNNER.exists(), reason=f"C++ runner not built at {RUNNER}")
 @pytest.mark.parametrize("donate", [False, True], ids=["returning", "donating"])
 def test_aoti_package_runs_10_steps_from_cpp(tmp_path, donate):
@@ -36,11 +50,34 @@ def test_aoti_package_runs_10_steps_from_cpp(tmp_path, donate):
     for b in batches:
         loss, state = step(state, *b)
         py_losses.append(loss.item())
-    run = subprocess.run([str(RUNNER), package, str(tmp_path / "state.pt"), str(tmp_path / "batches.pt")],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run([str(RUNNER), package, str(tmp_path / "state.pt"), str(tmp_path / "batches.pt"),
+                          "--save-state", str(tmp_path / "trained.pt")], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     cpp_losses = [float(line) for line in run.stdout.split()]
     assert len(cpp_losses) == 10
+    # --save-state: the state after the last update (AdamW's moments and step counts included) is what
+    # load_step leaves after the same 10 calls of the same package, bit for bit.
+    loaded = torch_ext.load_step(package)
+    s = loaded.load_state(tmp_path / "state.pt")
+    for b in batches:
+        s = loaded(s, *b)[1]
+    trained = loaded.load_state(tmp_path / "trained.pt")
+    assert_same_state(trained, s)
+    assert float(trained.opt["opt:model.0.weight:step"]) == 10
+    # Resumed from a state saved after 4 calls, 6 more calls continue exactly: the same losses and state.
+    torch.save([list(b) for b in batches[:4]], tmp_path / "first.pt")
+    torch.save([list(b) for b in batches[4:]], tmp_path / "rest.pt")
+    first = subprocess.run([str(RUNNER), package, str(tmp_path / "state.pt"), str(tmp_path / "first.pt"),
+                            "--save-state", str(tmp_path / "mid.pt")], capture_output=True, text=True, timeout=300)
+    rest = subprocess.run([str(RUNNER), package, str(tmp_path / "mid.pt"), str(tmp_path / "rest.pt"),
+                           "--save-state", str(tmp_path / "resumed.pt")], capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0 and rest.returncode == 0, first.stderr[-2000:] + rest.stderr[-2000:]
+    assert [float(v) for v in (first.stdout + rest.stdout).split()] == cpp_losses
+    assert_same_state(loaded.load_state(tmp_path / "resumed.pt"), trained)
+    s = loaded.load_state(tmp_path / "mid.pt")  # and in Python from the C++ runner's state
+    for b in batches[4:]:
+        s = loaded(s, *b)[1]
+    assert_same_state(s, trained)
     # Inductor fuses the forward/backward kernels, so agreement is to float32 rounding, not bitwise.
     torch.testing.assert_close(torch.tensor(cpp_losses), torch.tensor(py_losses), rtol=1e-5, atol=1e-6)
     assert cpp_losses[-1] < cpp_losses[0]
@@ -253,6 +290,25 @@ def test_cpp_runner_follows_a_schedule_given_as_per_call_lrs(tmp_path):
         loss, s = loaded(s, *b)[:2]
         want.append(float(loss))
     assert [float(v) for v in run.stdout.split()] == pytest.approx(want, rel=1e-6, abs=0)
+    # --save-state: the state holds the schedule's epoch and the lr of the next call, as load_step's does,
+    # so it resumes under the scheduler (a state with the last call's lr at epoch 4 is refused there).
+    torch.save(step.lr_schedule(state, len(batches) + 1), tmp_path / "lrs5.pt")
+    saved = subprocess.run(args + ["--lrs", str(tmp_path / "lrs5.pt"), "--save-state", str(tmp_path / "out.pt")],
+                           capture_output=True, text=True, timeout=300)
+    assert saved.returncode == 0 and saved.stdout == run.stdout, saved.stderr[-3000:]
+    trained = loaded.load_state(tmp_path / "out.pt")
+    assert trained.sched_epoch == 4 and [float(t) for t in trained.lr] == [0.03125]
+    assert_same_state(trained, s)
+    assert torch.equal(loaded(trained, *batches[0])[0], loaded(s, *batches[0])[0])
+    no_next = subprocess.run(args + ["--lrs", str(tmp_path / "lrs.pt"), "--save-state", str(tmp_path / "no.pt")],
+                             capture_output=True, text=True, timeout=300)
+    assert no_next.returncode == 2 and "step.input_schedule(state, 5)" in no_next.stderr, no_next.stderr
+    assert not (tmp_path / "no.pt").exists()
+    kept = subprocess.run(args + ["--constant-lr", "--save-state", str(tmp_path / "kept.pt")], capture_output=True,
+                          text=True, timeout=300)  # manual_lr=True's state: the epoch and lr as given
+    assert kept.returncode == 0, kept.stderr[-3000:]
+    kept = loaded.load_state(tmp_path / "kept.pt")
+    assert kept.sched_epoch == 0 and [float(t) for t in kept.lr] == [0.5]
     constant = subprocess.run(args + ["--constant-lr"], capture_output=True, text=True, timeout=300)
     assert [float(v) for v in constant.stdout.split()] != [float(v) for v in run.stdout.split()]
     torch.save(lrs[:2], tmp_path / "short.pt")
@@ -299,6 +355,12 @@ def test_cpp_runner_follows_a_schedule_that_cycles_momentum(tmp_path, make_opt):
         exact.append(float(live_loss))
     assert float(s.opt[fed]) == float(live.opt[fed])
     assert [float(v) for v in run.stdout.split()] == pytest.approx(want, rel=1e-6, abs=0)
+    # --save-state holds the scheduled momentum of the next call too, as load_step's state does.
+    torch.save(step.input_schedule(state, len(batches) + 1), tmp_path / "inputs9.pt")
+    saved = subprocess.run(args + ["--lrs", str(tmp_path / "inputs9.pt"), "--save-state", str(tmp_path / "out.pt")],
+                           capture_output=True, text=True, timeout=300)
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    assert_same_state(loaded.load_state(tmp_path / "out.pt"), s)
     assert want == pytest.approx(exact, rel=1e-5, abs=0)
     # A list of lrs alone gives no momentum: refused, naming the input.
     torch.save(step.lr_schedule(state, len(batches)), tmp_path / "lrs.pt")

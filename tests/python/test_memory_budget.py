@@ -279,3 +279,21 @@ def test_a_fractional_budget_and_the_report_leave_the_global_generator_as_they_f
     loss_a, a = planned(got, *batch)
     loss_b, b = step(want, *batch)
     assert torch.equal(loss_a, loss_b) and all(torch.equal(a.params[k], b.params[k]) for k in a.params)
+
+
+def test_budget_search_settles_trials_by_the_liveness_bound_and_finds_the_same_recomputation():
+    # A trial whose liveness bound (lb_sched: no arena placement beats it) already reaches the peak to beat
+    # lowers nothing, so the search skips planning its arena. That may only save time: planning every trial
+    # in full must walk the same search (the same trials) to the same recomputation and peaks.
+    step, _ = tiny_gpt_step(vocab=64, d_model=32, n_heads=4, n_layers=2, seq=32, batch=8)
+    graph = step.graph.clone()
+    graph.schedule(True)
+    peak = graph.plan_memory(True)["peak_bytes"]
+    pruned = 0
+    for fraction in (0.9, 0.7, 0.5, 0.3):
+        fast = graph.clone().rematerialize_for_budget(int(fraction * peak), True)
+        full = graph.clone().rematerialize_for_budget(int(fraction * peak), True, prune_by_bound=False)
+        assert full["pruned"] == 0 and fast["evaluations"] > 1
+        assert {k: v for k, v in fast.items() if k != "pruned"} == {k: v for k, v in full.items() if k != "pruned"}
+        pruned += fast["pruned"]
+    assert pruned > 0

@@ -1,6 +1,6 @@
 // Runs an AOTInductor-compiled torch_ext pure training step with no Python.
 //
-//   aoti_train <step.pt2> <state.pt> <batches.pt> [--constant-lr | --lrs <lrs.pt>]
+//   aoti_train <step.pt2> <state.pt> <batches.pt> [--constant-lr | --lrs <lrs.pt>] [--save-state <out.pt>]
 //
 // step.pt2 is a package from step.to_aoti(path): its metadata holds the flat layout, read here
 // (not taken from Python): "torch_ext.inputs" names each program input in order (a state entry,
@@ -31,9 +31,23 @@
 // ("opt:<scalar>:group<k>", e.g. opt:momentum:group0): --lrs then holds, per call, a dict from each
 // such input's name (and each lr's, "opt:lr:group<k>") to its value
 // (torch.save(step.input_schedule(state, calls))).
+// --save-state <out.pt> writes the state after the last call in the format state.pt was read in
+// (a pickle of the state_dict(): torch.load(out.pt, weights_only=True) reads it, and
+// torch_ext.load_step(step.pt2).load_state(out.pt) makes it a TrainState), every key of state.pt
+// kept in its order: the entries as the package left them (optimizer step counts and the rng
+// included), "sched_epoch" advanced by the calls' steps ("torch_ext.unroll" per call) when a
+// scheduled package follows --lrs, and "unstepped" emptied by any call (every parameter has
+// optimizer state after one). A scheduled package's lr is then the schedule's for the next call, as
+// load_step's state holds it: --lrs must give one more entry than there are calls
+// (step.input_schedule(state, calls + 1)), or the saved lr would be the last call's, which the
+// scheduler refuses on the next call. Under --constant-lr the epoch stays, as load_step(path,
+// manual_lr=True) keeps it.
 #include <ATen/ATen.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/export.h>
 #include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/csrc/jit/serialization/pickler.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -215,11 +229,97 @@ std::map<std::string, at::Tensor> entries_of(const c10::IValue& state) {
   return out;
 }
 
+// torch::pickle_save without its type tags: it wraps every typed dict and list in
+// torch.jit._pickle.restore_type_tag, a global torch.load(weights_only=True) refuses (so do
+// build_tensorlist and the other specialized lists: the caller saves lists of Any). The same
+// archive otherwise ("data.pkl" and its tensors' storages, in a zip torch.load reads).
+std::vector<char> pickle_untagged(const c10::IValue& value) {
+  std::vector<char> pickled;
+  torch::jit::Pickler pickler([&](const char* buf, size_t size) { pickled.insert(pickled.end(), buf, buf + size); },
+                              nullptr, nullptr, nullptr, nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(value);
+  pickler.stop();
+  std::vector<char> out;
+  {
+    caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t size) {
+      const char* bytes = static_cast<const char*>(data);
+      out.insert(out.end(), bytes, bytes + size);
+      return size;
+    });
+    torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(), pickler.tensorData(), writer);
+    writer.writeEndOfFile();
+  }
+  return out;
+}
+
+// Writes the state after the calls as `in` (state.pt's state_dict) holds it: the same keys in the same
+// order, each entry replaced by its value in `entries`, "sched_epoch" advanced by `epochs`, and
+// "unstepped" emptied once a call has run (torch_ext's call leaves no parameter without optimizer state).
+void save_state(const c10::IValue& in, const std::map<std::string, at::Tensor>& entries, int64_t epochs, bool stepped,
+                const char* path) {
+  c10::impl::GenericDict out(c10::StringType::get(), c10::AnyType::get());
+  auto entry = [&](const std::string& name) {
+    auto it = entries.find(name);
+    TORCH_CHECK(it != entries.end(), "--save-state: no entry '", name, "'");
+    return it->second;
+  };
+  bool has_epoch = false;
+  for (const auto& kv : in.toGenericDict()) {
+    const std::string key = kv.key().toStringRef();
+    if (key == "params" || key == "buffers" || key == "opt") {
+      c10::impl::GenericDict part(c10::StringType::get(), c10::TensorType::get());
+      for (const auto& e : kv.value().toGenericDict()) part.insert(e.key(), entry(e.key().toStringRef()));
+      out.insert(kv.key(), part);
+    } else if (key == "lr") {
+      // A list of Any: a List[Tensor] pickles as torch.jit._pickle.build_tensorlist, refused by weights_only.
+      c10::impl::GenericList lr(c10::AnyType::get());
+      for (size_t k = 0; k < kv.value().toListRef().size(); ++k) lr.push_back(entry("opt:lr:group" + std::to_string(k)));
+      out.insert(kv.key(), lr);
+    } else if (key == "rng") {
+      out.insert(kv.key(), kv.value().isNone() ? c10::IValue() : c10::IValue(entry("rng")));
+    } else if (key == "sched_epoch") {
+      has_epoch = true;
+      out.insert(kv.key(), kv.value().toInt() + epochs);
+    } else if (key == "unstepped" && stepped) {
+      out.insert(kv.key(), c10::impl::GenericList(c10::AnyType::get()));
+    } else {
+      out.insert(kv.key(), kv.value());
+    }
+  }
+  if (!has_epoch) out.insert("sched_epoch", epochs);  // a checkpoint from before the epoch was saved
+  const std::vector<char> bytes = pickle_untagged(out);
+  // Written whole to a temporary name and renamed: an interrupted run leaves no truncated checkpoint.
+  const std::string tmp = std::string(path) + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    if (!f.good()) throw std::runtime_error(std::string("cannot write ") + tmp);
+  }
+  if (std::rename(tmp.c_str(), path) != 0) throw std::runtime_error(std::string("cannot rename ") + tmp + " to " + path);
+}
+
 int run(int argc, char** argv) {
-  const bool constant_lr = argc == 5 && std::string(argv[4]) == "--constant-lr";
-  const bool lr_file = argc == 6 && std::string(argv[4]) == "--lrs";
-  if (argc != 4 && !constant_lr && !lr_file) {
-    std::fprintf(stderr, "usage: %s <step.pt2> <state.pt> <batches.pt> [--constant-lr | --lrs <lrs.pt>]\n", argv[0]);
+  bool constant_lr = false, bad_usage = argc < 4;
+  const char* lrs_path = nullptr;
+  const char* save_path = nullptr;
+  for (int i = 4; i < argc && !bad_usage; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--constant-lr" && !constant_lr) {
+      constant_lr = true;
+    } else if (flag == "--lrs" && !lrs_path && i + 1 < argc) {
+      lrs_path = argv[++i];
+    } else if (flag == "--save-state" && !save_path && i + 1 < argc) {
+      save_path = argv[++i];
+    } else {
+      bad_usage = true;
+    }
+  }
+  const bool lr_file = lrs_path != nullptr;
+  if (bad_usage || (constant_lr && lr_file)) {
+    std::fprintf(stderr,
+                 "usage: %s <step.pt2> <state.pt> <batches.pt> [--constant-lr | --lrs <lrs.pt>] [--save-state <out.pt>]\n",
+                 argv[0]);
     return 2;
   }
   torch::inductor::AOTIModelPackageLoader loader(argv[1]);
@@ -227,15 +327,29 @@ int run(int argc, char** argv) {
   const std::vector<std::string> inputs = lines(meta_at(meta, "torch_ext.inputs", argv[1]));
   const std::vector<std::string> state_names = lines(meta_at(meta, "torch_ext.state_names", argv[1]));
   const std::string fingerprint = meta_at(meta, "torch_ext.fingerprint", argv[1]);
+  const bool has_scheduler = meta_lines_or(meta, "torch_ext.scheduler", {"0"}) != std::vector<std::string>{"0"};
   // A step built with scheduler= takes its lr as an input it does not advance (the scheduler is
   // Python): this runner would train every call at the state's lr, which the step did not do.
-  if (meta_lines_or(meta, "torch_ext.scheduler", {"0"}) != std::vector<std::string>{"0"} && !constant_lr && !lr_file) {
+  if (has_scheduler && !constant_lr && !lr_file) {
     std::fprintf(stderr,
                  "%s was compiled from a step built with scheduler=, whose lr follows the scheduler; pass "
                  "--lrs <lrs.pt> (torch.save(step.lr_schedule(state, calls), 'lrs.pt')) to follow it, or "
                  "--constant-lr to keep the state's lr for every call\n",
                  argv[1]);
     return 2;
+  }
+  // The scheduler epochs one call advances (a step unrolled k times takes k optimizer steps per call).
+  int64_t unroll = 1;
+  if (save_path && has_scheduler && lr_file) {
+    const std::vector<std::string> u = meta_lines_or(meta, "torch_ext.unroll", {});
+    if (u.size() != 1) {
+      std::fprintf(stderr,
+                   "%s records no torch_ext.unroll (compiled before --save-state), so the scheduler epoch of the "
+                   "saved state is unknown: compile it again with step.to_aoti(path)\n",
+                   argv[1]);
+      return 2;
+    }
+    unroll = std::stoll(u[0]);
   }
   std::vector<std::string> loss_then_state{"loss"};
   loss_then_state.insert(loss_then_state.end(), state_names.begin(), state_names.end());
@@ -329,43 +443,53 @@ int run(int argc, char** argv) {
     std::vector<std::string> scheduled;  // inputs "opt:<scalar>:group<k>" other than the lr
     for (const std::string& name : inputs)
       if (is_scheduled_input(name) && name.rfind("opt:lr:", 0) != 0) scheduled.push_back(name);
-    const c10::IValue given = load(argv[5]);
-    TORCH_CHECK(given.isList(), argv[5], ": expected a list (one per call) of lists of floats or dicts, got ",
+    const c10::IValue given = load(lrs_path);
+    TORCH_CHECK(given.isList(), lrs_path, ": expected a list (one per call) of lists of floats or dicts, got ",
                 given.tagKind());
     for (const auto& call : given.toListRef()) {
       std::map<std::string, double> values;
       auto value_of = [&](const c10::IValue& v) {
-        TORCH_CHECK(v.isDouble() || v.isInt(), argv[5], ": entry ", per_call.size(), " holds a ", v.tagKind(),
+        TORCH_CHECK(v.isDouble() || v.isInt(), lrs_path, ": entry ", per_call.size(), " holds a ", v.tagKind(),
                     ", not a float");
         return v.toScalar().toDouble();
       };
       if (call.isGenericDict()) {
         for (const auto& kv : call.toGenericDict()) {
           const std::string name = kv.key().toStringRef();
-          TORCH_CHECK(is_scheduled_input(name) && entries.count(name), argv[5], ": entry ", per_call.size(),
+          TORCH_CHECK(is_scheduled_input(name) && entries.count(name), lrs_path, ": entry ", per_call.size(),
                       " sets '", name, "', which is not a per-call input of ", argv[1]);
           values[name] = value_of(kv.value());
         }
       } else {
-        TORCH_CHECK(call.isList(), argv[5], ": entry ", per_call.size(), " is a ", call.tagKind(),
+        TORCH_CHECK(call.isList(), lrs_path, ": entry ", per_call.size(), " is a ", call.tagKind(),
                     ", not a list of floats");
         const auto list = call.toListRef();
-        TORCH_CHECK(list.size() == groups, argv[5], ": entry ", per_call.size(), " has ", list.size(),
+        TORCH_CHECK(list.size() == groups, lrs_path, ": entry ", per_call.size(), " has ", list.size(),
                     " lrs, the state has ", groups, " param groups");
         for (size_t k = 0; k < list.size(); ++k) values["opt:lr:group" + std::to_string(k)] = value_of(list[k]);
       }
       for (size_t k = 0; k < groups; ++k)
-        TORCH_CHECK(values.count("opt:lr:group" + std::to_string(k)), argv[5], ": entry ", per_call.size(),
+        TORCH_CHECK(values.count("opt:lr:group" + std::to_string(k)), lrs_path, ": entry ", per_call.size(),
                     " gives no lr for group ", k);
       for (const std::string& name : scheduled)
-        TORCH_CHECK(values.count(name), argv[5], ": entry ", per_call.size(), " gives no value for '", name,
+        TORCH_CHECK(values.count(name), lrs_path, ": entry ", per_call.size(), " gives no value for '", name,
                     "', an input the scheduler sets per call in ", argv[1],
                     "; save torch.save(step.input_schedule(state, calls), path) instead");
       per_call.push_back(std::move(values));
     }
     const size_t calls = batches.toListRef().size();
-    TORCH_CHECK(per_call.size() >= calls, argv[5], " has lrs for ", per_call.size(), " calls, ", argv[3], " has ",
+    TORCH_CHECK(per_call.size() >= calls, lrs_path, " has lrs for ", per_call.size(), " calls, ", argv[3], " has ",
                 calls, " batches");
+    // The saved state of a scheduled package holds the lr of the call after the last (the scheduler's at
+    // its epoch, as load_step's state does); the last call's would be refused by the scheduler on resuming.
+    if (save_path && has_scheduler && per_call.size() < calls + 1) {
+      std::fprintf(stderr,
+                   "%s has lrs for %zu calls; --save-state of a package built with scheduler= needs one more than "
+                   "the %zu batches of %s (the lr the saved state holds for its next call): save "
+                   "step.input_schedule(state, %zu)\n",
+                   lrs_path, per_call.size(), calls, argv[3], calls + 1);
+      return 2;
+    }
   }
   size_t call = 0;
   for (const auto& batch_value : batches.toListRef()) {
@@ -441,6 +565,15 @@ int run(int argc, char** argv) {
       auto it = output_index.find(name);
       if (it != output_index.end()) entries[name] = outs[it->second];
     }
+  }
+  if (save_path) {
+    if (has_scheduler && lr_file) {
+      for (const auto& [name, value] : per_call[call]) {  // the schedule's values for the next call
+        at::Tensor& t = entries[name];
+        t = at::full({}, value, t.options());
+      }
+    }
+    save_state(state, entries, has_scheduler && lr_file ? static_cast<int64_t>(call) * unroll : 0, call > 0, save_path);
   }
   return 0;
 }
