@@ -179,6 +179,8 @@ def real_spec(spec: dict, rng: random.Random) -> dict:
                 b["variant"] = rng.choice(("functional", "d1", "alpha", "falpha", "inplace"))
                 b["p"] = rng.choice((0.1, 0.5))
             spec["blocks"][i] = b
+        elif spec["blocks"][i]["kind"] in ("gn", "inorm", "convT", "dwconv", "pool") and rng.random() < 0.4:
+            spec["blocks"][i]["drop"] = rng.choice((0.2, 0.5))  # dropout channel-first, before transposing back
     spec["tie"] = spec["front"] == "embed" and rng.random() < 0.5
     if rng.random() < 0.4:
         spec["sched"] = rng.choice(SCHEDS2)
@@ -361,6 +363,8 @@ def build(spec: dict):
             y = self.m(x.transpose(1, 2))
             if y.shape[-1] != S:  # a pooling that shortens the sequence: back to S by repeating
                 y = F.interpolate(y, size=S, mode="nearest")
+            if self.b.get("drop"):
+                y = F.dropout(y, self.b["drop"], self.training)
             return y.transpose(1, 2)
 
     class TLin(nn.Module):  # a weight Parameter stored transposed (non-contiguous)
@@ -858,7 +862,8 @@ def run_case(spec: dict) -> list[str]:
                         a = a.to(b.dtype)  # a step counter kept as float32 where eager holds another dtype
                     _eq(a, b, f"opt{oi} state {names[id(p)]}.{slot}", diffs)
     for si, (s, rs) in enumerate(zip(scheds, ref_scheds)):
-        _eq(s.last_epoch, rs.last_epoch, f"sched{si} last_epoch", diffs)
+        for j, (m, rm) in enumerate(zip(getattr(s, "_schedulers", [s]), getattr(rs, "_schedulers", [rs]))):
+            _eq(m.last_epoch, rm.last_epoch, f"sched{si}[{j}] last_epoch", diffs)  # ChainedScheduler: its members'
         _eq(s.get_last_lr(), rs.get_last_lr(), f"sched{si} last_lr", diffs)
     return diffs
 
