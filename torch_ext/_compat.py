@@ -1271,13 +1271,13 @@ def onednn_rnn_backward_dtypes():
 
 
 def _elementwise_layout(args, kwargs):
-    """The strides TensorIterator gives ``grad * mask`` (native_dropout_backward's CPU kernel): grad's layout where
-    the two disagree, the mask's where grad is broadcast (the prims' rule, which matches the kernel)."""
+    """The strides TensorIterator gives an elementwise op over the tensor arguments in order (``grad * mask``,
+    native_dropout_backward's CPU kernel; an activation's backward over ``(grad, self)``): the gradient's layout
+    where they disagree (the prims' rule, which matches the kernels)."""
     from torch._prims_common import compute_elementwise_output_strides
 
-    grad = args[0] if len(args) > 0 else kwargs["grad_output"]
-    mask = args[1] if len(args) > 1 else kwargs["mask"]
-    return tuple(compute_elementwise_output_strides(grad, mask))
+    tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+    return tuple(compute_elementwise_output_strides(*tensors))
 
 
 def _batch_norm_cpu_layout(original, input_at, restrided, contiguous=False):
@@ -1355,7 +1355,10 @@ def _batch_norm_layout_ops() -> dict:
     huber_loss train 0.1 off eager in 3 steps. native_dropout_backward's CPU kernel (grad * mask * scale) lays its
     result out as TensorIterator does, like a transposed grad, where its meta kernel returns it contiguous: the trace
     dropped the .contiguous() eager puts before native_group_norm_backward (GroupNorm -> Dropout -> transpose ->
-    Linear, wav2vec2's feature encoder, trained 0.02 to 0.1 off eager in 3 steps, silently)."""
+    Linear, wav2vec2's feature encoder, trained 0.02 to 0.1 off eager in 3 steps, silently). The backward of softplus,
+    elu, hardswish, hardsigmoid, hardtanh and logit likewise: CPU in the gradient's layout, meta in ``self``'s (a
+    transposed BatchNorm -> Softplus trained 1e-8 off eager in the planned arena, whose buffers take the traced
+    layout)."""
     aten = torch.ops.aten
     forward, backward = (0, (0,), False), (1, (0,), False)
     return {aten.native_batch_norm.default: forward, aten._native_batch_norm_legit.default: forward,
@@ -1366,7 +1369,11 @@ def _batch_norm_layout_ops() -> dict:
             aten.native_layer_norm.default: (0, (0,), True), aten.native_layer_norm_backward.default: (1, (0,), True),
             aten.mse_loss_backward.default: (1, (0,), True), aten.huber_loss_backward.default: (1, (0,), True),
             aten._log_softmax_backward_data.default: (0, (0,), True),
-            aten.native_dropout_backward.default: (0, (0,), "elementwise")}
+            aten.native_dropout_backward.default: (0, (0,), "elementwise"),
+            aten.softplus_backward.default: (0, (0,), "elementwise"), aten.elu_backward.default: (0, (0,), "elementwise"),
+            aten.hardswish_backward.default: (0, (0,), "elementwise"),
+            aten.hardsigmoid_backward.default: (0, (0,), "elementwise"),
+            aten.hardtanh_backward.default: (0, (0,), "elementwise"), aten.logit_backward.default: (0, (0,), "elementwise")}
 
 
 def batch_norm_in_cpu_layout(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -1391,7 +1398,7 @@ def batch_norm_in_cpu_layout(ep: torch.export.ExportedProgram) -> torch.export.E
             continue
         if contiguous == "elementwise":
             args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
-            if not all(isinstance(a, torch.Tensor) for a in args[:2]):
+            if sum(isinstance(a, torch.Tensor) for a in args) < 2:
                 continue
             strides = _elementwise_layout(args, {})
             t = vals if isinstance(vals, torch.Tensor) else None

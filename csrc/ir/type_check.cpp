@@ -348,7 +348,12 @@ int contiguous_result_input_position(const std::string& op) {
 // grad * mask (like a transposed grad), where its meta kernel returns it contiguous; traced in the CPU kernel's
 // layout too (eager_batch_norm_layouts: GroupNorm -> Dropout -> transpose trained off eager when the trace saw it
 // contiguous and dropped the .contiguous() before native_group_norm_backward).
-bool elementwise_result_op(const std::string& op) { return op == "native_dropout_backward"; }
+// The backward of softplus, elu, hardswish, hardsigmoid, hardtanh and logit too: their meta kernels take self's layout.
+bool elementwise_result_op(const std::string& op) {
+  return op == "native_dropout_backward" || op == "softplus_backward" || op == "elu_backward" ||
+         op == "hardswish_backward" || op == "hardsigmoid_backward" || op == "hardtanh_backward" ||
+         op == "logit_backward";
+}
 
 std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, std::vector<c10::IValue>& stack,
                               const std::vector<TensorInput>& tensor_inputs) {
@@ -390,10 +395,13 @@ std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, s
     at::AutoDispatchBelowAutograd no_autograd;
     c10::impl::ExcludeDispatchKeyGuard no_python(
         c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
+    std::vector<at::Tensor> operands;  // the tensor arguments in order: TensorIterator's layout over them
+    for (const c10::IValue& v : stack)
+      if (v.isTensor() && v.toTensor().defined()) operands.push_back(v.toTensor());
     if (node.target().ns == "aten" && elementwise_result_op(node.target().name) && device.is_cpu() &&
-        stack.size() >= 2 && stack[0].isTensor() && stack[1].isTensor()) {
+        operands.size() == 2) {
       try {
-        elementwise_strides = at::mul(stack[0].toTensor(), stack[1].toTensor()).strides().vec();
+        elementwise_strides = at::mul(operands[0], operands[1]).strides().vec();
       } catch (const std::exception&) {
         // the operator's own call below reports the arguments it refuses
       }

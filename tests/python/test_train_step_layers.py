@@ -1221,6 +1221,14 @@ def test_dropout_backward_traced_in_the_cpu_kernels_layout():
     assert len(nodes) == 1 and nodes[0].meta["val"].stride() == (30, 1, 6)
 
 
+def test_activation_backward_traced_in_the_cpu_kernels_layout():
+    """Why softplus/elu/hardswish/hardsigmoid/hardtanh/logit backward are in _compat._batch_norm_layout_ops."""
+    grad, x = torch.randn(4, 3, 4), torch.randn(4, 4, 3).transpose(1, 2)
+    strides = {dev: torch.ops.aten.softplus_backward(grad.to(dev), x.to(dev), 1.0, 20.0).stride()
+               for dev in ("cpu", "meta")}
+    assert strides == {"cpu": (12, 4, 1), "meta": (12, 1, 3)}
+
+
 def test_layer_norm_results_traced_in_the_cpu_kernels_layout():
     """Why the layer norm entries of _compat.eager_batch_norm_layouts exist: the CPU kernels' layout against the
     meta kernels' for a transposed input. If they stop differing, the patch may be dead."""
