@@ -692,7 +692,8 @@ def make_opts(spec: dict, model):
                 cycle_momentum=spec["cycle_momentum"] and ("momentum" in o.defaults or "betas" in o.defaults)))
         elif spec["sched"] is not None:
             scheds.append(_sched2(spec, o))
-    for _ in range(spec.get("sched_pre", 0)):  # stepped eagerly before the build: the step starts there
+    for _ in range(spec.get("sched_pre", 0) if spec["sched"] != "plateau" else 0):  # stepped eagerly before the
+        # build: the step starts there (ReduceLROnPlateau steps on a metric: the build refuses it by name)
         for sc in scheds:
             sc.step()
     return opts, scheds
