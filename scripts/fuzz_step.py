@@ -51,6 +51,11 @@ EXTENDED_SEED = 10
 ACTS2 = ACTS + ("mish", "hardswish", "elu", "leaky_relu", "softplus", "sigmoid")
 ANY_BLOCKS = ("rms", "tlin", "act2")                       # blocks on a [B, D] or [B, T, D] stream
 SEQ_BLOCKS = ("sdpa", "mha", "gru", "lstm", "gn", "inorm", "convT", "pool", "dwconv", "tel")  # [B, T, D] only
+# Seeds from REAL_SEED on also draw ``real_spec`` (after the two above, so seeds 10..17 replay as before).
+REAL_SEED = 18
+REAL_BLOCKS = ("reuse", "unused", "nonpers", "tconst", "bn2", "drop2")
+SCHEDS2 = ("exp", "multistep", "cosine", "cosine_wr", "linear", "constant", "poly", "cyclic", "sequential", "chained",
+           "multiplicative", "plateau")
 
 
 # ------------------------------------------------------------------------------------------ generator
@@ -151,6 +156,55 @@ def extend_spec(spec: dict, rng: random.Random) -> dict:
     return spec
 
 
+def real_spec(spec: dict, rng: random.Random) -> dict:
+    """The features of real training scripts, drawn after ``extend_spec``: an embedding tied to the output head
+    (GPT-2), one Linear applied twice in a forward (ALBERT), a parameter the loss never reaches (an unused pooler),
+    a non-persistent buffer written in forward, a plain tensor attribute read as a constant, BatchNorm variants
+    (momentum=None, affine=False, a frozen BatchNorm in eval mode inside a training model), other dropouts
+    (functional, Dropout1d, AlphaDropout, FeatureAlphaDropout, inplace), every other lr scheduler (stepped eagerly
+    before the build, too), ``.grad`` left by an eager warm-up backward with ``zero_grad(set_to_none=False)`` (and
+    parameters frozen after it, holding a gradient), bfloat16 models and bfloat16 autocast, a tensor lr, and the
+    optimizer flags the step refuses by name (fused, capturable, differentiable)."""
+    for i in range(len(spec["blocks"])):
+        if rng.random() < 0.35:
+            kind = rng.choice(REAL_BLOCKS)
+            b = {"kind": kind}
+            if kind == "reuse":
+                b["act"] = rng.choice(ACTS2)
+            elif kind == "unused":
+                b["nograd_read"] = rng.random() < 0.5  # its weight read under no_grad
+            elif kind == "bn2":
+                b["variant"] = rng.choice(("cumulative", "noaffine", "eval", "nostats"))
+            elif kind == "drop2":
+                b["variant"] = rng.choice(("functional", "d1", "alpha", "falpha", "inplace"))
+                b["p"] = rng.choice((0.1, 0.5))
+            spec["blocks"][i] = b
+        elif spec["blocks"][i]["kind"] in ("gn", "inorm", "convT", "dwconv", "pool") and rng.random() < 0.4:
+            spec["blocks"][i]["drop"] = rng.choice((0.2, 0.5))  # dropout channel-first, before transposing back
+    spec["tie"] = spec["front"] == "embed" and rng.random() < 0.5
+    if rng.random() < 0.4:
+        spec["sched"] = rng.choice(SCHEDS2)
+        spec["unroll"], spec["set_lr"] = 1, False
+    spec["sched_pre"] = rng.choice((0, 0, 1, 2)) if spec["sched"] else 0
+    spec["pre_grad"] = rng.choice((None, None, "none", "zero", "stale"))
+    spec["freeze_after"] = rng.sample(range(12), 1) if spec["pre_grad"] and rng.random() < 0.3 else []
+    spec["bf16"] = not spec.get("float64") and rng.random() < 0.12
+    spec["autocast"] = not spec.get("float64") and not spec["bf16"] and rng.random() < 0.1
+    spec["tensor_lr"] = rng.choice((None, None, None, "f64", "f32"))
+    kind = spec["opt"]["kind"]
+    r = rng.random()
+    if r < 0.04 and kind in ("Adam", "AdamW", "SGD", "Adagrad"):
+        spec["opt"]["hyper"]["fused"] = True
+        spec["opt"]["hyper"].pop("foreach", None)
+    elif r < 0.08 and kind not in ("Muon", "Lion", "Adafactor"):
+        spec["opt"]["hyper"]["differentiable"] = True
+    elif r < 0.12 and kind in ("Adam", "AdamW", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta", "Rprop"):
+        spec["opt"]["hyper"]["capturable"] = True
+    elif r < 0.18 and kind in ("NAdam", "RAdam", "Adafactor"):
+        spec["opt"]["hyper"]["foreach"] = True
+    return spec
+
+
 def _group_hyper(opt: dict, rng: random.Random) -> dict:
     """Other values of some of the optimizer's hyperparameters, for the second param group."""
     h = opt["hyper"]
@@ -231,10 +285,12 @@ def build(spec: dict):
     import torch.nn.functional as F
 
     D, B, K, T, V = spec["width"], spec["batch"], 3, 3, 7
+    if spec.get("tie"):
+        K = V  # the head is the embedding, tied
     act_of = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU, "tanh": nn.Tanh, "mish": nn.Mish,
               "hardswish": nn.Hardswish, "elu": nn.ELU, "leaky_relu": lambda: nn.LeakyReLU(0.1),
               "softplus": nn.Softplus, "sigmoid": nn.Sigmoid}
-    dtype = torch.float64 if spec.get("float64") else torch.float32
+    dtype = torch.float64 if spec.get("float64") else torch.bfloat16 if spec.get("bf16") else torch.float32
     S = 4 if spec["front"] == "conv2d" else T  # the stream's sequence length
 
     def attn_mask(kind):
@@ -307,6 +363,8 @@ def build(spec: dict):
             y = self.m(x.transpose(1, 2))
             if y.shape[-1] != S:  # a pooling that shortens the sequence: back to S by repeating
                 y = F.interpolate(y, size=S, mode="nearest")
+            if self.b.get("drop"):
+                y = F.dropout(y, self.b["drop"], self.training)
             return y.transpose(1, 2)
 
     class TLin(nn.Module):  # a weight Parameter stored transposed (non-contiguous)
@@ -372,8 +430,93 @@ def build(spec: dict):
                 self.mean.mul_(0.9).add_(x.detach().reshape(-1, D).mean(0), alpha=0.1)
             return x
 
+    class Reuse(nn.Module):  # one Linear applied twice in a forward (ALBERT's shared layers)
+        def __init__(self, act):
+            super().__init__()
+            self.fc, self.act = nn.Linear(D, D), act_of[act]()
+
+        def forward(self, x):
+            return self.fc(self.act(self.fc(x)))
+
+    class Unused(nn.Module):  # a parameter the loss never reaches (a pooler), or reads under no_grad
+        def __init__(self, b):
+            super().__init__()
+            self.b, self.fc, self.pooler = b, nn.Linear(D, D), nn.Linear(D, D)
+
+        def forward(self, x):
+            y = self.fc(x)
+            if self.b["nograd_read"]:
+                with torch.no_grad():
+                    s = self.pooler.weight.abs().mean() + 0.5
+                y = y * s
+            return y
+
+    class NonPers(nn.Module):  # non-persistent buffers written and read in forward (not in the state_dict)
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("count", torch.zeros(()), persistent=False)
+            self.register_buffer("running", torch.zeros(D), persistent=False)
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.count.add_(1)
+                self.running.lerp_(x.detach().reshape(-1, D).mean(0), 0.25)
+            return x * (1 + 0.01 * self.count) + self.running
+
+    class TConst(nn.Module):  # plain tensor attributes (no buffer): constants of the program
+        def __init__(self):
+            super().__init__()
+            self.c = torch.linspace(0.5, 1.5, D).to(dtype)
+            self.shift = torch.tensor(0.25, dtype=dtype)
+
+        def forward(self, x):
+            return x * self.c + self.shift
+
+    class BN2(nn.Module):  # BatchNorm variants over the feature dim
+        def __init__(self, v):
+            super().__init__()
+            self.bn = (nn.BatchNorm1d(D, momentum=None) if v == "cumulative" else
+                       nn.BatchNorm1d(D, affine=False) if v == "noaffine" else
+                       nn.BatchNorm1d(D, track_running_stats=False) if v == "nostats" else nn.BatchNorm1d(D))
+            if v == "eval":
+                self.bn.running_mean.uniform_(-0.5, 0.5)
+                self.bn.running_var.uniform_(0.5, 1.5)
+                self.bn._eval_after = True  # a frozen BatchNorm in a training model (detectron's FrozenBN habit)
+
+        def forward(self, x):
+            return self.bn(x) if x.dim() == 2 else self.bn(x.transpose(1, 2)).transpose(1, 2)
+
+    class Drop2(nn.Module):
+        def __init__(self, b):
+            super().__init__()
+            self.v, self.p = b["variant"], b["p"]
+            self.m = (nn.Dropout1d(self.p) if self.v == "d1" else nn.AlphaDropout(self.p) if self.v == "alpha"
+                      else nn.FeatureAlphaDropout(self.p) if self.v == "falpha" else None)
+            self.fc = nn.Linear(D, D) if self.v == "inplace" else None
+
+        def forward(self, x):
+            if self.v == "functional":
+                return F.dropout(x, self.p, self.training)
+            if self.v == "inplace":  # torchvision's habit: in-place dropout and ReLU on a Linear's output
+                return F.relu(F.dropout(self.fc(x), self.p, self.training, inplace=True), inplace=True)
+            if self.v == "d1" and x.dim() == 3:  # channels are the features: a transposed stream into dropout
+                return self.m(x.transpose(1, 2)).transpose(1, 2)
+            return self.m(x)
+
     def block(b):
         k = b["kind"]
+        if k == "reuse":
+            return Reuse(b["act"])
+        if k == "unused":
+            return Unused(b)
+        if k == "nonpers":
+            return NonPers()
+        if k == "tconst":
+            return TConst()
+        if k == "bn2":
+            return BN2(b["variant"])
+        if k == "drop2":
+            return Drop2(b)
         if k == "linear":
             return nn.Linear(D, D)
         if k == "ln":
@@ -427,7 +570,9 @@ def build(spec: dict):
             self.front_bn = ((nn.BatchNorm1d if front == "conv1d" else nn.BatchNorm2d)(D)
                              if spec["front_bn"] else None)
             self.blocks = nn.ModuleList(block(b) for b in spec["blocks"])
-            self.head = nn.Linear(D, K)
+            self.head = nn.Linear(D, K, bias=not spec.get("tie"))
+            if spec.get("tie"):
+                self.head.weight = self.front.weight  # GPT-2's tied embedding and LM head
 
         def forward(self, x):
             h = self.front(x)
@@ -441,6 +586,9 @@ def build(spec: dict):
 
     torch.manual_seed(spec["model_seed"])
     model = Net().train().to(dtype)
+    for mod in model.modules():
+        if getattr(mod, "_eval_after", False):
+            mod.eval()
     named = list(model.named_parameters())
     for i in spec["frozen"]:
         if i < len(named):
@@ -474,10 +622,16 @@ def build(spec: dict):
 
     ce = spec.get("ce", {})
     red = spec.get("reduction", "mean")
-    cw = torch.tensor([0.5, 1.0, 2.0], dtype=dtype) if ce.get("weight") else None
+    cw = ((torch.tensor([0.5, 1.0, 2.0]) if K == 3 else torch.linspace(0.5, 2.0, K)).to(dtype)
+          if ce.get("weight") else None)
 
     def loss_fn(m, x, y):
-        out = m(x)
+        if spec.get("autocast"):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = m(x)
+            out = out.float()
+        else:
+            out = m(x)
         if spec["loss"] == "ce":
             return F.cross_entropy(out.reshape(-1, K), y.reshape(-1), weight=cw, reduction=red,
                                    label_smoothing=ce.get("label_smoothing", 0.0))
@@ -505,6 +659,8 @@ def make_opts(spec: dict, model):
         if isinstance(h.get(key), list):
             h[key] = tuple(h[key])
     cls = torch_ext.optim.Lion if kind == "Lion" else getattr(torch.optim, kind)
+    if spec.get("tensor_lr"):
+        h["lr"] = torch.tensor(h["lr"], dtype=torch.float64 if spec["tensor_lr"] == "f64" else torch.float32)
 
     def groups(ps, lr):
         if spec["groups"] == 2 and len(ps) >= 2:
@@ -534,7 +690,52 @@ def make_opts(spec: dict, model):
             scheds.append(torch.optim.lr_scheduler.OneCycleLR(
                 o, max_lr=[g["lr"] * 4 for g in o.param_groups], total_steps=10,
                 cycle_momentum=spec["cycle_momentum"] and ("momentum" in o.defaults or "betas" in o.defaults)))
+        elif spec["sched"] is not None:
+            scheds.append(_sched2(spec, o))
+    for _ in range(spec.get("sched_pre", 0) if spec["sched"] != "plateau" else 0):  # stepped eagerly before the
+        # build: the step starts there (ReduceLROnPlateau steps on a metric: the build refuses it by name)
+        for sc in scheds:
+            sc.step()
     return opts, scheds
+
+
+def _sched2(spec: dict, o):
+    """The schedulers of ``real_spec`` (seeds >= REAL_SEED)."""
+    import torch.optim.lr_scheduler as L
+
+    k = spec["sched"]
+    if k == "exp":
+        return L.ExponentialLR(o, gamma=0.9)
+    if k == "multistep":
+        return L.MultiStepLR(o, milestones=[1, 3], gamma=0.5)
+    if k == "cosine":
+        return L.CosineAnnealingLR(o, T_max=4, eta_min=1e-4)
+    if k == "cosine_wr":
+        return L.CosineAnnealingWarmRestarts(o, T_0=2, T_mult=2, eta_min=1e-4)
+    if k == "linear":
+        return L.LinearLR(o, start_factor=0.25, total_iters=3)
+    if k == "constant":
+        return L.ConstantLR(o, factor=0.5, total_iters=2)
+    if k == "poly":
+        return L.PolynomialLR(o, total_iters=4, power=2.0)
+    if k == "cyclic":
+        lrs = [float(g["lr"]) for g in o.param_groups]
+        return L.CyclicLR(o, base_lr=[x * 0.5 for x in lrs], max_lr=[x * 2 for x in lrs], step_size_up=2,
+                          cycle_momentum=spec["cycle_momentum"] and ("momentum" in o.defaults or "betas" in o.defaults))
+    if k == "sequential":
+        return L.SequentialLR(o, [L.LinearLR(o, start_factor=0.5, total_iters=2), L.ExponentialLR(o, gamma=0.8)],
+                              milestones=[2])
+    if k == "chained":
+        return L.ChainedScheduler([L.ExponentialLR(o, gamma=0.9), L.ConstantLR(o, factor=0.5, total_iters=2)])
+    if k == "multiplicative":
+        return L.MultiplicativeLR(o, _mult)
+    if k == "plateau":
+        return L.ReduceLROnPlateau(o)
+    raise ValueError(k)
+
+
+def _mult(i):
+    return 0.95
 
 
 def _lambda(i):
@@ -573,7 +774,18 @@ def run_case(spec: dict) -> list[str]:
 
     torch.set_num_threads(1)
     model, loss_fn, batches = build(spec)
+    if spec.get("pre_grad"):  # an eager warm-up backward leaves .grad (BatchNorm statistics move too, both sides)
+        torch.manual_seed(12345)
+        loss_fn(model, *batches[0][0]).backward()
+        named = list(model.named_parameters())
+        for i in spec.get("freeze_after", []):
+            if i < len(named):
+                named[i][1].requires_grad_(False)  # frozen while holding a gradient
+        if spec["pre_grad"] != "stale":
+            model.zero_grad(set_to_none=spec["pre_grad"] == "none")
     ref = copy.deepcopy(model)
+    for p, rp in zip(model.parameters(), ref.parameters()):
+        rp.grad = None if p.grad is None else p.grad.clone()  # Parameter.__deepcopy__ drops .grad
     opts, scheds = make_opts(spec, model)
     ref_opts, ref_scheds = make_opts(spec, ref)
     n, u = spec["accumulate"], spec.get("unroll", 1)
@@ -615,7 +827,7 @@ def run_case(spec: dict) -> list[str]:
             for g, lr in zip([g for o in ref_opts for g in o.param_groups], new_lrs):
                 g["lr"] = lr
         for o in ref_opts:
-            o.zero_grad()
+            o.zero_grad(set_to_none=spec.get("pre_grad") != "zero")
         ls = []
         for mb in mbs:
             lo = loss_fn(ref, *mb)
@@ -631,6 +843,10 @@ def run_case(spec: dict) -> list[str]:
     ref_sd = ref.state_dict()
     for k, v in model.state_dict().items():
         _eq(v, ref_sd[k], f"model {k}", diffs)
+    ref_bufs = dict(ref.named_buffers())
+    for k, v in model.named_buffers():  # non-persistent buffers are in no state_dict
+        if k not in ref_sd:
+            _eq(v, ref_bufs[k], f"model buffer {k}", diffs)
     for oi, (o, ro) in enumerate(zip(opts, ref_opts)):
         names = {id(p): k for k, p in model.named_parameters()}
         for gi, (g, rg) in enumerate(zip(o.param_groups, ro.param_groups)):
@@ -647,7 +863,8 @@ def run_case(spec: dict) -> list[str]:
                         a = a.to(b.dtype)  # a step counter kept as float32 where eager holds another dtype
                     _eq(a, b, f"opt{oi} state {names[id(p)]}.{slot}", diffs)
     for si, (s, rs) in enumerate(zip(scheds, ref_scheds)):
-        _eq(s.last_epoch, rs.last_epoch, f"sched{si} last_epoch", diffs)
+        for j, (m, rm) in enumerate(zip(getattr(s, "_schedulers", [s]), getattr(rs, "_schedulers", [rs]))):
+            _eq(m.last_epoch, rm.last_epoch, f"sched{si}[{j}] last_epoch", diffs)  # ChainedScheduler: its members'
         _eq(s.get_last_lr(), rs.get_last_lr(), f"sched{si} last_lr", diffs)
     return diffs
 
@@ -669,7 +886,8 @@ def simplifications(spec: dict):
     plain = {"front_bn": False, "padding_idx": False, "frozen": [], "excluded": [], "groups": 1, "sched": None,
              "accumulate": 1, "clip": None, "runner": "exec", "batch": 4, "loss": "ce", "width": 4,
              "float64": False, "unroll": 1, "set_lr": False, "reduction": "mean", "scale_grad_by_freq": False,
-             "ce": {}}
+             "ce": {}, "tie": False, "sched_pre": 0, "pre_grad": None, "freeze_after": [], "bf16": False,
+             "autocast": False, "tensor_lr": None}
     for key, v in plain.items():
         if spec.get(key, v) != v:
             yield {**spec, key: v}
@@ -706,7 +924,8 @@ def minimize(spec: dict) -> dict:
 def case_spec(seed: int, i: int) -> dict:
     rng = random.Random(f"{seed}:{i}")
     spec = gen_spec(rng)
-    return extend_spec(spec, rng) if seed >= EXTENDED_SEED else spec
+    spec = extend_spec(spec, rng) if seed >= EXTENDED_SEED else spec
+    return real_spec(spec, rng) if seed >= REAL_SEED else spec
 
 
 def one(spec: dict) -> dict:

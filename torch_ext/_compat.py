@@ -1270,6 +1270,16 @@ def onednn_rnn_backward_dtypes():
         yield
 
 
+def _elementwise_layout(args, kwargs):
+    """The strides TensorIterator gives an elementwise op over the tensor arguments in order (``grad * mask``,
+    native_dropout_backward's CPU kernel; an activation's backward over ``(grad, self)``): the gradient's layout
+    where they disagree (the prims' rule, which matches the kernels)."""
+    from torch._prims_common import compute_elementwise_output_strides
+
+    tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+    return tuple(compute_elementwise_output_strides(*tensors))
+
+
 def _batch_norm_cpu_layout(original, input_at, restrided, contiguous=False):
     """``original`` (a batch norm op's decomposition, which fake tensors run, or its meta kernel) with its results
     ``restrided`` (indices) laid out as the CPU kernels lay them out: ``empty_like(input,
@@ -1277,7 +1287,8 @@ def _batch_norm_cpu_layout(original, input_at, restrided, contiguous=False):
     2.9's decompositions keep the input's layout (``input_at``: the input's position). A transposed input
     (``x.transpose(1, 2)`` into BatchNorm1d) comes out contiguous on the CPU. A clone, so that the values stay
     the decomposition's wherever it runs. ``contiguous``: the kernel lays them out contiguous whatever the input's
-    layout (layer norm's, aten/src/ATen/native/layer_norm.cpp: ``empty_like(X.contiguous(), Contiguous)``)."""
+    layout (layer norm's, aten/src/ATen/native/layer_norm.cpp: ``empty_like(X.contiguous(), Contiguous)``);
+    "elementwise": as TensorIterator lays out ``grad * mask`` (``_elementwise_layout``)."""
     from torch._prims_common import suggest_memory_format
 
     @functools.wraps(original)  # its module and name: fake tensors run a decomposition of torch._decomp's only
@@ -1286,9 +1297,16 @@ def _batch_norm_cpu_layout(original, input_at, restrided, contiguous=False):
         input = args[input_at] if len(args) > input_at else kwargs["input"]
         if getattr(input, "fake_device", input.device).type != "cpu" or input.layout != torch.strided:
             return out
-        fmt = torch.contiguous_format if contiguous else suggest_memory_format(input)
         single = isinstance(out, torch.Tensor)
         out = [out] if single else list(out)
+        if contiguous == "elementwise":
+            strides = _elementwise_layout(args, kwargs)
+            for i in restrided:
+                t = out[i]
+                if isinstance(t, torch.Tensor) and t.shape == input.shape and t.stride() != strides:
+                    out[i] = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+            return out[0] if single else tuple(out)
+        fmt = torch.contiguous_format if contiguous else suggest_memory_format(input)
         for i in restrided:
             t = out[i]
             if isinstance(t, torch.Tensor) and t.shape == input.shape and not t.is_contiguous(memory_format=fmt):
@@ -1334,7 +1352,13 @@ def _batch_norm_layout_ops() -> dict:
     that is contiguous whatever the input's layout)}: batch norm's results follow the input's memory format; layer
     norm's, mse/huber loss backward's and log_softmax backward's are contiguous on the CPU, where the meta kernels
     keep the (first) input's layout. The same dropped .contiguous() made GroupNorm -> transpose -> mse_loss /
-    huber_loss train 0.1 off eager in 3 steps."""
+    huber_loss train 0.1 off eager in 3 steps. native_dropout_backward's CPU kernel (grad * mask * scale) lays its
+    result out as TensorIterator does, like a transposed grad, where its meta kernel returns it contiguous: the trace
+    dropped the .contiguous() eager puts before native_group_norm_backward (GroupNorm -> Dropout -> transpose ->
+    Linear, wav2vec2's feature encoder, trained 0.02 to 0.1 off eager in 3 steps, silently). The backward of softplus,
+    elu, hardswish, hardsigmoid, hardtanh and logit likewise: CPU in the gradient's layout, meta in ``self``'s (a
+    transposed BatchNorm -> Softplus trained 1e-8 off eager in the planned arena, whose buffers take the traced
+    layout)."""
     aten = torch.ops.aten
     forward, backward = (0, (0,), False), (1, (0,), False)
     return {aten.native_batch_norm.default: forward, aten._native_batch_norm_legit.default: forward,
@@ -1344,7 +1368,12 @@ def _batch_norm_layout_ops() -> dict:
             aten.native_batch_norm_backward.default: backward, aten.batch_norm_backward.default: backward,
             aten.native_layer_norm.default: (0, (0,), True), aten.native_layer_norm_backward.default: (1, (0,), True),
             aten.mse_loss_backward.default: (1, (0,), True), aten.huber_loss_backward.default: (1, (0,), True),
-            aten._log_softmax_backward_data.default: (0, (0,), True)}
+            aten._log_softmax_backward_data.default: (0, (0,), True),
+            aten.native_dropout_backward.default: (0, (0,), "elementwise"),
+            aten.softplus_backward.default: (0, (0,), "elementwise"), aten.elu_backward.default: (0, (0,), "elementwise"),
+            aten.hardswish_backward.default: (0, (0,), "elementwise"),
+            aten.hardsigmoid_backward.default: (0, (0,), "elementwise"),
+            aten.hardtanh_backward.default: (0, (0,), "elementwise"), aten.logit_backward.default: (0, (0,), "elementwise")}
 
 
 def batch_norm_in_cpu_layout(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -1366,6 +1395,14 @@ def batch_norm_in_cpu_layout(ep: torch.export.ExportedProgram) -> torch.export.E
         at, results, contiguous = ops[node.target]
         x, vals = node.args[at].meta.get("val") if len(node.args) > at else None, node.meta.get("val")
         if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.layout != torch.strided:
+            continue
+        if contiguous == "elementwise":
+            args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
+            if sum(isinstance(a, torch.Tensor) for a in args) < 2:
+                continue
+            strides = _elementwise_layout(args, {})
+            t = vals if isinstance(vals, torch.Tensor) else None
+            stale |= isinstance(t, torch.Tensor) and t.shape == x.shape and t.stride() != strides
             continue
         fmt = torch.contiguous_format if contiguous else suggest_memory_format(x)
         for i in results:

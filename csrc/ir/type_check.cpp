@@ -344,6 +344,17 @@ int contiguous_result_input_position(const std::string& op) {
   return -1;
 }
 
+// native_dropout_backward's CPU kernel (grad * mask * scale) lays its result out as TensorIterator lays out
+// grad * mask (like a transposed grad), where its meta kernel returns it contiguous; traced in the CPU kernel's
+// layout too (eager_batch_norm_layouts: GroupNorm -> Dropout -> transpose trained off eager when the trace saw it
+// contiguous and dropped the .contiguous() before native_group_norm_backward).
+// The backward of softplus, elu, hardswish, hardsigmoid, hardtanh and logit too: their meta kernels take self's layout.
+bool elementwise_result_op(const std::string& op) {
+  return op == "native_dropout_backward" || op == "softplus_backward" || op == "elu_backward" ||
+         op == "hardswish_backward" || op == "hardsigmoid_backward" || op == "hardtanh_backward" ||
+         op == "logit_backward";
+}
+
 std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, std::vector<c10::IValue>& stack,
                               const std::vector<TensorInput>& tensor_inputs) {
   std::unordered_map<const Node*, at::Tensor> metas;
@@ -368,6 +379,7 @@ std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, s
   const c10::Device device = result_device(node);
   at::Tensor batch_norm_input;
   bool contiguous_result = false;  // contiguous_result_input_position's ops: not the suggested memory format
+  std::optional<std::vector<int64_t>> elementwise_strides;  // elementwise_result_op's: TensorIterator's layout
   if (const int pos = batch_norm_input_position(node.target().name);
       pos >= 0 && device.is_cpu() && static_cast<size_t>(pos) < stack.size() && stack[pos].isTensor())
     batch_norm_input = stack[pos].toTensor();
@@ -383,6 +395,17 @@ std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, s
     at::AutoDispatchBelowAutograd no_autograd;
     c10::impl::ExcludeDispatchKeyGuard no_python(
         c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
+    std::vector<at::Tensor> operands;  // the tensor arguments in order: TensorIterator's layout over them
+    for (const c10::IValue& v : stack)
+      if (v.isTensor() && v.toTensor().defined()) operands.push_back(v.toTensor());
+    if (node.target().ns == "aten" && elementwise_result_op(node.target().name) && device.is_cpu() &&
+        operands.size() == 2) {
+      try {
+        elementwise_strides = at::mul(operands[0], operands[1]).strides().vec();
+      } catch (const std::exception&) {
+        // the operator's own call below reports the arguments it refuses
+      }
+    }
     try {
       op.callBoxed(stack);
     } catch (const c10::NotImplementedError&) {
@@ -417,6 +440,8 @@ std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, s
                                                                  : batch_norm_input.suggest_memory_format())
                                 .strides()
                                 .vec();
+  if (first && elementwise_strides && first->is_tensor() && first->tensor.sizes.size() == elementwise_strides->size())
+    first->tensor.strides = *elementwise_strides;
   if (!inferred || agrees(node.type(), *inferred, node.target().name, layout_is_inferred(op))) return "";
   copy_devices(node.type(), *inferred);
   return "declared type " + print_type(node.type()) + " differs from " + print_type(*inferred) +

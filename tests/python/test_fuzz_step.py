@@ -15,7 +15,8 @@ import fuzz_step  # noqa: E402
 # planned and donated arena and a memory budget; native_dropout_backward was restrided to the traced layout.
 # Seed 1 (172, 199, 272): BatchNorm1d on a transposed stream before a Linear, whose layout tracing took from the
 # meta kernels (the input's) where the CPU kernels return contiguous results (_compat.eager_batch_norm_layouts).
-FIXED = [(0, 54), (0, 83), (0, 108), (0, 111), (0, 211), (0, 247), (0, 357), (1, 172), (1, 199), (1, 272)]
+FIXED = [(0, 54), (0, 83), (0, 108), (0, 111), (0, 211), (0, 247), (0, 357), (1, 172), (1, 199), (1, 272),
+         (19, 21)]
 
 
 @pytest.mark.parametrize("seed, case", FIXED, ids=[f"{s}:{c}" for s, c in FIXED])
@@ -41,6 +42,15 @@ SPECS = {
                            "blocks": [{"kind": "gn", "groups": 1}, {"kind": "tel", "norm_first": False, "p": 0.0,
                                                                      "act": "relu", "causal": True},
                                       {"kind": "convT"}]},
+    # Seed 18 (192): a BatchNorm1d on the transposed stream, then Softplus or ELU, in the planned arena. Their
+    # backward's meta kernel takes self's (transposed) layout, the CPU kernel the gradient's; the arena gave the
+    # gradient the traced layout and bn.bias / front.weight trained 1e-8 to 1e-6 off eager (_batch_norm_layout_ops).
+    # Seed 19 (21): a BatchNorm1d without running statistics on the transposed stream, planned with accumulate=2:
+    # its out= kernel left the arena buffer unwritten (NaN losses; out_variant.cpp).
+    **{f"18:192 bn-{act}": {**_PLAIN, "model_seed": 138, "rng_seed": 952, "data_seed": 691, "front": "seqlin",
+                            "width": 8, "loss": "huber", "reduction": "sum", "runner": "plan",
+                            "blocks": [{"kind": "bn2", "variant": "plain"}, {"kind": "act2", "act": act}]}
+       for act in ("softplus", "elu")},
 }
 
 

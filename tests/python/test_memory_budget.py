@@ -6,6 +6,7 @@ functional-then-copy wrapper); nodes without one allocate their results, which t
 """
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -297,3 +298,57 @@ def test_budget_search_settles_trials_by_the_liveness_bound_and_finds_the_same_r
         assert {k: v for k, v in fast.items() if k != "pruned"} == {k: v for k, v in full.items() if k != "pruned"}
         pruned += fast["pruned"]
     assert pruned > 0
+
+
+class _TransposedBatchNormDropout(nn.Module):
+    # Embedding -> Linear -> in-place dropout and ReLU -> BatchNorm1d (no running stats) over the transposed stream
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc, self.head = nn.Embedding(7, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+        self.bn = nn.BatchNorm1d(4, track_running_stats=False)
+
+    def forward(self, x):
+        h = F.relu(F.dropout(self.fc(self.emb(x)), 0.5, self.training, inplace=True), inplace=True)
+        return self.head(self.bn(h.transpose(1, 2)).transpose(1, 2))
+
+
+def test_budget_that_plans_a_transposed_batch_norm_into_the_arena_trains_bit_exact():
+    # Found by scripts/fuzz_step.py (seed 18). Batch norm's CPU out= kernels compute a non-contiguous input's result
+    # into tensors of their own and leave `out` unwritten (torch 2.9), which no resize check sees; a donated, budgeted
+    # plan that put this BatchNorm's result into the arena read stale arena bytes: the first micro-batch's loss 0.02
+    # to 0.04 off eager, varying per call, silently. Such a node now runs functionally (out_variant.cpp).
+    fn = lambda m, x, y: F.cross_entropy(m(x).reshape(-1, 3), y.reshape(-1))  # noqa: E731
+    for seed in range(2):
+        torch.manual_seed(seed)
+        g = torch.Generator().manual_seed(1)
+        model = _TransposedBatchNormDropout().train().double()
+        eager = copy.deepcopy(model)
+        mbs = [(torch.randint(0, 7, (4, 3), generator=g), torch.randint(0, 3, (4, 3), generator=g)) for _ in range(2)]
+        step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.05), fn, mbs[0], accumulate=2)
+        try:
+            planned = step.compile(plan=True, donate=True, memory_budget=0.8)
+        except ValueError as e:
+            least = int(re.search(r"at least (\d+) bytes", str(e)).group(1))
+            planned = step.compile(plan=True, donate=True, memory_budget=least)
+        loss, state = planned(step.init_state(seed=5), *[t for mb in mbs for t in mb])[:2]
+        torch.manual_seed(5)
+        eager_opt = torch.optim.SGD(eager.parameters(), lr=0.05)
+        want = torch.stack([fn(eager, *mb) for mb in mbs])
+        (want / 2).sum().backward()
+        eager_opt.step()
+        assert torch.equal(loss, want.detach()), (seed, loss, want)
+        step.write_back(state)
+        for (name, a), b in zip(model.state_dict().items(), eager.state_dict().values()):
+            assert torch.equal(a, b), (seed, name)
+
+
+def test_batch_norm_out_kernels_leave_a_transposed_inputs_result_unwritten():
+    """Why out_variant.cpp runs batch norm functionally on an input that is not contiguous. If the kernel is fixed,
+    the exclusion only costs an arena buffer."""
+    x = torch.randn(4, 3, 4).transpose(1, 2)
+    w, b = torch.randn(4), torch.randn(4)
+    want = torch.ops.aten._native_batch_norm_legit.no_stats(x, w, b, True, 0.1, 1e-5)
+    got = [torch.full((4, 4, 3), 7.0), torch.full((4,), 7.0), torch.full((4,), 7.0)]
+    torch.ops.aten._native_batch_norm_legit.no_stats_out(x, w, b, True, 0.1, 1e-5, out=got[0], save_mean=got[1],
+                                                         save_invstd=got[2])
+    assert not torch.equal(got[0], want[0]) and torch.equal(got[1], torch.full((4,), 7.0))

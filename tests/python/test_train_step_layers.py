@@ -1178,6 +1178,57 @@ def test_group_norm_output_transposed_into_the_loss_trains_bit_exact(loss):
             assert torch.equal(a, b), (seed, name, (a - b).abs().max())
 
 
+class _GroupNormDropoutThenTranspose(nn.Module):
+    # [batch, channels, time]: Conv1d -> GroupNorm (-> GELU) -> Dropout, then transposed into a per-frame Linear
+    # (wav2vec2's feature encoder and projection)
+    def __init__(self, gelu):
+        super().__init__()
+        self.conv, self.gn, self.head, self.gelu = nn.Conv1d(3, 6, 3, padding=1), nn.GroupNorm(2, 6), nn.Linear(6, 3), gelu
+
+    def forward(self, x):
+        h = self.gn(self.conv(x))
+        h = F.dropout(F.gelu(h) if self.gelu else h, 0.3, self.training)
+        return self.head(h.transpose(1, 2)).mean(1)
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["gn-dropout", "gn-gelu-dropout"])
+@pytest.mark.parametrize("run", ["executor", "planned"])
+def test_dropout_between_group_norm_and_a_transpose_trains_bit_exact(gelu, run):
+    # Dropout's gradient comes back transposed (the Linear's gradient, transposed back). native_dropout_backward's
+    # CPU kernel lays its result out like that gradient (TensorIterator's grad * mask), its meta kernel contiguous;
+    # tracing saw a contiguous gradient and dropped the .contiguous() eager's autograd puts before
+    # native_group_norm_backward, whose CPU kernel read the transposed gradient as contiguous: every parameter 0.02
+    # to 0.1 off eager after 3 steps, silently (found building on scripts/fuzz_step.py's layout sweep).
+    g = torch.Generator().manual_seed(1)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        x, y = torch.randn(4, 3, 5, generator=g), torch.randint(0, 3, (4,), generator=g)
+        _assert_steps_bit_exact(_GroupNormDropoutThenTranspose(gelu).train(), x, y, run, steps=3, seed=seed)
+
+
+def test_dropout_backward_traced_in_the_cpu_kernels_layout():
+    """Why native_dropout_backward is in _compat._batch_norm_layout_ops: its CPU result follows a transposed
+    gradient's layout where its meta kernel's is contiguous. If they stop differing, the entry may be dead."""
+    grad, mask = torch.randn(4, 5, 6).transpose(1, 2), torch.rand(4, 6, 5) > 0.5
+    strides = {dev: torch.ops.aten.native_dropout_backward(grad.to(dev), mask.to(dev), 2.0).stride()
+               for dev in ("cpu", "meta")}
+    assert strides == {"cpu": (30, 1, 6), "meta": (30, 5, 1)}
+    torch.manual_seed(0)
+    model = _GroupNormDropoutThenTranspose(False).train()
+    step = torch_ext.make_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, x: m(x).sum(),
+                                     (torch.randn(4, 3, 5),))
+    nodes = [n for n in step.program.graph.nodes if n.target == torch.ops.aten.native_dropout_backward.default]
+    assert len(nodes) == 1 and nodes[0].meta["val"].stride() == (30, 1, 6)
+
+
+def test_activation_backward_traced_in_the_cpu_kernels_layout():
+    """Why softplus/elu/hardswish/hardsigmoid/hardtanh/logit backward are in _compat._batch_norm_layout_ops."""
+    grad, x = torch.randn(4, 3, 4), torch.randn(4, 4, 3).transpose(1, 2)
+    strides = {dev: torch.ops.aten.softplus_backward(grad.to(dev), x.to(dev), 1.0, 20.0).stride()
+               for dev in ("cpu", "meta")}
+    assert strides == {"cpu": (12, 4, 1), "meta": (12, 1, 3)}
+
+
 def test_layer_norm_results_traced_in_the_cpu_kernels_layout():
     """Why the layer norm entries of _compat.eager_batch_norm_layouts exist: the CPU kernels' layout against the
     meta kernels' for a transposed input. If they stop differing, the patch may be dead."""
