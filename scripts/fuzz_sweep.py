@@ -65,6 +65,11 @@ class Boom(Exception):
 
 # ------------------------------------------------------------------------------------------ generator
 def gen_model(rng: random.Random) -> dict:
+    if rng.random() < 0.35:  # a Hugging Face GPT-2 (tied embedding / unembedding), built from a config
+        return {"family": "gpt2", "seed": rng.randrange(1000), "d": rng.choice((32, 64)),
+                "vocab": rng.choice((50, 64, 100)), "T": rng.choice((4, 5, 6, 8)), "B": rng.choice((1, 2, 3)),
+                "mask": rng.choice((None, None, "left", "ones")),
+                "dtype": "float64" if rng.random() < 0.15 else "float32", "blocks": [{"kind": "gpt2"}] * 2}
     blocks = []
     for _ in range(rng.randint(1, 3)):
         kind = rng.choice(BLOCKS)
@@ -83,8 +88,13 @@ def gen_model(rng: random.Random) -> dict:
             "dtype": "float64" if rng.random() < 0.2 else "float32", "blocks": blocks}
 
 
+GPT2_HOOKS = ("hook_resid_pre", "attn.hook_z", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post")
+
+
 def hooks_of(model_spec: dict) -> dict:
     """{hook name: seq dim} of the spec's model, in forward order."""
+    if model_spec.get("family") == "gpt2":
+        return {f"blocks.{i}.{h}": 1 for i in range(len(model_spec["blocks"])) for h in GPT2_HOOKS}
     hooks = {"hook_embed": 1}
     for i, b in enumerate(model_spec["blocks"]):
         if b["kind"] in ("mlp", "tiny", "mha", "enc", "conv"):
@@ -169,7 +179,46 @@ def gen_spec(rng: random.Random) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ model
+def build_gpt2(m: dict):
+    import transformers
+
+    import torch
+
+    torch.manual_seed(m["seed"])
+    cfg = transformers.GPT2Config(n_layer=len(m["blocks"]), n_embd=m["d"], n_head=4, vocab_size=m["vocab"],
+                                  n_positions=16, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg).to(getattr(torch, m["dtype"])).eval()
+
+
+def gpt2_points(model, m: dict) -> dict:
+    """{hook name: (module, how)} for the reference's hooks on a GPT-2, TransformerLens 4's bridge names: resid_pre:
+    the block's input; attn_out / mlp_out: the attention's / MLP's output; resid_mid: ln_2's input (the bridge's
+    hook_resid_mid is ln2.hook_in: a patch there reaches the MLP branch only, not the residual add, checked on a
+    TransformerBridge); resid_post: the block's output; attn.hook_z: the output projection's input, seen as
+    [batch, pos, head, d_head]."""
+    points = {}
+    for i, blk in enumerate(model.transformer.h):
+        points[f"blocks.{i}.hook_resid_pre"] = (blk, "pre")
+        points[f"blocks.{i}.attn.hook_z"] = (blk.attn.c_proj, "pre_z")
+        points[f"blocks.{i}.hook_attn_out"] = (blk.attn, "out0")
+        points[f"blocks.{i}.hook_resid_mid"] = (blk.ln_2, "pre")
+        points[f"blocks.{i}.hook_mlp_out"] = (blk.mlp, "out")
+        points[f"blocks.{i}.hook_resid_post"] = (blk, "out")
+    return points
+
+
+def logits_of(out):
+    """The logits of a model's output: the tensor itself, or a Hugging Face ModelOutput's ``logits``."""
+    return out if not hasattr(out, "keys") else out["logits"]
+
+
+def last_dim(m: dict, hook: str) -> int:
+    return m["d"] // 4 if hook.endswith("attn.hook_z") else m["d"]
+
+
 def build_model(m: dict):
+    if m.get("family") == "gpt2":
+        return build_gpt2(m)
     import torch
     import torch.nn as nn
     from transformer_lens.hook_points import HookPoint
@@ -278,36 +327,49 @@ def build_model(m: dict):
 
 
 def make_input(m: dict, seed: int, t: int):
+    """(positional inputs, keyword inputs) of one forward."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     b, dtype = m["B"], getattr(torch, m["dtype"])
+    if m.get("family") == "gpt2":
+        ids = torch.randint(0, m["vocab"], (b, t), generator=g)
+        if m["mask"] is None:
+            return (ids,), {}
+        mask = torch.ones(b, t, dtype=torch.long)
+        if m["mask"] == "left":  # left padding: row 0 (and row 2) start 1..t-1 tokens late
+            for r in range(0, b, 2):
+                mask[r, :int(torch.randint(1, t, (1,), generator=g))] = 0
+        return (ids,), {"attention_mask": mask}
     if m["front"] == "embed":
-        return torch.randint(0, 16, (b, t), generator=g)
+        return (torch.randint(0, 16, (b, t), generator=g),), {}
     if m["front"] == "linear":
-        return torch.randn(b, t, 4, generator=g, dtype=dtype)
-    return torch.randn(b, 4, t, generator=g, dtype=dtype)
+        return (torch.randn(b, t, 4, generator=g, dtype=dtype),), {}
+    return (torch.randn(b, 4, t, generator=g, dtype=dtype),), {}
+
+
+def clone_input(x):
+    args, kw = x
+    return tuple(a.clone() for a in args), {k: v.clone() for k, v in kw.items()}
 
 
 # ------------------------------------------------------------------------------------------ reference
 class Reference:
-    """Eager PyTorch with forward hooks on the HookPoints: the documented semantics, no torch_ext."""
+    """Eager PyTorch with forward hooks on the hook points: the documented semantics, no torch_ext."""
 
-    def __init__(self, model, x):
-        self.model, self.x = model, x
+    def __init__(self, model, x, points):
+        self.model, self.x = model, x   # x: (positional inputs, keyword inputs)
+        self.points = points            # hook -> (module, how): "out", "out0" (a tuple's first), "pre", "pre_z"
         self.patches: dict = {}  # hook -> tensor (the frozen value)
         self.grafts: dict = {}   # hook -> [block, ...] (applied after the patch, in graft order)
 
     def forward(self, override=None):
         """(output, {hook: value its name addresses}) with the standing patches, grafts and ``override``."""
         import torch
-        from transformer_lens.hook_points import HookPoint
 
         seen, handles = {}, []
 
-        def hook(mod, args, out):
-            name = mod.name
-            v = out
+        def apply(name, v):
             if name in self.patches:
                 v = self.patches[name]
             if override is not None and override[0] == name:
@@ -318,14 +380,37 @@ class Reference:
                     v = blk(v)
             return v
 
-        for mod in self.model.modules():
-            if isinstance(mod, HookPoint):
-                handles.append(mod.register_forward_hook(hook))
+        def out_hook(name, how):
+            def hook(mod, args, out):
+                if how == "out0":
+                    return (apply(name, out[0]),) + tuple(out[1:])
+                return apply(name, out)
+            return hook
+
+        def pre_hook(name, how):
+            def hook(mod, args, kwargs):
+                x = args[0] if args else kwargs["hidden_states"]
+                if how == "pre_z":  # [batch, pos, d] -> the hook's [batch, pos, head, d_head] and back
+                    b, t, d = x.shape
+                    y = apply(name, x.view(b, t, 4, d // 4)).reshape(b, t, d)
+                else:
+                    y = apply(name, x)
+                if args:
+                    return (y,) + tuple(args[1:]), kwargs
+                return args, {**kwargs, "hidden_states": y}
+            return hook
+
+        for name, (mod, how) in self.points.items():
+            if how.startswith("pre"):
+                handles.append(mod.register_forward_pre_hook(pre_hook(name, how), with_kwargs=True))
+            else:
+                handles.append(mod.register_forward_hook(out_hook(name, how)))
         try:
             # Grad mode on: under no_grad an eval-mode nn.MultiheadAttention / nn.TransformerEncoderLayer takes
             # its fused fast path (torch._native_multi_head_attention), other kernels than the traced graph's.
             with torch.enable_grad():
-                out = self.model(self.x)
+                args, kw = self.x
+                out = logits_of(self.model(*args, **kw))
         finally:
             for h in handles:
                 h.remove()
@@ -363,7 +448,7 @@ def graft_block(o: dict, d: int, dtype):
     return torch.nn.Linear(d, d).to(dtype)
 
 
-def metric_of(kind: str):
+def metric_of(kind: str, out_key=0):
     """(metric for the graph, metric for the reference, scale(out), reads or None)."""
     import torch
 
@@ -373,13 +458,13 @@ def metric_of(kind: str):
     if kind in ("last", "reads_last"):
         met = lambda out: float((out[:, -1] * w_of(out)).sum())  # noqa: E731
         scale = lambda out: float((out[:, -1].abs() * w_of(out).abs()).sum())  # noqa: E731
-        reads = {0: (slice(None), -1)} if kind == "reads_last" else None
-        return met, met, scale, reads
+        reads = {out_key: (slice(None), -1)} if kind == "reads_last" else None
+        return lambda out: met(logits_of(out)), met, scale, reads
     if kind == "sum":
         met = lambda out: float(out.sum())  # noqa: E731
-        return met, met, lambda out: float(out.abs().sum()), None
+        return lambda out: met(logits_of(out)), met, lambda out: float(out.abs().sum()), None
     met = lambda out: {"a": float(out[0, 0, 0]), "b": float(out[-1].mean())}  # noqa: E731
-    return met, met, lambda out: float(out.abs().max()), None
+    return lambda out: met(logits_of(out)), met, lambda out: float(out.abs().max()), None
 
 
 def close(a: float, b: float, scale: float) -> bool:
@@ -398,8 +483,11 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
     model = build_model(m)
     ref_model = copy.deepcopy(model)
     x = make_input(m, 0, m["T"])
-    rg = torch_ext.ReactiveGraph(model, (x,))
-    ref = Reference(ref_model, x.clone())
+    rg = torch_ext.ReactiveGraph(model, x[0], example_kwargs=x[1] or None)
+    points = gpt2_points(ref_model, m) if m.get("family") == "gpt2" else {
+        mod.name: (mod, "out") for mod in ref_model.modules() if type(mod).__name__ == "HookPoint"}
+    ref = Reference(ref_model, clone_input(x), points)
+    out_key = "logits" if m.get("family") == "gpt2" else 0
     diffs: list[str] = []
     refusals: dict[str, int] = {}
     graft_mods = []  # (graph's block, reference's block) for nn.Module grafts
@@ -455,7 +543,7 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
             ref.patches[h] = fn(seen[h].clone())
 
     def do_graft(o):
-        blk = graft_block(o, m["d"], dtype)
+        blk = graft_block(o, last_dim(m, o["hook"]), dtype)
         rblk = copy.deepcopy(blk) if isinstance(blk, torch.nn.Module) else blk
         rg.graft(o["hook"], blk)
         # A node-form graft is spliced right after the node, before the blocks grafted there earlier (intended:
@@ -482,8 +570,8 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
                 do_graft(o)
             elif op == "run":
                 nx = make_input(m, o["seed"], o["T"])
-                rg.run(nx)
-                ref.x = nx.clone()
+                rg.run(*nx[0], **nx[1])
+                ref.x = clone_input(nx)
             elif op == "wedit":
                 pairs = graft_mods if o["target"] == "graft" and graft_mods else [(model, ref_model)]
                 a_mod, b_mod = pairs[o["seed"] % len(pairs)]
@@ -527,24 +615,24 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
                     for h in o["hooks"]:
                         eq(got[h], seen[h], f"{where} values()[{h}]")
                 elif o["how"] == "demand":
-                    eq(rg.demand(), out, f"{where} demand()")
+                    eq(logits_of(rg.demand()), out, f"{where} demand()")
                 else:
-                    got = rg.demand(reads={0: (slice(None), -1)})
+                    got = logits_of(rg.demand(reads={out_key: (slice(None), -1)}))
                     eq(got[:, -1], out[:, -1], f"{where} demand(reads)[:, -1]", tol_ok=True)
             elif op == "sweep":
-                sweep_op(o, where, rg, ref, seq_dims, m, eq, torch_ext, torch)
+                sweep_op(o, where, rg, ref, seq_dims, m, eq, torch_ext, torch, out_key)
         except Exception as exc:  # noqa: BLE001 - classified
             note(exc, where)
     # Whatever happened, the graph's outputs must be eager's at the end.
     try:
         out, _ = ref.forward()
-        eq(rg.demand(), out, "final demand()")
+        eq(logits_of(rg.demand()), out, "final demand()")
     except Exception as exc:  # noqa: BLE001
         note(exc, "final")
     return diffs, refusals
 
 
-def sweep_op(o, where, rg, ref, seq_dims, m, eq, torch_ext, torch):
+def sweep_op(o, where, rg, ref, seq_dims, m, eq, torch_ext, torch, out_key):
     out0, seen0 = ref.forward()
     hooks = o["hooks"]
     t = out0.shape[1]
@@ -577,7 +665,7 @@ def sweep_op(o, where, rg, ref, seq_dims, m, eq, torch_ext, torch):
         w.select(sd, p).copy_(src.select(sd, p))
         return w
 
-    met, ref_met, scale_of, reads = metric_of(o["metric"])
+    met, ref_met, scale_of, reads = metric_of(o["metric"], out_key)
     kw = {"progress": False, "skip_identical": o["skip"]}
     if o["batch"] is not False:
         kw["batch_sites"] = o["batch"]
@@ -636,8 +724,8 @@ def simplifications(spec: dict):
             if all(o.get("hook", "hook_embed") in names and set(o.get("hooks", ())) <= names
                    and all(i.get("hook", "hook_embed") in names for i in o.get("ops", ())) for o in ops):
                 yield {**spec, "model": nm}
-    for key, v in (("B", 1), ("dtype", "float32"), ("front", "embed")):
-        if m[key] != v:
+    for key, v in (("B", 1), ("dtype", "float32"), ("front", "embed"), ("mask", None)):
+        if key in m and m[key] != v:
             yield {**spec, "model": {**m, key: v}}
     for k, o in enumerate(ops):
         if o["op"] == "sweep":
