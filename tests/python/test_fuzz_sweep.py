@@ -132,12 +132,14 @@ def test_chained_hook_points_refuse_what_one_node_cannot_answer():
         assert res.metrics["hook_post"] == float(m.b(torch.zeros(2, 4)).sum())
 
 
-def test_patch_function_after_a_graft_and_a_patch_is_refused_not_handed_the_pre_graft_value():
+def test_patch_function_after_a_graft_and_a_patch_gets_the_grafted_baseline():
     """Fuzzer case 2:55, reduced: graft upstream, patch a node by value (nothing demanded in between), then
     patch it again by function. The function was handed the node's value from before the graft (the engine saved
     the stale value as the baseline at the first patch), so the pin was fn(baseline without the block), silently
-    (2.29 off on the fuzzer's model). Now that baseline is known stale: the function patch is refused by name and
-    the graph left as it was; after restore() the same patch sees the grafted baseline, as eager hooks would."""
+    (2.29 off on the fuzzer's model). Stop 47 refused it ("baseline of %tanh is not cached while patches are
+    active", which users read as an internal error); now the baseline is computed with the patches lifted and put
+    back: the function gets what eager hooks give with no patch active (the grafted baseline), and the other pins
+    stand as they were."""
     import torch
 
     import torch_ext
@@ -155,13 +157,41 @@ def test_patch_function_after_a_graft_and_a_patch_is_refused_not_handed_the_pre_
     rg = torch_ext.ReactiveGraph(m, (x,), cache=False)
     rg.graft("relu", lambda t: 2 * t)
     rg.patch("tanh", torch.full((2, 4), 5.0))
-    with pytest.raises(RuntimeError, match=r"baseline of %tanh is not cached while patches are active"):
-        rg.patch("tanh", lambda v: v * 1.5)
-    assert torch.equal(rg.value("tanh"), torch.full((2, 4), 5.0))
-    rg.check_invariants()
-    rg.restore()
-    rg.patch("tanh", lambda v: v * 1.5)
     with torch.no_grad():
         want = torch.tanh(m.b(2 * torch.relu(m.a(x))))
-        assert torch.equal(rg.value("tanh"), want * 1.5)
+    assert torch.equal(rg.baseline("tanh"), want)
+    assert torch.equal(rg.value("tanh"), torch.full((2, 4), 5.0))
+    rg.patch("tanh", lambda v: v * 1.5)
+    assert torch.equal(rg.value("tanh"), want * 1.5)
+    rg.check_invariants()
+    with torch.no_grad():
         assert torch.equal(rg.demand(), m.c(want * 1.5))
+
+
+def test_patch_function_after_a_weight_edit_under_another_patch_gets_the_new_baseline():
+    """A weight edit under a standing patch, then patch(fn) at a node whose baseline the edit made stale: refused
+    by stop 47 ("... is not cached while patches are active"); the function now gets the edited model's baseline
+    (no patch active) and the standing patch elsewhere stays pinned to its value."""
+    import torch
+
+    import torch_ext
+
+    torch.manual_seed(1)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4), torch.nn.Tanh(),
+                            torch.nn.Linear(4, 4)).eval()
+    x = torch.randn(3, 4)
+    rg = torch_ext.ReactiveGraph(m, (x,), cache=False)
+    names = rg.nodes()
+    relu, tanh = next(n for n in names if n.startswith("relu")), next(n for n in names if n.startswith("tanh"))
+    pin = torch.full((3, 4), 0.25)
+    rg.patch(relu, pin)
+    rg.patch(tanh, lambda v: v * 0)
+    with torch.no_grad():
+        m[2].weight.add_(0.3)
+        want = torch.tanh(m[2](torch.relu(m[0](x))))
+    rg.patch(tanh, lambda v: v * 2)
+    assert torch.equal(rg.value(tanh), want * 2)
+    assert torch.equal(rg.value(relu), pin)
+    rg.check_invariants()
+    with torch.no_grad():
+        assert torch.equal(rg.demand(), m[4](want * 2))
