@@ -95,6 +95,8 @@ def hooks_of(model_spec: dict) -> dict:
     """{hook name: seq dim} of the spec's model, in forward order."""
     if model_spec.get("family") == "gpt2":
         return {f"blocks.{i}.{h}": 1 for i in range(len(model_spec["blocks"])) for h in GPT2_HOOKS}
+    if model_spec.get("family") == "tl":
+        return {}
     hooks = {"hook_embed": 1}
     for i, b in enumerate(model_spec["blocks"]):
         if b["kind"] in ("mlp", "tiny", "mha", "enc", "conv"):
@@ -131,7 +133,8 @@ def gen_ops(rng: random.Random, m: dict) -> list:
             else:
                 patched.discard(o["hook"])
         elif r < 0.32:
-            o = {"op": "graft", "hook": rng.choice(hooks), "block": rng.choice(("double", "tanh", "linear")),
+            o = {"op": "graft", "hook": rng.choice(hooks),
+                 "block": rng.choice(("double", "tanh", "linear", "linear_kept")),
                  "seed": rng.randrange(1000)}
             grafted.add(o["hook"])
             n_graft += 1
@@ -144,7 +147,8 @@ def gen_ops(rng: random.Random, m: dict) -> list:
         elif r < 0.46:
             o = {"op": "wedit", "how": rng.choice(("add_", "data_mul")), "c": rng.choice((0.5, 1.5, -1.0)),
                  "seed": rng.randrange(1000),
-                 "target": "graft" if n_graft and rng.random() < 0.3 else "model"}
+                 "target": "graft" if n_graft and rng.random() < 0.3 else rng.choice(("model", "model", "buffer",
+                                                                                        "input"))}
         elif r < 0.53:
             inner = []
             for _ in range(rng.randint(1, 3)):
@@ -158,7 +162,7 @@ def gen_ops(rng: random.Random, m: dict) -> list:
         elif r < 0.57:
             o = {"op": "cutoff", "on": rng.random() < 0.6}
         elif r < 0.72:
-            o = {"op": "read", "how": rng.choice(("value", "values", "demand", "demand_reads")),
+            o = {"op": "read", "how": rng.choice(("value", "values", "demand", "demand_reads", "baseline")),
                  "hooks": rng.sample(hooks, min(len(hooks), rng.randint(1, 3)))}
         else:
             per_pos = rng.random() < 0.75
@@ -173,9 +177,119 @@ def gen_ops(rng: random.Random, m: dict) -> list:
     return ops
 
 
+TL_FUNCTIONS = ("get_act_patch_resid_pre", "get_act_patch_resid_mid", "get_act_patch_attn_out",
+                "get_act_patch_mlp_out", "get_act_patch_attn_head_out_all_pos", "get_act_patch_attn_head_out_by_pos",
+                "get_act_patch_block_every", "get_act_patch_attn_head_q_all_pos", "get_act_patch_attn_head_k_by_pos",
+                "get_act_patch_attn_head_v_all_pos", "get_act_patch_attn_head_pattern_all_pos",
+                "get_act_patch_attn_head_pattern_by_pos", "get_act_patch_attn_head_all_pos_every",
+                "get_act_patch_attn_head_by_pos_every", "get_act_patch_attn_head_pattern_dest_src_pos")
+
+
+def gen_tl_spec(rng: random.Random) -> dict:
+    """A TransformerBridge (boot_native, offline) through torch_ext.patching against transformer_lens.patching:
+    README "Coming from TransformerLens" promises the same tensors, bit for bit."""
+    m = {"family": "tl", "seed": rng.randrange(1000), "d_head": rng.choice((4, 8)), "heads": rng.choice((2, 4)),
+         "vocab": rng.choice((31, 50)), "T": rng.choice((4, 5, 6)), "B": rng.choice((1, 2, 3)),
+         "norm": rng.choice(("LN", "RMS")), "act": rng.choice(("gelu", "relu", "silu")), "blocks": [{}] * 2}
+    ops = []
+    for _ in range(rng.randint(1, 3)):
+        r = rng.random()
+        if r < 0.7:
+            ops.append({"op": "tlpatch", "fn": rng.choice(TL_FUNCTIONS), "metric": rng.choice(("diff", "mean", "vec")),
+                        "reduce": rng.choice((None, None, "mean")), "seed": rng.randrange(1000)})
+        elif r < 0.85:
+            ops.append({"op": "wedit", "how": rng.choice(("add_", "data_mul")), "c": rng.choice((0.5, 1.5, -1.0)),
+                        "seed": rng.randrange(1000), "target": "model"})
+        else:
+            ops.append({"op": "prompt", "seed": rng.randrange(1000)})
+    if not any(o["op"] == "tlpatch" for o in ops):
+        ops.append({"op": "tlpatch", "fn": rng.choice(TL_FUNCTIONS), "metric": "diff", "reduce": None,
+                    "seed": rng.randrange(1000)})
+    return {"model": m, "ops": ops}
+
+
+def run_tl_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
+    import os
+
+    os.environ.setdefault("TQDM_DISABLE", "1")  # TransformerLens's progress bars
+    import torch
+    import transformer_lens as tl
+    import transformer_lens.patching as tl_patching
+
+    from torch_ext import patching
+
+    torch.set_num_threads(1)
+    m = spec["model"]
+    cfg = tl.TransformerBridgeConfig(n_layers=len(m["blocks"]), d_model=m["heads"] * m["d_head"], n_heads=m["heads"],
+                                     d_head=m["d_head"], d_mlp=4 * m["heads"] * m["d_head"], n_ctx=16,
+                                     d_vocab=m["vocab"], act_fn=m["act"], normalization_type=m["norm"], seed=m["seed"])
+    model = tl.TransformerBridge.boot_native(cfg).eval()
+    diffs, refusals = [], {}
+
+    def prompts(seed):
+        g = torch.Generator().manual_seed(seed)
+        clean = torch.randint(0, m["vocab"], (m["B"], m["T"]), generator=g)
+        corrupted = clean.clone()
+        p = int(torch.randint(0, m["T"], (1,), generator=g))
+        corrupted[:, p] = (corrupted[:, p] + 7) % m["vocab"]
+        return clean, corrupted
+
+    clean, corrupted = prompts(0)
+    for step, o in enumerate(spec["ops"]):
+        where = f"op{step} {o['op']}"
+        if verbose:
+            print(where, json.dumps(o))
+        if o["op"] == "prompt":
+            clean, corrupted = prompts(o["seed"])
+        elif o["op"] == "wedit":
+            ps = list(model.parameters())
+            with torch.no_grad():
+                if o["how"] == "add_":
+                    ps[o["seed"] % len(ps)].add_(o["c"] * 0.1)
+                else:
+                    ps[o["seed"] % len(ps)].data.mul_(o["c"])
+        else:
+            a, b = o["seed"] % m["vocab"], (o["seed"] // 7) % m["vocab"]
+            if o["metric"] == "diff":
+                metric = lambda lg: lg[:, -1, a].mean() - lg[:, -1, b].mean()  # noqa: E731
+            elif o["metric"] == "mean":
+                metric = lambda lg: lg[:, -1].log_softmax(-1)[:, a].mean()  # noqa: E731
+            else:  # per prompt: reduce="mean" averages it, "scalar" (the default) refuses a vector
+                metric = lambda lg: lg[:, -1, a] - lg[:, -1, b]  # noqa: E731
+            kw = {"reduce": o["reduce"]} if o["reduce"] else {}
+            _, cache = model.run_with_cache(clean)
+            results = []
+            for lib in (tl_patching, patching):
+                try:
+                    results.append(("ok", getattr(lib, o["fn"])(model, corrupted, cache, metric, **kw)))
+                except Exception as exc:  # noqa: BLE001 - compared below
+                    results.append(("raised", f"{type(exc).__name__}: {str(exc).splitlines()[0][:150] if str(exc) else ''}"))
+            (ka, ta), (kb, tb) = results
+            if ka == "raised" and kb == "raised":
+                key = f"{where}: both raised: " + re.sub(r"\d+", "N", tb)
+                refusals[key] = refusals.get(key, 0) + 1
+            elif ka != kb:
+                diffs.append(f"{where} {o['fn']}: TransformerLens {ka} ({ta if ka == 'raised' else 'a tensor'}), "
+                             f"torch_ext {kb} ({tb if kb == 'raised' else 'a tensor'})")
+            else:
+                ta = ta.result if hasattr(ta, "result") else ta
+                tb = tb.result if hasattr(tb, "result") else tb
+                if not (isinstance(ta, torch.Tensor) and isinstance(tb, torch.Tensor) and ta.shape == tb.shape
+                        and torch.equal(ta, tb)):
+                    err = (float((ta - tb).abs().max()) if isinstance(ta, torch.Tensor) and isinstance(tb, torch.Tensor)
+                           and ta.shape == tb.shape else "shape")
+                    diffs.append(f"{where} {o['fn']}: torch_ext differs from TransformerLens (max abs diff {err})")
+    return diffs, refusals
+
+
 def gen_spec(rng: random.Random) -> dict:
+    if rng.random() < 0.12:
+        return gen_tl_spec(rng)
     m = gen_model(rng)
-    return {"model": m, "ops": gen_ops(rng, m)}
+    spec = {"model": m, "ops": gen_ops(rng, m)}
+    if rng.random() < 0.3:  # ReactiveGraph's own options (README: cutoff=, positions=)
+        spec["graph"] = {"cutoff": rng.random() < 0.5, "positions": rng.random() < 0.5}
+    return spec
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -445,7 +559,31 @@ def graft_block(o: dict, d: int, dtype):
     if o["block"] == "tanh":
         return torch.tanh
     torch.manual_seed(o["seed"])
+    if o["block"] == "linear_kept":
+        return KeptLayout(torch.nn.Linear(d, d).to(dtype))
     return torch.nn.Linear(d, d).to(dtype)
+
+
+def _kept_layout_cls():
+    import torch
+
+    class KeptLayout(torch.nn.Module):
+        """A block returning its input's layout (README, grafts: a block must return the node's layout)."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, t):
+            return torch.empty_like(t).copy_(self.inner(t))
+    return KeptLayout
+
+
+def KeptLayout(inner):  # noqa: N802 - a class made on first use (torch is imported lazily here)
+    global _KEPT
+    if "_KEPT" not in globals():
+        _KEPT = _kept_layout_cls()
+    return _KEPT(inner)
 
 
 def metric_of(kind: str, out_key=0):
@@ -473,6 +611,8 @@ def close(a: float, b: float, scale: float) -> bool:
 
 def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
     """Runs the spec both ways; returns (differences, {refusal message: count}). A refused build raises."""
+    if spec["model"].get("family") == "tl":
+        return run_tl_case(spec, verbose)
     import torch
 
     import torch_ext
@@ -483,7 +623,8 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
     model = build_model(m)
     ref_model = copy.deepcopy(model)
     x = make_input(m, 0, m["T"])
-    rg = torch_ext.ReactiveGraph(model, x[0], example_kwargs=x[1] or None)
+    rg = torch_ext.ReactiveGraph(model, x[0], example_kwargs=x[1] or None, **spec.get("graph", {}))
+    cur = [x]  # the graph's inputs now (run() replaces them): an input edit writes into them
     points = gpt2_points(ref_model, m) if m.get("family") == "gpt2" else {
         mod.name: (mod, "out") for mod in ref_model.modules() if type(mod).__name__ == "HookPoint"}
     ref = Reference(ref_model, clone_input(x), points)
@@ -572,12 +713,33 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
                 nx = make_input(m, o["seed"], o["T"])
                 rg.run(*nx[0], **nx[1])
                 ref.x = clone_input(nx)
+                cur[0] = nx
+            elif op == "wedit" and o["target"] == "input":
+                # README: an input written in place after the build is an edit of that input.
+                a_in, b_in = cur[0][0][0], ref.x[0][0]
+                with torch.no_grad():
+                    for t in (a_in, b_in):
+                        if t.is_floating_point():
+                            if o["how"] == "add_":
+                                t.add_(o["c"] * 0.1)
+                            else:
+                                t.data.mul_(o["c"])
+                        else:  # token ids: one token changed
+                            flat = t.view(-1)
+                            k = o["seed"] % flat.numel()
+                            flat[k] = (flat[k] + 1) % (m.get("vocab") or 16)
             elif op == "wedit":
-                pairs = graft_mods if o["target"] == "graft" and graft_mods else [(model, ref_model)]
-                a_mod, b_mod = pairs[o["seed"] % len(pairs)]
-                ps = list(a_mod.parameters())
-                i = o["seed"] % len(ps)
-                pa, pb = ps[i], list(b_mod.parameters())[i]
+                if o["target"] == "buffer":
+                    bufs = [(a_b, b_b) for a_b, b_b in zip(model.buffers(), ref_model.buffers()) if a_b.is_floating_point()]
+                    if not bufs:
+                        continue
+                    pa, pb = bufs[o["seed"] % len(bufs)]
+                else:
+                    pairs = graft_mods if o["target"] == "graft" and graft_mods else [(model, ref_model)]
+                    a_mod, b_mod = pairs[o["seed"] % len(pairs)]
+                    ps = list(a_mod.parameters())
+                    i = o["seed"] % len(ps)
+                    pa, pb = ps[i], list(b_mod.parameters())[i]
                 with torch.no_grad():
                     for p in (pa, pb):
                         if o["how"] == "add_":
@@ -616,6 +778,14 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
                         eq(got[h], seen[h], f"{where} values()[{h}]")
                 elif o["how"] == "demand":
                     eq(logits_of(rg.demand()), out, f"{where} demand()")
+                elif o["how"] == "baseline":  # no patch active; grafts and edits included
+                    saved, ref.patches = ref.patches, {}
+                    try:
+                        _, clean = ref.forward()
+                    finally:
+                        ref.patches = saved
+                    for h in o["hooks"]:
+                        eq(rg.baseline(h), clean[h], f"{where} baseline({h})")
                 else:
                     got = logits_of(rg.demand(reads={out_key: (slice(None), -1)}))
                     eq(got[:, -1], out[:, -1], f"{where} demand(reads)[:, -1]", tol_ok=True)
