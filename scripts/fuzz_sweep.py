@@ -650,15 +650,16 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
             if a.shape != b.shape or a.dtype != b.dtype:
                 diffs.append(f"{what}: shape/dtype {tuple(a.shape)} {a.dtype} vs eager {tuple(b.shape)} {b.dtype}")
                 return
-            if torch.equal(a, b):
-                return
+            if torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
+                                     and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))):
+                return  # NaN where eager has NaN (a buffer edit can make a variance negative) is agreement
             err = float((a.double() - b.double()).abs().max()) if a.is_floating_point() else float("nan")
             sc = float(b.double().abs().max()) if scale is None else scale
             if tol_ok and err <= TOL * max(sc, 1e-30):
                 return
             diffs.append(f"{what}: max abs diff {err:.3g} (scale {sc:.3g}){' beyond 1e-6' if tol_ok else ''}")
             return
-        if a == b:
+        if a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b):
             return
         if tol_ok and close(a, b, scale):
             return
