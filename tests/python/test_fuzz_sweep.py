@@ -328,3 +328,32 @@ def test_cutoff_sees_an_in_place_edit_read_through_a_view(what):
         want = m(x)
     assert torch.equal(rg.demand(), want)
     assert torch.equal(rg.demand(), want)
+
+
+def test_a_graft_after_a_node_whose_layout_differs_only_in_a_size_one_dim_is_taken():
+    """fuzz_sweep case 4:36: at batch 1 a transposed node [1, T, d] has strides [d, d, 1]; an nn.Linear grafted
+    there returns [T * d, d, 1], the same layout (a size-1 dim's stride addresses nothing), and was refused
+    ("graft: block output type f32[1,5,8] differs from %transpose_5 : f32[1,5,8]{8,8,1}"). Now it is taken, bit for
+    bit with an eager forward hook returning the block's output."""
+    import copy
+
+    import torch
+
+    import torch_ext
+
+    spec = {"seed": 39, "front": "embed", "d": 8, "T": 5, "B": 1, "dtype": "float32",
+            "blocks": [{"kind": "enc", "batch_first": False, "mask": "causal", "inner_hook": False},
+                       {"kind": "act", "act": "tanh"}]}
+    model = fuzz_sweep.build_model(spec)
+    ref_model = copy.deepcopy(model)
+    x = fuzz_sweep.make_input(spec, 0, 5)
+    rg = torch_ext.ReactiveGraph(model, x[0], cache=False)
+    torch.manual_seed(0)
+    block = torch.nn.Linear(8, 8)
+    rg.graft("blocks.0.hook_mid", block)
+    points = {mod.name: (mod, "out") for mod in ref_model.modules() if type(mod).__name__ == "HookPoint"}
+    ref = fuzz_sweep.Reference(ref_model, x, points)
+    ref.grafts["blocks.0.hook_mid"] = [copy.deepcopy(block)]
+    out, seen = ref.forward()
+    assert torch.equal(rg.demand(), out)
+    assert torch.equal(rg.value("blocks.1.hook_out"), seen["blocks.1.hook_out"])
