@@ -870,6 +870,16 @@ class ReactiveGraph:
         the other only downstream of it: reading, patching or sweeping the other name while that patch stands has
         no single answer in one node (a sweep at hook_post with hook_pre pinned answered 1.207 where eager gives
         -0.287, silently). Refused, naming both, until the patch is restored."""
+        grafted_as = self.__dict__.get("_graft_hook_names", {}).get(node)
+        if grafted_as is not None and grafted_as != name and name in self._hooks:
+            # A node-form graft made through one of the two names: in eager, the hook that runs after it sees the
+            # block's output, the one before it the value before the block, while both names address the node,
+            # before the block (a sweep at blocks.1.hook_resid_pre after a graft at blocks.0.hook_resid_post
+            # answered 1.745 where eager gives 1.322 on GPT-2, silently). A graft stands, so this does too.
+            raise ValueError(f"{what}: hooks '{name}' and '{grafted_as}' are two hook points in a row and address one "
+                             f"node ('{node}') of the graph, and a block was grafted through '{grafted_as}': in eager "
+                             f"one of them sees the block's output, which one node cannot hold. Use '{grafted_as}' "
+                             f"(the value before the block), or the block's output node")
         pinned_as = self.__dict__.get("_pin_names", {}).get(node)
         if pinned_as is None or pinned_as == name or name not in self._hooks or pinned_as not in self._hooks:
             return
@@ -1483,6 +1493,8 @@ class ReactiveGraph:
         if shapes is not None:  # the block sees the hook's layout (as patch functions do) and returns it
             block = _HookLayoutBlock(block, self._conversions[hook], hook, self._layout_words(hook))
         names = self._apply_graft(src, dst, block, shown=hook)
+        if not dst and hook != src and hook in self._hooks:
+            self.__dict__.setdefault("_graft_hook_names", {}).setdefault(src, hook)
         self._graft_snapshots = getattr(self, "_graft_snapshots", []) + [(src, type(block).__name__, snapshot)]
         self._grafts.append((src, dst, block, names))
         self._grafts_applied += 1
@@ -3355,7 +3367,7 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
     # that call measures the unpatched outputs first (`clean`), the same metric on the same copies.
     clean: list | None = None
     standing = eng.pinned()  # asked once: the sweep refuses mutations while it runs
-    if standing:
+    if standing or rg.__dict__.get("_graft_hook_names"):
         for site, node in zip(site_list, site_nodes):
             rg._refuse_other_hook_name(site[0] if isinstance(site, tuple) else site, node, "sweep")
     shows = _shows_progress(progress)

@@ -357,3 +357,36 @@ def test_a_graft_after_a_node_whose_layout_differs_only_in_a_size_one_dim_is_tak
     out, seen = ref.forward()
     assert torch.equal(rg.demand(), out)
     assert torch.equal(rg.value("blocks.1.hook_out"), seen["blocks.1.hook_out"])
+
+
+def test_the_other_of_two_hook_points_in_a_row_is_refused_after_a_graft_through_one():
+    """fuzz_sweep case 6:240, reduced (GPT-2): graft(blocks.0.hook_resid_post, block), then a sweep at
+    blocks.1.hook_resid_pre answered 1.745 where eager gives 1.322, silently: both names address one node, before
+    the block, while eager's resid_pre hook runs after resid_post's and sees the block's output. Reading, patching
+    or sweeping the other name is now refused naming both; the grafted name keeps working, as eager."""
+    import copy
+
+    import torch
+
+    import torch_ext
+
+    spec = {"family": "gpt2", "seed": 559, "d": 32, "vocab": 100, "T": 6, "B": 1, "mask": None, "dtype": "float32",
+            "blocks": [{"kind": "gpt2"}, {"kind": "gpt2"}]}
+    model = fuzz_sweep.build_model(spec)
+    ref_model = copy.deepcopy(model)
+    x = fuzz_sweep.make_input(spec, 0, 6)
+    rg = torch_ext.ReactiveGraph(model, x[0], cache=False)
+    rg.graft("blocks.0.hook_resid_post", lambda t: 2 * t)
+    both = r"hooks 'blocks\.1\.hook_resid_pre' and 'blocks\.0\.hook_resid_post' are two hook points in a row"
+    with pytest.raises(ValueError, match=both):
+        torch_ext.sweep(rg, ["blocks.1.hook_resid_pre"], lambda v, s: v * 0, lambda o: float(o["logits"].sum()),
+                        progress=False)
+    with pytest.raises(ValueError, match=both):
+        rg.value("blocks.1.hook_resid_pre")
+    with pytest.raises(ValueError, match=both):
+        rg.patch("blocks.1.hook_resid_pre", lambda v: v * 0)
+    ref = fuzz_sweep.Reference(ref_model, x, fuzz_sweep.gpt2_points(ref_model, spec))
+    ref.grafts["blocks.0.hook_resid_post"] = [lambda t: 2 * t]
+    out, seen = ref.forward()
+    assert torch.equal(rg.value("blocks.0.hook_resid_post"), seen["blocks.0.hook_resid_post"])
+    assert torch.equal(rg.demand()["logits"], out)
