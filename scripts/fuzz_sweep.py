@@ -12,6 +12,14 @@ exception raised inside and caught, sometimes), set_cutoff, reads (value, values
 sweeps (one at a time, batch_sites=True / K, reads=, positions on/off, skip_identical on/off; zero / noise /
 mean / corrupted-run patches; over standing patches and grafts).
 
+Real-model families too: a Hugging Face GPT-2 (tied embedding/unembedding, 2 layers, d 32/64, vocab <= 100, with
+no, an all-ones or a left-padding attention_mask, batch 1-3) addressed by TransformerLens 4 bridge hook names
+(resid_pre, attn.hook_z, attn_out, resid_mid = ln_2's input, mlp_out, resid_post), and a TransformerBridge through
+torch_ext.patching against transformer_lens.patching (bit for bit, README "Coming from TransformerLens"). Other
+mutations: buffer and in-place input edits, baseline() reads, ReactiveGraph(cutoff=, positions=), a Linear graft
+block that keeps its input's layout. Not generated: edge-form grafts (graft(src, dst, block): no forward-hook
+equivalent in the reference), rg.gradient, distributed sweeps.
+
 The reference is eager PyTorch on a deep copy of the model, forward hooks on the HookPoints, no torch_ext code,
 following README's documented semantics: a standing patch's function runs once, at patch(), on the hook's
 baseline value (no patch active, grafts and weight edits included: ReactiveGraph.patch's docstring), and the node then keeps that value (frozen) through later weight edits, grafts and sweep sites;
@@ -211,7 +219,7 @@ def gen_tl_spec(rng: random.Random) -> dict:
 def run_tl_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
     import os
 
-    os.environ.setdefault("TQDM_DISABLE", "1")  # TransformerLens's progress bars
+    os.environ.setdefault("TQDM_DISABLE", "1")  # TransformerLens's progress bars (tqdm >= 4.66)
     import torch
     import transformer_lens as tl
     import transformer_lens.patching as tl_patching
