@@ -870,6 +870,16 @@ class ReactiveGraph:
         the other only downstream of it: reading, patching or sweeping the other name while that patch stands has
         no single answer in one node (a sweep at hook_post with hook_pre pinned answered 1.207 where eager gives
         -0.287, silently). Refused, naming both, until the patch is restored."""
+        grafted_as = self.__dict__.get("_graft_hook_names", {}).get(node)
+        if grafted_as is not None and grafted_as != name and name in self._hooks:
+            # A node-form graft made through one of the two names: in eager, the hook that runs after it sees the
+            # block's output, the one before it the value before the block, while both names address the node,
+            # before the block (a sweep at blocks.1.hook_resid_pre after a graft at blocks.0.hook_resid_post
+            # answered 1.745 where eager gives 1.322 on GPT-2, silently). A graft stands, so this does too.
+            raise ValueError(f"{what}: hooks '{name}' and '{grafted_as}' are two hook points in a row and address one "
+                             f"node ('{node}') of the graph, and a block was grafted through '{grafted_as}': in eager "
+                             f"one of them sees the block's output, which one node cannot hold. Use '{grafted_as}' "
+                             f"(the value before the block), or the block's output node")
         pinned_as = self.__dict__.get("_pin_names", {}).get(node)
         if pinned_as is None or pinned_as == name or name not in self._hooks or pinned_as not in self._hooks:
             return
@@ -1192,7 +1202,12 @@ class ReactiveGraph:
         with _one_check_per_call():
             self._refuse_changed_state("baseline")
             self._take_untracked_writes()
-            return self._as_hook(node, self._engine.baseline(self._read_node(node)))
+            node_name = self._read_node(node)
+            value = _cached_baseline(self._engine, node_name)
+            if value is None:  # displaced by a graft or weight edit under standing patches: see _patch_fn_value
+                with self._patches_lifted():
+                    value = self._engine.value(node_name)
+            return self._as_hook(node, value)
 
     def resolve(self, name: str) -> str:
         """The node a name addresses: a node name, or a hook name (``blocks.0.hook_resid_pre``). A hook name
@@ -1331,17 +1346,41 @@ class ReactiveGraph:
         eng = self._engine
         eng.begin_transaction(restore_counts=True)
         try:
-            clean = eng.baseline(node)
-            value = self._call_patch_fn(node, self._hook_view(name, fn), clean, "patch function")
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"patch {node!r}: expected a tensor or a callable returning one, got a callable "
-                                f"returning {type(value).__name__}")
-            eng.check_patch(node, value)
+            clean = _cached_baseline(eng, node)
+            if clean is not None:
+                value = self._checked_patch_fn_value(name, node, fn, clean)
         except BaseException:
             eng.rollback()
             raise
-        eng.commit()
+        if clean is not None:
+            eng.commit()
+            return value
+        eng.rollback()
+        # The baseline is not cached: a graft or weight edit under standing patches displaced it. It is what the
+        # graph gives with no patch active, so the patches are lifted, the node read, and the patches put back by
+        # value (the same pins; their cones recompute at the next read). That refusal read like an internal error.
+        with self._patches_lifted():
+            return self._checked_patch_fn_value(name, node, fn, eng.value(node))
+
+    def _checked_patch_fn_value(self, name: str, node: str, fn: Callable, clean: torch.Tensor) -> torch.Tensor:
+        value = self._call_patch_fn(node, self._hook_view(name, fn), clean, "patch function")
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"patch {node!r}: expected a tensor or a callable returning one, got a callable "
+                            f"returning {type(value).__name__}")
+        self._engine.check_patch(node, value)
         return value
+
+    @contextlib.contextmanager
+    def _patches_lifted(self):
+        """Inside it no patch is active (reads give the baseline of the weights, inputs and grafts as they are);
+        at its end, also on an exception, the same nodes are pinned to the same values again."""
+        eng = self._engine
+        pins = {n: eng.value(n) for n in eng.pinned()}  # pinned nodes are valid: this evaluates nothing
+        eng.restore()
+        try:
+            yield
+        finally:
+            self._put_back_pins(pins)
 
     def _refuse_joint_edit(self, node: str, what: str, graft: bool = False, dst: str = "") -> None:
         """On a joint forward+backward program (outputs: the loss and the parameter gradients), the one rule for
@@ -1453,7 +1492,9 @@ class ReactiveGraph:
         shapes = self._hook_shape(hook, src)
         if shapes is not None:  # the block sees the hook's layout (as patch functions do) and returns it
             block = _HookLayoutBlock(block, self._conversions[hook], hook, self._layout_words(hook))
-        names = self._apply_graft(src, dst, block)
+        names = self._apply_graft(src, dst, block, shown=hook)
+        if not dst and hook != src and hook in self._hooks:
+            self.__dict__.setdefault("_graft_hook_names", {}).setdefault(src, hook)
         self._graft_snapshots = getattr(self, "_graft_snapshots", []) + [(src, type(block).__name__, snapshot)]
         self._grafts.append((src, dst, block, names))
         self._grafts_applied += 1
@@ -1477,7 +1518,7 @@ class ReactiveGraph:
                                  f"output {reads[0]!r} now, not {src!r}; to add a block after the first one, graft "
                                  f"onto the edge {reads[0]!r} -> {dst!r}")
 
-    def _apply_graft(self, src: str, dst: str, block: torch.nn.Module) -> list[str]:
+    def _apply_graft(self, src: str, dst: str, block: torch.nn.Module, shown: str | None = None) -> list[str]:
         # The example comes from src's declared type, never its value: inside `batch()` nothing may be
         # evaluated before the demand (a value would compute stale ancestors now, and again later).
         example = _empty_like_type(self._type_of(src))
@@ -1494,6 +1535,7 @@ class ReactiveGraph:
         if read_back:
             raise TypeError("graft: the block's " + _module_state.read_back_message(read_back, "the graph"))
         ep = _functional_program(exported)
+        _refuse_other_layout(ep, f"'{src}'" if shown in (None, src) else f"'{shown}' (node '{src}')", self._type_of(src))
         random = _random_nodes(ep)
         if random:
             raise ValueError(f"graft: the block draws random numbers at {', '.join(random[:4])}; a cached random draw "
@@ -2093,6 +2135,39 @@ def _replay_grafts(target: ReactiveGraph, grafts: list, start: int, where: str, 
             raise error(f"replaying graft {src!r} -> {dst or '*'} on {where} produced nodes {got}, not {names}")
         start += 1
     return start
+
+
+def _cached_baseline(eng, node: str):
+    """The engine's baseline of ``node``, or None where it is not cached while patches are active (a graft or an
+    in-place write displaced it); the caller then computes it with the patches lifted."""
+    try:
+        return eng.baseline(node)
+    except RuntimeError as e:
+        if "is not cached while patches are active" in str(e):
+            return None
+        raise
+
+
+def _refuse_other_layout(ep, src: str, src_type: tuple) -> None:
+    """A block whose result has the source's shape and dtype but another memory layout (nn.Linear or a matmul
+    after a transposed node returns a fresh contiguous tensor) is refused by the engine ("block output type ...
+    differs"), which read like an internal error. This says what happened and what to do: the graph's readers of
+    the node were traced for its layout, and copying the result into that layout is exact on both sides (an eager
+    hook returning the copy hands its readers the same strides)."""
+    outs = [a for a in ep.graph.output_node().args[0] if isinstance(a, torch.fx.Node)]
+    val = outs[0].meta.get("val") if len(outs) == 1 else None
+    if not isinstance(val, torch.Tensor) or src_type[0] != "tensor":
+        return
+    shape, strides = list(src_type[2]), list(src_type[3])
+    if list(val.shape) != shape or _SHORT_DTYPE.get(src_type[1]) != val.dtype:
+        return  # another shape or dtype: the engine's message names both types
+    if all(n <= 1 or a == b for n, a, b in zip(shape, val.stride(), strides)):
+        return
+    raise ValueError(f"graft after {src}: the block returns its result with strides {tuple(val.stride())}, while "
+                     f"the node's value has strides {tuple(strides)} (a transposed or permuted layout); the graph's "
+                     "readers of the node were traced for that layout, so the block must return it. Copy the result "
+                     "into the input's layout at the end of the block, e.g. `return torch.empty_like(x).copy_(y)` "
+                     "(the same values; eager readers then see the same strides as the graph's)")
 
 
 def _refuse_other_device(block: torch.nn.Module, src: str, device: str) -> None:
@@ -3292,7 +3367,7 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
     # that call measures the unpatched outputs first (`clean`), the same metric on the same copies.
     clean: list | None = None
     standing = eng.pinned()  # asked once: the sweep refuses mutations while it runs
-    if standing:
+    if standing or rg.__dict__.get("_graft_hook_names"):
         for site, node in zip(site_list, site_nodes):
             rg._refuse_other_hook_name(site[0] if isinstance(site, tuple) else site, node, "sweep")
     shows = _shows_progress(progress)

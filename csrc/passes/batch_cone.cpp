@@ -794,6 +794,23 @@ class Builder {
         type = infer_type(target, args, kwargs, w);
       }
       if (layout_from_decomposition(target)) keep_layout_of(type, n.type());
+      if (op == "_native_batch_norm_legit_no_training" && type.kind == ir::Type::Kind::Tuple &&
+          n.type().kind == ir::Type::Kind::Tuple && type.elems.size() == 3 && n.type().elems.size() == 3) {
+        // Eval-mode batch norm saves no statistics: the CPU kernel (and the trace) returns empty save_mean and
+        // save_invstd, [0], where the meta kernel answers [C]; the refusal then named the op as mixing the
+        // copies. The normalized output, per element from running statistics, is checked as any other.
+        type.elems[1] = n.type().elems[1];
+        type.elems[2] = n.type().elems[2];
+        // Its CPU kernel lays the output out as empty_like(input, input.suggest_memory_format()), as the IR check
+        // infers it (ir/type_check.cpp, batch_norm_input_position), not in the layout of the unstacked node.
+        const ir::Type& in = args.at(0).kind == Arg::Kind::Node ? args.at(0).node->type() : type.elems[0];
+        if (in.is_tensor() && type.elems[0].is_tensor() && in.tensor.sizes == type.elems[0].tensor.sizes &&
+            n.type().elems[0].is_tensor() && n.type().elems[0].tensor.device.is_cpu()) {
+          const at::Tensor meta = at::empty_strided(in.tensor.sizes, in.tensor.strides,
+                                                    at::TensorOptions().dtype(in.tensor.dtype).device(at::kMeta));
+          type.elems[0].tensor.strides = at::empty_like(meta, meta.suggest_memory_format()).strides().vec();
+        }
+      }
     }
     TORCH_CHECK(scaled_equal(n.type(), type, c, lout.b), "batch_cone: ", w, " produces ", sizes_text(type),
                 " from the stacked inputs against ", sizes_text(n.type()), " alone, not the copies along dim ", lout.b,

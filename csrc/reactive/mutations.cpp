@@ -21,6 +21,22 @@
 namespace torch_ext::reactive {
 namespace {
 
+// Two types that hold the same values the same way: equal, or tensors that differ only in the strides of
+// size-1 dims (which address nothing). A Linear grafted after a transposed [1, T, d] node (strides [d, d, 1])
+// returns [T * d, d, 1]: the same layout, which the exact comparison refused as "block output type differs".
+bool same_value_type(const ir::Type& a, const ir::Type& b) {
+  if (a == b) return true;
+  if (!a.is_tensor() || !b.is_tensor()) return false;
+  const ir::TensorMeta& x = a.tensor;
+  const ir::TensorMeta& y = b.tensor;
+  if (x.dtype != y.dtype || x.sizes != y.sizes || x.device != y.device || x.strides.size() != x.sizes.size() ||
+      y.strides.size() != y.sizes.size())
+    return false;
+  for (size_t d = 0; d < x.sizes.size(); ++d)
+    if (x.sizes[d] > 1 && x.strides[d] != y.strides[d]) return false;
+  return true;
+}
+
 // The parts of a graft block, checked against the source it is spliced after.
 struct BlockParts {
   const ir::Node* input = nullptr;        // the one user input: takes the source's value
@@ -48,7 +64,7 @@ BlockParts check_block(const ir::Graph& block, const ir::Node& src, const std::v
   TORCH_CHECK(outs.size() == 1 && outs[0].kind == ir::Arg::Kind::Node && outs[0].node->kind() == ir::NodeKind::Call,
               "graft: the block must return exactly one computed value");
   parts.output = outs[0].node;
-  TORCH_CHECK(parts.output->type() == src.type(), "graft: block output type ", ir::print_type(parts.output->type()),
+  TORCH_CHECK(same_value_type(parts.output->type(), src.type()), "graft: block output type ", ir::print_type(parts.output->type()),
               " differs from %", src.name(), " : ", ir::print_type(src.type()));
   TORCH_CHECK(params.size() == parts.params.size(), "graft: the block has ", parts.params.size(),
               " parameter inputs, got ", params.size(), " values");
