@@ -1270,9 +1270,9 @@ def onednn_rnn_backward_dtypes():
         yield
 
 
-def _batch_norm_cpu_layout(original, input_at, restrided, contiguous=False):
-    """``original`` (a batch norm op's decomposition, which fake tensors run, or its meta kernel) with its results
-    ``restrided`` (indices) laid out as the CPU kernels lay them out: ``empty_like(input,
+def _batch_norm_cpu_layout(original, input_at, contiguous=False):
+    """``original`` (a batch norm op's decomposition, which fake tensors run, or its meta kernel) with its first
+    result laid out as the CPU kernels lay it out: ``empty_like(input,
     input.suggest_memory_format())`` (aten/src/ATen/native/Normalization.cpp, forward and backward), where torch
     2.9's decompositions keep the input's layout (``input_at``: the input's position). A transposed input
     (``x.transpose(1, 2)`` into BatchNorm1d) comes out contiguous on the CPU. A clone, so that the values stay
@@ -1289,10 +1289,9 @@ def _batch_norm_cpu_layout(original, input_at, restrided, contiguous=False):
         fmt = torch.contiguous_format if contiguous else suggest_memory_format(input)
         single = isinstance(out, torch.Tensor)
         out = [out] if single else list(out)
-        for i in restrided:
-            t = out[i]
-            if isinstance(t, torch.Tensor) and t.shape == input.shape and not t.is_contiguous(memory_format=fmt):
-                out[i] = t.clone(memory_format=fmt)
+        t = out[0]
+        if isinstance(t, torch.Tensor) and t.shape == input.shape and not t.is_contiguous(memory_format=fmt):
+            out[0] = t.clone(memory_format=fmt)
         return out[0] if single else tuple(out)
     return kernel
 
@@ -1330,21 +1329,17 @@ def eager_batch_norm_layouts():
 
 
 def _batch_norm_layout_ops() -> dict:
-    """{op: (its input's position, the indices of its results laid out as the CPU kernels lay them out, whether
-    that is contiguous whatever the input's layout)}: batch norm's results follow the input's memory format; layer
-    norm's, mse/huber loss backward's and log_softmax backward's are contiguous on the CPU, where the meta kernels
-    keep the (first) input's layout. The same dropped .contiguous() made GroupNorm -> transpose -> mse_loss /
-    huber_loss train 0.1 off eager in 3 steps."""
-    aten = torch.ops.aten
-    forward, backward = (0, (0,), False), (1, (0,), False)
-    return {aten.native_batch_norm.default: forward, aten._native_batch_norm_legit.default: forward,
-            aten._native_batch_norm_legit.no_stats: forward, aten._native_batch_norm_legit_functional.default: forward,
-            aten._native_batch_norm_legit_no_training.default: forward, aten._batch_norm_with_update.default: forward,
-            aten._batch_norm_with_update_functional.default: forward, aten._batch_norm_no_update.default: forward,
-            aten.native_batch_norm_backward.default: backward, aten.batch_norm_backward.default: backward,
-            aten.native_layer_norm.default: (0, (0,), True), aten.native_layer_norm_backward.default: (1, (0,), True),
-            aten.mse_loss_backward.default: (1, (0,), True), aten.huber_loss_backward.default: (1, (0,), True),
-            aten._log_softmax_backward_data.default: (0, (0,), True)}
+    """{op: (its input's position, whether its first result is contiguous whatever the input's layout)}: the ops
+    whose CPU kernels lay their first result out otherwise than their meta kernels, from the C++ type checker's
+    table (csrc/ir/type_check.h, ``cpu_layout_ops``), so that what is traced and what the checker infers cannot
+    drift apart. Batch norm's results follow the input's memory format; layer norm's, mse/huber loss backward's and
+    log_softmax backward's are contiguous on the CPU, where the meta kernels keep the (first) input's layout. The
+    same dropped .contiguous() made GroupNorm -> transpose -> mse_loss / huber_loss train 0.1 off eager in 3
+    steps."""
+    from . import _C
+
+    return {getattr(getattr(torch.ops.aten, name), overload): (at, contiguous)
+            for name, overload, at, contiguous in _C.cpu_layout_ops()}
 
 
 def batch_norm_in_cpu_layout(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -1363,14 +1358,13 @@ def batch_norm_in_cpu_layout(ep: torch.export.ExportedProgram) -> torch.export.E
     for node in ep.graph.nodes:
         if node.op != "call_function" or node.target not in ops:
             continue
-        at, results, contiguous = ops[node.target]
+        at, contiguous = ops[node.target]
         x, vals = node.args[at].meta.get("val") if len(node.args) > at else None, node.meta.get("val")
         if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.layout != torch.strided:
             continue
         fmt = torch.contiguous_format if contiguous else suggest_memory_format(x)
-        for i in results:
-            t = vals[i] if isinstance(vals, (tuple, list)) and i < len(vals) else None
-            stale |= isinstance(t, torch.Tensor) and t.shape == x.shape and not t.is_contiguous(memory_format=fmt)
+        t = vals[0] if isinstance(vals, (tuple, list)) and vals else None
+        stale |= isinstance(t, torch.Tensor) and t.shape == x.shape and not t.is_contiguous(memory_format=fmt)
     if not stale:
         return ep
     from torch.export.experimental import _copy_graph_module_and_signature

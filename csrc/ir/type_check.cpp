@@ -320,28 +320,12 @@ MetaCache& meta_cache() {
   return *cache;
 }
 
-// Batch norm's CPU kernels (aten/src/ATen/native/Normalization.cpp, forward and backward) lay their first result
-// (the output, the input's gradient) out as empty_like(input, input.suggest_memory_format()), where the meta
-// kernels keep the input's layout (a transposed input comes out contiguous on the CPU). Tracing records the CPU
-// kernels' layout (torch_ext/_compat.py, eager_batch_norm_layouts), and so is it inferred here. The input's
-// position in the schema, or -1 for other operators.
-int batch_norm_input_position(const std::string& op) {
-  if (op == "native_batch_norm" || op == "_native_batch_norm_legit" || op == "_native_batch_norm_legit_functional" ||
-      op == "_native_batch_norm_legit_no_training" || op == "_batch_norm_with_update" ||
-      op == "_batch_norm_with_update_functional" || op == "_batch_norm_no_update")
-    return 0;
-  if (op == "native_batch_norm_backward" || op == "batch_norm_backward") return 1;
-  return -1;
-}
-
-// The CPU kernels of layer norm (aten/src/ATen/native/layer_norm.cpp), mse_loss_backward, huber_loss_backward and
-// _log_softmax_backward_data lay their first result out contiguous whatever their inputs' layouts, where the meta
-// kernels keep the input's; traced in the CPU kernels' layout too (eager_batch_norm_layouts). The position of the
-// input whose shape the result has, or -1 for other operators.
-int contiguous_result_input_position(const std::string& op) {
-  if (op == "native_layer_norm" || op == "_log_softmax_backward_data") return 0;
-  if (op == "native_layer_norm_backward" || op == "mse_loss_backward" || op == "huber_loss_backward") return 1;
-  return -1;
+// The cpu_layout_ops() entry of an aten operator, by name (any overload: the out= variants too), or null.
+const CpuLayoutOp* cpu_layout_op(const Target& target) {
+  if (target.ns != "aten") return nullptr;
+  for (const CpuLayoutOp& op : cpu_layout_ops())
+    if (target.name == op.name) return &op;
+  return nullptr;
 }
 
 std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, std::vector<c10::IValue>& stack,
@@ -366,17 +350,11 @@ std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, s
     }
   }
   const c10::Device device = result_device(node);
-  at::Tensor batch_norm_input;
-  bool contiguous_result = false;  // contiguous_result_input_position's ops: not the suggested memory format
-  if (const int pos = batch_norm_input_position(node.target().name);
-      pos >= 0 && device.is_cpu() && static_cast<size_t>(pos) < stack.size() && stack[pos].isTensor())
-    batch_norm_input = stack[pos].toTensor();
-  if (const int pos = contiguous_result_input_position(node.target().name);
-      node.target().ns == "aten" && pos >= 0 && device.is_cpu() && static_cast<size_t>(pos) < stack.size() &&
-      stack[pos].isTensor()) {
-    batch_norm_input = stack[pos].toTensor();
-    contiguous_result = true;
-  }
+  // The input whose layout the first result follows on the CPU (cpu_layout_ops), where the meta kernel's differs.
+  at::Tensor layout_input;
+  const CpuLayoutOp* cpu_layout = device.is_cpu() ? cpu_layout_op(node.target()) : nullptr;
+  if (cpu_layout && static_cast<size_t>(cpu_layout->input) < stack.size() && stack[cpu_layout->input].isTensor())
+    layout_input = stack[cpu_layout->input].toTensor();
   {
     // Graph values carry no autograd history, and a Python mode active in the caller must not
     // see these tensors.
@@ -410,13 +388,12 @@ std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, s
   Type* first = !inferred ? nullptr
                 : inferred->kind == Type::Kind::Tuple && !inferred->elems.empty() ? &inferred->elems[0]
                 : &*inferred;
-  if (first && batch_norm_input.defined() && first->is_tensor() &&
-      first->tensor.sizes == batch_norm_input.sizes().vec())
-    first->tensor.strides = at::empty_like(batch_norm_input, contiguous_result
-                                                                 ? c10::MemoryFormat::Contiguous
-                                                                 : batch_norm_input.suggest_memory_format())
-                                .strides()
-                                .vec();
+  if (first && layout_input.defined() && first->is_tensor() && first->tensor.sizes == layout_input.sizes().vec())
+    first->tensor.strides =
+        at::empty_like(layout_input, cpu_layout->contiguous ? c10::MemoryFormat::Contiguous
+                                                            : layout_input.suggest_memory_format())
+            .strides()
+            .vec();
   if (!inferred || agrees(node.type(), *inferred, node.target().name, layout_is_inferred(op))) return "";
   copy_devices(node.type(), *inferred);
   return "declared type " + print_type(node.type()) + " differs from " + print_type(*inferred) +
@@ -647,6 +624,29 @@ c10::IValue constant_to_ivalue(const Arg& a, const c10::Argument& formal, const 
   return v;
 }
 
+
+const std::vector<CpuLayoutOp>& cpu_layout_ops() {
+  // Batch norm's forward reads the input at 0 and its backward at 1 (after the output's gradient); both follow
+  // its memory format. The rest are contiguous on the CPU.
+  static const std::vector<CpuLayoutOp> ops = {
+      {"native_batch_norm", "default", 0, false},
+      {"_native_batch_norm_legit", "default", 0, false},
+      {"_native_batch_norm_legit", "no_stats", 0, false},
+      {"_native_batch_norm_legit_functional", "default", 0, false},
+      {"_native_batch_norm_legit_no_training", "default", 0, false},
+      {"_batch_norm_with_update", "default", 0, false},
+      {"_batch_norm_with_update_functional", "default", 0, false},
+      {"_batch_norm_no_update", "default", 0, false},
+      {"native_batch_norm_backward", "default", 1, false},
+      {"batch_norm_backward", "default", 1, false},
+      {"native_layer_norm", "default", 0, true},
+      {"native_layer_norm_backward", "default", 1, true},
+      {"mse_loss_backward", "default", 1, true},
+      {"huber_loss_backward", "default", 1, true},
+      {"_log_softmax_backward_data", "default", 0, true},
+  };
+  return ops;
+}
 
 std::string invalid_type_reason(const Type& type) {
   if (type.kind == Type::Kind::Tuple) {
