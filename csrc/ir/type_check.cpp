@@ -57,8 +57,8 @@ std::string misfit(const std::string& where, const c10::Argument& formal, const 
 // Each is accepted only in the exact form export writes it:
 //   * the RNN ops' hidden-state results (index >= 1), which export records with extra size-1
 //     dims ([L*D, 1, B, H] where meta and eager give [L*D, B, H]);
-//   * the saved statistics of _native_batch_norm_legit_no_training (index >= 1), which eager
-//     returns empty ([0]) where meta returns [C];
+//   * the saved statistics of _native_batch_norm_legit_no_training and _batch_norm_no_update (index >= 1), which
+//     eager returns empty ([0]) where meta returns [C];
 //   * (_)embedding_bag's offset2bag (index 1), which eager returns empty in mode sum where meta
 //     returns one entry per index, and its max_indices (index 3), which eager returns with one
 //     entry per bag in modes sum and mean where meta returns it empty;
@@ -74,7 +74,8 @@ bool known_disagreement(const std::string& op, size_t index, const TensorMeta& d
     return declared.device.is_cpu() && declared.sizes == inferred.sizes && inferred.dtype == c10::ScalarType::Float &&
            (declared.dtype == c10::ScalarType::BFloat16 || declared.dtype == c10::ScalarType::Half);
   if (index == 0 || declared.dtype != inferred.dtype) return false;
-  if (op == "_native_batch_norm_legit_no_training") return declared.sizes == std::vector<int64_t>{0};
+  if (op == "_native_batch_norm_legit_no_training" || op == "_batch_norm_no_update")
+    return declared.sizes == std::vector<int64_t>{0};
   if (op == "embedding_bag" || op == "_embedding_bag" || op == "_embedding_bag_forward_only") {
     if (index == 1) return declared.sizes == std::vector<int64_t>{0} && inferred.sizes.size() == 1;
     if (index == 3) return inferred.sizes == std::vector<int64_t>{0} && declared.sizes.size() == 1;
