@@ -39,6 +39,18 @@ def _gated(patched, original):
     return gated(patched, original)
 
 
+@contextlib.contextmanager
+def _gated_attribute(owner, name: str, patched):
+    """``owner.<name>`` replaced by ``patched`` on the tracing thread (``_gated``; the original on every other) for
+    the block, and put back after it, also when it raises."""
+    original = getattr(owner, name)
+    setattr(owner, name, _gated(patched, original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
 def uncompiled(module):
     """The module a ``torch.compile`` wrapper (OptimizedModule) wraps, unwrapped: export traces the
     Python module, and tracing it through the wrapper's Dynamo frame compiles it a second time (torch
@@ -681,11 +693,8 @@ def refuse_autograd_in_trace():
             "and the backward of its loss; a gradient inside that forward cannot be traced into it by torch "
             f"{torch.__version__}. Train this model eagerly")
 
-    autograd_mod._engine_run_backward = _gated(refuse, engine)
-    try:
+    with _gated_attribute(autograd_mod, "_engine_run_backward", refuse):
         yield
-    finally:
-        autograd_mod._engine_run_backward = engine
 
 
 def _rnn_helper_with_dropout(input, hidden, params, has_biases, num_layers, dropout, train, bidirectional,
@@ -785,11 +794,8 @@ def joint_replayed_without_autograd():
                 return traced(*inputs)
         return run
 
-    aot_autograd.make_fx = _gated(make_fx_without_grad, make_fx)
-    try:
+    with _gated_attribute(aot_autograd, "make_fx", make_fx_without_grad):
         yield
-    finally:
-        aot_autograd.make_fx = make_fx
 
 
 def _reversed_cumsum(w: torch.Tensor, dim: int) -> torch.Tensor:
@@ -1105,11 +1111,8 @@ def _decomposition_replaced(name: str, marker: str, replacement):
     if not differs:
         yield
         return
-    setattr(decomps, name, _gated(replacement, original))
-    try:
+    with _gated_attribute(decomps, name, replacement):
         yield
-    finally:
-        setattr(decomps, name, original)
 
 
 def _gru_cell_as_eager(inp, cur_hidden, ih_weight, ih_bias, hh_weight, hh_bias):
@@ -1437,11 +1440,8 @@ def make_fx_without_stack_traces():
         original(self, *args, **kwargs)
         self.record_stack_traces = False
 
-    cls.__init__ = _gated(init, original)
-    try:
+    with _gated_attribute(cls, "__init__", init):
         yield
-    finally:
-        cls.__init__ = original
 
 
 @contextlib.contextmanager
@@ -1468,11 +1468,8 @@ def grad_scaler_refused():
             "step(..., skip_nonfinite=True) keeps the state when the loss is not finite), or build the scaler with "
             "enabled=False")
 
-    GradScaler.scale = _gated(refuse, original)
-    try:
+    with _gated_attribute(GradScaler, "scale", refuse):
         yield
-    finally:
-        GradScaler.scale = original
 
 
 @contextlib.contextmanager
