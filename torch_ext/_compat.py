@@ -1366,7 +1366,7 @@ def batch_norm_in_cpu_layout(ep: torch.export.ExportedProgram) -> torch.export.E
         if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.layout != torch.strided:
             continue
         fmt = torch.contiguous_format if contiguous else suggest_memory_format(x)
-        t = vals[0] if isinstance(vals, (tuple, list)) and vals else None
+        t = (vals[0] if vals else None) if isinstance(vals, (tuple, list)) else vals  # (one result: a tensor)
         stale |= isinstance(t, torch.Tensor) and t.shape == x.shape and not t.is_contiguous(memory_format=fmt)
     if not stale:
         return ep

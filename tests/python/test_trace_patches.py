@@ -631,3 +631,37 @@ def test_every_cpu_layout_op_is_traced_and_checked_in_the_cpu_kernels_layout():
     # kernel already lays its result out contiguous in torch 2.9 (transposed, permuted, channels-last or sliced
     # inputs alike): its entry only guards a release whose meta kernel keeps the input's layout.
     assert meta_differs == set(names) - {"native_layer_norm.default"}
+
+
+class _CallOp(nn.Module):
+    def __init__(self, op, args):
+        super().__init__()
+        self.op, self.args = op, args
+        self.where = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+    def forward(self, *tensors):
+        given = list(self.args)
+        for i, t in zip(self.where, tensors):
+            given[i] = t
+        return self.op(*given)
+
+
+@pytest.mark.parametrize("key", ["mse_loss_backward.default", "huber_loss_backward.default",
+                                 "_log_softmax_backward_data.default", "native_layer_norm_backward.default"])
+def test_a_program_declaring_the_meta_layout_is_retraced_in_the_cpu_layout(key):
+    """A torch.export program decomposed to ATen declares these ops' results in the meta kernels' layout; the
+    Executor retraces it in the CPU kernels' (``_compat.batch_norm_in_cpu_layout``) and computes what eager does.
+    An op with one result (a tensor, not a tuple) was never found stale, and the IR checker refused the program
+    ("declared type f32[4,4,3]{12,1,4} differs from f32[4,4,3]")."""
+    name, overload = key.split(".")
+    op = getattr(getattr(torch.ops.aten, name), overload)
+    torch.manual_seed(0)
+    args = _CPU_LAYOUT_SAMPLES[key]()
+    module = _CallOp(op, args)
+    tensors = [args[i] for i in module.where]
+    ep = torch.export.export(module, tuple(tensors)).run_decompositions({})
+    (node,) = [n for n in ep.graph.nodes if n.target == op]
+    want = _first(op(*args))
+    assert _first(node.meta["val"]).stride() != want.stride()  # the program declares the meta layout
+    got = _first(torch_ext.Executor(ep)(*tensors))
+    assert got.stride() == want.stride() and torch.equal(got, want)
