@@ -6,6 +6,7 @@
 #include "ir/higher_order.h"
 #include "ir/parser.h"
 #include "ir/printer.h"
+#include "ir/type_check.h"
 #include "ir/verifier.h"
 #include "optim/descriptor.h"
 #include "passes/batch_cone.h"
@@ -863,6 +864,19 @@ PYBIND11_MODULE(_C, m) {
       d["bare_output_regions"] = op.bare_output_regions;
       out.append(d);
     }
+    return out;
+  });
+
+  // The ops whose CPU kernels lay their first result out otherwise than their meta kernels (csrc/ir/type_check.h),
+  // for torch_ext/_compat.py's trace patch: (name, overload, input position, layout), the layout True (contiguous),
+  // False (the input's suggested memory format) or "elementwise".
+  m.def("cpu_layout_ops", [] {
+    py::list out;
+    for (const ir::CpuLayoutOp& op : ir::cpu_layout_ops())
+      out.append(py::make_tuple(op.name, op.overload, op.input,
+                                op.layout == ir::CpuLayout::Elementwise
+                                    ? py::object(py::str("elementwise"))
+                                    : py::object(py::bool_(op.layout == ir::CpuLayout::Contiguous))));
     return out;
   });
 

@@ -39,6 +39,18 @@ def _gated(patched, original):
     return gated(patched, original)
 
 
+@contextlib.contextmanager
+def _gated_attribute(owner, name: str, patched):
+    """``owner.<name>`` replaced by ``patched`` on the tracing thread (``_gated``; the original on every other) for
+    the block, and put back after it, also when it raises."""
+    original = getattr(owner, name)
+    setattr(owner, name, _gated(patched, original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
 def uncompiled(module):
     """The module a ``torch.compile`` wrapper (OptimizedModule) wraps, unwrapped: export traces the
     Python module, and tracing it through the wrapper's Dynamo frame compiles it a second time (torch
@@ -681,11 +693,8 @@ def refuse_autograd_in_trace():
             "and the backward of its loss; a gradient inside that forward cannot be traced into it by torch "
             f"{torch.__version__}. Train this model eagerly")
 
-    autograd_mod._engine_run_backward = _gated(refuse, engine)
-    try:
+    with _gated_attribute(autograd_mod, "_engine_run_backward", refuse):
         yield
-    finally:
-        autograd_mod._engine_run_backward = engine
 
 
 def _rnn_helper_with_dropout(input, hidden, params, has_biases, num_layers, dropout, train, bidirectional,
@@ -785,11 +794,8 @@ def joint_replayed_without_autograd():
                 return traced(*inputs)
         return run
 
-    aot_autograd.make_fx = _gated(make_fx_without_grad, make_fx)
-    try:
+    with _gated_attribute(aot_autograd, "make_fx", make_fx_without_grad):
         yield
-    finally:
-        aot_autograd.make_fx = make_fx
 
 
 def _reversed_cumsum(w: torch.Tensor, dim: int) -> torch.Tensor:
@@ -1105,11 +1111,8 @@ def _decomposition_replaced(name: str, marker: str, replacement):
     if not differs:
         yield
         return
-    setattr(decomps, name, _gated(replacement, original))
-    try:
+    with _gated_attribute(decomps, name, replacement):
         yield
-    finally:
-        setattr(decomps, name, original)
 
 
 def _gru_cell_as_eager(inp, cur_hidden, ih_weight, ih_bias, hh_weight, hh_bias):
@@ -1280,9 +1283,9 @@ def _elementwise_layout(args, kwargs):
     return tuple(compute_elementwise_output_strides(*tensors))
 
 
-def _batch_norm_cpu_layout(original, input_at, restrided, contiguous=False):
-    """``original`` (a batch norm op's decomposition, which fake tensors run, or its meta kernel) with its results
-    ``restrided`` (indices) laid out as the CPU kernels lay them out: ``empty_like(input,
+def _batch_norm_cpu_layout(original, input_at, contiguous=False):
+    """``original`` (a batch norm op's decomposition, which fake tensors run, or its meta kernel) with its first
+    result laid out as the CPU kernels lay it out: ``empty_like(input,
     input.suggest_memory_format())`` (aten/src/ATen/native/Normalization.cpp, forward and backward), where torch
     2.9's decompositions keep the input's layout (``input_at``: the input's position). A transposed input
     (``x.transpose(1, 2)`` into BatchNorm1d) comes out contiguous on the CPU. A clone, so that the values stay
@@ -1299,18 +1302,15 @@ def _batch_norm_cpu_layout(original, input_at, restrided, contiguous=False):
             return out
         single = isinstance(out, torch.Tensor)
         out = [out] if single else list(out)
+        t = out[0]
         if contiguous == "elementwise":
             strides = _elementwise_layout(args, kwargs)
-            for i in restrided:
-                t = out[i]
-                if isinstance(t, torch.Tensor) and t.shape == input.shape and t.stride() != strides:
-                    out[i] = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+            if isinstance(t, torch.Tensor) and t.shape == input.shape and t.stride() != strides:
+                out[0] = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
             return out[0] if single else tuple(out)
         fmt = torch.contiguous_format if contiguous else suggest_memory_format(input)
-        for i in restrided:
-            t = out[i]
-            if isinstance(t, torch.Tensor) and t.shape == input.shape and not t.is_contiguous(memory_format=fmt):
-                out[i] = t.clone(memory_format=fmt)
+        if isinstance(t, torch.Tensor) and t.shape == input.shape and not t.is_contiguous(memory_format=fmt):
+            out[0] = t.clone(memory_format=fmt)
         return out[0] if single else tuple(out)
     return kernel
 
@@ -1348,32 +1348,23 @@ def eager_batch_norm_layouts():
 
 
 def _batch_norm_layout_ops() -> dict:
-    """{op: (its input's position, the indices of its results laid out as the CPU kernels lay them out, whether
-    that is contiguous whatever the input's layout)}: batch norm's results follow the input's memory format; layer
-    norm's, mse/huber loss backward's and log_softmax backward's are contiguous on the CPU, where the meta kernels
-    keep the (first) input's layout. The same dropped .contiguous() made GroupNorm -> transpose -> mse_loss /
-    huber_loss train 0.1 off eager in 3 steps. native_dropout_backward's CPU kernel (grad * mask * scale) lays its
-    result out as TensorIterator does, like a transposed grad, where its meta kernel returns it contiguous: the trace
-    dropped the .contiguous() eager puts before native_group_norm_backward (GroupNorm -> Dropout -> transpose ->
-    Linear, wav2vec2's feature encoder, trained 0.02 to 0.1 off eager in 3 steps, silently). The backward of softplus,
-    elu, hardswish, hardsigmoid, hardtanh and logit likewise: CPU in the gradient's layout, meta in ``self``'s (a
-    transposed BatchNorm -> Softplus trained 1e-8 off eager in the planned arena, whose buffers take the traced
-    layout)."""
-    aten = torch.ops.aten
-    forward, backward = (0, (0,), False), (1, (0,), False)
-    return {aten.native_batch_norm.default: forward, aten._native_batch_norm_legit.default: forward,
-            aten._native_batch_norm_legit.no_stats: forward, aten._native_batch_norm_legit_functional.default: forward,
-            aten._native_batch_norm_legit_no_training.default: forward, aten._batch_norm_with_update.default: forward,
-            aten._batch_norm_with_update_functional.default: forward, aten._batch_norm_no_update.default: forward,
-            aten.native_batch_norm_backward.default: backward, aten.batch_norm_backward.default: backward,
-            aten.native_layer_norm.default: (0, (0,), True), aten.native_layer_norm_backward.default: (1, (0,), True),
-            aten.mse_loss_backward.default: (1, (0,), True), aten.huber_loss_backward.default: (1, (0,), True),
-            aten._log_softmax_backward_data.default: (0, (0,), True),
-            aten.native_dropout_backward.default: (0, (0,), "elementwise"),
-            aten.softplus_backward.default: (0, (0,), "elementwise"), aten.elu_backward.default: (0, (0,), "elementwise"),
-            aten.hardswish_backward.default: (0, (0,), "elementwise"),
-            aten.hardsigmoid_backward.default: (0, (0,), "elementwise"),
-            aten.hardtanh_backward.default: (0, (0,), "elementwise"), aten.logit_backward.default: (0, (0,), "elementwise")}
+    """{op: (its input's position, how its first result is laid out: True contiguous whatever the input's layout,
+    False the input's suggested memory format, "elementwise" as TensorIterator lays out an elementwise op over the
+    tensor arguments)}: the ops
+    whose CPU kernels lay their first result out otherwise than their meta kernels, from the C++ type checker's
+    table (csrc/ir/type_check.h, ``cpu_layout_ops``), so that what is traced and what the checker infers cannot
+    drift apart. Batch norm's results follow the input's memory format; layer norm's, mse/huber loss backward's and
+    log_softmax backward's are contiguous on the CPU, where the meta kernels keep the (first) input's layout. The
+    same dropped .contiguous() made GroupNorm -> transpose -> mse_loss / huber_loss train 0.1 off eager in 3
+    steps. native_dropout_backward's CPU kernel (grad * mask * scale) lays its result out as TensorIterator does, like a
+    transposed grad, where its meta kernel returns it contiguous: the trace dropped the .contiguous() eager puts
+    before native_group_norm_backward (GroupNorm -> Dropout -> transpose -> Linear, wav2vec2's feature encoder,
+    trained 0.02 to 0.1 off eager in 3 steps, silently). The backward of softplus, elu, hardswish, hardsigmoid,
+    hardtanh and logit likewise: CPU in the gradient's layout, meta in ``self``'s."""
+    from . import _C
+
+    return {getattr(getattr(torch.ops.aten, name), overload): (at, contiguous)
+            for name, overload, at, contiguous in _C.cpu_layout_ops()}
 
 
 def batch_norm_in_cpu_layout(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -1392,7 +1383,7 @@ def batch_norm_in_cpu_layout(ep: torch.export.ExportedProgram) -> torch.export.E
     for node in ep.graph.nodes:
         if node.op != "call_function" or node.target not in ops:
             continue
-        at, results, contiguous = ops[node.target]
+        at, contiguous = ops[node.target]
         x, vals = node.args[at].meta.get("val") if len(node.args) > at else None, node.meta.get("val")
         if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.layout != torch.strided:
             continue
@@ -1405,9 +1396,8 @@ def batch_norm_in_cpu_layout(ep: torch.export.ExportedProgram) -> torch.export.E
             stale |= isinstance(t, torch.Tensor) and t.shape == x.shape and t.stride() != strides
             continue
         fmt = torch.contiguous_format if contiguous else suggest_memory_format(x)
-        for i in results:
-            t = vals[i] if isinstance(vals, (tuple, list)) and i < len(vals) else None
-            stale |= isinstance(t, torch.Tensor) and t.shape == x.shape and not t.is_contiguous(memory_format=fmt)
+        t = (vals[0] if vals else None) if isinstance(vals, (tuple, list)) else vals  # (one result: a tensor)
+        stale |= isinstance(t, torch.Tensor) and t.shape == x.shape and not t.is_contiguous(memory_format=fmt)
     if not stale:
         return ep
     from torch.export.experimental import _copy_graph_module_and_signature
@@ -1480,11 +1470,8 @@ def make_fx_without_stack_traces():
         original(self, *args, **kwargs)
         self.record_stack_traces = False
 
-    cls.__init__ = _gated(init, original)
-    try:
+    with _gated_attribute(cls, "__init__", init):
         yield
-    finally:
-        cls.__init__ = original
 
 
 @contextlib.contextmanager
@@ -1511,11 +1498,8 @@ def grad_scaler_refused():
             "step(..., skip_nonfinite=True) keeps the state when the loss is not finite), or build the scaler with "
             "enabled=False")
 
-    GradScaler.scale = _gated(refuse, original)
-    try:
+    with _gated_attribute(GradScaler, "scale", refuse):
         yield
-    finally:
-        GradScaler.scale = original
 
 
 @contextlib.contextmanager

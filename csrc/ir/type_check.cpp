@@ -57,8 +57,8 @@ std::string misfit(const std::string& where, const c10::Argument& formal, const 
 // Each is accepted only in the exact form export writes it:
 //   * the RNN ops' hidden-state results (index >= 1), which export records with extra size-1
 //     dims ([L*D, 1, B, H] where meta and eager give [L*D, B, H]);
-//   * the saved statistics of _native_batch_norm_legit_no_training (index >= 1), which eager
-//     returns empty ([0]) where meta returns [C];
+//   * the saved statistics of _native_batch_norm_legit_no_training and _batch_norm_no_update (index >= 1), which
+//     eager returns empty ([0]) where meta returns [C];
 //   * (_)embedding_bag's offset2bag (index 1), which eager returns empty in mode sum where meta
 //     returns one entry per index, and its max_indices (index 3), which eager returns with one
 //     entry per bag in modes sum and mean where meta returns it empty;
@@ -74,7 +74,8 @@ bool known_disagreement(const std::string& op, size_t index, const TensorMeta& d
     return declared.device.is_cpu() && declared.sizes == inferred.sizes && inferred.dtype == c10::ScalarType::Float &&
            (declared.dtype == c10::ScalarType::BFloat16 || declared.dtype == c10::ScalarType::Half);
   if (index == 0 || declared.dtype != inferred.dtype) return false;
-  if (op == "_native_batch_norm_legit_no_training") return declared.sizes == std::vector<int64_t>{0};
+  if (op == "_native_batch_norm_legit_no_training" || op == "_batch_norm_no_update")
+    return declared.sizes == std::vector<int64_t>{0};
   if (op == "embedding_bag" || op == "_embedding_bag" || op == "_embedding_bag_forward_only") {
     if (index == 1) return declared.sizes == std::vector<int64_t>{0} && inferred.sizes.size() == 1;
     if (index == 3) return inferred.sizes == std::vector<int64_t>{0} && declared.sizes.size() == 1;
@@ -320,39 +321,12 @@ MetaCache& meta_cache() {
   return *cache;
 }
 
-// Batch norm's CPU kernels (aten/src/ATen/native/Normalization.cpp, forward and backward) lay their first result
-// (the output, the input's gradient) out as empty_like(input, input.suggest_memory_format()), where the meta
-// kernels keep the input's layout (a transposed input comes out contiguous on the CPU). Tracing records the CPU
-// kernels' layout (torch_ext/_compat.py, eager_batch_norm_layouts), and so is it inferred here. The input's
-// position in the schema, or -1 for other operators.
-int batch_norm_input_position(const std::string& op) {
-  if (op == "native_batch_norm" || op == "_native_batch_norm_legit" || op == "_native_batch_norm_legit_functional" ||
-      op == "_native_batch_norm_legit_no_training" || op == "_batch_norm_with_update" ||
-      op == "_batch_norm_with_update_functional" || op == "_batch_norm_no_update")
-    return 0;
-  if (op == "native_batch_norm_backward" || op == "batch_norm_backward") return 1;
-  return -1;
-}
-
-// The CPU kernels of layer norm (aten/src/ATen/native/layer_norm.cpp), mse_loss_backward, huber_loss_backward and
-// _log_softmax_backward_data lay their first result out contiguous whatever their inputs' layouts, where the meta
-// kernels keep the input's; traced in the CPU kernels' layout too (eager_batch_norm_layouts). The position of the
-// input whose shape the result has, or -1 for other operators.
-int contiguous_result_input_position(const std::string& op) {
-  if (op == "native_layer_norm" || op == "_log_softmax_backward_data") return 0;
-  if (op == "native_layer_norm_backward" || op == "mse_loss_backward" || op == "huber_loss_backward") return 1;
-  return -1;
-}
-
-// native_dropout_backward's CPU kernel (grad * mask * scale) lays its result out as TensorIterator lays out
-// grad * mask (like a transposed grad), where its meta kernel returns it contiguous; traced in the CPU kernel's
-// layout too (eager_batch_norm_layouts: GroupNorm -> Dropout -> transpose trained off eager when the trace saw it
-// contiguous and dropped the .contiguous() before native_group_norm_backward).
-// The backward of softplus, elu, hardswish, hardsigmoid, hardtanh and logit too: their meta kernels take self's layout.
-bool elementwise_result_op(const std::string& op) {
-  return op == "native_dropout_backward" || op == "softplus_backward" || op == "elu_backward" ||
-         op == "hardswish_backward" || op == "hardsigmoid_backward" || op == "hardtanh_backward" ||
-         op == "logit_backward";
+// The cpu_layout_ops() entry of an aten operator, by name (any overload: the out= variants too), or null.
+const CpuLayoutOp* cpu_layout_op(const Target& target) {
+  if (target.ns != "aten") return nullptr;
+  for (const CpuLayoutOp& op : cpu_layout_ops())
+    if (target.name == op.name) return &op;
+  return nullptr;
 }
 
 std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, std::vector<c10::IValue>& stack,
@@ -377,18 +351,14 @@ std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, s
     }
   }
   const c10::Device device = result_device(node);
-  at::Tensor batch_norm_input;
-  bool contiguous_result = false;  // contiguous_result_input_position's ops: not the suggested memory format
-  std::optional<std::vector<int64_t>> elementwise_strides;  // elementwise_result_op's: TensorIterator's layout
-  if (const int pos = batch_norm_input_position(node.target().name);
-      pos >= 0 && device.is_cpu() && static_cast<size_t>(pos) < stack.size() && stack[pos].isTensor())
-    batch_norm_input = stack[pos].toTensor();
-  if (const int pos = contiguous_result_input_position(node.target().name);
-      node.target().ns == "aten" && pos >= 0 && device.is_cpu() && static_cast<size_t>(pos) < stack.size() &&
-      stack[pos].isTensor()) {
-    batch_norm_input = stack[pos].toTensor();
-    contiguous_result = true;
-  }
+  // The input whose layout the first result follows on the CPU (cpu_layout_ops), where the meta kernel's differs;
+  // for an Elementwise entry, the layout TensorIterator gives the two tensor arguments instead.
+  at::Tensor layout_input;
+  std::optional<std::vector<int64_t>> elementwise_strides;
+  const CpuLayoutOp* cpu_layout = device.is_cpu() ? cpu_layout_op(node.target()) : nullptr;
+  if (cpu_layout && cpu_layout->layout != CpuLayout::Elementwise && static_cast<size_t>(cpu_layout->input) < stack.size() &&
+      stack[cpu_layout->input].isTensor())
+    layout_input = stack[cpu_layout->input].toTensor();
   {
     // Graph values carry no autograd history, and a Python mode active in the caller must not
     // see these tensors.
@@ -398,8 +368,7 @@ std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, s
     std::vector<at::Tensor> operands;  // the tensor arguments in order: TensorIterator's layout over them
     for (const c10::IValue& v : stack)
       if (v.isTensor() && v.toTensor().defined()) operands.push_back(v.toTensor());
-    if (node.target().ns == "aten" && elementwise_result_op(node.target().name) && device.is_cpu() &&
-        operands.size() == 2) {
+    if (cpu_layout && cpu_layout->layout == CpuLayout::Elementwise && operands.size() == 2) {
       try {
         elementwise_strides = at::mul(operands[0], operands[1]).strides().vec();
       } catch (const std::exception&) {
@@ -433,13 +402,12 @@ std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, s
   Type* first = !inferred ? nullptr
                 : inferred->kind == Type::Kind::Tuple && !inferred->elems.empty() ? &inferred->elems[0]
                 : &*inferred;
-  if (first && batch_norm_input.defined() && first->is_tensor() &&
-      first->tensor.sizes == batch_norm_input.sizes().vec())
-    first->tensor.strides = at::empty_like(batch_norm_input, contiguous_result
-                                                                 ? c10::MemoryFormat::Contiguous
-                                                                 : batch_norm_input.suggest_memory_format())
-                                .strides()
-                                .vec();
+  if (first && layout_input.defined() && first->is_tensor() && first->tensor.sizes == layout_input.sizes().vec())
+    first->tensor.strides =
+        at::empty_like(layout_input, cpu_layout->layout == CpuLayout::Contiguous ? c10::MemoryFormat::Contiguous
+                                                            : layout_input.suggest_memory_format())
+            .strides()
+            .vec();
   if (first && elementwise_strides && first->is_tensor() && first->tensor.sizes.size() == elementwise_strides->size())
     first->tensor.strides = *elementwise_strides;
   if (!inferred || agrees(node.type(), *inferred, node.target().name, layout_is_inferred(op))) return "";
@@ -672,6 +640,37 @@ c10::IValue constant_to_ivalue(const Arg& a, const c10::Argument& formal, const 
   return v;
 }
 
+
+const std::vector<CpuLayoutOp>& cpu_layout_ops() {
+  // Batch norm's forward reads the input at 0 and its backward at 1 (after the output's gradient); both follow
+  // its memory format. Layer norm's and the loss backwards' are contiguous on the CPU; the elementwise backwards'
+  // follow TensorIterator over (grad, mask) or (grad, self).
+  static const std::vector<CpuLayoutOp> ops = {
+      {"native_batch_norm", "default", 0, CpuLayout::SuggestedFormat},
+      {"_native_batch_norm_legit", "default", 0, CpuLayout::SuggestedFormat},
+      {"_native_batch_norm_legit", "no_stats", 0, CpuLayout::SuggestedFormat},
+      {"_native_batch_norm_legit_functional", "default", 0, CpuLayout::SuggestedFormat},
+      {"_native_batch_norm_legit_no_training", "default", 0, CpuLayout::SuggestedFormat},
+      {"_batch_norm_with_update", "default", 0, CpuLayout::SuggestedFormat},
+      {"_batch_norm_with_update_functional", "default", 0, CpuLayout::SuggestedFormat},
+      {"_batch_norm_no_update", "default", 0, CpuLayout::SuggestedFormat},
+      {"native_batch_norm_backward", "default", 1, CpuLayout::SuggestedFormat},
+      {"batch_norm_backward", "default", 1, CpuLayout::SuggestedFormat},
+      {"native_layer_norm", "default", 0, CpuLayout::Contiguous},
+      {"native_layer_norm_backward", "default", 1, CpuLayout::Contiguous},
+      {"mse_loss_backward", "default", 1, CpuLayout::Contiguous},
+      {"huber_loss_backward", "default", 1, CpuLayout::Contiguous},
+      {"_log_softmax_backward_data", "default", 0, CpuLayout::Contiguous},
+      {"native_dropout_backward", "default", 0, CpuLayout::Elementwise},
+      {"softplus_backward", "default", 0, CpuLayout::Elementwise},
+      {"elu_backward", "default", 0, CpuLayout::Elementwise},
+      {"hardswish_backward", "default", 0, CpuLayout::Elementwise},
+      {"hardsigmoid_backward", "default", 0, CpuLayout::Elementwise},
+      {"hardtanh_backward", "default", 0, CpuLayout::Elementwise},
+      {"logit_backward", "default", 0, CpuLayout::Elementwise},
+  };
+  return ops;
+}
 
 std::string invalid_type_reason(const Type& type) {
   if (type.kind == Type::Kind::Tuple) {

@@ -59,6 +59,29 @@ c10::IValue constant_to_ivalue(const Arg& a, const c10::Argument& formal, const 
 void check_call_types(const Node& node, const c10::OperatorHandle& op, const std::string& where,
                       std::vector<std::string>& errors, bool infer_results = true);
 
+// The operators whose CPU kernels lay their first result (the output, the input's gradient) out otherwise than
+// their meta kernels, which keep the input's layout: batch norm's follow the input's suggested memory format
+// (aten/src/ATen/native/Normalization.cpp: empty_like(input, input.suggest_memory_format())); layer norm's
+// (layer_norm.cpp), mse_loss_backward's, huber_loss_backward's and _log_softmax_backward_data's are contiguous
+// whatever the input's layout. A transposed input comes out contiguous on the CPU. native_dropout_backward's and
+// the backward of softplus, elu, hardswish, hardsigmoid, hardtanh and logit lay theirs out as TensorIterator lays out
+// an elementwise op over the two tensor arguments (the gradient's layout where they disagree), where the meta
+// kernels return it contiguous or in `self`'s layout. The one table of them: tracing
+// records these overloads in the CPU kernels' layout (torch_ext/_compat.py, eager_batch_norm_layouts, reads it
+// through _C.cpu_layout_ops), and the type checker infers that layout for every overload of these names on the CPU.
+enum class CpuLayout {
+  SuggestedFormat,  // the input's suggested memory format (batch norm)
+  Contiguous,       // contiguous whatever the input's layout
+  Elementwise,      // TensorIterator's layout over the two tensor arguments
+};
+struct CpuLayoutOp {
+  const char* name;      // an aten operator
+  const char* overload;  // "default" for the default overload
+  int input;             // the position of the input whose shape the first result has
+  CpuLayout layout;
+};
+const std::vector<CpuLayoutOp>& cpu_layout_ops();
+
 // A reason why `type` cannot be the type of a value (negative size, rank mismatch between
 // sizes and strides, element count or byte size overflowing int64), or empty when it can.
 std::string invalid_type_reason(const Type& type);

@@ -48,6 +48,37 @@ def assert_verifier_and_executor_refuse(text: str, pattern: str):
     return g
 
 
+def eager_step(model, opt, loss_fn, *batch):
+    """One eager PyTorch training step, the reference the step tests compare with: ``opt.zero_grad()``, the loss
+    ``loss_fn(model, *batch)``, its ``backward()`` and ``opt.step()``. Returns that loss (its graph freed)."""
+    opt.zero_grad()
+    loss = loss_fn(model, *batch)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def assert_params_near_eager(state, eager, rel: float = 1e-5) -> None:
+    """Every parameter of ``state`` (``model.<name>``) within ``rel`` times the largest magnitude of ``eager``'s: the
+    bound for float32 kernels of another runtime, which drift apart from eager's by rounding only."""
+    for name, p in eager.named_parameters():
+        got = state.params["model." + name]
+        assert float((got - p.detach()).abs().max()) <= rel * float(p.detach().abs().max()), name
+
+
+def assert_optimizer_slots_equal(state, ref_model, ref_opt) -> None:
+    """Every optimizer slot of eager's ``ref_opt`` (over ``ref_model``) equals the step state's (``opt:model.<name>:
+    <slot>``, in its dtype and shape) bit for bit, and every parameter has at least one."""
+    names = {id(p): n for n, p in ref_model.named_parameters()}
+    compared = 0
+    for p, slots in ref_opt.state.items():
+        for slot, value in slots.items():
+            got = state.opt[f"opt:model.{names[id(p)]}:{slot}"]
+            assert torch.equal(got, value.to(got.dtype).reshape(got.shape)), (names[id(p)], slot)
+            compared += 1
+    assert compared >= len(names)
+
+
 def train_like_eager(step, state, ref, ref_opt, loss_fn, batches, losses=None):
     """Runs the step and eager PyTorch (``ref`` with ``ref_opt``) on every batch: each loss and, at the
     end, every parameter bit for bit. Returns the step's last state; ``losses`` (a list) gets each loss."""
@@ -55,10 +86,7 @@ def train_like_eager(step, state, ref, ref_opt, loss_fn, batches, losses=None):
         loss, state = step(state, *b)
         if losses is not None:
             losses.append(loss.item())
-        ref_opt.zero_grad()
-        ref_loss = loss_fn(ref, *b)
-        ref_loss.backward()
-        ref_opt.step()
+        ref_loss = eager_step(ref, ref_opt, loss_fn, *b)
         assert torch.equal(loss, ref_loss.detach()), i
     for n, p in ref.named_parameters():
         assert torch.equal(state.params["model." + n], p.detach()), n

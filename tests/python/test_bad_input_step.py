@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 import torch_ext
 
+from helpers import eager_step
+
 
 def _model():
     torch.manual_seed(0)
@@ -344,10 +346,7 @@ def test_a_tensor_lr_the_step_accepts_matches_eager_bit_for_bit(make):
     opt = make(list(eager.parameters()))
     state = step.init_state()
     for _ in range(5):
-        opt.zero_grad()
-        want = _loss(eager, X, Y)
-        want.backward()
-        opt.step()
+        want = eager_step(eager, opt, _loss, X, Y)
         got, state = step(state, X, Y)
         assert torch.equal(got, want.detach())
     lr_before = step.optimizers[0].param_groups[0]["lr"]

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 import torch_ext
 from torch_ext.ir import Graph
 
+from helpers import eager_step
+
 
 class CondMLP(nn.Module):
     """An MLP block whose second layer is chosen by the sign of the first layer's mean."""
@@ -172,10 +174,7 @@ def test_pure_step_through_control_flow_matches_eager_over_50_steps(name, shape,
     state = step.init_state()
     for b in batches:
         loss, state = step(state, *b)
-        ref_opt.zero_grad()
-        ref_loss = loss_fn(ref, *b)
-        ref_loss.backward()
-        ref_opt.step()
+        ref_loss = eager_step(ref, ref_opt, loss_fn, *b)
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
     for n, p in ref.named_parameters():
         torch.testing.assert_close(state.params["model." + n], p.detach(), rtol=1e-5, atol=1e-6)

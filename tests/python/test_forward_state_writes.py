@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 import torch_ext
 
+from helpers import eager_step
+
 
 class _Lazy(nn.Module):
     def __init__(self, name):
@@ -153,10 +155,7 @@ def test_state_forward_writes_and_never_reads_is_put_back_and_the_step_matches_e
     state = step.init_state()
     for _ in range(3):
         loss, state = step(state, _X, _Y)
-        opt.zero_grad()
-        eager_loss = _mse(eager, _X, _Y)
-        eager_loss.backward()
-        opt.step()
+        eager_loss = eager_step(eager, opt, _mse, _X, _Y)
         assert torch.equal(loss, eager_loss)
     model = make()
     eager = copy.deepcopy(model)
@@ -175,10 +174,7 @@ def test_a_private_first_call_setting_is_accepted_bit_exact():
     state = step.init_state()
     for _ in range(3):
         loss, state = step(state, _X, _Y)
-        opt.zero_grad()
-        eager_loss = _mse(eager, _X, _Y)
-        eager_loss.backward()
-        opt.step()
+        eager_loss = eager_step(eager, opt, _mse, _X, _Y)
         assert torch.equal(loss, eager_loss)
 
 

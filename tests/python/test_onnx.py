@@ -15,6 +15,8 @@ pytest.importorskip("onnxscript", reason="onnxscript is not installed")
 import torch_ext  # noqa: E402
 from torch_ext import onnx as tox  # noqa: E402
 
+from helpers import assert_params_near_eager, eager_step  # noqa: E402
+
 
 class Tiny(nn.Module):
     """A causal one-block transformer with attention written out, or through F.scaled_dot_product_attention
@@ -75,15 +77,9 @@ def test_onnx_runtime_trains_like_eager(tmp_path, kind, opt_name):
     state = step.init_state()
     for i in range(100):
         loss, state = onnx_step(state, *batch)
-        eager_opt.zero_grad()
-        ref = loss_fn(eager, *batch)
-        ref.backward()
-        eager_opt.step()
+        ref = eager_step(eager, eager_opt, loss_fn, *batch)
         assert float(loss) == pytest.approx(float(ref), rel=1e-5, abs=1e-6), f"step {i}"
-    for name, p in eager.named_parameters():
-        got = state.params["model." + name]
-        # relative to the tensor's scale: float32 kernels of two runtimes drift apart by rounding only
-        assert float((got - p.detach()).abs().max()) <= 1e-5 * float(p.detach().abs().max()), name
+    assert_params_near_eager(state, eager)
 
 
 @pytest.mark.parametrize("opt_name", ["sgd_nesterov", "adamw", "rmsprop", "sgd_to_zero", "nadam", "radam"])
@@ -241,14 +237,9 @@ def test_onnx_runtime_trains_sdpa_attention_like_eager(tmp_path, opt_name):
     state = step.init_state()
     for i in range(20):
         loss, state = onnx_step(state, *batch)
-        eager_opt.zero_grad()
-        ref = loss_fn(eager, *batch)
-        ref.backward()
-        eager_opt.step()
+        ref = eager_step(eager, eager_opt, loss_fn, *batch)
         assert float(loss) == pytest.approx(float(ref.detach()), rel=1e-5), f"step {i}"
-    for name, p in eager.named_parameters():
-        got = state.params["model." + name]
-        assert float((got - p.detach()).abs().max()) <= 1e-5 * float(p.detach().abs().max()), name
+    assert_params_near_eager(state, eager)
 
 
 def test_onnx_trains_sdpa_inside_a_branch_like_the_step(tmp_path):
@@ -599,10 +590,7 @@ def test_onnx_runtime_trains_convolutions_and_pooling_like_the_step_and_eager(tm
     for i, b in enumerate(batches):
         loss, state = loaded(state, *b)
         want_loss, want = step(want, *b)
-        eager_opt.zero_grad()
-        ref = loss_fn(eager, *b)
-        ref.backward()
-        eager_opt.step()
+        ref = eager_step(eager, eager_opt, loss_fn, *b)
         assert torch.equal(want_loss, ref), f"step {i}: the live step is bit-exact with eager"
         assert float(loss) == pytest.approx(float(ref.detach()), rel=1e-5), f"step {i}"
     for name, p in eager.named_parameters():
@@ -637,11 +625,6 @@ def test_onnx_runtime_trains_hugging_face_gpt2_with_left_padding_like_eager(tmp_
     state = step.init_state()
     for i in range(5):
         loss, state = onnx_step(state, ids, mask, labels)
-        eager_opt.zero_grad()
-        ref = loss_fn(eager, ids, mask, labels)
-        ref.backward()
-        eager_opt.step()
+        ref = eager_step(eager, eager_opt, loss_fn, ids, mask, labels)
         assert float(loss) == pytest.approx(float(ref.detach()), rel=1e-5), f"step {i}"
-    for name, p in eager.named_parameters():
-        got = state.params["model." + name]
-        assert float((got - p.detach()).abs().max()) <= 1e-5 * float(p.detach().abs().max()), name
+    assert_params_near_eager(state, eager)

@@ -30,6 +30,7 @@ import torch_ext
 from torch_ext import _compat, cli
 
 import real_models as rm
+from helpers import assert_optimizer_slots_equal, eager_step
 
 HERE = Path(__file__).resolve().parent
 STEPS = 100
@@ -248,21 +249,11 @@ def test_bloom_trains_with_its_own_gelu_backward_bit_exact(optimizer, batch):
         losses.append(loss)
     torch.manual_seed(3)
     for i, b in enumerate(batches):
-        ref_opt.zero_grad()
-        ref_loss = rm.causal_lm_loss(ref, *b)
-        ref_loss.backward()
-        ref_opt.step()
+        ref_loss = eager_step(ref, ref_opt, rm.causal_lm_loss, *b)
         assert torch.equal(losses[i], ref_loss.detach()), (i, losses[i].item(), ref_loss.item())
-    names = {id(p): n for n, p in ref.named_parameters()}
     for n, p in ref.named_parameters():
         assert torch.equal(state.params["model." + n], p.detach()), n
-    slots = 0
-    for p, st in ref_opt.state.items():
-        for slot, value in st.items():
-            got = state.opt[f"opt:model.{names[id(p)]}:{slot}"]
-            assert torch.equal(got, value.to(got.dtype).reshape(got.shape)), (names[id(p)], slot)
-            slots += 1
-    assert slots >= len(names)
+    assert_optimizer_slots_equal(state, ref, ref_opt)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "gemma2", "bert"])

@@ -5,6 +5,7 @@ for good: after two concurrent step builds, ``loss.backward()`` raised the step'
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import random
@@ -534,3 +535,141 @@ def test_a_build_waited_on_through_an_event_raises_after_the_holder_stays_blocke
     torch_ext.ReactiveGraph(_seeded(Waits).eval(), (x,), cache=False)
     assert waited == [True], "the building thread still waited for the trace's lock"
     assert len(errors) == 1 and "blocked" in str(errors[0]) and "MainThread" in str(errors[0]), errors
+
+
+def _transposed(*shape):
+    """A CPU tensor of ``shape`` whose dims 1 and 2 are swapped in memory (not contiguous; its suggested memory
+    format is contiguous)."""
+    return torch.randn(shape[0], shape[2], shape[1], *shape[3:]).transpose(1, 2)
+
+
+def _bn_forward(*tail):
+    return [_transposed(4, 3, 5), torch.randn(3), torch.randn(3), torch.zeros(3), torch.ones(3), *tail]
+
+
+def _bn_backward(*tail):
+    return [_transposed(4, 3, 5), _transposed(4, 3, 5), torch.randn(3), torch.zeros(3), torch.ones(3), torch.randn(3),
+            torch.rand(3) + 0.5, True, 1e-5, [True, True, True], *tail]
+
+
+def _layer_norm_backward():
+    x = _transposed(4, 3, 4)
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [4], None, None, 1e-5)
+    return [_transposed(4, 3, 4), x, [4], mean, rstd, torch.randn(4), torch.randn(4), [True, True, True]]
+
+
+# Arguments for each entry of the CPU layout table, the input at its position transposed.
+_CPU_LAYOUT_SAMPLES = {
+    "native_batch_norm.default": lambda: _bn_forward(True, 0.1, 1e-5),
+    "_native_batch_norm_legit.default": lambda: _bn_forward(True, 0.1, 1e-5),
+    "_native_batch_norm_legit.no_stats": lambda: _bn_forward(True, 0.1, 1e-5)[:3] + [True, 0.1, 1e-5],
+    "_native_batch_norm_legit_functional.default": lambda: _bn_forward(True, 0.1, 1e-5),
+    "_native_batch_norm_legit_no_training.default": lambda: _bn_forward(0.1, 1e-5),
+    "_batch_norm_with_update.default": lambda: _bn_forward(0.1, 1e-5),
+    "_batch_norm_with_update_functional.default": lambda: _bn_forward(0.1, 1e-5),
+    "_batch_norm_no_update.default": lambda: _bn_forward(0.1, 1e-5),
+    "native_batch_norm_backward.default": _bn_backward,
+    "batch_norm_backward.default": lambda: _bn_backward(torch.empty(0, dtype=torch.uint8)),
+    "native_layer_norm.default": lambda: [_transposed(4, 3, 4), [4], torch.randn(4), torch.randn(4), 1e-5],
+    "native_layer_norm_backward.default": _layer_norm_backward,
+    "mse_loss_backward.default": lambda: [torch.randn(()), _transposed(4, 4, 3), _transposed(4, 4, 3), 1],
+    "huber_loss_backward.default": lambda: [torch.randn(()), _transposed(4, 4, 3), _transposed(4, 4, 3), 1, 1.0],
+    "_log_softmax_backward_data.default": lambda: [_transposed(4, 4, 3), torch.randn(4, 4, 3).log_softmax(1), 1,
+                                                   torch.float32],
+    # the elementwise backwards: a transposed gradient beside a contiguous mask or self
+    "native_dropout_backward.default": lambda: [_transposed(4, 4, 3), torch.rand(4, 4, 3) > 0.5, 2.0],
+    "softplus_backward.default": lambda: [_transposed(4, 4, 3), torch.randn(4, 4, 3), 1.0, 20.0],
+    "elu_backward.default": lambda: [_transposed(4, 4, 3), 1.0, 1.0, 1.0, False, torch.randn(4, 4, 3)],
+    "hardswish_backward.default": lambda: [_transposed(4, 4, 3), torch.randn(4, 4, 3) * 4],
+    "hardsigmoid_backward.default": lambda: [_transposed(4, 4, 3), torch.randn(4, 4, 3) * 4],
+    "hardtanh_backward.default": lambda: [_transposed(4, 4, 3), torch.randn(4, 4, 3), -1.0, 1.0],
+    "logit_backward.default": lambda: [_transposed(4, 4, 3), torch.rand(4, 4, 3) * 0.8 + 0.1, None],
+}
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def test_every_cpu_layout_op_is_traced_and_checked_in_the_cpu_kernels_layout():
+    """The ops whose CPU kernels lay their first result out otherwise than their meta kernels have one table, the C++
+    type checker's (``_C.cpu_layout_ops``), which the trace patch (``_compat.eager_batch_norm_layouts``) reads. For
+    each entry, on a transposed input: a trace under the patch records the real CPU kernel's layout and the checker
+    accepts it; a trace without it records the meta kernel's, and the checker refuses it wherever that differs. An
+    entry one side ignored (traced in the meta layout, or inferred in it) fails here."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torch_ext import _C
+    from torch_ext.ir import Graph
+
+    table = _C.cpu_layout_ops()
+    names = [f"{name}.{overload}" for name, overload, _, _ in table]
+    assert sorted(names) == sorted(_CPU_LAYOUT_SAMPLES), "every entry needs a sample here (and no stale sample)"
+    assert set(_compat._batch_norm_layout_ops()) == {getattr(getattr(torch.ops.aten, n), o) for n, o, _, _ in table}
+    torch.manual_seed(0)
+    meta_differs = set()
+    for (name, overload, at, _), key in zip(table, names):
+        op = getattr(getattr(torch.ops.aten, name), overload)
+        args = _CPU_LAYOUT_SAMPLES[key]()
+        assert isinstance(args[at], torch.Tensor) and not args[at].is_contiguous(), key
+        cpu = _first(op(*args)).stride()
+        where = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+        def call(*tensors, args=args, where=where, op=op):
+            given = list(args)
+            for i, t in zip(where, tensors):
+                given[i] = t
+            return op(*given)
+
+        for patched in (True, False):
+            inputs = [args[i].clone() for i in where]
+            with _trace_patches.patched("eager_batch_norm_layouts") if patched else contextlib.nullcontext():
+                gm = make_fx(call, tracing_mode="fake", pre_dispatch=True)(*inputs)
+            (node,) = [n for n in gm.graph.nodes if n.target == op]
+            traced = _first(node.meta["val"]).stride()
+            graph = Graph.from_fx(gm.graph)
+            if patched:
+                assert traced == cpu, (key, traced, cpu)
+                graph.verify()
+            elif traced != cpu:
+                meta_differs.add(key)
+                with pytest.raises(Exception, match=rf"node %\w+ \(aten::{name}\.{overload}\): declared type"):
+                    graph.verify()
+    # If the meta kernels stop differing for these samples, the entries may be dead. Layer norm's forward meta
+    # kernel already lays its result out contiguous in torch 2.9 (transposed, permuted, channels-last or sliced
+    # inputs alike): its entry only guards a release whose meta kernel keeps the input's layout.
+    assert meta_differs == set(names) - {"native_layer_norm.default"}
+
+
+class _CallOp(nn.Module):
+    def __init__(self, op, args):
+        super().__init__()
+        self.op, self.args = op, args
+        self.where = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+    def forward(self, *tensors):
+        given = list(self.args)
+        for i, t in zip(self.where, tensors):
+            given[i] = t
+        return self.op(*given)
+
+
+@pytest.mark.parametrize("key", ["mse_loss_backward.default", "huber_loss_backward.default",
+                                 "_log_softmax_backward_data.default", "native_layer_norm_backward.default"])
+def test_a_program_declaring_the_meta_layout_is_retraced_in_the_cpu_layout(key):
+    """A torch.export program decomposed to ATen declares these ops' results in the meta kernels' layout; the
+    Executor retraces it in the CPU kernels' (``_compat.batch_norm_in_cpu_layout``) and computes what eager does.
+    An op with one result (a tensor, not a tuple) was never found stale, and the IR checker refused the program
+    ("declared type f32[4,4,3]{12,1,4} differs from f32[4,4,3]")."""
+    name, overload = key.split(".")
+    op = getattr(getattr(torch.ops.aten, name), overload)
+    torch.manual_seed(0)
+    args = _CPU_LAYOUT_SAMPLES[key]()
+    module = _CallOp(op, args)
+    tensors = [args[i] for i in module.where]
+    ep = torch.export.export(module, tuple(tensors)).run_decompositions({})
+    (node,) = [n for n in ep.graph.nodes if n.target == op]
+    want = _first(op(*args))
+    assert _first(node.meta["val"]).stride() != want.stride()  # the program declares the meta layout
+    got = _first(torch_ext.Executor(ep)(*tensors))
+    assert got.stride() == want.stride() and torch.equal(got, want)

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch_ext
-from helpers import Steer
+from helpers import Steer, assert_optimizer_slots_equal, eager_step
 
 VOCAB = 11
 
@@ -55,10 +55,7 @@ class TiedLM(nn.Module):
 def eager_run(model, opt, batches, steps, sched=None, loss_fn=lm_loss):
     losses = []
     for _, b in zip(range(steps), batches):
-        opt.zero_grad()
-        loss = loss_fn(model, *b)
-        loss.backward()
-        opt.step()
+        loss = eager_step(model, opt, loss_fn, *b)
         if sched is not None:
             sched.step()
         losses.append(loss.detach())
@@ -320,17 +317,6 @@ def _trains_differently_from_the_traced_forward(kind) -> bool:
     return not torch.equal(one_step(make()), one_step(forward_only()))
 
 
-def _assert_optimizer_slots_equal(state, ref_model, ref_opt):
-    names = {id(p): n for n, p in ref_model.named_parameters()}
-    compared = 0
-    for p, slots in ref_opt.state.items():
-        for slot, value in slots.items():
-            got = state.opt[f"opt:model.{names[id(p)]}:{slot}"]
-            assert torch.equal(got, value.to(got.dtype).reshape(got.shape)), (names[id(p)], slot)
-            compared += 1
-    assert compared >= len(names)
-
-
 @pytest.mark.parametrize("make_opt", [lambda m: torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9), adamw],
                          ids=["sgd_momentum", "adamw"])
 @pytest.mark.parametrize("kind", list(_FUNCTIONS))
@@ -348,7 +334,7 @@ def test_custom_autograd_function_trains_with_its_own_backward_bit_exact(kind, m
     losses, state = pure_run(step, step.init_state(), iter(batches), 3)
     ref_losses = eager_run(ref, ref_opt, iter(batches), 3, loss_fn=_mse)
     assert_bit_exact(losses, ref_losses, state, ref)
-    _assert_optimizer_slots_equal(state, ref, ref_opt)
+    assert_optimizer_slots_equal(state, ref, ref_opt)
 
 
 def test_custom_autograd_function_applied_by_the_loss_trains_bit_exact():
@@ -736,10 +722,7 @@ def test_an_option_a_first_forward_sets_and_reads_is_accepted_bit_exact():
     state = step.init_state()
     for _ in range(3):
         loss, state = step(state, *_XY)
-        eager_opt.zero_grad()
-        eager_loss = _mse(eager, *_XY)
-        eager_loss.backward()
-        eager_opt.step()
+        eager_loss = eager_step(eager, eager_opt, _mse, *_XY)
         assert torch.equal(loss, eager_loss)
     step.write_back(state)
     assert torch.equal(model.body.weight, eager.body.weight)
@@ -1420,10 +1403,7 @@ def test_a_cycled_momentum_through_the_planned_arena_save_and_write_back_bit_exa
     assert _fed_values(opt) == _fed_values(ref_opt_at(make_opt, make_sched, 35))
     for _ in range(15):
         b = next(batches)
-        opt.zero_grad()
-        loss = lm_loss(model, *b)
-        loss.backward()
-        opt.step()
+        loss = eager_step(model, opt, lm_loss, *b)
         sched.step()
         losses.append(loss.detach())
     for i, (a, b) in enumerate(zip(losses, ref_losses)):
@@ -1494,10 +1474,7 @@ def test_cycled_momentum_with_batch_shapes_cache_feeds_every_program():
         rows = 3 if i % 2 == 0 else 2
         b = (torch.randint(0, VOCAB, (rows, 5), generator=g), torch.randint(0, VOCAB, (rows, 5), generator=g))
         loss, state = step(state, *b)
-        ref_opt.zero_grad()
-        ref_loss = lm_loss(ref, *b)
-        ref_loss.backward()
-        ref_opt.step()
+        ref_loss = eager_step(ref, ref_opt, lm_loss, *b)
         ref_sched.step()
         assert torch.equal(loss, ref_loss.detach()), i
     assert step.cache_info()["programs"] == 2
@@ -1812,10 +1789,7 @@ def test_an_example_batch_passing_one_tensor_twice_keeps_two_inputs():
     for _ in range(3):
         xb, yb = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
         loss, state = step(state, xb, yb)
-        eager_opt.zero_grad()
-        ref = loss_fn(eager, xb, yb)
-        ref.backward()
-        eager_opt.step()
+        ref = eager_step(eager, eager_opt, loss_fn, xb, yb)
         assert torch.equal(loss, ref.detach())
     for name, p in eager.named_parameters():
         assert torch.equal(state.params["model." + name], p.detach()), name
@@ -1836,10 +1810,7 @@ def test_a_tensor_captured_by_the_loss_function_rides_in_the_state(tmp_path):
     state = step.init_state()
     for b in batches:
         loss, state = step(state, *b)
-        eager_opt.zero_grad()
-        ref = loss_fn(eager, *b)
-        ref.backward()
-        eager_opt.step()
+        ref = eager_step(eager, eager_opt, loss_fn, *b)
         assert torch.equal(loss, ref.detach())
     for name, p in eager.named_parameters():
         assert torch.equal(state.params["model." + name], p.detach()), name
@@ -2252,10 +2223,7 @@ def test_dict_batch_with_its_keys_in_another_order_is_matched_by_key(tmp_path):
     for b in _dict_batches(4, order=("scale", "y", "x")):
         loss, state = step(state, b)
         saved_loss, saved = loaded(saved, b)
-        ref_opt.zero_grad()
-        ref_loss = _dict_loss(ref, b)
-        ref_loss.backward()
-        ref_opt.step()
+        ref_loss = eager_step(ref, ref_opt, _dict_loss, b)
         assert torch.equal(loss, ref_loss.detach()) and torch.equal(saved_loss, loss)
     for n, p in ref.named_parameters():
         assert torch.equal(state.params["model." + n], p.detach()), n
@@ -2309,10 +2277,7 @@ def test_a_batch_in_other_strides_than_the_example_trains_as_eager(tmp_path):
         for xb in layouts:
             loss, state = step(state, xb, y)
             saved_loss, saved = loaded(saved, xb, y)
-            ref_opt.zero_grad()
-            ref_loss = loss_fn(ref, xb, y)
-            ref_loss.backward()
-            ref_opt.step()
+            ref_loss = eager_step(ref, ref_opt, loss_fn, xb, y)
             assert torch.equal(loss, ref_loss.detach()) and torch.equal(saved_loss, loss)
         for n, p in ref.named_parameters():
             assert torch.equal(state.params["model." + n], p.detach()), n
@@ -2626,10 +2591,7 @@ def test_a_model_or_optimizer_written_between_calls_is_refused_not_ignored(write
     fresh = step.init_state()
     for _ in range(2):
         loss, fresh = step(fresh, *_XC)
-        ref_opt.zero_grad()
-        ref_loss = _ce(ref, *_XC)
-        ref_loss.backward()
-        ref_opt.step()
+        ref_loss = eager_step(ref, ref_opt, _ce, *_XC)
         assert torch.equal(loss, ref_loss.detach())
     for n, p in ref.named_parameters():
         assert torch.equal(fresh.params["model." + n], p.detach()), n
@@ -2666,10 +2628,7 @@ def test_reading_the_model_and_writing_back_between_calls_is_accepted():
     state = step.init_state()
     for _ in range(3):
         loss, state = step(state, *_XC)
-        opt.zero_grad()
-        ref_loss = _ce(model, *_XC)
-        ref_loss.backward()
-        opt.step()
+        ref_loss = eager_step(model, opt, _ce, *_XC)
         assert torch.equal(loss, ref_loss.detach())
 
 
@@ -2767,10 +2726,7 @@ def test_a_parameter_without_gradient_that_holds_a_zeroed_grad_is_refused(how, o
     state = step.init_state()
     for _ in range(3):
         loss, state = step(state, x, y)
-        ref_opt.zero_grad()
-        ref_loss = loss_fn(ref, x, y)
-        ref_loss.backward()
-        ref_opt.step()
+        ref_loss = eager_step(ref, ref_opt, loss_fn, x, y)
         assert torch.equal(loss, ref_loss.detach())
     step.write_back(state)
     for n, p in ref.named_parameters():
@@ -2825,10 +2781,7 @@ def test_a_parameter_that_is_a_view_of_another_is_refused_naming_both(opt_name):
     state = step.init_state()
     for _ in range(3):
         loss, state = step(state, x, y)
-        ref_opt.zero_grad()
-        ref_loss = loss_fn(ref, x, y)
-        ref_loss.backward()
-        ref_opt.step()
+        ref_loss = eager_step(ref, ref_opt, loss_fn, x, y)
         assert torch.equal(loss, ref_loss.detach())
     for n, p in ref.named_parameters():
         assert torch.equal(state.params["model." + n], p.detach()), n
@@ -2855,10 +2808,7 @@ def test_a_python_value_in_the_batch_is_refused_naming_it(leaf):
     state = step.init_state()
     for w in (1.0, 2.0, 0.5):
         loss, state = step(state, x, y, torch.tensor(w))
-        ref_opt.zero_grad()
-        ref_loss = loss_fn(ref, x, y, torch.tensor(w))
-        ref_loss.backward()
-        ref_opt.step()
+        ref_loss = eager_step(ref, ref_opt, loss_fn, x, y, torch.tensor(w))
         assert torch.equal(loss, ref_loss.detach())
     for n, p in ref.named_parameters():
         assert torch.equal(state.params["model." + n], p.detach()), n
@@ -2903,10 +2853,7 @@ def test_a_complex_parameter_is_refused_at_the_build_and_its_real_view_trains_as
     state = step.init_state()
     for _ in range(3):
         loss, state = step(state, x, y)
-        ref_opt.zero_grad()
-        ref_loss = loss_fn(ref, x, y)
-        ref_loss.backward()
-        ref_opt.step()
+        ref_loss = eager_step(ref, ref_opt, loss_fn, x, y)
         assert torch.equal(loss, ref_loss.detach())
     assert torch.equal(state.params["model.c"], torch.view_as_real(ref.c.detach()))
     assert torch.equal(state.params["model.l.weight"], ref.l.weight.detach())
@@ -2935,10 +2882,7 @@ def test_the_hook_weight_and_spectral_norm_are_refused_naming_the_parametrizatio
     state = step.init_state()
     for _ in range(3):
         loss, state = step(state, x, y)
-        ref_opt.zero_grad()
-        ref_loss = loss_fn(ref, x, y)
-        ref_loss.backward()
-        ref_opt.step()
+        ref_loss = eager_step(ref, ref_opt, loss_fn, x, y)
         assert torch.equal(loss, ref_loss.detach())
     for n, p in ref.named_parameters():
         assert torch.equal(state.params["model." + n], p.detach()), n
@@ -3150,10 +3094,7 @@ def test_a_tensor_value_as_an_index_is_refused_as_such_and_a_one_element_index_t
     step = torch_ext.make_train_step(model, opt, loss_fn, batches[0])
     state = step.init_state()
     for x, y in batches:
-        ref_opt.zero_grad()
-        want = loss_fn(ref, x, y)
-        want.backward()
-        ref_opt.step()
+        want = eager_step(ref, ref_opt, loss_fn, x, y)
         loss, state = step(state, x, y)
         assert torch.equal(loss, want.detach())
     step.write_back(state)

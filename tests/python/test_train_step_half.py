@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 import torch_ext
 
+from helpers import eager_step
+
 DTYPES = [torch.bfloat16, torch.float16]
 
 
@@ -35,10 +37,7 @@ def _train_both(model, make_opt, loss_fn, batches, runner="executor", seed=0):
         losses.append(loss)
     torch.manual_seed(seed)
     for i, b in enumerate(batches):
-        ref_opt.zero_grad()
-        ref_loss = loss_fn(ref, *b)
-        ref_loss.backward()
-        ref_opt.step()
+        ref_loss = eager_step(ref, ref_opt, loss_fn, *b)
         assert torch.equal(losses[i], ref_loss.detach()), (i, losses[i].item(), ref_loss.item())
     for n, p in ref.named_parameters():
         assert torch.equal(state.params["model." + n], p.detach()), n

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 import torch_ext
 from torch_ext import _compat
 
+from helpers import eager_step
+
 VOCAB = 50
 
 
@@ -34,10 +36,7 @@ def _assert_steps_bit_exact(model, x, y, run, steps, seed=None):
     runner = step if run == "executor" else step.compile(plan=True, donate=run == "donated")
     for _ in range(steps):
         loss, state = runner(state, x, y)
-        eager_opt.zero_grad()
-        eager_loss = _loss(eager, x, y)
-        eager_loss.backward()
-        eager_opt.step()
+        eager_loss = eager_step(eager, eager_opt, _loss, x, y)
         assert torch.equal(loss, eager_loss)
     step.write_back(state)
     for (name, a), b in zip(model.state_dict().items(), eager.state_dict().values()):
@@ -548,10 +547,7 @@ def test_recurrent_dropout_between_layers_trains_as_eager(kind, kw):
     torch.manual_seed(0)
     for _ in range(3):
         loss, state = step(state, x, y)
-        eager_opt.zero_grad()
-        eager_loss = _loss(eager, x, y)
-        eager_loss.backward()
-        eager_opt.step()
+        eager_loss = eager_step(eager, eager_opt, _loss, x, y)
         assert torch.equal(loss, eager_loss)
 
 
@@ -594,10 +590,7 @@ def test_lstm_trains_bit_exact_with_eager(bidirectional, batch, make_opt, dtype)
         losses.append(loss)
     torch.manual_seed(0)  # eager's dropout draws from the global generator, seeded as init_state(seed=0)
     for (x, y), loss_i in zip(batches, losses):
-        eager_opt.zero_grad()
-        eager_loss = _loss(eager, x, y)
-        eager_loss.backward()
-        eager_opt.step()
+        eager_loss = eager_step(eager, eager_opt, _loss, x, y)
         assert torch.equal(loss_i, eager_loss)
     step.write_back(state)
     _same_state(model, eager, opt, eager_opt)
@@ -676,10 +669,7 @@ def _trains_bit_exact(model, eager, opt, eager_opt, loss_fn, batches):
     state = step.init_state()
     for batch in batches:
         loss, state = step(state, *batch)
-        eager_opt.zero_grad()
-        eager_loss = loss_fn(eager, *batch)
-        eager_loss.backward()
-        eager_opt.step()
+        eager_loss = eager_step(eager, eager_opt, loss_fn, *batch)
         assert torch.equal(loss, eager_loss)
     step.write_back(state)
     _same_state(model, eager, opt, eager_opt)
@@ -796,10 +786,7 @@ def test_multilabel_margin_loss_trains_as_eager():
     state = step.init_state()
     for _ in range(3):
         loss, state = step(state, x, target)
-        eager_opt.zero_grad()
-        eager_loss = loss_fn(eager, x, target)
-        eager_loss.backward()
-        eager_opt.step()
+        eager_loss = eager_step(eager, eager_opt, loss_fn, x, target)
         assert torch.equal(loss, eager_loss)
 
 
@@ -945,10 +932,7 @@ def _bn_eager_differences(model, opt_cls, x, y, steps):
     eager_opt, state = opt_cls(eager_params, lr=0.1), step.init_state()
     for _ in range(steps):
         loss, state = step(state, x, y)
-        eager_opt.zero_grad()
-        eager_loss = loss_fn(eager, x, y)
-        eager_loss.backward()
-        eager_opt.step()
+        eager_loss = eager_step(eager, eager_opt, loss_fn, x, y)
         assert torch.equal(loss, eager_loss)
     return {n: (state.params["model." + n] - p.detach()).abs().max().item()
             for n, p in eager.named_parameters() if not torch.equal(state.params["model." + n], p.detach())}

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import torch_ext
 
-from helpers import train_like_eager
+from helpers import eager_step, train_like_eager
 
 
 OPTIMIZERS = {
@@ -149,10 +149,7 @@ def _assert_written_back_like(model, opt, ref, ref_opt):
 
 
 def _eager(ref, ref_opt, b, sched=None):
-    ref_opt.zero_grad()
-    loss = loss_fn(ref, *b)
-    loss.backward()
-    ref_opt.step()
+    loss = eager_step(ref, ref_opt, loss_fn, *b)
     if sched is not None:
         sched.step()
     return loss.detach()
