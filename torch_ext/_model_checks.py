@@ -119,6 +119,17 @@ def check_options(opt: torch.optim.Optimizer, group: dict, gi: int) -> None:
     # tests/python/test_train_step_optimizers.py); fused kernels do not.
     if group.get("foreach") and not optim.registration_for(opt).foreach_exact:
         bad.append("foreach=True")
+    elif group.get("foreach"):
+        # In half precision the foreach path differs from the single-tensor one (its _foreach_mul_(list, beta)
+        # runs mul_.Scalar, which rounds beta to bfloat16 first): Adam's exp_avg_sq, SGD's momentum, RMSprop's
+        # square_avg move by an ulp (eager foreach=True against foreach=False, 3 steps).
+        half = [(i, p.dtype) for i, p in enumerate(group["params"]) if p.dtype in (torch.bfloat16, torch.float16)]
+        if half:
+            i, dt = half[0]
+            raise ValueError(f"{name} param group {gi}: foreach=True with {len(half)} {str(dt)[6:]} parameter(s) "
+                             f"(params[{i}] of shape {tuple(group['params'][i].shape)}): torch.optim's foreach path "
+                             "rounds differently from the single-tensor path the pure step replays in half "
+                             "precision; pass foreach=False")
     if group.get("fused"):
         bad.append("fused=True")
     for key in ("capturable", "differentiable"):

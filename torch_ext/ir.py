@@ -89,6 +89,17 @@ def _type_of(val: Any, where: str):
     raise UnsupportedNodeError(f"{where}: value of type {type(val).__name__} is not supported")
 
 
+def _eval_batch_norm_saved(node, val):
+    """An eval-mode batch norm's empty saved statistics in the CPU kernel's dtype, the running mean's: export
+    declares the input's, and a bfloat16 input with float32 statistics (a BatchNorm in eval under bfloat16
+    autocast) failed the IR verifier with an internal error."""
+    rm = node.args[3].meta.get("val") if len(node.args) > 3 and isinstance(node.args[3], torch.fx.Node) else None
+    if not isinstance(rm, torch.Tensor) or len(val) != 3:
+        return val
+    return (val[0], *(v.new_empty((0,), dtype=rm.dtype) if isinstance(v, torch.Tensor) and v.numel() == 0
+                      and v.dtype != rm.dtype else v for v in val[1:]))
+
+
 def _refuse_python_number(node, tname: str) -> None:
     """A node whose value is a symbolic Python number (``.item()``, ``.tolist()``, ``float(t)`` read in forward
     and used in arithmetic) is refused naming the op and the module whose forward read it: the program cannot
@@ -247,6 +258,7 @@ class Graph:
         g = _C.Graph()
         owner = owner if owner is not None else fx_graph.owning_module
         subgraphs: dict[str, torch.fx.GraphModule] = {}
+        retyped: dict[torch.fx.Node, tuple] = {}  # results declared otherwise than export's meta (see below)
         has_regions = False
         roles = {}
         if signature is not None:
@@ -301,12 +313,23 @@ class Graph:
                             f"{where}: target {getattr(target, '__name__', target)!r} is not supported "
                             "(only ATen/custom OpOverloads and getitem are)")
                     tname = f"{qual[0]}.{qual[1]}"
+                    # The executor runs a pointwise node whose input dies there through its in-place variant
+                    # (ir::find_overwrite), and torch's mul_.Scalar rounds the scalar to a half-precision
+                    # tensor's dtype first (1.8125 * 0.9 in bfloat16: 1.625, mul.Scalar's 1.6328125), where
+                    # mul_.Tensor does not: mul.Tensor with the number (a wrapped-number tensor, as
+                    # mul.Scalar's kernel makes) computes mul.Scalar's bits and overwrites through mul_.Tensor.
+                    if tname == "aten::mul.Scalar":
+                        tname = "aten::mul.Tensor"
                 where = f"node '{node.name}' ({tname})"
                 _refuse_python_number(node, tname)
                 args = [_arg_to_ir(a, where) for a in node.args]
                 kwargs = [(k, _arg_to_ir(v, where)) for k, v in node.kwargs.items()]
-                g.add_call(node.name, tname, args, kwargs, _type_of(node.meta.get("val"), where),
-                           _compat.module_path(node))
+                val = node.meta.get("val")
+                if tname == "aten::_native_batch_norm_legit_no_training.default" and isinstance(val, (tuple, list)):
+                    val = retyped[node] = _eval_batch_norm_saved(node, val)
+                elif tname == "getitem" and node.args and node.args[0] in retyped:
+                    val = retyped[node.args[0]][node.args[1]]
+                g.add_call(node.name, tname, args, kwargs, _type_of(val, where), _compat.module_path(node))
             elif node.op == "output":
                 outs = node.args[0]
                 g.set_output([_arg_to_ir(a, "output") for a in (outs if isinstance(outs, (list, tuple)) else [outs])])
