@@ -205,6 +205,24 @@ def _grid_full_graph(op: str, d: int, n: int, site: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def grid_cell(op: str, d: int, n: int = 160, every: int = 4):
+    """One grid cell's setup, shared by part 0, scripts/ab_sweep_trees.py and scripts/grid_callgrind.py: (model, x,
+    the ReactiveGraph, the site nodes, each site's patched value, the extra executor inputs, one Executor per site
+    running the whole chain with that site's value replaced)."""
+    torch.manual_seed(0)
+    model = _GridChain(op, d, n).eval()
+    x = torch.randn(d, d)
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    nodes = rg.nodes()
+    assert len(nodes) == n, (op, len(nodes))
+    site_idx = list(range(every, n + 1, every))  # 1-based positions
+    sites = [nodes[i - 1] for i in site_idx]
+    pre = {s: rg.value(s) * 0.5 for s in sites}
+    extra = [model.lin.weight.detach(), model.lin.bias.detach()] if op == "linear+gelu" else []
+    executors = {s: torch_ext.Executor(Graph.parse(_grid_full_graph(op, d, n, i))) for s, i in zip(sites, site_idx)}
+    return model, x, rg, sites, pre, extra, executors
+
+
 def part0(repeats: int, sizes: list[int], linear_max: int, n: int = 160, every: int = 4,
           ops: tuple = ("relu", "sin", "linear+gelu")) -> None:
     header("0. grid: torch_ext.sweep vs a full recompute (torch_ext.Executor per site), wall ratio / rho")
@@ -218,17 +236,7 @@ def part0(repeats: int, sizes: list[int], linear_max: int, n: int = 160, every: 
             if op == "linear+gelu" and d > linear_max:
                 print(f"{op:12s} {d:>4d}x{d:<5d} (skipped: over --linear-max {linear_max})")
                 continue
-            torch.manual_seed(0)
-            model = _GridChain(op, d, n).eval()
-            x = torch.randn(d, d)
-            rg = torch_ext.ReactiveGraph(model, (x,))
-            nodes = rg.nodes()
-            assert len(nodes) == n, (op, len(nodes))
-            site_idx = list(range(every, n + 1, every))  # 1-based positions
-            sites = [nodes[i - 1] for i in site_idx]
-            pre = {s: rg.value(s) * 0.5 for s in sites}
-            extra = [model.lin.weight.detach(), model.lin.bias.detach()] if op == "linear+gelu" else []
-            executors = {s: torch_ext.Executor(Graph.parse(_grid_full_graph(op, d, n, i))) for s, i in zip(sites, site_idx)}
+            model, x, rg, sites, pre, extra, executors = grid_cell(op, d, n, every)
             results = {}
 
             def reactive():

@@ -17,24 +17,14 @@ import sys
 import torch
 
 import torch_ext
-from torch_ext.ir import Graph
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sweep import _GridChain, _grid_full_graph  # noqa: E402
+from bench_sweep import grid_cell  # noqa: E402
 
 
 def main(op: str, d: int, arm: str, repeats: int, n: int = 160, every: int = 4) -> None:
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = _GridChain(op, d, n).eval()
-    x = torch.randn(d, d)
-    rg = torch_ext.ReactiveGraph(model, (x,))
-    nodes = rg.nodes()
-    site_idx = list(range(every, n + 1, every))
-    sites = [nodes[i - 1] for i in site_idx]
-    pre = {s: rg.value(s) * 0.5 for s in sites}
-    extra = [model.lin.weight.detach(), model.lin.bias.detach()] if op == "linear+gelu" else []
-    executors = {s: torch_ext.Executor(Graph.parse(_grid_full_graph(op, d, n, i))) for s, i in zip(sites, site_idx)}
+    _, x, rg, sites, pre, extra, executors = grid_cell(op, d, n, every)
     eng = rg._engine
     arms = {
         "full": lambda: [float(executors[s](x, pre[s], *extra)[0].sum()) for s in sites],
