@@ -14,6 +14,15 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNNER = Path(os.environ.get("TORCH_EXT_BUILD_DIR", ROOT / "build")) / "aoti_train"
 
 
+@pytest.fixture(autouse=True)
+def runner_threads_like_this_process(monkeypatch):
+    """The C++ runner (libtorch reads OMP_NUM_THREADS at start) runs with this process's intra-op thread count: the
+    package's kernels reduce in an order that depends on it, so the runner's losses equal load_step's bit for bit
+    only at the same count. Another test file in the same worker (pytest-xdist) may have set it to 1: the runner,
+    on every core, then differed from load_step in the last bits of a loss (1.26656473 against 1.26656461)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
+
+
 def assert_same_state(got, want):
     """Every entry of two TrainStates bit for bit, and what a state carries besides (scheduler epoch,
     fingerprint, unstepped)."""
