@@ -23,7 +23,7 @@ from typing import Any, Callable, Hashable, Iterable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from . import _C, _build_cache, _compat, _disk_cache, _env_reads, _hook_proof, _module_state
+from . import _C, _build_cache, _compat, _disk_cache, _env_reads, _hook_proof, _module_state, _read_inference
 from ._joint_edits import JointEditRule
 from .ir import _SHORT_DTYPE, Graph
 
@@ -2502,6 +2502,10 @@ class _InMetric:
             self.rg._in_metric = before
 
 
+class _ReadsOutside(ValueError):
+    """The metric read elements outside ``reads=`` (_ReadCheck); sweep(reads="auto") starts again without."""
+
+
 class _ReadCheck:
     """The metric of a sweep given ``reads=``, made loud about reading outside the declaration.
 
@@ -2675,7 +2679,7 @@ class _ReadCheck:
         what = (f"output {culprit} ({self.names[culprit]!r})" if culprit is not None else "the outputs")
         declared = (f"reads={self.reads!r}" if isinstance(self.reads, dict)
                     else "what the reads callable indexes")
-        raise ValueError(f"sweep: the metric reads elements of {what} outside {declared}: its result changes when "
+        raise _ReadsOutside(f"sweep: the metric reads elements of {what} outside {declared}: its result changes when "
                          "those elements change (it was run with them NaN, +inf, -inf and 0.75). With reads=, undeclared "
                          "elements are not computed on every path (they would be NaN batched and the true values "
                          "one at a time); declare everything the metric reads in reads=, or leave reads= out")
@@ -3239,7 +3243,11 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
     path (batched or not, rows or whole cones): it is run with the undeclared elements NaN, +inf, -inf
     and 0.75, and a result that differs between the four (it read outside ``reads``) raises a ValueError
     naming the output, rather than a NaN batched and the true value one at a time. So the metric runs
-    four times per site and must be a function of the outputs. Standing
+    four times per site and must be a function of the outputs. ``reads="auto"`` infers the
+    declaration from one call of the metric on the clean outputs (torch_ext/_read_inference.py: the
+    elements that reach an op other than a view, a constant index or a copy); each site is checked as
+    above, and a site that reads outside it makes the sweep start again without ``reads``
+    (``extra["inferred_reads"]``: the reads, why, and whether it reran; raised under ``distributed``). Standing
     patches fall back to node-granular cones; batched sites use them too. With early cutoff on, a
     patched value equal to the clean one is cut off at the site and a changed one takes the same
     row-range path as with cutoff off (same bits).
@@ -3265,28 +3273,69 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
             raise ValueError(f"sweep(batch_sites=...) must be a bool or an int >= 2 (sites per batch), "
                              f"got {batch_sites!r}")
         use_rows = rg.positions if positions is None else positions
-        rows = ((rg._read_spec(reads) if reads is not None else ([], [])), reads) if use_rows else None
-        if reads is not None and not use_rows:
-            rg._read_rows(reads)  # still checked: a bad reads argument is refused either way
         if not isinstance(skip_identical, bool):
             raise TypeError(f"sweep(skip_identical=...) must be a bool, got {type(skip_identical).__name__}")
-        if getattr(rg, "_no_kv_cache", None):
-            metric = _MarksNoKVCache(metric, rg._no_kv_cache)  # innermost: it marks the copies the metric reads
-        if reads is not None and rg._last_inputs is not None:
-            metric = _ReadCheck(rg, metric, reads)  # the same inputs on every path; reading outside them is refused
-        metric = _InMetric(rg, metric)  # value() / demand() from the metric would read the unpatched graph: refused
         # The model written in place before the sweep is an edit the engine takes now (num_dirty reads, so it
         # settles); during it, a patch function or metric writing into the model is refused (engine.h, I15).
         eng = rg._engine
+        auto = isinstance(reads, str) and reads == "auto"
+        if isinstance(reads, str) and not auto:
+            raise ValueError(f"sweep(reads=...) takes a dict, a callable, \"auto\" or None, got {reads!r}")
+        inferred = None
+        if auto:
+            rg._take_untracked_writes()
+            eng.num_dirty()
+            reads, why = _infer_sweep_reads(rg, metric)
+            inferred = {"reads": reads, "why": why, "rerun_without": None}
+        rows = ((rg._read_spec(reads) if reads is not None else ([], [])), reads) if use_rows else None
+        if reads is not None and not use_rows:
+            rg._read_rows(reads)  # still checked: a bad reads argument is refused either way
+        if getattr(rg, "_no_kv_cache", None):
+            metric = _MarksNoKVCache(metric, rg._no_kv_cache)  # innermost: it marks the copies the metric reads
+        unchecked = _InMetric(rg, metric)  # value() / demand() from the metric would read the unpatched graph: refused
+        if reads is not None and rg._last_inputs is not None:
+            metric = _ReadCheck(rg, metric, reads)  # the same inputs on every path; reading outside them is refused
+        metric = _InMetric(rg, metric)
         rg._take_untracked_writes()
         eng.num_dirty()
         rg._sweeping = True
         eng.set_inputs_frozen(True)
         try:
-            return _sweep(rg, site_list, patch, metric, progress, batch_sites, distributed, rows, skip_identical)
+            try:
+                result = _sweep(rg, site_list, patch, metric, progress, batch_sites, distributed, rows, skip_identical)
+            except _ReadsOutside as e:
+                # An inferred reads= was too small at some site (the metric's reads depend on the values): the
+                # sites done so far were rolled back as always; the sweep starts again reading every element.
+                # Not under distributed=True: the other ranks would not know, and the collectives would hang.
+                if inferred is None or distributed:
+                    raise
+                inferred["rerun_without"] = str(e).split(":")[0]
+                plain_rows = (([], []), None) if use_rows else None
+                result = _sweep(rg, site_list, patch, unchecked, progress, batch_sites, distributed, plain_rows,
+                                skip_identical)
+            if inferred is not None:
+                result.extra["inferred_reads"] = inferred
+            return result
         finally:
             rg._sweeping = False
             eng.set_inputs_frozen(False)
+
+
+def _infer_sweep_reads(rg: ReactiveGraph, metric: Callable):
+    """(reads, why) for ``sweep(reads="auto")``: what the metric reads of the current outputs (_read_inference),
+    or (None, why) where nothing is gained or it cannot be found. A training-mode graph's (loss, gradients) are
+    not read-checked, so nothing is inferred for it."""
+    if rg._last_inputs is None or (rg._single_output is None and rg._loss_output is not None):
+        return None, "no read check for this graph's outputs"
+    names = rg._output_nodes()
+    values = [rg._engine.value(n) if n is not None else None for n in names]
+    reads, why = _read_inference.infer_reads(metric, values, names, rg._user)
+    if reads is not None:
+        try:
+            rg._read_rows(reads)
+        except (ValueError, TypeError) as e:  # e.g. a sequence-axis index the row rule cannot express
+            return None, f"inferred reads not usable: {e}"
+    return reads, why
 
 
 def _rows_between(before: dict, after: dict) -> fractions.Fraction:
