@@ -37,6 +37,8 @@ import time
 import traceback
 from pathlib import Path
 
+from _fuzz_driver import one_intra_op_thread
+
 ROOT = Path(__file__).resolve().parent.parent
 OK_ERRORS = ("RuntimeError", "ValueError", "TypeError", "NotImplementedError")
 BAD_MARKERS = ("INTERNAL ASSERT FAILED", "please report a bug to PyTorch", "Traceback")
@@ -766,13 +768,13 @@ def _eq(a, b, what: str, diffs: list):
         diffs.append(f"{what}: {a!r} vs eager {b!r}")
 
 
+@one_intra_op_thread
 def run_case(spec: dict) -> list[str]:
     """Trains the spec both ways; returns the differences (empty: bit-exact). Refusals raise."""
     import torch
 
     import torch_ext
 
-    torch.set_num_threads(1)
     model, loss_fn, batches = build(spec)
     if spec.get("pre_grad"):  # an eager warm-up backward leaves .grad (BatchNorm statistics move too, both sides)
         torch.manual_seed(12345)

@@ -55,6 +55,8 @@ import time
 import traceback
 from pathlib import Path
 
+from _fuzz_driver import one_intra_op_thread
+
 ROOT = Path(__file__).resolve().parent.parent
 OK_ERRORS = ("RuntimeError", "ValueError", "TypeError", "NotImplementedError")
 BAD_MARKERS = ("INTERNAL ASSERT FAILED", "please report a bug to PyTorch", "Traceback")
@@ -216,6 +218,7 @@ def gen_tl_spec(rng: random.Random) -> dict:
     return {"model": m, "ops": ops}
 
 
+@one_intra_op_thread
 def run_tl_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
     import os
 
@@ -226,7 +229,6 @@ def run_tl_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
 
     from torch_ext import patching
 
-    torch.set_num_threads(1)
     m = spec["model"]
     cfg = tl.TransformerBridgeConfig(n_layers=len(m["blocks"]), d_model=m["heads"] * m["d_head"], n_heads=m["heads"],
                                      d_head=m["d_head"], d_mlp=4 * m["heads"] * m["d_head"], n_ctx=16,
@@ -617,6 +619,7 @@ def close(a: float, b: float, scale: float) -> bool:
     return abs(a - b) <= TOL * max(scale, 1e-30)
 
 
+@one_intra_op_thread
 def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
     """Runs the spec both ways; returns (differences, {refusal message: count}). A refused build raises."""
     if spec["model"].get("family") == "tl":
@@ -625,7 +628,6 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
 
     import torch_ext
 
-    torch.set_num_threads(1)
     m = spec["model"]
     seq_dims = hooks_of(m)
     model = build_model(m)
