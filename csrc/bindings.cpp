@@ -880,6 +880,22 @@ PYBIND11_MODULE(_C, m) {
     return out;
   });
 
+  // TensorIterator's layout for an elementwise op over two tensors of these sizes and strides (the type checker's
+  // rule, ir::elementwise_strides), for torch_ext/_compat.py's trace patch: the result's strides, or None where
+  // they do not broadcast.
+  m.def("elementwise_strides", [](std::vector<int64_t> a_sizes, std::vector<int64_t> a_strides,
+                                  std::vector<int64_t> b_sizes, std::vector<int64_t> b_strides) -> py::object {
+    TORCH_CHECK(a_sizes.size() == a_strides.size() && b_sizes.size() == b_strides.size(),
+                "elementwise_strides: sizes and strides of different lengths: ", a_sizes.size(), " and ",
+                a_strides.size(), ", ", b_sizes.size(), " and ", b_strides.size());
+    const auto meta = [](const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides) {
+      return at::empty_strided(sizes, strides, at::TensorOptions().dtype(at::kFloat).device(at::kMeta));
+    };
+    auto strides = ir::elementwise_strides(meta(a_sizes, a_strides), meta(b_sizes, b_strides));
+    if (!strides) return py::none();
+    return py::tuple(py::cast(*strides));
+  }, py::arg("a_sizes"), py::arg("a_strides"), py::arg("b_sizes"), py::arg("b_strides"));
+
   // The optimizer registry (optim/descriptor.h): torch_ext.optim generates the fake kernels and
   // reads the state slots from it; state names are built and parsed only here.
   m.def("optimizer_descriptors", [] {

@@ -26,20 +26,13 @@ Cases run in a worker subprocess, so a crash is caught and the run continues wit
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import random
 import re
-import subprocess
 import sys
-import time
-import traceback
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-OK_ERRORS = ("RuntimeError", "ValueError", "TypeError", "NotImplementedError")
-BAD_MARKERS = ("INTERNAL ASSERT FAILED", "please report a bug to PyTorch", "Traceback")
+import _fuzz_driver
+from _fuzz_driver import one_intra_op_thread
 STEPS = 3
 ACTS = ("gelu", "relu", "silu", "tanh")
 BLOCKS = ("linear", "ln", "bn", "act", "drop", "resid", "shared", "bufscale", "ema")
@@ -766,13 +759,13 @@ def _eq(a, b, what: str, diffs: list):
         diffs.append(f"{what}: {a!r} vs eager {b!r}")
 
 
+@one_intra_op_thread
 def run_case(spec: dict) -> list[str]:
     """Trains the spec both ways; returns the differences (empty: bit-exact). Refusals raise."""
     import torch
 
     import torch_ext
 
-    torch.set_num_threads(1)
     model, loss_fn, batches = build(spec)
     if spec.get("pre_grad"):  # an eager warm-up backward leaves .grad (BatchNorm statistics move too, both sides)
         torch.manual_seed(12345)
@@ -870,13 +863,7 @@ def run_case(spec: dict) -> list[str]:
 
 
 def classify(exc: BaseException) -> tuple[str, str]:
-    name = type(exc).__name__
-    msg = str(exc)
-    if isinstance(exc, Mismatch):
-        return "mismatch", msg
-    if name in OK_ERRORS and not any(m in msg for m in BAD_MARKERS):
-        return "refused", f"{name}: {msg.splitlines()[0][:300] if msg else ''}"
-    return "error", f"{name}: {msg[:2000]}\n{traceback.format_exc()[-3000:]}"
+    return _fuzz_driver.classify(exc, lambda line: line[:300], mismatch=(Mismatch,))
 
 
 def simplifications(spec: dict):
@@ -908,17 +895,8 @@ def simplifications(spec: dict):
 
 def minimize(spec: dict) -> dict:
     """Greedily simplifies ``spec`` while it stays a finding of the same status."""
-    status = one(spec)["status"]
-    changed = True
-    while changed:
-        changed = False
-        for cand in simplifications(spec):
-            if cand["front"] == "linear" and cand["batch"] == 1 and any(b["kind"] == "bn" for b in cand["blocks"]):
-                continue
-            if one(cand)["status"] == status:
-                spec, changed = cand, True
-                break
-    return spec
+    return _fuzz_driver.minimize(spec, one, simplifications, keep=lambda cand: not (
+        cand["front"] == "linear" and cand["batch"] == 1 and any(b["kind"] == "bn" for b in cand["blocks"])))
 
 
 def case_spec(seed: int, i: int) -> dict:
@@ -939,118 +917,9 @@ def one(spec: dict) -> dict:
         return {"status": status, "msg": msg}
 
 
-# ------------------------------------------------------------------------------------------ driver
-def worker(seed: int, first: int, deadline: float):
-    import torch  # noqa: F401 - imported before the first case's clock starts (--case-timeout)
-
-    import torch_ext  # noqa: F401
-    i = first
-    while time.time() < deadline:
-        print(json.dumps({"start": i}), flush=True)
-        r = one(case_spec(seed, i))
-        r["i"] = i
-        print(json.dumps(r), flush=True)
-        i += 1
-
-
-def _lines(p, timeout: dict):
-    """The worker's stdout lines; None when no line came for ``timeout["s"]`` seconds (None: no limit, while the
-    worker starts up and imports torch). Read unbuffered, so a line already read never waits behind the select."""
-    import os
-    import selectors
-
-    sel = selectors.DefaultSelector()
-    sel.register(p.stdout, selectors.EVENT_READ)
-    buf = b""
-    while True:
-        if b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            yield line.decode()
-            continue
-        if not sel.select(timeout["s"]):
-            yield None
-            return
-        chunk = os.read(p.stdout.fileno(), 1 << 16)
-        if not chunk:
-            return
-        buf += chunk
-
-
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seconds", type=float, default=300.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--first", type=int, default=0, help="first case index")
-    ap.add_argument("--case", help="SEED:I: run one generated case in-process and print it")
-    ap.add_argument("--spec", help="a JSON spec (or @file) to run in-process")
-    ap.add_argument("--minimize", action="store_true", help="with --case/--spec: simplify the finding first")
-    ap.add_argument("--log", help="append every case's result (JSON lines) here")
-    ap.add_argument("--case-timeout", type=float, default=120.0,
-                    help="seconds one case may take before its worker is killed and the case is a finding (slow)")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
-    if a.worker:
-        worker(a.seed, a.first, a.deadline)
-        return 0
-    if a.case or a.spec:
-        if a.case:
-            s, i = a.case.split(":")
-            spec = case_spec(int(s), int(i))
-        else:
-            spec = json.loads(Path(a.spec[1:]).read_text() if a.spec.startswith("@") else a.spec)
-        if a.minimize:
-            spec = minimize(spec)
-        print(json.dumps(spec))
-        r = one(spec)
-        print(r["status"])
-        print(r.get("msg", ""))
-        return 0 if r["status"] in ("ok", "refused") else 1
-
-    deadline = time.time() + a.seconds
-    counts: dict[str, int] = {}
-    findings, refusals = [], {}
-    log = open(a.log, "a") if a.log else None
-    i = a.first
-    while time.time() < deadline:
-        p = subprocess.Popen([sys.executable, __file__, "--worker", "--seed", str(a.seed), "--first", str(i),
-                              "--deadline", str(deadline)], stdout=subprocess.PIPE, bufsize=0, cwd=ROOT)
-        current, slow, timeout = None, False, {"s": None}
-        for line in _lines(p, timeout):
-            if line is None:  # one case ran past --case-timeout: a finding (a hang, or a pass gone quadratic)
-                slow = True
-                p.kill()
-                break
-            r = json.loads(line)
-            if "start" in r:
-                current, timeout["s"] = r["start"], a.case_timeout
-                continue
-            current, timeout["s"] = None, None
-            i = r["i"] + 1
-            counts[r["status"]] = counts.get(r["status"], 0) + 1
-            if log:
-                log.write(line + "\n")
-                log.flush()
-            if r["status"] == "refused":
-                refusals[r["msg"][:160]] = refusals.get(r["msg"][:160], 0) + 1
-            elif r["status"] != "ok":
-                findings.append(r)
-                print(f"FINDING {r['status']} case {a.seed}:{r['i']}\n{r['msg']}\n", flush=True)
-        rc = p.wait()
-        if current is not None:  # the worker died inside a case (a crash), or was killed as too slow
-            kind = "slow" if slow else "crash"
-            counts[kind] = counts.get(kind, 0) + 1
-            why = f"over {a.case_timeout:g} s" if slow else f"worker exit {rc}"
-            findings.append({"status": kind, "i": current, "msg": why})
-            if log:
-                log.write(json.dumps({"status": kind, "msg": why, "i": current}) + "\n")
-                log.flush()
-            print(f"FINDING {kind} case {a.seed}:{current} ({why})", flush=True)
-            i = current + 1
-    print(f"seed {a.seed}: cases {a.first}..{i - 1}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-    for msg, c in sorted(refusals.items(), key=lambda kv: -kv[1]):
-        print(f"  refused x{c}: {msg}")
-    return 1 if findings else 0
+    return _fuzz_driver.main(argv, doc=__doc__, script=__file__, case_spec=case_spec, one=one, minimize=minimize,
+                             case_timeout=120.0)
 
 
 if __name__ == "__main__":

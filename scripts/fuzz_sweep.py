@@ -44,20 +44,14 @@ counted by message.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import random
 import re
-import subprocess
 import sys
-import time
-import traceback
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-OK_ERRORS = ("RuntimeError", "ValueError", "TypeError", "NotImplementedError")
-BAD_MARKERS = ("INTERNAL ASSERT FAILED", "please report a bug to PyTorch", "Traceback")
+import _fuzz_driver
+from _fuzz_driver import one_intra_op_thread
 ACTS = ("gelu", "relu", "tanh")
 BLOCKS = ("mlp", "tiny", "mha", "enc", "conv", "bn", "act")
 TOL = 1e-6
@@ -216,6 +210,7 @@ def gen_tl_spec(rng: random.Random) -> dict:
     return {"model": m, "ops": ops}
 
 
+@one_intra_op_thread
 def run_tl_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
     import os
 
@@ -226,7 +221,6 @@ def run_tl_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
 
     from torch_ext import patching
 
-    torch.set_num_threads(1)
     m = spec["model"]
     cfg = tl.TransformerBridgeConfig(n_layers=len(m["blocks"]), d_model=m["heads"] * m["d_head"], n_heads=m["heads"],
                                      d_head=m["d_head"], d_mlp=4 * m["heads"] * m["d_head"], n_ctx=16,
@@ -617,6 +611,7 @@ def close(a: float, b: float, scale: float) -> bool:
     return abs(a - b) <= TOL * max(scale, 1e-30)
 
 
+@one_intra_op_thread
 def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
     """Runs the spec both ways; returns (differences, {refusal message: count}). A refused build raises."""
     if spec["model"].get("family") == "tl":
@@ -625,7 +620,6 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
 
     import torch_ext
 
-    torch.set_num_threads(1)
     m = spec["model"]
     seq_dims = hooks_of(m)
     model = build_model(m)
@@ -645,7 +639,7 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
     def note(exc, where):
         name = type(exc).__name__
         msg = str(exc)
-        if name in OK_ERRORS and not any(k in msg for k in BAD_MARKERS):
+        if name in _fuzz_driver.OK_ERRORS and not any(k in msg for k in _fuzz_driver.BAD_MARKERS):
             key = f"{where}: {name}: " + re.sub(r"\d+", "N", msg.splitlines()[0] if msg else "")[:150]
             refusals[key] = refusals.get(key, 0) + 1
             if verbose:
@@ -873,11 +867,7 @@ def sweep_op(o, where, rg, ref, seq_dims, m, eq, torch_ext, torch, out_key):
 
 
 def classify(exc: BaseException) -> tuple[str, str]:
-    name = type(exc).__name__
-    msg = str(exc)
-    if name in OK_ERRORS and not any(m in msg for m in BAD_MARKERS):
-        return "refused", f"{name}: {re.sub(r'[0-9]+', 'N', msg.splitlines()[0] if msg else '')[:200]}"
-    return "error", f"{name}: {msg[:2000]}\n{traceback.format_exc()[-3000:]}"
+    return _fuzz_driver.classify(exc, lambda line: re.sub(r"[0-9]+", "N", line)[:200])
 
 
 def one(spec: dict, verbose: bool = False) -> dict:
@@ -917,104 +907,36 @@ def simplifications(spec: dict):
 
 
 def minimize(spec: dict) -> dict:
-    status = one(spec)["status"]
-    changed = True
-    while changed:
-        changed = False
-        for cand in simplifications(spec):
-            if one(cand)["status"] == status:
-                spec, changed = cand, True
-                break
-    return spec
+    return _fuzz_driver.minimize(spec, one, simplifications)
 
 
 def case_spec(seed: int, i: int) -> dict:
     return gen_spec(random.Random(f"sweep{seed}:{i}"))
 
 
-# ------------------------------------------------------------------------------------------ driver
-def worker(seed: int, first: int, deadline: float):
-    i = first
-    while time.time() < deadline:
-        print(json.dumps({"start": i}), flush=True)
-        r = one(case_spec(seed, i))
-        r["i"] = i
-        print(json.dumps(r), flush=True)
-        i += 1
+class _OpTally(_fuzz_driver.Tally):
+    """Counts the operations the cases ran and the refused ones (a refused operation does not end its case)."""
+
+    def __init__(self):
+        self.n_ops, self.op_refusals = 0, {}
+
+    def add(self, seed: int, r: dict) -> None:
+        self.n_ops += len(case_spec(seed, r["i"])["ops"])
+        for k, c in r.get("refusals", {}).items():
+            k = re.sub(r"^op\d+ ", "", k)
+            self.op_refusals[k] = self.op_refusals.get(k, 0) + c
+
+    def report(self, refusals: dict) -> None:
+        print(f"  operations: {self.n_ops}, refused operations: {sum(self.op_refusals.values())}")
+        for msg, c in sorted(refusals.items(), key=lambda kv: -kv[1]):
+            print(f"  case refused x{c}: {msg}")
+        for msg, c in sorted(self.op_refusals.items(), key=lambda kv: -kv[1]):
+            print(f"  op refused x{c}: {msg}")
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seconds", type=float, default=300.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--first", type=int, default=0, help="first case index")
-    ap.add_argument("--case", help="SEED:I: run one generated case in-process and print it")
-    ap.add_argument("--spec", help="a JSON spec (or @file) to run in-process")
-    ap.add_argument("--minimize", action="store_true", help="with --case/--spec: simplify the finding first")
-    ap.add_argument("--log", help="append every case's result (JSON lines) here")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
-    if a.worker:
-        worker(a.seed, a.first, a.deadline)
-        return 0
-    if a.case or a.spec:
-        if a.case:
-            s, i = a.case.split(":")
-            spec = case_spec(int(s), int(i))
-        else:
-            spec = json.loads(Path(a.spec[1:]).read_text() if a.spec.startswith("@") else a.spec)
-        if a.minimize:
-            spec = minimize(spec)
-        print(json.dumps(spec))
-        r = one(spec, verbose=True)
-        print(r["status"])
-        print(r.get("msg", ""))
-        return 0 if r["status"] in ("ok", "refused") else 1
-
-    deadline = time.time() + a.seconds
-    counts: dict[str, int] = {}
-    findings, refusals, op_refusals = [], {}, {}
-    n_ops = 0
-    log = open(a.log, "a") if a.log else None
-    i = a.first
-    while time.time() < deadline:
-        p = subprocess.Popen([sys.executable, __file__, "--worker", "--seed", str(a.seed), "--first", str(i),
-                              "--deadline", str(deadline)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
-        current = None
-        for line in p.stdout:
-            r = json.loads(line)
-            if "start" in r:
-                current = r["start"]
-                continue
-            current = None
-            i = r["i"] + 1
-            counts[r["status"]] = counts.get(r["status"], 0) + 1
-            n_ops += len(case_spec(a.seed, r["i"])["ops"])
-            for k, c in r.get("refusals", {}).items():
-                k = re.sub(r"^op\d+ ", "", k)
-                op_refusals[k] = op_refusals.get(k, 0) + c
-            if log:
-                log.write(line)
-                log.flush()
-            if r["status"] == "refused":
-                refusals[r["msg"][:160]] = refusals.get(r["msg"][:160], 0) + 1
-            elif r["status"] != "ok":
-                findings.append(r)
-                print(f"FINDING {r['status']} case {a.seed}:{r['i']}\n{r['msg']}\n", flush=True)
-        rc = p.wait()
-        if current is not None:  # the worker died inside a case: a crash
-            counts["crash"] = counts.get("crash", 0) + 1
-            findings.append({"status": "crash", "i": current, "msg": f"worker exit {rc}"})
-            print(f"FINDING crash case {a.seed}:{current} (exit {rc})", flush=True)
-            i = current + 1
-    print(f"seed {a.seed}: cases {a.first}..{i - 1}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-    print(f"  operations: {n_ops}, refused operations: {sum(op_refusals.values())}")
-    for msg, c in sorted(refusals.items(), key=lambda kv: -kv[1]):
-        print(f"  case refused x{c}: {msg}")
-    for msg, c in sorted(op_refusals.items(), key=lambda kv: -kv[1]):
-        print(f"  op refused x{c}: {msg}")
-    return 1 if findings else 0
+    return _fuzz_driver.main(argv, doc=__doc__, script=__file__, case_spec=case_spec, one=one, minimize=minimize,
+                             replay=lambda spec: one(spec, verbose=True), tally=_OpTally())
 
 
 if __name__ == "__main__":

@@ -1274,13 +1274,18 @@ def onednn_rnn_backward_dtypes():
 
 
 def _elementwise_layout(args, kwargs):
-    """The strides TensorIterator gives an elementwise op over the tensor arguments in order (``grad * mask``,
+    """The strides TensorIterator gives an elementwise op over its two tensor arguments (``grad * mask``,
     native_dropout_backward's CPU kernel; an activation's backward over ``(grad, self)``): the gradient's layout
-    where they disagree (the prims' rule, which matches the kernels)."""
-    from torch._prims_common import compute_elementwise_output_strides
+    where they disagree. The C++ type checker's rule (``_C.elementwise_strides``, TensorIterator itself on meta
+    tensors), so that the trace and the checker cannot disagree; None where it does not apply, as there: not
+    exactly two tensors, or ones that do not broadcast."""
+    from . import _C
 
     tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-    return tuple(compute_elementwise_output_strides(*tensors))
+    if len(tensors) != 2:
+        return None
+    (a, b) = tensors
+    return _C.elementwise_strides(a.shape, a.stride(), b.shape, b.stride())
 
 
 def _batch_norm_cpu_layout(original, input_at, contiguous=False):
@@ -1305,7 +1310,7 @@ def _batch_norm_cpu_layout(original, input_at, contiguous=False):
         t = out[0]
         if contiguous == "elementwise":
             strides = _elementwise_layout(args, kwargs)
-            if isinstance(t, torch.Tensor) and t.shape == input.shape and t.stride() != strides:
+            if strides is not None and isinstance(t, torch.Tensor) and t.shape == input.shape and t.stride() != strides:
                 out[0] = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
             return out[0] if single else tuple(out)
         fmt = torch.contiguous_format if contiguous else suggest_memory_format(input)
@@ -1389,11 +1394,9 @@ def batch_norm_in_cpu_layout(ep: torch.export.ExportedProgram) -> torch.export.E
             continue
         if contiguous == "elementwise":
             args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
-            if sum(isinstance(a, torch.Tensor) for a in args) < 2:
-                continue
             strides = _elementwise_layout(args, {})
             t = vals if isinstance(vals, torch.Tensor) else None
-            stale |= isinstance(t, torch.Tensor) and t.shape == x.shape and t.stride() != strides
+            stale |= strides is not None and isinstance(t, torch.Tensor) and t.shape == x.shape and t.stride() != strides
             continue
         fmt = torch.contiguous_format if contiguous else suggest_memory_format(x)
         t = (vals[0] if vals else None) if isinstance(vals, (tuple, list)) else vals  # (one result: a tensor)

@@ -321,13 +321,6 @@ MetaCache& meta_cache() {
   return *cache;
 }
 
-// The cpu_layout_ops() entry of an aten operator, by name (any overload: the out= variants too), or null.
-const CpuLayoutOp* cpu_layout_op(const Target& target) {
-  if (target.ns != "aten") return nullptr;
-  for (const CpuLayoutOp& op : cpu_layout_ops())
-    if (target.name == op.name) return &op;
-  return nullptr;
-}
 
 std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, std::vector<c10::IValue>& stack,
                               const std::vector<TensorInput>& tensor_inputs) {
@@ -351,30 +344,16 @@ std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, s
     }
   }
   const c10::Device device = result_device(node);
-  // The input whose layout the first result follows on the CPU (cpu_layout_ops), where the meta kernel's differs;
-  // for an Elementwise entry, the layout TensorIterator gives the two tensor arguments instead.
-  at::Tensor layout_input;
-  std::optional<std::vector<int64_t>> elementwise_strides;
+  // Where the CPU kernel lays the first result out otherwise than the meta kernel (cpu_layout_ops), the arguments
+  // it is laid out from (the call replaces the stack).
   const CpuLayoutOp* cpu_layout = device.is_cpu() ? cpu_layout_op(node.target()) : nullptr;
-  if (cpu_layout && cpu_layout->layout != CpuLayout::Elementwise && static_cast<size_t>(cpu_layout->input) < stack.size() &&
-      stack[cpu_layout->input].isTensor())
-    layout_input = stack[cpu_layout->input].toTensor();
+  const std::vector<c10::IValue> layout_args = cpu_layout ? stack : std::vector<c10::IValue>();
   {
     // Graph values carry no autograd history, and a Python mode active in the caller must not
     // see these tensors.
     at::AutoDispatchBelowAutograd no_autograd;
     c10::impl::ExcludeDispatchKeyGuard no_python(
         c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
-    std::vector<at::Tensor> operands;  // the tensor arguments in order: TensorIterator's layout over them
-    for (const c10::IValue& v : stack)
-      if (v.isTensor() && v.toTensor().defined()) operands.push_back(v.toTensor());
-    if (cpu_layout && cpu_layout->layout == CpuLayout::Elementwise && operands.size() == 2) {
-      try {
-        elementwise_strides = at::mul(operands[0], operands[1]).strides().vec();
-      } catch (const std::exception&) {
-        // the operator's own call below reports the arguments it refuses
-      }
-    }
     try {
       op.callBoxed(stack);
     } catch (const c10::NotImplementedError&) {
@@ -402,14 +381,9 @@ std::string infer_and_compare(const Node& node, const c10::OperatorHandle& op, s
   Type* first = !inferred ? nullptr
                 : inferred->kind == Type::Kind::Tuple && !inferred->elems.empty() ? &inferred->elems[0]
                 : &*inferred;
-  if (first && layout_input.defined() && first->is_tensor() && first->tensor.sizes == layout_input.sizes().vec())
-    first->tensor.strides =
-        at::empty_like(layout_input, cpu_layout->layout == CpuLayout::Contiguous ? c10::MemoryFormat::Contiguous
-                                                            : layout_input.suggest_memory_format())
-            .strides()
-            .vec();
-  if (first && elementwise_strides && first->is_tensor() && first->tensor.sizes.size() == elementwise_strides->size())
-    first->tensor.strides = *elementwise_strides;
+  if (first && cpu_layout && first->is_tensor())
+    if (auto strides = cpu_result_strides(*cpu_layout, layout_args, first->tensor.sizes))
+      first->tensor.strides = std::move(*strides);
   if (!inferred || agrees(node.type(), *inferred, node.target().name, layout_is_inferred(op))) return "";
   copy_devices(node.type(), *inferred);
   return "declared type " + print_type(node.type()) + " differs from " + print_type(*inferred) +
@@ -640,6 +614,51 @@ c10::IValue constant_to_ivalue(const Arg& a, const c10::Argument& formal, const 
   return v;
 }
 
+
+const CpuLayoutOp* cpu_layout_op(const Target& target) {
+  if (target.ns != "aten") return nullptr;
+  for (const CpuLayoutOp& op : cpu_layout_ops())
+    if (target.name == op.name) return &op;
+  return nullptr;
+}
+
+std::optional<std::vector<int64_t>> elementwise_strides(const at::Tensor& a, const at::Tensor& b) {
+  // Meta tensors of the same sizes and strides (no data, no autograd history, out of any Python mode's sight).
+  at::AutoDispatchBelowAutograd no_autograd;
+  c10::impl::ExcludeDispatchKeyGuard no_python(
+      c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
+  const auto meta = [](const at::Tensor& t) {
+    return t.is_meta() ? t : at::empty_strided(t.sizes(), t.strides(), t.options().device(at::kMeta));
+  };
+  try {
+    return at::mul(meta(a), meta(b)).strides().vec();
+  } catch (const std::exception&) {
+    return std::nullopt;  // they do not broadcast (the operator's own call reports it)
+  }
+}
+
+std::optional<std::vector<int64_t>> cpu_result_strides(const CpuLayoutOp& op, const std::vector<c10::IValue>& args,
+                                                       c10::IntArrayRef result_sizes) {
+  if (op.layout == CpuLayout::Elementwise) {
+    std::vector<at::Tensor> operands;  // the tensor arguments in order: TensorIterator's layout over them
+    for (const c10::IValue& v : args)
+      if (v.isTensor() && v.toTensor().defined()) operands.push_back(v.toTensor());
+    if (operands.size() != 2) return std::nullopt;
+    auto strides = elementwise_strides(operands[0], operands[1]);
+    if (!strides || strides->size() != result_sizes.size()) return std::nullopt;
+    return strides;
+  }
+  if (static_cast<size_t>(op.input) >= args.size() || !args[op.input].isTensor()) return std::nullopt;
+  const at::Tensor& input = args[op.input].toTensor();
+  if (!input.defined() || input.sizes() != result_sizes) return std::nullopt;
+  at::AutoDispatchBelowAutograd no_autograd;
+  c10::impl::ExcludeDispatchKeyGuard no_python(
+      c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
+  return at::empty_like(input, op.layout == CpuLayout::Contiguous ? c10::MemoryFormat::Contiguous
+                                                                  : input.suggest_memory_format())
+      .strides()
+      .vec();
+}
 
 const std::vector<CpuLayoutOp>& cpu_layout_ops() {
   // Batch norm's forward reads the input at 0 and its backward at 1 (after the output's gradient); both follow

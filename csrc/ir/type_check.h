@@ -40,6 +40,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/ivalue.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -81,6 +82,18 @@ struct CpuLayoutOp {
   CpuLayout layout;
 };
 const std::vector<CpuLayoutOp>& cpu_layout_ops();
+// The cpu_layout_ops() entry of an aten operator, by name (any overload: the out= variants too), or null.
+const CpuLayoutOp* cpu_layout_op(const Target& target);
+// The strides TensorIterator gives an elementwise op over the tensors `a` and `b` (TensorIterator's own rule: the
+// result of at::mul on meta tensors of their sizes and strides), or nullopt where they do not broadcast. The one
+// copy of the rule: the type checker's Elementwise entries, and torch_ext/_compat.py's trace patch through
+// _C.elementwise_strides.
+std::optional<std::vector<int64_t>> elementwise_strides(const at::Tensor& a, const at::Tensor& b);
+// The strides the CPU kernel of `op` gives its first result, of sizes `result_sizes`, for the arguments `args` (the
+// operator's argument stack before the call; meta tensors do), or nullopt where the entry does not apply (the
+// result's sizes are not those of the input it follows, an Elementwise entry without exactly two tensors).
+std::optional<std::vector<int64_t>> cpu_result_strides(const CpuLayoutOp& op, const std::vector<c10::IValue>& args,
+                                                       c10::IntArrayRef result_sizes);
 
 // A reason why `type` cannot be the type of a value (negative size, rank mismatch between
 // sizes and strides, element count or byte size overflowing int64), or empty when it can.

@@ -214,9 +214,11 @@ const Arg* kwarg_of(const ir::Kwargs& kwargs, const std::string& name) {
   return nullptr;
 }
 
-// The type a call of `target` on these (new graph) arguments produces, run on meta tensors.
+// The type a call of `target` on these (new graph) arguments produces, run on meta tensors; `cpu`: its first
+// result laid out as the CPU kernel lays it out where that differs from the meta kernel's (ir::cpu_layout_op: eval
+// batch norm's output follows the input's suggested memory format, layer norm's is contiguous).
 ir::Type infer_type(const ir::Target& target, const std::vector<Arg>& args, const ir::Kwargs& kwargs,
-                    const std::string& w) {
+                    const std::string& w, bool cpu = false) {
   auto op = ir::find_op(target);
   TORCH_CHECK(op.has_value(), "batch_cone: ", w, " is not a registered operator");
   const c10::FunctionSchema& schema = op->schema();
@@ -249,6 +251,8 @@ ir::Type infer_type(const ir::Target& target, const std::vector<Arg>& args, cons
     }
     stack.emplace_back(l);
   }
+  const ir::CpuLayoutOp* cpu_layout = cpu ? ir::cpu_layout_op(target) : nullptr;
+  const std::vector<c10::IValue> layout_args = cpu_layout ? stack : std::vector<c10::IValue>();
   {
     at::AutoDispatchBelowAutograd no_autograd;
     c10::impl::ExcludeDispatchKeyGuard no_python(
@@ -272,14 +276,23 @@ ir::Type infer_type(const ir::Target& target, const std::vector<Arg>& args, cons
   };
   const size_t returns = schema.returns().size();
   TORCH_CHECK(returns >= 1, "batch_cone: ", w, " returns nothing");
-  if (returns == 1 && !stack.at(0).isTensorList()) return to_type(stack.at(0));
-  std::vector<ir::Type> elems;
-  if (returns == 1) {
-    for (const c10::IValue& e : stack.at(0).toListRef()) elems.push_back(to_type(e));
+  ir::Type type;
+  if (returns == 1 && !stack.at(0).isTensorList()) {
+    type = to_type(stack.at(0));
   } else {
-    for (size_t r = 0; r < returns; ++r) elems.push_back(to_type(stack.at(r)));
+    std::vector<ir::Type> elems;
+    if (returns == 1) {
+      for (const c10::IValue& e : stack.at(0).toListRef()) elems.push_back(to_type(e));
+    } else {
+      for (size_t r = 0; r < returns; ++r) elems.push_back(to_type(stack.at(r)));
+    }
+    type = ir::Type::make_tuple(std::move(elems));
   }
-  return ir::Type::make_tuple(std::move(elems));
+  ir::Type* first = type.kind == ir::Type::Kind::Tuple ? (type.elems.empty() ? nullptr : &type.elems[0]) : &type;
+  if (cpu_layout && first && first->is_tensor())
+    if (auto strides = ir::cpu_result_strides(*cpu_layout, layout_args, first->tensor.sizes))
+      first->tensor.strides = std::move(*strides);
+  return type;
 }
 
 // `t` with dim 0 of every tensor times k (sizes only: strides are compared separately).
@@ -783,15 +796,18 @@ class Builder {
       // from Python), so a meta run would fail outside a Python process.
       type = args.at(0).node->type();
     } else {
+      const ir::Type& alone = n.type().kind == ir::Type::Kind::Tuple && !n.type().elems.empty() ? n.type().elems[0]
+                                                                                              : n.type();
+      const bool cpu = alone.is_tensor() && alone.tensor.device.is_cpu();
       try {
-        type = infer_type(target, args, kwargs, w);
+        type = infer_type(target, args, kwargs, w, cpu);
       } catch (const c10::Error&) {
         // A view whose stacked input's strides cannot be viewed (the copies sit between dims it merges):
         // reshape gives the same values, copying. The cone has no in-place ops, so nothing writes through
         // the alias a view would have made.
         if (op != "view" && op != "_unsafe_view") throw;
         target = ir::Target::parse("aten::reshape.default");
-        type = infer_type(target, args, kwargs, w);
+        type = infer_type(target, args, kwargs, w, cpu);
       }
       if (layout_from_decomposition(target)) keep_layout_of(type, n.type());
       if (op == "_native_batch_norm_legit_no_training" && type.kind == ir::Type::Kind::Tuple &&
@@ -801,15 +817,6 @@ class Builder {
         // copies. The normalized output, per element from running statistics, is checked as any other.
         type.elems[1] = n.type().elems[1];
         type.elems[2] = n.type().elems[2];
-        // Its CPU kernel lays the output out as empty_like(input, input.suggest_memory_format()), as the IR check
-        // infers it (ir/type_check.cpp, batch_norm_input_position), not in the layout of the unstacked node.
-        const ir::Type& in = args.at(0).kind == Arg::Kind::Node ? args.at(0).node->type() : type.elems[0];
-        if (in.is_tensor() && type.elems[0].is_tensor() && in.tensor.sizes == type.elems[0].tensor.sizes &&
-            n.type().elems[0].is_tensor() && n.type().elems[0].tensor.device.is_cpu()) {
-          const at::Tensor meta = at::empty_strided(in.tensor.sizes, in.tensor.strides,
-                                                    at::TensorOptions().dtype(in.tensor.dtype).device(at::kMeta));
-          type.elems[0].tensor.strides = at::empty_like(meta, meta.suggest_memory_format()).strides().vec();
-        }
       }
     }
     TORCH_CHECK(scaled_equal(n.type(), type, c, lout.b), "batch_cone: ", w, " produces ", sizes_text(type),

@@ -35,6 +35,63 @@ def pytest_unconfigure(config):
         shutil.rmtree(_CACHE_DIR, ignore_errors=True)
 
 
+# Process-wide torch settings a test may change only for its own duration: under pytest-xdist the next
+# file on the same worker inherits whatever is left (a C++ runner at 2 threads against load_step at 1
+# made test_deploy flaky). Each entry: (name, read, restore).
+_GLOBAL_SETTINGS = (
+    ("torch.get_num_threads()", torch.get_num_threads, torch.set_num_threads),
+    ("torch.get_default_dtype()", torch.get_default_dtype, torch.set_default_dtype),
+    ("(torch.are_deterministic_algorithms_enabled(), warn_only)",
+     lambda: (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
+     lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1])),
+    ("torch.is_grad_enabled()", torch.is_grad_enabled, torch.set_grad_enabled),
+)
+
+
+def _settings() -> list:
+    return [read() for _, read, _ in _GLOBAL_SETTINGS]
+
+
+def _check_settings_restored(before: list, who: str) -> None:
+    """Fails ``who`` naming each setting it left changed, after putting that setting back (so one leak
+    does not fail every later test on the worker)."""
+    changed = []
+    for (name, _, restore), b, a in zip(_GLOBAL_SETTINGS, before, _settings()):
+        if a != b:
+            changed.append(f"{name} was {b} before and {a} after")
+            restore(b)
+    if changed:
+        pytest.fail(f"{who} left process-global settings changed (scope the change: try/finally or a fixture "
+                    f"that restores): " + "; ".join(changed), pytrace=False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A test file that changes a setting at import (module level) is a collection error naming it."""
+    before = _settings()
+    outcome = yield
+    try:
+        _check_settings_restored(before, f"importing {collector.nodeid or collector.name}")
+    except pytest.fail.Exception as e:
+        report = outcome.get_result()
+        report.outcome, report.longrepr = "failed", str(e)
+
+
+@pytest.fixture(autouse=True)
+def _global_settings_guard(request):
+    before = _settings()
+    yield
+    _check_settings_restored(before, request.node.nodeid)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_settings_guard(request):
+    """The same over a module, for module-scoped fixtures (test_real_models' one thread) that must restore."""
+    before = _settings()
+    yield
+    _check_settings_restored(before, f"module {request.node.nodeid}")
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     """Every test starts from the same RNG state (models, inputs, dropout-free but seeded anyway)."""

@@ -641,6 +641,64 @@ def test_every_cpu_layout_op_is_traced_and_checked_in_the_cpu_kernels_layout():
     assert meta_differs == set(names) - {"native_layer_norm.default"}
 
 
+# The elementwise entries' arguments around (grad, other): other is the mask or `self`.
+_ELEMENTWISE_CALLS = {
+    "native_dropout_backward": lambda g, o: (g, o > 0, 2.0),
+    "softplus_backward": lambda g, o: (g, o, 1.0, 20.0),
+    "elu_backward": lambda g, o: (g, 1.0, 1.0, 1.0, False, o),
+    "hardswish_backward": lambda g, o: (g, o * 4),
+    "hardsigmoid_backward": lambda g, o: (g, o * 4),
+    "hardtanh_backward": lambda g, o: (g, o, -1.0, 1.0),
+    "logit_backward": lambda g, o: (g, o.sigmoid(), None),
+}
+
+
+def _layouts(shape):
+    """Tensors of ``shape`` in every dim order, dense and sliced (gaps between elements), and expanded along each
+    dim (stride 0)."""
+    import itertools
+
+    n = len(shape)
+    for perm in itertools.permutations(range(n)):
+        back = [perm.index(i) for i in range(n)]
+        yield torch.randn([shape[p] for p in perm]).permute(back)
+        yield torch.randn([2 * shape[p] for p in perm]).permute(back)[(slice(None, None, 2),) * n]
+    for d in range(n):
+        yield torch.randn([1 if i == d else s for i, s in enumerate(shape)]).expand(shape)
+
+
+def test_elementwise_layout_rule_is_the_cpu_kernels_over_a_sweep_of_layouts():
+    """The one rule for the layout of an elementwise entry's result (``_C.elementwise_strides``: TensorIterator on
+    meta tensors, which the C++ type checker infers and ``_compat._elementwise_layout`` traces) against each
+    elementwise entry's CPU kernel, on every pair of layouts of a sweep of shapes (permuted, sliced, expanded, dims
+    of size 1): equal in every dim of size > 1 (strides of size-1 dims do not matter, and the checker ignores
+    them)."""
+    from torch_ext import _C
+
+    elementwise = sorted(n for n, _, _, kind in _C.cpu_layout_ops() if kind == "elementwise")
+    assert elementwise == sorted(_ELEMENTWISE_CALLS), "every elementwise entry needs a call here"
+    torch.manual_seed(0)
+    pairs = 0
+    for shape in [(4, 3, 2), (1, 3, 2), (4, 1, 2), (3, 1, 1), (1, 1, 2), (2, 3), (3, 1), (5,)]:
+        layouts = list(_layouts(shape))
+        for g in layouts:
+            for o in layouts:
+                assert _compat._elementwise_layout((g, 2.0, o), {}) == _C.elementwise_strides(g.shape, g.stride(),
+                                                                                             o.shape, o.stride())
+                for name in elementwise:
+                    args = _ELEMENTWISE_CALLS[name](g, o)
+                    # (the mask, o * 4 or o.sigmoid() are new tensors: the rule over the arguments as given)
+                    rule = _compat._elementwise_layout(args, {})
+                    got = getattr(torch.ops.aten, name).default(*args).stride()
+                    assert all(a == b for a, b, s in zip(got, rule, shape) if s > 1), (name, shape, g.stride(),
+                                                                                      o.stride(), got, rule)
+                pairs += 1
+    assert pairs > 1000
+    # Not exactly two tensors (the rule is TensorIterator's over two), or two that do not broadcast: no rule.
+    assert _compat._elementwise_layout((torch.randn(2, 3),), {}) is None
+    assert _C.elementwise_strides([2, 3], [3, 1], [4, 3], [3, 1]) is None
+
+
 class _CallOp(nn.Module):
     def __init__(self, op, args):
         super().__init__()
