@@ -688,7 +688,11 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict, int]:
         """Whether err is within FLOOR times eager float32's own error (floor(): that error, float32 models only)."""
         if floor is None or m["dtype"] != "float32":
             return False
-        own = floor()
+        try:
+            own = floor()
+        except Exception as exc:  # noqa: BLE001 - a float64 copy that cannot run leaves the 1e-6 verdict standing
+            diffs.append(f"{what}: eager float32's own error not measured ({type(exc).__name__}: {exc})"[:300])
+            return False
         if err <= FLOOR * own:
             floored[0] += 1
             if verbose:
