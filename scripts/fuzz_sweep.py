@@ -28,10 +28,12 @@ there is applied before the block), and a second node-form graft there runs befo
 right after the node; two eager forward hooks would run in the other order); a refused call leaves everything as it was; an exception leaving
 ``rg.batch()`` puts the patches back as they were when it began, grafts made in it stand.
 
-Comparison: bit for bit (torch.equal) where README promises it; within 1e-6 relative (of the metric's scale)
-where it documents a tolerance: token-granular rows (``positions`` on, sites at one position) and
-demand(reads=). A batched sweep (``batch_sites``) stacks K copies in one GEMM: it is held to the same 1e-6, and
-a difference in the last bits there is reported as "bits" (see the report), not as a mismatch.
+Comparison: bit for bit (torch.equal) where README promises it; where it documents a tolerance (token-granular
+rows: ``positions`` on, sites at one position; demand(reads=); a batched sweep, ``batch_sites``, which stacks K
+copies in one GEMM), within 1e-6 relative (of the metric's scale) or, on a float32 model, within FLOOR (16) times
+eager float32's own error: eager against the same forward in float64, through the metric's scale functional
+(README: GEMMs on other row counts round otherwise, and an ill-conditioned model carries that past any bound
+relative to the output). Comparisons passed only by the second are counted in the report.
 
     python scripts/fuzz_sweep.py --seconds 600 --seed 1      # bounded run
     python scripts/fuzz_sweep.py --case 1:17                 # replay case 17 of seed 1, with details
@@ -55,6 +57,13 @@ from _fuzz_driver import one_intra_op_thread
 ACTS = ("gelu", "relu", "tanh")
 BLOCKS = ("mlp", "tiny", "mha", "enc", "conv", "bn", "act")
 TOL = 1e-6
+# Where TOL is exceeded on a float32 model, a toleranced comparison may still pass within FLOOR times eager float32's
+# own error (eager against the same forward in float64, through the metric's scale functional): the row path's
+# GEMMs round otherwise, and an ill-conditioned model (a weight edit giving the residual stream a large common mode,
+# which LayerNorm divides out) carries that past any fixed bound relative to the output. Measured over 1e4 GPT-2
+# sites with and without weight edits: the row path's distance from eager <= 7.5 times eager's own error, while
+# relative to the output it reached 5e-5 (README, token-granular cones).
+FLOOR = 16.0
 
 
 class Mismatch(Exception):
@@ -532,6 +541,25 @@ class Reference:
                 h.remove()
         return out.detach(), {k: v.detach() for k, v in seen.items()}
 
+    def forward64(self, override=None):
+        """forward()'s output computed in float64 (a copy of the model, grafts, patches and inputs): the exact
+        answer to float32's precision, against which eager float32's own rounding error is measured."""
+        import torch
+
+        def up(t):
+            return t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+        r = copy.deepcopy(self)  # one memo: the hook points stay the copied model's modules
+        r.model.double()
+        for blocks in r.grafts.values():
+            for blk in blocks:
+                if isinstance(blk, torch.nn.Module):
+                    blk.double()
+        r.patches = {k: up(v) for k, v in r.patches.items()}
+        args, kw = r.x
+        r.x = tuple(up(a) for a in args), {k: up(v) for k, v in kw.items()}
+        return r.forward(None if override is None else (override[0], up(override[1])))[0]
+
 
 # ------------------------------------------------------------------------------------------ case
 def patch_fn_of(o: dict, seq_dim: int):
@@ -612,10 +640,11 @@ def close(a: float, b: float, scale: float) -> bool:
 
 
 @one_intra_op_thread
-def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
-    """Runs the spec both ways; returns (differences, {refusal message: count}). A refused build raises."""
+def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict, int]:
+    """Runs the spec both ways; returns (differences, {refusal message: count}, comparisons that passed only
+    within FLOOR times eager float32's own error). A refused build raises."""
     if spec["model"].get("family") == "tl":
-        return run_tl_case(spec, verbose)
+        return (*run_tl_case(spec, verbose), 0)
     import torch
 
     import torch_ext
@@ -647,7 +676,26 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
             return
         raise exc
 
-    def eq(a, b, what, tol_ok=False, scale=None):
+    floored = [0]
+
+    def within_floor(err, floor, what):
+        """Whether err is within FLOOR times eager float32's own error (floor(): that error, float32 models only)."""
+        if floor is None or m["dtype"] != "float32":
+            return False
+        try:
+            own = floor()
+        except Exception as exc:  # noqa: BLE001 - a float64 copy that cannot run leaves the 1e-6 verdict standing
+            diffs.append(f"{what}: eager float32's own error not measured ({type(exc).__name__}: {exc})"[:300])
+            return False
+        if err <= FLOOR * own:
+            floored[0] += 1
+            if verbose:
+                print(f"  {what}: {err:.3g} beyond 1e-6, within {FLOOR:g} x eager float32's own error {own:.3g}")
+            return True
+        diffs.append(f"{what}: also beyond {FLOOR:g} x eager float32's own error {own:.3g}")
+        return False
+
+    def eq(a, b, what, tol_ok=False, scale=None, floor=None):
         if isinstance(a, torch.Tensor):
             if a.shape != b.shape or a.dtype != b.dtype:
                 diffs.append(f"{what}: shape/dtype {tuple(a.shape)} {a.dtype} vs eager {tuple(b.shape)} {b.dtype}")
@@ -657,13 +705,14 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
                 return  # NaN where eager has NaN (a buffer edit can make a variance negative) is agreement
             err = float((a.double() - b.double()).abs().max()) if a.is_floating_point() else float("nan")
             sc = float(b.double().abs().max()) if scale is None else scale
-            if tol_ok and err <= TOL * max(sc, 1e-30):
+            if tol_ok and (err <= TOL * max(sc, 1e-30) or within_floor(err, floor, what)):
                 return
             diffs.append(f"{what}: max abs diff {err:.3g} (scale {sc:.3g}){' beyond 1e-6' if tol_ok else ''}")
             return
         if a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b):
             return
-        if tol_ok and close(a, b, scale):
+        if tol_ok and (close(a, b, scale) or (isinstance(a, float) and isinstance(b, float)
+                                               and within_floor(abs(a - b), floor, what))):
             return
         diffs.append(f"{what}: {a!r} vs eager {b!r} (scale {scale})")
 
@@ -791,7 +840,8 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
                         eq(rg.baseline(h), clean[h], f"{where} baseline({h})")
                 else:
                     got = logits_of(rg.demand(reads={out_key: (slice(None), -1)}))
-                    eq(got[:, -1], out[:, -1], f"{where} demand(reads)[:, -1]", tol_ok=True)
+                    eq(got[:, -1], out[:, -1], f"{where} demand(reads)[:, -1]", tol_ok=True,
+                       floor=lambda: float((out[:, -1].double() - ref.forward64()[:, -1]).abs().max()))
             elif op == "sweep":
                 sweep_op(o, where, rg, ref, seq_dims, m, eq, torch_ext, torch, out_key)
         except Exception as exc:  # noqa: BLE001 - classified
@@ -802,7 +852,7 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
         eq(logits_of(rg.demand()), out, "final demand()")
     except Exception as exc:  # noqa: BLE001
         note(exc, "final")
-    return diffs, refusals
+    return diffs, refusals, floored[0]
 
 
 def sweep_op(o, where, rg, ref, seq_dims, m, eq, torch_ext, torch, out_key):
@@ -850,7 +900,10 @@ def sweep_op(o, where, rg, ref, seq_dims, m, eq, torch_ext, torch, out_key):
     # Tolerance: token-granular rows (positions on, per-position sites) and batched stacks; else bits.
     tol_ok = bool(o["batch"] is not False or (o["per_pos"] and o["positions"] is None) or reads is not None)
     scale0 = scale_of(out0)
-    eq(res.clean_metric, ref_met(out0), f"{where} clean_metric", tol_ok, scale0) if not isinstance(
+    def floor_of(out, override=None):  # eager float32's own error, through the metric's scale functional
+        return lambda: scale_of((out.double() - ref.forward64(override)).abs())
+
+    eq(res.clean_metric, ref_met(out0), f"{where} clean_metric", tol_ok, scale0, floor_of(out0)) if not isinstance(
         res.clean_metric, dict) else None
     for site in sites:
         h = site[0] if isinstance(site, tuple) else site
@@ -861,9 +914,10 @@ def sweep_op(o, where, rg, ref, seq_dims, m, eq, torch_ext, torch, out_key):
         sc = max(scale_of(out), scale0)
         if isinstance(want, dict):
             for k in want:
-                eq(got[k] if got is not None else None, want[k], f"{where} site {site} [{k}]", tol_ok, sc)
+                eq(got[k] if got is not None else None, want[k], f"{where} site {site} [{k}]", tol_ok, sc,
+                   floor_of(out, (h, pv)))
         else:
-            eq(got, want, f"{where} site {site}", tol_ok, sc)
+            eq(got, want, f"{where} site {site}", tol_ok, sc, floor_of(out, (h, pv)))
 
 
 def classify(exc: BaseException) -> tuple[str, str]:
@@ -872,9 +926,10 @@ def classify(exc: BaseException) -> tuple[str, str]:
 
 def one(spec: dict, verbose: bool = False) -> dict:
     try:
-        diffs, refusals = run_case(spec, verbose)
+        diffs, refusals, floored = run_case(spec, verbose)
         r = {"status": "mismatch", "msg": "\n".join(diffs[:20])} if diffs else {"status": "ok"}
         r["refusals"] = refusals
+        r["floored"] = floored
         return r
     except Exception as exc:  # noqa: BLE001 - every exception is classified
         status, msg = classify(exc)
@@ -919,15 +974,18 @@ class _OpTally(_fuzz_driver.Tally):
 
     def __init__(self):
         self.n_ops, self.op_refusals = 0, {}
+        self.n_floored = 0  # toleranced comparisons beyond 1e-6 that passed within FLOOR x eager float32's own error
 
     def add(self, seed: int, r: dict) -> None:
         self.n_ops += len(case_spec(seed, r["i"])["ops"])
+        self.n_floored += r.get("floored", 0)
         for k, c in r.get("refusals", {}).items():
             k = re.sub(r"^op\d+ ", "", k)
             self.op_refusals[k] = self.op_refusals.get(k, 0) + c
 
     def report(self, refusals: dict) -> None:
         print(f"  operations: {self.n_ops}, refused operations: {sum(self.op_refusals.values())}")
+        print(f"  comparisons beyond 1e-6 relative, within {FLOOR:g} x eager float32's own error: {self.n_floored}")
         for msg, c in sorted(refusals.items(), key=lambda kv: -kv[1]):
             print(f"  case refused x{c}: {msg}")
         for msg, c in sorted(self.op_refusals.items(), key=lambda kv: -kv[1]):

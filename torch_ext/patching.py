@@ -259,7 +259,7 @@ def generic_activation_patch(model, corrupted_tokens: torch.Tensor, clean_cache,
         return torch.stack(rows)
 
     # positions=False: TransformerLens parity is bit for bit, and a linear run on rows [p, T) alone
-    # rounds differently from one run on all T rows (token-granular cones agree within 1e-6 relative).
+    # rounds differently from one run on all T rows (token-granular cones agree up to rounding, README).
     # skip_identical: a site whose patched value is bit-identical to the corrupted run's (positions
     # before the first corrupted token, where the prompts share their prefix) takes the corrupted
     # outputs unevaluated; TransformerLens's forward with that value computes them, the same bits.

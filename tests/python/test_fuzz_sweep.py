@@ -1,6 +1,6 @@
 """scripts/fuzz_sweep.py replays its findings: reactive mutation sequences and sweeps that differed from eager
 PyTorch with forward hooks on TransformerLens HookPoints, now equal to it (bit for bit where README promises it,
-within its documented 1e-6 elsewhere), and a few generated cases of every kind of operation."""
+within its documented tolerance elsewhere), and a few generated cases of every kind of operation."""
 from __future__ import annotations
 
 import sys
@@ -35,6 +35,16 @@ FINDINGS = {
         {"op": "patch_t", "hook": "hook_embed", "seed": 470},
         {"op": "sweep", "hooks": ["blocks.0.hook_out"], "per_pos": True, "fn": "noise", "metric": "last",
          "batch": False, "positions": False, "skip": False, "seed": 437}]},
+    # Every weight of block 1's MLP output projection + 0.15 (an ill-conditioned GPT-2: LayerNorm divides out the
+    # residual's common mode), one-position sites: the row path runs the MLP and lm_head on the changed row alone,
+    # whose 1-row sgemm rounds otherwise, and out[0, 0, 0] came 1.04e-6 of the logits' largest magnitude from eager,
+    # past the former 1e-6; within 1.3 times eager float32's own error against float64 (fuzz_sweep.FLOOR, README).
+    "rows_of_an_ill_conditioned_gpt2": {"model": {
+        "family": "gpt2", "seed": 262, "d": 64, "vocab": 50, "T": 8, "B": 1, "mask": None, "dtype": "float32",
+        "blocks": [{"kind": "gpt2"}, {"kind": "gpt2"}]}, "ops": [
+        {"op": "wedit", "how": "add_", "c": 1.5, "seed": 276, "target": "model"},
+        {"op": "sweep", "hooks": ["blocks.1.hook_attn_out"], "per_pos": True, "fn": "corrupt", "metric": "dict",
+         "batch": False, "positions": None, "skip": True, "seed": 625}]},
 }
 
 
@@ -44,7 +54,7 @@ _OPEN: set = set()  # findings not fixed yet: strict xfails
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="open")) if n in _OPEN
                                   else n for n in sorted(FINDINGS)])
 def test_fuzz_sweep_finding(name):
-    diffs, _ = fuzz_sweep.run_case(FINDINGS[name])
+    diffs, _, _ = fuzz_sweep.run_case(FINDINGS[name])
     assert diffs == [], diffs
 
 
@@ -55,7 +65,7 @@ GENERATED = [(2, 0), (2, 3), (2, 5)]
 
 @pytest.mark.parametrize("seed, case", GENERATED, ids=[f"{s}:{c}" for s, c in GENERATED])
 def test_fuzz_sweep_generated(seed, case):
-    diffs, _ = fuzz_sweep.run_case(fuzz_sweep.case_spec(seed, case))
+    diffs, _, _ = fuzz_sweep.run_case(fuzz_sweep.case_spec(seed, case))
     assert diffs == [], diffs
 
 

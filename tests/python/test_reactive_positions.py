@@ -1229,3 +1229,70 @@ def test_a_squeeze_evaluated_on_one_row_keeps_the_row_axis(how, kw):
         finally:
             hook.remove()
         assert _rel(r.metrics[site], ref) <= 1e-6, (site, _rel(r.metrics[site], ref))
+
+
+def test_rows_of_an_ill_conditioned_gpt2_are_the_changed_rows_run_alone_and_as_accurate_as_eager():
+    # fuzz_sweep seed 48 case 161: every weight of block 1's MLP output projection + 0.15 gives the residual stream a
+    # common mode (row 0: mean 0.49, spread 0.034) that ln_f divides out. A patch of position 0 at blocks.1.hook_attn_out
+    # changes row 0 alone; everything after it is position-wise, so the row path runs c_fc, c_proj and lm_head on
+    # that one row ([1, 64] x [64, 256] and so on), where the full recompute runs 8 rows: MKL's sgemm rounds a 1-row
+    # product otherwise (c_proj's row differs by 4 ulps), and ln_f amplifies it to 1.04e-6 of the logits' largest
+    # magnitude (out[0, 0, 0]: 0.341786534 against eager's 0.341787547), past README's former 1e-6 bound. What holds:
+    # the row path's rows are those modules run on the changed row alone, bit for bit, and it is about as far from
+    # eager as eager is from float64 (README, token-granular cones; scripts/fuzz_sweep.py's FLOOR).
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(262)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=50, n_positions=16, bos_token_id=0,
+                                  eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    blk = model.transformer.h[1]
+    with torch.no_grad():
+        blk.mlp.c_proj.weight.add_(0.15)
+    ids = torch.randint(0, 50, (1, T), generator=torch.Generator().manual_seed(0))
+    corrupt_ids = torch.randint(0, 50, (1, T), generator=torch.Generator().manual_seed(632))
+    seen = {}
+    h = blk.attn.register_forward_hook(lambda mod, args, out: seen.__setitem__("attn", out[0].detach().clone()))
+    h2 = blk.register_forward_pre_hook(lambda mod, args: seen.__setitem__("resid", args[0].detach().clone()))
+    with torch.no_grad():
+        model(corrupt_ids)
+        corrupt_attn = seen["attn"]
+        model(ids)
+    h.remove()
+    h2.remove()
+    patched = seen["attn"].clone()
+    patched[:, 0] = corrupt_attn[:, 0]
+
+    def eager(m, dtype):
+        m = copy.deepcopy(m).to(dtype)
+        hk = m.transformer.h[1].attn.register_forward_hook(lambda mod, args, out: (patched.to(dtype),) + tuple(out[1:]))
+        with torch.no_grad():
+            out = m(ids).logits
+        hk.remove()
+        return out
+
+    want, exact = eager(model, torch.float32), eager(model, torch.float64)
+    rg = torch_ext.ReactiveGraph(copy.deepcopy(model), (ids,))
+    site = ("blocks.1.hook_attn_out", 0)
+
+    def patch(v, s):
+        v = v.clone()
+        v[:, 0] = corrupt_attn[:, 0]
+        return v
+
+    def logits(out):
+        return out["logits"].clone()
+
+    rows = torch_ext.sweep(rg, [site], patch, logits, progress=False).metrics[site]
+    whole = torch_ext.sweep(rg, [site], patch, logits, progress=False, positions=False).metrics[site]
+    assert torch.equal(whole, want)  # positions=False: the full product, bit for bit
+    assert torch.equal(rows[:, 1:], want[:, 1:])  # rows the patch does not reach: the cached ones
+    with torch.no_grad():  # the changed row through the same modules, alone
+        mid = seen["resid"][:, :1] + patched[:, :1]
+        alone = model.lm_head(model.transformer.ln_f(mid + blk.mlp(blk.ln_2(mid))))
+    assert torch.equal(rows[:, :1], alone)
+    own = float((want.double() - exact).abs().max())  # eager float32's own error
+    assert own > 0
+    assert float((rows.double() - want.double()).abs().max()) <= 16 * own
+    rg.check_invariants()
