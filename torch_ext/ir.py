@@ -313,13 +313,6 @@ class Graph:
                             f"{where}: target {getattr(target, '__name__', target)!r} is not supported "
                             "(only ATen/custom OpOverloads and getitem are)")
                     tname = f"{qual[0]}.{qual[1]}"
-                    # The executor runs a pointwise node whose input dies there through its in-place variant
-                    # (ir::find_overwrite), and torch's mul_.Scalar rounds the scalar to a half-precision
-                    # tensor's dtype first (1.8125 * 0.9 in bfloat16: 1.625, mul.Scalar's 1.6328125), where
-                    # mul_.Tensor does not: mul.Tensor with the number (a wrapped-number tensor, as
-                    # mul.Scalar's kernel makes) computes mul.Scalar's bits and overwrites through mul_.Tensor.
-                    if tname == "aten::mul.Scalar":
-                        tname = "aten::mul.Tensor"
                 where = f"node '{node.name}' ({tname})"
                 _refuse_python_number(node, tname)
                 args = [_arg_to_ir(a, where) for a in node.args]

@@ -64,7 +64,9 @@ struct Overwrite {
 // sweep's cone, reactive/scratch.cpp): a pointwise functional op (tagged pointwise, not mutable) with an
 // in-place variant (find_inplace_variant, looked up once per target and process) and an overwritten_input
 // computed by a call node (never a caller's tensor). A pointwise in-place variant runs the same elementwise
-// kernel on the same operands, so the bits are the functional kernel's. Whether the input dies at `node`,
+// kernel on the same operands, so the bits are the functional kernel's, except where torch's in-place
+// variant rounds a Scalar argument to a half-precision tensor's dtype first (aten::mul.Scalar on float16 and
+// bfloat16, out_variant.cpp lists what was checked): such a node is never overwritten. Whether the input dies at `node`,
 // is no output and is referenced by nothing else is each runtime's to decide (the executor checks it at
 // run time with runtime::sole_owner; the sweep's scratch by its planned lifetimes).
 std::optional<Overwrite> find_overwrite(const Node& node);

@@ -1,5 +1,7 @@
 #include "passes/accumulate.h"
 
+#include "passes/grad_layout.h"
+
 #include <c10/util/Exception.h>
 
 #include <unordered_map>
@@ -80,10 +82,21 @@ std::unique_ptr<ir::Graph> accumulate(const ir::Graph& joint, const TrainStepSpe
       ir::Type::make_tensor(stacked)));
   for (const auto& [idx, name] : spec.grads) {
     const ir::Node* grad = output_at(outs, idx, "gradient");
-    ir::Node* acc = maps[0].at(grad);
+    // Each micro-batch's gradient in the layout AccumulateGrad gives .grad (grad_layout.h), so every sum
+    // adds operands laid out alike, as eager's p.grad += g_k does into .grad's layout.
+    const ir::Node* param = nullptr;
+    for (const auto& [from, to] : shared)
+      if (from->role() == ir::InputRole::Parameter && from->state_name() == name) param = to;
+    auto laid_out = [&](int64_t k) {
+      ir::Node* gk = maps[k].at(grad);
+      return param != nullptr && gk->type().is_tensor() && param->type().is_tensor()
+                 ? obey_grad_layout(*g, gk, param->type().tensor)
+                 : gk;
+    };
+    ir::Node* acc = laid_out(0);
     for (int64_t k = 1; k < n; ++k) {  // p.grad += g_k, in micro-batch order
       acc = g->create_call(g->unique_name(grad->name() + "_acc" + std::to_string(k)), ir::Target{"aten", "add", "Tensor"},
-                           {ir::Arg::of_node(acc), ir::Arg::of_node(maps[k].at(grad))}, {}, grad->type());
+                           {ir::Arg::of_node(acc), ir::Arg::of_node(laid_out(k))}, {}, acc->type());
       acc->set_module_path("accumulate");
     }
     new_outs[idx] = ir::Arg::of_node(acc);

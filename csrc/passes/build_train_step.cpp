@@ -8,6 +8,7 @@
 #include "passes/check_pure.h"
 #include "passes/clip_grad_norm.h"
 #include "passes/eliminate_dead_code.h"
+#include "passes/grad_layout.h"
 #include "passes/lift_optimizer_state.h"
 #include "passes/pass_manager.h"
 #include "passes/recompose_activation_backward.h"
@@ -73,7 +74,18 @@ PassResult run_read_outputs(ir::Graph& g, PassContext& ctx) {
     if (it != ctx.grads.end()) it->second = grad;
     else ctx.grads.emplace_back(name, grad);
   }
-  return PassResult::unchanged();
+  // .grad as eager's AccumulateGrad lays it out (grad_layout.h): clipping and the update read it so.
+  bool changed = false;
+  for (auto& [name, grad] : ctx.grads) {
+    const ir::Node* param = nullptr;
+    for (const ir::Node* p : g.placeholders())
+      if (p->role() == ir::InputRole::Parameter && p->state_name() == name) param = p;
+    if (param == nullptr || !param->type().is_tensor() || !grad->type().is_tensor()) continue;
+    ir::Node* laid_out = obey_grad_layout(g, grad, param->type().tensor);
+    changed = changed || laid_out != grad;
+    grad = laid_out;
+  }
+  return changed ? PassResult::changed() : PassResult::unchanged();
 }
 
 PassResult run_lift_optimizer_state(ir::Graph& g, PassContext& ctx) {

@@ -2,6 +2,7 @@
 
 #include "optim/descriptor.h"
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include <cctype>
@@ -25,6 +26,17 @@ ir::Type scalar_type(c10::ScalarType dtype) {
   ir::TensorMeta m;
   m.dtype = dtype;
   return ir::Type::make_tensor(m);
+}
+
+// The strides torch.zeros_like(param) gives (memory_format=preserve, as torch.optim and torch_ext.optim
+// create their slots and init_state copies them): the parameter's own where it is dense and
+// non-overlapping (a transposed weight), else those of its suggested memory format. The slot's
+// layout decides the update's rounding in bfloat16/float16: TensorIterator runs a vectorized loop
+// over operands laid out alike and a strided scalar one over mixed layouts, and the two round
+// otherwise (Lion's exp_avg.mul(beta2).add_(grad, 1 - beta2) on a transposed weight: 1 ulp off eager).
+std::vector<int64_t> zeros_like_strides(const ir::TensorMeta& param) {
+  const at::Tensor meta = at::empty_strided(param.sizes, param.strides, at::TensorOptions().dtype(param.dtype).device(at::kMeta));
+  return at::empty_like(meta).strides().vec();
 }
 
 }  // namespace
@@ -52,8 +64,12 @@ std::map<std::string, ir::Node*> lift_optimizer_state(ir::Graph& g, const TrainS
       const std::string name = optim::state_name(u.param, slot.name);
       if (lifted.count(name)) continue;
       ir::Type t = slot.is_scalar() ? scalar_type(c10::ScalarType::Float) : p->type();
-      if (slot.is_factored()) t.tensor.sizes = slot.shape(p->type().tensor.sizes);  // Adafactor's row_var, col_var
-      if (t.is_tensor()) t.tensor.strides = ir::TensorMeta::contiguous_strides(t.tensor.sizes);
+      if (slot.is_factored()) {  // Adafactor's row_var, col_var: new_zeros(shape), contiguous
+        t.tensor.sizes = slot.shape(p->type().tensor.sizes);
+        t.tensor.strides = ir::TensorMeta::contiguous_strides(t.tensor.sizes);
+      } else if (!slot.is_scalar()) {
+        t.tensor.strides = zeros_like_strides(p->type().tensor);
+      }
       lifted[name] = g.create_placeholder(g.unique_name("opt_" + sanitize(u.param) + "_" + slot.name),
                                           ir::InputRole::OptimizerState, t, name);
     }

@@ -3,7 +3,8 @@
 // Requires: a verified joint graph whose placeholders include every parameter named in
 //           `spec.updates` (role param), with tensor types.
 // Guarantees: one OptimizerState placeholder per (parameter, slot) of its update kind's
-//             descriptor, typed like the parameter (a step counter: f32[]), named from the parameter, with state name
+//             descriptor, typed like the parameter in torch.zeros_like(param)'s strides (a transposed weight's slots
+//             transposed, as eager's; a step counter: f32[]; a factored slot contiguous), named from the parameter, with state name
 //             "opt:<param>:<slot>"; one f64[] placeholder per param group for the learning
 //             rate, state name "opt:lr:group<g>". Nothing else changes. The graph verifies.
 #pragma once
