@@ -705,7 +705,8 @@ def autocast_weight_cache():
         modes = recording_modes()
         before = [len(m.enter_autocast_nodes) for m in modes]
         out = enter(self)
-        flags.append(getattr(self, "_torch_ext_cache", flags[-1]))
+        # (one made before the block, a @torch.autocast decorator's, read its flag from eager's own state)
+        flags.append(getattr(self, "_torch_ext_cache", getattr(self, "_cache_enabled", flags[-1])))
         for m, k in zip(modes, before):
             if len(m.enter_autocast_nodes) > k:
                 m.enter_autocast_nodes[-1].meta[CACHE_FLAG] = flags[-1]

@@ -201,3 +201,22 @@ class Rotary(nn.Module):  # Hugging Face's rotary embedding: @torch.no_grad(), i
 
 def test_a_rotary_embedding_under_no_grad_inside_autocast_trains_bit_exact():
     _train_both(Rotary(), _autocast_call)
+
+
+class Decorated(Twice):  # an autocast decorator, made when the class is defined (outside any trace)
+    @torch.autocast("cpu", dtype=BF16)
+    def forward(self, x):
+        return super().forward(x)
+
+
+class DecoratedUncached(Twice):
+    @torch.autocast("cpu", dtype=BF16, cache_enabled=False)
+    def forward(self, x):
+        return super().forward(x)
+
+
+def test_an_autocast_decorator_shares_the_cast_as_in_eager():
+    step = _train_both(Decorated(), lambda m, x: m(x))
+    assert _casts_of(step, "fc.weight") == 1
+    step = _train_both(DecoratedUncached(), lambda m, x: m(x))  # its flag was set where it was made
+    assert _casts_of(step, "fc.weight") == 2
