@@ -3,8 +3,9 @@
 Eager (``at::autocast::cached_cast``, torch 2.9) casts a float32 leaf that requires grad (a parameter) to the
 autocast dtype once per outermost autocast region while the weight cache is on (``cache_enabled``, the default),
 and every later cast of it in the region returns that one copy; the cache is cleared where the outermost region
-exits. So a layer applied twice, or a weight shared by two layers, has its uses' gradients added in bfloat16 before
-the one cast back to float32. Tracing turns the cache off: the trace cast the weight at each use, and the joint graph
+exits. So a layer applied twice, or a weight shared by two layers, or a GRU's / LSTM's recurrent weights (their
+decomposition casts them at every time step) have their uses' gradients added in bfloat16 before the one cast back
+to float32. Tracing turns the cache off: the trace cast the weight at each use, and the joint graph
 added two float32 gradients (momentum buffers 1e-4 off eager after 3 SGD steps). ``share_autocast_weight_casts``
 runs on the flat graph before torch's grad-mode and autocast passes split it into regions
 (_compat.autocast_weight_cache installs it, and marks each traced ``_enter_autocast`` with eager's cache flag).
@@ -19,44 +20,53 @@ CACHE_FLAG = "torch_ext_autocast_cache"  # meta of a traced _enter_autocast: eag
 
 
 class _CastRecorder:
-    """The casts to ``dtype`` of the tensors ``watched`` that run under it (a dispatch mode: it sees autocast's
-    casts, made above it)."""
+    """The casts to ``dtype`` of the tensors ``watched`` that run under it, and which of them another op reads
+    uncast (a dispatch mode: it sees autocast's casts, made above it)."""
 
     def __init__(self, watched: list, dtype):
         from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
 
-        counts = [0] * len(watched)
+        counts, read = [0] * len(watched), [False] * len(watched)
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
-                if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == dtype:
+                cast = func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == dtype
+                if not cast and not any("Tensor" in str(r.type) for r in func._schema.returns):
+                    return func(*args, **kwargs)  # a metadata query (prim.device, sym_size) reads no values
+                for leaf in tree_leaves((args, kwargs)):
                     for i, t in enumerate(watched):
-                        if args[0] is t:
-                            counts[i] += 1
+                        if leaf is t:
+                            if cast:
+                                counts[i] += 1
+                            else:
+                                read[i] = True
                 return func(*args, **kwargs)
 
-        self.mode, self.counts = Mode(), counts
+        self.mode, self.counts, self.read = Mode(), counts, read
 
 
 _AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "xpu": "AutocastXPU", "mps": "AutocastMPS",
                   "hpu": "AutocastHPU", "xla": "AutocastXLA", "mtia": "AutocastMTIA", "maia": "AutocastMAIA"}
 
 
-def _has_autocast_kernel(node: torch.fx.Node, device: str) -> bool:
-    """Whether autocast has a kernel of its own for ``node``'s op on ``device`` (every other op falls through:
-    autocast casts nothing for it)."""
+def _may_cast(node: torch.fx.Node, device: str) -> bool:
+    """Whether autocast can cast an operand of ``node``'s op on ``device``: it has a kernel of its own there, or
+    the op is a composite whose decomposition runs under autocast (GRU and LSTM cast their recurrent weights at
+    every time step, from the cache after the first). Every other op falls through: autocast casts nothing."""
     if not isinstance(node.target, torch._ops.OpOverload):
         return False
-    key = _AUTOCAST_KEYS.get(device, "AutocastPrivateUse1")
-    return torch._C._dispatch_has_kernel_for_dispatch_key(node.target.name(), key)
+    name = node.target.name()
+    return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
+               for key in (_AUTOCAST_KEYS.get(device, "AutocastPrivateUse1"), "CompositeImplicitAutograd"))
 
 
-def _autocast_cast_operands(node: torch.fx.Node, params: set, device: str, dtype) -> list[int]:
-    """Which occurrences of ``params`` (placeholder nodes) among ``node``'s operands, counted in ``map_arg``'s
-    order, ``torch.autocast(device, dtype)`` casts to ``dtype`` when it runs ``node``'s op: those it casts with
-    autocast on and not with it off (the op's own casts, an explicit ``.to()``, run either way). Found by running
-    the op on fresh fake tensors (raises what that raised)."""
+def _autocast_cast_operands(node: torch.fx.Node, params: set, device: str, dtype) -> dict[int, int]:
+    """{occurrence: casts} of ``params`` (placeholder nodes) among ``node``'s operands, counted in ``map_arg``'s
+    order, that ``torch.autocast(device, dtype)`` casts to ``dtype`` when it runs ``node``'s op, and that nothing
+    in the op reads uncast: the casts with autocast on less those with it off (the op's own casts, an explicit
+    ``.to()``, run either way). Found by running the op on fresh fake tensors (raises what that raised)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     vals = [a.meta.get("val") for a in node.all_input_nodes]
@@ -84,8 +94,9 @@ def _autocast_cast_operands(node: torch.fx.Node, params: set, device: str, dtype
             rec = _CastRecorder(watched, dtype)
             with torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=False), rec.mode:
                 node.target(*args, **kwargs)
-            counts[enabled] = rec.counts
-    return [i for i, (on, off) in enumerate(zip(counts[True], counts[False])) if on > off]
+            counts[enabled] = (rec.counts, rec.read)
+    (on, read), (off, _) = counts[True], counts[False]
+    return {i: on[i] - off[i] for i in range(len(on)) if on[i] > off[i] and not read[i]}
 
 
 def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
@@ -97,7 +108,9 @@ def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
     layers, has its two uses' gradients added in bfloat16 before the one cast back to float32. Tracing disables
     the cache, so the trace cast the weight at each use, and the joint graph added two float32 gradients (momentum
     buffers 1e-4 off eager after 3 SGD steps). Here the casts autocast would serve from its cache (found by running
-    each op on fake tensors, _autocast_cast_operands) read one explicit ``_to_copy`` placed before the first: in
+    each op on fake tensors, _autocast_cast_operands: an op with an autocast kernel used with a parameter twice in
+    the region, or a composite op, whose decomposition may cast an operand many times) read one explicit
+    ``_to_copy`` placed before the first: in
     its grad mode, as eager's copy is made there (a copy made under no_grad gives no gradient through later uses,
     as in eager). Explicit ``.to()`` calls are not cached by eager and stay as they are; a frozen parameter
     (cast anew by eager) gives the same values and no gradient either way. The cache is cleared where the
@@ -108,7 +121,7 @@ def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
               and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dtype == torch.float32}
     if not params or not any(n.op == "call_function" and n.target is enter for n in gm.graph.nodes):
         return
-    # Per outermost region: the parameters' uses, and then the nodes that use one of them twice or more.
+    # Per outermost region: the nodes that read a parameter, with the regions they are in.
     stack: list[torch.fx.Node] = []
     regions: list[list[tuple[torch.fx.Node, list[torch.fx.Node]]]] = []
     for node in gm.graph.nodes:
@@ -131,13 +144,8 @@ def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
         for _, _, used in uses:
             for p in used:
                 counted[p] = counted.get(p, 0) + 1
-        shared = {p for p, k in counted.items() if k > 1}
-        if not shared:
-            continue
-        sites: dict[torch.fx.Node, list[tuple[torch.fx.Node, int, torch.dtype]]] = {}
+        sites: dict[torch.fx.Node, list[tuple[torch.fx.Node, int, torch.dtype, int]]] = {}
         for node, inside, used in uses:
-            if not shared & set(used):
-                continue
             if not inside[-1].meta.get(CACHE_FLAG, False):  # the innermost region sets the cache flag
                 continue
             device = used[0].meta["val"].device.type
@@ -145,7 +153,11 @@ def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
             if region is None or not region.args[2]:
                 continue
             dtype = region.args[1]
-            if not _has_autocast_kernel(node, device):
+            if not _may_cast(node, device):
+                continue
+            own = torch._C._dispatch_has_kernel_for_dispatch_key(
+                node.target.name(), _AUTOCAST_KEYS.get(device, "AutocastPrivateUse1"))
+            if own and all(counted[p] == 1 for p in used):  # autocast's own kernel casts an operand once
                 continue
             try:
                 cast = _autocast_cast_operands(node, params, device, dtype)
@@ -156,13 +168,12 @@ def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
                     f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); eager's autocast weight "
                     "cache shares such casts within a region, which the step would not reproduce. Pass "
                     "cache_enabled=False to torch.autocast, or compute this op outside the autocast region") from e
-            for i in cast:
-                if used[i] in shared:
-                    sites.setdefault(used[i], []).append((node, i, dtype))
+            for i, k in cast.items():
+                sites.setdefault(used[i], []).append((node, i, dtype, k))
         for p, cached in sites.items():
-            if len(cached) < 2:
+            if sum(k for *_, k in cached) < 2:  # cast once: nothing to share
                 continue
-            dtypes = {d for _, _, d in cached}
+            dtypes = {d for _, _, d, _ in cached}
             if len(dtypes) > 1:
                 raise NotImplementedError(
                     f"autocast casts parameter {names[p.name]!r} to {sorted(map(str, dtypes))} inside one autocast "
@@ -177,7 +188,7 @@ def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
             for key in ("stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn"):
                 if key in first.meta:
                     copy.meta[key] = first.meta[key]
-            for node, i, _ in cached:
+            for node, i, _, _ in cached:
                 swaps.setdefault(node, {})[i] = copy
     # Rewritten once per node, after all: the occurrences are counted on the operands as traced.
     for node, by_index in swaps.items():

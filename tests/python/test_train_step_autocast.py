@@ -220,3 +220,24 @@ def test_an_autocast_decorator_shares_the_cast_as_in_eager():
     assert _casts_of(step, "fc.weight") == 1
     step = _train_both(DecoratedUncached(), lambda m, x: m(x))  # its flag was set where it was made
     assert _casts_of(step, "fc.weight") == 2
+
+
+class Recurrent(nn.Module):  # GRU / LSTM: their decomposition casts the recurrent weights at every time step
+    def __init__(self, kind, **kw):
+        super().__init__()
+        # (a bfloat16 input: eager's oneDNN LSTM under autocast fails on a float32 one, and so does the step)
+        self.inp = nn.Linear(8, 8)
+        self.rnn = getattr(nn, kind)(4, 4, batch_first=True, **kw)
+        self.head = nn.Linear(8 * (2 if kw.get("bidirectional") else 1), 8)
+
+    def forward(self, x):
+        out, _ = self.rnn(self.inp(x).view(4, 2, 4))
+        return self.head(out.reshape(4, -1))
+
+
+@pytest.mark.parametrize("kind, kw", [("GRU", {}), ("LSTM", {}), ("GRU", {"num_layers": 2, "bidirectional": True}),
+                                      ("LSTM", {"num_layers": 2, "bidirectional": True})],
+                         ids=["gru", "lstm", "gru-2-bi", "lstm-2-bi"])
+def test_a_recurrent_layer_under_autocast_trains_bit_exact(kind, kw):
+    # eager casts weight_hh / bias_hh once (cached) and sums their per-step gradients in bfloat16 (--case 22:140)
+    _train_both(Recurrent(kind, **kw), _autocast_call)
