@@ -650,6 +650,90 @@ def inline_reentrant_checkpoints():
 
 
 @contextlib.contextmanager
+def no_grad_inside_autocast():
+    """Inside the block, a ``torch.no_grad()`` (or ``torch.enable_grad()``) block inside a ``torch.autocast``
+    region is exported as a grad-mode region. torch 2.9's export splits the flat graph at each grad-mode change
+    (split_module), starting each piece with the autocast region re-entered, and then looks for the grad-mode
+    change as the piece's first node: it found the re-entered autocast, inlined the piece and dropped its grad
+    mode. The joint graph then differentiated through the no_grad block, and a parameter read only there got an
+    update eager never makes. Here the re-entered autocast nodes are skipped when looking for that first node."""
+    from torch._export.passes import replace_set_grad_with_hop_pass as grad_pass
+
+    enter_autocast = torch.amp.autocast_mode._enter_autocast
+
+    def is_set_grad_sub_mod(node, omit_if_same_with_ambient=False):
+        if node.op != "call_module":
+            return False
+        sub = getattr(node.graph.owning_module, node.target)
+        first = next((n for n in sub.graph.nodes if n.op != "placeholder"
+                      and not (n.op == "call_function" and n.target is enter_autocast)), None)
+        if first is None or first.op != "call_function" or first.target is not torch._C._set_grad_enabled:
+            return False
+        return first.args[0] != torch.is_grad_enabled() if omit_if_same_with_ambient else True
+
+    with _gated_attribute(grad_pass, "_is_set_grad_enabled_sub_mod", is_set_grad_sub_mod):
+        yield
+
+
+@contextlib.contextmanager
+def autocast_weight_cache():
+    """Inside the block, an export's autocast regions reuse one cast of a parameter as eager's weight cache
+    does (share_autocast_weight_casts, run before torch's grad-mode pass on the flat graph). Each traced
+    ``_enter_autocast`` is marked with the cache flag eager has there: ``torch.autocast``'s own
+    ``cache_enabled``, else the flag in force where it is made (tracing turns the cache off, and export records
+    that ``False`` for every region), kept on a stack as eager's thread-local flag is."""
+    from torch._export.passes import replace_set_grad_with_hop_pass as grad_pass
+    from torch.fx.experimental.proxy_tensor import PreDispatchTorchFunctionMode
+
+    from ._autocast_weight_cache import CACHE_FLAG, share_autocast_weight_casts
+
+    cls = torch.amp.autocast_mode.autocast
+    init, enter, exit_ = cls.__init__, cls.__enter__, cls.__exit__
+    flags = [torch.is_autocast_cache_enabled()]  # eager's thread-local flag, outside the trace's own setting
+
+    def patched_init(self, device_type, dtype=None, enabled=True, cache_enabled=None):
+        init(self, device_type, dtype, enabled, cache_enabled)
+        self._torch_ext_cache = flags[-1] if cache_enabled is None else bool(cache_enabled)
+
+    def recording_modes():
+        if not torch._C._is_torch_function_mode_enabled():
+            return []
+        return [m for m in torch.overrides._get_current_function_mode_stack()
+                if isinstance(m, PreDispatchTorchFunctionMode)]
+
+    def patched_enter(self):
+        modes = recording_modes()
+        before = [len(m.enter_autocast_nodes) for m in modes]
+        out = enter(self)
+        # (one made before the block, a @torch.autocast decorator's, read its flag from eager's own state)
+        flags.append(getattr(self, "_torch_ext_cache", getattr(self, "_cache_enabled", flags[-1])))
+        for m, k in zip(modes, before):
+            if len(m.enter_autocast_nodes) > k:
+                m.enter_autocast_nodes[-1].meta[CACHE_FLAG] = flags[-1]
+        return out
+
+    def patched_exit(self, *exc):
+        if len(flags) > 1:
+            flags.pop()
+        return exit_(self, *exc)
+
+    pass_ = grad_pass.replace_set_grad_with_hop_pass
+
+    def grad_pass_after_sharing(gm, graph_signature):
+        if graph_signature is not None:
+            share_autocast_weight_casts(gm, graph_signature)
+        return pass_(gm, graph_signature)
+
+    cls.__init__ = _gated(patched_init, init)
+    cls.__enter__, cls.__exit__ = _gated(patched_enter, enter), _gated(patched_exit, exit_)
+    try:
+        with _gated_attribute(grad_pass, "replace_set_grad_with_hop_pass", grad_pass_after_sharing):
+            yield
+    finally:
+        cls.__init__, cls.__enter__, cls.__exit__ = init, enter, exit_
+
+
+@contextlib.contextmanager
 def inference_mode_as_no_grad():
     """Inside the block, ``torch.inference_mode()`` disables gradients as ``torch.no_grad()`` does. Tracing
     does not record inference mode, so a block under it (a frozen teacher's forward) was differentiated,

@@ -122,6 +122,8 @@ def _factories() -> dict:
         "eager_attention_masks": _compat.eager_attention_masks,
         "inline_reentrant_checkpoints": _compat.inline_reentrant_checkpoints,
         "inference_mode_as_no_grad": _compat.inference_mode_as_no_grad,
+        "no_grad_inside_autocast": _compat.no_grad_inside_autocast,
+        "autocast_weight_cache": _compat.autocast_weight_cache,
         "refuse_autograd_in_trace": _compat.refuse_autograd_in_trace,
         "rnn_dropout_between_layers": _compat.rnn_dropout_between_layers,
         "eager_gru_cell": _compat.eager_gru_cell,
@@ -146,6 +148,7 @@ def _factories() -> dict:
 # Every patch, in the order it is entered (restored in reverse).
 ORDER = ("env_reads", "python_random_draws", "backward_only_code", "global_module_hooks_restored",
          "eager_attention_masks", "inline_reentrant_checkpoints", "inference_mode_as_no_grad",
+         "no_grad_inside_autocast", "autocast_weight_cache",
          "refuse_autograd_in_trace", "rnn_dropout_between_layers", "eager_gru_cell", "onednn_lstm_forward",
          "eager_onednn_lstm", "onednn_rnn_backward_dtypes", "eager_batch_norm_layouts", "packed_sequences_refused",
          "grad_scaler_refused", "data_assignment_refused", "eager_autograd_kernels", "joint_replayed_without_autograd",
@@ -157,6 +160,7 @@ COLLECTORS = frozenset({"env_reads", "python_random_draws", "backward_only_code"
 # What each entry point traces under.
 STEP_EXPORT = ("env_reads", "python_random_draws", "backward_only_code", "global_module_hooks_restored",
                "eager_attention_masks", "inline_reentrant_checkpoints", "inference_mode_as_no_grad",
+               "no_grad_inside_autocast", "autocast_weight_cache",
                "refuse_autograd_in_trace", "rnn_dropout_between_layers", "eager_gru_cell", "onednn_lstm_forward",
                "packed_sequences_refused", "grad_scaler_refused", "data_assignment_refused")
 JOINT_EXPORT = ("rnn_dropout_between_layers", "eager_gru_cell", "eager_onednn_lstm", "onednn_rnn_backward_dtypes",

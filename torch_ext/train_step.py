@@ -892,7 +892,9 @@ class TrainStep:
                 # gradient either (torch.optim skips it): found on the forward program, hidden the same way.
                 if "did not receive a gradient" not in str(e):
                     raise
-                no_grad = [params[t] for t in _compat.parameters_without_gradient(ep) if t in params]
+                # (a frozen one is listed too: it stays as it is, and is not unfrozen by the finally below)
+                no_grad = [params[t] for t in _compat.parameters_without_gradient(ep)
+                           if t in params and params[t].requires_grad]
                 if not no_grad:
                     raise
                 unused += no_grad

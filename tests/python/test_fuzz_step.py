@@ -78,6 +78,17 @@ SPECS = {
     # verifier failed the build with an internal error; ir.from_fx declares the kernel's dtype.
     "18:60 autocast-bn-eval": {**_PLAIN, "model_seed": 7, "rng_seed": 389, "data_seed": 860, "front": "seqlin",
                                "autocast": True, "blocks": [{"kind": "bn2", "variant": "eval"}, {"kind": "tconst"}]},
+    # Seeds 20 (28, 52), 21 (12), 19 (155, 98), 20 (112): a layer applied twice (or a tied weight) under bfloat16
+    # autocast. Eager's weight cache casts the weight once per region and adds its uses' gradients in bfloat16;
+    # the trace cast at each use and added them in float32 (_autocast_weight_cache). Seed 18 (165): a parameter
+    # read under torch.no_grad() inside the autocast region, which export's split differentiated
+    # (_compat.no_grad_inside_autocast). Both failed before the fix (loss 1.3e-4 and 9e-7 off by step 2).
+    "20:28 autocast-layer-twice": {**_PLAIN, "model_seed": 698, "rng_seed": 753, "data_seed": 887, "loss": "mse",
+                                   "autocast": True, "opt": {"kind": "SGD", "hyper": {"lr": 0.1, "momentum": 0.9}},
+                                   "blocks": [{"kind": "reuse", "act": "elu"}]},
+    "18:165 autocast-no-grad-read": {**_PLAIN, "model_seed": 948, "rng_seed": 342, "data_seed": 46, "loss": "mse",
+                                     "autocast": True, "opt": {"kind": "SGD", "hyper": {"lr": 0.1, "momentum": 0.9}},
+                                     "blocks": [{"kind": "unused", "nograd_read": True}]},
 }
 
 

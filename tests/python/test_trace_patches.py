@@ -27,6 +27,7 @@ from test_train_step_prod import Prod
 def _process_state() -> dict:
     """Every process-global thing a trace patches, by identity (or a copy of the table)."""
     import torch._decomp.decompositions as decomps
+    from torch._export.passes import replace_set_grad_with_hop_pass as grad_pass
     import torch.autograd as autograd_mod
     from torch._functorch import aot_autograd
     from torch._inductor import ir, lowering
@@ -48,6 +49,8 @@ def _process_state() -> dict:
         "pack_padded": vars(torch._VF).get("_pack_padded_sequence"),
         "engine": autograd_mod._engine_run_backward,
         "inference_mode": (grad_mode.inference_mode.__enter__, grad_mode.inference_mode.__exit__),
+        "autocast": tuple(vars(torch.amp.autocast_mode.autocast)[k] for k in ("__init__", "__enter__", "__exit__")),
+        "export_grad_pass": (grad_pass._is_set_grad_enabled_sub_mod, grad_pass.replace_set_grad_with_hop_pass),
         "setup_context": function_mod._is_setup_context_defined, "register_hook": torch.Tensor.register_hook,
         "random": (random.seed, random.setstate, random.random, random.uniform,
                    sorted(k for k, v in vars(random._inst).items() if callable(v))),

@@ -1,0 +1,205 @@
+"""Eager's autocast weight cache, made explicit in an export's flat pre-dispatch graph (one pass).
+
+Eager (``at::autocast::cached_cast``, torch 2.9) casts a float32 leaf that requires grad (a parameter) to the
+autocast dtype once per outermost autocast region while the weight cache is on (``cache_enabled``, the default),
+and every later cast of it in the region returns that one copy; the cache is cleared where the outermost region
+exits. So a layer applied twice, or a weight shared by two layers, or a GRU's / LSTM's recurrent weights (their
+decomposition casts them at every time step) have their uses' gradients added in bfloat16 before the one cast back
+to float32. Tracing turns the cache off: the trace cast the weight at each use, and the joint graph
+added two float32 gradients (momentum buffers 1e-4 off eager after 3 SGD steps). ``share_autocast_weight_casts``
+runs on the flat graph before torch's grad-mode and autocast passes split it into regions
+(_compat.autocast_weight_cache installs it, and marks each traced ``_enter_autocast`` with eager's cache flag).
+"""
+from __future__ import annotations
+
+import torch
+from torch.export.graph_signature import InputKind
+
+
+CACHE_FLAG = "torch_ext_autocast_cache"  # meta of a traced _enter_autocast: eager's weight-cache flag there
+
+
+class _CastRecorder:
+    """The casts to ``dtype`` of the tensors ``watched`` that run under it, and which of them another op reads
+    uncast (a dispatch mode: it sees autocast's casts, made above it)."""
+
+    def __init__(self, watched: list, dtype):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        counts, read = [0] * len(watched), [False] * len(watched)
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                cast = func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == dtype
+                if not cast and not any("Tensor" in str(r.type) for r in func._schema.returns):
+                    return func(*args, **kwargs)  # a metadata query (prim.device, sym_size) reads no values
+                for leaf in tree_leaves((args, kwargs)):
+                    for i, t in enumerate(watched):
+                        if leaf is t:
+                            if cast:
+                                counts[i] += 1
+                            else:
+                                read[i] = True
+                return func(*args, **kwargs)
+
+        self.mode, self.counts, self.read = Mode(), counts, read
+
+
+_AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "xpu": "AutocastXPU", "mps": "AutocastMPS",
+                  "hpu": "AutocastHPU", "xla": "AutocastXLA", "mtia": "AutocastMTIA", "maia": "AutocastMAIA"}
+
+
+def _may_cast(node: torch.fx.Node, device: str) -> bool:
+    """Whether autocast can cast an operand of ``node``'s op on ``device``: it has a kernel of its own there, or
+    the op is a composite whose decomposition runs under autocast (GRU and LSTM cast their recurrent weights at
+    every time step, from the cache after the first). Every other op falls through: autocast casts nothing."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    name = node.target.name()
+    return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
+               for key in (_AUTOCAST_KEYS.get(device, "AutocastPrivateUse1"), "CompositeImplicitAutograd"))
+
+
+def _autocast_cast_operands(node: torch.fx.Node, params: set, device: str, dtype) -> dict[int, int]:
+    """{occurrence: casts} of ``params`` (placeholder nodes) among ``node``'s operands, counted in ``map_arg``'s
+    order, that ``torch.autocast(device, dtype)`` casts to ``dtype`` when it runs ``node``'s op, and that nothing
+    in the op reads uncast: the casts with autocast on less those with it off (the op's own casts, an explicit
+    ``.to()``, run either way). Found by running the op on fresh fake tensors (raises what that raised)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    vals = [a.meta.get("val") for a in node.all_input_nodes]
+    fake_mode = next((v.fake_mode for v in vals if isinstance(v, FakeTensor)), None)
+    if fake_mode is None:
+        raise LookupError("no fake tensor among its operands")
+    counts = {}
+    with fake_mode:
+        for enabled in (True, False):
+            watched: list = []
+
+            def fresh(a):
+                v = a.meta.get("val")
+                if not isinstance(v, torch.Tensor):
+                    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
+                        return v
+                    raise LookupError(f"operand {a.name} has no example value")
+                t = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+                if a in params:
+                    watched.append(t)
+                return t
+
+            args = torch.fx.node.map_arg(node.args, fresh)
+            kwargs = torch.fx.node.map_arg(node.kwargs, fresh)
+            rec = _CastRecorder(watched, dtype)
+            with torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=False), rec.mode:
+                node.target(*args, **kwargs)
+            counts[enabled] = (rec.counts, rec.read)
+    (on, read), (off, _) = counts[True], counts[False]
+    return {i: on[i] - off[i] for i in range(len(on)) if on[i] > off[i] and not read[i]}
+
+
+def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
+    """Eager's autocast weight cache, made explicit in the flat pre-dispatch graph ``gm`` of an export.
+
+    Eager (``at::autocast::cached_cast``) casts a float32 leaf that requires grad (a parameter) to the autocast
+    dtype once per outermost autocast region while the weight cache is on (``cache_enabled``, the default), and
+    every later cast of it in the region returns that one copy: a layer applied twice, or a weight shared by two
+    layers, has its two uses' gradients added in bfloat16 before the one cast back to float32. Tracing disables
+    the cache, so the trace cast the weight at each use, and the joint graph added two float32 gradients (momentum
+    buffers 1e-4 off eager after 3 SGD steps). Here the casts autocast would serve from its cache (found by running
+    each op on fake tensors, _autocast_cast_operands: an op with an autocast kernel used with a parameter twice in
+    the region, or a composite op, whose decomposition may cast an operand many times) read one explicit
+    ``_to_copy`` placed before the first: in
+    its grad mode, as eager's copy is made there (a copy made under no_grad gives no gradient through later uses,
+    as in eager). Explicit ``.to()`` calls are not cached by eager and stay as they are; a frozen parameter
+    (cast anew by eager) gives the same values and no gradient either way. The cache is cleared where the
+    outermost region exits, so two regions keep a cast each."""
+    enter, exit_ = torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast
+    names = {s.arg.name: s.target for s in signature.input_specs if s.kind == InputKind.PARAMETER}
+    params = {n for n in gm.graph.nodes if n.op == "placeholder" and n.name in names
+              and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dtype == torch.float32}
+    if not params or not any(n.op == "call_function" and n.target is enter for n in gm.graph.nodes):
+        return
+    # Per outermost region: the nodes that read a parameter, with the regions they are in.
+    stack: list[torch.fx.Node] = []
+    regions: list[list[tuple[torch.fx.Node, list[torch.fx.Node]]]] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is enter:
+            if not stack:
+                regions.append([])
+            stack.append(node)
+        elif node.target is exit_:
+            stack.pop()
+        elif stack:
+            used = []
+            torch.fx.node.map_arg((node.args, node.kwargs), lambda a: used.append(a) if a in params else None)
+            if used:
+                regions[-1].append((node, stack[:], used))
+    swaps: dict[torch.fx.Node, dict[int, torch.fx.Node]] = {}  # node -> occurrence -> the shared cast
+    for uses in regions:
+        counted: dict[torch.fx.Node, int] = {}
+        for _, _, used in uses:
+            for p in used:
+                counted[p] = counted.get(p, 0) + 1
+        sites: dict[torch.fx.Node, list[tuple[torch.fx.Node, int, torch.dtype, int]]] = {}
+        for node, inside, used in uses:
+            if not inside[-1].meta.get(CACHE_FLAG, False):  # the innermost region sets the cache flag
+                continue
+            device = used[0].meta["val"].device.type
+            region = next((e for e in reversed(inside) if e.args[0] == device), None)
+            if region is None or not region.args[2]:
+                continue
+            dtype = region.args[1]
+            if not _may_cast(node, device):
+                continue
+            own = torch._C._dispatch_has_kernel_for_dispatch_key(
+                node.target.name(), _AUTOCAST_KEYS.get(device, "AutocastPrivateUse1"))
+            if own and all(counted[p] == 1 for p in used):  # autocast's own kernel casts an operand once
+                continue
+            try:
+                cast = _autocast_cast_operands(node, params, device, dtype)
+            except Exception as e:  # noqa: BLE001 - re-raised naming the op
+                raise NotImplementedError(
+                    f"cannot tell which operands of {node.target} (reading parameter(s) "
+                    f"{sorted({names[p.name] for p in used})}) torch.autocast casts, running it on fake tensors "
+                    f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); eager's autocast weight "
+                    "cache shares such casts within a region, which the step would not reproduce. Pass "
+                    "cache_enabled=False to torch.autocast, or compute this op outside the autocast region") from e
+            for i, k in cast.items():
+                sites.setdefault(used[i], []).append((node, i, dtype, k))
+        for p, cached in sites.items():
+            if sum(k for *_, k in cached) < 2:  # cast once: nothing to share
+                continue
+            dtypes = {d for _, _, d, _ in cached}
+            if len(dtypes) > 1:
+                raise NotImplementedError(
+                    f"autocast casts parameter {names[p.name]!r} to {sorted(map(str, dtypes))} inside one autocast "
+                    "region (a nested region of another dtype): eager's weight cache returns the first cast for "
+                    "both (the second op then mixes dtypes), which the step does not reproduce. Use one autocast "
+                    "dtype per region, or pass cache_enabled=False to the inner torch.autocast")
+            first = cached[0][0]
+            with gm.graph.inserting_before(first):
+                copy = gm.graph.call_function(torch.ops.aten._to_copy.default, (p,), {"dtype": cached[0][2]})
+            with p.meta["val"].fake_mode:
+                copy.meta["val"] = torch.ops.aten._to_copy.default(p.meta["val"], dtype=cached[0][2])
+            for key in ("stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn"):
+                if key in first.meta:
+                    copy.meta[key] = first.meta[key]
+            for node, i, _, _ in cached:
+                swaps.setdefault(node, {})[i] = copy
+    # Rewritten once per node, after all: the occurrences are counted on the operands as traced.
+    for node, by_index in swaps.items():
+        seen = [-1]
+
+        def swap(a, by_index=by_index, seen=seen):
+            if a not in params:
+                return a
+            seen[0] += 1
+            return by_index.get(seen[0], a)
+
+        node.args, node.kwargs = torch.fx.node.map_arg((node.args, node.kwargs), swap)
+    gm.graph.lint()
+    gm.recompile()
