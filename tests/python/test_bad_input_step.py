@@ -84,6 +84,10 @@ BUILD = {
     "adagrad_lr_decay_float32_tensor_lr": (lambda m, o: torch_ext.make_train_step(
         m, torch.optim.Adagrad(m.parameters(), lr=torch.tensor(0.01), lr_decay=0.1), _loss, (X, Y)), ValueError,
         r"Adagrad param group 0: lr is a torch.float32 tensor"),
+    # Muon keeps a 0-dim tensor lr a tensor too: lr * ratio and 1 - lr * weight_decay in float32 (fuzz_step 22:68).
+    "muon_float32_tensor_lr": (lambda m, o: torch_ext.make_train_step(
+        m, torch.optim.Muon([p for p in m.parameters() if p.dim() == 2], lr=torch.tensor(0.01)), _loss, (X, Y)),
+        ValueError, r"Muon param group 0: lr is a torch.float32 tensor"),
     "nesterov_without_momentum": (lambda m, o: torch_ext.make_train_step(
         m, torch.optim.SGD(m.parameters(), lr=0.1, nesterov=True, momentum=0.0) if False else
         _nesterov_zero(m), _loss, (X, Y)), ValueError, "nesterov"),

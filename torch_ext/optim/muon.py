@@ -4,10 +4,13 @@ import math
 
 import torch
 
-from ._registry import Registration, register
+from ._registry import Registration, refuse_rounded_tensor_lr, register
 
 
 def _read(opt, group, param, gi):
+    # torch.optim.Muon keeps a 0-dim tensor lr a tensor (_to_scalar): lr * ratio and 1 - lr * weight_decay in
+    # its dtype (fuzz_step 22:68, 23:84 ...: a float32 lr trained 1 ulp off, silently).
+    refuse_rounded_tensor_lr(opt, group, gi, "its adjusted lr lr * ratio and decay factor 1 - lr * weight_decay")
     a_dim, b_dim = param.shape[:2]
     fn = group["adjust_lr_fn"]
     if fn is None or fn == "original":
