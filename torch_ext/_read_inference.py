@@ -38,6 +38,10 @@ _MOVES = {
 _SAME = {aten.clone, aten._to_copy, aten.contiguous, aten.to, aten.detach_copy, aten.alias, aten.detach,
          aten.lift_fresh, aten.lift_fresh_copy, aten._conj, aten.resolve_conj, aten.resolve_neg}
 
+# Ops that read only an output's shape, dtype and device, never its elements: their results are not output elements.
+_SHAPE_ONLY = {aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.new_empty, aten.new_zeros,
+               aten.new_ones, aten.new_full, aten.new_empty_strided}
+
 
 class _GiveUp(Exception):
     pass
@@ -77,6 +81,8 @@ class _Tracker(TorchDispatchMode):
                     self.gave_up = f"{func} writes into an output element"
                     raise _GiveUp(self.gave_up)
         packet = func.overloadpacket
+        if packet in _SHAPE_ONLY:
+            return out
         self_entry = self._of(args[0]) if args else None
         moved = self_entry is not None and [i for i, _ in tracked] == [0] and packet in (_MOVES | _SAME)
         if not moved:

@@ -34,6 +34,7 @@ FLAT = torch.arange(70).reshape(2, 5, 7)
     (lambda o: o.gather(2, torch.tensor([[[1]], [[6]]]).expand(2, 5, 1)).sum(),
      torch.stack([FLAT[0, :, 1], FLAT[1, :, 6]])),                                # gather with a constant index
     (lambda o: {"a": o[1, 0, 0] * 2, "b": o[0, -1, -1]}, torch.tensor([FLAT[1, 0, 0], FLAT[0, -1, -1]])),
+    (lambda o: (torch.zeros_like(o) + o.new_ones(2, 5, 7))[:, 0, 0].sum() + o[0, 1, 2], FLAT[0, 1, 2]),  # shapes only
 ])
 def test_the_elements_a_metric_reads(metric, picked):
     reads, why = _infer(metric, X)
