@@ -62,11 +62,13 @@ def _may_cast(node: torch.fx.Node, device: str) -> bool:
                for key in (_AUTOCAST_KEYS.get(device, "AutocastPrivateUse1"), "CompositeImplicitAutograd"))
 
 
-def _autocast_cast_operands(node: torch.fx.Node, params: set, device: str, dtype) -> dict[int, int]:
-    """{occurrence: casts} of ``params`` (placeholder nodes) among ``node``'s operands, counted in ``map_arg``'s
-    order, that ``torch.autocast(device, dtype)`` casts to ``dtype`` when it runs ``node``'s op, and that nothing
-    in the op reads uncast: the casts with autocast on less those with it off (the op's own casts, an explicit
-    ``.to()``, run either way). Found by running the op on fresh fake tensors (raises what that raised)."""
+def _autocast_cast_operands(node: torch.fx.Node, params: set, device: str, dtype) -> tuple[dict, dict]:
+    """({occurrence: casts}, {occurrence: casts}) of ``params`` (placeholder nodes) among ``node``'s operands,
+    counted in ``map_arg``'s order, that ``torch.autocast(device, dtype)`` casts to ``dtype`` when it runs
+    ``node``'s op: first those nothing in the op reads uncast, then those it also reads uncast (one explicit cast
+    cannot stand for those: the op's own uncast read stays). Casts are those with autocast on less those with it
+    off (the op's own casts, an explicit ``.to()``, run either way). Found by running the op on fresh fake tensors
+    (raises what that raised)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     vals = [a.meta.get("val") for a in node.all_input_nodes]
@@ -96,7 +98,8 @@ def _autocast_cast_operands(node: torch.fx.Node, params: set, device: str, dtype
                 node.target(*args, **kwargs)
             counts[enabled] = (rec.counts, rec.read)
     (on, read), (off, _) = counts[True], counts[False]
-    return {i: on[i] - off[i] for i in range(len(on)) if on[i] > off[i] and not read[i]}
+    return ({i: on[i] - off[i] for i in range(len(on)) if on[i] > off[i] and not read[i]},
+            {i: on[i] - off[i] for i in range(len(on)) if on[i] > off[i] and read[i]})
 
 
 def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
@@ -145,6 +148,7 @@ def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
             for p in used:
                 counted[p] = counted.get(p, 0) + 1
         sites: dict[torch.fx.Node, list[tuple[torch.fx.Node, int, torch.dtype, int]]] = {}
+        mixed: dict[torch.fx.Node, list[tuple[torch.fx.Node, int]]] = {}  # cast inside an op that reads it uncast
         for node, inside, used in uses:
             if not inside[-1].meta.get(CACHE_FLAG, False):  # the innermost region sets the cache flag
                 continue
@@ -160,7 +164,7 @@ def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
             if own and all(counted[p] == 1 for p in used):  # autocast's own kernel casts an operand once
                 continue
             try:
-                cast = _autocast_cast_operands(node, params, device, dtype)
+                cast, cast_and_read = _autocast_cast_operands(node, params, device, dtype)
             except Exception as e:  # noqa: BLE001 - re-raised naming the op
                 raise NotImplementedError(
                     f"cannot tell which operands of {node.target} (reading parameter(s) "
@@ -170,6 +174,21 @@ def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
                     "cache_enabled=False to torch.autocast, or compute this op outside the autocast region") from e
             for i, k in cast.items():
                 sites.setdefault(used[i], []).append((node, i, dtype, k))
+            for i, k in cast_and_read.items():
+                mixed.setdefault(used[i], []).append((node, k))
+        for p, inside in mixed.items():
+            # A composite op that casts the parameter and also reads it uncast (torch.mm(x, w) + w.sum() in one
+            # op): eager serves that cast from the cache too, shared with the region's other casts of it, but its
+            # occurrence cannot be replaced by one explicit cast (the uncast read would become a cast one), so the
+            # trace kept a cast of its own and added its gradient in float32: 1e-5 off eager after 3 SGD steps,
+            # silently. Refused where eager would share (two casts or more in the region).
+            if sum(k for _, k in inside) + sum(k for *_, k in sites.get(p, ())) >= 2:
+                ops = sorted({str(n.target) for n, _ in inside})
+                raise NotImplementedError(
+                    f"autocast casts parameter {names[p.name]!r} inside {', '.join(ops)}, which also reads it uncast, "
+                    "and casts it again in the same autocast region: eager's weight cache gives every one of those "
+                    "casts one shared copy, which the step cannot reproduce inside that op. Pass "
+                    "cache_enabled=False to torch.autocast, or run the op outside the autocast region")
         for p, cached in sites.items():
             if sum(k for *_, k in cached) < 2:  # cast once: nothing to share
                 continue

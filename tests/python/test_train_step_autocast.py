@@ -241,3 +241,39 @@ class Recurrent(nn.Module):  # GRU / LSTM: their decomposition casts the recurre
 def test_a_recurrent_layer_under_autocast_trains_bit_exact(kind, kw):
     # eager casts weight_hh / bias_hh once (cached) and sums their per-step gradients in bfloat16 (--case 22:140)
     _train_both(Recurrent(kind, **kw), _autocast_call)
+
+
+_MIX_LIB = None
+
+
+def _mix_op():
+    """A composite custom op that casts its weight (``mm`` under autocast) and reads it uncast (``w.sum()``)."""
+    global _MIX_LIB
+    if _MIX_LIB is None:
+        _MIX_LIB = torch.library.Library("torch_ext_autocast_test", "DEF")
+        _MIX_LIB.define("mix(Tensor x, Tensor w) -> Tensor")
+        _MIX_LIB.impl("mix", lambda x, w: torch.mm(x, w) + w.sum() * 0.01, "CompositeImplicitAutograd")
+    return torch.ops.torch_ext_autocast_test.mix
+
+
+class CastAndReadUncast(nn.Module):
+    def __init__(self, cache_enabled=True):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) * 0.3)
+        self.cache_enabled = cache_enabled
+
+    def forward(self, x):
+        with _autocast(cache_enabled=self.cache_enabled):
+            return torch.mm(_mix_op()(x, self.w), self.w)
+
+
+def test_an_op_that_casts_a_weight_and_reads_it_uncast_is_refused_where_eager_shares_the_cast():
+    # Eager serves the composite's cast of w from the cache, shared with the outer mm's: one bf16 copy, the
+    # gradients of both casts added in bf16. The step kept a cast of its own inside the op (its uncast read stays
+    # uncast) and trained 1e-5 off eager in 3 steps, silently.
+    model = CastAndReadUncast()
+    with pytest.raises(NotImplementedError, match=r"parameter 'model.w' inside torch_ext_autocast_test.mix.default, "
+                                                  r"which also reads it uncast.*cache_enabled=False"):
+        _train_both(model, lambda m, x: m(x), lr=1e-3)
+    # What the refusal advises trains bit-exact: with the cache off eager casts at each use, as the step does.
+    _train_both(CastAndReadUncast(cache_enabled=False), lambda m, x: m(x), lr=1e-3)
