@@ -26,13 +26,14 @@ aten = torch.ops.aten
 
 # Ops whose result's elements are elements of their first argument (`self`), picked by their other arguments,
 # which must not be output elements themselves: the same call on the element ids says which.
+# (Composite ops such as reshape never reach a dispatch mode: it sees what they decompose into.)
 _MOVES = {
-    aten.view, aten._unsafe_view, aten.reshape, aten.select, aten.slice, aten.index, aten.index_select,
+    aten.view, aten._unsafe_view, aten.select, aten.slice, aten.index, aten.index_select,
     aten.gather, aten.take, aten.transpose, aten.permute, aten.expand, aten.unsqueeze, aten.squeeze, aten.t,
     aten.narrow, aten.diagonal, aten.unfold, aten.unbind, aten.split, aten.split_with_sizes, aten.chunk,
     aten.flatten, aten.movedim, aten.repeat, aten.flip, aten.roll, aten.squeeze_copy, aten.view_copy,
     aten.select_copy, aten.slice_copy, aten.permute_copy, aten.expand_copy, aten.t_copy, aten.transpose_copy,
-    aten.unsqueeze_copy, aten.alias_copy, aten.alias, aten.detach, aten.lift_fresh, aten.lift_fresh_copy,
+    aten.unsqueeze_copy, aten.alias_copy,
 }
 # Ops that keep every element where it is (a copy, a cast): the ids pass through unchanged.
 _SAME = {aten.clone, aten._to_copy, aten.contiguous, aten.to, aten.detach_copy, aten.alias, aten.detach,

@@ -3275,16 +3275,16 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
         use_rows = rg.positions if positions is None else positions
         if not isinstance(skip_identical, bool):
             raise TypeError(f"sweep(skip_identical=...) must be a bool, got {type(skip_identical).__name__}")
-        # The model written in place before the sweep is an edit the engine takes now (num_dirty reads, so it
-        # settles); during it, a patch function or metric writing into the model is refused (engine.h, I15).
-        eng = rg._engine
         auto = isinstance(reads, str) and reads == "auto"
         if isinstance(reads, str) and not auto:
             raise ValueError(f"sweep(reads=...) takes a dict, a callable, \"auto\" or None, got {reads!r}")
+        # The model written in place before the sweep is an edit the engine takes now (num_dirty reads, so it
+        # settles); during it, a patch function or metric writing into the model is refused (engine.h, I15).
+        eng = rg._engine
+        rg._take_untracked_writes()
+        eng.num_dirty()
         inferred = None
-        if auto:
-            rg._take_untracked_writes()
-            eng.num_dirty()
+        if auto:  # from the settled outputs
             reads, why = _infer_sweep_reads(rg, metric)
             inferred = {"reads": reads, "why": why, "rerun_without": None}
         rows = ((rg._read_spec(reads) if reads is not None else ([], [])), reads) if use_rows else None
@@ -3292,12 +3292,10 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
             rg._read_rows(reads)  # still checked: a bad reads argument is refused either way
         if getattr(rg, "_no_kv_cache", None):
             metric = _MarksNoKVCache(metric, rg._no_kv_cache)  # innermost: it marks the copies the metric reads
-        unchecked = _InMetric(rg, metric)  # value() / demand() from the metric would read the unpatched graph: refused
+        plain = metric  # what a rerun without reads= measures
         if reads is not None and rg._last_inputs is not None:
             metric = _ReadCheck(rg, metric, reads)  # the same inputs on every path; reading outside them is refused
-        metric = _InMetric(rg, metric)
-        rg._take_untracked_writes()
-        eng.num_dirty()
+        metric = _InMetric(rg, metric)  # value() / demand() from the metric would read the unpatched graph: refused
         rg._sweeping = True
         eng.set_inputs_frozen(True)
         try:
@@ -3311,8 +3309,8 @@ def sweep(rg: ReactiveGraph, sites, patch: Callable[[torch.Tensor, Any], torch.T
                     raise
                 inferred["rerun_without"] = str(e).split(":")[0]
                 plain_rows = (([], []), None) if use_rows else None
-                result = _sweep(rg, site_list, patch, unchecked, progress, batch_sites, distributed, plain_rows,
-                                skip_identical)
+                result = _sweep(rg, site_list, patch, _InMetric(rg, plain), progress, batch_sites, distributed,
+                                plain_rows, skip_identical)
             if inferred is not None:
                 result.extra["inferred_reads"] = inferred
             return result
