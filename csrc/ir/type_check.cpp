@@ -278,10 +278,6 @@ std::string error_text(const std::exception& e) {
   return msg;
 }
 
-at::Tensor meta_tensor(const TensorMeta& m) {
-  return at::empty_strided(m.sizes, m.strides, at::TensorOptions().dtype(m.dtype).device(c10::kMeta));
-}
-
 // Longest list result inferred beyond the declared one (see check_call_types).
 constexpr int64_t kMaxListInference = 1 << 16;
 
@@ -620,6 +616,10 @@ const CpuLayoutOp* cpu_layout_op(const Target& target) {
   for (const CpuLayoutOp& op : cpu_layout_ops())
     if (target.name == op.name) return &op;
   return nullptr;
+}
+
+at::Tensor meta_tensor(const TensorMeta& m) {
+  return at::empty_strided(m.sizes, m.strides, at::TensorOptions().dtype(m.dtype).device(c10::kMeta));
 }
 
 std::optional<std::vector<int64_t>> elementwise_strides(const at::Tensor& a, const at::Tensor& b) {

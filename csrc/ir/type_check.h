@@ -82,6 +82,8 @@ struct CpuLayoutOp {
   CpuLayout layout;
 };
 const std::vector<CpuLayoutOp>& cpu_layout_ops();
+// A meta tensor of `m`'s sizes, strides and dtype: what the checks and the passes run meta kernels on.
+at::Tensor meta_tensor(const TensorMeta& m);
 // The cpu_layout_ops() entry of an aten operator, by name (any overload: the out= variants too), or null.
 const CpuLayoutOp* cpu_layout_op(const Target& target);
 // The strides TensorIterator gives an elementwise op over the tensors `a` and `b` (TensorIterator's own rule: the

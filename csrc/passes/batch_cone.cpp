@@ -204,9 +204,7 @@ std::vector<int64_t> worked_dims(const Node& n, const std::string& op, int64_t r
   return {};
 }
 
-at::Tensor meta_tensor(const ir::TensorMeta& m) {
-  return at::empty_strided(m.sizes, m.strides, at::TensorOptions().dtype(m.dtype).device(c10::kMeta));
-}
+using ir::meta_tensor;
 
 const Arg* kwarg_of(const ir::Kwargs& kwargs, const std::string& name) {
   for (const auto& [key, a] : kwargs)

@@ -1,3 +1,4 @@
+#include "ir/type_check.h"
 #include "passes/grad_layout.h"
 
 #include <ATen/ATen.h>
@@ -9,9 +10,7 @@
 namespace torch_ext::passes {
 namespace {
 
-at::Tensor meta_of(const ir::TensorMeta& m) {
-  return at::empty_strided(m.sizes, m.strides, at::TensorOptions().dtype(m.dtype).device(at::kMeta));
-}
+at::Tensor meta_of(const ir::TensorMeta& m) { return ir::meta_tensor(m); }
 
 ir::Type type_of(const at::Tensor& meta, const ir::TensorMeta& like) {
   ir::TensorMeta m = like;

@@ -1,3 +1,4 @@
+#include "ir/type_check.h"
 #include "passes/lift_optimizer_state.h"
 
 #include "optim/descriptor.h"
@@ -35,8 +36,7 @@ ir::Type scalar_type(c10::ScalarType dtype) {
 // over operands laid out alike and a strided scalar one over mixed layouts, and the two round
 // otherwise (Lion's exp_avg.mul(beta2).add_(grad, 1 - beta2) on a transposed weight: 1 ulp off eager).
 std::vector<int64_t> zeros_like_strides(const ir::TensorMeta& param) {
-  const at::Tensor meta = at::empty_strided(param.sizes, param.strides, at::TensorOptions().dtype(param.dtype).device(at::kMeta));
-  return at::empty_like(meta).strides().vec();
+  return at::empty_like(ir::meta_tensor(param)).strides().vec();
 }
 
 }  // namespace

@@ -1,3 +1,4 @@
+#include "ir/type_check.h"
 #include "passes/split_heads.h"
 
 #include <ATen/ATen.h>
@@ -142,9 +143,7 @@ Projection projection_of(ir::Node* z) {
   return p;
 }
 
-at::Tensor meta_of(const ir::TensorMeta& m) {
-  return at::empty_strided(m.sizes, m.strides, at::TensorOptions().dtype(m.dtype).device(at::kMeta));
-}
+at::Tensor meta_of(const ir::TensorMeta& m) { return ir::meta_tensor(m); }
 
 ir::Type type_of(const at::Tensor& t, const c10::Device& device) {
   ir::TensorMeta m;
