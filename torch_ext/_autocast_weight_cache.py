@@ -9,6 +9,8 @@ to float32. Tracing turns the cache off: the trace cast the weight at each use, 
 added two float32 gradients (momentum buffers 1e-4 off eager after 3 SGD steps). ``share_autocast_weight_casts``
 runs on the flat graph before torch's grad-mode and autocast passes split it into regions
 (_compat.autocast_weight_cache installs it, and marks each traced ``_enter_autocast`` with eager's cache flag).
+A ``torch.cond`` branch runs below autograd in eager: a cast it makes first is cached without a gradient, and later
+casts outside it in the region read that copy (_dropped_by_conds).
 """
 from __future__ import annotations
 
@@ -102,6 +104,78 @@ def _autocast_cast_operands(node: torch.fx.Node, params: set, device: str, dtype
             {i: on[i] - off[i] for i in range(len(on)) if on[i] > off[i] and read[i]})
 
 
+def _cond_name(cond: torch.fx.Node) -> str:
+    """``cond`` as the user wrote it: the torch.cond in the module that called it."""
+    stack = list(cond.meta.get("nn_module_stack", {}).values())
+    path, cls = stack[-1] if stack else (None, "")
+    where = f"module {path.removeprefix('model.')!r}" if path and path.startswith("model.") else "the model's forward"
+    # (the step's loss module, at path '', runs loss_fn)
+    inside = "" if path is None else " in loss_fn" if not path else f" in {where} ({cls.rsplit('.', 1)[-1]})"
+    return f"the torch.cond{inside} (graph node {cond.name})"
+
+
+def _branch_casts(sub: torch.fx.GraphModule, index: int, device: str, dtype) -> bool | None:
+    """Whether the cond branch ``sub`` has autocast cast its ``index``-th operand (a parameter) to ``dtype`` on
+    ``device``, as eager runs it inside the region; None where that cannot be told here: the branch enters an
+    autocast region of its own, or passes the operand on to a nested cond / while_loop (whose branch is taken by a
+    predicate the enclosing graph cannot read)."""
+    ph = [n for n in sub.graph.nodes if n.op == "placeholder"][index]
+    if not ph.users:
+        return False
+    enter = torch.amp.autocast_mode._enter_autocast
+    if any(n.op == "call_function" and n.target is enter for n in sub.graph.nodes):
+        return None
+    for node in ph.users:
+        if node.op == "output":  # returned as it is: no cast
+            continue
+        if node.op != "call_function" or isinstance(node.target, torch._ops.HigherOrderOperator):
+            return None
+        if not _may_cast(node, device):
+            continue
+        try:
+            cast, cast_and_read = _autocast_cast_operands(node, {ph}, device, dtype)
+        except Exception:  # noqa: BLE001 - cannot tell: refused by the caller where it matters
+            return None
+        if cast or cast_and_read:
+            return True
+    return False
+
+
+def _dropped_by_conds(gm: torch.fx.GraphModule, copy: torch.fx.Node, conds: list) -> torch.fx.Node:
+    """``copy`` (a parameter's cast, placed before its first cast outside ``conds``) as eager's cache serves it
+    after those conds: without a gradient where a taken branch cast the parameter first (eager runs it below
+    autograd), with one otherwise. ``where(dropped, copy.detach(), copy)``: the same values either way, and a
+    gradient of exactly the incoming one or zero."""
+    g = copy.graph
+    fake = copy.meta["val"].fake_mode
+
+    def add(target, *args):
+        with g.inserting_after(add.last):
+            n = g.call_function(target, args)
+        with fake:
+            n.meta["val"] = target(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args])
+        for key in ("stack_trace", "nn_module_stack"):
+            if key in copy.meta:
+                n.meta[key] = copy.meta[key]
+        add.last = n
+        return n
+
+    add.last = copy
+    if any(all(casts) for _, casts, _ in conds):  # both branches of one cast it: always without a gradient
+        return add(torch.ops.aten.detach.default, copy)
+    dropped = None
+    for cond, (in_true, _), _ in conds:
+        pred = cond.args[0]
+        if not isinstance(pred, torch.fx.Node) or not isinstance(pred.meta.get("val"), torch.Tensor):
+            raise ValueError(
+                f"{_cond_name(cond)} casts a parameter in one branch under autocast, and its predicate "
+                f"({pred!r}) is not a traced tensor; pass cache_enabled=False to torch.autocast")
+        taken = pred if in_true else add(torch.ops.aten.logical_not.default, pred)
+        dropped = taken if dropped is None else add(torch.ops.aten.logical_or.default, dropped, taken)
+    detached = add(torch.ops.aten.detach.default, copy)
+    return add(torch.ops.aten.where.self, dropped, detached, copy)
+
+
 def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
     """Eager's autocast weight cache, made explicit in the flat pre-dispatch graph ``gm`` of an export.
 
@@ -149,6 +223,8 @@ def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
                 counted[p] = counted.get(p, 0) + 1
         sites: dict[torch.fx.Node, list[tuple[torch.fx.Node, int, torch.dtype, int]]] = {}
         mixed: dict[torch.fx.Node, list[tuple[torch.fx.Node, int]]] = {}  # cast inside an op that reads it uncast
+        # Conds whose branch casts a parameter before any cast of it outside: (cond, casts in (true, false) branch)
+        conds: dict[torch.fx.Node, list[tuple[torch.fx.Node, tuple, torch.dtype]]] = {}
         for node, inside, used in uses:
             if not inside[-1].meta.get(CACHE_FLAG, False):  # the innermost region sets the cache flag
                 continue
@@ -157,6 +233,18 @@ def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
             if region is None or not region.args[2]:
                 continue
             dtype = region.args[1]
+            if node.target is torch.ops.higher_order.cond:
+                # Eager runs the taken branch below autograd (CondAutogradOp), so a cast made there enters the
+                # cache without a gradient, and later casts of the parameter outside the cond in the region get
+                # that copy: no gradient through them. The branch's own gradient is traced apart, a cast per use.
+                _, true_gm, false_gm, operands = node.args
+                for i, a in enumerate(operands):
+                    if a in used and a not in sites and a not in mixed:
+                        casts = tuple(_branch_casts(gm.get_submodule(b.target), i, device, dtype)
+                                      for b in (true_gm, false_gm))
+                        if any(c is not False for c in casts):
+                            conds.setdefault(a, []).append((node, casts, dtype))
+                continue
             if not _may_cast(node, device):
                 continue
             own = torch._C._dispatch_has_kernel_for_dispatch_key(
@@ -189,10 +277,27 @@ def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
                     "and casts it again in the same autocast region: eager's weight cache gives every one of those "
                     "casts one shared copy, which the step cannot reproduce inside that op. Pass "
                     "cache_enabled=False to torch.autocast, or run the op outside the autocast region")
+        for p, before in conds.items():
+            # A cond's branch cast p first; casts of p outside after it read the cache (refused where the step
+            # cannot say whether the taken branch made that copy).
+            if p not in sites and p not in mixed:
+                continue  # no cast outside after it: the branches' own gradients, as eager's
+            unknown = [c for c, casts, _ in before if None in casts]
+            if p in mixed or unknown:
+                cond = (unknown or [before[0][0]])[0]
+                why = ("an op outside that also reads it uncast" if p in mixed else
+                       "a nested autocast region or control flow in the branch that reads it")
+                raise ValueError(
+                    f"parameter {names[p.name]!r} is cast by autocast inside a branch of {_cond_name(cond)} and "
+                    f"again after it in the same autocast region: eager's weight cache then serves "
+                    f"the later casts the copy made in the branch, below autograd, so they give no gradient; the "
+                    f"step cannot reproduce that here ({why}). Pass cache_enabled=False to torch.autocast, or "
+                    "end the autocast region before the cond or read the parameter before it")
         for p, cached in sites.items():
-            if sum(k for *_, k in cached) < 2:  # cast once: nothing to share
+            before = conds.get(p, [])
+            if sum(k for *_, k in cached) < 2 and not before:  # cast once: nothing to share
                 continue
-            dtypes = {d for _, _, d, _ in cached}
+            dtypes = {d for _, _, d, _ in cached} | {d for *_, d in before}
             if len(dtypes) > 1:
                 raise NotImplementedError(
                     f"autocast casts parameter {names[p.name]!r} to {sorted(map(str, dtypes))} inside one autocast "
@@ -207,6 +312,8 @@ def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
             for key in ("stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn"):
                 if key in first.meta:
                     copy.meta[key] = first.meta[key]
+            if before:
+                copy = _dropped_by_conds(gm, copy, before)
             for node, i, _, _ in cached:
                 swaps.setdefault(node, {})[i] = copy
     # Rewritten once per node, after all: the occurrences are counted on the operands as traced.

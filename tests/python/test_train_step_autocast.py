@@ -277,3 +277,81 @@ def test_an_op_that_casts_a_weight_and_reads_it_uncast_is_refused_where_eager_sh
         _train_both(model, lambda m, x: m(x), lr=1e-3)
     # What the refusal advises trains bit-exact: with the cache off eager casts at each use, as the step does.
     _train_both(CastAndReadUncast(cache_enabled=False), lambda m, x: m(x), lr=1e-3)
+
+
+# torch.cond inside an autocast region. Eager runs the taken branch below autograd (CondAutogradOp), so a weight
+# cast there enters the cache without a gradient, and later casts of it outside the cond in the region read that
+# copy: no gradient through them (fc moved 3e-2 off eager in 3 steps in the step, which gave them one). The branch's
+# own gradient is traced apart, a cast per use, float32 sums. _train_both's batches: x.sum() is -11.1, -7.6, 5.4 and
+# x[0, 0] -1.53, -0.03, 0.71, so each predicate below takes both branches within the 3 steps.
+def _bf16_twice(t, fc):
+    return t.to(BF16) * 2
+
+
+def _cond_forwards():
+    def true_branch_casts(m, x):
+        with _autocast():
+            h = torch.cond(x.sum() > -9, lambda t: torch.relu(m.fc(t)), lambda t: _bf16_twice(t, m.fc), (x,))
+            return m.head(m.fc(h))
+
+    def false_branch_casts(m, x):
+        with _autocast():
+            h = torch.cond(x.sum() > -9, lambda t: _bf16_twice(t, m.fc), lambda t: torch.relu(m.fc(t)), (x,))
+            return m.head(m.fc(h))
+
+    def both_branches_cast(m, x):  # always without a gradient after the cond, two later uses sharing that copy
+        with _autocast():
+            h = torch.cond(x.sum() > 0, lambda t: torch.relu(m.fc(t)), lambda t: torch.tanh(m.fc(t)), (x,))
+            return m.head(m.fc(F.elu(m.fc(h))))
+
+    def two_conds(m, x):  # the later use has no gradient where either taken branch cast fc: T, F, T here
+        with _autocast():
+            h = torch.cond(x.sum() > 0, lambda t: torch.relu(m.fc(t)), lambda t: _bf16_twice(t, m.fc), (x,))
+            h = torch.cond(x[0, 0] > -1, lambda t: t * 3, lambda t: torch.relu(m.fc(t)), (h,))
+            return m.head(m.fc(h))
+
+    return {f.__name__: f for f in (true_branch_casts, false_branch_casts, both_branches_cast, two_conds)}
+
+
+@pytest.mark.parametrize("name", sorted(_cond_forwards()))
+def test_a_weight_cast_in_a_cond_branch_gives_later_casts_in_the_region_no_gradient_as_in_eager(name):
+    _train_both(Twice(), _cond_forwards()[name])
+
+
+def test_a_weight_cast_in_a_cond_branch_then_outside_trains_bit_exact_planned():
+    _train_both(Twice(), _cond_forwards()["two_conds"], runner="planned")
+
+
+def test_casts_in_a_cond_branch_alone_or_after_a_cast_outside_train_bit_exact():
+    # a weight read twice in a branch: eager's branch gradient is traced with a cast per use, as the step's; a cast
+    # outside first is cached with its gradient and only lends its values to the branch
+    def twice_in_branch(m, x):
+        with _autocast():
+            h = torch.cond(x.sum() > -9, lambda t: m.fc(torch.relu(m.fc(t))), lambda t: torch.sigmoid(m.fc(t)), (x,))
+            return m.head(h)
+
+    def outside_first(m, x):
+        with _autocast():
+            h = m.fc(torch.relu(m.fc(x)))
+            h = torch.cond(h.sum() > 0, lambda t: m.fc(t), lambda t: t * 2, (h,))
+            return m.head(m.fc(h))
+
+    _train_both(Twice(), twice_in_branch)
+    _train_both(Twice(), outside_first)
+
+
+def test_a_cond_branch_with_its_own_autocast_region_is_refused_where_a_later_cast_would_read_its_copy():
+    def forward(m, x, cache_enabled=True):
+        def branch(t):
+            with torch.autocast("cpu", enabled=False):
+                t = m.fc(t)
+            return torch.relu(m.fc(t))
+
+        with _autocast(cache_enabled=cache_enabled):
+            h = torch.cond(x.sum() > -9, branch, lambda t: _bf16_twice(t, m.fc), (x,))
+            return m.head(m.fc(h))
+
+    with pytest.raises(ValueError, match=r"parameter 'model.fc.(weight|bias)' is cast by autocast inside a branch of "
+                                         r"the torch.cond in loss_fn.*cache_enabled=False"):
+        _train_both(Twice(), forward)
+    _train_both(Twice(), lambda m, x: forward(m, x, cache_enabled=False))  # what the refusal advises
