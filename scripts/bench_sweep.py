@@ -228,9 +228,11 @@ def part0(repeats: int, sizes: list[int], linear_max: int, n: int = 160, every: 
     header("0. grid: torch_ext.sweep vs a full recompute (torch_ext.Executor per site), wall ratio / rho")
     print(f"chain of {n} nodes, every {every}th node a site; full arm: one Executor run of all {n} nodes per site")
     print(f"with the site's value replaced after it is computed (as a forward hook would); metric out.sum();")
-    print(f"medians of {repeats} interleaved repeats; metrics of the two arms must be equal.")
+    print(f"medians of {repeats} interleaved repeats; metrics of the three arms must be equal.")
+    print(f"loop / rho: the same sites by the bare cone loop (Engine.evaluate_patched + the metric, no sweep() around it),")
+    print(f"so the column shows how much of the gap to rho is the engine and how much the sweep's own work.")
     print(f"{'op':12s} {'tensor':>10s} {'full ms':>9s} {'reactive ms':>11s} {'wall x':>7s} {'rho':>6s} "
-          f"{'/ rho':>6s}  target >= 0.97")
+          f"{'/ rho':>6s} {'loop / rho':>10s}  target >= 0.97")
     for op in ops:
         for d in sizes:
             if op == "linear+gelu" and d > linear_max:
@@ -246,17 +248,23 @@ def part0(repeats: int, sizes: list[int], linear_max: int, n: int = 160, every: 
             def full():
                 results["full"] = {s: float(executors[s](x, pre[s], *extra)[0].sum()) for s in sites}
 
+            eng = rg._engine
+
+            def loop():
+                results["loop"] = {s: float(eng.evaluate_patched(s, pre[s])[0].sum()) for s in sites}
+
             with torch.no_grad():
-                med = interleaved({"full": full, "reactive": reactive}, repeats)
+                med = interleaved({"full": full, "reactive": reactive, "loop": loop}, repeats)
             r = results["reactive"]
-            same = all(r.metrics[s] == results["full"][s] for s in sites)
+            same = all(r.metrics[s] == results["full"][s] == results["loop"][s] for s in sites)
             check(same, f"grid {op} {d}: reactive and full metrics differ")
             check(r.measured_evaluations == r.predicted_evaluations, f"grid {op} {d}: evaluations")
             wall = med["full"] / med["reactive"]
             rho = r.rho
             ok = wall >= 0.97 * rho
             print(f"{op:12s} {d:>4d}x{d:<5d} {med['full'] * 1e3:9.1f} {med['reactive'] * 1e3:11.1f} {wall:7.2f} "
-                  f"{rho:6.3f} {wall / rho:6.3f}  {target(ok, f'grid {op} {d}x{d} wall >= 0.97 rho')}")
+                  f"{rho:6.3f} {wall / rho:6.3f} {med['full'] / med['loop'] / rho:10.3f}  "
+                  f"{target(ok, f'grid {op} {d}x{d} wall >= 0.97 rho')}")
 
 
 def part0_overhead(repeats: int, depth: int = 64, width: int = 16, batch: int = 4) -> None:
