@@ -850,6 +850,43 @@ def eager_autograd_kernels(names=EAGER_AUTOGRAD_OPS):
             op._dispatch_cache.clear()
 
 
+def _eager_should_fold(tensor1, tensor2, is_out: bool) -> bool:
+    """ATen's ``should_fold`` (aten/src/ATen/native/LinearAlgebra.cpp, torch 2.9): whether ``matmul`` folds the
+    batch of its larger (N >= 3-D) argument into one ``mm``/``mv`` instead of running ``bmm``."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    larger = tensor1.dim() >= tensor2.dim()
+    t1 = tensor1 if larger else tensor2.mT  # ATen transposes the 3-D right-hand side
+    if not (t1.dim() >= 3 and (tensor2 if larger else tensor1).dim() <= 2):
+        return False
+    if (tensor2 if larger else tensor1).requires_grad and not is_out:
+        return True
+    if tensor1.dim() == 2:
+        return False
+    if guard_or_false(t1.numel() == 0):
+        return True
+    # Only the batch dims are checked, each against the next, size-1 dims included (no contiguity check).
+    sizes, strides = t1.shape, t1.stride()
+    return all(guard_or_false(strides[i] == strides[i + 1] * sizes[i + 1]) for i in range(t1.dim() - 2))
+
+
+@contextlib.contextmanager
+def eager_matmul_fold():
+    """Inside the block, ``matmul``'s Python decomposition (torch._decomp's, which the Python dispatcher of a trace
+    runs for ``linear`` and ``matmul`` in place of ATen's C++ one) folds a batch into one ``mm`` exactly when
+    eager's does. Its ``should_fold`` asked for a contiguous input, skipping size-1 dims, where ATen checks each
+    batch dim's stride against the next one's times its size, size-1 dims included: a frozen bias-free ``Linear`` (or ``x @ w``, ``w`` needing no gradient)
+    on a batch-1 input whose size-1 dim has another stride (``MultiheadAttention(batch_first=True)``'s output,
+    [1, 6, 4] with strides (4, 4, 1)) traced the folded ``mm`` where eager runs ``bmm`` (1 ulp off, fuzz_step
+    ``--case 24:257``), and one on an input sliced in its last dim (``h[..., ::2]``) traced ``bmm`` where eager
+    folds. The rest of the decomposition is eager's; the C++ one is not kept instead, as it takes the trace's
+    functional tensors for subclasses and squeezes a broadcast 3-D batch eager does not squeeze."""
+    from torch._decomp import decompositions
+
+    with _gated_attribute(decompositions, "should_fold", _eager_should_fold):
+        yield
+
+
 @contextlib.contextmanager
 def joint_replayed_without_autograd():
     """Inside the block, torch 2.9's ``aot_export_module(trace_joint=True)`` replays its joint graph (forward

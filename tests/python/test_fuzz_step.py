@@ -89,6 +89,20 @@ SPECS = {
     "18:165 autocast-no-grad-read": {**_PLAIN, "model_seed": 948, "rng_seed": 342, "data_seed": 46, "loss": "mse",
                                      "autocast": True, "opt": {"kind": "SGD", "hyper": {"lr": 0.1, "momentum": 0.9}},
                                      "blocks": [{"kind": "unused", "nograd_read": True}]},
+    # Seed 24 (257): a head tied to a frozen embedding (bias-free) after MultiheadAttention(batch_first=True) at
+    # batch 1, whose output [1, 6, 8] has a size-1 dim of stride 8. Eager's matmul runs bmm there (ATen's
+    # should_fold checks size-1 dims too); the trace's Python decomposition folded it into one mm: the attention's
+    # parameters 1 ulp off eager (_compat.eager_matmul_fold; test_train_step_matmul_fold.py).
+    "24:257 frozen-tied-head-after-mha-batch1": json.loads(
+        '{"model_seed": 760, "rng_seed": 287, "data_seed": 996, "front": "embed", "front_bn": false, '
+        '"padding_idx": false, "width": 8, "blocks": [{"kind": "bn2", "variant": "nostats"}, {"kind": "shared", '
+        '"act": "tanh"}, {"kind": "mha", "mask": "none", "p": 0.0, "bias": true, "need_weights": false}], '
+        '"loss": "mse", "batch": 1, "frozen": [0, 8], "excluded": [], "opt": {"kind": "Adagrad", "hyper": '
+        '{"lr": 0.1, "lr_decay": 0.0, "weight_decay": 0.01, "initial_accumulator_value": 0.0, "maximize": false}}, '
+        '"groups": 1, "group2": {"lr_scale": 0.5, "wd": null}, "sched": "cosine_wr", "cycle_momentum": false, '
+        '"accumulate": 2, "clip": 10.0, "runner": "exec", "budget": 0.6, "scale_grad_by_freq": false, '
+        '"reduction": "mean", "float64": false, "unroll": 1, "set_lr": false, "tie": true, "sched_pre": 2, '
+        '"pre_grad": "none", "freeze_after": [7], "bf16": false, "autocast": false, "tensor_lr": null}'),
 }
 
 

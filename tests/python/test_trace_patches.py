@@ -45,7 +45,7 @@ def _process_state() -> dict:
         packet = getattr(torch.ops.aten, name, None)
         ops += [getattr(packet, o) for o in packet.overloads()] if packet is not None else []
     state = {
-        "make_fx": aot_autograd.make_fx, "rnn_helper": decomps._rnn_helper,
+        "make_fx": aot_autograd.make_fx, "rnn_helper": decomps._rnn_helper, "should_fold": decomps.should_fold,
         "pack_padded": vars(torch._VF).get("_pack_padded_sequence"),
         "engine": autograd_mod._engine_run_backward,
         "inference_mode": (grad_mode.inference_mode.__enter__, grad_mode.inference_mode.__exit__),
