@@ -2414,9 +2414,13 @@ def _measure(rg: ReactiveGraph, metric, outs, site):
     write through ``.data`` or ``.numpy()`` shares their memory but not their version counter, so the
     metric is handed copies (``_C.metric_copy``: copy on write, the same geometry, where the memory allows
     it, so a metric that only reads costs no copy; else a clone), as the C++ loop (sweep_sites) does."""
-    if isinstance(outs, torch.Tensor):
+    if isinstance(outs, torch.Tensor):  # one output (the common case): no lists, one version read
         outs = _C.metric_copy(outs)
-        flat = [outs] if not outs.is_inference() else []
+        if outs.is_inference():
+            return _metric_value(metric(outs), site), False
+        version = outs._version
+        value = _metric_value(metric(outs), site)
+        return value, outs._version != version
     else:
         leaves, spec = pytree.tree_flatten(outs)
         leaves = [_C.metric_copy(t) if isinstance(t, torch.Tensor) else t for t in leaves]
@@ -2856,16 +2860,22 @@ def _patched_values(rg: ReactiveGraph, nodes: list, members: list, patch: Callab
     drawing from a seeded generator draws the same values. Each value is kept as the function returned it
     then: a later write into the tensor returned (a reused buffer) does not reach it."""
     values = []
+    value = rg._engine.value
+    node_was = name_was = None  # a node's value and a name's hook view, looked up once per run of its sites
     for node, s in zip(nodes, members):
-        clean = rg._engine.value(node)
-        fn = rg._hook_view(s[0] if isinstance(s, tuple) else s, patch)
+        if node != node_was:
+            clean, node_was = value(node), node
+            shape, dtype, device = clean.shape, clean.dtype, clean.device
+        name = s[0] if isinstance(s, tuple) else s
+        if name != name_was:
+            fn, name_was = rg._hook_view(name, patch), name
         v = rg._call_patch_fn(node, lambda t, s=s, fn=fn: fn(t, s), clean, "sweep patch function")
         if not isinstance(v, torch.Tensor):
             raise TypeError(f"patch function at site {s!r} returned {type(v).__name__}, expected a tensor")
         # Checked here, one by one, as the engine checks a single patch: the batched path concatenates the
         # values along dim 0, and a [2B, ...] value beside a [0, ...] one has the stacked shape of two [B, ...]
         # ones, so the engine's check on the stack passed and each site got rows of the other's value.
-        if v.shape != clean.shape or v.dtype != clean.dtype or v.device != clean.device:
+        if v.shape != shape or v.dtype != dtype or v.device != device:
             raise RuntimeError(
                 f"patch %{node} at site {s!r}: expected shape {list(clean.shape)}, dtype {clean.dtype}, device "
                 f"{clean.device}; got shape {list(v.shape)}, dtype {v.dtype}, device {v.device}")
@@ -3468,8 +3478,8 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
                            extra=extra)
 
     groups: dict = {}
-    for s in site_list:
-        groups.setdefault(node_of(s), []).append(s)
+    for s, node in zip(site_list, site_nodes):  # the plan's nodes (node_of, resolved once per site list)
+        groups.setdefault(node, []).append(s)
     measured = 0
     cost = 0.0
     row_evals = fractions.Fraction(0)
@@ -3492,7 +3502,7 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
             rg._check_batchable(node)
     # The patch function runs once per site, in site order (as an eager-hook sweep calls it); each value is
     # passed on, also to the sites evaluated one at a time below.
-    value_of = dict(zip(site_list, _patched_values(rg, [node_of(s) for s in site_list], site_list, patch)))
+    value_of = dict(zip(site_list, _patched_values(rg, site_nodes, site_list, patch)))
     for node, members in groups.items():
         vals = [value_of[s] for s in members]
         current = eng.value(node)
@@ -3503,7 +3513,8 @@ def _sweep(rg: ReactiveGraph, site_list: list, patch, metric, progress: bool, ba
         # reduction over it rounds otherwise, as eager, which runs the cone on it, does. It is never identical,
         # and never stacked (torch.cat lays the stack out afresh) nor run from its first changed row (the rows
         # before it were computed from the cached layout): it runs alone, on its whole cone, in its layout.
-        layout = [_same_layout(v, current) for v in vals]
+        strides = current.stride()  # the same strides (the common case) is the same layout
+        layout = [v.stride() == strides or _same_layout(v, current) for v in vals]
         if by_rows:
             # One byte scan per site gives both answers: the first changed row, and (== the length, for a
             # value of the node's shape and dtype) bit-identity, as _same_bits would say.
