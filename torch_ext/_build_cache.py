@@ -320,7 +320,7 @@ class _Walker:
                 return ("state", name, self.meta(obj))
             if obj.numel() > _TENSOR_ATTR_LIMIT or obj.layout != torch.strided or obj.is_meta:
                 raise Uncacheable(f"a tensor attribute of {obj.numel()} elements")
-            data = obj.detach().cpu().contiguous()
+            data = obj.detach().cpu().contiguous().reshape(-1)  # a 0-dim tensor cannot be viewed as bytes
             return ("tensor", self.meta(obj), hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest())
         if isinstance(obj, torch.nn.Module) and oid in self.module_paths:
             return ("module", self.module_paths[oid])

@@ -850,6 +850,16 @@ def eager_autograd_kernels(names=EAGER_AUTOGRAD_OPS):
             op._dispatch_cache.clear()
 
 
+@contextlib.contextmanager
+def eager_pad_sequence():
+    """Inside the block, ``pad_sequence`` runs ATen's kernel: torch 2.9's Python decomposition (its
+    CompositeImplicitAutograd kernel, which the Python dispatcher of a trace runs) has no ``padding_side``
+    argument, so ``pad_sequence(..., padding_side="left")`` failed to trace with a TypeError. ATen's copies each
+    sequence into a padded buffer, on either side (the values are copies: eager's, bit for bit)."""
+    with eager_autograd_kernels(("pad_sequence",)):
+        yield
+
+
 def _eager_should_fold(tensor1, tensor2, is_out: bool) -> bool:
     """ATen's ``should_fold`` (aten/src/ATen/native/LinearAlgebra.cpp, torch 2.9): whether ``matmul`` folds the
     batch of its larger (N >= 3-D) argument into one ``mm``/``mv`` instead of running ``bmm``."""
