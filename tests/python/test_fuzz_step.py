@@ -103,6 +103,28 @@ SPECS = {
         '"accumulate": 2, "clip": 10.0, "runner": "exec", "budget": 0.6, "scale_grad_by_freq": false, '
         '"reduction": "mean", "float64": false, "unroll": 1, "set_lr": false, "tie": true, "sched_pre": 2, '
         '"pre_grad": "none", "freeze_after": [7], "bf16": false, "autocast": false, "tensor_lr": null}'),
+    # Seed 26 (797, 951), found again after 24:257 by another run before its fix merged: a frozen operand of a matmul
+    # on a batch-1 stream of strides (D, D, 1) (a bidirectional GRU's output, MultiheadAttention's), same cause.
+    "26:797 frozen-tied-head-on-bigru": json.loads(
+        '{"model_seed": 581, "rng_seed": 372, "data_seed": 492, "front": "embed", "front_bn": false, '
+        '"padding_idx": false, "width": 6, "blocks": [{"kind": "drop", "p": 0.5}, {"kind": "drop2", "variant": '
+        '"alpha", "p": 0.1}, {"kind": "gru", "layers": 1, "bi": true, "p": 0.0}], "loss": "mse", "batch": 1, '
+        '"frozen": [9], "excluded": [], "opt": {"kind": "Lion", "hyper": {"lr": 0.0001, "betas": [0.8, 0.99], '
+        '"weight_decay": 0.0}}, "groups": 2, "group2": {"lr_scale": 2.0, "wd": 0.0}, "sched": "onecycle", '
+        '"cycle_momentum": true, "accumulate": 1, "clip": 10.0, "runner": "exec", "budget": 0.8, '
+        '"scale_grad_by_freq": true, "reduction": "sum", "float64": false, "unroll": 1, "set_lr": false, "tie": true, '
+        '"sched_pre": 1, "pre_grad": "none", "freeze_after": [0], "bf16": false, "autocast": false, '
+        '"tensor_lr": "f32"}'),
+    "26:951 frozen-transposed-weight-on-mha": json.loads(
+        '{"model_seed": 884, "rng_seed": 401, "data_seed": 464, "front": "conv2d", "front_bn": true, '
+        '"padding_idx": false, "width": 8, "blocks": [{"kind": "mha", "mask": "float", "p": 0.0, "bias": true, '
+        '"need_weights": true}, {"kind": "tlin"}, {"kind": "tlin"}, {"kind": "convT", "drop": 0.5}], "loss": "ce", '
+        '"batch": 1, "frozen": [8, 7], "excluded": [], "opt": {"kind": "SGD", "hyper": {"lr": 0.05, "momentum": 0.9, '
+        '"dampening": 0.0, "nesterov": false, "weight_decay": 0.1, "maximize": true, "foreach": true}}, "groups": 1, '
+        '"group2": {"lr_scale": 0.5, "wd": 0.0}, "sched": "step", "cycle_momentum": true, "accumulate": 2, '
+        '"clip": 0.5, "runner": "exec", "budget": 0.8, "ce": {"label_smoothing": 0.0, "ignore": false, '
+        '"weight": false}, "reduction": "mean", "float64": false, "unroll": 1, "set_lr": false, "tie": false, '
+        '"sched_pre": 2, "pre_grad": null, "freeze_after": [], "bf16": false, "autocast": false, "tensor_lr": null}'),
 }
 
 

@@ -1331,3 +1331,66 @@ def test_rrelu_in_training_mode_is_refused_by_name():
     x, y = _rrelu_batch()
     with pytest.raises(RuntimeError, match="rrelu_with_noise"):
         torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _loss, (x, y))
+
+
+# torch's Python matmul decomposition (what tracing runs for matmul, and for linear on a 3-D input) folds the batch
+# into one mm where eager's C++ should_fold runs bmm, and the reverse, once the smaller operand needs no grad: it
+# skips size-1 dims and checks the whole tensor's contiguity, eager only whether the leading dims fold (of
+# tensor2.mT for a vector @ 3-D). mm and bmm round apart (fuzz_step 24:257, 26:797, 26:951): _compat.eager_matmul_fold.
+class _FrozenHeadOnMha(nn.Module):  # MultiheadAttention's batch-1 output has strides (D, D, 1): eager runs bmm
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 7, bias=False)
+        self.head.weight.requires_grad_(False)
+
+    def forward(self, x):
+        return self.head(self.mha(x, x, x, need_weights=False)[0])
+
+
+class _FrozenMatrixOnSlice(nn.Module):  # x[..., :8] of [B, T, 16]: its leading dims fold, eager runs mm
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.w = nn.Parameter(torch.randn(8, 7), requires_grad=False)
+
+    def forward(self, x):
+        return self.fc(x)[..., :8] @ self.w
+
+
+class _BufferPoolsTime(nn.Module):  # a [T] buffer @ a contiguous [B, T, D]: its .mT does not fold, eager runs bmm
+    def __init__(self, t, d):
+        super().__init__()
+        self.fc, self.out = nn.Linear(d, d), nn.Linear(d, 7)
+        self.register_buffer("pool", torch.rand(t))
+
+    def forward(self, x):
+        return self.out(self.pool @ self.fc(x)).unsqueeze(1)
+
+
+@pytest.mark.parametrize("case", ["mha-head-batch1", "slice-batch1", "slice-batch4", "pool-buffer"])
+def test_a_matmul_with_a_frozen_operand_folds_as_eager(case):
+    torch.manual_seed(0)
+    model, (b, t, d) = {"mha-head-batch1": (_FrozenHeadOnMha, (1, 3, 8)), "slice-batch1": (_FrozenMatrixOnSlice, (1, 3, 8)),
+                        "slice-batch4": (_FrozenMatrixOnSlice, (4, 3, 8)),
+                        "pool-buffer": (lambda: _BufferPoolsTime(6, 4), (4, 6, 4))}[case]
+    model = model()
+    x = torch.randn(b, t, d)
+    y = torch.randn(b, 1 if case == "pool-buffer" else t, 7)
+    eager = copy.deepcopy(model)
+
+    def loss_fn(m, x, y):
+        return F.mse_loss(m(x), y)
+
+    def sgd(m):
+        return torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
+
+    opt, eager_opt = sgd(model), sgd(eager)
+    step = torch_ext.make_train_step(model, opt, loss_fn, (x, y))
+    state = step.init_state()
+    for _ in range(3):
+        loss, state = step(state, x, y)
+        assert torch.equal(loss, eager_step(eager, eager_opt, loss_fn, x, y))
+    step.write_back(state)
+    for (name, p), q in zip(model.state_dict().items(), eager.state_dict().values()):
+        assert torch.equal(p, q), name
