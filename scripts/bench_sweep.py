@@ -31,6 +31,7 @@ agreement, evaluation counts); a missed speed target is reported, not failed.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -47,17 +48,33 @@ from _bench_util import FAILURES, MISSED, check, eager_hook_sweep, header, resid
 _CLOCK = time.perf_counter  # --clock thread: this thread's CPU time, for a loaded machine
 
 
-def interleaved(fns: dict, repeats: int) -> dict:
+def interleaved(fns: dict, repeats: int, min_seconds: float = 0.0) -> dict:
     """Median time of each callable (wall, or thread CPU time with --clock thread), the callables
-    interleaved within every repeat."""
+    interleaved within every repeat. With ``min_seconds``, at least that much time is spent in the repeats (more
+    repeats for fast callables, at most 200): this machine's speed drifts by tens of percent over seconds, and a
+    median of a few interleaved repeats of a 3 ms cell moves with it."""
+    warm = 0.0
     for fn in fns.values():
+        t0 = _CLOCK()
         fn()  # warm-up
+        warm += _CLOCK() - t0
+    if min_seconds > 0 and warm > 0:
+        repeats = max(repeats, min(200, int(min_seconds / warm) + 1))
     times = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t0 = _CLOCK()
-            fn()
-            times[k].append(_CLOCK() - t0)
+    # As timeit does: the cyclic garbage collector off while timing (a full collection of this process's heap,
+    # torch and the exported programs, takes tens of ms and lands in whichever arm happens to allocate then).
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            for k, fn in fns.items():
+                t0 = _CLOCK()
+                fn()
+                times[k].append(_CLOCK() - t0)
+    finally:
+        if was_enabled:
+            gc.enable()
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -228,7 +245,8 @@ def part0(repeats: int, sizes: list[int], linear_max: int, n: int = 160, every: 
     header("0. grid: torch_ext.sweep vs a full recompute (torch_ext.Executor per site), wall ratio / rho")
     print(f"chain of {n} nodes, every {every}th node a site; full arm: one Executor run of all {n} nodes per site")
     print(f"with the site's value replaced after it is computed (as a forward hook would); metric out.sum();")
-    print(f"medians of {repeats} interleaved repeats; metrics of the three arms must be equal.")
+    print(f"medians of {repeats} interleaved repeats (more, up to 200, where they take under 3 s); metrics of the three "
+          f"arms must be equal.")
     print(f"loop / rho: the same sites by the bare cone loop (Engine.evaluate_patched + the metric, no sweep() around it),")
     print(f"so the column shows how much of the gap to rho is the engine and how much the sweep's own work.")
     print(f"{'op':12s} {'tensor':>10s} {'full ms':>9s} {'reactive ms':>11s} {'wall x':>7s} {'rho':>6s} "
@@ -254,7 +272,7 @@ def part0(repeats: int, sizes: list[int], linear_max: int, n: int = 160, every: 
                 results["loop"] = {s: float(eng.evaluate_patched(s, pre[s])[0].sum()) for s in sites}
 
             with torch.no_grad():
-                med = interleaved({"full": full, "reactive": reactive, "loop": loop}, repeats)
+                med = interleaved({"full": full, "reactive": reactive, "loop": loop}, repeats, min_seconds=3.0)
             r = results["reactive"]
             same = all(r.metrics[s] == results["full"][s] == results["loop"][s] for s in sites)
             check(same, f"grid {op} {d}: reactive and full metrics differ")
