@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -35,6 +36,24 @@ def one_intra_op_thread(run):
         finally:
             torch.set_num_threads(before)
     return scoped
+
+
+def env_set_during(name: str, value: str):
+    """A decorator: ``run`` with environment variable ``name`` set to ``value`` where it is unset, and the
+    environment as it was afterwards (the tests replay cases in-process; a variable left set changes later files)."""
+    def wrap(run):
+        @functools.wraps(run)
+        def scoped(*args, **kwargs):
+            before = os.environ.get(name)
+            if before is None:
+                os.environ[name] = value
+            try:
+                return run(*args, **kwargs)
+            finally:
+                if before is None:
+                    os.environ.pop(name, None)
+        return scoped
+    return wrap
 
 
 def classify(exc: BaseException, refusal: Callable[[str], str], mismatch: tuple = ()) -> tuple[str, str]:

@@ -53,7 +53,7 @@ import re
 import sys
 
 import _fuzz_driver
-from _fuzz_driver import one_intra_op_thread
+from _fuzz_driver import env_set_during, one_intra_op_thread
 ACTS = ("gelu", "relu", "tanh")
 BLOCKS = ("mlp", "tiny", "mha", "enc", "conv", "bn", "act")
 TOL = 1e-6
@@ -220,10 +220,8 @@ def gen_tl_spec(rng: random.Random) -> dict:
 
 
 @one_intra_op_thread
+@env_set_during("TQDM_DISABLE", "1")  # TransformerLens's progress bars (tqdm >= 4.66)
 def run_tl_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
-    import os
-
-    os.environ.setdefault("TQDM_DISABLE", "1")  # TransformerLens's progress bars (tqdm >= 4.66)
     import torch
     import transformer_lens as tl
     import transformer_lens.patching as tl_patching
