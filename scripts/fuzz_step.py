@@ -453,7 +453,8 @@ def build(spec: dict):
         def forward(self, x):
             with torch.no_grad():
                 self.count.add_(1)
-                self.running.lerp_(x.detach().reshape(-1, D).mean(0), 0.25)
+                # under autocast x is bfloat16 and the buffer float32 (lerp_ refuses mixed dtypes), as a script would
+                self.running.lerp_(x.detach().reshape(-1, D).mean(0).to(self.running.dtype), 0.25)
             return x * (1 + 0.01 * self.count) + self.running
 
     class TConst(nn.Module):  # plain tensor attributes (no buffer): constants of the program
