@@ -18,7 +18,8 @@ from typing import Callable, Iterable
 
 ROOT = Path(__file__).resolve().parent.parent
 OK_ERRORS = ("RuntimeError", "ValueError", "TypeError", "NotImplementedError")
-BAD_MARKERS = ("INTERNAL ASSERT FAILED", "please report a bug to PyTorch", "Traceback")
+# "IR verification failed": torch_ext's own verifier rejected a graph its passes built (an internal error, never a refusal)
+BAD_MARKERS = ("INTERNAL ASSERT FAILED", "please report a bug to PyTorch", "Traceback", "IR verification failed")
 
 
 def one_intra_op_thread(run):
