@@ -125,6 +125,29 @@ SPECS = {
         '"clip": 0.5, "runner": "exec", "budget": 0.8, "ce": {"label_smoothing": 0.0, "ignore": false, '
         '"weight": false}, "reduction": "mean", "float64": false, "unroll": 1, "set_lr": false, "tie": false, '
         '"sched_pre": 2, "pre_grad": null, "freeze_after": [], "bf16": false, "autocast": false, "tensor_lr": null}'),
+    # Seed 27 (1927, 2361): an eval-mode BatchNorm in a bfloat16 model (no autocast) failed the build with an internal
+    # 'IR verification failed': the CPU kernel returns its empty saved statistics as bf16[0] (as export declares),
+    # meta as f32[C] (csrc/ir/type_check.cpp, known_disagreement).
+    "27:1927 bf16-eval-batchnorm": json.loads(
+        '{"model_seed": 243, "rng_seed": 497, "data_seed": 247, "front": "conv1d", "front_bn": true, "padding'
+        '_idx": false, "width": 6, "blocks": [{"kind": "tlin"}, {"kind": "bn2", "variant": "eval"}, {"kind": '
+        '"tel", "norm_first": true, "p": 0.1, "act": "relu", "causal": false}, {"kind": "shared", "act": "gel'
+        'u"}], "loss": "huber", "batch": 1, "frozen": [1], "excluded": [1], "opt": {"kind": "Muon", "hyper": '
+        '{"lr": 0.02, "weight_decay": 0.0, "momentum": 0.95, "nesterov": true, "adjust_lr_fn": null}}, "group'
+        's": 2, "group2": {"lr_scale": 0.5, "wd": 0.0, "hyper": {"momentum": 0.0}}, "sched": "exp", "cycle_mo'
+        'mentum": false, "accumulate": 1, "clip": null, "runner": "exec", "budget": 0.6, "reduction": "mean",'
+        ' "float64": false, "unroll": 1, "set_lr": false, "tie": false, "sched_pre": 2, "pre_grad": null, "fr'
+        'eeze_after": [], "bf16": true, "autocast": false, "tensor_lr": null}'),
+    "27:2361 bf16-eval-batchnorm-after-mha": json.loads(
+        '{"model_seed": 853, "rng_seed": 257, "data_seed": 928, "front": "conv1d", "front_bn": true, "padding'
+        '_idx": false, "width": 8, "blocks": [{"kind": "linear"}, {"kind": "drop2", "variant": "inplace", "p"'
+        ': 0.1}, {"kind": "mha", "mask": "causal", "p": 0.0, "bias": true, "need_weights": true}, {"kind": "b'
+        'n2", "variant": "eval"}], "loss": "bce", "batch": 1, "frozen": [1, 2], "excluded": [2], "opt": {"kin'
+        'd": "RMSprop", "hyper": {"lr": 0.01, "alpha": 0.9, "momentum": 0.9, "centered": false, "weight_decay'
+        '": 0.0, "maximize": false, "eps": 1e-06}}, "groups": 1, "group2": {"lr_scale": 0.5, "wd": 0.05}, "sc'
+        'hed": "exp", "cycle_momentum": true, "accumulate": 2, "clip": null, "runner": "budget", "budget": 0.'
+        '6, "reduction": "mean", "float64": false, "unroll": 1, "set_lr": false, "tie": false, "sched_pre": 0'
+        ', "pre_grad": null, "freeze_after": [], "bf16": true, "autocast": false, "tensor_lr": null}'),
 }
 
 
