@@ -69,18 +69,19 @@ std::string misfit(const std::string& where, const c10::Argument& formal, const 
 //     mean and invstd (index 1, 2) of the batch norms in training (_native_batch_norm_legit_functional,
 //     _native_batch_norm_legit, native_batch_norm: a half-precision BatchNorm2d CNN was refused).
 bool known_disagreement(const std::string& op, size_t index, const TensorMeta& declared, const TensorMeta& inferred) {
+  // A half-precision statistic on the CPU, which the kernel returns in the input's dtype and meta in float32.
+  const bool half_where_meta_says_float = declared.device.is_cpu() && inferred.dtype == c10::ScalarType::Float &&
+                                          (declared.dtype == c10::ScalarType::BFloat16 ||
+                                           declared.dtype == c10::ScalarType::Half);
   if ((op == "native_layer_norm" || op == "_native_batch_norm_legit_functional" || op == "_native_batch_norm_legit" ||
        op == "native_batch_norm") &&
       (index == 1 || index == 2))
-    return declared.device.is_cpu() && declared.sizes == inferred.sizes && inferred.dtype == c10::ScalarType::Float &&
-           (declared.dtype == c10::ScalarType::BFloat16 || declared.dtype == c10::ScalarType::Half);
+    return declared.sizes == inferred.sizes && half_where_meta_says_float;
   // An eval-mode batch norm of a bfloat16 / float16 input on the CPU returns its empty saved statistics in the
   // input's dtype (export declares bf16[0]) where meta returns float32 [C] (a bfloat16 model with an eval-mode
   // BatchNorm failed the build: fuzz_step 27:1927).
   if ((op == "_native_batch_norm_legit_no_training" || op == "_batch_norm_no_update") && index >= 1 &&
-      declared.device.is_cpu() && declared.sizes == std::vector<int64_t>{0} &&
-      inferred.dtype == c10::ScalarType::Float &&
-      (declared.dtype == c10::ScalarType::BFloat16 || declared.dtype == c10::ScalarType::Half))
+      declared.sizes == std::vector<int64_t>{0} && half_where_meta_says_float)
     return true;
   if (index == 0 || declared.dtype != inferred.dtype) return false;
   if (op == "_native_batch_norm_legit_no_training" || op == "_batch_norm_no_update")
