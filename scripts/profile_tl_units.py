@@ -19,11 +19,16 @@ callbacks, so an engine change can be compared unit by unit on a loaded machine)
 
 Then the sweep's FLOPs against the least any unit split could do (each site from its own first changed
 row, no unit overhead), and the attention's share of the sweep against eager's.
+
+``--ab-chains N``: N interleaved rounds (thread time) of the sweep as planned (chains: copies of several
+layers' sites in one unit, each entering at its own layer) against one node per unit (_node_chains giving
+single nodes: no copy runs a layer it entered at on rows that did not change, more units), same bits.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -32,6 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 import torch_ext  # noqa: E402
+import torch_ext.reactive as reactive  # noqa: E402
 
 from _bench_util import resid_pre_cache  # noqa: E402
 from bench_sweep import metric, resid_pos_sites, tl_setup  # noqa: E402
@@ -114,6 +120,7 @@ def main() -> int:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--ab-chains", type=int, default=0, metavar="N")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, clean, corrupt = tl_setup(d=args.d, B=args.batch)
@@ -175,7 +182,39 @@ def main() -> int:
         eager_sdpa = len(sites) * L * _sdpa_time((args.batch, h, T, d // h), args.repeats)
         print(f"  attention: eager's SDPA calls {eager_sdpa * 1e3:.1f} ms a sweep ({len(sites) * L * args.batch} batch "
               f"elements), the batched sweep's {tot['sdpa'] * 1e3:.1f} ms: a ratio of {eager_sdpa / tot['sdpa']:.2f}")
+        if args.ab_chains:
+            _ab_chains(rg, sites, patch, args.ab_chains)
     return 0
+
+
+def _ab_chains(rg, sites, patch, rounds: int) -> None:
+    chains = reactive._node_chains
+    arms = {"chains": chains, "one node per unit": lambda rg_, nodes: [[n] for n in nodes]}
+    results, times = {}, {k: [] for k in arms}
+
+    def run():
+        return torch_ext.sweep(rg, sites, patch, metric, progress=False, batch_sites=True)
+
+    for bc in rg._batched.values():  # the captured engines back (no copies of the inputs per unit)
+        if isinstance(bc.engine, _Capture):
+            bc.engine = bc.engine._e
+    try:
+        for k, fn in arms.items():
+            reactive._node_chains = fn
+            run()  # builds its cones; the replays above ran outside the sweep's ledger
+            results[k] = run()
+        assert results["chains"].metrics == results["one node per unit"].metrics
+        for _ in range(rounds):
+            for k, fn in arms.items():
+                reactive._node_chains = fn
+                t0 = time.thread_time()
+                run()
+                times[k].append(time.thread_time() - t0)
+    finally:
+        reactive._node_chains = chains
+    print(f"  interleaved, {rounds} rounds: " + "; ".join(
+        f"{k}: {results[k].groups} units, {results[k].cost / 1e9:.3f} GFLOP, median {statistics.median(t) * 1e3:.1f} ms"
+        for k, t in times.items()))
 
 
 if __name__ == "__main__":
