@@ -168,7 +168,8 @@ def main() -> int:
         print(f"  sum: replay {tot['replay'] * 1e3:.1f} ms = SDPA {tot['sdpa'] * 1e3:.1f} + other compute calls and copies "
               f"{tot['compute'] * 1e3:.1f} + the rest {rest_ms:.1f} ({tot['calls']} ATen calls: "
               f"{rest_ms * 1e3 / max(tot['calls'], 1):.1f} us a call); FLOPs at the addmm rate {tot['floor'] * 1e3:.1f}; "
-              f"the driver and callbacks {(sweep_s - tot['replay']) * 1e3:.1f} ms")
+              f"the sweep less the replays (driver, callbacks, colder caches in the sweep; noisy under load) "
+              f"{(sweep_s - tot['replay']) * 1e3:.1f} ms")
         # The least any split could cost: each non-identical site's cone on its own rows [first, T).
         ideal = 0.0
         for node, pos in sites:
