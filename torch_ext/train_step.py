@@ -921,6 +921,7 @@ class TrainStep:
         finally:
             for p in unused:
                 p.requires_grad_(True)
+        _compat.refuse_onednn_rnn_dtypes(joint, "make_train_step")
         out_node = [n for n in joint.graph.nodes if n.op == "output"][0]
         out_args = out_node.args[0]
         spec = dict(loss_output=-1, buffer_mutations=[], grads=[], updates=self._updates, aux_outputs=[],

@@ -167,3 +167,33 @@ def test_fuzz_step_half_precision_foreach_is_refused(kind):
     with pytest.raises(ValueError, match=rf"{kind} param group 0: foreach=True with \d+ bfloat16 parameter"):
         fuzz_step.run_case(spec)
     assert fuzz_step.run_case({**spec, "opt": {"kind": kind, "hyper": {**hyper, "foreach": False}}}) == []
+
+
+# Seed 27 (2006): an LSTM on a float32 input in a CPU bfloat16 autocast region. Autocast casts oneDNN's LSTM layer
+# (aten.mkldnn_rnn_layer, which eager's at::lstm runs on a float32 input) to bfloat16, which oneDNN has no LSTM for
+# on a CPU without AVX-512: eager fails in forward, and the step failed at its first call with oneDNN's opaque
+# "could not create a primitive descriptor". Refused at build time by name (_compat.refuse_onednn_rnn_dtypes); where
+# oneDNN has a bfloat16 LSTM, the step trains bit-exact.
+SPEC_27_2006 = json.loads(
+    '{"model_seed": 102, "rng_seed": 278, "data_seed": 284, "front": "embed", "front_bn": false, "padding_idx": true, '
+    '"width": 8, "blocks": [{"kind": "lstm", "layers": 2, "bi": false, "p": 0.0}, {"kind": "act", "act": "silu"}, '
+    '{"kind": "rms", "eps": 1e-05, "affine": true}], "loss": "bce", "batch": 1, "frozen": [3], "excluded": [], '
+    '"opt": {"kind": "SGD", "hyper": {"lr": 0.05, "momentum": 0.9, "dampening": 0.1, "nesterov": false, '
+    '"weight_decay": 0.0, "maximize": false}}, "groups": 1, "group2": {"lr_scale": 2.0, "wd": 0.0}, '
+    '"sched": "cosine_wr", "cycle_momentum": false, "accumulate": 1, "clip": null, "runner": "exec", "budget": 0.6, '
+    '"scale_grad_by_freq": true, "reduction": "mean", "float64": false, "unroll": 1, "set_lr": false, "tie": false, '
+    '"sched_pre": 0, "pre_grad": null, "freeze_after": [], "bf16": false, "autocast": true, "tensor_lr": null}')
+
+
+def test_fuzz_step_autocast_lstm_refused_where_onednn_has_no_bf16_lstm():
+    import torch
+
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert fuzz_step.run_case(SPEC_27_2006) == [], SPEC_27_2006
+        return
+    model, loss_fn, batches = fuzz_step.build(SPEC_27_2006)
+    with pytest.raises(RuntimeError, match="could not create a primitive descriptor"):
+        loss_fn(model, *batches[0][0])  # eager fails too: the refusal hides nothing eager can train
+    with pytest.raises(NotImplementedError, match=r"the LSTM 'blocks\.0\.rnn' \(layer of weight_ih_l0\) runs "
+                       r"oneDNN's LSTM .* in torch\.bfloat16, which this CPU's oneDNN has no LSTM for"):
+        fuzz_step.run_case(SPEC_27_2006)
