@@ -197,3 +197,40 @@ def test_fuzz_step_autocast_lstm_refused_where_onednn_has_no_bf16_lstm():
     with pytest.raises(NotImplementedError, match=r"the LSTM 'blocks\.0\.rnn' \(layer of weight_ih_l0\) runs "
                        r"oneDNN's LSTM .* in torch\.bfloat16, which this CPU's oneDNN has no LSTM for"):
         fuzz_step.run_case(SPEC_27_2006)
+
+
+# The fuzzer's classes (_fuzz_driver.classify): every RuntimeError used to count as a refusal, so eager's own failures
+# and the step's failures at run time (27:2006's oneDNN error at the first call) hid among the refusals.
+_SMALL = {**_PLAIN, "model_seed": 1, "rng_seed": 2, "data_seed": 3, "blocks": [{"kind": "linear"}]}
+
+
+def test_fuzz_step_classifies_a_build_refusal_as_refused():
+    spec = {**_SMALL, "bf16": True, "opt": {"kind": "Adam", "hyper": {"lr": 0.01, "foreach": True}}}
+    r = fuzz_step.one(spec)
+    assert r["status"] == "refused" and "foreach=True" in r["msg"], r
+
+
+def test_fuzz_step_classifies_eager_failing_as_eager_failed():
+    # BatchNorm1d over one value per channel: eager raises in forward (the generator avoids it), and so does the trace
+    r = fuzz_step.one({**_SMALL, "front": "linear", "batch": 1, "blocks": [{"kind": "bn"}]})
+    assert r["status"] == "eager_failed" and "Expected more than 1 value per channel" in r["msg"], r
+
+
+def test_fuzz_step_classifies_a_run_time_failure_as_an_error(monkeypatch):
+    import torch_ext.train_step
+
+    def fail(self, *args, **kwargs):
+        raise RuntimeError("while executing node %mm: a kernel failed")
+    monkeypatch.setattr(torch_ext.train_step.TrainStep, "__call__", fail)
+    r = fuzz_step.one(_SMALL)
+    assert r["status"] == "error" and r["msg"].startswith("RuntimeError at run time: while executing node"), r
+
+
+def test_fuzz_step_classifies_a_build_failure_not_torch_ext_s_own_as_an_error(monkeypatch):
+    import torch_ext._compat
+
+    def fail(*args, **kwargs):  # raised here, not by torch_ext's code: as torch's own error passing through
+        raise RuntimeError("an assertion deep in torch's joint export")
+    monkeypatch.setattr(torch_ext._compat, "export_joint", fail)
+    r = fuzz_step.one(_SMALL)
+    assert r["status"] == "error" and "at build time, not torch_ext's own" in r["msg"], r
