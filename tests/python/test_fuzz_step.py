@@ -234,3 +234,23 @@ def test_fuzz_step_classifies_a_build_failure_not_torch_ext_s_own_as_an_error(mo
     monkeypatch.setattr(torch_ext._compat, "export_joint", fail)
     r = fuzz_step.one(_SMALL)
     assert r["status"] == "error" and "at build time, not torch_ext's own" in r["msg"], r
+
+
+# Seed 27 (2668): every parameter frozen (a tied embedding/head, frozen): the build raised torch's raw "marked as the
+# loss, but it does not require gradients" (eager's backward raises too); now refused by name.
+SPEC_27_2668 = json.loads(
+    '{"model_seed": 38, "rng_seed": 179, "data_seed": 161, "front": "embed", "front_bn": false, "padding_idx": true, '
+    '"width": 8, "blocks": [{"kind": "bufscale"}], "loss": "ce", "batch": 1, "frozen": [0], "excluded": [], '
+    '"opt": {"kind": "Rprop", "hyper": {"lr": 0.001, "etas": [0.5, 1.2], "step_sizes": [1e-06, 50.0], '
+    '"maximize": false, "foreach": true}}, "groups": 1, "group2": {"lr_scale": 2.0, "wd": null}, "sched": "multistep", '
+    '"cycle_momentum": true, "accumulate": 1, "clip": null, "runner": "plan", "budget": 0.8, '
+    '"scale_grad_by_freq": true, "ce": {"label_smoothing": 0.1, "ignore": false, "weight": false}, '
+    '"reduction": "mean", "float64": false, "unroll": 1, "set_lr": false, "tie": true, "sched_pre": 0, '
+    '"pre_grad": null, "freeze_after": [], "bf16": false, "autocast": false, "tensor_lr": null}')
+
+
+def test_fuzz_step_every_parameter_frozen_is_refused_by_name():
+    r = fuzz_step.one(SPEC_27_2668)
+    assert r["status"] == "refused", r
+    assert "no parameter of the optimizers requires grad (Rprop param group 0: 'front.weight' (requires_grad=False))" \
+        in r["msg"], r
