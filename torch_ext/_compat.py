@@ -2400,8 +2400,26 @@ def refuse_value_as_python(e: BaseException, who: str = "the model", module: tor
             "program cannot follow a position that changes per call). Index with a 1-element tensor instead "
             f"(tensor[..., i.view(1)]{' = v' if write else ''}), which the program computes"
             + (f"; at {where}" if where else "")) from e
+    if _raised_in_function(e, "tensor_split_tensor_indices_or_sections_py_impl"):
+        # torch's tensor_split decomposition reads a tensor of indices as Python ints (tolist): no control flow
+        # the user wrote, so the generic message sent them looking for an `if`.
+        raise NotImplementedError(
+            f"{who} calls torch.tensor_split with a tensor of split indices (or sections): torch reads its values as "
+            "Python numbers to cut the slices, and one traced program cannot follow indices that change per call. "
+            "Pass a list of ints (tensor_split(x, [1, 3], dim)), or torch.split with a list of sizes"
+            + (f"; at {where}" if where else "")) from e
     raise NotImplementedError(f"{who} {VALUE_AS_PYTHON}" + (f"; at {where}" if where else "")
                               + _eager_experts_hint(module)) from e
+
+
+def _raised_in_function(e: BaseException, name: str) -> bool:
+    """Whether a frame of ``e``'s traceback runs a function called ``name`` (torch's decomposition of an op)."""
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == name:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _indexing_call(e: BaseException) -> str | None:
