@@ -57,17 +57,73 @@ def env_set_during(name: str, value: str):
     return wrap
 
 
-def classify(exc: BaseException, refusal: Callable[[str], str], mismatch: tuple = ()) -> tuple[str, str]:
-    """(status, message) of a case that raised: "mismatch" for an exception of the ``mismatch`` types, "refused"
-    for one of the project's own kinds without an internal assert (its first line through ``refusal``), else
-    "error" with the traceback."""
+# Where the running case is, set by the fuzzer's run_case as it goes (``enter``): "eager" (eager PyTorch, or the
+# setup both sides share: the model, its optimizers, the batches), "build" (torch_ext builds: make_train_step,
+# compile, ReactiveGraph), "run" (the built object runs: a step's calls, write_back, a graph's operations),
+# "compare". A case that never says where it is raised at "build" (what every raise used to be counted as).
+_PHASE = ["build"]
+
+
+def enter(phase: str) -> None:
+    """The running case is now at ``phase`` (see _PHASE)."""
+    _PHASE[0] = phase
+
+
+def raised_in(exc: BaseException) -> str:
+    """The file of the frame that raised ``exc`` (its traceback's innermost frame), or ""."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code.co_filename if tb is not None else ""
+
+
+def raised_by_torch_ext(exc: BaseException) -> bool:
+    """Whether torch_ext's own code raised ``exc`` (its Python, or its C++ through a call from it): not torch's
+    error passing through (an op's check, export's assertion), which the user would get unexplained."""
+    pkg = sys.modules.get("torch_ext")
+    if pkg is None or not getattr(pkg, "__file__", None):
+        return False
+    return Path(raised_in(exc)).resolve().is_relative_to(Path(pkg.__file__).resolve().parent)
+
+
+def classify(exc: BaseException, refusal: Callable[[str], str], mismatch: tuple = (),
+             eager: Callable[[], BaseException | None] | None = None) -> tuple[str, str]:
+    """(status, message) of a case that raised:
+    "mismatch" for an exception of the ``mismatch`` types;
+    "eager_failed" where eager PyTorch (or the setup both sides share) raised: not a finding, counted apart;
+    "refused" where torch_ext refused at build time, with an exception of the project's own kinds, raised by its
+    own code, without an internal assert (its first line through ``refusal``);
+    else "error" with the traceback, a finding: the built step or graph failed at run time, or the build failed with
+    an error that is not torch_ext's own. ``eager``: runs the case eagerly alone, returning what it raised (None
+    where it trains); a build that failed with torch's own error where eager fails too is "eager_failed" (the user
+    gets the same failure, only earlier)."""
     name = type(exc).__name__
     msg = str(exc)
+    first = msg.splitlines()[0] if msg else ""
+    phase = _PHASE[0]
     if isinstance(exc, mismatch):
         return "mismatch", msg
-    if name in OK_ERRORS and not any(m in msg for m in BAD_MARKERS):
-        return "refused", f"{name}: {refusal(msg.splitlines()[0] if msg else '')}"
-    return "error", f"{name}: {msg[:2000]}\n{traceback.format_exc()[-3000:]}"
+    if phase == "eager":
+        return "eager_failed", f"{name}: {refusal(first)}"
+    internal = any(m in msg for m in BAD_MARKERS)
+    ours = name in OK_ERRORS and not internal and raised_by_torch_ext(exc)
+    if phase == "build" and ours:
+        return "refused", f"{name}: {refusal(first)}"
+    where = (f"at {phase} time" if phase != "build" else
+             f"at build time, not torch_ext's own (raised in {raised_in(exc) or '?'})")
+    also = ""
+    if eager is not None and not internal:
+        try:
+            theirs = eager()
+        finally:
+            enter(phase)
+        if theirs is not None:
+            e_first = str(theirs).splitlines()[0] if str(theirs) else ""
+            if phase == "build":
+                return "eager_failed", f"{type(theirs).__name__}: {refusal(e_first)} (the build failed too: {name})"
+            also = f"; eager fails too ({type(theirs).__name__}: {e_first[:200]})"
+    tb = "".join(traceback.format_exception(exc))[-3000:]
+    return "error", f"{name} {where}{also}: {msg[:2000]}\n{tb}"
 
 
 def minimize(spec: dict, one: Callable[[dict], dict], simplifications: Callable[[dict], Iterable[dict]],
@@ -173,13 +229,13 @@ def main(argv, *, doc: str, script: str, case_spec: Callable[[int, int], dict], 
         r = (replay or one)(spec)
         print(r["status"])
         print(r.get("msg", ""))
-        return 0 if r["status"] in ("ok", "refused") else 1
+        return 0 if r["status"] in ("ok", "refused", "eager_failed") else 1
 
     limit = getattr(a, "case_timeout", None)
     tally = tally or Tally()
     deadline = time.time() + a.seconds
     counts: dict[str, int] = {}
-    findings, refusals = [], {}
+    findings, refusals, eager_failures = [], {}, {}
     log = open(a.log, "a") if a.log else None
     i = a.first
     while time.time() < deadline:
@@ -204,6 +260,8 @@ def main(argv, *, doc: str, script: str, case_spec: Callable[[int, int], dict], 
                 log.flush()
             if r["status"] == "refused":
                 refusals[r["msg"][:160]] = refusals.get(r["msg"][:160], 0) + 1
+            elif r["status"] == "eager_failed":
+                eager_failures[r["msg"][:160]] = eager_failures.get(r["msg"][:160], 0) + 1
             elif r["status"] != "ok":
                 findings.append(r)
                 print(f"FINDING {r['status']} case {a.seed}:{r['i']}\n{r['msg']}\n", flush=True)
@@ -220,4 +278,6 @@ def main(argv, *, doc: str, script: str, case_spec: Callable[[int, int], dict], 
             i = current + 1
     print(f"seed {a.seed}: cases {a.first}..{i - 1}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     tally.report(refusals)
+    for msg, c in sorted(eager_failures.items(), key=lambda kv: -kv[1]):
+        print(f"  eager failed x{c}: {msg}")
     return 1 if findings else 0

@@ -761,12 +761,14 @@ def _eq(a, b, what: str, diffs: list):
 
 
 @one_intra_op_thread
-def run_case(spec: dict) -> list[str]:
-    """Trains the spec both ways; returns the differences (empty: bit-exact). Refusals raise."""
+def run_case(spec: dict, step: bool = True) -> list[str]:
+    """Trains the spec both ways; returns the differences (empty: bit-exact). Refusals raise. ``step=False``:
+    eager only (what _fuzz_driver.classify asks when the step failed: does eager train?), returning []."""
     import torch
 
     import torch_ext
 
+    _fuzz_driver.enter("eager")  # the setup both sides share
     model, loss_fn, batches = build(spec)
     if spec.get("pre_grad"):  # an eager warm-up backward leaves .grad (BatchNorm statistics move too, both sides)
         torch.manual_seed(12345)
@@ -783,35 +785,9 @@ def run_case(spec: dict) -> list[str]:
     opts, scheds = make_opts(spec, model)
     ref_opts, ref_scheds = make_opts(spec, ref)
     n, u = spec["accumulate"], spec.get("unroll", 1)
-    opt_arg = opts if len(opts) > 1 else opts[0]
-    sched_arg = (scheds if len(scheds) > 1 else scheds[0]) if scheds else None
-    step = torch_ext.make_train_step(model, opt_arg, loss_fn, batches[0][0], clip_grad_norm=spec["clip"],
-                                     accumulate=n, scheduler=sched_arg, unroll=u)
-    runner = step
-    if spec["runner"] == "plan":
-        runner = step.compile(plan=True, donate=False)
-    elif spec["runner"] == "donate":
-        runner = step.compile(plan=True, donate=True)
-    elif spec["runner"] == "budget":
-        donate = spec["model_seed"] % 2 == 0
-        try:
-            runner = step.compile(plan=True, donate=donate, memory_budget=spec["budget"])
-        except ValueError as e:  # out of reach for a tiny model (its state dominates): the smallest peak found,
-            least = re.search(r"at least (\d+) bytes", str(e))  # which recomputes the most
-            if least is None:
-                raise
-            runner = step.compile(plan=True, donate=donate, memory_budget=int(least.group(1)))
-    state = step.init_state(seed=spec["rng_seed"])
-    new_lrs = [g["lr"] * 0.3 for o in opts for g in o.param_groups]
-    losses = []
-    for c in range(STEPS):
-        if spec.get("set_lr") and c == 1:
-            state.set_lr(new_lrs)
-        calls = batches[1 + c * u:1 + (c + 1) * u]
-        out = runner(state, *[t for mbs in calls for mb in mbs for t in mb])
-        loss, state = out[0], out[1]
-        losses.extend(loss.unbind(0) if u > 1 else [loss])
-    step.write_back(state)
+    losses, new_lrs = (run_step(spec, model, loss_fn, batches, opts, scheds) if step else
+                       (None, [g["lr"] * 0.3 for o in ref_opts for g in o.param_groups]))
+    _fuzz_driver.enter("eager")
 
     torch.manual_seed(spec["rng_seed"])
     ref_params = [p for p in ref.parameters() if p.requires_grad]
@@ -833,7 +809,11 @@ def run_case(spec: dict) -> list[str]:
             o.step()
         for s in ref_scheds:
             s.step()
-        _eq(losses[i], torch.stack(ls) if n > 1 else ls[0], f"loss step {i}", diffs)
+        if step:
+            _eq(losses[i], torch.stack(ls) if n > 1 else ls[0], f"loss step {i}", diffs)
+    _fuzz_driver.enter("compare")
+    if not step:
+        return []
     ref_sd = ref.state_dict()
     for k, v in model.state_dict().items():
         _eq(v, ref_sd[k], f"model {k}", diffs)
@@ -863,8 +843,58 @@ def run_case(spec: dict) -> list[str]:
     return diffs
 
 
-def classify(exc: BaseException) -> tuple[str, str]:
-    return _fuzz_driver.classify(exc, lambda line: line[:300], mismatch=(Mismatch,))
+def run_step(spec: dict, model, loss_fn, batches, opts, scheds) -> tuple[list, list]:
+    """Trains the spec through the step (writing back into ``model`` and the optimizers); returns its losses and
+    the lrs ``set_lr`` gave it."""
+    import torch_ext
+
+    n, u = spec["accumulate"], spec.get("unroll", 1)
+    opt_arg = opts if len(opts) > 1 else opts[0]
+    sched_arg = (scheds if len(scheds) > 1 else scheds[0]) if scheds else None
+    _fuzz_driver.enter("build")
+    step = torch_ext.make_train_step(model, opt_arg, loss_fn, batches[0][0], clip_grad_norm=spec["clip"],
+                                     accumulate=n, scheduler=sched_arg, unroll=u)
+    runner = step
+    if spec["runner"] == "plan":
+        runner = step.compile(plan=True, donate=False)
+    elif spec["runner"] == "donate":
+        runner = step.compile(plan=True, donate=True)
+    elif spec["runner"] == "budget":
+        donate = spec["model_seed"] % 2 == 0
+        try:
+            runner = step.compile(plan=True, donate=donate, memory_budget=spec["budget"])
+        except ValueError as e:  # out of reach for a tiny model (its state dominates): the smallest peak found,
+            least = re.search(r"at least (\d+) bytes", str(e))  # which recomputes the most
+            if least is None:
+                raise
+            runner = step.compile(plan=True, donate=donate, memory_budget=int(least.group(1)))
+    state = step.init_state(seed=spec["rng_seed"])
+    new_lrs = [g["lr"] * 0.3 for o in opts for g in o.param_groups]
+    _fuzz_driver.enter("run")
+    losses = []
+    for c in range(STEPS):
+        if spec.get("set_lr") and c == 1:
+            state.set_lr(new_lrs)
+        calls = batches[1 + c * u:1 + (c + 1) * u]
+        out = runner(state, *[t for mbs in calls for mb in mbs for t in mb])
+        loss, state = out[0], out[1]
+        losses.extend(loss.unbind(0) if u > 1 else [loss])
+    step.write_back(state)
+    return losses, new_lrs
+
+
+def classify(exc: BaseException, spec: dict | None = None) -> tuple[str, str]:
+    return _fuzz_driver.classify(exc, lambda line: line[:300], mismatch=(Mismatch,),
+                                 eager=None if spec is None else lambda: _eager_raises(spec))
+
+
+def _eager_raises(spec: dict) -> BaseException | None:
+    """What eager training of ``spec`` alone raises (None: it trains)."""
+    try:
+        run_case(spec, step=False)
+    except Exception as exc:  # noqa: BLE001 - any failure of eager's
+        return exc
+    return None
 
 
 def simplifications(spec: dict):
@@ -914,7 +944,7 @@ def one(spec: dict) -> dict:
             return {"status": "mismatch", "msg": "\n".join(diffs[:20])}
         return {"status": "ok"}
     except Exception as exc:  # noqa: BLE001 - every exception is classified
-        status, msg = classify(exc)
+        status, msg = classify(exc, spec)
         return {"status": status, "msg": msg}
 
 

@@ -228,6 +228,7 @@ def run_tl_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
 
     from torch_ext import patching
 
+    _fuzz_driver.enter("eager")  # the model both sides share
     m = spec["model"]
     cfg = tl.TransformerBridgeConfig(n_layers=len(m["blocks"]), d_model=m["heads"] * m["d_head"], n_heads=m["heads"],
                                      d_head=m["d_head"], d_mlp=4 * m["heads"] * m["d_head"], n_ctx=16,
@@ -244,6 +245,7 @@ def run_tl_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
         return clean, corrupted
 
     clean, corrupted = prompts(0)
+    _fuzz_driver.enter("run")  # each op: torch_ext's call (refusals noted by op) and TransformerLens's
     for step, o in enumerate(spec["ops"]):
         where = f"op{step} {o['op']}"
         if verbose:
@@ -647,12 +649,15 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict, int]:
 
     import torch_ext
 
+    _fuzz_driver.enter("eager")  # the model both sides share
     m = spec["model"]
     seq_dims = hooks_of(m)
     model = build_model(m)
     ref_model = copy.deepcopy(model)
     x = make_input(m, 0, m["T"])
+    _fuzz_driver.enter("build")
     rg = torch_ext.ReactiveGraph(model, x[0], example_kwargs=x[1] or None, **spec.get("graph", {}))
+    _fuzz_driver.enter("run")  # operations refused by name are noted by op (note), anything else raises
     cur = [x]  # the graph's inputs now (run() replaces them): an input edit writes into them
     points = gpt2_points(ref_model, m) if m.get("family") == "gpt2" else {
         mod.name: (mod, "out") for mod in ref_model.modules() if type(mod).__name__ == "HookPoint"}

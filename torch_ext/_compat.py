@@ -1324,6 +1324,40 @@ def _onednn_lstm_dtypes() -> tuple:
     return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
 
 
+def refuse_onednn_rnn_dtypes(ep: torch.export.ExportedProgram, who: str = "the model") -> None:
+    """Refuses a graph whose oneDNN LSTM layer (``aten.mkldnn_rnn_layer``) runs in a dtype this CPU's oneDNN has no
+    LSTM for. CPU autocast lists ``mkldnn_rnn_layer`` as a lower-precision op, so an ``nn.LSTM`` on a float32 input
+    in a ``torch.autocast("cpu", torch.bfloat16)`` region takes eager's oneDNN path (``use_mkldnn`` sees float32)
+    and is then cast to bfloat16 whatever the CPU: without AVX-512 (``mkldnn_bf16_device_check``) oneDNN cannot
+    create the primitive, in eager as in the step, whose executor failed at its first call with oneDNN's
+    "could not create a primitive descriptor" (fuzz_step 27:2006). Refused here, at build time, by name."""
+    supported = {torch.float32: True}
+    if torch.backends.mkldnn.is_available():
+        supported[torch.bfloat16] = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        supported[torch.float16] = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    op = torch.ops.aten.mkldnn_rnn_layer.default
+    params = ep.graph_signature.inputs_to_parameters
+    for node in ep.graph.nodes:
+        if node.op != "call_function" or node.target is not op:
+            continue
+        val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor) or val.device.type != "cpu" or supported.get(val.dtype, False):
+            continue
+        # The layer's module, from its weight_ih (the autocast region leaves the node no module stack): the
+        # parameter the cast reads.
+        w = node.args[1]
+        while isinstance(w, torch.fx.Node) and w.op == "call_function" and w.all_input_nodes:
+            w = w.all_input_nodes[0]
+        target = params.get(w.name, "") if isinstance(w, torch.fx.Node) else ""
+        path = target.rpartition(".")[0].removeprefix("model.")
+        where = f"the LSTM {path!r} (layer of {target.rpartition('.')[2]})" if path else "an LSTM"
+        raise NotImplementedError(
+            f"{who}: {where} runs oneDNN's LSTM (aten.mkldnn_rnn_layer, graph node {node.name}) in {val.dtype}, "
+            "which this CPU's oneDNN has no LSTM for (bfloat16 needs AVX-512, float16 AVX-512-FP16/AMX): CPU autocast casts the LSTM's layer to "
+            "it, and eager fails the same way (\"could not create a primitive descriptor\"). Run the LSTM in float32: "
+            "outside the autocast region, or inside `with torch.autocast('cpu', enabled=False):` on a float32 input")
+
+
 class _OwnGradient(torch.autograd.Function):
     """The identity, whose gradient is a copy of the one it gets: ``mkldnn_rnn_layer_backward`` returns one tensor
     as the gradient of both biases, and torch 2.9's joint export cannot give two parameters one gradient output
@@ -2366,8 +2400,26 @@ def refuse_value_as_python(e: BaseException, who: str = "the model", module: tor
             "program cannot follow a position that changes per call). Index with a 1-element tensor instead "
             f"(tensor[..., i.view(1)]{' = v' if write else ''}), which the program computes"
             + (f"; at {where}" if where else "")) from e
+    if _raised_in_function(e, "tensor_split_tensor_indices_or_sections_py_impl"):
+        # torch's tensor_split decomposition reads a tensor of indices as Python ints (tolist): no control flow
+        # the user wrote, so the generic message sent them looking for an `if`.
+        raise NotImplementedError(
+            f"{who} calls torch.tensor_split with a tensor of split indices (or sections): torch reads its values as "
+            "Python numbers to cut the slices, and one traced program cannot follow indices that change per call. "
+            "Pass a list of ints (tensor_split(x, [1, 3], dim)), or torch.split with a list of sizes"
+            + (f"; at {where}" if where else "")) from e
     raise NotImplementedError(f"{who} {VALUE_AS_PYTHON}" + (f"; at {where}" if where else "")
                               + _eager_experts_hint(module)) from e
+
+
+def _raised_in_function(e: BaseException, name: str) -> bool:
+    """Whether a frame of ``e``'s traceback runs a function called ``name`` (torch's decomposition of an op)."""
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == name:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _indexing_call(e: BaseException) -> str | None:

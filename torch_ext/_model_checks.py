@@ -4,7 +4,8 @@ Each runs once, when make_train_step builds the step, reads only what the user p
 message naming the culprit; a refused build changes nothing. TrainStep.__init__ calls them in this order:
 refuse_non_tensor_batch, check_model_parameters, then per optimizer check_optimizer and, per parameter
 of its groups, optimizer_parameter and check_options (via the update read), check_clip_covers,
-check_modules, and after the joint export refuse_stale_grads. The per-call checks (the model left
+check_modules, and after the joint export refuse_stale_grads (refuse_loss_without_gradient where the joint
+export found a loss that requires no grad). The per-call checks (the model left
 unwritten, the optimizer's config unchanged) live on TrainStep.
 """
 from __future__ import annotations
@@ -214,3 +215,27 @@ def refuse_stale_grads(without_gradient: list[tuple[str, torch.Tensor]]) -> None
             ".grad tensor (left by zero_grad(set_to_none=False)): eager's opt.step() would update them with that "
             "gradient at every call (weight decay, momentum, step count), the pure step skips them as for a .grad "
             "of None. Set their .grad to None first (opt.zero_grad(), set_to_none=True by default)")
+
+
+def refuse_loss_without_gradient(groups: list, names: dict[int, str], error: BaseException) -> None:
+    """The loss requires no gradient (torch's joint export raised ``error``: "marked as the loss, but it does not
+    require gradients"): every parameter of the optimizers is frozen, or none the loss reads requires grad. Eager's
+    ``loss.backward()`` raises too. ``groups``: (optimizer, param group) in the step's order."""
+    trainable = [names.get(id(p), "?") for _, g in groups for p in g["params"] if p.requires_grad]
+    if trainable:
+        detail = (f"the optimizers' parameters that require grad ({', '.join(repr(n) for n in trainable[:4])}"
+                  f"{f' and {len(trainable) - 4} more' if len(trainable) > 4 else ''}) do not reach the loss "
+                  "(unread, or read only through .detach() or under torch.no_grad())")
+    else:
+        parts = []
+        for gi, (opt, g) in enumerate(groups):
+            frozen = [names.get(id(p), "?") for p in g["params"]]
+            parts.append(f"{type(opt).__name__} param group {gi}: "
+                         + (f"{', '.join(repr(n) for n in frozen[:4])}{' ...' if len(frozen) > 4 else ''} "
+                            "(requires_grad=False)" if frozen else "no parameters"))
+        detail = "no parameter of the optimizers requires grad (" + "; ".join(parts) + ")"
+    raise ValueError(
+        f"make_train_step: the loss does not require grad, so there is nothing to train: {detail}. Eager's "
+        "loss.backward() raises too. " + ("Let loss_fn's result depend on them" if trainable else
+                                          "Unfreeze the parameters to train (p.requires_grad_(True)) before building "
+                                          "the step")) from error

@@ -1456,8 +1456,20 @@ class ReactiveGraph:
         self._refuse_during_sweep("restore()")
         if node is None:
             self._engine.restore()
-        else:
-            self._engine.restore_node(self.resolve(node))
+            return
+        target = self.resolve(node)
+        pinned = list(self._engine.pinned())
+        if target not in pinned:
+            self._engine.node(target)  # a name that is no node: the engine's "unknown node" as before
+            # The engine's own check named the node only ("restore %linear"), never the hook the user passed.
+            hooks = {}
+            for hook, n in self._hooks.items():
+                hooks.setdefault(n, hook)
+            what = f"hook '{node}' (node '{target}')" if target != node else f"node '{node}'"
+            now = ", ".join(f"'{hooks[n]}'" if n in hooks else f"node '{n}'" for n in pinned) or "none"
+            raise ValueError(f"restore({node!r}): {what} is not patched (patched now: {now}); "
+                             "restore() with no argument drops every patch")
+        self._engine.restore_node(target)
 
     def graft(self, src: str, dst_or_block, block=None) -> list[str]:
         """Splices ``block`` into the edge ``src -> dst``, or after ``src`` for every consumer.

@@ -906,6 +906,8 @@ class TrainStep:
         except Exception as e:  # noqa: BLE001 - re-raised with the op and the torch version named
             hops = sorted({getattr(n.target, "__name__", str(n.target)) for n in ep.graph.nodes
                            if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)})
+            if "marked as the loss, but it does not require gradients" in str(e):
+                _model_checks.refuse_loss_without_gradient(self._groups, names, e)
             if "requires gradients, and received a mutation" in str(e):
                 raise ValueError(
                     "the model or loss_fn writes in place into a tensor that requires grad (a parameter) during "
@@ -921,6 +923,7 @@ class TrainStep:
         finally:
             for p in unused:
                 p.requires_grad_(True)
+        _compat.refuse_onednn_rnn_dtypes(joint, "make_train_step")
         out_node = [n for n in joint.graph.nodes if n.op == "output"][0]
         out_args = out_node.args[0]
         spec = dict(loss_output=-1, buffer_mutations=[], grads=[], updates=self._updates, aux_outputs=[],

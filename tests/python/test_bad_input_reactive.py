@@ -65,7 +65,7 @@ MUTATIONS = {
     "patch_fn_in_place": (lambda rg: rg.patch(_tanh(rg), lambda v: v.zero_()), ValueError, "in place"),
     "patch_fn_raises": (lambda rg: rg.patch(_tanh(rg), lambda v: 1 / 0), ZeroDivisionError, "division"),
     "patch_scalar_tensor": (lambda rg: rg.patch(_tanh(rg), torch.tensor(0.0)), RuntimeError, "expected shape"),
-    "restore_unpatched_node": (lambda rg: rg.restore(_tanh(rg)), RuntimeError, "not patched"),
+    "restore_unpatched_node": (lambda rg: rg.restore(_tanh(rg)), ValueError, "not patched"),
     "restore_unknown_node": (lambda rg: rg.restore("ghost"), RuntimeError, "ghost"),
     "graft_unknown_src": (lambda rg: rg.graft("ghost", lambda t: t), RuntimeError, "ghost"),
     "graft_unknown_dst": (lambda rg: rg.graft(_tanh(rg), "ghost", lambda t: t), RuntimeError, "ghost"),
@@ -352,3 +352,31 @@ def test_an_accepted_patch_function_on_a_stale_node_keeps_its_evaluations():
         clean = model[2][0](model[1](model[0][1](2 * model[0][0](x))))
         eager = model[2][1](clean + 1)
     assert torch.equal(out, eager)
+
+
+def test_restore_of_an_unpatched_hook_names_the_hook_and_what_is_patched():
+    """restore(hook) with no patch there raised the engine's "restore %linear: node is not patched", naming a node
+    the user never wrote; now the hook, its node and the patches standing."""
+    HookPoint = pytest.importorskip("transformer_lens.hook_points").HookPoint
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.out = nn.Linear(4, 4), nn.Linear(4, 2)
+            self.hook_a, self.hook_b = HookPoint(), HookPoint()
+            self.hook_a.name, self.hook_b.name = "hook_a", "hook_b"
+
+        def forward(self, x):
+            return self.out(self.hook_b(self.hook_a(self.lin(x)).relu()))
+
+    g = torch_ext.ReactiveGraph(M(), (torch.randn(2, 4),))
+    node = g.hook_names["hook_a"]
+    with pytest.raises(ValueError, match=rf"restore\('hook_a'\): hook 'hook_a' \(node '{node}'\) is not patched "
+                       r"\(patched now: none\)"):
+        g.restore("hook_a")
+    g.patch("hook_b", torch.zeros(2, 4))
+    with pytest.raises(ValueError, match=r"is not patched \(patched now: 'hook_b'\)"):
+        g.restore("hook_a")
+    assert g.patched() == [g.hook_names["hook_b"]]
+    g.restore("hook_b")
+    assert g.patched() == []

@@ -385,3 +385,31 @@ def test_a_failed_trace_leaves_no_global_module_hook_behind():
     with pytest.raises(RuntimeError, match="boom in forward"):
         torch_ext.ReactiveGraph(model, (torch.randn(2, 3),))
     assert dict(nn_module._global_buffer_registration_hooks) == before
+
+
+# fuzz_step 27:2668: with every parameter frozen (or none reaching the loss) the user got torch's raw "The output at
+# index 0 was marked as the loss, but it does not require gradients" from the joint export.
+def test_no_parameter_requiring_grad_is_refused_naming_the_groups():
+    model = _model()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.SGD([{"params": list(model[0].parameters())}, {"params": list(model[2].parameters())}], lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"the loss does not require grad, so there is nothing to train: no parameter "
+                       r"of the optimizers requires grad \(SGD param group 0: '0\.weight', '0\.bias' "
+                       r"\(requires_grad=False\); SGD param group 1: '2\.weight', '2\.bias' \(requires_grad=False\)\)"
+                       r"\. Eager's loss\.backward\(\) raises too\. Unfreeze"):
+        torch_ext.make_train_step(model, opt, _loss, (X, Y))
+    _assert_untouched(model, opt, before)
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_a_loss_detached_from_every_parameter_is_refused_naming_them():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"the optimizers' parameters that require grad \('0\.weight', '0\.bias', "
+                       r"'2\.weight', '2\.bias'\) do not reach the loss .* Let loss_fn's result depend on them"):
+        torch_ext.make_train_step(model, opt, lambda m, x, y: _loss(m, x, y).detach(), (X, Y))
+    _assert_untouched(model, opt, before)
+    assert all(p.requires_grad for p in model.parameters())

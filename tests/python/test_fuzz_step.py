@@ -167,3 +167,90 @@ def test_fuzz_step_half_precision_foreach_is_refused(kind):
     with pytest.raises(ValueError, match=rf"{kind} param group 0: foreach=True with \d+ bfloat16 parameter"):
         fuzz_step.run_case(spec)
     assert fuzz_step.run_case({**spec, "opt": {"kind": kind, "hyper": {**hyper, "foreach": False}}}) == []
+
+
+# Seed 27 (2006): an LSTM on a float32 input in a CPU bfloat16 autocast region. Autocast casts oneDNN's LSTM layer
+# (aten.mkldnn_rnn_layer, which eager's at::lstm runs on a float32 input) to bfloat16, which oneDNN has no LSTM for
+# on a CPU without AVX-512: eager fails in forward, and the step failed at its first call with oneDNN's opaque
+# "could not create a primitive descriptor". Refused at build time by name (_compat.refuse_onednn_rnn_dtypes); where
+# oneDNN has a bfloat16 LSTM, the step trains bit-exact.
+SPEC_27_2006 = json.loads(
+    '{"model_seed": 102, "rng_seed": 278, "data_seed": 284, "front": "embed", "front_bn": false, "padding_idx": true, '
+    '"width": 8, "blocks": [{"kind": "lstm", "layers": 2, "bi": false, "p": 0.0}, {"kind": "act", "act": "silu"}, '
+    '{"kind": "rms", "eps": 1e-05, "affine": true}], "loss": "bce", "batch": 1, "frozen": [3], "excluded": [], '
+    '"opt": {"kind": "SGD", "hyper": {"lr": 0.05, "momentum": 0.9, "dampening": 0.1, "nesterov": false, '
+    '"weight_decay": 0.0, "maximize": false}}, "groups": 1, "group2": {"lr_scale": 2.0, "wd": 0.0}, '
+    '"sched": "cosine_wr", "cycle_momentum": false, "accumulate": 1, "clip": null, "runner": "exec", "budget": 0.6, '
+    '"scale_grad_by_freq": true, "reduction": "mean", "float64": false, "unroll": 1, "set_lr": false, "tie": false, '
+    '"sched_pre": 0, "pre_grad": null, "freeze_after": [], "bf16": false, "autocast": true, "tensor_lr": null}')
+
+
+def test_fuzz_step_autocast_lstm_refused_where_onednn_has_no_bf16_lstm():
+    import torch
+
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert fuzz_step.run_case(SPEC_27_2006) == [], SPEC_27_2006
+        return
+    model, loss_fn, batches = fuzz_step.build(SPEC_27_2006)
+    with pytest.raises(RuntimeError, match="could not create a primitive descriptor"):
+        loss_fn(model, *batches[0][0])  # eager fails too: the refusal hides nothing eager can train
+    with pytest.raises(NotImplementedError, match=r"the LSTM 'blocks\.0\.rnn' \(layer of weight_ih_l0\) runs "
+                       r"oneDNN's LSTM .* in torch\.bfloat16, which this CPU's oneDNN has no LSTM for"):
+        fuzz_step.run_case(SPEC_27_2006)
+
+
+# The fuzzer's classes (_fuzz_driver.classify): every RuntimeError used to count as a refusal, so eager's own failures
+# and the step's failures at run time (27:2006's oneDNN error at the first call) hid among the refusals.
+_SMALL = {**_PLAIN, "model_seed": 1, "rng_seed": 2, "data_seed": 3, "blocks": [{"kind": "linear"}]}
+
+
+def test_fuzz_step_classifies_a_build_refusal_as_refused():
+    spec = {**_SMALL, "bf16": True, "opt": {"kind": "Adam", "hyper": {"lr": 0.01, "foreach": True}}}
+    r = fuzz_step.one(spec)
+    assert r["status"] == "refused" and "foreach=True" in r["msg"], r
+
+
+def test_fuzz_step_classifies_eager_failing_as_eager_failed():
+    # BatchNorm1d over one value per channel: eager raises in forward (the generator avoids it), and so does the trace
+    r = fuzz_step.one({**_SMALL, "front": "linear", "batch": 1, "blocks": [{"kind": "bn"}]})
+    assert r["status"] == "eager_failed" and "Expected more than 1 value per channel" in r["msg"], r
+
+
+def test_fuzz_step_classifies_a_run_time_failure_as_an_error(monkeypatch):
+    import torch_ext.train_step
+
+    def fail(self, *args, **kwargs):
+        raise RuntimeError("while executing node %mm: a kernel failed")
+    monkeypatch.setattr(torch_ext.train_step.TrainStep, "__call__", fail)
+    r = fuzz_step.one(_SMALL)
+    assert r["status"] == "error" and r["msg"].startswith("RuntimeError at run time: while executing node"), r
+
+
+def test_fuzz_step_classifies_a_build_failure_not_torch_ext_s_own_as_an_error(monkeypatch):
+    import torch_ext._compat
+
+    def fail(*args, **kwargs):  # raised here, not by torch_ext's code: as torch's own error passing through
+        raise RuntimeError("an assertion deep in torch's joint export")
+    monkeypatch.setattr(torch_ext._compat, "export_joint", fail)
+    r = fuzz_step.one(_SMALL)
+    assert r["status"] == "error" and "at build time, not torch_ext's own" in r["msg"], r
+
+
+# Seed 27 (2668): every parameter frozen (a tied embedding/head, frozen): the build raised torch's raw "marked as the
+# loss, but it does not require gradients" (eager's backward raises too); now refused by name.
+SPEC_27_2668 = json.loads(
+    '{"model_seed": 38, "rng_seed": 179, "data_seed": 161, "front": "embed", "front_bn": false, "padding_idx": true, '
+    '"width": 8, "blocks": [{"kind": "bufscale"}], "loss": "ce", "batch": 1, "frozen": [0], "excluded": [], '
+    '"opt": {"kind": "Rprop", "hyper": {"lr": 0.001, "etas": [0.5, 1.2], "step_sizes": [1e-06, 50.0], '
+    '"maximize": false, "foreach": true}}, "groups": 1, "group2": {"lr_scale": 2.0, "wd": null}, "sched": "multistep", '
+    '"cycle_momentum": true, "accumulate": 1, "clip": null, "runner": "plan", "budget": 0.8, '
+    '"scale_grad_by_freq": true, "ce": {"label_smoothing": 0.1, "ignore": false, "weight": false}, '
+    '"reduction": "mean", "float64": false, "unroll": 1, "set_lr": false, "tie": true, "sched_pre": 0, '
+    '"pre_grad": null, "freeze_after": [], "bf16": false, "autocast": false, "tensor_lr": null}')
+
+
+def test_fuzz_step_every_parameter_frozen_is_refused_by_name():
+    r = fuzz_step.one(SPEC_27_2668)
+    assert r["status"] == "refused", r
+    assert "no parameter of the optimizers requires grad (Rprop param group 0: 'front.weight' (requires_grad=False))" \
+        in r["msg"], r

@@ -3122,3 +3122,38 @@ def test_a_reactive_graph_refuses_a_data_assignment_and_the_hook_norms_by_name(c
         fixed = nn.Sequential(getattr(nn.utils.parametrizations, case)(nn.Linear(6, 8)), nn.Tanh(), nn.Linear(8, 3))
         rg = torch_ext.ReactiveGraph(fixed.eval(), (x,), cache=False)
         assert torch.equal(rg.run(x), fixed(x))
+
+
+class _TensorSplit(nn.Module):
+    def __init__(self, indices):
+        super().__init__()
+        self.lin, self.head = nn.Linear(6, 6), nn.Linear(3, 3)
+        self.indices = indices
+
+    def forward(self, x):
+        a, b, c = torch.tensor_split(self.lin(x), self.indices, dim=1)
+        return self.head(torch.cat([a.sum(1, keepdim=True), b.sum(1, keepdim=True), c.sum(1, keepdim=True)], 1))
+
+
+def test_tensor_split_by_a_tensor_of_indices_is_refused_naming_it_and_a_list_of_ints_trains_as_eager():
+    # Refused by the generic "reads a tensor's value to decide Python control flow": the user wrote no control flow.
+    torch.manual_seed(0)
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    batches = [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(3)]
+    model = _TensorSplit(torch.tensor([1, 4]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(NotImplementedError, match=r"calls torch\.tensor_split with a tensor of split indices .*Pass a "
+                       r"list of ints \(tensor_split\(x, \[1, 3\], dim\)\).*; at File .*test_train_step_habits\.py"):
+        torch_ext.make_train_step(model, opt, loss_fn, batches[0])
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()) and not opt.state
+    ref = _TensorSplit([1, 4])
+    ref.load_state_dict(model.state_dict())
+    model.indices = [1, 4]
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = torch_ext.make_train_step(model, opt, loss_fn, batches[0])
+    state = step.init_state()
+    for x, y in batches:
+        want = eager_step(ref, ref_opt, loss_fn, x, y)
+        loss, state = step(state, x, y)
+        assert torch.equal(loss, want.detach())
