@@ -11,6 +11,10 @@ options: the executor, ``compile(plan=True)`` with or without donation or with a
 up add the ground of ``extend_spec``: attention (SDPA, MultiheadAttention, TransformerEncoderLayer), GRU/LSTM,
 GroupNorm/RMSNorm/InstanceNorm, ConvTranspose, pooling, a transposed weight Parameter, cross-entropy options,
 BCE/Huber, ``reduction="sum"``, float64, per-group hyperparameters, ``set_lr`` between calls and ``unroll=2``.
+Seeds 18 and up add real scripts' habits (``real_spec``); seeds 28 and up the ground of ``wild_spec``: ``torch.cond``
+on data-dependent predicates (more often under autocast), Hugging Face layers (LlamaDecoderLayer, GPT2Block),
+in-place ops on activations, where/gather/scatter with data masks and indices, cumsum and its kin, parameter views,
+activation checkpointing, GLU, and loss regularisers.
 
 The case trains 3 steps through the step and through eager PyTorch (same initial weights, the same RNG:
 ``init_state(seed=s)`` against ``torch.manual_seed(s)``), comparing with torch.equal each step's loss and,
