@@ -11,6 +11,10 @@ options: the executor, ``compile(plan=True)`` with or without donation or with a
 up add the ground of ``extend_spec``: attention (SDPA, MultiheadAttention, TransformerEncoderLayer), GRU/LSTM,
 GroupNorm/RMSNorm/InstanceNorm, ConvTranspose, pooling, a transposed weight Parameter, cross-entropy options,
 BCE/Huber, ``reduction="sum"``, float64, per-group hyperparameters, ``set_lr`` between calls and ``unroll=2``.
+Seeds 18 and up add real scripts' habits (``real_spec``); seeds 28 and up the ground of ``wild_spec``: ``torch.cond``
+on data-dependent predicates (more often under autocast), Hugging Face layers (LlamaDecoderLayer, GPT2Block),
+in-place ops on activations, where/gather/scatter with data masks and indices, cumsum and its kin, parameter views,
+activation checkpointing, GLU, and loss regularisers.
 
 The case trains 3 steps through the step and through eager PyTorch (same initial weights, the same RNG:
 ``init_state(seed=s)`` against ``torch.manual_seed(s)``), comparing with torch.equal each step's loss and,
@@ -47,6 +51,10 @@ SEQ_BLOCKS = ("sdpa", "mha", "gru", "lstm", "gn", "inorm", "convT", "pool", "dwc
 # Seeds from REAL_SEED on also draw ``real_spec`` (after the two above, so seeds 10..17 replay as before).
 REAL_SEED = 18
 REAL_BLOCKS = ("reuse", "unused", "nonpers", "tconst", "bn2", "drop2")
+# Seeds from WILD_SEED on also draw ``wild_spec`` (after the three above, so seeds 18..27 replay as before).
+WILD_SEED = 28
+WILD_ANY = ("cond", "inplace", "where", "gather", "cumsum", "pview", "ckpt", "glu", "misc")  # [B, D] or [B, T, D]
+WILD_SEQ = ("hf_llama", "hf_gpt2")                                                          # [B, T, D] only
 SCHEDS2 = ("exp", "multistep", "cosine", "cosine_wr", "linear", "constant", "poly", "cyclic", "sequential", "chained",
            "multiplicative", "plateau")
 
@@ -195,6 +203,69 @@ def real_spec(spec: dict, rng: random.Random) -> dict:
         spec["opt"]["hyper"]["capturable"] = True
     elif r < 0.18 and kind in ("NAdam", "RAdam", "Adafactor"):
         spec["opt"]["hyper"]["foreach"] = True
+    return spec
+
+
+def wild_spec(spec: dict, rng: random.Random) -> dict:
+    """More of what training scripts and model code do, drawn after ``real_spec``: ``torch.cond`` on a
+    data-dependent predicate (of the batch or of the stream; branches reading parameters, a buffer, a parameter
+    also read outside; a nested cond; dropout in a branch), more often under bfloat16 autocast; Hugging Face layers
+    (LlamaDecoderLayer with its rotary embedding, GPT2Block; sdpa or eager attention, dropout); in-place ops on
+    activations (``add_``, ``relu_``, ``masked_fill_`` with a data mask, ``clamp_``, on a slice); ``torch.where``
+    with data masks (a padding mask from the tokens); ``gather`` / ``index_select`` / ``scatter_add`` with data
+    indices; cumsum / cummax / logcumsumexp; parameter views (a weight sliced, reshaped, chunked into a fused QKV,
+    unbound, expanded); activation checkpointing (``torch.utils.checkpoint``, reentrant or not, dropout inside);
+    SwiGLU/GeGLU; ``F.normalize``, einsum; and loss terms real scripts add (an L2 penalty over the parameters, a
+    z-loss, a masked per-token mean)."""
+    seq = spec["front"] != "linear"
+    kinds = WILD_ANY + (WILD_SEQ if seq else ())
+    for i in range(len(spec["blocks"])):
+        if rng.random() < 0.5:
+            kind = rng.choice(kinds)
+            b = {"kind": kind}
+            if kind == "cond":
+                b["pred"] = rng.choice(("input", "input", "hidden", "row0"))
+                b["share"] = rng.random() < 0.4      # one Linear in both branches
+                b["outside"] = rng.random() < 0.3    # the branch's Linear also applied before the cond
+                b["nested"] = rng.random() < 0.15
+                b["act"] = rng.choice(ACTS2)
+                b["two"] = rng.random() < 0.3        # two operands (the stream and the raw batch's statistic)
+            elif kind == "inplace":
+                b["op"] = rng.choice(("add_", "relu_", "masked_fill_", "mul_", "chain", "slice", "clamp_",
+                                      "mask_softmax"))
+            elif kind == "where":
+                b["op"] = rng.choice(("hidden", "leaky", "pad", "param"))
+            elif kind == "gather":
+                b["op"] = rng.choice(("index_select", "gather", "scatter_add", "take_along", "pos_cumsum",
+                                      "embedding"))
+            elif kind == "cumsum":
+                b["op"] = rng.choice(("cummean", "cumsum_last", "logcumsumexp", "cummax", "revcumsum"))
+            elif kind == "pview":
+                b["op"] = rng.choice(("slice", "reshape", "fused_qkv", "unbind", "expand", "diag", "strided"))
+            elif kind == "ckpt":
+                b["reentrant"] = rng.random() < 0.3
+                b["p"] = rng.choice((0.0, 0.2))
+                b["act"] = rng.choice(ACTS2)
+            elif kind == "glu":
+                b["op"] = rng.choice(("swiglu", "geglu"))
+            elif kind == "misc":
+                b["op"] = rng.choice(("normalize", "einsum", "softmax_mix", "logsigmoid", "bmm_attn"))
+            elif kind in ("hf_llama", "hf_gpt2"):
+                b["attn"] = rng.choice(("sdpa", "eager"))
+                b["p"] = rng.choice((0.0, 0.1))
+                b["mask"] = rng.choice(("none", "causal"))
+                if kind == "hf_llama":
+                    b["kv"] = rng.choice((1, 2))
+                    b["bias"] = rng.random() < 0.3
+                else:
+                    b["act"] = rng.choice(("gelu_new", "gelu", "relu"))
+            spec["blocks"][i] = b
+    has_cond = any(b["kind"] == "cond" for b in spec["blocks"])
+    if has_cond and not spec.get("float64") and not spec["bf16"] and rng.random() < 0.35:
+        spec["autocast"] = True
+    spec["reg"] = rng.choice((None, None, None, "l2", "zloss", "masked_mean"))
+    if spec["reg"] == "masked_mean" and spec["loss"] != "ce":
+        spec["reg"] = None
     return spec
 
 
@@ -497,8 +568,253 @@ def build(spec: dict):
                 return self.m(x.transpose(1, 2)).transpose(1, 2)
             return self.m(x)
 
+    class Cond(nn.Module):  # torch.cond on a data-dependent predicate; branches read parameters and a buffer
+        wants_input = True
+
+        def __init__(self, b):
+            super().__init__()
+            self.b, self.a, self.act = b, nn.Linear(D, D), act_of[b["act"]]()
+            self.c = None if b["share"] else nn.Linear(D, D)
+            self.gain = nn.Parameter(torch.rand(D) + 0.5)
+            self.register_buffer("scale", torch.rand(D) + 0.5)
+
+        def forward(self, h, x):
+            b = self.b
+            if b["pred"] == "input":  # the batch's own value: one branch in some steps, the other in others
+                pred = x.sum() > 0 if x.is_floating_point() else x.sum() % 2 == 0
+            elif b["pred"] == "hidden":
+                pred = h.mean() > 0
+            else:
+                pred = h.flatten()[0] > 0
+            if b["outside"]:
+                h = self.act(self.a(h))
+            other = self.c if self.c is not None else self.a
+
+            def true_fn(u, *rest):
+                y = self.act(self.a(u)) * self.scale
+                return y + rest[0] if rest else y
+
+            def false_fn(u, *rest):
+                y = other(u) * self.gain
+                if b["nested"]:
+                    y = torch.cond(u.mean() > 0, lambda v: v * self.gain, lambda v: v - self.scale, (y,))
+                return y - rest[0] if rest else y
+
+            ops = (h, x.float().mean().to(h.dtype)) if b["two"] else (h,)
+            return torch.cond(pred, true_fn, false_fn, ops)
+
+    class Inplace(nn.Module):  # in-place ops on activations
+        def __init__(self, b):
+            super().__init__()
+            self.op, self.fc, self.shift = b["op"], nn.Linear(D, D), nn.Parameter(torch.randn(D) * 0.1)
+
+        def forward(self, h):
+            y, op = self.fc(h), self.op
+            if op == "add_":
+                y.add_(h)
+            elif op == "relu_":
+                y.add_(self.shift)
+                y.relu_()
+            elif op == "masked_fill_":
+                y.masked_fill_(h.detach() > 0.5, 0.0)
+            elif op == "mul_":
+                y.mul_(torch.sigmoid(h))
+            elif op == "chain":
+                y = y.mul_(0.5).add_(h).relu_()
+            elif op == "slice":
+                y[..., :2].mul_(2.0)
+                y[..., -1:].add_(self.shift[:1])
+            elif op == "clamp_":
+                y.clamp_(-0.5, 0.5)
+            else:  # mask_softmax: a data mask filled with the dtype's minimum before a softmax
+                y = y.masked_fill_(h < -0.5, torch.finfo(y.dtype).min).softmax(-1) * D
+            return y
+
+    class Where(nn.Module):
+        wants_input = True
+
+        def __init__(self, b):
+            super().__init__()
+            self.op, self.fc, self.w = b["op"], nn.Linear(D, D), nn.Parameter(torch.rand(D) + 0.5)
+
+        def forward(self, h, x):
+            if self.op == "hidden":
+                return torch.where(h > 0, self.fc(h), h * self.w)
+            if self.op == "leaky":
+                return torch.where(h > 0, h, 0.1 * h) + self.fc(h)
+            if self.op == "pad":  # a padding mask from the tokens (id 0), else from the stream
+                m = ((x != 0).unsqueeze(-1) if not x.is_floating_point() and x.shape == h.shape[:-1]
+                     else h.detach().sum(-1, keepdim=True) > 0)
+                return torch.where(m, self.fc(h), 0.0)
+            return torch.where(self.w > 1.0, self.fc(h), h)  # a mask from a parameter's value, moving as it trains
+
+    class Gather(nn.Module):  # indices from data
+        wants_input = True
+
+        def __init__(self, b):
+            super().__init__()
+            self.op, self.fc = b["op"], nn.Linear(D, D)
+            self.table = nn.Parameter(torch.randn(5, D) * 0.5)
+            self.emb = nn.Embedding(8, D)
+
+        def forward(self, h, x):
+            op = self.op
+            idx = (h.detach().abs().sum(-1) * 3).long() % 5
+            if op == "index_select":
+                return h + self.table.index_select(0, idx.flatten()).view_as(h)
+            if op == "embedding":
+                return h + F.embedding(idx, self.table)
+            perm = h.detach().argsort(dim=-1, stable=True)
+            if op == "gather":
+                return torch.gather(self.fc(h), -1, perm)
+            if op == "scatter_add":  # colliding indices
+                return torch.zeros_like(h).scatter_add(-1, perm // 2, self.fc(h)) + h
+            if op == "take_along":
+                return h * torch.take_along_dim(self.fc(h), h.detach().argmax(-1, keepdim=True), -1)
+            # pos_cumsum: position ids from a padding mask (transformers' create_position_ids_from_input_ids)
+            m = ((x != 0).long() if not x.is_floating_point() and x.shape == h.shape[:-1]
+                 else (h.detach()[..., 0] > 0).long())
+            return h + self.emb((m.cumsum(-1) * m) % 8)
+
+    class Cum(nn.Module):
+        def __init__(self, b):
+            super().__init__()
+            self.op, self.fc = b["op"], nn.Linear(D, D)
+
+        def forward(self, h):
+            y, op = self.fc(h), self.op
+            d = 1 if h.dim() == 3 else -1  # over time, else over features
+            if op == "cummean":
+                n = torch.arange(1, y.shape[d] + 1, dtype=y.dtype)
+                return y.cumsum(d) / (n.view(-1, 1) if h.dim() == 3 else n)
+            if op == "cumsum_last":
+                return torch.cumsum(y, -1) * 0.3
+            if op == "logcumsumexp":
+                return torch.logcumsumexp(y, d)
+            if op == "cummax":
+                return y.cummax(d).values + h
+            return y.flip(d).cumsum(d).flip(d)  # revcumsum (discounted returns' shape)
+
+    class PView(nn.Module):  # a Parameter viewed in forward
+        def __init__(self, b):
+            super().__init__()
+            self.op = op = b["op"]
+            r = D ** -0.5
+            shape = {"slice": (D, 2 * D), "reshape": (D * D,), "fused_qkv": (3 * D, D), "unbind": (2, D, D),
+                     "expand": (1,), "diag": (D, D), "strided": (2 * D, D)}[op]
+            self.w = nn.Parameter(torch.randn(*shape) * r if op != "expand" else torch.rand(1) + 0.5)
+            self.fc = nn.Linear(D, D) if op == "expand" else None
+
+        def forward(self, h):
+            op, w = self.op, self.w
+            if op == "slice":
+                return h @ w[:, :D] + F.silu(h @ w[:, D:])
+            if op == "reshape":
+                return h @ w.view(D, D)
+            if op == "fused_qkv":
+                q, k, v = w.chunk(3, 0)
+                return F.linear(h, q) * torch.sigmoid(F.linear(h, k)) + F.linear(h, v)
+            if op == "unbind":
+                a, c = w.unbind(0)
+                return F.linear(torch.tanh(F.linear(h, a)), c)
+            if op == "expand":
+                return self.fc(h) * w.expand(D)
+            if op == "diag":
+                return h * torch.diagonal(w) + F.linear(h, w.triu())
+            return F.linear(h, w[::2]) + F.linear(h, w[1::2].t())
+
+    class Ckpt(nn.Module):  # activation checkpointing (Hugging Face's gradient_checkpointing)
+        def __init__(self, b):
+            super().__init__()
+            self.b, self.fc, self.fc2, self.act = b, nn.Linear(D, D), nn.Linear(D, D), act_of[b["act"]]()
+
+        def inner(self, u):
+            return self.fc2(F.dropout(self.act(self.fc(u)), self.b["p"], self.training))
+
+        def forward(self, h):
+            import torch.utils.checkpoint
+            return h + torch.utils.checkpoint.checkpoint(self.inner, h, use_reentrant=self.b["reentrant"])
+
+    class Glu(nn.Module):
+        def __init__(self, b):
+            super().__init__()
+            self.op, self.fc, self.out = b["op"], nn.Linear(D, 2 * D), nn.Linear(D, D, bias=False)
+
+        def forward(self, h):
+            a, g = self.fc(h).chunk(2, -1)
+            a = F.silu(a) if self.op == "swiglu" else F.gelu(a, approximate="tanh")
+            return h + self.out(a * g)
+
+    class Misc(nn.Module):
+        def __init__(self, b):
+            super().__init__()
+            self.op, self.fc = b["op"], nn.Linear(D, D)
+            self.w = nn.Parameter(torch.randn(D, D) * D ** -0.5)
+            self.g = nn.Parameter(torch.rand(D) + 0.5)
+
+        def forward(self, h):
+            op = self.op
+            if op == "normalize":
+                return F.normalize(self.fc(h), dim=-1) * self.g
+            if op == "einsum":
+                return torch.einsum("...d,de->...e", h, self.w)
+            if op == "softmax_mix":
+                return h * torch.softmax(self.fc(h), -1) * D
+            if op == "logsigmoid":
+                return F.logsigmoid(self.fc(h)) + h
+            u = h if h.dim() == 3 else h.unsqueeze(1)  # bmm_attn
+            s = torch.bmm(u, self.fc(u).transpose(1, 2)) / D ** 0.5
+            o = torch.bmm(s.softmax(-1), u) + u @ self.w
+            return o if h.dim() == 3 else o.squeeze(1)
+
+    def hf_mask(b, h):
+        if b["mask"] != "causal":
+            return None
+        if b["attn"] == "sdpa":  # a boolean mask (True: attended), as transformers builds for sdpa
+            return torch.ones(S, S, dtype=torch.bool).tril()[None, None]
+        return torch.full((S, S), torch.finfo(h.dtype).min, dtype=h.dtype).triu(1)[None, None]
+
+    class HfLlama(nn.Module):  # transformers' LlamaDecoderLayer with its rotary embedding
+        def __init__(self, b):
+            super().__init__()
+            import transformers
+            from transformers.models.llama import modeling_llama as ml
+            transformers.logging.set_verbosity_error()
+            cfg = transformers.LlamaConfig(vocab_size=8, hidden_size=D, intermediate_size=2 * D, num_attention_heads=2,
+                                           num_key_value_heads=b["kv"], head_dim=4, max_position_embeddings=16,
+                                           attention_dropout=b["p"], attention_bias=b["bias"], rms_norm_eps=1e-6,
+                                           bos_token_id=0, eos_token_id=0, pad_token_id=0)
+            cfg._attn_implementation = b["attn"]
+            self.b, self.layer, self.rot = b, ml.LlamaDecoderLayer(cfg, layer_idx=0), ml.LlamaRotaryEmbedding(cfg)
+
+        def forward(self, h):
+            pos = torch.arange(h.shape[1]).unsqueeze(0)
+            cos, sin = self.rot(h, pos)
+            return self.layer(h, attention_mask=hf_mask(self.b, h), position_ids=pos, position_embeddings=(cos, sin))
+
+    class HfGpt2(nn.Module):  # transformers' GPT2Block (Conv1D projections, its own dropouts)
+        def __init__(self, b):
+            super().__init__()
+            import transformers
+            from transformers.models.gpt2 import modeling_gpt2 as mg
+            transformers.logging.set_verbosity_error()
+            cfg = transformers.GPT2Config(vocab_size=8, n_positions=16, n_embd=D, n_layer=1, n_head=2, n_inner=2 * D,
+                                          activation_function=b["act"], resid_pdrop=b["p"], attn_pdrop=b["p"],
+                                          embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+            cfg._attn_implementation = b["attn"]
+            self.b, self.blk = b, mg.GPT2Block(cfg, layer_idx=0)
+
+        def forward(self, h):
+            out = self.blk(h, attention_mask=hf_mask(self.b, h))
+            return out[0] if isinstance(out, tuple) else out
+
+    WILD = {"cond": Cond, "inplace": Inplace, "where": Where, "gather": Gather, "cumsum": Cum, "pview": PView,
+            "ckpt": Ckpt, "glu": Glu, "misc": Misc, "hf_llama": HfLlama, "hf_gpt2": HfGpt2}
+
     def block(b):
         k = b["kind"]
+        if k in WILD:
+            return WILD[k](b)
         if k == "reuse":
             return Reuse(b["act"])
         if k == "unused":
@@ -575,7 +891,7 @@ def build(spec: dict):
             if front.startswith("conv"):
                 h = h.flatten(2).transpose(1, 2)
             for blk in self.blocks:
-                h = blk(h)
+                h = blk(h, x) if getattr(blk, "wants_input", False) else blk(h)
             return self.head(h)
 
     torch.manual_seed(spec["model_seed"])
@@ -626,14 +942,26 @@ def build(spec: dict):
             out = out.float()
         else:
             out = m(x)
+        reg = spec.get("reg")
+        if spec["loss"] == "ce" and reg == "masked_mean":  # per-token losses, averaged over the non-pad targets
+            lt = F.cross_entropy(out.reshape(-1, K), y.reshape(-1), weight=cw, reduction="none",
+                                 label_smoothing=ce.get("label_smoothing", 0.0))
+            keep = (y.reshape(-1) > 0).to(lt.dtype)
+            return (lt * keep).sum() / keep.sum().clamp(min=1)
         if spec["loss"] == "ce":
-            return F.cross_entropy(out.reshape(-1, K), y.reshape(-1), weight=cw, reduction=red,
+            loss = F.cross_entropy(out.reshape(-1, K), y.reshape(-1), weight=cw, reduction=red,
                                    label_smoothing=ce.get("label_smoothing", 0.0))
-        if spec["loss"] == "bce":
-            return F.binary_cross_entropy_with_logits(out, y, reduction=red)
-        if spec["loss"] == "huber":
-            return F.huber_loss(out, y, reduction=red, delta=0.5)
-        return F.mse_loss(out, y, reduction=red)
+        elif spec["loss"] == "bce":
+            loss = F.binary_cross_entropy_with_logits(out, y, reduction=red)
+        elif spec["loss"] == "huber":
+            loss = F.huber_loss(out, y, reduction=red, delta=0.5)
+        else:
+            loss = F.mse_loss(out, y, reduction=red)
+        if reg == "l2":  # an explicit L2 penalty over the trained parameters
+            loss = loss + 1e-3 * sum(p.pow(2).sum() for p in m.parameters() if p.requires_grad)
+        elif reg == "zloss":
+            loss = loss + 1e-2 * torch.logsumexp(out.float(), -1).pow(2).mean()
+        return loss
 
     calls = STEPS * spec.get("unroll", 1)
     batches = [[one_batch() for _ in range(spec["accumulate"])] for _ in range(calls + 1)]
@@ -905,7 +1233,7 @@ def simplifications(spec: dict):
              "accumulate": 1, "clip": None, "runner": "exec", "batch": 4, "loss": "ce", "width": 4,
              "float64": False, "unroll": 1, "set_lr": False, "reduction": "mean", "scale_grad_by_freq": False,
              "ce": {}, "tie": False, "sched_pre": 0, "pre_grad": None, "freeze_after": [], "bf16": False,
-             "autocast": False, "tensor_lr": None}
+             "autocast": False, "tensor_lr": None, "reg": None}
     for key, v in plain.items():
         if spec.get(key, v) != v:
             yield {**spec, key: v}
@@ -934,7 +1262,8 @@ def case_spec(seed: int, i: int) -> dict:
     rng = random.Random(f"{seed}:{i}")
     spec = gen_spec(rng)
     spec = extend_spec(spec, rng) if seed >= EXTENDED_SEED else spec
-    return real_spec(spec, rng) if seed >= REAL_SEED else spec
+    spec = real_spec(spec, rng) if seed >= REAL_SEED else spec
+    return wild_spec(spec, rng) if seed >= WILD_SEED else spec
 
 
 def one(spec: dict) -> dict:

@@ -869,7 +869,7 @@ def _eager_should_fold(tensor1, tensor2, is_out: bool) -> bool:
     t1 = tensor1 if larger else tensor2.mT  # ATen transposes the 3-D right-hand side
     if not (t1.dim() >= 3 and (tensor2 if larger else tensor1).dim() <= 2):
         return False
-    if (tensor2 if larger else tensor1).requires_grad and not is_out:
+    if _eager_requires_grad(tensor2 if larger else tensor1) and not is_out:
         return True
     if tensor1.dim() == 2:
         return False
@@ -894,6 +894,95 @@ def eager_matmul_fold():
     # Only while torch's copy still skips size-1 dims (the code this corrects): a torch that changes it keeps its own.
     with _decomposition_replaced("should_fold", "size == 1", _eager_should_fold):
         yield
+
+
+_cond_branch = threading.local()  # pending: (operand signature, requires_grad flags) of the conds being traced above
+# autograd; grad: the storages of a branch's operands that require grad in eager (one entry per branch being traced)
+
+
+def _storage_key(t: torch.Tensor):
+    """The storage ``t``'s values live in, through functionalization's wrappers (a view's is its base's)."""
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    try:
+        if isinstance(t, FunctionalTensor):
+            t = t.elem
+        if torch._is_functional_tensor(t):
+            t = torch._from_functional_tensor(t)
+        return t.untyped_storage()._cdata
+    except Exception:  # noqa: BLE001 - a tensor without storage: no eager flag to find
+        return None
+
+
+def _eager_requires_grad(t: torch.Tensor) -> bool:
+    """Whether ``t`` requires grad as eager's would: its own flag, or, inside a cond branch being traced (whose
+    tensors require none), whether it is a view of an operand that requires grad in eager (eager runs the branch
+    below autograd on the real operands: a view of one requires grad, a result computed from one does not)."""
+    if t.requires_grad:
+        return True
+    stack = getattr(_cond_branch, "grad", None)
+    if not stack:
+        return False
+    key = _storage_key(t)
+    return key is not None and any(key in keys for keys in stack)
+
+
+@contextlib.contextmanager
+def cond_branches_with_eager_requires_grad():
+    """Inside the block, ``matmul``'s fold decision in a ``torch.cond`` branch reads its operands'
+    ``requires_grad`` as eager has them. Eager runs the taken branch below autograd on the real operands, which
+    keep their flags (a trainable weight lifted into the branch requires grad, and so does its ``.t()`` view);
+    the joint trace traces the branch on functional tensors that require none. ``should_fold`` reads the flag: a
+    ``Linear`` in a branch on a [B, T, D] operand that is not contiguous (a stream transposed back from
+    channels-first) traced ``bmm`` + ``add`` where eager folds into one ``addmm``-like ``mm`` (the branch's output
+    1 ulp off, then every gradient: fuzz_step ``--case 28:277``). The flags come from ``CondAutogradOp.forward``
+    (which sees the operands above autograd) to the ``trace_cond`` it leads to; while each branch is traced, the
+    storages of its operands that require grad are where ``_eager_requires_grad`` looks."""
+    import torch._higher_order_ops.cond  # noqa: F401 - the package's ``cond`` attribute is the function, not the module
+
+    cond_mod = sys.modules["torch._higher_order_ops.cond"]
+    op = cond_mod.CondAutogradOp
+    forward, trace = op.__dict__["forward"], cond_mod.trace_cond
+
+    def signature(operands) -> list:
+        return [(tuple(map(str, o.shape)), o.dtype) if isinstance(o, torch.Tensor) else type(o) for o in operands]
+
+    def forward_recording(ctx, pred, true_fn, false_fn, *operands):
+        pending = _cond_branch.__dict__.setdefault("pending", [])
+        pending.append((signature(operands), [isinstance(o, torch.Tensor) and o.requires_grad for o in operands]))
+        try:
+            return forward.__func__(ctx, pred, true_fn, false_fn, *operands)
+        finally:
+            pending.pop()
+
+    def trace_with_flags(proxy_mode, func_overload, pred, true_fn, false_fn, operands):
+        # This cond's flags: the innermost pending ones, where its operands are theirs (a cond nested in a branch
+        # is traced while its outer cond's flags are pending, by torch's checks of the outer branch, and has its own)
+        pending = getattr(_cond_branch, "pending", None)
+        flags = pending[-1][1] if pending and pending[-1][0] == signature(operands) else None
+        if flags is None or not any(flags):
+            return trace(proxy_mode, func_overload, pred, true_fn, false_fn, operands)
+
+        def as_eager(fn):
+            def branch(*args):
+                keys = {_storage_key(a) for a, f in zip(args, flags) if f and isinstance(a, torch.Tensor)} - {None}
+                stack = _cond_branch.__dict__.setdefault("grad", [])
+                stack.append(keys)
+                try:
+                    return fn(*args)
+                finally:
+                    stack.pop()
+            return branch
+
+        return trace(proxy_mode, func_overload, pred, as_eager(true_fn), as_eager(false_fn), operands)
+
+    op.forward = staticmethod(_gated(forward_recording, forward.__func__))
+    cond_mod.trace_cond = _gated(trace_with_flags, trace)
+    try:
+        yield
+    finally:
+        op.forward = forward
+        cond_mod.trace_cond = trace
 
 
 @contextlib.contextmanager
@@ -2376,6 +2465,37 @@ def _eager_experts_hint(module: torch.nn.Module | None) -> str:
                     "experts_implementation='eager', a Python loop over the experts that received tokens: build it "
                     "with experts_implementation='grouped_mm' (transformers' default) or 'batched_mm', which trace")
     return ""
+
+
+# torch's own code for control flow: an export failing inside it failed on a torch.cond / while_loop the user wrote
+_CONTROL_FLOW_FILES = ("/torch/_higher_order_ops/", "/torch/_export/passes/replace_with_hop_pass_util.py",
+                       "/torch/_export/passes/replace_autocast_with_hop_pass.py")
+
+
+def refuse_export_control_flow(e: BaseException, who: str = "the model") -> None:
+    """torch's export failing inside its own handling of a torch.cond / while_loop (torch 2.9: a cond nested in
+    another cond's branch: its fake tracing cannot prove the inner cond's output strides dense, and under autocast
+    its autocast pass loses the inner branch's graph, an AttributeError), as a NotImplementedError naming the
+    error and the user's line; returns for any other error (an internal error of ours stays one)."""
+    import traceback
+
+    seen, exc = [], e
+    while exc is not None and exc not in seen:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    if not any(any(part in f.filename for part in _CONTROL_FLOW_FILES)
+               for x in seen for f in traceback.extract_tb(x.__traceback__)):
+        return
+    first = (str(e).splitlines() or [""])[0][:300]
+    # dynamo names the user's line in its message ("from user code:"), the traceback holds only torch's frames
+    user = [ln.strip() for ln in str(e).partition("from user code:")[2].splitlines()
+            if ln.strip().startswith("File ") and "/torch/" not in ln]
+    where = user[-1] if user else _user_frame(e)
+    raise NotImplementedError(
+        f"torch {torch.__version__}'s export failed inside its handling of a torch.cond / while_loop in {who} "
+        f"({type(e).__name__}: {first}){f'; at {where}' if where else ''}. Eager runs it, the step cannot trace it: "
+        "torch 2.9's export fails on a cond nested in another cond's branch (and on any control flow it cannot "
+        "trace). Lift the inner cond out of the branch (one cond on the combined predicate), or use torch.where") from e
 
 
 def refuse_value_as_python(e: BaseException, who: str = "the model", module: torch.nn.Module | None = None) -> None:

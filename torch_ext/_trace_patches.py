@@ -136,6 +136,7 @@ def _factories() -> dict:
         "data_assignment_refused": _compat.data_assignment_refused,
         "eager_autograd_kernels": _compat.eager_autograd_kernels,
         "eager_matmul_fold": _compat.eager_matmul_fold,
+        "cond_branches_with_eager_requires_grad": _compat.cond_branches_with_eager_requires_grad,
         "eager_pad_sequence": _compat.eager_pad_sequence,
         "joint_replayed_without_autograd": _compat.joint_replayed_without_autograd,
         "eager_cumprod_backward": _compat.eager_cumprod_backward,
@@ -154,7 +155,7 @@ ORDER = ("env_reads", "python_random_draws", "backward_only_code", "global_modul
          "refuse_autograd_in_trace", "rnn_dropout_between_layers", "eager_gru_cell", "onednn_lstm_forward",
          "eager_onednn_lstm", "onednn_rnn_backward_dtypes", "eager_batch_norm_layouts", "packed_sequences_refused",
          "grad_scaler_refused", "data_assignment_refused", "eager_autograd_kernels", "eager_matmul_fold",
-         "eager_pad_sequence", "joint_replayed_without_autograd",
+         "cond_branches_with_eager_requires_grad", "eager_pad_sequence", "joint_replayed_without_autograd",
          "eager_cumprod_backward", "eager_prod_backward", "eager_half_dropout_backward", "aten_max_pool_backward_in_inductor",
          "exact_subgraph_strides", "make_fx_without_stack_traces")
 # Patches that yield what the block did (reads, draws, code found): entered again at each nesting level.
@@ -168,8 +169,8 @@ STEP_EXPORT = ("env_reads", "python_random_draws", "backward_only_code", "global
                "packed_sequences_refused", "grad_scaler_refused", "data_assignment_refused", "eager_pad_sequence")
 JOINT_EXPORT = ("rnn_dropout_between_layers", "eager_gru_cell", "eager_onednn_lstm", "onednn_rnn_backward_dtypes",
                 "eager_batch_norm_layouts",
-                "eager_autograd_kernels", "eager_matmul_fold", "eager_pad_sequence", "joint_replayed_without_autograd",
-                "eager_cumprod_backward", "eager_prod_backward", "eager_half_dropout_backward")
+                "eager_autograd_kernels", "eager_matmul_fold", "cond_branches_with_eager_requires_grad",
+                "eager_pad_sequence", "joint_replayed_without_autograd", "eager_cumprod_backward", "eager_prod_backward", "eager_half_dropout_backward")
 INFERENCE_TRACE = ("python_random_draws", "global_module_hooks_restored", "rnn_dropout_between_layers", "eager_gru_cell",
                    "eager_batch_norm_layouts", "packed_sequences_refused", "data_assignment_refused",
                    "eager_pad_sequence", "make_fx_without_stack_traces")

@@ -776,6 +776,9 @@ class TrainStep:
                         "the values of its inputs, and the pure step is one program of static shapes. Compute this "
                         "part of the loss outside the step, or with ops whose result shapes follow their inputs' "
                         "shapes") from e
+                except Exception as e:  # noqa: BLE001 - torch's own failure on a cond / while_loop, named
+                    _compat.refuse_export_control_flow(e, "the model or loss_fn")
+                    raise
             for name, value in env.items():
                 env_reads.setdefault(name, value)
             if stored:

@@ -148,6 +148,15 @@ SPECS = {
         'hed": "exp", "cycle_momentum": true, "accumulate": 2, "clip": null, "runner": "budget", "budget": 0.'
         '6, "reduction": "mean", "float64": false, "unroll": 1, "set_lr": false, "tie": false, "sched_pre": 0'
         ', "pre_grad": null, "freeze_after": [], "bf16": true, "autocast": false, "tensor_lr": null}'),
+    # Seed 28 (277), the wild ground (seeds >= 28): a torch.cond whose operand is the conv front's stream transposed
+    # back ([B, T, D], not contiguous), a Linear in each branch (and a cond nested in one). Eager runs the branch
+    # below autograd on operands that keep requires_grad, so matmul folds the Linear into one mm; the joint trace
+    # saw no requires_grad in the branch and traced bmm + add: 1 ulp off, then every gradient
+    # (_compat.cond_branches_with_eager_requires_grad). Both failed before the fix.
+    **{f"28:277 cond-linear-on-transposed-stream{'-nested' if nested else ''}": {
+        **_PLAIN, "model_seed": 191, "rng_seed": 873, "data_seed": 860, "front": "conv1d",
+        "blocks": [{"kind": "cond", "pred": "row0", "share": False, "outside": False, "nested": nested,
+                    "act": "mish", "two": True}]} for nested in (False, True)},
 }
 
 
@@ -254,3 +263,16 @@ def test_fuzz_step_every_parameter_frozen_is_refused_by_name():
     assert r["status"] == "refused", r
     assert "no parameter of the optimizers requires grad (Rprop param group 0: 'front.weight' (requires_grad=False))" \
         in r["msg"], r
+
+
+# Seed 28 (33, 67, 257): a torch.cond nested in another cond's branch. torch 2.9's export fails on it (under
+# autocast its autocast pass loses the inner branch's graph, an AttributeError; without, its fake tracing cannot
+# prove the inner cond's output strides dense, a TorchRuntimeError), where eager runs it: refused by name, was an
+# internal error.
+def test_fuzz_step_nested_cond_export_failure_is_refused_by_name():
+    spec = {**_PLAIN, "model_seed": 155, "rng_seed": 329, "data_seed": 464, "front": "conv2d", "width": 8,
+            "blocks": [{"kind": "sdpa", "mask": "causal", "p": 0.0, "scale": 0.3},
+                       {"kind": "cond", "pred": "hidden", "share": False, "outside": True, "nested": True,
+                        "act": "tanh", "two": False}]}
+    with pytest.raises(NotImplementedError, match=r"export failed inside its handling of a torch.cond .* nested"):
+        fuzz_step.run_case(spec)
