@@ -1489,6 +1489,11 @@ class ReactiveGraph:
         if dst:
             self._refuse_grafted_edge(src, dst)
         self._refuse_joint_edit(src, "graft after", graft=True, dst=dst)
+        if not dst and hook != src:
+            # The other of two hook names in a row after a graft through one (or while one is patched): in eager the
+            # later hook's block runs after the earlier one's (or after its patch), while both grafts are spliced
+            # right after the one node, the newest first (fuzz_sweep 53:99: g(f(x)) computed as f(g(x)), silently).
+            self._refuse_other_hook_name(hook, src, f"graft({hook!r})")
         if not isinstance(block, torch.nn.Module):
             if not callable(block):
                 raise TypeError(f"graft: block must be an nn.Module or a callable, got {type(block).__name__}")

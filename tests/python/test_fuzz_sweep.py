@@ -59,6 +59,18 @@ FINDINGS["baseline_of_the_other_hook_name_after_a_graft"] = {"model": _LLAMA, "o
 FINDINGS["run_with_cache_of_the_other_hook_name_after_a_graft"] = {"model": _LLAMA, "ops": [
     {"op": "graft", "hook": "blocks.0.hook_resid_post", "block": "double", "seed": 0},
     {"op": "read", "how": "cache", "hooks": ["blocks.1.hook_resid_pre"]}]}
+# fuzz_sweep 53:99, reduced: a graft through blocks.1.hook_resid_pre after one through blocks.0.hook_resid_post (one
+# node), or while blocks.1.hook_resid_pre is patched and a graft goes through blocks.0.hook_resid_post: eager runs the
+# later hook's edit after the earlier one's, the graph spliced the newest block first, right after the node (0.44 off
+# at the logits); refused by name now.
+FINDINGS["graft_through_the_other_hook_name_after_a_graft"] = {"model": _LLAMA, "ops": [
+    {"op": "graft", "hook": "blocks.0.hook_resid_post", "block": "tanh", "seed": 0},
+    {"op": "graft", "hook": "blocks.1.hook_resid_pre", "block": "linear", "seed": 100},
+    {"op": "read", "how": "demand", "hooks": []}]}
+FINDINGS["graft_through_the_other_hook_name_while_patched"] = {"model": _LLAMA, "ops": [
+    {"op": "patch_t", "hook": "blocks.1.hook_resid_pre", "seed": 3},
+    {"op": "graft", "hook": "blocks.0.hook_resid_post", "block": "tanh", "seed": 0},
+    {"op": "read", "how": "demand", "hooks": []}]}
 
 _OPEN: set = set()  # findings not fixed yet: strict xfails
 
