@@ -1368,8 +1368,12 @@ class ReactiveGraph:
         # The baseline is not cached: a graft or weight edit under standing patches displaced it. It is what the
         # graph gives with no patch active, so the patches are lifted, the node read, and the patches put back by
         # value (the same pins; their cones recompute at the next read). That refusal read like an internal error.
+        # Only the baseline is read lifted: fn runs with the patches back, so a read of the graph inside it
+        # (rg.value(other)) sees them, as it does where the baseline was cached (it read the graph unpatched here:
+        # fuzz_sweep 54:190).
         with self._patches_lifted():
-            return self._checked_patch_fn_value(name, node, fn, eng.value(node))
+            clean = eng.value(node).clone()
+        return self._checked_patch_fn_value(name, node, fn, clean)
 
     def _checked_patch_fn_value(self, name: str, node: str, fn: Callable, clean: torch.Tensor) -> torch.Tensor:
         value = self._call_patch_fn(node, self._hook_view(name, fn), clean, "patch function")

@@ -71,6 +71,17 @@ FINDINGS["graft_through_the_other_hook_name_while_patched"] = {"model": _LLAMA, 
     {"op": "patch_t", "hook": "blocks.1.hook_resid_pre", "seed": 3},
     {"op": "graft", "hook": "blocks.0.hook_resid_post", "block": "tanh", "seed": 0},
     {"op": "read", "how": "demand", "hooks": []}]}
+# fuzz_sweep 54:190, reduced: a patch function reading the graph (rg.value of a node) at a node whose baseline a graft
+# displaced under a standing patch: patch() ran the function with the patches lifted, so rg.value inside it read the
+# unpatched graph, where without the graft it reads the patched one (0.02 off at the logits); the function runs with
+# the patches back now, only the baseline is read lifted.
+FINDINGS["patch_function_reading_the_graph_after_a_graft_under_a_patch"] = {"model": {
+    "seed": 354, "front": "linear", "d": 8, "T": 4, "B": 8, "dtype": "float32",
+    "blocks": [{"kind": "tiny"}, {"kind": "mha", "batch_first": False, "mask": "pad", "inner_hook": False}]}, "ops": [
+    {"op": "graft_in", "hook": "blocks.0.hook_out", "seed": 902, "k": 0},
+    {"op": "patch_t", "hook": "hook_embed", "seed": 191},
+    {"op": "patch_f", "hook": "blocks.1.hook_mid", "fn": "other", "p": 1, "seed": 40, "other": "blocks.1.hook_mid"},
+    {"op": "read", "how": "demand", "hooks": []}]}
 
 _OPEN: set = set()  # findings not fixed yet: strict xfails
 
