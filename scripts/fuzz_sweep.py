@@ -70,6 +70,10 @@ class Mismatch(Exception):
     pass
 
 
+class _Stop(Exception):
+    """Ends a case's operations: the graph accepted what it must refuse (a difference is recorded)."""
+
+
 class Boom(Exception):
     """The user's own exception, raised inside ``with rg.batch():``."""
 
@@ -108,6 +112,8 @@ def hooks_of(model_spec: dict) -> dict:
         return {f"blocks.{i}.{h}": 1 for i in range(len(model_spec["blocks"])) for h in GPT2_HOOKS}
     if model_spec.get("family") == "tl":
         return {}
+    if model_spec.get("family") == "hf":
+        return {f"blocks.{i}.{h}": 1 for i in range(len(model_spec["blocks"])) for h in HF_HOOKS[model_spec["arch"]]}
     hooks = {"hook_embed": 1}
     for i, b in enumerate(model_spec["blocks"]):
         if b["kind"] in ("mlp", "tiny", "mha", "enc", "conv"):
@@ -293,12 +299,90 @@ def run_tl_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
     return diffs, refusals
 
 
-def gen_spec(rng: random.Random) -> dict:
+def gen_spec(rng: random.Random, new_ground: bool = False) -> dict:
+    if new_ground:
+        return gen_spec_new(rng)
     if rng.random() < 0.12:
         return gen_tl_spec(rng)
     m = gen_model(rng)
     spec = {"model": m, "ops": gen_ops(rng, m)}
     if rng.random() < 0.3:  # ReactiveGraph's own options (README: cutoff=, positions=)
+        spec["graph"] = {"cutoff": rng.random() < 0.5, "positions": rng.random() < 0.5}
+    return spec
+
+
+# ------------------------------------------------------------------------------------------ new ground (seeds >= 52)
+# Seeds below NEW_GROUND_SEED replay the specs they always generated; from it on, cases also draw Hugging Face
+# families beyond GPT-2 (rotary, grouped-query attention, sliding window, parallel attention+MLP, learned positions,
+# a non-causal Bert whose token-granular cones must fall back), batch 1..8, and the operations users reach for that
+# the first ground lacks: in-place patch functions, patches of another dtype / shape / layout, patch functions that
+# read other nodes, steering vectors, a graft then a patch inside the grafted block, run_with_cache, sweeps over
+# (hook, negative position), (hook_z, head) and mixed whole-node / position sites, metrics reading several outputs
+# and reads= declared right, partially, wrongly or "auto".
+NEW_GROUND_SEED = 52
+HF_ARCHS = ("llama", "mistral", "qwen2", "gemma", "gpt_neox", "opt", "phi", "bert")
+HF_HOOKS = {"llama": GPT2_HOOKS, "mistral": GPT2_HOOKS, "qwen2": GPT2_HOOKS, "gemma": GPT2_HOOKS,
+            "gpt_neox": ("hook_resid_pre", "attn.hook_z", "hook_attn_out", "hook_mlp_out", "hook_resid_post"),
+            "phi": ("hook_resid_pre", "attn.hook_z", "hook_attn_out", "hook_mlp_out", "hook_resid_post"),
+            "opt": ("hook_resid_pre", "attn.hook_z", "hook_resid_post"),
+            # Bert exposes no TransformerLens names: sites are the node a module path's glob ends on (its output).
+            "bert": ("attention.output", "output")}
+NEW_FNS = ("zero", "scale", "noise", "pos", "steer", "inplace", "inplace_clone", "dtype", "shape", "stride", "other")
+
+
+def gen_model_new(rng: random.Random) -> dict:
+    r = rng.random()
+    if r < 0.55:
+        arch = rng.choice(HF_ARCHS)
+        m = {"family": "hf", "arch": arch, "seed": rng.randrange(1000), "d": 32, "heads": 4,
+             "vocab": rng.choice((50, 64)), "T": rng.choice((4, 5, 6, 8)), "B": rng.choice((1, 1, 2, 3, 8)),
+             "mask": rng.choice((None, None, "left", "ones")), "hs": rng.random() < 0.25,
+             "dtype": "float64" if rng.random() < 0.15 else "float32", "blocks": [{"kind": "hf"}] * 2}
+        if arch == "mistral":
+            m["sw"] = rng.choice((2, 3, 4096))
+        return m
+    m = gen_model(rng)
+    m["B"] = rng.choice((1, 2, 3, 8))
+    return m
+
+
+def gen_ops_new(rng: random.Random, m: dict) -> list:
+    ops = gen_ops(rng, m)
+    hooks = list(hooks_of(m))
+    n_in = 0
+    out = []
+    for o in ops:
+        if o["op"] == "patch_f" and rng.random() < 0.6:
+            o = {**o, "fn": rng.choice(NEW_FNS), "other": rng.choice(hooks)}
+        if o["op"] == "batch":
+            o = {**o, "ops": [{**i, "fn": rng.choice(NEW_FNS), "other": rng.choice(hooks)}
+                              if i["op"] == "patch_f" and rng.random() < 0.4 else i for i in o["ops"]]}
+        if o["op"] == "sweep":
+            o = {**o, "per": rng.choice(("pos", "pos", "neg", "whole", "mixed", "head")),
+                 "fn": rng.choice(("zero", "noise", "mean", "corrupt", "same", "steer", "other", "inplace",
+                                   "stride")),
+                 "metric": rng.choice(("last", "sum", "reads_last", "dict", "multi", "reads_partial",
+                                       "reads_wrong", "reads_auto", "reads_cols", "vec")),
+                 "batch": rng.choice((False, False, True, 2, 8)), "other": rng.choice(hooks)}
+        if o["op"] == "read" and rng.random() < 0.3:
+            o = {**o, "how": "cache"}
+        out.append(o)
+        r = rng.random()
+        if r < 0.15:  # a graft of Linear -> tanh, then a patch at the Linear inside it
+            out.append({"op": "graft_in", "hook": rng.choice(hooks), "seed": rng.randrange(1000), "k": n_in})
+            if rng.random() < 0.8:
+                out.append({"op": "patch_in", "k": n_in, "fn": rng.choice(("zero", "scale", "noise", "t")),
+                            "p": rng.randrange(m["T"]), "seed": rng.randrange(1000)})
+            n_in += 1
+    return out
+
+
+def gen_spec_new(rng: random.Random) -> dict:
+    if rng.random() < 0.05:
+        return gen_tl_spec(rng)
+    m = gen_model_new(rng)
+    spec = {"model": m, "ops": gen_ops_new(rng, m)}
+    if rng.random() < 0.3:
         spec["graph"] = {"cutoff": rng.random() < 0.5, "positions": rng.random() < 0.5}
     return spec
 
@@ -332,18 +416,89 @@ def gpt2_points(model, m: dict) -> dict:
     return points
 
 
+def build_hf(m: dict):
+    """A tiny Hugging Face model of ``m["arch"]`` (HF_ARCHS) from a config: 2 layers, d 32, 4 heads, no dropout."""
+    import transformers as T
+
+    import torch
+
+    torch.manual_seed(m["seed"])
+    a, v, d = m["arch"], m["vocab"], m["d"]
+    ids = dict(bos_token_id=0, eos_token_id=0)
+    common = dict(vocab_size=v, hidden_size=d, intermediate_size=2 * d, num_hidden_layers=len(m["blocks"]),
+                  num_attention_heads=m["heads"], max_position_embeddings=16, pad_token_id=0, **ids)
+    if a == "llama":  # rotary, grouped-query attention (2 key/value heads)
+        model = T.LlamaForCausalLM(T.LlamaConfig(**common, num_key_value_heads=2))
+    elif a == "mistral":  # sliding-window attention
+        model = T.MistralForCausalLM(T.MistralConfig(**common, num_key_value_heads=2, sliding_window=m["sw"]))
+    elif a == "qwen2":  # biases on q, k, v
+        model = T.Qwen2ForCausalLM(T.Qwen2Config(**common, num_key_value_heads=2))
+    elif a == "gemma":  # scaled embedding, RMSNorm(1 + w), multi-query attention
+        model = T.GemmaForCausalLM(T.GemmaConfig(**common, num_key_value_heads=1, head_dim=d // m["heads"]))
+    elif a == "gpt_neox":  # parallel attention and MLP, rotary on a quarter of each head
+        model = T.GPTNeoXForCausalLM(T.GPTNeoXConfig(
+            vocab_size=v, hidden_size=d, num_hidden_layers=len(m["blocks"]), num_attention_heads=m["heads"],
+            intermediate_size=2 * d, max_position_embeddings=16, rotary_pct=0.25, use_parallel_residual=True,
+            hidden_dropout=0.0, attention_dropout=0.0, **ids))
+    elif a == "opt":  # learned positions from the attention mask's cumsum
+        model = T.OPTForCausalLM(T.OPTConfig(
+            vocab_size=v, hidden_size=d, num_hidden_layers=len(m["blocks"]), ffn_dim=2 * d,
+            num_attention_heads=m["heads"], max_position_embeddings=16, dropout=0.0, attention_dropout=0.0,
+            word_embed_proj_dim=d, pad_token_id=1, **ids))
+    elif a == "phi":  # parallel, partial rotary, one LayerNorm
+        model = T.PhiForCausalLM(T.PhiConfig(
+            vocab_size=v, hidden_size=d, intermediate_size=2 * d, num_hidden_layers=len(m["blocks"]),
+            num_attention_heads=m["heads"], max_position_embeddings=16, partial_rotary_factor=0.5, resid_pdrop=0.0,
+            embd_pdrop=0.0, attention_dropout=0.0, **ids))
+    else:  # bert: bidirectional (token-granular cones must fall back to whole nodes)
+        model = T.BertForMaskedLM(T.BertConfig(
+            vocab_size=v, hidden_size=d, intermediate_size=2 * d, num_hidden_layers=len(m["blocks"]),
+            num_attention_heads=m["heads"], max_position_embeddings=16, pad_token_id=0, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0))
+    return model.to(getattr(torch, m["dtype"])).eval()
+
+
+def hf_points(model, m: dict) -> dict:
+    """{hook name: (module, how)} of an HF_ARCHS model for the reference, as ReactiveGraph names them (README,
+    "Coming from TransformerLens"): resid_pre the layer's input, attn_out / mlp_out the attention's / MLP's
+    output, resid_mid the pre-MLP norm's input, resid_post the layer's output, attn.hook_z the output
+    projection's input as [batch, pos, head, d_head]; Bert: the module's output."""
+    a, points = m["arch"], {}
+    if a == "bert":
+        for i, layer in enumerate(model.bert.encoder.layer):
+            points[f"blocks.{i}.attention.output"] = (layer.attention.output, "out")
+            points[f"blocks.{i}.output"] = (layer.output, "out")
+        return points
+    layers = {"gpt_neox": lambda: model.gpt_neox.layers, "opt": lambda: model.model.decoder.layers}.get(
+        a, lambda: model.model.layers)()
+    for i, layer in enumerate(layers):
+        attn = layer.attention if a == "gpt_neox" else layer.self_attn
+        proj = {"gpt_neox": "dense", "phi": "dense", "opt": "out_proj"}.get(a, "o_proj")
+        points[f"blocks.{i}.hook_resid_pre"] = (layer, "pre")
+        points[f"blocks.{i}.attn.hook_z"] = (getattr(attn, proj), "pre_z")
+        if a != "opt":
+            points[f"blocks.{i}.hook_attn_out"] = (attn, "out0")
+            points[f"blocks.{i}.hook_mlp_out"] = (layer.mlp, "out")
+        if a in ("llama", "mistral", "qwen2", "gemma"):
+            points[f"blocks.{i}.hook_resid_mid"] = (layer.post_attention_layernorm, "pre")
+        points[f"blocks.{i}.hook_resid_post"] = (layer, "out")
+    return points
+
+
 def logits_of(out):
     """The logits of a model's output: the tensor itself, or a Hugging Face ModelOutput's ``logits``."""
     return out if not hasattr(out, "keys") else out["logits"]
 
 
 def last_dim(m: dict, hook: str) -> int:
-    return m["d"] // 4 if hook.endswith("attn.hook_z") else m["d"]
+    return m["d"] // m.get("heads", 4) if hook.endswith("attn.hook_z") else m["d"]
 
 
 def build_model(m: dict):
     if m.get("family") == "gpt2":
         return build_gpt2(m)
+    if m.get("family") == "hf":
+        return build_hf(m)
     import torch
     import torch.nn as nn
     from transformer_lens.hook_points import HookPoint
@@ -457,6 +612,9 @@ def make_input(m: dict, seed: int, t: int):
 
     g = torch.Generator().manual_seed(seed)
     b, dtype = m["B"], getattr(torch, m["dtype"])
+    if m.get("family") == "hf":
+        (ids,), kw = make_input({**m, "family": "gpt2"}, seed, t)
+        return (ids,), ({**kw, "output_hidden_states": True} if m.get("hs") else kw)
     if m.get("family") == "gpt2":
         ids = torch.randint(0, m["vocab"], (b, t), generator=g)
         if m["mask"] is None:
@@ -475,15 +633,18 @@ def make_input(m: dict, seed: int, t: int):
 
 def clone_input(x):
     args, kw = x
-    return tuple(a.clone() for a in args), {k: v.clone() for k, v in kw.items()}
+    return tuple(a.clone() for a in args), {k: v.clone() if hasattr(v, "clone") else v for k, v in kw.items()}
 
 
 # ------------------------------------------------------------------------------------------ reference
 class Reference:
     """Eager PyTorch with forward hooks on the hook points: the documented semantics, no torch_ext."""
 
-    def __init__(self, model, x, points):
+    def __init__(self, model, x, points, heads=4):
         self.model, self.x = model, x   # x: (positional inputs, keyword inputs)
+        self.heads = heads              # attn.hook_z's heads
+        self.full = None                # the last forward's whole output (a metric reading several outputs)
+        self._seen = None               # the running forward's {hook: value} (RefGraftIn records into it)
         self.points = points            # hook -> (module, how): "out", "out0" (a tuple's first), "pre", "pre_z"
         self.patches: dict = {}  # hook -> tensor (the frozen value)
         self.grafts: dict = {}   # hook -> [block, ...] (applied after the patch, in graft order)
@@ -493,6 +654,7 @@ class Reference:
         import torch
 
         seen, handles = {}, []
+        self._seen, self._override = seen, override
 
         def apply(name, v):
             if name in self.patches:
@@ -507,7 +669,7 @@ class Reference:
 
         def out_hook(name, how):
             def hook(mod, args, out):
-                if how == "out0":
+                if how == "out0" or (how == "out" and isinstance(out, tuple)):
                     return (apply(name, out[0]),) + tuple(out[1:])
                 return apply(name, out)
             return hook
@@ -517,7 +679,7 @@ class Reference:
                 x = args[0] if args else kwargs["hidden_states"]
                 if how == "pre_z":  # [batch, pos, d] -> the hook's [batch, pos, head, d_head] and back
                     b, t, d = x.shape
-                    y = apply(name, x.view(b, t, 4, d // 4)).reshape(b, t, d)
+                    y = apply(name, x.view(b, t, self.heads, d // self.heads)).reshape(b, t, d)
                 else:
                     y = apply(name, x)
                 if args:
@@ -525,20 +687,29 @@ class Reference:
                 return args, {**kwargs, "hidden_states": y}
             return hook
 
+        # prepend: before Hugging Face's own hooks (transformers 5 records output_hidden_states by forward hooks it
+        # installs at the first call and keeps), so hidden_states holds the hooked value at every call, as at the
+        # first (and as the layer's returned value, which older transformers appended).
         for name, (mod, how) in self.points.items():
             if how.startswith("pre"):
-                handles.append(mod.register_forward_pre_hook(pre_hook(name, how), with_kwargs=True))
+                handles.append(mod.register_forward_pre_hook(pre_hook(name, how), with_kwargs=True, prepend=True))
             else:
-                handles.append(mod.register_forward_hook(out_hook(name, how)))
+                handles.append(mod.register_forward_hook(out_hook(name, how), prepend=True))
         try:
             # Grad mode on: under no_grad an eval-mode nn.MultiheadAttention / nn.TransformerEncoderLayer takes
             # its fused fast path (torch._native_multi_head_attention), other kernels than the traced graph's.
             with torch.enable_grad():
                 args, kw = self.x
-                out = logits_of(self.model(*args, **kw))
+                full = self.model(*args, **kw)
+                out = logits_of(full)
         finally:
             for h in handles:
                 h.remove()
+        # Detached, and nothing of this forward kept on self: forward64 deep-copies the reference.
+        self.full = full.detach() if not hasattr(full, "keys") else {
+            k: tuple(t.detach() for t in v) if isinstance(v, tuple) else v.detach() for k, v in full.items()
+            if isinstance(v, torch.Tensor) or (isinstance(v, tuple) and all(isinstance(t, torch.Tensor) for t in v))}
+        self._seen = self._override = None
         return out.detach(), {k: v.detach() for k, v in seen.items()}
 
     def forward64(self, override=None):
@@ -562,7 +733,7 @@ class Reference:
 
 
 # ------------------------------------------------------------------------------------------ case
-def patch_fn_of(o: dict, seq_dim: int):
+def patch_fn_of(o: dict, seq_dim: int, other=None):
     import torch
 
     kind = o["fn"]
@@ -570,6 +741,23 @@ def patch_fn_of(o: dict, seq_dim: int):
     def fn(v):
         if kind == "zero":
             return torch.zeros_like(v)
+        if kind == "steer":  # a steering vector, at every position
+            g = torch.Generator().manual_seed(o["seed"])
+            return v + torch.randn(v.shape[-1], generator=g, dtype=v.dtype)
+        if kind == "inplace":  # writes into its argument and returns it (README: must return a new tensor)
+            return v.mul_(0)
+        if kind == "inplace_clone":  # writes into its argument (a copy), returns a new tensor
+            v.mul_(0)
+            return v.clone()
+        if kind == "dtype":  # must be refused by name
+            return v.to(torch.float64 if v.dtype == torch.float32 else torch.float32)
+        if kind == "shape":  # must be refused by name
+            return v.narrow(seq_dim, 0, v.shape[seq_dim] - 1).clone()
+        if kind == "stride":  # the node's values times 1.5, in another memory layout
+            return (v * 1.5).transpose(-1, -2).contiguous().transpose(-1, -2)
+        if kind == "other":  # reads another node (the graph: rg.value inside the function)
+            ov = other()
+            return v + 0.5 * (ov if ov.shape == v.shape else ov.mean())
         if kind == "scale":
             return v * 1.5
         if kind == "noise":
@@ -616,23 +804,78 @@ def KeptLayout(inner):  # noqa: N802 - a class made on first use (torch is impor
     return _KEPT(inner)
 
 
-def metric_of(kind: str, out_key=0):
-    """(metric for the graph, metric for the reference, scale(out), reads or None)."""
+def _ref_graft_in_cls():
+    import torch
+
+    class RefGraftIn(torch.nn.Module):
+        """The reference of a graft nn.Sequential(Linear, Tanh) whose Linear output the graph names (a patch or a
+        site there): the patch (frozen value) or the site's value replaces it, as a forward hook on the Linear."""
+
+        def __init__(self, lin, name, ref):
+            super().__init__()
+            self.lin, self.name, self.ref = lin, name, ref
+
+        def forward(self, t):
+            u, r = self.lin(t), self.ref
+            if self.name in r.patches:
+                u = r.patches[self.name]
+            if r._override is not None and r._override[0] == self.name:
+                u = r._override[1]
+            r._seen[self.name] = u
+            return torch.tanh(u)
+    return RefGraftIn
+
+
+def RefGraftIn(lin, name, ref):  # noqa: N802 - a class made on first use
+    global _RGI
+    if "_RGI" not in globals():
+        _RGI = _ref_graft_in_cls()
+    return _RGI(lin, name, ref)
+
+
+def metric_of(kind: str, out_key=0, m=None):
+    """(metric for the graph, metric for the reference (on the whole output), scale(logits), reads or None,
+    whether the sweep must refuse it: a metric reading outside its reads=)."""
     import torch
 
     def w_of(out):
         return torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)
 
-    if kind in ("last", "reads_last"):
+    if kind in ("last", "reads_last", "reads_auto"):
         met = lambda out: float((out[:, -1] * w_of(out)).sum())  # noqa: E731
         scale = lambda out: float((out[:, -1].abs() * w_of(out).abs()).sum())  # noqa: E731
-        reads = {out_key: (slice(None), -1)} if kind == "reads_last" else None
-        return lambda out: met(logits_of(out)), met, scale, reads
+        reads = {out_key: (slice(None), -1)} if kind == "reads_last" else "auto" if kind == "reads_auto" else None
+        return lambda out: met(logits_of(out)), lambda out: met(logits_of(out)), scale, reads, False
     if kind == "sum":
         met = lambda out: float(out.sum())  # noqa: E731
-        return lambda out: met(logits_of(out)), met, lambda out: float(out.abs().sum()), None
+        return lambda out: met(logits_of(out)), lambda out: met(logits_of(out)), lambda out: float(out.abs().sum()), \
+            None, False
+    if kind in ("multi", "reads_partial"):  # reads two outputs (logits and a hidden state) or two positions
+        hs = bool(m and m.get("hs"))
+
+        def met(out):
+            lg = logits_of(out)
+            second = out["hidden_states"][1][:, -1].sum() if hs else (lg[:, 0] * w_of(lg)).sum()
+            return float((lg[:, -1] * w_of(lg)).sum() + 0.5 * second)
+
+        def scale(out):
+            return float((out[:, -1].abs() * w_of(out).abs()).sum() + (out[:, 0].abs() * w_of(out).abs()).sum())
+        # reads_partial declares the logits' last row: the second position is outside it (refused), while a
+        # hidden state is another output, which a declaration not naming it reads whole (_read_rows: -1).
+        reads = {out_key: (slice(None), -1)} if kind == "reads_partial" else None
+        return met, met, scale, reads, kind == "reads_partial" and not hs
+    if kind == "reads_wrong":  # reads row -2, declares row -1
+        met = lambda out: float((logits_of(out)[:, -2] * w_of(logits_of(out))).sum())  # noqa: E731
+        return met, met, lambda out: float(out[:, -2].abs().sum()), {out_key: (slice(None), -1)}, True
+    if kind == "reads_cols":  # a logit difference, its two columns declared
+        met = lambda out: float((logits_of(out)[:, -1, 1] - logits_of(out)[:, -1, 2]).sum())  # noqa: E731
+        return met, met, lambda out: float(out[:, -1, 1:3].abs().sum()), {out_key: (slice(None), -1, [1, 2])}, False
+    if kind == "vec":  # one value per example, kept as a tensor
+        met = lambda out: (logits_of(out)[:, -1, 0] - logits_of(out)[:, -1, 1]).detach().clone()  # noqa: E731
+        return met, met, lambda out: float(out[:, -1, :2].abs().sum()), None, False
     met = lambda out: {"a": float(out[0, 0, 0]), "b": float(out[-1].mean())}  # noqa: E731
-    return lambda out: met(logits_of(out)), met, lambda out: float(out.abs().max()), None
+    return lambda out: met(logits_of(out)), lambda out: met(logits_of(out)), lambda out: float(out.abs().max()), \
+        None, False
 
 
 def close(a: float, b: float, scale: float) -> bool:
@@ -659,10 +902,24 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict, int]:
     rg = torch_ext.ReactiveGraph(model, x[0], example_kwargs=x[1] or None, **spec.get("graph", {}))
     _fuzz_driver.enter("run")  # operations refused by name are noted by op (note), anything else raises
     cur = [x]  # the graph's inputs now (run() replaces them): an input edit writes into them
-    points = gpt2_points(ref_model, m) if m.get("family") == "gpt2" else {
-        mod.name: (mod, "out") for mod in ref_model.modules() if type(mod).__name__ == "HookPoint"}
-    ref = Reference(ref_model, clone_input(x), points)
-    out_key = "logits" if m.get("family") == "gpt2" else 0
+    if m.get("family") == "gpt2":
+        points = gpt2_points(ref_model, m)
+    elif m.get("family") == "hf":
+        points = hf_points(ref_model, m)
+    else:
+        points = {mod.name: (mod, "out") for mod in ref_model.modules() if type(mod).__name__ == "HookPoint"}
+    ref = Reference(ref_model, clone_input(x), points, m.get("heads", 4))
+    out_key = "logits" if m.get("family") in ("gpt2", "hf") else 0
+    # The graph's name of each spec name: itself, Bert's module-path sites the node their glob ends on, a graft's
+    # inner Linear (graft_in) the node graft() returned.
+    G = {h: h for h in seq_dims}
+    if m.get("family") == "hf" and m["arch"] == "bert":
+        for h in list(G):
+            _, i, rest = h.split(".", 2)
+            G[h] = rg.nodes(f"bert.encoder.layer.{i}.{rest}*")[-1]
+
+    def gn(h):
+        return G.get(h, h)
     diffs: list[str] = []
     refusals: dict[str, int] = {}
     graft_mods = []  # (graph's block, reference's block) for nn.Module grafts
@@ -671,6 +928,8 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict, int]:
     def note(exc, where):
         name = type(exc).__name__
         msg = str(exc)
+        if type(exc).__module__.startswith("torch_ext"):  # torch_ext's own ValueError subclass (_ReadsOutside)
+            name = next((c.__name__ for c in type(exc).__mro__ if c.__name__ in _fuzz_driver.OK_ERRORS), name)
         if name in _fuzz_driver.OK_ERRORS and not any(k in msg for k in _fuzz_driver.BAD_MARKERS):
             key = f"{where}: {name}: " + re.sub(r"\d+", "N", msg.splitlines()[0] if msg else "")[:150]
             refusals[key] = refusals.get(key, 0) + 1
@@ -719,17 +978,26 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict, int]:
             return
         diffs.append(f"{what}: {a!r} vs eager {b!r} (scale {scale})")
 
-    def do_patch(o):
+    def do_patch(o, where=""):
         h = o["hook"]
         if o["op"] == "patch_t":
             _, seen = ref.forward()
             g = torch.Generator().manual_seed(o["seed"])
             t = torch.randn(seen[h].shape, generator=g, dtype=seen[h].dtype)
-            rg.patch(h, t.clone())
+            rg.patch(gn(h), t.clone())
             ref.patches[h] = t
         else:
-            fn = patch_fn_of(o, seq_dims[h])
-            rg.patch(h, fn)
+            if o["fn"] == "other":  # the other node's value now (standing patches in), read inside the function
+                _, now = ref.forward()
+                other_now = now.get(o["other"])
+                fn = patch_fn_of(o, seq_dims[h], other=lambda: other_now)
+                fn_g = patch_fn_of(o, seq_dims[h], other=lambda: rg.value(gn(o["other"])))
+            else:
+                fn = fn_g = patch_fn_of(o, seq_dims[h])
+            rg.patch(gn(h), fn_g)
+            if o["fn"] in ("dtype", "shape"):
+                diffs.append(f"{where}: rg.patch({h!r}) accepted a function returning another {o['fn']}")
+                raise _Stop
             # ReactiveGraph.patch: "f receives the node's baseline value (no patch active)", grafts included.
             saved, ref.patches = ref.patches, {}
             try:
@@ -741,7 +1009,7 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict, int]:
     def do_graft(o):
         blk = graft_block(o, last_dim(m, o["hook"]), dtype)
         rblk = copy.deepcopy(blk) if isinstance(blk, torch.nn.Module) else blk
-        rg.graft(o["hook"], blk)
+        rg.graft(gn(o["hook"]), blk)
         # A node-form graft is spliced right after the node, before the blocks grafted there earlier (intended:
         # tests/python/test_reactive_graft_blocks.py), where a second eager forward hook would run after the first.
         ref.grafts.setdefault(o["hook"], []).insert(0, rblk)
@@ -755,12 +1023,32 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict, int]:
             print(where, json.dumps(o))
         try:
             if op in ("patch_t", "patch_f"):
-                do_patch(o)
+                do_patch(o, where)
+            elif op == "graft_in":  # nn.Sequential(Linear, Tanh) grafted; its Linear's node is named in{k}
+                dd = last_dim(m, o["hook"])
+                torch.manual_seed(o["seed"])
+                blk = torch.nn.Sequential(torch.nn.Linear(dd, dd).to(dtype), torch.nn.Tanh())
+                name = f"in{o['k']}"
+                rblk = RefGraftIn(copy.deepcopy(blk[0]), name, ref)
+                names = rg.graft(gn(o["hook"]), blk)
+                # The Linear's node (a graft at attn.hook_z starts with the reshape into heads)
+                G[name] = next(n for n in names if "linear" in n)
+                seq_dims[name] = seq_dims[o["hook"]]
+                ref.grafts.setdefault(o["hook"], []).insert(0, rblk)
+                graft_mods.append((blk, rblk))
+            elif op == "patch_in":
+                name = f"in{o['k']}"
+                if name not in G:
+                    continue
+                if o["fn"] == "t":
+                    do_patch({"op": "patch_t", "hook": name, "seed": o["seed"]}, where)
+                else:
+                    do_patch({"op": "patch_f", "hook": name, "fn": o["fn"], "p": o["p"], "seed": o["seed"]}, where)
             elif op == "restore":
                 rg.restore()
                 ref.patches.clear()
             elif op == "restore1":
-                rg.restore(o["hook"])
+                rg.restore(gn(o["hook"]))
                 ref.patches.pop(o["hook"], None)
             elif op == "graft":
                 do_graft(o)
@@ -812,7 +1100,7 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict, int]:
                             elif inner["op"] == "graft":
                                 do_graft(inner)
                             else:
-                                do_patch(inner)
+                                do_patch(inner, where)
                         if o["raise"]:
                             raise Boom("user's exception")
                 except Boom:
@@ -826,11 +1114,17 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict, int]:
                 out, seen = ref.forward()
                 if o["how"] == "value":
                     for h in o["hooks"]:
-                        eq(rg.value(h), seen[h], f"{where} value({h})")
+                        eq(rg.value(gn(h)), seen[h], f"{where} value({h})")
                 elif o["how"] == "values":
-                    got = rg.values(o["hooks"])
+                    got = rg.values([gn(h) for h in o["hooks"]])
                     for h in o["hooks"]:
-                        eq(got[h], seen[h], f"{where} values()[{h}]")
+                        eq(got[gn(h)], seen[h], f"{where} values()[{h}]")
+                elif o["how"] == "cache":  # run_with_cache on the current inputs (refused under patches)
+                    args, kws = cur[0]
+                    got_out, cache = rg.run_with_cache(*args, **kws)
+                    eq(logits_of(got_out), out, f"{where} run_with_cache() output")
+                    for h in o["hooks"]:
+                        eq(cache[gn(h)], seen[h], f"{where} run_with_cache()[{h}]")
                 elif o["how"] == "demand":
                     eq(logits_of(rg.demand()), out, f"{where} demand()")
                 elif o["how"] == "baseline":  # no patch active; grafts and edits included
@@ -840,13 +1134,15 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict, int]:
                     finally:
                         ref.patches = saved
                     for h in o["hooks"]:
-                        eq(rg.baseline(h), clean[h], f"{where} baseline({h})")
+                        eq(rg.baseline(gn(h)), clean[h], f"{where} baseline({h})")
                 else:
                     got = logits_of(rg.demand(reads={out_key: (slice(None), -1)}))
                     eq(got[:, -1], out[:, -1], f"{where} demand(reads)[:, -1]", tol_ok=True,
                        floor=lambda: float((out[:, -1].double() - ref.forward64()[:, -1]).abs().max()))
             elif op == "sweep":
-                sweep_op(o, where, rg, ref, seq_dims, m, eq, torch_ext, torch, out_key)
+                sweep_op(o, where, rg, ref, seq_dims, m, eq, torch_ext, torch, out_key, gn, diffs)
+        except _Stop:
+            return diffs, refusals, floored[0]
         except Exception as exc:  # noqa: BLE001 - classified
             note(exc, where)
     # Whatever happened, the graph's outputs must be eager's at the end.
@@ -858,11 +1154,36 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict, int]:
     return diffs, refusals, floored[0]
 
 
-def sweep_op(o, where, rg, ref, seq_dims, m, eq, torch_ext, torch, out_key):
+def sweep_op(o, where, rg, ref, seq_dims, m, eq, torch_ext, torch, out_key, gn=lambda h: h, diffs=None):
     out0, seen0 = ref.forward()
+    full0 = ref.full
     hooks = o["hooks"]
     t = out0.shape[1]
-    sites = [(h, p) for h in hooks for p in range(seen0[h].shape[seq_dims[h]])] if o["per_pos"] else list(hooks)
+    per = o.get("per", "pos" if o["per_pos"] else "whole")
+
+    def n_of(h):
+        return seen0[h].shape[seq_dims[h]]
+
+    if per == "pos":
+        sites = [(h, p) for h in hooks for p in range(n_of(h))]
+    elif per == "neg":  # (hook, -k): the patch function indexes with it, as a user's v[:, site[1]] does
+        sites = [(h, p - n_of(h)) for h in hooks for p in range(n_of(h))]
+    elif per == "mixed":  # whole-node and one-position sites in one list (the same node's too)
+        sites = []
+        for i, h in enumerate(hooks):
+            if i % 2 == 0:
+                sites.append(h)
+            if i % 2 == 1 or len(hooks) == 1:
+                sites += [(h, p) for p in range(n_of(h))]
+    elif per == "head":  # attn.hook_z: one head at every position (TransformerLens's per-head patching)
+        sites = []
+        for h in hooks:
+            if h.endswith("attn.hook_z"):
+                sites += [(h, f"head{k}") for k in range(seen0[h].shape[2])]
+            else:
+                sites += [(h, p) for p in range(n_of(h))]
+    else:
+        sites = list(hooks)
     corrupt = None
     if o["fn"] in ("corrupt", "mean"):
         saved = ref.x
@@ -870,8 +1191,11 @@ def sweep_op(o, where, rg, ref, seq_dims, m, eq, torch_ext, torch, out_key):
         _, corrupt = ref.forward()
         ref.x = saved
     kind = o["fn"]
+    other_ref = seen0.get(o.get("other"))
+    live = o["seed"] % 2 == 0  # "other": the graph read inside the patch function, else a value read before
+    captured = rg.value(gn(o["other"])).clone() if kind == "other" and not live else None
 
-    def patch_fn(v, site):
+    def patch_fn(v, site, other=None):
         h, p = site if isinstance(site, tuple) else (site, None)
         sd = seq_dims[h]
         if kind == "same":
@@ -879,19 +1203,43 @@ def sweep_op(o, where, rg, ref, seq_dims, m, eq, torch_ext, torch, out_key):
         if kind == "zero":
             src = torch.zeros_like(v)
         elif kind == "noise":
-            g = torch.Generator().manual_seed(o["seed"] * 131 + (p or 0))
+            g = torch.Generator().manual_seed(o["seed"] * 131 + (p if isinstance(p, int) else 0))
             src = v + torch.randn(v.shape, generator=g, dtype=v.dtype)
+        elif kind == "steer":  # a steering vector added along the last dim
+            g = torch.Generator().manual_seed(o["seed"])
+            src = v + torch.randn(v.shape[-1], generator=g, dtype=v.dtype)
+        elif kind == "other":
+            ov = other()
+            src = v + 0.5 * (ov if ov.shape == v.shape else ov.mean())
         elif kind == "mean":
             src = corrupt[h].mean(dim=sd, keepdim=True).expand_as(v)
+        elif kind in ("inplace", "stride"):
+            src = v * 1.5
         else:
             src = corrupt[h]
         if p is None:
-            return src.clone()
-        w = v.clone()
-        w.select(sd, p).copy_(src.select(sd, p))
+            w = src.clone()
+        elif isinstance(p, str):  # "head<k>": dim 2 of [batch, pos, head, d_head]
+            w = v.clone()
+            k = int(p[4:])
+            w.select(2, k).copy_(src.select(2, k))
+        else:
+            w = v.clone()
+            w.select(sd, p).copy_(src.select(sd, p))
+        if kind == "stride":  # the same values in another memory layout: another input, on every path
+            w = w.transpose(-1, -2).contiguous().transpose(-1, -2)
         return w
 
-    met, ref_met, scale_of, reads = metric_of(o["metric"], out_key)
+    to_spec = {((gn(s[0]), s[1]) if isinstance(s, tuple) else gn(s)): s for s in sites}
+
+    def graph_patch(v, gsite):
+        w = patch_fn(v, to_spec[gsite], other=(lambda: rg.value(gn(o["other"]))) if live else (lambda: captured))
+        if kind == "inplace":  # a TransformerLens-style setter: writes into its argument and returns it
+            v.copy_(w)
+            return v
+        return w
+
+    met, ref_met, scale_of, reads, expect_refusal = metric_of(o["metric"], out_key, m)
     kw = {"progress": False, "skip_identical": o["skip"]}
     if o["batch"] is not False:
         kw["batch_sites"] = o["batch"]
@@ -899,21 +1247,25 @@ def sweep_op(o, where, rg, ref, seq_dims, m, eq, torch_ext, torch, out_key):
         kw["positions"] = o["positions"]
     if reads is not None:
         kw["reads"] = reads
-    res = torch_ext.sweep(rg, sites, patch_fn, met, **kw)
+    res = torch_ext.sweep(rg, list(to_spec), graph_patch, met, **kw)
+    if expect_refusal:
+        diffs.append(f"{where}: a metric reading outside its reads= ({o['metric']}) was not refused")
+        return
     # Tolerance: token-granular rows (positions on, per-position sites) and batched stacks; else bits.
-    tol_ok = bool(o["batch"] is not False or (o["per_pos"] and o["positions"] is None) or reads is not None)
+    tol_ok = bool(o["batch"] is not False or (per != "whole" and o["positions"] is None) or reads is not None)
     scale0 = scale_of(out0)
+
     def floor_of(out, override=None):  # eager float32's own error, through the metric's scale functional
         return lambda: scale_of((out.double() - ref.forward64(override)).abs())
 
-    eq(res.clean_metric, ref_met(out0), f"{where} clean_metric", tol_ok, scale0, floor_of(out0)) if not isinstance(
-        res.clean_metric, dict) else None
-    for site in sites:
+    if not isinstance(res.clean_metric, dict):
+        eq(res.clean_metric, ref_met(full0), f"{where} clean_metric", tol_ok, scale0, floor_of(out0))
+    for gsite, site in to_spec.items():
         h = site[0] if isinstance(site, tuple) else site
-        pv = patch_fn(seen0[h].clone(), site)
+        pv = patch_fn(seen0[h].clone(), site, other=lambda: other_ref)
         out, _ = ref.forward(override=(h, pv))
-        want = ref_met(out)
-        got = res.metrics.get(site)
+        want = ref_met(ref.full)
+        got = res.metrics.get(gsite)
         sc = max(scale_of(out), scale0)
         if isinstance(want, dict):
             for k in want:
@@ -969,7 +1321,7 @@ def minimize(spec: dict) -> dict:
 
 
 def case_spec(seed: int, i: int) -> dict:
-    return gen_spec(random.Random(f"sweep{seed}:{i}"))
+    return gen_spec(random.Random(f"sweep{seed}:{i}"), new_ground=seed >= NEW_GROUND_SEED)
 
 
 class _OpTally(_fuzz_driver.Tally):

@@ -84,6 +84,9 @@ def gradients(rg, metric: Callable, names: list[str]) -> dict[str, torch.Tensor]
         if not isinstance(name, str):
             raise TypeError(f"gradient: expected node or hook names (str), got {type(name).__name__} {name!r}")
         node = rg._read_node(name)
+        # After a graft through the other of two hook names in a row, eager's gradient at this one is the block
+        # output's or the value's before it: one node has one (it answered the same for both names).
+        rg._refuse_other_hook_name(name, node, f"gradient({name!r})", pinned=False)
         _refuse_node(rg, name, node)
         nodes[name] = node
     requested = set(nodes.values())

@@ -864,12 +864,13 @@ class ReactiveGraph:
             raise RuntimeError(f"{what} is not allowed while a sweep runs on this graph (from a patch function or "
                                "metric); a sweep leaves the graph as it found it")
 
-    def _refuse_other_hook_name(self, name: str, node: str, what: str) -> None:
+    def _refuse_other_hook_name(self, name: str, node: str, what: str, pinned: bool = True) -> None:
         """Two hook points in a row (``hook_pre(hook_post(x))``: a block's ``hook_resid_post`` and the next one's
         ``hook_resid_pre``) address one node of the graph. A patch made through one of them is, in eager, seen by
         the other only downstream of it: reading, patching or sweeping the other name while that patch stands has
         no single answer in one node (a sweep at hook_post with hook_pre pinned answered 1.207 where eager gives
-        -0.287, silently). Refused, naming both, until the patch is restored."""
+        -0.287, silently). Refused, naming both, until the patch is restored. ``pinned=False``: the graft's
+        refusal only (a read with no patch active, baseline(), or a gradient, which passes through a patch)."""
         grafted_as = self.__dict__.get("_graft_hook_names", {}).get(node)
         if grafted_as is not None and grafted_as != name and name in self._hooks:
             # A node-form graft made through one of the two names: in eager, the hook that runs after it sees the
@@ -880,7 +881,7 @@ class ReactiveGraph:
                              f"node ('{node}') of the graph, and a block was grafted through '{grafted_as}': in eager "
                              f"one of them sees the block's output, which one node cannot hold. Use '{grafted_as}' "
                              f"(the value before the block), or the block's output node")
-        pinned_as = self.__dict__.get("_pin_names", {}).get(node)
+        pinned_as = self.__dict__.get("_pin_names", {}).get(node) if pinned else None
         if pinned_as is None or pinned_as == name or name not in self._hooks or pinned_as not in self._hooks:
             return
         if node not in self._engine.pinned():
@@ -1203,6 +1204,9 @@ class ReactiveGraph:
             self._refuse_changed_state("baseline")
             self._take_untracked_writes()
             node_name = self._read_node(node)
+            # After a graft through the other of two hook names in a row this one is, in eager, the block's
+            # output or the value before it: refused as value() refuses it (it answered the value before).
+            self._refuse_other_hook_name(node, node_name, f"baseline({node!r})", pinned=False)
             value = _cached_baseline(self._engine, node_name)
             if value is None:  # displaced by a graft or weight edit under standing patches: see _patch_fn_value
                 with self._patches_lifted():
@@ -1246,8 +1250,13 @@ class ReactiveGraph:
         hook's layout (TransformerLens's: ``blocks.<l>.attn.hook_z`` as [batch, pos, head, d_head]), a node name
         in the node's own."""
         out = self.run(*args, **kwargs)
-        cache = {name: self._engine.value(name) for name in self._countable}
+        cache = _HookCache({name: self._engine.value(name) for name in self._countable})
         for hook, node in self._hooks.items():
+            try:  # the other of two hook names in a row after a graft through one: no value in one node
+                self._refuse_other_hook_name(hook, node, f"run_with_cache()[{hook!r}]", pinned=False)
+            except ValueError as e:
+                cache.refused[hook] = str(e)
+                continue
             # A hook point whose value nothing reads (a RoPE bridge's rotary_emb.hook_in): its alias node was
             # dropped from the graph as dead code; its value is its source's.
             node = self._unread_hooks.get(node, node)
@@ -1359,8 +1368,12 @@ class ReactiveGraph:
         # The baseline is not cached: a graft or weight edit under standing patches displaced it. It is what the
         # graph gives with no patch active, so the patches are lifted, the node read, and the patches put back by
         # value (the same pins; their cones recompute at the next read). That refusal read like an internal error.
+        # Only the baseline is read lifted: fn runs with the patches back, so a read of the graph inside it
+        # (rg.value(other)) sees them, as it does where the baseline was cached (it read the graph unpatched here:
+        # fuzz_sweep 54:190).
         with self._patches_lifted():
-            return self._checked_patch_fn_value(name, node, fn, eng.value(node))
+            clean = eng.value(node).clone()
+        return self._checked_patch_fn_value(name, node, fn, clean)
 
     def _checked_patch_fn_value(self, name: str, node: str, fn: Callable, clean: torch.Tensor) -> torch.Tensor:
         value = self._call_patch_fn(node, self._hook_view(name, fn), clean, "patch function")
@@ -1492,6 +1505,11 @@ class ReactiveGraph:
         if dst:
             self._refuse_grafted_edge(src, dst)
         self._refuse_joint_edit(src, "graft after", graft=True, dst=dst)
+        if not dst and hook != src:
+            # The other of two hook names in a row after a graft through one (or while one is patched): in eager the
+            # later hook's block runs after the earlier one's (or after its patch), while both grafts are spliced
+            # right after the one node, the newest first (fuzz_sweep 53:99: g(f(x)) computed as f(g(x)), silently).
+            self._refuse_other_hook_name(hook, src, f"graft({hook!r})")
         if not isinstance(block, torch.nn.Module):
             if not callable(block):
                 raise TypeError(f"graft: block must be an nn.Module or a callable, got {type(block).__name__}")
@@ -2516,6 +2534,21 @@ class _InMetric:
                 "which attribution patching approximates") from e
         finally:
             self.rg._in_metric = before
+
+
+class _HookCache(dict):
+    """run_with_cache's cache: a hook name it cannot answer (the other of two hook names in a row after a graft
+    through one, see _refuse_other_hook_name) is left out, and asking for it raises the ValueError saying why
+    (it held the value before the block, where eager's hook sees the block's output)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.refused: dict[str, str] = {}
+
+    def __missing__(self, key):
+        if key in self.refused:
+            raise ValueError(self.refused[key])
+        raise KeyError(key)
 
 
 class _ReadsOutside(ValueError):

@@ -48,6 +48,41 @@ FINDINGS = {
 }
 
 
+# fuzz_sweep 52:31, reduced: after a graft through blocks.0.hook_resid_post, baseline() and run_with_cache() at
+# blocks.1.hook_resid_pre (the same node) answered the value before the block, where eager's hook sees the block's
+# output (0.0712 off on this Llama); refused by name now, as value() is.
+_LLAMA = {"family": "hf", "arch": "llama", "seed": 158, "d": 32, "heads": 4, "vocab": 50, "T": 6, "B": 1,
+          "mask": None, "hs": False, "dtype": "float32", "blocks": [{"kind": "hf"}, {"kind": "hf"}]}
+FINDINGS["baseline_of_the_other_hook_name_after_a_graft"] = {"model": _LLAMA, "ops": [
+    {"op": "graft", "hook": "blocks.0.hook_resid_post", "block": "double", "seed": 0},
+    {"op": "read", "how": "baseline", "hooks": ["blocks.0.hook_resid_post", "blocks.1.hook_resid_pre"]}]}
+FINDINGS["run_with_cache_of_the_other_hook_name_after_a_graft"] = {"model": _LLAMA, "ops": [
+    {"op": "graft", "hook": "blocks.0.hook_resid_post", "block": "double", "seed": 0},
+    {"op": "read", "how": "cache", "hooks": ["blocks.1.hook_resid_pre"]}]}
+# fuzz_sweep 53:99, reduced: a graft through blocks.1.hook_resid_pre after one through blocks.0.hook_resid_post (one
+# node), or while blocks.1.hook_resid_pre is patched and a graft goes through blocks.0.hook_resid_post: eager runs the
+# later hook's edit after the earlier one's, the graph spliced the newest block first, right after the node (0.44 off
+# at the logits); refused by name now.
+FINDINGS["graft_through_the_other_hook_name_after_a_graft"] = {"model": _LLAMA, "ops": [
+    {"op": "graft", "hook": "blocks.0.hook_resid_post", "block": "tanh", "seed": 0},
+    {"op": "graft", "hook": "blocks.1.hook_resid_pre", "block": "linear", "seed": 100},
+    {"op": "read", "how": "demand", "hooks": []}]}
+FINDINGS["graft_through_the_other_hook_name_while_patched"] = {"model": _LLAMA, "ops": [
+    {"op": "patch_t", "hook": "blocks.1.hook_resid_pre", "seed": 3},
+    {"op": "graft", "hook": "blocks.0.hook_resid_post", "block": "tanh", "seed": 0},
+    {"op": "read", "how": "demand", "hooks": []}]}
+# fuzz_sweep 54:190, reduced: a patch function reading the graph (rg.value of a node) at a node whose baseline a graft
+# displaced under a standing patch: patch() ran the function with the patches lifted, so rg.value inside it read the
+# unpatched graph, where without the graft it reads the patched one (0.02 off at the logits); the function runs with
+# the patches back now, only the baseline is read lifted.
+FINDINGS["patch_function_reading_the_graph_after_a_graft_under_a_patch"] = {"model": {
+    "seed": 354, "front": "linear", "d": 8, "T": 4, "B": 8, "dtype": "float32",
+    "blocks": [{"kind": "tiny"}, {"kind": "mha", "batch_first": False, "mask": "pad", "inner_hook": False}]}, "ops": [
+    {"op": "graft_in", "hook": "blocks.0.hook_out", "seed": 902, "k": 0},
+    {"op": "patch_t", "hook": "hook_embed", "seed": 191},
+    {"op": "patch_f", "hook": "blocks.1.hook_mid", "fn": "other", "p": 1, "seed": 40, "other": "blocks.1.hook_mid"},
+    {"op": "read", "how": "demand", "hooks": []}]}
+
 _OPEN: set = set()  # findings not fixed yet: strict xfails
 
 
@@ -395,8 +430,20 @@ def test_the_other_of_two_hook_points_in_a_row_is_refused_after_a_graft_through_
         rg.value("blocks.1.hook_resid_pre")
     with pytest.raises(ValueError, match=both):
         rg.patch("blocks.1.hook_resid_pre", lambda v: v * 0)
+    # fuzz_sweep 52:31 (a Llama; GPT-2 the same): baseline(), run_with_cache()'s entry and gradient() at the other
+    # name answered the value before the block (and its gradient) silently, 0.0712 off eager's hook value.
+    with pytest.raises(ValueError, match=both):
+        rg.baseline("blocks.1.hook_resid_pre")
+    _, cache = rg.run_with_cache(*x[0])
+    with pytest.raises(ValueError, match=both):
+        cache["blocks.1.hook_resid_pre"]
+    with pytest.raises(ValueError, match=both):
+        rg.gradient(lambda o: o["logits"][0, -1, 0], ["blocks.1.hook_resid_pre"])
     ref = fuzz_sweep.Reference(ref_model, x, fuzz_sweep.gpt2_points(ref_model, spec))
     ref.grafts["blocks.0.hook_resid_post"] = [lambda t: 2 * t]
     out, seen = ref.forward()
     assert torch.equal(rg.value("blocks.0.hook_resid_post"), seen["blocks.0.hook_resid_post"])
+    assert torch.equal(rg.baseline("blocks.0.hook_resid_post"), seen["blocks.0.hook_resid_post"])
+    assert torch.equal(cache["blocks.0.hook_resid_post"], seen["blocks.0.hook_resid_post"])
+    assert torch.equal(cache["blocks.1.hook_mlp_out"], seen["blocks.1.hook_mlp_out"])
     assert torch.equal(rg.demand()["logits"], out)
