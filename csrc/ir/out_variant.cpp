@@ -28,9 +28,11 @@ class OverloadIndex {
   void add(const c10::OperatorName& n) {
     std::lock_guard<std::mutex> lock(mutex_);
     ++overloads_[n.name][n.overload_name];
+    ++generation_;
   }
   void remove(const c10::OperatorName& n) {
     std::lock_guard<std::mutex> lock(mutex_);
+    ++generation_;
     auto it = overloads_.find(n.name);
     if (it == overloads_.end()) return;
     auto o = it->second.find(n.overload_name);
@@ -45,9 +47,17 @@ class OverloadIndex {
     return out;
   }
 
+  // Moves at every operator defined or removed: what was derived from the registered operators stays
+  // valid while it stays the same.
+  uint64_t generation() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return generation_;
+  }
+
  private:
   std::mutex mutex_;
   std::unordered_map<std::string, std::map<std::string, int>> overloads_;
+  uint64_t generation_ = 0;
 };
 
 // The dispatcher owns its listener: this one forwards to the index, which outlives it.
@@ -61,7 +71,7 @@ class ListenerRef final : public c10::OpRegistrationListener {
   OverloadIndex* index_;
 };
 
-std::vector<std::string> overloads_of(const std::string& qualified_name) {
+OverloadIndex& overload_index() {
   static OverloadIndex* const index = [] {
     auto* idx = new OverloadIndex();  // never freed: the dispatcher may call it until the process ends
     auto listener = std::unique_ptr<c10::OpRegistrationListener>(new ListenerRef(idx));
@@ -69,7 +79,11 @@ std::vector<std::string> overloads_of(const std::string& qualified_name) {
     new c10::RegistrationHandleRAII(c10::Dispatcher::singleton().addRegistrationListener(std::move(listener)));
     return idx;
   }();
-  return index->of(qualified_name);
+  return *index;
+}
+
+std::vector<std::string> overloads_of(const std::string& qualified_name) {
+  return overload_index().of(qualified_name);
 }
 
 // `c` has `f`'s arguments (names and types, in order), with write annotations only on those it
@@ -137,8 +151,10 @@ bool out_kernel_ignores_out(const Node& node) {
 
 }  // namespace
 
-std::optional<InplaceVariant> find_inplace_variant(const Node& node) {
-  if (node.kind() != NodeKind::Call || node.target().is_builtin()) return std::nullopt;
+namespace {
+
+// find_inplace_variant's scan of every registered operator of the node's namespace.
+std::optional<InplaceVariant> scan_inplace_variant(const Node& node) {
   const auto functional = find_op(node.target());
   if (!functional) return std::nullopt;
   const size_t results = node.type().kind == Type::Kind::Tuple ? node.type().elems.size() : 1;
@@ -166,6 +182,36 @@ std::optional<InplaceVariant> find_inplace_variant(const Node& node) {
   if (found.empty()) return std::nullopt;
   return InplaceVariant{*c10::Dispatcher::singleton().findOp(found[0].first), std::move(found[0].second)};
 }
+
+}  // namespace
+
+std::optional<InplaceVariant> find_inplace_variant(const Node& node) {
+  if (node.kind() != NodeKind::Call || node.target().is_builtin()) return std::nullopt;
+  // The scan copies the dispatcher's whole name table (thousands of names): once per target and result
+  // count while no operator is defined or removed, not once per node (lower_out_variants asks for every
+  // state update of a step: a 200-layer Adam step's plan spent most of its time in these copies).
+  static std::mutex mutex;
+  static std::unordered_map<std::string, std::optional<InplaceVariant>> cache;
+  static uint64_t cached_generation = 0;
+  const size_t results = node.type().kind == Type::Kind::Tuple ? node.type().elems.size() : 1;
+  const std::string key = node.target().str() + "#" + std::to_string(results);
+  const uint64_t generation = overload_index().generation();
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (generation != cached_generation) {
+      cache.clear();
+      cached_generation = generation;
+    }
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  auto found = scan_inplace_variant(node);
+  std::lock_guard<std::mutex> lock(mutex);
+  if (overload_index().generation() == generation) cache.emplace(key, found);
+  return found;
+}
+
+std::vector<std::string> overload_names(const std::string& qualified_name) { return overloads_of(qualified_name); }
 
 const Node* overwritten_input(const Node& node, const InplaceVariant& variant) {
   if (variant.written_args.size() != 1 || variant.op.schema().returns().size() != 1) return nullptr;
@@ -208,17 +254,7 @@ bool inplace_rounds_scalar(const Node& node) {
 
 std::optional<Overwrite> find_overwrite(const Node& node) {
   if (node.kind() != NodeKind::Call || node.target().is_builtin()) return std::nullopt;
-  static std::mutex mutex;
-  // find_inplace_variant scans every registered operator: once per target and process.
-  static std::unordered_map<std::string, std::optional<InplaceVariant>> cache;
-  std::optional<InplaceVariant> variant;
-  {
-    const std::string key = node.target().str();
-    std::lock_guard<std::mutex> lock(mutex);
-    auto it = cache.find(key);
-    if (it == cache.end()) it = cache.emplace(key, find_inplace_variant(node)).first;
-    variant = it->second;
-  }
+  const std::optional<InplaceVariant> variant = find_inplace_variant(node);  // cached per target
   if (!variant || inplace_rounds_scalar(node)) return std::nullopt;
   const auto functional = find_op(node.target());
   if (!functional || !functional->hasTag(at::Tag::pointwise) || functional->schema().is_mutable()) return std::nullopt;

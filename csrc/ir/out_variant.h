@@ -34,6 +34,11 @@ std::optional<OutVariant> find_out_variant(const Node& node);
 // no failed first call).
 void mark_out_kernel_unusable(const c10::OperatorName& out);
 
+// The overload names ("", "Tensor", "out" ...) of the operator `qualified_name` ("aten::add") registered now,
+// sorted: from an index the dispatcher keeps current (a library loaded later included), without copying its
+// whole name table as c10::Dispatcher::getAllOpNames does.
+std::vector<std::string> overload_names(const std::string& qualified_name);
+
 struct InplaceVariant {
   c10::OperatorHandle op;
   std::vector<size_t> written_args;  // one per result, in result order: the argument it overwrites
@@ -44,7 +49,7 @@ struct InplaceVariant {
 // nothing or exactly those: `node` computed in place (torch_ext::sgd_update ->
 // torch_ext::sgd_update_). Among several (aten::add -> aten::add_, but aten::sub_ has the same
 // arguments), the shortest name that extends the node's is taken; nullopt when there is none or it
-// stays ambiguous.
+// stays ambiguous. Looked up once per target while no operator is defined or removed.
 std::optional<InplaceVariant> find_inplace_variant(const Node& node);
 
 // The input `node` would overwrite by running `variant` instead: the one argument the variant writes

@@ -45,8 +45,9 @@ Writes writes_of(const ir::Node& node, const c10::FunctionSchema& schema) {
 std::optional<c10::OperatorHandle> functional_of(const c10::OperatorHandle& out, size_t k) {
   const auto& oa = out.schema().arguments();
   if (oa.size() < k) return std::nullopt;
-  for (const c10::OperatorName& name : c10::Dispatcher::singleton().getAllOpNames()) {
-    if (name.name != out.operator_name().name || name == out.operator_name()) continue;
+  for (const std::string& overload : ir::overload_names(out.operator_name().name)) {
+    const c10::OperatorName name{out.operator_name().name, overload};
+    if (name == out.operator_name()) continue;
     const auto op = c10::Dispatcher::singleton().findOp(name);
     if (!op || !op->hasSchema()) continue;
     const auto& fa = op->schema().arguments();
