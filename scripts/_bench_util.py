@@ -80,3 +80,17 @@ def resid_pre_cache(model, tokens) -> dict:
         for h in handles:
             h.remove()
     return cache
+
+
+def best_thread_seconds(fn, n: int, rounds: int = 5) -> float:
+    """Seconds of thread CPU time per call of ``fn``: the best of ``rounds`` rounds of ``n`` calls, after one warm-up
+    call (thread time and the best round, so other load on the machine counts less)."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.thread_time()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.thread_time() - t0) / n)
+    return best
+

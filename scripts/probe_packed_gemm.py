@@ -24,9 +24,10 @@ import argparse
 import ctypes
 import os
 import sys
-import time
 
 import torch
+
+from _bench_util import best_thread_seconds
 
 _COL_MAJOR, _NO_TRANS, _TRANS, _PACKED, _A_MATRIX = 102, 111, 112, 151, 161
 
@@ -60,14 +61,7 @@ def _compute(lib, packed: torch.Tensor, n: int, x: torch.Tensor, bias: torch.Ten
 
 
 def _thread_us(fn, n: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.thread_time()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.thread_time() - t0) / n)
-    return best * 1e6
+    return best_thread_seconds(fn, n) * 1e6
 
 
 def main() -> int:

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch_ext  # noqa: E402
 import torch_ext.reactive as reactive  # noqa: E402
 
-from _bench_util import resid_pre_cache  # noqa: E402
+from _bench_util import best_thread_seconds as _best, resid_pre_cache  # noqa: E402
 from bench_sweep import metric, resid_pos_sites, tl_setup  # noqa: E402
 
 
@@ -55,17 +55,6 @@ class _Capture:
     def evaluate_patched_rows(self, node, value, *rest):
         self._log.append((self._e, node, value.clone(), rest))
         return self._e.evaluate_patched_rows(node, value, *rest)
-
-
-def _best(fn, n: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.thread_time()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.thread_time() - t0) / n)
-    return best
 
 
 def _top_calls(engine, node, value, rest) -> list:
