@@ -2692,9 +2692,12 @@ def _trace_for_inference(module, args, kwargs, front_end, settle=lambda: None):
     # Tracing reparametrizes the module with fake tensors; some modules cache views of their
     # parameters (nn.LSTM's _flat_weights) and kept the fakes afterwards: put every attribute back.
     traced_vars = [(m, dict(vars(m))) for m in torch.nn.Module.modules(module)]
+    # Hooks the forward registers as it runs go too, with the attributes that mark them: transformers 5 installs its
+    # output_hidden_states recorders at the first call and sets model._output_capturing_hooks_installed; with the
+    # marker undone and the hooks kept, every later call installed another set (hidden_states twice over).
+    hooks_before = _hook_dicts(module)
     try:
         if front_end != "export":
-            hooks_before = _hook_dicts(module)
             try:
                 ep, used = make_fx_program(module, args, kwargs), "make_fx"
             except UnsoundTrace as e:
@@ -2711,6 +2714,7 @@ def _trace_for_inference(module, args, kwargs, front_end, settle=lambda: None):
         if used == "export":
             ep = torch.export.export(module, args, kwargs or {})
     finally:
+        _restore_hook_dicts(hooks_before)  # before the handles' removal: the snapshot holds them
         for h in handles:
             h.remove()
         if saved_forward is not None:

@@ -622,11 +622,16 @@ def _hook_dicts(model: torch.nn.Module, gradients: bool, optimizers) -> list:
 
 
 def _library_wiring(fn, owner) -> bool:
-    """A hook TransformerLens's TransformerBridge installs on its own submodules at its first eager call
-    (BlockBridge._maybe_wire_capture_hooks: it captures the pre-LN residual for the attention and routes
-    the MLP input through hook_mlp_in, a HookPoint whose own hooks are checked). Hooks on HookPoints,
-    where TransformerLens registers the user's hooks (through its own wrapper), are never this."""
+    """A hook a library installs on the model's own submodules at its first eager call, not the user's:
+    TransformerLens's TransformerBridge (BlockBridge._maybe_wire_capture_hooks: it captures the pre-LN residual
+    for the attention and routes the MLP input through hook_mlp_in, a HookPoint whose own hooks are checked;
+    hooks on HookPoints, where TransformerLens registers the user's hooks through its own wrapper, are never
+    this), and transformers 5's output_hidden_states / output_attentions recorders (output_capturing_hook,
+    installed at the first call that asks for them: it returns nothing, only recording the output while that
+    call's collector is active, so the call computes the same with it or without it)."""
     module = getattr(fn, "__module__", None) or ""
+    if module.startswith("transformers.") and getattr(fn, "__name__", "") == "output_capturing_hook":
+        return True
     return (module.startswith("transformer_lens.") and owner is not None
             and not any(c.__name__ == "HookPoint" for c in type(owner).__mro__))
 

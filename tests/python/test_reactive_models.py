@@ -997,3 +997,61 @@ def test_zero_ablation_sweeps_of_t5_block_outputs_equal_eager_hooks():
             for p in range(T):
                 ref = _eager_zero_ablation(model, block, "resid_post", p, lambda: metric(model(ids, **kwargs)))
                 assert got.metrics[(node, p)] == pytest.approx(ref, rel=1e-5, abs=1e-6), (stack, l, p)
+
+
+def _qwen2(seed=0):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                   pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    return transformers.Qwen2ForCausalLM(cfg).eval()
+
+
+def _forward_hook_counts(model):
+    return {name: (len(m._forward_hooks), len(m._forward_pre_hooks)) for name, m in model.named_modules()}
+
+
+def test_output_hidden_states_graph_runs_another_prompt_length_as_eager_and_leaves_the_model_as_found():
+    """transformers 5 records output_hidden_states by forward hooks it installs at the first call that asks, marking
+    the model as hooked. The build put the marker back but kept the hooks: the model's next eager call installed a
+    second set (hidden_states of 5 tensors, not 3), and run() on another length (a new export) did too and then
+    refused its own trace's hooks as "registered after this ReactiveGraph was built" (fuzz_sweep 52:137)."""
+    import copy
+
+    model = _qwen2()
+    eager = copy.deepcopy(model)
+    before = _forward_hook_counts(model)
+    g = torch.Generator().manual_seed(1)
+    ids4, ids5 = torch.randint(0, 64, (1, 4), generator=g), torch.randint(0, 64, (1, 5), generator=g)
+    kw = {"output_hidden_states": True}
+    rg = torch_ext.ReactiveGraph(model, (ids4,), example_kwargs=kw)
+    assert _forward_hook_counts(model) == before  # the trace's hooks went with the attributes marking them
+    for ids in (ids5, ids4, ids5):  # a new length (a new export), then each graph reused
+        out = rg.run(ids, **kw)
+        with torch.no_grad():
+            ref = eager(ids, **kw)
+        assert torch.equal(out.logits, ref.logits)
+        assert len(out.hidden_states) == len(ref.hidden_states) == 3
+        for a, b in zip(out.hidden_states, ref.hidden_states):
+            assert torch.equal(a, b)
+    assert _forward_hook_counts(model) == before
+    # The user's own model, called eagerly after the builds, installs its recording hooks once, as it would have;
+    # that lazy set-up is no hook of the user's, and the graph keeps answering (and a new length still exports).
+    with torch.no_grad():
+        assert len(model(ids4, **kw).hidden_states) == 3
+    with torch.no_grad():
+        assert torch.equal(rg.demand().logits, eager(ids5, **kw).logits)  # the graph ran ids5 last
+    ids6 = torch.randint(0, 64, (1, 6), generator=g)
+    out = rg.run(ids6, **kw)
+    with torch.no_grad():
+        ref = eager(ids6, **kw)
+        assert len(model(ids6, **kw).hidden_states) == 3
+    assert len(out.hidden_states) == 3 and all(torch.equal(a, b) for a, b in zip(out.hidden_states, ref.hidden_states))
+    # A hook of the user's registered after the build is still refused by name.
+    h = model.model.layers[0].register_forward_hook(lambda m, a, o: None)
+    try:
+        with pytest.raises(ValueError, match=r"model\.layers\.0.*register_forward_hook"):
+            rg.demand()
+    finally:
+        h.remove()
