@@ -1281,16 +1281,30 @@ class ReactiveGraph:
 
     def _from_hook(self, name: str, node: str, value, what: str):
         """A tensor given by hook name, in the hook's layout, as its node holds it; a tensor of another shape
-        (the node's merged layout included) is refused, naming the hook and both shapes."""
-        shapes = self._hook_shape(name, node) if isinstance(value, torch.Tensor) else None
-        if shapes is None:
+        (the node's merged layout included), dtype or device is refused, naming the hook and what it got and
+        must have (the engine's own check named the internal node, which the user never wrote)."""
+        if not isinstance(value, torch.Tensor) or name not in self._hooks:
             return value
-        if list(value.shape) != shapes[0]:
-            raise ValueError(f"{what} {name!r}: got shape {list(value.shape)}; the hook's value is "
-                             f"{self._layout_words(name)}{shapes[0]} (as run_with_cache and value() give it), and "
-                             f"the value must have that shape. Its node {node!r} holds {shapes[1]}: give a value in "
-                             "that layout by the node's name")
-        return self._conversions[name].revert(value)
+        want = self._hook_type(name, node)
+        diff = _type_differences(_type_of_tensor(value), want, self._layout_words(name)) if want is not None else None
+        if diff is not None:
+            got, need, which = diff
+            shapes = self._hook_shape(name, node)
+            merged = (f". Its node {node!r} holds {shapes[1]}: give a value in that layout by the node's name"
+                      if shapes is not None and "shape" in which else "")
+            raise ValueError(f"{what} {name!r}: got {got}; the hook's value is {need} (as run_with_cache and value() "
+                             f"give it), and the value must have that {which}{merged}")
+        conv = self._conversions.get(name)
+        return conv.revert(value) if conv is not None else value
+
+    def _hook_type(self, name: str, node: str) -> tuple | None:
+        """(shape as hook ``name`` shows it, dtype, device) of its node ``node``, from the declared type (nothing
+        is evaluated); None for a node that is not a tensor."""
+        t = self._type_of(node)
+        if t[0] != "tensor":
+            return None
+        shapes = self._hook_shape(name, node)
+        return (shapes[0] if shapes is not None else list(t[2])), _SHORT_DTYPE[t[1]], torch.device(t[4])
 
     def _layout_words(self, name: str) -> str:
         conv = self._conversions.get(name)
@@ -1299,10 +1313,12 @@ class ReactiveGraph:
 
     def _hook_view(self, name: str, fn: Callable) -> Callable:
         """``fn`` as it sees a hook's value: TransformerLens converts it before a hook (e.g. [batch,
-        pos, head, d_head] for hook_z) and reverts the result after."""
-        conv = self._conversions.get(name)
-        if conv is None:
+        pos, head, d_head] for hook_z) and reverts the result after. By hook name, a result of another shape,
+        dtype or device than the hook's value is refused naming the hook (the engine named the node); by node
+        name, ``fn`` itself (the engine's check names the node, as the user did)."""
+        if name not in self._hooks:
             return fn
+        conv = self._conversions.get(name)
         words = self._layout_words(name)
 
         def view(value, *rest):
@@ -1310,14 +1326,15 @@ class ReactiveGraph:
             # [batch, pos, head * d_head] by a reshape, which took any tensor of as many elements per position
             # ([batch, pos, 2, 16] for 4 heads of 8) as the heads silently (a bridge's revert passed other shapes
             # through), and named a wrong shape only after the merge, in the node's layout.
-            given = conv.convert(value)
+            given = conv.convert(value) if conv is not None else value
             out = fn(given, *rest)
             if not isinstance(out, torch.Tensor):
                 return out  # refused by the caller, naming what it got
-            if out.shape != given.shape:
-                raise ValueError(f"patch function for hook {name!r} returned shape {list(out.shape)}; the hook's value "
-                                 f"is {words}{list(given.shape)}, and the patch must have that shape")
-            return conv.revert(out)
+            if out.shape != given.shape or out.dtype != given.dtype or out.device != given.device:
+                got, need, which = _type_differences(_type_of_tensor(out), _type_of_tensor(given), words)
+                raise ValueError(f"patch function for hook {name!r} returned {got}; the hook's value is {need}, and "
+                                 f"the patch must have that {which}")
+            return conv.revert(out) if conv is not None else out
         return view
 
     # ---- mutations
@@ -1343,7 +1360,7 @@ class ReactiveGraph:
         else:
             value = self._from_hook(name, node, value, "patch")
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"patch {node!r}: expected a tensor or a callable returning one, got {type(value).__name__}")
+            raise TypeError(f"patch {name!r}: expected a tensor or a callable returning one, got {type(value).__name__}")
         self._engine.patch(node, _own_copy(value.detach()))
         self.__dict__.setdefault("_pin_names", {})[node] = name
 
@@ -1378,7 +1395,7 @@ class ReactiveGraph:
     def _checked_patch_fn_value(self, name: str, node: str, fn: Callable, clean: torch.Tensor) -> torch.Tensor:
         value = self._call_patch_fn(node, self._hook_view(name, fn), clean, "patch function")
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"patch {node!r}: expected a tensor or a callable returning one, got a callable "
+            raise TypeError(f"patch {name!r}: expected a tensor or a callable returning one, got a callable "
                             f"returning {type(value).__name__}")
         self._engine.check_patch(node, value)
         return value
@@ -1565,6 +1582,8 @@ class ReactiveGraph:
         if read_back:
             raise TypeError("graft: the block's " + _module_state.read_back_message(read_back, "the graph"))
         ep = _functional_program(exported)
+        if shown not in (None, src) and shown in self._hooks:
+            self._refuse_hook_block_type(shown, src, ep)
         _refuse_other_layout(ep, f"'{src}'" if shown in (None, src) else f"'{shown}' (node '{src}')", self._type_of(src))
         random = _random_nodes(ep)
         if random:
@@ -1589,6 +1608,25 @@ class ReactiveGraph:
         for n in names:
             self._module_paths[n] = ""
         return names
+
+    def _refuse_hook_block_type(self, hook: str, src: str, ep) -> None:
+        """A block grafted by hook name whose result has another shape, dtype or device than the hook's value is
+        refused naming the hook, before the splice (the engine's refusal named the internal node: "block output
+        type f64[2,6,32] differs from %add_8")."""
+        outs = [a for a in ep.graph.output_node().args[0] if isinstance(a, torch.fx.Node)]
+        val = outs[0].meta.get("val") if len(outs) == 1 else None
+        t = self._type_of(src)
+        if not isinstance(val, torch.Tensor) or t[0] != "tensor":
+            return  # several results, or none: the engine's check
+        if _type_differences(_type_of_tensor(val), (t[2], _SHORT_DTYPE[t[1]], torch.device(t[4]))) is None:
+            return
+        shape, conv = list(val.shape), self._conversions.get(hook)
+        if conv is not None:  # in the hook's layout, as the block saw it
+            shape = list(conv.convert(torch.empty(shape, device="meta")).shape)
+        got, need, which = _type_differences((shape, val.dtype, val.device), self._hook_type(hook, src),
+                                             self._layout_words(hook))
+        raise ValueError(f"graft block after hook {hook!r} returned {got}; the hook's value is {need}, and the block "
+                         f"must return that {which}")
 
     @contextlib.contextmanager
     def batch(self):
@@ -2176,6 +2214,29 @@ def _cached_baseline(eng, node: str):
         if "is not cached while patches are active" in str(e):
             return None
         raise
+
+
+def _type_of_tensor(t) -> tuple:
+    return list(t.shape), t.dtype, t.device
+
+
+def _type_differences(got_type: tuple, want_type: tuple, words: str = "") -> tuple[str, str, str] | None:
+    """Where a value of ``got_type`` (shape, dtype, device) differs from ``want_type``: (what it has, what it
+    must have: its shape and dtype, its device where that differs; which of them differ), e.g. ("dtype
+    torch.float64", "[2, 6, 32] of dtype torch.float32", "dtype"); None where it does not. ``words`` names the shape's layout ("[batch, pos, head, d_head] = ")."""
+    (shape, dtype, device), (w_shape, w_dtype, w_device) = got_type, want_type
+    got, need, which = [], [f"{words}{list(w_shape)}", f"of dtype {w_dtype}"], []  # what it must be, in full
+    if list(shape) != list(w_shape):
+        got.append(f"shape {list(shape)}")
+        which.append("shape")
+    if dtype != w_dtype:
+        got.append(f"dtype {dtype}")
+        which.append("dtype")
+    if device != w_device:
+        got.append(f"device {device}")
+        need.append(f"on {w_device}")
+        which.append("device")
+    return (", ".join(got), " ".join(need), " and ".join(which)) if got else None
 
 
 def _refuse_other_layout(ep, src: str, src_type: tuple) -> None:
@@ -2855,12 +2916,16 @@ def _sweep_in_cpp(rg: ReactiveGraph, site_list: list, nodes: list, names: list, 
             if node not in in_cpp:
                 # sweep_sites takes the row path for a node with a sequence axis when can_rows, else the whole cone.
                 in_cpp[node] = node not in pinned and (can_fast or (can_rows and eng.seq_axis(node) >= 0))
-    views: dict | None = None  # None: no hook converts its value, so every site gets the function itself
-    if rg._conversions:
+    # By hook name the function is seen through the hook (its layout, and its result checked naming the hook);
+    # None: every site was named by node, so every site gets the function itself.
+    views: dict | None = None
+    if rg._hooks:
         views = {}
         for name in names:
             if name not in views:
                 views[name] = rg._hook_view(name, patch)
+        if all(v is patch for v in views.values()):
+            views = None
     user = rg._single_output if rg._single_output is not None else rg._user
     spec = read_rows if read_rows is not None else ([], [])
     i = 0

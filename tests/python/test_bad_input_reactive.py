@@ -380,3 +380,83 @@ def test_restore_of_an_unpatched_hook_names_the_hook_and_what_is_patched():
     assert g.patched() == [g.hook_names["hook_b"]]
     g.restore("hook_b")
     assert g.patched() == []
+
+
+def _hooked_model():
+    HookPoint = pytest.importorskip("transformer_lens.hook_points").HookPoint
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.out = nn.Linear(4, 4), nn.Linear(4, 3)
+            self.hook_a, self.hook_b = HookPoint(), HookPoint()
+            self.hook_a.name, self.hook_b.name = "hook_a", "hook_b"
+
+        def forward(self, x):
+            h = self.hook_a(self.lin(x))
+            return self.out(self.hook_b(h.relu() + h))
+
+    torch.manual_seed(0)
+    return M().eval(), torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(1))
+
+
+def _eager_hooked(model, x, hook, value):
+    h = getattr(model, hook).register_forward_hook(lambda mod, args, out: value)
+    try:
+        with torch.no_grad():
+            return model(x)
+    finally:
+        h.remove()
+
+
+_WRONG = {"dtype": (lambda v: v.double(), r"dtype torch\.float64; the hook's value is \[2, 5, 4\] of dtype "
+                                          r"torch\.float32,? .*must (have|return) that dtype"),
+          "shape": (lambda v: v[:1].clone(), r"shape \[1, 5, 4\]; the hook's value is \[2, 5, 4\] of dtype "
+                                             r"torch\.float32,? .*must (have|return) that shape"),
+          "device": (lambda v: v.to("meta"), r"device meta; the hook's value is \[2, 5, 4\] of dtype torch\.float32 on "
+                                             r"cpu,? .*must (have|return) that device")}
+
+
+@pytest.mark.parametrize("wrong", sorted(_WRONG))
+def test_a_value_of_another_dtype_shape_or_device_by_hook_name_is_refused_naming_the_hook_everywhere(wrong):
+    """By hook name, a patch value (a tensor, a patch function's result, a sweep's, batched or not, a grafted
+    block's result) of another dtype, shape or device was refused naming the internal node ("patch %linear:
+    expected dtype torch.float32, got Double"), which the user never wrote. Now the hook, what it got and what it
+    must have; nothing changes, and a right value afterwards gives the eager answer."""
+    model, x = _hooked_model()
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    node, (bad, said) = rg.hook_names["hook_a"], _WRONG[wrong]
+    clean, n = rg.demand().clone(), rg.num_nodes
+    metric = lambda o: float(o[:, -1].sum())  # noqa: E731
+    sites = [("hook_a", p) for p in range(3)]
+    entries = {
+        "patch": (lambda: rg.patch("hook_a", bad(rg.value("hook_a"))), r"patch 'hook_a': got "),
+        "patch function": (lambda: rg.patch("hook_a", bad), r"patch function for hook 'hook_a' returned "),
+        "sweep": (lambda: torch_ext.sweep(rg, sites, lambda v, s: bad(v), metric, progress=False),
+                  r"patch function for hook 'hook_a' returned "),
+        "sweep, every value computed first": (
+            lambda: torch_ext.sweep(rg, sites, lambda v, s: bad(v), metric, progress=False, skip_identical=False,
+                                    positions=False), r"patch function for hook 'hook_a' returned "),
+        "batched sweep": (lambda: torch_ext.sweep(rg, sites, lambda v, s: bad(v), metric, progress=False,
+                                                  batch_sites=True), r"patch function for hook 'hook_a' returned "),
+        "sweep of the whole node": (lambda: torch_ext.sweep(rg, ["hook_a"], lambda v, s: bad(v), metric,
+                                                            progress=False), r"patch function for hook 'hook_a' returned "),
+        "graft": (lambda: rg.graft("hook_a", lambda v: bad(v) * 1), r"graft block after hook 'hook_a' returned "),
+    }
+    for entry, (call, lead) in entries.items():
+        with pytest.raises(ValueError, match=lead + said) as e:
+            call()
+        assert f"%{node}" not in str(e.value), entry
+        assert rg.patched() == [] and rg.num_nodes == n, entry
+        assert torch.equal(rg.demand(), clean), entry
+    rg.check_invariants()
+    good = rg.value("hook_a") * 0.5
+    rg.patch("hook_a", good)
+    assert torch.equal(rg.demand(), _eager_hooked(model, x, "hook_a", good))
+    rg.restore()
+    rg.patch("hook_a", lambda v: v * 0.5)
+    assert torch.equal(rg.demand(), _eager_hooked(model, x, "hook_a", good))
+    rg.restore()
+    got = torch_ext.sweep(rg, sites, position_patch(0), metric, progress=False)
+    for s in sites:
+        assert got.metrics[s] == metric(_eager_hooked(model, x, "hook_a", position_patch(0)(rg.value("hook_a"), s))), s

@@ -370,3 +370,22 @@ def test_the_key_value_cache_the_graph_does_not_compute_is_refused_by_name_when_
     res = torch_ext.sweep(rg, [site], lambda v, s: v * 2, lambda o: o.logits[:, -1].clone(), progress=False,
                           reads=reads)
     assert res.metrics[site].shape == (2, 64)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_float64_patch_by_hook_name_is_refused_naming_the_hook_in_its_layout_and_changes_nothing(family):
+    # Before: "patch %reshape_3: expected dtype torch.float32, got Double" (the node, which the user never wrote).
+    _, _, rg = _graph(family)
+    clean = rg.demand().logits.clone()
+    b, t = clean.shape[:2]
+    for hook, shown in (("blocks.0.attn.hook_z", rf"\[batch, pos, head, d_head\] = \[{b}, {t}, 4, 8\]"),
+                        ("blocks.1.hook_resid_post", rf"\[{b}, {t}, 32\]")):
+        for call in (lambda: rg.patch(hook, rg.value(hook).double()),
+                     lambda: rg.patch(hook, lambda v: v.double()),
+                     lambda: torch_ext.sweep(rg, [(hook, 0), (hook, 1)], lambda v, s: v.double(), lambda o: 0.0,
+                                             progress=False, batch_sites=True),
+                     lambda: rg.graft(hook, lambda v: v.double())):
+            with pytest.raises(ValueError, match=rf"'{hook}'.* dtype torch\.float64; the hook's value is {shown} of "
+                                                 r"dtype torch\.float32"):
+                call()
+            assert rg.patched() == [] and torch.equal(rg.demand().logits, clean)
