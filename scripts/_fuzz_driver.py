@@ -96,7 +96,8 @@ def classify(exc: BaseException, refusal: Callable[[str], str], mismatch: tuple 
     else "error" with the traceback, a finding: the built step or graph failed at run time, or the build failed with
     an error that is not torch_ext's own. ``eager``: runs the case eagerly alone, returning what it raised (None
     where it trains); a build that failed with torch's own error where eager fails too is "eager_failed" (the user
-    gets the same failure, only earlier)."""
+    gets the same failure, only earlier), and so is a run-time failure where eager raises the same (its type and
+    first line): eager's own failure, met where the fuzzer runs eager beside the graph (fuzz_sweep's reference)."""
     name = type(exc).__name__
     msg = str(exc)
     first = msg.splitlines()[0] if msg else ""
@@ -121,6 +122,9 @@ def classify(exc: BaseException, refusal: Callable[[str], str], mismatch: tuple 
             e_first = str(theirs).splitlines()[0] if str(theirs) else ""
             if phase == "build":
                 return "eager_failed", f"{type(theirs).__name__}: {refusal(e_first)} (the build failed too: {name})"
+            if type(theirs) is type(exc) and e_first == first:
+                # The same failure: eager's own (fuzz_sweep runs its eager reference inside each operation).
+                return "eager_failed", f"{name}: {refusal(first)} (eager raises the same at run time)"
             also = f"; eager fails too ({type(theirs).__name__}: {e_first[:200]})"
     tb = "".join(traceback.format_exception(exc))[-3000:]
     return "error", f"{name} {where}{also}: {msg[:2000]}\n{tb}"

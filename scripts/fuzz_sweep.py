@@ -42,10 +42,13 @@ relative to the output). Comparisons passed only by the second are counted in th
 
 Cases run in a worker subprocess, so a crash is caught and the run continues with the next case. A refusal by
 name (an exception of the project's own kinds, no internal assert) ends only that operation; refusals are
-counted by message.
+counted by message. A case that raises anything else is run again eagerly alone, as far as it got (the ops the
+graph refused left out), and counted apart as "eager failed" where eager fails too at the build, or raises the same
+at run time (scripts/_fuzz_driver.py's classify, as fuzz_step does).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import random
@@ -882,24 +885,69 @@ def close(a: float, b: float, scale: float) -> bool:
     return abs(a - b) <= TOL * max(scale, 1e-30)
 
 
+class _Nothing:
+    """What the graph's side answers in an eager-only run (run_case(graph=False)): every attribute, call and index
+    gives it again, and nothing compares it (eq does nothing there)."""
+
+    def __getattr__(self, name):
+        return self
+
+    def __call__(self, *args, **kwargs):
+        return self
+
+    def __getitem__(self, key):
+        return self
+
+
+class _NoGraph(_Nothing):
+    """The ReactiveGraph of an eager-only run: accepts every operation and does nothing."""
+
+    def batch(self):
+        return contextlib.nullcontext()
+
+    def graft(self, *args, **kwargs):
+        return ["linear"]  # graft_in names its Linear's node
+
+    def run_with_cache(self, *args, **kwargs):
+        return self, self
+
+
+# Where the running case is (run_case with the graph): the op running (-1: the build; len(ops): the final check)
+# and the ops the graph refused, which the reference skipped too. The eager-only rerun replays that much.
+_PROGRESS: dict = {"op": -1, "refused": set()}
+
+
 @one_intra_op_thread
-def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict, int]:
+def run_case(spec: dict, verbose: bool = False, graph: bool = True, upto: int = -1,
+             skip=frozenset()) -> tuple[list[str], dict, int]:
     """Runs the spec both ways; returns (differences, {refusal message: count}, comparisons that passed only
-    within FLOOR times eager float32's own error). A refused build raises."""
+    within FLOOR times eager float32's own error). A refused build raises.
+
+    ``graph=False``: eager alone (what _fuzz_driver.classify asks of a case that raised: does eager fail too?), as
+    far as the run that raised got: the build's forward on the spec's inputs, then the reference's side of ops
+    0..``upto`` but those in ``skip`` (refused by the graph, so the reference skipped them there too), and the
+    final forward where ``upto`` is past the last op. Any exception raises; nothing is compared."""
     if spec["model"].get("family") == "tl":
+        if not graph:
+            return [], {}, 0  # no eager-only replay of the bridge's ops: a failure stays the finding it was
         return (*run_tl_case(spec, verbose), 0)
     import torch
 
     import torch_ext
 
     _fuzz_driver.enter("eager")  # the model both sides share
+    if graph:
+        _PROGRESS.update(op=-1, refused=set())
     m = spec["model"]
     seq_dims = hooks_of(m)
     model = build_model(m)
     ref_model = copy.deepcopy(model)
     x = make_input(m, 0, m["T"])
     _fuzz_driver.enter("build")
-    rg = torch_ext.ReactiveGraph(model, x[0], example_kwargs=x[1] or None, **spec.get("graph", {}))
+    if graph:
+        rg = torch_ext.ReactiveGraph(model, x[0], example_kwargs=x[1] or None, **spec.get("graph", {}))
+    else:
+        rg, torch_ext = _NoGraph(), _Nothing()
     _fuzz_driver.enter("run")  # operations refused by name are noted by op (note), anything else raises
     cur = [x]  # the graph's inputs now (run() replaces them): an input edit writes into them
     if m.get("family") == "gpt2":
@@ -913,7 +961,7 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict, int]:
     # The graph's name of each spec name: itself, Bert's module-path sites the node their glob ends on, a graft's
     # inner Linear (graft_in) the node graft() returned.
     G = {h: h for h in seq_dims}
-    if m.get("family") == "hf" and m["arch"] == "bert":
+    if m.get("family") == "hf" and m["arch"] == "bert" and graph:
         for h in list(G):
             _, i, rest = h.split(".", 2)
             G[h] = rg.nodes(f"bert.encoder.layer.{i}.{rest}*")[-1]
@@ -926,6 +974,8 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict, int]:
     dtype = getattr(torch, m["dtype"])
 
     def note(exc, where):
+        if not graph:
+            raise exc  # eager alone: nothing of torch_ext's is refused, and eager failing is the answer
         name = type(exc).__name__
         msg = str(exc)
         if type(exc).__module__.startswith("torch_ext"):  # torch_ext's own ValueError subclass (_ReadsOutside)
@@ -933,6 +983,7 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict, int]:
         if name in _fuzz_driver.OK_ERRORS and not any(k in msg for k in _fuzz_driver.BAD_MARKERS):
             key = f"{where}: {name}: " + re.sub(r"\d+", "N", msg.splitlines()[0] if msg else "")[:150]
             refusals[key] = refusals.get(key, 0) + 1
+            _PROGRESS["refused"].add(_PROGRESS["op"])
             if verbose:
                 print("  refused:", key)
             return
@@ -958,6 +1009,8 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict, int]:
         return False
 
     def eq(a, b, what, tol_ok=False, scale=None, floor=None):
+        if not graph:
+            return  # eager alone: nothing to compare
         if isinstance(a, torch.Tensor):
             if a.shape != b.shape or a.dtype != b.dtype:
                 diffs.append(f"{what}: shape/dtype {tuple(a.shape)} {a.dtype} vs eager {tuple(b.shape)} {b.dtype}")
@@ -1016,7 +1069,13 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict, int]:
         if isinstance(blk, torch.nn.Module):
             graft_mods.append((blk, rblk))
 
+    if not graph:  # the build's forward, eagerly
+        ref.forward()
     for step, o in enumerate(spec["ops"]):
+        if not graph and (step > upto or step in skip):
+            continue
+        if graph:
+            _PROGRESS["op"] = step
         op = o["op"]
         where = f"op{step} {op}"
         if verbose:
@@ -1145,6 +1204,10 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict, int]:
             return diffs, refusals, floored[0]
         except Exception as exc:  # noqa: BLE001 - classified
             note(exc, where)
+    if not graph and upto < len(spec["ops"]):
+        return diffs, refusals, floored[0]
+    if graph:
+        _PROGRESS["op"] = len(spec["ops"])
     # Whatever happened, the graph's outputs must be eager's at the end.
     try:
         out, _ = ref.forward()
@@ -1275,8 +1338,21 @@ def sweep_op(o, where, rg, ref, seq_dims, m, eq, torch_ext, torch, out_key, gn=l
             eq(got, want, f"{where} site {site}", tol_ok, sc, floor_of(out, (h, pv)))
 
 
-def classify(exc: BaseException) -> tuple[str, str]:
-    return _fuzz_driver.classify(exc, lambda line: re.sub(r"[0-9]+", "N", line)[:200])
+def classify(exc: BaseException, spec: dict | None = None) -> tuple[str, str]:
+    """The case's status (_fuzz_driver.classify); with ``spec``, eager alone is asked whether it fails too, as far
+    as the run that raised got (_PROGRESS, read now: the run that raised was the last one)."""
+    at, refused = _PROGRESS["op"], frozenset(_PROGRESS["refused"])
+    return _fuzz_driver.classify(exc, lambda line: re.sub(r"[0-9]+", "N", line)[:200],
+                                 eager=None if spec is None else lambda: _eager_raises(spec, at, refused))
+
+
+def _eager_raises(spec: dict, upto: int, skip: frozenset) -> BaseException | None:
+    """What eager alone raises on ``spec`` as far as op ``upto`` (None: it runs)."""
+    try:
+        run_case(spec, graph=False, upto=upto, skip=skip)
+    except Exception as exc:  # noqa: BLE001 - any failure of eager's
+        return exc
+    return None
 
 
 def one(spec: dict, verbose: bool = False) -> dict:
@@ -1287,7 +1363,7 @@ def one(spec: dict, verbose: bool = False) -> dict:
         r["floored"] = floored
         return r
     except Exception as exc:  # noqa: BLE001 - every exception is classified
-        status, msg = classify(exc)
+        status, msg = classify(exc, spec)
         return {"status": status, "msg": msg, "refusals": {}}
 
 

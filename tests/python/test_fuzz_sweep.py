@@ -447,3 +447,40 @@ def test_the_other_of_two_hook_points_in_a_row_is_refused_after_a_graft_through_
     assert torch.equal(cache["blocks.0.hook_resid_post"], seen["blocks.0.hook_resid_post"])
     assert torch.equal(cache["blocks.1.hook_mlp_out"], seen["blocks.1.hook_mlp_out"])
     assert torch.equal(rg.demand()["logits"], out)
+
+
+# The fuzzer's classes (_fuzz_driver.classify, shared with fuzz_step): a failing case is run again eagerly alone, as
+# far as it got, so that eager's own failure is counted apart ("eager_failed"), never as a finding.
+_PLAIN = {"model": {"seed": 1, "front": "linear", "d": 8, "T": 4, "B": 1, "dtype": "float32", "blocks": []},
+          "ops": [{"op": "read", "how": "demand", "hooks": []}]}
+
+
+class _Broken(__import__("torch").nn.Module):
+    def forward(self, x):
+        return x[:, :, 9]  # x is [batch, pos, 4]: eager and the trace raise the same IndexError
+
+
+def test_fuzz_sweep_classifies_a_build_failing_as_eager_does_as_eager_failed(monkeypatch):
+    monkeypatch.setattr(fuzz_sweep, "build_model", lambda m: _Broken())
+    r = fuzz_sweep.one(_PLAIN)
+    assert r["status"] == "eager_failed" and "IndexError" in r["msg"] and "the build failed too" in r["msg"], r
+
+
+def test_fuzz_sweep_classifies_eager_failing_inside_an_operation_as_eager_failed(monkeypatch):
+    # The reference (eager, forward hooks) runs inside each operation: its failure surfaced at run time, an "error".
+    def forward(self, override=None):
+        raise IndexError("eager's own failure")
+    monkeypatch.setattr(fuzz_sweep.Reference, "forward", forward)
+    r = fuzz_sweep.one(_PLAIN)
+    assert r["status"] == "eager_failed" and "eager raises the same at run time" in r["msg"], r
+
+
+def test_fuzz_sweep_classifies_a_graph_failing_where_eager_runs_as_an_error(monkeypatch):
+    import torch_ext
+
+    def set_cutoff(self, on):
+        raise IndexError("the graph's failure")
+    monkeypatch.setattr(torch_ext.ReactiveGraph, "set_cutoff", set_cutoff)
+    r = fuzz_sweep.one({**_PLAIN, "ops": [{"op": "cutoff", "on": False}]})
+    assert r["status"] == "error" and r["msg"].startswith("IndexError at run time: the graph's failure"), r
+    assert "eager" not in r["msg"].splitlines()[0], r
