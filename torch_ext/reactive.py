@@ -2223,7 +2223,9 @@ def _type_of_tensor(t) -> tuple:
 def _type_differences(got_type: tuple, want_type: tuple, words: str = "") -> tuple[str, str, str] | None:
     """Where a value of ``got_type`` (shape, dtype, device) differs from ``want_type``: (what it has, what it
     must have: its shape and dtype, its device where that differs; which of them differ), e.g. ("dtype
-    torch.float64", "[2, 6, 32] of dtype torch.float32", "dtype"); None where it does not. ``words`` names the shape's layout ("[batch, pos, head, d_head] = ")."""
+    torch.float64", "[2, 6, 32] of dtype torch.float32", "dtype"); None where it does not. ``words`` names the
+    shape's layout ("[batch, pos, head, d_head] = "). A device without an index ("cuda", as a declared type may
+    spell it) matches any of its type: the engine's own check stays the judge there, never a false refusal here."""
     (shape, dtype, device), (w_shape, w_dtype, w_device) = got_type, want_type
     got, need, which = [], [f"{words}{list(w_shape)}", f"of dtype {w_dtype}"], []  # what it must be, in full
     if list(shape) != list(w_shape):
@@ -2232,7 +2234,7 @@ def _type_differences(got_type: tuple, want_type: tuple, words: str = "") -> tup
     if dtype != w_dtype:
         got.append(f"dtype {dtype}")
         which.append("dtype")
-    if device != w_device:
+    if device != w_device and not (device.type == w_device.type and None in (device.index, w_device.index)):
         got.append(f"device {device}")
         need.append(f"on {w_device}")
         which.append("device")
