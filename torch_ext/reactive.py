@@ -1393,7 +1393,7 @@ class ReactiveGraph:
         return self._checked_patch_fn_value(name, node, fn, clean)
 
     def _checked_patch_fn_value(self, name: str, node: str, fn: Callable, clean: torch.Tensor) -> torch.Tensor:
-        value = self._call_patch_fn(node, self._hook_view(name, fn), clean, "patch function")
+        value = self._call_patch_fn(node, self._hook_view(name, fn), clean, f"patch function for {name!r}")
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"patch {name!r}: expected a tensor or a callable returning one, got a callable "
                             f"returning {type(value).__name__}")
@@ -1457,8 +1457,9 @@ class ReactiveGraph:
         raise ValueError(f"{what}: node {node!r} holds a {t[0]}{size}, not a tensor{hint}")
 
     def _call_patch_fn(self, node: str, fn: Callable, clean: torch.Tensor, what: str):
-        """``fn(copy of clean)``. ``clean`` is the cached tensor; the function gets a copy, because
-        not every write into it can be seen: ``.data`` and ``.numpy()`` give tensors that share its
+        """``fn(copy of clean)``; ``what`` names the function as the user addressed it (by hook or node name,
+        or its sweep site) for the refusal of an in-place write. ``clean`` is the cached tensor; the function
+        gets a copy, because not every write into it can be seen: ``.data`` and ``.numpy()`` give tensors that share its
         memory but not its version counter, and a write through them went unnoticed into the cache
         (every later evaluation reading the node computed from it). An in-place edit of the copy (its
         version changes) is still refused, as documented: the function must return a new tensor. The
@@ -1471,7 +1472,7 @@ class ReactiveGraph:
         out = fn(given)
         if given._version != version:
             raise ValueError(
-                f"{what} for node {node!r} wrote in place into the activation it was given (an op such as "
+                f"{what} wrote in place into the activation it was given (an op such as "
                 "`act[...] = ...` or `act.mul_(...)`); it was handed a copy, so the cache is intact, but the patch "
                 "was not applied. Return a new tensor instead, e.g. `act = act.clone()` first.")
         return out
@@ -2851,7 +2852,7 @@ def _one_site(rg: ReactiveGraph, site, node: str, patch: Callable, metric: Calla
         path = _site_path(rg, node, pinned, read_rows)
     if identical is not None:
         current = eng.value(node)  # valid already: zero evaluations
-        value = rg._call_patch_fn(node, lambda v: patch(v, site), current, "sweep patch function")
+        value = rg._call_patch_fn(node, lambda v: patch(v, site), current, f"sweep patch function at site {site!r}")
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"patch function at site {site!r} returned {type(value).__name__}, expected a tensor")
         if _same_layout(value, current) and _same_bits(value, current):
@@ -2862,7 +2863,8 @@ def _one_site(rg: ReactiveGraph, site, node: str, patch: Callable, metric: Calla
             return result
         patch = lambda v, s, value=value: value  # noqa: E731  (computed above: the patch function runs once)
     if path == "rows":
-        value = rg._call_patch_fn(node, lambda v: patch(v, site), eng.value(node), "sweep patch function")
+        value = rg._call_patch_fn(node, lambda v: patch(v, site), eng.value(node),
+                                  f"sweep patch function at site {site!r}")
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"patch function at site {site!r} returned {type(value).__name__}, expected a tensor")
         result, wrote = _measure(rg, metric, rg._user(eng.evaluate_patched_rows(node, value.detach(), *read_rows)),
@@ -2872,7 +2874,8 @@ def _one_site(rg: ReactiveGraph, site, node: str, patch: Callable, metric: Calla
         return result
     if path == "fast":
         # The fast path: the cone's prepared order, values freed at last use, everything put back.
-        value = rg._call_patch_fn(node, lambda v: patch(v, site), eng.value(node), "sweep patch function")
+        value = rg._call_patch_fn(node, lambda v: patch(v, site), eng.value(node),
+                                  f"sweep patch function at site {site!r}")
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"patch function at site {site!r} returned {type(value).__name__}, expected a tensor")
         result, wrote = _measure(rg, metric, rg._user(eng.evaluate_patched(node, value.detach())), site)
@@ -2883,7 +2886,7 @@ def _one_site(rg: ReactiveGraph, site, node: str, patch: Callable, metric: Calla
     wrote = False
     try:
         current = eng.value(node)  # valid already: zero evaluations
-        value = rg._call_patch_fn(node, lambda v: patch(v, site), current, "sweep patch function")
+        value = rg._call_patch_fn(node, lambda v: patch(v, site), current, f"sweep patch function at site {site!r}")
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"patch function at site {site!r} returned {type(value).__name__}, expected a tensor")
         eng.patch(node, value.detach())
@@ -2942,13 +2945,13 @@ def _sweep_in_cpp(rg: ReactiveGraph, site_list: list, nodes: list, names: list, 
             j += 1
         part, part_nodes = site_list[i:j], nodes[i:j]
 
-        def fail(kind, k, value=None, part=part, part_nodes=part_nodes):
+        def fail(kind, k, value=None, part=part):
             if k < 0:  # the unpatched metric (clean)
                 _raise_metric_wrote(rg, "unpatched")
-            site, node = part[k], part_nodes[k]
+            site = part[k]
             if kind == "patch_wrote":
                 raise ValueError(
-                    f"sweep patch function for node {node!r} wrote in place into the activation it was given (an op "
+                    f"sweep patch function at site {site!r} wrote in place into the activation it was given (an op "
                     "such as `act[...] = ...` or `act.mul_(...)`); it was handed a copy, so the cache is intact, but "
                     "the patch was not applied. Return a new tensor instead, e.g. `act = act.clone()` first.")
             if kind == "not_tensor":
@@ -2981,7 +2984,7 @@ def _patched_values(rg: ReactiveGraph, nodes: list, members: list, patch: Callab
         name = s[0] if isinstance(s, tuple) else s
         if name != name_was:
             fn, name_was = rg._hook_view(name, patch), name
-        v = rg._call_patch_fn(node, lambda t, s=s, fn=fn: fn(t, s), clean, "sweep patch function")
+        v = rg._call_patch_fn(node, lambda t, s=s, fn=fn: fn(t, s), clean, f"sweep patch function at site {s!r}")
         if not isinstance(v, torch.Tensor):
             raise TypeError(f"patch function at site {s!r} returned {type(v).__name__}, expected a tensor")
         # Checked here, one by one, as the engine checks a single patch: the batched path concatenates the

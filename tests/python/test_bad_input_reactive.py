@@ -450,6 +450,16 @@ def test_a_value_of_another_dtype_shape_or_device_by_hook_name_is_refused_naming
         assert rg.patched() == [] and rg.num_nodes == n, entry
         assert torch.equal(rg.demand(), clean), entry
     rg.check_invariants()
+    # A patch function writing into its argument was refused "for node 'linear'" too.
+    inplace = lambda v, s=None: v.mul_(2)  # noqa: E731
+    for call, lead in ((lambda: rg.patch("hook_a", inplace), r"patch function for 'hook_a' wrote in place"),
+                       (lambda: torch_ext.sweep(rg, sites, inplace, metric, progress=False),
+                        r"sweep patch function at site \('hook_a', 0\) wrote in place"),
+                       (lambda: torch_ext.sweep(rg, sites, inplace, metric, progress=False, batch_sites=True),
+                        r"sweep patch function at site \('hook_a', 0\) wrote in place")):
+        with pytest.raises(ValueError, match=lead):
+            call()
+        assert rg.patched() == [] and torch.equal(rg.demand(), clean)
     good = rg.value("hook_a") * 0.5
     rg.patch("hook_a", good)
     assert torch.equal(rg.demand(), _eager_hooked(model, x, "hook_a", good))
