@@ -14,7 +14,14 @@ BCE/Huber, ``reduction="sum"``, float64, per-group hyperparameters, ``set_lr`` b
 Seeds 18 and up add real scripts' habits (``real_spec``); seeds 28 and up the ground of ``wild_spec``: ``torch.cond``
 on data-dependent predicates (more often under autocast), Hugging Face layers (LlamaDecoderLayer, GPT2Block),
 in-place ops on activations, where/gather/scatter with data masks and indices, cumsum and its kin, parameter views,
-activation checkpointing, GLU, and loss regularisers.
+activation checkpointing, GLU, and loss regularisers. Seeds 36 and up (``model_spec``): half the cases train a whole
+Hugging Face model from a tiny config (GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, OPTForCausalLM,
+GPTNeoXForCausalLM, BertForSequenceClassification, BertForMaskedLM, T5ForConditionalGeneration) with its own loss
+(``labels=`` with -100 positions, ``attention_mask`` with left / right padding that differs per batch), its dropout,
+activation checkpointing, tied or untied embeddings, a tuple / dict / BatchEncoding batch, bfloat16 autocast and
+transformers' lr schedules; and half of all cases (``"save": true``) also save ``step.program`` as a ``.pt2``, load it
+with ``torch_ext.load_step`` and train the same calls through it, which must equal the live step bit for bit
+(``FUZZ_STEP_SAVE=1`` turns that on for the cases of any seed).
 
 The case trains 3 steps through the step and through eager PyTorch (same initial weights, the same RNG:
 ``init_state(seed=s)`` against ``torch.manual_seed(s)``), comparing with torch.equal each step's loss and,
