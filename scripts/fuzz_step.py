@@ -1472,8 +1472,10 @@ def simplifications(spec: dict):
              "float64": False, "unroll": 1, "set_lr": False, "reduction": "mean", "scale_grad_by_freq": False,
              "ce": {}, "tie": False, "sched_pre": 0, "pre_grad": None, "freeze_after": [], "bf16": False,
              "autocast": False, "tensor_lr": None, "reg": None, "save": False}
-    if hf:
-        plain["batch"] = spec["batch"]  # tried above, down to 1
+    if hf:  # the batch is tried above, down to 1; the model's own keys do not apply to a whole model
+        for key in ("batch", "front_bn", "padding_idx", "loss", "width", "reduction", "scale_grad_by_freq", "ce",
+                    "tie", "autocast", "reg"):
+            plain.pop(key)
     for key, v in plain.items():
         if spec.get(key, v) != v:
             yield {**spec, key: v}
