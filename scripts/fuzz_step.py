@@ -14,7 +14,14 @@ BCE/Huber, ``reduction="sum"``, float64, per-group hyperparameters, ``set_lr`` b
 Seeds 18 and up add real scripts' habits (``real_spec``); seeds 28 and up the ground of ``wild_spec``: ``torch.cond``
 on data-dependent predicates (more often under autocast), Hugging Face layers (LlamaDecoderLayer, GPT2Block),
 in-place ops on activations, where/gather/scatter with data masks and indices, cumsum and its kin, parameter views,
-activation checkpointing, GLU, and loss regularisers.
+activation checkpointing, GLU, and loss regularisers. Seeds 36 and up (``model_spec``): half the cases train a whole
+Hugging Face model from a tiny config (GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, OPTForCausalLM,
+GPTNeoXForCausalLM, BertForSequenceClassification, BertForMaskedLM, T5ForConditionalGeneration) with its own loss
+(``labels=`` with -100 positions, ``attention_mask`` with left / right padding that differs per batch), its dropout,
+activation checkpointing, tied or untied embeddings, a tuple / dict / BatchEncoding batch, bfloat16 autocast and
+transformers' lr schedules; and half of all cases (``"save": true``) also save ``step.program`` as a ``.pt2``, load it
+with ``torch_ext.load_step`` and train the same calls through it, which must equal the live step bit for bit
+(``FUZZ_STEP_SAVE=1`` turns that on for the cases of any seed).
 
 The case trains 3 steps through the step and through eager PyTorch (same initial weights, the same RNG:
 ``init_state(seed=s)`` against ``torch.manual_seed(s)``), comparing with torch.equal each step's loss and,
@@ -31,6 +38,7 @@ Cases run in a worker subprocess, so a crash is caught and the run continues wit
 from __future__ import annotations
 
 import copy
+import os
 import random
 import re
 import sys
@@ -55,6 +63,11 @@ REAL_BLOCKS = ("reuse", "unused", "nonpers", "tconst", "bn2", "drop2")
 WILD_SEED = 28
 WILD_ANY = ("cond", "inplace", "where", "gather", "cumsum", "pview", "ckpt", "glu", "misc")  # [B, D] or [B, T, D]
 WILD_SEQ = ("hf_llama", "hf_gpt2")                                                          # [B, T, D] only
+# Seeds from MODEL_SEED on also draw ``model_spec`` (after the four above, so seeds 28..35 replay as before): whole
+# Hugging Face models with their own loss, and the saved program (``.pt2``) run beside the live step.
+MODEL_SEED = 36
+HF_FAMILIES = ("gpt2", "llama", "qwen2", "opt", "gpt_neox", "bert_cls", "bert_mlm", "t5")
+HF_SCHEDS = ("hf_linear", "hf_cosine", "hf_cosine_restarts", "hf_constant_warmup", "hf_poly", "hf_inverse_sqrt")
 SCHEDS2 = ("exp", "multistep", "cosine", "cosine_wr", "linear", "constant", "poly", "cyclic", "sequential", "chained",
            "multiplicative", "plateau")
 
@@ -269,6 +282,53 @@ def wild_spec(spec: dict, rng: random.Random) -> dict:
     return spec
 
 
+def model_spec(spec: dict, rng: random.Random) -> dict:
+    """Drawn after ``wild_spec``: half of the cases train a whole Hugging Face model (``spec["hf"]``, built from a
+    tiny config, no download) with its own loss (``labels=``, -100 on padding and on random positions,
+    ``attention_mask`` with right or left padding of a random length per row and batch, so the example batch's
+    padding is not the later batches'), ``train()`` with the config's dropout, activation checkpointing (reentrant or
+    not, every layer or every other), its attention implementation, tied or untied embeddings, a tuple, dict or
+    ``BatchEncoding`` batch, bfloat16 autocast around the forward and its loss; transformers' lr schedules (warmup
+    then linear / cosine / ...). Any case (``spec["save"]``) also saves ``step.program`` as a ``.pt2``, loads it with
+    ``torch_ext.load_step`` and trains the same calls through it, which must equal the live step bit for bit."""
+    if rng.random() < 0.5:
+        fam = rng.choice(HF_FAMILIES)
+        hf = {"family": fam, "layers": rng.choice((1, 2)), "p": rng.choice((0.0, 0.1, 0.1)),
+              "attn": rng.choice(("sdpa", "eager")), "pad": rng.choice(("none", "right", "left", "mixed")),
+              "mask": rng.random() < 0.8, "ignore": rng.random() < 0.4,
+              "ckpt": rng.choice((None, None, "reentrant", "nonreentrant")), "ckpt_every": rng.choice((1, 1, 2)),
+              "batch": rng.choice(("tuple", "tuple", "dict", "encoding")), "tie": rng.random() < 0.5,
+              "autocast": not spec.get("float64") and rng.random() < 0.2, "seq": rng.choice((4, 6))}
+        if fam == "bert_cls":
+            hf["labels"] = rng.choice((1, 3))  # 1: regression (MSE on float labels)
+            hf["token_types"] = rng.random() < 0.5
+        if fam in ("llama", "qwen2"):
+            hf["kv"] = rng.choice((1, 2))
+        if fam == "gpt2":
+            hf["act"] = rng.choice(("gelu_new", "gelu", "relu"))
+        if fam == "gpt_neox":
+            hf["parallel"] = rng.random() < 0.5
+        if fam == "t5":
+            hf["ff"] = rng.choice(("relu", "gated-gelu"))
+        spec["hf"] = hf
+        if rng.random() < 0.8:  # mostly without what older seeds already refuse by name (a float32 tensor lr,
+            # the optimizer flags, a plateau schedule), so that most whole-model cases train
+            spec["tensor_lr"] = None
+            for k in ("fused", "capturable", "differentiable"):
+                spec["opt"]["hyper"].pop(k, None)
+            if spec["sched"] == "plateau":
+                spec["sched"] = None
+        if hf["autocast"]:
+            spec["bf16"] = False
+        spec["batch"] = rng.choice((1, 2, 4))
+        if rng.random() < 0.35:
+            spec["sched"] = rng.choice(HF_SCHEDS)
+            spec["unroll"], spec["set_lr"] = 1, False
+            spec["sched_pre"] = rng.choice((0, 0, 1))
+    spec["save"] = rng.random() < 0.5
+    return spec
+
+
 def _group_hyper(opt: dict, rng: random.Random) -> dict:
     """Other values of some of the optimizer's hyperparameters, for the second param group."""
     h = opt["hyper"]
@@ -344,6 +404,8 @@ def gen_opt(rng: random.Random) -> dict:
 # ------------------------------------------------------------------------------------------ the setup
 def build(spec: dict):
     """(model, make_opts(model) -> ([optimizers], [schedulers]), loss_fn, batches): the model seeded."""
+    if spec.get("hf"):
+        return build_hf(spec)
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -968,6 +1030,119 @@ def build(spec: dict):
     return model, loss_fn, batches
 
 
+def build_hf(spec: dict):
+    """(model, loss_fn, batches) of a whole Hugging Face model (``model_spec``), trained with its own loss."""
+    import torch
+    import transformers as T
+
+    T.logging.set_verbosity_error()
+    hf = spec["hf"]
+    fam, L, p, V, S, B = hf["family"], hf["layers"], hf["p"], 16, hf["seq"], spec["batch"]
+    ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common = dict(vocab_size=V, hidden_size=8, intermediate_size=16, num_hidden_layers=L, num_attention_heads=2,
+                  max_position_embeddings=16)
+    if fam == "gpt2":
+        cfg = T.GPT2Config(vocab_size=V, n_positions=16, n_embd=8, n_layer=L, n_head=2, n_inner=16,
+                           activation_function=hf["act"], resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, **ids)
+        cls = T.GPT2LMHeadModel  # tied embedding and LM head
+    elif fam in ("llama", "qwen2"):
+        cfg = (T.LlamaConfig if fam == "llama" else T.Qwen2Config)(
+            **common, num_key_value_heads=hf["kv"], head_dim=4, attention_dropout=p, rms_norm_eps=1e-6,
+            tie_word_embeddings=hf["tie"], **ids)
+        cls = T.LlamaForCausalLM if fam == "llama" else T.Qwen2ForCausalLM
+    elif fam == "opt":
+        cfg = T.OPTConfig(vocab_size=V, hidden_size=8, num_hidden_layers=L, ffn_dim=16, num_attention_heads=2,
+                          max_position_embeddings=16, dropout=p, attention_dropout=p, word_embed_proj_dim=8,
+                          tie_word_embeddings=hf["tie"], **ids)
+        cls = T.OPTForCausalLM
+    elif fam == "gpt_neox":
+        cfg = T.GPTNeoXConfig(**common, rotary_pct=0.5, use_parallel_residual=hf["parallel"], hidden_dropout=p,
+                              attention_dropout=p, tie_word_embeddings=hf["tie"], **ids)
+        cls = T.GPTNeoXForCausalLM
+    elif fam in ("bert_cls", "bert_mlm"):
+        cfg = T.BertConfig(**common, hidden_dropout_prob=p, attention_probs_dropout_prob=p, type_vocab_size=2,
+                           num_labels=hf.get("labels", 2), tie_word_embeddings=hf["tie"], pad_token_id=0)
+        cls = T.BertForSequenceClassification if fam == "bert_cls" else T.BertForMaskedLM
+    elif fam == "t5":
+        cfg = T.T5Config(vocab_size=V, d_model=8, d_kv=4, d_ff=16, num_layers=L, num_decoder_layers=L, num_heads=2,
+                         relative_attention_num_buckets=4, relative_attention_max_distance=8, dropout_rate=p,
+                         feed_forward_proj=hf["ff"], tie_word_embeddings=hf["tie"], decoder_start_token_id=0,
+                         pad_token_id=0, eos_token_id=2)
+        cls = T.T5ForConditionalGeneration
+    else:
+        raise ValueError(fam)
+    cfg._attn_implementation = hf["attn"]
+    dtype = torch.float64 if spec.get("float64") else torch.bfloat16 if spec.get("bf16") else torch.float32
+    torch.manual_seed(spec["model_seed"])
+    model = cls(cfg).to(dtype).train()
+    if hf["ckpt"]:
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": hf["ckpt"] == "reentrant"},
+            every_n_layers=hf.get("ckpt_every", 1))
+    named = list(model.named_parameters())
+    for i in spec["frozen"]:
+        if i < len(named):
+            named[i][1].requires_grad_(False)
+
+    g = torch.Generator().manual_seed(spec["data_seed"])
+
+    def one_batch():
+        x = torch.randint(3, V, (B, S), generator=g)
+        am = torch.ones(B, S, dtype=torch.long)
+        pad = hf["pad"] if hf["pad"] != "mixed" else ("right", "left")[int(torch.randint(0, 2, (), generator=g))]
+        if pad != "none":  # each row its own padding length, 0 included: each batch's padding differs
+            for r in range(B):
+                k = int(torch.randint(0, S - 1, (), generator=g))
+                if k:
+                    am[r, S - k:] = 0 if pad == "right" else 1
+                    if pad == "left":
+                        am[r, :k] = 0
+        x = torch.where(am.bool(), x, torch.zeros_like(x))  # pad id 0
+        b = {"input_ids": x}
+        if hf["mask"]:
+            b["attention_mask"] = am
+        if fam == "bert_cls":
+            if hf.get("token_types"):
+                b["token_type_ids"] = (torch.arange(S) >= S // 2).long().expand(B, S).clone()
+            n = hf["labels"]
+            b["labels"] = (torch.randn(B, generator=g).to(dtype) if n == 1 else torch.randint(0, n, (B,), generator=g))
+            return b
+        if fam == "bert_mlm":  # labels on the masked positions only
+            m = (torch.rand(B, S, generator=g) < 0.4) & am.bool()
+            m[:, 0] = True
+            b["labels"] = torch.where(m, x, torch.full_like(x, -100))
+            b["input_ids"] = torch.where(m, torch.full_like(x, 3), x)  # the [MASK] token
+            return b
+        y = torch.randint(3, V, (B, S), generator=g) if fam == "t5" else x.clone()
+        y = torch.where(am.bool() | torch.tensor(fam == "t5"), y, torch.full_like(y, -100))
+        if hf["ignore"]:
+            y = torch.where(torch.rand(B, S, generator=g) < 0.3, torch.full_like(y, -100), y)
+        b["labels"] = y
+        return b
+
+    keys = None
+
+    def pack(b):
+        nonlocal keys
+        keys = list(b)
+        if hf["batch"] == "tuple":
+            return tuple(b.values())
+        return (T.BatchEncoding(b) if hf["batch"] == "encoding" else b,)
+
+    def forward_loss(m, b):
+        if hf.get("autocast"):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return m(**b).loss
+        return m(**b).loss
+
+    def loss_fn(m, *args):
+        return forward_loss(m, dict(zip(keys, args)) if hf["batch"] == "tuple" else args[0])
+
+    calls = STEPS * spec.get("unroll", 1)
+    batches = [[pack(one_batch()) for _ in range(spec["accumulate"])] for _ in range(calls + 1)]
+    return model, loss_fn, batches
+
+
 def make_opts(spec: dict, model):
     """([optimizers], [schedulers]) of ``model`` as the spec says (called on the model and on its eager copy)."""
     import torch
@@ -1053,6 +1228,21 @@ def _sched2(spec: dict, o):
         return L.MultiplicativeLR(o, _mult)
     if k == "plateau":
         return L.ReduceLROnPlateau(o)
+    if k.startswith("hf_"):  # transformers' schedules (LambdaLRs of functools.partial lambdas)
+        import transformers as T
+
+        if k == "hf_linear":
+            return T.get_linear_schedule_with_warmup(o, num_warmup_steps=2, num_training_steps=6)
+        if k == "hf_cosine":
+            return T.get_cosine_schedule_with_warmup(o, num_warmup_steps=1, num_training_steps=5)
+        if k == "hf_cosine_restarts":
+            return T.get_cosine_with_hard_restarts_schedule_with_warmup(o, 1, 6, num_cycles=2)
+        if k == "hf_constant_warmup":
+            return T.get_constant_schedule_with_warmup(o, num_warmup_steps=2)
+        if k == "hf_poly":
+            return T.get_polynomial_decay_schedule_with_warmup(o, 1, 5, lr_end=1e-7, power=2.0)
+        if k == "hf_inverse_sqrt":
+            return T.get_inverse_sqrt_schedule(o, num_warmup_steps=2)
     raise ValueError(k)
 
 
@@ -1113,13 +1303,13 @@ def run_case(spec: dict, step: bool = True) -> list[str]:
     opts, scheds = make_opts(spec, model)
     ref_opts, ref_scheds = make_opts(spec, ref)
     n, u = spec["accumulate"], spec.get("unroll", 1)
-    losses, new_lrs = (run_step(spec, model, loss_fn, batches, opts, scheds) if step else
+    diffs: list[str] = []
+    losses, new_lrs = (run_step(spec, model, loss_fn, batches, opts, scheds, diffs) if step else
                        (None, [g["lr"] * 0.3 for o in ref_opts for g in o.param_groups]))
     _fuzz_driver.enter("eager")
 
     torch.manual_seed(spec["rng_seed"])
     ref_params = [p for p in ref.parameters() if p.requires_grad]
-    diffs: list[str] = []
     for i, mbs in enumerate(batches[1:]):
         if spec.get("set_lr") and i == u:  # the eager twin of state.set_lr before the second call
             for g, lr in zip([g for o in ref_opts for g in o.param_groups], new_lrs):
@@ -1171,9 +1361,10 @@ def run_case(spec: dict, step: bool = True) -> list[str]:
     return diffs
 
 
-def run_step(spec: dict, model, loss_fn, batches, opts, scheds) -> tuple[list, list]:
+def run_step(spec: dict, model, loss_fn, batches, opts, scheds, diffs: list) -> tuple[list, list]:
     """Trains the spec through the step (writing back into ``model`` and the optimizers); returns its losses and
-    the lrs ``set_lr`` gave it."""
+    the lrs ``set_lr`` gave it. ``spec["save"]``: the saved program too, its differences from the live step
+    appended to ``diffs``."""
     import torch_ext
 
     n, u = spec["accumulate"], spec.get("unroll", 1)
@@ -1197,9 +1388,11 @@ def run_step(spec: dict, model, loss_fn, batches, opts, scheds) -> tuple[list, l
                 raise
             runner = step.compile(plan=True, donate=donate, memory_budget=int(least.group(1)))
     state = step.init_state(seed=spec["rng_seed"])
+    saved_state = step.init_state(seed=spec["rng_seed"]) if spec.get("save") else None
+    fresh_scheds = make_opts(spec, copy.deepcopy(model))[1] if spec.get("save") and scheds else []
     new_lrs = [g["lr"] * 0.3 for o in opts for g in o.param_groups]
     _fuzz_driver.enter("run")
-    losses = []
+    losses, states = [], []
     for c in range(STEPS):
         if spec.get("set_lr") and c == 1:
             state.set_lr(new_lrs)
@@ -1207,8 +1400,43 @@ def run_step(spec: dict, model, loss_fn, batches, opts, scheds) -> tuple[list, l
         out = runner(state, *[t for mbs in calls for mb in mbs for t in mb])
         loss, state = out[0], out[1]
         losses.extend(loss.unbind(0) if u > 1 else [loss])
+    if spec.get("save"):
+        _saved_program(spec, step, saved_state, fresh_scheds, batches, losses, state, new_lrs, diffs)
     step.write_back(state)
     return losses, new_lrs
+
+
+def _saved_program(spec: dict, step, state, scheds, batches, losses, live_state, new_lrs, diffs: list) -> None:
+    """What a user deploys: ``torch.export.save(step.program, path)``, ``torch_ext.load_step(path)`` (with fresh
+    schedulers where the step has them) trained over the same calls from the same initial state; its losses and
+    final state must equal the live step's bit for bit (the live step equals eager, compared after this)."""
+    import tempfile
+
+    import torch
+
+    import torch_ext
+
+    u = spec.get("unroll", 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "step.pt2")
+        torch.export.save(step.program, path)
+        loaded = torch_ext.load_step(path, scheduler=(scheds if len(scheds) > 1 else scheds[0]) if scheds else None)
+        got = []
+        for c in range(STEPS):
+            if spec.get("set_lr") and c == 1:
+                state.set_lr(new_lrs)
+            calls = batches[1 + c * u:1 + (c + 1) * u]
+            loss, state = loaded(state, *[t for mbs in calls for mb in mbs for t in mb])
+            got.extend(loss.unbind(0) if u > 1 else [loss])
+    for i, (a, b) in enumerate(zip(got, losses)):
+        _eq(a, b, f"saved program: loss step {i}", diffs)
+    for part in ("params", "buffers", "opt"):
+        live = getattr(live_state, part)
+        for k, v in getattr(state, part).items():
+            _eq(v, live.get(k), f"saved program: state.{part}[{k}]", diffs)
+    _eq(list(state.lr), list(live_state.lr), "saved program: state.lr", diffs)
+    _eq(state.sched_epoch, live_state.sched_epoch, "saved program: state.sched_epoch", diffs)
+    _eq(state.rng, live_state.rng, "saved program: state.rng", diffs)
 
 
 def classify(exc: BaseException, spec: dict | None = None) -> tuple[str, str]:
@@ -1227,13 +1455,27 @@ def _eager_raises(spec: dict) -> BaseException | None:
 
 def simplifications(spec: dict):
     """Each one-step simpler variant of ``spec`` (for --minimize)."""
-    for k in range(len(spec["blocks"])):
+    hf = spec.get("hf")
+    if hf:  # a whole Hugging Face model: its blocks and front are not used
+        plain_hf = {"layers": 1, "p": 0.0, "attn": "sdpa", "pad": "none", "mask": False, "ignore": False,
+                    "ckpt": None, "ckpt_every": 1, "batch": "tuple", "tie": False, "autocast": False, "seq": 4,
+                    "token_types": False, "kv": 2, "parallel": False, "act": "gelu_new", "ff": "relu"}
+        for key, v in plain_hf.items():
+            if key in hf and hf[key] != v:
+                yield {**spec, "hf": {**hf, key: v}}
+        if spec["batch"] != 1:
+            yield {**spec, "batch": 1}
+    for k in range(len(spec["blocks"]) if not hf else 0):
         yield {**spec, "blocks": spec["blocks"][:k] + spec["blocks"][k + 1:]}
     plain = {"front_bn": False, "padding_idx": False, "frozen": [], "excluded": [], "groups": 1, "sched": None,
              "accumulate": 1, "clip": None, "runner": "exec", "batch": 4, "loss": "ce", "width": 4,
              "float64": False, "unroll": 1, "set_lr": False, "reduction": "mean", "scale_grad_by_freq": False,
              "ce": {}, "tie": False, "sched_pre": 0, "pre_grad": None, "freeze_after": [], "bf16": False,
-             "autocast": False, "tensor_lr": None, "reg": None}
+             "autocast": False, "tensor_lr": None, "reg": None, "save": False}
+    if hf:  # the batch is tried above, down to 1; the model's own keys do not apply to a whole model
+        for key in ("batch", "front_bn", "padding_idx", "loss", "width", "reduction", "scale_grad_by_freq", "ce",
+                    "tie", "autocast", "reg"):
+            plain.pop(key)
     for key, v in plain.items():
         if spec.get(key, v) != v:
             yield {**spec, key: v}
@@ -1246,6 +1488,8 @@ def simplifications(spec: dict):
             yield {**spec, "opt": {**spec["opt"], "hyper": h}}
     if spec["opt"]["kind"] != "SGD":
         yield {**spec, "opt": {"kind": "SGD", "hyper": {"lr": 0.1}}}
+    if hf:
+        return
     seq_only = any(b["kind"] in SEQ_BLOCKS for b in spec["blocks"])
     for front in ("linear", "embed"):
         if spec["front"] != front and not (front == "linear" and seq_only):
@@ -1263,7 +1507,11 @@ def case_spec(seed: int, i: int) -> dict:
     spec = gen_spec(rng)
     spec = extend_spec(spec, rng) if seed >= EXTENDED_SEED else spec
     spec = real_spec(spec, rng) if seed >= REAL_SEED else spec
-    return wild_spec(spec, rng) if seed >= WILD_SEED else spec
+    spec = wild_spec(spec, rng) if seed >= WILD_SEED else spec
+    spec = model_spec(spec, rng) if seed >= MODEL_SEED else spec
+    if os.environ.get("FUZZ_STEP_SAVE") == "1":  # any seed's cases through the saved program too
+        spec["save"] = True
+    return spec
 
 
 def one(spec: dict) -> dict:

@@ -276,3 +276,70 @@ def test_fuzz_step_nested_cond_export_failure_is_refused_by_name():
                         "act": "tanh", "two": False}]}
     with pytest.raises(NotImplementedError, match=r"export failed inside its handling of a torch.cond .* nested"):
         fuzz_step.run_case(spec)
+
+
+# Seeds >= 36 (MODEL_SEED): whole Hugging Face models with their own loss, and the saved program. Seeds below it draw
+# exactly what they drew before (model_spec draws after the other grounds), so every pinned case above replays.
+def test_fuzz_step_model_seed_draws_whole_models_and_saves_only_from_its_seed():
+    below = [fuzz_step.case_spec(fuzz_step.MODEL_SEED - 1, i) for i in range(40)]
+    assert not any("hf" in s or "save" in s for s in below)
+    above = [fuzz_step.case_spec(fuzz_step.MODEL_SEED, i) for i in range(40)]
+    assert {s["hf"]["family"] for s in above if "hf" in s} >= {"gpt2", "llama", "bert_mlm", "opt"}
+    assert any(s["save"] for s in above) and not all(s["save"] for s in above)
+
+
+# The saved-program option compares load_step's losses and state with the live step's: a loaded step one ulp off
+# must be reported (the option is not a no-op).
+def test_fuzz_step_saved_program_difference_is_reported(monkeypatch):
+    import torch
+
+    import torch_ext
+
+    spec = {**_SMALL, "save": True}
+    assert fuzz_step.run_case(spec) == []
+    load = torch_ext.load_step
+
+    def off_by_one_ulp(*args, **kwargs):
+        loaded = load(*args, **kwargs)
+
+        def run(state, *batch):
+            loss, state = loaded(state, *batch)
+            return torch.nextafter(loss, torch.full_like(loss, float("inf"))), state
+        return run
+    monkeypatch.setattr(torch_ext, "load_step", off_by_one_ulp)
+    diffs = fuzz_step.run_case(spec)
+    assert diffs and all(d.startswith("saved program: loss step") for d in diffs), diffs
+
+
+# Two whole-model cases of seed 36 that train bit-exact through the live step and the saved .pt2 (pinned as specs):
+# Llama (2 layers, tied, grouped-query attention, per-row left/right padding, non-reentrant checkpointing, dropout)
+# with Adagrad, accumulate=2, clipping, transformers' cosine warmup schedule, donated plan; GPT-2 (tied head, eager
+# attention, -100 labels) in float64 with SGD and CyclicLR.
+HF_SPECS = {
+    "36:18 llama-ckpt-padded-saved": json.loads(
+        '{"model_seed": 358, "rng_seed": 385, "data_seed": 914, "front": "embed", "front_bn": false, "padding_idx": '
+        'true, "width": 6, "blocks": [], "loss": "bce", "batch": 2, "frozen": [0], "excluded": [], "opt": {"kind": '
+        '"Adagrad", "hyper": {"lr": 0.1, "lr_decay": 0.0, "weight_decay": 0.0, "initial_accumulator_value": 0.0, '
+        '"maximize": false, "foreach": true}}, "groups": 2, "group2": {"lr_scale": 2.0, "wd": 0.0}, "sched": '
+        '"hf_cosine", "cycle_momentum": true, "accumulate": 2, "clip": 10.0, "runner": "donate", "budget": 0.6, '
+        '"reduction": "mean", "float64": false, "unroll": 1, "set_lr": false, "tie": false, "sched_pre": 1, '
+        '"pre_grad": null, "freeze_after": [], "bf16": false, "autocast": false, "tensor_lr": null, "reg": null, '
+        '"hf": {"family": "llama", "layers": 2, "p": 0.1, "attn": "sdpa", "pad": "mixed", "mask": true, "ignore": '
+        'false, "ckpt": "nonreentrant", "ckpt_every": 1, "batch": "tuple", "tie": true, "autocast": false, "seq": 6, '
+        '"kv": 1}, "save": true}'),
+    "36:32 gpt2-float64-saved": json.loads(
+        '{"model_seed": 821, "rng_seed": 889, "data_seed": 62, "front": "seqlin", "front_bn": false, "padding_idx": '
+        'false, "width": 8, "blocks": [], "loss": "bce", "batch": 4, "frozen": [0], "excluded": [], "opt": {"kind": '
+        '"SGD", "hyper": {"lr": 0.1, "momentum": 0.0, "dampening": 0.0, "nesterov": false, "weight_decay": 0.01, '
+        '"maximize": false}}, "groups": 1, "group2": {"lr_scale": 2.0, "wd": 0.0}, "sched": "cyclic", '
+        '"cycle_momentum": true, "accumulate": 1, "clip": null, "runner": "exec", "budget": 0.8, "reduction": "mean", '
+        '"float64": true, "unroll": 1, "set_lr": false, "tie": false, "sched_pre": 0, "pre_grad": "zero", '
+        '"freeze_after": [], "bf16": false, "autocast": false, "tensor_lr": null, "reg": null, "hf": {"family": '
+        '"gpt2", "layers": 2, "p": 0.0, "attn": "eager", "pad": "mixed", "mask": true, "ignore": true, "ckpt": null, '
+        '"ckpt_every": 1, "batch": "tuple", "tie": false, "autocast": false, "seq": 4, "act": "relu"}, "save": true}'),
+}
+
+
+@pytest.mark.parametrize("name", list(HF_SPECS))
+def test_fuzz_step_whole_hf_model_and_saved_program_are_bit_exact(name):
+    assert fuzz_step.run_case(HF_SPECS[name]) == [], HF_SPECS[name]
