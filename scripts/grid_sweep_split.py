@@ -16,6 +16,15 @@ medians over the rounds:
   sweep1 / sites1  one site (the last node: an empty cone): sweep1 - sites1 is sweep()'s fixed work per call
 
 Prints each arm's time, full / arm / rho for the 40-site arms, and the per-site and per-call differences.
+
+    python scripts/grid_sweep_split.py --per-node [--op relu] [--rounds 60]
+
+splits the full, loop and sweep arms into a cost per node and a cost per site: the 160-node chain with a site every
+4th node and an 80-node chain with a site every 2nd node both have 40 sites, with 6,400 / 3,200 nodes run by the full
+arm and 3,120 / 1,560 by the cone, so the two cells' difference over the node difference is an arm's cost per node,
+and what is left, over 40, its cost per site. With the same per-node and per-site costs in both arms the ratio / rho
+is (6400 n + 40 s) / (3120 n + 40 s) / 2.051: the per-site work (the Python call, the metric) that both arms pay
+bounds it below 1.
 """
 from __future__ import annotations
 
@@ -34,15 +43,70 @@ import bench_sweep  # noqa: E402  (the grid's cell)
 import torch_ext  # noqa: E402
 
 
+def per_node(op: str, size: int, rounds: int, clock) -> None:
+    cells = {n: bench_sweep.grid_cell(op, size, n, every) for n, every in ((160, 4), (80, 2))}
+    arms, nodes = {}, {}
+
+    def patch_of(pre):
+        return lambda v, s: pre[s]
+
+    def metric(o):
+        return o.sum()
+
+    for n, (_, x, rg, sites, pre, extra, executors) in cells.items():
+        eng = rg._engine
+        assert len(sites) == 40
+        arms[f"full{n}"] = (lambda x=x, sites=sites, pre=pre, extra=extra, executors=executors:
+                            [float(executors[s](x, pre[s], *extra)[0].sum()) for s in sites])
+        arms[f"loop{n}"] = (lambda eng=eng, sites=sites, pre=pre:
+                            [float(eng.evaluate_patched(s, pre[s])[0].sum()) for s in sites])
+        arms[f"sweep{n}"] = (lambda rg=rg, sites=sites, pre=pre:
+                             torch_ext.sweep(rg, sites, patch_of(pre), metric, progress=False))
+        nodes[f"full{n}"] = 40 * n
+        nodes[f"loop{n}"] = nodes[f"sweep{n}"] = sum(n - (i + 1) * (n // 40) for i in range(40))
+    times = {k: [] for k in arms}
+    with torch.no_grad():
+        for f in arms.values():
+            f()
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(rounds):
+                for k, f in arms.items():
+                    t0 = clock()
+                    f()
+                    times[k].append(clock() - t0)
+        finally:
+            gc.enable()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"{op} {size}x{size}, 40 sites, chains of 160 (site every 4th) and 80 (every 2nd), medians of {rounds} rounds")
+    node_cost = {}
+    for arm in ("full", "loop", "sweep"):
+        a, b = f"{arm}160", f"{arm}80"
+        per = (med[a] - med[b]) / (nodes[a] - nodes[b])
+        site = (med[a] - nodes[a] * per) / 40
+        node_cost[arm] = per
+        print(f"  {arm:6s} {med[a] * 1e3:8.3f} / {med[b] * 1e3:8.3f} ms: {per * 1e6:7.3f} us a node, "
+              f"{site * 1e6:7.2f} us a site ({site / per:5.1f} nodes)")
+    rho = nodes["full160"] / nodes["loop160"]
+    for arm in ("loop", "sweep"):
+        print(f"  full / {arm} / rho at 160: {med['full160'] / med[arm + '160'] / rho:.3f}; "
+              f"{arm} / full a node: {node_cost[arm] / node_cost['full']:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--op", default="relu", choices=["relu", "sin", "linear+gelu"])
     ap.add_argument("--size", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=100)
     ap.add_argument("--clock", choices=["wall", "thread"], default="thread")
+    ap.add_argument("--per-node", action="store_true", help="split each arm into a cost per node and per site")
     args = ap.parse_args()
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     torch.set_num_threads(1)
+    if args.per_node:
+        per_node(args.op, args.size, args.rounds, clock)
+        return
     _, x, rg, sites, pre, extra, executors = bench_sweep.grid_cell(args.op, args.size)
     eng = rg._engine
     n = len(sites)
