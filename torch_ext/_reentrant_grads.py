@@ -57,6 +57,7 @@ def _read_backward(ctx, g):
 
 _read.register_autograd(_read_backward, setup_context=_read_setup)
 
+_NO_GRAD_REGION = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
 _READ = torch.ops.torch_ext_ckpt.read.default
 _GRAD = torch.ops.torch_ext_ckpt.grad.default
 
@@ -149,15 +150,21 @@ def split_events(joint: torch.export.ExportedProgram) -> dict[str, int]:
                default=len(nodes))
     parent: dict[int, int] = {}
     read_of: dict[tuple, torch.fx.Node] = {}  # (placeholder, block) -> marker
+    first_in: dict[int, int] = {}  # block -> position of its first marker (any parameter's)
     for r in reads:
         p, b, path = r.args
         for j, c in enumerate(path):
             parent[c] = path[j - 1] if j else 0
         read_of[(p, b)] = r
+        first_in.setdefault(b, pos[r])
+    marked = {p for p, _ in read_of}
+    placeholder_of = {s.target: s.arg.name for s in joint.graph_signature.input_specs if s.kind.name == "PARAMETER"}
+    by_name = {n.name: n for n in nodes if n.op == "placeholder"}
 
     def first_read(users) -> int | None:
         # The first forward read that autograd differentiates (a detach passes no gradient back)
-        at = [pos[u] for u in users if pos[u] < seed and u.target not in (_READ, torch.ops.aten.detach.default)]
+        at = [pos[u] for u in users if pos[u] < seed and u.target not in (_READ, torch.ops.aten.detach.default)
+              and not (u.target is _NO_GRAD_REGION and u.args and u.args[0] is False)]
         return min(at) if at else None
 
     out_node = next(n for n in reversed(nodes) if n.op == "output")
@@ -166,10 +173,8 @@ def split_events(joint: torch.export.ExportedProgram) -> dict[str, int]:
     for i, spec in enumerate(joint.graph_signature.output_specs):
         if spec.kind.name != "GRADIENT_TO_PARAMETER" or not isinstance(outs[i], torch.fx.Node):
             continue
-        # The param's placeholder, from the input spec of the same target
-        p = next((n for n in nodes if n.op == "placeholder" and any(
-            s.arg.name == n.name and s.target == spec.target for s in joint.graph_signature.input_specs)), None)
-        if p is None or not any(k[0] is p for k in read_of):
+        p = by_name.get(placeholder_of.get(spec.target, ""))
+        if p not in marked:
             continue
         # Take the blocks' gradients out of the sum autograd made (its input buffer adds each arrival)
         top, mine = outs[i], {}
@@ -202,7 +207,7 @@ def split_events(joint: torch.export.ExportedProgram) -> dict[str, int]:
                 c = parent[c]
 
         def span_at(b: int) -> int:  # a node inside block b (its reads of any parameter, or its inner blocks')
-            inner = [pos[r] for (q, c), r in read_of.items() if c == b]
+            inner = [first_in[b]] if b in first_in else []
             return min(inner + [span_at(c) for c in children.get(b, [])])
 
         def order(scope: int) -> list:
