@@ -62,7 +62,7 @@ _READ = torch.ops.torch_ext_ckpt.read.default
 _GRAD = torch.ops.torch_ext_ckpt.grad.default
 
 _model: torch.nn.Module | None = None  # the module whose parameters are marked (set while the step exports)
-_blocks: list[int] = []  # the reentrant blocks being traced, innermost last
+_modes: list = []  # the reentrant blocks being traced (their _BlockReads), innermost last
 _ids = itertools.count(1)
 
 
@@ -105,20 +105,33 @@ class _BlockReads(torch.overrides.TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def block_reads(args):
-    """Around a reentrant block's call while the step exports (else nothing)."""
+def block_reads(args: tuple):
+    """Around a reentrant block's call while the step exports (else nothing); gives the block's arguments."""
     if _model is None or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in tree_leaves(args)):
-        yield
+        yield args
         return
     given = {id(t) for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
     params = {id(p): p for p in _model.parameters() if p.requires_grad and id(p) not in given}
     block = next(_ids)
-    _blocks.append(block)
+    path = [m.block for m in _modes] + [block]
+    outer = _modes[-1] if _modes else None
+
+    def argument(a):
+        # Eager's inner backward sums the block's reads of an argument (its detached copy's .grad) and returns
+        # the sum to the backward around it as one gradient: one read there (marked with -block), of the
+        # enclosing block's marker where the argument is a parameter that block reads
+        if not isinstance(a, torch.Tensor) or not a.requires_grad:
+            return a
+        return _READ(outer._sub(a) if outer is not None else a, -block, path)
+
+    args = tuple(argument(a) for a in args)
+    mode = _BlockReads(params, block, path)
+    _modes.append(mode)
     try:
-        with _BlockReads(params, block, list(_blocks)):
-            yield
+        with mode:
+            yield args
     finally:
-        _blocks.pop()
+        _modes.pop()
 
 
 def strip_reads(ep: torch.export.ExportedProgram) -> None:
@@ -143,8 +156,11 @@ def split_events(joint: torch.export.ExportedProgram) -> dict[str, int]:
     if not any(n.op == "call_function" and n.target is _READ for n in nodes):
         return {}
     pos = {n: i for i, n in enumerate(nodes)}
-    reads = [n for n in nodes if n.op == "call_function" and n.target is _READ]
-    grads = [n for n in nodes if n.op == "call_function" and n.target is _GRAD]
+    all_reads = [n for n in nodes if n.op == "call_function" and n.target is _READ]
+    reads = [r for r in all_reads if r.args[1] > 0]
+    for g in [n for n in nodes if n.op == "call_function" and n.target is _GRAD and n.args[1] < 0]:
+        g.replace_all_uses_with(g.args[0])  # a parameter argument's: one of the outer backward's reads
+        graph.erase_node(g)
     # The forward ends at the backward's seed; a read's readers before it are forward reads.
     seed = min((pos[n] for n in nodes if n.op == "call_function" and n.target is torch.ops.aten.ones_like.default),
                default=len(nodes))
@@ -163,7 +179,8 @@ def split_events(joint: torch.export.ExportedProgram) -> dict[str, int]:
 
     def first_read(users) -> int | None:
         # The first forward read that autograd differentiates (a detach passes no gradient back)
-        at = [pos[u] for u in users if pos[u] < seed and u.target not in (_READ, torch.ops.aten.detach.default)
+        at = [pos[u] for u in users if pos[u] < seed and u.target is not torch.ops.aten.detach.default
+              and not (u.target is _READ and u.args[1] > 0)
               and not (u.target is _NO_GRAD_REGION and u.args and u.args[0] is False)]
         return min(at) if at else None
 
@@ -235,7 +252,7 @@ def split_events(joint: torch.export.ExportedProgram) -> dict[str, int]:
         if len(seq) > 1:
             events[spec.target] = len(seq)
     out_node.args = (tuple(outs),) if isinstance(out_node.args[0], tuple) else (outs,)
-    for r in reads:
+    for r in all_reads:
         r.replace_all_uses_with(r.args[0])
         graph.erase_node(r)
     graph.lint()

@@ -101,6 +101,28 @@ def test_weight_tied_across_a_reentrant_block_with_momentum():
     assert run_both(Tied(), torch.optim.SGD, loss_of(True), 2, torch.float64, momentum=0.9) == {}
 
 
+class Given(nn.Module):
+    """The block reads its activation argument twice and a weight passed as an argument twice; both are read
+    outside it too. Eager's inner backward sums the block's reads of each argument (the detached copy's .grad)
+    and returns one gradient to the outer backward; the inlined block added each read on its own, 1 ulp off
+    eager at accumulate=1 already."""
+
+    def __init__(self):
+        super().__init__()
+        self.front, self.fc, self.head = nn.Linear(5, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.front(x)
+        h = h + ckpt(lambda u, w: torch.tanh(u @ w.t() + u @ w), h, self.fc.weight)
+        return self.head(torch.tanh(self.fc(h)))
+
+
+@pytest.mark.parametrize("acc", [1, 2, 3])
+def test_arguments_of_a_reentrant_block_read_twice_inside_bit_exact(acc):
+    torch.manual_seed(0)
+    assert run_both(Given(), torch.optim.SGD, loss_of(False), acc, torch.float64) == {}
+
+
 def test_the_step_gradient_adds_the_blocks_events_in_eagers_order():
     # The joint gradient of fc.weight (read by the block and the L2 penalty after it) is the penalty's
     # gradient, then the block's: eager's outer backward adds the penalty's first, the block's inner one after
