@@ -100,8 +100,13 @@ class _BlockReads(torch.overrides.TorchFunctionMode):
         if torch.compiler.is_dynamo_compiling() or func in (_READ, torch.ops.torch_ext_ckpt.read):
             # (an inner block's marker reads the parameter itself)
             return func(*args, **kwargs)
-        args, kwargs = tree_map_only(torch.Tensor, self._sub, (args, kwargs))
-        return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if args and (name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))):
+            # A write into the parameter stays one (and is refused as such): never into its marker
+            args = (args[0],) + tuple(tree_map_only(torch.Tensor, self._sub, tuple(args[1:])))
+        else:
+            args = tree_map_only(torch.Tensor, self._sub, tuple(args))
+        return func(*args, **tree_map_only(torch.Tensor, lambda t: t if "out" in kwargs else self._sub(t), kwargs))
 
 
 @contextlib.contextmanager
