@@ -484,6 +484,7 @@ passes::TrainStepSpec spec_from_py(const py::dict& d) {
   spec.clip_norm_type = d["clip_norm_type"].cast<double>();
   if (d.contains("aux_outputs")) spec.aux_outputs = d["aux_outputs"].cast<std::vector<int64_t>>();
   if (d.contains("accumulate")) spec.accumulate = d["accumulate"].cast<int64_t>();
+  if (d.contains("grad_events")) spec.grad_events = d["grad_events"].cast<std::map<std::string, int64_t>>();
   if (d.contains("data_parallel") && !d["data_parallel"].is_none()) {
     auto dp = d["data_parallel"].cast<py::dict>();
     passes::DataParallel v;

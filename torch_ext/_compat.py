@@ -609,9 +609,12 @@ def inline_reentrant_checkpoints():
             _checkpoint_writes.append(writes.writes)
 
     def apply(function, preserve_rng_state, *args):
+        from . import _reentrant_grads
+
         writes = _ExternalWrites(args)
-        with refusing_new_draws(preserve_rng_state), writes:
-            out = function(*args)  # once: the block draws eager's forward numbers
+        # The block's parameter reads marked: eager adds the block's gradient into .grad on its own
+        with refusing_new_draws(preserve_rng_state), writes, _reentrant_grads.block_reads(args) as marked:
+            out = function(*marked)  # once: the block draws eager's forward numbers
         if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             recorded(writes)  # eager's backward recomputes the block
             return out

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from . import _C, _compat, _env_reads, _model_checks, _module_state, _trace_patches, optim
+from . import _C, _compat, _env_reads, _model_checks, _module_state, _reentrant_grads, _trace_patches, optim
 from .ir import Graph
 
 _MODEL_PREFIX = "model."
@@ -759,7 +759,8 @@ class TrainStep:
                 restoring.callback(lambda: stored.extend(writes.settle()))  # put back, also when the trace raises
                 found, drawn, env = got["backward_only_code"], got["python_random_draws"], got["env_reads"]
                 try:
-                    ep = torch.export.export(wrapper, _compat.distinct_inputs(self._example_batch))  # (x, x): two inputs
+                    with _reentrant_grads.marking(model):
+                        ep = torch.export.export(wrapper, _compat.distinct_inputs(self._example_batch))  # (x, x): two inputs
                 except (GuardOnDataDependentSymNode, TypeError) as e:  # TypeError: float(t.item() > 0)
                     _compat.refuse_value_as_python(e, "the model or loss_fn", model)
                     raise
@@ -927,6 +928,9 @@ class TrainStep:
             for p in unused:
                 p.requires_grad_(True)
         _compat.refuse_onednn_rnn_dtypes(joint, "make_train_step")
+        # Parameters read inside a reentrant checkpoint: their gradients as sums of eager's separate additions
+        grad_events = _reentrant_grads.split_events(joint)
+        _reentrant_grads.strip_reads(self._forward_program)
         out_node = [n for n in joint.graph.nodes if n.op == "output"][0]
         out_args = out_node.args[0]
         spec = dict(loss_output=-1, buffer_mutations=[], grads=[], updates=self._updates, aux_outputs=[],
@@ -964,6 +968,7 @@ class TrainStep:
             raise ValueError(f"loss_fn returns (loss, aux), which needs unroll=1 and accumulate=1 (got unroll="
                              f"{self.unroll}, accumulate={self.accumulate})")
         spec["accumulate"] = self.accumulate
+        spec["grad_events"] = grad_events
         spec["data_parallel"] = self._dp
         # Tensor constants made in forward (torch.tensor(0.5)) are lifted by export; they ride in the state.
         self._constants = {s.target: joint.constants[s.target].detach().clone()

@@ -4,6 +4,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <unordered_map>
 
 namespace torch_ext::passes {
@@ -87,18 +88,45 @@ std::unique_ptr<ir::Graph> accumulate(const ir::Graph& joint, const TrainStepSpe
     const ir::Node* param = nullptr;
     for (const auto& [from, to] : shared)
       if (from->role() == ir::InputRole::Parameter && from->state_name() == name) param = to;
-    auto laid_out = [&](int64_t k) {
-      ir::Node* gk = maps[k].at(grad);
+    // What eager's backward adds into .grad, one at a time: the gradient, or its events in order.
+    std::vector<const ir::Node*> events{grad};
+    auto listed = spec.grad_events.find(name);
+    if (listed != spec.grad_events.end() && listed->second > 1) {
+      events.clear();
+      const ir::Node* fold = grad;
+      for (int64_t e = listed->second - 1; e >= 1; --e) {
+        const ir::Target add{"aten", "add", "Tensor"};
+        const bool is_fold = fold->kind() == ir::NodeKind::Call && fold->target() == add &&
+                             fold->name().rfind("reentrant_grad_fold", 0) == 0 && fold->args().size() == 2 &&
+                             fold->args()[0].kind == ir::Arg::Kind::Node && fold->args()[1].kind == ir::Arg::Kind::Node;
+        TORCH_CHECK(is_fold, "accumulate: the gradient of '", name, "' should sum ", listed->second,
+                    " events with reentrant_grad_fold adds, found %", fold->name());
+        events.push_back(fold->args()[1].node);
+        fold = fold->args()[0].node;
+      }
+      events.push_back(fold);
+      std::reverse(events.begin(), events.end());
+    }
+    auto laid_out = [&](int64_t k, const ir::Node* value) {
+      ir::Node* gk = maps[k].at(value);
       return param != nullptr && gk->type().is_tensor() && param->type().is_tensor()
                  ? obey_grad_layout(*g, gk, param->type().tensor)
                  : gk;
     };
-    ir::Node* acc = laid_out(0);
-    for (int64_t k = 1; k < n; ++k) {  // p.grad += g_k, in micro-batch order
-      acc = g->create_call(g->unique_name(grad->name() + "_acc" + std::to_string(k)), ir::Target{"aten", "add", "Tensor"},
-                           {ir::Arg::of_node(acc), ir::Arg::of_node(laid_out(k))}, {}, acc->type());
-      acc->set_module_path("accumulate");
-    }
+    ir::Node* acc = nullptr;
+    int64_t adds = 0;
+    for (int64_t k = 0; k < n; ++k)  // p.grad += g_k, in micro-batch order (each event on its own)
+      for (const ir::Node* e : events) {
+        ir::Node* v = laid_out(k, e);
+        if (acc == nullptr) {
+          acc = v;
+          continue;
+        }
+        acc = g->create_call(g->unique_name(grad->name() + "_acc" + std::to_string(++adds)),
+                             ir::Target{"aten", "add", "Tensor"}, {ir::Arg::of_node(acc), ir::Arg::of_node(v)}, {},
+                             acc->type());
+        acc->set_module_path("accumulate");
+      }
     new_outs[idx] = ir::Arg::of_node(acc);
   }
   for (const auto& [idx, name] : spec.buffer_mutations) new_outs[idx] = ir::Arg::of_node(maps[n - 1].at(outs[idx].node));

@@ -9,6 +9,10 @@
 // backward seed is ones / N, as DivBackward gives; gradients are summed in micro-batch order, as
 // AccumulateGrad does. The loss output becomes the N unscaled micro-batch losses, stacked;
 // buffer-mutation outputs are the last copy's. The input graph is not changed.
+// A gradient listed in spec.grad_events with E events is the left-nested sum of E values made by
+// aten::add.Tensor nodes named "reentrant_grad_fold*" (torch_ext/_reentrant_grads.py: a parameter read
+// inside a reentrant checkpoint and elsewhere, whose block gradient eager's inner backward adds into
+// .grad on its own): each micro-batch's E values are added to the sum one at a time, in that order.
 #pragma once
 
 #include "ir/graph.h"

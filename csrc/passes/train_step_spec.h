@@ -44,6 +44,9 @@ struct TrainStepSpec {
   double clip_norm_type = 2.0;
   std::vector<int64_t> aux_outputs;  // joint output indices returned after the state (loss_fn's aux)
   int64_t accumulate = 1;            // micro-batches per update (see accumulate.h)
+  // Parameter state name -> how many events its gradient output sums (a parameter read inside a reentrant
+  // checkpoint and elsewhere: eager adds each into .grad on its own; see accumulate.h).
+  std::map<std::string, int64_t> grad_events;
   std::optional<DataParallel> data_parallel;  // unset: one process
 };
 

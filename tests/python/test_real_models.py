@@ -201,6 +201,19 @@ def test_grouped_query_attention_without_a_cache_bit_exact(family, no_cache):
     run_parity(model, rm.causal_lm_loss, rm.token_batches(10), rtol=0.0)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_reentrant_gradient_checkpointing_with_accumulation_bit_exact(family):
+    needs("transformers")
+    # gradient_checkpointing_enable(use_reentrant=True) (transformers' default before 5) checkpoints each layer
+    # reentrantly. With accumulate=2 a layer's parameters get their gradient from their block only, the tied
+    # embedding (GPT-2's wte is its lm_head) from outside the blocks: bit-exact before and after the step
+    # added each block's gradient on its own (_reentrant_grads), as eager's inner backward does.
+    model = rm.tiny_gpt2() if family == "gpt2" else rm.tiny_llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert model.is_gradient_checkpointing
+    run_parity(model, rm.causal_lm_loss, rm.token_batches(8), rtol=0.0, accumulate=2)
+
+
 def test_packed_sequences_given_as_position_ids_keep_their_mask_bit_exact():
     needs("transformers")
     # Position ids from the batch are data: the packed-sequence mask is traced, right for any values.

@@ -1,0 +1,265 @@
+"""Eager's order of gradient accumulation for parameters read inside reentrant activation checkpoints.
+
+Eager's reentrant checkpoint (``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``) runs the block's
+backward as its own ``torch.autograd.backward``: a parameter the block reads gets the block's gradient added
+into ``.grad`` by that inner backward, on its own, when the outer backward reaches the block. Its gradient
+from reads outside the block is summed by the outer backward and added when the last of those arrives (after
+the backward of its first read in forward order). The step inlines the block (``_compat.
+inline_reentrant_checkpoints``), so the traced joint graph sums all reads into one gradient, in another order:
+with gradient accumulation, a later micro-batch added ``G + (g_block + g_outside)`` where eager adds
+``(G + g_outside) + g_block`` (fuzz_step 29:10).
+
+While the step's forward is exported, a parameter read inside a reentrant block that gradients flow through
+is read through ``torch_ext_ckpt::read(p, block, path)`` (path: the enclosing blocks, outermost first); its backward is ``torch_ext_ckpt::grad(g, block)``,
+the block's own gradient of ``p``. ``split_events`` then takes the joint graph apart: the markers go, each
+gradient of such a parameter becomes the sum of its "events" (one per block, one for the outside reads), in
+the order eager adds them into ``.grad``, and the step's accumulation (csrc/passes/accumulate.cpp) adds each
+micro-batch's events one at a time, as eager's backward does.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+FOLD_PREFIX = "reentrant_grad_fold"  # the names of the sums split_events makes (accumulate.cpp checks them)
+
+
+@torch.library.custom_op("torch_ext_ckpt::read", mutates_args=())
+def _read(p: torch.Tensor, block: int, path: list[int]) -> torch.Tensor:
+    return p.clone()
+
+
+@_read.register_fake
+def _(p, block, path):
+    return torch.empty_like(p)
+
+
+@torch.library.custom_op("torch_ext_ckpt::grad", mutates_args=())
+def _grad(g: torch.Tensor, block: int) -> torch.Tensor:
+    return g.clone()
+
+
+@_grad.register_fake
+def _(g, block):
+    return torch.empty_like(g)
+
+
+def _read_setup(ctx, inputs, output):
+    ctx.block = inputs[1]
+
+
+def _read_backward(ctx, g):
+    return torch.ops.torch_ext_ckpt.grad(g, ctx.block), None, None
+
+
+_read.register_autograd(_read_backward, setup_context=_read_setup)
+
+_NO_GRAD_REGION = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+_READ = torch.ops.torch_ext_ckpt.read.default
+_GRAD = torch.ops.torch_ext_ckpt.grad.default
+
+_model: torch.nn.Module | None = None  # the module whose parameters are marked (set while the step exports)
+_modes: list = []  # the reentrant blocks being traced (their _BlockReads), innermost last
+_ids = itertools.count(1)
+
+
+@contextlib.contextmanager
+def marking(model: torch.nn.Module):
+    """While the step's forward is exported: reentrant blocks mark their reads of ``model``'s parameters."""
+    global _model
+    outer, _model = _model, model
+    try:
+        yield
+    finally:
+        _model = outer
+
+
+class _BlockReads(torch.overrides.TorchFunctionMode):
+    """Inside one reentrant block: each parameter that requires grad (not one passed as a block argument,
+    whose gradient eager returns to the outer backward) is read through one ``torch_ext_ckpt::read``."""
+
+    def __init__(self, params: dict, block: int, path: list[int]):
+        super().__init__()
+        self.params, self.block, self.path, self.alias = params, block, path, {}
+
+    def _sub(self, t):
+        if id(t) not in self.params:
+            return t
+        a = self.alias.get(id(t))
+        if a is None:
+            a = self.alias[id(t)] = _READ(t, self.block, self.path)
+        return a
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # A torch.cond branch (dynamo inlines this mode there) reads what it reads: a parameter it reads is
+        # lifted to an operand of the cond, unmarked (counted with the reads outside the block).
+        if torch.compiler.is_dynamo_compiling() or func in (_READ, torch.ops.torch_ext_ckpt.read):
+            # (an inner block's marker reads the parameter itself)
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if args and (name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))):
+            # A write into the parameter stays one (and is refused as such): never into its marker
+            args = (args[0],) + tuple(tree_map_only(torch.Tensor, self._sub, tuple(args[1:])))
+        else:
+            args = tree_map_only(torch.Tensor, self._sub, tuple(args))
+        return func(*args, **tree_map_only(torch.Tensor, lambda t: t if "out" in kwargs else self._sub(t), kwargs))
+
+
+@contextlib.contextmanager
+def block_reads(args: tuple):
+    """Around a reentrant block's call while the step exports (else nothing); gives the block's arguments."""
+    if _model is None or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in tree_leaves(args)):
+        yield args
+        return
+    given = {id(t) for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
+    params = {id(p): p for p in _model.parameters() if p.requires_grad and id(p) not in given}
+    block = next(_ids)
+    path = [m.block for m in _modes] + [block]
+    outer = _modes[-1] if _modes else None
+
+    def argument(a):
+        # Eager's inner backward sums the block's reads of an argument (its detached copy's .grad) and returns
+        # the sum to the backward around it as one gradient: one read there (marked with -block), of the
+        # enclosing block's marker where the argument is a parameter that block reads
+        if not isinstance(a, torch.Tensor) or not a.requires_grad:
+            return a
+        return _READ(outer._sub(a) if outer is not None else a, -block, path)
+
+    args = tuple(argument(a) for a in args)
+    mode = _BlockReads(params, block, path)
+    _modes.append(mode)
+    try:
+        with mode:
+            yield args
+    finally:
+        _modes.pop()
+
+
+def strip_reads(ep: torch.export.ExportedProgram) -> None:
+    """The forward program without the markers (each reads its parameter again)."""
+    gm = ep.graph_module
+    found = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _READ]
+    for n in found:
+        n.replace_all_uses_with(n.args[0])
+        gm.graph.erase_node(n)
+    if found:
+        gm.recompile()
+
+
+def split_events(joint: torch.export.ExportedProgram) -> dict[str, int]:
+    """Rewrites the joint graph in place: the markers go, and each parameter read inside a reentrant block
+    and elsewhere (or in two blocks) gets as gradient the sum, in eager's order, of its events: the sum of
+    its reads outside any block, and per block the sum of the block's own reads. Returns, per such
+    parameter (state name), how many events its gradient sums: the nodes ``FOLD_PREFIX*`` add them."""
+    gm = joint.graph_module
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    if not any(n.op == "call_function" and n.target is _READ for n in nodes):
+        return {}
+    pos = {n: i for i, n in enumerate(nodes)}
+    all_reads = [n for n in nodes if n.op == "call_function" and n.target is _READ]
+    reads = [r for r in all_reads if r.args[1] > 0]
+    for g in [n for n in nodes if n.op == "call_function" and n.target is _GRAD and n.args[1] < 0]:
+        g.replace_all_uses_with(g.args[0])  # a parameter argument's: one of the outer backward's reads
+        graph.erase_node(g)
+    # The forward ends at the backward's seed; a read's readers before it are forward reads.
+    seed = min((pos[n] for n in nodes if n.op == "call_function" and n.target is torch.ops.aten.ones_like.default),
+               default=len(nodes))
+    parent: dict[int, int] = {}
+    read_of: dict[tuple, torch.fx.Node] = {}  # (placeholder, block) -> marker
+    first_in: dict[int, int] = {}  # block -> position of its first marker (any parameter's)
+    for r in reads:
+        p, b, path = r.args
+        for j, c in enumerate(path):
+            parent[c] = path[j - 1] if j else 0
+        read_of[(p, b)] = r
+        first_in.setdefault(b, pos[r])
+    marked = {p for p, _ in read_of}
+    placeholder_of = {s.target: s.arg.name for s in joint.graph_signature.input_specs if s.kind.name == "PARAMETER"}
+    by_name = {n.name: n for n in nodes if n.op == "placeholder"}
+
+    def first_read(users) -> int | None:
+        # The first forward read that autograd differentiates (a detach passes no gradient back)
+        at = [pos[u] for u in users if pos[u] < seed and u.target is not torch.ops.aten.detach.default
+              and not (u.target is _READ and u.args[1] > 0)
+              and not (u.target is _NO_GRAD_REGION and u.args and u.args[0] is False)]
+        return min(at) if at else None
+
+    out_node = next(n for n in reversed(nodes) if n.op == "output")
+    outs = list(out_node.args[0])
+    events: dict[str, int] = {}
+    for i, spec in enumerate(joint.graph_signature.output_specs):
+        if spec.kind.name != "GRADIENT_TO_PARAMETER" or not isinstance(outs[i], torch.fx.Node):
+            continue
+        p = by_name.get(placeholder_of.get(spec.target, ""))
+        if p not in marked:
+            continue
+        # Take the blocks' gradients out of the sum autograd made (its input buffer adds each arrival)
+        top, mine = outs[i], {}
+        todo = [top]
+        while todo:
+            n = todo.pop()
+            if n.op == "call_function" and n.target is _GRAD:
+                mine[n.args[1]] = n
+            elif n.op == "call_function" and n.target is torch.ops.aten.add.Tensor and not n.kwargs:
+                todo += [a for a in n.args if isinstance(a, torch.fx.Node)]
+        rest = top
+        for g in mine.values():
+            if g is rest:
+                rest = None
+                continue
+            (add,) = g.users
+            other = add.args[1] if add.args[0] is g else add.args[0]
+            add.replace_all_uses_with(other)
+            if add is rest:
+                rest = other
+            graph.erase_node(add)
+        # Eager's order: in each scope (the outer backward, a block's inner one), the scope's own reads are
+        # added once the backward of the first of them has run, each inner block when the backward reaches
+        # it: by position, last in forward first.
+        children: dict[int, list[int]] = {}
+        for b in mine:
+            c = b
+            while c != 0 and c not in children.get(parent[c], []):
+                children.setdefault(parent[c], []).append(c)
+                c = parent[c]
+
+        def span_at(b: int) -> int:  # a node inside block b (its reads of any parameter, or its inner blocks')
+            inner = [first_in[b]] if b in first_in else []
+            return min(inner + [span_at(c) for c in children.get(b, [])])
+
+        def order(scope: int) -> list:
+            items = []
+            own = rest if scope == 0 else mine.get(scope)
+            if own is not None:
+                at = first_read(p.users) if scope == 0 else first_read(read_of[(p, scope)].users)
+                items.append((at if at is not None else -1, [own.args[0] if scope else own]))
+            for c in children.get(scope, []):
+                items.append((span_at(c), order(c)))
+            items.sort(key=lambda e: -e[0])
+            return [x for _, xs in items for x in xs]
+
+        seq = order(0)
+        for g in mine.values():
+            g.replace_all_uses_with(g.args[0])
+            graph.erase_node(g)
+        acc = seq[0]
+        with graph.inserting_before(out_node):
+            for k, e in enumerate(seq[1:], 1):
+                acc = graph.create_node("call_function", torch.ops.aten.add.Tensor, (acc, e),
+                                        name=f"{FOLD_PREFIX}_{spec.target}_{k}".replace(".", "_"))
+                acc.meta["val"] = torch.ops.aten.add.Tensor(acc.args[0].meta["val"], e.meta["val"])
+        outs[i] = acc
+        if len(seq) > 1:
+            events[spec.target] = len(seq)
+    out_node.args = (tuple(outs),) if isinstance(out_node.args[0], tuple) else (outs,)
+    for r in all_reads:
+        r.replace_all_uses_with(r.args[0])
+        graph.erase_node(r)
+    graph.lint()
+    gm.recompile()
+    return events
