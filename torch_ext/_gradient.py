@@ -91,15 +91,20 @@ def gradients(rg, metric: Callable, names: list[str]) -> dict[str, torch.Tensor]
         nodes[name] = node
     requested = set(nodes.values())
     eng = rg._engine
-    cone = set()
-    for node in requested:
-        cone |= set(eng.cone(node))
     pinned = set(eng.pinned())
     gm = _graph_module(rg)
     graph_nodes = list(gm.graph.nodes)
-    # Run: the cone of the requested nodes, less the patched nodes (constants) and the requested nodes that
-    # are no one's descendants (leaves). Everything a run node or the output reads is given.
-    run = {n for n in cone if n not in pinned}
+    # Run: what the requested nodes reach through nodes that are not patched (a patched node is a constant, and so
+    # is what only it reaches: a requested node downstream of another one only through a patch is a leaf; computed
+    # from constants it had no gradient, and the call was refused as if the metric read none of them). The
+    # requested nodes reached so are computed from the upstream ones; the others are leaves. Everything a run node
+    # or the output reads is given.
+    run, stack = set(), [n for n in graph_nodes if n.name in requested]
+    while stack:
+        for u in stack.pop().users:
+            if u.op != "output" and u.name not in run and u.name not in pinned:
+                run.add(u.name)
+                stack.append(u)
     leaves = {n for n in requested if n not in run}
     given = {}
     eng.begin_transaction(restore_counts=True)

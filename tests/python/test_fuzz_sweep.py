@@ -82,6 +82,16 @@ FINDINGS["patch_function_reading_the_graph_after_a_graft_under_a_patch"] = {"mod
     {"op": "patch_t", "hook": "hook_embed", "seed": 191},
     {"op": "patch_f", "hook": "blocks.1.hook_mid", "fn": "other", "p": 1, "seed": 40, "other": "blocks.1.hook_mid"},
     {"op": "read", "how": "demand", "hooks": []}]}
+# fuzz_sweep 60:0, reduced: rg.gradient for [blocks.1.hook_out, blocks.1.hook_tbd] with blocks.1.hook_mid (between
+# them) patched: hook_out was recomputed from the requested hook_tbd's cone, but only through the patch, a constant,
+# so it had no gradient and the call was refused ("depends on none of the requested nodes"), where eager autograd
+# gives hook_out's (hook_tbd's is zero); a requested node reached only through a patch is a leaf now.
+FINDINGS["gradient_at_a_node_downstream_of_another_only_through_a_patch"] = {"model": {
+    "seed": 901, "front": "embed", "d": 8, "T": 6, "B": 1, "dtype": "float32",
+    "blocks": [{"kind": "bn"}, {"kind": "enc", "batch_first": False, "mask": "pad", "inner_hook": True}]}, "ops": [
+    {"op": "patch_t", "hook": "blocks.1.hook_mid", "seed": 956},
+    {"op": "grad", "hooks": ["blocks.1.hook_out", "blocks.1.hook_tbd"], "one": False, "metric": "lsm"}],
+    "graph": {"cutoff": False, "positions": True}}
 
 _OPEN: set = set()  # findings not fixed yet: strict xfails
 
