@@ -85,8 +85,11 @@ def gradients(rg, metric: Callable, names: list[str]) -> dict[str, torch.Tensor]
             raise TypeError(f"gradient: expected node or hook names (str), got {type(name).__name__} {name!r}")
         node = rg._read_node(name)
         # After a graft through the other of two hook names in a row, eager's gradient at this one is the block
-        # output's or the value's before it: one node has one (it answered the same for both names).
-        rg._refuse_other_hook_name(name, node, f"gradient({name!r})", pinned=False)
+        # output's or the value's before it: one node has one (it answered the same for both names). So while the
+        # other name is patched: eager's gradient at blocks.0.hook_resid_post with blocks.1.hook_resid_pre patched
+        # is zero (the patch replaces it before anything reads it), where the one node answered the gradient with
+        # respect to the patch (4.04 off on a Qwen2, silently). Refused as value() refuses it.
+        rg._refuse_other_hook_name(name, node, f"gradient({name!r})")
         _refuse_node(rg, name, node)
         nodes[name] = node
     requested = set(nodes.values())

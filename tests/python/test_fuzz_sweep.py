@@ -92,6 +92,14 @@ FINDINGS["gradient_at_a_node_downstream_of_another_only_through_a_patch"] = {"mo
     {"op": "patch_t", "hook": "blocks.1.hook_mid", "seed": 956},
     {"op": "grad", "hooks": ["blocks.1.hook_out", "blocks.1.hook_tbd"], "one": False, "metric": "lsm"}],
     "graph": {"cutoff": False, "positions": True}}
+# fuzz_sweep 60:44, reduced: rg.gradient at blocks.0.hook_resid_post while blocks.1.hook_resid_pre (the same node)
+# is patched: eager's is zero (the later hook replaces the value before anything reads it), the graph answered the
+# gradient with respect to the patch (4.04 off, silently); refused by name now, as value() is.
+FINDINGS["gradient_at_the_other_hook_name_while_patched"] = {"model": {
+    "family": "hf", "arch": "qwen2", "seed": 456, "d": 32, "heads": 4, "vocab": 50, "T": 4, "B": 1, "mask": None,
+    "hs": False, "dtype": "float32", "blocks": [{"kind": "hf"}, {"kind": "hf"}]}, "ops": [
+    {"op": "patch_f", "hook": "blocks.1.hook_resid_pre", "fn": "row", "p": 0, "seed": 9},
+    {"op": "grad", "hooks": ["blocks.0.hook_resid_post"], "one": True, "metric": "cols"}], "graph": {"positions": True}}
 
 _OPEN: set = set()  # findings not fixed yet: strict xfails
 
