@@ -711,7 +711,7 @@ class Reference:
     def capture(self, name, v):
         """``v`` as the value the gradient at ``name`` is taken by: a view of it (eager's retain_grad on a hook's
         own tensor: the hook's readers only, as a graph node's), or a leaf for a constant (a standing patch)."""
-        if self._grad is None:
+        if self._grad is None or name not in self._grad_names:
             return v
         v = v.view_as(v) if v.requires_grad else v.detach().requires_grad_(True)
         self._grad[name] = v
@@ -818,7 +818,7 @@ class Reference:
         standing patch is a constant, a requested hook downstream of another is differentiated through)."""
         import torch
 
-        self._grad = {}
+        self._grad, self._grad_names = {}, set(names)
         try:
             self.forward()
             grads = self._grad

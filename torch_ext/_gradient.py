@@ -35,6 +35,13 @@ class _Cone(torch.fx.Interpreter):
         self.keep, self.kept = keep, {}
 
     def run_node(self, n: torch.fx.Node):
+        if n.op == "call_function" and n.target is torch.ops.aten.alias.default and n.name not in self.keep:
+            # An alias the trace made for a hook's name (blocks.<l>.hook_resid_mid: the pre-MLP norm's input) is
+            # the value itself in eager: run as an op, it summed the gradients of its readers before adding them
+            # to the others' (an RMSNorm reads its input twice: (pow + mul) + residual, where eager's autograd adds
+            # the three in its own order, 1e-7 relative off on Llama, not bit for bit). Asked for, it stays an op:
+            # its gradient is its readers' only.
+            return self.env[n.args[0]] if isinstance(n.args[0], torch.fx.Node) else super().run_node(n)
         out = super().run_node(n)
         if n.name in self.keep:
             self.kept[n.name] = out
