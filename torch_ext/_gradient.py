@@ -117,9 +117,19 @@ def gradients(rg, metric: Callable, names: list[str]) -> dict[str, torch.Tensor]
                 stack.append(u)
     leaves = {n for n in requested if n not in run}
     given = {}
+    # Which values require grad in eager: a parameter (or input) that does, and what it reaches, a patch cutting
+    # it off. Some kernels choose their path by it (matmul folds a [batch, pos, d] input into one GEMM only where
+    # the weight needs no gradient, and the other path rounds the input's gradient otherwise: 4.8e-7 off eager on a
+    # Linear after a transpose), so the given values are leaves with eager's flags.
+    eager_rg = {}
     eng.begin_transaction(restore_counts=True)
     try:
         for n in graph_nodes:
+            if n.op == "placeholder":
+                v = eng.value(n.name)
+                eager_rg[n.name] = isinstance(v, torch.Tensor) and v.requires_grad
+            elif n.op == "call_function":
+                eager_rg[n.name] = n.name not in pinned and any(eager_rg.get(a.name, False) for a in n.all_input_nodes)
             if n.name in run:
                 continue
             if n.op == "output" or n.op == "get_attr":
@@ -139,6 +149,8 @@ def gradients(rg, metric: Callable, names: list[str]) -> dict[str, torch.Tensor]
             leaf_values[name] = v
         elif isinstance(v, torch.Tensor):
             v = v.detach()
+            if eager_rg.get(name) and (v.is_floating_point() or v.is_complex()):
+                v = v.requires_grad_(True)
         env[by_name[name]] = v
     interp = _Cone(gm, requested & run)
     before = getattr(rg, "_in_metric", False)
