@@ -1185,6 +1185,10 @@ def run_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict, int]:
         if not readers:
             return False
         dst = readers[o["pick"] % len(readers)]
+        if dst in set(rg.hook_names.values()):
+            # dst is another hook's node (blocks.1.hook_resid_pre's alias of blocks.0.hook_resid_post with
+            # output_hidden_states): the block runs before that hook, which a pre-hook on its module cannot put
+            return False
 
         def path(n):
             return edge_paths.get(n, rg._module_paths.get(n) or "")

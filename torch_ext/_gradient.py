@@ -126,7 +126,10 @@ def gradients(rg, metric: Callable, names: list[str]) -> dict[str, torch.Tensor]
     try:
         for n in graph_nodes:
             if n.op == "placeholder":
-                v = eng.value(n.name)
+                try:
+                    v = eng.value(n.name)
+                except RuntimeError:  # a placeholder the engine holds no value for (a region's own input)
+                    v = None
                 eager_rg[n.name] = isinstance(v, torch.Tensor) and v.requires_grad
             elif n.op == "call_function":
                 eager_rg[n.name] = n.name not in pinned and any(eager_rg.get(a.name, False) for a in n.all_input_nodes)
