@@ -17,8 +17,10 @@ no, an all-ones or a left-padding attention_mask, batch 1-3) addressed by Transf
 (resid_pre, attn.hook_z, attn_out, resid_mid = ln_2's input, mlp_out, resid_post), and a TransformerBridge through
 torch_ext.patching against transformer_lens.patching (bit for bit, README "Coming from TransformerLens"). Other
 mutations: buffer and in-place input edits, baseline() reads, ReactiveGraph(cutoff=, positions=), a Linear graft
-block that keeps its input's layout. Not generated: edge-form grafts (graft(src, dst, block): no forward-hook
-equivalent in the reference), rg.gradient, distributed sweeps.
+block that keeps its input's layout. From seed 60 (GRADIENT_SEED): rg.gradient (eager autograd.grad through the
+same hooks, bit for bit), edge-form grafts graft(src, dst, block) where forward pre-hooks on dst's module express
+them (the graph shows that module reads src through that one edge), one-row patch functions under positions=True,
+and batch sizes equal to the sequence length or d_model. Not generated: distributed sweeps.
 
 The reference is eager PyTorch on a deep copy of the model, forward hooks on the HookPoints, no torch_ext code,
 following README's documented semantics: a standing patch's function runs once, at patch(), on the hook's
@@ -302,7 +304,9 @@ def run_tl_case(spec: dict, verbose: bool = False) -> tuple[list[str], dict]:
     return diffs, refusals
 
 
-def gen_spec(rng: random.Random, new_ground: bool = False) -> dict:
+def gen_spec(rng: random.Random, new_ground: bool = False, gradients: bool = False) -> dict:
+    if gradients:
+        return gen_spec_grad(rng)
     if new_ground:
         return gen_spec_new(rng)
     if rng.random() < 0.12:
@@ -387,6 +391,56 @@ def gen_spec_new(rng: random.Random) -> dict:
     spec = {"model": m, "ops": gen_ops_new(rng, m)}
     if rng.random() < 0.3:
         spec["graph"] = {"cutoff": rng.random() < 0.5, "positions": rng.random() < 0.5}
+    return spec
+
+
+# ------------------------------------------------------------------------------------------ gradients (seeds >= 60)
+# Seeds below GRADIENT_SEED replay the specs they always generated; from it on, a case of the new ground also draws
+# rg.gradient (one or several hook names, over standing patches and grafts: eager autograd.grad through the same
+# hooks, bit for bit, README "Gradients"), edge-form grafts graft(src, dst, block) onto one reader of a hook's node
+# (the reference: forward pre-hooks on the reader's module, where the graph shows that module reads the node
+# through that one edge), one-row patches (a function writing [:, p]) with positions=True on the graph or the
+# sweep, and a batch axis as long as the sequence or d_model (a batch axis guessed from sizes would be wrong).
+GRADIENT_SEED = 60
+GRAD_METRICS = ("last", "sum", "cols", "lsm", "first")
+GQA_ARCHS = ("llama", "mistral", "qwen2", "gemma")
+
+
+def gen_spec_grad(rng: random.Random) -> dict:
+    spec = gen_spec_new(rng)
+    m = spec["model"]
+    if m.get("family") == "tl":
+        return spec
+    r = rng.random()
+    if r < 0.25:
+        m["B"] = m["T"]  # batch == sequence length
+    elif r < 0.4:
+        m["B"] = m["d"]  # batch == d_model
+    elif r < 0.7:
+        m["B"] = rng.choice((1, 8))
+    if rng.random() < 0.3:
+        spec["graph"] = {**spec.get("graph", {}), "positions": True}
+    hooks = list(hooks_of(m))
+    out = []
+    for o in spec["ops"]:
+        if o["op"] == "sweep" and rng.random() < 0.5:
+            o = {**o, "positions": rng.choice((None, True, True, False)),
+                 "fn": rng.choice(("row", "row", o["fn"])), "p": rng.randrange(m["T"])}
+        out.append(o)
+        r = rng.random()
+        if r < 0.25:
+            out.append({"op": "grad", "hooks": rng.sample(hooks, min(len(hooks), rng.randint(1, 3))),
+                        "one": rng.random() < 0.3, "metric": rng.choice(GRAD_METRICS)})
+        elif r < 0.4:
+            out.append({"op": "graft_edge", "hook": rng.choice(hooks), "pick": rng.randrange(4),
+                        "block": rng.choice(("double", "tanh", "linear", "linear_kept")), "seed": rng.randrange(1000)})
+        elif r < 0.5:
+            out.append({"op": "patch_f", "hook": rng.choice(hooks), "fn": "row", "p": rng.randrange(m["T"]),
+                        "seed": rng.randrange(1000)})
+    if not any(o["op"] == "grad" for o in out):
+        out.append({"op": "grad", "hooks": rng.sample(hooks, min(len(hooks), 2)), "one": False,
+                    "metric": rng.choice(GRAD_METRICS)})
+    spec["ops"] = out
     return spec
 
 
@@ -651,6 +705,21 @@ class Reference:
         self.points = points            # hook -> (module, how): "out", "out0" (a tuple's first), "pre", "pre_z"
         self.patches: dict = {}  # hook -> tensor (the frozen value)
         self.grafts: dict = {}   # hook -> [block, ...] (applied after the patch, in graft order)
+        # Edge-form grafts: (hook, module path whose input gets the block, module paths inside it whose input is
+        # put back, block): forward pre-hooks, checked to see the hook's value itself (edge_expressible).
+        self.edges: list = []
+        self._grad = None        # a forward for gradients: {hook: the tensor autograd differentiates by}
+        self._flow = None        # the running forward's {hook: the value its readers get (after node-form grafts)}
+        self._probe = None       # [(module path, pre-hook)] registered last (edge_expressible)
+
+    def capture(self, name, v):
+        """``v`` as the value the gradient at ``name`` is taken by: a view of it (eager's retain_grad on a hook's
+        own tensor: the hook's readers only, as a graph node's), or a leaf for a constant (a standing patch)."""
+        if self._grad is None or name not in self._grad_names:
+            return v
+        v = v.view_as(v) if v.requires_grad else v.detach().requires_grad_(True)
+        self._grad[name] = v
+        return v
 
     def forward(self, override=None):
         """(output, {hook: value its name addresses}) with the standing patches, grafts and ``override``."""
@@ -658,16 +727,20 @@ class Reference:
 
         seen, handles = {}, []
         self._seen, self._override = seen, override
+        flow = self._flow = {}
+        grad_mode = self._grad is not None
 
         def apply(name, v):
             if name in self.patches:
                 v = self.patches[name]
             if override is not None and override[0] == name:
                 v = override[1]
+            v = self.capture(name, v)
             seen[name] = v
             for blk in self.grafts.get(name, ()):
-                with torch.no_grad():
+                with torch.set_grad_enabled(grad_mode):
                     v = blk(v)
+            flow[name] = v
             return v
 
         def out_hook(name, how):
@@ -698,6 +771,32 @@ class Reference:
                 handles.append(mod.register_forward_pre_hook(pre_hook(name, how), with_kwargs=True, prepend=True))
             else:
                 handles.append(mod.register_forward_hook(out_hook(name, how), prepend=True))
+        # Edge-form grafts, after the hook points' hooks: the block on the reader module's input, the value put
+        # back at the other readers inside it (every put-back before any block: a later edge onto one of those
+        # readers gets the value put back).
+        ins, backs = [], []
+        for name, path, back, blk in self.edges:
+            state = {}
+
+            def swap(args, kwargs, x, y):  # every argument that is x (MultiheadAttention(x, x, x) reads it once)
+                return (tuple(y if a is x else a for a in args), {k: y if a is x else a for k, a in kwargs.items()})
+
+            def edge_in(mod, args, kwargs, name=name, blk=blk, state=state):
+                x = args[0] if args else kwargs["hidden_states"]
+                with torch.set_grad_enabled(grad_mode):
+                    y = blk(x)
+                state["orig"], state["edged"] = x, y
+                return swap(args, kwargs, x, y)
+
+            def edge_back(mod, args, kwargs, state=state):
+                x = args[0] if args else kwargs["hidden_states"]
+                if x is not state.get("edged"):
+                    raise RuntimeError("fuzz_sweep reference: an edge's reader got another value than the block's")
+                return swap(args, kwargs, x, state["orig"])
+            ins.append((path, edge_in))
+            backs += [(q, edge_back) for q in back]
+        for path, fn in backs + ins + (self._probe or []):
+            handles.append(self.model.get_submodule(path).register_forward_pre_hook(fn, with_kwargs=True))
         try:
             # Grad mode on: under no_grad an eval-mode nn.MultiheadAttention / nn.TransformerEncoderLayer takes
             # its fused fast path (torch._native_multi_head_attention), other kernels than the traced graph's.
@@ -705,15 +804,51 @@ class Reference:
                 args, kw = self.x
                 full = self.model(*args, **kw)
                 out = logits_of(full)
+                if grad_mode:
+                    self.full_grad = full  # gradients(): the metric reads it with its graph
         finally:
             for h in handles:
                 h.remove()
+            self._flow = None
         # Detached, and nothing of this forward kept on self: forward64 deep-copies the reference.
         self.full = full.detach() if not hasattr(full, "keys") else {
             k: tuple(t.detach() for t in v) if isinstance(v, tuple) else v.detach() for k, v in full.items()
             if isinstance(v, torch.Tensor) or (isinstance(v, tuple) and all(isinstance(t, torch.Tensor) for t in v))}
         self._seen = self._override = None
         return out.detach(), {k: v.detach() for k, v in seen.items()}
+
+    def gradients(self, metric, names) -> dict:
+        """{hook: d metric(output) / d its value} by eager autograd through the same hooks (README "Gradients": a
+        standing patch is a constant, a requested hook downstream of another is differentiated through)."""
+        import torch
+
+        self._grad, self._grad_names = {}, set(names)
+        try:
+            self.forward()
+            grads = self._grad
+            with torch.enable_grad():
+                mval = metric(self.full_grad)
+                wrt = [grads[n] for n in names]
+                got = torch.autograd.grad(mval, wrt, allow_unused=True)
+        finally:
+            self._grad, self.full_grad = None, None
+        self.reached = [g is not None for g in got]  # which requested hooks the metric depends on
+        return {n: (torch.zeros_like(w) if g is None else g).detach() for n, g, w in zip(names, got, wrt)}
+
+    def edge_expressible(self, name, path, back) -> bool:
+        """Whether eager forward pre-hooks express a graft on one edge of ``name``'s node: the module at ``path``
+        (and each of ``back``) is called once and gets the hook's value itself (what the graph's node holds)."""
+        calls = []
+
+        def probe(mod, args, kwargs):
+            x = args[0] if args else kwargs.get("hidden_states")
+            calls.append(self._flow is not None and name in self._flow and x is self._flow[name])
+        self._probe = [(q, probe) for q in (path, *back)]
+        try:
+            self.forward()
+        finally:
+            self._probe = None
+        return len(calls) == 1 + len(back) and all(calls)
 
     def forward64(self, override=None):
         """forward()'s output computed in float64 (a copy of the model, grafts, patches and inputs): the exact
@@ -725,10 +860,9 @@ class Reference:
 
         r = copy.deepcopy(self)  # one memo: the hook points stay the copied model's modules
         r.model.double()
-        for blocks in r.grafts.values():
-            for blk in blocks:
-                if isinstance(blk, torch.nn.Module):
-                    blk.double()
+        for blk in [b for blocks in r.grafts.values() for b in blocks] + [e[3] for e in r.edges]:
+            if isinstance(blk, torch.nn.Module):
+                blk.double()
         r.patches = {k: up(v) for k, v in r.patches.items()}
         args, kw = r.x
         r.x = tuple(up(a) for a in args), {k: up(v) for k, v in kw.items()}
@@ -763,6 +897,11 @@ def patch_fn_of(o: dict, seq_dim: int, other=None):
             return v + 0.5 * (ov if ov.shape == v.shape else ov.mean())
         if kind == "scale":
             return v * 1.5
+        if kind == "row":  # a hook function writing one token's row, v[:, p] (one position of most nodes)
+            w = v.clone()
+            q = o["p"] % v.shape[1]
+            w[:, q] = w[:, q] * -2 + 0.25
+            return w
         if kind == "noise":
             g = torch.Generator().manual_seed(o["seed"])
             return v + torch.randn(v.shape, generator=g, dtype=v.dtype)
@@ -824,6 +963,7 @@ def _ref_graft_in_cls():
                 u = r.patches[self.name]
             if r._override is not None and r._override[0] == self.name:
                 u = r._override[1]
+            u = r.capture(self.name, u)
             r._seen[self.name] = u
             return torch.tanh(u)
     return RefGraftIn
@@ -879,6 +1019,24 @@ def metric_of(kind: str, out_key=0, m=None):
     met = lambda out: {"a": float(out[0, 0, 0]), "b": float(out[-1].mean())}  # noqa: E731
     return lambda out: met(logits_of(out)), lambda out: met(logits_of(out)), lambda out: float(out.abs().max()), \
         None, False
+
+
+def grad_metric_of(kind: str, m=None):
+    """A metric for rg.gradient and the reference: one floating-point tensor from the outputs."""
+    import torch
+
+    def met(out):
+        lg = logits_of(out)
+        if kind == "last":
+            return (lg[:, -1] * torch.linspace(-1, 1, lg.shape[-1], dtype=lg.dtype)).sum()
+        if kind == "sum":
+            return lg.sum()
+        if kind == "cols":  # a logit difference
+            return (lg[:, -1, 1] - lg[:, -1, 2]).sum()
+        if kind == "lsm":
+            return lg[:, -1].log_softmax(-1)[:, 0].mean()
+        return lg[:, 0].pow(2).sum()  # "first": position 0 only (a causal model gives later positions zeros)
+    return met
 
 
 def close(a: float, b: float, scale: float) -> bool:
@@ -1069,6 +1227,44 @@ def run_case(spec: dict, verbose: bool = False, graph: bool = True, upto: int = 
         if isinstance(blk, torch.nn.Module):
             graft_mods.append((blk, rblk))
 
+    edge_paths = {}  # an edge-form graft's block nodes -> the module whose input the reference gives the block
+
+    def do_graft_edge(o):
+        """graft(hook, dst, block) onto the reader ``o["pick"]`` of the hook's node, where eager pre-hooks express
+        it (Reference.edges); False (nothing done) where they do not, and in an eager-only run, which has no graph
+        to find the reader in (its _NoGraph would iterate forever): there the edge is left out of eager's replay."""
+        if not graph:
+            return False
+        from torch_ext.reactive import _node_inputs
+
+        src = rg.resolve(gn(o["hook"]))
+        readers = [n.name for n in rg.graph.nodes() if src in _node_inputs(n)]
+        if not readers:
+            return False
+        dst = readers[o["pick"] % len(readers)]
+        if dst in set(rg.hook_names.values()):
+            # dst is another hook's node (blocks.1.hook_resid_pre's alias of blocks.0.hook_resid_post with
+            # output_hidden_states): the block runs before that hook, which a pre-hook on its module cannot put
+            return False
+
+        def path(n):
+            return edge_paths.get(n, rg._module_paths.get(n) or "")
+        p = path(dst)
+        inside = [path(n) for n in readers if n != dst and (path(n) == p or path(n).startswith(p + "."))]
+        if not p or p in inside or len(set(inside)) != len(inside):
+            return False
+        if not ref.edge_expressible(o["hook"], p, inside):
+            return False
+        blk = graft_block(o, last_dim(m, o["hook"]), dtype)
+        rblk = copy.deepcopy(blk) if isinstance(blk, torch.nn.Module) else blk
+        names = rg.graft(gn(o["hook"]), dst, blk)
+        ref.edges.append((o["hook"], p, inside, rblk))
+        for n in names:
+            edge_paths[n] = p
+        if isinstance(blk, torch.nn.Module):
+            graft_mods.append((blk, rblk))
+        return True
+
     if not graph:  # the build's forward, eagerly
         ref.forward()
     for step, o in enumerate(spec["ops"]):
@@ -1095,6 +1291,35 @@ def run_case(spec: dict, verbose: bool = False, graph: bool = True, upto: int = 
                 seq_dims[name] = seq_dims[o["hook"]]
                 ref.grafts.setdefault(o["hook"], []).insert(0, rblk)
                 graft_mods.append((blk, rblk))
+            elif op == "graft_edge":
+                if not do_graft_edge(o):
+                    continue
+            elif op == "grad":
+                hs = o["hooks"][:1] if o["one"] else o["hooks"]
+                gmet = grad_metric_of(o["metric"], m)
+                try:
+                    got = rg.gradient(gmet, gn(hs[0])) if o["one"] else rg.gradient(gmet, [gn(h) for h in hs])
+                except RuntimeError as exc:
+                    # "depends on none of the requested nodes": eager's backward fails on it too (the docstring);
+                    # an eager gradient here is a wrong refusal.
+                    if "depends on none" not in str(exc):
+                        raise
+                    try:
+                        ref.gradients(gmet, hs)
+                    except RuntimeError:
+                        raise exc from None
+                    if not any(ref.reached):
+                        raise exc from None
+                    diffs.append(f"{where}: gradient({hs}) refused (the metric depends on none of the requested "
+                                 "nodes), where eager autograd gives one")
+                    continue
+                got = {gn(hs[0]): got} if o["one"] else got
+                want = ref.gradients(gmet, hs)
+                # README "Gradients": a grouped-query attention with no padding mask is traced with keys and values
+                # repeated (the mask made explicit), where eager's sdpa takes enable_gqa: float rounding, not bits.
+                gqa = m.get("arch") in GQA_ARCHS and m.get("mask") in (None, "ones")
+                for h in hs:
+                    eq(got[gn(h)], want[h], f"{where} gradient({h}, {o['metric']})", tol_ok=gqa)
             elif op == "patch_in":
                 name = f"in{o['k']}"
                 if name not in G:
@@ -1263,7 +1488,14 @@ def sweep_op(o, where, rg, ref, seq_dims, m, eq, torch_ext, torch, out_key, gn=l
         sd = seq_dims[h]
         if kind == "same":
             return v.clone()
-        if kind == "zero":
+        if kind == "row" and p is None:  # a whole-node site whose patch writes one row, v[:, p]
+            w = v.clone()
+            q = o["p"] % v.shape[1]
+            w[:, q] = w[:, q] * -2 + 0.25
+            return w
+        if kind == "row":
+            src = v * -2 + 0.25
+        elif kind == "zero":
             src = torch.zeros_like(v)
         elif kind == "noise":
             g = torch.Generator().manual_seed(o["seed"] * 131 + (p if isinstance(p, int) else 0))
@@ -1315,7 +1547,7 @@ def sweep_op(o, where, rg, ref, seq_dims, m, eq, torch_ext, torch, out_key, gn=l
         diffs.append(f"{where}: a metric reading outside its reads= ({o['metric']}) was not refused")
         return
     # Tolerance: token-granular rows (positions on, per-position sites) and batched stacks; else bits.
-    tol_ok = bool(o["batch"] is not False or (per != "whole" and o["positions"] is None) or reads is not None)
+    tol_ok = bool(o["batch"] is not False or (per != "whole" and o["positions"] is not False) or reads is not None)
     scale0 = scale_of(out0)
 
     def floor_of(out, override=None):  # eager float32's own error, through the metric's scale functional
@@ -1397,7 +1629,8 @@ def minimize(spec: dict) -> dict:
 
 
 def case_spec(seed: int, i: int) -> dict:
-    return gen_spec(random.Random(f"sweep{seed}:{i}"), new_ground=seed >= NEW_GROUND_SEED)
+    return gen_spec(random.Random(f"sweep{seed}:{i}"), new_ground=seed >= NEW_GROUND_SEED,
+                    gradients=seed >= GRADIENT_SEED)
 
 
 class _OpTally(_fuzz_driver.Tally):

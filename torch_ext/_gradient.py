@@ -35,6 +35,13 @@ class _Cone(torch.fx.Interpreter):
         self.keep, self.kept = keep, {}
 
     def run_node(self, n: torch.fx.Node):
+        if n.op == "call_function" and n.target is torch.ops.aten.alias.default and n.name not in self.keep:
+            # An alias the trace made for a hook's name (blocks.<l>.hook_resid_mid: the pre-MLP norm's input) is
+            # the value itself in eager: run as an op, it summed the gradients of its readers before adding them
+            # to the others' (an RMSNorm reads its input twice: (pow + mul) + residual, where eager's autograd adds
+            # the three in its own order, 1e-7 relative off on Llama, not bit for bit). Asked for, it stays an op:
+            # its gradient is its readers' only.
+            return self.env[n.args[0]] if isinstance(n.args[0], torch.fx.Node) else super().run_node(n)
         out = super().run_node(n)
         if n.name in self.keep:
             self.kept[n.name] = out
@@ -85,26 +92,47 @@ def gradients(rg, metric: Callable, names: list[str]) -> dict[str, torch.Tensor]
             raise TypeError(f"gradient: expected node or hook names (str), got {type(name).__name__} {name!r}")
         node = rg._read_node(name)
         # After a graft through the other of two hook names in a row, eager's gradient at this one is the block
-        # output's or the value's before it: one node has one (it answered the same for both names).
-        rg._refuse_other_hook_name(name, node, f"gradient({name!r})", pinned=False)
+        # output's or the value's before it: one node has one (it answered the same for both names). So while the
+        # other name is patched: eager's gradient at blocks.0.hook_resid_post with blocks.1.hook_resid_pre patched
+        # is zero (the patch replaces it before anything reads it), where the one node answered the gradient with
+        # respect to the patch (4.04 off on a Qwen2, silently). Refused as value() refuses it.
+        rg._refuse_other_hook_name(name, node, f"gradient({name!r})")
         _refuse_node(rg, name, node)
         nodes[name] = node
     requested = set(nodes.values())
     eng = rg._engine
-    cone = set()
-    for node in requested:
-        cone |= set(eng.cone(node))
     pinned = set(eng.pinned())
     gm = _graph_module(rg)
     graph_nodes = list(gm.graph.nodes)
-    # Run: the cone of the requested nodes, less the patched nodes (constants) and the requested nodes that
-    # are no one's descendants (leaves). Everything a run node or the output reads is given.
-    run = {n for n in cone if n not in pinned}
+    # Run: what the requested nodes reach through nodes that are not patched (a patched node is a constant, and so
+    # is what only it reaches: a requested node downstream of another one only through a patch is a leaf; computed
+    # from constants it had no gradient, and the call was refused as if the metric read none of them). The
+    # requested nodes reached so are computed from the upstream ones; the others are leaves. Everything a run node
+    # or the output reads is given.
+    run, stack = set(), [n for n in graph_nodes if n.name in requested]
+    while stack:
+        for u in stack.pop().users:
+            if u.op != "output" and u.name not in run and u.name not in pinned:
+                run.add(u.name)
+                stack.append(u)
     leaves = {n for n in requested if n not in run}
     given = {}
+    # Which values require grad in eager: a parameter (or input) that does, and what it reaches, a patch cutting
+    # it off. Some kernels choose their path by it (matmul folds a [batch, pos, d] input into one GEMM only where
+    # the weight needs no gradient, and the other path rounds the input's gradient otherwise: 4.8e-7 off eager on a
+    # Linear after a transpose), so the given values are leaves with eager's flags.
+    eager_rg = {}
     eng.begin_transaction(restore_counts=True)
     try:
         for n in graph_nodes:
+            if n.op == "placeholder":
+                try:
+                    v = eng.value(n.name)
+                except RuntimeError:  # a placeholder the engine holds no value for (a region's own input)
+                    v = None
+                eager_rg[n.name] = isinstance(v, torch.Tensor) and v.requires_grad
+            elif n.op == "call_function":
+                eager_rg[n.name] = n.name not in pinned and any(eager_rg.get(a.name, False) for a in n.all_input_nodes)
             if n.name in run:
                 continue
             if n.op == "output" or n.op == "get_attr":
@@ -124,6 +152,8 @@ def gradients(rg, metric: Callable, names: list[str]) -> dict[str, torch.Tensor]
             leaf_values[name] = v
         elif isinstance(v, torch.Tensor):
             v = v.detach()
+            if eager_rg.get(name) and (v.is_floating_point() or v.is_complex()):
+                v = v.requires_grad_(True)
         env[by_name[name]] = v
     interp = _Cone(gm, requested & run)
     before = getattr(rg, "_in_metric", False)

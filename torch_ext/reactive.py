@@ -870,7 +870,7 @@ class ReactiveGraph:
         the other only downstream of it: reading, patching or sweeping the other name while that patch stands has
         no single answer in one node (a sweep at hook_post with hook_pre pinned answered 1.207 where eager gives
         -0.287, silently). Refused, naming both, until the patch is restored. ``pinned=False``: the graft's
-        refusal only (a read with no patch active, baseline(), or a gradient, which passes through a patch)."""
+        refusal only (a read with no patch active, baseline())."""
         grafted_as = self.__dict__.get("_graft_hook_names", {}).get(node)
         if grafted_as is not None and grafted_as != name and name in self._hooks:
             # A node-form graft made through one of the two names: in eager, the hook that runs after it sees the
