@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import operator
 
@@ -2437,6 +2438,65 @@ def refuse_cumulative_batch_norm(model: torch.nn.Module, into: str, way_out: str
             raise ValueError(f"{name or 'model'}: {type(mod).__name__}(momentum=None) (a cumulative moving "
                              "average, 1 / num_batches_tracked read as a Python number each call) cannot be "
                              f"traced into {into}; give it a momentum (e.g. momentum=0.1){way_out}")
+
+
+# What Hugging Face T5's attention (and its copies: MT5, LongT5, SwitchTransformers, Pop2Piano, UDOP, Pix2Struct)
+# does in forward when its gradient_checkpointing flag is on in training: a flag the step's trace cannot carry
+_T5_BIAS_REQUIRES_GRAD = "position_bias.requires_grad = True"
+_t5_bias_classes: dict[type, bool] = {}
+
+
+def _sets_bias_requires_grad(cls: type) -> bool:
+    if cls not in _t5_bias_classes:
+        try:
+            src = inspect.getsource(cls.forward)
+        except (TypeError, OSError, AttributeError):
+            src = ""
+        _t5_bias_classes[cls] = _T5_BIAS_REQUIRES_GRAD in src
+    return _t5_bias_classes[cls]
+
+
+def _non_reentrant(mod: torch.nn.Module) -> bool:
+    """Whether a Hugging Face module's checkpointing function (``_gradient_checkpointing_func``, a
+    functools.partial of torch.utils.checkpoint.checkpoint) says use_reentrant=False; anything else counts as
+    reentrant."""
+    func = getattr(mod, "_gradient_checkpointing_func", None)
+    return isinstance(func, functools.partial) and func.keywords.get("use_reentrant", True) is False
+
+
+def refuse_t5_checkpointing(model: torch.nn.Module, who: str = "make_train_step") -> None:
+    """Refuses Hugging Face T5 (an attention whose forward sets ``position_bias.requires_grad = True``) in
+    training mode with activation checkpointing on, where the step would train a few ulp off eager, silently
+    (fuzz_step 36:11, 38:55, 38:39). With SDPA attention eager's kernel depends on whether the float mask
+    (the position bias) requires grad: math if it does, flash if not. Checkpointed, T5 sets requires_grad on the
+    zeros bias of its attention layers without a relative bias, a flag the step's trace drops (flash where eager
+    runs math); a reentrant block also runs its forward under no_grad, where layer 0's relative bias requires no
+    grad (eager's forward: flash, its recomputation and the step: math). With eager attention a reentrant block
+    differs too (cause not found). Eager attention with use_reentrant=False trains bit-exact and passes."""
+    t5 = [(n, m) for n, m in model.named_modules() if _sets_bias_requires_grad(type(m))]
+    if not t5:
+        return
+    ckpt = [(n, m) for n, m in model.named_modules() if m.training and getattr(m, "gradient_checkpointing", False) is True]
+    if not ckpt:
+        return
+    impls = {getattr(getattr(m, "config", None), "_attn_implementation", None) for _, m in t5}
+    reentrant = [n for n, m in ckpt if not _non_reentrant(m)]
+    if impls == {"eager"} and not reentrant:
+        return
+    name, mod = t5[0]
+    why = (f"runs {sorted(map(str, impls))} attention" if impls != {"eager"}
+           else f"is checkpointed reentrantly ({reentrant[0] or 'model'})")
+    raise NotImplementedError(
+        f"{who}: {type(mod).__name__} ({name or 'model'}) in training mode with activation checkpointing on "
+        f"({ckpt[0][0] or 'model'}: gradient_checkpointing=True) {why}: the step would train a few ulp off eager. "
+        "Checkpointed in training, Hugging Face T5 sets position_bias.requires_grad = True on a zeros bias it makes "
+        "in forward, a flag the step's trace drops, and SDPA picks its math kernel for a float mask that requires grad "
+        "where it picks flash otherwise (a reentrant block's forward also runs under no_grad, where eager picks "
+        "flash and its recomputation math). Call model.gradient_checkpointing_disable() (the step plans its own "
+        "memory: step.compile(plan=True, memory_budget=...)), or use eager attention "
+        "(model.set_attn_implementation('eager')) with non-reentrant checkpointing "
+        "(model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})); both train "
+        "bit-exact")
 
 
 VALUE_AS_PYTHON = ("reads a tensor's value to decide Python control flow (`if t.sum() > 0`, `bool(t)`, a size from "
