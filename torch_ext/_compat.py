@@ -2443,17 +2443,24 @@ def refuse_cumulative_batch_norm(model: torch.nn.Module, into: str, way_out: str
 # What Hugging Face T5's attention (and its copies: MT5, LongT5, SwitchTransformers, Pop2Piano, UDOP, Pix2Struct)
 # does in forward when its gradient_checkpointing flag is on in training: a flag the step's trace cannot carry
 _T5_BIAS_REQUIRES_GRAD = "position_bias.requires_grad = True"
-_t5_bias_classes: dict[type, bool] = {}
+_forward_sources: dict[type, str] = {}
 
 
-def _sets_bias_requires_grad(cls: type) -> bool:
-    if cls not in _t5_bias_classes:
+def _forward_source(cls: type) -> str:
+    if cls not in _forward_sources:
         try:
-            src = inspect.getsource(cls.forward)
+            _forward_sources[cls] = inspect.getsource(cls.forward)
         except (TypeError, OSError, AttributeError):
-            src = ""
-        _t5_bias_classes[cls] = _T5_BIAS_REQUIRES_GRAD in src
-    return _t5_bias_classes[cls]
+            _forward_sources[cls] = ""
+    return _forward_sources[cls]
+
+
+def _attention_implementation(mod: torch.nn.Module) -> str | None:
+    """The attention a Hugging Face attention module runs: its config's where its forward dispatches through
+    ALL_ATTENTION_FUNCTIONS, else 'eager' (LongT5's local attentions compute their scores themselves)."""
+    if "ALL_ATTENTION_FUNCTIONS" not in _forward_source(type(mod)):
+        return "eager"
+    return getattr(getattr(mod, "config", None), "_attn_implementation", None)
 
 
 def _non_reentrant(mod: torch.nn.Module) -> bool:
@@ -2472,14 +2479,15 @@ def refuse_t5_checkpointing(model: torch.nn.Module, who: str = "make_train_step"
     zeros bias of its attention layers without a relative bias, a flag the step's trace drops (flash where eager
     runs math); a reentrant block also runs its forward under no_grad, where layer 0's relative bias requires no
     grad (eager's forward: flash, its recomputation and the step: math). With eager attention a reentrant block
-    differs too (cause not found). Eager attention with use_reentrant=False trains bit-exact and passes."""
-    t5 = [(n, m) for n, m in model.named_modules() if _sets_bias_requires_grad(type(m))]
+    differs too (cause not found), as does LongT5's local attention. Eager attention (or an attention computing
+    its own scores: LongT5's local ones) with use_reentrant=False trains bit-exact and passes."""
+    t5 = [(n, m) for n, m in model.named_modules() if _T5_BIAS_REQUIRES_GRAD in _forward_source(type(m))]
     if not t5:
         return
     ckpt = [(n, m) for n, m in model.named_modules() if m.training and getattr(m, "gradient_checkpointing", False) is True]
     if not ckpt:
         return
-    impls = {getattr(getattr(m, "config", None), "_attn_implementation", None) for _, m in t5}
+    impls = {_attention_implementation(m) for _, m in t5}
     reentrant = [n for n, m in ckpt if not _non_reentrant(m)]
     if impls == {"eager"} and not reentrant:
         return

@@ -313,6 +313,24 @@ def test_t5_with_gradient_checkpointing_the_step_cannot_match_is_refused_by_name
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_longt5_checkpointed_reentrantly_is_refused_and_trains_bit_exact_without_reentrance():
+    transformers = needs("transformers")
+    # LongT5's local attention (its own scores, no SDPA) carries T5's requires_grad assignment: reentrant, a few
+    # ulp off eager at step 2 (seen with the refusal bypassed); use_reentrant=False (transformers' default) passes.
+    batches = [(ids, mask, ids.masked_fill(mask == 0, -100)) for ids, mask in tokenizer_batches(3)]
+    torch.manual_seed(0)
+    model = transformers.LongT5ForConditionalGeneration(transformers.LongT5Config(
+        vocab_size=rm.VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+        decoder_start_token_id=0, pad_token_id=0)).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(NotImplementedError, match=r"LongT5LocalAttention \(encoder\.block\.0\.layer\.0\.Local"
+                       r"SelfAttention\).*is checkpointed reentrantly \(encoder\)"):
+        torch_ext.make_train_step(model, rm.adamw(model), _t5_loss, batches[0])
+    model.gradient_checkpointing_enable()
+    run_parity(model, _t5_loss, batches, rtol=0.0)
+
+
 @pytest.mark.parametrize("way_out", ["gradient_checkpointing_disable", "eager_attention_non_reentrant"])
 def test_t5_the_refusal_names_ways_out_that_train_bit_exact(way_out):
     needs("transformers")
