@@ -2492,7 +2492,7 @@ def refuse_t5_checkpointing(model: torch.nn.Module, who: str = "make_train_step"
     if impls == {"eager"} and not reentrant:
         return
     name, mod = t5[0]
-    why = (f"runs {sorted(map(str, impls))} attention" if impls != {"eager"}
+    why = (f"runs {' and '.join(sorted(map(repr, impls)))} attention" if impls != {"eager"}
            else f"is checkpointed reentrantly ({reentrant[0] or 'model'})")
     raise NotImplementedError(
         f"{who}: {type(mod).__name__} ({name or 'model'}) in training mode with activation checkpointing on "
