@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import operator
 
@@ -288,6 +289,48 @@ def register_batch_containers() -> None:
 
     pytree.register_pytree_node(batch_encoding, flatten, unflatten, flatten_with_keys_fn=flatten_with_keys,
                                 serialized_type_name="transformers.BatchEncoding")
+
+
+@contextlib.contextmanager
+def eager_sdpa_math_choice():
+    """Inside the block, a CPU ``scaled_dot_product_attention`` whose float mask requires grad runs SDPA's math
+    kernel, as eager's choice (``torch._fused_sdp_choice``) on the traced flags says: eager takes math for a mask
+    that requires grad, flash otherwise. The joint trace decides again on functional tensors, where a mask that
+    requires grad only because the forward set the flag (Hugging Face T5 checkpointed in training:
+    ``position_bias.requires_grad = True`` on a zeros bias) requires none, and took flash (a few ulp off eager,
+    fuzz_step 38:55). The choice is read on plain empty tensors of the same layout and flags, outside the trace."""
+    F = torch.nn.functional
+    original = F.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if (torch.is_grad_enabled() and isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad
+                and attn_mask.is_floating_point() and query.device.type == "cpu"):
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            autocast = torch.is_autocast_enabled("cpu")
+            if autocast:  # as CPU autocast casts SDPA's floating arguments (but float64), done here by hand
+                low = torch.get_autocast_dtype("cpu")
+                query, key, value, attn_mask = (t.to(low) if t.dtype != torch.float64 else t
+                                                for t in (query, key, value, attn_mask))
+            with _disable_current_modes():
+                def plain(t):
+                    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).requires_grad_(t.requires_grad)
+
+                choice = int(torch._fused_sdp_choice(plain(query), plain(key), plain(value), plain(attn_mask),
+                                                     dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa))
+            if choice == 0:  # SDPBackend.math
+                with torch.autocast("cpu", enabled=False) if autocast else contextlib.nullcontext():
+                    return torch.ops.aten._scaled_dot_product_attention_math(
+                        query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale,
+                        enable_gqa=enable_gqa)[0]
+            if autocast:
+                with torch.autocast("cpu", enabled=False):
+                    return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                    enable_gqa=enable_gqa)
+        return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    with _gated_attribute(F, "scaled_dot_product_attention", sdpa):
+        yield
 
 
 @contextlib.contextmanager
@@ -2440,6 +2483,72 @@ def refuse_cumulative_batch_norm(model: torch.nn.Module, into: str, way_out: str
             raise ValueError(f"{name or 'model'}: {type(mod).__name__}(momentum=None) (a cumulative moving "
                              "average, 1 / num_batches_tracked read as a Python number each call) cannot be "
                              f"traced into {into}; give it a momentum (e.g. momentum=0.1){way_out}")
+
+
+# What Hugging Face T5's attention (and its copies: MT5, LongT5, SwitchTransformers, Pop2Piano, UDOP, Pix2Struct)
+# does in forward when its gradient_checkpointing flag is on in training: a flag the step's trace cannot carry
+_T5_BIAS_REQUIRES_GRAD = "position_bias.requires_grad = True"
+_forward_sources: dict[type, str] = {}
+
+
+def _forward_source(cls: type) -> str:
+    if cls not in _forward_sources:
+        try:
+            _forward_sources[cls] = inspect.getsource(cls.forward)
+        except (TypeError, OSError, AttributeError):
+            _forward_sources[cls] = ""
+    return _forward_sources[cls]
+
+
+def _attention_implementation(mod: torch.nn.Module) -> str | None:
+    """The attention a Hugging Face attention module runs: its config's where its forward dispatches through
+    ALL_ATTENTION_FUNCTIONS, else 'eager' (LongT5's local attentions compute their scores themselves)."""
+    if "ALL_ATTENTION_FUNCTIONS" not in _forward_source(type(mod)):
+        return "eager"
+    return getattr(getattr(mod, "config", None), "_attn_implementation", None)
+
+
+def _non_reentrant(mod: torch.nn.Module) -> bool:
+    """Whether a Hugging Face module's checkpointing function (``_gradient_checkpointing_func``, a
+    functools.partial of torch.utils.checkpoint.checkpoint) says use_reentrant=False; anything else counts as
+    reentrant."""
+    func = getattr(mod, "_gradient_checkpointing_func", None)
+    return isinstance(func, functools.partial) and func.keywords.get("use_reentrant", True) is False
+
+
+def refuse_t5_checkpointing(model: torch.nn.Module, who: str = "make_train_step") -> None:
+    """Refuses Hugging Face T5 (an attention whose forward sets ``position_bias.requires_grad = True``) in
+    training mode with activation checkpointing on where the step would train a few ulp off eager, silently
+    (fuzz_step 36:11, 38:55, 38:39). A reentrant block runs its forward under no_grad, where layer 0's relative
+    bias requires no grad: eager's SDPA takes flash there (a float mask that requires grad takes math) and math in
+    its recomputation, which the step traces once; with eager attention reentrant differs too (cause not found),
+    as does LongT5's local attention. Non-reentrant passes: eager attention (or one computing its own scores,
+    LongT5's local ones) trains bit-exact, and so does SDPA on CPU, where ``eager_sdpa_math_choice`` keeps eager's
+    math kernel for the zeros bias T5 flags (other devices' choices are not pinned: refused)."""
+    t5 = [(n, m) for n, m in model.named_modules() if _T5_BIAS_REQUIRES_GRAD in _forward_source(type(m))]
+    if not t5:
+        return
+    ckpt = [(n, m) for n, m in model.named_modules() if m.training and getattr(m, "gradient_checkpointing", False) is True]
+    if not ckpt:
+        return
+    impls = {_attention_implementation(m) for _, m in t5}
+    on_cpu = all(t.device.type == "cpu" for t in itertools.chain(model.parameters(), model.buffers()))
+    reentrant = [n for n, m in ckpt if not _non_reentrant(m)]
+    if not reentrant and impls <= ({"eager", "sdpa"} if on_cpu else {"eager"}):
+        return
+    name, mod = t5[0]
+    why = (f"is checkpointed reentrantly ({reentrant[0] or 'model'})" if reentrant
+           else f"runs {' and '.join(sorted(map(repr, impls)))} attention{'' if on_cpu else ' off the CPU'}")
+    raise NotImplementedError(
+        f"{who}: {type(mod).__name__} ({name or 'model'}) in training mode with activation checkpointing on "
+        f"({ckpt[0][0] or 'model'}: gradient_checkpointing=True) {why}: the step would train a few ulp off eager. "
+        "Checkpointed in training, Hugging Face T5 sets position_bias.requires_grad = True on a bias it makes in "
+        "forward, and SDPA picks its math kernel for a float mask that requires grad, flash otherwise; a reentrant "
+        "block's forward runs under no_grad (eager picks flash there and math in its recomputation, which the step "
+        "traces once). Call model.gradient_checkpointing_disable() (the step plans its own memory: "
+        "step.compile(plan=True, memory_budget=...)), or checkpoint without reentrance "
+        "(model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})) with eager "
+        "attention (model.set_attn_implementation('eager')) or, on CPU, SDPA; each trains bit-exact")
 
 
 VALUE_AS_PYTHON = ("reads a tensor's value to decide Python control flow (`if t.sum() > 0`, `bool(t)`, a size from "

@@ -176,9 +176,10 @@ def check_clip_covers(model: torch.nn.Module, clip_grad_norm, seen: dict[int, st
 
 
 def check_modules(model: torch.nn.Module) -> None:
-    """Refuses modules the pure step cannot express: cumulative batch norm, a trained Embedding with max_norm
-    or sparse=True, and gradient hooks."""
+    """Refuses modules the pure step cannot express: cumulative batch norm, Hugging Face T5 checkpointed in a way
+    the step cannot reproduce, a trained Embedding with max_norm or sparse=True, and gradient hooks."""
     _compat.refuse_cumulative_batch_norm(model, "the pure step")
+    _compat.refuse_t5_checkpointing(model)
     for name, mod in model.named_modules():
         if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and mod.weight.requires_grad:
             # max_norm renormalises the looked-up rows of the weight in place in forward, and a sparse

@@ -120,6 +120,7 @@ def _factories() -> dict:
         "backward_only_code": _compat.backward_only_code,
         "global_module_hooks_restored": _compat.global_module_hooks_restored,
         "eager_attention_masks": _compat.eager_attention_masks,
+        "eager_sdpa_math_choice": _compat.eager_sdpa_math_choice,
         "inline_reentrant_checkpoints": _compat.inline_reentrant_checkpoints,
         "inference_mode_as_no_grad": _compat.inference_mode_as_no_grad,
         "no_grad_inside_autocast": _compat.no_grad_inside_autocast,
@@ -150,7 +151,7 @@ def _factories() -> dict:
 
 # Every patch, in the order it is entered (restored in reverse).
 ORDER = ("env_reads", "python_random_draws", "backward_only_code", "global_module_hooks_restored",
-         "eager_attention_masks", "inline_reentrant_checkpoints", "inference_mode_as_no_grad",
+         "eager_attention_masks", "eager_sdpa_math_choice", "inline_reentrant_checkpoints", "inference_mode_as_no_grad",
          "no_grad_inside_autocast", "autocast_weight_cache",
          "refuse_autograd_in_trace", "rnn_dropout_between_layers", "eager_gru_cell", "onednn_lstm_forward",
          "eager_onednn_lstm", "onednn_rnn_backward_dtypes", "eager_batch_norm_layouts", "packed_sequences_refused",
@@ -163,8 +164,8 @@ COLLECTORS = frozenset({"env_reads", "python_random_draws", "backward_only_code"
 
 # What each entry point traces under.
 STEP_EXPORT = ("env_reads", "python_random_draws", "backward_only_code", "global_module_hooks_restored",
-               "eager_attention_masks", "inline_reentrant_checkpoints", "inference_mode_as_no_grad",
-               "no_grad_inside_autocast", "autocast_weight_cache",
+               "eager_attention_masks", "eager_sdpa_math_choice", "inline_reentrant_checkpoints",
+               "inference_mode_as_no_grad", "no_grad_inside_autocast", "autocast_weight_cache",
                "refuse_autograd_in_trace", "rnn_dropout_between_layers", "eager_gru_cell", "onednn_lstm_forward",
                "packed_sequences_refused", "grad_scaler_refused", "data_assignment_refused", "eager_pad_sequence")
 JOINT_EXPORT = ("rnn_dropout_between_layers", "eager_gru_cell", "eager_onednn_lstm", "onednn_rnn_backward_dtypes",

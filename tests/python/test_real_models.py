@@ -305,6 +305,66 @@ def test_more_families_with_dropout_and_padding_bit_exact_on_the_executor_and_th
     assert step.draws_random
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_t5_checkpointed_reentrantly_is_refused_by_name(attn):
+    needs("transformers")
+    # A reentrant block runs its forward under no_grad, where T5's layer-0 relative bias requires no grad: eager's
+    # SDPA takes flash there and math in its recomputation, which the step traces once (fuzz_step 36:11); eager
+    # attention reentrant differs too (38:39, cause not found). A few ulp off eager, silently, before the refusal.
+    batches = [(ids, mask, ids.masked_fill(mask == 0, -100)) for ids, mask in tokenizer_batches(2)]
+    model = rm.more_families("t5", layers=1, dropout=0.0)
+    model.set_attn_implementation(attn)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(NotImplementedError) as e:
+        torch_ext.make_train_step(model, rm.adamw(model), _t5_loss, batches[0])
+    msg = str(e.value)
+    assert "T5Attention (encoder.block.0.layer.0.SelfAttention)" in msg and "gradient_checkpointing=True" in msg
+    assert "is checkpointed reentrantly (encoder)" in msg
+    assert "model.gradient_checkpointing_disable()" in msg and "'use_reentrant': False" in msg
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_longt5_checkpointed_reentrantly_is_refused_and_trains_bit_exact_without_reentrance():
+    transformers = needs("transformers")
+    # LongT5's local attention (its own scores, no SDPA) carries T5's requires_grad assignment: reentrant, a few
+    # ulp off eager at step 2 (seen with the refusal bypassed); use_reentrant=False (transformers' default) passes.
+    batches = [(ids, mask, ids.masked_fill(mask == 0, -100)) for ids, mask in tokenizer_batches(3)]
+    torch.manual_seed(0)
+    model = transformers.LongT5ForConditionalGeneration(transformers.LongT5Config(
+        vocab_size=rm.VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+        decoder_start_token_id=0, pad_token_id=0)).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(NotImplementedError, match=r"LongT5LocalAttention \(encoder\.block\.0\.layer\.0\.Local"
+                       r"SelfAttention\).*is checkpointed reentrantly \(encoder\)"):
+        torch_ext.make_train_step(model, rm.adamw(model), _t5_loss, batches[0])
+    model.gradient_checkpointing_enable()
+    run_parity(model, _t5_loss, batches, rtol=0.0)
+
+
+@pytest.mark.parametrize("way_out", ["gradient_checkpointing_disable", "sdpa_non_reentrant", "eager_non_reentrant"])
+def test_t5_checkpointed_without_reentrance_or_not_at_all_bit_exact(way_out):
+    needs("transformers")
+    # The ways out the refusal above names, each 3 AdamW steps bitwise equal to eager (padded batch 2).
+    # SDPA non-reentrant (fuzz_step 38:55): checkpointed, T5 sets position_bias.requires_grad = True on the zeros
+    # bias of its cross-attention, so eager's SDPA takes math; the joint trace dropped the flag and took flash
+    # (step 2's loss 4.95565128326416 vs eager's 4.955652236938477) until _compat.eager_sdpa_math_choice. Without
+    # dropout: SDPA with dropout takes math either way.
+    batches = [(ids, mask, ids.masked_fill(mask == 0, -100)) for ids, mask in tokenizer_batches(3)]
+    model = rm.more_families("t5", layers=2, dropout=0.0 if way_out == "sdpa_non_reentrant" else 0.1)
+    if way_out == "eager_non_reentrant":
+        model.set_attn_implementation("eager")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if way_out == "gradient_checkpointing_disable":
+        model.gradient_checkpointing_disable()
+    run_parity(model, _t5_loss, batches, rtol=0.0)
+
+
+def _t5_loss(m, ids, mask, labels):
+    return m(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
 def test_sequence_classification_setting_problem_type_on_its_first_forward_bit_exact():
     transformers = needs("transformers")
     # Every *ForSequenceClassification sets config.problem_type in its first forward (and reads it there):
