@@ -456,10 +456,19 @@ def _mask_skips_as_branches(masking, eagerly):
         def attention(module, query, key, value, attention_mask, *args, **kwargs):
             entry = predicates.get(id(attention_mask)) if isinstance(attention_mask, torch.Tensor) else None
             output, weights = original(module, query, key, value, attention_mask, *args, **kwargs)
-            dropout = kwargs.get("dropout", args[1] if len(args) > 1 else 0.0)
-            if (entry is None or entry[0] is not attention_mask or attention_mask.dtype == query.dtype
-                    or (dropout and getattr(module, "training", True))):
+            if entry is None or entry[0] is not attention_mask or attention_mask.dtype == query.dtype:
                 return output, weights
+            dropout = kwargs.get("dropout", args[1] if len(args) > 1 else 0.0)
+            if dropout and getattr(module, "training", True):
+                # Dropout cannot run inside the cond (the step's random ops), and the two paths drop out in
+                # different dtypes, so no branch-free program trains as eager does.
+                raise NotImplementedError(
+                    f"{type(module).__name__}: eager attention with attention dropout {dropout} under autocast, given "
+                    f"a padding mask (attention_mask, {attention_mask.dtype} mask on {query.dtype} scores): eager "
+                    "skips an all-ones mask and runs softmax and dropout in "
+                    f"{query.dtype}, the traced program adds the mask and runs them in {attention_mask.dtype}, so "
+                    "the step would train off eager. Use attn_implementation='sdpa', attention dropout 0, or no "
+                    "attention_mask when nothing is padded")
             # The weights keep the masked path (as traced before): only the output is eager's choice. The
             # branches return it flat: cond's fake tracing cannot prove the 4-d output's strides dense when
             # batch and heads share a size (RuntimeError on BERT with batch 2 and 2 heads).
