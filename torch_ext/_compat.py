@@ -455,9 +455,10 @@ def _mask_skips_as_branches(masking, eagerly):
     def branching_eager(original):
         def attention(module, query, key, value, attention_mask, *args, **kwargs):
             entry = predicates.get(id(attention_mask)) if isinstance(attention_mask, torch.Tensor) else None
-            output, weights = original(module, query, key, value, attention_mask, *args, **kwargs)
+            result = original(module, query, key, value, attention_mask, *args, **kwargs)
             if entry is None or entry[0] is not attention_mask or attention_mask.dtype == query.dtype:
-                return output, weights
+                return result
+            output, weights = result
             dropout = kwargs.get("dropout", args[1] if len(args) > 1 else 0.0)
             if dropout and getattr(module, "training", True):
                 # Dropout cannot run inside the cond (the step's random ops), and the two paths drop out in
@@ -472,8 +473,10 @@ def _mask_skips_as_branches(masking, eagerly):
             # The weights keep the masked path (as traced before): only the output is eager's choice. The
             # branches return it flat: cond's fake tracing cannot prove the 4-d output's strides dense when
             # batch and heads share a size (RuntimeError on BERT with batch 2 and 2 heads).
-            flat = torch.cond(entry[1], lambda q, k, v, m: original(module, q, k, v, None, *args, **kwargs)[0].reshape(-1),
-                              lambda q, k, v, m: original(module, q, k, v, m, *args, **kwargs)[0].reshape(-1),
+            def flat_output(q, k, v, m):
+                return original(module, q, k, v, m, *args, **kwargs)[0].reshape(-1)
+
+            flat = torch.cond(entry[1], lambda q, k, v, m: flat_output(q, k, v, None), flat_output,
                               (query, key, value, attention_mask))
             return flat.view(output.shape), weights
 
