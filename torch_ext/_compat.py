@@ -481,16 +481,72 @@ def _mask_skips_as_branches(masking, eagerly):
                             (query, key, value, attention_mask))
         return output, None
 
+    # Eager attention adds the mask to the scores. Under autocast the scores are bfloat16 and the mask float32
+    # (the embeddings' dtype): the add promotes, so softmax and its backward run in float32 where eager, which
+    # skipped the all-ones mask, runs them in bfloat16 (BERT regression trained 1e-9 off eager per step, the
+    # forward equal). A mask of the scores' dtype adds zeros exactly: no branch needed there.
+    eager_mask = mask_table.get("eager")
+
+    def recording_eager_mask(*args, **kwargs):
+        pending.clear()
+        mask = eager_mask(*args, **kwargs)
+        if len(pending) == 1 and isinstance(mask, torch.Tensor):
+            predicates[id(mask)] = (mask, pending[0])
+        pending.clear()
+        return mask
+
+    def branching_eager(original):
+        def attention(module, query, key, value, attention_mask, *args, **kwargs):
+            entry = predicates.get(id(attention_mask)) if isinstance(attention_mask, torch.Tensor) else None
+            result = original(module, query, key, value, attention_mask, *args, **kwargs)
+            if entry is None or entry[0] is not attention_mask or attention_mask.dtype == query.dtype:
+                return result
+            output, weights = result
+            dropout = kwargs.get("dropout", args[1] if len(args) > 1 else 0.0)
+            if dropout and getattr(module, "training", True):
+                # Dropout cannot run inside the cond (the step's random ops), and the two paths drop out in
+                # different dtypes, so no branch-free program trains as eager does.
+                raise NotImplementedError(
+                    f"{type(module).__name__}: eager attention with attention dropout {dropout} under autocast, given "
+                    f"a padding mask (attention_mask, {attention_mask.dtype} mask on {query.dtype} scores): eager "
+                    "skips an all-ones mask and runs softmax and dropout in "
+                    f"{query.dtype}, the traced program adds the mask and runs them in {attention_mask.dtype}, so "
+                    "the step would train off eager. Use attn_implementation='sdpa', attention dropout 0, or no "
+                    "attention_mask when nothing is padded")
+            # The weights keep the masked path (as traced before): only the output is eager's choice. The
+            # branches return it flat: cond's fake tracing cannot prove the 4-d output's strides dense when
+            # batch and heads share a size (RuntimeError on BERT with batch 2 and 2 heads).
+            def flat_output(q, k, v, m):
+                return original(module, q, k, v, m, *args, **kwargs)[0].reshape(-1)
+
+            flat = torch.cond(entry[1], lambda q, k, v, m: flat_output(q, k, v, None), flat_output,
+                              (query, key, value, attention_mask))
+            return flat.view(output.shape), weights
+
+        return attention
+
+    # Models call their own module's eager_attention_forward by its global name.
+    eager_forwards = {name: mod.eager_attention_forward for name, mod in list(sys.modules.items())
+                      if name.startswith("transformers.models.") and mod is not None
+                      and callable(getattr(mod, "eager_attention_forward", None))}
     setattr(masking, names[0], _gated(ignore_causal, originals[names[0]]))
     setattr(masking, names[1], _gated(ignore_bidirectional, originals[names[1]]))
     mask_table["sdpa"] = _gated(recording_sdpa_mask, sdpa_mask)
     attention_table["sdpa"] = _gated(branching_sdpa, sdpa_attention)
+    if eager_mask is not None:
+        mask_table["eager"] = _gated(recording_eager_mask, eager_mask)
+        for name, fn in eager_forwards.items():
+            sys.modules[name].eager_attention_forward = _gated(branching_eager(fn), fn)
     try:
         yield
     finally:
         for name, fn in originals.items():
             setattr(masking, name, fn)
         mask_table["sdpa"], attention_table["sdpa"] = sdpa_mask, sdpa_attention
+        if eager_mask is not None:
+            mask_table["eager"] = eager_mask
+            for name, fn in eager_forwards.items():
+                sys.modules[name].eager_attention_forward = fn
 
 
 # Eager recomputes a checkpointed block in backward, and the recomputation writes what the block

@@ -340,6 +340,33 @@ HF_SPECS = {
 }
 
 
+# Seed 37 (28): BertForSequenceClassification with num_labels=1 (MSE regression), eager attention, an all-ones
+# attention_mask, bfloat16 autocast. Eager skips that mask; the trace added it, a float32 mask on bfloat16 scores, so
+# softmax and its backward ran in float32: the query/key gradients 1e-9 off, the loss equal. Batch 2 (as many rows as
+# heads) and per-row padding, saved, check the branch's output and its false side. Both specs failed before the fix.
+_BERT_37_28 = json.loads(
+    '{"model_seed": 959, "rng_seed": 471, "data_seed": 146, "front": "embed", "front_bn": false, "padding_idx": '
+    'false, "width": 4, "blocks": [], "loss": "ce", "batch": 1, "frozen": [], "excluded": [], "opt": {"kind": "SGD", '
+    '"hyper": {"lr": 0.1}}, "groups": 1, "group2": {"lr_scale": 2.0, "wd": null}, "sched": null, "cycle_momentum": '
+    'false, "accumulate": 1, "clip": null, "runner": "exec", "budget": 0.8, "scale_grad_by_freq": false, '
+    '"reduction": "mean", "float64": false, "unroll": 1, "set_lr": false, "tie": false, "sched_pre": 0, "pre_grad": '
+    'null, "freeze_after": [], "bf16": false, "autocast": false, "tensor_lr": null, "reg": null, "hf": {"family": '
+    '"bert_cls", "layers": 1, "p": 0.0, "attn": "eager", "pad": "none", "mask": true, "ignore": false, "ckpt": null, '
+    '"ckpt_every": 1, "batch": "tuple", "tie": false, "autocast": true, "seq": 4, "labels": 1, "token_types": false}, '
+    '"save": false}')
+HF_SPECS["37:28 bert-regression-autocast-eager-mask"] = _BERT_37_28
+HF_SPECS["37:28 bert-regression-autocast-eager-mask-padded-saved"] = {
+    **_BERT_37_28, "batch": 2, "save": True, "hf": {**_BERT_37_28["hf"], "pad": "mixed"}}
+
+
 @pytest.mark.parametrize("name", list(HF_SPECS))
 def test_fuzz_step_whole_hf_model_and_saved_program_are_bit_exact(name):
     assert fuzz_step.run_case(HF_SPECS[name]) == [], HF_SPECS[name]
+
+
+# The same with attention dropout: dropout cannot run inside the branch and eager drops out in another dtype on
+# each path, so the build refuses it by name.
+def test_fuzz_step_bert_eager_attention_dropout_autocast_mask_is_refused():
+    spec = {**_BERT_37_28, "hf": {**_BERT_37_28["hf"], "p": 0.1}}
+    with pytest.raises(NotImplementedError, match="eager attention with attention dropout 0.1 under autocast"):
+        fuzz_step.run_case(spec)
