@@ -961,10 +961,7 @@ def build(spec: dict):
     for mod in model.modules():
         if getattr(mod, "_eval_after", False):
             mod.eval()
-    named = list(model.named_parameters())
-    for i in spec["frozen"]:
-        if i < len(named):
-            named[i][1].requires_grad_(False)
+    _freeze(model, spec["frozen"])
 
     g = torch.Generator().manual_seed(spec["data_seed"])
 
@@ -1079,10 +1076,7 @@ def build_hf(spec: dict):
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": hf["ckpt"] == "reentrant"},
             every_n_layers=hf.get("ckpt_every", 1))
-    named = list(model.named_parameters())
-    for i in spec["frozen"]:
-        if i < len(named):
-            named[i][1].requires_grad_(False)
+    _freeze(model, spec["frozen"])
 
     g = torch.Generator().manual_seed(spec["data_seed"])
 
@@ -1141,6 +1135,14 @@ def build_hf(spec: dict):
     calls = STEPS * spec.get("unroll", 1)
     batches = [[pack(one_batch()) for _ in range(spec["accumulate"])] for _ in range(calls + 1)]
     return model, loss_fn, batches
+
+
+def _freeze(model, frozen: list) -> None:
+    """Parameters by index in ``named_parameters()`` order (indices past the end are ignored) stop requiring grad."""
+    named = list(model.named_parameters())
+    for i in frozen:
+        if i < len(named):
+            named[i][1].requires_grad_(False)
 
 
 def make_opts(spec: dict, model):

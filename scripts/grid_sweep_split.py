@@ -43,6 +43,26 @@ import bench_sweep  # noqa: E402  (the grid's cell)
 import torch_ext  # noqa: E402
 
 
+def _alternated_medians(arms: dict, rounds: int, clock) -> dict:
+    """Median seconds of each arm over ``rounds`` rounds, the arms alternated within a round (one warm-up call
+    each first), under no_grad with the garbage collector off."""
+    times = {k: [] for k in arms}
+    with torch.no_grad():
+        for f in arms.values():
+            f()
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(rounds):
+                for k, f in arms.items():
+                    t0 = clock()
+                    f()
+                    times[k].append(clock() - t0)
+        finally:
+            gc.enable()
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def per_node(op: str, size: int, rounds: int, clock) -> None:
     cells = {n: bench_sweep.grid_cell(op, size, n, every) for n, every in ((160, 4), (80, 2))}
     arms, nodes = {}, {}
@@ -64,21 +84,7 @@ def per_node(op: str, size: int, rounds: int, clock) -> None:
                              torch_ext.sweep(rg, sites, patch_of(pre), metric, progress=False))
         nodes[f"full{n}"] = 40 * n
         nodes[f"loop{n}"] = nodes[f"sweep{n}"] = sum(n - (i + 1) * (n // 40) for i in range(40))
-    times = {k: [] for k in arms}
-    with torch.no_grad():
-        for f in arms.values():
-            f()
-        gc.collect()
-        gc.disable()
-        try:
-            for _ in range(rounds):
-                for k, f in arms.items():
-                    t0 = clock()
-                    f()
-                    times[k].append(clock() - t0)
-        finally:
-            gc.enable()
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = _alternated_medians(arms, rounds, clock)
     print(f"{op} {size}x{size}, 40 sites, chains of 160 (site every 4th) and 80 (every 2nd), medians of {rounds} rounds")
     node_cost = {}
     for arm in ("full", "loop", "sweep"):
@@ -140,21 +146,7 @@ def main() -> None:
                                           skip_identical=False),
         "sites1": sites_arm(last, False),
     }
-    times = {k: [] for k in arms}
-    with torch.no_grad():
-        for f in arms.values():
-            f()
-        gc.collect()
-        gc.disable()
-        try:
-            for _ in range(args.rounds):
-                for k, f in arms.items():
-                    t0 = clock()
-                    f()
-                    times[k].append(clock() - t0)
-        finally:
-            gc.enable()
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = _alternated_medians(arms, args.rounds, clock)
     rho = torch_ext.sweep(rg, sites, patch, metric, progress=False, skip_identical=False).rho
     print(f"{args.op} {args.size}x{args.size}, {n} sites, rho {rho:.3f}, medians of {args.rounds} rounds "
           f"({args.clock} clock, GC off)")
