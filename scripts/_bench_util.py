@@ -2,7 +2,12 @@
 the closing summary and the eager forward-hook sweep (TransformerLens's mechanism). Scripts run as ``python scripts/<name>.py``, so this imports as a sibling."""
 from __future__ import annotations
 
+import contextlib
+import gc
+import statistics
 import time
+
+import torch
 
 FAILURES: list[str] = []
 MISSED: list[str] = []
@@ -94,3 +99,36 @@ def best_thread_seconds(fn, n: int, rounds: int = 5) -> float:
         best = min(best, (time.thread_time() - t0) / n)
     return best
 
+
+
+def interleaved_medians(fns: dict, repeats: int, clock=time.perf_counter, min_seconds: float = 0.0,
+                        no_grad: bool = False) -> dict:
+    """Median seconds of each callable, the callables interleaved within every repeat (so the machine's drifting
+    speed hits them alike), after one warm-up call each, with the cyclic garbage collector off while timing (as
+    timeit does: a full collection of this process's heap, torch and the exported programs, takes tens of ms and
+    lands in whichever arm happens to allocate then). ``clock``: ``time.perf_counter`` (wall) or
+    ``time.thread_time`` (this thread's CPU time, for a loaded machine). With ``min_seconds``, at least that much
+    time is spent in the repeats (more repeats for fast callables, at most 200): a median of a few repeats of a 3 ms
+    cell moves with the machine's speed. ``no_grad``: warm-up and timing under ``torch.no_grad()``."""
+    with torch.no_grad() if no_grad else contextlib.nullcontext():
+        warm = 0.0
+        for fn in fns.values():
+            t0 = clock()
+            fn()
+            warm += clock() - t0
+        if min_seconds > 0 and warm > 0:
+            repeats = max(repeats, min(200, int(min_seconds / warm) + 1))
+        times = {k: [] for k in fns}
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for _ in range(repeats):
+                for k, fn in fns.items():
+                    t0 = clock()
+                    fn()
+                    times[k].append(clock() - t0)
+        finally:
+            if was_enabled:
+                gc.enable()
+    return {k: statistics.median(v) for k, v in times.items()}

@@ -31,8 +31,6 @@ agreement, evaluation counts); a missed speed target is reported, not failed.
 from __future__ import annotations
 
 import argparse
-import gc
-import statistics
 import sys
 import time
 
@@ -43,39 +41,16 @@ import torch_ext
 from torch_ext.reactive import Engine
 from torch_ext.ir import Graph
 
-from _bench_util import FAILURES, MISSED, check, eager_hook_sweep, header, resid_pre_cache, summary, target
+from _bench_util import (FAILURES, MISSED, check, eager_hook_sweep, header, interleaved_medians, resid_pre_cache,
+                         summary, target)
 
 _CLOCK = time.perf_counter  # --clock thread: this thread's CPU time, for a loaded machine
 
 
 def interleaved(fns: dict, repeats: int, min_seconds: float = 0.0) -> dict:
-    """Median time of each callable (wall, or thread CPU time with --clock thread), the callables
-    interleaved within every repeat. With ``min_seconds``, at least that much time is spent in the repeats (more
-    repeats for fast callables, at most 200): this machine's speed drifts by tens of percent over seconds, and a
-    median of a few interleaved repeats of a 3 ms cell moves with it."""
-    warm = 0.0
-    for fn in fns.values():
-        t0 = _CLOCK()
-        fn()  # warm-up
-        warm += _CLOCK() - t0
-    if min_seconds > 0 and warm > 0:
-        repeats = max(repeats, min(200, int(min_seconds / warm) + 1))
-    times = {k: [] for k in fns}
-    # As timeit does: the cyclic garbage collector off while timing (a full collection of this process's heap,
-    # torch and the exported programs, takes tens of ms and lands in whichever arm happens to allocate then).
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        for _ in range(repeats):
-            for k, fn in fns.items():
-                t0 = _CLOCK()
-                fn()
-                times[k].append(_CLOCK() - t0)
-    finally:
-        if was_enabled:
-            gc.enable()
-    return {k: statistics.median(v) for k, v in times.items()}
+    """Median time of each callable (wall, or thread CPU time with --clock thread), interleaved within every
+    repeat: ``_bench_util.interleaved_medians``."""
+    return interleaved_medians(fns, repeats, clock=_CLOCK, min_seconds=min_seconds)
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,9 +29,7 @@ bounds it below 1.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
-import statistics
 import sys
 import time
 
@@ -39,6 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_sweep  # noqa: E402  (the grid's cell)
+from _bench_util import interleaved_medians  # noqa: E402
 
 import torch_ext  # noqa: E402
 
@@ -46,21 +45,7 @@ import torch_ext  # noqa: E402
 def _alternated_medians(arms: dict, rounds: int, clock) -> dict:
     """Median seconds of each arm over ``rounds`` rounds, the arms alternated within a round (one warm-up call
     each first), under no_grad with the garbage collector off."""
-    times = {k: [] for k in arms}
-    with torch.no_grad():
-        for f in arms.values():
-            f()
-        gc.collect()
-        gc.disable()
-        try:
-            for _ in range(rounds):
-                for k, f in arms.items():
-                    t0 = clock()
-                    f()
-                    times[k].append(clock() - t0)
-        finally:
-            gc.enable()
-    return {k: statistics.median(v) for k, v in times.items()}
+    return interleaved_medians(arms, rounds, clock=clock, no_grad=True)
 
 
 def per_node(op: str, size: int, rounds: int, clock) -> None:
