@@ -474,6 +474,24 @@ class _HoistedDropouts:
         elif self.masks:
             raise self._refuse("no traced graph to check the branches in")
 
+    @staticmethod
+    def _draws(node) -> bool:
+        """Whether ``node`` draws random numbers. A dropout in eval, or (but ``native_dropout``, whose CPU kernel draws
+        for any ``p``) with p == 0, draws nothing: eager's ``at::dropout`` returns its input, torch's decomposition
+        a clone (a model's dropout set to 0 in training, traced with its p)."""
+        op = node.target
+        if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+            return False
+        if torch.Tag.nondeterministic_seeded not in op.tags:
+            return False
+        names = [a.name for a in op._schema.arguments]
+        if "p" in names and "train" in names:
+            bound = dict(zip(names, node.args), **node.kwargs)
+            p, train = bound.get("p"), bound.get("train", True)
+            if train is False or (p == 0 and op.overloadpacket is not torch.ops.aten.native_dropout):
+                return False
+        return True
+
     def check(self, tracer, nodes):
         """Refuses the cond among ``nodes`` unless neither branch draws (at any depth) and each uses each drawn
         mask exactly once, in the order drawn."""
@@ -498,9 +516,7 @@ class _HoistedDropouts:
             for sub in branch.modules():
                 if not isinstance(sub, torch.fx.GraphModule):
                     continue
-                drawn = sorted({str(n.target) for n in sub.graph.nodes if n.op == "call_function"
-                                and isinstance(n.target, torch._ops.OpOverload)
-                                and torch.Tag.nondeterministic_seeded in n.target.tags})
+                drawn = sorted({str(n.target) for n in sub.graph.nodes if self._draws(n)})
                 if drawn:
                     raise self._refuse(f"its {side} branch draws random numbers ({', '.join(drawn)})")
             placeholders = [n for n in branch.graph.nodes if n.op == "placeholder"]
