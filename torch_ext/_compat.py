@@ -2113,6 +2113,9 @@ def build_dynamo_function_tables() -> None:
     for table in vars(trace_rules).values():
         if isinstance(table, trace_rules.FunctionIdSet):
             table()
+    # Its map of torch functions by object is loaded by name, once: built while ``torch.nn.functional.dropout`` is
+    # the hoisted attention dropout's stand-in (_HoistedDropouts), it would hold the stand-in, not torch's.
+    getattr(trace_rules, "get_torch_obj_rule_map", lambda: None)()
     _dynamo_tables_built = True
 
 
