@@ -475,7 +475,7 @@ def _bert_autocast_loss(m, ids, mask, labels):
         return m(input_ids=ids, attention_mask=mask, labels=labels).loss
 
 
-@pytest.mark.parametrize("example", ["all_ones", "padded"])
+@pytest.mark.parametrize("example", ["all_ones", "padded", "padded_checkpointed"])
 def test_bert_eager_attention_dropout_under_autocast_with_a_tokenizer_mask_bit_exact(example):
     needs("transformers")
     # Fine-tuning's usual setting: eager attention with attention dropout, bfloat16 autocast, a tokenizer's
@@ -485,9 +485,12 @@ def test_bert_eager_attention_dropout_under_autocast_with_a_tokenizer_mask_bit_e
     # dropout 0.1 under autocast"). 4 AdamW steps (all ones, padded, all ones, padded), executor and arena, bitwise.
     batches = _bert_padded_batches()
     assert bool(batches[0][1].all()) and not bool(batches[1][1].all())
-    if example == "padded":  # the example the program is traced on: either side of the branch first
+    if example != "all_ones":  # the example the program is traced on: either side of the branch first
         batches = batches[1:] + batches[:1]
-    step, _, _ = run_parity(_bert_classifier(), _bert_autocast_loss, batches, rtol=0.0, compiled="both")
+    model = _bert_classifier()
+    if example == "padded_checkpointed":  # Trainer's gradient_checkpointing=True (non-reentrant, transformers' default)
+        model.gradient_checkpointing_enable()
+    step, _, _ = run_parity(model, _bert_autocast_loss, batches, rtol=0.0, compiled="both")
     assert step.draws_random
     cond = [n for n in step.program.graph.nodes if n.target is torch.ops.higher_order.cond]
     assert len(cond) == 2 * 2  # each layer's attention, forward and backward
