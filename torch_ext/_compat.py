@@ -390,6 +390,148 @@ def eager_attention_masks():
             masking.find_packed_sequence_indices = find_packed
 
 
+class _HoistedDropouts:
+    """Attention dropout taken out of the ``torch.cond`` that decides eager's mask skip (see
+    ``_mask_skips_as_branches``). The step's random numbers are state threaded through the top-level graph, so no
+    branch may draw; and eager's dropout draws the same numbers on either path (the CPU ``at::_dropout``:
+    ``noise = empty_like(input).bernoulli_(1 - p)``, one draw per call, whose bits depend on the input's shape and
+    strides, not its dtype), then ``noise.div_(1 - p)`` and ``input * noise`` in the input's dtype, which is what
+    differs between the paths (bfloat16 scores without the mask, float32 with it). So each dropout call is drawn
+    once at the top level, where eager draws it (``drawing``: the masked path's call, traced there as before), as a
+    mask; each branch then drops out with that mask in its own dtype, eager's formula, forward and backward
+    (``replaying``). ``check`` proves from the traced branches that each drew nothing itself and used each mask once,
+    in the order drawn; anything else is refused by name. Within one call the masks are told apart by the input's
+    shape and strides and ``p`` (the branches are traced by dynamo, which allows them no counter): two calls alike
+    are refused."""
+
+    def __init__(self, culprit: str, dropout, scores_dtype, mask_dtype):
+        self.culprit, self.dropout, self.scores_dtype, self.mask_dtype = culprit, dropout, scores_dtype, mask_dtype
+        self.masks: dict = {}  # key -> the drawn mask (bool), in the order drawn
+        self._dropout = torch.nn.functional.dropout
+
+    @staticmethod
+    def _key(input, p, training, inplace):
+        """(shape, strides, p) of a dropout call this class can hoist, else None: a CPU floating-point input,
+        out of place, in training, 0 < p < 1 (``p == 1`` draws nothing in eager) and static sizes."""
+        if (not training or inplace or not isinstance(input, torch.Tensor) or not input.is_floating_point()
+                or input.device.type != "cpu" or isinstance(p, bool) or not isinstance(p, (int, float))
+                or not 0 < p < 1):
+            return None
+        shape, stride = tuple(input.shape), tuple(input.stride())
+        if not all(type(d) is int for d in shape + stride):
+            return None
+        return shape, stride, float(p)
+
+    @staticmethod
+    def _apply(input, mask, p):
+        # at::_dropout's CPU path (aten/src/ATen/native/Dropout.cpp): noise = the draws in the input's dtype,
+        # noise.div_(1 - p), input * noise; autograd's gradient is then grad * noise, as eager's.
+        return input * mask.to(input.dtype).div(1 - p)
+
+    def _refuse(self, why):
+        return NotImplementedError(
+            f"{self.culprit}: eager attention with attention dropout {self.dropout} under autocast, given a padding "
+            f"mask (attention_mask, {self.mask_dtype} mask on {self.scores_dtype} scores): eager skips an all-ones "
+            f"mask and runs softmax and dropout in {self.scores_dtype}, and the step decides as eager does with a "
+            f"torch.cond whose branches cannot draw random numbers; {why}, so the branch cannot reuse the dropout "
+            "masks drawn outside it. Use attn_implementation='sdpa', attention dropout 0, or no attention_mask "
+            "when nothing is padded")
+
+    def _draw(self, input, p=0.5, training=True, inplace=False):
+        key = self._key(input, p, training, inplace)
+        if key is None:
+            return self._dropout(input, p, training, inplace)  # drawn as before; a branch drawing is refused
+        if key in self.masks:
+            raise self._refuse(f"it calls dropout twice on inputs of shape {list(key[0])} and strides {list(key[1])}")
+        zeros = torch.empty_strided(key[0], key[1], dtype=input.dtype, device=input.device).zero_()
+        self.masks[key] = torch.ops.aten.native_dropout.default(zeros, p, True)[1]
+        return self._apply(input, self.masks[key], p)
+
+    def _replay(self, input, p=0.5, training=True, inplace=False):
+        key = self._key(input, p, training, inplace)
+        mask = self.masks.get(key) if key is not None else None
+        if mask is None:
+            return self._dropout(input, p, training, inplace)  # draws inside the branch: refused by check
+        return self._apply(input, mask, p)
+
+    @contextlib.contextmanager
+    def drawing(self):
+        with _gated_attribute(torch.nn.functional, "dropout", self._draw):
+            yield
+
+    @contextlib.contextmanager
+    def replaying(self):
+        """The block traces one ``torch.cond`` whose branches drop out with the drawn masks; checked after it."""
+        from torch.fx.experimental import proxy_tensor
+
+        tracer = getattr(proxy_tensor.get_proxy_mode(), "tracer", None)
+        graph = getattr(tracer, "graph", None)
+        start = len(graph.nodes) if graph is not None else 0
+        with _gated_attribute(torch.nn.functional, "dropout", self._replay):
+            yield
+        if graph is not None:
+            self.check(tracer, list(graph.nodes)[start:])
+        elif self.masks:
+            raise self._refuse("no traced graph to check the branches in")
+
+    @staticmethod
+    def _draws(node) -> bool:
+        """Whether ``node`` draws random numbers. A dropout in eval, or (but ``native_dropout``, whose CPU kernel draws
+        for any ``p``) with p == 0, draws nothing: eager's ``at::dropout`` returns its input, torch's decomposition
+        a clone (a model's dropout set to 0 in training, traced with its p)."""
+        op = node.target
+        if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+            return False
+        if torch.Tag.nondeterministic_seeded not in op.tags:
+            return False
+        names = [a.name for a in op._schema.arguments]
+        if "p" in names and "train" in names:
+            bound = dict(zip(names, node.args), **node.kwargs)
+            p, train = bound.get("p"), bound.get("train", True)
+            if train is False or (p == 0 and op.overloadpacket is not torch.ops.aten.native_dropout):
+                return False
+        return True
+
+    def check(self, tracer, nodes):
+        """Refuses the cond among ``nodes`` unless neither branch draws (at any depth) and each uses each drawn
+        mask exactly once, in the order drawn."""
+        from torch.fx.experimental import proxy_tensor
+
+        conds = [n for n in nodes if n.op == "call_function" and n.target is torch.ops.higher_order.cond]
+        if len(conds) != 1:
+            if self.masks:
+                raise self._refuse(f"{len(conds)} torch.cond nodes were traced where one was expected")
+            return
+        cond = conds[0]
+        operands = list(cond.args[3])
+        keys = list(self.masks)
+        where = {}
+        for key in keys:
+            node = proxy_tensor.get_proxy_slot(self.masks[key], tracer).proxy.node
+            if node not in operands:
+                raise self._refuse(f"a branch does not use the mask of its dropout on shape {list(key[0])}")
+            where[operands.index(node)] = key
+        for side, attr in (("all-ones", cond.args[1]), ("masked", cond.args[2])):
+            branch = getattr(tracer.root, attr.target)
+            for sub in branch.modules():
+                if not isinstance(sub, torch.fx.GraphModule):
+                    continue
+                drawn = sorted({str(n.target) for n in sub.graph.nodes if self._draws(n)})
+                if drawn:
+                    raise self._refuse(f"its {side} branch draws random numbers ({', '.join(drawn)})")
+            placeholders = [n for n in branch.graph.nodes if n.op == "placeholder"]
+            order = {n: i for i, n in enumerate(branch.graph.nodes)}
+            firsts = []
+            for i, key in where.items():
+                users = list(placeholders[i].users)
+                if len(users) != 1:
+                    raise self._refuse(f"its {side} branch calls dropout on shape {list(key[0])} {len(users)} times "
+                                       "where eager's masked path calls it once")
+                firsts.append((order[users[0]], key))
+            if [key for _, key in sorted(firsts)] != keys:
+                raise self._refuse(f"its {side} branch calls its dropouts in another order than the masked path")
+
+
 @contextlib.contextmanager
 def _mask_skips_as_branches(masking, eagerly):
     """A padding mask given in the batch (a tokenizer's ``attention_mask``, all ones when nothing is
@@ -498,29 +640,24 @@ def _mask_skips_as_branches(masking, eagerly):
     def branching_eager(original):
         def attention(module, query, key, value, attention_mask, *args, **kwargs):
             entry = predicates.get(id(attention_mask)) if isinstance(attention_mask, torch.Tensor) else None
-            result = original(module, query, key, value, attention_mask, *args, **kwargs)
             if entry is None or entry[0] is not attention_mask or attention_mask.dtype == query.dtype:
-                return result
-            output, weights = result
+                return original(module, query, key, value, attention_mask, *args, **kwargs)
+            # Dropout draws here, once per call as eager does, and both branches drop out with those masks in
+            # their own dtype (see _HoistedDropouts); the weights keep the masked path (as traced before): only
+            # the output is eager's choice.
             dropout = kwargs.get("dropout", args[1] if len(args) > 1 else 0.0)
-            if dropout and getattr(module, "training", True):
-                # Dropout cannot run inside the cond (the step's random ops), and the two paths drop out in
-                # different dtypes, so no branch-free program trains as eager does.
-                raise NotImplementedError(
-                    f"{type(module).__name__}: eager attention with attention dropout {dropout} under autocast, given "
-                    f"a padding mask (attention_mask, {attention_mask.dtype} mask on {query.dtype} scores): eager "
-                    "skips an all-ones mask and runs softmax and dropout in "
-                    f"{query.dtype}, the traced program adds the mask and runs them in {attention_mask.dtype}, so "
-                    "the step would train off eager. Use attn_implementation='sdpa', attention dropout 0, or no "
-                    "attention_mask when nothing is padded")
-            # The weights keep the masked path (as traced before): only the output is eager's choice. The
-            # branches return it flat: cond's fake tracing cannot prove the 4-d output's strides dense when
-            # batch and heads share a size (RuntimeError on BERT with batch 2 and 2 heads).
+            drops = _HoistedDropouts(type(module).__name__, dropout, query.dtype, attention_mask.dtype)
+            with drops.drawing():
+                output, weights = original(module, query, key, value, attention_mask, *args, **kwargs)
+
+            # The branches return the output flat: cond's fake tracing cannot prove the 4-d output's strides
+            # dense when batch and heads share a size (RuntimeError on BERT with batch 2 and 2 heads).
             def flat_output(q, k, v, m):
                 return original(module, q, k, v, m, *args, **kwargs)[0].reshape(-1)
 
-            flat = torch.cond(entry[1], lambda q, k, v, m: flat_output(q, k, v, None), flat_output,
-                              (query, key, value, attention_mask))
+            with drops.replaying():
+                flat = torch.cond(entry[1], lambda q, k, v, m: flat_output(q, k, v, None), flat_output,
+                                  (query, key, value, attention_mask))
             return flat.view(output.shape), weights
 
         return attention
@@ -1976,6 +2113,9 @@ def build_dynamo_function_tables() -> None:
     for table in vars(trace_rules).values():
         if isinstance(table, trace_rules.FunctionIdSet):
             table()
+    # Its map of torch functions by object is loaded by name, once: built while ``torch.nn.functional.dropout`` is
+    # the hoisted attention dropout's stand-in (_HoistedDropouts), it would hold the stand-in, not torch's.
+    getattr(trace_rules, "get_torch_obj_rule_map", lambda: None)()
     _dynamo_tables_built = True
 
 

@@ -443,6 +443,110 @@ def test_grouped_query_attention_with_a_tokenizer_mask_under_gradient_checkpoint
     assert any(n.target is torch.ops.higher_order.cond for n in step.program.graph.nodes)
 
 
+def _bert_classifier(attention_dropout=0.1, layers=2):
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=rm.VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=2,
+        max_position_embeddings=rm.SEQ, hidden_dropout_prob=0.1, attention_probs_dropout_prob=attention_dropout,
+        num_labels=3, pad_token_id=0, attn_implementation="eager")).train()
+
+
+def _bert_padded_batches():
+    """A tokenizer's batches, changing between steps: all ones, row 0 left-padded and row 1 right-padded, all
+    ones again, row 1 alone padded (batch 2: as many rows as heads)."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for pads in ((0, 0), (-3, 5), (0, 0), (0, 7)):
+        mask = torch.ones(rm.BATCH, rm.SEQ, dtype=torch.long)
+        for row, pad in enumerate(pads):
+            if pad < 0:
+                mask[row, :-pad] = 0
+            elif pad > 0:
+                mask[row, rm.SEQ - pad:] = 0
+        ids = torch.randint(3, rm.VOCAB, (rm.BATCH, rm.SEQ), generator=g).masked_fill(mask == 0, 0)
+        out.append((ids, mask, torch.randint(0, 3, (rm.BATCH,), generator=g)))
+    return out
+
+
+def _bert_autocast_loss(m, ids, mask, labels):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return m(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+@pytest.mark.parametrize("example", ["all_ones", "padded", "padded_checkpointed"])
+def test_bert_eager_attention_dropout_under_autocast_with_a_tokenizer_mask_bit_exact(example):
+    needs("transformers")
+    # Fine-tuning's usual setting: eager attention with attention dropout, bfloat16 autocast, a tokenizer's
+    # attention_mask. Eager skips an all-ones mask (softmax and dropout in bfloat16) and adds a padded one (float32):
+    # the program decides with a torch.cond, and the dropout masks are drawn once outside it and applied inside in
+    # each branch's dtype (_compat._HoistedDropouts). Refused at build time before ("eager attention with attention
+    # dropout 0.1 under autocast"). 4 AdamW steps (all ones, padded, all ones, padded), executor and arena, bitwise.
+    batches = _bert_padded_batches()
+    assert bool(batches[0][1].all()) and not bool(batches[1][1].all())
+    if example != "all_ones":  # the example the program is traced on: either side of the branch first
+        batches = batches[1:] + batches[:1]
+    model = _bert_classifier()
+    if example == "padded_checkpointed":  # Trainer's gradient_checkpointing=True (non-reentrant, transformers' default)
+        model.gradient_checkpointing_enable()
+    step, _, _ = run_parity(model, _bert_autocast_loss, batches, rtol=0.0, compiled="both")
+    assert step.draws_random
+    cond = [n for n in step.program.graph.nodes if n.target is torch.ops.higher_order.cond]
+    assert len(cond) == 2 * 2  # each layer's attention, forward and backward
+
+
+def _only_masked_drops_out(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    # Drops out only when given a mask: eager draws nothing on an all-ones mask (it passes None).
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is None:
+        weights = torch.nn.functional.softmax(weights, dim=-1)
+    else:
+        weights = torch.nn.functional.softmax(weights + attention_mask, dim=-1)
+        weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def _drops_out_twice(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    # Two dropouts on inputs of one shape and strides: the branches could not tell their masks apart.
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = torch.nn.functional.dropout(torch.nn.functional.softmax(weights, dim=-1), p=dropout,
+                                          training=module.training)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def _drops_out_in_place(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = torch.nn.functional.softmax(weights, dim=-1)
+    torch.nn.functional.dropout(weights, p=dropout, training=module.training, inplace=True)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+@pytest.mark.parametrize("attention,why", [
+    (_only_masked_drops_out, r"its all-ones branch calls dropout on shape \[2, 2, 16, 16\] 0 times"),
+    (_drops_out_twice, r"it calls dropout twice on inputs of shape \[2, 2, 16, 16\]"),
+    (_drops_out_in_place, r"its all-ones branch draws random numbers \(aten\.dropout_?\.default\)"),
+])
+def test_bert_eager_attention_whose_branches_cannot_reuse_the_drawn_masks_is_refused_by_name(monkeypatch, attention,
+                                                                                             why):
+    transformers = needs("transformers")
+    # The cases the masks drawn outside the branch cannot serve (eager would draw another number of times on one
+    # path, or the branches cannot tell two masks apart): refused at build time, naming the attention module, the
+    # model left as it was.
+    monkeypatch.setattr(transformers.models.bert.modeling_bert, "eager_attention_forward", attention)
+    model = _bert_classifier(layers=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(NotImplementedError, match=r"BertSelfAttention: eager attention with attention dropout 0\.1 "
+                                                  r"under autocast.*" + why):
+        torch_ext.make_train_step(model, rm.adamw(model), _bert_autocast_loss, _bert_padded_batches()[0])
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_a_build_leaves_dynamo_no_function_id_of_its_stand_ins(monkeypatch):
     needs("transformers")
     from torch._dynamo import trace_rules
