@@ -15,6 +15,8 @@ p.add_argument("--dropout", type=float, default=0.0)
 p.add_argument("--ckpt", action="store_true", help="gradient_checkpointing_enable(use_reentrant=False)")
 p.add_argument("--attn", default="sdpa")
 p.add_argument("--pad", action="store_true", help="left-pad row 0 of batch 1 (a tokenizer's mask)")
+p.add_argument("--nomask", action="store_true", help="no attention_mask in the forward")
+p.add_argument("--bf16", action="store_true", help="a bfloat16 model, no autocast")
 p.add_argument("--steps", type=int, default=3)
 p.add_argument("--layers", type=int, default=2)
 p.add_argument("--sgd", action="store_true", help="SGD lr=1: each step's update is minus the gradient")
@@ -26,6 +28,8 @@ model = transformers.T5ForConditionalGeneration(transformers.T5Config(
     vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=a.layers, num_decoder_layers=a.layers, num_heads=4,
     relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=a.dropout,
     decoder_start_token_id=0, pad_token_id=0, attn_implementation=a.attn)).train()
+if a.bf16:
+    model = model.to(torch.bfloat16)
 if a.ckpt:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 g = torch.Generator().manual_seed(1)
@@ -39,8 +43,8 @@ for i in range(a.steps + 1):
 
 
 def loss_fn(m, ids, mask, labels):
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        return m(input_ids=ids, attention_mask=mask, labels=labels).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not a.bf16):
+        return m(input_ids=ids, attention_mask=None if a.nomask else mask, labels=labels).loss
 
 
 ref = copy.deepcopy(model)

@@ -448,8 +448,8 @@ def _bias_branch(module, sdpa_attention, predicate, rounding, query, key, value,
             f"{rounding} model): eager skips an all-ones padding mask and rounds the bias's gradient after summing "
             "it over the batch, the traced program folds the mask into the bias and rounds each batch row first, so "
             "the step would train off eager (Hugging Face T5 under bfloat16 autocast: relative_attention_bias). "
-            "Ways out, bit-exact: attention dropout 0 (dropout_rate=0.0), no attention_mask when nothing is "
-            "padded, float32 without autocast, or attn_implementation='eager' with dropout 0")
+            "Ways out, bit-exact: attention dropout 0 (T5: each attention module's .dropout = 0.0, or "
+            "dropout_rate=0.0), no attention_mask when nothing is padded, or float32 without autocast")
     rest = {k: v for k, v in kwargs.items() if k != "position_bias"}
 
     def branch(skip):
@@ -499,7 +499,9 @@ def _mask_skips_as_branches(masking, eagerly):
     mask becomes ``torch.cond(predicate, without the mask, with it)``. The artifact stays right for any
     mask. A padding mask that no program input reaches is read here once, as eager would read it.
     Only grouped-query attention is branched: with one key/value head per query head both paths are
-    already bit-identical (checked on Llama, GPT-2 and BERT), so a branch would buy nothing."""
+    already bit-identical (checked on Llama, GPT-2 and BERT), so a branch would buy nothing. Except with a
+    position bias that requires grad (T5) and a mask rounded to bfloat16 / float16 (autocast, or such a
+    model): the two paths round its gradient differently (``_bias_mask_rounding``), so it is branched too."""
     modeling_utils = sys.modules.get("transformers.modeling_utils")
     sdpa_module = sys.modules.get("transformers.integrations.sdpa_attention")
     mask_table = getattr(getattr(masking, "AttentionMaskInterface", None), "_global_mapping", None)
