@@ -461,13 +461,21 @@ def _bias_branch(module, sdpa_attention, predicate, rounding, query, key, value,
 
     # Eager's SDPA backend in each branch (the bias alone, or folded into the padding mask: broadcast, contiguous),
     # read here: the branches are traced by dynamo. Both take the math kernel on CPU (a mask that requires grad).
+    from torch.utils._python_dispatch import _disable_current_modes
+
     bias = kwargs["position_bias"]
     choices = set()
-    cast = (lambda t: t.to(rounding)) if torch.is_autocast_enabled("cpu") else (lambda t: t)
-    q, k, v = (cast(t) for t in (query, key, value))
-    for shape in (bias.shape, torch.broadcast_shapes(bias.shape, attention_mask.shape)):
-        mask = torch.empty(shape, dtype=bias.dtype).requires_grad_(True)
-        choices.add(_eager_sdpa_choice(q, k, v, cast(mask), dropout, False, scaling))
+    autocast = torch.is_autocast_enabled("cpu")
+    with _disable_current_modes():  # plain tensors of the arguments' metadata, as autocast would cast them
+        def plain(t, shape=None):
+            dtype = rounding if autocast and t.dtype != torch.float64 else t.dtype
+            if shape is not None:
+                return torch.empty(shape, dtype=dtype).requires_grad_(True)
+            return torch.empty_strided(t.shape, t.stride(), dtype=dtype).requires_grad_(t.requires_grad)
+
+        q, k, v = plain(query), plain(key), plain(value)
+        for shape in (bias.shape, torch.broadcast_shapes(bias.shape, attention_mask.shape)):
+            choices.add(_eager_sdpa_choice(q, k, v, plain(bias, shape), dropout, False, scaling))
     if len(choices) > 1:
         raise NotImplementedError(
             f"{type(module).__name__}: eager's SDPA takes a different kernel with the position bias alone than with "
