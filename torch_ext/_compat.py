@@ -291,6 +291,28 @@ def register_batch_containers() -> None:
                                 serialized_type_name="transformers.BatchEncoding")
 
 
+def _eager_sdpa_choice(query, key, value, attn_mask, dropout_p=0.0, is_causal=False, scale=None,
+                       enable_gqa=False) -> int:
+    """Eager's SDPA backend (``torch._fused_sdp_choice``, 0: math) for arguments of these shapes, strides, dtypes
+    and requires_grad flags (already cast as autocast would), read on plain empty tensors outside any trace."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        def plain(t):
+            if t is None:
+                return None
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).requires_grad_(t.requires_grad)
+
+        return int(torch._fused_sdp_choice(plain(query), plain(key), plain(value), plain(attn_mask), dropout_p,
+                                           is_causal, scale=scale, enable_gqa=enable_gqa))
+
+
+# Eager's SDPA choice for the call inside the torch.cond branches being traced (``_bias_branch``), read before
+# the cond: dynamo traces the branches and cannot run ``_eager_sdpa_choice`` there. None: no mask that requires
+# grad (SDPA as traced). Empty outside such branches.
+_branch_sdpa_choice: list = []
+
+
 @contextlib.contextmanager
 def eager_sdpa_math_choice():
     """Inside the block, a CPU ``scaled_dot_product_attention`` whose float mask requires grad runs SDPA's math
@@ -303,21 +325,24 @@ def eager_sdpa_math_choice():
     original = F.scaled_dot_product_attention
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if (torch.is_grad_enabled() and isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad
-                and attn_mask.is_floating_point() and query.device.type == "cpu"):
-            from torch.utils._python_dispatch import _disable_current_modes
-
-            autocast = torch.is_autocast_enabled("cpu")
+        # In a cond branch of _bias_branch (traced by dynamo, autocast off around it): eager's choice and the
+        # autocast dtype to apply by hand were read before the cond.
+        branch = _branch_sdpa_choice[-1] if _branch_sdpa_choice and torch.compiler.is_dynamo_compiling() else None
+        if branch is not None:
+            choice, low = branch
+            applies = (isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point()
+                       and query.device.type == "cpu")
+        else:
+            applies = (torch.is_grad_enabled() and isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad
+                       and attn_mask.is_floating_point() and query.device.type == "cpu")
+            low = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+        if applies:
+            autocast = low is not None
             if autocast:  # as CPU autocast casts SDPA's floating arguments (but float64), done here by hand
-                low = torch.get_autocast_dtype("cpu")
                 query, key, value, attn_mask = (t.to(low) if t.dtype != torch.float64 else t
                                                 for t in (query, key, value, attn_mask))
-            with _disable_current_modes():
-                def plain(t):
-                    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).requires_grad_(t.requires_grad)
-
-                choice = int(torch._fused_sdp_choice(plain(query), plain(key), plain(value), plain(attn_mask),
-                                                     dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa))
+            if branch is None:
+                choice = _eager_sdpa_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
             if choice == 0:  # SDPBackend.math
                 with torch.autocast("cpu", enabled=False) if autocast else contextlib.nullcontext():
                     return torch.ops.aten._scaled_dot_product_attention_math(
@@ -532,6 +557,85 @@ class _HoistedDropouts:
                 raise self._refuse(f"its {side} branch calls its dropouts in another order than the masked path")
 
 
+def _bias_mask_rounding(query: torch.Tensor, bias) -> torch.dtype | None:
+    """The dtype SDPA's float mask is rounded to before its gradient leaves the kernel, where that makes eager's
+    two mask paths differ; None where they are bit-identical. Transformers' SDPA folds a position bias that
+    requires grad (T5's relative bias, shape (1, heads, q, k)) into the padding mask: eager, skipping an all-ones
+    padding mask, passes the bias itself, and its gradient is summed over the batch and then rounded to the mask's
+    dtype; the traced program materialises ``where(padding, bias, min)`` of shape (batch, heads, q, k), whose
+    gradient is rounded per batch row and summed after. In float32 both are the same sum of the same values; in a
+    reduced precision (the bias a bfloat16 or float16 tensor, or cast to one by CPU autocast) they round
+    differently (T5 under CPU bfloat16 autocast: the relative bias's gradient off by 4e-8 at step 1, 1.5e-4 in the
+    weight at step 2, the loss off at step 3)."""
+    if not isinstance(bias, torch.Tensor) or not bias.requires_grad or not bias.is_floating_point():
+        return None
+    if query.device.type != "cpu":  # (the branch applies CPU autocast by hand; other devices: as traced)
+        return None
+    dtype = bias.dtype
+    if torch.is_autocast_enabled("cpu") and dtype != torch.float64:
+        dtype = torch.get_autocast_dtype("cpu")
+    return dtype if dtype in (torch.float16, torch.bfloat16) else None
+
+
+def _bias_branch(module, sdpa_attention, predicate, rounding, query, key, value, attention_mask, dropout, scaling,
+                 is_causal, kwargs):
+    """``torch.cond(padding mask all ones, SDPA with the bias alone, SDPA with the bias folded into the mask)``:
+    eager's choice at every call (``_bias_mask_rounding``). Attention dropout cannot run inside the cond (the
+    step's random ops), and dropout outside it would not be SDPA's own: refused."""
+    if dropout:
+        raise NotImplementedError(
+            f"{type(module).__name__}: SDPA with attention dropout {dropout}, a position bias that requires grad "
+            f"(position_bias, {tuple(kwargs['position_bias'].shape)}) and a padding mask (attention_mask, "
+            f"{tuple(attention_mask.shape)}), with the mask rounded to {rounding} (autocast or a "
+            f"{rounding} model): eager skips an all-ones padding mask and rounds the bias's gradient after summing "
+            "it over the batch, the traced program folds the mask into the bias and rounds each batch row first, so "
+            "the step would train off eager (Hugging Face T5 under bfloat16 autocast: relative_attention_bias). "
+            "Ways out, bit-exact: attention dropout 0 (T5: each attention module's .dropout = 0.0, or "
+            "dropout_rate=0.0), no attention_mask when nothing is padded, or float32 without autocast")
+    rest = {k: v for k, v in kwargs.items() if k != "position_bias"}
+
+    def branch(skip):
+        # Flat: cond's fake tracing cannot always prove a 4-d output's strides dense (see branching_eager).
+        def run(q, k, v, m, bias):
+            return sdpa_attention(module, q, k, v, None if skip else m, dropout, scaling, is_causal,
+                                  position_bias=bias, **rest)[0].reshape(-1)
+        return run
+
+    # Eager's SDPA backend in each branch (the bias alone, or folded into the padding mask: broadcast, contiguous),
+    # read here: the branches are traced by dynamo. Both take the math kernel on CPU (a mask that requires grad).
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    bias = kwargs["position_bias"]
+    choices = set()
+    autocast = torch.is_autocast_enabled("cpu")
+    with _disable_current_modes():  # plain tensors of the arguments' metadata, as autocast would cast them
+        def plain(t, shape=None):
+            dtype = rounding if autocast and t.dtype != torch.float64 else t.dtype
+            if shape is not None:
+                return torch.empty(shape, dtype=dtype).requires_grad_(True)
+            return torch.empty_strided(t.shape, t.stride(), dtype=dtype).requires_grad_(t.requires_grad)
+
+        q, k, v = plain(query), plain(key), plain(value)
+        for shape in (bias.shape, torch.broadcast_shapes(bias.shape, attention_mask.shape)):
+            choices.add(_eager_sdpa_choice(q, k, v, plain(bias, shape), dropout, False, scaling))
+    if len(choices) > 1:
+        raise NotImplementedError(
+            f"{type(module).__name__}: eager's SDPA takes a different kernel with the position bias alone than with "
+            f"it folded into the padding mask ({sorted(choices)}); the step cannot branch on the mask there")
+    out_shape = (query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
+    # Autocast is off around the cond and applied by hand to SDPA's arguments in the branches: cond differentiates
+    # its branches while it traces them, so their backward would run under the forward's autocast (the math
+    # kernel's float32 matmuls cast to bfloat16) where eager's backward runs outside it.
+    low = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+    _branch_sdpa_choice.append((choices.pop(), low))
+    try:
+        with torch.autocast("cpu", enabled=False) if low is not None else contextlib.nullcontext():
+            flat = torch.cond(predicate, branch(True), branch(False), (query, key, value, attention_mask, bias))
+    finally:
+        _branch_sdpa_choice.pop()
+    return flat.view(out_shape), None
+
+
 @contextlib.contextmanager
 def _mask_skips_as_branches(masking, eagerly):
     """A padding mask given in the batch (a tokenizer's ``attention_mask``, all ones when nothing is
@@ -545,7 +649,9 @@ def _mask_skips_as_branches(masking, eagerly):
     mask becomes ``torch.cond(predicate, without the mask, with it)``. The artifact stays right for any
     mask. A padding mask that no program input reaches is read here once, as eager would read it.
     Only grouped-query attention is branched: with one key/value head per query head both paths are
-    already bit-identical (checked on Llama, GPT-2 and BERT), so a branch would buy nothing."""
+    already bit-identical (checked on Llama, GPT-2 and BERT), so a branch would buy nothing. Except with a
+    position bias that requires grad (T5) and a mask rounded to bfloat16 / float16 (autocast, or such a
+    model): the two paths round its gradient differently (``_bias_mask_rounding``), so it is branched too."""
     modeling_utils = sys.modules.get("transformers.modeling_utils")
     sdpa_module = sys.modules.get("transformers.integrations.sdpa_attention")
     mask_table = getattr(getattr(masking, "AttentionMaskInterface", None), "_global_mapping", None)
@@ -605,9 +711,15 @@ def _mask_skips_as_branches(masking, eagerly):
                        **kwargs):
         entry = predicates.get(id(attention_mask)) if attention_mask is not None else None
         call = lambda q, k, v, m: sdpa_attention(module, q, k, v, m, dropout, scaling, is_causal, **kwargs)
-        if (entry is None or entry[0] is not attention_mask or getattr(module, "num_key_value_groups", 1) <= 1
-                or not sdpa_module.use_gqa_in_sdpa(None, key, value) or kwargs.get("position_bias") is not None
-                or dropout):
+        if entry is None or entry[0] is not attention_mask:
+            return call(query, key, value, attention_mask)
+        bias = kwargs.get("position_bias")
+        rounding = _bias_mask_rounding(query, bias)
+        if rounding is not None:
+            return _bias_branch(module, sdpa_attention, entry[1], rounding, query, key, value, attention_mask,
+                                dropout, scaling, is_causal, kwargs)
+        if (getattr(module, "num_key_value_groups", 1) <= 1 or not sdpa_module.use_gqa_in_sdpa(None, key, value)
+                or bias is not None or dropout):
             return call(query, key, value, attention_mask)
         # The two branches' backwards must lay out the operands' gradients alike. The CPU kernel
         # returns key and value gradients as (batch, seq, head, dim) transposed; repeat_kv's backward

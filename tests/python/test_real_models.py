@@ -365,6 +365,57 @@ def _t5_loss(m, ids, mask, labels):
     return m(input_ids=ids, attention_mask=mask, labels=labels).loss
 
 
+def _t5_autocast_loss(m, ids, mask, labels):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return m(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+@pytest.mark.parametrize("case", ["autocast", "autocast_checkpointed", "bf16_model"])
+def test_t5_sdpa_in_bfloat16_bit_exact_on_an_all_ones_or_padded_mask(case):
+    needs("transformers")
+    # Transformers' SDPA folds T5's relative bias (it requires grad) into the padding mask: eager skips an all-ones
+    # mask and passes the bias alone, so the bias's gradient is summed over the batch and then rounded to bfloat16
+    # (autocast casts SDPA's mask); the traced program materialised the mask, where(mask, bias, min) of the batch's
+    # shape, whose gradient was rounded per row and summed after. Before the fix (scripts/repro_t5_autocast.py):
+    # encoder.block.0's relative_attention_bias.weight 3.7e-8 off eager after step 1, 1.5e-4 after step 2, the loss
+    # off at step 3 (5.42481803894043 vs 5.423854351043701); a bfloat16 model (no autocast) likewise. The program now
+    # branches on the mask as eager does (torch.cond), on the executor and the planned arena. Batches 0 and 2 all
+    # ones, batch 1 padded.
+    batches = [(ids, mask, ids.masked_fill(mask == 0, -100)) for ids, mask in tokenizer_batches(3)]
+    model = rm.more_families("t5", layers=2, dropout=0.0)
+    loss = _t5_autocast_loss
+    if case == "autocast_checkpointed":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if case == "bf16_model":
+        model, loss = model.to(torch.bfloat16), _t5_loss
+    step, _, _ = run_parity(model, loss, batches, rtol=0.0, compiled="both" if case == "autocast" else False)
+    assert "cond" in str(step.program.graph)
+
+
+def test_t5_sdpa_attention_dropout_under_autocast_is_refused_and_trains_bit_exact_without_the_mask():
+    needs("transformers")
+    # With attention dropout the branch above cannot be built (random ops inside a cond): refused at build time,
+    # naming the cause (before: relative_attention_bias 1.4e-5 off eager after 3 steps, the losses equal). Passing
+    # no attention_mask when nothing is padded, as the message says, trains bit-exact with dropout on.
+    batches = [(ids, mask, ids.masked_fill(mask == 0, -100)) for ids, mask in tokenizer_batches(3)]
+    model = rm.more_families("t5", layers=1, dropout=0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(NotImplementedError) as e:
+        torch_ext.make_train_step(model, rm.adamw(model), _t5_autocast_loss, batches[0])
+    msg = str(e.value)
+    assert "T5Attention: SDPA with attention dropout 0.1, a position bias that requires grad" in msg
+    assert "rounded to torch.bfloat16" in msg and "no attention_mask when nothing is padded" in msg
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+    def no_mask_loss(m, ids, mask, labels):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(input_ids=ids, labels=labels).loss
+
+    unpadded = [(ids, torch.ones_like(mask), ids) for ids, mask, _ in batches]
+    step, _, _ = run_parity(model, no_mask_loss, unpadded, rtol=0.0)
+    assert step.draws_random
+
+
 def test_sequence_classification_setting_problem_type_on_its_first_forward_bit_exact():
     transformers = needs("transformers")
     # Every *ForSequenceClassification sets config.problem_type in its first forward (and reads it there):
