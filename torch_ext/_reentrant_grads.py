@@ -64,6 +64,10 @@ _GRAD = torch.ops.torch_ext_ckpt.grad.default
 _model: torch.nn.Module | None = None  # the module whose parameters are marked (set while the step exports)
 _modes: list = []  # the reentrant blocks being traced (their _BlockReads), innermost last
 _ids = itertools.count(1)
+_METADATA = {"__get__", "size", "stride", "storage_offset", "numel", "dim", "ndimension", "is_contiguous",
+             "element_size", "nelement", "data_ptr", "untyped_storage", "is_floating_point", "is_complex",
+             "__len__", "get_device", "_is_view"}  # reads of no value: a closure tensor is not read by them
+_HOP_META = "torch_ext_ckpt_hop"  # on a cond / while_loop node inside a reentrant block: (block, path, operands)
 
 
 @contextlib.contextmanager
@@ -79,28 +83,98 @@ def marking(model: torch.nn.Module):
 
 class _BlockReads(torch.overrides.TorchFunctionMode):
     """Inside one reentrant block: each parameter that requires grad (not one passed as a block argument,
-    whose gradient eager returns to the outer backward) is read through one ``torch_ext_ckpt::read``."""
+    whose gradient eager returns to the outer backward) is read through one ``torch_ext_ckpt::read``.
 
-    def __init__(self, params: dict, block: int, path: list[int]):
+    A tensor requiring grad that the block reads by closure (made before the block: its autograd node is older
+    than the block's arguments) is not the block's own: eager's inner backward runs through its history in the
+    outer graph with the block's gradient alone, and adds what reaches a parameter into ``.grad`` as part of the
+    block's event. A view of a parameter is read as the same view of the block's marker (``_view_func``: the
+    view replayed), so its gradient joins the block's event, as in eager; anything else is refused."""
+
+    def __init__(self, params: dict, block: int, path: list[int], entry: int, name: str):
         super().__init__()
         self.params, self.block, self.path, self.alias = params, block, path, {}
+        self.entry, self.name = entry, name  # the autograd sequence number of the block's first node
 
-    def _sub(self, t):
+    def _outside(self, t) -> bool:
+        # A tensor requiring grad made before the block (not one of its parameters): read by closure
+        if not isinstance(t, torch.Tensor) or not t.requires_grad or id(t) in self.params:
+            return False
+        fn = t.grad_fn
+        return fn is None or fn._sequence_nr() < self.entry
+
+    def _refuse(self, t, where: str = ""):
+        fn = t.grad_fn
+        what = (f"a tensor {tuple(t.shape)} {t.dtype} made before it by {type(fn).__name__}" if fn is not None
+                else f"a leaf tensor {tuple(t.shape)} {t.dtype} that requires grad and is no parameter of the model")
+        raise NotImplementedError(
+            f"the reentrant activation checkpoint around {self.name} reads by closure{where} {what}: eager's inner "
+            "backward (use_reentrant=True) runs that tensor's history in the outer graph with the block's gradient "
+            "alone and adds it into .grad on its own, which the step cannot reproduce bit for bit (a few ulp off "
+            "eager). Pass the tensor to the block as an argument (checkpoint(fn, x, t, use_reentrant=True)), or "
+            "checkpoint with use_reentrant=False; a view of a parameter (w.t()) read by closure is supported")
+
+    def _sub(self, t, metadata: bool = False):
         if id(t) not in self.params:
-            return t
+            if metadata or not self._outside(t):  # (a shape, a layout: no value read)
+                return t
+            base = t._base if t._is_view() else None
+            if base is None or id(base) not in self.params:
+                self._refuse(t)
+            a = self.alias.get(id(t))
+            if a is None:
+                # The view of the block's marker: its gradient reaches the marker, as eager's inner backward
+                # takes it through the view's backward in the outer graph to the parameter
+                a = self.alias[id(t)] = (t, t._view_func(self._sub(base)))
+            return a[1]
         a = self.alias.get(id(t))
         if a is None:
             a = self.alias[id(t)] = _READ(t, self.block, self.path)
         return a
 
+    def _hop(self, func, args, kwargs):
+        # torch.cond / while_loop: the markers made while the operator runs would be lifted as constants (no
+        # gradient: the block's parameters trained without the branch's gradient). The operator reads its
+        # operands as they are; mark_hop_reads marks its parameter operands in the exported program.
+        flat = tree_leaves((args, kwargs))
+        for t in flat:
+            if self._outside(t):
+                self._refuse(t, f" into {getattr(func, '__name__', func)}")
+        marks = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and id(t) in self.params]
+        from torch.fx.experimental import proxy_tensor
+
+        tracer = getattr(proxy_tensor.get_proxy_mode(), "tracer", None)
+        graph = getattr(tracer, "graph", None)
+        last = next(iter(reversed(graph.nodes))) if graph is not None and len(graph.nodes) else None
+        out = func(*args, **kwargs)
+        if marks:
+            found = []
+            if graph is not None:
+                node = last.next if last is not None else next(iter(graph.nodes), None)
+                while node is not None and node.op != "root":
+                    if node.op == "call_function" and node.target is func:
+                        found.append(node)
+                    node = node.next
+            if len(found) != 1:
+                raise NotImplementedError(
+                    f"the reentrant activation checkpoint around {self.name} calls {getattr(func, '__name__', func)}, "
+                    "which reads a parameter the step could not mark as the block's (eager adds the block's gradient "
+                    "into .grad on its own). Checkpoint with use_reentrant=False")
+            found[0].meta[_HOP_META] = (self.block, list(self.path), marks)
+        return out
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # A torch.cond branch (dynamo inlines this mode there) reads what it reads: a parameter it reads is
-        # lifted to an operand of the cond, unmarked (counted with the reads outside the block).
+        # lifted to an operand of the cond (marked by mark_hop_reads).
         if torch.compiler.is_dynamo_compiling() or func in (_READ, torch.ops.torch_ext_ckpt.read):
             # (an inner block's marker reads the parameter itself)
             return func(*args, **kwargs)
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return self._hop(func, args, kwargs)
         name = getattr(func, "__name__", "")
+        if name in _METADATA:
+            return func(*tree_map_only(torch.Tensor, lambda t: self._sub(t, True), tuple(args)), **kwargs)
         if args and (name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))):
             # A write into the parameter stays one (and is refused as such): never into its marker
             args = (args[0],) + tuple(tree_map_only(torch.Tensor, self._sub, tuple(args[1:])))
@@ -110,7 +184,7 @@ class _BlockReads(torch.overrides.TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def block_reads(args: tuple):
+def block_reads(args: tuple, function=None):
     """Around a reentrant block's call while the step exports (else nothing); gives the block's arguments."""
     if _model is None or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in tree_leaves(args)):
         yield args
@@ -130,13 +204,63 @@ def block_reads(args: tuple):
         return _READ(outer._sub(a) if outer is not None else a, -block, path)
 
     args = tuple(argument(a) for a in args)
-    mode = _BlockReads(params, block, path)
+    # The block's first autograd node: older ones were made before it (what it reads by closure)
+    entry = min(a.grad_fn._sequence_nr() for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None)
+    mode = _BlockReads(params, block, path, entry, _name_of(function))
     _modes.append(mode)
     try:
         with mode:
             yield args
     finally:
         _modes.pop()
+
+
+def _name_of(function) -> str:
+    import functools
+
+    while isinstance(function, functools.partial):
+        function = function.func
+    owner = getattr(function, "__self__", None)
+    if isinstance(owner, torch.nn.Module) and _model is not None:
+        path = next((n for n, m in _model.named_modules() if m is owner), None)
+        return f"{type(owner).__name__}.{getattr(function, '__name__', 'forward')} ({path or 'model'})"
+    return getattr(function, "__qualname__", None) or repr(function)
+
+
+def mark_hop_reads(ep: torch.export.ExportedProgram) -> None:
+    """The forward program as exported: each parameter operand of a torch.cond / while_loop inside a reentrant
+    block (a parameter its branch reads, lifted) read through the block's marker, as the block's other reads."""
+    graph = ep.graph_module.graph
+    hops = [n for n in graph.nodes if _HOP_META in n.meta]
+    if not hops:
+        return
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    for hop in hops:
+        block, path, marks = hop.meta.pop(_HOP_META)
+        flat, spec = tree_flatten((hop.args, hop.kwargs))
+        for i in marks:
+            p = flat[i]
+            if not (isinstance(p, torch.fx.Node) and p.op == "placeholder"):
+                raise NotImplementedError(
+                    f"a torch.cond / while_loop inside a reentrant activation checkpoint reads a parameter the step "
+                    f"could not mark as the block's (operand {i}: {p}). Checkpoint with use_reentrant=False")
+            marker = next((u for u in p.users if u.op == "call_function" and u.target is _READ and u.args[1] == block),
+                          None)
+            if marker is None:
+                with graph.inserting_before(hop):
+                    marker = graph.call_function(_READ, (p, block, list(path)))
+                val = p.meta.get("val")
+                if isinstance(val, torch.Tensor):
+                    with val.fake_mode if hasattr(val, "fake_mode") else contextlib.nullcontext():
+                        marker.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype,
+                                                                 device=val.device)
+            else:
+                hop.prepend(marker)  # (its first reader may come later in the block)
+            flat[i] = marker
+        hop.args, hop.kwargs = tree_unflatten(flat, spec)
+    graph.lint()
+    ep.graph_module.recompile()
 
 
 def strip_reads(ep: torch.export.ExportedProgram) -> None:
