@@ -47,6 +47,19 @@ def _(g, block):
     return torch.empty_like(g)
 
 
+@torch.library.custom_op("torch_ext_ckpt::closure", mutates_args=())
+def _closure(t: torch.Tensor, index: int) -> torch.Tensor:
+    return t.clone()
+
+
+@_closure.register_fake
+def _(t, index):
+    return torch.empty_like(t)
+
+
+_closure.register_autograd(lambda ctx, g: (g, None), setup_context=lambda ctx, inputs, output: None)
+
+
 def _read_setup(ctx, inputs, output):
     ctx.block = inputs[1]
 
@@ -59,6 +72,7 @@ _read.register_autograd(_read_backward, setup_context=_read_setup)
 
 _NO_GRAD_REGION = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
 _READ = torch.ops.torch_ext_ckpt.read.default
+_CLOSURE = torch.ops.torch_ext_ckpt.closure.default
 _GRAD = torch.ops.torch_ext_ckpt.grad.default
 
 _model: torch.nn.Module | None = None  # the module whose parameters are marked (set while the step exports)
@@ -68,17 +82,19 @@ _METADATA = {"__get__", "size", "stride", "storage_offset", "numel", "dim", "ndi
              "element_size", "nelement", "data_ptr", "untyped_storage", "is_floating_point", "is_complex",
              "__len__", "get_device", "_is_view"}  # reads of no value: a closure tensor is not read by them
 _HOP_META = "torch_ext_ckpt_hop"  # on a cond / while_loop node inside a reentrant block: (block, path, operands)
+_closures: list[str] = []  # per closure read (torch_ext_ckpt::closure's index): what a refusal names
 
 
 @contextlib.contextmanager
 def marking(model: torch.nn.Module):
     """While the step's forward is exported: reentrant blocks mark their reads of ``model``'s parameters."""
-    global _model
+    global _model, _closures
     outer, _model = _model, model
+    outer_closures, _closures = _closures, []
     try:
         yield
     finally:
-        _model = outer
+        _model, _closures = outer, outer_closures
 
 
 class _BlockReads(torch.overrides.TorchFunctionMode):
@@ -103,16 +119,13 @@ class _BlockReads(torch.overrides.TorchFunctionMode):
         fn = t.grad_fn
         return fn is None or fn._sequence_nr() < self.entry
 
-    def _refuse(self, t, where: str = ""):
+    def _describe(self, t, where: str = "") -> int:
+        # What a refusal of this closure read names (check_closures refuses it if it is not exact)
         fn = t.grad_fn
         what = (f"a tensor {tuple(t.shape)} {t.dtype} made before it by {type(fn).__name__}" if fn is not None
-                else f"a leaf tensor {tuple(t.shape)} {t.dtype} that requires grad and is no parameter of the model")
-        raise NotImplementedError(
-            f"the reentrant activation checkpoint around {self.name} reads by closure{where} {what}: eager's inner "
-            "backward (use_reentrant=True) runs that tensor's history in the outer graph with the block's gradient "
-            "alone and adds it into .grad on its own, which the step cannot reproduce bit for bit (a few ulp off "
-            "eager). Pass the tensor to the block as an argument (checkpoint(fn, x, t, use_reentrant=True)), or "
-            "checkpoint with use_reentrant=False; a view of a parameter (w.t()) read by closure is supported")
+                else f"a leaf tensor {tuple(t.shape)} {t.dtype} that requires grad")
+        _closures.append(f"the reentrant activation checkpoint around {self.name} reads by closure{where} {what}")
+        return len(_closures) - 1
 
     def _sub(self, t, metadata: bool = False):
         if id(t) not in self.params:
@@ -120,7 +133,10 @@ class _BlockReads(torch.overrides.TorchFunctionMode):
                 return t
             base = t._base if t._is_view() else None
             if base is None or id(base) not in self.params:
-                self._refuse(t)
+                a = self.alias.get(id(t))
+                if a is None:  # exact only where nothing else gives its history a gradient (check_closures)
+                    a = self.alias[id(t)] = (t, _CLOSURE(t, self._describe(t)))
+                return a[1]
             a = self.alias.get(id(t))
             if a is None:
                 # The view of the block's marker: its gradient reaches the marker, as eager's inner backward
@@ -137,9 +153,8 @@ class _BlockReads(torch.overrides.TorchFunctionMode):
         # gradient: the block's parameters trained without the branch's gradient). The operator reads its
         # operands as they are; mark_hop_reads marks its parameter operands in the exported program.
         flat = tree_leaves((args, kwargs))
-        for t in flat:
-            if self._outside(t):
-                self._refuse(t, f" into {getattr(func, '__name__', func)}")
+        hop_name = getattr(func, "__name__", str(func))
+        closures = [(i, self._describe(t, f" (an operand of {hop_name})")) for i, t in enumerate(flat) if self._outside(t)]
         marks = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and id(t) in self.params]
         from torch.fx.experimental import proxy_tensor
 
@@ -147,7 +162,7 @@ class _BlockReads(torch.overrides.TorchFunctionMode):
         graph = getattr(tracer, "graph", None)
         last = next(iter(reversed(graph.nodes))) if graph is not None and len(graph.nodes) else None
         out = func(*args, **kwargs)
-        if marks:
+        if marks or closures:
             found = []
             if graph is not None:
                 node = last.next if last is not None else next(iter(graph.nodes), None)
@@ -160,7 +175,7 @@ class _BlockReads(torch.overrides.TorchFunctionMode):
                     f"the reentrant activation checkpoint around {self.name} calls {getattr(func, '__name__', func)}, "
                     "which reads a parameter the step could not mark as the block's (eager adds the block's gradient "
                     "into .grad on its own). Checkpoint with use_reentrant=False")
-            found[0].meta[_HOP_META] = (self.block, list(self.path), marks)
+            found[0].meta[_HOP_META] = (self.block, list(self.path), marks, closures)
         return out
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -237,8 +252,13 @@ def mark_hop_reads(ep: torch.export.ExportedProgram) -> None:
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
     for hop in hops:
-        block, path, marks = hop.meta.pop(_HOP_META)
+        block, path, marks, closures = hop.meta.pop(_HOP_META)
         flat, spec = tree_flatten((hop.args, hop.kwargs))
+        for i, index in closures:  # read through a closure marker too (check_closures)
+            with graph.inserting_before(hop):
+                c = graph.call_function(_CLOSURE, (flat[i], index))
+            c.meta.update({k: v for k, v in flat[i].meta.items() if k == "val"})
+            flat[i] = c
         for i in marks:
             p = flat[i]
             if not (isinstance(p, torch.fx.Node) and p.op == "placeholder"):
@@ -259,6 +279,49 @@ def mark_hop_reads(ep: torch.export.ExportedProgram) -> None:
                 hop.prepend(marker)  # (its first reader may come later in the block)
             flat[i] = marker
         hop.args, hop.kwargs = tree_unflatten(flat, spec)
+    graph.lint()
+    ep.graph_module.recompile()
+
+
+def check_closures(ep: torch.export.ExportedProgram) -> None:
+    """Each tensor requiring grad that a reentrant block reads by closure (not a view of a parameter, read as
+    the view of the block's marker): eager's inner backward runs its history in the outer graph with the block's
+    gradient alone and adds what reaches a parameter into .grad on its own. That is the step's gradient where
+    nothing else gives that history a gradient: no other reader of the tensor, of a node of its history that
+    depends on a parameter, or of such a parameter (a few ulp off eager otherwise, fuzz-measured: refused, naming
+    the block and the tensor). The closure markers go."""
+    graph = ep.graph_module.graph
+    found = [n for n in graph.nodes if n.op == "call_function" and n.target is _CLOSURE]
+    if not found:
+        return
+    params = {s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "PARAMETER"}
+    for c in found:
+        t = c.args[0]
+        # The history that depends on a parameter: ancestors of t reachable from a parameter placeholder
+        ancestors, todo = set(), [t]
+        while todo:
+            n = todo.pop()
+            if n in ancestors:
+                continue
+            ancestors.add(n)
+            todo += [a for a in n.all_input_nodes]
+        live = {n for n in ancestors if n.op == "placeholder" and n.name in params}
+        for n in graph.nodes:
+            if n in ancestors and n not in live and any(a in live for a in n.all_input_nodes):
+                live.add(n)
+        leaked = [(n, u) for n in graph.nodes if n in live for u in n.users if u not in live and u is not c]
+        if leaked and t in live:
+            n, u = leaked[0]
+            raise NotImplementedError(
+                f"{_closures[c.args[1]]}: eager's inner backward (use_reentrant=True) runs that tensor's history in "
+                "the outer graph with the block's gradient alone and adds what reaches a parameter into .grad on its "
+                f"own, and that history also gets a gradient elsewhere (%{n.name} is read by %{u.name}), so eager "
+                "adds its parameters' gradient in pieces the step cannot reproduce bit for bit (a few ulp off eager). "
+                "Pass the tensor to the block as an argument (checkpoint(fn, x, t, use_reentrant=True)), or "
+                "checkpoint with use_reentrant=False")
+    for c in found:
+        c.replace_all_uses_with(c.args[0])
+        graph.erase_node(c)
     graph.lint()
     ep.graph_module.recompile()
 
