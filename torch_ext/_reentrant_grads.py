@@ -15,6 +15,13 @@ the block's own gradient of ``p``. ``split_events`` then takes the joint graph a
 gradient of such a parameter becomes the sum of its "events" (one per block, one for the outside reads), in
 the order eager adds them into ``.grad``, and the step's accumulation (csrc/passes/accumulate.cpp) adds each
 micro-batch's events one at a time, as eager's backward does.
+
+What the block reads by closure (a tensor requiring grad made before it) is not its own: a view of a parameter is
+read as the same view of the block's marker (its gradient joins the block's event, as eager's inner backward takes
+it through the view's backward); a torch.cond inside the block gets its parameter operands marked after export
+(``mark_hop_reads``: a marker made while the cond runs was lifted as a constant); any other is marked with
+``torch_ext_ckpt::closure`` and ``check_closures`` keeps it where nothing else gives its history a gradient, refuses
+it otherwise.
 """
 from __future__ import annotations
 
