@@ -121,7 +121,7 @@ class _BlockReads(torch.overrides.TorchFunctionMode):
 
     def _outside(self, t) -> bool:
         # A tensor requiring grad made before the block (not one of its parameters): read by closure
-        if not isinstance(t, torch.Tensor) or not t.requires_grad or id(t) in self.params:
+        if self.entry is None or not isinstance(t, torch.Tensor) or not t.requires_grad or id(t) in self.params:
             return False
         fn = t.grad_fn
         return fn is None or fn._sequence_nr() < self.entry
@@ -138,18 +138,22 @@ class _BlockReads(torch.overrides.TorchFunctionMode):
         if id(t) not in self.params:
             if metadata or not self._outside(t):  # (a shape, a layout: no value read)
                 return t
-            base = t._base if t._is_view() else None
-            if base is None or id(base) not in self.params:
-                a = self.alias.get(id(t))
-                if a is None:  # exact only where nothing else gives its history a gradient (check_closures)
-                    a = self.alias[id(t)] = (t, _CLOSURE(t, self._describe(t)))
-                return a[1]
             a = self.alias.get(id(t))
-            if a is None:
+            if a is not None:
+                return a[1]
+            base = t._base if t._is_view() else None
+            view = None
+            if base is not None and id(base) in self.params:
                 # The view of the block's marker: its gradient reaches the marker, as eager's inner backward
                 # takes it through the view's backward in the outer graph to the parameter
-                a = self.alias[id(t)] = (t, t._view_func(self._sub(base)))
-            return a[1]
+                try:
+                    view = t._view_func(self._sub(base))
+                except RuntimeError:
+                    view = None  # (not replayable: checked as any other closure tensor)
+            if view is None:  # exact only where nothing else gives its history a gradient (check_closures)
+                view = _CLOSURE(t, self._describe(t))
+            self.alias[id(t)] = (t, view)
+            return view
         a = self.alias.get(id(t))
         if a is None:
             a = self.alias[id(t)] = _READ(t, self.block, self.path)
@@ -227,7 +231,9 @@ def block_reads(args: tuple, function=None):
 
     args = tuple(argument(a) for a in args)
     # The block's first autograd node: older ones were made before it (what it reads by closure)
-    entry = min(a.grad_fn._sequence_nr() for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None)
+    # (None: no gradient flows from the block, under no_grad; nothing it reads gets one)
+    entry = min((a.grad_fn._sequence_nr() for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None),
+                default=None)
     mode = _BlockReads(params, block, path, entry, _name_of(function))
     _modes.append(mode)
     try:
