@@ -89,6 +89,7 @@ _METADATA = {"__get__", "size", "stride", "storage_offset", "numel", "dim", "ndi
              "element_size", "nelement", "data_ptr", "untyped_storage", "is_floating_point", "is_complex",
              "__len__", "get_device", "_is_view"}  # reads of no value: a closure tensor is not read by them
 _HOP_META = "torch_ext_ckpt_hop"  # on a cond / while_loop node inside a reentrant block: (block, path, operands)
+_VIEW_META = "torch_ext_ckpt_view"  # on a replayed closure view: (block, eager's sequence number of the view)
 _closures: list[str] = []  # per closure read (torch_ext_ckpt::closure's index): what a refusal names
 
 
@@ -150,6 +151,8 @@ class _BlockReads(torch.overrides.TorchFunctionMode):
                     view = t._view_func(self._sub(base))
                 except RuntimeError:
                     view = None  # (not replayable: checked as any other closure tensor)
+                if view is not None:
+                    _tag_view(view, self.block, t.grad_fn._sequence_nr() if t.grad_fn is not None else 0)
             if view is None:  # exact only where nothing else gives its history a gradient (check_closures)
                 view = _CLOSURE(t, self._describe(t))
             self.alias[id(t)] = (t, view)
@@ -241,6 +244,59 @@ def block_reads(args: tuple, function=None):
             yield args
     finally:
         _modes.pop()
+
+
+def _tag_view(view: torch.Tensor, block: int, seq: int) -> None:
+    # The node of a replayed closure view, for order_views (eager made the view before the block)
+    from torch.fx.experimental import proxy_tensor
+
+    tracer = getattr(proxy_tensor.get_proxy_mode(), "tracer", None)
+    slot = proxy_tensor.get_proxy_slot(view, tracer, None) if tracer is not None else None
+    if slot is not None:
+        slot.proxy.node.meta[_VIEW_META] = (block, seq)
+
+
+def order_views(ep: torch.export.ExportedProgram) -> None:
+    """The replayed closure views of each reentrant block (and their markers) moved to the block's start, in the
+    order eager made the views: eager's inner backward meets a view's backward (older than every node of the
+    block) after the block's own, and adds what arrives at the parameter in that order."""
+    graph = ep.graph_module.graph
+    tagged = [n for n in graph.nodes if _VIEW_META in n.meta]
+    if not tagged:
+        return
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    for block in sorted({n.meta[_VIEW_META][0] for n in tagged}):
+        mine = sorted((n for n in tagged if n.meta[_VIEW_META][0] == block), key=lambda n: n.meta[_VIEW_META][1])
+        chains, markers, whole = [], [], True
+        for n in mine:
+            chain = [n]
+            while not (chain[-1].op == "call_function" and chain[-1].target is _READ):
+                ins = chain[-1].all_input_nodes
+                if len(ins) != 1:
+                    chain = None
+                    break
+                chain.append(ins[0])
+            if chain is None:
+                whole = False  # (not a chain of views: the block's views left where traced)
+                break
+            markers.append(chain[-1])
+            chains.append(chain[-2::-1])
+        # The block's start: its first node reading an argument's or a parameter's marker
+        if not whole:
+            continue
+        starts = [u for n in graph.nodes if n.op == "call_function" and n.target is _READ and abs(n.args[1]) == block
+                  for u in n.users]
+        moved = list(dict.fromkeys(sorted(set(markers), key=lambda n: pos[n]) + [n for c in chains for n in c]))
+        anchor = min(starts + moved, key=lambda n: pos[n])
+        while anchor in moved:
+            anchor = anchor.next
+        for n in moved:
+            anchor.prepend(n)
+        pos = {n: i for i, n in enumerate(graph.nodes)}
+    for n in tagged:
+        del n.meta[_VIEW_META]
+    graph.lint()
+    ep.graph_module.recompile()
 
 
 def _name_of(function) -> str:

@@ -167,6 +167,13 @@ class Closure(nn.Module):
             w4 = wt[:, :4]
             h = h + ckpt(lambda u: torch.sigmoid(ckpt(lambda v: torch.tanh(v @ w4), u)).sum(1, keepdim=True), h)
             h = torch.tanh(fc(h))
+        elif s in ("views", "views_reversed"):  # three views and the weight: four additions in the block's event
+            w4, wd = fc.weight[:4], fc.weight.diagonal()  # (the replayed views first, as eager made them first)
+            parts = [lambda u: torch.tanh(u @ wt), lambda u: fc(torch.cos(u)), lambda u: u[:, :1] * wd,
+                     lambda u: (torch.sin(u) @ w4.t()).sum(1, keepdim=True)]
+            parts = parts[::-1] if s == "views_reversed" else parts
+            h = h + ckpt(lambda u: parts[0](u) + parts[1](u) + parts[2](u) + parts[3](u), h)
+            h = torch.tanh(h @ wt) + wd
         elif s in ("cond", "cond_after"):
             blk = lambda u: torch.cond(u.sum() > 0, lambda v: torch.tanh(fc(v)), lambda v: torch.sin(fc(v)), (u,))
             h = h + ckpt(blk, h)
@@ -176,7 +183,8 @@ class Closure(nn.Module):
 
 
 CLOSURES = [("view_then_weight", False), ("view_then_weight", True), ("view_both", True), ("view_and_weight", False),
-            ("view_chain", True), ("cond", False), ("cond", True), ("cond_after", True)]
+            ("view_chain", True), ("views", False), ("views_reversed", True), ("cond", False), ("cond", True),
+            ("cond_after", True)]
 
 
 @pytest.mark.parametrize("shape,l2", CLOSURES)
