@@ -961,7 +961,7 @@ def inline_reentrant_checkpoints():
 
         writes = _ExternalWrites(args)
         # The block's parameter reads marked: eager adds the block's gradient into .grad on its own
-        with refusing_new_draws(preserve_rng_state), writes, _reentrant_grads.block_reads(args) as marked:
+        with refusing_new_draws(preserve_rng_state), writes, _reentrant_grads.block_reads(args, function) as marked:
             out = function(*marked)  # once: the block draws eager's forward numbers
         if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             recorded(writes)  # eager's backward recomputes the block

@@ -761,6 +761,9 @@ class TrainStep:
                 try:
                     with _reentrant_grads.marking(model):
                         ep = torch.export.export(wrapper, _compat.distinct_inputs(self._example_batch))  # (x, x): two inputs
+                        _reentrant_grads.mark_hop_reads(ep)  # a cond's parameter operands inside a reentrant block
+                        _reentrant_grads.order_views(ep)  # closure views: at the block's start, as eager made them
+                        _reentrant_grads.check_closures(ep)  # what a reentrant block reads by closure: exact or refused
                 except (GuardOnDataDependentSymNode, TypeError) as e:  # TypeError: float(t.item() > 0)
                     _compat.refuse_value_as_python(e, "the model or loss_fn", model)
                     raise
