@@ -172,3 +172,19 @@ class Steer:
 
     def __call__(self, module, args, out):
         return out * self.alpha
+
+
+class TransposedWeight(nn.Module):
+    """``x @ w`` with ``w`` a transposed nn.Parameter (8 x 16, strides (1, 8)), as a checkpoint saved from
+    ``weight.t()`` loads (seeded)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(16, 8).t())
+        self.b = nn.Parameter(torch.randn(16) * 0.1)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(x @ self.w + self.b))
+

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 import torch_ext
 
+from helpers import TransposedWeight
+
 ROOT = Path(__file__).resolve().parents[2]
 RUNNER = Path(os.environ.get("TORCH_EXT_BUILD_DIR", ROOT / "build")) / "aoti_train"
 
@@ -108,6 +110,37 @@ def test_aoti_package_runs_10_steps_from_cpp(tmp_path, donate):
         run = subprocess.run([str(RUNNER), package, str(tmp_path / "shared.pt"), str(tmp_path / "batches.pt")],
                              capture_output=True, text=True, timeout=300)
         assert run.returncode == 2 and "share memory" in run.stderr, run.stderr
+
+
+@pytest.mark.skipif(not RUNNER.exists(), reason=f"C++ runner not built at {RUNNER}")
+@pytest.mark.parametrize("donate", [False, True], ids=["returning", "donating"])
+def test_cpp_runner_feeds_a_transposed_parameter_in_its_compiled_strides(tmp_path, donate):
+    # A transposed nn.Parameter (strides (1, 8)) and its Adam moments are compiled in those strides and
+    # recorded in the metadata; a checkpoint holding them contiguous is copied into them by the runner, as
+    # by load_step: the same losses and trained state, bit for bit (fed as they are, the package would read
+    # the weight permuted: with load_step's copy disabled, test_load_step's transposed case was 0.27 off).
+    model = TransposedWeight()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(4)]
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    step = torch_ext.make_train_step(model, torch.optim.Adam(model.parameters(), lr=1e-2), loss_fn, batches[0])
+    package = step.to_aoti(str(tmp_path / "step.pt2"), donate=donate)
+    meta = torch._inductor.aoti_load_package(package).get_metadata()
+    assert meta["torch_ext.input_strides"].split("\n").count("2:1,8") == 3, meta["torch_ext.input_strides"]
+    s = step.init_state()
+    contiguous = s.replace({k: v.contiguous() for part in (s.params, s.opt) for k, v in part.items()})
+    torch.save(contiguous.state_dict(), tmp_path / "state.pt")
+    torch.save([list(b) for b in batches], tmp_path / "batches.pt")
+    run = subprocess.run([str(RUNNER), package, str(tmp_path / "state.pt"), str(tmp_path / "batches.pt"),
+                          "--save-state", str(tmp_path / "trained.pt")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    loaded = torch_ext.load_step(package)
+    state, losses = step.init_state(), []
+    for b in batches:
+        loss, state = loaded(state, *b)
+        losses.append(loss.item())
+    assert [float(line) for line in run.stdout.split()] == [float(f"{x:.9g}") for x in losses]
+    assert_same_state(loaded.load_state(tmp_path / "trained.pt"), state)
 
 
 def _runner_trains_as_load_step(tmp_path, model, batches, expected_stride_line, **to_aoti):

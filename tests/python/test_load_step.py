@@ -17,6 +17,8 @@ import torch.nn.functional as F
 import torch_ext
 from torch_ext.deploy import LAYOUT_KEY
 
+from helpers import TransposedWeight
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -1069,3 +1071,45 @@ def test_aoti_keeps_the_alpha_of_an_add_to_a_matmul(tmp_path):
         torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
     for n, p in ref.named_parameters():
         torch.testing.assert_close(state.params["model." + n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_aoti_package_of_a_transposed_parameter_reads_it_in_its_strides(tmp_path):
+    # A transposed parameter, its gradient and its Adam moments are traced in strides (1, 8): the package is
+    # compiled for those, which it reads unchecked, so load_step must feed them in those strides (a
+    # contiguous copy read as (1, 8) would be the parameter permuted). The executor is bit-exact with eager
+    # torch.optim; the package agrees with it to float32 rounding only, as for a contiguous parameter
+    # (scripts/probe_aoti_transposed_param.py: 3 AdamW steps, 6.0e-8 off on w either way, the first loss
+    # 2.4e-7 off; eager's transposed and contiguous runs also differ in w's last bits).
+    model = TransposedWeight()
+    ref = TransposedWeight()
+    assert model.w.stride() == (1, 8) and ref.w.stride() == (1, 8)
+    bs = batches(3)
+    step = torch_ext.make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01), ce,
+                                     bs[0])
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    want_losses, want = run(step, step.init_state(), bs)
+    for x, y in bs:
+        ref_opt.zero_grad()
+        ce(ref, x, y).backward()
+        ref_opt.step()
+    names = {id(p): n for n, p in ref.named_parameters()}
+    for n, p in ref.named_parameters():
+        assert torch.equal(want.params["model." + n], p.detach()), n
+    for p, slots in ref_opt.state.items():
+        for slot, v in slots.items():
+            assert torch.equal(want.opt[f"opt:model.{names[id(p)]}:{slot}"], v), (names[id(p)], slot)
+    loaded = torch_ext.load_step(step.to_aoti(str(tmp_path / "step.pt2")))
+    strides = dict(zip(loaded.layout["inputs"], loaded.layout["input_strides"]))
+    assert [strides[k] for k in ("model.w", "opt:model.w:exp_avg", "opt:model.w:exp_avg_sq")] == [[1, 8]] * 3
+    got_losses, got = run(loaded, step.init_state(), bs)
+    assert got.params["model.w"].stride() == (1, 8)
+    torch.testing.assert_close(got_losses, want_losses, rtol=1e-6, atol=1e-6)
+    assert_states_equal(got, want, atol=1e-6)
+    # The same state made contiguous (a state saved by other code, or .contiguous()'d) is copied into the
+    # compiled strides: the same training, bit for bit.
+    s = step.init_state()
+    contiguous = s.replace({k: v.contiguous() for part in (s.params, s.opt) for k, v in part.items()})
+    assert contiguous.params["model.w"].is_contiguous()
+    again_losses, again = run(loaded, contiguous, bs)
+    assert torch.equal(again_losses, got_losses)
+    assert_states_equal(again, got)
