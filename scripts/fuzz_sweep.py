@@ -1315,9 +1315,10 @@ def run_case(spec: dict, verbose: bool = False, graph: bool = True, upto: int = 
                     continue
                 got = {gn(hs[0]): got} if o["one"] else got
                 want = ref.gradients(gmet, hs)
-                # README "Gradients": a grouped-query attention with no padding mask is traced with keys and values
-                # repeated (the mask made explicit), where eager's sdpa takes enable_gqa: float rounding, not bits.
-                gqa = m.get("arch") in GQA_ARCHS and m.get("mask") in (None, "ones")
+                # README "Gradients": a grouped-query attention given an all-ones attention_mask is traced with keys
+                # and values repeated (the mask a traced input, materialised), where eager skips the mask and its sdpa
+                # takes enable_gqa: float rounding, not bits. With no mask the graph takes eager's path: bits.
+                gqa = m.get("arch") in GQA_ARCHS and m.get("mask") == "ones"
                 for h in hs:
                     eq(got[gn(h)], want[h], f"{where} gradient({h}, {o['metric']})", tol_ok=gqa)
             elif op == "patch_in":

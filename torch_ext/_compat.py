@@ -359,7 +359,7 @@ def eager_sdpa_math_choice():
 
 
 @contextlib.contextmanager
-def eager_attention_masks():
+def eager_attention_masks(branches: bool = True):
     """Inside the block, Hugging Face transformers builds attention masks as it does in eager: with no
     padding mask (or one it can read as all ones) and a shape where SDPA's own ``is_causal`` fits, it
     passes no mask, so SDPA runs causal, and grouped-query attention shares its key/value heads inside
@@ -378,7 +378,12 @@ def eager_attention_masks():
     Position ids that no program input reaches (the model's own ``arange``) are constants of the
     program, so eager's reading of their values is computed here and holds for every call. Position ids
     given in the batch stay data: their mask is traced, correct for any values.
-    Nothing is imported: only a ``transformers.masking_utils`` already loaded can be tracing this model."""
+    Nothing is imported: only a ``transformers.masking_utils`` already loaded can be tracing this model.
+
+    ``branches=False`` (``ReactiveGraph``'s trace, ``eager_attention_mask_skips``) leaves a padding mask given as
+    a tensor as transformers traces it (materialised, heads repeated): the ``torch.cond`` that takes eager's
+    decision on its values at every call is the step's. The skips above (no padding mask, or one no input
+    reaches; position ids no input reaches) are decided once, as eager decides them for the graph's shapes."""
     masking = sys.modules.get("transformers.masking_utils")
     original = getattr(masking, "is_torchdynamo_exporting", None)
     if original is None:
@@ -407,7 +412,7 @@ def eager_attention_masks():
     if find_packed is not None:
         masking.find_packed_sequence_indices = _gated(eager_find_packed, find_packed)
     try:
-        with _mask_skips_as_branches(masking, eagerly):
+        with _mask_skips_as_branches(masking, eagerly) if branches else _constant_mask_skips(masking, eagerly):
             yield
     finally:
         masking.is_torchdynamo_exporting = original
@@ -634,6 +639,36 @@ def _bias_branch(module, sdpa_attention, predicate, rounding, query, key, value,
     finally:
         _branch_sdpa_choice.pop()
     return flat.view(out_shape), None
+
+
+@contextlib.contextmanager
+def _constant_mask_skips(masking, eagerly):
+    """A padding mask that no program input reaches (a constant of the traced program) is read here once, as
+    eager reads it: transformers' skip checks refuse to read a traced tensor's values, and would materialise it
+    (repeating grouped-query key/value heads) where eager, finding it all ones, skips it. A padding mask that is
+    an input stays traced: materialised, correct for any values."""
+    names = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
+    originals = {name: getattr(masking, name, None) for name in names}
+    if None in originals.values():
+        yield
+        return
+
+    def reading(original):
+        def ignore(padding_mask, *args, **kwargs):
+            if padding_mask is not None and masking.is_tracing(padding_mask):
+                value = traced_constant_value(padding_mask)
+                if value is not None:
+                    return eagerly(lambda: original(value, *args, **kwargs))
+            return original(padding_mask, *args, **kwargs)
+        return ignore
+
+    for name, fn in originals.items():
+        setattr(masking, name, _gated(reading(fn), fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(masking, name, fn)
 
 
 @contextlib.contextmanager

@@ -120,6 +120,7 @@ def _factories() -> dict:
         "backward_only_code": _compat.backward_only_code,
         "global_module_hooks_restored": _compat.global_module_hooks_restored,
         "eager_attention_masks": _compat.eager_attention_masks,
+        "eager_attention_mask_skips": lambda: _compat.eager_attention_masks(branches=False),
         "eager_sdpa_math_choice": _compat.eager_sdpa_math_choice,
         "inline_reentrant_checkpoints": _compat.inline_reentrant_checkpoints,
         "inference_mode_as_no_grad": _compat.inference_mode_as_no_grad,
@@ -151,8 +152,8 @@ def _factories() -> dict:
 
 # Every patch, in the order it is entered (restored in reverse).
 ORDER = ("env_reads", "python_random_draws", "backward_only_code", "global_module_hooks_restored",
-         "eager_attention_masks", "eager_sdpa_math_choice", "inline_reentrant_checkpoints", "inference_mode_as_no_grad",
-         "no_grad_inside_autocast", "autocast_weight_cache",
+         "eager_attention_masks", "eager_attention_mask_skips", "eager_sdpa_math_choice", "inline_reentrant_checkpoints",
+         "inference_mode_as_no_grad", "no_grad_inside_autocast", "autocast_weight_cache",
          "refuse_autograd_in_trace", "rnn_dropout_between_layers", "eager_gru_cell", "onednn_lstm_forward",
          "eager_onednn_lstm", "onednn_rnn_backward_dtypes", "eager_batch_norm_layouts", "packed_sequences_refused",
          "grad_scaler_refused", "data_assignment_refused", "eager_autograd_kernels", "eager_matmul_fold",
@@ -172,7 +173,8 @@ JOINT_EXPORT = ("rnn_dropout_between_layers", "eager_gru_cell", "eager_onednn_ls
                 "eager_batch_norm_layouts",
                 "eager_autograd_kernels", "eager_matmul_fold", "cond_branches_with_eager_requires_grad",
                 "eager_pad_sequence", "joint_replayed_without_autograd", "eager_cumprod_backward", "eager_prod_backward", "eager_half_dropout_backward")
-INFERENCE_TRACE = ("python_random_draws", "global_module_hooks_restored", "rnn_dropout_between_layers", "eager_gru_cell",
+INFERENCE_TRACE = ("python_random_draws", "global_module_hooks_restored", "eager_attention_mask_skips",
+                   "rnn_dropout_between_layers", "eager_gru_cell",
                    "eager_batch_norm_layouts", "packed_sequences_refused", "data_assignment_refused",
                    "eager_pad_sequence", "make_fx_without_stack_traces")
 AOTI_COMPILE = ("aten_max_pool_backward_in_inductor", "exact_subgraph_strides", "onednn_rnn_backward_dtypes")

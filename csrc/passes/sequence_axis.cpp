@@ -835,11 +835,11 @@ class Analyzer {
     const Node* mask = node_arg(n, 3, "attn_mask");
     const Arg* drop = arg_at(n, 4, "dropout_p");
     const Arg* causal = arg_at(n, 5, "is_causal");
-    const Arg* gqa = arg_at(n, 7, "enable_gqa");
     if (!q || !k || !v || q == k || q == v || k == v || !has_axis(q)) return std::nullopt;
     if (drop && !(drop->kind == Arg::Kind::Float && drop->f == 0.0) && !(drop->kind == Arg::Kind::Int && drop->i == 0))
       return std::nullopt;
-    if (gqa && gqa->kind == Arg::Kind::Bool && gqa->i) return std::nullopt;
+    // enable_gqa (fewer key / value heads, shared inside the kernel) leaves the rows alone: the row path's masked
+    // call passes it on (reactive/rows.cpp).
     const bool is_causal = causal && causal->kind == Arg::Kind::Bool && causal->i;
     const int64_t rq = rank_of(q);
     const int64_t T = of(q).length;

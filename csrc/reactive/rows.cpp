@@ -815,7 +815,10 @@ std::vector<c10::IValue> Engine::evaluate_patched_rows_at(int64_t id, c10::IValu
           std::optional<double> scale;
           const ir::Arg* sc = node.args().size() > 6 ? &node.args()[6] : node.kwarg("scale");
           if (sc != nullptr && sc->kind == ir::Arg::Kind::Float) scale = sc->f;
-          out = at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, scale);
+          // Grouped-query attention (fewer key / value heads, shared inside the kernel) as the node runs it.
+          const ir::Arg* gqa = node.args().size() > 7 ? &node.args()[7] : node.kwarg("enable_gqa");
+          const bool enable_gqa = gqa != nullptr && gqa->kind == ir::Arg::Kind::Bool && gqa->i;
+          out = at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, scale, enable_gqa);
         } else if (step.suffix && step.special >= 6) {
           // Only the read columns of the output: the weight's rows (linear) or columns (matmul) picked.
           const at::Tensor& x = arg_value(0).toTensor();

@@ -117,8 +117,31 @@ FINDINGS["gradient_through_a_linear_whose_weight_requires_grad"] = {"model": {
     "seed": 413, "front": "embed", "d": 8, "T": 8, "B": 8, "dtype": "float32",
     "blocks": [{"kind": "enc", "batch_first": False, "mask": "pad", "inner_hook": False}, {"kind": "bn"}]}, "ops": [
     {"op": "grad", "hooks": ["blocks.1.hook_out"], "one": False, "metric": "first"}], "graph": {"positions": True}}
+# A grouped-query attention with no padding mask (fuzz_sweep allowed 1e-6 on its gradients): eager passes no mask and
+# SDPA shares the key/value heads in its kernel (enable_gqa), the graph was traced with the mask materialised and the
+# heads repeated (transformers' packed-sequence check keeps a mask while tracing): gradients through the attention
+# 6e-8 off eager at blocks.0.hook_resid_pre; bit for bit now (README "Gradients"), also with token-granular cones.
+FINDINGS["gradient_through_grouped_query_attention_without_a_mask"] = {"model": {
+    "family": "hf", "arch": "qwen2", "seed": 456, "d": 32, "heads": 4, "vocab": 50, "T": 6, "B": 2, "mask": None,
+    "hs": False, "dtype": "float32", "blocks": [{"kind": "hf"}, {"kind": "hf"}]}, "ops": [
+    {"op": "grad", "hooks": ["blocks.0.hook_resid_pre", "blocks.1.attn.hook_z"], "one": False, "metric": "lsm"},
+    {"op": "sweep", "hooks": ["blocks.0.hook_resid_post"], "per_pos": True, "per": "pos", "fn": "noise",
+     "metric": "last", "batch": False, "positions": None, "skip": True, "seed": 5},
+    {"op": "grad", "hooks": ["blocks.0.hook_resid_pre"], "one": True, "metric": "sum"}],
+    "graph": {"positions": True}}
+# fuzz_sweep 62:395, reduced (found once the allowance above was gone; the tree before this fix gives the same bits,
+# so not the attention's path): an edge graft (graft_edge, block "linear") on add_10, layer 1's residual add, one of
+# the two readers of blocks.0.hook_resid_post (the other: layer 1's input RMSNorm)
+# of a Llama, then rg.gradient at blocks.0.hook_resid_mid and blocks.0.hook_resid_post: 5.96e-8 off eager's
+# (scale 0.957), 1.12e-8 (scale 0.0839). Without the graft bit for bit. Open: cause not yet found.
+FINDINGS["gradient_after_an_edge_graft_on_a_llama"] = {"model": {
+    "family": "hf", "arch": "llama", "seed": 58, "d": 32, "heads": 4, "vocab": 64, "T": 8, "B": 1, "mask": None,
+    "hs": False, "dtype": "float32", "blocks": [{"kind": "hf"}, {"kind": "hf"}]}, "ops": [
+    {"op": "graft_edge", "hook": "blocks.0.hook_resid_post", "pick": 3, "block": "linear", "seed": 50},
+    {"op": "grad", "hooks": ["blocks.0.hook_resid_mid", "blocks.0.hook_resid_post"], "one": False, "metric": "first"}],
+    "graph": {"cutoff": True, "positions": False}}
 
-_OPEN: set = set()  # findings not fixed yet: strict xfails
+_OPEN: set = {"gradient_after_an_edge_graft_on_a_llama"}  # findings not fixed yet: strict xfails
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="open")) if n in _OPEN
