@@ -176,6 +176,34 @@ def _dropped_by_conds(gm: torch.fx.GraphModule, copy: torch.fx.Node, conds: list
     return add(torch.ops.aten.where.self, dropped, detached, copy)
 
 
+def _reentrant_leaves(gm: torch.fx.GraphModule, names: dict) -> dict[str, str]:
+    """The float32 tensors eager's reentrant checkpoint recomputation casts through its autocast weight cache,
+    by graph node name, each with a name for messages: what a reentrant block reads as a leaf that requires
+    grad. Eager (``CheckpointFunction.backward``) reruns the block in a fresh outermost autocast region (so a
+    cache of its own) on ``detach()``-ed copies of its tensor arguments, made to require grad: leaves, so
+    autocast caches their casts like a parameter's. Two ops reading the block's input (BERT's query, key and
+    value projections) get one bfloat16 copy, and their gradients are added in bfloat16 before the one cast
+    back. A parameter read in the block is cached within it too. The step's trace reads each inside the block
+    through one ``torch_ext_ckpt::read`` marker per block (_reentrant_grads.block_reads: an argument marked
+    with a negative block, a parameter with the block): sharing the casts of a marker is sharing them per
+    block, as eager's recomputation does."""
+    read = getattr(getattr(torch.ops, "torch_ext_ckpt", None), "read", None)
+    if read is None:
+        return {}
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not read.default:
+            continue
+        v = n.meta.get("val")
+        if not isinstance(v, torch.Tensor) or v.dtype != torch.float32:
+            continue
+        src, block = n.args[0], n.args[1]
+        what = names.get(getattr(src, "name", None), getattr(src, "name", "?"))
+        out[n.name] = (f"{what} (read in reentrant checkpoint block {block})" if block > 0
+                       else f"{what} (argument of reentrant checkpoint block {-block})")
+    return out
+
+
 def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
     """Eager's autocast weight cache, made explicit in the flat pre-dispatch graph ``gm`` of an export.
 
@@ -196,6 +224,9 @@ def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
     names = {s.arg.name: s.target for s in signature.input_specs if s.kind == InputKind.PARAMETER}
     params = {n for n in gm.graph.nodes if n.op == "placeholder" and n.name in names
               and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dtype == torch.float32}
+    leaves = _reentrant_leaves(gm, names)
+    names.update(leaves)
+    params |= {n for n in gm.graph.nodes if n.name in leaves}
     if not params or not any(n.op == "call_function" and n.target is enter for n in gm.graph.nodes):
         return
     # Per outermost region: the nodes that read a parameter, with the regions they are in.
