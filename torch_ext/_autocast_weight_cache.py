@@ -176,6 +176,47 @@ def _dropped_by_conds(gm: torch.fx.GraphModule, copy: torch.fx.Node, conds: list
     return add(torch.ops.aten.where.self, dropped, detached, copy)
 
 
+def _reentrant_leaves(gm: torch.fx.GraphModule, names: dict) -> dict[str, str]:
+    """The float32 tensors eager's reentrant checkpoint recomputation casts through its autocast weight cache,
+    by graph node name, each with a name for messages: what a reentrant block reads as a leaf that requires
+    grad. Eager (``CheckpointFunction.backward``) reruns the block in a fresh outermost autocast region (so a
+    cache of its own) on ``detach()``-ed copies of its tensor arguments, made to require grad: leaves, so
+    autocast caches their casts like a parameter's. Two ops reading the block's input (BERT's query, key and
+    value projections) get one bfloat16 copy, and their gradients are added in bfloat16 before the one cast
+    back. A parameter read in the block is cached within it too. The step's trace reads each inside the block
+    through one ``torch_ext_ckpt::read`` marker per block (_reentrant_grads.block_reads: an argument marked
+    with a negative block, a parameter with the block): sharing the casts of a marker is sharing them per
+    block, as eager's recomputation does."""
+    read = getattr(getattr(torch.ops, "torch_ext_ckpt", None), "read", None)
+    if read is None:
+        return {}
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not read.default:
+            continue
+        v = n.meta.get("val")
+        if not isinstance(v, torch.Tensor) or v.dtype != torch.float32:
+            continue
+        src, block = n.args[0], n.args[1]
+        what = names.get(getattr(src, "name", None), getattr(src, "name", "?"))
+        out[n.name] = (f"{what} (read in reentrant checkpoint block {block})" if block > 0
+                       else f"{what} (argument of reentrant checkpoint block {-block})")
+    return out
+
+
+def _first_cast_in_reentrant_blocks(sites: dict, order: dict) -> dict:
+    """Per parameter (placeholder), the position of the first autocast cast of it inside a reentrant block
+    (a cast site of its ``torch_ext_ckpt::read`` marker there, _reentrant_leaves), among one region's ``sites``."""
+    read = getattr(getattr(torch.ops, "torch_ext_ckpt", None), "read", None)
+    first: dict = {}
+    for m, cached in sites.items():
+        if m.op == "call_function" and read is not None and m.target is read.default and m.args[1] > 0:
+            at = min(order[n] for n, *_ in cached)
+            p = m.args[0]
+            first[p] = min(first.get(p, at), at)
+    return first
+
+
 def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
     """Eager's autocast weight cache, made explicit in the flat pre-dispatch graph ``gm`` of an export.
 
@@ -196,6 +237,9 @@ def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
     names = {s.arg.name: s.target for s in signature.input_specs if s.kind == InputKind.PARAMETER}
     params = {n for n in gm.graph.nodes if n.op == "placeholder" and n.name in names
               and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dtype == torch.float32}
+    leaves = _reentrant_leaves(gm, names)
+    names.update(leaves)
+    params |= {n for n in gm.graph.nodes if n.name in leaves}
     if not params or not any(n.op == "call_function" and n.target is enter for n in gm.graph.nodes):
         return
     # Per outermost region: the nodes that read a parameter, with the regions they are in.
@@ -216,6 +260,7 @@ def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
             if used:
                 regions[-1].append((node, stack[:], used))
     swaps: dict[torch.fx.Node, dict[int, torch.fx.Node]] = {}  # node -> occurrence -> the shared cast
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for uses in regions:
         counted: dict[torch.fx.Node, int] = {}
         for _, _, used in uses:
@@ -249,8 +294,8 @@ def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
                 continue
             own = torch._C._dispatch_has_kernel_for_dispatch_key(
                 node.target.name(), _AUTOCAST_KEYS.get(device, "AutocastPrivateUse1"))
-            if own and all(counted[p] == 1 for p in used):  # autocast's own kernel casts an operand once
-                continue
+            if own and all(counted[p] == 1 and p.op == "placeholder" for p in used):
+                continue  # autocast's own kernel casts an operand once (a reentrant block's first cast: recorded)
             try:
                 cast, cast_and_read = _autocast_cast_operands(node, params, device, dtype)
             except Exception as e:  # noqa: BLE001 - re-raised naming the op
@@ -293,9 +338,13 @@ def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
                     f"the later casts the copy made in the branch, below autograd, so they give no gradient; the "
                     f"step cannot reproduce that here ({why}). Pass cache_enabled=False to torch.autocast, or "
                     "end the autocast region before the cond or read the parameter before it")
+        # Eager runs a reentrant block's forward under no_grad: the first cast of a parameter there enters the
+        # region's cache without a gradient, and the region's casts of it after the block read that copy.
+        in_blocks = _first_cast_in_reentrant_blocks(sites, order)
         for p, cached in sites.items():
             before = conds.get(p, [])
-            if sum(k for *_, k in cached) < 2 and not before:  # cast once: nothing to share
+            dropped = p in in_blocks and in_blocks[p] < min(order[n] for n, *_ in cached)
+            if sum(k for *_, k in cached) < 2 and not before and not dropped:  # cast once: nothing to share
                 continue
             dtypes = {d for _, _, d, _ in cached} | {d for *_, d in before}
             if len(dtypes) > 1:
@@ -314,6 +363,13 @@ def share_autocast_weight_casts(gm: torch.fx.GraphModule, signature) -> None:
                     copy.meta[key] = first.meta[key]
             if before:
                 copy = _dropped_by_conds(gm, copy, before)
+            if dropped:
+                with gm.graph.inserting_after(copy):
+                    detached = gm.graph.call_function(torch.ops.aten.detach.default, (copy,))
+                detached.meta.update({k: v for k, v in copy.meta.items() if k != "val"})
+                with p.meta["val"].fake_mode:
+                    detached.meta["val"] = torch.ops.aten.detach.default(copy.meta["val"])
+                copy = detached
             for node, i, _, _ in cached:
                 swaps.setdefault(node, {})[i] = copy
     # Rewritten once per node, after all: the occurrences are counted on the operands as traced.

@@ -939,6 +939,13 @@ def replay_checkpoint_writes() -> None:
             func(*args, **kwargs)
 
 
+def _no_grad_without_grad_inputs(grad_in: bool):
+    """Around a reentrant block none of whose tensor arguments requires grad: ``torch.no_grad()``, as eager runs
+    it (its forward under no_grad, and no backward). Under autocast that matters: a parameter's cast made there
+    enters the region's weight cache without a gradient, and the region's later casts of it read that copy."""
+    return contextlib.nullcontext() if grad_in else torch.no_grad()
+
+
 @contextlib.contextmanager
 def inline_reentrant_checkpoints():
     """Inside the block, ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True)`` (torch 2.9's
@@ -995,10 +1002,12 @@ def inline_reentrant_checkpoints():
         from . import _reentrant_grads
 
         writes = _ExternalWrites(args)
+        grad_in = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         # The block's parameter reads marked: eager adds the block's gradient into .grad on its own
-        with refusing_new_draws(preserve_rng_state), writes, _reentrant_grads.block_reads(args, function) as marked:
+        with refusing_new_draws(preserve_rng_state), writes, _reentrant_grads.block_reads(args, function) as marked, \
+                _no_grad_without_grad_inputs(grad_in):
             out = function(*marked)  # once: the block draws eager's forward numbers
-        if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        if grad_in:
             recorded(writes)  # eager's backward recomputes the block
             return out
         return tree_map_only(torch.Tensor, torch.Tensor.detach, out)
