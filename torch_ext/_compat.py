@@ -8,6 +8,7 @@ import contextlib
 import functools
 import inspect
 import itertools
+import math
 import operator
 
 import sys
@@ -307,6 +308,35 @@ def _eager_sdpa_choice(query, key, value, attn_mask, dropout_p=0.0, is_causal=Fa
                                            is_causal, scale=scale, enable_gqa=enable_gqa))
 
 
+def _attention_shape(query, key) -> tuple:
+    """The shape of SDPA's attention weights (batch dims broadcast, query length, key length)."""
+    batch = torch.broadcast_shapes(tuple(query.shape[:-2]), tuple(key.shape[:-2]))
+    return tuple(batch) + (query.shape[-2], key.shape[-2])
+
+
+def _sdpa_math_with_mask(query, key, value, attn_mask, dropout_p, scale, keep):
+    """SDPA's CPU math kernel (``at::_scaled_dot_product_attention_math`` in torch 2.9, CompositeImplicitAutograd) op
+    by op, forward and backward, with its attention dropout taking the drawn ``keep`` mask (bool, the attention
+    weights' shape) instead of drawing: bfloat16 / float16 arguments are computed in float32 (``.to(float)``), q and
+    k each scaled by sqrt(scale), ``matmul``, the float mask added, ``_safe_softmax``, then ``at::dropout``'s CPU path
+    (``noise = empty_like(attn).bernoulli_(1 - p); noise.div_(1 - p); attn * noise``: the draws as ``keep``),
+    ``matmul`` with v and the result cast back. Only what ``_bias_branch`` passes: a float mask, no causal flag, no
+    grouped-query heads."""
+    origin = query.dtype
+    if origin in (torch.float16, torch.bfloat16):
+        query, key, value = query.to(torch.float32), key.to(torch.float32), value.to(torch.float32)
+    negative = scale is not None and scale < 0.0
+    factor = math.sqrt(abs(scale) if scale is not None else 1.0 / math.sqrt(query.shape[-1]))
+    query = query * ((0.0 - factor) if negative else factor)
+    attn = torch.matmul(query, key.transpose(-2, -1) * factor)
+    if attn_mask is not None:
+        attn = attn + attn_mask
+    attn = torch.ops.aten._safe_softmax(attn, -1)
+    if dropout_p > 0.0:
+        attn = attn * keep.to(attn.dtype).div(1 - dropout_p)
+    return torch.matmul(attn, value).to(origin)
+
+
 # Eager's SDPA choice for the call inside the torch.cond branches being traced (``_bias_branch``), read before
 # the cond: dynamo traces the branches and cannot run ``_eager_sdpa_choice`` there. None: no mask that requires
 # grad (SDPA as traced). Empty outside such branches.
@@ -328,8 +358,9 @@ def eager_sdpa_math_choice():
         # In a cond branch of _bias_branch (traced by dynamo, autocast off around it): eager's choice and the
         # autocast dtype to apply by hand were read before the cond.
         branch = _branch_sdpa_choice[-1] if _branch_sdpa_choice and torch.compiler.is_dynamo_compiling() else None
+        keep = None
         if branch is not None:
-            choice, low = branch
+            choice, low, keep = branch
             applies = (isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point()
                        and query.device.type == "cpu")
         else:
@@ -343,6 +374,15 @@ def eager_sdpa_math_choice():
                                                 for t in (query, key, value, attn_mask))
             if branch is None:
                 choice = _eager_sdpa_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+            if keep is not None and dropout_p > 0:  # the attention dropout drawn before the cond (_bias_branch)
+                if choice != 0 or is_causal or enable_gqa or tuple(keep.shape) != _attention_shape(query, key):
+                    raise NotImplementedError(
+                        f"scaled_dot_product_attention in a torch.cond branch with attention dropout {dropout_p}: "
+                        f"the dropout mask drawn before the cond (shape {list(keep.shape)}) replays only eager's math "
+                        f"kernel on a float mask (here: kernel {choice}, is_causal={is_causal}, "
+                        f"enable_gqa={enable_gqa}, attention shape {list(_attention_shape(query, key))})")
+                with torch.autocast("cpu", enabled=False) if autocast else contextlib.nullcontext():
+                    return _sdpa_math_with_mask(query, key, value, attn_mask, dropout_p, scale, keep)
             if choice == 0:  # SDPBackend.math
                 with torch.autocast("cpu", enabled=False) if autocast else contextlib.nullcontext():
                     return torch.ops.aten._scaled_dot_product_attention_math(
@@ -585,18 +625,16 @@ def _bias_mask_rounding(query: torch.Tensor, bias) -> torch.dtype | None:
 def _bias_branch(module, sdpa_attention, predicate, rounding, query, key, value, attention_mask, dropout, scaling,
                  is_causal, kwargs):
     """``torch.cond(padding mask all ones, SDPA with the bias alone, SDPA with the bias folded into the mask)``:
-    eager's choice at every call (``_bias_mask_rounding``). Attention dropout cannot run inside the cond (the
-    step's random ops), and dropout outside it would not be SDPA's own: refused."""
-    if dropout:
+    eager's choice at every call (``_bias_mask_rounding``). Attention dropout cannot draw inside the cond (the
+    step's random numbers are state threaded through the top-level graph), so its mask is drawn here, before the
+    cond, where eager's one SDPA call draws it (``at::dropout`` in the math kernel: one ``bernoulli_`` on the
+    attention weights' shape, contiguous, in the kernel's float32), and each branch runs the math kernel op by op
+    with that mask (``_sdpa_math_with_mask``); ``_HoistedDropouts.check`` proves each branch draws nothing and uses
+    the mask once."""
+    if dropout and not 0 < dropout < 1:
         raise NotImplementedError(
-            f"{type(module).__name__}: SDPA with attention dropout {dropout}, a position bias that requires grad "
-            f"(position_bias, {tuple(kwargs['position_bias'].shape)}) and a padding mask (attention_mask, "
-            f"{tuple(attention_mask.shape)}), with the mask rounded to {rounding} (autocast or a "
-            f"{rounding} model): eager skips an all-ones padding mask and rounds the bias's gradient after summing "
-            "it over the batch, the traced program folds the mask into the bias and rounds each batch row first, so "
-            "the step would train off eager (Hugging Face T5 under bfloat16 autocast: relative_attention_bias). "
-            "Ways out, bit-exact: attention dropout 0 (T5: each attention module's .dropout = 0.0, or "
-            "dropout_rate=0.0), no attention_mask when nothing is padded, or float32 without autocast")
+            f"{type(module).__name__}: SDPA with attention dropout {dropout}, a position bias that requires grad and "
+            f"a padding mask, with the mask rounded to {rounding}: only 0 < dropout < 1 is replayed in the branches")
     rest = {k: v for k, v in kwargs.items() if k != "position_bias"}
 
     def branch(skip):
@@ -632,13 +670,50 @@ def _bias_branch(module, sdpa_attention, predicate, rounding, query, key, value,
     # its branches while it traces them, so their backward would run under the forward's autocast (the math
     # kernel's float32 matmuls cast to bfloat16) where eager's backward runs outside it.
     low = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
-    _branch_sdpa_choice.append((choices.pop(), low))
+    choice = choices.pop()
+    keep, drops, tracer, start = None, None, None, 0
+    if dropout:
+        if choice != 0:
+            raise NotImplementedError(
+                f"{type(module).__name__}: SDPA with attention dropout {dropout} and a position bias that requires "
+                f"grad takes eager's kernel {choice}, not the math kernel the branches replay with the drawn mask")
+        from torch.fx.experimental import proxy_tensor
+
+        tracer = getattr(proxy_tensor.get_proxy_mode(), "tracer", None)
+        graph = getattr(tracer, "graph", None)
+        if graph is None:
+            raise NotImplementedError(
+                f"{type(module).__name__}: SDPA with attention dropout {dropout} in a mask branch outside a traced "
+                "graph: no graph to check the branches in")
+        start = len(graph.nodes)
+        # The math kernel's weights: float32 for bfloat16 / float16 arguments (as autocast casts them), contiguous.
+        dtype = q.dtype if q.dtype not in (torch.float16, torch.bfloat16) else torch.float32
+        shape = _attention_shape(q, k)
+        zeros = torch.zeros(shape, dtype=dtype, device=query.device)
+        keep = torch.ops.aten.native_dropout.default(zeros, dropout, True)[1]
+        drops = _HoistedSdpaDropout(type(module).__name__, dropout, rounding, attention_mask.dtype)
+        drops.masks[(shape, zeros.stride(), float(dropout))] = keep
+    _branch_sdpa_choice.append((choice, low, keep))
     try:
         with torch.autocast("cpu", enabled=False) if low is not None else contextlib.nullcontext():
             flat = torch.cond(predicate, branch(True), branch(False), (query, key, value, attention_mask, bias))
     finally:
         _branch_sdpa_choice.pop()
+    if drops is not None:
+        drops.check(tracer, list(tracer.graph.nodes)[start:])
     return flat.view(out_shape), None
+
+
+class _HoistedSdpaDropout(_HoistedDropouts):
+    """SDPA's attention dropout drawn before ``_bias_branch``'s cond; checked as ``_HoistedDropouts`` checks."""
+
+    def _refuse(self, why):
+        return NotImplementedError(
+            f"{self.culprit}: SDPA with attention dropout {self.dropout}, a position bias that requires grad and a "
+            f"padding mask, rounded to {self.scores_dtype} (autocast or such a model): eager skips an all-ones mask, "
+            f"and the step decides as eager does with a torch.cond whose branches cannot draw random numbers; {why}, "
+            "so the branch cannot reuse the dropout mask drawn outside it. Ways out, bit-exact: attention dropout 0 "
+            "(T5: dropout_rate=0.0), no attention_mask when nothing is padded, or float32 without autocast")
 
 
 @contextlib.contextmanager

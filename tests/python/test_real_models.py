@@ -21,6 +21,7 @@ on the same thread count.
 from __future__ import annotations
 
 import copy
+import operator
 from pathlib import Path
 
 import pytest
@@ -392,28 +393,32 @@ def test_t5_sdpa_in_bfloat16_bit_exact_on_an_all_ones_or_padded_mask(case):
     assert "cond" in str(step.program.graph)
 
 
-def test_t5_sdpa_attention_dropout_under_autocast_is_refused_and_trains_bit_exact_without_the_mask():
+@pytest.mark.parametrize("case", ["autocast", "autocast_checkpointed", "bf16_model"])
+def test_t5_sdpa_attention_dropout_in_bfloat16_bit_exact_on_an_all_ones_or_padded_mask(case):
     needs("transformers")
-    # With attention dropout the branch above cannot be built (random ops inside a cond): refused at build time,
-    # naming the cause (before: relative_attention_bias 1.4e-5 off eager after 3 steps, the losses equal). Passing
-    # no attention_mask when nothing is padded, as the message says, trains bit-exact with dropout on.
+    # T5's default attention dropout (0.1) with the mask branch above: the cond's branches cannot draw, so the
+    # dropout mask is drawn once before the cond, where eager's SDPA call draws it (the math kernel's at::dropout on
+    # its float32 weights), and both branches run the math kernel op by op with it. Before: refused at build time
+    # (NotImplementedError "SDPA with attention dropout 0.1, a position bias that requires grad"); before that
+    # refusal, relative_attention_bias 1.4e-5 off eager after 3 steps. Batches 0 and 2 all ones, batch 1 padded;
+    # the step's RNG (init_state(seed=3)) against eager's after torch.manual_seed(3).
     batches = [(ids, mask, ids.masked_fill(mask == 0, -100)) for ids, mask in tokenizer_batches(3)]
-    model = rm.more_families("t5", layers=1, dropout=0.1)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(NotImplementedError) as e:
-        torch_ext.make_train_step(model, rm.adamw(model), _t5_autocast_loss, batches[0])
-    msg = str(e.value)
-    assert "T5Attention: SDPA with attention dropout 0.1, a position bias that requires grad" in msg
-    assert "rounded to torch.bfloat16" in msg and "no attention_mask when nothing is padded" in msg
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-
-    def no_mask_loss(m, ids, mask, labels):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return m(input_ids=ids, labels=labels).loss
-
-    unpadded = [(ids, torch.ones_like(mask), ids) for ids, mask, _ in batches]
-    step, _, _ = run_parity(model, no_mask_loss, unpadded, rtol=0.0)
+    model = rm.more_families("t5", layers=2, dropout=0.1)
+    loss = _t5_autocast_loss
+    if case == "autocast_checkpointed":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if case == "bf16_model":
+        model, loss = model.to(torch.bfloat16), _t5_loss
+    step, _, _ = run_parity(model, loss, batches, rtol=0.0, compiled="both" if case == "autocast" else False)
     assert step.draws_random
+    graph = step.program.graph
+    conds = [n for n in graph.nodes if n.target is torch.ops.higher_order.cond]
+    assert conds, "no mask branch traced"
+    # Each cond takes its hoisted attention-dropout mask (a top-level native_dropout's mask) as an operand.
+    drawn = {n for n in graph.nodes if n.op == "call_function" and "native_dropout" in str(n.target)}
+    fed = [c for c in conds if any(getattr(a, "op", None) == "call_function" and a.target is operator.getitem
+                                   and a.args[0] in drawn for a in c.args[3])]
+    assert len(fed) == len(conds)
 
 
 def test_sequence_classification_setting_problem_type_on_its_first_forward_bit_exact():

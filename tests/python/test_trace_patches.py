@@ -734,3 +734,35 @@ def test_a_program_declaring_the_meta_layout_is_retraced_in_the_cpu_layout(key):
     assert _first(node.meta["val"]).stride() != want.stride()  # the program declares the meta layout
     got = _first(torch_ext.Executor(ep)(*tensors))
     assert got.stride() == want.stride() and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize("scale", [1.0, None, -0.3])
+@pytest.mark.parametrize("bias_batch", [1, 2])
+def test_sdpa_math_with_a_drawn_mask_is_eagers_math_kernel_bit_for_bit(dtype, p, scale, bias_batch):
+    # _bias_branch's T5 cond replays SDPA's CPU math kernel op by op with the dropout mask drawn before the cond
+    # (a native_dropout on the weights' shape): forward and the q/k/v/bias gradients torch.equal to eager's
+    # F.scaled_dot_product_attention (math: its float mask requires grad), which draws the same numbers itself.
+    B, H, L, D = 2, 3, 7, 8
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(B, H, L, D, generator=g) for _ in range(3)] + [torch.randn(bias_batch, H, L, L, generator=g)]
+    weight = torch.randn(B, H, L, D, generator=g).to(dtype)
+
+    def run(fn):
+        q, k, v, bias = (t.to(dtype).requires_grad_() for t in base)
+        out = fn(q, k, v, bias)
+        out.backward(weight)
+        return [out] + [t.grad for t in (q, k, v, bias)]
+
+    torch.manual_seed(5)
+    ref = run(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=p, scale=scale))
+    torch.manual_seed(5)
+    keep = torch.ops.aten.native_dropout.default(torch.zeros(B, H, L, L), p, True)[1]
+    got = run(lambda q, k, v, m: _compat._sdpa_math_with_mask(q, k, v, m, p, scale, keep))
+    for name, a, b in zip(("out", "q", "k", "v", "bias"), ref, got):
+        assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max().item()}"
+    if p:  # the mask matters: another one gives another output
+        torch.manual_seed(5)
+        other = run(lambda q, k, v, m: _compat._sdpa_math_with_mask(q, k, v, m, p, scale, keep.flip(-1)))
+        assert not torch.equal(other[0], ref[0])
