@@ -53,8 +53,55 @@ def _graph_module(rg) -> torch.fx.GraphModule:
     key = (rg._engine, rg._engine.graph_revision())
     cached = rg.__dict__.get("_gradient_gm")
     if cached is None or cached[0] != key:
-        cached = rg._gradient_gm = (key, _to_graph_module(rg.graph))
+        gm = _to_graph_module(rg.graph)
+        _eager_order(rg, gm)
+        cached = rg._gradient_gm = (key, gm)
     return cached[1]
+
+
+def _eager_order(rg, gm: torch.fx.GraphModule) -> None:
+    """Moves each edge-form graft's block nodes to where eager computes them: in the forward pre-hook of the
+    reader's module (README: the eager form of ``graft(src, dst, block)``), i.e. right before the first op of that
+    module's call, not right before ``dst`` where the engine splices them.
+
+    The order matters for gradients, not values: autograd accumulates a multi-consumer tensor's gradient in the
+    order its consumers' backward nodes run, the most recently created first where several are ready. Created
+    before the module's other readers of ``src`` in eager and after them in the graph's order, the block's
+    contribution was added last in eager and first here (``(a + b) + c`` against ``(c + a) + b``: 6e-8 off eager
+    at blocks.0.hook_resid_post on a Llama, an edge graft on layer 1's residual add, silently). A node-form graft
+    is spliced right after its node, where eager's forward hook runs it: already eager's order. Several edges into
+    one module keep the graft order (their pre-hooks run in registration order)."""
+    nodes = list(gm.graph.nodes)
+    by_name = {n.name: n for n in nodes}
+    grafts, paths = getattr(rg, "_grafts", ()), getattr(rg, "_module_paths", {})
+    block_names = {name for _, _, _, names in grafts for name in names}
+
+    def under(path: str, p: str) -> bool:
+        return path == p or path.startswith(p + ".")
+    for _, dst, _, names in grafts:
+        p = paths.get(dst) or ""
+        if not dst or not p or dst not in by_name:
+            continue  # node form, or a reader no module call encloses (the graph's order is the only one)
+        nodes = list(gm.graph.nodes)
+        index = {n: i for i, n in enumerate(nodes)}
+        i = index[by_name[dst]]
+        anchor = nodes[i]
+        for n in reversed(nodes[:i]):  # back over the module's call (other grafts' blocks inside it included)
+            if n.name in block_names:
+                continue
+            if n.op == "call_function" and under(paths.get(n.name) or "", p):
+                anchor = n
+                continue
+            break
+        block = [n for n in nodes if n.name in names and n.op == "call_function"]
+        moved = set(block)
+        if not block or anchor in moved or any(a not in moved and index[a] >= index[anchor]
+                                               for b in block for a in b.all_input_nodes):
+            continue  # an input computed inside the module's call: no pre-hook expresses the edge
+        for b in block:
+            anchor.prepend(b)
+    gm.graph.lint()
+    gm.recompile()
 
 
 def _refuse_node(rg, name: str, node: str) -> None:
