@@ -42,7 +42,16 @@ class _Cone(torch.fx.Interpreter):
             # the three in its own order, 1e-7 relative off on Llama, not bit for bit). Asked for, it stays an op:
             # its gradient is its readers' only.
             return self.env[n.args[0]] if isinstance(n.args[0], torch.fx.Node) else super().run_node(n)
-        out = super().run_node(n)
+        if n.op == "call_function" and n.target is torch.ops.aten.copy.default:
+            # The functional form of an in-place copy (a block's torch.empty_like(t).copy_(f(t))) has no autograd
+            # formula ("derivative for aten::copy is not implemented"); eager ran copy_, whose derivative is the
+            # identity into the source (cast back to its dtype and summed over a broadcast) and zero into the
+            # overwritten destination. Run as eager ran it, on a copy of the destination: the same CopyBackwards.
+            dst, src = (self.env[a] if isinstance(a, torch.fx.Node) else a for a in n.args[:2])
+            non_blocking = n.args[2] if len(n.args) > 2 else n.kwargs.get("non_blocking", False)
+            out = dst.clone().copy_(src, non_blocking=non_blocking)
+        else:
+            out = super().run_node(n)
         if n.name in self.keep:
             self.kept[n.name] = out
         return out
@@ -54,6 +63,12 @@ def _graph_module(rg) -> torch.fx.GraphModule:
     cached = rg.__dict__.get("_gradient_gm")
     if cached is None or cached[0] != key:
         gm = _to_graph_module(rg.graph)
+        # FX snake-cases a placeholder's name (p_bert_embeddings_LayerNorm_weight becomes ..._layer_norm_weight);
+        # everything here looks nodes up in the engine by name, so each placeholder gets its IR name back (its
+        # target). Before, a cone reading a Hugging Face LayerNorm's weight asked the engine for an unknown node.
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                n.name = n.target
         _eager_order(rg, gm)
         cached = rg._gradient_gm = (key, gm)
     return cached[1]
