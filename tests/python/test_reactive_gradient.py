@@ -383,3 +383,81 @@ def test_a_node_graft_before_three_readers_keeps_eager_accumulation_order(seed):
     assert torch.equal(rg.demand(), out.detach())
     assert torch.equal(got[names[-1]], acts["blk"].grad), (got[names[-1]] - acts["blk"].grad).abs().max()
     assert torch.equal(got[src], acts["src"].grad), (got[src] - acts["src"].grad).abs().max()
+
+
+class _CamelNorm(torch.nn.Module):
+    """A Hugging Face BERT's naming: a LayerNorm attribute spelled ``LayerNorm`` (parameters p_LayerNorm_weight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense, self.LayerNorm, self.out = torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out(self.LayerNorm(torch.tanh(self.dense(x))))
+
+
+def test_a_cone_reading_a_camel_case_parameter_equals_eager():
+    """fuzz_sweep seed 62 on BERT: rg.gradient at any node upstream of a LayerNorm attribute named ``LayerNorm``
+    raised "unknown node 'p_..._layer_norm_weight'" (FX snake-cases a placeholder's name; the engine knows
+    p_..._LayerNorm_weight). Now the gradients, at an activation and at the parameter itself, are eager's."""
+    torch.manual_seed(0)
+    model, x = _CamelNorm().eval(), torch.randn(2, 5, 8)
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    metric = lambda out: (out[..., 0] * out[..., 1]).sum()  # noqa: E731
+    stats = dict(rg.stats)
+    got = rg.gradient(metric, ["tanh", "p_LayerNorm_weight"])
+    assert dict(rg.stats) == stats
+    tanh_out = []  # eager: the LayerNorm's input (tanh's output), kept by a pre-hook
+    h = model.LayerNorm.register_forward_pre_hook(lambda m, args: tanh_out.append(args[0]))
+    try:
+        out = model(x)
+    finally:
+        h.remove()
+    want_tanh, want_w = torch.autograd.grad(metric(out), [tanh_out[0], model.LayerNorm.weight])
+    assert torch.equal(got["tanh"], want_tanh), (got["tanh"] - want_tanh).abs().max()
+    assert torch.equal(got["p_LayerNorm_weight"], want_w), (got["p_LayerNorm_weight"] - want_w).abs().max()
+
+
+class _KeptLayout(torch.nn.Module):
+    """fuzz_sweep's linear_kept block: its result written into a fresh tensor of the input's layout (copy_)."""
+
+    def __init__(self, inner, broadcast=False):
+        super().__init__()
+        self.inner, self.broadcast = inner, broadcast
+
+    def forward(self, t):
+        y = self.inner(t)
+        return torch.empty_like(t).copy_(y.mean(-1, keepdim=True) if self.broadcast else y)
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_a_grafted_block_ending_in_copy_is_differentiated_as_eager(broadcast):
+    """fuzz_sweep seed 62 (15 of 229 cases' gradient calls): a grafted block ending in
+    ``torch.empty_like(t).copy_(f(t))`` is traced as the functional aten.copy, which has no autograd formula, so
+    rg.gradient raised torch's "derivative for aten::copy is not implemented"; eager differentiates copy_ (the
+    identity into the source, summed over a broadcast; zero into the overwritten tensor). Bit for bit now."""
+    model, x = _mlp()
+    torch.manual_seed(1)
+    blk = _KeptLayout(torch.nn.Linear(16, 16), broadcast)
+    ref_blk = copy.deepcopy(blk)
+    rg = torch_ext.ReactiveGraph(model, (x,))
+    names = rg.graft("tanh", blk)
+    got = rg.gradient(_mlp_metric, ["linear", "tanh", names[-1]])
+    acts = {}
+
+    def after(mod, args, out):
+        out.retain_grad()
+        y = ref_blk(out)
+        y.retain_grad()
+        acts["tanh"], acts["blk"] = out, y
+        return y
+    h1 = model[0].register_forward_hook(_retain(acts, "linear"))
+    h2 = model[1].register_forward_hook(after)
+    try:
+        out = model(x)
+        _mlp_metric(out).backward()
+    finally:
+        h1.remove(), h2.remove()
+    assert torch.equal(rg.demand(), out.detach())
+    for name, want in (("linear", acts["linear"].grad), ("tanh", acts["tanh"].grad), (names[-1], acts["blk"].grad)):
+        assert torch.equal(got[name], want), (name, (got[name] - want).abs().max())
