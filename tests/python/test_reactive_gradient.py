@@ -53,6 +53,17 @@ def _retain(acts, name, then=None):
     return hook
 
 
+def _retained_block(acts, name, block):
+    """``then`` for ``_retain``: eager's graft, ``block`` run on the output, its result kept (retain_grad) under
+    ``name`` and returned in place of the output."""
+    def run(out):
+        y = block(out)
+        y.retain_grad()
+        acts[name] = y
+        return y
+    return run
+
+
 def test_mlp_gradients_equal_eager_for_nodes_upstream_of_each_other():
     model, x = _mlp()
     rg = torch_ext.ReactiveGraph(model, (x,))
@@ -368,12 +379,7 @@ def test_a_node_graft_before_three_readers_keeps_eager_accumulation_order(seed):
 
     acts = {}
 
-    def after(mod, args, out):
-        out.retain_grad()
-        y = ref_blk(out)
-        y.retain_grad()
-        acts["src"], acts["blk"] = out, y
-        return y
+    after = _retain(acts, "src", then=_retained_block(acts, "blk", ref_blk))
     h = ref_model.emb.register_forward_hook(after)
     try:
         out = ref_model(x)
@@ -445,12 +451,7 @@ def test_a_grafted_block_ending_in_copy_is_differentiated_as_eager(broadcast):
     got = rg.gradient(_mlp_metric, ["linear", "tanh", names[-1]])
     acts = {}
 
-    def after(mod, args, out):
-        out.retain_grad()
-        y = ref_blk(out)
-        y.retain_grad()
-        acts["tanh"], acts["blk"] = out, y
-        return y
+    after = _retain(acts, "tanh", then=_retained_block(acts, "blk", ref_blk))
     h1 = model[0].register_forward_hook(_retain(acts, "linear"))
     h2 = model[1].register_forward_hook(after)
     try:
